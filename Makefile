@@ -1,0 +1,20 @@
+# `make test` and `make bench` set themselves up: a venv in .venv with the CPU build of torch.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NPROC ?= 2
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,hf,triton]'
+	touch $@
+
+.PHONY: install test bench
+install: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) examples/demo.py

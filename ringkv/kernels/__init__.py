@@ -1,0 +1,182 @@
+"""Single-device attention kernels with LSE behind one signature (no communication here).
+
+    out, lse = attention(q, k, v, scale=None, causal=False,
+                         q_positions=None, k_positions=None, backend="auto")
+
+- ``q`` ``(B, Sq, H, D)``, ``k``/``v`` ``(B, Sk, Hkv, D)`` with ``H % Hkv == 0`` (GQA/MQA);
+- ``out`` ``(B, Sq, H, D)`` in ``q.dtype``; ``lse`` float32 natural-log ``(B, H, Sq)``;
+- causal means ``q_pos >= k_pos`` on global positions (see ``mask.py``); rows that see no
+  key give ``out = 0`` and ``lse = -inf``.
+
+Backends: ``reference`` (the oracle), ``sdpa`` (torch's fused ops), ``flash_attn`` (when
+installed), ``triton`` (when importable on the device). ``"auto"`` takes the first backend
+that supports the inputs, in the device's preference order; on accelerators a backend is
+first checked once against the reference on a small problem and skipped if it disagrees.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from . import flash_attn, reference, sdpa
+from .mask import EMPTY, Mask, Positions, check_positions, make_mask
+
+BACKENDS: Dict[str, object] = {"reference": reference, "sdpa": sdpa, "flash_attn": flash_attn}
+PREFERENCE = {"cuda": ["flash_attn", "triton", "sdpa", "reference"], "cpu": ["sdpa", "reference"]}
+_verified: Dict[tuple, bool] = {}
+
+__all__ = ["attention", "attention_backward", "block_forward", "block_backward", "make_mask",
+           "Mask", "BACKENDS", "register_backend", "pick", "validate"]
+
+
+def register_backend(name: str, module, preference: Optional[Dict[str, int]] = None) -> None:
+    """Add a backend module with ``supports/forward/backward`` (same contract as ``reference``)."""
+    BACKENDS[name] = module
+    for device, index in (preference or {}).items():
+        order = PREFERENCE.setdefault(device, ["reference"])
+        if name not in order:
+            order.insert(index, name)
+
+
+def validate(q, k, v, scale=None) -> float:
+    """Check shapes/dtypes of one attention call; return the softmax scale to use."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating tensor (float32/float16/bfloat16), got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (batch, seq, kv_heads, head_dim), "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) "
+                         f"for GQA/MQA")
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[3])
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float (default 1/sqrt(head_dim)), got {scale!r}")
+    return float(scale)
+
+
+def _probe(name: str, q: torch.Tensor) -> bool:
+    """Check a backend once per (device, dtype) against the reference (accelerators only)."""
+    key = (name, q.device.type, q.dtype)
+    if key not in _verified:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = [torch.randn(2, 77, s, 64, generator=g).to(q.device, q.dtype) for s in (4, 2, 2)]
+        mask = Mask("offset", offset=-5)
+        try:
+            out, lse = BACKENDS[name].forward(*x, 0.125, mask)
+            ref_out, ref_lse = reference.forward(*x, 0.125, mask)
+            ok = torch.allclose(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2) and \
+                torch.allclose(lse, ref_lse, atol=2e-2, rtol=0)  # equal infinities count as close
+        except Exception as e:  # a broken install must not break "auto"
+            warnings.warn(f"ringkv: backend {name!r} failed its self-check on {q.device.type}: {e}")
+            ok = False
+        _verified[key] = ok
+    return _verified[key]
+
+
+def pick(backend: str, q: torch.Tensor, mask: Mask, dlse: bool = False):
+    """Resolve a backend name (or ``"auto"``) to a module that supports these inputs."""
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)} or 'auto'")
+        module = BACKENDS[backend]
+        if not module.supports(q, mask, dlse):
+            raise ValueError(f"backend {backend!r} does not support {q.device.type} {q.dtype} "
+                             f"head_dim={q.shape[-1]} with mask {mask.kind!r}; use backend='auto'")
+        return module
+    for name in PREFERENCE.get(q.device.type, ["reference"]):
+        module = BACKENDS.get(name)
+        if module is None or not module.supports(q, mask, dlse):
+            continue
+        if q.device.type != "cpu" and name != "reference" and not _probe(name, q):
+            continue
+        return module
+    return reference
+
+
+def block_forward(q, k, v, *, scale: float, mask: Mask, backend: str = "auto"):
+    """Unvalidated forward for one block with a ready ``Mask`` (the ring's inner call)."""
+    if mask.kind == EMPTY:
+        return reference.forward(q, k, v, scale, mask)
+    return pick(backend, q, mask).forward(q, k, v, scale, mask)
+
+
+def block_backward(dout, q, k, v, out, lse, *, scale: float, mask: Mask, dlse=None, backend: str = "auto"):
+    """Unvalidated backward for one block given the rows' final ``out``/``lse``: fp32 dq, dk, dv."""
+    module = reference if mask.kind == EMPTY else pick(backend, q, mask)
+    if dlse is not None and not module.supports(q, mask, True):
+        module = reference  # a gradient through lse: only backends that take it run it
+    return module.backward(dout, q, k, v, out, lse, scale, mask, dlse)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, mask, backend):
+        ctx.set_materialize_grads(False)  # an unused lse gives dlse = None, not zeros
+        out, lse = block_forward(q, k, v, scale=scale, mask=mask, backend=backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.mask, ctx.backend = scale, mask, backend
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, scale=ctx.scale, mask=ctx.mask,
+                                    dlse=dlse, backend=ctx.backend)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+              causal: bool = False, q_positions: Positions = None, k_positions: Positions = None,
+              backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q (B, Sq, H, D)`` over ``k, v (B, Sk, Hkv, D)``: ``(out, lse)``.
+
+    Positions are global token positions (``None``, a ``range`` or a 1-D int tensor) used only
+    when ``causal``; see ``ringkv.kernels.mask``. Differentiable w.r.t. q, k, v (through
+    ``out`` and ``lse``).
+    """
+    scale = validate(q, k, v, scale)
+    check_positions("q_positions", q_positions, q.shape[1])
+    check_positions("k_positions", k_positions, k.shape[1])
+    mask = make_mask(causal, q_positions, k_positions, q.shape[1], k.shape[1], q.device)
+    pick(backend, q, mask)  # fail early on an unusable explicit backend
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, scale, mask, backend)
+    return block_forward(q, k, v, scale=scale, mask=mask, backend=backend)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, scale: Optional[float] = None, causal: bool = False,
+                       q_positions: Positions = None, k_positions: Positions = None, dlse=None,
+                       backend: str = "auto"):
+    """dq, dk, dv (in the inputs' dtypes) of ``attention`` given ``dout`` (and ``dlse``)."""
+    scale = validate(q, k, v, scale)
+    if dout.shape != q.shape[:3] + v.shape[3:] or out.shape != dout.shape:
+        raise ValueError(f"dout and out must have shape {tuple(q.shape)}, got {tuple(dout.shape)}, {tuple(out.shape)}")
+    mask = make_mask(causal, q_positions, k_positions, q.shape[1], k.shape[1], q.device)
+    dq, dk, dv = block_backward(dout, q, k, v, out, lse, scale=scale, mask=mask, dlse=dlse, backend=backend)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+try:  # own Triton kernels register themselves when triton imports
+    from . import triton_attn  # noqa: F401
+except ImportError:
+    pass

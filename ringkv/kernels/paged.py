@@ -1,0 +1,80 @@
+"""Attention of a few new query tokens per sequence over a paged KV cache.
+
+    out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None)
+
+- ``q`` ``(N, Q, H, D)``: ``Q`` newest tokens of each of ``N`` sequences (decode: ``Q = 1``);
+- ``k_cache``/``v_cache`` ``(num_blocks, block_size, Hkv, D)``; token ``t`` of sequence ``n``
+  lives in block ``block_table[n, t // block_size]`` at slot ``t % block_size``;
+- ``block_table`` ``(N, max_blocks)`` int; ``seq_lens`` ``(N,)`` int: tokens in the cache for
+  each sequence, the ``Q`` new ones included (their K/V were written before the call);
+- causal: query ``i`` of sequence ``n`` sits at position ``seq_lens[n] - Q + i`` and sees keys
+  at positions ``<=`` its own; with ``causal=False`` every query sees all ``seq_lens[n]`` keys;
+- ``out`` ``(N, Q, H, D)`` in ``q.dtype``; ``lse`` float32 ``(N, H, Q)``, so partial results
+  of several ranks (each holding a shard of the sequence) merge with ``sp.merge``.
+  A sequence with no visible key gives ``out = 0``, ``lse = -inf``.
+
+``paged_attention_reference`` is plain torch: gather each sequence's blocks, attend.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import reference
+from .mask import make_mask
+
+__all__ = ["paged_attention", "paged_attention_reference", "validate_paged"]
+
+
+def validate_paged(q, k_cache, v_cache, block_table, seq_lens) -> None:
+    if q.dim() != 4 or k_cache.dim() != 4:
+        raise ValueError(f"q must be (N, Q, H, D) and k_cache (num_blocks, block_size, Hkv, D), "
+                         f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must match, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if q.shape[-1] != k_cache.shape[-1] or q.shape[2] % k_cache.shape[2] != 0:
+        raise ValueError(f"q heads/head_dim {tuple(q.shape[2:])} do not fit the cache's {tuple(k_cache.shape[2:])}: "
+                         f"need the same head_dim and heads % kv_heads == 0")
+    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+        raise ValueError(f"block_table must be (N, max_blocks) and seq_lens (N,) with N = {q.shape[0]}, "
+                         f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
+    if block_table.dtype.is_floating_point or seq_lens.dtype.is_floating_point:
+        raise TypeError("block_table and seq_lens must be integer tensors")
+
+
+def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *,
+                              scale: Optional[float] = None, causal: bool = True):
+    validate_paged(q, k_cache, v_cache, block_table, seq_lens)
+    n, nq, h, d = q.shape
+    bs = k_cache.shape[1]
+    scale = d ** -0.5 if scale is None else scale
+    out = torch.zeros(n, nq, h, d, dtype=q.dtype, device=q.device)
+    lse = torch.full((n, h, nq), float("-inf"), device=q.device)
+    for i, length in enumerate(seq_lens.tolist()):
+        if length <= 0:
+            continue
+        blocks = block_table[i, : (length + bs - 1) // bs].long()
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:length]  # (L, Hkv, D)
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:length]
+        mask = make_mask(causal, range(length - nq, length), range(0, length), nq, length)
+        o, l = reference.forward(q[i : i + 1], k[None], v[None], scale, mask)
+        out[i], lse[i] = o[0], l[0]
+    return out, lse
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
+                    causal: bool = True, backend: str = "auto"):
+    """See the module docstring. ``backend``: ``"reference"``, ``"triton"`` or ``"auto"``."""
+    impl = _BACKENDS.get(backend if backend != "auto" else _auto(q))
+    if impl is None:
+        raise ValueError(f"unknown paged backend {backend!r}; choose from {sorted(_BACKENDS)} or 'auto'")
+    return impl(q, k_cache, v_cache, block_table, seq_lens, scale=scale, causal=causal)
+
+
+_BACKENDS = {"reference": paged_attention_reference}
+
+
+def _auto(q) -> str:
+    return "triton" if q.device.type == "cuda" and "triton" in _BACKENDS else "reference"

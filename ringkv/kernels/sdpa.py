@@ -1,0 +1,117 @@
+"""torch's fused SDPA ops that also return LSE.
+
+CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ its backward), any float dtype.
+CUDA: ``aten._scaled_dot_product_flash_attention`` (+ backward) for fp16/bf16, head_dim <= 256
+and a multiple of 8.
+
+The fused ops only know "no mask" and "causal"; ``mask.offset_tiles`` rewrites any offset
+diagonal (a ring step's mask) as full tiles plus one *square* causal tile, on which every
+causal convention agrees, and the tiles' partials are merged by LSE. Dense masks run as an
+additive mask on CPU. GQA: K/V heads are repeated locally (never before communication).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sp.merge import merge_
+from .mask import DENSE, EMPTY, FULL, OFFSET, Mask, offset_tiles
+
+
+def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
+    if dlse:
+        return False
+    if q.device.type == "cpu":
+        return True
+    if q.device.type == "cuda":
+        return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+                and q.shape[-1] % 8 == 0 and mask.kind != DENSE)
+    return False
+
+
+def _bhsd(x: torch.Tensor, heads: int) -> torch.Tensor:
+    # (B, S, Hkv, D) -> (B, H, S, D), repeating KV heads for GQA
+    b, s, hkv, d = x.shape
+    if heads != hkv:
+        x = x[:, :, :, None, :].expand(b, s, hkv, heads // hkv, d).reshape(b, s, heads, d)
+    return x.transpose(1, 2)
+
+
+def _fused(q, k, v, scale, causal, attn_mask=None):
+    """One fused call: q (B,Sq,H,D), k/v (B,Sk,Hkv,D) -> out (B,Sq,H,D), lse (B,H,Sq) fp32."""
+    h = q.shape[2]
+    qt, kt, vt = q.transpose(1, 2), _bhsd(k, h), _bhsd(v, h)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qt, kt, vt, 0.0, causal, attn_mask=attn_mask, scale=scale)
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            qt.contiguous(), kt.contiguous(), vt.contiguous(), 0.0, causal, False, scale=scale)[:2]
+    return out.transpose(1, 2), lse.float()
+
+
+def _fused_backward(dout, q, k, v, out, lse, scale, causal, attn_mask=None):
+    """Backward of one fused call with the row's *final* out/lse; dk/dv summed over GQA groups."""
+    b, sk, hkv, d = k.shape
+    h = q.shape[2]
+    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # no-key rows: P = 0, not NaN
+    args = [t.transpose(1, 2) for t in (dout, q)] + [_bhsd(k, h), _bhsd(v, h), out.transpose(1, 2)]
+    if q.device.type == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *args, lse, 0.0, causal, attn_mask=attn_mask, scale=scale)
+    else:
+        args = [a.contiguous() for a in args]
+        empty = torch.empty(0, device=q.device, dtype=torch.int64)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            *args, lse.contiguous(), empty, empty, q.shape[1], sk, 0.0, causal, empty, empty, scale=scale)
+    dk = dk.transpose(1, 2).reshape(b, sk, hkv, h // hkv, d).sum(3)
+    dv = dv.transpose(1, 2).reshape(b, sk, hkv, h // hkv, d).sum(3)
+    return dq.transpose(1, 2), dk, dv
+
+
+def _empty(q, v):
+    b, sq, h, _ = q.shape
+    return (torch.zeros(b, sq, h, v.shape[-1], dtype=q.dtype, device=q.device),
+            torch.full((b, h, sq), float("-inf"), device=q.device))
+
+
+def _additive(mask: Mask, dtype) -> torch.Tensor:
+    return torch.zeros(mask.dense.shape, dtype=dtype, device=mask.dense.device).masked_fill(
+        ~mask.dense, float("-inf"))
+
+
+def forward(q, k, v, scale: float, mask: Mask):
+    """Same contract as ``reference.forward``."""
+    if mask.kind == EMPTY:
+        return _empty(q, v)
+    if mask.kind == FULL:
+        return _fused(q, k, v, scale, False)
+    if mask.kind == DENSE:
+        out, lse = _fused(q, k, v, scale, False, attn_mask=_additive(mask, q.dtype))
+        seen = mask.dense.any(1)  # the CPU op returns lse = 0 for rows with no visible key
+        return out * seen[:, None, None], lse.masked_fill(~seen, float("-inf"))
+    acc, lse = _empty(q, v)
+    acc = acc.float()
+    for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
+        o, l = _fused(q[:, t.q0:t.q1], k[:, t.k0:t.k1], v[:, t.k0:t.k1], scale, t.causal)
+        merge_(acc[:, t.q0:t.q1], lse[:, :, t.q0:t.q1], o, l)
+    return acc.to(q.dtype), lse
+
+
+def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
+    """Same contract as ``reference.backward`` (without ``dlse``: the registry routes that)."""
+    assert dlse is None and mask.kind != EMPTY
+    if mask.kind == FULL:
+        return _fused_backward(dout, q, k, v, out, lse, scale, False)
+    if mask.kind == DENSE:
+        return _fused_backward(dout, q, k, v, out, lse, scale, False, attn_mask=_additive(mask, q.dtype))
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
+        r, c = slice(t.q0, t.q1), slice(t.k0, t.k1)
+        g = _fused_backward(dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r], lse[:, :, r], scale, t.causal)
+        dq[:, r] += g[0]
+        dk[:, c] += g[1]
+        dv[:, c] += g[2]
+    return dq, dk, dv

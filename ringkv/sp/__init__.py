@@ -1,0 +1,1 @@
+"""Sequence parallelism: the only package (with ``ringkv.parallel``) that communicates."""

@@ -1,0 +1,85 @@
+"""RingComm: one batched isend/irecv per ring hop, into buffers the caller reuses.
+
+Rank ``r`` of the group sends to ``r+1`` and receives from ``r-1`` (mod N). A group of size 1
+short-circuits to a local copy so the same ring code runs unchanged. On CPU (gloo) every wait
+is bounded by ``timeout``; on CUDA (NCCL) waits are stream-ordered and the process group's
+own timeout (its watchdog) bounds them.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("RINGKV_TIMEOUT_S", "300")))
+
+
+class RingTimeoutError(RuntimeError):
+    """A ring peer did not answer in time (it died, hangs, or disagrees on the schedule)."""
+
+
+class RingComm:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, timeout: Optional[timedelta] = None,
+                 tag: int = 0):
+        self.group, self.tag = group, tag  # distinct tags keep two rings on one group apart (gloo)
+        self.timeout = timeout or DEFAULT_TIMEOUT
+        if dist.is_initialized():
+            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            self.rank, self.world = 0, 1
+        if self.world > 1:
+            self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) if group else (self.rank + 1) % self.world
+            self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) if group else (self.rank - 1) % self.world
+        self._reqs: List[dist.Work] = []
+
+    def with_tag(self, tag: int) -> "RingComm":
+        """A second ring on the same group (its messages never match this one's)."""
+        return RingComm(self.group, self.timeout, tag)
+
+    def send_recv(self, send: List[torch.Tensor], recv: List[torch.Tensor]) -> "RingComm":
+        """Post sends of ``send`` to the next rank and receives into ``recv`` from the previous one."""
+        if self._reqs:
+            raise RuntimeError("RingComm: wait() for the previous hop before posting the next")
+        if self.world == 1:
+            for s, r in zip(send, recv):
+                r.copy_(s)
+            return self
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, self.tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, self.tag) for t in recv]
+        self._reqs = dist.batch_isend_irecv(ops)
+        self._bounded = not send[0].is_cuda  # NCCL: stream-ordered waits, the watchdog bounds them
+        return self
+
+    def wait(self) -> None:
+        reqs, self._reqs = self._reqs, []
+        for req in reqs:
+            try:
+                req.wait(self.timeout) if self._bounded else req.wait()
+            except RuntimeError as e:
+                raise RingTimeoutError(
+                    f"ring hop on rank {self.rank}/{self.world} failed or timed out after "
+                    f"{self.timeout.total_seconds():.0f}s (a peer died, hangs, or called with other arguments): {e}"
+                ) from e
+
+
+class LocalComm(RingComm):
+    """Ring position ``rank`` of ``world`` with no communication: each hop copies the block it
+    would send into the receive buffer. For timing the ring schedule without the network
+    (benchmarks: overlap and ``--virtual`` runs); the attention it produces is not meaningful."""
+
+    def __init__(self, rank: int, world: int):
+        self.group, self.tag, self.timeout = None, 0, DEFAULT_TIMEOUT
+        self.rank, self.world = rank, world
+        self._reqs = []
+
+    def with_tag(self, tag: int) -> "LocalComm":
+        return LocalComm(self.rank, self.world)
+
+    def send_recv(self, send, recv):
+        for s, r in zip(send, recv):
+            r.copy_(s)
+        return self

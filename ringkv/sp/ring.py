@@ -1,0 +1,257 @@
+"""Ring attention: exact attention over a sequence sharded across an SP process group.
+
+Each rank holds ``q, k, v`` for its shard (in ``layout``). K and V travel around the ring as
+one message per hop; the hop for step ``i+1`` is posted before step ``i``'s block is computed
+and waited for after it. Each step's block is computed by a kernel (``ringkv.kernels``) with
+the mask of the two shards' *global* positions, and merged into a float32 accumulator by LSE.
+Blocks whose mask is empty are skipped. Backward: dQ accumulates locally; dK/dV (float32)
+travel the ring with their K/V and arrive back at their owner after ``N`` hops.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import kernels
+from ..kernels.mask import EMPTY, FULL, OFFSET, Mask, make_mask
+from .comm import LocalComm, RingComm, RingTimeoutError
+from .layout import LAYOUTS, check_layout, chunks, granule
+from .merge import merge_
+
+__all__ = ["ring_attention", "RingAttention", "RingStats", "last_stats"]
+
+
+@dataclass
+class RingStats:
+    """What this rank computed in its last ring forward (for balance tests and benchmarks)."""
+    steps: int = 0
+    calls: int = 0        # kernel calls
+    skipped: int = 0      # chunk pairs skipped because their mask is empty
+    pairs: int = 0        # visible (query, key) pairs computed: the real work
+    per_step: List[int] = field(default_factory=list)
+
+
+last_stats = RingStats()
+
+
+def _slices(ranges: List[range]) -> List[slice]:
+    out, start = [], 0
+    for r in ranges:
+        out.append(slice(start, start + len(r)))
+        start += len(r)
+    return out
+
+
+def _visible(mask: Mask, sq: int, sk: int) -> int:
+    if mask.kind == FULL:
+        return sq * sk
+    if mask.kind == EMPTY:
+        return 0
+    # offset diagonal: row i sees min(sk, max(0, i + offset + 1)) keys
+    return int((torch.arange(sq) + mask.offset + 1).clamp(0, sk).sum())
+
+
+def plan(q_ranges: List[range], k_ranges: List[range], causal: bool) -> List[Tuple[slice, slice, Mask]]:
+    """Kernel calls for one ring step: ``(q rows, k rows, mask)``, empty pairs dropped.
+
+    Pairs of chunks get their mask from global positions; a query chunk that sees all keys,
+    or a key chunk seen fully by all queries, becomes one call. A shard against itself is one
+    causal call (every layout keeps a shard's positions increasing).
+    """
+    qs, ks = _slices(q_ranges), _slices(k_ranges)
+    sq, sk = qs[-1].stop, ks[-1].stop
+    if causal and q_ranges == k_ranges:  # a shard against itself: positions increase, so local causal
+        return [(slice(0, sq), slice(0, sk), Mask(OFFSET, offset=0))]
+    m = [[make_mask(causal, a, b, len(a), len(b)) for b in k_ranges] for a in q_ranges]
+    if all(x.kind == FULL for row in m for x in row):
+        return [(slice(0, sq), slice(0, sk), Mask(FULL))]
+    calls, rest = [], []
+    for i, row in enumerate(m):
+        if all(x.kind == FULL for x in row):
+            calls.append((qs[i], slice(0, sk), Mask(FULL)))
+        else:
+            rest.append(i)
+    for j in range(len(ks)):
+        if len(rest) == len(qs) and all(m[i][j].kind == FULL for i in rest):
+            calls.append((slice(0, sq), ks[j], Mask(FULL)))
+            continue
+        calls += [(qs[i], ks[j], m[i][j]) for i in rest if m[i][j].kind != EMPTY]
+    return calls
+
+
+def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend) -> None:
+    """All ranks must call with the same shapes and settings: one tiny bounded all-gather."""
+    names = ["batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "layout", "causal", "scale", "backend"]
+    scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
+    meta = [*q.shape, k.shape[2], zlib.crc32(str(q.dtype).encode()), LAYOUTS.index(layout), int(causal),
+            scale_bits, zlib.crc32(backend.encode())]
+    mine = torch.tensor(meta, dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(comm.world)]
+    work = dist.all_gather(every, mine, group=comm.group, async_op=True)
+    try:
+        work.wait(comm.timeout) if q.device.type == "cpu" else work.wait()
+    except RuntimeError as e:
+        raise RingTimeoutError(f"ring_attention: rank {comm.rank} could not agree with its peers within "
+                               f"{comm.timeout.total_seconds():.0f}s (a peer died or never called): {e}") from e
+    for r, theirs in enumerate(every):
+        diff = [n for n, a, b in zip(names, meta, theirs.tolist()) if a != b]
+        if diff:
+            raise ValueError(f"ring_attention: rank {r} was called with different {', '.join(diff)} than rank "
+                             f"{comm.rank}; every rank of the group must pass shards of one sequence with the "
+                             f"same shapes, dtype, layout, causal, scale and backend")
+
+
+def _forward(q, k, v, scale, causal, layout, comm: RingComm, backend):
+    b, s, h, d = q.shape
+    n, r = comm.world, comm.rank
+    q_ranges = chunks(s * n, layout, r, n)
+    out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), device=q.device)
+    bufs = [torch.stack([k, v]), None]  # (2, B, S, Hkv, D): K and V travel as one message
+    bufs[1] = torch.empty_like(bufs[0])
+    stats = RingStats(steps=n)
+    for step in range(n):
+        cur = bufs[step % 2]
+        if step < n - 1:
+            comm.send_recv([cur], [bufs[(step + 1) % 2]])
+        src = (r - step) % n
+        calls = plan(q_ranges, chunks(s * n, layout, src, n), causal)
+        work = 0
+        for qs, ks, mask in calls:
+            o, l = kernels.block_forward(q[:, qs], cur[0][:, ks], cur[1][:, ks], scale=scale, mask=mask, backend=backend)
+            merge_(out[:, qs], lse[:, :, qs], o, l)
+            work += _visible(mask, qs.stop - qs.start, ks.stop - ks.start)
+        stats.calls += len(calls)
+        stats.skipped += len(q_ranges) * len(chunks(s * n, layout, src, n)) - len(calls)
+        stats.pairs += work
+        stats.per_step.append(work)
+        if step < n - 1:
+            comm.wait()
+    global last_stats
+    last_stats = stats
+    return out.to(q.dtype), lse
+
+
+def _backward(dout, dlse, q, k, v, out, lse, scale, causal, layout, comm: RingComm, backend):
+    b, s, h, d = q.shape
+    kv_comm, dkv_comm = comm, comm.with_tag(1)
+    n, r = kv_comm.world, kv_comm.rank
+    q_ranges = chunks(s * n, layout, r, n)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = [torch.stack([k, v]), None]
+    kv[1] = torch.empty_like(kv[0])
+    dkv = [torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device), None]  # travels with its K/V
+    dkv[1] = torch.empty_like(dkv[0])
+    blk = torch.empty_like(dkv[0])
+    for step in range(n):
+        cur = kv[step % 2]
+        if step < n - 1:
+            kv_comm.send_recv([cur], [kv[(step + 1) % 2]])
+        src = (r - step) % n
+        blk.zero_()
+        for qs, ks, mask in plan(q_ranges, chunks(s * n, layout, src, n), causal):
+            gq, gk, gv = kernels.block_backward(
+                dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks], out[:, qs], lse[:, :, qs], scale=scale,
+                mask=mask, dlse=None if dlse is None else dlse[:, :, qs], backend=backend)
+            dq[:, qs] += gq
+            blk[0][:, ks] += gk
+            blk[1][:, ks] += gv
+        if step > 0:
+            dkv_comm.wait()  # the accumulated dK/dV of block src arrived
+        dkv[step % 2] += blk
+        dkv_comm.send_recv([dkv[step % 2]], [dkv[(step + 1) % 2]])
+        if step < n - 1:
+            kv_comm.wait()
+    dkv_comm.wait()  # after n hops every rank holds its own block's dK/dV
+    done = dkv[n % 2]
+    return dq.to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, layout, comm, backend):
+        ctx.set_materialize_grads(False)
+        out, lse = _forward(q, k, v, scale, causal, layout, comm, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (scale, causal, layout, comm, backend)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        grads = _backward(dout.contiguous(), dlse, q, k, v, out, lse, *ctx.args)
+        return (*grads, None, None, None, None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
+                   softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
+                   timeout: Optional[timedelta] = None, check: bool = True, comm: Optional[RingComm] = None):
+    """Exact attention of this rank's query shard over the whole sharded sequence.
+
+    Args:
+        q: ``(B, S_local, H, D)``, this rank's shard in ``layout``.
+        k, v: ``(B, S_local, Hkv, D)`` with ``H % Hkv == 0``; only the ``Hkv`` heads travel.
+        causal: mask ``q_pos >= k_pos`` on global positions.
+        group: the SP process group (default: the world; no process group = one rank).
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (see ``ringkv.sp.layout``).
+        softmax_scale: default ``1/sqrt(D)``.
+        return_lse: also return the float32 LSE ``(B, H, S_local)``.
+        backend: kernel backend name or ``"auto"``.
+        timeout: bound on every wait (gloo); default ``RINGKV_TIMEOUT_S`` or 300 s.
+        check: verify (one tiny all-gather) that every rank passes the same shapes and settings.
+        comm: the ring to use instead of one over ``group`` (e.g. ``LocalComm`` to time the
+            schedule without communication).
+
+    Returns:
+        ``out`` ``(B, S_local, H, D)`` in ``q.dtype`` (and ``lse``). Differentiable w.r.t. q, k, v.
+    """
+    scale = kernels.validate(q, k, v, softmax_scale)
+    check_layout(layout)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"q and k/v must be shards of one sequence with the same local length, "
+                         f"got {q.shape[1]} and {k.shape[1]}")
+    comm = comm or RingComm(group, timeout)
+    per_rank = granule(layout, comm.world) // comm.world
+    if q.shape[1] == 0 or q.shape[1] % per_rank:
+        raise ValueError(f"layout {layout!r} needs a positive local length divisible by {per_rank}, got "
+                         f"{q.shape[1]}; pad the global sequence to a multiple of {granule(layout, comm.world)}")
+    kernels.pick(backend, q, Mask(FULL))  # an unusable explicit backend fails here, on every rank
+    if check and comm.world > 1 and not isinstance(comm, LocalComm):
+        _check_across_ranks(comm, q, k, causal, layout, scale, backend)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _RingAttention.apply(q, k, v, scale, causal, layout, comm, backend)
+    else:
+        out, lse = _forward(q, k, v, scale, causal, layout, comm, backend)
+    return (out, lse) if return_lse else out
+
+
+class RingAttention(nn.Module):
+    """``ring_attention`` as a module: ``forward(q, k, v) -> out`` (and lse with ``return_lse``)."""
+
+    def __init__(self, *, causal: bool = True, group: Optional[dist.ProcessGroup] = None,
+                 layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
+                 backend: str = "auto"):
+        super().__init__()
+        check_layout(layout)
+        self.causal, self.group, self.layout = causal, group, layout
+        self.softmax_scale, self.return_lse, self.backend = softmax_scale, return_lse, backend
+
+    def forward(self, q, k, v):
+        return ring_attention(q, k, v, causal=self.causal, group=self.group, layout=self.layout,
+                              softmax_scale=self.softmax_scale, return_lse=self.return_lse, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"layout={self.layout!r}, causal={self.causal}, backend={self.backend!r}"

@@ -1,0 +1,19 @@
+import os
+
+import pytest
+import torch
+from hypothesis import settings
+
+settings.register_profile("ringkv", deadline=None, print_blob=True)
+settings.load_profile("ringkv")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def world():
+    """A gloo world of 4 CPU ranks for the whole session; cases pick subgroups of 1-4 ranks."""
+    from tests.dist import World
+
+    w = World(4)
+    yield w
+    w.close()

@@ -2,6 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
+SEQ ?= 131072
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -17,4 +18,4 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
-	$(PY) examples/demo.py
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) benchmarks/long_ctx.py --seq $(SEQ) --check --json results/long_ctx.json

@@ -1,0 +1,353 @@
+"""Long-context ring attention benchmark.
+
+    torchrun --nproc-per-node 2 benchmarks/long_ctx.py --seq 131072          # CPU (gloo)
+    torchrun --nproc-per-node 8 benchmarks/long_ctx.py --seq 1048576         # GPUs (NCCL)
+    python benchmarks/long_ctx.py --virtual 8 --seq 65536                    # one device, 8 virtual ranks
+
+For each layout x causal configuration it reports the median time per iteration, achieved
+TFLOP/s per rank (unmasked work only), parallel efficiency against a single worker running
+the same full-sequence attention (DESIGN.md: on CPU T(1 process, all cores) / T(ring); on GPUs
+T(1 GPU) / (N * T(ring))), the time of the same loop with communication replaced by local
+copies (overlap), bytes sent per rank per ring step, and peak memory per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import ringkv  # noqa: E402
+from ringkv.sp import LocalComm  # noqa: E402
+from ringkv.sp import ring as ring_mod  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, default=131072, help="global sequence length (tokens)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=None, help="query heads (default: 1 on CPU, 32 on GPU)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: 1 on CPU, 8 on GPU)")
+    p.add_argument("--head-dim", type=int, default=None, help="default: 64 on CPU, 128 on GPU")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on GPU")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                   help="causal or not (default: both)")
+    p.add_argument("--layout", default="all", help="contiguous, zigzag, striped or all")
+    p.add_argument("--backward", action="store_true", help="time forward+backward")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 2 on CPU, 10 on GPU)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--backend", default="auto", help="kernel backend (see ringkv.kernels.BACKENDS)")
+    p.add_argument("--baseline-max-seq", type=int, default=None,
+                   help="measure the single-worker baseline up to this length, extrapolate above it "
+                        "(default: 131072 on CPU, 262144 on GPU)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the single-worker baseline")
+    p.add_argument("--no-overlap", action="store_true", help="skip the run without communication")
+    p.add_argument("--virtual", type=int, default=0, metavar="N",
+                   help="one process: run the ring schedule of N virtual ranks one after another")
+    p.add_argument("--check", action="store_true", help="verify sampled output rows against a reference")
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the results")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    return p.parse_args(argv)
+
+
+class Env:
+    """Process group, device and thread setup (torchrun or a single process)."""
+
+    def __init__(self, virtual: int):
+        self.distributed = "RANK" in os.environ and not virtual
+        cuda = torch.cuda.is_available()
+        if self.distributed:
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            if cuda:
+                torch.cuda.set_device(local)
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        else:
+            self.rank, self.world = 0, max(1, virtual)
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if self.distributed else 1
+        self.threads = max(1, self.cores // local_procs)
+        torch.set_num_threads(self.threads)
+
+    def barrier(self):
+        if self.distributed:
+            dist.barrier()
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def max(self, x: float) -> float:
+        if not self.distributed:
+            return x
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def log(self, *a, **kw):
+        if self.rank == 0:
+            print(*a, **kw, flush=True)
+
+
+def peak_memory_bytes(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def inputs(args, env, seed=0):
+    """Full q, k, v generated from a seed (identical on every rank), on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[args.dtype]
+    q = torch.randn(args.batch, args.seq, args.heads, args.head_dim, generator=g).to(dt)
+    k = torch.randn(args.batch, args.seq, args.kv_heads, args.head_dim, generator=g).to(dt)
+    v = torch.randn(args.batch, args.seq, args.kv_heads, args.head_dim, generator=g).to(dt)
+    return q, k, v
+
+
+def timed(fn, env, iters, warmup, label, quiet):
+    times = []
+    for i in range(warmup + iters):
+        env.barrier()
+        env.sync()
+        t0 = time.perf_counter()
+        fn()
+        env.sync()
+        dt = env.max(time.perf_counter() - t0)
+        if i >= warmup:
+            times.append(dt)
+        if not quiet:
+            env.log(f"\r  {label}: iter {i + 1}/{warmup + iters} {'(warmup) ' if i < warmup else ''}{dt:8.3f}s",
+                    end="" if i + 1 < warmup + iters else "\n")
+    return statistics.median(times)
+
+
+def flops(pairs: int, args) -> float:
+    """FLOPs of the visible (query, key) pairs: 2 matmuls x 2 FLOP per MAC; backward 2.5x."""
+    f = 4.0 * pairs * args.batch * args.heads * args.head_dim
+    return f * (3.5 if args.backward else 1.0)
+
+
+def run_ring(q, k, v, args, env, layout, causal, comm=None):
+    def step():
+        if args.backward:
+            out = ringkv.ring_attention(q, k, v, causal=causal, layout=layout, backend=args.backend, comm=comm)
+            out.backward(torch.ones_like(out))
+        else:
+            with torch.no_grad():
+                ringkv.ring_attention(q, k, v, causal=causal, layout=layout, backend=args.backend, comm=comm)
+    return step
+
+
+def local_shards(args, env, layout, rank):
+    q, k, v = (ringkv.shard(t, 1, layout, rank=rank, world=env.world).to(env.device) for t in inputs(args, env))
+    if args.backward:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    return q, k, v
+
+
+def baseline(args, env, causal):
+    """Single worker, whole sequence, all of this process's cores (or the one GPU): seconds, how."""
+    limit = args.baseline_max_seq
+    sizes = [args.seq] if args.seq <= limit else [limit // 2, limit]
+    measured = {}
+    if env.rank == 0:
+        torch.set_num_threads(env.cores if env.device.type == "cpu" else env.threads)
+        for s in sizes:
+            a = argparse.Namespace(**{**vars(args), "seq": s})
+            q, k, v = (t.to(env.device) for t in inputs(a, env))
+            if args.backward:
+                q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+            def step():
+                out, _ = ringkv.attention(q, k, v, causal=causal, backend=args.backend)
+                if args.backward:
+                    out.backward(torch.ones_like(out))
+            measured[s] = timed(step, _Solo(env), args.iters, args.warmup, f"baseline S={s}", args.quiet)
+        torch.set_num_threads(env.threads)
+    env.barrier()
+    if args.seq in measured:
+        t, how = measured[args.seq], "measured"
+    elif measured:
+        t, how = measured[limit] * (args.seq / limit) ** 2, f"extrapolated (S^2) from S={limit}"
+    else:
+        t, how = 0.0, ""
+    t = env.max(t)
+    return t, how
+
+
+class _Solo:
+    """Env view for rank 0 timing alone (no barriers, no reductions)."""
+
+    def __init__(self, env):
+        self.env = env
+        self.barrier = lambda: None
+        self.max = lambda x: x
+        self.sync = env.sync
+        self.log = env.log
+
+
+def bench_config(args, env, layout, causal):
+    label = f"{layout:10s} {'causal' if causal else 'full  '}"
+    row = dict(layout=layout, causal=causal)
+    if args.virtual:  # N virtual ranks in turn on one device: compute efficiency of the blocks
+        shards = [local_shards(args, env, layout, r) for r in range(env.world)]
+        steps = [run_ring(*s, args, env, layout, causal, comm=LocalComm(r, env.world)) for r, s in enumerate(shards)]
+        pairs = []
+
+        def all_ranks():
+            pairs.clear()
+            for f in steps:
+                f()
+                pairs.append(ring_mod.last_stats.pairs)
+        row["time_s"] = timed(all_ranks, env, args.iters, args.warmup, label + " virtual ring", args.quiet)
+        row["pairs_per_rank"] = max(pairs)
+        row["tflops_per_rank"] = flops(sum(pairs), args) / row["time_s"] / 1e12
+    else:
+        q, k, v = local_shards(args, env, layout, env.rank)
+        row["time_s"] = timed(run_ring(q, k, v, args, env, layout, causal), env, args.iters, args.warmup,
+                              label + " ring", args.quiet)
+        row["pairs_per_rank"] = int(env.max(ring_mod.last_stats.pairs))
+        row["tflops_per_rank"] = flops(row["pairs_per_rank"], args) / row["time_s"] / 1e12
+        if not args.no_overlap:
+            local = run_ring(q, k, v, args, env, layout, causal, comm=LocalComm(env.rank, env.world))
+            row["time_nocomm_s"] = timed(local, env, args.iters, args.warmup, label + " no comm", args.quiet)
+            row["overlap_ratio"] = row["time_s"] / row["time_nocomm_s"]
+    elem = torch.finfo(DTYPES[args.dtype]).bits // 8
+    row["bytes_per_step"] = 2 * args.batch * (args.seq // env.world) * args.kv_heads * args.head_dim * elem
+    if args.backward:  # K/V again plus their fp32 gradients
+        row["bytes_per_step"] += 2 * args.batch * (args.seq // env.world) * args.kv_heads * args.head_dim * (elem + 4)
+    row["peak_mem_bytes"] = int(env.max(peak_memory_bytes(env.device)))
+    if args.check and not args.virtual:
+        row["check_max_err"] = check(args, env, layout, causal)
+    return row
+
+
+def check(args, env, layout, causal, rows=64):
+    """Max |ring - reference| over sampled query rows of this rank (reference chunked over keys)."""
+    q, k, v = inputs(args, env)
+    pos = ringkv.positions(args.seq, layout, env.rank, env.world)
+    pick = torch.randperm(pos.numel(), generator=torch.Generator().manual_seed(1))[:rows]
+    ql = ringkv.shard(q, 1, layout, rank=env.rank, world=env.world).to(env.device)
+    kl, vl = (ringkv.shard(t, 1, layout, rank=env.rank, world=env.world).to(env.device) for t in (k, v))
+    with torch.no_grad():
+        out = ringkv.ring_attention(ql, kl, vl, causal=causal, layout=layout, backend=args.backend)
+        ref, _ = ringkv.attention(q[:, pos[pick]].float(), k.float(), v.float(), causal=causal,
+                                  q_positions=pos[pick], k_positions=range(args.seq), backend="reference")
+    err = (out[:, pick].float().cpu() - ref).abs().max().item()
+    return env.max(err)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = Env(args.virtual)
+    gpu = env.device.type == "cuda"
+    defaults = dict(heads=32 if gpu else 1, kv_heads=8 if gpu else 1, head_dim=128 if gpu else 64,
+                    dtype="bf16" if gpu else "fp32", iters=10 if gpu else 2,
+                    baseline_max_seq=262144 if gpu else 131072)
+    for key, val in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+    layouts = list(ringkv.LAYOUTS) if args.layout == "all" else [args.layout]
+    causals = [True, False] if args.causal is None else [args.causal]
+    ringkv.sp.layout.check_seq_len(args.seq, "zigzag" if "zigzag" in layouts else layouts[0], env.world)
+    env.log(f"ringkv long-context benchmark: {env.world} {'virtual ' if args.virtual else ''}rank(s) on "
+            f"{env.device.type} ({'NCCL' if gpu and env.distributed else 'gloo' if env.distributed else 'no comm'}), "
+            f"{env.threads} thread(s)/rank; seq={args.seq} batch={args.batch} heads={args.heads} "
+            f"kv_heads={args.kv_heads} head_dim={args.head_dim} {args.dtype}"
+            f"{' fwd+bwd' if args.backward else ' fwd'} backend={args.backend}")
+    if not gpu:
+        env.log("  (CPU defaults: 1 head of dim 64 so 128K tokens finish in minutes; pass --heads to change)")
+    rows = []
+    baselines = {}
+    for causal in causals:
+        if not args.no_baseline:
+            baselines[causal] = baseline(args, env, causal)
+        for layout in layouts:
+            row = bench_config(args, env, layout, causal)
+            if causal in baselines and baselines[causal][0] > 0:
+                t1, how = baselines[causal]
+                row["baseline_s"], row["baseline"] = t1, how
+                ring_workers = 1 if env.device.type == "cpu" else env.world
+                t_ring = row["time_s"]
+                row["efficiency"] = t1 / (ring_workers * t_ring)
+            rows.append(row)
+    env.log("")
+    header = f"{'layout':10s} {'mask':6s} {'time/it':>9s} {'TFLOP/s/rank':>12s} {'efficiency':>10s} " \
+             f"{'no-comm':>9s} {'overlap':>8s} {'sent/step':>10s} {'peak mem':>10s} {'check':>8s}"
+    env.log(header)
+    env.log("-" * len(header))
+    for r in rows:
+        env.log(f"{r['layout']:10s} {'causal' if r['causal'] else 'full':6s} {r['time_s']:8.3f}s "
+                f"{r['tflops_per_rank']:12.4f} {r.get('efficiency', float('nan')):10.3f} "
+                f"{r.get('time_nocomm_s', float('nan')):8.3f}s {r.get('overlap_ratio', float('nan')):8.3f} "
+                f"{fmt_bytes(r['bytes_per_step']):>10s} {fmt_bytes(r['peak_mem_bytes']):>10s} "
+                f"{r['check_max_err'] if 'check_max_err' in r else float('nan'):8.1e}")
+    for causal, (t1, how) in baselines.items():
+        env.log(f"baseline ({'causal' if causal else 'full'}): single worker, whole sequence: {t1:.3f}s ({how}); "
+                f"efficiency = T_single / ({'N x ' if gpu else ''}T_ring)")
+    failed = [r for r in rows if r.get("check_max_err", 0) > (2e-3 if args.dtype == "fp32" else 5e-2)]
+    if args.check:
+        env.log("check: " + ("FAILED " + str([(r["layout"], r["causal"]) for r in failed]) if failed else "passed"))
+    result = dict(args=vars(args), rows=rows, environment=dict(
+        torch=torch.__version__, ringkv=ringkv.__version__, python=platform.python_version(),
+        device=torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine(),
+        world_size=env.world, virtual=bool(args.virtual), threads_per_rank=env.threads, cores=env.cores,
+        backend=args.backend, comm="nccl" if gpu and env.distributed else "gloo" if env.distributed else "none"))
+    if env.rank == 0 and args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if env.rank == 0 and args.plot:
+        plot(rows, args.plot, result["environment"])
+    if env.distributed:
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def plot(rows, path, environment):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return
+    labels = [f"{r['layout']}\n{'causal' if r['causal'] else 'full'}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    ax.bar([i - 0.27 for i in x], [r["time_s"] for r in rows], 0.27, label="ring")
+    ax.bar(list(x), [r.get("time_nocomm_s", 0) for r in rows], 0.27, label="ring, no communication")
+    ax.bar([i + 0.27 for i in x], [r.get("baseline_s", 0) for r in rows], 0.27, label="single worker")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("seconds per iteration")
+    ax.set_title(f"ringkv ring attention, {environment['world_size']} ranks, {environment['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

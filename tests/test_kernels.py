@@ -32,7 +32,7 @@ def tolerances(dtype):
     """
     eps = torch.finfo(dtype).eps  # 1.2e-7 fp32, 9.8e-4 fp16, 7.8e-3 bf16
     if dtype == torch.float32:
-        return 32 * eps, 32 * eps, 1024 * eps
+        return 32 * eps, 32 * eps, 512 * eps
     return 2 * eps, eps / 8, 6 * eps
 
 
@@ -73,20 +73,22 @@ def naive_attention(q, k, v, scale, causal, q_pos, k_pos):
 @st.composite
 def position_pair(draw, sq, sk):
     """(q_positions, k_positions) in all accepted forms, with offsets that mask whole rows."""
-    kind = draw(st.sampled_from(["none", "same_step", "diff_step", "tensor", "mixed"]))
+    kind = draw(st.sampled_from(["none", "same_step", "same_step", "diff_step", "tensor", "mixed"]))
     if kind == "none":
         return None, None
 
-    def a_range(n, step):
-        return range(start := draw(st.integers(-20, 60)), start + n * step, step)
+    def a_range(n, step, start=None):
+        start = draw(st.integers(-20, 60)) if start is None else start
+        return range(start, start + n * step, step)
 
     def a_tensor(n):  # unsorted, duplicates likely, int32 or int64
         vals = draw(st.lists(st.integers(-5, 30), min_size=n, max_size=n))
         return torch.tensor(vals, dtype=draw(st.sampled_from([torch.int64, torch.int32])))
 
-    if kind == "same_step":
-        step = draw(st.integers(1, 4))
-        return a_range(sq, step), a_range(sk, step)
+    if kind == "same_step":  # the ring's case: an offset diagonal, from all-blind to all-seeing
+        step, k0 = draw(st.integers(1, 4)), draw(st.integers(-20, 60))
+        q0 = k0 + draw(st.integers(-(sq + 1) * step, (sk + 1) * step))
+        return a_range(sq, step, q0), a_range(sk, step, k0)
     if kind == "diff_step":
         return a_range(sq, draw(st.integers(1, 4))), a_range(sk, draw(st.integers(1, 4)))
     if kind == "tensor":
@@ -100,13 +102,13 @@ def position_pair(draw, sq, sk):
 @st.composite
 def problems(draw, max_s=40):
     b = draw(st.integers(1, 3))
-    sq = draw(st.sampled_from([1, 2, 3]) | st.integers(1, max_s))
-    sk = draw(st.sampled_from([1, 2, 3]) | st.integers(1, max_s))
+    length = st.sampled_from([1, 2]) | st.integers(3, max_s) | st.integers(max_s // 2, max_s)
+    sq, sk = draw(length), draw(length)  # independent: Sq < Sk, Sq == Sk, Sq > Sk
     hkv = draw(st.integers(1, 3))
     h = hkv * draw(st.sampled_from([1, 2, 3]))  # MHA, GQA, and MQA when hkv == 1
     d = draw(st.sampled_from(HEAD_DIMS))
     dtype = draw(st.sampled_from(DTYPES))
-    causal = draw(st.booleans())
+    causal = draw(st.sampled_from([True, True, True, False]))
     q_pos, k_pos = draw(position_pair(sq, sk)) if causal else (None, None)
     scale = draw(st.none() | st.floats(0.02, 0.5))
     seed = draw(st.integers(0, 2**31 - 1))

@@ -1,3 +1,5 @@
+"""Test-session settings: hypothesis without deadlines (CPU timing is noisy), one gloo world."""
+
 import os
 
 import pytest
@@ -5,7 +7,8 @@ import torch
 from hypothesis import settings
 
 settings.register_profile("ringkv", deadline=None, print_blob=True)
-settings.load_profile("ringkv")
+settings.register_profile("ci", deadline=None, print_blob=True, derandomize=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ringkv"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

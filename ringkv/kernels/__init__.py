@@ -62,14 +62,49 @@ def validate(q, k, v, scale=None) -> float:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) "
+    if q.shape[3] == 0:
+        raise ValueError(f"head_dim must be at least 1, got shape {tuple(q.shape)}")
+    if k.shape[2] == 0 or q.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a positive multiple of kv heads ({k.shape[2]}) "
                          f"for GQA/MQA")
+    return resolve_scale(scale, q.shape[3])
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    """The softmax scale to use: ``scale`` checked, or ``1/sqrt(head_dim)`` when ``None``."""
     if scale is None:
-        return 1.0 / math.sqrt(q.shape[3])
+        return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float (default 1/sqrt(head_dim)), got {scale!r}")
     return float(scale)
+
+
+def _check_causal(causal) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {type(causal).__name__}; "
+                        f"pass positions (q_positions/k_positions) for other masks")
+
+
+def _check_grad_inputs(q, v, dout, out, lse, dlse) -> None:
+    """Shapes/dtypes of what ``attention_backward`` takes besides q, k, v."""
+    want = tuple(q.shape[:3]) + tuple(v.shape[3:])
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must have shape {want} (like q), got {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])  # (B, H, Sq)
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is None and name == "dlse":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 torch.Tensor (batch, heads, seq), got {type(t).__name__}")
+        if tuple(t.shape) != lse_shape:
+            raise ValueError(f"{name} must have shape (batch, heads, seq_q) = {lse_shape}, got {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32 (as attention returns it), got {t.dtype}")
 
 
 def _probe(name: str, q: torch.Tensor) -> bool:
@@ -155,6 +190,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     ``out`` and ``lse``).
     """
     scale = validate(q, k, v, scale)
+    _check_causal(causal)
     check_positions("q_positions", q_positions, q.shape[1])
     check_positions("k_positions", k_positions, k.shape[1])
     mask = make_mask(causal, q_positions, k_positions, q.shape[1], k.shape[1], q.device)
@@ -169,8 +205,10 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: Optional[float] = None
                        backend: str = "auto"):
     """dq, dk, dv (in the inputs' dtypes) of ``attention`` given ``dout`` (and ``dlse``)."""
     scale = validate(q, k, v, scale)
-    if dout.shape != q.shape[:3] + v.shape[3:] or out.shape != dout.shape:
-        raise ValueError(f"dout and out must have shape {tuple(q.shape)}, got {tuple(dout.shape)}, {tuple(out.shape)}")
+    _check_grad_inputs(q, v, dout, out, lse, dlse)
+    _check_causal(causal)
+    check_positions("q_positions", q_positions, q.shape[1])
+    check_positions("k_positions", k_positions, k.shape[1])
     mask = make_mask(causal, q_positions, k_positions, q.shape[1], k.shape[1], q.device)
     dq, dk, dv = block_backward(dout, q, k, v, out, lse, scale=scale, mask=mask, dlse=dlse, backend=backend)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -22,26 +22,34 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import reference, resolve_scale
 from .mask import make_mask
 
 __all__ = ["paged_attention", "paged_attention_reference", "validate_paged"]
 
 
 def validate_paged(q, k_cache, v_cache, block_table, seq_lens) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
+                    ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not (q.dtype.is_floating_point and q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache and v_cache must share one floating dtype, "
+                        f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if q.dim() != 4 or k_cache.dim() != 4:
         raise ValueError(f"q must be (N, Q, H, D) and k_cache (num_blocks, block_size, Hkv, D), "
                          f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must match, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if q.shape[-1] != k_cache.shape[-1] or q.shape[2] % k_cache.shape[2] != 0:
+    if q.shape[-1] != k_cache.shape[-1] or k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2] != 0:
         raise ValueError(f"q heads/head_dim {tuple(q.shape[2:])} do not fit the cache's {tuple(k_cache.shape[2:])}: "
                          f"need the same head_dim and heads % kv_heads == 0")
     if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
         raise ValueError(f"block_table must be (N, max_blocks) and seq_lens (N,) with N = {q.shape[0]}, "
                          f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
     if block_table.dtype.is_floating_point or seq_lens.dtype.is_floating_point:
-        raise TypeError("block_table and seq_lens must be integer tensors")
+        raise TypeError(f"block_table and seq_lens must be integer tensors, got {block_table.dtype} "
+                        f"and {seq_lens.dtype}")
 
 
 def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *,
@@ -49,7 +57,11 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *,
     validate_paged(q, k_cache, v_cache, block_table, seq_lens)
     n, nq, h, d = q.shape
     bs = k_cache.shape[1]
-    scale = d ** -0.5 if scale is None else scale
+    scale = resolve_scale(scale, d)
+    capacity = block_table.shape[1] * bs
+    if seq_lens.numel() and not (0 <= int(seq_lens.min()) and int(seq_lens.max()) <= capacity):
+        raise ValueError(f"seq_lens must lie in [0, max_blocks * block_size = {capacity}] "
+                         f"(the block_table's capacity), got {seq_lens.tolist()}")
     out = torch.zeros(n, nq, h, d, dtype=q.dtype, device=q.device)
     lse = torch.full((n, h, nq), float("-inf"), device=q.device)
     for i, length in enumerate(seq_lens.tolist()):

@@ -43,11 +43,11 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=None, help="default: 64 on CPU, 128 on GPU")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on GPU")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
-                   help="causal or not (default: both)")
-    p.add_argument("--layout", default="all", help="contiguous, zigzag, striped or all")
+                   help="causal or not (default: causal on CPU, both on GPU)")
+    p.add_argument("--layout", default=None, help="contiguous, zigzag, striped or all (default: zigzag on CPU, all on GPU)")
     p.add_argument("--backward", action="store_true", help="time forward+backward")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 2 on CPU, 10 on GPU)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations (default: 0 on CPU, 3 on GPU)")
     p.add_argument("--backend", default="auto", help="kernel backend (see ringkv.kernels.BACKENDS)")
     p.add_argument("--baseline-max-seq", type=int, default=None,
                    help="measure the single-worker baseline up to this length, extrapolate above it "
@@ -265,13 +265,14 @@ def main(argv=None) -> int:
     env = Env(args.virtual)
     gpu = env.device.type == "cuda"
     defaults = dict(heads=32 if gpu else 1, kv_heads=8 if gpu else 1, head_dim=128 if gpu else 64,
-                    dtype="bf16" if gpu else "fp32", iters=10 if gpu else 2,
+                    dtype="bf16" if gpu else "fp32", iters=10 if gpu else 2, warmup=3 if gpu else 0,
+                    layout="all" if gpu else "zigzag",
                     baseline_max_seq=262144 if gpu else 131072)
     for key, val in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, val)
     layouts = list(ringkv.LAYOUTS) if args.layout == "all" else [args.layout]
-    causals = [True, False] if args.causal is None else [args.causal]
+    causals = ([True, False] if gpu else [True]) if args.causal is None else [args.causal]
     ringkv.sp.layout.check_seq_len(args.seq, "zigzag" if "zigzag" in layouts else layouts[0], env.world)
     env.log(f"ringkv long-context benchmark: {env.world} {'virtual ' if args.virtual else ''}rank(s) on "
             f"{env.device.type} ({'NCCL' if gpu and env.distributed else 'gloo' if env.distributed else 'no comm'}), "
@@ -279,7 +280,8 @@ def main(argv=None) -> int:
             f"kv_heads={args.kv_heads} head_dim={args.head_dim} {args.dtype}"
             f"{' fwd+bwd' if args.backward else ' fwd'} backend={args.backend}")
     if not gpu:
-        env.log("  (CPU defaults: 1 head of dim 64 so 128K tokens finish in minutes; pass --heads to change)")
+        env.log("  (CPU defaults: 1 head of dim 64, zigzag, causal, 2 iterations, so 128K tokens finish in a few "
+                "minutes; --heads, --layout all, --no-causal, --iters change that)")
     rows = []
     baselines = {}
     for causal in causals:

@@ -117,7 +117,7 @@ class _Step:
     """What the pre-hook decided for one forward (read by the attention function and post-hook)."""
     decode: bool
     q_positions: torch.Tensor            # (T,) global positions of this rank's query rows
-    total: int                           # global sequence length including this forward
+    total: int                           # global sequence length (real tokens) including this forward
     cache: Optional[ShardedKVCache] = None
     keep: int = 0                        # logits_to_keep (prefill): last `keep` global tokens
     keep_at: Optional[torch.Tensor] = None  # where this rank's kept rows go in those `keep`
@@ -135,7 +135,8 @@ class _State:
     prev_impl: str
     modules: List[torch.nn.Module]
     handles: list = field(default_factory=list)
-    step: Optional[_Step] = None
+    step: Optional[_Step] = None        # set by the pre-hook for one forward, cleared by the post-hook
+    recompute: Optional[_Step] = None   # the last training prefill, for activation checkpointing's replay
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ def ringkv_attention(module, query, key, value, attention_mask, dropout: float =
     """``AttentionInterface`` function: query ``(B, H, S, D)``, key/value ``(B, Hkv, S_kv, D)``
     -> ``(attn_output (B, S, H, D), None)``."""
     state = getattr(module, "_ringkv_state", None)
-    step = state.step if state is not None else None
+    step = None if state is None else state.step or (state.recompute if torch.is_grad_enabled() else None)
     if step is None:
         raise RuntimeError("ringkv attention ran outside the forward of a model patched by ringkv.patch_model: "
                            "call the patched model itself (not a submodule), or ringkv.unpatch_model it")
@@ -285,7 +286,7 @@ def _pre_hook(state: _State, model, args, kwargs):
         cache._begin(kept, rows, prefill=not decode, seen=seq)
         if decode:
             cache.decode_steps += 1
-    state.step = _Step(decode=decode, q_positions=q_pos, total=s_pad if not decode else seq, cache=cache,
+    state.step = _Step(decode=decode, q_positions=q_pos, total=seq, cache=cache,
                        keep=0 if decode else keep, keep_at=keep_at, labels=labels)
     return (), kw
 
@@ -294,6 +295,9 @@ def _post_hook(state: _State, model, args, kwargs, output):
     step, state.step = state.step, None
     if step is None or output is None:  # the forward raised
         return None
+    # activation checkpointing replays the layers' forwards during backward, after this hook
+    replay = not step.decode and torch.is_grad_enabled() and getattr(model, "is_activation_checkpointing", False)
+    state.recompute = _Step(decode=False, q_positions=step.q_positions, total=step.total) if replay else None
     if step.keep:  # assemble the last `keep` global logits on every rank: zeros elsewhere, summed
         local = output.logits                                                           # (B, r, V)
         full = local.new_zeros(local.shape[0], step.keep, local.shape[2])

@@ -28,9 +28,11 @@ def build(arch: str, seed: int, **overrides):
     return transformers.AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).eval()
 
 
-def train_step(ctx, arch, seed, ids, layout, inputs, give_positions=False):
+def train_step(ctx, arch, seed, ids, layout, inputs, give_positions=False, checkpointing=False):
     """Patched forward with labels + backward; returns gathered logits, loss, this rank's grads."""
     model = hf.patch_model(build(arch, seed), sp=ctx.world, group=ctx.group, layout=layout, inputs=inputs)
+    if checkpointing:
+        model.train().activation_checkpointing_enable()
     if inputs == "full":
         out = model(ids, labels=ids, use_cache=False)
         helper = hf.causal_lm_loss(out.logits, ids, layout=layout, group=ctx.group)

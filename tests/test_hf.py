@@ -29,10 +29,10 @@ def _reference(arch, seed, ids):
     return out.logits.detach(), out.loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _check_train(world, arch, sp, layout, inputs, s, b=1, seed=0, positions=False):
+def _check_train(world, arch, sp, layout, inputs, s, b=1, seed=0, positions=False, checkpointing=False):
     ids = _ids(b, s, seed + s)
     logits, loss, grads = _reference(arch, seed, ids)
-    res = world.check("tests.hf_cases:train_step", sp, arch, seed, ids, layout, inputs, positions)
+    res = world.check("tests.hf_cases:train_step", sp, arch, seed, ids, layout, inputs, positions, checkpointing)
     for r, got in enumerate(res):
         torch.testing.assert_close(got["logits"], logits, **_TOL, msg=lambda m: f"logits rank {r}: {m}")
         assert got["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6), (r, got["loss"], loss)
@@ -54,6 +54,10 @@ def _check_train(world, arch, sp, layout, inputs, s, b=1, seed=0, positions=Fals
 ])
 def test_train_matches_unpatched(world, arch, sp, layout, inputs, s, b):
     _check_train(world, arch, sp, layout, inputs, s, b, positions=(inputs == "shard" and sp == 3))
+
+
+def test_train_with_activation_checkpointing(world):
+    _check_train(world, "llama", 3, "zigzag", "full", 17, checkpointing=True)
 
 
 @settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

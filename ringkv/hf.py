@@ -244,8 +244,8 @@ def _pre_hook(state: _State, model, args, kwargs):
         seq, s_pad = cache.seen + t, t
         q_pos = torch.arange(cache.seen, seq, device=x.device)                          # (T,)
         _check_positions(kw.get("position_ids"), q_pos, f"the global positions {cache.seen}..{seq - 1}")
-        owner = cache.decode_steps % world
-        rows = torch.arange(t, device=x.device) if rank == owner else torch.zeros(0, dtype=torch.long, device=x.device)
+        owner = cache.decode_steps % world  # the new tokens are cached on one rank, round-robin
+        rows = None if rank == owner else torch.zeros(0, dtype=torch.long, device=x.device)
         x_local, keep_at = x, None
     else:
         if state.inputs == "full":

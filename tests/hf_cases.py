@@ -94,3 +94,19 @@ def smollm2(ctx, ids, new_tokens, layout="zigzag"):
         logits = hf.gather_logits(model(ids, use_cache=False).logits, layout, ctx.group, seq_len=ids.shape[1])
         tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return dict(logits=logits, tokens=tokens)
+
+
+def silent_peer(ctx, arch, seed, ids, timeout_s):
+    """Rank 0 runs a forward; the other ranks never call. Rank 0 must fail within the timeout."""
+    import time
+
+    model = hf.patch_model(build(arch, seed), group=ctx.group, timeout=timeout_s)
+    if ctx.rank != 0:
+        return "skipped"
+    t0 = time.monotonic()
+    try:
+        with torch.no_grad():
+            model(ids)
+    except Exception as e:  # noqa: BLE001 - the type is what the test checks
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "finished", "", time.monotonic() - t0

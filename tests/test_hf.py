@@ -113,6 +113,19 @@ def test_ranks_that_disagree_get_an_error_not_a_hang(world):
     assert all("sequence length" in m for m in res), res
 
 
+def test_a_silent_peer_gives_an_error_within_the_timeout():
+    from tests.dist import World
+
+    w = World(2)  # its own world: the silent rank leaves a collective unmatched
+    try:
+        res = w.check("tests.hf_cases:silent_peer", 2, "llama", 0, _ids(1, 8, 0), 3.0, timeout=90)
+    finally:
+        w.close()
+    kind, message, seconds = res[0]
+    assert kind == "RingTimeoutError" and "3s" in message, res[0]
+    assert seconds < 30, seconds
+
+
 # ---- single-process errors (a one-rank "group": no process group needed) ----
 
 @pytest.fixture(scope="module")

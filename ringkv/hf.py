@@ -52,9 +52,9 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from .sp.collectives import agree, all_sum, rank_world
+from .sp.collectives import agree, all_gather, all_sum, rank_world
 from .sp.decode import decode_attention
-from .sp.layout import check_layout, check_seq_len, granule, positions, shard, unshard
+from .sp.layout import check_layout, check_seq_len, granule, positions, shard
 from .sp.ring import ring_attention
 
 __all__ = ["patch_model", "unpatch_model", "gather_logits", "causal_lm_loss", "ShardedKVCache", "ATTN_NAME"]
@@ -378,10 +378,23 @@ def unpatch_model(model):
     return model
 
 
-def gather_logits(logits: torch.Tensor, layout: str = "zigzag", group=None, seq_len: Optional[int] = None):
+def _gather_seq(x: torch.Tensor, layout: str, group, timeout) -> torch.Tensor:
+    """Every rank's shard ``(B, S/N, ...)`` in global order ``(B, S, ...)`` (bounded all-gather)."""
+    _, world = rank_world(group)
+    parts = all_gather(x, group, timeout, "ringkv gather")
+    s = x.shape[1] * world
+    where = torch.cat([positions(s, layout, r, world, device=x.device) for r in range(world)])  # (S,)
+    full = x.new_empty((x.shape[0], s, *x.shape[2:]))
+    full[:, where] = torch.cat(parts, 1)
+    return full
+
+
+def gather_logits(logits: torch.Tensor, layout: str = "zigzag", group=None, seq_len: Optional[int] = None,
+                  timeout: Optional[timedelta] = None):
     """All-gather the logits shards ``(B, S_pad / N, V)`` into global order ``(B, S, V)``
     (``seq_len`` drops the end padding added in ``inputs="full"`` mode). Not differentiable."""
-    full = unshard(logits, 1, layout, group)
+    check_layout(layout)
+    full = _gather_seq(logits.detach(), layout, group, timeout)
     return full if seq_len is None else full[:, :seq_len]
 
 
@@ -404,7 +417,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, layout: str = 
     if sharded:
         if labels.shape[1] != s_local:
             raise ValueError(f"sharded labels must have this rank's length {s_local}, got {labels.shape[1]}")
-        labels = unshard(labels.to(logits.device), 1, layout, group)                   # (B, S_pad)
+        labels = _gather_seq(labels.to(logits.device), layout, group, timeout)          # (B, S_pad)
     elif not s_pad - granule(layout, world) < labels.shape[1] <= s_pad:
         raise ValueError(f"labels of length {labels.shape[1]} do not match logits shards of {s_local} tokens on "
                          f"{world} rank(s) (a sequence of {s_pad} tokens, padding included); pass the whole "

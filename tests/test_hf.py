@@ -92,6 +92,17 @@ def test_generate_matches_unpatched(world, arch, sp, layout, s, b):
     assert all(got["local_keys"] == len(got["positions"]) for got in res)
 
 
+@settings(max_examples=4, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(arch=st.sampled_from(ARCHS), sp=st.integers(1, 4), layout=st.sampled_from(ringkv.LAYOUTS),
+       s=st.integers(1, 20), b=st.integers(1, 2))
+def test_generate_any_prompt_length(world, arch, sp, layout, s, b):
+    ids = _ids(b, s, s)
+    with torch.no_grad():
+        want = build(arch, 0).generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for got in world.check("tests.hf_cases:generate", sp, arch, 0, ids, layout, 4):
+        assert torch.equal(got["tokens"], want)
+
+
 @pytest.mark.parametrize("arch,sp,layout", [("llama", 2, "zigzag"), ("qwen2", 4, "striped"), ("mistral", 3, "contiguous")])
 def test_shard_inputs_prefill_then_decode(world, arch, sp, layout):
     steps, s = 3, 12
@@ -142,9 +153,11 @@ def test_unpatch_restores(tiny):
         with pytest.raises(ValueError, match="already patched"):
             hf.patch_model(tiny)
         got = tiny(ids).logits  # one rank: the whole (padded) sequence, in zigzag order
+        embedded = tiny(inputs_embeds=tiny.get_input_embeddings()(ids)).logits
         hf.unpatch_model(tiny)
         assert tiny.config._attn_implementation == "sdpa"
         torch.testing.assert_close(hf.gather_logits(got, seq_len=9), want, **_TOL)
+        torch.testing.assert_close(hf.gather_logits(embedded, seq_len=9), want, **_TOL)
         torch.testing.assert_close(tiny(ids).logits, want)
     with pytest.raises(ValueError, match="not patched"):
         hf.unpatch_model(tiny)

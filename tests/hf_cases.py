@@ -110,3 +110,11 @@ def silent_peer(ctx, arch, seed, ids, timeout_s):
     except Exception as e:  # noqa: BLE001 - the type is what the test checks
         return type(e).__name__, str(e), time.monotonic() - t0
     return "finished", "", time.monotonic() - t0
+
+
+def decode(ctx, q, k, v, q_pos, owner):
+    """decode_attention with this rank's keys being those whose ``owner`` is this rank."""
+    from ringkv.sp.decode import decode_attention
+
+    mine = (owner == ctx.rank).nonzero().squeeze(1)
+    return decode_attention(q, k[:, mine], v[:, mine], q_positions=q_pos, k_positions=mine, group=ctx.group)

@@ -116,6 +116,24 @@ def test_shard_inputs_prefill_then_decode(world, arch, sp, layout):
     assert sum(got["local"] for got in res) == s + steps
 
 
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(sp=st.integers(1, 4), s=st.integers(1, 24), t=st.integers(1, 3), hkv=st.sampled_from([1, 2]),
+       groups=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+def test_decode_attention_over_a_sharded_cache(world, sp, s, t, hkv, groups, seed):
+    """Keys spread over ranks arbitrarily (some ranks may hold none): the merged result equals
+    single-device causal attention, identically on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, t, hkv * groups, 16, generator=g)
+    k, v = torch.randn(2, s + t, hkv, 16, generator=g), torch.randn(2, s + t, hkv, 16, generator=g)
+    q_pos = torch.arange(s, s + t)
+    owner = torch.randint(0, sp, (s + t,), generator=g)
+    want, _ = ringkv.attention(q, k, v, causal=True, q_positions=q_pos, k_positions=torch.arange(s + t))
+    res = world.check("tests.hf_cases:decode", sp, q, k, v, q_pos, owner)
+    for got in res:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got, res[0])
+
+
 def test_ranks_that_disagree_get_an_error_not_a_hang(world):
     a, b = _ids(1, 8, 1), _ids(1, 8, 2)
     res = world.check("tests.hf_cases:disagree", 2, "llama", 0, [a, b])

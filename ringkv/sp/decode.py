@@ -1,0 +1,55 @@
+"""Attention of new tokens over a KV cache sharded along the sequence across an SP group.
+
+Every rank holds the same new queries ``q`` and its own slice of the cache (with the global
+positions of those keys). Each rank computes the partial ``(out, lse)`` of ``q`` over its
+local keys with ``ringkv.kernels.attention`` (causal on global positions), the partials are
+all-gathered (one message: out and lse packed together) and merged by LSE in rank order, so
+every rank gets the same, exact result. Inference only (not differentiable).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from .. import kernels
+from .collectives import all_gather, rank_world
+from .merge import merge
+
+__all__ = ["decode_attention"]
+
+
+def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *, q_positions: torch.Tensor,
+                     k_positions: torch.Tensor, group=None, softmax_scale: Optional[float] = None,
+                     backend: str = "auto", timeout: Optional[timedelta] = None) -> torch.Tensor:
+    """Exact causal attention of replicated new queries over the sharded cache.
+
+    Args:
+        q: ``(B, T, H, D)``, the same on every rank; ``q_positions`` ``(T,)`` their global positions.
+        k_local, v_local: ``(B, S_local, Hkv, D)``, this rank's cached keys/values (``S_local``
+            may be 0 and may differ between ranks); ``k_positions`` ``(S_local,)`` global positions.
+    Returns:
+        ``(B, T, H, D)`` in ``q.dtype``, identical on every rank.
+    """
+    if k_local.shape[1] != k_positions.numel():
+        raise ValueError(f"decode_attention: {k_local.shape[1]} cached keys but {k_positions.numel()} positions")
+    b, t, h, d = q.shape
+    if k_local.shape[1] == 0:  # this rank caches nothing (yet): a neutral partial
+        out = torch.zeros(b, t, h, v_local.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, t), float("-inf"), device=q.device)
+    else:
+        out, lse = kernels.attention(q, k_local, v_local, scale=softmax_scale, causal=True, q_positions=q_positions,
+                                     k_positions=k_positions, backend=backend)
+    _, world = rank_world(group)
+    if world == 1:
+        return out.to(q.dtype)
+    # one message per rank: out (B*T*H*Dv) then lse (B*H*T), float32
+    packed = torch.cat([out.float().reshape(-1), lse.reshape(-1)])
+    parts = all_gather(packed, group, timeout, "decode_attention")
+    n = out.numel()
+    outs = [p[:n].view(out.shape) for p in parts]
+    lses = [p[n:].view(lse.shape) for p in parts]
+    merged, _ = merge(outs, lses)
+    return merged.to(q.dtype)

@@ -1,0 +1,120 @@
+"""Cases for tests/test_hf.py, run on every rank of a gloo world (see tests/dist.py).
+
+Models are built inside each rank from ``(arch, seed)`` (so every rank has the same weights);
+the test process builds the same model unpatched as the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import ringkv  # noqa: E402
+from ringkv import hf  # noqa: E402
+
+
+def build(arch: str, seed: int, **overrides):
+    """A tiny random fp32 model (``arch`` in llama/qwen2/mistral) or SmolLM2 (``arch="smollm2"``)."""
+    import transformers
+
+    from tests.models import smollm2_path, tiny_config
+
+    if arch == "smollm2":
+        return transformers.AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).eval()
+
+
+def train_step(ctx, arch, seed, ids, layout, inputs, give_positions=False, checkpointing=False):
+    """Patched forward with labels + backward; returns gathered logits, loss, this rank's grads."""
+    model = hf.patch_model(build(arch, seed), sp=ctx.world, group=ctx.group, layout=layout, inputs=inputs)
+    if checkpointing:
+        model.train().activation_checkpointing_enable()
+    if inputs == "full":
+        out = model(ids, labels=ids, use_cache=False)
+        helper = hf.causal_lm_loss(out.logits, ids, layout=layout, group=ctx.group)
+    else:
+        local = ringkv.shard(ids, 1, layout, ctx.group)
+        kw = {}
+        if give_positions:
+            kw["position_ids"] = ringkv.positions(ids.shape[1], layout, ctx.rank, ctx.world).unsqueeze(0)
+        out = model(local, labels=local, use_cache=False, **kw)
+        helper = hf.causal_lm_loss(out.logits, local, layout=layout, group=ctx.group, sharded=True)
+    out.loss.backward()
+    logits = hf.gather_logits(out.logits.detach(), layout, ctx.group, seq_len=ids.shape[1])
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return dict(logits=logits, loss=out.loss.item(), helper=helper.item(), grads=grads)
+
+
+def generate(ctx, arch, seed, ids, layout, new_tokens):
+    """Greedy generate on the patched model; returns tokens, per-step scores and the cache shard."""
+    model = hf.patch_model(build(arch, seed), group=ctx.group, layout=layout)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
+                             output_scores=True, eos_token_id=None, pad_token_id=0)
+    cache = out.cache if "cache" in out else out.past_key_values
+    return dict(tokens=out.sequences, scores=torch.stack(out.scores, 1), positions=cache.positions.tolist(),
+                local_keys=cache.layers[0].keys.shape[2], seen=cache.get_seq_length())
+
+
+def shard_prefill_decode(ctx, arch, seed, ids, layout, steps):
+    """inputs="shard": prefill with this rank's shard and a cache, then decode ``steps`` tokens of
+    ``ids`` one at a time; returns the prefill logits (gathered) and each step's logits."""
+    s = ids.shape[1] - steps
+    model = hf.patch_model(build(arch, seed), group=ctx.group, layout=layout, inputs="shard")
+    with torch.no_grad():
+        out = model(ringkv.shard(ids[:, :s], 1, layout, ctx.group), use_cache=True)
+        prefill = hf.gather_logits(out.logits, layout, ctx.group)
+        cache, step_logits = out.cache, []
+        for i in range(s, ids.shape[1]):
+            out = model(ids[:, i:i + 1], cache=cache)
+            cache = out.cache
+            step_logits.append(out.logits[:, -1])
+    return dict(prefill=prefill, steps=torch.stack(step_logits, 1), local=cache.positions.numel())
+
+
+def disagree(ctx, arch, seed, ids_per_rank):
+    """Each rank calls with its own ids; returns the error message (or 'ok')."""
+    model = hf.patch_model(build(arch, seed), group=ctx.group, timeout=20)
+    try:
+        with torch.no_grad():
+            model(ids_per_rank[ctx.rank])
+    except ValueError as e:
+        return str(e)
+    return "ok"
+
+
+def smollm2(ctx, ids, new_tokens, layout="zigzag"):
+    """SmolLM2-135M-Instruct patched over the group: gathered prompt logits and greedy tokens."""
+    model = hf.patch_model(build("smollm2", 0), sp=ctx.world, group=ctx.group, layout=layout)
+    with torch.no_grad():
+        logits = hf.gather_logits(model(ids, use_cache=False).logits, layout, ctx.group, seq_len=ids.shape[1])
+        tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return dict(logits=logits, tokens=tokens)
+
+
+def silent_peer(ctx, arch, seed, ids, timeout_s):
+    """Rank 0 runs a forward; the other ranks never call. Rank 0 must fail within the timeout."""
+    import time
+
+    model = hf.patch_model(build(arch, seed), group=ctx.group, timeout=timeout_s)
+    if ctx.rank != 0:
+        return "skipped"
+    t0 = time.monotonic()
+    try:
+        with torch.no_grad():
+            model(ids)
+    except Exception as e:  # noqa: BLE001 - the type is what the test checks
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "finished", "", time.monotonic() - t0
+
+
+def decode(ctx, q, k, v, q_pos, owner):
+    """decode_attention with this rank's keys being those whose ``owner`` is this rank."""
+    from ringkv.sp.decode import decode_attention
+
+    mine = (owner == ctx.rank).nonzero().squeeze(1)
+    return decode_attention(q, k[:, mine], v[:, mine], q_positions=q_pos, k_positions=mine, group=ctx.group)

@@ -6,4 +6,15 @@ from .sp import (LAYOUTS, RingAttention, RingTimeoutError, merge, merge_, positi
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "ring_attention", "RingAttention", "RingTimeoutError",
-           "LAYOUTS", "shard", "unshard", "positions", "merge", "merge_"]
+           "LAYOUTS", "shard", "unshard", "positions", "merge", "merge_",
+           "patch_model", "unpatch_model", "gather_logits", "causal_lm_loss", "ShardedKVCache"]
+
+_HF = {"patch_model", "unpatch_model", "gather_logits", "causal_lm_loss", "ShardedKVCache"}
+
+
+def __getattr__(name):  # the HF patch needs transformers (extra "hf"): import it on first use
+    if name in _HF:
+        from . import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'ringkv' has no attribute {name!r}")

@@ -17,6 +17,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather, rank_world
+
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
 
@@ -58,12 +60,6 @@ def positions(seq_len: int, layout: str, rank: int, world: int, device=None) -> 
                       for r in chunks(seq_len, layout, rank, world)])
 
 
-def _rank_world(group) -> tuple:
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _select(x: torch.Tensor, dim: int, ranges: List[range]) -> torch.Tensor:
     parts = [x.narrow(dim, r.start, len(r)) if r.step == 1 else
              x.index_select(dim, torch.arange(r.start, r.stop, r.step, device=x.device)) for r in ranges]
@@ -74,7 +70,7 @@ def shard(x: torch.Tensor, dim: int = 1, layout: str = "contiguous", group: Opti
           *, rank: Optional[int] = None, world: Optional[int] = None) -> torch.Tensor:
     """This rank's shard of the full tensor ``x`` along ``dim`` (local op, no communication)."""
     if rank is None or world is None:
-        rank, world = _rank_world(group)
+        rank, world = rank_world(group)
     return _select(x, dim, chunks(x.shape[dim], layout, rank, world))
 
 
@@ -82,11 +78,10 @@ def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous",
             group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """All-gather the shards of every rank and put them back in global order (not differentiable)."""
     check_layout(layout)
-    rank, world = _rank_world(group)
+    rank, world = rank_world(group)
     if world == 1:
         return x_local
-    parts = [torch.empty_like(x_local) for _ in range(world)]
-    dist.all_gather(parts, x_local.contiguous(), group=group)
+    parts = all_gather(x_local, group, what="unshard")
     seq_len = x_local.shape[dim] * world
     index = torch.cat([positions(seq_len, layout, r, world) for r in range(world)])  # global pos of gathered rows
     order = torch.empty_like(index)

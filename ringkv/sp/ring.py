@@ -22,7 +22,8 @@ from torch import nn
 
 from .. import kernels
 from ..kernels.mask import EMPTY, FULL, OFFSET, Mask, make_mask
-from .comm import LocalComm, RingComm, RingTimeoutError
+from .collectives import agree
+from .comm import LocalComm, RingComm
 from .layout import LAYOUTS, check_layout, chunks, granule
 from .merge import merge_
 
@@ -89,24 +90,11 @@ def plan(q_ranges: List[range], k_ranges: List[range], causal: bool) -> List[Tup
 
 def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend) -> None:
     """All ranks must call with the same shapes and settings: one tiny bounded all-gather."""
-    names = ["batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "layout", "causal", "scale", "backend"]
+    names = ["batch", "seq_local", "heads", "head_dim", "kv_heads", "dtype", "layout", "causal", "scale", "backend"]
     scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
-    meta = [*q.shape, k.shape[2], zlib.crc32(str(q.dtype).encode()), LAYOUTS.index(layout), int(causal),
-            scale_bits, zlib.crc32(backend.encode())]
-    mine = torch.tensor(meta, dtype=torch.int64, device=q.device)
-    every = [torch.empty_like(mine) for _ in range(comm.world)]
-    work = dist.all_gather(every, mine, group=comm.group, async_op=True)
-    try:
-        work.wait(comm.timeout) if q.device.type == "cpu" else work.wait()
-    except RuntimeError as e:
-        raise RingTimeoutError(f"ring_attention: rank {comm.rank} could not agree with its peers within "
-                               f"{comm.timeout.total_seconds():.0f}s (a peer died or never called): {e}") from e
-    for r, theirs in enumerate(every):
-        diff = [n for n, a, b in zip(names, meta, theirs.tolist()) if a != b]
-        if diff:
-            raise ValueError(f"ring_attention: rank {r} was called with different {', '.join(diff)} than rank "
-                             f"{comm.rank}; every rank of the group must pass shards of one sequence with the "
-                             f"same shapes, dtype, layout, causal, scale and backend")
+    values = [*q.shape, k.shape[2], zlib.crc32(str(q.dtype).encode()), LAYOUTS.index(layout), int(causal),
+              scale_bits, zlib.crc32(backend.encode())]
+    agree(values, names, comm.group, comm.timeout, "ring_attention", q.device)
 
 
 def _forward(q, k, v, scale, causal, layout, comm: RingComm, backend):

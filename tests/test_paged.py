@@ -40,7 +40,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 # (out, lse): max error allowed relative to 1 + max |reference|
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 1e-4), torch.bfloat16: (1.6e-2, 1e-4)}
-HYP = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+HYP = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 def assert_close(actual, expected, tol, what):

@@ -74,7 +74,7 @@ def problems(draw):
     sk = draw(st.integers(1, 70))
     hkv = draw(st.sampled_from([1, 2]))
     groups = draw(st.sampled_from([1, 2, 3]))
-    kind = draw(st.sampled_from([FULL, OFFSET, OFFSET]))
+    kind = draw(st.sampled_from([FULL, OFFSET, OFFSET, EMPTY]))
     # offsets from "every row sees nothing" through the diagonal to "every row sees everything"
     offset = draw(st.integers(-sq - 2, sk + 2))
     return dict(b=draw(st.integers(1, 2)), sq=sq, sk=sk, h=hkv * groups, hkv=hkv,
@@ -127,7 +127,7 @@ def check_backward(p, device, merged, with_dlse):
         assert_close(a, e, tol, name)
 
 
-HYP = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+HYP = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -185,12 +185,28 @@ def test_autograd_through_registry(device, sq, sk, q0, k0, step, causal, groups,
         assert_close(a, e, tol, name)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_offset_sweep_across_tile_boundaries(device):
+    """Every offset from "nothing visible" to "all visible" on one ragged shape, so each
+    loop bound (skipped tiles, unmasked tiles, the masked diagonal) meets every remainder
+    modulo the tile sizes."""
+    _device_ok(device)
+    sq, sk = 37, 50
+    for offset in range(-sq - 1, sk + 1):
+        p = dict(b=1, sq=sq, sk=sk, h=2, hkv=1, d=16, dtype=torch.float32,
+                 mask=Mask(OFFSET, offset=offset), scale=None, seed=offset + 100)
+        check_forward(p, device)
+        if offset % 3 == 0:
+            check_backward(p, device, merged=offset % 2 == 0, with_dlse=True)
+
+
 def test_registry_and_supports():
     assert BACKENDS["triton"] is tk
     q = torch.zeros(1, 4, 2, 32)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     assert tk.supports(q, Mask(FULL)) == interp
     assert tk.supports(q, Mask(OFFSET, offset=2), dlse=True) == interp
+    assert tk.supports(q, Mask(EMPTY)) == interp
     assert not tk.supports(q, Mask(DENSE, dense=torch.ones(4, 4, dtype=torch.bool)))
     assert not tk.supports(torch.zeros(1, 4, 2, 512), Mask(FULL))
     assert not tk.supports(q.double(), Mask(FULL))

@@ -32,7 +32,7 @@ try:
 except Exception as e:  # the registry imports this module inside ``except ImportError``
     raise ImportError(f"triton is not importable: {e}") from e
 
-from .mask import FULL, OFFSET, Mask
+from .mask import EMPTY, FULL, OFFSET, Mask
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -45,8 +45,9 @@ def _interpret() -> bool:
 
 def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
     on_device = q.device.type == "cuda" or (q.device.type == "cpu" and _interpret())
+    # EMPTY: answered without a launch (the registry also routes it to the reference first)
     return (on_device and q.dtype in _DTYPES and 0 < q.shape[-1] <= 256
-            and mask.kind in (FULL, OFFSET))
+            and mask.kind in (FULL, OFFSET, EMPTY))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -328,7 +329,7 @@ def forward(q, k, v, scale: float, mask: Mask):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.zeros(b, sq, h, d, dtype=q.dtype, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
-    if b * h * sq * sk == 0:
+    if b * h * sq * sk == 0 or mask.kind == EMPTY:
         return out, lse
     _launch(_fwd_kernel, lambda c: (triton.cdiv(sq, c["BLOCK_M"]), b * h),
             q, k, v, out, lse,
@@ -354,7 +355,7 @@ def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-    if b * h * sq * sk == 0:
+    if b * h * sq * sk == 0 or mask.kind == EMPTY:
         return dq, dk, dv
     lse = lse.float().contiguous()
     delta = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)

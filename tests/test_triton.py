@@ -200,6 +200,17 @@ def test_offset_sweep_across_tile_boundaries(device):
             check_backward(p, device, merged=offset % 2 == 0, with_dlse=True)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_autotuned_configs_match_reference(monkeypatch):
+    """The autotuned launch path (the other CUDA tests may pin one config for speed)."""
+    monkeypatch.setenv("RINGKV_TRITON_AUTOTUNE", "1")
+    p = dict(b=2, sq=300, sk=260, h=8, hkv=2, d=128, dtype=torch.bfloat16,
+             mask=Mask(OFFSET, offset=-40), scale=None, seed=1)
+    check_forward(p, "cuda")
+    check_backward(p, "cuda", merged=True, with_dlse=True)
+
+
 def test_registry_and_supports():
     assert BACKENDS["triton"] is tk
     q = torch.zeros(1, 4, 2, 32)

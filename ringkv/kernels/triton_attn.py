@@ -264,6 +264,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
 
 _CPU_CONFIG = dict(BLOCK_M=32, BLOCK_N=16)  # interpreter: small, fixed, M != N on purpose
 _FIXED_CONFIG = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)  # RINGKV_TRITON_AUTOTUNE=0
+_FIXED_BIG = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)  # ... for wide rows
 
 
 def _configs():
@@ -272,11 +273,19 @@ def _configs():
                                  (16, 16, 2, 1)]]
 
 
+def _big_rows(elem_bytes: int, block_d: int) -> bool:
+    """fp32 with D > 64 or fp16/bf16 with D > 128: large tiles overflow shared memory."""
+    return elem_bytes * block_d > 256
+
+
 def _prune(configs, named_args, **kwargs):
-    """Drop tiles much larger than the problem (small ring blocks, short sequences)."""
+    """Drop tiles much larger than the problem (small ring blocks, short sequences) and, for
+    wide rows, tiles whose buffers do not fit in shared memory."""
     sq, sk = named_args["Sq"], named_args["Sk"]
     bm_cap = max(16, triton.next_power_of_2(sq))
     bn_cap = max(16, triton.next_power_of_2(sk))
+    if _big_rows(named_args["Q"].element_size(), kwargs["BLOCK_D"]):
+        bm_cap, bn_cap = min(bm_cap, 64), min(bn_cap, 32)
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= bm_cap and c.kwargs["BLOCK_N"] <= bn_cap]
     return kept or configs[-1:]
 
@@ -300,7 +309,8 @@ def _launch(kernel, grid_fn, *args, **meta):
         kernel[grid_fn(_CPU_CONFIG)](*args, **meta, **_CPU_CONFIG)
         return
     if os.environ.get("RINGKV_TRITON_AUTOTUNE", "1") == "0":
-        kernel[grid_fn(_FIXED_CONFIG)](*args, **meta, **_FIXED_CONFIG)
+        cfg = _FIXED_BIG if _big_rows(args[0].element_size(), meta["BLOCK_D"]) else _FIXED_CONFIG
+        kernel[grid_fn(cfg)](*args, **meta, **cfg)
         return
     if kernel not in _TUNED:
         _TUNED[kernel] = _tuned(kernel)

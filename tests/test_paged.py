@@ -7,7 +7,6 @@ shared between sequences. Without CUDA the Triton kernel runs in the CPU interpr
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -24,14 +23,7 @@ from ringkv.kernels.paged import paged_attention, paged_attention_reference
 
 try:
     import triton  # noqa: F401
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from ringkv.kernels import triton_attn, triton_paged
-    if os.environ.get("TRITON_INTERPRET") == "1" and \
-            not isinstance(triton_paged._paged_split_kernel, InterpretedFunction):
-        # ringkv was imported (kernels compiled for a GPU) before the env was set
-        importlib.reload(triton_attn)
-        importlib.reload(triton_paged)
+    from ringkv.kernels import triton_paged
 except ImportError:
     triton_paged = None
 needs_triton = pytest.mark.skipif(triton_paged is None, reason="triton not installed")

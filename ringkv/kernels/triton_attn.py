@@ -17,20 +17,21 @@ lse = -inf; backward returns fp32 dq, dk, dv and takes an optional ``dlse``.
   ``scale * log2(e)``); the stored lse is converted to natural log.
 - On CUDA the tile sizes are autotuned (configs pruned for small problems); under the
   CPU interpreter (``TRITON_INTERPRET=1``) one small fixed config keeps tests fast.
+- Importing this module does not import triton (only checks it is installed): the kernels
+  are decorated on first use (``_build``), because triton fixes "compile for a GPU" vs
+  "interpret on CPU" when *it* is imported, and ``TRITON_INTERPRET`` may be set later.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as e:  # the registry imports this module inside ``except ImportError``
-    raise ImportError(f"triton is not importable: {e}") from e
+if importlib.util.find_spec("triton") is None:  # the registry imports us inside ``except ImportError``
+    raise ImportError("triton is not installed (pip install 'ringkv[triton]')")
 
 from .mask import EMPTY, FULL, OFFSET, Mask
 
@@ -50,9 +51,40 @@ def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
             and mask.kind in (FULL, OFFSET, EMPTY))
 
 
+# ----------------------------------------------------------------------------- lazy jit
+
+triton = tl = None  # bound by _build(); kernel bodies resolve ``tl`` through module globals
+_PENDING = []  # (python function, triton.jit options) of every kernel, in this and other modules
+
+
+def _jit(fn=None, **options):
+    """Mark a kernel for ``triton.jit``; ``_build`` decorates it in place on first use."""
+    if fn is None:
+        return lambda f: _jit(f, **options)
+    _PENDING.append((fn, options))
+    return fn
+
+
+def _build() -> None:
+    """Import triton and turn every marked function into a kernel (once per process)."""
+    global triton, tl
+    if triton is not None and not _PENDING:
+        return
+    import triton as _triton
+    import triton.language as _tl
+    if _interpret() and isinstance(getattr(_tl, "zeros", None), _triton.runtime.JITFunction):
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported in this process; "
+                           "set it before anything imports triton (e.g. at the top of tests/conftest.py)")
+    triton, tl = _triton, _tl
+    kernels = {fn.__name__: _triton.jit(**options)(fn) for fn, options in _PENDING}
+    for fn, _ in _PENDING:  # kernels call each other across modules by name (e.g. ``_dot``)
+        fn.__globals__.update(kernels, triton=_triton, tl=_tl)
+    _PENDING.clear()
+
+
 # ----------------------------------------------------------------------------- kernels
 
-@triton.jit
+@_jit
 def _dot(a, b, PREC: tl.constexpr):
     """``a @ b`` accumulated in fp32. PREC: "ieee" (fp32 inputs), "tf32", or "upcast": the
     CPU interpreter multiplies bf16 bit patterns as integers, so there both sides go to
@@ -62,7 +94,7 @@ def _dot(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
-@triton.jit
+@_jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, n_lo, n_hi,
               Sk, offset, qk_scale, D,
               MASKED: tl.constexpr, IS_OFFSET: tl.constexpr,
@@ -93,7 +125,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, n_lo,
 _NO_SPEC = ["H", "G", "Sq", "Sk", "D", "offset", "SQ_B", "SK_B"]
 
 
-@triton.jit(do_not_specialize=_NO_SPEC)
+@_jit(do_not_specialize=_NO_SPEC)
 def _fwd_kernel(Q, K, V, Out, Lse,
                 stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                 stride_ob, stride_om, stride_oh,
@@ -139,7 +171,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     tl.store(Lse + (b * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)
 
 
-@triton.jit(do_not_specialize=["H", "Sq", "D"])
+@_jit(do_not_specialize=["H", "Sq", "D"])
 def _bwd_preprocess(Out, DO, Lse, DLse, Delta, Lse2,
                     stride_ob, stride_om, stride_oh, stride_db, stride_dm, stride_dh,
                     H, Sq, D, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -164,7 +196,7 @@ def _bwd_preprocess(Out, DO, Lse, DLse, Delta, Lse2,
     tl.store(Lse2 + row, lse2, mask=offs_m < Sq)
 
 
-@triton.jit(do_not_specialize=_NO_SPEC + ["Hkv"])
+@_jit(do_not_specialize=_NO_SPEC + ["Hkv"])
 def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV,
                      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                      stride_db, stride_dm, stride_dh, stride_gb, stride_gn, stride_gh,
@@ -214,7 +246,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV,
     tl.store(DV + g_off, dv, mask=kv_mask)
 
 
-@triton.jit(do_not_specialize=_NO_SPEC)
+@_jit(do_not_specialize=_NO_SPEC)
 def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
                    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                    stride_db, stride_dm, stride_dh, stride_gb, stride_gm, stride_gh,
@@ -334,6 +366,7 @@ def _offset(mask: Mask) -> int:
 
 def forward(q, k, v, scale: float, mask: Mask):
     """q (B, Sq, H, D), k/v (B, Sk, Hkv, D) -> out (B, Sq, H, D) in q.dtype, lse (B, H, Sq) fp32."""
+    _build()
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -358,6 +391,7 @@ def _buckets(sq, sk):
 
 def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
     """Same contract as ``reference.backward``: fp32 dq, dk, dv from the rows' final out/lse."""
+    _build()
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout, out))

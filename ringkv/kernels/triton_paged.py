@@ -22,22 +22,18 @@ from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception as e:
-    raise ImportError(f"triton is not importable: {e}") from e
-
 from . import paged
 from .paged import validate_paged
-from .triton_attn import _dot, _prec
+from .triton_attn import _build, _jit, _prec  # raises ImportError when triton is not installed
+
+triton = tl = None  # bound by _build() (see triton_attn: kernels are decorated on first use)
 
 LOG2E = 1.4426950408889634
 MIN_CHUNK = 256   # tokens per split at least (less: the reduce costs more than it saves)
 MAX_SPLITS = 256
 
 
-@triton.jit
+@_jit
 def _paged_split_kernel(Q, K, V, BlockTable, SeqLens, OutP, LseP,
                         stride_qn, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
                         H, G, NQ, D, block_size, chunk, num_splits, qk_scale,
@@ -95,7 +91,7 @@ def _paged_split_kernel(Q, K, V, BlockTable, SeqLens, OutP, LseP,
     tl.store(LseP + part, lse2, mask=row_ok)
 
 
-@triton.jit
+@_jit
 def _paged_reduce_kernel(OutP, LseP, Out, Lse, stride_on, stride_oq, stride_oh,
                          H, NQ, D, num_splits, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     nh = tl.program_id(0).to(tl.int64)  # n * H + h
@@ -129,14 +125,15 @@ def _num_sms(device) -> int:
 
 def num_splits_for(capacity: int, programs: int, device) -> int:
     """Splits per (sequence, kv head): about two programs per SM, chunks >= MIN_CHUNK tokens."""
-    want = triton.cdiv(2 * _num_sms(device), max(programs, 1))
-    return max(1, min(want, triton.cdiv(capacity, MIN_CHUNK), MAX_SPLITS))
+    want = -(-2 * _num_sms(device) // max(programs, 1))  # ceil division
+    return max(1, min(want, -(-capacity // MIN_CHUNK), MAX_SPLITS))
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
                            causal: bool = True, num_splits: Optional[int] = None):
     """Same contract as ``paged.paged_attention_reference``; ``num_splits`` overrides the choice."""
     validate_paged(q, k_cache, v_cache, block_table, seq_lens)
+    _build()
     n, nq, h, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     scale = d ** -0.5 if scale is None else scale

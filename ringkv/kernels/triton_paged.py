@@ -33,10 +33,10 @@ MIN_CHUNK = 256   # tokens per split at least (less: the reduce costs more than 
 MAX_SPLITS = 256
 
 
-@_jit
+@_jit(do_not_specialize=["capacity", "chunk", "num_splits"])
 def _paged_split_kernel(Q, K, V, BlockTable, SeqLens, OutP, LseP,
                         stride_qn, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-                        H, G, NQ, D, block_size, chunk, num_splits, qk_scale,
+                        H, G, NQ, D, block_size, capacity, chunk, num_splits, qk_scale,
                         CAUSAL: tl.constexpr, PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
@@ -58,7 +58,8 @@ def _paged_split_kernel(Q, K, V, BlockTable, SeqLens, OutP, LseP,
         last_key = tl.zeros_like(qi) + seq_len - 1
 
     t_lo = split * chunk
-    t_hi = tl.minimum(t_lo + chunk, seq_len)  # splits past the end run no iteration
+    # splits past the end run no iteration; never read past the table row (seq_len > capacity)
+    t_hi = tl.minimum(tl.minimum(t_lo + chunk, seq_len), capacity)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -91,7 +92,7 @@ def _paged_split_kernel(Q, K, V, BlockTable, SeqLens, OutP, LseP,
     tl.store(LseP + part, lse2, mask=row_ok)
 
 
-@_jit
+@_jit(do_not_specialize=["num_splits"])
 def _paged_reduce_kernel(OutP, LseP, Out, Lse, stride_on, stride_oq, stride_oh,
                          H, NQ, D, num_splits, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     nh = tl.program_id(0).to(tl.int64)  # n * H + h
@@ -155,7 +156,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale:
     _paged_split_kernel[(n, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, out_p, lse_p,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0), h, g, nq, d, bs, chunk, splits, scale * LOG2E,
+        block_table.stride(0), h, g, nq, d, bs, capacity, chunk, splits, scale * LOG2E,
         CAUSAL=causal, PREC=_prec(q.dtype), BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d)
     _paged_reduce_kernel[(n * h, nq)](
         out_p, lse_p, out, lse, out.stride(0), out.stride(1), out.stride(2), h, nq, d, splits,

@@ -95,6 +95,16 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @_jit
+def _tile_start(IS_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr):
+    """First row of this program's query tile; with an OFFSET mask the last (heaviest)
+    tiles are launched first, so the short ones fill in at the end."""
+    pid = tl.program_id(0)
+    if IS_OFFSET:
+        pid = tl.num_programs(0) - 1 - pid
+    return pid * BLOCK_M
+
+
+@_jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, n_lo, n_hi,
               Sk, offset, qk_scale, D,
               MASKED: tl.constexpr, IS_OFFSET: tl.constexpr,
@@ -133,7 +143,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                 IS_OFFSET: tl.constexpr, PREC: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # grid (cdiv(Sq, BLOCK_M), B * H): one query tile of one head
-    m0 = tl.program_id(0) * BLOCK_M
+    m0 = _tile_start(IS_OFFSET, BLOCK_M)
     b = (tl.program_id(1) // H).to(tl.int64)  # int64: batch/head offsets may pass 2**31
     h = (tl.program_id(1) % H).to(tl.int64)
     hk = h // G  # GQA: the kv head of this query head
@@ -254,7 +264,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
                    IS_OFFSET: tl.constexpr, PREC: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # grid (cdiv(Sq, BLOCK_M), B * H): one query tile of one head over its visible key tiles
-    m0 = tl.program_id(0) * BLOCK_M
+    m0 = _tile_start(IS_OFFSET, BLOCK_M)
     b = (tl.program_id(1) // H).to(tl.int64)  # int64: batch/head offsets may pass 2**31
     h = (tl.program_id(1) % H).to(tl.int64)
     hk = h // G

@@ -54,7 +54,8 @@ def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
 # ----------------------------------------------------------------------------- lazy jit
 
 triton = tl = None  # bound by _build(); kernel bodies resolve ``tl`` through module globals
-_PENDING = []  # (python function, triton.jit options) of every kernel, in this and other modules
+_PENDING = []  # (python function, triton.jit options) of kernels not built yet, from any module
+_KERNELS = {}  # name -> built kernel, all modules (names are unique)
 
 
 def _jit(fn=None, **options):
@@ -76,9 +77,9 @@ def _build() -> None:
         raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported in this process; "
                            "set it before anything imports triton (e.g. at the top of tests/conftest.py)")
     triton, tl = _triton, _tl
-    kernels = {fn.__name__: _triton.jit(**options)(fn) for fn, options in _PENDING}
+    _KERNELS.update({fn.__name__: _triton.jit(**options)(fn) for fn, options in _PENDING})
     for fn, _ in _PENDING:  # kernels call each other across modules by name (e.g. ``_dot``)
-        fn.__globals__.update(kernels, triton=_triton, tl=_tl)
+        fn.__globals__.update(_KERNELS, triton=_triton, tl=_tl)
     _PENDING.clear()
 
 

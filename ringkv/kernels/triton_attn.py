@@ -36,7 +36,6 @@ if importlib.util.find_spec("triton") is None:  # the registry imports us inside
 from .mask import EMPTY, FULL, OFFSET, Mask
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -90,3 +90,9 @@ _BACKENDS = {"reference": paged_attention_reference}
 
 def _auto(q) -> str:
     return "triton" if q.device.type == "cuda" and "triton" in _BACKENDS else "reference"
+
+
+try:  # the Triton flash-decoding kernel registers itself in _BACKENDS when triton imports
+    from . import triton_paged  # noqa: F401
+except ImportError:
+    pass

@@ -1,0 +1,438 @@
+"""Own Triton attention with LSE: forward, and backward from the rows' final out/lse.
+
+Same contract as ``reference.py``: q ``(B, Sq, H, D)``, k/v ``(B, Sk, Hkv, D)``, out in
+q's dtype, lse float32 natural log ``(B, H, Sq)``; rows that see no key give out = 0 and
+lse = -inf; backward returns fp32 dq, dk, dv and takes an optional ``dlse``.
+
+- GQA: program for query head ``h`` reads kv head ``h // (H // Hkv)``; K/V never repeated.
+  The dk/dv program owns one kv head's key tile and loops over the group's query heads,
+  so it accumulates in registers without atomics.
+- Masks: FULL and OFFSET (key ``j`` visible to query ``i`` iff ``j <= i + offset``) run
+  natively; key tiles no row of a query tile can see (and query tiles no key of a key
+  tile is seen by) are outside the loop bounds, never loaded. Key tiles every row sees
+  run without mask arithmetic. DENSE masks are not supported (the registry falls back).
+- Ragged tails (Sq, Sk not multiples of the tile) and head dims 16..256 (padded to a
+  power of two) are masked loads/stores.
+- Inside the kernels softmax runs in base 2 (``exp2``, scores pre-multiplied by
+  ``scale * log2(e)``); the stored lse is converted to natural log.
+- On CUDA the tile sizes are autotuned (configs pruned for small problems); under the
+  CPU interpreter (``TRITON_INTERPRET=1``) one small fixed config keeps tests fast.
+- Importing this module does not import triton (only checks it is installed): the kernels
+  are decorated on first use (``_build``), because triton fixes "compile for a GPU" vs
+  "interpret on CPU" when *it* is imported, and ``TRITON_INTERPRET`` may be set later.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import torch
+
+if importlib.util.find_spec("triton") is None:  # the registry imports us inside ``except ImportError``
+    raise ImportError("triton is not installed (pip install 'ringkv[triton]')")
+
+from .mask import EMPTY, FULL, OFFSET, Mask
+
+LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
+    on_device = q.device.type == "cuda" or (q.device.type == "cpu" and _interpret())
+    # EMPTY: answered without a launch (the registry also routes it to the reference first)
+    return (on_device and q.dtype in _DTYPES and 0 < q.shape[-1] <= 256
+            and mask.kind in (FULL, OFFSET, EMPTY))
+
+
+# ----------------------------------------------------------------------------- lazy jit
+
+triton = tl = None  # bound by _build(); kernel bodies resolve ``tl`` through module globals
+_PENDING = []  # (python function, triton.jit options) of kernels not built yet, from any module
+_KERNELS = {}  # name -> built kernel, all modules (names are unique)
+
+
+def _jit(fn=None, **options):
+    """Mark a kernel for ``triton.jit``; ``_build`` decorates it in place on first use."""
+    if fn is None:
+        return lambda f: _jit(f, **options)
+    _PENDING.append((fn, options))
+    return fn
+
+
+def _build() -> None:
+    """Import triton and turn every marked function into a kernel (once per process)."""
+    global triton, tl
+    if triton is not None and not _PENDING:
+        return
+    import triton as _triton
+    import triton.language as _tl
+    if _interpret() and isinstance(getattr(_tl, "zeros", None), _triton.runtime.JITFunction):
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported in this process; "
+                           "set it before anything imports triton (e.g. at the top of tests/conftest.py)")
+    triton, tl = _triton, _tl
+    _KERNELS.update({fn.__name__: _triton.jit(**options)(fn) for fn, options in _PENDING})
+    for fn, _ in _PENDING:  # kernels call each other across modules by name (e.g. ``_dot``)
+        fn.__globals__.update(_KERNELS, triton=_triton, tl=_tl)
+    _PENDING.clear()
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@_jit
+def _dot(a, b, PREC: tl.constexpr):
+    """``a @ b`` accumulated in fp32. PREC: "ieee" (fp32 inputs), "tf32", or "upcast": the
+    CPU interpreter multiplies bf16 bit patterns as integers, so there both sides go to
+    fp32 first (exact for bf16 values; the GPU's bf16 dot also accumulates in fp32)."""
+    if PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@_jit
+def _tile_start(IS_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr):
+    """First row of this program's query tile; with an OFFSET mask the last (heaviest)
+    tiles are launched first, so the short ones fill in at the end."""
+    pid = tl.program_id(0)
+    if IS_OFFSET:
+        pid = tl.num_programs(0) - 1 - pid
+    return pid * BLOCK_M
+
+
+@_jit
+def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, n_lo, n_hi,
+              Sk, offset, qk_scale, D,
+              MASKED: tl.constexpr, IS_OFFSET: tl.constexpr,
+              BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax (base 2) of one query tile over key tiles ``[n_lo, n_hi)``."""
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN) base-2 scores
+        if MASKED:
+            visible = offs_n[None, :] < Sk
+            if IS_OFFSET:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + offset)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# lengths/offsets vary per call: not specialized (fewer compiles); strides still are
+_NO_SPEC = ["H", "G", "Sq", "Sk", "D", "offset", "SQ_B", "SK_B"]
+
+
+@_jit(do_not_specialize=_NO_SPEC)
+def _fwd_kernel(Q, K, V, Out, Lse,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                stride_ob, stride_om, stride_oh,
+                H, G, Sq, Sk, D, offset, qk_scale, SQ_B, SK_B,
+                IS_OFFSET: tl.constexpr, PREC: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid (cdiv(Sq, BLOCK_M), B * H): one query tile of one head
+    m0 = _tile_start(IS_OFFSET, BLOCK_M)
+    b = (tl.program_id(1) // H).to(tl.int64)  # int64: batch/head offsets may pass 2**31
+    h = (tl.program_id(1) % H).to(tl.int64)
+    hk = h // G  # GQA: the kv head of this query head
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=q_mask, other=0.0)  # (BM, BD)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_kb + hk * stride_kh
+
+    # key range: [0, n_full) seen by every row of the tile, [n_full, n_hi) needs the mask
+    n_hi = Sk
+    n_full = (Sk // BLOCK_N) * BLOCK_N
+    if IS_OFFSET:
+        last_row = tl.minimum(m0 + BLOCK_M, Sq) - 1
+        n_hi = tl.maximum(tl.minimum(Sk, last_row + offset + 1), 0)
+        n_full = tl.minimum(n_full, tl.maximum((m0 + offset + 1) // BLOCK_N * BLOCK_N, 0))
+    n_full = tl.minimum(n_full, n_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, 0, n_full,
+                              Sk, offset, qk_scale, D, False, IS_OFFSET, BLOCK_N, PREC)
+    acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, n_full, n_hi,
+                              Sk, offset, qk_scale, D, True, IS_OFFSET, BLOCK_N, PREC)
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: acc = 0 -> out = 0
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=q_mask)
+    tl.store(Lse + (b * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)
+
+
+@_jit(do_not_specialize=["H", "Sq", "D"])
+def _bwd_preprocess(Out, DO, Lse, DLse, Delta, Lse2,
+                    stride_ob, stride_om, stride_oh, stride_db, stride_dm, stride_dh,
+                    H, Sq, D, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid (cdiv(Sq, BLOCK_M), B * H): delta = rowsum(dout * out) - dlse; lse in base 2
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    b = (tl.program_id(1) // H).to(tl.int64)  # int64: batch/head offsets may pass 2**31
+    h = (tl.program_id(1) % H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    row = (b * H + h) * Sq + offs_m
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLse + row, mask=offs_m < Sq, other=0.0).to(tl.float32)
+    lse = tl.load(Lse + row, mask=offs_m < Sq, other=0.0)
+    # rows that saw no key: lse2 = +inf makes every p = exp2(s - lse2) = 0 (zero grads, no NaN)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(Delta + row, delta, mask=offs_m < Sq)
+    tl.store(Lse2 + row, lse2, mask=offs_m < Sq)
+
+
+@_jit(do_not_specialize=_NO_SPEC + ["Hkv"])
+def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV,
+                     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                     stride_db, stride_dm, stride_dh, stride_gb, stride_gn, stride_gh,
+                     H, Hkv, G, Sq, Sk, D, offset, qk_scale, scale, SQ_B, SK_B,
+                     IS_OFFSET: tl.constexpr, PREC: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid (cdiv(Sk, BLOCK_N), B * Hkv): one key tile of one kv head, all G query heads
+    n0 = tl.program_id(0) * BLOCK_N
+    b = (tl.program_id(1) // Hkv).to(tl.int64)
+    hk = (tl.program_id(1) % Hkv).to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
+    kv_off = b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)  # (BN, BD)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    # query rows that see a key of this tile: i >= n0 - offset (earlier tiles skipped)
+    m_lo = 0
+    if IS_OFFSET:
+        m_lo = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
+    for g in range(0, G):
+        h = hk * G + g
+        for m0 in range(m_lo, Sq, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            q_mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
+            q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                        mask=q_mask, other=0.0)  # (BM, BD)
+            do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :],
+                         mask=q_mask, other=0.0)
+            row = (b * H + h) * Sq + offs_m
+            lse2 = tl.load(Lse2 + row, mask=offs_m < Sq, other=float("inf"))  # (BM,)
+            delta = tl.load(Delta + row, mask=offs_m < Sq, other=0.0)
+            s_t = _dot(k, tl.trans(q), PREC) * qk_scale  # (BN, BM)
+            visible = (offs_n[:, None] < Sk) & (offs_m[None, :] < Sq)
+            if IS_OFFSET:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :] + offset)
+            p_t = tl.where(visible, tl.math.exp2(s_t - lse2[None, :]), 0.0)
+            dv += _dot(p_t.to(do.dtype), do, PREC)
+            dp_t = _dot(v, tl.trans(do), PREC)  # (BN, BM)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += _dot(ds_t.to(q.dtype), q, PREC)
+    g_off = b * stride_gb + hk * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :]
+    tl.store(DK + g_off, dk * scale, mask=kv_mask)
+    tl.store(DV + g_off, dv, mask=kv_mask)
+
+
+@_jit(do_not_specialize=_NO_SPEC)
+def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
+                   stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                   stride_db, stride_dm, stride_dh, stride_gb, stride_gm, stride_gh,
+                   H, G, Sq, Sk, D, offset, qk_scale, scale, SQ_B, SK_B,
+                   IS_OFFSET: tl.constexpr, PREC: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid (cdiv(Sq, BLOCK_M), B * H): one query tile of one head over its visible key tiles
+    m0 = _tile_start(IS_OFFSET, BLOCK_M)
+    b = (tl.program_id(1) // H).to(tl.int64)  # int64: batch/head offsets may pass 2**31
+    h = (tl.program_id(1) % H).to(tl.int64)
+    hk = h // G
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :],
+                 mask=q_mask, other=0.0)
+    row = (b * H + h) * Sq + offs_m
+    lse2 = tl.load(Lse2 + row, mask=offs_m < Sq, other=float("inf"))
+    delta = tl.load(Delta + row, mask=offs_m < Sq, other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_kb + hk * stride_kh
+
+    n_hi = Sk
+    if IS_OFFSET:  # key tiles past the tile's last row's diagonal are skipped
+        n_hi = tl.maximum(tl.minimum(Sk, tl.minimum(m0 + BLOCK_M, Sq) - 1 + offset + 1), 0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN)
+        visible = offs_n[None, :] < Sk
+        if IS_OFFSET:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + offset)
+        p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
+        dp = _dot(do, tl.trans(v), PREC)  # (BM, BN)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, PREC)
+    tl.store(DQ + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gm + offs_d[None, :],
+             dq * scale, mask=q_mask)
+
+
+# ----------------------------------------------------------------------------- launch
+
+_CPU_CONFIG = dict(BLOCK_M=32, BLOCK_N=16)  # interpreter: small, fixed, M != N on purpose
+_FIXED_CONFIG = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)  # RINGKV_TRITON_AUTOTUNE=0
+_FIXED_BIG = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)  # ... for wide rows
+
+
+def _configs():
+    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=w, num_stages=s)
+            for bm, bn, w, s in [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2),
+                                 (16, 16, 2, 1)]]
+
+
+def _big_rows(elem_bytes: int, block_d: int) -> bool:
+    """fp32 with D > 64 or fp16/bf16 with D > 128: large tiles overflow shared memory."""
+    return elem_bytes * block_d > 256
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop tiles much larger than the problem (small ring blocks, short sequences) and, for
+    wide rows, tiles whose buffers do not fit in shared memory."""
+    sq, sk = named_args["Sq"], named_args["Sk"]
+    bm_cap = max(16, triton.next_power_of_2(sq))
+    bn_cap = max(16, triton.next_power_of_2(sk))
+    if _big_rows(named_args["Q"].element_size(), kwargs["BLOCK_D"]):
+        bm_cap, bn_cap = min(bm_cap, 64), min(bn_cap, 32)
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= bm_cap and c.kwargs["BLOCK_N"] <= bn_cap]
+    return kept or configs[-1:]
+
+
+def _tuned(kernel):
+    # key on bucketed lengths (SQ_B/SK_B are the next powers of two) and the head dim
+    return triton.autotune(_configs(), key=["SQ_B", "SK_B", "BLOCK_D", "IS_OFFSET"],
+                           prune_configs_by={"early_config_prune": _prune})(kernel)
+
+
+_TUNED = {}
+
+
+def _launch(kernel, grid_fn, *args, **meta):
+    """Run ``kernel``: autotuned on CUDA, one fixed small config under the interpreter.
+
+    ``RINGKV_TRITON_AUTOTUNE=0`` takes one fixed config on CUDA too (test runs on a fresh GPU,
+    where tuning every drawn shape would mostly measure compile time).
+    """
+    if _interpret():
+        kernel[grid_fn(_CPU_CONFIG)](*args, **meta, **_CPU_CONFIG)
+        return
+    if os.environ.get("RINGKV_TRITON_AUTOTUNE", "1") == "0":
+        cfg = _FIXED_BIG if _big_rows(args[0].element_size(), meta["BLOCK_D"]) else _FIXED_CONFIG
+        kernel[grid_fn(cfg)](*args, **meta, **cfg)
+        return
+    if kernel not in _TUNED:
+        _TUNED[kernel] = _tuned(kernel)
+    _TUNED[kernel][grid_fn](*args, **meta)
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _prec(dtype) -> str:
+    """How ``_dot`` multiplies: fp32 inputs without tf32 rounding; bf16 upcast in the interpreter."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "upcast" if dtype == torch.bfloat16 and _interpret() else "tf32"
+
+
+def _offset(mask: Mask) -> int:
+    return mask.offset if mask.kind == OFFSET else 0
+
+
+def forward(q, k, v, scale: float, mask: Mask):
+    """q (B, Sq, H, D), k/v (B, Sk, Hkv, D) -> out (B, Sq, H, D) in q.dtype, lse (B, H, Sq) fp32."""
+    _build()
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.zeros(b, sq, h, d, dtype=q.dtype, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    if b * h * sq * sk == 0 or mask.kind == EMPTY:
+        return out, lse
+    _launch(_fwd_kernel, lambda c: (triton.cdiv(sq, c["BLOCK_M"]), b * h),
+            q, k, v, out, lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            h, h // hkv, sq, sk, d, _offset(mask), scale * LOG2E,
+            IS_OFFSET=mask.kind == OFFSET, PREC=_prec(q.dtype), BLOCK_D=_block_d(d),
+            **_buckets(sq, sk))
+    return out, lse
+
+
+def _buckets(sq, sk):
+    # SQ_B/SK_B: unused by the kernels, the autotune key (lengths bucketed to powers of two)
+    return dict(SQ_B=triton.next_power_of_2(sq), SK_B=triton.next_power_of_2(sk))
+
+
+def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
+    """Same contract as ``reference.backward``: fp32 dq, dk, dv from the rows' final out/lse."""
+    _build()
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout, out))
+    dout = dout.to(q.dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    if b * h * sq * sk == 0 or mask.kind == EMPTY:
+        return dq, dk, dv
+    lse = lse.float().contiguous()
+    delta = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)  # base-2 lse, +inf for rows that see no key
+    dlse_t = dlse.float().contiguous() if dlse is not None else delta
+    bd = _block_d(d)
+    bm = 32
+    _bwd_preprocess[(triton.cdiv(sq, bm), b * h)](
+        out, dout, lse, dlse_t, delta, lse2,
+        out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        h, sq, d, HAS_DLSE=dlse is not None, BLOCK_M=bm, BLOCK_D=bd)
+    common = dict(IS_OFFSET=mask.kind == OFFSET, PREC=_prec(q.dtype), BLOCK_D=bd, **_buckets(sq, sk))
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               dout.stride(0), dout.stride(1), dout.stride(2))
+    _launch(_bwd_dkdv_kernel, lambda c: (triton.cdiv(sk, c["BLOCK_N"]), b * hkv),
+            q, k, v, dout, lse2, delta, dk, dv, *strides, dk.stride(0), dk.stride(1), dk.stride(2),
+            h, hkv, h // hkv, sq, sk, d, _offset(mask), scale * LOG2E, scale, **common)
+    _launch(_bwd_dq_kernel, lambda c: (triton.cdiv(sq, c["BLOCK_M"]), b * h),
+            q, k, v, dout, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+            h, h // hkv, sq, sk, d, _offset(mask), scale * LOG2E, scale, **common)
+    return dq, dk, dv
+
+
+from . import register_backend  # noqa: E402  (kernels/__init__ imports us at its end)
+
+register_backend("triton", sys.modules[__name__], preference={"cuda": 0})

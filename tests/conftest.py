@@ -2,8 +2,12 @@
 
 import os
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU-only machines
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from hypothesis import settings
 
 settings.register_profile("ringkv", deadline=None, print_blob=True)

@@ -43,8 +43,8 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k/v (T, Hkv, D) into their slots (T,) of ``layer``."""
         kv = self.data[layer].view(2, -1, *k.shape[1:])  # (2, num_blocks * block_size, Hkv, D)
-        kv[0, slot_mapping] = k.to(kv.dtype)
-        kv[1, slot_mapping] = v.to(kv.dtype)
+        kv[0].index_copy_(0, slot_mapping, k.to(kv.dtype))
+        kv[1].index_copy_(0, slot_mapping, v.to(kv.dtype))
 
 
 def slots(block_table, start: int, end: int, block_size: int) -> list:

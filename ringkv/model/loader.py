@@ -117,12 +117,25 @@ def load_gguf_hf(gguf_path: str):
 
 def convert_gguf(gguf_path: str, out_dir: str) -> str:
     """Write an HF-format copy (config.json, model.safetensors, tokenizer files) of a GGUF model."""
+    from safetensors.torch import save_file
+
     hf, tok = load_gguf_hf(gguf_path)
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)  # the copy holds plain float weights
+    cfg["architectures"] = [type(hf).__name__]
+    state = {k: v.detach().contiguous() for k, v in hf.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
     tmp = out_dir.rstrip("/") + f".tmp{os.getpid()}"
-    hf.save_pretrained(tmp, safe_serialization=True)
+    os.makedirs(tmp, exist_ok=True)
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, default=str)
     tok.save_pretrained(tmp)
-    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-    os.replace(tmp, out_dir)  # atomic: a half-written copy is never reused
+    if os.path.isdir(out_dir):  # a stale or partial copy
+        import shutil
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)  # a half-written copy is never picked up as complete
     return out_dir
 
 

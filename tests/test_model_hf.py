@@ -94,3 +94,12 @@ def test_engine_greedy_matches_hf_generate(hf_model):
             ref = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                     do_sample=False, max_new_tokens=8, pad_token_id=0)
         assert o.token_ids == ref[0, len(p):].tolist()  # both stop after EOS (id 2), included
+
+
+def test_sliding_window_caps_max_model_len():
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_config(tiny_config("mistral", sliding_window=32)).eval()
+    assert LLM(m, block_size=4, num_blocks=64).max_model_len == 32  # exact within the window
+    with pytest.raises(ValueError, match="sliding_window"):
+        LLM(m, block_size=4, num_blocks=64, max_model_len=64)

@@ -49,8 +49,12 @@ class LLM:
         self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size,
                           num_blocks=num_blocks, dtype=dtype, device=self.device)
         capacity = num_blocks * block_size
+        window = cfg.sliding_window or float("inf")  # within the window, full attention is exact
         if max_model_len is None:
-            max_model_len = min(cfg.max_position_embeddings, capacity)
+            max_model_len = int(min(cfg.max_position_embeddings, capacity, window))
+        if max_model_len > window:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, "
+                             f"which ringkv does not implement; use max_model_len <= {window}")
         if max_model_len > capacity:
             raise ValueError(f"max_model_len={max_model_len} needs more KV cache than the {num_blocks} blocks "
                              f"of {block_size} tokens ({capacity} tokens); raise kv_cache_memory/num_blocks")

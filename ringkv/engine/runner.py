@@ -7,7 +7,9 @@ it writes the step's K/V into their slots, then
   new K/V with ``kernels.attention`` (causal, global positions);
 - every other sequence (decode, later chunks, prompts continuing a cached prefix) attends
   over the cache with ``kernels.paged.paged_attention``, one call per group of sequences
-  with the same number of new tokens (all decodes together).
+  with the same number of new tokens (all decodes together). With the batched ``"torch"``
+  backend (CPU default) the gather indices and masks are planned once per step
+  (``PagedPlan``) and reused by every layer.
 
 A parallel runner swaps this object, not the model.
 """
@@ -21,8 +23,8 @@ import torch
 
 from ..cache.kv_cache import KVCache
 from ..kernels import attention
-from ..kernels import paged_torch  # noqa: F401  (registers the batched "torch" paged backend)
 from ..kernels.paged import paged_attention
+from ..kernels.paged_torch import PagedPlan, paged_attention_planned  # also registers backend "torch"
 from .scheduler import Scheduled
 
 
@@ -51,7 +53,9 @@ class PagedContext:
                                   for _, s in members], dtype=torch.int32, device=device)  # (N, width)
             seq_lens = torch.tensor([s.start + n for _, s in members], dtype=torch.int32, device=device)
             rows = torch.tensor([o + j for o, _ in members for j in range(n)], device=device)  # (N*n,)
-            self.groups.append((n, rows, table, seq_lens))
+            # the batched torch backend: gather indices and mask once per step, not per layer
+            plan = PagedPlan(table, seq_lens, n, bs) if paged_backend == "torch" else None
+            self.groups.append((n, rows, table, seq_lens, plan))
 
     def attend(self, layer: int, q, k, v):
         # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D)
@@ -61,10 +65,13 @@ class PagedContext:
             o, _ = attention(q[None, off:off + n], k[None, off:off + n], v[None, off:off + n], causal=True,
                              backend=self.attn_backend)
             out[off:off + n] = o[0]
-        for n, rows, table, seq_lens in self.groups:
-            qg = q[rows].view(-1, n, *q.shape[1:])  # (N, n, H, D)
-            o, _ = paged_attention(qg, self.kv.k(layer), self.kv.v(layer), table, seq_lens,
-                                   backend=self.paged_backend)
+        for n, rows, table, seq_lens, plan in self.groups:
+            qg = q.index_select(0, rows).view(-1, n, *q.shape[1:])  # (N, n, H, D)
+            if plan is not None:
+                o = paged_attention_planned(qg, self.kv.k(layer), self.kv.v(layer), plan)
+            else:
+                o, _ = paged_attention(qg, self.kv.k(layer), self.kv.v(layer), table, seq_lens,
+                                       backend=self.paged_backend)
             out[rows] = o.reshape(-1, *q.shape[1:])
         return out
 

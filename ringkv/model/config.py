@@ -29,6 +29,7 @@ class ModelConfig:
     eos_token_id: Any = None  # int or list of ints
     bos_token_id: Optional[int] = None
     torch_dtype: Optional[str] = None
+    sliding_window: Optional[int] = None  # not implemented: the engine caps max_model_len to it
     extra: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -76,6 +77,8 @@ class ModelConfig:
             eos_token_id=cfg.get("eos_token_id"),
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            sliding_window=(cfg.get("sliding_window") if mt == "mistral" or cfg.get("use_sliding_window")
+                            else None),
             extra=cfg,
         )
 

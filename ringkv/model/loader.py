@@ -153,7 +153,11 @@ def load_model(source, dtype: Optional[torch.dtype] = None, device="cpu"):
         model, cfg = load_dir(path, dtype, device)
         return model, cfg, _maybe_tokenizer(path)
     if isinstance(source, LlamaForCausalLM):  # already ours (tests, parallel runners)
-        return source.to(device=device, dtype=dtype).eval(), source.config, None
+        p = next(source.parameters())
+        if p.device != torch.device(device) or p.dtype != dtype:  # never move the caller's model
+            import copy
+            source = copy.deepcopy(source).to(device=device, dtype=dtype)
+        return source.eval(), source.config, None
     if hasattr(source, "state_dict") and hasattr(source, "config"):
         model, cfg = load_hf_model(source, dtype, device)
         return model, cfg, None

@@ -20,7 +20,7 @@ from ..model.loader import load_model
 from .params import RequestOutput, SamplingParams, TokenDelta
 from .runner import Runner, sample
 from .scheduler import Scheduler
-from .sequence import Sequence, Status
+from .sequence import Sequence
 
 Prompt = Union[str, List[int]]
 DEFAULT_KV_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_blocks is given
@@ -38,16 +38,19 @@ class LLM:
         if dtype is None:
             dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         if isinstance(dtype, str):
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
             dtype = getattr(torch, dtype)
         self.dtype = dtype
         self.model, self.config, tok = load_model(model, dtype=dtype, device=self.device)
         self.tokenizer = tokenizer if tokenizer is not None else tok
         cfg = self.config
         if num_blocks is None:
-            num_blocks = (kv_cache_memory or DEFAULT_KV_MEMORY) // bytes_per_block(
+            num_blocks = int(kv_cache_memory or DEFAULT_KV_MEMORY) // bytes_per_block(
                 cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-        self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size,
-                          num_blocks=num_blocks, dtype=dtype, device=self.device)
+        if num_blocks < 1:
+            raise ValueError(f"a KV cache of {kv_cache_memory} bytes holds no block of {block_size} tokens; "
+                             f"give more kv_cache_memory or a smaller block_size")
         capacity = num_blocks * block_size
         window = cfg.sliding_window or float("inf")  # within the window, full attention is exact
         if max_model_len is None:
@@ -59,6 +62,8 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len} needs more KV cache than the {num_blocks} blocks "
                              f"of {block_size} tokens ({capacity} tokens); raise kv_cache_memory/num_blocks")
         self.max_model_len = max_model_len
+        self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size,
+                          num_blocks=num_blocks, dtype=dtype, device=self.device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
                                    hash_fn=hash_fn)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,

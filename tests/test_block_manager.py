@@ -134,3 +134,15 @@ class BlockMachine(RuleBasedStateMachine):
 
 TestBlockMachine = BlockMachine.TestCase
 TestBlockMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_twin_blocks_computed_concurrently_keep_the_chain_going():
+    bm = BlockManager(16, BS)
+    a_tok = [1, 1, 1, 1, 2, 2, 2, 2, 0]
+    b_tok = [1, 1, 1, 1, 3, 3, 3, 3, 0]  # same first block, computed at the same time (no hit)
+    a, b = alloc_prompt(bm, a_tok), alloc_prompt(bm, b_tok)
+    assert set(a).isdisjoint(b)
+    bm.register(a, a_tok, 9)
+    bm.register(b, b_tok, 9)  # b[0] is a twin of a[0]; b[1] is still cached, chained through a[0]
+    assert bm.match_prefix(b_tok) == [a[0], b[1]]
+    bm.check()

@@ -154,7 +154,10 @@ class BlockManager:
                 self.by_hash[h], self.hash_of[b] = b, h
                 self.content[b], self.reg_id[b] = content, next(self._next_reg)
             else:
-                return  # another block already caches this hash (duplicate or collision): stop
+                twin = self.by_hash[h]
+                if self.content[twin] != content:
+                    return  # a hash collision: leave the rest of this chain uncached
+                b = twin  # a twin holds the same KV (computed concurrently): chain on through it
             parent_reg = self.reg_id[b]
 
     def check(self) -> None:

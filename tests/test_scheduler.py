@@ -18,7 +18,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s = Scheduler(self.bm, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens)
         self.cap = num_blocks * block_size
         self.seqs, self.ids = [], 0
-        self.last_batch = []
+        self.store = {}  # block -> the token prefix whose K/V it holds (what "computing" wrote)
 
     @rule(length=st.integers(1, 20), out=st.integers(1, 6), vocab=st.integers(1, 3))
     def add(self, length, out, vocab):
@@ -39,19 +39,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sum(b.n for b in batch) <= self.s.max_num_batched_tokens
         assert len(self.s.running) <= self.s.max_num_seqs
         assert len({id(b.seq) for b in batch}) == len(batch)
+        bs = self.bm.block_size
         for b in batch:
             assert b.n >= 1 and b.start == b.seq.num_computed
-            assert len(b.seq.block_table) * self.bm.block_size >= b.start + b.n
+            assert len(b.seq.block_table) * bs >= b.start + b.n
+            for i in range(b.start // bs):  # blocks before the new tokens (prefix hits too) hold their KV
+                assert self.store.get(b.seq.block_table[i]) == tuple(b.seq.token_ids[:(i + 1) * bs]), \
+                    "a sequence reads a block holding other K/V"
         for b in batch:
             seq = b.seq
             seq.num_computed = b.start + b.n
+            for i in range(b.start // bs, -(-seq.num_computed // bs)):
+                self.store[seq.block_table[i]] = tuple(seq.token_ids[:min(seq.num_computed, (i + 1) * bs)])
             self.bm.register(seq.block_table, seq.token_ids, seq.num_computed, seq.cache_salt)
             if b.completes:
                 seq.token_ids.append((seq.num_tokens * 3) % 5)  # a fake, deterministic "sample"
                 if len(seq.output_token_ids) >= seq.params.max_tokens:
                     seq.finish("length")
                     self.s.finish(seq)
-        self.last_batch = batch
 
     @rule(i=st.integers(0, 50))
     def abort(self, i):

@@ -148,8 +148,7 @@ class BlockManager:
             b = table[i]
             content = _Content(parent_reg, tokens, salt)
             if b in self.content:
-                if self.content[b] != content:
-                    raise RuntimeError(f"block {b} is registered with other content")  # a bug
+                pass  # registered earlier; its parent may be a since-evicted twin: keep its own id
             elif h not in self.by_hash:
                 self.by_hash[h], self.hash_of[b] = b, h
                 self.content[b], self.reg_id[b] = content, next(self._next_reg)

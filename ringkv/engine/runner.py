@@ -21,7 +21,7 @@ from typing import List, Sequence
 
 import torch
 
-from ..cache.kv_cache import KVCache
+from ..cache.kv_cache import KVCache, slots
 from ..kernels import attention
 from ..kernels.paged import paged_attention
 from ..kernels.paged_torch import PagedPlan, paged_attention_planned  # also registers backend "torch"
@@ -33,13 +33,13 @@ class PagedContext:
                  attn_backend: str = "auto"):
         self.kv, self.paged_backend, self.attn_backend = kv, paged_backend, attn_backend
         bs = kv.block_size
-        slot_mapping, offsets = [], []
+        slot_mapping = []
         self.fresh = []  # (token offset, n) of sequences computing from position 0
         groups = defaultdict(list)  # n -> [(token offset, Scheduled)]
         off = 0
         for s in batch:
             table = s.seq.block_table
-            slot_mapping.extend(table[t // bs] * bs + t % bs for t in range(s.start, s.start + s.n))
+            slot_mapping.extend(slots(table, s.start, s.start + s.n, bs))
             if s.start == 0:
                 self.fresh.append((off, s.n))
             else:

@@ -193,3 +193,14 @@ def test_kv_cache_sized_from_memory_budget(model):
     per = bytes_per_block(2, 4, 2, 8, torch.float32)
     llm = LLM(model, block_size=4, kv_cache_memory=per * 10 + 5)
     assert llm.kv.num_blocks == 10 and llm.max_model_len == 40
+
+
+def test_cache_salt_per_request(model):
+    llm = LLM(model, block_size=4, num_blocks=128)
+    p = PROMPTS[2]
+    llm.generate(p, GREEDY, use_tqdm=False, cache_salt="alice")
+    outs = llm.generate([p, p], GREEDY, use_tqdm=False, cache_salt=["bob", "alice"])
+    assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens > 0
+    assert outs[0].token_ids == outs[1].token_ids == reference(model, p, 10)
+    with pytest.raises(ValueError, match="cache salts"):
+        llm.generate([p, p], GREEDY, use_tqdm=False, cache_salt=["x"])

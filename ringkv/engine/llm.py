@@ -184,13 +184,18 @@ class LLM:
             params = [params] * len(prompts)
         if isinstance(prompts, (list, tuple)) and any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
             raise ValueError("string prompts need a tokenizer: pass tokenizer=... to LLM or give token ids")
-        return [self._make(p, sp, apply_chat_template, cache_salt) for p, sp in zip(prompts, params)]
+        salts = list(cache_salt) if isinstance(cache_salt, (list, tuple)) else [cache_salt] * len(prompts)
+        if len(salts) != len(prompts):
+            raise ValueError(f"got {len(salts)} cache salts for {len(prompts)} prompts; give one, or one per prompt")
+        return [self._make(p, sp, apply_chat_template, salt) for p, sp, salt in zip(prompts, params, salts)]
 
     def generate(self, prompts, params: Union[SamplingParams, Seq[SamplingParams], None] = None, *,
                  use_tqdm: bool = True, apply_chat_template: bool = False,
-                 cache_salt: Optional[str] = None) -> List[RequestOutput]:
+                 cache_salt: Union[str, Seq[Optional[str]], None] = None) -> List[RequestOutput]:
         """Generate for every prompt (batched); outputs in prompt order. An invalid request
-        gets ``finish_reason="error"`` and an ``error`` message; the others still complete."""
+        gets ``finish_reason="error"`` and an ``error`` message; the others still complete.
+        ``cache_salt`` (one, or one per prompt): prefix-cache blocks are shared only between
+        requests with the same salt."""
         seqs = self._requests(prompts, params, apply_chat_template, cache_salt)
         live = [s for s in seqs if not s.finished]
         for s in live:

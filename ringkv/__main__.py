@@ -1,0 +1,70 @@
+"""Command line: ``ringkv generate --model PATH --prompt "..." [--max-tokens N] ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ringkv", description="ringkv: exact ring attention and an inference engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text with the ringkv engine")
+    g.add_argument("--model", required=True, help="HF directory (config.json + *.safetensors) or a .gguf file")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: float32 on CPU)")
+    g.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are generated (one prompt)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from .engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, stop=args.stop, seed=args.seed)
+    problem = params.problem()
+    if problem:
+        print(f"ringkv: {problem}", file=sys.stderr)
+        return 2
+    mem = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
+    try:
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=mem)
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        print(f"ringkv: {e}", file=sys.stderr)
+        return 2
+    if llm.tokenizer is None:
+        print(f"ringkv: no tokenizer files in {args.model!r}; text prompts need one", file=sys.stderr)
+        return 2
+    if args.stream and len(args.prompt) == 1:
+        try:
+            for delta in llm.stream(args.prompt[0], params, apply_chat_template=args.chat):
+                print(delta.text, end="", flush=True)
+        except ValueError as e:
+            print(f"ringkv: {e}", file=sys.stderr)
+            return 1
+        print()
+        return 0
+    outs = llm.generate(args.prompt, params, use_tqdm=False, apply_chat_template=args.chat)
+    status = 0
+    for o in outs:
+        if o.finish_reason == "error":
+            print(f"ringkv: {o.error}", file=sys.stderr)
+            status = 1
+            continue
+        if len(outs) > 1:
+            print(f"--- [{o.request_id}] ({o.finish_reason})")
+        print(o.text)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Every step each scheduled sequence computes ``n`` of its tokens that have no KV yet
+(``num_tokens - num_computed``): a whole or partial prompt (chunked prefill), one token
+(decode), or a whole prefix again after a preemption. Per step at most
+``max_num_batched_tokens`` tokens and ``max_num_seqs`` running sequences.
+
+Order: running sequences first (oldest first), then waiting ones (FIFO). When the cache has
+no block for a running sequence, the youngest running sequence is preempted: its blocks are
+freed and it goes back to the front of the waiting queue, to be recomputed later (its full
+blocks usually come back from the prefix cache). ``max_model_len`` never exceeds the cache's
+capacity, so a sequence alone always fits and nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import List
+
+from ..cache.block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    start: int  # first token computed this step (== seq.num_computed before the step)
+    n: int  # tokens computed this step
+
+    @property
+    def completes(self) -> bool:
+        """After this step every token has KV: the last one's logits give the next token."""
+        return self.start + self.n == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: "deque[Sequence]" = deque()
+        self.running: List[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_computed, seq.status = 0, Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> List[Scheduled]:
+        budget = self.max_num_batched_tokens
+        out: List[Scheduled] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.grow(seq.block_table, seq.num_computed + n):
+                victim = self.running[-1]  # youngest; never one already scheduled (those are older)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.append(Scheduled(seq, seq.num_computed, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        # admit waiting sequences (not in a step that had to preempt: memory is short)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if seq.num_computed == 0 and not seq.block_table:
+                seq.block_table = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
+                seq.num_computed = len(seq.block_table) * self.blocks.block_size
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = seq.num_computed
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.blocks.grow(seq.block_table, seq.num_computed + n):
+                self.blocks.free(seq.block_table)  # give the prefix back; retry next step
+                seq.num_computed = 0
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.append(Scheduled(seq, seq.num_computed, n))
+            budget -= n
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished (or failed) sequence's blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_table)

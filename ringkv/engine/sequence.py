@@ -1,0 +1,51 @@
+"""A request being generated: its tokens, how many have KV in the cache, its block table."""
+
+from __future__ import annotations
+
+import enum
+import random
+from typing import List, Optional
+
+import torch
+
+from .params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, prompt, prompt_token_ids: List[int], params: SamplingParams,
+                 cache_salt: Optional[str] = None):
+        self.seq_id, self.prompt, self.params = seq_id, prompt, params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + generated
+        self.cache_salt = cache_salt
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.block_table: List[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None
+        self.text = ""
+        self.num_cached_tokens: Optional[int] = None  # set on first admission
+        self.num_preemptions = 0
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> List[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, error: Optional[str] = None) -> None:
+        self.status, self.finish_reason, self.error = Status.FINISHED, reason, error

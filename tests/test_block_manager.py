@@ -1,0 +1,148 @@
+"""Block manager: reference counts, prefix caching with confirmation, LRU eviction."""
+
+import random
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from ringkv.cache import BlockManager
+
+BS = 4
+
+
+def alloc_prompt(bm, tokens, salt=None):
+    """What the scheduler does: prefix match, then grow to the whole prompt."""
+    table = bm.match_prefix(tokens, salt)
+    assert bm.grow(table, len(tokens))
+    return table
+
+
+def test_prefix_hit_shares_blocks_and_keeps_last_token():
+    bm = BlockManager(16, BS)
+    a = alloc_prompt(bm, list(range(10)))
+    bm.register(a, list(range(10)), 10)  # two full blocks registered
+    b = bm.match_prefix(list(range(10)))
+    assert b == a[:2] and bm.ref[a[0]] == 2
+    # exactly two full blocks: the last token must be recomputed, so only one block is reused
+    assert bm.match_prefix(list(range(8))) == a[:1]
+    bm.check()
+
+
+def test_salt_separates_caches():
+    bm = BlockManager(16, BS)
+    a = alloc_prompt(bm, list(range(9)), salt="alice")
+    bm.register(a, list(range(9)), 9, salt="alice")
+    assert bm.match_prefix(list(range(9)), salt="bob") == []
+    assert bm.match_prefix(list(range(9)), salt="alice") == a[:2]
+
+
+def test_forced_collision_never_reuses_wrong_blocks():
+    bm = BlockManager(16, BS, hash_fn=lambda key: 0)  # every block hashes alike
+    a_tokens, b_tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 0, 0, 0, 0, 9]
+    a = alloc_prompt(bm, a_tokens)
+    bm.register(a, a_tokens, 9)
+    assert bm.match_prefix(b_tokens) == a[:1]  # first block really equal; the second is not
+    assert bm.match_prefix([9, 9, 9, 9, 9]) == []
+
+
+def test_lru_eviction_and_evicted_never_served():
+    bm = BlockManager(4, BS)
+    a = alloc_prompt(bm, list(range(9)))  # 3 blocks
+    bm.register(a, list(range(9)), 9)
+    bm.free(list(a))
+    assert bm.num_free == 4
+    fresh = bm.allocate(3)  # the 2 empty blocks, then the LRU cached one: the tail a[1]
+    assert bm.evictions == 1 and a[1] in fresh
+    hit = bm.match_prefix(list(range(9)))
+    assert hit == [a[0]]  # the surviving head still serves; the evicted tail never does
+    bm.free(fresh + hit)
+    fresh = bm.allocate(4)
+    assert bm.evictions == 2 and bm.match_prefix(list(range(9))) == []
+    bm.free(fresh)
+    bm.check()
+
+
+def test_chain_breaks_when_parent_evicted_and_reused():
+    bm = BlockManager(3, BS)
+    toks = list(range(9))
+    a = alloc_prompt(bm, toks)
+    bm.register(a, toks, 9)
+    bm.free(list(a))  # a[2] (never registered) -> empty; evictable LRU order: a[1], a[0]
+    bm.evictable.move_to_end(a[1])  # make the parent a[0] the least recently used
+    assert bm.allocate(1) == [a[2]]  # empty blocks go first
+    x = bm.allocate(1)[0]  # then the LRU cached block: the parent
+    assert x == a[0]
+    other = [7, 7, 7, 7, 4, 5, 6, 7, 0]
+    bm.register([x], other, 4)
+    # the child block is still registered, but its parent registration is gone: no hit
+    assert bm.match_prefix(toks) == []
+    bm.check()
+
+
+def test_grow_failure_leaves_table_unchanged():
+    bm = BlockManager(2, BS)
+    t = []
+    assert not bm.grow(t, 3 * BS)
+    assert t == [] and bm.num_free == 2
+
+
+class BlockMachine(RuleBasedStateMachine):
+    """Random allocate/register/free with tiny vocab and forced collisions now and then."""
+
+    def __init__(self):
+        super().__init__()
+        self.bm = None
+        self.live = []  # (tokens, table, salt)
+        self.store = {}  # block id -> (salt, the whole token prefix its KV was computed for)
+
+    @initialize(collide=st.booleans())
+    def setup(self, collide):
+        self.bm = BlockManager(12, BS, hash_fn=(lambda k: hash(k) % 3) if collide else hash)
+
+    @rule(n=st.integers(1, 14), vocab=st.integers(1, 3), seed=st.integers(0, 3),
+          salt=st.sampled_from([None, "s"]))
+    def add(self, n, vocab, seed, salt):
+        rng = random.Random(seed)
+        tokens = [rng.randrange(vocab) for _ in range(n)]
+        table = self.bm.match_prefix(tokens, salt)
+        for i, b in enumerate(table):  # a hit must hold exactly this prefix
+            assert self.store[b] == (salt, tuple(tokens[:(i + 1) * BS])), "served wrong KV"
+        if not self.bm.grow(table, n):
+            self.bm.free(table)
+            return
+        for i, b in enumerate(table):  # "compute" KV into the new blocks
+            self.store[b] = (salt, tuple(tokens[:min(n, (i + 1) * BS)]))
+        self.bm.register(table, tokens, n, salt)
+        self.live.append((tokens, table, salt))
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100))
+    def free(self, i):
+        _, table, _ = self.live.pop(i % len(self.live))
+        self.bm.free(table)
+
+    @invariant()
+    def consistent(self):
+        if self.bm is None:
+            return
+        self.bm.check()
+        used = [b for _, t, _ in self.live for b in t]
+        assert all(self.bm.ref[b] > 0 for b in used)
+        assert sum(self.bm.ref) == len(used)
+
+
+TestBlockMachine = BlockMachine.TestCase
+TestBlockMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_twin_blocks_computed_concurrently_keep_the_chain_going():
+    bm = BlockManager(16, BS)
+    a_tok = [1, 1, 1, 1, 2, 2, 2, 2, 0]
+    b_tok = [1, 1, 1, 1, 3, 3, 3, 3, 0]  # same first block, computed at the same time (no hit)
+    a, b = alloc_prompt(bm, a_tok), alloc_prompt(bm, b_tok)
+    assert set(a).isdisjoint(b)
+    bm.register(a, a_tok, 9)
+    bm.register(b, b_tok, 9)  # b[0] is a twin of a[0]; b[1] is still cached, chained through a[0]
+    assert bm.match_prefix(b_tok) == [a[0], b[1]]
+    bm.check()

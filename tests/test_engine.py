@@ -1,0 +1,206 @@
+"""Engine on a tiny random model (no transformers needed): paged cache + scheduler must give
+exactly the tokens of a plain no-cache greedy loop, whatever the batching, chunking,
+preemption or prefix-cache hits; sampling params and bad input behave."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ringkv.engine import LLM, SamplingParams
+from ringkv.model import LlamaForCausalLM, ModelConfig
+
+V = 61
+
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small matmuls run faster on one thread, above all on a shared, busy CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=512, eos_token_id=None)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper logits: fewer near-ties, so greedy is a strong check
+        m.lm_head.weight.mul_(8)
+    return m
+
+
+_ref_cache = {}
+
+
+def reference(model, prompt, n):
+    """Greedy continuation by re-running the whole sequence each step (no cache)."""
+    key = (id(model), tuple(prompt), n)
+    if key not in _ref_cache:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(model.logits(model(torch.tensor(ids))[-1:]).argmax()))
+        _ref_cache[key] = ids[len(prompt):]
+    return _ref_cache[key]
+
+
+def make_prompts():
+    base = [(i * 13 + 5) % V for i in range(48)]
+    lengths = [3, 17, 40, 5, 33, 16, 1, 48]
+    prompts = [[(i * 7 + j * 3) % V for j in range(n)] for i, n in enumerate(lengths)]
+    prompts += [base[:36] + [1, 2], base[:40] + [9], base[:20]]  # shared prefixes
+    return prompts
+
+
+PROMPTS = make_prompts()
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+
+class CharTokenizer:
+    """ids <-> letters, enough to exercise stop strings and streaming text."""
+    eos_token_id = None
+
+    def encode(self, text):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def run(model, prompts=PROMPTS, params=GREEDY, **kw):
+    llm = LLM(model, **kw)
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_greedy_matches_no_cache_loop_batched_and_one_by_one(model):
+    expected = [reference(model, p, 10) for p in PROMPTS]
+    llm, outs = run(model, block_size=4, num_blocks=256)
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.finish_reason == "length" for o in outs)
+    singles = [llm.generate(p, GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
+    assert singles == expected
+    llm.blocks.check()
+
+
+def test_prefix_cache_hits_do_not_change_output(model):
+    expected = [reference(model, p, 10) for p in PROMPTS]
+    llm, first = run(model, block_size=4, num_blocks=256)
+    hits = llm.prefix_cache_hits  # one step admits the whole first batch: few or no hits yet
+    again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.prefix_cache_hits > hits and any(o.num_cached_tokens for o in again)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first] == expected
+
+
+def test_forced_hash_collisions_do_not_change_output(model):
+    expected = [reference(model, p, 10) for p in PROMPTS]
+    llm, outs = run(model, block_size=4, num_blocks=256, hash_fn=lambda key: 42)
+    again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in again] == expected
+
+
+def test_preemption_and_chunked_prefill_keep_output(model):
+    expected = [reference(model, p, 10) for p in PROMPTS]
+    # 16 blocks of 4 = 64 tokens: the batch cannot fit, sequences get preempted and recomputed
+    llm, outs = run(model, block_size=4, num_blocks=16, max_num_batched_tokens=12)
+    assert llm.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == expected
+    llm.blocks.check()
+    assert llm.blocks.num_free == llm.blocks.num_blocks  # nothing leaked
+
+
+@settings(max_examples=12, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(8, 80),
+       max_seqs=st.integers(1, 6), max_tokens_step=st.integers(1, 40), caching=st.booleans())
+def test_any_engine_shape_gives_reference_tokens(model, block_size, num_blocks, max_seqs, max_tokens_step, caching):
+    cap = block_size * num_blocks
+    prompts = [p for p in PROMPTS if len(p) + 6 <= cap][:6]
+    if not prompts:
+        return
+    llm = LLM(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_seqs,
+              max_num_batched_tokens=max_tokens_step, enable_prefix_caching=caching)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [reference(model, p, 10)[:6] for p in prompts]
+    llm.blocks.check()
+    assert sum(llm.blocks.ref) == 0
+
+
+def test_sampling_seed_top_k_and_stop_ids(model):
+    llm = LLM(model, block_size=4, num_blocks=128)
+    p = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=12, seed=7)
+    a = llm.generate(PROMPTS[:4], p, use_tqdm=False)
+    b = llm.generate(PROMPTS[:4], p, use_tqdm=False)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    c = llm.generate(PROMPTS[:4], SamplingParams(temperature=0.9, max_tokens=12, seed=8), use_tqdm=False)
+    assert [o.token_ids for o in c] != [o.token_ids for o in a]
+    k1 = llm.generate(PROMPTS[:4], SamplingParams(temperature=1.5, top_k=1, max_tokens=10), use_tqdm=False)
+    assert [o.token_ids for o in k1] == [reference(model, q, 10) for q in PROMPTS[:4]]
+    ref = reference(model, PROMPTS[1], 10)
+    stop = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ref[3]]),
+                        use_tqdm=False)[0]
+    first = ref.index(ref[3])
+    assert stop.token_ids == ref[:first + 1] and stop.finish_reason == "stop"
+    # EOS ends a request unless ignore_eos
+    llm.eos_ids = {ref[2]}
+    first = ref.index(ref[2])
+    assert llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].token_ids == ref[:first + 1]
+    assert llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0].token_ids == ref
+
+
+def test_stop_strings_and_stream(model):
+    llm = LLM(model, block_size=4, num_blocks=128, tokenizer=CharTokenizer())
+    ref = reference(model, PROMPTS[2], 10)
+    text = CharTokenizer().decode(ref)
+    stop = text[4:6]
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, stop=[stop]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.text == text[:text.index(stop)]
+    deltas = list(llm.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10)))
+    assert [d.token_id for d in deltas] == ref
+    assert "".join(d.text for d in deltas) == text and deltas[-1].finish_reason == "length"
+    s = "abcde"
+    assert llm.generate(s, GREEDY, use_tqdm=False)[0].prompt_token_ids == [0, 1, 2, 3, 4]
+
+
+def test_bad_requests_fail_alone(model):
+    llm = LLM(model, block_size=4, num_blocks=64, max_model_len=40)
+    good = PROMPTS[1]
+    outs = llm.generate([good, [], list(range(45)), [V + 3], good, good],
+                        [GREEDY, GREEDY, GREEDY, GREEDY, SamplingParams(temperature=-1), SamplingParams(top_p=0)],
+                        use_tqdm=False)
+    assert outs[0].token_ids == reference(model, good, 10) and outs[0].error is None
+    for o, word in zip(outs[1:], ["empty", "max_model_len", "vocabulary", "temperature", "top_p"]):
+        assert o.finish_reason == "error" and word in o.error and o.token_ids == []
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate([good, good], [GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("text without a tokenizer", GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError):
+        llm.generate(3.5, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model, block_size=4, num_blocks=4, max_model_len=100)
+    with pytest.raises(ValueError, match="empty"):
+        list(llm.stream([], GREEDY))
+    # length limit: generation stops at max_model_len
+    out = llm.generate(list(range(35)), SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_kv_cache_sized_from_memory_budget(model):
+    from ringkv.cache import bytes_per_block
+    per = bytes_per_block(2, 4, 2, 8, torch.float32)
+    llm = LLM(model, block_size=4, kv_cache_memory=per * 10 + 5)
+    assert llm.kv.num_blocks == 10 and llm.max_model_len == 40
+
+
+def test_cache_salt_per_request(model):
+    llm = LLM(model, block_size=4, num_blocks=128)
+    p = PROMPTS[2]
+    llm.generate(p, GREEDY, use_tqdm=False, cache_salt="alice")
+    outs = llm.generate([p, p], GREEDY, use_tqdm=False, cache_salt=["bob", "alice"])
+    assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens > 0
+    assert outs[0].token_ids == outs[1].token_ids == reference(model, p, 10)
+    with pytest.raises(ValueError, match="cache salts"):
+        llm.generate([p, p], GREEDY, use_tqdm=False, cache_salt=["x"])

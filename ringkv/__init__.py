@@ -7,14 +7,16 @@ from .sp import (LAYOUTS, RingAttention, RingTimeoutError, merge, merge_, positi
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "ring_attention", "RingAttention", "RingTimeoutError",
            "LAYOUTS", "shard", "unshard", "positions", "merge", "merge_",
-           "patch_model", "unpatch_model", "gather_logits", "causal_lm_loss", "ShardedKVCache"]
+           "patch_model", "unpatch_model", "gather_logits", "causal_lm_loss", "ShardedKVCache",
+           "LLM", "SamplingParams", "RequestOutput"]
 
-_HF = {"patch_model", "unpatch_model", "gather_logits", "causal_lm_loss", "ShardedKVCache"}
+_LAZY = {"patch_model": "hf", "unpatch_model": "hf", "gather_logits": "hf", "causal_lm_loss": "hf",
+         "ShardedKVCache": "hf", "LLM": "engine", "SamplingParams": "engine", "RequestOutput": "engine"}
 
 
-def __getattr__(name):  # the HF patch needs transformers (extra "hf"): import it on first use
-    if name in _HF:
-        from . import hf
+def __getattr__(name):  # the HF patch needs transformers (extra "hf"): import parts on first use
+    if name in _LAZY:
+        import importlib
 
-        return getattr(hf, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'ringkv' has no attribute {name!r}")

@@ -89,8 +89,12 @@ _BACKENDS = {"reference": paged_attention_reference}
 
 
 def _auto(q) -> str:
-    return "triton" if q.device.type == "cuda" and "triton" in _BACKENDS else "reference"
+    if q.device.type == "cuda" and "triton" in _BACKENDS:
+        return "triton"
+    return "torch" if "torch" in _BACKENDS else "reference"
 
+
+from . import paged_torch  # noqa: E402,F401  batched torch version: registers "torch"
 
 try:  # the Triton flash-decoding kernel registers itself in _BACKENDS when triton imports
     from . import triton_paged  # noqa: F401

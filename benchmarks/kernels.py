@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -189,6 +190,8 @@ def bench_paged(args, device, dtype, copy_gbps):
         for name in paged._BACKENDS:
             if args.impls and name not in args.impls:
                 continue
+            if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+                continue  # Triton needs a GPU (or the interpreter, which is no benchmark)
             row = dict(impl=name, seqs=n, cache_len=length, heads=h, kv_heads=hkv, head_dim=d, block_size=bs,
                        dtype=str(dtype).replace("torch.", ""))
             try:

@@ -29,7 +29,8 @@ def inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * out / factor + smooth * out
         medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         return torch.where(medium, smoothed, out)
-    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3 are)")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported; use a config with rope_scaling type "
+                     f"default, linear or llama3")
 
 
 class Rotary(torch.nn.Module):

@@ -12,15 +12,6 @@ from ringkv.model import LlamaForCausalLM, ModelConfig
 V = 61
 
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small matmuls run faster on one thread, above all on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)

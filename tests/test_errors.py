@@ -9,7 +9,6 @@ from ringkv.kernels import attention, attention_backward
 from ringkv.kernels.paged import paged_attention, paged_attention_reference
 from ringkv.sp.merge import merge
 
-torch.set_num_threads(1)
 
 B, SQ, SK, H, HKV, D = 2, 4, 6, 4, 2, 16
 

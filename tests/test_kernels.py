@@ -15,9 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringkv.kernels import BACKENDS, attention, make_mask
-from ringkv.kernels.mask import DENSE, OFFSET, Mask, offset_tiles
+from ringkv.kernels.mask import DENSE, offset_tiles
 
-torch.set_num_threads(1)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEAD_DIMS = [16, 32, 64, 80, 128]

@@ -3,7 +3,6 @@ or corrupt files, never unpickling; GGUF through transformers; the CLI."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -111,16 +110,11 @@ def test_gguf_and_cli():
     from ringkv.model.smollm2 import gguf_path
     from tests.models import smollm2_path
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        from_gguf, cfg, tok = load_model(gguf_path())
-        from_dir, _, tok2 = load_model(smollm2_path())
-        assert tok is not None and tok2 is not None and cfg.tie_word_embeddings
-        for (k, a), b in zip(from_gguf.state_dict().items(), from_dir.state_dict().values()):
-            assert torch.equal(a, b), k
-    finally:
-        torch.set_num_threads(n)
+    from_gguf, cfg, tok = load_model(gguf_path())
+    from_dir, _, tok2 = load_model(smollm2_path())
+    assert tok is not None and tok2 is not None and cfg.tie_word_embeddings
+    for (k, a), b in zip(from_gguf.state_dict().items(), from_dir.state_dict().values()):
+        assert torch.equal(a, b), k
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     out = subprocess.run([sys.executable, "-m", "ringkv", "generate", "--model", smollm2_path(), "--prompt",
                           "The capital of France is", "--max-tokens", "4"], capture_output=True, text=True,

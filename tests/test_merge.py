@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from ringkv.kernels import attention
 from ringkv.sp.merge import merge, merge_
 
-torch.set_num_threads(1)
 
 INF = float("-inf")
 

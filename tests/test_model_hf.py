@@ -18,15 +18,6 @@ ARCHS = ["llama", "qwen2", "mistral"]
 TOL = dict(atol=2e-4, rtol=2e-4)
 
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small matmuls run faster on one thread, above all on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 @pytest.fixture(scope="module", params=ARCHS)
 def hf_model(request):
     import transformers

@@ -23,15 +23,6 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,",
          PREAMBLE + "Question: which is tall? Answer:", "Hi"]
 
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small matmuls run faster on one thread, above all on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 @pytest.fixture(scope="module")
 def setup():
     from transformers import AutoModelForCausalLM, AutoTokenizer

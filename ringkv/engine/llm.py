@@ -231,7 +231,7 @@ class LLM:
         if seq.finished:
             raise ValueError(seq.error)
         self.scheduler.add(seq)
-        shown, text = 0, ""
+        text = ""
         try:
             while not seq.finished:
                 if seq not in self.step():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..sp.merge import merge_
-from .mask import DENSE, EMPTY, FULL, OFFSET, Mask, offset_tiles
+from .mask import DENSE, EMPTY, FULL, Mask, offset_tiles
 
 
 def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:

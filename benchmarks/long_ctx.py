@@ -109,14 +109,15 @@ def peak_memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def inputs(args, env, seed=0):
-    """Full q, k, v generated from a seed (identical on every rank), on the CPU."""
-    g = torch.Generator().manual_seed(seed)
+def inputs(args, env, seq, seed=0):
+    """q ``(B, seq, H, D)``, k/v ``(B, seq, Hkv, D)`` drawn from ``seed`` on the device.
+
+    Each rank draws only its own shard (``seq = S / N``, seeded by rank): nothing of size S is
+    ever held by one rank, so per-rank memory is what the ring itself needs."""
+    g = torch.Generator(device=env.device).manual_seed(seed)
     dt = DTYPES[args.dtype]
-    q = torch.randn(args.batch, args.seq, args.heads, args.head_dim, generator=g).to(dt)
-    k = torch.randn(args.batch, args.seq, args.kv_heads, args.head_dim, generator=g).to(dt)
-    v = torch.randn(args.batch, args.seq, args.kv_heads, args.head_dim, generator=g).to(dt)
-    return q, k, v
+    return tuple(torch.randn(args.batch, seq, h, args.head_dim, generator=g, device=env.device).to(dt)
+                 for h in (args.heads, args.kv_heads, args.kv_heads))
 
 
 def timed(fn, env, iters, warmup, label, quiet):
@@ -154,7 +155,7 @@ def run_ring(q, k, v, args, env, layout, causal, comm=None):
 
 
 def local_shards(args, env, layout, rank):
-    q, k, v = (ringkv.shard(t, 1, layout, rank=rank, world=env.world).to(env.device) for t in inputs(args, env))
+    q, k, v = inputs(args, env, args.seq // env.world, seed=1 + rank)  # (B, S/N, H|Hkv, D)
     if args.backward:
         q, k, v = (t.requires_grad_() for t in (q, k, v))
     return q, k, v
@@ -168,8 +169,7 @@ def baseline(args, env, causal):
     if env.rank == 0:
         torch.set_num_threads(env.cores if env.device.type == "cpu" else env.threads)
         for s in sizes:
-            a = argparse.Namespace(**{**vars(args), "seq": s})
-            q, k, v = (t.to(env.device) for t in inputs(a, env))
+            q, k, v = inputs(args, env, s)
             if args.backward:
                 q, k, v = (t.requires_grad_() for t in (q, k, v))
 
@@ -238,17 +238,17 @@ def bench_config(args, env, layout, causal):
 
 
 def check(args, env, layout, causal, rows=64):
-    """Max |ring - reference| over sampled query rows of this rank (reference chunked over keys)."""
-    q, k, v = inputs(args, env)
-    pos = ringkv.positions(args.seq, layout, env.rank, env.world)
-    pick = torch.randperm(pos.numel(), generator=torch.Generator().manual_seed(1))[:rows]
-    ql = ringkv.shard(q, 1, layout, rank=env.rank, world=env.world).to(env.device)
-    kl, vl = (ringkv.shard(t, 1, layout, rank=env.rank, world=env.world).to(env.device) for t in (k, v))
+    """Max |ring - reference| over sampled query rows of this rank. The reference (chunked over
+    keys) needs all K/V: they are all-gathered here, for --check only."""
+    q, k, v = local_shards(args, env, layout, env.rank)
+    pos = ringkv.positions(args.seq, layout, env.rank, env.world, device=env.device)
+    pick = torch.randperm(pos.numel(), generator=torch.Generator().manual_seed(1))[:rows].to(env.device)
     with torch.no_grad():
-        out = ringkv.ring_attention(ql, kl, vl, causal=causal, layout=layout, backend=args.backend)
-        ref, _ = ringkv.attention(q[:, pos[pick]].float(), k.float(), v.float(), causal=causal,
+        out = ringkv.ring_attention(q, k, v, causal=causal, layout=layout, backend=args.backend)
+        k_all, v_all = (ringkv.unshard(t, 1, layout) for t in (k, v))  # (B, S, Hkv, D), global order
+        ref, _ = ringkv.attention(q[:, pick].float(), k_all.float(), v_all.float(), causal=causal,
                                   q_positions=pos[pick], k_positions=range(args.seq), backend="reference")
-    err = (out[:, pick].float().cpu() - ref).abs().max().item()
+    err = (out[:, pick].float() - ref).abs().max().item()
     return env.max(err)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sp.merge import merge_
+from ..sp.merge import empty_partial, merge_
 from .mask import DENSE, EMPTY, FULL, Mask, offset_tiles
 
 try:  # pragma: no cover - needs CUDA
@@ -31,9 +31,8 @@ def _tiles(mask: Mask, sq: int, sk: int):
 
 
 def forward(q, k, v, scale: float, mask: Mask):  # pragma: no cover - needs CUDA
-    b, sq, h, _ = q.shape
-    acc = torch.zeros(b, sq, h, v.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, sq), float("-inf"), device=q.device)
+    sq = q.shape[1]
+    acc, lse = empty_partial(*q.shape[:3], v.shape[-1], q.device)
     if mask.kind == EMPTY:
         return acc.to(q.dtype), lse
     for r, c, causal in _tiles(mask, sq, k.shape[1]):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sp.merge import merge_
+from ..sp.merge import empty_partial, merge_
 from .mask import DENSE, EMPTY, FULL, Mask, offset_tiles
 
 
@@ -69,12 +69,6 @@ def _fused_backward(dout, q, k, v, out, lse, scale, causal, attn_mask=None):
     return dq.transpose(1, 2), dk, dv
 
 
-def _empty(q, v):
-    b, sq, h, _ = q.shape
-    return (torch.zeros(b, sq, h, v.shape[-1], dtype=q.dtype, device=q.device),
-            torch.full((b, h, sq), float("-inf"), device=q.device))
-
-
 def _additive(mask: Mask, dtype) -> torch.Tensor:
     return torch.zeros(mask.dense.shape, dtype=dtype, device=mask.dense.device).masked_fill(
         ~mask.dense, float("-inf"))
@@ -82,16 +76,15 @@ def _additive(mask: Mask, dtype) -> torch.Tensor:
 
 def forward(q, k, v, scale: float, mask: Mask):
     """Same contract as ``reference.forward``."""
-    if mask.kind == EMPTY:
-        return _empty(q, v)
     if mask.kind == FULL:
         return _fused(q, k, v, scale, False)
     if mask.kind == DENSE:
         out, lse = _fused(q, k, v, scale, False, attn_mask=_additive(mask, q.dtype))
         seen = mask.dense.any(1)  # the CPU op returns lse = 0 for rows with no visible key
         return out * seen[:, None, None], lse.masked_fill(~seen, float("-inf"))
-    acc, lse = _empty(q, v)
-    acc = acc.float()
+    acc, lse = empty_partial(*q.shape[:3], v.shape[-1], q.device)  # EMPTY, or the tiles' accumulator
+    if mask.kind == EMPTY:
+        return acc.to(q.dtype), lse
     for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
         o, l = _fused(q[:, t.q0:t.q1], k[:, t.k0:t.k1], v[:, t.k0:t.k1], scale, t.causal)
         merge_(acc[:, t.q0:t.q1], lse[:, :, t.q0:t.q1], o, l)

@@ -16,7 +16,7 @@ import torch
 
 from .. import kernels
 from .collectives import all_gather, rank_world
-from .merge import merge
+from .merge import empty_partial, merge
 
 __all__ = ["decode_attention"]
 
@@ -37,8 +37,7 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
         raise ValueError(f"decode_attention: {k_local.shape[1]} cached keys but {k_positions.numel()} positions")
     b, t, h, d = q.shape
     if k_local.shape[1] == 0:  # this rank caches nothing (yet): a neutral partial
-        out = torch.zeros(b, t, h, v_local.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full((b, h, t), float("-inf"), device=q.device)
+        out, lse = empty_partial(b, t, h, v_local.shape[-1], q.device)
     else:
         out, lse = kernels.attention(q, k_local, v_local, scale=softmax_scale, causal=True, q_positions=q_positions,
                                      k_positions=k_positions, backend=backend)

@@ -15,6 +15,12 @@ from typing import Sequence
 import torch
 
 
+def empty_partial(b: int, s: int, h: int, d: int, device=None):
+    """The identity of ``merge_``: ``out = 0`` float32 ``(B, S, H, D)``, ``lse = -inf`` ``(B, H, S)``."""
+    return (torch.zeros(b, s, h, d, dtype=torch.float32, device=device),
+            torch.full((b, h, s), float("-inf"), device=device))
+
+
 def _weight(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     # exp(lse - total) as (B, S, H, 1); 0 where total is -inf (then lse is -inf too)
     safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)

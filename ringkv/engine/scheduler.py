@@ -6,7 +6,8 @@ Every step each scheduled sequence computes ``n`` of its tokens that have no KV 
 ``max_num_batched_tokens`` tokens and ``max_num_seqs`` running sequences.
 
 Order: running sequences first (oldest first), then waiting ones (FIFO). When the cache has
-no block for a running sequence, the youngest running sequence is preempted: its blocks are
+no block for a running sequence, the youngest running sequence not in a step still in flight
+is preempted: its blocks are
 freed and it goes back to the front of the waiting queue, to be recomputed later (its full
 blocks usually come back from the prefix cache). ``max_model_len`` never exceeds the cache's
 capacity, so a sequence alone always fits and nothing is ever dropped.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import List
+from typing import List, Set
 
 from ..cache.block_manager import BlockManager
 from .sequence import Sequence, Status
@@ -58,7 +59,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self) -> List[Scheduled]:
+    def schedule(self, busy: Set[Sequence] = frozenset()) -> List[Scheduled]:
+        """The next step's work. ``busy``: sequences in steps still in flight (pipeline
+        parallelism): they are never preempted, and one whose every token is already being
+        computed waits for its sampled token."""
         budget = self.max_num_batched_tokens
         out: List[Scheduled] = []
         preempted = False
@@ -66,8 +70,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if n == 0:  # its last step is in flight
+                i += 1
+                continue
             while not self.blocks.grow(seq.block_table, seq.num_computed + n):
-                victim = self.running[-1]  # youngest; never one already scheduled (those are older)
+                scheduled = {s.seq for s in out}  # older than seq: never victims
+                victim = next((v for v in reversed(self.running) if v not in busy and v not in scheduled), None)
+                if victim is None:  # memory is short and only in-flight work could free it: wait for it
+                    return out
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:

@@ -20,27 +20,30 @@ class PagedPlan:
 
     ``slots (N, L)``: flat cache slots (``block * block_size + offset``) of each sequence's
     first ``L`` tokens (padded to the longest); ``visible (N, Q, L)``: query ``i`` of sequence
-    ``n`` (at position ``seq_lens[n] - Q + i``) sees key ``j``; ``bias (N, 1, Q, L)``: the same
-    as an additive mask (0 / ``-inf``).
+    ``n`` sees key ``j``; ``bias (N, 1, Q, L)``: the same as an additive mask (0 / ``-inf``).
+    By default query ``i`` sits at position ``seq_lens[n] - Q + i`` and sees the keys up to it
+    (all ``seq_lens[n]`` keys when not ``causal``); ``limits (N, Q)`` instead gives the number
+    of leading keys each query sees (a rank holding every ``sp``-th token of a sequence).
     """
 
-    def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, num_queries: int, block_size: int,
-                 *, causal: bool = True, dtype=torch.float32):
+    def __init__(self, block_table: torch.Tensor, seq_lens: Optional[torch.Tensor], num_queries: int,
+                 block_size: int, *, causal: bool = True, dtype=torch.float32, limits: Optional[torch.Tensor] = None):
         n = block_table.shape[0]
-        lens = seq_lens.to(block_table.device, torch.long)
-        nb = max(1, -(-int(lens.max()) // block_size)) if n else 1
+        dev = block_table.device
+        if limits is None:
+            lens = seq_lens.to(dev, torch.long)[:, None]  # (N, 1)
+            limits = lens - num_queries + 1 + torch.arange(num_queries, device=dev) if causal else \
+                lens.expand(n, num_queries)
+        limits = limits.to(dev, torch.long).clamp_min(0)  # (N, Q)
+        nb = max(1, -(-int(limits.max()) // block_size)) if limits.numel() else 1
         table = block_table[:, :nb].to(torch.long).clamp_min(0)  # unused entries may be -1
-        offsets = torch.arange(block_size, device=table.device)
+        offsets = torch.arange(block_size, device=dev)
         self.slots = (table[:, :, None] * block_size + offsets).reshape(n, nb * block_size)  # (N, L)
-        key = torch.arange(nb * block_size, device=table.device)
-        visible = (key[None, None, :] < lens[:, None, None]).expand(n, num_queries, nb * block_size)
-        if causal:
-            qpos = lens[:, None] - num_queries + torch.arange(num_queries, device=table.device)[None, :]
-            visible = visible & (key[None, None, :] <= qpos[:, :, None])  # (N, Q, L)
-        self.visible = visible
-        self.all_see_a_key = bool(visible.any(-1).all())
-        self.bias = torch.zeros(visible.shape, dtype=dtype, device=table.device).masked_fill(
-            ~visible, float("-inf"))[:, None]  # (N, 1, Q, L)
+        key = torch.arange(nb * block_size, device=dev)
+        self.visible = key[None, None, :] < limits[:, :, None]  # (N, Q, L)
+        self.all_see_a_key = bool((limits > 0).all())
+        self.bias = torch.zeros(self.visible.shape, dtype=dtype, device=dev).masked_fill(
+            ~self.visible, float("-inf"))[:, None]  # (N, 1, Q, L)
 
     def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
         """Each sequence's K/V ``(N, L, Hkv, D)`` (index_select: ~6x faster than advanced indexing on CPU)."""
@@ -53,11 +56,17 @@ class PagedPlan:
 def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
                           causal: bool = True):
     paged.validate_paged(q, k_cache, v_cache, block_table, seq_lens)
+    plan = PagedPlan(block_table.to(q.device), seq_lens, q.shape[1], k_cache.shape[1], causal=causal)
+    return paged_attention_lse(q, k_cache, v_cache, plan, scale=scale)
+
+
+def paged_attention_lse(q, k_cache, v_cache, plan: PagedPlan, *, scale: Optional[float] = None):
+    """``(out (N, Q, H, D), lse float32 (N, H, Q))`` of ``q`` over the cache as ``plan`` describes;
+    a query that sees no key gives ``out = 0``, ``lse = -inf``."""
     n, nq, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
     scale = d ** -0.5 if scale is None else scale
-    plan = PagedPlan(block_table.to(q.device), seq_lens, nq, k_cache.shape[1], causal=causal)
     k, v = plan.gather(k_cache, v_cache)  # (N, L, Hkv, D)
     compute = torch.float32 if q.dtype != torch.float64 else q.dtype
     qg = q.reshape(n, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * nq, d)  # (N, Hkv, G*Q, D)

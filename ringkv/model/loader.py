@@ -29,69 +29,141 @@ def read_config(directory: str) -> dict:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def _load_safetensors_file(path: str) -> Dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class StateDictSource:
+    """Weights held in memory (a state dict): ``get`` returns views, never copies."""
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint file {path!r} is missing")
-    try:
-        return load_file(path)
-    except Exception as e:  # safetensors raises SafetensorError / OSError on truncated or garbled files
-        raise ValueError(f"checkpoint file {path!r} is corrupt or not a safetensors file: {e}") from None
+    def __init__(self, state: Dict[str, torch.Tensor]):
+        self.state = state
+
+    def names(self):
+        return set(self.state)
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.state[name].shape)
+
+    def get(self, name: str, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        t = self.state[name]
+        return t if dim is None else t.narrow(dim, start, stop - start)
+
+
+class SafetensorsSource:
+    """Weights in safetensors files, read lazily: ``get`` reads only the requested slice
+    (``safe_open(...).get_slice``), so a tensor-parallel rank never holds a full tensor or file."""
+
+    def __init__(self, directory: str):
+        from safetensors import safe_open
+
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    files = sorted(set(json.load(f)["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index} is corrupt (need a 'weight_map'): {e}") from None
+        else:
+            files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+            if not files:
+                pickled = [f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth"))]
+                hint = f" (found {pickled}: ringkv never unpickles; convert them to safetensors)" if pickled else ""
+                raise FileNotFoundError(f"no *.safetensors checkpoint in {directory!r}{hint}")
+        self.handles, self.file_of = {}, {}
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"checkpoint file {path!r} is missing")
+            try:  # the header is validated against the file size here: truncation is caught now
+                handle = safe_open(path, framework="pt", device="cpu")
+            except Exception as e:  # SafetensorError / OSError on truncated or garbled files
+                raise ValueError(f"checkpoint file {path!r} is corrupt or not a safetensors file: {e}") from None
+            self.handles[path] = handle
+            self.file_of.update({k: path for k in handle.keys()})
+
+    def names(self):
+        return set(self.file_of)
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.handles[self.file_of[name]].get_slice(name).get_shape())
+
+    def get(self, name: str, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        sl = self.handles[self.file_of[name]].get_slice(name)
+        if dim is None:
+            return sl[:]
+        return sl[start:stop] if dim == 0 else sl[(slice(None),) * dim + (slice(start, stop),)]
 
 
 def read_safetensors(directory: str) -> Dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors`` or the shards named by ``model.safetensors.index.json``."""
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index} is corrupt (need a 'weight_map'): {e}") from None
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-        if not files:
-            pickled = [f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth"))]
-            hint = f" (found {pickled}: ringkv never unpickles; convert them to safetensors)" if pickled else ""
-            raise FileNotFoundError(f"no *.safetensors checkpoint in {directory!r}{hint}")
-    state = {}
-    for name in files:
-        state.update(_load_safetensors_file(os.path.join(directory, name)))
-    return state
+    src = SafetensorsSource(directory)
+    return {name: src.get(name) for name in sorted(src.names())}
+
+
+def checkpoint_name(cfg: ModelConfig, param: str) -> str:
+    """The checkpoint tensor a parameter comes from (a tied LM head reads the embedding)."""
+    return "model.embed_tokens.weight" if cfg.tie_word_embeddings and param == "lm_head.weight" else param
+
+
+def check_checkpoint(cfg: ModelConfig, weights) -> None:
+    """Every tensor the full model needs is in ``weights`` with the full model's shape, and
+    nothing else is (so a sliced load can trust names and shapes)."""
+    with torch.device("meta"):
+        shapes = {checkpoint_name(cfg, k): v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    have = {k for k in weights.names() if not k.endswith(_IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings:
+        have.discard("lm_head.weight")
+    missing, unexpected = sorted(set(shapes) - have), sorted(have - set(shapes))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the {cfg.model_type} config: missing {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                         f"{'...' if len(unexpected) > 5 else ''}")
+    for k, want in shapes.items():
+        got = weights.shape(k)
+        if got != tuple(want):
+            raise ValueError(f"checkpoint tensor {k!r} has shape {got}, config expects {tuple(want)}")
+
+
+Slice = Tuple[int, int, int]  # (dim, start, stop) of the checkpoint tensor
+
+
+def materialize(model: LlamaForCausalLM, weights, dtype=torch.float32, device="cpu",
+                slices: Optional[Dict[str, Slice]] = None) -> LlamaForCausalLM:
+    """Give a model built on the meta device (possibly reshaped by ``ringkv.parallel``) its
+    weights: each parameter reads ``checkpoint_name(param)`` or, when ``slices`` names it, only
+    that slice of it. Parameters that read the same tensor and slice share one tensor (a tied
+    LM head stays tied). ``check_checkpoint`` must have passed."""
+    cfg, slices = model.config, slices or {}
+    loaded: Dict[tuple, torch.nn.Parameter] = {}
+    for mod_name, module in model.named_modules():
+        for pname, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            key = (checkpoint_name(cfg, full), *slices.get(full, (None, 0, 0)))
+            if key not in loaded:
+                t = weights.get(*key).to(device=device, dtype=dtype)
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"checkpoint slice {key} has shape {tuple(t.shape)}, {full} expects {tuple(p.shape)}")
+                loaded[key] = torch.nn.Parameter(t, requires_grad=False)
+            module._parameters[pname] = loaded[key]
+    model.model.rotary = type(model.model.rotary)(cfg).to(device)  # buffer out of the meta device
+    return model.eval()
 
 
 def build(cfg: ModelConfig, state: Dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
           device="cpu") -> LlamaForCausalLM:
     """Model with ``state`` (HF parameter names) loaded strictly, in ``dtype`` on ``device``."""
+    return build_from(cfg, StateDictSource(state), dtype, device)
+
+
+def build_from(cfg: ModelConfig, weights, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
+    check_checkpoint(cfg, weights)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
-    expected = {k for k in shapes if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the {cfg.model_type} config: missing {missing[:5]}"
-                         f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                         f"{'...' if len(unexpected) > 5 else ''}")
-    for k, v in state.items():
-        want = shapes[k]
-        if v.shape != want:
-            raise ValueError(f"checkpoint tensor {k!r} has shape {tuple(v.shape)}, config expects {tuple(want)}")
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary = type(model.model.rotary)(cfg).to(device)  # buffer out of the meta device
-    return model.eval()
+    return materialize(model, weights, dtype, device)
 
 
 def load_dir(directory: str, dtype=torch.float32, device="cpu") -> Tuple[LlamaForCausalLM, ModelConfig]:
     cfg = ModelConfig.from_hf(read_config(directory))
-    return build(cfg, read_safetensors(directory), dtype, device), cfg
+    return build_from(cfg, SafetensorsSource(directory), dtype, device), cfg
 
 
 def load_hf_model(hf_model, dtype=torch.float32, device="cpu") -> Tuple[LlamaForCausalLM, ModelConfig]:
@@ -139,30 +211,38 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
     return out_dir
 
 
-def load_model(source, dtype: Optional[torch.dtype] = None, device="cpu"):
-    """``(model, config, tokenizer_or_None)`` from a directory, a ``.gguf`` file or a transformers model."""
-    dtype = dtype or torch.float32
+def open_model(source):
+    """``(config, weights, tokenizer_or_None)`` without building the model. ``weights`` reads
+    whole tensors or slices on demand (``StateDictSource`` / ``SafetensorsSource``), so a
+    parallel rank can build just its shard (``materialize``)."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if path.endswith(".gguf"):
             hf, tok = load_gguf_hf(path)
-            model, cfg = load_hf_model(hf, dtype, device)
-            return model, cfg, tok
+            return ModelConfig.from_hf(hf.config.to_dict()), StateDictSource(dict(hf.state_dict())), tok
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model path {path!r} is neither a directory nor a .gguf file")
-        model, cfg = load_dir(path, dtype, device)
-        return model, cfg, _maybe_tokenizer(path)
+        cfg = ModelConfig.from_hf(read_config(path))
+        return cfg, SafetensorsSource(path), _maybe_tokenizer(path)
+    if isinstance(source, LlamaForCausalLM):
+        return source.config, StateDictSource(source.state_dict()), None
+    if hasattr(source, "state_dict") and hasattr(source, "config"):
+        return ModelConfig.from_hf(source.config.to_dict()), StateDictSource(dict(source.state_dict())), None
+    raise TypeError(f"model must be a path (HF directory or .gguf) or a transformers model, "
+                    f"got {type(source).__name__}")
+
+
+def load_model(source, dtype: Optional[torch.dtype] = None, device="cpu"):
+    """``(model, config, tokenizer_or_None)`` from a directory, a ``.gguf`` file or a transformers model."""
+    dtype = dtype or torch.float32
     if isinstance(source, LlamaForCausalLM):  # already ours (tests, parallel runners)
         p = next(source.parameters())
         if p.device != torch.device(device) or p.dtype != dtype:  # never move the caller's model
             import copy
             source = copy.deepcopy(source).to(device=device, dtype=dtype)
         return source.eval(), source.config, None
-    if hasattr(source, "state_dict") and hasattr(source, "config"):
-        model, cfg = load_hf_model(source, dtype, device)
-        return model, cfg, None
-    raise TypeError(f"model must be a path (HF directory or .gguf) or a transformers model, "
-                    f"got {type(source).__name__}")
+    cfg, weights, tok = open_model(source)
+    return build_from(cfg, weights, dtype, device), cfg, tok
 
 
 def _maybe_tokenizer(path: str):

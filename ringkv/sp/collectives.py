@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .comm import DEFAULT_TIMEOUT, RingTimeoutError
 
-__all__ = ["rank_world", "all_gather", "all_sum", "agree"]
+__all__ = ["rank_world", "all_gather", "all_sum", "all_reduce_", "wait", "agree"]
 
 
 def rank_world(group: Optional[dist.ProcessGroup] = None) -> tuple:
@@ -24,13 +24,13 @@ def rank_world(group: Optional[dist.ProcessGroup] = None) -> tuple:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _wait(work, x: torch.Tensor, timeout: Optional[timedelta], what: str) -> None:
+def wait(work, x: torch.Tensor, timeout: Optional[timedelta], what: str) -> None:
     timeout = timeout or DEFAULT_TIMEOUT
     try:
         work.wait(timeout) if x.device.type == "cpu" else work.wait()
     except RuntimeError as e:
         rank, world = rank_world()
-        raise RingTimeoutError(f"{what}: rank {rank} got no answer from its SP peers within "
+        raise RingTimeoutError(f"{what}: rank {rank} got no answer from its peers within "
                                f"{timeout.total_seconds():.0f}s (a peer died, hangs or called something else): {e}") from e
 
 
@@ -42,17 +42,20 @@ def all_gather(x: torch.Tensor, group=None, timeout: Optional[timedelta] = None,
         return [x]
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
-    _wait(dist.all_gather(parts, x, group=group, async_op=True), x, timeout, what)
+    wait(dist.all_gather(parts, x, group=group, async_op=True), x, timeout, what)
     return parts
 
 
 def all_sum(x: torch.Tensor, group=None, timeout: Optional[timedelta] = None, what: str = "all_reduce") -> torch.Tensor:
     """The sum of ``x`` over the group (a new tensor; not differentiable)."""
     rank, world = rank_world(group)
-    if world == 1:
-        return x.clone()
     x = x.detach().clone().contiguous()
-    _wait(dist.all_reduce(x, group=group, async_op=True), x, timeout, what)
+    return x if world == 1 else all_reduce_(x, group, timeout, what)
+
+
+def all_reduce_(x: torch.Tensor, group, timeout: Optional[timedelta] = None, what: str = "all_reduce") -> torch.Tensor:
+    """Sum ``x`` over ``group`` in place (bounded like every wait here); returns ``x``."""
+    wait(dist.all_reduce(x, group=group, async_op=True), x, timeout, what)
     return x
 
 

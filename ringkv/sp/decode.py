@@ -18,7 +18,7 @@ from .. import kernels
 from .collectives import all_gather, rank_world
 from .merge import empty_partial, merge
 
-__all__ = ["decode_attention"]
+__all__ = ["decode_attention", "merge_across"]
 
 
 def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *, q_positions: torch.Tensor,
@@ -41,14 +41,19 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
     else:
         out, lse = kernels.attention(q, k_local, v_local, scale=softmax_scale, causal=True, q_positions=q_positions,
                                      k_positions=k_positions, backend=backend)
+    merged, _ = merge_across(out, lse, group, timeout, "decode_attention")
+    return merged.to(q.dtype)
+
+
+def merge_across(out: torch.Tensor, lse: torch.Tensor, group=None, timeout: Optional[timedelta] = None,
+                 what: str = "merge_across"):
+    """Merge the partial results of the same queries over the disjoint keys each rank of
+    ``group`` holds: ``out`` ``(B, T, H, D)``, ``lse`` float32 ``(B, H, T)`` -> the exact
+    ``(out float32, lse)``, identical on every rank (one all-gather of out and lse together)."""
     _, world = rank_world(group)
     if world == 1:
-        return out.to(q.dtype)
-    # one message per rank: out (B*T*H*Dv) then lse (B*H*T), float32
+        return out.float(), lse
     packed = torch.cat([out.float().reshape(-1), lse.reshape(-1)])
-    parts = all_gather(packed, group, timeout, "decode_attention")
+    parts = all_gather(packed, group, timeout, what)
     n = out.numel()
-    outs = [p[:n].view(out.shape) for p in parts]
-    lses = [p[n:].view(lse.shape) for p in parts]
-    merged, _ = merge(outs, lses)
-    return merged.to(q.dtype)
+    return merge([p[:n].view(out.shape) for p in parts], [p[n:].view(lse.shape) for p in parts])

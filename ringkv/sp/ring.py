@@ -27,7 +27,7 @@ from .comm import LocalComm, RingComm
 from .layout import LAYOUTS, check_layout, chunks, granule
 from .merge import empty_partial, merge_
 
-__all__ = ["ring_attention", "RingAttention", "RingStats", "last_stats"]
+__all__ = ["ring_attention", "ring_attention_shards", "Shards", "RingAttention", "RingStats", "last_stats"]
 
 
 @dataclass
@@ -97,10 +97,23 @@ def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend) ->
     agree(values, names, comm.group, comm.timeout, "ring_attention", q.device)
 
 
-def _forward(q, k, v, scale, causal, layout, comm: RingComm, backend):
+@dataclass(frozen=True)
+class Shards:
+    """Global positions of every rank's queries and keys: ``q[r]`` / ``k[r]`` are lists of
+    increasing ``range``s in local order (``layout.chunks`` for the standard layouts)."""
+    q: Tuple[Tuple[range, ...], ...]
+    k: Tuple[Tuple[range, ...], ...]
+
+    @classmethod
+    def of_layout(cls, seq_len: int, layout: str, world: int) -> "Shards":
+        ranges = tuple(tuple(chunks(seq_len, layout, r, world)) for r in range(world))
+        return cls(ranges, ranges)
+
+
+def _forward(q, k, v, scale, causal, shards: Shards, comm: RingComm, backend):
     b, s, h, d = q.shape
     n, r = comm.world, comm.rank
-    q_ranges = chunks(s * n, layout, r, n)
+    q_ranges = list(shards.q[r])
     out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
     bufs = [torch.stack([k, v]), None]  # (2, B, S, Hkv, D): K and V travel as one message
     bufs[1] = torch.empty_like(bufs[0])
@@ -110,7 +123,7 @@ def _forward(q, k, v, scale, causal, layout, comm: RingComm, backend):
         if step < n - 1:
             comm.send_recv([cur], [bufs[(step + 1) % 2]])
         src = (r - step) % n
-        k_ranges = chunks(s * n, layout, src, n)
+        k_ranges = list(shards.k[src])
         calls = plan(q_ranges, k_ranges, causal)
         work = 0
         for qs, ks, mask in calls:
@@ -128,11 +141,10 @@ def _forward(q, k, v, scale, causal, layout, comm: RingComm, backend):
     return out.to(q.dtype), lse
 
 
-def _backward(dout, dlse, q, k, v, out, lse, scale, causal, layout, comm: RingComm, backend):
-    b, s, h, d = q.shape
+def _backward(dout, dlse, q, k, v, out, lse, scale, causal, shards: Shards, comm: RingComm, backend):
     kv_comm, dkv_comm = comm, comm.with_tag(1)
     n, r = kv_comm.world, kv_comm.rank
-    q_ranges = chunks(s * n, layout, r, n)
+    q_ranges = list(shards.q[r])
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = [torch.stack([k, v]), None]
     kv[1] = torch.empty_like(kv[0])
@@ -145,7 +157,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, layout, comm: RingCo
             kv_comm.send_recv([cur], [kv[(step + 1) % 2]])
         src = (r - step) % n
         blk.zero_()
-        for qs, ks, mask in plan(q_ranges, chunks(s * n, layout, src, n), causal):
+        for qs, ks, mask in plan(q_ranges, list(shards.k[src]), causal):
             gq, gk, gv = kernels.block_backward(
                 dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks], out[:, qs], lse[:, :, qs], scale=scale,
                 mask=mask, dlse=None if dlse is None else dlse[:, :, qs], backend=backend)
@@ -165,11 +177,11 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, layout, comm: RingCo
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, layout, comm, backend):
+    def forward(ctx, q, k, v, scale, causal, shards, comm, backend):
         ctx.set_materialize_grads(False)
-        out, lse = _forward(q, k, v, scale, causal, layout, comm, backend)
+        out, lse = _forward(q, k, v, scale, causal, shards, comm, backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, layout, comm, backend)
+        ctx.args = (scale, causal, shards, comm, backend)
         return out, lse
 
     @staticmethod
@@ -219,11 +231,28 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     kernels.pick(backend, q, Mask(FULL))  # an unusable explicit backend fails here, on every rank
     if check and comm.world > 1 and not isinstance(comm, LocalComm):
         _check_across_ranks(comm, q, k, causal, layout, scale, backend)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _RingAttention.apply(q, k, v, scale, causal, layout, comm, backend)
-    else:
-        out, lse = _forward(q, k, v, scale, causal, layout, comm, backend)
+    shards = Shards.of_layout(q.shape[1] * comm.world, layout, comm.world)
+    out, lse = _run(q, k, v, scale, causal, shards, comm, backend)
     return (out, lse) if return_lse else out
+
+
+def _run(q, k, v, scale, causal, shards, comm, backend):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _RingAttention.apply(q, k, v, scale, causal, shards, comm, backend)
+    return _forward(q, k, v, scale, causal, shards, comm, backend)
+
+
+def ring_attention_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: Shards, *, causal: bool,
+                          comm: RingComm, softmax_scale: Optional[float] = None, backend: str = "auto"):
+    """Ring attention over shards of any positions (``Shards``: e.g. the engine's
+    prompt chunks, where queries and keys differ in length). No cross-rank argument check: the
+    caller guarantees that every rank passes the same ``shards``. Returns ``(out, lse)``.
+
+    ``q`` ``(B, Sq, H, D)`` with ``Sq = sum(len(r) for r in shards.q[rank])``; ``k``/``v``
+    ``(B, Sk, Hkv, D)`` likewise for ``shards.k``; ``Sk`` is the same on every rank.
+    """
+    scale = kernels.validate(q, k, v, softmax_scale)
+    return _run(q, k, v, scale, causal, shards, comm, backend)
 
 
 class RingAttention(nn.Module):

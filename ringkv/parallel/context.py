@@ -1,0 +1,164 @@
+"""One rank's view of a step and the model's attention call site over its paged KV cache.
+
+**Where a token's K/V lives.** With ``sp`` SP ranks, token ``t`` of a sequence is stored on
+SP rank ``t % sp`` (the ``striped`` layout of ``ringkv.sp``, vLLM's decode-context-parallel
+interleave of 1). A logical block of the block table holds ``block_size * sp`` consecutive
+tokens; each SP rank keeps its ``block_size`` of them in its own physical block with the
+same id. So rank ``r``'s tokens of a sequence, ``r, r + sp, r + 2 sp, ...``, form an
+ordinary paged sequence (local token ``i`` at ``block_table[i // block_size]``, offset
+``i % block_size``), one block table serves every rank, and each rank stores ``1/sp`` of
+every sequence. With ``sp = 1`` this is the usual paged layout.
+
+**What a rank computes.** A sequence's step of ``n`` tokens runs in one of two modes:
+
+- *ring* (``sp > 1`` and ``n >= ring_min_tokens``): the tokens are split over the SP ranks
+  by the same striping (padded with ``-n % sp`` tokens past the end, which no real query
+  sees under the causal mask and which are never stored), so each rank computes exactly the
+  tokens it stores. Attention is ``ring_attention_shards``: each rank's keys are all the
+  tokens of the sequence it stores (the new ones just written, plus any cached prefix).
+- *replicated* (decode, short chunks, and everything when ``sp = 1``): every SP rank
+  computes all ``n`` tokens; the owner of each token writes its K/V; each rank attends the
+  queries over the keys it stores and the partial ``(out, lse)`` are merged across the SP
+  group (``sp.decode.merge_across``: one all-gather per layer for all such sequences).
+  With ``sp = 1``, a sequence starting at position 0 attends to its own new K/V with
+  ``kernels.attention`` and the others use the paged kernels.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+
+from ..cache.kv_cache import KVCache
+from ..kernels import attention
+from ..kernels.paged import paged_attention
+from ..kernels.paged_torch import PagedPlan, paged_attention_lse, paged_attention_planned
+from ..sp.comm import RingComm
+from ..sp.decode import merge_across
+from ..sp.ring import Shards, ring_attention_shards
+from .plan import StepPlan
+
+
+def _padded_table(tables: List[List[int]], device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)  # (N, width)
+
+
+class LocalStep:
+    """Rank ``sp_rank``'s share of ``plan``: ``input_ids``/``positions`` ``(T,)`` of the tokens it
+    computes, ``write_rows``/``write_slots`` of those it stores, the attention work, and
+    ``last_rows``: for each completing sequence, the local row of its last token (or -1 when
+    another SP rank holds it)."""
+
+    def __init__(self, plan: StepPlan, sp_rank: int, sp: int, block_size: int, ring_min_tokens: int,
+                 device, paged_backend: str = "torch"):
+        r, bs, lb = sp_rank, block_size, block_size * sp  # lb: tokens per logical block
+        ids, pos, rows, slots, self.last_rows = [], [], [], [], []
+        self.fresh, self.rings = [], []  # (offset, n); (offset, m, Shards, key slots, keys per rank)
+        groups = defaultdict(list)  # n -> [(offset, SeqStep)] attended over the cache
+        for s in plan.seqs:
+            off, end = len(ids), s.start + s.n
+            ring = sp > 1 and s.n >= ring_min_tokens
+            if ring:
+                m = -(-s.n // sp)
+                mine = range(s.start + (r - s.start) % sp, s.start + m * sp, sp)
+            else:
+                mine = range(s.start, end)
+            ids.extend(s.tokens[p - s.start] if p < end else 0 for p in mine)
+            pos.extend(mine)
+            for j, p in enumerate(mine):
+                if p < end and p % sp == r:
+                    rows.append(off + j)
+                    slots.append(s.block_table[p // lb] * bs + p % lb // sp)
+            if s.completes:
+                last = end - 1
+                self.last_rows.append(off + (last - mine.start) // sp if (ring and last % sp == r) else
+                                      off + s.n - 1 if (not ring and r == 0) else -1)
+            if ring:
+                keys = len(range(0, end, sp))  # keys per rank (rank 0 holds the most)
+                local = torch.arange(len(range(r, end, sp)), device=device)
+                table = torch.tensor(s.block_table, dtype=torch.long, device=device)
+                shards = Shards(tuple((range(s.start + (j - s.start) % sp, s.start + m * sp, sp),) for j in range(sp)),
+                                tuple((range(j, j + keys * sp, sp),) for j in range(sp)))
+                self.rings.append((off, m, shards, table[local // bs] * bs + local % bs, keys))
+            elif sp == 1 and s.start == 0:
+                self.fresh.append((off, s.n))
+            else:
+                groups[s.n].append((off, s))
+        self.input_ids = torch.tensor(ids, dtype=torch.long, device=device)  # (T,)
+        self.positions = torch.tensor(pos, dtype=torch.long, device=device)  # (T,)
+        self.all_written = len(rows) == len(ids)
+        self.write_rows = torch.tensor(rows, dtype=torch.long, device=device)  # (W,)
+        self.write_slots = torch.tensor(slots, dtype=torch.long, device=device)  # (W,)
+        self.groups = []  # (n, rows (N*n,), block table (N, width), seq_lens (N,), PagedPlan or None)
+        for n, members in groups.items():
+            table = _padded_table([s.block_table for _, s in members], device)
+            seq_lens = torch.tensor([s.start + n for _, s in members], dtype=torch.int32, device=device)
+            rows_g = torch.tensor([o + j for o, _ in members for j in range(n)], device=device)  # (N*n,)
+            if sp > 1:  # keys this rank stores that each query sees: positions r, r+sp, ... <= its own
+                p = torch.tensor([s.start for _, s in members], device=device)[:, None] + torch.arange(n, device=device)
+                plan_g = PagedPlan(table, None, n, bs, limits=torch.div(p - r, sp, rounding_mode="floor") + 1)
+            else:  # the batched torch backend: gather indices and mask once per step, not per layer
+                plan_g = PagedPlan(table, seq_lens, n, bs) if paged_backend == "torch" else None
+            self.groups.append((n, rows_g, table, seq_lens, plan_g))
+
+
+class StepContext:
+    """The model's ``ctx``: ``attend(layer, q, k, v)`` writes the step's K/V into this rank's
+    cache and returns the exact attention output of its query rows."""
+
+    def __init__(self, kv: KVCache, step: LocalStep, first_layer: int, sp: int, comm: Optional[RingComm] = None,
+                 paged_backend: str = "torch", attn_backend: str = "auto", timeout: Optional[timedelta] = None):
+        self.kv, self.step, self.first_layer, self.sp, self.comm = kv, step, first_layer, sp, comm
+        self.paged_backend, self.attn_backend, self.timeout = paged_backend, attn_backend, timeout
+
+    def attend(self, layer: int, q, k, v):
+        # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D)
+        st, li = self.step, layer - self.first_layer
+        if st.all_written:
+            self.kv.write(li, k, v, st.write_slots)
+        elif st.write_rows.numel():
+            self.kv.write(li, k.index_select(0, st.write_rows), v.index_select(0, st.write_rows), st.write_slots)
+        out = torch.empty_like(q)
+        k_cache, v_cache = self.kv.k(li), self.kv.v(li)
+        for off, n in st.fresh:
+            o, _ = attention(q[None, off:off + n], k[None, off:off + n], v[None, off:off + n], causal=True,
+                             backend=self.attn_backend)
+            out[off:off + n] = o[0]
+        if self.sp == 1:
+            for n, rows, table, seq_lens, plan in st.groups:
+                qg = q.index_select(0, rows).view(-1, n, *q.shape[1:])  # (N, n, H, D)
+                if plan is not None:
+                    o = paged_attention_planned(qg, k_cache, v_cache, plan)
+                else:
+                    o, _ = paged_attention(qg, k_cache, v_cache, table, seq_lens, backend=self.paged_backend)
+                out[rows] = o.reshape(-1, *q.shape[1:])
+        elif st.groups:
+            self._replicated(q, k_cache, v_cache, out)
+        for off, m, shards, key_slots, keys in st.rings:
+            out[off:off + m] = self._ring(q[off:off + m], k_cache, v_cache, shards, key_slots, keys)
+        return out
+
+    def _replicated(self, q, k_cache, v_cache, out) -> None:
+        """Every replicated row over this rank's keys, merged across the SP group in one round."""
+        rows = torch.cat([g[1] for g in self.step.groups])
+        parts = [paged_attention_lse(q.index_select(0, r).view(-1, n, *q.shape[1:]), k_cache, v_cache, plan)
+                 for n, r, _, _, plan in self.step.groups]  # [(out (N, n, H, D), lse (N, H, n))]
+        o = torch.cat([p[0].reshape(-1, *q.shape[1:]) for p in parts])[None]  # (1, R, H, D)
+        lse = torch.cat([p[1].transpose(1, 2).reshape(-1, q.shape[1]) for p in parts]).T[None]  # (1, H, R)
+        merged, _ = merge_across(o, lse.contiguous(), self.comm.group, self.timeout, "SP attention merge")
+        out[rows] = merged[0].to(out.dtype)
+
+    def _ring(self, q, k_cache, v_cache, shards: Shards, key_slots, keys: int):
+        """A long chunk: ring attention over every key of the sequence this rank stores."""
+        flat = (-1, *k_cache.shape[2:])
+        k = torch.zeros(keys, *k_cache.shape[2:], dtype=k_cache.dtype, device=k_cache.device)
+        v = torch.zeros_like(k)
+        k[:key_slots.numel()] = k_cache.reshape(flat).index_select(0, key_slots)  # (keys, Hkv, D); pad after
+        v[:key_slots.numel()] = v_cache.reshape(flat).index_select(0, key_slots)
+        out, _ = ring_attention_shards(q[None], k[None].to(q.dtype), v[None].to(q.dtype), shards, causal=True,
+                                       comm=self.comm, backend=self.attn_backend)
+        return out[0]

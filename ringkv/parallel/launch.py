@@ -1,0 +1,382 @@
+"""The ranks of one engine, seen from this process (``Cluster``), and how they start.
+
+Three ways to run, chosen by ``Cluster.mode(world)``:
+
+- ``"local"``: one rank (world 1); no process group is touched.
+- ``"torchrun"``: this process is one rank of a ``torch.distributed`` world of exactly
+  ``tp * pp * sp`` processes (torchrun, or any launcher that initialised the default
+  group). Every rank builds the same engine; rank 0 drives, the others follow its messages
+  while they are inside the same call.
+- ``"spawn"``: a plain process asks for several ranks: it becomes rank 0 (the driver) and
+  starts the others as worker processes (``torch.multiprocessing`` spawn, a TCP store and a
+  gloo/NCCL group on loopback); ``close()`` (or the exit of the program) stops them.
+
+Rank 0 publishes every step plan on the control plane (``control.ControlPlane``), runs its
+own part, and collects the sampler rank's result; pipeline stages overlap because the
+driver publishes up to ``pp`` plans before it waits for the oldest result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Deque, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..model.config import ModelConfig
+from ..sp.comm import DEFAULT_TIMEOUT, RingTimeoutError
+from .control import ControlPlane, parent_alive
+from .mesh import MeshShape, build_mesh, forget_meshes
+from .plan import StepPlan
+from .worker import EngineShape, Worker
+
+DEFAULT_KV_MEMORY = 1 << 30  # bytes per rank when neither kv_cache_memory nor num_blocks is given
+_ENGINE_IDS = itertools.count()  # torchrun ranks create engines in the same order: same ids
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    """How many KV blocks a rank may allocate: ``num_blocks``, or ``kv_cache_memory`` bytes per
+    rank (default 1 GiB), or on CUDA a ``gpu_memory_utilization`` fraction of the device
+    measured after the weights and one profiling forward of ``profile_tokens`` tokens."""
+    num_blocks: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    gpu_memory_utilization: Optional[float] = None
+    profile_tokens: int = 2048
+
+    def blocks(self, worker: Worker) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_block = worker.bytes_per_token * worker.shape.block_size
+        if self.gpu_memory_utilization is not None:
+            return worker.free_kv_bytes(self.gpu_memory_utilization, self.profile_tokens) // per_block
+        return int(self.kv_cache_memory or DEFAULT_KV_MEMORY) // per_block
+
+
+class EngineError(RuntimeError):
+    """A rank of the engine failed or died; the engine cannot continue (create a new one)."""
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    return device
+
+
+class Cluster:
+    """``submit(plan)`` / ``result()`` on the driver, ``follow()`` on torchrun followers."""
+
+    def __init__(self, shape: EngineShape, cfg: ModelConfig, weights, *, model_arg, dtype: torch.dtype,
+                 device: torch.device, budget: CacheBudget, timeout: Optional[timedelta] = None):
+        self.shape, self.cfg, self.dtype = shape, cfg, dtype
+        self.timeout = timeout or DEFAULT_TIMEOUT
+        mesh_shape = MeshShape(shape.pp, shape.sp, shape.tp)
+        self.world = mesh_shape.world
+        self.mode = self.mode_for(self.world)
+        self.procs: List = []
+        self.tmpdir: Optional[str] = None
+        self.control: Optional[ControlPlane] = None
+        self.broken: Optional[str] = None
+        self.pending: Deque[Tuple[StepPlan, Optional[torch.Tensor]]] = deque()
+        self._threads = torch.get_num_threads()
+        self._reports = itertools.count()
+        if self.mode == "local":
+            self.rank, self.device = 0, device
+        elif self.mode == "torchrun":
+            if not dist.is_initialized():
+                dist.init_process_group(_backend(device), timeout=self.timeout)
+            self.rank = dist.get_rank()
+            self.device = _rank_device(device, self.rank)
+            self.control = ControlPlane(dist.distributed_c10d._get_default_store(), f"ringkv/engine{next(_ENGINE_IDS)}",
+                                        self.rank, self.world, self.timeout)
+            self._agree(cfg, dtype)
+        else:
+            self.rank, self.device = 0, _rank_device(device, 0)
+            self._spawn(model_arg, cfg, weights, dtype, device, budget)
+        try:
+            self.worker, self.num_blocks, self.infos = setup_rank(
+                mesh_shape, self.shape, cfg, weights, dtype, self.device, self.control, budget, self.timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def mode_for(world: int) -> str:
+        if world == 1:
+            return "local"
+        if dist.is_initialized():
+            if dist.get_world_size() != world:
+                raise ValueError(f"tp * pp * sp = {world} but the torch.distributed world has {dist.get_world_size()} "
+                                 f"ranks; run under torchrun --nproc-per-node {world} (one process per rank)")
+            return "torchrun"
+        env = os.environ.get("WORLD_SIZE")
+        if env is not None and int(env) > 1:
+            if int(env) != world:
+                raise ValueError(f"tp * pp * sp = {world} but torchrun started {env} processes; "
+                                 f"use --nproc-per-node {world}")
+            return "torchrun"
+        return "spawn"
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def _agree(self, cfg: ModelConfig, dtype) -> None:
+        """Every rank must build the same engine (checked before any weight is loaded)."""
+        mine = json.dumps([vars(self.shape), {k: v for k, v in vars(cfg).items() if k != "extra"}, str(dtype)],
+                          sort_keys=True, default=str)
+        for r, theirs in enumerate(self.control.exchange("engine", mine)):
+            if theirs != mine:
+                raise ValueError(f"rank {r} builds a different engine than rank {self.rank} (model config, dtype, "
+                                 f"tp/pp/sp or cache settings differ); every rank must call LLM(...) alike")
+
+    # -- spawn mode ----------------------------------------------------------------------
+    def _spawn(self, model_arg, cfg: ModelConfig, weights, dtype, device, budget: CacheBudget) -> None:
+        import torch.multiprocessing as mp
+
+        if dist.is_initialized():
+            raise ValueError("a torch.distributed process group is already initialised in this process; "
+                             "close the other engine, or run every rank under torchrun")
+        path = model_arg if isinstance(model_arg, (str, os.PathLike)) and os.path.isdir(model_arg) else None
+        if path is None:  # in-memory weights (or GGUF): one safetensors copy the workers read slices of
+            self.tmpdir = path = tempfile.mkdtemp(prefix="ringkv-weights-")
+            _save_weights(cfg, weights, path)
+        store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=self.timeout, wait_for_workers=False)
+        self.store = store
+        spec = dict(world=self.world, port=store.port, path=os.fspath(path), config=_config_dict(cfg),
+                    shape=vars(self.shape), budget=vars(budget), dtype=str(dtype).replace("torch.", ""), device=str(device),
+                    timeout=self.timeout.total_seconds(), threads=max(1, (os.cpu_count() or 1) // self.world))
+        ctx = mp.get_context("spawn")
+        with _plain_child():
+            for r in range(1, self.world):
+                p = ctx.Process(target=_worker_main, args=(r, json.dumps(spec), os.getpid()), daemon=True,
+                                name=f"ringkv-rank{r}")
+                p.start()
+                self.procs.append(p)
+        self.control = ControlPlane(store, "ringkv/engine", 0, self.world, self.timeout)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        for r, p in enumerate(self.procs, start=1):  # every worker started (imports done) or died
+            while self.control.poll("hello", r) is None:
+                self._check_procs("starting")
+                if time.monotonic() > deadline:
+                    raise EngineError(f"worker rank {r} did not start within {self.timeout.total_seconds():.0f}s")
+                time.sleep(0.05)
+        if device.type == "cpu":
+            torch.set_num_threads(spec["threads"])
+        dist.init_process_group(_backend(device), store=dist.PrefixStore("pg", store), rank=0,
+                                world_size=self.world, timeout=self.timeout)
+
+    def _check_procs(self, doing: str) -> None:
+        dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        if dead:
+            r, code = dead[0]
+            err = self.control.poll("error", r) if self.control else None
+            raise EngineError(f"worker rank {r} exited (code {code}) while {doing}" + (f":\n{err}" if err else ""))
+
+    # -- driver --------------------------------------------------------------------------
+    def submit(self, plan: StepPlan) -> None:
+        """Publish ``plan`` to every rank and run rank 0's part of it."""
+        self._ok()
+        try:
+            if self.world > 1:
+                self.control.publish({"kind": "step", **plan.to_json()})
+            self.pending.append((plan, self.worker.execute(plan)))
+        except Exception as e:
+            self._fail(e)
+
+    def result(self) -> Optional[torch.Tensor]:
+        """The sampler rank's tokens or logits for the oldest submitted plan (None if no row completes)."""
+        plan, res = self.pending.popleft()
+        if res is None and plan.num_completing:
+            try:
+                res = self.worker.receive_result(plan)
+            except Exception as e:
+                self._fail(e)
+        return res
+
+    def end(self, payload: dict) -> None:
+        """Torchrun: let the followers return ``payload`` from the call they are in."""
+        if self.mode == "torchrun" and self.is_driver:
+            self.control.publish({"kind": "end", **payload})
+
+    def abort(self, message: str) -> None:
+        if self.mode == "torchrun" and self.is_driver and not self.broken:
+            self.control.publish({"kind": "error", "message": message})
+
+    def follow(self) -> dict:
+        """Torchrun ranks > 0: run the driver's steps until it ends the call; returns its payload."""
+        self._ok()
+        while True:
+            try:
+                msg = self.control.receive(self.timeout)
+                if msg["kind"] == "step":
+                    self.worker.execute(StepPlan.from_json(msg))
+                    continue
+            except Exception as e:
+                self._fail(e)
+            if msg["kind"] == "error":
+                raise EngineError(f"rank 0 failed: {msg['message']}")
+            return msg
+
+    def report(self) -> List[dict]:
+        """Every rank's worker info and timing counters (all ranks call it under torchrun)."""
+        mine = dict(self.worker.info(), steps=self.worker.stats.steps, busy_s=self.worker.stats.busy_s,
+                    wait_s=self.worker.stats.wait_s)
+        if self.world == 1:
+            return [mine]
+        n = next(self._reports)
+        if self.mode == "spawn":
+            self.control.publish({"kind": "report", "n": n})
+        return self.control.exchange(f"report{n}", mine)
+
+    def _ok(self) -> None:
+        if self.broken:
+            raise EngineError(f"the engine is broken ({self.broken}); create a new LLM")
+
+    def _fail(self, e: BaseException):
+        """A rank failed: name it (spawn mode: which worker died and why) and break the engine."""
+        msg = f"{type(e).__name__}: {e}"
+        if self.mode == "spawn":
+            time.sleep(0.2)  # a dying worker posts its error first
+            try:
+                self._check_procs("running a step")
+            except EngineError as dead:
+                msg = str(dead)
+        self.broken = msg
+        raise EngineError(msg) from e
+
+    # -- teardown ------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.mode == "spawn" and self.procs:
+            try:
+                if self.control is not None and not self.broken:
+                    self.control.publish({"kind": "shutdown"})
+            except Exception:
+                pass
+            for p in self.procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+            self.procs = []
+        if self.mode == "spawn":
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            forget_meshes()
+            torch.set_num_threads(self._threads)
+            self.mode = "closed"
+        if self.tmpdir:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+
+
+@contextlib.contextmanager
+def _plain_child():
+    """Start children that do not re-run the caller's ``__main__`` (so scripts need no
+    ``if __name__ == "__main__"`` guard: workers only import ringkv) and that do not log a C++
+    warning each time an idle worker's wait on the store times out."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        if main is not None:
+            main.__spec__ = None
+            main.__dict__.pop("__file__", None)
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+        if level is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL")
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = level
+
+
+def setup_rank(mesh_shape: MeshShape, shape: EngineShape, cfg: ModelConfig, weights, dtype, device,
+               control: Optional[ControlPlane], budget: CacheBudget, timeout):
+    """Build this rank's worker and its KV cache; the block count is the minimum over ranks."""
+    worker = Worker(build_mesh(mesh_shape, device.type), cfg, weights, shape, dtype=dtype, device=device,
+                    timeout=timeout)
+    mine = budget.blocks(worker)
+    num_blocks = min(control.exchange("num_blocks", mine)) if control else mine
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache budget holds no block of {shape.block_size} tokens on some rank; "
+                         f"give more kv_cache_memory / gpu_memory_utilization or a smaller block_size")
+    worker.allocate(num_blocks)
+    infos = control.exchange("info", worker.info()) if control else [worker.info()]
+    return worker, num_blocks, infos
+
+
+def _config_dict(cfg: ModelConfig) -> dict:
+    return json.loads(json.dumps(vars(cfg), default=str))
+
+
+def _save_weights(cfg: ModelConfig, weights, path: str) -> None:
+    from safetensors.torch import save_file
+
+    from ..model.loader import _IGNORED_SUFFIXES
+
+    names = [n for n in sorted(weights.names()) if not n.endswith(_IGNORED_SUFFIXES)
+             and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    save_file({n: weights.get(n).detach().contiguous() for n in names}, os.path.join(path, "model.safetensors"))
+
+
+def _worker_main(rank: int, spec_json: str, parent_pid: int) -> None:
+    """A spawned rank: join the world, build its worker, run the driver's messages."""
+    spec = json.loads(spec_json)
+    control = None
+    try:
+        torch.set_num_threads(spec["threads"])
+        from ..model.loader import SafetensorsSource
+
+        timeout = timedelta(seconds=spec["timeout"])
+        store = dist.TCPStore("127.0.0.1", spec["port"], spec["world"], False, timeout=timeout)
+        control = ControlPlane(store, "ringkv/engine", rank, spec["world"], timeout)
+        control.post("hello", os.getpid())
+        device = _rank_device(torch.device(spec["device"]), rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(_backend(device), store=dist.PrefixStore("pg", store), rank=rank,
+                                world_size=spec["world"], timeout=timeout)
+        cfg = ModelConfig(**spec["config"])
+        shape = EngineShape(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["shape"].items()})
+        worker, _, _ = setup_rank(MeshShape(shape.pp, shape.sp, shape.tp), shape, cfg,
+                                  SafetensorsSource(spec["path"]), getattr(torch, spec["dtype"]), device, control,
+                                  CacheBudget(**spec["budget"]), timeout)
+        alive = parent_alive(parent_pid)
+        while True:
+            msg = control.receive(None, alive)
+            kind = msg["kind"]
+            if kind == "step":
+                worker.execute(StepPlan.from_json(msg))
+            elif kind == "report":
+                control.exchange(f"report{msg['n']}", dict(worker.info(), steps=worker.stats.steps,
+                                                           busy_s=worker.stats.busy_s, wait_s=worker.stats.wait_s))
+            elif kind == "shutdown":
+                break
+        worker.link.flush()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - tell the driver why, then die so peers fail fast
+        if control is not None:
+            try:
+                control.post("error", f"rank {rank}: {traceback.format_exc()}")
+            except Exception:
+                pass
+        os._exit(1)

@@ -1,0 +1,164 @@
+"""``Worker``: one rank of an engine. It holds this rank's slice of the model (the layers of
+its pipeline stage x the heads of its TP rank), its paged KV cache (those layers, its KV
+heads, the tokens its SP rank stores) and runs step plans; the sampler rank (last stage,
+SP rank 0, TP rank 0) returns the step's tokens or logits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..cache.kv_cache import KVCache, bytes_per_block
+from ..model.config import ModelConfig
+from ..model.llama import DenseContext, LlamaForCausalLM
+from ..model.loader import check_checkpoint, materialize
+from ..sp.collectives import all_sum, wait
+from ..sp.comm import RingComm
+from .context import LocalStep, StepContext
+from .mesh import Mesh
+from .plan import StepPlan
+from .pp import StageLink, apply_pp, stage_forward, stage_range, stage_sizes
+from .tp import apply_tp, gather_vocab, kv_heads_per_rank
+
+RESULT_TAG = 11
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The settings every rank shares (a JSON dict travels to spawned workers)."""
+    pp: int = 1
+    sp: int = 1
+    tp: int = 1
+    pp_layers: Optional[tuple] = None
+    block_size: int = 16
+    sp_ring_min_tokens: int = 1024
+    paged_backend: str = "auto"
+
+    def stage_sizes(self, cfg: ModelConfig) -> List[int]:
+        return stage_sizes(cfg.num_layers, self.pp, self.pp_layers)
+
+    def bytes_per_token(self, cfg: ModelConfig, stage: int, dtype: torch.dtype) -> int:
+        """K and V of one token on a rank of ``stage`` (the seed's formula):
+        ``2 x layers_on_stage x kv_heads_on_rank x head_dim x bytes``."""
+        return bytes_per_block(self.stage_sizes(cfg)[stage], 1, kv_heads_per_rank(cfg, self.tp), cfg.head_dim, dtype)
+
+
+@dataclass
+class WorkerStats:
+    steps: int = 0
+    busy_s: float = 0.0  # computing (waits for the previous stage excluded)
+    wait_s: float = 0.0  # waiting for hidden states from the previous stage
+    extra: dict = field(default_factory=dict)
+
+
+class Worker:
+    def __init__(self, mesh: Mesh, cfg: ModelConfig, weights, shape: EngineShape, *, dtype: torch.dtype,
+                 device, timeout: Optional[timedelta] = None):
+        self.mesh, self.cfg, self.shape, self.dtype = mesh, cfg, shape, dtype
+        self.device, self.timeout = torch.device(device), timeout
+        sizes = shape.stage_sizes(cfg)
+        self.layers = stage_range(sizes, mesh.pp_rank)
+        check_checkpoint(cfg, weights)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        apply_pp(model, self.layers, mesh.first_stage, mesh.last_stage)
+        slices = apply_tp(model, cfg, mesh.tp_rank, mesh.tp, mesh.tp_group, timeout)
+        self.model = materialize(model, weights, dtype, self.device, slices)
+        self.kv_heads = kv_heads_per_rank(cfg, mesh.tp)
+        self.kv: Optional[KVCache] = None
+        self.paged_backend = shape.paged_backend
+        if self.paged_backend == "auto" and self.device.type == "cpu":
+            self.paged_backend = "torch"  # the per-sequence reference loop is far slower on CPU
+        self.ring = RingComm(mesh.sp_group, timeout) if mesh.sp > 1 else None
+        self.link = StageLink(timeout)
+        self.stats = WorkerStats()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return bytes_per_block(len(self.layers), 1, self.kv_heads, self.cfg.head_dim, self.dtype)
+
+    def allocate(self, num_blocks: int) -> None:
+        self.kv = KVCache(len(self.layers), self.kv_heads, self.cfg.head_dim, block_size=self.shape.block_size,
+                          num_blocks=num_blocks, dtype=self.dtype, device=self.device)
+
+    def free_kv_bytes(self, utilization: float, tokens: int) -> int:
+        """CUDA: bytes left for the KV cache within ``utilization`` of the device after the weights,
+        other processes' memory and the activations of one ``tokens``-token forward (profiled)."""
+        if self.device.type != "cuda":
+            raise ValueError("gpu_memory_utilization needs a CUDA device; on CPU give kv_cache_memory (bytes per rank)")
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)
+        positions = torch.arange(tokens, device=self.device)
+        x = positions if self.mesh.first_stage else torch.zeros(tokens, self.cfg.hidden_size, dtype=self.dtype,
+                                                                device=self.device)
+        with torch.inference_mode():
+            stage_forward(self.model, x, positions, DenseContext(positions))
+        torch.cuda.synchronize(self.device)
+        return int(utilization * total - others - torch.cuda.max_memory_allocated(self.device))
+
+    def info(self) -> dict:
+        m = self.mesh
+        return dict(rank=m.rank, pp_rank=m.pp_rank, sp_rank=m.sp_rank, tp_rank=m.tp_rank,
+                    layers=[self.layers.start, self.layers.stop], kv_heads=self.kv_heads,
+                    bytes_per_token=self.bytes_per_token,
+                    kv_cache_bytes=self.kv.data.numel() * self.kv.data.element_size() if self.kv else 0,
+                    weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> Optional[torch.Tensor]:
+        """Run this rank's part of a step. On the sampler rank returns ``(M,)`` int64 tokens or
+        ``(M, vocab)`` float32 logits of the completing sequences, in plan order; else None."""
+        t0 = time.perf_counter()
+        m, sh = self.mesh, self.shape
+        step = LocalStep(plan, m.sp_rank, m.sp, sh.block_size, sh.sp_ring_min_tokens, self.device, self.paged_backend)
+        ctx = StepContext(self.kv, step, self.layers.start, m.sp, self.ring, self.paged_backend, timeout=self.timeout)
+        if m.first_stage:
+            x = step.input_ids
+        else:
+            w = time.perf_counter()
+            x = self.link.recv((step.input_ids.numel(), self.cfg.hidden_size), self.dtype, self.device, m.neighbour(-1))
+            self.stats.wait_s += time.perf_counter() - w
+            t0 += time.perf_counter() - w
+        x = stage_forward(self.model, x, step.positions, ctx)  # (T, hidden)
+        result = None
+        if not m.last_stage:
+            self.link.send(x, m.neighbour(1))
+        elif plan.num_completing:
+            result = self._sample_input(x, step, plan)
+        self.stats.steps += 1
+        self.stats.busy_s += time.perf_counter() - t0
+        return result
+
+    def _sample_input(self, x, step: LocalStep, plan: StepPlan) -> Optional[torch.Tensor]:
+        m = self.mesh
+        rows = torch.tensor(step.last_rows, device=x.device)
+        last = x.index_select(0, rows.clamp_min(0)) * (rows >= 0)[:, None].to(x.dtype)  # (M, hidden)
+        if m.sp > 1:  # each completing row lives on one SP rank: the sum gathers them
+            last = all_sum(last, m.sp_group, self.timeout, "last hidden states")
+        if m.sp_rank != 0:
+            return None
+        logits = gather_vocab(self.model.logits(last), self.cfg, m.tp, m.tp_group, self.timeout)  # (M, vocab) fp32
+        if m.tp_rank != 0:
+            return None
+        out = logits.argmax(dim=-1) if plan.want == "tokens" else logits
+        if m.rank != 0:  # to the driver
+            self.link.pending.append((dist.isend(out, 0, tag=RESULT_TAG), out))
+            return None
+        return out
+
+    def receive_result(self, plan: StepPlan) -> torch.Tensor:
+        """On the driver: the sampler rank's answer to ``plan`` (in submission order)."""
+        shape = (plan.num_completing,) if plan.want == "tokens" else (plan.num_completing, self.cfg.vocab_size)
+        out = torch.empty(shape, dtype=torch.long if plan.want == "tokens" else torch.float32, device=self.device)
+        wait(dist.irecv(out, self.mesh.sampler_rank, tag=RESULT_TAG), out, self.timeout,
+             f"results from the sampler rank {self.mesh.sampler_rank}")
+        return out

@@ -1,4 +1,8 @@
-"""Command line: ``ringkv generate --model PATH --prompt "..." [--max-tokens N] ...``."""
+"""Command line: ``ringkv generate --model PATH --prompt "..." [--max-tokens N] [--tp/--pp/--sp N] ...``.
+
+With ``--tp/--pp/--sp`` the command starts the extra ranks itself; under
+``torchrun --nproc-per-node N -m ringkv generate ...`` every rank runs it and rank 0 prints.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: float32 on CPU)")
     g.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated (one prompt)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (attention heads split)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (layers split)")
+    g.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks (ring prefill, KV striped)")
+    g.add_argument("--pp-layers", type=int, nargs="+", default=None, help="layers per pipeline stage")
+    g.add_argument("--block-size", type=int, default=16, help="KV cache tokens per block on a rank")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--sp-prefill-min-tokens", type=int, default=None,
+                   help="tokens a sequence computes in a step before the ring splits them over the SP ranks")
     return p
 
 
@@ -36,34 +48,42 @@ def main(argv=None) -> int:
         print(f"ringkv: {problem}", file=sys.stderr)
         return 2
     mem = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
+    extra = {} if args.sp_prefill_min_tokens is None else {"sp_prefill_min_tokens": args.sp_prefill_min_tokens}
     try:
-        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=mem)
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=mem, tp=args.tp, pp=args.pp, sp=args.sp,
+                  pp_layers=args.pp_layers, block_size=args.block_size, max_model_len=args.max_model_len, **extra)
     except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"ringkv: {e}", file=sys.stderr)
         return 2
+    with llm:
+        return _run(llm, args, params)
+
+
+def _run(llm, args, params) -> int:
+    show = llm.rank == 0  # under torchrun every rank runs the command; rank 0 prints
     if llm.tokenizer is None:
         print(f"ringkv: no tokenizer files in {args.model!r}; text prompts need one", file=sys.stderr)
         return 2
     if args.stream and len(args.prompt) == 1:
         try:
             for delta in llm.stream(args.prompt[0], params, apply_chat_template=args.chat):
-                print(delta.text, end="", flush=True)
+                if show:
+                    print(delta.text, end="", flush=True)
         except ValueError as e:
             print(f"ringkv: {e}", file=sys.stderr)
             return 1
-        print()
+        if show:
+            print()
         return 0
     outs = llm.generate(args.prompt, params, use_tqdm=False, apply_chat_template=args.chat)
-    status = 0
-    for o in outs:
+    for o in outs if show else []:
         if o.finish_reason == "error":
             print(f"ringkv: {o.error}", file=sys.stderr)
-            status = 1
             continue
         if len(outs) > 1:
             print(f"--- [{o.request_id}] ({o.finish_reason})")
         print(o.text)
-    return status
+    return int(any(o.finish_reason == "error" for o in outs))
 
 
 if __name__ == "__main__":

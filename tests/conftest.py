@@ -1,4 +1,4 @@
-"""Test-session settings: hypothesis without deadlines (CPU timing is noisy), one gloo world."""
+"""Test-session settings: hypothesis without deadlines (CPU timing is noisy), gloo worlds started once."""
 
 import os
 
@@ -17,10 +17,24 @@ torch.set_num_threads(1)  # small test matmuls run fastest on one thread, above 
 
 
 @pytest.fixture(scope="session")
-def world():
-    """A gloo world of 4 CPU ranks for the whole session; cases pick subgroups of 1-4 ranks."""
+def worlds():
+    """``worlds(n)``: a gloo world of exactly ``n`` CPU ranks, started on first use and kept for
+    the session (engines need a world of exactly ``tp * pp * sp`` ranks)."""
     from tests.dist import World
 
-    w = World(4)
-    yield w
-    w.close()
+    started = {}
+
+    def get(n: int) -> World:
+        if n not in started:
+            started[n] = World(n)
+        return started[n]
+
+    yield get
+    for w in started.values():
+        w.close()
+
+
+@pytest.fixture(scope="session")
+def world(worlds):
+    """A gloo world of 4 CPU ranks for the whole session; cases pick subgroups of 1-4 ranks."""
+    return worlds(4)

@@ -33,3 +33,34 @@ def tiny_config(arch: str, **overrides):
         raise ValueError(f"unknown arch {arch!r}; choose llama, qwen2 or mistral")
     common.update(overrides)
     return cls(**common)
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides):
+    """A tiny random transformers model, built the same in every process for a seed; Qwen2's
+    biases made non-zero and the LM head scaled up (clear greedy choices: a parallel engine's
+    summation order must not decide a near tie)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    m = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32).eval()
+    with torch.no_grad():
+        if arch == "qwen2":
+            for layer in m.model.layers:
+                layer.self_attn.q_proj.bias.normal_(0, 0.5)
+                layer.self_attn.k_proj.bias.normal_(0, 0.5)
+        m.lm_head.weight.mul_(4)
+    return m
+
+
+def hf_greedy(model, prompts, max_tokens: int, eos=None):
+    """transformers' greedy ``generate`` per prompt (the reference every engine test compares with)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=max_tokens, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out

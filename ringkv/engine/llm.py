@@ -114,6 +114,7 @@ class LLM:
         self._ids = itertools.count()
         self._calls = itertools.count()
         self._inflight: "deque[List[Scheduled]]" = deque()
+        self.peak_in_flight = 0  # most steps in flight at once (pipeline parallelism keeps up to pp)
 
     @staticmethod
     def _check_capacity(num_blocks: int, shape: EngineShape, max_model_len: Optional[int], memory) -> int:
@@ -246,6 +247,7 @@ class LLM:
                 s.seq.num_computed = s.start + s.n
             self.cluster.submit(self._plan(batch))
             self._inflight.append(batch)
+            self.peak_in_flight = max(self.peak_in_flight, len(self._inflight))
         if not self._inflight:
             raise RuntimeError("scheduler made no progress with requests pending (a bug)")
         batch = self._inflight.popleft()

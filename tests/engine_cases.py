@@ -1,0 +1,103 @@
+"""Engine cases run on every rank of a gloo world of exactly ``tp * pp * sp`` ranks: the
+torchrun launch mode (the default process group is initialised; every rank builds the same
+``LLM`` and makes the same calls)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ringkv.engine import LLM, SamplingParams
+from tests.models import tiny_model
+
+
+def model_from(spec):
+    """``("tiny", arch, seed, overrides)`` -> the same random model on every rank; a str -> a path."""
+    if isinstance(spec, str):
+        return spec
+    _, arch, seed, overrides = spec
+    return tiny_model(arch, seed, **overrides)
+
+
+def written_slots(llm) -> int:
+    """Cache slots of layer 0 on this rank holding a key (a new cache is all zeros)."""
+    k = llm.kv.k(0)
+    return int((k.abs().flatten(2).sum(-1) != 0).sum())
+
+
+def generate(ctx, spec, llm_kwargs, prompts, params, rounds=1):
+    """Generate ``rounds`` times on one engine; return what this rank saw."""
+    with LLM(model_from(spec), **llm_kwargs) as llm:
+        tokens, cached = [], []
+        for _ in range(rounds):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            tokens.append([o.token_ids for o in outs])
+            cached.append([o.num_cached_tokens for o in outs])
+            if llm.rank == 0:
+                llm.blocks.check()
+        return dict(tokens=tokens, cached=cached, info=llm.kv_cache_info(), hits=llm.prefix_cache_hits,
+                    preemptions=llm.scheduler.num_preemptions, peak_in_flight=llm.peak_in_flight,
+                    written=written_slots(llm), free=llm.blocks.num_free, stats=llm.rank_stats())
+
+
+def stream(ctx, spec, llm_kwargs, prompt, params):
+    with LLM(model_from(spec), **llm_kwargs) as llm:
+        return [(d.token_id, d.text, d.finish_reason) for d in llm.stream(prompt, params)]
+
+
+def construct(ctx, spec, per_rank_kwargs):
+    """Build an engine with this rank's kwargs; return the error type and message, or "ok"."""
+    kw = per_rank_kwargs[ctx.rank] if isinstance(per_rank_kwargs, list) else per_rank_kwargs
+    t = time.perf_counter()
+    try:
+        LLM(model_from(spec), timeout=10, **kw).close()
+        return "ok", "", time.perf_counter() - t
+    except Exception as e:  # noqa: BLE001 - the test compares ranks' errors
+        return type(e).__name__, str(e), time.perf_counter() - t
+
+
+def disagree_call(ctx, spec, llm_kwargs, prompts):
+    """Every rank builds the same engine but rank 1 asks for other prompts."""
+    with LLM(model_from(spec), timeout=10, **llm_kwargs) as llm:
+        try:
+            llm.generate(prompts[ctx.rank], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+            return "ok"
+        except ValueError as e:
+            return str(e)
+
+
+def read_slices(ctx, path, llm_kwargs):
+    """Which checkpoint slices this rank reads while it builds its shard."""
+    from ringkv.model import loader
+
+    seen = []
+    real = loader.SafetensorsSource.get
+
+    def recording(self, name, dim=None, start=0, stop=0):
+        t = real(self, name, dim, start, stop)
+        seen.append((name, dim, t.numel() * t.element_size()))
+        return t
+
+    loader.SafetensorsSource.get = recording
+    try:
+        with LLM(path, **llm_kwargs) as llm:
+            return dict(seen=seen, weight_bytes=llm.kv_cache_info()["per_rank"][ctx.rank]["weight_bytes"])
+    finally:
+        loader.SafetensorsSource.get = real
+
+
+def seeded(ctx, spec, llm_kwargs, prompts, params):
+    with LLM(model_from(spec), **llm_kwargs) as llm:
+        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def cache_contents(ctx, spec, llm_kwargs, prompt, max_tokens):
+    """One long prompt on a fresh engine: how many of its tokens' K/V this rank stores."""
+    with LLM(model_from(spec), **llm_kwargs) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
+        return dict(tokens=out.token_ids, written=written_slots(llm), info=llm.kv_cache_info())
+
+
+def torch_threads(ctx):
+    return torch.get_num_threads()

@@ -1,4 +1,5 @@
-"""Output tokens/s: ringkv.LLM vs transformers ``generate`` on SmolLM2-135M-Instruct (fp32, greedy).
+"""Output tokens/s: ringkv.LLM vs transformers ``generate`` on SmolLM2-135M-Instruct (fp32, greedy),
+or (``--tp/--pp/--sp``) a parallel engine against ``tp = pp = sp = 1`` in the same run.
 
 Same prompts (mixed lengths), same greedy settings, the same number of output tokens per
 request (EOS ignored on both sides), measured in the same process one after the other:
@@ -8,6 +9,13 @@ request (EOS ignored on both sides), measured in the same process one after the 
 - HF one by one: a ``generate`` call per request (runs of <= ``--hf-single-max`` requests).
 
     python benchmarks/engine.py --requests 16 64 --max-tokens 64 --json results/engine.json
+    python benchmarks/engine.py --pp 2 --model llama-120m --requests 16 64 --json results/engine_pp2.json
+
+Parallel mode: both engines get the same ``--kv-cache-memory`` per rank and the same
+requests; the table gives output tokens/s, KV capacity in tokens, per-rank memory (weights,
+KV cache, peak RSS) and, per rank, the fraction of the run it was not computing (for
+pipeline stages: the bubble). The single-rank engine uses all cores; each of N ranks gets
+cores / N threads.
 """
 
 from __future__ import annotations
@@ -98,9 +106,24 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=1,
                     help="time each side this many times, interleaved, and keep the fastest (a shared CPU is noisy)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--tp", type=int, default=1, help="parallel mode: tensor-parallel ranks")
+    ap.add_argument("--pp", type=int, default=1, help="parallel mode: pipeline stages")
+    ap.add_argument("--sp", type=int, default=1, help="parallel mode: sequence-parallel ranks")
+    ap.add_argument("--model", default="smollm2", help="parallel mode: smollm2, a preset of benchmarks/models.py "
+                                                       "(llama-120m: 12 heads, 4 KV heads) or a directory")
+    ap.add_argument("--kv-cache-memory", type=float, default=0.25, help="parallel mode: GiB of KV cache per rank")
+    ap.add_argument("--one-engine", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.one_engine:  # a job of main_parallel, in its own process
+        with open(args.one_engine) as f:
+            job = json.load(f)
+        with open(args.one_engine + ".out", "w") as f:
+            json.dump(run_engine(job["path"], job["prompts"], job["lengths"], job["kw"], job["threads"]), f)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tp * args.pp * args.sp > 1:
+        return main_parallel(args)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = smollm2_path()
@@ -152,6 +175,102 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(dict(model="SmolLM2-135M-Instruct", dtype="float32", max_tokens=args.max_tokens,
                            threads=torch.get_num_threads(), device="cpu", rows=rows), f, indent=2)
+
+
+def run_engine(path, prompts, lengths, kw, threads):
+    """One engine, built, timed on the prompts, closed: tokens, seconds, cache info, rank stats."""
+    torch.set_num_threads(threads)
+    with LLM(path, **kw) as llm:
+        bench_ringkv(llm, [p[:8] for p in prompts[:2]], [2, 2])  # warm up (first-call overheads)
+        llm.blocks.__init__(llm.blocks.num_blocks, llm.blocks.block_size)
+        before = llm.rank_stats()
+        out, dt = bench_ringkv(llm, prompts, lengths)
+        after = llm.rank_stats()
+        ranks = [dict(a, busy_s=a["busy_s"] - b["busy_s"], idle_fraction=1 - (a["busy_s"] - b["busy_s"]) / dt)
+                 for a, b in zip(after, before)]
+        return out, dt, llm.kv_cache_info(), ranks, llm.peak_in_flight
+
+
+def run_engine_in_subprocess(path, prompts, lengths, kw, threads):
+    """``run_engine`` in a fresh process: each rank's peak memory is its own engine's."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        job = os.path.join(d, "job.json")
+        with open(job, "w") as f:
+            json.dump(dict(path=path, prompts=prompts, lengths=lengths, kw=kw, threads=threads), f)
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--one-engine", job],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(res.stderr[-3000:])
+        with open(job + ".out") as f:
+            return json.load(f)
+
+
+def main_parallel(args):
+    from models import describe, model_path
+
+    path = model_path(args.model)
+    cores = os.cpu_count() or 1
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception:  # a random model has no tokenizer: random token ids
+        tok = None
+    configs = [dict(tp=1, pp=1, sp=1), dict(tp=args.tp, pp=args.pp, sp=args.sp)]
+    rows = []
+    for n in args.requests:
+        if tok is not None:
+            prompts = make_prompts(tok, n, args.min_prompt, args.max_prompt, seed=n)
+        else:
+            rng = random.Random(n)
+            prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+                       for _ in range(n)]
+        lengths = [args.max_tokens] * n
+        best = [None, None]
+        for _ in range(args.repeats):
+            for i, c in enumerate(configs):
+                threads = max(1, cores // (c["tp"] * c["pp"] * c["sp"]))
+                kw = dict(c, kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=n)
+                res = run_engine_in_subprocess(path, prompts, lengths, kw, threads)
+                if best[i] is None or res[1] < best[i][1]:
+                    best[i] = res
+                print(f"[{n} requests] {c}: {sum(lengths) / res[1]:.1f} tok/s", file=sys.stderr)
+        (b_out, b_dt, b_info, b_ranks, _), (p_out, p_dt, p_info, p_ranks, depth) = best
+        tokens = sum(lengths)
+        row = dict(requests=n, output_tokens=tokens, prompt_tokens=sum(map(len, prompts)),
+                   config=f"tp={args.tp} pp={args.pp} sp={args.sp}",
+                   base_tok_s=tokens / b_dt, parallel_tok_s=tokens / p_dt, speedup=b_dt / p_dt,
+                   greedy_agreement=agreement(b_out, p_out),
+                   base_capacity_tokens=b_info["capacity_tokens"], parallel_capacity_tokens=p_info["capacity_tokens"],
+                   base_rank=_mem(b_ranks[0]), parallel_ranks=[_mem(r) for r in p_ranks],
+                   idle_fraction=[round(r["idle_fraction"], 3) for r in p_ranks],
+                   pp_bubble=sum(r["idle_fraction"] for r in p_ranks) / len(p_ranks), peak_in_flight=depth)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    print(f"{describe(args.model)} fp32, greedy, {args.max_tokens} output tokens/request, prompts "
+          f"{args.min_prompt}-{args.max_prompt} tokens, {args.kv_cache_memory} GiB KV cache per rank, {cores} cores")
+    print("| requests | tp=pp=sp=1 tok/s | " + rows[0]["config"] + " tok/s | speedup | KV capacity (tokens) 1 -> N | "
+          "weights+KV per rank MiB 1 -> N | peak RSS per rank MiB | idle fraction per rank (bubble) |")
+    print("|---:|---:|---:|---:|---|---|---|---|")
+    for r in rows:
+        mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+        print(f"| {r['requests']} | {r['base_tok_s']:.1f} | {r['parallel_tok_s']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['base_capacity_tokens']} -> {r['parallel_capacity_tokens']} | "
+              f"{mib(r['base_rank']['weights'] + r['base_rank']['kv'])} -> "
+              f"{', '.join(mib(x['weights'] + x['kv']) for x in r['parallel_ranks'])} | "
+              f"{mib(r['base_rank']['peak_rss'])} -> {', '.join(mib(x['peak_rss']) for x in r['parallel_ranks'])} | "
+              f"{', '.join(f'{x:.2f}' for x in r['idle_fraction'])} |")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(dict(model=describe(args.model), dtype="float32", max_tokens=args.max_tokens, cores=cores,
+                           rows=rows), f, indent=2)
+
+
+def _mem(rank: dict) -> dict:
+    return dict(weights=rank["weight_bytes"], kv=rank["kv_cache_bytes"], peak_rss=rank["peak_rss_bytes"])
 
 
 if __name__ == "__main__":

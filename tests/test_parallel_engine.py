@@ -5,8 +5,11 @@ bad configurations and disagreeing ranks fail on every rank."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytest.importorskip("transformers")
 
@@ -41,15 +44,17 @@ def prompts_short(seed=0):
 
 
 def check_info(info, s, tp, pp, sp, layers):
-    heads, kv = s[3]["num_attention_heads"], s[3]["num_key_value_heads"]
-    sizes = [layers // pp + (i < layers % pp) for i in range(pp)]
+    kv = s[3]["num_key_value_heads"]
+    stages = sorted({tuple(r["layers"]) for r in info["per_rank"]})
+    assert len(stages) == pp and stages[0][0] == 0 and stages[-1][1] == layers  # contiguous stages, all layers
+    assert all(a[1] == b[0] for a, b in zip(stages, stages[1:]))
     assert info["capacity_tokens"] == info["num_blocks"] * info["block_size"] * sp
     assert len(info["per_rank"]) == tp * pp * sp
     for r in info["per_rank"]:
-        per_token = 2 * sizes[r["pp_rank"]] * max(1, kv // tp) * 16 * 4  # the seed's formula, fp32
+        assert tuple(r["layers"]) == stages[r["pp_rank"]]
+        per_token = 2 * (r["layers"][1] - r["layers"][0]) * max(1, kv // tp) * 16 * 4  # the seed's formula, fp32
         assert r["bytes_per_token"] == per_token, r
         assert r["kv_cache_bytes"] == info["num_blocks"] * info["block_size"] * per_token, r  # really allocated
-        assert r["layers"][1] - r["layers"][0] == sizes[r["pp_rank"]]
 
 
 TP_PP = [(2, 1), (3, 1), (4, 1), (1, 2), (1, 3), (1, 4), (2, 2)]
@@ -184,3 +189,44 @@ def test_disagreeing_ranks_fail_within_the_timeout(worlds):
     assert all(kind == "ValueError" and "different engine" in msg for kind, msg, _ in res), res
     res = worlds(2).check("tests.engine_cases:disagree_call", 2, s, dict(pp=2, num_blocks=16), [[5, 6, 7], [5, 6]])
     assert all("other prompts" in m for m in res), res
+
+
+@st.composite
+def mesh_case(draw):
+    """A mesh of at most 4 ranks and a model and cache it can run."""
+    tp, pp, sp = draw(st.sampled_from([(1, 1, 2), (2, 1, 1), (1, 2, 1), (1, 1, 3), (3, 1, 1), (1, 3, 1), (2, 2, 1),
+                                       (2, 1, 2), (1, 2, 2), (4, 1, 1), (1, 1, 4), (1, 4, 1)]))
+    kv = draw(st.sampled_from([k for k in (1, 2, 3, 4, 6) if (k % tp == 0 if tp <= k else tp % k == 0)]))
+    heads = kv * draw(st.sampled_from([g for g in (1, 2, 3, 4) if (kv * g) % tp == 0]))
+    layers = draw(st.integers(pp, pp + 3))
+    arch = draw(st.sampled_from(["llama", "qwen2", "mistral"]))
+    s = ("tiny", arch, draw(st.integers(0, 3)), dict(num_attention_heads=heads, num_key_value_heads=kv,
+                                                     hidden_size=8 * heads, num_hidden_layers=layers,
+                                                     intermediate_size=draw(st.sampled_from([40, 96, 97])),
+                                                     max_position_embeddings=1024))
+    lengths = draw(st.lists(st.integers(1, 300), min_size=1, max_size=5))
+    bs = draw(st.sampled_from([1, 2, 4, 16]))
+    need = max(lengths) + 6
+    blocks = -(-need // (bs * sp)) + draw(st.integers(0, 40))  # room for the longest, maybe not for all
+    kw = dict(tp=tp, pp=pp, sp=sp, block_size=bs, num_blocks=blocks, max_num_seqs=draw(st.integers(1, 5)),
+              max_num_batched_tokens=draw(st.integers(8, 400)), sp_prefill_min_tokens=draw(st.integers(1, 300)),
+              enable_prefix_caching=draw(st.booleans()))
+    return s, kw, lengths, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=int(os.environ.get("RINGKV_MESH_EXAMPLES", "10")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=mesh_case())
+def test_any_mesh_gives_single_process_tokens(worlds, case):
+    """Whatever the mesh, model shape, block size, cache size and batch limits: the tokens of
+    the single-process engine (itself checked against transformers above)."""
+    s, kw, lengths, seed = case
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+    prompts.append(prompts[0][: max(1, lengths[0] - 3)] + [9])  # a shared prefix
+    params = SamplingParams(temperature=0, max_tokens=6)
+    single = dict(kw, tp=1, pp=1, sp=1, num_blocks=kw["num_blocks"] * kw["sp"])  # the same capacity
+    want = worlds(1).check("tests.engine_cases:seeded", 1, s, single, prompts, params)[0]
+    n = kw["tp"] * kw["pp"] * kw["sp"]
+    res = worlds(n).check("tests.engine_cases:seeded", n, s, kw, prompts, params, timeout=300)
+    assert all(r == want for r in res), (kw, lengths)

@@ -88,8 +88,8 @@ def test_preempted_run_equals_transformers(setup):
 
 
 def test_tp3_and_pp2_equal_transformers(setup, worlds):
-    """TP over all 3 KV heads (9 query heads) in a torchrun-style world; PP over 2 stages of 15
-    layers with the ranks spawned from this process."""
+    """TP over all 3 KV heads (9 query heads) in a torchrun-style world; PP over 2 stages with
+    the ranks spawned from this process."""
     _, prompts, refs = setup
     res = worlds(3).check("tests.engine_cases:generate", 3, smollm2_path(),
                           dict(tp=3, block_size=16, num_blocks=256), prompts, GREEDY, 1, timeout=600)
@@ -97,7 +97,8 @@ def test_tp3_and_pp2_equal_transformers(setup, worlds):
     assert res[0]["info"]["per_rank"][0]["kv_heads"] == 1
     with LLM(smollm2_path(), pp=2, block_size=16, num_blocks=256) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == refs
-        assert [r["layers"] for r in llm.kv_cache_info()["per_rank"]] == [[0, 15], [15, 30]]
+        # the last stage also runs the 49152 x 576 LM head (about 8 layers' weights): 19 + 11 layers
+        assert [r["layers"] for r in llm.kv_cache_info()["per_rank"]] == [[0, 19], [19, 30]]
 
 
 LONG = " ".join(f"Note {i}: the {w} is {c}." for i, (w, c) in enumerate(

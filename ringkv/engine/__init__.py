@@ -1,4 +1,4 @@
-"""Single-process inference engine: paged KV cache, prefix caching, continuous batching."""
+"""Inference engine: paged KV cache, prefix caching, continuous batching, on one process or a (pp, sp, tp) mesh."""
 
 from .llm import LLM
 from .params import RequestOutput, SamplingParams, TokenDelta

@@ -38,7 +38,7 @@ from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 
 Prompt = Union[str, List[int]]
-SP_PREFILL_MIN_TOKENS = 1024  # sequences computing at least this many tokens in a step use the ring (sp > 1)
+SP_PREFILL_MIN_TOKENS = 64  # a sequence computing at least this many tokens in a step uses the ring (sp > 1); measured: docs/performance.md
 
 
 def _positive_int(name: str, value) -> None:
@@ -238,9 +238,11 @@ class LLM:
         token."""
         if not self.cluster.is_driver:
             raise RuntimeError("only rank 0 drives the engine; other torchrun ranks call generate/stream like rank 0")
-        while len(self._inflight) < self.shape.pp:
+        depth, sched = self.shape.pp, self.scheduler
+        share = -(-(len(sched.running) + len(sched.waiting)) // depth)  # each step in flight takes its share
+        while len(self._inflight) < depth:
             busy = {s.seq for batch in self._inflight for s in batch}
-            batch = self.scheduler.schedule(busy)
+            batch = sched.schedule(busy, max_seqs=share if depth > 1 else None)
             if not batch:
                 break
             for s in batch:  # the K/V will exist before any later step runs: later chunks may follow

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import List, Set
+from typing import List, Optional, Set
 
 from ..cache.block_manager import BlockManager
 from .sequence import Sequence, Status
@@ -59,15 +59,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self, busy: Set[Sequence] = frozenset()) -> List[Scheduled]:
+    def schedule(self, busy: Set[Sequence] = frozenset(), max_seqs: Optional[int] = None) -> List[Scheduled]:
         """The next step's work. ``busy``: sequences in steps still in flight (pipeline
         parallelism): they are never preempted, and one whose every token is already being
-        computed waits for its sampled token."""
+        computed waits for its sampled token. ``max_seqs``: at most this many sequences in the
+        step (a pipeline splits its sequences over the steps in flight)."""
         budget = self.max_num_batched_tokens
+        max_seqs = max_seqs or self.max_num_seqs
         out: List[Scheduled] = []
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out) < max_seqs:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
             if n == 0:  # its last step is in flight
@@ -89,7 +91,8 @@ class Scheduler:
                 continue
             break
         # admit waiting sequences (not in a step that had to preempt: memory is short)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(out) < max_seqs
+               and not preempted):
             seq = self.waiting[0]
             if seq.num_computed == 0 and not seq.block_table:
                 seq.block_table = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)

@@ -95,21 +95,27 @@ class Cluster:
         self.broken: Optional[str] = None
         self.pending: Deque[Tuple[StepPlan, Optional[torch.Tensor]]] = deque()
         self._threads = torch.get_num_threads()
+        self._owns_group = False  # spawn mode: this engine created the default process group
         self._reports = itertools.count()
         if self.mode == "local":
             self.rank, self.device = 0, device
         elif self.mode == "torchrun":
+            self.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+            self.device = _rank_device(device, self.rank)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # NCCL communicators use the current device
             if not dist.is_initialized():
                 dist.init_process_group(_backend(device), timeout=self.timeout)
-            self.rank = dist.get_rank()
-            self.device = _rank_device(device, self.rank)
             self.control = ControlPlane(dist.distributed_c10d._get_default_store(), f"ringkv/engine{next(_ENGINE_IDS)}",
                                         self.rank, self.world, self.timeout)
             self._agree(cfg, dtype)
         else:
             self.rank, self.device = 0, _rank_device(device, 0)
-            self._spawn(model_arg, cfg, weights, dtype, device, budget)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
         try:
+            if self.mode == "spawn":
+                self._spawn(model_arg, cfg, weights, dtype, device, budget)
             self.worker, self.num_blocks, self.infos = setup_rank(
                 mesh_shape, self.shape, cfg, weights, dtype, self.device, self.control, budget, self.timeout)
         except BaseException:
@@ -150,9 +156,6 @@ class Cluster:
     def _spawn(self, model_arg, cfg: ModelConfig, weights, dtype, device, budget: CacheBudget) -> None:
         import torch.multiprocessing as mp
 
-        if dist.is_initialized():
-            raise ValueError("a torch.distributed process group is already initialised in this process; "
-                             "close the other engine, or run every rank under torchrun")
         path = model_arg if isinstance(model_arg, (str, os.PathLike)) and os.path.isdir(model_arg) else None
         if path is None:  # in-memory weights (or GGUF): one safetensors copy the workers read slices of
             self.tmpdir = path = tempfile.mkdtemp(prefix="ringkv-weights-")
@@ -181,6 +184,7 @@ class Cluster:
             torch.set_num_threads(spec["threads"])
         dist.init_process_group(_backend(device), store=dist.PrefixStore("pg", store), rank=0,
                                 world_size=self.world, timeout=self.timeout)
+        self._owns_group = True
 
     def _check_procs(self, doing: str) -> None:
         dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
@@ -236,8 +240,7 @@ class Cluster:
 
     def report(self) -> List[dict]:
         """Every rank's worker info and timing counters (all ranks call it under torchrun)."""
-        mine = dict(self.worker.info(), steps=self.worker.stats.steps, busy_s=self.worker.stats.busy_s,
-                    wait_s=self.worker.stats.wait_s)
+        mine = self.worker.report()
         if self.world == 1:
             return [mine]
         n = next(self._reports)
@@ -276,9 +279,9 @@ class Cluster:
                     p.join(timeout=5)
             self.procs = []
         if self.mode == "spawn":
-            if dist.is_initialized():
+            if self._owns_group and dist.is_initialized():
                 dist.destroy_process_group()
-            forget_meshes()
+                forget_meshes()
             torch.set_num_threads(self._threads)
             self.mode = "closed"
         if self.tmpdir:
@@ -367,8 +370,7 @@ def _worker_main(rank: int, spec_json: str, parent_pid: int) -> None:
             if kind == "step":
                 worker.execute(StepPlan.from_json(msg))
             elif kind == "report":
-                control.exchange(f"report{msg['n']}", dict(worker.info(), steps=worker.stats.steps,
-                                                           busy_s=worker.stats.busy_s, wait_s=worker.stats.wait_s))
+                control.exchange(f"report{msg['n']}", worker.report())
             elif kind == "shutdown":
                 break
         worker.link.flush()

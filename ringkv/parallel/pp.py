@@ -19,19 +19,29 @@ from ..sp.collectives import wait
 HIDDEN_TAG = 7  # keeps stage-to-stage messages apart from the ring's and the driver's
 
 
-def stage_sizes(num_layers: int, pp: int, layers: Optional[Sequence[int]] = None) -> List[int]:
-    """Layers per stage: ``layers`` as given (validated), else as even as possible with the
-    extra layers on the first stages (the last stage also runs the LM head)."""
+def stage_sizes(num_layers: int, pp: int, layers: Optional[Sequence[int]] = None, head_cost: float = 0.0) -> List[int]:
+    """Layers per stage: ``layers`` as given (validated), else balanced for decode: the last
+    stage also runs the LM head, which costs ``head_cost`` layers (its weights over a layer's),
+    so it takes fewer layers; the other stages split the rest as evenly as possible (extra
+    layers on the first ones)."""
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
         raise ValueError(f"pp must be an int >= 1, got {pp!r}")
     if pp > num_layers:
         raise ValueError(f"pp={pp} exceeds the model's {num_layers} layers; use pp <= {num_layers}")
-    if layers is None:
-        return [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
-    layers = list(layers)
-    if len(layers) != pp or any(not isinstance(n, int) or n < 1 for n in layers) or sum(layers) != num_layers:
-        raise ValueError(f"pp_layers must list {pp} positive layer counts summing to {num_layers}, got {layers}")
-    return layers
+    if layers is not None:
+        layers = list(layers)
+        if len(layers) != pp or any(not isinstance(n, int) or n < 1 for n in layers) or sum(layers) != num_layers:
+            raise ValueError(f"pp_layers must list {pp} positive layer counts summing to {num_layers}, got {layers}")
+        return layers
+    if pp == 1:
+        return [num_layers]
+
+    def even(n: int, parts: int) -> List[int]:
+        return [n // parts + (i < n % parts) for i in range(parts)]
+
+    last = min(range(1, num_layers - pp + 2),  # the last stage's layers; ties: the even split
+               key=lambda k: (max(-(-(num_layers - k) // (pp - 1)), k + head_cost), abs(k - num_layers / pp)))
+    return even(num_layers - last, pp - 1) + [last]
 
 
 def stage_range(sizes: Sequence[int], stage: int) -> range:

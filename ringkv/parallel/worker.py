@@ -7,7 +7,7 @@ SP rank 0, TP rank 0) returns the step's tokens or logits.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import List, Optional
 
@@ -37,11 +37,13 @@ class EngineShape:
     tp: int = 1
     pp_layers: Optional[tuple] = None
     block_size: int = 16
-    sp_ring_min_tokens: int = 1024
+    sp_prefill_min_tokens: int = 64
     paged_backend: str = "auto"
 
     def stage_sizes(self, cfg: ModelConfig) -> List[int]:
-        return stage_sizes(cfg.num_layers, self.pp, self.pp_layers)
+        layer = (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * cfg.hidden_size + \
+            3 * cfg.hidden_size * cfg.intermediate_size  # weights a token multiplies in a layer
+        return stage_sizes(cfg.num_layers, self.pp, self.pp_layers, cfg.vocab_size * cfg.hidden_size / layer)
 
     def bytes_per_token(self, cfg: ModelConfig, stage: int, dtype: torch.dtype) -> int:
         """K and V of one token on a rank of ``stage`` (the seed's formula):
@@ -49,12 +51,22 @@ class EngineShape:
         return bytes_per_block(self.stage_sizes(cfg)[stage], 1, kv_heads_per_rank(cfg, self.tp), cfg.head_dim, dtype)
 
 
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (``VmHWM``: unlike ``ru_maxrss`` it does not
+    carry the parent's peak into a spawned child)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 @dataclass
 class WorkerStats:
     steps: int = 0
     busy_s: float = 0.0  # computing (waits for the previous stage excluded)
     wait_s: float = 0.0  # waiting for hidden states from the previous stage
-    extra: dict = field(default_factory=dict)
 
 
 class Worker:
@@ -113,13 +125,19 @@ class Worker:
                     kv_cache_bytes=self.kv.data.numel() * self.kv.data.element_size() if self.kv else 0,
                     weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()))
 
+    def report(self) -> dict:
+        """``info()`` plus counters: steps, seconds computing / waiting for the previous stage,
+        and this process's peak resident memory."""
+        return dict(self.info(), steps=self.stats.steps, busy_s=self.stats.busy_s, wait_s=self.stats.wait_s,
+                    peak_rss_bytes=peak_rss())
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Optional[torch.Tensor]:
         """Run this rank's part of a step. On the sampler rank returns ``(M,)`` int64 tokens or
         ``(M, vocab)`` float32 logits of the completing sequences, in plan order; else None."""
         t0 = time.perf_counter()
         m, sh = self.mesh, self.shape
-        step = LocalStep(plan, m.sp_rank, m.sp, sh.block_size, sh.sp_ring_min_tokens, self.device, self.paged_backend)
+        step = LocalStep(plan, m.sp_rank, m.sp, sh.block_size, sh.sp_prefill_min_tokens, self.device, self.paged_backend)
         ctx = StepContext(self.kv, step, self.layers.start, m.sp, self.ring, self.paged_backend, timeout=self.timeout)
         if m.first_stage:
             x = step.input_ids

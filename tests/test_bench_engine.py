@@ -1,0 +1,46 @@
+"""Smoke tests: the parallel-engine benchmarks run (tiny random model) and write the JSON they promise."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def run(args, tmp_path):
+    env = dict(os.environ, RINGKV_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_engine_benchmark_parallel_mode(tmp_path):
+    out = tmp_path / "engine.json"
+    table = run(["benchmarks/engine.py", "--pp", "2", "--model", "tiny-test", "--requests", "3", "--max-tokens", "4",
+                 "--min-prompt", "4", "--max-prompt", "30", "--kv-cache-memory", "0.01", "--json", str(out)], tmp_path)
+    assert "tp=1 pp=2 sp=1" in table
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["greedy_agreement"] == 1.0 and row["parallel_tok_s"] > 0 and row["base_tok_s"] > 0
+    assert row["parallel_capacity_tokens"] > row["base_capacity_tokens"]  # half the layers per rank
+    assert len(row["parallel_ranks"]) == 2 and len(row["idle_fraction"]) == 2 and row["peak_in_flight"] == 2
+
+
+def test_long_prefill_benchmark(tmp_path):
+    out = tmp_path / "prefill.json"
+    table = run(["benchmarks/long_prefill.py", "--model", "tiny-test", "--seq", "300", "--sp", "1", "2",
+                 "--min-ring", "64", "--repeats", "1", "--json", str(out)], tmp_path)
+    assert "| 2 |" in table
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["sp"] for r in rows] == [1, 2]
+    assert rows[1]["same_token_as_sp1"] and rows[1]["efficiency"] > 0 and len(rows[1]["peak_rss_mib"]) == 2
+    sweep = tmp_path / "sweep.json"
+    run(["benchmarks/long_prefill.py", "--model", "tiny-test", "--sweep", "16", "--repeats", "1", "--json", str(sweep)],
+        tmp_path)
+    (r,) = json.loads(sweep.read_text())["rows"]
+    assert r["seq"] == 16 and r["faster"] in ("ring", "replicated") and r["ring_s"] > 0

@@ -81,7 +81,7 @@ class LLM:
         check_tp(cfg, tp)
         shape = EngineShape(pp, sp, tp, tuple(pp_layers) if pp_layers is not None else None, block_size,
                             sp_prefill_min_tokens, paged_backend)
-        sizes = shape.stage_sizes(cfg)
+        self.stage_layers = shape.stage_sizes(cfg)  # also validates pp and pp_layers
         Cluster.mode_for(tp * pp * sp)  # a torch.distributed world of the wrong size
         budget = CacheBudget(num_blocks, kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens)
         window = cfg.sliding_window or float("inf")  # within the window, full attention is exact
@@ -92,7 +92,7 @@ class LLM:
             self._check_capacity(num_blocks if num_blocks is not None else min(
                 int(kv_cache_memory or DEFAULT_KV_MEMORY) // (shape.bytes_per_token(cfg, s, dtype) * block_size)
                 for s in range(pp)), shape, max_model_len, kv_cache_memory)
-        self.shape, self.stage_layers = shape, sizes
+        self.shape = shape
         self.cluster = Cluster(shape, cfg, weights, model_arg=model, dtype=dtype, device=self.device, budget=budget,
                                timeout=None if timeout is None else timedelta(seconds=timeout))
         self._finalizer = weakref.finalize(self, self.cluster.close)

@@ -145,3 +145,45 @@ def test_twin_blocks_computed_concurrently_keep_the_chain_going():
     bm.register(b, b_tok, 9)  # b[0] is a twin of a[0]; b[1] is still cached, chained through a[0]
     assert bm.match_prefix(b_tok) == [a[0], b[1]]
     bm.check()
+
+
+def test_chain_whose_parent_was_evicted_is_reached_again():
+    """Only the parent block of a cached chain is evicted; once the same prefix is computed
+    again, its cached child is found again (the chain is not orphaned)."""
+    bm = BlockManager(4, BS)
+    toks = list(range(9))
+    a = alloc_prompt(bm, toks)
+    bm.register(a, toks, 9)
+    bm.free(list(a))
+    bm.evictable.move_to_end(a[1])  # the parent a[0] is now the least recently used
+    taken = bm.allocate(3)  # the two empty blocks, then a[0]
+    assert a[0] in taken and a[1] not in taken and bm.match_prefix(toks) == []
+    bm.free(taken)
+    again = alloc_prompt(bm, toks)  # computes the parent block anew (and a second copy of the child)
+    bm.register(again, toks, 9)
+    assert bm.match_prefix(toks) == [again[0], a[1]]
+    bm.check()
+
+
+def test_hits_count_once_per_request_not_per_admission_attempt():
+    from ringkv.engine.params import SamplingParams
+    from ringkv.engine.scheduler import Scheduler
+    from ringkv.engine.sequence import Sequence
+
+    bm = BlockManager(5, BS)
+    pre = list(range(9))
+    t = alloc_prompt(bm, pre)
+    bm.register(t, pre, 9)
+    bm.free(t)  # 2 cached blocks, 3 empty
+    sched = Scheduler(bm, max_num_batched_tokens=100)
+    hog = Sequence(0, None, list(range(100, 112)), SamplingParams())  # takes the 3 empty blocks
+    sched.add(hog)
+    assert [s.seq for s in sched.schedule()] == [hog]
+    seq = Sequence(1, None, pre[:8] + [50] * 9, SamplingParams())  # 2 cached blocks + 3 more: no room yet
+    sched.add(seq)
+    for _ in range(3):
+        assert seq not in [s.seq for s in sched.schedule()]
+    assert bm.hits == 0 and seq.num_cached_tokens is None
+    sched.finish(hog)
+    assert [s.seq for s in sched.schedule()] == [seq]
+    assert bm.hits == 2 and bm.queries == 2 + 4 and seq.num_cached_tokens == 8  # hog: 2 blocks looked up

@@ -195,3 +195,21 @@ def test_cache_salt_per_request(model):
     assert outs[0].token_ids == outs[1].token_ids == reference(model, p, 10)
     with pytest.raises(ValueError, match="cache salts"):
         llm.generate([p, p], GREEDY, use_tqdm=False, cache_salt=["x"])
+
+
+@pytest.mark.parametrize("length", [60, 440])
+def test_decode_steps_hash_each_block_once(model, length):
+    """Prefix caching hashes a block once, when it fills: the hashing of a run grows with the
+    tokens it adds, not with (context x steps)."""
+    calls = []
+
+    def counting(key):
+        calls.append(1)
+        return hash(key)
+
+    llm = LLM(model, block_size=16, num_blocks=128, hash_fn=counting, max_num_batched_tokens=4096)
+    prompt = [(i * 7) % V for i in range(length)]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 40
+    blocks = (length + 40) // 16
+    assert len(calls) <= 2 * blocks + 2  # admission's lookup + one registration per full block

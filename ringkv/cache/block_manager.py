@@ -5,12 +5,16 @@ block shared by several sequences (a common prompt prefix) is freed only when th
 lets go.
 
 Prefix caching: once a block is FULL of computed tokens it is registered under the chained
-hash ``hash_fn((parent_hash, tokens, cache_salt))``. A later prompt walks its own full blocks
-from the start and reuses every block whose hash is registered AND whose stored content
-matches exactly: the same tokens, the same salt and the same parent *registration* (each
-registration gets a fresh id, so a child of an evicted-and-reused parent never matches). A
-hash collision therefore costs a miss, never wrong KV. Unreferenced registered blocks stay
-cached and are evicted least-recently-used first, after the never-used blocks.
+hash ``hash_fn((parent_hash, tokens, cache_salt))``, once (a ``PrefixCursor`` per sequence
+remembers how far its chain is registered, so a step costs no work that grows with the
+context). A later prompt walks its own full blocks from the start and reuses every block
+whose hash is registered AND whose content matches exactly: the same tokens, the same salt
+and the same parent *content*. Contents are interned (``content id``): equal contents get
+the same id for as long as a registered block holds or descends from it, so a chain whose
+parent block was evicted is reached again once the parent is recomputed, while a hash
+collision (different content, same hash) costs a miss, never wrong KV. Unreferenced
+registered blocks stay cached and are evicted least-recently-used first, after the
+never-used blocks.
 """
 
 from __future__ import annotations
@@ -24,9 +28,18 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 @dataclass(frozen=True)
 class _Content:
     """What a registered block holds; two blocks with equal content hold the same KV."""
-    parent: Optional[int]  # registration id of the previous block (None for the first block)
+    parent: Optional[int]  # content id of the previous block (None for the first block)
     tokens: Tuple[int, ...]
     salt: Optional[str]
+
+
+@dataclass
+class PrefixCursor:
+    """How far a sequence's chain of full blocks is registered (reset when its table is freed)."""
+    blocks: int = 0  # full blocks already processed
+    hash: Hashable = None  # chained hash of the last processed block
+    cid: Optional[int] = None  # content id of the last processed block
+    stopped: bool = False  # a hash collision cut the chain: register nothing further
 
 
 class BlockManager:
@@ -41,9 +54,11 @@ class BlockManager:
         self.evictable: "OrderedDict[int, None]" = OrderedDict()  # ref 0, registered; LRU first
         self.by_hash: Dict[Hashable, int] = {}  # hash -> registered block
         self.hash_of: Dict[int, Hashable] = {}  # registered block -> its hash
-        self.content: Dict[int, _Content] = {}
-        self.reg_id: Dict[int, int] = {}  # registered block -> registration id
-        self._next_reg = itertools.count()
+        self.cid_of: Dict[int, int] = {}  # registered block -> its content id
+        self.cids: Dict[_Content, int] = {}  # interned contents
+        self.contents: Dict[int, _Content] = {}
+        self.cid_refs: Dict[int, int] = {}  # registered blocks holding it + contents whose parent it is
+        self._next_cid = itertools.count()
         self.hits = self.queries = self.evictions = 0  # counters, in blocks
 
     # -- capacity ------------------------------------------------------------------------
@@ -67,23 +82,28 @@ class BlockManager:
 
     def match_prefix(self, token_ids: Sequence[int], salt: Optional[str] = None) -> List[int]:
         """Registered blocks holding a prefix of ``token_ids``; never covers the last token
-        (its logits are needed, so it is always recomputed). Takes a reference on each."""
+        (its logits are needed, so it is always recomputed). Takes a reference on each.
+        Hits are not counted here (``count`` does, once a request is admitted)."""
         if not self.prefix_caching:
             return []
         full = (len(token_ids) - 1) // self.block_size
         blocks: List[int] = []
-        parent_reg = None
+        parent = None
         for _, h, tokens in self._chain(token_ids, full, salt):
-            self.queries += 1
             b = self.by_hash.get(h)
-            if b is None or self.content.get(b) != _Content(parent_reg, tokens, salt):
+            if b is None or self.contents[self.cid_of[b]] != _Content(parent, tokens, salt):
                 break  # miss, or a hash collision: stop, never reuse unconfirmed KV
             blocks.append(b)
-            parent_reg = self.reg_id[b]
+            parent = self.cid_of[b]
         for b in blocks:
             self._take(b)
-        self.hits += len(blocks)
         return blocks
+
+    def count(self, token_ids: Sequence[int], hits: int) -> None:
+        """Record one admitted request: ``hits`` of its full prompt blocks came from the cache."""
+        if self.prefix_caching:
+            self.queries += (len(token_ids) - 1) // self.block_size
+            self.hits += hits
 
     # -- allocation ----------------------------------------------------------------------
     def _take(self, b: int) -> None:
@@ -95,8 +115,26 @@ class BlockManager:
         h = self.hash_of.pop(b)
         if self.by_hash.get(h) == b:
             del self.by_hash[h]
-        del self.content[b], self.reg_id[b]
+        self._unref(self.cid_of.pop(b))
         self.evictions += 1
+
+    def _intern(self, content: _Content) -> int:
+        cid = self.cids.get(content)
+        if cid is None:
+            cid = self.cids[content] = next(self._next_cid)
+            self.contents[cid], self.cid_refs[cid] = content, 0
+            if content.parent is not None:
+                self.cid_refs[content.parent] += 1
+        return cid
+
+    def _unref(self, cid: int) -> None:
+        while cid is not None:
+            self.cid_refs[cid] -= 1
+            if self.cid_refs[cid]:
+                return
+            content = self.contents.pop(cid)  # nothing holds or descends from it any more
+            del self.cids[content], self.cid_refs[cid]
+            cid = content.parent
 
     def allocate(self, n: int) -> List[int]:
         """``n`` fresh blocks (ref 1 each), evicting LRU cached blocks if needed."""
@@ -138,26 +176,32 @@ class BlockManager:
 
     # -- registration --------------------------------------------------------------------
     def register(self, table: List[int], token_ids: Sequence[int], num_computed: int,
-                 salt: Optional[str] = None) -> None:
-        """Register every full block of ``table`` whose ``num_computed`` tokens are in the cache."""
+                 salt: Optional[str] = None, cursor: Optional[PrefixCursor] = None) -> None:
+        """Register every full block of ``table`` whose ``num_computed`` tokens are in the cache.
+        With the sequence's ``cursor``, blocks processed by earlier calls are not hashed again."""
         if not self.prefix_caching:
             return
+        cur = cursor if cursor is not None else PrefixCursor()
         full = min(num_computed // self.block_size, len(table))
-        parent_reg = None
-        for i, h, tokens in self._chain(token_ids, full, salt):
+        while cur.blocks < full and not cur.stopped:
+            i = cur.blocks
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = self.hash_fn((cur.hash, tokens, salt))
+            content = _Content(cur.cid, tokens, salt)
             b = table[i]
-            content = _Content(parent_reg, tokens, salt)
-            if b in self.content:
-                pass  # registered earlier; its parent may be a since-evicted twin: keep its own id
+            if b in self.hash_of:
+                pass  # registered earlier (a prefix hit): it holds this content
             elif h not in self.by_hash:
-                self.by_hash[h], self.hash_of[b] = b, h
-                self.content[b], self.reg_id[b] = content, next(self._next_reg)
+                cid = self._intern(content)
+                self.cid_refs[cid] += 1
+                self.by_hash[h], self.hash_of[b], self.cid_of[b] = b, h, cid
             else:
                 twin = self.by_hash[h]
-                if self.content[twin] != content:
-                    return  # a hash collision: leave the rest of this chain uncached
+                if self.contents[self.cid_of[twin]] != content:
+                    cur.stopped = True  # a hash collision: leave the rest of this chain uncached
+                    return
                 b = twin  # a twin holds the same KV (computed concurrently): chain on through it
-            parent_reg = self.reg_id[b]
+            cur.blocks, cur.hash, cur.cid = i + 1, h, self.cid_of[b]
 
     def check(self) -> None:
         """Invariants (for tests): no negative refs, every block in exactly one state."""
@@ -171,3 +215,7 @@ class BlockManager:
             assert (b in empty) <= (b not in self.hash_of), f"empty block {b} is still registered"
         for h, b in self.by_hash.items():
             assert self.hash_of[b] == h
+        held = {}
+        for cid in list(self.cid_of.values()) + [c.parent for c in self.contents.values() if c.parent is not None]:
+            held[cid] = held.get(cid, 0) + 1
+        assert held == self.cid_refs, "content reference counts"

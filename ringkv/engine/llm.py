@@ -264,7 +264,7 @@ class LLM:
     def _complete(self, batch: List[Scheduled], result: Optional[torch.Tensor]) -> List[Sequence]:
         done = [s for s in batch if s.completes]
         for s in batch:
-            self.blocks.register(s.seq.block_table, s.seq.token_ids, s.start + s.n, s.seq.cache_salt)
+            self.blocks.register(s.seq.block_table, s.seq.token_ids, s.start + s.n, s.seq.cache_salt, s.seq.prefix_cursor)
         if result is None:
             tokens = []
         elif result.dtype == torch.long:

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import List, Optional, Set
 
-from ..cache.block_manager import BlockManager
+from ..cache.block_manager import BlockManager, PrefixCursor
 from .sequence import Sequence, Status
 
 
@@ -54,7 +54,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
-        seq.num_computed, seq.status = 0, Status.WAITING
+        seq.num_computed, seq.status, seq.prefix_cursor = 0, Status.WAITING, PrefixCursor()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -97,13 +97,14 @@ class Scheduler:
             if seq.num_computed == 0 and not seq.block_table:
                 seq.block_table = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
                 seq.num_computed = len(seq.block_table) * self.blocks.block_size
-                if seq.num_cached_tokens is None:
-                    seq.num_cached_tokens = seq.num_computed
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.grow(seq.block_table, seq.num_computed + n):
                 self.blocks.free(seq.block_table)  # give the prefix back; retry next step
                 seq.num_computed = 0
                 break
+            if seq.num_cached_tokens is None:  # a request's hits count once, at its first admission
+                seq.num_cached_tokens = seq.num_computed
+                self.blocks.count(seq.token_ids, seq.num_computed // self.blocks.block_size)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)

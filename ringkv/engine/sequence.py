@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import torch
 
+from ..cache.block_manager import PrefixCursor
 from .params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class Sequence:
         self.cache_salt = cache_salt
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_table: List[int] = []
+        self.prefix_cursor = PrefixCursor()  # how far its full blocks are registered
         self.status = Status.WAITING
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None

@@ -213,3 +213,31 @@ def test_decode_steps_hash_each_block_once(model, length):
     assert len(out.token_ids) == 40
     blocks = (length + 40) // 16
     assert len(calls) <= 2 * blocks + 2  # admission's lookup + one registration per full block
+
+
+def test_streams_interleaved_with_each_other_and_generate(model):
+    """Each stream yields one delta per token, none lost or merged, even when another stream
+    or a generate call advanced its request in between."""
+    tok = CharTokenizer()
+    llm = LLM(model, block_size=4, num_blocks=128, tokenizer=tok)
+    a, b = PROMPTS[1], PROMPTS[2]
+    sa, sb = llm.stream(a, GREEDY), llm.stream(b, GREEDY)
+    got_a, got_b = [next(sa)], [next(sb)]  # b's first step also advanced a
+    got_a.append(next(sa))
+    assert [o.token_ids for o in llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)] == [reference(model, PROMPTS[3], 10)]
+    got_a += list(sa)
+    got_b += list(sb)
+    for got, ref in ((got_a, reference(model, a, 10)), (got_b, reference(model, b, 10))):
+        assert [d.token_id for d in got] == ref
+        assert "".join(d.text for d in got) == tok.decode(ref)
+        assert got[-1].finish_reason == "length" and all(d.finish_reason is None for d in got[:-1])
+    assert llm.blocks.num_free == llm.blocks.num_blocks
+
+
+def test_stop_string_across_tokens_is_never_streamed(model):
+    tok = CharTokenizer()
+    llm = LLM(model, block_size=4, num_blocks=128, tokenizer=tok)
+    ref = tok.decode(reference(model, PROMPTS[2], 10))
+    stop = ref[3:6]  # spans three tokens
+    deltas = list(llm.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, stop=[stop])))
+    assert "".join(d.text for d in deltas) == ref[:ref.index(stop)] and deltas[-1].finish_reason == "stop"

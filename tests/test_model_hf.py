@@ -58,7 +58,7 @@ def test_paged_decode_logits_match(hf_model):
     equal HF's full forward at that position."""
     llm = LLM(hf_model, block_size=4, num_blocks=64, max_num_batched_tokens=16)
     ids = torch.randint(3, 128, (37,), generator=torch.Generator().manual_seed(2)).tolist()
-    seq = llm._make(ids, SamplingParams(temperature=0), False)
+    (seq,) = llm._make(ids, SamplingParams(temperature=0), False)
     llm.scheduler.add(seq)
     steps = 0
     while steps < 8:
@@ -94,3 +94,17 @@ def test_sliding_window_caps_max_model_len():
     assert LLM(m, block_size=4, num_blocks=64).max_model_len == 32  # exact within the window
     with pytest.raises(ValueError, match="sliding_window"):
         LLM(m, block_size=4, num_blocks=64, max_model_len=64)
+
+
+def test_linear_rope_scaling_matches_transformers():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = tiny_config("llama", rope_scaling={"rope_type": "linear", "factor": 4.0})
+    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model, ours = load_hf_model(m)
+    assert ours.rope_scaling["rope_type"] == "linear"
+    ids = torch.randint(3, 128, (90,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        got = model.logits(model(torch.tensor(ids)))
+    torch.testing.assert_close(got, hf_logits(m, ids), **TOL)

@@ -22,7 +22,7 @@ import weakref
 from collections import deque
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Iterator, List, Optional, Sequence as Seq, Union
+from typing import Dict, Iterator, List, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -32,8 +32,9 @@ from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster
 from ..parallel.plan import SeqStep, StepPlan
 from ..parallel.tp import check_tp
 from ..parallel.worker import EngineShape
-from .params import RequestOutput, SamplingParams, TokenDelta
-from .sampling import greedy, sample
+from .detok import IncrementalDetokenizer
+from .params import CompletionOutput, Logprob, RequestOutput, SamplingParams, TokenDelta
+from .sampling import needs_logits, observe, sample
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 
@@ -113,6 +114,7 @@ class LLM:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self._ids = itertools.count()
         self._calls = itertools.count()
+        self._active: Dict = {}  # request id -> its sequences (samples)
         self._inflight: "deque[List[Scheduled]]" = deque()
         self.peak_in_flight = 0  # most steps in flight at once (pipeline parallelism keeps up to pp)
 
@@ -170,33 +172,45 @@ class LLM:
 
     # -- requests --------------------------------------------------------------------------
     def _tokenize(self, prompt, apply_chat_template: bool) -> List[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer: pass tokenizer=... to LLM or give token ids")
-            if apply_chat_template:
-                return list(self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                    return_dict=False))
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
+        """Token ids of a prompt: a string, token ids, or chat messages (a list of
+        ``{"role", "content"}`` dicts, always through the chat template)."""
+        if isinstance(prompt, (str, list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            apply_chat_template, messages = True, list(prompt)
+        elif isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("string prompts need a tokenizer: pass tokenizer=... to LLM or give token ids")
+        if apply_chat_template:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        return list(self.tokenizer.encode(prompt))
 
-    def _make(self, prompt, params: SamplingParams, apply_chat_template: bool, cache_salt=None) -> Sequence:
-        """A Sequence, already finished with an error if this request is invalid."""
+    def _make(self, prompt, params: SamplingParams, apply_chat_template: bool, cache_salt=None,
+              request_id=None) -> List[Sequence]:
+        """The ``n`` samples of a request; one sequence finished with an error if it is invalid."""
         ids: List[int] = []
         problem = params.problem() if isinstance(params, SamplingParams) else \
             f"sampling params must be a SamplingParams, got {type(params).__name__}"
         if problem is None:
             if not isinstance(prompt, (str, list, tuple)):
-                problem = f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+                problem = f"a prompt must be a str, a list of token ids or chat messages, got {type(prompt).__name__}"
             else:
-                ids = self._tokenize(prompt, apply_chat_template)
-                problem = self._check_ids(ids)
-        seq = Sequence(next(self._ids), prompt, ids if problem is None else [], params if problem is None
-                       else SamplingParams(), cache_salt)
-        seq.prompt_token_ids = ids
+                try:
+                    ids = self._tokenize(prompt, apply_chat_template)
+                    problem = self._check_ids(ids)
+                except (TypeError, ValueError, KeyError) as e:  # e.g. malformed chat messages
+                    problem = f"invalid prompt: {e}"
+        rid = next(self._ids) if request_id is None else request_id
         if problem is not None:
+            seq = Sequence(rid if isinstance(rid, int) else 0, prompt, [], SamplingParams(), cache_salt, 0, rid)
+            seq.prompt_token_ids = ids
             seq.finish("error", problem)
-        return seq
+            return [seq]
+        seqs = [Sequence(next(self._ids), prompt, ids, params, cache_salt, i, rid) for i in range(params.n)]
+        seqs[0].siblings = seqs[1:]
+        return seqs
 
     def _check_ids(self, ids) -> Optional[str]:
         if not ids:
@@ -211,31 +225,58 @@ class LLM:
                     f"{self.max_model_len}; shorten it or raise max_model_len")
         return None
 
+    # -- the step API (what generate, stream and the server use) -----------------------------
+    def add_request(self, prompt, params: Optional[SamplingParams] = None, *, request_id=None,
+                    cache_salt: Optional[str] = None, apply_chat_template: bool = False):
+        """Queue a request (a string, token ids or chat messages); returns its id. An invalid
+        request raises ``ValueError`` and changes nothing."""
+        if request_id is not None and request_id in self._active:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seqs = self._make(prompt, SamplingParams() if params is None else params, apply_chat_template, cache_salt,
+                          request_id)
+        if seqs[0].finished:
+            raise ValueError(seqs[0].error)
+        self._admit(seqs)
+        return seqs[0].request_id
+
+    def _admit(self, seqs: List[Sequence]) -> None:
+        self._active[seqs[0].request_id] = seqs
+        if not seqs[0].finished:
+            self.scheduler.add(seqs[0])  # its siblings follow once the prompt is computed
+
+    def has_unfinished_requests(self) -> bool:
+        return any(not s.finished for seqs in self._active.values() for s in seqs)
+
+    def abort_request(self, request_id) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        seqs = self._active.pop(request_id, None)
+        if seqs is None:
+            return False
+        live = [s for s in seqs if not s.finished]
+        for s in live:
+            self.scheduler.finish(s)  # a step in flight for it completes and is discarded
+            s.finish("abort")
+        return bool(live)
+
+    def step(self) -> List[RequestOutput]:
+        """Advance the engine by one finished step (see ``_advance``); returns the requests that
+        got a token (or finished), in the order of their sequences. A finished request is
+        returned one last time and forgotten."""
+        outs, seen = [], set()
+        for seq in self._advance():
+            rid = seq.request_id
+            if rid in seen or rid not in self._active:
+                continue
+            seen.add(rid)
+            outs.append(self._output(self._active[rid]))
+            if outs[-1].finished:
+                del self._active[rid]
+        return outs
+
     # -- the loop --------------------------------------------------------------------------
-    def _append(self, seq: Sequence, token: int) -> None:
-        """Add a sampled token and decide whether the sequence is done."""
-        p = seq.params
-        seq.token_ids.append(token)
-        n_out = seq.num_tokens - len(seq.prompt_token_ids)
-        if p.stop_strings and self.tokenizer is not None:
-            text = self._decode(seq.output_token_ids)
-            hits = [text.find(s) for s in p.stop_strings if s in text]
-            if hits:
-                seq.text = text[:min(hits)]
-                seq.finish("stop")
-                return
-        if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
-            seq.finish("stop")
-        elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish("length")
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-    def step(self) -> List[Sequence]:
-        """Advance the engine: plan steps until ``pp`` are in flight (pipeline stages stay busy)
-        or nothing more can run, then finish the oldest one. Returns the sequences that got a
-        token."""
+    def _advance(self) -> List[Sequence]:
+        """Plan steps until ``pp`` are in flight (pipeline stages stay busy) or nothing more
+        can run, then finish the oldest one. Returns the sequences that got a token."""
         if not self.cluster.is_driver:
             raise RuntimeError("only rank 0 drives the engine; other torchrun ranks call generate/stream like rank 0")
         depth, sched = self.shape.pp, self.scheduler
@@ -255,27 +296,73 @@ class LLM:
         batch = self._inflight.popleft()
         return self._complete(batch, self.cluster.result())
 
+    def _append(self, seq: Sequence, token: int, logprob=None) -> None:
+        """Add a sampled token, its text, and decide whether the sequence is done."""
+        p = seq.params
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        observe(seq, token)
+        if seq.num_tokens == len(seq.prompt_token_ids) + 1:
+            self._release_siblings(seq)
+        stops = p.stop_strings if self.tokenizer is not None else []
+        if self.tokenizer is not None:
+            seq.detok = seq.detok or IncrementalDetokenizer(self.tokenizer)
+            piece = seq.detok.step(seq.output_token_ids)
+            seq.text += piece
+            if stops:  # only a stop string that overlaps the new text can be new
+                start = max(0, len(seq.text) - len(piece) - max(map(len, stops)) + 1)
+                hits = [i for i in (seq.text.find(x, start) for x in stops) if i >= 0]
+                if hits:
+                    seq.text = seq.text[:min(hits)]
+                    seq.finish("stop")
+        if not seq.finished:
+            if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
+                seq.finish("stop")
+            elif seq.num_tokens - len(seq.prompt_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish("length")
+            if seq.finished and self.tokenizer is not None:  # a character the last tokens left open
+                seq.text += seq.detok.flush(seq.output_token_ids)
+        # release the new text, but hold back what could still turn out to start a stop string
+        hold = 0 if seq.finished or not stops else max(map(len, stops)) - 1
+        upto = max(seq.emitted, len(seq.text) - hold)
+        seq.deltas.append(seq.text[seq.emitted:upto])
+        seq.emitted = upto
+
+    def _release_siblings(self, seq: Sequence) -> None:
+        """The prompt of a request with ``n > 1`` is computed (and cached): its other samples
+        start now, reusing the prompt's blocks."""
+        for s in reversed(seq.siblings):
+            self.scheduler.waiting.appendleft(s)
+        seq.siblings = []
+
     def _plan(self, batch: List[Scheduled]) -> StepPlan:
         done = [s for s in batch if s.completes]
-        want = "tokens" if all(greedy(s.seq.params) for s in done) else "logits"
+        want = "logits" if any(needs_logits(s.seq.params) for s in done) else "tokens"
         return StepPlan([SeqStep(s.start, s.n, s.seq.token_ids[s.start:s.start + s.n], list(s.seq.block_table),
                                  s.completes) for s in batch], want)
 
     def _complete(self, batch: List[Scheduled], result: Optional[torch.Tensor]) -> List[Sequence]:
         done = [s for s in batch if s.completes]
         for s in batch:
-            self.blocks.register(s.seq.block_table, s.seq.token_ids, s.start + s.n, s.seq.cache_salt, s.seq.prefix_cursor)
+            self.blocks.register(s.seq.block_table, s.seq.token_ids, s.start + s.n, s.seq.cache_salt,
+                                 s.seq.prefix_cursor)
         if result is None:
-            tokens = []
+            tokens, logprobs = [], []
         elif result.dtype == torch.long:
             tokens = result.tolist()
+            logprobs = [None] * len(tokens)
         else:
-            tokens = sample(result, [s.seq for s in done])
-        for s, tok in zip(done, tokens):
-            self._append(s.seq, tok)
+            tokens, logprobs = sample(result, [s.seq for s in done])
+        advanced = []
+        for s, tok, lp in zip(done, tokens, logprobs):
+            if s.seq.finished:  # aborted while its step was in flight
+                continue
+            self._append(s.seq, tok, lp)
+            advanced.append(s.seq)
             if s.seq.finished:
                 self.scheduler.finish(s.seq)
-        return [s.seq for s in done]
+        return advanced
 
     def _drain(self) -> None:
         """Finish the steps still in flight (after an interruption), discarding their tokens."""
@@ -310,13 +397,15 @@ class LLM:
                 raise ValueError(f"rank {r} called the engine with other prompts or parameters than rank "
                                  f"{self.rank}; under torchrun every rank must make the same call")
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        if seq.finish_reason != "error" and not (seq.finish_reason == "stop" and seq.text):
-            seq.text = self._decode(seq.output_token_ids)
-        return RequestOutput(seq.seq_id, seq.prompt, seq.prompt_token_ids, seq.output_token_ids, seq.text,
-                             seq.finish_reason, seq.error, seq.num_cached_tokens or 0)
+    def _output(self, seqs: List[Sequence]) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.output_token_ids, s.text, s.finish_reason,
+                                 s.logprobs if s.params.logprobs is not None else None) for s in seqs]
+        first = seqs[0]
+        return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outs[0].token_ids, outs[0].text,
+                             outs[0].finish_reason, first.error, first.num_cached_tokens or 0, outs[0].logprobs,
+                             outs)
 
-    def _requests(self, prompts, params, apply_chat_template, cache_salt) -> List[Sequence]:
+    def _requests(self, prompts, params, apply_chat_template, cache_salt) -> List[List[Sequence]]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # one prompt (a string or one list of token ids)
@@ -346,32 +435,34 @@ class LLM:
         ``cache_salt`` (one, or one per prompt): prefix-cache blocks are shared only between
         requests with the same salt. Under torchrun every rank makes the same call and gets
         the same outputs."""
-        seqs = self._requests(prompts, params, apply_chat_template, cache_salt)
+        groups = self._requests(prompts, params, apply_chat_template, cache_salt)
         self._agree_call("generate", prompts, params, apply_chat_template, cache_salt)
         if not self.cluster.is_driver:
-            return [RequestOutput(**o) for o in self.cluster.follow()["outputs"]]
-        live = [s for s in seqs if not s.finished]
-        for s in live:
-            self.scheduler.add(s)
+            return [_output_from_json(o) for o in self.cluster.follow()["outputs"]]
+        for g in groups:
+            self._admit(g)
+        live = [s for g in groups for s in g if not s.finished]
         bar = None
         if use_tqdm and live:
             try:
                 from tqdm import tqdm
-                bar = tqdm(total=len(live), desc="generate", unit="req")
+                bar = tqdm(total=len(groups), desc="generate", unit="req")
             except ImportError:
                 pass
         try:
             while any(not s.finished for s in live):
-                for s in self.step():
-                    if s.finished and bar is not None:
-                        bar.update(1)
+                self._advance()
+                if bar is not None:
+                    bar.update(sum(all(s.finished for s in g) for g in groups) - bar.n)
         except BaseException as e:
             self._abort(live, e)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        outs = [self._output(s) for s in seqs]
+            for g in groups:
+                self._active.pop(g[0].request_id, None)
+        outs = [self._output(g) for g in groups]
         self.cluster.end({"outputs": [asdict(o) for o in outs]})
         return outs
 
@@ -388,35 +479,44 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
                apply_chat_template: bool = False, cache_salt: Optional[str] = None) -> Iterator[TokenDelta]:
-        """Yield each generated token (id and the text it adds) as soon as it is sampled.
-        An invalid request raises ``ValueError``. Under torchrun, ranks other than 0 yield the
-        same deltas once the request is done."""
-        (seq,) = self._requests([prompt], params or SamplingParams(), apply_chat_template, cache_salt)
+        """Yield each generated token (id and the text it adds) as soon as it is sampled, one
+        ``TokenDelta`` per token even when other calls drive the engine in between. An invalid
+        request raises ``ValueError``. Under torchrun, ranks other than 0 yield the same deltas
+        once the request is done. (``n`` > 1: the first sample.)"""
+        ((seq, *_),) = group = self._requests([prompt], params or SamplingParams(), apply_chat_template, cache_salt)
         if seq.finished:
             raise ValueError(seq.error)
         self._agree_call("stream", prompt, params, apply_chat_template, cache_salt)
         if not self.cluster.is_driver:
             yield from (TokenDelta(*d) for d in self.cluster.follow()["deltas"])
             return
-        self.scheduler.add(seq)
-        text, sent = "", []
+        self._admit(group[0])
+        sent = []
         try:
-            while not seq.finished:
-                if seq not in self.step():
-                    continue
-                out = seq.output_token_ids
-                new_text = seq.text if seq.finish_reason == "stop" and seq.text else self._decode(out)
-                if new_text.endswith("\ufffd") and not seq.finished:
-                    delta = ""  # half a character: wait for the rest
-                else:
-                    delta, text = new_text[len(text):], new_text
-                sent.append((out[-1], delta, seq.finish_reason))
-                yield TokenDelta(*sent[-1])
+            while True:
+                while len(sent) < len(seq.deltas):  # one delta per token, whoever advanced it
+                    i = len(sent)
+                    last = seq.finished and i == len(seq.deltas) - 1
+                    sent.append((seq.output_token_ids[i], seq.deltas[i], seq.finish_reason if last else None))
+                    yield TokenDelta(*sent[-1])
+                if seq.finished:
+                    break
+                self._advance()
         except GeneratorExit:  # the consumer stopped early
-            self._abort([seq], None)
+            self._abort(group[0], None)
             self.cluster.end({"deltas": sent})
             raise
         except BaseException as e:
-            self._abort([seq], e)
+            self._abort(group[0], e)
             raise
+        finally:
+            self._active.pop(seq.request_id, None)
         self.cluster.end({"deltas": sent})
+
+
+def _output_from_json(d: dict) -> RequestOutput:
+    """A ``RequestOutput`` as ``asdict`` wrote it (torchrun followers get the driver's outputs)."""
+    lp = lambda xs: None if xs is None else [Logprob(x["token_id"], x["logprob"], [tuple(t) for t in x["top"]])  # noqa: E731
+                                             for x in xs]
+    outs = [CompletionOutput(**dict(o, logprobs=lp(o["logprobs"]))) for o in d.pop("outputs")]
+    return RequestOutput(**dict(d, logprobs=lp(d["logprobs"]), outputs=outs))

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple, Union
+
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_N = 16
 
 
 @dataclass
@@ -17,6 +20,12 @@ class SamplingParams:
     stop_token_ids: List[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: Optional[int] = None  # reproducible sampling for this request
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    repetition_penalty: float = 1.0  # prompt and output tokens: logit / r if > 0 else logit * r
+    presence_penalty: float = 0.0  # output tokens: logit - presence x (count > 0)
+    frequency_penalty: float = 0.0  # output tokens: logit - frequency x count
+    logprobs: Optional[int] = None  # log-prob of each sampled token and of the top ``logprobs`` ones
+    n: int = 1  # samples of the prompt (they share its cached blocks)
 
     def problem(self) -> Optional[str]:
         """Why these params are invalid, or None."""
@@ -36,7 +45,21 @@ class SamplingParams:
             return f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}"
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             return f"seed must be an int or None, got {self.seed!r}"
+        for name, lo, hi in (("min_p", 0, 1), ("repetition_penalty", 1e-9, float("inf")),
+                             ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi) or not math.isfinite(v):
+                return f"{name} must be a number in [{lo}, {hi}], got {v!r}"
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            return f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            return f"n must be an int in [1, {MAX_N}], got {self.n!r}"
         return None
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def stop_strings(self) -> List[str]:
@@ -44,19 +67,43 @@ class SamplingParams:
 
 
 @dataclass
+class Logprob:
+    """A sampled token's log-probability under the model (log-softmax of its logits, before
+    penalties, temperature and filtering) and the ``logprobs`` most likely tokens', best first."""
+    token_id: int
+    logprob: float
+    top: List[Tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` samples of a request."""
+    index: int
+    token_ids: List[int]
+    text: str
+    finish_reason: Optional[str]
+    logprobs: Optional[List[Logprob]] = None
+
+
+@dataclass
 class RequestOutput:
-    request_id: int
+    """A request's state. The flat fields (``token_ids``, ``text``, ``finish_reason``,
+    ``logprobs``) are those of the first sample; ``outputs`` holds all ``n``."""
+    request_id: Union[int, str]
     prompt: object  # the prompt as given (str or token ids)
     prompt_token_ids: List[int]
     token_ids: List[int]  # generated tokens (an EOS / stop token id that ended it is included)
     text: str  # decoded generated text ("" without a tokenizer); stop strings cut off
-    finish_reason: Optional[str]  # "stop" | "length" | "error"
+    finish_reason: Optional[str]  # "stop" | "length" | "error" | "abort"
     error: Optional[str] = None  # why the request failed (finish_reason == "error")
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    logprobs: Optional[List[Logprob]] = None
+    outputs: List[CompletionOutput] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return all(o.finish_reason is not None for o in self.outputs) if self.outputs else \
+            self.finish_reason is not None
 
 
 @dataclass

@@ -19,9 +19,12 @@ class Status(enum.Enum):
 
 
 class Sequence:
+    """One sample of a request (``index`` of its ``n``): tokens, cache state, text so far."""
+
     def __init__(self, seq_id: int, prompt, prompt_token_ids: List[int], params: SamplingParams,
-                 cache_salt: Optional[str] = None):
-        self.seq_id, self.prompt, self.params = seq_id, prompt, params
+                 cache_salt: Optional[str] = None, index: int = 0, request_id=None):
+        self.seq_id, self.prompt, self.params, self.index = seq_id, prompt, params, index
+        self.request_id = seq_id if request_id is None else request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + generated
         self.cache_salt = cache_salt
@@ -31,10 +34,19 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
-        self.text = ""
+        self.text = ""  # the output text (cut before a stop string)
+        self.deltas: List[str] = []  # the text each output token released (streaming)
+        self.emitted = 0  # characters of ``text`` released so far
+        self.detok = None  # an IncrementalDetokenizer once the engine decodes its first token
+        self.logprobs: List = []
+        self.penalty = None  # (in_prompt, counts) once a penalty needs them (sampling.penalty_state)
+        self.siblings: List["Sequence"] = []  # samples 1..n-1, admitted once this one's prompt is computed
         self.num_cached_tokens: Optional[int] = None  # set on first admission
         self.num_preemptions = 0
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        if params.seed is None:
+            seed = random.getrandbits(63)
+        else:  # sample i of a seeded request: its own reproducible stream (sample 0: the seed itself)
+            seed = params.seed if index == 0 else random.Random(f"{params.seed}/{index}").getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
 
     @property

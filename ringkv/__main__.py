@@ -1,7 +1,11 @@
-"""Command line: ``ringkv generate --model PATH --prompt "..." [--max-tokens N] [--tp/--pp/--sp N] ...``.
+"""Command line.
+
+    ringkv generate --model PATH --prompt "..." [--max-tokens N] [--tp/--pp/--sp N] ...
+    ringkv serve --model PATH [--tp/--pp/--sp N] [--host 127.0.0.1] [--port 8000]
 
 With ``--tp/--pp/--sp`` the command starts the extra ranks itself; under
-``torchrun --nproc-per-node N -m ringkv generate ...`` every rank runs it and rank 0 prints.
+``torchrun --nproc-per-node N -m ringkv ...`` every rank runs it and rank 0 prints (generate)
+or serves HTTP (serve).
 """
 
 from __future__ import annotations
@@ -10,11 +14,27 @@ import argparse
 import sys
 
 
+def _engine_options(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--model", required=True, help="HF directory (config.json + *.safetensors) or a .gguf file")
+    g.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: float32 on CPU)")
+    g.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB per rank")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (attention heads split)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (layers split)")
+    g.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks (ring prefill, KV striped)")
+    g.add_argument("--pp-layers", type=int, nargs="+", default=None, help="layers per pipeline stage")
+    g.add_argument("--block-size", type=int, default=16, help="KV cache tokens per block on a rank")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests computed at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)")
+    g.add_argument("--sp-prefill-min-tokens", type=int, default=None,
+                   help="tokens a sequence computes in a step before the ring splits them over the SP ranks")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ringkv", description="ringkv: exact ring attention and an inference engine")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with the ringkv engine")
-    g.add_argument("--model", required=True, help="HF directory (config.json + *.safetensors) or a .gguf file")
+    _engine_options(g)
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -23,40 +43,59 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: float32 on CPU)")
-    g.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated (one prompt)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (attention heads split)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (layers split)")
-    g.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks (ring prefill, KV striped)")
-    g.add_argument("--pp-layers", type=int, nargs="+", default=None, help="layers per pipeline stage")
-    g.add_argument("--block-size", type=int, default=16, help="KV cache tokens per block on a rank")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--sp-prefill-min-tokens", type=int, default=None,
-                   help="tokens a sequence computes in a step before the ring splits them over the SP ranks")
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _engine_options(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    s.add_argument("--log-level", default="warning")
     return p
+
+
+def _build(args):
+    from .engine import LLM
+
+    mem = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
+    extra = {} if args.sp_prefill_min_tokens is None else {"sp_prefill_min_tokens": args.sp_prefill_min_tokens}
+    return LLM(args.model, dtype=args.dtype, kv_cache_memory=mem, tp=args.tp, pp=args.pp, sp=args.sp,
+               pp_layers=args.pp_layers, block_size=args.block_size, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, **extra)
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from .engine import LLM, SamplingParams
+    from .engine import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, stop=args.stop, seed=args.seed)
-    problem = params.problem()
-    if problem:
-        print(f"ringkv: {problem}", file=sys.stderr)
-        return 2
-    mem = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
-    extra = {} if args.sp_prefill_min_tokens is None else {"sp_prefill_min_tokens": args.sp_prefill_min_tokens}
+    params = None
+    if args.command == "generate":
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, stop=args.stop, seed=args.seed)
+        problem = params.problem()
+        if problem:
+            print(f"ringkv: {problem}", file=sys.stderr)
+            return 2
     try:
-        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=mem, tp=args.tp, pp=args.pp, sp=args.sp,
-                  pp_layers=args.pp_layers, block_size=args.block_size, max_model_len=args.max_model_len, **extra)
+        llm = _build(args)
     except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"ringkv: {e}", file=sys.stderr)
         return 2
     with llm:
+        if args.command == "serve":
+            return _serve(llm, args)
         return _run(llm, args, params)
+
+
+def _serve(llm, args) -> int:
+    from .serve import follow_forever, serve
+
+    if llm.rank != 0:  # under torchrun: rank 0 serves, the others run its steps
+        follow_forever(llm)
+        return 0
+    name = args.served_model_name or args.model
+    print(f"ringkv: serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    serve(llm, host=args.host, port=args.port, model_name=name, log_level=args.log_level)
+    return 0
 
 
 def _run(llm, args, params) -> int:

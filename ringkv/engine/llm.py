@@ -258,17 +258,19 @@ class LLM:
             s.finish("abort")
         return bool(live)
 
-    def step(self) -> List[RequestOutput]:
+    def step(self, delta: bool = False) -> List[RequestOutput]:
         """Advance the engine by one finished step (see ``_advance``); returns the requests that
         got a token (or finished), in the order of their sequences. A finished request is
-        returned one last time and forgotten."""
+        returned one last time and forgotten. ``delta=True``: each output holds only what is
+        new since the request's previous output (token ids, text, log-probs): no per-step copy
+        that grows with the output (what a serving loop wants)."""
         outs, seen = [], set()
         for seq in self._advance():
             rid = seq.request_id
             if rid in seen or rid not in self._active:
                 continue
             seen.add(rid)
-            outs.append(self._output(self._active[rid]))
+            outs.append(self._output(self._active[rid], delta))
             if outs[-1].finished:
                 del self._active[rid]
         return outs
@@ -339,8 +341,8 @@ class LLM:
     def _plan(self, batch: List[Scheduled]) -> StepPlan:
         done = [s for s in batch if s.completes]
         want = "logits" if any(needs_logits(s.seq.params) for s in done) else "tokens"
-        return StepPlan([SeqStep(s.start, s.n, s.seq.token_ids[s.start:s.start + s.n], list(s.seq.block_table),
-                                 s.completes) for s in batch], want)
+        return StepPlan([SeqStep(s.start, s.n, s.seq.token_ids[s.start:s.start + s.n], s.seq.block_table,
+                                 s.completes) for s in batch], want)  # tables are read (or sent) before they change
 
     def _complete(self, batch: List[Scheduled], result: Optional[torch.Tensor]) -> List[Sequence]:
         done = [s for s in batch if s.completes]
@@ -397,9 +399,16 @@ class LLM:
                 raise ValueError(f"rank {r} called the engine with other prompts or parameters than rank "
                                  f"{self.rank}; under torchrun every rank must make the same call")
 
-    def _output(self, seqs: List[Sequence]) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.output_token_ids, s.text, s.finish_reason,
-                                 s.logprobs if s.params.logprobs is not None else None) for s in seqs]
+    def _output(self, seqs: List[Sequence], delta: bool = False) -> RequestOutput:
+        outs = []
+        for s in seqs:
+            k = s.reported if delta else 0  # output tokens already reported
+            start = len(s.prompt_token_ids) + k
+            text = "".join(s.deltas[k:]) if delta else s.text
+            lps = s.logprobs[k:] if s.params.logprobs is not None else None
+            outs.append(CompletionOutput(s.index, s.token_ids[start:], text, s.finish_reason, lps))
+            if delta:
+                s.reported = s.num_tokens - len(s.prompt_token_ids)
         first = seqs[0]
         return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outs[0].token_ids, outs[0].text,
                              outs[0].finish_reason, first.error, first.num_cached_tokens or 0, outs[0].logprobs,

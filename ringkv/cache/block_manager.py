@@ -54,7 +54,8 @@ class BlockManager:
         self.evictable: "OrderedDict[int, None]" = OrderedDict()  # ref 0, registered; LRU first
         self.by_hash: Dict[Hashable, int] = {}  # hash -> registered block
         self.hash_of: Dict[int, Hashable] = {}  # registered block -> its hash
-        self.cid_of: Dict[int, int] = {}  # registered block -> its content id
+        self.cid_of: Dict[int, int] = {}  # registered block (or twin in use) -> its content id
+        self.twins: Dict[int, set] = {}  # content id -> blocks in use that hold it, not registered
         self.cids: Dict[_Content, int] = {}  # interned contents
         self.contents: Dict[int, _Content] = {}
         self.cid_refs: Dict[int, int] = {}  # registered blocks holding it + contents whose parent it is
@@ -112,10 +113,13 @@ class BlockManager:
         self.ref[b] += 1
 
     def _evict(self, b: int) -> None:
-        h = self.hash_of.pop(b)
-        if self.by_hash.get(h) == b:
-            del self.by_hash[h]
-        self._unref(self.cid_of.pop(b))
+        h, cid = self.hash_of.pop(b), self.cid_of.pop(b)
+        del self.by_hash[h]
+        twins = self.twins.get(cid)
+        if twins:  # a block in use holds the same KV: it takes over the cache entry
+            d = twins.pop()
+            self.by_hash[h], self.hash_of[d] = d, h
+        self._unref(cid)
         self.evictions += 1
 
     def _intern(self, content: _Content) -> int:
@@ -134,6 +138,7 @@ class BlockManager:
                 return
             content = self.contents.pop(cid)  # nothing holds or descends from it any more
             del self.cids[content], self.cid_refs[cid]
+            self.twins.pop(cid, None)
             cid = content.parent
 
     def allocate(self, n: int) -> List[int]:
@@ -170,8 +175,12 @@ class BlockManager:
             if self.ref[b] == 0:
                 if b in self.hash_of:
                     self.evictable[b] = None
-                else:
-                    self.empty.append(b)
+                    continue
+                if b in self.cid_of:  # a twin of a registered block: its KV is not kept
+                    cid = self.cid_of.pop(b)
+                    self.twins[cid].discard(b)
+                    self._unref(cid)
+                self.empty.append(b)
         table.clear()
 
     # -- registration --------------------------------------------------------------------
@@ -200,6 +209,11 @@ class BlockManager:
                 if self.contents[self.cid_of[twin]] != content:
                     cur.stopped = True  # a hash collision: leave the rest of this chain uncached
                     return
+                own = table[i]
+                if own not in self.cid_of:  # it holds the twin's content alive (its chain goes on from
+                    self.cid_of[own] = self.cid_of[twin]  # there) and takes over if the twin is evicted
+                    self.cid_refs[self.cid_of[own]] += 1
+                    self.twins.setdefault(self.cid_of[own], set()).add(own)
                 b = twin  # a twin holds the same KV (computed concurrently): chain on through it
             cur.blocks, cur.hash, cur.cid = i + 1, h, self.cid_of[b]
 
@@ -215,6 +229,8 @@ class BlockManager:
             assert (b in empty) <= (b not in self.hash_of), f"empty block {b} is still registered"
         for h, b in self.by_hash.items():
             assert self.hash_of[b] == h
+        for cid, blocks in self.twins.items():
+            assert all(self.cid_of.get(b) == cid and b not in self.hash_of and self.ref[b] > 0 for b in blocks)
         held = {}
         for cid in list(self.cid_of.values()) + [c.parent for c in self.contents.values() if c.parent is not None]:
             held[cid] = held.get(cid, 0) + 1

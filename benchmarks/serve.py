@@ -142,10 +142,10 @@ def main(argv=None):
         for k, rate in enumerate(args.rates):
             prompts, lengths = [], []
             for _ in range(args.requests):
-                n, start = rng.randint(args.min_prompt, args.max_prompt), rng.randrange(0, 1000)
+                n, start = rng.randint(min(args.min_prompt, args.max_prompt), args.max_prompt), rng.randrange(0, 1000)
                 ids = corpus[start:start + n]
                 prompts.append(tok.decode(ids) if tok is not None else ids)
-                lengths.append(rng.randint(args.min_tokens, args.max_tokens))
+                lengths.append(rng.randint(min(args.min_tokens, args.max_tokens), args.max_tokens))
             rows.append(asyncio.run(sweep_rate(url, args.served_model_name, rate, prompts, lengths, args.seed + k, bar)))
         bar.close()
     finally:

@@ -49,7 +49,7 @@ def test_long_prefill_benchmark(tmp_path):
 def test_serve_benchmark(tmp_path):
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
     table = run(["benchmarks/serve.py", "--model", "tiny-test", "--rates", "8", "inf", "--requests", "4",
-                 "--max-prompt", "40", "--max-tokens", "6", "--json", str(out), "--plot", str(plot)], tmp_path)
+                 "--max-prompt", "40", "--min-tokens", "2", "--max-tokens", "6", "--json", str(out), "--plot", str(plot)], tmp_path)
     assert "| inf |" in table and plot.stat().st_size > 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["rate"] for r in rows] == [8, float("inf")]

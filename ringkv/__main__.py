@@ -26,6 +26,7 @@ def _engine_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests computed at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's), fp8 (= fp8_e4m3), fp8_e5m2 or int8")
     g.add_argument("--sp-prefill-min-tokens", type=int, default=None,
                    help="tokens a sequence computes in a step before the ring splits them over the SP ranks")
 
@@ -60,7 +61,8 @@ def _build(args):
     extra = {} if args.sp_prefill_min_tokens is None else {"sp_prefill_min_tokens": args.sp_prefill_min_tokens}
     return LLM(args.model, dtype=args.dtype, kv_cache_memory=mem, tp=args.tp, pp=args.pp, sp=args.sp,
                pp_layers=args.pp_layers, block_size=args.block_size, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, **extra)
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               kv_cache_dtype=args.kv_cache_dtype, **extra)
 
 
 def main(argv=None) -> int:

@@ -101,3 +101,9 @@ def cache_contents(ctx, spec, llm_kwargs, prompt, max_tokens):
 
 def torch_threads(ctx):
     return torch.get_num_threads()
+
+
+def prompt_logprobs(ctx, spec, llm_kwargs, prompt):
+    with LLM(model_from(spec), **llm_kwargs) as llm:
+        return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                            use_tqdm=False)[0].prompt_logprobs

@@ -55,3 +55,16 @@ def test_serve_benchmark(tmp_path):
     assert [r["rate"] for r in rows] == [8, float("inf")]
     for r in rows:
         assert r["requests"] == 4 and r["output_tokens"] >= 4 and r["tok_s"] > 0 and r["ttft_p50"] > 0
+
+
+def test_kv_quant_benchmark(tmp_path):
+    out = tmp_path / "kv.json"
+    table = run(["benchmarks/kv_quant.py", "--model", "tiny-test", "--tokens", "96", "--chunk", "16",
+                 "--greedy-prompts", "2", "--greedy-tokens", "4", "--decode-requests", "2", "--decode-tokens", "4",
+                 "--kv-gib", "0.01", "--json", str(out)], tmp_path)
+    assert "| int8 |" in table
+    rows = {r["dtype"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["auto"]["ppl_delta_pct"] == 0 and rows["auto"]["greedy_agreement"] == 1
+    for name in ("fp8_e4m3", "fp8_e5m2", "int8"):
+        r = rows[name]
+        assert r["vs_fp32"] < 0.4 and r["capacity_tokens"] > rows["auto"]["capacity_tokens"] and r["ppl"] > 0

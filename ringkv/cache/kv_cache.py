@@ -2,6 +2,9 @@
 
 Token ``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
 ``t % block_size``; its flat *slot* is ``block * block_size + offset`` (``slot_mapping``).
+With a quantized ``kv_cache_dtype`` (``kernels/quant.py``) the values are one byte each and
+``k_scale``/``v_scale`` ``(num_blocks, block_size, Hkv)`` fp16 sit beside them; readers
+dequantize (``kernels.paged``) in the rotated space the format uses (``rot``).
 """
 
 from __future__ import annotations
@@ -10,18 +13,20 @@ from typing import Optional
 
 import torch
 
+from ..kernels.quant import SCALE_DTYPE, QuantFormat, as_bytes, bytes_per_head, quantize, rotation
+
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> int:
-    """K and V of one block over all layers."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+                    dtype: torch.dtype, quant: Optional[QuantFormat] = None) -> int:
+    """K and V of one block over all layers (scales included)."""
+    return 2 * num_layers * block_size * num_kv_heads * bytes_per_head(quant, head_dim, dtype)
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, block_size: int = 16,
                  num_blocks: Optional[int] = None, memory_bytes: Optional[int] = None,
-                 dtype: torch.dtype = torch.float32, device="cpu"):
-        per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+                 dtype: torch.dtype = torch.float32, device="cpu", quant: Optional[QuantFormat] = None):
+        per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype, quant)
         if num_blocks is None:
             if memory_bytes is None:
                 raise ValueError("give the KV cache size as num_blocks or memory_bytes")
@@ -29,10 +34,17 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError(f"KV cache of {memory_bytes} bytes holds no block of {per_block} bytes "
                              f"(block_size={block_size}); give more memory or a smaller block_size")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.quant = num_blocks, block_size, quant
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads)
         # (layers, 2, num_blocks, block_size, Hkv, D); k = [l, 0], v = [l, 1]
-        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)
+        self.data = torch.zeros(*shape, head_dim, dtype=quant.dtype if quant else dtype, device=device)
+        self.scale = torch.zeros(shape, dtype=SCALE_DTYPE, device=device) if quant else None
+        self.rot = rotation(head_dim, device) if quant is not None and quant.rotate else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + (
+            self.scale.numel() * self.scale.element_size() if self.scale is not None else 0)
 
     def k(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]
@@ -40,13 +52,22 @@ class KVCache:
     def v(self, layer: int) -> torch.Tensor:
         return self.data[layer, 1]
 
+    def k_scale(self, layer: int) -> Optional[torch.Tensor]:
+        return None if self.scale is None else self.scale[layer, 0]
+
+    def v_scale(self, layer: int) -> Optional[torch.Tensor]:
+        return None if self.scale is None else self.scale[layer, 1]
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """k/v (T, Hkv, D) into their slots (T,) of ``layer``."""
-        kv = self.data[layer].view(2, -1, *k.shape[1:])  # (2, num_blocks * block_size, Hkv, D)
-        kv[0].index_copy_(0, slot_mapping, k.to(kv.dtype))
-        kv[1].index_copy_(0, slot_mapping, v.to(kv.dtype))
+        """k/v (T, Hkv, D) into their slots (T,) of ``layer`` (quantized on the way in)."""
+        kv = as_bytes(self.data[layer]).view(2, -1, *k.shape[1:])  # (2, num_blocks * block_size, Hkv, D)
+        if self.quant is None:
+            kv[0].index_copy_(0, slot_mapping, k.to(self.data.dtype))
+            kv[1].index_copy_(0, slot_mapping, v.to(self.data.dtype))
+            return
+        sc = self.scale[layer].view(2, -1, k.shape[1])  # (2, slots, Hkv)
+        for i, x in enumerate((k, v)):
+            q, s = quantize(x, self.quant, self.rot)
+            kv[i].index_copy_(0, slot_mapping, as_bytes(q))
+            sc[i].index_copy_(0, slot_mapping, s)
 
-
-def slots(block_table, start: int, end: int, block_size: int) -> list:
-    """Flat slots of tokens ``[start, end)`` of a sequence with this block table."""
-    return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]

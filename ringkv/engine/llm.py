@@ -27,6 +27,7 @@ from typing import Dict, Iterator, List, Optional, Sequence as Seq, Union
 import torch
 
 from ..cache.block_manager import BlockManager
+from ..kernels import quant
 from ..model.loader import open_model
 from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster
 from ..parallel.plan import SeqStep, StepPlan
@@ -60,7 +61,7 @@ class LLM:
                  dtype: Optional[torch.dtype] = None, tokenizer=None, device=None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, hash_fn=hash, paged_backend: str = "auto",
-                 timeout: Optional[float] = None):
+                 kv_cache_dtype: str = "auto", timeout: Optional[float] = None):
         for name, v in (("tp", tp), ("pp", pp), ("sp", sp), ("block_size", block_size),
                         ("sp_prefill_min_tokens", sp_prefill_min_tokens)):
             _positive_int(name, v)
@@ -80,8 +81,9 @@ class LLM:
         self.config, self.tokenizer = cfg, tokenizer if tokenizer is not None else tok
         # -- everything that can be wrong with the configuration, before any weight or cache
         check_tp(cfg, tp)
+        quant.resolve(kv_cache_dtype)  # an unsupported kv_cache_dtype names the supported ones
         shape = EngineShape(pp, sp, tp, tuple(pp_layers) if pp_layers is not None else None, block_size,
-                            sp_prefill_min_tokens, paged_backend)
+                            sp_prefill_min_tokens, paged_backend, kv_cache_dtype)
         self.stage_layers = shape.stage_sizes(cfg)  # also validates pp and pp_layers
         Cluster.mode_for(tp * pp * sp)  # a torch.distributed world of the wrong size
         budget = CacheBudget(num_blocks, kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens)
@@ -156,7 +158,8 @@ class LLM:
         return dict(block_size=sh.block_size, tokens_per_block=sh.block_size * sh.sp, num_blocks=self.num_blocks,
                     bytes_per_token=self.cluster.worker.bytes_per_token,
                     capacity_tokens=self.num_blocks * sh.block_size * sh.sp, max_model_len=self.max_model_len,
-                    dtype=str(self.dtype).replace("torch.", ""), tp=sh.tp, pp=sh.pp, sp=sh.sp,
+                    dtype=str(self.dtype).replace("torch.", ""), kv_cache_dtype=sh.kv_cache_dtype,
+                    tp=sh.tp, pp=sh.pp, sp=sh.sp,
                     per_rank=self.cluster.infos)
 
     def rank_stats(self) -> List[dict]:
@@ -342,7 +345,15 @@ class LLM:
         done = [s for s in batch if s.completes]
         want = "logits" if any(needs_logits(s.seq.params) for s in done) else "tokens"
         return StepPlan([SeqStep(s.start, s.n, s.seq.token_ids[s.start:s.start + s.n], s.seq.block_table,
-                                 s.completes) for s in batch], want)  # tables are read (or sent) before they change
+                                 s.completes, self._targets(s)) for s in batch], want)  # tables are read before they change
+
+    @staticmethod
+    def _targets(s: Scheduled) -> Optional[List[int]]:
+        """Prompt tokens whose log-probs this step computes (positions ``start..`` predict them)."""
+        if s.seq.prompt_logprobs is None:
+            return None
+        prompt = s.seq.prompt_token_ids
+        return prompt[s.start + 1:min(s.start + s.n, len(prompt) - 1) + 1] or None
 
     def _complete(self, batch: List[Scheduled], result: Optional[torch.Tensor]) -> List[Sequence]:
         done = [s for s in batch if s.completes]
@@ -351,11 +362,16 @@ class LLM:
                                  s.seq.prefix_cursor)
         if result is None:
             tokens, logprobs = [], []
-        elif result.dtype == torch.long:
-            tokens = result.tolist()
+        elif result.main.dtype == torch.long:
+            tokens = result.main.tolist()
             logprobs = [None] * len(tokens)
         else:
-            tokens, logprobs = sample(result, [s.seq for s in done])
+            tokens, logprobs = sample(result.main, [s.seq for s in done])
+        if result is not None and result.prompt_logprobs is not None:
+            values = iter(result.prompt_logprobs.tolist())
+            for s in batch:
+                for j in range(len(self._targets(s) or ())):
+                    s.seq.prompt_logprobs[s.start + j] = next(values)  # of prompt token start + j + 1
         advanced = []
         for s, tok, lp in zip(done, tokens, logprobs):
             if s.seq.finished:  # aborted while its step was in flight
@@ -383,7 +399,7 @@ class LLM:
         plan.want = "logits"
         self.cluster.submit(plan)
         out = self.cluster.result()
-        return out if out is not None else torch.zeros(0, self.config.vocab_size)
+        return out.main if out is not None else torch.zeros(0, self.config.vocab_size)
 
     @property
     def runner(self) -> "LLM":
@@ -410,9 +426,11 @@ class LLM:
             if delta:
                 s.reported = s.num_tokens - len(s.prompt_token_ids)
         first = seqs[0]
+        plp = None if delta and first.reported_prompt else first.prompt_logprobs  # delta: in the first output
+        first.reported_prompt = first.reported_prompt or delta
         return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outs[0].token_ids, outs[0].text,
                              outs[0].finish_reason, first.error, first.num_cached_tokens or 0, outs[0].logprobs,
-                             outs)
+                             outs, plp)
 
     def _requests(self, prompts, params, apply_chat_template, cache_salt) -> List[List[Sequence]]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
@@ -527,5 +545,5 @@ def _output_from_json(d: dict) -> RequestOutput:
     """A ``RequestOutput`` as ``asdict`` wrote it (torchrun followers get the driver's outputs)."""
     lp = lambda xs: None if xs is None else [Logprob(x["token_id"], x["logprob"], [tuple(t) for t in x["top"]])  # noqa: E731
                                              for x in xs]
-    outs = [CompletionOutput(**dict(o, logprobs=lp(o["logprobs"]))) for o in d.pop("outputs")]
+    outs = [CompletionOutput(**dict(o, logprobs=lp(o["logprobs"]))) for o in d.pop("outputs")]  # prompt_logprobs: floats
     return RequestOutput(**dict(d, logprobs=lp(d["logprobs"]), outputs=outs))

@@ -26,6 +26,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # output tokens: logit - frequency x count
     logprobs: Optional[int] = None  # log-prob of each sampled token and of the top ``logprobs`` ones
     n: int = 1  # samples of the prompt (they share its cached blocks)
+    prompt_logprobs: Optional[int] = None  # 0: the log-prob of each prompt token after the first
 
     def problem(self) -> Optional[str]:
         """Why these params are invalid, or None."""
@@ -55,6 +56,9 @@ class SamplingParams:
             return f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             return f"n must be an int in [1, {MAX_N}], got {self.n!r}"
+        if self.prompt_logprobs not in (None, 0) or isinstance(self.prompt_logprobs, bool):
+            return (f"prompt_logprobs must be None or 0 (each prompt token's own log-prob; top alternatives are "
+                    f"not returned), got {self.prompt_logprobs!r}")
         return None
 
     @property
@@ -99,6 +103,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     logprobs: Optional[List[Logprob]] = None
     outputs: List[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: Optional[List[float]] = None  # log p(prompt[i] | prompt[:i]) for i >= 1
 
     @property
     def finished(self) -> bool:

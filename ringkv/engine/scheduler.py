@@ -94,7 +94,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(out) < max_seqs
                and not preempted):
             seq = self.waiting[0]
-            if seq.num_computed == 0 and not seq.block_table:
+            if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None:
                 seq.block_table = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
                 seq.num_computed = len(seq.block_table) * self.blocks.block_size
             n = min(seq.num_tokens - seq.num_computed, budget)

@@ -38,8 +38,11 @@ class Sequence:
         self.deltas: List[str] = []  # the text each output token released (streaming)
         self.emitted = 0  # characters of ``text`` released so far
         self.reported = 0  # output tokens already returned by ``LLM.step(delta=True)``
+        self.reported_prompt = False  # its prompt log-probs were returned (delta outputs carry them once)
         self.detok = None  # an IncrementalDetokenizer once the engine decodes its first token
         self.logprobs: List = []
+        self.prompt_logprobs: Optional[List[Optional[float]]] = (
+            [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs is not None else None)
         self.penalty = None  # (in_prompt, counts) once a penalty needs them (sampling.penalty_state)
         self.siblings: List["Sequence"] = []  # samples 1..n-1, admitted once this one's prompt is computed
         self.num_cached_tokens: Optional[int] = None  # set on first admission

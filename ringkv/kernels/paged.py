@@ -11,7 +11,9 @@
   at positions ``<=`` its own; with ``causal=False`` every query sees all ``seq_lens[n]`` keys;
 - ``out`` ``(N, Q, H, D)`` in ``q.dtype``; ``lse`` float32 ``(N, H, Q)``, so partial results
   of several ranks (each holding a shard of the sequence) merge with ``sp.merge``.
-  A sequence with no visible key gives ``out = 0``, ``lse = -inf``.
+  A sequence with no visible key gives ``out = 0``, ``lse = -inf``;
+- a quantized cache (``kernels/quant.py``: int8 / fp8 values) comes with ``k_scale`` /
+  ``v_scale`` ``(num_blocks, block_size, Hkv)``: every backend dequantizes as it reads.
 
 ``paged_attention_reference`` is plain torch: gather each sequence's blocks, attend.
 """
@@ -24,18 +26,29 @@ import torch
 
 from . import reference, resolve_scale
 from .mask import make_mask
+from .quant import as_bytes, dequantize
 
-__all__ = ["paged_attention", "paged_attention_reference", "validate_paged"]
+__all__ = ["paged_attention", "paged_attention_reference", "validate_paged", "read_blocks"]
 
 
-def validate_paged(q, k_cache, v_cache, block_table, seq_lens) -> None:
+def validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_scale=None) -> None:
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
                     ("seq_lens", seq_lens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not (q.dtype.is_floating_point and q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"q, k_cache and v_cache must share one floating dtype, "
-                        f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k_scale and v_scale (a quantized cache) or neither")
+    if k_scale is None:
+        if not (q.dtype.is_floating_point and q.dtype == k_cache.dtype == v_cache.dtype):
+            raise TypeError(f"q, k_cache and v_cache must share one floating dtype, "
+                            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    else:
+        if not (k_cache.element_size() == 1 and k_cache.dtype == v_cache.dtype and q.dtype.is_floating_point):
+            raise TypeError(f"a quantized cache holds one-byte values (int8 / fp8), got {k_cache.dtype}, "
+                            f"{v_cache.dtype}")
+        if tuple(k_scale.shape) != tuple(k_cache.shape[:3]) or tuple(v_scale.shape) != tuple(v_cache.shape[:3]):
+            raise ValueError(f"k_scale/v_scale must be (num_blocks, block_size, Hkv) = {tuple(k_cache.shape[:3])}, "
+                             f"got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
     if q.dim() != 4 or k_cache.dim() != 4:
         raise ValueError(f"q must be (N, Q, H, D) and k_cache (num_blocks, block_size, Hkv, D), "
                          f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
@@ -52,9 +65,16 @@ def validate_paged(q, k_cache, v_cache, block_table, seq_lens) -> None:
                         f"and {seq_lens.dtype}")
 
 
+def read_blocks(cache: torch.Tensor, scale, blocks: torch.Tensor, dtype) -> torch.Tensor:
+    """``cache[blocks]`` ``(n, block_size, Hkv, D)``, dequantized when ``scale`` is given."""
+    if scale is None:
+        return cache[blocks]
+    return dequantize(as_bytes(cache)[blocks].view(cache.dtype), scale[blocks], dtype)
+
+
 def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *,
-                              scale: Optional[float] = None, causal: bool = True):
-    validate_paged(q, k_cache, v_cache, block_table, seq_lens)
+                              scale: Optional[float] = None, causal: bool = True, k_scale=None, v_scale=None):
+    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     n, nq, h, d = q.shape
     bs = k_cache.shape[1]
     scale = resolve_scale(scale, d)
@@ -68,8 +88,8 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *,
         if length <= 0:
             continue
         blocks = block_table[i, : (length + bs - 1) // bs].long()
-        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:length]  # (L, Hkv, D)
-        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:length]
+        k = read_blocks(k_cache, k_scale, blocks, q.dtype).reshape(-1, *k_cache.shape[2:])[:length]  # (L, Hkv, D)
+        v = read_blocks(v_cache, v_scale, blocks, q.dtype).reshape(-1, *v_cache.shape[2:])[:length]
         mask = make_mask(causal, range(length - nq, length), range(0, length), nq, length)
         o, l = reference.forward(q[i : i + 1], k[None], v[None], scale, mask)
         out[i], lse[i] = o[0], l[0]
@@ -77,12 +97,13 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *,
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
-                    causal: bool = True, backend: str = "auto"):
-    """See the module docstring. ``backend``: ``"reference"``, ``"triton"`` or ``"auto"``."""
+                    causal: bool = True, backend: str = "auto", k_scale=None, v_scale=None):
+    """See the module docstring. ``backend``: ``"reference"``, ``"torch"``, ``"triton"`` or ``"auto"``."""
     impl = _BACKENDS.get(backend if backend != "auto" else _auto(q))
     if impl is None:
         raise ValueError(f"unknown paged backend {backend!r}; choose from {sorted(_BACKENDS)} or 'auto'")
-    return impl(q, k_cache, v_cache, block_table, seq_lens, scale=scale, causal=causal)
+    return impl(q, k_cache, v_cache, block_table, seq_lens, scale=scale, causal=causal, k_scale=k_scale,
+                v_scale=v_scale)
 
 
 _BACKENDS = {"reference": paged_attention_reference}

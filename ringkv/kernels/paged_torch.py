@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from . import paged
+from .quant import as_bytes, dequantize
 
 
 class PagedPlan:
@@ -45,29 +46,36 @@ class PagedPlan:
         self.bias = torch.zeros(self.visible.shape, dtype=dtype, device=dev).masked_fill(
             ~self.visible, float("-inf"))[:, None]  # (N, 1, Q, L)
 
-    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        """Each sequence's K/V ``(N, L, Hkv, D)`` (index_select: ~6x faster than advanced indexing on CPU)."""
+    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale=None, v_scale=None, dtype=None):
+        """Each sequence's K/V ``(N, L, Hkv, D)`` (index_select: ~6x faster than advanced indexing
+        on CPU), dequantized to ``dtype`` when the cache is quantized (scales given)."""
         n, flat = self.slots.shape[0], self.slots.reshape(-1)
-        k = k_cache.reshape(-1, *k_cache.shape[2:]).index_select(0, flat).view(n, -1, *k_cache.shape[2:])
-        v = v_cache.reshape(-1, *v_cache.shape[2:]).index_select(0, flat).view(n, -1, *v_cache.shape[2:])
-        return k, v
+
+        def read(cache, sc):
+            x = as_bytes(cache).reshape(-1, *cache.shape[2:]).index_select(0, flat).view(cache.dtype)
+            if sc is not None:
+                x = dequantize(x, sc.reshape(-1, cache.shape[2]).index_select(0, flat), dtype or torch.float32)
+            return x.view(n, -1, *cache.shape[2:])
+
+        return read(k_cache, k_scale), read(v_cache, v_scale)
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
-                          causal: bool = True):
-    paged.validate_paged(q, k_cache, v_cache, block_table, seq_lens)
+                          causal: bool = True, k_scale=None, v_scale=None):
+    paged.validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     plan = PagedPlan(block_table.to(q.device), seq_lens, q.shape[1], k_cache.shape[1], causal=causal)
-    return paged_attention_lse(q, k_cache, v_cache, plan, scale=scale)
+    return paged_attention_lse(q, k_cache, v_cache, plan, scale=scale, k_scale=k_scale, v_scale=v_scale)
 
 
-def paged_attention_lse(q, k_cache, v_cache, plan: PagedPlan, *, scale: Optional[float] = None):
+def paged_attention_lse(q, k_cache, v_cache, plan: PagedPlan, *, scale: Optional[float] = None,
+                        k_scale=None, v_scale=None):
     """``(out (N, Q, H, D), lse float32 (N, H, Q))`` of ``q`` over the cache as ``plan`` describes;
     a query that sees no key gives ``out = 0``, ``lse = -inf``."""
     n, nq, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
     scale = d ** -0.5 if scale is None else scale
-    k, v = plan.gather(k_cache, v_cache)  # (N, L, Hkv, D)
+    k, v = plan.gather(k_cache, v_cache, k_scale, v_scale)  # (N, L, Hkv, D)
     compute = torch.float32 if q.dtype != torch.float64 else q.dtype
     qg = q.reshape(n, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * nq, d)  # (N, Hkv, G*Q, D)
     s = torch.matmul(qg.to(compute), k.permute(0, 2, 3, 1).to(compute)) * scale  # (N, Hkv, G*Q, L)
@@ -85,10 +93,11 @@ def paged_attention_lse(q, k_cache, v_cache, plan: PagedPlan, *, scale: Optional
 paged._BACKENDS.setdefault("torch", paged_attention_torch)
 
 
-def paged_attention_planned(q, k_cache, v_cache, plan: PagedPlan, *, scale: Optional[float] = None):
+def paged_attention_planned(q, k_cache, v_cache, plan: PagedPlan, *, scale: Optional[float] = None,
+                            k_scale=None, v_scale=None):
     """``out (N, Q, H, D)`` of ``q (N, Q, H, D)`` over the cache as ``plan`` describes (no lse:
     the engine's fast path; use ``paged_attention`` when partials must be merged)."""
-    k, v = plan.gather(k_cache, v_cache)  # (N, L, Hkv, D)
+    k, v = plan.gather(k_cache, v_cache, k_scale, v_scale, q.dtype)  # (N, L, Hkv, D)
     if not plan.all_see_a_key:  # a fully masked row would be NaN in SDPA; the general path handles it
         raise ValueError("a query row sees no key; use paged_attention")
     out = torch.nn.functional.scaled_dot_product_attention(

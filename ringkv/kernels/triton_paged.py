@@ -34,11 +34,11 @@ MAX_SPLITS = 256
 
 
 @_jit(do_not_specialize=["capacity", "chunk", "num_splits"])
-def _paged_split_kernel(Q, K, V, BlockTable, SeqLens, OutP, LseP,
-                        stride_qn, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-                        H, G, NQ, D, block_size, capacity, chunk, num_splits, qk_scale,
-                        CAUSAL: tl.constexpr, PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+def _paged_split_kernel(Q, K, V, KScale, VScale, BlockTable, SeqLens, OutP, LseP,
+                        stride_qn, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                        stride_bt, H, G, NQ, D, block_size, capacity, chunk, num_splits, qk_scale,
+                        CAUSAL: tl.constexpr, QUANT: tl.constexpr, PREC: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -72,6 +72,12 @@ def _paged_split_kernel(Q, K, V, BlockTable, SeqLens, OutP, LseP,
         kv_mask = t_ok[:, None] & (offs_d[None, :] < D)
         k = tl.load(K + kv_off, mask=kv_mask, other=0.0)  # (BN, BD), gathered through the table
         v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        if QUANT:  # one byte per value, one scale per (token, kv head): dequantize as it is read
+            s_off = block * stride_sb + (offs_t % block_size) * stride_ss + hk
+            k_s = tl.load(KScale + s_off, mask=t_ok, other=0.0).to(tl.float32)
+            v_s = tl.load(VScale + s_off, mask=t_ok, other=0.0).to(tl.float32)
+            k = (k.to(tl.float32) * k_s[:, None]).to(Q.dtype.element_ty)
+            v = (v.to(tl.float32) * v_s[:, None]).to(Q.dtype.element_ty)
         s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BR, BN) base-2 scores
         visible = t_ok[None, :] & (offs_t[None, :] <= last_key[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -131,9 +137,9 @@ def num_splits_for(capacity: int, programs: int, device) -> int:
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
-                           causal: bool = True, num_splits: Optional[int] = None):
+                           causal: bool = True, num_splits: Optional[int] = None, k_scale=None, v_scale=None):
     """Same contract as ``paged.paged_attention_reference``; ``num_splits`` overrides the choice."""
-    validate_paged(q, k_cache, v_cache, block_table, seq_lens)
+    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     _build()
     n, nq, h, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
@@ -153,11 +159,16 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale:
     block_n = 64 if block_d <= 64 else 32
     out_p = torch.empty(n, h, nq, splits, d, dtype=torch.float32, device=q.device)
     lse_p = torch.empty(n, h, nq, splits, dtype=torch.float32, device=q.device)
+    quant = k_scale is not None
+    if quant:
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+    k_s, v_s = (k_scale, v_scale) if quant else (q, q)  # unused pointers without QUANT
     _paged_split_kernel[(n, hkv, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, out_p, lse_p,
+        q, k_cache, v_cache, k_s, v_s, block_table, seq_lens, out_p, lse_p,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_s.stride(0) if quant else 0, k_s.stride(1) if quant else 0,
         block_table.stride(0), h, g, nq, d, bs, capacity, chunk, splits, scale * LOG2E,
-        CAUSAL=causal, PREC=_prec(q.dtype), BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d)
+        CAUSAL=causal, QUANT=quant, PREC=_prec(q.dtype), BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d)
     _paged_reduce_kernel[(n * h, nq)](
         out_p, lse_p, out, lse, out.stride(0), out.stride(1), out.stride(2), h, nq, d, splits,
         BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d)

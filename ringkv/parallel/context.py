@@ -15,13 +15,17 @@ every sequence. With ``sp = 1`` this is the usual paged layout.
   by the same striping (padded with ``-n % sp`` tokens past the end, which no real query
   sees under the causal mask and which are never stored), so each rank computes exactly the
   tokens it stores. Attention is ``ring_attention_shards``: each rank's keys are all the
-  tokens of the sequence it stores (the new ones just written, plus any cached prefix).
+  tokens of the sequence it stores: a prompt from position 0 rings its own new K/V; a later
+  chunk rings what its rank stores, cached prefix included.
 - *replicated* (decode, short chunks, and everything when ``sp = 1``): every SP rank
-  computes all ``n`` tokens; the owner of each token writes its K/V; each rank attends the
-  queries over the keys it stores and the partial ``(out, lse)`` are merged across the SP
-  group (``sp.decode.merge_across``: one all-gather per layer for all such sequences).
-  With ``sp = 1``, a sequence starting at position 0 attends to its own new K/V with
-  ``kernels.attention`` and the others use the paged kernels.
+  computes all ``n`` tokens; the owner of each token writes its K/V. A sequence starting at
+  position 0 attends to its own new K/V with ``kernels.attention`` (every rank has all of
+  it); the others attend the queries over the keys each rank stores and the partial
+  ``(out, lse)`` are merged across the SP group (``sp.decode.merge_across``: one all-gather
+  per layer for all such sequences).
+
+Whatever the mesh, a prompt's first chunk attends to its own K/V as computed and everything
+else reads the cache: with a quantized cache every mesh computes the same thing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ..cache.kv_cache import KVCache
 from ..kernels import attention
 from ..kernels.paged import paged_attention
 from ..kernels.paged_torch import PagedPlan, paged_attention_lse, paged_attention_planned
+from ..kernels.quant import as_bytes, dequantize
 from ..sp.comm import RingComm
 from ..sp.decode import merge_across
 from ..sp.ring import Shards, ring_attention_shards
@@ -51,12 +56,13 @@ class LocalStep:
     """Rank ``sp_rank``'s share of ``plan``: ``input_ids``/``positions`` ``(T,)`` of the tokens it
     computes, ``write_rows``/``write_slots`` of those it stores, the attention work, and
     ``last_rows``: for each completing sequence, the local row of its last token (or -1 when
-    another SP rank holds it)."""
+    another SP rank holds it); ``target_rows`` likewise for the positions whose prompt
+    log-probs are wanted (``SeqStep.targets``), and ``targets`` the tokens they predict."""
 
     def __init__(self, plan: StepPlan, sp_rank: int, sp: int, block_size: int, ring_min_tokens: int,
                  device, paged_backend: str = "torch"):
         r, bs, lb = sp_rank, block_size, block_size * sp  # lb: tokens per logical block
-        ids, pos, rows, slots, self.last_rows = [], [], [], [], []
+        ids, pos, rows, slots, self.last_rows, self.target_rows, self.targets = [], [], [], [], [], [], []
         self.fresh, self.rings = [], []  # (offset, n); (offset, m, Shards, key slots, keys per rank)
         groups = defaultdict(list)  # n -> [(offset, SeqStep)] attended over the cache
         for s in plan.seqs:
@@ -73,18 +79,27 @@ class LocalStep:
                 if p < end and p % sp == r:
                     rows.append(off + j)
                     slots.append(s.block_table[p // lb] * bs + p % lb // sp)
+            def local_row(p: int) -> int:  # the row of position p here, -1 if another SP rank has it
+                if ring:
+                    return off + (p - mine.start) // sp if p % sp == r else -1
+                return off + p - s.start if r == 0 else -1
+
             if s.completes:
-                last = end - 1
-                self.last_rows.append(off + (last - mine.start) // sp if (ring and last % sp == r) else
-                                      off + s.n - 1 if (not ring and r == 0) else -1)
+                self.last_rows.append(local_row(end - 1))
+            for j, t in enumerate(s.targets or ()):
+                self.target_rows.append(local_row(s.start + j))
+                self.targets.append(t)
             if ring:
                 keys = len(range(0, end, sp))  # keys per rank (rank 0 holds the most)
-                local = torch.arange(len(range(r, end, sp)), device=device)
-                table = torch.tensor(s.block_table, dtype=torch.long, device=device)
                 shards = Shards(tuple((range(s.start + (j - s.start) % sp, s.start + m * sp, sp),) for j in range(sp)),
                                 tuple((range(j, j + keys * sp, sp),) for j in range(sp)))
-                self.rings.append((off, m, shards, table[local // bs] * bs + local % bs, keys))
-            elif sp == 1 and s.start == 0:
+                if s.start == 0:  # a prompt from position 0: the keys are this step's own (rows off..off+m)
+                    self.rings.append((off, m, shards, None, keys))
+                else:  # the keys this rank stores, cached prefix included
+                    local = torch.arange(len(range(r, end, sp)), device=device)
+                    table = torch.tensor(s.block_table, dtype=torch.long, device=device)
+                    self.rings.append((off, m, shards, table[local // bs] * bs + local % bs, keys))
+            elif s.start == 0:  # every rank computes the whole prompt: it attends to it directly
                 self.fresh.append((off, s.n))
             else:
                 groups[s.n].append((off, s))
@@ -117,48 +132,66 @@ class StepContext:
 
     def attend(self, layer: int, q, k, v):
         # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D)
-        st, li = self.step, layer - self.first_layer
+        st, li, kv = self.step, layer - self.first_layer, self.kv
         if st.all_written:
-            self.kv.write(li, k, v, st.write_slots)
+            kv.write(li, k, v, st.write_slots)
         elif st.write_rows.numel():
-            self.kv.write(li, k.index_select(0, st.write_rows), v.index_select(0, st.write_rows), st.write_slots)
+            kv.write(li, k.index_select(0, st.write_rows), v.index_select(0, st.write_rows), st.write_slots)
         out = torch.empty_like(q)
-        k_cache, v_cache = self.kv.k(li), self.kv.v(li)
-        for off, n in st.fresh:
+        for off, n in st.fresh:  # a prompt from position 0 attends its own (unquantized) K/V
             o, _ = attention(q[None, off:off + n], k[None, off:off + n], v[None, off:off + n], causal=True,
                              backend=self.attn_backend)
             out[off:off + n] = o[0]
+        cache = (kv.k(li), kv.v(li), kv.k_scale(li), kv.v_scale(li))
+        qc = self._rotate(q, kv.rot)  # cached keys live in the quantized format's rotated space
         if self.sp == 1:
             for n, rows, table, seq_lens, plan in st.groups:
-                qg = q.index_select(0, rows).view(-1, n, *q.shape[1:])  # (N, n, H, D)
+                qg = qc.index_select(0, rows).view(-1, n, *q.shape[1:])  # (N, n, H, D)
                 if plan is not None:
-                    o = paged_attention_planned(qg, k_cache, v_cache, plan)
+                    o = paged_attention_planned(qg, cache[0], cache[1], plan, k_scale=cache[2], v_scale=cache[3])
                 else:
-                    o, _ = paged_attention(qg, k_cache, v_cache, table, seq_lens, backend=self.paged_backend)
-                out[rows] = o.reshape(-1, *q.shape[1:])
+                    o, _ = paged_attention(qg, cache[0], cache[1], table, seq_lens, backend=self.paged_backend,
+                                           k_scale=cache[2], v_scale=cache[3])
+                out[rows] = self._rotate(o.reshape(-1, *q.shape[1:]), kv.rot, back=True)
         elif st.groups:
-            self._replicated(q, k_cache, v_cache, out)
+            self._replicated(qc, cache, out)
         for off, m, shards, key_slots, keys in st.rings:
-            out[off:off + m] = self._ring(q[off:off + m], k_cache, v_cache, shards, key_slots, keys)
+            if key_slots is None:  # its own new K/V (unquantized, like a fresh prompt on one rank)
+                o, _ = ring_attention_shards(q[None, off:off + m], k[None, off:off + m], v[None, off:off + m],
+                                             shards, causal=True, comm=self.comm, backend=self.attn_backend)
+                out[off:off + m] = o[0]
+            else:
+                out[off:off + m] = self._rotate(self._ring(qc[off:off + m], cache, shards, key_slots, keys), kv.rot,
+                                                back=True)
         return out
 
-    def _replicated(self, q, k_cache, v_cache, out) -> None:
+    @staticmethod
+    def _rotate(x, rot, back: bool = False):
+        """``x (..., D)`` into (or ``back`` out of) the rotated space; identity without rotation."""
+        if rot is None:
+            return x
+        return (x.float() @ (rot.T if back else rot)).to(x.dtype)
+
+    def _replicated(self, q, cache, out) -> None:
         """Every replicated row over this rank's keys, merged across the SP group in one round."""
         rows = torch.cat([g[1] for g in self.step.groups])
-        parts = [paged_attention_lse(q.index_select(0, r).view(-1, n, *q.shape[1:]), k_cache, v_cache, plan)
+        parts = [paged_attention_lse(q.index_select(0, r).view(-1, n, *q.shape[1:]), cache[0], cache[1], plan,
+                                     k_scale=cache[2], v_scale=cache[3])
                  for n, r, _, _, plan in self.step.groups]  # [(out (N, n, H, D), lse (N, H, n))]
         o = torch.cat([p[0].reshape(-1, *q.shape[1:]) for p in parts])[None]  # (1, R, H, D)
         lse = torch.cat([p[1].transpose(1, 2).reshape(-1, q.shape[1]) for p in parts]).T[None]  # (1, H, R)
         merged, _ = merge_across(o, lse.contiguous(), self.comm.group, self.timeout, "SP attention merge")
-        out[rows] = merged[0].to(out.dtype)
+        out[rows] = self._rotate(merged[0].to(out.dtype), self.kv.rot, back=True)
 
-    def _ring(self, q, k_cache, v_cache, shards: Shards, key_slots, keys: int):
+    def _ring(self, q, cache, shards: Shards, key_slots, keys: int):
         """A long chunk: ring attention over every key of the sequence this rank stores."""
-        flat = (-1, *k_cache.shape[2:])
-        k = torch.zeros(keys, *k_cache.shape[2:], dtype=k_cache.dtype, device=k_cache.device)
-        v = torch.zeros_like(k)
-        k[:key_slots.numel()] = k_cache.reshape(flat).index_select(0, key_slots)  # (keys, Hkv, D); pad after
-        v[:key_slots.numel()] = v_cache.reshape(flat).index_select(0, key_slots)
-        out, _ = ring_attention_shards(q[None], k[None].to(q.dtype), v[None].to(q.dtype), shards, causal=True,
-                                       comm=self.comm, backend=self.attn_backend)
+        k_cache = cache[0]
+        k = torch.zeros(2, keys, *k_cache.shape[2:], dtype=q.dtype, device=q.device)  # K, V; pad after
+        for i in range(2):
+            flat = as_bytes(cache[i]).reshape(-1, *k_cache.shape[2:]).index_select(0, key_slots).view(k_cache.dtype)
+            if cache[2 + i] is not None:
+                flat = dequantize(flat, cache[2 + i].reshape(-1, k_cache.shape[2]).index_select(0, key_slots), q.dtype)
+            k[i, :key_slots.numel()] = flat  # (keys, Hkv, D)
+        out, _ = ring_attention_shards(q[None], k[0][None], k[1][None], shards, causal=True, comm=self.comm,
+                                       backend=self.attn_backend)
         return out[0]

@@ -204,10 +204,11 @@ class Cluster:
         except Exception as e:
             self._fail(e)
 
-    def result(self) -> Optional[torch.Tensor]:
-        """The sampler rank's tokens or logits for the oldest submitted plan (None if no row completes)."""
+    def result(self):
+        """The sampler rank's ``StepResult`` for the oldest submitted plan (None if it has no
+        completing row and no prompt log-prob)."""
         plan, res = self.pending.popleft()
-        if res is None and plan.num_completing:
+        if res is None and (plan.num_completing or plan.num_targets):
             try:
                 res = self.worker.receive_result(plan)
             except Exception as e:

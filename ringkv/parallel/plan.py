@@ -2,7 +2,9 @@
 
 For each scheduled sequence: the first position computed this step (``start``), how many
 tokens (``n``), their token ids, the sequence's block table (logical block ids, the same on
-every rank) and whether the step completes it (its last token's logits are sampled).
+every rank) and whether the step completes it (its last token's logits are sampled);
+``targets``: for a request that wants prompt log-probs, the prompt tokens that the step's
+first ``len(targets)`` positions predict (their log-probs are returned too).
 ``want``: what the sampler rank returns to the driver, ``"tokens"`` (greedy argmax, when
 every completing row is greedy) or ``"logits"``.
 """
@@ -10,7 +12,7 @@ every completing row is greedy) or ``"logits"``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 
 @dataclass
@@ -20,6 +22,7 @@ class SeqStep:
     tokens: List[int]  # token ids of positions [start, start + n)
     block_table: List[int]
     completes: bool
+    targets: Optional[List[int]] = None
 
 
 @dataclass
@@ -31,8 +34,13 @@ class StepPlan:
     def num_completing(self) -> int:
         return sum(s.completes for s in self.seqs)
 
+    @property
+    def num_targets(self) -> int:
+        return sum(len(s.targets or ()) for s in self.seqs)
+
     def to_json(self) -> dict:
-        return {"seqs": [[s.start, s.n, s.tokens, s.block_table, s.completes] for s in self.seqs], "want": self.want}
+        return {"seqs": [[s.start, s.n, s.tokens, s.block_table, s.completes, s.targets] for s in self.seqs],
+                "want": self.want}
 
     @classmethod
     def from_json(cls, d: dict) -> "StepPlan":

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..cache.kv_cache import KVCache, bytes_per_block
+from ..kernels import quant
 from ..model.config import ModelConfig
 from ..model.llama import DenseContext, LlamaForCausalLM
 from ..model.loader import check_checkpoint, materialize
@@ -39,6 +40,11 @@ class EngineShape:
     block_size: int = 16
     sp_prefill_min_tokens: int = 64
     paged_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def quant(self):
+        return quant.resolve(self.kv_cache_dtype)
 
     def stage_sizes(self, cfg: ModelConfig) -> List[int]:
         layer = (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * cfg.hidden_size + \
@@ -47,8 +53,10 @@ class EngineShape:
 
     def bytes_per_token(self, cfg: ModelConfig, stage: int, dtype: torch.dtype) -> int:
         """K and V of one token on a rank of ``stage`` (the seed's formula):
-        ``2 x layers_on_stage x kv_heads_on_rank x head_dim x bytes``."""
-        return bytes_per_block(self.stage_sizes(cfg)[stage], 1, kv_heads_per_rank(cfg, self.tp), cfg.head_dim, dtype)
+        ``2 x layers_on_stage x kv_heads_on_rank x head_dim x bytes`` (a quantized cache: one
+        byte per value plus its scales' share)."""
+        return bytes_per_block(self.stage_sizes(cfg)[stage], 1, kv_heads_per_rank(cfg, self.tp), cfg.head_dim, dtype,
+                               self.quant)
 
 
 def peak_rss() -> int:
@@ -93,10 +101,11 @@ class Worker:
 
     @property
     def bytes_per_token(self) -> int:
-        return bytes_per_block(len(self.layers), 1, self.kv_heads, self.cfg.head_dim, self.dtype)
+        return bytes_per_block(len(self.layers), 1, self.kv_heads, self.cfg.head_dim, self.dtype, self.shape.quant)
 
     def allocate(self, num_blocks: int) -> None:
         self.kv = KVCache(len(self.layers), self.kv_heads, self.cfg.head_dim, block_size=self.shape.block_size,
+                          quant=self.shape.quant,
                           num_blocks=num_blocks, dtype=self.dtype, device=self.device)
 
     def free_kv_bytes(self, utilization: float, tokens: int) -> int:
@@ -122,7 +131,7 @@ class Worker:
         return dict(rank=m.rank, pp_rank=m.pp_rank, sp_rank=m.sp_rank, tp_rank=m.tp_rank,
                     layers=[self.layers.start, self.layers.stop], kv_heads=self.kv_heads,
                     bytes_per_token=self.bytes_per_token,
-                    kv_cache_bytes=self.kv.data.numel() * self.kv.data.element_size() if self.kv else 0,
+                    kv_cache_bytes=self.kv.nbytes if self.kv else 0,
                     weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()))
 
     def report(self) -> dict:
@@ -132,9 +141,9 @@ class Worker:
                     peak_rss_bytes=peak_rss())
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> Optional[torch.Tensor]:
-        """Run this rank's part of a step. On the sampler rank returns ``(M,)`` int64 tokens or
-        ``(M, vocab)`` float32 logits of the completing sequences, in plan order; else None."""
+    def execute(self, plan: StepPlan) -> Optional["StepResult"]:
+        """Run this rank's part of a step. The sampler rank returns its ``StepResult`` (sent to
+        the driver when it is not rank 0); the others None."""
         t0 = time.perf_counter()
         m, sh = self.mesh, self.shape
         step = LocalStep(plan, m.sp_rank, m.sp, sh.block_size, sh.sp_prefill_min_tokens, self.device, self.paged_backend)
@@ -150,33 +159,54 @@ class Worker:
         result = None
         if not m.last_stage:
             self.link.send(x, m.neighbour(1))
-        elif plan.num_completing:
+        elif plan.num_completing or plan.num_targets:
             result = self._sample_input(x, step, plan)
         self.stats.steps += 1
         self.stats.busy_s += time.perf_counter() - t0
         return result
 
-    def _sample_input(self, x, step: LocalStep, plan: StepPlan) -> Optional[torch.Tensor]:
+    def _sample_input(self, x, step: LocalStep, plan: StepPlan) -> Optional[StepResult]:
         m = self.mesh
-        rows = torch.tensor(step.last_rows, device=x.device)
-        last = x.index_select(0, rows.clamp_min(0)) * (rows >= 0)[:, None].to(x.dtype)  # (M, hidden)
-        if m.sp > 1:  # each completing row lives on one SP rank: the sum gathers them
-            last = all_sum(last, m.sp_group, self.timeout, "last hidden states")
+        rows = torch.tensor(step.last_rows + step.target_rows, device=x.device)
+        picked = x.index_select(0, rows.clamp_min(0)) * (rows >= 0)[:, None].to(x.dtype)  # (M + R, hidden)
+        if m.sp > 1:  # each row lives on one SP rank: the sum gathers them
+            picked = all_sum(picked, m.sp_group, self.timeout, "last hidden states")
         if m.sp_rank != 0:
             return None
-        logits = gather_vocab(self.model.logits(last), self.cfg, m.tp, m.tp_group, self.timeout)  # (M, vocab) fp32
+        logits = gather_vocab(self.model.logits(picked), self.cfg, m.tp, m.tp_group, self.timeout)  # fp32
         if m.tp_rank != 0:
             return None
-        out = logits.argmax(dim=-1) if plan.want == "tokens" else logits
+        k = len(step.last_rows)
+        main = logits[:k].argmax(dim=-1) if plan.want == "tokens" else logits[:k]
+        prompt_lp = None
+        if step.targets:  # log-probs of the prompt tokens these positions predict
+            targets = torch.tensor(step.targets, device=logits.device)
+            prompt_lp = torch.log_softmax(logits[k:], dim=-1).gather(1, targets[:, None])[:, 0]
         if m.rank != 0:  # to the driver
-            self.link.pending.append((dist.isend(out, 0, tag=RESULT_TAG), out))
+            for t in (main, prompt_lp):
+                if t is not None:
+                    self.link.pending.append((dist.isend(t.contiguous(), 0, tag=RESULT_TAG), t))
             return None
-        return out
+        return StepResult(main, prompt_lp)
 
-    def receive_result(self, plan: StepPlan) -> torch.Tensor:
+    def receive_result(self, plan: StepPlan) -> "StepResult":
         """On the driver: the sampler rank's answer to ``plan`` (in submission order)."""
-        shape = (plan.num_completing,) if plan.want == "tokens" else (plan.num_completing, self.cfg.vocab_size)
-        out = torch.empty(shape, dtype=torch.long if plan.want == "tokens" else torch.float32, device=self.device)
-        wait(dist.irecv(out, self.mesh.sampler_rank, tag=RESULT_TAG), out, self.timeout,
-             f"results from the sampler rank {self.mesh.sampler_rank}")
-        return out
+        def recv(shape, dtype):
+            out = torch.empty(shape, dtype=dtype, device=self.device)
+            wait(dist.irecv(out, self.mesh.sampler_rank, tag=RESULT_TAG), out, self.timeout,
+                 f"results from the sampler rank {self.mesh.sampler_rank}")
+            return out
+
+        k = plan.num_completing
+        main = recv((k,) if plan.want == "tokens" else (k, self.cfg.vocab_size),
+                    torch.long if plan.want == "tokens" else torch.float32)
+        return StepResult(main, recv((plan.num_targets,), torch.float32) if plan.num_targets else None)
+
+
+@dataclass
+class StepResult:
+    """What the sampler rank returns for a step: ``main`` is ``(M,)`` argmax tokens or
+    ``(M, vocab)`` fp32 logits of the completing sequences; ``prompt_logprobs`` ``(R,)`` the
+    log-probs of the plan's ``targets``, in plan order."""
+    main: torch.Tensor
+    prompt_logprobs: Optional[torch.Tensor] = None

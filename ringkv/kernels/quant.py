@@ -14,7 +14,8 @@ perplexity deltas to the fp32 cache):
   [0.7, 1] that minimises the vector's squared error (fp8's grid is logarithmic, so a smaller
   scale can fit the vector better at the price of clipping its largest value): +0.549% with
   ``m = 1``, +0.245% with the search;
-- ``"fp8_e5m2"``: ``s = max|x| / 57344``, not rotated (+1.4% plain, +2.2% rotated).
+- ``"fp8_e5m2"``: ``s = max|x| / 57344``, not rotated (+1.4% plain, +2.2% rotated, on an earlier
+  750-token version of the text).
 
 Attention never undoes the rotation on the keys: with ``R`` orthogonal,
 ``(q R) . (k R) = q . k`` and ``sum_j p_j v_j = (sum_j p_j v_j R) R^T``, so readers rotate

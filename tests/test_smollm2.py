@@ -129,17 +129,17 @@ def test_sp2_long_prompt_equals_transformers(setup, worlds):
     assert res[0]["info"]["capacity_tokens"] == 2 * 300 * 16
 
 
-def test_cli_spawned_and_under_torchrun():
+def test_cli_under_torchrun():
     import subprocess
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     args = ["-m", "ringkv", "generate", "--model", smollm2_path(), "--prompt", "The capital of France is",
             "--max-tokens", "6"]
-    runs = [[sys.executable, *args], [sys.executable, *args, "--sp", "2"],
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args, "--pp", "2"]]
+    runs = [[sys.executable, *args],  # (spawned ranks from the CLI: tests/test_serve.py, ringkv serve --pp 2)
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args, "--sp", "2"]]
     outs = [subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300) for cmd in runs]
     for o in outs:
         assert o.returncode == 0, o.stderr[-2000:]
     assert "Paris" in outs[0].stdout
-    assert outs[1].stdout == outs[0].stdout == outs[2].stdout  # rank 0 alone prints
+    assert outs[1].stdout == outs[0].stdout  # rank 0 alone prints

@@ -219,11 +219,13 @@ tk._build()
 PTRS = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ", "Lse", "DLse", "Delta", "Lse2", "OutP", "LseP"}
 FP32 = {"Lse", "DLse", "Delta", "Lse2", "DK", "DV", "DQ", "OutP", "LseP"}
 
-def build(name, dt, consts, warps=4, stages=2):
+def build(name, dt, consts, warps=4, stages=2, types=None):
     fn = getattr(tk, name, None) or getattr(tp, name)
     sig = {}
     for a in fn.arg_names:
         if a in consts: sig[a] = "constexpr"
+        elif a in (types or {}): sig[a] = types[a]
+        elif a in ("KScale", "VScale"): sig[a] = "*fp16"
         elif a in PTRS: sig[a] = "*fp32" if a in FP32 else "*" + dt
         elif a in ("BlockTable", "SeqLens"): sig[a] = "*i32"
         elif a in ("qk_scale", "scale"): sig[a] = "fp32"
@@ -237,7 +239,10 @@ for dt, prec, bd, bm, bn, w, st in [("fp16", "tf32", 128, 128, 64, 8, 3), ("bf16
     for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
         build(name, dt, dict(IS_OFFSET=dt != "bf16", PREC=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd), w, st)
 build("_bwd_preprocess", "bf16", dict(HAS_DLSE=True, BLOCK_M=32, BLOCK_D=128))
-build("_paged_split_kernel", "fp16", dict(CAUSAL=True, PREC="tf32", BLOCK_R=16, BLOCK_N=32, BLOCK_D=128))
+PAGED = dict(CAUSAL=True, PREC="tf32", BLOCK_R=16, BLOCK_N=32, BLOCK_D=128)
+build("_paged_split_kernel", "fp16", dict(PAGED, QUANT=False))
+for kv in ("*i8", "*fp8e4nv"):  # a quantized cache: one-byte values and fp16 scales
+    build("_paged_split_kernel", "bf16", dict(PAGED, QUANT=True), types={"K": kv, "V": kv})
 build("_paged_reduce_kernel", "fp16", dict(BLOCK_S=64, BLOCK_D=128))
 """
 
@@ -253,7 +258,7 @@ def test_kernels_compile_for_sm90():
     r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == 12
+    assert r.stdout.count("compiled") == 14
 
 
 def test_registry_and_supports():

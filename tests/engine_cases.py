@@ -107,3 +107,31 @@ def prompt_logprobs(ctx, spec, llm_kwargs, prompt):
     with LLM(model_from(spec), **llm_kwargs) as llm:
         return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
                             use_tqdm=False)[0].prompt_logprobs
+
+
+def migrate_pair(ctx, spec, prompts, params):
+    """Rank 0 starts the requests and moves each to rank 1 (pre-copy, one more round, then the
+    final snapshot), over the process group; rank 1 finishes them."""
+    from ringkv.engine import KVSnapshot
+
+    llm = LLM(model_from(spec), block_size=4 if ctx.rank == 0 else 8, num_blocks=128, max_num_batched_tokens=16)
+    params = SamplingParams(**params)
+    if ctx.rank == 0:
+        rids = [llm.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+        for _ in range(3):
+            llm.step()
+        for rid in rids:
+            first = llm.export_request(rid, stop=False)
+            first.send(1)
+            llm.step()
+            llm.export_request(rid, since=first).send(1)
+            llm.abort_request(rid)
+        return "sent"
+    for _ in prompts:
+        for _ in range(2):
+            llm.import_request(KVSnapshot.recv(0))
+    outs = {}
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            outs[o.request_id] = o.token_ids
+    return [outs[f"r{i}"] for i in range(len(prompts))]

@@ -68,3 +68,13 @@ def test_kv_quant_benchmark(tmp_path):
     for name in ("fp8_e4m3", "fp8_e5m2", "int8"):
         r = rows[name]
         assert r["vs_fp32"] < 0.4 and r["capacity_tokens"] > rows["auto"]["capacity_tokens"] and r["ppl"] > 0
+
+
+def test_migration_benchmark(tmp_path):
+    out = tmp_path / "mig.json"
+    table = run(["benchmarks/migration.py", "--model", "tiny-test", "--contexts", "64", "256", "--repeats", "1",
+                 "--decoded", "2", "--json", str(out)], tmp_path)
+    assert "| 256 |" in table
+    rows = json.loads(out.read_text())["rows"]
+    for r in rows:
+        assert r["full_bytes"] > r["final_bytes"] > 0 and r["incremental_downtime_s"] > 0

@@ -230,3 +230,17 @@ def test_a_chain_continued_through_a_twin_survives_the_twins_eviction():
     bm.register(b, toks, 9, cursor=cur)
     assert bm.match_prefix(toks) == b[:2]
     bm.check()
+
+
+def test_block_hashes_agree_across_processes():
+    """The default block hash (SHA-256 over parent, tokens and salt) is the same in every
+    process, unlike Python's hash() of a salt string (randomised per process)."""
+    import subprocess
+    import sys
+
+    code = ("from ringkv.cache.block_manager import block_hash as h; a = h((None, (1, 2, 3, 4), 'tenant-a')); "
+            "print(h((a, (5, 6, 7, 8), 'tenant-a')).hex(), hash('tenant-a'))")
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout.split()
+            for seed in ("1", "2")]
+    assert outs[0][0] == outs[1][0] and outs[0][1] != outs[1][1]

@@ -143,3 +143,22 @@ def test_cli_under_torchrun():
         assert o.returncode == 0, o.stderr[-2000:]
     assert "Paris" in outs[0].stdout
     assert outs[1].stdout == outs[0].stdout  # rank 0 alone prints
+
+
+def test_migration_mid_generation_equals_transformers(setup):
+    """Requests moved to another engine (another block size) part-way, through bytes, finish
+    with transformers' tokens."""
+    from ringkv.engine import KVSnapshot
+
+    llm, prompts, refs = setup
+    other = LLM(smollm2_path(), block_size=32, num_blocks=64)
+    rids = [llm.add_request(p, GREEDY) for p in prompts[3:7]]
+    outs = {}
+    for _ in range(4):
+        outs.update({o.request_id: o for o in llm.step()})
+    for rid in rids:
+        other.import_request(KVSnapshot.from_bytes(llm.export_request(rid).to_bytes()))
+        llm.abort_request(rid)
+    while other.has_unfinished_requests():
+        outs.update({o.request_id: o for o in other.step()})
+    assert [outs[rid].token_ids for rid in rids] == refs[3:7]

@@ -5,7 +5,8 @@ block shared by several sequences (a common prompt prefix) is freed only when th
 lets go.
 
 Prefix caching: once a block is FULL of computed tokens it is registered under the chained
-hash ``hash_fn((parent_hash, tokens, cache_salt))``, once (a ``PrefixCursor`` per sequence
+hash ``hash_fn((parent_hash, tokens, cache_salt))`` (default ``block_hash``: SHA-256, the same
+in every process and run, unlike Python's ``hash`` of a string), once (a ``PrefixCursor`` per sequence
 remembers how far its chain is registered, so a step costs no work that grows with the
 context). A later prompt walks its own full blocks from the start and reuses every block
 whose hash is registered AND whose content matches exactly: the same tokens, the same salt
@@ -19,10 +20,22 @@ never-used blocks.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+
+def block_hash(key: tuple) -> bytes:
+    """SHA-256 of ``(parent hash, token ids, salt)``: a block's portable identity."""
+    parent, tokens, salt = key
+    h = hashlib.sha256(parent or b"")
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    if salt is not None:
+        h.update(b"\x00salt" + str(salt).encode())
+    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -44,7 +57,7 @@ class PrefixCursor:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 hash_fn: Callable[[tuple], Hashable] = hash):
+                 hash_fn: Callable[[tuple], Hashable] = block_hash):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size

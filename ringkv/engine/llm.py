@@ -26,18 +26,20 @@ from typing import Dict, Iterator, List, Optional, Sequence as Seq, Union
 
 import torch
 
-from ..cache.block_manager import BlockManager
+from ..cache.block_manager import BlockManager, block_hash
 from ..kernels import quant
 from ..model.loader import open_model
 from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster
 from ..parallel.plan import SeqStep, StepPlan
 from ..parallel.tp import check_tp
 from ..parallel.worker import EngineShape
+from . import migrate
 from .detok import IncrementalDetokenizer
 from .params import CompletionOutput, Logprob, RequestOutput, SamplingParams, TokenDelta
 from .sampling import needs_logits, observe, sample
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
+from .snapshot import KVSnapshot
 
 Prompt = Union[str, List[int]]
 SP_PREFILL_MIN_TOKENS = 64  # a sequence computing at least this many tokens in a step uses the ring (sp > 1); measured: docs/performance.md
@@ -60,7 +62,7 @@ class LLM:
                  gpu_memory_utilization: Optional[float] = None, num_blocks: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None, tokenizer=None, device=None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, hash_fn=hash, paged_backend: str = "auto",
+                 enable_prefix_caching: bool = True, hash_fn=block_hash, paged_backend: str = "auto",
                  kv_cache_dtype: str = "auto", timeout: Optional[float] = None):
         for name, v in (("tp", tp), ("pp", pp), ("sp", sp), ("block_size", block_size),
                         ("sp_prefill_min_tokens", sp_prefill_min_tokens)):
@@ -117,6 +119,8 @@ class LLM:
         self._ids = itertools.count()
         self._calls = itertools.count()
         self._active: Dict = {}  # request id -> its sequences (samples)
+        self._paused: Dict = {}  # exported with stop=True: out of the scheduler, blocks kept
+        self._staged: Dict = {}  # imported without their final snapshot: (sequence, last snapshot id)
         self._inflight: "deque[List[Scheduled]]" = deque()
         self.peak_in_flight = 0  # most steps in flight at once (pipeline parallelism keeps up to pp)
 
@@ -251,8 +255,13 @@ class LLM:
         return any(not s.finished for seqs in self._active.values() for s in seqs)
 
     def abort_request(self, request_id) -> bool:
-        """Stop a request and free its blocks; False if it is unknown or already finished."""
-        seqs = self._active.pop(request_id, None)
+        """Stop a request and free its blocks (also one stopped by an export, or staged by an
+        import); False if it is unknown or already finished."""
+        staged = self._staged.pop(request_id, None)
+        if staged is not None:
+            self.blocks.free(staged[0].block_table)
+            return True
+        seqs = self._active.pop(request_id, None) or self._paused.pop(request_id, None)
         if seqs is None:
             return False
         live = [s for s in seqs if not s.finished]
@@ -277,6 +286,24 @@ class LLM:
             if outs[-1].finished:
                 del self._active[rid]
         return outs
+
+    # -- migration (engine/migrate.py) -------------------------------------------------------
+    def export_request(self, request_id, *, since: Optional[KVSnapshot] = None, stop: bool = True) -> KVSnapshot:
+        """A ``KVSnapshot`` of a running request (tokens, sampler state, the K/V of its computed
+        tokens; ``since``: only what was computed after that earlier snapshot). ``stop=True``
+        takes it out of this engine's scheduler but keeps its blocks until ``abort_request``
+        (after a successful import elsewhere) or ``resume_request``. Single-rank engines."""
+        return migrate.export_request(self, request_id, since, stop)
+
+    def import_request(self, snapshot: KVSnapshot):
+        """Continue a request exported by another engine (same model and KV dtype; any block
+        size). A snapshot without ``final`` (``stop=False``) is staged until the final one;
+        incremental snapshots must come in order. Returns the request id."""
+        return migrate.import_request(self, snapshot)
+
+    def resume_request(self, request_id) -> None:
+        """Run a request stopped by ``export_request`` here again (its import failed)."""
+        migrate.resume_request(self, request_id)
 
     # -- the loop --------------------------------------------------------------------------
     def _advance(self) -> List[Sequence]:

@@ -31,8 +31,9 @@ TEXT = ("The history of the river valley begins with small farming villages that
 
 
 def prompts_for(llm, n):
-    if llm.tokenizer is None:
-        return [[(7 * i + 3 * j) % 1000 + 3 for j in range(20 + 13 * i)] for i in range(n)]
+    if llm.tokenizer is None:  # token ids of the model's vocabulary
+        v = llm.config.vocab_size - 3
+        return [[(7 * i + 3 * j) % v + 3 for j in range(20 + 13 * i)] for i in range(n)]
     ids = llm.tokenizer.encode(TEXT * 6)
     return [ids[(17 * i) % 40:(17 * i) % 40 + 24 + 11 * i] for i in range(n)]
 

@@ -289,3 +289,20 @@ def test_disaggregated_example_under_torchrun(tmp_path):
                        env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "outputs identical to one engine: True (6 requests, 48 tokens)" in r.stdout
+
+
+def test_quantized_blocks_move_with_their_scales(model):
+    kw = dict(block_size=4, num_blocks=128, kv_cache_dtype="int8", max_num_batched_tokens=16)
+    want = [o.token_ids for o in LLM(model, **kw).generate(prompts(), GREEDY, use_tqdm=False)]
+    r = Run(model, kw, dict(block_size=8, num_blocks=64, kv_cache_dtype="int8"))
+    rids = [r.a.add_request(p, GREEDY) for p in prompts()]
+    for _ in range(5):
+        r.step(r.a)
+    for rid in rids:
+        if rid in r.a._active:
+            snap = KVSnapshot.from_bytes(r.a.export_request(rid).to_bytes())
+            assert snap.k.dtype == torch.int8 and snap.k_scale is not None
+            r.b.import_request(snap)
+            r.a.abort_request(rid)
+    r.finish()
+    assert [r.outs[rid].token_ids for rid in rids] == want

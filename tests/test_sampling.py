@@ -12,7 +12,6 @@ from hypothesis import given, settings, strategies as st
 
 from ringkv.engine import LLM, SamplingParams
 from ringkv.engine.sampling import apply_penalties, filter_logits, sample
-from ringkv.model import LlamaForCausalLM, ModelConfig
 
 LOGITS = torch.tensor([2.0, 1.2, 0.9, 0.0, -0.5, -1.0, -3.0])
 
@@ -113,15 +112,7 @@ def test_penalties_follow_their_definitions():
 
 # ---- on the engine ----
 
-V = 61
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, max_position_embeddings=512, eos_token_id=None)
-    return LlamaForCausalLM(cfg).eval()
+from tests.test_engine import model  # noqa: E402,F401  the tiny ringkv model (a module-scoped fixture)
 
 
 def test_engine_logprobs_match_the_models_log_softmax(model):

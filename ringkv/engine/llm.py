@@ -237,7 +237,7 @@ class LLM:
                     cache_salt: Optional[str] = None, apply_chat_template: bool = False):
         """Queue a request (a string, token ids or chat messages); returns its id. An invalid
         request raises ``ValueError`` and changes nothing."""
-        if request_id is not None and request_id in self._active:
+        if request_id is not None and any(request_id in d for d in (self._active, self._paused, self._staged)):
             raise ValueError(f"request id {request_id!r} is already in use")
         seqs = self._make(prompt, SamplingParams() if params is None else params, apply_chat_template, cache_salt,
                           request_id)

@@ -103,6 +103,8 @@ def test_module_wraps_function():
     mod = ringkv.RingAttention(causal=True, layout="zigzag")
     torch.testing.assert_close(mod(q, q, q), attention(q, q, q, causal=True)[0])
     assert "zigzag" in repr(mod)
+    assert torch.equal(ringkv.RingAttention()(q, q, q), ringkv.ring_attention(q, q, q))  # one set of defaults
+    assert torch.equal(ringkv.RingAttention(causal=True, check=False, timeout=None)(q, q, q), mod(q, q, q))
 
 
 # ---- bad input: a clear error on every rank, never a hang -------------------------------------

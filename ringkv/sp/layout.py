@@ -66,7 +66,7 @@ def _select(x: torch.Tensor, dim: int, ranges: List[range]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def shard(x: torch.Tensor, dim: int = 1, layout: str = "contiguous", group: Optional[dist.ProcessGroup] = None,
+def shard(x: torch.Tensor, dim: int = 1, layout: str = "zigzag", group: Optional[dist.ProcessGroup] = None,
           *, rank: Optional[int] = None, world: Optional[int] = None) -> torch.Tensor:
     """This rank's shard of the full tensor ``x`` along ``dim`` (local op, no communication)."""
     if rank is None or world is None:
@@ -74,7 +74,7 @@ def shard(x: torch.Tensor, dim: int = 1, layout: str = "contiguous", group: Opti
     return _select(x, dim, chunks(x.shape[dim], layout, rank, world))
 
 
-def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous",
+def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "zigzag",
             group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """All-gather the shards of every rank and put them back in global order (not differentiable)."""
     check_layout(layout)

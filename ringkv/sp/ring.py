@@ -194,7 +194,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                   group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
+                   group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
                    softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
                    timeout: Optional[timedelta] = None, check: bool = True, comm: Optional[RingComm] = None):
     """Exact attention of this rank's query shard over the whole sharded sequence.
@@ -204,7 +204,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         k, v: ``(B, S_local, Hkv, D)`` with ``H % Hkv == 0``; only the ``Hkv`` heads travel.
         causal: mask ``q_pos >= k_pos`` on global positions.
         group: the SP process group (default: the world; no process group = one rank).
-        layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (see ``ringkv.sp.layout``).
+        layout: ``"zigzag"`` (default: balances causal work), ``"contiguous"`` or ``"striped"``
+            (see ``ringkv.sp.layout``); shard with the same layout (``ringkv.shard``).
         softmax_scale: default ``1/sqrt(D)``.
         return_lse: also return the float32 LSE ``(B, H, S_local)``.
         backend: kernel backend name or ``"auto"``.
@@ -256,19 +257,19 @@ def ring_attention_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sha
 
 
 class RingAttention(nn.Module):
-    """``ring_attention`` as a module: ``forward(q, k, v) -> out`` (and lse with ``return_lse``)."""
+    """``ring_attention`` as a module, with the same arguments and defaults:
+    ``forward(q, k, v) -> out`` (and lse with ``return_lse``)."""
 
-    def __init__(self, *, causal: bool = True, group: Optional[dist.ProcessGroup] = None,
+    def __init__(self, *, causal: bool = False, group: Optional[dist.ProcessGroup] = None,
                  layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
-                 backend: str = "auto"):
+                 backend: str = "auto", timeout: Optional[timedelta] = None, check: bool = True):
         super().__init__()
         check_layout(layout)
-        self.causal, self.group, self.layout = causal, group, layout
-        self.softmax_scale, self.return_lse, self.backend = softmax_scale, return_lse, backend
+        self.kw = dict(causal=causal, group=group, layout=layout, softmax_scale=softmax_scale,
+                       return_lse=return_lse, backend=backend, timeout=timeout, check=check)
 
     def forward(self, q, k, v):
-        return ring_attention(q, k, v, causal=self.causal, group=self.group, layout=self.layout,
-                              softmax_scale=self.softmax_scale, return_lse=self.return_lse, backend=self.backend)
+        return ring_attention(q, k, v, **self.kw)
 
     def extra_repr(self) -> str:
-        return f"layout={self.layout!r}, causal={self.causal}, backend={self.backend!r}"
+        return ", ".join(f"{n}={self.kw[n]!r}" for n in ("layout", "causal", "backend"))

@@ -77,6 +77,7 @@ def _run_case(world, method, c):
         seen.append(pos)
         for name, got, full, dim in zip(["out", "lse", "dq", "dk", "dv"], res[:5], want, [1, 2, 1, 1, 1]):
             _assert_close(f"{method} {name}", got, full.index_select(dim, pos), dt, rank)
+        _assert_close(f"{method} unsharded out", res[6], want[0], dt, rank)
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(s))  # every token on exactly one rank
 
 

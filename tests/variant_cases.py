@@ -38,7 +38,8 @@ def _shard(x, layout, where, dim=1):
 
 def forward_backward(ctx, method, q, k, v, dout, dlse, causal, layout, scale, dims=None, kw=None):
     """One method's forward + backward on this rank's shard (``dims=(U, R)``: usp on the 2D mesh).
-    Returns out, lse, dq, dk, dv and the global positions of this rank's tokens."""
+    Returns out, lse, dq, dk, dv, the global positions of this rank's tokens and the whole
+    output gathered in global order (``unshard``)."""
     where = _where(ctx, dims)
     fn = ringkv.usp_attention if dims is not None else METHODS[method]
     ql, kl, vl = (_shard(t, layout, where).clone().requires_grad_() for t in (q, k, v))
@@ -50,9 +51,11 @@ def forward_backward(ctx, method, q, k, v, dout, dlse, causal, layout, scale, di
     loss.backward()
     if "group" in where:
         pos = ringkv.positions(q.shape[1], layout, ctx.rank, ctx.world)
+        full = ringkv.unshard(out.detach(), 1, layout, ctx.group)
     else:
         pos = ringkv.positions(q.shape[1], layout, **where)
-    return out.detach(), lse.detach(), ql.grad, kl.grad, vl.grad, pos
+        full = ringkv.unshard(out.detach(), 1, layout, **where)
+    return out.detach(), lse.detach(), ql.grad, kl.grad, vl.grad, pos, full
 
 
 def shard_roundtrip(ctx, dims, x, layout, dim):

@@ -1,11 +1,12 @@
 """ringkv: exact attention over sequences longer than one device holds."""
 
 from .kernels import attention, attention_backward
-from .sp import (LAYOUTS, RingAttention, RingTimeoutError, merge, merge_, positions, ring_attention, shard,
-                 unshard)
+from .sp import (LAYOUTS, RingAttention, RingTimeoutError, allgather_attention, merge, merge_, positions,
+                 ring_attention, shard, sp_groups, ulysses_attention, unshard, usp_attention)
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "ring_attention", "RingAttention", "RingTimeoutError",
+           "ulysses_attention", "usp_attention", "allgather_attention", "sp_groups",
            "LAYOUTS", "shard", "unshard", "positions", "merge", "merge_",
            "patch_model", "unpatch_model", "gather_logits", "causal_lm_loss", "ShardedKVCache",
            "LLM", "SamplingParams", "RequestOutput", "EngineError", "KVSnapshot"]

@@ -1,9 +1,14 @@
 """Sequence parallelism: the only package (with ``ringkv.parallel``) that communicates."""
 
+from .allgather import allgather_attention
+from .collectives import CommStats
 from .comm import LocalComm, RingComm, RingTimeoutError
-from .layout import LAYOUTS, chunks, positions, shard, unshard
+from .layout import LAYOUTS, chunks, positions, shard, unshard, usp_chunks
 from .merge import merge, merge_
 from .ring import RingAttention, RingStats, ring_attention
+from .ulysses import ulysses_attention
+from .usp import sp_groups, usp_attention
 
 __all__ = ["LocalComm", "RingComm", "RingTimeoutError", "LAYOUTS", "chunks", "positions", "shard", "unshard",
-           "merge", "merge_", "RingAttention", "RingStats", "ring_attention"]
+           "usp_chunks", "merge", "merge_", "RingAttention", "RingStats", "ring_attention", "ulysses_attention",
+           "usp_attention", "allgather_attention", "sp_groups", "CommStats"]

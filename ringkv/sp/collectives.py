@@ -1,4 +1,5 @@
-"""Small bounded collectives over an SP group (gather, sum, agree) for decode and the HF patch.
+"""Small bounded collectives over an SP group: gather, sum, agree (decode, the HF patch), and the
+all-to-all / all-gather / reduce-scatter of the Ulysses, USP and all-gather-KV attentions.
 
 On CPU (gloo) every wait is bounded by ``timeout`` and a peer that died or never called ends
 in ``RingTimeoutError``; on CUDA (NCCL) the process group's watchdog bounds the wait. A group
@@ -7,15 +8,17 @@ of one rank (or no process group at all) short-circuits without communication.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .comm import DEFAULT_TIMEOUT, RingTimeoutError
 
-__all__ = ["rank_world", "all_gather", "all_sum", "all_reduce_", "wait", "agree"]
+__all__ = ["rank_world", "all_gather", "all_sum", "all_reduce_", "wait", "agree", "all_to_all", "Pending",
+           "start_all_gather", "start_reduce_scatter", "CommStats"]
 
 
 def rank_world(group: Optional[dist.ProcessGroup] = None) -> tuple:
@@ -61,13 +64,107 @@ def all_reduce_(x: torch.Tensor, group, timeout: Optional[timedelta] = None, wha
 
 def agree(values: Sequence[int], names: Sequence[str], group=None, timeout: Optional[timedelta] = None,
           what: str = "ringkv", device=None) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks pass the same ``values`` (one tiny all-gather)."""
+    """Raise ``ValueError`` on every rank unless all ranks pass the same ``values`` (one tiny all-gather).
+
+    ``group`` may be a list of groups that together connect the ranks (the two axes of a 2D
+    mesh): one all-gather per group, each carrying whether an earlier one found a difference,
+    so every rank of the mesh raises, not only those of the group that disagrees.
+    """
+    problem = None
+    for g in (group if isinstance(group, (list, tuple)) else [group]):
+        rank, world = rank_world(g)
+        if world == 1:
+            continue
+        mine = torch.tensor([int(v) for v in values] + [problem is not None], dtype=torch.int64, device=device)
+        for r, theirs in enumerate(all_gather(mine, g, timeout, what)):
+            diff = [n for n, a, b in zip(names, mine.tolist(), theirs.tolist()) if a != b]
+            if diff and problem is None:
+                problem = f"rank {r} disagrees with rank {rank} on {', '.join(diff)}"
+            if theirs[-1] and problem is None:
+                problem = f"rank {r} saw ranks that disagree (in its other group)"
+    if problem:
+        raise ValueError(f"{what}: {problem}; every rank of the "
+                         f"SP group must make the same call (same batch, sequence length, phase and tokens)")
+
+
+@dataclass
+class CommStats:
+    """What this rank sent to other ranks in its last forward of ``method`` (for benchmarks)."""
+    method: str = ""
+    bytes_sent: int = 0
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+class Pending:
+    """An asynchronous collective: ``wait()`` waits (bounded like ``wait``) and returns its result."""
+
+    def __init__(self, work, out: torch.Tensor, timeout: Optional[timedelta], what: str,
+                 finish: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, sent: int = 0):
+        self.work, self.out, self.timeout, self.what, self.finish = work, out, timeout, what, finish
+        self.sent = sent  # bytes this rank sends to other ranks
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            wait(self.work, self.out, self.timeout, self.what)
+            self.work = None
+        return self.finish(self.out)
+
+
+def _start_all_to_all(x: torch.Tensor, group, timeout, what, finish=lambda t: t) -> Pending:
+    # x (N, ...): row j goes to rank j; the result (N, ...) has row i from rank i
+    rank, world = rank_world(group)
+    if x.shape[0] != world:
+        raise ValueError(f"{what}: all_to_all needs a leading dim of the group size {world}, got {tuple(x.shape)}")
+    if world == 1:
+        return Pending(None, x, timeout, what, finish)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    work = dist.all_to_all_single(out, x, group=group, async_op=True)
+    return Pending(work, out, timeout, what, finish, _nbytes(x) // world * (world - 1))
+
+
+def start_all_gather(x: torch.Tensor, group=None, timeout: Optional[timedelta] = None,
+                     what: str = "all_gather") -> Pending:
+    """Post an all-gather of ``x`` (same shape on every rank); ``wait()`` gives ``(N, *x.shape)``."""
     rank, world = rank_world(group)
     if world == 1:
-        return
-    mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
-    for r, theirs in enumerate(all_gather(mine, group, timeout, what)):
-        diff = [n for n, a, b in zip(names, mine.tolist(), theirs.tolist()) if a != b]
-        if diff:
-            raise ValueError(f"{what}: rank {r} disagrees with rank {rank} on {', '.join(diff)}; every rank of the "
-                             f"SP group must make the same call (same batch, sequence length, phase and tokens)")
+        return Pending(None, x.unsqueeze(0), timeout, what)
+    x = x.contiguous()
+    out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
+    work = dist.all_gather(list(out.unbind(0)), x, group=group, async_op=True)  # into views of one buffer
+    return Pending(work, out, timeout, what, sent=_nbytes(x) * (world - 1))
+
+
+def start_reduce_scatter(x: torch.Tensor, group=None, timeout: Optional[timedelta] = None,
+                         what: str = "reduce_scatter") -> Pending:
+    """Post a reduce-scatter of ``x`` ``(N, ...)``: ``wait()`` gives the sum over ranks of their
+    ``x[rank]``. Done as an all-to-all and a local sum (what gloo and NCCL all have; the same
+    bytes on the wire as a ring reduce-scatter)."""
+    return _start_all_to_all(x, group, timeout, what, finish=lambda t: t.sum(0))
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, timeout, what, *xs):
+        ctx.args = (group, timeout, what)
+        pending = [_start_all_to_all(x, group, timeout, what) for x in xs]
+        return tuple(p.wait() for p in pending)
+
+    @staticmethod
+    def backward(ctx, *grads):  # the adjoint of an all-to-all is the same all-to-all
+        pending = [_start_all_to_all(g.contiguous(), *ctx.args) for g in grads]
+        return (None, None, None, *(p.wait() for p in pending))
+
+
+def all_to_all(*xs: torch.Tensor, group=None, timeout: Optional[timedelta] = None,
+               what: str = "all_to_all") -> tuple:
+    """Exchange rows: row ``j`` of every ``x`` ``(N, ...)`` goes to rank ``j``; returns a tuple of
+    ``(N, ...)`` tensors whose row ``i`` came from rank ``i``. Differentiable (the backward is the
+    same exchange of the gradients, always all of them, so every rank communicates alike)."""
+    rank, world = rank_world(group)
+    if world == 1:
+        return xs
+    return _AllToAll.apply(group, timeout, what, *xs)

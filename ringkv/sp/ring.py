@@ -10,6 +10,7 @@ travel the ring with their K/V and arrive back at their owner after ``N`` hops.
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class RingStats:
     skipped: int = 0      # chunk pairs skipped because their mask is empty
     pairs: int = 0        # visible (query, key) pairs computed: the real work
     per_step: List[int] = field(default_factory=list)
+    bytes_sent: int = 0   # K/V bytes sent to the next rank: bytes per hop x (N - 1) hops
 
 
 last_stats = RingStats()
@@ -88,12 +90,18 @@ def plan(q_ranges: List[range], k_ranges: List[range], causal: bool) -> List[Tup
     return calls
 
 
-def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend) -> None:
-    """All ranks must call with the same shapes and settings: one tiny bounded all-gather."""
+def call_values(q, k, causal, layout, scale, backend) -> Tuple[List[str], List[int]]:
+    """Names and integer values of the shapes and settings every rank must agree on (for ``agree``)."""
     names = ["batch", "seq_local", "heads", "head_dim", "kv_heads", "dtype", "layout", "causal", "scale", "backend"]
     scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
     values = [*q.shape, k.shape[2], zlib.crc32(str(q.dtype).encode()), LAYOUTS.index(layout), int(causal),
               scale_bits, zlib.crc32(backend.encode())]
+    return names, values
+
+
+def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend) -> None:
+    """All ranks must call with the same shapes and settings: one tiny bounded all-gather."""
+    names, values = call_values(q, k, causal, layout, scale, backend)
     agree(values, names, comm.group, comm.timeout, "ring_attention", q.device)
 
 
@@ -117,7 +125,7 @@ def _forward(q, k, v, scale, causal, shards: Shards, comm: RingComm, backend):
     out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
     bufs = [torch.stack([k, v]), None]  # (2, B, S, Hkv, D): K and V travel as one message
     bufs[1] = torch.empty_like(bufs[0])
-    stats = RingStats(steps=n)
+    stats = RingStats(steps=n, bytes_sent=(n - 1) * bufs[0].numel() * bufs[0].element_size())
     for step in range(n):
         cur = bufs[step % 2]
         if step < n - 1:
@@ -217,6 +225,21 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     Returns:
         ``out`` ``(B, S_local, H, D)`` in ``q.dtype`` (and ``lse``). Differentiable w.r.t. q, k, v.
     """
+    comm = comm or RingComm(group, timeout)
+    scale = check_inputs(q, k, v, causal, layout, softmax_scale, backend, comm.world)
+    if check and comm.world > 1 and not isinstance(comm, LocalComm):
+        _check_across_ranks(comm, q, k, causal, layout, scale, backend)
+    shards = Shards.of_layout(q.shape[1] * comm.world, layout, comm.world)
+    out, lse = _run(q, k, v, scale, causal, shards, comm, backend)
+    return (out, lse) if return_lse else out
+
+
+def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, parts: int = 1) -> float:
+    """The checks every SP attention makes before it communicates; returns the softmax scale.
+
+    The sequence is split over ``world`` ranks in ``layout`` and each shard into ``parts``
+    equal pieces (USP's Ulysses parts), one per rank: ``q``/``k``/``v`` hold one piece.
+    """
     scale = kernels.validate(q, k, v, softmax_scale)
     check_layout(layout)
     if not isinstance(causal, bool):
@@ -224,17 +247,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"q and k/v must be shards of one sequence with the same local length, "
                          f"got {q.shape[1]} and {k.shape[1]}")
-    comm = comm or RingComm(group, timeout)
-    per_rank = granule(layout, comm.world) // comm.world
-    if q.shape[1] == 0 or q.shape[1] % per_rank:
-        raise ValueError(f"layout {layout!r} needs a positive local length divisible by {per_rank}, got "
-                         f"{q.shape[1]}; pad the global sequence to a multiple of {granule(layout, comm.world)}")
+    per_rank = granule(layout, world) // world
+    unit = per_rank // math.gcd(per_rank, parts)  # the local length times parts must divide by per_rank
+    if q.shape[1] == 0 or q.shape[1] % unit:
+        raise ValueError(f"layout {layout!r} needs a positive local length divisible by {unit}, got "
+                         f"{q.shape[1]}; pad the global sequence to a multiple of {granule(layout, world) * parts}")
     kernels.pick(backend, q, Mask(FULL))  # an unusable explicit backend fails here, on every rank
-    if check and comm.world > 1 and not isinstance(comm, LocalComm):
-        _check_across_ranks(comm, q, k, causal, layout, scale, backend)
-    shards = Shards.of_layout(q.shape[1] * comm.world, layout, comm.world)
-    out, lse = _run(q, k, v, scale, causal, shards, comm, backend)
-    return (out, lse) if return_lse else out
+    return scale
 
 
 def _run(q, k, v, scale, causal, shards, comm, backend):

@@ -1,0 +1,95 @@
+"""USP (2D sequence parallelism): Ulysses all-to-all inside a group, ring attention across groups.
+
+The ranks form a ``(ring, ulysses)`` mesh (``sp_groups``; Ulysses innermost, its all-to-alls
+are the most frequent). The global sequence is split over the R ring ranks in ``layout`` and
+each ring shard is cut contiguously into U parts, one per Ulysses rank (``layout.usp_chunks``;
+``ringkv.shard(x, dim, layout, ulysses_group=, ring_group=)`` gives this rank's part). The
+all-to-all in the Ulysses group hands every rank its ring shard's tokens (in local order) for
+``H/U`` heads; ``ring_attention`` runs on them over the ring group; the all-to-all back returns
+``out`` (and ``lse``) to sequence parts. Bytes per rank: the two all-to-alls plus the ring's.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import ring as ring_mod
+from .collectives import CommStats, agree, rank_world
+from .comm import RingComm
+from .ring import Shards, call_values, check_inputs
+from .ulysses import gather_heads, head_plan, scatter_heads
+
+__all__ = ["sp_groups", "usp_attention", "last_stats"]
+
+last_stats = CommStats("usp")
+_GROUPS: Dict[tuple, tuple] = {}
+
+
+def sp_groups(ulysses: int, ring: int) -> Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """``(ulysses_group, ring_group)`` of this rank in a ``(ring, ulysses)`` mesh over the default world.
+
+    Global rank ``= ring_rank * ulysses + ulysses_rank``: a Ulysses group is ``ulysses``
+    consecutive ranks. ``ulysses * ring`` must be the world size. Built once per
+    ``(ulysses, ring)`` with ``torch.distributed.device_mesh.init_device_mesh`` (a collective:
+    every rank calls it). Without a process group (one process): ``(None, None)``.
+    """
+    for name, n in (("ulysses", ulysses), ("ring", ring)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"sp_groups: {name} must be a positive int, got {n!r}")
+    rank, world = rank_world()
+    if ulysses * ring != world:
+        raise ValueError(f"sp_groups(ulysses={ulysses}, ring={ring}) needs ulysses * ring == the world size {world}, "
+                         f"got {ulysses * ring}")
+    if not dist.is_initialized():
+        return None, None
+    key = (id(dist.group.WORLD), ulysses, ring)
+    if key not in _GROUPS:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+        _GROUPS[key] = (mesh.get_group("ulysses"), mesh.get_group("ring"))
+    return _GROUPS[key]
+
+
+def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                  ulysses_group: Optional[dist.ProcessGroup], ring_group: Optional[dist.ProcessGroup],
+                  layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
+                  backend: str = "auto", timeout: Optional[timedelta] = None, check: bool = True):
+    """Exact attention over a sequence sharded on a ``(ring, ulysses)`` mesh (``sp_groups``).
+
+    Args:
+        q: ``(B, S_local, H, D)``, this rank's part (``ringkv.shard(..., ulysses_group=, ring_group=)``);
+            ``S = S_local * U * R``; ``H % U == 0``.
+        k, v: ``(B, S_local, Hkv, D)``; ``Hkv % U == 0`` (split) or ``U % Hkv == 0`` (replicated).
+        ulysses_group, ring_group: from ``ringkv.sp_groups(ulysses=U, ring=R)``.
+        causal, layout, softmax_scale, return_lse, backend, timeout, check: as in ``ring_attention``
+            (``layout`` is the ring's; ``check`` compares arguments over both groups).
+
+    Returns:
+        ``out`` ``(B, S_local, H, D)`` in ``q.dtype`` (and float32 ``lse`` ``(B, H, S_local)``).
+        Differentiable w.r.t. q, k, v.
+    """
+    if rank_world()[1] > 1 and (ulysses_group is None or ring_group is None):
+        raise ValueError("usp_attention needs ulysses_group and ring_group: build them with "
+                         "ringkv.sp_groups(ulysses=U, ring=R)")
+    (_, n_u), (_, n_r) = rank_world(ulysses_group), rank_world(ring_group)
+    scale = check_inputs(q, k, v, causal, layout, softmax_scale, backend, n_r, parts=n_u)
+    head_plan(q.shape[2], k.shape[2], n_u, "usp_attention")
+    if check and n_u * n_r > 1:
+        names, values = call_values(q, k, causal, layout, scale, backend)
+        agree(values + [n_u, n_r], names + ["ulysses_world", "ring_world"], [ulysses_group, ring_group], timeout,
+              "usp_attention", q.device)
+    # (B, S/R, H/U, D): this ring rank's shard, in local order, for H/U heads
+    qh, kh, vh, sent = scatter_heads(q, k, v, ulysses_group, timeout, "usp_attention")
+    shards = Shards.of_layout(q.shape[1] * n_u * n_r, layout, n_r)
+    out, lse = ring_mod._run(qh, kh, vh, scale, causal, shards, RingComm(ring_group, timeout), backend)
+    sent += ring_mod.last_stats.bytes_sent
+    out, lse, sent_back = gather_heads(out, lse if return_lse else None, ulysses_group, timeout, "usp_attention")
+    global last_stats
+    last_stats = CommStats("usp", sent + sent_back)
+    return (out, lse) if return_lse else out

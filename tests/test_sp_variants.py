@@ -1,0 +1,190 @@
+"""Ulysses, USP (Ulysses x ring) and all-gather-KV attention on a real gloo world against
+single-device attention (the reference and tolerances of tests/test_ring.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st
+
+import ringkv
+from tests.dist import RankError, World
+from tests.test_ring import _assert_close, _reference
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@st.composite
+def heads(draw, n):
+    """Query / KV heads a head split over ``n`` ranks accepts: KV heads split or replicated."""
+    hkv = draw(st.sampled_from([h for h in (1, 2, 3, 4) if h % n == 0 or n % h == 0]))
+    g = draw(st.integers(1, 2)) * (n // hkv if n % hkv == 0 else 1)  # H = hkv * g must divide by n
+    return hkv * g, hkv
+
+
+@st.composite
+def case(draw, method):
+    if method == "usp":
+        u, r = draw(st.sampled_from([(2, 2), (2, 2), (1, 4), (4, 1)]))
+        n, split, dims = u * r, u, (u, r)
+    else:
+        n = draw(st.integers(1, 4))
+        split, dims = (n if method == "ulysses" else 1), None
+    layout = draw(st.sampled_from(ringkv.LAYOUTS))
+    ring_n = dims[1] if dims else n
+    unit = 2 if layout == "zigzag" and (dims is None or dims[0] % 2) else 1  # local length granularity
+    h, hkv = draw(heads(split))
+    return dict(n=n, dims=dims, layout=layout, causal=draw(st.booleans()), b=draw(st.integers(1, 2)),
+                s=unit * draw(st.integers(1, 8 // unit)) * n, h=h, hkv=hkv, d=draw(st.sampled_from([16, 32])),
+                dtype=draw(st.sampled_from([torch.float32] * 3 + [torch.bfloat16])),
+                scale=draw(st.sampled_from([None, 0.3])), lse_grad=draw(st.booleans()),
+                chunks=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**16)), ring_n=ring_n)
+
+
+def _fixed(n, layout, h, hkv, dtype, dims=None, chunks=2, s=None):
+    """A case that always runs: causal, a gradient through lse, GQA."""
+    return dict(n=n, dims=dims, layout=layout, causal=True, b=2, s=s or 4 * n, h=h, hkv=hkv, d=16, dtype=dtype,
+                scale=None, lse_grad=True, chunks=chunks, seed=1, ring_n=dims[1] if dims else n)
+
+
+def _run_case(world, method, c):
+    split = c["dims"][0] if c["dims"] else (c["n"] if method == "ulysses" else 1)
+    event(f"world {c['dims'] or c['n']}, heads {c['h']}/{c['hkv']}, kv heads "
+          f"{'split' if c['hkv'] % split == 0 else 'replicated'}")
+    event(f"{c['dtype']}, causal={c['causal']}, lse grad={c['lse_grad']}")
+    g = torch.Generator().manual_seed(c["seed"])
+    b, s, h, hkv, d, dt = c["b"], c["s"], c["h"], c["hkv"], c["d"], c["dtype"]
+    q = torch.randn(b, s, h, d, generator=g).to(dt)
+    k, v = (torch.randn(b, s, hkv, d, generator=g).to(dt) for _ in range(2))
+    dout = torch.randn(b, s, h, d, generator=g)
+    dlse = torch.randn(b, h, s, generator=g) if c["lse_grad"] else None
+    want = _reference(q, k, v, dout, dlse, c["causal"], c["scale"])
+    kw = dict(chunks=c["chunks"]) if method == "allgather" else None
+    results = world.check("tests.variant_cases:forward_backward", c["n"], method, q, k, v, dout, dlse, c["causal"],
+                          c["layout"], c["scale"], c["dims"], kw)
+    seen = []
+    for rank, res in enumerate(results):
+        pos = res[5]
+        if c["dims"] is None:
+            assert torch.equal(pos, ringkv.positions(s, c["layout"], rank, c["n"]))
+        else:
+            u, r = c["dims"]
+            ring_rank, part = divmod(rank, u)  # the mesh puts Ulysses innermost
+            ring_shard = ringkv.positions(s, c["layout"], ring_rank, r)
+            assert torch.equal(pos, ring_shard[part * (s // (u * r)):(part + 1) * (s // (u * r))])
+        seen.append(pos)
+        for name, got, full, dim in zip(["out", "lse", "dq", "dk", "dv"], res[:5], want, [1, 2, 1, 1, 1]):
+            _assert_close(f"{method} {name}", got, full.index_select(dim, pos), dt, rank)
+        _assert_close(f"{method} unsharded out", res[6], want[0], dt, rank)
+    assert torch.equal(torch.cat(seen).sort().values, torch.arange(s))  # every token on exactly one rank
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(c=case("ulysses"))
+@example(c=_fixed(4, "zigzag", 4, 2, torch.bfloat16))  # KV heads replicated
+@example(c=_fixed(4, "striped", 8, 4, torch.float32))  # KV heads split
+def test_ulysses_matches_single_device(world, c):
+    _run_case(world, "ulysses", c)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(c=case("allgather"))
+@example(c=_fixed(3, "zigzag", 4, 2, torch.bfloat16, chunks=3))
+@example(c=_fixed(4, "contiguous", 6, 3, torch.float32, chunks=3, s=20))  # uneven chunks
+def test_allgather_matches_single_device(world, c):
+    _run_case(world, "allgather", c)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(c=case("usp"))
+@example(c=_fixed(4, "zigzag", 4, 1, torch.bfloat16, dims=(2, 2)))  # KV heads replicated
+@example(c=_fixed(4, "striped", 4, 2, torch.float32, dims=(2, 2)))  # KV heads split
+def test_usp_matches_single_device(world, c):
+    _run_case(world, "usp", c)
+
+
+@pytest.mark.parametrize("dims", [(2, 2), (1, 4), (4, 1)])
+@pytest.mark.parametrize("layout", ringkv.LAYOUTS)
+def test_2d_shard_unshard_round_trip(world, dims, layout):
+    x = torch.arange(2 * 16 * 16, dtype=torch.float32).reshape(2, 16, 16)
+    for dim in (1, 2):
+        res = world.check("tests.variant_cases:shard_roundtrip", 4, dims, x, layout, dim)
+        u, r = dims
+        for rank, (part, back, pos) in enumerate(res):
+            ring_rank, p = divmod(rank, u)
+            want = ringkv.positions(16, layout, ring_rank, r)[p * 16 // (u * r):(p + 1) * 16 // (u * r)]
+            assert torch.equal(pos, want)
+            assert torch.equal(part, x.index_select(dim, want))
+            assert torch.equal(back, x)
+
+
+def test_bytes_sent_per_method(world):
+    b, s, h, hkv, d, n = 1, 16, 8, 4, 8, 4
+    q, k, v = torch.randn(b, s, h, d), torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
+    f32, sl = 4, s // n
+    kv_local = 2 * b * sl * hkv * d * f32
+    for got in world.check("tests.variant_cases:bytes_sent", n, q, k, v):
+        assert got["ring"] == (n - 1) * kv_local
+        assert got["allgather"] == (n - 1) * kv_local
+        # q, K, V out and out back, each (N-1)/N of the local tensor
+        assert got["ulysses"] == (b * sl * (h + 2 * hkv) * d * f32 + b * sl * h * d * f32) * (n - 1) // n
+        # 2x2: all-to-alls over 2 Ulysses ranks, then a ring of 2 over S/2 tokens and H/2 heads, KV heads 1
+        a2a = (b * sl * (h + 2 * hkv) * d * f32 + b * sl * h * d * f32) // 2
+        assert got["usp"] == a2a + 2 * b * (2 * sl) * (hkv // 2) * d * f32
+
+
+# ---- bad input: a clear error on every rank, never a hang -------------------------------------
+
+def _all_raise(results, n, match, types=("ValueError",)):
+    errs = [r for r in results if isinstance(r, RankError)]
+    assert len(errs) == n and all(e.type in types and match in e.message for e in errs), results
+
+
+@pytest.mark.parametrize("method,n,kw,match", [
+    ("ulysses", 2, dict(q=(1, 4, 3, 16), k=(1, 4, 1, 16), v=(1, 4, 1, 16)), "valid world sizes for heads=3, "
+                                                                             "kv_heads=1: [1, 3]"),
+    ("ulysses", 4, dict(q=(1, 4, 12, 16), k=(1, 4, 3, 16), v=(1, 4, 3, 16)), "[1, 3, 6, 12]"),
+    ("usp", 4, dict(q=(1, 4, 6, 16), k=(1, 4, 3, 16), v=(1, 4, 3, 16), dims=(2, 2)), "usp_attention over 2 ranks"),
+    ("allgather", 3, dict(q=(1, 4, 2, 16), k=(1, 4, 2, 16), v=(1, 4, 2, 16), chunks=0), "chunks"),
+    ("usp", 4, dict(q=(1, 3, 2, 16), k=(1, 3, 2, 16), v=(1, 3, 2, 16), dims=(1, 4), layout="zigzag"),
+     "pad the global sequence to a multiple of 8"),
+])
+def test_bad_input_raises_on_every_rank(world, method, n, kw, match):
+    _all_raise(world.run("tests.variant_cases:call", n, method, kw), n, match)
+
+
+def test_sp_groups_needs_the_world_size(world):
+    _all_raise(world.run("tests.variant_cases:call", 4, "groups", dict(ulysses=3, ring=1)), 4,
+               "needs ulysses * ring == the world size 4")
+
+
+@pytest.mark.parametrize("method,n,rank1", [
+    ("ulysses", 2, dict(q=(1, 4, 4, 16))),
+    ("allgather", 3, dict(chunks=1)),
+    ("usp", 4, dict(q=(1, 4, 4, 16))),   # rank 1: the other Ulysses group must raise as well
+    ("usp", 4, dict(causal=True)),
+])
+def test_ranks_that_disagree_all_raise(world, method, n, rank1):
+    base = dict(q=(1, 4, 2, 16), k=(1, 4, 2, 16), v=(1, 4, 2, 16), layout="zigzag")
+    base.update(dict(dims=(2, 2)) if method == "usp" else {})
+    per_rank = [dict(base, **(rank1 if r == 1 else {})) for r in range(n)]
+    _all_raise(world.run("tests.variant_cases:call", n, method, per_rank, timeout=60), n, "disagree")
+
+
+def test_peer_that_never_calls_gives_timeout_not_hang():
+    """The all-to-all's wait is bounded: without the argument check, a silent peer still ends in
+    RingTimeoutError (a world of its own: the unmatched collective breaks the group)."""
+    w = World(2)
+    try:
+        t0 = time.time()
+        kw = dict(q=(1, 4, 2, 16), k=(1, 4, 2, 16), v=(1, 4, 2, 16), check=False)
+        res = w.run("tests.variant_cases:call", 2, "ulysses", [kw, dict(skip=True)], 2.0, timeout=60)
+        elapsed = time.time() - t0
+    finally:
+        w.close()
+    assert res[1] == "skipped"
+    assert isinstance(res[0], RankError) and res[0].type == "RingTimeoutError" and "ulysses_attention" in \
+        res[0].message, res
+    assert elapsed < 30

@@ -3,12 +3,23 @@
     torchrun --nproc-per-node 2 benchmarks/long_ctx.py --seq 131072          # CPU (gloo)
     torchrun --nproc-per-node 8 benchmarks/long_ctx.py --seq 1048576         # GPUs (NCCL)
     python benchmarks/long_ctx.py --virtual 8 --seq 65536                    # one device, 8 virtual ranks
+    torchrun --nproc-per-node 4 benchmarks/long_ctx.py --method ring,ulysses,usp,allgather \
+        --seq 16384 --heads 8 --kv-heads 8,2,1                              # the methods side by side
 
 For each layout x causal configuration it reports the median time per iteration, achieved
 TFLOP/s per rank (unmasked work only), parallel efficiency against a single worker running
 the same full-sequence attention (DESIGN.md: on CPU T(1 process, all cores) / T(ring); on GPUs
 T(1 GPU) / (N * T(ring))), the time of the same loop with communication replaced by local
 copies (overlap), bytes sent per rank per ring step, and peak memory per rank.
+
+``--method`` compares the sequence-parallel methods on the same inputs: ``ring``
+(``ring_attention``), ``ulysses`` (``ulysses_attention``), ``usp`` (``usp_attention`` on a
+``--ulysses U`` x ``N/U`` ring mesh) and ``allgather`` (``allgather_attention``). For each it
+reports the time, the efficiency, the time of its computation alone (``no-comm``: the ring with
+local copies for ring and all-gather, which compute the same blocks; the single-device attention
+of the gathered heads for Ulysses; the ring of the head shards for USP), their ratio
+(``overlap``: 1.0 means communication is hidden) and the bytes each rank sent in one forward.
+``--kv-heads 8,2,1`` repeats everything per KV head count: where each method wins as K/V shrink.
 """
 
 from __future__ import annotations
@@ -39,7 +50,12 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=131072, help="global sequence length (tokens)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=None, help="query heads (default: 1 on CPU, 32 on GPU)")
-    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: 1 on CPU, 8 on GPU)")
+    p.add_argument("--kv-heads", default=None,
+                   help="KV heads, or a comma list to sweep (default: 1 on CPU, 8 on GPU)")
+    p.add_argument("--method", default="ring", help="comma list of ring, ulysses, usp, allgather (or all)")
+    p.add_argument("--ulysses", type=int, default=None,
+                   help="USP's Ulysses degree (default: the largest U with U*U <= N dividing N)")
+    p.add_argument("--chunks", type=int, default=2, help="allgather_attention's K/V pieces")
     p.add_argument("--head-dim", type=int, default=None, help="default: 64 on CPU, 128 on GPU")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on GPU")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
@@ -143,15 +159,58 @@ def flops(pairs: int, args) -> float:
     return f * (3.5 if args.backward else 1.0)
 
 
-def run_ring(q, k, v, args, env, layout, causal, comm=None):
+METHODS = ("ring", "ulysses", "usp", "allgather")
+
+
+def attend(method, args, layout, causal, comm=None):
+    """``f(q, k, v) -> out``: one method's attention on this rank's shards."""
+    kw = dict(causal=causal, layout=layout, backend=args.backend)
+    if method == "ring":
+        return lambda q, k, v: ringkv.ring_attention(q, k, v, comm=comm, **kw)
+    if method == "ulysses":
+        return lambda q, k, v: ringkv.ulysses_attention(q, k, v, **kw)
+    if method == "usp":
+        ug, rg = ringkv.sp_groups(ulysses=args.ulysses, ring=dist.get_world_size() // args.ulysses)
+        return lambda q, k, v: ringkv.usp_attention(q, k, v, ulysses_group=ug, ring_group=rg, **kw)
+    return lambda q, k, v: ringkv.allgather_attention(q, k, v, chunks=args.chunks, **kw)
+
+
+def bytes_sent(method) -> int:
+    """Bytes this rank sent in the method's last forward."""
+    mod = {"ring": ring_mod, "ulysses": ringkv.sp.ulysses, "usp": ringkv.sp.usp, "allgather": ringkv.sp.allgather}
+    return mod[method].last_stats.bytes_sent
+
+
+def run(fn, q, k, v, args):
     def step():
         if args.backward:
-            out = ringkv.ring_attention(q, k, v, causal=causal, layout=layout, backend=args.backend, comm=comm)
+            out = fn(q, k, v)
             out.backward(torch.ones_like(out))
         else:
             with torch.no_grad():
-                ringkv.ring_attention(q, k, v, causal=causal, layout=layout, backend=args.backend, comm=comm)
+                fn(q, k, v)
     return step
+
+
+def run_ring(q, k, v, args, env, layout, causal, comm=None):
+    return run(attend("ring", args, layout, causal, comm), q, k, v, args)
+
+
+def compute_only(method, args, env, layout, causal):
+    """The step of ``method``'s computation without its communication (see the module docstring)."""
+    if method in ("ring", "allgather"):
+        q, k, v = local_shards(args, env, layout, env.rank)
+        return run_ring(q, k, v, args, env, layout, causal, comm=LocalComm(env.rank, env.world))
+    u = env.world if method == "ulysses" else args.ulysses
+    r = env.world // u
+    shape = (args.batch, args.seq // r, args.heads // u, args.head_dim)  # what one rank computes on
+    g = torch.Generator(device=env.device).manual_seed(env.rank)
+    hkv = max(1, args.kv_heads // u)
+    q, k, v = (torch.randn(*shape[:2], h, shape[3], generator=g, device=env.device).to(DTYPES[args.dtype])
+               .requires_grad_(args.backward) for h in (shape[2], hkv, hkv))
+    if method == "ulysses":
+        return run(lambda q, k, v: ringkv.attention(q, k, v, causal=causal, backend=args.backend)[0], q, k, v, args)
+    return run(attend("ring", args, layout, causal, LocalComm(env.rank // u, r)), q, k, v, args)
 
 
 def local_shards(args, env, layout, rank):
@@ -201,9 +260,9 @@ class _Solo:
         self.log = env.log
 
 
-def bench_config(args, env, layout, causal):
-    label = f"{layout:10s} {'causal' if causal else 'full  '}"
-    row = dict(layout=layout, causal=causal)
+def bench_config(args, env, method, layout, causal):
+    label = f"{method:9s} {layout:10s} {'causal' if causal else 'full  '}"
+    row = dict(method=method, layout=layout, causal=causal, kv_heads=args.kv_heads)
     if args.virtual:  # N virtual ranks in turn on one device: compute efficiency of the blocks
         shards = [local_shards(args, env, layout, r) for r in range(env.world)]
         steps = [run_ring(*s, args, env, layout, causal, comm=LocalComm(r, env.world)) for r, s in enumerate(shards)]
@@ -219,13 +278,15 @@ def bench_config(args, env, layout, causal):
         row["tflops_per_rank"] = flops(sum(pairs), args) / row["time_s"] / 1e12
     else:
         q, k, v = local_shards(args, env, layout, env.rank)
-        row["time_s"] = timed(run_ring(q, k, v, args, env, layout, causal), env, args.iters, args.warmup,
-                              label + " ring", args.quiet)
-        row["pairs_per_rank"] = int(env.max(ring_mod.last_stats.pairs))
+        row["time_s"] = timed(run(attend(method, args, layout, causal), q, k, v, args), env, args.iters,
+                              args.warmup, label, args.quiet)
+        visible = args.seq * (args.seq + 1) // 2 if causal else args.seq ** 2
+        row["pairs_per_rank"] = int(env.max(ring_mod.last_stats.pairs)) if method == "ring" else visible // env.world
         row["tflops_per_rank"] = flops(row["pairs_per_rank"], args) / row["time_s"] / 1e12
+        row["bytes_sent"] = int(env.max(bytes_sent(method)))
         if not args.no_overlap:
-            local = run_ring(q, k, v, args, env, layout, causal, comm=LocalComm(env.rank, env.world))
-            row["time_nocomm_s"] = timed(local, env, args.iters, args.warmup, label + " no comm", args.quiet)
+            row["time_nocomm_s"] = timed(compute_only(method, args, env, layout, causal), env, args.iters,
+                                         args.warmup, label + " no comm", args.quiet)
             row["overlap_ratio"] = row["time_s"] / row["time_nocomm_s"]
     elem = torch.finfo(DTYPES[args.dtype]).bits // 8
     row["bytes_per_step"] = 2 * args.batch * (args.seq // env.world) * args.kv_heads * args.head_dim * elem
@@ -233,19 +294,24 @@ def bench_config(args, env, layout, causal):
         row["bytes_per_step"] += 2 * args.batch * (args.seq // env.world) * args.kv_heads * args.head_dim * (elem + 4)
     row["peak_mem_bytes"] = int(env.max(peak_memory_bytes(env.device)))
     if args.check and not args.virtual:
-        row["check_max_err"] = check(args, env, layout, causal)
+        row["check_max_err"] = check(args, env, method, layout, causal)
     return row
 
 
-def check(args, env, layout, causal, rows=64):
-    """Max |ring - reference| over sampled query rows of this rank. The reference (chunked over
+def check(args, env, method, layout, causal, rows=64):
+    """Max |method - reference| over sampled query rows of this rank. The reference (chunked over
     keys) needs all K/V: they are all-gathered here, for --check only."""
     q, k, v = local_shards(args, env, layout, env.rank)
-    pos = ringkv.positions(args.seq, layout, env.rank, env.world, device=env.device)
+    groups = {}
+    if method == "usp":
+        groups = dict(zip(("ulysses_group", "ring_group"),
+                          ringkv.sp_groups(ulysses=args.ulysses, ring=env.world // args.ulysses)))
+    where = groups or dict(rank=env.rank, world=env.world)
+    pos = ringkv.positions(args.seq, layout, device=env.device, **where)
     pick = torch.randperm(pos.numel(), generator=torch.Generator().manual_seed(1))[:rows].to(env.device)
     with torch.no_grad():
-        out = ringkv.ring_attention(q, k, v, causal=causal, layout=layout, backend=args.backend)
-        k_all, v_all = (ringkv.unshard(t, 1, layout) for t in (k, v))  # (B, S, Hkv, D), global order
+        out = attend(method, args, layout, causal)(q, k, v)
+        k_all, v_all = (ringkv.unshard(t, 1, layout, **groups) for t in (k, v))  # (B, S, Hkv, D), global order
         ref, _ = ringkv.attention(q[:, pick].float(), k_all.float(), v_all.float(), causal=causal,
                                   q_positions=pos[pick], k_positions=range(args.seq), backend="reference")
     err = (out[:, pick].float() - ref).abs().max().item()
@@ -264,55 +330,70 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     env = Env(args.virtual)
     gpu = env.device.type == "cuda"
-    defaults = dict(heads=32 if gpu else 1, kv_heads=8 if gpu else 1, head_dim=128 if gpu else 64,
-                    dtype="bf16" if gpu else "fp32", iters=10 if gpu else 2, warmup=3 if gpu else 0,
-                    layout="all" if gpu else "zigzag",
-                    baseline_max_seq=262144 if gpu else 131072)
+    methods = list(METHODS) if args.method == "all" else args.method.split(",")
+    head_split = any(m in ("ulysses", "usp") for m in methods)
+    defaults = dict(heads=(env.world if head_split else 1) if not gpu else 32, kv_heads="8" if gpu else "1",
+                    head_dim=128 if gpu else 64, dtype="bf16" if gpu else "fp32", iters=10 if gpu else 2,
+                    warmup=3 if gpu else 0, layout="all" if gpu else "zigzag",
+                    baseline_max_seq=262144 if gpu else 131072,
+                    ulysses=max(u for u in range(1, env.world + 1) if env.world % u == 0 and u * u <= env.world))
     for key, val in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, val)
+    kv_list = [int(x) for x in str(args.kv_heads).split(",")]
+    args.kv_heads = kv_list[0]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or (args.virtual and methods != ["ring"]):
+        raise SystemExit(f"--method: choose from {METHODS} (--virtual runs the ring only), got {args.method}")
     layouts = list(ringkv.LAYOUTS) if args.layout == "all" else [args.layout]
     causals = ([True, False] if gpu else [True]) if args.causal is None else [args.causal]
     ringkv.sp.layout.check_seq_len(args.seq, "zigzag" if "zigzag" in layouts else layouts[0], env.world)
     env.log(f"ringkv long-context benchmark: {env.world} {'virtual ' if args.virtual else ''}rank(s) on "
             f"{env.device.type} ({'NCCL' if gpu and env.distributed else 'gloo' if env.distributed else 'no comm'}), "
             f"{env.threads} thread(s)/rank; seq={args.seq} batch={args.batch} heads={args.heads} "
-            f"kv_heads={args.kv_heads} head_dim={args.head_dim} {args.dtype}"
-            f"{' fwd+bwd' if args.backward else ' fwd'} backend={args.backend}")
+            f"kv_heads={','.join(map(str, kv_list))} head_dim={args.head_dim} {args.dtype}"
+            f"{' fwd+bwd' if args.backward else ' fwd'} backend={args.backend} methods={','.join(methods)}"
+            f"{f' (usp: ulysses {args.ulysses} x ring {env.world // args.ulysses})' if 'usp' in methods else ''}")
     if not gpu:
         env.log("  (CPU defaults: 1 head of dim 64, zigzag, causal, 2 iterations, so 128K tokens finish in a few "
                 "minutes; --heads, --layout all, --no-causal, --iters change that)")
     rows = []
     baselines = {}
-    for causal in causals:
-        if not args.no_baseline:
-            baselines[causal] = baseline(args, env, causal)
-        for layout in layouts:
-            row = bench_config(args, env, layout, causal)
-            if causal in baselines and baselines[causal][0] > 0:
-                t1, how = baselines[causal]
-                row["baseline_s"], row["baseline"] = t1, how
-                ring_workers = 1 if env.device.type == "cpu" else env.world
-                t_ring = row["time_s"]
-                row["efficiency"] = t1 / (ring_workers * t_ring)
-            rows.append(row)
+    for kv in kv_list:
+        args.kv_heads = kv
+        for causal in causals:
+            if not args.no_baseline:
+                baselines[kv, causal] = baseline(args, env, causal)
+            for method in methods:
+                for layout in layouts:
+                    row = bench_config(args, env, method, layout, causal)
+                    if (kv, causal) in baselines and baselines[kv, causal][0] > 0:
+                        t1, how = baselines[kv, causal]
+                        row["baseline_s"], row["baseline"] = t1, how
+                        workers = 1 if env.device.type == "cpu" else env.world
+                        row["efficiency"] = t1 / (workers * row["time_s"])
+                    rows.append(row)
     env.log("")
-    header = f"{'layout':10s} {'mask':6s} {'time/it':>9s} {'TFLOP/s/rank':>12s} {'efficiency':>10s} " \
-             f"{'no-comm':>9s} {'overlap':>8s} {'sent/step':>10s} {'peak mem':>10s} {'check':>8s}"
+    header = f"{'method':9s} {'kv':>3s} {'layout':10s} {'mask':6s} {'time/it':>9s} {'TFLOP/s/rank':>12s} " \
+             f"{'efficiency':>10s} {'no-comm':>9s} {'overlap':>8s} {'sent/fwd':>10s} {'peak mem':>10s} {'check':>8s}"
     env.log(header)
     env.log("-" * len(header))
     for r in rows:
-        env.log(f"{r['layout']:10s} {'causal' if r['causal'] else 'full':6s} {r['time_s']:8.3f}s "
+        env.log(f"{r['method']:9s} {r['kv_heads']:3d} {r['layout']:10s} {'causal' if r['causal'] else 'full':6s} "
+                f"{r['time_s']:8.3f}s "
                 f"{r['tflops_per_rank']:12.4f} {r.get('efficiency', float('nan')):10.3f} "
                 f"{r.get('time_nocomm_s', float('nan')):8.3f}s {r.get('overlap_ratio', float('nan')):8.3f} "
-                f"{fmt_bytes(r['bytes_per_step']):>10s} {fmt_bytes(r['peak_mem_bytes']):>10s} "
+                f"{fmt_bytes(r.get('bytes_sent', r['bytes_per_step'] * (env.world - 1))):>10s} "
+                f"{fmt_bytes(r['peak_mem_bytes']):>10s} "
                 f"{r['check_max_err'] if 'check_max_err' in r else float('nan'):8.1e}")
-    for causal, (t1, how) in baselines.items():
-        env.log(f"baseline ({'causal' if causal else 'full'}): single worker, whole sequence: {t1:.3f}s ({how}); "
+    for (kv, causal), (t1, how) in baselines.items():
+        env.log(f"baseline (kv_heads {kv}, {'causal' if causal else 'full'}): single worker, whole sequence: "
+                f"{t1:.3f}s ({how}); "
                 f"efficiency = T_single / ({'N x ' if gpu else ''}T_ring)")
     failed = [r for r in rows if r.get("check_max_err", 0) > (2e-3 if args.dtype == "fp32" else 5e-2)]
     if args.check:
-        env.log("check: " + ("FAILED " + str([(r["layout"], r["causal"]) for r in failed]) if failed else "passed"))
+        env.log("check: " + ("FAILED " + str([(r["method"], r["layout"], r["causal"]) for r in failed]) if failed
+                             else "passed"))
     result = dict(args=vars(args), rows=rows, environment=dict(
         torch=torch.__version__, ringkv=ringkv.__version__, python=platform.python_version(),
         device=torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine(),
@@ -337,11 +418,11 @@ def plot(rows, path, environment):
     except ImportError:
         print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return
-    labels = [f"{r['layout']}\n{'causal' if r['causal'] else 'full'}" for r in rows]
+    labels = [f"{r['method']} kv{r['kv_heads']}\n{r['layout']} {'causal' if r['causal'] else 'full'}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
-    ax.bar([i - 0.27 for i in x], [r["time_s"] for r in rows], 0.27, label="ring")
-    ax.bar(list(x), [r.get("time_nocomm_s", 0) for r in rows], 0.27, label="ring, no communication")
+    ax.bar([i - 0.27 for i in x], [r["time_s"] for r in rows], 0.27, label="method")
+    ax.bar(list(x), [r.get("time_nocomm_s", 0) for r in rows], 0.27, label="its computation alone")
     ax.bar([i + 0.27 for i in x], [r.get("baseline_s", 0) for r in rows], 0.27, label="single worker")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("seconds per iteration")

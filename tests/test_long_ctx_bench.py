@@ -47,3 +47,27 @@ def test_virtual_ranks_single_process(tmp_path):
     # every rank does the same work and the ranks together cover all 256*257/2 visible pairs
     assert row["pairs_per_rank"] == 64 * 65 // 2 + 3 * 2 * 32 * 32 == 256 * 257 // 2 // 4
     assert row["efficiency"] > 0
+
+
+@pytest.mark.slow
+def test_methods_side_by_side_under_torchrun(tmp_path):
+    """--method all: every method on the same inputs, checked against the reference, per KV head count."""
+    out = tmp_path / "m.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "benchmarks", "long_ctx.py"), "--method", "all", "--seq", "512", "--heads", "4",
+           "--kv-heads", "2,1", "--head-dim", "16", "--iters", "1", "--warmup", "0", "--backward", "--check",
+           "--quiet", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check: passed" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["kv_heads"]) for r in rows] == [(m, kv) for kv in (2, 1)
+                                                             for m in ("ring", "ulysses", "usp", "allgather")]
+    for r in rows:
+        assert r["check_max_err"] < 1e-4 and r["time_s"] > 0 and r["time_nocomm_s"] > 0 and r["efficiency"] > 0
+        kv_bytes = 2 * 256 * r["kv_heads"] * 16 * 4  # K and V of one rank's 256 tokens, fp32
+        if r["method"] in ("ring", "allgather", "usp"):  # one other rank gets this rank's K/V once (usp: 1 x 2)
+            assert r["bytes_sent"] == kv_bytes
+        else:  # 2 ranks: half of this rank's q (4 heads), K/V heads and out go to the other rank
+            kv_sent = kv_bytes // 2 if r["kv_heads"] == 2 else kv_bytes  # 1 KV head: replicated to both
+            assert r["bytes_sent"] == 256 * 2 * 16 * 4 * 2 + kv_sent

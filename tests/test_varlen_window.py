@@ -192,7 +192,8 @@ def varlen_case(draw):
                 window=draw(st.sampled_from([(-1, -1)] * 3 + [(0, -1), (2, -1), (1, 2), (4, 0)])),
                 as_tensor=draw(st.booleans()), hkv=hkv, h=hkv * draw(st.sampled_from([1, 2])),
                 d=draw(st.sampled_from([16, 32])), dtype=draw(st.sampled_from([torch.float32] * 3 + [torch.bfloat16])),
-                scale=draw(st.sampled_from([None, 0.3])), lse_grad=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+                scale=draw(st.sampled_from([None, 0.3])), lse_grad=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**16)))
 
 
 def _per_document_reference(q, k, v, dout, dlse, cu, causal, scale, window):

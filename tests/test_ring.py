@@ -30,9 +30,9 @@ def ring_case(draw):
                 seed=draw(st.integers(0, 2**16)))
 
 
-def _reference(q, k, v, dout, dlse, causal, scale):
+def _reference(q, k, v, dout, dlse, causal, scale, window=(-1, -1)):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = attention(q, k, v, causal=causal, scale=scale, backend="reference")
+    out, lse = attention(q, k, v, causal=causal, scale=scale, window=window, backend="reference")
     loss = (out.float() * dout).sum()
     if dlse is not None:
         loss = loss + (lse.nan_to_num(0, 0, 0) * dlse).sum()

@@ -1,12 +1,13 @@
 """Single-device attention kernels with LSE behind one signature (no communication here).
 
-    out, lse = attention(q, k, v, scale=None, causal=False,
-                         q_positions=None, k_positions=None, backend="auto")
+    out, lse = attention(q, k, v, scale=None, causal=False, q_positions=None,
+                         k_positions=None, window=(-1, -1), backend="auto")
 
 - ``q`` ``(B, Sq, H, D)``, ``k``/``v`` ``(B, Sk, Hkv, D)`` with ``H % Hkv == 0`` (GQA/MQA);
 - ``out`` ``(B, Sq, H, D)`` in ``q.dtype``; ``lse`` float32 natural-log ``(B, H, Sq)``;
-- causal means ``q_pos >= k_pos`` on global positions (see ``mask.py``); rows that see no
-  key give ``out = 0`` and ``lse = -inf``.
+- causal means ``q_pos >= k_pos`` on global positions (see ``mask.py``); ``window=(left,
+  right)`` keeps ``q_pos - left <= k_pos <= q_pos + right`` (``-1``: unbounded; flash-attn's
+  convention); rows that see no key give ``out = 0`` and ``lse = -inf``.
 
 Backends: ``reference`` (the oracle), ``sdpa`` (torch's fused ops), ``flash_attn`` (when
 installed), ``triton`` (when importable on the device). ``"auto"`` takes the first backend
@@ -23,7 +24,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import flash_attn, reference, sdpa
-from .mask import EMPTY, Mask, Positions, check_positions, make_mask
+from .mask import BAND, EMPTY, NO_WINDOW, OFFSET, Mask, Positions, check_positions, check_window, make_mask
 
 BACKENDS: Dict[str, object] = {"reference": reference, "sdpa": sdpa, "flash_attn": flash_attn}
 PREFERENCE = {"cuda": ["flash_attn", "triton", "sdpa", "reference"], "cpu": ["sdpa", "reference"]}
@@ -113,12 +114,15 @@ def _probe(name: str, q: torch.Tensor) -> bool:
     if key not in _verified:
         g = torch.Generator(device="cpu").manual_seed(0)
         x = [torch.randn(2, 77, s, 64, generator=g).to(q.device, q.dtype) for s in (4, 2, 2)]
-        mask = Mask("offset", offset=-5)
+        ok = True
         try:
-            out, lse = BACKENDS[name].forward(*x, 0.125, mask)
-            ref_out, ref_lse = reference.forward(*x, 0.125, mask)
-            ok = torch.allclose(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2) and \
-                torch.allclose(lse, ref_lse, atol=2e-2, rtol=0)  # equal infinities count as close
+            for mask in (Mask(OFFSET, offset=-5), Mask(BAND, offset=3, lo=-20)):  # each kind it claims
+                if not BACKENDS[name].supports(q, mask):
+                    continue
+                out, lse = BACKENDS[name].forward(*x, 0.125, mask)
+                ref_out, ref_lse = reference.forward(*x, 0.125, mask)
+                ok = ok and torch.allclose(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2) and \
+                    torch.allclose(lse, ref_lse, atol=2e-2, rtol=0)  # equal infinities count as close
         except Exception as e:  # a broken install must not break "auto"
             warnings.warn(f"ringkv: backend {name!r} failed its self-check on {q.device.type}: {e}")
             ok = False
@@ -180,20 +184,26 @@ class _Attention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
+def _mask(q, k, causal, q_positions, k_positions, window) -> Mask:
+    _check_causal(causal)
+    window = check_window(window)
+    check_positions("q_positions", q_positions, q.shape[1])
+    check_positions("k_positions", k_positions, k.shape[1])
+    return make_mask(causal, q_positions, k_positions, q.shape[1], k.shape[1], q.device, window)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
               causal: bool = False, q_positions: Positions = None, k_positions: Positions = None,
-              backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+              window: Tuple[int, int] = NO_WINDOW, backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q (B, Sq, H, D)`` over ``k, v (B, Sk, Hkv, D)``: ``(out, lse)``.
 
     Positions are global token positions (``None``, a ``range`` or a 1-D int tensor) used only
-    when ``causal``; see ``ringkv.kernels.mask``. Differentiable w.r.t. q, k, v (through
-    ``out`` and ``lse``).
+    when ``causal`` or with a ``window`` ``(left, right)`` (key visible iff ``q_pos - left <=
+    k_pos <= q_pos + right``, ``-1`` unbounded); see ``ringkv.kernels.mask``. Differentiable
+    w.r.t. q, k, v (through ``out`` and ``lse``).
     """
     scale = validate(q, k, v, scale)
-    _check_causal(causal)
-    check_positions("q_positions", q_positions, q.shape[1])
-    check_positions("k_positions", k_positions, k.shape[1])
-    mask = make_mask(causal, q_positions, k_positions, q.shape[1], k.shape[1], q.device)
+    mask = _mask(q, k, causal, q_positions, k_positions, window)
     pick(backend, q, mask)  # fail early on an unusable explicit backend
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, scale, mask, backend)
@@ -202,14 +212,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
 
 def attention_backward(dout, q, k, v, out, lse, *, scale: Optional[float] = None, causal: bool = False,
                        q_positions: Positions = None, k_positions: Positions = None, dlse=None,
-                       backend: str = "auto"):
+                       window: Tuple[int, int] = NO_WINDOW, backend: str = "auto"):
     """dq, dk, dv (in the inputs' dtypes) of ``attention`` given ``dout`` (and ``dlse``)."""
     scale = validate(q, k, v, scale)
     _check_grad_inputs(q, v, dout, out, lse, dlse)
-    _check_causal(causal)
-    check_positions("q_positions", q_positions, q.shape[1])
-    check_positions("k_positions", k_positions, k.shape[1])
-    mask = make_mask(causal, q_positions, k_positions, q.shape[1], k.shape[1], q.device)
+    mask = _mask(q, k, causal, q_positions, k_positions, window)
     dq, dk, dv = block_backward(dout, q, k, v, out, lse, scale=scale, mask=mask, dlse=dlse, backend=backend)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

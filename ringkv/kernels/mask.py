@@ -1,8 +1,10 @@
-"""Causal masks on global positions, reduced to what a kernel can execute fast.
+"""Causal and sliding-window masks on global positions, reduced to what a kernel executes fast.
 
-A causal mask is ``q_pos >= k_pos`` on *global* token positions. Positions are given as
-``None`` (the default alignment), a ``range`` (an arithmetic progression: contiguous chunks,
-zigzag chunks and striped shards all are one) or a 1-D integer tensor (anything else).
+A causal mask is ``q_pos >= k_pos`` on *global* token positions. A sliding window
+``window=(left, right)`` (flash-attn's convention, ``-1`` = unbounded) keeps key ``j`` visible to
+query ``i`` iff ``q_pos - left <= k_pos <= q_pos + right``; causal sets ``right = 0``.
+Positions are given as ``None`` (the default alignment), a ``range`` (an arithmetic progression:
+contiguous chunks, zigzag chunks and striped shards all are one) or a 1-D integer tensor.
 
 ``make_mask`` turns them into a :class:`Mask`:
 
@@ -10,29 +12,33 @@ zigzag chunks and striped shards all are one) or a 1-D integer tensor (anything 
 - ``EMPTY``:  no query sees any key (the block is skipped: ``out = 0``, ``lse = -inf``);
 - ``OFFSET``: key ``j`` is visible to query ``i`` iff ``j <= i + offset`` (an offset
   diagonal; ``offset = 0`` with ``Sq == Sk`` is the usual top-left causal mask);
+- ``BAND``:   key ``j`` is visible to query ``i`` iff ``i + lo <= j <= i + offset`` (a window);
 - ``DENSE``:  an explicit boolean ``(Sq, Sk)`` matrix, for position vectors with no structure.
 
-Two ranges with the same step ``s`` always give ``FULL``, ``EMPTY`` or ``OFFSET``:
-``a + i*s >= b + j*s  <=>  j <= i + floor((a - b) / s)``.
+Two ranges with the same step ``s`` always give ``FULL``, ``EMPTY``, ``OFFSET`` or ``BAND``:
+``a + i*s <= b + j*s + r  <=>  j >= i + ceil((a - b - r) / s)`` (and likewise for the other bound),
+so whole blocks outside a window classify as ``EMPTY`` by arithmetic alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
 Positions = Union[None, range, torch.Tensor]
 
-FULL, EMPTY, OFFSET, DENSE = "full", "empty", "offset", "dense"
+FULL, EMPTY, OFFSET, BAND, DENSE = "full", "empty", "offset", "band", "dense"
+NO_WINDOW = (-1, -1)
 
 
 @dataclass(frozen=True)
 class Mask:
     kind: str
-    offset: int = 0
+    offset: int = 0  # OFFSET and BAND: the highest visible diagonal, j <= i + offset
     dense: Optional[torch.Tensor] = None  # bool (Sq, Sk) when kind == DENSE
+    lo: int = 0  # BAND: the lowest visible diagonal, j >= i + lo
 
     def visible(self, sq: int, sk: int, device=None) -> torch.Tensor:
         """Bool ``(Sq, Sk)`` matrix of visible pairs (for references and tests)."""
@@ -42,7 +48,19 @@ class Mask:
             return torch.full((sq, sk), self.kind == FULL, dtype=torch.bool, device=device)
         i = torch.arange(sq, device=device)[:, None]
         j = torch.arange(sk, device=device)[None, :]
+        if self.kind == BAND:
+            return (j <= i + self.offset) & (j >= i + self.lo)
         return j <= i + self.offset
+
+    def pairs(self, sq: int, sk: int) -> int:
+        """How many (query, key) pairs of an ``(Sq, Sk)`` block are visible."""
+        if self.kind in (FULL, EMPTY):
+            return sq * sk if self.kind == FULL else 0
+        if self.kind == DENSE:
+            return int(self.dense.sum())
+        i = torch.arange(sq)
+        lo = (i + self.lo).clamp(min=0) if self.kind == BAND else torch.zeros_like(i)
+        return int(((i + self.offset + 1).clamp(max=sk) - lo).clamp(min=0).sum())
 
     def block(self, q0: int, q1: int, k0: int, k1: int) -> "Mask":
         """The mask of the sub-block ``q[q0:q1]`` x ``k[k0:k1]``."""
@@ -50,17 +68,23 @@ class Mask:
             return self
         if self.kind == DENSE:
             return _classify_dense(self.dense[q0:q1, k0:k1])
-        return _classify_offset(self.offset + q0 - k0, q1 - q0, k1 - k0)
+        lo = self.lo + q0 - k0 if self.kind == BAND else None
+        return _classify_band(lo, self.offset + q0 - k0, q1 - q0, k1 - k0)
 
 
-def _classify_offset(offset: int, sq: int, sk: int) -> Mask:
-    if sq == 0 or sk == 0:
+def _classify_band(lo: Optional[int], hi: Optional[int], sq: int, sk: int) -> Mask:
+    """The mask ``i + lo <= j <= i + hi`` of an ``(Sq, Sk)`` block (``None``: unbounded side)."""
+    if hi is not None and hi >= sk - 1:
+        hi = None  # every row sees up to the last key
+    if lo is not None and lo <= -(sq - 1):
+        lo = None  # every row sees down to the first key
+    first = 0 if hi is None else max(0, -hi)  # rows [first, last] see at least one key
+    last = sq - 1 if lo is None else min(sq - 1, sk - 1 - lo)
+    if sq == 0 or sk == 0 or first > last or (lo is not None and hi is not None and lo > hi):
         return Mask(EMPTY)
-    if offset >= sk - 1:
-        return Mask(FULL)
-    if offset + sq - 1 < 0:
-        return Mask(EMPTY)
-    return Mask(OFFSET, offset=offset)
+    if lo is None:
+        return Mask(FULL) if hi is None else Mask(OFFSET, offset=hi)
+    return Mask(BAND, offset=sk - 1 if hi is None else hi, lo=lo)
 
 
 def _classify_dense(dense: torch.Tensor) -> Mask:
@@ -75,6 +99,16 @@ def _as_tensor(pos: Positions, n: int, device) -> torch.Tensor:
     if isinstance(pos, range):
         return torch.arange(pos.start, pos.stop, pos.step, device=device)
     return pos.to(device=device, dtype=torch.long)
+
+
+def check_window(window) -> Tuple[int, int]:
+    """``window`` as ``(left, right)`` ints ``>= -1`` (``-1`` = unbounded), or a clear error."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or \
+            not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
+        raise TypeError(f"window must be a tuple of two ints (left, right), -1 = unbounded, got {window!r}")
+    if min(window) < -1:
+        raise ValueError(f"window sizes must be >= 0, or -1 for unbounded, got {tuple(window)}")
+    return int(window[0]), int(window[1])
 
 
 def check_positions(name: str, pos: Positions, n: int) -> None:
@@ -97,13 +131,17 @@ def check_positions(name: str, pos: Positions, n: int) -> None:
 
 
 def make_mask(causal: bool, q_positions: Positions, k_positions: Positions,
-              sq: int, sk: int, device=None) -> Mask:
-    """Reduce ``causal`` + global positions to a :class:`Mask` for a ``(Sq, Sk)`` block.
+              sq: int, sk: int, device=None, window: Tuple[int, int] = NO_WINDOW) -> Mask:
+    """Reduce ``causal`` + ``window`` + global positions to a :class:`Mask` for a ``(Sq, Sk)`` block.
 
     With ``None`` positions, keys sit at ``0..Sk-1`` and queries are aligned to the end of
     the keys (``Sk - Sq + i``), as in flash-attn: a query block that continues a cache.
+    ``window = (left, right)``: ``q_pos - left <= k_pos <= q_pos + right``, ``-1`` unbounded.
     """
-    if not causal:
+    left, right = window
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
         return Mask(EMPTY) if sq == 0 or sk == 0 else Mask(FULL)
     if q_positions is None:
         q_positions = range(sk - sq, sk)
@@ -114,10 +152,18 @@ def make_mask(causal: bool, q_positions: Positions, k_positions: Positions,
         step = q_positions.step if sq > 1 else k_positions.step
         if sq <= 1 and sk <= 1:
             step = 1
-        return _classify_offset((q_positions.start - k_positions.start) // step, sq, sk)
+        gap = q_positions.start - k_positions.start
+        return _classify_band(None if left < 0 else -((left - gap) // step),  # ceil((gap - left) / step)
+                              None if right < 0 else (gap + right) // step, sq, sk)
     qp = _as_tensor(q_positions, sq, device)
     kp = _as_tensor(k_positions, sk, device)
-    return _classify_dense(qp[:, None] >= kp[None, :])
+    dist = qp[:, None] - kp[None, :]  # (Sq, Sk): q_pos - k_pos
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= dist >= -right
+    if left >= 0:
+        visible &= dist <= left
+    return _classify_dense(visible)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ and a multiple of 8.
 
 The fused ops only know "no mask" and "causal"; ``mask.offset_tiles`` rewrites any offset
 diagonal (a ring step's mask) as full tiles plus one *square* causal tile, on which every
-causal convention agrees, and the tiles' partials are merged by LSE. Dense masks run as an
-additive mask on CPU. GQA: K/V heads are repeated locally (never before communication).
+causal convention agrees, and the tiles' partials are merged by LSE. Dense masks and
+sliding-window bands run as an additive mask on CPU (not on CUDA). GQA: K/V heads are
+repeated locally (never before communication).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..sp.merge import empty_partial, merge_
-from .mask import DENSE, EMPTY, FULL, Mask, offset_tiles
+from .mask import BAND, DENSE, EMPTY, FULL, Mask, offset_tiles
 
 
 def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
@@ -25,7 +26,7 @@ def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
         return True
     if q.device.type == "cuda":
         return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-                and q.shape[-1] % 8 == 0 and mask.kind != DENSE)
+                and q.shape[-1] % 8 == 0 and mask.kind not in (DENSE, BAND))
     return False
 
 
@@ -74,8 +75,14 @@ def _additive(mask: Mask, dtype) -> torch.Tensor:
         ~mask.dense, float("-inf"))
 
 
+def _as_dense(mask: Mask, sq: int, sk: int, device) -> Mask:
+    # a window band runs as an explicit boolean mask (CPU only, see supports)
+    return Mask(DENSE, dense=mask.visible(sq, sk, device)) if mask.kind == BAND else mask
+
+
 def forward(q, k, v, scale: float, mask: Mask):
     """Same contract as ``reference.forward``."""
+    mask = _as_dense(mask, q.shape[1], k.shape[1], q.device)
     if mask.kind == FULL:
         return _fused(q, k, v, scale, False)
     if mask.kind == DENSE:
@@ -94,6 +101,7 @@ def forward(q, k, v, scale: float, mask: Mask):
 def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
     """Same contract as ``reference.backward`` (without ``dlse``: the registry routes that)."""
     assert dlse is None and mask.kind != EMPTY
+    mask = _as_dense(mask, q.shape[1], k.shape[1], q.device)
     if mask.kind == FULL:
         return _fused_backward(dout, q, k, v, out, lse, scale, False)
     if mask.kind == DENSE:

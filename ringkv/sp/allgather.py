@@ -25,6 +25,7 @@ from .collectives import CommStats, agree, rank_world, start_all_gather, start_r
 from .layout import chunks as layout_chunks
 from .layout import cut
 from .merge import empty_partial, merge_
+from ..kernels.mask import NO_WINDOW, check_window
 from .ring import call_values, check_inputs, plan
 
 __all__ = ["allgather_attention", "last_stats"]
@@ -35,7 +36,8 @@ last_stats = CommStats("allgather")
 class _Plan:
     """Who holds what: this rank's query ranges and every rank's K/V chunk ranges."""
 
-    def __init__(self, s_local: int, layout: str, rank: int, world: int, n_chunks: int):
+    def __init__(self, s_local: int, layout: str, rank: int, world: int, n_chunks: int, window=NO_WINDOW):
+        self.window = window
         self.rank, self.world = rank, world
         ranges = [layout_chunks(s_local * world, layout, r, world) for r in range(world)]
         self.q = list(ranges[rank])
@@ -70,7 +72,7 @@ def _forward(q, k, v, scale, causal, p: _Plan, group, timeout, backend):
         if c + 1 < len(p.k):  # post the next gather before computing this chunk
             pending = _gather(kv, p, c + 1, group, timeout)
         for src, blk in _blocks(kv, p, c, current):
-            for qs, ks, mask in plan(p.q, p.k[c][src], causal):
+            for qs, ks, mask in plan(p.q, p.k[c][src], causal, p.window):
                 o, l = kernels.block_forward(q[:, qs], blk[0][:, ks], blk[1][:, ks], scale=scale, mask=mask,
                                              backend=backend)
                 merge_(out[:, qs], lse[:, :, qs], o, l)
@@ -90,7 +92,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, p: _Plan, group, tim
         own = kv[:, :, p.rows(c)]
         dkv = torch.zeros((p.world, *own.shape), dtype=torch.float32, device=q.device)  # every rank's chunk c
         for src, blk in _blocks(kv, p, c, current):
-            for qs, ks, mask in plan(p.q, p.k[c][src], causal):
+            for qs, ks, mask in plan(p.q, p.k[c][src], causal, p.window):
                 gq, gk, gv = kernels.block_backward(
                     dout[:, qs], q[:, qs], blk[0][:, ks], blk[1][:, ks], out[:, qs], lse[:, :, qs], scale=scale,
                     mask=mask, dlse=None if dlse is None else dlse[:, :, qs], backend=backend)
@@ -123,7 +125,8 @@ class _AllGatherAttention(torch.autograd.Function):
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
                         softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
-                        timeout: Optional[timedelta] = None, check: bool = True, chunks: int = 2):
+                        timeout: Optional[timedelta] = None, check: bool = True, chunks: int = 2,
+                        window=NO_WINDOW):
     """Exact attention of this rank's query shard over the whole sequence, by all-gathering K/V.
 
     Args:
@@ -133,6 +136,8 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             ``ring_attention``.
         chunks: K/V pieces gathered one after another, each overlapped with the previous
             piece's compute (at most ``S_local``).
+        window: ``(left, right)`` as in ``ring_attention``: blocks outside it are not computed
+            (the all-gather still moves every K/V piece).
 
     Returns:
         ``out`` ``(B, S_local, H, D)`` in ``q.dtype`` (and float32 ``lse`` ``(B, H, S_local)``).
@@ -140,13 +145,14 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     """
     rank, n = rank_world(group)
     scale = check_inputs(q, k, v, causal, layout, softmax_scale, backend, n)
+    window = check_window(window)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive int, got {chunks!r}")
     n_chunks = min(chunks, q.shape[1])
     if check and n > 1:
-        names, values = call_values(q, k, causal, layout, scale, backend)
+        names, values = call_values(q, k, causal, layout, scale, backend, window)
         agree(values + [n_chunks], names + ["chunks"], group, timeout, "allgather_attention", q.device)
-    p = _Plan(q.shape[1], layout, rank, n, n_chunks)
+    p = _Plan(q.shape[1], layout, rank, n, n_chunks, window)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _AllGatherAttention.apply(q, k, v, scale, causal, p, group, timeout, backend)
     else:

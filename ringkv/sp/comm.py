@@ -40,16 +40,25 @@ class RingComm:
         """A second ring on the same group (its messages never match this one's)."""
         return RingComm(self.group, self.timeout, tag)
 
-    def send_recv(self, send: List[torch.Tensor], recv: List[torch.Tensor]) -> "RingComm":
-        """Post sends of ``send`` to the next rank and receives into ``recv`` from the previous one."""
+    def _global(self, offset: int) -> int:
+        peer = (self.rank + offset) % self.world
+        return dist.get_global_rank(self.group, peer) if self.group else peer
+
+    def send_recv(self, send: List[torch.Tensor], recv: List[torch.Tensor], offset: int = 1) -> "RingComm":
+        """Post sends of ``send`` to the next rank and receives into ``recv`` from the previous one.
+
+        ``offset``: send to rank ``r + offset`` and receive from ``r - offset`` instead (mod N),
+        e.g. ``-h`` returns what travelled ``h`` hops straight back to its owner.
+        """
         if self._reqs:
             raise RuntimeError("RingComm: wait() for the previous hop before posting the next")
         if self.world == 1:
             for s, r in zip(send, recv):
                 r.copy_(s)
             return self
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, self.tag) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, self.tag) for t in recv]
+        dst, src = (self.next, self.prev) if offset == 1 else (self._global(offset), self._global(-offset))
+        ops = [dist.P2POp(dist.isend, t, dst, self.group, self.tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, src, self.group, self.tag) for t in recv]
         self._reqs = dist.batch_isend_irecv(ops)
         self._bounded = not send[0].is_cuda  # NCCL: stream-ordered waits, the watchdog bounds them
         return self
@@ -79,7 +88,7 @@ class LocalComm(RingComm):
     def with_tag(self, tag: int) -> "LocalComm":
         return LocalComm(self.rank, self.world)
 
-    def send_recv(self, send, recv):
+    def send_recv(self, send, recv, offset: int = 1):
         for s, r in zip(send, recv):
             r.copy_(s)
         return self

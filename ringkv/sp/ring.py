@@ -5,14 +5,21 @@ one message per hop; the hop for step ``i+1`` is posted before step ``i``'s bloc
 and waited for after it. Each step's block is computed by a kernel (``ringkv.kernels``) with
 the mask of the two shards' *global* positions, and merged into a float32 accumulator by LSE.
 Blocks whose mask is empty are skipped. Backward: dQ accumulates locally; dK/dV (float32)
-travel the ring with their K/V and arrive back at their owner after ``N`` hops.
+travel the ring with their K/V and go back to their owner after the last step.
+
+Sliding windows (``window=(left, right)``) and packed documents (``cu_seqlens``) make many
+blocks empty: the ring stops after the last step at which any rank's queries see the keys
+arriving (a function of the shards that every rank computes alike), so K/V make only the hops
+they need, and the dK/dV of the last step take one direct message back to their owner.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import zlib
+from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import List, Optional, Tuple
@@ -22,27 +29,31 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import kernels
-from ..kernels.mask import EMPTY, FULL, OFFSET, Mask, make_mask
+from ..kernels.mask import EMPTY, FULL, NO_WINDOW, OFFSET, Mask, check_window, make_mask
 from .collectives import agree
 from .comm import LocalComm, RingComm
-from .layout import LAYOUTS, check_layout, chunks, granule
+from .layout import (LAYOUTS, CuSeqlens, check_cu_seqlens, check_layout, chunks, granule, varlen_chunks,
+                     varlen_local_len)
 from .merge import empty_partial, merge_
 
-__all__ = ["ring_attention", "ring_attention_shards", "Shards", "RingAttention", "RingStats", "last_stats"]
+__all__ = ["ring_attention", "ring_attention_shards", "Shards", "RingAttention", "RingStats", "last_stats",
+           "last_backward_stats"]
 
 
 @dataclass
 class RingStats:
-    """What this rank computed in its last ring forward (for balance tests and benchmarks)."""
+    """What this rank computed in its last ring forward / backward (for tests and benchmarks)."""
     steps: int = 0
     calls: int = 0        # kernel calls
     skipped: int = 0      # chunk pairs skipped because their mask is empty
     pairs: int = 0        # visible (query, key) pairs computed: the real work
     per_step: List[int] = field(default_factory=list)
-    bytes_sent: int = 0   # K/V bytes sent to the next rank: bytes per hop x (N - 1) hops
+    hops: int = 0         # messages this rank sent (K and V together are one)
+    bytes_sent: int = 0   # K/V bytes sent to the next rank: bytes per hop x hops
 
 
-last_stats = RingStats()
+last_stats = RingStats()           # of the last forward
+last_backward_stats = RingStats()  # of the last backward
 
 
 def _slices(ranges: List[range]) -> List[slice]:
@@ -53,27 +64,32 @@ def _slices(ranges: List[range]) -> List[slice]:
     return out
 
 
-def _visible(mask: Mask, sq: int, sk: int) -> int:
-    if mask.kind == FULL:
-        return sq * sk
-    if mask.kind == EMPTY:
-        return 0
-    # offset diagonal: row i sees min(sk, max(0, i + offset + 1)) keys
-    return int((torch.arange(sq) + mask.offset + 1).clamp(0, sk).sum())
-
-
-def plan(q_ranges: List[range], k_ranges: List[range], causal: bool) -> List[Tuple[slice, slice, Mask]]:
+def plan(q_ranges: List[range], k_ranges: List[range], causal: bool, window: Tuple[int, int] = NO_WINDOW,
+         q_docs: Optional[Tuple[int, ...]] = None, k_docs: Optional[Tuple[int, ...]] = None
+         ) -> List[Tuple[slice, slice, Mask]]:
     """Kernel calls for one ring step: ``(q rows, k rows, mask)``, empty pairs dropped.
 
-    Pairs of chunks get their mask from global positions; a query chunk that sees all keys,
-    or a key chunk seen fully by all queries, becomes one call. A shard against itself is one
-    causal call (every layout keeps a shard's positions increasing).
+    Pairs of chunks get their mask from global positions (and ``window``); a query chunk that
+    sees all keys, or a key chunk seen fully by all queries, becomes one call. A shard against
+    itself is one causal call (every layout keeps a shard's positions increasing). With
+    ``q_docs``/``k_docs`` (the document of each range, ``-1`` = padding) only pairs of ranges of
+    one document are computed, on positions within that document.
     """
     qs, ks = _slices(q_ranges), _slices(k_ranges)
     sq, sk = qs[-1].stop, ks[-1].stop
-    if causal and q_ranges == k_ranges:  # a shard against itself: positions increase, so local causal
+    if q_docs is not None:
+        by_doc = defaultdict(list)  # document -> its key ranges
+        for j, doc in enumerate(k_docs):
+            by_doc[doc].append(j)
+        calls = []
+        for i, doc in enumerate(q_docs):
+            for j in by_doc[doc] if doc >= 0 else ():
+                mask = make_mask(causal, q_ranges[i], k_ranges[j], len(q_ranges[i]), len(k_ranges[j]), window=window)
+                calls += [(qs[i], ks[j], mask)] if mask.kind != EMPTY else []
+        return calls
+    if causal and window == NO_WINDOW and q_ranges == k_ranges:  # a shard against itself: local causal
         return [(slice(0, sq), slice(0, sk), Mask(OFFSET, offset=0))]
-    m = [[make_mask(causal, a, b, len(a), len(b)) for b in k_ranges] for a in q_ranges]
+    m = [[make_mask(causal, a, b, len(a), len(b), window=window) for b in k_ranges] for a in q_ranges]
     if all(x.kind == FULL for row in m for x in row):
         return [(slice(0, sq), slice(0, sk), Mask(FULL))]
     calls, rest = [], []
@@ -90,106 +106,149 @@ def plan(q_ranges: List[range], k_ranges: List[range], causal: bool) -> List[Tup
     return calls
 
 
-def call_values(q, k, causal, layout, scale, backend) -> Tuple[List[str], List[int]]:
+def call_values(q, k, causal, layout, scale, backend, window=NO_WINDOW, cu=None) -> Tuple[List[str], List[int]]:
     """Names and integer values of the shapes and settings every rank must agree on (for ``agree``)."""
-    names = ["batch", "seq_local", "heads", "head_dim", "kv_heads", "dtype", "layout", "causal", "scale", "backend"]
+    names = ["batch", "seq_local", "heads", "head_dim", "kv_heads", "dtype", "layout", "causal", "scale", "backend",
+             "window", "window", "cu_seqlens"]
     scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
     values = [*q.shape, k.shape[2], zlib.crc32(str(q.dtype).encode()), LAYOUTS.index(layout), int(causal),
-              scale_bits, zlib.crc32(backend.encode())]
+              scale_bits, zlib.crc32(backend.encode()), *window, -1 if cu is None else zlib.crc32(repr(cu).encode())]
     return names, values
 
 
-def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend) -> None:
+def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend, window, cu) -> None:
     """All ranks must call with the same shapes and settings: one tiny bounded all-gather."""
-    names, values = call_values(q, k, causal, layout, scale, backend)
+    names, values = call_values(q, k, causal, layout, scale, backend, window, cu)
     agree(values, names, comm.group, comm.timeout, "ring_attention", q.device)
 
 
 @dataclass(frozen=True)
 class Shards:
     """Global positions of every rank's queries and keys: ``q[r]`` / ``k[r]`` are lists of
-    increasing ``range``s in local order (``layout.chunks`` for the standard layouts)."""
+    increasing ``range``s in local order (``layout.chunks`` for the standard layouts).
+
+    Packed documents: ``q_docs[r][i]`` is the document of range ``q[r][i]`` (whose positions
+    are then within that document), ``-1`` for pad rows (never computed); likewise ``k_docs``."""
     q: Tuple[Tuple[range, ...], ...]
     k: Tuple[Tuple[range, ...], ...]
+    q_docs: Optional[Tuple[Tuple[int, ...], ...]] = None
+    k_docs: Optional[Tuple[Tuple[int, ...], ...]] = None
 
     @classmethod
     def of_layout(cls, seq_len: int, layout: str, world: int) -> "Shards":
         ranges = tuple(tuple(chunks(seq_len, layout, r, world)) for r in range(world))
         return cls(ranges, ranges)
 
+    @classmethod
+    def of_varlen(cls, cu_seqlens: CuSeqlens, layout: str, world: int) -> "Shards":
+        pieces = [varlen_chunks(cu_seqlens, layout, r, world) for r in range(world)]
+        ranges = tuple(tuple(r for _, r in p) for p in pieces)
+        docs = tuple(tuple(d for d, _ in p) for p in pieces)
+        return cls(ranges, ranges, docs, docs)
 
-def _forward(q, k, v, scale, causal, shards: Shards, comm: RingComm, backend):
+    def plan(self, rank: int, src: int, causal: bool, window: Tuple[int, int]):
+        """``plan`` of rank ``rank``'s queries against rank ``src``'s keys."""
+        docs = (self.q_docs[rank], self.k_docs[src]) if self.q_docs is not None else (None, None)
+        return plan(list(self.q[rank]), list(self.k[src]), causal, window, *docs)
+
+
+@functools.lru_cache(maxsize=64)
+def _last_step(shards: Shards, causal: bool, window: Tuple[int, int]) -> int:
+    """The last ring step at which some rank's queries see the arriving keys (every rank agrees)."""
+    n = len(shards.q)
+    if window == NO_WINDOW and shards.q_docs is None:
+        return n - 1  # without windows or documents the whole ring runs, as it always did
+    return next((t for t in range(n - 1, 0, -1)
+                 if any(shards.plan(r, (r - t) % n, causal, window) for r in range(n))), 0)
+
+
+def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, backend):
     b, s, h, d = q.shape
     n, r = comm.world, comm.rank
-    q_ranges = list(shards.q[r])
+    last = _last_step(shards, causal, window)
     out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
     bufs = [torch.stack([k, v]), None]  # (2, B, S, Hkv, D): K and V travel as one message
     bufs[1] = torch.empty_like(bufs[0])
-    stats = RingStats(steps=n, bytes_sent=(n - 1) * bufs[0].numel() * bufs[0].element_size())
-    for step in range(n):
+    stats = RingStats(steps=last + 1)
+    for step in range(last + 1):
         cur = bufs[step % 2]
-        if step < n - 1:
+        if step < last:
             comm.send_recv([cur], [bufs[(step + 1) % 2]])
+            stats.hops += 1
+            stats.bytes_sent += cur.numel() * cur.element_size()
         src = (r - step) % n
-        k_ranges = list(shards.k[src])
-        calls = plan(q_ranges, k_ranges, causal)
+        calls = shards.plan(r, src, causal, window)
         work = 0
         for qs, ks, mask in calls:
             o, l = kernels.block_forward(q[:, qs], cur[0][:, ks], cur[1][:, ks], scale=scale, mask=mask, backend=backend)
             merge_(out[:, qs], lse[:, :, qs], o, l)
-            work += _visible(mask, qs.stop - qs.start, ks.stop - ks.start)
+            work += mask.pairs(qs.stop - qs.start, ks.stop - ks.start)
         stats.calls += len(calls)
-        stats.skipped += len(q_ranges) * len(k_ranges) - len(calls)
+        stats.skipped += len(shards.q[r]) * len(shards.k[src]) - len(calls)
         stats.pairs += work
         stats.per_step.append(work)
-        if step < n - 1:
+        if step < last:
             comm.wait()
     global last_stats
     last_stats = stats
     return out.to(q.dtype), lse
 
 
-def _backward(dout, dlse, q, k, v, out, lse, scale, causal, shards: Shards, comm: RingComm, backend):
+def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shards, comm: RingComm, backend):
+    """dK/dV of the block held at step ``t >= 1`` travel on with it (one ring hop per step); after
+    the last step they go straight back to their owner (``last`` hops behind) in one message,
+    where they join the owner's own share (step 0)."""
     kv_comm, dkv_comm = comm, comm.with_tag(1)
     n, r = kv_comm.world, kv_comm.rank
-    q_ranges = list(shards.q[r])
+    last = _last_step(shards, causal, window)
+    stats = RingStats(steps=last + 1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = [torch.stack([k, v]), None]
     kv[1] = torch.empty_like(kv[0])
-    dkv = [torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device), None]  # travels with its K/V
-    dkv[1] = torch.empty_like(dkv[0])
-    blk = torch.empty_like(dkv[0])
-    for step in range(n):
+    mine = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)  # (2, B, S, Hkv, D): own dK/dV
+    dkv = [torch.empty_like(mine), torch.empty_like(mine)]  # the travelling dK/dV, double-buffered
+    blk = torch.empty_like(mine) if last > 1 else None
+    for step in range(last + 1):
         cur = kv[step % 2]
-        if step < n - 1:
+        if step < last:
             kv_comm.send_recv([cur], [kv[(step + 1) % 2]])
+            stats.hops += 1
         src = (r - step) % n
-        blk.zero_()
-        for qs, ks, mask in plan(q_ranges, list(shards.k[src]), causal):
+        acc = mine if step == 0 else dkv[1] if step == 1 else blk  # this step's share of block src
+        acc.zero_()
+        calls = shards.plan(r, src, causal, window)
+        for qs, ks, mask in calls:
             gq, gk, gv = kernels.block_backward(
                 dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks], out[:, qs], lse[:, :, qs], scale=scale,
                 mask=mask, dlse=None if dlse is None else dlse[:, :, qs], backend=backend)
             dq[:, qs] += gq
-            blk[0][:, ks] += gk
-            blk[1][:, ks] += gv
-        if step > 0:
-            dkv_comm.wait()  # the accumulated dK/dV of block src arrived
-        dkv[step % 2] += blk
-        dkv_comm.send_recv([dkv[step % 2]], [dkv[(step + 1) % 2]])
-        if step < n - 1:
+            acc[0][:, ks] += gk
+            acc[1][:, ks] += gv
+        stats.calls += len(calls)
+        if step >= 1:
+            if step >= 2:
+                dkv_comm.wait()  # the dK/dV of block src from the ranks that held it before
+                dkv[step % 2] += blk
+            # on to the next rank, or after the last step straight back to the owner
+            dkv_comm.send_recv([dkv[step % 2]], [dkv[(step + 1) % 2]], offset=1 if step < last else -last)
+            stats.hops += 1
+        if step < last:
             kv_comm.wait()
-    dkv_comm.wait()  # after n hops every rank holds its own block's dK/dV
-    done = dkv[n % 2]
-    return dq.to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype)
+    if last > 0:
+        dkv_comm.wait()  # every rank's block came back from the rank that held it last
+        mine += dkv[(last + 1) % 2]
+    global last_backward_stats
+    last_backward_stats = stats
+    return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, shards, comm, backend):
+    def forward(ctx, q, k, v, scale, causal, window, shards, comm, backend):
         ctx.set_materialize_grads(False)
-        out, lse = _forward(q, k, v, scale, causal, shards, comm, backend)
+        out, lse = _forward(q, k, v, scale, causal, window, shards, comm, backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, shards, comm, backend)
+        ctx.args = (scale, causal, window, shards, comm, backend)
         return out, lse
 
     @staticmethod
@@ -198,19 +257,26 @@ class _RingAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         grads = _backward(dout.contiguous(), dlse, q, k, v, out, lse, *ctx.args)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                    group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
                    softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
-                   timeout: Optional[timedelta] = None, check: bool = True, comm: Optional[RingComm] = None):
+                   timeout: Optional[timedelta] = None, check: bool = True, comm: Optional[RingComm] = None,
+                   window: Tuple[int, int] = NO_WINDOW, cu_seqlens: Optional[CuSeqlens] = None):
     """Exact attention of this rank's query shard over the whole sharded sequence.
 
     Args:
         q: ``(B, S_local, H, D)``, this rank's shard in ``layout``.
         k, v: ``(B, S_local, Hkv, D)`` with ``H % Hkv == 0``; only the ``Hkv`` heads travel.
         causal: mask ``q_pos >= k_pos`` on global positions.
+        window: ``(left, right)``: key visible iff ``q_pos - left <= k_pos <= q_pos + right``
+            (``-1`` unbounded; causal means ``right = 0``). K/V make only the hops they need.
+        cu_seqlens: packed documents ``[0, l0, l0+l1, ..., S]`` (int list or tensor, the same on
+            every rank): q/k/v are ``(1, S_local, ., D)`` shards from ``ringkv.shard(x, 1, layout,
+            cu_seqlens=...)``, each document split by ``layout`` and padded on its own. No token
+            sees another document; pad rows give ``out = 0``, ``lse = -inf`` and are never seen.
         group: the SP process group (default: the world; no process group = one rank).
         layout: ``"zigzag"`` (default: balances causal work), ``"contiguous"`` or ``"striped"``
             (see ``ringkv.sp.layout``); shard with the same layout (``ringkv.shard``).
@@ -226,19 +292,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         ``out`` ``(B, S_local, H, D)`` in ``q.dtype`` (and ``lse``). Differentiable w.r.t. q, k, v.
     """
     comm = comm or RingComm(group, timeout)
-    scale = check_inputs(q, k, v, causal, layout, softmax_scale, backend, comm.world)
+    window = check_window(window)
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens)
+    scale = check_inputs(q, k, v, causal, layout, softmax_scale, backend, comm.world, cu=cu)
     if check and comm.world > 1 and not isinstance(comm, LocalComm):
-        _check_across_ranks(comm, q, k, causal, layout, scale, backend)
-    shards = Shards.of_layout(q.shape[1] * comm.world, layout, comm.world)
-    out, lse = _run(q, k, v, scale, causal, shards, comm, backend)
+        _check_across_ranks(comm, q, k, causal, layout, scale, backend, window, cu)
+    shards = Shards.of_layout(q.shape[1] * comm.world, layout, comm.world) if cu is None else \
+        Shards.of_varlen(cu, layout, comm.world)
+    out, lse = _run(q, k, v, scale, causal, window, shards, comm, backend)
     return (out, lse) if return_lse else out
 
 
-def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, parts: int = 1) -> float:
+def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, parts: int = 1, cu=None) -> float:
     """The checks every SP attention makes before it communicates; returns the softmax scale.
 
     The sequence is split over ``world`` ranks in ``layout`` and each shard into ``parts``
     equal pieces (USP's Ulysses parts), one per rank: ``q``/``k``/``v`` hold one piece.
+    ``cu``: packed documents (checked ``cu_seqlens``): the local length is ``varlen_local_len``.
     """
     scale = kernels.validate(q, k, v, softmax_scale)
     check_layout(layout)
@@ -247,32 +317,44 @@ def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, pa
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"q and k/v must be shards of one sequence with the same local length, "
                          f"got {q.shape[1]} and {k.shape[1]}")
-    per_rank = granule(layout, world) // world
-    unit = per_rank // math.gcd(per_rank, parts)  # the local length times parts must divide by per_rank
-    if q.shape[1] == 0 or q.shape[1] % unit:
-        raise ValueError(f"layout {layout!r} needs a positive local length divisible by {unit}, got "
-                         f"{q.shape[1]}; pad the global sequence to a multiple of {granule(layout, world) * parts}")
+    if cu is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens the documents are packed into one batch row: q must be "
+                             f"(1, S_local, H, D), got batch {q.shape[0]}")
+        want = varlen_local_len(cu, layout, world)
+        if q.shape[1] != want:
+            raise ValueError(f"cu_seqlens over {world} ranks in layout {layout!r} give {want} local rows "
+                             f"(pad rows included), got {q.shape[1]}; shard with ringkv.shard(x, 1, layout, "
+                             f"cu_seqlens=cu_seqlens)")
+    else:
+        per_rank = granule(layout, world) // world
+        unit = per_rank // math.gcd(per_rank, parts)  # the local length times parts must divide by per_rank
+        if q.shape[1] == 0 or q.shape[1] % unit:
+            raise ValueError(f"layout {layout!r} needs a positive local length divisible by {unit}, got "
+                             f"{q.shape[1]}; pad the global sequence to a multiple of {granule(layout, world) * parts}")
     kernels.pick(backend, q, Mask(FULL))  # an unusable explicit backend fails here, on every rank
     return scale
 
 
-def _run(q, k, v, scale, causal, shards, comm, backend):
+def _run(q, k, v, scale, causal, window, shards, comm, backend):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _RingAttention.apply(q, k, v, scale, causal, shards, comm, backend)
-    return _forward(q, k, v, scale, causal, shards, comm, backend)
+        return _RingAttention.apply(q, k, v, scale, causal, window, shards, comm, backend)
+    return _forward(q, k, v, scale, causal, window, shards, comm, backend)
 
 
 def ring_attention_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: Shards, *, causal: bool,
-                          comm: RingComm, softmax_scale: Optional[float] = None, backend: str = "auto"):
+                          comm: RingComm, softmax_scale: Optional[float] = None, backend: str = "auto",
+                          window: Tuple[int, int] = NO_WINDOW):
     """Ring attention over shards of any positions (``Shards``: e.g. the engine's
     prompt chunks, where queries and keys differ in length). No cross-rank argument check: the
     caller guarantees that every rank passes the same ``shards``. Returns ``(out, lse)``.
 
     ``q`` ``(B, Sq, H, D)`` with ``Sq = sum(len(r) for r in shards.q[rank])``; ``k``/``v``
     ``(B, Sk, Hkv, D)`` likewise for ``shards.k``; ``Sk`` is the same on every rank.
+    ``window``: as in ``ring_attention``, on the shards' positions.
     """
     scale = kernels.validate(q, k, v, softmax_scale)
-    return _run(q, k, v, scale, causal, shards, comm, backend)
+    return _run(q, k, v, scale, causal, check_window(window), shards, comm, backend)
 
 
 class RingAttention(nn.Module):
@@ -281,14 +363,16 @@ class RingAttention(nn.Module):
 
     def __init__(self, *, causal: bool = False, group: Optional[dist.ProcessGroup] = None,
                  layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
-                 backend: str = "auto", timeout: Optional[timedelta] = None, check: bool = True):
+                 backend: str = "auto", timeout: Optional[timedelta] = None, check: bool = True,
+                 window: Tuple[int, int] = NO_WINDOW):
         super().__init__()
         check_layout(layout)
         self.kw = dict(causal=causal, group=group, layout=layout, softmax_scale=softmax_scale,
-                       return_lse=return_lse, backend=backend, timeout=timeout, check=check)
+                       return_lse=return_lse, backend=backend, timeout=timeout, check=check,
+                       window=check_window(window))
 
-    def forward(self, q, k, v):
-        return ring_attention(q, k, v, **self.kw)
+    def forward(self, q, k, v, cu_seqlens: Optional[CuSeqlens] = None):
+        return ring_attention(q, k, v, cu_seqlens=cu_seqlens, **self.kw)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{n}={self.kw[n]!r}" for n in ("layout", "causal", "backend"))
+        return ", ".join(f"{n}={self.kw[n]!r}" for n in ("layout", "causal", "window", "backend"))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..kernels.mask import NO_WINDOW, check_window
 from .collectives import CommStats, agree, all_to_all, rank_world
 from .layout import positions
 from .ring import call_values, check_inputs
@@ -90,7 +91,7 @@ def gather_heads(out, lse, group, timeout, what):
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                       group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
                       softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
-                      timeout: Optional[timedelta] = None, check: bool = True):
+                      timeout: Optional[timedelta] = None, check: bool = True, window=NO_WINDOW):
     """Exact attention of this rank's query shard over the whole sharded sequence, by head shards.
 
     Args:
@@ -99,7 +100,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         causal: mask ``q_pos >= k_pos`` on global positions.
         group: the SP process group (default: the world; no process group = one rank).
         layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (see ``ringkv.sp.layout``).
-        softmax_scale, backend, timeout, check: as in ``ring_attention``.
+        softmax_scale, backend, timeout, check, window: as in ``ring_attention``.
         return_lse: also return the float32 LSE ``(B, H, S_local)``.
 
     Returns:
@@ -108,18 +109,20 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     _, n = rank_world(group)
     scale = check_inputs(q, k, v, causal, layout, softmax_scale, backend, n)
     head_plan(q.shape[2], k.shape[2], n)
+    window = check_window(window)
     if check and n > 1:
-        names, values = call_values(q, k, causal, layout, scale, backend)
+        names, values = call_values(q, k, causal, layout, scale, backend, window)
         agree(values, names, group, timeout, "ulysses_attention", q.device)
     seq_len = q.shape[1] * n
     qh, kh, vh, sent = scatter_heads(q, k, v, group, timeout, "ulysses_attention")  # (B, S, H/N, D), rank order
-    in_order = layout == "contiguous" or n == 1 or not causal  # only the causal mask needs global order
+    # only a causal or windowed mask needs the tokens in global order
+    in_order = layout == "contiguous" or n == 1 or (not causal and window == NO_WINDOW)
     if not in_order:  # global order, so that plain causal (a fused kernel) applies
         index = torch.cat([positions(seq_len, layout, r, n) for r in range(n)]).to(q.device)  # global pos of rows
         order = torch.empty_like(index)
         order[index] = torch.arange(seq_len, device=q.device)
         qh, kh, vh = (t.index_select(1, order) for t in (qh, kh, vh))
-    out, lse = kernels.attention(qh, kh, vh, scale=scale, causal=causal, backend=backend)
+    out, lse = kernels.attention(qh, kh, vh, scale=scale, causal=causal, window=window, backend=backend)
     if not in_order:  # back to rank order
         out, lse = out.index_select(1, index), lse.index_select(2, index)
     out, lse, sent_back = gather_heads(out, lse if return_lse else None, group, timeout, "ulysses_attention")

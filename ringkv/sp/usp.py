@@ -17,6 +17,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..kernels.mask import NO_WINDOW, check_window
 from . import ring as ring_mod
 from .collectives import CommStats, agree, rank_world
 from .comm import RingComm
@@ -59,7 +60,8 @@ def sp_groups(ulysses: int, ring: int) -> Tuple[Optional[dist.ProcessGroup], Opt
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                   ulysses_group: Optional[dist.ProcessGroup], ring_group: Optional[dist.ProcessGroup],
                   layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
-                  backend: str = "auto", timeout: Optional[timedelta] = None, check: bool = True):
+                  backend: str = "auto", timeout: Optional[timedelta] = None, check: bool = True,
+                  window=NO_WINDOW):
     """Exact attention over a sequence sharded on a ``(ring, ulysses)`` mesh (``sp_groups``).
 
     Args:
@@ -67,7 +69,7 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
             ``S = S_local * U * R``; ``H % U == 0``.
         k, v: ``(B, S_local, Hkv, D)``; ``Hkv % U == 0`` (split) or ``U % Hkv == 0`` (replicated).
         ulysses_group, ring_group: from ``ringkv.sp_groups(ulysses=U, ring=R)``.
-        causal, layout, softmax_scale, return_lse, backend, timeout, check: as in ``ring_attention``
+        causal, layout, softmax_scale, return_lse, backend, timeout, check, window: as in ``ring_attention``
             (``layout`` is the ring's; ``check`` compares arguments over both groups).
 
     Returns:
@@ -80,14 +82,15 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     (_, n_u), (_, n_r) = rank_world(ulysses_group), rank_world(ring_group)
     scale = check_inputs(q, k, v, causal, layout, softmax_scale, backend, n_r, parts=n_u)
     head_plan(q.shape[2], k.shape[2], n_u, "usp_attention")
+    window = check_window(window)
     if check and n_u * n_r > 1:
-        names, values = call_values(q, k, causal, layout, scale, backend)
+        names, values = call_values(q, k, causal, layout, scale, backend, window)
         agree(values + [n_u, n_r], names + ["ulysses_world", "ring_world"], [ulysses_group, ring_group], timeout,
               "usp_attention", q.device)
     # (B, S/R, H/U, D): this ring rank's shard, in local order, for H/U heads
     qh, kh, vh, sent = scatter_heads(q, k, v, ulysses_group, timeout, "usp_attention")
     shards = Shards.of_layout(q.shape[1] * n_u * n_r, layout, n_r)
-    out, lse = ring_mod._run(qh, kh, vh, scale, causal, shards, RingComm(ring_group, timeout), backend)
+    out, lse = ring_mod._run(qh, kh, vh, scale, causal, window, shards, RingComm(ring_group, timeout), backend)
     sent += ring_mod.last_stats.bytes_sent
     out, lse, sent_back = gather_heads(out, lse if return_lse else None, ulysses_group, timeout, "usp_attention")
     global last_stats

@@ -325,12 +325,7 @@ def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable,
     heads_att, kv_att = hq // u, max(1, hkv // u)
     tok = -(-seq // sp)
     t_lin = 2 * lin * tok / r.matmul
-    attn_flops = 4 * d * heads_att * seq * seq / 2 / ring  # causal, balanced layout (zigzag / striped)
-    step = attn_flops / ring / r.attention
-    ring_bytes = 2 * -(-seq // ring) * kv_att * d * act if ring > 1 else 0
-    xfer = _xfer(ring_bytes, links["ring"], r) if ring > 1 else 0.0
-    merge = -(-seq // ring) * heads_att * (d + 1) * (8 + act) / r.memory  # fp32 (out, lse) read+write, block read
-    t_attn = step + (ring - 1) * (max(step, xfer) + merge)
+    t_attn, step, xfer, ring_bytes = ring_attention_seconds(seq, heads_att, kv_att, d, ring, act, r, links["ring"])
     u_bytes = int((u - 1) / u * tok * d * act * (2 * hq + 2 * max(hkv, u))) if u > 1 else 0
     t_u = _xfer(u_bytes, links["ulysses"], r, 4) if u > 1 else 0.0
     tp_bytes = int(2 * 2 * (tp - 1) / tp * tok * h * act) if tp > 1 else 0
@@ -363,6 +358,20 @@ def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable,
                   ring_transfer_s_per_step=xfer, tp_allreduce_bytes_per_layer=tp_bytes,
                   ulysses_bytes_per_layer=u_bytes, links=links, prefill_s=prefill, decode_tokens_per_s=decode,
                   decode_step_s=step_t)
+
+
+def ring_attention_seconds(seq: int, heads: int, kv_heads: int, head_dim: int, ring: int, act_bytes: int,
+                           r: Rates, link: str, causal: bool = True):
+    """One rank's forward ring attention over ``ring`` ranks (balanced layout): ``(total s, compute
+    s per step, transfer s per step, K/V bytes per step)``. Step 0 computes the local block; each
+    of the ``ring - 1`` others takes ``max(compute, transfer)`` (the next hop is in flight while a
+    block computes) plus the fp32 (out, lse) merge, which reads and writes the accumulator."""
+    flops = 4 * head_dim * heads * seq * seq / ring * (0.5 if causal else 1.0)  # this rank's pairs x 4 D
+    step = flops / ring / r.attention
+    nbytes = 2 * -(-seq // ring) * kv_heads * head_dim * act_bytes if ring > 1 else 0
+    xfer = _xfer(nbytes, link, r) if ring > 1 else 0.0
+    merge = -(-seq // ring) * heads * (head_dim + 1) * (8 + act_bytes) / r.memory
+    return step + (ring - 1) * (max(step, xfer) + merge), (step if ring > 1 else 0.0), xfer, nbytes
 
 
 def _xfer(nbytes: float, link: str, r: Rates, messages: int = 1) -> float:

@@ -172,3 +172,19 @@ def test_plan_equals_a_real_engines_kv_cache_info():
     (o,) = [o for o in plan(model, 64, gpus=4, gpu="cpu", interconnect="loopback", dtype="float32",
                             kv_cache_dtype="int8") if (o.tp, o.pp, o.sp) == (2, 2, 1)]
     assert o.kv_bytes_per_token_per_gpu == max(kvt) and o.weight_bytes_per_gpu == max(wb)
+
+
+def test_validation_script_rows(tmp_path):
+    """benchmarks/plan_validate.py runs; the ring model stays within 15% of this repo's CPU ring runs
+    and of ring-flash-attention's published efficiencies (guards the model against drift)."""
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    try:
+        import plan_validate
+    finally:
+        sys.path.remove("benchmarks")
+    assert plan_validate.main(["--json", str(tmp_path / "v.json")]) == 0
+    rows = json.loads((tmp_path / "v.json").read_text())["rows"]
+    ring = [r for r in rows if r["case"].startswith(("CPU ring", "ring-flash-attn"))]
+    assert len(ring) == 4 and all(r["within"] for r in ring)

@@ -11,7 +11,6 @@ docs/plan.md. Each row says what was calibrated on what; a row passes within 15%
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
     rows = ring_cpu_rows() + prefill_rows() + engine_rows() + ring_flash_attn_rows() + meta_rows()
-    print(f"| case | predicted | measured / published | error | within 15% | calibrated on |")
+    print("| case | predicted | measured / published | error | within 15% | calibrated on |")
     print("|---|---:|---:|---:|---|---|")
     for x in rows:
         fmt = (lambda v: f"{v:.3f}") if x["unit"] == "" else (lambda v: f"{v:.3g} {x['unit']}")

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/engine.py (its prompts)
 
 from ringkv import planner  # noqa: E402
 
@@ -56,37 +58,101 @@ def ring_cpu_rows():
     return out
 
 
-def prefill_rows():
-    """long_prefill.py, sp=2 (2 ranks x 1 thread): matmul rate fitted on one model, the other predicted."""
-    out = []
-    for fit, other, label in (("prefill_8k.json", "prefill_32k.json", "tiny-long, 32768 tokens"),
-                              ("prefill_32k.json", "prefill_8k.json", "SmolLM2-135M, 8192 tokens")):
-        r = cpu_rates("long_ctx_16k.json", fit)
-        d = load(other)
-        (m,) = [x for x in d["rows"] if x["sp"] == 2]
+def bench_prompts(model: str, n: int, lo: int = 16, hi: int = 256) -> list:
+    """The prompts benchmarks/engine.py sent (same seeds): random ids for a random model; for
+    SmolLM2 slices of its text (token ids with the tokenizer, else lengths: the prefix hits of
+    overlapping slices are then not modelled)."""
+    if model.startswith("random"):
+        rng = random.Random(n)
+        return [[rng.randrange(3, 1000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    try:
+        import engine as bench
+        from transformers import AutoTokenizer
+
+        from ringkv.model.smollm2 import smollm2_path
+        return bench.make_prompts(AutoTokenizer.from_pretrained(smollm2_path()), n, lo, hi, seed=n)
+    except Exception:  # no tokenizer here
+        rng = random.Random(n)
+        out = []
+        for _ in range(n):
+            out.append(rng.randint(lo, hi))
+            rng.randrange(0, 200)
+        return out
+
+
+ENGINE_FILES = ("engine_pp2modelllama120m.json", "engine_tp2modelllama120m.json", "engine_pp2modelsmollm2.json")
+SINGLE_FILES = ("prefill_8k.json", "prefill_32k.json", "threshold_smollm2_short.json", "threshold_smollm2.json",
+                "threshold_tiny.json")
+
+
+def single_process_runs() -> list:
+    """Every one-process engine run saved here (2 torch threads): the baselines of the engine.py
+    runs (the same requests as their parallel rows), the sp = 1 rows of long_prefill.py (8K
+    SmolLM2, 32K tiny-long) and of its --sweep (one prompt of 4-4096 tokens)."""
+    runs = []
+    for name in ENGINE_FILES:
+        d = load(name)
+        cfg = planner._model_of(d["model"])
+        for x in d["rows"]:
+            runs.append(planner.EngineRun(cfg, bench_prompts(d["model"], x["requests"]), d["max_tokens"],
+                                          x["base_capacity_tokens"] // 16, x["output_tokens"] / x["base_tok_s"],
+                                          max_num_seqs=x["requests"], label=f"{name}: {x['requests']} requests"))
+    for name in SINGLE_FILES:
+        d = load(name)
         cfg = planner.load_model(d["model"])
-        (o,) = [o for o in planner.plan(cfg, m["seq"], gpus=2, gpu="cpu", interconnect="loopback",
-                                        dtype="float32", calibrate=planner.asdict(r) | {"source": ""},
-                                        ulysses=False) if o.sp == 2]
-        out.append(row(f"engine SP=2 prefill (TTFT), {label} (long_prefill.py)", o.prefill_s, m["ttft_s"], "s",
-                       f"long_ctx 16K + {fit}", "docs/performance.md, SP prefill table"))
+        for x in d["rows"]:
+            if x.get("sp", 1) == 1:
+                seq, t = x["seq"], x.get("ttft_s", x.get("sp1_s"))
+                runs.append(planner.EngineRun(cfg, [seq], 1, seq // 16 + 8, t, max_num_seqs=1,
+                                              max_num_batched_tokens=seq, label=f"{name}: {seq} tokens"))
+    return runs
+
+
+def cpu_fit(runs):
+    """(rates of the one 2-thread process, rates of a 1-thread rank): attention of one thread from
+    the 16K ring run; matmul, memory bandwidth and host seconds (per step, per sequence per step,
+    per layer per step) fitted on the one-process ``runs``; a rank's compute and memory rates are
+    half the process's (linear in threads), its host seconds the same."""
+    a1 = cpu_rates("long_ctx_16k.json").attention
+    start = planner._threads(cpu_rates(), 2)
+    start.attention = 2 * a1
+    proc = planner.fit_engine(runs, start, ("matmul", "memory", "step", "seq", "layer"))
+    rank = planner._threads(proc, 0.5)
+    rank.attention = a1
+    return proc, rank
+
+
+CAL = "one-process runs + long_ctx 16K"
+
+
+def prefill_rows(rank):
+    """long_prefill.py, sp = 2 (2 ranks x 1 thread), one prompt in one step (ring mode)."""
+    out = []
+    for name, label in (("prefill_32k.json", "tiny-long, 32768 tokens"), ("prefill_8k.json", "SmolLM2-135M, 8192 tokens")):
+        d = load(name)
+        (m,) = [x for x in d["rows"] if x["sp"] == 2]
+        seq = m["seq"]
+        run = planner.EngineRun(planner.load_model(d["model"]), [seq], 1, seq // 32 + 8, m["ttft_s"], sp=2,
+                                max_num_seqs=1, max_num_batched_tokens=seq)
+        out.append(row(f"engine SP=2 prefill (TTFT), {label} (long_prefill.py)", run.seconds(rank), m["ttft_s"], "s",
+                       CAL, "docs/performance.md, SP prefill table"))
     return out
 
 
-def engine_rows():
-    """engine.py runs: memory bandwidth fitted on the tp=2 llama-120m runs, PP runs predicted."""
-    r = cpu_rates("long_ctx_16k.json", "prefill_8k.json", "engine_tp2modelllama120m.json")
+def engine_rows(rank):
+    """engine.py parallel rows (each rank 1 thread): the whole run's workload through the engine's
+    scheduler, priced with the rank rates; tok/s = output tokens / modelled wall time."""
     out = []
-    for name in ("engine_pp2modelllama120m.json", "engine_pp2modelsmollm2.json"):
+    for name in ENGINE_FILES:
         d = load(name)
         cfg = planner._model_of(d["model"])
         for x in d["rows"]:
             c = planner._parse_config(x["config"])
-            t = planner.engine_run_seconds(cfg, c["tp"], c["pp"], c["sp"], x["requests"], x["prompt_tokens"],
-                                           d["max_tokens"], r)
+            run = planner.EngineRun(cfg, bench_prompts(d["model"], x["requests"]), d["max_tokens"],
+                                    x["parallel_capacity_tokens"] // 16 // c["sp"], 0.0, max_num_seqs=x["requests"], **c)
             out.append(row(f"engine {x['config']}, {d['model'].split(' (')[0]}, {x['requests']} requests: tok/s",
-                           x["output_tokens"] / t, x["parallel_tok_s"], "tok/s",
-                           "long_ctx 16K + prefill_8k + engine tp=2", "docs/performance.md, TP/PP table"))
+                           x["output_tokens"] / run.seconds(rank), x["parallel_tok_s"], "tok/s", CAL,
+                           "docs/performance.md, TP/PP table"))
     return out
 
 
@@ -124,7 +190,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
-    rows = ring_cpu_rows() + prefill_rows() + engine_rows() + ring_flash_attn_rows() + meta_rows()
+    fit = single_process_runs()
+    proc, rank = cpu_fit(fit)
+    rows = ring_cpu_rows() + prefill_rows(rank) + engine_rows(rank) + ring_flash_attn_rows() + meta_rows()
+    res = [x.seconds(proc) / x.measured_s - 1 for x in fit]
+    print(f"CPU one process (2 threads), fitted on {len(fit)} runs: matmul {proc.matmul / 1e9:.0f} GFLOP/s, memory "
+          f"{proc.memory / 1e9:.1f} GB/s, attention {proc.attention / 1e9:.0f} GFLOP/s (2 x long_ctx); host "
+          + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in proc.host.items())
+          + f"; fit residuals {min(res):+.0%} .. {max(res):+.0%}, engine baselines "
+          + ", ".join(f"{e:+.0%}" for e, x in zip(res, fit) if x.max_tokens > 1) + "\n")
     print("| case | predicted | measured / published | error | within 15% | calibrated on |")
     print("|---|---:|---:|---:|---|---|")
     for x in rows:
@@ -135,7 +209,8 @@ def main(argv=None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows), f, indent=2)
+            json.dump(dict(rows=rows, cpu_process_rates=planner.asdict(proc), cpu_rank_rates=planner.asdict(rank)),
+                      f, indent=2)
     return 0
 
 

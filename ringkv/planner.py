@@ -128,6 +128,7 @@ class Rates:
     links: Dict[str, float]
     latency: Dict[str, float]
     source: str = "hardware table x efficiency"
+    host: Dict[str, float] = field(default_factory=dict)  # per-step host seconds: step, seq, layer
 
 
 def rates(hw: dict, gpu: str, dtype: str = "bfloat16") -> Rates:
@@ -140,7 +141,9 @@ def rates(hw: dict, gpu: str, dtype: str = "bfloat16") -> Rates:
     attn_dtype = "float32" if dtype == "float32" else "bfloat16"
     return Rates(matmul=flops[dtype] * eff["matmul"], attention=flops[attn_dtype] * eff["attention"],
                  memory=g["mem_bw"] * eff["memory"], links={k: v * eff["link"] for k, v in g["links"].items()},
-                 latency={k: hw["links"].get(k, {}).get("latency", 0.0) for k in g["links"]})
+                 latency={k: hw["links"].get(k, {}).get("latency", 0.0) for k in g["links"]},
+                 host={k: float(v) for k, v in dict(hw.get("host", {}), **g.get("host", {})).items()
+                       if not k.startswith("_")})
 
 
 # -- memory: the engine's formulas ----------------------------------------------------------------
@@ -332,8 +335,9 @@ def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable,
     t_tp = _xfer(tp_bytes, links["tp"], r, 2 * 2 * (tp - 1)) if tp > 1 else 0.0
     t_layer = t_lin + t_attn + t_u + t_tp
     handoff = _xfer(tok * h * act, links["pp"], r) if pp > 1 else 0.0
-    stage_t = [n * t_layer + handoff for n in sizes]
-    prefill = (batch + pp - 1) * max(stage_t)
+    host = r.host.get("step", 0.0) + r.host.get("seq", 0.0)  # per step: the driver's scheduling and sampling
+    stage_t = [n * (t_layer + r.host.get("layer", 0.0)) + handoff for n in sizes]
+    prefill = (batch + pp - 1) * max(stage_t) + host
 
     # decode: batch sequences at context seq; pp micro-batches in flight
     micro = -(-batch // pp)
@@ -341,7 +345,7 @@ def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable,
     for i, n in enumerate(sizes):
         mem_bytes = wb[i] + micro * tokens_rank // batch * kvt[i]
         flops = 2 * micro * n * lin + 4 * micro * tok * hq * d * n
-        t = max(mem_bytes / r.memory, flops / min(r.matmul, r.attention))
+        t = max(mem_bytes / r.memory, flops / min(r.matmul, r.attention)) + n * r.host.get("layer", 0.0)
         if tp > 1:
             t += n * 2 * _xfer(int(2 * (tp - 1) / tp * micro * h * act), links["tp"], r, 2 * (tp - 1))
         if sp > 1:  # (out, lse) partials merged across the SP group each layer
@@ -349,7 +353,7 @@ def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable,
         if pp > 1:
             t += _xfer(micro * h * act, links["pp"], r)
         steps.append(t)
-    step_t = (pp if pp > 1 else 1) * max(steps)
+    step_t = (pp if pp > 1 else 1) * (max(steps) + r.host.get("step", 0.0) + r.host.get("seq", 0.0) * micro)
     decode = batch / step_t
     return Option(tp=tp, pp=pp, sp=sp, ulysses=u, kv_cache_dtype=kvd, layers_per_stage=sizes,
                   kv_heads_per_gpu=hkv, weight_bytes_per_gpu=max(wb), kv_bytes_per_token_per_gpu=max(kvt),
@@ -442,8 +446,249 @@ def _why(o: Option, seq: int, cfg) -> str:
     return ", ".join(parts)
 
 
+# -- the engine's workload: what a benchmark run schedules, step by step ------------------------------
+@dataclass
+class StepWork:
+    """One engine step as the scheduler built it (what its cost depends on)."""
+    seqs: int  # sequences in the step
+    tokens: int  # tokens computed (prompt chunks + one per decoding sequence)
+    completing: int  # sequences whose last token is computed: LM head rows, sampled tokens
+    pairs: int  # causal (query, key) pairs of attention: sum of n x (start + (n + 1) / 2)
+    kv_tokens: int  # K/V token slots the batched paged attention reads: seqs x longest context
+    longest: int  # the largest chunk (sp > 1: ring mode from sp_prefill_min_tokens on)
+
+
+def engine_workload(prompts, max_tokens: int, num_blocks: int, *, pp: int = 1, sp: int = 1, block_size: int = 16,
+                    max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, prefix_caching: bool = True):
+    """The steps ``LLM.generate`` runs for ``prompts`` (token-id lists, or lengths: distinct ids)
+    with ``max_tokens`` output tokens each (EOS ignored) on a cache of ``num_blocks`` blocks:
+    the engine's own ``Scheduler`` and ``BlockManager`` driven as ``LLM._advance`` drives them
+    (``pp`` steps in flight, each with its share of the sequences; chunked prefill; preemption
+    by recompute with prefix-cache hits). Returns ``(steps, events)``: a ``StepWork`` per step
+    and the driver's order of ``("submit", k)`` / ``("complete", k)``."""
+    from collections import deque
+
+    from .cache.block_manager import BlockManager
+    from .engine.params import SamplingParams
+    from .engine.scheduler import Scheduler
+    from .engine.sequence import Sequence
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    blocks = BlockManager(num_blocks, block_size * sp, enable_prefix_caching=prefix_caching)
+    sched = Scheduler(blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    for i, p in enumerate(prompts):
+        ids = list(range(10_000_000 * (i + 1), 10_000_000 * (i + 1) + p)) if isinstance(p, int) else list(p)
+        sched.add(Sequence(i, None, ids, params))
+    steps, events, inflight = [], [], deque()
+    fresh = 10 ** 12
+    while sched.has_work() or inflight:
+        share = -(-(len(sched.running) + len(sched.waiting)) // pp)
+        while len(inflight) < pp:
+            busy = {s.seq for _, b in inflight for s in b}
+            batch = sched.schedule(busy, max_seqs=share if pp > 1 else None)
+            if not batch:
+                break
+            for s in batch:
+                s.seq.num_computed = s.start + s.n
+            ends = [s.start + s.n for s in batch]
+            steps.append(StepWork(seqs=len(batch), tokens=sum(s.n for s in batch),
+                                  completing=sum(s.completes for s in batch),
+                                  pairs=sum(s.n * s.start + s.n * (s.n + 1) // 2 for s in batch),
+                                  kv_tokens=len(batch) * max(ends), longest=max(s.n for s in batch)))
+            events.append(("submit", len(steps) - 1))
+            inflight.append((len(steps) - 1, batch))
+        if not inflight:
+            raise RuntimeError("the scheduler made no progress (a sequence larger than the cache?)")
+        k, batch = inflight.popleft()
+        events.append(("complete", k))
+        for s in batch:
+            blocks.register(s.seq.block_table, s.seq.token_ids, s.start + s.n, None, s.seq.prefix_cursor)
+        for s in batch:
+            if s.completes and not s.seq.finished:
+                fresh += 1
+                s.seq.token_ids.append(fresh)
+                if s.seq.num_tokens - len(s.seq.prompt_token_ids) >= max_tokens:
+                    s.seq.finish("length")
+                    sched.finish(s.seq)
+    return steps, events
+
+
+def _step_terms(cfg: ModelConfig, w: StepWork, *, tp: int, pp: int, sp: int, stage: int, dtype: str,
+                sp_prefill_min_tokens: int) -> tuple:
+    """What step ``w`` asks of one rank of ``stage``, independent of the rates: ``(layers,
+    bytes, linear FLOPs, attention FLOPs, ring, messages)``. ``ring``: ``(tokens, heads, kv_heads,
+    head_dim, layers x pairs / ring pairs)`` when the step runs the SP ring, else None;
+    ``messages``: ``(bytes, count)`` of its collectives and hand-offs."""
+    act = DTYPES[dtype][1] if dtype != "fp8" else 2
+    n = stage_sizes(cfg, pp)[stage]
+    first, last = stage == 0, stage == pp - 1
+    d, h = cfg.head_dim, cfg.hidden_size
+    hq, hkv = cfg.num_heads // tp, kv_heads_per_rank(cfg, tp)
+    lin = layer_params(cfg, tp)
+    vocab = -(-cfg.vocab_size // tp)
+    ring = sp > 1 and w.longest >= sp_prefill_min_tokens  # else replicated: every SP rank computes all tokens
+    rows = w.tokens / sp if ring else w.tokens
+    flops = 2 * n * lin["linear"] * rows + (2 * vocab * h * w.completing if last else 0)
+    nbytes = (n * lin["total"] + (vocab * h if last and w.completing else 0)) * act
+    nbytes += n * w.kv_tokens / sp * 2 * hkv * d * act  # the K/V a rank stores, read by the batched paged kernel
+    msgs = []
+    if ring:
+        ring_terms, attn = (w.tokens, hq, hkv, d, sp, act, n * w.pairs / max(1, w.tokens * (w.tokens + 1) // 2)), 0.0
+    else:
+        ring_terms, attn = None, n * 4 * hq * d * w.pairs / sp
+        if sp > 1:  # (out, lse) partials merged over the SP group each layer
+            msgs.append((w.tokens * hq * (d + 1) * 4, n * math.ceil(math.log2(sp))))
+    if tp > 1:  # two all-reduces per layer (+ the vocab-parallel embedding), the vocabulary gather
+        ar = int(2 * (tp - 1) / tp * rows * h * act)
+        msgs.append((ar, (2 * n + first) * 2 * (tp - 1)))
+        if last and w.completing:
+            msgs.append(((tp - 1) * vocab * w.completing * act, tp - 1))
+    if pp > 1 and not last:
+        msgs.append((rows * h * act, 1))
+    return n, nbytes, flops, attn, ring_terms, msgs
+
+
+def _step_cost(terms: tuple, r: Rates, link: str) -> float:
+    """Seconds of one rank's share of a step: ``layers x host["layer"] + max(bytes / memory,
+    linear FLOPs / matmul) + attention FLOPs / attention`` (or the ring), plus its messages."""
+    n, nbytes, flops, attn, ring, msgs = terms
+    t = n * r.host.get("layer", 0.0) + max(nbytes / r.memory, flops / r.matmul) + attn / r.attention
+    if ring is not None:  # one ring per layer over the step's tokens (scaled to its causal pairs)
+        tokens, hq, hkv, d, sp, act, scale = ring
+        t += scale * ring_attention_seconds(tokens, hq, hkv, d, sp, act, r, link)[0]
+    for nb, count in msgs:
+        t += count * r.latency.get(link, 0.0) + nb / r.links[link]
+    return t
+
+
+def engine_run_seconds(cfg: ModelConfig, steps, events, r: Rates, *, tp: int = 1, pp: int = 1, sp: int = 1,
+                       dtype: str = "float32", sp_prefill_min_tokens: int = 64, link: Optional[str] = None,
+                       _terms=None) -> float:
+    """Wall time of the steps of ``engine_workload`` run by a ``tp x pp x sp`` engine whose ranks
+    have rates ``r``. The driver (rank 0, also stage 0) spends ``host["step"] + host["seq"] x
+    seqs`` per step (schedule, step plan, publish, sample, append), then runs stage 0; stage ``i``
+    starts a step once it is free and stage ``i - 1`` has handed it over (``_step_cost``); a
+    step completes when its last stage is done; the driver plans the next steps after
+    completing the oldest one in flight (``pp`` in flight). TP and SP ranks of a stage run in
+    lockstep (their collectives are in the step cost)."""
+    link = link or next(iter(r.links))
+    terms = _terms or engine_terms(cfg, steps, tp=tp, pp=pp, sp=sp, dtype=dtype,
+                                   sp_prefill_min_tokens=sp_prefill_min_tokens)
+    step_s, seq_s = r.host.get("step", 0.0), r.host.get("seq", 0.0)
+    t0, free, end = 0.0, [0.0] * pp, {}
+    for kind, k in events:
+        if kind == "submit":
+            t0 += step_s + seq_s * steps[k].seqs
+            start = t0
+            for i in range(pp):
+                free[i] = max(start, free[i]) + _step_cost(terms[k][i], r, link)
+                start = free[i]
+            t0, end[k] = free[0], free[-1]
+        else:
+            t0 = max(t0, end[k])
+    return t0
+
+
+def engine_terms(cfg: ModelConfig, steps, *, tp: int = 1, pp: int = 1, sp: int = 1, dtype: str = "float32",
+                 sp_prefill_min_tokens: int = 64) -> list:
+    """``_step_terms`` of every step and stage (computed once when rates are being fitted)."""
+    return [[_step_terms(cfg, w, tp=tp, pp=pp, sp=sp, stage=i, dtype=dtype,
+                         sp_prefill_min_tokens=sp_prefill_min_tokens) for i in range(pp)] for w in steps]
+
+
+@dataclass
+class EngineRun:
+    """A measured engine run: its model, requests (token-id lists or prompt lengths), output
+    tokens per request, cache blocks, mesh, scheduler limits and wall seconds; ``seconds(r)``
+    is the model's time for it (workload and step terms computed once)."""
+    cfg: ModelConfig
+    prompts: list
+    max_tokens: int
+    num_blocks: int
+    measured_s: float
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    label: str = ""
+    _cache: Any = field(default=None, repr=False)
+
+    def seconds(self, r: Rates) -> float:
+        if self._cache is None:
+            steps, events = engine_workload(self.prompts, self.max_tokens, self.num_blocks, pp=self.pp, sp=self.sp,
+                                            max_num_seqs=self.max_num_seqs,
+                                            max_num_batched_tokens=self.max_num_batched_tokens)
+            self._cache = steps, events, engine_terms(self.cfg, steps, tp=self.tp, pp=self.pp, sp=self.sp)
+        steps, events, terms = self._cache
+        return engine_run_seconds(self.cfg, steps, events, r, tp=self.tp, pp=self.pp, sp=self.sp, _terms=terms)
+
+
+FIT_KEYS = ("matmul", "memory", "attention", "step", "seq", "layer")
+
+
+def fit_engine(runs: Sequence[EngineRun], r: Rates, keys: Sequence[str] = ("matmul", "memory", "step", "seq",
+                                                                           "layer")) -> Rates:
+    """``r`` with ``keys`` (rates: matmul, memory, attention; host seconds: step, seq, layer)
+    chosen to minimise the squared log error of ``runs``' modelled times (Nelder-Mead over the
+    logarithms; the other fields stay). Fit on runs of the same kind of rank as the one to
+    predict, and never on the run being predicted."""
+    bad = [k for k in keys if k not in FIT_KEYS]
+    if bad or not runs:
+        raise ValueError(f"fit_engine needs runs and keys among {FIT_KEYS}, got {list(keys)}")
+    start = dict(matmul=r.matmul, memory=r.memory, attention=r.attention, step=r.host.get("step") or 1e-3,
+                 seq=r.host.get("seq") or 1e-4, layer=r.host.get("layer") or 1e-4)
+
+    def make(x) -> Rates:
+        out = copy.deepcopy(r)
+        for k, v in zip(keys, x):
+            if k in ("step", "seq", "layer"):
+                out.host[k] = math.exp(v)
+            else:
+                setattr(out, k, math.exp(v))
+        return out
+
+    def loss(x) -> float:
+        rr = make(x)
+        return sum(math.log(run.seconds(rr) / run.measured_s) ** 2 for run in runs)
+
+    x = _nelder_mead(loss, [math.log(start[k]) for k in keys])
+    x = _nelder_mead(loss, x)  # a restart around the first optimum
+    return make(x)
+
+
+def _nelder_mead(f, x0: List[float], step: float = 0.7, iters: int = 400, tol: float = 1e-9) -> List[float]:
+    """Minimise ``f`` from ``x0`` (standard reflection / expansion / contraction / shrink)."""
+    n = len(x0)
+    pts = [list(x0)] + [[x0[j] + (step if j == i else 0.0) for j in range(n)] for i in range(n)]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = sorted(range(n + 1), key=vals.__getitem__)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        if vals[-1] - vals[0] < tol:
+            break
+        c = [sum(p[j] for p in pts[:-1]) / n for j in range(n)]
+        xr = [2 * c[j] - pts[-1][j] for j in range(n)]
+        fr = f(xr)
+        if fr < vals[0]:
+            xe = [3 * c[j] - 2 * pts[-1][j] for j in range(n)]
+            fe = f(xe)
+            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = xr, fr
+        else:
+            xc = [(c[j] + pts[-1][j]) / 2 for j in range(n)]
+            fc = f(xc)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = xc, fc
+            else:
+                pts = [pts[0]] + [[(pts[0][j] + p[j]) / 2 for j in range(n)] for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    return pts[min(range(n + 1), key=vals.__getitem__)]
+
+
 # -- calibration: rates measured by ringkv's benchmarks ---------------------------------------------
-RATE_KEYS = ("matmul", "attention", "memory", "links", "latency")
+RATE_KEYS = ("matmul", "attention", "memory", "links", "latency", "host")
 
 
 def apply_calibration(r: Rates, calibrate) -> Rates:
@@ -466,7 +711,7 @@ def _with(r: Rates, d: dict) -> Rates:
     for k in ("matmul", "attention", "memory"):
         if k in d:
             out.__dict__[k] = float(d[k])
-    for k in ("links", "latency"):
+    for k in ("links", "latency", "host"):
         out.__dict__[k].update({n: float(v) for n, v in d.get(k, {}).items()})
     out.source = d.get("source", "calibration")
     return out
@@ -481,27 +726,65 @@ def _read_json(path) -> dict:
 
 
 def fit_rates(paths: Iterable, r: Rates) -> Rates:
-    """Rates fitted from benchmark JSON files, applied in this order whatever the order given:
-    ``benchmarks/long_ctx.py --json`` (attention FLOP/s of one rank: the balanced causal rows),
-    ``benchmarks/long_prefill.py --json`` (matmul FLOP/s: the SP prefill time left after the
-    modelled attention), ``benchmarks/engine.py --json`` (memory bandwidth: the decode-dominated
-    run time), or a rates file. Per rank: on a CPU a rank is one thread."""
+    """Rates of one rank fitted from benchmark JSON files, in this order whatever the order given:
+    rates files; ``benchmarks/long_ctx.py --json`` (attention FLOP/s of one rank: the balanced
+    causal rows); then, pooled, the single-process runs of ``benchmarks/long_prefill.py --json``
+    (its ``sp = 1`` rows) and ``benchmarks/engine.py --json`` (the ``tp = pp = sp = 1`` baseline
+    of every row): ``fit_engine`` over the engine's workload (prompts of the row's mean length)
+    fits matmul (and, given engine rows, memory bandwidth and the host seconds per step, per
+    sequence and per layer) for that process, which used all ``cores`` threads; a rank's rates
+    are the process's divided by ``cores`` (rates assumed linear in threads: the 16K ring run
+    measured 1.91x for attention at 2 threads, docs/performance.md). Host seconds are kept as
+    fitted (Python runs on one thread either way)."""
     docs = [(p, _read_json(p)) for p in paths]
-    order = {"rates": 0, "long_ctx": 1, "prefill": 2, "engine": 3}
-    kinds = [(order[_kind(p, d)], i, p, d) for i, (p, d) in enumerate(docs)]
-    out, used = copy.deepcopy(r), []
-    for _, _, p, d in sorted(kinds, key=lambda t: t[:2]):
+    order = {"rates": 0, "long_ctx": 1, "prefill": 2, "engine": 2}
+    kinds = sorted(((order[_kind(p, d)], i, p, d) for i, (p, d) in enumerate(docs)), key=lambda t: t[:2])
+    out, used, runs, cores = copy.deepcopy(r), [], [], 1
+    for _, _, p, d in kinds:
         kind = _kind(p, d)
         if kind == "rates":
             out = _with(out, d)
         elif kind == "long_ctx":
             out.attention = _fit_attention(d)
-        elif kind == "prefill":
-            out.matmul = _fit_matmul(d, out)
         else:
-            out.memory = _fit_memory(d, out)
+            runs += _single_process_runs(d)
+            cores = max(cores, int(d.get("cores") or 1))
         used.append(os.path.basename(str(p)))
+    if runs:
+        keys = ("matmul", "memory", "step", "seq", "layer") if any(x.max_tokens > 1 for x in runs) else ("matmul",)
+        proc = _threads(out, cores)
+        fitted = fit_engine(runs, proc, keys)
+        out = dict(_threads(fitted, 1 / cores).__dict__, attention=out.attention, source="")
+        out = Rates(**out)
     out.source = "calibrated from " + ", ".join(used)
+    return out
+
+
+def _threads(r: Rates, k: float) -> Rates:
+    """``r`` with its compute and memory rates times ``k`` (``k`` threads of the rank ``r`` is)."""
+    out = copy.deepcopy(r)
+    out.matmul, out.memory, out.attention = r.matmul * k, r.memory * k, r.attention * k
+    return out
+
+
+def _single_process_runs(d: dict) -> List[EngineRun]:
+    """``EngineRun``s of the one-process runs in a ``long_prefill.py`` or ``engine.py`` JSON."""
+    out = []
+    if d.get("kind") == "prefill":
+        for row in d["rows"]:
+            if row["sp"] == 1:
+                seq = row["seq"]
+                out.append(EngineRun(_model_of(row.get("model", d.get("model"))), [seq], 1, seq // 16 + 8,
+                                     row["ttft_s"], max_num_seqs=1, max_num_batched_tokens=row.get("chunk") or seq,
+                                     label=f"{row.get('model')} {seq} sp=1"))
+        return out
+    cfg = _model_of(d["model"])
+    for row in d["rows"]:
+        n, total = row["requests"], row["prompt_tokens"]
+        prompts = [total // n + (i < total % n) for i in range(n)]
+        out.append(EngineRun(cfg, prompts, d["max_tokens"], row["base_capacity_tokens"] // 16,
+                             row["output_tokens"] / row["base_tok_s"], max_num_seqs=n,
+                             label=f"{n} requests, one process"))
     return out
 
 
@@ -552,53 +835,8 @@ def _cpu_links(r: Rates) -> Dict[str, str]:
     return dict(tp=name, ulysses=name, ring=name, pp=name)
 
 
-def _fit_matmul(d: dict, r: Rates) -> float:
-    """Matmul FLOP/s that makes the model's prefill time equal the measured TTFT of the SP rows."""
-    rows = [row for row in d["rows"] if row["sp"] > 1] or d["rows"]
-    vals = []
-    for row in rows:
-        cfg = _model_of(row.get("model", d.get("model")))
-
-        def t(m, row=row, cfg=cfg):
-            rr = copy.deepcopy(r)
-            rr.matmul = m
-            return _option(cfg, row["seq"], 1, 1, 1, row["sp"], 1, "auto", "float32", rr, _cpu_links(r),
-                           1 << 62, 1).prefill_s
-        vals.append(_solve(t, row["ttft_s"]))
-    return sorted(vals)[len(vals) // 2]
-
-
-def engine_run_seconds(cfg: ModelConfig, tp: int, pp: int, sp: int, requests: int, prompt_tokens: int,
-                       max_tokens: int, r: Rates, dtype: str = "float32") -> float:
-    """Modelled wall time of ``benchmarks/engine.py``: prefill of all prompts (``requests`` prompts
-    of the mean length, pipelined over stages) then ``max_tokens`` decode steps of the whole batch
-    at the mean context."""
-    mean = max(1, prompt_tokens // requests)
-    links = _cpu_links(r)
-    pre = _option(cfg, mean, requests, tp, pp, sp, 1, "auto", dtype, r, links, 1 << 62, 1).prefill_s
-    dec = _option(cfg, mean + max_tokens // 2, requests, tp, pp, sp, 1, "auto", dtype, r, links, 1 << 62, 1)
-    return pre + max_tokens * dec.decode_step_s
-
-
 def _parse_config(s: str) -> Dict[str, int]:
     return {k: int(v) for k, v in (kv.split("=") for kv in s.split())}
-
-
-def _fit_memory(d: dict, r: Rates) -> float:
-    """Memory bandwidth that makes the modelled run time equal the measured one (median over rows)."""
-    cfg = _model_of(d["model"])
-    vals = []
-    for row in d["rows"]:
-        c = _parse_config(row["config"])
-        wall = row["output_tokens"] / row["parallel_tok_s"]
-
-        def t(m, row=row, c=c):
-            rr = copy.deepcopy(r)
-            rr.memory = m
-            return engine_run_seconds(cfg, c["tp"], c["pp"], c["sp"], row["requests"], row["prompt_tokens"],
-                                      d["max_tokens"], rr)
-        vals.append(_solve(t, wall))
-    return sorted(vals)[len(vals) // 2]
 
 
 # -- output ---------------------------------------------------------------------------------------

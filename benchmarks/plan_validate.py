@@ -17,7 +17,6 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/engine.py (its prompts)
 
 from ringkv import planner  # noqa: E402
 
@@ -59,25 +58,18 @@ def ring_cpu_rows():
 
 
 def bench_prompts(model: str, n: int, lo: int = 16, hi: int = 256) -> list:
-    """The prompts benchmarks/engine.py sent (same seeds): random ids for a random model; for
-    SmolLM2 slices of its text (token ids with the tokenizer, else lengths: the prefix hits of
-    overlapping slices are then not modelled)."""
+    """The prompts benchmarks/engine.py sent (same seeds and code): random ids for a random model;
+    for SmolLM2 slices of its text, whose token ids are saved in smollm2_corpus.json (overlapping
+    slices share prefix-cache blocks, as in the engine)."""
+    rng = random.Random(n)
     if model.startswith("random"):
-        rng = random.Random(n)
         return [[rng.randrange(3, 1000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-    try:
-        import engine as bench
-        from transformers import AutoTokenizer
-
-        from ringkv.model.smollm2 import smollm2_path
-        return bench.make_prompts(AutoTokenizer.from_pretrained(smollm2_path()), n, lo, hi, seed=n)
-    except Exception:  # no tokenizer here
-        rng = random.Random(n)
-        out = []
-        for _ in range(n):
-            out.append(rng.randint(lo, hi))
-            rng.randrange(0, 200)
-        return out
+    corpus = load("smollm2_corpus.json")["corpus"]
+    out = []
+    for _ in range(n):
+        length, start = rng.randint(lo, hi), rng.randrange(0, 200)
+        out.append(corpus[start:start + length])
+    return out
 
 
 ENGINE_FILES = ("engine_pp2modelllama120m.json", "engine_tp2modelllama120m.json", "engine_pp2modelsmollm2.json")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -176,7 +177,8 @@ def test_plan_equals_a_real_engines_kv_cache_info():
 
 def test_validation_script_rows(tmp_path):
     """benchmarks/plan_validate.py runs; the ring model stays within 15% of this repo's CPU ring runs
-    and of ring-flash-attention's published efficiencies (guards the model against drift)."""
+    and of ring-flash-attention's published efficiencies, the engine model of its PP runs and 32K
+    SP prefill (guards the model against drift)."""
     import sys
 
     sys.path.insert(0, "benchmarks")
@@ -188,3 +190,39 @@ def test_validation_script_rows(tmp_path):
     rows = json.loads((tmp_path / "v.json").read_text())["rows"]
     ring = [r for r in rows if r["case"].startswith(("CPU ring", "ring-flash-attn"))]
     assert len(ring) == 4 and all(r["within"] for r in ring)
+    # the engine runs with pipeline stages and the 32K SP prefill, predicted from one-process runs
+    passing = [r for r in rows if " pp=2 " in r["case"] or "tiny-long, 32768" in r["case"]]
+    assert len(passing) == 5 and all(r["within"] for r in passing), [(r["case"], r["error"]) for r in passing]
+
+
+def test_engine_workload_follows_the_scheduler():
+    """The modelled workload is the engine's scheduler's: one prefill step (chunked beyond the
+    token budget), then one decode step per output token; pp = 2 keeps two half-batches in
+    flight; a cache too small for every sequence preempts and recomputes."""
+    steps, events = planner.engine_workload([10, 20, 30, 40], 5, 64)
+    assert [s.tokens for s in steps] == [100, 4, 4, 4, 4] and all(s.completing == 4 for s in steps)
+    assert steps[1].kv_tokens == 4 * 41 and steps[0].pairs == sum(n * (n + 1) // 2 for n in (10, 20, 30, 40))
+    steps, _ = planner.engine_workload([10, 20, 30, 40], 5, 64, max_num_batched_tokens=64)
+    assert [s.tokens for s in steps[:2]] == [64, 36 + 3]  # chunked prefill, then decodes share the budget
+    steps, events = planner.engine_workload([10, 20, 30, 40], 5, 64, pp=2)
+    assert max(s.seqs for s in steps) == 2 and events[:3] == [("submit", 0), ("submit", 1), ("complete", 0)]
+    small, _ = planner.engine_workload([60] * 4, 40, 16)  # 256 tokens of cache for 4 x 100
+    assert sum(s.tokens for s in small) > 4 * 60 + 4 * 39
+
+
+def test_fit_engine_recovers_the_rates_of_its_own_model():
+    """Runs 'measured' with known rates (the model's own times) are fitted back to those rates (two
+    depths of model: per-step and per-layer host seconds are told apart by their layer counts)."""
+    true = planner.rates(planner.load_hardware(), "cpu", "float32")
+    true.matmul, true.memory, true.host = 150e9, 12e9, dict(step=2e-3, seq=1e-3, layer=5e-4)
+    runs = [planner.EngineRun(planner.load_model(name), [n] * k, m, 4096, 0.0, max_num_seqs=k)
+            for name in ("llama-120m", "smollm2")
+            for n, k, m in ((16, 1, 8), (200, 16, 16), (64, 32, 8), (1024, 2, 2))]
+    for run in runs:
+        run.measured_s = run.seconds(true)
+    guess = copy.deepcopy(true)
+    guess.matmul, guess.memory, guess.host = 50e9, 40e9, dict(step=1e-4, seq=1e-4, layer=1e-4)
+    got = planner.fit_engine(runs, guess)
+    assert got.matmul == pytest.approx(150e9, rel=0.02) and got.memory == pytest.approx(12e9, rel=0.02)
+    for k, v in true.host.items():
+        assert got.host[k] == pytest.approx(v, rel=0.05), k

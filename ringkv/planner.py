@@ -15,7 +15,12 @@ by ringkv's benchmarks via ``calibrate``):
   the stages one after the other for a sequence (``(batch + pp - 1) x slowest stage``);
 - decode (memory bound): a step reads each stage's weights once per micro-batch and the K/V
   of the context, ``max(bytes / bandwidth, FLOPs / rate)``, plus per-layer collectives
-  (latency + bytes / bandwidth).
+  (latency + bytes / bandwidth) and the host seconds of a step (``hardware.json`` "host":
+  per step, per sequence, per layer);
+- a whole engine run (``EngineRun``: what ``benchmarks/engine.py`` measures): the engine's own
+  scheduler replays the requests (``engine_workload``), each step is priced as above
+  (``_step_cost``) and an event simulation of the driver and the stages gives the wall time
+  (``engine_run_seconds``); ``fit_engine`` fits rates and host seconds on measured runs.
 
 The formulas, the hardware table with its sources and the validation are in docs/plan.md.
 """
@@ -820,19 +825,6 @@ def _model_of(name: str) -> ModelConfig:
     if "{" in name:  # engine.py writes "random llama-120m ({config})"
         return ModelConfig.from_hf(dict(json.loads(name[name.index("{"):name.rindex("}") + 1]), model_type="llama"))
     return load_model(name)
-
-
-def _solve(f, target: float, lo: float = 1e3, hi: float = 1e16) -> float:
-    """x with f(x) = target for f decreasing in x (bisection in log space)."""
-    for _ in range(200):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if f(mid) > target else (lo, mid)
-    return math.sqrt(lo * hi)
-
-
-def _cpu_links(r: Rates) -> Dict[str, str]:
-    name = next(iter(r.links))
-    return dict(tp=name, ulysses=name, ring=name, pp=name)
 
 
 def _parse_config(s: str) -> Dict[str, int]:

@@ -2,6 +2,7 @@
 
     ringkv generate --model PATH --prompt "..." [--max-tokens N] [--tp/--pp/--sp N] ...
     ringkv serve --model PATH [--tp/--pp/--sp N] [--host 127.0.0.1] [--port 8000]
+    ringkv plan --model PATH|config.json|NAME --seq N --gpus G [--gpu h100] [--interconnect nvlink] ...
 
 With ``--tp/--pp/--sp`` the command starts the extra ranks itself; under
 ``torchrun --nproc-per-node N -m ringkv ...`` every rank runs it and rank 0 prints (generate)
@@ -51,7 +52,50 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     s.add_argument("--log-level", default="warning")
+    q = sub.add_parser("plan", help="choose TP/PP/SP (and KV dtype) for a model, a context length and a cluster")
+    q.add_argument("--model", required=True, help="preset name (e.g. llama-3-70b), HF directory or config.json")
+    q.add_argument("--seq", type=int, required=True, help="tokens per sequence (prompt + output)")
+    q.add_argument("--batch", type=int, default=1, help="sequences held and decoded together")
+    q.add_argument("--gpus", type=int, required=True)
+    q.add_argument("--gpu", default="h100", help="h100, h200, h800, a100, l40s, 4090, cpu (or one from --hardware)")
+    q.add_argument("--interconnect", default="nvlink", help="link inside a node: nvlink, pcie; ib: one GPU per node")
+    q.add_argument("--nodes", type=int, default=None, help="nodes holding the GPUs (between nodes: ib)")
+    q.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="one or more of auto, int8, fp8, fp8_e5m2")
+    q.add_argument("--dtype", default="bfloat16", help="bfloat16, float16, float32, fp8 (FP8 weights)")
+    q.add_argument("--hardware", default=None, metavar="FILE", help="JSON merged over ringkv/hardware.json")
+    q.add_argument("--calibrate", nargs="+", default=None, metavar="JSON",
+                   help="benchmark results (long_ctx.py, long_prefill.py, engine.py --json) or a rates file")
+    q.add_argument("--output-tokens", type=int, default=256, help="decode length used to rank the options")
+    q.add_argument("--no-ulysses", action="store_true", help="plain ring only for SP")
+    q.add_argument("--json", default=None, metavar="PATH", help="write the options as JSON")
+    q.add_argument("--plot", default=None, metavar="PATH", help="prefill vs decode plot of the options")
+    q.add_argument("--top", type=int, default=None, help="print only the best N options")
     return p
+
+
+def _plan(args) -> int:
+    import json
+
+    from . import planner
+
+    try:
+        opts = planner.plan(args.model, args.seq, batch=args.batch, gpus=args.gpus, gpu=args.gpu,
+                            interconnect=args.interconnect, nodes=args.nodes, kv_cache_dtype=args.kv_cache_dtype,
+                            dtype=args.dtype, hardware=args.hardware, calibrate=args.calibrate,
+                            output_tokens=args.output_tokens, ulysses=not args.no_ulysses)
+    except (ValueError, TypeError) as e:
+        print(f"ringkv: {e}", file=sys.stderr)
+        return 2
+    print(planner.format_table(opts[:args.top] if args.top else opts))
+    best = [o for o in opts if o.recommended]
+    print(f"\n{'recommended: tp=%d pp=%d sp=%d%s' % (best[0].tp, best[0].pp, best[0].sp, ' ulysses=%d' % best[0].ulysses if best[0].ulysses > 1 else '') if best else 'nothing fits (closest: ' + opts[0].reason + '); use more GPUs, a quantized KV cache or a shorter sequence'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(inputs={k: v for k, v in vars(args).items() if k not in ("json", "plot", "command")},
+                           options=[o.asdict() for o in opts]), f, indent=2)
+    if args.plot:
+        planner.plot(opts, args.plot, f"{args.model}, {args.seq} tokens, {args.gpus} x {args.gpu}")
+    return 0
 
 
 def _build(args):
@@ -67,6 +111,8 @@ def _build(args):
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        return _plan(args)
     from .engine import SamplingParams
 
     params = None

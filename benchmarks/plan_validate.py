@@ -1,0 +1,210 @@
+"""Validate ``ringkv.plan``'s performance model: predicted vs measured (this repo's CPU runs, after
+calibration on *other* runs) and vs published figures (with the hardware table's default rates).
+
+    python benchmarks/plan_validate.py [--json results/plan_validate.json]
+
+Inputs: the JSON of earlier benchmark runs in benchmarks/data/plan/ (copies of results/*.json;
+long_ctx_16k.json is transcribed from docs/performance.md), and published numbers cited in
+docs/plan.md. Each row says what was calibrated on what; a row passes within 15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from ringkv import planner  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plan")
+TOLERANCE = 0.15
+
+
+def data(name: str) -> str:
+    return os.path.join(DATA, name)
+
+
+def load(name: str) -> dict:
+    with open(data(name)) as f:
+        return json.load(f)
+
+
+def cpu_rates(*files) -> planner.Rates:
+    base = planner.rates(planner.load_hardware(), "cpu", "float32")
+    return planner.fit_rates([data(f) for f in files], base) if files else base
+
+
+def row(case, predicted, measured, unit, calibrated_on, source):
+    err = predicted / measured - 1
+    return dict(case=case, predicted=predicted, measured=measured, unit=unit, error=err,
+                within=abs(err) <= TOLERANCE, calibrated_on=calibrated_on, source=source)
+
+
+def ring_cpu_rows():
+    """long_ctx.py on 2 CPU ranks: attention rate fitted on the 16K zigzag run, other runs predicted."""
+    r = cpu_rates("long_ctx_16k.json")
+    out = []
+    t = planner.ring_attention_seconds(16384, 8, 8, 64, 2, 4, r, "loopback")[0]
+    out.append(row("CPU ring, S=16K, 8 heads, striped causal (long_ctx.py)", t, 1.933, "s",
+                   "long_ctx 16K zigzag", "docs/performance.md, 16K table"))
+    t = planner.ring_attention_seconds(131072, 1, 1, 64, 2, 4, r, "loopback")[0]
+    out.append(row("CPU ring, S=128K, 1 head, zigzag causal (long_ctx.py)", t, 14.227, "s",
+                   "long_ctx 16K zigzag", "docs/performance.md, 128K table"))
+    return out
+
+
+def bench_prompts(model: str, n: int, lo: int = 16, hi: int = 256) -> list:
+    """The prompts benchmarks/engine.py sent (same seeds and code): random ids for a random model;
+    for SmolLM2 slices of its text, whose token ids are saved in smollm2_corpus.json (overlapping
+    slices share prefix-cache blocks, as in the engine)."""
+    rng = random.Random(n)
+    if model.startswith("random"):
+        return [[rng.randrange(3, 1000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    corpus = load("smollm2_corpus.json")["corpus"]
+    out = []
+    for _ in range(n):
+        length, start = rng.randint(lo, hi), rng.randrange(0, 200)
+        out.append(corpus[start:start + length])
+    return out
+
+
+ENGINE_FILES = ("engine_pp2modelllama120m.json", "engine_tp2modelllama120m.json", "engine_pp2modelsmollm2.json")
+SINGLE_FILES = ("prefill_8k.json", "prefill_32k.json", "threshold_smollm2_short.json", "threshold_smollm2.json",
+                "threshold_tiny.json")
+
+
+def single_process_runs() -> list:
+    """Every one-process engine run saved here (2 torch threads): the baselines of the engine.py
+    runs (the same requests as their parallel rows), the sp = 1 rows of long_prefill.py (8K
+    SmolLM2, 32K tiny-long) and of its --sweep (one prompt of 4-4096 tokens)."""
+    runs = []
+    for name in ENGINE_FILES:
+        d = load(name)
+        cfg = planner._model_of(d["model"])
+        for x in d["rows"]:
+            runs.append(planner.EngineRun(cfg, bench_prompts(d["model"], x["requests"]), d["max_tokens"],
+                                          x["base_capacity_tokens"] // 16, x["output_tokens"] / x["base_tok_s"],
+                                          max_num_seqs=x["requests"], label=f"{name}: {x['requests']} requests"))
+    for name in SINGLE_FILES:
+        d = load(name)
+        cfg = planner.load_model(d["model"])
+        for x in d["rows"]:
+            if x.get("sp", 1) == 1:
+                seq, t = x["seq"], x.get("ttft_s", x.get("sp1_s"))
+                runs.append(planner.EngineRun(cfg, [seq], 1, seq // 16 + 8, t, max_num_seqs=1,
+                                              max_num_batched_tokens=seq, label=f"{name}: {seq} tokens"))
+    return runs
+
+
+def cpu_fit(runs):
+    """(rates of the one 2-thread process, rates of a 1-thread rank): attention of one thread from
+    the 16K ring run; matmul, memory bandwidth and host seconds (per step, per sequence per step,
+    per layer per step) fitted on the one-process ``runs``; a rank's compute and memory rates are
+    half the process's (linear in threads), its host seconds the same."""
+    a1 = cpu_rates("long_ctx_16k.json").attention
+    start = planner._threads(cpu_rates(), 2)
+    start.attention = 2 * a1
+    proc = planner.fit_engine(runs, start, ("matmul", "memory", "step", "seq", "layer"))
+    rank = planner._threads(proc, 0.5)
+    rank.attention = a1
+    return proc, rank
+
+
+CAL = "one-process runs + long_ctx 16K"
+
+
+def prefill_rows(rank):
+    """long_prefill.py, sp = 2 (2 ranks x 1 thread), one prompt in one step (ring mode)."""
+    out = []
+    for name, label in (("prefill_32k.json", "tiny-long, 32768 tokens"), ("prefill_8k.json", "SmolLM2-135M, 8192 tokens")):
+        d = load(name)
+        (m,) = [x for x in d["rows"] if x["sp"] == 2]
+        seq = m["seq"]
+        run = planner.EngineRun(planner.load_model(d["model"]), [seq], 1, seq // 32 + 8, m["ttft_s"], sp=2,
+                                max_num_seqs=1, max_num_batched_tokens=seq)
+        out.append(row(f"engine SP=2 prefill (TTFT), {label} (long_prefill.py)", run.seconds(rank), m["ttft_s"], "s",
+                       CAL, "docs/performance.md, SP prefill table"))
+    return out
+
+
+def engine_rows(rank):
+    """engine.py parallel rows (each rank 1 thread): the whole run's workload through the engine's
+    scheduler, priced with the rank rates; tok/s = output tokens / modelled wall time."""
+    out = []
+    for name in ENGINE_FILES:
+        d = load(name)
+        cfg = planner._model_of(d["model"])
+        for x in d["rows"]:
+            c = planner._parse_config(x["config"])
+            run = planner.EngineRun(cfg, bench_prompts(d["model"], x["requests"]), d["max_tokens"],
+                                    x["parallel_capacity_tokens"] // 16 // c["sp"], 0.0, max_num_seqs=x["requests"], **c)
+            out.append(row(f"engine {x['config']}, {d['model'].split(' (')[0]}, {x['requests']} requests: tok/s",
+                           x["output_tokens"] / run.seconds(rank), x["parallel_tok_s"], "tok/s", CAL,
+                           "docs/performance.md, TP/PP table"))
+    return out
+
+
+def ring_flash_attn_rows():
+    """ring-flash-attention README (zhuzilin/ring-flash-attention, benchmark_kvpacked_func.py):
+    8 GPUs, 8192 tokens per GPU (65536 in all), 32 heads, 8 KV heads, dim 128, bf16, causal,
+    forward. The attention rate is the table's own single-GPU flash_attn column; links and HBM
+    from the hardware table. Efficiency = ring iter/s / (flash_attn iter/s / 8)."""
+    hw = planner.load_hardware()
+    out = []
+    for gpu, fa, measured in (("h800", 591.5, 0.852), ("a100", 373.4, 0.817)):
+        r = planner.rates(hw, gpu, "bfloat16")
+        r.attention = 4 * 128 * 32 * 8192 * 8192 / 2 * fa  # flash_attn's achieved FLOP/s on one 8K causal block
+        t = planner.ring_attention_seconds(65536, 32, 8, 128, 8, 2, r, "nvlink")[0]
+        out.append(row(f"ring-flash-attn zigzag fwd efficiency, 8x{gpu.upper()}", (8 / fa) / t, measured, "",
+                       f"flash_attn {fa} iter/s (same table)", "github.com/zhuzilin/ring-flash-attention README"))
+    return out
+
+
+def meta_rows():
+    """Meta, 'Context Parallelism for Scalable Million-Token Inference' (arXiv 2411.01783): Llama 3
+    405B, 1M-token prefill in 77 s on 128 H100 (16 nodes of 8, TP 8 in a node, CP 16 across)."""
+    out = []
+    for dtype, seq, note in (("fp8", 1_000_000, "FP8 linear layers, S = 10^6"),
+                             ("fp8", 1 << 20, "FP8 linear layers, S = 2^20"),
+                             ("bfloat16", 1_000_000, "bf16 linear layers, S = 10^6")):
+        (o,) = [o for o in planner.plan("llama-3.1-405b", seq, gpus=128, nodes=16, gpu="h100", dtype=dtype,
+                                        ulysses=False) if (o.tp, o.pp, o.sp) == (8, 1, 16)]
+        out.append(row(f"Llama-3.1-405B 1M prefill, 128 H100, TP8 x SP16 ({note})", o.prefill_s, 77.0, "s",
+                       "none (hardware table defaults)", "arXiv 2411.01783 abstract"))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None, metavar="PATH")
+    args = p.parse_args(argv)
+    fit = single_process_runs()
+    proc, rank = cpu_fit(fit)
+    rows = ring_cpu_rows() + prefill_rows(rank) + engine_rows(rank) + ring_flash_attn_rows() + meta_rows()
+    res = [x.seconds(proc) / x.measured_s - 1 for x in fit]
+    print(f"CPU one process (2 threads), fitted on {len(fit)} runs: matmul {proc.matmul / 1e9:.0f} GFLOP/s, memory "
+          f"{proc.memory / 1e9:.1f} GB/s, attention {proc.attention / 1e9:.0f} GFLOP/s (2 x long_ctx); host "
+          + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in proc.host.items())
+          + f"; fit residuals {min(res):+.0%} .. {max(res):+.0%}, engine baselines "
+          + ", ".join(f"{e:+.0%}" for e, x in zip(res, fit) if x.max_tokens > 1) + "\n")
+    print("| case | predicted | measured / published | error | within 15% | calibrated on |")
+    print("|---|---:|---:|---:|---|---|")
+    for x in rows:
+        fmt = (lambda v: f"{v:.3f}") if x["unit"] == "" else (lambda v: f"{v:.3g} {x['unit']}")
+        print(f"| {x['case']} | {fmt(x['predicted'])} | {fmt(x['measured'])} | {x['error']:+.1%} | "
+              f"{'yes' if x['within'] else '**no**'} | {x['calibrated_on']} |")
+    print(f"\n{sum(x['within'] for x in rows)} of {len(rows)} within {TOLERANCE:.0%}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, cpu_process_rates=planner.asdict(proc), cpu_rank_rates=planner.asdict(rank)),
+                      f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,8 +36,11 @@ def case(draw, method):
     ring_n = dims[1] if dims else n
     unit = 2 if layout == "zigzag" and (dims is None or dims[0] % 2) else 1  # local length granularity
     h, hkv = draw(heads(split))
+    s = unit * draw(st.integers(1, 8 // unit)) * n
+    w = st.integers(0, s)  # windows narrower and wider than a shard
+    window = draw(st.one_of(st.just((-1, -1)), st.tuples(w, st.just(-1)), st.tuples(w, w), st.tuples(st.just(-1), w)))
     return dict(n=n, dims=dims, layout=layout, causal=draw(st.booleans()), b=draw(st.integers(1, 2)),
-                s=unit * draw(st.integers(1, 8 // unit)) * n, h=h, hkv=hkv, d=draw(st.sampled_from([16, 32])),
+                s=s, window=window, h=h, hkv=hkv, d=draw(st.sampled_from([16, 32])),
                 dtype=draw(st.sampled_from([torch.float32] * 3 + [torch.bfloat16])),
                 scale=draw(st.sampled_from([None, 0.3])), lse_grad=draw(st.booleans()),
                 chunks=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**16)), ring_n=ring_n)
@@ -45,7 +48,8 @@ def case(draw, method):
 
 def _fixed(n, layout, h, hkv, dtype, dims=None, chunks=2, s=None):
     """A case that always runs: causal, a gradient through lse, GQA."""
-    return dict(n=n, dims=dims, layout=layout, causal=True, b=2, s=s or 4 * n, h=h, hkv=hkv, d=16, dtype=dtype,
+    return dict(n=n, dims=dims, layout=layout, causal=True, b=2, s=s or 4 * n, window=(-1, -1), h=h, hkv=hkv, d=16,
+                dtype=dtype,
                 scale=None, lse_grad=True, chunks=chunks, seed=1, ring_n=dims[1] if dims else n)
 
 
@@ -53,15 +57,15 @@ def _run_case(world, method, c):
     split = c["dims"][0] if c["dims"] else (c["n"] if method == "ulysses" else 1)
     event(f"world {c['dims'] or c['n']}, heads {c['h']}/{c['hkv']}, kv heads "
           f"{'split' if c['hkv'] % split == 0 else 'replicated'}")
-    event(f"{c['dtype']}, causal={c['causal']}, lse grad={c['lse_grad']}")
+    event(f"{c['dtype']}, causal={c['causal']}, lse grad={c['lse_grad']}, window={c['window'] != (-1, -1)}")
     g = torch.Generator().manual_seed(c["seed"])
     b, s, h, hkv, d, dt = c["b"], c["s"], c["h"], c["hkv"], c["d"], c["dtype"]
     q = torch.randn(b, s, h, d, generator=g).to(dt)
     k, v = (torch.randn(b, s, hkv, d, generator=g).to(dt) for _ in range(2))
     dout = torch.randn(b, s, h, d, generator=g)
     dlse = torch.randn(b, h, s, generator=g) if c["lse_grad"] else None
-    want = _reference(q, k, v, dout, dlse, c["causal"], c["scale"])
-    kw = dict(chunks=c["chunks"]) if method == "allgather" else None
+    want = _reference(q, k, v, dout, dlse, c["causal"], c["scale"], window=c["window"])
+    kw = dict(window=c["window"], **(dict(chunks=c["chunks"]) if method == "allgather" else {}))
     results = world.check("tests.variant_cases:forward_backward", c["n"], method, q, k, v, dout, dlse, c["causal"],
                           c["layout"], c["scale"], c["dims"], kw)
     seen = []
@@ -85,6 +89,7 @@ def _run_case(world, method, c):
 @given(c=case("ulysses"))
 @example(c=_fixed(4, "zigzag", 4, 2, torch.bfloat16))  # KV heads replicated
 @example(c=_fixed(4, "striped", 8, 4, torch.float32))  # KV heads split
+@example(c=dict(_fixed(4, "zigzag", 4, 2, torch.float32), window=(3, 1), causal=False))  # global order needed
 def test_ulysses_matches_single_device(world, c):
     _run_case(world, "ulysses", c)
 
@@ -93,6 +98,7 @@ def test_ulysses_matches_single_device(world, c):
 @given(c=case("allgather"))
 @example(c=_fixed(3, "zigzag", 4, 2, torch.bfloat16, chunks=3))
 @example(c=_fixed(4, "contiguous", 6, 3, torch.float32, chunks=3, s=20))  # uneven chunks
+@example(c=dict(_fixed(2, "zigzag", 2, 1, torch.float32), window=(1, 2), causal=False))
 def test_allgather_matches_single_device(world, c):
     _run_case(world, "allgather", c)
 
@@ -101,6 +107,7 @@ def test_allgather_matches_single_device(world, c):
 @given(c=case("usp"))
 @example(c=_fixed(4, "zigzag", 4, 1, torch.bfloat16, dims=(2, 2)))  # KV heads replicated
 @example(c=_fixed(4, "striped", 4, 2, torch.float32, dims=(2, 2)))  # KV heads split
+@example(c=dict(_fixed(4, "zigzag", 4, 2, torch.float32, dims=(2, 2)), window=(2, -1)))
 def test_usp_matches_single_device(world, c):
     _run_case(world, "usp", c)
 

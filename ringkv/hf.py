@@ -11,8 +11,9 @@ How it works: ``patch_model`` registers the attention function ``"ringkv"`` with
 public ``AttentionInterface`` and switches the model to it with ``set_attn_implementation``.
 A forward pre-hook on the model shards the inputs and supplies *global* ``position_ids`` (so
 rotary embeddings and causal masks see global positions in every layout); the attention
-function runs ``ringkv.ring_attention`` (prefill, differentiable) or
-``ringkv.sp.decode.decode_attention`` (new tokens over the sharded cache). A forward hook
+function runs ``ringkv.ring_attention`` (or ``ulysses_attention`` / ``usp_attention`` with
+``method=``; prefill, differentiable) or ``ringkv.sp.decode.decode_attention`` (new tokens over
+the sharded cache), with the layer's sliding window when it has one. A forward hook
 assembles ``logits_to_keep`` logits and the loss when ``labels`` are passed.
 
 Inputs (``inputs=`` of ``patch_model``):
@@ -38,7 +39,7 @@ an empty ``DynamicCache`` (generate's default) is replaced by a :class:`ShardedK
 keeps only this rank's tokens. Sampling must use the same seed on every rank.
 
 Not supported (clear errors): padding in ``attention_mask`` (see the message for the fix),
-attention dropout, sliding windows shorter than the sequence, soft-capping, attention sinks,
+attention dropout, soft-capping, attention sinks,
 non-causal attention, models that do not call attention through ``AttentionInterface``.
 """
 
@@ -54,8 +55,11 @@ import torch.nn.functional as F
 
 from .sp.collectives import agree, all_gather, all_sum, rank_world
 from .sp.decode import decode_attention
+from .kernels.mask import NO_WINDOW
 from .sp.layout import check_layout, check_seq_len, granule, positions, shard
 from .sp.ring import ring_attention
+from .sp.ulysses import head_plan, ulysses_attention
+from .sp.usp import sp_groups, usp_attention
 
 __all__ = ["patch_model", "unpatch_model", "gather_logits", "causal_lm_loss", "ShardedKVCache", "ATTN_NAME"]
 
@@ -124,12 +128,18 @@ class _Step:
     labels: Optional[torch.Tensor] = None
 
 
+METHODS = ("ring", "ulysses", "usp")
+
+
 @dataclass
 class _State:
     group: object
     layout: str
     rank: int
     world: int
+    method: str
+    ulysses: int                         # usp: the Ulysses degree (ranks form sp_groups' mesh); else 1
+    groups: tuple                        # usp: (ulysses_group, ring_group)
     inputs: str
     timeout: Optional[timedelta]
     prev_impl: str
@@ -154,10 +164,8 @@ def ringkv_attention(module, query, key, value, attention_mask, dropout: float =
     if dropout:
         raise ValueError(f"ringkv: attention dropout ({dropout}) is not supported; set config.attention_dropout=0 "
                          f"or call model.eval()")
-    if sliding_window is not None and step.total > sliding_window:
-        raise ValueError(f"ringkv: this layer has a sliding window of {sliding_window} tokens but the sequence has "
-                         f"{step.total}; ringkv computes full causal attention only (use sequences within the window "
-                         f"or a model without sliding windows)")
+    # transformers' sliding window of W tokens: a query sees itself and the W - 1 keys before it
+    window = NO_WINDOW if sliding_window is None else (sliding_window - 1, 0)
     if softcap or kwargs.get("s_aux") is not None:
         raise ValueError("ringkv: attention soft-capping and attention sinks are not supported")
     if not getattr(module, "is_causal", True):
@@ -165,10 +173,17 @@ def ringkv_attention(module, query, key, value, attention_mask, dropout: float =
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D) ringkv layout
     if step.decode:
         out = decode_attention(q, k, v, q_positions=step.q_positions, k_positions=step.cache.positions,
-                               group=state.group, softmax_scale=scaling, timeout=state.timeout)
+                               group=state.group, softmax_scale=scaling, timeout=state.timeout, window=window)
+        return out, None  # (B, T, H, D)
+    # the pre-hook already checked that every rank makes the same call
+    kw = dict(causal=True, layout=state.layout, softmax_scale=scaling, timeout=state.timeout, check=False,
+              window=window)
+    if state.method == "ulysses":
+        out = ulysses_attention(q, k, v, group=state.group, **kw)
+    elif state.method == "usp":
+        out = usp_attention(q, k, v, ulysses_group=state.groups[0], ring_group=state.groups[1], **kw)
     else:
-        out = ring_attention(q, k, v, causal=True, group=state.group, layout=state.layout, softmax_scale=scaling,
-                             timeout=state.timeout, check=False)  # the pre-hook already checked agreement
+        out = ring_attention(q, k, v, group=state.group, **kw)
     return out, None  # (B, S_local, H, D)
 
 
@@ -209,7 +224,7 @@ def _pre_hook(state: _State, model, args, kwargs):
     if x is None:
         raise ValueError("ringkv: pass input_ids or inputs_embeds")
     b, t = x.shape[:2]
-    rank, world, layout = state.rank, state.world, state.layout
+    rank, world, layout, u = state.rank, state.world, state.layout, state.ulysses
 
     # --- local checks (before any collective) ---
     mask = kw.pop("attention_mask", None)
@@ -249,13 +264,13 @@ def _pre_hook(state: _State, model, args, kwargs):
         x_local, keep_at = x, None
     else:
         if state.inputs == "full":
-            seq, g = t, granule(layout, world)
+            seq, g = t, granule(layout, world, u)
             s_pad = -(-seq // g) * g
             _check_positions(kw.get("position_ids"), torch.arange(seq, device=x.device), f"0..{seq - 1}")
         else:
             seq = s_pad = t * world
-            check_seq_len(s_pad, layout, world)
-        q_pos = positions(s_pad, layout, rank, world, device=x.device)                 # (S_pad / N,)
+            check_seq_len(s_pad, layout, world, u)
+        q_pos = positions(s_pad, layout, rank, world, device=x.device, ulysses=u)      # (S_pad / N,)
         if state.inputs == "shard":
             _check_positions(kw.get("position_ids"), q_pos, f"this rank's global positions in layout {layout!r}")
             x_local = x
@@ -264,7 +279,7 @@ def _pre_hook(state: _State, model, args, kwargs):
                 pad = getattr(model.config, "pad_token_id", None) or 0
                 tail = (x.new_full((b, s_pad - seq), pad) if ids is not None else x.new_zeros(b, s_pad - seq, x.shape[2]))
                 x = torch.cat([x, tail], 1)                                            # (B, S_pad[, E])
-            x_local = shard(x, 1, layout, rank=rank, world=world)                       # (B, S_pad / N[, E])
+            x_local = shard(x, 1, layout, rank=rank, world=world, ulysses=u)            # (B, S_pad / N[, E])
         rows = (q_pos < seq).nonzero().squeeze(1) if s_pad > seq else None
         keep_at = None
         if keep:
@@ -305,20 +320,24 @@ def _post_hook(state: _State, model, args, kwargs, output):
         output.logits = all_sum(full, state.group, state.timeout, "ringkv logits_to_keep")  # (B, keep, V)
     if step.labels is not None:
         output.loss = causal_lm_loss(output.logits, step.labels, layout=state.layout, group=state.group,
-                                     sharded=state.inputs == "shard", timeout=state.timeout)
+                                     sharded=state.inputs == "shard", timeout=state.timeout, ulysses=state.ulysses)
     return output
 
 
 # ---------------------------------------------------------------------------------------------
 # public API
 
-def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigzag", *, inputs: str = "full",
-                timeout: Optional[float] = None):
-    """Make ``model`` (a transformers causal LM) run exact ring attention over the SP ``group``.
+def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigzag", *, method: str = "ring",
+                ulysses: Optional[int] = None, inputs: str = "full", timeout: Optional[float] = None):
+    """Make ``model`` (a transformers causal LM) run exact sequence-parallel attention over the SP ``group``.
 
     Call it on every rank of ``group`` (default: the world; no process group = one rank) with
     identical weights. ``sp`` (optional) must equal the group size. ``layout`` is how the
     sequence is split (``"zigzag"`` balances causal work; ``"contiguous"``, ``"striped"``).
+    ``method``: ``"ring"`` (``ring_attention``), ``"ulysses"`` (``ulysses_attention``: the
+    attention heads must split over the group) or ``"usp"`` (``usp_attention`` on
+    ``sp_groups(ulysses=U, ring=N/U)`` of the default world: pass ``ulysses=U``). Layers with
+    a sliding window (Mistral, Qwen2) attend within it, at any length.
     ``inputs`` is ``"full"`` (every rank passes the whole sequence) or ``"shard"`` (every rank
     passes its own shard); see the module docstring. ``timeout`` (seconds) bounds every wait
     on a peer. Returns the same model, patched in place; ``unpatch_model`` restores it.
@@ -326,6 +345,8 @@ def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigz
     from transformers import AttentionInterface, PreTrainedModel
 
     check_layout(layout)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if inputs not in ("full", "shard"):
         raise ValueError(f"inputs must be 'full' or 'shard', got {inputs!r}")
     if getattr(model, "_ringkv_state", None) is not None:
@@ -348,8 +369,10 @@ def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigz
         raise ValueError(f"sp={sp} but the SP group has {world} rank(s); pass the process group of {sp} ranks as "
                          f"group= (or omit sp)" + ("" if world > 1 else "; call torch.distributed.init_process_group "
                                                    "first for sp > 1"))
+    u, groups = _method_groups(model.config, method, ulysses, group, world)
     AttentionInterface.register(ATTN_NAME, ringkv_attention)
-    state = _State(group=group, layout=layout, rank=rank, world=world, inputs=inputs,
+    state = _State(group=group, layout=layout, rank=rank, world=world, method=method, ulysses=u, groups=groups,
+                   inputs=inputs,
                    timeout=None if timeout is None else timedelta(seconds=timeout),
                    prev_impl=model.config._attn_implementation, modules=modules)
     model.set_attn_implementation(ATTN_NAME)
@@ -362,6 +385,27 @@ def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigz
     ]
     model._ringkv_state = state
     return model
+
+
+def _method_groups(config, method: str, ulysses: Optional[int], group, world: int):
+    """``(U, (ulysses_group, ring_group))`` for ``method``, after checking that the model's heads
+    split (before any collective; building the USP groups is the first one)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if method != "usp":
+        if ulysses is not None:
+            raise ValueError(f"ulysses={ulysses} is for method='usp' (method={method!r})")
+        if method == "ulysses":
+            head_plan(heads, kv_heads, world, "patch_model(method='ulysses')")
+        return 1, ()
+    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world % ulysses:
+        raise ValueError(f"method='usp' needs ulysses=U, a positive divisor of the SP world size {world} "
+                         f"(ring = {world} / U), got {ulysses!r}")
+    if group is not None and rank_world(group)[1] != rank_world()[1]:
+        raise ValueError("method='usp' runs on sp_groups(ulysses=U, ring=N/U) of the whole default world; "
+                         "leave group=None")
+    head_plan(heads, kv_heads, ulysses, "patch_model(method='usp')")
+    return ulysses, sp_groups(ulysses=ulysses, ring=world // ulysses)
 
 
 def unpatch_model(model):
@@ -378,31 +422,34 @@ def unpatch_model(model):
     return model
 
 
-def _gather_seq(x: torch.Tensor, layout: str, group, timeout) -> torch.Tensor:
+def _gather_seq(x: torch.Tensor, layout: str, group, timeout, ulysses: int = 1) -> torch.Tensor:
     """Every rank's shard ``(B, S/N, ...)`` in global order ``(B, S, ...)`` (bounded all-gather)."""
     _, world = rank_world(group)
     parts = all_gather(x, group, timeout, "ringkv gather")
     s = x.shape[1] * world
-    where = torch.cat([positions(s, layout, r, world, device=x.device) for r in range(world)])  # (S,)
+    where = torch.cat([positions(s, layout, r, world, device=x.device, ulysses=ulysses) for r in range(world)])
     full = x.new_empty((x.shape[0], s, *x.shape[2:]))
     full[:, where] = torch.cat(parts, 1)
     return full
 
 
 def gather_logits(logits: torch.Tensor, layout: str = "zigzag", group=None, seq_len: Optional[int] = None,
-                  timeout: Optional[timedelta] = None):
+                  timeout: Optional[timedelta] = None, ulysses: int = 1):
     """All-gather the logits shards ``(B, S_pad / N, V)`` into global order ``(B, S, V)``
-    (``seq_len`` drops the end padding added in ``inputs="full"`` mode). Not differentiable."""
+    (``seq_len`` drops the end padding added in ``inputs="full"`` mode; ``ulysses``: the
+    Ulysses degree of a model patched with ``method="usp"``). Not differentiable."""
     check_layout(layout)
-    full = _gather_seq(logits.detach(), layout, group, timeout)
+    full = _gather_seq(logits.detach(), layout, group, timeout, ulysses)
     return full if seq_len is None else full[:, :seq_len]
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, layout: str = "zigzag", group=None,
-                   sharded: bool = False, ignore_index: int = IGNORE_INDEX, timeout: Optional[timedelta] = None):
+                   sharded: bool = False, ignore_index: int = IGNORE_INDEX, timeout: Optional[timedelta] = None,
+                   ulysses: int = 1):
     """Mean next-token cross-entropy of the whole sequence, from this rank's logits shard.
 
-    ``logits`` ``(B, S_pad / N, V)`` is this rank's shard in ``layout``. ``labels`` are the
+    ``logits`` ``(B, S_pad / N, V)`` is this rank's shard in ``layout`` (``ulysses``: the
+    Ulysses degree of a model patched with ``method="usp"``). ``labels`` are the
     whole sequence's labels ``(B, S)`` (``S <= S_pad``; padding is ignored), or this rank's
     shard ``(B, S_pad / N)`` with ``sharded=True`` (gathered once). Labels are shifted once,
     globally (token ``i`` predicts label ``i + 1``; the last token predicts nothing), then
@@ -413,17 +460,17 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, layout: str = 
     rank, world = rank_world(group)
     b, s_local, vocab = logits.shape
     s_pad = s_local * world
-    check_seq_len(s_pad, layout, world)
+    check_seq_len(s_pad, layout, world, ulysses)
     if sharded:
         if labels.shape[1] != s_local:
             raise ValueError(f"sharded labels must have this rank's length {s_local}, got {labels.shape[1]}")
-        labels = _gather_seq(labels.to(logits.device), layout, group, timeout)          # (B, S_pad)
-    elif not s_pad - granule(layout, world) < labels.shape[1] <= s_pad:
+        labels = _gather_seq(labels.to(logits.device), layout, group, timeout, ulysses)  # (B, S_pad)
+    elif not s_pad - granule(layout, world, ulysses) < labels.shape[1] <= s_pad:
         raise ValueError(f"labels of length {labels.shape[1]} do not match logits shards of {s_local} tokens on "
                          f"{world} rank(s) (a sequence of {s_pad} tokens, padding included); pass the whole "
                          f"sequence's labels, or this rank's shard with sharded=True")
     shifted = F.pad(labels[:, 1:].to(logits.device), (0, s_pad - labels.shape[1] + 1), value=ignore_index)  # (B, S_pad)
-    local = shard(shifted, 1, layout, rank=rank, world=world)                           # (B, S_pad / N)
+    local = shard(shifted, 1, layout, rank=rank, world=world, ulysses=ulysses)          # (B, S_pad / N)
     loss_sum = F.cross_entropy(logits.float().reshape(-1, vocab), local.reshape(-1), ignore_index=ignore_index,
                                reduction="sum")
     count = (local != ignore_index).sum()

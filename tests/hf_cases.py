@@ -28,30 +28,34 @@ def build(arch: str, seed: int, **overrides):
     return transformers.AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).eval()
 
 
-def train_step(ctx, arch, seed, ids, layout, inputs, give_positions=False, checkpointing=False):
+def train_step(ctx, arch, seed, ids, layout, inputs, give_positions=False, checkpointing=False, method="ring",
+               ulysses=None, config=None):
     """Patched forward with labels + backward; returns gathered logits, loss, this rank's grads."""
-    model = hf.patch_model(build(arch, seed), sp=ctx.world, group=ctx.group, layout=layout, inputs=inputs)
+    model = hf.patch_model(build(arch, seed, **(config or {})), sp=ctx.world, group=ctx.group, layout=layout,
+                           inputs=inputs, method=method, ulysses=ulysses)
+    u = ulysses or 1
     if checkpointing:
         model.train().activation_checkpointing_enable()
     if inputs == "full":
         out = model(ids, labels=ids, use_cache=False)
-        helper = hf.causal_lm_loss(out.logits, ids, layout=layout, group=ctx.group)
+        helper = hf.causal_lm_loss(out.logits, ids, layout=layout, group=ctx.group, ulysses=u)
     else:
-        local = ringkv.shard(ids, 1, layout, ctx.group)
+        local = ringkv.shard(ids, 1, layout, ctx.group, rank=ctx.rank, world=ctx.world, ulysses=u)
         kw = {}
         if give_positions:
-            kw["position_ids"] = ringkv.positions(ids.shape[1], layout, ctx.rank, ctx.world).unsqueeze(0)
+            kw["position_ids"] = ringkv.positions(ids.shape[1], layout, ctx.rank, ctx.world, ulysses=u).unsqueeze(0)
         out = model(local, labels=local, use_cache=False, **kw)
-        helper = hf.causal_lm_loss(out.logits, local, layout=layout, group=ctx.group, sharded=True)
+        helper = hf.causal_lm_loss(out.logits, local, layout=layout, group=ctx.group, sharded=True, ulysses=u)
     out.loss.backward()
-    logits = hf.gather_logits(out.logits.detach(), layout, ctx.group, seq_len=ids.shape[1])
+    logits = hf.gather_logits(out.logits.detach(), layout, ctx.group, seq_len=ids.shape[1], ulysses=u)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return dict(logits=logits, loss=out.loss.item(), helper=helper.item(), grads=grads)
 
 
-def generate(ctx, arch, seed, ids, layout, new_tokens):
+def generate(ctx, arch, seed, ids, layout, new_tokens, method="ring", ulysses=None, config=None):
     """Greedy generate on the patched model; returns tokens, per-step scores and the cache shard."""
-    model = hf.patch_model(build(arch, seed), group=ctx.group, layout=layout)
+    model = hf.patch_model(build(arch, seed, **(config or {})), group=ctx.group, layout=layout, method=method,
+                           ulysses=ulysses)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
                              output_scores=True, eos_token_id=None, pad_token_id=0)

@@ -22,17 +22,19 @@ def _ids(b, s, seed, vocab=128):
     return torch.randint(3, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
-def _reference(arch, seed, ids):
-    model = build(arch, seed)
+def _reference(arch, seed, ids, config=None):
+    model = build(arch, seed, **(config or {}))
     out = model(ids, labels=ids, use_cache=False)
     out.loss.backward()
     return out.logits.detach(), out.loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _check_train(world, arch, sp, layout, inputs, s, b=1, seed=0, positions=False, checkpointing=False):
+def _check_train(world, arch, sp, layout, inputs, s, b=1, seed=0, positions=False, checkpointing=False,
+                 method="ring", ulysses=None, config=None):
     ids = _ids(b, s, seed + s)
-    logits, loss, grads = _reference(arch, seed, ids)
-    res = world.check("tests.hf_cases:train_step", sp, arch, seed, ids, layout, inputs, positions, checkpointing)
+    logits, loss, grads = _reference(arch, seed, ids, config)
+    res = world.check("tests.hf_cases:train_step", sp, arch, seed, ids, layout, inputs, positions, checkpointing,
+                      method, ulysses, config)
     for r, got in enumerate(res):
         torch.testing.assert_close(got["logits"], logits, **_TOL, msg=lambda m: f"logits rank {r}: {m}")
         assert got["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6), (r, got["loss"], loss)
@@ -73,13 +75,14 @@ def test_train_any_length_full_inputs(world, arch, sp, layout, s, seed):
     ("mistral", 4, "striped", 16, 1),
     ("llama", 4, "zigzag", 5, 2),                # some ranks cache no prompt token at all
 ])
-def test_generate_matches_unpatched(world, arch, sp, layout, s, b):
+def test_generate_matches_unpatched(world, arch, sp, layout, s, b, method="ring", ulysses=None, config=None):
     new = 8
     ids = _ids(b, s, 7 + s)
     with torch.no_grad():
-        ref = build(arch, 0).generate(ids, max_new_tokens=new, do_sample=False, return_dict_in_generate=True,
-                                      output_scores=True, eos_token_id=None, pad_token_id=0)
-    res = world.check("tests.hf_cases:generate", sp, arch, 0, ids, layout, new)
+        ref = build(arch, 0, **(config or {})).generate(ids, max_new_tokens=new, do_sample=False,
+                                                        return_dict_in_generate=True, output_scores=True,
+                                                        eos_token_id=None, pad_token_id=0)
+    res = world.check("tests.hf_cases:generate", sp, arch, 0, ids, layout, new, method, ulysses, config)
     ref_scores = torch.stack(ref.scores, 1)
     for r, got in enumerate(res):
         assert torch.equal(got["tokens"], ref.sequences), (r, got["tokens"], ref.sequences)
@@ -90,6 +93,31 @@ def test_generate_matches_unpatched(world, arch, sp, layout, s, b):
     assert cached == list(range(s + new - 1))
     assert sum(got["local_keys"] for got in res) == s + new - 1
     assert all(got["local_keys"] == len(got["positions"]) for got in res)
+
+
+# ---- other SP methods and sliding windows: the same checks ----
+
+@pytest.mark.parametrize("arch,sp,layout,inputs,s,method,ulysses,config", [
+    ("llama", 4, "zigzag", "full", 13, "ulysses", None, None),       # 4 heads over 4 ranks, KV heads replicated
+    ("qwen2", 2, "striped", "shard", 12, "ulysses", None, None),
+    ("llama", 4, "zigzag", "full", 21, "usp", 2, None),               # 2 (ulysses) x 2 (ring), padded to 24
+    ("mistral", 4, "contiguous", "shard", 16, "usp", 2, dict(sliding_window=5)),
+    ("mistral", 3, "zigzag", "full", 23, "ring", None, dict(sliding_window=4)),   # window < shard
+    ("mistral", 2, "contiguous", "full", 17, "ring", None, dict(sliding_window=11)),  # window > shard
+    ("qwen2", 4, "zigzag", "full", 19, "ulysses", None, dict(use_sliding_window=True, sliding_window=3,
+                                                           max_window_layers=1)),  # one windowed layer
+])
+def test_methods_and_windows_train_like_unpatched(world, arch, sp, layout, inputs, s, method, ulysses, config):
+    _check_train(world, arch, sp, layout, inputs, s, method=method, ulysses=ulysses, config=config)
+
+
+@pytest.mark.parametrize("arch,sp,layout,s,method,ulysses,config", [
+    ("llama", 2, "zigzag", 9, "ulysses", None, None),
+    ("qwen2", 4, "striped", 10, "usp", 2, None),
+    ("mistral", 4, "zigzag", 11, "ring", None, dict(sliding_window=4)),   # the window also bounds decode
+])
+def test_methods_and_windows_generate_like_unpatched(world, arch, sp, layout, s, method, ulysses, config):
+    test_generate_matches_unpatched(world, arch, sp, layout, s, 1, method, ulysses, config)
 
 
 @settings(max_examples=4, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -218,11 +246,12 @@ def test_errors_name_the_fix(tiny):
 
 
 def test_model_level_limits():
-    windowed = hf.patch_model(build("mistral", 0, sliding_window=4))
-    with pytest.raises(ValueError, match="sliding window of 4"):
-        windowed(_ids(1, 8, 0))
-    with torch.no_grad():
-        windowed(_ids(1, 4, 0))  # within the window: exact
+    with pytest.raises(ValueError, match="valid world sizes"):  # 4 heads, 2 KV heads cannot split over 3 ranks
+        hf._method_groups(build("llama", 0).config, "ulysses", None, None, 3)
+    with pytest.raises(ValueError, match="ulysses=U"):
+        hf.patch_model(build("llama", 0), method="usp")
+    with pytest.raises(ValueError, match="method must be"):
+        hf.patch_model(build("llama", 0), method="ring2")
     dropped = hf.patch_model(build("llama", 0, attention_dropout=0.1)).train()
     with pytest.raises(ValueError, match="dropout"):
         dropped(_ids(1, 8, 0))

@@ -123,6 +123,7 @@ def test_2d_shard_unshard_round_trip(world, dims, layout):
             ring_rank, p = divmod(rank, u)
             want = ringkv.positions(16, layout, ring_rank, r)[p * 16 // (u * r):(p + 1) * 16 // (u * r)]
             assert torch.equal(pos, want)
+            assert torch.equal(ringkv.positions(16, layout, rank, 4, ulysses=u), want)  # by rank number, no groups
             assert torch.equal(part, x.index_select(dim, want))
             assert torch.equal(back, x)
 

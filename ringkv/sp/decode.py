@@ -10,7 +10,7 @@ every rank gets the same, exact result. Inference only (not differentiable).
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -23,13 +23,15 @@ __all__ = ["decode_attention", "merge_across"]
 
 def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *, q_positions: torch.Tensor,
                      k_positions: torch.Tensor, group=None, softmax_scale: Optional[float] = None,
-                     backend: str = "auto", timeout: Optional[timedelta] = None) -> torch.Tensor:
+                     backend: str = "auto", timeout: Optional[timedelta] = None,
+                     window: Tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """Exact causal attention of replicated new queries over the sharded cache.
 
     Args:
         q: ``(B, T, H, D)``, the same on every rank; ``q_positions`` ``(T,)`` their global positions.
         k_local, v_local: ``(B, S_local, Hkv, D)``, this rank's cached keys/values (``S_local``
             may be 0 and may differ between ranks); ``k_positions`` ``(S_local,)`` global positions.
+        window: ``(left, right)`` sliding window on those positions, as in ``ring_attention``.
     Returns:
         ``(B, T, H, D)`` in ``q.dtype``, identical on every rank.
     """
@@ -40,7 +42,7 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
         out, lse = empty_partial(b, t, h, v_local.shape[-1], q.device)
     else:
         out, lse = kernels.attention(q, k_local, v_local, scale=softmax_scale, causal=True, q_positions=q_positions,
-                                     k_positions=k_positions, backend=backend)
+                                     k_positions=k_positions, window=window, backend=backend)
     merged, _ = merge_across(out, lse, group, timeout, "decode_attention")
     return merged.to(q.dtype)
 

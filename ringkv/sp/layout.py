@@ -35,22 +35,31 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
 
 
-def granule(layout: str, world: int) -> int:
-    """The global sequence length must be a multiple of this."""
+def granule(layout: str, world: int, ulysses: int = 1) -> int:
+    """The global sequence length must be a multiple of this (``ulysses``: see ``chunks``)."""
     check_layout(layout)
-    return 2 * world if layout == "zigzag" else world
+    ring = world // ulysses
+    return (2 * ring if layout == "zigzag" else ring) * ulysses
 
 
-def check_seq_len(seq_len: int, layout: str, world: int) -> None:
-    g = granule(layout, world)
+def check_seq_len(seq_len: int, layout: str, world: int, ulysses: int = 1) -> None:
+    g = granule(layout, world, ulysses)
     if seq_len % g:
         pad = -seq_len % g
         raise ValueError(f"layout {layout!r} over {world} ranks needs a sequence length divisible by {g}, "
                          f"got {seq_len}; pad the sequence by {pad} tokens (to {seq_len + pad})")
 
 
-def chunks(seq_len: int, layout: str, rank: int, world: int) -> List[range]:
-    """Global positions of rank ``rank``'s shard, as increasing ranges in local order."""
+def chunks(seq_len: int, layout: str, rank: int, world: int, ulysses: int = 1) -> List[range]:
+    """Global positions of rank ``rank``'s shard, as increasing ranges in local order.
+
+    ``ulysses > 1``: the ``world`` ranks form ``sp_groups``' ``(ring, ulysses)`` mesh (rank
+    ``= ring_rank * ulysses + ulysses_rank``) and the shard is that rank's part of the 2D layout
+    ``usp_attention`` takes (``usp_chunks``)."""
+    if ulysses != 1:
+        if ulysses < 1 or world % ulysses:
+            raise ValueError(f"ulysses={ulysses} must be a positive divisor of the world size {world}")
+        return usp_chunks(seq_len, layout, rank // ulysses, world // ulysses, rank % ulysses, ulysses)
     check_seq_len(seq_len, layout, world)
     if layout == "contiguous":
         n = seq_len // world
@@ -96,20 +105,21 @@ def _is_2d(group, rank, ulysses_group, ring_group) -> bool:
     return True
 
 
-def _ranges(seq_len: int, layout: str, group, rank, world, ulysses_group, ring_group) -> List[range]:
+def _ranges(seq_len: int, layout: str, group, rank, world, ulysses_group, ring_group, ulysses=1) -> List[range]:
     if not _is_2d(group, rank, ulysses_group, ring_group):
         if rank is None or world is None:
             rank, world = rank_world(group)
-        return chunks(seq_len, layout, rank, world)
+        return chunks(seq_len, layout, rank, world, ulysses)
     (u, n_u), (r, n_r) = rank_world(ulysses_group), rank_world(ring_group)
     return usp_chunks(seq_len, layout, r, n_r, u, n_u)
 
 
 def positions(seq_len: int, layout: str, rank: Optional[int] = None, world: Optional[int] = None, device=None, *,
               cu_seqlens: Optional[CuSeqlens] = None, ulysses_group: Optional[dist.ProcessGroup] = None,
-              ring_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+              ring_group: Optional[dist.ProcessGroup] = None, ulysses: int = 1) -> torch.Tensor:
     """Global positions ``(seq_len // world,)`` int64 of rank ``rank``'s tokens, in local order
-    (default: this rank of the world; with ``ulysses_group``/``ring_group``: its 2D part).
+    (default: this rank of the world; with ``ulysses_group``/``ring_group``, or ``ulysses=U`` and
+    a rank of the ``(ring, ulysses)`` mesh: its 2D part).
 
     With ``cu_seqlens``: ``(varlen_local_len,)`` positions *within each token's document* (what
     RoPE needs for packed sequences); a pad row gets its position in its document padded to a
@@ -120,7 +130,7 @@ def positions(seq_len: int, layout: str, rank: Optional[int] = None, world: Opti
             rank, world = rank_world()
         ranges = [r for _, r in varlen_chunks(check_cu_seqlens(cu_seqlens, seq_len), layout, rank, world)]
     else:
-        ranges = _ranges(seq_len, layout, None, rank, world, ulysses_group, ring_group)
+        ranges = _ranges(seq_len, layout, None, rank, world, ulysses_group, ring_group, ulysses)
     return torch.cat([torch.arange(r.start, r.stop, r.step, device=device) for r in ranges])
 
 
@@ -217,9 +227,10 @@ def _select(x: torch.Tensor, dim: int, ranges: List[range]) -> torch.Tensor:
 def shard(x: torch.Tensor, dim: int = 1, layout: str = "zigzag", group: Optional[dist.ProcessGroup] = None,
           *, rank: Optional[int] = None, world: Optional[int] = None, cu_seqlens: Optional[CuSeqlens] = None,
           ulysses_group: Optional[dist.ProcessGroup] = None,
-          ring_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+          ring_group: Optional[dist.ProcessGroup] = None, ulysses: int = 1) -> torch.Tensor:
     """This rank's shard of the full tensor ``x`` along ``dim`` (local op, no communication);
-    with ``ulysses_group`` and ``ring_group``, its part of the 2D layout ``usp_attention`` takes.
+    with ``ulysses_group`` and ``ring_group`` (or ``ulysses=U`` and a rank of the ``(ring,
+    ulysses)`` mesh), its part of the 2D layout ``usp_attention`` takes.
 
     ``cu_seqlens``: ``x`` is a packed sequence ``(1, S, ...)``; returns this rank's
     ``varlen_local_len`` rows, pad rows (zeros) included.
@@ -228,7 +239,7 @@ def shard(x: torch.Tensor, dim: int = 1, layout: str = "zigzag", group: Optional
         if rank is None or world is None:
             rank, world = rank_world(group)
         return _shard_varlen(x, dim, layout, rank, world, cu_seqlens)
-    return _select(x, dim, _ranges(x.shape[dim], layout, group, rank, world, ulysses_group, ring_group))
+    return _select(x, dim, _ranges(x.shape[dim], layout, group, rank, world, ulysses_group, ring_group, ulysses))
 
 
 def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "zigzag",

@@ -456,4 +456,4 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, mask: Mask, dls
 
 from . import register_backend  # noqa: E402  (kernels/__init__ imports us at its end)
 
-register_backend("triton", sys.modules[__name__], preference={"cuda": 0})
+register_backend("triton", sys.modules[__name__], preference={"cuda": 4})  # after sdpa, before reference

@@ -277,3 +277,70 @@ def test_registry_and_supports():
         # EMPTY blocks never reach the kernel: the registry answers them
         out, lse = block_forward(q, q, q, scale=1.0, mask=Mask(EMPTY), backend="triton")
         assert torch.isinf(lse).all() and not out.any()
+
+
+_HUGE_OFFSETS_SCRIPT = r"""
+import mmap
+import torch
+from ringkv.kernels import paged, reference, triton_attn as tk, triton_paged as tp
+from ringkv.kernels.mask import OFFSET, Mask
+
+R = 2**26  # elements from one row (or cache block) to the next: row 32 starts at element 2**31
+S, H, HKV, D = 40, 2, 1, 16  # the interpreter's BLOCK_M = 32, BLOCK_N = 16: tiles cross 2**31
+# 10 GiB of address space, no memory: only the pages the kernels touch get backed (MAP_NORESERVE)
+mm = mmap.mmap(-1, S * R * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000)
+buf = torch.frombuffer(mm, dtype=torch.float32)
+views, col = {}, 0
+for name, heads in dict(q=H, k=HKV, v=HKV, out=H, dout=H, dq=H, dk=HKV, dv=HKV, kc=2 * HKV, vc=2 * HKV).items():
+    views[name] = buf.as_strided((1, S, heads, D), (S * R, R, D, 1), col)  # (B, S, heads, D), rows R apart
+    col += heads * D
+g = torch.Generator().manual_seed(0)
+small = {n: torch.randn(views[n].shape, generator=g) for n in ("q", "k", "v", "dout", "kc", "vc")}
+for n, t in small.items():
+    views[n].copy_(t)
+q, k, v, dout = (views[n] for n in ("q", "k", "v", "dout"))
+
+def close(a, b, what):
+    err = (a - b).abs().max().item()
+    assert err < 1e-4, (what, err)
+
+mask = Mask(OFFSET, offset=3)
+lse = torch.full((1, H, S), float("-inf"))
+tk._forward(q, k, v, views["out"], lse, 0.25, mask)
+ref_out, ref_lse = reference.forward(small["q"], small["k"], small["v"], 0.25, mask)
+close(views["out"], ref_out, "out")
+close(lse, ref_lse, "lse")
+dlse = torch.randn(1, H, S, generator=g)
+tk._backward(dout, q, k, v, views["out"], lse, views["dq"], views["dk"], views["dv"], 0.25, mask, dlse)
+want = reference.backward(small["dout"], small["q"], small["k"], small["v"], ref_out, ref_lse, 0.25, mask, dlse)
+for name, w in zip(("dq", "dk", "dv"), want):
+    close(views[name], w, name)
+
+# paged: a cache of S blocks of 2 tokens, R elements apart; the table reaches the far blocks
+kc, vc = (views[n][0].reshape(S, 2, HKV, D) for n in ("kc", "vc"))
+table = torch.tensor([[39, 33, 2, 36, 31, 35]], dtype=torch.int32)
+lens = torch.tensor([11], dtype=torch.int32)
+qd = torch.randn(1, 1, H, D, generator=g)
+got = tp.paged_attention_triton(qd, kc, vc, table, lens, num_splits=2)
+want = paged.paged_attention_reference(qd, kc, vc, table, lens)
+close(got[0], want[0], "paged out")
+close(got[1], want[1], "paged lse")
+print("ok")
+"""
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not sys.platform.startswith("linux"),
+                    reason="needs the CPU interpreter and Linux's MAP_NORESERVE")
+def test_offsets_past_2_to_31_elements():
+    """Row offsets ``row * stride`` past 2**31 elements (``S_local * H * D >= 2**31``: 512K tokens
+    at H=32, D=128). Such tensors cannot be allocated here, so the inputs and outputs are views
+    whose rows lie 2**26 elements apart in a 10 GiB *reserved but untouched* anonymous mapping:
+    the interpreter reads and writes raw addresses like a GPU, so an int32 product wraps to a
+    negative offset and the run crashes (or reads garbage) instead of matching the reference.
+    A subprocess, so a crash fails this test rather than the session."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _HUGE_OFFSETS_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), \
+        f"rc={r.returncode} (-11: segfault from a wrapped int32 offset)\n" + r.stdout[-2000:] + r.stderr[-3000:]

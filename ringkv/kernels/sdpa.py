@@ -51,23 +51,37 @@ def _fused(q, k, v, scale, causal, attn_mask=None):
     return out.transpose(1, 2), lse.float()
 
 
+def grad_args(dout, q, k, v, out, lse):
+    """A fused backward's inputs: dout, q, k, v, out as (B, H, S, D) (K/V heads repeated), and lse
+    with rows that saw no key at 0 (so P = 0 there, not NaN)."""
+    h = q.shape[2]
+    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return [t.transpose(1, 2) for t in (dout, q)] + [_bhsd(k, h), _bhsd(v, h), out.transpose(1, 2)], lse
+
+
+def grads_bshd(dq, dk, dv, k_shape):
+    """(B, H, S, D) grads -> dq (B, Sq, H, D) and dk/dv (B, Sk, Hkv, D) summed over each GQA group."""
+    b, sk, hkv, d = k_shape
+    h = dq.shape[1]
+    dk = dk.transpose(1, 2).reshape(b, sk, hkv, h // hkv, d).sum(3)
+    dv = dv.transpose(1, 2).reshape(b, sk, hkv, h // hkv, d).sum(3)
+    return dq.transpose(1, 2), dk, dv
+
+
 def _fused_backward(dout, q, k, v, out, lse, scale, causal, attn_mask=None):
     """Backward of one fused call with the row's *final* out/lse; dk/dv summed over GQA groups."""
-    b, sk, hkv, d = k.shape
-    h = q.shape[2]
-    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # no-key rows: P = 0, not NaN
-    args = [t.transpose(1, 2) for t in (dout, q)] + [_bhsd(k, h), _bhsd(v, h), out.transpose(1, 2)]
+    sk = k.shape[1]
+    args, lse = grad_args(dout, q, k, v, out, lse)
     if q.device.type == "cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            *args, lse, 0.0, causal, attn_mask=attn_mask, scale=scale)
+            *args, lse.double() if q.dtype == torch.float64 else lse, 0.0, causal, attn_mask=attn_mask,
+            scale=scale)  # the op's own lse is float64 for float64 inputs (found by the probe)
     else:
         args = [a.contiguous() for a in args]
         empty = torch.empty(0, device=q.device, dtype=torch.int64)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             *args, lse.contiguous(), empty, empty, q.shape[1], sk, 0.0, causal, empty, empty, scale=scale)
-    dk = dk.transpose(1, 2).reshape(b, sk, hkv, h // hkv, d).sum(3)
-    dv = dv.transpose(1, 2).reshape(b, sk, hkv, h // hkv, d).sum(3)
-    return dq.transpose(1, 2), dk, dv
+    return grads_bshd(dq, dk, dv, k.shape)
 
 
 def _additive(mask: Mask, dtype) -> torch.Tensor:
@@ -83,17 +97,22 @@ def _as_dense(mask: Mask, sq: int, sk: int, device) -> Mask:
 def forward(q, k, v, scale: float, mask: Mask):
     """Same contract as ``reference.forward``."""
     mask = _as_dense(mask, q.shape[1], k.shape[1], q.device)
-    if mask.kind == FULL:
-        return _fused(q, k, v, scale, False)
     if mask.kind == DENSE:
         out, lse = _fused(q, k, v, scale, False, attn_mask=_additive(mask, q.dtype))
         seen = mask.dense.any(1)  # the CPU op returns lse = 0 for rows with no visible key
         return out * seen[:, None, None], lse.masked_fill(~seen, float("-inf"))
+    return tiled_forward(q, k, v, scale, mask, _fused)
+
+
+def tiled_forward(q, k, v, scale: float, mask: Mask, fused):
+    """FULL/OFFSET/EMPTY masks as ``fused(q, k, v, scale, causal) -> (out, lse)`` calls on tiles."""
+    if mask.kind == FULL:
+        return fused(q, k, v, scale, False)
     acc, lse = empty_partial(*q.shape[:3], v.shape[-1], q.device)  # EMPTY, or the tiles' accumulator
     if mask.kind == EMPTY:
         return acc.to(q.dtype), lse
     for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
-        o, l = _fused(q[:, t.q0:t.q1], k[:, t.k0:t.k1], v[:, t.k0:t.k1], scale, t.causal)
+        o, l = fused(q[:, t.q0:t.q1], k[:, t.k0:t.k1], v[:, t.k0:t.k1], scale, t.causal)
         merge_(acc[:, t.q0:t.q1], lse[:, :, t.q0:t.q1], o, l)
     return acc.to(q.dtype), lse
 
@@ -102,16 +121,21 @@ def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
     """Same contract as ``reference.backward`` (without ``dlse``: the registry routes that)."""
     assert dlse is None and mask.kind != EMPTY
     mask = _as_dense(mask, q.shape[1], k.shape[1], q.device)
-    if mask.kind == FULL:
-        return _fused_backward(dout, q, k, v, out, lse, scale, False)
     if mask.kind == DENSE:
         return _fused_backward(dout, q, k, v, out, lse, scale, False, attn_mask=_additive(mask, q.dtype))
+    return tiled_backward(dout, q, k, v, out, lse, scale, mask, _fused_backward)
+
+
+def tiled_backward(dout, q, k, v, out, lse, scale: float, mask: Mask, fused_backward):
+    """FULL/OFFSET masks as ``fused_backward(dout, q, k, v, out, lse, scale, causal)`` calls on tiles."""
+    if mask.kind == FULL:
+        return fused_backward(dout, q, k, v, out, lse, scale, False)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
         r, c = slice(t.q0, t.q1), slice(t.k0, t.k1)
-        g = _fused_backward(dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r], lse[:, :, r], scale, t.causal)
+        g = fused_backward(dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r], lse[:, :, r], scale, t.causal)
         dq[:, r] += g[0]
         dk[:, c] += g[1]
         dv[:, c] += g[2]

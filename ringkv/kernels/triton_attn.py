@@ -105,6 +105,13 @@ def _tile_start(IS_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @_jit
+def _rows_off(r0, stride, BLOCK: tl.constexpr):
+    """Element offsets ``(BLOCK, 1)`` of rows ``r0 .. r0 + BLOCK - 1``: ``r0 * stride`` in int64
+    (``S * H * D`` passes 2**31 at 512K tokens with H=32, D=128), the rest within the tile."""
+    return tl.cast(r0, tl.int64) * stride + (tl.arange(0, BLOCK) * stride)[:, None]
+
+
+@_jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, n_lo, n_hi,
               Sk, offset, qk_scale, D,
               MASKED: tl.constexpr, IS_OFFSET: tl.constexpr,
@@ -113,8 +120,9 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, n_lo,
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kv_mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        kv_off = _rows_off(n0, stride_kn, BLOCK_N) + offs_d[None, :]
+        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN) base-2 scores
         if MASKED:
             visible = offs_n[None, :] < Sk
@@ -150,7 +158,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+    q = tl.load(Q + b * stride_qb + h * stride_qh + _rows_off(m0, stride_qm, BLOCK_M) + offs_d[None, :],
                 mask=q_mask, other=0.0)  # (BM, BD)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_kb + hk * stride_kh
@@ -176,7 +184,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: acc = 0 -> out = 0
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+    tl.store(Out + b * stride_ob + h * stride_oh + _rows_off(m0, stride_om, BLOCK_M) + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=q_mask)
     tl.store(Lse + (b * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)
 
@@ -186,14 +194,15 @@ def _bwd_preprocess(Out, DO, Lse, DLse, Delta, Lse2,
                     stride_ob, stride_om, stride_oh, stride_db, stride_dm, stride_dh,
                     H, Sq, D, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     # grid (cdiv(Sq, BLOCK_M), B * H): delta = rowsum(dout * out) - dlse; lse in base 2
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = tl.program_id(0) * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     b = (tl.program_id(1) // H).to(tl.int64)  # int64: batch/head offsets may pass 2**31
     h = (tl.program_id(1) % H).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
-    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+    o = tl.load(Out + b * stride_ob + h * stride_oh + _rows_off(m0, stride_om, BLOCK_M) + offs_d[None, :],
                 mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :],
+    do = tl.load(DO + b * stride_db + h * stride_dh + _rows_off(m0, stride_dm, BLOCK_M) + offs_d[None, :],
                  mask=mask, other=0.0).to(tl.float32)
     row = (b * H + h) * Sq + offs_m
     delta = tl.sum(o * do, 1)
@@ -220,7 +229,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV,
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
-    kv_off = b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    kv_off = b * stride_kb + hk * stride_kh + _rows_off(n0, stride_kn, BLOCK_N) + offs_d[None, :]
     k = tl.load(K + kv_off, mask=kv_mask, other=0.0)  # (BN, BD)
     v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -235,9 +244,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV,
         for m0 in range(m_lo, Sq, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             q_mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
-            q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+            q = tl.load(Q + b * stride_qb + h * stride_qh + _rows_off(m0, stride_qm, BLOCK_M) + offs_d[None, :],
                         mask=q_mask, other=0.0)  # (BM, BD)
-            do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :],
+            do = tl.load(DO + b * stride_db + h * stride_dh + _rows_off(m0, stride_dm, BLOCK_M) + offs_d[None, :],
                          mask=q_mask, other=0.0)
             row = (b * H + h) * Sq + offs_m
             lse2 = tl.load(Lse2 + row, mask=offs_m < Sq, other=float("inf"))  # (BM,)
@@ -251,7 +260,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV,
             dp_t = _dot(v, tl.trans(do), PREC)  # (BN, BM)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += _dot(ds_t.to(q.dtype), q, PREC)
-    g_off = b * stride_gb + hk * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :]
+    g_off = b * stride_gb + hk * stride_gh + _rows_off(n0, stride_gn, BLOCK_N) + offs_d[None, :]
     tl.store(DK + g_off, dk * scale, mask=kv_mask)
     tl.store(DV + g_off, dv, mask=kv_mask)
 
@@ -271,9 +280,9 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+    q = tl.load(Q + b * stride_qb + h * stride_qh + _rows_off(m0, stride_qm, BLOCK_M) + offs_d[None, :],
                 mask=q_mask, other=0.0)
-    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :],
+    do = tl.load(DO + b * stride_db + h * stride_dh + _rows_off(m0, stride_dm, BLOCK_M) + offs_d[None, :],
                  mask=q_mask, other=0.0)
     row = (b * H + h) * Sq + offs_m
     lse2 = tl.load(Lse2 + row, mask=offs_m < Sq, other=float("inf"))
@@ -288,8 +297,9 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
     for n0 in range(0, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kv_mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        kv_off = _rows_off(n0, stride_kn, BLOCK_N) + offs_d[None, :]
+        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN)
         visible = offs_n[None, :] < Sk
         if IS_OFFSET:
@@ -298,7 +308,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
         dp = _dot(do, tl.trans(v), PREC)  # (BM, BN)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, PREC)
-    tl.store(DQ + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gm + offs_d[None, :],
+    tl.store(DQ + b * stride_gb + h * stride_gh + _rows_off(m0, stride_gm, BLOCK_M) + offs_d[None, :],
              dq * scale, mask=q_mask)
 
 
@@ -378,12 +388,20 @@ def forward(q, k, v, scale: float, mask: Mask):
     """q (B, Sq, H, D), k/v (B, Sk, Hkv, D) -> out (B, Sq, H, D) in q.dtype, lse (B, H, Sq) fp32."""
     _build()
     b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.zeros(b, sq, h, d, dtype=q.dtype, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    _forward(q, k, v, out, lse, scale, mask)
+    return out, lse
+
+
+def _forward(q, k, v, out, lse, scale: float, mask: Mask) -> None:
+    """Write ``out``/``lse`` (zeros / -inf beforehand); any strides with a unit last one, k's equal v's."""
+    _build()
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
     if b * h * sq * sk == 0 or mask.kind == EMPTY:
-        return out, lse
+        return
     _launch(_fwd_kernel, lambda c: (triton.cdiv(sq, c["BLOCK_M"]), b * h),
             q, k, v, out, lse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -391,7 +409,6 @@ def forward(q, k, v, scale: float, mask: Mask):
             h, h // hkv, sq, sk, d, _offset(mask), scale * LOG2E,
             IS_OFFSET=mask.kind == OFFSET, PREC=_prec(q.dtype), BLOCK_D=_block_d(d),
             **_buckets(sq, sk))
-    return out, lse
 
 
 def _buckets(sq, sk):
@@ -402,16 +419,21 @@ def _buckets(sq, sk):
 def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
     """Same contract as ``reference.backward``: fp32 dq, dk, dv from the rows' final out/lse."""
     _build()
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
     q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout, out))
-    dout = dout.to(q.dtype)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    _backward(dout.to(q.dtype), q, k, v, out, lse.float().contiguous(), dq, dk, dv, scale, mask, dlse)
+    return dq, dk, dv
+
+
+def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, mask: Mask, dlse=None) -> None:
+    """Write fp32 ``dq, dk, dv`` (zeros beforehand); strides as in ``_forward``, dk's equal dv's."""
+    _build()
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
     if b * h * sq * sk == 0 or mask.kind == EMPTY:
-        return dq, dk, dv
-    lse = lse.float().contiguous()
+        return
     delta = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)  # base-2 lse, +inf for rows that see no key
     dlse_t = dlse.float().contiguous() if dlse is not None else delta
@@ -430,9 +452,8 @@ def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
     _launch(_bwd_dq_kernel, lambda c: (triton.cdiv(sq, c["BLOCK_M"]), b * h),
             q, k, v, dout, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
             h, h // hkv, sq, sk, d, _offset(mask), scale * LOG2E, scale, **common)
-    return dq, dk, dv
 
 
 from . import register_backend  # noqa: E402  (kernels/__init__ imports us at its end)
 
-register_backend("triton", sys.modules[__name__], preference={"cuda": 0})
+register_backend("triton", sys.modules[__name__], preference={"cuda": 4})  # after sdpa, before reference

@@ -144,7 +144,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale:
     n, nq, h, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     scale = d ** -0.5 if scale is None else scale
-    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    q = q.contiguous()
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():  # the kernel reads both with k's strides
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # (never a copy for the engine's caches)
     block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
     out = torch.zeros(n, nq, h, d, dtype=q.dtype, device=q.device)
     lse = torch.full((n, h, nq), float("-inf"), dtype=torch.float32, device=q.device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sp.merge import empty_partial, merge_
+from .merge import empty_partial, merge_
 from .mask import BAND, DENSE, EMPTY, FULL, Mask, offset_tiles
 
 try:  # pragma: no cover - needs CUDA

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sp.merge import empty_partial, merge_
+from .merge import empty_partial, merge_
 from .mask import BAND, DENSE, EMPTY, FULL, Mask, offset_tiles
 
 

@@ -24,7 +24,7 @@ from .. import kernels
 from .collectives import CommStats, agree, rank_world, start_all_gather, start_reduce_scatter
 from .layout import chunks as layout_chunks
 from .layout import cut
-from .merge import empty_partial, merge_
+from ..kernels.merge import empty_partial, merge_
 from ..kernels.mask import NO_WINDOW, check_window
 from .ring import call_values, check_inputs, plan
 

@@ -24,13 +24,15 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import flash_attn, reference, sdpa
+from .merge import merge_
 from .mask import BAND, EMPTY, NO_WINDOW, OFFSET, Mask, Positions, check_positions, check_window, make_mask
 
 BACKENDS: Dict[str, object] = {"reference": reference, "sdpa": sdpa, "flash_attn": flash_attn}
 PREFERENCE = {"cuda": ["flash_attn", "triton", "sdpa", "reference"], "cpu": ["sdpa", "reference"]}
 _verified: Dict[tuple, bool] = {}
 
-__all__ = ["attention", "attention_backward", "block_forward", "block_backward", "make_mask",
+__all__ = ["attention", "attention_backward", "block_forward", "block_backward", "block_forward_into",
+           "block_backward_into", "make_mask",
            "Mask", "BACKENDS", "register_backend", "pick", "validate"]
 
 
@@ -163,6 +165,37 @@ def block_backward(dout, q, k, v, out, lse, *, scale: float, mask: Mask, dlse=No
     if dlse is not None and not module.supports(q, mask, True):
         module = reference  # a gradient through lse: only backends that take it run it
     return module.backward(dout, q, k, v, out, lse, scale, mask, dlse)
+
+
+def block_forward_into(out, lse, q, k, v, *, scale: float, mask: Mask, backend: str = "auto") -> None:
+    """Merge one block's partial into a float32 accumulator in place: ``out`` ``(B, Sq, H, D)``,
+    ``lse`` ``(B, H, Sq)`` (views allowed). A backend with ``forward_into`` merges each of its own
+    tiles straight into the accumulator (no intermediate partial merged a second time); others
+    run ``forward`` and the result is merged once."""
+    if mask.kind == EMPTY:
+        return
+    module = pick(backend, q, mask)
+    if hasattr(module, "forward_into"):
+        module.forward_into(q, k, v, scale, mask, out, lse)
+    else:
+        merge_(out, lse, *module.forward(q, k, v, scale, mask))
+
+
+def block_backward_into(dq, dk, dv, dout, q, k, v, out, lse, *, scale: float, mask: Mask, dlse=None,
+                        backend: str = "auto") -> None:
+    """``block_backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed): a
+    backend with ``backward_into`` adds each tile's gradients directly (no zeroed per-block
+    buffers to add again)."""
+    if mask.kind == EMPTY:
+        return
+    module = pick(backend, q, mask)
+    if dlse is not None and not module.supports(q, mask, True):
+        module = reference  # a gradient through lse: only backends that take it run it
+    if hasattr(module, "backward_into"):
+        module.backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse)
+        return
+    for acc, g in zip((dq, dk, dv), module.backward(dout, q, k, v, out, lse, scale, mask, dlse)):
+        acc.add_(g)
 
 
 class _Attention(torch.autograd.Function):

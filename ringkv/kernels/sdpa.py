@@ -6,7 +6,9 @@ and a multiple of 8.
 
 The fused ops only know "no mask" and "causal"; ``mask.offset_tiles`` rewrites any offset
 diagonal (a ring step's mask) as full tiles plus one *square* causal tile, on which every
-causal convention agrees, and the tiles' partials are merged by LSE. Dense masks and
+causal convention agrees, and the tiles' partials are merged by LSE (``forward_into``: straight
+into the caller's accumulator, so a ring block is merged once; one tile over all rows is returned
+without a merge). Dense masks and
 sliding-window bands run as an additive mask on CPU (not on CUDA). GQA: K/V heads are
 repeated locally (never before communication).
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .merge import empty_partial, merge_
-from .mask import BAND, DENSE, EMPTY, FULL, Mask, offset_tiles
+from .mask import BAND, DENSE, EMPTY, FULL, OFFSET, Mask, Tile, offset_tiles
 
 
 def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
@@ -81,7 +83,8 @@ def _as_dense(mask: Mask, sq: int, sk: int, device) -> Mask:
 
 
 def forward(q, k, v, scale: float, mask: Mask):
-    """Same contract as ``reference.forward``."""
+    """Same contract as ``reference.forward``. An ``OFFSET`` block that is one tile over all
+    rows (e.g. a shard against itself) is one fused call, returned as it is."""
     mask = _as_dense(mask, q.shape[1], k.shape[1], q.device)
     if mask.kind == FULL:
         return _fused(q, k, v, scale, False)
@@ -92,10 +95,24 @@ def forward(q, k, v, scale: float, mask: Mask):
     acc, lse = empty_partial(*q.shape[:3], v.shape[-1], q.device)  # EMPTY, or the tiles' accumulator
     if mask.kind == EMPTY:
         return acc.to(q.dtype), lse
+    tiles = offset_tiles(mask.offset, q.shape[1], k.shape[1])
+    if len(tiles) == 1 and (tiles[0].q0, tiles[0].q1) == (0, q.shape[1]):  # single tile: no merge
+        t = tiles[0]
+        return _fused(q, k[:, t.k0:t.k1], v[:, t.k0:t.k1], scale, t.causal)
+    forward_into(q, k, v, scale, mask, acc, lse)
+    return acc.to(q.dtype), lse
+
+
+def forward_into(q, k, v, scale: float, mask: Mask, out, lse) -> None:
+    """Merge the block's partial into the float32 accumulator ``out`` ``(B, Sq, H, D)``, ``lse``
+    ``(B, H, Sq)``: each ``OFFSET`` tile's fused result is merged once, straight into it."""
+    if mask.kind != OFFSET:
+        if mask.kind != EMPTY:
+            merge_(out, lse, *forward(q, k, v, scale, mask))
+        return
     for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
         o, l = _fused(q[:, t.q0:t.q1], k[:, t.k0:t.k1], v[:, t.k0:t.k1], scale, t.causal)
-        merge_(acc[:, t.q0:t.q1], lse[:, :, t.q0:t.q1], o, l)
-    return acc.to(q.dtype), lse
+        merge_(out[:, t.q0:t.q1], lse[:, :, t.q0:t.q1], o, l)
 
 
 def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
@@ -106,13 +123,25 @@ def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
         return _fused_backward(dout, q, k, v, out, lse, scale, False)
     if mask.kind == DENSE:
         return _fused_backward(dout, q, k, v, out, lse, scale, False, attn_mask=_additive(mask, q.dtype))
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    tiles = offset_tiles(mask.offset, q.shape[1], k.shape[1])
+    if len(tiles) == 1 and tiles[0] == Tile(0, q.shape[1], 0, k.shape[1], tiles[0].causal):  # one tile
+        return _fused_backward(dout, q, k, v, out, lse, scale, tiles[0].causal)
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
+    backward_into(*grads, dout, q, k, v, out, lse, scale, mask)
+    return tuple(grads)
+
+
+def backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None) -> None:
+    """``backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed), tile by tile."""
+    assert dlse is None
+    if mask.kind != OFFSET:
+        if mask.kind != EMPTY:
+            for acc, g in zip((dq, dk, dv), backward(dout, q, k, v, out, lse, scale, mask)):
+                acc.add_(g)
+        return
     for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
         r, c = slice(t.q0, t.q1), slice(t.k0, t.k1)
         g = _fused_backward(dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r], lse[:, :, r], scale, t.causal)
         dq[:, r] += g[0]
         dk[:, c] += g[1]
         dv[:, c] += g[2]
-    return dq, dk, dv

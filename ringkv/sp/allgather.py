@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from .collectives import CommStats, agree, rank_world, start_all_gather, start_reduce_scatter
+from .collectives import CommStats, agree_once, rank_world, start_all_gather, start_reduce_scatter
 from .layout import chunks as layout_chunks
 from .layout import cut
 from ..kernels.merge import empty_partial, merge_
@@ -151,7 +151,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     n_chunks = min(chunks, q.shape[1])
     if check and n > 1:
         names, values = call_values(q, k, causal, layout, scale, backend, window)
-        agree(values + [n_chunks], names + ["chunks"], group, timeout, "allgather_attention", q.device)
+        agree_once(values + [n_chunks], names + ["chunks"], group, timeout, "allgather_attention", q.device)
     p = _Plan(q.shape[1], layout, rank, n, n_chunks, window)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _AllGatherAttention.apply(q, k, v, scale, causal, p, group, timeout, backend)

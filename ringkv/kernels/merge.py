@@ -8,12 +8,14 @@ without NaN, and large LSE gaps cannot overflow because every weight is ``exp(x 
 ``merge_`` on CUDA is one fused pass (``triton_merge._merge_kernel``: read both partials,
 write the accumulator once) when triton is installed; elsewhere it is the eager torch form
 (``merge_eager_``), several element-wise passes. Neither synchronises with the host.
+``RINGKV_FUSED_MERGE=0`` keeps CUDA on the eager form (the kernel has not run on a GPU yet).
 
 Shapes: ``out`` ``(B, S, H, D)``, ``lse`` ``(B, H, S)`` float32.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -44,6 +46,8 @@ def merge_eager_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, 
 
 def _fused_merge():
     global _fused
+    if _fused is None and os.environ.get("RINGKV_FUSED_MERGE", "1") == "0":
+        _fused = False
     if _fused is None:
         try:
             from .triton_merge import merge_ as fused

@@ -1,4 +1,4 @@
-"""LSE merge of partial attention results (``ringkv.sp.merge``) against attention over all keys."""
+"""LSE merge of partial attention results (``ringkv.kernels.merge``) against attention over all keys."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringkv.kernels import attention
-from ringkv.sp.merge import merge, merge_
+from ringkv.kernels.merge import merge, merge_
 
 
 INF = float("-inf")

@@ -214,13 +214,13 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from ringkv.kernels import triton_attn as tk, triton_paged as tp
+from ringkv.kernels import triton_attn as tk, triton_merge as tm, triton_paged as tp
 tk._build()
 PTRS = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ", "Lse", "DLse", "Delta", "Lse2", "OutP", "LseP"}
 FP32 = {"Lse", "DLse", "Delta", "Lse2", "DK", "DV", "DQ", "OutP", "LseP"}
 
 def build(name, dt, consts, warps=4, stages=2, types=None):
-    fn = getattr(tk, name, None) or getattr(tp, name)
+    fn = getattr(tk, name, None) or getattr(tp, name, None) or getattr(tm, name)
     sig = {}
     for a in fn.arg_names:
         if a in consts: sig[a] = "constexpr"
@@ -244,6 +244,8 @@ build("_paged_split_kernel", "fp16", dict(PAGED, QUANT=False))
 for kv in ("*i8", "*fp8e4nv"):  # a quantized cache: one-byte values and fp16 scales
     build("_paged_split_kernel", "bf16", dict(PAGED, QUANT=True), types={"K": kv, "V": kv})
 build("_paged_reduce_kernel", "fp16", dict(BLOCK_S=64, BLOCK_D=128))
+for dt in ("bf16", "fp32"):  # the fused LSE merge: fp32 accumulator, block out in the inputs' dtype
+    build("_merge_kernel", "fp32", dict(BLOCK_R=32, BLOCK_D=128), types={"BOut": "*" + dt, "BLse": "*fp32"})
 """
 
 
@@ -258,7 +260,7 @@ def test_kernels_compile_for_sm90():
     r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == 14
+    assert r.stdout.count("compiled") == 16
 
 
 def test_registry_and_supports():

@@ -30,6 +30,7 @@ import torch
 from . import cudnn, flash_attn, reference, sdpa
 from .mask import (BAND, DENSE, EMPTY, FULL, NO_WINDOW, OFFSET, Mask, Positions, check_positions, check_window,
                    make_mask)
+from .merge import merge_
 
 BACKENDS: Dict[str, object] = {"reference": reference, "sdpa": sdpa, "cudnn": cudnn,
                                "flash_attn": flash_attn.FA2, "flash_attn3": flash_attn.FA3}
@@ -42,8 +43,9 @@ MISSING: Dict[str, str] = {}  # backends that could not even be imported: name -
 _verified: Dict[tuple, Dict[str, str]] = {}  # (name, device type, dtype) -> need -> "" (passed) or why not
 _warned: set = set()
 
-__all__ = ["attention", "attention_backward", "block_forward", "block_backward", "make_mask",
-           "Mask", "BACKENDS", "PREFERENCE", "register_backend", "pick", "validate", "describe"]
+__all__ = ["attention", "attention_backward", "block_forward", "block_backward", "block_forward_into",
+           "block_backward_into", "make_mask", "Mask", "BACKENDS", "PREFERENCE", "register_backend", "pick",
+           "validate", "describe"]
 
 
 def register_backend(name: str, module, preference: Optional[Dict[str, int]] = None) -> None:
@@ -280,6 +282,35 @@ def block_backward(dout, q, k, v, out, lse, *, scale: float, mask: Mask, dlse=No
     """Unvalidated backward for one block given the rows' final ``out``/``lse``: fp32 dq, dk, dv."""
     module = reference if mask.kind == EMPTY else pick(backend, q, mask, dlse=dlse is not None, backward=True)
     return module.backward(dout, q, k, v, out, lse, scale, mask, dlse)
+
+
+def block_forward_into(out, lse, q, k, v, *, scale: float, mask: Mask, backend: str = "auto") -> None:
+    """Merge one block's partial into a float32 accumulator in place: ``out`` ``(B, Sq, H, D)``,
+    ``lse`` ``(B, H, Sq)`` (views allowed). A backend with ``forward_into`` merges each of its own
+    tiles straight into the accumulator (no intermediate partial merged a second time); others
+    run ``forward`` and the result is merged once."""
+    if mask.kind == EMPTY:
+        return
+    module = pick(backend, q, mask)
+    if hasattr(module, "forward_into"):
+        module.forward_into(q, k, v, scale, mask, out, lse)
+    else:
+        merge_(out, lse, *module.forward(q, k, v, scale, mask))
+
+
+def block_backward_into(dq, dk, dv, dout, q, k, v, out, lse, *, scale: float, mask: Mask, dlse=None,
+                        backend: str = "auto") -> None:
+    """``block_backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed): a
+    backend with ``backward_into`` adds each tile's gradients directly (no zeroed per-block
+    buffers to add again)."""
+    if mask.kind == EMPTY:
+        return
+    module = pick(backend, q, mask, dlse=dlse is not None, backward=True)
+    if hasattr(module, "backward_into"):
+        module.backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse)
+        return
+    for acc, g in zip((dq, dk, dv), module.backward(dout, q, k, v, out, lse, scale, mask, dlse)):
+        acc.add_(g)
 
 
 class _Attention(torch.autograd.Function):

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ..sp.merge import empty_partial, merge_
+from .merge import empty_partial, merge_
 from .mask import BAND, DENSE, EMPTY, FULL, Mask, offset_tiles
 
 

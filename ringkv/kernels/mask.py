@@ -58,9 +58,10 @@ class Mask:
             return sq * sk if self.kind == FULL else 0
         if self.kind == DENSE:
             return int(self.dense.sum())
-        i = torch.arange(sq)
-        lo = (i + self.lo).clamp(min=0) if self.kind == BAND else torch.zeros_like(i)
-        return int(((i + self.offset + 1).clamp(max=sk) - lo).clamp(min=0).sum())
+        # host integers only (the ring counts pairs every step): row i sees keys [lo_i, hi_i) with
+        # hi_i = clamp(i + offset + 1, 0, sk) and lo_i = clamp(i + lo, 0, sk) <= hi_i (lo <= offset)
+        lo = _clamped_sum(self.lo, sq, sk) if self.kind == BAND else 0
+        return _clamped_sum(self.offset + 1, sq, sk) - lo
 
     def block(self, q0: int, q1: int, k0: int, k1: int) -> "Mask":
         """The mask of the sub-block ``q[q0:q1]`` x ``k[k0:k1]``."""
@@ -70,6 +71,13 @@ class Mask:
             return _classify_dense(self.dense[q0:q1, k0:k1])
         lo = self.lo + q0 - k0 if self.kind == BAND else None
         return _classify_band(lo, self.offset + q0 - k0, q1 - q0, k1 - k0)
+
+
+def _clamped_sum(c: int, n: int, m: int) -> int:
+    """``sum(min(max(i + c, 0), m) for i in range(n))`` in closed form (``m >= 0``)."""
+    a, b = max(0, -c), min(n, m - c + 1)  # rows with 0 <= i + c <= m: [a, b)
+    inside = (b - a) * (a + b - 1 + 2 * c) // 2 if b > a else 0
+    return inside + (n - min(n, max(0, m - c + 1))) * m  # rows with i + c > m see all m keys
 
 
 def _classify_band(lo: Optional[int], hi: Optional[int], sq: int, sk: int) -> Mask:

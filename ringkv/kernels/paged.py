@@ -10,7 +10,7 @@
 - causal: query ``i`` of sequence ``n`` sits at position ``seq_lens[n] - Q + i`` and sees keys
   at positions ``<=`` its own; with ``causal=False`` every query sees all ``seq_lens[n]`` keys;
 - ``out`` ``(N, Q, H, D)`` in ``q.dtype``; ``lse`` float32 ``(N, H, Q)``, so partial results
-  of several ranks (each holding a shard of the sequence) merge with ``sp.merge``.
+  of several ranks (each holding a shard of the sequence) merge with ``kernels.merge``.
   A sequence with no visible key gives ``out = 0``, ``lse = -inf``;
 - a quantized cache (``kernels/quant.py``: int8 / fp8 values) comes with ``k_scale`` /
   ``v_scale`` ``(num_blocks, block_size, Hkv)``: every backend dequantizes as it reads.

@@ -6,7 +6,9 @@ and a multiple of 8.
 
 The fused ops only know "no mask" and "causal"; ``mask.offset_tiles`` rewrites any offset
 diagonal (a ring step's mask) as full tiles plus one *square* causal tile, on which every
-causal convention agrees, and the tiles' partials are merged by LSE. Dense masks and
+causal convention agrees, and the tiles' partials are merged by LSE (``forward_into``: straight
+into the caller's accumulator, so a ring block is merged once; one tile over all rows is returned
+without a merge). Dense masks and
 sliding-window bands run as an additive mask on CPU (not on CUDA). GQA: K/V heads are
 repeated locally (never before communication).
 """
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sp.merge import empty_partial, merge_
-from .mask import BAND, DENSE, EMPTY, FULL, Mask, offset_tiles
+from .mask import BAND, DENSE, EMPTY, FULL, OFFSET, Mask, Tile, offset_tiles
+from .merge import empty_partial, merge_
 
 
 def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
@@ -104,17 +106,36 @@ def forward(q, k, v, scale: float, mask: Mask):
     return tiled_forward(q, k, v, scale, mask, _fused)
 
 
+def forward_into(q, k, v, scale: float, mask: Mask, out, lse) -> None:
+    """Merge the block's partial into the float32 accumulator ``out`` ``(B, Sq, H, D)``, ``lse``
+    ``(B, H, Sq)``: each ``OFFSET`` tile's fused result is merged once, straight into it."""
+    if mask.kind == OFFSET:
+        tiled_forward_into(q, k, v, scale, mask, out, lse, _fused)
+    elif mask.kind != EMPTY:
+        merge_(out, lse, *forward(q, k, v, scale, mask))
+
+
 def tiled_forward(q, k, v, scale: float, mask: Mask, fused):
-    """FULL/OFFSET/EMPTY masks as ``fused(q, k, v, scale, causal) -> (out, lse)`` calls on tiles."""
+    """FULL/OFFSET/EMPTY masks as ``fused(q, k, v, scale, causal) -> (out, lse)`` calls on tiles;
+    an ``OFFSET`` block that is one tile over all rows is one call, returned without a merge."""
     if mask.kind == FULL:
         return fused(q, k, v, scale, False)
     acc, lse = empty_partial(*q.shape[:3], v.shape[-1], q.device)  # EMPTY, or the tiles' accumulator
     if mask.kind == EMPTY:
         return acc.to(q.dtype), lse
+    tiles = offset_tiles(mask.offset, q.shape[1], k.shape[1])
+    if len(tiles) == 1 and (tiles[0].q0, tiles[0].q1) == (0, q.shape[1]):  # single tile: no merge
+        t = tiles[0]
+        return fused(q, k[:, t.k0:t.k1], v[:, t.k0:t.k1], scale, t.causal)
+    tiled_forward_into(q, k, v, scale, mask, acc, lse, fused)
+    return acc.to(q.dtype), lse
+
+
+def tiled_forward_into(q, k, v, scale: float, mask: Mask, out, lse, fused) -> None:
+    """The ``OFFSET`` tiles' partials merged one by one into ``out``/``lse`` (float32)."""
     for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
         o, l = fused(q[:, t.q0:t.q1], k[:, t.k0:t.k1], v[:, t.k0:t.k1], scale, t.causal)
-        merge_(acc[:, t.q0:t.q1], lse[:, :, t.q0:t.q1], o, l)
-    return acc.to(q.dtype), lse
+        merge_(out[:, t.q0:t.q1], lse[:, :, t.q0:t.q1], o, l)
 
 
 def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
@@ -126,17 +147,34 @@ def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
     return tiled_backward(dout, q, k, v, out, lse, scale, mask, _fused_backward)
 
 
+def backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None) -> None:
+    """``backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed), tile by tile."""
+    assert dlse is None
+    if mask.kind == OFFSET:
+        tiled_backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, _fused_backward)
+    elif mask.kind != EMPTY:
+        for acc, g in zip((dq, dk, dv), backward(dout, q, k, v, out, lse, scale, mask)):
+            acc.add_(g)
+
+
 def tiled_backward(dout, q, k, v, out, lse, scale: float, mask: Mask, fused_backward):
-    """FULL/OFFSET masks as ``fused_backward(dout, q, k, v, out, lse, scale, causal)`` calls on tiles."""
+    """FULL/OFFSET masks as ``fused_backward(dout, q, k, v, out, lse, scale, causal)`` calls on tiles
+    (one call when the ``OFFSET`` block is one tile)."""
     if mask.kind == FULL:
         return fused_backward(dout, q, k, v, out, lse, scale, False)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    tiles = offset_tiles(mask.offset, q.shape[1], k.shape[1])
+    if len(tiles) == 1 and tiles[0] == Tile(0, q.shape[1], 0, k.shape[1], tiles[0].causal):  # one tile
+        return fused_backward(dout, q, k, v, out, lse, scale, tiles[0].causal)
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
+    tiled_backward_into(*grads, dout, q, k, v, out, lse, scale, mask, fused_backward)
+    return tuple(grads)
+
+
+def tiled_backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, fused_backward) -> None:
+    """The ``OFFSET`` tiles' gradients added one by one into float32 ``dq``, ``dk``, ``dv``."""
     for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
         r, c = slice(t.q0, t.q1), slice(t.k0, t.k1)
         g = fused_backward(dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r], lse[:, :, r], scale, t.causal)
         dq[:, r] += g[0]
         dk[:, c] += g[1]
         dv[:, c] += g[2]
-    return dq, dk, dv

@@ -4,7 +4,7 @@ from .allgather import allgather_attention
 from .collectives import CommStats
 from .comm import LocalComm, RingComm, RingTimeoutError
 from .layout import LAYOUTS, chunks, positions, shard, unshard, usp_chunks
-from .merge import merge, merge_
+from ..kernels.merge import merge, merge_
 from .ring import RingAttention, RingStats, ring_attention
 from .ulysses import ulysses_attention
 from .usp import sp_groups, usp_attention

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from .collectives import CommStats, agree, rank_world, start_all_gather, start_reduce_scatter
+from .collectives import CommStats, agree_once, rank_world, start_all_gather, start_reduce_scatter
 from .layout import chunks as layout_chunks
 from .layout import cut
-from .merge import empty_partial, merge_
+from ..kernels.merge import empty_partial
 from ..kernels.mask import NO_WINDOW, check_window
 from .ring import call_values, check_inputs, plan
 
@@ -73,9 +73,8 @@ def _forward(q, k, v, scale, causal, p: _Plan, group, timeout, backend):
             pending = _gather(kv, p, c + 1, group, timeout)
         for src, blk in _blocks(kv, p, c, current):
             for qs, ks, mask in plan(p.q, p.k[c][src], causal, p.window):
-                o, l = kernels.block_forward(q[:, qs], blk[0][:, ks], blk[1][:, ks], scale=scale, mask=mask,
-                                             backend=backend)
-                merge_(out[:, qs], lse[:, :, qs], o, l)
+                kernels.block_forward_into(out[:, qs], lse[:, :, qs], q[:, qs], blk[0][:, ks], blk[1][:, ks],
+                                           scale=scale, mask=mask, backend=backend)
     global last_stats
     last_stats = CommStats("allgather", sent)
     return out.to(q.dtype), lse
@@ -93,12 +92,10 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, p: _Plan, group, tim
         dkv = torch.zeros((p.world, *own.shape), dtype=torch.float32, device=q.device)  # every rank's chunk c
         for src, blk in _blocks(kv, p, c, current):
             for qs, ks, mask in plan(p.q, p.k[c][src], causal, p.window):
-                gq, gk, gv = kernels.block_backward(
-                    dout[:, qs], q[:, qs], blk[0][:, ks], blk[1][:, ks], out[:, qs], lse[:, :, qs], scale=scale,
-                    mask=mask, dlse=None if dlse is None else dlse[:, :, qs], backend=backend)
-                dq[:, qs] += gq
-                dkv[src, 0][:, ks] += gk
-                dkv[src, 1][:, ks] += gv
+                kernels.block_backward_into(
+                    dq[:, qs], dkv[src, 0][:, ks], dkv[src, 1][:, ks], dout[:, qs], q[:, qs], blk[0][:, ks],
+                    blk[1][:, ks], out[:, qs], lse[:, :, qs], scale=scale, mask=mask,
+                    dlse=None if dlse is None else dlse[:, :, qs], backend=backend)
         reduces.append(start_reduce_scatter(dkv, group, timeout, "allgather_attention"))  # back to the owners
     mine = torch.cat([r.wait() for r in reduces], dim=2)  # (2, B, S_l, Hkv, D): this rank's dK/dV, summed
     return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
@@ -151,7 +148,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     n_chunks = min(chunks, q.shape[1])
     if check and n > 1:
         names, values = call_values(q, k, causal, layout, scale, backend, window)
-        agree(values + [n_chunks], names + ["chunks"], group, timeout, "allgather_attention", q.device)
+        agree_once(values + [n_chunks], names + ["chunks"], group, timeout, "allgather_attention", q.device)
     p = _Plan(q.shape[1], layout, rank, n, n_chunks, window)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _AllGatherAttention.apply(q, k, v, scale, causal, p, group, timeout, backend)

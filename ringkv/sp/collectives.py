@@ -8,16 +8,17 @@ of one rank (or no process group at all) short-circuits without communication.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .comm import DEFAULT_TIMEOUT, RingTimeoutError
 
-__all__ = ["rank_world", "all_gather", "all_sum", "all_reduce_", "wait", "agree", "all_to_all", "Pending",
+__all__ = ["rank_world", "all_gather", "all_sum", "all_reduce_", "wait", "agree", "agree_once", "all_to_all", "Pending",
            "start_all_gather", "start_reduce_scatter", "CommStats"]
 
 
@@ -85,6 +86,39 @@ def agree(values: Sequence[int], names: Sequence[str], group=None, timeout: Opti
     if problem:
         raise ValueError(f"{what}: {problem}; every rank of the "
                          f"SP group must make the same call (same batch, sequence length, phase and tokens)")
+
+
+_AGREED: Dict[tuple, "OrderedDict[tuple, None]"] = {}  # groups -> (what, values) that all ranks agreed on
+AGREED_PER_GROUP = 1024  # remembered configurations per group (least recently used dropped first)
+
+
+def agree_once(values: Sequence[int], names: Sequence[str], group=None, timeout: Optional[timedelta] = None,
+               what: str = "ringkv", device=None) -> bool:
+    """``agree``, remembered: a call whose ``(group, what, values)`` already agreed makes no
+    collective (and no host synchronisation). Returns whether it communicated.
+
+    ``values`` must be known on the host (shapes, settings, checksums of host lists), never read
+    from device tensors. Only agreement is remembered: ranks that disagree all raise ``ValueError``
+    and the next call checks again. A rank whose call differs from a configuration its peers
+    already agreed on makes a collective they do not: it ends in ``RingTimeoutError`` (the
+    bounded wait), or in the ring's own errors, not in the ``ValueError`` of a first call.
+    The memory is per group (so every rank of a group drops the same entries), bounded by
+    ``AGREED_PER_GROUP``; the group objects are held, so their ids are never reused.
+    """
+    groups = tuple(group) if isinstance(group, (list, tuple)) else (group,)
+    if all(rank_world(g)[1] == 1 for g in groups):
+        return False
+    gkey = tuple(dist.group.WORLD if g is None else g for g in groups)
+    seen = _AGREED.setdefault(gkey, OrderedDict())
+    key = (what, tuple(int(v) for v in values))
+    if key in seen:
+        seen.move_to_end(key)
+        return False
+    agree(values, names, group, timeout, what, device)
+    seen[key] = None
+    if len(seen) > AGREED_PER_GROUP:
+        seen.popitem(last=False)
+    return True
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 
 from .. import kernels
 from .collectives import all_gather, rank_world
-from .merge import empty_partial, merge
+from ..kernels.merge import empty_partial, merge
 
 __all__ = ["decode_attention", "merge_across"]
 

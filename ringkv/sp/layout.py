@@ -19,7 +19,8 @@ pad rows. Every rank has ``varlen_local_len`` rows; ``shard``/``unshard``/``posi
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -135,7 +136,30 @@ def positions(seq_len: int, layout: str, rank: Optional[int] = None, world: Opti
 
 
 def check_cu_seqlens(cu_seqlens: CuSeqlens, seq_len: Optional[int] = None) -> Tuple[int, ...]:
-    """``cu_seqlens`` as a tuple of ints ``(0, l0, l0+l1, ..., S)``, or a clear error."""
+    """``cu_seqlens`` as a tuple of ints ``(0, l0, l0+l1, ..., S)``, or a clear error.
+
+    A tensor is read once (``.tolist()``, a host synchronisation on CUDA) and remembered by its
+    identity and version: passing the same, unmodified tensor again reads nothing. A list is
+    cheaper still (and what ``ring_attention`` prefers)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        hit = _CU_READ.get(id(cu_seqlens))
+        if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
+            cu = hit[2]
+        else:
+            cu = _check_cu_seqlens(cu_seqlens)
+            key = id(cu_seqlens)
+            _CU_READ[key] = (weakref.ref(cu_seqlens, lambda _: _CU_READ.pop(key, None)), cu_seqlens._version, cu)
+    else:
+        cu = _check_cu_seqlens(cu_seqlens)
+    if seq_len is not None and cu[-1] != seq_len:
+        raise ValueError(f"cu_seqlens must end at the packed sequence length {seq_len}, got {cu[-1]}")
+    return cu
+
+
+_CU_READ: Dict[int, tuple] = {}  # id(tensor) -> (weakref, version, checked tuple): tensors read once
+
+
+def _check_cu_seqlens(cu_seqlens: CuSeqlens) -> Tuple[int, ...]:
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex \
                 or cu_seqlens.dtype == torch.bool:
@@ -155,8 +179,6 @@ def check_cu_seqlens(cu_seqlens: CuSeqlens, seq_len: Optional[int] = None) -> Tu
     if bad is not None:
         raise ValueError(f"cu_seqlens must be strictly increasing (every document has at least one token), "
                          f"got {cu[bad - 1]} then {cu[bad]} at index {bad}")
-    if seq_len is not None and cu[-1] != seq_len:
-        raise ValueError(f"cu_seqlens must end at the packed sequence length {seq_len}, got {cu[-1]}")
     return cu
 
 

@@ -1,53 +1,6 @@
-"""Online-softmax merge of partial attention results ``(out, lse)``.
+"""Moved to ``ringkv.kernels.merge`` (single-device math belongs with the kernels); kept so
+``from ringkv.sp.merge import merge, merge_`` still works."""
 
-Two partials of the same query rows over disjoint key sets combine exactly:
-``lse = logaddexp(lse_a, lse_b)`` and ``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b``.
-Everything is float32; rows with ``lse = -inf`` (no key seen) stay ``out = 0, lse = -inf``
-without NaN, and large LSE gaps cannot overflow because every weight is ``exp(x <= 0)``.
+from ..kernels.merge import empty_partial, merge, merge_  # noqa: F401
 
-Shapes: ``out`` ``(B, S, H, D)``, ``lse`` ``(B, H, S)`` float32.
-"""
-
-from __future__ import annotations
-
-from typing import Sequence
-
-import torch
-
-
-def empty_partial(b: int, s: int, h: int, d: int, device=None):
-    """The identity of ``merge_``: ``out = 0`` float32 ``(B, S, H, D)``, ``lse = -inf`` ``(B, H, S)``."""
-    return (torch.zeros(b, s, h, d, dtype=torch.float32, device=device),
-            torch.full((b, h, s), float("-inf"), device=device))
-
-
-def _weight(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    # exp(lse - total) as (B, S, H, 1); 0 where total is -inf (then lse is -inf too)
-    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    return torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-
-
-def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Accumulate one partial into ``(out, lse)`` in place (the ring loop's form).
-
-    ``out`` is a float32 accumulator ``(B, S, H, D)`` and ``lse`` float32 ``(B, H, S)``; both may
-    be views (e.g. the rows of a zigzag half). ``block_out`` may be any float dtype.
-    """
-    total = torch.logaddexp(lse, block_lse.float())
-    out.mul_(_weight(lse, total)).add_(block_out.float() * _weight(block_lse.float(), total))
-    lse.copy_(total)
-
-
-def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
-    """Combine many partials at once (the decode form): returns ``(out fp32, lse fp32)``.
-
-    ``outs[i]`` ``(B, S, H, D)`` and ``lses[i]`` ``(B, H, S)`` are partials over disjoint keys.
-    """
-    if len(outs) != len(lses) or not outs:
-        raise ValueError(f"merge needs the same, non-zero number of outs and lses, got {len(outs)} and {len(lses)}")
-    lse_all = torch.stack([l.float() for l in lses])  # (N, B, H, S)
-    total = torch.logsumexp(lse_all, dim=0)
-    out = torch.zeros(outs[0].shape, dtype=torch.float32, device=outs[0].device)
-    for o, l in zip(outs, lse_all):
-        out.add_(o.float() * _weight(l, total))
-    return out, total
+__all__ = ["empty_partial", "merge", "merge_"]

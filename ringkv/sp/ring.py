@@ -30,11 +30,11 @@ from torch import nn
 
 from .. import kernels
 from ..kernels.mask import EMPTY, FULL, NO_WINDOW, OFFSET, Mask, check_window, make_mask
-from .collectives import agree
+from .collectives import agree_once
 from .comm import LocalComm, RingComm
 from .layout import (LAYOUTS, CuSeqlens, check_cu_seqlens, check_layout, chunks, granule, varlen_chunks,
                      varlen_local_len)
-from .merge import empty_partial, merge_
+from ..kernels.merge import empty_partial, merge_
 
 __all__ = ["ring_attention", "ring_attention_shards", "Shards", "RingAttention", "RingStats", "last_stats",
            "last_backward_stats"]
@@ -116,10 +116,22 @@ def call_values(q, k, causal, layout, scale, backend, window=NO_WINDOW, cu=None)
     return names, values
 
 
-def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend, window, cu) -> None:
-    """All ranks must call with the same shapes and settings: one tiny bounded all-gather."""
+def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend, window, cu, grad_comm_dtype) -> None:
+    """All ranks must call with the same shapes and settings: one tiny bounded all-gather the first
+    time a configuration is seen on this group, nothing on later calls (``agree_once``)."""
     names, values = call_values(q, k, causal, layout, scale, backend, window, cu)
-    agree(values, names, comm.group, comm.timeout, "ring_attention", q.device)
+    values.append(zlib.crc32(str(grad_comm_dtype).encode()))
+    agree_once(values, names + ["grad_comm_dtype"], comm.group, comm.timeout, "ring_attention", q.device)
+
+
+GRAD_COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_grad_comm_dtype(grad_comm_dtype):
+    if grad_comm_dtype not in GRAD_COMM_DTYPES:
+        raise ValueError(f"grad_comm_dtype must be None (float32), torch.float32, torch.bfloat16 or "
+                         f"torch.float16, got {grad_comm_dtype!r}")
+    return None if grad_comm_dtype == torch.float32 else grad_comm_dtype
 
 
 @dataclass(frozen=True)
@@ -135,12 +147,18 @@ class Shards:
     k_docs: Optional[Tuple[Tuple[int, ...], ...]] = None
 
     @classmethod
+    @functools.lru_cache(maxsize=64)
     def of_layout(cls, seq_len: int, layout: str, world: int) -> "Shards":
         ranges = tuple(tuple(chunks(seq_len, layout, r, world)) for r in range(world))
         return cls(ranges, ranges)
 
     @classmethod
     def of_varlen(cls, cu_seqlens: CuSeqlens, layout: str, world: int) -> "Shards":
+        return cls._of_varlen(check_cu_seqlens(cu_seqlens), layout, world)
+
+    @classmethod
+    @functools.lru_cache(maxsize=64)
+    def _of_varlen(cls, cu_seqlens: Tuple[int, ...], layout: str, world: int) -> "Shards":
         pieces = [varlen_chunks(cu_seqlens, layout, r, world) for r in range(world)]
         ranges = tuple(tuple(r for _, r in p) for p in pieces)
         docs = tuple(tuple(d for d, _ in p) for p in pieces)
@@ -166,7 +184,7 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
     b, s, h, d = q.shape
     n, r = comm.world, comm.rank
     last = _last_step(shards, causal, window)
-    out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
+    out = lse = None  # the float32 accumulator: the first partial over all rows, else empty_partial
     bufs = [torch.stack([k, v]), None]  # (2, B, S, Hkv, D): K and V travel as one message
     bufs[1] = torch.empty_like(bufs[0])
     stats = RingStats(steps=last + 1)
@@ -180,8 +198,14 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
         calls = shards.plan(r, src, causal, window)
         work = 0
         for qs, ks, mask in calls:
-            o, l = kernels.block_forward(q[:, qs], cur[0][:, ks], cur[1][:, ks], scale=scale, mask=mask, backend=backend)
-            merge_(out[:, qs], lse[:, :, qs], o, l)
+            args = (q[:, qs], cur[0][:, ks], cur[1][:, ks])
+            if out is None and (qs.start, qs.stop) == (0, s):  # nothing to merge with yet: take it as it is
+                o, lse = kernels.block_forward(*args, scale=scale, mask=mask, backend=backend)
+                out = o.float()
+            else:
+                if out is None:
+                    out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
+                kernels.block_forward_into(out[:, qs], lse[:, :, qs], *args, scale=scale, mask=mask, backend=backend)
             work += mask.pairs(qs.stop - qs.start, ks.stop - ks.start)
         stats.calls += len(calls)
         stats.skipped += len(shards.q[r]) * len(shards.k[src]) - len(calls)
@@ -189,49 +213,63 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
         stats.per_step.append(work)
         if step < last:
             comm.wait()
+    if out is None:  # no query of this rank sees any key (e.g. only pad rows)
+        out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
     global last_stats
     last_stats = stats
     return out.to(q.dtype), lse
 
 
-def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shards, comm: RingComm, backend):
+def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shards, comm: RingComm, backend,
+              grad_comm_dtype=None):
     """dK/dV of the block held at step ``t >= 1`` travel on with it (one ring hop per step); after
     the last step they go straight back to their owner (``last`` hops behind) in one message,
-    where they join the owner's own share (step 0)."""
+    where they join the owner's own share (step 0). They travel in ``grad_comm_dtype`` (default
+    float32) and are summed in float32 at every hop. Every buffer is allocated once per call."""
     kv_comm, dkv_comm = comm, comm.with_tag(1)
     n, r = kv_comm.world, kv_comm.rank
     last = _last_step(shards, causal, window)
     stats = RingStats(steps=last + 1)
+    wire = grad_comm_dtype or torch.float32
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = [torch.stack([k, v]), None]
     kv[1] = torch.empty_like(kv[0])
     mine = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)  # (2, B, S, Hkv, D): own dK/dV
-    dkv = [torch.empty_like(mine), torch.empty_like(mine)]  # the travelling dK/dV, double-buffered
-    blk = torch.empty_like(mine) if last > 1 else None
+    # the travelling dK/dV, double-buffered: receive into one while the other is sent
+    dkv = [torch.empty(mine.shape, dtype=wire, device=q.device) for _ in range(2)] if last else []
+    # this step's share of the block held (float32); with a float32 wire step 1 computes into its send buffer
+    blk = torch.empty_like(mine) if last > 1 or (last and wire != torch.float32) else None
     for step in range(last + 1):
         cur = kv[step % 2]
         if step < last:
             kv_comm.send_recv([cur], [kv[(step + 1) % 2]])
             stats.hops += 1
+            stats.bytes_sent += cur.numel() * cur.element_size()
         src = (r - step) % n
-        acc = mine if step == 0 else dkv[1] if step == 1 else blk  # this step's share of block src
-        acc.zero_()
+        acc = mine if step == 0 else dkv[1] if step == 1 and wire == torch.float32 else blk
+        if step > 0:
+            acc.zero_()  # a sum of the calls' shares (mine is zeros already)
         calls = shards.plan(r, src, causal, window)
         for qs, ks, mask in calls:
-            gq, gk, gv = kernels.block_backward(
-                dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks], out[:, qs], lse[:, :, qs], scale=scale,
-                mask=mask, dlse=None if dlse is None else dlse[:, :, qs], backend=backend)
-            dq[:, qs] += gq
-            acc[0][:, ks] += gk
-            acc[1][:, ks] += gv
+            kernels.block_backward_into(
+                dq[:, qs], acc[0][:, ks], acc[1][:, ks], dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks],
+                out[:, qs], lse[:, :, qs], scale=scale, mask=mask, dlse=None if dlse is None else dlse[:, :, qs],
+                backend=backend)
         stats.calls += len(calls)
         if step >= 1:
+            send = dkv[step % 2]
             if step >= 2:
                 dkv_comm.wait()  # the dK/dV of block src from the ranks that held it before
-                dkv[step % 2] += blk
+                if wire == torch.float32:
+                    send += blk
+                else:  # sum in float32, round once for the wire
+                    send.copy_(blk.add_(send))
+            elif acc is not send:
+                send.copy_(acc)
             # on to the next rank, or after the last step straight back to the owner
-            dkv_comm.send_recv([dkv[step % 2]], [dkv[(step + 1) % 2]], offset=1 if step < last else -last)
+            dkv_comm.send_recv([send], [dkv[(step + 1) % 2]], offset=1 if step < last else -last)
             stats.hops += 1
+            stats.bytes_sent += send.numel() * send.element_size()
         if step < last:
             kv_comm.wait()
     if last > 0:
@@ -244,11 +282,11 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shar
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, window, shards, comm, backend):
+    def forward(ctx, q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype):
         ctx.set_materialize_grads(False)
         out, lse = _forward(q, k, v, scale, causal, window, shards, comm, backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, window, shards, comm, backend)
+        ctx.args = (scale, causal, window, shards, comm, backend, grad_comm_dtype)
         return out, lse
 
     @staticmethod
@@ -257,14 +295,15 @@ class _RingAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         grads = _backward(dout.contiguous(), dlse, q, k, v, out, lse, *ctx.args)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                    group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
                    softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
                    timeout: Optional[timedelta] = None, check: bool = True, comm: Optional[RingComm] = None,
-                   window: Tuple[int, int] = NO_WINDOW, cu_seqlens: Optional[CuSeqlens] = None):
+                   window: Tuple[int, int] = NO_WINDOW, cu_seqlens: Optional[CuSeqlens] = None,
+                   grad_comm_dtype: Optional[torch.dtype] = None):
     """Exact attention of this rank's query shard over the whole sharded sequence.
 
     Args:
@@ -277,6 +316,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
             every rank): q/k/v are ``(1, S_local, ., D)`` shards from ``ringkv.shard(x, 1, layout,
             cu_seqlens=...)``, each document split by ``layout`` and padded on its own. No token
             sees another document; pad rows give ``out = 0``, ``lse = -inf`` and are never seen.
+            Prefer a list: a tensor is read to the host (a sync on CUDA) the first time it is
+            passed, then remembered while it is the same, unmodified tensor.
         group: the SP process group (default: the world; no process group = one rank).
         layout: ``"zigzag"`` (default: balances causal work), ``"contiguous"`` or ``"striped"``
             (see ``ringkv.sp.layout``); shard with the same layout (``ringkv.shard``).
@@ -284,7 +325,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         return_lse: also return the float32 LSE ``(B, H, S_local)``.
         backend: kernel backend name or ``"auto"``.
         timeout: bound on every wait (gloo); default ``RINGKV_TIMEOUT_S`` or 300 s.
-        check: verify (one tiny all-gather) that every rank passes the same shapes and settings.
+        check: verify that every rank passes the same shapes and settings: one tiny all-gather
+            the first time this configuration is used on the group, nothing afterwards.
+        grad_comm_dtype: dtype of the dK/dV messages of the backward (default ``None``: float32);
+            ``torch.bfloat16`` halves their bytes. They are summed in float32 at every hop.
         comm: the ring to use instead of one over ``group`` (e.g. ``LocalComm`` to time the
             schedule without communication).
 
@@ -295,11 +339,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     window = check_window(window)
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens)
     scale = check_inputs(q, k, v, causal, layout, softmax_scale, backend, comm.world, cu=cu)
+    grad_comm_dtype = check_grad_comm_dtype(grad_comm_dtype)
     if check and comm.world > 1 and not isinstance(comm, LocalComm):
-        _check_across_ranks(comm, q, k, causal, layout, scale, backend, window, cu)
+        _check_across_ranks(comm, q, k, causal, layout, scale, backend, window, cu, grad_comm_dtype)
     shards = Shards.of_layout(q.shape[1] * comm.world, layout, comm.world) if cu is None else \
         Shards.of_varlen(cu, layout, comm.world)
-    out, lse = _run(q, k, v, scale, causal, window, shards, comm, backend)
+    out, lse = _run(q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype)
     return (out, lse) if return_lse else out
 
 
@@ -336,9 +381,9 @@ def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, pa
     return scale
 
 
-def _run(q, k, v, scale, causal, window, shards, comm, backend):
+def _run(q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype=None):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _RingAttention.apply(q, k, v, scale, causal, window, shards, comm, backend)
+        return _RingAttention.apply(q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype)
     return _forward(q, k, v, scale, causal, window, shards, comm, backend)
 
 
@@ -364,12 +409,12 @@ class RingAttention(nn.Module):
     def __init__(self, *, causal: bool = False, group: Optional[dist.ProcessGroup] = None,
                  layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
                  backend: str = "auto", timeout: Optional[timedelta] = None, check: bool = True,
-                 window: Tuple[int, int] = NO_WINDOW):
+                 window: Tuple[int, int] = NO_WINDOW, grad_comm_dtype: Optional[torch.dtype] = None):
         super().__init__()
         check_layout(layout)
         self.kw = dict(causal=causal, group=group, layout=layout, softmax_scale=softmax_scale,
                        return_lse=return_lse, backend=backend, timeout=timeout, check=check,
-                       window=check_window(window))
+                       window=check_window(window), grad_comm_dtype=check_grad_comm_dtype(grad_comm_dtype))
 
     def forward(self, q, k, v, cu_seqlens: Optional[CuSeqlens] = None):
         return ring_attention(q, k, v, cu_seqlens=cu_seqlens, **self.kw)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import kernels
 from ..kernels.mask import NO_WINDOW, check_window
-from .collectives import CommStats, agree, all_to_all, rank_world
+from .collectives import CommStats, agree_once, all_to_all, rank_world
 from .layout import positions
 from .ring import call_values, check_inputs
 
@@ -112,7 +112,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     window = check_window(window)
     if check and n > 1:
         names, values = call_values(q, k, causal, layout, scale, backend, window)
-        agree(values, names, group, timeout, "ulysses_attention", q.device)
+        agree_once(values, names, group, timeout, "ulysses_attention", q.device)
     seq_len = q.shape[1] * n
     qh, kh, vh, sent = scatter_heads(q, k, v, group, timeout, "ulysses_attention")  # (B, S, H/N, D), rank order
     # only a causal or windowed mask needs the tokens in global order

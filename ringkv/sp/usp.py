@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..kernels.mask import NO_WINDOW, check_window
 from . import ring as ring_mod
-from .collectives import CommStats, agree, rank_world
+from .collectives import CommStats, agree_once, rank_world
 from .comm import RingComm
 from .ring import Shards, call_values, check_inputs
 from .ulysses import gather_heads, head_plan, scatter_heads
@@ -85,7 +85,7 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     window = check_window(window)
     if check and n_u * n_r > 1:
         names, values = call_values(q, k, causal, layout, scale, backend, window)
-        agree(values + [n_u, n_r], names + ["ulysses_world", "ring_world"], [ulysses_group, ring_group], timeout,
+        agree_once(values + [n_u, n_r], names + ["ulysses_world", "ring_world"], [ulysses_group, ring_group], timeout,
               "usp_attention", q.device)
     # (B, S/R, H/U, D): this ring rank's shard, in local order, for H/U heads
     qh, kh, vh, sent = scatter_heads(q, k, v, ulysses_group, timeout, "usp_attention")

@@ -26,6 +26,10 @@ every sequence. With ``sp = 1`` this is the usual paged layout.
 
 Whatever the mesh, a prompt's first chunk attends to its own K/V as computed and everything
 else reads the cache: with a quantized cache every mesh computes the same thing.
+
+**Kernels.** With ``paged_backend="torch"`` (CPU) the cache is read through ``PagedPlan``s
+built once per step; with ``"triton"`` (CUDA) one-token rows go to the decode kernel and all
+multi-token rows of the step to one varlen ``paged_prefill`` call per layer.
 """
 
 from __future__ import annotations

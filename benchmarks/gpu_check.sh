@@ -65,14 +65,14 @@ else
 fi
 
 # test_autotuned_configs_match_reference covers the tuned path
-step pytest_cuda 110 "$PY" -m pytest -m cuda -q -p no:cacheprovider \
+step pytest_cuda 100 "$PY" -m pytest -m cuda -q -p no:cacheprovider \
     --junitxml="$OUT_DIR/pytest_cuda.xml"
 step kernels 80 "$PY" benchmarks/kernels.py "${DEV[@]}" "${KERNELS[@]}" --json "$OUT_DIR/kernels.json"
 step ring_fwd 70 "$PY" benchmarks/long_ctx.py --virtual 8 "${RING[@]}" --dtype bf16 --layout zigzag --causal \
     --baseline-impl "$BASE" --quiet --json "$OUT_DIR/ring_fwd.json"
 step ring_fwd_bwd 90 "$PY" benchmarks/long_ctx.py --virtual 8 "${RING[@]}" --dtype bf16 --layout zigzag --causal \
     --backward --baseline-impl "$BASE" --quiet --json "$OUT_DIR/ring_fwd_bwd.json"
-step engine 80 "$PY" benchmarks/engine.py "${DEV[@]}" --dtype bf16 "${ENGINE[@]}" --json "$OUT_DIR/engine.json"
+step engine 90 "$PY" benchmarks/engine.py "${DEV[@]}" --dtype bf16 "${ENGINE[@]}" --json "$OUT_DIR/engine.json"
 
 "$PY" benchmarks/gpu_summary.py "$OUT_DIR" || status=1
 echo "exit status: $status" | tee -a "$OUT_DIR/summary.md"

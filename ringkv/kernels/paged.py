@@ -93,8 +93,9 @@ def validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q
                      v_scale=None, sp: int = 1, sp_rank: int = 0) -> None:
     """Shapes and types of a varlen call (host metadata only: never reads device values)."""
     ints = [("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)]
-    _validate_cache(q, k_cache, v_cache, k_scale, v_scale, ints + ([("q_start", q_start)] if q_start is not None else []),
-                    "(T, H, D) (the new tokens of all sequences packed)")
+    if q_start is not None:
+        ints.append(("q_start", q_start))
+    _validate_cache(q, k_cache, v_cache, k_scale, v_scale, ints, "(T, H, D) (the new tokens of all sequences packed)")
     n = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if n < 0 or block_table.dim() != 2 or block_table.shape[0] != n or cu_seqlens_q.shape != (n + 1,) \
             or (q_start is not None and q_start.shape != (n,)):
@@ -184,7 +185,8 @@ def paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, m
                                               else "reference")
     impl = _PREFILL_BACKENDS.get(name)
     if impl is None:
-        raise ValueError(f"unknown paged prefill backend {backend!r}; choose from {sorted(_PREFILL_BACKENDS)} or 'auto'")
+        raise ValueError(f"unknown paged prefill backend {backend!r}; "
+                         f"choose from {sorted(_PREFILL_BACKENDS)} or 'auto'")
     return impl(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=max_seqlen_q, q_start=q_start,
                 scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, sp=sp, sp_rank=sp_rank)
 

@@ -1,4 +1,5 @@
-"""Output tokens/s: ringkv.LLM vs transformers ``generate`` on SmolLM2-135M-Instruct (fp32, greedy),
+"""Output tokens/s: ringkv.LLM vs transformers ``generate`` on SmolLM2-135M-Instruct (greedy; fp32 on CPU,
+``--device cuda --dtype bf16`` on a GPU),
 or (``--tp/--pp/--sp``) a parallel engine against ``tp = pp = sp = 1`` in the same run.
 
 Same prompts (mixed lengths), same greedy settings, the same number of output tokens per
@@ -9,6 +10,7 @@ request (EOS ignored on both sides), measured in the same process one after the 
 - HF one by one: a ``generate`` call per request (runs of <= ``--hf-single-max`` requests).
 
     python benchmarks/engine.py --requests 16 64 --max-tokens 64 --json results/engine.json
+    python benchmarks/engine.py --device cuda --dtype bf16 --requests 16 64 --json results/engine_gpu.json
     python benchmarks/engine.py --pp 2 --model llama-120m --requests 16 64 --json results/engine_pp2.json
 
 Parallel mode: both engines get the same ``--kv-cache-memory`` per rank and the same
@@ -65,8 +67,8 @@ def bench_hf_batched(hf, tok, prompts, lengths):
     max_tokens = max(lengths)  # one batch runs until its longest request is done
     width = max(map(len, prompts))
     pad = tok.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
     t = time.perf_counter()
     out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
                       min_new_tokens=max_tokens, pad_token_id=pad)
@@ -79,7 +81,8 @@ def bench_hf_single(hf, tok, prompts, lengths):
     outs = []
     t = time.perf_counter()
     for p, max_tokens in zip(prompts, lengths):
-        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+        out = hf.generate(torch.tensor([p], device=hf.device),
+                          attention_mask=torch.ones(1, len(p), dtype=torch.long, device=hf.device),
                           do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                           pad_token_id=tok.pad_token_id)
         outs.append(out[0, len(p):].tolist())
@@ -106,6 +109,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=1,
                     help="time each side this many times, interleaved, and keep the fastest (a shared CPU is noisy)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--device", default="cpu", help="single mode: cpu or cuda (both engines)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="single mode: model dtype")
     ap.add_argument("--tp", type=int, default=1, help="parallel mode: tensor-parallel ranks")
     ap.add_argument("--pp", type=int, default=1, help="parallel mode: pipeline stages")
     ap.add_argument("--sp", type=int, default=1, help="parallel mode: sequence-parallel ranks")
@@ -128,10 +133,12 @@ def main(argv=None):
 
     path = smollm2_path()
     tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     hf.generation_config.eos_token_id = None  # the same number of tokens on both sides
     need = max(args.requests) * (args.max_prompt + args.max_tokens + 16)
-    llm = LLM(path, block_size=16, num_blocks=need // 16 + 1, max_num_seqs=max(args.requests))
+    llm = LLM(path, block_size=16, num_blocks=need // 16 + 1, max_num_seqs=max(args.requests), dtype=dtype,
+              device=args.device)
     warm = make_prompts(tok, 2, 8, 16, seed=99)  # first-call overheads out of the timings
     bench_ringkv(llm, warm, [2, 2])
     bench_hf_batched(hf, tok, warm, [2, 2])
@@ -164,7 +171,7 @@ def main(argv=None):
 
     cols = ["requests", "output_lengths", "prompt_tokens", "output_tokens", "ringkv_tok_s", "hf_batched_tok_s",
             "speedup_vs_hf_batched", "hf_single_tok_s", "speedup_vs_hf_single"]
-    print(f"SmolLM2-135M-Instruct fp32, greedy, {args.max_tokens} output tokens/request, "
+    print(f"SmolLM2-135M-Instruct {args.dtype} on {args.device}, greedy, {args.max_tokens} output tokens/request, "
           f"prompts {args.min_prompt}-{args.max_prompt} tokens, torch threads={torch.get_num_threads()}")
     print(" | ".join(f"{c:>22}" for c in cols))
     for r in rows:
@@ -173,8 +180,9 @@ def main(argv=None):
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(dict(model="SmolLM2-135M-Instruct", dtype="float32", max_tokens=args.max_tokens,
-                           threads=torch.get_num_threads(), device="cpu", rows=rows), f, indent=2)
+            json.dump(dict(model="SmolLM2-135M-Instruct", dtype=str(dtype).replace("torch.", ""),
+                           max_tokens=args.max_tokens, threads=torch.get_num_threads(), device=args.device,
+                           rows=rows), f, indent=2)
 
 
 def run_engine(path, prompts, lengths, kw, threads):

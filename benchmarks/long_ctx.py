@@ -69,6 +69,9 @@ def parse_args(argv=None):
                    help="measure the single-worker baseline up to this length, extrapolate above it "
                         "(default: 131072 on CPU, 262144 on GPU)")
     p.add_argument("--no-baseline", action="store_true", help="skip the single-worker baseline")
+    p.add_argument("--baseline-impl", choices=["ringkv", "flash_attn"], default="ringkv",
+                   help="the single worker: ringkv.attention (--backend), or the flash-attn package's raw "
+                        "flash_attn_func")
     p.add_argument("--no-overlap", action="store_true", help="skip the run without communication")
     p.add_argument("--virtual", type=int, default=0, metavar="N",
                    help="one process: run the ring schedule of N virtual ranks one after another")
@@ -233,7 +236,11 @@ def baseline(args, env, causal):
                 q, k, v = (t.requires_grad_() for t in (q, k, v))
 
             def step():
-                out, _ = ringkv.attention(q, k, v, causal=causal, backend=args.backend)
+                if args.baseline_impl == "flash_attn":
+                    from flash_attn import flash_attn_func  # (B, S, H, D), GQA native
+                    out = flash_attn_func(q, k, v, causal=causal)
+                else:
+                    out, _ = ringkv.attention(q, k, v, causal=causal, backend=args.backend)
                 if args.backward:
                     out.backward(torch.ones_like(out))
             measured[s] = timed(step, _Solo(env), args.iters, args.warmup, f"baseline S={s}", args.quiet)
@@ -369,8 +376,9 @@ def main(argv=None) -> int:
                     row = bench_config(args, env, method, layout, causal)
                     if (kv, causal) in baselines and baselines[kv, causal][0] > 0:
                         t1, how = baselines[kv, causal]
-                        row["baseline_s"], row["baseline"] = t1, how
-                        workers = 1 if env.device.type == "cpu" else env.world
+                        row["baseline_s"], row["baseline"] = t1, f"{args.baseline_impl}, {how}"
+                        # virtual ranks run one after another: their total time against the single worker
+                        workers = 1 if env.device.type == "cpu" or args.virtual else env.world
                         row["efficiency"] = t1 / (workers * row["time_s"])
                     rows.append(row)
     env.log("")
@@ -389,7 +397,8 @@ def main(argv=None) -> int:
     for (kv, causal), (t1, how) in baselines.items():
         env.log(f"baseline (kv_heads {kv}, {'causal' if causal else 'full'}): single worker, whole sequence: "
                 f"{t1:.3f}s ({how}); "
-                f"efficiency = T_single / ({'N x ' if gpu else ''}T_ring)")
+                f"efficiency = T_single / ({'N x ' if gpu and not args.virtual else ''}T_ring"
+                f"{', all virtual ranks in turn' if args.virtual else ''})")
     failed = [r for r in rows if r.get("check_max_err", 0) > (2e-3 if args.dtype == "fp32" else 5e-2)]
     if args.check:
         env.log("check: " + ("FAILED " + str([(r["method"], r["layout"], r["causal"]) for r in failed]) if failed

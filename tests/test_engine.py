@@ -2,11 +2,14 @@
 exactly the tokens of a plain no-cache greedy loop, whatever the batching, chunking,
 preemption or prefix-cache hits; sampling params and bad input behave."""
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from ringkv.engine import LLM, SamplingParams
+from ringkv.kernels import paged
 from ringkv.model import LlamaForCausalLM, ModelConfig
 
 V = 61
@@ -241,3 +244,34 @@ def test_stop_string_across_tokens_is_never_streamed(model):
     stop = ref[3:6]  # spans three tokens
     deltas = list(llm.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, stop=[stop])))
     assert "".join(d.text for d in deltas) == ref[:ref.index(stop)] and deltas[-1].finish_reason == "stop"
+
+
+def test_triton_paged_kernels_give_reference_results(model, monkeypatch):
+    """The engine's CUDA path, here under the Triton interpreter: one-token rows through the
+    decode kernel, later prefill chunks and prefix-continued prompts through the varlen prefill
+    kernel. Prompt log-probs of a chunked prompt equal a plain forward's (and, over an int8
+    cache, the torch backend's); a prompt continuing a cached prefix gives the reference tokens."""
+    tp = pytest.importorskip("ringkv.kernels.triton_paged")
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py) or a GPU")
+    calls = []
+    for name in ("paged_decode_triton", "paged_prefill_triton"):
+        real = getattr(tp, name)
+        monkeypatch.setattr(tp, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    monkeypatch.setitem(paged._PREFILL_BACKENDS, "triton", tp.paged_prefill_triton)
+    prompt, cont = PROMPTS[-3], PROMPTS[-2]  # 38 tokens; 41 sharing the first 36
+    with torch.no_grad():
+        want = torch.log_softmax(model.logits(model(torch.tensor(prompt))).float(), -1)[:-1]
+    want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0)
+    kw = dict(block_size=4, num_blocks=40, max_num_batched_tokens=12)  # 12-token chunks
+    llm, outs = run(model, [prompt], params, paged_backend="triton", **kw)
+    torch.testing.assert_close(torch.tensor(outs[0].prompt_logprobs), want, atol=1e-4, rtol=1e-4)
+    assert outs[0].token_ids == reference(model, prompt, 10)[:3]
+    again = llm.generate([cont], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert again[0].token_ids == reference(model, cont, 10)[:3] and again[0].num_cached_tokens == 36
+    assert {"paged_decode_triton", "paged_prefill_triton"} <= set(calls)
+    llm.blocks.check()
+    int8 = [run(model, [prompt], params, paged_backend=b, kv_cache_dtype="int8", **kw)[1][0].prompt_logprobs
+            for b in ("triton", "torch")]
+    torch.testing.assert_close(torch.tensor(int8[0]), torch.tensor(int8[1]), atol=1e-4, rtol=1e-4)

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringkv.kernels import attention, paged
+from ringkv.kernels import attention, paged, quant
 from ringkv.kernels.paged import paged_attention, paged_attention_reference
 
 try:
@@ -130,3 +130,126 @@ def test_registered_and_splits_fill_a_gpu(monkeypatch):
     assert splits * 8 >= 2 * 132 and 128 * 1024 / splits >= triton_paged.MIN_CHUNK
     assert triton_paged.num_splits_for(300, 8, torch.device("cuda")) == 2  # short: few splits
     assert triton_paged.num_splits_for(128 * 1024, 64 * 8, torch.device("cuda")) == 1  # big batch
+
+
+# ---- varlen prefill: many new tokens per sequence (chunks, prefix-continued prompts) ----
+
+QUANT_NAMES = [None, "int8"] + (["fp8_e4m3"] if "fp8_e4m3" in quant.FORMATS else [])
+
+
+@st.composite
+def prefill_problems(draw):
+    n = draw(st.integers(1, 3))
+    bs = draw(st.sampled_from([3, 4, 16]))
+    sp = draw(st.sampled_from([1, 1, 2, 3]))
+    hkv = draw(st.sampled_from([1, 2]))
+    # per sequence: new tokens (0, 1, across query tiles) after a cached prefix (0: a fresh prompt)
+    new = draw(st.lists(st.sampled_from([0, 1, 5, 17]), min_size=n, max_size=n))  # 17: two query tiles
+    prefix = draw(st.lists(st.sampled_from([0, 1, 7, 20]), min_size=n, max_size=n))
+    return dict(n=n, bs=bs, sp=sp, sp_rank=draw(st.integers(0, sp - 1)), hkv=hkv,
+                h=hkv * draw(st.sampled_from([1, 3])), d=draw(st.sampled_from([16, 32])), new=new, prefix=prefix,
+                extra_tiles=draw(st.sampled_from([0, 20])), causal=draw(st.booleans()),
+                dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), quant=draw(st.sampled_from(QUANT_NAMES)),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def make_prefill(p, device):
+    """Packed q, a (maybe quantized) cache holding each sequence's keys this rank stores (positions
+    sp_rank, sp_rank + sp, ... < prefix + new), and the dequantized K/V of each sequence."""
+    g = torch.Generator().manual_seed(p["seed"])
+    sp, r, bs, hkv, d = p["sp"], p["sp_rank"], p["bs"], p["hkv"], p["d"]
+    local = [len(range(r, a + b, sp)) for a, b in zip(p["prefix"], p["new"])]  # keys stored here
+    per_seq = [-(-n // bs) + 1 for n in local]  # blocks per table row (one spare)
+    num_blocks = sum(per_seq) + 2
+    kc, vc = (torch.randn(num_blocks, bs, hkv, d, generator=g) for _ in range(2))
+    scales = None
+    if p["quant"]:
+        fmt, rot = quant.FORMATS[p["quant"]], quant.rotation(d)
+        (kc, ks), (vc, vs) = quant.quantize(kc, fmt, rot), quant.quantize(vc, fmt, rot)
+        scales = (ks, vs)
+        k_val, v_val = quant.dequantize(kc, ks), quant.dequantize(vc, vs)
+    else:
+        kc, vc = kc.to(p["dtype"]), vc.to(p["dtype"])
+        k_val, v_val = kc.float(), vc.float()
+    perm = torch.randperm(num_blocks, generator=g)  # each sequence's blocks: shuffled, non-contiguous
+    width = max(per_seq)
+    table = torch.zeros(p["n"], width, dtype=torch.int32)
+    keys, used = [], 0
+    for i, nb in enumerate(per_seq):
+        table[i, :nb] = perm[used:used + nb]
+        used += nb
+        blocks = table[i, :nb].long()
+        keys.append((k_val[blocks].reshape(-1, hkv, d)[:local[i]], v_val[blocks].reshape(-1, hkv, d)[:local[i]]))
+    q = torch.randn(sum(p["new"]), p["h"], d, generator=g).to(p["dtype"])  # (T, H, D)
+    cu = torch.tensor([0] + torch.tensor(p["new"]).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(local, dtype=torch.int32)
+    start = torch.tensor(p["prefix"], dtype=torch.int32)
+    to = lambda t: t.to(device)  # noqa: E731
+    args = (to(q), to(kc), to(vc), to(table), to(cu), to(lens))
+    kw = dict(max_seqlen_q=max(p["new"]) + p["extra_tiles"], causal=p["causal"], sp=sp, sp_rank=r,
+              q_start=to(start) if sp > 1 or p["seed"] % 2 else None,  # default: the cache's last tokens
+              k_scale=to(scales[0]) if scales else None, v_scale=to(scales[1]) if scales else None)
+    return args, kw, keys
+
+
+def direct_prefill(q, keys, p):
+    """float64 softmax of each sequence's queries over its hand-gathered keys; positions by hand."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
+    a, g = 0, p["h"] // p["hkv"]
+    for (k, v), pre, new in zip(keys, p["prefix"], p["new"]):
+        qpos = torch.arange(pre, pre + new)
+        kpos = torch.arange(k.shape[0]) * p["sp"] + p["sp_rank"]
+        visible = (kpos[None, :] <= qpos[:, None]) if p["causal"] else torch.ones(new, k.shape[0], dtype=torch.bool)
+        kk, vv = (t.double().repeat_interleave(g, dim=1) for t in (k, v))  # (L, H, D)
+        s = torch.einsum("thd,lhd->htl", q[a:a + new].double(), kk) * p["d"] ** -0.5
+        s = s.masked_fill(~visible, float("-inf"))
+        l = torch.logsumexp(s, -1)  # (H, T)
+        w = torch.exp(s - torch.where(torch.isinf(l), 0, l)[..., None]).nan_to_num()
+        out[a:a + new] = torch.einsum("htl,lhd->thd", w, vv)
+        lse[:, a:a + new] = l
+        a += new
+    return out, lse
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(p=prefill_problems())
+def test_prefill_triton_matches_reference(device, p):
+    """The varlen prefill kernel, and the torch reference, against direct attention on hand-gathered
+    keys: varlen batches, prefix-continued chunks, striped SP shares, GQA, bf16, int8/fp8 caches."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU runs of Triton kernels need TRITON_INTERPRET=1 (set before triton is imported)")
+    args, kw, keys = make_prefill(p, device)
+    want_o, want_l = direct_prefill(args[0].cpu(), keys, p)
+    # bf16: p (and a quantized cache's values) are rounded to bf16 before the products, as on a GPU
+    tol_o, tol_l = (2e-5, 2e-5) if p["dtype"] == torch.float32 else (1.6e-2, 1.6e-2 if p["quant"] else 1e-4)
+    for impl in (triton_paged.paged_prefill_triton, paged.paged_prefill_reference):
+        out, lse = impl(*args, **kw)
+        assert out.dtype == args[0].dtype and lse.dtype == torch.float32 and lse.shape == want_l.shape
+        assert_close(out, want_o, tol_o, f"{impl.__name__} out")
+        assert_close(lse, want_l, tol_l, f"{impl.__name__} lse")
+
+
+@needs_triton
+def test_triton_backend_sends_single_tokens_to_decode_and_chunks_to_prefill(monkeypatch):
+    """The dispatcher: Q = 1 (or forced splits) -> flash-decoding; Q > 1 -> the prefill kernel,
+    whose (N * Q, H, D) / (H, N * Q) results come back as (N, Q, H, D) / (N, H, Q)."""
+    calls = []
+    for name in ("paged_decode_triton", "paged_prefill_triton"):
+        real = getattr(triton_paged, name)
+        monkeypatch.setattr(triton_paged, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    p = dict(n=2, nq=3, h=4, hkv=2, d=16, bs=4, max_blocks=5, num_blocks=9, lens=[3, 19], causal=True,
+             dtype=torch.float32, seed=3)
+    q, kc, vc, table, lens = make_paged(p, "cpu")
+    want = paged_attention_reference(q, kc, vc, table, lens)
+    got = paged_attention(q, kc, vc, table, lens, backend="triton")
+    assert calls == ["paged_prefill_triton"]
+    assert_close(got[0], want[0], 2e-5, "out")
+    assert_close(got[1], want[1], 2e-5, "lse")
+    paged_attention(q[:, -1:], kc, vc, table, lens, backend="triton")
+    triton_paged.paged_attention_triton(q, kc, vc, table, lens, num_splits=2)
+    assert calls[1:] == ["paged_decode_triton", "paged_decode_triton"]
+    with pytest.raises(ValueError, match="sp_rank"):
+        paged.paged_prefill(q[0], kc, vc, table, torch.tensor([0, 3, 3]), lens, max_seqlen_q=3, sp=2, sp_rank=2)

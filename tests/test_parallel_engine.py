@@ -230,3 +230,22 @@ def test_any_mesh_gives_single_process_tokens(worlds, case):
     n = kw["tp"] * kw["pp"] * kw["sp"]
     res = worlds(n).check("tests.engine_cases:seeded", n, s, kw, prompts, params, timeout=300)
     assert all(r == want for r in res), (kw, lengths)
+
+
+def test_sp_triton_paged_kernels_equal_the_single_process_engine(worlds):
+    """SP ranks on the CUDA path (here the Triton interpreter): chunks over each rank's striped
+    keys through the varlen prefill kernel, decode through the decode kernel, merged across ranks."""
+    pytest.importorskip("ringkv.kernels.triton_paged")
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py) or a GPU")
+    s = spec("llama", 4, 2, layers=2)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (21, 5)]
+    kw = dict(block_size=4, num_blocks=64, max_num_batched_tokens=8)  # 8-token chunks, all replicated
+    lp_one = worlds(1).check("tests.engine_cases:prompt_logprobs", 1, s, kw, prompts[0])[0]
+    sp_kw = dict(kw, sp=2, sp_prefill_min_tokens=1000, paged_backend="triton")
+    lp_sp = worlds(2).check("tests.engine_cases:prompt_logprobs", 2, s, sp_kw, prompts[0])
+    torch.testing.assert_close(torch.tensor(lp_sp[0]), torch.tensor(lp_one), atol=1e-4, rtol=1e-4)
+    res = worlds(2).check("tests.engine_cases:generate", 2, s, sp_kw, prompts[1:], SamplingParams(temperature=0,
+                          max_tokens=3), 1)
+    assert all(r["tokens"] == [reference(s, prompts[1:], 3)] for r in res)

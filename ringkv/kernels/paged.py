@@ -15,7 +15,24 @@
 - a quantized cache (``kernels/quant.py``: int8 / fp8 values) comes with ``k_scale`` /
   ``v_scale`` ``(num_blocks, block_size, Hkv)``: every backend dequantizes as it reads.
 
-``paged_attention_reference`` is plain torch: gather each sequence's blocks, attend.
+``paged_attention_reference`` is plain torch: gather each sequence's blocks, attend. On CUDA
+the ``"triton"`` backend runs the flash-decoding kernel for one new token per sequence and
+the prefill kernel for several.
+
+Varlen (prefill chunks, prefix-continued prompts; the engine's call on CUDA)::
+
+    out, lse = paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=...)
+
+- ``q`` ``(T, H, D)``: the new tokens of ``N`` sequences packed, sequence ``n``'s ``T_n`` tokens
+  at rows ``cu_seqlens_q[n]:cu_seqlens_q[n + 1]`` (``cu_seqlens_q`` ``(N + 1,)`` int, from 0);
+  ``max_seqlen_q``: a host int ``>= max T_n`` (sizes the launch; nothing is read back);
+- ``seq_lens`` ``(N,)``: keys in the cache for each sequence (the new tokens included);
+- query ``i`` of sequence ``n`` sits at position ``q_start[n] + i`` (default
+  ``q_start = seq_lens - T_n``: the new tokens are the cache's last);
+- ``sp``/``sp_rank``: the cache holds every ``sp``-th token of the sequence, from position
+  ``sp_rank`` (local key ``j`` is position ``j * sp + sp_rank``: an SP rank's striped share);
+  causal: key ``j`` is visible to a query at position ``p`` iff ``j * sp + sp_rank <= p``;
+- ``out`` ``(T, H, D)`` in ``q.dtype``, ``lse`` float32 ``(H, T)`` (flash-attn's varlen layout).
 """
 
 from __future__ import annotations
@@ -28,12 +45,13 @@ from . import reference, resolve_scale
 from .mask import make_mask
 from .quant import as_bytes, dequantize
 
-__all__ = ["paged_attention", "paged_attention_reference", "validate_paged", "read_blocks"]
+__all__ = ["paged_attention", "paged_attention_reference", "paged_prefill", "paged_prefill_reference",
+           "validate_paged", "validate_prefill", "read_blocks"]
 
 
-def validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_scale=None) -> None:
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
-                    ("seq_lens", seq_lens)):
+def _validate_cache(q, k_cache, v_cache, k_scale, v_scale, tensors, q_layout: str) -> None:
+    """Types, ``q``'s rank and the cache's shape, shared by both layouts."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), *tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if (k_scale is None) != (v_scale is None):
@@ -49,20 +67,43 @@ def validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_s
         if tuple(k_scale.shape) != tuple(k_cache.shape[:3]) or tuple(v_scale.shape) != tuple(v_cache.shape[:3]):
             raise ValueError(f"k_scale/v_scale must be (num_blocks, block_size, Hkv) = {tuple(k_cache.shape[:3])}, "
                              f"got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
-    if q.dim() != 4 or k_cache.dim() != 4:
-        raise ValueError(f"q must be (N, Q, H, D) and k_cache (num_blocks, block_size, Hkv, D), "
-                         f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+    if q.dim() != q_layout.count(",") + 1:
+        raise ValueError(f"q must be {q_layout}, got {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be (num_blocks, block_size, Hkv, D), got {tuple(k_cache.shape)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must match, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if q.shape[-1] != k_cache.shape[-1] or k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2] != 0:
-        raise ValueError(f"q heads/head_dim {tuple(q.shape[2:])} do not fit the cache's {tuple(k_cache.shape[2:])}: "
+    if q.shape[-1] != k_cache.shape[-1] or k_cache.shape[2] == 0 or q.shape[-2] % k_cache.shape[2] != 0:
+        raise ValueError(f"q heads/head_dim {tuple(q.shape[-2:])} do not fit the cache's {tuple(k_cache.shape[2:])}: "
                          f"need the same head_dim and heads % kv_heads == 0")
+    for name, t in tensors:
+        if t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
+def validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_scale=None) -> None:
+    _validate_cache(q, k_cache, v_cache, k_scale, v_scale, (("block_table", block_table), ("seq_lens", seq_lens)),
+                    "(N, Q, H, D)")
     if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
         raise ValueError(f"block_table must be (N, max_blocks) and seq_lens (N,) with N = {q.shape[0]}, "
                          f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
-    if block_table.dtype.is_floating_point or seq_lens.dtype.is_floating_point:
-        raise TypeError(f"block_table and seq_lens must be integer tensors, got {block_table.dtype} "
-                        f"and {seq_lens.dtype}")
+
+
+def validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start=None, k_scale=None,
+                     v_scale=None, sp: int = 1, sp_rank: int = 0) -> None:
+    """Shapes and types of a varlen call (host metadata only: never reads device values)."""
+    ints = [("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)]
+    if q_start is not None:
+        ints.append(("q_start", q_start))
+    _validate_cache(q, k_cache, v_cache, k_scale, v_scale, ints, "(T, H, D) (the new tokens of all sequences packed)")
+    n = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if n < 0 or block_table.dim() != 2 or block_table.shape[0] != n or cu_seqlens_q.shape != (n + 1,) \
+            or (q_start is not None and q_start.shape != (n,)):
+        raise ValueError(f"need seq_lens (N,), block_table (N, max_blocks), cu_seqlens_q (N + 1,) and q_start (N,) "
+                         f"or None; got {tuple(seq_lens.shape)}, {tuple(block_table.shape)}, "
+                         f"{tuple(cu_seqlens_q.shape)}, {None if q_start is None else tuple(q_start.shape)}")
+    if not (isinstance(sp, int) and isinstance(sp_rank, int) and 0 <= sp_rank < sp):
+        raise ValueError(f"need integers 0 <= sp_rank < sp, got sp={sp!r}, sp_rank={sp_rank!r}")
 
 
 def read_blocks(cache: torch.Tensor, scale, blocks: torch.Tensor, dtype) -> torch.Tensor:
@@ -106,7 +147,52 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale: Option
                 v_scale=v_scale)
 
 
+def paged_prefill_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, max_seqlen_q: int,
+                            q_start=None, scale: Optional[float] = None, causal: bool = True, k_scale=None,
+                            v_scale=None, sp: int = 1, sp_rank: int = 0):
+    """The varlen contract (module docstring) in plain torch: one ``reference.forward`` per sequence."""
+    validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start, k_scale, v_scale, sp, sp_rank)
+    t, h, d = q.shape
+    bs = k_cache.shape[1]
+    scale = resolve_scale(scale, d)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    starts = q_start.tolist() if q_start is not None else [length - (b - a) for length, a, b in zip(lens, cu, cu[1:])]
+    if max(b - a for a, b in zip(cu, cu[1:]) or [0]) > max_seqlen_q or (cu and (cu[0] != 0 or cu[-1] > t)):
+        raise ValueError(f"cu_seqlens_q {cu} must start at 0, end at most at T = {t} and have steps <= "
+                         f"max_seqlen_q = {max_seqlen_q}")
+    out = torch.zeros_like(q)
+    lse = torch.full((h, t), float("-inf"), device=q.device)
+    for i, length in enumerate(lens):
+        a, b = cu[i], cu[i + 1]
+        length = min(length, block_table.shape[1] * bs)
+        if length <= 0 or b == a:
+            continue
+        blocks = block_table[i, : (length + bs - 1) // bs].long()
+        k = read_blocks(k_cache, k_scale, blocks, q.dtype).reshape(-1, *k_cache.shape[2:])[:length]  # (L, Hkv, D)
+        v = read_blocks(v_cache, v_scale, blocks, q.dtype).reshape(-1, *v_cache.shape[2:])[:length]
+        mask = make_mask(causal, range(starts[i], starts[i] + b - a), range(sp_rank, sp_rank + length * sp, sp),
+                         b - a, length, q.device)
+        o, l = reference.forward(q[None, a:b], k[None], v[None], scale, mask)
+        out[a:b], lse[:, a:b] = o[0], l[0]
+    return out, lse
+
+
+def paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, max_seqlen_q: int, q_start=None,
+                  scale: Optional[float] = None, causal: bool = True, k_scale=None, v_scale=None, sp: int = 1,
+                  sp_rank: int = 0, backend: str = "auto"):
+    """See the module docstring. ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA)."""
+    name = backend if backend != "auto" else ("triton" if q.device.type == "cuda" and "triton" in _PREFILL_BACKENDS
+                                              else "reference")
+    impl = _PREFILL_BACKENDS.get(name)
+    if impl is None:
+        raise ValueError(f"unknown paged prefill backend {backend!r}; "
+                         f"choose from {sorted(_PREFILL_BACKENDS)} or 'auto'")
+    return impl(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=max_seqlen_q, q_start=q_start,
+                scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, sp=sp, sp_rank=sp_rank)
+
+
 _BACKENDS = {"reference": paged_attention_reference}
+_PREFILL_BACKENDS = {"reference": paged_prefill_reference}
 
 
 def _auto(q) -> str:

@@ -24,13 +24,55 @@ import torch
 
 from . import paged
 from .paged import validate_paged
-from .triton_attn import _build, _jit, _prec  # raises ImportError when triton is not installed
+from .triton_attn import _big_rows, _build, _interpret, _jit, _prec  # raises ImportError when triton is not installed
 
 triton = tl = None  # bound by _build() (see triton_attn: kernels are decorated on first use)
 
 LOG2E = 1.4426950408889634
 MIN_CHUNK = 256   # tokens per split at least (less: the reduce costs more than it saves)
 MAX_SPLITS = 256
+
+
+@_jit
+def _gather_kv(Q, K, V, KScale, VScale, table_row, offs_t, t_ok, hk, offs_d, D, block_size,
+               stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, QUANT: tl.constexpr):
+    """K and V ``(BN, BD)`` of tokens ``offs_t`` of one sequence (its block table row at
+    ``table_row``) and kv head ``hk``, gathered token by token through the table (any block
+    size); a quantized cache (one byte per value, one scale per (token, kv head)) is
+    dequantized to q's dtype as it is read. Tokens with ``t_ok`` false load as zeros."""
+    block = tl.load(table_row + offs_t // block_size, mask=t_ok, other=0).to(tl.int64)
+    slot = offs_t % block_size
+    kv_off = block[:, None] * stride_kb + slot[:, None] * stride_ks + hk * stride_kh + offs_d[None, :]
+    kv_mask = t_ok[:, None] & (offs_d[None, :] < D)
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    if QUANT:
+        s_off = block * stride_sb + slot * stride_ss + hk
+        k_s = tl.load(KScale + s_off, mask=t_ok, other=0.0).to(tl.float32)
+        v_s = tl.load(VScale + s_off, mask=t_ok, other=0.0).to(tl.float32)
+        k = (k.to(tl.float32) * k_s[:, None]).to(Q.dtype.element_ty)
+        v = (v.to(tl.float32) * v_s[:, None]).to(Q.dtype.element_ty)
+    return k, v
+
+
+@_jit
+def _online_step(acc, m_i, l_i, s, v, PREC: tl.constexpr):
+    """One key tile of the online softmax (base 2): ``s (BR, BN)`` masked scores (-inf: hidden)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+    return acc, m_new, l_i
+
+
+@_jit
+def _finish(acc, m_i, l_i):
+    """``(out fp32 (BR, BD), base-2 lse (BR,))``; rows that saw no key: 0 and -inf."""
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    return out, tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
 
 
 @_jit(do_not_specialize=["capacity", "chunk", "num_splits"])
@@ -66,32 +108,13 @@ def _paged_split_kernel(Q, K, V, KScale, VScale, BlockTable, SeqLens, OutP, LseP
     for t0 in range(t_lo, t_hi, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         t_ok = offs_t < t_hi
-        block = tl.load(BlockTable + n * stride_bt + offs_t // block_size, mask=t_ok, other=0).to(tl.int64)
-        kv_off = block[:, None] * stride_kb + (offs_t % block_size)[:, None] * stride_ks \
-            + hk * stride_kh + offs_d[None, :]
-        kv_mask = t_ok[:, None] & (offs_d[None, :] < D)
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)  # (BN, BD), gathered through the table
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-        if QUANT:  # one byte per value, one scale per (token, kv head): dequantize as it is read
-            s_off = block * stride_sb + (offs_t % block_size) * stride_ss + hk
-            k_s = tl.load(KScale + s_off, mask=t_ok, other=0.0).to(tl.float32)
-            v_s = tl.load(VScale + s_off, mask=t_ok, other=0.0).to(tl.float32)
-            k = (k.to(tl.float32) * k_s[:, None]).to(Q.dtype.element_ty)
-            v = (v.to(tl.float32) * v_s[:, None]).to(Q.dtype.element_ty)
+        k, v = _gather_kv(Q, K, V, KScale, VScale, BlockTable + n * stride_bt, offs_t, t_ok, hk, offs_d, D,
+                          block_size, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, QUANT)
         s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BR, BN) base-2 scores
         visible = t_ok[None, :] & (offs_t[None, :] <= last_key[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
-        m_i = m_new
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, tl.where(visible, s, float("-inf")), v, PREC)
 
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    out, lse2 = _finish(acc, m_i, l_i)
     # partials: OutP (N, H, NQ, splits, D), LseP (N, H, NQ, splits), both fp32 contiguous
     part = ((n * H + h) * NQ + qi) * num_splits + split
     tl.store(OutP + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
@@ -124,6 +147,58 @@ def _paged_reduce_kernel(OutP, LseP, Out, Lse, stride_on, stride_oq, stride_oh,
     tl.store(Lse + nh * NQ + qi, lse)
 
 
+@_jit(do_not_specialize=["total_q", "H", "G", "D", "block_size", "capacity", "sp", "sp_rank"])
+def _paged_prefill_kernel(Q, K, V, KScale, VScale, BlockTable, CuSeqlensQ, SeqLens, QStart, Out, Lse,
+                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+                          stride_bt, stride_ot, stride_oh, total_q, H, G, D, block_size, capacity, sp, sp_rank,
+                          qk_scale, CAUSAL: tl.constexpr, QUANT: tl.constexpr, HAS_START: tl.constexpr,
+                          PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid (cdiv(max_seqlen_q, BLOCK_M), N, H): query tokens [m0, m0 + BLOCK_M) of sequence n, head h
+    m0 = tl.program_id(0) * BLOCK_M
+    n = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    hk = h // G
+    q_lo = tl.load(CuSeqlensQ + n).to(tl.int64)
+    nq = (tl.load(CuSeqlensQ + n + 1) - q_lo).to(tl.int32)
+    seq_len = tl.load(SeqLens + n).to(tl.int32)
+    if HAS_START:
+        start = tl.load(QStart + n).to(tl.int32)
+    else:
+        start = seq_len - nq  # the new tokens are the last ones in the cache
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    rows = q_lo + offs_m  # packed token index, int64
+    row_ok = offs_m < nq
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = row_ok[:, None] & (offs_d[None, :] < D)
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)  # (BM, BD)
+    pos = start + offs_m  # global position of each query
+
+    # local key j sits at global position j * sp + sp_rank; never read past the table row
+    t_hi = tl.minimum(seq_len, capacity)
+    if CAUSAL:  # keys past the tile's last row are outside the loop
+        last = start + tl.minimum(m0 + BLOCK_M, nq) - 1
+        t_hi = tl.minimum(t_hi, tl.maximum((last - sp_rank + sp) // sp, 0))
+    t_hi = tl.where(m0 < nq, t_hi, 0)  # a tile past this sequence's queries: nothing to do
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for t0 in range(0, t_hi, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = offs_t < t_hi
+        k, v = _gather_kv(Q, K, V, KScale, VScale, BlockTable + n * stride_bt, offs_t, t_ok, hk, offs_d, D,
+                          block_size, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, QUANT)
+        s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN) base-2 scores
+        visible = t_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_t[None, :] * sp + sp_rank <= pos[:, None])
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, tl.where(visible, s, float("-inf")), v, PREC)
+
+    out, lse2 = _finish(acc, m_i, l_i)
+    tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=q_mask)
+    tl.store(Lse + h * total_q + rows, lse2 * 0.6931471805599453, mask=row_ok)  # (H, T), natural log
+
+
 def _num_sms(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -138,7 +213,23 @@ def num_splits_for(capacity: int, programs: int, device) -> int:
 
 def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
                            causal: bool = True, num_splits: Optional[int] = None, k_scale=None, v_scale=None):
-    """Same contract as ``paged.paged_attention_reference``; ``num_splits`` overrides the choice."""
+    """Same contract as ``paged.paged_attention_reference`` (the ``"triton"`` backend): one new
+    token per sequence (or ``num_splits`` given) runs the decode kernel, several the prefill kernel."""
+    kw = dict(scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale)
+    if q.shape[1] == 1 or num_splits is not None:
+        return paged_decode_triton(q, k_cache, v_cache, block_table, seq_lens, num_splits=num_splits, **kw)
+    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    n, nq, h, d = q.shape
+    cu = torch.arange(0, (n + 1) * nq, nq, dtype=torch.int32, device=q.device)  # (N + 1,): Q tokens each
+    out, lse = paged_prefill_triton(q.reshape(n * nq, h, d), k_cache, v_cache, block_table, cu, seq_lens,
+                                    max_seqlen_q=nq, **kw)  # (N * Q, H, D), (H, N * Q)
+    return out.view(n, nq, h, d), lse.view(h, n, nq).transpose(0, 1).contiguous()
+
+
+def paged_decode_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
+                        causal: bool = True, num_splits: Optional[int] = None, k_scale=None, v_scale=None):
+    """The flash-decoding kernel for any ``Q`` (its row tile is ``G * Q``: meant for a few
+    tokens); ``num_splits`` overrides the choice."""
     validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     _build()
     n, nq, h, d = q.shape
@@ -177,4 +268,50 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale:
     return out, lse
 
 
+def paged_prefill_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, max_seqlen_q: int,
+                         q_start=None, scale: Optional[float] = None, causal: bool = True, k_scale=None,
+                         v_scale=None, sp: int = 1, sp_rank: int = 0):
+    """Same contract as ``paged.paged_prefill_reference``: ``q (T, H, D)`` packed ->
+    ``out (T, H, D)``, ``lse (H, T)`` fp32. No host sync: the grid is ``(cdiv(max_seqlen_q,
+    BLOCK_M), N, H)``, so ``max_seqlen_q`` must be at least every sequence's query count."""
+    paged.validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start, k_scale, v_scale,
+                           sp, sp_rank)
+    _build()
+    t, h, d = q.shape
+    n, hkv, bs = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
+    scale = d ** -0.5 if scale is None else scale
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    block_table, cu_seqlens_q, seq_lens = block_table.contiguous(), cu_seqlens_q.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(q)  # every row is written: each sequence's tokens lie in its first tiles
+    lse = torch.empty(h, t, dtype=torch.float32, device=q.device)
+    capacity = block_table.shape[1] * bs
+    if t * h == 0 or n == 0 or max_seqlen_q <= 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    quant = k_scale is not None
+    if quant:
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+    k_s, v_s = (k_scale, v_scale) if quant else (q, q)  # unused pointers without QUANT
+    cfg = _prefill_config(q.element_size(), triton.next_power_of_2(d))
+    _paged_prefill_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), n, h)](
+        q, k_cache, v_cache, k_s, v_s, block_table, cu_seqlens_q, seq_lens,
+        q_start.contiguous() if q_start is not None else seq_lens, out, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_s.stride(0) if quant else 0, k_s.stride(1) if quant else 0, block_table.stride(0),
+        out.stride(0), out.stride(1), t, h, h // hkv, d, bs, capacity, sp, sp_rank, scale * LOG2E,
+        CAUSAL=causal, QUANT=quant, HAS_START=q_start is not None, PREC=_prec(q.dtype),
+        BLOCK_D=max(16, triton.next_power_of_2(d)), **cfg)
+    return out, lse
+
+
+def _prefill_config(elem_bytes: int, block_d: int) -> dict:
+    """Fixed tiles: 64 query rows x 64 keys (32 for D > 64; 32 x 32 for wide fp32 rows, whose
+    buffers would not fit in shared memory); small ones under the interpreter."""
+    if _interpret():
+        return dict(BLOCK_M=16, BLOCK_N=16)
+    if _big_rows(elem_bytes, block_d):
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=64, BLOCK_N=64 if block_d <= 64 else 32, num_warps=4, num_stages=2)
+
+
 paged._BACKENDS["triton"] = paged_attention_triton
+paged._PREFILL_BACKENDS["triton"] = paged_prefill_triton

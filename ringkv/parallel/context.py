@@ -26,11 +26,16 @@ every sequence. With ``sp = 1`` this is the usual paged layout.
 
 Whatever the mesh, a prompt's first chunk attends to its own K/V as computed and everything
 else reads the cache: with a quantized cache every mesh computes the same thing.
+
+**Kernels.** With ``paged_backend="torch"`` (CPU) the cache is read through ``PagedPlan``s
+built once per step; with ``"triton"`` (CUDA) one-token rows go to the decode kernel and all
+multi-token rows of the step to one varlen ``paged_prefill`` call per layer.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import accumulate
 from datetime import timedelta
 from typing import List, Optional
 
@@ -38,7 +43,7 @@ import torch
 
 from ..cache.kv_cache import KVCache
 from ..kernels import attention
-from ..kernels.paged import paged_attention
+from ..kernels.paged import paged_attention, paged_prefill
 from ..kernels.paged_torch import PagedPlan, paged_attention_lse, paged_attention_planned
 from ..kernels.quant import as_bytes, dequantize
 from ..sp.comm import RingComm
@@ -108,17 +113,38 @@ class LocalStep:
         self.all_written = len(rows) == len(ids)
         self.write_rows = torch.tensor(rows, dtype=torch.long, device=device)  # (W,)
         self.write_slots = torch.tensor(slots, dtype=torch.long, device=device)  # (W,)
-        self.groups = []  # (n, rows (N*n,), block table (N, width), seq_lens (N,), PagedPlan or None)
-        for n, members in groups.items():
+        self.sp_rank, self.groups, self.varlen = r, [], None
+        if paged_backend == "triton":  # kernels take positions and lengths as device tensors
+            groups = self._kernel_batches(groups, sp, r, device)
+        for n, members in groups.items():  # (n, rows (N*n,), block table (N, width), seq_lens (N,), PagedPlan or None)
             table = _padded_table([s.block_table for _, s in members], device)
-            seq_lens = torch.tensor([s.start + n for _, s in members], dtype=torch.int32, device=device)
+            seq_lens = torch.tensor([len(range(r, s.start + n, sp)) if paged_backend == "triton" else s.start + n
+                                     for _, s in members], dtype=torch.int32, device=device)
             rows_g = torch.tensor([o + j for o, _ in members for j in range(n)], device=device)  # (N*n,)
-            if sp > 1:  # keys this rank stores that each query sees: positions r, r+sp, ... <= its own
+            if paged_backend == "triton":  # one token each: flash-decoding over the keys this rank stores
+                plan_g = None
+            elif sp > 1:  # keys this rank stores that each query sees: positions r, r+sp, ... <= its own
                 p = torch.tensor([s.start for _, s in members], device=device)[:, None] + torch.arange(n, device=device)
                 plan_g = PagedPlan(table, None, n, bs, limits=torch.div(p - r, sp, rounding_mode="floor") + 1)
             else:  # the batched torch backend: gather indices and mask once per step, not per layer
                 plan_g = PagedPlan(table, seq_lens, n, bs) if paged_backend == "torch" else None
             self.groups.append((n, rows_g, table, seq_lens, plan_g))
+
+    def _kernel_batches(self, groups, sp: int, r: int, device):
+        """Sequences with several new tokens (later chunks, prefix-continued prompts) become one
+        varlen batch for ``paged_prefill`` (``self.varlen``: rows (R,), block table (M, width),
+        cu_seqlens_q (M + 1,), keys stored here (M,), first query positions (M,), max tokens);
+        the one-token groups (decode) are returned for the decode kernel."""
+        members = [m for n, ms in groups.items() if n > 1 for m in ms]
+        if members:
+            n_of = [s.n for _, s in members]
+            self.varlen = (torch.tensor([o + j for o, s in members for j in range(s.n)], device=device),
+                           _padded_table([s.block_table for _, s in members], device),
+                           torch.tensor([0] + list(accumulate(n_of)), dtype=torch.int32, device=device),
+                           torch.tensor([len(range(r, s.start + s.n, sp)) for _, s in members], dtype=torch.int32,
+                                        device=device),
+                           torch.tensor([s.start for _, s in members], dtype=torch.int32, device=device), max(n_of))
+        return {n: ms for n, ms in groups.items() if n == 1}
 
 
 class StepContext:
@@ -153,7 +179,10 @@ class StepContext:
                     o, _ = paged_attention(qg, cache[0], cache[1], table, seq_lens, backend=self.paged_backend,
                                            k_scale=cache[2], v_scale=cache[3])
                 out[rows] = self._rotate(o.reshape(-1, *q.shape[1:]), kv.rot, back=True)
-        elif st.groups:
+            if st.varlen is not None:
+                o, _ = self._varlen(qc, cache)
+                out[st.varlen[0]] = self._rotate(o, kv.rot, back=True)
+        elif st.groups or st.varlen is not None:
             self._replicated(qc, cache, out)
         for off, m, shards, key_slots, keys in st.rings:
             if key_slots is None:  # its own new K/V (unquantized, like a fresh prompt on one rank)
@@ -172,14 +201,33 @@ class StepContext:
             return x
         return (x.float() @ (rot.T if back else rot)).to(x.dtype)
 
+    def _varlen(self, q, cache):
+        """The step's multi-token rows over this rank's keys in one ``paged_prefill`` call:
+        ``(out (R, H, D), lse (H, R))``."""
+        rows, table, cu, lens, start, max_q = self.step.varlen
+        return paged_prefill(q.index_select(0, rows), cache[0], cache[1], table, cu, lens, max_seqlen_q=max_q,
+                             q_start=start, k_scale=cache[2], v_scale=cache[3], sp=self.sp,
+                             sp_rank=self.step.sp_rank, backend=self.paged_backend)
+
     def _replicated(self, q, cache, out) -> None:
         """Every replicated row over this rank's keys, merged across the SP group in one round."""
-        rows = torch.cat([g[1] for g in self.step.groups])
-        parts = [paged_attention_lse(q.index_select(0, r).view(-1, n, *q.shape[1:]), cache[0], cache[1], plan,
-                                     k_scale=cache[2], v_scale=cache[3])
-                 for n, r, _, _, plan in self.step.groups]  # [(out (N, n, H, D), lse (N, H, n))]
-        o = torch.cat([p[0].reshape(-1, *q.shape[1:]) for p in parts])[None]  # (1, R, H, D)
-        lse = torch.cat([p[1].transpose(1, 2).reshape(-1, q.shape[1]) for p in parts]).T[None]  # (1, H, R)
+        rows, parts = [], []  # [(out (R_i, H, D), lse (R_i, H))]
+        for n, r, table, seq_lens, plan in self.step.groups:
+            qg = q.index_select(0, r).view(-1, n, *q.shape[1:])  # (N, n, H, D)
+            if plan is None:  # the decode kernel: one token at the end sees every key stored here
+                o, l = paged_attention(qg, cache[0], cache[1], table, seq_lens, causal=False,
+                                       backend=self.paged_backend, k_scale=cache[2], v_scale=cache[3])
+            else:
+                o, l = paged_attention_lse(qg, cache[0], cache[1], plan, k_scale=cache[2], v_scale=cache[3])
+            rows.append(r)
+            parts.append((o.reshape(-1, *q.shape[1:]), l.transpose(1, 2).reshape(-1, q.shape[1])))
+        if self.step.varlen is not None:
+            o, l = self._varlen(q, cache)
+            rows.append(self.step.varlen[0])
+            parts.append((o, l.T))
+        rows = torch.cat(rows)
+        o = torch.cat([p[0] for p in parts])[None]  # (1, R, H, D)
+        lse = torch.cat([p[1] for p in parts]).T[None]  # (1, H, R)
         merged, _ = merge_across(o, lse.contiguous(), self.comm.group, self.timeout, "SP attention merge")
         out[rows] = self._rotate(merged[0].to(out.dtype), self.kv.rot, back=True)
 

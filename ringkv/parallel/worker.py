@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..cache.kv_cache import KVCache, bytes_per_block
-from ..kernels import quant
+from ..kernels import paged, quant
 from ..model.config import ModelConfig
 from ..model.llama import DenseContext, LlamaForCausalLM
 from ..model.loader import check_checkpoint, materialize
@@ -93,8 +93,9 @@ class Worker:
         self.kv_heads = kv_heads_per_rank(cfg, mesh.tp)
         self.kv: Optional[KVCache] = None
         self.paged_backend = shape.paged_backend
-        if self.paged_backend == "auto" and self.device.type == "cpu":
-            self.paged_backend = "torch"  # the per-sequence reference loop is far slower on CPU
+        if self.paged_backend == "auto":  # CUDA: the Triton decode + varlen prefill kernels; CPU: batched torch
+            on_gpu = self.device.type == "cuda" and "triton" in paged._PREFILL_BACKENDS
+            self.paged_backend = "triton" if on_gpu else "torch"
         self.ring = RingComm(mesh.sp_group, timeout) if mesh.sp > 1 else None
         self.link = StageLink(timeout)
         self.stats = WorkerStats()

@@ -18,6 +18,7 @@ import torch
 import ringkv.kernels as K
 from ringkv.kernels import block_backward, cudnn, pick, reference
 from ringkv.kernels.flash_attn import FA2_ADAPTERS, FA3_ADAPTERS, FlashBackend, _tiles, select
+from ringkv.kernels.merge import merge_
 from ringkv.kernels.mask import BAND, FULL, OFFSET, Mask
 
 CALLS = []
@@ -337,3 +338,27 @@ def test_describe_on_this_machine():
     for name in ("flash_attn", "flash_attn3"):
         if K.BACKENDS[name].adapter is None:
             assert d["skipped"][name] == K.BACKENDS[name].unavailable
+
+
+@pytest.mark.parametrize("table,version,fwd,bwd,name", RELEASES[1:2], ids=[RELEASES[1][4]])
+def test_flash_into_paths_merge_each_call_once(table, version, fwd, bwd, name):
+    """``forward_into`` merges every call's partial straight into the ring's accumulator (the same
+    result as merging ``forward``'s), and one call over all rows comes back unmerged."""
+    be = _backend(table, version, fwd, bwd)
+    q, k, v = _inputs()
+    g = torch.Generator().manual_seed(1)
+    acc0, lse0 = torch.randn(2, 6, 4, 16, generator=g), torch.randn(2, 4, 6, generator=g)
+    for mask in (Mask(OFFSET, offset=4), Mask(BAND, offset=2, lo=-3), Mask(FULL)):
+        want = acc0.clone(), lse0.clone()
+        merge_(*want, *be.forward(q, k, v, 0.3, mask))
+        got = acc0.clone(), lse0.clone()
+        CALLS.clear()
+        be.forward_into(q, k, v, 0.3, mask, *got)
+        assert len(CALLS) == len(_tiles(mask, 6, 9))
+        torch.testing.assert_close(got, want)
+        grads = [torch.ones(t.shape) for t in (q, k, v)]
+        be.backward_into(*grads, torch.randn_like(q), q, k, v, *_result(q), 0.3, mask)
+        for g_into, g_plain in zip(grads, be.backward(torch.randn_like(q), q, k, v, *_result(q), 0.3, mask)):
+            torch.testing.assert_close(g_into, g_plain + 1)  # added to what was there
+    CALLS.clear()
+    assert torch.equal(be.forward(q, k, v, 0.3, Mask(FULL))[0], _result(q)[0]) and len(CALLS) == 1

@@ -190,24 +190,42 @@ class FlashBackend:
         return (self.adapter is not None and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
                 and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and mask.kind != DENSE and not dlse)
 
+    def _fwd(self, q, k, v, scale: float, causal: bool, window):
+        o, l = self.adapter.fwd(self.module._flash_attn_forward, q, k, v, scale, causal, window)
+        return o, l.float()
+
     @torch.no_grad()
     def forward(self, q, k, v, scale: float, mask: Mask):
-        """Same contract as ``reference.forward``."""
+        """Same contract as ``reference.forward``; one call over all rows is returned unmerged."""
+        tiles = [] if mask.kind == EMPTY else _tiles(mask, q.shape[1], k.shape[1])
+        if len(tiles) == 1 and tiles[0][0] == slice(0, q.shape[1]):
+            _, c, causal, window = tiles[0]
+            return self._fwd(q, k[:, c], v[:, c], scale, causal, window)
         acc, lse = empty_partial(*q.shape[:3], v.shape[-1], q.device)
-        if mask.kind == EMPTY:
-            return acc.to(q.dtype), lse
-        for r, c, causal, window in _tiles(mask, q.shape[1], k.shape[1]):
-            o, l = self.adapter.fwd(self.module._flash_attn_forward, q[:, r], k[:, c], v[:, c], scale, causal, window)
-            merge_(acc[:, r], lse[:, :, r], o, l.float())
+        self.forward_into(q, k, v, scale, mask, acc, lse)
         return acc.to(q.dtype), lse
+
+    @torch.no_grad()
+    def forward_into(self, q, k, v, scale: float, mask: Mask, out, lse) -> None:
+        """Each call's partial merged once, straight into the float32 accumulator ``out``/``lse``."""
+        if mask.kind == EMPTY:
+            return
+        for r, c, causal, window in _tiles(mask, q.shape[1], k.shape[1]):
+            merge_(out[:, r], lse[:, :, r], *self._fwd(q[:, r], k[:, c], v[:, c], scale, causal, window))
 
     @torch.no_grad()
     def backward(self, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
         """Same contract as ``reference.backward`` without ``dlse`` (the registry routes that)."""
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
+        self.backward_into(*grads, dout, q, k, v, out, lse, scale, mask, dlse)
+        return tuple(grads)
+
+    @torch.no_grad()
+    def backward_into(self, dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None) -> None:
+        """``backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed), call by call."""
         assert dlse is None
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        if mask.kind == EMPTY:
+            return
         lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).contiguous()  # no-key rows: P = 0
         for r, c, causal, window in _tiles(mask, q.shape[1], k.shape[1]):
             qs, ks, vs = q[:, r].contiguous(), k[:, c].contiguous(), v[:, c].contiguous()
@@ -217,7 +235,6 @@ class FlashBackend:
             dq[:, r] += g[0]
             dk[:, c] += g[1]
             dv[:, c] += g[2]
-        return dq, dk, dv
 
 
 def load(name: str, module_name: str, table, dist: Optional[str] = None) -> FlashBackend:

@@ -70,7 +70,7 @@ def _validate_cache(q, k_cache, v_cache, k_scale, v_scale, tensors, q_layout: st
     if q.dim() != q_layout.count(",") + 1:
         raise ValueError(f"q must be {q_layout}, got {tuple(q.shape)}")
     if k_cache.dim() != 4:
-        raise ValueError(f"k_cache must be (num_blocks, block_size, Hkv, D), got {tuple(k_cache.shape)}")
+        raise ValueError(f"k_cache (num_blocks, block_size, Hkv, D) must be 4-D, got {tuple(k_cache.shape)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must match, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if q.shape[-1] != k_cache.shape[-1] or k_cache.shape[2] == 0 or q.shape[-2] % k_cache.shape[2] != 0:

@@ -100,8 +100,9 @@ def main(argv=None):
                          "the HF batch runs to its longest request, only requested tokens count")
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default; parallel "
-                                                              "mode: of the tp = pp = sp = 1 engine, default all cores)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's default; parallel mode: of the tp = pp = sp = 1 engine, "
+                         "default all cores)")
     ap.add_argument("--hf-single-max", type=int, default=16,
                     help="also time HF one request at a time for runs of at most this many requests (0: never)")
     ap.add_argument("--repeats", type=int, default=1,

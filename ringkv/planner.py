@@ -20,7 +20,8 @@ by ringkv's benchmarks via ``calibrate``):
 - a whole engine run (``EngineRun``: what ``benchmarks/engine.py`` measures): the engine's own
   scheduler replays the requests (``engine_workload``), each step is priced as above
   (``_step_cost``) and an event simulation of the driver and the stages gives the wall time
-  (``engine_run_seconds``); ``fit_engine`` fits rates and host seconds on measured runs.
+  (``engine_run_seconds``); ``fit_engine`` fits one thread's rates, host seconds and thread scaling
+  on measured runs.
 
 The formulas, the hardware table with its sources and the validation are in docs/plan.md.
 """
@@ -782,7 +783,8 @@ def _single_process_runs(d: dict) -> List[EngineRun]:
             if row["sp"] == 1:
                 seq = row["seq"]
                 out.append(EngineRun(_model_of(row.get("model", d.get("model"))), [seq], 1, seq // 16 + 8,
-                                     one_process_seconds(row), threads=row.get("threads") or d.get("cores") or 1, max_num_seqs=1,
+                                     one_process_seconds(row), threads=row.get("threads") or d.get("cores") or 1,
+                                     max_num_seqs=1,
                                      max_num_batched_tokens=row.get("chunk") or seq,
                                      label=f"{row.get('model')} {seq} sp=1"))
         return out

@@ -16,8 +16,8 @@ request (EOS ignored on both sides), measured in the same process one after the 
 Parallel mode: both engines get the same ``--kv-cache-memory`` per rank and the same
 requests; the table gives output tokens/s, KV capacity in tokens, per-rank memory (weights,
 KV cache, peak RSS) and, per rank, the fraction of the run it was not computing (for
-pipeline stages: the bubble). The single-rank engine uses all cores; each of N ranks gets
-cores / N threads.
+pipeline stages: the bubble). The single-rank engine uses all cores (``--threads``: that
+many); each of N ranks gets cores / N threads.
 """
 
 from __future__ import annotations
@@ -103,7 +103,9 @@ def main(argv=None):
                          "the HF batch runs to its longest request, only requested tokens count")
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's default; parallel mode: of the tp = pp = sp = 1 engine, "
+                         "default all cores)")
     ap.add_argument("--hf-single-max", type=int, default=16,
                     help="also time HF one request at a time for runs of at most this many requests (0: never)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -239,7 +241,7 @@ def main_parallel(args):
         best = [None, None]
         for _ in range(args.repeats):
             for i, c in enumerate(configs):
-                threads = max(1, cores // (c["tp"] * c["pp"] * c["sp"]))
+                threads = max(1, cores // (c["tp"] * c["pp"] * c["sp"])) if i else args.threads or cores
                 kw = dict(c, kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=n)
                 res = run_engine_in_subprocess(path, prompts, lengths, kw, threads)
                 if best[i] is None or res[1] < best[i][1]:
@@ -254,7 +256,8 @@ def main_parallel(args):
                    base_capacity_tokens=b_info["capacity_tokens"], parallel_capacity_tokens=p_info["capacity_tokens"],
                    base_rank=_mem(b_ranks[0]), parallel_ranks=[_mem(r) for r in p_ranks],
                    idle_fraction=[round(r["idle_fraction"], 3) for r in p_ranks],
-                   pp_bubble=sum(r["idle_fraction"] for r in p_ranks) / len(p_ranks), peak_in_flight=depth)
+                   pp_bubble=sum(r["idle_fraction"] for r in p_ranks) / len(p_ranks), peak_in_flight=depth,
+                   base_threads=args.threads or cores, load=_load())
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     print(f"{describe(args.model)} fp32, greedy, {args.max_tokens} output tokens/request, prompts "
@@ -275,6 +278,12 @@ def main_parallel(args):
         with open(args.json, "w") as f:
             json.dump(dict(model=describe(args.model), dtype="float32", max_tokens=args.max_tokens, cores=cores,
                            rows=rows), f, indent=2)
+
+
+def _load() -> str:
+    """``uptime``'s load averages after a row: other processes on the cores change its timings."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
 def _mem(rank: dict) -> dict:

@@ -6,9 +6,13 @@
 
 Each configuration runs in a fresh process (peak memory per rank is that process's own):
 ``LLM(model, sp=N)`` prefills a warm-up prompt, then the timed prompt with ``max_tokens=1``
-(TTFT = that ``generate`` call). ``--chunk`` is ``max_num_batched_tokens`` (default: the
-whole prompt in one step). Efficiency as in ``long_ctx.py`` on a CPU: T(sp = 1, all cores)
-/ T(sp = N, cores / N threads per rank); ideal 1.
+(TTFT = that ``generate`` call); each rank gets ``cores / sp`` torch threads unless
+``--threads`` says otherwise (``--sp 1 --threads 1``: one thread's rates, for the planner's
+thread scaling; ``cpu_s``, the process's CPU seconds per prompt, is then the time it ran on
+a core, which on a loaded machine estimates the unloaded TTFT). ``--chunk`` is
+``max_num_batched_tokens`` (default: the whole prompt in one step). Efficiency as in
+``long_ctx.py`` on a CPU: T(sp = 1, all cores) / T(sp = N, cores / N threads per rank);
+ideal 1.
 
 ``--sweep`` measures, at ``sp = 2``, each prompt length with the ring (the prompt split over
 the ranks) and replicated (every rank computes every token; partial attention merged), to
@@ -38,7 +42,7 @@ def one(args) -> dict:
 
     path = model_path(args.model)
     cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // args.sp[0]))
+    torch.set_num_threads(args.threads or max(1, cores // args.sp[0]))
     rng = random.Random(0)
     prompt = [rng.randrange(3, 1000) for _ in range(args.seq)]
     kw = dict(sp=args.sp[0], max_num_batched_tokens=args.chunk or args.seq, max_model_len=args.seq + 64,
@@ -48,15 +52,16 @@ def one(args) -> dict:
     first = SamplingParams(temperature=0, max_tokens=1)
     with LLM(path, **kw) as llm:
         llm.generate([[rng.randrange(3, 1000) for _ in range(min(args.seq, 512))]], first, use_tqdm=False)  # warm-up
-        times = []
+        times, cpu = [], []
         for i in range(args.repeats):
             p = [7 + i] + prompt[1:]  # a new first token: no prefix-cache hit
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             out = llm.generate([p], first, use_tqdm=False)[0]
             times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
         ranks = llm.rank_stats()
     return dict(model=args.model, seq=args.seq, sp=args.sp[0], chunk=kw["max_num_batched_tokens"],
-                min_ring=args.min_ring, ttft_s=min(times), times=times, token=out.token_ids,
+                min_ring=args.min_ring, ttft_s=min(times), times=times, cpu_s=cpu, token=out.token_ids,
                 peak_rss_mib=[r["peak_rss_bytes"] / 2**20 for r in ranks],
                 kv_cache_mib=[r["kv_cache_bytes"] / 2**20 for r in ranks], threads=torch.get_num_threads())
 
@@ -74,6 +79,12 @@ def spawn(args, **over) -> dict:
     return row
 
 
+def _load() -> str:
+    """``uptime``'s load averages: other processes on the cores change every timing here."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-long", help="tiny-long, llama-120m, smollm2 (benchmarks/models.py) or a path")
@@ -81,6 +92,7 @@ def main(argv=None):
     ap.add_argument("--sp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens (default: the whole prompt)")
     ap.add_argument("--min-ring", type=int, default=None, help="sp_prefill_min_tokens (default: the engine's)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / sp)")
     ap.add_argument("--repeats", type=int, default=2, help="timed prompts per configuration (the fastest counts)")
     ap.add_argument("--sweep", type=int, nargs="*", default=None, metavar="LEN",
                     help="sp=2: ring vs replicated at these prompt lengths")
@@ -106,7 +118,8 @@ def main(argv=None):
             print(f"| {r['seq']} | {r['sp1_s']:.3f} s | {r['ring_s']:.3f} s | {r['replicated_s']:.3f} s | {r['faster']} |")
         out = dict(kind="sweep", model=args.model, cores=cores, rows=rows)
     else:
-        rows = [spawn(args, seq=args.seq, sp=n, chunk=args.chunk, min_ring=args.min_ring) for n in args.sp]
+        rows = [spawn(args, seq=args.seq, sp=n, chunk=args.chunk, min_ring=args.min_ring, threads=args.threads)
+                for n in args.sp]
         base = next((r for r in rows if r["sp"] == 1), None)
         for r in rows:
             r["efficiency"] = base["ttft_s"] / r["ttft_s"] if base else None
@@ -118,7 +131,7 @@ def main(argv=None):
             eff = f"{r['efficiency']:.3f}" if r["efficiency"] is not None else "-"
             print(f"| {r['sp']} | {r['ttft_s']:.2f} s | {eff} | {', '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} | "
                   f"{', '.join(f'{m:.0f}' for m in r['kv_cache_mib'])} | {r['same_token_as_sp1']} |")
-        out = dict(kind="prefill", model=args.model, seq=args.seq, cores=cores, rows=rows)
+        out = dict(kind="prefill", model=args.model, seq=args.seq, cores=cores, rows=rows, load=_load())
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -72,15 +72,17 @@ def bench_prompts(model: str, n: int, lo: int = 16, hi: int = 256) -> list:
     return out
 
 
-ENGINE_FILES = ("engine_pp2modelllama120m.json", "engine_tp2modelllama120m.json", "engine_pp2modelsmollm2.json")
+ENGINE_FILES = ("engine_pp2modelllama120m.json", "engine_tp2modelllama120m.json", "engine_pp2modelsmollm2.json",
+                "engine_tp2modelllama120m_quiet.json")
 SINGLE_FILES = ("prefill_8k.json", "prefill_32k.json", "threshold_smollm2_short.json", "threshold_smollm2.json",
-                "threshold_tiny.json")
+                "threshold_tiny.json", "prefill_2k_1thread.json", "prefill_2k_2threads.json")
 
 
 def single_process_runs() -> list:
-    """Every one-process engine run saved here (2 torch threads): the baselines of the engine.py
-    runs (the same requests as their parallel rows), the sp = 1 rows of long_prefill.py (8K
-    SmolLM2, 32K tiny-long) and of its --sweep (one prompt of 4-4096 tokens)."""
+    """Every one-process engine run saved here, with its torch threads: the baselines of the
+    engine.py runs (the same requests as their parallel rows), the sp = 1 rows of long_prefill.py
+    (8K SmolLM2, 32K tiny-long; 2K SmolLM2 on one and on two threads, one after the other) and
+    of its --sweep (one prompt of 4-4096 tokens, 2 threads)."""
     runs = []
     for name in ENGINE_FILES:
         d = load(name)
@@ -88,33 +90,36 @@ def single_process_runs() -> list:
         for x in d["rows"]:
             runs.append(planner.EngineRun(cfg, bench_prompts(d["model"], x["requests"]), d["max_tokens"],
                                           x["base_capacity_tokens"] // 16, x["output_tokens"] / x["base_tok_s"],
-                                          max_num_seqs=x["requests"], label=f"{name}: {x['requests']} requests"))
+                                          threads=x.get("base_threads", d["cores"]), max_num_seqs=x["requests"],
+                                          label=f"{name}: {x['requests']} requests"))
     for name in SINGLE_FILES:
         d = load(name)
         cfg = planner.load_model(d["model"])
         for x in d["rows"]:
             if x.get("sp", 1) == 1:
-                seq, t = x["seq"], x.get("ttft_s", x.get("sp1_s"))
-                runs.append(planner.EngineRun(cfg, [seq], 1, seq // 16 + 8, t, max_num_seqs=1,
-                                              max_num_batched_tokens=seq, label=f"{name}: {seq} tokens"))
+                seq, t = x["seq"], planner.one_process_seconds(x)
+                runs.append(planner.EngineRun(cfg, [seq], 1, seq // 16 + 8, t, threads=x.get("threads", d["cores"]),
+                                              max_num_seqs=1, max_num_batched_tokens=seq,
+                                              label=f"{name}: {seq} tokens, {x.get('threads', d['cores'])} threads"))
     return runs
 
 
 def cpu_fit(runs):
-    """(rates of the one 2-thread process, rates of a 1-thread rank): attention of one thread from
-    the 16K ring run; matmul, memory bandwidth and host seconds (per step, per sequence per step,
-    per layer per step) fitted on the one-process ``runs``; a rank's compute and memory rates are
-    half the process's (linear in threads), its host seconds the same."""
-    a1 = cpu_rates("long_ctx_16k.json").attention
-    start = planner._threads(cpu_rates(), 2)
-    start.attention = 2 * a1
-    proc = planner.fit_engine(runs, start, ("matmul", "memory", "step", "seq", "layer"))
-    rank = planner._threads(proc, 0.5)
-    rank.attention = a1
-    return proc, rank
+    """One thread's rates (a rank of a 2-rank run): attention from the 16K ring run; matmul,
+    memory bandwidth, host seconds (per step, per sequence per step, per layer per step) and the
+    thread scaling fitted on the one-process ``runs`` (planner.fit_engine); the loopback link's
+    latency and bandwidth under load from collective_latency.json, through the planner's
+    calibration path."""
+    start = cpu_rates()
+    start.attention = cpu_rates("long_ctx_16k.json").attention
+    keys = ("matmul", "memory", "step", "seq", "layer") + \
+        (("thread_scaling",) if len({x.threads for x in runs}) > 1 else ())
+    rank = planner.fit_engine(runs, start, keys)
+    return planner.apply_calibration(rank, [data(COLLECTIVE)])
 
 
-CAL = "one-process runs + long_ctx 16K"
+COLLECTIVE = "collective_latency.json"
+CAL = "one-process runs, long_ctx 16K, collective_latency"
 
 
 def prefill_rows(rank):
@@ -142,7 +147,8 @@ def engine_rows(rank):
             c = planner._parse_config(x["config"])
             run = planner.EngineRun(cfg, bench_prompts(d["model"], x["requests"]), d["max_tokens"],
                                     x["parallel_capacity_tokens"] // 16 // c["sp"], 0.0, max_num_seqs=x["requests"], **c)
-            out.append(row(f"engine {x['config']}, {d['model'].split(' (')[0]}, {x['requests']} requests: tok/s",
+            again = " (re-run beside collective_latency.py)" if name.endswith("_quiet.json") else ""
+            out.append(row(f"engine {x['config']}, {d['model'].split(' (')[0]}, {x['requests']} requests{again}: tok/s",
                            x["output_tokens"] / run.seconds(rank), x["parallel_tok_s"], "tok/s", CAL,
                            "docs/performance.md, TP/PP table"))
     return out
@@ -165,17 +171,30 @@ def ring_flash_attn_rows():
 
 
 def meta_rows():
-    """Meta, 'Context Parallelism for Scalable Million-Token Inference' (arXiv 2411.01783): Llama 3
-    405B, 1M-token prefill in 77 s on 128 H100 (16 nodes of 8, TP 8 in a node, CP 16 across)."""
-    out = []
-    for dtype, seq, note in (("fp8", 1_000_000, "FP8 linear layers, S = 10^6"),
-                             ("fp8", 1 << 20, "FP8 linear layers, S = 2^20"),
-                             ("bfloat16", 1_000_000, "bf16 linear layers, S = 10^6")):
-        (o,) = [o for o in planner.plan("llama-3.1-405b", seq, gpus=128, nodes=16, gpu="h100", dtype=dtype,
-                                        ulysses=False) if (o.tp, o.pp, o.sp) == (8, 1, 16)]
-        out.append(row(f"Llama-3.1-405B 1M prefill, 128 H100, TP8 x SP16 ({note})", o.prefill_s, 77.0, "s",
-                       "none (hardware table defaults)", "arXiv 2411.01783 abstract"))
-    return out
+    """Meta, 'Context Parallelism for Scalable Million-Token Inference' (arXiv 2411.01783, abstract):
+    Llama 3 405B on 128 H100 (16 nodes of 8: TP 8 in a node, CP 16 across), "1M context prefill
+    ... in 77s (93% parallelization efficiency, 63% FLOPS utilization) and 128K context prefill in
+    3.8s". One reading: FP8 linear layers (bf16 weights do not fit 8 x 80 GB; Meta's published
+    405B inference recipe is FP8 row-wise), 1M = 2^20 and 128K = 2^17 tokens, the 128K run on the
+    same 128 GPUs (the abstract names no other count). FLOPs counted: linear 2 x 401.6e9 linear
+    parameters x S, attention 4 x head_dim x heads x S^2 / 2 x layers (causal); utilization =
+    FLOPs / (128 x seconds x 989.4e12, the H100's dense bf16 peak)."""
+    cfg = planner.load_model("llama-3.1-405b")
+    lin = planner.layer_params(cfg, 1)["linear"] * cfg.num_layers
+
+    def prefill(seq):
+        (o,) = [o for o in planner.plan(cfg, seq, gpus=128, nodes=16, gpu="h100", dtype="fp8", ulysses=False)
+                if (o.tp, o.pp, o.sp) == (8, 1, 16)]
+        flops = 2 * lin * seq + 4 * cfg.head_dim * cfg.num_heads * seq * seq / 2 * cfg.num_layers
+        return o.prefill_s, flops / (128 * o.prefill_s * 989.4e12)
+
+    src, cal = "arXiv 2411.01783 abstract", "none (hardware table defaults)"
+    t1m, mfu = prefill(1 << 20)
+    t128k, _ = prefill(1 << 17)
+    return [row("Llama-3.1-405B 2^20-token prefill, 128 H100, TP8 x SP16, FP8 linear", t1m, 77.0, "s", cal, src),
+            row("Llama-3.1-405B 2^20 prefill: FLOPS utilization (FLOPs counted as above / bf16 peak)", mfu, 0.63, "",
+                cal, src),
+            row("Llama-3.1-405B 2^17-token prefill, 128 H100, TP8 x SP16, FP8 linear", t128k, 3.8, "s", cal, src)]
 
 
 def main(argv=None) -> int:
@@ -183,12 +202,15 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
     fit = single_process_runs()
-    proc, rank = cpu_fit(fit)
+    rank = cpu_fit(fit)
+    proc = planner._threads(rank, 2 ** rank.thread_scaling)
     rows = ring_cpu_rows() + prefill_rows(rank) + engine_rows(rank) + ring_flash_attn_rows() + meta_rows()
-    res = [x.seconds(proc) / x.measured_s - 1 for x in fit]
-    print(f"CPU one process (2 threads), fitted on {len(fit)} runs: matmul {proc.matmul / 1e9:.0f} GFLOP/s, memory "
-          f"{proc.memory / 1e9:.1f} GB/s, attention {proc.attention / 1e9:.0f} GFLOP/s (2 x long_ctx); host "
-          + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in proc.host.items())
+    res = [x.seconds(rank) / x.measured_s - 1 for x in fit]
+    print(f"CPU, one thread (a rank), fitted on {len(fit)} one-process runs: matmul {rank.matmul / 1e9:.1f} GFLOP/s, "
+          f"memory {rank.memory / 1e9:.2f} GB/s, attention {rank.attention / 1e9:.1f} GFLOP/s (long_ctx 16K), "
+          f"2 threads: x{2 ** rank.thread_scaling:.2f} (thread_scaling {rank.thread_scaling:.2f}); host "
+          + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in rank.host.items())
+          + f"; loopback {rank.latency['loopback'] * 1e6:.0f} us + {rank.links['loopback'] / 1e9:.2f} GB/s per message"
           + f"; fit residuals {min(res):+.0%} .. {max(res):+.0%}, engine baselines "
           + ", ".join(f"{e:+.0%}" for e, x in zip(res, fit) if x.max_tokens > 1) + "\n")
     print("| case | predicted | measured / published | error | within 15% | calibrated on |")

@@ -12,7 +12,7 @@ by ringkv's benchmarks via ``calibrate``):
   attention ``R`` steps of ``compute = causal FLOPs / R^2 / attention rate`` overlapped with the
   K/V block's transfer, ``max(compute, transfer)`` per step plus the fp32 (out, lse) merge
   (memory bound); Ulysses all-to-alls and the two TP all-reduces are not overlapped; PP runs
-  the stages one after the other for a sequence (``(batch + pp - 1) x slowest stage``);
+  the stages one after the other for a sequence (``sum of stages + (batch - 1) x slowest``);
 - decode (memory bound): a step reads each stage's weights once per micro-batch and the K/V
   of the context, ``max(bytes / bandwidth, FLOPs / rate)``, plus per-layer collectives
   (latency + bytes / bandwidth) and the host seconds of a step (``hardware.json`` "host":
@@ -20,7 +20,8 @@ by ringkv's benchmarks via ``calibrate``):
 - a whole engine run (``EngineRun``: what ``benchmarks/engine.py`` measures): the engine's own
   scheduler replays the requests (``engine_workload``), each step is priced as above
   (``_step_cost``) and an event simulation of the driver and the stages gives the wall time
-  (``engine_run_seconds``); ``fit_engine`` fits rates and host seconds on measured runs.
+  (``engine_run_seconds``); ``fit_engine`` fits one thread's rates, host seconds and thread scaling
+  on measured runs.
 
 The formulas, the hardware table with its sources and the validation are in docs/plan.md.
 """
@@ -28,6 +29,7 @@ The formulas, the hardware table with its sources and the validation are in docs
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -125,15 +127,18 @@ def _merge(base: dict, extra: dict) -> dict:
 
 @dataclass
 class Rates:
-    """Achievable rates of one device: FLOP/s of linear layers and of attention, memory bytes/s,
-    and per link bytes/s (one direction) and latency (s)."""
+    """Achievable rates of one device (on a CPU: one thread): FLOP/s of linear layers and of
+    attention, memory bytes/s, per link bytes/s (one direction) and latency (s), host seconds
+    per engine step (``step``, ``seq``: per sequence, ``layer``: per layer). A process with
+    ``t`` threads computes and reads memory at ``t ** thread_scaling`` times these rates."""
     matmul: float
     attention: float
     memory: float
     links: Dict[str, float]
     latency: Dict[str, float]
     source: str = "hardware table x efficiency"
-    host: Dict[str, float] = field(default_factory=dict)  # per-step host seconds: step, seq, layer
+    host: Dict[str, float] = field(default_factory=dict)
+    thread_scaling: float = 1.0
 
 
 def rates(hw: dict, gpu: str, dtype: str = "bfloat16") -> Rates:
@@ -342,7 +347,8 @@ def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable,
     handoff = _xfer(tok * h * act, links["pp"], r) if pp > 1 else 0.0
     host = r.host.get("step", 0.0) + r.host.get("seq", 0.0)  # per step: the driver's scheduling and sampling
     stage_t = [n * (t_layer + r.host.get("layer", 0.0)) + handoff for n in sizes]
-    prefill = (batch + pp - 1) * max(stage_t) + host
+    # a sequence runs the stages one after the other; the next one enters when the slowest is free
+    prefill = sum(stage_t) + (batch - 1) * max(stage_t) + host
 
     # decode: batch sequences at context seq; pp micro-batches in flight
     micro = -(-batch // pp)
@@ -358,7 +364,7 @@ def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable,
         if pp > 1:
             t += _xfer(micro * h * act, links["pp"], r)
         steps.append(t)
-    step_t = (pp if pp > 1 else 1) * (max(steps) + r.host.get("step", 0.0) + r.host.get("seq", 0.0) * micro)
+    step_t = pp * (max(steps) + r.host.get("step", 0.0) + r.host.get("seq", 0.0) * micro)
     decode = batch / step_t
     return Option(tp=tp, pp=pp, sp=sp, ulysses=u, kv_cache_dtype=kvd, layers_per_stage=sizes,
                   kv_heads_per_gpu=hkv, weight_bytes_per_gpu=max(wb), kv_bytes_per_token_per_gpu=max(kvt),
@@ -523,7 +529,7 @@ def _step_terms(cfg: ModelConfig, w: StepWork, *, tp: int, pp: int, sp: int, sta
     """What step ``w`` asks of one rank of ``stage``, independent of the rates: ``(layers,
     bytes, linear FLOPs, attention FLOPs, ring, messages)``. ``ring``: ``(tokens, heads, kv_heads,
     head_dim, layers x pairs / ring pairs)`` when the step runs the SP ring, else None;
-    ``messages``: ``(bytes, count)`` of its collectives and hand-offs."""
+    ``messages``: ``(bytes sent in all, message count)`` of its collectives and hand-offs."""
     act = DTYPES[dtype][1] if dtype != "fp8" else 2
     n = stage_sizes(cfg, pp)[stage]
     first, last = stage == 0, stage == pp - 1
@@ -542,10 +548,10 @@ def _step_terms(cfg: ModelConfig, w: StepWork, *, tp: int, pp: int, sp: int, sta
     else:
         ring_terms, attn = None, n * 4 * hq * d * w.pairs / sp
         if sp > 1:  # (out, lse) partials merged over the SP group each layer
-            msgs.append((w.tokens * hq * (d + 1) * 4, n * math.ceil(math.log2(sp))))
+            msgs.append((n * w.tokens * hq * (d + 1) * 4, n * math.ceil(math.log2(sp))))
     if tp > 1:  # two all-reduces per layer (+ the vocab-parallel embedding), the vocabulary gather
-        ar = int(2 * (tp - 1) / tp * rows * h * act)
-        msgs.append((ar, (2 * n + first) * 2 * (tp - 1)))
+        count = 2 * n + first  # ring all-reduces: 2 (tp - 1) messages, 2 (tp - 1) / tp of the tensor sent
+        msgs.append((count * 2 * (tp - 1) / tp * rows * h * act, count * 2 * (tp - 1)))
         if last and w.completing:
             msgs.append(((tp - 1) * vocab * w.completing * act, tp - 1))
     if pp > 1 and not last:
@@ -567,8 +573,7 @@ def _step_cost(terms: tuple, r: Rates, link: str) -> float:
 
 
 def engine_run_seconds(cfg: ModelConfig, steps, events, r: Rates, *, tp: int = 1, pp: int = 1, sp: int = 1,
-                       dtype: str = "float32", sp_prefill_min_tokens: int = 64, link: Optional[str] = None,
-                       _terms=None) -> float:
+                       dtype: str = "float32", sp_prefill_min_tokens: int = 64, link: Optional[str] = None) -> float:
     """Wall time of the steps of ``engine_workload`` run by a ``tp x pp x sp`` engine whose ranks
     have rates ``r``. The driver (rank 0, also stage 0) spends ``host["step"] + host["seq"] x
     seqs`` per step (schedule, step plan, publish, sample, append), then runs stage 0; stage ``i``
@@ -576,10 +581,20 @@ def engine_run_seconds(cfg: ModelConfig, steps, events, r: Rates, *, tp: int = 1
     step completes when its last stage is done; the driver plans the next steps after
     completing the oldest one in flight (``pp`` in flight). TP and SP ranks of a stage run in
     lockstep (their collectives are in the step cost)."""
-    link = link or next(iter(r.links))
-    terms = _terms or engine_terms(cfg, steps, tp=tp, pp=pp, sp=sp, dtype=dtype,
-                                   sp_prefill_min_tokens=sp_prefill_min_tokens)
+    terms = _run_terms(cfg, steps, tp, pp, sp, dtype, sp_prefill_min_tokens)
+    return _simulate(steps, events, terms, r, link or next(iter(r.links)))
+
+
+def _run_terms(cfg, steps, tp, pp, sp, dtype="float32", sp_prefill_min_tokens=64) -> list:
+    """``_step_terms`` of every step (rows) and stage (columns)."""
+    return [[_step_terms(cfg, w, tp=tp, pp=pp, sp=sp, stage=i, dtype=dtype, sp_prefill_min_tokens=sp_prefill_min_tokens)
+             for i in range(pp)] for w in steps]
+
+
+def _simulate(steps, events, terms, r: Rates, link: str) -> float:
+    """The event simulation of ``engine_run_seconds`` over precomputed ``_step_terms``."""
     step_s, seq_s = r.host.get("step", 0.0), r.host.get("seq", 0.0)
+    pp = len(terms[0]) if terms else 1
     t0, free, end = 0.0, [0.0] * pp, {}
     for kind, k in events:
         if kind == "submit":
@@ -594,18 +609,12 @@ def engine_run_seconds(cfg: ModelConfig, steps, events, r: Rates, *, tp: int = 1
     return t0
 
 
-def engine_terms(cfg: ModelConfig, steps, *, tp: int = 1, pp: int = 1, sp: int = 1, dtype: str = "float32",
-                 sp_prefill_min_tokens: int = 64) -> list:
-    """``_step_terms`` of every step and stage (computed once when rates are being fitted)."""
-    return [[_step_terms(cfg, w, tp=tp, pp=pp, sp=sp, stage=i, dtype=dtype,
-                         sp_prefill_min_tokens=sp_prefill_min_tokens) for i in range(pp)] for w in steps]
-
-
 @dataclass
 class EngineRun:
     """A measured engine run: its model, requests (token-id lists or prompt lengths), output
-    tokens per request, cache blocks, mesh, scheduler limits and wall seconds; ``seconds(r)``
-    is the model's time for it (workload and step terms computed once)."""
+    tokens per request, cache blocks, wall seconds, mesh, torch threads per rank and scheduler
+    limits; ``seconds(r)`` is the model's time for it with one thread's rates ``r`` (the
+    workload and step terms are computed once)."""
     cfg: ModelConfig
     prompts: list
     max_tokens: int
@@ -614,6 +623,7 @@ class EngineRun:
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    threads: int = 1
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     label: str = ""
@@ -624,25 +634,25 @@ class EngineRun:
             steps, events = engine_workload(self.prompts, self.max_tokens, self.num_blocks, pp=self.pp, sp=self.sp,
                                             max_num_seqs=self.max_num_seqs,
                                             max_num_batched_tokens=self.max_num_batched_tokens)
-            self._cache = steps, events, engine_terms(self.cfg, steps, tp=self.tp, pp=self.pp, sp=self.sp)
+            self._cache = steps, events, _run_terms(self.cfg, steps, self.tp, self.pp, self.sp)
         steps, events, terms = self._cache
-        return engine_run_seconds(self.cfg, steps, events, r, tp=self.tp, pp=self.pp, sp=self.sp, _terms=terms)
+        return _simulate(steps, events, terms, _threads(r, self.threads ** r.thread_scaling), next(iter(r.links)))
 
 
-FIT_KEYS = ("matmul", "memory", "attention", "step", "seq", "layer")
+FIT_KEYS = ("matmul", "memory", "attention", "step", "seq", "layer", "thread_scaling")
 
 
 def fit_engine(runs: Sequence[EngineRun], r: Rates, keys: Sequence[str] = ("matmul", "memory", "step", "seq",
                                                                            "layer")) -> Rates:
-    """``r`` with ``keys`` (rates: matmul, memory, attention; host seconds: step, seq, layer)
-    chosen to minimise the squared log error of ``runs``' modelled times (Nelder-Mead over the
-    logarithms; the other fields stay). Fit on runs of the same kind of rank as the one to
-    predict, and never on the run being predicted."""
+    """``r`` with ``keys`` (one thread's rates: matmul, memory, attention; host seconds: step,
+    seq, layer; ``thread_scaling``, which needs runs with different thread counts) chosen to
+    minimise the squared log error of ``runs``' modelled times (Nelder-Mead over the
+    logarithms; the other fields stay). Never fit on the run being predicted."""
     bad = [k for k in keys if k not in FIT_KEYS]
     if bad or not runs:
         raise ValueError(f"fit_engine needs runs and keys among {FIT_KEYS}, got {list(keys)}")
     start = dict(matmul=r.matmul, memory=r.memory, attention=r.attention, step=r.host.get("step") or 1e-3,
-                 seq=r.host.get("seq") or 1e-4, layer=r.host.get("layer") or 1e-4)
+                 seq=r.host.get("seq") or 1e-4, layer=r.host.get("layer") or 1e-4, thread_scaling=r.thread_scaling)
 
     def make(x) -> Rates:
         out = copy.deepcopy(r)
@@ -693,7 +703,7 @@ def _nelder_mead(f, x0: List[float], step: float = 0.7, iters: int = 400, tol: f
 
 
 # -- calibration: rates measured by ringkv's benchmarks ---------------------------------------------
-RATE_KEYS = ("matmul", "attention", "memory", "links", "latency", "host")
+RATE_KEYS = ("matmul", "attention", "memory", "thread_scaling", "links", "latency", "host")
 
 
 def apply_calibration(r: Rates, calibrate) -> Rates:
@@ -706,14 +716,12 @@ def apply_calibration(r: Rates, calibrate) -> Rates:
 
 
 def _with(r: Rates, d: dict) -> Rates:
-    bad = [k for k in d if k not in RATE_KEYS + ("rates", "source")]
-    if "rates" in d:
-        d = d["rates"]
-        bad = [k for k in d if k not in RATE_KEYS + ("source",)]
+    d = d.get("rates", d)  # a benchmark's JSON holds its rates under "rates"
+    bad = [k for k in d if k not in RATE_KEYS + ("source",)]
     if bad:
         raise ValueError(f"unknown calibration keys {bad}; use {list(RATE_KEYS)}")
     out = copy.deepcopy(r)
-    for k in ("matmul", "attention", "memory"):
+    for k in ("matmul", "attention", "memory", "thread_scaling"):
         if k in d:
             out.__dict__[k] = float(d[k])
     for k in ("links", "latency", "host"):
@@ -731,20 +739,20 @@ def _read_json(path) -> dict:
 
 
 def fit_rates(paths: Iterable, r: Rates) -> Rates:
-    """Rates of one rank fitted from benchmark JSON files, in this order whatever the order given:
-    rates files; ``benchmarks/long_ctx.py --json`` (attention FLOP/s of one rank: the balanced
-    causal rows); then, pooled, the single-process runs of ``benchmarks/long_prefill.py --json``
-    (its ``sp = 1`` rows) and ``benchmarks/engine.py --json`` (the ``tp = pp = sp = 1`` baseline
-    of every row): ``fit_engine`` over the engine's workload (prompts of the row's mean length)
-    fits matmul (and, given engine rows, memory bandwidth and the host seconds per step, per
-    sequence and per layer) for that process, which used all ``cores`` threads; a rank's rates
-    are the process's divided by ``cores`` (rates assumed linear in threads: the 16K ring run
-    measured 1.91x for attention at 2 threads, docs/performance.md). Host seconds are kept as
-    fitted (Python runs on one thread either way)."""
+    """One thread's rates fitted from benchmark JSON files, in this order whatever the order
+    given: rates files (``benchmarks/collective_latency.py --json`` is one: a link's latency and
+    bandwidth under load); ``benchmarks/long_ctx.py --json`` (attention FLOP/s of one rank: the
+    balanced causal rows); then, pooled, the one-process runs of ``benchmarks/long_prefill.py
+    --json`` (its ``sp = 1`` rows) and ``benchmarks/engine.py --json`` (the ``tp = pp = sp = 1``
+    baseline of every row), each with its torch threads: ``fit_engine`` over the engine's
+    workload (prompts of the row's mean length) fits matmul (and, given engine rows, memory
+    bandwidth and the host seconds per step, per sequence and per layer; given runs with
+    different thread counts, ``thread_scaling``; else a rank's rates are the process's divided by
+    its threads, the 16K ring run having measured 1.91x for attention at 2 threads)."""
     docs = [(p, _read_json(p)) for p in paths]
     order = {"rates": 0, "long_ctx": 1, "prefill": 2, "engine": 2}
     kinds = sorted(((order[_kind(p, d)], i, p, d) for i, (p, d) in enumerate(docs)), key=lambda t: t[:2])
-    out, used, runs, cores = copy.deepcopy(r), [], [], 1
+    out, used, runs = copy.deepcopy(r), [], []
     for _, _, p, d in kinds:
         kind = _kind(p, d)
         if kind == "rates":
@@ -753,23 +761,18 @@ def fit_rates(paths: Iterable, r: Rates) -> Rates:
             out.attention = _fit_attention(d)
         else:
             runs += _single_process_runs(d)
-            cores = max(cores, int(d.get("cores") or 1))
         used.append(os.path.basename(str(p)))
     if runs:
         keys = ("matmul", "memory", "step", "seq", "layer") if any(x.max_tokens > 1 for x in runs) else ("matmul",)
-        proc = _threads(out, cores)
-        fitted = fit_engine(runs, proc, keys)
-        out = dict(_threads(fitted, 1 / cores).__dict__, attention=out.attention, source="")
-        out = Rates(**out)
+        keys += ("thread_scaling",) if len({x.threads for x in runs}) > 1 else ()
+        out = dataclasses.replace(fit_engine(runs, out, keys), attention=out.attention)
     out.source = "calibrated from " + ", ".join(used)
     return out
 
 
 def _threads(r: Rates, k: float) -> Rates:
-    """``r`` with its compute and memory rates times ``k`` (``k`` threads of the rank ``r`` is)."""
-    out = copy.deepcopy(r)
-    out.matmul, out.memory, out.attention = r.matmul * k, r.memory * k, r.attention * k
-    return out
+    """``r`` with its compute and memory rates times ``k``."""
+    return dataclasses.replace(r, matmul=r.matmul * k, memory=r.memory * k, attention=r.attention * k)
 
 
 def _single_process_runs(d: dict) -> List[EngineRun]:
@@ -780,7 +783,9 @@ def _single_process_runs(d: dict) -> List[EngineRun]:
             if row["sp"] == 1:
                 seq = row["seq"]
                 out.append(EngineRun(_model_of(row.get("model", d.get("model"))), [seq], 1, seq // 16 + 8,
-                                     row["ttft_s"], max_num_seqs=1, max_num_batched_tokens=row.get("chunk") or seq,
+                                     one_process_seconds(row), threads=row.get("threads") or d.get("cores") or 1,
+                                     max_num_seqs=1,
+                                     max_num_batched_tokens=row.get("chunk") or seq,
                                      label=f"{row.get('model')} {seq} sp=1"))
         return out
     cfg = _model_of(d["model"])
@@ -788,9 +793,18 @@ def _single_process_runs(d: dict) -> List[EngineRun]:
         n, total = row["requests"], row["prompt_tokens"]
         prompts = [total // n + (i < total % n) for i in range(n)]
         out.append(EngineRun(cfg, prompts, d["max_tokens"], row["base_capacity_tokens"] // 16,
-                             row["output_tokens"] / row["base_tok_s"], max_num_seqs=n,
-                             label=f"{n} requests, one process"))
+                             row["output_tokens"] / row["base_tok_s"], threads=row.get("base_threads", d["cores"]),
+                             max_num_seqs=n, label=f"{n} requests, one process"))
     return out
+
+
+def one_process_seconds(row: dict) -> float:
+    """The time of a one-process ``long_prefill.py`` row (``ttft_s``; ``sp1_s`` of a sweep row);
+    for a one-thread run its CPU seconds (``cpu_s``): the time it ran on a core, which a loaded
+    machine does not stretch as it stretches the wall time."""
+    if row.get("threads") == 1 and row.get("cpu_s"):
+        return min(row["cpu_s"])
+    return row["ttft_s"] if "ttft_s" in row else row["sp1_s"]
 
 
 def _kind(path, d: dict) -> str:

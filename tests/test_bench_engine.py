@@ -46,6 +46,21 @@ def test_long_prefill_benchmark(tmp_path):
     assert r["seq"] == 16 and r["faster"] in ("ring", "replicated") and r["ring_s"] > 0
 
 
+def test_collective_latency_benchmark(tmp_path):
+    """Two gloo ranks time the all-reduces of a few decode steps; the JSON is a rates file the
+    planner's calibration path reads (the loopback link's latency)."""
+    from ringkv import planner
+
+    out = tmp_path / "collective.json"
+    table = run(["benchmarks/collective_latency.py", "--model", "tiny-long", "--rows", "4", "--steps", "1",
+                 "--json", str(out)], tmp_path)
+    assert "all-reduce busy" in table
+    d = json.loads(out.read_text())
+    assert [r["rows"] for r in d["rows"]] == [4] and d["rows"][0]["allreduces_per_step"] == 2 * 4 + 1
+    r = planner.apply_calibration(planner.rates(planner.load_hardware(), "cpu", "float32"), [str(out)])
+    assert r.latency["loopback"] == d["rates"]["latency"]["loopback"] >= 0
+
+
 def test_serve_benchmark(tmp_path):
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
     table = run(["benchmarks/serve.py", "--model", "tiny-test", "--rates", "8", "inf", "--requests", "4",

@@ -78,7 +78,7 @@ def _validate_cache(q, k_cache, v_cache, k_scale, v_scale, tensors, q_layout: st
                          f"need the same head_dim and heads % kv_heads == 0")
     for name, t in tensors:
         if t.dtype.is_floating_point:
-            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+            raise TypeError(f"block_table and seq_lens must be integer tensors, got {t.dtype} for {name}")
 
 
 def validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_scale=None) -> None:

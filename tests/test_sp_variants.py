@@ -85,7 +85,7 @@ def _run_case(world, method, c):
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(s))  # every token on exactly one rank
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=20, **SETTINGS)
 @given(c=case("ulysses"))
 @example(c=_fixed(4, "zigzag", 4, 2, torch.bfloat16))  # KV heads replicated
 @example(c=_fixed(4, "striped", 8, 4, torch.float32))  # KV heads split
@@ -94,7 +94,7 @@ def test_ulysses_matches_single_device(world, c):
     _run_case(world, "ulysses", c)
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=20, **SETTINGS)
 @given(c=case("allgather"))
 @example(c=_fixed(3, "zigzag", 4, 2, torch.bfloat16, chunks=3))
 @example(c=_fixed(4, "contiguous", 6, 3, torch.float32, chunks=3, s=20))  # uneven chunks
@@ -103,7 +103,7 @@ def test_allgather_matches_single_device(world, c):
     _run_case(world, "allgather", c)
 
 
-@settings(max_examples=30, **SETTINGS)
+@settings(max_examples=15, **SETTINGS)
 @given(c=case("usp"))
 @example(c=_fixed(4, "zigzag", 4, 1, torch.bfloat16, dims=(2, 2)))  # KV heads replicated
 @example(c=_fixed(4, "striped", 4, 2, torch.float32, dims=(2, 2)))  # KV heads split

@@ -30,6 +30,17 @@ def ring_case(draw):
                 seed=draw(st.integers(0, 2**16)))
 
 
+def _inputs(case):
+    """q, k, v ``(B, S, H|Hkv, D)`` in the case's dtype, dout and (with ``lse_grad``) dlse in fp32."""
+    g = torch.Generator().manual_seed(case["seed"])
+    b, s, h, hkv, d, dt = case["b"], case["s"], case["h"], case["hkv"], case["d"], case["dtype"]
+    q = torch.randn(b, s, h, d, generator=g).to(dt)
+    k, v = (torch.randn(b, s, hkv, d, generator=g).to(dt) for _ in range(2))
+    dout = torch.randn(b, s, h, d, generator=g)
+    dlse = torch.randn(b, h, s, generator=g) if case["lse_grad"] else None
+    return q, k, v, dout, dlse
+
+
 def _reference(q, k, v, dout, dlse, causal, scale, window=(-1, -1)):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = attention(q, k, v, causal=causal, scale=scale, window=window, backend="reference")
@@ -51,12 +62,8 @@ def _assert_close(name, got, want, dtype, rank):
 @settings(max_examples=45, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=ring_case())
 def test_ring_matches_single_device(world, case):
-    g = torch.Generator().manual_seed(case["seed"])
-    b, s, h, hkv, d, dt = case["b"], case["s"], case["h"], case["hkv"], case["d"], case["dtype"]
-    q = torch.randn(b, s, h, d, generator=g).to(dt)
-    k, v = (torch.randn(b, s, hkv, d, generator=g).to(dt) for _ in range(2))
-    dout = torch.randn(b, s, h, d, generator=g)
-    dlse = torch.randn(b, h, s, generator=g) if case["lse_grad"] else None
+    q, k, v, dout, dlse = _inputs(case)
+    b, s, h, dt = case["b"], case["s"], case["h"], case["dtype"]
     want = _reference(q, k, v, dout, dlse, case["causal"], case["scale"])
     results = world.check("tests.ring_cases:forward_backward", case["n"], q, k, v, dout, dlse, case["causal"],
                           case["layout"], case["scale"], "auto")

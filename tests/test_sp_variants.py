@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, example, given, settings, strategies 
 
 import ringkv
 from tests.dist import RankError, World
-from tests.test_ring import _assert_close, _reference
+from tests.test_ring import _assert_close, _inputs, _reference
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -58,12 +58,8 @@ def _run_case(world, method, c):
     event(f"world {c['dims'] or c['n']}, heads {c['h']}/{c['hkv']}, kv heads "
           f"{'split' if c['hkv'] % split == 0 else 'replicated'}")
     event(f"{c['dtype']}, causal={c['causal']}, lse grad={c['lse_grad']}, window={c['window'] != (-1, -1)}")
-    g = torch.Generator().manual_seed(c["seed"])
-    b, s, h, hkv, d, dt = c["b"], c["s"], c["h"], c["hkv"], c["d"], c["dtype"]
-    q = torch.randn(b, s, h, d, generator=g).to(dt)
-    k, v = (torch.randn(b, s, hkv, d, generator=g).to(dt) for _ in range(2))
-    dout = torch.randn(b, s, h, d, generator=g)
-    dlse = torch.randn(b, h, s, generator=g) if c["lse_grad"] else None
+    q, k, v, dout, dlse = _inputs(c)
+    b, s, h, dt = c["b"], c["s"], c["h"], c["dtype"]
     want = _reference(q, k, v, dout, dlse, c["causal"], c["scale"], window=c["window"])
     kw = dict(window=c["window"], **(dict(chunks=c["chunks"]) if method == "allgather" else {}))
     results = world.check("tests.variant_cases:forward_backward", c["n"], method, q, k, v, dout, dlse, c["causal"],

@@ -8,13 +8,13 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ringkv
-from ringkv.kernels import BACKENDS, _Attention, attention, make_mask
+from ringkv.kernels import BACKENDS, attention, make_mask, reference, run_differentiable
 from ringkv.kernels.flash_attn import _tiles
 from ringkv.kernels.mask import BAND, DENSE, EMPTY, FULL, Mask
 from ringkv.sp.layout import varlen_chunks, varlen_index, varlen_local_len
 from tests.dist import RankError
 from tests.test_kernels import assert_close, assert_lse, explicit_positions, position_pair, tolerances
-from tests.test_ring import _assert_close, _reference, ring_case
+from tests.test_ring import _assert_close, _inputs, _reference, ring_case
 
 WORLD_SETTINGS = dict(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -67,7 +67,11 @@ def test_attention_window_matches_dense_reference_on_every_backend(p):
         torch.autograd.backward([out, lse] if dlse is not None else [out], [dout, dlse] if dlse is not None else [dout])
         return out.detach(), lse.detach(), *(t.grad for t in x)
 
-    want = run(lambda *x: _Attention.apply(*x, p["d"] ** -0.5, Mask(DENSE, dense=dense), "reference"))
+    oracle = Mask(DENSE, dense=dense)  # the reference kernel on the explicit matrix
+    want = run(lambda *x: run_differentiable(
+        lambda q, k, v: reference.forward(q, k, v, p["d"] ** -0.5, oracle),
+        lambda dout, dlse, q, k, v, out, lse: reference.backward(dout, q, k, v, out, lse, p["d"] ** -0.5, oracle, dlse),
+        *x, ()))
     mask = make_mask(p["causal"], p["q_pos"], p["k_pos"], p["sq"], p["sk"], window=p["window"])
     names = [n for n, m in BACKENDS.items() if m.supports(q, mask)]
     assert "reference" in names and "sdpa" in names, names
@@ -143,12 +147,8 @@ def window_ring_case(draw):
 @settings(max_examples=20, **WORLD_SETTINGS)
 @given(case=window_ring_case())
 def test_windowed_ring_matches_single_device(world, case):
-    g = torch.Generator().manual_seed(case["seed"])
-    b, s, h, hkv, d, dt = case["b"], case["s"], case["h"], case["hkv"], case["d"], case["dtype"]
-    q = torch.randn(b, s, h, d, generator=g).to(dt)
-    k, v = (torch.randn(b, s, hkv, d, generator=g).to(dt) for _ in range(2))
-    dout = torch.randn(b, s, h, d, generator=g)
-    dlse = torch.randn(b, h, s, generator=g) if case["lse_grad"] else None
+    q, k, v, dout, dlse = _inputs(case)
+    b, s, h, dt = case["b"], case["s"], case["h"], case["dtype"]
     want = _reference(q, k, v, dout, dlse, case["causal"], case["scale"], case["window"])
     results = world.check("tests.varlen_cases:window_forward_backward", case["n"], q, k, v, dout, dlse,
                           case["causal"], case["layout"], case["scale"], case["window"])

@@ -44,8 +44,8 @@ _verified: Dict[tuple, Dict[str, str]] = {}  # (name, device type, dtype) -> nee
 _warned: set = set()
 
 __all__ = ["attention", "attention_backward", "block_forward", "block_backward", "block_forward_into",
-           "block_backward_into", "make_mask", "Mask", "BACKENDS", "PREFERENCE", "register_backend", "pick",
-           "validate", "describe"]
+           "block_backward_into", "run_differentiable", "make_mask", "Mask", "BACKENDS", "PREFERENCE",
+           "register_backend", "pick", "validate", "describe"]
 
 
 def register_backend(name: str, module, preference: Optional[Dict[str, int]] = None) -> None:
@@ -313,13 +313,13 @@ def block_backward_into(dq, dk, dv, dout, q, k, v, out, lse, *, scale: float, ma
         acc.add_(g)
 
 
-class _Attention(torch.autograd.Function):
+class _Differentiable(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, mask, backend):
+    def forward(ctx, fwd, bwd, fwd_args, bwd_args, q, k, v):
         ctx.set_materialize_grads(False)  # an unused lse gives dlse = None, not zeros
-        out, lse = block_forward(q, k, v, scale=scale, mask=mask, backend=backend)
+        out, lse = fwd(q, k, v, *fwd_args)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.mask, ctx.backend = scale, mask, backend
+        ctx.bwd, ctx.bwd_args = bwd, bwd_args
         return out, lse
 
     @staticmethod
@@ -327,9 +327,27 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = block_backward(dout, q, k, v, out, lse, scale=ctx.scale, mask=ctx.mask,
-                                    dlse=dlse, backend=ctx.backend)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dq, dk, dv = ctx.bwd(dout.contiguous(), dlse, q, k, v, out, lse, *ctx.bwd_args)
+        return None, None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def run_differentiable(fwd, bwd, q, k, v, fwd_args: tuple, bwd_args: Optional[tuple] = None):
+    """``fwd(q, k, v, *fwd_args) -> (out, lse)``, through autograd when q, k or v need a gradient:
+    ``bwd(dout, dlse, q, k, v, out, lse, *bwd_args) -> (dq, dk, dv)`` (``dlse`` is ``None`` when
+    lse is unused; ``bwd_args`` default to ``fwd_args``). Every attention here (the kernels, the
+    ring, all-gather) is differentiated this way: through ``out`` and ``lse``."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Differentiable.apply(fwd, bwd, tuple(fwd_args), tuple(fwd_args if bwd_args is None else bwd_args),
+                                     q, k, v)
+    return fwd(q, k, v, *fwd_args)
+
+
+def _block_fwd(q, k, v, scale, mask, backend):
+    return block_forward(q, k, v, scale=scale, mask=mask, backend=backend)
+
+
+def _block_bwd(dout, dlse, q, k, v, out, lse, scale, mask, backend):
+    return block_backward(dout, q, k, v, out, lse, scale=scale, mask=mask, dlse=dlse, backend=backend)
 
 
 def _mask(q, k, causal, q_positions, k_positions, window) -> Mask:
@@ -353,9 +371,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     scale = validate(q, k, v, scale)
     mask = _mask(q, k, causal, q_positions, k_positions, window)
     pick(backend, q, mask)  # fail early on an unusable explicit backend
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(q, k, v, scale, mask, backend)
-    return block_forward(q, k, v, scale=scale, mask=mask, backend=backend)
+    return run_differentiable(_block_fwd, _block_bwd, q, k, v, (scale, mask, backend))
 
 
 def attention_backward(dout, q, k, v, out, lse, *, scale: Optional[float] = None, causal: bool = False,

@@ -101,24 +101,6 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, p: _Plan, group, tim
     return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
 
 
-class _AllGatherAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, scale, causal, p, group, timeout, backend):
-        ctx.set_materialize_grads(False)
-        out, lse = _forward(q, k, v, scale, causal, p, group, timeout, backend)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, p, group, timeout, backend)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        grads = _backward(dout.contiguous(), dlse, q, k, v, out, lse, *ctx.args)
-        return (*grads, None, None, None, None, None, None)
-
-
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
                         softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
@@ -150,8 +132,5 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         names, values = call_values(q, k, causal, layout, scale, backend, window)
         agree_once(values + [n_chunks], names + ["chunks"], group, timeout, "allgather_attention", q.device)
     p = _Plan(q.shape[1], layout, rank, n, n_chunks, window)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _AllGatherAttention.apply(q, k, v, scale, causal, p, group, timeout, backend)
-    else:
-        out, lse = _forward(q, k, v, scale, causal, p, group, timeout, backend)
+    out, lse = kernels.run_differentiable(_forward, _backward, q, k, v, (scale, causal, p, group, timeout, backend))
     return (out, lse) if return_lse else out

@@ -280,24 +280,6 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shar
     return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype):
-        ctx.set_materialize_grads(False)
-        out, lse = _forward(q, k, v, scale, causal, window, shards, comm, backend)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (scale, causal, window, shards, comm, backend, grad_comm_dtype)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        grads = _backward(dout.contiguous(), dlse, q, k, v, out, lse, *ctx.args)
-        return (*grads, None, None, None, None, None, None, None)
-
-
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                    group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
                    softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
@@ -382,9 +364,8 @@ def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, pa
 
 
 def _run(q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype=None):
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _RingAttention.apply(q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype)
-    return _forward(q, k, v, scale, causal, window, shards, comm, backend)
+    args = (scale, causal, window, shards, comm, backend)
+    return kernels.run_differentiable(_forward, _backward, q, k, v, args, args + (grad_comm_dtype,))
 
 
 def ring_attention_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: Shards, *, causal: bool,

@@ -112,6 +112,18 @@ def _rows_off(r0, stride, BLOCK: tl.constexpr):
 
 
 @_jit
+def _online_step(acc, m_i, l_i, s, v, PREC: tl.constexpr):
+    """One key tile of the online softmax (base 2): ``s (BR, BN)`` masked scores (-inf: hidden)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+    return acc, m_new, l_i
+
+
+@_jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, n_lo, n_hi,
               Sk, offset, qk_scale, D,
               MASKED: tl.constexpr, IS_OFFSET: tl.constexpr,
@@ -129,13 +141,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, n_lo,
             if IS_OFFSET:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + offset)
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
-        m_i = m_new
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, PREC)
     return acc, m_i, l_i
 
 

@@ -24,7 +24,7 @@ import torch
 
 from . import paged
 from .paged import validate_paged
-from .triton_attn import _big_rows, _build, _interpret, _jit, _prec  # raises ImportError when triton is not installed
+from .triton_attn import _big_rows, _build, _interpret, _jit, _online_step, _prec  # raises ImportError when triton is not installed
 
 triton = tl = None  # bound by _build() (see triton_attn: kernels are decorated on first use)
 
@@ -53,18 +53,6 @@ def _gather_kv(Q, K, V, KScale, VScale, table_row, offs_t, t_ok, hk, offs_d, D, 
         k = (k.to(tl.float32) * k_s[:, None]).to(Q.dtype.element_ty)
         v = (v.to(tl.float32) * v_s[:, None]).to(Q.dtype.element_ty)
     return k, v
-
-
-@_jit
-def _online_step(acc, m_i, l_i, s, v, PREC: tl.constexpr):
-    """One key tile of the online softmax (base 2): ``s (BR, BN)`` masked scores (-inf: hidden)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
-    return acc, m_new, l_i
 
 
 @_jit

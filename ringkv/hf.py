@@ -120,7 +120,8 @@ class ShardedKVCache(_dynamic_cache()):
 class _Step:
     """What the pre-hook decided for one forward (read by the attention function and post-hook)."""
     decode: bool
-    q_positions: torch.Tensor            # (T,) global positions of this rank's query rows
+    q_positions: torch.Tensor            # (T,) global positions of this rank's query rows (host, like the
+                                         # cache's: decode masks are classified without a device sync)
     total: int                           # global sequence length (real tokens) including this forward
     cache: Optional[ShardedKVCache] = None
     keep: int = 0                        # logits_to_keep (prefill): last `keep` global tokens
@@ -257,7 +258,7 @@ def _pre_hook(state: _State, model, args, kwargs):
         if labels is not None:
             raise ValueError("ringkv: labels are supported for the prefill (no cache, or an empty one) only")
         seq, s_pad = cache.seen + t, t
-        q_pos = torch.arange(cache.seen, seq, device=x.device)                          # (T,)
+        q_pos = torch.arange(cache.seen, seq)                                          # (T,) on the host
         _check_positions(kw.get("position_ids"), q_pos, f"the global positions {cache.seen}..{seq - 1}")
         owner = cache.decode_steps % world  # the new tokens are cached on one rank, round-robin
         rows = None if rank == owner else torch.zeros(0, dtype=torch.long, device=x.device)
@@ -270,7 +271,7 @@ def _pre_hook(state: _State, model, args, kwargs):
         else:
             seq = s_pad = t * world
             check_seq_len(s_pad, layout, world, u)
-        q_pos = positions(s_pad, layout, rank, world, device=x.device, ulysses=u)      # (S_pad / N,)
+        q_pos = positions(s_pad, layout, rank, world, ulysses=u)                       # (S_pad / N,) host
         if state.inputs == "shard":
             _check_positions(kw.get("position_ids"), q_pos, f"this rank's global positions in layout {layout!r}")
             x_local = x
@@ -295,7 +296,7 @@ def _pre_hook(state: _State, model, args, kwargs):
 
     # --- commit ---
     kw["input_ids" if ids is not None else "inputs_embeds"] = x_local
-    kw["position_ids"] = q_pos.unsqueeze(0).expand(b, -1)                               # global positions
+    kw["position_ids"] = q_pos.to(x.device).unsqueeze(0).expand(b, -1)                  # global positions
     if cache is not None:
         kept = q_pos if rows is None else q_pos[rows]
         cache._begin(kept, rows, prefill=not decode, seen=seq)

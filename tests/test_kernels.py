@@ -252,3 +252,32 @@ def test_offset_tiles_cover_the_mask_once(sq, sk, data):
         count[t.q0:t.q1, t.k0:t.k1] += tile
     assert count.max() <= 1, "tiles overlap"
     assert torch.equal(count == 1, want), "tiles' union differs from the mask"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_host_positions_classify_exactly_and_find_the_band(data):
+    """Host (CPU) position tensors are classified on the host: the mask equals the brute-force
+    matrix, and a decode step over a sharded cache (sorted older keys, then the new tokens)
+    comes out as a fused-kernel mask (full / offset / band), not an explicit matrix."""
+    old = sorted(data.draw(st.sets(st.integers(0, 60), max_size=12)))
+    start = data.draw(st.integers(61, 70))
+    t = data.draw(st.integers(1, 4))
+    owner = data.draw(st.booleans())  # the rank that caches the new tokens holds them at the end
+    k = torch.tensor(old + (list(range(start, start + t)) if owner else []), dtype=torch.long)
+    q = torch.arange(start, start + t)
+    causal = data.draw(st.booleans())
+    window = data.draw(st.sampled_from([(-1, -1), (5, 0), (20, -1), (3, 2)]))
+    if k.numel() == 0:
+        return
+    mask = make_mask(causal, q, k, t, k.numel(), window=window)
+    dist = q[:, None] - k[None, :]
+    want = torch.ones(t, k.numel(), dtype=torch.bool)
+    right = 0 if causal else window[1]
+    if right >= 0:
+        want &= dist >= -right
+    if window[0] >= 0:
+        want &= dist <= window[0]
+    assert torch.equal(mask.visible(t, k.numel()), want)
+    if causal and window[0] < 0:  # every row sees a prefix of the sorted keys: full or offset, never a matrix
+        assert mask.kind != DENSE, (mask, k.tolist(), q.tolist())

@@ -163,15 +163,35 @@ def make_mask(causal: bool, q_positions: Positions, k_positions: Positions,
         gap = q_positions.start - k_positions.start
         return _classify_band(None if left < 0 else -((left - gap) // step),  # ceil((gap - left) / step)
                               None if right < 0 else (gap + right) // step, sq, sk)
-    qp = _as_tensor(q_positions, sq, device)
-    kp = _as_tensor(k_positions, sk, device)
+    on_host = all(isinstance(p, range) or p.device.type == "cpu" for p in (q_positions, k_positions))
+    at = "cpu" if on_host else device  # host positions: classify on the host (no device sync)
+    qp = _as_tensor(q_positions, sq, at)
+    kp = _as_tensor(k_positions, sk, at)
     dist = qp[:, None] - kp[None, :]  # (Sq, Sk): q_pos - k_pos
-    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=at)
     if right >= 0:
         visible &= dist >= -right
     if left >= 0:
         visible &= dist <= left
-    return _classify_dense(visible)
+    mask = _classify_dense(visible)
+    if on_host and mask.kind == DENSE:
+        mask = _as_band(visible) or Mask(DENSE, dense=visible.to(device))
+    return mask
+
+
+def _as_band(visible: torch.Tensor) -> Optional[Mask]:
+    """The ``OFFSET``/``BAND`` mask equal to the host matrix ``visible``, if there is one (e.g.
+    a decode step over a sharded cache: older keys, then the new tokens' own diagonal), so the
+    fused kernels run it instead of an explicit matrix."""
+    sq, sk = visible.shape
+    rows = visible.any(1)
+    i = torch.arange(sq)[rows]
+    first = visible[rows].int().argmax(1)
+    last = sk - 1 - visible[rows].flip(1).int().argmax(1)
+    lo, hi = first - i, last - i  # each row's visible diagonals, if they are one interval
+    lo_off = None if bool((first == 0).all()) else int(lo.max())
+    candidate = _classify_band(lo_off, int(hi.min()), sq, sk)
+    return candidate if torch.equal(candidate.visible(sq, sk), visible) else None
 
 
 @dataclass(frozen=True)

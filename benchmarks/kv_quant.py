@@ -20,7 +20,6 @@ Per dtype (``auto`` first, as the baseline), on SmolLM2-135M-Instruct (fp32 mode
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -76,7 +75,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     sys.path.insert(0, HERE)
-    from models import describe, model_path
+    from models import describe, model_path, write_json
 
     path = model_path(args.model)
     try:
@@ -110,11 +109,8 @@ def main(argv=None):
               f"{r['capacity_tokens']} | {r['ppl']:.4f} | {r['ppl_delta_pct']:+.3f}% | {r['mean_abs_dlogprob']:.5f} | "
               f"{r['greedy_agreement']:.3f} | {r['decode_tok_s']:.1f} |")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(model=describe(args.model), tokens=args.tokens, chunk=args.chunk,
-                           rows=[{k: v for k, v in r.items() if k not in ("logprobs", "greedy")} for r in rows]),
-                      f, indent=2)
+        write_json(args.json, dict(model=describe(args.model), tokens=args.tokens, chunk=args.chunk,
+                                   rows=[{k: v for k, v in r.items() if k not in ("logprobs", "greedy")} for r in rows]))
 
 
 if __name__ == "__main__":

@@ -133,9 +133,9 @@ def main(argv=None):
                   f"{', '.join(f'{m:.0f}' for m in r['kv_cache_mib'])} | {r['same_token_as_sp1']} |")
         out = dict(kind="prefill", model=args.model, seq=args.seq, cores=cores, rows=rows, load=_load())
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        from models import write_json
+
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

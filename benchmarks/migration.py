@@ -86,7 +86,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from models import describe, model_path
+    from models import describe, model_path, write_json
 
     path = model_path(args.model)
     rows = []
@@ -105,9 +105,7 @@ def main(argv=None):
               f"{r['pre_copy_bytes'] / 2**20:.2f} MiB | {r['final_bytes'] / 2**10:.1f} KiB | "
               f"{1e3 * r['incremental_downtime_s']:.2f} ms | {r['incremental_downtime_s'] / base:.2f}x |")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(model=describe(args.model), decoded=args.decoded, rows=rows), f, indent=2)
+        write_json(args.json, dict(model=describe(args.model), decoded=args.decoded, rows=rows))
 
 
 if __name__ == "__main__":

@@ -60,3 +60,10 @@ def describe(name: str) -> str:
     if name in PRESETS:
         return f"random {name} ({json.dumps(PRESETS[name])})"
     return name
+
+
+def write_json(path: str, obj) -> None:
+    """Write a benchmark's results to ``path`` (its folder created when missing)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)

@@ -123,7 +123,7 @@ def main(argv=None):
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from models import describe, model_path
+    from models import describe, model_path, write_json
 
     path = model_path(args.model)
     proc = None
@@ -162,10 +162,8 @@ def main(argv=None):
               f"{r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p90']:.0f} / {1e3 * r['itl_p99']:.0f} | "
               f"{r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} |")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(model=describe(args.model), server_args=args.server_args, cores=os.cpu_count(),
-                           rows=rows), f, indent=2)
+        write_json(args.json, dict(model=describe(args.model), server_args=args.server_args, cores=os.cpu_count(),
+                       rows=rows))
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

@@ -238,12 +238,13 @@ def main_parallel(args):
             prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                        for _ in range(n)]
         lengths = [args.max_tokens] * n
-        best = [None, None]
+        best, times = [None, None], [[], []]
         for _ in range(args.repeats):
             for i, c in enumerate(configs):
                 threads = max(1, cores // (c["tp"] * c["pp"] * c["sp"])) if i else args.threads or cores
                 kw = dict(c, kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=n)
                 res = run_engine_in_subprocess(path, prompts, lengths, kw, threads)
+                times[i].append(res[1])
                 if best[i] is None or res[1] < best[i][1]:
                     best[i] = res
                 print(f"[{n} requests] {c}: {sum(lengths) / res[1]:.1f} tok/s", file=sys.stderr)
@@ -252,6 +253,7 @@ def main_parallel(args):
         row = dict(requests=n, output_tokens=tokens, prompt_tokens=sum(map(len, prompts)),
                    config=f"tp={args.tp} pp={args.pp} sp={args.sp}",
                    base_tok_s=tokens / b_dt, parallel_tok_s=tokens / p_dt, speedup=b_dt / p_dt,
+                   base_times_s=times[0], parallel_times_s=times[1],
                    greedy_agreement=agreement(b_out, p_out),
                    base_capacity_tokens=b_info["capacity_tokens"], parallel_capacity_tokens=p_info["capacity_tokens"],
                    base_rank=_mem(b_ranks[0]), parallel_ranks=[_mem(r) for r in p_ranks],

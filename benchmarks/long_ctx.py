@@ -60,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on GPU")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                    help="causal or not (default: causal on CPU, both on GPU)")
-    p.add_argument("--layout", default=None, help="contiguous, zigzag, striped or all (default: zigzag on CPU, all on GPU)")
+    p.add_argument("--layout", default=None, help="contiguous, zigzag, striped, a comma list or all (default: zigzag on CPU, all on GPU)")
     p.add_argument("--backward", action="store_true", help="time forward+backward")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 2 on CPU, 10 on GPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations (default: 0 on CPU, 3 on GPU)")
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad or (args.virtual and methods != ["ring"]):
         raise SystemExit(f"--method: choose from {METHODS} (--virtual runs the ring only), got {args.method}")
-    layouts = list(ringkv.LAYOUTS) if args.layout == "all" else [args.layout]
+    layouts = list(ringkv.LAYOUTS) if args.layout == "all" else args.layout.split(",")
     causals = ([True, False] if gpu else [True]) if args.causal is None else [args.causal]
     ringkv.sp.layout.check_seq_len(args.seq, "zigzag" if "zigzag" in layouts else layouts[0], env.world)
     env.log(f"ringkv long-context benchmark: {env.world} {'virtual ' if args.virtual else ''}rank(s) on "

@@ -3,8 +3,8 @@ calibration on *other* runs) and vs published figures (with the hardware table's
 
     python benchmarks/plan_validate.py [--json results/plan_validate.json]
 
-Inputs: the JSON of earlier benchmark runs in benchmarks/data/plan/ (copies of results/*.json;
-long_ctx_16k.json is transcribed from docs/performance.md), and published numbers cited in
+Inputs: the JSON of the CPU benchmark runs in benchmarks/data/plan/ (all re-measured on one commit by
+``bash benchmarks/plan_data.sh``), and published numbers cited in
 docs/plan.md. Each row says what was calibrated on what; a row passes within 15%.
 """
 
@@ -44,16 +44,28 @@ def row(case, predicted, measured, unit, calibrated_on, source):
                 within=abs(err) <= TOLERANCE, calibrated_on=calibrated_on, source=source)
 
 
+def attention_rate() -> float:
+    """One rank's attention FLOP/s: the 16K zigzag causal row of long_ctx_16k.json (its striped
+    row is a prediction)."""
+    d = load("long_ctx_16k.json")
+    return planner._fit_attention(dict(d, rows=[x for x in d["rows"] if x["layout"] == "zigzag"]))
+
+
 def ring_cpu_rows():
-    """long_ctx.py on 2 CPU ranks: attention rate fitted on the 16K zigzag run, other runs predicted."""
-    r = cpu_rates("long_ctx_16k.json")
+    """long_ctx.py on 2 CPU ranks: the attention rate fitted on the 16K zigzag row alone, the 16K
+    striped row and the 128K run predicted from it."""
+    d16 = load("long_ctx_16k.json")
+    r = cpu_rates()
+    r.attention = attention_rate()
+    (striped,) = [x for x in d16["rows"] if x["layout"] == "striped" and x["causal"]]
+    (long,) = [x for x in load("long_ctx_128k.json")["rows"] if x["layout"] == "zigzag" and x["causal"]]
     out = []
-    t = planner.ring_attention_seconds(16384, 8, 8, 64, 2, 4, r, "loopback")[0]
-    out.append(row("CPU ring, S=16K, 8 heads, striped causal (long_ctx.py)", t, 1.933, "s",
-                   "long_ctx 16K zigzag", "docs/performance.md, 16K table"))
-    t = planner.ring_attention_seconds(131072, 1, 1, 64, 2, 4, r, "loopback")[0]
-    out.append(row("CPU ring, S=128K, 1 head, zigzag causal (long_ctx.py)", t, 14.227, "s",
-                   "long_ctx 16K zigzag", "docs/performance.md, 128K table"))
+    for x, d, label in ((striped, d16, "S=16K, 8 heads, striped causal"), (long, load("long_ctx_128k.json"),
+                                                                           "S=128K, 1 head, zigzag causal")):
+        a = d["args"]
+        t = planner.ring_attention_seconds(a["seq"], a["heads"], a["kv_heads"], a["head_dim"], 2, 4, r, "loopback")[0]
+        out.append(row(f"CPU ring, {label} (long_ctx.py)", t, x["time_s"], "s", "long_ctx 16K zigzag",
+                       "benchmarks/data/plan (plan_data.sh)"))
     return out
 
 
@@ -72,8 +84,7 @@ def bench_prompts(model: str, n: int, lo: int = 16, hi: int = 256) -> list:
     return out
 
 
-ENGINE_FILES = ("engine_pp2modelllama120m.json", "engine_tp2modelllama120m.json", "engine_pp2modelsmollm2.json",
-                "engine_tp2modelllama120m_quiet.json")
+ENGINE_FILES = ("engine_pp2modelllama120m.json", "engine_tp2modelllama120m.json", "engine_pp2modelsmollm2.json")
 SINGLE_FILES = ("prefill_8k.json", "prefill_32k.json", "threshold_smollm2_short.json", "threshold_smollm2.json",
                 "threshold_tiny.json", "prefill_2k_1thread.json", "prefill_2k_2threads.json")
 
@@ -111,7 +122,7 @@ def cpu_fit(runs):
     latency and bandwidth under load from collective_latency.json, through the planner's
     calibration path."""
     start = cpu_rates()
-    start.attention = cpu_rates("long_ctx_16k.json").attention
+    start.attention = attention_rate()
     keys = ("matmul", "memory", "step", "seq", "layer") + \
         (("thread_scaling",) if len({x.threads for x in runs}) > 1 else ())
     rank = planner.fit_engine(runs, start, keys)
@@ -147,8 +158,7 @@ def engine_rows(rank):
             c = planner._parse_config(x["config"])
             run = planner.EngineRun(cfg, bench_prompts(d["model"], x["requests"]), d["max_tokens"],
                                     x["parallel_capacity_tokens"] // 16 // c["sp"], 0.0, max_num_seqs=x["requests"], **c)
-            again = " (re-run beside collective_latency.py)" if name.endswith("_quiet.json") else ""
-            out.append(row(f"engine {x['config']}, {d['model'].split(' (')[0]}, {x['requests']} requests{again}: tok/s",
+            out.append(row(f"engine {x['config']}, {d['model'].split(' (')[0]}, {x['requests']} requests: tok/s",
                            x["output_tokens"] / run.seconds(rank), x["parallel_tok_s"], "tok/s", CAL,
                            "docs/performance.md, TP/PP table"))
     return out

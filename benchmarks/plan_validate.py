@@ -121,7 +121,7 @@ def cpu_fit(runs):
     thread scaling fitted on the one-process ``runs`` (planner.fit_engine); the loopback link's
     latency and bandwidth under load from collective_latency.json, through the planner's
     calibration path."""
-    start = cpu_rates()
+    start = planner.apply_calibration(cpu_rates(), [data(GEMM)])  # decode matmuls at the measured rates
     start.attention = attention_rate()
     keys = ("matmul", "memory", "step", "seq", "layer") + \
         (("thread_scaling",) if len({x.threads for x in runs}) > 1 else ())
@@ -130,7 +130,8 @@ def cpu_fit(runs):
 
 
 COLLECTIVE = "collective_latency.json"
-CAL = "one-process runs, long_ctx 16K, collective_latency"
+GEMM = "decode_gemm.json"
+CAL = "one-process runs, long_ctx 16K, decode_gemm, collective_latency"
 
 
 def prefill_rows(rank):
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     fit = single_process_runs()
     rank = cpu_fit(fit)
-    proc = planner._threads(rank, 2 ** rank.thread_scaling)
+    proc = planner._threads(rank, 2)
     rows = ring_cpu_rows() + prefill_rows(rank) + engine_rows(rank) + ring_flash_attn_rows() + meta_rows()
     res = [x.seconds(rank) / x.measured_s - 1 for x in fit]
     print(f"CPU, one thread (a rank), fitted on {len(fit)} one-process runs: matmul {rank.matmul / 1e9:.1f} GFLOP/s, "

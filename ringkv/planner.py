@@ -130,7 +130,11 @@ class Rates:
     """Achievable rates of one device (on a CPU: one thread): FLOP/s of linear layers and of
     attention, memory bytes/s, per link bytes/s (one direction) and latency (s), host seconds
     per engine step (``step``, ``seq``: per sequence, ``layer``: per layer). A process with
-    ``t`` threads computes and reads memory at ``t ** thread_scaling`` times these rates."""
+    ``t`` threads computes and reads memory at ``t ** thread_scaling`` times these rates.
+    ``gemm``: measured bytes/s at which a process of ``threads`` streams the weights through
+    decode matmuls of ``rows`` tokens, ``{threads: {rows: bytes/s}}`` (``benchmarks/decode_gemm.py``);
+    where it has the process's thread count, a step's weights are read at that rate (linear in
+    rows between the measured ones, the nearest outside) instead of ``memory``."""
     matmul: float
     attention: float
     memory: float
@@ -139,6 +143,21 @@ class Rates:
     source: str = "hardware table x efficiency"
     host: Dict[str, float] = field(default_factory=dict)
     thread_scaling: float = 1.0
+    gemm: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    threads: int = 1  # the process's threads (``_threads``): selects the ``gemm`` row
+
+    def weight_rate(self, rows: float) -> Optional[float]:
+        """Measured weight bytes/s at ``rows`` for this process's threads, or None."""
+        table = self.gemm.get(str(self.threads))
+        if not table:
+            return None
+        pts = sorted((float(k), float(v)) for k, v in table.items())
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, b0), (r1, b1) in zip(pts, pts[1:]):
+            if rows <= r1:
+                return b0 + (b1 - b0) * (rows - r0) / (r1 - r0)
+        return pts[-1][1]
 
 
 def rates(hw: dict, gpu: str, dtype: str = "bfloat16") -> Rates:
@@ -527,7 +546,8 @@ def engine_workload(prompts, max_tokens: int, num_blocks: int, *, pp: int = 1, s
 def _step_terms(cfg: ModelConfig, w: StepWork, *, tp: int, pp: int, sp: int, stage: int, dtype: str,
                 sp_prefill_min_tokens: int) -> tuple:
     """What step ``w`` asks of one rank of ``stage``, independent of the rates: ``(layers,
-    bytes, linear FLOPs, attention FLOPs, ring, messages)``. ``ring``: ``(tokens, heads, kv_heads,
+    bytes, linear FLOPs, attention FLOPs, ring, messages, weight bytes, rows)`` (``bytes``
+    includes the weights). ``ring``: ``(tokens, heads, kv_heads,
     head_dim, layers x pairs / ring pairs)`` when the step runs the SP ring, else None;
     ``messages``: ``(bytes sent in all, message count)`` of its collectives and hand-offs."""
     act = DTYPES[dtype][1] if dtype != "fp8" else 2
@@ -540,8 +560,8 @@ def _step_terms(cfg: ModelConfig, w: StepWork, *, tp: int, pp: int, sp: int, sta
     ring = sp > 1 and w.longest >= sp_prefill_min_tokens  # else replicated: every SP rank computes all tokens
     rows = w.tokens / sp if ring else w.tokens
     flops = 2 * n * lin["linear"] * rows + (2 * vocab * h * w.completing if last else 0)
-    nbytes = (n * lin["total"] + (vocab * h if last and w.completing else 0)) * act
-    nbytes += n * w.kv_tokens / sp * 2 * hkv * d * act  # the K/V a rank stores, read by the batched paged kernel
+    wbytes = (n * lin["total"] + (vocab * h if last and w.completing else 0)) * act
+    nbytes = wbytes + n * w.kv_tokens / sp * 2 * hkv * d * act  # + the K/V a rank stores, read by the paged kernel
     msgs = []
     if ring:
         ring_terms, attn = (w.tokens, hq, hkv, d, sp, act, n * w.pairs / max(1, w.tokens * (w.tokens + 1) // 2)), 0.0
@@ -556,14 +576,17 @@ def _step_terms(cfg: ModelConfig, w: StepWork, *, tp: int, pp: int, sp: int, sta
             msgs.append(((tp - 1) * vocab * w.completing * act, tp - 1))
     if pp > 1 and not last:
         msgs.append((rows * h * act, 1))
-    return n, nbytes, flops, attn, ring_terms, msgs
+    return n, nbytes, flops, attn, ring_terms, msgs, wbytes, rows
 
 
 def _step_cost(terms: tuple, r: Rates, link: str) -> float:
     """Seconds of one rank's share of a step: ``layers x host["layer"] + max(bytes / memory,
-    linear FLOPs / matmul) + attention FLOPs / attention`` (or the ring), plus its messages."""
-    n, nbytes, flops, attn, ring, msgs = terms
-    t = n * r.host.get("layer", 0.0) + max(nbytes / r.memory, flops / r.matmul) + attn / r.attention
+    linear FLOPs / matmul) + attention FLOPs / attention`` (or the ring), plus its messages; with
+    a measured ``gemm`` rate the weights' share of ``bytes`` is read at it."""
+    n, nbytes, flops, attn, ring, msgs, wbytes, rows = terms
+    bw = r.weight_rate(rows)
+    read = nbytes / r.memory if bw is None else (nbytes - wbytes) / r.memory + wbytes / bw
+    t = n * r.host.get("layer", 0.0) + max(read, flops / r.matmul) + attn / r.attention
     if ring is not None:  # one ring per layer over the step's tokens (scaled to its causal pairs)
         tokens, hq, hkv, d, sp, act, scale = ring
         t += scale * ring_attention_seconds(tokens, hq, hkv, d, sp, act, r, link)[0]
@@ -636,7 +659,7 @@ class EngineRun:
                                             max_num_batched_tokens=self.max_num_batched_tokens)
             self._cache = steps, events, _run_terms(self.cfg, steps, self.tp, self.pp, self.sp)
         steps, events, terms = self._cache
-        return _simulate(steps, events, terms, _threads(r, self.threads ** r.thread_scaling), next(iter(r.links)))
+        return _simulate(steps, events, terms, _threads(r, self.threads), next(iter(r.links)))
 
 
 FIT_KEYS = ("matmul", "memory", "attention", "step", "seq", "layer", "thread_scaling")
@@ -703,7 +726,7 @@ def _nelder_mead(f, x0: List[float], step: float = 0.7, iters: int = 400, tol: f
 
 
 # -- calibration: rates measured by ringkv's benchmarks ---------------------------------------------
-RATE_KEYS = ("matmul", "attention", "memory", "thread_scaling", "links", "latency", "host")
+RATE_KEYS = ("matmul", "attention", "memory", "thread_scaling", "links", "latency", "host", "gemm")
 
 
 def apply_calibration(r: Rates, calibrate) -> Rates:
@@ -726,6 +749,8 @@ def _with(r: Rates, d: dict) -> Rates:
             out.__dict__[k] = float(d[k])
     for k in ("links", "latency", "host"):
         out.__dict__[k].update({n: float(v) for n, v in d.get(k, {}).items()})
+    for t, table in d.get("gemm", {}).items():
+        out.gemm[str(t)] = {str(rows): float(v) for rows, v in table.items()}
     out.source = d.get("source", "calibration")
     return out
 
@@ -770,9 +795,11 @@ def fit_rates(paths: Iterable, r: Rates) -> Rates:
     return out
 
 
-def _threads(r: Rates, k: float) -> Rates:
-    """``r`` with its compute and memory rates times ``k``."""
-    return dataclasses.replace(r, matmul=r.matmul * k, memory=r.memory * k, attention=r.attention * k)
+def _threads(r: Rates, t: int) -> Rates:
+    """The rates of a process with ``t`` threads from one thread's ``r``: compute and memory times
+    ``t ** thread_scaling``; the ``gemm`` row of ``t`` threads."""
+    k = t ** r.thread_scaling
+    return dataclasses.replace(r, matmul=r.matmul * k, memory=r.memory * k, attention=r.attention * k, threads=t)
 
 
 def _single_process_runs(d: dict) -> List[EngineRun]:

@@ -61,6 +61,21 @@ def test_collective_latency_benchmark(tmp_path):
     assert r.latency["loopback"] == d["rates"]["latency"]["loopback"] >= 0
 
 
+def test_decode_gemm_benchmark(tmp_path):
+    """The decode-matmul table: one row per threads x rows, and its JSON is a rates file whose
+    ``gemm`` table the planner's calibration path reads."""
+    from ringkv import planner
+
+    out = tmp_path / "gemm.json"
+    table = run(["benchmarks/decode_gemm.py", "--model", "tiny-long", "--rows", "1", "4", "--threads", "1",
+                 "--iters", "1", "--rounds", "1", "--json", str(out)], tmp_path)
+    assert "weights GB/s" in table
+    d = json.loads(out.read_text())
+    assert [(r["threads"], r["rows"]) for r in d["rows"]] == [(1, 1), (1, 4)]
+    r = planner.apply_calibration(planner.rates(planner.load_hardware(), "cpu", "float32"), [str(out)])
+    assert r.weight_rate(4) == d["rows"][1]["bytes_per_s"] > 0 and planner._threads(r, 2).weight_rate(4) is None
+
+
 def test_serve_benchmark(tmp_path):
     out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
     table = run(["benchmarks/serve.py", "--model", "tiny-test", "--rates", "8", "inf", "--requests", "4",

@@ -7,7 +7,7 @@ model: per layer q/k/v, o, gate/up and down, then the LM head (random fp32 weigh
 model's shapes, no attention, no host work). For each threads x rows it reports the median
 step time, the weight bytes read per second and the FLOP/s. The planner's roofline prices a
 step at ``max(bytes / memory, FLOPs / matmul)`` with one memory rate, but on this VM one
-thread streams 8 rows slower than 16, and one thread is 1.9-2.5x slower than two. The JSON
+thread streams 8 rows slower than 16, and one thread is 1.7-2.5x slower than two. The JSON
 holds the table under ``"rates"`` as ``gemm`` (``{threads: {rows: bytes/s}}``): a rates file for
 ``ringkv plan --calibrate``, with which a step's weights are read at the measured rate. Rounds
 alternate the thread counts.

@@ -9,6 +9,7 @@
 #   long_ctx_16k.json    attention rate (zigzag row); the striped row is predicted from it
 #   long_ctx_128k.json   predicted (1 head, zigzag)
 #   collective_latency.json   loopback latency and bandwidth (a rates file)
+#   decode_gemm.json     weight bytes/s of decode matmuls by threads and rows (a rates file)
 #   prefill_*.json, threshold_*.json, the engine_*.json baselines   the one-process fit
 #   the sp = 2 rows of prefill_*.json and the parallel rows of engine_*.json   predicted
 set -euo pipefail
@@ -33,6 +34,8 @@ run long_ctx_128k $TR benchmarks/long_ctx.py --seq 131072 --heads 1 --kv-heads 1
   --iters 2 --no-baseline --json "$OUT/long_ctx_128k.json"
 run collective_latency $PY benchmarks/collective_latency.py --model llama-120m --tp 2 --rows 16 64 \
   --json "$OUT/collective_latency.json"
+run decode_gemm $PY benchmarks/decode_gemm.py --model llama-120m --rows 1 4 8 16 32 64 128 --threads 1 2 --rounds 3 \
+  --json "$OUT/decode_gemm.json"
 run engine_tp2modelllama120m $PY benchmarks/engine.py --tp 2 --model llama-120m --requests 16 64 --repeats 3 \
   --json "$OUT/engine_tp2modelllama120m.json"
 run engine_pp2modelllama120m $PY benchmarks/engine.py --pp 2 --model llama-120m --requests 16 64 --repeats 3 \

@@ -373,9 +373,11 @@ def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable,
     micro = -(-batch // pp)
     steps = []
     for i, n in enumerate(sizes):
-        mem_bytes = wb[i] + micro * tokens_rank // batch * kvt[i]
+        kv_bytes = micro * tokens_rank // batch * kvt[i]
         flops = 2 * micro * n * lin + 4 * micro * tok * hq * d * n
-        t = max(mem_bytes / r.memory, flops / min(r.matmul, r.attention)) + n * r.host.get("layer", 0.0)
+        bw = r.weight_rate(micro)  # a measured decode-matmul rate, if calibrated
+        read = (wb[i] + kv_bytes) / r.memory if bw is None else wb[i] / bw + kv_bytes / r.memory
+        t = max(read, flops / min(r.matmul, r.attention)) + n * r.host.get("layer", 0.0)
         if tp > 1:
             t += n * 2 * _xfer(int(2 * (tp - 1) / tp * micro * h * act), links["tp"], r, 2 * (tp - 1))
         if sp > 1:  # (out, lse) partials merged across the SP group each layer

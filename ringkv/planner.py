@@ -14,9 +14,10 @@ by ringkv's benchmarks via ``calibrate``):
   (memory bound); Ulysses all-to-alls and the two TP all-reduces are not overlapped; PP runs
   the stages one after the other for a sequence (``sum of stages + (batch - 1) x slowest``);
 - decode (memory bound): a step reads each stage's weights once per micro-batch and the K/V
-  of the context, ``max(bytes / bandwidth, FLOPs / rate)``, plus per-layer collectives
-  (latency + bytes / bandwidth) and the host seconds of a step (``hardware.json`` "host":
-  per step, per sequence, per layer);
+  of the context, ``max(bytes / bandwidth, FLOPs / rate)`` (the weights at a measured
+  decode-matmul rate by rows, ``Rates.gemm``, when calibrated with one), plus per-layer
+  collectives (latency + bytes / bandwidth) and the host seconds of a step (``hardware.json``
+  "host": per step, per sequence, per layer);
 - a whole engine run (``EngineRun``: what ``benchmarks/engine.py`` measures): the engine's own
   scheduler replays the requests (``engine_workload``), each step is priced as above
   (``_step_cost``) and an event simulation of the driver and the stages gives the wall time

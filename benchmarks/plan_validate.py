@@ -33,9 +33,8 @@ def load(name: str) -> dict:
         return json.load(f)
 
 
-def cpu_rates(*files) -> planner.Rates:
-    base = planner.rates(planner.load_hardware(), "cpu", "float32")
-    return planner.fit_rates([data(f) for f in files], base) if files else base
+def cpu_rates() -> planner.Rates:
+    return planner.rates(planner.load_hardware(), "cpu", "float32")
 
 
 def row(case, predicted, measured, unit, calibrated_on, source):
@@ -104,14 +103,7 @@ def single_process_runs() -> list:
                                           threads=x.get("base_threads", d["cores"]), max_num_seqs=x["requests"],
                                           label=f"{name}: {x['requests']} requests"))
     for name in SINGLE_FILES:
-        d = load(name)
-        cfg = planner.load_model(d["model"])
-        for x in d["rows"]:
-            if x.get("sp", 1) == 1:
-                seq, t = x["seq"], planner.one_process_seconds(x)
-                runs.append(planner.EngineRun(cfg, [seq], 1, seq // 16 + 8, t, threads=x.get("threads", d["cores"]),
-                                              max_num_seqs=1, max_num_batched_tokens=seq,
-                                              label=f"{name}: {seq} tokens, {x.get('threads', d['cores'])} threads"))
+        runs += planner._single_process_runs(load(name))
     return runs
 
 
@@ -123,9 +115,7 @@ def cpu_fit(runs):
     calibration path."""
     start = planner.apply_calibration(cpu_rates(), [data(GEMM)])  # decode matmuls at the measured rates
     start.attention = attention_rate()
-    keys = ("matmul", "memory", "step", "seq", "layer") + \
-        (("thread_scaling",) if len({x.threads for x in runs}) > 1 else ())
-    rank = planner.fit_engine(runs, start, keys)
+    rank = planner.fit_engine(runs, start, planner.fit_keys(runs))
     return planner.apply_calibration(rank, [data(COLLECTIVE)])
 
 

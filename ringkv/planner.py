@@ -95,25 +95,15 @@ def load_model(model) -> ModelConfig:
     if not os.path.isfile(path):
         raise ValueError(f"unknown model {str(model)!r}: not a preset ({', '.join(PRESETS)}) nor a directory "
                          f"or config.json file")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read model config {path!r}: {e}") from None
-    return ModelConfig.from_hf(cfg)
+    return ModelConfig.from_hf(_read_json(path, "model config"))
 
 
 def load_hardware(path: Optional[str] = None) -> dict:
     """The hardware table (``ringkv/hardware.json``), with the entries of ``path`` merged over it."""
-    with open(HARDWARE_PATH) as f:
-        table = json.load(f)
+    table = _read_json(HARDWARE_PATH, "hardware table")
     if path is None:
         return table
-    try:
-        with open(path) as f:
-            extra = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read hardware file {path!r}: {e}") from None
+    extra = _read_json(path, "hardware file")
     if not isinstance(extra, dict):
         raise ValueError(f"hardware file {path!r} must hold a JSON object like ringkv/hardware.json")
     return _merge(table, extra)
@@ -758,12 +748,12 @@ def _with(r: Rates, d: dict) -> Rates:
     return out
 
 
-def _read_json(path) -> dict:
+def _read_json(path, what: str = "calibration file"):
     try:
         with open(path) as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read calibration file {path!r}: {e}") from None
+        raise ValueError(f"cannot read {what} {path!r}: {e}") from None
 
 
 def fit_rates(paths: Iterable, r: Rates) -> Rates:
@@ -777,12 +767,10 @@ def fit_rates(paths: Iterable, r: Rates) -> Rates:
     bandwidth and the host seconds per step, per sequence and per layer; given runs with
     different thread counts, ``thread_scaling``; else a rank's rates are the process's divided by
     its threads, the 16K ring run having measured 1.91x for attention at 2 threads)."""
-    docs = [(p, _read_json(p)) for p in paths]
     order = {"rates": 0, "long_ctx": 1, "prefill": 2, "engine": 2}
-    kinds = sorted(((order[_kind(p, d)], i, p, d) for i, (p, d) in enumerate(docs)), key=lambda t: t[:2])
+    docs = [(p, d, _kind(p, d)) for p, d in ((p, _read_json(p)) for p in paths)]
     out, used, runs = copy.deepcopy(r), [], []
-    for _, _, p, d in kinds:
-        kind = _kind(p, d)
+    for p, d, kind in sorted(docs, key=lambda t: order[t[2]]):  # stable: the given order within a kind
         if kind == "rates":
             out = _with(out, d)
         elif kind == "long_ctx":
@@ -791,11 +779,16 @@ def fit_rates(paths: Iterable, r: Rates) -> Rates:
             runs += _single_process_runs(d)
         used.append(os.path.basename(str(p)))
     if runs:
-        keys = ("matmul", "memory", "step", "seq", "layer") if any(x.max_tokens > 1 for x in runs) else ("matmul",)
-        keys += ("thread_scaling",) if len({x.threads for x in runs}) > 1 else ()
-        out = dataclasses.replace(fit_engine(runs, out, keys), attention=out.attention)
+        out = dataclasses.replace(fit_engine(runs, out, fit_keys(runs)), attention=out.attention)
     out.source = "calibrated from " + ", ".join(used)
     return out
+
+
+def fit_keys(runs: Sequence["EngineRun"]) -> tuple:
+    """What ``runs`` can tell ``fit_engine``: matmul; memory and host seconds given multi-step
+    (engine) runs; ``thread_scaling`` given runs on different thread counts."""
+    keys = ("matmul", "memory", "step", "seq", "layer") if any(x.max_tokens > 1 for x in runs) else ("matmul",)
+    return keys + (("thread_scaling",) if len({x.threads for x in runs}) > 1 else ())
 
 
 def _threads(r: Rates, t: int) -> Rates:
@@ -806,11 +799,12 @@ def _threads(r: Rates, t: int) -> Rates:
 
 
 def _single_process_runs(d: dict) -> List[EngineRun]:
-    """``EngineRun``s of the one-process runs in a ``long_prefill.py`` or ``engine.py`` JSON."""
+    """``EngineRun``s of the one-process runs in a ``long_prefill.py`` (its ``--sweep`` too) or
+    ``engine.py`` JSON."""
     out = []
-    if d.get("kind") == "prefill":
+    if d.get("kind") in ("prefill", "sweep"):
         for row in d["rows"]:
-            if row["sp"] == 1:
+            if row.get("sp", 1) == 1:
                 seq = row["seq"]
                 out.append(EngineRun(_model_of(row.get("model", d.get("model"))), [seq], 1, seq // 16 + 8,
                                      one_process_seconds(row), threads=row.get("threads") or d.get("cores") or 1,
@@ -840,7 +834,7 @@ def one_process_seconds(row: dict) -> float:
 def _kind(path, d: dict) -> str:
     if "rates" in d or any(k in d for k in RATE_KEYS):
         return "rates"
-    if d.get("kind") == "prefill":
+    if d.get("kind") in ("prefill", "sweep"):
         return "prefill"
     rows = d.get("rows") or []
     if rows and "tflops_per_rank" in rows[0]:

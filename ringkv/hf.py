@@ -261,7 +261,7 @@ def _pre_hook(state: _State, model, args, kwargs):
         q_pos = torch.arange(cache.seen, seq)                                          # (T,) on the host
         _check_positions(kw.get("position_ids"), q_pos, f"the global positions {cache.seen}..{seq - 1}")
         owner = cache.decode_steps % world  # the new tokens are cached on one rank, round-robin
-        rows = None if rank == owner else torch.zeros(0, dtype=torch.long, device=x.device)
+        rows = None if rank == owner else torch.zeros(0, dtype=torch.long)  # host, like q_pos
         x_local, keep_at = x, None
     else:
         if state.inputs == "full":
@@ -298,8 +298,8 @@ def _pre_hook(state: _State, model, args, kwargs):
     kw["input_ids" if ids is not None else "inputs_embeds"] = x_local
     kw["position_ids"] = q_pos.to(x.device).unsqueeze(0).expand(b, -1)                  # global positions
     if cache is not None:
-        kept = q_pos if rows is None else q_pos[rows]
-        cache._begin(kept, rows, prefill=not decode, seen=seq)
+        kept = q_pos if rows is None else q_pos[rows]  # host index into host positions
+        cache._begin(kept, None if rows is None else rows.to(x.device), prefill=not decode, seen=seq)
         if decode:
             cache.decode_steps += 1
     state.step = _Step(decode=decode, q_positions=q_pos, total=seq, cache=cache,

@@ -23,7 +23,6 @@ other processes on the cores change the result.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -38,6 +37,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from models import load_average, write_json  # noqa: E402
 from ringkv import planner  # noqa: E402
 from ringkv.parallel.tp import kv_heads_per_rank  # noqa: E402
 
@@ -115,11 +115,6 @@ def fit_link(rows, tp: int, key: str = "allreduce_busy_s"):
     return max((sy - slope * sx) / n, 0.0) / m, 1 / slope
 
 
-def uptime() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-120m", help="a planner preset or config (shapes only)")
@@ -128,7 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed steps per mode and size")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
-    load_before = uptime()
+    load_before = load_average()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -140,7 +135,7 @@ def main(argv=None) -> int:
     rows = out.get()
     for q in procs:
         q.join()
-    load_after = uptime()
+    load_after = load_average()
     latency, bw = fit_link(rows, args.tp)
     idle_latency, _ = fit_link(rows, args.tp, "allreduce_idle_s")
     rates = dict(latency=dict(loopback=latency), source=f"collective_latency.py ({args.model}, tp={args.tp}, "
@@ -159,10 +154,8 @@ def main(argv=None) -> int:
     print(f"fit (planner link model, busy): latency {latency * 1e6:.0f} us per message, bandwidth "
           f"{'-' if bw is None else f'{bw / 1e9:.2f} GB/s'}; idle latency {idle_latency * 1e6:.0f} us per message")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(kind="collective", model=args.model, tp=args.tp, cores=os.cpu_count(),
-                           load_before=load_before, load_after=load_after, rows=rows, rates=rates), f, indent=2)
+        write_json(args.json, dict(kind="collective", model=args.model, tp=args.tp, cores=os.cpu_count(),
+                                   load_before=load_before, load_after=load_after, rows=rows, rates=rates))
     return 0
 
 

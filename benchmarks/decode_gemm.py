@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import write_json  # noqa: E402
+from models import load_average, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -77,8 +77,7 @@ def main(argv=None) -> int:
         rows.append(dict(threads=t, rows=r, step_s=s, times=ts, bytes_per_s=nbytes / s, flops_per_s=2 * params * r / s))
         print(f"| {t} | {r} | {s * 1e3:.1f} ms | {nbytes / s / 1e9:.2f} | {2 * params * r / s / 1e9:.1f} |")
     if args.json:
-        with open("/proc/loadavg") as f:
-            load = " ".join(f.read().split()[:3])
+        load = load_average()
         gemm = {str(t): {str(x["rows"]): x["bytes_per_s"] for x in rows if x["threads"] == t} for t in args.threads}
         write_json(args.json, dict(kind="decode_gemm", model=args.model, weight_bytes=nbytes, load=load, rows=rows,
                                    rates=dict(gemm=gemm, source=f"decode_gemm.py ({args.model}, load {load})")))

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from models import load_average, write_json  # noqa: E402
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.model.smollm2 import smollm2_path  # noqa: E402
 
@@ -180,11 +181,9 @@ def main(argv=None):
         print(" | ".join(f"{r.get(c, '-'):>22.2f}" if isinstance(r.get(c), float) else f"{r.get(c, '-'):>22}"
                          for c in cols))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(model="SmolLM2-135M-Instruct", dtype=str(dtype).replace("torch.", ""),
-                           max_tokens=args.max_tokens, threads=torch.get_num_threads(), device=args.device,
-                           rows=rows), f, indent=2)
+        write_json(args.json, dict(model="SmolLM2-135M-Instruct", dtype=str(dtype).replace("torch.", ""),
+                                   max_tokens=args.max_tokens, threads=torch.get_num_threads(), device=args.device,
+                                   rows=rows))
 
 
 def run_engine(path, prompts, lengths, kw, threads):
@@ -259,7 +258,7 @@ def main_parallel(args):
                    base_rank=_mem(b_ranks[0]), parallel_ranks=[_mem(r) for r in p_ranks],
                    idle_fraction=[round(r["idle_fraction"], 3) for r in p_ranks],
                    pp_bubble=sum(r["idle_fraction"] for r in p_ranks) / len(p_ranks), peak_in_flight=depth,
-                   base_threads=args.threads or cores, load=_load())
+                   base_threads=args.threads or cores, load=load_average())
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     print(f"{describe(args.model)} fp32, greedy, {args.max_tokens} output tokens/request, prompts "
@@ -276,16 +275,8 @@ def main_parallel(args):
               f"{mib(r['base_rank']['peak_rss'])} -> {', '.join(mib(x['peak_rss']) for x in r['parallel_ranks'])} | "
               f"{', '.join(f'{x:.2f}' for x in r['idle_fraction'])} |")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(model=describe(args.model), dtype="float32", max_tokens=args.max_tokens, cores=cores,
-                           rows=rows), f, indent=2)
-
-
-def _load() -> str:
-    """``uptime``'s load averages after a row: other processes on the cores change its timings."""
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
+        write_json(args.json, dict(model=describe(args.model), dtype="float32", max_tokens=args.max_tokens,
+                                   cores=cores, rows=rows))
 
 
 def _mem(rank: dict) -> dict:

@@ -25,7 +25,6 @@ of the gathered heads for Ulysses; the ring of the head shards for USP), their r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -41,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import ringkv  # noqa: E402
 from ringkv.sp import LocalComm  # noqa: E402
 from ringkv.sp import ring as ring_mod  # noqa: E402
+
+from models import write_json  # noqa: E402  (benchmarks/, the script's folder)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -348,7 +349,6 @@ def main(argv=None) -> int:
         if getattr(args, key) is None:
             setattr(args, key, val)
     kv_list = [int(x) for x in str(args.kv_heads).split(",")]
-    args.kv_heads = kv_list[0]
     bad = [m for m in methods if m not in METHODS]
     if bad or (args.virtual and methods != ["ring"]):
         raise SystemExit(f"--method: choose from {METHODS} (--virtual runs the ring only), got {args.method}")
@@ -409,9 +409,7 @@ def main(argv=None) -> int:
         world_size=env.world, virtual=bool(args.virtual), threads_per_rank=env.threads, cores=env.cores,
         backend=args.backend, comm="nccl" if gpu and env.distributed else "gloo" if env.distributed else "none"))
     if env.rank == 0 and args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     if env.rank == 0 and args.plot:
         plot(rows, args.plot, result["environment"])
     if env.distributed:

@@ -79,13 +79,9 @@ def spawn(args, **over) -> dict:
     return row
 
 
-def _load() -> str:
-    """``uptime``'s load averages: other processes on the cores change every timing here."""
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
 def main(argv=None):
+    from models import load_average, write_json
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-long", help="tiny-long, llama-120m, smollm2 (benchmarks/models.py) or a path")
     ap.add_argument("--seq", type=int, default=32768, help="prompt tokens")
@@ -131,10 +127,8 @@ def main(argv=None):
             eff = f"{r['efficiency']:.3f}" if r["efficiency"] is not None else "-"
             print(f"| {r['sp']} | {r['ttft_s']:.2f} s | {eff} | {', '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} | "
                   f"{', '.join(f'{m:.0f}' for m in r['kv_cache_mib'])} | {r['same_token_as_sp1']} |")
-        out = dict(kind="prefill", model=args.model, seq=args.seq, cores=cores, rows=rows, load=_load())
+        out = dict(kind="prefill", model=args.model, seq=args.seq, cores=cores, rows=rows, load=load_average())
     if args.json:
-        from models import write_json
-
         write_json(args.json, out)
 
 

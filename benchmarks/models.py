@@ -62,6 +62,12 @@ def describe(name: str) -> str:
     return name
 
 
+def load_average() -> str:
+    """``uptime``'s load averages (1, 5, 15 min): other processes on the cores change every timing."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
 def write_json(path: str, obj) -> None:
     """Write a benchmark's results to ``path`` (its folder created when missing)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -18,6 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+from models import write_json  # noqa: E402  (benchmarks/, the script's folder)
 from ringkv import planner  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plan")
@@ -222,10 +223,8 @@ def main(argv=None) -> int:
               f"{'yes' if x['within'] else '**no**'} | {x['calibrated_on']} |")
     print(f"\n{sum(x['within'] for x in rows)} of {len(rows)} within {TOLERANCE:.0%}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, cpu_process_rates=planner.asdict(proc), cpu_rank_rates=planner.asdict(rank)),
-                      f, indent=2)
+        write_json(args.json, dict(rows=rows, cpu_process_rates=planner.asdict(proc),
+                                   cpu_rank_rates=planner.asdict(rank)))
     return 0
 
 

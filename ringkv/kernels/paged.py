@@ -140,7 +140,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *,
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
                     causal: bool = True, backend: str = "auto", k_scale=None, v_scale=None):
     """See the module docstring. ``backend``: ``"reference"``, ``"torch"``, ``"triton"`` or ``"auto"``."""
-    impl = _BACKENDS.get(backend if backend != "auto" else _auto(q))
+    impl = _BACKENDS.get(backend if backend != "auto" else auto_backend(q.device))
     if impl is None:
         raise ValueError(f"unknown paged backend {backend!r}; choose from {sorted(_BACKENDS)} or 'auto'")
     return impl(q, k_cache, v_cache, block_table, seq_lens, scale=scale, causal=causal, k_scale=k_scale,
@@ -181,8 +181,7 @@ def paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, m
                   scale: Optional[float] = None, causal: bool = True, k_scale=None, v_scale=None, sp: int = 1,
                   sp_rank: int = 0, backend: str = "auto"):
     """See the module docstring. ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA)."""
-    name = backend if backend != "auto" else ("triton" if q.device.type == "cuda" and "triton" in _PREFILL_BACKENDS
-                                              else "reference")
+    name = backend if backend != "auto" else auto_backend(q.device, prefill=True)
     impl = _PREFILL_BACKENDS.get(name)
     if impl is None:
         raise ValueError(f"unknown paged prefill backend {backend!r}; "
@@ -195,10 +194,13 @@ _BACKENDS = {"reference": paged_attention_reference}
 _PREFILL_BACKENDS = {"reference": paged_prefill_reference}
 
 
-def _auto(q) -> str:
-    if q.device.type == "cuda" and "triton" in _BACKENDS:
+def auto_backend(device, prefill: bool = False) -> str:
+    """What ``backend="auto"`` means on ``device``: the Triton kernels on CUDA when they registered,
+    else the batched torch version (decode; prefill: the reference)."""
+    table = _PREFILL_BACKENDS if prefill else _BACKENDS
+    if torch.device(device).type == "cuda" and "triton" in table:
         return "triton"
-    return "torch" if "torch" in _BACKENDS else "reference"
+    return "torch" if "torch" in table else "reference"
 
 
 from . import paged_torch  # noqa: E402,F401  batched torch version: registers "torch"

@@ -22,9 +22,9 @@ from typing import Optional
 
 import torch
 
-from . import paged
+from . import paged, resolve_scale
 from .paged import validate_paged
-from .triton_attn import _big_rows, _build, _interpret, _jit, _online_step, _prec  # raises ImportError when triton is not installed
+from .triton_attn import _big_rows, _block_d, _build, _interpret, _jit, _online_step, _prec  # raises ImportError without triton
 
 triton = tl = None  # bound by _build() (see triton_attn: kernels are decorated on first use)
 
@@ -267,7 +267,7 @@ def paged_prefill_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_len
     _build()
     t, h, d = q.shape
     n, hkv, bs = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
-    scale = d ** -0.5 if scale is None else scale
+    scale, block_d = resolve_scale(scale, d), _block_d(d)
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     block_table, cu_seqlens_q, seq_lens = block_table.contiguous(), cu_seqlens_q.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)  # every row is written: each sequence's tokens lie in its first tiles
@@ -279,7 +279,7 @@ def paged_prefill_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_len
     if quant:
         k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     k_s, v_s = (k_scale, v_scale) if quant else (q, q)  # unused pointers without QUANT
-    cfg = _prefill_config(q.element_size(), triton.next_power_of_2(d))
+    cfg = _prefill_config(q.element_size(), block_d)
     _paged_prefill_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), n, h)](
         q, k_cache, v_cache, k_s, v_s, block_table, cu_seqlens_q, seq_lens,
         q_start.contiguous() if q_start is not None else seq_lens, out, lse,
@@ -287,7 +287,7 @@ def paged_prefill_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_len
         k_s.stride(0) if quant else 0, k_s.stride(1) if quant else 0, block_table.stride(0),
         out.stride(0), out.stride(1), t, h, h // hkv, d, bs, capacity, sp, sp_rank, scale * LOG2E,
         CAUSAL=causal, QUANT=quant, HAS_START=q_start is not None, PREC=_prec(q.dtype),
-        BLOCK_D=max(16, triton.next_power_of_2(d)), **cfg)
+        BLOCK_D=block_d, **cfg)
     return out, lse
 
 

@@ -94,8 +94,7 @@ class Worker:
         self.kv: Optional[KVCache] = None
         self.paged_backend = shape.paged_backend
         if self.paged_backend == "auto":  # CUDA: the Triton decode + varlen prefill kernels; CPU: batched torch
-            on_gpu = self.device.type == "cuda" and "triton" in paged._PREFILL_BACKENDS
-            self.paged_backend = "triton" if on_gpu else "torch"
+            self.paged_backend = paged.auto_backend(self.device)
         self.ring = RingComm(mesh.sp_group, timeout) if mesh.sp > 1 else None
         self.link = StageLink(timeout)
         self.stats = WorkerStats()

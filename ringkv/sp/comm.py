@@ -32,8 +32,7 @@ class RingComm:
         else:
             self.rank, self.world = 0, 1
         if self.world > 1:
-            self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) if group else (self.rank + 1) % self.world
-            self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) if group else (self.rank - 1) % self.world
+            self.next, self.prev = self._global(1), self._global(-1)
         self._reqs: List[dist.Work] = []
 
     def with_tag(self, tag: int) -> "RingComm":

@@ -34,7 +34,7 @@ from .collectives import agree_once
 from .comm import LocalComm, RingComm
 from .layout import (LAYOUTS, CuSeqlens, check_cu_seqlens, check_layout, chunks, granule, varlen_chunks,
                      varlen_local_len)
-from ..kernels.merge import empty_partial, merge_
+from ..kernels.merge import empty_partial
 
 __all__ = ["ring_attention", "ring_attention_shards", "Shards", "RingAttention", "RingStats", "last_stats",
            "last_backward_stats"]

@@ -19,6 +19,7 @@ pad rows. Every rank has ``varlen_local_len`` rows; ``shard``/``unshard``/``posi
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -264,6 +265,17 @@ def shard(x: torch.Tensor, dim: int = 1, layout: str = "zigzag", group: Optional
     return _select(x, dim, _ranges(x.shape[dim], layout, group, rank, world, ulysses_group, ring_group, ulysses))
 
 
+@functools.lru_cache(maxsize=64)
+def gather_order(seq_len: int, layout: str, world: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(index, order)`` on ``device``, both ``(S,)``: ``index[i]`` is the global position of row
+    ``i`` of every rank's shard concatenated in rank order; ``order`` is its inverse (the rows of
+    that concatenation in global order). Cached: read-only."""
+    index = torch.cat([positions(seq_len, layout, r, world) for r in range(world)])
+    order = torch.empty_like(index)
+    order[index] = torch.arange(seq_len)
+    return index.to(device), order.to(device)
+
+
 def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "zigzag",
             group: Optional[dist.ProcessGroup] = None, *, cu_seqlens: Optional[CuSeqlens] = None,
             ulysses_group: Optional[dist.ProcessGroup] = None,
@@ -283,8 +295,5 @@ def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "zigzag",
     if world == 1:
         return x_local
     parts = all_gather(x_local, group, what="unshard")
-    seq_len = x_local.shape[dim] * world
-    index = torch.cat([positions(seq_len, layout, r, world) for r in range(world)])  # global pos of gathered rows
-    order = torch.empty_like(index)
-    order[index] = torch.arange(seq_len)
-    return torch.cat(parts, dim).index_select(dim, order.to(x_local.device))
+    _, order = gather_order(x_local.shape[dim] * world, layout, world, x_local.device)
+    return torch.cat(parts, dim).index_select(dim, order)

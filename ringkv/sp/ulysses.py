@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import kernels
 from ..kernels.mask import NO_WINDOW, check_window
 from .collectives import CommStats, agree_once, all_to_all, rank_world
-from .layout import positions
+from .layout import gather_order
 from .ring import call_values, check_inputs
 
 __all__ = ["ulysses_attention", "head_plan", "last_stats"]
@@ -58,9 +58,10 @@ def scatter_heads(q, k, v, group, timeout, what):
     """
     b, s, h, d = q.shape
     _, n = rank_world(group)
-    kv_index = head_plan(h, k.shape[2], n, what).to(k.device)
+    kv_index = head_plan(h, k.shape[2], n, what)  # host
     hkv = kv_index.numel() // n
     if kv_index.numel() != k.shape[2]:  # replicated KV heads (the index_select backward sums the replicas)
+        kv_index = kv_index.to(k.device)
         k, v = k.index_select(2, kv_index), v.index_select(2, kv_index)
     # one message per pair: q, K, V heads for rank j packed along the head dim
     packed = torch.cat([q.reshape(b, s, n, h // n, d), k.reshape(b, s, n, hkv, d), v.reshape(b, s, n, hkv, d)],
@@ -118,9 +119,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     # only a causal or windowed mask needs the tokens in global order
     in_order = layout == "contiguous" or n == 1 or (not causal and window == NO_WINDOW)
     if not in_order:  # global order, so that plain causal (a fused kernel) applies
-        index = torch.cat([positions(seq_len, layout, r, n) for r in range(n)]).to(q.device)  # global pos of rows
-        order = torch.empty_like(index)
-        order[index] = torch.arange(seq_len, device=q.device)
+        index, order = gather_order(seq_len, layout, n, q.device)  # global position of each row, its inverse
         qh, kh, vh = (t.index_select(1, order) for t in (qh, kh, vh))
     out, lse = kernels.attention(qh, kh, vh, scale=scale, causal=causal, window=window, backend=backend)
     if not in_order:  # back to rank order

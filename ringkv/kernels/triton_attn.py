@@ -124,6 +124,14 @@ def _online_step(acc, m_i, l_i, s, v, PREC: tl.constexpr):
 
 
 @_jit
+def _finish(acc, m_i, l_i):
+    """``(out fp32 (BR, BD), base-2 lse (BR,))``; rows that saw no key: 0 and -inf."""
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    return out, tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+
+
+@_jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, n_lo, n_hi,
               Sk, offset, qk_scale, D,
               MASKED: tl.constexpr, IS_OFFSET: tl.constexpr,
@@ -186,10 +194,8 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, offs_m, offs_d, n_full, n_hi,
                               Sk, offset, qk_scale, D, True, IS_OFFSET, BLOCK_N, PREC)
 
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: acc = 0 -> out = 0
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
+    out, lse2 = _finish(acc, m_i, l_i)  # rows that saw no key: out 0, lse -inf
+    lse = lse2 * 0.6931471805599453  # natural log
     tl.store(Out + b * stride_ob + h * stride_oh + _rows_off(m0, stride_om, BLOCK_M) + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=q_mask)
     tl.store(Lse + (b * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)

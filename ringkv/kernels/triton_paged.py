@@ -24,7 +24,8 @@ import torch
 
 from . import paged, resolve_scale
 from .paged import validate_paged
-from .triton_attn import _big_rows, _block_d, _build, _interpret, _jit, _online_step, _prec  # raises ImportError without triton
+from .triton_attn import (_big_rows, _block_d, _build, _finish, _interpret, _jit, _online_step,  # ImportError
+                          _prec)  # without triton
 
 triton = tl = None  # bound by _build() (see triton_attn: kernels are decorated on first use)
 
@@ -53,14 +54,6 @@ def _gather_kv(Q, K, V, KScale, VScale, table_row, offs_t, t_ok, hk, offs_d, D, 
         k = (k.to(tl.float32) * k_s[:, None]).to(Q.dtype.element_ty)
         v = (v.to(tl.float32) * v_s[:, None]).to(Q.dtype.element_ty)
     return k, v
-
-
-@_jit
-def _finish(acc, m_i, l_i):
-    """``(out fp32 (BR, BD), base-2 lse (BR,))``; rows that saw no key: 0 and -inf."""
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    return out, tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
 
 
 @_jit(do_not_specialize=["capacity", "chunk", "num_splits"])

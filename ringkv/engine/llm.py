@@ -39,7 +39,7 @@ from .params import CompletionOutput, Logprob, RequestOutput, SamplingParams, To
 from .sampling import needs_logits, observe, sample
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
-from .snapshot import KVSnapshot
+from .snapshot import KVSnapshot, model_digest
 
 Prompt = Union[str, List[int]]
 SP_PREFILL_MIN_TOKENS = 64  # a sequence computing at least this many tokens in a step uses the ring (sp > 1); measured: docs/performance.md
@@ -81,6 +81,7 @@ class LLM:
         self.dtype = dtype
         cfg, weights, tok = open_model(model)
         self.config, self.tokenizer = cfg, tokenizer if tokenizer is not None else tok
+        self.digest = model_digest(cfg, weights)  # which model a KV snapshot belongs to (config and weights)
         # -- everything that can be wrong with the configuration, before any weight or cache
         check_tp(cfg, tp)
         quant.resolve(kv_cache_dtype)  # an unsupported kv_cache_dtype names the supported ones
@@ -259,7 +260,7 @@ class LLM:
         import); False if it is unknown or already finished."""
         staged = self._staged.pop(request_id, None)
         if staged is not None:
-            self.blocks.free(staged[0].block_table)
+            self.blocks.free(staged.seq.block_table)
             return True
         seqs = self._active.pop(request_id, None) or self._paused.pop(request_id, None)
         if seqs is None:
@@ -295,11 +296,14 @@ class LLM:
         (after a successful import elsewhere) or ``resume_request``. Single-rank engines."""
         return migrate.export_request(self, request_id, since, stop)
 
-    def import_request(self, snapshot: KVSnapshot):
+    def import_request(self, snapshot: KVSnapshot, *, cache_prefix: bool = False):
         """Continue a request exported by another engine (same model and KV dtype; any block
         size). A snapshot without ``final`` (``stop=False``) is staged until the final one;
-        incremental snapshots must come in order. Returns the request id."""
-        return migrate.import_request(self, snapshot)
+        incremental snapshots must come in order. Every field is checked first: a bad snapshot
+        is a ``ValueError`` naming it, and nothing changes. The imported K/V (and what is
+        computed on top of them) stay out of the prefix cache unless ``cache_prefix=True``
+        (you trust the sender). Returns the request id."""
+        return migrate.import_request(self, snapshot, cache_prefix)
 
     def resume_request(self, request_id) -> None:
         """Run a request stopped by ``export_request`` here again (its import failed)."""

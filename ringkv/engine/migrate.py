@@ -1,5 +1,5 @@
 """Moving a running request between engines: ``export_request`` / ``import_request`` (the
-``LLM`` methods of the same names call these).
+``LLM`` methods of the same names call these), and ``reclaim`` of the blocks such requests hold.
 
 Flow (full): ``snap = src.export_request(rid)`` stops the request on ``src`` but keeps its
 blocks; ``dst.import_request(snap)`` continues it; then ``src.abort_request(rid)`` frees the
@@ -7,22 +7,40 @@ source's copy, or ``src.resume_request(rid)`` runs it there again if the import 
 nothing is lost in between. Incremental (pre-copy): ``a = src.export_request(rid, stop=False)``
 while it runs, ``dst.import_request(a)`` stages it, ..., ``b = src.export_request(rid, since=a)``
 holds only what was computed since ``a``; ``dst.import_request(b)`` appends it and starts the
-request. Imported full blocks enter the receiver's prefix cache. Single-rank engines only.
+request. Single-rank engines only.
+
+An import trusts nothing in the snapshot: every field is checked (types, token ids in the
+vocabulary, tensor shapes and dtypes, sampling parameters, the generator state, log-probs,
+counts) before anything changes; a bad one is a ``ValueError`` naming it and the engine is as
+before. What the checks cannot see (K/V that are well-formed but wrong) can only give that
+request wrong output: imported K/V, and everything computed on top of them, stay out of the
+prefix cache unless the caller vouches for them (``cache_prefix=True``).
 """
 
 from __future__ import annotations
 
+import math
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 import torch
 
+from ..cache.block_manager import PrefixCursor
 from ..kernels.quant import as_bytes
 from .detok import IncrementalDetokenizer
 from .params import Logprob, SamplingParams
 from .sequence import Sequence, Status
-from .snapshot import KVSnapshot, model_digest
+from .snapshot import VERSION, KVSnapshot
+
+
+@dataclass
+class Staged:
+    """An import waiting for its final snapshot (``LLM._staged[request_id]``)."""
+    seq: Sequence
+    last_id: str  # the snapshot the next one must extend
+    kv_end: int  # the K/V the snapshots reached: the next one starts there
+    dropped: bool = False  # ``reclaim`` freed its blocks: later K/V are ignored, the request is recomputed
 
 
 def _single_rank(llm) -> None:
@@ -87,7 +105,7 @@ def export_request(llm, rid, since: Optional[KVSnapshot] = None, stop: bool = Tr
     k, v, ks, vs = _read(llm, seq, start, seq.num_computed) if seq.num_computed > start else _empty(llm)
     first = since is None
     snap = KVSnapshot(
-        model=model_digest(llm.config), kv_cache_dtype=_storage(llm), request_id=rid,
+        model=llm.digest, kv_cache_dtype=_storage(llm), request_id=rid,
         snapshot_id=uuid.uuid4().hex, base_id=None if first else since.snapshot_id, final=stop,
         prompt=seq.prompt if first else None, prompt_token_ids=list(seq.prompt_token_ids) if first else [],
         token_ids=seq.token_ids[tokens_from:], tokens_from=tokens_from, params=asdict(seq.params),
@@ -119,69 +137,244 @@ def resume_request(llm, rid) -> None:
     llm._active[rid] = seqs
 
 
-def _check(llm, snap: KVSnapshot) -> None:
+# -- import: check everything, then change the engine ----------------------------------------
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _logprob(x) -> bool:
+    """A log-probability: a finite number or -inf (compared, not converted: a huge int is fine)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and (x == -math.inf or -math.inf < x < math.inf)
+
+
+def _pair(x, vocab: int) -> bool:
+    """``[token id, log-prob]``."""
+    return isinstance(x, (list, tuple)) and len(x) == 2 and _int(x[0]) and 0 <= x[0] < vocab and _logprob(x[1])
+
+
+def _bad(name: str, why: str) -> ValueError:
+    return ValueError(f"snapshot field {name!r}: {why}; nothing was imported")
+
+
+def _check_ids(name: str, ids, vocab: int) -> None:
+    if not isinstance(ids, (list, tuple)):
+        raise _bad(name, f"must be a list of token ids, got {type(ids).__name__}")
+    for t in ids:
+        if not _int(t) or not 0 <= t < vocab:
+            raise _bad(name, f"holds {t!r}: token ids are ints in [0, {vocab})")
+
+
+def _check_params(p) -> SamplingParams:
+    if not isinstance(p, dict):
+        raise _bad("params", f"must be a dict of SamplingParams fields, got {type(p).__name__}")
+    try:
+        params = SamplingParams(**p)
+    except TypeError as e:  # an unknown (or non-string) key
+        raise _bad("params", f"not SamplingParams fields ({e})") from None
+    problem = params.problem() or (None if params.n == 1 else "only requests with n = 1 can migrate")
+    if problem is not None:
+        raise _bad("params", problem)
+    return params
+
+
+def _check_logprobs(snap: KVSnapshot, vocab: int, want: int) -> None:
+    """``want`` log-probs in all (one per generated token if the request asks for them, else none)."""
+    lps = snap.logprobs
+    if not isinstance(lps, (list, tuple)) or snap.logprobs_from + len(lps) != want:
+        got = f"{snap.logprobs_from} + {len(lps)}" if isinstance(lps, (list, tuple)) else type(lps).__name__
+        raise _bad("logprobs", f"the request has {want} log-probs so far, the snapshot gives {got}")
+    for e in lps:
+        if not (isinstance(e, (list, tuple)) and len(e) == 3 and _pair(e[:2], vocab)
+                and isinstance(e[2], (list, tuple)) and all(_pair(x, vocab) for x in e[2])):
+            raise _bad("logprobs", f"holds {e!r:.80}: entries are [token id, log-prob, [[token id, log-prob], ...]]")
+
+
+def _check_prompt_logprobs(plp, params: SamplingParams, prompt_len: int) -> None:
+    if params.prompt_logprobs is None:
+        if plp is not None:
+            raise _bad("prompt_logprobs", "must be None: the request's params do not ask for them")
+    elif not isinstance(plp, (list, tuple)) or len(plp) != prompt_len - 1 \
+            or not all(x is None or _logprob(x) for x in plp):
+        raise _bad("prompt_logprobs", f"must be a list of {prompt_len - 1} log-probs (None: not computed yet)")
+
+
+def _check_tensors(llm, snap: KVSnapshot) -> None:
+    """K/V ``(layers, end - start, Hkv, D)`` in the cache's dtype, finite (they may land in blocks
+    other requests reuse); scales ``(layers, end - start, Hkv)`` iff the cache is quantized; a
+    generator state a fresh ``torch.Generator`` accepts."""
+    kv = llm.cluster.worker.kv
+    layers, _, _, _, hkv, d = kv.data.shape
+    want = (layers, snap.end - snap.start, hkv, d)
+    scale = None if kv.scale is None else kv.scale.dtype
+    for name, shape, dtype in (("k", want, kv.data.dtype), ("v", want, kv.data.dtype),
+                               ("k_scale", want[:3], scale), ("v_scale", want[:3], scale)):
+        x = getattr(snap, name)
+        if dtype is None:
+            if x is not None:
+                raise _bad(name, "must be None: this engine's KV cache is not quantized")
+            continue
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype:
+            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise _bad(name, f"must be a {shape} {dtype} tensor, got {got}")
+        if x.is_floating_point() and not all(bool(torch.isfinite(t.float()).all()) for t in x):  # per layer
+            raise _bad(name, "holds inf or NaN")
+    g = snap.generator_state
+    if not isinstance(g, torch.Tensor) or g.dtype != torch.uint8:
+        got = g.dtype if isinstance(g, torch.Tensor) else type(g).__name__
+        raise _bad("generator_state", f"must be a uint8 tensor (torch.Generator().get_state()), got {got}")
+    try:
+        torch.Generator().set_state(g)  # a scratch generator: the request's is set once all is checked
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise _bad("generator_state", f"not a CPU generator's state ({e})") from None
+
+
+def _validate(llm, snap: KVSnapshot):
+    """Every check of an import, changing nothing. Returns the staged import the snapshot
+    continues (None for a first snapshot) and its sampling parameters."""
     if not isinstance(snap, KVSnapshot):
         raise TypeError(f"import_request takes a KVSnapshot, got {type(snap).__name__}")
-    if snap.model != model_digest(llm.config):
-        raise ValueError("the snapshot is of another model or model configuration; it cannot be imported here")
+    if snap.version != VERSION:
+        raise _bad("version", f"snapshot format version {snap.version!r}, this ringkv reads {VERSION}")
+    if snap.model != llm.digest:
+        raise ValueError("the snapshot is of another model (its config or weights differ from this engine's); "
+                         "it cannot be imported here")
     if snap.kv_cache_dtype != _storage(llm):
         raise ValueError(f"the snapshot's KV are {snap.kv_cache_dtype}, this engine stores {_storage(llm)}; "
                          f"both engines need the same kv_cache_dtype (and model dtype)")
-    kv, cfg = llm.cluster.worker.kv, llm.config
-    want = (cfg.num_layers, snap.end - snap.start, cfg.num_kv_heads, cfg.head_dim)
-    if tuple(snap.k.shape) != want or tuple(snap.v.shape) != want or snap.k.dtype != kv.data.dtype:
-        raise ValueError(f"the snapshot's K/V are {tuple(snap.k.shape)} {snap.k.dtype}, expected {want} {kv.data.dtype}")
-    if (kv.scale is None) != (snap.k_scale is None):
-        raise ValueError("the snapshot's quantization scales do not match this engine's cache")
-    total = snap.tokens_from + len(snap.token_ids)
-    if not 0 <= snap.start <= snap.end <= total or (snap.base_id is None and (
-            snap.tokens_from or snap.token_ids[:len(snap.prompt_token_ids)] != snap.prompt_token_ids)):
-        raise ValueError("the snapshot's token counts are inconsistent")
-    if total >= llm.max_model_len:
-        raise ValueError(f"the request has {total} tokens; this engine's max_model_len is {llm.max_model_len}")
-
-
-def import_request(llm, snap: KVSnapshot):
-    _single_rank(llm)
-    _check(llm, snap)
     rid = snap.request_id
+    if not isinstance(rid, str) and not _int(rid):
+        raise _bad("request_id", f"must be a str or an int, got {rid!r}")
+    for name, ok, want in (("snapshot_id", isinstance(snap.snapshot_id, str), "a str"),
+                           ("base_id", snap.base_id is None or isinstance(snap.base_id, str), "None or a str"),
+                           ("final", isinstance(snap.final, bool), "a bool"),
+                           ("cache_salt", snap.cache_salt is None or isinstance(snap.cache_salt, str), "None or a str")):
+        if not ok:
+            raise _bad(name, f"must be {want}, got {getattr(snap, name)!r}")
+    for name in ("start", "end", "tokens_from", "logprobs_from", "num_cached_tokens"):
+        if not _int(getattr(snap, name)) or getattr(snap, name) < 0:
+            raise _bad(name, f"must be an int >= 0, got {getattr(snap, name)!r}")
+    vocab = llm.config.vocab_size
+    _check_ids("token_ids", snap.token_ids, vocab)
+    _check_ids("prompt_token_ids", snap.prompt_token_ids, vocab)
+    params = _check_params(snap.params)
     staged = llm._staged.get(rid)
     if snap.base_id is None:
         if staged is not None or rid in llm._active or rid in llm._paused:
             raise ValueError(f"request {rid!r} already exists in this engine")
-        if snap.start != 0:
-            raise ValueError("a first snapshot must hold the K/V from the first token")
-        params = SamplingParams(**snap.params)
-        seq = Sequence(next(llm._ids), snap.prompt, snap.prompt_token_ids, params, snap.cache_salt, 0, rid)
-        last_id = None
+        prompt, req = snap.prompt_token_ids, params
+        if not prompt:
+            raise _bad("prompt_token_ids", "empty: a first snapshot carries the prompt")
+        if (snap.start, snap.tokens_from, snap.logprobs_from) != (0, 0, 0):
+            raise ValueError("a first snapshot must hold everything from the first token "
+                             "(start = tokens_from = logprobs_from = 0)")
+        if list(snap.token_ids[:len(prompt)]) != list(prompt):
+            raise _bad("token_ids", "must start with prompt_token_ids")
     else:
-        if staged is None or staged[1] != snap.base_id:
+        if staged is None or staged.last_id != snap.base_id:
             raise ValueError(f"the snapshot extends {snap.base_id!r}, but this engine holds "
-                             f"{staged[1] if staged else None!r} for request {rid!r}: import the snapshots in order")
-        seq, last_id = staged
-        if (snap.start, snap.tokens_from, snap.logprobs_from) != (seq.num_computed, seq.num_tokens, len(seq.logprobs)):
+                             f"{staged.last_id if staged else None!r} for request {rid!r}: import the snapshots in order")
+        seq = staged.seq
+        prompt, req = seq.prompt_token_ids, seq.params  # the first snapshot's are the request's
+        if (snap.start, snap.tokens_from, snap.logprobs_from) != (staged.kv_end, seq.num_tokens, len(seq.logprobs)):
             raise ValueError("the snapshot does not continue the imported request (tokens or K/V positions differ)")
-    if not llm.blocks.grow(seq.block_table, snap.end):
-        raise ValueError(f"not enough free KV blocks to import {snap.end} tokens; nothing was imported")
-    _write(llm, seq.block_table, snap.start, snap)
-    seq.token_ids = (seq.token_ids if last_id is not None else []) + list(snap.token_ids)
-    seq.num_computed = snap.end
+    total = snap.tokens_from + len(snap.token_ids)
+    if not snap.start <= snap.end < total:
+        raise _bad("end", f"K/V of tokens [{snap.start}, {snap.end}) must lie within the request's {total} tokens "
+                          f"and leave the last one to compute")
+    if total >= llm.max_model_len:
+        raise ValueError(f"the request has {total} tokens; this engine's max_model_len is {llm.max_model_len}")
+    generated = total - len(prompt)
+    if generated >= req.max_tokens:
+        raise _bad("params", f"max_tokens={req.max_tokens}, but the request has {generated} generated tokens "
+                             f"already: it is done")
+    if snap.num_cached_tokens > len(prompt):
+        raise _bad("num_cached_tokens", f"{snap.num_cached_tokens} exceeds the prompt's {len(prompt)} tokens")
+    _check_logprobs(snap, vocab, 0 if req.logprobs is None else generated)
+    _check_prompt_logprobs(snap.prompt_logprobs, req, len(prompt))
+    _check_tensors(llm, snap)
+    return staged, params
+
+
+def import_request(llm, snap: KVSnapshot, cache_prefix: bool = False):
+    """Continue (or stage) an exported request. Everything is checked before anything changes;
+    the blocks are allocated last and given back if writing the K/V fails. ``cache_prefix``:
+    register the imported full blocks in the prefix cache (under the snapshot's salt); by
+    default they, and every block computed on top of them, stay out of it."""
+    _single_rank(llm)
+    staged, params = _validate(llm, snap)
+    seq = None if staged is None else staged.seq
+    with_kv = staged is None or not staged.dropped  # a reclaimed staged import ignores K/V
+    table = [] if seq is None else list(seq.block_table)
+    need = llm.blocks.blocks_for(snap.end) - len(table) if with_kv else 0
+    if need > llm.blocks.num_free:
+        raise ValueError(f"not enough free KV blocks to import {snap.end} tokens ({need} needed, "
+                         f"{llm.blocks.num_free} free); nothing was imported")
+    tokens = ([] if seq is None else seq.token_ids) + list(snap.token_ids)
+    prompt_len = len(snap.prompt_token_ids if seq is None else seq.prompt_token_ids)
+    text = None
+    if snap.final and llm.tokenizer is not None:
+        text = llm.tokenizer.decode(tokens[prompt_len:], skip_special_tokens=True)
+    if with_kv:  # all checked: allocate and write, and give the blocks back if that fails
+        old = len(table)
+        llm.blocks.grow(table, snap.end)
+        try:
+            _write(llm, table, snap.start, snap)
+        except BaseException:
+            llm.blocks.free(table[old:])
+            raise
+    if seq is None:
+        seq = Sequence(next(llm._ids), snap.prompt, snap.prompt_token_ids, params, snap.cache_salt, 0,
+                       snap.request_id)
+    seq.token_ids, seq.block_table = tokens, table
+    if with_kv:
+        seq.num_computed = snap.end
     seq.generator.set_state(snap.generator_state)
     seq.logprobs += [Logprob(t, lp, [tuple(x) for x in top]) for t, lp, top in snap.logprobs]
-    seq.prompt_logprobs = snap.prompt_logprobs
+    seq.prompt_logprobs = None if snap.prompt_logprobs is None else list(snap.prompt_logprobs)
     seq.num_cached_tokens = snap.num_cached_tokens
-    llm.blocks.register(seq.block_table, seq.token_ids, seq.num_computed, seq.cache_salt, seq.prefix_cursor)
+    if with_kv and snap.end > snap.start:  # K/V computed elsewhere: cached only when vouched for
+        if cache_prefix:
+            llm.blocks.register(seq.block_table, seq.token_ids, seq.num_computed, seq.cache_salt, seq.prefix_cursor)
+        else:
+            seq.prefix_cursor.stopped = True  # until a preemption recomputes it here
     if not snap.final:
-        llm._staged[rid] = (seq, snap.snapshot_id)
-        return rid
-    llm._staged.pop(rid, None)
+        if staged is None:
+            llm._staged[snap.request_id] = Staged(seq, snap.snapshot_id, snap.end)
+        else:
+            staged.last_id, staged.kv_end = snap.snapshot_id, snap.end
+        return snap.request_id
+    llm._staged.pop(snap.request_id, None)
     out = seq.output_token_ids  # text so far, and the detokenizer past it
-    if llm.tokenizer is not None:
-        seq.text = llm.tokenizer.decode(out, skip_special_tokens=True)
+    if text is not None:
+        seq.text = text
         seq.detok = IncrementalDetokenizer(llm.tokenizer)
         seq.detok.prefix = seq.detok.read = len(out)
     seq.deltas, seq.emitted, seq.reported = [""] * len(out), len(seq.text), len(out)
     seq.status = Status.WAITING
     llm.scheduler.waiting.appendleft(seq)
-    llm._active[rid] = [seq]
-    return rid
+    llm._active[snap.request_id] = [seq]
+    return snap.request_id
+
+
+# -- held blocks ----------------------------------------------------------------------------
+def _drop_kv(llm, seq: Sequence) -> None:
+    llm.blocks.free(seq.block_table)
+    seq.num_computed, seq.prefix_cursor = 0, PrefixCursor()
+
+
+def reclaim(llm) -> bool:
+    """Free the K/V blocks of ONE held request, oldest first, so they can serve admission: a
+    request stopped by an export (``resume_request`` then recomputes it from its tokens) before a
+    staged import (its later snapshots add their tokens and log-probs but not their K/V, and the
+    final one starts it from scratch). Only compute is lost, never a token. True if it freed
+    blocks, False if no held request holds any."""
+    for seqs in llm._paused.values():
+        if seqs[0].block_table:
+            _drop_kv(llm, seqs[0])
+            return True
+    for staged in llm._staged.values():
+        if staged.seq.block_table:
+            _drop_kv(llm, staged.seq)
+            staged.dropped = True
+            return True
+    return False

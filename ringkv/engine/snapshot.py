@@ -12,9 +12,11 @@ it do not grow with the context. ``final`` is set when the source stopped the re
 receiver runs it once it is imported.
 
 Stored as safetensors (``save`` / ``load`` / ``to_bytes`` / ``from_bytes``; never pickled): the
-tensors, and the rest as JSON in the metadata with a SHA-256 of the tensor bytes, so a
-truncated or altered file is refused. ``send`` / ``recv`` move one over a
-``torch.distributed`` group without touching the file system.
+tensors, and the rest as JSON in the metadata with a SHA-256 over the metadata (canonical
+JSON), the tensors' names, dtypes and shapes, and their bytes, so a truncated, damaged or
+edited file is refused. The checksum detects corruption and accidental edits, not deliberate
+forgery (anyone can recompute it): ``import_request`` checks every field of a snapshot itself.
+``send`` / ``recv`` move one over a ``torch.distributed`` group without touching the file system.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ from typing import Dict, List, Optional
 
 import torch
 
-VERSION = 1
+from ..model.loader import model_tensors
+
+VERSION = 2  # 2: the checksum covers the metadata too
 _TENSORS = ("k", "v", "k_scale", "v_scale", "generator_state")
 
 
 @dataclass
 class KVSnapshot:
-    model: str  # digest of the model config: a snapshot only fits the same model
+    model: str  # model_digest of the exporting model (config and weights): a snapshot only fits it
     kv_cache_dtype: str  # the storage format of k / v ("float32", "int8", "fp8_e4m3", ...)
     request_id: object
     snapshot_id: str
@@ -73,7 +77,8 @@ class KVSnapshot:
         from safetensors.torch import save
 
         tensors = {n: t.cpu() for n, t in self._tensors().items()}
-        meta = dict(self._meta(), tensors_sha256=_digest(save(tensors)))
+        meta = json.loads(json.dumps(self._meta()))  # as the reader will see it (tuples are lists)
+        meta["sha256"] = _checksum(meta, tensors, save(tensors))
         return save(tensors, metadata={"ringkv_snapshot": json.dumps(meta)})
 
     @classmethod
@@ -87,13 +92,17 @@ class KVSnapshot:
             tensors = load(data)
         except Exception as e:  # noqa: BLE001 - any damage is the same error to the caller
             raise ValueError(f"{what} is corrupt or not a ringkv KV snapshot: {type(e).__name__}: {e}") from None
-        if meta.pop("tensors_sha256", None) != _digest(data):
-            raise ValueError(f"{what} is corrupt: its tensors do not match their checksum")
-        if meta.get("version") != VERSION:
-            raise ValueError(f"{what} has snapshot format version {meta.get('version')}, this ringkv reads {VERSION}")
+        if not isinstance(meta, dict) or meta.get("version") != VERSION:
+            version = meta.get("version") if isinstance(meta, dict) else None
+            raise ValueError(f"{what} has snapshot format version {version}, this ringkv reads {VERSION}; "
+                             f"export it again with this ringkv")
+        if meta.pop("sha256", None) != _checksum(meta, tensors, data):
+            raise ValueError(f"{what} is corrupt or edited: its contents do not match their checksum")
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in meta.items() if k in known},
-                   **{n: tensors.get(n) for n in _TENSORS})
+        try:
+            return cls(**{k: v for k, v in meta.items() if k in known}, **{n: tensors.get(n) for n in _TENSORS})
+        except TypeError as e:  # a field missing
+            raise ValueError(f"{what} is not a complete ringkv KV snapshot: {e}") from None
 
     def save(self, path: str) -> None:
         with open(path, "wb") as f:
@@ -118,13 +127,39 @@ class KVSnapshot:
         return cls.from_bytes(recv_bytes(src, group, timeout), f"snapshot from rank {src}")
 
 
-def _digest(data: bytes) -> str:
-    """SHA-256 of a safetensors buffer's data section (the same with or without metadata)."""
+def _checksum(meta: dict, tensors: Dict[str, torch.Tensor], data: bytes) -> str:
+    """SHA-256 of the metadata (canonical JSON, without the checksum), each tensor's name, dtype
+    and shape, and the data section of the safetensors buffer ``data`` (the same with or
+    without metadata in the header)."""
     (n,) = struct.unpack("<Q", data[:8])
-    return hashlib.sha256(memoryview(data)[8 + n:]).hexdigest()
+    layout = {k: [str(t.dtype), list(t.shape)] for k, t in tensors.items()}
+    h = hashlib.sha256(json.dumps([meta, layout], sort_keys=True).encode())
+    h.update(memoryview(data)[8 + n:])
+    return h.hexdigest()
 
 
-def model_digest(cfg) -> str:
-    """The model a snapshot's K/V belong to (its architecture numbers, not its weights)."""
+DIGEST_ROWS = 8  # rows sampled per weight tensor by model_digest
+
+
+def model_digest(cfg, weights=None) -> str:
+    """Which model a snapshot's K/V belong to: its architecture numbers and, given ``weights``
+    (a ``StateDictSource`` or ``SafetensorsSource`` of the whole checkpoint), every tensor the
+    model reads (sorted by name): its name, its shape and up to ``DIGEST_ROWS`` evenly spaced
+    rows along dim 0 (a 1-D tensor whole), as float32. So another checkpoint of the same
+    architecture (a fine-tune) gets another digest, while the same checkpoint gets the same
+    one as a directory, an in-memory model or in another storage dtype that holds the same
+    values, on every rank and mesh (it reads the checkpoint, not a rank's slice). Cheap: a few
+    rows per tensor are read, never a whole file (SmolLM2-135M: under 0.1 s, 0.2 s the first time in a process)."""
     keep = {k: v for k, v in asdict(cfg).items() if k not in ("extra", "eos_token_id", "bos_token_id", "torch_dtype")}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    h = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode())
+    for name in sorted(model_tensors(cfg, weights)) if weights is not None else ():
+        shape = tuple(weights.shape(name))
+        h.update(json.dumps([name, shape]).encode())
+        if len(shape) < 2:
+            parts = [weights.get(name)]
+        else:
+            rows = sorted({i * (shape[0] - 1) // (DIGEST_ROWS - 1) for i in range(DIGEST_ROWS)}) if shape[0] else []
+            parts = [weights.get(name, 0, i, i + 1) for i in rows]
+        for t in parts:
+            h.update(t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

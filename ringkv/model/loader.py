@@ -102,14 +102,21 @@ def checkpoint_name(cfg: ModelConfig, param: str) -> str:
     return "model.embed_tokens.weight" if cfg.tie_word_embeddings and param == "lm_head.weight" else param
 
 
+def model_tensors(cfg: ModelConfig, weights) -> set:
+    """The names in ``weights`` that the model reads: not the ignored buffers, and not a tied
+    LM head (it reads the embedding), so a directory and an in-memory model give the same set."""
+    have = {k for k in weights.names() if not k.endswith(_IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings:
+        have.discard("lm_head.weight")
+    return have
+
+
 def check_checkpoint(cfg: ModelConfig, weights) -> None:
     """Every tensor the full model needs is in ``weights`` with the full model's shape, and
     nothing else is (so a sliced load can trust names and shapes)."""
     with torch.device("meta"):
         shapes = {checkpoint_name(cfg, k): v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
-    have = {k for k in weights.names() if not k.endswith(_IGNORED_SUFFIXES)}
-    if cfg.tie_word_embeddings:
-        have.discard("lm_head.weight")
+    have = model_tensors(cfg, weights)
     missing, unexpected = sorted(set(shapes) - have), sorted(have - set(shapes))
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {cfg.model_type} config: missing {missing[:5]}"

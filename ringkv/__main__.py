@@ -1,7 +1,7 @@
 """Command line.
 
     ringkv generate --model PATH --prompt "..." [--max-tokens N] [--tp/--pp/--sp N] ...
-    ringkv serve --model PATH [--tp/--pp/--sp N] [--host 127.0.0.1] [--port 8000]
+    ringkv serve --model PATH [--tp/--pp/--sp N] [--host 127.0.0.1] [--port 8000] [--max-request-bytes N]
     ringkv plan --model PATH|config.json|NAME --seq N --gpus G [--gpu h100] [--interconnect nvlink] ...
 
 With ``--tp/--pp/--sp`` the command starts the extra ranks itself; under
@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     s.add_argument("--log-level", default="warning")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="request bodies larger than this get a 413 (default: 16 MiB)")
     q = sub.add_parser("plan", help="choose TP/PP/SP (and KV dtype) for a model, a context length and a cluster")
     q.add_argument("--model", required=True, help="preset name (e.g. llama-3-70b), HF directory or config.json")
     q.add_argument("--seq", type=int, required=True, help="tokens per sequence (prompt + output)")
@@ -142,7 +144,8 @@ def _serve(llm, args) -> int:
         return 0
     name = args.served_model_name or args.model
     print(f"ringkv: serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    serve(llm, host=args.host, port=args.port, model_name=name, log_level=args.log_level)
+    serve(llm, host=args.host, port=args.port, model_name=name, log_level=args.log_level,
+          max_request_bytes=args.max_request_bytes)
     return 0
 
 

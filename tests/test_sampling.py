@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ringkv.engine import LLM, SamplingParams
+from ringkv.engine.params import MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 from ringkv.engine.sampling import apply_penalties, filter_logits, sample
 
 LOGITS = torch.tensor([2.0, 1.2, 0.9, 0.0, -0.5, -1.0, -3.0])
@@ -110,6 +111,37 @@ def test_penalties_follow_their_definitions():
     assert tokens == [3]
 
 
+@pytest.mark.parametrize("t", [1e-39, 1e-6, 0.0])
+def test_tiny_temperatures_are_greedy(t):
+    """Below GREEDY_TEMPERATURE a row takes the argmax: l / 1e-39 overflows to inf and the
+    softmax to NaN (which used to give token 0)."""
+    x = torch.tensor([[0.5, -1.0, 2.0, 3.0, 1.0]]).expand(3, -1).clone()
+    tokens, _ = sample(x, rows(SamplingParams(temperature=t), 3))
+    assert tokens == [3, 3, 3]
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(stop=5), "stop"), (dict(stop=[""]), "stop"), (dict(stop=[1]), "stop"), (dict(stop={"a": 1}), "stop"),
+    (dict(stop=["x"] * (MAX_STOP + 1)), "stop"), (dict(stop=["x" * (MAX_STOP_CHARS + 1)]), "stop"),
+    (dict(stop_token_ids=5), "stop_token_ids"), (dict(stop_token_ids=[1.0]), "stop_token_ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"), (dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
+    (dict(temperature=10**400), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=1 << 63), "top_k"), (dict(top_k=2.0), "top_k"), (dict(seed=1 << 64), "seed"), (dict(seed="1"), "seed"),
+    (dict(ignore_eos="no"), "ignore_eos"), (dict(n=2.0), "n"), (dict(n=[2]), "n"), (dict(logprobs=True), "logprobs"),
+    (dict(min_p={}), "min_p"), (dict(presence_penalty=10**400), "presence_penalty"), (dict(max_tokens="5"), "max_tokens"),
+])
+def test_problem_checks_types_and_bounds_and_names_the_field(kw, field):
+    problem = SamplingParams(**kw).problem()
+    assert problem is not None and problem.split(" ", 1)[0] == field, problem
+    assert len(problem) < 300  # a huge rejected value is not echoed whole
+
+
+def test_bounds_are_inclusive():
+    ok = SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOP, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)),
+                        seed=(1 << 63) - 1, top_k=-1, temperature=1e-39)
+    assert ok.problem() is None
+
+
 # ---- on the engine ----
 
 from tests.test_engine import model  # noqa: E402,F401  the tiny ringkv model (a module-scoped fixture)
@@ -167,3 +199,15 @@ def test_step_api_and_abort_free_blocks(model):
     assert got["r0"].token_ids == want[0] and got["r2"].token_ids == want[2]
     assert got["r1"].finish_reason is None and len(got["r1"].token_ids) < 6  # stopped early, never finished
     assert llm.blocks.num_free == llm.blocks.num_blocks and not llm.has_unfinished_requests()
+
+
+def test_engine_tiny_temperatures_are_greedy_and_unbounded_stops_refused(model):
+    llm = LLM(model, block_size=4, num_blocks=64)
+    prompts = [[3, 14, 15, 9, 2, 6], [7, 7, 1]]
+    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)]
+    assert all(any(want_ids) for want_ids in want)  # not the all-zero answer of an overflowed softmax
+    for t in (1e-39, 1e-6):
+        got = llm.generate(prompts, SamplingParams(temperature=t, max_tokens=6, seed=1), use_tqdm=False)
+        assert [o.token_ids for o in got] == want, t
+    out = llm.generate(prompts[0], SamplingParams(stop=["x"] * (MAX_STOP + 1)), use_tqdm=False)[0]
+    assert out.finish_reason == "error" and out.error.startswith("stop must hold at most")

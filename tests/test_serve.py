@@ -188,6 +188,149 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, llm):
     assert server.metrics()["ringkv_requests_running"] == 0
 
 
+def slow_to_tokenize(chars: int) -> str:
+    """Hexadecimal words: about 3 s per MB for SmolLM2's tokenizer here (plain words are faster)."""
+    return " ".join(format(i * 2654435761 % 2**32, "x") for i in range(chars // 8 + 1))[:chars]
+
+
+def cjk(chars: int) -> str:
+    """CJK text: several tokens per character, about 5 s per million characters here."""
+    return "".join(chr(0x4E00 + i * 7919 % 20000) for i in range(chars))
+
+
+def large_prompts(case: str, llm) -> list:
+    if case == "5 MB":  # refused by its length before it is tokenized
+        return [slow_to_tokenize(5_000_000)]
+    # just short enough to be tokenized (then refused by max_model_len): two, so the old engine
+    # thread, which tokenized whatever its inbox held before its next step, would stall twice
+    return [cjk(llm.max_prompt_chars - 100)] * 2
+
+
+@pytest.mark.parametrize("case", ["5 MB", "tokenized"])
+def test_a_huge_prompt_does_not_stall_a_running_stream(server, llm, case):
+    """Issue #23: a 4.8 MB prompt got its 400 after 20.5 s and held a running stream for 19.5 s
+    (tokenized on the engine's thread). Now: refused early, or tokenized on the encoder thread."""
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"] == llm.max_model_len
+    prompts = large_prompts(case, llm)  # (the server's max_prompt_chars is llm's: same tokenizer and max_model_len)
+    body = {"model": "smol", "prompt": "Write a long story about a dragon.", "max_tokens": 200, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+
+    def send(prompt):
+        t = time.perf_counter()
+        r = httpx.post(server.url + "/v1/completions", json={"model": "smol", "prompt": prompt, "max_tokens": 2},
+                       timeout=120)
+        return r.status_code, r.text, time.perf_counter() - t, time.perf_counter()
+
+    times, sent = [], []
+    with ThreadPoolExecutor(len(prompts)) as ex, httpx.stream("POST", server.url + "/v1/completions", json=body,
+                                                               timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+                if len(times) == 5:
+                    sent = [ex.submit(send, p) for p in prompts]
+        results = [f.result() for f in sent]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    print(f"{case}: 400 after {[round(x[2], 2) for x in results]} s; stream's largest gap {max(gaps):.3f} s")
+    assert len(times) == 200
+    assert all(status == 400 and "max_model_len" in text for status, text, _, _ in results), results
+    assert all(done < times[-1] for *_, done in results)  # refused while the stream ran
+    if case == "5 MB":
+        assert results[0][2] < 3.0
+    assert max(gaps) < 3.0  # it was 19.5 s (measured before the fix: 15.3 s on this VM)
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read(server, llm):
+    big = b'{"model": "smol", "prompt": "' + b"a" * (17 << 20) + b'"}'  # over the 16 MiB default
+
+    def chunked():  # no Content-Length: refused once the chunks read pass the limit
+        yield from (big[i:i + (1 << 16)] for i in range(0, len(big), 1 << 16))
+
+    for content in (big, chunked()):
+        r = httpx.post(server.url + "/v1/completions", content=content, headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large" and "max-request-bytes" in r.json()["error"]["message"]
+    r = server.client.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert r.choices[0].text == greedy_text(llm)
+
+
+_greedy = {}
+
+
+def greedy_text(llm, prompt: str = PROMPTS[0], max_tokens: int = 4) -> str:
+    key = (prompt, max_tokens)
+    if key not in _greedy:
+        _greedy[key] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0].text
+    return _greedy[key]
+
+
+# (endpoint, what the body adds or a raw body, the param the 400 names)
+BAD_BODIES = [
+    ("completions", dict(stop=5), "stop"), ("completions", dict(stop=[""]), "stop"),
+    ("completions", dict(stop=[1, 2]), "stop"), ("completions", dict(stop={"a": 1}), "stop"),
+    ("completions", dict(stop=["x"] * 65), "stop"), ("completions", dict(stop=["x" * 1025]), "stop"),
+    ("completions", dict(stop_token_ids=5), "stop_token_ids"), ("completions", dict(stop_token_ids="12"), "stop_token_ids"),
+    ("completions", dict(stop_token_ids=[1.5]), "stop_token_ids"),
+    ("completions", dict(stop_token_ids=list(range(1025))), "stop_token_ids"),
+    ("completions", dict(logprobs=1.5), "logprobs"), ("completions", dict(logprobs="2"), "logprobs"),
+    ("completions", dict(logprobs=True), "logprobs"), ("completions", dict(logprobs=[1]), "logprobs"),
+    ("completions", dict(logprobs=21), "logprobs"),
+    ("completions", dict(n=2.0), "n"), ("completions", dict(n="2"), "n"), ("completions", dict(n=True), "n"),
+    ("completions", dict(n=[2]), "n"), ("completions", dict(n={}), "n"), ("completions", dict(n=17), "n"),
+    ("completions", dict(seed=1.5), "seed"), ("completions", dict(seed="5"), "seed"),
+    ("completions", dict(seed=True), "seed"), ("completions", dict(seed=[1]), "seed"),
+    ("completions", dict(seed=2**64), "seed"),
+    ("completions", dict(temperature=[1]), "temperature"), ("completions", dict(temperature=10**400), "temperature"),
+    ("completions", dict(top_p="x"), "top_p"), ("completions", dict(top_k=1.5), "top_k"),
+    ("completions", dict(top_k=2**63), "top_k"), ("completions", dict(min_p={}), "min_p"),
+    ("completions", dict(presence_penalty="1"), "presence_penalty"),
+    ("completions", dict(repetition_penalty=[1.1]), "repetition_penalty"),
+    ("completions", dict(ignore_eos="no"), "ignore_eos"),
+    ("completions", dict(max_tokens=1.5), "max_tokens"), ("completions", dict(max_tokens="5"), "max_tokens"),
+    ("completions", dict(stream="yes"), "stream"),
+    ("completions", dict(stream=True, stream_options=5), "stream_options"),
+    ("completions", dict(stream=True, stream_options=[]), "stream_options"),
+    ("completions", dict(stream=True, stream_options={"include_usage": "yes"}), "stream_options"),
+    ("chat", dict(logprobs="yes"), "logprobs"), ("chat", dict(logprobs=True, top_logprobs="3"), "top_logprobs"),
+    ("chat", dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("chat", dict(stream=True, stream_options=5), "stream_options"),
+    ("chat", dict(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), "messages"),
+    ("completions", b"[" * 100_000, None),  # nested too deep for the JSON parser
+    ("completions", b'{"prompt": ' + b"1" * 5000 + b"}", None),  # an int over Python's 4300 digits
+]
+
+
+@pytest.mark.parametrize("endpoint, extra, param", BAD_BODIES,
+                         ids=[f"{e}-{p}-{i}" for i, (e, _, p) in enumerate(BAD_BODIES)])
+def test_malformed_fields_get_400_naming_the_parameter(server, llm, endpoint, extra, param):
+    """Issue #23: ``"stop": 5`` or ``"stop_token_ids": 5`` gave a 500 and reset the kept-alive
+    connection; a non-object ``stream_options`` broke the stream after its tokens. Every field
+    that reaches ``SamplingParams`` is type-checked: a 400 that names it, and the same
+    connection serves the next request."""
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        url = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        if isinstance(extra, bytes):
+            r = http.post(url, content=extra, headers={"content-type": "application/json"})
+        else:
+            base = {"messages": [{"role": "user", "content": "Hi"}]} if endpoint == "chat" else {"prompt": "Hi"}
+            r = http.post(url, json={"model": "smol", "max_tokens": 3, **base, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param, err
+        assert param is None or err["message"].startswith(param)
+        ok = http.post("/v1/completions", json={"model": "smol", "prompt": PROMPTS[0], "max_tokens": 4,
+                                                "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == greedy_text(llm)
+
+
+def test_tiny_temperature_is_greedy(server, llm):
+    """``temperature`` 1e-39 used to overflow to NaN in sampling and return token 0 (empty text)."""
+    for t in (1e-39, 1e-6):
+        r = server.client.completions.create(model="smol", prompt=PROMPTS[1], max_tokens=8, temperature=t)
+        assert r.choices[0].text == greedy_text(llm, PROMPTS[1], 8) != ""
+
+
 def test_server_over_a_parallel_engine(tmp_path):
     """``ringkv serve --pp 2`` (ranks spawned by the server) answers token-id prompts as the
     single-process engine does."""

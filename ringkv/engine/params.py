@@ -8,11 +8,21 @@ from typing import List, Optional, Tuple, Union
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_N = 16
+MAX_STOP = 64  # stop strings per request
+MAX_STOP_CHARS = 1024  # characters per stop string (a stream holds back one less than the longest)
+MAX_STOP_TOKEN_IDS = 1024
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (vLLM's rule): l / T overflows near 1e-38
+INT64 = 1 << 63  # seed and top_k must fit in an int64 (torch's generator and tensors)
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    """What one request samples. ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) or
+    ``top_k=1`` is greedy. ``problem()`` bounds what a request may ask: ``n <= MAX_N``,
+    ``logprobs <= MAX_LOGPROBS``, at most ``MAX_STOP`` stop strings of at most
+    ``MAX_STOP_CHARS`` characters, at most ``MAX_STOP_TOKEN_IDS`` stop token ids, ``seed`` and
+    ``top_k`` within int64."""
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
     max_tokens: int = 16
@@ -29,36 +39,44 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None  # 0: the log-prob of each prompt token after the first
 
     def problem(self) -> Optional[str]:
-        """Why these params are invalid, or None."""
+        """Why these params are invalid, or None. The message starts with the field's name;
+        every field's type is checked (values decoded from JSON reach here unchecked)."""
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            return f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}"
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            return f"top_p must be in (0, 1], got {self.top_p!r}"
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            return f"top_k must be an int >= 0 (0 or -1 = off), got {self.top_k!r}"
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            return f"max_tokens must be an int >= 1, got {self.max_tokens!r}"
+        if not _number(t) or t < 0:
+            return f"temperature must be a finite number >= 0 (0 = greedy), got {_shown(t)}"
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
+            return f"top_p must be in (0, 1], got {_shown(self.top_p)}"
+        if not _int(self.top_k) or not -1 <= self.top_k < INT64:
+            return f"top_k must be an int >= 0 (0 or -1 = off), got {_shown(self.top_k)}"
+        if not _int(self.max_tokens) or self.max_tokens < 1:
+            return f"max_tokens must be an int >= 1, got {_shown(self.max_tokens)}"
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        if not all(isinstance(s, str) and s for s in stop):
-            return f"stop must be a list of non-empty strings, got {self.stop!r}"
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.stop_token_ids):
-            return f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}"
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            return f"seed must be an int or None, got {self.seed!r}"
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            return f"stop must be a string or a list of non-empty strings, got {_shown(self.stop)}"
+        if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+            return (f"stop must hold at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters, got "
+                    f"{len(stop)} of up to {max(map(len, stop))}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_int(i) for i in ids):
+            return f"stop_token_ids must be a list of ints, got {_shown(ids)}"
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            return f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}"
+        if not isinstance(self.ignore_eos, bool):
+            return f"ignore_eos must be a bool, got {_shown(self.ignore_eos)}"
+        if self.seed is not None and (not _int(self.seed) or not -INT64 <= self.seed < INT64):
+            return f"seed must be an int in [-2**63, 2**63) or None, got {_shown(self.seed)}"
         for name, lo, hi in (("min_p", 0, 1), ("repetition_penalty", 1e-9, float("inf")),
                              ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi) or not math.isfinite(v):
-                return f"{name} must be a number in [{lo}, {hi}], got {v!r}"
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            return f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
-            return f"n must be an int in [1, {MAX_N}], got {self.n!r}"
+            if not _number(v) or not lo <= v <= hi:
+                return f"{name} must be a number in [{lo}, {hi}], got {_shown(v)}"
+        if self.logprobs is not None and (not _int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            return f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {_shown(self.logprobs)}"
+        if not _int(self.n) or not 1 <= self.n <= MAX_N:
+            return f"n must be an int in [1, {MAX_N}], got {_shown(self.n)}"
         if self.prompt_logprobs not in (None, 0) or isinstance(self.prompt_logprobs, bool):
             return (f"prompt_logprobs must be None or 0 (each prompt token's own log-prob; top alternatives are "
-                    f"not returned), got {self.prompt_logprobs!r}")
+                    f"not returned), got {_shown(self.prompt_logprobs)}")
         return None
 
     @property
@@ -68,6 +86,26 @@ class SamplingParams:
     @property
     def stop_strings(self) -> List[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    """A finite float, or an int within float range (JSON carries 1e999 as inf and 10**400 as an int)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _shown(v) -> str:
+    """``repr(v)``, cut short: a rejected value may be megabytes."""
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 @dataclass

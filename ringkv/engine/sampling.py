@@ -5,7 +5,8 @@ Per row, in this order (the order of transformers' logits processors):
 1. penalties on the raw logits: repetition (prompt and output tokens: ``l / r`` if ``l > 0``
    else ``l * r``), then presence (``l - presence`` for tokens in the output) and frequency
    (``l - frequency x count``);
-2. greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax;
+2. greedy rows (``temperature < GREEDY_TEMPERATURE``, 0 included, or ``top_k == 1``) take the
+   argmax (dividing by a tiny temperature would overflow to inf and NaN);
 3. the others: ``l / temperature``; top-k keeps the ``k`` largest; top-p the smallest set of
    the (top-k renormalised) distribution whose mass reaches ``top_p``; min-p drops tokens below
    ``min_p`` x the largest probability; then one draw per row with the request's own generator
@@ -21,11 +22,11 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .params import Logprob
+from .params import GREEDY_TEMPERATURE, Logprob
 
 
 def greedy(params) -> bool:
-    return params.temperature == 0 or params.top_k == 1
+    return params.temperature < GREEDY_TEMPERATURE or params.top_k == 1
 
 
 def needs_logits(params) -> bool:

@@ -3,7 +3,10 @@
 ``/v1/completions`` and ``/v1/chat/completions`` (``stream: true`` as server-sent events),
 ``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). A bad request gets a 4xx
 with an OpenAI-style error body and changes nothing; a client that disconnects aborts its
-request (its KV blocks are freed).
+request (its KV blocks are freed). What one request can cost before it is refused is bounded:
+its body (``max_request_bytes``, a 413, read in chunks and never parsed past the limit), its
+prompt text (``LLM.max_prompt_chars``, refused before tokenizing) and its stop lists
+(``SamplingParams.problem``); tokenizing runs off the engine's thread.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -26,6 +29,7 @@ SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top
                    "n": "n", "seed": "seed", "stop": "stop", "presence_penalty": "presence_penalty",
                    "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
                    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"}
+MAX_REQUEST_BYTES = 16 << 20  # default request body limit (ringkv serve --max-request-bytes)
 
 
 class BadRequest(Exception):
@@ -39,7 +43,11 @@ def error_body(message: str, status: int, param=None, code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[int] = None) -> FastAPI:
+    """The app; request bodies over ``max_request_bytes`` (default ``MAX_REQUEST_BYTES``) get a 413."""
+    max_request_bytes = MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes
+    if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
     app = FastAPI(title="ringkv", version="0.1.0")
     llm = engine.llm
     created = int(time.time())
@@ -68,9 +76,10 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
 
     async def body_of(request: Request) -> Dict[str, Any]:
+        raw = await read_body(request, max_request_bytes)
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # also bad UTF-8, ints of over 4300 digits, deep nesting
             raise BadRequest(f"the request body is not valid JSON: {e}")
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
@@ -83,12 +92,9 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     async def completions(request: Request):
         body = await body_of(request)
         prompts = completion_prompts(body.get("prompt"))
-        lp = body.get("logprobs")
-        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool)):
-            raise BadRequest("logprobs must be an integer (the number of top log-probs per token)", param="logprobs")
         if body.get("echo"):
             raise BadRequest("echo is not supported", param="echo")
-        params = sampling_params(body, body.get("max_tokens", 16), lp)
+        params = sampling_params(body, body.get("max_tokens", 16), body.get("logprobs"))
         return await respond(request, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -101,14 +107,17 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         if llm.tokenizer is None or getattr(llm.tokenizer, "chat_template", None) is None:
             raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
         messages = [dict(m, content=_text_content(m.get("content"))) for m in messages]
+        if body.get("logprobs") not in (None, True, False):
+            raise BadRequest(f"logprobs must be a bool, got {body['logprobs']!r:.80}", param="logprobs")
         top = body.get("top_logprobs") or 0
         lp = top if body.get("logprobs") else None
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", llm.max_model_len))
-        params = sampling_params(body, max_tokens, lp)
+        params = sampling_params(body, max_tokens, lp, logprobs_param="top_logprobs")
         return await respond(request, body, [messages], params, chat=True)
 
     async def respond(request: Request, body: dict, prompts: List, params: SamplingParams, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        stream, include_usage = stream_flags(body)
         streams = []
         try:  # every prompt is validated before anything is answered
             for p in prompts:
@@ -117,12 +126,13 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             for st in streams:
                 await st.aclose()
             raise BadRequest(str(e), param="messages" if chat else "prompt")
-        if body.get("stream"):
-            return StreamingResponse(stream_events(rid, streams, params, chat, body), media_type="text/event-stream")
+        if stream:
+            return StreamingResponse(stream_events(rid, streams, params, chat, include_usage),
+                                     media_type="text/event-stream")
         choices, prompt_tokens = await _collect(request, streams, params)
         return JSONResponse(complete_response(rid, choices, prompt_tokens, chat))
 
-    def sampling_params(body: dict, max_tokens, logprobs) -> SamplingParams:
+    def sampling_params(body: dict, max_tokens, logprobs, logprobs_param: str = "logprobs") -> SamplingParams:
         kw = {dst: body[src] for src, dst in SAMPLING_FIELDS.items() if body.get(src) is not None}
         if isinstance(kw.get("stop"), str):
             kw["stop"] = [kw["stop"]]
@@ -132,8 +142,10 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             max_tokens = min(max_tokens, llm.max_model_len)
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
         problem = params.problem()
-        if problem:
-            raise BadRequest(problem)
+        if problem:  # the message starts with the field's name; name it as the request did
+            name = problem.split(" ", 1)[0]
+            param = logprobs_param if name == "logprobs" else name
+            raise BadRequest(param + problem[len(name):], param=param)
         return params
 
     def complete_response(rid: str, choices: List["Choice"], prompt_tokens: int, chat: bool) -> dict:
@@ -151,47 +163,55 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                           "total_tokens": prompt_tokens + completion}}
 
-    async def stream_events(rid, streams, params: SamplingParams, chat: bool, body: dict) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per new token of each choice, ``[DONE]`` at the end. If
-        the client goes away, the response is cancelled here and the requests are aborted."""
+    async def stream_events(rid, streams, params: SamplingParams, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per new token of each choice, ``[DONE]`` at the end. The
+        status line went out with the headers, so a failure after them is an error event, still
+        followed by ``[DONE]``. If the client goes away, the response is cancelled here and the
+        requests are aborted."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
-        usage, counted = {"prompt": 0, "completion": 0}, set()
+        usage, counted, finished = {"prompt": 0, "completion": 0}, set(), set()
 
         def chunk(choices, **extra) -> str:
             return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model_name,
                                           "choices": choices, **extra}) + "\n\n"
 
+        def error_event(e: BaseException) -> str:
+            status = 503 if isinstance(e, EngineDead) else 500
+            return "data: " + json.dumps(error_body(f"{type(e).__name__}: {e}", status)) + "\n\n"
+
         merged = _merge(streams)
         try:
-            if chat:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(len(streams) * params.n)])
-            finished = set()
-            async for i, out in merged:
-                if isinstance(out, BaseException):
-                    yield "data: " + json.dumps(error_body(str(out), 500)) + "\n\n"
-                    continue
-                if i not in counted:
-                    counted.add(i)
-                    usage["prompt"] += len(out.prompt_token_ids)
-                for o in out.outputs:
-                    index = i * params.n + o.index
-                    done = o.finish_reason is not None and index not in finished
-                    if not o.token_ids and not done:
+            try:
+                if chat:
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None} for i in range(len(streams) * params.n)])
+                async for i, out in merged:
+                    if isinstance(out, BaseException):
+                        yield error_event(out)
                         continue
-                    usage["completion"] += len(o.token_ids)
-                    reason = _reason(o.finish_reason) if done else None
-                    finished |= {index} if done else set()
-                    if chat:
-                        yield chunk([{"index": index, "delta": {"content": o.text}, "logprobs": chat_logprobs(o.logprobs, llm.tokenizer),
-                                      "finish_reason": reason}])
-                    else:
-                        yield chunk([{"index": index, "text": o.text, "logprobs": completion_logprobs(o.logprobs, llm.tokenizer),
-                                      "finish_reason": reason}])
-            if (body.get("stream_options") or {}).get("include_usage"):
-                p, c = usage["prompt"], usage["completion"]
-                yield chunk([], usage={"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+                    if i not in counted:
+                        counted.add(i)
+                        usage["prompt"] += len(out.prompt_token_ids)
+                    for o in out.outputs:
+                        index = i * params.n + o.index
+                        done = o.finish_reason is not None and index not in finished
+                        if not o.token_ids and not done:
+                            continue
+                        usage["completion"] += len(o.token_ids)
+                        reason = _reason(o.finish_reason) if done else None
+                        finished |= {index} if done else set()
+                        if chat:
+                            yield chunk([{"index": index, "delta": {"content": o.text},
+                                          "logprobs": chat_logprobs(o.logprobs, llm.tokenizer), "finish_reason": reason}])
+                        else:
+                            yield chunk([{"index": index, "text": o.text, "finish_reason": reason,
+                                          "logprobs": completion_logprobs(o.logprobs, llm.tokenizer)}])
+                if include_usage:
+                    p, c = usage["prompt"], usage["completion"]
+                    yield chunk([], usage={"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+            except Exception as e:  # noqa: BLE001 - the stream still ends with the error and [DONE]
+                yield error_event(e)
             yield "data: [DONE]\n\n"
         finally:
             await merged.aclose()
@@ -271,6 +291,36 @@ async def _collect(request, streams, params: SamplingParams):
             await st.aclose()
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 past ``limit`` bytes: by its Content-Length before
+    anything is read, else (chunked) as soon as the chunks read so far pass it."""
+    too_big = BadRequest(f"the request body is larger than {limit} bytes (ringkv serve --max-request-bytes)",
+                         413, code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def stream_flags(body: dict) -> Tuple[bool, bool]:
+    """``(stream, stream_options.include_usage)``, checked before anything is streamed."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream not in (None, True, False):
+        raise BadRequest(f"stream must be a bool, got {stream!r:.80}", param="stream")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest(f"stream_options must be an object or null, got {options!r:.80}", param="stream_options")
+    usage = (options or {}).get("include_usage")
+    if usage not in (None, True, False):
+        raise BadRequest(f"stream_options.include_usage must be a bool, got {usage!r:.80}", param="stream_options")
+    return bool(stream), bool(usage)
+
+
 def completion_prompts(prompt) -> List:
     """``prompt``: a string, a list of strings, token ids, or a list of token-id lists."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
@@ -287,10 +337,13 @@ def _text_content(content) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # [{"type": "text", "text": ...}]
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if all(isinstance(t, str) for t in parts):
+            return "".join(parts)
     if content is None:
         return ""
-    raise BadRequest("message content must be a string or a list of text parts", param="messages")
+    raise BadRequest("messages: content must be a string or a list of {type: text, text: string} parts",
+                     param="messages")
 
 
 def _reason(reason: Optional[str]) -> Optional[str]:

@@ -1,9 +1,11 @@
 """``AsyncEngine``: the engine on a thread of its own, fed by asyncio handlers.
 
-The engine is not thread-safe, so one thread owns it: it takes new requests and aborts from
-an inbox, runs ``LLM.step()`` while any request is unfinished (continuous batching across
-clients: a request added mid-run joins the next step), and hands each ``RequestOutput`` to
-the asyncio queue of its request. Counters for ``/metrics`` are kept on the same thread.
+The engine is not thread-safe, so one thread owns it: it takes new requests (as token ids)
+and aborts from an inbox, runs ``LLM.step()`` while any request is unfinished (continuous
+batching across clients: a request added mid-run joins the next step), and hands each
+``RequestOutput`` to the asyncio queue of its request. Counters for ``/metrics`` are kept on
+the same thread. Tokenizing and chat templating (``LLM.encode``) run on an encoder thread of
+their own, so a large prompt does not delay the steps of the requests already running.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -54,20 +57,31 @@ class AsyncEngine:
         self.dead: Optional[str] = None
         self._ids = itertools.count()
         self._stop = False
+        # one worker: HF tokenizers are not guaranteed safe for concurrent encodes
+        self.encoder = ThreadPoolExecutor(1, thread_name_prefix="ringkv-encode")
         self.thread = threading.Thread(target=self._run, name="ringkv-engine", daemon=True)
         self.thread.start()
 
     # -- asyncio side ----------------------------------------------------------------------
-    async def add(self, prompt, params: SamplingParams, **kw) -> "RequestStream":
-        """Queue a request; raises ``ValueError`` if it is invalid (nothing was added). The
-        returned stream yields a *delta* ``RequestOutput`` (the new token of each sample) after
-        every step that advanced the request; ``aclose()`` aborts it and frees its blocks."""
+    async def add(self, prompt, params: SamplingParams, *, apply_chat_template: bool = False,
+                  **kw) -> "RequestStream":
+        """Queue a request (a string, token ids or chat messages); raises ``ValueError`` if it
+        is invalid (nothing was added). The prompt is encoded on the encoder thread and the
+        engine's thread gets token ids. The returned stream yields a *delta*
+        ``RequestOutput`` (the new token of each sample) after every step that advanced the
+        request; ``aclose()`` aborts it and frees its blocks."""
         if self.dead:
             raise EngineDead(self.dead)
         loop = asyncio.get_running_loop()
+        try:
+            ids = await loop.run_in_executor(self.encoder, self.llm.encode, prompt, apply_chat_template)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the messages
+            raise ValueError(f"the prompt could not be encoded: {type(e).__name__}: {e}") from e
         added: asyncio.Future = loop.create_future()
         stream = RequestStream(self, f"req-{next(self._ids)}")
-        self.inbox.put(("add", stream.id, (prompt, params, kw), loop, added, stream.queue))
+        self.inbox.put(("add", stream.id, (ids, params, kw), loop, added, stream.queue))
         await added
         return stream
 
@@ -75,6 +89,7 @@ class AsyncEngine:
         self._stop = True
         self.inbox.put(("wake",))
         self.thread.join(timeout=30)
+        self.encoder.shutdown(wait=False, cancel_futures=True)
 
     # -- the engine's thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -111,17 +126,17 @@ class AsyncEngine:
                 self.metrics.finished["abort"] = self.metrics.finished.get("abort", 0) + 1
 
     def _add(self, rid, args, loop, added, q) -> None:
-        prompt, params, kw = args
+        ids, params, kw = args
         if self.dead:
             loop.call_soon_threadsafe(_set, added, EngineDead(self.dead))
             return
         try:
-            self.llm.add_request(prompt, params, request_id=rid, **kw)
+            self.llm.add_request(ids, params, request_id=rid, **kw)
         except Exception as e:  # noqa: BLE001 - an invalid request fails alone
             loop.call_soon_threadsafe(_set, added, e)
             return
         self.requests[rid] = (loop, q, time.perf_counter(), 0)
-        self.metrics.prompt_tokens += len(self.llm._active[rid][0].prompt_token_ids)
+        self.metrics.prompt_tokens += len(ids)
         loop.call_soon_threadsafe(_set, added, None)
 
     def _deliver(self, outs: List[RequestOutput]) -> None:

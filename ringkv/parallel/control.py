@@ -54,9 +54,16 @@ class ControlPlane:
         return json.loads(self.store.get(key))
 
     def exchange(self, name: str, value) -> List:
-        """Every rank posts ``value``; returns all ranks' values in rank order."""
+        """Every rank posts ``value``; returns all ranks' values in rank order. The last rank to
+        have read them all deletes the keys, so repeated exchanges (one per call) leave the
+        store as it was."""
         self.post(name, value)
-        return [self.read(name, r) for r in range(self.world)]
+        values = [self.read(name, r) for r in range(self.world)]
+        if self.store.add(f"x/{name}", 1) == self.world:
+            for r in range(self.world):
+                self.store.delete_key(f"v/{name}/{r}")
+            self.store.delete_key(f"x/{name}")
+        return values
 
     def poll(self, name: str, rank: int):
         """The value ``rank`` posted under ``name``, or None (no wait)."""

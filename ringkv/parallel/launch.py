@@ -23,8 +23,10 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import deque
@@ -195,23 +197,26 @@ class Cluster:
 
     # -- driver --------------------------------------------------------------------------
     def submit(self, plan: StepPlan) -> None:
-        """Publish ``plan`` to every rank and run rank 0's part of it."""
-        self._ok()
+        """Publish ``plan`` to every rank and run rank 0's part of it. Anything that stops it
+        half-way (an error, or an interrupt raised inside the step) breaks the engine: the other
+        ranks may be inside the step's collectives, and a later step must never pair with them."""
+        self.ensure_usable()
         try:
             if self.world > 1:
                 self.control.publish({"kind": "step", **plan.to_json()})
             self.pending.append((plan, self.worker.execute(plan)))
-        except Exception as e:
+        except BaseException as e:
             self._fail(e)
 
     def result(self):
         """The sampler rank's ``StepResult`` for the oldest submitted plan (None if it has no
         completing row and no prompt log-prob)."""
+        self.ensure_usable()
         plan, res = self.pending.popleft()
         if res is None and (plan.num_completing or plan.num_targets):
             try:
                 res = self.worker.receive_result(plan)
-            except Exception as e:
+            except BaseException as e:
                 self._fail(e)
         return res
 
@@ -232,18 +237,19 @@ class Cluster:
     def follow(self, idle: bool = False) -> dict:
         """Torchrun ranks > 0: run the driver's steps until it ends the call; returns its payload.
         ``idle``: no bound on the wait for the next message (a server's ranks wait for requests)."""
-        self._ok()
-        while True:
-            try:
-                msg = self.control.receive(None if idle else self.timeout)
-                if msg["kind"] == "step":
-                    self.worker.execute(StepPlan.from_json(msg))
-                    continue
-            except Exception as e:
-                self._fail(e)
-            if msg["kind"] == "error":
-                raise EngineError(f"rank 0 failed: {msg['message']}")
-            return msg
+        self.ensure_usable()
+        with deferred_interrupt():  # Ctrl-C reaches every torchrun rank: rank 0 decides, the call ends alike
+            while True:
+                try:
+                    msg = self.control.receive(None if idle else self.timeout)
+                    if msg["kind"] == "step":
+                        self.worker.execute(StepPlan.from_json(msg))
+                        continue
+                except BaseException as e:
+                    self._fail(e)
+                if msg["kind"] == "error":
+                    raise EngineError(f"rank 0 failed: {msg['message']}")
+                return msg
 
     def report(self) -> List[dict]:
         """Every rank's worker info and timing counters (all ranks call it under torchrun)."""
@@ -255,21 +261,36 @@ class Cluster:
             self.control.publish({"kind": "report", "n": n})
         return self.control.exchange(f"report{n}", mine)
 
-    def _ok(self) -> None:
+    def ensure_usable(self) -> None:
+        """Raise ``EngineError`` once the engine is broken."""
         if self.broken:
             raise EngineError(f"the engine is broken ({self.broken}); create a new LLM")
 
     def _fail(self, e: BaseException):
-        """A rank failed: name it (spawn mode: which worker died and why) and break the engine."""
+        """A step failed on this rank: name why (spawn mode: which worker died and why), break
+        the engine and stop its spawned workers (they may wait inside the step's collectives).
+        An interrupt (``KeyboardInterrupt``, ``SystemExit``) is raised again as itself."""
         msg = f"{type(e).__name__}: {e}"
-        if self.mode == "spawn":
+        if not isinstance(e, Exception):
+            msg = f"{type(e).__name__} inside a step, which the other ranks may still be running"
+        elif self.mode == "spawn":
             time.sleep(0.2)  # a dying worker posts its error first
             try:
                 self._check_procs("running a step")
             except EngineError as dead:
                 msg = str(dead)
         self.broken = msg
+        self._kill_workers()
+        if not isinstance(e, Exception):
+            raise e
         raise EngineError(msg) from e
+
+    def _kill_workers(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
 
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:
@@ -280,10 +301,8 @@ class Cluster:
             except Exception:
                 pass
             for p in self.procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
+                p.join(timeout=0 if self.broken else 10)
+            self._kill_workers()
             self.procs = []
         if self.mode == "spawn":
             if self._owns_group and dist.is_initialized():
@@ -294,6 +313,33 @@ class Cluster:
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
+
+
+@contextlib.contextmanager
+def deferred_interrupt():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block ends, then raise
+    ``KeyboardInterrupt``: the engine's steps run to their end on every rank, so an interrupt
+    leaves the ranks in step and the engine usable. A second Ctrl-C interrupts at once (and an
+    interrupt inside a step breaks the engine). Only on the main thread, and only while Python's
+    default handler is installed (a program's own handler is left alone)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    held = []
+
+    def hold(signum, frame):
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -352,6 +398,7 @@ def _worker_main(rank: int, spec_json: str, parent_pid: int) -> None:
     """A spawned rank: join the world, build its worker, run the driver's messages."""
     spec = json.loads(spec_json)
     control = None
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the driver's to handle; rank 0 stops us
     try:
         torch.set_num_threads(spec["threads"])
         from ..model.loader import SafetensorsSource

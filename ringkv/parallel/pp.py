@@ -74,16 +74,25 @@ def stage_forward(model, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch
 
 
 class StageLink:
-    """Sends hidden states to the next stage, receives them from the previous one."""
+    """Sends hidden states to the next stage, receives them from the previous one. ``depth``:
+    the steps the driver keeps in flight; a send older than that many steps has been received
+    (the driver got that step's result before it published the step being run now)."""
 
-    def __init__(self, timeout: Optional[timedelta] = None):
-        self.timeout = timeout
-        self.pending: List = []  # (work, tensor) of sends not known to be complete
+    def __init__(self, timeout: Optional[timedelta] = None, depth: int = 1):
+        self.timeout, self.depth = timeout, depth
+        self.pending: List = []  # (work, tensor) of sends not known to be complete, oldest first
 
-    def send(self, x: torch.Tensor, dst: int) -> None:
+    def send(self, x: torch.Tensor, dst: int, tag: int = HIDDEN_TAG) -> None:
+        """Post ``x`` to ``dst`` without waiting; the tensor is kept until its send is known to be
+        complete. gloo marks a send complete only in ``wait()``, so sends older than ``depth``
+        steps (two sends a step at most: a result and its prompt log-probs) are waited for here,
+        which returns at once: what is kept stays bounded (the last stage's results too)."""
         x = x.contiguous()
         self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
-        self.pending.append((dist.isend(x, dst, tag=HIDDEN_TAG), x))
+        while len(self.pending) >= 2 * self.depth:
+            w, t = self.pending.pop(0)
+            wait(w, t, self.timeout, "an earlier send to the next pipeline stage")
+        self.pending.append((dist.isend(x, dst, tag=tag), x))
 
     def recv(self, shape, dtype, device, src: int) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=device)

@@ -6,6 +6,7 @@ SP rank 0, TP rank 0) returns the step's tokens or logits.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,6 +22,7 @@ from ..model.llama import DenseContext, LlamaForCausalLM
 from ..model.loader import check_checkpoint, materialize
 from ..sp.collectives import all_sum, wait
 from ..sp.comm import RingComm
+from . import faults
 from .context import LocalStep, StepContext
 from .mesh import Mesh
 from .plan import StepPlan
@@ -70,6 +72,15 @@ def peak_rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def rss() -> int:
+    """This process's resident memory now, in bytes (0 where ``/proc`` is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 @dataclass
 class WorkerStats:
     steps: int = 0
@@ -96,8 +107,9 @@ class Worker:
         if self.paged_backend == "auto":  # CUDA: the Triton decode + varlen prefill kernels; CPU: batched torch
             self.paged_backend = paged.auto_backend(self.device)
         self.ring = RingComm(mesh.sp_group, timeout) if mesh.sp > 1 else None
-        self.link = StageLink(timeout)
+        self.link = StageLink(timeout, depth=shape.pp)
         self.stats = WorkerStats()
+        faults.install(self)  # tests only: RINGKV_FAULT
 
     @property
     def bytes_per_token(self) -> int:
@@ -136,9 +148,9 @@ class Worker:
 
     def report(self) -> dict:
         """``info()`` plus counters: steps, seconds computing / waiting for the previous stage,
-        and this process's peak resident memory."""
+        this process's resident memory (peak and now) and the sends not yet complete."""
         return dict(self.info(), steps=self.stats.steps, busy_s=self.stats.busy_s, wait_s=self.stats.wait_s,
-                    peak_rss_bytes=peak_rss())
+                    peak_rss_bytes=peak_rss(), rss_bytes=rss(), pending_sends=len(self.link.pending))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Optional["StepResult"]:
@@ -185,7 +197,7 @@ class Worker:
         if m.rank != 0:  # to the driver
             for t in (main, prompt_lp):
                 if t is not None:
-                    self.link.pending.append((dist.isend(t.contiguous(), 0, tag=RESULT_TAG), t))
+                    self.link.send(t, 0, RESULT_TAG)
             return None
         return StepResult(main, prompt_lp)
 

@@ -29,7 +29,7 @@ import torch
 from ..cache.block_manager import BlockManager, block_hash
 from ..kernels import quant
 from ..model.loader import open_model
-from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster
+from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster, deferred_interrupt
 from ..parallel.plan import SeqStep, StepPlan
 from ..parallel.tp import check_tp
 from ..parallel.worker import EngineShape
@@ -113,7 +113,8 @@ class LLM:
         self.blocks = BlockManager(self.num_blocks, block_size * sp, enable_prefix_caching=enable_prefix_caching,
                                    hash_fn=hash_fn)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   reclaim=lambda: migrate.reclaim(self))
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -121,8 +122,10 @@ class LLM:
         self._calls = itertools.count()
         self._active: Dict = {}  # request id -> its sequences (samples)
         self._paused: Dict = {}  # exported with stop=True: out of the scheduler, blocks kept
-        self._staged: Dict = {}  # imported without their final snapshot: (sequence, last snapshot id)
+        self._staged: Dict = {}  # imported without their final snapshot: migrate.Staged
         self._inflight: "deque[List[Scheduled]]" = deque()
+        self._unreported: Dict = {}  # request ids that got tokens since step() last reported them (ordered)
+        self._max_prompt_chars: Optional[int] = None
         self.peak_in_flight = 0  # most steps in flight at once (pipeline parallelism keeps up to pp)
 
     @staticmethod
@@ -179,9 +182,31 @@ class LLM:
         return self.blocks.hits
 
     # -- requests --------------------------------------------------------------------------
+    def encode(self, prompt, apply_chat_template: bool = False) -> List[int]:
+        """The validated token ids of a prompt (a string, token ids, or chat messages: a list of
+        ``{"role", "content"}`` dicts, always through the chat template); ``ValueError`` names
+        what is wrong. Reads no engine state, so a server may call it off the engine's thread.
+        Text that cannot fit in ``max_model_len`` tokens (longer than ``max_prompt_chars``) is
+        refused before it is tokenized."""
+        ids = self._tokenize(prompt, apply_chat_template)
+        problem = self._check_ids(ids)
+        if problem is not None:
+            raise ValueError(problem)
+        return ids
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters of text past which a prompt cannot fit in ``max_model_len`` tokens: no token
+        covers more characters than the longest string in the vocabulary, so longer text is
+        refused without running the tokenizer (a multi-megabyte prompt costs nothing)."""
+        if self._max_prompt_chars is None:
+            longest = 1
+            if self.tokenizer is not None and hasattr(self.tokenizer, "get_vocab"):
+                longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+            self._max_prompt_chars = longest * self.max_model_len
+        return self._max_prompt_chars
+
     def _tokenize(self, prompt, apply_chat_template: bool) -> List[int]:
-        """Token ids of a prompt: a string, token ids, or chat messages (a list of
-        ``{"role", "content"}`` dicts, always through the chat template)."""
         if isinstance(prompt, (str, list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             apply_chat_template, messages = True, list(prompt)
         elif isinstance(prompt, str):
@@ -190,6 +215,11 @@ class LLM:
             return list(prompt)
         if self.tokenizer is None:
             raise ValueError("string prompts need a tokenizer: pass tokenizer=... to LLM or give token ids")
+        chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in messages) \
+            if apply_chat_template else len(prompt)
+        if chars > self.max_prompt_chars:
+            raise ValueError(f"prompt of {chars} characters cannot fit in max_model_len={self.max_model_len} "
+                             f"tokens (at most {self.max_prompt_chars} characters); shorten it")
         if apply_chat_template:
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                            return_dict=False))
@@ -206,9 +236,10 @@ class LLM:
                 problem = f"a prompt must be a str, a list of token ids or chat messages, got {type(prompt).__name__}"
             else:
                 try:
-                    ids = self._tokenize(prompt, apply_chat_template)
-                    problem = self._check_ids(ids)
-                except (TypeError, ValueError, KeyError) as e:  # e.g. malformed chat messages
+                    ids = self.encode(prompt, apply_chat_template)
+                except ValueError as e:
+                    problem = str(e)
+                except (TypeError, KeyError, AttributeError) as e:  # e.g. malformed chat messages
                     problem = f"invalid prompt: {e}"
         rid = next(self._ids) if request_id is None else request_id
         if problem is not None:
@@ -223,14 +254,14 @@ class LLM:
     def _check_ids(self, ids) -> Optional[str]:
         if not ids:
             return "empty prompt: give at least one token"
+        if len(ids) >= self.max_model_len:  # before any per-token check: a huge prompt costs nothing more
+            return (f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
+                    f"{self.max_model_len}; shorten it or raise max_model_len")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return "prompt token ids must be ints"
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})"
-        if len(ids) >= self.max_model_len:
-            return (f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
-                    f"{self.max_model_len}; shorten it or raise max_model_len")
         return None
 
     # -- the step API (what generate, stream and the server use) -----------------------------
@@ -253,7 +284,8 @@ class LLM:
             self.scheduler.add(seqs[0])  # its siblings follow once the prompt is computed
 
     def has_unfinished_requests(self) -> bool:
-        return any(not s.finished for seqs in self._active.values() for s in seqs)
+        """Whether ``step()`` has anything left to do or to report."""
+        return bool(self._unreported) or any(not s.finished for seqs in self._active.values() for s in seqs)
 
     def abort_request(self, request_id) -> bool:
         """Stop a request and free its blocks (also one stopped by an export, or staged by an
@@ -263,6 +295,7 @@ class LLM:
             self.blocks.free(staged.seq.block_table)
             return True
         seqs = self._active.pop(request_id, None) or self._paused.pop(request_id, None)
+        self._unreported.pop(request_id, None)
         if seqs is None:
             return False
         live = [s for s in seqs if not s.finished]
@@ -277,12 +310,13 @@ class LLM:
         returned one last time and forgotten. ``delta=True``: each output holds only what is
         new since the request's previous output (token ids, text, log-probs): no per-step copy
         that grows with the output (what a serving loop wants)."""
-        outs, seen = [], set()
-        for seq in self._advance():
-            rid = seq.request_id
-            if rid in seen or rid not in self._active:
+        if self.scheduler.has_work() or self._inflight:
+            self._advance()
+        outs = []
+        for rid in list(self._unreported):  # also what other calls (generate, a stream) advanced
+            del self._unreported[rid]
+            if rid not in self._active:
                 continue
-            seen.add(rid)
             outs.append(self._output(self._active[rid], delta))
             if outs[-1].finished:
                 del self._active[rid]
@@ -315,6 +349,11 @@ class LLM:
         can run, then finish the oldest one. Returns the sequences that got a token."""
         if not self.cluster.is_driver:
             raise RuntimeError("only rank 0 drives the engine; other torchrun ranks call generate/stream like rank 0")
+        self.cluster.ensure_usable()
+        with deferred_interrupt():  # a Ctrl-C takes effect between steps, never inside one
+            return self._advance_once()
+
+    def _advance_once(self) -> List[Sequence]:
         depth, sched = self.shape.pp, self.scheduler
         share = -(-(len(sched.running) + len(sched.waiting)) // depth)  # each step in flight takes its share
         while len(self._inflight) < depth:
@@ -322,10 +361,11 @@ class LLM:
             batch = sched.schedule(busy, max_seqs=share if depth > 1 else None)
             if not batch:
                 break
+            plan = self._plan(batch)
             for s in batch:  # the K/V will exist before any later step runs: later chunks may follow
                 s.seq.num_computed = s.start + s.n
-            self.cluster.submit(self._plan(batch))
             self._inflight.append(batch)
+            self.cluster.submit(plan)
             self.peak_in_flight = max(self.peak_in_flight, len(self._inflight))
         if not self._inflight:
             raise RuntimeError("scheduler made no progress with requests pending (a bug)")
@@ -386,42 +426,72 @@ class LLM:
         prompt = s.seq.prompt_token_ids
         return prompt[s.start + 1:min(s.start + s.n, len(prompt) - 1) + 1] or None
 
-    def _complete(self, batch: List[Scheduled], result: Optional[torch.Tensor]) -> List[Sequence]:
+    def _complete(self, batch: List[Scheduled], result) -> List[Sequence]:
+        """Apply a finished step: register the blocks it filled, sample, append each completing
+        sequence's token. A request whose part of this fails (sampling, detokenizing, a stop
+        check) fails alone, with ``finish_reason="error"``; the others keep their tokens."""
         done = [s for s in batch if s.completes]
         for s in batch:
             self.blocks.register(s.seq.block_table, s.seq.token_ids, s.start + s.n, s.seq.cache_salt,
                                  s.seq.prefix_cursor)
-        if result is None:
-            tokens, logprobs = [], []
-        elif result.main.dtype == torch.long:
-            tokens = result.main.tolist()
-            logprobs = [None] * len(tokens)
-        else:
-            tokens, logprobs = sample(result.main, [s.seq for s in done])
         if result is not None and result.prompt_logprobs is not None:
             values = iter(result.prompt_logprobs.tolist())
             for s in batch:
                 for j in range(len(self._targets(s) or ())):
                     s.seq.prompt_logprobs[s.start + j] = next(values)  # of prompt token start + j + 1
         advanced = []
-        for s, tok, lp in zip(done, tokens, logprobs):
-            if s.seq.finished:  # aborted while its step was in flight
+        for s, picked in zip(done, self._sample(result, [s.seq for s in done])):
+            seq = s.seq
+            if seq.finished:  # aborted while its step was in flight
                 continue
-            self._append(s.seq, tok, lp)
-            advanced.append(s.seq)
-            if s.seq.finished:
-                self.scheduler.finish(s.seq)
+            try:
+                if isinstance(picked, Exception):
+                    raise picked
+                self._append(seq, *picked)
+            except Exception as e:  # noqa: BLE001 - this request fails, the step's others go on
+                self._fail_request(seq, e)
+            advanced.append(seq)
+            self._unreported[seq.request_id] = None
+            if seq.finished:
+                self.scheduler.finish(seq)
         return advanced
 
+    def _sample(self, result, seqs: List[Sequence]) -> list:
+        """``(token, logprob)`` per completing sequence (or the exception that sampling it raised)."""
+        if result is None:
+            return []
+        if result.main.dtype == torch.long:
+            return [(t, None) for t in result.main.tolist()]
+        try:
+            return list(zip(*sample(result.main, seqs)))
+        except Exception:  # noqa: BLE001 - find the rows that fail; the others are sampled alone
+            out = []
+            for i, seq in enumerate(seqs):
+                try:
+                    out.append(next(zip(*sample(result.main[i:i + 1], [seq]))))
+                except Exception as e:  # noqa: BLE001
+                    out.append(e)
+            return out
+
+    def _fail_request(self, seq: Sequence, e: Exception) -> None:
+        """Finish ``seq`` (and its samples not started yet) with an error naming ``e``."""
+        message = f"the request failed while its token was finished: {type(e).__name__}: {e}"
+        for s in [seq] + seq.siblings:
+            s.finish("error", message)
+        seq.siblings = []
+
     def _drain(self) -> None:
-        """Finish the steps still in flight (after an interruption), discarding their tokens."""
-        while self._inflight and not self.cluster.broken:
-            self._inflight.popleft()
-            try:
-                self.cluster.result()
-            except Exception:
-                break
-        self._inflight.clear()
+        """Finish the steps still in flight after an interruption: every request still running
+        keeps its tokens (aborted ones are finished first, so theirs are dropped)."""
+        with deferred_interrupt():
+            while self._inflight and not self.cluster.broken:
+                batch = self._inflight.popleft()
+                try:
+                    self._complete(batch, self.cluster.result())
+                except Exception:  # noqa: BLE001 - the engine is broken now; the caller raises its own error
+                    break
+            if self.cluster.broken:
+                self._inflight.clear()
 
     def run(self, batch: List[Scheduled]) -> torch.Tensor:
         """Compute one scheduled batch now; fp32 logits ``(M, vocab)`` of its completing rows
@@ -520,18 +590,20 @@ class LLM:
                 bar.close()
             for g in groups:
                 self._active.pop(g[0].request_id, None)
+                self._unreported.pop(g[0].request_id, None)
         outs = [self._output(g) for g in groups]
         self.cluster.end({"outputs": [asdict(o) for o in outs]})
         return outs
 
     def _abort(self, live: List[Sequence], e: Optional[BaseException]) -> None:
-        """Leave the engine clean for the next call after an interruption or failure (``e``:
-        torchrun followers are told, and raise too)."""
-        self._drain()
+        """Leave the engine clean for the next call after an interruption or failure: the call's
+        own requests (``live``) are aborted, every other request goes on (``e``: torchrun
+        followers are told, and raise too)."""
         for s in live:
             if not s.finished:
                 self.scheduler.finish(s)
                 s.finish("error", "aborted")
+        self._drain()
         if e is not None:
             self.cluster.abort(f"{type(e).__name__}: {e}")
 
@@ -546,7 +618,10 @@ class LLM:
             raise ValueError(seq.error)
         self._agree_call("stream", prompt, params, apply_chat_template, cache_salt)
         if not self.cluster.is_driver:
-            yield from (TokenDelta(*d) for d in self.cluster.follow()["deltas"])
+            end = self.cluster.follow()
+            yield from (TokenDelta(*d) for d in end["deltas"])
+            if end.get("error"):
+                raise RuntimeError(end["error"])
             return
         self._admit(group[0])
         sent = []
@@ -569,7 +644,11 @@ class LLM:
             raise
         finally:
             self._active.pop(seq.request_id, None)
-        self.cluster.end({"deltas": sent})
+            self._unreported.pop(seq.request_id, None)
+        failed = seq.error if seq.finish_reason == "error" else None
+        self.cluster.end({"deltas": sent, "error": failed})
+        if failed:
+            raise RuntimeError(failed)
 
 
 def _output_from_json(d: dict) -> RequestOutput:

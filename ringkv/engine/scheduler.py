@@ -10,14 +10,16 @@ no block for a running sequence, the youngest running sequence not in a step sti
 is preempted: its blocks are
 freed and it goes back to the front of the waiting queue, to be recomputed later (its full
 blocks usually come back from the prefix cache). ``max_model_len`` never exceeds the cache's
-capacity, so a sequence alone always fits and nothing is ever dropped.
+capacity, so a sequence alone always fits and nothing is ever dropped. Blocks held outside the
+scheduler (requests stopped by an export, staged imports) are taken back through ``reclaim``
+before a running sequence is preempted, and when nothing else could run.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import List, Optional, Set
+from typing import Callable, List, Optional, Set
 
 from ..cache.block_manager import BlockManager, PrefixCursor
 from .sequence import Sequence, Status
@@ -36,10 +38,13 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 reclaim: Callable[[], bool] = lambda: False):
+        """``reclaim()``: free the blocks of one request held outside the scheduler; False when
+        none holds any."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.blocks = blocks
+        self.blocks, self.reclaim = blocks, reclaim
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: "deque[Sequence]" = deque()
         self.running: List[Sequence] = []
@@ -75,7 +80,7 @@ class Scheduler:
             if n == 0:  # its last step is in flight
                 i += 1
                 continue
-            while not self.blocks.grow(seq.block_table, seq.num_computed + n):
+            while not self._grow(seq.block_table, seq.num_computed + n):
                 scheduled = {s.seq for s in out}  # older than seq: never victims
                 victim = next((v for v in reversed(self.running) if v not in busy and v not in scheduled), None)
                 if victim is None:  # memory is short and only in-flight work could free it: wait for it
@@ -98,7 +103,9 @@ class Scheduler:
                 seq.block_table = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
                 seq.num_computed = len(seq.block_table) * self.blocks.block_size
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.blocks.grow(seq.block_table, seq.num_computed + n):
+            idle = not (out or busy or self.running)  # nothing else runs: held blocks must make room
+            if not (self.blocks.grow(seq.block_table, seq.num_computed + n)
+                    or idle and self._grow(seq.block_table, seq.num_computed + n)):
                 self.blocks.free(seq.block_table)  # give the prefix back; retry next step
                 seq.num_computed = 0
                 break
@@ -111,6 +118,13 @@ class Scheduler:
             out.append(Scheduled(seq, seq.num_computed, n))
             budget -= n
         return out
+
+    def _grow(self, table: List[int], num_tokens: int) -> bool:
+        """``blocks.grow``, reclaiming held blocks while it is short."""
+        while not self.blocks.grow(table, num_tokens):
+            if not self.reclaim():
+                return False
+        return True
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or failed) sequence's blocks."""

@@ -15,6 +15,7 @@ import importlib
 import os
 import queue
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -84,12 +85,18 @@ class World:
         for r in range(n):
             self.tasks[r].put((name, n, args))
         out = {}
+        deadline = time.monotonic() + timeout
         while len(out) < n:
             try:
-                rank, result = self.results.get(timeout=timeout)
+                rank, result = self.results.get(timeout=1)
             except queue.Empty:
                 missing = sorted(set(range(n)) - set(out))
-                raise TimeoutError(f"ranks {missing} did not answer within {timeout}s") from None
+                for r in missing:  # a rank that died (a fault test killed it) answers with its exit code
+                    if not self.procs[r].is_alive() and self.results.empty():
+                        out[r] = RankError(r, "died", f"exit code {self.procs[r].exitcode}", "")
+                if time.monotonic() > deadline and len(out) < n:
+                    raise TimeoutError(f"ranks {missing} did not answer within {timeout}s") from None
+                continue
             out[rank] = result
         return [out[r] for r in range(n)]
 
@@ -114,3 +121,11 @@ class World:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+    def kill(self) -> None:
+        """Stop every rank now (a world a fault test left inside a broken collective)."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)

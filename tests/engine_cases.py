@@ -135,3 +135,47 @@ def migrate_pair(ctx, spec, prompts, params):
         for o in llm.step():
             outs[o.request_id] = o.token_ids
     return [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+def fault_run(ctx, spec, llm_kwargs, fault, close_after, prompts, params):
+    """Torchrun mode under ``RINGKV_FAULT=fault`` (None: none): a stream of ``prompts[0]``
+    (closed after ``close_after`` tokens unless None), then ``generate(prompts[1:])``, then one
+    more ``generate`` of the same; what this rank saw, errors as ``"Type: message"``."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    if fault:
+        os.environ["RINGKV_FAULT"] = json.dumps(fault)
+    out = dict(errors=[])
+    try:
+        with LLM(model_from(spec), **llm_kwargs) as llm:
+            store = dist.distributed_c10d._get_default_store()
+            keys = store.num_keys()
+            t = time.monotonic()
+            for call in ("stream", "generate", "again"):
+                try:
+                    if call == "stream":
+                        it, got = llm.stream(prompts[0], params), []
+                        for d in it:
+                            got.append(d.token_id)
+                            if close_after is not None and len(got) == close_after:
+                                it.close()
+                                break
+                        out[call] = got
+                    else:
+                        out[call] = [o.token_ids for o in llm.generate(prompts[1:], params, use_tqdm=False)]
+                except BaseException as e:  # noqa: BLE001 - the test reads every rank's outcome
+                    out["errors"].append(f"{call}: {type(e).__name__}: {e}")
+                out[f"{call}_s"] = time.monotonic() - t
+                t = time.monotonic()
+            out["broken"] = llm.cluster.broken
+            if not llm.cluster.broken:
+                out["key_growth"] = store.num_keys() - keys
+                if llm.rank == 0:
+                    llm.blocks.check()
+                    out["free"], out["num_blocks"] = llm.blocks.num_free, llm.num_blocks
+    finally:
+        os.environ.pop("RINGKV_FAULT", None)
+    return out

@@ -133,7 +133,11 @@ def main(argv=None) -> int:
     with llm:
         if args.command == "serve":
             return _serve(llm, args)
-        return _run(llm, args, params)
+        try:
+            return _run(llm, args, params)
+        except KeyboardInterrupt:  # Ctrl-C: the step in flight finished on every rank; stop quietly
+            print("\nringkv: interrupted", file=sys.stderr)
+            return 130
 
 
 def _serve(llm, args) -> int:

@@ -67,6 +67,18 @@ def _worker(rank: int, size: int, port: int, tasks, results, pg_timeout_s: float
     dist.destroy_process_group()
 
 
+def settled_keys(store) -> int:
+    """A key-value store's key count once it stops changing (a slower rank deletes what it read)."""
+    last, deadline = store.num_keys(), time.monotonic() + 2
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = store.num_keys()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 class World:
     def __init__(self, size: int, pg_timeout_s: float = 120.0):
         ctx = mp.get_context("spawn")

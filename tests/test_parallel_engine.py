@@ -153,7 +153,10 @@ def test_seeded_sampling_equals_single_process(worlds):
 
 def test_ranks_read_only_their_slices(worlds, tmp_path):
     """Under TP each rank reads slices of the checkpoint (never a sharded tensor whole); under PP
-    only its stage's layers."""
+    only its stage's layers. Besides, the driver reads a few rows of every tensor for the model
+    digest of KV snapshots (``snapshot.DIGEST_ROWS`` rows along dim 0, small ones whole)."""
+    from ringkv.engine.snapshot import DIGEST_ROWS
+
     s = spec("llama", 4, 2, layers=4)
     m = tiny_model(s[1], s[2], **s[3])
     m.save_pretrained(tmp_path, safe_serialization=True)
@@ -166,6 +169,13 @@ def test_ranks_read_only_their_slices(worlds, tmp_path):
             assert dim is not None or "norm" in name, name  # only the small norms are read whole
             layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
             assert layer is None or (layer < 2) == (r < 2), (r, name)  # stage 0 = ranks 0-1, layers 0-1
+        if r > 0:
+            assert not got["digest"]
+            continue
+        assert {n for n, *_ in got["digest"]} == {n for n, _ in m.named_parameters()}  # every tensor, sampled
+        for name, dim, start, stop, _ in got["digest"]:
+            assert (dim, stop - start) == (0, 1) or "norm" in name, (name, dim, start, stop)  # single rows
+        assert len([d for d in got["digest"] if d[1] == 0]) <= DIGEST_ROWS * len(list(m.parameters()))
 
 
 def test_bad_configurations_fail_on_every_rank_before_loading(worlds):

@@ -81,7 +81,6 @@ class LLM:
         self.dtype = dtype
         cfg, weights, tok = open_model(model)
         self.config, self.tokenizer = cfg, tokenizer if tokenizer is not None else tok
-        self.digest = model_digest(cfg, weights)  # which model a KV snapshot belongs to (config and weights)
         # -- everything that can be wrong with the configuration, before any weight or cache
         check_tp(cfg, tp)
         quant.resolve(kv_cache_dtype)  # an unsupported kv_cache_dtype names the supported ones
@@ -110,6 +109,8 @@ class LLM:
             raise
         self.max_model_len = max_model_len or int(min(cfg.max_position_embeddings, capacity, window))
         self.kv = self.cluster.worker.kv  # this rank's share of the cache
+        # which model a KV snapshot belongs to (config and sampled weights); the driver makes and takes snapshots
+        self.digest = model_digest(cfg, weights) if self.cluster.is_driver else None
         self.blocks = BlockManager(self.num_blocks, block_size * sp, enable_prefix_caching=enable_prefix_caching,
                                    hash_fn=hash_fn)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,

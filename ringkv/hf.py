@@ -30,6 +30,20 @@ Inputs (``inputs=`` of ``patch_model``):
   positions (``ringkv.positions(S, layout, rank, N)``); ringkv computes them when omitted.
   No padding is added: ``S`` must be a multiple of the granule.
 
+Packed documents (training and scoring, ``method="ring"``): ``position_ids`` that restart at 0
+for each document (``DataCollatorWithFlattening``), and/or ``cu_seq_lens_q``/``cu_seq_lens_k``
+with ``max_length_q``/``max_length_k``, and/or ``seq_idx`` (checked against each other). Each
+document attends only within itself: the batch rows are flattened into one packed row
+(``cu = packed_cu_seqlens(...)``, over ``B * S`` tokens), sharded with ``shard(...,
+cu_seqlens=cu)`` (every document split by the layout and padded on its own) and run through the
+varlen ring; ``out.logits`` is this rank's ``(1, L_local, V)``; ``gather_logits`` and
+``causal_lm_loss`` take the same ``position_ids`` / ``seq_idx`` / ``cu_seqlens``. With
+``inputs="shard"`` pass the shard of the packed row and the whole row's ``cu_seq_lens_q``.
+Padding: zeros at the end of a row (or of a packed document) in ``attention_mask`` are honoured
+by ignoring them (causal attention never lets a real token see a later pad); the targets of
+padded tokens must be -100. Other zeros (holes, left padding) are a ``ValueError``. Packed or
+padded forwards keep no KV cache.
+
 Once a ``ShardedKVCache`` holds tokens, later calls (decode steps) take new tokens that are the
 same on every rank (``(B, T)``, any ``T >= 1``) in both modes; they are appended to one owner
 rank's cache (round-robin over steps) and every rank gets the same logits.
@@ -38,17 +52,18 @@ Generation: ``model.generate`` (``inputs="full"``) works as usual on every rank 
 an empty ``DynamicCache`` (generate's default) is replaced by a :class:`ShardedKVCache` that
 keeps only this rank's tokens. Sampling must use the same seed on every rank.
 
-Not supported (clear errors): padding in ``attention_mask`` (see the message for the fix),
-attention dropout, soft-capping, attention sinks,
+Not supported (clear errors): padding in ``attention_mask`` other than at the end of rows or
+documents, padding in generation (decode steps), attention dropout, soft-capping, attention sinks,
 non-causal attention, models that do not call attention through ``AttentionInterface``.
 """
 
 from __future__ import annotations
 
 import inspect
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -56,20 +71,22 @@ import torch.nn.functional as F
 from .sp.collectives import agree, all_gather, all_sum, rank_world
 from .sp.decode import decode_attention
 from .kernels.mask import NO_WINDOW
-from .sp.layout import check_layout, check_seq_len, granule, positions, shard
+from .sp.layout import (check_cu_seqlens, check_layout, check_seq_len, granule, positions, shard, varlen_index,
+                        varlen_local_len)
 from .sp.ring import ring_attention
 from .sp.ulysses import head_plan, ulysses_attention
 from .sp.usp import sp_groups, usp_attention
 
-__all__ = ["patch_model", "unpatch_model", "gather_logits", "causal_lm_loss", "ShardedKVCache", "ATTN_NAME"]
+__all__ = ["patch_model", "unpatch_model", "gather_logits", "causal_lm_loss", "packed_cu_seqlens", "ShardedKVCache",
+           "ATTN_NAME"]
 
 ATTN_NAME = "ringkv"
 IGNORE_INDEX = -100
-PADDING_HELP = ("ringkv: attention_mask contains padding (zeros); sequence-parallel attention cannot honour "
-                "padding masks. Pass batch rows of equal length without padding (batch size 1, or group "
-                "prompts by length). For training with right padding, drop the attention_mask and set the "
-                "labels of the padded tokens to -100: causal attention never lets a real token see a later "
-                "pad, so the loss is the same.")
+PADDING_HELP = ("ringkv: attention_mask contains padding (zeros) in a decode step (the KV cache holds tokens); "
+                "the sharded cache cannot honour padding masks. Generate from rows of equal length without "
+                "padding (batch size 1, or group prompts by length).")
+# keyword arguments that describe packed documents (what DataCollatorWithFlattening adds besides position_ids)
+PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def _dynamic_cache():
@@ -127,6 +144,22 @@ class _Step:
     keep: int = 0                        # logits_to_keep (prefill): last `keep` global tokens
     keep_at: Optional[torch.Tensor] = None  # where this rank's kept rows go in those `keep`
     labels: Optional[torch.Tensor] = None
+    labels_sharded: bool = False         # labels are this rank's shard (inputs="shard"), else whole rows
+    packing: Optional["_Packing"] = None  # packed documents: the varlen ring over packing.cu
+
+    @property
+    def cu(self) -> Optional[Tuple[int, ...]]:
+        return None if self.packing is None else self.packing.cu
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """Packed documents of one forward: ``cu = (0, l0, l0+l1, ..., rows * row_len)`` over the
+    batch rows flattened into one packed row (documents never cross rows). The loss shifts the
+    labels inside each row of ``row_len`` tokens (``rows`` is 1 with ``inputs="shard"``)."""
+    cu: Tuple[int, ...]
+    rows: int
+    row_len: int
 
 
 METHODS = ("ring", "ulysses", "usp")
@@ -183,8 +216,8 @@ def ringkv_attention(module, query, key, value, attention_mask, dropout: float =
         out = ulysses_attention(q, k, v, group=state.group, **kw)
     elif state.method == "usp":
         out = usp_attention(q, k, v, ulysses_group=state.groups[0], ring_group=state.groups[1], **kw)
-    else:
-        out = ring_attention(q, k, v, group=state.group, **kw)
+    else:  # packed documents (step.cu): the varlen ring, each document split by the layout on its own
+        out = ring_attention(q, k, v, group=state.group, cu_seqlens=step.cu, **kw)
     return out, None  # (B, S_local, H, D)
 
 
@@ -213,27 +246,288 @@ def _check_positions(given, want: torch.Tensor, what: str) -> None:
         return
     if given.dim() != 2 or given.shape[-1] != want.numel() or not torch.equal(
             given.to(want.device), want.expand(given.shape[0], -1)):
-        raise ValueError(f"ringkv: position_ids must be {what} (shape (B, {want.numel()})); custom position ids "
-                         f"(packing, offsets) are not supported. Omit position_ids to let ringkv supply them")
+        raise ValueError(f"ringkv: position_ids must be {what} (shape (B, {want.numel()})); other position ids "
+                         f"(offsets) are not supported. Omit position_ids to let ringkv supply them")
 
 
-def _pre_hook(state: _State, model, args, kwargs):
-    kw = _as_kwargs(model, args, kwargs)
-    state.step = None
+# ---------------------------------------------------------------------------------------------
+# packed documents and padding masks
+
+def _as_rows(x, b: int, t: int, name: str) -> torch.Tensor:
+    """``x`` as a ``(B, S)`` integer tensor on the host (``(S,)`` and ``(1, S)`` broadcast over rows)."""
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"ringkv: {name} must be an integer tensor, got {x.dtype}")
+    if x.dim() == 1:
+        x = x.unsqueeze(0)
+    if x.dim() != 2 or x.shape[1] != t or x.shape[0] not in (1, b):
+        raise ValueError(f"ringkv: {name} must have the shape of the inputs ({b}, {t}) (or (1, {t})), "
+                         f"got {tuple(x.shape)}")
+    return x.detach().long().cpu().expand(b, t)
+
+
+def _starts_from_positions(pos: torch.Tensor) -> torch.Tensor:
+    """``(B, S)`` bool, True where a document starts: position ids restart at 0 for each packed
+    document and increase by 1 inside it."""
+    prev = torch.cat([pos.new_full((pos.shape[0], 1), -1), pos[:, :-1]], 1)
+    ok = (pos == 0) | (pos == prev + 1)
+    if not bool(ok.all()):
+        r, i = (~ok).nonzero()[0].tolist()
+        got = f"{int(pos[r, i])} at index 0" if i == 0 else f"{int(prev[r, i])} then {int(pos[r, i])} at index {i}"
+        raise ValueError(f"ringkv: position_ids must restart at 0 for each packed document and increase by 1 inside "
+                         f"it (as DataCollatorWithFlattening makes them); row {r} has {got}. Omit position_ids "
+                         f"for one unpacked sequence per row (other offsets are not supported)")
+    return pos == 0
+
+
+def _starts_from_seq_idx(idx: torch.Tensor) -> torch.Tensor:
+    step = idx[:, 1:] - idx[:, :-1]
+    if bool((step < 0).any()):
+        r, i = (step < 0).nonzero()[0].tolist()
+        raise ValueError(f"ringkv: seq_idx must number the packed documents of a row in order (never decreasing: a "
+                         f"document's tokens are contiguous); row {r} goes from {int(idx[r, i])} to "
+                         f"{int(idx[r, i + 1])} at index {i + 1}")
+    return torch.cat([torch.ones(idx.shape[0], 1, dtype=torch.bool), step != 0], 1)
+
+
+def _cu_tuple(cu, name: str) -> Tuple[int, ...]:
+    try:
+        return check_cu_seqlens(cu)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"ringkv: {name}: {e}") from None
+
+
+def _starts_from_cu(cu, b: int, t: int, name: str) -> torch.Tensor:
+    cu = _cu_tuple(cu, name)
+    if cu[-1] != b * t:
+        raise ValueError(f"ringkv: {name} must end at the number of tokens of the flattened batch, {b} x {t} = "
+                         f"{b * t}, got {list(cu)[-4:]}: the documents must cover the rows exactly")
+    starts = torch.zeros(b * t, dtype=torch.bool)
+    starts[list(cu[:-1])] = True
+    starts = starts.view(b, t)
+    if not bool(starts[:, 0].all()):
+        r = int((~starts[:, 0]).nonzero()[0])
+        raise ValueError(f"ringkv: {name} puts a document across batch rows {r - 1} and {r}; every row must start a "
+                         f"document (the multiples of the row length {t} must be in {name})")
+    return starts
+
+
+def _packing(b: int, t: int, *, position_ids=None, seq_idx=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+             max_length_q=None, max_length_k=None, cu_seqlens=None, always: bool = False) -> Optional[_Packing]:
+    """The packed documents that the given arguments describe for inputs ``(b, t)``, checked
+    against each other, or ``None`` when there are none: no argument, or only ``position_ids``
+    that are ``0..t-1`` on every row (an ordinary batch; ``always`` returns those documents too)."""
+    forms = []
+    if position_ids is not None:
+        forms.append(("position_ids", _starts_from_positions(_as_rows(position_ids, b, t, "position_ids"))))
+    if seq_idx is not None:
+        forms.append(("seq_idx", _starts_from_seq_idx(_as_rows(seq_idx, b, t, "seq_idx"))))
+    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k)):
+        if cu is not None:
+            forms.append((name, _starts_from_cu(cu, b, t, name)))
+    lengths = [(n, m) for n, m in (("max_length_q", max_length_q), ("max_length_k", max_length_k)) if m is not None]
+    if not forms:
+        if lengths:
+            raise ValueError("ringkv: max_length_q/max_length_k describe packed documents; pass cu_seq_lens_q/"
+                             "cu_seq_lens_k (or position_ids that restart at 0 for each document) with them")
+        return None
+    first, starts = forms[0]
+    for name, other in forms[1:]:
+        if not torch.equal(other, starts):
+            r, i = (other != starts).nonzero()[0].tolist()
+            raise ValueError(f"ringkv: {first} and {name} describe different packed documents: at row {r}, token {i} "
+                             f"{first} {'starts' if starts[r, i] else 'continues'} a document and {name} does not; "
+                             f"pass arguments that agree, or only one of them")
+    cu = starts.reshape(-1).nonzero().squeeze(1).tolist() + [b * t]
+    longest = max(hi - lo for lo, hi in zip(cu, cu[1:]))
+    for name, m in lengths:
+        if isinstance(m, bool) or not isinstance(m, (int, torch.Tensor)) or int(m) != longest:
+            raise ValueError(f"ringkv: {name}={m!r} but the longest packed document has {longest} tokens")
+    if not always and [n for n, _ in forms] == ["position_ids"] and len(cu) == b + 1:
+        return None  # position_ids 0..t-1 on every row: nothing is packed
+    return _Packing(tuple(cu), b, t)
+
+
+def packed_cu_seqlens(position_ids=None, *, seq_idx=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                      max_length_q=None, max_length_k=None) -> List[int]:
+    """``[0, l0, l0+l1, ..., B*S]``: the packed documents of a batch, from any of the arguments a
+    packing collator makes (``DataCollatorWithFlattening``: ``position_ids`` that restart at 0
+    per document, ``cu_seq_lens_q/k`` and ``max_length_q/k``, ``seq_idx``), checked against each
+    other (``ValueError`` when they disagree). ``(B, S)`` rows are flattened: row ``r``'s
+    documents follow row ``r - 1``'s. This is the ``cu_seqlens`` that ``ringkv.shard(ids.reshape(1,
+    -1), 1, layout, cu_seqlens=...)`` takes to shard a packed batch for ``inputs="shard"``."""
+    kw = dict(position_ids=position_ids, seq_idx=seq_idx, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
+              max_length_q=max_length_q, max_length_k=max_length_k)
+    pk = _packing(*_batch_shape(None, position_ids, seq_idx, cu_seq_lens_q if cu_seq_lens_q is not None
+                                else cu_seq_lens_k), always=True, **kw)
+    if pk is None:
+        raise ValueError("packed_cu_seqlens: pass position_ids, seq_idx or cu_seq_lens_q/cu_seq_lens_k")
+    return list(pk.cu)
+
+
+def _batch_shape(shape, position_ids, seq_idx, cu) -> Tuple[int, int]:
+    """``(B, S)`` of a batch described by these arguments (``cu`` alone: one packed row)."""
+    if shape is not None:
+        return tuple(shape)
+    for x in (position_ids, seq_idx):
+        if x is not None:
+            x = torch.as_tensor(x)
+            return (x.shape[0], x.shape[1]) if x.dim() == 2 else (1, x.shape[-1])
+    return (1, _cu_tuple(cu, "cu_seqlens")[-1]) if cu is not None else (1, 0)
+
+
+def _helper_packing(shape, cu_seqlens, position_ids, seq_idx) -> Optional[_Packing]:
+    """The packing that ``gather_logits`` / ``causal_lm_loss`` were told about, as the model decides it."""
+    if cu_seqlens is None and position_ids is None and seq_idx is None:
+        return None
+    b, t = _batch_shape(shape, position_ids, seq_idx, cu_seqlens)
+    return _packing(b, t, position_ids=position_ids, seq_idx=seq_idx, cu_seqlens=cu_seqlens)
+
+
+def _shard_packing(pk_kw: dict, pos, b: int, t: int, layout: str, rank: int, world: int):
+    """``inputs="shard"``: ``(packing, positions)`` of this rank's shard of a packed row, from the
+    whole row's ``cu_seq_lens_q/k`` (the same on every rank), or ``(None, None)``."""
+    cus = [(n, _cu_tuple(pk_kw[n], n)) for n in ("cu_seq_lens_q", "cu_seq_lens_k") if n in pk_kw]
+    if not cus:
+        if pk_kw:
+            raise ValueError(f"ringkv: with inputs='shard', packed documents are given by cu_seq_lens_q (the whole "
+                             f"packed row's [0, l0, l0+l1, ..., S], the same on every rank); got only "
+                             f"{', '.join(sorted(pk_kw))}")
+        return None, None
+    if len(cus) == 2 and cus[0][1] != cus[1][1]:
+        raise ValueError("ringkv: cu_seq_lens_q and cu_seq_lens_k describe different packed documents; causal "
+                         "self-attention needs the same documents for queries and keys")
+    cu = cus[0][1]
+    longest = max(hi - lo for lo, hi in zip(cu, cu[1:]))
+    for name in ("max_length_q", "max_length_k"):
+        m = pk_kw.get(name)
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, torch.Tensor)) or int(m) != longest):
+            raise ValueError(f"ringkv: {name}={m!r} but the longest packed document has {longest} tokens")
+    if b != 1:
+        raise ValueError(f"ringkv: inputs='shard' with packed documents takes one packed row (1, S_local), got batch "
+                         f"{b}; flatten the batch into one row (documents of all rows, cu_seq_lens_q over them)")
+    want = varlen_local_len(cu, layout, world)
+    if t != want:
+        raise ValueError(f"ringkv: cu_seq_lens_q gives every rank's shard of the packed row {want} tokens (each "
+                         f"document padded on its own) in layout {layout!r} over {world} rank(s), got {t}; shard "
+                         f"with ringkv.shard(ids, 1, layout, group, cu_seqlens=cu_seq_lens_q)")
+    q_pos = positions(cu[-1], layout, rank, world, cu_seqlens=cu)                      # (t,) host
+    if pos is not None:
+        pos = torch.as_tensor(pos)
+        if pos.dim() not in (1, 2) or pos.shape[-1] != t or not torch.equal(pos.detach().cpu().reshape(-1, t)[0], q_pos):
+            raise ValueError(f"ringkv: position_ids of a packed shard must be this rank's positions within their "
+                             f"documents, ringkv.positions(S, layout, rank, N, cu_seqlens=cu) (shape (1, {t})), "
+                             f"or omitted (ringkv supplies them)")
+    if "seq_idx" in pk_kw:
+        idx = _as_rows(pk_kw["seq_idx"], 1, t, "seq_idx")[0]
+        index = varlen_index(cu, layout, rank, world)
+        real = index >= 0
+        doc = torch.searchsorted(torch.tensor(cu), index[real], right=True) - 1
+        seq = idx[real]
+        same = doc[1:] == doc[:-1]
+        if not bool(torch.where(same, seq[1:] == seq[:-1], seq[1:] > seq[:-1]).all()):
+            raise ValueError("ringkv: seq_idx of a packed shard must be ringkv.shard(seq_idx, 1, layout, "
+                             "cu_seqlens=cu) of the row's seq_idx: one number per document, increasing with it")
+    return _Packing(cu, 1, cu[-1]), q_pos
+
+
+def _starts(pk: Optional[_Packing], b: int, t: int) -> torch.Tensor:
+    """``(b, t)`` bool: where a segment starts (a row, or each packed document of the flattened rows)."""
+    starts = torch.zeros(b * t, dtype=torch.bool)
+    starts[list(pk.cu[:-1]) if pk is not None else list(range(0, b * t, t))] = True
+    return starts.view(b, t)
+
+
+def _check_padding(mask: torch.Tensor, starts: torch.Tensor, labels: Optional[torch.Tensor]) -> None:
+    """Zeros of ``attention_mask`` ``(R, L)`` must end their row or packed document (right padding:
+    causal attention never lets a real token see a later pad, so ignoring them is exact), and a
+    padded token must predict nothing (``labels[:, i + 1] == -100`` where ``mask[:, i] == 0``)."""
+    m = mask.detach().bool().cpu()
+    bad = ~m[:, :-1] & m[:, 1:] & ~starts[:, 1:]   # a zero followed by a one in the same segment
+    if bool(bad.any()):
+        r, i = bad.nonzero()[0].tolist()
+        cuts = starts[r].nonzero().squeeze(1).tolist() + [m.shape[1]]
+        lo = max(c for c in cuts if c <= i)
+        hi = min(c for c in cuts if c > i)
+        seg = m[r, lo:hi]
+        where = f"row {r}" if (lo, hi) == (0, m.shape[1]) and len(cuts) == 2 else \
+            f"row {r}, the packed document at tokens {lo}..{hi - 1}"
+        if int((~seg).nonzero().max()) < int(seg.nonzero().min()):
+            raise ValueError(f"ringkv: attention_mask has left padding (zeros before the tokens) in {where}; "
+                             f"patch_model honours right padding only (zeros at the end of each row or packed "
+                             f"document). Pad on the right (labels -100 at the pads), or pass rows of equal length")
+        raise ValueError(f"ringkv: attention_mask has zeros between real tokens (a hole) in {where}; patch_model "
+                         f"honours only zeros at the end of each row or packed document (right padding). Pack the "
+                         f"pieces as separate documents (position_ids that restart at 0), or drop the hole")
+    if labels is not None:
+        lab = labels.detach().cpu()
+        wrong = ~m[:, :-1] & (lab[:, 1:] != IGNORE_INDEX)
+        if bool(wrong.any()):
+            r, i = wrong.nonzero()[0].tolist()
+            raise ValueError(f"ringkv: a padded token predicts nothing: labels must be -100 after every padded "
+                             f"position (row {r}: attention_mask[{r}, {i}] is 0 but labels[{r}, {i + 1}] is "
+                             f"{int(lab[r, i + 1])}); set the labels of the padded tokens to -100")
+
+
+def _gather_packed(x: torch.Tensor, cu: Tuple[int, ...], layout: str, group, timeout) -> torch.Tensor:
+    """Every rank's shard ``(1, L_local, ...)`` of a packed row, as the packed row ``(1, S, ...)`` (pad rows dropped)."""
+    _, world = rank_world(group)
+    parts = all_gather(x.contiguous(), group, timeout, "ringkv gather")
+    index = torch.cat([varlen_index(cu, layout, r, world) for r in range(world)])
+    real = (index >= 0).nonzero().squeeze(1)
+    full = x.new_empty((1, cu[-1], *x.shape[2:]))
+    full[:, index[real].to(x.device)] = torch.cat(parts, 1)[:, real.to(x.device)]
+    return full
+
+
+# ---------------------------------------------------------------------------------------------
+# the forward's hooks
+
+# what every rank must agree on before a forward; the last entry is 1 on a rank whose own inputs broke a rule
+AGREE_NAMES = ["phase", "batch", "sequence length", "cache length", "logits_to_keep", "labels", "input tokens",
+               "packed documents", "attention mask",
+               "input checks (a rank whose inputs broke a rule raises that rule's error)"]
+
+
+@dataclass
+class _Plan:
+    """What the pre-hook's local checks decided (committed after every rank agreed)."""
+    values: list
+    device: torch.device
+    name: str                            # "input_ids" or "inputs_embeds"
+    x_local: torch.Tensor
+    q_pos: torch.Tensor                  # (rows,) host: global positions (packed: within documents)
+    seq: int
+    decode: bool
+    cache: Optional[ShardedKVCache]
+    explicit_cache: bool
+    rows: Optional[torch.Tensor]         # rows of this forward to cache (None: all)
+    keep: int
+    keep_at: Optional[torch.Tensor]
+    labels: Optional[torch.Tensor]
+    packing: Optional[_Packing]
+    mask: Optional[torch.Tensor]         # inputs="shard": the local mask, checked after gathering it
+    padded: bool = False
+
+
+def _prepare(state: _State, model, kw: dict) -> _Plan:
+    """Every check of a forward's inputs that needs no communication; ``kw`` loses what ringkv handles."""
     ids, emb = kw.get("input_ids"), kw.get("inputs_embeds")
     x = ids if ids is not None else emb
     if x is None:
         raise ValueError("ringkv: pass input_ids or inputs_embeds")
     b, t = x.shape[:2]
     rank, world, layout, u = state.rank, state.world, state.layout, state.ulysses
+    shard_mode = state.inputs == "shard"
+    pk_kw = {n: v for n, v in ((n, kw.pop(n, None)) for n in PACKING_KEYS) if v is not None}
 
-    # --- local checks (before any collective) ---
     mask = kw.pop("attention_mask", None)
-    if mask is not None and (mask.dim() != 2 or not bool(mask.bool().all())):
-        raise ValueError(PADDING_HELP if mask.dim() == 2 else
-                         f"ringkv: only 2-D attention masks without padding are supported, got {mask.dim()}-D")
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(f"ringkv: only 2-D attention masks (B, S) are supported (no 4-D masks), got {mask.dim()}-D")
     cache = kw.get("cache")
     use_cache = kw.get("use_cache")
+    explicit_cache = cache is not None or use_cache is True
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", True)
     if cache is not None and not isinstance(cache, ShardedKVCache):
@@ -243,8 +537,6 @@ def _pre_hook(state: _State, model, args, kwargs):
         cache = ShardedKVCache()
     elif cache is None and use_cache:
         cache = ShardedKVCache()
-    if cache is not None:
-        kw["cache"] = cache
     labels = kw.pop("labels", None)
     keep = kw.get("logits_to_keep", 0)
     if isinstance(keep, torch.Tensor) or not isinstance(keep, int) or keep < 0:
@@ -252,58 +544,151 @@ def _pre_hook(state: _State, model, args, kwargs):
     if (keep or labels is not None) and kw.get("return_dict") is False:
         raise ValueError("ringkv: use return_dict=True with labels or logits_to_keep")
     decode = cache is not None and cache.seen > 0
-    replicated = decode or state.inputs == "full"
+    replicated = decode or not shard_mode
+    pos = kw.get("position_ids")
+    pk, padded, keep_at = None, False, None
 
     if decode:
         if labels is not None:
             raise ValueError("ringkv: labels are supported for the prefill (no cache, or an empty one) only")
+        if pk_kw:
+            raise ValueError(f"ringkv: {', '.join(sorted(pk_kw))} (packed documents) are for the prefill only, not "
+                             f"for a decode step (the KV cache holds tokens)")
+        if mask is not None and not bool(mask.bool().all()):
+            raise ValueError(PADDING_HELP)
         seq, s_pad = cache.seen + t, t
         q_pos = torch.arange(cache.seen, seq)                                          # (T,) on the host
-        _check_positions(kw.get("position_ids"), q_pos, f"the global positions {cache.seen}..{seq - 1}")
+        _check_positions(pos, q_pos, f"the global positions {cache.seen}..{seq - 1}")
         owner = cache.decode_steps % world  # the new tokens are cached on one rank, round-robin
         rows = None if rank == owner else torch.zeros(0, dtype=torch.long)  # host, like q_pos
-        x_local, keep_at = x, None
+        x_local = x
     else:
-        if state.inputs == "full":
-            seq, g = t, granule(layout, world, u)
-            s_pad = -(-seq // g) * g
-            _check_positions(kw.get("position_ids"), torch.arange(seq, device=x.device), f"0..{seq - 1}")
+        if labels is not None and tuple(labels.shape) != (b, t):
+            raise ValueError(f"ringkv: labels must have the shape of the inputs ({b}, {t})"
+                             f"{' (this rank shard, like the inputs)' if shard_mode else ''}, got {tuple(labels.shape)}")
+        if mask is not None and tuple(mask.shape) != (b, t):
+            raise ValueError(f"ringkv: attention_mask must have the shape of the inputs ({b}, {t})"
+                             f"{' (this rank shard, like the inputs)' if shard_mode else ''}, got {tuple(mask.shape)}")
+        if shard_mode:
+            pk, q_pos = _shard_packing(pk_kw, pos, b, t, layout, rank, world)
         else:
-            seq = s_pad = t * world
-            check_seq_len(s_pad, layout, world, u)
-        q_pos = positions(s_pad, layout, rank, world, ulysses=u)                       # (S_pad / N,) host
-        if state.inputs == "shard":
-            _check_positions(kw.get("position_ids"), q_pos, f"this rank's global positions in layout {layout!r}")
-            x_local = x
+            padded = mask is not None and not bool(mask.bool().all())
+            try:
+                pk = _packing(b, t, position_ids=pos, **pk_kw)
+            except ValueError:
+                if padded:  # e.g. generate's position ids of a left-padded prompt: the mask is the problem
+                    _check_padding(mask, _starts(None, b, t), labels)
+                raise
+            if padded:
+                _check_padding(mask, _starts(pk, b, t), labels)
+        if pk is not None or padded:  # training / scoring: a KV cache of packed or padded rows is no use
+            if explicit_cache:
+                raise ValueError(f"ringkv: {'packed documents' if pk is not None else 'padding masks'} are for "
+                                 f"training and scoring without a KV cache: pass use_cache=False and no cache. "
+                                 f"Generate from rows of equal length without padding (padded prompts, whose "
+                                 f"position_ids generate makes, are not supported)")
+            cache = None
+        if pk is not None:
+            if state.method != "ring":
+                raise ValueError(f"ringkv: packed documents need method='ring' (the varlen ring attention); "
+                                 f"method={state.method!r} cannot keep documents apart. Patch with method='ring'")
+            if keep:
+                raise ValueError("ringkv: logits_to_keep is not supported with packed documents; gather the logits "
+                                 "with gather_logits(..., cu_seqlens=...) instead")
+        if pk is not None:
+            seq = pk.cu[-1]
+            if shard_mode:
+                x_local = x
+            else:
+                q_pos = positions(seq, layout, rank, world, cu_seqlens=pk.cu)          # (L_local,) host
+                x_local = shard(x.reshape(1, seq, *x.shape[2:]), 1, layout, rank=rank, world=world, cu_seqlens=pk.cu)
+            s_pad = q_pos.numel() * world
+            rows = None
         else:
-            if s_pad > seq:  # pad at the end: invisible to every real token under causal attention
-                pad = getattr(model.config, "pad_token_id", None) or 0
-                tail = (x.new_full((b, s_pad - seq), pad) if ids is not None else x.new_zeros(b, s_pad - seq, x.shape[2]))
-                x = torch.cat([x, tail], 1)                                            # (B, S_pad[, E])
-            x_local = shard(x, 1, layout, rank=rank, world=world, ulysses=u)            # (B, S_pad / N[, E])
-        rows = (q_pos < seq).nonzero().squeeze(1) if s_pad > seq else None
-        keep_at = None
-        if keep:
-            sel = (q_pos >= seq - keep) & (q_pos < seq)
-            keep_at = q_pos[sel] - (seq - keep)
-            kw["logits_to_keep"] = sel.nonzero().squeeze(1)  # local rows among the last `keep` global tokens
+            if shard_mode:
+                seq = s_pad = t * world
+                check_seq_len(s_pad, layout, world, u)
+            else:
+                seq, g = t, granule(layout, world, u)
+                s_pad = -(-seq // g) * g
+            q_pos = positions(s_pad, layout, rank, world, ulysses=u)                   # (S_pad / N,) host
+            if shard_mode:
+                _check_positions(pos, q_pos, f"this rank's global positions in layout {layout!r} (for packed "
+                                             f"documents pass cu_seq_lens_q too)")
+                x_local = x
+            else:
+                if s_pad > seq:  # pad at the end: invisible to every real token under causal attention
+                    pad = getattr(model.config, "pad_token_id", None) or 0
+                    tail = (x.new_full((b, s_pad - seq), pad) if ids is not None
+                            else x.new_zeros(b, s_pad - seq, x.shape[2]))
+                    x = torch.cat([x, tail], 1)                                        # (B, S_pad[, E])
+                x_local = shard(x, 1, layout, rank=rank, world=world, ulysses=u)        # (B, S_pad / N[, E])
+            rows = (q_pos < seq).nonzero().squeeze(1) if s_pad > seq else None
+            if keep:
+                sel = (q_pos >= seq - keep) & (q_pos < seq)
+                keep_at = q_pos[sel] - (seq - keep)
+                kw["logits_to_keep"] = sel.nonzero().squeeze(1)  # local rows among the last `keep` global tokens
+
+    values = [int(decode), b, s_pad, cache.seen if cache is not None else -1, keep, labels is not None,
+              _checksum(ids) if replicated else 0,
+              -1 if pk is None else zlib.crc32(repr((pk.cu, pk.rows)).encode()),
+              -1 if mask is None else (_checksum(mask) if replicated and not decode else 1)]
+    return _Plan(values=values, device=x.device, name="input_ids" if ids is not None else "inputs_embeds",
+                 x_local=x_local, q_pos=q_pos, seq=seq, decode=decode, cache=cache, explicit_cache=explicit_cache,
+                 rows=rows, keep=0 if decode else keep, keep_at=keep_at, labels=labels, packing=pk,
+                 mask=mask if shard_mode and not decode else None, padded=padded)
+
+
+def _pre_hook(state: _State, model, args, kwargs):
+    kw = _as_kwargs(model, args, kwargs)
+    state.step = None
+    try:
+        p = _prepare(state, model, kw)
+    except (ValueError, TypeError) as e:
+        if state.inputs == "shard" and state.world > 1:  # per-rank inputs: the peers must raise too, not wait
+            x = kw.get("input_ids") if kw.get("input_ids") is not None else kw.get("inputs_embeds")
+            try:
+                agree([-1] * (len(AGREE_NAMES) - 1) + [1], AGREE_NAMES, state.group, state.timeout,
+                      "ringkv.patch_model", device=None if x is None else x.device)
+            except Exception:  # noqa: BLE001 - this rank's own error is the one to report
+                pass
+        raise
 
     # --- every rank must make the same call: one tiny all-gather ---
-    names = ["phase", "batch", "sequence length", "cache length", "logits_to_keep", "labels", "input tokens"]
-    agree([int(decode), b, s_pad, cache.seen if cache is not None else -1, keep,
-           labels is not None, _checksum(ids) if replicated else 0], names, state.group, state.timeout,
-          "ringkv.patch_model", device=x.device)
+    agree(p.values + [0], AGREE_NAMES, state.group, state.timeout, "ringkv.patch_model", device=p.device)
+    labels, labels_sharded = p.labels, state.inputs == "shard" and not p.decode
+    if p.mask is not None:  # inputs="shard": gather the mask (and labels) and check them alike on every rank
+        def whole(t):
+            t = t.to(p.device).long()
+            if p.packing is not None:
+                return _gather_packed(t, p.packing.cu, state.layout, state.group, state.timeout)
+            return _gather_seq(t, state.layout, state.group, state.timeout, state.ulysses)
+
+        mask = whole(p.mask).bool()                                                    # (B, S) or (1, S) packed
+        if labels is not None:
+            labels, labels_sharded = whole(labels), False
+        if not bool(mask.all()):
+            _check_padding(mask, _starts(p.packing, *mask.shape) if p.packing is not None
+                           else _starts(None, *mask.shape), labels)
+            if p.explicit_cache:
+                raise ValueError("ringkv: padding masks are for training and scoring without a KV cache: pass "
+                                 "use_cache=False and no cache")
+            p.cache = None
 
     # --- commit ---
-    kw["input_ids" if ids is not None else "inputs_embeds"] = x_local
-    kw["position_ids"] = q_pos.to(x.device).unsqueeze(0).expand(b, -1)                  # global positions
-    if cache is not None:
-        kept = q_pos if rows is None else q_pos[rows]  # host index into host positions
-        cache._begin(kept, None if rows is None else rows.to(x.device), prefill=not decode, seen=seq)
-        if decode:
-            cache.decode_steps += 1
-    state.step = _Step(decode=decode, q_positions=q_pos, total=seq, cache=cache,
-                       keep=0 if decode else keep, keep_at=keep_at, labels=labels)
+    b_local = p.x_local.shape[0]
+    kw[p.name] = p.x_local
+    kw["position_ids"] = p.q_pos.to(p.device).unsqueeze(0).expand(b_local, -1)      # global positions
+    kw["cache"] = p.cache
+    if p.cache is None:
+        kw["use_cache"] = False
+    else:
+        kept = p.q_pos if p.rows is None else p.q_pos[p.rows]  # host index into host positions
+        p.cache._begin(kept, None if p.rows is None else p.rows.to(p.device), prefill=not p.decode, seen=p.seq)
+        if p.decode:
+            p.cache.decode_steps += 1
+    state.step = _Step(decode=p.decode, q_positions=p.q_pos, total=p.seq, cache=p.cache, keep=p.keep,
+                       keep_at=p.keep_at, labels=labels, labels_sharded=labels_sharded, packing=p.packing)
     return (), kw
 
 
@@ -313,15 +698,16 @@ def _post_hook(state: _State, model, args, kwargs, output):
         return None
     # activation checkpointing replays the layers' forwards during backward, after this hook
     replay = not step.decode and torch.is_grad_enabled() and getattr(model, "is_activation_checkpointing", False)
-    state.recompute = _Step(decode=False, q_positions=step.q_positions, total=step.total) if replay else None
+    state.recompute = _Step(decode=False, q_positions=step.q_positions, total=step.total,
+                            packing=step.packing) if replay else None
     if step.keep:  # assemble the last `keep` global logits on every rank: zeros elsewhere, summed
         local = output.logits                                                           # (B, r, V)
         full = local.new_zeros(local.shape[0], step.keep, local.shape[2])
         full[:, step.keep_at] = local
         output.logits = all_sum(full, state.group, state.timeout, "ringkv logits_to_keep")  # (B, keep, V)
     if step.labels is not None:
-        output.loss = causal_lm_loss(output.logits, step.labels, layout=state.layout, group=state.group,
-                                     sharded=state.inputs == "shard", timeout=state.timeout, ulysses=state.ulysses)
+        output.loss = _lm_loss(output.logits, step.labels, state.layout, state.group, step.labels_sharded,
+                               IGNORE_INDEX, state.timeout, state.ulysses, step.packing)
     return output
 
 
@@ -435,18 +821,33 @@ def _gather_seq(x: torch.Tensor, layout: str, group, timeout, ulysses: int = 1) 
 
 
 def gather_logits(logits: torch.Tensor, layout: str = "zigzag", group=None, seq_len: Optional[int] = None,
-                  timeout: Optional[timedelta] = None, ulysses: int = 1):
+                  timeout: Optional[timedelta] = None, ulysses: int = 1, *, cu_seqlens=None, position_ids=None,
+                  seq_idx=None):
     """All-gather the logits shards ``(B, S_pad / N, V)`` into global order ``(B, S, V)``
     (``seq_len`` drops the end padding added in ``inputs="full"`` mode; ``ulysses``: the
-    Ulysses degree of a model patched with ``method="usp"``). Not differentiable."""
+    Ulysses degree of a model patched with ``method="usp"``). Not differentiable.
+
+    Packed batches: pass what the model was given about the documents: ``position_ids`` or
+    ``seq_idx`` ``(B, S)`` (returns ``(B, S, V)``, each row as the batch had it), or
+    ``cu_seqlens`` (``packed_cu_seqlens(...)``, or the ``cu_seq_lens_q`` of ``inputs="shard"``;
+    returns the packed row ``(1, B*S, V)``). The shards' pad rows are dropped.
+    """
     check_layout(layout)
+    pk = _helper_packing(None, cu_seqlens, position_ids, seq_idx)
+    if pk is not None:
+        if ulysses != 1:
+            raise ValueError("gather_logits: packed documents run on method='ring' only (ulysses must be 1)")
+        full = _gather_packed(logits.detach(), pk.cu, layout, group, timeout)            # (1, B*S, V)
+        return full.view(pk.rows, pk.row_len, *full.shape[2:])
+    if seq_len is None and position_ids is not None:
+        seq_len = torch.as_tensor(position_ids).shape[-1]
     full = _gather_seq(logits.detach(), layout, group, timeout, ulysses)
     return full if seq_len is None else full[:, :seq_len]
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, layout: str = "zigzag", group=None,
                    sharded: bool = False, ignore_index: int = IGNORE_INDEX, timeout: Optional[timedelta] = None,
-                   ulysses: int = 1):
+                   ulysses: int = 1, cu_seqlens=None, position_ids=None, seq_idx=None):
     """Mean next-token cross-entropy of the whole sequence, from this rank's logits shard.
 
     ``logits`` ``(B, S_pad / N, V)`` is this rank's shard in ``layout`` (``ulysses``: the
@@ -457,21 +858,64 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, layout: str = 
     sharded. Returns the same value on every rank, equal to the unpatched model's loss; its
     gradient is this rank's share, so gradients summed over the SP group (all-reduce, as
     data parallelism does) equal the unpatched model's.
+
+    Packed batches (``logits`` ``(1, L_local, V)`` of the varlen layout): pass ``position_ids``
+    or ``seq_idx`` ``(B, S)``, or ``cu_seqlens``, as for ``gather_logits``. The shift stays inside
+    each row of ``labels`` ``(B, S)`` (a document's last token predicts the next document's first
+    label, which packing collators set to -100); with ``sharded=True`` ``labels`` are this rank's
+    shard ``(1, L_local)`` of the packed row (``ringkv.shard(labels, 1, layout, cu_seqlens=cu)``)
+    and ``cu_seqlens`` is required.
     """
+    pk = None
+    if cu_seqlens is not None or position_ids is not None or seq_idx is not None:
+        if sharded:
+            if cu_seqlens is None:
+                raise ValueError("causal_lm_loss: sharded packed labels need cu_seqlens (the whole packed row's "
+                                 "[0, l0, ..., S]); position_ids and seq_idx describe whole rows")
+            cu = _cu_tuple(cu_seqlens, "cu_seqlens")
+            pk = _Packing(cu, 1, cu[-1])
+        else:
+            if labels.dim() != 2:
+                raise ValueError(f"causal_lm_loss: labels must be (B, S), got {tuple(labels.shape)}")
+            pk = _helper_packing(tuple(labels.shape), cu_seqlens, position_ids, seq_idx)
+    return _lm_loss(logits, labels, layout, group, sharded, ignore_index, timeout, ulysses, pk)
+
+
+def _lm_loss(logits, labels, layout, group, sharded, ignore_index, timeout, ulysses, pk: Optional[_Packing]):
     rank, world = rank_world(group)
     b, s_local, vocab = logits.shape
-    s_pad = s_local * world
-    check_seq_len(s_pad, layout, world, ulysses)
-    if sharded:
-        if labels.shape[1] != s_local:
-            raise ValueError(f"sharded labels must have this rank's length {s_local}, got {labels.shape[1]}")
-        labels = _gather_seq(labels.to(logits.device), layout, group, timeout, ulysses)  # (B, S_pad)
-    elif not s_pad - granule(layout, world, ulysses) < labels.shape[1] <= s_pad:
-        raise ValueError(f"labels of length {labels.shape[1]} do not match logits shards of {s_local} tokens on "
-                         f"{world} rank(s) (a sequence of {s_pad} tokens, padding included); pass the whole "
-                         f"sequence's labels, or this rank's shard with sharded=True")
-    shifted = F.pad(labels[:, 1:].to(logits.device), (0, s_pad - labels.shape[1] + 1), value=ignore_index)  # (B, S_pad)
-    local = shard(shifted, 1, layout, rank=rank, world=world, ulysses=ulysses)          # (B, S_pad / N)
+    if pk is not None:
+        if ulysses != 1:
+            raise ValueError("causal_lm_loss: packed documents run on method='ring' only (ulysses must be 1)")
+        want = varlen_local_len(pk.cu, layout, world)
+        if (b, s_local) != (1, want):
+            raise ValueError(f"causal_lm_loss: the packed documents give logits shards of shape (1, {want}, V) on "
+                             f"{world} rank(s) in layout {layout!r}, got {tuple(logits.shape)}")
+        if sharded:
+            if tuple(labels.shape) != (1, want):
+                raise ValueError(f"sharded packed labels must be this rank's shard (1, {want}), got "
+                                 f"{tuple(labels.shape)}")
+            labels = _gather_packed(labels.to(logits.device), pk.cu, layout, group, timeout)   # (1, S)
+        elif labels.numel() != pk.cu[-1] or labels.dim() != 2:
+            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the packed documents of "
+                             f"{pk.cu[-1]} tokens; pass the batch's labels (B, S), or sharded=True")
+        rows = labels.to(logits.device).reshape(-1, pk.row_len)                          # (rows, S_row)
+        shifted = F.pad(rows[:, 1:], (0, 1), value=ignore_index).reshape(-1)             # inside each row
+        index = varlen_index(pk.cu, layout, rank, world).to(logits.device)
+        local = torch.where(index >= 0, shifted[index.clamp(min=0)], ignore_index).unsqueeze(0)  # (1, L_local)
+    else:
+        s_pad = s_local * world
+        check_seq_len(s_pad, layout, world, ulysses)
+        if sharded:
+            if labels.shape[1] != s_local:
+                raise ValueError(f"sharded labels must have this rank's length {s_local}, got {labels.shape[1]}")
+            labels = _gather_seq(labels.to(logits.device), layout, group, timeout, ulysses)  # (B, S_pad)
+        elif not s_pad - granule(layout, world, ulysses) < labels.shape[1] <= s_pad:
+            raise ValueError(f"labels of length {labels.shape[1]} do not match logits shards of {s_local} tokens "
+                             f"on {world} rank(s) (a sequence of {s_pad} tokens, padding included); pass the whole "
+                             f"sequence's labels, or this rank's shard with sharded=True")
+        shifted = F.pad(labels[:, 1:].to(logits.device), (0, s_pad - labels.shape[1] + 1), value=ignore_index)
+        local = shard(shifted, 1, layout, rank=rank, world=world, ulysses=ulysses)      # (B, S_pad / N)
     loss_sum = F.cross_entropy(logits.float().reshape(-1, vocab), local.reshape(-1), ignore_index=ignore_index,
                                reduction="sum")
     count = (local != ignore_index).sum()

@@ -122,3 +122,96 @@ def decode(ctx, q, k, v, q_pos, owner):
 
     mine = (owner == ctx.rank).nonzero().squeeze(1)
     return decode_attention(q, k[:, mine], v[:, mine], q_positions=q_pos, k_positions=mine, group=ctx.group)
+
+
+# ---- packed documents and padding masks (tests/test_hf_packed.py) ----
+
+def packed_kwargs(ctx, batch, form, layout, inputs):
+    """The model's keyword arguments that describe ``batch``'s packed documents in ``form``:
+    ``"position_ids"``, ``"flash"`` (cu_seq_lens_q/k, max_length_q/k), ``"seq_idx"`` or ``"all"``.
+    ``inputs="shard"``: cu_seq_lens_q always (the whole packed row's), the rest as this rank's shard."""
+    cu = torch.tensor(batch["cu"], dtype=torch.int32)
+    flash = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch["max_length"],
+                 max_length_k=batch["max_length"])
+    if inputs == "full":
+        parts = dict(position_ids=dict(position_ids=batch["position_ids"]), flash=flash,
+                     seq_idx=dict(seq_idx=batch["seq_idx"]))
+    else:
+        total = batch["cu"][-1]
+        pos = ringkv.positions(total, layout, ctx.rank, ctx.world, cu_seqlens=batch["cu"]).unsqueeze(0)
+        idx = ringkv.shard(batch["seq_idx"].reshape(1, -1), 1, layout, ctx.group, cu_seqlens=batch["cu"])
+        parts = dict(position_ids=dict(cu_seq_lens_q=cu, position_ids=pos), flash=flash,
+                     seq_idx=dict(cu_seq_lens_q=cu, seq_idx=idx))
+    if form == "all":
+        return {k: v for p in parts.values() for k, v in p.items()}
+    return parts[form]
+
+
+def packed_train_step(ctx, arch, seed, batch, layout, inputs, form, config=None, checkpointing=False):
+    """Patched forward + backward of a packed batch (documents in ``form``); returns the gathered
+    logits ``(B, S, V)``, the model's loss, causal_lm_loss's, and this rank's gradients."""
+    model = hf.patch_model(build(arch, seed, **(config or {})), sp=ctx.world, group=ctx.group, layout=layout,
+                           inputs=inputs)
+    if checkpointing:
+        model.train().activation_checkpointing_enable()
+    ids, labels = batch["ids"], batch["labels"]
+    b, s = ids.shape
+    kw = packed_kwargs(ctx, batch, form, layout, inputs)
+    if inputs == "full":
+        out = model(ids, labels=labels, use_cache=False, **kw)
+        if form == "flash":  # cu_seqlens: the packed row (1, B*S, V)
+            logits = hf.gather_logits(out.logits, layout, ctx.group, cu_seqlens=batch["cu"]).view(b, s, -1)
+            helper = hf.causal_lm_loss(out.logits, labels, layout=layout, group=ctx.group, cu_seqlens=batch["cu"])
+        else:
+            by = dict(seq_idx=batch["seq_idx"]) if form == "seq_idx" else dict(position_ids=batch["position_ids"])
+            logits = hf.gather_logits(out.logits, layout, ctx.group, **by)
+            helper = hf.causal_lm_loss(out.logits, labels, layout=layout, group=ctx.group, **by)
+    else:  # the documented recipe: one packed row, sharded with cu_seqlens
+        cu = hf.packed_cu_seqlens(position_ids=batch["position_ids"])
+        assert cu == batch["cu"], (cu, batch["cu"])
+        local = ringkv.shard(ids.reshape(1, -1), 1, layout, ctx.group, cu_seqlens=cu)
+        local_labels = ringkv.shard(labels.reshape(1, -1), 1, layout, ctx.group, cu_seqlens=cu)
+        out = model(local, labels=local_labels, use_cache=False, **kw)
+        logits = hf.gather_logits(out.logits, layout, ctx.group, cu_seqlens=cu).view(b, s, -1)
+        helper = hf.causal_lm_loss(out.logits, local_labels, layout=layout, group=ctx.group, sharded=True,
+                                   cu_seqlens=cu)
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return dict(logits=logits, loss=out.loss.item(), helper=helper.item(), grads=grads,
+                local_rows=out.logits.shape[1], cached=out.get("cache") is not None)
+
+
+def padded_train_step(ctx, arch, seed, ids, mask, labels, layout, inputs, config=None, extra=None):
+    """Patched forward + backward of a right-padded batch (``extra``: e.g. the position_ids of
+    packed rows, inputs="full"); returns gathered logits, loss, grads."""
+    model = hf.patch_model(build(arch, seed, **(config or {})), sp=ctx.world, group=ctx.group, layout=layout,
+                           inputs=inputs)
+    extra = extra or {}
+    if inputs == "full":
+        out = model(ids, attention_mask=mask, labels=labels, **extra)
+    else:
+        def mine(x):
+            return ringkv.shard(x, 1, layout, ctx.group)
+
+        out = model(mine(ids), attention_mask=mine(mask), labels=mine(labels))
+    out.loss.backward()
+    logits = hf.gather_logits(out.logits, layout, ctx.group, seq_len=ids.shape[1], **extra)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return dict(logits=logits, loss=out.loss.item(), grads=grads, cached=out.get("cache") is not None)
+
+
+def forward_error(ctx, arch, seed, layout, inputs, kwargs, method="ring", only_rank0=False, config=None):
+    """One patched forward with ``kwargs`` (``kwargs["per_rank"]``: a list of this rank's extra
+    kwargs); returns ``(error type, message)`` or ``("ok", "")``. ``only_rank0``: the other ranks
+    make no call at all (an error must then come before any collective)."""
+    model = hf.patch_model(build(arch, seed, **(config or {})), sp=ctx.world, group=ctx.group, layout=layout,
+                           inputs=inputs, method=method, timeout=20)
+    if only_rank0 and ctx.rank != 0:
+        return ("skipped", "")
+    kw = dict(kwargs)
+    kw.update(kw.pop("per_rank", [{}] * ctx.world)[ctx.rank])
+    try:
+        model(**kw)
+    except (ValueError, TypeError) as e:
+        return (type(e).__name__, str(e))
+    return ("ok", "")

@@ -41,19 +41,29 @@ varlen ring; ``out.logits`` is this rank's ``(1, L_local, V)``; ``gather_logits`
 ``inputs="shard"`` pass the shard of the packed row and the whole row's ``cu_seq_lens_q``.
 Padding: zeros at the end of a row (or of a packed document) in ``attention_mask`` are honoured
 by ignoring them (causal attention never lets a real token see a later pad); the targets of
-padded tokens must be -100. Other zeros (holes, left padding) are a ``ValueError``. Packed or
-padded forwards keep no KV cache.
+padded tokens must be -100. Other zeros (holes, left padding) are a ``ValueError`` (left padding
+with a KV cache is batched generation: below). Packed or right-padded forwards keep no KV cache.
 
 Once a ``ShardedKVCache`` holds tokens, later calls (decode steps) take new tokens that are the
 same on every rank (``(B, T)``, any ``T >= 1``) in both modes; they are appended to one owner
 rank's cache (round-robin over steps) and every rank gets the same logits.
+
+Left-padded batches (batched ``generate``, ``inputs="full"``, ``method="ring"``): with a KV cache,
+an ``attention_mask`` whose rows are zeros then ones and ``position_ids = mask.cumsum(-1) - 1`` at
+the real tokens (what generate passes) run the prefill as the varlen ring over the rows' real tokens
+packed one document per row; pads are never computed or cached. The cache then packs every row's
+real tokens into one cache row (``cache.rows``: whose each is; ``cache.lengths``: real tokens per
+row); a decode step must pass the grown mask (the prompt's, then ones) and each row's next
+positions, and attends in one kernel call on virtual positions ``row * 2R + position`` (no key of
+another row is visible) with the usual single all-gather merge per layer.
 
 Generation: ``model.generate`` (``inputs="full"``) works as usual on every rank in lockstep;
 an empty ``DynamicCache`` (generate's default) is replaced by a :class:`ShardedKVCache` that
 keeps only this rank's tokens. Sampling must use the same seed on every rank.
 
 Not supported (clear errors): padding in ``attention_mask`` other than at the end of rows or
-documents, padding in generation (decode steps), attention dropout, soft-capping, attention sinks,
+documents (training, scoring) or at the start of rows (with a KV cache: batched generate), a pad
+pattern that changes between decode steps, attention dropout, soft-capping, attention sinks,
 non-causal attention, models that do not call attention through ``AttentionInterface``.
 """
 
@@ -82,9 +92,11 @@ __all__ = ["patch_model", "unpatch_model", "gather_logits", "causal_lm_loss", "p
 
 ATTN_NAME = "ringkv"
 IGNORE_INDEX = -100
-PADDING_HELP = ("ringkv: attention_mask contains padding (zeros) in a decode step (the KV cache holds tokens); "
-                "the sharded cache cannot honour padding masks. Generate from rows of equal length without "
-                "padding (batch size 1, or group prompts by length).")
+PADDING_HELP = ("ringkv: attention_mask contains padding (zeros) in a decode step, but the prompt in the KV cache had "
+                "none: a batch's pad pattern cannot change between steps. Left-pad the prompts (zeros as a prefix "
+                "of each row, as generate does) and pass the attention_mask that generate grows")
+LEFT_PAD_HELP = ("each row of attention_mask must be zeros followed by ones (left padding, as batched generate pads), "
+                 "with at least one real token")
 # keyword arguments that describe packed documents (what DataCollatorWithFlattening adds besides position_ids)
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
@@ -111,6 +123,12 @@ class ShardedKVCache(_dynamic_cache()):
         self.decode_steps = 0   # forwards after the prefill: the owner of step i is rank i % N
         self._keep: Optional[torch.Tensor] = None  # rows of the current forward to cache
         self._prefill = False
+        # a left-padded batch (``lengths`` set): pads are never cached; the real tokens of all rows are packed into
+        # one cache row (keys (1, Hkv, S_local, D)), ``rows`` (S_local,) says whose each is
+        self.rows: Optional[torch.Tensor] = None     # host: the batch row of each cached token
+        self.lengths: Optional[torch.Tensor] = None  # host (B,): real tokens of each row so far (global)
+        self.pad_mask: Optional[torch.Tensor] = None  # host bool (B, S_prompt): the prompt's attention_mask
+        self._pack = False                           # this forward's (B, Hkv, T, D) are packed into (1, Hkv, B*T, D)
 
     def _begin(self, positions_kept: torch.Tensor, keep: Optional[torch.Tensor], prefill: bool, seen: int) -> None:
         self.positions = torch.cat([self.positions.to(positions_kept.device), positions_kept])
@@ -119,12 +137,21 @@ class ShardedKVCache(_dynamic_cache()):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key/value_states (B, Hkv, T, D): cache only this rank's rows
         k, v = key_states, value_states
+        if self._pack:  # a left-padded batch's decode step: row-major (b, t) order, as _begin_rows numbers them
+            k, v = (x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3]) for x in (k, v))
         if self._keep is not None:
             k, v = k[:, :, self._keep], v[:, :, self._keep]
         keys, values = super().update(k, v, layer_idx, *args, **kwargs)  # (B, Hkv, S_local, D)
         if self._prefill:  # the ring needs the forward's whole shard (padding rows included)
             return key_states, value_states
         return keys, values
+
+    def _begin_rows(self, rows_kept: torch.Tensor, lengths: torch.Tensor, pad_mask: Optional[torch.Tensor],
+                    pack: bool) -> None:
+        self.rows = rows_kept if self.rows is None else torch.cat([self.rows, rows_kept])
+        self.lengths, self._pack = lengths, pack
+        if pad_mask is not None:
+            self.pad_mask = pad_mask
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -146,10 +173,28 @@ class _Step:
     labels: Optional[torch.Tensor] = None
     labels_sharded: bool = False         # labels are this rank's shard (inputs="shard"), else whole rows
     packing: Optional["_Packing"] = None  # packed documents: the varlen ring over packing.cu
+    pad: Optional["_PadStep"] = None     # a left-padded batch with a KV cache (generate)
 
     @property
     def cu(self) -> Optional[Tuple[int, ...]]:
         return None if self.packing is None else self.packing.cu
+
+
+@dataclass
+class _PadStep:
+    """A forward of a left-padded batch with a KV cache. Prefill: the rows' real tokens packed as one
+    document each (the varlen ring; pads are dropped, never computed or cached); the last ``keep``
+    logits of each row are assembled as ``(B, keep, V)`` from the flat slots ``keep_at``. Decode: the
+    ``B * T`` new queries and this rank's packed cache in one kernel call on *virtual* positions
+    ``row * span + position`` (a key of another row is never within ``left`` before a query, nor after
+    it), then one merge across the group, as for any decode step."""
+    rows_kept: torch.Tensor              # (n,) host: the batch row of each token this rank caches
+    lengths: torch.Tensor                # (B,) host: real tokens of each row after this forward
+    prompt_mask: Optional[torch.Tensor] = None  # prefill: the prompt's mask (B, S) host bool
+    keep_rows: int = 0                   # prefill: B (logits_to_keep slots are per row)
+    q_virtual: Optional[torch.Tensor] = None  # decode: (B*T,) host
+    k_virtual: Optional[torch.Tensor] = None  # decode: (S_local,) host, set after the cache's update is planned
+    reach: int = 0                       # decode: > every position; windows are clamped to it
 
 
 @dataclass(frozen=True)
@@ -205,6 +250,13 @@ def ringkv_attention(module, query, key, value, attention_mask, dropout: float =
     if not getattr(module, "is_causal", True):
         raise ValueError("ringkv: only causal (decoder) self-attention is supported")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D) ringkv layout
+    if step.decode and step.pad is not None:  # left-padded rows: one call on virtual positions (see _PadStep)
+        b, t, h, d = q.shape
+        left = step.pad.reach if window[0] < 0 else min(window[0], step.pad.reach)
+        out = decode_attention(q.reshape(1, b * t, h, d), k, v, q_positions=step.pad.q_virtual,
+                               k_positions=step.pad.k_virtual, group=state.group, softmax_scale=scaling,
+                               timeout=state.timeout, window=(left, 0))
+        return out.view(b, t, h, out.shape[-1]), None  # (B, T, H, D)
     if step.decode:
         out = decode_attention(q, k, v, q_positions=step.q_positions, k_positions=step.cache.positions,
                                group=state.group, softmax_scale=scaling, timeout=state.timeout, window=window)
@@ -509,6 +561,7 @@ class _Plan:
     packing: Optional[_Packing]
     mask: Optional[torch.Tensor]         # inputs="shard": the local mask, checked after gathering it
     padded: bool = False
+    pad: Optional[_PadStep] = None       # a left-padded batch with a KV cache
 
 
 def _prepare(state: _State, model, kw: dict) -> _Plan:
@@ -546,7 +599,7 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
     decode = cache is not None and cache.seen > 0
     replicated = decode or not shard_mode
     pos = kw.get("position_ids")
-    pk, padded, keep_at = None, False, None
+    pk, padded, keep_at, left_pad = None, False, None, None
 
     if decode:
         if labels is not None:
@@ -554,12 +607,15 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
         if pk_kw:
             raise ValueError(f"ringkv: {', '.join(sorted(pk_kw))} (packed documents) are for the prefill only, not "
                              f"for a decode step (the KV cache holds tokens)")
-        if mask is not None and not bool(mask.bool().all()):
+        owner = cache.decode_steps % world  # the new tokens are cached on one rank, round-robin
+        if cache.lengths is not None:  # a left-padded batch: per-row positions (B, T), its mask checked
+            q_pos, left_pad = _left_padded_decode(cache, mask, pos, b, t, rank == owner)
+        elif mask is not None and not bool(mask.bool().all()):
             raise ValueError(PADDING_HELP)
         seq, s_pad = cache.seen + t, t
-        q_pos = torch.arange(cache.seen, seq)                                          # (T,) on the host
-        _check_positions(pos, q_pos, f"the global positions {cache.seen}..{seq - 1}")
-        owner = cache.decode_steps % world  # the new tokens are cached on one rank, round-robin
+        if cache.lengths is None:
+            q_pos = torch.arange(cache.seen, seq)                                      # (T,) on the host
+            _check_positions(pos, q_pos, f"the global positions {cache.seen}..{seq - 1}")
         rows = None if rank == owner else torch.zeros(0, dtype=torch.long)  # host, like q_pos
         x_local = x
     else:
@@ -569,6 +625,8 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
         if mask is not None and tuple(mask.shape) != (b, t):
             raise ValueError(f"ringkv: attention_mask must have the shape of the inputs ({b}, {t})"
                              f"{' (this rank shard, like the inputs)' if shard_mode else ''}, got {tuple(mask.shape)}")
+        if not shard_mode and explicit_cache and mask is not None and not pk_kw and not bool(mask.bool().all()):
+            return _left_padded_prefill(state, kw, x, ids, mask, pos, labels, keep, cache)  # generate's padded batch
         if shard_mode:
             pk, q_pos = _shard_packing(pk_kw, pos, b, t, layout, rank, world)
         else:
@@ -585,8 +643,8 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
             if explicit_cache:
                 raise ValueError(f"ringkv: {'packed documents' if pk is not None else 'padding masks'} are for "
                                  f"training and scoring without a KV cache: pass use_cache=False and no cache. "
-                                 f"Generate from rows of equal length without padding (padded prompts, whose "
-                                 f"position_ids generate makes, are not supported)")
+                                 f"With a cache, a batch of prompts is left-padded: attention_mask and the "
+                                 f"position_ids generate makes, no other packing arguments")
             cache = None
         if pk is not None:
             if state.method != "ring":
@@ -636,7 +694,89 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
     return _Plan(values=values, device=x.device, name="input_ids" if ids is not None else "inputs_embeds",
                  x_local=x_local, q_pos=q_pos, seq=seq, decode=decode, cache=cache, explicit_cache=explicit_cache,
                  rows=rows, keep=0 if decode else keep, keep_at=keep_at, labels=labels, packing=pk,
-                 mask=mask if shard_mode and not decode else None, padded=padded)
+                 mask=mask if shard_mode and not decode else None, padded=padded, pad=left_pad)
+
+
+def _left_padded_prefill(state: _State, kw: dict, x, ids, mask, pos, labels, keep: int,
+                         cache: ShardedKVCache) -> _Plan:
+    """The prefill of a left-padded batch with a KV cache (``generate``'s): each row's real tokens
+    are one packed document of the varlen ring (pads dropped); this rank caches its real tokens."""
+    b, t = x.shape[:2]
+    m = mask.detach().bool().cpu()
+    _check_left_padding(m)
+    if labels is not None:
+        raise ValueError("ringkv: labels with a left-padded batch and a KV cache are not supported; pass "
+                         "use_cache=False (training and scoring)")
+    if state.method != "ring":
+        raise ValueError(f"ringkv: a left-padded batch with a KV cache (batched generate) needs method='ring' (the "
+                         f"varlen ring keeps the rows apart); method={state.method!r}. Patch with method='ring'")
+    want = m.long().cumsum(1) - 1
+    if pos is None or not torch.equal(_as_rows(pos, b, t, "position_ids")[m], want[m]):
+        raise ValueError("ringkv: a left-padded batch with a KV cache needs position_ids = attention_mask.cumsum(-1) "
+                         "- 1 at the real tokens (as generate makes them; the pads' values are ignored)")
+    rank, world, layout = state.rank, state.world, state.layout
+    lengths = m.sum(1)                                                                 # (B,) real tokens
+    cu = tuple([0] + lengths.cumsum(0).tolist())
+    real = x[m.to(x.device)].unsqueeze(0)                         # (1, N[, E]): the rows' real tokens, in order
+    x_local = shard(real, 1, layout, rank=rank, world=world, cu_seqlens=cu)
+    q_pos = positions(cu[-1], layout, rank, world, cu_seqlens=cu)                      # (L_local,) within rows
+    index = varlen_index(cu, layout, rank, world)                                      # -1: the layout's pads
+    rows = (index >= 0).nonzero().squeeze(1)
+    row_of = torch.searchsorted(torch.tensor(cu), index[rows], right=True) - 1         # batch row of each
+    keep = keep or t
+    slot = keep - lengths[row_of] + q_pos[rows]  # where (row r, position o) is among row r's last `keep` tokens
+    sel = slot >= 0
+    kw["logits_to_keep"] = rows[sel]
+    pk = _Packing(cu, 1, cu[-1])
+    values = [0, b, q_pos.numel() * world, cache.seen, keep, 0, _checksum(ids),
+              zlib.crc32(repr((pk.cu, pk.rows)).encode()), _checksum(mask)]
+    return _Plan(values=values, device=x.device, name="input_ids" if ids is not None else "inputs_embeds",
+                 x_local=x_local, q_pos=q_pos, seq=t, decode=False, cache=cache, explicit_cache=True, rows=rows,
+                 keep=keep, keep_at=row_of[sel] * keep + slot[sel], labels=None, packing=pk, mask=None,
+                 pad=_PadStep(rows_kept=row_of, lengths=lengths, prompt_mask=m, keep_rows=b))
+
+
+def _check_left_padding(m: torch.Tensor) -> None:
+    """``m`` ``(B, S)`` host bool: every row zeros then ones, with at least one one."""
+    bad = m[:, :-1] & ~m[:, 1:]                                                        # a one, then a zero
+    if bool(bad.any()):
+        r, i = bad.nonzero()[0].tolist()
+        what = "a hole (zeros between real tokens)" if bool(m[r, i + 1:].any()) else "right padding"
+        raise ValueError(f"ringkv: a padded batch with a KV cache (batched generate): {LEFT_PAD_HELP}; row {r} has "
+                         f"{what} at index {i + 1}. Left-pad the prompts (tokenizer padding_side='left')")
+    if not bool(m.any(1).all()):
+        r = int((~m.any(1)).nonzero()[0])
+        raise ValueError(f"ringkv: a padded batch with a KV cache (batched generate): {LEFT_PAD_HELP}; row {r} is "
+                         f"all padding")
+
+
+def _left_padded_decode(cache: ShardedKVCache, mask, pos, b: int, t: int, owner: bool):
+    """A decode step of a left-padded batch: ``(q_pos (B, T) host, _PadStep)`` after checking that
+    ``mask`` is the prompt's followed by ones and ``position_ids`` (if given) each row's next positions."""
+    rows = cache.lengths.numel()
+    if b != rows:
+        raise ValueError(f"ringkv: this decode step has {b} rows but the KV cache holds a left-padded batch of {rows}")
+    seen, s0 = cache.seen, cache.pad_mask.shape[1]
+    if mask is None:
+        raise ValueError(f"ringkv: a decode step of a left-padded batch needs its attention_mask ({b}, {seen + t}): "
+                         f"the prompt's mask followed by ones, as generate grows it")
+    m = mask.detach().bool().cpu()
+    if tuple(m.shape) != (b, seen + t) or not torch.equal(m[:, :s0], cache.pad_mask) or not bool(m[:, s0:].all()):
+        raise ValueError(f"ringkv: a decode step of a left-padded batch must pass attention_mask ({b}, {seen + t}) = "
+                         f"the prompt's mask followed by ones (as generate grows it): the pad pattern cannot change "
+                         f"between steps and new tokens are never pads; got shape {tuple(m.shape)}"
+                         + ("" if tuple(m.shape) != (b, seen + t) else " with another pattern"))
+    q_pos = cache.lengths[:, None] + torch.arange(t)                                   # (B, T)
+    if pos is not None:
+        given = torch.as_tensor(pos).detach().cpu()
+        if tuple(given.shape) != (b, t) or not torch.equal(given.long(), q_pos):
+            raise ValueError(f"ringkv: position_ids of a left-padded batch's decode step must be each row's next "
+                             f"positions, attention_mask.cumsum(-1) - 1 (as generate makes them): "
+                             f"{q_pos.tolist()}, got {given.tolist()}")
+    reach = int(q_pos.max()) + 1              # > every position; 2 * reach apart, rows never see each other
+    q_virtual = (torch.arange(b)[:, None] * (2 * reach) + q_pos).reshape(-1)
+    return q_pos, _PadStep(rows_kept=torch.arange(b).repeat_interleave(t) if owner else torch.zeros(0, dtype=torch.long),
+                           lengths=cache.lengths + t, q_virtual=q_virtual, reach=reach)
 
 
 def _pre_hook(state: _State, model, args, kwargs):
@@ -678,17 +818,23 @@ def _pre_hook(state: _State, model, args, kwargs):
     # --- commit ---
     b_local = p.x_local.shape[0]
     kw[p.name] = p.x_local
-    kw["position_ids"] = p.q_pos.to(p.device).unsqueeze(0).expand(b_local, -1)      # global positions
+    q_pos = p.q_pos.to(p.device)
+    kw["position_ids"] = q_pos if q_pos.dim() == 2 else q_pos.unsqueeze(0).expand(b_local, -1)  # global positions
     kw["cache"] = p.cache
     if p.cache is None:
         kw["use_cache"] = False
     else:
-        kept = p.q_pos if p.rows is None else p.q_pos[p.rows]  # host index into host positions
+        flat = p.q_pos.reshape(-1)  # (B*T,) for a left-padded batch's decode step, row-major
+        kept = flat if p.rows is None else flat[p.rows]  # host index into host positions
         p.cache._begin(kept, None if p.rows is None else p.rows.to(p.device), prefill=not p.decode, seen=p.seq)
+        if p.pad is not None:
+            p.cache._begin_rows(p.pad.rows_kept, p.pad.lengths, p.pad.prompt_mask, pack=p.decode)
+            if p.decode:
+                p.pad.k_virtual = p.cache.rows * (2 * p.pad.reach) + p.cache.positions
         if p.decode:
             p.cache.decode_steps += 1
     state.step = _Step(decode=p.decode, q_positions=p.q_pos, total=p.seq, cache=p.cache, keep=p.keep,
-                       keep_at=p.keep_at, labels=labels, labels_sharded=labels_sharded, packing=p.packing)
+                       keep_at=p.keep_at, labels=labels, labels_sharded=labels_sharded, packing=p.packing, pad=p.pad)
     return (), kw
 
 
@@ -702,8 +848,12 @@ def _post_hook(state: _State, model, args, kwargs, output):
                             packing=step.packing) if replay else None
     if step.keep:  # assemble the last `keep` global logits on every rank: zeros elsewhere, summed
         local = output.logits                                                           # (B, r, V)
-        full = local.new_zeros(local.shape[0], step.keep, local.shape[2])
-        full[:, step.keep_at] = local
+        rows = step.pad.keep_rows if step.pad is not None else 0   # left-padded: (1, r, V) -> (B, keep, V)
+        full = local.new_zeros(rows or local.shape[0], step.keep, local.shape[2])
+        if rows:
+            full.view(-1, local.shape[2])[step.keep_at.to(local.device)] = local[0]
+        else:
+            full[:, step.keep_at] = local
         output.logits = all_sum(full, state.group, state.timeout, "ringkv logits_to_keep")  # (B, keep, V)
     if step.labels is not None:
         output.loss = _lm_loss(output.logits, step.labels, state.layout, state.group, step.labels_sharded,

@@ -215,3 +215,52 @@ def forward_error(ctx, arch, seed, layout, inputs, kwargs, method="ring", only_r
     except (ValueError, TypeError) as e:
         return (type(e).__name__, str(e))
     return ("ok", "")
+
+
+# ---- left-padded batched generate (tests/test_hf_generate_padded.py) ----
+
+def padded_generate(ctx, arch, seed, ids, mask, layout, new_tokens, config=None):
+    """Greedy generate of a left-padded batch on the patched model: tokens, scores and what this
+    rank's sharded cache holds (the batch row and position of every cached token)."""
+    model = hf.patch_model(build(arch, seed, **(config or {})), group=ctx.group, layout=layout)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             return_dict_in_generate=True, output_scores=True, eos_token_id=None, pad_token_id=0)
+    cache = out.cache if "cache" in out else out.past_key_values
+    keys = [layer.keys.shape[0] * layer.keys.shape[2] for layer in cache.layers]
+    if cache.rows is None:  # no padding (generate drops a mask of ones): every row holds the same positions
+        b, pos = ids.shape[0], cache.positions.tolist()
+        return dict(tokens=out.sequences, scores=torch.stack(out.scores, 1), rows=[r for r in range(b) for _ in pos],
+                    positions=pos * b, local_keys=keys, seen=cache.get_seq_length(), lengths=[cache.seen] * b)
+    return dict(tokens=out.sequences, scores=torch.stack(out.scores, 1), rows=cache.rows.tolist(),
+                positions=cache.positions.tolist(), local_keys=keys, seen=cache.get_seq_length(),
+                lengths=cache.lengths.tolist())
+
+
+def padded_decode_error(ctx, arch, ids, mask, bad, only_rank0=False):
+    """Prefill a left-padded batch as generate does, then one decode step broken as ``bad`` says
+    (``only_rank0``: the other ranks make no decode call). Returns ``(error type, message)``."""
+    model = hf.patch_model(build(arch, 0), group=ctx.group, timeout=20)
+    pos = (mask.cumsum(1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        if only_rank0 and ctx.rank != 0:
+            return ("skipped", "")
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        grown = torch.cat([mask, torch.ones_like(nxt)], 1)
+        step = dict(attention_mask=grown, position_ids=pos[:, -1:] + 1)
+        if bad == "pattern":     # the pad pattern changes
+            step["attention_mask"] = grown.roll(1, 1)
+        elif bad == "no_mask":
+            step.pop("attention_mask")
+        elif bad == "new_pad":   # a new token marked as a pad
+            step["attention_mask"] = torch.cat([mask, torch.zeros_like(nxt)], 1)
+        elif bad == "positions":
+            step["position_ids"] = torch.full_like(nxt, ids.shape[1])
+        elif bad == "short":     # the mask of the prompt only
+            step["attention_mask"] = mask
+        try:
+            model(nxt, cache=out.cache, use_cache=True, **step)
+        except (ValueError, TypeError) as e:
+            return (type(e).__name__, str(e))
+    return ("ok", "")

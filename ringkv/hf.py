@@ -865,11 +865,16 @@ def _post_hook(state: _State, model, args, kwargs, output):
 # public API
 
 def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigzag", *, method: str = "ring",
-                ulysses: Optional[int] = None, inputs: str = "full", timeout: Optional[float] = None):
+                ulysses: Optional[int] = None, inputs: str = "full", timeout: Optional[float] = None,
+                mesh_dim=None):
     """Make ``model`` (a transformers causal LM) run exact sequence-parallel attention over the SP ``group``.
 
     Call it on every rank of ``group`` (default: the world; no process group = one rank) with
-    identical weights. ``sp`` (optional) must equal the group size. ``layout`` is how the
+    identical weights. ``group`` may also be a ``torch.distributed.device_mesh.DeviceMesh``: a
+    1-D mesh is its group; an n-D mesh needs ``mesh_dim`` (the name or index of its
+    sequence-parallel dimension, e.g. ``patch_model(model, group=mesh, mesh_dim="sp")`` on a
+    ``("dp", "sp")`` mesh, the same as ``group=mesh["sp"]``). ``sp`` (optional) must equal the
+    group size. ``layout`` is how the
     sequence is split (``"zigzag"`` balances causal work; ``"contiguous"``, ``"striped"``).
     ``method``: ``"ring"`` (``ring_attention``), ``"ulysses"`` (``ulysses_attention``: the
     attention heads must split over the group) or ``"usp"`` (``usp_attention`` on
@@ -901,13 +906,14 @@ def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigz
         raise TypeError(f"ringkv.patch_model found no attention layers (modules with layer_idx and is_causal) in {name}")
     if not all(m.is_causal for m in modules):
         raise TypeError(f"ringkv.patch_model supports causal self-attention only; {name} has non-causal layers")
+    group = _sp_group(group, mesh_dim)
     rank, world = rank_world(group)
     if sp is not None and sp != world:
         raise ValueError(f"sp={sp} but the SP group has {world} rank(s); pass the process group of {sp} ranks as "
                          f"group= (or omit sp)" + ("" if world > 1 else "; call torch.distributed.init_process_group "
                                                    "first for sp > 1"))
     u, groups = _method_groups(model.config, method, ulysses, group, world)
-    AttentionInterface.register(ATTN_NAME, ringkv_attention)
+    AttentionInterface.register(ATTN_NAME, _eager_attention)
     state = _State(group=group, layout=layout, rank=rank, world=world, method=method, ulysses=u, groups=groups,
                    inputs=inputs,
                    timeout=None if timeout is None else timedelta(seconds=timeout),
@@ -916,9 +922,9 @@ def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigz
     for m in modules:
         m._ringkv_state = state
     state.handles = [
-        model.register_forward_pre_hook(lambda mod, a, k: _pre_hook(state, mod, a, k), with_kwargs=True),
-        model.register_forward_hook(lambda mod, a, k, o: _post_hook(state, mod, a, k, o), with_kwargs=True,
-                                    always_call=True),
+        model.register_forward_pre_hook(lambda mod, a, k: _run_eager(_pre_hook, state, mod, a, k), with_kwargs=True),
+        model.register_forward_hook(lambda mod, a, k, o: _run_eager(_post_hook, state, mod, a, k, o),
+                                    with_kwargs=True, always_call=True),
     ]
     model._ringkv_state = state
     return model
@@ -943,6 +949,46 @@ def _method_groups(config, method: str, ulysses: Optional[int], group, world: in
                          "leave group=None")
     head_plan(heads, kv_heads, ulysses, "patch_model(method='usp')")
     return ulysses, sp_groups(ulysses=ulysses, ring=world // ulysses)
+
+
+def _sp_group(group, mesh_dim):
+    """The SP process group that ``patch_model(group=, mesh_dim=)`` names: ``group`` itself (a
+    process group or None), or a ``DeviceMesh``'s group (1-D), or its ``mesh_dim`` dimension's."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # a torch without device meshes: only process groups
+        DeviceMesh = ()
+    if not isinstance(group, DeviceMesh):
+        if mesh_dim is not None:
+            raise ValueError(f"mesh_dim={mesh_dim!r} picks a dimension of a DeviceMesh, but group= is "
+                             f"{type(group).__name__}; pass the mesh as group= (or drop mesh_dim)")
+        return group
+    names = tuple(group.mesh_dim_names or ())
+    if mesh_dim is None:
+        if group.ndim == 1:
+            return group.get_group()
+        raise ValueError(f"group= is a {group.ndim}-D DeviceMesh (dims {names or tuple(range(group.ndim))}); name its "
+                         f"sequence-parallel dimension: patch_model(model, group=mesh, mesh_dim='sp') "
+                         f"(or pass group=mesh['sp'])")
+    if isinstance(mesh_dim, str):
+        if mesh_dim not in names:
+            raise ValueError(f"mesh_dim={mesh_dim!r} is not a dimension of the DeviceMesh; its dims are {names}")
+    elif isinstance(mesh_dim, bool) or not isinstance(mesh_dim, int) or not 0 <= mesh_dim < group.ndim:
+        raise ValueError(f"mesh_dim must be a dimension name in {names} or an index 0..{group.ndim - 1}, "
+                         f"got {mesh_dim!r}")
+    return group.get_group(mesh_dim)
+
+
+# torch.compile: the hooks and the attention run eagerly (one graph break each: they communicate and make
+# per-call Python decisions that would otherwise be traced and guarded on); the layers between them compile
+@torch.compiler.disable
+def _run_eager(fn, *args):
+    return fn(*args)
+
+
+@torch.compiler.disable
+def _eager_attention(*args, **kwargs):
+    return ringkv_attention(*args, **kwargs)
 
 
 def unpatch_model(model):

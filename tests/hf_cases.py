@@ -217,6 +217,159 @@ def forward_error(ctx, arch, seed, layout, inputs, kwargs, method="ring", only_r
     return ("ok", "")
 
 
+# ---- data x sequence parallel and torch.compile (tests/test_hf_dp.py) ----
+
+_MESHES: dict = {}
+
+
+def dp_sp_mesh(dp: int, sp: int):
+    """A ``("dp", "sp")`` DeviceMesh over the world (built once per process: its groups are reused)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if (dp, sp) not in _MESHES:
+        _MESHES[(dp, sp)] = init_device_mesh("cpu", (dp, sp), mesh_dim_names=("dp", "sp"))
+    return _MESHES[(dp, sp)]
+
+
+def _sum_over(group, tensors) -> None:
+    import torch.distributed as dist
+
+    for t in tensors:
+        dist.all_reduce(t, group=group)  # SUM
+
+
+def dp_sp_train(ctx, arch, seed, batches, layout, recipe, sp_arg="mesh_dim", weighted=False):
+    """One training step on a ``(dp, sp)`` mesh of the whole world, ``dp = len(batches)``: the SP
+    ranks of replica ``d`` pass ``batches[d]`` (labels: ``(ids, labels)`` when a pair). Gradients
+    are reduced by ``recipe`` to "sum over sp, mean over dp":
+
+    - ``manual``: all-reduce (sum) over sp, then over dp, divided by dp;
+    - ``ddp``: DDP over the dp group (its all-reduce averages over dp), then a sum over sp;
+    - ``ddp_all``: DDP over all dp x sp ranks (averages over dp * sp) of ``loss * sp``;
+    - ``fsdp``: FSDP2 ``fully_shard`` over ``mesh["dp"]`` (reduce-scatter, mean over dp), then a sum
+      over sp of each local shard;
+    - ``hsdp``: FSDP2 over the 2-D mesh (replicate over dp, shard over sp; mean over dp * sp) of
+      ``loss * sp``.
+
+    ``weighted``: scale each replica's loss by ``dp * n_d / sum(n)`` (``n_d`` its label tokens), so
+    that replicas with different token counts give the union's token mean. ``sp_arg``: how the SP
+    group is passed (``mesh_dim``: ``group=mesh, mesh_dim="sp"``; ``submesh``: ``group=mesh["sp"]``;
+    ``group``: the process group). Returns this rank's loss, coordinates and reduced gradients (full).
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dp = len(batches)
+    sp = ctx.world // dp
+    mesh = dp_sp_mesh(dp, sp)
+    d, s = mesh.get_coordinate()
+    sp_group, dp_group = mesh.get_group("sp"), mesh.get_group("dp")
+    model = build(arch, seed).train()
+    where = dict(mesh_dim=dict(group=mesh, mesh_dim="sp"), submesh=dict(group=mesh["sp"]),
+                 group=dict(group=sp_group))[sp_arg]
+    hf.patch_model(model, sp=sp, layout=layout, **where)
+    batch = batches[d]
+    ids, labels = batch if isinstance(batch, (tuple, list)) else (batch, batch)
+    wrapped = model
+    if recipe in ("ddp", "ddp_all"):
+        wrapped = DDP(model, process_group=dp_group if recipe == "ddp" else ctx.group)
+    elif recipe in ("fsdp", "hsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        on = mesh["dp"] if recipe == "fsdp" else mesh
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=on)
+        fully_shard(model, mesh=on)
+    out = wrapped(ids, labels=labels, use_cache=False)
+    scale = 1.0
+    if weighted:
+        n = (labels[:, 1:] != -100).sum().double()
+        total = n.clone()
+        dist.all_reduce(total, group=dp_group)
+        scale = float(dp * n / total)
+    if recipe in ("ddp_all", "hsdp"):
+        scale *= sp
+    (out.loss * scale).backward()
+    params = dict(model.named_parameters())
+    if recipe == "manual":
+        _sum_over(sp_group, [p.grad for p in params.values()])
+        _sum_over(dp_group, [p.grad for p in params.values()])
+        for p in params.values():
+            p.grad /= dp
+    elif recipe == "ddp":
+        _sum_over(sp_group, [p.grad for p in params.values()])
+    elif recipe == "fsdp":
+        _sum_over(sp_group, [p.grad.to_local() for p in params.values()])
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+             for n, p in params.items()}
+    return dict(loss=out.loss.item(), dp=d, sp=s, grads=grads)
+
+
+def mesh_errors(ctx, dp):
+    """The ValueErrors of ``patch_model`` for a DeviceMesh without a dim, with a bad dim, and a
+    ``mesh_dim`` with a process group (none enters a collective: raised on every rank alone)."""
+    mesh = dp_sp_mesh(dp, ctx.world // dp)
+    out = []
+    for kw in (dict(group=mesh), dict(group=mesh, mesh_dim="tp"), dict(group=mesh, mesh_dim=2),
+               dict(group=ctx.group, mesh_dim="sp")):
+        try:
+            hf.patch_model(build("llama", 0), **kw)
+            out.append("ok")
+        except ValueError as e:
+            out.append(str(e))
+    for kw in (dict(group=mesh, mesh_dim=1), dict(group=mesh["sp"]), dict(group=mesh, mesh_dim="dp")):
+        state = hf.patch_model(build("llama", 0), **kw)._ringkv_state
+        out.append((state.rank, state.world, dist_ranks(state.group)))
+    return out
+
+
+def dist_ranks(group):
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group)
+
+
+def compile_train(ctx, arch, seed, batches, layout, backend="inductor", inputs="full"):
+    """The same patched model eager and under ``torch.compile(model, backend=...)`` for each batch
+    (same shape, new data): loss, gathered logits and this rank's grads of both, the compiled
+    frame count after each step (a recompile raises after the first step:
+    ``error_on_recompile``), and the reasons of the graph breaks."""
+    import torch._dynamo
+    import torch._inductor.config
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch._inductor.config.compile_threads = 1  # no compile worker pool in a test rank
+    model = hf.patch_model(build(arch, seed), group=ctx.group, layout=layout, inputs=inputs).train()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter)
+
+    def step(m, ids):
+        model.zero_grad(set_to_none=True)
+        x = ids if inputs == "full" else ringkv.shard(ids, 1, layout, ctx.group)
+        out = m(x, labels=x, use_cache=False)
+        out.loss.backward()
+        logits = hf.gather_logits(out.logits, layout, ctx.group, seq_len=ids.shape[1])
+        return dict(loss=out.loss.item(), logits=logits,
+                    grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    steps, frames = [], []
+    try:
+        for i, ids in enumerate(batches):
+            eager = step(model, ids)
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = step(compiled, ids)
+            steps.append(dict(eager=eager, compiled=got))
+            frames.append(counter.frame_count)
+        breaks = sorted(k.splitlines()[0] for k in counters["graph_break"])
+        recompiles = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
+    finally:
+        torch._dynamo.reset()
+    return dict(steps=steps, frames=frames, breaks=breaks, recompiles=recompiles)
+
+
 # ---- left-padded batched generate (tests/test_hf_generate_padded.py) ----
 
 def padded_generate(ctx, arch, seed, ids, mask, layout, new_tokens, config=None):

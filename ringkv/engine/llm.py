@@ -35,7 +35,7 @@ from ..parallel.tp import check_tp
 from ..parallel.worker import EngineShape
 from . import migrate
 from .detok import IncrementalDetokenizer
-from .params import CompletionOutput, Logprob, RequestOutput, SamplingParams, TokenDelta
+from .params import CompletionOutput, Logprob, RequestOutput, SamplingParams, TokenDelta, is_int
 from .sampling import needs_logits, observe, sample
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
@@ -258,7 +258,7 @@ class LLM:
         if len(ids) >= self.max_model_len:  # before any per-token check: a huge prompt costs nothing more
             return (f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
                     f"{self.max_model_len}; shorten it or raise max_model_len")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not all(map(is_int, ids)):
             return "prompt token ids must be ints"
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:

@@ -29,7 +29,7 @@ import torch
 from ..cache.block_manager import PrefixCursor
 from ..kernels.quant import as_bytes
 from .detok import IncrementalDetokenizer
-from .params import Logprob, SamplingParams
+from .params import Logprob, SamplingParams, is_int
 from .sequence import Sequence, Status
 from .snapshot import VERSION, KVSnapshot
 
@@ -138,10 +138,6 @@ def resume_request(llm, rid) -> None:
 
 
 # -- import: check everything, then change the engine ----------------------------------------
-def _int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _logprob(x) -> bool:
     """A log-probability: a finite number or -inf (compared, not converted: a huge int is fine)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and (x == -math.inf or -math.inf < x < math.inf)
@@ -149,7 +145,7 @@ def _logprob(x) -> bool:
 
 def _pair(x, vocab: int) -> bool:
     """``[token id, log-prob]``."""
-    return isinstance(x, (list, tuple)) and len(x) == 2 and _int(x[0]) and 0 <= x[0] < vocab and _logprob(x[1])
+    return isinstance(x, (list, tuple)) and len(x) == 2 and is_int(x[0]) and 0 <= x[0] < vocab and _logprob(x[1])
 
 
 def _bad(name: str, why: str) -> ValueError:
@@ -160,7 +156,7 @@ def _check_ids(name: str, ids, vocab: int) -> None:
     if not isinstance(ids, (list, tuple)):
         raise _bad(name, f"must be a list of token ids, got {type(ids).__name__}")
     for t in ids:
-        if not _int(t) or not 0 <= t < vocab:
+        if not is_int(t) or not 0 <= t < vocab:
             raise _bad(name, f"holds {t!r}: token ids are ints in [0, {vocab})")
 
 
@@ -242,7 +238,7 @@ def _validate(llm, snap: KVSnapshot):
         raise ValueError(f"the snapshot's KV are {snap.kv_cache_dtype}, this engine stores {_storage(llm)}; "
                          f"both engines need the same kv_cache_dtype (and model dtype)")
     rid = snap.request_id
-    if not isinstance(rid, str) and not _int(rid):
+    if not isinstance(rid, str) and not is_int(rid):
         raise _bad("request_id", f"must be a str or an int, got {rid!r}")
     for name, ok, want in (("snapshot_id", isinstance(snap.snapshot_id, str), "a str"),
                            ("base_id", snap.base_id is None or isinstance(snap.base_id, str), "None or a str"),
@@ -251,7 +247,7 @@ def _validate(llm, snap: KVSnapshot):
         if not ok:
             raise _bad(name, f"must be {want}, got {getattr(snap, name)!r}")
     for name in ("start", "end", "tokens_from", "logprobs_from", "num_cached_tokens"):
-        if not _int(getattr(snap, name)) or getattr(snap, name) < 0:
+        if not is_int(getattr(snap, name)) or getattr(snap, name) < 0:
             raise _bad(name, f"must be an int >= 0, got {getattr(snap, name)!r}")
     vocab = llm.config.vocab_size
     _check_ids("token_ids", snap.token_ids, vocab)

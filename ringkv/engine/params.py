@@ -46,9 +46,9 @@ class SamplingParams:
             return f"temperature must be a finite number >= 0 (0 = greedy), got {_shown(t)}"
         if not _number(self.top_p) or not 0 < self.top_p <= 1:
             return f"top_p must be in (0, 1], got {_shown(self.top_p)}"
-        if not _int(self.top_k) or not -1 <= self.top_k < INT64:
+        if not is_int(self.top_k) or not -1 <= self.top_k < INT64:
             return f"top_k must be an int >= 0 (0 or -1 = off), got {_shown(self.top_k)}"
-        if not _int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             return f"max_tokens must be an int >= 1, got {_shown(self.max_tokens)}"
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
@@ -57,22 +57,22 @@ class SamplingParams:
             return (f"stop must hold at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters, got "
                     f"{len(stop)} of up to {max(map(len, stop))}")
         ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_int(i) for i in ids):
+        if not isinstance(ids, (list, tuple)) or not all(is_int(i) for i in ids):
             return f"stop_token_ids must be a list of ints, got {_shown(ids)}"
         if len(ids) > MAX_STOP_TOKEN_IDS:
             return f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}"
         if not isinstance(self.ignore_eos, bool):
             return f"ignore_eos must be a bool, got {_shown(self.ignore_eos)}"
-        if self.seed is not None and (not _int(self.seed) or not -INT64 <= self.seed < INT64):
+        if self.seed is not None and (not is_int(self.seed) or not -INT64 <= self.seed < INT64):
             return f"seed must be an int in [-2**63, 2**63) or None, got {_shown(self.seed)}"
         for name, lo, hi in (("min_p", 0, 1), ("repetition_penalty", 1e-9, float("inf")),
                              ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
             v = getattr(self, name)
             if not _number(v) or not lo <= v <= hi:
                 return f"{name} must be a number in [{lo}, {hi}], got {_shown(v)}"
-        if self.logprobs is not None and (not _int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             return f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {_shown(self.logprobs)}"
-        if not _int(self.n) or not 1 <= self.n <= MAX_N:
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             return f"n must be an int in [1, {MAX_N}], got {_shown(self.n)}"
         if self.prompt_logprobs not in (None, 0) or isinstance(self.prompt_logprobs, bool):
             return (f"prompt_logprobs must be None or 0 (each prompt token's own log-prob; top alternatives are "
@@ -88,7 +88,8 @@ class SamplingParams:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-def _int(v) -> bool:
+def is_int(v) -> bool:
+    """An int that is not a bool (JSON and Python both let True pass as 1)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 

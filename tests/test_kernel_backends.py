@@ -4,7 +4,7 @@ the routing of backward and lse-gradient calls, and ``describe()``.
 The flash-attn tests check *our adapters*, not flash-attn: each fake below has exactly the ``def``
 line of one release's private function (file and tag cited), records how it was called and returns
 distinct tensors, so a misplaced argument or a wrong return index fails here. Whether the real
-kernels compute the right thing is the probe's job on a GPU (``kernels._probe``).
+kernels compute the right thing is the probe's job on a GPU (``kernels.dispatch._probe``).
 """
 
 import json
@@ -262,8 +262,8 @@ class Fake:
 @pytest.fixture
 def registry(monkeypatch):
     """Fresh probe cache and warnings; ``add(name, backend)`` puts a backend first on the CPU."""
-    monkeypatch.setattr(K, "_verified", {})
-    monkeypatch.setattr(K, "_warned", set())
+    monkeypatch.setattr(K.dispatch, "_verified", {})
+    monkeypatch.setattr(K.dispatch, "_warned", set())
 
     def add(name, backend):
         monkeypatch.setitem(K.BACKENDS, name, backend)

@@ -5,7 +5,7 @@ masks FULL and OFFSET (the same tiles as ``sdpa``: full tiles plus one square ca
 which every causal convention agrees) and EMPTY. GQA: K/V heads are repeated locally, dk/dv
 summed back. The op's lse comes as ``(B, H, Sq, 1)`` float32; the backward op takes it in that
 shape, with this file's zero dropout seed/offset and no bias. ``"auto"`` only uses it after the
-one-time check against the reference on the device (``kernels._probe``).
+one-time check against the reference on the device (``dispatch._probe``).
 """
 
 from __future__ import annotations

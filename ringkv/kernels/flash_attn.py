@@ -14,7 +14,7 @@ FA3 (which has no version of its own) by its parameter names, and the installed 
 parameters are checked against it: a mismatch leaves the backend unusable with the reason in
 ``unavailable`` (shown by ``kernels.describe()``), never a call with misplaced arguments.
 Not exercised in CI (both need CUDA); ``"auto"`` only picks them after a one-time check of
-forward and backward against the reference on the device (``kernels._probe``).
+forward and backward against the reference on the device (``dispatch._probe``).
 """
 
 from __future__ import annotations

@@ -1,145 +1,40 @@
-"""Attention of a few new query tokens per sequence over a paged KV cache.
+"""Attention of a few new query tokens per sequence over a paged KV cache: the backend registry
+and the calls that take a ``backend=`` name. The contract (shapes, causality, SP striping, the
+records) and the plain-torch reference are in ``paged_base.py``; the backends in
+``paged_torch.py`` (``"torch"``, the CPU default) and ``triton_paged.py`` (``"triton"``, CUDA).
 
-    out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None)
-
-- ``q`` ``(N, Q, H, D)``: ``Q`` newest tokens of each of ``N`` sequences (decode: ``Q = 1``);
-- ``k_cache``/``v_cache`` ``(num_blocks, block_size, Hkv, D)``; token ``t`` of sequence ``n``
-  lives in block ``block_table[n, t // block_size]`` at slot ``t % block_size``;
-- ``block_table`` ``(N, max_blocks)`` int; ``seq_lens`` ``(N,)`` int: tokens in the cache for
-  each sequence, the ``Q`` new ones included (their K/V were written before the call);
-- causal: query ``i`` of sequence ``n`` sits at position ``seq_lens[n] - Q + i`` and sees keys
-  at positions ``<=`` its own; with ``causal=False`` every query sees all ``seq_lens[n]`` keys;
-- ``out`` ``(N, Q, H, D)`` in ``q.dtype``; ``lse`` float32 ``(N, H, Q)``, so partial results
-  of several ranks (each holding a shard of the sequence) merge with ``kernels.merge``.
-  A sequence with no visible key gives ``out = 0``, ``lse = -inf``;
-- a quantized cache (``kernels/quant.py``: int8 / fp8 values) comes with ``k_scale`` /
-  ``v_scale`` ``(num_blocks, block_size, Hkv)``: every backend dequantizes as it reads.
-
-``paged_attention_reference`` is plain torch: gather each sequence's blocks, attend. On CUDA
-the ``"triton"`` backend runs the flash-decoding kernel for one new token per sequence and
-the prefill kernel for several.
-
-Varlen (prefill chunks, prefix-continued prompts; the engine's call on CUDA)::
-
+    out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, backend="auto")
     out, lse = paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=...)
+    attn = plan_step(seqs, block_size=..., sp=1, sp_rank=0, device=None, backend="auto")
+    parts = attn.attend(q, cache, lse=True)    # every layer of the step
 
-- ``q`` ``(T, H, D)``: the new tokens of ``N`` sequences packed, sequence ``n``'s ``T_n`` tokens
-  at rows ``cu_seqlens_q[n]:cu_seqlens_q[n + 1]`` (``cu_seqlens_q`` ``(N + 1,)`` int, from 0);
-  ``max_seqlen_q``: a host int ``>= max T_n`` (sizes the launch; nothing is read back);
-- ``seq_lens`` ``(N,)``: keys in the cache for each sequence (the new tokens included);
-- query ``i`` of sequence ``n`` sits at position ``q_start[n] + i`` (default
-  ``q_start = seq_lens - T_n``: the new tokens are the cache's last);
-- ``sp``/``sp_rank``: the cache holds every ``sp``-th token of the sequence, from position
-  ``sp_rank`` (local key ``j`` is position ``j * sp + sp_rank``: an SP rank's striped share);
-  causal: key ``j`` is visible to a query at position ``p`` iff ``j * sp + sp_rank <= p``;
-- ``out`` ``(T, H, D)`` in ``q.dtype``, ``lse`` float32 ``(H, T)`` (flash-attn's varlen layout).
+``plan_step`` is how the engine reads its cache: each backend builds its own per-step metadata
+once (``"torch"``: gather indices and masks per group of sequences; ``"triton"``: device tensors
+for the decode kernel and one varlen prefill batch; ``"reference"``: plain per-group calls) and
+answers every layer's ``attend`` with ``RowsOut(rows, out, lse)`` parts.
+
+This module imports the backends; they import ``paged_base``, never this module.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from . import reference, resolve_scale
-from .mask import make_mask
-from .quant import as_bytes, dequantize
+from . import paged_torch
+from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, StepAttention, by_query_count,  # noqa: F401
+                         check_striping, paged_attention_reference, paged_prefill_reference, read_blocks,
+                         validate_paged, validate_prefill)
 
-__all__ = ["paged_attention", "paged_attention_reference", "paged_prefill", "paged_prefill_reference",
-           "validate_paged", "validate_prefill", "read_blocks"]
-
-
-def _validate_cache(q, k_cache, v_cache, k_scale, v_scale, tensors, q_layout: str) -> None:
-    """Types, ``q``'s rank and the cache's shape, shared by both layouts."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), *tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if (k_scale is None) != (v_scale is None):
-        raise ValueError("give both k_scale and v_scale (a quantized cache) or neither")
-    if k_scale is None:
-        if not (q.dtype.is_floating_point and q.dtype == k_cache.dtype == v_cache.dtype):
-            raise TypeError(f"q, k_cache and v_cache must share one floating dtype, "
-                            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    else:
-        if not (k_cache.element_size() == 1 and k_cache.dtype == v_cache.dtype and q.dtype.is_floating_point):
-            raise TypeError(f"a quantized cache holds one-byte values (int8 / fp8), got {k_cache.dtype}, "
-                            f"{v_cache.dtype}")
-        if tuple(k_scale.shape) != tuple(k_cache.shape[:3]) or tuple(v_scale.shape) != tuple(v_cache.shape[:3]):
-            raise ValueError(f"k_scale/v_scale must be (num_blocks, block_size, Hkv) = {tuple(k_cache.shape[:3])}, "
-                             f"got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
-    if q.dim() != q_layout.count(",") + 1:
-        raise ValueError(f"q must be {q_layout}, got {tuple(q.shape)}")
-    if k_cache.dim() != 4:
-        raise ValueError(f"k_cache (num_blocks, block_size, Hkv, D) must be 4-D, got {tuple(k_cache.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must match, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if q.shape[-1] != k_cache.shape[-1] or k_cache.shape[2] == 0 or q.shape[-2] % k_cache.shape[2] != 0:
-        raise ValueError(f"q heads/head_dim {tuple(q.shape[-2:])} do not fit the cache's {tuple(k_cache.shape[2:])}: "
-                         f"need the same head_dim and heads % kv_heads == 0")
-    for name, t in tensors:
-        if t.dtype.is_floating_point:
-            raise TypeError(f"block_table and seq_lens must be integer tensors, got {t.dtype} for {name}")
-
-
-def validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_scale=None) -> None:
-    _validate_cache(q, k_cache, v_cache, k_scale, v_scale, (("block_table", block_table), ("seq_lens", seq_lens)),
-                    "(N, Q, H, D)")
-    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
-        raise ValueError(f"block_table must be (N, max_blocks) and seq_lens (N,) with N = {q.shape[0]}, "
-                         f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
-
-
-def validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start=None, k_scale=None,
-                     v_scale=None, sp: int = 1, sp_rank: int = 0) -> None:
-    """Shapes and types of a varlen call (host metadata only: never reads device values)."""
-    ints = [("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)]
-    if q_start is not None:
-        ints.append(("q_start", q_start))
-    _validate_cache(q, k_cache, v_cache, k_scale, v_scale, ints, "(T, H, D) (the new tokens of all sequences packed)")
-    n = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    if n < 0 or block_table.dim() != 2 or block_table.shape[0] != n or cu_seqlens_q.shape != (n + 1,) \
-            or (q_start is not None and q_start.shape != (n,)):
-        raise ValueError(f"need seq_lens (N,), block_table (N, max_blocks), cu_seqlens_q (N + 1,) and q_start (N,) "
-                         f"or None; got {tuple(seq_lens.shape)}, {tuple(block_table.shape)}, "
-                         f"{tuple(cu_seqlens_q.shape)}, {None if q_start is None else tuple(q_start.shape)}")
-    if not (isinstance(sp, int) and isinstance(sp_rank, int) and 0 <= sp_rank < sp):
-        raise ValueError(f"need integers 0 <= sp_rank < sp, got sp={sp!r}, sp_rank={sp_rank!r}")
-
-
-def read_blocks(cache: torch.Tensor, scale, blocks: torch.Tensor, dtype) -> torch.Tensor:
-    """``cache[blocks]`` ``(n, block_size, Hkv, D)``, dequantized when ``scale`` is given."""
-    if scale is None:
-        return cache[blocks]
-    return dequantize(as_bytes(cache)[blocks].view(cache.dtype), scale[blocks], dtype)
-
-
-def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *,
-                              scale: Optional[float] = None, causal: bool = True, k_scale=None, v_scale=None):
-    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
-    n, nq, h, d = q.shape
-    bs = k_cache.shape[1]
-    scale = resolve_scale(scale, d)
-    capacity = block_table.shape[1] * bs
-    if seq_lens.numel() and not (0 <= int(seq_lens.min()) and int(seq_lens.max()) <= capacity):
-        raise ValueError(f"seq_lens must lie in [0, max_blocks * block_size = {capacity}] "
-                         f"(the block_table's capacity), got {seq_lens.tolist()}")
-    out = torch.zeros(n, nq, h, d, dtype=q.dtype, device=q.device)
-    lse = torch.full((n, h, nq), float("-inf"), device=q.device)
-    for i, length in enumerate(seq_lens.tolist()):
-        if length <= 0:
-            continue
-        blocks = block_table[i, : (length + bs - 1) // bs].long()
-        k = read_blocks(k_cache, k_scale, blocks, q.dtype).reshape(-1, *k_cache.shape[2:])[:length]  # (L, Hkv, D)
-        v = read_blocks(v_cache, v_scale, blocks, q.dtype).reshape(-1, *v_cache.shape[2:])[:length]
-        mask = make_mask(causal, range(length - nq, length), range(0, length), nq, length)
-        o, l = reference.forward(q[i : i + 1], k[None], v[None], scale, mask)
-        out[i], lse[i] = o[0], l[0]
-    return out, lse
+__all__ = ["paged_attention", "paged_attention_reference", "paged_prefill", "paged_prefill_reference", "plan_step",
+           "auto_backend", "validate_paged", "validate_prefill", "read_blocks", "LayerCache", "PagedSeq", "RowsOut",
+           "StepAttention"]
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
                     causal: bool = True, backend: str = "auto", k_scale=None, v_scale=None):
-    """See the module docstring. ``backend``: ``"reference"``, ``"torch"``, ``"triton"`` or ``"auto"``."""
+    """See ``paged_base``. ``backend``: ``"reference"``, ``"torch"``, ``"triton"`` or ``"auto"``."""
     impl = _BACKENDS.get(backend if backend != "auto" else auto_backend(q.device))
     if impl is None:
         raise ValueError(f"unknown paged backend {backend!r}; choose from {sorted(_BACKENDS)} or 'auto'")
@@ -147,40 +42,10 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale: Option
                 v_scale=v_scale)
 
 
-def paged_prefill_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, max_seqlen_q: int,
-                            q_start=None, scale: Optional[float] = None, causal: bool = True, k_scale=None,
-                            v_scale=None, sp: int = 1, sp_rank: int = 0):
-    """The varlen contract (module docstring) in plain torch: one ``reference.forward`` per sequence."""
-    validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start, k_scale, v_scale, sp, sp_rank)
-    t, h, d = q.shape
-    bs = k_cache.shape[1]
-    scale = resolve_scale(scale, d)
-    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    starts = q_start.tolist() if q_start is not None else [length - (b - a) for length, a, b in zip(lens, cu, cu[1:])]
-    if max(b - a for a, b in zip(cu, cu[1:]) or [0]) > max_seqlen_q or (cu and (cu[0] != 0 or cu[-1] > t)):
-        raise ValueError(f"cu_seqlens_q {cu} must start at 0, end at most at T = {t} and have steps <= "
-                         f"max_seqlen_q = {max_seqlen_q}")
-    out = torch.zeros_like(q)
-    lse = torch.full((h, t), float("-inf"), device=q.device)
-    for i, length in enumerate(lens):
-        a, b = cu[i], cu[i + 1]
-        length = min(length, block_table.shape[1] * bs)
-        if length <= 0 or b == a:
-            continue
-        blocks = block_table[i, : (length + bs - 1) // bs].long()
-        k = read_blocks(k_cache, k_scale, blocks, q.dtype).reshape(-1, *k_cache.shape[2:])[:length]  # (L, Hkv, D)
-        v = read_blocks(v_cache, v_scale, blocks, q.dtype).reshape(-1, *v_cache.shape[2:])[:length]
-        mask = make_mask(causal, range(starts[i], starts[i] + b - a), range(sp_rank, sp_rank + length * sp, sp),
-                         b - a, length, q.device)
-        o, l = reference.forward(q[None, a:b], k[None], v[None], scale, mask)
-        out[a:b], lse[:, a:b] = o[0], l[0]
-    return out, lse
-
-
 def paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, max_seqlen_q: int, q_start=None,
                   scale: Optional[float] = None, causal: bool = True, k_scale=None, v_scale=None, sp: int = 1,
                   sp_rank: int = 0, backend: str = "auto"):
-    """See the module docstring. ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA)."""
+    """See ``paged_base``. ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA)."""
     name = backend if backend != "auto" else auto_backend(q.device, prefill=True)
     impl = _PREFILL_BACKENDS.get(name)
     if impl is None:
@@ -190,8 +55,55 @@ def paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, m
                 scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, sp=sp, sp_rank=sp_rank)
 
 
-_BACKENDS = {"reference": paged_attention_reference}
+def plan_step(seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None,
+              backend: str = "auto") -> StepAttention:
+    """The backend's metadata for one step over the cache (see ``paged_base``): ``seqs``, each
+    sequence's query rows, positions and block table; ``sp``/``sp_rank``, the striping of the keys."""
+    name = backend if backend != "auto" else auto_backend(torch.device(device or "cpu"))
+    impl = _STEP_BACKENDS.get(name)
+    if impl is None:
+        raise ValueError(f"unknown paged backend {backend!r}; choose from {sorted(_STEP_BACKENDS)} or 'auto'")
+    check_striping(sp, sp_rank)
+    return impl(seqs, block_size=block_size, sp=sp, sp_rank=sp_rank, device=device)
+
+
+class ReferenceStep:
+    """The ``"reference"`` backend's metadata for one step: per group of sequences with the same
+    query count, one ``paged_attention_reference`` call per layer."""
+
+    def __init__(self, seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
+        self.groups = [SeqGroup.build(n, members, sp, sp_rank, device) for n, members in by_query_count(seqs).items()]
+
+    def attend(self, q, cache: LayerCache, *, lse: bool = True):
+        # q (T, H, D) -> per group: rows (N*n,), out (N*n, H, D), lse (H, N*n) or None
+        parts = []
+        for g in self.groups:
+            o, l = paged_attention_reference(g.queries(q), cache.k, cache.v, g.block_table, g.seq_lens,
+                                             k_scale=cache.k_scale, v_scale=cache.v_scale)
+            parts.append(g.result(o, l if lse else None))
+        return parts
+
+
+def _reference_step(seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
+    """The reference's ``plan_step``. A striped share (``sp > 1``: query ``i`` sees the local keys
+    up to its position, not the last ``Q`` ones) is outside ``paged_attention_reference``'s
+    contract: the torch backend's plan computes it."""
+    step = paged_torch.TorchStep if sp > 1 else ReferenceStep
+    return step(seqs, block_size=block_size, sp=sp, sp_rank=sp_rank, device=device)
+
+
+_BACKENDS = {"reference": paged_attention_reference, "torch": paged_torch.paged_attention_torch}
 _PREFILL_BACKENDS = {"reference": paged_prefill_reference}
+_STEP_BACKENDS = {"reference": _reference_step, "torch": paged_torch.plan_step}
+
+try:  # the Triton kernels when triton imports
+    from . import triton_paged
+except ImportError:
+    pass
+else:
+    _BACKENDS["triton"] = triton_paged.paged_attention_triton
+    _PREFILL_BACKENDS["triton"] = triton_paged.paged_prefill_triton
+    _STEP_BACKENDS["triton"] = triton_paged.plan_step
 
 
 def auto_backend(device, prefill: bool = False) -> str:
@@ -201,11 +113,3 @@ def auto_backend(device, prefill: bool = False) -> str:
     if torch.device(device).type == "cuda" and "triton" in table:
         return "triton"
     return "torch" if "torch" in table else "reference"
-
-
-from . import paged_torch  # noqa: E402,F401  batched torch version: registers "torch"
-
-try:  # the Triton flash-decoding kernel registers itself in _BACKENDS when triton imports
-    from . import triton_paged  # noqa: F401
-except ImportError:
-    pass

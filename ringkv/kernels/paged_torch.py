@@ -1,18 +1,19 @@
 """Batched pure-torch paged attention: one gather + two einsums for all sequences.
 
-Same contract as ``paged.paged_attention_reference`` (which loops over sequences); this one
-pads every sequence to the longest in the batch and masks, so a decode step of many
-sequences is a handful of tensor ops. Registered in ``paged`` as backend ``"torch"``.
+Same contract as ``paged_base.paged_attention_reference`` (which loops over sequences); this
+one pads every sequence to the longest in the batch and masks, so a decode step of many
+sequences is a handful of tensor ops. Registered in ``paged`` as backend ``"torch"`` (the
+default on CPU); ``plan_step`` builds a step's ``PagedPlan``s once for every layer.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
 
 import torch
 
-from . import paged
-from .quant import as_bytes, dequantize
+from .paged_base import LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, validate_paged
 
 
 class PagedPlan:
@@ -46,36 +47,29 @@ class PagedPlan:
         self.bias = torch.zeros(self.visible.shape, dtype=dtype, device=dev).masked_fill(
             ~self.visible, float("-inf"))[:, None]  # (N, 1, Q, L)
 
-    def gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale=None, v_scale=None, dtype=None):
+    def gather(self, cache: LayerCache, dtype=None):
         """Each sequence's K/V ``(N, L, Hkv, D)`` (index_select: ~6x faster than advanced indexing
-        on CPU), dequantized to ``dtype`` when the cache is quantized (scales given)."""
-        n, flat = self.slots.shape[0], self.slots.reshape(-1)
-
-        def read(cache, sc):
-            x = as_bytes(cache).reshape(-1, *cache.shape[2:]).index_select(0, flat).view(cache.dtype)
-            if sc is not None:
-                x = dequantize(x, sc.reshape(-1, cache.shape[2]).index_select(0, flat), dtype or torch.float32)
-            return x.view(n, -1, *cache.shape[2:])
-
-        return read(k_cache, k_scale), read(v_cache, v_scale)
+        on CPU), dequantized to ``dtype`` (default float32) when the cache is quantized."""
+        n = self.slots.shape[0]
+        k, v = cache.read(self.slots.reshape(-1), dtype)  # (N * L, Hkv, D)
+        return k.view(n, -1, *k.shape[1:]), v.view(n, -1, *v.shape[1:])
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
                           causal: bool = True, k_scale=None, v_scale=None):
-    paged.validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     plan = PagedPlan(block_table.to(q.device), seq_lens, q.shape[1], k_cache.shape[1], causal=causal)
-    return paged_attention_lse(q, k_cache, v_cache, plan, scale=scale, k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_lse(q, LayerCache(k_cache, v_cache, k_scale, v_scale), plan, scale=scale)
 
 
-def paged_attention_lse(q, k_cache, v_cache, plan: PagedPlan, *, scale: Optional[float] = None,
-                        k_scale=None, v_scale=None):
+def paged_attention_lse(q, cache: LayerCache, plan: PagedPlan, *, scale: Optional[float] = None):
     """``(out (N, Q, H, D), lse float32 (N, H, Q))`` of ``q`` over the cache as ``plan`` describes;
     a query that sees no key gives ``out = 0``, ``lse = -inf``."""
     n, nq, h, d = q.shape
-    hkv = k_cache.shape[2]
+    hkv = cache.k.shape[2]
     g = h // hkv
     scale = d ** -0.5 if scale is None else scale
-    k, v = plan.gather(k_cache, v_cache, k_scale, v_scale)  # (N, L, Hkv, D)
+    k, v = plan.gather(cache)  # (N, L, Hkv, D)
     compute = torch.float32 if q.dtype != torch.float64 else q.dtype
     qg = q.reshape(n, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * nq, d)  # (N, Hkv, G*Q, D)
     s = torch.matmul(qg.to(compute), k.permute(0, 2, 3, 1).to(compute)) * scale  # (N, Hkv, G*Q, L)
@@ -90,17 +84,43 @@ def paged_attention_lse(q, k_cache, v_cache, plan: PagedPlan, *, scale: Optional
     return out.to(q.dtype), lse.float()
 
 
-paged._BACKENDS.setdefault("torch", paged_attention_torch)
-
-
-def paged_attention_planned(q, k_cache, v_cache, plan: PagedPlan, *, scale: Optional[float] = None,
-                            k_scale=None, v_scale=None):
+def paged_attention_planned(q, cache: LayerCache, plan: PagedPlan, *, scale: Optional[float] = None):
     """``out (N, Q, H, D)`` of ``q (N, Q, H, D)`` over the cache as ``plan`` describes (no lse:
-    the engine's fast path; use ``paged_attention`` when partials must be merged)."""
-    k, v = plan.gather(k_cache, v_cache, k_scale, v_scale, q.dtype)  # (N, L, Hkv, D)
+    the engine's fast path; use ``paged_attention_lse`` when partials must be merged)."""
+    k, v = plan.gather(cache, q.dtype)  # (N, L, Hkv, D)
     if not plan.all_see_a_key:  # a fully masked row would be NaN in SDPA; the general path handles it
-        raise ValueError("a query row sees no key; use paged_attention")
+        raise ValueError("a query row sees no key; use paged_attention_lse")
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.bias.to(q.dtype),
         scale=scale, enable_gqa=True)  # (N, H, Q, D)
     return out.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    """A group of sequences with the same query count and what it reads from the cache."""
+    group: SeqGroup
+    plan: PagedPlan
+
+
+class TorchStep:
+    """The ``"torch"`` backend's metadata for one step: one ``PagedPlan`` (gather indices and
+    mask) per group of sequences with the same query count, built once, used by every layer."""
+
+    def __init__(self, seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
+        self.groups: List[PlannedGroup] = []
+        for n, members in by_query_count(seqs).items():
+            g = SeqGroup.build(n, members, sp, sp_rank, device)
+            # keys this rank stores that each query sees: positions sp_rank, sp_rank + sp, ... <= its own
+            p = torch.tensor([s.start for s in members], device=device)[:, None] + torch.arange(n, device=device)
+            limits = torch.div(p - sp_rank, sp, rounding_mode="floor") + 1  # (N, n)
+            self.groups.append(PlannedGroup(g, PagedPlan(g.block_table, None, n, block_size, limits=limits)))
+
+    def attend(self, q, cache: LayerCache, *, lse: bool = True) -> List[RowsOut]:
+        # q (T, H, D) -> per group: rows (N*n,), out (N*n, H, D), lse (H, N*n) or None
+        if lse:
+            return [p.group.result(*paged_attention_lse(p.group.queries(q), cache, p.plan)) for p in self.groups]
+        return [p.group.result(paged_attention_planned(p.group.queries(q), cache, p.plan)) for p in self.groups]
+
+
+plan_step = TorchStep  # the backend's plan_step(seqs, *, block_size, sp, sp_rank, device) (see paged_base)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 import torch
 
@@ -465,7 +464,3 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, mask: Mask, dls
             q, k, v, dout, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
             h, h // hkv, sq, sk, d, _offset(mask), scale * LOG2E, scale, **common)
 
-
-from . import register_backend  # noqa: E402  (kernels/__init__ imports us at its end)
-
-register_backend("triton", sys.modules[__name__], preference={"cuda": 4})  # after sdpa, before reference

@@ -1,4 +1,5 @@
-"""Flash-decoding over a paged KV cache in Triton (same contract as ``paged_attention_reference``).
+"""Flash-decoding over a paged KV cache in Triton (same contract as ``paged_attention_reference``),
+and a varlen prefill kernel (the contract of ``paged_prefill_reference``; ``paged_base.py``).
 
 Two kernels:
 
@@ -18,12 +19,15 @@ of at least ``MIN_CHUNK`` tokens, so one 128K-token sequence still spreads over 
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import List, Optional, Sequence
 
 import torch
 
-from . import paged, resolve_scale
-from .paged import validate_paged
+from .checks import resolve_scale
+from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, padded_table, validate_paged,
+                         validate_prefill)
 from .triton_attn import (_big_rows, _block_d, _build, _finish, _interpret, _jit, _online_step,  # ImportError
                           _prec)  # without triton
 
@@ -194,7 +198,7 @@ def num_splits_for(capacity: int, programs: int, device) -> int:
 
 def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
                            causal: bool = True, num_splits: Optional[int] = None, k_scale=None, v_scale=None):
-    """Same contract as ``paged.paged_attention_reference`` (the ``"triton"`` backend): one new
+    """Same contract as ``paged_base.paged_attention_reference`` (the ``"triton"`` backend): one new
     token per sequence (or ``num_splits`` given) runs the decode kernel, several the prefill kernel."""
     kw = dict(scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale)
     if q.shape[1] == 1 or num_splits is not None:
@@ -252,11 +256,11 @@ def paged_decode_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale: Op
 def paged_prefill_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, max_seqlen_q: int,
                          q_start=None, scale: Optional[float] = None, causal: bool = True, k_scale=None,
                          v_scale=None, sp: int = 1, sp_rank: int = 0):
-    """Same contract as ``paged.paged_prefill_reference``: ``q (T, H, D)`` packed ->
+    """Same contract as ``paged_base.paged_prefill_reference``: ``q (T, H, D)`` packed ->
     ``out (T, H, D)``, ``lse (H, T)`` fp32. No host sync: the grid is ``(cdiv(max_seqlen_q,
     BLOCK_M), N, H)``, so ``max_seqlen_q`` must be at least every sequence's query count."""
-    paged.validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start, k_scale, v_scale,
-                           sp, sp_rank)
+    validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start, k_scale, v_scale, sp,
+                     sp_rank)
     _build()
     t, h, d = q.shape
     n, hkv, bs = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
@@ -294,5 +298,54 @@ def _prefill_config(elem_bytes: int, block_d: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64 if block_d <= 64 else 32, num_warps=4, num_stages=2)
 
 
-paged._BACKENDS["triton"] = paged_attention_triton
-paged._PREFILL_BACKENDS["triton"] = paged_prefill_triton
+@dataclass(frozen=True)
+class VarlenBatch:
+    """Sequences of a step with several queries each, packed for one ``paged_prefill_triton`` call."""
+    rows: torch.Tensor  # (R,) local query rows, sequence after sequence
+    block_table: torch.Tensor  # (M, width) int32
+    cu_seqlens_q: torch.Tensor  # (M + 1,) int32
+    seq_lens: torch.Tensor  # (M,) int32: keys stored here, the new ones included
+    q_start: torch.Tensor  # (M,) int32: each sequence's first query position
+    max_seqlen_q: int
+
+    @classmethod
+    def build(cls, seqs: Sequence[PagedSeq], sp: int, sp_rank: int, device) -> "VarlenBatch":
+        n_of = [s.n for s in seqs]
+        return cls(torch.tensor([s.row + j for s in seqs for j in range(s.n)], device=device),
+                   padded_table([s.block_table for s in seqs], device),
+                   torch.tensor([0] + list(accumulate(n_of)), dtype=torch.int32, device=device),
+                   torch.tensor([s.keys(sp, sp_rank) for s in seqs], dtype=torch.int32, device=device),
+                   torch.tensor([s.start for s in seqs], dtype=torch.int32, device=device), max(n_of))
+
+
+class TritonStep:
+    """The ``"triton"`` backend's metadata for one step (positions and lengths as device tensors,
+    built once): one-token sequences (decode) go to the flash-decoding kernel, all sequences with
+    several tokens (later chunks, prefix-continued prompts) to one varlen prefill call per layer."""
+
+    def __init__(self, seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
+        groups = by_query_count(seqs)
+        self.sp, self.sp_rank = sp, sp_rank
+        self.decode = SeqGroup.build(1, groups[1], sp, sp_rank, device) if 1 in groups else None
+        multi = [s for n, members in groups.items() if n > 1 for s in members]
+        self.varlen = VarlenBatch.build(multi, sp, sp_rank, device) if multi else None
+
+    def attend(self, q, cache: LayerCache, *, lse: bool = True) -> List[RowsOut]:
+        # q (T, H, D) -> decode rows (N,) and varlen rows (R,): out (., H, D), lse (H, .) or None
+        parts = []
+        if self.decode is not None:  # one token at the end sees every key stored here
+            o, l = paged_decode_triton(self.decode.queries(q), cache.k, cache.v, self.decode.block_table,
+                                       self.decode.seq_lens, causal=False, k_scale=cache.k_scale,
+                                       v_scale=cache.v_scale)
+            parts.append(self.decode.result(o, l if lse else None))
+        if self.varlen is not None:
+            b = self.varlen
+            o, l = paged_prefill_triton(q.index_select(0, b.rows), cache.k, cache.v, b.block_table, b.cu_seqlens_q,
+                                        b.seq_lens, max_seqlen_q=b.max_seqlen_q, q_start=b.q_start,
+                                        k_scale=cache.k_scale, v_scale=cache.v_scale, sp=self.sp,
+                                        sp_rank=self.sp_rank)
+            parts.append(RowsOut(b.rows, o, l if lse else None))
+        return parts
+
+
+plan_step = TritonStep  # the backend's plan_step(seqs, *, block_size, sp, sp_rank, device) (see paged_base)

@@ -159,7 +159,7 @@ class Worker:
         t0 = time.perf_counter()
         m, sh = self.mesh, self.shape
         step = LocalStep(plan, m.sp_rank, m.sp, sh.block_size, sh.sp_prefill_min_tokens, self.device, self.paged_backend)
-        ctx = StepContext(self.kv, step, self.layers.start, m.sp, self.ring, self.paged_backend, timeout=self.timeout)
+        ctx = StepContext(self.kv, step, self.layers.start, m.sp, self.ring, timeout=self.timeout)
         if m.first_stage:
             x = step.input_ids
         else:

@@ -1,0 +1,207 @@
+"""Which backend runs an attention call: the registry, the one-time probes and ``"auto"``.
+
+- ``BACKENDS``: name -> module with ``supports(q, mask, dlse=False)``, ``forward(q, k, v, scale,
+  mask) -> (out, lse)`` and ``backward(dout, q, k, v, out, lse, scale, mask, dlse=None) -> fp32
+  (dq, dk, dv)`` (the contract of ``reference.py``); ``register_backend`` adds one; ``MISSING``:
+  backends that could not be imported, and why.
+- ``PREFERENCE``: per device type, expected fastest first.
+- ``pick(backend, q, mask, dlse=False, backward=False)``: the module for one call. ``"auto"``
+  takes the first backend in the device's ``PREFERENCE`` order that supports the inputs and passed
+  its one-time check against the reference (``_probe``: forward, backward and the gradient through
+  lse, each on its own). A gradient through lse runs only on a backend that takes ``dlse``
+  natively (``triton``, ``reference``): with no such backend usable, the reference runs it, by design.
+- ``describe()``: which backend ``"auto"`` runs for each call, and why the others do not.
+
+The entry points that use this (``attention``, ``block_forward``, ...) are in the package
+``ringkv.kernels``; this module imports the backends, never the package.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Dict, Optional
+
+import torch
+
+from . import cudnn, flash_attn, reference, sdpa
+from .mask import BAND, DENSE, FULL, OFFSET, Mask
+
+BACKENDS: Dict[str, object] = {"reference": reference, "sdpa": sdpa, "cudnn": cudnn,
+                               "flash_attn": flash_attn.FA2, "flash_attn3": flash_attn.FA3}
+# expected fastest first (published H100/A100 results, not measured by us): FlashAttention-3 (Hopper),
+# flash-attn 2, cuDNN, torch's flash SDPA, then our Triton kernels (never run on a GPU yet; registered
+# after sdpa at the end of this file); each call takes the first that supports it and passed its probe
+PREFERENCE = {"cuda": ["flash_attn3", "flash_attn", "cudnn", "sdpa", "reference"], "cpu": ["sdpa", "reference"]}
+NEEDS = ("forward", "backward", "lse_grad")
+MISSING: Dict[str, str] = {}  # backends that could not even be imported: name -> why
+_verified: Dict[tuple, Dict[str, str]] = {}  # (name, device type, dtype) -> need -> "" (passed) or why not
+_warned: set = set()
+
+__all__ = ["BACKENDS", "PREFERENCE", "NEEDS", "MISSING", "register_backend", "pick", "describe"]
+
+
+def register_backend(name: str, module, preference: Optional[Dict[str, int]] = None) -> None:
+    """Add a backend module with ``supports/forward/backward`` (same contract as ``reference``)."""
+    BACKENDS[name] = module
+    for device, index in (preference or {}).items():
+        order = PREFERENCE.setdefault(device, ["reference"])
+        if name not in order:
+            order.insert(index, name)
+
+
+def _warn_once(key, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def _name(module) -> str:
+    return next((n for n, m in BACKENDS.items() if m is module), repr(module))
+
+
+def _close(a: torch.Tensor, e: torch.Tensor, tol: float) -> bool:
+    """Same infinities, finite entries within ``tol * (1 + max |e|)``."""
+    a, e = a.float(), e.float()
+    inf = torch.isinf(e)
+    if not torch.equal(torch.isinf(a), inf) or not torch.equal(a[inf], e[inf]) or torch.isnan(a).any():
+        return False
+    fin = ~inf
+    return not fin.any() or (a[fin] - e[fin]).abs().max().item() <= tol * (1 + e[fin].abs().max().item())
+
+
+def _check(name: str, need: str, q: torch.Tensor) -> str:
+    """One need of one backend against the reference on a small GQA problem: "" or why it failed."""
+    module = BACKENDS[name]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, dout = [torch.randn(2, 77, s, 64, generator=g).to(q.device, q.dtype) for s in (4, 2, 2, 4)]
+    dlse = torch.randn(2, 4, 77, generator=g).to(q.device) if need == "lse_grad" else None
+    tol = max(16 * torch.finfo(q.dtype).eps, 1e-3)  # wrong arguments give errors of order 1
+    masks = [m for m in (Mask(OFFSET, offset=-5), Mask(BAND, offset=3, lo=-20))  # rows with no key included
+             if module.supports(q, m, dlse is not None)]
+    if not masks:
+        return "unsupported"
+    try:
+        for mask in masks:
+            ref_out, ref_lse = reference.forward(q, k, v, 0.125, mask)
+            if need == "forward":
+                out, lse = module.forward(q, k, v, 0.125, mask)
+                if not (_close(out, ref_out, tol) and _close(lse, ref_lse, 3e-3)):
+                    return f"failed probe: forward differs from the reference (mask {mask.kind})"
+                continue
+            got = module.backward(dout, q, k, v, ref_out, ref_lse, 0.125, mask, dlse)
+            want = reference.backward(dout, q, k, v, ref_out, ref_lse, 0.125, mask, dlse)
+            if not all(_close(a, e, tol) for a, e in zip(got, want)):
+                return f"failed probe: {need} differs from the reference (mask {mask.kind})"
+    except Exception as e:  # a broken install or an API change must not break "auto"
+        return f"failed probe: {type(e).__name__}: {e}"
+    return ""
+
+
+def _probe(name: str, q: torch.Tensor, need: str = "forward") -> str:
+    """Check a backend once per (device, dtype, need) against the reference: "" or why not."""
+    key = (name, q.device.type, q.dtype)
+    results = _verified.setdefault(key, {})
+    if need not in results:
+        results[need] = _check(name, need, q)
+        if results[need].startswith("failed"):
+            _warn_once((key, need), f"ringkv: backend {name!r} {results[need]} on {q.device.type} {q.dtype}; "
+                                    f"'auto' runs the {need} elsewhere (ringkv.kernels.describe() says where)")
+    return results[need]
+
+
+def _need(dlse: bool, backward: bool) -> str:
+    return "lse_grad" if dlse else "backward" if backward else "forward"
+
+
+def _skip_reason(name: str, q: torch.Tensor, mask: Mask, need: str) -> str:
+    """Why ``auto`` passes over backend ``name`` for this call ("" when it may take it)."""
+    module = BACKENDS.get(name)
+    if module is None:
+        return MISSING.get(name, "not registered")
+    if getattr(module, "unavailable", ""):
+        return module.unavailable
+    if not module.supports(q, mask, need == "lse_grad"):
+        return "unsupported" + (" (takes no gradient through lse)" if need == "lse_grad"
+                                and module.supports(q, mask) else "")
+    return "" if name == "reference" else _probe(name, q, need)
+
+
+def pick(backend: str, q: torch.Tensor, mask: Mask, dlse: bool = False, backward: bool = False):
+    """Resolve a backend name (or ``"auto"``) to a module for this call.
+
+    ``backward``: the call is a backward; ``dlse``: a backward with a gradient through lse.
+    ``"auto"`` takes the first backend in ``PREFERENCE`` that supports the call and passed its
+    probe for it. An explicit backend that runs the backward but takes no ``dlse`` hands that
+    call to ``"auto"`` (with a warning, once).
+    """
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)} or 'auto'")
+        module = BACKENDS[backend]
+        if module.supports(q, mask, dlse):
+            return module
+        if dlse and module.supports(q, mask):
+            chosen = pick("auto", q, mask, dlse=True, backward=True)
+            _warn_once(("dlse", backend, _name(chosen)),
+                       f"ringkv: backend {backend!r} takes no gradient through lse; backward calls with one run "
+                       f"on {_name(chosen)!r}")
+            return chosen
+        raise ValueError(f"backend {backend!r} does not support {q.device.type} {q.dtype} "
+                         f"head_dim={q.shape[-1]} with mask {mask.kind!r}; use backend='auto'")
+    need = _need(dlse, backward)
+    for name in PREFERENCE.get(q.device.type, ["reference"]):
+        if not _skip_reason(name, q, mask, need):
+            return BACKENDS[name]
+    return reference
+
+
+_SAMPLE_MASKS = {FULL: lambda s: Mask(FULL), OFFSET: lambda s: Mask(OFFSET),
+                 BAND: lambda s: Mask(BAND, offset=0, lo=-s // 4),
+                 DENSE: lambda s: Mask(DENSE, dense=torch.rand(s, s, generator=torch.Generator().manual_seed(0)) < .5)}
+
+
+def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
+    """Which backend ``"auto"`` runs for each call on ``device``/``dtype``, and why not the others.
+
+    Runs the one-time probes it needs. Returns ``{"device", "dtype", "order", "auto", "skipped",
+    "notes"}``: ``auto[need][mask kind]`` is a backend name for each need in ``NEEDS`` (forward,
+    backward, lse_grad) and mask kind (full, offset, band, dense; EMPTY blocks never reach a
+    backend); ``skipped[name]`` is why another backend is not used: one string when the reason
+    is the same for every call, else ``{"need/kind": reason}`` for the calls it does not run.
+    """
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    q = torch.zeros(1, 64, 2, head_dim, device=device, dtype=dtype)
+    order = PREFERENCE.get(device.type, ["reference"])
+    auto, cells = {}, {}
+    for need in NEEDS:
+        auto[need] = {}
+        for kind, make in _SAMPLE_MASKS.items():
+            mask = make(q.shape[1])
+            chosen = _name(pick("auto", q, mask, dlse=need == "lse_grad", backward=need != "forward"))
+            auto[need][kind] = chosen
+            for name in sorted(set(BACKENDS) | set(MISSING)):
+                if name == chosen:
+                    continue
+                why = MISSING.get(name) or getattr(BACKENDS[name], "unavailable", "")
+                if not why and name not in order:
+                    why = f"not in the {device.type} preference order"
+                elif not why and order.index(name) > order.index(chosen):
+                    why = f"after {chosen!r} in the preference order"
+                cells.setdefault(name, {})[f"{need}/{kind}"] = why or _skip_reason(name, q, mask, need)
+    skipped = {n: (next(iter(c.values())) if len(set(c.values())) == 1 else c) for n, c in cells.items()}
+    notes = []
+    if "reference" in auto["lse_grad"].values():
+        notes.append("lse_grad on 'reference': no backend usable here takes a gradient through lse natively "
+                     "(only 'triton' does, for full/offset masks on CUDA), so the reference runs those backward "
+                     "calls, by design")
+    return dict(device=str(device), dtype=str(dtype), order=list(order), auto=auto, skipped=skipped, notes=notes)
+
+
+try:  # own Triton kernels (after sdpa, before reference on CUDA) when triton is installed
+    from . import triton_attn
+except ImportError as e:
+    MISSING["triton"] = f"not installed ({e})"
+else:
+    register_backend("triton", triton_attn, preference={"cuda": 4})
+

@@ -1,0 +1,293 @@
+"""The paged-attention contract: its records, argument checks and plain-torch reference.
+
+Every paged backend (``paged_torch.py``, ``triton_paged.py``) implements what this module
+describes and imports it; ``paged.py`` holds the registry and the public calls, which take a
+``backend=`` name::
+
+    out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None)
+
+- ``q`` ``(N, Q, H, D)``: ``Q`` newest tokens of each of ``N`` sequences (decode: ``Q = 1``);
+- ``k_cache``/``v_cache`` ``(num_blocks, block_size, Hkv, D)``; token ``t`` of sequence ``n``
+  lives in block ``block_table[n, t // block_size]`` at slot ``t % block_size``;
+- ``block_table`` ``(N, max_blocks)`` int; ``seq_lens`` ``(N,)`` int: tokens in the cache for
+  each sequence, the ``Q`` new ones included (their K/V were written before the call);
+- causal: query ``i`` of sequence ``n`` sits at position ``seq_lens[n] - Q + i`` and sees keys
+  at positions ``<=`` its own; with ``causal=False`` every query sees all ``seq_lens[n]`` keys;
+- ``out`` ``(N, Q, H, D)`` in ``q.dtype``; ``lse`` float32 ``(N, H, Q)``, so partial results
+  of several ranks (each holding a shard of the sequence) merge with ``kernels.merge``.
+  A sequence with no visible key gives ``out = 0``, ``lse = -inf``;
+- a quantized cache (``kernels/quant.py``: int8 / fp8 values) comes with ``k_scale`` /
+  ``v_scale`` ``(num_blocks, block_size, Hkv)``: every backend dequantizes as it reads.
+
+``paged_attention_reference`` is plain torch: gather each sequence's blocks, attend. On CUDA
+the ``"triton"`` backend runs the flash-decoding kernel for one new token per sequence and
+the prefill kernel for several.
+
+Varlen (prefill chunks, prefix-continued prompts; the engine's call on CUDA)::
+
+    out, lse = paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=...)
+
+- ``q`` ``(T, H, D)``: the new tokens of ``N`` sequences packed, sequence ``n``'s ``T_n`` tokens
+  at rows ``cu_seqlens_q[n]:cu_seqlens_q[n + 1]`` (``cu_seqlens_q`` ``(N + 1,)`` int, from 0);
+  ``max_seqlen_q``: a host int ``>= max T_n`` (sizes the launch; nothing is read back);
+- ``seq_lens`` ``(N,)``: keys in the cache for each sequence (the new tokens included);
+- query ``i`` of sequence ``n`` sits at position ``q_start[n] + i`` (default
+  ``q_start = seq_lens - T_n``: the new tokens are the cache's last);
+- ``sp``/``sp_rank``: the cache holds every ``sp``-th token of the sequence, from position
+  ``sp_rank`` (local key ``j`` is position ``j * sp + sp_rank``: an SP rank's striped share);
+  causal: key ``j`` is visible to a query at position ``p`` iff ``j * sp + sp_rank <= p``;
+- ``out`` ``(T, H, D)`` in ``q.dtype``, ``lse`` float32 ``(H, T)`` (flash-attn's varlen layout).
+
+A step of the engine (the same every layer), built once per step by a backend's ``plan_step``::
+
+    attn = plan_step(seqs, block_size=..., sp=1, sp_rank=0, device=None)   # -> StepAttention
+    parts = attn.attend(q, cache, lse=True)                               # every layer
+
+- ``seqs``: ``PagedSeq(row, start, n, block_table)`` for each sequence whose ``n`` queries
+  (local rows ``row ..``, positions ``start ..``) attend over the cache; the cache holds this
+  rank's striped share (``sp``/``sp_rank`` as above), the new tokens' K/V already written;
+- ``q`` ``(T, H, D)``: the step's local query rows; ``cache``: a ``LayerCache`` (one layer's
+  K/V and, quantized, scales);
+- ``parts``: ``RowsOut(rows (R,), out (R, H, D), lse (H, R) float32 or None)`` covering every
+  row of ``seqs`` once; with ``lse=False`` a backend may take a faster path without it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from . import reference
+from .checks import resolve_scale
+from .mask import make_mask
+from .quant import as_bytes, dequantize
+
+__all__ = ["LayerCache", "PagedSeq", "RowsOut", "StepAttention", "SeqGroup", "by_query_count", "padded_table",
+           "paged_attention_reference", "paged_prefill_reference", "validate_paged", "validate_prefill",
+           "check_striping", "read_blocks", "read_slots"]
+
+
+# ----------------------------------------------------------------------------- records
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's paged K/V: ``k``/``v`` ``(num_blocks, block_size, Hkv, D)``; a quantized cache
+    (int8 / fp8 values) has ``k_scale``/``v_scale`` ``(num_blocks, block_size, Hkv)``."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
+
+    def read(self, slots: torch.Tensor, dtype=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``(S, Hkv, D)`` at flat ``slots (S,)`` (``block * block_size + offset``); a
+        quantized cache is dequantized to ``dtype`` (default float32)."""
+        return read_slots(self.k, self.k_scale, slots, dtype), read_slots(self.v, self.v_scale, slots, dtype)
+
+
+@dataclass(frozen=True)
+class PagedSeq:
+    """One sequence of a step attended over the cache: ``n`` queries at local rows ``row ..
+    row + n - 1`` and positions ``start .. start + n - 1``; its K/V, the new tokens' included, in
+    the blocks of ``block_table`` (under SP striping, this rank's positions ``sp_rank, sp_rank +
+    sp, ...`` of them: local key ``i`` at ``block_table[i // block_size]``, offset ``i % block_size``)."""
+    row: int
+    start: int
+    n: int
+    block_table: Sequence[int]
+
+    def keys(self, sp: int = 1, sp_rank: int = 0) -> int:
+        """Keys of the sequence stored on SP rank ``sp_rank`` of ``sp``, the new ones included."""
+        return len(range(sp_rank, self.start + self.n, sp))
+
+
+@dataclass(frozen=True)
+class RowsOut:
+    """Attention of some query rows of a step over the cache."""
+    rows: torch.Tensor  # (R,) local query rows
+    out: torch.Tensor  # (R, H, D) in q's dtype
+    lse: Optional[torch.Tensor]  # (H, R) float32; None when not asked for
+
+
+class StepAttention(Protocol):
+    """A backend's per-step metadata (``plan_step``): built once per step, used by every layer."""
+
+    def attend(self, q: torch.Tensor, cache: LayerCache, *, lse: bool = True) -> List[RowsOut]:
+        """``q (T, H, D)``: the step's query rows; every row of the step's ``PagedSeq``s once."""
+
+
+@dataclass(frozen=True)
+class SeqGroup:
+    """Sequences of a step with the same query count ``n``, batched in the decode layout."""
+    n: int
+    seqs: Tuple[PagedSeq, ...]
+    rows: torch.Tensor  # (N * n,) local query rows, sequence-major
+    block_table: torch.Tensor  # (N, width) int32, padded with 0
+    seq_lens: torch.Tensor  # (N,) int32: keys stored here, the new ones included
+
+    @classmethod
+    def build(cls, n: int, seqs: Sequence[PagedSeq], sp: int, sp_rank: int, device) -> "SeqGroup":
+        return cls(n, tuple(seqs), torch.tensor([s.row + j for s in seqs for j in range(n)], device=device),
+                   padded_table([s.block_table for s in seqs], device),
+                   torch.tensor([s.keys(sp, sp_rank) for s in seqs], dtype=torch.int32, device=device))
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """``q (T, H, D)`` -> this group's ``(N, n, H, D)``."""
+        return q.index_select(0, self.rows).view(-1, self.n, *q.shape[1:])
+
+    def result(self, out: torch.Tensor, lse: Optional[torch.Tensor] = None) -> RowsOut:
+        """``out (N, n, H, D)``, ``lse (N, H, n)`` (decode layout) -> the rows' ``RowsOut``."""
+        return RowsOut(self.rows, out.reshape(-1, *out.shape[2:]),
+                       None if lse is None else lse.transpose(0, 1).reshape(lse.shape[1], -1))
+
+
+def by_query_count(seqs: Sequence[PagedSeq]) -> Dict[int, List[PagedSeq]]:
+    """``n -> sequences with n queries``, in order of first appearance."""
+    groups = defaultdict(list)
+    for s in seqs:
+        groups[s.n].append(s)
+    return groups
+
+
+def padded_table(tables: Sequence[Sequence[int]], device) -> torch.Tensor:
+    """Block tables of several sequences as one ``(N, width)`` int32 tensor, padded with 0."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _validate_cache(q, k_cache, v_cache, k_scale, v_scale, tensors, q_layout: str) -> None:
+    """Types, ``q``'s rank and the cache's shape, shared by both layouts."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), *tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k_scale and v_scale (a quantized cache) or neither")
+    if k_scale is None:
+        if not (q.dtype.is_floating_point and q.dtype == k_cache.dtype == v_cache.dtype):
+            raise TypeError(f"q, k_cache and v_cache must share one floating dtype, "
+                            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    else:
+        if not (k_cache.element_size() == 1 and k_cache.dtype == v_cache.dtype and q.dtype.is_floating_point):
+            raise TypeError(f"a quantized cache holds one-byte values (int8 / fp8), got {k_cache.dtype}, "
+                            f"{v_cache.dtype}")
+        if tuple(k_scale.shape) != tuple(k_cache.shape[:3]) or tuple(v_scale.shape) != tuple(v_cache.shape[:3]):
+            raise ValueError(f"k_scale/v_scale must be (num_blocks, block_size, Hkv) = {tuple(k_cache.shape[:3])}, "
+                             f"got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
+    if q.dim() != q_layout.count(",") + 1:
+        raise ValueError(f"q must be {q_layout}, got {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache (num_blocks, block_size, Hkv, D) must be 4-D, got {tuple(k_cache.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must match, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if q.shape[-1] != k_cache.shape[-1] or k_cache.shape[2] == 0 or q.shape[-2] % k_cache.shape[2] != 0:
+        raise ValueError(f"q heads/head_dim {tuple(q.shape[-2:])} do not fit the cache's {tuple(k_cache.shape[2:])}: "
+                         f"need the same head_dim and heads % kv_heads == 0")
+    for name, t in tensors:
+        if t.dtype.is_floating_point:
+            raise TypeError(f"block_table and seq_lens must be integer tensors, got {t.dtype} for {name}")
+
+
+def validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_scale=None) -> None:
+    _validate_cache(q, k_cache, v_cache, k_scale, v_scale, (("block_table", block_table), ("seq_lens", seq_lens)),
+                    "(N, Q, H, D)")
+    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+        raise ValueError(f"block_table must be (N, max_blocks) and seq_lens (N,) with N = {q.shape[0]}, "
+                         f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
+
+
+def validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start=None, k_scale=None,
+                     v_scale=None, sp: int = 1, sp_rank: int = 0) -> None:
+    """Shapes and types of a varlen call (host metadata only: never reads device values)."""
+    ints = [("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)]
+    if q_start is not None:
+        ints.append(("q_start", q_start))
+    _validate_cache(q, k_cache, v_cache, k_scale, v_scale, ints, "(T, H, D) (the new tokens of all sequences packed)")
+    n = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if n < 0 or block_table.dim() != 2 or block_table.shape[0] != n or cu_seqlens_q.shape != (n + 1,) \
+            or (q_start is not None and q_start.shape != (n,)):
+        raise ValueError(f"need seq_lens (N,), block_table (N, max_blocks), cu_seqlens_q (N + 1,) and q_start (N,) "
+                         f"or None; got {tuple(seq_lens.shape)}, {tuple(block_table.shape)}, "
+                         f"{tuple(cu_seqlens_q.shape)}, {None if q_start is None else tuple(q_start.shape)}")
+    check_striping(sp, sp_rank)
+
+
+def check_striping(sp: int, sp_rank: int) -> None:
+    """``sp``/``sp_rank``: the cache holds every ``sp``-th position from ``sp_rank``."""
+    if not (isinstance(sp, int) and isinstance(sp_rank, int) and 0 <= sp_rank < sp):
+        raise ValueError(f"need integers 0 <= sp_rank < sp, got sp={sp!r}, sp_rank={sp_rank!r}")
+
+
+# ----------------------------------------------------------------------------- reference
+
+def read_blocks(cache: torch.Tensor, scale, blocks: torch.Tensor, dtype) -> torch.Tensor:
+    """``cache[blocks]`` ``(n, block_size, Hkv, D)``, dequantized when ``scale`` is given."""
+    if scale is None:
+        return cache[blocks]
+    return dequantize(as_bytes(cache)[blocks].view(cache.dtype), scale[blocks], dtype)
+
+
+def read_slots(cache: torch.Tensor, scale, slots: torch.Tensor, dtype=None) -> torch.Tensor:
+    """``cache`` at flat ``slots (S,)`` as ``(S, Hkv, D)``, dequantized to ``dtype`` (default
+    float32) when ``scale`` is given."""
+    x = as_bytes(cache).reshape(-1, *cache.shape[2:]).index_select(0, slots).view(cache.dtype)
+    if scale is not None:
+        x = dequantize(x, scale.reshape(-1, cache.shape[2]).index_select(0, slots), dtype or torch.float32)
+    return x
+
+
+def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *,
+                              scale: Optional[float] = None, causal: bool = True, k_scale=None, v_scale=None):
+    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    n, nq, h, d = q.shape
+    bs = k_cache.shape[1]
+    scale = resolve_scale(scale, d)
+    capacity = block_table.shape[1] * bs
+    if seq_lens.numel() and not (0 <= int(seq_lens.min()) and int(seq_lens.max()) <= capacity):
+        raise ValueError(f"seq_lens must lie in [0, max_blocks * block_size = {capacity}] "
+                         f"(the block_table's capacity), got {seq_lens.tolist()}")
+    out = torch.zeros(n, nq, h, d, dtype=q.dtype, device=q.device)
+    lse = torch.full((n, h, nq), float("-inf"), device=q.device)
+    for i, length in enumerate(seq_lens.tolist()):
+        if length <= 0:
+            continue
+        blocks = block_table[i, : (length + bs - 1) // bs].long()
+        k = read_blocks(k_cache, k_scale, blocks, q.dtype).reshape(-1, *k_cache.shape[2:])[:length]  # (L, Hkv, D)
+        v = read_blocks(v_cache, v_scale, blocks, q.dtype).reshape(-1, *v_cache.shape[2:])[:length]
+        mask = make_mask(causal, range(length - nq, length), range(0, length), nq, length)
+        o, l = reference.forward(q[i : i + 1], k[None], v[None], scale, mask)
+        out[i], lse[i] = o[0], l[0]
+    return out, lse
+
+
+def paged_prefill_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, max_seqlen_q: int,
+                            q_start=None, scale: Optional[float] = None, causal: bool = True, k_scale=None,
+                            v_scale=None, sp: int = 1, sp_rank: int = 0):
+    """The varlen contract (module docstring) in plain torch: one ``reference.forward`` per sequence."""
+    validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start, k_scale, v_scale, sp, sp_rank)
+    t, h, d = q.shape
+    bs = k_cache.shape[1]
+    scale = resolve_scale(scale, d)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    starts = q_start.tolist() if q_start is not None else [length - (b - a) for length, a, b in zip(lens, cu, cu[1:])]
+    if max(b - a for a, b in zip(cu, cu[1:]) or [0]) > max_seqlen_q or (cu and (cu[0] != 0 or cu[-1] > t)):
+        raise ValueError(f"cu_seqlens_q {cu} must start at 0, end at most at T = {t} and have steps <= "
+                         f"max_seqlen_q = {max_seqlen_q}")
+    out = torch.zeros_like(q)
+    lse = torch.full((h, t), float("-inf"), device=q.device)
+    for i, length in enumerate(lens):
+        a, b = cu[i], cu[i + 1]
+        length = min(length, block_table.shape[1] * bs)
+        if length <= 0 or b == a:
+            continue
+        blocks = block_table[i, : (length + bs - 1) // bs].long()
+        k = read_blocks(k_cache, k_scale, blocks, q.dtype).reshape(-1, *k_cache.shape[2:])[:length]  # (L, Hkv, D)
+        v = read_blocks(v_cache, v_scale, blocks, q.dtype).reshape(-1, *v_cache.shape[2:])[:length]
+        mask = make_mask(causal, range(starts[i], starts[i] + b - a), range(sp_rank, sp_rank + length * sp, sp),
+                         b - a, length, q.device)
+        o, l = reference.forward(q[None, a:b], k[None], v[None], scale, mask)
+        out[a:b], lse[:, a:b] = o[0], l[0]
+    return out, lse

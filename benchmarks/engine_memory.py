@@ -19,20 +19,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from models import load_average, write_json  # noqa: E402
+from models import load_average, shape, write_json  # noqa: E402
 
 MIB = 1 << 20
 
 
 def wide_vocab_model():
-    """A tiny random Llama with a 49152-token vocabulary (as SmolLM2)."""
+    """A tiny random Llama with a 49152-token vocabulary (as SmolLM2): the catalogue's ``tiny-wide-vocab``."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                                   bos_token_id=1, eos_token_id=2)
+    cfg = transformers.LlamaConfig(**shape("tiny-wide-vocab"), bos_token_id=1, eos_token_id=2)
     return transformers.LlamaForCausalLM(cfg).eval()
 
 

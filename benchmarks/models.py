@@ -10,18 +10,22 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+from ringkv.planner import catalogue  # noqa: E402
+
+# the HF config fields of a random model that describe() writes (in this order, which the saved
+# JSON keeps: ringkv.planner's _model_of reads it back)
+FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "vocab_size", "max_position_embeddings")
+
+
+def shape(name: str) -> dict:
+    """The ``FIELDS`` of a planner preset (ringkv/planner/catalogue.py), so that a plan and a
+    benchmark of one name are one model."""
+    return {k: catalogue.PRESETS[name][k] for k in FIELDS}
+
+
 # name -> Llama config (random weights): throughput and memory only, never text quality
-PRESETS = {
-    # smoke tests of the benchmarks
-    "tiny-test": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096),
-    # ~120M parameters like SmolLM2, but 12 heads / 4 KV heads split over tp = 2 or 4
-    "llama-120m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=8192),
-    # attention-dominated long prompts: 4 layers, 4 heads of 64, 2 KV heads, 64K positions
-    "tiny-long": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=1024, max_position_embeddings=65536),
-}
+PRESETS = {name: shape(name) for name in ("tiny-test", "llama-120m", "tiny-long")}
 
 
 def cache_root() -> str:

@@ -99,8 +99,9 @@ def single_process_runs() -> list:
         d = load(name)
         cfg = planner._model_of(d["model"])
         for x in d["rows"]:
-            runs.append(planner.EngineRun(cfg, bench_prompts(d["model"], x["requests"]), d["max_tokens"],
-                                          x["base_capacity_tokens"] // 16, x["output_tokens"] / x["base_tok_s"],
+            runs.append(planner.EngineRun(cfg=cfg, prompts=bench_prompts(d["model"], x["requests"]),
+                                          max_tokens=d["max_tokens"], num_blocks=x["base_capacity_tokens"] // 16,
+                                          measured_s=x["output_tokens"] / x["base_tok_s"],
                                           threads=x.get("base_threads", d["cores"]), max_num_seqs=x["requests"],
                                           label=f"{name}: {x['requests']} requests"))
     for name in SINGLE_FILES:
@@ -132,8 +133,9 @@ def prefill_rows(rank):
         d = load(name)
         (m,) = [x for x in d["rows"] if x["sp"] == 2]
         seq = m["seq"]
-        run = planner.EngineRun(planner.load_model(d["model"]), [seq], 1, seq // 32 + 8, m["ttft_s"], sp=2,
-                                max_num_seqs=1, max_num_batched_tokens=seq)
+        run = planner.EngineRun(cfg=planner.load_model(d["model"]), prompts=[seq], max_tokens=1,
+                                num_blocks=seq // 32 + 8, measured_s=m["ttft_s"], sp=2, max_num_seqs=1,
+                                max_num_batched_tokens=seq)
         out.append(row(f"engine SP=2 prefill (TTFT), {label} (long_prefill.py)", run.seconds(rank), m["ttft_s"], "s",
                        CAL, "docs/performance.md, SP prefill table"))
     return out
@@ -148,8 +150,9 @@ def engine_rows(rank):
         cfg = planner._model_of(d["model"])
         for x in d["rows"]:
             c = planner._parse_config(x["config"])
-            run = planner.EngineRun(cfg, bench_prompts(d["model"], x["requests"]), d["max_tokens"],
-                                    x["parallel_capacity_tokens"] // 16 // c["sp"], 0.0, max_num_seqs=x["requests"], **c)
+            run = planner.EngineRun(cfg=cfg, prompts=bench_prompts(d["model"], x["requests"]),
+                                    max_tokens=d["max_tokens"], num_blocks=x["parallel_capacity_tokens"] // 16 // c["sp"],
+                                    measured_s=0.0, max_num_seqs=x["requests"], **c)
             out.append(row(f"engine {x['config']}, {d['model'].split(' (')[0]}, {x['requests']} requests: tok/s",
                            x["output_tokens"] / run.seconds(rank), x["parallel_tok_s"], "tok/s", CAL,
                            "docs/performance.md, TP/PP table"))

@@ -251,7 +251,8 @@ def test_fit_engine_recovers_the_rates_of_its_own_model():
     true = planner.rates(planner.load_hardware(), "cpu", "float32")
     true.matmul, true.memory, true.host = 150e9, 12e9, dict(step=2e-3, seq=1e-3, layer=5e-4)
     true.thread_scaling = 0.8
-    runs = [planner.EngineRun(planner.load_model(name), [n] * k, m, 4096, 0.0, max_num_seqs=k, threads=t)
+    runs = [planner.EngineRun(cfg=planner.load_model(name), prompts=[n] * k, max_tokens=m, num_blocks=4096,
+                              measured_s=0.0, max_num_seqs=k, threads=t)
             for name in ("llama-120m", "smollm2")
             for n, k, m, t in ((16, 1, 8, 2), (200, 16, 16, 2), (64, 32, 8, 1), (1024, 2, 2, 2), (1024, 1, 1, 1))]
     for run in runs:

@@ -1,0 +1,61 @@
+"""``ringkv.plan``: choose TP/PP/SP (and the KV cache dtype) for a model, a context length and a
+cluster. Pure computation: nothing here communicates or allocates a model.
+
+Every configuration ``tp x pp x sp = gpus`` the engine accepts (and Ulysses x ring splits of
+``sp`` where the heads allow) becomes an ``Option`` with what each GPU holds and how fast it
+runs. Memory uses the engine's own formulas (``EngineShape.bytes_per_token``, ``stage_sizes``,
+``kv_heads_per_rank``), so the planner and ``LLM.kv_cache_info()`` cannot drift. Time is a
+roofline model over the hardware table ``hardware.json`` (peak x efficiency, or rates measured
+by ringkv's benchmarks via ``calibrate``):
+
+- prefill, per layer and rank: linear layers ``2 x params_rank x tokens / matmul rate``; ring
+  attention ``R`` steps of ``compute = causal FLOPs / R^2 / attention rate`` overlapped with the
+  K/V block's transfer, ``max(compute, transfer)`` per step plus the fp32 (out, lse) merge
+  (memory bound); Ulysses all-to-alls and the two TP all-reduces are not overlapped; PP runs
+  the stages one after the other for a sequence (``sum of stages + (batch - 1) x slowest``);
+- decode (memory bound): a step reads each stage's weights once per micro-batch and the K/V
+  of the context, ``max(bytes / bandwidth, FLOPs / rate)`` (the weights at a measured
+  decode-matmul rate by rows, ``Rates.gemm``, when calibrated with one), plus per-layer
+  collectives (latency + bytes / bandwidth) and the host seconds of a step (``hardware.json``
+  "host": per step, per sequence, per layer);
+- a whole engine run (``EngineRun``: what ``benchmarks/engine.py`` measures): the engine's own
+  scheduler replays the requests (``engine_workload``), each step is priced as above
+  (``_step_terms`` -> ``StepTerms``, ``_step_cost``) and an event simulation of the driver and the
+  stages gives the wall time (``engine_run_seconds``); ``fit_engine`` fits one thread's rates,
+  host seconds and thread scaling on measured runs.
+
+The modules, each importing only those above it in this list:
+
+- ``catalogue``: model presets (``PRESETS``, ``ALIASES``), ``load_model``, ``_model_of``, ``_read_json``;
+- ``memory``: ``DTYPES``, ``stage_sizes``, ``layer_params``, ``stage_weight_bytes``,
+  ``stage_kv_bytes_per_token``, ``_gb``;
+- ``hardware``: the hardware table (``HARDWARE_PATH`` = ``ringkv/hardware.json``, ``load_hardware``,
+  ``_merge``) and the rates the model prices with (``Rates``, ``rates``, ``_threads``);
+- ``simulation``: ``ring_attention_seconds``, ``_xfer``, ``StepWork``, ``engine_workload``,
+  ``StepTerms``, ``RingTerms``, ``_step_terms``, ``_step_cost``, ``engine_run_seconds``, ``_run_terms``,
+  ``_simulate``, ``EngineRun``;
+- ``calibration``: ``FIT_KEYS``, ``fit_engine``, ``_nelder_mead``, ``RATE_KEYS``, ``apply_calibration``,
+  ``_with``, ``fit_rates``, ``fit_keys``, ``_single_process_runs``, ``one_process_seconds``, ``_kind``,
+  ``_fit_attention``, ``_parse_config``;
+- ``options``: ``Option``, ``plan``, ``_option``, ``_rank``, ``_needs_sp``, ``_why``, ``_divisors``,
+  ``_positive_int``, ``_link``, the seed constants (``SEED_SP_TOKENS``, ``SEED_MAX_PP``,
+  ``WEAK_LINK_MAX_TP``);
+- ``report``: ``format_table``, ``plot``, ``_svg``.
+
+Every name is re-exported here (``ringkv.planner.X``). The formulas, the hardware table with its
+sources and the validation are in docs/plan.md.
+"""
+
+from dataclasses import asdict  # noqa: F401  (planner.asdict: benchmarks/plan_validate.py)
+
+from .catalogue import ALIASES, PRESETS, _llama, _model_of, _read_json, load_model  # noqa: F401
+from .memory import DTYPES, _gb, layer_params, stage_kv_bytes_per_token, stage_sizes, stage_weight_bytes  # noqa: F401
+from .hardware import HARDWARE_PATH, Rates, _merge, _threads, load_hardware, rates  # noqa: F401
+from .simulation import (EngineRun, RingTerms, StepTerms, StepWork, _run_terms, _simulate, _step_cost,  # noqa: F401
+                         _step_terms, _xfer, engine_run_seconds, engine_workload, ring_attention_seconds)
+from .calibration import (FIT_KEYS, RATE_KEYS, _fit_attention, _kind, _nelder_mead, _parse_config,  # noqa: F401
+                          _single_process_runs, _with, apply_calibration, fit_engine, fit_keys, fit_rates,
+                          one_process_seconds)
+from .options import (SEED_MAX_PP, SEED_SP_TOKENS, WEAK_LINK_MAX_TP, Option, _divisors, _link,  # noqa: F401
+                      _needs_sp, _option, _positive_int, _rank, _why, plan)
+from .report import _svg, format_table, plot  # noqa: F401

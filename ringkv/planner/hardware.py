@@ -1,0 +1,92 @@
+"""The hardware table and the rates the time model prices with: ``load_hardware`` reads
+``ringkv/hardware.json`` (``HARDWARE_PATH``, package data beside the package) with a user's file
+merged over it; ``Rates`` are one device's (one CPU thread's) achievable rates, ``rates`` takes
+them from the table (peak x efficiency), ``_threads`` scales them to a process's threads.
+Calibration (``calibration.py``) replaces them with measured ones."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from .catalogue import _read_json
+
+HARDWARE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hardware.json")
+
+
+def load_hardware(path: Optional[str] = None) -> dict:
+    """The hardware table (``ringkv/hardware.json``), with the entries of ``path`` merged over it."""
+    table = _read_json(HARDWARE_PATH, "hardware table")
+    if path is None:
+        return table
+    extra = _read_json(path, "hardware file")
+    if not isinstance(extra, dict):
+        raise ValueError(f"hardware file {path!r} must hold a JSON object like ringkv/hardware.json")
+    return _merge(table, extra)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@dataclass(kw_only=True)
+class Rates:
+    """Achievable rates of one device (on a CPU: one thread): FLOP/s of linear layers and of
+    attention, memory bytes/s, per link bytes/s (one direction) and latency (s), host seconds
+    per engine step (``step``, ``seq``: per sequence, ``layer``: per layer). A process with
+    ``t`` threads computes and reads memory at ``t ** thread_scaling`` times these rates.
+    ``gemm``: measured bytes/s at which a process of ``threads`` streams the weights through
+    decode matmuls of ``rows`` tokens, ``{threads: {rows: bytes/s}}`` (``benchmarks/decode_gemm.py``);
+    where it has the process's thread count, a step's weights are read at that rate (linear in
+    rows between the measured ones, the nearest outside) instead of ``memory``."""
+    matmul: float
+    attention: float
+    memory: float
+    links: Dict[str, float]
+    latency: Dict[str, float]
+    source: str = "hardware table x efficiency"
+    host: Dict[str, float] = field(default_factory=dict)
+    thread_scaling: float = 1.0
+    gemm: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    threads: int = 1  # the process's threads (``_threads``): selects the ``gemm`` row
+
+    def weight_rate(self, rows: float) -> Optional[float]:
+        """Measured weight bytes/s at ``rows`` for this process's threads, or None."""
+        table = self.gemm.get(str(self.threads))
+        if not table:
+            return None
+        pts = sorted((float(k), float(v)) for k, v in table.items())
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, b0), (r1, b1) in zip(pts, pts[1:]):
+            if rows <= r1:
+                return b0 + (b1 - b0) * (rows - r0) / (r1 - r0)
+        return pts[-1][1]
+
+
+def rates(hw: dict, gpu: str, dtype: str = "bfloat16") -> Rates:
+    """Peak x efficiency for ``gpu`` from the hardware table ``hw``."""
+    g = hw["gpus"][gpu]
+    eff = dict(hw["efficiency"], **g.get("efficiency", {}))
+    flops = g["flops"]
+    if dtype not in flops:
+        raise ValueError(f"{gpu} has no {dtype} peak in the hardware table; choose dtype in {sorted(flops)}")
+    attn_dtype = "float32" if dtype == "float32" else "bfloat16"
+    return Rates(matmul=flops[dtype] * eff["matmul"], attention=flops[attn_dtype] * eff["attention"],
+                 memory=g["mem_bw"] * eff["memory"], links={k: v * eff["link"] for k, v in g["links"].items()},
+                 latency={k: hw["links"].get(k, {}).get("latency", 0.0) for k in g["links"]},
+                 host={k: float(v) for k, v in dict(hw.get("host", {}), **g.get("host", {})).items()
+                       if not k.startswith("_")})
+
+
+def _threads(r: Rates, t: int) -> Rates:
+    """The rates of a process with ``t`` threads from one thread's ``r``: compute and memory times
+    ``t ** thread_scaling``; the ``gemm`` row of ``t`` threads."""
+    k = t ** r.thread_scaling
+    return dataclasses.replace(r, matmul=r.matmul * k, memory=r.memory * k, attention=r.attention * k, threads=t)

@@ -199,10 +199,10 @@ def test_hits_count_once_per_request_not_per_admission_attempt():
     bm.register(t, pre, 9)
     bm.free(t)  # 2 cached blocks, 3 empty
     sched = Scheduler(bm, max_num_batched_tokens=100)
-    hog = Sequence(0, None, list(range(100, 112)), SamplingParams())  # takes the 3 empty blocks
+    hog = Sequence(seq_id=0, prompt=None, prompt_token_ids=list(range(100, 112)), params=SamplingParams())  # takes the 3 empty blocks
     sched.add(hog)
     assert [s.seq for s in sched.schedule()] == [hog]
-    seq = Sequence(1, None, pre[:8] + [50] * 9, SamplingParams())  # 2 cached blocks + 3 more: no room yet
+    seq = Sequence(seq_id=1, prompt=None, prompt_token_ids=pre[:8] + [50] * 9, params=SamplingParams())  # 2 cached blocks + 3 more: no room yet
     sched.add(seq)
     for _ in range(3):
         assert seq not in [s.seq for s in sched.schedule()]

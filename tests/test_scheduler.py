@@ -25,7 +25,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if length + out > self.cap:  # what LLM enforces through max_model_len
             return
         tokens = [(i * 5 + self.ids) % vocab for i in range(length)]
-        seq = Sequence(self.ids, None, tokens, SamplingParams(max_tokens=out))
+        seq = Sequence(seq_id=self.ids, prompt=None, prompt_token_ids=tokens, params=SamplingParams(max_tokens=out))
         self.ids += 1
         self.seqs.append(seq)
         self.s.add(seq)

@@ -19,8 +19,7 @@ import hashlib
 import itertools
 import json
 import weakref
-from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import timedelta
 from typing import Dict, Iterator, List, Optional, Sequence as Seq, Union
 
@@ -30,12 +29,12 @@ from ..cache.block_manager import BlockManager, block_hash
 from ..kernels import quant
 from ..model.loader import open_model
 from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster, deferred_interrupt
-from ..parallel.plan import SeqStep, StepPlan
 from ..parallel.tp import check_tp
 from ..parallel.worker import EngineShape
 from . import migrate
 from .detok import IncrementalDetokenizer
 from .params import CompletionOutput, Logprob, RequestOutput, SamplingParams, TokenDelta, is_int
+from .pipeline import StepPipeline
 from .sampling import needs_logits, observe, sample
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
@@ -50,28 +49,58 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-class LLM:
-    """The inference engine. ``tp``/``pp``/``sp``: tensor-, pipeline- and sequence-parallel
-    ranks (``tp * pp * sp`` processes; see the module docstring for how they start).
-    ``kv_cache_memory`` is bytes *per rank*; ``gpu_memory_utilization`` (CUDA) sizes the cache
-    from the device instead; the block count is the minimum over ranks."""
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Everything ``LLM`` is built with besides the model. ``tp``/``pp``/``sp``: tensor-,
+    pipeline- and sequence-parallel ranks (``tp * pp * sp`` processes); ``kv_cache_memory`` is
+    bytes *per rank*, ``gpu_memory_utilization`` (CUDA) sizes the cache from the device
+    instead, ``num_blocks`` sets it (give at most one of the three); the block count is the
+    minimum over ranks. ``timeout``: seconds a rank waits for its peers before it fails."""
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    pp_layers: Optional[Seq[int]] = None  # layers per pipeline stage (default: balanced)
+    sp_prefill_min_tokens: int = SP_PREFILL_MIN_TOKENS
+    block_size: int = 16  # tokens per block on one rank (a block-table entry holds block_size * sp)
+    max_model_len: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    gpu_memory_utilization: Optional[float] = None
+    num_blocks: Optional[int] = None
+    dtype: Optional[torch.dtype] = None  # or its name; default float32 on CPU, bfloat16 on CUDA
+    tokenizer: object = None  # default: the model's own
+    device: object = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    hash_fn: object = block_hash
+    paged_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    timeout: Optional[float] = None
 
-    def __init__(self, model, *, tp: int = 1, pp: int = 1, sp: int = 1, pp_layers: Optional[Seq[int]] = None,
-                 sp_prefill_min_tokens: int = SP_PREFILL_MIN_TOKENS, block_size: int = 16,
-                 max_model_len: Optional[int] = None, kv_cache_memory: Optional[int] = None,
-                 gpu_memory_utilization: Optional[float] = None, num_blocks: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None, tokenizer=None, device=None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, hash_fn=block_hash, paged_backend: str = "auto",
-                 kv_cache_dtype: str = "auto", timeout: Optional[float] = None):
-        for name, v in (("tp", tp), ("pp", pp), ("sp", sp), ("block_size", block_size),
-                        ("sp_prefill_min_tokens", sp_prefill_min_tokens)):
-            _positive_int(name, v)
+
+class LLM:
+    """The inference engine: ``LLM(model, EngineConfig(...))``, or the config's fields as
+    keywords (``LLM(model, tp=2, block_size=32)``; keywords override a given config). See
+    ``EngineConfig`` and the module docstring (how ranks start)."""
+
+    def __init__(self, model, config: Optional[EngineConfig] = None, **settings):
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        names = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(settings) - names)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}; the settings are {sorted(names)}")
+        c = self.engine_config = replace(config or EngineConfig(), **settings)
+        tp, pp, sp, block_size = c.tp, c.pp, c.sp, c.block_size
+        kv_cache_memory, num_blocks, gpu_memory_utilization = c.kv_cache_memory, c.num_blocks, c.gpu_memory_utilization
+        max_model_len, dtype = c.max_model_len, c.dtype
+        for name in ("tp", "pp", "sp", "block_size", "sp_prefill_min_tokens"):
+            _positive_int(name, getattr(c, name))
         if sum(x is not None for x in (kv_cache_memory, num_blocks, gpu_memory_utilization)) > 1:
             raise ValueError("give one of kv_cache_memory (bytes per rank), gpu_memory_utilization or num_blocks")
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         if isinstance(dtype, str):
@@ -80,15 +109,15 @@ class LLM:
             dtype = getattr(torch, dtype)
         self.dtype = dtype
         cfg, weights, tok = open_model(model)
-        self.config, self.tokenizer = cfg, tokenizer if tokenizer is not None else tok
+        self.config, self.tokenizer = cfg, c.tokenizer if c.tokenizer is not None else tok
         # -- everything that can be wrong with the configuration, before any weight or cache
         check_tp(cfg, tp)
-        quant.resolve(kv_cache_dtype)  # an unsupported kv_cache_dtype names the supported ones
-        shape = EngineShape(pp, sp, tp, tuple(pp_layers) if pp_layers is not None else None, block_size,
-                            sp_prefill_min_tokens, paged_backend, kv_cache_dtype)
+        quant.resolve(c.kv_cache_dtype)  # an unsupported kv_cache_dtype names the supported ones
+        shape = EngineShape(pp, sp, tp, tuple(c.pp_layers) if c.pp_layers is not None else None, block_size,
+                            c.sp_prefill_min_tokens, c.paged_backend, c.kv_cache_dtype)
         self.stage_layers = shape.stage_sizes(cfg)  # also validates pp and pp_layers
         Cluster.mode_for(tp * pp * sp)  # a torch.distributed world of the wrong size
-        budget = CacheBudget(num_blocks, kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens)
+        budget = CacheBudget(num_blocks, kv_cache_memory, gpu_memory_utilization, c.max_num_batched_tokens)
         window = cfg.sliding_window or float("inf")  # within the window, full attention is exact
         if max_model_len is not None and max_model_len > window:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, "
@@ -99,7 +128,7 @@ class LLM:
                 for s in range(pp)), shape, max_model_len, kv_cache_memory)
         self.shape = shape
         self.cluster = Cluster(shape, cfg, weights, model_arg=model, dtype=dtype, device=self.device, budget=budget,
-                               timeout=None if timeout is None else timedelta(seconds=timeout))
+                               timeout=None if c.timeout is None else timedelta(seconds=c.timeout))
         self._finalizer = weakref.finalize(self, self.cluster.close)
         self.num_blocks = self.cluster.num_blocks
         try:
@@ -111,23 +140,27 @@ class LLM:
         self.kv = self.cluster.worker.kv  # this rank's share of the cache
         # which model a KV snapshot belongs to (config and sampled weights); the driver makes and takes snapshots
         self.digest = model_digest(cfg, weights) if self.cluster.is_driver else None
-        self.blocks = BlockManager(self.num_blocks, block_size * sp, enable_prefix_caching=enable_prefix_caching,
-                                   hash_fn=hash_fn)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens,
+        self.blocks = BlockManager(self.num_blocks, block_size * sp, enable_prefix_caching=c.enable_prefix_caching,
+                                   hash_fn=c.hash_fn)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=c.max_num_seqs,
+                                   max_num_batched_tokens=c.max_num_batched_tokens,
                                    reclaim=lambda: migrate.reclaim(self))
+        self.pipeline = StepPipeline(self.scheduler, _Steps(self), depth=pp)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self._ids = itertools.count()
         self._calls = itertools.count()
-        self._active: Dict = {}  # request id -> its sequences (samples)
-        self._paused: Dict = {}  # exported with stop=True: out of the scheduler, blocks kept
-        self._staged: Dict = {}  # imported without their final snapshot: migrate.Staged
-        self._inflight: "deque[List[Scheduled]]" = deque()
-        self._unreported: Dict = {}  # request ids that got tokens since step() last reported them (ordered)
         self._max_prompt_chars: Optional[int] = None
-        self.peak_in_flight = 0  # most steps in flight at once (pipeline parallelism keeps up to pp)
+
+    # the pipeline's book, under the names tests and tools used before it existed
+    _active = property(lambda self: self.pipeline.active)
+    _paused = property(lambda self: self.pipeline.paused)
+    _staged = property(lambda self: self.pipeline.staged)
+
+    @property
+    def peak_in_flight(self) -> int:
+        """Most steps in flight at once (pipeline parallelism keeps up to ``pp``)."""
+        return self.pipeline.peak_in_flight
 
     @staticmethod
     def _check_capacity(num_blocks: int, shape: EngineShape, max_model_len: Optional[int], memory) -> int:
@@ -242,13 +275,15 @@ class LLM:
                     problem = str(e)
                 except (TypeError, KeyError, AttributeError) as e:  # e.g. malformed chat messages
                     problem = f"invalid prompt: {e}"
-        rid = next(self._ids) if request_id is None else request_id
+        rid = self.pipeline.new_id() if request_id is None else request_id
         if problem is not None:
-            seq = Sequence(rid if isinstance(rid, int) else 0, prompt, [], SamplingParams(), cache_salt, 0, rid)
+            seq = Sequence(seq_id=rid if isinstance(rid, int) else 0, prompt=prompt, prompt_token_ids=[],
+                           params=SamplingParams(), cache_salt=cache_salt, request_id=rid)
             seq.prompt_token_ids = ids
             seq.finish("error", problem)
             return [seq]
-        seqs = [Sequence(next(self._ids), prompt, ids, params, cache_salt, i, rid) for i in range(params.n)]
+        seqs = [Sequence(seq_id=self.pipeline.new_id(), prompt=prompt, prompt_token_ids=ids, params=params,
+                         cache_salt=cache_salt, index=i, request_id=rid) for i in range(params.n)]
         seqs[0].siblings = seqs[1:]
         return seqs
 
@@ -270,40 +305,23 @@ class LLM:
                     cache_salt: Optional[str] = None, apply_chat_template: bool = False):
         """Queue a request (a string, token ids or chat messages); returns its id. An invalid
         request raises ``ValueError`` and changes nothing."""
-        if request_id is not None and any(request_id in d for d in (self._active, self._paused, self._staged)):
+        if request_id is not None and self.pipeline.known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         seqs = self._make(prompt, SamplingParams() if params is None else params, apply_chat_template, cache_salt,
                           request_id)
         if seqs[0].finished:
             raise ValueError(seqs[0].error)
-        self._admit(seqs)
+        self.pipeline.add(seqs)
         return seqs[0].request_id
-
-    def _admit(self, seqs: List[Sequence]) -> None:
-        self._active[seqs[0].request_id] = seqs
-        if not seqs[0].finished:
-            self.scheduler.add(seqs[0])  # its siblings follow once the prompt is computed
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step()`` has anything left to do or to report."""
-        return bool(self._unreported) or any(not s.finished for seqs in self._active.values() for s in seqs)
+        return self.pipeline.has_unreported or any(not s.finished for seqs in self._active.values() for s in seqs)
 
     def abort_request(self, request_id) -> bool:
         """Stop a request and free its blocks (also one stopped by an export, or staged by an
         import); False if it is unknown or already finished."""
-        staged = self._staged.pop(request_id, None)
-        if staged is not None:
-            self.blocks.free(staged.seq.block_table)
-            return True
-        seqs = self._active.pop(request_id, None) or self._paused.pop(request_id, None)
-        self._unreported.pop(request_id, None)
-        if seqs is None:
-            return False
-        live = [s for s in seqs if not s.finished]
-        for s in live:
-            self.scheduler.finish(s)  # a step in flight for it completes and is discarded
-            s.finish("abort")
-        return bool(live)
+        return self.pipeline.abort(request_id)
 
     def step(self, delta: bool = False) -> List[RequestOutput]:
         """Advance the engine by one finished step (see ``_advance``); returns the requests that
@@ -311,17 +329,10 @@ class LLM:
         returned one last time and forgotten. ``delta=True``: each output holds only what is
         new since the request's previous output (token ids, text, log-probs): no per-step copy
         that grows with the output (what a serving loop wants)."""
-        if self.scheduler.has_work() or self._inflight:
+        if self.pipeline.busy:
             self._advance()
-        outs = []
-        for rid in list(self._unreported):  # also what other calls (generate, a stream) advanced
-            del self._unreported[rid]
-            if rid not in self._active:
-                continue
-            outs.append(self._output(self._active[rid], delta))
-            if outs[-1].finished:
-                del self._active[rid]
-        return outs
+        # also what other calls (generate, a stream) advanced
+        return [self._output(seqs, delta) for _, seqs in self.pipeline.reports()]
 
     # -- migration (engine/migrate.py) -------------------------------------------------------
     def export_request(self, request_id, *, since: Optional[KVSnapshot] = None, stop: bool = True) -> KVSnapshot:
@@ -346,32 +357,12 @@ class LLM:
 
     # -- the loop --------------------------------------------------------------------------
     def _advance(self) -> List[Sequence]:
-        """Plan steps until ``pp`` are in flight (pipeline stages stay busy) or nothing more
-        can run, then finish the oldest one. Returns the sequences that got a token."""
+        """One step of the pipeline (``StepPipeline.advance``). Returns the sequences that got a token."""
         if not self.cluster.is_driver:
             raise RuntimeError("only rank 0 drives the engine; other torchrun ranks call generate/stream like rank 0")
         self.cluster.ensure_usable()
         with deferred_interrupt():  # a Ctrl-C takes effect between steps, never inside one
-            return self._advance_once()
-
-    def _advance_once(self) -> List[Sequence]:
-        depth, sched = self.shape.pp, self.scheduler
-        share = -(-(len(sched.running) + len(sched.waiting)) // depth)  # each step in flight takes its share
-        while len(self._inflight) < depth:
-            busy = {s.seq for batch in self._inflight for s in batch}
-            batch = sched.schedule(busy, max_seqs=share if depth > 1 else None)
-            if not batch:
-                break
-            plan = self._plan(batch)
-            for s in batch:  # the K/V will exist before any later step runs: later chunks may follow
-                s.seq.num_computed = s.start + s.n
-            self._inflight.append(batch)
-            self.cluster.submit(plan)
-            self.peak_in_flight = max(self.peak_in_flight, len(self._inflight))
-        if not self._inflight:
-            raise RuntimeError("scheduler made no progress with requests pending (a bug)")
-        batch = self._inflight.popleft()
-        return self._complete(batch, self.cluster.result())
+            return self.pipeline.advance()
 
     def _append(self, seq: Sequence, token: int, logprob=None) -> None:
         """Add a sampled token, its text, and decide whether the sequence is done."""
@@ -380,8 +371,6 @@ class LLM:
         if logprob is not None:
             seq.logprobs.append(logprob)
         observe(seq, token)
-        if seq.num_tokens == len(seq.prompt_token_ids) + 1:
-            self._release_siblings(seq)
         stops = p.stop_strings if self.tokenizer is not None else []
         if self.tokenizer is not None:
             seq.detok = seq.detok or IncrementalDetokenizer(self.tokenizer)
@@ -406,100 +395,16 @@ class LLM:
         seq.deltas.append(seq.text[seq.emitted:upto])
         seq.emitted = upto
 
-    def _release_siblings(self, seq: Sequence) -> None:
-        """The prompt of a request with ``n > 1`` is computed (and cached): its other samples
-        start now, reusing the prompt's blocks."""
-        for s in reversed(seq.siblings):
-            self.scheduler.waiting.appendleft(s)
-        seq.siblings = []
-
-    def _plan(self, batch: List[Scheduled]) -> StepPlan:
-        done = [s for s in batch if s.completes]
-        want = "logits" if any(needs_logits(s.seq.params) for s in done) else "tokens"
-        return StepPlan([SeqStep(s.start, s.n, s.seq.token_ids[s.start:s.start + s.n], s.seq.block_table,
-                                 s.completes, self._targets(s)) for s in batch], want)  # tables are read before they change
-
-    @staticmethod
-    def _targets(s: Scheduled) -> Optional[List[int]]:
-        """Prompt tokens whose log-probs this step computes (positions ``start..`` predict them)."""
-        if s.seq.prompt_logprobs is None:
-            return None
-        prompt = s.seq.prompt_token_ids
-        return prompt[s.start + 1:min(s.start + s.n, len(prompt) - 1) + 1] or None
-
-    def _complete(self, batch: List[Scheduled], result) -> List[Sequence]:
-        """Apply a finished step: register the blocks it filled, sample, append each completing
-        sequence's token. A request whose part of this fails (sampling, detokenizing, a stop
-        check) fails alone, with ``finish_reason="error"``; the others keep their tokens."""
-        done = [s for s in batch if s.completes]
-        for s in batch:
-            self.blocks.register(s.seq.block_table, s.seq.token_ids, s.start + s.n, s.seq.cache_salt,
-                                 s.seq.prefix_cursor)
-        if result is not None and result.prompt_logprobs is not None:
-            values = iter(result.prompt_logprobs.tolist())
-            for s in batch:
-                for j in range(len(self._targets(s) or ())):
-                    s.seq.prompt_logprobs[s.start + j] = next(values)  # of prompt token start + j + 1
-        advanced = []
-        for s, picked in zip(done, self._sample(result, [s.seq for s in done])):
-            seq = s.seq
-            if seq.finished:  # aborted while its step was in flight
-                continue
-            try:
-                if isinstance(picked, Exception):
-                    raise picked
-                self._append(seq, *picked)
-            except Exception as e:  # noqa: BLE001 - this request fails, the step's others go on
-                self._fail_request(seq, e)
-            advanced.append(seq)
-            self._unreported[seq.request_id] = None
-            if seq.finished:
-                self.scheduler.finish(seq)
-        return advanced
-
-    def _sample(self, result, seqs: List[Sequence]) -> list:
-        """``(token, logprob)`` per completing sequence (or the exception that sampling it raised)."""
-        if result is None:
-            return []
-        if result.main.dtype == torch.long:
-            return [(t, None) for t in result.main.tolist()]
-        try:
-            return list(zip(*sample(result.main, seqs)))
-        except Exception:  # noqa: BLE001 - find the rows that fail; the others are sampled alone
-            out = []
-            for i, seq in enumerate(seqs):
-                try:
-                    out.append(next(zip(*sample(result.main[i:i + 1], [seq]))))
-                except Exception as e:  # noqa: BLE001
-                    out.append(e)
-            return out
-
-    def _fail_request(self, seq: Sequence, e: Exception) -> None:
-        """Finish ``seq`` (and its samples not started yet) with an error naming ``e``."""
-        message = f"the request failed while its token was finished: {type(e).__name__}: {e}"
-        for s in [seq] + seq.siblings:
-            s.finish("error", message)
-        seq.siblings = []
-
     def _drain(self) -> None:
         """Finish the steps still in flight after an interruption: every request still running
         keeps its tokens (aborted ones are finished first, so theirs are dropped)."""
         with deferred_interrupt():
-            while self._inflight and not self.cluster.broken:
-                batch = self._inflight.popleft()
-                try:
-                    self._complete(batch, self.cluster.result())
-                except Exception:  # noqa: BLE001 - the engine is broken now; the caller raises its own error
-                    break
-            if self.cluster.broken:
-                self._inflight.clear()
+            self.pipeline.drain(lambda: not self.cluster.broken)
 
     def run(self, batch: List[Scheduled]) -> torch.Tensor:
         """Compute one scheduled batch now; fp32 logits ``(M, vocab)`` of its completing rows
         (for tests that drive the scheduler by hand)."""
-        plan = self._plan(batch)
-        plan.want = "logits"
-        self.cluster.submit(plan)
+        self.cluster.submit(batch, "logits")
         out = self.cluster.result()
         return out.main if out is not None else torch.zeros(0, self.config.vocab_size)
 
@@ -524,15 +429,17 @@ class LLM:
             start = len(s.prompt_token_ids) + k
             text = "".join(s.deltas[k:]) if delta else s.text
             lps = s.logprobs[k:] if s.params.logprobs is not None else None
-            outs.append(CompletionOutput(s.index, s.token_ids[start:], text, s.finish_reason, lps))
+            outs.append(CompletionOutput(index=s.index, token_ids=s.token_ids[start:], text=text,
+                                         finish_reason=s.finish_reason, logprobs=lps))
             if delta:
                 s.reported = s.num_tokens - len(s.prompt_token_ids)
         first = seqs[0]
         plp = None if delta and first.reported_prompt else first.prompt_logprobs  # delta: in the first output
         first.reported_prompt = first.reported_prompt or delta
-        return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outs[0].token_ids, outs[0].text,
-                             outs[0].finish_reason, first.error, first.num_cached_tokens or 0, outs[0].logprobs,
-                             outs, plp)
+        return RequestOutput(request_id=first.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+                             token_ids=outs[0].token_ids, text=outs[0].text, finish_reason=outs[0].finish_reason,
+                             error=first.error, num_cached_tokens=first.num_cached_tokens or 0,
+                             logprobs=outs[0].logprobs, outputs=outs, prompt_logprobs=plp)
 
     def _requests(self, prompts, params, apply_chat_template, cache_salt) -> List[List[Sequence]]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
@@ -569,7 +476,7 @@ class LLM:
         if not self.cluster.is_driver:
             return [_output_from_json(o) for o in self.cluster.follow()["outputs"]]
         for g in groups:
-            self._admit(g)
+            self.pipeline.add(g)
         live = [s for g in groups for s in g if not s.finished]
         bar = None
         if use_tqdm and live:
@@ -590,8 +497,7 @@ class LLM:
             if bar is not None:
                 bar.close()
             for g in groups:
-                self._active.pop(g[0].request_id, None)
-                self._unreported.pop(g[0].request_id, None)
+                self.pipeline.forget(g[0].request_id)
         outs = [self._output(g) for g in groups]
         self.cluster.end({"outputs": [asdict(o) for o in outs]})
         return outs
@@ -600,10 +506,7 @@ class LLM:
         """Leave the engine clean for the next call after an interruption or failure: the call's
         own requests (``live``) are aborted, every other request goes on (``e``: torchrun
         followers are told, and raise too)."""
-        for s in live:
-            if not s.finished:
-                self.scheduler.finish(s)
-                s.finish("error", "aborted")
+        self.pipeline.finish(live, "error", "aborted")
         self._drain()
         if e is not None:
             self.cluster.abort(f"{type(e).__name__}: {e}")
@@ -624,7 +527,7 @@ class LLM:
             if end.get("error"):
                 raise RuntimeError(end["error"])
             return
-        self._admit(group[0])
+        self.pipeline.add(group[0])
         sent = []
         try:
             while True:
@@ -644,12 +547,60 @@ class LLM:
             self._abort(group[0], e)
             raise
         finally:
-            self._active.pop(seq.request_id, None)
-            self._unreported.pop(seq.request_id, None)
+            self.pipeline.forget(seq.request_id)
         failed = seq.error if seq.finish_reason == "error" else None
         self.cluster.end({"deltas": sent, "error": failed})
         if failed:
             raise RuntimeError(failed)
+
+
+class _Steps:
+    """What a step computes for ``LLM`` (the pipeline's executor): the ranks run it
+    (``parallel.Cluster``), the driver samples and appends the tokens."""
+
+    def __init__(self, llm: LLM):
+        self.llm, self.cluster = llm, llm.cluster
+
+    def submit(self, batch: List[Scheduled]) -> None:
+        want = "logits" if any(needs_logits(s.seq.params) for s in batch if s.completes) else "tokens"
+        self.cluster.submit(batch, want)
+
+    def result(self, batch: List[Scheduled]):
+        return self.cluster.result()
+
+    def tokens(self, batch: List[Scheduled], result) -> list:
+        """The step's prompt log-probs written into their sequences, then ``(seq, (token,
+        logprob) or the exception sampling it raised)`` per completing sequence."""
+        if result is not None and result.prompt_logprobs is not None:
+            values = iter(result.prompt_logprobs.tolist())
+            for s in batch:
+                for j in range(s.targets):
+                    s.seq.prompt_logprobs[s.start + j] = next(values)  # of prompt token start + j + 1
+        done = [s.seq for s in batch if s.completes]
+        return list(zip(done, self._sample(result, done)))
+
+    @staticmethod
+    def _sample(result, seqs: List[Sequence]) -> list:
+        if result is None:
+            return []
+        if result.main.dtype == torch.long:
+            return [(t, None) for t in result.main.tolist()]
+        try:
+            return list(zip(*sample(result.main, seqs)))
+        except Exception:  # noqa: BLE001 - find the rows that fail; the others are sampled alone
+            out = []
+            for i, seq in enumerate(seqs):
+                try:
+                    out.append(next(zip(*sample(result.main[i:i + 1], [seq]))))
+                except Exception as e:  # noqa: BLE001
+                    out.append(e)
+            return out
+
+    def append(self, seq: Sequence, picked) -> None:
+        self.llm._append(seq, *picked)
+
+    def idle(self) -> None:
+        self.cluster.park()
 
 
 def _output_from_json(d: dict) -> RequestOutput:

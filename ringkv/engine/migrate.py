@@ -26,17 +26,16 @@ from typing import List, Optional
 
 import torch
 
-from ..cache.block_manager import PrefixCursor
 from ..kernels.quant import as_bytes
 from .detok import IncrementalDetokenizer
 from .params import Logprob, SamplingParams, is_int
-from .sequence import Sequence, Status
+from .sequence import Sequence
 from .snapshot import VERSION, KVSnapshot
 
 
 @dataclass
 class Staged:
-    """An import waiting for its final snapshot (``LLM._staged[request_id]``)."""
+    """An import waiting for its final snapshot (``StepPipeline.staged[request_id]``)."""
     seq: Sequence
     last_id: str  # the snapshot the next one must extend
     kv_end: int  # the K/V the snapshots reached: the next one starts there
@@ -84,11 +83,12 @@ def _write(llm, table: List[int], start: int, snap: KVSnapshot) -> None:
 
 def export_request(llm, rid, since: Optional[KVSnapshot] = None, stop: bool = True) -> KVSnapshot:
     _single_rank(llm)
-    if llm._inflight:
+    book = llm.pipeline
+    if book.inflight:
         raise RuntimeError("a step is in flight; export between steps")
-    seqs = llm._active.get(rid)
+    seqs = book.get(rid)
     if seqs is None:
-        state = "stopped by an earlier export (resume or abort it)" if rid in llm._paused else "unknown or finished"
+        state = "stopped by an earlier export (resume or abort it)" if rid in book.paused else "unknown or finished"
         raise ValueError(f"request {rid!r} is {state}; nothing to export")
     if len(seqs) != 1:
         raise ValueError(f"request {rid!r} has n={len(seqs)} samples; only requests with n = 1 can migrate")
@@ -114,9 +114,7 @@ def export_request(llm, rid, since: Optional[KVSnapshot] = None, stop: bool = Tr
                                           for lp in seq.logprobs[logprobs_from:]],
         logprobs_from=logprobs_from, prompt_logprobs=seq.prompt_logprobs, num_cached_tokens=seq.num_cached_tokens or 0)
     if stop:  # out of the scheduler, blocks kept: resume_request or abort_request decides
-        sched = llm.scheduler
-        (sched.running if seq in sched.running else sched.waiting).remove(seq)
-        llm._paused[rid] = llm._active.pop(rid)
+        book.pause(rid)
     return snap
 
 
@@ -129,12 +127,9 @@ def _empty(llm):
 
 
 def resume_request(llm, rid) -> None:
-    seqs = llm._paused.pop(rid, None)
-    if seqs is None:
+    if rid not in llm.pipeline.paused:
         raise ValueError(f"request {rid!r} is not stopped by an export")
-    seqs[0].status = Status.WAITING
-    llm.scheduler.waiting.appendleft(seqs[0])
-    llm._active[rid] = seqs
+    llm.pipeline.resume(rid)
 
 
 # -- import: check everything, then change the engine ----------------------------------------
@@ -253,9 +248,9 @@ def _validate(llm, snap: KVSnapshot):
     _check_ids("token_ids", snap.token_ids, vocab)
     _check_ids("prompt_token_ids", snap.prompt_token_ids, vocab)
     params = _check_params(snap.params)
-    staged = llm._staged.get(rid)
+    staged = llm.pipeline.staged.get(rid)
     if snap.base_id is None:
-        if staged is not None or rid in llm._active or rid in llm._paused:
+        if llm.pipeline.known(rid):
             raise ValueError(f"request {rid!r} already exists in this engine")
         prompt, req = snap.prompt_token_ids, params
         if not prompt:
@@ -319,8 +314,8 @@ def import_request(llm, snap: KVSnapshot, cache_prefix: bool = False):
             llm.blocks.free(table[old:])
             raise
     if seq is None:
-        seq = Sequence(next(llm._ids), snap.prompt, snap.prompt_token_ids, params, snap.cache_salt, 0,
-                       snap.request_id)
+        seq = Sequence(seq_id=llm.pipeline.new_id(), prompt=snap.prompt, prompt_token_ids=snap.prompt_token_ids,
+                       params=params, cache_salt=snap.cache_salt, request_id=snap.request_id)
     seq.token_ids, seq.block_table = tokens, table
     if with_kv:
         seq.num_computed = snap.end
@@ -335,42 +330,31 @@ def import_request(llm, snap: KVSnapshot, cache_prefix: bool = False):
             seq.prefix_cursor.stopped = True  # until a preemption recomputes it here
     if not snap.final:
         if staged is None:
-            llm._staged[snap.request_id] = Staged(seq, snap.snapshot_id, snap.end)
+            llm.pipeline.staged[snap.request_id] = Staged(seq, snap.snapshot_id, snap.end)
         else:
             staged.last_id, staged.kv_end = snap.snapshot_id, snap.end
         return snap.request_id
-    llm._staged.pop(snap.request_id, None)
     out = seq.output_token_ids  # text so far, and the detokenizer past it
     if text is not None:
         seq.text = text
         seq.detok = IncrementalDetokenizer(llm.tokenizer)
         seq.detok.prefix = seq.detok.read = len(out)
     seq.deltas, seq.emitted, seq.reported = [""] * len(out), len(seq.text), len(out)
-    seq.status = Status.WAITING
-    llm.scheduler.waiting.appendleft(seq)
-    llm._active[snap.request_id] = [seq]
+    llm.pipeline.start(snap.request_id, seq)
     return snap.request_id
 
 
 # -- held blocks ----------------------------------------------------------------------------
-def _drop_kv(llm, seq: Sequence) -> None:
-    llm.blocks.free(seq.block_table)
-    seq.num_computed, seq.prefix_cursor = 0, PrefixCursor()
-
-
 def reclaim(llm) -> bool:
     """Free the K/V blocks of ONE held request, oldest first, so they can serve admission: a
     request stopped by an export (``resume_request`` then recomputes it from its tokens) before a
     staged import (its later snapshots add their tokens and log-probs but not their K/V, and the
     final one starts it from scratch). Only compute is lost, never a token. True if it freed
     blocks, False if no held request holds any."""
-    for seqs in llm._paused.values():
-        if seqs[0].block_table:
-            _drop_kv(llm, seqs[0])
-            return True
-    for staged in llm._staged.values():
-        if staged.seq.block_table:
-            _drop_kv(llm, staged.seq)
-            staged.dropped = True
+    for seq, staged in llm.pipeline.held():
+        if seq.block_table:
+            seq.free_kv(llm.blocks)
+            if staged is not None:
+                staged.dropped = True
             return True
     return False

@@ -118,7 +118,7 @@ class Logprob:
     top: List[Tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CompletionOutput:
     """One of the ``n`` samples of a request."""
     index: int
@@ -128,7 +128,7 @@ class CompletionOutput:
     logprobs: Optional[List[Logprob]] = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestOutput:
     """A request's state. The flat fields (``token_ids``, ``text``, ``finish_reason``,
     ``logprobs``) are those of the first sample; ``outputs`` holds all ``n``."""

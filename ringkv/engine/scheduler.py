@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Set
 
-from ..cache.block_manager import BlockManager, PrefixCursor
+from ..cache.block_manager import BlockManager
 from .sequence import Sequence, Status
 
 
@@ -35,6 +35,14 @@ class Scheduled:
     def completes(self) -> bool:
         """After this step every token has KV: the last one's logits give the next token."""
         return self.start + self.n == self.seq.num_tokens
+
+    @property
+    def targets(self) -> int:
+        """Prompt log-probs this step computes: positions ``start..`` predict prompt tokens
+        ``start + 1..`` (a request that asks for them)."""
+        if self.seq.prompt_logprobs is None:
+            return 0
+        return max(0, min(self.start + self.n, len(self.seq.prompt_token_ids) - 1) - self.start)
 
 
 class Scheduler:
@@ -58,8 +66,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq.block_table)
-        seq.num_computed, seq.status, seq.prefix_cursor = 0, Status.WAITING, PrefixCursor()
+        seq.free_kv(self.blocks)
+        seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -106,8 +114,7 @@ class Scheduler:
             idle = not (out or busy or self.running)  # nothing else runs: held blocks must make room
             if not (self.blocks.grow(seq.block_table, seq.num_computed + n)
                     or idle and self._grow(seq.block_table, seq.num_computed + n)):
-                self.blocks.free(seq.block_table)  # give the prefix back; retry next step
-                seq.num_computed = 0
+                seq.free_kv(self.blocks)  # give the prefix back; retry next step
                 break
             if seq.num_cached_tokens is None:  # a request's hits count once, at its first admission
                 seq.num_cached_tokens = seq.num_computed
@@ -132,4 +139,4 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq.block_table)
+        seq.free_kv(self.blocks)

@@ -21,7 +21,7 @@ class Status(enum.Enum):
 class Sequence:
     """One sample of a request (``index`` of its ``n``): tokens, cache state, text so far."""
 
-    def __init__(self, seq_id: int, prompt, prompt_token_ids: List[int], params: SamplingParams,
+    def __init__(self, *, seq_id: int, prompt, prompt_token_ids: List[int], params: SamplingParams,
                  cache_salt: Optional[str] = None, index: int = 0, request_id=None):
         self.seq_id, self.prompt, self.params, self.index = seq_id, prompt, params, index
         self.request_id = seq_id if request_id is None else request_id
@@ -30,6 +30,7 @@ class Sequence:
         self.cache_salt = cache_salt
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_table: List[int] = []
+        self.kv_epoch = 0  # counts the times its blocks were dropped (the ranks' step mirrors re-learn it)
         self.prefix_cursor = PrefixCursor()  # how far its full blocks are registered
         self.status = Status.WAITING
         self.finish_reason: Optional[str] = None
@@ -67,3 +68,10 @@ class Sequence:
 
     def finish(self, reason: str, error: Optional[str] = None) -> None:
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
+
+    def free_kv(self, blocks) -> None:
+        """Give its blocks back to ``blocks`` (a ``BlockManager``): nothing of it is cached any
+        more, and it is recomputed from its tokens if it runs again."""
+        blocks.free(self.block_table)
+        self.num_computed, self.prefix_cursor = 0, PrefixCursor()
+        self.kv_epoch += 1

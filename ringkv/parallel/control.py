@@ -1,24 +1,105 @@
 """The engine's control plane: ordered messages from the driver (rank 0) to every other rank,
-and small per-rank values every rank can read, over the process group's key-value store.
+and small per-rank values every rank can read.
 
-Messages are JSON (token ids, block tables, settings: never pickles). A message is deleted by
-the last rank that reads it. Waiting on a store is bounded and can be retried, unlike a
-gloo receive, which closes its connection when it times out: workers idle between calls
-here, never inside a collective.
+Two transports, each for what it does well:
+
+- **Steps travel as tensors** (``Channel``): one broadcast of int64 words over a gloo group of
+  the engine's ranks per step (a second one only when a step outgrows the size both sides
+  agreed on), posted asynchronously by the driver so pipeline stages still overlap. What a
+  step carries is ``plan.py``'s delta, whose size does not grow with the context.
+- **Everything else goes through the process group's key-value store**: setup, agreement
+  checks, per-call messages (a call's end, reports, errors, shutdown) as JSON (never
+  pickles), and the waits of idle ranks. A store wait is bounded and can be retried, unlike a
+  gloo receive, which closes its connection when it times out; so ranks idle on the store.
+
+The driver opens a burst of steps with a ``"steps"`` message on the store; the other ranks
+then read steps from the channel until a ``PARK`` word sends them back to the store. The
+driver parks them whenever the engine goes idle and before any store message, so a rank waits
+inside a broadcast only while the driver is stepping (and a dead driver closes the
+connection: the wait fails at once).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from datetime import timedelta
 from typing import Callable, List, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..sp.comm import DEFAULT_TIMEOUT, RingTimeoutError
 
 POLL = timedelta(seconds=2)  # a waiting rank checks ``alive()`` this often
+STEP, PARK = 1, 2  # the first word of a channel message
+CHANNEL_TIMEOUT = timedelta(days=1)  # a burst's wait: the driver parks the ranks when it goes idle
+
+
+class EngineError(RuntimeError):
+    """A rank of the engine failed or died; the engine cannot continue (create a new one)."""
+
+
+class Channel:
+    """Ordered int64 messages from global rank 0 to every rank of ``group`` (gloo, CPU tensors).
+
+    Each message is one broadcast of a buffer of ``cap`` bytes: ``[payload words, next cap,
+    payload...]``; a payload that does not fit goes on in a second broadcast of exactly the
+    rest. Each message announces the next one's ``cap`` (its own size plus an eighth), so
+    steady steps take one broadcast of about their own size. The driver's
+    broadcasts are asynchronous (a later stage may still be busy with an earlier step); it
+    waits on the old ones so at most ``depth`` are pending."""
+
+    MIN_CAP, MAX_CAP = 256, 1 << 20
+
+    def __init__(self, group, rank: int, depth: int = 4):
+        self.group, self.rank, self.depth = group, rank, depth
+        self.cap = 1024
+        self.pending: "deque" = deque()  # (work, buffer) of the driver's broadcasts in flight
+        self.last_bytes = 0  # bytes the last message received took
+
+    def _next_cap(self, words: int) -> int:
+        """This message's size plus 1/8, in steps of ``MIN_CAP`` bytes (the next step is alike)."""
+        return min(self.MAX_CAP, -(-(8 * (words + 2) * 9 // 8) // self.MIN_CAP) * self.MIN_CAP)
+
+    def send(self, payload: torch.Tensor) -> int:
+        """Broadcast ``payload`` (1-D int64, on the CPU); returns the bytes it took."""
+        words, head = payload.numel(), self.cap // 8
+        nxt = self._next_cap(words)
+        first = torch.zeros(head, dtype=torch.int64)
+        first[0], first[1] = words, nxt
+        first[2:2 + min(words, head - 2)] = payload[:head - 2]
+        bufs = [first] + ([payload[head - 2:].clone()] if words > head - 2 else [])
+        for buf in bufs:
+            self.pending.append((dist.broadcast(buf, 0, group=self.group, async_op=True), buf))
+        while len(self.pending) > self.depth:
+            self.pending.popleft()[0].wait()
+        self.cap = nxt
+        return sum(b.numel() * 8 for b in bufs)
+
+    def recv(self) -> torch.Tensor:
+        """The next message's payload (1-D int64)."""
+        first = torch.empty(self.cap // 8, dtype=torch.int64)
+        dist.broadcast(first, 0, group=self.group)
+        words, nxt = int(first[0]), int(first[1])
+        if not 0 <= words <= (1 << 40) or not self.MIN_CAP <= nxt <= self.MAX_CAP:
+            raise EngineError(f"rank {self.rank}: a malformed control message ({words} words, next size {nxt})")
+        head, self.last_bytes = self.cap // 8 - 2, self.cap
+        if words > head:
+            rest = torch.empty(words - head, dtype=torch.int64)
+            dist.broadcast(rest, 0, group=self.group)
+            self.last_bytes += rest.numel() * 8
+            payload = torch.cat([first[2:], rest])
+        else:
+            payload = first[2:2 + words]
+        self.cap = nxt
+        return payload
+
+    def flush(self) -> None:
+        """Wait for every broadcast still in flight (before the group goes away)."""
+        while self.pending:
+            self.pending.popleft()[0].wait()
 
 
 class ControlPlane:
@@ -27,22 +108,59 @@ class ControlPlane:
         self.rank, self.world = rank, world
         self.timeout = timeout or DEFAULT_TIMEOUT
         self.sent = self.received = 0
+        self.channel: Optional[Channel] = None
+        self.parked = True  # the other ranks read the store (not the channel)
+
+    def open_channel(self, depth: int) -> None:
+        """Create the step channel: a gloo group of every rank (all ranks call this, in the same
+        order, after the default process group exists)."""
+        group = dist.new_group(list(range(self.world)), backend="gloo", timeout=max(CHANNEL_TIMEOUT, self.timeout))
+        self.channel = Channel(group, self.rank, depth)
 
     # -- driver -> every rank ------------------------------------------------------------
     def publish(self, msg: dict) -> None:
+        """A per-call message (JSON) on the store; the ranks are parked first."""
+        self.park()
         self.store.set(f"m{self.sent}", json.dumps(msg))
         self.sent += 1
 
+    def publish_step(self, payload: torch.Tensor) -> int:
+        """A step's words on the channel (opening a burst if the ranks are parked); returns the
+        bytes broadcast (the burst's opening store message not counted)."""
+        if self.parked:
+            self.store.set(f"m{self.sent}", json.dumps({"kind": "steps"}))
+            self.sent += 1
+            self.parked = False
+        return self.channel.send(torch.cat([torch.tensor([STEP]), payload]))
+
+    def park(self) -> None:
+        """Send the other ranks back to the store (the driver is about to idle or to publish)."""
+        if not self.parked:
+            self.channel.send(torch.tensor([PARK]))
+            self.parked = True
+
     def receive(self, timeout: Optional[timedelta] = None, alive: Callable[[], bool] = lambda: True) -> dict:
-        """The next message, in order. ``timeout=None``: wait as long as ``alive()`` holds."""
-        key = f"m{self.received}"
-        self._wait(key, timeout, alive, "the next message from the driver (rank 0)")
-        data = self.store.get(key)
-        if self.store.add(f"a{self.received}", 1) == self.world - 1:  # the last reader cleans up
-            self.store.delete_key(key)
-            self.store.delete_key(f"a{self.received}")
-        self.received += 1
-        return json.loads(data)
+        """The next message, in order: a dict from the store, or ``{"kind": "step", "words":
+        payload}`` from the channel during a burst. ``timeout=None``: wait on the store as long
+        as ``alive()`` holds."""
+        while True:
+            if not self.parked:
+                words = self.channel.recv()
+                if int(words[0]) == STEP:
+                    return {"kind": "step", "words": words[1:], "bytes": self.channel.last_bytes}
+                self.parked = True
+                continue
+            key = f"m{self.received}"
+            self._wait(key, timeout, alive, "the next message from the driver (rank 0)")
+            data = self.store.get(key)
+            if self.store.add(f"a{self.received}", 1) == self.world - 1:  # the last reader cleans up
+                self.store.delete_key(key)
+                self.store.delete_key(f"a{self.received}")
+            self.received += 1
+            msg = json.loads(data)
+            if msg["kind"] != "steps":
+                return msg
+            self.parked = False
 
     # -- every rank <-> every rank -------------------------------------------------------
     def post(self, name: str, value) -> None:

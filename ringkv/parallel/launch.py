@@ -11,9 +11,10 @@ Three ways to run, chosen by ``Cluster.mode(world)``:
   starts the others as worker processes (``torch.multiprocessing`` spawn, a TCP store and a
   gloo/NCCL group on loopback); ``close()`` (or the exit of the program) stops them.
 
-Rank 0 publishes every step plan on the control plane (``control.ControlPlane``), runs its
-own part, and collects the sampler rank's result; pipeline stages overlap because the
-driver publishes up to ``pp`` plans before it waits for the oldest result.
+Rank 0 sends every step to the other ranks as a delta of their mirrors of the running
+sequences (``plan.Publisher`` -> ``control.ControlPlane.publish_step`` -> ``plan.Mirror`` on
+each rank), runs its own part, and collects the sampler rank's result; pipeline stages
+overlap because the driver submits up to ``pp`` steps before it waits for the oldest result.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ import torch.distributed as dist
 
 from ..model.config import ModelConfig
 from ..sp.comm import DEFAULT_TIMEOUT, RingTimeoutError
-from .control import ControlPlane, parent_alive
+from .control import ControlPlane, EngineError, parent_alive
 from .mesh import MeshShape, build_mesh, forget_meshes
-from .plan import StepPlan
+from .plan import StepPlan, local_plan
 from .worker import EngineShape, Worker
 
 DEFAULT_KV_MEMORY = 1 << 30  # bytes per rank when neither kv_cache_memory nor num_blocks is given
@@ -65,10 +66,6 @@ class CacheBudget:
         if self.gpu_memory_utilization is not None:
             return worker.free_kv_bytes(self.gpu_memory_utilization, self.profile_tokens) // per_block
         return int(self.kv_cache_memory or DEFAULT_KV_MEMORY) // per_block
-
-
-class EngineError(RuntimeError):
-    """A rank of the engine failed or died; the engine cannot continue (create a new one)."""
 
 
 def _backend(device: torch.device) -> str:
@@ -196,17 +193,30 @@ class Cluster:
             raise EngineError(f"worker rank {r} exited (code {code}) while {doing}" + (f":\n{err}" if err else ""))
 
     # -- driver --------------------------------------------------------------------------
-    def submit(self, plan: StepPlan) -> None:
-        """Publish ``plan`` to every rank and run rank 0's part of it. Anything that stops it
+    def submit(self, batch, want: str) -> None:
+        """Send the step of ``batch`` (the scheduler's entries, see ``plan.local_plan``) to every
+        rank as a delta of their mirrors and run rank 0's part of it. Anything that stops it
         half-way (an error, or an interrupt raised inside the step) breaks the engine: the other
         ranks may be inside the step's collectives, and a later step must never pair with them."""
         self.ensure_usable()
         try:
+            plan = local_plan(batch, want)  # what every rank's mirror rebuilds from the delta
             if self.world > 1:
-                self.control.publish({"kind": "step", **plan.to_json()})
+                t = time.perf_counter()
+                self.worker.stats.control_bytes += self.control.publish_step(self.worker.publisher.encode(batch, want))
+                self.worker.stats.control_s += time.perf_counter() - t
             self.pending.append((plan, self.worker.execute(plan)))
         except BaseException as e:
             self._fail(e)
+
+    def park(self) -> None:
+        """The engine is idle: the other ranks go back to waiting on the store (where a wait can
+        last as long as the driver lives) until the next step."""
+        if self.world > 1 and self.is_driver and not self.broken:
+            try:
+                self.control.park()
+            except BaseException as e:
+                self._fail(e)
 
     def result(self):
         """The sampler rank's ``StepResult`` for the oldest submitted plan (None if it has no
@@ -243,7 +253,7 @@ class Cluster:
                 try:
                     msg = self.control.receive(None if idle else self.timeout)
                     if msg["kind"] == "step":
-                        self.worker.execute(StepPlan.from_json(msg))
+                        self.worker.run(msg["words"], msg["bytes"])
                         continue
                 except BaseException as e:
                     self._fail(e)
@@ -298,6 +308,7 @@ class Cluster:
             try:
                 if self.control is not None and not self.broken:
                     self.control.publish({"kind": "shutdown"})
+                    self.control.channel.flush()
             except Exception:
                 pass
             for p in self.procs:
@@ -370,6 +381,8 @@ def setup_rank(mesh_shape: MeshShape, shape: EngineShape, cfg: ModelConfig, weig
     """Build this rank's worker and its KV cache; the block count is the minimum over ranks."""
     worker = Worker(build_mesh(mesh_shape, device.type), cfg, weights, shape, dtype=dtype, device=device,
                     timeout=timeout)
+    if control is not None:  # every rank, in the same order (it creates a process group)
+        control.open_channel(depth=2 * shape.pp + 2)
     mine = budget.blocks(worker)
     num_blocks = min(control.exchange("num_blocks", mine)) if control else mine
     if num_blocks < 1:
@@ -422,7 +435,7 @@ def _worker_main(rank: int, spec_json: str, parent_pid: int) -> None:
             msg = control.receive(None, alive)
             kind = msg["kind"]
             if kind == "step":
-                worker.execute(StepPlan.from_json(msg))
+                worker.run(msg["words"], msg["bytes"])
             elif kind == "report":
                 control.exchange(f"report{msg['n']}", worker.report())
             elif kind == "shutdown":

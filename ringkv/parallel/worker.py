@@ -25,7 +25,7 @@ from ..sp.comm import RingComm
 from . import faults
 from .context import LocalStep, StepContext
 from .mesh import Mesh
-from .plan import StepPlan
+from .plan import Mirror, Publisher, StepPlan
 from .pp import StageLink, apply_pp, stage_forward, stage_range, stage_sizes
 from .tp import apply_tp, gather_vocab, kv_heads_per_rank
 
@@ -86,6 +86,8 @@ class WorkerStats:
     steps: int = 0
     busy_s: float = 0.0  # computing (waits for the previous stage excluded)
     wait_s: float = 0.0  # waiting for hidden states from the previous stage
+    control_bytes: int = 0  # step deltas broadcast (driver) or received (others)
+    control_s: float = 0.0  # encoding / decoding and applying them (not the wait for them)
 
 
 class Worker:
@@ -109,6 +111,8 @@ class Worker:
         self.ring = RingComm(mesh.sp_group, timeout) if mesh.sp > 1 else None
         self.link = StageLink(timeout, depth=shape.pp)
         self.stats = WorkerStats()
+        self.mirror = Mirror(mesh.rank)  # the other ranks: the running sequences, kept by the driver's step deltas
+        self.publisher = Publisher()  # the driver (rank 0): what every other rank's mirror holds
         faults.install(self)  # tests only: RINGKV_FAULT
 
     @property
@@ -149,8 +153,20 @@ class Worker:
     def report(self) -> dict:
         """``info()`` plus counters: steps, seconds computing / waiting for the previous stage,
         this process's resident memory (peak and now) and the sends not yet complete."""
-        return dict(self.info(), steps=self.stats.steps, busy_s=self.stats.busy_s, wait_s=self.stats.wait_s,
+        st, steps = self.stats, max(1, self.stats.steps)
+        return dict(self.info(), steps=st.steps, busy_s=st.busy_s, wait_s=st.wait_s,
+                    control_bytes=st.control_bytes / steps, control_s=st.control_s / steps,
+                    control_bytes_total=st.control_bytes, control_s_total=st.control_s,
                     peak_rss_bytes=peak_rss(), rss_bytes=rss(), pending_sends=len(self.link.pending))
+
+    def run(self, words: torch.Tensor, nbytes: int) -> None:
+        """A rank other than the driver: apply a step's delta (``nbytes`` on the wire) to the
+        mirror and run the step."""
+        t = time.perf_counter()
+        plan = self.mirror.apply(words)
+        self.stats.control_s += time.perf_counter() - t
+        self.stats.control_bytes += nbytes
+        self.execute(plan)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Optional["StepResult"]:

@@ -9,8 +9,9 @@ event simulation of the driver and the stages gives the wall time (``engine_run_
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from ..model.config import ModelConfig
 from ..parallel.tp import kv_heads_per_rank
@@ -53,55 +54,68 @@ def engine_workload(prompts, max_tokens: int, num_blocks: int, *, pp: int = 1, s
                     max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, prefix_caching: bool = True):
     """The steps ``LLM.generate`` runs for ``prompts`` (token-id lists, or lengths: distinct ids)
     with ``max_tokens`` output tokens each (EOS ignored) on a cache of ``num_blocks`` blocks:
-    the engine's own ``Scheduler`` and ``BlockManager`` driven as ``LLM._advance`` drives them
-    (``pp`` steps in flight, each with its share of the sequences; chunked prefill; preemption
-    by recompute with prefix-cache hits). Returns ``(steps, events)``: a ``StepWork`` per step
-    and the driver's order of ``("submit", k)`` / ``("complete", k)``."""
-    from collections import deque
-
+    the engine's own ``StepPipeline`` over its ``Scheduler`` and ``BlockManager`` (``pp`` steps
+    in flight, each with its share of the sequences; chunked prefill; preemption by recompute
+    with prefix-cache hits), with ``_Timed`` in place of the model. Returns ``(steps,
+    events)``: a ``StepWork`` per step and the driver's order of ``("submit", k)`` /
+    ``("complete", k)``."""
     from ..cache.block_manager import BlockManager
     from ..engine.params import SamplingParams
+    from ..engine.pipeline import StepPipeline
     from ..engine.scheduler import Scheduler
     from ..engine.sequence import Sequence
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seed=0)
     blocks = BlockManager(num_blocks, block_size * sp, enable_prefix_caching=prefix_caching)
-    sched = Scheduler(blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    timed = _Timed(max_tokens)
+    pipeline = StepPipeline(Scheduler(blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+                            timed, depth=pp)
     for i, p in enumerate(prompts):
         ids = list(range(10_000_000 * (i + 1), 10_000_000 * (i + 1) + p)) if isinstance(p, int) else list(p)
-        sched.add(Sequence(i, None, ids, params))
-    steps, events, inflight = [], [], deque()
-    fresh = 10 ** 12
-    while sched.has_work() or inflight:
-        share = -(-(len(sched.running) + len(sched.waiting)) // pp)
-        while len(inflight) < pp:
-            busy = {s.seq for _, b in inflight for s in b}
-            batch = sched.schedule(busy, max_seqs=share if pp > 1 else None)
-            if not batch:
-                break
-            for s in batch:
-                s.seq.num_computed = s.start + s.n
-            ends = [s.start + s.n for s in batch]
-            steps.append(StepWork(seqs=len(batch), tokens=sum(s.n for s in batch),
-                                  completing=sum(s.completes for s in batch),
-                                  pairs=sum(s.n * s.start + s.n * (s.n + 1) // 2 for s in batch),
-                                  kv_tokens=len(batch) * max(ends), longest=max(s.n for s in batch)))
-            events.append(("submit", len(steps) - 1))
-            inflight.append((len(steps) - 1, batch))
-        if not inflight:
-            raise RuntimeError("the scheduler made no progress (a sequence larger than the cache?)")
-        k, batch = inflight.popleft()
-        events.append(("complete", k))
-        for s in batch:
-            blocks.register(s.seq.block_table, s.seq.token_ids, s.start + s.n, None, s.seq.prefix_cursor)
+        pipeline.add([Sequence(seq_id=i, prompt=None, prompt_token_ids=ids, params=params)])
+    while pipeline.busy:
+        pipeline.advance()
+    return timed.steps, timed.events
+
+
+class _Timed:
+    """``engine_workload``'s executor for the pipeline: it records what each step asks of the
+    ranks (a ``StepWork``) instead of computing it, and gives each completing sequence a fresh
+    token, finishing it after ``max_tokens``."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens, self.fresh = max_tokens, 10 ** 12
+        self.steps: List[StepWork] = []
+        self.events: List[tuple] = []
+        self.inflight: "deque[int]" = deque()
+
+    def submit(self, batch) -> None:
+        ends = [s.start + s.n for s in batch]
+        self.steps.append(StepWork(seqs=len(batch), tokens=sum(s.n for s in batch),
+                                   completing=sum(s.completes for s in batch),
+                                   pairs=sum(s.n * s.start + s.n * (s.n + 1) // 2 for s in batch),
+                                   kv_tokens=len(batch) * max(ends), longest=max(s.n for s in batch)))
+        self.events.append(("submit", len(self.steps) - 1))
+        self.inflight.append(len(self.steps) - 1)
+
+    def result(self, batch):
+        self.events.append(("complete", self.inflight.popleft()))
+
+    def tokens(self, batch, result) -> list:
+        out = []
         for s in batch:
             if s.completes and not s.seq.finished:
-                fresh += 1
-                s.seq.token_ids.append(fresh)
-                if s.seq.num_tokens - len(s.seq.prompt_token_ids) >= max_tokens:
-                    s.seq.finish("length")
-                    sched.finish(s.seq)
-    return steps, events
+                self.fresh += 1
+                out.append((s.seq, self.fresh))
+        return out
+
+    def append(self, seq, token: int) -> None:
+        seq.token_ids.append(token)
+        if seq.num_tokens - len(seq.prompt_token_ids) >= self.max_tokens:
+            seq.finish("length")
+
+    def idle(self) -> None:
+        pass
 
 
 @dataclass(frozen=True, kw_only=True)

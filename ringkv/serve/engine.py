@@ -43,6 +43,38 @@ class Metrics:
                 self.ttft_buckets[i] += 1
 
 
+@dataclass
+class Add:
+    """Inbox: admit a request (its prompt already encoded) and reply on ``added``."""
+    rid: str
+    ids: List[int]
+    params: SamplingParams
+    settings: dict  # add_request's keywords (cache_salt)
+    loop: asyncio.AbstractEventLoop
+    added: asyncio.Future  # set (None or the error) once the engine took it
+    queue: asyncio.Queue  # its outputs
+
+
+@dataclass
+class Running:
+    """A request the engine's thread is serving."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    start: float  # perf_counter() when it was added
+    tokens: int = 0  # output tokens delivered so far
+
+
+@dataclass
+class Abort:
+    """Inbox: stop a request (its client went away)."""
+    rid: str
+
+
+@dataclass
+class Wake:
+    """Inbox: look at ``_stop`` (shutting down)."""
+
+
 class EngineDead(RuntimeError):
     """The engine failed (a rank died); requests cannot be served."""
 
@@ -51,7 +83,7 @@ class AsyncEngine:
     def __init__(self, llm: LLM):
         self.llm = llm
         self.inbox: "queue.Queue" = queue.Queue()
-        self.requests: Dict[str, tuple] = {}  # id -> (event loop, asyncio queue, start time, tokens so far)
+        self.requests: Dict[str, Running] = {}
         self.metrics = Metrics()
         self.gauges = dict(running=0, waiting=0, kv_usage=0.0, hits=0, queries=0)
         self.dead: Optional[str] = None
@@ -81,13 +113,13 @@ class AsyncEngine:
             raise ValueError(f"the prompt could not be encoded: {type(e).__name__}: {e}") from e
         added: asyncio.Future = loop.create_future()
         stream = RequestStream(self, f"req-{next(self._ids)}")
-        self.inbox.put(("add", stream.id, (ids, params, kw), loop, added, stream.queue))
+        self.inbox.put(Add(stream.id, ids, params, kw, loop, added, stream.queue))
         await added
         return stream
 
     def shutdown(self) -> None:
         self._stop = True
-        self.inbox.put(("wake",))
+        self.inbox.put(Wake())
         self.thread.join(timeout=30)
         self.encoder.shutdown(wait=False, cancel_futures=True)
 
@@ -105,8 +137,8 @@ class AsyncEngine:
                 self._update_gauges()
             except Exception as e:  # noqa: BLE001 - the engine is gone: fail every request, keep answering
                 self.dead = f"{type(e).__name__}: {e}"
-                for rid, (loop, q, _, _) in list(self.requests.items()):
-                    loop.call_soon_threadsafe(q.put_nowait, EngineDead(self.dead))
+                for r in list(self.requests.values()):
+                    r.loop.call_soon_threadsafe(r.queue.put_nowait, EngineDead(self.dead))
                 self.requests.clear()
                 while not self._stop:  # reject what still comes in
                     self._drain(block=True)
@@ -118,53 +150,49 @@ class AsyncEngine:
             except queue.Empty:
                 return
             block = False
-            if msg[0] == "add":
-                self._add(*msg[1:])
-            elif msg[0] == "abort" and msg[1] in self.requests:
-                del self.requests[msg[1]]
-                self.llm.abort_request(msg[1])
+            if isinstance(msg, Add):
+                self._add(msg)
+            elif isinstance(msg, Abort) and msg.rid in self.requests:
+                del self.requests[msg.rid]
+                self.llm.abort_request(msg.rid)
                 self.metrics.finished["abort"] = self.metrics.finished.get("abort", 0) + 1
 
-    def _add(self, rid, args, loop, added, q) -> None:
-        ids, params, kw = args
+    def _add(self, m: Add) -> None:
         if self.dead:
-            loop.call_soon_threadsafe(_set, added, EngineDead(self.dead))
+            m.loop.call_soon_threadsafe(_set, m.added, EngineDead(self.dead))
             return
         try:
-            self.llm.add_request(ids, params, request_id=rid, **kw)
+            self.llm.add_request(m.ids, m.params, request_id=m.rid, **m.settings)
         except Exception as e:  # noqa: BLE001 - an invalid request fails alone
-            loop.call_soon_threadsafe(_set, added, e)
+            m.loop.call_soon_threadsafe(_set, m.added, e)
             return
-        self.requests[rid] = (loop, q, time.perf_counter(), 0)
-        self.metrics.prompt_tokens += len(ids)
-        loop.call_soon_threadsafe(_set, added, None)
+        self.requests[m.rid] = Running(m.loop, m.queue, time.perf_counter())
+        self.metrics.prompt_tokens += len(m.ids)
+        m.loop.call_soon_threadsafe(_set, m.added, None)
 
     def _deliver(self, outs: List[RequestOutput]) -> None:
         now, new = time.perf_counter(), 0
         for out in outs:  # delta outputs: each holds the tokens new since the last step
-            entry = self.requests.get(out.request_id)
-            if entry is None:
+            r = self.requests.get(out.request_id)
+            if r is None:
                 continue
-            loop, q, start, seen = entry
             added = sum(len(o.token_ids) for o in out.outputs)
-            if seen == 0 and added:
-                self.metrics.observe_ttft(now - start)
+            if r.tokens == 0 and added:
+                self.metrics.observe_ttft(now - r.start)
             new += added
-            self.requests[out.request_id] = (loop, q, start, seen + added)
+            r.tokens += added
             if out.finished:
                 del self.requests[out.request_id]
                 reason = out.finish_reason or "unknown"
                 self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
-            loop.call_soon_threadsafe(q.put_nowait, out)
+            r.loop.call_soon_threadsafe(r.queue.put_nowait, out)
         self.metrics.generation_tokens += new
         self.metrics.recent.append((now, new))
         while self.metrics.recent and now - self.metrics.recent[0][0] > 10:
             self.metrics.recent.popleft()
 
     def _update_gauges(self) -> None:
-        s, b = self.llm.scheduler, self.llm.blocks
-        self.gauges = dict(running=len(s.running), waiting=len(s.waiting),
-                           kv_usage=1 - b.num_free / b.num_blocks, hits=b.hits, queries=b.queries)
+        self.gauges = self.llm.pipeline.load()
 
     def tokens_per_second(self) -> float:
         recent = list(self.metrics.recent)
@@ -199,7 +227,7 @@ class RequestStream:
         """Abort the request unless it finished (a client that went away)."""
         if not self.done:
             self.done = True
-            self.engine.inbox.put(("abort", self.id))
+            self.engine.inbox.put(Abort(self.id))
 
 
 def _set(fut: asyncio.Future, error: Optional[BaseException]) -> None:

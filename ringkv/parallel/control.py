@@ -58,6 +58,7 @@ class Channel:
         self.cap = 1024
         self.pending: "deque" = deque()  # (work, buffer) of the driver's broadcasts in flight
         self.last_bytes = 0  # bytes the last message received took
+        self.posted = None  # (work, buffer): the receive of the next message, posted early (``prefetch``)
 
     def _next_cap(self, words: int) -> int:
         """This message's size plus 1/8, in steps of ``MIN_CAP`` bytes (the next step is alike)."""
@@ -78,10 +79,18 @@ class Channel:
         self.cap = nxt
         return sum(b.numel() * 8 for b in bufs)
 
+    def prefetch(self) -> None:
+        """Post the receive of the next message now (its size is known), so that it arrives
+        while this rank computes: gloo moves a message only once both sides have posted it."""
+        if self.posted is None:
+            first = torch.empty(self.cap // 8, dtype=torch.int64)
+            self.posted = (dist.broadcast(first, 0, group=self.group, async_op=True), first)
+
     def recv(self) -> torch.Tensor:
         """The next message's payload (1-D int64)."""
-        first = torch.empty(self.cap // 8, dtype=torch.int64)
-        dist.broadcast(first, 0, group=self.group)
+        self.prefetch()
+        (work, first), self.posted = self.posted, None
+        work.wait()
         words, nxt = int(first[0]), int(first[1])
         if not 0 <= words <= (1 << 40) or not self.MIN_CAP <= nxt <= self.MAX_CAP:
             raise EngineError(f"rank {self.rank}: a malformed control message ({words} words, next size {nxt})")
@@ -146,7 +155,8 @@ class ControlPlane:
         while True:
             if not self.parked:
                 words = self.channel.recv()
-                if int(words[0]) == STEP:
+                if int(words[0]) == STEP:  # more steps (or a PARK) follow soon: receive the next one early
+                    self.channel.prefetch()
                     return {"kind": "step", "words": words[1:], "bytes": self.channel.last_bytes}
                 self.parked = True
                 continue

@@ -163,8 +163,13 @@ def _engine_rows(args) -> list:
                          max_num_batched_tokens=8192, timeout=600) as llm:
                     rids = [llm.add_request(torch.randint(3, 1000, (context,), generator=g).tolist(), params)
                             for _ in range(batch)]
-                    while not all(llm._active[r][0].output_token_ids for r in rids):
-                        llm.step()
+                    started = set()
+                    while len(started) < len(rids):  # every prompt computed: each request has a token
+                        for o in llm.step():
+                            if o.finish_reason == "error":
+                                raise RuntimeError(f"request {o.request_id} failed: {o.error}")
+                            if o.token_ids:
+                                started.add(o.request_id)
                     before = llm.rank_stats()
                     for _ in range(args.steps):
                         llm.step()

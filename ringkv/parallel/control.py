@@ -49,7 +49,7 @@ class Channel:
     rest. Each message announces the next one's ``cap`` (its own size plus an eighth), so
     steady steps take one broadcast of about their own size. The driver's
     broadcasts are asynchronous (a later stage may still be busy with an earlier step); it
-    waits on the old ones so at most ``depth`` are pending."""
+    waits on the old ones (``reap``) so at most ``depth`` are pending."""
 
     MIN_CAP, MAX_CAP = 256, 1 << 20
 
@@ -74,8 +74,6 @@ class Channel:
         bufs = [first] + ([payload[head - 2:].clone()] if words > head - 2 else [])
         for buf in bufs:
             self.pending.append((dist.broadcast(buf, 0, group=self.group, async_op=True), buf))
-        while len(self.pending) > self.depth:
-            self.pending.popleft()[0].wait()
         self.cap = nxt
         return sum(b.numel() * 8 for b in bufs)
 
@@ -105,9 +103,12 @@ class Channel:
         self.cap = nxt
         return payload
 
-    def flush(self) -> None:
-        """Wait for every broadcast still in flight (before the group goes away)."""
-        while self.pending:
+    def reap(self, keep: Optional[int] = None) -> None:
+        """Wait for the driver's oldest broadcasts until at most ``keep`` (default ``depth``)
+        are in flight (a rank that lags holds the driver back here); ``keep=0``: all of them
+        (before the group goes away)."""
+        keep = self.depth if keep is None else keep
+        while len(self.pending) > keep:
             self.pending.popleft()[0].wait()
 
 
@@ -133,6 +134,10 @@ class ControlPlane:
         self.store.set(f"m{self.sent}", json.dumps(msg))
         self.sent += 1
 
+    def reap(self) -> None:
+        """The driver: wait until at most ``depth`` step broadcasts are in flight."""
+        self.channel.reap()
+
     def publish_step(self, payload: torch.Tensor) -> int:
         """A step's words on the channel (opening a burst if the ranks are parked); returns the
         bytes broadcast (the burst's opening store message not counted)."""
@@ -146,6 +151,7 @@ class ControlPlane:
         """Send the other ranks back to the store (the driver is about to idle or to publish)."""
         if not self.parked:
             self.channel.send(torch.tensor([PARK]))
+            self.channel.reap()
             self.parked = True
 
     def receive(self, timeout: Optional[timedelta] = None, alive: Callable[[], bool] = lambda: True) -> dict:

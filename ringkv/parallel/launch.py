@@ -202,6 +202,7 @@ class Cluster:
         try:
             plan = local_plan(batch, want)  # what every rank's mirror rebuilds from the delta
             if self.world > 1:
+                self.control.reap()  # back-pressure from a lagging rank: not control work
                 t = time.perf_counter()
                 self.worker.stats.control_bytes += self.control.publish_step(self.worker.publisher.encode(batch, want))
                 self.worker.stats.control_s += time.perf_counter() - t
@@ -308,7 +309,7 @@ class Cluster:
             try:
                 if self.control is not None and not self.broken:
                     self.control.publish({"kind": "shutdown"})
-                    self.control.channel.flush()
+                    self.control.channel.reap(0)
             except Exception:
                 pass
             for p in self.procs:

@@ -191,3 +191,54 @@ def fault_run(ctx, spec, llm_kwargs, fault, close_after, prompts, params):
     finally:
         os.environ.pop("RINGKV_FAULT", None)
     return out
+
+
+def migrate_mesh_torchrun(ctx, spec, prompts, params):
+    """A torchrun tp=2 engine (both ranks) and a one-rank engine on rank 0. Rank 0 starts the
+    requests on the tp=2 engine, moves the even ones to the one-rank engine (every rank calls
+    ``export_request``; rank 1 gets None) and the odd ones there and back (the tp=2 engine
+    imports them while rank 1 follows in a server-like loop); returns the outputs by prompt."""
+    model = model_from(spec)
+    a = LLM(model, tp=2, block_size=4, num_blocks=128, max_num_batched_tokens=16)
+    params = SamplingParams(**params)
+    if ctx.rank == 1:
+        assert a.export_request("r0") is None  # the call-style: rank 0 exports r0 meanwhile
+        while a.cluster.follow(idle=True)["kind"] != "shutdown":
+            pass
+        return "followed"
+    b = LLM(model, block_size=8, num_blocks=128)
+    rids = [a.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    outs = {}
+
+    def steps(e, n=1):
+        for _ in range(n):
+            for o in e.step():
+                outs[o.request_id] = o.token_ids
+
+    steps(a, 3)
+    b.import_request(a.export_request("r0"))
+    a.abort_request("r0")
+    for rid in rids[1:]:
+        if rid not in a.pipeline.active:
+            continue
+        first = a.export_request(rid, stop=False)
+        b.import_request(first)
+        steps(a)
+        if rid not in a.pipeline.active:
+            b.abort_request(rid)
+            continue
+        b.import_request(a.export_request(rid, since=first))
+        a.abort_request(rid)
+        if int(rid[1:]) % 2:  # and back, after a step there
+            steps(b)
+            if rid in b.pipeline.active:
+                a.import_request(b.export_request(rid))
+                b.abort_request(rid)
+    for e in (a, b):
+        while e.has_unfinished_requests():
+            steps(e)
+    assert a.blocks.num_free == a.blocks.num_blocks and b.blocks.num_free == b.blocks.num_blocks
+    a.cluster.shutdown_followers()
+    a.close()
+    b.close()
+    return [outs[rid] for rid in rids]

@@ -209,7 +209,8 @@ def test_control_bytes_per_decode_step_do_not_grow_with_context(model):
         short = _bytes_per_decode_step(llm, 24)
         long = _bytes_per_decode_step(llm, 480)
         stats = llm.rank_stats()
-    assert all(s["control_bytes"] > 0 and s["control_s"] > 0 for s in stats)
+    assert all(s["control_bytes"] > 0 and s["control_s"] > 0 for s in stats)  # received and applied by each rank
+    assert stats[0]["driver_control_bytes"] > 0 and stats[0]["driver_control_s"] > 0  # sent by the driver
     for a, b in zip(short, long):
         assert 0 < b <= 1.2 * a, (short, long)
 
@@ -217,15 +218,15 @@ def test_control_bytes_per_decode_step_do_not_grow_with_context(model):
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_drifted_mirror_is_an_engine_error_naming_the_step(model, rank):
-    """Rank 1's mirror corrupted, or rank 0's record of what it sent: rank 1 finds out at the
-    next step (the driver then reports the worker's error)."""
+    """Rank 1's mirror corrupted, or the driver's record of what it sent: the ranks find out at
+    the next step (the driver then reports the first dead worker's error)."""
     os.environ["RINGKV_FAULT"] = json.dumps(dict(rank=rank, step=3, kind="drift"))
     try:
         llm = LLM(model, tp=2, block_size=4, num_blocks=64, timeout=30)
     finally:
         os.environ.pop("RINGKV_FAULT")
     with llm:
-        with pytest.raises(EngineError, match=r"rank 1: the step mirror drifted from the driver's at step 4"):
+        with pytest.raises(EngineError, match=r"rank \d: the step mirror drifted from the driver.s at step 4"):
             llm.generate([[5, 6, 7, 8, 9]], GREEDY, use_tqdm=False)
         with pytest.raises(EngineError, match="broken"):
             llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)

@@ -184,10 +184,13 @@ class Migrations(RuleBasedStateMachine):
         super().__init__()
         self.run = None
 
+    def make_run(self) -> Run:
+        return Run(MODEL, dict(block_size=4, num_blocks=48, max_num_batched_tokens=24),
+                   dict(block_size=8, num_blocks=32, max_num_batched_tokens=24))
+
     @initialize()
     def setup(self):
-        self.run = Run(MODEL, dict(block_size=4, num_blocks=48, max_num_batched_tokens=24),
-                       dict(block_size=8, num_blocks=32, max_num_batched_tokens=24))
+        self.run = self.make_run()
         self.engines = {"a": self.run.a, "b": self.run.b}
         self.where, self.aborted, self.prompt_of, self.pre = {}, set(), {}, {}
 

@@ -137,7 +137,8 @@ class LLM:
             self.close()
             raise
         self.max_model_len = max_model_len or int(min(cfg.max_position_embeddings, capacity, window))
-        self.kv = self.cluster.worker.kv  # this rank's share of the cache
+        # this process's share of the cache (None on a spawn-mode driver: every model rank is a worker)
+        self.kv = self.cluster.worker.kv if self.cluster.worker is not None else None
         # which model a KV snapshot belongs to (config and sampled weights); the driver makes and takes snapshots
         self.digest = model_digest(cfg, weights) if self.cluster.is_driver else None
         self.blocks = BlockManager(self.num_blocks, block_size * sp, enable_prefix_caching=c.enable_prefix_caching,
@@ -198,7 +199,8 @@ class LLM:
         bytes per token and allocated cache bytes)."""
         sh = self.shape
         return dict(block_size=sh.block_size, tokens_per_block=sh.block_size * sh.sp, num_blocks=self.num_blocks,
-                    bytes_per_token=self.cluster.worker.bytes_per_token,
+                    bytes_per_token=self.cluster.worker.bytes_per_token if self.cluster.worker
+                    else self.cluster.infos[0]["bytes_per_token"],  # a spawn-mode driver: model rank 0's
                     capacity_tokens=self.num_blocks * sh.block_size * sh.sp, max_model_len=self.max_model_len,
                     dtype=str(self.dtype).replace("torch.", ""), kv_cache_dtype=sh.kv_cache_dtype,
                     tp=sh.tp, pp=sh.pp, sp=sh.sp,
@@ -337,19 +339,39 @@ class LLM:
     # -- migration (engine/migrate.py) -------------------------------------------------------
     def export_request(self, request_id, *, since: Optional[KVSnapshot] = None, stop: bool = True) -> KVSnapshot:
         """A ``KVSnapshot`` of a running request (tokens, sampler state, the K/V of its computed
-        tokens; ``since``: only what was computed after that earlier snapshot). ``stop=True``
-        takes it out of this engine's scheduler but keeps its blocks until ``abort_request``
-        (after a successful import elsewhere) or ``resume_request``. Single-rank engines."""
-        return migrate.export_request(self, request_id, since, stop)
+        tokens gathered from every rank; ``since``: only what was computed after that earlier
+        snapshot). ``stop=True`` takes it out of this engine's scheduler but keeps its blocks
+        until ``abort_request`` (after a successful import elsewhere) or ``resume_request``.
+        Any mesh; under torchrun every rank makes the call and ranks > 0 get None."""
+        return self._migration(migrate.export_request, request_id, since, stop)
 
     def import_request(self, snapshot: KVSnapshot, *, cache_prefix: bool = False):
-        """Continue a request exported by another engine (same model and KV dtype; any block
-        size). A snapshot without ``final`` (``stop=False``) is staged until the final one;
-        incremental snapshots must come in order. Every field is checked first: a bad snapshot
-        is a ``ValueError`` naming it, and nothing changes. The imported K/V (and what is
-        computed on top of them) stay out of the prefix cache unless ``cache_prefix=True``
-        (you trust the sender). Returns the request id."""
-        return migrate.import_request(self, snapshot, cache_prefix)
+        """Continue a request exported by another engine (same model and KV dtype; any mesh and
+        block size): its K/V are scattered to this engine's ranks. A snapshot without ``final``
+        (``stop=False``) is staged until the final one; incremental snapshots must come in
+        order. Every field is checked first: a bad snapshot is a ``ValueError`` naming it, and
+        nothing changes. The imported K/V (and what is computed on top of them) stay out of
+        the prefix cache unless ``cache_prefix=True`` (you trust the sender). Returns the
+        request id. Under torchrun every rank makes the call (ranks > 0 may pass None: only rank
+        0's snapshot is read) and ranks > 0 get None."""
+        return self._migration(migrate.import_request, snapshot, cache_prefix)
+
+    def _migration(self, fn, *args):
+        """Torchrun: rank 0 runs ``fn`` (the other ranks store or send their K/V meanwhile) and
+        then ends the call on every rank; a failure there is raised on every rank."""
+        if not self.cluster.is_driver:
+            end = self.cluster.follow()
+            if end.get("error"):
+                raise RuntimeError(f"rank 0 failed to migrate the request: {end['error']}")
+            return None
+        try:
+            out = fn(self, *args)
+        except BaseException as e:
+            if not self.cluster.broken:
+                self.cluster.end({"error": f"{type(e).__name__}: {e}"})
+            raise
+        self.cluster.end({})
+        return out
 
     def resume_request(self, request_id) -> None:
         """Run a request stopped by ``export_request`` here again (its import failed)."""

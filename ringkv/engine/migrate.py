@@ -7,7 +7,9 @@ source's copy, or ``src.resume_request(rid)`` runs it there again if the import 
 nothing is lost in between. Incremental (pre-copy): ``a = src.export_request(rid, stop=False)``
 while it runs, ``dst.import_request(a)`` stages it, ..., ``b = src.export_request(rid, since=a)``
 holds only what was computed since ``a``; ``dst.import_request(b)`` appends it and starts the
-request. Single-rank engines only.
+request. Any mesh: the driver gathers the K/V from the ranks that hold them and scatters them
+to the target's own placement (``parallel/kvmove.py``), so the two engines may differ in
+``tp``/``pp``/``sp``, block size and launch mode.
 
 An import trusts nothing in the snapshot: every field is checked (types, token ids in the
 vocabulary, tensor shapes and dtypes, sampling parameters, the generator state, log-probs,
@@ -26,7 +28,6 @@ from typing import List, Optional
 
 import torch
 
-from ..kernels.quant import as_bytes
 from .detok import IncrementalDetokenizer
 from .params import Logprob, SamplingParams, is_int
 from .sequence import Sequence
@@ -42,50 +43,19 @@ class Staged:
     dropped: bool = False  # ``reclaim`` freed its blocks: later K/V are ignored, the request is recomputed
 
 
-def _single_rank(llm) -> None:
-    if llm.cluster.world > 1:
-        raise ValueError(f"migrating a request needs a single-rank engine (tp = pp = sp = 1); this one has "
-                         f"tp={llm.shape.tp}, pp={llm.shape.pp}, sp={llm.shape.sp}")
-
-
 def _storage(llm) -> str:
     return llm.shape.kv_cache_dtype if llm.shape.quant else str(llm.dtype).replace("torch.", "")
 
 
-def _slots(llm, table: List[int], start: int, end: int) -> torch.Tensor:
-    bs = llm.blocks.block_size
-    pos = torch.arange(start, end)
-    return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
-
-
-def _read(llm, seq: Sequence, start: int, end: int):
-    """K, V ``(layers, T, Hkv, D)`` and their scales of tokens ``[start, end)``."""
-    kv = llm.cluster.worker.kv
-    slots = _slots(llm, seq.block_table, start, end).to(kv.data.device)
-    layers, _, _, _, hkv, d = kv.data.shape
-    data = as_bytes(kv.data).view(layers, 2, -1, hkv, d).index_select(2, slots).view(kv.data.dtype).cpu()
-    scale = None if kv.scale is None else kv.scale.view(layers, 2, -1, hkv).index_select(2, slots).cpu()
-    return data[:, 0], data[:, 1], (None if scale is None else scale[:, 0]), (None if scale is None else scale[:, 1])
-
-
 def _write(llm, table: List[int], start: int, snap: KVSnapshot) -> None:
-    kv = llm.cluster.worker.kv
-    slots = _slots(llm, table, start, start + snap.k.shape[1]).to(kv.data.device)
-    layers, _, _, _, hkv, d = kv.data.shape
-    data = as_bytes(kv.data).view(layers, 2, -1, hkv, d)
-    for i, x in enumerate((snap.k, snap.v)):
-        data[:, i].index_copy_(1, slots, as_bytes(x.to(kv.data.device)))
-    if kv.scale is not None:
-        scale = kv.scale.view(layers, 2, -1, hkv)
-        for i, x in enumerate((snap.k_scale, snap.v_scale)):
-            scale[:, i].index_copy_(1, slots, x.to(kv.scale.device))
+    llm.cluster.write_kv(table, start, (snap.k, snap.v, snap.k_scale, snap.v_scale))
 
 
 def export_request(llm, rid, since: Optional[KVSnapshot] = None, stop: bool = True) -> KVSnapshot:
-    _single_rank(llm)
     book = llm.pipeline
-    if book.inflight:
-        raise RuntimeError("a step is in flight; export between steps")
+    if book.inflight:  # pipeline parallel keeps steps in flight: finish them (the next step() reports them)
+        llm._drain()
+        llm.cluster.ensure_usable()
     seqs = book.get(rid)
     if seqs is None:
         state = "stopped by an earlier export (resume or abort it)" if rid in book.paused else "unknown or finished"
@@ -102,7 +72,7 @@ def export_request(llm, rid, since: Optional[KVSnapshot] = None, stop: bool = Tr
         start, tokens_from = since.end, since.tokens_from + len(since.token_ids)
         logprobs_from = since.logprobs_from + len(since.logprobs)
     end = max(start, seq.num_computed)  # after a preemption the receiver keeps what it has
-    k, v, ks, vs = _read(llm, seq, start, seq.num_computed) if seq.num_computed > start else _empty(llm)
+    k, v, ks, vs = llm.cluster.read_kv(seq.block_table, start, seq.num_computed)  # empty if nothing is new
     first = since is None
     snap = KVSnapshot(
         model=llm.digest, kv_cache_dtype=_storage(llm), request_id=rid,
@@ -116,14 +86,6 @@ def export_request(llm, rid, since: Optional[KVSnapshot] = None, stop: bool = Tr
     if stop:  # out of the scheduler, blocks kept: resume_request or abort_request decides
         book.pause(rid)
     return snap
-
-
-def _empty(llm):
-    kv = llm.cluster.worker.kv
-    layers, _, _, _, hkv, d = kv.data.shape
-    k = torch.empty(layers, 0, hkv, d, dtype=kv.data.dtype)
-    s = None if kv.scale is None else torch.empty(layers, 0, hkv, dtype=kv.scale.dtype)
-    return k, k.clone(), s, None if s is None else s.clone()
 
 
 def resume_request(llm, rid) -> None:
@@ -193,11 +155,11 @@ def _check_tensors(llm, snap: KVSnapshot) -> None:
     """K/V ``(layers, end - start, Hkv, D)`` in the cache's dtype, finite (they may land in blocks
     other requests reuse); scales ``(layers, end - start, Hkv)`` iff the cache is quantized; a
     generator state a fresh ``torch.Generator`` accepts."""
-    kv = llm.cluster.worker.kv
-    layers, _, _, _, hkv, d = kv.data.shape
+    mover = llm.cluster.mover
+    layers, hkv, d = mover.shape
     want = (layers, snap.end - snap.start, hkv, d)
-    scale = None if kv.scale is None else kv.scale.dtype
-    for name, shape, dtype in (("k", want, kv.data.dtype), ("v", want, kv.data.dtype),
+    scale = mover.scale_dtype
+    for name, shape, dtype in (("k", want, mover.dtype), ("v", want, mover.dtype),
                                ("k_scale", want[:3], scale), ("v_scale", want[:3], scale)):
         x = getattr(snap, name)
         if dtype is None:
@@ -291,7 +253,6 @@ def import_request(llm, snap: KVSnapshot, cache_prefix: bool = False):
     the blocks are allocated last and given back if writing the K/V fails. ``cache_prefix``:
     register the imported full blocks in the prefix cache (under the snapshot's salt); by
     default they, and every block computed on top of them, stay out of it."""
-    _single_rank(llm)
     staged, params = _validate(llm, snap)
     seq = None if staged is None else staged.seq
     with_kv = staged is None or not staged.dropped  # a reclaimed staged import ignores K/V

@@ -12,6 +12,12 @@ Two transports, each for what it does well:
   pickles), and the waits of idle ranks. A store wait is bounded and can be retried, unlike a
   gloo receive, which closes its connection when it times out; so ranks idle on the store.
 
+The participants are *control ranks*: under torchrun, every rank (rank 0 drives); in spawn
+mode, the driver (control rank 0, which computes nothing) and the spawned model ranks (model
+rank ``r`` is control rank ``r + 1``). In spawn mode the driver never joins a default process
+group: the step channel is a gloo group built straight from the engine's own store, so one
+process can hold several spawned engines. The step results come back on the same group.
+
 The driver opens a burst of steps with a ``"steps"`` message on the store; the other ranks
 then read steps from the channel until a ``PARK`` word sends them back to the store. The
 driver parks them whenever the engine goes idle and before any store message, so a rank waits
@@ -30,6 +36,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..sp.collectives import wait
 from ..sp.comm import DEFAULT_TIMEOUT, RingTimeoutError
 
 POLL = timedelta(seconds=2)  # a waiting rank checks ``alive()`` this often
@@ -60,6 +67,13 @@ class Channel:
         self.last_bytes = 0  # bytes the last message received took
         self.posted = None  # (work, buffer): the receive of the next message, posted early (``prefetch``)
 
+    def _broadcast(self, buf: torch.Tensor):
+        """An asynchronous broadcast from control rank 0 on the group itself (it may be a group
+        built without a default process group, which ``dist.broadcast`` cannot take)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        return self.group.broadcast([buf], opts)
+
     def _next_cap(self, words: int) -> int:
         """This message's size plus 1/8, in steps of ``MIN_CAP`` bytes (the next step is alike)."""
         return min(self.MAX_CAP, -(-(8 * (words + 2) * 9 // 8) // self.MIN_CAP) * self.MIN_CAP)
@@ -73,7 +87,7 @@ class Channel:
         first[2:2 + min(words, head - 2)] = payload[:head - 2]
         bufs = [first] + ([payload[head - 2:].clone()] if words > head - 2 else [])
         for buf in bufs:
-            self.pending.append((dist.broadcast(buf, 0, group=self.group, async_op=True), buf))
+            self.pending.append((self._broadcast(buf), buf))
         self.cap = nxt
         return sum(b.numel() * 8 for b in bufs)
 
@@ -82,7 +96,7 @@ class Channel:
         while this rank computes: gloo moves a message only once both sides have posted it."""
         if self.posted is None:
             first = torch.empty(self.cap // 8, dtype=torch.int64)
-            self.posted = (dist.broadcast(first, 0, group=self.group, async_op=True), first)
+            self.posted = (self._broadcast(first), first)
 
     def recv(self) -> torch.Tensor:
         """The next message's payload (1-D int64)."""
@@ -95,7 +109,7 @@ class Channel:
         head, self.last_bytes = self.cap // 8 - 2, self.cap
         if words > head:
             rest = torch.empty(words - head, dtype=torch.int64)
-            dist.broadcast(rest, 0, group=self.group)
+            self._broadcast(rest).wait()
             self.last_bytes += rest.numel() * 8
             payload = torch.cat([first[2:], rest])
         else:
@@ -121,11 +135,26 @@ class ControlPlane:
         self.channel: Optional[Channel] = None
         self.parked = True  # the other ranks read the store (not the channel)
 
-    def open_channel(self, depth: int) -> None:
-        """Create the step channel: a gloo group of every rank (all ranks call this, in the same
-        order, after the default process group exists)."""
-        group = dist.new_group(list(range(self.world)), backend="gloo", timeout=max(CHANNEL_TIMEOUT, self.timeout))
+    def open_channel(self, depth: int, direct: bool = False) -> None:
+        """Create the step channel: a gloo group of every control rank. ``direct`` (spawn mode):
+        built straight from this plane's store (no default process group needed); else
+        ``new_group`` of the default group (every rank calls this in the same order)."""
+        timeout = max(CHANNEL_TIMEOUT, self.timeout)
+        if direct:
+            group = dist.ProcessGroupGloo(dist.PrefixStore("channel", self.store), self.rank, self.world, timeout)
+        else:
+            group = dist.new_group(list(range(self.world)), backend="gloo", timeout=timeout)
         self.channel = Channel(group, self.rank, depth)
+
+    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        """A CPU tensor to control rank ``dst`` (step results, K/V boxes); waits only on old sends."""
+        self.channel.pending.append((self.channel.group.send([t], dst, tag), t))
+        self.channel.reap()
+
+    def recv_from(self, rank: int, t: torch.Tensor, tag: int, what: str) -> torch.Tensor:
+        """Fill ``t`` (CPU) with what control rank ``rank`` sends under ``tag``, within the timeout."""
+        wait(self.channel.group.recv([t], rank, tag), t, self.timeout, what)
+        return t
 
     # -- driver -> every rank ------------------------------------------------------------
     def publish(self, msg: dict) -> None:
@@ -188,9 +217,9 @@ class ControlPlane:
         return json.loads(self.store.get(key))
 
     def exchange(self, name: str, value) -> List:
-        """Every rank posts ``value``; returns all ranks' values in rank order. The last rank to
-        have read them all deletes the keys, so repeated exchanges (one per call) leave the
-        store as it was."""
+        """Every rank posts ``value``; returns all ranks' values in rank order (a spawn-mode
+        driver posts None). The last rank to have read them all deletes the keys, so repeated
+        exchanges (one per call) leave the store as it was."""
         self.post(name, value)
         values = [self.read(name, r) for r in range(self.world)]
         if self.store.add(f"x/{name}", 1) == self.world:

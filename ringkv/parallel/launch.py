@@ -7,9 +7,13 @@ Three ways to run, chosen by ``Cluster.mode(world)``:
   ``tp * pp * sp`` processes (torchrun, or any launcher that initialised the default
   group). Every rank builds the same engine; rank 0 drives, the others follow its messages
   while they are inside the same call.
-- ``"spawn"``: a plain process asks for several ranks: it becomes rank 0 (the driver) and
-  starts the others as worker processes (``torch.multiprocessing`` spawn, a TCP store and a
-  gloo/NCCL group on loopback); ``close()`` (or the exit of the program) stops them.
+- ``"spawn"``: a plain process asks for several ranks: it stays the driver (scheduler, block
+  manager, sampling; it holds no model shard) and starts every model rank as a worker process
+  (``torch.multiprocessing`` spawn, a TCP store of this engine's own, and the workers' gloo/NCCL
+  group on loopback); ``close()`` (or the exit of the program) stops them. The driver joins no
+  default process group (its link to the workers is a gloo group built from the engine's
+  store: ``control.ControlPlane.open_channel``), so one process can hold several engines and
+  close them in any order.
 
 Rank 0 sends every step to the other ranks as a delta of their mirrors of the running
 sequences (``plan.Publisher`` -> ``control.ControlPlane.publish_step`` -> ``plan.Mirror`` on
@@ -42,8 +46,9 @@ from ..model.config import ModelConfig
 from ..sp.comm import DEFAULT_TIMEOUT, RingTimeoutError
 from .control import ControlPlane, EngineError, parent_alive
 from .mesh import MeshShape, build_mesh, forget_meshes
-from .plan import StepPlan, local_plan
-from .worker import EngineShape, Worker
+from .plan import Publisher, StepPlan, local_plan
+from . import faults, kvmove
+from .worker import RESULT_TAG, EngineShape, StepResult, Worker, WorkerStats
 
 DEFAULT_KV_MEMORY = 1 << 30  # bytes per rank when neither kv_cache_memory nor num_blocks is given
 _ENGINE_IDS = itertools.count()  # torchrun ranks create engines in the same order: same ids
@@ -93,8 +98,12 @@ class Cluster:
         self.control: Optional[ControlPlane] = None
         self.broken: Optional[str] = None
         self.pending: Deque[Tuple[StepPlan, Optional[torch.Tensor]]] = deque()
-        self._threads = torch.get_num_threads()
-        self._owns_group = False  # spawn mode: this engine created the default process group
+        self.publisher = Publisher()  # the driver: what every other rank's step mirror holds
+        self.stats = WorkerStats()  # the driver's steps and control-plane counters
+        self.fault = None  # tests only (faults.install_driver): called after each submit
+        self.worker: Optional[Worker] = None  # this process's model rank (none on a spawn-mode driver)
+        self.offset = 1 if self.mode == "spawn" else 0  # control rank of model rank r: r + offset
+        self.sampler = mesh_shape.rank_of(shape.pp - 1, 0, 0)  # the model rank that returns step results
         self._reports = itertools.count()
         if self.mode == "local":
             self.rank, self.device = 0, device
@@ -109,17 +118,18 @@ class Cluster:
                                         self.rank, self.world, self.timeout)
             self._agree(cfg, dtype)
         else:
-            self.rank, self.device = 0, _rank_device(device, 0)
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
+            self.rank, self.device = 0, device
         try:
             if self.mode == "spawn":
                 self._spawn(model_arg, cfg, weights, dtype, device, budget)
-            self.worker, self.num_blocks, self.infos = setup_rank(
-                mesh_shape, self.shape, cfg, weights, dtype, self.device, self.control, budget, self.timeout)
+            else:
+                self.worker, self.num_blocks, self.infos = setup_rank(
+                    mesh_shape, self.shape, cfg, weights, dtype, self.device, self.control, budget, self.timeout)
         except BaseException:
             self.close()
             raise
+        self.mover = kvmove.Mover(self) if self.is_driver else None  # one request's K/V, from and to every rank
+        faults.install_driver(self)  # tests only: RINGKV_FAULT
 
     @staticmethod
     def mode_for(world: int) -> str:
@@ -159,38 +169,56 @@ class Cluster:
         if path is None:  # in-memory weights (or GGUF): one safetensors copy the workers read slices of
             self.tmpdir = path = tempfile.mkdtemp(prefix="ringkv-weights-")
             _save_weights(cfg, weights, path)
-        store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=self.timeout, wait_for_workers=False)
+        store = dist.TCPStore("127.0.0.1", 0, self.world + 1, True, timeout=self.timeout, wait_for_workers=False)
         self.store = store
         spec = dict(world=self.world, port=store.port, path=os.fspath(path), config=_config_dict(cfg),
                     shape=vars(self.shape), budget=vars(budget), dtype=str(dtype).replace("torch.", ""), device=str(device),
                     timeout=self.timeout.total_seconds(), threads=max(1, (os.cpu_count() or 1) // self.world))
         ctx = mp.get_context("spawn")
         with _plain_child():
-            for r in range(1, self.world):
+            for r in range(self.world):
                 p = ctx.Process(target=_worker_main, args=(r, json.dumps(spec), os.getpid()), daemon=True,
                                 name=f"ringkv-rank{r}")
                 p.start()
                 self.procs.append(p)
-        self.control = ControlPlane(store, "ringkv/engine", 0, self.world, self.timeout)
+        self.control = ControlPlane(store, "ringkv/engine", 0, self.world + 1, self.timeout)
         deadline = time.monotonic() + self.timeout.total_seconds()
-        for r, p in enumerate(self.procs, start=1):  # every worker started (imports done) or died
-            while self.control.poll("hello", r) is None:
+        for r in range(self.world):  # every worker started (imports done) or died
+            while self.control.poll("hello", r + 1) is None:
                 self._check_procs("starting")
                 if time.monotonic() > deadline:
                     raise EngineError(f"worker rank {r} did not start within {self.timeout.total_seconds():.0f}s")
                 time.sleep(0.05)
-        if device.type == "cpu":
-            torch.set_num_threads(spec["threads"])
-        dist.init_process_group(_backend(device), store=dist.PrefixStore("pg", store), rank=0,
-                                world_size=self.world, timeout=self.timeout)
-        self._owns_group = True
+        self._while_alive("connecting", lambda: self.control.open_channel(depth=_depth(self.shape), direct=True))
+        blocks = self._while_alive("loading", lambda: self.control.exchange("num_blocks", None))
+        self.num_blocks = min(b for b in blocks if b is not None)
+        self.infos = [i for i in self._while_alive("loading", lambda: self.control.exchange("info", None))
+                      if i is not None]
+
+    def _while_alive(self, doing: str, fn):
+        """``fn()`` (which waits for every worker) in a thread, while the workers are checked: a
+        worker that dies meanwhile is an ``EngineError`` now, not a wait as long as the timeout."""
+        box: list = []
+        t = threading.Thread(target=lambda: box.append(_call(fn)), daemon=True, name="ringkv-setup")
+        t.start()
+        while t.is_alive():
+            t.join(0.05)
+            self._check_procs(doing)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
     def _check_procs(self, doing: str) -> None:
-        dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        """``EngineError`` if a worker died: the one whose own error is the cause first (a peer
+        of a dead rank dies too, of a closed connection), the others named after it."""
+        dead = [(r, p.exitcode, self.control.poll("error", r + 1) if self.control else None)
+                for r, p in enumerate(self.procs) if not p.is_alive()]
         if dead:
-            r, code = dead[0]
-            err = self.control.poll("error", r) if self.control else None
-            raise EngineError(f"worker rank {r} exited (code {code}) while {doing}" + (f":\n{err}" if err else ""))
+            dead.sort(key=lambda d: any(x in (d[2] or "") for x in ("transport/tcp", "got no answer")))  # a peer's error
+            r, code, err = dead[0]
+            also = f"\n(also exited: worker ranks {', '.join(str(d[0]) for d in dead[1:])})" if dead[1:] else ""
+            raise EngineError(f"worker rank {r} exited (code {code}) while {doing}" + (f":\n{err}" if err else "") + also)
 
     # -- driver --------------------------------------------------------------------------
     def submit(self, batch, want: str) -> None:
@@ -204,9 +232,12 @@ class Cluster:
             if self.world > 1:
                 self.control.reap()  # back-pressure from a lagging rank: not control work
                 t = time.perf_counter()
-                self.worker.stats.control_bytes += self.control.publish_step(self.worker.publisher.encode(batch, want))
-                self.worker.stats.control_s += time.perf_counter() - t
-            self.pending.append((plan, self.worker.execute(plan)))
+                self.stats.control_bytes += self.control.publish_step(self.publisher.encode(batch, want))
+                self.stats.control_s += time.perf_counter() - t
+            self.stats.steps += 1
+            self.pending.append((plan, self.worker.execute(plan) if self.worker else None))
+            if self.fault is not None:
+                self.fault(self)
         except BaseException as e:
             self._fail(e)
 
@@ -226,10 +257,41 @@ class Cluster:
         plan, res = self.pending.popleft()
         if res is None and (plan.num_completing or plan.num_targets):
             try:
-                res = self.worker.receive_result(plan)
+                res = self._receive_result(plan)
             except BaseException as e:
                 self._fail(e)
         return res
+
+    def _receive_result(self, plan: StepPlan) -> StepResult:
+        """The sampler rank's answer to ``plan`` (in submission order), over the control plane."""
+        src, what = self.sampler + self.offset, f"results from the sampler rank {self.sampler}"
+        k = plan.num_completing
+        tokens = plan.want == "tokens"
+        main = self.control.recv_from(src, torch.empty((k,) if tokens else (k, self.cfg.vocab_size),
+                                                       dtype=torch.long if tokens else torch.float32), RESULT_TAG, what)
+        lp = self.control.recv_from(src, torch.empty(plan.num_targets), RESULT_TAG, what) if plan.num_targets else None
+        return StepResult(main, lp)
+
+    def read_kv(self, table: List[int], start: int, end: int) -> kvmove.KV:
+        """The driver: K/V of tokens ``[start, end)`` of the sequence with block table ``table``,
+        gathered from every rank (``kvmove.Mover.gather``). A rank that fails breaks the engine."""
+        self.ensure_usable()
+        if self.world == 1:
+            return self.mover.gather(table, start, end)
+        try:
+            return self.mover.gather(table, start, end)
+        except BaseException as e:
+            self._fail(e)
+
+    def write_kv(self, table: List[int], start: int, kv: kvmove.KV) -> None:
+        """The driver: store ``kv`` (``read_kv``'s layout) from token ``start`` on, on every rank."""
+        self.ensure_usable()
+        if self.world == 1:
+            return self.mover.scatter(table, start, kv)
+        try:
+            self.mover.scatter(table, start, kv)
+        except BaseException as e:
+            self._fail(e)
 
     def end(self, payload: dict) -> None:
         """Torchrun: let the followers return ``payload`` from the call they are in."""
@@ -256,6 +318,9 @@ class Cluster:
                     if msg["kind"] == "step":
                         self.worker.run(msg["words"], msg["bytes"])
                         continue
+                    if msg["kind"] in kvmove.KINDS:
+                        kvmove.serve(self.worker, self.control, msg)
+                        continue
                 except BaseException as e:
                     self._fail(e)
                 if msg["kind"] == "error":
@@ -263,14 +328,25 @@ class Cluster:
                 return msg
 
     def report(self) -> List[dict]:
-        """Every rank's worker info and timing counters (all ranks call it under torchrun)."""
-        mine = self.worker.report()
+        """Every model rank's worker info and timing counters (all ranks call it under
+        torchrun); the driver's control plane counters are rank 0's."""
+        mine = self.worker.report() if self.worker else None
         if self.world == 1:
-            return [mine]
+            return [self._with_control(mine)]
         n = next(self._reports)
         if self.mode == "spawn":
             self.control.publish({"kind": "report", "n": n})
-        return self.control.exchange(f"report{n}", mine)
+        reports = [r for r in self.control.exchange(f"report{n}", mine) if r is not None]
+        if self.is_driver:
+            reports[0] = self._with_control(reports[0])
+        return reports
+
+    def _with_control(self, report: dict) -> dict:
+        """Rank 0's report plus the driver's control-plane counters: bytes of step deltas it
+        sent and seconds encoding and posting them, per step and in total."""
+        st, steps = self.stats, max(1, self.stats.steps)
+        return dict(report, driver_control_bytes=st.control_bytes / steps, driver_control_s=st.control_s / steps,
+                    driver_control_bytes_total=st.control_bytes, driver_control_s_total=st.control_s)
 
     def ensure_usable(self) -> None:
         """Raise ``EngineError`` once the engine is broken."""
@@ -317,10 +393,7 @@ class Cluster:
             self._kill_workers()
             self.procs = []
         if self.mode == "spawn":
-            if self._owns_group and dist.is_initialized():
-                dist.destroy_process_group()
-                forget_meshes()
-            torch.set_num_threads(self._threads)
+            self.control = None  # its gloo group and the store go with it
             self.mode = "closed"
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
@@ -377,21 +450,37 @@ def _plain_child():
             os.environ["TORCH_CPP_LOG_LEVEL"] = level
 
 
+def _depth(shape: EngineShape) -> int:
+    """Step broadcasts (and result sends) a rank keeps in flight before it waits on the oldest."""
+    return 2 * shape.pp + 2
+
+
+def _call(fn):
+    try:
+        return True, fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the thread that waits
+        return False, e
+
+
 def setup_rank(mesh_shape: MeshShape, shape: EngineShape, cfg: ModelConfig, weights, dtype, device,
-               control: Optional[ControlPlane], budget: CacheBudget, timeout):
-    """Build this rank's worker and its KV cache; the block count is the minimum over ranks."""
+               control: Optional[ControlPlane], budget: CacheBudget, timeout, spawned: bool = False):
+    """Build this rank's worker and its KV cache; the block count is the minimum over ranks.
+    ``spawned``: a worker process of a spawn-mode driver (whose channel is already open)."""
+    if control is not None and not spawned:  # every rank, in the same order (it creates a process group)
+        control.open_channel(depth=_depth(shape))
+    driver = control is None or (control.rank == 0 and not spawned)  # one rank, or torchrun rank 0
     worker = Worker(build_mesh(mesh_shape, device.type), cfg, weights, shape, dtype=dtype, device=device,
-                    timeout=timeout)
-    if control is not None:  # every rank, in the same order (it creates a process group)
-        control.open_channel(depth=2 * shape.pp + 2)
+                    timeout=timeout, driver=driver)
+    if not worker.driver:
+        worker.control = control
     mine = budget.blocks(worker)
-    num_blocks = min(control.exchange("num_blocks", mine)) if control else mine
+    num_blocks = min(b for b in control.exchange("num_blocks", mine) if b is not None) if control else mine
     if num_blocks < 1:
         raise ValueError(f"the KV cache budget holds no block of {shape.block_size} tokens on some rank; "
                          f"give more kv_cache_memory / gpu_memory_utilization or a smaller block_size")
     worker.allocate(num_blocks)
     infos = control.exchange("info", worker.info()) if control else [worker.info()]
-    return worker, num_blocks, infos
+    return worker, num_blocks, [i for i in infos if i is not None]
 
 
 def _config_dict(cfg: ModelConfig) -> dict:
@@ -418,30 +507,34 @@ def _worker_main(rank: int, spec_json: str, parent_pid: int) -> None:
         from ..model.loader import SafetensorsSource
 
         timeout = timedelta(seconds=spec["timeout"])
-        store = dist.TCPStore("127.0.0.1", spec["port"], spec["world"], False, timeout=timeout)
-        control = ControlPlane(store, "ringkv/engine", rank, spec["world"], timeout)
+        store = dist.TCPStore("127.0.0.1", spec["port"], spec["world"] + 1, False, timeout=timeout)
+        control = ControlPlane(store, "ringkv/engine", rank + 1, spec["world"] + 1, timeout)  # the driver is 0
         control.post("hello", os.getpid())
+        cfg = ModelConfig(**spec["config"])
+        shape = EngineShape(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["shape"].items()})
+        control.open_channel(depth=_depth(shape), direct=True)  # with the driver, before anything slow
         device = _rank_device(torch.device(spec["device"]), rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(_backend(device), store=dist.PrefixStore("pg", store), rank=rank,
                                 world_size=spec["world"], timeout=timeout)
-        cfg = ModelConfig(**spec["config"])
-        shape = EngineShape(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["shape"].items()})
         worker, _, _ = setup_rank(MeshShape(shape.pp, shape.sp, shape.tp), shape, cfg,
                                   SafetensorsSource(spec["path"]), getattr(torch, spec["dtype"]), device, control,
-                                  CacheBudget(**spec["budget"]), timeout)
+                                  CacheBudget(**spec["budget"]), timeout, spawned=True)
         alive = parent_alive(parent_pid)
         while True:
             msg = control.receive(None, alive)
             kind = msg["kind"]
             if kind == "step":
                 worker.run(msg["words"], msg["bytes"])
+            elif kind in kvmove.KINDS:
+                kvmove.serve(worker, control, msg)
             elif kind == "report":
                 control.exchange(f"report{msg['n']}", worker.report())
             elif kind == "shutdown":
                 break
         worker.link.flush()
+        control.channel.reap(0)
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - tell the driver why, then die so peers fail fast
         if control is not None:

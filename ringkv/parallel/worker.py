@@ -1,7 +1,8 @@
 """``Worker``: one rank of an engine. It holds this rank's slice of the model (the layers of
 its pipeline stage x the heads of its TP rank), its paged KV cache (those layers, its KV
 heads, the tokens its SP rank stores) and runs step plans; the sampler rank (last stage,
-SP rank 0, TP rank 0) returns the step's tokens or logits.
+SP rank 0, TP rank 0) returns the step's tokens or logits: to its caller when it is the
+driver, else over the control plane (``control``).
 """
 
 from __future__ import annotations
@@ -13,19 +14,18 @@ from datetime import timedelta
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..cache.kv_cache import KVCache, bytes_per_block
 from ..kernels import paged, quant
 from ..model.config import ModelConfig
 from ..model.llama import DenseContext, LlamaForCausalLM
 from ..model.loader import check_checkpoint, materialize
-from ..sp.collectives import all_sum, wait
+from ..sp.collectives import all_sum
 from ..sp.comm import RingComm
 from . import faults
 from .context import LocalStep, StepContext
 from .mesh import Mesh
-from .plan import Mirror, Publisher, StepPlan
+from .plan import Mirror, StepPlan
 from .pp import StageLink, apply_pp, stage_forward, stage_range, stage_sizes
 from .tp import apply_tp, gather_vocab, kv_heads_per_rank
 
@@ -92,8 +92,10 @@ class WorkerStats:
 
 class Worker:
     def __init__(self, mesh: Mesh, cfg: ModelConfig, weights, shape: EngineShape, *, dtype: torch.dtype,
-                 device, timeout: Optional[timedelta] = None):
+                 device, timeout: Optional[timedelta] = None, driver: bool = True):
         self.mesh, self.cfg, self.shape, self.dtype = mesh, cfg, shape, dtype
+        self.driver = driver  # this process drives the engine (one process, or torchrun rank 0)
+        self.control = None  # a rank that is not the driver: its ``ControlPlane`` (results go there)
         self.device, self.timeout = torch.device(device), timeout
         sizes = shape.stage_sizes(cfg)
         self.layers = stage_range(sizes, mesh.pp_rank)
@@ -111,8 +113,7 @@ class Worker:
         self.ring = RingComm(mesh.sp_group, timeout) if mesh.sp > 1 else None
         self.link = StageLink(timeout, depth=shape.pp)
         self.stats = WorkerStats()
-        self.mirror = Mirror(mesh.rank)  # the other ranks: the running sequences, kept by the driver's step deltas
-        self.publisher = Publisher()  # the driver (rank 0): what every other rank's mirror holds
+        self.mirror = Mirror(mesh.rank)  # not the driver: the running sequences, kept by the driver's step deltas
         faults.install(self)  # tests only: RINGKV_FAULT
 
     @property
@@ -170,8 +171,8 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Optional["StepResult"]:
-        """Run this rank's part of a step. The sampler rank returns its ``StepResult`` (sent to
-        the driver when it is not rank 0); the others None."""
+        """Run this rank's part of a step. The sampler rank returns its ``StepResult`` when it
+        is the driver, else sends it there; the others return None."""
         t0 = time.perf_counter()
         m, sh = self.mesh, self.shape
         step = LocalStep(plan, m.sp_rank, m.sp, sh.block_size, sh.sp_prefill_min_tokens, self.device, self.paged_backend)
@@ -210,25 +211,12 @@ class Worker:
         if step.targets:  # log-probs of the prompt tokens these positions predict
             targets = torch.tensor(step.targets, device=logits.device)
             prompt_lp = torch.log_softmax(logits[k:], dim=-1).gather(1, targets[:, None])[:, 0]
-        if m.rank != 0:  # to the driver
+        if not self.driver:  # to the driver (CPU tensors over the control plane's gloo group)
             for t in (main, prompt_lp):
                 if t is not None:
-                    self.link.send(t, 0, RESULT_TAG)
+                    self.control.send(t.cpu(), 0, RESULT_TAG)
             return None
         return StepResult(main, prompt_lp)
-
-    def receive_result(self, plan: StepPlan) -> "StepResult":
-        """On the driver: the sampler rank's answer to ``plan`` (in submission order)."""
-        def recv(shape, dtype):
-            out = torch.empty(shape, dtype=dtype, device=self.device)
-            wait(dist.irecv(out, self.mesh.sampler_rank, tag=RESULT_TAG), out, self.timeout,
-                 f"results from the sampler rank {self.mesh.sampler_rank}")
-            return out
-
-        k = plan.num_completing
-        main = recv((k,) if plan.want == "tokens" else (k, self.cfg.vocab_size),
-                    torch.long if plan.want == "tokens" else torch.float32)
-        return StepResult(main, recv((plan.num_targets,), torch.float32) if plan.num_targets else None)
 
 
 @dataclass

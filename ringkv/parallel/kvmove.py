@@ -1,0 +1,219 @@
+"""One request's K/V gathered from, and scattered to, the ranks of an engine of any mesh (what
+``engine/migrate.py`` exports and imports).
+
+A snapshot holds K/V token-major, ``(layers, T, Hkv, D)``, whatever the mesh. A rank stores a
+box of it: the layers of its pipeline stage, the KV heads of its TP rank (``tp > Hkv``
+replicates a head on ``tp / Hkv`` ranks) and, along the tokens, every ``sp``-th one from its SP
+rank on (``context.py``: token ``t`` lives on SP rank ``t % sp``, in logical block
+``t // (block_size * sp)`` at offset ``t % (block_size * sp) // sp``).
+
+- **gather** (export): the driver publishes ``{"kind": "kv_read", ...}`` with the slice of
+  the block table that covers tokens ``[start, end)``; every rank reads its box of those tokens
+  and the first replica of each head sends it to the driver over the control group (the step
+  channel's gloo group); the driver places each box in the snapshot.
+- **scatter** (import): the driver publishes ``"kv_write"`` and sends each rank (replicas
+  too) its box; the ranks write it and answer with one word, so the import is complete (or a
+  rank's error known) before the call returns.
+
+The message and the boxes are O(end - start): an incremental snapshot costs what is new. Boxes
+travel as bytes (fp8 included) with their scales beside them on a quantized cache. The driver
+holds the snapshot once plus one box at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..cache.kv_cache import KVCache
+from ..kernels.quant import SCALE_DTYPE, as_bytes
+
+KV_TAG = 15  # apart from the step results (RESULT_TAG) and snapshot transfers
+KINDS = ("kv_read", "kv_write")
+
+KV = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]  # k, v, k_scale, v_scale
+
+
+@dataclass(frozen=True)
+class Box:
+    """What one model rank stores of a snapshot: ``layers`` and ``heads`` (global ids) and
+    tokens ``sp_rank, sp_rank + sp, ...``. ``owner``: the first replica of these heads (the one
+    that sends them on export)."""
+    rank: int
+    layers: range
+    heads: range
+    sp_rank: int
+    owner: bool
+
+    @staticmethod
+    def of(info: dict, num_kv_heads: int, tp: int) -> "Box":
+        t = info["tp_rank"]
+        first = t * num_kv_heads // tp  # tp <= Hkv: Hkv / tp heads each; tp > Hkv: one head per tp / Hkv ranks
+        return Box(info["rank"], range(*info["layers"]), range(first, first + info["kv_heads"]), info["sp_rank"],
+                   owner=t * num_kv_heads % tp < num_kv_heads)
+
+    def tokens(self, start: int, end: int, sp: int) -> slice:
+        """Its tokens among ``[start, end)``, as a slice of the snapshot's token dim."""
+        return slice((self.sp_rank - start) % sp, end - start, sp)
+
+
+def _slots(table: List[int], first: int, start: int, end: int, block_size: int, sp: int, sp_rank: int) -> torch.Tensor:
+    """Slots of SP rank ``sp_rank``'s tokens among ``[start, end)``; ``table`` is the block table
+    from logical block ``first`` on."""
+    lb = block_size * sp  # tokens per logical block
+    pos = torch.arange(start + (sp_rank - start) % sp, end, sp)
+    return torch.tensor(table, dtype=torch.long)[pos // lb - first] * block_size + pos % lb // sp
+
+
+def read(kv: KVCache, table: List[int], first: int, start: int, end: int, sp: int = 1, sp_rank: int = 0):
+    """This rank's stored tokens among ``[start, end)``: data ``(L, 2, n, H, D)`` and scale
+    ``(L, 2, n, H)`` (None unless quantized), on the CPU."""
+    slots = _slots(table, first, start, end, kv.block_size, sp, sp_rank).to(kv.data.device)
+    L, _, _, _, h, d = kv.data.shape
+    data = as_bytes(kv.data).view(L, 2, -1, h, d).index_select(2, slots).view(kv.data.dtype).cpu()
+    scale = None if kv.scale is None else kv.scale.view(L, 2, -1, h).index_select(2, slots).cpu()
+    return data, scale
+
+
+def write(kv: KVCache, table: List[int], first: int, start: int, end: int, data: torch.Tensor,
+          scale: Optional[torch.Tensor], sp: int = 1, sp_rank: int = 0) -> None:
+    """Store ``read``'s layout back: ``data`` ``(L, 2, n, H, D)``, ``scale`` ``(L, 2, n, H)``."""
+    slots = _slots(table, first, start, end, kv.block_size, sp, sp_rank).to(kv.data.device)
+    L, _, _, _, h, d = kv.data.shape
+    as_bytes(kv.data).view(L, 2, -1, h, d).index_copy_(2, slots, as_bytes(data.to(kv.data.device)))
+    if kv.scale is not None:
+        kv.scale.view(L, 2, -1, h).index_copy_(2, slots, scale.to(kv.scale.device))
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (any dtype, fp8 included), as gloo can carry them."""
+    return x.contiguous().view(-1).view(torch.uint8)
+
+
+def _unwire(buf: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    return buf.view(dtype).view(shape)
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+
+
+class Mover:
+    """The driver's side: ``gather`` / ``scatter`` over ``cluster``'s ranks (any launch mode)."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        sh, cfg = cluster.shape, cluster.cfg
+        self.sp, self.block_size = sh.sp, sh.block_size
+        self.boxes = [Box.of(i, cfg.num_kv_heads, sh.tp) for i in cluster.infos]
+        self.dtype = sh.quant.dtype if sh.quant else cluster.dtype  # what the cache stores
+        self.scale_dtype = SCALE_DTYPE if sh.quant else None
+        self.shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # a snapshot's K/V: (layers, T, Hkv, D)
+
+    def _table(self, table: List[int], start: int, end: int):
+        lb = self.block_size * self.sp
+        first = start // lb
+        return first, [int(b) for b in table[first:-(-end // lb)]]
+
+    def _recv(self, box: Box, shape, dtype: torch.dtype) -> torch.Tensor:
+        c = self.cluster
+        buf = torch.empty(_nbytes(shape, dtype), dtype=torch.uint8)
+        return _unwire(c.control.recv_from(box.rank + c.offset, buf, KV_TAG, f"the K/V of model rank {box.rank}"),
+                       dtype, shape)
+
+    def empty(self) -> KV:
+        """The K/V of no token: ``(layers, 0, Hkv, D)`` (scales ``(layers, 0, Hkv)``)."""
+        L, H, D = self.shape
+        k = torch.empty(L, 0, H, D, dtype=self.dtype)
+        s = None if self.scale_dtype is None else torch.empty(L, 0, H, dtype=self.scale_dtype)
+        return k, k.clone(), s, None if s is None else s.clone()
+
+    def gather(self, table: List[int], start: int, end: int) -> KV:
+        """K/V (and scales) of tokens ``[start, end)`` of the sequence with block table
+        ``table``: ``k``/``v`` ``(layers, T, Hkv, D)``, scales ``(layers, T, Hkv)`` (None
+        unless quantized), on the CPU."""
+        c = self.cluster
+        if end <= start:
+            return self.empty()
+        first, part = self._table(table, start, end)
+        if c.world == 1:
+            data, scale = read(c.worker.kv, part, first, start, end)
+        else:
+            L, H, D = self.shape
+            data = torch.empty(L, 2, end - start, H, D, dtype=self.dtype)  # (L, 2, T, H, D)
+            scale = None if self.scale_dtype is None else torch.empty(L, 2, end - start, H, dtype=self.scale_dtype)
+            c.control.publish({"kind": "kv_read", "table": part, "first": first, "start": start, "end": end})
+            for box in self.boxes:
+                if not box.owner:
+                    continue
+                at = (slice(box.layers.start, box.layers.stop), slice(None), box.tokens(start, end, self.sp),
+                      slice(box.heads.start, box.heads.stop))
+                if c.worker is not None and box.rank == c.worker.mesh.rank:  # the torchrun driver's own box
+                    mine, mine_scale = read(c.worker.kv, part, first, start, end, self.sp, box.sp_rank)
+                else:
+                    shape = data[at].shape  # (l, 2, n, h, D)
+                    mine = self._recv(box, shape, data.dtype)
+                    mine_scale = None if scale is None else self._recv(box, shape[:-1], scale.dtype)
+                data[at] = mine
+                if scale is not None:
+                    scale[at] = mine_scale
+        return data[:, 0], data[:, 1], *((None, None) if scale is None else (scale[:, 0], scale[:, 1]))
+
+    def scatter(self, table: List[int], start: int, kv: KV) -> None:
+        """Write ``kv`` (``gather``'s layout, tokens ``[start, start + T)``) into the blocks of
+        ``table`` on every rank; returns once every rank has written its box."""
+        c = self.cluster
+        k, v, ks, vs = kv
+        end = start + k.shape[1]
+        if end <= start:
+            return
+        first, part = self._table(table, start, end)
+        data = torch.stack((k, v), 1)  # (L, 2, T, H, D)
+        scale = None if ks is None else torch.stack((ks, vs), 1)  # (L, 2, T, H)
+        if c.world == 1:
+            write(c.worker.kv, part, first, start, end, data, scale)
+            return
+        c.control.publish({"kind": "kv_write", "table": part, "first": first, "start": start, "end": end})
+        for box in self.boxes:
+            src = (slice(box.layers.start, box.layers.stop), slice(None), box.tokens(start, end, self.sp),
+                   slice(box.heads.start, box.heads.stop))
+            mine, mine_scale = data[src], None if scale is None else scale[src]
+            if c.worker is not None and box.rank == c.worker.mesh.rank:
+                write(c.worker.kv, part, first, start, end, mine, mine_scale, self.sp, box.sp_rank)
+                continue
+            c.control.send(_wire(mine), box.rank + c.offset, KV_TAG)
+            if mine_scale is not None:
+                c.control.send(_wire(mine_scale), box.rank + c.offset, KV_TAG)
+        for box in self.boxes:  # every rank has written (or failed: then its error reaches us)
+            if c.worker is None or box.rank != c.worker.mesh.rank:
+                c.control.recv_from(box.rank + c.offset, torch.zeros(1, dtype=torch.int64), KV_TAG,
+                                    f"model rank {box.rank} to store the imported K/V")
+
+
+def serve(worker, control, msg: dict) -> None:
+    """A rank other than the driver: its part of a ``kv_read`` or ``kv_write`` message."""
+    m, kv = worker.mesh, worker.kv
+    table, first, start, end = msg["table"], msg["first"], msg["start"], msg["end"]
+    sp = m.sp
+    if msg["kind"] == "kv_read":
+        hkv, tp = worker.cfg.num_kv_heads, m.tp
+        if m.tp_rank * hkv % tp >= hkv:  # a replica of heads another rank sends
+            return
+        data, scale = read(kv, table, first, start, end, sp, m.sp_rank)
+        control.send(_wire(data), 0, KV_TAG)
+        if scale is not None:
+            control.send(_wire(scale), 0, KV_TAG)
+        return
+    L, _, _, _, h, d = kv.data.shape
+    shape = (L, 2, len(range(start + (m.sp_rank - start) % sp, end, sp)), h, d)
+
+    def recv(shape, dtype):
+        buf = torch.empty(_nbytes(shape, dtype), dtype=torch.uint8)
+        return _unwire(control.recv_from(0, buf, KV_TAG, "the imported K/V from the driver"), dtype, shape)
+
+    data = recv(shape, kv.data.dtype)
+    scale = None if kv.scale is None else recv(shape[:-1], kv.scale.dtype)
+    write(kv, table, first, start, end, data, scale, sp, m.sp_rank)
+    control.send(torch.ones(1, dtype=torch.int64), 0, KV_TAG)

@@ -1,0 +1,187 @@
+"""Moving running requests between engines of different meshes (tp, pp, sp, replicated KV
+heads, block sizes, int8 and fp8 caches, spawned and under torchrun): after a full or an
+incremental migration greedy and seeded outputs equal the unmigrated run, incremental
+snapshots carry only what is new, every block is freed, and several multi-rank engines live in
+one process (a hypothesis state machine moves requests between two of them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import precondition, rule
+
+pytest.importorskip("transformers")
+
+from ringkv.engine import LLM, SamplingParams  # noqa: E402
+from tests import test_migrate  # noqa: E402
+from tests.models import tiny_model  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=5)
+
+MESHES = {  # name -> LLM settings (each a different mesh or block size)
+    "1": dict(block_size=8),
+    "tp2": dict(tp=2, block_size=4),
+    "pp2": dict(pp=2, block_size=8),
+    "sp2": dict(sp=2, block_size=4),
+    "tp2pp2": dict(tp=2, pp=2, block_size=4),
+    "pp2sp2": dict(pp=2, sp=2, block_size=2),
+    "tp4-int8": dict(tp=4, block_size=4, kv_cache_dtype="int8"),  # tp > Hkv: each head on two ranks
+    "1-int8": dict(block_size=16, kv_cache_dtype="int8"),
+    "sp2-fp8": dict(sp=2, block_size=8, kv_cache_dtype="fp8_e4m3"),
+    "pp2-fp8": dict(pp=2, block_size=4, kv_cache_dtype="fp8_e4m3"),
+}
+PAIRS = [("tp2", "pp2"), ("sp2", "1"), ("1", "tp2pp2"), ("pp2sp2", "tp2"), ("tp4-int8", "1-int8"),
+         ("sp2-fp8", "pp2-fp8")]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", 0, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    """Every mesh's engine, built on first use and kept for the module (several spawned
+    multi-rank engines in this one process)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = LLM(model, num_blocks=160, max_num_batched_tokens=16, timeout=60, **MESHES[name])
+        return made[name]
+
+    yield get
+    for e in reversed(list(made.values())):  # closed in another order than built
+        e.close()
+
+
+def prompts():
+    return test_migrate.prompts()
+
+
+_refs = {}
+
+
+def reference(model, kv_cache_dtype):
+    """Unmigrated outputs of every (prompt, params) request, on one rank with the same cache format
+    (a quantized cache rounds K/V: its outputs are its own)."""
+    if kv_cache_dtype not in _refs:
+        llm = LLM(model, block_size=4, num_blocks=160, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
+        _refs[kv_cache_dtype] = [o.token_ids for o in llm.generate(
+            [p for p in prompts() for _ in range(2)], [GREEDY, SEEDED] * len(prompts()), use_tqdm=False)]
+    return _refs[kv_cache_dtype]
+
+
+def _steps(e, outs):
+    for o in e.step():
+        outs[o.request_id] = o
+
+
+def _finish(e, outs):
+    while e.has_unfinished_requests():
+        _steps(e, outs)
+
+
+@pytest.mark.parametrize("src,dst", PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
+def test_requests_move_between_meshes_and_finish_as_if_never_moved(engines, model, src, dst):
+    a, b = engines(src), engines(dst)
+    reqs = [(p, params) for p in prompts() for params in (GREEDY, SEEDED)]
+    rids = [a.add_request(p, params, request_id=f"{src}>{dst}:{i}") for i, (p, params) in enumerate(reqs)]
+    outs = {}
+    for _ in range(4):
+        _steps(a, outs)
+    moved = 0
+    for i, rid in enumerate(rids):
+        if rid not in a.pipeline.active:
+            continue  # finished here already
+        if i % 2:  # incremental: pre-copy while it runs, one more step, then only what is new
+            first = a.export_request(rid, stop=False)
+            b.import_request(first)
+            _steps(a, outs)
+            if rid not in a.pipeline.active:
+                assert b.abort_request(rid)
+                continue
+            last = a.export_request(rid, since=first)
+            assert last.start == first.end and last.k.shape[1] == last.end - last.start  # only what is new
+            if first.end >= len(reqs[i][0]):  # decoding: a step or two's tokens (pp=2 has two in flight)
+                assert last.end - last.start <= 3 and len(last.token_ids) <= 3
+            b.import_request(last)
+        else:
+            b.import_request(a.export_request(rid))
+        assert a.abort_request(rid)
+        moved += 1
+    assert moved >= 4
+    _finish(a, outs)
+    _finish(b, outs)
+    assert [outs[rid].token_ids for rid in rids] == reference(model, MESHES[src].get("kv_cache_dtype", "auto"))
+    for e in (a, b):
+        assert e.blocks.num_free == e.blocks.num_blocks and not e.pipeline.staged and not e.pipeline.paused
+
+
+def test_a_snapshot_holds_the_same_kv_whatever_the_mesh(engines, model):
+    """Every mesh exports K/V equal (to float rounding of its own summation order) to the
+    single-rank engine's, in the same token-major layout."""
+    p = prompts()[3]
+    snaps = {}
+    for name in ("1", "tp2", "pp2", "sp2", "pp2sp2"):
+        e = engines(name)
+        rid = e.add_request(p, GREEDY, request_id=f"same-{name}")
+        while e.pipeline.get(rid)[0].num_computed < len(p):
+            e.step()
+        snaps[name] = e.export_request(rid)
+        assert e.abort_request(rid)
+    one = snaps["1"]
+    for name, s in snaps.items():
+        assert s.k.shape == one.k.shape == (3, len(p), 2, 16), name
+        assert torch.allclose(s.k, one.k, atol=1e-5) and torch.allclose(s.v, one.v, atol=1e-5), name
+
+
+def test_migration_under_torchrun_both_ways(worlds, model):
+    """A torchrun tp=2 engine exports to a one-rank engine on rank 0 and imports from it; rank 1
+    follows the calls (ranks > 0 get None)."""
+    params = dict(temperature=0.8, max_tokens=12, seed=9)
+    want = [o.token_ids for o in LLM(model, block_size=4, num_blocks=128).generate(
+        prompts(), SamplingParams(**params), use_tqdm=False)]
+    res = worlds(2).check("tests.engine_cases:migrate_mesh_torchrun", 2,
+                          ("tiny", "llama", 0, dict(num_hidden_layers=3)), prompts(), params)
+    assert res[0] == want and res[1] == "followed"
+
+
+class MeshMigrations(test_migrate.Migrations):
+    """``test_migrate.Migrations`` between a tp=2 engine and a pp=2 x sp=2 one (block sizes 4
+    and 2), the same two engines for every example."""
+
+    ENGINES = None
+    moved = 0  # requests moved over all examples
+
+    @precondition(lambda self: self.run is not None)
+    @rule(k=st.integers(0, 50), pre=st.booleans())
+    def move(self, k, pre):  # the base rule, counted
+        before = dict(self.where)
+        super().move(k, pre)
+        MeshMigrations.moved += sum(self.where[r] != e for r, e in before.items())
+
+    def make_run(self):
+        r = test_migrate.Run.__new__(test_migrate.Run)
+        r.a, r.b = self.ENGINES
+        r.outs = {}
+        return r
+
+
+@pytest.fixture
+def _mesh_machine(engines, model):
+    MeshMigrations.ENGINES = (engines("tp2"), engines("pp2sp2"))
+    test_migrate.MODEL = model
+    yield
+    MeshMigrations.ENGINES = None
+
+
+def test_moves_between_two_multi_rank_engines_lose_nothing(_mesh_machine):
+    from hypothesis.stateful import run_state_machine_as_test
+
+    MeshMigrations.moved = 0
+    run_state_machine_as_test(MeshMigrations, settings=settings(max_examples=10, stateful_step_count=20,
+                                                                deadline=None))
+    assert MeshMigrations.moved > 0

@@ -94,6 +94,17 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @_jit
+def _cast(x, DT: tl.constexpr, PREC: tl.constexpr):
+    """fp32 ``x`` as ``DT``, rounded to nearest even as the GPU does. Triton's CPU interpreter
+    truncates fp32 to bf16 (one ulp low, always the same way: an output just under a bf16
+    value lands a whole ulp under it), so there ("upcast") the bits are rounded first."""
+    if PREC == "upcast":
+        bits = x.to(tl.uint32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(DT)
+
+
+@_jit
 def _tile_start(IS_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr):
     """First row of this program's query tile; with an OFFSET mask the last (heaviest)
     tiles are launched first, so the short ones fill in at the end."""
@@ -118,7 +129,7 @@ def _online_step(acc, m_i, l_i, s, v, PREC: tl.constexpr):
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+    acc = acc * alpha[:, None] + _dot(_cast(p, v.dtype, PREC), v, PREC)
     return acc, m_new, l_i
 
 
@@ -196,7 +207,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     out, lse2 = _finish(acc, m_i, l_i)  # rows that saw no key: out 0, lse -inf
     lse = lse2 * 0.6931471805599453  # natural log
     tl.store(Out + b * stride_ob + h * stride_oh + _rows_off(m0, stride_om, BLOCK_M) + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=q_mask)
+             _cast(out, Out.dtype.element_ty, PREC), mask=q_mask)
     tl.store(Lse + (b * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)
 
 
@@ -267,13 +278,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV,
             if IS_OFFSET:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :] + offset)
             p_t = tl.where(visible, tl.math.exp2(s_t - lse2[None, :]), 0.0)
-            dv += _dot(p_t.to(do.dtype), do, PREC)
+            dv += _dot(_cast(p_t, do.dtype, PREC), do, PREC)
             dp_t = _dot(v, tl.trans(do), PREC)  # (BN, BM)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += _dot(ds_t.to(q.dtype), q, PREC)
+            dk += _dot(_cast(ds_t, q.dtype, PREC), q, PREC)
     g_off = b * stride_gb + hk * stride_gh + _rows_off(n0, stride_gn, BLOCK_N) + offs_d[None, :]
-    tl.store(DK + g_off, dk * scale, mask=kv_mask)
-    tl.store(DV + g_off, dv, mask=kv_mask)
+    tl.store(DK + g_off, _cast(dk * scale, DK.dtype.element_ty, PREC), mask=kv_mask)
+    tl.store(DV + g_off, _cast(dv, DV.dtype.element_ty, PREC), mask=kv_mask)
 
 
 @_jit(do_not_specialize=_NO_SPEC)
@@ -318,9 +329,9 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
         p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), PREC)  # (BM, BN)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, PREC)
+        dq += _dot(_cast(ds, k.dtype, PREC), k, PREC)
     tl.store(DQ + b * stride_gb + h * stride_gh + _rows_off(m0, stride_gm, BLOCK_M) + offs_d[None, :],
-             dq * scale, mask=q_mask)
+             _cast(dq * scale, DQ.dtype.element_ty, PREC), mask=q_mask)
 
 
 # ----------------------------------------------------------------------------- launch

@@ -55,8 +55,8 @@ class Deltas(RuleBasedStateMachine):
         want = "tokens" if len(batch) % 2 else "logits"
         words = self.pub.encode(batch, want)
         for s, (flags, ntok, nblk) in zip(batch, _entries(words)):
-            if flags & NEW:  # once: all its tokens and blocks
-                assert (ntok, nblk) == (s.seq.num_tokens, len(s.seq.block_table))
+            if flags & NEW:  # once: its tokens from the first position it computes (a cached prefix: none), all blocks
+                assert (ntok, nblk) == (s.seq.num_tokens - s.start, len(s.seq.block_table))
             else:  # the token sampled since, the blocks these n tokens need: not the context
                 assert ntok <= 1 and nblk <= s.n // self.blocks.block_size + 1, (ntok, nblk, s.n)
         plan = self.mirror.apply(words)
@@ -93,7 +93,7 @@ class Deltas(RuleBasedStateMachine):
         assert set(self.mirror.seqs) == set(self.pub.sent)
         for sid, e in self.pub.sent.items():
             m = self.mirror.seqs[sid]
-            assert m.tokens == e.seq.token_ids[:e.tokens]
+            assert m.offset == e.offset and m.tokens == e.seq.token_ids[e.offset:e.offset + e.tokens]
             if e.seq.kv_epoch == e.epoch and not e.seq.finished:  # else dropped at the next step
                 assert m.table == e.seq.block_table[:e.blocks]
 

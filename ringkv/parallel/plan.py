@@ -19,8 +19,10 @@ since the step before, as int64 words (``control.Channel``)::
                              appended token ids..., appended block ids...]
 
 A sequence new to the mirrors (first scheduled, or again after its blocks were dropped by a
-preemption or a reclaim) carries all its token ids and its block table once; later steps carry
-the tokens sampled since (decode: one) and the blocks appended. Finished sequences and those
+preemption or a reclaim) carries its block table once and its token ids from the step's first
+position on (no rank reads a token below it: a cached prefix or an imported request's K/V
+cost no words); later steps carry the tokens sampled since (decode: one) and the blocks
+appended. Finished sequences and those
 whose KV was dropped are dropped from the mirrors. So a step's words are O(scheduled
 sequences + new tokens + new blocks), whatever the context length. The three counts after
 the drops are a checksum: a rank whose mirror disagrees raises ``EngineError`` naming the step.
@@ -80,7 +82,8 @@ class _Sent:
     """What the mirrors hold of one sequence (driver side)."""
     seq: object
     epoch: int
-    tokens: int
+    offset: int  # the first token the mirrors hold (the sequence's first scheduled position)
+    tokens: int  # tokens held: [offset, offset + tokens)
     blocks: int
 
 
@@ -107,13 +110,13 @@ class Publisher:
             e = sent.get(seq.seq_id)
             flags = COMPLETES if s.completes else 0
             if e is None:
-                e = sent[seq.seq_id] = _Sent(seq, seq.kv_epoch, 0, 0)
+                e = sent[seq.seq_id] = _Sent(seq, seq.kv_epoch, s.start, 0, 0)
                 flags |= NEW
             toks, blks = seq.token_ids, seq.block_table
-            nt, nb = len(toks) - e.tokens, len(blks) - e.blocks
+            nt, nb = len(toks) - e.offset - e.tokens, len(blks) - e.blocks
             words += (seq.seq_id, flags, s.start, s.n, s.targets, nt, nb)
             if nt:
-                words += toks[e.tokens:]
+                words += toks[e.offset + e.tokens:]
                 e.tokens += nt
                 self.tokens += nt
             if nb:
@@ -127,8 +130,9 @@ class Publisher:
 
 @dataclass
 class _Mirrored:
-    tokens: List[int]
+    tokens: List[int]  # token ids from position ``offset`` on
     table: List[int]
+    offset: int
 
 
 class Mirror:
@@ -161,17 +165,18 @@ class Mirror:
             if flags & NEW:
                 if m is not None:
                     self._drift(step, f"sequence {sid} is new to the driver but already held")
-                m = self.seqs[sid] = _Mirrored(toks, blks)
+                m = self.seqs[sid] = _Mirrored(toks, blks, start)
             elif m is None:
                 self._drift(step, f"sequence {sid} is not held")
             else:
                 m.tokens += toks
                 m.table += blks
-            end = start + n
-            if end > len(m.tokens) or start + 1 + targets > len(m.tokens):
-                self._drift(step, f"sequence {sid} computes tokens [{start}, {end}) of the {len(m.tokens)} held")
-            seqs.append(SeqStep(start, n, m.tokens[start:end], m.table, bool(flags & COMPLETES),
-                                m.tokens[start + 1:start + 1 + targets] if targets else None))
+            lo, o = start - m.offset, m.offset  # lo: the step's first token in m.tokens
+            if lo < 0 or lo + n > len(m.tokens) or lo + 1 + targets > len(m.tokens):
+                self._drift(step, f"sequence {sid} computes tokens [{start}, {start + n}) of the held "
+                                  f"[{o}, {o + len(m.tokens)})")
+            seqs.append(SeqStep(start, n, m.tokens[lo:lo + n], m.table, bool(flags & COMPLETES),
+                                m.tokens[lo + 1:lo + 1 + targets] if targets else None))
         if i != len(w):
             self._drift(step, f"{len(w) - i} words left over")
         held = (len(self.seqs), sum(len(m.tokens) for m in self.seqs.values()),

@@ -120,6 +120,32 @@ def test_requests_move_between_meshes_and_finish_as_if_never_moved(engines, mode
         assert e.blocks.num_free == e.blocks.num_blocks and not e.pipeline.staged and not e.pipeline.paused
 
 
+def test_an_export_completes_the_steps_in_flight_first(engines, model):
+    """pp=2 keeps a step in flight after ``step()``: an export completes it first. A request that
+    step finishes is not exported (nothing to move) and is reported by the next ``step()``; one
+    it does not finish is exported with that step's token."""
+    e = engines("pp2")
+    p = SamplingParams(temperature=0, max_tokens=3)
+    rids = [e.add_request(t, p, request_id=f"inflight{i}") for i, t in enumerate(([5, 6, 7, 8], [9, 10, 11]))]
+    outs = {}
+    while True:
+        _steps(e, outs)
+        flying = {s.seq.request_id for batch in e.pipeline.inflight for s in batch}
+        last = [r for r in rids if r in flying and len(e.pipeline.get(r)[0].output_token_ids) == 2]
+        if last:
+            break
+    with pytest.raises(ValueError, match="is finished; nothing to export"):
+        e.export_request(last[0])
+    other = next(r for r in rids if r != last[0])
+    snap = e.export_request(other)
+    assert len(snap.token_ids) == len(e.pipeline.paused[other][0].token_ids)
+    e.resume_request(other)
+    _finish(e, outs)
+    want = LLM(model, block_size=4, num_blocks=64).generate([[5, 6, 7, 8], [9, 10, 11]], p, use_tqdm=False)
+    assert [outs[r].token_ids for r in rids] == [o.token_ids for o in want]
+    assert e.blocks.num_free == e.blocks.num_blocks
+
+
 def test_a_snapshot_holds_the_same_kv_whatever_the_mesh(engines, model):
     """Every mesh exports K/V equal (to float rounding of its own summation order) to the
     single-rank engine's, in the same token-major layout."""

@@ -128,6 +128,7 @@ def receive_request(llm, link: Link, *, cache_prefix: bool = False):
             link.send_json({"ok": True})
             if snap.final:
                 return rid
+            del snap  # a pre-copy's K/V are in the cache now: free them before the final snapshot comes
     except BaseException as e:
         if rid is not None:
             llm.abort_request(rid)  # staged, or started but not acknowledged: the source keeps it

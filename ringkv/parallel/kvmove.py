@@ -17,7 +17,7 @@ rank on (``context.py``: token ``t`` lives on SP rank ``t % sp``, in logical blo
 
 The message and the boxes are O(end - start): an incremental snapshot costs what is new. Boxes
 travel as bytes (fp8 included) with their scales beside them on a quantized cache. The driver
-holds the snapshot once plus one box at a time.
+holds the snapshot once plus one box at a time (received, or sent and not yet taken).
 """
 
 from __future__ import annotations
@@ -186,6 +186,7 @@ class Mover:
             c.control.send(_wire(mine), box.rank + c.offset, KV_TAG)
             if mine_scale is not None:
                 c.control.send(_wire(mine_scale), box.rank + c.offset, KV_TAG)
+            c.control.channel.reap(0)  # one box in flight at a time: the snapshot plus one box, never twice
         for box in self.boxes:  # every rank has written (or failed: then its error reaches us)
             if c.worker is None or box.rank != c.worker.mesh.rank:
                 c.control.recv_from(box.rank + c.offset, torch.zeros(1, dtype=torch.int64), KV_TAG,

@@ -103,8 +103,12 @@ def test_kv_quant_benchmark(tmp_path):
 def test_migration_benchmark(tmp_path):
     out = tmp_path / "mig.json"
     table = run(["benchmarks/migration.py", "--model", "tiny-test", "--contexts", "64", "256", "--repeats", "1",
-                 "--decoded", "2", "--json", str(out)], tmp_path)
-    assert "| 256 |" in table
+                 "--decoded", "2", "--pairs", "1:1", "tp2:pp2", "--json", str(out)], tmp_path)
+    assert "| tp2:pp2 | 256 |" in table and "| 1:1 | 64 |" in table
     rows = json.loads(out.read_text())["rows"]
+    assert [(r["pair"], r["context"]) for r in rows] == [("1:1", 64), ("1:1", 256), ("tp2:pp2", 64), ("tp2:pp2", 256)]
     for r in rows:
         assert r["full_bytes"] > r["final_bytes"] > 0 and r["incremental_downtime_s"] > 0
+    table = run(["benchmarks/migration.py", "--model", "tiny-test", "--contexts", "64", "--repeats", "1",
+                 "--decoded", "2", "--pairs", "1:1", "--transport", "link"], tmp_path)  # B in another process
+    assert "over a loopback Link" in table and "| 1:1 | 64 |" in table

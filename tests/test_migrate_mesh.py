@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import precondition, rule
 
 pytest.importorskip("transformers")
@@ -29,11 +29,11 @@ MESHES = {  # name -> LLM settings (each a different mesh or block size)
     "pp2sp2": dict(pp=2, sp=2, block_size=2),
     "tp4-int8": dict(tp=4, block_size=4, kv_cache_dtype="int8"),  # tp > Hkv: each head on two ranks
     "1-int8": dict(block_size=16, kv_cache_dtype="int8"),
-    "sp2-fp8": dict(sp=2, block_size=8, kv_cache_dtype="fp8_e4m3"),
+    "sp3-fp8": dict(sp=3, block_size=8, kv_cache_dtype="fp8_e4m3"),  # sp=3: a step's token is on one rank of three
     "pp2-fp8": dict(pp=2, block_size=4, kv_cache_dtype="fp8_e4m3"),
 }
 PAIRS = [("tp2", "pp2"), ("sp2", "1"), ("1", "tp2pp2"), ("pp2sp2", "tp2"), ("tp4-int8", "1-int8"),
-         ("sp2-fp8", "pp2-fp8")]
+         ("sp3-fp8", "pp2-fp8")]
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +118,40 @@ def test_requests_move_between_meshes_and_finish_as_if_never_moved(engines, mode
     assert [outs[rid].token_ids for rid in rids] == reference(model, MESHES[src].get("kv_cache_dtype", "auto"))
     for e in (a, b):
         assert e.blocks.num_free == e.blocks.num_blocks and not e.pipeline.staged and not e.pipeline.paused
+
+
+@given(sp=st.integers(1, 4), block_size=st.integers(1, 5), start=st.integers(0, 40), n=st.integers(0, 9),
+       quant=st.sampled_from([None, "int8", "fp8_e4m3"]), seed=st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_every_sp_rank_reads_back_exactly_its_tokens(sp, block_size, start, n, quant, seed):
+    """``kvmove.read``/``write`` of any token range on every SP rank (some store none of a short
+    range), through a shuffled block table: the ranks' boxes together are the range, each
+    token once, on the rank ``t % sp``."""
+    from ringkv.cache.kv_cache import KVCache
+    from ringkv.kernels.quant import resolve
+    from ringkv.parallel import kvmove
+
+    g = torch.Generator().manual_seed(seed)
+    end, lb = start + n, block_size * sp
+    nblocks = -(-end // lb) + 1
+    table = torch.randperm(nblocks, generator=g).tolist()
+    first = start // lb
+    part = table[first:max(first, -(-end // lb))]
+    got = torch.full((n,), -1.0)
+    for r in range(sp):
+        kv = KVCache(2, 1, 4, block_size=block_size, num_blocks=nblocks, quant=resolve(quant) if quant else None)
+        mine = list(range(start + (r - start) % sp, end, sp))
+        pos = torch.tensor(mine, dtype=torch.float32)  # a token's position, exact in its storage
+        data = (pos % 8 if quant else pos)[None, None, :, None, None].expand(2, 2, len(mine), 1, 4).to(kv.data.dtype)
+        scale = None if kv.scale is None else pos[None, None, :, None].expand(2, 2, len(mine), 1).to(kv.scale.dtype)
+        kvmove.write(kv, part, first, start, end, data, scale, sp, r)
+        back, back_scale = kvmove.read(kv, part, first, start, end, sp, r)
+        assert back.shape == (2, 2, len(mine), 1, 4) and torch.equal(back, data)
+        assert (back_scale is None) == (kv.scale is None) and (scale is None or torch.equal(back_scale, scale))
+        for i, p in enumerate(mine):
+            assert p % sp == r and got[p - start] == -1
+            got[p - start] = (back if scale is None else back_scale)[0, 0, i, 0].float().flatten()[0]
+    assert torch.equal(got, torch.arange(start, end, dtype=torch.float32))
 
 
 def test_an_export_completes_the_steps_in_flight_first(engines, model):

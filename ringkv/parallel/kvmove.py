@@ -63,7 +63,8 @@ def _slots(table: List[int], first: int, start: int, end: int, block_size: int, 
     """Slots of SP rank ``sp_rank``'s tokens among ``[start, end)``; ``table`` is the block table
     from logical block ``first`` on."""
     lb = block_size * sp  # tokens per logical block
-    pos = torch.arange(start + (sp_rank - start) % sp, end, sp)
+    first_pos = start + (sp_rank - start) % sp  # may lie past ``end``: this rank stores none of them
+    pos = torch.arange(first_pos, max(first_pos, end), sp)
     return torch.tensor(table, dtype=torch.long)[pos // lb - first] * block_size + pos % lb // sp
 
 

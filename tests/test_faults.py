@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -58,6 +59,15 @@ def reference(model, ps=None, params=GREEDY):
         _refs[key] = [o.token_ids for o in LLM(model, block_size=4, num_blocks=64).generate(ps, params,
                                                                                          use_tqdm=False)]
     return _refs[key]
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """A Ctrl-C raises ``KeyboardInterrupt`` here, as in a terminal: Python leaves SIGINT ignored
+    when it starts ignored (pytest run as a shell's background job), and these tests send it."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 @contextlib.contextmanager
@@ -170,8 +180,6 @@ def test_ctrl_c_mid_step_resynchronises_and_an_interrupt_inside_breaks_at_once(m
 
 def test_workers_ignore_a_terminal_ctrl_c(model):
     """A terminal's Ctrl-C reaches the spawned workers too; it is the driver's to handle."""
-    import signal
-
     ps = prompts()[:2]
     with engine(model, tp=2) as llm:
         os.kill(llm.cluster.procs[0].pid, signal.SIGINT)

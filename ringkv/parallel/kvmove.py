@@ -58,6 +58,11 @@ class Box:
         """Its tokens among ``[start, end)``, as a slice of the snapshot's token dim."""
         return slice((self.sp_rank - start) % sp, end - start, sp)
 
+    def index(self, start: int, end: int, sp: int) -> tuple:
+        """Its box of ``(L, 2, T, H, ...)`` K/V (or scales) of tokens ``[start, end)``."""
+        return (slice(self.layers.start, self.layers.stop), slice(None), self.tokens(start, end, sp),
+                slice(self.heads.start, self.heads.stop))
+
 
 def _slots(table: List[int], first: int, start: int, end: int, block_size: int, sp: int, sp_rank: int) -> torch.Tensor:
     """Slots of SP rank ``sp_rank``'s tokens among ``[start, end)``; ``table`` is the block table
@@ -98,7 +103,7 @@ def _unwire(buf: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
-    return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 class Mover:
@@ -117,6 +122,10 @@ class Mover:
         lb = self.block_size * self.sp
         first = start // lb
         return first, [int(b) for b in table[first:-(-end // lb)]]
+
+    def _local(self, box: Box) -> bool:
+        """The box is this process's own (a torchrun driver is model rank 0)."""
+        return self.cluster.worker is not None and box.rank == self.cluster.worker.mesh.rank
 
     def _recv(self, box: Box, shape, dtype: torch.dtype) -> torch.Tensor:
         c = self.cluster
@@ -149,9 +158,8 @@ class Mover:
             for box in self.boxes:
                 if not box.owner:
                     continue
-                at = (slice(box.layers.start, box.layers.stop), slice(None), box.tokens(start, end, self.sp),
-                      slice(box.heads.start, box.heads.stop))
-                if c.worker is not None and box.rank == c.worker.mesh.rank:  # the torchrun driver's own box
+                at = box.index(start, end, self.sp)
+                if self._local(box):  # the torchrun driver's own box
                     mine, mine_scale = read(c.worker.kv, part, first, start, end, self.sp, box.sp_rank)
                 else:
                     shape = data[at].shape  # (l, 2, n, h, D)
@@ -178,10 +186,9 @@ class Mover:
             return
         c.control.publish({"kind": "kv_write", "table": part, "first": first, "start": start, "end": end})
         for box in self.boxes:
-            src = (slice(box.layers.start, box.layers.stop), slice(None), box.tokens(start, end, self.sp),
-                   slice(box.heads.start, box.heads.stop))
-            mine, mine_scale = data[src], None if scale is None else scale[src]
-            if c.worker is not None and box.rank == c.worker.mesh.rank:
+            at = box.index(start, end, self.sp)
+            mine, mine_scale = data[at], None if scale is None else scale[at]
+            if self._local(box):
                 write(c.worker.kv, part, first, start, end, mine, mine_scale, self.sp, box.sp_rank)
                 continue
             c.control.send(_wire(mine), box.rank + c.offset, KV_TAG)
@@ -189,7 +196,7 @@ class Mover:
                 c.control.send(_wire(mine_scale), box.rank + c.offset, KV_TAG)
             c.control.channel.reap(0)  # one box in flight at a time: the snapshot plus one box, never twice
         for box in self.boxes:  # every rank has written (or failed: then its error reaches us)
-            if c.worker is None or box.rank != c.worker.mesh.rank:
+            if not self._local(box):
                 c.control.recv_from(box.rank + c.offset, torch.zeros(1, dtype=torch.int64), KV_TAG,
                                     f"model rank {box.rank} to store the imported K/V")
 
@@ -200,8 +207,7 @@ def serve(worker, control, msg: dict) -> None:
     table, first, start, end = msg["table"], msg["first"], msg["start"], msg["end"]
     sp = m.sp
     if msg["kind"] == "kv_read":
-        hkv, tp = worker.cfg.num_kv_heads, m.tp
-        if m.tp_rank * hkv % tp >= hkv:  # a replica of heads another rank sends
+        if not Box.of(worker.info(), worker.cfg.num_kv_heads, m.tp).owner:  # a replica: another rank sends them
             return
         data, scale = read(kv, table, first, start, end, sp, m.sp_rank)
         control.send(_wire(data), 0, KV_TAG)

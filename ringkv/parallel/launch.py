@@ -275,21 +275,20 @@ class Cluster:
     def read_kv(self, table: List[int], start: int, end: int) -> kvmove.KV:
         """The driver: K/V of tokens ``[start, end)`` of the sequence with block table ``table``,
         gathered from every rank (``kvmove.Mover.gather``). A rank that fails breaks the engine."""
-        self.ensure_usable()
-        if self.world == 1:
-            return self.mover.gather(table, start, end)
-        try:
-            return self.mover.gather(table, start, end)
-        except BaseException as e:
-            self._fail(e)
+        return self._on_ranks(self.mover.gather, table, start, end)
 
     def write_kv(self, table: List[int], start: int, kv: kvmove.KV) -> None:
         """The driver: store ``kv`` (``read_kv``'s layout) from token ``start`` on, on every rank."""
+        self._on_ranks(self.mover.scatter, table, start, kv)
+
+    def _on_ranks(self, fn, *args):
+        """``fn(*args)``, which the other ranks take part in: its failure breaks the engine (they
+        may be half-way through it); on one rank it is an ordinary error."""
         self.ensure_usable()
         if self.world == 1:
-            return self.mover.scatter(table, start, kv)
+            return fn(*args)
         try:
-            self.mover.scatter(table, start, kv)
+            return fn(*args)
         except BaseException as e:
             self._fail(e)
 

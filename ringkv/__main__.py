@@ -2,6 +2,8 @@
 
     ringkv generate --model PATH --prompt "..." [--max-tokens N] [--tp/--pp/--sp N] ...
     ringkv serve --model PATH [--tp/--pp/--sp N] [--host 127.0.0.1] [--port 8000] [--max-request-bytes N]
+    ringkv serve --model PATH --replicas N [--routing kv] ...      # a front and N instances on this host
+    ringkv router --upstream URL [--upstream URL ...] [--port 8000]   # a front over instances anywhere
     ringkv plan --model PATH|config.json|NAME --seq N --gpus G [--gpu h100] [--interconnect nvlink] ...
 
 With ``--tp/--pp/--sp`` the command starts the extra ranks itself; under
@@ -32,6 +34,22 @@ def _engine_options(g: argparse.ArgumentParser) -> None:
                    help="tokens a sequence computes in a step before the ring splits them over the SP ranks")
 
 
+def _front_options(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--admin", action="store_true",
+                   help="turn on the admin endpoints (/admin/* on a front, /internal/* on an instance)")
+    g.add_argument("--admin-key", default=None,
+                   help="admin endpoints on, behind this key (x-ringkv-admin-key header; default $RINGKV_ADMIN_KEY)")
+    g.add_argument("--routing", default="kv", choices=["kv", "round-robin", "least-loaded"],
+                   help="a front's routing: the longest cached prefix (kv), or the baselines")
+    g.add_argument("--balance", type=int, default=16,
+                   help="kv routing: an instance holding this many more requests than the least busy one is "
+                        "passed over")
+    g.add_argument("--no-migration", action="store_true", help="a front never moves running requests by itself")
+    g.add_argument("--migration-threshold", type=float, default=0.1,
+                   help="a front moves a request when two instances' loads (max of KV usage and requests / "
+                        "max-num-seqs) differ by more than this")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ringkv", description="ringkv: exact ring attention and an inference engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -54,6 +72,19 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning")
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="request bodies larger than this get a 413 (default: 16 MiB)")
+    s.add_argument("--instance-id", default=None, help="this instance's name in x-ringkv-instance (default host:port)")
+    s.add_argument("--replicas", type=int, default=None,
+                   help="start N engine instances (each with the engine options) behind a routing front")
+    _front_options(s)
+    r = sub.add_parser("router", help="an OpenAI-compatible front over ringkv serve instances (KV-aware routing, "
+                                      "live migration, failover)")
+    r.add_argument("--upstream", action="append", default=[], metavar="URL",
+                   help="a ringkv serve instance started with --admin or the same --admin-key (repeat)")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--log-level", default="warning")
+    r.add_argument("--max-request-bytes", type=int, default=None)
+    _front_options(r)
     q = sub.add_parser("plan", help="choose TP/PP/SP (and KV dtype) for a model, a context length and a cluster")
     q.add_argument("--model", required=True, help="preset name (e.g. llama-3-70b), HF directory or config.json")
     q.add_argument("--seq", type=int, required=True, help="tokens per sequence (prompt + output)")
@@ -111,10 +142,58 @@ def _build(args):
                kv_cache_dtype=args.kv_cache_dtype, **extra)
 
 
+def _router(args, replicas=None) -> int:
+    import os
+
+    from .serve.router import Router, new_key, run
+
+    key = args.admin_key or os.environ.get("RINGKV_ADMIN_KEY")
+    try:
+        router = Router(routing=args.routing, migration=not args.no_migration, threshold=args.migration_threshold,
+                        balance=args.balance, admin=args.admin, admin_key=key,
+                        upstream_key=key or (new_key() if replicas else None))
+        for url in args.upstream if replicas is None else []:
+            router.add(url)
+    except ValueError as e:
+        print(f"ringkv: {e}", file=sys.stderr)
+        return 2
+    if replicas is None and not args.upstream:
+        print("ringkv: router needs at least one --upstream URL (more can join: POST /admin/instances)",
+              file=sys.stderr)
+    print(f"ringkv: routing ({args.routing}) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    run(router, host=args.host, port=args.port, log_level=args.log_level, replicas=replicas,
+        max_request_bytes=args.max_request_bytes)
+    return 0
+
+
+_FRONT_ONLY = {"--replicas": 1, "--host": 1, "--port": 1, "--admin": 0, "--admin-key": 1, "--routing": 1,
+               "--balance": 1, "--no-migration": 0, "--migration-threshold": 1, "--instance-id": 1}
+
+
+def _replica_argv(argv, n: int):
+    """Each replica's ``ringkv serve`` arguments: the command line less the front's own options."""
+    out, i = [], 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        if name in _FRONT_ONLY:
+            i += 1 + (_FRONT_ONLY[name] if "=" not in argv[i] else 0)
+            continue
+        out.append(argv[i])
+        i += 1
+    return [out[1:] if out and out[0] == "serve" else out for _ in range(n)]
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "router":
+        return _router(args)
+    if args.command == "serve" and args.replicas is not None:
+        if args.replicas < 1:
+            print(f"ringkv: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+            return 2
+        return _router(args, _replica_argv(sys.argv[1:] if argv is None else list(argv), args.replicas))
     from .engine import SamplingParams
 
     params = None
@@ -148,8 +227,11 @@ def _serve(llm, args) -> int:
         return 0
     name = args.served_model_name or args.model
     print(f"ringkv: serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    import os
+
     serve(llm, host=args.host, port=args.port, model_name=name, log_level=args.log_level,
-          max_request_bytes=args.max_request_bytes)
+          max_request_bytes=args.max_request_bytes, instance_id=args.instance_id, admin=args.admin,
+          admin_key=args.admin_key or os.environ.get("RINGKV_ADMIN_KEY"))
     return 0
 
 

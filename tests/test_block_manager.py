@@ -6,7 +6,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ringkv.cache import BlockManager
-from ringkv.cache.block_manager import PrefixCursor
+from ringkv.cache.block_manager import STORED, KVEvents, PrefixCursor
 
 BS = 4
 
@@ -98,9 +98,11 @@ class BlockMachine(RuleBasedStateMachine):
         self.live = []  # [tokens, table, salt, cursor, tokens computed]
         self.store = {}  # block id -> (salt, the whole token prefix its KV was computed for)
 
-    @initialize(collide=st.booleans())
-    def setup(self, collide):
+    @initialize(collide=st.booleans(), limit=st.sampled_from([2, 5, 1000]))
+    def setup(self, collide, limit):
         self.bm = BlockManager(12, BS, hash_fn=(lambda k: hash(k) % 3) if collide else hash)
+        self.bm.events = KVEvents(limit)  # a reader that falls behind a short log re-reads the index
+        self.after, self.index = 0, set()  # what a router knows of the prefix cache
 
     def _compute(self, entry, upto):
         tokens, table, salt, cursor, done = entry
@@ -149,6 +151,13 @@ class BlockMachine(RuleBasedStateMachine):
         if self.bm is None:
             return
         self.bm.check()
+        last, events = self.bm.events.since(self.after)
+        if events is None:
+            self.index = set(self.bm.by_hash)
+        for _, kind, h in events or []:
+            (self.index.add if kind == STORED else self.index.remove)(h)
+        self.after = last
+        assert self.index == set(self.bm.by_hash), "the events lost track of the prefix cache"
         used = [b for e in self.live for b in e[1]]
         assert all(self.bm.ref[b] > 0 for b in used)
         assert sum(self.bm.ref) == len(used)

@@ -16,6 +16,10 @@ parent block was evicted is reached again once the parent is recomputed, while a
 collision (different content, same hash) costs a miss, never wrong KV. Unreferenced
 registered blocks stay cached and are evicted least-recently-used first, after the
 never-used blocks.
+
+``KVEvents`` (``BlockManager.events``, off unless set): every hash entering the prefix cache
+(``STORED``) and leaving it (``REMOVED``, an eviction), numbered in order, so a router can keep
+an index of which engine holds which prefix blocks (``serve/router.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import struct
+import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
@@ -36,6 +41,34 @@ def block_hash(key: tuple) -> bytes:
     if salt is not None:
         h.update(b"\x00salt" + str(salt).encode())
     return h.digest()
+
+
+STORED, REMOVED = 1, 0
+
+
+class KVEvents:
+    """The prefix cache's changes, numbered from 1: ``(number, STORED | REMOVED, hash)``. Written
+    by the engine's thread, read by any (a lock). Only the last ``limit`` are kept; a reader that
+    fell further behind (``since`` returns None) reads the whole index instead."""
+
+    def __init__(self, limit: int = 1 << 16):
+        self.limit, self.last = limit, 0
+        self.log: deque = deque()
+        self.lock = threading.Lock()
+
+    def add(self, kind: int, h) -> None:
+        with self.lock:
+            self.last += 1
+            self.log.append((self.last, kind, h))
+            if len(self.log) > self.limit:
+                self.log.popleft()
+
+    def since(self, after: int) -> Tuple[int, Optional[List[tuple]]]:
+        """``(last number, the events numbered after ``after``)``; None if some are gone."""
+        with self.lock:
+            if after > self.last or (self.log and self.log[0][0] > after + 1) or (not self.log and after < self.last):
+                return self.last, None
+            return self.last, [e for e in self.log if e[0] > after]
 
 
 @dataclass(frozen=True)
@@ -74,6 +107,7 @@ class BlockManager:
         self.cid_refs: Dict[int, int] = {}  # registered blocks holding it + contents whose parent it is
         self._next_cid = itertools.count()
         self.hits = self.queries = self.evictions = 0  # counters, in blocks
+        self.events: Optional[KVEvents] = None  # set to publish the prefix cache's changes
 
     # -- capacity ------------------------------------------------------------------------
     @property
@@ -132,6 +166,8 @@ class BlockManager:
         if twins:  # a block in use holds the same KV: it takes over the cache entry
             d = twins.pop()
             self.by_hash[h], self.hash_of[d] = d, h
+        elif self.events is not None:
+            self.events.add(REMOVED, h)
         self._unref(cid)
         self.evictions += 1
 
@@ -217,6 +253,8 @@ class BlockManager:
                 cid = self._intern(content)
                 self.cid_refs[cid] += 1
                 self.by_hash[h], self.hash_of[b], self.cid_of[b] = b, h, cid
+                if self.events is not None:
+                    self.events.add(STORED, h)
             else:
                 twin = self.by_hash[h]
                 if self.contents[self.cid_of[twin]] != content:

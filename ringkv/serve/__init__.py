@@ -9,22 +9,28 @@ from .engine import AsyncEngine, EngineDead
 __all__ = ["AsyncEngine", "EngineDead", "build_app", "serve", "follow_forever"]
 
 
-def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[int] = None):
+def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[int] = None, **kw):
     from .app import build_app as build
 
-    return build(engine, model_name, max_request_bytes)
+    return build(engine, model_name, max_request_bytes, **kw)
 
 
 def serve(llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "ringkv",
-          log_level: str = "warning", max_request_bytes: Optional[int] = None) -> None:
+          log_level: str = "warning", max_request_bytes: Optional[int] = None, instance_id: Optional[str] = None,
+          admin: bool = False, admin_key: Optional[str] = None) -> None:
     """Serve ``llm`` until interrupted; request bodies over ``max_request_bytes`` (default
-    16 MiB) get a 413. Under torchrun, call it on rank 0; the other ranks must run
-    ``follow_forever(llm)`` (``ringkv serve`` does both)."""
+    16 MiB) get a 413. ``instance_id`` names it in the ``x-ringkv-instance`` header (default
+    ``host:port``); ``admin`` (or an ``admin_key``) turns on the endpoints a router drives. Under
+    torchrun, call it on rank 0; the other ranks must run ``follow_forever(llm)`` (``ringkv serve``
+    does both)."""
     import uvicorn
 
-    engine = AsyncEngine(llm)
+    admin = admin or admin_key is not None
+    engine = AsyncEngine(llm, kv_events=admin)
+    app = build_app(engine, model_name, max_request_bytes, instance_id=instance_id or f"{host}:{port}",
+                    admin=admin, admin_key=admin_key)
     try:
-        uvicorn.run(build_app(engine, model_name, max_request_bytes), host=host, port=port, log_level=log_level)
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         engine.shutdown()
         llm.cluster.shutdown_followers()

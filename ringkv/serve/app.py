@@ -7,12 +7,25 @@ request (its KV blocks are freed). What one request can cost before it is refuse
 its body (``max_request_bytes``, a 413, read in chunks and never parsed past the limit), its
 prompt text (``LLM.max_prompt_chars``, refused before tokenizing) and its stop lists
 (``SamplingParams.problem``); tokenizing runs off the engine's thread.
+
+Beyond OpenAI's API: ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens served from
+the prefix cache), an ``x-ringkv-instance`` header naming the instance, the request fields
+``cache_salt`` (prefix-cache blocks are shared only between requests with the same salt, e.g.
+per tenant) and ``return_token_ids`` (each choice carries its ``token_ids``; a stream's first
+chunk the ``prompt_token_ids``), ``prompt_token_ids`` in place of a chat's messages (the template
+already applied), and ``POST /tokenize``. With ``admin`` on (``ringkv serve --admin`` or
+``--admin-key``), the endpoints a router (``serve/router.py``) drives: ``GET /internal/state``
+(load and the prefix cache's block events), ``POST /internal/accept``, ``POST /internal/migrate``
+and ``GET /internal/attach/{id}`` (live migration), and the ``x-ringkv-request-id`` header (the
+router's id for a request: it may migrate, and its stream then ends with a ``ringkv_moved`` event).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
@@ -22,7 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..engine import SamplingParams
 from ..engine.params import Logprob
-from .engine import TTFT_BUCKETS, AsyncEngine, EngineDead
+from .engine import TTFT_BUCKETS, AsyncEngine, EngineDead, Moved
 
 # request fields -> SamplingParams fields (OpenAI names, and vLLM's extensions)
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -30,6 +43,8 @@ SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top
                    "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
                    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"}
 MAX_REQUEST_BYTES = 16 << 20  # default request body limit (ringkv serve --max-request-bytes)
+ADMIN_HEADER = "x-ringkv-admin-key"
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 
 
 class BadRequest(Exception):
@@ -43,14 +58,37 @@ def error_body(message: str, status: int, param=None, code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[int] = None) -> FastAPI:
-    """The app; request bodies over ``max_request_bytes`` (default ``MAX_REQUEST_BYTES``) get a 413."""
+def check_admin(request: Request, admin: bool, admin_key: Optional[str]) -> None:
+    """Admin endpoints: a 404 unless ``admin``; with ``admin_key``, a 401 without it in the
+    ``x-ringkv-admin-key`` header (compared in constant time)."""
+    if not admin:
+        raise BadRequest("not found (admin endpoints are off; start with --admin or --admin-key)", 404)
+    if admin_key is not None and not hmac.compare_digest(request.headers.get(ADMIN_HEADER, "").encode(),
+                                                         admin_key.encode()):
+        raise BadRequest(f"admin endpoints need the admin key in the {ADMIN_HEADER} header", 401,
+                         code="invalid_admin_key")
+
+
+def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[int] = None, *,
+              instance_id: Optional[str] = None, admin: bool = False, admin_key: Optional[str] = None) -> FastAPI:
+    """The app; request bodies over ``max_request_bytes`` (default ``MAX_REQUEST_BYTES``) get a
+    413. ``instance_id``: the ``x-ringkv-instance`` header; ``admin``/``admin_key``: the
+    internal endpoints a router drives (off by default)."""
     max_request_bytes = MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
     app = FastAPI(title="ringkv", version="0.1.0")
     llm = engine.llm
     created = int(time.time())
+
+    admin = admin or admin_key is not None
+
+    @app.middleware("http")
+    async def name_instance(request: Request, call_next):
+        response = await call_next(request)
+        if instance_id is not None:
+            response.headers["x-ringkv-instance"] = instance_id
+        return response
 
     @app.exception_handler(BadRequest)
     async def bad_request(_, e: BadRequest):
@@ -97,40 +135,145 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
         params = sampling_params(body, body.get("max_tokens", 16), body.get("logprobs"))
         return await respond(request, body, prompts, params, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """``{"prompt": ...}`` or ``{"messages": [...]}`` -> ``{"tokens", "count", "max_model_len"}``."""
         body = await body_of(request)
+        prompt = chat_prompt(body) if "messages" in body else completion_prompts(body.get("prompt"))
+        if len(prompt) != 1:
+            raise BadRequest("tokenize takes one prompt", param="prompt")
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(engine.encoder, llm.encode, prompt[0])
+        except ValueError as e:
+            raise BadRequest(str(e), param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    def chat_prompt(body: dict) -> List:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise BadRequest("messages must be a non-empty list of {role, content} objects", param="messages")
         if llm.tokenizer is None or getattr(llm.tokenizer, "chat_template", None) is None:
             raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
-        messages = [dict(m, content=_text_content(m.get("content"))) for m in messages]
+        return [[dict(m, content=_text_content(m.get("content"))) for m in messages]]
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await body_of(request)
+        prompts = chat_prompt(body)
+        ids = body.get("prompt_token_ids")  # the conversation so far, already templated (a router's failover)
+        if ids is not None:
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in ids):
+                raise BadRequest("prompt_token_ids must be a non-empty list of token ids", param="prompt_token_ids")
+            prompts = [ids]
         if body.get("logprobs") not in (None, True, False):
             raise BadRequest(f"logprobs must be a bool, got {body['logprobs']!r:.80}", param="logprobs")
         top = body.get("top_logprobs") or 0
         lp = top if body.get("logprobs") else None
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", llm.max_model_len))
         params = sampling_params(body, max_tokens, lp, logprobs_param="top_logprobs")
-        return await respond(request, body, [messages], params, chat=True)
+        return await respond(request, body, prompts, params, chat=True)
+
+    def routed_id(request: Request) -> Optional[str]:
+        """A router's id for the request (``x-ringkv-request-id``), honoured from an admin only."""
+        rid = request.headers.get("x-ringkv-request-id")
+        if rid is None or not admin:
+            return None
+        check_admin(request, admin, admin_key)
+        if not REQUEST_ID.fullmatch(rid):
+            raise BadRequest("x-ringkv-request-id must be 1-128 characters of A-Z a-z 0-9 . _ : / -")
+        return rid
 
     async def respond(request: Request, body: dict, prompts: List, params: SamplingParams, chat: bool):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        routed = routed_id(request)
+        rid = routed or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         stream, include_usage = stream_flags(body)
+        token_ids, salt = body.get("return_token_ids"), body.get("cache_salt")
+        if token_ids not in (None, True, False):
+            raise BadRequest(f"return_token_ids must be a bool, got {token_ids!r:.80}", param="return_token_ids")
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= 256):
+            raise BadRequest("cache_salt must be a string of 1 to 256 characters", param="cache_salt")
         streams = []
         try:  # every prompt is validated before anything is answered
-            for p in prompts:
-                streams.append(await engine.add(p, params))
+            for i, p in enumerate(prompts):
+                name = None if routed is None else (routed if len(prompts) == 1 else f"{routed}/{i}")
+                streams.append(await engine.add(p, params, request_id=name, cache_salt=salt))
         except ValueError as e:
             for st in streams:
                 await st.aclose()
             raise BadRequest(str(e), param="messages" if chat else "prompt")
         if stream:
-            return StreamingResponse(stream_events(rid, streams, params, chat, include_usage),
+            return StreamingResponse(stream_events(rid, streams, params, chat, include_usage, bool(token_ids)),
                                      media_type="text/event-stream")
-        choices, prompt_tokens = await _collect(request, streams, params)
-        return JSONResponse(complete_response(rid, choices, prompt_tokens, chat))
+        choices, prompt_tokens, cached = await _collect(request, streams, params)
+        return JSONResponse(complete_response(rid, choices, prompt_tokens, cached, chat, bool(token_ids)))
+
+    # -- what a router drives (admin) ---------------------------------------------------------
+    @app.get("/internal/state")
+    async def state(request: Request, after: int = 0, epoch: str = ""):
+        """Load, and the prefix cache's changes since event ``after`` of ``epoch`` (or the whole
+        index, ``full``, when those are gone or the epoch is another: the engine restarted)."""
+        check_admin(request, admin, admin_key)
+        events, last, full = llm.blocks.events, 0, None
+        if events is None:
+            raise BadRequest("this instance does not publish KV events", 409)
+        last, new = events.since(after) if epoch == engine.epoch else (events.last, None)
+        if new is None:  # the whole index, read on the engine's thread (where it changes)
+            last, full = await asyncio.get_running_loop().run_in_executor(
+                None, engine.call, lambda: (events.last, [h.hex() for h in llm.blocks.by_hash]))
+            new = []
+        info = llm.kv_cache_info()
+        return {"id": instance_id, "epoch": engine.epoch, "model": llm.digest, "served_model_name": model_name,
+                "kv_cache_dtype": info.get("kv_cache_dtype"), "tokens_per_block": info["tokens_per_block"],
+                "max_num_seqs": llm.engine_config.max_num_seqs, "dead": engine.dead,
+                "load": dict(engine.gauges, migrations_in=engine.metrics.migrations_in,
+                             migrations_out=engine.metrics.migrations_out,
+                             prompt_tokens=engine.metrics.prompt_tokens),
+                "last": last, "events": [[kind, h.hex()] for _, kind, h in new], "full": full}
+
+    @app.post("/internal/accept")
+    async def accept(request: Request):
+        """``{"host"}``: listen there for one request moving in; ``{"host", "port"}``."""
+        check_admin(request, admin, admin_key)
+        body = await body_of(request)
+        host = body.get("host")
+        if not isinstance(host, str) or not host or len(host) > 255:
+            raise BadRequest("host must be this instance's address as the source reaches it", param="host")
+        engine.loop = asyncio.get_running_loop()
+        try:
+            port = await engine.loop.run_in_executor(None, engine.accept, host)
+        except Exception as e:  # noqa: BLE001 - e.g. an address this host does not have
+            raise BadRequest(f"cannot listen on {host!r}: {type(e).__name__}: {e}", param="host")
+        return {"host": host, "port": port}
+
+    @app.post("/internal/migrate")
+    async def migrate(request: Request):
+        """``{"request_id", "host", "port", "to"}``: move a running request to the instance
+        ``to`` listening on ``host:port``; returns when it has moved (409 if it did not)."""
+        check_admin(request, admin, admin_key)
+        body = await body_of(request)
+        rid, host, port, to = (body.get(k) for k in ("request_id", "host", "port", "to"))
+        if not isinstance(rid, str) or not isinstance(host, str) or not isinstance(to, str) \
+                or not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise BadRequest("migrate takes request_id, host, port (1-65535) and to (an instance id)")
+        from ..engine.remote import MigrationError
+        from ..parallel.transfer import LinkError
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, engine.migrate_out, rid, host, port, to)
+        except (ValueError, MigrationError, LinkError) as e:
+            raise BadRequest(f"{type(e).__name__}: {e}", 409, param="request_id", code="not_migrated")
+
+    @app.get("/internal/attach/{rid:path}")
+    async def attach(request: Request, rid: str, chat: bool = False):
+        """The rest of a request that moved in, as the stream it came from (n = 1)."""
+        check_admin(request, admin, admin_key)
+        try:
+            st = await asyncio.get_running_loop().run_in_executor(None, engine.call, engine.attach, rid)
+        except KeyError:
+            raise BadRequest(f"no request {rid!r} moved in to be attached", 404, param="request_id")
+        return StreamingResponse(stream_events(rid, [st], SamplingParams(), chat, True, True),
+                                 media_type="text/event-stream")
 
     def sampling_params(body: dict, max_tokens, logprobs, logprobs_param: str = "logprobs") -> SamplingParams:
         kw = {dst: body[src] for src, dst in SAMPLING_FIELDS.items() if body.get(src) is not None}
@@ -148,29 +291,31 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
             raise BadRequest(param + problem[len(name):], param=param)
         return params
 
-    def complete_response(rid: str, choices: List["Choice"], prompt_tokens: int, chat: bool) -> dict:
+    def complete_response(rid: str, choices: List["Choice"], prompt_tokens: int, cached: int, chat: bool,
+                          token_ids: bool) -> dict:
         out, completion = [], 0
         for c in choices:
-            completion += c.tokens
+            completion += len(c.token_ids)
             if chat:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                             "logprobs": chat_logprobs(c.logprobs, llm.tokenizer), "finish_reason": c.finish_reason})
             else:
                 out.append({"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs, llm.tokenizer),
                             "finish_reason": c.finish_reason})
+            if token_ids:
+                out[-1]["token_ids"] = c.token_ids
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": out,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                          "total_tokens": prompt_tokens + completion}}
+                "model": model_name, "choices": out, "usage": usage(prompt_tokens, completion, cached)}
 
-    async def stream_events(rid, streams, params: SamplingParams, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def stream_events(rid, streams, params: SamplingParams, chat: bool, include_usage: bool,
+                            token_ids: bool = False) -> AsyncIterator[str]:
         """Server-sent events: a chunk per new token of each choice, ``[DONE]`` at the end. The
         status line went out with the headers, so a failure after them is an error event, still
         followed by ``[DONE]``. If the client goes away, the response is cancelled here and the
         requests are aborted."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
-        usage, counted, finished = {"prompt": 0, "completion": 0}, set(), set()
+        counts, counted, finished = {"prompt": 0, "completion": 0, "cached": 0}, set(), set()
 
         def chunk(choices, **extra) -> str:
             return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model_name,
@@ -190,26 +335,37 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
                     if isinstance(out, BaseException):
                         yield error_event(out)
                         continue
+                    if isinstance(out, Moved):  # a router attaches to it there
+                        yield "data: " + json.dumps({"ringkv_moved": {"index": i, "to": out.to,
+                                                                      "request_id": out.request_id}}) + "\n\n"
+                        continue
+                    first = {}
                     if i not in counted:
                         counted.add(i)
-                        usage["prompt"] += len(out.prompt_token_ids)
+                        counts["prompt"] += len(out.prompt_token_ids)
+                        counts["cached"] += out.num_cached_tokens
+                        if token_ids:
+                            first = {"prompt_token_ids": out.prompt_token_ids}
                     for o in out.outputs:
                         index = i * params.n + o.index
                         done = o.finish_reason is not None and index not in finished
                         if not o.token_ids and not done:
                             continue
-                        usage["completion"] += len(o.token_ids)
+                        counts["completion"] += len(o.token_ids)
                         reason = _reason(o.finish_reason) if done else None
                         finished |= {index} if done else set()
                         if chat:
-                            yield chunk([{"index": index, "delta": {"content": o.text},
-                                          "logprobs": chat_logprobs(o.logprobs, llm.tokenizer), "finish_reason": reason}])
+                            c = {"index": index, "delta": {"content": o.text},
+                                 "logprobs": chat_logprobs(o.logprobs, llm.tokenizer), "finish_reason": reason}
                         else:
-                            yield chunk([{"index": index, "text": o.text, "finish_reason": reason,
-                                          "logprobs": completion_logprobs(o.logprobs, llm.tokenizer)}])
+                            c = {"index": index, "text": o.text, "finish_reason": reason,
+                                 "logprobs": completion_logprobs(o.logprobs, llm.tokenizer)}
+                        if token_ids:
+                            c["token_ids"] = o.token_ids
+                        yield chunk([c], **first)
+                        first = {}
                 if include_usage:
-                    p, c = usage["prompt"], usage["completion"]
-                    yield chunk([], usage={"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+                    yield chunk([], usage=usage(counts["prompt"], counts["completion"], counts["cached"]))
             except Exception as e:  # noqa: BLE001 - the stream still ends with the error and [DONE]
                 yield error_event(e)
             yield "data: [DONE]\n\n"
@@ -221,15 +377,20 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
     return app
 
 
+def usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 class Choice:
     """One choice of a non-streamed answer, accumulated from delta outputs."""
 
     def __init__(self, index: int):
-        self.index, self.text, self.tokens, self.logprobs, self.finish_reason = index, "", 0, None, None
+        self.index, self.text, self.token_ids, self.logprobs, self.finish_reason = index, "", [], None, None
 
     def add(self, o) -> None:
         self.text += o.text
-        self.tokens += len(o.token_ids)
+        self.token_ids += o.token_ids
         if o.logprobs is not None:
             self.logprobs = (self.logprobs or []) + o.logprobs
         self.finish_reason = _reason(o.finish_reason)
@@ -265,13 +426,16 @@ async def _collect(request, streams, params: SamplingParams):
     """Every choice's final text, tokens and log-probs, and the prompt tokens; aborts all if
     the client disconnects meanwhile."""
     choices = [Choice(i) for i in range(len(streams) * params.n)]
-    prompt_tokens = {}
+    prompt_tokens, cached = {}, {}
 
     async def run():
         async for i, out in _merge(streams):
             if isinstance(out, BaseException):
                 raise out
+            if isinstance(out, Moved):  # a non-streamed answer cannot follow it (a router streams)
+                raise EngineDead(f"the request moved to instance {out.to!r}")
             prompt_tokens[i] = len(out.prompt_token_ids)
+            cached.setdefault(i, out.num_cached_tokens)
             for o in out.outputs:
                 choices[i * params.n + o.index].add(o)
 
@@ -281,7 +445,7 @@ async def _collect(request, streams, params: SamplingParams):
             done, _ = await asyncio.wait({work}, timeout=0.5)
             if done:
                 work.result()
-                return choices, sum(prompt_tokens.values())
+                return choices, sum(prompt_tokens.values()), sum(cached.values())
             if await request.is_disconnected():
                 raise asyncio.CancelledError("client disconnected")
     finally:

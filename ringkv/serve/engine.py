@@ -6,6 +6,12 @@ batching across clients: a request added mid-run joins the next step), and hands
 ``RequestOutput`` to the asyncio queue of its request. Counters for ``/metrics`` are kept on
 the same thread. Tokenizing and chat templating (``LLM.encode``) run on an encoder thread of
 their own, so a large prompt does not delay the steps of the requests already running.
+
+Other threads run engine calls on its thread with ``call``. Live migration between instances
+(``migrate_out`` / ``accept``) runs the protocol of ``engine/remote.py`` on a thread of its own
+(the link's waits) while the engine's thread keeps stepping: only the exports and imports run
+there. A request that moved out ends its stream with a ``Moved`` item; one that moved in waits
+(its outputs buffered) for ``attach`` to take its stream, and is aborted if nobody does.
 """
 
 from __future__ import annotations
@@ -15,11 +21,14 @@ import itertools
 import queue
 import threading
 import time
+import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional
 
+from ..cache.block_manager import KVEvents
 from ..engine import LLM, RequestOutput, SamplingParams
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -33,6 +42,8 @@ class Metrics:
     ttft_buckets: List[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
     ttft_sum: float = 0.0
     ttft_count: int = 0
+    migrations_in: int = 0
+    migrations_out: int = 0
     recent: deque = field(default_factory=deque)  # (time, tokens) of the last steps, for tokens/s
 
     def observe_ttft(self, seconds: float) -> None:
@@ -53,6 +64,7 @@ class Add:
     loop: asyncio.AbstractEventLoop
     added: asyncio.Future  # set (None or the error) once the engine took it
     queue: asyncio.Queue  # its outputs
+    movable: bool = False
 
 
 @dataclass
@@ -62,6 +74,22 @@ class Running:
     queue: asyncio.Queue
     start: float  # perf_counter() when it was added
     tokens: int = 0  # output tokens delivered so far
+    movable: bool = False  # its client follows a move (a router): it may migrate
+
+
+@dataclass
+class Moved:
+    """A stream's last item: the request now runs on instance ``to`` (``attach`` there)."""
+    to: str
+    request_id: str
+
+
+@dataclass
+class Call:
+    """Inbox: run ``fn(*args)`` on the engine's thread, its result (or error) in ``future``."""
+    fn: Callable
+    args: tuple
+    future: Future
 
 
 @dataclass
@@ -79,10 +107,19 @@ class EngineDead(RuntimeError):
     """The engine failed (a rank died); requests cannot be served."""
 
 
+ATTACH_TIMEOUT = 60.0  # seconds a request that moved in waits to be attached before it is aborted
+
+
 class AsyncEngine:
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, *, kv_events: bool = False):
+        """``kv_events``: publish the prefix cache's changes (``llm.blocks.events``) for a router."""
         self.llm = llm
+        if kv_events:
+            llm.blocks.events = KVEvents()
+        self.adopted: Dict[str, tuple] = {}  # moved in, not attached yet: rid -> (stream, deadline)
+        self.epoch = uuid.uuid4().hex  # this engine's life: a router that sees another one re-reads its index
         self.inbox: "queue.Queue" = queue.Queue()
+        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the server's (set by add / the app)
         self.requests: Dict[str, Running] = {}
         self.metrics = Metrics()
         self.gauges = dict(running=0, waiting=0, kv_usage=0.0, hits=0, queries=0)
@@ -96,12 +133,13 @@ class AsyncEngine:
 
     # -- asyncio side ----------------------------------------------------------------------
     async def add(self, prompt, params: SamplingParams, *, apply_chat_template: bool = False,
-                  **kw) -> "RequestStream":
+                  request_id: Optional[str] = None, **kw) -> "RequestStream":
         """Queue a request (a string, token ids or chat messages); raises ``ValueError`` if it
         is invalid (nothing was added). The prompt is encoded on the encoder thread and the
         engine's thread gets token ids. The returned stream yields a *delta*
         ``RequestOutput`` (the new token of each sample) after every step that advanced the
-        request; ``aclose()`` aborts it and frees its blocks."""
+        request; ``aclose()`` aborts it and frees its blocks. ``request_id`` names it (a router's
+        id; it may then migrate), else it gets one."""
         if self.dead:
             raise EngineDead(self.dead)
         loop = asyncio.get_running_loop()
@@ -112,10 +150,96 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the messages
             raise ValueError(f"the prompt could not be encoded: {type(e).__name__}: {e}") from e
         added: asyncio.Future = loop.create_future()
-        stream = RequestStream(self, f"req-{next(self._ids)}")
-        self.inbox.put(Add(stream.id, ids, params, kw, loop, added, stream.queue))
+        stream = RequestStream(self, request_id or f"req-{next(self._ids)}")
+        self.loop = loop
+        self.inbox.put(Add(stream.id, ids, params, kw, loop, added, stream.queue, movable=request_id is not None))
         await added
         return stream
+
+    def call(self, fn: Callable, *args, timeout: Optional[float] = None):
+        """``fn(*args)`` on the engine's thread (from any other thread): its result, or its error."""
+        if self.dead:
+            raise EngineDead(self.dead)
+        future: Future = Future()
+        self.inbox.put(Call(fn, args, future))
+        return future.result(timeout)
+
+    # -- migration between instances (each runs on a thread of its own) ---------------------
+    def migrate_out(self, rid: str, host: str, port: int, to: str, timeout: float = 60.0) -> dict:
+        """Move running request ``rid`` to the instance ``to`` listening (``accept``) on
+        ``host:port``: a pre-copy while it keeps decoding here, then the final snapshot. Its
+        stream here then ends with ``Moved(to, rid)``. Raises ``ValueError`` (it cannot move) or
+        ``MigrationError`` (it did not move; it runs here again)."""
+        from ..engine.remote import send_request
+        from ..parallel.transfer import Link
+
+        def check():
+            r = self.requests.get(rid)
+            if r is None:
+                raise ValueError(f"request {rid!r} is not running on this instance")
+            if not r.movable:
+                raise ValueError(f"request {rid!r} did not come through a router: its client could not follow it")
+        self.call(check)
+        with Link.connect(host, port, timeout=timedelta(seconds=timeout)) as link:
+            stats = send_request(_Source(self, to), rid, link, incremental=True)
+        return stats
+
+    def accept(self, host: str, timeout: float = 60.0) -> int:
+        """Listen on ``host`` for one request moving in (``migrate_out`` on another instance);
+        returns the port. The request, once imported, waits for ``attach``."""
+        from ..engine.remote import MigrationError, receive_request
+        from ..parallel.transfer import Link, LinkError
+
+        link = Link.listen(host, 0, timeout=timedelta(seconds=timeout))
+
+        def run():
+            try:
+                with link:
+                    link.accept()
+                    receive_request(_Target(self), link)
+            except (MigrationError, LinkError, EngineDead, ValueError):
+                pass  # the source keeps the request; nothing is left here
+        threading.Thread(target=run, name="ringkv-migrate-in", daemon=True).start()
+        return link.port
+
+    def attach(self, rid: str) -> "RequestStream":
+        """The stream of a request that moved in (``KeyError`` if there is none to attach)."""
+        stream, _ = self.adopted.pop(rid)
+        return stream
+
+    def _export(self, rid, kw: dict):
+        seqs = self.llm.pipeline.get(rid)
+        snap = self.llm.export_request(rid, **kw)
+        if kw.get("stop") and seqs:  # what a PP drain computed before the stop: to its client
+            self._deliver([self.llm._output(seqs, delta=True)])
+        return snap
+
+    def _moved(self, rid, to: str) -> None:
+        self.llm.abort_request(rid)
+        r = self.requests.pop(rid, None)
+        self.metrics.migrations_out += 1
+        if r is not None:
+            r.loop.call_soon_threadsafe(r.queue.put_nowait, Moved(to, rid))
+
+    def _import(self, snap, kw: dict):
+        rid = self.llm.import_request(snap, **kw)
+        if snap.final:  # it runs here now: buffer its outputs until its client attaches
+            stream = RequestStream(self, rid)  # tokens=1: its first token was timed where it started
+            self.requests[rid] = Running(self.loop, stream.queue, time.perf_counter(), tokens=1, movable=True)
+            self.adopted[rid] = (stream, time.monotonic() + ATTACH_TIMEOUT)
+            self.metrics.migrations_in += 1
+        return rid
+
+    def _drop(self, rid) -> None:
+        self.llm.abort_request(rid)
+        self.requests.pop(rid, None)
+        self.adopted.pop(rid, None)
+
+    def _reap(self) -> None:
+        """Abort what moved in and was never attached (its router went away)."""
+        now = time.monotonic()
+        for rid in [rid for rid, (_, deadline) in self.adopted.items() if deadline < now]:
+            self._drop(rid)
 
     def shutdown(self) -> None:
         self._stop = True
@@ -135,6 +259,8 @@ class AsyncEngine:
                     outs = llm.step(delta=True)
                     self._deliver(outs)
                 self._update_gauges()
+                if self.adopted:
+                    self._reap()
             except Exception as e:  # noqa: BLE001 - the engine is gone: fail every request, keep answering
                 self.dead = f"{type(e).__name__}: {e}"
                 for r in list(self.requests.values()):
@@ -152,6 +278,12 @@ class AsyncEngine:
             block = False
             if isinstance(msg, Add):
                 self._add(msg)
+            elif isinstance(msg, Call):
+                if msg.future.set_running_or_notify_cancel():
+                    try:
+                        msg.future.set_result(msg.fn(*msg.args))
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        msg.future.set_exception(e)
             elif isinstance(msg, Abort) and msg.rid in self.requests:
                 del self.requests[msg.rid]
                 self.llm.abort_request(msg.rid)
@@ -166,7 +298,7 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - an invalid request fails alone
             m.loop.call_soon_threadsafe(_set, m.added, e)
             return
-        self.requests[m.rid] = Running(m.loop, m.queue, time.perf_counter())
+        self.requests[m.rid] = Running(m.loop, m.queue, time.perf_counter(), movable=m.movable)
         self.metrics.prompt_tokens += len(m.ids)
         m.loop.call_soon_threadsafe(_set, m.added, None)
 
@@ -202,6 +334,35 @@ class AsyncEngine:
         return sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
 
 
+class _Source:
+    """The engine calls ``send_request`` makes, on the engine's thread; a move ends the stream."""
+
+    def __init__(self, engine: AsyncEngine, to: str):
+        self.engine, self.to = engine, to
+
+    def export_request(self, rid, **kw):
+        return self.engine.call(self.engine._export, rid, kw)
+
+    def resume_request(self, rid):
+        return self.engine.call(self.engine.llm.resume_request, rid)
+
+    def abort_request(self, rid):  # the target has it
+        return self.engine.call(self.engine._moved, rid, self.to)
+
+
+class _Target:
+    """The engine calls ``receive_request`` makes, on the engine's thread."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def import_request(self, snap, **kw):
+        return self.engine.call(self.engine._import, snap, kw)
+
+    def abort_request(self, rid):  # not received after all
+        return self.engine.call(self.engine._drop, rid)
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator."""
 
@@ -220,6 +381,9 @@ class RequestStream:
         if isinstance(out, BaseException):
             self.done = True
             raise out
+        if isinstance(out, Moved):
+            self.done = True
+            return out
         self.done = out.finished
         return out
 

@@ -1,0 +1,913 @@
+"""A front over many ``ringkv serve`` instances: KV-aware routing, live migration, failover.
+
+``ringkv serve --replicas N`` starts N instances on this host and this front; ``ringkv router
+--upstream URL ...`` puts the same front before instances started anywhere (with ``--admin``
+or the same ``--admin-key``). Clients see the OpenAI API of one ``ringkv serve``.
+
+- **Index.** Each instance publishes its prefix cache's block events (``GET /internal/state``:
+  blocks stored and evicted, keyed by the portable block hash, salted per request's
+  ``cache_salt``). The front polls them into one index; a new ``epoch`` (the instance
+  restarted) or a gap re-reads the instance's whole index. Nothing in it outlives what the
+  instances can tell again.
+- **Routing** (``kv``). A prompt is tokenized once (an instance's ``/tokenize``), its chain of
+  block hashes computed for each instance's logical block (``block_size * sp`` tokens), and it
+  goes to the instance holding the longest cached prefix, unless that instance holds
+  ``balance`` more requests in flight than the least busy one: then to the best of the rest.
+  ``round-robin`` and ``least-loaded`` are there to compare with.
+- **Requests.** A client request is split into one sub-request per prompt, always streamed
+  from the instance (``return_token_ids``), so the front knows every token each choice got.
+- **Migration** (Llumnix-style, ``POST /admin/migrate`` or automatic when the instances' load,
+  ``max(kv usage, requests in flight / max_num_seqs)``, differs by more than ``threshold``):
+  the target listens, the source sends a pre-copy while the request keeps decoding and then
+  the final snapshot; the source's stream ends with ``ringkv_moved`` and the front attaches to
+  the target's stream. The client's stream goes on with no gap and no duplicate.
+- **Failover.** When an instance's stream breaks (the process died, its engine failed), the
+  unfinished choices continue on a survivor: a choice that got no token yet is sent again as
+  it was; one that did continues from its prompt plus the tokens it got (recomputed there),
+  asking for the tokens it still may generate. Greedy text is the same as without the
+  failure; a sampled choice continues with a fresh random stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import itertools
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+from urllib.parse import urlparse
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..cache.block_manager import STORED, block_hash
+from .app import ADMIN_HEADER, BadRequest, check_admin, completion_prompts, error_body, read_body
+
+ROUTINGS = ("kv", "round-robin", "least-loaded")
+POLL_S = 0.5  # how often each instance is asked for its state
+DOWN_AFTER = 3  # failed polls in a row that mark an instance down
+RESTART_AFTER = 5.0  # seconds a replica that exited has run at least before it is started again
+
+
+@dataclass
+class Instance:
+    id: str
+    url: str
+    proc: Optional[subprocess.Popen] = None  # a replica this front started
+    argv: Optional[List[str]] = None  # how to start it again
+    state: str = "starting"  # starting | up | down | draining
+    error: Optional[str] = None
+    epoch: str = ""
+    last: int = 0  # the last block event read
+    blocks: set = field(default_factory=set)  # hashes (hex) of the blocks its prefix cache holds
+    tokens_per_block: int = 0
+    model: str = ""  # model digest: migration needs the same on both sides
+    kv_cache_dtype: str = ""
+    max_num_seqs: int = 64
+    load: dict = field(default_factory=dict)  # its own gauges: running, waiting, kv_usage, ...
+    inflight: int = 0  # sub-requests this front streams from it now
+    failed_polls: int = 0
+    counters: Dict[str, int] = field(default_factory=lambda: dict(
+        requests=0, prompt_tokens=0, cached_tokens=0, migrations_in=0, migrations_out=0, failovers=0))
+
+    @property
+    def pid(self) -> Optional[int]:
+        return None if self.proc is None else self.proc.pid
+
+    def score(self) -> float:
+        return max(float(self.load.get("kv_usage", 0.0)), self.inflight / max(self.max_num_seqs, 1))
+
+    def view(self) -> dict:
+        return dict(id=self.id, url=self.url, pid=self.pid, state=self.state, error=self.error,
+                    load=dict(self.load, inflight=self.inflight, score=round(self.score(), 4)),
+                    cached_blocks=len(self.blocks), tokens_per_block=self.tokens_per_block,
+                    counters=dict(self.counters))
+
+
+class NoInstance(RuntimeError):
+    """No instance is up to take a request."""
+
+
+class Failed(Exception):
+    """An instance's stream broke: the choices go on elsewhere."""
+
+
+@dataclass
+class ChoiceState:
+    tokens: List[int] = field(default_factory=list)  # token ids delivered to the client
+    finish_reason: Optional[str] = None
+    text: str = ""  # (non-streamed answers) text, log-probs
+    logprobs: Optional[object] = None
+
+
+@dataclass
+class Attempt:
+    """One stream from one instance: the choices (indexes of its sub-request) it carries."""
+    instance: Instance
+    rid: str  # the engine's request id there
+    choices: List[int]  # its choice i -> the sub-request's choice choices[i]
+    moved_to: Optional[str] = None
+
+
+class Sub:
+    """A client request's prompt ``index``: sent to instances, followed across moves and failures."""
+
+    def __init__(self, router: "Router", rid: str, index: int, path: str, body: dict, ids: List[int], n: int):
+        self.router, self.rid, self.index, self.path, self.body, self.ids = router, rid, index, path, body, ids
+        self.n, self.choices = n, [ChoiceState() for _ in range(n)]
+        self.prompt_tokens, self.cached = len(ids), None
+        self.attempts: List[Attempt] = []
+        self.queue: asyncio.Queue = asyncio.Queue()  # ("chunk", choice, data) | ("reject" | "error", status, error)
+        self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()  # the instance took it
+        self.tasks: List[asyncio.Task] = []
+        self.running = 0  # its tasks still streaming
+        self.finished_on: Optional[str] = None
+        self.ids_seq = itertools.count()
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def body_for(self, choices: List[int]) -> dict:
+        """The request that continues ``choices``: as sent, if none got a token yet; else one
+        choice from its prompt plus the tokens it got, for the tokens it may still generate."""
+        b = dict(self.body, stream=True, stream_options={"include_usage": True}, return_token_ids=True)
+        got = [self.choices[c].tokens for c in choices]
+        if len(choices) == self.n and not any(got):
+            return b
+        (c,) = choices
+        ids = self.ids + self.choices[c].tokens
+        b["n"] = 1
+        if "messages" in b:
+            b["prompt_token_ids"] = ids
+        else:
+            b["prompt"] = ids
+        for name in ("max_tokens", "max_completion_tokens"):
+            if isinstance(b.get(name), int):
+                b[name] = max(1, b[name] - len(self.choices[c].tokens))
+        if "messages" not in b and b.get("max_tokens") is None:
+            b["max_tokens"] = max(1, 16 - len(self.choices[c].tokens))  # /v1/completions' default
+        if b.get("seed") is not None:  # the random stream cannot be recovered: a reproducible new one
+            b["seed"] = random.Random(f"{b['seed']}/{c}/{len(self.choices[c].tokens)}").getrandbits(63)
+        return b
+
+    def start(self, choices: List[int], exclude: frozenset = frozenset()) -> None:
+        self.running += 1
+        self.tasks.append(asyncio.create_task(self.run(choices, exclude)))
+
+    async def run(self, choices: List[int], exclude: frozenset) -> None:
+        try:
+            await self._run(choices, exclude)
+        finally:
+            self.running -= 1
+            if not self.running:  # every stream of it ended (its usage read): the last event
+                self.queue.put_nowait(("end", None, None))
+
+    async def _run(self, choices: List[int], exclude: frozenset) -> None:
+        """Stream ``choices`` from an instance, across moves; on a failure, go on elsewhere."""
+        r = self.router
+        tried = set(exclude)
+        while True:
+            try:
+                inst = await r.pick_waiting(self.ids, self.body.get("cache_salt"), frozenset(tried))
+            except NoInstance as e:
+                self.fail("error", 503, e)
+                return
+            attempt = Attempt(inst, f"{self.rid}.{next(self.ids_seq)}" if self.attempts else self.rid, choices)
+            self.attempts.append(attempt)
+            try:
+                await self.follow(attempt, self.body_for(choices))
+                return
+            except BadRequest as e:
+                self.fail("reject", e.status, e)
+                return
+            except Failed as e:
+                inst = attempt.instance
+                r.lost(inst, str(e))
+                inst.counters["failovers"] += 1
+                tried.add(inst.id)
+                left = [c for c in choices if self.choices[c].finish_reason is None]
+                if not left:
+                    return
+                if len(left) > 1 and any(self.choices[c].tokens for c in left):  # one attempt per choice
+                    for c in left[1:]:
+                        self.start([c], frozenset(tried))
+                    left = left[:1]
+                choices = left
+                if len(tried) >= len(r.instances):
+                    tried = {inst.id}  # a restarted instance may take it again
+
+    def fail(self, kind: str, status: int, e: Exception) -> None:
+        """Before the instance took the request: the client's answer is this error; after: an
+        error event ends its stream."""
+        if not self.accepted.done():
+            self.accepted.set_exception(e)
+        else:
+            self.queue.put_nowait((kind, status, e))
+
+    async def follow(self, attempt: Attempt, body: dict) -> None:
+        r = self.router
+        inst = attempt.instance
+        inst.inflight += 1
+        inst.counters["requests"] += 1
+        try:
+            url, method, payload = inst.url + self.path, "POST", body
+            while True:
+                async with r.open(method, url, payload, {"x-ringkv-request-id": attempt.rid}) as resp:
+                    if resp.status_code >= 400:
+                        text = (await resp.aread()).decode(errors="replace")
+                        if resp.status_code < 500:
+                            raise _rejected(resp.status_code, text)
+                        raise Failed(f"instance {inst.id} answered {resp.status_code}: {text[:200]}")
+                    if not self.accepted.done():
+                        self.accepted.set_result(inst.id)
+                    await self.read(attempt, resp)
+                if attempt.moved_to is None:
+                    return
+                target = r.by_id.get(attempt.moved_to)
+                if target is None:
+                    raise Failed(f"request moved to unknown instance {attempt.moved_to!r}")
+                inst.inflight -= 1
+                inst = attempt.instance = target
+                inst.inflight += 1
+                attempt.moved_to = None
+                url, method, payload = f"{inst.url}/internal/attach/{attempt.rid}", "GET", None
+                if "messages" in self.body:
+                    url += "?chat=true"
+        except (OSError, _httpx().HTTPError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+            raise Failed(f"instance {inst.id}: {type(e).__name__}: {e}") from None
+        finally:
+            inst.inflight -= 1
+
+    async def read(self, attempt: Attempt, resp) -> None:
+        done = False
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            ev = json.loads(data)
+            if "error" in ev:  # the engine failed mid-stream: the choices go on elsewhere
+                raise Failed(f"instance {attempt.instance.id}: {ev['error'].get('message')}")
+            if "ringkv_moved" in ev:
+                attempt.moved_to = ev["ringkv_moved"]["to"]
+                continue
+            if ev.get("usage") and not ev.get("choices"):
+                if self.cached is None or attempt.rid != self.rid:  # the latest stream's count
+                    cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    self.cached = min(cached, self.prompt_tokens)
+                continue
+            for c in ev.get("choices", []):
+                if "delta" in c and "role" in c["delta"] and not c["delta"].get("content"):
+                    continue  # a chat stream's opening chunk: the front sends its own
+                index = attempt.choices[c["index"]] if c["index"] < len(attempt.choices) else None
+                if index is None:
+                    raise Failed(f"instance {attempt.instance.id} streamed an unknown choice {c['index']}")
+                state = self.choices[index]
+                if state.finish_reason is not None:
+                    continue
+                state.tokens += c.get("token_ids") or []
+                if c.get("finish_reason") is not None:
+                    state.finish_reason = c["finish_reason"]
+                    self.finished_on = attempt.instance.id
+                await self.queue.put(("chunk", index, ev | {"choices": [c]}))
+        if attempt.moved_to is None and (not done or any(self.choices[c].finish_reason is None
+                                                          for c in attempt.choices)):
+            raise Failed(f"instance {attempt.instance.id}: the stream ended early")
+
+
+def _rejected(status: int, text: str) -> BadRequest:
+    try:
+        err = json.loads(text)["error"]
+        return BadRequest(err.get("message", text), status, err.get("param"), err.get("code"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return BadRequest(text[:500], status)
+
+
+def _httpx():
+    import httpx
+
+    return httpx
+
+
+class Router:
+    def __init__(self, *, routing: str = "kv", migration: bool = True, threshold: float = 0.1,
+                 balance: int = 16, admin: bool = False, admin_key: Optional[str] = None,
+                 upstream_key: Optional[str] = None, restart: bool = True):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+        if not threshold > 0:
+            raise ValueError(f"the migration threshold must be > 0, got {threshold!r}")
+        if balance < 0:
+            raise ValueError(f"balance must be >= 0, got {balance!r}")
+        self.routing, self.migration, self.threshold, self.balance = routing, migration, threshold, balance
+        self.admin, self.admin_key = admin or admin_key is not None, admin_key
+        self.upstream_key, self.restart = upstream_key, restart
+        self.instances: List[Instance] = []
+        self.by_id: Dict[str, Instance] = {}
+        self.subs: Dict[str, List[Sub]] = {}  # client request id -> its sub-requests (while running)
+        self.rr = itertools.count()
+        self.client = None
+        self.counters = dict(migrations=0, migration_failures=0, auto_migrations=0, requests=0, failed_requests=0)
+        self.tasks: List[asyncio.Task] = []
+        self.moving: set = set()  # instances a migration is leaving from now
+        self.rebalancing: Optional[asyncio.Task] = None
+
+    # -- instances -------------------------------------------------------------------------
+    def add(self, url: str, id: Optional[str] = None, proc=None, argv=None) -> Instance:
+        url = url.rstrip("/")
+        p = urlparse(url)
+        if p.scheme not in ("http", "https") or not p.hostname:
+            raise ValueError(f"an instance URL must be http(s)://host:port, got {url!r}")
+        if any(i.url == url for i in self.instances):
+            raise ValueError(f"instance {url} is already known")
+        id = id or f"u{len(self.instances)}"
+        if id in self.by_id:
+            raise ValueError(f"instance id {id!r} is already in use")
+        inst = Instance(id, url, proc=proc, argv=argv)
+        self.instances.append(inst)
+        self.by_id[id] = inst
+        return inst
+
+    def remove(self, inst: Instance) -> None:
+        self.instances.remove(inst)
+        del self.by_id[inst.id]
+        if inst.proc is not None and inst.proc.poll() is None:
+            inst.proc.terminate()
+
+    def lost(self, inst: Instance, why: str) -> None:
+        """A stream from ``inst`` broke: unless it answers at once, it is down."""
+        if inst.proc is not None and inst.proc.poll() is not None:
+            self.down(inst, f"its process exited ({inst.proc.returncode})")
+        else:
+            inst.failed_polls = max(inst.failed_polls, DOWN_AFTER - 1)  # the next failed poll marks it down
+            inst.error = why
+
+    def down(self, inst: Instance, why: str) -> None:
+        if inst.state != "draining":
+            inst.state = "down"
+        inst.error, inst.blocks, inst.epoch, inst.last = why, set(), "", 0
+
+    def headers(self) -> dict:
+        return {} if self.upstream_key is None else {ADMIN_HEADER: self.upstream_key}
+
+    @contextlib.asynccontextmanager
+    async def open(self, method: str, url: str, payload, extra: dict):
+        req = self.client.build_request(method, url, json=payload, headers=self.headers() | extra)
+        resp = await self.client.send(req, stream=True)
+        try:
+            yield resp
+        finally:
+            await resp.aclose()
+
+    async def poll(self, inst: Instance) -> None:
+        if inst.proc is not None and inst.proc.poll() is not None:
+            if inst.state != "down":
+                self.down(inst, f"its process exited ({inst.proc.returncode})")
+            if self.restart and inst.state == "down" and inst.argv is not None \
+                    and time.monotonic() - inst.proc.started > RESTART_AFTER:
+                inst.proc = start_process(inst.argv, inst.proc.log)
+                inst.state = "starting"
+            return
+        try:
+            r = await self.client.get(f"{inst.url}/internal/state", params={"after": inst.last, "epoch": inst.epoch},
+                                      headers=self.headers(), timeout=2.0)
+            state = r.json()
+            if r.status_code == 503 or state.get("dead"):  # its engine failed (a rank died): it stays so
+                self.down(inst, f"its engine failed: {state.get('dead') or state.get('error')}"[:300])
+                if inst.proc is not None and inst.proc.poll() is None:
+                    inst.proc.terminate()  # a replica of this front: started again once it exited
+                return
+            if r.status_code != 200:
+                raise RuntimeError((state.get("error") or {}).get("message", r.text[:200]))
+        except Exception as e:  # noqa: BLE001 - unreachable, refused, or not an instance
+            inst.failed_polls += 1
+            why = f"{type(e).__name__}: {e}"[:300]
+            if inst.state in ("up", "draining") and inst.failed_polls >= DOWN_AFTER:
+                self.down(inst, why)
+            inst.error = why
+            return
+        inst.failed_polls = 0
+        if state["epoch"] != inst.epoch or state["full"] is not None:
+            inst.blocks = set(state["full"] or [])
+        for kind, h in state["events"]:
+            (inst.blocks.add if kind == STORED else inst.blocks.discard)(h)
+        inst.epoch, inst.last, inst.load = state["epoch"], state["last"], state["load"]
+        inst.tokens_per_block, inst.model = state["tokens_per_block"], state["model"]
+        inst.kv_cache_dtype, inst.max_num_seqs = state["kv_cache_dtype"], state["max_num_seqs"]
+        if inst.state in ("starting", "down"):
+            inst.state, inst.error = "up", None
+
+    async def poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(i) for i in list(self.instances)), return_exceptions=True)
+            if self.migration and (self.rebalancing is None or self.rebalancing.done()):
+                self.rebalancing = asyncio.create_task(self.rebalance())  # polls go on while it moves
+            await asyncio.sleep(POLL_S)
+
+    # -- routing ---------------------------------------------------------------------------
+    def cached_tokens(self, inst: Instance, ids: List[int], salt, chains: dict) -> int:
+        tpb = inst.tokens_per_block
+        if tpb <= 0:
+            return 0
+        if tpb not in chains:  # the prompt's chain of block hashes at this block size
+            out, parent = [], None
+            for i in range(len(ids) // tpb):
+                parent = block_hash((parent, tuple(ids[i * tpb:(i + 1) * tpb]), salt))
+                out.append(parent.hex())
+            chains[tpb] = out
+        n = 0
+        for h in chains[tpb]:
+            if h not in inst.blocks:
+                break
+            n += 1
+        return n * tpb
+
+    def pick(self, ids: List[int], salt=None, exclude: frozenset = frozenset()) -> Instance:
+        up = [i for i in self.instances if i.state == "up" and i.id not in exclude]
+        if not up:
+            raise NoInstance("no instance is up to serve the request")
+        if self.routing == "round-robin":
+            return up[next(self.rr) % len(up)]
+        if self.routing == "least-loaded":
+            return min(up, key=lambda i: (i.inflight, i.score()))
+        chains: dict = {}
+        least = min(i.inflight for i in up)
+        fair = [i for i in up if i.inflight <= least + self.balance] or up
+        return max(fair, key=lambda i: (self.cached_tokens(i, ids, salt, chains), -i.score(), -i.inflight))
+
+    async def pick_waiting(self, ids, salt, exclude: frozenset, wait: float = 30.0) -> Instance:
+        """``pick``, waiting up to ``wait`` seconds for an instance to come (back) up."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self.pick(ids, salt, exclude)
+            except NoInstance:
+                if time.monotonic() > deadline:
+                    raise
+                exclude = frozenset(i for i in exclude if self.by_id.get(i) and self.by_id[i].state != "up")
+                await asyncio.sleep(0.2)
+
+    async def tokenize(self, body: dict, prompt, chat: bool) -> List[int]:
+        payload = {"messages": prompt} if chat else {"prompt": prompt}
+        if not chat and isinstance(prompt, list):
+            return list(prompt)  # token ids already
+        for _ in range(3):
+            inst = self.pick_tokenizer()
+            try:
+                r = await self.client.post(inst.url + "/tokenize", json=payload, timeout=30.0)
+            except _httpx().HTTPError as e:
+                self.lost(inst, f"{type(e).__name__}: {e}")
+                continue
+            if r.status_code != 200:
+                raise _rejected(r.status_code, r.text)
+            return r.json()["tokens"]
+        raise NoInstance("no instance could tokenize the prompt")
+
+    def pick_tokenizer(self) -> Instance:
+        up = [i for i in self.instances if i.state == "up"]
+        if not up:
+            raise NoInstance("no instance is up to serve the request")
+        return min(up, key=lambda i: i.inflight)
+
+    # -- migration -------------------------------------------------------------------------
+    def attempts_on(self, inst: Instance) -> List[tuple]:
+        return [(sub, a) for subs in self.subs.values() for sub in subs for a in sub.attempts
+                if a.instance is inst and len(a.choices) == 1 and a.moved_to is None]
+
+    async def migrate(self, sub: Sub, attempt: Attempt, target: Instance) -> dict:
+        src = attempt.instance
+        if target is src:
+            raise BadRequest(f"the request already runs on {target.id}", 409, "to")
+        if target.state != "up":
+            raise BadRequest(f"instance {target.id} is {target.state}", 409, "to")
+        if (target.model, target.kv_cache_dtype) != (src.model, src.kv_cache_dtype):
+            raise BadRequest(f"instances {src.id} and {target.id} run another model or KV cache dtype", 409, "to")
+        self.moving.add(src.id)
+        try:
+            host = urlparse(target.url).hostname
+            r = await self.client.post(f"{target.url}/internal/accept", json={"host": host},
+                                       headers=self.headers(), timeout=30.0)
+            if r.status_code != 200:
+                raise _rejected(r.status_code, r.text)
+            r = await self.client.post(f"{src.url}/internal/migrate", headers=self.headers(), timeout=120.0,
+                                       json={"request_id": attempt.rid, "host": host, "port": r.json()["port"],
+                                             "to": target.id})
+            if r.status_code != 200:
+                self.counters["migration_failures"] += 1
+                raise _rejected(r.status_code, r.text)
+        finally:
+            self.moving.discard(src.id)
+        self.counters["migrations"] += 1
+        src.counters["migrations_out"] += 1
+        target.counters["migrations_in"] += 1
+        return dict(r.json(), request_id=sub.rid, attempt=attempt.rid, source=src.id, to=target.id)
+
+    async def rebalance(self) -> None:
+        """Move one running request from the busiest instance to the least busy one when
+        their loads differ by more than ``threshold``."""
+        up = [i for i in self.instances if i.state == "up" and i.id not in self.moving]
+        if len(up) < 2:
+            return
+        src = max(up, key=Instance.score)
+        peers = [i for i in up if i is not src and (i.model, i.kv_cache_dtype) == (src.model, src.kv_cache_dtype)]
+        if not peers:
+            return
+        dst = min(peers, key=Instance.score)
+        if src.score() - dst.score() <= self.threshold or src.inflight < 2:
+            return
+        movable = [(sub, a) for sub, a in self.attempts_on(src) if sub.choices[a.choices[0]].tokens
+                   and sub.choices[a.choices[0]].finish_reason is None]
+        if not movable:
+            return
+
+        def left(item):  # the request with the most tokens still to generate moves
+            sub, a = item
+            return (sub.body.get("max_tokens") or sub.body.get("max_completion_tokens") or 1 << 30) - \
+                len(sub.choices[a.choices[0]].tokens)
+        sub, a = max(movable, key=left)
+        with contextlib.suppress(BadRequest, _httpx().HTTPError):
+            await self.migrate(sub, a, dst)
+            self.counters["auto_migrations"] += 1
+
+    # -- metrics ---------------------------------------------------------------------------
+    def prometheus(self) -> str:
+        lines = []
+
+        def family(name, kind, help, values):
+            lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
+            lines.extend(f'{name}{{instance="{i.id}"}} {v(i)}' for i in self.instances for v in [values])
+        family("ringkv_router_instance_up", "gauge", "1 if the instance is up.", lambda i: int(i.state == "up"))
+        family("ringkv_router_requests_running", "gauge", "Requests the instance computes.",
+               lambda i: i.load.get("running", 0))
+        family("ringkv_router_requests_waiting", "gauge", "Requests waiting in the instance.",
+               lambda i: i.load.get("waiting", 0))
+        family("ringkv_router_requests_inflight", "gauge", "Sub-requests the router streams from the instance.",
+               lambda i: i.inflight)
+        family("ringkv_router_kv_cache_usage_ratio", "gauge", "Fraction of the instance's KV blocks in use.",
+               lambda i: f"{float(i.load.get('kv_usage', 0.0)):.6f}")
+        family("ringkv_router_cached_blocks", "gauge", "Prefix blocks the router's index holds for the instance.",
+               lambda i: len(i.blocks))
+        family("ringkv_router_requests_total", "counter", "Sub-requests sent to the instance.",
+               lambda i: i.counters["requests"])
+        family("ringkv_router_prompt_tokens_total", "counter", "Prompt tokens of requests the instance finished.",
+               lambda i: i.counters["prompt_tokens"])
+        family("ringkv_router_prefix_hit_tokens_total", "counter",
+               "Prompt tokens the instance served from its prefix cache.", lambda i: i.counters["cached_tokens"])
+        family("ringkv_router_migrations_in_total", "counter", "Requests migrated to the instance.",
+               lambda i: i.counters["migrations_in"])
+        family("ringkv_router_migrations_out_total", "counter", "Requests migrated off the instance.",
+               lambda i: i.counters["migrations_out"])
+        family("ringkv_router_failovers_total", "counter", "Streams of the instance that broke and went on elsewhere.",
+               lambda i: i.counters["failovers"])
+        lines += ["# HELP ringkv_router_auto_migration 1 if load-balancing migration is on.",
+                  "# TYPE ringkv_router_auto_migration gauge", f"ringkv_router_auto_migration {int(self.migration)}",
+                  "# TYPE ringkv_router_migration_threshold gauge",
+                  f"ringkv_router_migration_threshold {self.threshold}"]
+        for k in ("migrations", "migration_failures", "auto_migrations", "requests", "failed_requests"):
+            lines += [f"# TYPE ringkv_router_{k}_total counter", f"ringkv_router_{k}_total {self.counters[k]}"]
+        return "\n".join(lines) + "\n"
+
+
+# -- the front's app ----------------------------------------------------------------------
+def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
+    httpx = _httpx()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        router.client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None),
+                                          limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64))
+        router.tasks.append(asyncio.create_task(router.poll_forever()))
+        try:
+            yield
+        finally:
+            for t in router.tasks:
+                t.cancel()
+            await router.client.aclose()
+
+    app = FastAPI(title="ringkv router", lifespan=lifespan)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_, e: BadRequest):
+        return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(NoInstance)
+    async def no_instance(_, e: NoInstance):
+        return JSONResponse(error_body(str(e), 503), status_code=503)
+
+    @app.get("/health")
+    async def health():
+        up = sum(i.state == "up" for i in router.instances)
+        body = {"status": "ok" if up else "error", "instances": len(router.instances), "up": up}
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        inst = router.pick_tokenizer()
+        r = await router.client.get(inst.url + "/v1/models", timeout=10.0)
+        return JSONResponse(r.json(), status_code=r.status_code)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(router.prometheus(), media_type="text/plain; version=0.0.4")
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = json.loads(await read_body(request, max_request_bytes))
+        except (ValueError, RecursionError) as e:
+            raise BadRequest(f"the request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await proxy(request, await body_of(request), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await proxy(request, await body_of(request), chat=True)
+
+    async def proxy(request: Request, body: dict, chat: bool):
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        stream = body.get("stream")
+        if stream not in (None, True, False):
+            raise BadRequest(f"stream must be a bool, got {stream!r:.80}", param="stream")
+        n = body.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
+            raise BadRequest(f"n must be an int in [1, 128], got {n!r:.80}", param="n")
+        if chat:
+            if not isinstance(body.get("messages"), list):
+                raise BadRequest("messages must be a non-empty list of {role, content} objects", param="messages")
+            prompts = [body["messages"]]
+        else:
+            prompts = completion_prompts(body.get("prompt"))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+        want_ids = body.get("return_token_ids") is True
+        ids = [await router.tokenize(body, p, chat) for p in prompts]
+        subs = []
+        for i, (p, t) in enumerate(zip(prompts, ids)):
+            b = dict(body, prompt_token_ids=t) if chat else dict(body, prompt=t)
+            subs.append(Sub(router, rid if len(prompts) == 1 else f"{rid}/{i}", i, path, b, t, n))
+        router.subs[rid] = subs
+        router.counters["requests"] += 1
+        for s in subs:
+            s.start(list(range(n)))
+        try:  # every prompt taken by an instance (or the first refusal) before the answer starts
+            first = [await s.accepted for s in subs]
+        except BaseException:
+            finish(rid)
+            raise
+        headers = {"x-ringkv-instance": first[0]}
+        model = body.get("model")
+        if stream:
+            return StreamingResponse(events(rid, subs, chat, n, model, bool(options.get("include_usage")), want_ids),
+                                     media_type="text/event-stream", headers=headers)
+        try:
+            answer = await collect(rid, subs, chat, n, model, want_ids)
+        finally:
+            finish(rid)
+        headers["x-ringkv-instance"] = subs[-1].finished_on or headers["x-ringkv-instance"]
+        return JSONResponse(answer, headers=headers)
+
+    def finish(rid: str) -> None:
+        for s in router.subs.pop(rid, []):
+            for t in s.tasks:
+                t.cancel()
+
+    def account(subs: List[Sub]) -> dict:
+        p = sum(s.prompt_tokens for s in subs)
+        c = sum(len(ch.tokens) for s in subs for ch in s.choices)
+        cached = sum(s.cached or 0 for s in subs)
+        for s in subs:
+            inst = router.by_id.get(s.finished_on or "")
+            if inst is not None:
+                inst.counters["prompt_tokens"] += s.prompt_tokens
+                inst.counters["cached_tokens"] += s.cached or 0
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def merged(subs: List[Sub]):
+        """``(sub, kind, choice, data)`` from every sub until each has ended."""
+        pending = {asyncio.ensure_future(s.queue.get()): s for s in subs}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for f in done:
+                    s = pending.pop(f)
+                    kind, choice, data = f.result()
+                    if kind == "end":
+                        continue
+                    yield s, kind, choice, data
+                    if kind in ("reject", "error"):
+                        return
+                    pending[asyncio.ensure_future(s.queue.get())] = s
+        finally:
+            for f in pending:
+                f.cancel()
+
+    def visible(c: dict, want_ids: bool) -> dict:
+        return c if want_ids else {k: v for k, v in c.items() if k != "token_ids"}
+
+    async def events(rid, subs, chat, n, model, include_usage, want_ids):
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices, **extra) -> str:
+            return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
+                                          "choices": choices, **extra}) + "\n\n"
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(len(subs) * n)])
+            async for s, what, choice, data in merged(subs):
+                if what != "chunk":
+                    router.counters["failed_requests"] += 1
+                    msg = str(data)
+                    yield "data: " + json.dumps(error_body(msg, getattr(data, "status", 503))) + "\n\n"
+                    break
+                model = model or data.get("model")
+                c = visible(dict(data["choices"][0], index=s.index * n + choice), want_ids)
+                extra = {"prompt_token_ids": data["prompt_token_ids"]} if want_ids and "prompt_token_ids" in data \
+                    and choice == 0 else {}
+                yield chunk([c], **extra)
+            else:
+                if include_usage:
+                    yield chunk([], usage=account(subs))
+                else:
+                    account(subs)
+            yield "data: [DONE]\n\n"
+        finally:
+            finish(rid)
+
+    async def collect(rid, subs, chat, n, model, want_ids) -> dict:
+        async for s, what, choice, data in merged(subs):
+            if what != "chunk":
+                router.counters["failed_requests"] += 1
+                if what == "reject":
+                    raise data
+                raise NoInstance(str(data))
+            model = model or data.get("model")
+            c, state = data["choices"][0], s.choices[choice]
+            state.text += (c.get("delta") or {}).get("content") or "" if chat else c.get("text") or ""
+            lp = c.get("logprobs")
+            if lp:
+                if state.logprobs is None:
+                    state.logprobs = {"content": []} if chat else {"tokens": [], "token_logprobs": [],
+                                                                  "top_logprobs": [], "text_offset": []}
+                for k, v in lp.items():
+                    if isinstance(v, list):
+                        state.logprobs.setdefault(k, []).extend(v)
+        out = []
+        for s in subs:
+            for i, ch in enumerate(s.choices):
+                c = {"index": s.index * n + i, "logprobs": ch.logprobs, "finish_reason": ch.finish_reason}
+                if chat:
+                    c["message"] = {"role": "assistant", "content": ch.text}
+                else:
+                    c["text"] = ch.text
+                if want_ids:
+                    c["token_ids"] = ch.tokens
+                out.append(c)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model, "choices": out, "usage": account(subs)}
+
+    # -- admin -----------------------------------------------------------------------------
+    @app.get("/admin/instances")
+    async def instances(request: Request):
+        check_admin(request, router.admin, router.admin_key)
+        return {"instances": [i.view() for i in router.instances], "routing": router.routing,
+                "migration": router.migration, "threshold": router.threshold}
+
+    @app.post("/admin/instances")
+    async def join(request: Request):
+        """``{"url", "id"?}``: a ``ringkv serve`` instance joins (routed to once it answers)."""
+        check_admin(request, router.admin, router.admin_key)
+        body = await body_of(request)
+        url, id = body.get("url"), body.get("id")
+        if not isinstance(url, str) or (id is not None and not (isinstance(id, str) and 0 < len(id) <= 64)):
+            raise BadRequest("join takes url (http://host:port) and an optional id (a string)", param="url")
+        try:
+            inst = router.add(url, id)
+        except ValueError as e:
+            raise BadRequest(str(e), 409 if "already" in str(e) else 400, "url")
+        await router.poll(inst)
+        return inst.view()
+
+    @app.delete("/admin/instances/{id}")
+    async def drain(request: Request, id: str, timeout: float = 600.0):
+        """Take no new requests there, wait for its streams to end, remove it (a replica stops)."""
+        check_admin(request, router.admin, router.admin_key)
+        inst = router.by_id.get(id)
+        if inst is None:
+            raise BadRequest(f"no instance {id!r}", 404, "id")
+        inst.state = "draining"
+        deadline = time.monotonic() + timeout
+        while inst.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if inst.inflight:
+            raise BadRequest(f"instance {id} still streams {inst.inflight} requests", 409, "id")
+        router.remove(inst)
+        return {"id": id, "removed": True}
+
+    @app.post("/admin/migrate")
+    async def migrate(request: Request):
+        """``{"request_id", "to"}``: move a running request (the ``id`` its client got) to
+        instance ``to``; returns when it has moved."""
+        check_admin(request, router.admin, router.admin_key)
+        body = await body_of(request)
+        rid, to = body.get("request_id"), body.get("to")
+        if not isinstance(rid, str) or not isinstance(to, str):
+            raise BadRequest("migrate takes request_id (a completion's id) and to (an instance id)")
+        subs = router.subs.get(rid)
+        if not subs:
+            raise BadRequest(f"no running request {rid!r}", 404, "request_id")
+        target = router.by_id.get(to)
+        if target is None:
+            raise BadRequest(f"no instance {to!r}", 404, "to")
+        moved = []
+        for s in subs:
+            running = [a for a in s.attempts if a.moved_to is None and not s.done and a.instance is not target]
+            for a in running:
+                if len(a.choices) != 1:
+                    raise BadRequest("only requests with n = 1 can migrate", 409, "request_id")
+                if s.choices[a.choices[0]].finish_reason is None:
+                    moved.append(await router.migrate(s, a, target))
+        if not moved:
+            raise BadRequest(f"request {rid!r} has nothing left to move to {to}", 409, "request_id")
+        return {"request_id": rid, "to": to, "moved": moved}
+
+    return app
+
+
+# -- replicas on this host ----------------------------------------------------------------
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):  # Linux: a replica goes when the front goes, even on SIGKILL
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start_process(argv: List[str], log) -> subprocess.Popen:
+    env = dict(os.environ)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+    proc.log, proc.started = log, time.monotonic()
+    return proc
+
+
+def run(router: Router, *, host: str, port: int, log_level: str = "warning", replicas: Optional[List[List[str]]] = None,
+        max_request_bytes: Optional[int] = None) -> None:
+    """Serve the front until interrupted; ``replicas``: the ``ringkv serve`` argument lists of
+    the instances to start here (each then gets ``--port``, ``--instance-id`` and the key)."""
+    import uvicorn
+
+    procs = []
+    logs = tempfile.mkdtemp(prefix="ringkv-replicas-")
+    key = router.upstream_key
+    try:
+        for i, extra in enumerate(replicas or []):
+            p = free_port()
+            argv = [sys.executable, "-m", "ringkv", "serve", *extra, "--host", "127.0.0.1", "--port", str(p),
+                    "--instance-id", f"r{i}"]
+            log = open(os.path.join(logs, f"r{i}.log"), "ab")
+            os.environ["RINGKV_ADMIN_KEY"] = key  # the replicas read it (not on their command line)
+            proc = start_process(argv, log)
+            procs.append(proc)
+            router.add(f"http://127.0.0.1:{p}", f"r{i}", proc=proc, argv=argv)
+        if replicas:
+            print(f"ringkv: {len(replicas)} replicas starting (logs in {logs})", file=sys.stderr, flush=True)
+        app = build_router_app(router, max_request_bytes or 16 << 20)
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        for inst in router.instances:
+            if inst.proc is not None and inst.proc.poll() is None:
+                inst.proc.terminate()
+        for inst in router.instances:
+            if inst.proc is not None:
+                try:
+                    inst.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    inst.proc.kill()
+
+
+def new_key() -> str:
+    return secrets.token_urlsafe(24)

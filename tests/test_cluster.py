@@ -287,25 +287,31 @@ def test_bad_admin_input_is_refused(front):
 @pytest.mark.slow
 def test_a_killed_instance_loses_no_request_and_rejoins(front, smol):
     prompts = [f"Story {i}: once upon a time there was a" for i in range(4)]
-    want = [greedy(smol, p, 48) for p in prompts]
-    got, errors, started = {}, [], threading.Barrier(len(prompts) + 1)
+    messages = [{"role": "user", "content": "Describe a forest in two sentences."}]
+    want = [greedy(smol, p, 48) for p in prompts] + [[greedy(smol, messages, 48, chat=True)] * 2]
+    got, errors, started = {}, [], threading.Barrier(len(prompts) + 2)
 
-    def one(i):
+    def one(i):  # 0-3: completions; 4: a chat with n = 2 (each choice continues on its own)
         try:
-            s = front.client.completions.create(model="smol", prompt=prompts[i], max_tokens=48, temperature=0,
-                                                stream=True)
-            text, n = "", 0
+            if i < len(prompts):
+                s = front.client.completions.create(model="smol", prompt=prompts[i], max_tokens=48, temperature=0,
+                                                    stream=True)
+            else:
+                s = front.client.chat.completions.create(model="smol", messages=messages, max_tokens=48, n=2,
+                                                         temperature=0, stream=True)
+            text, n = ["", ""], 0
             for ch in s:
-                text += ch.choices[0].text if ch.choices else ""
+                for c in ch.choices:
+                    text[c.index] += (c.text if i < len(prompts) else c.delta.content) or ""
                 n += 1
-                if n == 3:
+                if n == 5:
                     started.wait(timeout=120)
-            got[i] = text
+            got[i] = text[0] if i < len(prompts) else text
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
             started.abort()
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts) + 1)]
     for t in threads:
         t.start()
     started.wait(timeout=180)  # every stream is under way
@@ -319,7 +325,7 @@ def test_a_killed_instance_loses_no_request_and_rejoins(front, smol):
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
-    assert [got.get(i) for i in range(len(prompts))] == want
+    assert [got.get(i) for i in range(len(prompts) + 1)] == want
     assert front.metrics()[f'ringkv_router_failovers_total{{instance="{victim["id"]}"}}'] >= 1
     inst = front.wait_all_up(180)  # the replica was started again and rejoined
     assert inst[victim["id"]]["pid"] != victim["pid"]

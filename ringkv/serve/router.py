@@ -201,7 +201,8 @@ class Sub:
                 left = [c for c in choices if self.choices[c].finish_reason is None]
                 if not left:
                     return
-                if len(left) > 1 and any(self.choices[c].tokens for c in left):  # one attempt per choice
+                whole = len(left) == self.n and not any(self.choices[c].tokens for c in left)
+                if len(left) > 1 and not whole:  # each choice continues from its own tokens
                     for c in left[1:]:
                         self.start([c], frozenset(tried))
                     left = left[:1]
@@ -678,9 +679,14 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
         if stream:
             return StreamingResponse(events(rid, subs, chat, n, model, bool(options.get("include_usage")), want_ids),
                                      media_type="text/event-stream", headers=headers)
+        work = asyncio.ensure_future(collect(rid, subs, chat, n, model, want_ids))
         try:
-            answer = await collect(rid, subs, chat, n, model, want_ids)
+            while not (await asyncio.wait({work}, timeout=0.5))[0]:
+                if await request.is_disconnected():  # its client went away: the instances abort it
+                    raise asyncio.CancelledError("client disconnected")
+            answer = work.result()
         finally:
+            work.cancel()
             finish(rid)
         headers["x-ringkv-instance"] = subs[-1].finished_on or headers["x-ringkv-instance"]
         return JSONResponse(answer, headers=headers)

@@ -163,6 +163,9 @@ def _router(args, replicas=None) -> int:
     print(f"ringkv: routing ({args.routing}) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     run(router, host=args.host, port=args.port, log_level=args.log_level, replicas=replicas,
         max_request_bytes=args.max_request_bytes)
+    if router.fatal:
+        print(f"ringkv: {router.fatal}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -190,8 +193,12 @@ def main(argv=None) -> int:
     if args.command == "router":
         return _router(args)
     if args.command == "serve" and args.replicas is not None:
-        if args.replicas < 1:
-            print(f"ringkv: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+        import os
+
+        if args.replicas < 1 or not os.path.exists(args.model):
+            why = f"--replicas must be >= 1, got {args.replicas}" if args.replicas < 1 else \
+                f"no model at {args.model!r}"
+            print(f"ringkv: {why}", file=sys.stderr)
             return 2
         return _router(args, _replica_argv(sys.argv[1:] if argv is None else list(argv), args.replicas))
     from .engine import SamplingParams

@@ -459,3 +459,19 @@ def test_the_load_policy_moves_requests_and_keeps_their_tokens(meshes, tiny):
         assert m["ringkv_router_auto_migration"] == 1
     finally:
         router.close()
+
+
+@pytest.mark.slow
+def test_replicas_that_cannot_start_stop_the_front_with_the_reason(tmp_path):
+    """A model directory without a config: each replica exits; after 3 tries the front gives
+    up on them and exits 1, naming the replica's own error (no restart loop, no hang)."""
+    bad = tmp_path / "empty-model"
+    bad.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-m", "ringkv", "serve", "--model", str(bad), "--replicas", "2",
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.stderr
+    assert "no config.json" in r.stderr and "every instance failed to start" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "ringkv", "serve", "--model", str(tmp_path / "nope"), "--replicas", "2"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "no model at" in r.stderr

@@ -59,6 +59,7 @@ ROUTINGS = ("kv", "round-robin", "least-loaded")
 POLL_S = 0.5  # how often each instance is asked for its state
 DOWN_AFTER = 3  # failed polls in a row that mark an instance down
 RESTART_AFTER = 5.0  # seconds a replica that exited has run at least before it is started again
+MAX_CRASHES = 3  # a replica that exits this often in a row before it answers is not started again
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Instance:
     load: dict = field(default_factory=dict)  # its own gauges: running, waiting, kv_usage, ...
     inflight: int = 0  # sub-requests this front streams from it now
     failed_polls: int = 0
+    crashes: int = 0  # times in a row its process exited before it answered
     counters: Dict[str, int] = field(default_factory=lambda: dict(
         requests=0, prompt_tokens=0, cached_tokens=0, migrations_in=0, migrations_out=0, failovers=0))
 
@@ -119,6 +121,7 @@ class Attempt:
     rid: str  # the engine's request id there
     choices: List[int]  # its choice i -> the sub-request's choice choices[i]
     moved_to: Optional[str] = None
+    live: bool = True  # its stream is being read
 
 
 class Sub:
@@ -251,6 +254,7 @@ class Sub:
             raise Failed(f"instance {inst.id}: {type(e).__name__}: {e}") from None
         finally:
             inst.inflight -= 1
+            attempt.live = False
 
     async def read(self, attempt: Attempt, resp) -> None:
         done = False
@@ -327,6 +331,8 @@ class Router:
         self.tasks: List[asyncio.Task] = []
         self.moving: set = set()  # instances a migration is leaving from now
         self.rebalancing: Optional[asyncio.Task] = None
+        self.fatal: Optional[str] = None  # why the front stopped by itself
+        self.server = None  # the uvicorn server (run)
 
     # -- instances -------------------------------------------------------------------------
     def add(self, url: str, id: Optional[str] = None, proc=None, argv=None) -> Instance:
@@ -377,8 +383,14 @@ class Router:
 
     async def poll(self, inst: Instance) -> None:
         if inst.proc is not None and inst.proc.poll() is not None:
-            if inst.state != "down":
-                self.down(inst, f"its process exited ({inst.proc.returncode})")
+            if inst.state not in ("down", "failed"):
+                if inst.state == "starting":
+                    inst.crashes += 1  # exited before it ever answered
+                self.down(inst, f"its process exited ({inst.proc.returncode}): {log_tail(inst.proc)}")
+                if inst.crashes >= MAX_CRASHES:
+                    inst.state = "failed"  # e.g. a bad model path: starting it again would not help
+                    print(f"ringkv: instance {inst.id} failed to start {inst.crashes} times; last: {inst.error}",
+                          file=sys.stderr, flush=True)
             if self.restart and inst.state == "down" and inst.argv is not None \
                     and time.monotonic() - inst.proc.started > RESTART_AFTER:
                 inst.proc = start_process(inst.argv, inst.proc.log)
@@ -411,11 +423,16 @@ class Router:
         inst.tokens_per_block, inst.model = state["tokens_per_block"], state["model"]
         inst.kv_cache_dtype, inst.max_num_seqs = state["kv_cache_dtype"], state["max_num_seqs"]
         if inst.state in ("starting", "down"):
-            inst.state, inst.error = "up", None
+            inst.state, inst.error, inst.crashes = "up", None, 0
 
     async def poll_forever(self) -> None:
         while True:
             await asyncio.gather(*(self.poll(i) for i in list(self.instances)), return_exceptions=True)
+            if self.instances and all(i.state == "failed" for i in self.instances):
+                self.fatal = "every instance failed to start"
+                if self.server is not None:
+                    self.server.should_exit = True  # the front stops
+                return
             if self.migration and (self.rebalancing is None or self.rebalancing.done()):
                 self.rebalancing = asyncio.create_task(self.rebalance())  # polls go on while it moves
             await asyncio.sleep(POLL_S)
@@ -488,7 +505,7 @@ class Router:
     # -- migration -------------------------------------------------------------------------
     def attempts_on(self, inst: Instance) -> List[tuple]:
         return [(sub, a) for subs in self.subs.values() for sub in subs for a in sub.attempts
-                if a.instance is inst and len(a.choices) == 1 and a.moved_to is None]
+                if a.live and a.instance is inst and len(a.choices) == 1 and a.moved_to is None]
 
     async def migrate(self, sub: Sub, attempt: Attempt, target: Instance) -> dict:
         src = attempt.instance
@@ -848,7 +865,7 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
             raise BadRequest(f"no instance {to!r}", 404, "to")
         moved = []
         for s in subs:
-            running = [a for a in s.attempts if a.moved_to is None and not s.done and a.instance is not target]
+            running = [a for a in s.attempts if a.live and a.moved_to is None and not s.done and a.instance is not target]
             for a in running:
                 if len(a.choices) != 1:
                     raise BadRequest("only requests with n = 1 can migrate", 409, "request_id")
@@ -871,6 +888,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _die_with_parent() -> None:
     with contextlib.suppress(Exception):  # Linux: a replica goes when the front goes, even on SIGKILL
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def log_tail(proc, n: int = 400) -> str:
+    """The end of a replica's log: why it exited."""
+    try:
+        with open(proc.log.name, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace").strip().splitlines()[-1][-n:]
+    except (OSError, IndexError, AttributeError):
+        return ""
 
 
 def start_process(argv: List[str], log) -> subprocess.Popen:
@@ -902,7 +930,8 @@ def run(router: Router, *, host: str, port: int, log_level: str = "warning", rep
         if replicas:
             print(f"ringkv: {len(replicas)} replicas starting (logs in {logs})", file=sys.stderr, flush=True)
         app = build_router_app(router, max_request_bytes or 16 << 20)
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        router.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+        router.server.run()
     finally:
         for inst in router.instances:
             if inst.proc is not None and inst.proc.poll() is None:

@@ -35,6 +35,9 @@ def _engine_options(g: argparse.ArgumentParser) -> None:
 
 
 def _front_options(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--api-key", default=None,
+                   help="/v1/* needs Authorization: Bearer KEY (default $RINGKV_API_KEY; none: open)")
+    g.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
     g.add_argument("--admin", action="store_true",
                    help="turn on the admin endpoints (/admin/* on a front, /internal/* on an instance)")
     g.add_argument("--admin-key", default=None,
@@ -73,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="request bodies larger than this get a 413 (default: 16 MiB)")
     s.add_argument("--instance-id", default=None, help="this instance's name in x-ringkv-instance (default host:port)")
+    s.add_argument("--max-waiting", type=int, default=None,
+                   help="requests past this many waiting get a 429 with Retry-After (default: no limit)")
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds after which a request is aborted and its blocks freed (default: none)")
     s.add_argument("--replicas", type=int, default=None,
                    help="start N engine instances (each with the engine options) behind a routing front")
     _front_options(s)
@@ -151,7 +158,8 @@ def _router(args, replicas=None) -> int:
     try:
         router = Router(routing=args.routing, migration=not args.no_migration, threshold=args.migration_threshold,
                         balance=args.balance, admin=args.admin, admin_key=key,
-                        upstream_key=key or (new_key() if replicas else None))
+                        upstream_key=key or (new_key() if replicas else None),
+                        api_key=args.api_key or os.environ.get("RINGKV_API_KEY"), protect_metrics=args.protect_metrics)
         for url in args.upstream if replicas is None else []:
             router.add(url)
     except ValueError as e:
@@ -170,7 +178,8 @@ def _router(args, replicas=None) -> int:
 
 
 _FRONT_ONLY = {"--replicas": 1, "--host": 1, "--port": 1, "--admin": 0, "--admin-key": 1, "--routing": 1,
-               "--balance": 1, "--no-migration": 0, "--migration-threshold": 1, "--instance-id": 1}
+               "--balance": 1, "--no-migration": 0, "--migration-threshold": 1, "--instance-id": 1,
+               "--api-key": 1, "--protect-metrics": 0}
 
 
 def _replica_argv(argv, n: int):
@@ -236,9 +245,14 @@ def _serve(llm, args) -> int:
     print(f"ringkv: serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     import os
 
+    api_key = args.api_key or os.environ.get("RINGKV_API_KEY")
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"ringkv: WARNING: serving on {args.host} without an API key: anyone who reaches the port can use "
+              f"it (--api-key or RINGKV_API_KEY)", file=sys.stderr, flush=True)
     serve(llm, host=args.host, port=args.port, model_name=name, log_level=args.log_level,
           max_request_bytes=args.max_request_bytes, instance_id=args.instance_id, admin=args.admin,
-          admin_key=args.admin_key or os.environ.get("RINGKV_ADMIN_KEY"))
+          admin_key=args.admin_key or os.environ.get("RINGKV_ADMIN_KEY"), api_key=api_key,
+          protect_metrics=args.protect_metrics, max_waiting=args.max_waiting, request_timeout=args.request_timeout)
     return 0
 
 

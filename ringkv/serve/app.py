@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..engine import SamplingParams
 from ..engine.params import Logprob
-from .engine import TTFT_BUCKETS, AsyncEngine, EngineDead, Moved
+from .engine import TTFT_BUCKETS, AsyncEngine, Busy, EngineDead, Moved, RequestTimeout
 
 # request fields -> SamplingParams fields (OpenAI names, and vLLM's extensions)
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -48,9 +48,10 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict] = None):
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.headers = status, param, code, headers
 
 
 def error_body(message: str, status: int, param=None, code=None) -> dict:
@@ -69,11 +70,24 @@ def check_admin(request: Request, admin: bool, admin_key: Optional[str]) -> None
                          code="invalid_admin_key")
 
 
+def check_api_key(request: Request, api_key: Optional[str]) -> None:
+    """``Authorization: Bearer <api_key>`` (compared in constant time), or a 401."""
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given[:7].lower() == "bearer " else ""
+    if not hmac.compare_digest(token.encode(), api_key.encode()):
+        raise BadRequest("invalid or missing API key: send it as Authorization: Bearer <key>", 401,
+                         code="invalid_api_key")
+
+
 def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[int] = None, *,
-              instance_id: Optional[str] = None, admin: bool = False, admin_key: Optional[str] = None) -> FastAPI:
+              instance_id: Optional[str] = None, admin: bool = False, admin_key: Optional[str] = None,
+              api_key: Optional[str] = None, protect_metrics: bool = False) -> FastAPI:
     """The app; request bodies over ``max_request_bytes`` (default ``MAX_REQUEST_BYTES``) get a
     413. ``instance_id``: the ``x-ringkv-instance`` header; ``admin``/``admin_key``: the
-    internal endpoints a router drives (off by default)."""
+    internal endpoints a router drives (off by default); ``api_key``: every ``/v1/*`` and
+    ``/tokenize`` request (and ``/metrics`` with ``protect_metrics``) needs it, else a 401."""
     max_request_bytes = MAX_REQUEST_BYTES if max_request_bytes is None else max_request_bytes
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
@@ -85,6 +99,12 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
 
     @app.middleware("http")
     async def name_instance(request: Request, call_next):
+        path = request.url.path
+        if path.startswith("/v1/") or path == "/tokenize" or (protect_metrics and path == "/metrics"):
+            try:
+                check_api_key(request, api_key)
+            except BadRequest as e:
+                return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status)
         response = await call_next(request)
         if instance_id is not None:
             response.headers["x-ringkv-instance"] = instance_id
@@ -92,7 +112,16 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
 
     @app.exception_handler(BadRequest)
     async def bad_request(_, e: BadRequest):
-        return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status)
+        return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(Busy)
+    async def busy(_, e: Busy):
+        return JSONResponse(error_body(str(e), 429, code="too_many_requests"), status_code=429,
+                            headers={"Retry-After": str(e.retry_after)})
+
+    @app.exception_handler(RequestTimeout)
+    async def timed_out(_, e: RequestTimeout):
+        return JSONResponse(error_body(str(e), 408, code="request_timeout"), status_code=408)
 
     @app.exception_handler(EngineDead)
     async def engine_dead(_, e: EngineDead):
@@ -199,10 +228,12 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
             for i, p in enumerate(prompts):
                 name = None if routed is None else (routed if len(prompts) == 1 else f"{routed}/{i}")
                 streams.append(await engine.add(p, params, request_id=name, cache_salt=salt))
-        except ValueError as e:
+        except BaseException as e:  # the prompts taken so far are aborted: all or nothing
             for st in streams:
                 await st.aclose()
-            raise BadRequest(str(e), param="messages" if chat else "prompt")
+            if isinstance(e, ValueError):
+                raise BadRequest(str(e), param="messages" if chat else "prompt")
+            raise
         if stream:
             return StreamingResponse(stream_events(rid, streams, params, chat, include_usage, bool(token_ids)),
                                      media_type="text/event-stream")
@@ -322,7 +353,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
                                           "choices": choices, **extra}) + "\n\n"
 
         def error_event(e: BaseException) -> str:
-            status = 503 if isinstance(e, EngineDead) else 500
+            status = 503 if isinstance(e, EngineDead) else 408 if isinstance(e, RequestTimeout) else 500
             return "data: " + json.dumps(error_body(f"{type(e).__name__}: {e}", status)) + "\n\n"
 
         merged = _merge(streams)

@@ -44,6 +44,7 @@ class Metrics:
     ttft_count: int = 0
     migrations_in: int = 0
     migrations_out: int = 0
+    rejected: int = 0  # 429s (max_waiting)
     recent: deque = field(default_factory=deque)  # (time, tokens) of the last steps, for tokens/s
 
     def observe_ttft(self, seconds: float) -> None:
@@ -107,12 +108,33 @@ class EngineDead(RuntimeError):
     """The engine failed (a rank died); requests cannot be served."""
 
 
+class Busy(RuntimeError):
+    """The waiting queue is full (``max_waiting``): try again after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestTimeout(RuntimeError):
+    """A request ran past ``request_timeout``; it was aborted and its blocks freed."""
+
+
 ATTACH_TIMEOUT = 60.0  # seconds a request that moved in waits to be attached before it is aborted
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, *, kv_events: bool = False):
-        """``kv_events``: publish the prefix cache's changes (``llm.blocks.events``) for a router."""
+    def __init__(self, llm: LLM, *, kv_events: bool = False, max_waiting: Optional[int] = None,
+                 request_timeout: Optional[float] = None):
+        """``kv_events``: publish the prefix cache's changes (``llm.blocks.events``) for a router.
+        ``max_waiting``: requests past that many waiting get ``Busy``; ``request_timeout``:
+        seconds after which a request is aborted (its stream ends with ``RequestTimeout``)."""
+        for name, v in (("max_waiting", max_waiting), ("request_timeout", request_timeout)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
+                                  or name == "max_waiting" and not isinstance(v, int)):
+                raise ValueError(f"{name} must be a positive {'int' if name == 'max_waiting' else 'number'}, got {v!r}")
+        self.max_waiting, self.request_timeout = max_waiting, request_timeout
+        self.pending = 0  # requests on their way to the engine's thread (the asyncio side counts them)
         self.llm = llm
         if kv_events:
             llm.blocks.events = KVEvents()
@@ -142,6 +164,17 @@ class AsyncEngine:
         id; it may then migrate), else it gets one."""
         if self.dead:
             raise EngineDead(self.dead)
+        if self.max_waiting is not None and self.gauges["waiting"] + self.pending >= self.max_waiting:
+            self.metrics.rejected += 1
+            raise Busy(f"the server is busy: {self.max_waiting} requests are waiting (--max-waiting); retry later",
+                       retry_after=1)
+        self.pending += 1
+        try:
+            return await self._enqueue(prompt, params, apply_chat_template, request_id, kw)
+        finally:
+            self.pending -= 1
+
+    async def _enqueue(self, prompt, params, apply_chat_template, request_id, kw) -> "RequestStream":
         loop = asyncio.get_running_loop()
         try:
             ids = await loop.run_in_executor(self.encoder, self.llm.encode, prompt, apply_chat_template)
@@ -235,6 +268,16 @@ class AsyncEngine:
         self.requests.pop(rid, None)
         self.adopted.pop(rid, None)
 
+    def _expire(self) -> None:
+        """Abort the requests that ran past ``request_timeout``."""
+        now = time.perf_counter()
+        for rid in [rid for rid, r in self.requests.items() if now - r.start > self.request_timeout]:
+            r = self.requests.pop(rid)
+            self.llm.abort_request(rid)
+            self.metrics.finished["timeout"] = self.metrics.finished.get("timeout", 0) + 1
+            r.loop.call_soon_threadsafe(r.queue.put_nowait, RequestTimeout(
+                f"the request ran longer than {self.request_timeout:g} s (--request-timeout); it was aborted"))
+
     def _reap(self) -> None:
         """Abort what moved in and was never attached (its router went away)."""
         now = time.monotonic()
@@ -261,6 +304,8 @@ class AsyncEngine:
                 self._update_gauges()
                 if self.adopted:
                     self._reap()
+                if self.request_timeout is not None and self.requests:
+                    self._expire()
             except Exception as e:  # noqa: BLE001 - the engine is gone: fail every request, keep answering
                 self.dead = f"{type(e).__name__}: {e}"
                 for r in list(self.requests.values()):

@@ -53,7 +53,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..cache.block_manager import STORED, block_hash
-from .app import ADMIN_HEADER, BadRequest, check_admin, completion_prompts, error_body, read_body
+from .app import ADMIN_HEADER, BadRequest, check_admin, check_api_key, completion_prompts, error_body, read_body
 
 ROUTINGS = ("kv", "round-robin", "least-loaded")
 POLL_S = 0.5  # how often each instance is asked for its state
@@ -104,6 +104,10 @@ class NoInstance(RuntimeError):
 
 class Failed(Exception):
     """An instance's stream broke: the choices go on elsewhere."""
+
+
+class Full(Exception):
+    """An instance's waiting queue is full (its 429): another may take the request."""
 
 
 @dataclass
@@ -196,6 +200,12 @@ class Sub:
             except BadRequest as e:
                 self.fail("reject", e.status, e)
                 return
+            except Full as e:
+                tried.add(attempt.instance.id)
+                if all(i.id in tried for i in r.instances if i.state == "up"):  # every instance is full
+                    self.fail("reject", 429, BadRequest(str(e), 429, code="too_many_requests",
+                                                        headers={"Retry-After": "1"}))
+                    return
             except Failed as e:
                 inst = attempt.instance
                 r.lost(inst, str(e))
@@ -232,6 +242,8 @@ class Sub:
                 async with r.open(method, url, payload, {"x-ringkv-request-id": attempt.rid}) as resp:
                     if resp.status_code >= 400:
                         text = (await resp.aread()).decode(errors="replace")
+                        if resp.status_code == 429:
+                            raise Full(_rejected(429, text))
                         if resp.status_code < 500:
                             raise _rejected(resp.status_code, text)
                         raise Failed(f"instance {inst.id} answered {resp.status_code}: {text[:200]}")
@@ -312,7 +324,8 @@ def _httpx():
 class Router:
     def __init__(self, *, routing: str = "kv", migration: bool = True, threshold: float = 0.1,
                  balance: int = 16, admin: bool = False, admin_key: Optional[str] = None,
-                 upstream_key: Optional[str] = None, restart: bool = True):
+                 upstream_key: Optional[str] = None, restart: bool = True, api_key: Optional[str] = None,
+                 protect_metrics: bool = False):
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
         if not threshold > 0:
@@ -322,6 +335,7 @@ class Router:
         self.routing, self.migration, self.threshold, self.balance = routing, migration, threshold, balance
         self.admin, self.admin_key = admin or admin_key is not None, admin_key
         self.upstream_key, self.restart = upstream_key, restart
+        self.api_key, self.protect_metrics = api_key, protect_metrics  # the clients', also sent to the instances
         self.instances: List[Instance] = []
         self.by_id: Dict[str, Instance] = {}
         self.subs: Dict[str, List[Sub]] = {}  # client request id -> its sub-requests (while running)
@@ -370,7 +384,8 @@ class Router:
         inst.error, inst.blocks, inst.epoch, inst.last = why, set(), "", 0
 
     def headers(self) -> dict:
-        return {} if self.upstream_key is None else {ADMIN_HEADER: self.upstream_key}
+        h = {} if self.upstream_key is None else {ADMIN_HEADER: self.upstream_key}
+        return h if self.api_key is None else dict(h, authorization=f"Bearer {self.api_key}")
 
     @contextlib.asynccontextmanager
     async def open(self, method: str, url: str, payload, extra: dict):
@@ -487,7 +502,7 @@ class Router:
         for _ in range(3):
             inst = self.pick_tokenizer()
             try:
-                r = await self.client.post(inst.url + "/tokenize", json=payload, timeout=30.0)
+                r = await self.client.post(inst.url + "/tokenize", json=payload, headers=self.headers(), timeout=30.0)
             except _httpx().HTTPError as e:
                 self.lost(inst, f"{type(e).__name__}: {e}")
                 continue
@@ -619,9 +634,19 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
 
     app = FastAPI(title="ringkv router", lifespan=lifespan)
 
+    @app.middleware("http")
+    async def keyed(request: Request, call_next):
+        path = request.url.path
+        if path.startswith("/v1/") or (router.protect_metrics and path == "/metrics"):
+            try:
+                check_api_key(request, router.api_key)
+            except BadRequest as e:
+                return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status)
+        return await call_next(request)
+
     @app.exception_handler(BadRequest)
     async def bad_request(_, e: BadRequest):
-        return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status)
+        return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(NoInstance)
     async def no_instance(_, e: NoInstance):
@@ -636,7 +661,7 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
     @app.get("/v1/models")
     async def models():
         inst = router.pick_tokenizer()
-        r = await router.client.get(inst.url + "/v1/models", timeout=10.0)
+        r = await router.client.get(inst.url + "/v1/models", headers=router.headers(), timeout=10.0)
         return JSONResponse(r.json(), status_code=r.status_code)
 
     @app.get("/metrics")
@@ -924,6 +949,8 @@ def run(router: Router, *, host: str, port: int, log_level: str = "warning", rep
                     "--instance-id", f"r{i}"]
             log = open(os.path.join(logs, f"r{i}.log"), "ab")
             os.environ["RINGKV_ADMIN_KEY"] = key  # the replicas read it (not on their command line)
+            if router.api_key is not None:
+                os.environ["RINGKV_API_KEY"] = router.api_key
             proc = start_process(argv, log)
             procs.append(proc)
             router.add(f"http://127.0.0.1:{p}", f"r{i}", proc=proc, argv=argv)

@@ -113,10 +113,13 @@ def torch_threads(ctx):
     return torch.get_num_threads()
 
 
-def prompt_logprobs(ctx, spec, llm_kwargs, prompt):
+def prompt_logprobs(ctx, spec, llm_kwargs, prompt, k: int = 0):
+    """The prompt's log-probs (k = 0), or them and the top k alternatives at each position."""
     with LLM(model_from(spec), **llm_kwargs) as llm:
-        return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
-                            use_tqdm=False)[0].prompt_logprobs
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k),
+                           use_tqdm=False)[0]
+        return out.prompt_logprobs if k == 0 else (out.prompt_logprobs, [list(map(list, x)) for x in
+                                                                        out.prompt_top_logprobs])
 
 
 def migrate_pair(ctx, spec, prompts, params):

@@ -38,10 +38,10 @@ class Deltas(RuleBasedStateMachine):
         self.pub, self.mirror = Publisher(), Mirror()
         self.ids = 0
 
-    @rule(length=st.integers(1, 30), logprobs=st.booleans(), shared=st.booleans())
+    @rule(length=st.integers(1, 30), logprobs=st.sampled_from([None, 0, 2, 20]), shared=st.booleans())
     def add(self, length, logprobs, shared):
         tokens = [7] * 8 + [self.ids] * length if shared else [self.ids % 50 + i for i in range(length)]
-        params = SamplingParams(prompt_logprobs=0 if logprobs else None)
+        params = SamplingParams(prompt_logprobs=logprobs)  # k > 0: the plan's top travels in its header
         self.sched.add(Sequence(seq_id=self.ids, prompt=None, prompt_token_ids=tokens, params=params))
         self.ids += 1
 

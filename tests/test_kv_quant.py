@@ -110,9 +110,32 @@ def test_prompt_logprobs_equal_transformers_log_softmax(hf_model):
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
     assert out.num_cached_tokens == 0  # computed again: a cache hit would skip positions
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=2e-5, rtol=1e-5)
-    assert len(out.prompt_logprobs) == len(ids) - 1
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        llm.add_request(ids, SamplingParams(prompt_logprobs=3))
+    assert len(out.prompt_logprobs) == len(ids) - 1 and out.prompt_top_logprobs is None
+    values, top = torch.log_softmax(logits, -1)[:-1].topk(5)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=5), use_tqdm=False)[0]
+    assert [[t for t, _ in x] for x in out.prompt_top_logprobs] == top.tolist()
+    torch.testing.assert_close(torch.tensor([[v for _, v in x] for x in out.prompt_top_logprobs]), values,
+                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=2e-5, rtol=1e-5)
+    for bad in (21, -1, True, 2.0):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            llm.add_request(ids, SamplingParams(prompt_logprobs=bad))
+
+
+def test_prompt_top_logprobs_on_every_mesh(worlds):
+    """tp, pp and sp (the ring prefill: each prompt row on its own SP rank) give the same prompt
+    log-probs and top-k alternatives as one process, in a batch with requests asking fewer."""
+    pytest.importorskip("transformers")
+    s = ("tiny", "llama", 0, dict(num_hidden_layers=4, max_position_embeddings=1024))
+    prompt = torch.randint(3, 128, (70,), generator=torch.Generator().manual_seed(6)).tolist()
+    kw = dict(block_size=4, num_blocks=128, max_num_batched_tokens=32)
+    lp, top = worlds(1).check("tests.engine_cases:prompt_logprobs", 1, s, kw, prompt, 4)[0]
+    assert len(top) == len(lp) == len(prompt) - 1 and all(len(x) == 4 for x in top)
+    for mesh in (dict(tp=2), dict(pp=2), dict(sp=2, sp_prefill_min_tokens=16)):
+        got_lp, got_top = worlds(2).check("tests.engine_cases:prompt_logprobs", 2, s, dict(kw, **mesh), prompt, 4)[0]
+        torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(lp), atol=1e-4, rtol=1e-4)
+        assert [[t for t, _ in x] for x in got_top] == [[t for t, _ in x] for x in top], mesh
+        torch.testing.assert_close(torch.tensor(got_top)[..., 1], torch.tensor(top)[..., 1], atol=1e-4, rtol=1e-4)
 
 
 def test_bytes_per_token_counts_the_scales(hf_model):

@@ -457,11 +457,13 @@ class LLM:
                 s.reported = s.num_tokens - len(s.prompt_token_ids)
         first = seqs[0]
         plp = None if delta and first.reported_prompt else first.prompt_logprobs  # delta: in the first output
+        ptop = None if plp is None else first.prompt_top
         first.reported_prompt = first.reported_prompt or delta
         return RequestOutput(request_id=first.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
                              token_ids=outs[0].token_ids, text=outs[0].text, finish_reason=outs[0].finish_reason,
                              error=first.error, num_cached_tokens=first.num_cached_tokens or 0,
-                             logprobs=outs[0].logprobs, outputs=outs, prompt_logprobs=plp)
+                             logprobs=outs[0].logprobs, outputs=outs, prompt_logprobs=plp,
+                             prompt_top_logprobs=ptop)
 
     def _requests(self, prompts, params, apply_chat_template, cache_salt) -> List[List[Sequence]]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
@@ -594,10 +596,18 @@ class _Steps:
         """The step's prompt log-probs written into their sequences, then ``(seq, (token,
         logprob) or the exception sampling it raised)`` per completing sequence."""
         if result is not None and result.prompt_logprobs is not None:
-            values = iter(result.prompt_logprobs.tolist())
+            rows = iter(result.prompt_logprobs.tolist())  # floats, or [value, top ids..., top values...]
             for s in batch:
+                k = s.seq.params.prompt_logprobs or 0
                 for j in range(s.targets):
-                    s.seq.prompt_logprobs[s.start + j] = next(values)  # of prompt token start + j + 1
+                    row = next(rows)
+                    if isinstance(row, float):
+                        s.seq.prompt_logprobs[s.start + j] = row  # of prompt token start + j + 1
+                        continue
+                    top = (len(row) - 1) // 2
+                    s.seq.prompt_logprobs[s.start + j] = row[0]
+                    if k:
+                        s.seq.prompt_top[s.start + j] = [(int(t), v) for t, v in zip(row[1:1 + k], row[1 + top:1 + top + k])]
         done = [s.seq for s in batch if s.completes]
         return list(zip(done, self._sample(result, done)))
 
@@ -630,4 +640,6 @@ def _output_from_json(d: dict) -> RequestOutput:
     lp = lambda xs: None if xs is None else [Logprob(x["token_id"], x["logprob"], [tuple(t) for t in x["top"]])  # noqa: E731
                                              for x in xs]
     outs = [CompletionOutput(**dict(o, logprobs=lp(o["logprobs"]))) for o in d.pop("outputs")]  # prompt_logprobs: floats
-    return RequestOutput(**dict(d, logprobs=lp(d["logprobs"]), outputs=outs))
+    top = d.get("prompt_top_logprobs")
+    top = None if top is None else [None if x is None else [tuple(t) for t in x] for x in top]
+    return RequestOutput(**dict(d, logprobs=lp(d["logprobs"]), outputs=outs, prompt_top_logprobs=top))

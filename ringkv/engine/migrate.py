@@ -82,7 +82,9 @@ def export_request(llm, rid, since: Optional[KVSnapshot] = None, stop: bool = Tr
         cache_salt=seq.cache_salt, start=start, end=end, k=k, v=v, generator_state=seq.generator.get_state(),
         k_scale=ks, v_scale=vs, logprobs=[[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
                                           for lp in seq.logprobs[logprobs_from:]],
-        logprobs_from=logprobs_from, prompt_logprobs=seq.prompt_logprobs, num_cached_tokens=seq.num_cached_tokens or 0)
+        logprobs_from=logprobs_from, prompt_logprobs=seq.prompt_logprobs, num_cached_tokens=seq.num_cached_tokens or 0,
+        prompt_top_logprobs=None if seq.prompt_top is None else [None if x is None else [list(t) for t in x]
+                                                                 for x in seq.prompt_top])
     if stop:  # out of the scheduler, blocks kept: resume_request or abort_request decides
         book.pause(rid)
     return snap
@@ -142,13 +144,22 @@ def _check_logprobs(snap: KVSnapshot, vocab: int, want: int) -> None:
             raise _bad("logprobs", f"holds {e!r:.80}: entries are [token id, log-prob, [[token id, log-prob], ...]]")
 
 
-def _check_prompt_logprobs(plp, params: SamplingParams, prompt_len: int) -> None:
+def _check_prompt_logprobs(plp, top, params: SamplingParams, prompt_len: int, vocab: int) -> None:
     if params.prompt_logprobs is None:
         if plp is not None:
             raise _bad("prompt_logprobs", "must be None: the request's params do not ask for them")
     elif not isinstance(plp, (list, tuple)) or len(plp) != prompt_len - 1 \
             or not all(x is None or _logprob(x) for x in plp):
         raise _bad("prompt_logprobs", f"must be a list of {prompt_len - 1} log-probs (None: not computed yet)")
+    k = params.prompt_logprobs or 0
+    if not k:
+        if top is not None:
+            raise _bad("prompt_top_logprobs", "must be None: the request's params ask for no alternatives")
+    elif not isinstance(top, (list, tuple)) or len(top) != prompt_len - 1 or not all(
+            (x is None) == (p is None) and (x is None or isinstance(x, (list, tuple)) and len(x) == k
+                                            and all(_pair(t, vocab) for t in x)) for x, p in zip(top, plp)):
+        raise _bad("prompt_top_logprobs", f"must be a list of {prompt_len - 1} lists of {k} [token id, log-prob] "
+                                          f"(None where the log-prob is)")
 
 
 def _check_tensors(llm, snap: KVSnapshot) -> None:
@@ -243,7 +254,7 @@ def _validate(llm, snap: KVSnapshot):
     if snap.num_cached_tokens > len(prompt):
         raise _bad("num_cached_tokens", f"{snap.num_cached_tokens} exceeds the prompt's {len(prompt)} tokens")
     _check_logprobs(snap, vocab, 0 if req.logprobs is None else generated)
-    _check_prompt_logprobs(snap.prompt_logprobs, req, len(prompt))
+    _check_prompt_logprobs(snap.prompt_logprobs, snap.prompt_top_logprobs, req, len(prompt), vocab)
     _check_tensors(llm, snap)
     return staged, params
 
@@ -283,6 +294,8 @@ def import_request(llm, snap: KVSnapshot, cache_prefix: bool = False):
     seq.generator.set_state(snap.generator_state)
     seq.logprobs += [Logprob(t, lp, [tuple(x) for x in top]) for t, lp, top in snap.logprobs]
     seq.prompt_logprobs = None if snap.prompt_logprobs is None else list(snap.prompt_logprobs)
+    seq.prompt_top = None if snap.prompt_top_logprobs is None else [
+        None if x is None else [(int(t), v) for t, v in x] for x in snap.prompt_top_logprobs]
     seq.num_cached_tokens = snap.num_cached_tokens
     if with_kv and snap.end > snap.start:  # K/V computed elsewhere: cached only when vouched for
         if cache_prefix:

@@ -36,7 +36,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # output tokens: logit - frequency x count
     logprobs: Optional[int] = None  # log-prob of each sampled token and of the top ``logprobs`` ones
     n: int = 1  # samples of the prompt (they share its cached blocks)
-    prompt_logprobs: Optional[int] = None  # 0: the log-prob of each prompt token after the first
+    prompt_logprobs: Optional[int] = None  # k: the log-prob of each prompt token after the first, and the top k
 
     def problem(self) -> Optional[str]:
         """Why these params are invalid, or None. The message starts with the field's name;
@@ -74,9 +74,9 @@ class SamplingParams:
             return f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {_shown(self.logprobs)}"
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             return f"n must be an int in [1, {MAX_N}], got {_shown(self.n)}"
-        if self.prompt_logprobs not in (None, 0) or isinstance(self.prompt_logprobs, bool):
-            return (f"prompt_logprobs must be None or 0 (each prompt token's own log-prob; top alternatives are "
-                    f"not returned), got {_shown(self.prompt_logprobs)}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            return f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {_shown(self.prompt_logprobs)}"
         return None
 
     @property
@@ -143,6 +143,7 @@ class RequestOutput:
     logprobs: Optional[List[Logprob]] = None
     outputs: List[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: Optional[List[float]] = None  # log p(prompt[i] | prompt[:i]) for i >= 1
+    prompt_top_logprobs: Optional[List[List[Tuple[int, float]]]] = None  # and the top prompt_logprobs there
 
     @property
     def finished(self) -> bool:

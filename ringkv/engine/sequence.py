@@ -44,6 +44,8 @@ class Sequence:
         self.logprobs: List = []
         self.prompt_logprobs: Optional[List[Optional[float]]] = (
             [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs is not None else None)
+        self.prompt_top: Optional[List[Optional[list]]] = (  # [(token id, log-prob)] * k per position
+            [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs else None)
         self.penalty = None  # (in_prompt, counts) once a penalty needs them (sampling.penalty_state)
         self.siblings: List["Sequence"] = []  # samples 1..n-1, admitted once this one's prompt is computed
         self.num_cached_tokens: Optional[int] = None  # set on first admission

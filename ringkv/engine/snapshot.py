@@ -59,6 +59,7 @@ class KVSnapshot:
     logprobs: List = field(default_factory=list)  # [token_id, logprob, [[id, logprob], ...]] per token ...
     logprobs_from: int = 0  # ... from this generated token on
     prompt_logprobs: Optional[List] = None
+    prompt_top_logprobs: Optional[List] = None  # [[token id, log-prob] * k or None] per prompt position
     num_cached_tokens: int = 0
     version: int = VERSION
 

@@ -269,7 +269,8 @@ class Cluster:
         tokens = plan.want == "tokens"
         main = self.control.recv_from(src, torch.empty((k,) if tokens else (k, self.cfg.vocab_size),
                                                        dtype=torch.long if tokens else torch.float32), RESULT_TAG, what)
-        lp = self.control.recv_from(src, torch.empty(plan.num_targets), RESULT_TAG, what) if plan.num_targets else None
+        shape = (plan.num_targets, 1 + 2 * plan.top) if plan.top else (plan.num_targets,)
+        lp = self.control.recv_from(src, torch.empty(shape), RESULT_TAG, what) if plan.num_targets else None
         return StepResult(main, lp)
 
     def read_kv(self, table: List[int], start: int, end: int) -> kvmove.KV:

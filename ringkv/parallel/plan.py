@@ -57,6 +57,7 @@ class SeqStep:
 class StepPlan:
     seqs: List[SeqStep] = field(default_factory=list)
     want: str = "logits"
+    top: int = 0  # prompt log-probs: the top alternatives each target row returns too (the step's largest ask)
 
     @property
     def num_completing(self) -> int:
@@ -67,6 +68,11 @@ class StepPlan:
         return sum(len(s.targets or ()) for s in self.seqs)
 
 
+def prompt_top(batch) -> int:
+    """The most prompt log-prob alternatives a sequence of ``batch`` computing targets asks for."""
+    return max((s.seq.params.prompt_logprobs or 0 for s in batch if s.targets), default=0)
+
+
 def local_plan(batch, want: str) -> StepPlan:
     """The ``StepPlan`` of ``batch`` read straight from the driver's sequences (one process: no
     mirror). ``batch``: the scheduler's entries, each with ``seq`` (``seq_id``, ``token_ids``,
@@ -74,7 +80,7 @@ def local_plan(batch, want: str) -> StepPlan:
     ``targets`` (how many prompt log-probs the step computes)."""
     return StepPlan([SeqStep(s.start, s.n, s.seq.token_ids[s.start:s.start + s.n], s.seq.block_table, s.completes,
                              s.seq.token_ids[s.start + 1:s.start + 1 + s.targets] if s.targets else None)
-                     for s in batch], want)
+                     for s in batch], want, prompt_top(batch))
 
 
 @dataclass
@@ -123,7 +129,8 @@ class Publisher:
                 words += blks[e.blocks:]
                 e.blocks += nb
                 self.blocks += nb
-        head = [self.steps, WANT.index(want), len(drops), len(batch), len(self.sent), self.tokens, self.blocks]
+        want_word = WANT.index(want) + len(WANT) * prompt_top(batch)  # both in one word
+        head = [self.steps, want_word, len(drops), len(batch), len(self.sent), self.tokens, self.blocks]
         self.steps += 1
         return torch.tensor(head + drops + words, dtype=torch.int64)
 
@@ -184,7 +191,7 @@ class Mirror:
         if held != (count, tokens, blocks):
             self._drift(step, f"it holds (sequences, tokens, blocks) = {held}, the driver sent {(count, tokens, blocks)}")
         self.steps += 1
-        return StepPlan(seqs, WANT[want])
+        return StepPlan(seqs, WANT[want % len(WANT)], want // len(WANT))
 
     def _drift(self, step: int, why: str):
         raise EngineError(f"rank {self.rank}: the step mirror drifted from the driver's at step {step}: {why}")

@@ -210,7 +210,11 @@ class Worker:
         prompt_lp = None
         if step.targets:  # log-probs of the prompt tokens these positions predict
             targets = torch.tensor(step.targets, device=logits.device)
-            prompt_lp = torch.log_softmax(logits[k:], dim=-1).gather(1, targets[:, None])[:, 0]
+            lsm = torch.log_softmax(logits[k:], dim=-1)  # (R, vocab)
+            prompt_lp = lsm.gather(1, targets[:, None])[:, 0]  # (R,)
+            if plan.top:  # (R, 1 + 2 top): the target's, then the top ids (exact in fp32) and their values
+                values, ids = lsm.topk(plan.top, dim=-1)
+                prompt_lp = torch.cat([prompt_lp[:, None], ids.float(), values], dim=1)
         if not self.driver:  # to the driver (CPU tensors over the control plane's gloo group)
             for t in (main, prompt_lp):
                 if t is not None:
@@ -223,6 +227,7 @@ class Worker:
 class StepResult:
     """What the sampler rank returns for a step: ``main`` is ``(M,)`` argmax tokens or
     ``(M, vocab)`` fp32 logits of the completing sequences; ``prompt_logprobs`` ``(R,)`` the
-    log-probs of the plan's ``targets``, in plan order."""
+    log-probs of the plan's ``targets``, in plan order: ``(R,)``, or ``(R, 1 + 2 top)`` with the
+    plan's ``top`` alternatives (each row: the target's, the top ids, their log-probs)."""
     main: torch.Tensor
     prompt_logprobs: Optional[torch.Tensor] = None

@@ -159,10 +159,13 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
     async def completions(request: Request):
         body = await body_of(request)
         prompts = completion_prompts(body.get("prompt"))
-        if body.get("echo"):
-            raise BadRequest("echo is not supported", param="echo")
-        params = sampling_params(body, body.get("max_tokens", 16), body.get("logprobs"))
-        return await respond(request, body, prompts, params, chat=False)
+        echo, max_tokens, logprobs = body.get("echo"), body.get("max_tokens", 16), body.get("logprobs")
+        if echo not in (None, True, False):
+            raise BadRequest(f"echo must be a bool, got {echo!r:.80}", param="echo")
+        zero = bool(echo) and max_tokens == 0 and not isinstance(max_tokens, bool)  # the prompt's log-probs only
+        params = sampling_params(body, 1 if zero else max_tokens, logprobs,
+                                 prompt_logprobs=logprobs if echo and logprobs is not None else None)
+        return await respond(request, body, prompts, params, chat=False, echo=Echo(zero) if echo else None)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -198,6 +201,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
             prompts = [ids]
         if body.get("logprobs") not in (None, True, False):
             raise BadRequest(f"logprobs must be a bool, got {body['logprobs']!r:.80}", param="logprobs")
+        if body.get("echo"):
+            raise BadRequest("echo is for /v1/completions; chat completions do not echo", param="echo")
         top = body.get("top_logprobs") or 0
         lp = top if body.get("logprobs") else None
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", llm.max_model_len))
@@ -214,7 +219,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
             raise BadRequest("x-ringkv-request-id must be 1-128 characters of A-Z a-z 0-9 . _ : / -")
         return rid
 
-    async def respond(request: Request, body: dict, prompts: List, params: SamplingParams, chat: bool):
+    async def respond(request: Request, body: dict, prompts: List, params: SamplingParams, chat: bool,
+                      echo: Optional["Echo"] = None):
         routed = routed_id(request)
         rid = routed or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         stream, include_usage = stream_flags(body)
@@ -235,10 +241,10 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
                 raise BadRequest(str(e), param="messages" if chat else "prompt")
             raise
         if stream:
-            return StreamingResponse(stream_events(rid, streams, params, chat, include_usage, bool(token_ids)),
+            return StreamingResponse(stream_events(rid, streams, params, chat, include_usage, bool(token_ids), echo),
                                      media_type="text/event-stream")
         choices, prompt_tokens, cached = await _collect(request, streams, params)
-        return JSONResponse(complete_response(rid, choices, prompt_tokens, cached, chat, bool(token_ids)))
+        return JSONResponse(complete_response(rid, choices, prompt_tokens, cached, chat, bool(token_ids), echo))
 
     # -- what a router drives (admin) ---------------------------------------------------------
     @app.get("/internal/state")
@@ -306,7 +312,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
         return StreamingResponse(stream_events(rid, [st], SamplingParams(), chat, True, True),
                                  media_type="text/event-stream")
 
-    def sampling_params(body: dict, max_tokens, logprobs, logprobs_param: str = "logprobs") -> SamplingParams:
+    def sampling_params(body: dict, max_tokens, logprobs, logprobs_param: str = "logprobs",
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
         kw = {dst: body[src] for src, dst in SAMPLING_FIELDS.items() if body.get(src) is not None}
         if isinstance(kw.get("stop"), str):
             kw["stop"] = [kw["stop"]]
@@ -314,7 +321,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
             max_tokens = 16
         if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1:
             max_tokens = min(max_tokens, llm.max_model_len)
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kw)
         problem = params.problem()
         if problem:  # the message starts with the field's name; name it as the request did
             name = problem.split(" ", 1)[0]
@@ -323,23 +330,26 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
         return params
 
     def complete_response(rid: str, choices: List["Choice"], prompt_tokens: int, cached: int, chat: bool,
-                          token_ids: bool) -> dict:
+                          token_ids: bool, echo: Optional["Echo"] = None) -> dict:
         out, completion = [], 0
         for c in choices:
+            if echo is not None:
+                c.echo(echo, llm.tokenizer)
             completion += len(c.token_ids)
             if chat:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                             "logprobs": chat_logprobs(c.logprobs, llm.tokenizer), "finish_reason": c.finish_reason})
             else:
-                out.append({"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs, llm.tokenizer),
-                            "finish_reason": c.finish_reason})
+                out.append({"index": c.index, "text": c.head + c.text, "finish_reason": c.finish_reason,
+                            "logprobs": completion_logprobs(c.logprobs, llm.tokenizer, c.head_logprobs,
+                                                            0 if echo else len(c.prompt_text(llm.tokenizer)))[0]})
             if token_ids:
                 out[-1]["token_ids"] = c.token_ids
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model_name, "choices": out, "usage": usage(prompt_tokens, completion, cached)}
 
     async def stream_events(rid, streams, params: SamplingParams, chat: bool, include_usage: bool,
-                            token_ids: bool = False) -> AsyncIterator[str]:
+                            token_ids: bool = False, echo: Optional["Echo"] = None) -> AsyncIterator[str]:
         """Server-sent events: a chunk per new token of each choice, ``[DONE]`` at the end. The
         status line went out with the headers, so a failure after them is an error event, still
         followed by ``[DONE]``. If the client goes away, the response is cancelled here and the
@@ -347,6 +357,8 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         counts, counted, finished = {"prompt": 0, "completion": 0, "cached": 0}, set(), set()
+        offsets: Dict[int, int] = {}  # completions' text_offset so far, per choice (set by its first chunk)
+        heads: Dict[int, Choice] = {}  # per prompt: its first output, and what echo puts first
 
         def chunk(choices, **extra) -> str:
             return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model_name,
@@ -372,6 +384,10 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
                         continue
                     first = {}
                     if i not in counted:
+                        head = heads[i] = Choice(-1)
+                        head.first = out
+                        if echo is not None:
+                            head.echo(echo, llm.tokenizer)
                         counted.add(i)
                         counts["prompt"] += len(out.prompt_token_ids)
                         counts["cached"] += out.num_cached_tokens
@@ -380,19 +396,29 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
                     for o in out.outputs:
                         index = i * params.n + o.index
                         done = o.finish_reason is not None and index not in finished
-                        if not o.token_ids and not done:
+                        text, ids, lps = o.text, o.token_ids, o.logprobs
+                        if echo is not None and echo.zero:  # max_tokens 0: the token computed is not returned
+                            text, ids, lps = "", [], (None if lps is None else [])
+                        opening = index not in offsets  # the choice's first chunk (echo: with the prompt)
+                        if not ids and not done and not opening:
                             continue
-                        counts["completion"] += len(o.token_ids)
+                        counts["completion"] += len(ids)
                         reason = _reason(o.finish_reason) if done else None
                         finished |= {index} if done else set()
                         if chat:
-                            c = {"index": index, "delta": {"content": o.text},
-                                 "logprobs": chat_logprobs(o.logprobs, llm.tokenizer), "finish_reason": reason}
+                            c = {"index": index, "delta": {"content": text},
+                                 "logprobs": chat_logprobs(lps, llm.tokenizer), "finish_reason": reason}
                         else:
-                            c = {"index": index, "text": o.text, "finish_reason": reason,
-                                 "logprobs": completion_logprobs(o.logprobs, llm.tokenizer)}
+                            head = heads[i]
+                            if opening:
+                                offsets[index] = 0 if echo else len(head.prompt_text(llm.tokenizer))
+                            lp, offsets[index] = completion_logprobs(lps, llm.tokenizer, head.head_logprobs if opening
+                                                                     else None, offsets[index])
+                            c = {"index": index, "text": (head.head if opening else "") + text,
+                                 "finish_reason": reason, "logprobs": lp}
+                        offsets.setdefault(index, 0)
                         if token_ids:
-                            c["token_ids"] = o.token_ids
+                            c["token_ids"] = ids
                         yield chunk([c], **first)
                         first = {}
                 if include_usage:
@@ -408,6 +434,14 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
     return app
 
 
+class Echo:
+    """``/v1/completions`` with ``echo``: each choice starts with the prompt (and its log-probs
+    when asked for); ``zero``: ``max_tokens`` 0, the token computed is dropped."""
+
+    def __init__(self, zero: bool):
+        self.zero = zero
+
+
 def usage(prompt: int, completion: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -418,6 +452,27 @@ class Choice:
 
     def __init__(self, index: int):
         self.index, self.text, self.token_ids, self.logprobs, self.finish_reason = index, "", [], None, None
+        self.first = None  # its request's first output (the prompt's ids and log-probs)
+        self.head, self.head_logprobs = "", None  # what echo puts before the completion
+
+    def prompt_text(self, tok) -> str:
+        p = self.first.prompt if self.first is not None else ""
+        if isinstance(p, str):
+            return p
+        return "" if tok is None or self.first is None else tok.decode(self.first.prompt_token_ids)
+
+    def echo(self, echo: Echo, tok) -> None:
+        """The prompt before the completion: its text, and (log-probs asked) one entry per prompt
+        token, the first without a log-prob (nothing predicts it)."""
+        if echo.zero:
+            self.text, self.token_ids = "", []
+            self.logprobs = None if self.logprobs is None else []
+        first = self.first
+        self.head = self.prompt_text(tok)
+        if first is not None and first.prompt_logprobs is not None:
+            ids, top = first.prompt_token_ids, first.prompt_top_logprobs or [None] * len(first.prompt_logprobs)
+            self.head_logprobs = [Logprob(ids[0], None, None)] + [
+                Logprob(t, v, list(k or [])) for t, v, k in zip(ids[1:], first.prompt_logprobs, top)]
 
     def add(self, o) -> None:
         self.text += o.text
@@ -468,7 +523,9 @@ async def _collect(request, streams, params: SamplingParams):
             prompt_tokens[i] = len(out.prompt_token_ids)
             cached.setdefault(i, out.num_cached_tokens)
             for o in out.outputs:
-                choices[i * params.n + o.index].add(o)
+                c = choices[i * params.n + o.index]
+                c.first = c.first or out
+                c.add(o)
 
     work = asyncio.ensure_future(run())
     try:
@@ -550,11 +607,20 @@ def token_text(tokenizer, token_id: int) -> str:
     return str(token_id) if tokenizer is None else tokenizer.decode([token_id])
 
 
-def completion_logprobs(lps: Optional[List[Logprob]], tok):
-    if lps is None:
-        return None
-    return {"tokens": [token_text(tok, lp.token_id) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{token_text(tok, t): v for t, v in lp.top} for lp in lps], "text_offset": []}
+def completion_logprobs(lps: Optional[List[Logprob]], tok, head: Optional[List[Logprob]] = None, offset: int = 0):
+    """OpenAI's legacy ``logprobs`` of ``head + lps`` (``head``: echo's prompt entries; the
+    first has no log-prob), ``text_offset`` counted from ``offset``; and the offset after them."""
+    if lps is None and head is None:
+        return None, offset
+    lps = (head or []) + (lps or [])
+    tokens = [token_text(tok, lp.token_id) for lp in lps]
+    starts = []
+    for t in tokens:
+        starts.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [None if lp.top is None else {token_text(tok, t): v for t, v in lp.top} for lp in lps],
+            "text_offset": starts}, offset
 
 
 def chat_logprobs(lps: Optional[List[Logprob]], tok):

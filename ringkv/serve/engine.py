@@ -164,7 +164,7 @@ class AsyncEngine:
         id; it may then migrate), else it gets one."""
         if self.dead:
             raise EngineDead(self.dead)
-        if self.max_waiting is not None and self.gauges["waiting"] + self.pending >= self.max_waiting:
+        if self.max_waiting is not None and self.queued() >= self.max_waiting:
             self.metrics.rejected += 1
             raise Busy(f"the server is busy: {self.max_waiting} requests are waiting (--max-waiting); retry later",
                        retry_after=1)
@@ -173,6 +173,11 @@ class AsyncEngine:
             return await self._enqueue(prompt, params, apply_chat_template, request_id, kw)
         finally:
             self.pending -= 1
+
+    def queued(self) -> int:
+        """Requests that will wait: those waiting or on their way in, less the free running slots."""
+        g, slots = self.gauges, self.llm.engine_config.max_num_seqs
+        return g["waiting"] + self.pending - max(0, slots - g["running"])
 
     async def _enqueue(self, prompt, params, apply_chat_template, request_id, kw) -> "RequestStream":
         loop = asyncio.get_running_loop()

@@ -156,7 +156,7 @@ class Sub:
             return b
         (c,) = choices
         ids = self.ids + self.choices[c].tokens
-        b["n"] = 1
+        b["n"], b["echo"] = 1, False  # (echo: the client has the prompt already)
         if "messages" in b:
             b["prompt_token_ids"] = ids
         else:

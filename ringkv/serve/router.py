@@ -483,24 +483,41 @@ class Router:
         fair = [i for i in up if i.inflight <= least + self.balance] or up
         return max(fair, key=lambda i: (self.cached_tokens(i, ids, salt, chains), -i.score(), -i.inflight))
 
-    async def pick_waiting(self, ids, salt, exclude: frozenset, wait: float = 30.0) -> Instance:
-        """``pick``, waiting up to ``wait`` seconds for an instance to come (back) up."""
+    async def when_up(self, choose, wait: float = 30.0) -> Instance:
+        """``choose()``, waiting up to ``wait`` seconds while no instance is up but a replica of
+        this front is (re)starting; with none coming, its ``NoInstance`` at once."""
         deadline = time.monotonic() + wait
         while True:
             try:
+                return choose()
+            except NoInstance:
+                coming = self.restart and any(i.proc is not None and i.state in ("starting", "down")
+                                              for i in self.instances)
+                if time.monotonic() > deadline or not coming:
+                    raise
+                await asyncio.sleep(0.2)
+
+    async def pick_waiting(self, ids, salt, exclude: frozenset) -> Instance:
+        """``pick`` avoiding ``exclude`` (where the request failed), waiting for an instance
+        (``when_up``); an excluded one that is up again may take it then."""
+        def choose():
+            nonlocal exclude
+            try:
                 return self.pick(ids, salt, exclude)
             except NoInstance:
-                if time.monotonic() > deadline:
+                relaxed = frozenset(i for i in exclude if self.by_id.get(i) and self.by_id[i].state != "up")
+                if relaxed == exclude:
                     raise
-                exclude = frozenset(i for i in exclude if self.by_id.get(i) and self.by_id[i].state != "up")
-                await asyncio.sleep(0.2)
+                exclude = relaxed
+                return self.pick(ids, salt, exclude)
+        return await self.when_up(choose)
 
     async def tokenize(self, body: dict, prompt, chat: bool) -> List[int]:
         payload = {"messages": prompt} if chat else {"prompt": prompt}
         if not chat and isinstance(prompt, list):
             return list(prompt)  # token ids already
         for _ in range(3):
-            inst = self.pick_tokenizer()
+            inst = await self.when_up(self.pick_tokenizer)
             try:
                 r = await self.client.post(inst.url + "/tokenize", json=payload, headers=self.headers(), timeout=30.0)
             except _httpx().HTTPError as e:

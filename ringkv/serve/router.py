@@ -177,6 +177,8 @@ class Sub:
     async def run(self, choices: List[int], exclude: frozenset) -> None:
         try:
             await self._run(choices, exclude)
+        except Exception as e:  # noqa: BLE001 - never leave the client waiting
+            self.fail("error", 500, e)
         finally:
             self.running -= 1
             if not self.running:  # every stream of it ended (its usage read): the last event

@@ -158,9 +158,18 @@ def test_routing_policy():
     c.inflight = 3
     assert r.pick(ids).id == "b"  # c is passed over: the best of the rest
     assert r.pick(ids, exclude=frozenset("b")).id == "a"
+    assert r.pick(ids).id == "a"  # a claimed the whole prompt when it got it
+    for i in (a, b, c):
+        i.pending.clear()
     c.state = "down"
     c.inflight = 0
     assert r.pick(ids).id == "b"
+    # a prompt just routed counts as cached where it went, before that instance's events say so
+    fresh = [90, 91, 92, 93, 94, 95, 96, 97, 98]
+    first = r.pick(fresh)
+    first.inflight += 1
+    assert r.pick(fresh) is first and r.pick(fresh[:8] + [7]) is first
+    first.inflight -= 1
     r.routing = "round-robin"
     assert [r.pick(ids).id for _ in range(4)] in (["a", "b", "a", "b"], ["b", "a", "b", "a"])
     r.routing = "least-loaded"

@@ -26,6 +26,7 @@ import asyncio
 import hmac
 import json
 import re
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
@@ -279,7 +280,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
             raise BadRequest("host must be this instance's address as the source reaches it", param="host")
         engine.loop = asyncio.get_running_loop()
         try:
-            port = await engine.loop.run_in_executor(None, engine.accept, host)
+            port = await in_thread(engine.accept, host)
         except Exception as e:  # noqa: BLE001 - e.g. an address this host does not have
             raise BadRequest(f"cannot listen on {host!r}: {type(e).__name__}: {e}", param="host")
         return {"host": host, "port": port}
@@ -297,7 +298,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
         from ..engine.remote import MigrationError
         from ..parallel.transfer import LinkError
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, engine.migrate_out, rid, host, port, to)
+            return await in_thread(engine.migrate_out, rid, host, port, to)
         except (ValueError, MigrationError, LinkError) as e:
             raise BadRequest(f"{type(e).__name__}: {e}", 409, param="request_id", code="not_migrated")
 
@@ -440,6 +441,27 @@ class Echo:
 
     def __init__(self, zero: bool):
         self.zero = zero
+
+
+async def in_thread(fn, *args):
+    """``fn(*args)`` on a daemon thread of its own (a migration's waits never hold the process
+    open at exit, as the default executor's threads would)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not future.done():
+            (future.set_result if ok else future.set_exception)(value)
+
+    def run() -> None:
+        try:
+            value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
+            loop.call_soon_threadsafe(settle, False, e)
+        else:
+            loop.call_soon_threadsafe(settle, True, value)
+    threading.Thread(target=run, name="ringkv-migrate", daemon=True).start()
+    return await future
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:

@@ -203,7 +203,7 @@ class AsyncEngine:
         return future.result(timeout)
 
     # -- migration between instances (each runs on a thread of its own) ---------------------
-    def migrate_out(self, rid: str, host: str, port: int, to: str, timeout: float = 60.0) -> dict:
+    def migrate_out(self, rid: str, host: str, port: int, to: str, timeout: float = 30.0) -> dict:
         """Move running request ``rid`` to the instance ``to`` listening (``accept``) on
         ``host:port``: a pre-copy while it keeps decoding here, then the final snapshot. Its
         stream here then ends with ``Moved(to, rid)``. Raises ``ValueError`` (it cannot move) or
@@ -222,7 +222,7 @@ class AsyncEngine:
             stats = send_request(_Source(self, to), rid, link, incremental=True)
         return stats
 
-    def accept(self, host: str, timeout: float = 60.0) -> int:
+    def accept(self, host: str, timeout: float = 30.0) -> int:
         """Listen on ``host`` for one request moving in (``migrate_out`` on another instance);
         returns the port. The request, once imported, waits for ``attach``."""
         from ..engine.remote import MigrationError, receive_request

@@ -58,6 +58,9 @@ from .app import ADMIN_HEADER, BadRequest, check_admin, check_api_key, completio
 ROUTINGS = ("kv", "round-robin", "least-loaded")
 POLL_S = 0.5  # how often each instance is asked for its state
 DOWN_AFTER = 3  # failed polls in a row that mark an instance down
+PENDING_S = 30.0  # seconds a routed prompt's blocks count as cached where it went, before its events arrive
+MIN_LEFT = 16  # the load policy moves only requests with at least this many tokens still to generate
+MOVE_EVERY = 10.0  # ... and each at most once in this many seconds
 RESTART_AFTER = 5.0  # seconds a replica that exited has run at least before it is started again
 MAX_CRASHES = 3  # a replica that exits this often in a row before it answers is not started again
 
@@ -73,6 +76,7 @@ class Instance:
     epoch: str = ""
     last: int = 0  # the last block event read
     blocks: set = field(default_factory=set)  # hashes (hex) of the blocks its prefix cache holds
+    pending: Dict[str, float] = field(default_factory=dict)  # hashes of prompts routed there: until when they count
     tokens_per_block: int = 0
     model: str = ""  # model digest: migration needs the same on both sides
     kv_cache_dtype: str = ""
@@ -126,6 +130,7 @@ class Attempt:
     choices: List[int]  # its choice i -> the sub-request's choice choices[i]
     moved_to: Optional[str] = None
     live: bool = True  # its stream is being read
+    moved_at: float = float("-inf")  # when the load policy last moved it (monotonic)
 
 
 class Sub:
@@ -436,6 +441,8 @@ class Router:
             inst.blocks = set(state["full"] or [])
         for kind, h in state["events"]:
             (inst.blocks.add if kind == STORED else inst.blocks.discard)(h)
+        now = time.monotonic()
+        inst.pending = {h: t for h, t in inst.pending.items() if t > now and h not in inst.blocks}
         inst.epoch, inst.last, inst.load = state["epoch"], state["last"], state["load"]
         inst.tokens_per_block, inst.model = state["tokens_per_block"], state["model"]
         inst.kv_cache_dtype, inst.max_num_seqs = state["kv_cache_dtype"], state["max_num_seqs"]
@@ -465,12 +472,20 @@ class Router:
                 parent = block_hash((parent, tuple(ids[i * tpb:(i + 1) * tpb]), salt))
                 out.append(parent.hex())
             chains[tpb] = out
-        n = 0
+        n, now = 0, time.monotonic()
         for h in chains[tpb]:
-            if h not in inst.blocks:
+            if h not in inst.blocks and inst.pending.get(h, 0.0) < now:
                 break
             n += 1
         return n * tpb
+
+    def claim(self, inst: Instance, chains: dict) -> None:
+        """The prompt just routed to ``inst`` will be cached there: until its events say so (or
+        ``PENDING_S`` pass), requests sharing its prefix go there too."""
+        until = time.monotonic() + PENDING_S
+        for h in chains.get(inst.tokens_per_block, ()):
+            if h not in inst.blocks:
+                inst.pending[h] = until
 
     def pick(self, ids: List[int], salt=None, exclude: frozenset = frozenset()) -> Instance:
         up = [i for i in self.instances if i.state == "up" and i.id not in exclude]
@@ -483,7 +498,9 @@ class Router:
         chains: dict = {}
         least = min(i.inflight for i in up)
         fair = [i for i in up if i.inflight <= least + self.balance] or up
-        return max(fair, key=lambda i: (self.cached_tokens(i, ids, salt, chains), -i.score(), -i.inflight))
+        best = max(fair, key=lambda i: (self.cached_tokens(i, ids, salt, chains), -i.score(), -i.inflight))
+        self.claim(best, chains)
+        return best
 
     async def when_up(self, choose, wait: float = 30.0) -> Instance:
         """``choose()``, waiting up to ``wait`` seconds while no instance is up but a replica of
@@ -580,18 +597,22 @@ class Router:
         if not peers:
             return
         dst = min(peers, key=Instance.score)
-        if src.score() - dst.score() <= self.threshold or src.inflight < 2:
-            return
-        movable = [(sub, a) for sub, a in self.attempts_on(src) if sub.choices[a.choices[0]].tokens
-                   and sub.choices[a.choices[0]].finish_reason is None]
-        if not movable:
+        # a move shifts one request: only when that narrows the gap without turning it around
+        if src.score() - dst.score() <= self.threshold or src.inflight - dst.inflight < 2:
             return
 
-        def left(item):  # the request with the most tokens still to generate moves
+        def left(item):  # tokens the request may still generate
             sub, a = item
             return (sub.body.get("max_tokens") or sub.body.get("max_completion_tokens") or 1 << 30) - \
                 len(sub.choices[a.choices[0]].tokens)
-        sub, a = max(movable, key=left)
+        now = time.monotonic()
+        movable = [(sub, a) for sub, a in self.attempts_on(src) if sub.choices[a.choices[0]].tokens
+                   and sub.choices[a.choices[0]].finish_reason is None and left((sub, a)) >= MIN_LEFT
+                   and now - a.moved_at > MOVE_EVERY]
+        if not movable:
+            return
+        sub, a = max(movable, key=left)  # the one with the most left to generate moves
+        a.moved_at = now
         with contextlib.suppress(BadRequest, _httpx().HTTPError):
             await self.migrate(sub, a, dst)
             self.counters["auto_migrations"] += 1

@@ -165,3 +165,32 @@ def test_lm_evaluation_harness_scores_through_the_server(server, hf, tmp_path):
             checked += 1
     assert checked >= 19
     assert results["results"]["ringkv_tiny_mc"]["acc,none"] >= 0.5
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_guidellm_benchmarks_the_server(server, tmp_path, endpoint):
+    """guidellm (an established OpenAI-API benchmark client, from the package index) runs a
+    short synchronous benchmark, completions and chat: every request succeeds with its tokens."""
+    import shutil
+    import subprocess
+    import sys
+
+    pytest.importorskip("guidellm")
+    exe = os.path.join(os.path.dirname(sys.executable), "guidellm")
+    exe = exe if os.path.exists(exe) else shutil.which("guidellm")
+    out = tmp_path / "guidellm.json"
+    backend = {"kind": "openai_http", "target": server.url, "model": "smol", "request_format": endpoint,
+               "extras": {"body": {"temperature": 0}}}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", GUIDELLM__MAX_WORKER_PROCESSES="1")
+    r = subprocess.run([exe, "run", "--backend", json.dumps(backend),
+                        "--tokenizer", f"kind=huggingface_auto,model={smollm2_path()}",
+                        "--data", "kind=synthetic_text,prompt_tokens=48,output_tokens=8",
+                        "--data-loader", "kind=pytorch,prefetch_factor=8",
+                        "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=3",
+                        "--output", f"kind=json,path={out}", "--disable-console-interactive"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    assert m["request_totals"]["successful"] == 3 and m["request_totals"]["errored"] == 0, m["request_totals"]
+    assert m["output_token_count"]["successful"]["total_sum"] == 3 * 8
+    assert m["time_to_first_token_ms"]["successful"]["percentiles"]["p50"] > 0

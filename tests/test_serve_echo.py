@@ -167,10 +167,9 @@ def test_lm_evaluation_harness_scores_through_the_server(server, hf, tmp_path):
     assert results["results"]["ringkv_tiny_mc"]["acc,none"] >= 0.5
 
 
-@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-def test_guidellm_benchmarks_the_server(server, tmp_path, endpoint):
+def test_guidellm_benchmarks_the_server(server, tmp_path, endpoint="/v1/completions"):
     """guidellm (an established OpenAI-API benchmark client, from the package index) runs a
-    short synchronous benchmark, completions and chat: every request succeeds with its tokens."""
+    short synchronous benchmark: every request succeeds with its tokens."""
     import shutil
     import subprocess
     import sys

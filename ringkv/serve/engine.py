@@ -282,6 +282,7 @@ class AsyncEngine:
             self.metrics.finished["timeout"] = self.metrics.finished.get("timeout", 0) + 1
             r.loop.call_soon_threadsafe(r.queue.put_nowait, RequestTimeout(
                 f"the request ran longer than {self.request_timeout:g} s (--request-timeout); it was aborted"))
+            self._update_gauges()  # /metrics shows it gone before its client reads the end
 
     def _reap(self) -> None:
         """Abort what moved in and was never attached (its router went away)."""

@@ -37,19 +37,10 @@ def server(tmp_path_factory):
     s.close()
 
 
-def gauges(s) -> dict:
-    out = {}
-    for line in httpx.get(s.url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
-    return out
-
-
 def settle(s, timeout: float = 30.0) -> dict:
     deadline = time.time() + timeout
     while True:
-        g = gauges(s)
+        g = s.metrics()
         if g["ringkv_requests_running"] == g["ringkv_requests_waiting"] == g["ringkv_kv_cache_usage_ratio"] == 0:
             return g
         assert time.time() < deadline, g
@@ -104,14 +95,14 @@ def test_200_streaming_clients_past_a_bounded_queue(server):
         settle(server)
         rss.append(proc.memory_info().rss)
     assert rss[1] < rss[0] + (64 << 20), rss  # the second round left no more behind than the first
-    g = gauges(server)
+    g = server.metrics()
     finished = {k: v for k, v in g.items() if k.startswith("ringkv_requests_finished_total")}
     assert sum(v for k, v in finished.items() if "abort" in k) > 0, finished  # the clients that left
     # under the bound, nobody is told to back off
     outcome = asyncio.run(round_of(server, MAX_NUM_SEQS + MAX_WAITING // 2, seed=9))
     assert "429" not in outcome.values(), outcome
     settle(server)
-    assert gauges(server)["ringkv_requests_running"] == before["ringkv_requests_running"] == 0
+    assert server.metrics()["ringkv_requests_running"] == before["ringkv_requests_running"] == 0
 
 
 def test_a_slow_reader_delays_nobody(server):

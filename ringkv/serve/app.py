@@ -71,15 +71,19 @@ def check_admin(request: Request, admin: bool, admin_key: Optional[str]) -> None
                          code="invalid_admin_key")
 
 
-def check_api_key(request: Request, api_key: Optional[str]) -> None:
-    """``Authorization: Bearer <api_key>`` (compared in constant time), or a 401."""
-    if api_key is None:
-        return
+def refused_key(request: Request, api_key: Optional[str], protect_metrics: bool) -> Optional[JSONResponse]:
+    """The 401 for a keyed path (``/v1/*``, ``/tokenize``, and ``/metrics`` with
+    ``protect_metrics``) without ``Authorization: Bearer <api_key>`` (compared in constant time)."""
+    path = request.url.path
+    if api_key is None or not (path.startswith("/v1/") or path == "/tokenize"
+                               or (protect_metrics and path == "/metrics")):
+        return None
     given = request.headers.get("authorization", "")
     token = given[7:] if given[:7].lower() == "bearer " else ""
-    if not hmac.compare_digest(token.encode(), api_key.encode()):
-        raise BadRequest("invalid or missing API key: send it as Authorization: Bearer <key>", 401,
-                         code="invalid_api_key")
+    if hmac.compare_digest(token.encode(), api_key.encode()):
+        return None
+    return JSONResponse(error_body("invalid or missing API key: send it as Authorization: Bearer <key>", 401,
+                                   code="invalid_api_key"), status_code=401)
 
 
 def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[int] = None, *,
@@ -100,13 +104,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
 
     @app.middleware("http")
     async def name_instance(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1/") or path == "/tokenize" or (protect_metrics and path == "/metrics"):
-            try:
-                check_api_key(request, api_key)
-            except BadRequest as e:
-                return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status)
-        response = await call_next(request)
+        response = refused_key(request, api_key, protect_metrics) or await call_next(request)
         if instance_id is not None:
             response.headers["x-ringkv-instance"] = instance_id
         return response
@@ -253,7 +251,7 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
         """Load, and the prefix cache's changes since event ``after`` of ``epoch`` (or the whole
         index, ``full``, when those are gone or the epoch is another: the engine restarted)."""
         check_admin(request, admin, admin_key)
-        events, last, full = llm.blocks.events, 0, None
+        events, full = llm.blocks.events, None
         if events is None:
             raise BadRequest("this instance does not publish KV events", 409)
         last, new = events.since(after) if epoch == engine.epoch else (events.last, None)

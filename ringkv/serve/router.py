@@ -53,7 +53,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..cache.block_manager import STORED, block_hash
-from .app import ADMIN_HEADER, BadRequest, check_admin, check_api_key, completion_prompts, error_body, read_body
+from .app import ADMIN_HEADER, BadRequest, check_admin, completion_prompts, error_body, read_body, refused_key
 
 ROUTINGS = ("kv", "round-robin", "least-loaded")
 POLL_S = 0.5  # how often each instance is asked for its state
@@ -531,7 +531,7 @@ class Router:
                 return self.pick(ids, salt, exclude)
         return await self.when_up(choose)
 
-    async def tokenize(self, body: dict, prompt, chat: bool) -> List[int]:
+    async def tokenize(self, prompt, chat: bool) -> List[int]:
         payload = {"messages": prompt} if chat else {"prompt": prompt}
         if not chat and isinstance(prompt, list):
             return list(prompt)  # token ids already
@@ -623,7 +623,7 @@ class Router:
 
         def family(name, kind, help, values):
             lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
-            lines.extend(f'{name}{{instance="{i.id}"}} {v(i)}' for i in self.instances for v in [values])
+            lines.extend(f'{name}{{instance="{i.id}"}} {values(i)}' for i in self.instances)
         family("ringkv_router_instance_up", "gauge", "1 if the instance is up.", lambda i: int(i.state == "up"))
         family("ringkv_router_requests_running", "gauge", "Requests the instance computes.",
                lambda i: i.load.get("running", 0))
@@ -676,13 +676,7 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
 
     @app.middleware("http")
     async def keyed(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1/") or (router.protect_metrics and path == "/metrics"):
-            try:
-                check_api_key(request, router.api_key)
-            except BadRequest as e:
-                return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status)
-        return await call_next(request)
+        return refused_key(request, router.api_key, router.protect_metrics) or await call_next(request)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_, e: BadRequest):
@@ -742,7 +736,7 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
         want_ids = body.get("return_token_ids") is True
-        ids = [await router.tokenize(body, p, chat) for p in prompts]
+        ids = [await router.tokenize(p, chat) for p in prompts]
         subs = []
         for i, (p, t) in enumerate(zip(prompts, ids)):
             b = dict(body, prompt_token_ids=t) if chat else dict(body, prompt=t)

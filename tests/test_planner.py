@@ -215,6 +215,10 @@ def test_gemm_table_prices_the_weights_of_a_step():
     r.host = {}
     r = planner.apply_calibration(r, {"gemm": {"1": {"8": 1e9, "16": 2e9}}})
     assert [r.weight_rate(x) for x in (4, 8, 12, 16, 64)] == [1e9, 1e9, 1.5e9, 2e9, 2e9]
+    # a measured point comes back bit for bit (b0 + (b1 - b0) * 1 need not equal b1: CI found it)
+    b0, b1 = 5331296899.170833, 3853426785.168609
+    exact = planner.apply_calibration(r, {"gemm": {"1": {"1": b0, "4": b1}}})
+    assert (exact.weight_rate(1), exact.weight_rate(4)) == (b0, b1)
     two = planner._threads(r, 2)
     assert two.threads == 2 and two.weight_rate(8) is None
     cfg = load_model("llama-120m")

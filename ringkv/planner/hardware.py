@@ -65,8 +65,9 @@ class Rates:
         if rows <= pts[0][0]:
             return pts[0][1]
         for (r0, b0), (r1, b1) in zip(pts, pts[1:]):
-            if rows <= r1:
-                return b0 + (b1 - b0) * (rows - r0) / (r1 - r0)
+            if rows <= r1:  # weighted so that a measured point comes back exactly
+                t = (rows - r0) / (r1 - r0)
+                return b0 * (1 - t) + b1 * t
         return pts[-1][1]
 
 

@@ -62,12 +62,13 @@ def grad_args(dout, q, k, v, out, lse):
 
 
 def grads_bshd(dq, dk, dv, k_shape):
-    """(B, H, S, D) grads -> dq (B, Sq, H, D) and dk/dv (B, Sk, Hkv, D) summed over each GQA group."""
-    b, sk, hkv, d = k_shape
+    """(B, H, S, D) grads -> dq (B, Sq, H, D) and dk/dv (B, Sk, Hkv, D) summed over each GQA group:
+    views of the op's (B, H, S, D) memory, no copy without GQA (callers add them in place)."""
+    hkv = k_shape[2]
     h = dq.shape[1]
-    dk = dk.transpose(1, 2).reshape(b, sk, hkv, h // hkv, d).sum(3)
-    dv = dv.transpose(1, 2).reshape(b, sk, hkv, h // hkv, d).sum(3)
-    return dq.transpose(1, 2), dk, dv
+    if h != hkv:  # (B, Hkv, H/Hkv, Sk, D) summed over the group: one pass
+        dk, dv = (g.unflatten(1, (hkv, h // hkv)).sum(2) for g in (dk, dv))
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _fused_backward(dout, q, k, v, out, lse, scale, causal, attn_mask=None):

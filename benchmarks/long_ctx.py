@@ -20,6 +20,12 @@ local copies for ring and all-gather, which compute the same blocks; the single-
 of the gathered heads for Ulysses; the ring of the head shards for USP), their ratio
 (``overlap``: 1.0 means communication is hidden) and the bytes each rank sent in one forward.
 ``--kv-heads 8,2,1`` repeats everything per KV head count: where each method wins as K/V shrink.
+
+``--peer torch`` runs PyTorch's own ring (``_templated_ring_attention``, see ``torch_ring_peer.py``)
+next to ringkv's ring on the same shards, in the same process group, interleaved round by round
+(alternating which goes first); the table shows ringkv's time over the peer's (``vs peer``, < 1:
+ringkv is faster) and, with ``--check``, the peer's error against the same reference. The load
+average is printed and recorded at the start and the end.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from ringkv.sp import LocalComm  # noqa: E402
 from ringkv.sp import ring as ring_mod  # noqa: E402
 
 from models import write_json  # noqa: E402  (benchmarks/, the script's folder)
+import torch_ring_peer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,6 +81,8 @@ def parse_args(argv=None):
                    help="the single worker: ringkv.attention (--backend), or the flash-attn package's raw "
                         "flash_attn_func")
     p.add_argument("--no-overlap", action="store_true", help="skip the run without communication")
+    p.add_argument("--peer", choices=["torch"], default=None,
+                   help="time PyTorch's own ring next to ringkv's (interleaved rounds; ring only)")
     p.add_argument("--virtual", type=int, default=0, metavar="N",
                    help="one process: run the ring schedule of N virtual ranks one after another")
     p.add_argument("--check", action="store_true", help="verify sampled output rows against a reference")
@@ -141,20 +150,27 @@ def inputs(args, env, seq, seed=0):
 
 
 def timed(fn, env, iters, warmup, label, quiet):
-    times = []
+    return timed_rounds([fn], env, iters, warmup, [label], quiet)[0]
+
+
+def timed_rounds(fns, env, iters, warmup, labels, quiet):
+    """Median seconds of each of ``fns``, run round by round (one call of each per round, the
+    order alternating between rounds) so that a change of load falls on all of them alike."""
+    times = [[] for _ in fns]
     for i in range(warmup + iters):
-        env.barrier()
-        env.sync()
-        t0 = time.perf_counter()
-        fn()
-        env.sync()
-        dt = env.max(time.perf_counter() - t0)
-        if i >= warmup:
-            times.append(dt)
-        if not quiet:
-            env.log(f"\r  {label}: iter {i + 1}/{warmup + iters} {'(warmup) ' if i < warmup else ''}{dt:8.3f}s",
-                    end="" if i + 1 < warmup + iters else "\n")
-    return statistics.median(times)
+        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
+        for j in order:
+            env.barrier()
+            env.sync()
+            t0 = time.perf_counter()
+            fns[j]()
+            env.sync()
+            dt = env.max(time.perf_counter() - t0)
+            if i >= warmup:
+                times[j].append(dt)
+            if not quiet:
+                env.log(f"  {labels[j]}: iter {i + 1}/{warmup + iters} {'(warmup) ' if i < warmup else ''}{dt:8.3f}s")
+    return [statistics.median(t) for t in times]
 
 
 def flops(pairs: int, args) -> float:
@@ -286,8 +302,20 @@ def bench_config(args, env, method, layout, causal):
         row["tflops_per_rank"] = flops(sum(pairs), args) / row["time_s"] / 1e12
     else:
         q, k, v = local_shards(args, env, layout, env.rank)
-        row["time_s"] = timed(run(attend(method, args, layout, causal), q, k, v, args), env, args.iters,
-                              args.warmup, label, args.quiet)
+        mine = run(attend(method, args, layout, causal), q, k, v, args)
+        why = args.peer and (f"--peer runs next to the ring only, not {method}" if method != "ring" else
+                             torch_ring_peer.unavailable(layout, causal, args.heads, args.kv_heads, env.device))
+        if args.peer and not why:
+            peer = torch_ring_peer.torch_ring(dist.group.WORLD, causal, layout, env.device)
+            row["time_s"], row["peer_time_s"] = timed_rounds(
+                [mine, run(peer, *peer_inputs(q, k, v, args), args)], env, args.iters, args.warmup,
+                [label, label + " peer " + args.peer], args.quiet)
+            row["vs_peer"] = row["time_s"] / row["peer_time_s"]
+        else:
+            row["time_s"] = timed(mine, env, args.iters, args.warmup, label, args.quiet)
+            if args.peer:
+                row["peer_unavailable"] = why
+                env.log(f"  peer {args.peer} not run: {why}")
         visible = args.seq * (args.seq + 1) // 2 if causal else args.seq ** 2
         row["pairs_per_rank"] = int(env.max(ring_mod.last_stats.pairs)) if method == "ring" else visible // env.world
         row["tflops_per_rank"] = flops(row["pairs_per_rank"], args) / row["time_s"] / 1e12
@@ -303,12 +331,22 @@ def bench_config(args, env, method, layout, causal):
     row["peak_mem_bytes"] = int(env.max(peak_memory_bytes(env.device)))
     if args.check and not args.virtual:
         row["check_max_err"] = check(args, env, method, layout, causal)
+        if "peer_time_s" in row:
+            row["peer_check_max_err"] = check(args, env, method, layout, causal, peer=True)
+            if args.backward:
+                row["peer_grad_max_diff"] = peer_grad_diff(args, env, layout, causal)
     return row
 
 
-def check(args, env, method, layout, causal, rows=64):
-    """Max |method - reference| over sampled query rows of this rank. The reference (chunked over
-    keys) needs all K/V: they are all-gathered here, for --check only."""
+def peer_inputs(q, k, v, args):
+    """The same shards in the peer's ``(B, H, S_local, D)``, contiguous (made before timing)."""
+    return tuple(t.detach().transpose(1, 2).contiguous().requires_grad_(args.backward) for t in (q, k, v))
+
+
+def check(args, env, method, layout, causal, rows=64, peer=False):
+    """Max |method - reference| over sampled query rows of this rank (``peer``: of the peer's
+    ring). The reference (chunked over keys) needs all K/V: they are all-gathered here, for
+    --check only."""
     q, k, v = local_shards(args, env, layout, env.rank)
     groups = {}
     if method == "usp":
@@ -318,12 +356,27 @@ def check(args, env, method, layout, causal, rows=64):
     pos = ringkv.positions(args.seq, layout, device=env.device, **where)
     pick = torch.randperm(pos.numel(), generator=torch.Generator().manual_seed(1))[:rows].to(env.device)
     with torch.no_grad():
-        out = attend(method, args, layout, causal)(q, k, v)
+        if peer:
+            ring = torch_ring_peer.torch_ring(dist.group.WORLD, causal, layout, env.device)
+            out = ring(*(t.transpose(1, 2).contiguous() for t in (q, k, v))).transpose(1, 2)
+        else:
+            out = attend(method, args, layout, causal)(q, k, v)
         k_all, v_all = (ringkv.unshard(t, 1, layout, **groups) for t in (k, v))  # (B, S, Hkv, D), global order
         ref, _ = ringkv.attention(q[:, pick].float(), k_all.float(), v_all.float(), causal=causal,
                                   q_positions=pos[pick], k_positions=range(args.seq), backend="reference")
     err = (out[:, pick].float() - ref).abs().max().item()
     return env.max(err)
+
+
+def peer_grad_diff(args, env, layout, causal) -> float:
+    """Max |dq, dk, dv of the peer's ring - ringkv's| on this rank's shards (ringkv's gradients are
+    the ones the test suite checks against the reference), for dout = 1."""
+    q, k, v = local_shards(args, env, layout, env.rank)
+    theirs = peer_inputs(q, k, v, args)
+    run(attend("ring", args, layout, causal), q, k, v, args)()
+    run(torch_ring_peer.torch_ring(dist.group.WORLD, causal, layout, env.device), *theirs, args)()
+    return env.max(max((a.grad.float() - b.grad.transpose(1, 2).float()).abs().max().item()
+                       for a, b in zip((q, k, v), theirs)))
 
 
 def fmt_bytes(n: float) -> str:
@@ -350,8 +403,9 @@ def main(argv=None) -> int:
             setattr(args, key, val)
     kv_list = [int(x) for x in str(args.kv_heads).split(",")]
     bad = [m for m in methods if m not in METHODS]
-    if bad or (args.virtual and methods != ["ring"]):
-        raise SystemExit(f"--method: choose from {METHODS} (--virtual runs the ring only), got {args.method}")
+    if bad or (args.virtual and methods != ["ring"]) or (args.peer and (args.virtual or not env.distributed)):
+        raise SystemExit(f"--method: choose from {METHODS} (--virtual runs the ring only), got {args.method}; "
+                         f"--peer needs torchrun and no --virtual")
     layouts = list(ringkv.LAYOUTS) if args.layout == "all" else args.layout.split(",")
     causals = ([True, False] if gpu else [True]) if args.causal is None else [args.causal]
     ringkv.sp.layout.check_seq_len(args.seq, "zigzag" if "zigzag" in layouts else layouts[0], env.world)
@@ -364,6 +418,8 @@ def main(argv=None) -> int:
     if not gpu:
         env.log("  (CPU defaults: 1 head of dim 64, zigzag, causal, 2 iterations, so 128K tokens finish in a few "
                 "minutes; --heads, --layout all, --no-causal, --iters change that)")
+    load_start = os.getloadavg()
+    env.log(f"  load average at the start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}")
     rows = []
     baselines = {}
     for kv in kv_list:
@@ -383,7 +439,8 @@ def main(argv=None) -> int:
                     rows.append(row)
     env.log("")
     header = f"{'method':9s} {'kv':>3s} {'layout':10s} {'mask':6s} {'time/it':>9s} {'TFLOP/s/rank':>12s} " \
-             f"{'efficiency':>10s} {'no-comm':>9s} {'overlap':>8s} {'sent/fwd':>10s} {'peak mem':>10s} {'check':>8s}"
+             f"{'efficiency':>10s} {'no-comm':>9s} {'overlap':>8s} {'sent/fwd':>10s} {'peak mem':>10s} {'check':>8s}" \
+             f"{'  peer':9s} {'vs peer':>8s} {'peer chk':>8s}" * bool(args.peer)
     env.log(header)
     env.log("-" * len(header))
     for r in rows:
@@ -393,13 +450,20 @@ def main(argv=None) -> int:
                 f"{r.get('time_nocomm_s', float('nan')):8.3f}s {r.get('overlap_ratio', float('nan')):8.3f} "
                 f"{fmt_bytes(r.get('bytes_sent', r['bytes_per_step'] * (env.world - 1))):>10s} "
                 f"{fmt_bytes(r['peak_mem_bytes']):>10s} "
-                f"{r['check_max_err'] if 'check_max_err' in r else float('nan'):8.1e}")
+                f"{r['check_max_err'] if 'check_max_err' in r else float('nan'):8.1e}"
+                + (f" {r.get('peer_time_s', float('nan')):7.3f}s {r.get('vs_peer', float('nan')):8.3f} "
+                   f"{r.get('peer_check_max_err', float('nan')):8.1e}" if args.peer else ""))
     for (kv, causal), (t1, how) in baselines.items():
         env.log(f"baseline (kv_heads {kv}, {'causal' if causal else 'full'}): single worker, whole sequence: "
                 f"{t1:.3f}s ({how}); "
                 f"efficiency = T_single / ({'N x ' if gpu and not args.virtual else ''}T_ring"
                 f"{', all virtual ranks in turn' if args.virtual else ''})")
-    failed = [r for r in rows if r.get("check_max_err", 0) > (2e-3 if args.dtype == "fp32" else 5e-2)]
+    load_end = os.getloadavg()
+    env.log(f"load average at the end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}"
+            + (f"; vs peer = ringkv time / {args.peer}'s ring time (median of interleaved rounds)" if args.peer else ""))
+    tol = 2e-3 if args.dtype == "fp32" else 5e-2
+    failed = [r for r in rows if max(r.get(e, 0) for e in ("check_max_err", "peer_check_max_err",
+                                                            "peer_grad_max_diff")) > tol]
     if args.check:
         env.log("check: " + ("FAILED " + str([(r["method"], r["layout"], r["causal"]) for r in failed]) if failed
                              else "passed"))
@@ -407,7 +471,8 @@ def main(argv=None) -> int:
         torch=torch.__version__, ringkv=ringkv.__version__, python=platform.python_version(),
         device=torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine(),
         world_size=env.world, virtual=bool(args.virtual), threads_per_rank=env.threads, cores=env.cores,
-        backend=args.backend, comm="nccl" if gpu and env.distributed else "gloo" if env.distributed else "none"))
+        backend=args.backend, comm="nccl" if gpu and env.distributed else "gloo" if env.distributed else "none",
+        load_start=load_start, load_end=load_end))
     if env.rank == 0 and args.json:
         write_json(args.json, result)
     if env.rank == 0 and args.plot:

@@ -35,6 +35,25 @@ def test_long_ctx_under_torchrun(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
+def test_torch_ring_as_peer(tmp_path):
+    """--peer torch: PyTorch's own ring on the same shards, interleaved with ringkv's, its output
+    checked against the reference and its gradients against ringkv's; where torch has no
+    counterpart (striped causal) the row says why instead."""
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "benchmarks", "long_ctx.py"), "--seq", "512", "--heads", "2", "--kv-heads", "2",
+           "--head-dim", "16", "--iters", "2", "--layout", "zigzag,striped", "--backward", "--check", "--quiet",
+           "--no-baseline", "--no-overlap", "--peer", "torch", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "check: passed" in proc.stdout and "vs peer" in proc.stdout
+    zigzag, striped = json.loads(out.read_text())["rows"]
+    assert zigzag["peer_time_s"] > 0 and zigzag["vs_peer"] == zigzag["time_s"] / zigzag["peer_time_s"]
+    assert zigzag["peer_check_max_err"] < 1e-4 and zigzag["peer_grad_max_diff"] < 1e-4
+    assert "peer_time_s" not in striped and "striped" in striped["peer_unavailable"]
+
+
 def test_virtual_ranks_single_process(tmp_path):
     out = tmp_path / "v.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "long_ctx.py"), "--virtual", "4", "--seq", "256",

@@ -171,20 +171,11 @@ class Shards:
 
 
 def _heads_first(device: torch.device) -> bool:
-    """Whether the ring keeps its tensors in ``(.., H, S, D)`` memory: on CPU, where torch's flash
-    op runs 6-8% faster on it than on ``(.., S, H, D)`` rows strided by ``H * D`` (measured at
-    S=8192, H=8, D=64, ``docs/performance.md``). The kernels still see ``(.., S, H, D)`` views."""
+    """Whether K and V travel in ``(2, B, Hkv, S, D)`` memory: on CPU, where torch's flash op runs
+    4-8% faster (forward and backward) with K/V heads-first than with rows strided by ``Hkv * D``;
+    the layout of q, out, dout and the gradients makes no difference there (measured,
+    ``docs/performance.md``). The kernels see ``(B, S, Hkv, D)`` views either way."""
     return device.type == "cpu"
-
-
-def _bshd(t: torch.Tensor, hf: bool) -> torch.Tensor:
-    # (.., H, S, D) memory -> the kernels' (.., S, H, D) view
-    return t.transpose(-3, -2) if hf else t
-
-
-def _hf_copy(x: torch.Tensor, hf: bool) -> torch.Tensor:
-    # (B, S, H, D) -> the same values in (B, H, S, D) memory, viewed as (B, S, H, D)
-    return x.transpose(1, 2).contiguous().transpose(1, 2) if hf else x
 
 
 def _stack(k, v, hf: bool) -> torch.Tensor:
@@ -192,17 +183,9 @@ def _stack(k, v, hf: bool) -> torch.Tensor:
     return torch.stack([k.transpose(1, 2), v.transpose(1, 2)] if hf else [k, v])
 
 
-def _empty(b, s, h, d, device, hf: bool):
-    """``empty_partial``: out ``(B, S, H, D)`` (in ``(B, H, S, D)`` memory when ``hf``), lse ``(B, H, S)``."""
-    if not hf:
-        return empty_partial(b, s, h, d, device)
-    return torch.zeros(b, h, s, d, dtype=torch.float32, device=device).transpose(1, 2), \
-        torch.full((b, h, s), float("-inf"), device=device)
-
-
-def _result(x: torch.Tensor, dtype) -> torch.Tensor:
-    # what the ring returns: contiguous (.., S, H, D) in dtype, one copy at most
-    return x.to(dtype, memory_format=torch.contiguous_format)
+def _kv(buf: torch.Tensor, hf: bool) -> torch.Tensor:
+    # the message as the kernels' (2, B, S, Hkv, D)
+    return buf.transpose(2, 3) if hf else buf
 
 
 @functools.lru_cache(maxsize=64)
@@ -221,7 +204,6 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
     last = _last_step(shards, causal, window)
     out = lse = None  # the float32 accumulator: the first partial over all rows, else empty_partial
     hf = _heads_first(q.device)
-    q = _hf_copy(q, hf)
     bufs = [_stack(k, v, hf), None]  # K and V travel as one message
     bufs[1] = torch.empty_like(bufs[0])
     stats = RingStats(steps=last + 1)
@@ -230,7 +212,7 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
             comm.send_recv([bufs[step % 2]], [bufs[(step + 1) % 2]])
             stats.hops += 1
             stats.bytes_sent += bufs[0].numel() * bufs[0].element_size()
-        cur = _bshd(bufs[step % 2], hf)  # (2, B, S, Hkv, D)
+        cur = _kv(bufs[step % 2], hf)  # (2, B, S, Hkv, D)
         src = (r - step) % n
         calls = shards.plan(r, src, causal, window)
         work = 0
@@ -241,7 +223,7 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
                 out = o.float()
             else:
                 if out is None:
-                    out, lse = _empty(b, s, h, v.shape[-1], q.device, hf)
+                    out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
                 kernels.block_forward_into(out[:, qs], lse[:, :, qs], *args, scale=scale, mask=mask, backend=backend)
             work += mask.pairs(qs.stop - qs.start, ks.stop - ks.start)
         stats.calls += len(calls)
@@ -254,7 +236,7 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
         out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
     global last_stats
     last_stats = stats
-    return _result(out, q.dtype), lse
+    return out.to(q.dtype), lse
 
 
 def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shards, comm: RingComm, backend,
@@ -268,12 +250,11 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shar
     last = _last_step(shards, causal, window)
     stats = RingStats(steps=last + 1)
     wire = grad_comm_dtype or torch.float32
-    hf = _heads_first(q.device)  # every buffer below in (.., H, S, D) memory when hf, seen through _bshd
-    dout, q, out = (_hf_copy(t, hf) for t in (dout, q, out))
-    dq = _empty(*q.shape, q.device, hf)[0]  # zeros, float32
+    hf = _heads_first(q.device)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = [_stack(k, v, hf), None]
     kv[1] = torch.empty_like(kv[0])
-    mine = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)  # own dK/dV
+    mine = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # (2, B, S, Hkv, D): own dK/dV
     # the travelling dK/dV, double-buffered: receive into one while the other is sent
     dkv = [torch.empty(mine.shape, dtype=wire, device=q.device) for _ in range(2)] if last else []
     # this step's share of the block held (float32); with a float32 wire step 1 computes into its send buffer
@@ -283,16 +264,15 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shar
             kv_comm.send_recv([kv[step % 2]], [kv[(step + 1) % 2]])
             stats.hops += 1
             stats.bytes_sent += kv[0].numel() * kv[0].element_size()
-        cur = _bshd(kv[step % 2], hf)  # (2, B, S, Hkv, D)
+        cur = _kv(kv[step % 2], hf)  # (2, B, S, Hkv, D)
         src = (r - step) % n
         acc = mine if step == 0 else dkv[1] if step == 1 and wire == torch.float32 else blk
         if step > 0:
             acc.zero_()  # a sum of the calls' shares (mine is zeros already)
-        dkv_acc = _bshd(acc, hf)
         calls = shards.plan(r, src, causal, window)
         for qs, ks, mask in calls:
             kernels.block_backward_into(
-                dq[:, qs], dkv_acc[0][:, ks], dkv_acc[1][:, ks], dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks],
+                dq[:, qs], acc[0][:, ks], acc[1][:, ks], dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks],
                 out[:, qs], lse[:, :, qs], scale=scale, mask=mask, dlse=None if dlse is None else dlse[:, :, qs],
                 backend=backend)
         stats.calls += len(calls)
@@ -317,8 +297,7 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shar
         mine += dkv[(last + 1) % 2]
     global last_backward_stats
     last_backward_stats = stats
-    mine = _bshd(mine, hf)
-    return _result(dq, q.dtype), _result(mine[0], k.dtype), _result(mine[1], v.dtype)
+    return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

@@ -478,6 +478,7 @@ def main(argv=None) -> int:
     if env.rank == 0 and args.plot:
         plot(rows, args.plot, result["environment"])
     if env.distributed:
+        dist.barrier()  # rank 0 may still be writing: a peer tearing gloo down under it aborts it
         dist.destroy_process_group()
     return 1 if failed else 0
 

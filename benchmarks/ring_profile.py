@@ -7,11 +7,11 @@ prints, per ring step and in total, the seconds per call of this rank split into
 
 - ``kernel``: the fused attention op (forward, or backward) on each tile;
 - ``merge``: the LSE merges of partials into the float32 accumulator;
-- ``copies``: layout copies and buffer setup (K/V stacked into one message, head-major copies,
-  the contiguous result, accumulators);
+- ``copies``: K and V stacked into one message (heads-first on CPU), empty accumulators;
 - ``post``/``wait``: posting the hop's isend/irecv and waiting for it (a wait longer than zero
   is communication the computation did not hide);
-- ``other``: the rest (Python, slicing, in-place gradient accumulation).
+- ``other``: the rest (Python, slicing, buffer allocation, in-place gradient accumulation,
+  casts of the result).
 
 The timers wrap module functions (``ringkv.kernels.sdpa``, ``ringkv.sp.ring``, ``RingComm``) from
 the outside: nothing in the library changes. The steps are rank 0's, the totals every rank's; ``--json`` has every rank's steps.
@@ -59,8 +59,9 @@ class Clock:
             try:
                 return fn(*a, **kw)
             finally:
-                # a hop is posted before its step's plan: count the post with that step
-                self.table[self.step + (category == "post"), category] += time.perf_counter() - t
+                # a K/V hop (tag 0) is posted before its step's plan: count it with that step
+                ahead = category == "post" and a[0].tag == 0
+                self.table[self.step + ahead, category] += time.perf_counter() - t
                 self.depth -= 1
         setattr(owner, name, timed)
 
@@ -69,7 +70,7 @@ class Clock:
             self.wrap(owner, name, "kernel")
         self.wrap(sdpa, "merge_", "merge")
         self.wrap(merge_mod, "merge_", "merge")
-        for name in ("_stack", "_hf_copy", "_result", "_empty"):
+        for name in ("_stack", "empty_partial"):
             self.wrap(ring, name, "copies")
         self.wrap(comm_mod.RingComm, "send_recv", "post")
         self.wrap(comm_mod.RingComm, "wait", "wait")
@@ -146,6 +147,7 @@ def main(argv=None) -> int:
         if args.json:
             write_json(args.json, dict(args=vars(args), ranks=every))
     if dist.is_initialized():
+        dist.barrier()  # without it a rank tearing gloo down under rank 0's printing aborted both (seen)
         dist.destroy_process_group()
     return 0
 

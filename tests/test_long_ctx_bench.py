@@ -54,6 +54,21 @@ def test_torch_ring_as_peer(tmp_path):
     assert "peer_time_s" not in striped and "striped" in striped["peer_unavailable"]
 
 
+@pytest.mark.slow
+def test_ring_profile_under_torchrun(tmp_path):
+    """benchmarks/ring_profile.py: per-step parts of a ring backward on 2 ranks; the parts it
+    times add up to no more than the call."""
+    out = tmp_path / "prof.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "benchmarks", "ring_profile.py"), "--seq", "512", "--heads", "2", "--head-dim", "16",
+           "--iters", "1", "--backward", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in json.loads(out.read_text())["ranks"]:
+        assert [r["step"] for r in rank["rows"]][-2:] == [0, 1]  # 2 ranks: 2 ring steps
+        assert all(r["kernel"] > 0 for r in rank["rows"] if r["step"] >= 0) and rank["other_s"] >= 0
+
+
 def test_virtual_ranks_single_process(tmp_path):
     out = tmp_path / "v.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "long_ctx.py"), "--virtual", "4", "--seq", "256",

@@ -32,6 +32,8 @@ def _engine_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's), fp8 (= fp8_e4m3), fp8_e5m2 or int8")
     g.add_argument("--sp-prefill-min-tokens", type=int, default=None,
                    help="tokens a sequence computes in a step before the ring splits them over the SP ranks")
+    g.add_argument("--compile-decode", action="store_true",
+                   help="run decode steps' dense parts through torch.compile (compiled at start-up; tp=1 only)")
 
 
 def _front_options(g: argparse.ArgumentParser) -> None:
@@ -146,7 +148,7 @@ def _build(args):
     return LLM(args.model, dtype=args.dtype, kv_cache_memory=mem, tp=args.tp, pp=args.pp, sp=args.sp,
                pp_layers=args.pp_layers, block_size=args.block_size, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               kv_cache_dtype=args.kv_cache_dtype, **extra)
+               kv_cache_dtype=args.kv_cache_dtype, compile_decode=args.compile_decode, **extra)
 
 
 def _router(args, replicas=None) -> int:

@@ -28,6 +28,7 @@ import torch
 from ..cache.block_manager import BlockManager, block_hash
 from ..kernels import quant
 from ..model.loader import open_model
+from ..parallel.compiled import decode_buckets
 from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster, deferred_interrupt
 from ..parallel.tp import check_tp
 from ..parallel.worker import EngineShape
@@ -55,7 +56,9 @@ class EngineConfig:
     pipeline- and sequence-parallel ranks (``tp * pp * sp`` processes); ``kv_cache_memory`` is
     bytes *per rank*, ``gpu_memory_utilization`` (CUDA) sizes the cache from the device
     instead, ``num_blocks`` sets it (give at most one of the three); the block count is the
-    minimum over ranks. ``timeout``: seconds a rank waits for its peers before it fails."""
+    minimum over ranks. ``timeout``: seconds a rank waits for its peers before it fails.
+    ``compile_decode``: decode steps run through ``torch.compile`` (compiled when the engine
+    starts; tp=1; ``parallel/compiled.py``, docs/engine.md)."""
     tp: int = 1
     pp: int = 1
     sp: int = 1
@@ -76,6 +79,7 @@ class EngineConfig:
     paged_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     timeout: Optional[float] = None
+    compile_decode: bool = False  # decode steps' dense parts through torch.compile (parallel/compiled.py)
 
 
 class LLM:
@@ -113,8 +117,16 @@ class LLM:
         # -- everything that can be wrong with the configuration, before any weight or cache
         check_tp(cfg, tp)
         quant.resolve(c.kv_cache_dtype)  # an unsupported kv_cache_dtype names the supported ones
+        if not isinstance(c.compile_decode, bool):
+            raise ValueError(f"compile_decode must be True or False, got {c.compile_decode!r}")
+        if c.compile_decode:
+            _positive_int("max_num_seqs", c.max_num_seqs)
+        if c.compile_decode and tp > 1:
+            raise ValueError(f"compile_decode does not support tp={tp} (the tensor-parallel all-reduces sit inside "
+                             f"the layers' dense parts it compiles); use tp=1 (any pp and sp) or compile_decode=False")
         shape = EngineShape(pp, sp, tp, tuple(c.pp_layers) if c.pp_layers is not None else None, block_size,
-                            c.sp_prefill_min_tokens, c.paged_backend, c.kv_cache_dtype)
+                            c.sp_prefill_min_tokens, c.paged_backend, c.kv_cache_dtype,
+                            decode_buckets(c.max_num_seqs) if c.compile_decode else None)
         self.stage_layers = shape.stage_sizes(cfg)  # also validates pp and pp_layers
         Cluster.mode_for(tp * pp * sp)  # a torch.distributed world of the wrong size
         budget = CacheBudget(num_blocks, kv_cache_memory, gpu_memory_utilization, c.max_num_batched_tokens)

@@ -23,6 +23,7 @@ from ..model.loader import check_checkpoint, materialize
 from ..sp.collectives import all_sum
 from ..sp.comm import RingComm
 from . import faults
+from .compiled import CompiledDecode
 from .context import LocalStep, StepContext
 from .mesh import Mesh
 from .plan import Mirror, StepPlan
@@ -43,6 +44,7 @@ class EngineShape:
     sp_prefill_min_tokens: int = 64
     paged_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    compile_buckets: Optional[tuple] = None  # compile_decode: decode batch sizes (CUDA graphs; CPU: the largest)
 
     @property
     def quant(self):
@@ -88,6 +90,8 @@ class WorkerStats:
     wait_s: float = 0.0  # waiting for hidden states from the previous stage
     control_bytes: int = 0  # step deltas broadcast (driver) or received (others)
     control_s: float = 0.0  # encoding / decoding and applying them (not the wait for them)
+    compile_s: float = 0.0  # compile_decode: compiling (CUDA: and recording) at start-up
+    compiled_steps: int = 0  # compile_decode: steps that ran compiled
 
 
 class Worker:
@@ -113,6 +117,10 @@ class Worker:
         self.ring = RingComm(mesh.sp_group, timeout) if mesh.sp > 1 else None
         self.link = StageLink(timeout, depth=shape.pp)
         self.stats = WorkerStats()
+        self.compiled: Optional[CompiledDecode] = None
+        if shape.compile_buckets:  # compile_decode: compiled now, not in the first steps that need it
+            self.compiled = CompiledDecode(self.model, shape.compile_buckets, self.device, first_stage=mesh.first_stage)
+            self.stats.compile_s = self.compiled.warm_up(dtype, cfg.hidden_size)
         self.mirror = Mirror(mesh.rank)  # not the driver: the running sequences, kept by the driver's step deltas
         faults.install(self)  # tests only: RINGKV_FAULT
 
@@ -158,6 +166,7 @@ class Worker:
         return dict(self.info(), steps=st.steps, busy_s=st.busy_s, wait_s=st.wait_s,
                     control_bytes=st.control_bytes / steps, control_s=st.control_s / steps,
                     control_bytes_total=st.control_bytes, control_s_total=st.control_s,
+                    compile_s=st.compile_s, compiled_steps=st.compiled_steps,
                     peak_rss_bytes=peak_rss(), rss_bytes=rss(), pending_sends=len(self.link.pending))
 
     def run(self, words: torch.Tensor, nbytes: int) -> None:
@@ -184,17 +193,28 @@ class Worker:
             x = self.link.recv((step.input_ids.numel(), self.cfg.hidden_size), self.dtype, self.device, m.neighbour(-1))
             self.stats.wait_s += time.perf_counter() - w
             t0 += time.perf_counter() - w
-        x = stage_forward(self.model, x, step.positions, ctx)  # (T, hidden)
+        bucket = self._decode_bucket(plan, step)
+        if bucket is not None:  # compile_decode: a decode step within the buckets
+            x = self.compiled.forward(x, step.positions, ctx, bucket)
+            self.stats.compiled_steps += 1
+        else:
+            x = stage_forward(self.model, x, step.positions, ctx)  # (T, hidden)
         result = None
         if not m.last_stage:
             self.link.send(x, m.neighbour(1))
         elif plan.num_completing or plan.num_targets:
-            result = self._sample_input(x, step, plan)
+            result = self._sample_input(x, step, plan, compiled=bucket is not None)
         self.stats.steps += 1
         self.stats.busy_s += time.perf_counter() - t0
         return result
 
-    def _sample_input(self, x, step: LocalStep, plan: StepPlan) -> Optional[StepResult]:
+    def _decode_bucket(self, plan: StepPlan, step: LocalStep) -> Optional[int]:
+        """compile_decode: the bucket of a step whose every sequence computes one token, else None."""
+        if self.compiled is None or not plan.seqs or step.rings or any(s.n != 1 for s in plan.seqs):
+            return None
+        return self.compiled.bucket(step.positions.numel())
+
+    def _sample_input(self, x, step: LocalStep, plan: StepPlan, compiled: bool = False) -> Optional[StepResult]:
         m = self.mesh
         rows = torch.tensor(step.last_rows + step.target_rows, device=x.device)
         picked = x.index_select(0, rows.clamp_min(0)) * (rows >= 0)[:, None].to(x.dtype)  # (M + R, hidden)
@@ -202,7 +222,8 @@ class Worker:
             picked = all_sum(picked, m.sp_group, self.timeout, "last hidden states")
         if m.sp_rank != 0:
             return None
-        logits = gather_vocab(self.model.logits(picked), self.cfg, m.tp, m.tp_group, self.timeout)  # fp32
+        head = self.compiled.logits if compiled else self.model.logits
+        logits = gather_vocab(head(picked), self.cfg, m.tp, m.tp_group, self.timeout)  # fp32
         if m.tp_rank != 0:
             return None
         k = len(step.last_rows)

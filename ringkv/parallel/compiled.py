@@ -1,0 +1,215 @@
+"""Opt-in compiled decode (``EngineConfig(compile_decode=True)``): a decode step's dense parts
+through ``torch.compile``, attention eager.
+
+A step in which every scheduled sequence computes one token (a decode step: no prefill chunk)
+and whose row count ``T`` is in range (below) runs this rank's stage (``stage_forward``:
+embedding, layers, final norm, as the stage holds them) as ONE compiled graph. The model's
+one attention call site, ``ctx.attend``, is traced as the opaque custom op
+``ringkv::decode_attend``, which runs the step's real ``StepContext.attend`` eagerly: the
+paged KV-cache write, the paged attention and, under ``sp > 1``, the merge across the SP
+group. Its shapes change with every step's context lengths and it calls collectives, so it is
+never traced; the compiler only knows its output has ``q``'s shape. Every other step (prefill,
+chunked prefill, a step mixing prefill and decode, a ``T`` out of range) runs ``stage_forward``
+eagerly, as without the option. The model file is unchanged.
+
+**CPU** (tested): one graph with a dynamic row count, compiled with inductor's ``freezing``:
+the weights become constants, so the fp32 linears run through oneDNN with weights packed once
+(the speedup: unpacked, the compiled graph measured no faster than eager, its GEMMs being
+the same MKL calls), and the elementwise ops are fused; the LM head of those steps is a
+second frozen graph. Both compile once, when the worker starts (``warm_up``; ``compile_s`` in
+``Worker.report()``): about 30 s for SmolLM2-135M on the 2-core development VM. Measured
+there (docs/engine.md, one thread): decode steps of 4 to 64 rows 1.1-1.5x faster, of 1 to 3 rows
+0.84-0.97x (MKL's small-``M`` GEMM beats the packed oneDNN one), so steps of fewer than
+``CPU_MIN_ROWS = 4`` rows stay eager. Why no buckets on CPU: a frozen graph per static
+bucket gets MKL's packing instead, which holds its own copy of every weight per bucket (4x
+the weights' bytes each) and costs another half minute of compiling per bucket; the one
+dynamic graph compiles once. Its packed weights are a second copy of the stage's weights
+(the eager prefill path keeps the originals).
+
+**CUDA**: static buckets (``decode_buckets``: 1, 2, 4, ..., ``max_num_seqs``; ``T`` padded up
+to the next) with ``mode="reduce-overhead"``: CUDA graphs over the dense pieces, the attention
+op (tagged ``cudagraph_unsafe``) kept out of them by inductor's graph partitioning, so it runs
+eagerly between the replays. UNTESTED on a GPU: written to the documented contract
+(``torch.compiler.cudagraph_mark_step_begin()`` before each step, the output cloned before it
+leaves the step, every bucket warmed up and recorded at start), never run.
+
+**Padding rows** (CUDA buckets) are zeros seen only by the dense parts: the attention op hands
+``ctx.attend`` the first ``T`` rows of q/k/v (a padding row never writes the KV cache) and pads
+its output back with zeros; every dense op is row-wise, so a padding row never changes a real
+row.
+
+Tensor parallelism is not supported (its all-reduces sit inside the dense parts, in
+``RowParallelLinear`` and the vocab-parallel embedding): ``LLM`` refuses ``compile_decode``
+with ``tp > 1``. ``pp`` and ``sp`` work: each rank compiles its own stage. Compiled code lives
+as long as the process (torch's compile cache keeps it, with the packed weights), also after
+``LLM.close()``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .pp import stage_forward
+
+CPU_MIN_ROWS = 4  # CPU: fewer rows run eagerly (measured slower compiled; docstring)
+_active = threading.local()  # the step the attention op answers for: .ctx (a StepContext), .rows (real T)
+
+
+# cudagraph_unsafe (torch >= 2.8) keeps the op out of CUDA graphs; older torch has no such tag
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("ringkv::decode_attend", mutates_args=(), tags=_TAGS)
+def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """The current step's ``ctx.attend(layer, q, k, v)`` over its real rows; padding rows of the
+    output are zeros. Opaque to the compiler (it writes the KV cache, reads it, may communicate)."""
+    ctx, t = _active.ctx, _active.rows
+    out = ctx.attend(layer, q[:t], k[:t], v[:t])  # a new tensor (T, H, D)
+    pad = q.shape[0] - t
+    return F.pad(out, (0, 0, 0, 0, 0, pad)) if pad else out
+
+
+@decode_attend.register_fake
+def _(q, k, v, layer):
+    return torch.empty_like(q)
+
+
+class _OpContext:
+    """The ``ctx`` the compiled stage is traced with: attention is the custom op."""
+
+    @staticmethod
+    def attend(layer: int, q, k, v):
+        return torch.ops.ringkv.decode_attend(q, k, v, layer)
+
+
+class _Zeros:
+    """Warm-up: attention that returns zeros and touches no cache."""
+
+    @staticmethod
+    def attend(layer: int, q, k, v):
+        return torch.zeros_like(q)
+
+
+_OP_CONTEXT = _OpContext()
+
+
+def _stage(model, x, positions):
+    return stage_forward(model, x, positions, _OP_CONTEXT)
+
+
+def _logits(model, hidden):
+    return model.logits(hidden)
+
+
+def decode_buckets(max_num_seqs: int) -> tuple:
+    """Decode batch sizes that get a CUDA graph: powers of two below ``max_num_seqs``, and
+    ``max_num_seqs`` itself (a decode step has at most one token per running sequence)."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return tuple(out + [max_num_seqs])
+
+
+class CompiledDecode:
+    """This rank's stage (``model``, as ``parallel.pp.apply_pp`` left it) with compiled decode
+    steps: ``bucket(T)`` says whether (and padded to how many rows) a decode step of ``T`` rows
+    runs compiled, ``forward`` has ``stage_forward``'s contract plus that row count, ``logits``
+    is ``model.logits`` for those steps."""
+
+    def __init__(self, model, buckets: Sequence[int], device, *, first_stage: bool):
+        self.model, self.first_stage = model, first_stage
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.buckets = tuple(sorted({int(b) for b in buckets}))
+        self.largest = self.buckets[-1]
+        if self.cuda:  # CUDA graphs need static shapes: one graph per bucket
+            self.min_rows = 1
+            self._fn = torch.compile(_stage, dynamic=False, fullgraph=True, mode="reduce-overhead")
+            self._head = None  # one GEMM: nothing for a CUDA graph to save
+        else:  # one frozen graph, any T >= CPU_MIN_ROWS (its dim 0 marked dynamic in warm_up)
+            self.min_rows = CPU_MIN_ROWS
+            self._fn = torch.compile(_stage, fullgraph=True)
+            self._head = torch.compile(_logits, fullgraph=True) if model.lm_head is not None else None
+        self.compile_s = 0.0
+        limit = len(self.buckets) + 8  # an entry per bucket (and per engine made in this process)
+        if torch._dynamo.config.recompile_limit < limit:
+            torch._dynamo.config.recompile_limit = limit
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any decode step can run compiled (CPU: ``max_num_seqs >= CPU_MIN_ROWS``)."""
+        return self.largest >= self.min_rows
+
+    def bucket(self, tokens: int) -> Optional[int]:
+        """The row count a decode step of ``tokens`` rows runs compiled with, None: eagerly."""
+        if not self.min_rows <= tokens <= self.largest:
+            return None
+        if not self.cuda:
+            return tokens
+        return self.buckets[bisect.bisect_left(self.buckets, tokens)]
+
+    def _run(self, fn, *args):
+        if self.cuda:
+            return fn(self.model, *args)
+        with torch._inductor.config.patch(freezing=True):  # read while tracing, not only by inductor
+            return fn(self.model, *args)
+
+    def _call(self, x, positions, ctx, rows: int):
+        _active.ctx, _active.rows = ctx, rows
+        try:
+            return self._run(self._fn, x, positions)
+        finally:
+            _active.ctx = None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``model.logits`` (``(N, hidden)`` -> fp32 ``(N, vocab)``) of a compiled decode step."""
+        n = hidden.shape[0]
+        if self._head is None or n < 2:  # (size 1 would be specialized into another graph)
+            return self.model.logits(hidden)
+        return self._run(self._head, hidden)
+
+    @torch.inference_mode()
+    def warm_up(self, dtype: torch.dtype, hidden: int) -> float:
+        """Compile (CUDA: also record) every graph on dummy inputs, attention answering zeros: no
+        cache is touched. Returns the seconds it took."""
+        t = time.perf_counter()
+        if self.enabled:
+            for b in (self.buckets if self.cuda else (self.min_rows,)):
+                for _ in range(3 if self.cuda else 1):  # cudagraph trees: warm-up runs, then the recording
+                    if self.cuda:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    positions = torch.arange(b, device=self.device)
+                    x = torch.zeros(b, dtype=torch.long, device=self.device) if self.first_stage else \
+                        torch.zeros(b, hidden, dtype=dtype, device=self.device)
+                    if not self.cuda:  # one graph for every row count (only that size is dynamic)
+                        torch._dynamo.mark_dynamic(x, 0)
+                        torch._dynamo.mark_dynamic(positions, 0)
+                    h = self._call(x, positions, _Zeros(), b)
+                    if self._head is not None:
+                        torch._dynamo.mark_dynamic(h, 0)
+                        self.logits(h)
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+        self.compile_s += time.perf_counter() - t
+        return time.perf_counter() - t
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx, bucket: int) -> torch.Tensor:
+        """Token ids ``(T,)`` (first stage) or hidden states ``(T, hidden)`` -> ``(T, hidden)``,
+        like ``stage_forward``, run as the compiled graph for ``bucket >= T`` rows."""
+        t = positions.numel()
+        pad = bucket - t
+        if pad:  # padding rows: token 0 / zero hidden states at position 0, never attended nor stored
+            x = F.pad(x, (0, pad) if x.dim() == 1 else (0, 0, 0, pad))
+            positions = F.pad(positions, (0, pad))
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self._call(x, positions, ctx, t)
+        out = out[:t] if pad else out
+        return out.clone() if self.cuda else out  # a CUDA graph's output is overwritten by its next replay

@@ -7,10 +7,18 @@ request (EOS ignored on both sides), measured in the same process one after the 
 
 - ringkv: ``LLM.generate`` (continuous batching, paged KV cache, chunked prefill);
 - HF batched: one ``generate`` call over all requests with left padding (the fair baseline);
-- HF one by one: a ``generate`` call per request (runs of <= ``--hf-single-max`` requests).
+- HF one by one: a ``generate`` call per request (runs of <= ``--hf-single-max`` requests);
+- ``--compile-decode``: a second ringkv engine with ``compile_decode=True`` (decode steps' dense
+  parts through ``torch.compile``), timed interleaved with the others; its compile time (at engine
+  start) is reported apart (``compile_s``) and is not in its tok/s;
+- ``--peer vllm``: vLLM's ``LLM.generate`` on the same token ids, in its own virtual environment
+  (``--peer-python``; its setup: benchmarks/vllm_peer.py), with as many cores as ringkv's torch
+  threads. When it cannot run, the table says why and the other rows stand.
 
     python benchmarks/engine.py --requests 16 64 --max-tokens 64 --json results/engine.json
     python benchmarks/engine.py --device cuda --dtype bf16 --requests 16 64 --json results/engine_gpu.json
+    python benchmarks/engine.py --requests 16 --peer vllm --json results/engine_vllm.json
+    python benchmarks/engine.py --requests 16 64 --max-tokens 64 --compile-decode --json results/engine_compile.json
     python benchmarks/engine.py --pp 2 --model llama-120m --requests 16 64 --json results/engine_pp2.json
 
 Parallel mode: both engines get the same ``--kv-cache-memory`` per rank and the same
@@ -37,6 +45,7 @@ import torch  # noqa: E402
 from models import load_average, write_json  # noqa: E402
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.model.smollm2 import smollm2_path  # noqa: E402
+from vllm_peer import run_in_venv  # noqa: E402
 
 TEXT = ("The history of the river valley begins with small farming villages that grew along its banks. "
         "Over centuries, traders arrived from the coast, bringing salt, cloth and new ideas about "
@@ -95,6 +104,27 @@ def agreement(a, b) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
+def prefix_agreement(a, b) -> float:
+    """Mean over requests of the fraction of ``a``'s tokens before the first difference from ``b``."""
+    def common(x, y):
+        return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    return sum(common(x, y) / max(1, len(x)) for x, y in zip(a, b)) / len(a)
+
+
+def peer_row(args, path, prompts, lengths, r_out, r_dt, dtype) -> dict:
+    """vLLM on the same prompts (``--peer-python``): its tok/s, ringkv's speedup over it and the
+    greedy agreement with ringkv, or ``vllm_error``: why it did not run."""
+    job = dict(model=path, prompts=prompts, max_tokens=lengths, dtype=dtype, repeats=args.repeats,
+               threads=torch.get_num_threads())
+    res = run_in_venv(args.peer_python, job, args.peer_timeout)
+    if "error" in res:
+        return dict(vllm_error=res["error"])
+    v_out, v_dt = res["tokens"], res["seconds"]
+    return dict(vllm_version=res["version"], vllm_s=v_dt, vllm_tok_s=sum(lengths) / v_dt,
+                speedup_vs_vllm=v_dt / r_dt, greedy_agreement_vs_vllm=agreement(r_out, v_out),
+                prefix_agreement_vs_vllm=prefix_agreement(r_out, v_out))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, nargs="+", default=[16, 64])
@@ -120,6 +150,12 @@ def main(argv=None):
     ap.add_argument("--model", default="smollm2", help="parallel mode: smollm2, a preset of benchmarks/models.py "
                                                        "(llama-120m: 12 heads, 4 KV heads) or a directory")
     ap.add_argument("--kv-cache-memory", type=float, default=0.25, help="parallel mode: GiB of KV cache per rank")
+    ap.add_argument("--compile-decode", action="store_true",
+                    help="single mode: also time a ringkv engine with compile_decode=True (row 'ringkv compiled')")
+    ap.add_argument("--peer", choices=["vllm"], default=None, help="single mode: also time this engine (its own venv)")
+    ap.add_argument("--peer-python", default=os.environ.get("RINGKV_VLLM_PYTHON", "/tmp/vllm-venv/bin/python"),
+                    help="the python of the venv with vLLM (default: $RINGKV_VLLM_PYTHON or /tmp/vllm-venv/bin/python)")
+    ap.add_argument("--peer-timeout", type=float, default=1800, help="seconds the peer may take per run")
     ap.add_argument("--one-engine", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one_engine:  # a job of main_parallel, in its own process
@@ -145,6 +181,14 @@ def main(argv=None):
     warm = make_prompts(tok, 2, 8, 16, seed=99)  # first-call overheads out of the timings
     bench_ringkv(llm, warm, [2, 2])
     bench_hf_batched(hf, tok, warm, [2, 2])
+    compiled, compile_info = None, {}
+    if args.compile_decode:  # compiled at construction (warm-up), so the timed runs hold no compiling
+        t = time.perf_counter()
+        compiled = LLM(path, block_size=16, num_blocks=need // 16 + 1, max_num_seqs=max(args.requests), dtype=dtype,
+                       device=args.device, compile_decode=True)
+        compile_info = dict(compiled_build_s=time.perf_counter() - t, compile_s=compiled.rank_stats()[0]["compile_s"])
+        bench_ringkv(compiled, warm, [2, 2])
+        print(json.dumps(compile_info), file=sys.stderr)
 
     rows = []
     runs = [(n, False) for n in args.requests] + ([(n, True) for n in args.requests] if args.mixed_output else [])
@@ -153,11 +197,17 @@ def main(argv=None):
         rng = random.Random(n + 1)
         lengths = [rng.randint(max(1, args.max_tokens // 4), args.max_tokens) if mixed else args.max_tokens
                    for _ in prompts]
-        r_dt = h_dt = float("inf")
+        r_dt = h_dt = c_dt = float("inf")
         for _ in range(args.repeats):
             llm.blocks.__init__(llm.blocks.num_blocks, llm.blocks.block_size)  # no prefix hits from earlier runs
             r_out, dt = bench_ringkv(llm, prompts, lengths)
             r_dt = min(r_dt, dt)
+            if compiled is not None:
+                compiled.blocks.__init__(compiled.blocks.num_blocks, compiled.blocks.block_size)
+                before = compiled.rank_stats()[0]
+                c_out, dt = bench_ringkv(compiled, prompts, lengths)
+                after = compiled.rank_stats()[0]
+                c_dt = min(c_dt, dt)
             h_out, dt = bench_hf_batched(hf, tok, prompts, lengths)
             h_dt = min(h_dt, dt)
         tokens = sum(lengths)
@@ -169,17 +219,35 @@ def main(argv=None):
             s_out, s_dt = bench_hf_single(hf, tok, prompts, lengths)
             row.update(hf_single_s=s_dt, hf_single_tok_s=tokens / s_dt, speedup_vs_hf_single=s_dt / r_dt,
                        greedy_agreement_vs_hf_single=agreement(r_out, s_out))
+        if compiled is not None:
+            row.update(compile_info, compiled_s=c_dt, compiled_tok_s=tokens / c_dt, compiled_vs_eager=r_dt / c_dt,
+                       compiled_vs_hf_batched=h_dt / c_dt, greedy_agreement_compiled_vs_eager=agreement(c_out, r_out),
+                       prefix_agreement_compiled_vs_eager=prefix_agreement(c_out, r_out),
+                       compiled_steps=after["compiled_steps"] - before["compiled_steps"],
+                       steps=after["steps"] - before["steps"], load=load_average())
+        if args.peer:
+            row.update(peer_row(args, path, prompts, lengths, r_out, r_dt, str(dtype).replace("torch.", "")))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
 
     cols = ["requests", "output_lengths", "prompt_tokens", "output_tokens", "ringkv_tok_s", "hf_batched_tok_s",
             "speedup_vs_hf_batched", "hf_single_tok_s", "speedup_vs_hf_single"]
+    if compiled is not None:
+        cols += ["compiled_tok_s", "compiled_vs_eager", "compiled_vs_hf_batched", "greedy_agreement_compiled_vs_eager"]
+    if args.peer:
+        cols += ["vllm_tok_s", "speedup_vs_vllm", "greedy_agreement_vs_vllm", "prefix_agreement_vs_vllm"]
     print(f"SmolLM2-135M-Instruct {args.dtype} on {args.device}, greedy, {args.max_tokens} output tokens/request, "
           f"prompts {args.min_prompt}-{args.max_prompt} tokens, torch threads={torch.get_num_threads()}")
-    print(" | ".join(f"{c:>22}" for c in cols))
+    widths = [max(22, len(c)) for c in cols]
+    print(" | ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     for r in rows:
-        print(" | ".join(f"{r.get(c, '-'):>22.2f}" if isinstance(r.get(c), float) else f"{r.get(c, '-'):>22}"
-                         for c in cols))
+        print(" | ".join(f"{r.get(c, '-'):>{w}.2f}" if isinstance(r.get(c), float) else f"{r.get(c, '-'):>{w}}"
+                         for c, w in zip(cols, widths)))
+    for error in dict.fromkeys(r["vllm_error"] for r in rows if "vllm_error" in r):
+        print(f"vllm: not run: {error}")
+    if compiled is not None:
+        print(f"ringkv compiled: compile (at engine start, not in tok/s) {compile_info['compile_s']:.1f} s, "
+              f"engine built in {compile_info['compiled_build_s']:.1f} s")
     if args.json:
         write_json(args.json, dict(model="SmolLM2-135M-Instruct", dtype=str(dtype).replace("torch.", ""),
                                    max_tokens=args.max_tokens, threads=torch.get_num_threads(), device=args.device,

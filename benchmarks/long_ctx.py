@@ -47,7 +47,7 @@ import ringkv  # noqa: E402
 from ringkv.sp import LocalComm  # noqa: E402
 from ringkv.sp import ring as ring_mod  # noqa: E402
 
-from models import write_json  # noqa: E402  (benchmarks/, the script's folder)
+from models import load_average, write_json  # noqa: E402  (benchmarks/, the script's folder)
 import torch_ring_peer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -358,7 +358,7 @@ def check(args, env, method, layout, causal, rows=64, peer=False):
     with torch.no_grad():
         if peer:
             ring = torch_ring_peer.torch_ring(dist.group.WORLD, causal, layout, env.device)
-            out = ring(*(t.transpose(1, 2).contiguous() for t in (q, k, v))).transpose(1, 2)
+            out = ring(*peer_inputs(q, k, v, args)).transpose(1, 2)
         else:
             out = attend(method, args, layout, causal)(q, k, v)
         k_all, v_all = (ringkv.unshard(t, 1, layout, **groups) for t in (k, v))  # (B, S, Hkv, D), global order
@@ -403,9 +403,10 @@ def main(argv=None) -> int:
             setattr(args, key, val)
     kv_list = [int(x) for x in str(args.kv_heads).split(",")]
     bad = [m for m in methods if m not in METHODS]
-    if bad or (args.virtual and methods != ["ring"]) or (args.peer and (args.virtual or not env.distributed)):
-        raise SystemExit(f"--method: choose from {METHODS} (--virtual runs the ring only), got {args.method}; "
-                         f"--peer needs torchrun and no --virtual")
+    if bad or (args.virtual and methods != ["ring"]):
+        raise SystemExit(f"--method: choose from {METHODS} (--virtual runs the ring only), got {args.method}")
+    if args.peer and (args.virtual or not env.distributed):
+        raise SystemExit("--peer needs torchrun and no --virtual")
     layouts = list(ringkv.LAYOUTS) if args.layout == "all" else args.layout.split(",")
     causals = ([True, False] if gpu else [True]) if args.causal is None else [args.causal]
     ringkv.sp.layout.check_seq_len(args.seq, "zigzag" if "zigzag" in layouts else layouts[0], env.world)
@@ -418,8 +419,8 @@ def main(argv=None) -> int:
     if not gpu:
         env.log("  (CPU defaults: 1 head of dim 64, zigzag, causal, 2 iterations, so 128K tokens finish in a few "
                 "minutes; --heads, --layout all, --no-causal, --iters change that)")
-    load_start = os.getloadavg()
-    env.log(f"  load average at the start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}")
+    load_start = load_average()
+    env.log(f"  load average at the start: {load_start}")
     rows = []
     baselines = {}
     for kv in kv_list:
@@ -458,8 +459,8 @@ def main(argv=None) -> int:
                 f"{t1:.3f}s ({how}); "
                 f"efficiency = T_single / ({'N x ' if gpu and not args.virtual else ''}T_ring"
                 f"{', all virtual ranks in turn' if args.virtual else ''})")
-    load_end = os.getloadavg()
-    env.log(f"load average at the end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}"
+    load_end = load_average()
+    env.log(f"load average at the end: {load_end}"
             + (f"; vs peer = ringkv time / {args.peer}'s ring time (median of interleaved rounds)" if args.peer else ""))
     tol = 2e-3 if args.dtype == "fp32" else 5e-2
     failed = [r for r in rows if max(r.get(e, 0) for e in ("check_max_err", "peer_check_max_err",

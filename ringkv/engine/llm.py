@@ -98,7 +98,7 @@ class LLM:
         tp, pp, sp, block_size = c.tp, c.pp, c.sp, c.block_size
         kv_cache_memory, num_blocks, gpu_memory_utilization = c.kv_cache_memory, c.num_blocks, c.gpu_memory_utilization
         max_model_len, dtype = c.max_model_len, c.dtype
-        for name in ("tp", "pp", "sp", "block_size", "sp_prefill_min_tokens"):
+        for name in ("tp", "pp", "sp", "block_size", "sp_prefill_min_tokens", "max_num_seqs"):
             _positive_int(name, getattr(c, name))
         if sum(x is not None for x in (kv_cache_memory, num_blocks, gpu_memory_utilization)) > 1:
             raise ValueError("give one of kv_cache_memory (bytes per rank), gpu_memory_utilization or num_blocks")
@@ -119,8 +119,6 @@ class LLM:
         quant.resolve(c.kv_cache_dtype)  # an unsupported kv_cache_dtype names the supported ones
         if not isinstance(c.compile_decode, bool):
             raise ValueError(f"compile_decode must be True or False, got {c.compile_decode!r}")
-        if c.compile_decode:
-            _positive_int("max_num_seqs", c.max_num_seqs)
         if c.compile_decode and tp > 1:
             raise ValueError(f"compile_decode does not support tp={tp} (the tensor-parallel all-reduces sit inside "
                              f"the layers' dense parts it compiles); use tp=1 (any pp and sp) or compile_decode=False")

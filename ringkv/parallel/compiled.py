@@ -137,7 +137,6 @@ class CompiledDecode:
             self.min_rows = CPU_MIN_ROWS
             self._fn = torch.compile(_stage, fullgraph=True)
             self._head = torch.compile(_logits, fullgraph=True) if model.lm_head is not None else None
-        self.compile_s = 0.0
         limit = len(self.buckets) + 8  # an entry per bucket (and per engine made in this process)
         if torch._dynamo.config.recompile_limit < limit:
             torch._dynamo.config.recompile_limit = limit
@@ -197,7 +196,6 @@ class CompiledDecode:
                         self.logits(h)
             if self.cuda:
                 torch.cuda.synchronize(self.device)
-        self.compile_s += time.perf_counter() - t
         return time.perf_counter() - t
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx, bucket: int) -> torch.Tensor:

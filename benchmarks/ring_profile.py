@@ -147,10 +147,16 @@ def main(argv=None) -> int:
         if args.json:
             write_json(args.json, dict(args=vars(args), ranks=every))
     if dist.is_initialized():
-        dist.barrier()  # without it a rank tearing gloo down under rank 0's printing aborted both (seen)
-        dist.destroy_process_group()
+        dist.barrier()  # every rank has printed and written what it had
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # No gloo teardown at exit: in about 1 run in 10 (2 ranks, with or without a barrier or
+    # destroy_process_group first, seen in CI) a rank aborted in it ("terminate called without an
+    # active exception") after all its output was written. The cause is not found yet; the
+    # results are complete by now, so the process ends here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -86,6 +86,11 @@ class LayerCache:
         quantized cache is dequantized to ``dtype`` (default float32)."""
         return read_slots(self.k, self.k_scale, slots, dtype), read_slots(self.v, self.v_scale, slots, dtype)
 
+    def read_blocks(self, blocks: torch.Tensor, dtype=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``(n, block_size, Hkv, D)`` of ``blocks (n,)``, dequantized like ``read``."""
+        return (read_blocks(self.k, self.k_scale, blocks, dtype or torch.float32),
+                read_blocks(self.v, self.v_scale, blocks, dtype or torch.float32))
+
 
 @dataclass(frozen=True)
 class PagedSeq:
@@ -224,10 +229,11 @@ def check_striping(sp: int, sp_rank: int) -> None:
 # ----------------------------------------------------------------------------- reference
 
 def read_blocks(cache: torch.Tensor, scale, blocks: torch.Tensor, dtype) -> torch.Tensor:
-    """``cache[blocks]`` ``(n, block_size, Hkv, D)``, dequantized when ``scale`` is given."""
+    """``cache[blocks]`` ``(n, block_size, Hkv, D)``, dequantized when ``scale`` is given
+    (index_select: faster on CPU than advanced indexing)."""
     if scale is None:
-        return cache[blocks]
-    return dequantize(as_bytes(cache)[blocks].view(cache.dtype), scale[blocks], dtype)
+        return cache.index_select(0, blocks)
+    return dequantize(as_bytes(cache).index_select(0, blocks).view(cache.dtype), scale.index_select(0, blocks), dtype)
 
 
 def read_slots(cache: torch.Tensor, scale, slots: torch.Tensor, dtype=None) -> torch.Tensor:

@@ -20,8 +20,8 @@ class PagedPlan:
     """What attention over the cache reads for one step, computed once (the engine reuses it
     for every layer).
 
-    ``slots (N, L)``: flat cache slots (``block * block_size + offset``) of each sequence's
-    first ``L`` tokens (padded to the longest); ``visible (N, Q, L)``: query ``i`` of sequence
+    ``blocks (N * nb,)``: the cache blocks holding each sequence's first ``L = nb * block_size``
+    tokens (padded to the longest); ``visible (N, Q, L)``: query ``i`` of sequence
     ``n`` sees key ``j``; ``bias (N, 1, Q, L)``: the same as an additive mask (0 / ``-inf``).
     By default query ``i`` sits at position ``seq_lens[n] - Q + i`` and sees the keys up to it
     (all ``seq_lens[n]`` keys when not ``causal``); ``limits (N, Q)`` instead gives the number
@@ -38,9 +38,8 @@ class PagedPlan:
                 lens.expand(n, num_queries)
         limits = limits.to(dev, torch.long).clamp_min(0)  # (N, Q)
         nb = max(1, -(-int(limits.max()) // block_size)) if limits.numel() else 1
-        table = block_table[:, :nb].to(torch.long).clamp_min(0)  # unused entries may be -1
-        offsets = torch.arange(block_size, device=dev)
-        self.slots = (table[:, :, None] * block_size + offsets).reshape(n, nb * block_size)  # (N, L)
+        self.n = n
+        self.blocks = block_table[:, :nb].to(torch.long).clamp_min(0).reshape(-1)  # unused entries may be -1
         key = torch.arange(nb * block_size, device=dev)
         self.visible = key[None, None, :] < limits[:, :, None]  # (N, Q, L)
         self.all_see_a_key = bool((limits > 0).all())
@@ -48,11 +47,12 @@ class PagedPlan:
             ~self.visible, float("-inf"))[:, None]  # (N, 1, Q, L)
 
     def gather(self, cache: LayerCache, dtype=None):
-        """Each sequence's K/V ``(N, L, Hkv, D)`` (index_select: ~6x faster than advanced indexing
-        on CPU), dequantized to ``dtype`` (default float32) when the cache is quantized."""
-        n = self.slots.shape[0]
-        k, v = cache.read(self.slots.reshape(-1), dtype)  # (N * L, Hkv, D)
-        return k.view(n, -1, *k.shape[1:]), v.view(n, -1, *v.shape[1:])
+        """Each sequence's K/V ``(N, L, Hkv, D)``, dequantized to ``dtype`` (default float32) when
+        the cache is quantized. Whole blocks are copied (index_select of ``block_size`` rows at
+        once: ~5x faster on CPU than one index per token, which is ~6x faster than advanced
+        indexing)."""
+        k, v = cache.read_blocks(self.blocks, dtype)  # (N * nb, block_size, Hkv, D)
+        return k.view(self.n, -1, *k.shape[2:]), v.view(self.n, -1, *v.shape[2:])
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
@@ -103,13 +103,30 @@ class PlannedGroup:
     plan: PagedPlan
 
 
+GROUP_MIN = 16  # sequences per gather at least, when a step's sequences are split by length
+
+
+def by_length(seqs: Sequence[PagedSeq], sp: int, sp_rank: int) -> List[List[PagedSeq]]:
+    """``seqs`` (same query count) sorted by their keys here, in chunks of ``GROUP_MIN`` or more:
+    each chunk's K/V are padded to its own longest, not the step's (64 decode rows of 20-320
+    keys: 3.9 -> 2.5 ms a layer on the 2-core VM; fewer than ``2 * GROUP_MIN`` stay one group)."""
+    if len(seqs) < 2 * GROUP_MIN:
+        return [list(seqs)]
+    ordered = sorted(seqs, key=lambda s: s.keys(sp, sp_rank))
+    k = len(ordered) // GROUP_MIN
+    return [ordered[i * len(ordered) // k:(i + 1) * len(ordered) // k] for i in range(k)]
+
+
 class TorchStep:
     """The ``"torch"`` backend's metadata for one step: one ``PagedPlan`` (gather indices and
-    mask) per group of sequences with the same query count, built once, used by every layer."""
+    mask) per group of sequences with the same query count and similar lengths, built once,
+    used by every layer."""
 
     def __init__(self, seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
         self.groups: List[PlannedGroup] = []
-        for n, members in by_query_count(seqs).items():
+        parts = [(n, members) for n, same_n in by_query_count(seqs).items()
+                 for members in by_length(same_n, sp, sp_rank)]
+        for n, members in parts:
             g = SeqGroup.build(n, members, sp, sp_rank, device)
             # keys this rank stores that each query sees: positions sp_rank, sp_rank + sp, ... <= its own
             p = torch.tensor([s.start for s in members], device=device)[:, None] + torch.arange(n, device=device)

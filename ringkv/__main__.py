@@ -33,7 +33,8 @@ def _engine_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--sp-prefill-min-tokens", type=int, default=None,
                    help="tokens a sequence computes in a step before the ring splits them over the SP ranks")
     g.add_argument("--compile-decode", action="store_true",
-                   help="run decode steps' dense parts through torch.compile (compiled at start-up; tp=1 only)")
+                   help="run decode steps' dense parts (on CPU, prefill steps' too) through torch.compile "
+                        "(compiled at start-up; tp=1 only)")
 
 
 def _front_options(g: argparse.ArgumentParser) -> None:

@@ -2,9 +2,9 @@
 per stage, attention an opaque op inside it. Greedy tokens equal the eager engine's on the real
 SmolLM2-135M-Instruct (up to a genuine near-tie: none seen) for prompts of mixed lengths and
 batches whose size changes between steps (requests finish at different steps), the engine
-switching between compiled steps (4 rows or more on CPU) and eager ones (prefill, 1-3 rows);
-a pipeline and a sequence-parallel mesh give transformers' tokens; unsupported settings fail
-at construction."""
+switching between the frozen decode graph (4 rows or more on CPU), the unfrozen graph (prefill,
+chunks mixed with decode rows) and eager steps (1-3 rows); a pipeline and a sequence-parallel
+mesh give transformers' tokens; unsupported settings fail at construction."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_greedy_equals_eager_as_requests_finish(engines):
     after = compiled.rank_stats()[0]
     steps, compiled_steps = after["steps"] - before["steps"], after["compiled_steps"] - before["compiled_steps"]
     assert CPU_MIN_ROWS == 4 and steps == max(lengths)  # one prefill step, 11 decode steps
-    assert compiled_steps == 7  # the decode steps of >= 4 rows; prefill and 1-3 rows: eager
+    assert compiled_steps == 1 + 7  # the prefill (the unfrozen graph), the decode steps of >= 4 rows; 1-3 rows: eager
     assert after["compile_s"] > 0
 
 
@@ -91,15 +91,38 @@ def test_full_batch_single_request_and_sampling(engines):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
+@needs_smollm2
+def test_chunked_prefill_and_mixed_steps(engines):
+    """A token budget of 24 chunks the prompts and mixes chunks with decode rows: those steps run
+    the unfrozen graph (CPU) and give eager's tokens."""
+    eager, compiled, prompts = engines
+    for llm in (eager, compiled):
+        llm.pipeline.scheduler.max_num_batched_tokens = 24
+    try:
+        before = compiled.rank_stats()[0]
+        want = eager.generate(prompts, greedy(7), use_tqdm=False)
+        got = compiled.generate(prompts, greedy(7), use_tqdm=False)
+        after = compiled.rank_stats()[0]
+    finally:
+        for llm in (eager, compiled):
+            llm.pipeline.scheduler.max_num_batched_tokens = 2048
+    check_same(want, got)
+    compiled_steps, steps = after["compiled_steps"] - before["compiled_steps"], after["steps"] - before["steps"]
+    assert steps > 7  # the prompts took several chunked steps
+    assert compiled_steps > 6  # more than the <= 6 decode-only steps: chunked and mixed steps too
+
+
 def test_buckets():
     assert decode_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
     assert decode_buckets(6) == (1, 2, 4, 6) and decode_buckets(1) == (1,)
     cpu = CompiledDecode.__new__(CompiledDecode)  # bucket() only: nothing compiled
     cpu.cuda, cpu.buckets, cpu.largest, cpu.min_rows = False, decode_buckets(8), 8, CPU_MIN_ROWS
     assert [cpu.bucket(t) for t in (1, 3, 4, 5, 8, 9)] == [None, None, 4, 5, 8, None]  # one dynamic graph
+    assert [cpu.other(t) for t in (1, 3, 4, 9, 2048)] == [False, False, True, True, True]  # the unfrozen graph
     gpu = CompiledDecode.__new__(CompiledDecode)
     gpu.cuda, gpu.buckets, gpu.largest, gpu.min_rows = True, decode_buckets(6), 6, 1
     assert [gpu.bucket(t) for t in (1, 2, 3, 5, 6, 7)] == [1, 2, 4, 6, 6, None]  # padded up to a bucket
+    assert not any(gpu.other(t) for t in (1, 7, 2048))  # CUDA: any other step eager
 
 
 def test_bad_settings_fail_at_construction():

@@ -57,8 +57,9 @@ class EngineConfig:
     bytes *per rank*, ``gpu_memory_utilization`` (CUDA) sizes the cache from the device
     instead, ``num_blocks`` sets it (give at most one of the three); the block count is the
     minimum over ranks. ``timeout``: seconds a rank waits for its peers before it fails.
-    ``compile_decode``: decode steps run through ``torch.compile`` (compiled when the engine
-    starts; tp=1; ``parallel/compiled.py``, docs/engine.md)."""
+    ``compile_decode``: decode steps (on CPU, every step of 4 rows or more but ring-mode
+    prefills) run through ``torch.compile`` (compiled when the engine starts; tp=1;
+    ``parallel/compiled.py``, docs/engine.md)."""
     tp: int = 1
     pp: int = 1
     sp: int = 1
@@ -79,7 +80,7 @@ class EngineConfig:
     paged_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     timeout: Optional[float] = None
-    compile_decode: bool = False  # decode steps' dense parts through torch.compile (parallel/compiled.py)
+    compile_decode: bool = False  # decode (CPU: also prefill) steps' dense parts through torch.compile
 
 
 class LLM:

@@ -1,5 +1,5 @@
-"""Opt-in compiled decode (``EngineConfig(compile_decode=True)``): a decode step's dense parts
-through ``torch.compile``, attention eager.
+"""Opt-in compiled steps (``EngineConfig(compile_decode=True)``): a step's dense parts through
+``torch.compile``, attention eager.
 
 A step in which every scheduled sequence computes one token (a decode step: no prefill chunk)
 and whose row count ``T`` is in range (below) runs this rank's stage (``stage_forward``:
@@ -8,23 +8,34 @@ one attention call site, ``ctx.attend``, is traced as the opaque custom op
 ``ringkv::decode_attend``, which runs the step's real ``StepContext.attend`` eagerly: the
 paged KV-cache write, the paged attention and, under ``sp > 1``, the merge across the SP
 group. Its shapes change with every step's context lengths and it calls collectives, so it is
-never traced; the compiler only knows its output has ``q``'s shape. Every other step (prefill,
-chunked prefill, a step mixing prefill and decode, a ``T`` out of range) runs ``stage_forward``
-eagerly, as without the option. The model file is unchanged.
+never traced; the compiler only knows its output has ``q``'s shape. On CUDA every other step
+(prefill, chunked prefill, a step mixing prefill and decode, a ``T`` out of range) runs
+``stage_forward`` eagerly, as without the option; on CPU those steps get a graph of their own
+(below). Ring-mode steps (``sp > 1`` prefill split over the SP group) always run eagerly. The
+model file is unchanged.
 
-**CPU** (tested): one graph with a dynamic row count, compiled with inductor's ``freezing``:
-the weights become constants, so the fp32 linears run through oneDNN with weights packed once
-(the speedup: unpacked, the compiled graph measured no faster than eager, its GEMMs being
-the same MKL calls), and the elementwise ops are fused; the LM head of those steps is a
-second frozen graph. Both compile once, when the worker starts (``warm_up``; ``compile_s`` in
-``Worker.report()``): about 30 s for SmolLM2-135M on the 2-core development VM. Measured
-there (docs/engine.md, one thread): decode steps of 4 to 64 rows 1.1-1.5x faster, of 1 to 3 rows
-0.84-0.97x (MKL's small-``M`` GEMM beats the packed oneDNN one), so steps of fewer than
-``CPU_MIN_ROWS = 4`` rows stay eager. Why no buckets on CPU: a frozen graph per static
-bucket gets MKL's packing instead, which holds its own copy of every weight per bucket (4x
-the weights' bytes each) and costs another half minute of compiling per bucket; the one
-dynamic graph compiles once. Its packed weights are a second copy of the stage's weights
-(the eager prefill path keeps the originals).
+**CPU, decode steps** (tested): one graph with a dynamic row count, compiled with inductor's
+``freezing``: the weights become constants, so the fp32 linears run through oneDNN with
+weights packed once (the speedup: unpacked, the compiled graph measured no faster than eager
+for decode, its GEMMs being the same MKL calls), and the elementwise ops are fused; the LM
+head of those steps is a second frozen graph. Both compile once, when the worker starts
+(``warm_up``; ``compile_s`` in ``Worker.report()``). Measured there (docs/engine.md, one
+thread): decode steps of 4 to 64 rows 1.1-1.5x faster, of 1 to 3 rows 0.84-0.97x (MKL's
+small-``M`` GEMM beats the packed oneDNN one), so steps of fewer than ``CPU_MIN_ROWS = 4`` rows
+stay eager. Why no buckets on CPU: a frozen graph per static bucket gets MKL's packing
+instead, which holds its own copy of every weight per bucket (4x the weights' bytes each)
+and costs another half minute of compiling per bucket; the one dynamic graph compiles once.
+Its packed weights are a second copy of the stage's weights (the other graphs and the eager
+path keep the originals).
+
+**CPU, every other step** (prefill, chunks, mixed steps, decode steps of more rows than
+``max_num_seqs``; ``CPU_MIN_ROWS`` rows or more): a second dynamic graph, NOT frozen: its
+GEMMs are the eager path's MKL calls on the model's own weights, its elementwise work (norms,
+RoPE, SiLU, residuals) fused. Frozen, each new row count would build oneDNN primitives for
+every linear (a prefill's row count changes every step: its first steps measured slower than
+eager); unfrozen, a 2048-row stage of SmolLM2-135M took 1.21 s against 1.83 s eager (2
+threads). It compiles at start too, with the decode graph: about a minute together for
+SmolLM2-135M on the 2-core development VM.
 
 **CUDA**: static buckets (``decode_buckets``: 1, 2, 4, ..., ``max_num_seqs``; ``T`` padded up
 to the next) with ``mode="reduce-overhead"``: CUDA graphs over the dense pieces, the attention
@@ -103,6 +114,10 @@ def _stage(model, x, positions):
     return stage_forward(model, x, positions, _OP_CONTEXT)
 
 
+def _any_stage(model, x, positions):  # its own code object: its own compile cache (not frozen)
+    return stage_forward(model, x, positions, _OP_CONTEXT)
+
+
 def _logits(model, hidden):
     return model.logits(hidden)
 
@@ -137,6 +152,7 @@ class CompiledDecode:
             self.min_rows = CPU_MIN_ROWS
             self._fn = torch.compile(_stage, fullgraph=True)
             self._head = torch.compile(_logits, fullgraph=True) if model.lm_head is not None else None
+            self._any = torch.compile(_any_stage, fullgraph=True)
         limit = len(self.buckets) + 8  # an entry per bucket (and per engine made in this process)
         if torch._dynamo.config.recompile_limit < limit:
             torch._dynamo.config.recompile_limit = limit
@@ -154,15 +170,22 @@ class CompiledDecode:
             return tokens
         return self.buckets[bisect.bisect_left(self.buckets, tokens)]
 
+    def other(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` rows that ``bucket`` does not take (not a decode step, or
+        too many rows) runs through the unfrozen graph (``forward_any``): CPU, ``CPU_MIN_ROWS`` up."""
+        return not self.cuda and tokens >= self.min_rows
+
     def _run(self, fn, *args):
         if self.cuda:
             return fn(self.model, *args)
         with torch._inductor.config.patch(freezing=True):  # read while tracing, not only by inductor
             return fn(self.model, *args)
 
-    def _call(self, x, positions, ctx, rows: int):
+    def _call(self, x, positions, ctx, rows: int, fn=None):
         _active.ctx, _active.rows = ctx, rows
         try:
+            if fn is not None:  # the unfrozen graph
+                return fn(self.model, x, positions)
             return self._run(self._fn, x, positions)
         finally:
             _active.ctx = None
@@ -179,23 +202,30 @@ class CompiledDecode:
         """Compile (CUDA: also record) every graph on dummy inputs, attention answering zeros: no
         cache is touched. Returns the seconds it took."""
         t = time.perf_counter()
+
+        def dummy(b: int):  # token ids or hidden states of b rows, and their positions
+            x = torch.zeros(b, dtype=torch.long, device=self.device) if self.first_stage else \
+                torch.zeros(b, hidden, dtype=dtype, device=self.device)
+            positions = torch.arange(b, device=self.device)
+            if not self.cuda:  # one graph for every row count (only that size is dynamic)
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(positions, 0)
+            return x, positions
+
         if self.enabled:
             for b in (self.buckets if self.cuda else (self.min_rows,)):
                 for _ in range(3 if self.cuda else 1):  # cudagraph trees: warm-up runs, then the recording
                     if self.cuda:
                         torch.compiler.cudagraph_mark_step_begin()
-                    positions = torch.arange(b, device=self.device)
-                    x = torch.zeros(b, dtype=torch.long, device=self.device) if self.first_stage else \
-                        torch.zeros(b, hidden, dtype=dtype, device=self.device)
-                    if not self.cuda:  # one graph for every row count (only that size is dynamic)
-                        torch._dynamo.mark_dynamic(x, 0)
-                        torch._dynamo.mark_dynamic(positions, 0)
-                    h = self._call(x, positions, _Zeros(), b)
+                    h = self._call(*dummy(b), _Zeros(), b)
                     if self._head is not None:
                         torch._dynamo.mark_dynamic(h, 0)
                         self.logits(h)
             if self.cuda:
                 torch.cuda.synchronize(self.device)
+        if not self.cuda:  # the unfrozen graph for every other step
+            b = max(self.min_rows, 2 * self.largest)
+            self._call(*dummy(b), _Zeros(), b, self._any)
         return time.perf_counter() - t
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx, bucket: int) -> torch.Tensor:
@@ -211,3 +241,7 @@ class CompiledDecode:
         out = self._call(x, positions, ctx, t)
         out = out[:t] if pad else out
         return out.clone() if self.cuda else out  # a CUDA graph's output is overwritten by its next replay
+
+    def forward_any(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """``stage_forward`` of a step ``other`` takes (CPU), through the unfrozen graph."""
+        return self._call(x, positions, ctx, positions.numel(), self._any)

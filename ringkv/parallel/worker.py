@@ -197,6 +197,9 @@ class Worker:
         if bucket is not None:  # compile_decode: a decode step within the buckets
             x = self.compiled.forward(x, step.positions, ctx, bucket)
             self.stats.compiled_steps += 1
+        elif self.compiled is not None and not step.rings and self.compiled.other(step.positions.numel()):
+            x = self.compiled.forward_any(x, step.positions, ctx)  # CPU: any other step, unfrozen graph
+            self.stats.compiled_steps += 1
         else:
             x = stage_forward(self.model, x, step.positions, ctx)  # (T, hidden)
         result = None

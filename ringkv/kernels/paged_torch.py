@@ -87,13 +87,22 @@ def paged_attention_lse(q, cache: LayerCache, plan: PagedPlan, *, scale: Optiona
 def paged_attention_planned(q, cache: LayerCache, plan: PagedPlan, *, scale: Optional[float] = None):
     """``out (N, Q, H, D)`` of ``q (N, Q, H, D)`` over the cache as ``plan`` describes (no lse:
     the engine's fast path; use ``paged_attention_lse`` when partials must be merged)."""
-    k, v = plan.gather(cache, q.dtype)  # (N, L, Hkv, D)
     if not plan.all_see_a_key:  # a fully masked row would be NaN in SDPA; the general path handles it
         raise ValueError("a query row sees no key; use paged_attention_lse")
+    k, v = plan.gather(cache, q.dtype)  # (N, L, Hkv, D)
+    n, nq, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    # the G query heads of a K/V head as G * Q query rows of one head: SDPA reads each K/V head
+    # once for all of them (with enable_gqa, once per query head: 64 decode rows, SmolLM2's
+    # 9 / 3 heads, 1.85 -> 1.14 ms a layer on the 2-core VM)
+    qg = q.reshape(n, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * nq, d)  # (N, Hkv, G*Q, D)
+    bias = plan.bias.to(q.dtype)  # (N, 1, Q, L)
+    if nq > 1 and g > 1:
+        bias = bias.repeat(1, 1, g, 1)  # rows g-major like qg's
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.bias.to(q.dtype),
-        scale=scale, enable_gqa=True)  # (N, H, Q, D)
-    return out.transpose(1, 2)
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale)  # (N, Hkv, G*Q, D)
+    return out.reshape(n, hkv, g, nq, d).permute(0, 3, 1, 2, 4).reshape(n, nq, h, d)
 
 
 @dataclass(frozen=True)

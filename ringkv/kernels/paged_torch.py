@@ -62,26 +62,54 @@ def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, *, scale: 
     return paged_attention_lse(q, LayerCache(k_cache, v_cache, k_scale, v_scale), plan, scale=scale)
 
 
+def _folded(q, plan: PagedPlan, hkv: int):
+    """``q (N, Q, H, D)`` with the G query heads of a K/V head as G * Q query rows of one head:
+    ``(N, Hkv, G*Q, D)``, and the plan's additive mask for those rows ``(N, 1, G*Q or 1, L)``.
+    An attention kernel then reads each K/V head once for all G of them (SDPA's enable_gqa reads
+    it once per query head: 64 decode rows, SmolLM2's 9 / 3 heads, 1.85 -> 1.14 ms a layer on
+    the 2-core VM)."""
+    n, nq, h, d = q.shape
+    g = h // hkv
+    qg = q.reshape(n, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * nq, d)  # (N, Hkv, G*Q, D)
+    bias = plan.bias.to(q.dtype)  # (N, 1, Q, L)
+    if nq > 1 and g > 1:
+        bias = bias.repeat(1, 1, g, 1)  # rows g-major like qg's
+    return qg, bias
+
+
+def _unfolded(out, n: int, nq: int, hkv: int):
+    """``(N, Hkv, G*Q, D)`` rows back to ``(N, Q, H, D)``."""
+    d = out.shape[-1]
+    return out.reshape(n, hkv, -1, nq, d).permute(0, 3, 1, 2, 4).reshape(n, nq, -1, d)
+
+
 def paged_attention_lse(q, cache: LayerCache, plan: PagedPlan, *, scale: Optional[float] = None):
     """``(out (N, Q, H, D), lse float32 (N, H, Q))`` of ``q`` over the cache as ``plan`` describes;
-    a query that sees no key gives ``out = 0``, ``lse = -inf``."""
+    a query that sees no key gives ``out = 0``, ``lse = -inf``. On CPU: the fused flash op, which
+    returns the lse (the matmul path below copies the gathered K/V twice more for its strides)."""
     n, nq, h, d = q.shape
     hkv = cache.k.shape[2]
-    g = h // hkv
     scale = d ** -0.5 if scale is None else scale
-    k, v = plan.gather(cache)  # (N, L, Hkv, D)
     compute = torch.float32 if q.dtype != torch.float64 else q.dtype
-    qg = q.reshape(n, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * nq, d)  # (N, Hkv, G*Q, D)
-    s = torch.matmul(qg.to(compute), k.permute(0, 2, 3, 1).to(compute)) * scale  # (N, Hkv, G*Q, L)
-    s = s.masked_fill(~plan.visible.repeat(1, g, 1)[:, None], float("-inf"))  # rows g-major like qg
-    m = s.amax(dim=-1, keepdim=True)  # (N, Hkv, G*Q, 1)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with no key: p = 0, not NaN
-    p = torch.exp(s - m)
-    denom = p.sum(dim=-1, keepdim=True)
-    out = torch.matmul(p, v.permute(0, 2, 1, 3).to(compute)) / denom.clamp_min(1e-30)  # (N, Hkv, G*Q, D)
-    lse = (m + denom.log()).reshape(n, h, nq)  # heads are (Hkv, G)-major like q's
-    out = out.reshape(n, hkv, g, nq, -1).permute(0, 3, 1, 2, 4).reshape(n, nq, h, -1)
-    return out.to(q.dtype), lse.float()
+    k, v = plan.gather(cache, compute)  # (N, L, Hkv, D)
+    k, v = k.to(compute), v.to(compute)
+    qg, bias = _folded(q.to(compute), plan, hkv)  # (N, Hkv, G*Q, D), (N, 1, G*Q or 1, L)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=bias, scale=scale)  # lse (N, Hkv, G*Q)
+        if not plan.all_see_a_key:  # rows with no key: out 0, lse -inf (the kernel's are undefined)
+            seen = plan.visible.any(-1)[:, None, None, :].expand(n, hkv, h // hkv, nq).reshape(lse.shape)
+            out = torch.where(seen[..., None], out, torch.zeros((), dtype=out.dtype))
+            lse = torch.where(seen, lse, torch.full((), float("-inf"), dtype=lse.dtype))
+    else:
+        s = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale + bias  # (N, Hkv, G*Q, L)
+        m = s.amax(dim=-1, keepdim=True)  # (N, Hkv, G*Q, 1)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with no key: p = 0, not NaN
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        out = torch.matmul(p, v.permute(0, 2, 1, 3)) / denom.clamp_min(1e-30)  # (N, Hkv, G*Q, D)
+        lse = m + denom.log()
+    return _unfolded(out, n, nq, hkv).to(q.dtype), lse.reshape(n, h, nq).float()  # heads (Hkv, G)-major like q's
 
 
 def paged_attention_planned(q, cache: LayerCache, plan: PagedPlan, *, scale: Optional[float] = None):
@@ -89,20 +117,12 @@ def paged_attention_planned(q, cache: LayerCache, plan: PagedPlan, *, scale: Opt
     the engine's fast path; use ``paged_attention_lse`` when partials must be merged)."""
     if not plan.all_see_a_key:  # a fully masked row would be NaN in SDPA; the general path handles it
         raise ValueError("a query row sees no key; use paged_attention_lse")
-    k, v = plan.gather(cache, q.dtype)  # (N, L, Hkv, D)
     n, nq, h, d = q.shape
-    hkv = k.shape[2]
-    g = h // hkv
-    # the G query heads of a K/V head as G * Q query rows of one head: SDPA reads each K/V head
-    # once for all of them (with enable_gqa, once per query head: 64 decode rows, SmolLM2's
-    # 9 / 3 heads, 1.85 -> 1.14 ms a layer on the 2-core VM)
-    qg = q.reshape(n, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * nq, d)  # (N, Hkv, G*Q, D)
-    bias = plan.bias.to(q.dtype)  # (N, 1, Q, L)
-    if nq > 1 and g > 1:
-        bias = bias.repeat(1, 1, g, 1)  # rows g-major like qg's
+    k, v = plan.gather(cache, q.dtype)  # (N, L, Hkv, D)
+    qg, bias = _folded(q, plan, k.shape[2])
     out = torch.nn.functional.scaled_dot_product_attention(
         qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale)  # (N, Hkv, G*Q, D)
-    return out.reshape(n, hkv, g, nq, d).permute(0, 3, 1, 2, 4).reshape(n, nq, h, d)
+    return _unfolded(out, n, nq, k.shape[2])
 
 
 @dataclass(frozen=True)

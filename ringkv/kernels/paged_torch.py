@@ -42,9 +42,20 @@ class PagedPlan:
         self.blocks = block_table[:, :nb].to(torch.long).clamp_min(0).reshape(-1)  # unused entries may be -1
         key = torch.arange(nb * block_size, device=dev)
         self.visible = key[None, None, :] < limits[:, :, None]  # (N, Q, L)
-        self.all_see_a_key = bool((limits > 0).all())
+        self.sees = limits > 0  # (N, Q): the query sees a key
+        self.all_see_a_key = bool(self.sees.all())
         self.bias = torch.zeros(self.visible.shape, dtype=dtype, device=dev).masked_fill(
             ~self.visible, float("-inf"))[:, None]  # (N, 1, Q, L)
+        self._folded_bias = {}
+
+    def folded_bias(self, g: int, dtype) -> torch.Tensor:
+        """``bias`` for query rows folded g-major (``G * Q`` rows a K/V head, see ``_folded``):
+        ``(N, 1, G*Q or 1, L)`` in ``dtype``, built once per step, not once per layer."""
+        key = (g, dtype)
+        if key not in self._folded_bias:
+            bias = self.bias.to(dtype)
+            self._folded_bias[key] = bias.repeat(1, 1, g, 1) if bias.shape[2] > 1 and g > 1 else bias
+        return self._folded_bias[key]
 
     def gather(self, cache: LayerCache, dtype=None):
         """Each sequence's K/V ``(N, L, Hkv, D)``, dequantized to ``dtype`` (default float32) when
@@ -71,10 +82,7 @@ def _folded(q, plan: PagedPlan, hkv: int):
     n, nq, h, d = q.shape
     g = h // hkv
     qg = q.reshape(n, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * nq, d)  # (N, Hkv, G*Q, D)
-    bias = plan.bias.to(q.dtype)  # (N, 1, Q, L)
-    if nq > 1 and g > 1:
-        bias = bias.repeat(1, 1, g, 1)  # rows g-major like qg's
-    return qg, bias
+    return qg, plan.folded_bias(g, q.dtype)
 
 
 def _unfolded(out, n: int, nq: int, hkv: int):
@@ -98,7 +106,7 @@ def paged_attention_lse(q, cache: LayerCache, plan: PagedPlan, *, scale: Optiona
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qg, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=bias, scale=scale)  # lse (N, Hkv, G*Q)
         if not plan.all_see_a_key:  # rows with no key: out 0, lse -inf (the kernel's are undefined)
-            seen = plan.visible.any(-1)[:, None, None, :].expand(n, hkv, h // hkv, nq).reshape(lse.shape)
+            seen = plan.sees[:, None, None, :].expand(n, hkv, h // hkv, nq).reshape(lse.shape)
             out = torch.where(seen[..., None], out, torch.zeros((), dtype=out.dtype))
             lse = torch.where(seen, lse, torch.full((), float("-inf"), dtype=lse.dtype))
     else:

@@ -28,8 +28,8 @@ and costs another half minute of compiling per bucket; the one dynamic graph com
 Its packed weights are a second copy of the stage's weights (the other graphs and the eager
 path keep the originals).
 
-**CPU, every other step** (prefill, chunks, mixed steps, decode steps of more rows than
-``max_num_seqs``; ``CPU_MIN_ROWS`` rows or more): a second dynamic graph, NOT frozen: its
+**CPU, every other step** (prefill, chunks, steps mixing them with decode rows;
+``CPU_MIN_ROWS`` rows or more): a second dynamic graph, NOT frozen: its
 GEMMs are the eager path's MKL calls on the model's own weights, its elementwise work (norms,
 RoPE, SiLU, residuals) fused. Frozen, each new row count would build oneDNN primitives for
 every linear (a prefill's row count changes every step: its first steps measured slower than
@@ -171,8 +171,8 @@ class CompiledDecode:
         return self.buckets[bisect.bisect_left(self.buckets, tokens)]
 
     def other(self, tokens: int) -> bool:
-        """Whether a step of ``tokens`` rows that ``bucket`` does not take (not a decode step, or
-        too many rows) runs through the unfrozen graph (``forward_any``): CPU, ``CPU_MIN_ROWS`` up."""
+        """Whether a step of ``tokens`` rows that ``bucket`` does not take (not a decode step) runs
+        through the unfrozen graph (``forward_any``): CPU, ``CPU_MIN_ROWS`` rows up."""
         return not self.cuda and tokens >= self.min_rows
 
     def _run(self, fn, *args):

@@ -18,7 +18,9 @@ if not torch.cuda.is_available():
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringkv.kernels import attention, paged, quant
+import shutil
+
+from ringkv.kernels import attention, paged, paged_cpu, quant
 from ringkv.kernels.paged import paged_attention, paged_attention_reference
 
 try:
@@ -93,11 +95,15 @@ def test_reference_matches_direct_attention(p):
 
 
 @HYP
-@given(p=paged_problems())
-def test_batched_torch_backend_matches_reference(p):
-    """The engine's CPU path (one padded gather for all sequences) against the per-sequence loop."""
+@given(p=paged_problems(), backend=st.sampled_from(["torch", "cpu"]))
+def test_batched_cpu_backends_match_reference(p, backend):
+    """The engine's CPU paths against the per-sequence loop: "torch" (one padded gather for all
+    sequences) and "cpu" (the compiled kernel reading the cache in place; float32 only, other
+    dtypes go to "torch", so it is drawn in float32)."""
+    if backend == "cpu":
+        p = dict(p, dtype=torch.float32)
     q, kc, vc, table, lens = make_paged(p, "cpu")
-    out, lse = paged_attention(q, kc, vc, table, lens, causal=p["causal"], backend="torch")
+    out, lse = paged_attention(q, kc, vc, table, lens, causal=p["causal"], backend=backend)
     ref_out, ref_lse = paged_attention_reference(q, kc, vc, table, lens, causal=p["causal"])
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert_close(out, ref_out, TOL[p["dtype"]][0], "out")
@@ -255,6 +261,44 @@ def test_triton_backend_sends_single_tokens_to_decode_and_chunks_to_prefill(monk
         paged.paged_prefill(q[0], kc, vc, table, torch.tensor([0, 3, 3]), lens, max_seqlen_q=3, sp=2, sp_rank=2)
 
 
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_cpu_kernel_builds_and_is_the_cpu_default():
+    """Where a C compiler is, the kernel builds and ``auto`` picks it on the CPU (a failed build
+    would silently fall back to the slower "torch" backend)."""
+    assert paged_cpu.available()
+    assert paged.auto_backend("cpu") == "cpu"
+
+
+def test_cpu_kernel_checks_blocks_and_ignores_the_thread_count():
+    """A block id outside the cache where a query reads is a ValueError, not a wild read; one
+    past the read range is not looked at; the result is bitwise the same on 1 and 2 threads."""
+    if not paged_cpu.available():
+        pytest.skip("the kernel did not build here (test_cpu_kernel_builds_and_is_the_cpu_default says why)")
+    g = torch.Generator().manual_seed(0)
+    q, kc, vc = torch.randn(3, 2, 6, 32, generator=g), torch.randn(10, 4, 2, 32, generator=g), \
+        torch.randn(10, 4, 2, 32, generator=g)
+    table = torch.tensor([[1, 2, 3], [4, 5, 99], [7, -1, -5]], dtype=torch.int32)
+    lens = torch.tensor([12, 8, 4], dtype=torch.int32)  # row 1 reads blocks 4, 5; row 2 block 7 only
+    out, lse = paged_attention(q, kc, vc, table, lens, backend="cpu")
+    ref_out, ref_lse = paged_attention_reference(q, kc, vc, table, lens)
+    assert_close(out, ref_out, 2e-5, "out")
+    assert_close(lse, ref_lse, 2e-5, "lse")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = paged_attention(q, kc, vc, table, lens, backend="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, out)
+    for bad in (99, -1):
+        forged = table.clone()
+        forged[0, 1] = bad
+        with pytest.raises(ValueError, match="outside"):
+            paged_attention(q, kc, vc, forged, lens, backend="cpu")
+    with pytest.raises(ValueError, match="capacity"):
+        paged_attention(q, kc, vc, table, lens + 1, backend="cpu")
+
+
 def _rows_dense(parts, t, h, d):
     out, lse = torch.zeros(t, h, d), torch.full((h, t), float("nan"))
     for p in parts:
@@ -266,10 +310,11 @@ def _rows_dense(parts, t, h, d):
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**16), sp=st.sampled_from([1, 2]), bs=st.sampled_from([4, 16]),
-       quant_fmt=st.sampled_from([None, "int8"]))
-def test_torch_step_splits_many_sequences_by_length(seed, sp, bs, quant_fmt):
-    """A step of many sequences (decode rows and a few chunks, lengths 1-200): the "torch"
-    backend pads each length group to its own longest, and every row's out and lse equal the
+       quant_fmt=st.sampled_from([None, "int8"]), backend=st.sampled_from(["torch", "cpu"]))
+def test_cpu_steps_of_many_sequences(seed, sp, bs, quant_fmt, backend):
+    """A step of many sequences (decode rows and a few chunks, lengths 1-200, SP-striped or not):
+    every row's out and lse from the "torch" backend (which pads each length group to its own
+    longest) and the "cpu" one (the compiled kernel; a quantized cache goes to "torch") equal the
     reference backend's."""
     from ringkv.kernels.paged import PagedSeq, LayerCache, plan_step
     from ringkv.kernels.paged_torch import GROUP_MIN
@@ -291,8 +336,9 @@ def test_torch_step_splits_many_sequences_by_length(seed, sp, bs, quant_fmt):
         (kq, ks), (vq, vs) = quant.quantize(k, fmt, rot), quant.quantize(v, fmt, rot)
         cache = LayerCache(kq, vq, ks, vs)
     for rank in range(sp):
-        torch_step = plan_step(seqs, block_size=bs, sp=sp, sp_rank=rank, backend="torch")
-        assert len(torch_step.groups) >= 3  # the decode rows were split
+        torch_step = plan_step(seqs, block_size=bs, sp=sp, sp_rank=rank, backend=backend)
+        if backend == "torch":
+            assert len(torch_step.groups) >= 3  # the decode rows were split
         ref = plan_step(seqs, block_size=bs, sp=sp, sp_rank=rank, backend="reference")
         want_out, want_lse = _rows_dense(ref.attend(q, cache), row, h, d)
         got_out, got_lse = _rows_dense(torch_step.attend(q, cache), row, h, d)

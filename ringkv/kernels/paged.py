@@ -1,7 +1,9 @@
 """Attention of a few new query tokens per sequence over a paged KV cache: the backend registry
 and the calls that take a ``backend=`` name. The contract (shapes, causality, SP striping, the
 records) and the plain-torch reference are in ``paged_base.py``; the backends in
-``paged_torch.py`` (``"torch"``, the CPU default) and ``triton_paged.py`` (``"triton"``, CUDA).
+``paged_cpu.py`` (``"cpu"``: a compiled C kernel reading the cache in place, the CPU default when
+it builds), ``paged_torch.py`` (``"torch"``: gather + SDPA, the CPU fallback) and ``triton_paged.py``
+(``"triton"``, CUDA).
 
     out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, backend="auto")
     out, lse = paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=...)
@@ -9,7 +11,8 @@ records) and the plain-torch reference are in ``paged_base.py``; the backends in
     parts = attn.attend(q, cache, lse=True)    # every layer of the step
 
 ``plan_step`` is how the engine reads its cache: each backend builds its own per-step metadata
-once (``"torch"``: gather indices and masks per group of sequences; ``"triton"``: device tensors
+once (``"cpu"``: block tables and visible-key counts per group; ``"torch"``: gather indices and
+masks per group of sequences; ``"triton"``: device tensors
 for the decode kernel and one varlen prefill batch; ``"reference"``: plain per-group calls) and
 answers every layer's ``attend`` with ``RowsOut(rows, out, lse)`` parts.
 
@@ -22,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import paged_torch
+from . import paged_cpu, paged_torch
 from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, StepAttention, by_query_count,  # noqa: F401
                          check_striping, paged_attention_reference, paged_prefill_reference, read_blocks,
                          validate_paged, validate_prefill)
@@ -34,7 +37,7 @@ __all__ = ["paged_attention", "paged_attention_reference", "paged_prefill", "pag
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
                     causal: bool = True, backend: str = "auto", k_scale=None, v_scale=None):
-    """See ``paged_base``. ``backend``: ``"reference"``, ``"torch"``, ``"triton"`` or ``"auto"``."""
+    """See ``paged_base``. ``backend``: ``"reference"``, ``"cpu"``, ``"torch"``, ``"triton"`` or ``"auto"``."""
     impl = _BACKENDS.get(backend if backend != "auto" else auto_backend(q.device))
     if impl is None:
         raise ValueError(f"unknown paged backend {backend!r}; choose from {sorted(_BACKENDS)} or 'auto'")
@@ -92,9 +95,10 @@ def _reference_step(seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, s
     return step(seqs, block_size=block_size, sp=sp, sp_rank=sp_rank, device=device)
 
 
-_BACKENDS = {"reference": paged_attention_reference, "torch": paged_torch.paged_attention_torch}
+_BACKENDS = {"reference": paged_attention_reference, "torch": paged_torch.paged_attention_torch,
+             "cpu": paged_cpu.paged_attention_cpu}
 _PREFILL_BACKENDS = {"reference": paged_prefill_reference}
-_STEP_BACKENDS = {"reference": _reference_step, "torch": paged_torch.plan_step}
+_STEP_BACKENDS = {"reference": _reference_step, "torch": paged_torch.plan_step, "cpu": paged_cpu.plan_step}
 
 try:  # the Triton kernels when triton imports
     from . import triton_paged
@@ -107,9 +111,12 @@ else:
 
 
 def auto_backend(device, prefill: bool = False) -> str:
-    """What ``backend="auto"`` means on ``device``: the Triton kernels on CUDA when they registered,
-    else the batched torch version (decode; prefill: the reference)."""
+    """What ``backend="auto"`` means on ``device``: the Triton kernels on CUDA when they registered;
+    on the CPU the compiled kernel when it builds, else the batched torch version (decode; prefill:
+    the reference)."""
     table = _PREFILL_BACKENDS if prefill else _BACKENDS
     if torch.device(device).type == "cuda" and "triton" in table:
         return "triton"
+    if torch.device(device).type == "cpu" and "cpu" in table and paged_cpu.available():
+        return "cpu"
     return "torch" if "torch" in table else "reference"

@@ -67,7 +67,7 @@ from .quant import as_bytes, dequantize
 
 __all__ = ["LayerCache", "PagedSeq", "RowsOut", "StepAttention", "SeqGroup", "by_query_count", "padded_table",
            "paged_attention_reference", "paged_prefill_reference", "validate_paged", "validate_prefill",
-           "check_striping", "read_blocks", "read_slots"]
+           "check_capacity", "check_striping", "read_blocks", "read_slots"]
 
 
 # ----------------------------------------------------------------------------- records
@@ -220,6 +220,13 @@ def validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q
     check_striping(sp, sp_rank)
 
 
+def check_capacity(seq_lens, capacity: int) -> None:
+    """Every ``seq_lens`` entry within ``[0, capacity]`` (what the block table can hold)."""
+    if seq_lens.numel() and not (0 <= int(seq_lens.min()) and int(seq_lens.max()) <= capacity):
+        raise ValueError(f"seq_lens must lie in [0, max_blocks * block_size = {capacity}] "
+                         f"(the block_table's capacity), got {seq_lens.tolist()}")
+
+
 def check_striping(sp: int, sp_rank: int) -> None:
     """``sp``/``sp_rank``: the cache holds every ``sp``-th position from ``sp_rank``."""
     if not (isinstance(sp, int) and isinstance(sp_rank, int) and 0 <= sp_rank < sp):
@@ -251,10 +258,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *,
     n, nq, h, d = q.shape
     bs = k_cache.shape[1]
     scale = resolve_scale(scale, d)
-    capacity = block_table.shape[1] * bs
-    if seq_lens.numel() and not (0 <= int(seq_lens.min()) and int(seq_lens.max()) <= capacity):
-        raise ValueError(f"seq_lens must lie in [0, max_blocks * block_size = {capacity}] "
-                         f"(the block_table's capacity), got {seq_lens.tolist()}")
+    check_capacity(seq_lens, block_table.shape[1] * bs)
     out = torch.zeros(n, nq, h, d, dtype=q.dtype, device=q.device)
     lse = torch.full((n, h, nq), float("-inf"), device=q.device)
     for i, length in enumerate(seq_lens.tolist()):

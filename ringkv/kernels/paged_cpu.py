@@ -1,0 +1,165 @@
+"""Paged attention on the CPU that reads the cache in place: backend ``"cpu"``, the CPU default
+when a C compiler is present.
+
+``csrc/paged_attention.c`` (plain C and OpenMP, no torch headers) is compiled on first use with
+the system's C compiler (``$CC``, else ``cc``/``gcc``) into ``$RINGKV_CACHE`` (default
+``~/.cache/ringkv``)``/kernels``, keyed by the source, the flags and the CPU, and loaded with
+``ctypes``; OpenMP resolves to the runtime torch already loaded, so the kernel shares torch's
+threads (``torch.get_num_threads()``). ``RINGKV_NATIVE_PAGED=0`` turns it off.
+
+Against the ``"torch"`` backend (gather each group's blocks into a padded copy, then SDPA), it
+reads each sequence's own keys once, with no copy and no padding. It takes float32 queries over
+an unquantized float32 cache with the usual contiguous layouts; anything else (another dtype, a
+quantized cache, a device other than the CPU, or no compiler) goes to the ``"torch"`` backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import paged_torch
+from .paged_base import LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, check_capacity, validate_paged
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` compiles for: the CPU model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+@lru_cache(maxsize=None)
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled kernel, built on first use; None when turned off or no compiler builds it
+    (with a warning saying why)."""
+    if os.environ.get("RINGKV_NATIVE_PAGED", "1") == "0" or platform.system() != "Linux":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        warnings.warn("ringkv: no C compiler found; the CPU paged attention uses the torch backend")
+        return None
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join([cc, *FLAGS]).encode(), _cpu_id().encode()])).hexdigest()[:16]
+    root = Path(os.environ.get("RINGKV_CACHE") or Path.home() / ".cache" / "ringkv") / "kernels"
+    path = root / f"paged_attention-{key}.so"
+    try:
+        if not path.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)  # several ranks may build at once
+            os.close(fd)
+            try:
+                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                               timeout=120)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        warnings.warn(f"ringkv: building the CPU paged-attention kernel failed ({e}; "
+                      f"{detail.decode(errors='replace')[-500:]}); using the torch backend")
+        return None
+    fn = lib.ringkv_paged_attention_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    """The compiled kernel loads here."""
+    return library() is not None
+
+
+def supports(q: torch.Tensor, cache: LayerCache) -> bool:
+    """The kernel takes these: float32 on the CPU, an unquantized contiguous cache."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.k_scale is None
+            and cache.k.dtype == cache.v.dtype == torch.float32 and cache.k.is_contiguous()
+            and cache.v.is_contiguous() and available())
+
+
+def attend(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, limits: torch.Tensor,
+           scale: Optional[float] = None, lse: bool = True):
+    """``q (N, Q, H, D)`` float32 over the cache: query ``i`` of sequence ``n`` sees the first
+    ``limits[n, i]`` keys of the blocks ``table[n]`` ``(N, W)`` int32. Returns ``out (N, Q, H, D)``
+    and ``lse (N, H, Q)`` float32 (None unless ``lse``); a row that sees no key gives 0 / -inf."""
+    q = q.contiguous()
+    n, nq, h, d = q.shape
+    nb, bs, hkv, _ = cache.k.shape
+    table = table.to(torch.int32).contiguous()
+    limits = limits.to(torch.int64).clamp(0, table.shape[1] * bs).contiguous()
+    out = torch.empty_like(q)
+    lse_out = torch.empty(n, h, nq, dtype=torch.float32) if lse else None
+    if n == 0:
+        return out, lse_out
+    err = library().ringkv_paged_attention_f32(
+        q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), limits.data_ptr(), out.data_ptr(),
+        None if lse_out is None else lse_out.data_ptr(), n, nq, h, hkv, d, nb, bs, table.shape[1],
+        d ** -0.5 if scale is None else float(scale), torch.get_num_threads())
+    if err == 2:
+        raise ValueError(f"block_table holds block ids outside [0, {nb}) where the queries read")
+    if err:
+        raise MemoryError("the CPU paged-attention kernel could not allocate its scratch memory")
+    return out, lse_out
+
+
+def paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
+                        causal: bool = True, k_scale=None, v_scale=None):
+    """``paged_base``'s contract; falls back to the ``"torch"`` backend where the kernel does not apply."""
+    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    cache = LayerCache(k_cache, v_cache, k_scale, v_scale)
+    if not supports(q, cache):
+        return paged_torch.paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
+                                                 causal=causal, k_scale=k_scale, v_scale=v_scale)
+    check_capacity(seq_lens, block_table.shape[1] * k_cache.shape[1])
+    nq = q.shape[1]
+    lens = seq_lens.to(torch.int64)[:, None]  # (N, 1)
+    limits = lens - nq + 1 + torch.arange(nq) if causal else lens.expand(-1, nq)  # (N, Q)
+    limits = torch.minimum(limits, lens)
+    return attend(q, cache, block_table, limits, scale)
+
+
+class CpuStep:
+    """The ``"cpu"`` backend's metadata for one step: per group of sequences with the same query
+    count, their block tables and how many keys each query sees (no padding, no gather); the
+    ``"torch"`` backend's plan, built when first needed, for caches the kernel does not take."""
+
+    def __init__(self, seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
+        self.seqs, self.block_size, self.sp, self.sp_rank, self.device = seqs, block_size, sp, sp_rank, device
+        self.groups = []
+        for n, members in by_query_count(seqs).items():
+            g = SeqGroup.build(n, members, sp, sp_rank, device)
+            p = torch.tensor([s.start for s in members])[:, None] + torch.arange(n)  # (N, n) positions
+            limits = torch.div(p - sp_rank, sp, rounding_mode="floor") + 1  # local keys at positions <= p
+            self.groups.append((g, limits))
+        self._fallback = None
+
+    def attend(self, q, cache: LayerCache, *, lse: bool = True) -> List[RowsOut]:
+        # q (T, H, D) -> per group: rows (N*n,), out (N*n, H, D), lse (H, N*n) or None
+        if not supports(q, cache):
+            if self._fallback is None:
+                self._fallback = paged_torch.TorchStep(self.seqs, block_size=self.block_size, sp=self.sp,
+                                                       sp_rank=self.sp_rank, device=self.device)
+            return self._fallback.attend(q, cache, lse=lse)
+        return [g.result(*attend(g.queries(q), cache, g.block_table, limits, lse=lse)) for g, limits in self.groups]
+
+
+plan_step = CpuStep  # the backend's plan_step(seqs, *, block_size, sp, sp_rank, device) (see paged_base)

@@ -137,29 +137,41 @@ def paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, *, scale: Op
     return attend(q, cache, block_table, limits, scale)
 
 
+MAX_QUERIES = 8  # sequences with more new tokens (prefill chunks) go to SDPA, whose GEMMs win there
+
+
 class CpuStep:
     """The ``"cpu"`` backend's metadata for one step: per group of sequences with the same query
-    count, their block tables and how many keys each query sees (no padding, no gather); the
-    ``"torch"`` backend's plan, built when first needed, for caches the kernel does not take."""
+    count up to ``MAX_QUERIES``, their block tables and how many keys each query sees (no padding,
+    no gather); the ``"torch"`` backend's plan for longer chunks, and for every sequence when the
+    cache is one the kernel does not take (built when first needed)."""
 
     def __init__(self, seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
         self.seqs, self.block_size, self.sp, self.sp_rank, self.device = seqs, block_size, sp, sp_rank, device
-        self.groups = []
+        self.groups, long = [], []
         for n, members in by_query_count(seqs).items():
+            if n > MAX_QUERIES:
+                long += members
+                continue
             g = SeqGroup.build(n, members, sp, sp_rank, device)
             p = torch.tensor([s.start for s in members])[:, None] + torch.arange(n)  # (N, n) positions
             limits = torch.div(p - sp_rank, sp, rounding_mode="floor") + 1  # local keys at positions <= p
             self.groups.append((g, limits))
+        self._long = self._torch(long) if long else None
         self._fallback = None
+
+    def _torch(self, seqs):
+        return paged_torch.TorchStep(seqs, block_size=self.block_size, sp=self.sp, sp_rank=self.sp_rank,
+                                     device=self.device)
 
     def attend(self, q, cache: LayerCache, *, lse: bool = True) -> List[RowsOut]:
         # q (T, H, D) -> per group: rows (N*n,), out (N*n, H, D), lse (H, N*n) or None
         if not supports(q, cache):
             if self._fallback is None:
-                self._fallback = paged_torch.TorchStep(self.seqs, block_size=self.block_size, sp=self.sp,
-                                                       sp_rank=self.sp_rank, device=self.device)
+                self._fallback = self._torch(self.seqs)
             return self._fallback.attend(q, cache, lse=lse)
-        return [g.result(*attend(g.queries(q), cache, g.block_table, limits, lse=lse)) for g, limits in self.groups]
+        parts = [g.result(*attend(g.queries(q), cache, g.block_table, limits, lse=lse)) for g, limits in self.groups]
+        return parts + (self._long.attend(q, cache, lse=lse) if self._long is not None else [])
 
 
 plan_step = CpuStep  # the backend's plan_step(seqs, *, block_size, sp, sp_rank, device) (see paged_base)

@@ -67,7 +67,7 @@ from .quant import as_bytes, dequantize
 
 __all__ = ["LayerCache", "PagedSeq", "RowsOut", "StepAttention", "SeqGroup", "by_query_count", "padded_table",
            "paged_attention_reference", "paged_prefill_reference", "validate_paged", "validate_prefill",
-           "check_capacity", "check_striping", "read_blocks", "read_slots"]
+           "check_capacity", "check_striping", "query_limits", "striped_limits", "read_blocks", "read_slots"]
 
 
 # ----------------------------------------------------------------------------- records
@@ -146,6 +146,20 @@ class SeqGroup:
         """``out (N, n, H, D)``, ``lse (N, H, n)`` (decode layout) -> the rows' ``RowsOut``."""
         return RowsOut(self.rows, out.reshape(-1, *out.shape[2:]),
                        None if lse is None else lse.transpose(0, 1).reshape(lse.shape[1], -1))
+
+
+def query_limits(seq_lens: torch.Tensor, nq: int, causal: bool = True) -> torch.Tensor:
+    """``(N, Q)`` int64: how many leading keys query ``i`` of each sequence sees, its queries the
+    last ``Q`` of ``seq_lens (N,)`` keys (causal; all of them otherwise; may be < 0: none)."""
+    lens = seq_lens.to(torch.long)[:, None]  # (N, 1)
+    return lens - nq + 1 + torch.arange(nq, device=lens.device) if causal else lens.expand(-1, nq)
+
+
+def striped_limits(seqs: Sequence[PagedSeq], n: int, sp: int, sp_rank: int, device=None) -> torch.Tensor:
+    """``(N, n)`` int64: how many of the keys SP rank ``sp_rank`` stores (positions ``sp_rank,
+    sp_rank + sp, ...``) each of the ``n`` queries of ``seqs`` sees (those at positions <= its own)."""
+    p = torch.tensor([s.start for s in seqs], device=device)[:, None] + torch.arange(n, device=device)  # (N, n)
+    return torch.div(p - sp_rank, sp, rounding_mode="floor") + 1
 
 
 def by_query_count(seqs: Sequence[PagedSeq]) -> Dict[int, List[PagedSeq]]:

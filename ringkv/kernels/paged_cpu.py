@@ -30,7 +30,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import paged_torch
-from .paged_base import LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, check_capacity, validate_paged
+from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, check_capacity, query_limits,
+                         striped_limits, validate_paged)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
@@ -99,13 +100,13 @@ def supports(q: torch.Tensor, cache: LayerCache) -> bool:
 def attend(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, limits: torch.Tensor,
            scale: Optional[float] = None, lse: bool = True):
     """``q (N, Q, H, D)`` float32 over the cache: query ``i`` of sequence ``n`` sees the first
-    ``limits[n, i]`` keys of the blocks ``table[n]`` ``(N, W)`` int32. Returns ``out (N, Q, H, D)``
+    ``limits[n, i]`` keys (int64; the kernel clamps them to ``[0, W * block_size]``) of the blocks
+    ``table[n]`` ``(N, W)`` int32. Returns ``out (N, Q, H, D)``
     and ``lse (N, H, Q)`` float32 (None unless ``lse``); a row that sees no key gives 0 / -inf."""
     q = q.contiguous()
     n, nq, h, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
-    table = table.to(torch.int32).contiguous()
-    limits = limits.to(torch.int64).clamp(0, table.shape[1] * bs).contiguous()
+    table, limits = table.to(torch.int32).contiguous(), limits.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     lse_out = torch.empty(n, h, nq, dtype=torch.float32) if lse else None
     if n == 0:
@@ -130,11 +131,7 @@ def paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, *, scale: Op
         return paged_torch.paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
                                                  causal=causal, k_scale=k_scale, v_scale=v_scale)
     check_capacity(seq_lens, block_table.shape[1] * k_cache.shape[1])
-    nq = q.shape[1]
-    lens = seq_lens.to(torch.int64)[:, None]  # (N, 1)
-    limits = lens - nq + 1 + torch.arange(nq) if causal else lens.expand(-1, nq)  # (N, Q)
-    limits = torch.minimum(limits, lens)
-    return attend(q, cache, block_table, limits, scale)
+    return attend(q, cache, block_table, query_limits(seq_lens, q.shape[1], causal), scale)
 
 
 MAX_QUERIES = 8  # sequences with more new tokens (prefill chunks) go to SDPA, whose GEMMs win there
@@ -153,10 +150,8 @@ class CpuStep:
             if n > MAX_QUERIES:
                 long += members
                 continue
-            g = SeqGroup.build(n, members, sp, sp_rank, device)
-            p = torch.tensor([s.start for s in members])[:, None] + torch.arange(n)  # (N, n) positions
-            limits = torch.div(p - sp_rank, sp, rounding_mode="floor") + 1  # local keys at positions <= p
-            self.groups.append((g, limits))
+            self.groups.append((SeqGroup.build(n, members, sp, sp_rank, device),
+                                striped_limits(members, n, sp, sp_rank)))  # (N, n)
         self._long = self._torch(long) if long else None
         self._fallback = None
 

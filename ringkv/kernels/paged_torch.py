@@ -13,7 +13,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .paged_base import LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, validate_paged
+from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, query_limits, striped_limits,
+                         validate_paged)
 
 
 class PagedPlan:
@@ -33,9 +34,7 @@ class PagedPlan:
         n = block_table.shape[0]
         dev = block_table.device
         if limits is None:
-            lens = seq_lens.to(dev, torch.long)[:, None]  # (N, 1)
-            limits = lens - num_queries + 1 + torch.arange(num_queries, device=dev) if causal else \
-                lens.expand(n, num_queries)
+            limits = query_limits(seq_lens.to(dev), num_queries, causal)  # (N, Q)
         limits = limits.to(dev, torch.long).clamp_min(0)  # (N, Q)
         nb = max(1, -(-int(limits.max()) // block_size)) if limits.numel() else 1
         self.n = n
@@ -165,9 +164,7 @@ class TorchStep:
                  for members in by_length(same_n, sp, sp_rank)]
         for n, members in parts:
             g = SeqGroup.build(n, members, sp, sp_rank, device)
-            # keys this rank stores that each query sees: positions sp_rank, sp_rank + sp, ... <= its own
-            p = torch.tensor([s.start for s in members], device=device)[:, None] + torch.arange(n, device=device)
-            limits = torch.div(p - sp_rank, sp, rounding_mode="floor") + 1  # (N, n)
+            limits = striped_limits(members, n, sp, sp_rank, device)  # (N, n)
             self.groups.append(PlannedGroup(g, PagedPlan(g.block_table, None, n, block_size, limits=limits)))
 
     def attend(self, q, cache: LayerCache, *, lse: bool = True) -> List[RowsOut]:

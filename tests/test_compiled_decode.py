@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
+from ringkv.kernels import linear_cpu  # noqa: E402
 from ringkv.parallel.compiled import CPU_MIN_ROWS, CompiledDecode, decode_buckets  # noqa: E402
 from tests.models import needs_smollm2  # noqa: E402
 
@@ -72,6 +73,8 @@ def test_greedy_equals_eager_as_requests_finish(engines):
     assert CPU_MIN_ROWS == 4 and steps == max(lengths)  # one prefill step, 11 decode steps
     assert compiled_steps == 1 + 7  # the prefill (the unfrozen graph), the decode steps of >= 4 rows; 1-3 rows: eager
     assert after["compile_s"] > 0
+    assert after["decode_linear"] == ("packed" if linear_cpu.available() else "onednn")
+    assert eager.rank_stats()[0]["decode_linear"] is None
 
 
 @needs_smollm2

@@ -1,11 +1,8 @@
 """Paged attention on the CPU that reads the cache in place: backend ``"cpu"``, the CPU default
 when a C compiler is present.
 
-``csrc/paged_attention.c`` (plain C and OpenMP, no torch headers) is compiled on first use with
-the system's C compiler (``$CC``, else ``cc``/``gcc``) into ``$RINGKV_CACHE`` (default
-``~/.cache/ringkv``)``/kernels``, keyed by the source, the flags and the CPU, and loaded with
-``ctypes``; OpenMP resolves to the runtime torch already loaded, so the kernel shares torch's
-threads (``torch.get_num_threads()``). ``RINGKV_NATIVE_PAGED=0`` turns it off.
+``csrc/paged_attention.c`` (plain C and OpenMP, no torch headers) is compiled on first use and
+loaded by ``native.load`` (it shares torch's threads). ``RINGKV_NATIVE_PAGED=0`` turns it off.
 
 Against the ``"torch"`` backend (gather each group's blocks into a padded copy, then SDPA), it
 reads each sequence's own keys once, with no copy and no padding. It takes float32 queries over
@@ -16,68 +13,22 @@ quantized cache, a device other than the CPU, or no compiler) goes to the ``"tor
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
 from functools import lru_cache
-from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
 
-from . import paged_torch
+from . import native, paged_torch
 from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, check_capacity, query_limits,
                          striped_limits, validate_paged)
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
-
-
-def _cpu_id() -> str:
-    """What ``-march=native`` compiles for: the CPU model and flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))][:2]
-        return "\n".join(lines)
-    except OSError:
-        return platform.processor() or platform.machine()
 
 
 @lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
-    """The compiled kernel, built on first use; None when turned off or no compiler builds it
-    (with a warning saying why)."""
-    if os.environ.get("RINGKV_NATIVE_PAGED", "1") == "0" or platform.system() != "Linux":
-        return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        warnings.warn("ringkv: no C compiler found; the CPU paged attention uses the torch backend")
-        return None
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join([cc, *FLAGS]).encode(), _cpu_id().encode()])).hexdigest()[:16]
-    root = Path(os.environ.get("RINGKV_CACHE") or Path.home() / ".cache" / "ringkv") / "kernels"
-    path = root / f"paged_attention-{key}.so"
-    try:
-        if not path.exists():
-            root.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)  # several ranks may build at once
-            os.close(fd)
-            try:
-                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
-                               timeout=120)
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        warnings.warn(f"ringkv: building the CPU paged-attention kernel failed ({e}; "
-                      f"{detail.decode(errors='replace')[-500:]}); using the torch backend")
+    """The compiled kernel (``native.load``), built on first use; None when turned off or no
+    compiler builds it (with a warning saying why)."""
+    lib = native.load("paged_attention", "RINGKV_NATIVE_PAGED")
+    if lib is None:
         return None
     fn = lib.ringkv_paged_attention_f32
     fn.restype = ctypes.c_int

@@ -66,6 +66,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..kernels import linear_cpu
 from .pp import stage_forward
 
 CPU_MIN_ROWS = 4  # CPU: fewer rows run eagerly (measured slower compiled; docstring)
@@ -140,6 +141,7 @@ class CompiledDecode:
 
     def __init__(self, model, buckets: Sequence[int], device, *, first_stage: bool):
         self.model, self.first_stage = model, first_stage
+        self.decode_model = model  # what the decode graph and its LM head run (CPU: packed linears)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.buckets = tuple(sorted({int(b) for b in buckets}))
@@ -150,12 +152,20 @@ class CompiledDecode:
             self._head = None  # one GEMM: nothing for a CUDA graph to save
         else:  # one frozen graph, any T >= CPU_MIN_ROWS (its dim 0 marked dynamic in warm_up)
             self.min_rows = CPU_MIN_ROWS
+            if linear_cpu.packs(model):  # its linears on the packed kernel (a copy sharing all else)
+                self.decode_model = linear_cpu.with_packed_linears(model)
             self._fn = torch.compile(_stage, fullgraph=True)
             self._head = torch.compile(_logits, fullgraph=True) if model.lm_head is not None else None
             self._any = torch.compile(_any_stage, fullgraph=True)
         limit = len(self.buckets) + 8  # an entry per bucket (and per engine made in this process)
         if torch._dynamo.config.recompile_limit < limit:
             torch._dynamo.config.recompile_limit = limit
+
+    @property
+    def linear_kernel(self) -> str:
+        """What runs the decode graph's linears: ``"packed"`` (CPU, ``kernels/linear_cpu.py``),
+        ``"onednn"`` (CPU, the frozen graph's packed oneDNN GEMMs) or ``"cuda"``."""
+        return "cuda" if self.cuda else "packed" if self.decode_model is not self.model else "onednn"
 
     @property
     def enabled(self) -> bool:
@@ -177,9 +187,9 @@ class CompiledDecode:
 
     def _run(self, fn, *args):
         if self.cuda:
-            return fn(self.model, *args)
+            return fn(self.decode_model, *args)
         with torch._inductor.config.patch(freezing=True):  # read while tracing, not only by inductor
-            return fn(self.model, *args)
+            return fn(self.decode_model, *args)
 
     def _call(self, x, positions, ctx, rows: int, fn=None):
         _active.ctx, _active.rows = ctx, rows

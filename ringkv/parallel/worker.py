@@ -161,12 +161,14 @@ class Worker:
 
     def report(self) -> dict:
         """``info()`` plus counters: steps, seconds computing / waiting for the previous stage,
-        this process's resident memory (peak and now) and the sends not yet complete."""
+        this process's resident memory (peak and now) and the sends not yet complete; with
+        ``compile_decode``, which kernel runs the decode graph's linears (``decode_linear``)."""
         st, steps = self.stats, max(1, self.stats.steps)
         return dict(self.info(), steps=st.steps, busy_s=st.busy_s, wait_s=st.wait_s,
                     control_bytes=st.control_bytes / steps, control_s=st.control_s / steps,
                     control_bytes_total=st.control_bytes, control_s_total=st.control_s,
                     compile_s=st.compile_s, compiled_steps=st.compiled_steps,
+                    decode_linear=None if self.compiled is None else self.compiled.linear_kernel,
                     peak_rss_bytes=peak_rss(), rss_bytes=rss(), pending_sends=len(self.link.pending))
 
     def run(self, words: torch.Tensor, nbytes: int) -> None:

@@ -1,0 +1,95 @@
+/* y = x W^T on the CPU for the few rows of a decode step (ringkv/kernels/linear_cpu.py builds
+ * and loads this file; it needs no torch headers).
+ *
+ * w   (N, K)  float32, contiguous: an nn.Linear weight
+ * wp  (P, K, NR) float32: w packed once, P = ceil(N / NR) panels of NR output columns, each
+ *             stored k-major so a panel streams as one contiguous run (columns past N are 0)
+ * x   (M, K)  float32, contiguous;  y (M, N) float32, contiguous
+ *
+ * Panels are split over the threads; a panel's MR-row tiles keep their MR x NR sums in
+ * registers over all of K. While a panel computes, the next one is prefetched, spread over its
+ * k loops, so memory streams while the FMAs run (the win over oneDNN's packed GEMM for a few
+ * rows, where the weights' bytes, not the FLOPs, bound the time). Each output is summed in k
+ * order by one thread: the result does not depend on the number of threads. */
+#include <stdint.h>
+#include <string.h>
+
+#define NR 32 /* output columns per panel: two 16-float vectors */
+#define MR 8  /* rows per register tile: 16 accumulators */
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+int64_t ringkv_linear_packed_floats(int64_t n, int64_t k) { return (n + NR - 1) / NR * k * NR; }
+
+void ringkv_linear_pack_f32(const float *w, float *wp, int64_t n, int64_t k) {
+    int64_t panels = (n + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int j = 0; j < NR; j++) {
+                int64_t col = p * NR + j;
+                wp[(p * k + kk) * NR + j] = col < n ? w[col * k + kk] : 0.f;
+            }
+}
+
+/* rows m0..m0+mr of one panel (ncols <= NR real columns); prefetches pfstep bytes of pf per k */
+static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, int64_t k,
+                                                       int64_t n, int64_t ncols, const int mr, const char *pf,
+                                                       int64_t pfstep) {
+    v16 a0[MR], a1[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) a0[i] = a1[i] = (v16){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        const v16 w0 = *(const v16 *)(w + kk * NR), w1 = *(const v16 *)(w + kk * NR + 16);
+        if (pf) {
+            __builtin_prefetch(pf + kk * pfstep, 0, 3);
+            if (pfstep > 64) __builtin_prefetch(pf + kk * pfstep + 64, 0, 3);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+            if (i < mr) {
+                const float xv = x[i * k + kk];
+                a0[i] += xv * w0;
+                a1[i] += xv * w1;
+            }
+    }
+    for (int i = 0; i < mr; i++) {
+        if (ncols == NR) {
+            *(v16u *)(y + i * n) = a0[i];
+            *(v16u *)(y + i * n + 16) = a1[i];
+        } else {
+            float buf[NR];
+            memcpy(buf, &a0[i], sizeof(v16));
+            memcpy(buf + 16, &a1[i], sizeof(v16));
+            memcpy(y + i * n, buf, ncols * sizeof(float));
+        }
+    }
+}
+
+void ringkv_linear_f32(const float *x, const float *wp, float *y, int64_t m, int64_t n, int64_t k) {
+    const int64_t panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR, bytes = k * NR * (int64_t)sizeof(float);
+    /* bytes of the next panel to prefetch per k step: its lines spread over this panel's tiles */
+    const int64_t pfstep = ((bytes + tiles * k - 1) / (tiles * k) + 63) / 64 * 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const float *w = wp + p * k * NR;
+        const int64_t ncols = n - p * NR < NR ? n - p * NR : NR;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t m0 = t * MR, mr = m - m0 < MR ? m - m0 : MR;
+            const char *pf = p + 1 < panels && t * k * pfstep < bytes ? (const char *)(w + k * NR) + t * k * pfstep : 0;
+            const float *xm = x + m0 * k;
+            float *ym = y + m0 * n + p * NR;
+            switch (mr) { /* a register tile per row count */
+            case 8: tile(xm, w, ym, k, n, ncols, 8, pf, pfstep); break;
+            case 7: tile(xm, w, ym, k, n, ncols, 7, pf, pfstep); break;
+            case 6: tile(xm, w, ym, k, n, ncols, 6, pf, pfstep); break;
+            case 5: tile(xm, w, ym, k, n, ncols, 5, pf, pfstep); break;
+            case 4: tile(xm, w, ym, k, n, ncols, 4, pf, pfstep); break;
+            case 3: tile(xm, w, ym, k, n, ncols, 3, pf, pfstep); break;
+            case 2: tile(xm, w, ym, k, n, ncols, 2, pf, pfstep); break;
+            default: tile(xm, w, ym, k, n, ncols, 1, pf, pfstep); break;
+            }
+        }
+    }
+}

@@ -1,0 +1,75 @@
+"""``kernels/linear_cpu.py``: the packed CPU linear of compiled decode steps against float64
+``x @ W.T + b`` (its error no worse than MKL's own, over drawn shapes that cross the kernel's
+row tiles and column panels), bitwise the same for any thread count, a module copy that packs
+only its float32 linears and shares every other tensor, and bad packed weights rejected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from ringkv.kernels import linear_cpu
+
+pytestmark = pytest.mark.skipif(not linear_cpu.available(), reason="no C compiler builds the kernel here")
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 70), n=st.integers(1, 100), k=st.integers(1, 90), bias=st.booleans(),
+       lead=st.sampled_from([(), (2,)]), seed=st.integers(0, 2 ** 16))
+def test_matches_float64_as_closely_as_mkl(m, n, k, bias, lead, seed):
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    x = torch.randn(*lead, m, k, generator=g)  # (..., M, K)
+    want = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+    got = linear_cpu.PackedLinear(lin)(x)  # (..., M, N)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    mkl = (lin(x).double() - want).abs().max().item()
+    assert (got.double() - want).abs().max().item() <= 4 * mkl + 1e-5 * k ** 0.5
+
+
+def test_bitwise_the_same_for_any_thread_count():
+    torch.manual_seed(0)
+    w, x = torch.randn(1000, 576), torch.randn(21, 576)  # panels and row tiles with remainders
+    packed = linear_cpu.pack(w)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(torch.ops.ringkv.packed_linear(x, packed, 1000))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_module_copy_packs_float32_linears_and_shares_the_rest():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 24), nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 24, bias=False),
+                          nn.Linear(24, 8).double())
+    copy = linear_cpu.with_packed_linears(model)
+    assert linear_cpu.packs(model)
+    assert [type(m).__name__ for m in copy] == ["Embedding", "PackedLinear", "ReLU", "PackedLinear", "Linear"]
+    assert [type(m).__name__ for m in model] == ["Embedding", "Linear", "ReLU", "Linear", "Linear"]  # untouched
+    assert copy[0].weight is model[0].weight and copy[1].bias is model[1].bias and copy[4].weight is model[4].weight
+    x = torch.randint(0, 50, (7,))
+    a, b = model[:4](x), copy[:4](x)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert not linear_cpu.packs(nn.Sequential(nn.Linear(3, 3).double()))
+
+
+def test_bad_packed_weights_are_rejected():
+    w = torch.randn(40, 16)
+    packed = linear_cpu.pack(w)
+    with pytest.raises(ValueError, match="do not hold"):
+        torch.ops.ringkv.packed_linear(torch.randn(3, 16), packed, 80)  # not this weight's size
+    with pytest.raises(ValueError, match="do not hold"):
+        torch.ops.ringkv.packed_linear(torch.randn(3, 16).double(), packed, 40)
+    with pytest.raises(ValueError, match="2-D float32 CPU weight"):
+        linear_cpu.pack(w.double())

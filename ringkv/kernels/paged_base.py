@@ -131,15 +131,19 @@ class SeqGroup:
     rows: torch.Tensor  # (N * n,) local query rows, sequence-major
     block_table: torch.Tensor  # (N, width) int32, padded with 0
     seq_lens: torch.Tensor  # (N,) int32: keys stored here, the new ones included
+    leading: bool = False  # rows are 0, 1, ..., N * n - 1 (a decode step's usual order): no gather
 
     @classmethod
     def build(cls, n: int, seqs: Sequence[PagedSeq], sp: int, sp_rank: int, device) -> "SeqGroup":
-        return cls(n, tuple(seqs), torch.tensor([s.row + j for s in seqs for j in range(n)], device=device),
-                   padded_table([s.block_table for s in seqs], device),
-                   torch.tensor([s.keys(sp, sp_rank) for s in seqs], dtype=torch.int32, device=device))
+        rows = [s.row + j for s in seqs for j in range(n)]
+        return cls(n, tuple(seqs), torch.tensor(rows, device=device), padded_table([s.block_table for s in seqs], device),
+                   torch.tensor([s.keys(sp, sp_rank) for s in seqs], dtype=torch.int32, device=device),
+                   leading=rows == list(range(len(rows))))
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """``q (T, H, D)`` -> this group's ``(N, n, H, D)``."""
+        if self.leading:  # the first rows as they are: a view where q allows one
+            return q[:self.rows.numel()].reshape(-1, self.n, *q.shape[1:])
         return q.index_select(0, self.rows).view(-1, self.n, *q.shape[1:])
 
     def result(self, out: torch.Tensor, lse: Optional[torch.Tensor] = None) -> RowsOut:

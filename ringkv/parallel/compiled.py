@@ -15,18 +15,22 @@ never traced; the compiler only knows its output has ``q``'s shape. On CUDA ever
 model file is unchanged.
 
 **CPU, decode steps** (tested): one graph with a dynamic row count, compiled with inductor's
-``freezing``: the weights become constants, so the fp32 linears run through oneDNN with
-weights packed once (the speedup: unpacked, the compiled graph measured no faster than eager
-for decode, its GEMMs being the same MKL calls), and the elementwise ops are fused; the LM
-head of those steps is a second frozen graph. Both compile once, when the worker starts
+``freezing``, the elementwise ops fused; the LM head of those steps is a second frozen graph.
+The linears (float32) run on ``kernels/linear_cpu.py``'s packed C kernel: the graph is traced
+over a copy of the stage (``decode_model``, sharing every other tensor) whose ``nn.Linear`` s
+are ``PackedLinear`` s, weights packed once here (decode steps of 16 rows 60 -> 51 ms, of 64
+rows 122 -> 111 ms against oneDNN's packed GEMM, docs/performance.md). Without the kernel (no
+compiler, ``RINGKV_NATIVE_LINEAR=0``, other dtypes) freezing packs the weights for oneDNN
+instead (unpacked, the compiled graph measured no faster than eager for decode, its GEMMs
+being the same MKL calls); ``linear_kernel`` says which runs. Both compile once, when the worker starts
 (``warm_up``; ``compile_s`` in ``Worker.report()``). Measured there (docs/engine.md, one
 thread): decode steps of 4 to 64 rows 1.1-1.5x faster, of 1 to 3 rows 0.84-0.97x (MKL's
 small-``M`` GEMM beats the packed oneDNN one), so steps of fewer than ``CPU_MIN_ROWS = 4`` rows
 stay eager. Why no buckets on CPU: a frozen graph per static bucket gets MKL's packing
 instead, which holds its own copy of every weight per bucket (4x the weights' bytes each)
 and costs another half minute of compiling per bucket; the one dynamic graph compiles once.
-Its packed weights are a second copy of the stage's weights (the other graphs and the eager
-path keep the originals).
+Its packed weights (either kind) are a second copy of the stage's linear weights (the other
+graphs and the eager path keep the originals).
 
 **CPU, every other step** (prefill, chunks, steps mixing them with decode rows;
 ``CPU_MIN_ROWS`` rows or more): a second dynamic graph, NOT frozen: its

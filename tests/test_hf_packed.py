@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 
 import ringkv
 from ringkv import hf
@@ -115,6 +115,10 @@ def packed_case(draw):
 
 @settings(max_examples=12, **WORLD_SETTINGS)
 @given(case=packed_case())
+# one document per row, given as DataCollatorWithFlattening gives it (form "all"): the model packs the
+# rows into one, and the helpers told only position_ids must see that (drawn once in CI, then failing)
+@example(case=dict(arch="llama", sp=1, layout="contiguous", inputs="full", form="all", rows=[[2], [2]], seed=0))
+@example(case=dict(arch="llama", sp=2, layout="zigzag", inputs="full", form="all", rows=[[3], [3], [3]], seed=1))
 def test_packed_documents_match_the_unpatched_model_per_document(world, case):
     _check_packed(world, case["arch"], case["sp"], case["layout"], case["inputs"], case["form"], case["rows"],
                   case["seed"])

@@ -18,9 +18,7 @@ if not torch.cuda.is_available():
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import shutil
-
-from ringkv.kernels import attention, paged, paged_cpu, quant
+from ringkv.kernels import attention, native, paged, paged_cpu, quant
 from ringkv.kernels.paged import paged_attention, paged_attention_reference
 
 try:
@@ -261,7 +259,7 @@ def test_triton_backend_sends_single_tokens_to_decode_and_chunks_to_prefill(monk
         paged.paged_prefill(q[0], kc, vc, table, torch.tensor([0, 3, 3]), lens, max_seqlen_q=3, sp=2, sp_rank=2)
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+@pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 def test_cpu_kernel_builds_and_is_the_cpu_default():
     """Where a C compiler is, the kernel builds and ``auto`` picks it on the CPU (a failed build
     would silently fall back to the slower "torch" backend)."""

@@ -107,11 +107,14 @@ class PackedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def _packable(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+
+
 def packs(module: nn.Module) -> bool:
     """Whether ``with_packed_linears`` would pack anything in ``module``: the kernel loads and
     its linears are float32 on the CPU."""
-    return available() and any(isinstance(m, nn.Linear) and m.weight.dtype == torch.float32
-                               and m.weight.device.type == "cpu" for m in module.modules())
+    return available() and any(_packable(m) for m in module.modules())
 
 
 def with_packed_linears(module: nn.Module) -> nn.Module:
@@ -122,7 +125,6 @@ def with_packed_linears(module: nn.Module) -> nn.Module:
     out = copy.deepcopy(module, memo)
     for m in list(out.modules()):
         for child_name, child in list(m.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 \
-                    and child.weight.device.type == "cpu":
+            if _packable(child):
                 setattr(m, child_name, PackedLinear(child))
     return out

@@ -35,6 +35,11 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
+def compiler() -> Optional[str]:
+    """The C compiler the kernels are built with: ``$CC``, else ``cc`` or ``gcc`` on the path."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @lru_cache(maxsize=None)
 def load(name: str, switch: str) -> Optional[ctypes.CDLL]:
     """``csrc/<name>.c`` compiled and loaded, built on first use; None when the environment
@@ -43,7 +48,7 @@ def load(name: str, switch: str) -> Optional[ctypes.CDLL]:
     if os.environ.get(switch, "1") == "0" or platform.system() != "Linux":
         return None
     source = CSRC / f"{name}.c"
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     if cc is None:
         warnings.warn(f"ringkv: no C compiler found; the {name} kernel is off (the torch path runs)")
         return None

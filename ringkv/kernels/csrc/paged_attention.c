@@ -7,10 +7,13 @@
  * limits (N, Q)         int64: query i of sequence n sees its first limits[n, i] keys
  * out    (N, Q, H, D)   float32; lse (N, H, Q) float32 or NULL
  *
- * Query head h reads K/V head h / (H / HKV). One work item is (sequence, K/V head): its
- * G * Q query rows share each K/V row read. Scores are kept (rows x keys), so K and V are each
- * read once and the softmax needs no rescaling. A row that sees no key gets out 0, lse -inf.
- * Each item runs on one thread, so the result does not depend on the number of threads.
+ * Query head h reads K/V head h / (H / HKV). A work item is a whole sequence when there are at
+ * least 2 per thread (a block is then read as one contiguous run), else one (sequence, K/V head);
+ * the G * Q query rows of a K/V head share each K/V row read. Scores are kept (rows x keys), so K
+ * and V are each read once and the softmax needs no rescaling; it runs 8 scores at a time (exp8),
+ * and the V sums keep their row in registers (weighted_sum). A row that sees no key gets out 0,
+ * lse -inf. Each row is computed by one thread in the same order whatever the items, so the
+ * result does not depend on the number of threads.
  * Returns 0; 1 when scratch memory could not be allocated; 2 when a block the queries read lies
  * outside [0, nb) (checked before anything is read). out is incomplete unless 0. */
 #include <math.h>
@@ -38,8 +41,84 @@ static inline void prefetch_block(const float *base, int64_t rows, int64_t slot,
         for (int64_t e = 0; e < d; e += 64 / sizeof(float)) __builtin_prefetch(base + t * slot + e);
 }
 
-static inline void axpy(float *y, float a, const float *x, int64_t d) {
-    for (int64_t e = 0; e < d; e++) y[e] += a * x[e];
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+static inline v8 pick(i8 mask, v8 a, v8 b) { return (v8)(((i8)a & mask) | ((i8)b & ~mask)); } /* mask ? a : b */
+
+/* exp(x) for x <= 0 (a score minus its row's maximum), 8 at a time: x = n ln2 + f, |f| <= ln2 / 2,
+ * exp(f) by Cephes' degree-7 polynomial (relative error ~1e-7, as expf), times 2^n built in the
+ * exponent bits. Below -87.3 (where 2^n would leave the normal range) it gives exp(-87.3),
+ * ~1e-38, which adds nothing next to the row maximum's 1. */
+static inline v8 exp8(v8 x) {
+    const v8 lo = (v8){0} - 87.33654f;
+    x = pick(x < lo, lo, x);
+    const v8 t = x * 1.44269504088896341f + 0.5f;
+    i8 n = __builtin_convertvector(t, i8);         /* truncates toward 0 */
+    n += (i8)(__builtin_convertvector(n, v8) > t);  /* to floor(t): -1 where it rounded up */
+    const v8 fn = __builtin_convertvector(n, v8);
+    const v8 f = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+    v8 y = f * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * f + 8.3334519073e-3f;
+    y = y * f + 4.1665795894e-2f;
+    y = y * f + 1.6666665459e-1f;
+    y = y * f + 5.0000001201e-1f;
+    y = y * f * f + f + 1.f;
+    return y * (v8)((n + 127) << 23);
+}
+
+/* In place over one row of n scores: p = exp(p - max), returning the max; *total gets the sum. */
+static inline float softmax_row(float *p, int64_t n, float *total) {
+    int64_t j = 0;
+    float m = -INFINITY;
+    if (n >= 8) {
+        v8 mv = *(const v8u *)p;
+        for (j = 8; j + 8 <= n; j += 8) {
+            const v8 t = *(const v8u *)(p + j);
+            mv = pick(t > mv, t, mv);
+        }
+        for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
+    }
+    for (; j < n; j++) m = p[j] > m ? p[j] : m;
+    v8 sv = {0};
+    for (j = 0; j + 8 <= n; j += 8) {
+        const v8 e = exp8(*(const v8u *)(p + j) - m);
+        *(v8u *)(p + j) = e;
+        sv += e;
+    }
+    float s = 0.f;
+    if (j < n) {  /* the last partial group, through a padded copy */
+        v8 t = (v8){0} + m;
+        for (int64_t l = j; l < n; l++) t[l - j] = p[l];
+        t = exp8(t - m);
+        for (int64_t l = j; l < n; l++) {
+            p[l] = t[l - j];
+            s += t[l - j];
+        }
+    }
+    for (int l = 0; l < 8; l++) s += sv[l];
+    *total = s;
+    return m;
+}
+
+/* acc (d floats) += sum over keys j < n of p[j] * (row j of vb, rows slot floats apart); d a
+ * multiple of 8 up to 128 keeps acc in registers over the keys. */
+static inline __attribute__((always_inline)) void weighted_sum(float *acc, const float *p, const float *vb, int64_t n,
+                                                               int64_t slot, int64_t d) {
+    if (d % 8 == 0 && d <= 128) {
+        v8 a[16];
+        const int64_t nv = d / 8;
+        for (int64_t e = 0; e < nv; e++) a[e] = *(const v8u *)(acc + 8 * e);
+        for (int64_t j = 0; j < n; j++) {
+            const float *row = vb + j * slot;
+            for (int64_t e = 0; e < nv; e++) a[e] += p[j] * *(const v8u *)(row + 8 * e);
+        }
+        for (int64_t e = 0; e < nv; e++) *(v8u *)(acc + 8 * e) = a[e];
+        return;
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t e = 0; e < d; e++) acc[e] += p[j] * vb[j * slot + e];
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -71,12 +150,14 @@ static inline void scores(const float *qr, const float *kr, int64_t nk, int64_t 
     for (; t < nk; t++) dst[t] = dot(qr, kr + t * slot, d);
 }
 
-/* One (sequence, K/V head) item; d is a constant where the caller can make it one. */
+/* One item: sequence s, K/V heads kh0 .. kh1 - 1 (all of them where there are enough sequences:
+ * a block's rows are then read whole, one contiguous run); d is a constant where the caller can
+ * make it one. */
 static inline __attribute__((always_inline)) int item(
         const float *q, const float *k, const float *v, const int32_t *blocks, const int64_t *limits, float *out,
-        float *lse, int64_t s, int64_t kh, int64_t nq, int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t w,
-        float scale, int64_t nb) {
-    const int64_t g = h / hkv, rows = g * nq, slot = hkv * d;
+        float *lse, int64_t s, int64_t kh0, int64_t kh1, int64_t nq, int64_t h, int64_t hkv, int64_t d, int64_t bs,
+        int64_t w, float scale, int64_t nb) {
+    const int64_t g = h / hkv, per = g * nq, rows = (kh1 - kh0) * per, slot = hkv * d, span = (kh1 - kh0) * d;
     int64_t lmax = 0;
     for (int64_t i = 0; i < nq; i++)
         if (limits[s * nq + i] > lmax) lmax = limits[s * nq + i];
@@ -84,7 +165,7 @@ static inline __attribute__((always_inline)) int item(
     for (int64_t b = 0; b * bs < lmax; b++)
         if (blocks[b] < 0 || blocks[b] >= nb) return 2;
     const int64_t width = (lmax + 7) / 8 * 8;  /* a row of scores, room for whole groups of 8 */
-    /* rows r = gi * nq + i: query i of head kh * g + gi */
+    /* rows r = (kh - kh0) * per + gi * nq + i: query i of head kh * g + gi */
     float *qs = malloc(sizeof(float) * (size_t)(2 * rows * d + rows * width + 2 * rows));
     int64_t *lim = malloc(sizeof(int64_t) * (size_t)rows);
     if (!qs || !lim) {
@@ -94,42 +175,34 @@ static inline __attribute__((always_inline)) int item(
     }
     float *acc = qs + rows * d, *p = acc + rows * d, *m = p + rows * width, *sum = m + rows;
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t gi = r / nq, i = r % nq;
-        const float *src = q + ((s * nq + i) * h + kh * g + gi) * d;
+        const int64_t gi = r % per / nq, i = r % nq, head = (kh0 + r / per) * g + gi;
+        const float *src = q + ((s * nq + i) * h + head) * d;
         for (int64_t e = 0; e < d; e++) qs[r * d + e] = src[e] * scale;
         lim[r] = limits[s * nq + i] < lmax ? limits[s * nq + i] : lmax;
         if (lim[r] < 0) lim[r] = 0;
     }
     memset(acc, 0, sizeof(float) * (size_t)(rows * d));
     for (int64_t j0 = 0; j0 < lmax; j0 += bs) {  /* scores */
-        const float *kb = k + (int64_t)blocks[j0 / bs] * bs * slot + kh * d;
+        const float *kb = k + (int64_t)blocks[j0 / bs] * bs * slot + kh0 * d;
         const int64_t end = j0 + bs < lmax ? j0 + bs : lmax;
-        if (end < lmax) prefetch_block(k + (int64_t)blocks[end / bs] * bs * slot + kh * d, bs, slot, d);
-        else prefetch_block(v + (int64_t)blocks[0] * bs * slot + kh * d, bs, slot, d);
-        for (int64_t r = 0; r < rows; r++) scores(qs + r * d, kb, end - j0, slot, d, p + r * width + j0);
+        if (end < lmax) prefetch_block(k + (int64_t)blocks[end / bs] * bs * slot + kh0 * d, bs, slot, span);
+        else prefetch_block(v + (int64_t)blocks[0] * bs * slot + kh0 * d, bs, slot, span);
+        for (int64_t r = 0; r < rows; r++)
+            scores(qs + r * d, kb + r / per * d, end - j0, slot, d, p + r * width + j0);
     }
-    for (int64_t r = 0; r < rows; r++) {  /* softmax over each row's visible keys */
-        float *pr = p + r * width, mr = -INFINITY, total = 0.f;
-        for (int64_t j = 0; j < lim[r]; j++) mr = pr[j] > mr ? pr[j] : mr;
-        for (int64_t j = 0; j < lim[r]; j++) {
-            pr[j] = expf(pr[j] - mr);
-            total += pr[j];
-        }
-        m[r] = mr;
-        sum[r] = total;
-    }
+    for (int64_t r = 0; r < rows; r++)  /* softmax over each row's visible keys */
+        m[r] = softmax_row(p + r * width, lim[r], sum + r);
     for (int64_t j0 = 0; j0 < lmax; j0 += bs) {  /* weighted sum of V */
-        const float *vb = v + (int64_t)blocks[j0 / bs] * bs * slot + kh * d;
+        const float *vb = v + (int64_t)blocks[j0 / bs] * bs * slot + kh0 * d;
         const int64_t end = j0 + bs < lmax ? j0 + bs : lmax;
-        if (end < lmax) prefetch_block(v + (int64_t)blocks[end / bs] * bs * slot + kh * d, bs, slot, d);
+        if (end < lmax) prefetch_block(v + (int64_t)blocks[end / bs] * bs * slot + kh0 * d, bs, slot, span);
         for (int64_t r = 0; r < rows; r++) {
             const int64_t stop = end < lim[r] ? end : lim[r];
-            float *ar = acc + r * d;
-            for (int64_t j = j0; j < stop; j++) axpy(ar, p[r * width + j], vb + (j - j0) * slot, d);
+            if (stop > j0) weighted_sum(acc + r * d, p + r * width + j0, vb + r / per * d, stop - j0, slot, d);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t gi = r / nq, i = r % nq, head = kh * g + gi;
+        const int64_t gi = r % per / nq, i = r % nq, head = (kh0 + r / per) * g + gi;
         float *dst = out + ((s * nq + i) * h + head) * d;
         for (int64_t e = 0; e < d; e++) dst[e] = lim[r] > 0 ? acc[r * d + e] / sum[r] : 0.f;
         if (lse) lse[(s * h + head) * nq + i] = lim[r] > 0 ? m[r] + logf(sum[r]) : -INFINITY;
@@ -143,17 +216,20 @@ int ringkv_paged_attention_f32(const float *q, const float *k, const float *v, c
                                const int64_t *limits, float *out, float *lse, int64_t n, int64_t nq, int64_t h,
                                int64_t hkv, int64_t d, int64_t nb, int64_t bs, int64_t w, float scale,
                                int nthreads) {
+    /* whole sequences when there are enough to share out, else one item per (sequence, K/V head);
+     * each row's arithmetic is the same either way */
+    const int64_t heads = n >= 2 * (int64_t)nthreads ? hkv : 1, per_seq = hkv / heads;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
-    for (int64_t it = 0; it < n * hkv; it++) {
-        const int64_t s = it / hkv, kh = it % hkv;
+    for (int64_t it = 0; it < n * per_seq; it++) {
+        const int64_t s = it / per_seq, kh0 = it % per_seq * heads, kh1 = kh0 + heads;
         const int32_t *blocks = table + s * w;
         if (d == 64)
-            failed |= item(q, k, v, blocks, limits, out, lse, s, kh, nq, h, hkv, 64, bs, w, scale, nb);
+            failed |= item(q, k, v, blocks, limits, out, lse, s, kh0, kh1, nq, h, hkv, 64, bs, w, scale, nb);
         else if (d == 128)
-            failed |= item(q, k, v, blocks, limits, out, lse, s, kh, nq, h, hkv, 128, bs, w, scale, nb);
+            failed |= item(q, k, v, blocks, limits, out, lse, s, kh0, kh1, nq, h, hkv, 128, bs, w, scale, nb);
         else
-            failed |= item(q, k, v, blocks, limits, out, lse, s, kh, nq, h, hkv, d, bs, w, scale, nb);
+            failed |= item(q, k, v, blocks, limits, out, lse, s, kh0, kh1, nq, h, hkv, d, bs, w, scale, nb);
     }
     return failed;
 }

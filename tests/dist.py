@@ -80,8 +80,8 @@ def settled_keys(store) -> int:
 
 
 class World:
-    def __init__(self, size: int, pg_timeout_s: float = 120.0):
-        ctx = mp.get_context("spawn")
+    def __init__(self, size: int, pg_timeout_s: float = 120.0, context=None):
+        ctx = context or mp.get_context("spawn")  # context: e.g. a forkserver that imported torch once
         self.size = size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(size)]

@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def test_cluster_benchmark_prefix(tmp_path):
+def test_cluster_benchmark_prefix(tmp_path, bench_cache):
     out, plot = tmp_path / "cluster.json", tmp_path / "cluster.png"
-    env = dict(os.environ, RINGKV_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, RINGKV_CACHE=bench_cache, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "benchmarks/cluster.py", "--scenario", "prefix", "--setups", "kv",
                            "--model", "tiny-test", "--prefixes", "2", "--per-prefix", "3", "--prefix-tokens", "48",
                            "--suffix-tokens", "4", "--prefix-max-tokens", "4", "--prefix-rate", "8",

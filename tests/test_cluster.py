@@ -48,31 +48,35 @@ def free_port() -> int:
 
 
 class Proc:
-    """``python -m ringkv <args> --port P``, waited for until ``/health`` answers 200."""
+    """``python -m ringkv <args> --port P``, waited for until ``/health`` answers 200 (with
+    ``wait=False``: started, and waited for by ``wait_up()``, so that several start side by side)."""
 
-    def __init__(self, *args: str, up: int = 1, key: str = None):
+    def __init__(self, *args: str, up: int = 1, key: str = None, wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
         env.pop("RINGKV_ADMIN_KEY", None)
         self.headers = {} if key is None else {"x-ringkv-admin-key": key}
+        self.name, self.up, self.deadline = args[0], up, time.time() + 300
         self.proc = subprocess.Popen([sys.executable, "-m", "ringkv", *args, "--port", str(self.port)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        deadline = time.time() + 300
-        while time.time() < deadline:
+        self.client = OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        if wait:
+            self.wait_up()
+
+    def wait_up(self) -> "Proc":
+        while time.time() < self.deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{args[0]} exited: {self.proc.stdout.read()[-3000:]}")
+                raise RuntimeError(f"{self.name} exited: {self.proc.stdout.read()[-3000:]}")
             try:
                 r = httpx.get(self.url + "/health", timeout=2)
-                if up == 0 or r.status_code == 200 and r.json().get("up", up) >= up:  # up=0: once it answers
-                    break
+                if self.up == 0 or r.status_code == 200 and r.json().get("up", self.up) >= self.up:  # 0: it answers
+                    return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        else:
-            self.close()
-            raise RuntimeError(f"{args[0]} did not start")
-        self.client = OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        self.close()
+        raise RuntimeError(f"{self.name} did not start")
 
     def get(self, path: str, **kw):
         return httpx.get(self.url + path, headers=self.headers, timeout=60, **kw)
@@ -294,7 +298,9 @@ def test_bad_admin_input_is_refused(front):
 def test_a_killed_instance_loses_no_request_and_rejoins(front, smol):
     prompts = [f"Story {i}: once upon a time there was a" for i in range(4)]
     messages = [{"role": "user", "content": "Describe a forest in two sentences."}]
-    want = [greedy(smol, p, 48) for p in prompts] + [[greedy(smol, messages, 48, chat=True)] * 2]
+    # the references in one batch (as the instances run them), not one by one: ~3x faster
+    want = [o.text for o in smol.generate(prompts, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)]
+    want += [[greedy(smol, messages, 48, chat=True)] * 2]
     got, errors, started = {}, [], threading.Barrier(len(prompts) + 2)
 
     def one(i):  # 0-3: completions; 4: a chat with n = 2 (each choice continues on its own)
@@ -372,9 +378,11 @@ def tokens_of(stream) -> list:
 
 @pytest.mark.slow
 def test_admin_is_off_by_default(meshes, tiny):
-    plain = Proc("serve", "--model", tiny, "--block-size", "4")
-    router = Proc("router", "--upstream", meshes[0].url, up=0)
+    plain = Proc("serve", "--model", tiny, "--block-size", "4", wait=False)
+    router = Proc("router", "--upstream", meshes[0].url, up=0, wait=False)
     try:
+        plain.wait_up()
+        router.wait_up()
         for path in ("/internal/state", "/internal/attach/x"):
             assert httpx.get(plain.url + path, timeout=10).status_code == 404
         assert httpx.post(plain.url + "/internal/accept", json={"host": "127.0.0.1"}, timeout=10).status_code == 404
@@ -474,10 +482,16 @@ def test_replicas_that_cannot_start_stop_the_front_with_the_reason(tmp_path):
     bad = tmp_path / "empty-model"
     bad.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    r = subprocess.run([sys.executable, "-m", "ringkv", "serve", "--model", str(bad), "--replicas", "2",
-                        "--port", str(free_port())], capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 1, r.stderr
-    assert "no config.json" in r.stderr and "every instance failed to start" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "ringkv", "serve", "--model", str(tmp_path / "nope"), "--replicas", "2"],
-                       capture_output=True, text=True, timeout=60, env=env)
-    assert r.returncode == 2 and "no model at" in r.stderr
+    nope = subprocess.Popen([sys.executable, "-m", "ringkv", "serve", "--model", str(tmp_path / "nope"), "--replicas",
+                             "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # meanwhile
+    try:
+        r = subprocess.run([sys.executable, "-m", "ringkv", "serve", "--model", str(bad), "--replicas", "2",
+                            "--port", str(free_port())], capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 1, r.stderr
+        assert "no config.json" in r.stderr and "every instance failed to start" in r.stderr
+        _, stderr = nope.communicate(timeout=60)
+        assert nope.returncode == 2 and "no model at" in stderr
+    finally:
+        if nope.poll() is None:
+            nope.kill()
+            nope.wait()

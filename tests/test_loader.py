@@ -112,17 +112,26 @@ def test_gguf_and_cli():
     from ringkv.model.smollm2 import gguf_path
     from tests.models import smollm2_path
 
-    from_gguf, cfg, tok = load_model(gguf_path())
-    from_dir, _, tok2 = load_model(smollm2_path())
-    assert tok is not None and tok2 is not None and cfg.tie_word_embeddings
-    for (k, a), b in zip(from_gguf.state_dict().items(), from_dir.state_dict().values()):
-        assert torch.equal(a, b), k
+    # the CLI runs (one thread each) start first and run while this process de-quantizes the GGUF file
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    out = subprocess.run([sys.executable, "-m", "ringkv", "generate", "--model", smollm2_path(), "--prompt",
-                          "The capital of France is", "--max-tokens", "4"], capture_output=True, text=True,
-                         env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "Paris" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "ringkv", "generate", "--model", "/nonexistent", "--prompt", "x"],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert bad.returncode == 2 and "/nonexistent" in bad.stderr
+    cli = subprocess.Popen([sys.executable, "-m", "ringkv", "generate", "--model", smollm2_path(), "--prompt",
+                            "The capital of France is", "--max-tokens", "4"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)
+    bad_cli = subprocess.Popen([sys.executable, "-m", "ringkv", "generate", "--model", "/nonexistent", "--prompt", "x"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        from_gguf, cfg, tok = load_model(gguf_path())
+        from_dir, _, tok2 = load_model(smollm2_path())
+        assert tok is not None and tok2 is not None and cfg.tie_word_embeddings
+        for (k, a), b in zip(from_gguf.state_dict().items(), from_dir.state_dict().values()):
+            assert torch.equal(a, b), k
+        stdout, stderr = cli.communicate(timeout=300)
+        assert cli.returncode == 0, stderr
+        assert "Paris" in stdout
+        _, stderr = bad_cli.communicate(timeout=300)
+        assert bad_cli.returncode == 2 and "/nonexistent" in stderr
+    finally:
+        for proc in (cli, bad_cli):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -138,11 +138,21 @@ def test_cli_under_torchrun():
             "--max-tokens", "6"]
     runs = [[sys.executable, *args],  # (spawned ranks from the CLI: tests/test_serve.py, ringkv serve --pp 2)
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args, "--sp", "2"]]
-    outs = [subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300) for cmd in runs]
-    for o in outs:
-        assert o.returncode == 0, o.stderr[-2000:]
-    assert "Paris" in outs[0].stdout
-    assert outs[1].stdout == outs[0].stdout  # rank 0 alone prints
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for cmd in runs]  # side by side: each rank has one thread
+    try:
+        stdouts = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=300)
+            assert p.returncode == 0, stderr[-2000:]
+            stdouts.append(stdout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert "Paris" in stdouts[0]
+    assert stdouts[1] == stdouts[0]  # rank 0 alone prints
 
 
 def test_migration_mid_generation_equals_transformers(setup):

@@ -366,6 +366,27 @@ def fresh_world():
         stop()
 
 
+def test_torchrun_engine_broken_by_a_dead_rank_fails_the_next_calls_at_once(fresh_world):
+    """Torchrun pp=2, rank 1 killed in step 5: rank 0's call fails within the timeout and breaks
+    the engine. Its next calls waited the whole timeout again each (the call handshake with the
+    dead rank ran before the broken check): now they fail at once, saying the engine is broken."""
+    world = fresh_world()
+    try:
+        res = world.run("tests.engine_cases:fault_run", 2, SPEC,
+                        dict(pp=2, block_size=4, num_blocks=48, max_num_batched_tokens=16, timeout=TORCHRUN_TIMEOUT),
+                        dict(rank=1, step=5, kind="kill"), None, prompts()[:3], GREEDY,
+                        timeout=3 * TORCHRUN_TIMEOUT + 60)
+    finally:
+        world.kill()
+    assert isinstance(res[1], RankError) and res[1].type == "died", res[1]
+    out = res[0]
+    assert out["broken"] and len(out["errors"]) == 3, out
+    assert out["stream_s"] < TORCHRUN_TIMEOUT + 10, out  # the failing call: within the timeout
+    for call in ("generate", "again"):
+        assert out[f"{call}_s"] < 1, out  # at once, not another timeout
+    assert all("EngineError" in e and "broken" in e for e in out["errors"][1:]), out
+
+
 @settings(max_examples=4, **HARNESS)
 @given(mesh=st.sampled_from(MESHES), kind=st.sampled_from(["raise", "interrupt", "sigint", "kill", "close"]),
        rank=st.integers(0, 1), step=st.integers(0, 8))

@@ -366,18 +366,21 @@ def fresh_world():
         stop()
 
 
+def torchrun_fault_run(world, mesh: dict, fault, close_after):
+    """``engine_cases.fault_run`` on both ranks of ``world`` (then killed): each rank's outcome."""
+    try:
+        return world.run("tests.engine_cases:fault_run", 2, SPEC,
+                         dict(mesh, block_size=4, num_blocks=48, max_num_batched_tokens=16, timeout=TORCHRUN_TIMEOUT),
+                         fault, close_after, prompts()[:3], GREEDY, timeout=3 * TORCHRUN_TIMEOUT + 60)
+    finally:
+        world.kill()
+
+
 def test_torchrun_engine_broken_by_a_dead_rank_fails_the_next_calls_at_once(fresh_world):
     """Torchrun pp=2, rank 1 killed in step 5: rank 0's call fails within the timeout and breaks
     the engine. Its next calls waited the whole timeout again each (the call handshake with the
     dead rank ran before the broken check): now they fail at once, saying the engine is broken."""
-    world = fresh_world()
-    try:
-        res = world.run("tests.engine_cases:fault_run", 2, SPEC,
-                        dict(pp=2, block_size=4, num_blocks=48, max_num_batched_tokens=16, timeout=TORCHRUN_TIMEOUT),
-                        dict(rank=1, step=5, kind="kill"), None, prompts()[:3], GREEDY,
-                        timeout=3 * TORCHRUN_TIMEOUT + 60)
-    finally:
-        world.kill()
+    res = torchrun_fault_run(fresh_world(), dict(pp=2), dict(rank=1, step=5, kind="kill"), None)
     assert isinstance(res[1], RankError) and res[1].type == "died", res[1]
     out = res[0]
     assert out["broken"] and len(out["errors"]) == 3, out
@@ -393,19 +396,12 @@ def test_torchrun_engine_broken_by_a_dead_rank_fails_the_next_calls_at_once(fres
 def test_fault_injection_torchrun(model, fresh_world, mesh, kind, rank, step):
     """Torchrun mode: every rank runs the same calls (a stream, a ``generate``, another one) in a
     fresh 2-rank gloo world, and any rank may be the one that fails or is killed."""
-    ps = prompts()
     want = reference(model)
     close_after = step % 7 + 1 if kind == "close" else None
-    world = fresh_world()
-    try:
-        t0 = time.monotonic()
-        res = world.run("tests.engine_cases:fault_run", 2, SPEC,
-                        dict(mesh, block_size=4, num_blocks=48, max_num_batched_tokens=16, timeout=TORCHRUN_TIMEOUT),
-                        None if kind == "close" else dict(rank=rank, step=step, kind=kind), close_after, ps[:3],
-                        GREEDY, timeout=3 * TORCHRUN_TIMEOUT + 60)
-        assert time.monotonic() - t0 < 3 * TORCHRUN_TIMEOUT + 60
-    finally:
-        world.kill()
+    t0 = time.monotonic()
+    res = torchrun_fault_run(fresh_world(), mesh, None if kind == "close" else dict(rank=rank, step=step, kind=kind),
+                             close_after)
+    assert time.monotonic() - t0 < 3 * TORCHRUN_TIMEOUT + 60
     for r, out in enumerate(res):
         if isinstance(out, RankError):  # only the killed rank may not answer
             assert kind == "kill" and r == rank and out.type == "died", out

@@ -447,17 +447,12 @@ class LLM:
 
     def _agree_call(self, *call) -> None:
         """Torchrun: every rank must make the same call (same prompts and parameters). A broken
-        engine fails here at once (before any rank waits on it); a rank that does not answer
-        within the timeout (dead, hung, or in another call) breaks the engine, as a failed step does."""
+        engine fails here at once, before any rank waits on it (``Cluster.exchange``)."""
         self.cluster.ensure_usable()
         if self.cluster.mode != "torchrun":
             return
         mine = hashlib.sha256(json.dumps(call, sort_keys=True, default=repr).encode()).hexdigest()
-        try:
-            answers = self.cluster.control.exchange(f"call{next(self._calls)}", mine)
-        except Exception as e:  # noqa: BLE001 - the ranks are out of step for good
-            self.cluster.fail(e)
-        for r, theirs in enumerate(answers):
+        for r, theirs in enumerate(self.cluster.exchange(f"call{next(self._calls)}", mine)):
             if theirs != mine:
                 raise ValueError(f"rank {r} called the engine with other prompts or parameters than rank "
                                  f"{self.rank}; under torchrun every rank must make the same call")

@@ -239,7 +239,7 @@ class Cluster:
             if self.fault is not None:
                 self.fault(self)
         except BaseException as e:
-            self.fail(e)
+            self._fail(e)
 
     def park(self) -> None:
         """The engine is idle: the other ranks go back to waiting on the store (where a wait can
@@ -248,7 +248,7 @@ class Cluster:
             try:
                 self.control.park()
             except BaseException as e:
-                self.fail(e)
+                self._fail(e)
 
     def result(self):
         """The sampler rank's ``StepResult`` for the oldest submitted plan (None if it has no
@@ -259,7 +259,7 @@ class Cluster:
             try:
                 res = self._receive_result(plan)
             except BaseException as e:
-                self.fail(e)
+                self._fail(e)
         return res
 
     def _receive_result(self, plan: StepPlan) -> StepResult:
@@ -291,7 +291,16 @@ class Cluster:
         try:
             return fn(*args)
         except BaseException as e:
-            self.fail(e)
+            self._fail(e)
+
+    def exchange(self, key: str, value) -> list:
+        """Torchrun: every rank's ``value`` for ``key`` (``LLM``'s per-call handshake). A rank that
+        does not answer within the timeout (dead, hung, or in another call) breaks the engine, as
+        a failed step does: the ranks are out of step for good."""
+        try:
+            return self.control.exchange(key, value)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
 
     def end(self, payload: dict) -> None:
         """Torchrun: let the followers return ``payload`` from the call they are in."""
@@ -322,7 +331,7 @@ class Cluster:
                         kvmove.serve(self.worker, self.control, msg)
                         continue
                 except BaseException as e:
-                    self.fail(e)
+                    self._fail(e)
                 if msg["kind"] == "error":
                     raise EngineError(f"rank 0 failed: {msg['message']}")
                 return msg
@@ -353,7 +362,7 @@ class Cluster:
         if self.broken:
             raise EngineError(f"the engine is broken ({self.broken}); create a new LLM")
 
-    def fail(self, e: BaseException):
+    def _fail(self, e: BaseException):
         """A step failed on this rank: name why (spawn mode: which worker died and why), break
         the engine and stop its spawned workers (they may wait inside the step's collectives).
         An interrupt (``KeyboardInterrupt``, ``SystemExit``) is raised again as itself."""

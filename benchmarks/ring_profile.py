@@ -5,7 +5,8 @@
 Runs ``ring_attention`` (``--iters`` times after one warm-up) with timers around its parts and
 prints, per ring step and in total, the seconds per call of this rank split into:
 
-- ``kernel``: the fused attention op (forward, or backward) on each tile;
+- ``kernel``: the attention kernel (forward, or backward) on each block or tile: ringkv's own
+  ``cpu_flash`` for float32 on CPU, else torch's fused op (``sdpa``);
 - ``merge``: the LSE merges of partials into the float32 accumulator;
 - ``copies``: K and V stacked into one message (heads-first on CPU), empty accumulators;
 - ``post``/``wait``: posting the hop's isend/irecv and waiting for it (a wait longer than zero
@@ -13,7 +14,8 @@ prints, per ring step and in total, the seconds per call of this rank split into
 - ``other``: the rest (Python, slicing, buffer allocation, in-place gradient accumulation,
   casts of the result).
 
-The timers wrap module functions (``ringkv.kernels.sdpa``, ``ringkv.sp.ring``, ``RingComm``) from
+The timers wrap module functions (``ringkv.kernels.cpu_flash`` and ``sdpa``, ``ringkv.sp.ring``,
+``RingComm``) from
 the outside: nothing in the library changes. The steps are rank 0's, the totals every rank's; ``--json`` has every rank's steps.
 """
 
@@ -32,7 +34,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ringkv  # noqa: E402
-from ringkv.kernels import merge as merge_mod, sdpa  # noqa: E402
+from ringkv import kernels  # noqa: E402
+from ringkv.kernels import cpu_flash, merge as merge_mod, sdpa  # noqa: E402
 from ringkv.sp import comm as comm_mod, ring  # noqa: E402
 
 from models import load_average, write_json  # noqa: E402
@@ -66,10 +69,11 @@ class Clock:
         setattr(owner, name, timed)
 
     def install(self):
-        for owner, name in ((sdpa, "_fused"), (sdpa, "_fused_backward")):
+        for owner, name in ((sdpa, "_fused"), (sdpa, "_fused_backward"), (cpu_flash, "forward"),
+                            (cpu_flash, "_backward")):
             self.wrap(owner, name, "kernel")
-        self.wrap(sdpa, "merge_", "merge")
-        self.wrap(merge_mod, "merge_", "merge")
+        for owner in (sdpa, merge_mod, kernels):  # each module's own reference to the merge
+            self.wrap(owner, "merge_", "merge")
         for name in ("_stack", "empty_partial"):
             self.wrap(ring, name, "copies")
         self.wrap(comm_mod.RingComm, "send_recv", "post")

@@ -272,6 +272,15 @@ def registry(monkeypatch):
     return add
 
 
+def _next_cpu(name):
+    """The backend "auto" falls back to on the CPU when ``name`` is passed over."""
+    return K.BACKENDS[next(n for n in K.PREFERENCE["cpu"] if n != name and not getattr(K.BACKENDS[n], "unavailable", ""))]
+
+
+def _name(module):
+    return next(n for n, m in K.BACKENDS.items() if m is module)
+
+
 def _problem():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 12, 2, 16, generator=g)
@@ -286,7 +295,7 @@ def test_backend_failing_its_backward_probe_keeps_the_forward_only(registry):
     mask = Mask(OFFSET, offset=0)
     assert pick("auto", q, mask) is fake
     with pytest.warns(UserWarning, match="'fake' failed probe: backward differs"):
-        assert pick("auto", q, mask, backward=True) is K.BACKENDS["sdpa"]
+        assert pick("auto", q, mask, backward=True) is _next_cpu("fake")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once, not on every call
         got = block_backward(dout, q, k, v, out, lse, scale=0.25, mask=mask)
@@ -294,7 +303,7 @@ def test_backend_failing_its_backward_probe_keeps_the_forward_only(registry):
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
     d = K.describe("cpu", torch.float32)
-    assert d["auto"]["forward"]["offset"] == "fake" and d["auto"]["backward"]["offset"] == "sdpa"
+    assert d["auto"]["forward"]["offset"] == "fake" and d["auto"]["backward"]["offset"] == _name(_next_cpu("fake"))
     assert "backward differs" in d["skipped"]["fake"]["backward/offset"]
 
 
@@ -302,7 +311,7 @@ def test_forward_failure_is_not_picked(registry):
     registry("fake", Fake(broken="forward"))
     q = _problem()[0]
     with pytest.warns(UserWarning, match="forward differs"):
-        assert pick("auto", q, Mask(FULL)) is K.BACKENDS["sdpa"]
+        assert pick("auto", q, Mask(FULL)) is _next_cpu("fake")
 
 
 def test_lse_gradient_runs_on_a_native_backend_and_never_silently_on_the_reference(registry):
@@ -317,11 +326,13 @@ def test_lse_gradient_runs_on_a_native_backend_and_never_silently_on_the_referen
     # an explicit backend without dlse: the call goes to "auto"'s choice for it, and it says so once
     with pytest.warns(UserWarning, match="'sdpa' takes no gradient through lse; .* run on 'native'"):
         block_backward(dout, q, k, v, out, lse, scale=0.25, mask=mask, dlse=dlse, backend="sdpa")
-    # a native one that fails its lse-gradient probe is passed over
+    # a native one that fails its lse-gradient probe is passed over (to our C kernel where it
+    # builds, the other backend here that takes dlse, else to the reference)
     registry("native2", Fake(dlse=True, broken="lse_grad"))
     K.PREFERENCE["cpu"].remove("native")
     with pytest.warns(UserWarning, match="lse_grad differs"):
-        assert pick("auto", q, mask, dlse=True, backward=True) is reference
+        assert pick("auto", q, mask, dlse=True, backward=True) is (reference if K.BACKENDS["cpu_flash"].unavailable
+                                                                  else K.BACKENDS["cpu_flash"])
 
 
 def test_describe_on_this_machine():
@@ -330,10 +341,18 @@ def test_describe_on_this_machine():
     assert d["order"] == K.PREFERENCE["cpu"]
     assert set(d["auto"]) == {"forward", "backward", "lse_grad"}
     assert set(d["auto"]["forward"]) == {"full", "offset", "band", "dense"}
-    assert set(d["auto"]["forward"].values()) == {"sdpa"} == set(d["auto"]["backward"].values())
-    assert set(d["auto"]["lse_grad"].values()) == {"reference"}
+    if K.BACKENDS["cpu_flash"].unavailable:  # RINGKV_NATIVE_FLASH=0 or no compiler: torch's op
+        assert set(d["auto"]["forward"].values()) == {"sdpa"} == set(d["auto"]["backward"].values())
+        assert set(d["auto"]["lse_grad"].values()) == {"reference"}
+        assert d["skipped"]["sdpa"] == "unsupported (takes no gradient through lse)"
+    else:  # our C kernel for everything but dense masks, which go to torch's op (lse_grad: the reference)
+        for need in ("forward", "backward", "lse_grad"):
+            assert d["auto"][need] == {"full": "cpu_flash", "offset": "cpu_flash", "band": "cpu_flash",
+                                       "dense": "reference" if need == "lse_grad" else "sdpa"}
+        assert d["skipped"]["cpu_flash"] == "unsupported"
+        assert d["skipped"]["sdpa"]["forward/full"] == "after 'cpu_flash' in the preference order"
+        assert d["skipped"]["sdpa"]["lse_grad/dense"] == "unsupported (takes no gradient through lse)"
     assert any("lse_grad on 'reference'" in n for n in d["notes"])  # the fallback is stated, not silent
-    assert d["skipped"]["sdpa"] == "unsupported (takes no gradient through lse)"
     assert d["skipped"]["cudnn"] == "not in the cpu preference order"
     for name in ("flash_attn", "flash_attn3"):
         if K.BACKENDS[name].adapter is None:

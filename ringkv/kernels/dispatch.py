@@ -9,7 +9,7 @@
   takes the first backend in the device's ``PREFERENCE`` order that supports the inputs and passed
   its one-time check against the reference (``_probe``: forward, backward and the gradient through
   lse, each on its own). A gradient through lse runs only on a backend that takes ``dlse``
-  natively (``triton``, ``reference``): with no such backend usable, the reference runs it, by design.
+  natively (``cpu_flash``, ``triton``, ``reference``): with no such backend usable, the reference runs it, by design.
 - ``describe()``: which backend ``"auto"`` runs for each call, and why the others do not.
 
 The entry points that use this (``attention``, ``block_forward``, ...) are in the package
@@ -23,15 +23,17 @@ from typing import Dict, Optional
 
 import torch
 
-from . import cudnn, flash_attn, reference, sdpa
+from . import cpu_flash, cudnn, flash_attn, reference, sdpa
 from .mask import BAND, DENSE, FULL, OFFSET, Mask
 
-BACKENDS: Dict[str, object] = {"reference": reference, "sdpa": sdpa, "cudnn": cudnn,
+BACKENDS: Dict[str, object] = {"reference": reference, "sdpa": sdpa, "cudnn": cudnn, "cpu_flash": cpu_flash,
                                "flash_attn": flash_attn.FA2, "flash_attn3": flash_attn.FA3}
 # expected fastest first (published H100/A100 results, not measured by us): FlashAttention-3 (Hopper),
 # flash-attn 2, cuDNN, torch's flash SDPA, then our Triton kernels (never run on a GPU yet; registered
-# after sdpa at the end of this file); each call takes the first that supports it and passed its probe
-PREFERENCE = {"cuda": ["flash_attn3", "flash_attn", "cudnn", "sdpa", "reference"], "cpu": ["sdpa", "reference"]}
+# after sdpa at the end of this file); each call takes the first that supports it and passed its probe.
+# CPU: our C kernel (float32, faster than torch's fused op: docs/kernels.md), then torch's op
+PREFERENCE = {"cuda": ["flash_attn3", "flash_attn", "cudnn", "sdpa", "reference"],
+              "cpu": ["cpu_flash", "sdpa", "reference"]}
 NEEDS = ("forward", "backward", "lse_grad")
 MISSING: Dict[str, str] = {}  # backends that could not even be imported: name -> why
 _verified: Dict[tuple, Dict[str, str]] = {}  # (name, device type, dtype) -> need -> "" (passed) or why not
@@ -193,8 +195,8 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
     notes = []
     if "reference" in auto["lse_grad"].values():
         notes.append("lse_grad on 'reference': no backend usable here takes a gradient through lse natively "
-                     "(only 'triton' does, for full/offset masks on CUDA), so the reference runs those backward "
-                     "calls, by design")
+                     "(only 'cpu_flash' does, float32 on CPU, and 'triton', for full/offset masks on CUDA), so the "
+                     "reference runs those backward calls, by design")
     return dict(device=str(device), dtype=str(dtype), order=list(order), auto=auto, skipped=skipped, notes=notes)
 
 

@@ -1,0 +1,134 @@
+"""ringkv's own CPU flash attention: backend ``"cpu_flash"``, the CPU default for float32 when a C
+compiler is present.
+
+``csrc/flash_attention.c`` (plain C and OpenMP, no torch headers; built on first use by
+``native.load``, sharing torch's threads) runs the forward and the backward block by block on
+register tiles. Against torch's fused CPU op (backend ``"sdpa"``) it takes any ``OFFSET`` or
+``BAND`` mask in one call (no square-tile split and merge), reads K/V heads in place for GQA
+(no repeat), adds its gradients straight into the caller's accumulators, and takes a gradient
+through lse natively; it skips the masked part of a causal block 32 keys at a time (torch's op
+computes the masked half of each diagonal 256 x 512 block). docs/kernels.md has the
+measurements. ``RINGKV_NATIVE_FLASH=0`` turns it off (``"sdpa"`` then runs these calls).
+
+Takes float32 on the CPU with ``head_dim`` a multiple of 16 up to 256 and any mask but
+``DENSE``; everything else is left to the next backend. Results do not depend on the number of
+threads; they differ from torch's op in the last bits (another summation order).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from . import native
+from .mask import BAND, DENSE, EMPTY, FULL, OFFSET, Mask
+
+UNBOUNDED = 1 << 40  # a mask side with no limit (the kernel's +-2^40)
+
+
+@lru_cache(maxsize=None)
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled kernel; None when turned off or no compiler builds it (with a warning)."""
+    lib = native.load("flash_attention", "RINGKV_NATIVE_FLASH")
+    if lib is None:
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.ringkv_flash_fwd_f32.restype = ctypes.c_int
+    lib.ringkv_flash_fwd_f32.argtypes = [p] * 5 + [i] * 6 + [p] * 4 + [i, i, ctypes.c_float, ctypes.c_int]
+    lib.ringkv_flash_bwd_f32.restype = ctypes.c_int
+    lib.ringkv_flash_bwd_f32.argtypes = ([p] * 10 + [i] * 6 + [p] * 8 + [i, i, ctypes.c_float, ctypes.c_int,
+                                                                         ctypes.c_int])
+    return lib
+
+
+def __getattr__(name: str):
+    # ``unavailable`` (read by dispatch): why the backend cannot run here, "" when it can
+    if name == "unavailable":
+        return "" if library() is not None else "off: RINGKV_NATIVE_FLASH=0 or no C compiler builds it"
+    raise AttributeError(name)
+
+
+def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
+    d = q.shape[-1]
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and d % 16 == 0 and 0 < d <= 256
+            and mask.kind != DENSE and library() is not None)
+
+
+def _bounds(mask: Mask):
+    """The mask as the kernel's diagonals ``lo <= j - i <= hi``."""
+    if mask.kind == FULL:
+        return -UNBOUNDED, UNBOUNDED
+    if mask.kind == OFFSET:
+        return -UNBOUNDED, mask.offset
+    if mask.kind == BAND:
+        return mask.lo, mask.offset
+    raise ValueError(f"cpu_flash takes full, offset and band masks, not {mask.kind!r}")
+
+
+def _strides(t: torch.Tensor):
+    # (B, S, H, D) with a contiguous last dim -> its (batch, seq, head) strides in floats
+    return (ctypes.c_int64 * 3)(*t.stride()[:3])
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    # float32 with a contiguous last dimension (any other strides are read in place)
+    t = t.float()
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def forward(q, k, v, scale: float, mask: Mask):
+    """Same contract as ``reference.forward`` (float32)."""
+    b, sq, h, d = q.shape
+    out = torch.zeros(b, sq, h, d, dtype=torch.float32)  # (B, Sq, H, D)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32)  # (B, H, Sq)
+    if mask.kind == EMPTY or sq == 0 or k.shape[1] == 0:
+        return out, lse
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    lo, hi = _bounds(mask)
+    failed = library().ringkv_flash_fwd_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), b, sq, k.shape[1], h,
+        k.shape[2], d, _strides(q), _strides(k), _strides(v), _strides(out), lo, hi, scale,
+        torch.get_num_threads())
+    if failed:
+        raise MemoryError("cpu_flash: the forward could not allocate its scratch memory")
+    return out, lse
+
+
+def backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None) -> None:
+    """``backward`` added in place into float32 ``dq`` ``(B, Sq, H, D)``, ``dk``/``dv`` ``(B, Sk, Hkv,
+    D)`` (views with a contiguous last dimension; others are added through a copy)."""
+    if mask.kind == EMPTY or q.shape[1] == 0 or k.shape[1] == 0:
+        return
+    targets = (dq, dk, dv)
+    if any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in targets):
+        for acc, g in zip(targets, backward(dout, q, k, v, out, lse, scale, mask, dlse)):
+            acc.add_(g)
+        return
+    _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate=True)
+
+
+def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
+    """Same contract as ``reference.backward``, ``dlse`` included: float32 dq, dk, dv."""
+    dq = torch.zeros(q.shape, dtype=torch.float32)
+    dk, dv = (torch.zeros(k.shape, dtype=torch.float32) for _ in range(2))
+    if mask.kind != EMPTY and q.shape[1] and k.shape[1]:
+        _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate=False)
+    return dq, dk, dv
+
+
+def _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate: bool) -> None:
+    b, sq, h, d = q.shape
+    dout, q, k, v, out = (_rows(t) for t in (dout, q, k, v, out))
+    lse = lse.float().contiguous()  # (B, H, Sq)
+    dlse = None if dlse is None else dlse.float().contiguous()
+    lo, hi = _bounds(mask)
+    failed = library().ringkv_flash_bwd_f32(
+        dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        None if dlse is None else dlse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, sq, k.shape[1], h,
+        k.shape[2], d, *(_strides(t) for t in (dout, q, k, v, out, dq, dk, dv)), lo, hi, scale, int(accumulate),
+        torch.get_num_threads())
+    if failed:
+        raise MemoryError("cpu_flash: the backward could not allocate its scratch memory")

@@ -1,0 +1,417 @@
+/* Exact attention on the CPU, forward and backward, FlashAttention-style: the scores are made and
+ * used block by block and never stored whole (ringkv/kernels/cpu_flash.py builds and loads this
+ * file; it needs no torch headers). float32.
+ *
+ * q, out, dout, dq (B, Sq, H, D), k, v, dk, dv (B, Sk, HKV, D): any strides, given in floats as
+ *        (batch, seq, head) triples; the last dimension is contiguous; D a multiple of 16, <= 256
+ * lse, dlse (B, H, Sq) float32, contiguous, natural log
+ * mask   query i sees key j iff i + lo <= j <= i + hi (+-2^40: unbounded); query head h reads
+ *        K/V head h / (H / HKV) (GQA) without copying K/V
+ *
+ * Scores are kept in base-2 units (scale * log2(e) folded in), so the softmax is one exp2 per
+ * score (exp2v: 16 lanes, Cephes' polynomial, relative error ~1e-7 as expf). The products run on
+ * register tiles: score tiles of MRS rows x 32 keys against K (or V) packed key-minor, and
+ * product tiles of MRO rows x up to 64 columns that broadcast one operand and stream the other's
+ * rows. A row's keys outside its mask range are skipped whole 32-key panels at a time and given
+ * probability 0 inside a panel, so a causal diagonal costs at most one panel per row group.
+ *
+ * Forward: one work item per (batch, head, BM query rows); the online softmax rescales the
+ * item's output rows once per BN-key block. Backward: one item per (batch, K/V head); per BNB-key
+ * block it recomputes P = exp2(S - lse), adds P^T dO to dV, dS = P (dP - delta) with
+ * dP = dO V^T and delta = rowsum(dO * out) - dlse, dS K to dq and dS^T q to dK. Each output is
+ * summed in the same order by one thread: results do not depend on the number of threads.
+ * Rows that see no key get out 0 and lse -inf. Returns 0, or 1 when scratch memory could not be
+ * allocated (outputs incomplete). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+#define PW 32  /* keys per packed panel: two vectors */
+#define MRS 12 /* rows per score tile: 24 accumulators */
+#define MRO 6  /* rows per product tile: up to 24 accumulators (64 columns) */
+#define BM 96 /* query rows per forward block */
+#define BN 512 /* keys per forward block */
+#define BMB 48 /* query rows per backward block */
+#define BNB 512 /* keys per backward block */
+#define LOG2E 1.44269504088896341f
+#define LN2 0.693147180559945309f
+#define AI __attribute__((always_inline))
+
+static inline int64_t clamp(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline v16 pick(i16 m, v16 a, v16 b) { return (v16)(((i16)a & m) | ((i16)b & ~m)); } /* m ? a : b */
+
+/* 2^x, 16 at a time, for x <= ~0: x = n + f with |f| <= 1/2 (n rounded by the 1.5 * 2^23 trick),
+ * 2^f = exp(f ln2) by Cephes' expf polynomial with ln2's powers folded into its coefficients,
+ * times 2^n built in the exponent bits; below -126 it gives 2^-126 (callers zero the entries that
+ * must be exactly 0). */
+static inline v16 vmax(v16 a, v16 b) {
+#ifdef __AVX512F__
+    return (v16)_mm512_max_ps((__m512)a, (__m512)b);
+#else
+    return pick(a > b, a, b);
+#endif
+}
+
+static inline v16 exp2v(v16 x) {
+    const float magic = 12582912.f; /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
+    x = vmax(x, (v16){0} - 126.f);
+    const v16 t = x + magic;
+    const i16 n = (i16)t - (i16)((v16){0} + magic);
+    const v16 f = x - (t - magic);
+    v16 y = f * 1.5279195034e-05f + 1.5506795114e-04f;
+    y = y * f + 1.3333747868e-03f;
+    y = y * f + 9.6179281027e-03f;
+    y = y * f + 5.5504104643e-02f;
+    y = y * f + 2.4022651273e-01f;
+    y = y * (f * f) + (f * LN2 + 1.f);
+    return (v16)((i16)y + (n << 23));
+}
+
+static inline i16 lanes(int64_t j, int64_t a, int64_t b) { /* lanes j..j+15 inside [a, b) */
+    const i16 idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const i16 off = idx + (int32_t)(j - a);
+    return (off >= 0) & (off < (int32_t)(b - a));
+}
+
+/* ---- packing: rows j0 .. j0 + n of x (rows ldx apart, d floats) as panels (d, PW), zero padded */
+static void pack_panels(const float *x, int64_t ldx, int64_t n, int64_t d, float *dst) {
+    for (int64_t p = 0; p * PW < n; p++) {
+        float *o = dst + p * d * PW;
+        const int64_t cols = min64(PW, n - p * PW);
+        for (int64_t c = 0; c < cols; c++) {
+            const float *row = x + (p * PW + c) * ldx;
+            for (int64_t e = 0; e < d; e++) o[e * PW + c] = row[e];
+        }
+        for (int64_t c = cols; c < PW; c++)
+            for (int64_t e = 0; e < d; e++) o[e * PW + c] = 0.f;
+    }
+}
+
+/* ---- score tile: s[i][0..PW) = c * (row i of a) . (each key of panel bt), i < mr */
+static inline AI void score_tile(const float *a, int64_t lda, const float *bt, int64_t d, float c, float *s,
+                                 int64_t lds, const int mr) {
+    v16 a0[MRS], a1[MRS];
+#pragma GCC unroll 12
+    for (int i = 0; i < MRS; i++) a0[i] = a1[i] = (v16){0};
+    for (int64_t e = 0; e < d; e++) {
+        const v16 b0 = *(const v16 *)(bt + e * PW), b1 = *(const v16 *)(bt + e * PW + 16);
+#pragma GCC unroll 12
+        for (int i = 0; i < MRS; i++)
+            if (i < mr) {
+                const float x = a[i * lda + e];
+                a0[i] += x * b0;
+                a1[i] += x * b1;
+            }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MRS; i++)
+        if (i < mr) {
+            *(v16u *)(s + i * lds) = a0[i] * c;
+            *(v16u *)(s + i * lds + 16) = a1[i] * c;
+        }
+}
+
+#define ST(MR) case MR: score_tile(a, lda, bt, d, c, s, lds, MR); break;
+static void score_rows(const float *a, int64_t lda, const float *bt, int64_t d, float c, float *s, int64_t lds,
+                       int64_t mr) {
+    switch (mr) { ST(12) ST(11) ST(10) ST(9) ST(8) ST(7) ST(6) ST(5) ST(4) ST(3) ST(2) default: ST(1) }
+}
+
+/* ---- product tile: acc[r][0..16 nz) = sum over t < kn of A(r, t) * b[t][..], A(r, t) =
+ * a[r * ars + t * aks], summed from zero (a large running total would take a rounding error at
+ * every term); then c = acc (mode 0), c += acc (1) or c = c * alpha[r] + acc (2) */
+static inline AI void prod_tile(const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb, int64_t kn,
+                                float *c, int64_t ldc, const float *alpha, int mode, const int mr, const int nz) {
+    v16 acc[MRO][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < MRO; r++)
+#pragma GCC unroll 4
+        for (int z = 0; z < 4; z++) acc[r][z] = (v16){0};
+    for (int64_t t = 0; t < kn; t++) {
+        v16 bz[4];
+#pragma GCC unroll 4
+        for (int z = 0; z < 4; z++)
+            if (z < nz) bz[z] = *(const v16u *)(b + t * ldb + 16 * z);
+#pragma GCC unroll 6
+        for (int r = 0; r < MRO; r++)
+            if (r < mr) {
+                const float x = a[r * ars + t * aks];
+#pragma GCC unroll 4
+                for (int z = 0; z < 4; z++)
+                    if (z < nz) acc[r][z] += x * bz[z];
+            }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < MRO; r++)
+#pragma GCC unroll 4
+        for (int z = 0; z < 4; z++)
+            if (r < mr && z < nz) {
+                v16u *dst = (v16u *)(c + r * ldc + 16 * z);
+                *dst = mode == 0 ? acc[r][z] : mode == 1 ? *dst + acc[r][z] : *dst * alpha[r] + acc[r][z];
+            }
+}
+
+#define PT(MR, NZ) case MR * 8 + NZ: prod_tile(a, ars, aks, b, ldb, kn, c, ldc, alpha, mode, MR, NZ); break;
+static void prod_one(const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb, int64_t kn, float *c,
+                     int64_t ldc, const float *alpha, int mode, int64_t mr, int64_t nz) {
+    switch (mr * 8 + nz) {
+        PT(6, 4) PT(6, 3) PT(6, 2) PT(6, 1) PT(5, 4) PT(5, 3) PT(5, 2) PT(5, 1) PT(4, 4) PT(4, 3) PT(4, 2) PT(4, 1)
+        PT(3, 4) PT(3, 3) PT(3, 2) PT(3, 1) PT(2, 4) PT(2, 3) PT(2, 2) PT(2, 1) PT(1, 4) PT(1, 3) PT(1, 2)
+        default: PT(1, 1)
+    }
+}
+
+/* MRO rows of c (d columns) from a product over t in [t0, t1) */
+static void prod_rows(const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb, int64_t t0, int64_t t1,
+                      int64_t d, float *c, int64_t ldc, const float *alpha, int mode, int64_t mr) {
+    for (int64_t z0 = 0; z0 < d; z0 += 64)
+        prod_one(a + t0 * aks, ars, aks, b + t0 * ldb + z0, ldb, t1 - t0, c + z0, ldc, alpha, mode, mr,
+                 min64(4, (d - z0) / 16));
+}
+
+/* ---- forward ---------------------------------------------------------------------------- */
+
+int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *out, float *lse, int64_t nbatch,
+                         int64_t sq, int64_t sk, int64_t h, int64_t hkv, int64_t d, const int64_t *qst,
+                         const int64_t *kst, const int64_t *vst, const int64_t *ost, int64_t lo, int64_t hi,
+                         float scale, int nthreads) {
+    const int64_t g = h / hkv, npan = (sk + PW - 1) / PW, qblocks = (sq + BM - 1) / BM;
+    const float c = scale * LOG2E;
+    float *kt = aligned_alloc(64, sizeof(float) * (size_t)(nbatch * hkv * npan * d * PW + 16));
+    if (!kt) return 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t it = 0; it < nbatch * hkv; it++) {
+        const int64_t b = it / hkv, hk = it % hkv;
+        pack_panels(k + b * kst[0] + hk * kst[2], kst[1], sk, d, kt + it * npan * d * PW);
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float *s = aligned_alloc(64, sizeof(float) * (BM * BN + BM * d + 2 * BM + 16));
+        int64_t ja[BM], jb[BM];
+        if (!s) failed = 1;
+        float *o = s + BM * BN, *m2 = o + BM * d, *l = m2 + BM;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < nbatch * h * qblocks; it++) {
+            if (!s) continue;
+            const int64_t b = it / (h * qblocks), hh = it / qblocks % h, m0 = it % qblocks * BM;
+            const int64_t mr = min64(BM, sq - m0), hk = hh / g;
+            const float *qb = q + b * qst[0] + m0 * qst[1] + hh * qst[2];
+            const float *vb = v + b * vst[0] + hk * vst[2];
+            const float *ktb = kt + (b * hkv + hk) * npan * d * PW;
+            int64_t kstart = sk, kend = 0;
+            for (int64_t i = 0; i < mr; i++) {
+                const int64_t a = clamp(m0 + i + lo, 0, sk), e = clamp(m0 + i + hi + 1, 0, sk);
+                m2[i] = -INFINITY;
+                l[i] = 0.f;
+                if (a < e) {
+                    kstart = min64(kstart, a);
+                    kend = max64(kend, e);
+                }
+            }
+            memset(o, 0, sizeof(float) * (size_t)(mr * d));
+            for (int64_t n0 = kstart / PW * PW; n0 < kend; n0 += BN) {
+                const int64_t nb = min64(BN, kend - n0);
+                for (int64_t i = 0; i < mr; i++) {
+                    ja[i] = clamp(m0 + i + lo - n0, 0, nb);
+                    jb[i] = clamp(m0 + i + hi + 1 - n0, 0, nb);
+                }
+                for (int64_t r0 = 0; r0 < mr; r0 += MRS) { /* scores of the panels a row group sees */
+                    const int64_t g1 = min64(mr, r0 + MRS);
+                    int64_t ga = nb, gb = 0;
+                    for (int64_t i = r0; i < g1; i++)
+                        if (ja[i] < jb[i]) { ga = min64(ga, ja[i]); gb = max64(gb, jb[i]); }
+                    for (int64_t p = ga / PW; p * PW < gb; p++)
+                        score_rows(qb + r0 * qst[1], qst[1], ktb + ((n0 / PW) + p) * d * PW, d, c,
+                                   s + r0 * BN + p * PW, BN, g1 - r0);
+                }
+                float alpha[BM];
+                for (int64_t i = 0; i < mr; i++) { /* online softmax, P in place of S */
+                    float *row = s + i * BN;
+                    alpha[i] = 1.f;
+                    if (ja[i] >= jb[i]) continue;
+                    v16 mv = (v16){0} - INFINITY;
+                    for (int64_t j = ja[i] / 16 * 16; j < jb[i]; j += 16) {
+                        v16 x = *(v16 *)(row + j);
+                        if (j < ja[i] || j + 16 > jb[i]) x = pick(lanes(j, ja[i], jb[i]), x, (v16){0} - INFINITY);
+                        mv = vmax(mv, x);
+                    }
+                    float mx = m2[i];
+                    for (int z = 0; z < 16; z++) mx = mv[z] > mx ? mv[z] : mx;
+                    v16 sv = {0};
+                    for (int64_t j = ja[i] / 16 * 16; j < jb[i]; j += 16) {
+                        v16 p = exp2v(*(v16 *)(row + j) - mx);
+                        if (j < ja[i] || j + 16 > jb[i]) p = pick(lanes(j, ja[i], jb[i]), p, (v16){0});
+                        *(v16 *)(row + j) = p;
+                        sv += p;
+                    }
+                    float sum = 0.f;
+                    for (int z = 0; z < 16; z++) sum += sv[z];
+                    alpha[i] = m2[i] == -INFINITY ? 0.f : exp2f(m2[i] - mx);
+                    l[i] = l[i] * alpha[i] + sum;
+                    m2[i] = mx;
+                }
+                for (int64_t r0 = 0; r0 < mr; r0 += MRO) { /* o = o * alpha + P V over the group's keys */
+                    const int64_t g1 = min64(mr, r0 + MRO);
+                    int64_t ga = nb, gb = 0;
+                    for (int64_t i = r0; i < g1; i++)
+                        if (ja[i] < jb[i]) { ga = min64(ga, ja[i]); gb = max64(gb, jb[i]); }
+                    if (ga >= gb) continue;
+                    for (int64_t i = r0; i < g1; i++) { /* zeros where a row's own range ends */
+                        float *row = s + i * BN;
+                        if (ja[i] >= jb[i]) { memset(row + ga, 0, sizeof(float) * (size_t)(gb - ga)); continue; }
+                        for (int64_t j = ga; j < ja[i] / 16 * 16; j++) row[j] = 0.f;
+                        for (int64_t j = (jb[i] + 15) / 16 * 16; j < gb; j++) row[j] = 0.f;
+                    }
+                    prod_rows(s + r0 * BN, BN, 1, vb + n0 * vst[1], vst[1], ga, gb, d, o + r0 * d, d, alpha + r0, 2,
+                              g1 - r0);
+                }
+            }
+            for (int64_t i = 0; i < mr; i++) {
+                float *dst = out + b * ost[0] + (m0 + i) * ost[1] + hh * ost[2];
+                const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+                for (int64_t e = 0; e < d; e++) dst[e] = o[i * d + e] * inv;
+                lse[(b * h + hh) * sq + m0 + i] = l[i] > 0.f ? m2[i] * LN2 + logf(l[i]) : -INFINITY;
+            }
+        }
+        free(s);
+    }
+    free(kt);
+    return failed;
+}
+
+/* ---- backward --------------------------------------------------------------------------- */
+
+int ringkv_flash_bwd_f32(const float *dout, const float *q, const float *k, const float *v, const float *out,
+                         const float *lse, const float *dlse, float *dq, float *dk, float *dv, int64_t nbatch,
+                         int64_t sq, int64_t sk, int64_t h, int64_t hkv, int64_t d, const int64_t *dost,
+                         const int64_t *qst, const int64_t *kst, const int64_t *vst, const int64_t *ost,
+                         const int64_t *dqst, const int64_t *dkst, const int64_t *dvst, int64_t lo, int64_t hi,
+                         float scale, int accumulate, int nthreads) {
+    const int64_t g = h / hkv;
+    const float c = scale * LOG2E;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        /* P and dS (BMB x BNB), K^T and V^T panels, dK and dV of a block, then delta and lse2 */
+        const size_t floats = 2 * BMB * BNB + 4 * BNB * d + 2 * g * sq + 16;
+        float *p = aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
+        if (!p) failed = 1;
+        float *ds = p + BMB * BNB, *kt = ds + BMB * BNB, *vt = kt + BNB * d, *dkb = vt + BNB * d, *dvb = dkb + BNB * d;
+        float *delta = dvb + BNB * d, *lse2 = delta + g * sq;
+        int64_t ja[BMB], jb[BMB];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < nbatch * hkv; it++) {
+            if (!p) continue;
+            const int64_t b = it / hkv, hk = it % hkv;
+            for (int64_t gi = 0; gi < g; gi++) { /* per row: delta = dO . out - dlse, lse in base 2 */
+                const int64_t hh = hk * g + gi;
+                for (int64_t i = 0; i < sq; i++) {
+                    const float *x = dout + b * dost[0] + i * dost[1] + hh * dost[2];
+                    const float *y = out + b * ost[0] + i * ost[1] + hh * ost[2];
+                    float acc = 0.f;
+                    for (int64_t e = 0; e < d; e++) acc += x[e] * y[e];
+                    const float dl = dlse ? dlse[(b * h + hh) * sq + i] : 0.f;
+                    delta[gi * sq + i] = acc - dl;
+                    lse2[gi * sq + i] = lse[(b * h + hh) * sq + i] * LOG2E;
+                }
+            }
+            const float *kb = k + b * kst[0] + hk * kst[2], *vb = v + b * vst[0] + hk * vst[2];
+            for (int64_t n0 = 0; n0 < sk; n0 += BNB) {
+                const int64_t nb = min64(BNB, sk - n0);
+                /* the rows that see a key of this block: i + hi >= n0 and i + lo < n0 + nb */
+                const int64_t i0 = clamp(n0 - hi, 0, sq), i1 = clamp(n0 + nb - lo, 0, sq);
+                if (i0 >= i1) {
+                    if (!accumulate)
+                        for (int64_t j = 0; j < nb; j++) {
+                            memset(dk + b * dkst[0] + (n0 + j) * dkst[1] + hk * dkst[2], 0, sizeof(float) * (size_t)d);
+                            memset(dv + b * dvst[0] + (n0 + j) * dvst[1] + hk * dvst[2], 0, sizeof(float) * (size_t)d);
+                        }
+                    continue;
+                }
+                pack_panels(kb + n0 * kst[1], kst[1], nb, d, kt);
+                pack_panels(vb + n0 * vst[1], vst[1], nb, d, vt);
+                memset(dkb, 0, sizeof(float) * (size_t)(2 * BNB * d));
+                for (int64_t gi = 0; gi < g; gi++) {
+                    const int64_t hh = hk * g + gi;
+                    for (int64_t m0 = i0; m0 < i1; m0 += BMB) {
+                        const int64_t mr = min64(BMB, i1 - m0);
+                        const float *qb = q + b * qst[0] + m0 * qst[1] + hh * qst[2];
+                        const float *dob = dout + b * dost[0] + m0 * dost[1] + hh * dost[2];
+                        float *dqb = dq + b * dqst[0] + m0 * dqst[1] + hh * dqst[2];
+                        for (int64_t i = 0; i < mr; i++) {
+                            ja[i] = clamp(m0 + i + lo - n0, 0, nb);
+                            jb[i] = clamp(m0 + i + hi + 1 - n0, 0, nb);
+                        }
+                        for (int64_t r0 = 0; r0 < mr; r0 += MRS) { /* S and dP on the panels each group sees */
+                            const int64_t g1 = min64(mr, r0 + MRS);
+                            int64_t ga = nb, gb = 0;
+                            for (int64_t i = r0; i < g1; i++)
+                                if (ja[i] < jb[i]) { ga = min64(ga, ja[i]); gb = max64(gb, jb[i]); }
+                            for (int64_t pp = ga / PW; pp * PW < gb; pp++) {
+                                score_rows(qb + r0 * qst[1], qst[1], kt + pp * d * PW, d, c, p + r0 * BNB + pp * PW,
+                                           BNB, g1 - r0);
+                                score_rows(dob + r0 * dost[1], dost[1], vt + pp * d * PW, d, 1.f,
+                                           ds + r0 * BNB + pp * PW, BNB, g1 - r0);
+                            }
+                        }
+                        for (int64_t i = 0; i < mr; i++) { /* P = exp2(S - lse2), dS = scale P (dP - delta) */
+                            float *pr = p + i * BNB, *dr = ds + i * BNB;
+                            const float l2 = lse2[gi * sq + m0 + i], dl = delta[gi * sq + m0 + i];
+                            int64_t j = 0;
+                            if (ja[i] < jb[i]) {
+                                for (; j < ja[i] / 16 * 16; j += 16)
+                                    *(v16 *)(pr + j) = *(v16 *)(dr + j) = (v16){0};
+                                for (; j < jb[i]; j += 16) {
+                                    v16 pv = exp2v(*(v16 *)(pr + j) - l2), dv = pv * (*(v16 *)(dr + j) - dl) * scale;
+                                    if (j < ja[i] || j + 16 > jb[i]) {
+                                        const i16 in = lanes(j, ja[i], jb[i]);
+                                        pv = pick(in, pv, (v16){0});
+                                        dv = pick(in, dv, (v16){0});
+                                    }
+                                    *(v16 *)(pr + j) = pv;
+                                    *(v16 *)(dr + j) = dv;
+                                }
+                            }
+                            for (; j < BNB; j += 16) *(v16 *)(pr + j) = *(v16 *)(dr + j) = (v16){0};
+                        }
+                        for (int64_t j0 = 0; j0 < nb; j0 += MRO) { /* dV += P^T dO, dK += dS^T q */
+                            const int64_t kr = min64(MRO, nb - j0);
+                            prod_rows(p + j0, 1, BNB, dob, dost[1], 0, mr, d, dvb + j0 * d, d, 0, 1, kr);
+                            prod_rows(ds + j0, 1, BNB, qb, qst[1], 0, mr, d, dkb + j0 * d, d, 0, 1, kr);
+                        }
+                        for (int64_t r0 = 0; r0 < mr; r0 += MRO) { /* dq += dS K over the group's keys */
+                            const int64_t g1 = min64(mr, r0 + MRO);
+                            int64_t ga = nb, gb = 0;
+                            for (int64_t i = r0; i < g1; i++)
+                                if (ja[i] < jb[i]) { ga = min64(ga, ja[i]); gb = max64(gb, jb[i]); }
+                            if (ga < gb)
+                                prod_rows(ds + r0 * BNB, BNB, 1, kb + n0 * kst[1], kst[1], ga, gb, d,
+                                          dqb + r0 * dqst[1], dqst[1], 0, 1, g1 - r0);
+                        }
+                    }
+                }
+                for (int64_t j = 0; j < nb; j++) {
+                    float *dkr = dk + b * dkst[0] + (n0 + j) * dkst[1] + hk * dkst[2];
+                    float *dvr = dv + b * dvst[0] + (n0 + j) * dvst[1] + hk * dvst[2];
+                    for (int64_t e = 0; e < d; e++) {
+                        dkr[e] = (accumulate ? dkr[e] : 0.f) + dkb[j * d + e];
+                        dvr[e] = (accumulate ? dvr[e] : 0.f) + dvb[j * d + e];
+                    }
+                }
+            }
+        }
+        free(p);
+    }
+    return failed;
+}

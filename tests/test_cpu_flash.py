@@ -1,0 +1,165 @@
+"""ringkv's own CPU flash kernel (``ringkv/kernels/cpu_flash.py``, ``csrc/flash_attention.c``)
+against the float64 reference, on shapes that cross its blocks.
+
+``tests/test_kernels.py`` already runs every registered backend (this one included) on short
+sequences; here the sequences are long enough to cross the kernel's blocks (96 query rows and
+512 keys forward, 48 rows and 512 keys backward, 32-key panels), inputs are strided views (the
+ring hands the kernel heads-first K/V), masks are every kind it takes (full, offset diagonals
+from all-blind to all-seeing, bands), and the gradient through lse is included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ringkv import kernels
+from ringkv.kernels import cpu_flash, reference
+from ringkv.kernels.mask import BAND, DENSE, FULL, OFFSET, Mask
+
+pytestmark = pytest.mark.skipif(cpu_flash.library() is None, reason="no C compiler builds the kernel")
+
+EPS = torch.finfo(torch.float32).eps
+HYP = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def assert_close(what, got, want, tol):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert not torch.isnan(got).any(), f"{what}: NaN"
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{what}: infinities differ"
+    fin = torch.isfinite(want)
+    if fin.any():
+        err = (got.double()[fin] - want[fin]).abs().max().item()
+        bound = tol * (1 + want[fin].abs().max().item())
+        assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+def strided(x: torch.Tensor, how: str) -> torch.Tensor:
+    """The same values as ``x`` ``(B, S, H, D)`` in another memory layout."""
+    if how == "heads_first":  # what the ring passes on CPU: (B, H, S, D) memory
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if how == "padded":  # a slice of a wider buffer: rows further apart than H * D
+        wide = torch.zeros(*x.shape[:-1], x.shape[-1] + 16)
+        wide[..., 3:3 + x.shape[-1]] = x
+        return wide[..., 3:3 + x.shape[-1]]
+    return x
+
+
+@st.composite
+def problems(draw):
+    b = draw(st.integers(1, 2))
+    sq = draw(st.sampled_from([1, 47, 48, 96, 97]) | st.integers(1, 230))
+    sk = draw(st.sampled_from([1, 31, 32, 128, 129, 512, 513]) | st.integers(1, 700))
+    hkv = draw(st.integers(1, 2))
+    h = hkv * draw(st.sampled_from([1, 2, 3]))
+    d = draw(st.sampled_from([16, 48, 64, 80, 128]))
+    kind = draw(st.sampled_from([FULL, OFFSET, OFFSET, BAND]))
+    hi = draw(st.integers(-sq - 2, sk + 2))  # from no row seeing a key to every row seeing all
+    mask = Mask(FULL) if kind == FULL else Mask(OFFSET, offset=hi) if kind == OFFSET else \
+        Mask(BAND, offset=hi, lo=hi - draw(st.integers(0, sk + 2)))
+    return dict(b=b, sq=sq, sk=sk, h=h, hkv=hkv, d=d, mask=mask, scale=draw(st.floats(0.02, 1.0)),
+                layout=draw(st.sampled_from(["contiguous", "heads_first", "padded"])), dlse=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def make(p):
+    g = torch.Generator().manual_seed(p["seed"])
+    q, dout = (torch.randn(p["b"], p["sq"], p["h"], p["d"], generator=g) for _ in range(2))
+    k, v = (torch.randn(p["b"], p["sk"], p["hkv"], p["d"], generator=g) for _ in range(2))
+    dlse = torch.randn(p["b"], p["h"], p["sq"], generator=g) if p["dlse"] else None
+    return q, k, v, dout, dlse
+
+
+@HYP
+@given(problems())
+def test_forward_and_backward_equal_the_float64_reference(p):
+    q, k, v, dout, dlse = make(p)
+    mask, scale = p["mask"], p["scale"]
+    ref_out, ref_lse = reference.forward(q.double(), k.double(), v.double(), scale, mask)
+    out, lse = cpu_flash.forward(*(strided(t, p["layout"]) for t in (q, k, v)), scale, mask)
+    assert out.dtype == lse.dtype == torch.float32
+    assert_close("out", out, ref_out, 32 * EPS)
+    assert_close("lse", lse, ref_lse, 32 * EPS)
+    blind = torch.isinf(ref_lse)  # rows that see no key: exactly 0
+    assert torch.equal(out.transpose(1, 2)[blind], torch.zeros_like(out.transpose(1, 2)[blind]))
+
+    ref_grads = reference.backward(dout.double(), q.double(), k.double(), v.double(), ref_out, ref_lse, scale, mask,
+                                   None if dlse is None else dlse.double())
+    inputs = [strided(t, p["layout"]) for t in (dout, q, k, v)]
+    grads = cpu_flash.backward(*inputs, ref_out.float(), ref_lse.float(), scale, mask, dlse)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert got.dtype == torch.float32
+        assert_close(name, got, want, 512 * EPS)
+
+
+def test_backward_into_adds_to_strided_accumulators():
+    """The ring's path: gradients added in place into views of bigger float32 buffers."""
+    g = torch.Generator().manual_seed(1)
+    q, dout = (torch.randn(1, 150, 4, 64, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 300, 2, 64, generator=g) for _ in range(2))
+    mask = Mask(OFFSET, offset=120)
+    out, lse = reference.forward(q, k, v, 0.125, mask)
+    want = cpu_flash.backward(dout, q, k, v, out, lse, 0.125, mask)
+    big = [torch.randn(1, 2 * t.shape[1], t.shape[2], 64, generator=g) for t in (q, k, v)]
+    views = [b.transpose(1, 2).contiguous().transpose(1, 2)[:, 5:5 + t.shape[1]] for b, t in zip(big, (q, k, v))]
+    before = [x.clone() for x in views]
+    cpu_flash.backward_into(*views, dout, q, k, v, out, lse, 0.125, mask)
+    for name, view, b0, w in zip(("dq", "dk", "dv"), views, before, want):
+        torch.testing.assert_close(view, b0 + w, rtol=0, atol=1e-5, msg=name)
+
+
+def test_result_does_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(2)
+    q, dout = (torch.randn(2, 200, 4, 32, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 600, 2, 32, generator=g) for _ in range(2))
+    mask = Mask(BAND, offset=300, lo=-50)
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out, lse = cpu_flash.forward(q, k, v, 0.2, mask)
+            runs.append((out, lse, *cpu_flash.backward(dout, q, k, v, out, lse, 0.2, mask)))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_auto_picks_it_for_float32_only():
+    q = torch.zeros(1, 8, 2, 64)
+    assert kernels.pick("auto", q, Mask(OFFSET, offset=0)) is cpu_flash
+    assert kernels.pick("auto", q, Mask(FULL), dlse=True, backward=True) is cpu_flash  # lse gradient natively
+    assert kernels.pick("auto", q.bfloat16(), Mask(FULL)) is kernels.sdpa
+    assert kernels.pick("auto", torch.zeros(1, 8, 2, 8), Mask(FULL)) is kernels.sdpa  # head_dim 8
+    assert kernels.pick("auto", q, Mask(DENSE, dense=torch.ones(8, 8, dtype=torch.bool))) is kernels.sdpa
+
+
+def test_turned_off_by_its_environment_variable():
+    script = ("import torch, ringkv.kernels as K\n"
+              "from ringkv.kernels.mask import Mask, FULL\n"
+              "print(K.pick('auto', torch.zeros(1, 4, 1, 64), Mask(FULL)).__name__, K.BACKENDS['cpu_flash'].unavailable)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "RINGKV_NATIVE_FLASH": "0"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("ringkv.kernels.sdpa off: RINGKV_NATIVE_FLASH=0"), r.stdout
+
+
+def test_ab_benchmark_runs_and_writes_its_table(tmp_path):
+    """benchmarks/cpu_flash_ab.py on tiny shapes: a row per shape, mask and pass, in the JSON."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import cpu_flash_ab
+
+    out = tmp_path / "ab.json"
+    assert cpu_flash_ab.main(["--rounds", "1", "--shapes", "40,2,1,16", "100,3,3,32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["seq"], r["mask"], r["pass_"]) for r in rows] == [
+        (s, m, p) for s in (40, 100) for m in ("causal", "full") for p in ("fwd", "bwd")]
+    assert all(r["torch_s"] > 0 and r["ours_s"] > 0 and r["ratio"] == r["ours_s"] / r["torch_s"] for r in rows)

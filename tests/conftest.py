@@ -17,16 +17,48 @@ torch.set_num_threads(1)  # small test matmuls run fastest on one thread, above 
 
 
 @pytest.fixture(scope="session")
-def worlds():
+def fork_context():
+    """The multiprocessing context the tests' gloo worlds (``tests.dist.World``) start their ranks
+    from: a forkserver that imported torch, transformers' Llama, the engine and the test cases
+    once, so a rank is forked in a fraction of a second instead of spawned as an interpreter that
+    imports them again (~7 s for a 2-rank world on 2 cores). The ranks are real processes with
+    their own gloo groups, as before. One server for the session (the forkserver is a singleton:
+    stopping it would leave every rank forked from it reported dead), stopped at the end."""
+    import multiprocessing.forkserver
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers.models.llama.modeling_llama",
+                                "tests.engine_cases", "tests.ring_cases", "tests.hf_cases", "tests.variant_cases",
+                                "tests.varlen_cases"])
+    # the preloaded ringkv reads RINGKV_TIMEOUT_S once, at import: the 60 s a rank sets for itself
+    # (tests/dist.py) must be in the server's environment, and only there
+    before = os.environ.get("RINGKV_TIMEOUT_S")
+    os.environ["RINGKV_TIMEOUT_S"] = before or "60"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["RINGKV_TIMEOUT_S"]
+    yield ctx
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)  # the server's memory back
+    if stop is not None:
+        stop()
+
+
+@pytest.fixture(scope="session")
+def worlds(fork_context):
     """``worlds(n)``: a gloo world of exactly ``n`` CPU ranks, started on first use and kept for
-    the session (engines need a world of exactly ``tp * pp * sp`` ranks)."""
+    the session (engines need a world of exactly ``tp * pp * sp`` ranks); its ranks are forked
+    from ``fork_context``."""
     from tests.dist import World
 
     started = {}
 
     def get(n: int) -> World:
         if n not in started:
-            started[n] = World(n)
+            started[n] = World(n, context=fork_context)
         return started[n]
 
     yield get
@@ -58,3 +90,4 @@ def bench_cache(tmp_path_factory):
 
         (cache / NAME).symlink_to(smollm2_path(), target_is_directory=True)
     return str(cache)
+

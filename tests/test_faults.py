@@ -350,20 +350,12 @@ TORCHRUN_TIMEOUT = 5
 
 
 @pytest.fixture(scope="module")
-def fresh_world():
+def fresh_world(fork_context):
     """``fresh_world()``: a new 2-rank gloo world (a fault leaves its world unusable), its ranks
-    forked from a server that imported torch and the engine once: a fraction of a second each,
-    not the ~7 s of two spawned interpreters importing them."""
-    import multiprocessing
-    import multiprocessing.forkserver
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.engine_cases",
-                                "transformers.models.llama.modeling_llama"])
-    yield lambda: World(2, context=ctx)
-    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)  # the server's memory back
-    if stop is not None:
-        stop()
+    forked from the session's server that imported torch and the engine once (``fork_context``,
+    ``tests/conftest.py``): a fraction of a second each, not the ~7 s of two spawned interpreters
+    importing them."""
+    return lambda: World(2, context=fork_context)
 
 
 def torchrun_fault_run(world, mesh: dict, fault, close_after):

@@ -170,10 +170,10 @@ def test_ranks_that_disagree_get_an_error_not_a_hang(world):
     assert all("sequence length" in m for m in res), res
 
 
-def test_a_silent_peer_gives_an_error_within_the_timeout():
+def test_a_silent_peer_gives_an_error_within_the_timeout(fork_context):
     from tests.dist import World
 
-    w = World(2)  # its own world: the silent rank leaves a collective unmatched
+    w = World(2, context=fork_context)  # its own world: the silent rank leaves a collective unmatched
     try:
         res = w.check("tests.hf_cases:silent_peer", 2, "llama", 0, _ids(1, 8, 0), 3.0, timeout=90)
     finally:

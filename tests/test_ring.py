@@ -151,8 +151,8 @@ def test_ranks_that_disagree_all_raise(world, field, rank1, match):
     assert len(errs) == 3 and all(e.type == "ValueError" and match in e.message for e in errs), res
 
 
-def test_rank_that_never_calls_gives_timeout_not_hang():
-    w = World(3)
+def test_rank_that_never_calls_gives_timeout_not_hang(fork_context):
+    w = World(3, context=fork_context)
     try:
         t0 = time.time()
         res = w.run("tests.ring_cases:call", 3, [dict(q=(1, 8, 2, 16), k=(1, 8, 2, 16), v=(1, 8, 2, 16))] * 2
@@ -165,9 +165,9 @@ def test_rank_that_never_calls_gives_timeout_not_hang():
     assert elapsed < 30
 
 
-def test_rank_dying_mid_ring_others_raise_within_timeout():
+def test_rank_dying_mid_ring_others_raise_within_timeout(fork_context):
     """Rank 1 exits in the middle of a ring; each survivor raises (now or at its next call)."""
-    w = World(3)
+    w = World(3, context=fork_context)
     try:
         t0 = time.time()
         for r in range(3):

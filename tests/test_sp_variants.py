@@ -177,10 +177,10 @@ def test_ranks_that_disagree_all_raise(world, method, n, rank1):
     _all_raise(world.run("tests.variant_cases:call", n, method, per_rank, timeout=60), n, "disagree")
 
 
-def test_peer_that_never_calls_gives_timeout_not_hang():
+def test_peer_that_never_calls_gives_timeout_not_hang(fork_context):
     """The all-to-all's wait is bounded: without the argument check, a silent peer still ends in
     RingTimeoutError (a world of its own: the unmatched collective breaks the group)."""
-    w = World(2)
+    w = World(2, context=fork_context)
     try:
         t0 = time.time()
         kw = dict(q=(1, 4, 2, 16), k=(1, 4, 2, 16), v=(1, 4, 2, 16), check=False)

@@ -178,7 +178,7 @@ def test_a_damaged_transfer_is_refused_and_a_source_killed_after_the_final_ack_l
 
 
 def test_a_silent_peer_is_a_timeout_on_either_side(model_dir):
-    short = timedelta(seconds=3)
+    short = timedelta(seconds=1.5)  # each side only waits this out (it was 3 s: 3 s more of waiting)
     a, b = Link.listen(timeout=short), Link.listen(timeout=short)  # one process, two links
     with Peer("silent", model_dir, a.port, ports=[b.port]):
         a.accept(TIMEOUT)  # the peer's start-up may take longer than a message
@@ -187,13 +187,13 @@ def test_a_silent_peer_is_a_timeout_on_either_side(model_dir):
         rid = llm.add_request(prompts()[1], SamplingParams(**GREEDY))
         llm.step()
         t0 = time.monotonic()
-        with pytest.raises(MigrationError, match="no answer within 3s") as err:
+        with pytest.raises(MigrationError, match=r"no answer within 1\.5s") as err:
             send_request(llm, rid, a)  # the pre-copy goes out; its ack never comes
-        assert isinstance(err.value.__cause__, LinkTimeout) and 3 <= time.monotonic() - t0 < 8
+        assert isinstance(err.value.__cause__, LinkTimeout) and 1.5 <= time.monotonic() - t0 < 6.5
         t0 = time.monotonic()
-        with pytest.raises(MigrationError, match="no answer within 3s"):
+        with pytest.raises(MigrationError, match=r"no answer within 1\.5s"):
             receive_request(llm, b)
-        assert 3 <= time.monotonic() - t0 < 8
+        assert 1.5 <= time.monotonic() - t0 < 6.5
     assert finish(llm)[rid] == reference(model_dir, [GREEDY] * 4)[1] and all_free(llm)
 
 

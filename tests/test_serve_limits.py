@@ -32,13 +32,33 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny):
+def servers(tiny):
+    """This module's two servers, started side by side (~3.5 s, not ~10 one after the other):
+    ``server`` (2 computed at once, 2 waiting, a key, protected metrics) and ``hasty`` (requests
+    may run 1.5 s: far less than 3,500 tokens take on any CPU here)."""
     s = Proc("serve", "--model", tiny, "--block-size", "4", "--max-num-seqs", "2", "--max-waiting", "2",
-             "--request-timeout", "30", "--api-key", KEY, "--protect-metrics", "--served-model-name", "tiny")
-    s.auth = {"authorization": f"Bearer {KEY}"}
-    s.client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    yield s
+             "--request-timeout", "30", "--api-key", KEY, "--protect-metrics", "--served-model-name", "tiny",
+             wait=False)
+    h = Proc("serve", "--model", tiny, "--block-size", "4", "--request-timeout", "1.5", "--api-key", KEY,
+             "--served-model-name", "tiny", wait=False)
+    try:
+        s.wait_up()
+        h.wait_up()
+    except BaseException:
+        s.close()
+        h.close()
+        raise
+    for x in (s, h):
+        x.auth = {"authorization": f"Bearer {KEY}"}
+        x.client = openai.OpenAI(base_url=x.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    yield s, h
     s.close()
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 def metric(s, name: str) -> float:
@@ -97,14 +117,9 @@ def test_past_max_waiting_requests_get_429_and_the_admitted_ones_complete(server
 
 
 @pytest.fixture(scope="module")
-def hasty(tiny):
+def hasty(servers):
     """A server whose requests may run 1.5 s: far less than 3,500 tokens take on any CPU here."""
-    s = Proc("serve", "--model", tiny, "--block-size", "4", "--request-timeout", "1.5", "--api-key", KEY,
-             "--served-model-name", "tiny")
-    s.auth = {"authorization": f"Bearer {KEY}"}
-    s.client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    yield s
-    s.close()
+    return servers[1]
 
 
 def test_a_request_past_the_timeout_is_aborted_and_freed(hasty):

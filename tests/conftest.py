@@ -91,3 +91,17 @@ def bench_cache(tmp_path_factory):
         (cache / NAME).symlink_to(smollm2_path(), target_is_directory=True)
     return str(cache)
 
+
+@pytest.fixture(scope="session")
+def smol_server():
+    """``ringkv serve --model <SmolLM2> --served-model-name smol`` (a real process on a loopback
+    port, ``tests.test_cluster.Proc``), started once for the modules that serve SmolLM2 with
+    the default options (``test_serve.py``, ``test_serve_echo.py``): each start takes ~7 s.
+    Their tests leave it as they found it (every request finished or aborted, no blocks held:
+    ``test_serve.py`` asserts so)."""
+    from tests.models import smollm2_path
+    from tests.test_cluster import Proc
+
+    s = Proc("serve", "--model", smollm2_path(), "--served-model-name", "smol")
+    yield s
+    s.close()

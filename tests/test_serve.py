@@ -76,10 +76,9 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server(smollm2_path(), "smol")
-    yield s
-    s.close()
+def server(smol_server):
+    """The session's SmolLM2 server (``tests/conftest.py``), shared with ``test_serve_echo.py``."""
+    return smol_server
 
 
 @pytest.fixture(scope="module")

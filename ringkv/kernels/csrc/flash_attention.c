@@ -320,7 +320,7 @@ int ringkv_flash_bwd_f32(const float *dout, const float *q, const float *k, cons
                     const float *x = dout + b * dost[0] + i * dost[1] + hh * dost[2];
                     const float *y = out + b * ost[0] + i * ost[1] + hh * ost[2];
                     float acc = 0.f;
-                    for (int64_t e = 0; e < d; e++) acc += x[e] * y[e];
+                    for (int64_t e = 0; e < d; e++) acc = fmaf(x[e], y[e], acc); /* as dP = dO . v is summed */
                     const float dl = dlse ? dlse[(b * h + hh) * sq + i] : 0.f;
                     delta[gi * sq + i] = acc - dl;
                     lse2[gi * sq + i] = lse[(b * h + hh) * sq + i] * LOG2E;

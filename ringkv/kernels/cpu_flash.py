@@ -8,7 +8,8 @@ register tiles. Against torch's fused CPU op (backend ``"sdpa"``) it takes any `
 (no repeat), adds its gradients straight into the caller's accumulators, and takes a gradient
 through lse natively; it skips the masked part of a causal block 32 keys at a time (torch's op
 computes the masked half of each diagonal 256 x 512 block). docs/kernels.md has the
-measurements. ``RINGKV_NATIVE_FLASH=0`` turns it off (``"sdpa"`` then runs these calls).
+measurements. ``RINGKV_NATIVE_FLASH=0`` turns it off (``"sdpa"`` then runs these calls); on a CPU
+without AVX-512 it is off unless ``RINGKV_NATIVE_FLASH=1``.
 
 Takes float32 on the CPU with ``head_dim`` a multiple of 16 up to 256 and any mask but
 ``DENSE``; everything else is left to the next backend. Results do not depend on the number of
@@ -18,6 +19,7 @@ threads; they differ from torch's op in the last bits (another summation order).
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import lru_cache
 from typing import Optional
 
@@ -29,11 +31,20 @@ from .mask import BAND, DENSE, EMPTY, FULL, OFFSET, Mask
 UNBOUNDED = 1 << 40  # a mask side with no limit (the kernel's +-2^40)
 
 
+_off = {"why": "off: RINGKV_NATIVE_FLASH=0 or no C compiler builds it"}
+
+
 @lru_cache(maxsize=None)
 def library() -> Optional[ctypes.CDLL]:
-    """The compiled kernel; None when turned off or no compiler builds it (with a warning)."""
+    """The compiled kernel; None when turned off, when no compiler builds it (with a warning), or
+    when the CPU has no AVX-512 (its register tiles are sized for 32 vector registers and were
+    measured only there; ``RINGKV_NATIVE_FLASH=1`` uses it anyway)."""
     lib = native.load("flash_attention", "RINGKV_NATIVE_FLASH")
     if lib is None:
+        return None
+    lib.ringkv_flash_avx512.restype = ctypes.c_int
+    if not lib.ringkv_flash_avx512() and os.environ.get("RINGKV_NATIVE_FLASH") != "1":
+        _off["why"] = "off: this CPU has no AVX-512 (RINGKV_NATIVE_FLASH=1 turns it on)"
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.ringkv_flash_fwd_f32.restype = ctypes.c_int
@@ -47,7 +58,7 @@ def library() -> Optional[ctypes.CDLL]:
 def __getattr__(name: str):
     # ``unavailable`` (read by dispatch): why the backend cannot run here, "" when it can
     if name == "unavailable":
-        return "" if library() is not None else "off: RINGKV_NATIVE_FLASH=0 or no C compiler builds it"
+        return "" if library() is not None else _off["why"]
     raise AttributeError(name)
 
 

@@ -179,6 +179,16 @@ static void prod_rows(const float *a, int64_t ars, int64_t aks, const float *b, 
                  min64(4, (d - z0) / 16));
 }
 
+/* 1 where this build has AVX-512 (the tiles' 24 accumulators fit its 32 vector registers; with
+ * 16-register AVX2 they spill, and nothing was measured there) */
+int ringkv_flash_avx512(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* ---- forward ---------------------------------------------------------------------------- */
 
 int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *out, float *lse, int64_t nbatch,

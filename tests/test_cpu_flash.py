@@ -24,7 +24,7 @@ from ringkv import kernels
 from ringkv.kernels import cpu_flash, reference
 from ringkv.kernels.mask import BAND, DENSE, FULL, OFFSET, Mask
 
-pytestmark = pytest.mark.skipif(cpu_flash.library() is None, reason="no C compiler builds the kernel")
+pytestmark = pytest.mark.skipif(cpu_flash.library() is None, reason=f"cpu_flash is {cpu_flash.unavailable}")
 
 EPS = torch.finfo(torch.float32).eps
 HYP = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -31,34 +31,35 @@ from .mask import BAND, DENSE, EMPTY, FULL, OFFSET, Mask
 UNBOUNDED = 1 << 40  # a mask side with no limit (the kernel's +-2^40)
 
 
-_off = {"why": "off: RINGKV_NATIVE_FLASH=0 or no C compiler builds it"}
-
-
 @lru_cache(maxsize=None)
-def library() -> Optional[ctypes.CDLL]:
-    """The compiled kernel; None when turned off, when no compiler builds it (with a warning), or
-    when the CPU has no AVX-512 (its register tiles are sized for 32 vector registers and were
-    measured only there; ``RINGKV_NATIVE_FLASH=1`` uses it anyway)."""
+def _build() -> Tuple[Optional[ctypes.CDLL], str]:
+    """(the compiled kernel, "") or (None, why it is off)."""
     lib = native.load("flash_attention", "RINGKV_NATIVE_FLASH")
     if lib is None:
-        return None
+        return None, "off: RINGKV_NATIVE_FLASH=0 or no C compiler builds it"
     lib.ringkv_flash_avx512.restype = ctypes.c_int
     if not lib.ringkv_flash_avx512() and os.environ.get("RINGKV_NATIVE_FLASH") != "1":
-        _off["why"] = "off: this CPU has no AVX-512 (RINGKV_NATIVE_FLASH=1 turns it on)"
-        return None
+        return None, "off: this CPU has no AVX-512 (RINGKV_NATIVE_FLASH=1 turns it on)"
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.ringkv_flash_fwd_f32.restype = ctypes.c_int
     lib.ringkv_flash_fwd_f32.argtypes = [p] * 5 + [i] * 6 + [p] * 4 + [i, i, ctypes.c_float, ctypes.c_int]
     lib.ringkv_flash_bwd_f32.restype = ctypes.c_int
     lib.ringkv_flash_bwd_f32.argtypes = ([p] * 10 + [i] * 6 + [p] * 8 + [i, i, ctypes.c_float, ctypes.c_int,
                                                                          ctypes.c_int])
-    return lib
+    return lib, ""
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The compiled kernel; None when turned off, when no compiler builds it (with a warning), or
+    when the CPU has no AVX-512 (its register tiles are sized for 32 vector registers and were
+    measured only there; ``RINGKV_NATIVE_FLASH=1`` uses it anyway)."""
+    return _build()[0]
 
 
 def __getattr__(name: str):
     # ``unavailable`` (read by dispatch): why the backend cannot run here, "" when it can
     if name == "unavailable":
-        return "" if library() is not None else _off["why"]
+        return _build()[1]
     raise AttributeError(name)
 
 

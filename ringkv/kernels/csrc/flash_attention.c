@@ -83,6 +83,27 @@ static inline i16 lanes(int64_t j, int64_t a, int64_t b) { /* lanes j..j+15 insi
     return (off >= 0) & (off < (int32_t)(b - a));
 }
 
+/* Row i of a block (query m0 + i against keys n0 ..) sees the block's keys [ja[i], jb[i]):
+ * dm = m0 - n0, nb keys in the block. */
+static void row_keys(int64_t *ja, int64_t *jb, int64_t dm, int64_t mr, int64_t lo, int64_t hi, int64_t nb) {
+    for (int64_t i = 0; i < mr; i++) {
+        ja[i] = clamp(dm + i + lo, 0, nb);
+        jb[i] = clamp(dm + i + hi + 1, 0, nb);
+    }
+}
+
+/* The keys rows r0 .. g1 - 1 see between them: [*ga, *gb), empty (ga >= gb) when none */
+static void group_keys(const int64_t *ja, const int64_t *jb, int64_t r0, int64_t g1, int64_t nb, int64_t *ga,
+                       int64_t *gb) {
+    *ga = nb;
+    *gb = 0;
+    for (int64_t i = r0; i < g1; i++)
+        if (ja[i] < jb[i]) {
+            *ga = min64(*ga, ja[i]);
+            *gb = max64(*gb, jb[i]);
+        }
+}
+
 /* ---- packing: rows j0 .. j0 + n of x (rows ldx apart, d floats) as panels (d, PW), zero padded */
 static void pack_panels(const float *x, int64_t ldx, int64_t n, int64_t d, float *dst) {
     for (int64_t p = 0; p * PW < n; p++) {
@@ -219,28 +240,21 @@ int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *
             const float *qb = q + b * qst[0] + m0 * qst[1] + hh * qst[2];
             const float *vb = v + b * vst[0] + hk * vst[2];
             const float *ktb = kt + (b * hkv + hk) * npan * d * PW;
-            int64_t kstart = sk, kend = 0;
+            int64_t kstart, kend; /* the keys the item's rows see, of all sk */
+            row_keys(ja, jb, m0, mr, lo, hi, sk);
+            group_keys(ja, jb, 0, mr, sk, &kstart, &kend);
             for (int64_t i = 0; i < mr; i++) {
-                const int64_t a = clamp(m0 + i + lo, 0, sk), e = clamp(m0 + i + hi + 1, 0, sk);
                 m2[i] = -INFINITY;
                 l[i] = 0.f;
-                if (a < e) {
-                    kstart = min64(kstart, a);
-                    kend = max64(kend, e);
-                }
             }
             memset(o, 0, sizeof(float) * (size_t)(mr * d));
             for (int64_t n0 = kstart / PW * PW; n0 < kend; n0 += BN) {
                 const int64_t nb = min64(BN, kend - n0);
-                for (int64_t i = 0; i < mr; i++) {
-                    ja[i] = clamp(m0 + i + lo - n0, 0, nb);
-                    jb[i] = clamp(m0 + i + hi + 1 - n0, 0, nb);
-                }
+                row_keys(ja, jb, m0 - n0, mr, lo, hi, nb);
                 for (int64_t r0 = 0; r0 < mr; r0 += MRS) { /* scores of the panels a row group sees */
                     const int64_t g1 = min64(mr, r0 + MRS);
-                    int64_t ga = nb, gb = 0;
-                    for (int64_t i = r0; i < g1; i++)
-                        if (ja[i] < jb[i]) { ga = min64(ga, ja[i]); gb = max64(gb, jb[i]); }
+                    int64_t ga, gb;
+                    group_keys(ja, jb, r0, g1, nb, &ga, &gb);
                     for (int64_t p = ga / PW; p * PW < gb; p++)
                         score_rows(qb + r0 * qst[1], qst[1], ktb + ((n0 / PW) + p) * d * PW, d, c,
                                    s + r0 * BN + p * PW, BN, g1 - r0);
@@ -273,9 +287,8 @@ int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *
                 }
                 for (int64_t r0 = 0; r0 < mr; r0 += MRO) { /* o = o * alpha + P V over the group's keys */
                     const int64_t g1 = min64(mr, r0 + MRO);
-                    int64_t ga = nb, gb = 0;
-                    for (int64_t i = r0; i < g1; i++)
-                        if (ja[i] < jb[i]) { ga = min64(ga, ja[i]); gb = max64(gb, jb[i]); }
+                    int64_t ga, gb;
+                    group_keys(ja, jb, r0, g1, nb, &ga, &gb);
                     if (ga >= gb) continue;
                     for (int64_t i = r0; i < g1; i++) { /* zeros where a row's own range ends */
                         float *row = s + i * BN;
@@ -359,15 +372,11 @@ int ringkv_flash_bwd_f32(const float *dout, const float *q, const float *k, cons
                         const float *qb = q + b * qst[0] + m0 * qst[1] + hh * qst[2];
                         const float *dob = dout + b * dost[0] + m0 * dost[1] + hh * dost[2];
                         float *dqb = dq + b * dqst[0] + m0 * dqst[1] + hh * dqst[2];
-                        for (int64_t i = 0; i < mr; i++) {
-                            ja[i] = clamp(m0 + i + lo - n0, 0, nb);
-                            jb[i] = clamp(m0 + i + hi + 1 - n0, 0, nb);
-                        }
+                        row_keys(ja, jb, m0 - n0, mr, lo, hi, nb);
                         for (int64_t r0 = 0; r0 < mr; r0 += MRS) { /* S and dP on the panels each group sees */
                             const int64_t g1 = min64(mr, r0 + MRS);
-                            int64_t ga = nb, gb = 0;
-                            for (int64_t i = r0; i < g1; i++)
-                                if (ja[i] < jb[i]) { ga = min64(ga, ja[i]); gb = max64(gb, jb[i]); }
+                            int64_t ga, gb;
+                            group_keys(ja, jb, r0, g1, nb, &ga, &gb);
                             for (int64_t pp = ga / PW; pp * PW < gb; pp++) {
                                 score_rows(qb + r0 * qst[1], qst[1], kt + pp * d * PW, d, c, p + r0 * BNB + pp * PW,
                                            BNB, g1 - r0);
@@ -402,9 +411,8 @@ int ringkv_flash_bwd_f32(const float *dout, const float *q, const float *k, cons
                         }
                         for (int64_t r0 = 0; r0 < mr; r0 += MRO) { /* dq += dS K over the group's keys */
                             const int64_t g1 = min64(mr, r0 + MRO);
-                            int64_t ga = nb, gb = 0;
-                            for (int64_t i = r0; i < g1; i++)
-                                if (ja[i] < jb[i]) { ga = min64(ga, ja[i]); gb = max64(gb, jb[i]); }
+                            int64_t ga, gb;
+                            group_keys(ja, jb, r0, g1, nb, &ga, &gb);
                             if (ga < gb)
                                 prod_rows(ds + r0 * BNB, BNB, 1, kb + n0 * kst[1], kst[1], ga, gb, d,
                                           dqb + r0 * dqst[1], dqst[1], 0, 1, g1 - r0);

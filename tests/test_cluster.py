@@ -16,6 +16,7 @@ processes on loopback, driven by the real ``openai`` client.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -139,6 +140,95 @@ def test_the_index_matches_the_engines_prefix_cache(block_size, sp):
             want = len(bm.match_prefix(prompt + [0], salt)) * block_size * sp  # + [0]: no last-token rule
             bm.free(bm.match_prefix(prompt + [0], salt))
             assert router.cached_tokens(inst, prompt, salt, {}) == want
+
+
+@contextlib.contextmanager
+def instance_in_thread(llm, instance_id: str):
+    """The real instance app (``build_app`` over an ``AsyncEngine`` publishing KV events, as
+    ``ringkv serve --admin`` runs it) served by uvicorn on loopback from a thread."""
+    import uvicorn
+
+    from ringkv.serve.app import build_app
+    from ringkv.serve.engine import AsyncEngine
+
+    engine = AsyncEngine(llm, kv_events=True)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", instance_id=instance_id, admin=True),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started:
+            assert thread.is_alive() and time.time() < deadline, "the instance app did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.shutdown()
+
+
+def test_router_poll_drops_the_blocks_an_instance_evicted():
+    """``Router.poll`` against two real instance apps: the STORED events of a prompt's blocks
+    send that prompt to the instance holding them; once that instance's cache evicts them (a
+    longer prompt needs every block), the REMOVED events take them out of the router's index,
+    and the prompt goes where the load says."""
+    import asyncio
+
+    import torch
+
+    from ringkv.cache.block_manager import block_hash
+    from ringkv.model import LlamaForCausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2,
+                                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
+                                         eos_token_id=None)).eval()
+    bs, nb = 4, 8
+    held = [(i * 7 + 3) % 61 for i in range(20)]  # 5 full blocks
+    evicting = [(i * 5 + 1) % 61 for i in range(bs * nb - 1)]  # with its token: every block of the cache
+
+    def chain(ids):
+        out, parent = [], None
+        for i in range(len(ids) // bs):
+            parent = block_hash((parent, tuple(ids[i * bs:(i + 1) * bs]), None))
+            out.append(parent.hex())
+        return out
+
+    async def scenario(url_a, url_b):
+        router = Router(migration=False)
+        router.client = httpx.AsyncClient()
+        a, b = router.add(url_a, "a"), router.add(url_b, "b")
+        try:
+            async def complete(ids):
+                r = await router.client.post(url_a + "/v1/completions", timeout=60,
+                                             json=dict(model="tiny", prompt=ids, max_tokens=1, temperature=0))
+                assert r.status_code == 200, r.text
+
+            for inst in (a, b):
+                await router.poll(inst)  # the whole (empty) index; from now on, events
+                assert inst.state == "up" and inst.tokens_per_block == bs and inst.blocks == set()
+            a.inflight = 1  # a is the busier one: the load alone would pick b
+            await complete(held)
+            await router.poll(a)
+            assert set(chain(held)) <= a.blocks
+            assert router.cached_tokens(a, held, None, {}) == len(held)
+            assert router.pick(held).id == "a"
+            await complete(evicting)  # evicts every block of `held`: REMOVED events
+            await router.poll(a)
+            assert set(chain(evicting)) <= a.blocks
+            stale = set(chain(held)) & a.blocks
+            assert not stale, f"{len(stale)} of the {len(held) // bs} evicted blocks stayed in the router's index"
+            assert router.cached_tokens(a, held, None, {}) == 0
+            assert router.pick(held).id == "b"
+        finally:
+            await router.client.aclose()
+
+    llms = [LLM(model, block_size=bs, num_blocks=nb) for _ in range(2)]
+    with instance_in_thread(llms[0], "a") as url_a, instance_in_thread(llms[1], "b") as url_b:
+        asyncio.run(scenario(url_a, url_b))
+    assert llms[0].blocks.evictions >= len(held) // bs
 
 
 def test_routing_policy():

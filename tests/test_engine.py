@@ -200,6 +200,22 @@ def test_cache_salt_per_request(model):
         llm.generate([p, p], GREEDY, use_tqdm=False, cache_salt=["x"])
 
 
+@pytest.mark.parametrize("first", [dict(), dict(prompt_logprobs=0)], ids=["plain", "prompt_logprobs"])
+def test_request_finished_in_its_prefill_step_leaves_its_prompt_blocks_cached(model, first):
+    """A request whose prefill step is also its last (max_tokens=1, or an echo-style
+    prompt-log-probs request) registers the prompt blocks that step filled: the same prompt
+    again hits every full block but the one holding its last token ((len - 1) // bs * bs)."""
+    llm = LLM(model, block_size=16, num_blocks=64)
+    for length in (20, 50, 32):  # a part-filled last block, several blocks, an exact multiple
+        prompt = [(i * 11 + length) % V for i in range(length)]
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, **first), use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0 and out.token_ids == reference(model, prompt, 1)
+        again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+        assert again.num_cached_tokens == (length - 1) // 16 * 16, (length, again.num_cached_tokens)
+        assert again.token_ids == out.token_ids
+    llm.blocks.check()
+
+
 @pytest.mark.parametrize("length", [60, 440])
 def test_decode_steps_hash_each_block_once(model, length):
     """Prefix caching hashes a block once, when it fills: the hashing of a run grows with the

@@ -83,6 +83,23 @@ def test_filter_keeps_the_defined_set(v, r, seed, k, p, m):
         assert torch.equal(got[i][keep], x[i][keep])
 
 
+@pytest.mark.parametrize("v, top_p, kept", [(4, 0.5, 2), (4, 0.25, 1), (8, 0.75, 6), (8, 0.5, 4), (2, 0.5, 1)])
+def test_top_p_at_an_exact_tie_keeps_exactly_the_mass(v, top_p, kept):
+    """Equal logits: each token's probability is 1/v, a power of two, so the running mass hits
+    top_p exactly (no rounding) and the smallest set reaching it has top_p * v tokens; the
+    token after it (whose preceding mass equals top_p) is out. The hypothesis test's random
+    logits never land on such a tie."""
+    x = torch.zeros(3, v)
+    got = filter_logits(x, torch.zeros(3, dtype=torch.long), torch.full((3,), top_p), torch.zeros(3))
+    assert torch.isfinite(got).sum(dim=-1).tolist() == [kept] * 3, got
+    # the sampler draws only those: `kept` distinct tokens, each about equally often
+    n = 4000
+    tokens, _ = sample(x[:1].expand(n, -1).clone(), rows(SamplingParams(temperature=1.0, top_p=top_p), n))
+    counts = torch.bincount(torch.tensor(tokens), minlength=v)
+    assert int((counts > 0).sum()) == kept, counts
+    assert bool((counts[counts > 0] > n / kept * 0.8).all()), counts
+
+
 def test_logprobs_are_log_softmax_of_the_raw_logits():
     params = SamplingParams(temperature=0.7, top_k=3, logprobs=4, repetition_penalty=1.5, max_tokens=1)
     x = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))

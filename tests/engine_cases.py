@@ -245,3 +245,42 @@ def migrate_mesh_torchrun(ctx, spec, prompts, params):
     a.close()
     b.close()
     return [outs[rid] for rid in rids]
+
+
+def kv_size_mismatch(ctx, spec, prompt, move, timeout):
+    """Torchrun sp=2 with rank 1's K/V slot computation planted one token short (a layout the
+    two sides disagree on), then rank 0 exports (``move="export"``) or imports a request:
+    every rank's error (None if none) and the seconds its call took."""
+    from ringkv.parallel import EngineError, kvmove
+
+    if ctx.rank == 1:
+        real = kvmove._slots
+        kvmove._slots = lambda *a: real(*a)[:-1]
+    a = LLM(model_from(spec), sp=2, block_size=4, num_blocks=64, max_num_batched_tokens=16, timeout=timeout)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    t = time.monotonic()
+    try:
+        if ctx.rank == 1:
+            if move == "export":
+                a.export_request("r0")
+            else:
+                while a.cluster.follow(idle=True)["kind"] != "shutdown":
+                    pass
+        elif move == "export":
+            a.add_request(prompt, params, request_id="r0")
+            a.step()
+            t = time.monotonic()
+            a.export_request("r0")
+        else:
+            b = LLM(model_from(spec), block_size=8, num_blocks=64)
+            b.add_request(prompt, params, request_id="r0")
+            b.step()
+            snap = b.export_request("r0")
+            b.close()
+            t = time.monotonic()
+            a.import_request(snap)
+        return dict(error=None, s=time.monotonic() - t)
+    except EngineError as e:
+        return dict(error=str(e), s=time.monotonic() - t)
+    finally:
+        a.close()

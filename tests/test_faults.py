@@ -382,6 +382,29 @@ def test_torchrun_engine_broken_by_a_dead_rank_fails_the_next_calls_at_once(fres
     assert all("EngineError" in e and "broken" in e for e in out["errors"][1:]), out
 
 
+@pytest.mark.parametrize("move", ["export", "import"])
+def test_a_kv_move_whose_sides_disagree_on_a_size_is_an_error_on_every_rank(fresh_world, move):
+    """Torchrun sp=2 with rank 1's K/V slots computed one token short: moving a request's K/V
+    (export: rank 1 sends its box; import: it receives one) was a gloo receive of the wrong size,
+    which aborted the process (SIGABRT). Both sides now agree on each box's size first: each rank
+    raises an ``EngineError`` naming both sizes, at once (well within the timeout)."""
+    world = fresh_world()
+    try:
+        res = world.run("tests.engine_cases:kv_size_mismatch", 2, SPEC, prompts()[1], move, TORCHRUN_TIMEOUT,
+                        timeout=3 * TORCHRUN_TIMEOUT + 60)
+    finally:
+        world.kill()
+    for r, out in enumerate(res):
+        assert not isinstance(out, RankError), (r, out)  # no rank died
+        assert out["error"] and "model rank 1 stores" in out["error"] and "the driver expects" in out["error"], (r, out)
+        assert out["s"] < TORCHRUN_TIMEOUT, (r, out)
+    import re
+
+    start, end, got, want = map(int, re.search(r"tokens \[(\d+), (\d+)\): model rank 1 stores (\d+) of them "
+                                              r"\(\d+ bytes\), the driver expects (\d+) ", res[0]["error"]).groups())
+    assert want == len(range(start + (1 - start) % 2, end, 2)) > 0 and got == want - 1, res[0]  # rank 1: odd tokens
+
+
 @settings(max_examples=4, **HARNESS)
 @given(mesh=st.sampled_from(MESHES), kind=st.sampled_from(["raise", "interrupt", "sigint", "kill", "close"]),
        rank=st.integers(0, 1), step=st.integers(0, 8))

@@ -15,6 +15,12 @@ rank on (``context.py``: token ``t`` lives on SP rank ``t % sp``, in logical blo
   too) its box; the ranks write it and answer with one word, so the import is complete (or a
   rank's error known) before the call returns.
 
+Both sides agree on every box's size before a box travels: the message carries the token count
+the driver expects of each rank (``counts``), a rank sends its own count (a header word) before
+its box on export and answers with it on import, and a rank whose count differs moves no box of
+its size. A mismatch is an ``EngineError`` naming both sizes on the driver and on that rank,
+never a gloo receive of the wrong size (which aborts the process).
+
 The message and the boxes are O(end - start): an incremental snapshot costs what is new. Boxes
 travel as bytes (fp8 included) with their scales beside them on a quantized cache. The driver
 holds the snapshot once plus one box at a time (received, or sent and not yet taken).
@@ -29,6 +35,7 @@ import torch
 
 from ..cache.kv_cache import KVCache
 from ..kernels.quant import SCALE_DTYPE, as_bytes
+from .control import EngineError
 
 KV_TAG = 15  # apart from the step results (RESULT_TAG) and snapshot transfers
 KINDS = ("kv_read", "kv_write")
@@ -58,6 +65,10 @@ class Box:
         """Its tokens among ``[start, end)``, as a slice of the snapshot's token dim."""
         return slice((self.sp_rank - start) % sp, end - start, sp)
 
+    def count(self, start: int, end: int, sp: int) -> int:
+        """How many of its tokens lie among ``[start, end)``."""
+        return len(range(*self.tokens(start, end, sp).indices(end - start)))
+
     def index(self, start: int, end: int, sp: int) -> tuple:
         """Its box of ``(L, 2, T, H, ...)`` K/V (or scales) of tokens ``[start, end)``."""
         return (slice(self.layers.start, self.layers.stop), slice(None), self.tokens(start, end, sp),
@@ -73,10 +84,28 @@ def _slots(table: List[int], first: int, start: int, end: int, block_size: int, 
     return torch.tensor(table, dtype=torch.long)[pos // lb - first] * block_size + pos % lb // sp
 
 
-def read(kv: KVCache, table: List[int], first: int, start: int, end: int, sp: int = 1, sp_rank: int = 0):
+def mismatch(rank: int, start: int, end: int, got: int, expected: int, token_bytes: int) -> EngineError:
+    """The error of a box whose size the two sides disagree on (token counts and bytes)."""
+    return EngineError(f"moving the K/V of tokens [{start}, {end}): model rank {rank} stores {got} of them "
+                       f"({got * token_bytes} bytes), the driver expects {expected} ({expected * token_bytes} "
+                       f"bytes); the two sides disagree on the layout")
+
+
+def _agree(expected: int, got: int, kv: KVCache, rank: int, start: int, end: int) -> None:
+    """``EngineError`` naming both sizes unless this rank stores the ``expected`` token count."""
+    if got != expected:
+        L, _, _, _, h, d = kv.data.shape
+        raise mismatch(rank, start, end, got, expected, _nbytes((L, 2, 1, h, d), kv.data.dtype))
+
+
+def read(kv: KVCache, table: List[int], first: int, start: int, end: int, sp: int = 1, sp_rank: int = 0,
+         expected: Optional[int] = None, rank: int = 0):
     """This rank's stored tokens among ``[start, end)``: data ``(L, 2, n, H, D)`` and scale
-    ``(L, 2, n, H)`` (None unless quantized), on the CPU."""
+    ``(L, 2, n, H)`` (None unless quantized), on the CPU. ``expected``: the token count the
+    driver expects (``EngineError`` otherwise)."""
     slots = _slots(table, first, start, end, kv.block_size, sp, sp_rank).to(kv.data.device)
+    if expected is not None:
+        _agree(expected, slots.numel(), kv, rank, start, end)
     L, _, _, _, h, d = kv.data.shape
     data = as_bytes(kv.data).view(L, 2, -1, h, d).index_select(2, slots).view(kv.data.dtype).cpu()
     scale = None if kv.scale is None else kv.scale.view(L, 2, -1, h).index_select(2, slots).cpu()
@@ -84,9 +113,10 @@ def read(kv: KVCache, table: List[int], first: int, start: int, end: int, sp: in
 
 
 def write(kv: KVCache, table: List[int], first: int, start: int, end: int, data: torch.Tensor,
-          scale: Optional[torch.Tensor], sp: int = 1, sp_rank: int = 0) -> None:
+          scale: Optional[torch.Tensor], sp: int = 1, sp_rank: int = 0, rank: int = 0) -> None:
     """Store ``read``'s layout back: ``data`` ``(L, 2, n, H, D)``, ``scale`` ``(L, 2, n, H)``."""
     slots = _slots(table, first, start, end, kv.block_size, sp, sp_rank).to(kv.data.device)
+    _agree(data.shape[2], slots.numel(), kv, rank, start, end)
     L, _, _, _, h, d = kv.data.shape
     as_bytes(kv.data).view(L, 2, -1, h, d).index_copy_(2, slots, as_bytes(data.to(kv.data.device)))
     if kv.scale is not None:
@@ -127,6 +157,14 @@ class Mover:
         """The box is this process's own (a torchrun driver is model rank 0)."""
         return self.cluster.worker is not None and box.rank == self.cluster.worker.mesh.rank
 
+    def _counts(self, start: int, end: int) -> List[int]:
+        """The token count of ``[start, end)`` the driver expects of each model rank."""
+        return [box.count(start, end, self.sp) for box in self.boxes]
+
+    def _token_bytes(self, box: Box) -> int:
+        """Bytes of one token's K/V in ``box``."""
+        return _nbytes((len(box.layers), 2, 1, len(box.heads), self.shape[2]), self.dtype)
+
     def _recv(self, box: Box, shape, dtype: torch.dtype) -> torch.Tensor:
         c = self.cluster
         buf = torch.empty(_nbytes(shape, dtype), dtype=torch.uint8)
@@ -154,15 +192,21 @@ class Mover:
             L, H, D = self.shape
             data = torch.empty(L, 2, end - start, H, D, dtype=self.dtype)  # (L, 2, T, H, D)
             scale = None if self.scale_dtype is None else torch.empty(L, 2, end - start, H, dtype=self.scale_dtype)
-            c.control.publish({"kind": "kv_read", "table": part, "first": first, "start": start, "end": end})
+            counts = self._counts(start, end)
+            c.control.publish({"kind": "kv_read", "table": part, "first": first, "start": start, "end": end,
+                               "counts": counts})
             for box in self.boxes:
                 if not box.owner:
                     continue
                 at = box.index(start, end, self.sp)
                 if self._local(box):  # the torchrun driver's own box
-                    mine, mine_scale = read(c.worker.kv, part, first, start, end, self.sp, box.sp_rank)
+                    mine, mine_scale = read(c.worker.kv, part, first, start, end, self.sp, box.sp_rank,
+                                            counts[box.rank], box.rank)
                 else:
                     shape = data[at].shape  # (l, 2, n, h, D)
+                    got = int(self._recv(box, (1,), torch.int64)[0])  # the rank's own count, before its box
+                    if got != counts[box.rank]:
+                        raise mismatch(box.rank, start, end, got, counts[box.rank], self._token_bytes(box))
                     mine = self._recv(box, shape, data.dtype)
                     mine_scale = None if scale is None else self._recv(box, shape[:-1], scale.dtype)
                 data[at] = mine
@@ -184,12 +228,14 @@ class Mover:
         if c.world == 1:
             write(c.worker.kv, part, first, start, end, data, scale)
             return
-        c.control.publish({"kind": "kv_write", "table": part, "first": first, "start": start, "end": end})
+        counts = self._counts(start, end)
+        c.control.publish({"kind": "kv_write", "table": part, "first": first, "start": start, "end": end,
+                           "counts": counts})
         for box in self.boxes:
             at = box.index(start, end, self.sp)
             mine, mine_scale = data[at], None if scale is None else scale[at]
             if self._local(box):
-                write(c.worker.kv, part, first, start, end, mine, mine_scale, self.sp, box.sp_rank)
+                write(c.worker.kv, part, first, start, end, mine, mine_scale, self.sp, box.sp_rank, box.rank)
                 continue
             c.control.send(_wire(mine), box.rank + c.offset, KV_TAG)
             if mine_scale is not None:
@@ -197,25 +243,29 @@ class Mover:
             c.control.channel.reap(0)  # one box in flight at a time: the snapshot plus one box, never twice
         for box in self.boxes:  # every rank has written (or failed: then its error reaches us)
             if not self._local(box):
-                c.control.recv_from(box.rank + c.offset, torch.zeros(1, dtype=torch.int64), KV_TAG,
-                                    f"model rank {box.rank} to store the imported K/V")
+                got = int(c.control.recv_from(box.rank + c.offset, torch.zeros(1, dtype=torch.int64), KV_TAG,
+                                              f"model rank {box.rank} to store the imported K/V")[0])
+                if got != counts[box.rank]:  # it answers with the count it stores: then it wrote nothing
+                    raise mismatch(box.rank, start, end, got, counts[box.rank], self._token_bytes(box))
 
 
 def serve(worker, control, msg: dict) -> None:
     """A rank other than the driver: its part of a ``kv_read`` or ``kv_write`` message."""
     m, kv = worker.mesh, worker.kv
     table, first, start, end = msg["table"], msg["first"], msg["start"], msg["end"]
-    sp = m.sp
+    sp, expected = m.sp, msg["counts"][m.rank]
+    own = _slots(table, first, start, end, kv.block_size, sp, m.sp_rank).numel()  # what this rank stores
     if msg["kind"] == "kv_read":
         if not Box.of(worker.info(), worker.cfg.num_kv_heads, m.tp).owner:  # a replica: another rank sends them
             return
-        data, scale = read(kv, table, first, start, end, sp, m.sp_rank)
+        control.send(torch.tensor([own]), 0, KV_TAG)  # its count first: the driver checks it before the box
+        data, scale = read(kv, table, first, start, end, sp, m.sp_rank, expected, m.rank)  # raises on a mismatch
         control.send(_wire(data), 0, KV_TAG)
         if scale is not None:
             control.send(_wire(scale), 0, KV_TAG)
         return
     L, _, _, _, h, d = kv.data.shape
-    shape = (L, 2, len(range(start + (m.sp_rank - start) % sp, end, sp)), h, d)
+    shape = (L, 2, expected, h, d)  # what the driver sends, whatever this rank stores
 
     def recv(shape, dtype):
         buf = torch.empty(_nbytes(shape, dtype), dtype=torch.uint8)
@@ -223,5 +273,7 @@ def serve(worker, control, msg: dict) -> None:
 
     data = recv(shape, kv.data.dtype)
     scale = None if kv.scale is None else recv(shape[:-1], kv.scale.dtype)
-    write(kv, table, first, start, end, data, scale, sp, m.sp_rank)
-    control.send(torch.ones(1, dtype=torch.int64), 0, KV_TAG)
+    if own == expected:  # written before the answer: the import is complete once every rank answered
+        write(kv, table, first, start, end, data, scale, sp, m.sp_rank, m.rank)
+    control.send(torch.tensor([own]), 0, KV_TAG)  # the count it stores: the driver checks it
+    _agree(expected, own, kv, m.rank, start, end)

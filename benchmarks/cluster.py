@@ -58,11 +58,10 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
 
-from models import describe, model_path, write_json  # noqa: E402
+from benchmarks.models import describe, model_path, write_json  # noqa: E402
 
 NAME = "bench"  # --served-model-name
 WORDS = ("river valley farming village trader coast salt cloth writing number town wall border kingdom scholar "

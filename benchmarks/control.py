@@ -44,7 +44,9 @@ import time
 from datetime import timedelta
 from types import SimpleNamespace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # benchmarks/ never (its modules would shadow installed packages); the ringkv measured comes from PYTHONPATH
 BEFORE_COMMIT = "b68c5a5"  # the commit issue #25 started from: the whole StepPlan as JSON on the store
 
 
@@ -147,7 +149,7 @@ def _engine_rows(args) -> list:
     """Per decode step of real engines: the driver's and the other ranks' control bytes and seconds."""
     import torch
 
-    from models import model_path
+    from benchmarks.models import model_path
     from ringkv.engine import LLM, SamplingParams
 
     path, rows = model_path(args.engine_model), []
@@ -250,8 +252,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.run_world:
         return _worker_main(args)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from models import load_average, write_json
+    sys.path.insert(0, ROOT)
+    from benchmarks.models import load_average, write_json
 
     if args.engine:
         load = load_average()

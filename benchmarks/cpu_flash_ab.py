@@ -20,7 +20,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 from ringkv.kernels import cpu_flash, sdpa  # noqa: E402
 from ringkv.kernels.mask import FULL, OFFSET, Mask  # noqa: E402
 

@@ -28,11 +28,12 @@ import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import torch  # noqa: E402
 
-from models import load_average, write_json  # noqa: E402
+from benchmarks.models import load_average, write_json  # noqa: E402
 import ringkv.engine.llm as llm_mod  # noqa: E402
 import ringkv.engine.scheduler as scheduler_mod  # noqa: E402
 import ringkv.parallel.compiled as compiled_mod  # noqa: E402

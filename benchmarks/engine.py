@@ -38,14 +38,15 @@ import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import torch  # noqa: E402
 
-from models import load_average, write_json  # noqa: E402
+from benchmarks.models import load_average, write_json  # noqa: E402
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.model.smollm2 import smollm2_path  # noqa: E402
-from vllm_peer import run_in_venv  # noqa: E402
+from benchmarks.vllm_peer import run_in_venv  # noqa: E402
 
 TEXT = ("The history of the river valley begins with small farming villages that grew along its banks. "
         "Over centuries, traders arrived from the coast, bringing salt, cloth and new ideas about "
@@ -289,7 +290,7 @@ def run_engine_in_subprocess(path, prompts, lengths, kw, threads):
 
 
 def main_parallel(args):
-    from models import describe, model_path
+    from benchmarks.models import describe, model_path
 
     path = model_path(args.model)
     cores = os.cpu_count() or 1

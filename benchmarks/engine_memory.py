@@ -17,9 +17,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
-from models import load_average, shape, write_json  # noqa: E402
+from benchmarks.models import load_average, shape, write_json  # noqa: E402
 
 MIB = 1 << 20
 

@@ -7,7 +7,7 @@
 # Steps, each under its own timeout (their sum plus kill grace stays under 8 minutes) and
 # logging into OUT_DIR/NAME.log; a failing or timed-out step is recorded and the next runs:
 #   pytest_cuda   the CUDA tests (pytest -m cuda, one fixed tile config per kernel)
-#   kernels       benchmarks/kernels.py --device cuda: every registry backend against raw
+#   kernels       benchmarks/kernel_backends.py --device cuda: every registry backend against raw
 #                 flash_attn_func and every torch SDPA backend; paged decode GB/s against a
 #                 device-to-device copy
 #   ring_fwd      benchmarks/long_ctx.py --virtual 8, 128K tokens, bf16, causal zigzag, against
@@ -67,7 +67,7 @@ fi
 # test_autotuned_configs_match_reference covers the tuned path
 step pytest_cuda 100 "$PY" -m pytest -m cuda -q -p no:cacheprovider \
     --junitxml="$OUT_DIR/pytest_cuda.xml"
-step kernels 80 "$PY" benchmarks/kernels.py "${DEV[@]}" "${KERNELS[@]}" --json "$OUT_DIR/kernels.json"
+step kernels 80 "$PY" benchmarks/kernel_backends.py "${DEV[@]}" "${KERNELS[@]}" --json "$OUT_DIR/kernels.json"
 step ring_fwd 70 "$PY" benchmarks/long_ctx.py --virtual 8 "${RING[@]}" --dtype bf16 --layout zigzag --causal \
     --baseline-impl "$BASE" --quiet --json "$OUT_DIR/ring_fwd.json"
 step ring_fwd_bwd 90 "$PY" benchmarks/long_ctx.py --virtual 8 "${RING[@]}" --dtype bf16 --layout zigzag --causal \

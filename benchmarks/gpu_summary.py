@@ -7,9 +7,13 @@ JSON of each benchmark, the pytest junit XML) and writes ``OUT_DIR/summary.md``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 
 def load(path: Path):

@@ -49,8 +49,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
 
 
 def free_port() -> int:
@@ -175,7 +175,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    from models import model_path
+    from benchmarks.models import model_path
 
     path = model_path("smollm2")
     name = "smol"
@@ -232,7 +232,7 @@ def main(argv=None):
               f"{r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p99']:.0f} | {r['tok_s']:.1f} | "
               f"{r['req_s']:.2f} |")
     if args.json:
-        from models import write_json
+        from benchmarks.models import write_json
 
         write_json(args.json, dict(guidellm_version=version, server_cmd=server_cmd, cores=os.cpu_count(),
                                    prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,

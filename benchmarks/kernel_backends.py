@@ -1,9 +1,9 @@
 """Kernel micro-benchmark: time and TFLOP/s of every attention backend usable on a device,
 and GB/s of paged decode against the device's copy bandwidth.
 
-    python benchmarks/kernels.py                       # CPU: fp32, S in {1024, 4096}
-    python benchmarks/kernels.py --quick --json out.json
-    python benchmarks/kernels.py --device cuda         # bf16, D in {64, 128}, S in {4096, 16384}
+    python benchmarks/kernel_backends.py                       # CPU: fp32, S in {1024, 4096}
+    python benchmarks/kernel_backends.py --quick --json out.json
+    python benchmarks/kernel_backends.py --device cuda         # bf16, D in {64, 128}, S in {4096, 16384}
 
 Backends come from the registry (``ringkv.kernels.BACKENDS``: every one whose ``supports()``
 accepts the inputs) and run through ``block_forward``/``block_backward`` with a ``make_mask``
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 from ringkv.kernels import BACKENDS, block_backward, block_forward, make_mask  # noqa: E402
 from ringkv.kernels import paged  # noqa: E402

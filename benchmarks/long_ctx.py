@@ -42,13 +42,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 import ringkv  # noqa: E402
 from ringkv.sp import LocalComm  # noqa: E402
 from ringkv.sp import ring as ring_mod  # noqa: E402
 
-from models import load_average, write_json  # noqa: E402  (benchmarks/, the script's folder)
-import torch_ring_peer  # noqa: E402
+from benchmarks.models import load_average, write_json  # noqa: E402  (benchmarks/, the script's folder)
+from benchmarks import torch_ring_peer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -30,14 +30,14 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 
 def one(args) -> dict:
     """In a fresh process: build the engine, time the prompt, report."""
     import torch
 
-    from models import model_path
+    from benchmarks.models import model_path
     from ringkv.engine import LLM, SamplingParams
 
     path = model_path(args.model)
@@ -80,7 +80,7 @@ def spawn(args, **over) -> dict:
 
 
 def main(argv=None):
-    from models import load_average, write_json
+    from benchmarks.models import load_average, write_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-long", help="tiny-long, llama-120m, smollm2 (benchmarks/models.py) or a path")
@@ -133,5 +133,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     main()

@@ -39,12 +39,11 @@ import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import torch  # noqa: E402
 
-from models import describe, model_path, write_json  # noqa: E402
+from benchmarks.models import describe, model_path, write_json  # noqa: E402
 from ringkv.engine import LLM, KVSnapshot, SamplingParams  # noqa: E402
 from ringkv.engine.remote import receive_request, send_request  # noqa: E402
 from ringkv.parallel.transfer import Link  # noqa: E402

@@ -32,13 +32,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 import ringkv  # noqa: E402
 from ringkv import kernels  # noqa: E402
 from ringkv.kernels import cpu_flash, merge as merge_mod, sdpa  # noqa: E402
 from ringkv.sp import comm as comm_mod, ring  # noqa: E402
 
-from models import load_average, write_json  # noqa: E402
+from benchmarks.models import load_average, write_json  # noqa: E402
 
 CATEGORIES = ("kernel", "merge", "copies", "post", "wait", "other")
 

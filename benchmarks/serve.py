@@ -25,8 +25,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 TEXT = ("The history of the river valley begins with small farming villages that grew along its banks. "
         "Over centuries, traders arrived from the coast, bringing salt, cloth and new ideas about writing and "
@@ -123,7 +122,7 @@ def main(argv=None):
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from models import describe, model_path, write_json
+    from benchmarks.models import describe, model_path, write_json
 
     path = model_path(args.model)
     proc = None

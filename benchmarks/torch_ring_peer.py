@@ -21,7 +21,12 @@ Tensors are in torch's own ``(B, H, S_local, D)``; ``peer(q, k, v) -> out`` is d
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import torch
 import torch.distributed as dist

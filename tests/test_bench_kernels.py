@@ -1,4 +1,4 @@
-"""Smoke test: benchmarks/kernels.py runs (tiny sizes) and writes the JSON it promises."""
+"""Smoke test: benchmarks/kernel_backends.py runs (tiny sizes) and writes the JSON it promises."""
 
 import importlib.util
 import json
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_kernel_benchmark_quick_json(tmp_path):
     out = tmp_path / "kernels.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--quick", "--device", "cpu",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel_backends.py"), "--quick", "--device", "cpu",
            "--seqlens", "64", "--head-dims", "16", "--heads", "2", "--cache-lens", "40", "--seqs", "2",
            "--copy-mib", "1", "--iters", "1", "--warmup", "0", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -32,7 +32,7 @@ def test_kernel_benchmark_quick_json(tmp_path):
 
 
 def test_flops_count_only_visible_pairs():
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "kernel_backends.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     from ringkv.kernels import make_mask

@@ -177,8 +177,7 @@ def test_turned_off_by_its_environment_variable():
 
 def test_ab_benchmark_runs_and_writes_its_table(tmp_path):
     """benchmarks/cpu_flash_ab.py on tiny shapes: a row per shape, mask and pass, in the JSON."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    import cpu_flash_ab
+    from benchmarks import cpu_flash_ab
 
     out = tmp_path / "ab.json"
     assert cpu_flash_ab.main(["--rounds", "1", "--shapes", "40,2,1,16", "100,3,3,32", "--json", str(out)]) == 0

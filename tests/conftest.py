@@ -14,6 +14,12 @@ settings.register_profile("ringkv", deadline=None, print_blob=True)
 settings.register_profile("ci", deadline=None, print_blob=True, derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ringkv"))
 torch.set_num_threads(1)  # small test matmuls run fastest on one thread, above all on a shared CPU
+# ringkv's C kernels on wherever they build, here and in the processes tests start: without a
+# switch each kernel times itself against its torch path on first use and keeps the faster
+# (ringkv/kernels/native.py), and no test may depend on such a timing verdict. Tests of the
+# self-check itself unset these (tests/test_kernel_isa.py); RINGKV_NATIVE_*=0 from outside still wins.
+for _switch in ("RINGKV_NATIVE_LINEAR", "RINGKV_NATIVE_FLASH", "RINGKV_NATIVE_PAGED"):
+    os.environ.setdefault(_switch, "1")
 
 
 @pytest.fixture(scope="session")

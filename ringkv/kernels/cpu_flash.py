@@ -1,15 +1,19 @@
-"""ringkv's own CPU flash attention: backend ``"cpu_flash"``, the CPU default for float32 when a C
-compiler is present.
+"""ringkv's own CPU flash attention: backend ``"cpu_flash"``, the CPU default for float32 where a C
+compiler builds it and it beats torch's op (its self-check, below).
 
 ``csrc/flash_attention.c`` (plain C and OpenMP, no torch headers; built on first use by
 ``native.load``, sharing torch's threads) runs the forward and the backward block by block on
 register tiles. Against torch's fused CPU op (backend ``"sdpa"``) it takes any ``OFFSET`` or
 ``BAND`` mask in one call (no square-tile split and merge), reads K/V heads in place for GQA
 (no repeat), adds its gradients straight into the caller's accumulators, and takes a gradient
-through lse natively; it skips the masked part of a causal block 32 keys at a time (torch's op
-computes the masked half of each diagonal 256 x 512 block). docs/kernels.md has the
-measurements. ``RINGKV_NATIVE_FLASH=0`` turns it off (``"sdpa"`` then runs these calls); on a CPU
-without AVX-512 it is off unless ``RINGKV_NATIVE_FLASH=1``.
+through lse natively; it skips the masked part of a causal block a panel of keys at a time (32
+keys with AVX-512, 16 with AVX2, 8 generic; torch's op computes the masked half of each diagonal
+256 x 512 block). docs/kernels.md has the measurements. Its register tiles are chosen per target
+ISA when it is built (AVX-512, AVX2 or generic: ``native.py``). It becomes ``"auto"``'s choice once its self-check (``status()``: a 512 x
+512 causal forward, against ``"sdpa"``, cached beside the build) found it faster on this machine;
+``RINGKV_NATIVE_FLASH=1`` turns it on without the self-check, ``=0`` off (``"sdpa"`` then runs these
+calls). ``library(isa)``, and the ``isa=`` keyword of ``forward``/``backward``/``backward_into``, run
+the build for another target in this process (tests).
 
 Takes float32 on the CPU with ``head_dim`` a multiple of 16 up to 256 and any mask but
 ``DENSE``; everything else is left to the next backend. Results do not depend on the number of
@@ -21,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -29,37 +33,60 @@ from . import native
 from .mask import BAND, DENSE, EMPTY, FULL, OFFSET, Mask
 
 UNBOUNDED = 1 << 40  # a mask side with no limit (the kernel's +-2^40)
+SWITCH = "RINGKV_NATIVE_FLASH"
 
 
 @lru_cache(maxsize=None)
-def _build() -> Tuple[Optional[ctypes.CDLL], str]:
-    """(the compiled kernel, "") or (None, why it is off)."""
-    lib = native.load("flash_attention", "RINGKV_NATIVE_FLASH")
+def _lib(isa: str) -> Optional[ctypes.CDLL]:
+    lib = native.load("flash_attention", isa=isa)
     if lib is None:
-        return None, "off: RINGKV_NATIVE_FLASH=0 or no C compiler builds it"
-    lib.ringkv_flash_avx512.restype = ctypes.c_int
-    if not lib.ringkv_flash_avx512() and os.environ.get("RINGKV_NATIVE_FLASH") != "1":
-        return None, "off: this CPU has no AVX-512 (RINGKV_NATIVE_FLASH=1 turns it on)"
+        return None
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.ringkv_flash_fwd_f32.restype = ctypes.c_int
     lib.ringkv_flash_fwd_f32.argtypes = [p] * 5 + [i] * 6 + [p] * 4 + [i, i, ctypes.c_float, ctypes.c_int]
     lib.ringkv_flash_bwd_f32.restype = ctypes.c_int
     lib.ringkv_flash_bwd_f32.argtypes = ([p] * 10 + [i] * 6 + [p] * 8 + [i, i, ctypes.c_float, ctypes.c_int,
                                                                          ctypes.c_int])
-    return lib, ""
+    return lib
 
 
-def library() -> Optional[ctypes.CDLL]:
-    """The compiled kernel; None when turned off, when no compiler builds it (with a warning), or
-    when the CPU has no AVX-512 (its register tiles are sized for 32 vector registers and were
-    measured only there; ``RINGKV_NATIVE_FLASH=1`` uses it anyway)."""
-    return _build()[0]
+def library(isa: Optional[str] = None) -> Optional[ctypes.CDLL]:
+    """The compiled kernel for ``isa`` (default: ``native.default_isa()``, and None when
+    ``RINGKV_NATIVE_FLASH=0``); None when no compiler builds it (with a warning) or the CPU cannot
+    run that target. Whether ``"auto"`` uses it is ``status()``'s verdict."""
+    return _default() if isa is None else _lib(isa)
+
+
+@lru_cache(maxsize=None)
+def _default() -> Optional[ctypes.CDLL]:
+    return None if os.environ.get(SWITCH) == "0" else _lib(native.default_isa())
+
+
+def _timed_call(isa: str):
+    """The self-check's call: a 512 x 512 causal block forward (4 query heads over 2 K/V heads, head
+    dim 64, heads-first memory as the ring passes it), ours against torch's fused op."""
+    from . import sdpa
+
+    lib = _lib(isa)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 512, 64, generator=g).transpose(1, 2)  # (B, S, H, D) views
+    k, v = (torch.randn(1, 2, 512, 64, generator=g).transpose(1, 2) for _ in range(2))
+    mask = Mask(OFFSET, offset=0)
+    return (lambda: _forward(lib, q, k, v, 0.125, mask), lambda: sdpa.forward(q, k, v, 0.125, mask),
+            "a 512 x 512 causal block forward, 4 / 2 heads x 64")
+
+
+@lru_cache(maxsize=None)
+def status() -> dict:
+    """The self-check's verdict (``native.self_check``): whether ``"auto"`` runs this kernel here,
+    why, and both timings."""
+    return native.self_check("flash_attention", SWITCH, _timed_call, "torch's fused op (sdpa)")
 
 
 def __getattr__(name: str):
-    # ``unavailable`` (read by dispatch): why the backend cannot run here, "" when it can
+    # ``unavailable`` (read by dispatch): why "auto" does not run the backend here, "" when it does
     if name == "unavailable":
-        return _build()[1]
+        return status()["why"]
     raise AttributeError(name)
 
 
@@ -67,6 +94,14 @@ def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
     d = q.shape[-1]
     return (q.device.type == "cpu" and q.dtype == torch.float32 and d % 16 == 0 and 0 < d <= 256
             and mask.kind != DENSE and library() is not None)
+
+
+def _need(isa: Optional[str]) -> ctypes.CDLL:
+    lib = library(isa)
+    if lib is None:
+        raise RuntimeError(f"cpu_flash: the kernel for {isa or native.default_isa()} is off here "
+                           f"({SWITCH}=0, no compiler, or a target this CPU cannot run)")
+    return lib
 
 
 def _bounds(mask: Mask):
@@ -91,8 +126,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def forward(q, k, v, scale: float, mask: Mask):
-    """Same contract as ``reference.forward`` (float32)."""
+def forward(q, k, v, scale: float, mask: Mask, *, isa: Optional[str] = None):
+    """Same contract as ``reference.forward`` (float32); ``isa``: the build to run (default: this
+    process's)."""
+    return _forward(_need(isa), q, k, v, scale, mask)
+
+
+def _forward(lib, q, k, v, scale: float, mask: Mask):
     b, sq, h, d = q.shape
     out = torch.zeros(b, sq, h, d, dtype=torch.float32)  # (B, Sq, H, D)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32)  # (B, H, Sq)
@@ -100,7 +140,7 @@ def forward(q, k, v, scale: float, mask: Mask):
         return out, lse
     q, k, v = _rows(q), _rows(k), _rows(v)
     lo, hi = _bounds(mask)
-    failed = library().ringkv_flash_fwd_f32(
+    failed = lib.ringkv_flash_fwd_f32(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), b, sq, k.shape[1], h,
         k.shape[2], d, _strides(q), _strides(k), _strides(v), _strides(out), lo, hi, scale,
         torch.get_num_threads())
@@ -109,35 +149,37 @@ def forward(q, k, v, scale: float, mask: Mask):
     return out, lse
 
 
-def backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None) -> None:
+def backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, *,
+                  isa: Optional[str] = None) -> None:
     """``backward`` added in place into float32 ``dq`` ``(B, Sq, H, D)``, ``dk``/``dv`` ``(B, Sk, Hkv,
     D)`` (views with a contiguous last dimension; others are added through a copy)."""
     if mask.kind == EMPTY or q.shape[1] == 0 or k.shape[1] == 0:
         return
     targets = (dq, dk, dv)
     if any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in targets):
-        for acc, g in zip(targets, backward(dout, q, k, v, out, lse, scale, mask, dlse)):
+        for acc, g in zip(targets, backward(dout, q, k, v, out, lse, scale, mask, dlse, isa=isa)):
             acc.add_(g)
         return
-    _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate=True)
+    _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate=True, isa=isa)
 
 
-def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
+def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, *, isa: Optional[str] = None):
     """Same contract as ``reference.backward``, ``dlse`` included: float32 dq, dk, dv."""
     dq = torch.zeros(q.shape, dtype=torch.float32)
     dk, dv = (torch.zeros(k.shape, dtype=torch.float32) for _ in range(2))
     if mask.kind != EMPTY and q.shape[1] and k.shape[1]:
-        _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate=False)
+        _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate=False, isa=isa)
     return dq, dk, dv
 
 
-def _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate: bool) -> None:
+def _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate: bool, isa=None) -> None:
+    lib = _need(isa)
     b, sq, h, d = q.shape
     dout, q, k, v, out = (_rows(t) for t in (dout, q, k, v, out))
     lse = lse.float().contiguous()  # (B, H, Sq)
     dlse = None if dlse is None else dlse.float().contiguous()
     lo, hi = _bounds(mask)
-    failed = library().ringkv_flash_bwd_f32(
+    failed = lib.ringkv_flash_bwd_f32(
         dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         None if dlse is None else dlse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, sq, k.shape[1], h,
         k.shape[2], d, *(_strides(t) for t in (dout, q, k, v, out, dq, dk, dv)), lo, hi, scale, int(accumulate),

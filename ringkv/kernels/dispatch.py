@@ -10,7 +10,8 @@
   its one-time check against the reference (``_probe``: forward, backward and the gradient through
   lse, each on its own). A gradient through lse runs only on a backend that takes ``dlse``
   natively (``cpu_flash``, ``triton``, ``reference``): with no such backend usable, the reference runs it, by design.
-- ``describe()``: which backend ``"auto"`` runs for each call, and why the others do not.
+- ``describe()``: which backend ``"auto"`` runs for each call, and why the others do not; on the
+  CPU also each C kernel's build and self-check verdict (``native``).
 
 The entry points that use this (``attention``, ``block_forward``, ...) are in the package
 ``ringkv.kernels``; this module imports the backends, never the package.
@@ -166,10 +167,13 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
     """Which backend ``"auto"`` runs for each call on ``device``/``dtype``, and why not the others.
 
     Runs the one-time probes it needs. Returns ``{"device", "dtype", "order", "auto", "skipped",
-    "notes"}``: ``auto[need][mask kind]`` is a backend name for each need in ``NEEDS`` (forward,
-    backward, lse_grad) and mask kind (full, offset, band, dense; EMPTY blocks never reach a
-    backend); ``skipped[name]`` is why another backend is not used: one string when the reason
+    "notes"}`` (and ``"native"`` on the CPU): ``auto[need][mask kind]`` is a backend name for each
+    need in ``NEEDS`` (forward, backward, lse_grad) and mask kind (full, offset, band, dense; EMPTY
+    blocks never reach a backend); ``skipped[name]`` is why another backend is not used: one string when the reason
     is the same for every call, else ``{"need/kind": reason}`` for the calls it does not run.
+    On the CPU, ``native[kernel]`` (``flash_attention``, ``linear``, ``paged_attention``) is each C
+    kernel's verdict (``native.self_check``: its ISA and tiles, ``on``, ``by`` what, ``why`` not,
+    ``kernel_us`` and ``torch_us`` from its self-check); running it may run the self-checks.
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -197,7 +201,12 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
         notes.append("lse_grad on 'reference': no backend usable here takes a gradient through lse natively "
                      "(only 'cpu_flash' does, float32 on CPU, and 'triton', for full/offset masks on CUDA), so the "
                      "reference runs those backward calls, by design")
-    return dict(device=str(device), dtype=str(dtype), order=list(order), auto=auto, skipped=skipped, notes=notes)
+    out = dict(device=str(device), dtype=str(dtype), order=list(order), auto=auto, skipped=skipped, notes=notes)
+    if device.type == "cpu":
+        from . import linear_cpu, paged_cpu
+
+        out["native"] = {s["kernel"]: s for s in (m.status() for m in (cpu_flash, linear_cpu, paged_cpu))}
+    return out
 
 
 try:  # own Triton kernels (after sdpa, before reference on CUDA) when triton is installed

@@ -9,11 +9,14 @@
  *        K/V head h / (H / HKV) (GQA) without copying K/V
  *
  * Scores are kept in base-2 units (scale * log2(e) folded in), so the softmax is one exp2 per
- * score (exp2v: 16 lanes, Cephes' polynomial, relative error ~1e-7 as expf). The products run on
- * register tiles: score tiles of MRS rows x 32 keys against K (or V) packed key-minor, and
- * product tiles of MRO rows x up to 64 columns that broadcast one operand and stream the other's
- * rows. A row's keys outside its mask range are skipped whole 32-key panels at a time and given
- * probability 0 inside a panel, so a causal diagonal costs at most one panel per row group.
+ * score (exp2v: a vector at a time, Cephes' polynomial, relative error ~1e-7 as expf). The
+ * products run on register tiles: score tiles of MRS rows x PW keys against K (or V) packed
+ * key-minor, and product tiles of MRO rows x up to NZ * VL columns that broadcast one operand and
+ * stream the other's rows. A row's keys outside its mask range are skipped whole PW-key panels at a time and
+ * given probability 0 inside a panel, so a causal diagonal costs at most one panel per row group.
+ * The tile shapes are chosen when the file is compiled, from the target's vector registers (the
+ * #if below): 24 accumulators of 16 floats with AVX-512's 32 registers, 12 of 8 with AVX2's 16,
+ * 12 of 4 on a generic target (SSE2, NEON, or plain C where the compiler has no vectors).
  *
  * Forward: one work item per (batch, head, BM query rows); the online softmax rescales the
  * item's output rows once per BN-key block. Backward: one item per (batch, K/V head); per BNB-key
@@ -30,13 +33,35 @@
 #include <immintrin.h>
 #endif
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-#define PW 32  /* keys per packed panel: two vectors */
+/* Register tiles per target: VL floats a vector (the softmax's step too). A score tile holds MRS
+ * rows x PW keys (PW / VL vectors a row); a product tile MRO rows x NZ vectors. */
+#if defined(__AVX512F__)
+#define VL 16  /* 32 zmm registers */
+#define PW 32  /* keys per packed panel: 2 vectors */
 #define MRS 12 /* rows per score tile: 24 accumulators */
-#define MRO 6  /* rows per product tile: up to 24 accumulators (64 columns) */
+#define MRO 6  /* rows per product tile ... */
+#define NZ 4   /* ... x 4 vectors (64 columns): 24 accumulators */
+#define TILES "avx512: panels of 32 keys, score tiles 12 x 32, product tiles 6 x 64 (24 zmm accumulators)"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8   /* 16 ymm registers */
+#define PW 16  /* 2 vectors */
+#define MRS 6  /* 12 accumulators + 2 (the panel's row) + 1 (the broadcast) */
+#define MRO 6  /* x 2 vectors (16 columns): 12 accumulators + 2 + 1 */
+#define NZ 2
+#define TILES "avx2: panels of 16 keys, score tiles 6 x 16, product tiles 6 x 16 (12 ymm accumulators)"
+#else
+#define VL 4   /* 128-bit vectors: SSE2's 16 xmm, NEON's 32 q (plain C where the compiler has none) */
+#define PW 8   /* 2 vectors */
+#define MRS 6  /* 12 accumulators */
+#define MRO 6  /* x 2 vectors (8 columns): 12 accumulators */
+#define NZ 2
+#define TILES "generic: panels of 8 keys, score tiles 6 x 8, product tiles 6 x 8 (12 128-bit accumulators)"
+#endif
+#define NS (PW / VL) /* vectors per score-tile row */
+
+typedef float vec __attribute__((vector_size(4 * VL)));
+typedef float vecu __attribute__((vector_size(4 * VL), aligned(4)));
+typedef int32_t ivec __attribute__((vector_size(4 * VL)));
 #define BM 96 /* query rows per forward block */
 #define BN 512 /* keys per forward block */
 #define BMB 48 /* query rows per backward block */
@@ -48,39 +73,52 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 static inline int64_t clamp(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-static inline v16 pick(i16 m, v16 a, v16 b) { return (v16)(((i16)a & m) | ((i16)b & ~m)); } /* m ? a : b */
+static inline vec pick(ivec m, vec a, vec b) { return (vec)(((ivec)a & m) | ((ivec)b & ~m)); } /* m ? a : b */
 
-/* 2^x, 16 at a time, for x <= ~0: x = n + f with |f| <= 1/2 (n rounded by the 1.5 * 2^23 trick),
- * 2^f = exp(f ln2) by Cephes' expf polynomial with ln2's powers folded into its coefficients,
- * times 2^n built in the exponent bits; below -126 it gives 2^-126 (callers zero the entries that
- * must be exactly 0). */
-static inline v16 vmax(v16 a, v16 b) {
+static inline vec vmax(vec a, vec b) {
 #ifdef __AVX512F__
-    return (v16)_mm512_max_ps((__m512)a, (__m512)b);
+    return (vec)_mm512_max_ps((__m512)a, (__m512)b);
 #else
     return pick(a > b, a, b);
 #endif
 }
 
-static inline v16 exp2v(v16 x) {
+/* 2^x, a vector at a time, for x <= ~0: x = n + f with |f| <= 1/2 (n rounded by the 1.5 * 2^23
+ * trick), 2^f = exp(f ln2) by Cephes' expf polynomial with ln2's powers folded into its
+ * coefficients, times 2^n built in the exponent bits; below -126 it gives 2^-126 (callers zero the
+ * entries that must be exactly 0). */
+static inline vec exp2v(vec x) {
     const float magic = 12582912.f; /* 1.5 * 2^23: adding it rounds to an integer in the low bits */
-    x = vmax(x, (v16){0} - 126.f);
-    const v16 t = x + magic;
-    const i16 n = (i16)t - (i16)((v16){0} + magic);
-    const v16 f = x - (t - magic);
-    v16 y = f * 1.5279195034e-05f + 1.5506795114e-04f;
+    x = vmax(x, (vec){0} - 126.f);
+    const vec t = x + magic;
+    const ivec n = (ivec)t - (ivec)((vec){0} + magic);
+    const vec f = x - (t - magic);
+    vec y = f * 1.5279195034e-05f + 1.5506795114e-04f;
     y = y * f + 1.3333747868e-03f;
     y = y * f + 9.6179281027e-03f;
     y = y * f + 5.5504104643e-02f;
     y = y * f + 2.4022651273e-01f;
     y = y * (f * f) + (f * LN2 + 1.f);
-    return (v16)((i16)y + (n << 23));
+    return (vec)((ivec)y + (n << 23));
 }
 
-static inline i16 lanes(int64_t j, int64_t a, int64_t b) { /* lanes j..j+15 inside [a, b) */
-    const i16 idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const i16 off = idx + (int32_t)(j - a);
+static inline ivec lanes(int64_t j, int64_t a, int64_t b) { /* lanes j..j+VL-1 inside [a, b) */
+    static const int32_t iota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    ivec idx;
+    memcpy(&idx, iota, sizeof idx);
+    const ivec off = idx + (int32_t)(j - a);
     return (off >= 0) & (off < (int32_t)(b - a));
+}
+
+static inline float hmax(vec x, float m) {
+    for (int z = 0; z < VL; z++) m = x[z] > m ? x[z] : m;
+    return m;
+}
+
+static inline float hsum(vec x) {
+    float s = 0.f;
+    for (int z = 0; z < VL; z++) s += x[z];
+    return s;
 }
 
 /* Row i of a block (query m0 + i against keys n0 ..) sees the block's keys [ja[i], jb[i]):
@@ -121,68 +159,76 @@ static void pack_panels(const float *x, int64_t ldx, int64_t n, int64_t d, float
 /* ---- score tile: s[i][0..PW) = c * (row i of a) . (each key of panel bt), i < mr */
 static inline AI void score_tile(const float *a, int64_t lda, const float *bt, int64_t d, float c, float *s,
                                  int64_t lds, const int mr) {
-    v16 a0[MRS], a1[MRS];
+    vec acc[MRS][NS];
 #pragma GCC unroll 12
-    for (int i = 0; i < MRS; i++) a0[i] = a1[i] = (v16){0};
+    for (int i = 0; i < MRS; i++)
+#pragma GCC unroll 4
+        for (int z = 0; z < NS; z++) acc[i][z] = (vec){0};
     for (int64_t e = 0; e < d; e++) {
-        const v16 b0 = *(const v16 *)(bt + e * PW), b1 = *(const v16 *)(bt + e * PW + 16);
+        vec bz[NS];
+#pragma GCC unroll 4
+        for (int z = 0; z < NS; z++) bz[z] = *(const vec *)(bt + e * PW + z * VL);
 #pragma GCC unroll 12
         for (int i = 0; i < MRS; i++)
             if (i < mr) {
                 const float x = a[i * lda + e];
-                a0[i] += x * b0;
-                a1[i] += x * b1;
+#pragma GCC unroll 4
+                for (int z = 0; z < NS; z++) acc[i][z] += x * bz[z];
             }
     }
 #pragma GCC unroll 12
     for (int i = 0; i < MRS; i++)
-        if (i < mr) {
-            *(v16u *)(s + i * lds) = a0[i] * c;
-            *(v16u *)(s + i * lds + 16) = a1[i] * c;
-        }
+#pragma GCC unroll 4
+        for (int z = 0; z < NS; z++)
+            if (i < mr) *(vecu *)(s + i * lds + z * VL) = acc[i][z] * c;
 }
 
-#define ST(MR) case MR: score_tile(a, lda, bt, d, c, s, lds, MR); break;
+/* a tile per row count up to the build's MRS (larger counts are dead code) */
+#define ST(MR) case MR: if (MR <= MRS) score_tile(a, lda, bt, d, c, s, lds, MR); break;
 static void score_rows(const float *a, int64_t lda, const float *bt, int64_t d, float c, float *s, int64_t lds,
                        int64_t mr) {
     switch (mr) { ST(12) ST(11) ST(10) ST(9) ST(8) ST(7) ST(6) ST(5) ST(4) ST(3) ST(2) default: ST(1) }
 }
 
-/* ---- product tile: acc[r][0..16 nz) = sum over t < kn of A(r, t) * b[t][..], A(r, t) =
+/* ---- product tile: acc[r][0..VL nz) = sum over t < kn of A(r, t) * b[t][..], A(r, t) =
  * a[r * ars + t * aks], summed from zero (a large running total would take a rounding error at
  * every term); then c = acc (mode 0), c += acc (1) or c = c * alpha[r] + acc (2) */
 static inline AI void prod_tile(const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb, int64_t kn,
                                 float *c, int64_t ldc, const float *alpha, int mode, const int mr, const int nz) {
-    v16 acc[MRO][4];
+    vec acc[MRO][NZ];
 #pragma GCC unroll 6
     for (int r = 0; r < MRO; r++)
 #pragma GCC unroll 4
-        for (int z = 0; z < 4; z++) acc[r][z] = (v16){0};
+        for (int z = 0; z < NZ; z++) acc[r][z] = (vec){0};
     for (int64_t t = 0; t < kn; t++) {
-        v16 bz[4];
+        vec bz[NZ];
 #pragma GCC unroll 4
-        for (int z = 0; z < 4; z++)
-            if (z < nz) bz[z] = *(const v16u *)(b + t * ldb + 16 * z);
+        for (int z = 0; z < NZ; z++)
+            if (z < nz) bz[z] = *(const vecu *)(b + t * ldb + VL * z);
 #pragma GCC unroll 6
         for (int r = 0; r < MRO; r++)
             if (r < mr) {
                 const float x = a[r * ars + t * aks];
 #pragma GCC unroll 4
-                for (int z = 0; z < 4; z++)
+                for (int z = 0; z < NZ; z++)
                     if (z < nz) acc[r][z] += x * bz[z];
             }
     }
 #pragma GCC unroll 6
     for (int r = 0; r < MRO; r++)
 #pragma GCC unroll 4
-        for (int z = 0; z < 4; z++)
+        for (int z = 0; z < NZ; z++)
             if (r < mr && z < nz) {
-                v16u *dst = (v16u *)(c + r * ldc + 16 * z);
+                vecu *dst = (vecu *)(c + r * ldc + VL * z);
                 *dst = mode == 0 ? acc[r][z] : mode == 1 ? *dst + acc[r][z] : *dst * alpha[r] + acc[r][z];
             }
 }
 
-#define PT(MR, NZ) case MR * 8 + NZ: prod_tile(a, ars, aks, b, ldb, kn, c, ldc, alpha, mode, MR, NZ); break;
+/* a tile per row and vector count up to the build's MRO and NZ (larger ones are dead code) */
+#define PT(R, Z) \
+    case R * 8 + Z: \
+        if (R <= MRO && Z <= NZ) prod_tile(a, ars, aks, b, ldb, kn, c, ldc, alpha, mode, R, Z); \
+        break;
 static void prod_one(const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb, int64_t kn, float *c,
                      int64_t ldc, const float *alpha, int mode, int64_t mr, int64_t nz) {
     switch (mr * 8 + nz) {
@@ -192,23 +238,17 @@ static void prod_one(const float *a, int64_t ars, int64_t aks, const float *b, i
     }
 }
 
-/* MRO rows of c (d columns) from a product over t in [t0, t1) */
+/* MRO rows of c (d columns, a multiple of 16) from a product over t in [t0, t1), NZ * VL columns
+ * at a time */
 static void prod_rows(const float *a, int64_t ars, int64_t aks, const float *b, int64_t ldb, int64_t t0, int64_t t1,
                       int64_t d, float *c, int64_t ldc, const float *alpha, int mode, int64_t mr) {
-    for (int64_t z0 = 0; z0 < d; z0 += 64)
+    for (int64_t z0 = 0; z0 < d; z0 += NZ * VL)
         prod_one(a + t0 * aks, ars, aks, b + t0 * ldb + z0, ldb, t1 - t0, c + z0, ldc, alpha, mode, mr,
-                 min64(4, (d - z0) / 16));
+                 min64(NZ, (d - z0) / VL));
 }
 
-/* 1 where this build has AVX-512 (the tiles' 24 accumulators fit its 32 vector registers; with
- * 16-register AVX2 they spill, and nothing was measured there) */
-int ringkv_flash_avx512(void) {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* This build's tile shapes, for ringkv.kernels.describe() */
+const char *ringkv_flash_attention_tiles(void) { return TILES; }
 
 /* ---- forward ---------------------------------------------------------------------------- */
 
@@ -264,23 +304,21 @@ int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *
                     float *row = s + i * BN;
                     alpha[i] = 1.f;
                     if (ja[i] >= jb[i]) continue;
-                    v16 mv = (v16){0} - INFINITY;
-                    for (int64_t j = ja[i] / 16 * 16; j < jb[i]; j += 16) {
-                        v16 x = *(v16 *)(row + j);
-                        if (j < ja[i] || j + 16 > jb[i]) x = pick(lanes(j, ja[i], jb[i]), x, (v16){0} - INFINITY);
+                    vec mv = (vec){0} - INFINITY;
+                    for (int64_t j = ja[i] / VL * VL; j < jb[i]; j += VL) {
+                        vec x = *(vec *)(row + j);
+                        if (j < ja[i] || j + VL > jb[i]) x = pick(lanes(j, ja[i], jb[i]), x, (vec){0} - INFINITY);
                         mv = vmax(mv, x);
                     }
-                    float mx = m2[i];
-                    for (int z = 0; z < 16; z++) mx = mv[z] > mx ? mv[z] : mx;
-                    v16 sv = {0};
-                    for (int64_t j = ja[i] / 16 * 16; j < jb[i]; j += 16) {
-                        v16 p = exp2v(*(v16 *)(row + j) - mx);
-                        if (j < ja[i] || j + 16 > jb[i]) p = pick(lanes(j, ja[i], jb[i]), p, (v16){0});
-                        *(v16 *)(row + j) = p;
+                    const float mx = hmax(mv, m2[i]);
+                    vec sv = {0};
+                    for (int64_t j = ja[i] / VL * VL; j < jb[i]; j += VL) {
+                        vec p = exp2v(*(vec *)(row + j) - mx);
+                        if (j < ja[i] || j + VL > jb[i]) p = pick(lanes(j, ja[i], jb[i]), p, (vec){0});
+                        *(vec *)(row + j) = p;
                         sv += p;
                     }
-                    float sum = 0.f;
-                    for (int z = 0; z < 16; z++) sum += sv[z];
+                    const float sum = hsum(sv);
                     alpha[i] = m2[i] == -INFINITY ? 0.f : exp2f(m2[i] - mx);
                     l[i] = l[i] * alpha[i] + sum;
                     m2[i] = mx;
@@ -293,8 +331,8 @@ int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *
                     for (int64_t i = r0; i < g1; i++) { /* zeros where a row's own range ends */
                         float *row = s + i * BN;
                         if (ja[i] >= jb[i]) { memset(row + ga, 0, sizeof(float) * (size_t)(gb - ga)); continue; }
-                        for (int64_t j = ga; j < ja[i] / 16 * 16; j++) row[j] = 0.f;
-                        for (int64_t j = (jb[i] + 15) / 16 * 16; j < gb; j++) row[j] = 0.f;
+                        for (int64_t j = ga; j < ja[i] / VL * VL; j++) row[j] = 0.f;
+                        for (int64_t j = (jb[i] + VL - 1) / VL * VL; j < gb; j++) row[j] = 0.f;
                     }
                     prod_rows(s + r0 * BN, BN, 1, vb + n0 * vst[1], vst[1], ga, gb, d, o + r0 * d, d, alpha + r0, 2,
                               g1 - r0);
@@ -389,20 +427,20 @@ int ringkv_flash_bwd_f32(const float *dout, const float *q, const float *k, cons
                             const float l2 = lse2[gi * sq + m0 + i], dl = delta[gi * sq + m0 + i];
                             int64_t j = 0;
                             if (ja[i] < jb[i]) {
-                                for (; j < ja[i] / 16 * 16; j += 16)
-                                    *(v16 *)(pr + j) = *(v16 *)(dr + j) = (v16){0};
-                                for (; j < jb[i]; j += 16) {
-                                    v16 pv = exp2v(*(v16 *)(pr + j) - l2), dv = pv * (*(v16 *)(dr + j) - dl) * scale;
-                                    if (j < ja[i] || j + 16 > jb[i]) {
-                                        const i16 in = lanes(j, ja[i], jb[i]);
-                                        pv = pick(in, pv, (v16){0});
-                                        dv = pick(in, dv, (v16){0});
+                                for (; j < ja[i] / VL * VL; j += VL)
+                                    *(vec *)(pr + j) = *(vec *)(dr + j) = (vec){0};
+                                for (; j < jb[i]; j += VL) {
+                                    vec pv = exp2v(*(vec *)(pr + j) - l2), dv = pv * (*(vec *)(dr + j) - dl) * scale;
+                                    if (j < ja[i] || j + VL > jb[i]) {
+                                        const ivec in = lanes(j, ja[i], jb[i]);
+                                        pv = pick(in, pv, (vec){0});
+                                        dv = pick(in, dv, (vec){0});
                                     }
-                                    *(v16 *)(pr + j) = pv;
-                                    *(v16 *)(dr + j) = dv;
+                                    *(vec *)(pr + j) = pv;
+                                    *(vec *)(dr + j) = dv;
                                 }
                             }
-                            for (; j < BNB; j += 16) *(v16 *)(pr + j) = *(v16 *)(dr + j) = (v16){0};
+                            for (; j < BNB; j += VL) *(vec *)(pr + j) = *(vec *)(dr + j) = (vec){0};
                         }
                         for (int64_t j0 = 0; j0 < nb; j0 += MRO) { /* dV += P^T dO, dK += dS^T q */
                             const int64_t kr = min64(MRO, nb - j0);

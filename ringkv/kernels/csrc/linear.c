@@ -7,21 +7,40 @@
  * x   (M, K)  float32, contiguous;  y (M, N) float32, contiguous
  *
  * Panels are split over the threads; a panel's MR-row tiles keep their MR x NR sums in
- * registers over a chunk of KC k steps, and every tile runs a chunk before the next one starts,
+ * registers (2 MR vectors) over a chunk of KC k steps, and every tile runs a chunk before the next one starts,
  * so a chunk of the panel is read from memory once and then from L1 (measured 3-5% faster at
  * 16-32 rows than each tile over all of K). While a panel computes, the next one is prefetched,
  * spread over its k loops, so memory streams while the FMAs run (the win over oneDNN's packed GEMM for a few
  * rows, where the weights' bytes, not the FLOPs, bound the time). Each output is summed in k
- * order by one thread: the result does not depend on the number of threads. */
+ * order by one thread: the result does not depend on the number of threads.
+ *
+ * The tile is chosen when the file is compiled, from the target's vector registers (NR is the
+ * build's: linear_cpu.py asks ringkv_linear_nr, and a packed weight is for the build that packed
+ * it). A panel's row is two vectors of VL floats; a tile keeps 2 MR accumulators, plus the
+ * panel row's two vectors and one broadcast x. */
 #include <stdint.h>
 #include <string.h>
 
-#define NR 32 /* output columns per panel: two 16-float vectors */
-#define MR 8  /* rows per register tile: 16 accumulators */
+#if defined(__AVX512F__)
+#define VL 16 /* 32 zmm registers: 16 accumulators (8 rows x 32 columns) */
+#define MR 8
+#define TILES "avx512: panels of 32 columns, tiles of 8 rows (16 zmm accumulators)"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VL 8 /* 16 ymm registers: 12 accumulators + 2 + 1 (the classic 6 x 16 micro-kernel) */
+#define MR 6
+#define TILES "avx2: panels of 16 columns, tiles of 6 rows (12 ymm accumulators)"
+#else
+#define VL 4 /* 128-bit vectors (SSE2's 16 xmm, NEON's 32 q; plain C elsewhere): 12 accumulators */
+#define MR 6
+#define TILES "generic: panels of 8 columns, tiles of 6 rows (12 128-bit accumulators)"
+#endif
+#define NR (2 * VL) /* output columns per panel: two vectors */
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef float vec __attribute__((vector_size(4 * VL)));
+typedef float vecu __attribute__((vector_size(4 * VL), aligned(4)));
 
+int64_t ringkv_linear_nr(void) { return NR; }
+const char *ringkv_linear_tiles(void) { return TILES; }
 int64_t ringkv_linear_packed_floats(int64_t n, int64_t k) { return (n + NR - 1) / NR * k * NR; }
 
 void ringkv_linear_pack_f32(const float *w, float *wp, int64_t n, int64_t k) {
@@ -38,17 +57,17 @@ void ringkv_linear_pack_f32(const float *w, float *wp, int64_t n, int64_t k) {
 /* rows m0..m0+mr of one panel, k steps k0..k1; sums start from sav (or 0 when first) and go back
  * to sav (or to y when last); prefetches pfstep bytes of pf per k */
 static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, int64_t k,
-                                                       int64_t k0, int64_t k1, v16 *sav, int first, int last,
+                                                       int64_t k0, int64_t k1, vec *sav, int first, int last,
                                                        int64_t n, int64_t ncols, const int mr, const char *pf,
                                                        int64_t pfstep) {
-    v16 a0[MR], a1[MR];
+    vec a0[MR], a1[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
-        if (first) a0[i] = a1[i] = (v16){0};
+        if (first) a0[i] = a1[i] = (vec){0};
         else if (i < mr) { a0[i] = sav[2 * i]; a1[i] = sav[2 * i + 1]; }
     }
     for (int64_t kk = k0; kk < k1; kk++) {
-        const v16 w0 = *(const v16 *)(w + kk * NR), w1 = *(const v16 *)(w + kk * NR + 16);
+        const vec w0 = *(const vec *)(w + kk * NR), w1 = *(const vec *)(w + kk * NR + VL);
         if (pf) {
             __builtin_prefetch(pf + (kk - k0) * pfstep, 0, 2);
             if (pfstep > 64) __builtin_prefetch(pf + (kk - k0) * pfstep + 64, 0, 2);
@@ -69,19 +88,25 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
     }
     for (int i = 0; i < mr; i++) {
         if (ncols == NR) {
-            *(v16u *)(y + i * n) = a0[i];
-            *(v16u *)(y + i * n + 16) = a1[i];
+            *(vecu *)(y + i * n) = a0[i];
+            *(vecu *)(y + i * n + VL) = a1[i];
         } else {
             float buf[NR];
-            memcpy(buf, &a0[i], sizeof(v16));
-            memcpy(buf + 16, &a1[i], sizeof(v16));
+            memcpy(buf, &a0[i], sizeof(vec));
+            memcpy(buf + VL, &a1[i], sizeof(vec));
             memcpy(y + i * n, buf, ncols * sizeof(float));
         }
     }
 }
 
 #define KC 128       /* k steps per chunk: every tile of a panel runs a chunk (then in L1) before the next */
-#define MAX_TILES 16 /* sums kept between chunks for up to 128 rows; more rows run each tile over all of K */
+#define MAX_TILES ((128 + MR - 1) / MR) /* sums kept between chunks for up to 128 rows; more rows run each tile
+                                          over all of K */
+
+#define TILE(R) \
+    case R: \
+        if (R <= MR) tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, R, pf, pfstep); \
+        break;
 
 void ringkv_linear_f32(const float *x, const float *wp, float *y, int64_t m, int64_t n, int64_t k) {
     const int64_t panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR, bytes = k * NR * (int64_t)sizeof(float);
@@ -93,7 +118,7 @@ void ringkv_linear_f32(const float *x, const float *wp, float *y, int64_t m, int
         const float *w = wp + p * k * NR;
         const int64_t ncols = n - p * NR < NR ? n - p * NR : NR;
         const char *next = p + 1 < panels ? (const char *)(w + k * NR) : 0;
-        v16 sav[2 * MR * MAX_TILES]; /* each tile's sums between chunks */
+        vec sav[2 * MR * MAX_TILES]; /* each tile's sums between chunks */
         int64_t done = 0;            /* bytes of the next panel prefetched so far */
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t k0 = c * kc, k1 = k0 + kc < k ? k0 + kc : k;
@@ -103,16 +128,9 @@ void ringkv_linear_f32(const float *x, const float *wp, float *y, int64_t m, int
                 const char *pf = next && done < bytes ? next + done : 0;
                 const float *xm = x + m0 * k;
                 float *ym = y + m0 * n + p * NR;
-                v16 *sv = sav + 2 * MR * (t < MAX_TILES ? t : 0); /* (one chunk when tiles > MAX_TILES) */
-                switch (mr) { /* a register tile per row count */
-                case 8: tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, 8, pf, pfstep); break;
-                case 7: tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, 7, pf, pfstep); break;
-                case 6: tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, 6, pf, pfstep); break;
-                case 5: tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, 5, pf, pfstep); break;
-                case 4: tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, 4, pf, pfstep); break;
-                case 3: tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, 3, pf, pfstep); break;
-                case 2: tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, 2, pf, pfstep); break;
-                default: tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, 1, pf, pfstep); break;
+                vec *sv = sav + 2 * MR * (t < MAX_TILES ? t : 0); /* (one chunk when tiles > MAX_TILES) */
+                switch (mr) { /* a register tile per row count (up to the build's MR) */
+                    TILE(8) TILE(7) TILE(6) TILE(5) TILE(4) TILE(3) TILE(2) default: TILE(1)
                 }
             }
         }

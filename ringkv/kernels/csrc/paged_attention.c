@@ -23,6 +23,24 @@
 
 #define LANES 16
 
+/* How many 8-float sums of a row weighted_sum keeps in registers in one pass over the keys, per
+ * target: 16 (128 floats) in AVX-512's 32 registers, 8 (64) in AVX2's 16 ymm (a 128-float row
+ * takes two passes, each row of V read from L1 the second time), 4 on a generic target (a v8 is
+ * two 128-bit registers). Each float's sum runs in key order either way. The scores of 8 keys at
+ * a time use AVX2/FMA where the target has them (AVX-512 included), plain C otherwise. */
+#if defined(__AVX512F__)
+#define WSV 16
+#define TILES "avx512: scores 8 keys at a time (AVX2/FMA), V sums of 128 floats in registers"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define WSV 8
+#define TILES "avx2: scores 8 keys at a time (AVX2/FMA), V sums of 64 floats in registers"
+#else
+#define WSV 4
+#define TILES "generic: scores one key at a time (plain C), V sums of 32 floats in registers"
+#endif
+
+const char *ringkv_paged_attention_tiles(void) { return TILES; }
+
 static inline float dot(const float *a, const float *b, int64_t d) {
     float acc[LANES] = {0};
     int64_t e = 0;
@@ -103,18 +121,20 @@ static inline float softmax_row(float *p, int64_t n, float *total) {
 }
 
 /* acc (d floats) += sum over keys j < n of p[j] * (row j of vb, rows slot floats apart); d a
- * multiple of 8 up to 128 keeps acc in registers over the keys. */
+ * multiple of 8 up to 128 keeps acc in registers over the keys, 8 * WSV floats a pass. */
 static inline __attribute__((always_inline)) void weighted_sum(float *acc, const float *p, const float *vb, int64_t n,
                                                                int64_t slot, int64_t d) {
     if (d % 8 == 0 && d <= 128) {
-        v8 a[16];
-        const int64_t nv = d / 8;
-        for (int64_t e = 0; e < nv; e++) a[e] = *(const v8u *)(acc + 8 * e);
-        for (int64_t j = 0; j < n; j++) {
-            const float *row = vb + j * slot;
-            for (int64_t e = 0; e < nv; e++) a[e] += p[j] * *(const v8u *)(row + 8 * e);
+        for (int64_t e0 = 0; e0 < d; e0 += 8 * WSV) {
+            v8 a[WSV];
+            const int64_t nv = (d - e0) / 8 < WSV ? (d - e0) / 8 : WSV;
+            for (int64_t e = 0; e < nv; e++) a[e] = *(const v8u *)(acc + e0 + 8 * e);
+            for (int64_t j = 0; j < n; j++) {
+                const float *row = vb + j * slot + e0;
+                for (int64_t e = 0; e < nv; e++) a[e] += p[j] * *(const v8u *)(row + 8 * e);
+            }
+            for (int64_t e = 0; e < nv; e++) *(v8u *)(acc + e0 + 8 * e) = a[e];
         }
-        for (int64_t e = 0; e < nv; e++) *(v8u *)(acc + 8 * e) = a[e];
         return;
     }
     for (int64_t j = 0; j < n; j++)

@@ -244,7 +244,8 @@ def self_check(name: str, switch: str, setup: Callable[[str], Tuple[Callable, Ca
                 kernel, torch_path, call = setup(b.isa)
                 k_s, t_s = measure(kernel, torch_path)
                 found = dict(kernel_us=round(k_s * 1e6, 1), torch_us=round(t_s * 1e6, 1), call=call,
-                             on=k_s < t_s, measured=time.strftime("%Y-%m-%d %H:%M:%S"))
+                             on=k_s < t_s, measured=time.strftime("%Y-%m-%d %H:%M:%S"),
+                             load=round(os.getloadavg()[0], 2))  # a busy machine's verdict may be noise
                 table[context] = found
                 fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
                 with os.fdopen(fd, "w") as f:

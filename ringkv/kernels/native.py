@@ -25,7 +25,6 @@ self-check decide.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import json
 import os
@@ -236,6 +235,8 @@ def self_check(name: str, switch: str, setup: Callable[[str], Tuple[Callable, Ca
     found = _read(path).get(context)
     by = "self-check (cached)"
     if found is None:
+        import fcntl  # (Linux: there are no builds elsewhere)
+
         with open(b.path.with_suffix(".lock"), "w") as lock:  # one process of several times it, the rest wait
             fcntl.flock(lock, fcntl.LOCK_EX)
             table = _read(path)

@@ -61,7 +61,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 ROOT = os.path.dirname(HERE)
 
-from benchmarks.models import describe, model_path, write_json  # noqa: E402
+from benchmarks.models import describe, machine, machine_line, model_path, write_json  # noqa: E402
 
 NAME = "bench"  # --served-model-name
 WORDS = ("river valley farming village trader coast salt cloth writing number town wall border kingdom scholar "
@@ -630,8 +630,9 @@ def counts(d: dict) -> str:
     return " ".join(f"{k}:{v:g}" for k, v in d.items()) or "-"
 
 
-def report(results: dict, args) -> None:
-    print(f"{describe(args.model)}; {os.cpu_count()} cores; one thread per process; "
+def report(results: dict, args, mach: dict) -> None:
+    print(machine_line(mach) + " per process (every instance and the front: OMP_NUM_THREADS=1)")
+    print(f"{describe(args.model)}; "
           f"{'chat' if args.chat else 'completions'} API, streamed, greedy, EOS ignored")
     if "prefix" in results:
         s = results["prefix"]["sizes"]
@@ -751,7 +752,9 @@ def plot(results: dict, path: str, args) -> None:
             ax.set_ylabel("end-to-end latency (s)")
             ax.legend()
             ax.set_title(f"failover: {rows[0]['lost']} lost of {rows[0]['sent']}")
-    fig.suptitle(f"ringkv serve --replicas {args.replicas}: {describe(args.model)}, {os.cpu_count()} cores")
+    m = machine(threads=1)
+    fig.suptitle(f"ringkv serve --replicas {args.replicas}: {describe(args.model)}; {m['cpu']}, {m['isa']}, "
+                 f"{m['cores']} cores")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -822,10 +825,12 @@ def main(argv=None):
             results[s] = fn[s](args, path, prompts, bar)
     finally:
         bar.close()
-    report(results, args)
+    mach = machine(threads=1)  # Front: OMP_NUM_THREADS=1 for every process it starts
+    report(results, args, mach)
     print(f"load averages (1, 5, 15 min) at the start: {' '.join(map(str, load0))}")
     if args.json:
-        write_json(args.json, dict(model=describe(args.model), cores=os.cpu_count(), replicas=args.replicas,
+        write_json(args.json, dict(model=describe(args.model), cores=mach["cores"], machine=mach,
+                                   replicas=args.replicas,
                                    args={k: v for k, v in vars(args).items()}, load_start=load0, load_end=load(),
                                    scenarios=results))
     if args.plot:

@@ -38,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.models import load_average, write_json  # noqa: E402
+from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402
 from ringkv import planner  # noqa: E402
 from ringkv.parallel.tp import kv_heads_per_rank  # noqa: E402
 
@@ -66,8 +66,13 @@ def _step(ws, x, allreduce: bool, compute: bool) -> None:
         assert y.shape[1] == h
 
 
+def rank_threads(tp: int) -> int:
+    """torch threads per rank: the cores shared by the ranks."""
+    return max(1, (os.cpu_count() or 1) // tp)
+
+
 def _rank(rank: int, args, port: int, out) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
+    torch.set_num_threads(rank_threads(args.tp))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.tp,
                             timeout=timedelta(seconds=120))
     cfg = planner.load_model(args.model)
@@ -143,7 +148,9 @@ def main(argv=None) -> int:
                                                          f"load {load_before} -> {load_after})")
     if bw is not None:
         rates["links"] = dict(loopback=bw)
-    print(f"{args.tp} gloo ranks x {max(1, (os.cpu_count() or 1) // args.tp)} thread(s), {args.model} decode steps; "
+    mach = machine(threads=rank_threads(args.tp))  # per rank
+    print(machine_line(mach) + " per rank")
+    print(f"{args.tp} gloo ranks x {mach['threads']} thread(s), {args.model} decode steps; "
           f"load average {load_before} -> {load_after}")
     print("| rows | all-reduce bytes | step compute | step with all-reduces | all-reduce busy | busy (fastest steps) "
           "| all-reduce idle |")
@@ -155,7 +162,7 @@ def main(argv=None) -> int:
     print(f"fit (planner link model, busy): latency {latency * 1e6:.0f} us per message, bandwidth "
           f"{'-' if bw is None else f'{bw / 1e9:.2f} GB/s'}; idle latency {idle_latency * 1e6:.0f} us per message")
     if args.json:
-        write_json(args.json, dict(kind="collective", model=args.model, tp=args.tp, cores=os.cpu_count(),
+        write_json(args.json, dict(kind="collective", model=args.model, tp=args.tp, cores=mach["cores"], machine=mach,
                                    load_before=load_before, load_after=load_after, rows=rows, rates=rates))
     return 0
 

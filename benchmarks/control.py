@@ -253,16 +253,17 @@ def main() -> None:
     if args.run_world:
         return _worker_main(args)
     sys.path.insert(0, ROOT)
-    from benchmarks.models import load_average, write_json
+    from benchmarks.models import load_average, machine, machine_line, write_json
 
     if args.engine:
-        load = load_average()
+        load, mach = load_average(), machine()
+        print(machine_line(mach) + " in the driver; each rank of a mesh of N: cores / N threads")
         print(f"{'mesh':>10} {'context':>8} {'batch':>5} | {'driver bytes':>12} {'driver ms':>9} | "
               f"{'rank bytes':>10} {'rank ms':>7}   (per decode step; load {load})")
         rows = _engine_rows(args)
         if args.json:
             write_json(args.json, dict(rows=rows, steps=args.steps, block_size=args.block_size, model=args.engine_model,
-                                       load=[load, load_average()]))
+                                       load=[load, load_average()], machine=mach))
         return
     cases = [[c, b] for c in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
     trees = {"after": ROOT}
@@ -289,8 +290,10 @@ def main() -> None:
             rows.append(dict(version=version, world=world, context=context, batch=batch,
                              **{k: statistics.median(g[k] for g in got) for k in ("bytes", "control_ms", "driver_ms",
                                                                                  "rank_ms")}))
+    mach = machine(threads=1)  # every rank: torch.set_num_threads(1)
     print(f"\ncontrol plane per decode step ({args.steps} steps, median of {args.rounds} rounds; load {loads[0]} .. "
           f"{loads[-1]})")
+    print(machine_line(mach) + " per rank")
     print(f"{'world':>5} {'context':>8} {'batch':>5} | {'bytes before':>12} {'bytes after':>11} | "
           f"{'ms before':>9} {'ms after':>8} | {'driver ms':>9} {'rank ms':>7}")
     get = {(r["version"], r["world"], r["context"], r["batch"]): r for r in rows}
@@ -302,7 +305,7 @@ def main() -> None:
                   f"{a['driver_ms']:>9.3f} {a['rank_ms']:>7.3f}")
     if args.json:
         write_json(args.json, dict(rows=rows, steps=args.steps, rounds=args.rounds, block_size=args.block_size,
-                                   load=loads, before=args.before or args.before_commit))
+                                   load=loads, before=args.before or args.before_commit, machine=mach))
 
 
 if __name__ == "__main__":

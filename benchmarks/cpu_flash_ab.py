@@ -13,7 +13,6 @@ ours / torch.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+from benchmarks.models import machine, machine_line, write_json  # noqa: E402
 from ringkv.kernels import cpu_flash, sdpa  # noqa: E402
 from ringkv.kernels.mask import FULL, OFFSET, Mask  # noqa: E402
 
@@ -40,7 +40,8 @@ def main(argv=None) -> int:
         print(f"cpu_flash: {cpu_flash.unavailable}")
         return 1
     torch.set_num_threads(a.threads)
-    rows, load0 = [], os.getloadavg()[0]
+    rows, load0, mach = [], os.getloadavg()[0], machine()
+    print(machine_line(mach))
     print(f"{'S':>6} {'H/Hkv':>6} {'D':>4} {'mask':6} {'pass':4} {'torch':>9} {'ours':>9} {'ours/torch':>10}")
     for s, h, hkv, d in shapes:
         g = torch.Generator().manual_seed(0)
@@ -69,10 +70,10 @@ def main(argv=None) -> int:
                 print(f"{s:>6} {f'{h}/{hkv}':>6} {d:>4} {rows[-1]['mask']:6} {pass_:4} {t_torch:8.3f}s {t_ours:8.3f}s "
                       f"{t_ours / t_torch:10.3f}", flush=True)
     load = f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}"
-    print(f"{a.threads} thread(s), median of {a.rounds} interleaved rounds; {load}")
+    print(f"median of {a.rounds} interleaved rounds; {load}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(threads=a.threads, rounds=a.rounds, load=load, torch=torch.__version__, rows=rows), f, indent=1)
+        write_json(a.json, dict(threads=mach["threads"], rounds=a.rounds, load=load, torch=torch.__version__, rows=rows,
+                                machine=mach))
     return 0
 
 

@@ -23,7 +23,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
-from benchmarks.models import load_average, write_json  # noqa: E402
+from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -70,7 +70,9 @@ def main(argv=None) -> int:
                     step(ws, xs)
                     times[t, r].append(time.perf_counter() - t0)
     rows = []
-    print(f"{args.model}: {nbytes / 2**20:.0f} MiB of fp32 weights per step, {os.cpu_count()} cores")
+    mach = machine(threads=args.threads)  # the sweep's counts: a column of the table
+    print(machine_line(mach))
+    print(f"{args.model}: {nbytes / 2**20:.0f} MiB of fp32 weights per step")
     print("| threads | rows | step (median) | weights GB/s | GFLOP/s |")
     print("|---:|---:|---:|---:|---:|")
     for (t, r), ts in times.items():
@@ -81,6 +83,7 @@ def main(argv=None) -> int:
         load = load_average()
         gemm = {str(t): {str(x["rows"]): x["bytes_per_s"] for x in rows if x["threads"] == t} for t in args.threads}
         write_json(args.json, dict(kind="decode_gemm", model=args.model, weight_bytes=nbytes, load=load, rows=rows,
+                                   machine=mach,
                                    rates=dict(gemm=gemm, source=f"decode_gemm.py ({args.model}, load {load})")))
     return 0
 

@@ -33,7 +33,7 @@ sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(
 
 import torch  # noqa: E402
 
-from benchmarks.models import load_average, write_json  # noqa: E402
+from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402
 import ringkv.engine.llm as llm_mod  # noqa: E402
 import ringkv.engine.scheduler as scheduler_mod  # noqa: E402
 import ringkv.parallel.compiled as compiled_mod  # noqa: E402
@@ -128,9 +128,10 @@ def main(argv=None):
                        **{f"{k}_ms": ms.get(k, 0.0) for k in ("localstep", "schedule", "sample", "append", "output")})
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
-    load = load_average()
+    load, mach = load_average(), machine()
+    print(machine_line(mach))
     print(f"SmolLM2-135M-Instruct fp32, {'sampled' if args.sampled else 'greedy'}, {args.agg} of {args.steps} "
-          f"decode steps, torch threads={torch.get_num_threads()}, load average {load}")
+          f"decode steps, load average {load}")
     print("| engine | rows | ms/step | dense ms | attention ms | LM head ms | host ms (share) | of which sample ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -141,8 +142,8 @@ def main(argv=None):
             e, c = (next(r for r in rows if r["rows"] == n and r["engine"] == k) for k in ("eager", "compiled"))
             print(f"{n} rows: compiled {e['step_ms'] / c['step_ms']:.2f}x eager per decode step")
     if args.json:
-        write_json(args.json, dict(model="SmolLM2-135M-Instruct", threads=torch.get_num_threads(), load=load,
-                                   agg=args.agg, steps=args.steps, rows=rows))
+        write_json(args.json, dict(model="SmolLM2-135M-Instruct", threads=mach["threads"], load=load,
+                                   agg=args.agg, steps=args.steps, rows=rows, machine=mach))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(
 
 import torch  # noqa: E402
 
-from benchmarks.models import load_average, write_json  # noqa: E402
+from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.model.smollm2 import smollm2_path  # noqa: E402
 from benchmarks.vllm_peer import run_in_venv  # noqa: E402
@@ -240,8 +240,10 @@ def main(argv=None):
         cols += ["compiled_tok_s", "compiled_vs_eager", "compiled_vs_hf_batched", "greedy_agreement_compiled_vs_eager"]
     if args.peer:
         cols += ["vllm_tok_s", "speedup_vs_vllm", "greedy_agreement_vs_vllm", "prefix_agreement_vs_vllm"]
+    mach = machine()
+    print(machine_line(mach))
     print(f"SmolLM2-135M-Instruct {args.dtype} on {args.device}, greedy, {args.max_tokens} output tokens/request, "
-          f"prompts {args.min_prompt}-{args.max_prompt} tokens, torch threads={torch.get_num_threads()}")
+          f"prompts {args.min_prompt}-{args.max_prompt} tokens")
     widths = [max(22, len(c)) for c in cols]
     print(" | ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     for r in rows:
@@ -254,8 +256,8 @@ def main(argv=None):
               f"engine built in {compile_info['compiled_build_s']:.1f} s")
     if args.json:
         write_json(args.json, dict(model="SmolLM2-135M-Instruct", dtype=dtype_name,
-                                   max_tokens=args.max_tokens, threads=torch.get_num_threads(), device=args.device,
-                                   rows=rows))
+                                   max_tokens=args.max_tokens, threads=mach["threads"], device=args.device,
+                                   rows=rows, machine=mach))
 
 
 def run_engine(path, prompts, lengths, kw, threads):
@@ -294,6 +296,8 @@ def main_parallel(args):
 
     path = model_path(args.model)
     cores = os.cpu_count() or 1
+    world = args.tp * args.pp * args.sp
+    base_threads, rank_threads = args.threads or cores, max(1, cores // world)
     try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(path)
@@ -312,7 +316,7 @@ def main_parallel(args):
         best, times = [None, None], [[], []]
         for _ in range(args.repeats):
             for i, c in enumerate(configs):
-                threads = max(1, cores // (c["tp"] * c["pp"] * c["sp"])) if i else args.threads or cores
+                threads = rank_threads if i else base_threads
                 kw = dict(c, kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=n)
                 res = run_engine_in_subprocess(path, prompts, lengths, kw, threads)
                 times[i].append(res[1])
@@ -330,11 +334,13 @@ def main_parallel(args):
                    base_rank=_mem(b_ranks[0]), parallel_ranks=[_mem(r) for r in p_ranks],
                    idle_fraction=[round(r["idle_fraction"], 3) for r in p_ranks],
                    pp_bubble=sum(r["idle_fraction"] for r in p_ranks) / len(p_ranks), peak_in_flight=depth,
-                   base_threads=args.threads or cores, load=load_average())
+                   base_threads=base_threads, load=load_average())
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
+    mach = machine(threads=base_threads)  # the tp=pp=sp=1 engine's; each of the N ranks gets cores / N
+    print(machine_line(mach) + f" (tp=pp=sp=1; {rows[0]['config']}: {rank_threads} per rank)")
     print(f"{describe(args.model)} fp32, greedy, {args.max_tokens} output tokens/request, prompts "
-          f"{args.min_prompt}-{args.max_prompt} tokens, {args.kv_cache_memory} GiB KV cache per rank, {cores} cores")
+          f"{args.min_prompt}-{args.max_prompt} tokens, {args.kv_cache_memory} GiB KV cache per rank")
     print("| requests | tp=pp=sp=1 tok/s | " + rows[0]["config"] + " tok/s | speedup | KV capacity (tokens) 1 -> N | "
           "weights+KV per rank MiB 1 -> N | peak RSS per rank MiB | idle fraction per rank (bubble) |")
     print("|---:|---:|---:|---:|---|---|---|---|")
@@ -348,7 +354,7 @@ def main_parallel(args):
               f"{', '.join(f'{x:.2f}' for x in r['idle_fraction'])} |")
     if args.json:
         write_json(args.json, dict(model=describe(args.model), dtype="float32", max_tokens=args.max_tokens,
-                                   cores=cores, rows=rows))
+                                   cores=mach["cores"], rows=rows, machine=mach))
 
 
 def _mem(rank: dict) -> dict:

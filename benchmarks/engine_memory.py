@@ -20,7 +20,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
-from benchmarks.models import load_average, shape, write_json  # noqa: E402
+from benchmarks.models import load_average, machine, machine_line, shape, write_json  # noqa: E402
 
 MIB = 1 << 20
 
@@ -90,6 +90,9 @@ def main(argv=None) -> int:
                       pp=args.pp, tp=args.tp, sp=args.sp)
     seconds = time.perf_counter() - t
     result = growth(records)
+    world = args.pp * args.tp * args.sp  # spawned ranks get cores / world threads each (ringkv.parallel.launch)
+    mach = machine(threads=max(1, (os.cpu_count() or 1) // world) if world > 1 else None)
+    print(machine_line(mach) + (" per rank" if world > 1 else ""))
     print(f"{args.steps} sampled decode steps, {args.seqs} requests, pp={args.pp} tp={args.tp} sp={args.sp}, "
           f"vocab 49152, {seconds:.0f} s, load {load}")
     print(f"{'rank':>4} {'RSS first':>10} {'RSS last':>9} {'growth':>8} {'peak growth':>12} {'max pending':>12}")

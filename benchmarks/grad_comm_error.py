@@ -12,7 +12,6 @@ largest reference entry and the mean absolute error relative to the mean absolut
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
@@ -26,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import ringkv  # noqa: E402
+from benchmarks.models import machine, machine_line, write_json  # noqa: E402
 
 H, HKV, D = 8, 2, 64
 
@@ -97,6 +97,8 @@ def main():
             rows.append(results.get(timeout=1800))
         for proc in procs:
             proc.join()
+    mach = machine(threads=1)  # every rank: torch.set_num_threads(1)
+    print(machine_line(mach) + " per rank")
     print("| world | seq | inputs | grad | fp32 wire: max / mean rel. error | bf16 wire: max / mean rel. error |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -105,8 +107,7 @@ def main():
                   f"{r[f'fp32_{gname}_max']:.2e} / {r[f'fp32_{gname}_mean']:.2e} | "
                   f"{r[f'bf16_{gname}_max']:.2e} / {r[f'bf16_{gname}_mean']:.2e} |")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(a.json, dict(rows=rows, machine=mach))
 
 
 if __name__ == "__main__":

@@ -221,9 +221,13 @@ def main(argv=None):
         proc.wait(timeout=60)
     loads.append(load_average())
 
-    print(f"\nSmolLM2-135M-Instruct, ringkv serve (OMP_NUM_THREADS=1), prompts {args.prompt_tokens} tokens, "
+    from benchmarks.models import machine, machine_line, write_json
+
+    mach = machine(threads=1)  # the server's (OMP_NUM_THREADS=1)
+    print("\n" + machine_line(mach) + " (the server)")
+    print(f"SmolLM2-135M-Instruct, ringkv serve (OMP_NUM_THREADS=1), prompts {args.prompt_tokens} tokens, "
           f"outputs {args.output_tokens} tokens (ignore_eos, greedy), streamed /v1/completions, {version}, "
-          f"{os.cpu_count()} cores, load average (1/5/15 min) {loads[0]} at start, {loads[-1]} at end; "
+          f"load average (1/5/15 min) {loads[0]} at start, {loads[-1]} at end; "
           f"raw outputs in {out}")
     print("| client | setting | requests (errors) | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | output tok/s | req/s |")
     print("|---|---|---:|---|---|---:|---:|")
@@ -232,9 +236,7 @@ def main(argv=None):
               f"{r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p99']:.0f} | {r['tok_s']:.1f} | "
               f"{r['req_s']:.2f} |")
     if args.json:
-        from benchmarks.models import write_json
-
-        write_json(args.json, dict(guidellm_version=version, server_cmd=server_cmd, cores=os.cpu_count(),
+        write_json(args.json, dict(guidellm_version=version, server_cmd=server_cmd, cores=mach["cores"], machine=mach,
                                    prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                                    load_average=loads, commands=commands, raw_dir=out, rows=rows))
 

@@ -18,10 +18,8 @@ Times are medians over ``--iters`` runs after ``--warmup`` runs.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,6 +30,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
+from benchmarks.models import machine, machine_line, write_json  # noqa: E402
 from ringkv.kernels import BACKENDS, block_backward, block_forward, make_mask  # noqa: E402
 from ringkv.kernels import paged  # noqa: E402
 
@@ -258,19 +257,21 @@ def parse(argv=None):
 def main(argv=None):
     args = parse(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    mach = machine()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else mach["cpu"]
     print(f"# ringkv kernel benchmark on {device} ({name}), {args.dtype}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, iters={args.iters} warmup={args.warmup}", flush=True)
+          f"iters={args.iters} warmup={args.warmup}", flush=True)
+    print(f"# {machine_line(mach)}", flush=True)
     print("## attention (registry backends and baselines)", flush=True)
     attention_rows = bench_attention(args, device, dtype)
     copy_gbps = copy_bandwidth(device, args.copy_mib, args.iters, args.warmup)
     print(f"## paged decode (copy baseline: {copy_gbps:.1f} GB/s, {args.copy_mib} MiB read + written)", flush=True)
     paged_rows = bench_paged(args, device, dtype, copy_gbps)
     result = dict(device=str(device), device_name=name, dtype=args.dtype, torch=torch.__version__,
-                  threads=torch.get_num_threads(), iters=args.iters, warmup=args.warmup,
-                  copy_gbps=copy_gbps, attention=attention_rows, paged=paged_rows)
+                  threads=mach["threads"], iters=args.iters, warmup=args.warmup,
+                  copy_gbps=copy_gbps, attention=attention_rows, paged=paged_rows, machine=mach)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     return result
 
 

@@ -74,7 +74,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from benchmarks.models import describe, model_path, write_json
+    from benchmarks.models import describe, machine, machine_line, model_path, write_json
 
     path = model_path(args.model)
     try:
@@ -98,8 +98,10 @@ def main(argv=None):
         r["greedy_agreement"] = sum(agree) / len(agree)
         r["vs_fp32"] = r["bytes_per_token"] / r["fp32_bytes_per_token"]
         r["vs_bf16"] = r["bytes_per_token"] / (r["fp32_bytes_per_token"] / 2)
+    mach = machine()
+    print(machine_line(mach))
     print(f"{describe(args.model)} (fp32 model), {args.tokens} tokens of {os.path.relpath(TEXT)} in chunks of "
-          f"{args.chunk}, {args.kv_gib} GiB KV budget, torch threads={torch.get_num_threads()}")
+          f"{args.chunk}, {args.kv_gib} GiB KV budget")
     print("| kv_cache_dtype | bytes/token | vs fp32 | vs bf16 | capacity (tokens) | perplexity | delta | "
           "mean abs d-logprob | greedy agreement | decode tok/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -109,7 +111,8 @@ def main(argv=None):
               f"{r['greedy_agreement']:.3f} | {r['decode_tok_s']:.1f} |")
     if args.json:
         write_json(args.json, dict(model=describe(args.model), tokens=args.tokens, chunk=args.chunk,
-                                   rows=[{k: v for k, v in r.items() if k not in ("logprobs", "greedy")} for r in rows]))
+                                   rows=[{k: v for k, v in r.items() if k not in ("logprobs", "greedy")} for r in rows],
+                                   machine=mach))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import ringkv  # noqa: E402
 from ringkv.sp import LocalComm  # noqa: E402
 from ringkv.sp import ring as ring_mod  # noqa: E402
 
-from benchmarks.models import load_average, write_json  # noqa: E402  (benchmarks/, the script's folder)
+from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402  (benchmarks/: this folder)
 from benchmarks import torch_ring_peer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -440,9 +440,12 @@ def main(argv=None) -> int:
                         row["efficiency"] = t1 / (workers * row["time_s"])
                     rows.append(row)
     env.log("")
+    mach = machine(threads=env.threads)  # per rank (the single-worker baseline: all of them)
+    env.log(machine_line(mach) + " per rank")
+    # `+` before the peer columns: adjacent literals join first, and `* False` would blank them all
     header = f"{'method':9s} {'kv':>3s} {'layout':10s} {'mask':6s} {'time/it':>9s} {'TFLOP/s/rank':>12s} " \
              f"{'efficiency':>10s} {'no-comm':>9s} {'overlap':>8s} {'sent/fwd':>10s} {'peak mem':>10s} {'check':>8s}" \
-             f"{'  peer':9s} {'vs peer':>8s} {'peer chk':>8s}" * bool(args.peer)
+             + f"{'  peer':9s} {'vs peer':>8s} {'peer chk':>8s}" * bool(args.peer)
     env.log(header)
     env.log("-" * len(header))
     for r in rows:
@@ -471,10 +474,10 @@ def main(argv=None) -> int:
                              else "passed"))
     result = dict(args=vars(args), rows=rows, environment=dict(
         torch=torch.__version__, ringkv=ringkv.__version__, python=platform.python_version(),
-        device=torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine(),
+        device=torch.cuda.get_device_name() if gpu else mach["cpu"],
         world_size=env.world, virtual=bool(args.virtual), threads_per_rank=env.threads, cores=env.cores,
         backend=args.backend, comm="nccl" if gpu and env.distributed else "gloo" if env.distributed else "none",
-        load_start=load_start, load_end=load_end))
+        load_start=load_start, load_end=load_end), machine=mach)
     if env.rank == 0 and args.json:
         write_json(args.json, result)
     if env.rank == 0 and args.plot:

@@ -80,7 +80,7 @@ def spawn(args, **over) -> dict:
 
 
 def main(argv=None):
-    from benchmarks.models import load_average, write_json
+    from benchmarks.models import load_average, machine, machine_line, write_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-long", help="tiny-long, llama-120m, smollm2 (benchmarks/models.py) or a path")
@@ -98,7 +98,6 @@ def main(argv=None):
     if args.one:
         print(json.dumps(one(args)))
         return
-    cores = os.cpu_count() or 1
     if args.sweep:
         rows = []
         for n in args.sweep:
@@ -106,13 +105,17 @@ def main(argv=None):
             ring = spawn(args, seq=n, sp=2, min_ring=1)
             rep = spawn(args, seq=n, sp=2, min_ring=10**9)
             rows.append(dict(seq=n, sp1_s=base["ttft_s"], ring_s=ring["ttft_s"], replicated_s=rep["ttft_s"],
-                             faster="ring" if ring["ttft_s"] < rep["ttft_s"] else "replicated"))
-        print(f"{args.model}: TTFT at sp=2, ring vs replicated ({cores} cores)")
+                             faster="ring" if ring["ttft_s"] < rep["ttft_s"] else "replicated",
+                             sp1_threads=base["threads"], sp2_threads=ring["threads"]))
+        mach = machine(threads=sorted({t for r in rows for t in (r["sp1_threads"], r["sp2_threads"])}, reverse=True))
+        print(machine_line(mach))
+        print(f"{args.model}: TTFT at sp=2, ring vs replicated (threads per rank: sp=1 {rows[0]['sp1_threads']}, "
+              f"sp=2 {rows[0]['sp2_threads']})")
         print("| prompt tokens | sp=1 | sp=2 ring | sp=2 replicated | faster at sp=2 |")
         print("|---:|---:|---:|---:|---|")
         for r in rows:
             print(f"| {r['seq']} | {r['sp1_s']:.3f} s | {r['ring_s']:.3f} s | {r['replicated_s']:.3f} s | {r['faster']} |")
-        out = dict(kind="sweep", model=args.model, cores=cores, rows=rows)
+        out = dict(kind="sweep", model=args.model, cores=mach["cores"], rows=rows, machine=mach)
     else:
         rows = [spawn(args, seq=args.seq, sp=n, chunk=args.chunk, min_ring=args.min_ring, threads=args.threads)
                 for n in args.sp]
@@ -120,14 +123,19 @@ def main(argv=None):
         for r in rows:
             r["efficiency"] = base["ttft_s"] / r["ttft_s"] if base else None
             r["same_token_as_sp1"] = base["token"] == r["token"] if base else None
-        print(f"{args.model}: TTFT of a {args.seq}-token prompt ({cores} cores, chunk {rows[0]['chunk']} tokens)")
-        print("| sp | TTFT | efficiency | peak RSS per rank (MiB) | KV cache per rank (MiB) | same first token |")
-        print("|---:|---:|---:|---|---|---|")
+        mach = machine(threads=sorted({r["threads"] for r in rows}, reverse=True))
+        print(machine_line(mach))
+        print(f"{args.model}: TTFT of a {args.seq}-token prompt (chunk {rows[0]['chunk']} tokens)")
+        print("| sp | threads per rank | TTFT | efficiency | peak RSS per rank (MiB) | KV cache per rank (MiB) | "
+              "same first token |")
+        print("|---:|---:|---:|---:|---|---|---|")
         for r in rows:
             eff = f"{r['efficiency']:.3f}" if r["efficiency"] is not None else "-"
-            print(f"| {r['sp']} | {r['ttft_s']:.2f} s | {eff} | {', '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} | "
+            print(f"| {r['sp']} | {r['threads']} | {r['ttft_s']:.2f} s | {eff} | "
+                  f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} | "
                   f"{', '.join(f'{m:.0f}' for m in r['kv_cache_mib'])} | {r['same_token_as_sp1']} |")
-        out = dict(kind="prefill", model=args.model, seq=args.seq, cores=cores, rows=rows, load=load_average())
+        out = dict(kind="prefill", model=args.model, seq=args.seq, cores=mach["cores"], rows=rows, load=load_average(),
+                   machine=mach)
     if args.json:
         write_json(args.json, out)
 

@@ -43,7 +43,7 @@ sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(
 
 import torch  # noqa: E402
 
-from benchmarks.models import describe, model_path, write_json  # noqa: E402
+from benchmarks.models import describe, machine, machine_line, model_path, write_json  # noqa: E402
 from ringkv.engine import LLM, KVSnapshot, SamplingParams  # noqa: E402
 from ringkv.engine.remote import receive_request, send_request  # noqa: E402
 from ringkv.parallel.transfer import Link  # noqa: E402
@@ -213,6 +213,8 @@ def main(argv=None):
     rows = [row for pair in args.pairs for row in one_pair(path, pair, args)]
     how = "snapshots through bytes, one process" if args.transport == "bytes" else \
         "target in another process, over a loopback Link"
+    mach = machine()
+    print(machine_line(mach) + " in this process; each rank of a mesh of N > 1: cores / N threads")
     print(f"{describe(args.model)}; {how}; downtime: stop -> first token on the target; median of {args.repeats}")
     print("| pair | context | B's decode step | full: bytes | full: downtime | incremental: pre-copy bytes | "
           "final bytes | stop -> imported | downtime | downtime - B's step | vs shortest context |")
@@ -227,7 +229,8 @@ def main(argv=None):
               f"{r['incremental_move_s'] / base['incremental_move_s']:.2f}x / "
               f"{r['incremental_downtime_s'] / base['incremental_downtime_s']:.2f}x |")
     if args.json:
-        write_json(args.json, dict(model=describe(args.model), decoded=args.decoded, transport=args.transport, rows=rows))
+        write_json(args.json, dict(model=describe(args.model), decoded=args.decoded, transport=args.transport,
+                                   rows=rows, machine=mach))
 
 
 if __name__ == "__main__":

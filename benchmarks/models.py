@@ -73,8 +73,76 @@ def load_average() -> str:
         return " ".join(f.read().split()[:3])
 
 
+ISA_NAMES = {"x86-64-v4": "x86-64-v4 (AVX-512)", "x86-64-v3": "x86-64-v3 (AVX2)", "generic": "generic"}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    name = ln.split(":", 1)[1].strip()
+                    if name:
+                        return name
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine(threads=None) -> dict:
+    """The machine a benchmark ran on: timings move 2x between CPUs (AVX-512 vs AVX2-only), so every
+    table and JSON names it. ``cpu``: the model name; ``isa``: what the C kernels are built for in
+    this process (``RINGKV_KERNEL_ISA``, else the best target of this CPU for ``-march=native``);
+    ``kernel_build``: ``ringkv.kernels.native.default_isa()``; ``cores``: ``os.cpu_count()``;
+    ``usable_cores``: this process's CPU affinity; ``threads``: ``torch.get_num_threads()`` now
+    (call it after the script sets its thread count), or ``threads`` where the measured processes
+    are not this one and run with another count (servers, ranks), or a list: the counts a sweep's
+    configurations ran with (the table names each one's)."""
+    import torch
+    from ringkv.kernels import native
+
+    supported = native.supported_isas()
+    try:
+        build = native.default_isa()
+    except ValueError:  # a bad RINGKV_KERNEL_ISA: the kernels refuse it too
+        build = f"{os.environ.get('RINGKV_KERNEL_ISA')} (invalid)"
+        isa = build
+    else:
+        target = supported[0] if build == "native" else build
+        isa = ISA_NAMES.get(target, target)
+        if target not in supported:  # forced past what this CPU runs: native.py refuses the build
+            isa += " (not runnable here: torch paths)"
+    out = dict(cpu=cpu_model(), isa=isa, kernel_build=build, cores=os.cpu_count())
+    if hasattr(os, "sched_getaffinity"):
+        out["usable_cores"] = len(os.sched_getaffinity(0))
+    out["threads"] = torch.get_num_threads() if threads is None else (
+        list(threads) if isinstance(threads, (list, tuple)) else int(threads))
+    return out
+
+
+def machine_line(m: "dict | None" = None) -> str:
+    """``machine()`` as one line for a table's header:
+    ``machine: Intel(R) Xeon(R) Processor | x86-64-v4 (AVX-512) | 2 cores | 2 threads``."""
+    m = m or machine()
+    cores = f"{m['cores']} cores"
+    if m.get("usable_cores") not in (None, m["cores"]):
+        cores += f" ({m['usable_cores']} usable)"
+    t = m["threads"]
+    if isinstance(t, (list, tuple)):
+        threads = f"{', '.join(map(str, t))} threads (per configuration)"
+    else:
+        threads = f"{t} threads"
+    return f"machine: {m['cpu']} | {m['isa']} | {cores} | {threads}"
+
+
 def write_json(path: str, obj) -> None:
-    """Write a benchmark's results to ``path`` (its folder created when missing)."""
+    """Write a benchmark's results to ``path`` (its folder created when missing); a dict without a
+    ``"machine"`` key gets ``machine()`` added, so every result names the machine it ran on."""
+    if isinstance(obj, dict) and "machine" not in obj:
+        obj = {**obj, "machine": machine()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)

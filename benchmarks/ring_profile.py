@@ -39,7 +39,7 @@ from ringkv import kernels  # noqa: E402
 from ringkv.kernels import cpu_flash, merge as merge_mod, sdpa  # noqa: E402
 from ringkv.sp import comm as comm_mod, ring  # noqa: E402
 
-from benchmarks.models import load_average, write_json  # noqa: E402
+from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402
 
 CATEGORIES = ("kernel", "merge", "copies", "post", "wait", "other")
 
@@ -138,6 +138,8 @@ def main(argv=None) -> int:
     else:
         every = [result]
     if rank == 0:
+        mach = machine()  # this rank's threads: every rank sets the same count
+        print(machine_line(mach) + " per rank")
         what = "forward + backward's backward" if args.backward else "forward"
         print(f"ring {what}: seq={args.seq} heads={args.heads} kv_heads={args.kv_heads or args.heads} "
               f"head_dim={args.head_dim} {args.layout} {'causal' if args.causal else 'full'}, {world} rank(s); "
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
             print(f"{'all':>5s} " + " ".join(f"{sums[c]:8.4f}" for c in CATEGORIES[:-1]) +
                   f" {res['other_s']:8.4f}   total {res['total_s']:.4f}  (rank {res['rank']})")
         if args.json:
-            write_json(args.json, dict(args=vars(args), ranks=every))
+            write_json(args.json, dict(args=vars(args), ranks=every, machine=mach))
     if dist.is_initialized():
         dist.barrier()  # every rank has printed and written what it had
     return 0

@@ -122,7 +122,7 @@ def main(argv=None):
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from benchmarks.models import describe, model_path, write_json
+    from benchmarks.models import describe, machine, machine_line, model_path, write_json
 
     path = model_path(args.model)
     proc = None
@@ -151,9 +151,10 @@ def main(argv=None):
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=60)
+    mach = machine()  # the server started here inherits this environment (its threads: torch's default)
+    print(machine_line(mach) + ("" if args.url is None else f" (this client's; the server at {args.url} may differ)"))
     print(f"{describe(args.model)}, ringkv serve {args.server_args}, {args.requests} requests per rate, prompts "
-          f"{args.min_prompt}-{args.max_prompt} tokens, outputs {args.min_tokens}-{args.max_tokens} tokens, "
-          f"{os.cpu_count()} cores")
+          f"{args.min_prompt}-{args.max_prompt} tokens, outputs {args.min_tokens}-{args.max_tokens} tokens")
     print("| rate (req/s) | output tok/s | req/s | TTFT p50 / p90 / p99 (s) | ITL p50 / p90 / p99 (ms) | E2E p50 / p99 (s) |")
     print("|---:|---:|---:|---|---|---|")
     for r in rows:
@@ -161,8 +162,8 @@ def main(argv=None):
               f"{r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p90']:.0f} / {1e3 * r['itl_p99']:.0f} | "
               f"{r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} |")
     if args.json:
-        write_json(args.json, dict(model=describe(args.model), server_args=args.server_args, cores=os.cpu_count(),
-                       rows=rows))
+        write_json(args.json, dict(model=describe(args.model), server_args=args.server_args, cores=mach["cores"],
+                                   rows=rows, machine=mach))
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

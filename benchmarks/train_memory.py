@@ -42,7 +42,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
-from benchmarks.models import describe, load_average, model_path, write_json  # noqa: E402
+from benchmarks.models import describe, load_average, machine, machine_line, model_path, write_json  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -215,7 +215,9 @@ def main(argv=None) -> int:
     dist.barrier()
 
     if rank == 0:
-        dev = torch.cuda.get_device_name(device) if cuda else f"CPU ({os.cpu_count()} cores, gloo)"
+        mach = machine()  # rank 0's threads (torchrun's default: OMP_NUM_THREADS=1 per rank)
+        print(machine_line(mach) + " per rank")
+        dev = torch.cuda.get_device_name(device) if cuda else "CPU (gloo)"
         print(f"train-step memory: {describe(args.model)}, fp32, layout {args.layout}, N={world} ranks on {dev}; "
               f"load {load}; weights {weights / MIB:.1f} MiB per rank (held before the step); "
               f"alloc = torch allocator peak above the step's start"
@@ -240,7 +242,7 @@ def main(argv=None) -> int:
                           f"worst residual {100 * f['worst']:.1f}%")
         if args.json:
             write_json(args.json, dict(args=vars(args), world=world, device=dev, load=load, weight_bytes=weights,
-                                       malloc_fixed=malloc_fixed, rows=rows, fits=fits))
+                                       malloc_fixed=malloc_fixed, rows=rows, fits=fits, machine=mach))
     dist.destroy_process_group()
     return 0
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_machine import assert_names_machine
+
 pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 pytest.importorskip("matplotlib")
@@ -28,7 +30,9 @@ def test_cluster_benchmark_prefix(tmp_path, bench_cache):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "| kv | 2 | 6 / 6 |" in proc.stdout and "load averages" in proc.stdout
     assert plot.stat().st_size > 0
-    d = json.loads(out.read_text())["scenarios"]["prefix"]
+    res = json.loads(out.read_text())
+    assert_names_machine(res, proc.stdout, threads=1)  # every instance: OMP_NUM_THREADS=1
+    d = res["scenarios"]["prefix"]
     (row,) = d["rows"]
     assert row["lost"] == 0 and row["replicas"] == 2 and len(row["instances"]) == 2
     assert row["prompt_tokens"] > 0 and row["cached_tokens"] is not None and row["router_problems"] == []

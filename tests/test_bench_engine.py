@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_machine import assert_names_machine
 from tests.models import HAVE_SMOLLM2, needs_smollm2
 
 pytest.importorskip("transformers")
@@ -121,7 +122,10 @@ def bench(bench_cache, tmp_path_factory):
 def test_engine_benchmark_parallel_mode(bench):
     (table,), d = bench("engine")
     assert "tp=1 pp=2 sp=1" in table
-    (row,) = json.loads((d / "engine.json").read_text())["rows"]
+    res = json.loads((d / "engine.json").read_text())
+    (row,) = res["rows"]
+    m = assert_names_machine(res, table, threads=row["base_threads"])
+    assert res["cores"] == m["cores"]
     assert row["greedy_agreement"] == 1.0 and row["parallel_tok_s"] > 0 and row["base_tok_s"] > 0
     assert row["parallel_capacity_tokens"] > row["base_capacity_tokens"]  # half the layers per rank
     assert len(row["parallel_ranks"]) == 2 and len(row["idle_fraction"]) == 2 and row["peak_in_flight"] == 2
@@ -132,20 +136,29 @@ def test_engine_benchmark_peer_not_run(bench):
     """``--peer vllm`` without a vLLM venv: the table says why the peer did not run, the rest stands."""
     (table,), d = bench("peer")
     assert "vllm: not run: no python at /nonexistent/python" in table
-    header, row_line = table.splitlines()[1:3]
+    lines = table.splitlines()
+    title = next(i for i, line in enumerate(lines) if line.startswith("SmolLM2-135M-Instruct"))
+    assert lines[title - 1].startswith("machine: ")  # the table's header: the machine, the title, the columns
+    header, row_line = lines[title + 1:title + 3]
     assert "ringkv_tok_s" in header and "vllm_tok_s" in header and row_line.split("|")[0].strip() == "3"
-    (row,) = json.loads((d / "engine-peer.json").read_text())["rows"]
+    res = json.loads((d / "engine-peer.json").read_text())
+    assert_names_machine(res, table, threads=res["threads"])
+    (row,) = res["rows"]
     assert row["vllm_error"] == "no python at /nonexistent/python" and "vllm_tok_s" not in row
     assert row["ringkv_tok_s"] > 0 and row["hf_batched_tok_s"] > 0
 
 
 def test_long_prefill_benchmark(bench):
-    (table, _), d = bench("prefill")
+    (table, sweep), d = bench("prefill")
     assert "| 2 |" in table
-    rows = json.loads((d / "prefill.json").read_text())["rows"]
+    res = json.loads((d / "prefill.json").read_text())
+    rows = res["rows"]
     assert [r["sp"] for r in rows] == [1, 2]
+    assert assert_names_machine(res, table)["threads"] == sorted({r["threads"] for r in rows}, reverse=True)
     assert rows[1]["same_token_as_sp1"] and rows[1]["efficiency"] > 0 and len(rows[1]["peak_rss_mib"]) == 2
-    (r,) = json.loads((d / "sweep.json").read_text())["rows"]
+    res = json.loads((d / "sweep.json").read_text())
+    assert_names_machine(res, sweep)
+    (r,) = res["rows"]
     assert r["seq"] == 16 and r["faster"] in ("ring", "replicated") and r["ring_s"] > 0
 
 
@@ -158,6 +171,7 @@ def test_collective_latency_benchmark(bench):
     out = folder / "collective.json"
     assert "all-reduce busy" in table
     d = json.loads(out.read_text())
+    assert_names_machine(d, table, threads=max(1, d["machine"]["cores"] // 2))  # 2 ranks share the cores
     assert [r["rows"] for r in d["rows"]] == [4] and d["rows"][0]["allreduces_per_step"] == 2 * 4 + 1
     r = planner.apply_calibration(planner.rates(planner.load_hardware(), "cpu", "float32"), [str(out)])
     assert r.latency["loopback"] == d["rates"]["latency"]["loopback"] >= 0
@@ -172,6 +186,7 @@ def test_decode_gemm_benchmark(bench):
     out = folder / "gemm.json"
     assert "weights GB/s" in table
     d = json.loads(out.read_text())
+    assert_names_machine(d, table, threads=[1])  # the sweep's thread counts
     assert [(r["threads"], r["rows"]) for r in d["rows"]] == [(1, 1), (1, 4)]
     r = planner.apply_calibration(planner.rates(planner.load_hardware(), "cpu", "float32"), [str(out)])
     assert r.weight_rate(4) == d["rows"][1]["bytes_per_s"] > 0 and planner._threads(r, 2).weight_rate(4) is None
@@ -180,7 +195,9 @@ def test_decode_gemm_benchmark(bench):
 def test_serve_benchmark(bench):
     (table,), d = bench("serve")
     assert "| inf |" in table and (d / "serve.png").stat().st_size > 0
-    rows = json.loads((d / "serve.json").read_text())["rows"]
+    res = json.loads((d / "serve.json").read_text())
+    assert_names_machine(res, table)
+    rows = res["rows"]
     assert [r["rate"] for r in rows] == [8, float("inf")]
     for r in rows:
         assert r["requests"] == 4 and r["output_tokens"] >= 4 and r["tok_s"] > 0 and r["ttft_p50"] > 0
@@ -189,7 +206,9 @@ def test_serve_benchmark(bench):
 def test_kv_quant_benchmark(bench):
     (table,), d = bench("kv")
     assert "| int8 |" in table
-    rows = {r["dtype"]: r for r in json.loads((d / "kv.json").read_text())["rows"]}
+    res = json.loads((d / "kv.json").read_text())
+    assert_names_machine(res, table)
+    rows = {r["dtype"]: r for r in res["rows"]}
     assert rows["auto"]["ppl_delta_pct"] == 0 and rows["auto"]["greedy_agreement"] == 1
     for name in ("fp8_e4m3", "fp8_e5m2", "int8"):
         r = rows[name]
@@ -199,11 +218,13 @@ def test_kv_quant_benchmark(bench):
 def test_migration_benchmark(bench):
     (table, link), d = bench("migration")
     assert "| tp2:pp2 | 256 |" in table and "| 1:1 | 64 |" in table
-    rows = json.loads((d / "mig.json").read_text())["rows"]
+    res = json.loads((d / "mig.json").read_text())
+    assert_names_machine(res, table)
+    rows = res["rows"]
     assert [(r["pair"], r["context"]) for r in rows] == [("1:1", 64), ("1:1", 256), ("tp2:pp2", 64), ("tp2:pp2", 256)]
     for r in rows:
         assert r["full_bytes"] > r["final_bytes"] > 0 and r["incremental_downtime_s"] > 0
-    assert "over a loopback Link" in link and "| 1:1 | 64 |" in link
+    assert "over a loopback Link" in link and "| 1:1 | 64 |" in link and "machine: " in link
 
 
 @needs_smollm2
@@ -211,6 +232,8 @@ def test_decode_step_benchmark(bench):
     """A decode step split into dense, attention, LM head and host (eager engine: no compiling)."""
     (table,), d = bench("decode_step")
     assert "| eager | 2 |" in table
-    (row,) = json.loads((d / "decode.json").read_text())["rows"]
+    res = json.loads((d / "decode.json").read_text())
+    assert_names_machine(res, table, threads=res["threads"])
+    (row,) = res["rows"]
     parts = row["dense_ms"] + row["attention_ms"] + row["lm_head_ms"] + row["host_ms"]
     assert abs(parts - row["step_ms"]) < 1e-6 and row["sample_ms"] > 0 and 0 < row["host_share"] < 1

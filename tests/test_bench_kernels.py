@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.bench_machine import assert_names_machine
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,6 +31,8 @@ def test_kernel_benchmark_quick_json(tmp_path):
     for r in paged:
         assert r["cache_len"] == 40 and r["ms"] > 0 and r["gbps"] > 0 and r["fraction_of_copy"] > 0, r
     assert "TFLOP/s" in proc.stdout and "GB/s" in proc.stdout
+    m = assert_names_machine(res, proc.stdout)
+    assert res["threads"] == m["threads"] and res["device_name"] == m["cpu"]
 
 
 def test_flops_count_only_visible_pairs():

@@ -201,7 +201,9 @@ def test_ab_benchmark_runs_and_writes_its_table(tmp_path):
 
     out = tmp_path / "ab.json"
     assert cpu_flash_ab.main(["--rounds", "1", "--shapes", "40,2,1,16", "100,3,3,32", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    res = json.loads(out.read_text())
+    m, rows = res["machine"], res["rows"]
+    assert m["cpu"] and m["isa"] and res["threads"] == m["threads"] == 1 and type(m["cores"]) is int
     assert [(r["seq"], r["mask"], r["pass_"]) for r in rows] == [
         (s, m, p) for s in (40, 100) for m in ("causal", "full") for p in ("fwd", "bwd")]
     assert all(r["torch_s"] > 0 and r["ours_s"] > 0 and r["ratio"] == r["ours_s"] / r["torch_s"] for r in rows)

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.bench_machine import assert_names_machine
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -22,6 +24,8 @@ def test_long_ctx_under_torchrun(tmp_path):
     assert "check: passed" in proc.stdout
     res = json.loads(out.read_text())
     assert res["environment"]["world_size"] == 2 and res["environment"]["comm"] == "gloo"
+    m = assert_names_machine(res, proc.stdout, threads=res["environment"]["threads_per_rank"])
+    assert res["environment"]["device"] == m["cpu"]
     assert [(r["layout"], r["causal"]) for r in res["rows"]] == [(lay, True) for lay in ("contiguous", "zigzag", "striped")]
     for row in res["rows"]:
         assert row["time_s"] > 0 and row["time_nocomm_s"] > 0 and row["baseline_s"] > 0
@@ -64,7 +68,9 @@ def test_ring_profile_under_torchrun(tmp_path):
            "--iters", "1", "--backward", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for rank in json.loads(out.read_text())["ranks"]:
+    res = json.loads(out.read_text())
+    assert_names_machine(res, proc.stdout, threads=1)  # 2 ranks on OMP_NUM_THREADS=1
+    for rank in res["ranks"]:
         assert [r["step"] for r in rank["rows"]][-2:] == [0, 1]  # 2 ranks: 2 ring steps
         assert all(r["kernel"] > 0 for r in rank["rows"] if r["step"] >= 0) and rank["other_s"] >= 0
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_machine import assert_names_machine
+
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -25,6 +27,7 @@ def test_train_memory_benchmark(tmp_path):
     assert "| patched | 2 | off | 512 | 256 |" in proc.stdout and "linear fit" in proc.stdout, proc.stdout
     d = json.loads(out.read_text())
     assert d["world"] == 2 and d["load"]
+    assert_names_machine(d, proc.stdout, threads=1)
     rows = {(r["run"], r["checkpointing"], r["seq"]): r for r in d["rows"]}
     assert len(rows) == 12  # patched and unpatched, checkpointing off and on, 3 lengths
     for (run, ckpt, seq), r in rows.items():

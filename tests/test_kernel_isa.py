@@ -30,6 +30,7 @@ from ringkv.kernels import cpu_flash, linear_cpu, native, paged, paged_cpu, refe
 from ringkv.kernels.mask import BAND, FULL, OFFSET, Mask
 from ringkv.kernels.paged_base import LayerCache, paged_attention_reference, query_limits
 from tests.test_cpu_flash import EPS, assert_close, check, make, oracle, problems
+from tests.test_paged import spread_problem
 
 pytestmark = pytest.mark.skipif(native.compiler() is None or platform.system() != "Linux",
                                 reason="no C compiler here (or not Linux)")
@@ -207,13 +208,7 @@ def test_linear_bitwise_the_same_for_any_thread_count_and_row_count(isa):
        spread=st.sampled_from([1.0, 25.0]), lens=st.lists(st.integers(0, 90), min_size=1, max_size=6),
        causal=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_paged_matches_float64_on_every_target(isa, d, nq, g, spread, lens, causal, seed):
-    gen = torch.Generator().manual_seed(seed)
-    bs, hkv = 16, 2
-    blocks = max(1, -(-max(lens) // bs))
-    q = torch.randn(len(lens), nq, hkv * g, d, generator=gen) * spread
-    kc, vc = (torch.randn(len(lens) * blocks + 1, bs, hkv, d, generator=gen) for _ in range(2))
-    table = torch.randperm(kc.shape[0], generator=gen)[:len(lens) * blocks].view(len(lens), blocks).int()
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q, kc, vc, table, seq_lens = spread_problem(d, nq, g, spread, lens, seed)
     limits = query_limits(seq_lens, nq, causal)
     out, lse = paged_cpu.attend(q, LayerCache(kc, vc), table, limits, isa=isa)
     ref_out, ref_lse = paged_attention_reference(q.double(), kc.double(), vc.double(), table, seq_lens, causal=causal)

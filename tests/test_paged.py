@@ -297,6 +297,18 @@ def test_cpu_kernel_checks_blocks_and_ignores_the_thread_count():
         paged_attention(q, kc, vc, table, lens + 1, backend="cpu")
 
 
+def spread_problem(d, nq, g, spread, lens, seed):
+    """Sequences of ``lens`` keys in a shuffled paged cache (block size 16, 2 K/V heads, GQA ``g``),
+    ``nq`` queries each with scores scaled by ``spread``: ``q, k_cache, v_cache, table, seq_lens``."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, hkv = 16, 2
+    blocks = max(1, -(-max(lens) // bs))
+    q = torch.randn(len(lens), nq, hkv * g, d, generator=gen) * spread
+    kc, vc = (torch.randn(len(lens) * blocks + 1, bs, hkv, d, generator=gen) for _ in range(2))
+    table = torch.randperm(kc.shape[0], generator=gen)[:len(lens) * blocks].view(len(lens), blocks).int()
+    return q, kc, vc, table, torch.tensor(lens, dtype=torch.int32)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(d=st.sampled_from([8, 20, 24, 64, 128, 136]), nq=st.integers(1, 3), g=st.sampled_from([1, 3]),
        spread=st.sampled_from([1.0, 8.0, 25.0]), lens=st.lists(st.integers(0, 90), min_size=1, max_size=6),
@@ -309,13 +321,7 @@ def test_cpu_kernel_softmax_and_head_sizes(d, nq, g, spread, lens, causal, seed)
     are whole sequences (at least 2 per thread) or single K/V heads."""
     if not paged_cpu.available():
         pytest.skip("the kernel did not build here (test_cpu_kernel_builds_and_is_the_cpu_default says why)")
-    gen = torch.Generator().manual_seed(seed)
-    bs, hkv = 16, 2
-    blocks = max(1, -(-max(lens) // bs))
-    q = torch.randn(len(lens), nq, hkv * g, d, generator=gen) * spread
-    kc, vc = (torch.randn(len(lens) * blocks + 1, bs, hkv, d, generator=gen) for _ in range(2))
-    table = torch.randperm(kc.shape[0], generator=gen)[:len(lens) * blocks].view(len(lens), blocks).int()
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q, kc, vc, table, seq_lens = spread_problem(d, nq, g, spread, lens, seed)
     out, lse = paged_attention(q, kc, vc, table, seq_lens, causal=causal, backend="cpu")
     ref_out, ref_lse = paged_attention_reference(q.double(), kc.double(), vc.double(), table, seq_lens,
                                                  causal=causal)

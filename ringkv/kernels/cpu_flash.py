@@ -97,11 +97,7 @@ def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
 
 
 def _need(isa: Optional[str]) -> ctypes.CDLL:
-    lib = library(isa)
-    if lib is None:
-        raise RuntimeError(f"cpu_flash: the kernel for {isa or native.default_isa()} is off here "
-                           f"({SWITCH}=0, no compiler, or a target this CPU cannot run)")
-    return lib
+    return native.require(library(isa), "cpu_flash", SWITCH, isa)
 
 
 def _bounds(mask: Mask):

@@ -73,11 +73,7 @@ def _default() -> Optional[ctypes.CDLL]:
 
 
 def _need(isa: Optional[str]) -> ctypes.CDLL:
-    lib = library(isa)
-    if lib is None:
-        raise RuntimeError(f"linear_cpu: the kernel for {isa or native.default_isa()} is off here "
-                           f"({SWITCH}=0, no compiler, or a target this CPU cannot run)")
-    return lib
+    return native.require(library(isa), "linear_cpu", SWITCH, isa)
 
 
 def nr(isa: Optional[str] = None) -> int:

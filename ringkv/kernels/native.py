@@ -175,6 +175,14 @@ def load(name: str, switch: Optional[str] = None, isa: Optional[str] = None) -> 
     return None if b is None else b.lib
 
 
+def require(lib: Optional[ctypes.CDLL], who: str, switch: str, isa: Optional[str]) -> ctypes.CDLL:
+    """``lib``, or a ``RuntimeError`` saying why the kernel ``who`` asked for is off."""
+    if lib is None:
+        raise RuntimeError(f"{who}: the kernel for {isa or default_isa()} is off here "
+                           f"({switch}=0, no compiler, or a target this CPU cannot run)")
+    return lib
+
+
 # ---- the self-check ---------------------------------------------------------------------------
 
 def measure(kernel: Callable[[], object], torch_path: Callable[[], object], *, budget_s: float = 0.3,

@@ -283,7 +283,7 @@ def test_self_check_runs_once_is_cached_beside_the_build_and_read_back(fresh, mo
     assert timings.calls == 3
     d = K.describe("cpu", torch.float32)
     json.dumps(d)
-    assert set(d["native"]) == set(KERNELS)
+    assert set(d["native"]) == {*KERNELS, "flash_attention (full)"}  # cpu_flash's full blocks: a verdict apart
     for s in d["native"].values():
         assert (s["on"], s["kernel_us"], s["torch_us"]) == (True, 1000.0, 2000.0)
     assert d["auto"]["forward"]["offset"] == "cpu_flash"
@@ -307,6 +307,30 @@ def test_torch_faster_turns_each_kernel_off_in_dispatch(fresh, monkeypatch):
     mask = Mask(OFFSET, offset=0)
     torch.testing.assert_close(cpu_flash.forward(q, q, q, 0.1, mask)[0], reference.forward(q, q, q, 0.1, mask)[0])
     assert cpu_flash.supports(q, mask) and paged_cpu.supports(q, LayerCache(q, q))
+
+
+def test_flash_full_blocks_have_a_verdict_of_their_own(fresh, monkeypatch):
+    """The AVX2 build wins diagonal blocks (it skips their masked panels) and can lose full ones
+    to torch's op: full blocks are timed apart, and where they lose ``"auto"`` sends them to sdpa
+    while the diagonal blocks stay on the kernel (which still runs when asked for by name)."""
+    kinds, real = [], cpu_flash._timed_call
+    monkeypatch.setattr(cpu_flash, "_timed_call", lambda isa, kind="causal": (kinds.append(kind), real(isa, kind))[1])
+    monkeypatch.setattr(native, "measure", lambda kernel, torch_path, **kw: (
+        kernel(), torch_path(), (0.001, 0.002) if kinds[-1] == "causal" else (0.003, 0.002))[2])
+    q = torch.randn(1, 40, 2, 64)
+    assert K.pick("auto", q, Mask(OFFSET, offset=0)) is cpu_flash
+    assert K.pick("auto", q, Mask(FULL)) is K.sdpa
+    assert K.pick("auto", q, Mask(BAND, offset=0, lo=-8)) is cpu_flash
+    assert K.pick("auto", q, Mask(FULL), backward=True) is K.sdpa
+    assert kinds == ["causal", "full"]  # each timed once
+    assert K.pick("cpu_flash", q, Mask(FULL)) is cpu_flash
+    d = K.describe("cpu", torch.float32)
+    assert d["auto"]["forward"]["full"] == "sdpa" and d["auto"]["forward"]["offset"] == "cpu_flash"
+    full = d["native"]["flash_attention (full)"]
+    assert (full["on"], full["kernel_us"], full["torch_us"]) == (False, 3000.0, 2000.0), full
+    assert "full block" in full["call"] and "sdpa" in full["why"] and d["native"]["flash_attention"]["on"]
+    _forget()  # a new process reads both verdicts from the one file beside the build
+    assert cpu_flash.status("full")["by"] == "self-check (cached)" and kinds == ["causal", "full"]
 
 
 def test_the_switches_bypass_the_self_check(fresh, monkeypatch):

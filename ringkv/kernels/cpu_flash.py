@@ -62,25 +62,43 @@ def _default() -> Optional[ctypes.CDLL]:
     return None if os.environ.get(SWITCH) == "0" else _lib(native.default_isa())
 
 
-def _timed_call(isa: str):
-    """The self-check's call: a 512 x 512 causal block forward (4 query heads over 2 K/V heads, head
-    dim 64, heads-first memory as the ring passes it), ours against torch's fused op."""
+def _timed_call(isa: str, kind: str = "causal"):
+    """The self-check's call: a 512 x 512 ``kind`` ("causal" or "full") block, forward then backward
+    (4 query heads over 2 K/V heads, head dim 64, heads-first memory as the ring passes it), ours
+    against torch's fused op. The backward counts: the AVX2 build's full-block forward is at parity
+    with torch's op while its backward is slower."""
     from . import sdpa
 
-    lib = _lib(isa)
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 512, 64, generator=g).transpose(1, 2)  # (B, S, H, D) views
+    q, dout = (torch.randn(1, 4, 512, 64, generator=g).transpose(1, 2) for _ in range(2))  # (B, S, H, D) views
     k, v = (torch.randn(1, 2, 512, 64, generator=g).transpose(1, 2) for _ in range(2))
-    mask = Mask(OFFSET, offset=0)
-    return (lambda: _forward(lib, q, k, v, 0.125, mask), lambda: sdpa.forward(q, k, v, 0.125, mask),
-            "a 512 x 512 causal block forward, 4 / 2 heads x 64")
+    mask = Mask(OFFSET, offset=0) if kind == "causal" else Mask(FULL)
+
+    def run(fwd, bwd):
+        out, lse = fwd(q, k, v, 0.125, mask)
+        bwd(dout, q, k, v, out, lse, 0.125, mask)
+
+    return (lambda: run(lambda *a: forward(*a, isa=isa), lambda *a: backward(*a, isa=isa)),
+            lambda: run(sdpa.forward, sdpa.backward), f"a 512 x 512 {kind} block forward and backward, 4 / 2 heads x 64")
 
 
 @lru_cache(maxsize=None)
-def status() -> dict:
-    """The self-check's verdict (``native.self_check``): whether ``"auto"`` runs this kernel here,
-    why, and both timings."""
-    return native.self_check("flash_attention", SWITCH, _timed_call, "torch's fused op (sdpa)")
+def status(kind: str = "causal") -> dict:
+    """The self-check's verdict (``native.self_check``) for blocks of ``kind``: ``"causal"`` (any
+    mask with a diagonal: whether ``"auto"`` runs this kernel here at all) or ``"full"`` (whether it
+    also takes the full blocks: the AVX2 build wins the diagonal blocks by skipping their masked
+    panels and can lose the full ones); why, and both timings."""
+    setup = _timed_call if kind == "causal" else lambda isa: _timed_call(isa, kind)
+    return native.self_check("flash_attention", SWITCH, setup, "torch's fused op (sdpa)",
+                             "" if kind == "causal" else kind)
+
+
+def declines(mask: Mask) -> str:
+    """Why ``"auto"`` passes this kernel over for blocks of ``mask`` although it is on ("" when it
+    takes them): full blocks where its self-check on them found torch's op faster."""
+    if mask.kind != FULL:
+        return ""
+    return status("full")["why"]
 
 
 def __getattr__(name: str):

@@ -123,6 +123,9 @@ def _skip_reason(name: str, q: torch.Tensor, mask: Mask, need: str) -> str:
         return MISSING.get(name, "not registered")
     if getattr(module, "unavailable", ""):
         return module.unavailable
+    declined = getattr(module, "declines", lambda m: "")(mask)  # on, but not for this kind of block
+    if declined:
+        return declined
     if not module.supports(q, mask, need == "lse_grad"):
         return "unsupported" + (" (takes no gradient through lse)" if need == "lse_grad"
                                 and module.supports(q, mask) else "")
@@ -171,7 +174,8 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
     need in ``NEEDS`` (forward, backward, lse_grad) and mask kind (full, offset, band, dense; EMPTY
     blocks never reach a backend); ``skipped[name]`` is why another backend is not used: one string when the reason
     is the same for every call, else ``{"need/kind": reason}`` for the calls it does not run.
-    On the CPU, ``native[kernel]`` (``flash_attention``, ``linear``, ``paged_attention``) is each C
+    On the CPU, ``native[kernel]`` (``flash_attention``, ``flash_attention (full)``: its verdict on full
+    blocks, ``linear``, ``paged_attention``) is each C
     kernel's verdict (``native.self_check``: its ISA and tiles, ``on``, ``by`` what, ``why`` not,
     ``kernel_us`` and ``torch_us`` from its self-check); running it may run the self-checks.
     """
@@ -205,7 +209,8 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
     if device.type == "cpu":
         from . import linear_cpu, paged_cpu
 
-        out["native"] = {s["kernel"]: s for s in (m.status() for m in (cpu_flash, linear_cpu, paged_cpu))}
+        out["native"] = {s["kernel"]: s for s in (cpu_flash.status(), cpu_flash.status("full"), linear_cpu.status(),
+                                                  paged_cpu.status())}
     return out
 
 

@@ -219,7 +219,7 @@ def _read(path: Path) -> dict:
 
 
 def self_check(name: str, switch: str, setup: Callable[[str], Tuple[Callable, Callable, str]],
-               torch_name: str) -> dict:
+               torch_name: str, variant: str = "") -> dict:
     """Whether the kernel ``name`` (the default build) runs instead of its torch path here.
 
     ``setup(isa)`` makes a representative call's inputs for the build for ``isa`` and returns
@@ -227,9 +227,10 @@ def self_check(name: str, switch: str, setup: Callable[[str], Tuple[Callable, Ca
     plain data: ``kernel``, ``isa``, ``tiles``, ``on``, ``by`` (``"<switch>=1"``, ``"<switch>=0"``,
     ``"no build"``, ``"self-check"`` or ``"self-check (cached)"``), ``why`` ("" when on),
     ``kernel_us`` / ``torch_us`` (medians; None without a self-check), ``call``, ``versus``,
-    ``context`` (torch version, threads) and ``file`` (the cached verdicts)."""
+    ``context`` (torch version, threads) and ``file`` (the cached verdicts). ``variant``: a second
+    kind of call timed apart (its own verdict, e.g. cpu_flash's full-mask blocks)."""
     value = os.environ.get(switch)
-    out = dict(kernel=name, isa=default_isa(), tiles="", on=False, by="", why="", kernel_us=None, torch_us=None,
+    out = dict(kernel=f"{name} ({variant})" if variant else name, isa=default_isa(), tiles="", on=False, by="", why="", kernel_us=None, torch_us=None,
                call="", versus=torch_name, context="", file="")
     if value == "0":
         return {**out, "by": f"{switch}=0", "why": f"off: {switch}=0"}
@@ -239,7 +240,7 @@ def self_check(name: str, switch: str, setup: Callable[[str], Tuple[Callable, Ca
     out.update(tiles=b.tiles)
     if value == "1":
         return {**out, "on": True, "by": f"{switch}=1"}
-    path, context = b.path.with_suffix(".json"), _context()
+    path, context = b.path.with_suffix(".json"), _context() + (f", {variant}" if variant else "")
     found = _read(path).get(context)
     by = "self-check (cached)"
     if found is None:

@@ -76,22 +76,6 @@ def load_average() -> str:
 ISA_NAMES = {"x86-64-v4": "x86-64-v4 (AVX-512)", "x86-64-v3": "x86-64-v3 (AVX2)", "generic": "generic"}
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
-    import platform
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith("model name"):
-                    name = ln.split(":", 1)[1].strip()
-                    if name:
-                        return name
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def machine(threads=None) -> dict:
     """The machine a benchmark ran on: timings move 2x between CPUs (AVX-512 vs AVX2-only), so every
     table and JSON names it. ``cpu``: the model name; ``isa``: what the C kernels are built for in
@@ -115,7 +99,7 @@ def machine(threads=None) -> dict:
         isa = ISA_NAMES.get(target, target)
         if target not in supported:  # forced past what this CPU runs: native.py refuses the build
             isa += " (not runnable here: torch paths)"
-    out = dict(cpu=cpu_model(), isa=isa, kernel_build=build, cores=os.cpu_count())
+    out = dict(cpu=native.cpu_model(), isa=isa, kernel_build=build, cores=os.cpu_count())
     if hasattr(os, "sched_getaffinity"):
         out["usable_cores"] = len(os.sched_getaffinity(0))
     out["threads"] = torch.get_num_threads() if threads is None else (

@@ -64,6 +64,14 @@ def _cpu_id() -> str:
     return "\n".join(lines) if lines else (platform.processor() or platform.machine())
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    for ln in _cpuinfo().splitlines():
+        if ln.startswith("model name") and ln.split(":", 1)[1].strip():
+            return ln.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def supported_isas() -> Tuple[str, ...]:
     """The named targets (of ``"x86-64-v4"``, ``"x86-64-v3"``, ``"generic"``) whose builds this CPU
     runs, from ``/proc/cpuinfo``'s flags; ``"generic"`` always (``"native"`` too, not listed)."""

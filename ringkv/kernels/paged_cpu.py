@@ -103,10 +103,7 @@ def attend(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, limits: torc
     and ``lse (N, H, Q)`` float32 (None unless ``lse``); a row that sees no key gives 0 / -inf.
     ``isa``: the build to run (default: this process's); ``lib``: a loaded build instead."""
     if lib is None:
-        lib = library(isa)
-        if lib is None:
-            raise RuntimeError(f"paged_cpu: the kernel for {isa or native.default_isa()} is off here "
-                               f"({SWITCH}=0, no compiler, or a target this CPU cannot run)")
+        lib = native.require(library(isa), "paged_cpu", SWITCH, isa)
     q = q.contiguous()
     n, nq, h, d = q.shape
     nb, bs, hkv, _ = cache.k.shape

@@ -9,10 +9,11 @@ register tiles. Against torch's fused CPU op (backend ``"sdpa"``) it takes any `
 through lse natively; it skips the masked part of a causal block a panel of keys at a time (32
 keys with AVX-512, 16 with AVX2, 8 generic; torch's op computes the masked half of each diagonal
 256 x 512 block). docs/kernels.md has the measurements. Its register tiles are chosen per target
-ISA when it is built (AVX-512, AVX2 or generic: ``native.py``). It becomes ``"auto"``'s choice once its self-check (``status()``: a 512 x
-512 causal forward, against ``"sdpa"``, cached beside the build) found it faster on this machine;
-``RINGKV_NATIVE_FLASH=1`` turns it on without the self-check, ``=0`` off (``"sdpa"`` then runs these
-calls). ``library(isa)``, and the ``isa=`` keyword of ``forward``/``backward``/``backward_into``, run
+ISA when it is built (AVX-512, AVX2 or generic: ``native.py``). It becomes ``"auto"``'s choice once its
+self-check (``status()``: a 512 x 512 causal block forward and backward, against ``"sdpa"``, cached
+beside the build) found it faster on this machine, and takes full-mask blocks too where a second
+self-check on a full block did (``status("full")``, ``declines``); ``RINGKV_NATIVE_FLASH=1`` turns
+it on without the self-checks, ``=0`` off (``"sdpa"`` then runs these calls). ``library(isa)``, and the ``isa=`` keyword of ``forward``/``backward``/``backward_into``, run
 the build for another target in this process (tests).
 
 Takes float32 on the CPU with ``head_dim`` a multiple of 16 up to 256 and any mask but
@@ -88,8 +89,7 @@ def status(kind: str = "causal") -> dict:
     mask with a diagonal: whether ``"auto"`` runs this kernel here at all) or ``"full"`` (whether it
     also takes the full blocks: the AVX2 build wins the diagonal blocks by skipping their masked
     panels and can lose the full ones); why, and both timings."""
-    setup = _timed_call if kind == "causal" else lambda isa: _timed_call(isa, kind)
-    return native.self_check("flash_attention", SWITCH, setup, "torch's fused op (sdpa)",
+    return native.self_check("flash_attention", SWITCH, lambda isa: _timed_call(isa, kind), "torch's fused op (sdpa)",
                              "" if kind == "causal" else kind)
 
 

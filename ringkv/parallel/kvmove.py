@@ -254,12 +254,13 @@ def serve(worker, control, msg: dict) -> None:
     m, kv = worker.mesh, worker.kv
     table, first, start, end = msg["table"], msg["first"], msg["start"], msg["end"]
     sp, expected = m.sp, msg["counts"][m.rank]
+    if msg["kind"] == "kv_read" and not Box.of(worker.info(), worker.cfg.num_kv_heads, m.tp).owner:
+        return  # a replica: another rank sends these heads
     own = _slots(table, first, start, end, kv.block_size, sp, m.sp_rank).numel()  # what this rank stores
     if msg["kind"] == "kv_read":
-        if not Box.of(worker.info(), worker.cfg.num_kv_heads, m.tp).owner:  # a replica: another rank sends them
-            return
         control.send(torch.tensor([own]), 0, KV_TAG)  # its count first: the driver checks it before the box
-        data, scale = read(kv, table, first, start, end, sp, m.sp_rank, expected, m.rank)  # raises on a mismatch
+        _agree(expected, own, kv, m.rank, start, end)
+        data, scale = read(kv, table, first, start, end, sp, m.sp_rank)
         control.send(_wire(data), 0, KV_TAG)
         if scale is not None:
             control.send(_wire(scale), 0, KV_TAG)

@@ -27,6 +27,20 @@ def shape(name: str) -> dict:
 
 # name -> Llama config (random weights): throughput and memory only, never text quality
 PRESETS = {name: shape(name) for name in ("tiny-test", "llama-120m", "tiny-long")}
+# SmolLM2-135M's shapes (vocabulary 49152, hidden 576, 9 heads, 3 KV heads, intermediate 1536, tied
+# embeddings, rope_theta 1e5) with random weights, at full depth (30 layers) and at 2 layers, and the
+# 2-layer one at another vocabulary (what the training-memory benchmark's vocabulary check varies);
+# positions up to 256K so that long training sequences are within the config
+_SMOL = dict({k: catalogue.PRESETS["smollm2-135m"][k] for k in FIELDS if k != "max_position_embeddings"},
+             max_position_embeddings=262144)
+PRESETS.update({
+    "smollm2-shape": _SMOL,
+    "smollm2-shape-2l": dict(_SMOL, num_hidden_layers=2),
+    "smollm2-shape-2l-v8k": dict(_SMOL, num_hidden_layers=2, vocab_size=8192),
+})
+# config fields beyond FIELDS (default: untied embeddings, rope_theta 10000)
+EXTRA = {name: dict(tie_word_embeddings=True, rope_theta=100000.0)
+         for name in ("smollm2-shape", "smollm2-shape-2l", "smollm2-shape-2l-v8k")}
 
 
 def cache_root() -> str:
@@ -47,8 +61,8 @@ def model_path(name: str) -> str:
         import transformers
 
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(**PRESETS[name], rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                       bos_token_id=1, eos_token_id=2)
+        extra = dict(dict(tie_word_embeddings=False), **EXTRA.get(name, {}))
+        cfg = transformers.LlamaConfig(**PRESETS[name], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **extra)
         model = transformers.LlamaForCausalLM(cfg).eval()
         tmp = out + f".tmp{os.getpid()}"
         model.save_pretrained(tmp, safe_serialization=True)
@@ -63,7 +77,7 @@ def describe(name: str) -> str:
     if name == "smollm2":
         return "SmolLM2-135M-Instruct"
     if name in PRESETS:
-        return f"random {name} ({json.dumps(PRESETS[name])})"
+        return f"random {name} ({json.dumps(dict(PRESETS[name], **EXTRA.get(name, {})))})"
     return name
 
 

@@ -70,7 +70,9 @@ non-causal attention, models that do not call attention through ``AttentionInter
 from __future__ import annotations
 
 import inspect
+import math
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import List, Optional, Tuple
@@ -80,6 +82,8 @@ import torch.nn.functional as F
 
 from .sp.collectives import agree, all_gather, all_sum, rank_world
 from .sp.decode import decode_attention
+from . import memory
+from .kernels.linear_ce import linear_cross_entropy
 from .kernels.mask import NO_WINDOW
 from .sp.layout import (check_cu_seqlens, check_layout, check_seq_len, granule, positions, shard, varlen_index,
                         varlen_local_len)
@@ -170,8 +174,11 @@ class _Step:
     cache: Optional[ShardedKVCache] = None
     keep: int = 0                        # logits_to_keep (prefill): last `keep` global tokens
     keep_at: Optional[torch.Tensor] = None  # where this rank's kept rows go in those `keep`
-    labels: Optional[torch.Tensor] = None
-    labels_sharded: bool = False         # labels are this rank's shard (inputs="shard"), else whole rows
+    labels: Optional[torch.Tensor] = None  # whole rows' labels (B, S) (or the packed row's)
+    shifted: bool = False                # labels are shift_labels: the target of each token, not shifted again
+    num_items: Optional[float] = None    # HF's num_items_in_batch: the loss's divisor (else the global count)
+    chunked: bool = False                # the loss from the hidden states in chunks: no logits are built
+    hidden: Optional[torch.Tensor] = None  # (B, S_local, H): the base model's output, for the chunked loss
     packing: Optional["_Packing"] = None  # packed documents: the varlen ring over packing.cu
     pad: Optional["_PadStep"] = None     # a left-padded batch with a KV cache (generate)
 
@@ -224,6 +231,11 @@ class _State:
     prev_impl: str
     modules: List[torch.nn.Module]
     handles: list = field(default_factory=list)
+    restore: list = field(default_factory=list)  # undo tile_mlp (unpatch_model)
+    store: Optional[object] = None      # offload_checkpoints: the CheckpointStore
+    offload: Optional[object] = None    # the offload context of the forward under way
+    keep_logits: Optional[bool] = None  # None: no logits in training forwards with labels; True: always; False: never
+    loss_chunk: Optional[int] = None    # tokens per chunk of the chunked loss (None: linear_ce.default_chunk)
     step: Optional[_Step] = None        # set by the pre-hook for one forward, cleared by the post-hook
     recompute: Optional[_Step] = None   # the last training prefill, for activation checkpointing's replay
 
@@ -496,10 +508,12 @@ def _starts(pk: Optional[_Packing], b: int, t: int) -> torch.Tensor:
     return starts.view(b, t)
 
 
-def _check_padding(mask: torch.Tensor, starts: torch.Tensor, labels: Optional[torch.Tensor]) -> None:
+def _check_padding(mask: torch.Tensor, starts: torch.Tensor, labels: Optional[torch.Tensor],
+                   shift_labels: Optional[torch.Tensor] = None) -> None:
     """Zeros of ``attention_mask`` ``(R, L)`` must end their row or packed document (right padding:
     causal attention never lets a real token see a later pad, so ignoring them is exact), and a
-    padded token must predict nothing (``labels[:, i + 1] == -100`` where ``mask[:, i] == 0``)."""
+    padded token must predict nothing (``labels[:, i + 1] == -100``, or ``shift_labels[:, i] == -100``,
+    where ``mask[:, i] == 0``)."""
     m = mask.detach().bool().cpu()
     bad = ~m[:, :-1] & m[:, 1:] & ~starts[:, 1:]   # a zero followed by a one in the same segment
     if bool(bad.any()):
@@ -517,6 +531,8 @@ def _check_padding(mask: torch.Tensor, starts: torch.Tensor, labels: Optional[to
         raise ValueError(f"ringkv: attention_mask has zeros between real tokens (a hole) in {where}; patch_model "
                          f"honours only zeros at the end of each row or packed document (right padding). Pack the "
                          f"pieces as separate documents (position_ids that restart at 0), or drop the hole")
+    if labels is None and shift_labels is not None:  # shift_labels[:, i] is labels[:, i + 1]
+        labels = F.pad(shift_labels.detach().cpu()[:, :-1], (1, 0), value=IGNORE_INDEX)
     if labels is not None:
         lab = labels.detach().cpu()
         wrong = ~m[:, :-1] & (lab[:, 1:] != IGNORE_INDEX)
@@ -525,6 +541,81 @@ def _check_padding(mask: torch.Tensor, starts: torch.Tensor, labels: Optional[to
             raise ValueError(f"ringkv: a padded token predicts nothing: labels must be -100 after every padded "
                              f"position (row {r}: attention_mask[{r}, {i}] is 0 but labels[{r}, {i + 1}] is "
                              f"{int(lab[r, i + 1])}); set the labels of the padded tokens to -100")
+
+
+def _check_shift_labels(labels: torch.Tensor, shift_labels: torch.Tensor) -> None:
+    """``shift_labels`` ``(B, S)`` given with ``labels`` must be them shifted: ``shift_labels[:, i] ==
+    labels[:, i + 1]``, -100 at the end of each row."""
+    want = F.pad(labels.detach()[:, 1:], (0, 1), value=IGNORE_INDEX)
+    got = shift_labels.detach().to(want.device)
+    if not torch.equal(got.long(), want.long()):
+        r, i = (got != want).nonzero()[0].tolist()
+        raise ValueError(f"ringkv: shift_labels and labels disagree: shift_labels[{r}, {i}] is {int(got[r, i])} but "
+                         f"labels shifted by one give {int(want[r, i])} (shift_labels[:, i] must be labels[:, i + 1], "
+                         f"-100 at the end of each row); pass one of them")
+
+
+def _num_items(n) -> Optional[float]:
+    """HF's ``num_items_in_batch`` (an int or a scalar tensor), checked: a float > 0, or None."""
+    if n is None:
+        return None
+    if isinstance(n, torch.Tensor):
+        if n.numel() != 1:
+            raise ValueError(f"ringkv: num_items_in_batch must be one number, got a tensor of shape {tuple(n.shape)}")
+        n = n.item()
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
+        raise ValueError(f"ringkv: num_items_in_batch must be a number > 0 (the counted labels the loss is divided "
+                         f"by), got {n!r}")
+    return float(n)
+
+
+@dataclass
+class _Head:
+    """A causal LM's output head as the chunked loss applies it: ``weight`` ``(V, H)``, ``bias``, and the
+    model's own transform of its logits (``softcap``: ``cap * tanh(z / cap)``; ``scale``: ``z * scale``)."""
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    softcap: Optional[float]
+    scale: Optional[float]
+
+    def loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int, chunk: Optional[int]):
+        """Summed cross-entropy (float32) of ``hidden`` ``(N, H)`` against ``targets`` ``(N,)``."""
+        if type(self.weight).__name__ == "DTensor":
+            raise ValueError(f"ringkv: the chunked loss needs the output head's weight as a plain tensor, got "
+                             f"{type(self.weight).__name__} (e.g. FSDP2 sharding the head in its own unit: keep it in "
+                             f"the root unit), or patch with keep_logits=True")
+        if hidden.is_cuda and self.scale is None and chunk is None:
+            fused = _liger_loss_sum(hidden, self, targets, ignore_index)
+            if fused is not None:
+                return fused
+        return linear_cross_entropy(hidden, self.weight, targets, self.bias, ignore_index=ignore_index, chunk=chunk,
+                                    softcap=self.softcap, scale=self.scale)
+
+
+def _liger_loss_sum(hidden, head: _Head, targets, ignore_index):
+    """Liger's fused linear cross-entropy (CUDA, when ``liger-kernel`` is installed), summed; else None."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        return None
+    return liger_fused_linear_cross_entropy(hidden, head.weight, targets, head.bias, ignore_index=ignore_index,
+                                            reduction="sum", softcap=head.softcap).float()
+
+
+def _head(model) -> Optional[_Head]:
+    """The head of a causal LM for the chunked loss, or None when ringkv cannot apply it itself (no
+    linear output embeddings, or no base model whose output it can take): such a model's loss is
+    computed from its logits."""
+    lin = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(lin, torch.nn.Linear) or getattr(model, "base_model", model) is model:
+        return None
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    scale = getattr(model, "logit_scale", None)               # Cohere: logits * logit_scale
+    scale = None if scale is None else float(scale)
+    if getattr(config, "logits_scaling", None):               # Granite: logits / logits_scaling
+        scale = (scale or 1.0) / config.logits_scaling
+    softcap = getattr(config, "final_logit_softcapping", None) or None  # Gemma 2/3
+    return _Head(lin.weight, lin.bias, softcap, scale)
 
 
 def _gather_packed(x: torch.Tensor, cu: Tuple[int, ...], layout: str, group, timeout) -> torch.Tensor:
@@ -543,7 +634,7 @@ def _gather_packed(x: torch.Tensor, cu: Tuple[int, ...], layout: str, group, tim
 
 # what every rank must agree on before a forward; the last entry is 1 on a rank whose own inputs broke a rule
 AGREE_NAMES = ["phase", "batch", "sequence length", "cache length", "logits_to_keep", "labels", "input tokens",
-               "packed documents", "attention mask",
+               "packed documents", "attention mask", "num_items_in_batch",
                "input checks (a rank whose inputs broke a rule raises that rule's error)"]
 
 
@@ -563,6 +654,9 @@ class _Plan:
     keep: int
     keep_at: Optional[torch.Tensor]
     labels: Optional[torch.Tensor]
+    shift_labels: Optional[torch.Tensor]
+    num_items: Optional[float]
+    chunked: bool
     packing: Optional[_Packing]
     mask: Optional[torch.Tensor]         # inputs="shard": the local mask, checked after gathering it
     padded: bool = False
@@ -595,11 +689,23 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
         cache = ShardedKVCache()
     elif cache is None and use_cache:
         cache = ShardedKVCache()
-    labels = kw.pop("labels", None)
+    labels, shift_labels = kw.pop("labels", None), kw.pop("shift_labels", None)
+    num_items = _num_items(kw.pop("num_items_in_batch", None))
     keep = kw.get("logits_to_keep", 0)
     if isinstance(keep, torch.Tensor) or not isinstance(keep, int) or keep < 0:
         raise ValueError("ringkv: logits_to_keep must be a non-negative int (the last tokens of the global sequence)")
-    if (keep or labels is not None) and kw.get("return_dict") is False:
+    if keep and state.keep_logits is False and not model.training:
+        raise ValueError(f"ringkv: logits_to_keep={keep} asks for logits, but the model was patched with "
+                         f"keep_logits=False (no logits are built); patch with keep_logits=None (the default: "
+                         f"logits in eval mode) or True")
+    for name, lab in (("labels", labels), ("shift_labels", shift_labels)):
+        if lab is not None and tuple(lab.shape) != (b, t):
+            raise ValueError(f"ringkv: {name} must have the shape of the inputs ({b}, {t})"
+                             f"{' (this rank shard, like the inputs)' if shard_mode else ''}, got {tuple(lab.shape)}")
+    if labels is not None and shift_labels is not None and not shard_mode:
+        _check_shift_labels(labels, shift_labels)
+    targets = labels if shift_labels is None else shift_labels
+    if (keep or targets is not None) and kw.get("return_dict") is False:
         raise ValueError("ringkv: use return_dict=True with labels or logits_to_keep")
     decode = cache is not None and cache.seen > 0
     replicated = decode or not shard_mode
@@ -607,8 +713,9 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
     pk, padded, keep_at, left_pad = None, False, None, None
 
     if decode:
-        if labels is not None:
-            raise ValueError("ringkv: labels are supported for the prefill (no cache, or an empty one) only")
+        if targets is not None:
+            raise ValueError("ringkv: labels (and shift_labels) are supported for the prefill (no cache, or an empty "
+                             "one) only")
         if pk_kw:
             raise ValueError(f"ringkv: {', '.join(sorted(pk_kw))} (packed documents) are for the prefill only, not "
                              f"for a decode step (the KV cache holds tokens)")
@@ -624,14 +731,11 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
         rows = None if rank == owner else torch.zeros(0, dtype=torch.long)  # host, like q_pos
         x_local = x
     else:
-        if labels is not None and tuple(labels.shape) != (b, t):
-            raise ValueError(f"ringkv: labels must have the shape of the inputs ({b}, {t})"
-                             f"{' (this rank shard, like the inputs)' if shard_mode else ''}, got {tuple(labels.shape)}")
         if mask is not None and tuple(mask.shape) != (b, t):
             raise ValueError(f"ringkv: attention_mask must have the shape of the inputs ({b}, {t})"
                              f"{' (this rank shard, like the inputs)' if shard_mode else ''}, got {tuple(mask.shape)}")
         if not shard_mode and explicit_cache and mask is not None and not pk_kw and not bool(mask.bool().all()):
-            return _left_padded_prefill(state, kw, x, ids, mask, pos, labels, keep, cache)  # generate's padded batch
+            return _left_padded_prefill(state, kw, x, ids, mask, pos, targets, keep, cache)  # generate's padded batch
         if shard_mode:
             pk, q_pos = _shard_packing(pk_kw, pos, b, t, layout, rank, world)
         else:
@@ -640,10 +744,10 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
                 pk = _packing(b, t, position_ids=pos, **pk_kw)
             except ValueError:
                 if padded:  # e.g. generate's position ids of a left-padded prompt: the mask is the problem
-                    _check_padding(mask, _starts(None, b, t), labels)
+                    _check_padding(mask, _starts(None, b, t), labels, shift_labels)
                 raise
             if padded:
-                _check_padding(mask, _starts(pk, b, t), labels)
+                _check_padding(mask, _starts(pk, b, t), labels, shift_labels)
         if pk is not None or padded:  # training / scoring: a KV cache of packed or padded rows is no use
             if explicit_cache:
                 raise ValueError(f"ringkv: {'packed documents' if pk is not None else 'padding masks'} are for "
@@ -692,13 +796,21 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
                 keep_at = q_pos[sel] - (seq - keep)
                 kw["logits_to_keep"] = sel.nonzero().squeeze(1)  # local rows among the last `keep` global tokens
 
-    values = [int(decode), b, s_pad, cache.seen if cache is not None else -1, keep, labels is not None,
+    # the loss from the hidden states, never the logits (training forwards with labels, unless keep_logits)
+    chunked = (targets is not None and not decode and state.keep_logits is not True
+               and (state.keep_logits is False or model.training) and _head(model) is not None)
+    if chunked and not keep:
+        kw["logits_to_keep"] = torch.zeros(0, dtype=torch.long)  # the model's head computes (B, 0, V)
+    values = [int(decode), b, s_pad, cache.seen if cache is not None else -1, keep,
+              (labels is not None) + 2 * (shift_labels is not None) + 4 * chunked,
               _checksum(ids) if replicated else 0,
               -1 if pk is None else zlib.crc32(repr((pk.cu, pk.rows)).encode()),
-              -1 if mask is None else (_checksum(mask) if replicated and not decode else 1)]
+              -1 if mask is None else (_checksum(mask) if replicated and not decode else 1),
+              -1 if num_items is None else zlib.crc32(repr(num_items).encode())]
     return _Plan(values=values, device=x.device, name="input_ids" if ids is not None else "inputs_embeds",
                  x_local=x_local, q_pos=q_pos, seq=seq, decode=decode, cache=cache, explicit_cache=explicit_cache,
-                 rows=rows, keep=0 if decode else keep, keep_at=keep_at, labels=labels, packing=pk,
+                 rows=rows, keep=0 if decode else keep, keep_at=keep_at, labels=labels, shift_labels=shift_labels,
+                 num_items=num_items, chunked=chunked, packing=pk,
                  mask=mask if shard_mode and not decode else None, padded=padded, pad=left_pad)
 
 
@@ -734,10 +846,11 @@ def _left_padded_prefill(state: _State, kw: dict, x, ids, mask, pos, labels, kee
     kw["logits_to_keep"] = rows[sel]
     pk = _Packing(cu, 1, cu[-1])
     values = [0, b, q_pos.numel() * world, cache.seen, keep, 0, _checksum(ids),
-              zlib.crc32(repr((pk.cu, pk.rows)).encode()), _checksum(mask)]
+              zlib.crc32(repr((pk.cu, pk.rows)).encode()), _checksum(mask), -1]
     return _Plan(values=values, device=x.device, name="input_ids" if ids is not None else "inputs_embeds",
                  x_local=x_local, q_pos=q_pos, seq=t, decode=False, cache=cache, explicit_cache=True, rows=rows,
-                 keep=keep, keep_at=row_of[sel] * keep + slot[sel], labels=None, packing=pk, mask=None,
+                 keep=keep, keep_at=row_of[sel] * keep + slot[sel], labels=None, shift_labels=None, num_items=None,
+                 chunked=False, packing=pk, mask=None,
                  pad=_PadStep(rows_kept=row_of, lengths=lengths, prompt_mask=m, keep_rows=b))
 
 
@@ -801,26 +914,36 @@ def _pre_hook(state: _State, model, args, kwargs):
 
     # --- every rank must make the same call: one tiny all-gather ---
     agree(p.values + [0], AGREE_NAMES, state.group, state.timeout, "ringkv.patch_model", device=p.device)
-    labels, labels_sharded = p.labels, state.inputs == "shard" and not p.decode
-    if p.mask is not None:  # inputs="shard": gather the mask (and labels) and check them alike on every rank
+    labels, shift_labels = p.labels, p.shift_labels
+    if state.inputs == "shard" and not p.decode and (p.mask is not None or labels is not None
+                                                     or shift_labels is not None):
+        # the shards' mask and labels, whole (B, S) (packed: (1, S)), checked alike on every rank
         def whole(t):
+            if t is None:
+                return None
             t = t.to(p.device).long()
             if p.packing is not None:
                 return _gather_packed(t, p.packing.cu, state.layout, state.group, state.timeout)
             return _gather_seq(t, state.layout, state.group, state.timeout, state.ulysses)
 
-        mask = whole(p.mask).bool()                                                    # (B, S) or (1, S) packed
-        if labels is not None:
-            labels, labels_sharded = whole(labels), False
-        if not bool(mask.all()):
-            _check_padding(mask, _starts(p.packing, *mask.shape) if p.packing is not None
-                           else _starts(None, *mask.shape), labels)
+        labels, shift_labels, mask = whole(labels), whole(shift_labels), whole(p.mask)
+        if labels is not None and shift_labels is not None:
+            _check_shift_labels(labels, shift_labels)
+        if mask is not None and not bool(mask.bool().all()):
+            _check_padding(mask.bool(), _starts(p.packing, *mask.shape) if p.packing is not None
+                           else _starts(None, *mask.shape), labels, shift_labels)
             if p.explicit_cache:
                 raise ValueError("ringkv: padding masks are for training and scoring without a KV cache: pass "
                                  "use_cache=False and no cache")
             p.cache = None
 
     # --- commit ---
+    if state.store is not None and not p.decode and model.training and torch.is_grad_enabled():
+        if not _checkpointing(model):
+            raise ValueError("ringkv: offload_checkpoints offloads what activation checkpointing saves; enable it "
+                             "(model.gradient_checkpointing_enable()) or patch with offload_checkpoints=False")
+        state.offload = memory.offload_checkpoints(state.store, model.config.get_text_config().hidden_size)
+        state.offload.__enter__()
     b_local = p.x_local.shape[0]
     kw[p.name] = p.x_local
     q_pos = p.q_pos.to(p.device)
@@ -839,16 +962,21 @@ def _pre_hook(state: _State, model, args, kwargs):
         if p.decode:
             p.cache.decode_steps += 1
     state.step = _Step(decode=p.decode, q_positions=p.q_pos, total=p.seq, cache=p.cache, keep=p.keep,
-                       keep_at=p.keep_at, labels=labels, labels_sharded=labels_sharded, packing=p.packing, pad=p.pad)
+                       keep_at=p.keep_at, labels=labels if shift_labels is None else shift_labels,
+                       shifted=shift_labels is not None, num_items=p.num_items, chunked=p.chunked,
+                       packing=p.packing, pad=p.pad)
     return (), kw
 
 
 def _post_hook(state: _State, model, args, kwargs, output):
     step, state.step = state.step, None
+    offload, state.offload = state.offload, None
+    if offload is not None:  # the layers' inputs are saved; the loss's tensors stay where they are
+        offload.__exit__(None, None, None)
     if step is None or output is None:  # the forward raised
         return None
     # activation checkpointing replays the layers' forwards during backward, after this hook
-    replay = not step.decode and torch.is_grad_enabled() and getattr(model, "is_activation_checkpointing", False)
+    replay = not step.decode and torch.is_grad_enabled() and _checkpointing(model)
     state.recompute = _Step(decode=False, q_positions=step.q_positions, total=step.total,
                             packing=step.packing) if replay else None
     if step.keep:  # assemble the last `keep` global logits on every rank: zeros elsewhere, summed
@@ -861,9 +989,37 @@ def _post_hook(state: _State, model, args, kwargs, output):
             full[:, step.keep_at] = local
         output.logits = all_sum(full, state.group, state.timeout, "ringkv logits_to_keep")  # (B, keep, V)
     if step.labels is not None:
-        output.loss = _lm_loss(output.logits, step.labels, state.layout, state.group, step.labels_sharded,
-                               IGNORE_INDEX, state.timeout, state.ulysses, step.packing)
+        x, head = output.logits, None
+        if step.chunked:  # the base model's output (B, S_local, H) through the head in chunks
+            x, head = step.hidden, _head(model)
+            if x is None:
+                raise RuntimeError(f"ringkv: the chunked loss did not see the output of {type(model).__name__}'s "
+                                   f"base model; patch with keep_logits=True")
+            if not step.keep:
+                _drop_logits(output)
+        output.loss = _lm_loss(x, step.labels, state.layout, state.group, False, IGNORE_INDEX, state.timeout,
+                               state.ulysses, step.packing, head=head, shifted=step.shifted,
+                               num_items=step.num_items, chunk=state.loss_chunk)
     return output
+
+
+def _checkpointing(model) -> bool:
+    """Whether HF activation (gradient) checkpointing is on (transformers 5 name, then 4's)."""
+    on = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if on is None else on)
+
+
+def _capture_hidden(state: _State, output) -> None:
+    """Forward hook of the base model: keep its last hidden states for the chunked loss."""
+    if state.step is not None and state.step.chunked:
+        state.step.hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+
+def _drop_logits(output) -> None:
+    """``output.logits = None``, and gone from the output's dict and tuple forms too."""
+    output.logits = None
+    if "logits" in output.keys():
+        OrderedDict.__delitem__(output, "logits")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -871,7 +1027,8 @@ def _post_hook(state: _State, model, args, kwargs, output):
 
 def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigzag", *, method: str = "ring",
                 ulysses: Optional[int] = None, inputs: str = "full", timeout: Optional[float] = None,
-                mesh_dim=None):
+                mesh_dim=None, keep_logits: Optional[bool] = None, loss_chunk: Optional[int] = None,
+                tile_mlp=False, offload_checkpoints=False):
     """Make ``model`` (a transformers causal LM) run exact sequence-parallel attention over the SP ``group``.
 
     Call it on every rank of ``group`` (default: the world; no process group = one rank) with
@@ -888,6 +1045,20 @@ def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigz
     ``inputs`` is ``"full"`` (every rank passes the whole sequence) or ``"shard"`` (every rank
     passes its own shard); see the module docstring. ``timeout`` (seconds) bounds every wait
     on a peer. Returns the same model, patched in place; ``unpatch_model`` restores it.
+
+    Training memory (docs/hf.md, "Training at any length"):
+
+    - ``keep_logits``: ``None`` (default) computes the loss of a **training-mode** forward with
+      ``labels`` (or ``shift_labels``) from the final hidden states through the head in chunks
+      of ``loss_chunk`` tokens, never building the ``(B, S/N, V)`` logits: ``output.logits`` is
+      ``None`` then (eval-mode forwards return logits as before). ``True``: logits always (the
+      loss from them). ``False``: never for a forward with labels, in eval too (``logits_to_keep``
+      in eval is then a ``ValueError``). HF's ``num_items_in_batch`` divides the loss instead of the
+      global count of targets.
+    - ``tile_mlp``: ``True`` (or tokens per tile) runs every decoder layer's MLP over sequence
+      tiles and recomputes them in backward (``ringkv.memory.tile_mlp``).
+    - ``offload_checkpoints``: ``True`` moves the layer inputs that gradient checkpointing saves
+      to pinned host memory (CUDA) and back for backward; or a ``ringkv.memory.CheckpointStore``.
     """
     from transformers import AttentionInterface, PreTrainedModel
 
@@ -918,11 +1089,19 @@ def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigz
                          f"group= (or omit sp)" + ("" if world > 1 else "; call torch.distributed.init_process_group "
                                                    "first for sp > 1"))
     u, groups = _method_groups(model.config, method, ulysses, group, world)
+    if keep_logits not in (None, True, False):
+        raise ValueError(f"keep_logits must be None (logits in eval only), True or False, got {keep_logits!r}")
+    if loss_chunk is not None and (isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1):
+        raise ValueError(f"loss_chunk must be a positive int (tokens per chunk of the loss), got {loss_chunk!r}")
+    store = _checkpoint_store(model, offload_checkpoints)
+    restore = [] if tile_mlp is False or tile_mlp is None else [memory.tile_mlp(model, None if tile_mlp is True
+                                                                               else tile_mlp)]
     AttentionInterface.register(ATTN_NAME, _eager_attention)
     state = _State(group=group, layout=layout, rank=rank, world=world, method=method, ulysses=u, groups=groups,
                    inputs=inputs,
                    timeout=None if timeout is None else timedelta(seconds=timeout),
-                   prev_impl=model.config._attn_implementation, modules=modules)
+                   prev_impl=model.config._attn_implementation, modules=modules, keep_logits=keep_logits,
+                   loss_chunk=loss_chunk, restore=restore, store=store)
     model.set_attn_implementation(ATTN_NAME)
     for m in modules:
         m._ringkv_state = state
@@ -931,6 +1110,9 @@ def patch_model(model, sp: Optional[int] = None, group=None, layout: str = "zigz
         model.register_forward_hook(lambda mod, a, k, o: _run_eager(_post_hook, state, mod, a, k, o),
                                     with_kwargs=True, always_call=True),
     ]
+    if getattr(model, "base_model", model) is not model:  # its output feeds the chunked loss
+        state.handles.append(model.base_model.register_forward_hook(
+            lambda mod, a, o: _run_eager(_capture_hidden, state, o)))
     model._ringkv_state = state
     return model
 
@@ -954,6 +1136,23 @@ def _method_groups(config, method: str, ulysses: Optional[int], group, world: in
                          "leave group=None")
     head_plan(heads, kv_heads, ulysses, "patch_model(method='usp')")
     return ulysses, sp_groups(ulysses=ulysses, ring=world // ulysses)
+
+
+def _checkpoint_store(model, offload):
+    """The ``CheckpointStore`` that ``offload_checkpoints=`` names (None: no offload)."""
+    if offload is None or offload is False:
+        return None
+    if isinstance(offload, memory.CheckpointStore):
+        return offload
+    if offload is not True:
+        raise ValueError(f"offload_checkpoints must be True, False or a ringkv.memory.CheckpointStore, got "
+                         f"{offload!r}")
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(f"offload_checkpoints=True moves checkpoints from CUDA memory to pinned host memory, but the "
+                         f"model is on {device}; on a CPU there is nothing to offload to (pass False, or a "
+                         f"ringkv.memory.CheckpointStore such as FileStore to store them elsewhere)")
+    return memory.HostStore(device)
 
 
 def _sp_group(group, mesh_dim):
@@ -1003,6 +1202,8 @@ def unpatch_model(model):
         raise ValueError("this model is not patched by ringkv")
     for h in state.handles:
         h.remove()
+    for undo in state.restore:
+        undo()
     for m in state.modules:
         del m._ringkv_state
     del model._ringkv_state
@@ -1082,9 +1283,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, layout: str = 
     return _lm_loss(logits, labels, layout, group, sharded, ignore_index, timeout, ulysses, pk)
 
 
-def _lm_loss(logits, labels, layout, group, sharded, ignore_index, timeout, ulysses, pk: Optional[_Packing]):
+def _lm_loss(logits, labels, layout, group, sharded, ignore_index, timeout, ulysses, pk: Optional[_Packing], *,
+             head: Optional["_Head"] = None, shifted: bool = False, num_items: Optional[float] = None,
+             chunk: Optional[int] = None):
+    """The loss of ``causal_lm_loss``. ``head`` given: ``logits`` are the hidden states ``(B, S_local, H)``
+    and the loss is computed through the head in chunks (``linear_cross_entropy``). ``shifted``:
+    ``labels`` are the targets of each token already (HF's ``shift_labels``). ``num_items``: the
+    divisor (HF's ``num_items_in_batch``) instead of the number of counted targets."""
     rank, world = rank_world(group)
-    b, s_local, vocab = logits.shape
+    b, s_local = logits.shape[:2]
     if pk is not None:
         if ulysses != 1:
             raise ValueError("causal_lm_loss: packed documents run on method='ring' only (ulysses must be 1)")
@@ -1101,9 +1308,9 @@ def _lm_loss(logits, labels, layout, group, sharded, ignore_index, timeout, ulys
             raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the packed documents of "
                              f"{pk.cu[-1]} tokens; pass the batch's labels (B, S), or sharded=True")
         rows = labels.to(logits.device).reshape(-1, pk.row_len)                          # (rows, S_row)
-        shifted = F.pad(rows[:, 1:], (0, 1), value=ignore_index).reshape(-1)             # inside each row
+        targets = (rows if shifted else F.pad(rows[:, 1:], (0, 1), value=ignore_index)).reshape(-1)  # in each row
         index = varlen_index(pk.cu, layout, rank, world).to(logits.device)
-        local = torch.where(index >= 0, shifted[index.clamp(min=0)], ignore_index).unsqueeze(0)  # (1, L_local)
+        local = torch.where(index >= 0, targets[index.clamp(min=0)], ignore_index).unsqueeze(0)  # (1, L_local)
     else:
         s_pad = s_local * world
         check_seq_len(s_pad, layout, world, ulysses)
@@ -1115,11 +1322,17 @@ def _lm_loss(logits, labels, layout, group, sharded, ignore_index, timeout, ulys
             raise ValueError(f"labels of length {labels.shape[1]} do not match logits shards of {s_local} tokens "
                              f"on {world} rank(s) (a sequence of {s_pad} tokens, padding included); pass the whole "
                              f"sequence's labels, or this rank's shard with sharded=True")
-        shifted = F.pad(labels[:, 1:].to(logits.device), (0, s_pad - labels.shape[1] + 1), value=ignore_index)
-        local = shard(shifted, 1, layout, rank=rank, world=world, ulysses=ulysses)      # (B, S_pad / N)
-    loss_sum = F.cross_entropy(logits.float().reshape(-1, vocab), local.reshape(-1), ignore_index=ignore_index,
-                               reduction="sum")
+        labels = labels.to(logits.device)
+        targets = labels if shifted else labels[:, 1:]
+        targets = F.pad(targets, (0, s_pad - targets.shape[1]), value=ignore_index)     # (B, S_pad)
+        local = shard(targets, 1, layout, rank=rank, world=world, ulysses=ulysses)      # (B, S_pad / N)
+    if head is None:
+        loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), local.reshape(-1),
+                                   ignore_index=ignore_index, reduction="sum")
+    else:
+        loss_sum = head.loss_sum(logits.reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index, chunk)
     count = (local != ignore_index).sum()
     totals = all_sum(torch.stack([loss_sum.detach().double(), count.double()]), group, timeout, "causal_lm_loss")
-    # value: the global mean on every rank; gradient: only through this rank's own tokens
-    return (loss_sum + (totals[0] - loss_sum.detach()).float()) / totals[1].float()
+    # value: the global sum on every rank, over the global count (or num_items); gradient: this rank's tokens only
+    total = (loss_sum + (totals[0] - loss_sum.detach()).float())
+    return total / (totals[1].float() if num_items is None else num_items)

@@ -1,0 +1,194 @@
+"""Trainer / SFTTrainer runs for tests/test_trainer.py, one script for both sides of the comparison.
+
+    torchrun --nproc-per-node 4 tests/trainer_cases.py --dp 2 --sp 2 --out ring.json   # sp_trainer, patched model
+    python tests/trainer_cases.py --dp 2 --out ref.json                                # one unpatched process
+
+Both build the same tiny random model and the same data. The distributed run gives each replica
+``--batch`` rows per micro-batch; the reference emulates the ``dp`` replicas with ``dp * batch``
+rows per micro-batch (accelerate's BatchSamplerShard hands replica ``d`` the ``d``-th of every ``dp``
+consecutive batches of the same sampler order, so the union of a micro-batch is the same rows),
+with the same ``gradient_accumulation_steps``. Rank 0 (or the reference) writes, per kind, the
+logged ``loss`` and ``grad_norm`` of every step and the step/epoch accounting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def trainer_rows(n: int, length: int, seed: int = 1):
+    """``n`` rows of ``length`` tokens; labels -100 on a random prefix (0..length/2), so that the label
+    counts differ between rows, replicas and micro-batches (num_items_in_batch matters)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        ids = [rng.randrange(3, 128) for _ in range(length)]
+        cut = rng.randrange(0, length // 2 + 1)
+        rows.append({"input_ids": ids, "labels": [-100] * cut + ids[cut:]})
+    return rows
+
+
+def sft_documents(n: int, seed: int = 2):
+    rng = random.Random(seed)
+    return [{"input_ids": [rng.randrange(3, 128) for _ in range(rng.randrange(3, 21))]} for _ in range(n)]
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, 128)}}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")))
+    tok.pad_token, tok.bos_token, tok.eos_token = "<pad>", "<s>", "</s>"
+    return tok
+
+
+def build_model(arch: str, patch: bool, sp: int, layout: str):
+    from tests.models import tiny_model
+
+    model = tiny_model(arch, 0).train()
+    mesh = None
+    if patch:
+        import ringkv.hf
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = int(os.environ["WORLD_SIZE"])
+        mesh = init_device_mesh("cpu", (world // sp, sp), mesh_dim_names=("dp", "sp"))
+        ringkv.hf.patch_model(model, group=mesh, mesh_dim="sp", layout=layout)
+    return model, mesh
+
+
+def common_args(a, out_dir, batch):
+    return dict(output_dir=out_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=a.ga,
+                learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                report_to="none", disable_tqdm=True, seed=a.seed, bf16=False, fp16=False,
+                dataloader_num_workers=0, use_cpu=True, ddp_backend="gloo" if a.sp else None)
+
+
+def run_trainer(a, out_dir):
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from ringkv.trainer import sp_trainer
+
+    patched = a.sp is not None
+    model, mesh = build_model(a.arch, patched, a.sp or 1, a.layout)
+    batch = a.batch if patched else a.batch * a.dp
+    args = TrainingArguments(num_train_epochs=1, **common_args(a, out_dir, batch))
+    cls = sp_trainer(Trainer) if patched else Trainer
+    kw = {"sp_mesh": mesh} if patched else {}
+    trainer = cls(model=model, args=args, train_dataset=trainer_rows(a.rows, a.length),
+                  data_collator=default_data_collator, **kw)
+    trainer.train()
+    return trainer
+
+
+def run_sft(a, out_dir):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from ringkv.trainer import sp_trainer
+
+    patched = a.sp is not None
+    model, mesh = build_model(a.arch, patched, a.sp or 1, a.layout)
+    batch = a.batch if patched else a.batch * a.dp
+    args = SFTConfig(packing=True, max_length=a.length, max_steps=a.steps, dataset_num_proc=None,
+                     **common_args(a, out_dir, batch))
+    cls = sp_trainer(SFTTrainer) if patched else SFTTrainer
+    kw = {"sp_mesh": mesh} if patched else {}
+    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(sft_documents(a.docs)),
+                  processing_class=tiny_tokenizer(), **kw)
+    trainer.train()
+    return trainer
+
+
+def summary(trainer):
+    logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    return {"steps": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in logs],
+            "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
+            "max_steps": trainer.state.max_steps, "batches_per_epoch": len(trainer.get_train_dataloader()),
+            "total_batch": trainer.get_total_train_batch_size(trainer.args)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--sp", type=int, default=None, help="set: the patched distributed run (under torchrun)")
+    p.add_argument("--kinds", default="trainer,sft")
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--length", type=int, default=22)
+    p.add_argument("--rows", type=int, default=24)
+    p.add_argument("--docs", type=int, default=60)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--ga", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if a.sp is not None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    results = {}
+    for kind in a.kinds.split(","):
+        trainer = {"trainer": run_trainer, "sft": run_sft}[kind](a, os.path.join(os.path.dirname(a.out), kind))
+        results[kind] = summary(trainer)
+        del trainer
+    if a.sp is None or int(os.environ.get("RANK", 0)) == 0:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+    if a.sp is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+
+
+# ---- world cases (tests/dist.py): sp_layout's checks on the session's 4-rank world ----
+
+def layout_errors(ctx):
+    """sp_layout over a (2, 2) mesh: patched over the mesh's sp dim (ok), over its dp dim with the
+    mesh given (ValueError) and without it (ok: {0, 2} and {1, 3} tile the world), and over
+    unequal groups {0, 1, 2}, {3} (ValueError). Every rank returns what it saw."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ringkv.hf
+    from ringkv.trainer import sp_layout
+    from tests.models import tiny_model
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            out[name] = fn()
+        except ValueError as e:
+            out[name] = "ValueError: " + str(e)
+
+    attempt("sp", lambda: sp_layout(ringkv.hf.patch_model(tiny_model("llama", 0), group=mesh, mesh_dim="sp"), mesh))
+    attempt("dp_with_mesh", lambda: sp_layout(ringkv.hf.patch_model(tiny_model("llama", 0), group=mesh,
+                                                                    mesh_dim="dp"), mesh))
+    attempt("dp_alone", lambda: sp_layout(ringkv.hf.patch_model(tiny_model("llama", 0), group=mesh, mesh_dim="dp")))
+    three, one = dist.new_group([0, 1, 2]), dist.new_group([3])
+    attempt("unequal", lambda: sp_layout(ringkv.hf.patch_model(tiny_model("llama", 0),
+                                                               group=three if ctx.rank < 3 else one)))
+    return out

@@ -1247,10 +1247,22 @@ def gather_logits(logits: torch.Tensor, layout: str = "zigzag", group=None, seq_
     return full if seq_len is None else full[:, :seq_len]
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, layout: str = "zigzag", group=None,
-                   sharded: bool = False, ignore_index: int = IGNORE_INDEX, timeout: Optional[timedelta] = None,
-                   ulysses: int = 1, cu_seqlens=None, position_ids=None, seq_idx=None):
+def causal_lm_loss(logits: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None, *, layout: str = "zigzag",
+                   group=None, sharded: bool = False, ignore_index: int = IGNORE_INDEX,
+                   timeout: Optional[timedelta] = None, ulysses: int = 1, cu_seqlens=None, position_ids=None,
+                   seq_idx=None, hidden: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None,
+                   bias: Optional[torch.Tensor] = None, chunk: Optional[int] = None, softcap: Optional[float] = None,
+                   scale: Optional[float] = None, shift_labels: Optional[torch.Tensor] = None,
+                   num_items_in_batch=None):
     """Mean next-token cross-entropy of the whole sequence, from this rank's logits shard.
+
+    Without logits: pass ``logits=None``, ``hidden`` ``(B, S_pad / N, H)`` (the base model's last
+    hidden states, this rank's shard) and the head's ``weight`` ``(V, H)`` (and ``bias``; ``softcap``
+    and ``scale`` for heads that transform their logits): the loss goes through the head in
+    chunks of ``chunk`` tokens (``ringkv.kernels.linear_ce``) and the ``(B, S_pad / N, V)`` logits
+    are never built. ``shift_labels`` (HF's: the target of each token, already shifted) may stand
+    in for ``labels``; ``num_items_in_batch`` (> 0) divides the summed loss instead of the number
+    of counted targets (gradient accumulation, as HF's losses do).
 
     ``logits`` ``(B, S_pad / N, V)`` is this rank's shard in ``layout`` (``ulysses``: the
     Ulysses degree of a model patched with ``method="usp"``). ``labels`` are the
@@ -1268,6 +1280,13 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, layout: str = 
     shard ``(1, L_local)`` of the packed row (``ringkv.shard(labels, 1, layout, cu_seqlens=cu)``)
     and ``cu_seqlens`` is required.
     """
+    if (logits is None) == (hidden is None) or (hidden is None) != (weight is None):
+        raise ValueError("causal_lm_loss: pass logits, or hidden states with the head's weight (hidden=, weight=)")
+    if (labels is None) == (shift_labels is None):
+        raise ValueError("causal_lm_loss: pass labels or shift_labels (one of them)")
+    head = None if weight is None else _Head(weight, bias, softcap, scale)
+    x = logits if head is None else hidden
+    labels = labels if shift_labels is None else shift_labels
     pk = None
     if cu_seqlens is not None or position_ids is not None or seq_idx is not None:
         if sharded:
@@ -1279,8 +1298,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, layout: str = 
         else:
             if labels.dim() != 2:
                 raise ValueError(f"causal_lm_loss: labels must be (B, S), got {tuple(labels.shape)}")
-            pk = _helper_packing(tuple(labels.shape), cu_seqlens, position_ids, seq_idx, logits.shape[0])
-    return _lm_loss(logits, labels, layout, group, sharded, ignore_index, timeout, ulysses, pk)
+            pk = _helper_packing(tuple(labels.shape), cu_seqlens, position_ids, seq_idx, x.shape[0])
+    return _lm_loss(x, labels, layout, group, sharded, ignore_index, timeout, ulysses, pk, head=head,
+                    shifted=shift_labels is not None, num_items=_num_items(num_items_in_batch), chunk=chunk)
 
 
 def _lm_loss(logits, labels, layout, group, sharded, ignore_index, timeout, ulysses, pk: Optional[_Packing], *,

@@ -31,8 +31,9 @@ def build(arch: str, seed: int, **overrides):
 def train_step(ctx, arch, seed, ids, layout, inputs, give_positions=False, checkpointing=False, method="ring",
                ulysses=None, config=None):
     """Patched forward with labels + backward; returns gathered logits, loss, this rank's grads."""
+    # keep_logits: a training-mode forward (checkpointing) returns its logits too, compared below
     model = hf.patch_model(build(arch, seed, **(config or {})), sp=ctx.world, group=ctx.group, layout=layout,
-                           inputs=inputs, method=method, ulysses=ulysses)
+                           inputs=inputs, method=method, ulysses=ulysses, keep_logits=True)
     u = ulysses or 1
     if checkpointing:
         model.train().activation_checkpointing_enable()
@@ -151,7 +152,7 @@ def packed_train_step(ctx, arch, seed, batch, layout, inputs, form, config=None,
     """Patched forward + backward of a packed batch (documents in ``form``); returns the gathered
     logits ``(B, S, V)``, the model's loss, causal_lm_loss's, and this rank's gradients."""
     model = hf.patch_model(build(arch, seed, **(config or {})), sp=ctx.world, group=ctx.group, layout=layout,
-                           inputs=inputs)
+                           inputs=inputs, keep_logits=True)
     if checkpointing:
         model.train().activation_checkpointing_enable()
     ids, labels = batch["ids"], batch["labels"]
@@ -329,7 +330,7 @@ def dist_ranks(group):
     return dist.get_process_group_ranks(group)
 
 
-def compile_train(ctx, arch, seed, batches, layout, backend="inductor", inputs="full"):
+def compile_train(ctx, arch, seed, batches, layout, backend="inductor", inputs="full", patch=None):
     """The same patched model eager and under ``torch.compile(model, backend=...)`` for each batch
     (same shape, new data): loss, gathered logits and this rank's grads of both, the compiled
     frame count after each step (a recompile raises after the first step:
@@ -342,7 +343,7 @@ def compile_train(ctx, arch, seed, batches, layout, backend="inductor", inputs="
     torch._dynamo.reset()
     counters.clear()
     torch._inductor.config.compile_threads = 1  # no compile worker pool in a test rank
-    model = hf.patch_model(build(arch, seed), group=ctx.group, layout=layout, inputs=inputs).train()
+    model = hf.patch_model(build(arch, seed), group=ctx.group, layout=layout, inputs=inputs, **(patch or {})).train()
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter)
 
@@ -351,7 +352,7 @@ def compile_train(ctx, arch, seed, batches, layout, backend="inductor", inputs="
         x = ids if inputs == "full" else ringkv.shard(ids, 1, layout, ctx.group)
         out = m(x, labels=x, use_cache=False)
         out.loss.backward()
-        logits = hf.gather_logits(out.logits, layout, ctx.group, seq_len=ids.shape[1])
+        logits = None if out.logits is None else hf.gather_logits(out.logits, layout, ctx.group, seq_len=ids.shape[1])
         return dict(loss=out.loss.item(), logits=logits,
                     grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 

@@ -1,4 +1,5 @@
-"""Fine-tune a HuggingFace causal LM on packed documents, data x sequence parallel (ringkv.patch_model).
+"""Fine-tune a HuggingFace causal LM on packed documents with transformers' Trainer, data x sequence
+parallel (ringkv.patch_model + ringkv.trainer.sp_trainer).
 
     torchrun --standalone --nproc-per-node 4 examples/train_long_context.py --dp 2 --sp 2 --seq 512 --steps 5 \
         --reference
@@ -10,56 +11,44 @@ at its top are a header) is cut at blank lines into documents (one speech each),
 and ended with the EOS token. The documents are packed, in order and cycling over the text
 when it runs out, into rows of exactly --seq tokens: a document that does not fit in what is
 left of a row is split, its head ends the row and its tail starts the next row as a document
-of its own. Each row's pieces go through transformers' DataCollatorWithFlattening (input_ids,
-labels with -100 at each document's first token, position_ids restarting at 0 per document),
-and --batch rows stack into a (batch, seq) batch. Replica d of step s takes rows
-(s * dp + d) * batch ... + batch - 1: every replica has its own batches, and the SP ranks of a
-replica all pass the same one (inputs="full"; ringkv keeps each rank's shard of every document).
+of its own. The rows are the Trainer's dataset (one item per row, its document pieces); the data
+collator runs transformers' DataCollatorWithFlattening over each row's pieces (input_ids, labels
+with -100 at each document's first token, position_ids restarting at 0 per document) and stacks
+--batch rows into a (batch, seq) batch. The sampler is sequential, so replica d's micro-batch k
+is rows (k * dp + d) * batch ... + batch - 1 (accelerate hands the d-th of every dp consecutive
+batches to replica d); the SP ranks of a replica all get the same batch (inputs="full"; ringkv
+keeps each rank's shard of every document).
 
-Layout. init_device_mesh(device, (dp, sp), mesh_dim_names=("dp", "sp")): the ranks of one
-replica are a row of the mesh, mesh["sp"].get_group() is that replica's SP group, and the model
-is patched with ringkv.patch_model(model, group=sp_group).
+Layout. init_device_mesh(device, (dp, sp), mesh_dim_names=("dp", "sp")), then
+ringkv.hf.patch_model(model, group=mesh, mesh_dim="sp"): the ranks of one replica are a row of the
+mesh and the model is patched over that row's SP group.
 
-Gradients. The SP ranks of a replica hold shares of one loss (the replica's mean over its
-counted labels): their gradients SUM to the replica's gradient. The replicas hold different
-batches: their gradients AVERAGE. Both are sums over the (dp, sp) grid, so after backward()
-one all-reduce (SUM) of each gradient over the whole world, divided by dp, gives on every
-rank the gradient of mean_d(loss_d), the mean of the replicas' mean losses. (DDP over the dp
-group alone would average over replicas and still need the SP sum; DDP over the whole world
-averages over dp * sp and needs the loss multiplied by sp; tests/test_hf_dp.py checks both.
-The explicit all-reduce needs neither a wrapper nor a scaled loss.) AdamW then steps with the
-same gradients on every rank, so the weights stay identical.
+Training. sp_trainer(Trainer)(model=..., args=TrainingArguments(...), sp_mesh=mesh) is a stock
+Trainer with ringkv.trainer.SPTrainerMixin in front: its dataloader is sharded over the dp replicas,
+not the world; its step, epoch and batch accounting counts dp; and because accelerate wraps the
+model in DDP over all dp * sp processes (a MEAN over the world, where ringkv's SP ranks hold shares
+of one replica's gradient that must be SUMMED), the loss that backward sees is sp times the one
+Trainer computed, while Trainer logs its own. Trainer passes num_items_in_batch (the label tokens of
+all replicas' micro-batches of the optimizer step), so the step's gradient is that of the token
+mean over everything the step saw, with --ga micro-batches per step as well. AdamW (Trainer's
+default optimizer, no weight decay), constant --lr, gradients clipped at --max-grad-norm.
 
-Why not transformers' Trainer. Given the patched model, a DataCollatorWithFlattening and the
-mesh's groups, Trainer (through accelerate) treats every process as a data-parallel worker of
-its own: its DataLoader hands the 4 ranks 4 different batches, and the first forward fails on
-every rank with
-    ValueError: ringkv.patch_model: rank 0 disagrees with rank 1 on sequence length, input
-    tokens, packed documents; every rank of the SP group must make the same call (same batch,
-    sequence length, phase and tokens)
-(checked with transformers 5.24, accelerate 1.15, torchrun 4 ranks, dp=2 x sp=2). It also wraps
-the model in DDP over the whole world, averaging gradients over dp * sp ranks. accelerate's own
-ParallelismConfig does not take ringkv's group: cp_size needs FSDP2 and SDPA attention and
-shards the inputs itself, sp_size means DeepSpeed Ulysses. Trainer can be bent to it with a
-subclass (get_train_dataloader returning each replica's batches, compute_loss returning
-loss * sp for its world-wide DDP; that ran), but then it logs sp times the loss and the
-reference would have to mirror its optimizer, scheduler and clipping. So this is a plain loop.
-
-Reference (--reference on rank 0 after the distributed run, or --single alone): the unpatched
-model, freshly loaded, in one process, steps over the same batches: for each step, each
-replica's batch forward, loss / dp backward (the gradient of the mean of the replica means:
-exactly what the distributed run optimizes), one AdamW step. transformers' own attention keeps
-packed documents apart from the position_ids. Both runs' per-step losses and gradient norms
-(after the reduction, before the step: Adam's update hides a wrong gradient scale, the norm does
-not) are printed side by side with the maximum differences; the exit code is 1 when a step
-differs by more than --tol (relative). fp32. Gloo on CPU, NCCL on GPU.
+Reference (--reference: rank 0, after the distributed run, starts this script with --single in a
+fresh process; or --single alone): the unpatched model, freshly loaded, trained by a plain Trainer
+in one process on the same rows with dp * batch rows per micro-batch (the union of the replicas'
+micro-batches) and the same --ga: the same optimizer steps. transformers' own attention keeps packed
+documents apart from the position_ids. Both runs' logged per-step losses and gradient norms (before
+clipping: Adam's update hides a wrong gradient scale, the norm does not) are printed side by side with
+the largest differences; the exit code is 1 when a step differs by more than --tol (relative). fp32.
+Gloo on CPU, NCCL on GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -146,6 +135,15 @@ def replica_batch(rows, step, replica, dp, batch, device):
 
 # ---- model and training ----
 
+def rows_dataset(rows):
+    """The Trainer's dataset: one item per packed row, its document pieces (collate() flattens them)."""
+    return [{"pieces": row} for row in rows]
+
+
+def collate_rows(items):
+    return collate([item["pieces"] for item in items])
+
+
 def load_model(args, device):
     import transformers
 
@@ -154,87 +152,71 @@ def load_model(args, device):
     return model.to(device).train()
 
 
-def optimizer(model, args):
-    return torch.optim.AdamW(model.parameters(), lr=args.lr)
+def training_args(args, out_dir, per_device, cuda):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=args.ga, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, optim="adamw_torch", max_grad_norm=args.max_grad_norm, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, bf16=False, fp16=False, seed=0,
+        train_sampling_strategy="sequential", remove_unused_columns=False, dataloader_num_workers=0,
+        use_cpu=not cuda, ddp_backend="gloo" if dist.is_initialized() and not cuda else None)
 
 
-def grad_norm(model) -> float:
-    """The L2 norm of all gradients (Adam would hide a wrong gradient scale; this shows it)."""
-    return torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()
-                                                 if p.grad is not None])).item()
+def steps_of(trainer):
+    """[(loss, grad norm)] of every optimizer step, as Trainer logged them."""
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
 
 
-def reduce_gradients(model, dp):
-    """SUM over the SP ranks of a replica, MEAN over the replicas: one world all-reduce (SUM) / dp."""
-    works = [dist.all_reduce(p.grad, async_op=True) for p in model.parameters() if p.grad is not None]
-    for w in works:
-        w.wait()
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.div_(dp)
-
-
-def distributed_run(args, rows, device):
-    """The (dp x sp) run: returns [(mean loss, [replica losses], grad norm, seconds)] per step (every rank)."""
+def distributed_run(args, rows, device, out_dir):
+    """The (dp x sp) run with sp_trainer(Trainer): [(loss, grad norm)] per step (every rank)."""
     import ringkv.hf
+    from ringkv.trainer import sp_trainer
     from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Trainer
 
     mesh = init_device_mesh(device.type, (args.dp, args.sp), mesh_dim_names=("dp", "sp"))
-    rank, dp_rank, sp_rank = dist.get_rank(), mesh["dp"].get_local_rank(), mesh["sp"].get_local_rank()
     model = load_model(args, device)
-    ringkv.hf.patch_model(model, group=mesh["sp"].get_group(), layout=args.layout)
-    opt = optimizer(model, args)
-    if rank == 0:
+    ringkv.hf.patch_model(model, group=mesh, mesh_dim="sp", layout=args.layout)
+    trainer = sp_trainer(Trainer)(model=model, args=training_args(args, out_dir, args.batch, device.type == "cuda"),
+                                  train_dataset=rows_dataset(rows), data_collator=collate_rows, sp_mesh=mesh)
+    if dist.get_rank() == 0:
         print(f"ringkv: dp={args.dp} x sp={args.sp} ({args.layout}), rows of {args.seq} tokens, {args.batch} per "
-              f"replica per step, lr {args.lr}, {device}, fp32, model {args.model}", flush=True)
-    out = []
-    for step in range(args.steps):
-        batch = replica_batch(rows, step, dp_rank, args.dp, args.batch, device)
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = model(**batch, use_cache=False).loss  # this replica's mean loss, the same on its SP ranks
-        loss.backward()                               # collective over the SP group (ring attention)
-        reduce_gradients(model, args.dp)
-        norm = grad_norm(model)                       # the same on every rank now
-        opt.step()
-        losses = torch.zeros(args.dp, dtype=torch.float64, device=device)
-        if sp_rank == 0:
-            losses[dp_rank] = loss.detach().double()
-        dist.all_reduce(losses)                       # every replica's loss, on every rank
-        seconds = time.perf_counter() - t0
-        replicas = losses.tolist()
-        out.append((sum(replicas) / args.dp, replicas, norm, seconds))
-        if rank == 0:
-            print(f"  step {step + 1}/{args.steps}: loss {out[-1][0]:.6f} (replicas "
-                  f"{', '.join(f'{x:.6f}' for x in replicas)}), grad norm {norm:.6f}  {seconds:.1f} s", flush=True)
-    del model, opt
-    gc.collect()
-    return out
+              f"replica per micro-batch, {args.ga} micro-batch(es) per step, lr {args.lr}, {device}, fp32, "
+              f"model {args.model}", flush=True)
+    trainer.train()
+    return steps_of(trainer)
 
 
-def reference_run(args, rows, device):
-    """One process, the unpatched model, the same batches and optimizer: [(mean loss, [replica losses],
-    grad norm, seconds)] per step."""
+def reference_run(args, rows, device, out_dir):
+    """One process, the unpatched model, a plain Trainer on the same rows (dp * batch per micro-batch)."""
+    from transformers import Trainer
+
     model = load_model(args, device)
-    opt = optimizer(model, args)
     print(f"reference: unpatched model in one process ({torch.get_num_threads()} threads), "
-          f"{args.dp} replica batches per step", flush=True)
-    out = []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        replicas = []
-        for d in range(args.dp):
-            loss = model(**replica_batch(rows, step, d, args.dp, args.batch, device), use_cache=False).loss
-            (loss / args.dp).backward()               # grad of the mean of the replicas' mean losses
-            replicas.append(loss.item())
-        norm = grad_norm(model)
-        opt.step()
-        seconds = time.perf_counter() - t0
-        out.append((sum(replicas) / args.dp, replicas, norm, seconds))
-        print(f"  step {step + 1}/{args.steps}: loss {out[-1][0]:.6f} (replicas "
-              f"{', '.join(f'{x:.6f}' for x in replicas)}), grad norm {norm:.6f}  {seconds:.1f} s", flush=True)
-    return out
+          f"{args.dp} x {args.batch} rows per micro-batch", flush=True)
+    trainer = Trainer(model=model, args=training_args(args, out_dir, args.dp * args.batch, device.type == "cuda"),
+                      train_dataset=rows_dataset(rows), data_collator=collate_rows)
+    trainer.train()
+    return steps_of(trainer)
+
+
+def reference_subprocess(args):
+    """Run this script with --single in a fresh process (accelerate's state of the distributed run is
+    per process): its steps, read back from a JSON file."""
+    out = os.path.join(args.output_dir, "reference.json")
+    argv = [sys.executable, os.path.abspath(__file__), "--single", "--json", out]
+    for name in ("model", "tokenizer", "data", "dp", "seq", "batch", "ga", "steps", "lr", "max_grad_norm"):
+        value = getattr(args, name)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items()  # not a torchrun worker: accelerate reads these
+           if k not in launcher and not k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "MASTER_"))}
+    subprocess.run(argv, env=env, check=True)
+    with open(out) as f:
+        return [tuple(x) for x in json.load(f)]
 
 
 def compare(ring, ref, tol) -> bool:
@@ -242,12 +224,12 @@ def compare(ring, ref, tol) -> bool:
     print(f"{'step':>4}  {'ringkv loss':>12}  {'reference':>12}  {'|diff|':>9}  {'relative':>9}   "
           f"{'grad norm':>10}  {'reference':>10}  {'relative':>9}")
     worst_abs = worst_rel = worst_norm = 0.0
-    for i, ((a, _, na, _), (b, _, nb, _)) in enumerate(zip(ring, ref)):
+    for i, ((a, na), (b, nb)) in enumerate(zip(ring, ref)):
         diff = abs(a - b)
         rel, rel_norm = diff / max(abs(b), 1e-12), abs(na - nb) / max(abs(nb), 1e-12)
         worst_abs, worst_rel, worst_norm = max(worst_abs, diff), max(worst_rel, rel), max(worst_norm, rel_norm)
         print(f"{i + 1:>4}  {a:12.6f}  {b:12.6f}  {diff:9.2e}  {rel:9.2e}   {na:10.6f}  {nb:10.6f}  {rel_norm:9.2e}")
-    ok = worst_rel <= tol and worst_norm <= tol
+    ok = len(ring) == len(ref) and worst_rel <= tol and worst_norm <= tol
     print(f"max |loss difference| = {worst_abs:.3e} (relative {worst_rel:.3e}); max relative grad norm "
           f"difference = {worst_norm:.3e}; tolerance {tol:.0e} relative: {'OK' if ok else 'EXCEEDED'}", flush=True)
     return ok
@@ -269,22 +251,33 @@ def main():
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--sp", type=int, default=None, help="sequence-parallel ranks per replica (default world / dp)")
     p.add_argument("--seq", type=int, default=512, help="tokens per packed row")
-    p.add_argument("--batch", type=int, default=1, help="packed rows per replica per step")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate")
+    p.add_argument("--batch", type=int, default=1, help="packed rows per replica per micro-batch")
+    p.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps: micro-batches per optimizer step")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps (Trainer's max_steps)")
+    p.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (constant)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: none)")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous", "striped"])
     p.add_argument("--reference", action="store_true",
                    help="after the run, rank 0 runs the unpatched model on the same batches and compares losses")
     p.add_argument("--single", action="store_true", help="run only the reference, in this one process (no torchrun)")
+    p.add_argument("--json", help="with --single: write the reference's [(loss, grad norm)] per step here")
+    p.add_argument("--output-dir", default=None, help="Trainer's output_dir (nothing is saved; default a temp dir)")
     p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference that passes")
     args = p.parse_args()
-    for name in ("dp", "seq", "batch", "steps"):
+    for name in ("dp", "seq", "batch", "ga", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
     if args.model is None:
         from ringkv.model.smollm2 import smollm2_path
 
         args.model = smollm2_path()
+    if args.output_dir is None:
+        import tempfile
+
+        args.output_dir = tempfile.mkdtemp(prefix="train_long_context_")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
 
     cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -293,15 +286,18 @@ def main():
         torch.cuda.set_device(device)
     tok = tokenizer_for(args)
     docs = documents(args.data, tok)
-    rows = pack_rows(docs, args.seq, args.steps * args.dp * args.batch)
+    rows = pack_rows(docs, args.seq, args.steps * args.ga * args.dp * args.batch)
 
     if args.single:
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
             p.error("--single runs in one process: start it with python, not torchrun")
         print(f"{len(docs)} documents from {os.path.basename(args.data)}; {len(rows)} rows of {args.seq} tokens")
         t0 = time.perf_counter()
-        reference_run(args, rows, device)
-        print(f"reference: {time.perf_counter() - t0:.1f} s; load average {load_average()}")
+        ref = reference_run(args, rows, device, os.path.join(args.output_dir, "reference"))
+        print(f"reference: {time.perf_counter() - t0:.1f} s; load average {load_average()}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(ref, f)
         return 0
 
     if "WORLD_SIZE" not in os.environ:
@@ -314,29 +310,25 @@ def main():
     if args.sp < 1 or args.dp * args.sp != world:
         p.error(f"--dp {args.dp} x --sp {args.sp} = {args.dp * args.sp} ranks, but the world has {world} "
                 f"(start torchrun --nproc-per-node {max(1, args.dp * args.sp)})")
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # before patch_model (it needs the groups); accelerate then uses this group
         dist.init_process_group("nccl" if cuda else "gloo")
-    if dist.get_rank() == 0:
+    rank = dist.get_rank()
+    if rank == 0:
         print(f"{len(docs)} documents from {os.path.basename(args.data)}; {len(rows)} rows of {args.seq} tokens "
               f"({sum(len(r) for r in rows)} pieces); load average {load_average()}", flush=True)
     t0 = time.perf_counter()
-    ring = distributed_run(args, rows, device)
+    ring = distributed_run(args, rows, device, os.path.join(args.output_dir, "ringkv"))
     seconds = time.perf_counter() - t0
-    rank = dist.get_rank()
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
         return 0
-    print(f"ringkv: {sum(r[-1] for r in ring):.1f} s in {args.steps} steps ({seconds:.1f} s with loading); "
-          f"load average {load_average()}", flush=True)
+    print(f"ringkv: {seconds:.1f} s for {args.steps} steps with loading; load average {load_average()}", flush=True)
     if not args.reference:
         return 0
-    if not cuda:  # the other ranks are gone: the reference may use every core
-        torch.set_num_threads(os.cpu_count() or 1)
     t0 = time.perf_counter()
-    ref = reference_run(args, rows, device)
-    print(f"reference: {sum(r[-1] for r in ref):.1f} s in {args.steps} steps ({time.perf_counter() - t0:.1f} s "
-          f"with loading); load average {load_average()}")
+    ref = reference_subprocess(args)
+    print(f"reference: {time.perf_counter() - t0:.1f} s with loading; load average {load_average()}", flush=True)
     return 0 if compare(ring, ref, args.tol) else 1
 
 

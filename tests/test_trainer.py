@@ -56,9 +56,10 @@ def _check(ring, ref):
     for a, b in zip(ring["steps"], ref["steps"]):
         assert abs(a["loss"] - b["loss"]) <= TOL * abs(b["loss"]), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOL * b["grad_norm"], (a, b)
-    for key in ("global_step", "epoch", "max_steps", "batches_per_epoch", "total_batch"):
+    for key in ("global_step", "epoch", "max_steps", "batches_per_epoch", "total_batch", "fsdp"):
         assert ring[key] == ref[key], (key, ring[key], ref[key])  # dp replicas' batches, not the world's
     assert ring["total_batch"] == 2 * 2 * 2  # per device 2 x accumulation 2 x dp 2
+    assert ring["wrapped"] == "DistributedDataParallel" and ref["wrapped"] != ring["wrapped"]  # DDP over the world
     assert len({round(s["loss"], 4) for s in ring["steps"]}) == 3  # the steps saw different data
 
 

@@ -116,7 +116,8 @@ def summary(trainer):
     return {"steps": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in logs],
             "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
             "max_steps": trainer.state.max_steps, "batches_per_epoch": len(trainer.get_train_dataloader()),
-            "total_batch": trainer.get_total_train_batch_size(trainer.args)}
+            "total_batch": trainer.get_total_train_batch_size(trainer.args),
+            "wrapped": type(trainer.model_wrapped).__name__, "fsdp": trainer.is_fsdp_enabled}
 
 
 def main():

@@ -712,6 +712,10 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
     pos = kw.get("position_ids")
     pk, padded, keep_at, left_pad = None, False, None, None
 
+    if state.store is not None and not decode and model.training and torch.is_grad_enabled() \
+            and not _checkpointing(model):
+        raise ValueError("ringkv: offload_checkpoints offloads what activation checkpointing saves; enable it "
+                         "(model.gradient_checkpointing_enable()) or patch with offload_checkpoints=False")
     if decode:
         if targets is not None:
             raise ValueError("ringkv: labels (and shift_labels) are supported for the prefill (no cache, or an empty "
@@ -939,9 +943,6 @@ def _pre_hook(state: _State, model, args, kwargs):
 
     # --- commit ---
     if state.store is not None and not p.decode and model.training and torch.is_grad_enabled():
-        if not _checkpointing(model):
-            raise ValueError("ringkv: offload_checkpoints offloads what activation checkpointing saves; enable it "
-                             "(model.gradient_checkpointing_enable()) or patch with offload_checkpoints=False")
         state.offload = memory.offload_checkpoints(state.store, model.config.get_text_config().hidden_size)
         state.offload.__enter__()
     b_local = p.x_local.shape[0]

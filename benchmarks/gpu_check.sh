@@ -6,7 +6,9 @@
 #
 # Steps, each under its own timeout (their sum plus kill grace stays under 8 minutes) and
 # logging into OUT_DIR/NAME.log; a failing or timed-out step is recorded and the next runs:
-#   pytest_cuda   the CUDA tests (pytest -m cuda, one fixed tile config per kernel)
+#   pytest_cuda   the CUDA tests (pytest -m cuda, one fixed tile config per kernel; among them
+#                 tests/test_hf_train.py: checkpoints offloaded to pinned host memory, and Liger's
+#                 fused loss when liger-kernel is installed)
 #   kernels       benchmarks/kernel_backends.py --device cuda: every registry backend against raw
 #                 flash_attn_func and every torch SDPA backend; paged decode GB/s against a
 #                 device-to-device copy

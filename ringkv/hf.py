@@ -598,8 +598,10 @@ def _liger_loss_sum(hidden, head: _Head, targets, ignore_index):
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except ImportError:
         return None
-    return liger_fused_linear_cross_entropy(hidden, head.weight, targets, head.bias, ignore_index=ignore_index,
-                                            reduction="sum", softcap=head.softcap).float()
+    kw = dict(ignore_index=ignore_index, reduction="sum", softcap=head.softcap)
+    if "accum_dtype" in inspect.signature(liger_fused_linear_cross_entropy).parameters:
+        kw["accum_dtype"] = torch.float32  # the head's gradient accumulated in float32, as ours
+    return liger_fused_linear_cross_entropy(hidden, head.weight, targets, head.bias, **kw).float()
 
 
 def _head(model) -> Optional[_Head]:

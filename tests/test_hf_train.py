@@ -372,3 +372,22 @@ def test_offload_to_pinned_host_memory_on_cuda():
     assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_liger_path_on_cuda_equals_the_chunked_loss():
+    """With liger-kernel installed, the CUDA loss goes through Liger's fused linear cross-entropy;
+    either way it equals the unpatched model's loss and gradients."""
+    pytest.importorskip("liger_kernel")
+    model = build("llama", 0).cuda().train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(3, 128, (2, 128), device="cuda")
+    want = ref(ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    hf.patch_model(model)
+    got = model(ids, labels=ids, use_cache=False)
+    got.loss.backward()
+    assert got.logits is None and got.loss.item() == pytest.approx(want.loss.item(), rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)

@@ -1,17 +1,35 @@
-"""Peak memory per rank of one training step (forward + backward) of a model patched by
-``ringkv.patch_model``, against the sequence length, with and without activation checkpointing.
+"""Peak memory per rank, and time, of one training step (forward + backward) of a causal LM patched
+by ``ringkv.patch_model``, per configuration, against the tokens per rank (S/N).
 
-    torchrun --nproc-per-node 2 benchmarks/train_memory.py --model tiny-long \\
-        --seq 2048 4096 8192 16384 32768 --json results/train_memory.json
+    # memory: every configuration at S/N = 2K..32K (points that would not fit are skipped and said so)
+    torchrun --standalone --nproc-per-node 2 benchmarks/train_memory.py --model smollm2-shape-2l \\
+        --per-rank 2048 4096 8192 16384 32768 --json results/train_memory_2l.json
+    # throughput: patched at sp=N (N ranks x 1 thread) against the unpatched model in one process
+    # with N threads, at S = 8K and 16K tokens in all
+    torchrun --standalone --nproc-per-node 2 benchmarks/train_memory.py --model smollm2-shape-2l \\
+        --throughput --seq 8192 16384 --json results/train_tput_2l.json
+    # the goals, across runs (vocabulary, depth, 8 GiB, speed): no torchrun
+    python benchmarks/train_memory.py --summarize results/train_memory_*.json results/train_tput_*.json
 
-Every rank loads the same model (a preset of ``benchmarks/models.py``, or an HF directory) and
-patches it over the whole world (zigzag, ``inputs="full"``); each point is one
-``model(ids, labels=ids, use_cache=False).loss.backward()`` after a warm-up step, with the
-gradients freed before it. Then rank 0 alone measures the same model **unpatched** (the
-baseline, one process, the whole sequence) at the lengths up to ``--baseline-max``, while the
-other ranks wait.
+Configurations (``--configs``; each builds a fresh model, the same random weights on every rank):
 
-What is measured (per rank, per step):
+- ``unpatched``: the plain HF model in one process (rank 0 alone, the other ranks wait) with the
+  whole S/N tokens: ``model(ids, labels=ids, use_cache=False).loss.backward()``.
+- ``unpatched+ckpt``: the same with HF's activation checkpointing (the fair partner of
+  ``chunked+ckpt`` for time).
+- ``logits``: ``patch_model(model, keep_logits=True)``: every rank builds its shard's full fp32
+  logits and the loss from them (ringkv before the chunked loss).
+- ``chunked``: ``patch_model(model)`` in training mode with labels: the loss is computed from the
+  hidden states in chunks of ``loss_chunk`` tokens; the logits are never built (``out.logits``
+  is None, checked at the warm-up step).
+- ``chunked+ckpt``: that with ``model.activation_checkpointing_enable()`` (HF's; transformers 5,
+  ``gradient_checkpointing_enable`` before).
+- ``chunked+ckpt+tiled``: that with ``patch_model(..., tile_mlp=True)`` (the MLP in sequence tiles).
+
+A configuration whose option this ringkv lacks (``keep_logits``, ``tile_mlp``) is reported as
+not available. Patched runs shard the whole sequence over the world (zigzag, ``inputs="full"``).
+
+Memory (per rank, per step, default mode):
 
 - ``alloc``: the peak of the bytes the step holds through torch's allocator above what was
   held when it began: on CUDA ``max_memory_allocated`` after ``reset_peak_memory_stats``; on
@@ -25,9 +43,24 @@ What is measured (per rank, per step):
   the process touched (gloo buffers, the profiler's own records, allocator slack), so it
   corroborates ``alloc`` from above.
 
-The table gives both per rank (the maximum over ranks), ``S/N`` (tokens per rank), and a
+Before its points each configuration runs a warm-up step and two small profiled calibration
+steps (``--calib`` and twice that tokens per rank). A point is **skipped** (and listed with its
+reason) when the line through the two largest points measured so far puts the processes'
+resident memory together (every rank's current RSS plus the active ranks' estimated step peak)
+above ``--mem-limit`` GiB or above 90% of the machine's available memory, or when the step's
+time, extrapolated from the last two points as ``p x + q x^2``, exceeds ``--max-step-seconds``.
+
+The table gives ``alloc`` and ``rss`` per rank (the maximum over ranks) per point, and a
 least-squares fit ``alloc = a + b * S/N`` per configuration with its worst relative residual:
-activation memory grows linearly in ``S/N``.
+``b`` is the bytes per token per rank, ``a`` the constant (gradients, one loss chunk). From
+the fit: the longest S/N whose weights + step peak fit in ``--fit-budget`` GiB per rank
+(also with AdamW's two moment tensors held: 3 x weights).
+
+``--throughput``: each configuration runs one warm-up step at each S and then ``--iters`` timed
+steps (no profiler); tokens/s = S / median step time. Patched ranks run 1 thread each;
+``unpatched*`` runs in rank 0 alone with ``--baseline-threads`` threads (default: the world
+size, the cores the N ranks use; memory runs use them too, which changes only their time). The time is forward + backward only (no optimizer step: its
+cost is per parameter, the same in every configuration).
 """
 
 from __future__ import annotations
@@ -35,9 +68,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import inspect
+import json
 import os
+import statistics
 import sys
 import time
+from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
@@ -45,15 +82,30 @@ sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(
 from benchmarks.models import describe, load_average, machine, machine_line, model_path, write_json  # noqa: E402
 
 MIB = 2 ** 20
+GIB = 2 ** 30
+CONFIGS = ("unpatched", "unpatched+ckpt", "logits", "chunked", "chunked+ckpt", "chunked+ckpt+tiled")
+MEMORY_CONFIGS = ("unpatched", "logits", "chunked", "chunked+ckpt", "chunked+ckpt+tiled")
+THROUGHPUT_CONFIGS = ("unpatched", "unpatched+ckpt", "logits", "chunked+ckpt", "chunked+ckpt+tiled")
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
 
 
 def _fix_malloc() -> bool:
     """Large frees go back to the OS at once (a fixed mmap threshold stops glibc from raising it)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, 128 * 1024))  # M_MMAP_THRESHOLD
-    except OSError:
-        return False
+    libc = _libc()
+    return bool(libc and libc.mallopt(-3, 128 * 1024))  # M_MMAP_THRESHOLD
+
+
+def _trim() -> None:
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _status_kib(key: str) -> int:
@@ -61,6 +113,14 @@ def _status_kib(key: str) -> int:
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
+    return 0
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return 0
 
 
@@ -93,18 +153,28 @@ def _profiled_peak(prof) -> int:
     return peak - start
 
 
+def _step(model, ids) -> bool:
+    """One forward + backward; whether the forward built logits. The output (and its logits) is
+    dropped before the backward, as ``model(...).loss.backward()`` and HF's Trainer drop it."""
+    out = model(ids, labels=ids, use_cache=False)
+    built, loss = out.logits is not None, out.loss
+    del out
+    loss.backward()
+    return built
+
+
 def step_memory(model, ids, device) -> dict:
     """One forward + backward with labels; ``alloc`` and (CPU) ``rss`` peaks in bytes, seconds."""
     import torch
 
     model.zero_grad(set_to_none=True)
-    gc.collect()
+    _trim()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         t = time.perf_counter()
-        model(ids, labels=ids, use_cache=False).loss.backward()
+        _step(model, ids)
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t
         return dict(alloc=torch.cuda.max_memory_allocated(device) - base, rss=None, seconds=seconds)
@@ -114,34 +184,117 @@ def step_memory(model, ids, device) -> dict:
     hwm = _reset_hwm()
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(ids, labels=ids, use_cache=False).loss.backward()
+        _step(model, ids)
     seconds = time.perf_counter() - t
     rss = (_status_kib("VmHWM") - rss0) * 1024 if hwm else None
-    return dict(alloc=_profiled_peak(prof), rss=rss, seconds=seconds)
+    peak = _profiled_peak(prof)
+    del prof
+    return dict(alloc=peak, rss=rss, seconds=seconds)
+
+
+def step_time(model, ids, device) -> float:
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    _step(model, ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t
 
 
 def fit(xs, ys):
     """Least squares ``y = a + b x``; returns a, b and the worst |residual| / y."""
     n = len(xs)
-    if n < 2:
+    if n < 2 or len(set(xs)) < 2:
         return None
     mx, my = sum(xs) / n, sum(ys) / n
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     a = my - b * mx
-    return dict(a=a, b=b, worst=max(abs(a + b * x - y) / y for x, y in zip(xs, ys)))
+    return dict(a=a, b=b, worst=max(abs(a + b * x - y) / y for x, y in zip(xs, ys)), points=n)
+
+
+def longest(f: dict, weights: int, budget: float, pts) -> dict:
+    """The longest S/N whose weights + step peak fit in ``budget`` bytes (also with AdamW's state, 3 x
+    weights): on the fit ``a + b x``, and on the line through the two largest points (``b_last``: the
+    marginal bytes per token there, which a step whose constant part is amortised over S/N has above
+    the fit's ``b``)."""
+    def x(held):
+        return max(0, int((budget - held - f["a"]) / f["b"])) if f["b"] > 0 else None
+    out = dict(per_rank=x(weights), per_rank_adamw=x(3 * weights))
+    (x0, m0), (x1, m1) = sorted(pts)[-2:]
+    b = (m1 - m0) / (x1 - x0)
+    out.update(b_last=b, last_two=[x0, x1])
+    for key, held in (("per_rank_last", weights), ("per_rank_adamw_last", 3 * weights)):
+        out[key] = max(0, int(x1 + (budget - held - m1) / b)) if b > 0 else None
+    return out
+
+
+def _two(points):
+    pts = sorted(points)[-2:]
+    return pts if len(pts) == 2 and pts[0][0] != pts[1][0] else None
+
+
+def estimate_alloc(points, x):
+    """The step peak at ``x`` on the line through the two largest measured (x, alloc); None when unknown."""
+    pts = _two(points)
+    if pts is None:
+        return None
+    (x0, m0), (x1, m1) = pts
+    return max(m1, m1 + (m1 - m0) / (x1 - x0) * (x - x1))
+
+
+def estimate_seconds(points, x):
+    """The step time at ``x`` from the two largest measured (x, seconds) as ``p x + q x^2`` (p, q >= 0)."""
+    pts = _two(points)
+    if pts is None:
+        return None
+    (x0, t0), (x1, t1) = pts
+    q = max(0.0, (t1 / x1 - t0 / x0) / (x1 - x0))
+    p = max(0.0, t1 / x1 - q * x1)
+    return p * x + q * x * x
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-long", help="a preset of benchmarks/models.py or an HF directory")
-    ap.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    ap.add_argument("--per-rank", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768],
+                    help="memory: the tokens per rank (S/N) of the points; patched runs get S = N x S/N tokens, "
+                         "unpatched ones S/N tokens in one process")
+    ap.add_argument("--seq", type=int, nargs="+", default=[8192, 16384],
+                    help="--throughput: the total tokens S of a step (patched: S/N per rank; unpatched: all S)")
+    ap.add_argument("--throughput", action="store_true", help="time steps instead of measuring memory")
+    ap.add_argument("--configs", nargs="+", default=None, choices=CONFIGS,
+                    help=f"default: {' '.join(MEMORY_CONFIGS)} (memory), {' '.join(THROUGHPUT_CONFIGS)} (throughput)")
+    ap.add_argument("--limit", nargs="+", default=[], metavar="CONFIG=S_PER_RANK",
+                    help="run CONFIG only up to this many tokens per rank (a time budget)")
     ap.add_argument("--layout", default="zigzag")
-    ap.add_argument("--checkpointing", default="both", choices=["off", "on", "both"])
-    ap.add_argument("--baseline-max", type=int, default=None,
-                    help="longest sequence of the unpatched one-process baseline (default: all; 0: none)")
-    ap.add_argument("--warmup", type=int, default=256, help="tokens of the warm-up step")
+    ap.add_argument("--loss-chunk", type=int, default=None, help="patch_model's loss_chunk (default: ringkv's)")
+    ap.add_argument("--mem-limit", type=float, default=10.0,
+                    help="GiB: skip a point whose estimated resident memory of all processes together exceeds it")
+    ap.add_argument("--max-step-seconds", type=float, default=None,
+                    help="skip a point whose step is estimated to take longer than this")
+    ap.add_argument("--fit-budget", type=float, default=8.0, help="GiB per rank for the longest-S/N column")
+    ap.add_argument("--warmup", type=int, default=256, help="tokens per rank of the warm-up step")
+    ap.add_argument("--calib", type=int, default=256,
+                    help="tokens per rank of the first of the two calibration steps (estimates only)")
+    ap.add_argument("--iters", type=int, default=2, help="--throughput: timed steps per point")
+    ap.add_argument("--baseline-threads", type=int, default=None, help="threads of the unpatched runs (default N)")
+    ap.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
+                    help="print the goals' numbers from earlier runs' JSON files (no torchrun)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.summarize:
+        return summarize(args.summarize)
+    configs = args.configs or (THROUGHPUT_CONFIGS if args.throughput else MEMORY_CONFIGS)
+    limits = {}
+    for item in args.limit:
+        name, _, value = item.partition("=")
+        if name not in CONFIGS or not value.isdigit():
+            ap.error(f"--limit takes CONFIG=S_PER_RANK with CONFIG one of {CONFIGS}, got {item!r}")
+        limits[name] = int(value)
 
     malloc_fixed = _fix_malloc()
     import torch
@@ -152,98 +305,341 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=3))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    rank_threads = 1
+    base_threads = args.baseline_threads or world
+    torch.set_num_threads(rank_threads)
     load = load_average()
     if rank == 0:
         model_path(args.model)  # a preset's directory is written once, by rank 0
     dist.barrier()
     path = model_path(args.model)
+    params = inspect.signature(ringkv.hf.patch_model).parameters
 
-    def load_model():
+    def missing(cfg):
+        """Why this ringkv cannot run ``cfg`` (None: it can). Without ``keep_logits`` patch_model
+        always builds the logits: ``logits`` is its only patched configuration."""
+        if cfg.startswith("chunked") and "keep_logits" not in params:
+            return "patch_model has no chunked loss (no keep_logits option) in this ringkv"
+        if cfg.endswith("+tiled") and "tile_mlp" not in params:
+            return "patch_model has no tile_mlp option in this ringkv"
+        return None
+
+    def build(cfg):
         m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         m = m.to(device).train()
         with torch.no_grad():  # touch every weight (safetensors may be memory-mapped) before measuring
             for p in m.parameters():
                 p.add_(0)
+        if not cfg.startswith("unpatched"):
+            kw = dict(sp=world, layout=args.layout)
+            if "keep_logits" in params:
+                kw["keep_logits"] = True if cfg == "logits" else None
+            if cfg.endswith("+tiled"):
+                kw["tile_mlp"] = True
+            if args.loss_chunk is not None and cfg.startswith("chunked") and "loss_chunk" in params:
+                kw["loss_chunk"] = args.loss_chunk
+            ringkv.hf.patch_model(m, **kw)
+        on = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable
+        off = getattr(m, "activation_checkpointing_disable", None) or m.gradient_checkpointing_disable
+        (on if "+ckpt" in cfg else off)()  # transformers 5 names; gradient_checkpointing_* before
         return m
 
     vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
-    gen = torch.Generator().manual_seed(0)
+    def ids_of(s):  # the same tokens on every rank whatever ran before (rank 0 alone runs the baselines)
+        return torch.randint(3, vocab, (1, s), generator=torch.Generator().manual_seed(s)).to(device)
 
-    def ids_of(s):
-        return torch.randint(3, vocab, (1, s), generator=gen).to(device)
+    def gather(obj):
+        out = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
 
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]
-
-    def run_points(model, label, seqs, n):
-        rows = []
-        for ckpt in modes:
-            on = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            off = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-            (on if ckpt else off)()  # transformers 5 names; gradient_checkpointing_* before
-            step_memory(model, ids_of(args.warmup), device)  # warm-up: one-time buffers and probes
-            for s in seqs:
-                r = step_memory(model, ids_of(s), device)
-                rows.append(dict(run=label, ranks=n, checkpointing=ckpt, seq=s, tokens_per_rank=-(-s // n), **r))
-        return rows
-
-    model = ringkv.hf.patch_model(load_model(), sp=world, layout=args.layout)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # per rank, outside `alloc`
-    mine = run_points(model, "patched", args.seq, world)
-    ringkv.hf.unpatch_model(model)
-    del model
-    gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
-    rows = []
-    for i, r in enumerate(gathered[0]):  # per point: the largest rank
-        per_rank = [g[i] for g in gathered]
-        rows.append(dict(r, alloc=max(p["alloc"] for p in per_rank),
-                         rss=None if r["rss"] is None else max(p["rss"] for p in per_rank),
-                         seconds=max(p["seconds"] for p in per_rank),
-                         alloc_per_rank=[p["alloc"] for p in per_rank],
-                         rss_per_rank=[p["rss"] for p in per_rank]))
-    limit = max(args.seq) if args.baseline_max is None else args.baseline_max
-    base_seqs = [s for s in args.seq if s <= limit]
-    if rank == 0 and base_seqs:
-        gc.collect()
-        rows += [dict(r, alloc_per_rank=[r["alloc"]], rss_per_rank=[r["rss"]])
-                 for r in run_points(load_model(), "unpatched", base_seqs, 1)]
+    mem_limit = args.mem_limit * GIB
+    rows, skipped, calib, notes, logits_built = [], [], [], {}, {}
+    weights = None
+    targets = args.seq if args.throughput else args.per_rank
+    for cfg in configs:
+        why = missing(cfg)
+        if why:
+            notes[cfg] = why
+            if rank == 0:
+                print(f"[{cfg}] not run: {why}", flush=True)
+            continue
+        alone = cfg.startswith("unpatched")
+        n = 1 if alone else world
+        active = rank == 0 or not alone
+        _trim()
+        dist.barrier()
+        model = build(cfg) if active else None
+        if weights is None and active:
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        torch.set_num_threads(base_threads if alone else rank_threads)  # rank 0 alone has the cores
+        points = []  # (x per rank, alloc, seconds) of the calibration steps
+        if active:
+            logits_built[cfg] = _step(model, ids_of(args.warmup * n))  # warm-up: one-time buffers and probes
+            for c in (args.calib, 2 * args.calib):
+                r = step_memory(model, ids_of(c * n), device)
+                points.append((c, r["alloc"], r["seconds"]))
+        points = [tuple(max(p[i] for p in pts) if i else pts[0][0] for i in range(3))
+                  for pts in zip(*[g for g in gather(points) if g])]  # per point: the largest rank
+        calib += [dict(config=cfg, tokens_per_rank=x, alloc=a, seconds=t) for x, a, t in points]
+        mem_pts = [(x, a) for x, a, _ in points]  # for the estimates: calibration, then the measured points
+        time_pts = [(x, t) for x, _, t in points]
+        for value in targets:
+            x = value // n if args.throughput else value
+            s = value if args.throughput else value * n
+            if cfg in limits and x > limits[cfg]:
+                skipped.append(dict(config=cfg, tokens_per_rank=x, seq=s, reason=f"--limit {cfg}={limits[cfg]}"))
+                continue
+            est, est_s = estimate_alloc(mem_pts, x), estimate_seconds(time_pts, x)
+            state = gather(dict(rss=_status_kib("VmRSS") * 1024, avail=_available_bytes()))
+            resident = sum(g["rss"] for g in state)
+            need = None if est is None else resident + (1.05 * est) * (1 if alone else world)
+            reason = None
+            if need is not None and need > mem_limit:
+                reason = (f"estimated {need / GIB:.1f} GiB in all processes (step peak {est / GIB:.2f} GiB per active "
+                          f"rank) > --mem-limit {args.mem_limit:g} GiB")
+            elif need is not None and need - resident > 0.9 * min(g["avail"] for g in state):
+                reason = f"estimated step peak {est / GIB:.2f} GiB > 90% of the machine's available memory"
+            elif args.max_step_seconds and est_s is not None and est_s > args.max_step_seconds:
+                reason = f"estimated step {est_s:.0f} s > --max-step-seconds {args.max_step_seconds:g}"
+            if reason:
+                skipped.append(dict(config=cfg, tokens_per_rank=x, seq=s, reason=reason, estimate=est,
+                                    estimate_seconds=est_s))
+                if rank == 0:
+                    print(f"[{cfg}] S/N {x}: skipped: {reason}", flush=True)
+                continue
+            if args.throughput:
+                res = None
+                if active:
+                    ids = ids_of(s)
+                    if not alone:
+                        dist.barrier()
+                    warm = step_time(model, ids, device)
+                    times = []
+                    for _ in range(args.iters):
+                        if not alone:
+                            dist.barrier()
+                        times.append(step_time(model, ids, device))
+                    res = dict(warmup_seconds=warm, times=times)
+                got = [g for g in gather(res) if g]
+                times = [max(ts) for ts in zip(*[g["times"] for g in got])]  # per step: the slowest rank
+                med = statistics.median(times)
+                row = dict(config=cfg, ranks=n, threads=base_threads if alone else rank_threads, seq=s,
+                           tokens_per_rank=x, seconds=med, times=times, tokens_per_s=s / med,
+                           warmup_seconds=max(g["warmup_seconds"] for g in got), estimate=est)
+                time_pts = [p for p in time_pts if p[0] != x] + [(x, med)]
+            else:
+                res = step_memory(model, ids_of(s), device) if active else None
+                got = [g for g in gather(res) if g]
+                row = dict(config=cfg, ranks=n, seq=s, tokens_per_rank=x,
+                           alloc=max(g["alloc"] for g in got),
+                           rss=None if got[0]["rss"] is None else max(g["rss"] for g in got),
+                           seconds=max(g["seconds"] for g in got),
+                           alloc_per_rank=[g["alloc"] for g in got], rss_per_rank=[g["rss"] for g in got],
+                           estimate=est)
+                mem_pts.append((x, row["alloc"]))
+                time_pts.append((x, row["seconds"]))
+            rows.append(row)
+            if rank == 0:
+                extra = (f"{row['tokens_per_s']:.0f} tokens/s ({row['seconds']:.1f} s)" if args.throughput else
+                         f"alloc {row['alloc'] / MIB:.1f} MiB (estimate "
+                         f"{'-' if est is None else f'{est / MIB:.0f}'}), {row['seconds']:.1f} s")
+                print(f"[{cfg}] S/N {x}: {extra}", flush=True)
+        del model
+        _trim()
+    weights = max(w or 0 for w in gather(weights))
+    load_end = load_average()
     dist.barrier()
 
     if rank == 0:
-        mach = machine()  # rank 0's threads (torchrun's default: OMP_NUM_THREADS=1 per rank)
-        print(machine_line(mach) + " per rank")
+        threads = sorted({rank_threads, base_threads}) if args.throughput else rank_threads
+        mach = machine(threads=threads)
+        print(machine_line(mach) + (" (patched: 1 per rank; unpatched: one process)" if args.throughput else " per rank"))
         dev = torch.cuda.get_device_name(device) if cuda else "CPU (gloo)"
-        print(f"train-step memory: {describe(args.model)}, fp32, layout {args.layout}, N={world} ranks on {dev}; "
-              f"load {load}; weights {weights / MIB:.1f} MiB per rank (held before the step); "
-              f"alloc = torch allocator peak above the step's start"
-              + ("" if cuda else f" (profiler memory events); rss = VmHWM rise (mmap threshold fixed: "
-                                 f"{malloc_fixed})"))
-        print("| run | N | checkpointing | S | S/N | alloc per rank (MiB) | rss per rank (MiB) | step s |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            rss = "-" if r["rss"] is None else f"{r['rss'] / MIB:.0f}"
-            print(f"| {r['run']} | {r['ranks']} | {'on' if r['checkpointing'] else 'off'} | {r['seq']} | "
-                  f"{r['tokens_per_rank']} | {r['alloc'] / MIB:.1f} | {rss} | {r['seconds']:.1f} |")
-        fits = {}
-        print("\nlinear fit alloc = a + b * (S/N), per run and checkpointing:")
-        for run in ("patched", "unpatched"):
-            for ckpt in modes:
-                pts = [r for r in rows if r["run"] == run and r["checkpointing"] == ckpt]
-                f = fit([r["tokens_per_rank"] for r in pts], [r["alloc"] for r in pts])
-                if f:
-                    key = f"{run}/{'ckpt' if ckpt else 'no-ckpt'}"
-                    fits[key] = f
-                    print(f"  {key}: a = {f['a'] / MIB:.1f} MiB, b = {f['b'] / 1024:.2f} KiB per token per rank, "
-                          f"worst residual {100 * f['worst']:.1f}%")
+        head = (f"{'train-step time' if args.throughput else 'train-step memory'}: {describe(args.model)}, fp32, "
+                f"layout {args.layout}, N={world} ranks on {dev}; load {load} at the start, {load_end} at the end; "
+                f"weights {weights / MIB:.1f} MiB per rank (held before the step)")
+        if not args.throughput:
+            head += ("; alloc = torch allocator peak above the step's start"
+                     + ("" if cuda else f" (profiler memory events); rss = VmHWM rise (mmap threshold fixed: "
+                                        f"{malloc_fixed})"))
+        print(head)
+        report = dict(mode="throughput" if args.throughput else "memory", args=vars(args), model=args.model,
+                      model_desc=describe(args.model), vocab=vocab, world=world, device=dev, load=load,
+                      load_end=load_end, weight_bytes=weights, malloc_fixed=malloc_fixed, configs=list(configs),
+                      rows=rows, skipped=skipped, calibration=calib, not_available=notes, logits_built=logits_built,
+                      loss_chunk=args.loss_chunk, patch_model_options=sorted(params), machine=mach)
+        if args.throughput:
+            print_throughput(rows)
+        else:
+            report["fits"] = print_memory(rows, configs, weights, args.fit_budget * GIB, args.fit_budget)
+        print("logits built by the warm-up step (out.logits is not None): "
+              + ", ".join(f"{c} {'yes' if b else 'no'}" for c, b in logits_built.items()))
+        for s in skipped:
+            print(f"skipped: {s['config']} at S/N {s['tokens_per_rank']} (S {s['seq']}): {s['reason']}")
+        for cfg, why in notes.items():
+            print(f"not available: {cfg}: {why}")
         if args.json:
-            write_json(args.json, dict(args=vars(args), world=world, device=dev, load=load, weight_bytes=weights,
-                                       malloc_fixed=malloc_fixed, rows=rows, fits=fits, machine=mach))
+            write_json(args.json, report)
     dist.destroy_process_group()
+    return 0
+
+
+def print_memory(rows, configs, weights, budget, budget_gib):
+    print("| config | N | S | S/N | alloc per rank (MiB) | rss per rank (MiB) | KiB per token | step s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        rss = "-" if r["rss"] is None else f"{r['rss'] / MIB:.0f}"
+        print(f"| {r['config']} | {r['ranks']} | {r['seq']} | {r['tokens_per_rank']} | {r['alloc'] / MIB:.1f} | "
+              f"{rss} | {r['alloc'] / r['tokens_per_rank'] / 1024:.1f} | {r['seconds']:.1f} |")
+    fits = {}
+    print(f"\nlinear fit alloc = a + b * (S/N) per configuration; longest S/N with weights + peak <= "
+          f"{budget_gib:g} GiB per rank (and with AdamW state, 3 x weights):")
+    print(f"| config | points | a (MiB) | b (KiB per token per rank) | worst residual | longest S/N in {budget_gib:g} GiB "
+          f"| with AdamW | b of the two largest points (KiB) | longest S/N on their line | with AdamW |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for cfg in configs:
+        pts = [r for r in rows if r["config"] == cfg]
+        f = fit([r["tokens_per_rank"] for r in pts], [r["alloc"] for r in pts])
+        if not f:
+            continue
+        f.update(longest(f, weights, budget, [(r["tokens_per_rank"], r["alloc"]) for r in pts]))
+        fits[cfg] = f
+        print(f"| {cfg} | {f['points']} | {f['a'] / MIB:.1f} | {f['b'] / 1024:.2f} | {100 * f['worst']:.1f}% | "
+              f"{f['per_rank']} | {f['per_rank_adamw']} | {f['b_last'] / 1024:.2f} | {f['per_rank_last']} | "
+              f"{f['per_rank_adamw_last']} |")
+    return fits
+
+
+def print_throughput(rows):
+    print("| config | ranks x threads | S | S/N | step s (median) | tokens/s | time per token vs unpatched |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        base = [b for b in rows if b["config"] == "unpatched" and b["seq"] == r["seq"]]
+        ratio = f"{r['seconds'] / base[0]['seconds']:.3f}" if base else "-"
+        print(f"| {r['config']} | {r['ranks']} x {r['threads']} | {r['seq']} | {r['tokens_per_rank']} | "
+              f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {ratio} |")
+
+
+def summarize(paths) -> int:
+    """The issue's goals from earlier runs' JSON: vocabulary and depth in the slopes, the 2-layer
+    peak ratio at S/N 8K, the full depth's longest S/N in the fit budget, time per token."""
+    runs = []
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        d["path"] = p
+        runs.append(d)
+    mem = []
+    for d in (d for d in runs if d.get("mode") == "memory"):  # runs of one model: later configurations win
+        same = [m for m in mem if m["model"] == d["model"] and m["world"] == d["world"]]
+        if not same:
+            mem.append(dict(d, fits=dict(d.get("fits") or {})))
+            continue
+        m, ran = same[0], {r["config"] for r in d["rows"]}
+        m["rows"] = [r for r in m["rows"] if r["config"] not in ran] + d["rows"]
+        m["fits"].update(d.get("fits") or {})
+    tput = [d for d in runs if d.get("mode") == "throughput"]
+    for d in runs:
+        m = d.get("machine", {})
+        print(f"{d['path']}: {d.get('mode')} {d['model']} (vocab {d.get('vocab')}), N={d['world']}, load "
+              f"{d['load']} -> {d.get('load_end')}, {m.get('cpu')} {m.get('isa')}")
+
+    def fit_of(d, cfg):
+        return (d.get("fits") or {}).get(cfg)
+
+    def layers(d):
+        return json.loads(d["model_desc"].split(" ", 2)[2].strip("()"))["num_hidden_layers"] \
+            if d["model_desc"].startswith("random ") else None
+
+    print("\nslope b (KiB per token per rank) per configuration and model:")
+    cfgs = [c for c in CONFIGS if any(fit_of(d, c) for d in mem)]
+    print("| model | layers | vocab | " + " | ".join(cfgs) + " |")
+    print("|---|---:|---:|" + "---:|" * len(cfgs))
+    for d in mem:
+        print(f"| {d['model']} | {layers(d)} | {d['vocab']} | " + " | ".join(
+            f"{fit_of(d, c)['b'] / 1024:.2f}" if fit_of(d, c) else "-" for c in cfgs) + " |")
+    out = {}
+    # the part of b that does not scale with depth: b(L) = b0 + L * per_layer, from two depths at one vocabulary
+    by_vocab = {}
+    for d in mem:
+        by_vocab.setdefault(d["vocab"], []).append(d)
+    for c in cfgs:
+        per_layer = None
+        for v, ds in by_vocab.items():
+            ds = [d for d in ds if fit_of(d, c) and layers(d)]
+            if len({layers(d) for d in ds}) >= 2:
+                lo, hi = min(ds, key=layers), max(ds, key=layers)
+                per_layer = (fit_of(hi, c)["b"] - fit_of(lo, c)["b"]) / (layers(hi) - layers(lo))
+                b0 = fit_of(lo, c)["b"] - layers(lo) * per_layer
+                out.setdefault(c, {})["per_layer"] = per_layer
+                out[c].setdefault("b0", {})[v] = b0
+                print(f"{c}: per layer {per_layer / 1024:.2f} KiB per token; not scaling with depth (vocab {v}): "
+                      f"{b0 / 1024:.2f} KiB per token")
+        if per_layer is not None:  # the other vocabularies' b0 with the same per-layer part
+            for v, ds in by_vocab.items():
+                for d in ds:
+                    if fit_of(d, c) and layers(d) and v not in out[c]["b0"]:
+                        b0 = fit_of(d, c)["b"] - layers(d) * per_layer
+                        out[c]["b0"][v] = b0
+                        print(f"{c}: not scaling with depth (vocab {v}, from {d['model']}): {b0 / 1024:.2f} KiB per token")
+        same = [(d, e) for v in by_vocab for w in by_vocab if v < w for d in by_vocab[v] for e in by_vocab[w]
+                if layers(d) == layers(e) and fit_of(d, c) and fit_of(e, c)]
+        for d, e in same:
+            diff = fit_of(e, c)["b"] - fit_of(d, c)["b"]
+            print(f"{c}: {layers(d)} layers, vocab {d['vocab']} -> {e['vocab']}: b {fit_of(d, c)['b'] / 1024:.2f} -> "
+                  f"{fit_of(e, c)['b'] / 1024:.2f} KiB per token ({diff / 1024:+.2f} KiB, "
+                  f"{4 * (e['vocab'] - d['vocab']) / 1024:.0f} KiB is one fp32 logits row's difference)")
+            out.setdefault(c, {}).setdefault("vocab_pairs", []).append(
+                dict(layers=layers(d), vocabs=[d["vocab"], e["vocab"]], b=[fit_of(d, c)["b"], fit_of(e, c)["b"]]))
+
+    def at(d, c, x):
+        r = [r for r in d["rows"] if r["config"] == c and r["tokens_per_rank"] == x]
+        if r:
+            return r[0]["alloc"], "measured"
+        f = fit_of(d, c)
+        return (f["a"] + f["b"] * x, "from the fit") if f else (None, None)
+
+    print()
+    for d in mem:
+        for base in ("logits", "unpatched"):
+            for c in ("chunked+ckpt", "chunked+ckpt+tiled"):
+                (num, how_n), (den, how_d) = at(d, c, 8192), at(d, base, 8192)
+                if num and den:
+                    print(f"{d['model']}: peak at S/N 8192: {c} {num / MIB:.1f} MiB ({how_n}) / {base} "
+                          f"{den / MIB:.1f} MiB ({how_d}) = {num / den:.3f}")
+                    out.setdefault("ratio_8k", []).append(dict(model=d["model"], config=c, base=base, ratio=num / den,
+                                                               num=num, den=den, how=[how_n, how_d]))
+        fl = fit_of(d, "logits")
+        for c in ("chunked+ckpt", "chunked+ckpt+tiled"):
+            fc = fit_of(d, c)
+            if fl and fc and fl.get("per_rank"):
+                r = fc["per_rank"] / fl["per_rank"]
+                last = fc.get("per_rank_last"), fl.get("per_rank_last")
+                r_last = last[0] / last[1] if all(last) else None
+                print(f"{d['model']}: longest S/N in {d['args']['fit_budget']:g} GiB per rank: {c} {fc['per_rank']} / "
+                      f"logits {fl['per_rank']} = {r:.1f}x on the fits (with AdamW: {fc['per_rank_adamw']} / "
+                      f"{fl['per_rank_adamw']})" + ("" if r_last is None else
+                                                   f"; on the two largest points' lines {last[0]} / {last[1]} = "
+                                                   f"{r_last:.1f}x"))
+                out.setdefault("longest", []).append(dict(model=d["model"], config=c, ratio=r, ratio_last=r_last))
+    for d in tput:
+        for r in d["rows"]:
+            base = [b for b in d["rows"] if b["config"] == "unpatched" and b["seq"] == r["seq"]]
+            mbase = [b for b in d["rows"] if b["config"] == "unpatched+ckpt" and b["seq"] == r["seq"]]
+            if r["config"].startswith("unpatched"):
+                continue
+            parts = [f"{d['model']} S {r['seq']}: {r['config']} {r['tokens_per_s']:.0f} tokens/s"]
+            if base:
+                parts.append(f"time per token {r['seconds'] / base[0]['seconds']:.3f}x unpatched")
+            if mbase and "ckpt" in r["config"]:
+                parts.append(f"{r['seconds'] / mbase[0]['seconds']:.3f}x unpatched+ckpt")
+            print(", ".join(parts))
     return 0
 
 

@@ -5,6 +5,7 @@
     logits = out.logits                         # (B, S_pad / N, V): this rank's shard, in `layout`
     full = ringkv.gather_logits(logits, "zigzag", sp_group, seq_len=ids.shape[1])  # (B, S, V)
     loss = ringkv.causal_lm_loss(logits, labels, layout="zigzag", group=sp_group)  # global mean
+    loss = model.train()(input_ids=ids, labels=ids, use_cache=False).loss   # no logits built (keep_logits)
     tokens = model.generate(ids, max_new_tokens=32, do_sample=False)   # sharded KV cache
 
 How it works: ``patch_model`` registers the attention function ``"ringkv"`` with transformers'
@@ -15,6 +16,12 @@ function runs ``ringkv.ring_attention`` (or ``ulysses_attention`` / ``usp_attent
 ``method=``; prefill, differentiable) or ``ringkv.sp.decode.decode_attention`` (new tokens over
 the sharded cache), with the layer's sliding window when it has one. A forward hook
 assembles ``logits_to_keep`` logits and the loss when ``labels`` are passed.
+
+Training (``model.train()``, ``labels`` or ``shift_labels``): the loss comes from the base model's
+last hidden states through the head in chunks (``kernels/linear_ce.py``) and ``out.logits`` is
+``None``: the ``(B, S/N, V)`` logits are never built (``keep_logits=True`` keeps them). HF's
+``num_items_in_batch`` divides it. ``tile_mlp`` and ``offload_checkpoints`` (``ringkv/memory.py``)
+take the MLP's and the checkpoints' share of a step down too.
 
 Inputs (``inputs=`` of ``patch_model``):
 

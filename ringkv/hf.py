@@ -1266,9 +1266,10 @@ def causal_lm_loss(logits: Optional[torch.Tensor], labels: Optional[torch.Tensor
                    num_items_in_batch=None):
     """Mean next-token cross-entropy of the whole sequence, from this rank's logits shard.
 
-    Without logits: pass ``logits=None``, ``hidden`` ``(B, S_pad / N, H)`` (the base model's last
+    Without logits: pass ``hidden`` ``(B, S_pad / N, H)`` (the base model's last
     hidden states, this rank's shard) and the head's ``weight`` ``(V, H)`` (and ``bias``; ``softcap``
-    and ``scale`` for heads that transform their logits): the loss goes through the head in
+    and ``scale`` for heads that transform their logits; the hidden states may also come as the
+    first argument when ``weight`` is given): the loss goes through the head in
     chunks of ``chunk`` tokens (``ringkv.kernels.linear_ce``) and the ``(B, S_pad / N, V)`` logits
     are never built. ``shift_labels`` (HF's: the target of each token, already shifted) may stand
     in for ``labels``; ``num_items_in_batch`` (> 0) divides the summed loss instead of the number
@@ -1290,6 +1291,8 @@ def causal_lm_loss(logits: Optional[torch.Tensor], labels: Optional[torch.Tensor
     shard ``(1, L_local)`` of the packed row (``ringkv.shard(labels, 1, layout, cu_seqlens=cu)``)
     and ``cu_seqlens`` is required.
     """
+    if weight is not None and hidden is None:  # causal_lm_loss(hidden, labels, weight=...): the first is hidden
+        logits, hidden = None, logits
     if (logits is None) == (hidden is None) or (hidden is None) != (weight is None):
         raise ValueError("causal_lm_loss: pass logits, or hidden states with the head's weight (hidden=, weight=)")
     if (labels is None) == (shift_labels is None):

@@ -110,7 +110,7 @@ def helper_from_hidden(ctx):
     kw = dict(layout="zigzag", group=ctx.group)
     weight = model.lm_head.weight
     by_logits = hf.causal_lm_loss(out.logits, labels, **kw)
-    by_hidden = hf.causal_lm_loss(None, labels, hidden=seen[0], weight=weight, chunk=3, **kw)
+    by_hidden = hf.causal_lm_loss(seen[0], labels, weight=weight, chunk=3, **kw)  # hidden states first
     shifted = hf.causal_lm_loss(None, shift_labels=targets(labels), hidden=seen[0], weight=weight,
                                 num_items_in_batch=7, **kw)
     g_logits = torch.autograd.grad(by_logits, weight)[0]

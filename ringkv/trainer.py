@@ -17,7 +17,9 @@ changes four things, each by overriding a public ``Trainer`` method and calling 
   replicas split the data exactly as ``dp`` plain workers would.
 * ``get_total_train_batch_size``: ``per_device * gradient_accumulation_steps * dp``, not the
   world (``max_steps`` from epochs, ``num_train_samples``; the epoch length is the resharded
-  dataloader's, so ``state.epoch`` counts dp replicas' batches).
+  dataloader's, so ``state.epoch`` counts dp replicas' batches); ``num_input_tokens_seen``
+  counts each replica's tokens once (Trainer's private ``_track_num_input_tokens``, corrected
+  after it runs: a Trainer without it counts nothing to correct).
 * ``training_step`` / ``compute_loss``: accelerate's DDP (or FSDP2) reduces gradients over all
   ``dp * sp`` processes with a MEAN; ringkv's SP ranks hold *shares* of one replica's gradient,
   which must be SUMMED. So the loss that ``backward`` sees is ``sp`` times the loss ``Trainer``
@@ -148,6 +150,12 @@ class SPTrainerMixin:
 
     def get_total_train_batch_size(self, args) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * self.dp_size
+
+    def _track_num_input_tokens(self, inputs):
+        # Trainer sums every process's batch (include_num_input_tokens_seen): sp ranks share one replica's batch
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.sp_size
 
     # ---- loss: SUM over sp under a wrapper that takes the MEAN over dp * sp ----
 

@@ -56,7 +56,8 @@ def _check(ring, ref):
     for a, b in zip(ring["steps"], ref["steps"]):
         assert abs(a["loss"] - b["loss"]) <= TOL * abs(b["loss"]), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOL * b["grad_norm"], (a, b)
-    for key in ("global_step", "epoch", "max_steps", "batches_per_epoch", "total_batch", "fsdp"):
+    assert ring["tokens_seen"] > 0
+    for key in ("global_step", "epoch", "max_steps", "batches_per_epoch", "total_batch", "fsdp", "tokens_seen"):
         assert ring[key] == ref[key], (key, ring[key], ref[key])  # dp replicas' batches, not the world's
     assert ring["total_batch"] == 2 * 2 * 2  # per device 2 x accumulation 2 x dp 2
     assert ring["wrapped"] == "DistributedDataParallel" and ref["wrapped"] != ring["wrapped"]  # DDP over the world

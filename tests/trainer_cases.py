@@ -72,7 +72,8 @@ def common_args(a, out_dir, batch):
     return dict(output_dir=out_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=a.ga,
                 learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
                 report_to="none", disable_tqdm=True, seed=a.seed, bf16=False, fp16=False,
-                dataloader_num_workers=0, use_cpu=True, ddp_backend="gloo" if a.sp else None)
+                dataloader_num_workers=0, use_cpu=True, ddp_backend="gloo" if a.sp else None,
+                include_num_input_tokens_seen="all")
 
 
 def run_trainer(a, out_dir):
@@ -115,6 +116,7 @@ def summary(trainer):
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     return {"steps": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in logs],
             "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
+            "tokens_seen": trainer.state.num_input_tokens_seen,
             "max_steps": trainer.state.max_steps, "batches_per_epoch": len(trainer.get_train_dataloader()),
             "total_batch": trainer.get_total_train_batch_size(trainer.args),
             "wrapped": type(trainer.model_wrapped).__name__, "fsdp": trainer.is_fsdp_enabled}

@@ -49,6 +49,10 @@ reason) when the line through the two largest points measured so far puts the pr
 resident memory together (every rank's current RSS plus the active ranks' estimated step peak)
 above ``--mem-limit`` GiB or above 90% of the machine's available memory, or when the step's
 time, extrapolated from the last two points as ``p x + q x^2``, exceeds ``--max-step-seconds``.
+The first point's estimate comes from the calibration steps alone and can be several times
+low (at a few hundred tokens a constant part dominates the peak: 351 MiB estimated, 1341 MiB
+measured for the 2-layer SmolLM2 shape at 2K tokens): make the first point small, or pass
+``--memory-json`` with an earlier memory run of the model (``--throughput`` runs should).
 
 The table gives ``alloc`` and ``rss`` per rank (the maximum over ranks) per point, and a
 least-squares fit ``alloc = a + b * S/N`` per configuration with its worst relative residual:
@@ -282,6 +286,9 @@ def main(argv=None) -> int:
                     help="tokens per rank of the first of the two calibration steps (estimates only)")
     ap.add_argument("--iters", type=int, default=2, help="--throughput: timed steps per point")
     ap.add_argument("--baseline-threads", type=int, default=None, help="threads of the unpatched runs (default N)")
+    ap.add_argument("--memory-json", nargs="+", default=[], metavar="JSON",
+                    help="memory runs of this model whose points also estimate each step's peak (the calibration "
+                         "steps alone underestimate it: at a few hundred tokens a constant dominates the peak)")
     ap.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
                     help="print the goals' numbers from earlier runs' JSON files (no torchrun)")
     ap.add_argument("--json", default=None)
@@ -359,6 +366,10 @@ def main(argv=None) -> int:
         return out
 
     mem_limit = args.mem_limit * GIB
+    known_rows = []
+    for p in args.memory_json:
+        with open(p) as f:
+            known_rows += json.load(f)["rows"]
     rows, skipped, calib, notes, logits_built = [], [], [], {}, {}
     weights = None
     targets = args.seq if args.throughput else args.per_rank
@@ -388,6 +399,7 @@ def main(argv=None) -> int:
                   for pts in zip(*[g for g in gather(points) if g])]  # per point: the largest rank
         calib += [dict(config=cfg, tokens_per_rank=x, alloc=a, seconds=t) for x, a, t in points]
         mem_pts = [(x, a) for x, a, _ in points]  # for the estimates: calibration, then the measured points
+        known = [(r["tokens_per_rank"], r["alloc"]) for r in known_rows if r["config"] == cfg]
         time_pts = [(x, t) for x, _, t in points]
         for value in targets:
             x = value // n if args.throughput else value
@@ -396,6 +408,8 @@ def main(argv=None) -> int:
                 skipped.append(dict(config=cfg, tokens_per_rank=x, seq=s, reason=f"--limit {cfg}={limits[cfg]}"))
                 continue
             est, est_s = estimate_alloc(mem_pts, x), estimate_seconds(time_pts, x)
+            if known and est is not None:  # the larger of the two lines
+                est = max(est, estimate_alloc(known, x) or 0)
             state = gather(dict(rss=_status_kib("VmRSS") * 1024, avail=_available_bytes()))
             resident = sum(g["rss"] for g in state)
             need = None if est is None else resident + (1.05 * est) * (1 if alone else world)
@@ -536,14 +550,22 @@ def summarize(paths) -> int:
         d["path"] = p
         runs.append(d)
     mem = []
-    for d in (d for d in runs if d.get("mode") == "memory"):  # runs of one model: later configurations win
+    for d in (d for d in runs if d.get("mode") == "memory"):  # runs of one model and N: points merged, later wins
         same = [m for m in mem if m["model"] == d["model"] and m["world"] == d["world"]]
         if not same:
-            mem.append(dict(d, fits=dict(d.get("fits") or {})))
+            mem.append(dict(d, rows=list(d["rows"])))
             continue
-        m, ran = same[0], {r["config"] for r in d["rows"]}
-        m["rows"] = [r for r in m["rows"] if r["config"] not in ran] + d["rows"]
-        m["fits"].update(d.get("fits") or {})
+        m, new = same[0], {(r["config"], r["tokens_per_rank"]) for r in d["rows"]}
+        m["rows"] = [r for r in m["rows"] if (r["config"], r["tokens_per_rank"]) not in new] + d["rows"]
+        m["load"] += f"; {d['load']}"
+    for m in mem:  # the fits of the merged points
+        m["fits"] = {}
+        for c in CONFIGS:
+            pts = sorted((r["tokens_per_rank"], r["alloc"]) for r in m["rows"] if r["config"] == c)
+            f = fit([x for x, _ in pts], [a for _, a in pts])
+            if f:
+                f.update(longest(f, m["weight_bytes"], m["args"]["fit_budget"] * GIB, pts))
+                m["fits"][c] = f
     tput = [d for d in runs if d.get("mode") == "throughput"]
     for d in runs:
         m = d.get("machine", {})
@@ -557,6 +579,14 @@ def summarize(paths) -> int:
         return json.loads(d["model_desc"].split(" ", 2)[2].strip("()"))["num_hidden_layers"] \
             if d["model_desc"].startswith("random ") else None
 
+    print("\nfits of every model's merged points: a (MiB) + b (KiB per token per rank) x, worst residual; longest S/N "
+          "in the fit budget on the fit and on the two largest points' line:")
+    for d in mem:
+        for c, f in d["fits"].items():
+            print(f"  {d['model']} N={d['world']} {c}: points {sorted(r['tokens_per_rank'] for r in d['rows'] if r['config'] == c)}"
+                  f", a {f['a'] / MIB:.1f}, b {f['b'] / 1024:.2f}, worst {100 * f['worst']:.1f}%, longest "
+                  f"{f['per_rank']} (AdamW {f['per_rank_adamw']}); b of the two largest {f['b_last'] / 1024:.2f}, "
+                  f"longest {f['per_rank_last']} (AdamW {f['per_rank_adamw_last']})")
     print("\nslope b (KiB per token per rank) per configuration and model:")
     cfgs = [c for c in CONFIGS if any(fit_of(d, c) for d in mem)]
     print("| model | layers | vocab | " + " | ".join(cfgs) + " |")

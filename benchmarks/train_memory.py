@@ -366,10 +366,11 @@ def main(argv=None) -> int:
         return out
 
     mem_limit = args.mem_limit * GIB
-    known_rows = []
+    known = {}  # (config, S/N) -> row; a later file's point replaces an earlier one's
     for p in args.memory_json:
         with open(p) as f:
-            known_rows += json.load(f)["rows"]
+            known.update({(r["config"], r["tokens_per_rank"]): r for r in json.load(f)["rows"]})
+    known_rows = list(known.values())
     rows, skipped, calib, notes, logits_built = [], [], [], {}, {}
     weights = None
     targets = args.seq if args.throughput else args.per_rank

@@ -20,6 +20,7 @@ import itertools
 import os
 import tempfile
 import types
+import weakref
 from typing import Callable, List, Optional
 
 import torch
@@ -144,37 +145,53 @@ class CheckpointStore:
 
 class FileStore(CheckpointStore):
     """Checkpoints in files under ``directory`` (a temporary one by default), each read back once
-    and deleted. For tests of the mechanism on CPU, and hosts without a GPU."""
+    and deleted; a handle dropped unread (its graph freed without a backward) deletes its file.
+    For tests of the mechanism on CPU, and hosts without a GPU."""
 
     def __init__(self, directory: Optional[str] = None):
         self.directory = directory or tempfile.mkdtemp(prefix="ringkv-ckpt-")
         self._ids = itertools.count()
         self.stored = []          # (shape, dtype) of every tensor put, in order
-        self.pending = 0          # put and not yet read back
+
+    @property
+    def pending(self) -> int:
+        """Checkpoints put and not yet read back (or dropped)."""
+        return len(os.listdir(self.directory))
 
     def put(self, tensor):
         path = os.path.join(self.directory, f"{next(self._ids)}.pt")
         torch.save(tensor.detach().cpu().clone(), path)
         self.stored.append((tuple(tensor.shape), tensor.dtype))
-        self.pending += 1
-        return path, tensor.device, tensor.requires_grad
+        return _FileHandle(path, tensor.device)
 
     def get(self, handle):
-        path, device, _ = handle
-        t = torch.load(path, weights_only=True).to(device)
-        os.remove(path)
-        self.pending -= 1
+        t = torch.load(handle.path, weights_only=True).to(handle.device)
+        handle.done()
         return t
 
 
+class _FileHandle:
+    def __init__(self, path, device):
+        self.path, self.device = path, device
+        self.done = weakref.finalize(self, _remove, path)   # on read, or when the handle dies unread
+
+
+def _remove(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 class HostStore(CheckpointStore):
-    """Pinned host memory, filled and emptied on a side CUDA stream. ``get`` of checkpoint ``i``
-    starts bringing back checkpoint ``i - 1`` (the next one backward needs) before it returns."""
+    """Pinned host memory, filled and emptied on a side CUDA stream. ``get`` of a checkpoint
+    starts bringing back the one saved before it (the next one backward needs) before it
+    returns. A handle owns its host copy: a graph that is dropped without a backward (an
+    aborted step) frees its checkpoints with it."""
 
     def __init__(self, device=None):
         self.stream = torch.cuda.Stream(device)
-        self.entries = {}
-        self._ids = itertools.count()
+        self._last = None          # weakref to the newest entry: the next one's predecessor
 
     def put(self, tensor):
         current = torch.cuda.current_stream(tensor.device)
@@ -184,27 +201,36 @@ class HostStore(CheckpointStore):
             host.copy_(tensor, non_blocking=True)
             stored = self.stream.record_event()
         tensor.record_stream(self.stream)   # its memory is not reused before the copy ends
-        i = next(self._ids)
-        self.entries[i] = [host, stored, None, None, tensor.device]  # host, stored, on-device copy, its event
-        return i
+        entry = _HostEntry(host, stored, tensor.device, self._last)
+        self._last = weakref.ref(entry)
+        return entry
 
-    def _fetch(self, i):
-        e = self.entries[i]
-        if e[2] is None:
+    def _fetch(self, e: "_HostEntry"):
+        if e.back is None:
             with torch.cuda.stream(self.stream):
-                self.stream.wait_event(e[1])
-                e[2] = e[0].to(e[4], non_blocking=True)
-                e[3] = self.stream.record_event()
+                self.stream.wait_event(e.stored)
+                e.back = e.host.to(e.device, non_blocking=True)
+                e.ready = self.stream.record_event()
 
-    def get(self, i):
-        self._fetch(i)
-        if i - 1 in self.entries:
-            self._fetch(i - 1)                        # the next one backward needs, overlapped with this layer
-        host, _, t, ready, _ = self.entries.pop(i)
+    def get(self, e: "_HostEntry"):
+        self._fetch(e)
+        prev = e.prev() if e.prev is not None else None
+        if prev is not None and prev.host is not None:
+            self._fetch(prev)                     # the next one backward needs, overlapped with this layer
+        t, ready = e.back, e.ready
+        e.host = e.back = None
         current = torch.cuda.current_stream(t.device)
         current.wait_event(ready)
         t.record_stream(current)
         return t
+
+
+class _HostEntry:
+    __slots__ = ("host", "stored", "device", "prev", "back", "ready", "__weakref__")
+
+    def __init__(self, host, stored, device, prev):
+        self.host, self.stored, self.device, self.prev = host, stored, device, prev
+        self.back = self.ready = None
 
 
 def _offloads(t: torch.Tensor, hidden: int) -> bool:

@@ -360,18 +360,45 @@ def test_offload_to_pinned_host_memory_on_cuda():
     for m in (model, ref):
         m.gradient_checkpointing_enable()
     hf.patch_model(model, offload_checkpoints=True, tile_mlp=64)
-    hf.patch_model(ref)
+    hf.patch_model(ref, tile_mlp=64)
     want = ref(ids, labels=ids, use_cache=False)
     want.loss.backward()
+    for p in ref.parameters():
+        p.grad = None
+    before = torch.cuda.memory_allocated()
     got = model(ids, labels=ids, use_cache=False)
-    store = model._ringkv_state.store
-    assert len(store.entries) >= model.config.num_hidden_layers
+    with_offload = torch.cuda.memory_allocated() - before
     got.loss.backward()
     torch.cuda.synchronize()
-    assert not store.entries
+    before = torch.cuda.memory_allocated()
+    kept = ref(ids, labels=ids, use_cache=False)
+    without = torch.cuda.memory_allocated() - before
+    layer_inputs = model.config.num_hidden_layers * ids.numel() * model.config.hidden_size * 4
+    assert without - with_offload >= layer_inputs, (without, with_offload, layer_inputs)  # they left the GPU
+    kept.loss.backward()
     assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_dropped_graph_frees_its_offloaded_checkpoints():
+    """Offloaded tensors of a graph whose backward never runs (an aborted step) are not kept by the
+    store: each handle owns its copy and dies with the graph (HostStore's pinned copies alike);
+    a backward reads each back once. Only (B, S, H) floating tensors are offloaded."""
+    from ringkv.memory import offload_checkpoints
+
+    store = FileStore()
+    w = torch.randn(8, requires_grad=True)
+    for backward in (False, True):
+        x = torch.randn(2, 5, 8, requires_grad=True)
+        with offload_checkpoints(store, hidden=8):
+            y = (x.sin() * 2).cos().sum() + (w * 3).sin().sum()   # sin saves x, cos 2 sin(x); w's stay
+        assert store.pending == 2
+        if backward:
+            y.backward()
+            torch.testing.assert_close(x.grad, -(2 * x.sin()).sin() * 2 * x.cos())
+        del y
+        assert store.pending == 0
 
 
 @pytest.mark.cuda

@@ -33,12 +33,17 @@ def tiny_config(arch: str, **overrides):
     elif arch == "qwen2":
         common.update(rope_theta=1000000.0, tie_word_embeddings=True)
         cls = transformers.Qwen2Config
+    elif arch == "qwen3":
+        common.update(rope_theta=1000000.0, tie_word_embeddings=True)
+        cls = transformers.Qwen3Config
     elif arch == "mistral":
         common.update(rope_theta=10000.0, sliding_window=None)
         cls = transformers.MistralConfig
     else:
-        raise ValueError(f"unknown arch {arch!r}; choose llama, qwen2 or mistral")
+        raise ValueError(f"unknown arch {arch!r}; choose llama, qwen2, qwen3 or mistral")
     common.update(overrides)
+    if arch == "qwen3":  # its head_dim is a key of its own (default 128): keep hidden / heads like the others
+        common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
     return cls(**common)
 
 
@@ -56,6 +61,10 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
             for layer in m.model.layers:
                 layer.self_attn.q_proj.bias.normal_(0, 0.5)
                 layer.self_attn.k_proj.bias.normal_(0, 0.5)
+        if arch == "qwen3":  # q/k norms start at ones; make them matter
+            for layer in m.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
         m.lm_head.weight.mul_(4)
     return m
 

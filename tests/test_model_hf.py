@@ -1,5 +1,6 @@
 """ringkv's decoder against transformers on tiny random Llama (llama3 RoPE), Qwen2 (qkv bias,
-tied embeddings) and Mistral configs: prefill logits and paged decode steps."""
+tied embeddings), Qwen3 (q/k norms, tied embeddings) and Mistral configs: prefill logits and
+paged decode steps."""
 
 import os
 
@@ -14,7 +15,7 @@ from ringkv.model import ModelConfig  # noqa: E402
 from ringkv.model.loader import load_hf_model  # noqa: E402
 from tests.models import tiny_config  # noqa: E402
 
-ARCHS = ["llama", "qwen2", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 TOL = dict(atol=2e-4, rtol=2e-4)
 
 
@@ -25,11 +26,14 @@ def hf_model(request):
     torch.manual_seed(0)
     cfg = tiny_config(request.param)
     m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    if request.param == "qwen2":  # random init leaves biases at 0; make them matter
-        with torch.no_grad():
-            for layer in m.model.layers:
+    with torch.no_grad():  # random init leaves biases at 0 and norms at 1; make them matter
+        for layer in m.model.layers:
+            if request.param == "qwen2":
                 layer.self_attn.q_proj.bias.normal_(0, 0.5)
                 layer.self_attn.k_proj.bias.normal_(0, 0.5)
+            if request.param == "qwen3":
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     return m
 
 
@@ -41,7 +45,8 @@ def hf_logits(m, ids):
 def test_config_reads_arch_details(hf_model):
     cfg = ModelConfig.from_hf(hf_model.config.to_dict())
     arch = hf_model.config.model_type
-    assert cfg.qkv_bias == (arch == "qwen2") and cfg.tie_word_embeddings == (arch == "qwen2")
+    assert cfg.qkv_bias == (arch == "qwen2") and cfg.tie_word_embeddings == (arch in ("qwen2", "qwen3"))
+    assert cfg.qk_norm == (arch == "qwen3")
     assert (cfg.rope_scaling or {}).get("rope_type") == ("llama3" if arch == "llama" else None)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @dataclass
@@ -25,6 +25,7 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2: bias on q/k/v projections
     o_bias: bool = False  # Llama attention_bias=True: bias on o_proj too
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (weights of head_dim) before RoPE
     model_type: str = "llama"
     eos_token_id: Any = None  # int or list of ints
     bos_token_id: Optional[int] = None
@@ -34,7 +35,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: Dict[str, Any]) -> "ModelConfig":
-        """Build from an HF ``config.json`` dict (Llama, Qwen2, Mistral)."""
+        """Build from an HF ``config.json`` dict (Llama, Qwen2, Qwen3, Mistral)."""
         if not isinstance(cfg, dict):
             raise TypeError(f"ModelConfig.from_hf takes the config.json dict, got {type(cfg).__name__}")
         mt = cfg.get("model_type", "llama")
@@ -71,7 +72,8 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=mt == "qwen2" or attention_bias,
-            o_bias=mt == "llama" and attention_bias,
+            o_bias=mt in ("llama", "qwen3") and attention_bias,
+            qk_norm=mt == "qwen3",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             model_type=mt,
             eos_token_id=cfg.get("eos_token_id"),

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama incl. Llama-3 RoPE scaling, Qwen2, Mistral). No parallel code.
+"""Llama-family decoder (Llama incl. Llama-3 RoPE scaling, Qwen2, Qwen3, Mistral). No parallel code.
 
 Tokens of all sequences in a step are flattened: ``input_ids (T,)`` and ``positions (T,)``
 (global positions, not assumed ``0..S-1``). Attention is one call site,
@@ -55,12 +55,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: one (D,) norm shared by the heads, so TP leaves it whole
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, ctx):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.h, self.d)  # (T, H, D)
         k = self.k_proj(x).view(t, self.hkv, self.d)  # (T, Hkv, D)
         v = self.v_proj(x).view(t, self.hkv, self.d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attend(self.layer_idx, q, k, v)  # (T, H, D): the one attention call site
         return self.o_proj(out.reshape(t, self.h * self.d))  # (T, hidden)

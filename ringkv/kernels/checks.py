@@ -22,9 +22,11 @@ def validate(q, k, v, scale=None) -> float:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (batch, seq, kv_heads, head_dim), "
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same (batch, seq, kv_heads) (v may have its own head_dim), "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if v.shape[3] == 0:
+        raise ValueError(f"v's head_dim must be at least 1, got shape {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     if q.shape[3] != k.shape[3]:
@@ -35,6 +37,31 @@ def validate(q, k, v, scale=None) -> float:
         raise ValueError(f"query heads ({q.shape[2]}) must be a positive multiple of kv heads ({k.shape[2]}) "
                          f"for GQA/MQA")
     return resolve_scale(scale, q.shape[3])
+
+
+def check_softcap(softcap) -> "float | None":
+    """``softcap``: None, or a finite float > 0 (scores become ``softcap * tanh(s / softcap)``)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+            or softcap <= 0:
+        raise ValueError(f"softcap must be None or a finite float > 0 (logit soft-capping), got {softcap!r}")
+    return float(softcap)
+
+
+def check_sinks(sinks, q):
+    """``sinks``: None, or a floating tensor ``(H,)`` (one logit per query head) on q's device."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise ValueError(f"sinks must be None or a floating tensor of shape (heads,) = ({q.shape[2]},), got "
+                         f"{type(sinks).__name__ if not isinstance(sinks, torch.Tensor) else sinks.dtype}")
+    if tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(f"sinks must have shape (heads,) = ({q.shape[2]},) (one per query head), got "
+                         f"{tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
+    return sinks
 
 
 def resolve_scale(scale, head_dim: int) -> float:

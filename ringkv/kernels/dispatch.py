@@ -3,7 +3,10 @@
 - ``BACKENDS``: name -> module with ``supports(q, mask, dlse=False)``, ``forward(q, k, v, scale,
   mask) -> (out, lse)`` and ``backward(dout, q, k, v, out, lse, scale, mask, dlse=None) -> fp32
   (dq, dk, dv)`` (the contract of ``reference.py``); ``register_backend`` adds one; ``MISSING``:
-  backends that could not be imported, and why.
+  backends that could not be imported, and why. ``FEATURES`` of a module (``features``): what it
+  does natively among ``"softcap"`` (then ``forward``/``backward`` take ``softcap=``) and ``"dv"``
+  (V with its own head size). A call with a soft-cap never goes to a backend without it; a call
+  with ``Dv != D`` runs on a backend without ``"dv"`` with the smaller side zero-padded (exact).
 - ``PREFERENCE``: per device type, expected fastest first.
 - ``pick(backend, q, mask, dlse=False, backward=False)``: the module for one call. ``"auto"``
   takes the first backend in the device's ``PREFERENCE`` order that supports the inputs and passed
@@ -40,7 +43,12 @@ MISSING: Dict[str, str] = {}  # backends that could not even be imported: name -
 _verified: Dict[tuple, Dict[str, str]] = {}  # (name, device type, dtype) -> need -> "" (passed) or why not
 _warned: set = set()
 
-__all__ = ["BACKENDS", "PREFERENCE", "NEEDS", "MISSING", "register_backend", "pick", "describe"]
+__all__ = ["BACKENDS", "PREFERENCE", "NEEDS", "MISSING", "register_backend", "pick", "describe", "features"]
+
+
+def features(module) -> frozenset:
+    """What ``module`` does natively: a subset of ``{"softcap", "dv"}``."""
+    return getattr(module, "FEATURES", frozenset())
 
 
 def register_backend(name: str, module, preference: Optional[Dict[str, int]] = None) -> None:
@@ -72,11 +80,14 @@ def _close(a: torch.Tensor, e: torch.Tensor, tol: float) -> bool:
     return not fin.any() or (a[fin] - e[fin]).abs().max().item() <= tol * (1 + e[fin].abs().max().item())
 
 
-def _check(name: str, need: str, q: torch.Tensor) -> str:
-    """One need of one backend against the reference on a small GQA problem: "" or why it failed."""
+def _check(name: str, need: str, q: torch.Tensor, softcap: bool = False, dv: bool = False) -> str:
+    """One need of one backend against the reference on a small GQA problem: "" or why it failed.
+    ``softcap``/``dv``: the check of that native feature (a cap of 2, V of head size 32)."""
     module = BACKENDS[name]
     g = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v, dout = [torch.randn(2, 77, s, 64, generator=g).to(q.device, q.dtype) for s in (4, 2, 2, 4)]
+    dims = (64, 64, 32 if dv else 64, 32 if dv else 64)
+    q, k, v, dout = [torch.randn(2, 77, s, d, generator=g).to(q.device, q.dtype) for s, d in zip((4, 2, 2, 4), dims)]
+    cap = dict(softcap=2.0) if softcap else {}
     dlse = torch.randn(2, 4, 77, generator=g).to(q.device) if need == "lse_grad" else None
     tol = max(16 * torch.finfo(q.dtype).eps, 1e-3)  # wrong arguments give errors of order 1
     masks = [m for m in (Mask(OFFSET, offset=-5), Mask(BAND, offset=3, lo=-20))  # rows with no key included
@@ -85,14 +96,14 @@ def _check(name: str, need: str, q: torch.Tensor) -> str:
         return "unsupported"
     try:
         for mask in masks:
-            ref_out, ref_lse = reference.forward(q, k, v, 0.125, mask)
+            ref_out, ref_lse = reference.forward(q, k, v, 0.125, mask, **cap)
             if need == "forward":
-                out, lse = module.forward(q, k, v, 0.125, mask)
+                out, lse = module.forward(q, k, v, 0.125, mask, **cap)
                 if not (_close(out, ref_out, tol) and _close(lse, ref_lse, 3e-3)):
                     return f"failed probe: forward differs from the reference (mask {mask.kind})"
                 continue
-            got = module.backward(dout, q, k, v, ref_out, ref_lse, 0.125, mask, dlse)
-            want = reference.backward(dout, q, k, v, ref_out, ref_lse, 0.125, mask, dlse)
+            got = module.backward(dout, q, k, v, ref_out, ref_lse, 0.125, mask, dlse, **cap)
+            want = reference.backward(dout, q, k, v, ref_out, ref_lse, 0.125, mask, dlse, **cap)
             if not all(_close(a, e, tol) for a, e in zip(got, want)):
                 return f"failed probe: {need} differs from the reference (mask {mask.kind})"
     except Exception as e:  # a broken install or an API change must not break "auto"
@@ -100,12 +111,13 @@ def _check(name: str, need: str, q: torch.Tensor) -> str:
     return ""
 
 
-def _probe(name: str, q: torch.Tensor, need: str = "forward") -> str:
-    """Check a backend once per (device, dtype, need) against the reference: "" or why not."""
+def _probe(name: str, q: torch.Tensor, need: str = "forward", softcap: bool = False, dv: bool = False) -> str:
+    """Check a backend once per (device, dtype, need, native feature) against the reference: "" or why not."""
     key = (name, q.device.type, q.dtype)
     results = _verified.setdefault(key, {})
+    need = need + ("+softcap" if softcap else "") + ("+dv" if dv else "")
     if need not in results:
-        results[need] = _check(name, need, q)
+        results[need] = _check(name, need.split("+")[0], q, softcap, dv)
         if results[need].startswith("failed"):
             _warn_once((key, need), f"ringkv: backend {name!r} {results[need]} on {q.device.type} {q.dtype}; "
                                     f"'auto' runs the {need} elsewhere (ringkv.kernels.describe() says where)")
@@ -116,8 +128,9 @@ def _need(dlse: bool, backward: bool) -> str:
     return "lse_grad" if dlse else "backward" if backward else "forward"
 
 
-def _skip_reason(name: str, q: torch.Tensor, mask: Mask, need: str) -> str:
-    """Why ``auto`` passes over backend ``name`` for this call ("" when it may take it)."""
+def _skip_reason(name: str, q: torch.Tensor, mask: Mask, need: str, softcap: bool = False, dv: bool = False) -> str:
+    """Why ``auto`` passes over backend ``name`` for this call ("" when it may take it).
+    ``softcap``: the call caps its scores; ``dv``: V's head size differs from q's."""
     module = BACKENDS.get(name)
     if module is None:
         return MISSING.get(name, "not registered")
@@ -126,16 +139,22 @@ def _skip_reason(name: str, q: torch.Tensor, mask: Mask, need: str) -> str:
     declined = getattr(module, "declines", lambda m: "")(mask)  # on, but not for this kind of block
     if declined:
         return declined
+    if softcap and "softcap" not in features(module):
+        return "unsupported: no logit soft-capping"
     if not module.supports(q, mask, need == "lse_grad"):
         return "unsupported" + (" (takes no gradient through lse)" if need == "lse_grad"
                                 and module.supports(q, mask) else "")
-    return "" if name == "reference" else _probe(name, q, need)
+    return "" if name == "reference" else _probe(name, q, need, softcap, dv and "dv" in features(module))
 
 
-def pick(backend: str, q: torch.Tensor, mask: Mask, dlse: bool = False, backward: bool = False):
+def pick(backend: str, q: torch.Tensor, mask: Mask, dlse: bool = False, backward: bool = False,
+         softcap: bool = False, dv: bool = False):
     """Resolve a backend name (or ``"auto"``) to a module for this call.
 
-    ``backward``: the call is a backward; ``dlse``: a backward with a gradient through lse.
+    ``backward``: the call is a backward; ``dlse``: a backward with a gradient through lse;
+    ``softcap``: it caps its scores (only backends with the feature take it; a forced one without
+    it is a ``ValueError`` naming ``softcap``); ``dv``: V has its own head size (a backend
+    without the feature runs it padded, see ``ringkv.kernels``).
     ``"auto"`` takes the first backend in ``PREFERENCE`` that supports the call and passed its
     probe for it. An explicit backend that runs the backward but takes no ``dlse`` hands that
     call to ``"auto"`` (with a warning, once).
@@ -144,10 +163,13 @@ def pick(backend: str, q: torch.Tensor, mask: Mask, dlse: bool = False, backward
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)} or 'auto'")
         module = BACKENDS[backend]
+        if softcap and "softcap" not in features(module):
+            raise ValueError(f"softcap: backend {backend!r} has no logit soft-capping; use backend='auto' or one of "
+                             f"{sorted(n for n, m in BACKENDS.items() if 'softcap' in features(m))}")
         if module.supports(q, mask, dlse):
             return module
         if dlse and module.supports(q, mask):
-            chosen = pick("auto", q, mask, dlse=True, backward=True)
+            chosen = pick("auto", q, mask, dlse=True, backward=True, softcap=softcap, dv=dv)
             _warn_once(("dlse", backend, _name(chosen)),
                        f"ringkv: backend {backend!r} takes no gradient through lse; backward calls with one run "
                        f"on {_name(chosen)!r}")
@@ -156,7 +178,7 @@ def pick(backend: str, q: torch.Tensor, mask: Mask, dlse: bool = False, backward
                          f"head_dim={q.shape[-1]} with mask {mask.kind!r}; use backend='auto'")
     need = _need(dlse, backward)
     for name in PREFERENCE.get(q.device.type, ["reference"]):
-        if not _skip_reason(name, q, mask, need):
+        if not _skip_reason(name, q, mask, need, softcap, dv):
             return BACKENDS[name]
     return reference
 
@@ -174,6 +196,8 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
     need in ``NEEDS`` (forward, backward, lse_grad) and mask kind (full, offset, band, dense; EMPTY
     blocks never reach a backend); ``skipped[name]`` is why another backend is not used: one string when the reason
     is the same for every call, else ``{"need/kind": reason}`` for the calls it does not run.
+    ``auto_softcap``: like ``auto`` for calls with a soft-cap; ``features[name]``: how each backend
+    takes a soft-cap (native or not at all) and V with its own head size (native or zero-padded).
     On the CPU, ``native[kernel]`` (``flash_attention``, ``flash_attention (full)``: its verdict on full
     blocks, ``linear``, ``paged_attention``) is each C
     kernel's verdict (``native.self_check``: its ISA and tiles, ``on``, ``by`` what, ``why`` not,
@@ -200,12 +224,18 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
                     why = f"after {chosen!r} in the preference order"
                 cells.setdefault(name, {})[f"{need}/{kind}"] = why or _skip_reason(name, q, mask, need)
     skipped = {n: (next(iter(c.values())) if len(set(c.values())) == 1 else c) for n, c in cells.items()}
+    auto_softcap = {need: {kind: _name(pick("auto", q, make(q.shape[1]), dlse=need == "lse_grad",
+                                            backward=need != "forward", softcap=True))
+                           for kind, make in _SAMPLE_MASKS.items()} for need in NEEDS}
+    feats = {n: {"softcap": "native" if "softcap" in features(m) else "no (skipped for capped calls)",
+                 "dv": "native" if "dv" in features(m) else "zero-padded to max(D, Dv)"} for n, m in BACKENDS.items()}
     notes = []
     if "reference" in auto["lse_grad"].values():
         notes.append("lse_grad on 'reference': no backend usable here takes a gradient through lse natively "
                      "(only 'cpu_flash' does, float32 on CPU, and 'triton', for full/offset masks on CUDA), so the "
                      "reference runs those backward calls, by design")
-    out = dict(device=str(device), dtype=str(dtype), order=list(order), auto=auto, skipped=skipped, notes=notes)
+    out = dict(device=str(device), dtype=str(dtype), order=list(order), auto=auto, skipped=skipped, notes=notes,
+               auto_softcap=auto_softcap, features=feats)
     if device.type == "cpu":
         from . import linear_cpu, paged_cpu
 

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["empty_partial", "merge_", "merge_eager_", "merge"]
+__all__ = ["empty_partial", "merge_", "merge_eager_", "merge", "apply_sinks", "sinks_grad"]
 
 _fused = None  # triton_merge.merge_ once imported; False when triton is not installed
 
@@ -82,3 +82,21 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     for o, l in zip(outs, lse_all):
         out.add_(o.float() * _weight(l, total))
     return out, total
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """Attention sinks on a *final* result: one more logit ``sinks[h]`` per head in the softmax's
+    denominator, with no value (gpt-oss). ``out`` ``(B, S, H, Dv)``, ``lse`` ``(B, H, S)`` over the
+    real keys, ``sinks`` ``(H,)`` -> ``out_f`` in ``out``'s dtype and ``lse_f = logaddexp(lse, sink)``
+    float32. Applied once, after every merge (partials over disjoint keys merge without it). A
+    backward given ``(dout_f, out_f, lse_f)`` is exact for q, k, v (the sink is a key with value 0)."""
+    lse_f = torch.logaddexp(lse.float(), sinks.float().view(1, -1, 1))  # (B, H, S)
+    w = torch.exp(lse.float() - lse_f)  # the real keys' share; 0 where no key was seen
+    return (out.float() * w.transpose(1, 2).unsqueeze(-1)).to(out.dtype), lse_f
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse_f: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks ``(H,)`` float32 from the rows held here: ``-sum p_sink * rowsum(dout * out)``
+    over batch and rows, with ``out``/``lse_f`` the sinked results of ``apply_sinks``."""
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (B, H, S)
+    return -(torch.exp(sinks.float().view(1, -1, 1) - lse_f) * delta).sum((0, 2))

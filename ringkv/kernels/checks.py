@@ -23,7 +23,8 @@ def validate(q, k, v, scale=None) -> float:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must have the same (batch, seq, kv_heads) (v may have its own head_dim), "
+        raise ValueError(f"k and v must have the same shape but for the head_dim (batch, seq, kv_heads; v may have "
+                         f"its own head_dim), "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
     if v.shape[3] == 0:
         raise ValueError(f"v's head_dim must be at least 1, got shape {tuple(v.shape)}")

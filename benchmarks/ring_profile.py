@@ -75,7 +75,7 @@ class Clock:
             self.wrap(owner, name, "kernel")
         for owner in (sdpa, merge_mod, kernels):  # each module's own reference to the merge
             self.wrap(owner, "merge_", "merge")
-        for name in ("_stack", "empty_partial"):
+        for name in ("_pack", "empty_partial"):
             self.wrap(ring, name, "copies")
         self.wrap(comm_mod.RingComm, "send_recv", "post")
         self.wrap(comm_mod.RingComm, "wait", "wait")

@@ -35,10 +35,11 @@ from .mask import BAND, DENSE, EMPTY, FULL, Mask, offset_tiles
 class Adapter:
     """How one release spells our two calls.
 
-    ``fwd(fn, q, k, v, scale, causal, window) -> (out, lse)``;
-    ``bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window)`` fills dq, dk, dv.
+    ``fwd(fn, q, k, v, scale, causal, window, softcap) -> (out, lse)``;
+    ``bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap)`` fills dq, dk, dv.
     ``fwd_params``/``bwd_params``: the release's leading parameter names, the ones we pass
-    positionally (any later parameter must have a default).
+    positionally (any later parameter must have a default). ``softcap``: the release caps scores
+    in its forward and backward (``softcap`` 0 = off), and the adapter passes ours.
     """
     name: str
     versions: Optional[Tuple[Tuple[int, int], Tuple[int, int]]]  # [low, high) (major, minor); None: FA3
@@ -46,6 +47,7 @@ class Adapter:
     bwd_params: Tuple[str, ...]
     fwd: Callable
     bwd: Callable
+    softcap: bool = False
 
 
 _QKV = ("q", "k", "v")
@@ -54,24 +56,24 @@ _GRAD_IN = ("dout", "q", "k", "v", "out", "softmax_lse")
 
 # flash-attn 2.6.0-2.6.3, flash_attn/flash_attn_interface.py: window as one tuple; the forward
 # returns (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
-def _fa26_fwd(fn, q, k, v, scale, causal, window):
-    out, _, _, _, _, lse, _, _ = fn(q, k, v, 0.0, scale, causal, tuple(window), 0.0, None, False)
+def _fa26_fwd(fn, q, k, v, scale, causal, window, softcap=0.0):
+    out, _, _, _, _, lse, _, _ = fn(q, k, v, 0.0, scale, causal, tuple(window), softcap, None, False)
     return out, lse
 
 
-def _fa26_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window):
-    fn(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, tuple(window), 0.0, None, False, None)
+def _fa26_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap=0.0):
+    fn(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, tuple(window), softcap, None, False, None)
 
 
 # flash-attn 2.7.0-2.8.x (torch custom ops since 2.7.0): window as left, right; the forward returns
 # (out, softmax_lse, S_dmask, rng_state); the backward fills dq, dk, dv and returns softmax_d
-def _fa27_fwd(fn, q, k, v, scale, causal, window):
-    out, lse, _, _ = fn(q, k, v, 0.0, scale, causal, window[0], window[1], 0.0, None, False)
+def _fa27_fwd(fn, q, k, v, scale, causal, window, softcap=0.0):
+    out, lse, _, _ = fn(q, k, v, 0.0, scale, causal, window[0], window[1], softcap, None, False)
     return out, lse
 
 
-def _fa27_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window):
-    fn(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, window[0], window[1], 0.0, None, False, None)
+def _fa27_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap=0.0):
+    fn(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, window[0], window[1], softcap, None, False, None)
 
 
 FA2_ADAPTERS = (
@@ -80,13 +82,13 @@ FA2_ADAPTERS = (
                     "return_softmax"),
             _GRAD_IN + ("dq", "dk", "dv", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
                         "alibi_slopes", "deterministic", "rng_state"),
-            _fa26_fwd, _fa26_bwd),
+            _fa26_fwd, _fa26_bwd, softcap=True),
     Adapter("flash-attn 2.7-2.8", ((2, 7), (2, 9)),
             _QKV + ("dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
                     "alibi_slopes", "return_softmax"),
             _GRAD_IN + ("dq", "dk", "dv", "dropout_p", "softmax_scale", "causal", "window_size_left",
                         "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state"),
-            _fa27_fwd, _fa27_bwd),
+            _fa27_fwd, _fa27_bwd, softcap=True),
 )
 
 # FlashAttention-3, hopper/flash_attn_interface.py: 20 optional inputs (new KV, paging, rotary,
@@ -98,23 +100,23 @@ _FA3_BWD_NONE = ("cu_seqlens_q", "cu_seqlens_k", "sequed_q", "sequed_k", "max_se
 
 
 # as of tags v2.8.0-v2.8.3: window as one tuple; backward returns (dq, dk, dv, softmax_d)
-def _fa3_tuple_fwd(fn, q, k, v, scale, causal, window):
+def _fa3_tuple_fwd(fn, q, k, v, scale, causal, window, softcap=0.0):
     out, lse, *_ = fn(q, k, v, *(None,) * len(_FA3_FWD_NONE), scale, causal, tuple(window))
     return out, lse
 
 
-def _fa3_tuple_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window):
+def _fa3_tuple_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap=0.0):
     fn(dout, q, k, v, out, lse, *(None,) * len(_FA3_BWD_NONE), dq, dk, dv, scale, causal, tuple(window))
 
 
 # after v2.8.3 (torch custom ops): window as left, right; the output buffer renamed ``out_``, the
 # backward's flag ``is_causal``; forward returns (out, lse, out_accum, lse_accum), backward softmax_d
-def _fa3_split_fwd(fn, q, k, v, scale, causal, window):
+def _fa3_split_fwd(fn, q, k, v, scale, causal, window, softcap=0.0):
     out, lse, *_ = fn(q, k, v, *(None,) * len(_FA3_FWD_NONE), scale, causal, window[0], window[1])
     return out, lse
 
 
-def _fa3_split_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window):
+def _fa3_split_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap=0.0):
     fn(dout, q, k, v, out, lse, *(None,) * len(_FA3_BWD_NONE), dq, dk, dv, scale, causal, window[0], window[1])
 
 
@@ -179,9 +181,12 @@ class FlashBackend:
 
     def __init__(self, name: str, module, table, version: Optional[str] = None, unavailable: str = ""):
         self.name, self.module, self.adapter, self.unavailable = name, module, None, unavailable
+        self.FEATURES = frozenset()  # V's own head size runs zero-padded (see ringkv.kernels)
         if module is not None:
             self.adapter, why = select(table, module._flash_attn_forward, module._flash_attn_backward, version)
             self.unavailable = "" if self.adapter else why
+            if self.adapter is not None and self.adapter.softcap:  # FA3's capped backward is not wired (untested)
+                self.FEATURES = frozenset({"softcap"})
 
     def __repr__(self):
         return f"<backend {self.name}: {self.adapter.name if self.adapter else self.unavailable}>"
@@ -190,38 +195,39 @@ class FlashBackend:
         return (self.adapter is not None and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
                 and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and mask.kind != DENSE and not dlse)
 
-    def _fwd(self, q, k, v, scale: float, causal: bool, window):
-        o, l = self.adapter.fwd(self.module._flash_attn_forward, q, k, v, scale, causal, window)
+    def _fwd(self, q, k, v, scale: float, causal: bool, window, softcap=None):
+        o, l = self.adapter.fwd(self.module._flash_attn_forward, q, k, v, scale, causal, window, softcap or 0.0)
         return o, l.float()
 
     @torch.no_grad()
-    def forward(self, q, k, v, scale: float, mask: Mask):
+    def forward(self, q, k, v, scale: float, mask: Mask, softcap=None):
         """Same contract as ``reference.forward``; one call over all rows is returned unmerged."""
         tiles = [] if mask.kind == EMPTY else _tiles(mask, q.shape[1], k.shape[1])
         if len(tiles) == 1 and tiles[0][0] == slice(0, q.shape[1]):
             _, c, causal, window = tiles[0]
-            return self._fwd(q, k[:, c], v[:, c], scale, causal, window)
+            return self._fwd(q, k[:, c], v[:, c], scale, causal, window, softcap)
         acc, lse = empty_partial(*q.shape[:3], v.shape[-1], q.device)
-        self.forward_into(q, k, v, scale, mask, acc, lse)
+        self.forward_into(q, k, v, scale, mask, acc, lse, softcap)
         return acc.to(q.dtype), lse
 
     @torch.no_grad()
-    def forward_into(self, q, k, v, scale: float, mask: Mask, out, lse) -> None:
+    def forward_into(self, q, k, v, scale: float, mask: Mask, out, lse, softcap=None) -> None:
         """Each call's partial merged once, straight into the float32 accumulator ``out``/``lse``."""
         if mask.kind == EMPTY:
             return
         for r, c, causal, window in _tiles(mask, q.shape[1], k.shape[1]):
-            merge_(out[:, r], lse[:, :, r], *self._fwd(q[:, r], k[:, c], v[:, c], scale, causal, window))
+            merge_(out[:, r], lse[:, :, r], *self._fwd(q[:, r], k[:, c], v[:, c], scale, causal, window, softcap))
 
     @torch.no_grad()
-    def backward(self, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
+    def backward(self, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, softcap=None):
         """Same contract as ``reference.backward`` without ``dlse`` (the registry routes that)."""
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
-        self.backward_into(*grads, dout, q, k, v, out, lse, scale, mask, dlse)
+        self.backward_into(*grads, dout, q, k, v, out, lse, scale, mask, dlse, softcap)
         return tuple(grads)
 
     @torch.no_grad()
-    def backward_into(self, dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None) -> None:
+    def backward_into(self, dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None,
+                      softcap=None) -> None:
         """``backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed), call by call."""
         assert dlse is None
         if mask.kind == EMPTY:
@@ -231,7 +237,8 @@ class FlashBackend:
             qs, ks, vs = q[:, r].contiguous(), k[:, c].contiguous(), v[:, c].contiguous()
             g = [torch.empty_like(t) for t in (qs, ks, vs)]
             self.adapter.bwd(self.module._flash_attn_backward, dout[:, r].contiguous(), qs, ks, vs,
-                             out[:, r].contiguous(), lse[:, :, r].contiguous(), *g, scale, causal, window)
+                             out[:, r].contiguous(), lse[:, :, r].contiguous(), *g, scale, causal, window,
+                             softcap or 0.0)
             dq[:, r] += g[0]
             dk[:, c] += g[1]
             dv[:, c] += g[2]

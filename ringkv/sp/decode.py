@@ -16,7 +16,7 @@ import torch
 
 from .. import kernels
 from .collectives import all_gather, rank_world
-from ..kernels.merge import empty_partial, merge
+from ..kernels.merge import apply_sinks, empty_partial, merge
 
 __all__ = ["decode_attention", "merge_across"]
 
@@ -24,17 +24,21 @@ __all__ = ["decode_attention", "merge_across"]
 def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *, q_positions: torch.Tensor,
                      k_positions: torch.Tensor, group=None, softmax_scale: Optional[float] = None,
                      backend: str = "auto", timeout: Optional[timedelta] = None,
-                     window: Tuple[int, int] = (-1, -1)) -> torch.Tensor:
+                     window: Tuple[int, int] = (-1, -1), softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Exact causal attention of replicated new queries over the sharded cache.
 
     Args:
         q: ``(B, T, H, D)``, the same on every rank; ``q_positions`` ``(T,)`` their global positions.
-        k_local, v_local: ``(B, S_local, Hkv, D)``, this rank's cached keys/values (``S_local``
-            may be 0 and may differ between ranks); ``k_positions`` ``(S_local,)`` global positions.
+        k_local, v_local: ``(B, S_local, Hkv, D)``, ``(B, S_local, Hkv, Dv)``, this rank's cached
+            keys/values (``S_local`` may be 0 and may differ between ranks); ``k_positions``
+            ``(S_local,)`` global positions.
         window: ``(left, right)`` sliding window on those positions, as in ``ring_attention``.
+        softcap, sinks: as in ``ring_attention`` (sinks applied once, after the merge).
     Returns:
-        ``(B, T, H, D)`` in ``q.dtype``, identical on every rank.
+        ``(B, T, H, Dv)`` in ``q.dtype``, identical on every rank.
     """
+    softcap, sinks = kernels.check_softcap(softcap), kernels.check_sinks(sinks, q)
     if k_local.shape[1] != k_positions.numel():
         raise ValueError(f"decode_attention: {k_local.shape[1]} cached keys but {k_positions.numel()} positions")
     b, t, h, d = q.shape
@@ -42,8 +46,10 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
         out, lse = empty_partial(b, t, h, v_local.shape[-1], q.device)
     else:
         out, lse = kernels.attention(q, k_local, v_local, scale=softmax_scale, causal=True, q_positions=q_positions,
-                                     k_positions=k_positions, window=window, backend=backend)
-    merged, _ = merge_across(out, lse, group, timeout, "decode_attention")
+                                     k_positions=k_positions, window=window, backend=backend, softcap=softcap)
+    merged, lse = merge_across(out, lse, group, timeout, "decode_attention")
+    if sinks is not None:
+        merged = apply_sinks(merged, lse, sinks)[0]
     return merged.to(q.dtype)
 
 

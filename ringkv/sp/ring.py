@@ -106,20 +106,26 @@ def plan(q_ranges: List[range], k_ranges: List[range], causal: bool, window: Tup
     return calls
 
 
-def call_values(q, k, causal, layout, scale, backend, window=NO_WINDOW, cu=None) -> Tuple[List[str], List[int]]:
+def _bits(x: Optional[float]) -> int:
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def call_values(q, k, causal, layout, scale, backend, window=NO_WINDOW, cu=None, v=None, softcap=None,
+                sinks=None) -> Tuple[List[str], List[int]]:
     """Names and integer values of the shapes and settings every rank must agree on (for ``agree``)."""
     names = ["batch", "seq_local", "heads", "head_dim", "kv_heads", "dtype", "layout", "causal", "scale", "backend",
-             "window", "window", "cu_seqlens"]
-    scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
+             "window", "window", "cu_seqlens", "v_head_dim", "softcap", "sinks"]
     values = [*q.shape, k.shape[2], zlib.crc32(str(q.dtype).encode()), LAYOUTS.index(layout), int(causal),
-              scale_bits, zlib.crc32(backend.encode()), *window, -1 if cu is None else zlib.crc32(repr(cu).encode())]
+              _bits(scale), zlib.crc32(backend.encode()), *window, -1 if cu is None else zlib.crc32(repr(cu).encode()),
+              (k if v is None else v).shape[-1], _bits(softcap), int(sinks is not None)]
     return names, values
 
 
-def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend, window, cu, grad_comm_dtype) -> None:
+def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend, window, cu, grad_comm_dtype,
+                        v=None, softcap=None, sinks=None) -> None:
     """All ranks must call with the same shapes and settings: one tiny bounded all-gather the first
     time a configuration is seen on this group, nothing on later calls (``agree_once``)."""
-    names, values = call_values(q, k, causal, layout, scale, backend, window, cu)
+    names, values = call_values(q, k, causal, layout, scale, backend, window, cu, v, softcap, sinks)
     values.append(zlib.crc32(str(grad_comm_dtype).encode()))
     agree_once(values, names + ["grad_comm_dtype"], comm.group, comm.timeout, "ring_attention", q.device)
 
@@ -171,21 +177,29 @@ class Shards:
 
 
 def _heads_first(device: torch.device) -> bool:
-    """Whether K and V travel in ``(2, B, Hkv, S, D)`` memory: on CPU, where torch's flash op runs
+    """Whether K and V travel in ``(B, Hkv, S, D)`` memory: on CPU, where torch's flash op runs
     4-8% faster (forward and backward) with K/V heads-first than with rows strided by ``Hkv * D``;
     the layout of q, out, dout and the gradients makes no difference there (measured,
     ``docs/performance.md``). The kernels see ``(B, S, Hkv, D)`` views either way."""
     return device.type == "cpu"
 
 
-def _stack(k, v, hf: bool) -> torch.Tensor:
-    """K and V as one message: ``(2, B, Hkv, S, D)`` when ``hf``, else ``(2, B, S, Hkv, D)``."""
-    return torch.stack([k.transpose(1, 2), v.transpose(1, 2)] if hf else [k, v])
+def _unpack(buf: torch.Tensor, k_shape, v_shape, hf: bool = False):
+    """A flat message's K ``(B, S, Hkv, D)`` and V ``(B, S, Hkv, Dv)`` views: K's elements then V's,
+    each in ``(B, Hkv, S, .)`` memory when ``hf``. V may have its own head size (MLA)."""
+    def view(flat, shape):
+        b, s, h, d = shape
+        return flat.view(b, h, s, d).transpose(1, 2) if hf else flat.view(shape)
+    nk = math.prod(k_shape)
+    return view(buf[:nk], k_shape), view(buf[nk:], v_shape)
 
 
-def _kv(buf: torch.Tensor, hf: bool) -> torch.Tensor:
-    # the message as the kernels' (2, B, S, Hkv, D)
-    return buf.transpose(2, 3) if hf else buf
+def _pack(k, v, hf: bool) -> torch.Tensor:
+    """K and V as one flat message (``_unpack`` gives them back)."""
+    buf = torch.empty(k.numel() + v.numel(), dtype=k.dtype, device=k.device)
+    for dst, src in zip(_unpack(buf, k.shape, v.shape, hf), (k, v)):
+        dst.copy_(src)
+    return buf
 
 
 @functools.lru_cache(maxsize=64)
@@ -198,13 +212,13 @@ def _last_step(shards: Shards, causal: bool, window: Tuple[int, int]) -> int:
                  if any(shards.plan(r, (r - t) % n, causal, window) for r in range(n))), 0)
 
 
-def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, backend):
+def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, backend, softcap=None):
     b, s, h, d = q.shape
     n, r = comm.world, comm.rank
     last = _last_step(shards, causal, window)
     out = lse = None  # the float32 accumulator: the first partial over all rows, else empty_partial
     hf = _heads_first(q.device)
-    bufs = [_stack(k, v, hf), None]  # K and V travel as one message
+    bufs = [_pack(k, v, hf), None]  # K and V travel as one message
     bufs[1] = torch.empty_like(bufs[0])
     stats = RingStats(steps=last + 1)
     for step in range(last + 1):
@@ -212,19 +226,20 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
             comm.send_recv([bufs[step % 2]], [bufs[(step + 1) % 2]])
             stats.hops += 1
             stats.bytes_sent += bufs[0].numel() * bufs[0].element_size()
-        cur = _kv(bufs[step % 2], hf)  # (2, B, S, Hkv, D)
+        cur = _unpack(bufs[step % 2], k.shape, v.shape, hf)  # K (B, S, Hkv, D), V (B, S, Hkv, Dv)
         src = (r - step) % n
         calls = shards.plan(r, src, causal, window)
         work = 0
         for qs, ks, mask in calls:
             args = (q[:, qs], cur[0][:, ks], cur[1][:, ks])
             if out is None and (qs.start, qs.stop) == (0, s):  # nothing to merge with yet: take it as it is
-                o, lse = kernels.block_forward(*args, scale=scale, mask=mask, backend=backend)
+                o, lse = kernels.block_forward(*args, scale=scale, mask=mask, backend=backend, softcap=softcap)
                 out = o.float()
             else:
                 if out is None:
                     out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
-                kernels.block_forward_into(out[:, qs], lse[:, :, qs], *args, scale=scale, mask=mask, backend=backend)
+                kernels.block_forward_into(out[:, qs], lse[:, :, qs], *args, scale=scale, mask=mask, backend=backend,
+                                           softcap=softcap)
             work += mask.pairs(qs.stop - qs.start, ks.stop - ks.start)
         stats.calls += len(calls)
         stats.skipped += len(shards.q[r]) * len(shards.k[src]) - len(calls)
@@ -240,7 +255,7 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
 
 
 def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shards, comm: RingComm, backend,
-              grad_comm_dtype=None):
+              grad_comm_dtype=None, softcap=None):
     """dK/dV of the block held at step ``t >= 1`` travel on with it (one ring hop per step); after
     the last step they go straight back to their owner (``last`` hops behind) in one message,
     where they join the owner's own share (step 0). They travel in ``grad_comm_dtype`` (default
@@ -252,9 +267,9 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shar
     wire = grad_comm_dtype or torch.float32
     hf = _heads_first(q.device)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = [_stack(k, v, hf), None]
+    kv = [_pack(k, v, hf), None]
     kv[1] = torch.empty_like(kv[0])
-    mine = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # (2, B, S, Hkv, D): own dK/dV
+    mine = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)  # own dK then dV, flat (_unpack)
     # the travelling dK/dV, double-buffered: receive into one while the other is sent
     dkv = [torch.empty(mine.shape, dtype=wire, device=q.device) for _ in range(2)] if last else []
     # this step's share of the block held (float32); with a float32 wire step 1 computes into its send buffer
@@ -264,17 +279,18 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shar
             kv_comm.send_recv([kv[step % 2]], [kv[(step + 1) % 2]])
             stats.hops += 1
             stats.bytes_sent += kv[0].numel() * kv[0].element_size()
-        cur = _kv(kv[step % 2], hf)  # (2, B, S, Hkv, D)
+        cur = _unpack(kv[step % 2], k.shape, v.shape, hf)  # K (B, S, Hkv, D), V (B, S, Hkv, Dv)
         src = (r - step) % n
         acc = mine if step == 0 else dkv[1] if step == 1 and wire == torch.float32 else blk
         if step > 0:
             acc.zero_()  # a sum of the calls' shares (mine is zeros already)
+        dk_acc, dv_acc = _unpack(acc, k.shape, v.shape)
         calls = shards.plan(r, src, causal, window)
         for qs, ks, mask in calls:
             kernels.block_backward_into(
-                dq[:, qs], acc[0][:, ks], acc[1][:, ks], dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks],
+                dq[:, qs], dk_acc[:, ks], dv_acc[:, ks], dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks],
                 out[:, qs], lse[:, :, qs], scale=scale, mask=mask, dlse=None if dlse is None else dlse[:, :, qs],
-                backend=backend)
+                backend=backend, softcap=softcap)
         stats.calls += len(calls)
         if step >= 1:
             send = dkv[step % 2]
@@ -297,7 +313,8 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shar
         mine += dkv[(last + 1) % 2]
     global last_backward_stats
     last_backward_stats = stats
-    return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
+    dk, dv = _unpack(mine, k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -305,12 +322,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
                    softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
                    timeout: Optional[timedelta] = None, check: bool = True, comm: Optional[RingComm] = None,
                    window: Tuple[int, int] = NO_WINDOW, cu_seqlens: Optional[CuSeqlens] = None,
-                   grad_comm_dtype: Optional[torch.dtype] = None):
+                   grad_comm_dtype: Optional[torch.dtype] = None, softcap: Optional[float] = None,
+                   sinks: Optional[torch.Tensor] = None):
     """Exact attention of this rank's query shard over the whole sharded sequence.
 
     Args:
         q: ``(B, S_local, H, D)``, this rank's shard in ``layout``.
-        k, v: ``(B, S_local, Hkv, D)`` with ``H % Hkv == 0``; only the ``Hkv`` heads travel.
+        k, v: ``(B, S_local, Hkv, D)`` and ``(B, S_local, Hkv, Dv)`` with ``H % Hkv == 0``; only the
+            ``Hkv`` heads travel; V may have its own head size (MLA: K and V of different widths
+            travel as one message).
         causal: mask ``q_pos >= k_pos`` on global positions.
         window: ``(left, right)``: key visible iff ``q_pos - left <= k_pos <= q_pos + right``
             (``-1`` unbounded; causal means ``right = 0``). K/V make only the hops they need.
@@ -333,25 +353,34 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
             ``torch.bfloat16`` halves their bytes. They are summed in float32 at every hop.
         comm: the ring to use instead of one over ``group`` (e.g. ``LocalComm`` to time the
             schedule without communication).
+        softcap: scores ``softcap * tanh(s / softcap)`` in every block (Gemma 2).
+        sinks: ``(H,)`` sink logits (gpt-oss), applied once to the merged result; the returned
+            lse stays over the real keys. Their gradient covers this rank's rows: sum it over the
+            group like any replicated weight's.
 
     Returns:
-        ``out`` ``(B, S_local, H, D)`` in ``q.dtype`` (and ``lse``). Differentiable w.r.t. q, k, v.
+        ``out`` ``(B, S_local, H, Dv)`` in ``q.dtype`` (and ``lse``). Differentiable w.r.t. q, k, v
+        (and sinks).
     """
     comm = comm or RingComm(group, timeout)
     window = check_window(window)
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens)
-    scale = check_inputs(q, k, v, causal, layout, softmax_scale, backend, comm.world, cu=cu)
+    scale, softcap = check_inputs(q, k, v, causal, layout, softmax_scale, backend, comm.world, cu=cu, softcap=softcap,
+                                  sinks=sinks)
     grad_comm_dtype = check_grad_comm_dtype(grad_comm_dtype)
     if check and comm.world > 1 and not isinstance(comm, LocalComm):
-        _check_across_ranks(comm, q, k, causal, layout, scale, backend, window, cu, grad_comm_dtype)
+        _check_across_ranks(comm, q, k, causal, layout, scale, backend, window, cu, grad_comm_dtype, v, softcap,
+                            sinks)
     shards = Shards.of_layout(q.shape[1] * comm.world, layout, comm.world) if cu is None else \
         Shards.of_varlen(cu, layout, comm.world)
-    out, lse = _run(q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype)
+    out, lse = _run(q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype, softcap, sinks)
     return (out, lse) if return_lse else out
 
 
-def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, parts: int = 1, cu=None) -> float:
-    """The checks every SP attention makes before it communicates; returns the softmax scale.
+def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, parts: int = 1, cu=None,
+                 softcap=None, sinks=None) -> Tuple[float, Optional[float]]:
+    """The checks every SP attention makes before it communicates; returns the softmax scale and
+    the checked ``softcap`` (``sinks``: ``(H,)`` or None, checked too).
 
     The sequence is split over ``world`` ranks in ``layout`` and each shard into ``parts``
     equal pieces (USP's Ulysses parts), one per rank: ``q``/``k``/``v`` hold one piece.
@@ -379,28 +408,35 @@ def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, pa
         if q.shape[1] == 0 or q.shape[1] % unit:
             raise ValueError(f"layout {layout!r} needs a positive local length divisible by {unit}, got "
                              f"{q.shape[1]}; pad the global sequence to a multiple of {granule(layout, world) * parts}")
-    kernels.pick(backend, q, Mask(FULL))  # an unusable explicit backend fails here, on every rank
-    return scale
+    softcap = kernels.check_softcap(softcap)
+    kernels.check_sinks(sinks, q)
+    # an unusable explicit backend fails here, on every rank
+    kernels.pick(backend, q, Mask(FULL), softcap=softcap is not None, dv=q.shape[-1] != v.shape[-1])
+    return scale, softcap
 
 
-def _run(q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype=None):
+def _run(q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype=None, softcap=None, sinks=None):
     args = (scale, causal, window, shards, comm, backend)
-    return kernels.run_differentiable(_forward, _backward, q, k, v, args, args + (grad_comm_dtype,))
+    return kernels.run_differentiable(_forward, _backward, q, k, v, args + (softcap,),
+                                      args + (grad_comm_dtype, softcap), sinks=sinks)
 
 
 def ring_attention_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: Shards, *, causal: bool,
                           comm: RingComm, softmax_scale: Optional[float] = None, backend: str = "auto",
-                          window: Tuple[int, int] = NO_WINDOW):
+                          window: Tuple[int, int] = NO_WINDOW, softcap: Optional[float] = None,
+                          sinks: Optional[torch.Tensor] = None):
     """Ring attention over shards of any positions (``Shards``: e.g. the engine's
     prompt chunks, where queries and keys differ in length). No cross-rank argument check: the
     caller guarantees that every rank passes the same ``shards``. Returns ``(out, lse)``.
+    ``softcap``, ``sinks``: as in ``ring_attention``.
 
     ``q`` ``(B, Sq, H, D)`` with ``Sq = sum(len(r) for r in shards.q[rank])``; ``k``/``v``
     ``(B, Sk, Hkv, D)`` likewise for ``shards.k``; ``Sk`` is the same on every rank.
     ``window``: as in ``ring_attention``, on the shards' positions.
     """
     scale = kernels.validate(q, k, v, softmax_scale)
-    return _run(q, k, v, scale, causal, check_window(window), shards, comm, backend)
+    softcap, sinks = kernels.check_softcap(softcap), kernels.check_sinks(sinks, q)
+    return _run(q, k, v, scale, causal, check_window(window), shards, comm, backend, None, softcap, sinks)
 
 
 class RingAttention(nn.Module):
@@ -410,15 +446,17 @@ class RingAttention(nn.Module):
     def __init__(self, *, causal: bool = False, group: Optional[dist.ProcessGroup] = None,
                  layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
                  backend: str = "auto", timeout: Optional[timedelta] = None, check: bool = True,
-                 window: Tuple[int, int] = NO_WINDOW, grad_comm_dtype: Optional[torch.dtype] = None):
+                 window: Tuple[int, int] = NO_WINDOW, grad_comm_dtype: Optional[torch.dtype] = None,
+                 softcap: Optional[float] = None):
         super().__init__()
         check_layout(layout)
         self.kw = dict(causal=causal, group=group, layout=layout, softmax_scale=softmax_scale,
                        return_lse=return_lse, backend=backend, timeout=timeout, check=check,
-                       window=check_window(window), grad_comm_dtype=check_grad_comm_dtype(grad_comm_dtype))
+                       window=check_window(window), grad_comm_dtype=check_grad_comm_dtype(grad_comm_dtype),
+                       softcap=kernels.check_softcap(softcap))
 
-    def forward(self, q, k, v, cu_seqlens: Optional[CuSeqlens] = None):
-        return ring_attention(q, k, v, cu_seqlens=cu_seqlens, **self.kw)
+    def forward(self, q, k, v, cu_seqlens: Optional[CuSeqlens] = None, sinks: Optional[torch.Tensor] = None):
+        return ring_attention(q, k, v, cu_seqlens=cu_seqlens, sinks=sinks, **self.kw)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{n}={self.kw[n]!r}" for n in ("layout", "causal", "window", "backend"))

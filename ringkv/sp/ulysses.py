@@ -53,29 +53,30 @@ def _bytes(x: torch.Tensor, world: int) -> int:
 def scatter_heads(q, k, v, group, timeout, what):
     """Sequence shards -> head shards over ``group`` (N ranks), differentiable.
 
-    q ``(B, S_l, H, D)``, k/v ``(B, S_l, Hkv, D)`` -> q ``(B, N*S_l, H/N, D)``, k/v
-    ``(B, N*S_l, Hkv_l, D)``: every rank's tokens in rank order. Also returns the bytes sent.
+    q ``(B, S_l, H, D)``, k ``(B, S_l, Hkv, D)``, v ``(B, S_l, Hkv, Dv)`` -> q ``(B, N*S_l, H/N, D)``,
+    k/v ``(B, N*S_l, Hkv_l, D or Dv)``: every rank's tokens in rank order. Also returns the bytes sent.
     """
     b, s, h, d = q.shape
+    dv = v.shape[-1]
     _, n = rank_world(group)
     kv_index = head_plan(h, k.shape[2], n, what)  # host
     hkv = kv_index.numel() // n
     if kv_index.numel() != k.shape[2]:  # replicated KV heads (the index_select backward sums the replicas)
         kv_index = kv_index.to(k.device)
         k, v = k.index_select(2, kv_index), v.index_select(2, kv_index)
-    # one message per pair: q, K, V heads for rank j packed along the head dim
-    packed = torch.cat([q.reshape(b, s, n, h // n, d), k.reshape(b, s, n, hkv, d), v.reshape(b, s, n, hkv, d)],
+    # one message per pair: q, K, V heads for rank j packed along the flattened (heads, head_dim)
+    packed = torch.cat([q.reshape(b, s, n, h // n * d), k.reshape(b, s, n, hkv * d), v.reshape(b, s, n, hkv * dv)],
                        dim=3)
-    packed = packed.permute(2, 0, 1, 3, 4)  # (N, B, S_l, H/N + 2*Hkv_l, D): row j goes to rank j
+    packed = packed.permute(2, 0, 1, 3)  # (N, B, S_l, (H/N + Hkv_l) * D + Hkv_l * Dv): row j goes to rank j
     (got,) = all_to_all(packed, group=group, timeout=timeout, what=what)  # row i came from rank i
-    got = got.permute(1, 0, 2, 3, 4).reshape(b, n * s, -1, d)  # (B, N*S_l, H/N + 2*Hkv_l, D)
-    q, k, v = got.split([h // n, hkv, hkv], dim=2)
-    return q, k, v, _bytes(packed, n)
+    got = got.permute(1, 0, 2, 3).reshape(b, n * s, -1)  # (B, N*S_l, (H/N + Hkv_l) * D + Hkv_l * Dv)
+    q, k, v = got.split([h // n * d, hkv * d, hkv * dv], dim=2)
+    return q.unflatten(2, (h // n, d)), k.unflatten(2, (hkv, d)), v.unflatten(2, (hkv, dv)), _bytes(packed, n)
 
 
 def gather_heads(out, lse, group, timeout, what):
-    """Head shards -> sequence shards: out ``(B, N*S_l, H/N, D)`` (rows in rank order) ->
-    ``(B, S_l, H, D)``; lse (or ``None``) ``(B, H/N, N*S_l)`` -> ``(B, H, S_l)``. Differentiable.
+    """Head shards -> sequence shards: out ``(B, N*S_l, H/N, Dv)`` (rows in rank order) ->
+    ``(B, S_l, H, Dv)``; lse (or ``None``) ``(B, H/N, N*S_l)`` -> ``(B, H, S_l)``. Differentiable.
     Also returns the bytes sent."""
     b, s_all, hl, d = out.shape
     _, n = rank_world(group)
@@ -92,27 +93,32 @@ def gather_heads(out, lse, group, timeout, what):
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                       group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
                       softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
-                      timeout: Optional[timedelta] = None, check: bool = True, window=NO_WINDOW):
+                      timeout: Optional[timedelta] = None, check: bool = True, window=NO_WINDOW,
+                      softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
     """Exact attention of this rank's query shard over the whole sharded sequence, by head shards.
 
     Args:
         q: ``(B, S_local, H, D)``, this rank's shard in ``layout``; ``H % N == 0``.
-        k, v: ``(B, S_local, Hkv, D)``; ``Hkv % N == 0`` (split) or ``N % Hkv == 0`` (replicated).
+        k, v: ``(B, S_local, Hkv, D)``, ``(B, S_local, Hkv, Dv)``; ``Hkv % N == 0`` (split) or
+            ``N % Hkv == 0`` (replicated).
         causal: mask ``q_pos >= k_pos`` on global positions.
         group: the SP process group (default: the world; no process group = one rank).
         layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (see ``ringkv.sp.layout``).
-        softmax_scale, backend, timeout, check, window: as in ``ring_attention``.
+        softmax_scale, backend, timeout, check, window, softcap: as in ``ring_attention``.
+        sinks: ``(H,)``; each rank applies its heads' sinks (their gradient lands on this rank's
+            heads for every row: the sum over the group is the whole gradient).
         return_lse: also return the float32 LSE ``(B, H, S_local)``.
 
     Returns:
-        ``out`` ``(B, S_local, H, D)`` in ``q.dtype`` (and ``lse``). Differentiable w.r.t. q, k, v.
+        ``out`` ``(B, S_local, H, Dv)`` in ``q.dtype`` (and ``lse``). Differentiable w.r.t. q, k, v
+        (and sinks).
     """
-    _, n = rank_world(group)
-    scale = check_inputs(q, k, v, causal, layout, softmax_scale, backend, n)
+    rank, n = rank_world(group)
+    scale, softcap = check_inputs(q, k, v, causal, layout, softmax_scale, backend, n, softcap=softcap, sinks=sinks)
     head_plan(q.shape[2], k.shape[2], n)
     window = check_window(window)
     if check and n > 1:
-        names, values = call_values(q, k, causal, layout, scale, backend, window)
+        names, values = call_values(q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks)
         agree_once(values, names, group, timeout, "ulysses_attention", q.device)
     seq_len = q.shape[1] * n
     qh, kh, vh, sent = scatter_heads(q, k, v, group, timeout, "ulysses_attention")  # (B, S, H/N, D), rank order
@@ -121,7 +127,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     if not in_order:  # global order, so that plain causal (a fused kernel) applies
         index, order = gather_order(seq_len, layout, n, q.device)  # global position of each row, its inverse
         qh, kh, vh = (t.index_select(1, order) for t in (qh, kh, vh))
-    out, lse = kernels.attention(qh, kh, vh, scale=scale, causal=causal, window=window, backend=backend)
+    local_sinks = None if sinks is None else sinks.view(n, -1)[rank]  # (H/N,): this rank's heads
+    out, lse = kernels.attention(qh, kh, vh, scale=scale, causal=causal, window=window, backend=backend,
+                                 softcap=softcap, sinks=local_sinks)
     if not in_order:  # back to rank order
         out, lse = out.index_select(1, index), lse.index_select(2, index)
     out, lse, sent_back = gather_heads(out, lse if return_lse else None, group, timeout, "ulysses_attention")

@@ -21,7 +21,7 @@ from ..kernels.mask import NO_WINDOW, check_window
 from . import ring as ring_mod
 from .collectives import CommStats, agree_once, rank_world
 from .comm import RingComm
-from .ring import Shards, call_values, check_inputs
+from .ring import Shards, call_values, check_inputs, ring_attention_shards
 from .ulysses import gather_heads, head_plan, scatter_heads
 
 __all__ = ["sp_groups", "usp_attention", "last_stats"]
@@ -61,7 +61,7 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                   ulysses_group: Optional[dist.ProcessGroup], ring_group: Optional[dist.ProcessGroup],
                   layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
                   backend: str = "auto", timeout: Optional[timedelta] = None, check: bool = True,
-                  window=NO_WINDOW):
+                  window=NO_WINDOW, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
     """Exact attention over a sequence sharded on a ``(ring, ulysses)`` mesh (``sp_groups``).
 
     Args:
@@ -69,8 +69,9 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
             ``S = S_local * U * R``; ``H % U == 0``.
         k, v: ``(B, S_local, Hkv, D)``; ``Hkv % U == 0`` (split) or ``U % Hkv == 0`` (replicated).
         ulysses_group, ring_group: from ``ringkv.sp_groups(ulysses=U, ring=R)``.
-        causal, layout, softmax_scale, return_lse, backend, timeout, check, window: as in ``ring_attention``
-            (``layout`` is the ring's; ``check`` compares arguments over both groups).
+        causal, layout, softmax_scale, return_lse, backend, timeout, check, window, softcap: as in
+            ``ring_attention`` (``layout`` is the ring's; ``check`` compares arguments over both groups).
+        sinks: ``(H,)``, applied by the ring of each Ulysses rank's heads (as in ``ulysses_attention``).
 
     Returns:
         ``out`` ``(B, S_local, H, D)`` in ``q.dtype`` (and float32 ``lse`` ``(B, H, S_local)``).
@@ -79,18 +80,22 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     if rank_world()[1] > 1 and (ulysses_group is None or ring_group is None):
         raise ValueError("usp_attention needs ulysses_group and ring_group: build them with "
                          "ringkv.sp_groups(ulysses=U, ring=R)")
-    (_, n_u), (_, n_r) = rank_world(ulysses_group), rank_world(ring_group)
-    scale = check_inputs(q, k, v, causal, layout, softmax_scale, backend, n_r, parts=n_u)
+    (u_rank, n_u), (_, n_r) = rank_world(ulysses_group), rank_world(ring_group)
+    scale, softcap = check_inputs(q, k, v, causal, layout, softmax_scale, backend, n_r, parts=n_u, softcap=softcap,
+                                  sinks=sinks)
     head_plan(q.shape[2], k.shape[2], n_u, "usp_attention")
     window = check_window(window)
     if check and n_u * n_r > 1:
-        names, values = call_values(q, k, causal, layout, scale, backend, window)
+        names, values = call_values(q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks)
         agree_once(values + [n_u, n_r], names + ["ulysses_world", "ring_world"], [ulysses_group, ring_group], timeout,
               "usp_attention", q.device)
     # (B, S/R, H/U, D): this ring rank's shard, in local order, for H/U heads
     qh, kh, vh, sent = scatter_heads(q, k, v, ulysses_group, timeout, "usp_attention")
     shards = Shards.of_layout(q.shape[1] * n_u * n_r, layout, n_r)
-    out, lse = ring_mod._run(qh, kh, vh, scale, causal, window, shards, RingComm(ring_group, timeout), backend)
+    local_sinks = None if sinks is None else sinks.view(n_u, -1)[u_rank]  # (H/U,): this Ulysses rank's heads
+    out, lse = ring_attention_shards(qh, kh, vh, shards, causal=causal, comm=RingComm(ring_group, timeout),
+                                     softmax_scale=scale, backend=backend, window=window, softcap=softcap,
+                                     sinks=local_sinks)
     sent += ring_mod.last_stats.bytes_sent
     out, lse, sent_back = gather_heads(out, lse if return_lse else None, ulysses_group, timeout, "usp_attention")
     global last_stats

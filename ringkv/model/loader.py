@@ -2,6 +2,11 @@
 transformers model, or a GGUF file (dequantized by transformers' GGUF loader).
 
 Never unpickles: ``*.bin``/``*.pt`` checkpoints are refused.
+
+Phi-3 checkpoints fuse q/k/v (``qkv_proj``: the rows of q, then k, then v) and gate/up
+(``gate_up_proj``: gate's rows, then up's); the model keeps them apart (so tensor parallelism
+splits each by heads / hidden units like any other model) and each part reads its rows of the
+fused tensor (``fused_part``), a rank's slice included: nothing is copied or concatenated.
 """
 
 from __future__ import annotations
@@ -98,8 +103,49 @@ def read_safetensors(directory: str) -> Dict[str, torch.Tensor]:
 
 
 def checkpoint_name(cfg: ModelConfig, param: str) -> str:
-    """The checkpoint tensor a parameter comes from (a tied LM head reads the embedding)."""
+    """The checkpoint tensor a parameter comes from (a tied LM head reads the embedding; a part of
+    a fused projection reads the fused tensor)."""
+    fused = fused_part(cfg, param)
+    if fused is not None:
+        return fused[0]
     return "model.embed_tokens.weight" if cfg.tie_word_embeddings and param == "lm_head.weight" else param
+
+
+_FUSED = {"self_attn.q_proj.weight": "self_attn.qkv_proj.weight",
+          "self_attn.k_proj.weight": "self_attn.qkv_proj.weight",
+          "self_attn.v_proj.weight": "self_attn.qkv_proj.weight",
+          "mlp.gate_proj.weight": "mlp.gate_up_proj.weight",
+          "mlp.up_proj.weight": "mlp.gate_up_proj.weight"}
+
+
+def fused_part(cfg: ModelConfig, param: str) -> Optional[Tuple[str, int, int]]:
+    """``(fused tensor, first row, rows)`` of a parameter held inside a fused checkpoint tensor
+    (Phi-3's ``qkv_proj`` and ``gate_up_proj``), None for any other parameter."""
+    if not cfg.fused_proj or not param.startswith("model.layers."):
+        return None
+    layer, _, key = param[len("model.layers."):].partition(".")
+    if key not in _FUSED:
+        return None
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    first, rows = {"self_attn.q_proj.weight": (0, q), "self_attn.k_proj.weight": (q, kv),
+                   "self_attn.v_proj.weight": (q + kv, kv), "mlp.gate_proj.weight": (0, inter),
+                   "mlp.up_proj.weight": (inter, inter)}[key]
+    return f"model.layers.{layer}.{_FUSED[key]}", first, rows
+
+
+def source_key(cfg: ModelConfig, param: str, sl: Optional["Slice"] = None) -> tuple:
+    """``(checkpoint tensor, dim, start, stop)`` that ``param`` (or its slice ``sl`` of the full
+    parameter, ``(dim, start, stop)``) reads; ``dim`` None: the whole tensor."""
+    dim, start, stop = sl or (None, 0, 0)
+    fused = fused_part(cfg, param)
+    if fused is None:
+        return checkpoint_name(cfg, param), dim, start, stop
+    name, first, rows = fused
+    if dim is None:
+        start, stop = 0, rows
+    elif dim != 0:
+        raise ValueError(f"{param} is part of the fused {name}: only rows of it can be read, not dim {dim}")
+    return name, 0, first + start, first + stop
 
 
 def model_tensors(cfg: ModelConfig, weights) -> set:
@@ -115,7 +161,13 @@ def check_checkpoint(cfg: ModelConfig, weights) -> None:
     """Every tensor the full model needs is in ``weights`` with the full model's shape, and
     nothing else is (so a sliced load can trust names and shapes)."""
     with torch.device("meta"):
-        shapes = {checkpoint_name(cfg, k): v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+        shapes = {}
+        for k, v in LlamaForCausalLM(cfg).state_dict().items():
+            name, _, _, stop = source_key(cfg, k)
+            shape = tuple(v.shape)
+            if fused_part(cfg, k) is not None:  # the fused tensor: the rows of all its parts
+                shape = (max(stop, shapes.get(name, (0,))[0]), *shape[1:])
+            shapes[name] = shape
     have = model_tensors(cfg, weights)
     missing, unexpected = sorted(set(shapes) - have), sorted(have - set(shapes))
     if missing or unexpected:
@@ -144,7 +196,7 @@ def materialize(model: LlamaForCausalLM, weights, dtype=torch.float32, device="c
             if p is None:
                 continue
             full = f"{mod_name}.{pname}" if mod_name else pname
-            key = (checkpoint_name(cfg, full), *slices.get(full, (None, 0, 0)))
+            key = source_key(cfg, full, slices.get(full))
             if key not in loaded:
                 t = weights.get(*key).to(device=device, dtype=dtype)
                 if tuple(t.shape) != tuple(p.shape):

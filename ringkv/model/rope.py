@@ -1,4 +1,10 @@
-"""Rotary position embeddings from GLOBAL token positions (HF "rotate_half" convention)."""
+"""Rotary position embeddings from GLOBAL token positions (HF "rotate_half" convention).
+
+A model has one RoPE, or two (Gemma 3: sliding layers use their own base, ``local_rope_theta``):
+``Rotary.cos_sin`` returns both stacked, and each layer picks its own (``rope_index``). With a
+``partial_rotary_factor`` below 1 (the Phi-3 family) only the first ``head_dim * factor``
+channels of each head rotate.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,18 @@ import torch
 from .config import ModelConfig
 
 
-def inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Per-pair inverse frequencies ``(head_dim // 2,)`` float32, with llama3/linear scaling."""
-    d = cfg.head_dim
-    freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    s = cfg.rope_scaling
+def rotary_dim(cfg: ModelConfig) -> int:
+    """Channels of a head that rotate (``head_dim`` unless ``partial_rotary_factor < 1``)."""
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
+
+
+def inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Per-pair inverse frequencies ``(rotary_dim // 2,)`` float32, with llama3/linear scaling;
+    ``local``: those of sliding layers (Gemma 3's ``local_rope_theta`` and its scaling)."""
+    d = rotary_dim(cfg)
+    theta = cfg.local_rope_theta if local and cfg.local_rope_theta is not None else cfg.rope_theta
+    freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.local_rope_scaling if local else cfg.rope_scaling
     if s is None:
         return freq
     kind = s["rope_type"]
@@ -32,20 +45,32 @@ def inv_freq(cfg: ModelConfig) -> torch.Tensor:
                      f"default, linear or llama3")
 
 
+def rope_index(cfg: ModelConfig, layer: int) -> int:
+    """Which of ``Rotary.cos_sin``'s RoPEs ``layer`` uses: 1 for a sliding layer of a model with a
+    local RoPE (Gemma 3), else 0."""
+    return int(cfg.local_rope_theta is not None and cfg.is_sliding(layer))
+
+
 class Rotary(torch.nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)
+        freqs = [inv_freq(cfg)]
+        if cfg.local_rope_theta is not None:
+            freqs.append(inv_freq(cfg, local=True))
+        self.register_buffer("inv_freq", torch.stack(freqs), persistent=False)  # (R, rotary_dim // 2)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        # positions (T,) int -> cos, sin (T, 1, head_dim), computed in fp32
-        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        # positions (T,) int -> cos, sin (R, T, 1, rotary_dim), computed in fp32; R: the model's RoPEs
+        freqs = positions.to(self.inv_freq.device).float()[None, :, None] * self.inv_freq[:, None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (T, heads, D); cos/sin (T, 1, D)
-    half = x.shape[-1] // 2
+    # x (T, heads, D); cos/sin (T, 1, rd) with rd <= D: the first rd channels rotate, the rest pass
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+    half = rd // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -82,17 +82,19 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 
 @torch.library.custom_op("ringkv::decode_attend", mutates_args=(), tags=_TAGS)
-def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """The current step's ``ctx.attend(layer, q, k, v)`` over its real rows; padding rows of the
-    output are zeros. Opaque to the compiler (it writes the KV cache, reads it, may communicate)."""
+def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: Optional[float] = None,
+                  softcap: Optional[float] = None, window: int = -1) -> torch.Tensor:
+    """The current step's ``ctx.attend(layer, q, k, v, ...)`` over its real rows (``scale``,
+    ``softcap``, ``window``: the layer's, as the model passes them); padding rows of the output are
+    zeros. Opaque to the compiler (it writes the KV cache, reads it, may communicate)."""
     ctx, t = _active.ctx, _active.rows
-    out = ctx.attend(layer, q[:t], k[:t], v[:t])  # a new tensor (T, H, D)
+    out = ctx.attend(layer, q[:t], k[:t], v[:t], scale=scale, softcap=softcap, window=window)  # new (T, H, D)
     pad = q.shape[0] - t
     return F.pad(out, (0, 0, 0, 0, 0, pad)) if pad else out
 
 
 @decode_attend.register_fake
-def _(q, k, v, layer):
+def _(q, k, v, layer, scale=None, softcap=None, window=-1):
     return torch.empty_like(q)
 
 
@@ -100,15 +102,15 @@ class _OpContext:
     """The ``ctx`` the compiled stage is traced with: attention is the custom op."""
 
     @staticmethod
-    def attend(layer: int, q, k, v):
-        return torch.ops.ringkv.decode_attend(q, k, v, layer)
+    def attend(layer: int, q, k, v, scale: Optional[float] = None, softcap: Optional[float] = None, window: int = -1):
+        return torch.ops.ringkv.decode_attend(q, k, v, layer, scale, softcap, window)
 
 
 class _Zeros:
     """Warm-up: attention that returns zeros and touches no cache."""
 
     @staticmethod
-    def attend(layer: int, q, k, v):
+    def attend(layer: int, q, k, v, **kw):
         return torch.zeros_like(q)
 
 

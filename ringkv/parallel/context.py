@@ -27,6 +27,16 @@ every sequence. With ``sp = 1`` this is the usual paged layout.
 Whatever the mesh, a prompt's first chunk attends to its own K/V as computed and everything
 else reads the cache: with a quantized cache every mesh computes the same thing.
 
+**Per-layer attention.** The model passes what a layer's attention needs beyond the defaults
+(``model.llama``): ``scale`` (Gemma's ``query_pre_attn_scalar ** -0.5``), ``softcap`` (Gemma 2) and
+``window`` (a sliding layer: a query at position ``p`` sees keys ``p - window .. p``). Every path
+takes them: the fresh prompt's ``kernels.attention`` (``window=(W, 0)``), the paged backend's
+``attend`` (masks on global positions, SP striping included) and the ring
+(``ring_attention_shards``, on the shards' global positions). A window only masks: the blocks
+of keys that left every sliding layer's window stay allocated (full-attention layers of the same
+sequence still read them; a model whose every layer slides still keeps them), and a decode step
+still visits them on the backends that do not skip masked blocks.
+
 **Kernels.** The sequences read from the cache are described once per step as
 ``kernels.paged.PagedSeq``s; the paged backend (``paged_backend``, any of ``kernels.paged``'s)
 builds its own metadata for them (``plan_step``) and answers each layer's ``attend`` with
@@ -43,6 +53,7 @@ import torch
 
 from ..cache.kv_cache import KVCache
 from ..kernels import attention
+from ..kernels.mask import NO_WINDOW
 from ..kernels.paged import LayerCache, PagedSeq, RowsOut, StepAttention, plan_step
 from ..sp.comm import RingComm
 from ..sp.decode import merge_across
@@ -153,35 +164,45 @@ class StepContext:
         self.attn_backend, self.timeout = attn_backend, timeout
         self._parts_whole: Optional[bool] = None  # see _whole
 
-    def attend(self, layer: int, q, k, v):
-        # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D)
+    def attend(self, layer: int, q, k, v, *, scale: Optional[float] = None, softcap: Optional[float] = None,
+               window: int = -1):
+        # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D); scale None: D ** -0.5; softcap None: none;
+        # window -1: unbounded, else a query at position p sees keys p - window .. p
         st, li, kv = self.step, layer - self.first_layer, self.kv
         if st.all_written:
             kv.write(li, k, v, st.write_slots)
         elif st.write_rows.numel():
             kv.write(li, k.index_select(0, st.write_rows), v.index_select(0, st.write_rows), st.write_slots)
         out = torch.empty_like(q)
+        dense = {"window": (window, 0) if window >= 0 else NO_WINDOW}  # kernels.attention's and the ring's
+        paged = {} if scale is None else {"scale": scale}  # the paged backend's: what is not the default
+        if softcap is not None:
+            dense["softcap"] = paged["softcap"] = softcap
+        if window >= 0:
+            paged["window"] = window
         for f in st.fresh:  # a prompt from position 0 attends its own (unquantized) K/V
-            o, _ = attention(q[None, f.rows], k[None, f.rows], v[None, f.rows], causal=True, backend=self.attn_backend)
+            o, _ = attention(q[None, f.rows], k[None, f.rows], v[None, f.rows], scale=scale, causal=True,
+                             backend=self.attn_backend, **dense)
             out[f.rows] = o[0]
         cache = layer_cache(kv, li)
         qc = self._rotate(q, kv.rot)  # cached keys live in the quantized format's rotated space
         if st.cached is not None:
             if self.sp == 1:  # this rank holds every key: no lse, no merge
-                parts = st.cached.attend(qc, cache, lse=False)
+                parts = st.cached.attend(qc, cache, lse=False, **paged)
                 if self._whole(parts, q.shape[0]):  # one part, every row in order (decode): it is the output
                     return self._rotate(parts[0].out, kv.rot, back=True)
                 for part in parts:
                     out[part.rows] = self._rotate(part.out, kv.rot, back=True)
             else:
-                self._merged(st.cached.attend(qc, cache, lse=True), out)
+                self._merged(st.cached.attend(qc, cache, lse=True, **paged), out)
         for ring in st.rings:
             if ring.key_slots is None:  # its own new K/V (unquantized, like a fresh prompt on one rank)
                 o, _ = ring_attention_shards(q[None, ring.rows], k[None, ring.rows], v[None, ring.rows], ring.shards,
-                                             causal=True, comm=self.comm, backend=self.attn_backend)
+                                             causal=True, comm=self.comm, softmax_scale=scale,
+                                             backend=self.attn_backend, **dense)
                 out[ring.rows] = o[0]
             else:
-                out[ring.rows] = self._rotate(self._ring(qc[ring.rows], cache, ring), kv.rot, back=True)
+                out[ring.rows] = self._rotate(self._ring(qc[ring.rows], cache, ring, scale, dense), kv.rot, back=True)
         return out
 
     def _whole(self, parts: List[RowsOut], t: int) -> bool:
@@ -208,11 +229,12 @@ class StepContext:
         merged, _ = merge_across(o, lse.contiguous(), self.comm.group, self.timeout, "SP attention merge")
         out[rows] = self._rotate(merged[0].to(out.dtype), self.kv.rot, back=True)
 
-    def _ring(self, q, cache: LayerCache, ring: RingSeq):
-        """A long chunk: ring attention over every key of the sequence this rank stores."""
+    def _ring(self, q, cache: LayerCache, ring: RingSeq, scale: Optional[float], dense: dict):
+        """A long chunk: ring attention over every key of the sequence this rank stores (``dense``:
+        the window and soft-cap keywords)."""
         kv = torch.zeros(2, ring.keys, *cache.k.shape[2:], dtype=q.dtype, device=q.device)  # K, V; pad after
         for i, x in enumerate(cache.read(ring.key_slots, q.dtype)):
             kv[i, :ring.key_slots.numel()] = x  # (keys here, Hkv, D)
         out, _ = ring_attention_shards(q[None], kv[0][None], kv[1][None], ring.shards, causal=True, comm=self.comm,
-                                       backend=self.attn_backend)
+                                       softmax_scale=scale, backend=self.attn_backend, **dense)
         return out[0]

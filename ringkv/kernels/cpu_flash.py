@@ -13,17 +13,27 @@ ISA when it is built (AVX-512, AVX2 or generic: ``native.py``). It becomes ``"au
 self-check (``status()``: a 512 x 512 causal block forward and backward, against ``"sdpa"``, cached
 beside the build) found it faster on this machine, and takes full-mask blocks too where a second
 self-check on a full block did (``status("full")``, ``declines``); ``RINGKV_NATIVE_FLASH=1`` turns
-it on without the self-checks, ``=0`` off (``"sdpa"`` then runs these calls). ``library(isa)``, and the ``isa=`` keyword of ``forward``/``backward``/``backward_into``, run
-the build for another target in this process (tests).
+it on without the self-checks, ``=0`` off (``"sdpa"`` then runs these calls). ``library(isa)``, and
+the ``isa=`` keyword of ``forward``/``backward``/``backward_into``, run the build for another target
+in this process (tests).
 
 Takes float32 on the CPU with ``head_dim`` a multiple of 16 up to 256 and any mask but
 ``DENSE``; everything else is left to the next backend. Results do not depend on the number of
 threads; they differ from torch's op in the last bits (another summation order).
+
+``FEATURES``: V may have its own head size ``Dv`` (MLA's: q/k ``(.., D)``, v/out/dout/dv ``(..,
+Dv)``; the kernel takes multiples of 16, another ``Dv`` is zero-padded to one, exactly), and
+``softcap`` (logit soft-capping: the score is ``softcap * tanh(scale * q.k / softcap)`` before the
+mask, lse over the capped scores, the backward through the tanh's derivative) runs in the kernel: a
+flag checked outside its inner loops, so the calls without it run as before (the self-check's 512 x
+512 causal block: 4.28 ms before, 4.27 ms after, 4.83 ms capped; AVX-512, one thread).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
+import numbers
 import os
 from functools import lru_cache
 from typing import Optional
@@ -35,6 +45,7 @@ from .mask import BAND, DENSE, EMPTY, FULL, OFFSET, Mask
 
 UNBOUNDED = 1 << 40  # a mask side with no limit (the kernel's +-2^40)
 SWITCH = "RINGKV_NATIVE_FLASH"
+FEATURES = frozenset({"softcap", "dv"})  # done natively (dispatch's registry contract)
 
 
 @lru_cache(maxsize=None)
@@ -44,10 +55,10 @@ def _lib(isa: str) -> Optional[ctypes.CDLL]:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.ringkv_flash_fwd_f32.restype = ctypes.c_int
-    lib.ringkv_flash_fwd_f32.argtypes = [p] * 5 + [i] * 6 + [p] * 4 + [i, i, ctypes.c_float, ctypes.c_int]
+    f = ctypes.c_float
+    lib.ringkv_flash_fwd_f32.argtypes = [p] * 5 + [i] * 7 + [p] * 4 + [i, i, f, f, ctypes.c_int]
     lib.ringkv_flash_bwd_f32.restype = ctypes.c_int
-    lib.ringkv_flash_bwd_f32.argtypes = ([p] * 10 + [i] * 6 + [p] * 8 + [i, i, ctypes.c_float, ctypes.c_int,
-                                                                         ctypes.c_int])
+    lib.ringkv_flash_bwd_f32.argtypes = [p] * 10 + [i] * 7 + [p] * 8 + [i, i, f, f, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -114,6 +125,31 @@ def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
             and mask.kind != DENSE and library() is not None)
 
 
+def _check_dims(q, k, v) -> int:
+    """V's head size ``Dv``, or a ValueError: q/k share ``D`` (``supports``' rule), V any ``Dv > 0``
+    (the kernel's is a multiple of 16; ``_wide`` pads another)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if k.shape[-1] != d or d % 16 or not 0 < d <= 256 or dv <= 0:
+        raise ValueError(f"cpu_flash takes q/k of one head size D (a multiple of 16 up to 256) and v of head size "
+                         f"Dv > 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    return dv
+
+
+def _wide(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` zero-padded in its last dimension to ``width`` (the kernel's V head size, a multiple of
+    16; exact: the padded columns of out and dv come out 0 and are dropped)."""
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t.float(), (0, width - t.shape[-1]))
+
+
+def _cap(softcap) -> float:
+    """The kernel's softcap argument: 0.0 for none, else a positive float (ValueError otherwise)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < float(softcap) < math.inf:
+        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+    return float(softcap)
+
+
 def _need(isa: Optional[str]) -> ctypes.CDLL:
     return native.require(library(isa), "cpu_flash", SWITCH, isa)
 
@@ -140,63 +176,73 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def forward(q, k, v, scale: float, mask: Mask, *, isa: Optional[str] = None):
-    """Same contract as ``reference.forward`` (float32); ``isa``: the build to run (default: this
-    process's)."""
-    return _forward(_need(isa), q, k, v, scale, mask)
+def forward(q, k, v, scale: float, mask: Mask, softcap: Optional[float] = None, *, isa: Optional[str] = None):
+    """Same contract as ``reference.forward`` (float32): q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``,
+    v ``(B, Sk, Hkv, Dv)`` -> out ``(B, Sq, H, Dv)``, lse ``(B, H, Sq)``; ``softcap``: the scores'
+    cap (None: none); ``isa``: the build to run (default: this process's)."""
+    return _forward(_need(isa), q, k, v, scale, mask, softcap)
 
 
-def _forward(lib, q, k, v, scale: float, mask: Mask):
+def _forward(lib, q, k, v, scale: float, mask: Mask, softcap=None):
     b, sq, h, d = q.shape
-    out = torch.zeros(b, sq, h, d, dtype=torch.float32)  # (B, Sq, H, D)
+    dv, cap = _check_dims(q, k, v), _cap(softcap)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32)  # (B, H, Sq)
     if mask.kind == EMPTY or sq == 0 or k.shape[1] == 0:
-        return out, lse
-    q, k, v = _rows(q), _rows(k), _rows(v)
+        return torch.zeros(b, sq, h, dv, dtype=torch.float32), lse
+    wide = -(-dv // 16) * 16
+    out = torch.empty(b, sq, h, wide, dtype=torch.float32)  # (B, Sq, H, Dv) (every row written)
+    q, k, v = _rows(q), _rows(k), _rows(_wide(v, wide))
     lo, hi = _bounds(mask)
     failed = lib.ringkv_flash_fwd_f32(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), b, sq, k.shape[1], h,
-        k.shape[2], d, _strides(q), _strides(k), _strides(v), _strides(out), lo, hi, scale,
+        k.shape[2], d, wide, _strides(q), _strides(k), _strides(v), _strides(out), lo, hi, scale, cap,
         torch.get_num_threads())
     if failed:
         raise MemoryError("cpu_flash: the forward could not allocate its scratch memory")
-    return out, lse
+    return (out if wide == dv else out[..., :dv].contiguous()), lse
 
 
-def backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, *,
-                  isa: Optional[str] = None) -> None:
-    """``backward`` added in place into float32 ``dq`` ``(B, Sq, H, D)``, ``dk``/``dv`` ``(B, Sk, Hkv,
-    D)`` (views with a contiguous last dimension; others are added through a copy)."""
+def backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None,
+                  softcap: Optional[float] = None, *, isa: Optional[str] = None) -> None:
+    """``backward`` added in place into float32 ``dq`` ``(B, Sq, H, D)``, ``dk`` ``(B, Sk, Hkv, D)``,
+    ``dv`` ``(B, Sk, Hkv, Dv)`` (views with a contiguous last dimension; others are added through a
+    copy)."""
     if mask.kind == EMPTY or q.shape[1] == 0 or k.shape[1] == 0:
         return
     targets = (dq, dk, dv)
-    if any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in targets):
-        for acc, g in zip(targets, backward(dout, q, k, v, out, lse, scale, mask, dlse, isa=isa)):
+    if any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in targets) or v.shape[-1] % 16:
+        for acc, g in zip(targets, backward(dout, q, k, v, out, lse, scale, mask, dlse, softcap, isa=isa)):
             acc.add_(g)
         return
-    _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate=True, isa=isa)
+    _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, softcap, accumulate=True, isa=isa)
 
 
-def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, *, isa: Optional[str] = None):
-    """Same contract as ``reference.backward``, ``dlse`` included: float32 dq, dk, dv."""
+def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, softcap: Optional[float] = None, *,
+             isa: Optional[str] = None):
+    """Same contract as ``reference.backward``, ``dlse`` and ``softcap`` included: float32 dq
+    ``(B, Sq, H, D)``, dk ``(B, Sk, Hkv, D)``, dv ``(B, Sk, Hkv, Dv)`` (dout/out ``(B, Sq, H, Dv)``)."""
+    vd = v.shape[-1]
     dq = torch.zeros(q.shape, dtype=torch.float32)
-    dk, dv = (torch.zeros(k.shape, dtype=torch.float32) for _ in range(2))
+    dk, dv = torch.zeros(k.shape, dtype=torch.float32), torch.zeros(*v.shape[:-1], -(-vd // 16) * 16)
     if mask.kind != EMPTY and q.shape[1] and k.shape[1]:
-        _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate=False, isa=isa)
-    return dq, dk, dv
+        _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, softcap, accumulate=False, isa=isa)
+    return dq, dk, (dv if dv.shape[-1] == vd else dv[..., :vd].contiguous())
 
 
-def _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, accumulate: bool, isa=None) -> None:
+def _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, softcap, accumulate: bool, isa=None) -> None:
     lib = _need(isa)
     b, sq, h, d = q.shape
-    dout, q, k, v, out = (_rows(t) for t in (dout, q, k, v, out))
+    _check_dims(q, k, v)
+    vd, cap = dv.shape[-1], _cap(softcap)  # dv: as wide as the kernel's V (a multiple of 16)
+    q, k = _rows(q), _rows(k)
+    dout, v, out = (_rows(_wide(t, vd)) for t in (dout, v, out))
     lse = lse.float().contiguous()  # (B, H, Sq)
     dlse = None if dlse is None else dlse.float().contiguous()
     lo, hi = _bounds(mask)
     failed = lib.ringkv_flash_bwd_f32(
         dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         None if dlse is None else dlse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, sq, k.shape[1], h,
-        k.shape[2], d, *(_strides(t) for t in (dout, q, k, v, out, dq, dk, dv)), lo, hi, scale, int(accumulate),
-        torch.get_num_threads())
+        k.shape[2], d, vd, *(_strides(t) for t in (dout, q, k, v, out, dq, dk, dv)), lo, hi, scale, cap,
+        int(accumulate), torch.get_num_threads())
     if failed:
         raise MemoryError("cpu_flash: the backward could not allocate its scratch memory")

@@ -2,11 +2,15 @@
  * used block by block and never stored whole (ringkv/kernels/cpu_flash.py builds and loads this
  * file; it needs no torch headers). float32.
  *
- * q, out, dout, dq (B, Sq, H, D), k, v, dk, dv (B, Sk, HKV, D): any strides, given in floats as
- *        (batch, seq, head) triples; the last dimension is contiguous; D a multiple of 16, <= 256
+ * q, dq (B, Sq, H, D), k, dk (B, Sk, HKV, D), v, dv (B, Sk, HKV, DV), out, dout (B, Sq, H, DV): any
+ *        strides, given in floats as (batch, seq, head) triples; the last dimension is contiguous;
+ *        D and DV (V's own head size, MLA's) multiples of 16, <= 256
  * lse, dlse (B, H, Sq) float32, contiguous, natural log
  * mask   query i sees key j iff i + lo <= j <= i + hi (+-2^40: unbounded); query head h reads
  *        K/V head h / (H / HKV) (GQA) without copying K/V
+ * softcap > 0: the score is softcap * tanh(scale q.k / softcap) (then the mask and the softmax:
+ *        lse is over the capped scores); the backward multiplies dS by the tanh's derivative
+ *        1 - (s / softcap)^2. 0: no cap (the loops that cap are not entered).
  *
  * Scores are kept in base-2 units (scale * log2(e) folded in), so the softmax is one exp2 per
  * score (exp2v: a vector at a time, Cephes' polynomial, relative error ~1e-7 as expf). The
@@ -21,7 +25,8 @@
  * Forward: one work item per (batch, head, BM query rows); the online softmax rescales the
  * item's output rows once per BN-key block. Backward: one item per (batch, K/V head); per BNB-key
  * block it recomputes P = exp2(S - lse), adds P^T dO to dV, dS = P (dP - delta) with
- * dP = dO V^T and delta = rowsum(dO * out) - dlse, dS K to dq and dS^T q to dK. Each output is
+ * dP = dO V^T and delta = rowsum(dO * out) - dlse, dS K to dq and dS^T q to dK. With a softcap the
+ * scores are recomputed raw (scale q.k / softcap), capped and differentiated in the same pass. Each output is
  * summed in the same order by one thread: results do not depend on the number of threads.
  * Rows that see no key get out 0 and lse -inf. Returns 0, or 1 when scratch memory could not be
  * allocated (outputs incomplete). */
@@ -100,6 +105,20 @@ static inline vec exp2v(vec x) {
     y = y * f + 2.4022651273e-01f;
     y = y * (f * f) + (f * LN2 + 1.f);
     return (vec)((ivec)y + (n << 23));
+}
+
+/* tanh, a vector at a time (Cephes' tanhf, relative error ~1e-7): x + x^3 P(x^2) for |x| < 0.625,
+ * else sign(x) (1 - 2e / (1 + e)) with e = exp(-2|x|) (exp2v: >= 2^-126, so it saturates to +-1). */
+static inline vec tanhv(vec x) {
+    const ivec sign = (ivec)x & (int32_t)0x80000000;
+    const vec ax = (vec)((ivec)x & (int32_t)0x7fffffff), z = x * x;
+    vec p = z * -5.70498872745e-3f + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const vec e = exp2v(ax * (-2.f * LOG2E));
+    const vec big = (vec)((ivec)(1.f - 2.f * e / (1.f + e)) | sign);
+    return pick(ax < 0.625f, p * z * x + x, big);
 }
 
 static inline ivec lanes(int64_t j, int64_t a, int64_t b) { /* lanes j..j+VL-1 inside [a, b) */
@@ -183,11 +202,18 @@ static inline AI void score_tile(const float *a, int64_t lda, const float *bt, i
             if (i < mr) *(vecu *)(s + i * lds + z * VL) = acc[i][z] * c;
 }
 
-/* a tile per row count up to the build's MRS (larger counts are dead code) */
+/* a tile per row count up to the build's MRS (larger counts are dead code); cap != 0: then each
+ * score x of the tile becomes cap * tanh(x) while the tile is in L1 (soft-capping) */
 #define ST(MR) case MR: if (MR <= MRS) score_tile(a, lda, bt, d, c, s, lds, MR); break;
 static void score_rows(const float *a, int64_t lda, const float *bt, int64_t d, float c, float *s, int64_t lds,
-                       int64_t mr) {
+                       int64_t mr, float cap) {
     switch (mr) { ST(12) ST(11) ST(10) ST(9) ST(8) ST(7) ST(6) ST(5) ST(4) ST(3) ST(2) default: ST(1) }
+    if (cap != 0.f)
+        for (int64_t i = 0; i < mr; i++)
+            for (int z = 0; z < NS; z++) {
+                vecu *x = (vecu *)(s + i * lds + z * VL);
+                *x = tanhv(*x) * cap;
+            }
 }
 
 /* ---- product tile: acc[r][0..VL nz) = sum over t < kn of A(r, t) * b[t][..], A(r, t) =
@@ -253,11 +279,12 @@ const char *ringkv_flash_attention_tiles(void) { return TILES; }
 /* ---- forward ---------------------------------------------------------------------------- */
 
 int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *out, float *lse, int64_t nbatch,
-                         int64_t sq, int64_t sk, int64_t h, int64_t hkv, int64_t d, const int64_t *qst,
+                         int64_t sq, int64_t sk, int64_t h, int64_t hkv, int64_t d, int64_t vd, const int64_t *qst,
                          const int64_t *kst, const int64_t *vst, const int64_t *ost, int64_t lo, int64_t hi,
-                         float scale, int nthreads) {
+                         float scale, float softcap, int nthreads) {
     const int64_t g = h / hkv, npan = (sk + PW - 1) / PW, qblocks = (sq + BM - 1) / BM;
-    const float c = scale * LOG2E;
+    /* scores in base 2: c q.k, or capped: cap * tanh(c q.k) */
+    const float c = softcap > 0.f ? scale / softcap : scale * LOG2E, cap = softcap > 0.f ? softcap * LOG2E : 0.f;
     float *kt = aligned_alloc(64, sizeof(float) * (size_t)(nbatch * hkv * npan * d * PW + 16));
     if (!kt) return 1;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -268,10 +295,10 @@ int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        float *s = aligned_alloc(64, sizeof(float) * (BM * BN + BM * d + 2 * BM + 16));
+        float *s = aligned_alloc(64, sizeof(float) * (size_t)(BM * BN + BM * vd + 2 * BM + 16));
         int64_t ja[BM], jb[BM];
         if (!s) failed = 1;
-        float *o = s + BM * BN, *m2 = o + BM * d, *l = m2 + BM;
+        float *o = s + BM * BN, *m2 = o + BM * vd, *l = m2 + BM;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < nbatch * h * qblocks; it++) {
             if (!s) continue;
@@ -287,7 +314,7 @@ int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *
                 m2[i] = -INFINITY;
                 l[i] = 0.f;
             }
-            memset(o, 0, sizeof(float) * (size_t)(mr * d));
+            memset(o, 0, sizeof(float) * (size_t)(mr * vd));
             for (int64_t n0 = kstart / PW * PW; n0 < kend; n0 += BN) {
                 const int64_t nb = min64(BN, kend - n0);
                 row_keys(ja, jb, m0 - n0, mr, lo, hi, nb);
@@ -297,7 +324,7 @@ int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *
                     group_keys(ja, jb, r0, g1, nb, &ga, &gb);
                     for (int64_t p = ga / PW; p * PW < gb; p++)
                         score_rows(qb + r0 * qst[1], qst[1], ktb + ((n0 / PW) + p) * d * PW, d, c,
-                                   s + r0 * BN + p * PW, BN, g1 - r0);
+                                   s + r0 * BN + p * PW, BN, g1 - r0, cap);
                 }
                 float alpha[BM];
                 for (int64_t i = 0; i < mr; i++) { /* online softmax, P in place of S */
@@ -334,14 +361,14 @@ int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *
                         for (int64_t j = ga; j < ja[i] / VL * VL; j++) row[j] = 0.f;
                         for (int64_t j = (jb[i] + VL - 1) / VL * VL; j < gb; j++) row[j] = 0.f;
                     }
-                    prod_rows(s + r0 * BN, BN, 1, vb + n0 * vst[1], vst[1], ga, gb, d, o + r0 * d, d, alpha + r0, 2,
-                              g1 - r0);
+                    prod_rows(s + r0 * BN, BN, 1, vb + n0 * vst[1], vst[1], ga, gb, vd, o + r0 * vd, vd, alpha + r0,
+                              2, g1 - r0);
                 }
             }
             for (int64_t i = 0; i < mr; i++) {
                 float *dst = out + b * ost[0] + (m0 + i) * ost[1] + hh * ost[2];
                 const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-                for (int64_t e = 0; e < d; e++) dst[e] = o[i * d + e] * inv;
+                for (int64_t e = 0; e < vd; e++) dst[e] = o[i * vd + e] * inv;
                 lse[(b * h + hh) * sq + m0 + i] = l[i] > 0.f ? m2[i] * LN2 + logf(l[i]) : -INFINITY;
             }
         }
@@ -353,23 +380,53 @@ int ringkv_flash_fwd_f32(const float *q, const float *k, const float *v, float *
 
 /* ---- backward --------------------------------------------------------------------------- */
 
+
+/* Row i of a backward block in place: P = exp2(S - l2) over the row's keys [a, b) (0 elsewhere, up
+ * to BNB), dS = scale P (dP - dl); CAPPED: the row holds raw scores x = scale q.k / softcap, the
+ * score is s = softcap tanh(x) (cap = softcap log2(e) in base 2) and dS takes 1 - tanh(x)^2. */
+static inline AI void p_and_ds(float *pr, float *dr, int64_t a, int64_t b, float l2, float dl, float scale, float cap,
+                               const int capped) {
+    int64_t j = 0;
+    if (a < b) {
+        for (; j < a / VL * VL; j += VL) *(vec *)(pr + j) = *(vec *)(dr + j) = (vec){0};
+        for (; j < b; j += VL) {
+            vec x = *(vec *)(pr + j), f = (vec){0} + scale;
+            if (capped) {
+                const vec t = tanhv(x);
+                x = t * cap;
+                f = f * (1.f - t * t);
+            }
+            vec pv = exp2v(x - l2), dsv = pv * (*(vec *)(dr + j) - dl) * f;
+            if (j < a || j + VL > b) {
+                const ivec in = lanes(j, a, b);
+                pv = pick(in, pv, (vec){0});
+                dsv = pick(in, dsv, (vec){0});
+            }
+            *(vec *)(pr + j) = pv;
+            *(vec *)(dr + j) = dsv;
+        }
+    }
+    for (; j < BNB; j += VL) *(vec *)(pr + j) = *(vec *)(dr + j) = (vec){0};
+}
+
 int ringkv_flash_bwd_f32(const float *dout, const float *q, const float *k, const float *v, const float *out,
                          const float *lse, const float *dlse, float *dq, float *dk, float *dv, int64_t nbatch,
-                         int64_t sq, int64_t sk, int64_t h, int64_t hkv, int64_t d, const int64_t *dost,
+                         int64_t sq, int64_t sk, int64_t h, int64_t hkv, int64_t d, int64_t vd, const int64_t *dost,
                          const int64_t *qst, const int64_t *kst, const int64_t *vst, const int64_t *ost,
                          const int64_t *dqst, const int64_t *dkst, const int64_t *dvst, int64_t lo, int64_t hi,
-                         float scale, int accumulate, int nthreads) {
+                         float scale, float softcap, int accumulate, int nthreads) {
     const int64_t g = h / hkv;
-    const float c = scale * LOG2E;
+    /* S in base 2 (c q.k), or raw for the cap (scale q.k / softcap; p_and_ds caps it) */
+    const float c = softcap > 0.f ? scale / softcap : scale * LOG2E, cap = softcap > 0.f ? softcap * LOG2E : 0.f;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         /* P and dS (BMB x BNB), K^T and V^T panels, dK and dV of a block, then delta and lse2 */
-        const size_t floats = 2 * BMB * BNB + 4 * BNB * d + 2 * g * sq + 16;
+        const size_t floats = (size_t)(2 * BMB * BNB + 2 * BNB * (d + vd) + 2 * g * sq + 16);
         float *p = aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));
         if (!p) failed = 1;
-        float *ds = p + BMB * BNB, *kt = ds + BMB * BNB, *vt = kt + BNB * d, *dkb = vt + BNB * d, *dvb = dkb + BNB * d;
-        float *delta = dvb + BNB * d, *lse2 = delta + g * sq;
+        float *ds = p + BMB * BNB, *kt = ds + BMB * BNB, *vt = kt + BNB * d, *dkb = vt + BNB * vd, *dvb = dkb + BNB * d;
+        float *delta = dvb + BNB * vd, *lse2 = delta + g * sq;
         int64_t ja[BMB], jb[BMB];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < nbatch * hkv; it++) {
@@ -381,7 +438,7 @@ int ringkv_flash_bwd_f32(const float *dout, const float *q, const float *k, cons
                     const float *x = dout + b * dost[0] + i * dost[1] + hh * dost[2];
                     const float *y = out + b * ost[0] + i * ost[1] + hh * ost[2];
                     float acc = 0.f;
-                    for (int64_t e = 0; e < d; e++) acc = fmaf(x[e], y[e], acc); /* as dP = dO . v is summed */
+                    for (int64_t e = 0; e < vd; e++) acc = fmaf(x[e], y[e], acc); /* as dP = dO . v is summed */
                     const float dl = dlse ? dlse[(b * h + hh) * sq + i] : 0.f;
                     delta[gi * sq + i] = acc - dl;
                     lse2[gi * sq + i] = lse[(b * h + hh) * sq + i] * LOG2E;
@@ -396,13 +453,13 @@ int ringkv_flash_bwd_f32(const float *dout, const float *q, const float *k, cons
                     if (!accumulate)
                         for (int64_t j = 0; j < nb; j++) {
                             memset(dk + b * dkst[0] + (n0 + j) * dkst[1] + hk * dkst[2], 0, sizeof(float) * (size_t)d);
-                            memset(dv + b * dvst[0] + (n0 + j) * dvst[1] + hk * dvst[2], 0, sizeof(float) * (size_t)d);
+                            memset(dv + b * dvst[0] + (n0 + j) * dvst[1] + hk * dvst[2], 0, sizeof(float) * (size_t)vd);
                         }
                     continue;
                 }
                 pack_panels(kb + n0 * kst[1], kst[1], nb, d, kt);
-                pack_panels(vb + n0 * vst[1], vst[1], nb, d, vt);
-                memset(dkb, 0, sizeof(float) * (size_t)(2 * BNB * d));
+                pack_panels(vb + n0 * vst[1], vst[1], nb, vd, vt);
+                memset(dkb, 0, sizeof(float) * (size_t)(BNB * (d + vd))); /* dkb and dvb */
                 for (int64_t gi = 0; gi < g; gi++) {
                     const int64_t hh = hk * g + gi;
                     for (int64_t m0 = i0; m0 < i1; m0 += BMB) {
@@ -417,34 +474,21 @@ int ringkv_flash_bwd_f32(const float *dout, const float *q, const float *k, cons
                             group_keys(ja, jb, r0, g1, nb, &ga, &gb);
                             for (int64_t pp = ga / PW; pp * PW < gb; pp++) {
                                 score_rows(qb + r0 * qst[1], qst[1], kt + pp * d * PW, d, c, p + r0 * BNB + pp * PW,
-                                           BNB, g1 - r0);
-                                score_rows(dob + r0 * dost[1], dost[1], vt + pp * d * PW, d, 1.f,
-                                           ds + r0 * BNB + pp * PW, BNB, g1 - r0);
+                                           BNB, g1 - r0, 0.f);
+                                score_rows(dob + r0 * dost[1], dost[1], vt + pp * vd * PW, vd, 1.f,
+                                           ds + r0 * BNB + pp * PW, BNB, g1 - r0, 0.f);
                             }
                         }
                         for (int64_t i = 0; i < mr; i++) { /* P = exp2(S - lse2), dS = scale P (dP - delta) */
-                            float *pr = p + i * BNB, *dr = ds + i * BNB;
                             const float l2 = lse2[gi * sq + m0 + i], dl = delta[gi * sq + m0 + i];
-                            int64_t j = 0;
-                            if (ja[i] < jb[i]) {
-                                for (; j < ja[i] / VL * VL; j += VL)
-                                    *(vec *)(pr + j) = *(vec *)(dr + j) = (vec){0};
-                                for (; j < jb[i]; j += VL) {
-                                    vec pv = exp2v(*(vec *)(pr + j) - l2), dv = pv * (*(vec *)(dr + j) - dl) * scale;
-                                    if (j < ja[i] || j + VL > jb[i]) {
-                                        const ivec in = lanes(j, ja[i], jb[i]);
-                                        pv = pick(in, pv, (vec){0});
-                                        dv = pick(in, dv, (vec){0});
-                                    }
-                                    *(vec *)(pr + j) = pv;
-                                    *(vec *)(dr + j) = dv;
-                                }
-                            }
-                            for (; j < BNB; j += VL) *(vec *)(pr + j) = *(vec *)(dr + j) = (vec){0};
+                            if (cap != 0.f)
+                                p_and_ds(p + i * BNB, ds + i * BNB, ja[i], jb[i], l2, dl, scale, cap, 1);
+                            else
+                                p_and_ds(p + i * BNB, ds + i * BNB, ja[i], jb[i], l2, dl, scale, cap, 0);
                         }
                         for (int64_t j0 = 0; j0 < nb; j0 += MRO) { /* dV += P^T dO, dK += dS^T q */
                             const int64_t kr = min64(MRO, nb - j0);
-                            prod_rows(p + j0, 1, BNB, dob, dost[1], 0, mr, d, dvb + j0 * d, d, 0, 1, kr);
+                            prod_rows(p + j0, 1, BNB, dob, dost[1], 0, mr, vd, dvb + j0 * vd, vd, 0, 1, kr);
                             prod_rows(ds + j0, 1, BNB, qb, qst[1], 0, mr, d, dkb + j0 * d, d, 0, 1, kr);
                         }
                         for (int64_t r0 = 0; r0 < mr; r0 += MRO) { /* dq += dS K over the group's keys */
@@ -460,10 +504,8 @@ int ringkv_flash_bwd_f32(const float *dout, const float *q, const float *k, cons
                 for (int64_t j = 0; j < nb; j++) {
                     float *dkr = dk + b * dkst[0] + (n0 + j) * dkst[1] + hk * dkst[2];
                     float *dvr = dv + b * dvst[0] + (n0 + j) * dvst[1] + hk * dvst[2];
-                    for (int64_t e = 0; e < d; e++) {
-                        dkr[e] = (accumulate ? dkr[e] : 0.f) + dkb[j * d + e];
-                        dvr[e] = (accumulate ? dvr[e] : 0.f) + dvb[j * d + e];
-                    }
+                    for (int64_t e = 0; e < d; e++) dkr[e] = (accumulate ? dkr[e] : 0.f) + dkb[j * d + e];
+                    for (int64_t e = 0; e < vd; e++) dvr[e] = (accumulate ? dvr[e] : 0.f) + dvb[j * vd + e];
                 }
             }
         }

@@ -13,11 +13,18 @@ Against the ``"torch"`` backend (gather each group's blocks into a padded copy, 
 reads each sequence's own keys once, with no copy and no padding. It takes float32 queries over
 an unquantized float32 cache with the usual contiguous layouts; anything else (another dtype, a
 quantized cache, a device other than the CPU, or no compiler) goes to the ``"torch"`` backend.
+
+``FEATURES`` (``paged_base``'s contract): a V cache of its own head size ``Dv``, ``softcap`` (the
+scores capped in the kernel before its softmax) and a sliding ``window`` (a first visible key per
+query, on global positions, SP striping included: blocks wholly before every query's window are
+not read), with ``scale``, on ``paged_attention_cpu`` and ``CpuStep.attend``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
+import numbers
 import os
 from functools import lru_cache
 from typing import List, Optional, Sequence
@@ -29,6 +36,7 @@ from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count
                          striped_limits, validate_paged)
 
 SWITCH = "RINGKV_NATIVE_PAGED"
+FEATURES = frozenset({"softcap", "window", "dv"})  # done in the kernel (scale too, on every call)
 
 
 @lru_cache(maxsize=None)
@@ -38,7 +46,7 @@ def _lib(isa: str) -> Optional[ctypes.CDLL]:
         return None
     fn = lib.ringkv_paged_attention_f32
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -87,7 +95,7 @@ def available() -> bool:
 def _takes(q: torch.Tensor, cache: LayerCache) -> bool:
     return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.k_scale is None
             and cache.k.dtype == cache.v.dtype == torch.float32 and cache.k.is_contiguous()
-            and cache.v.is_contiguous())
+            and cache.v.is_contiguous() and cache.v.shape[:3] == cache.k.shape[:3])
 
 
 def supports(q: torch.Tensor, cache: LayerCache) -> bool:
@@ -95,27 +103,49 @@ def supports(q: torch.Tensor, cache: LayerCache) -> bool:
     return _takes(q, cache) and library() is not None
 
 
+def _cap(softcap) -> float:
+    """The kernel's softcap argument: 0.0 for none, else a positive float (ValueError otherwise)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < float(softcap) < math.inf:
+        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+    return float(softcap)
+
+
+def _window(window) -> int:
+    if isinstance(window, bool) or not isinstance(window, int) or window < -1:
+        raise ValueError(f"window must be an int >= 0 (the left extent W) or -1 (unbounded), got {window!r}")
+    return window
+
+
 def attend(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, limits: torch.Tensor,
-           scale: Optional[float] = None, lse: bool = True, *, isa: Optional[str] = None, lib=None):
-    """``q (N, Q, H, D)`` float32 over the cache: query ``i`` of sequence ``n`` sees the first
-    ``limits[n, i]`` keys (int64; the kernel clamps them to ``[0, W * block_size]``) of the blocks
-    ``table[n]`` ``(N, W)`` int32. Returns ``out (N, Q, H, D)``
-    and ``lse (N, H, Q)`` float32 (None unless ``lse``); a row that sees no key gives 0 / -inf.
-    ``isa``: the build to run (default: this process's); ``lib``: a loaded build instead."""
+           scale: Optional[float] = None, lse: bool = True, *, starts: Optional[torch.Tensor] = None,
+           softcap: Optional[float] = None, isa: Optional[str] = None, lib=None):
+    """``q (N, Q, H, D)`` float32 over the cache (``k`` ``(NB, BS, Hkv, D)``, ``v`` ``(NB, BS, Hkv,
+    Dv)``): query ``i`` of sequence ``n`` sees the keys ``starts[n, i] <= j < limits[n, i]`` (int64
+    ``(N, Q)``; ``starts`` None: from 0; the kernel clamps both to ``[0, W * block_size]``) of the
+    blocks ``table[n]`` ``(N, W)`` int32 (blocks before every query's start are not read), scores
+    ``scale * q.k`` (default ``1/sqrt(D)``) capped as ``softcap * tanh(s / softcap)`` when given.
+    Returns ``out (N, Q, H, Dv)`` and ``lse (N, H, Q)`` float32 (None unless ``lse``); a row that
+    sees no key gives 0 / -inf. ``isa``: the build to run (default: this process's); ``lib``: a
+    loaded build instead."""
     if lib is None:
         lib = native.require(library(isa), "paged_cpu", SWITCH, isa)
     q = q.contiguous()
     n, nq, h, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
+    dv = cache.v.shape[-1]
     table, limits = table.to(torch.int32).contiguous(), limits.to(torch.int64).contiguous()
-    out = torch.empty_like(q)
+    starts = None if starts is None else starts.to(torch.int64).contiguous()
+    out = torch.empty(n, nq, h, dv, dtype=q.dtype)
     lse_out = torch.empty(n, h, nq, dtype=torch.float32) if lse else None
     if n == 0:
         return out, lse_out
     err = lib.ringkv_paged_attention_f32(
-        q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), limits.data_ptr(), out.data_ptr(),
-        None if lse_out is None else lse_out.data_ptr(), n, nq, h, hkv, d, nb, bs, table.shape[1],
-        d ** -0.5 if scale is None else float(scale), torch.get_num_threads())
+        q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), limits.data_ptr(),
+        None if starts is None else starts.data_ptr(), out.data_ptr(), None if lse_out is None else lse_out.data_ptr(),
+        n, nq, h, hkv, d, dv, nb, bs, table.shape[1], d ** -0.5 if scale is None else float(scale), _cap(softcap),
+        torch.get_num_threads())
     if err == 2:
         raise ValueError(f"block_table holds block ids outside [0, {nb}) where the queries read")
     if err:
@@ -123,16 +153,38 @@ def attend(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, limits: torc
     return out, lse_out
 
 
+def window_starts(positions: torch.Tensor, window: int, sp: int = 1, sp_rank: int = 0) -> Optional[torch.Tensor]:
+    """The first local key a query at global position ``positions`` (int, any shape) sees under a
+    left ``window`` ``W`` (position ``>= p - W``), local key ``i`` at position ``sp_rank + i * sp``:
+    ``ceil((p - W - sp_rank) / sp)`` (may be <= 0: from the first); None when ``window`` is -1."""
+    if window < 0:
+        return None
+    return -torch.div(sp_rank + window - positions.to(torch.long), sp, rounding_mode="floor")
+
+
+def _features(softcap=None, window: int = -1):
+    """The keywords of the torch backend's call for the features in use (only those, as it takes them)."""
+    return {**({} if softcap is None else {"softcap": softcap}), **({} if window == -1 else {"window": window})}
+
+
 def paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
-                        causal: bool = True, k_scale=None, v_scale=None):
-    """``paged_base``'s contract; falls back to the ``"torch"`` backend where the kernel does not apply."""
-    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+                        causal: bool = True, k_scale=None, v_scale=None, softcap: Optional[float] = None,
+                        window: int = -1):
+    """``paged_base``'s contract (``v_cache`` of its own head size ``Dv``, ``softcap``, ``window``
+    included); falls back to the ``"torch"`` backend where the kernel does not apply."""
+    _cap(softcap)
+    _window(window)
+    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, **_features(softcap, window))
     cache = LayerCache(k_cache, v_cache, k_scale, v_scale)
     if not supports(q, cache):
         return paged_torch.paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
-                                                 causal=causal, k_scale=k_scale, v_scale=v_scale)
+                                                 causal=causal, k_scale=k_scale, v_scale=v_scale,
+                                                 **_features(softcap, window))
     check_capacity(seq_lens, block_table.shape[1] * k_cache.shape[1])
-    return attend(q, cache, block_table, query_limits(seq_lens, q.shape[1], causal), scale)
+    nq = q.shape[1]
+    pos = seq_lens.to(torch.long)[:, None] - nq + torch.arange(nq)  # (N, Q): the queries' positions
+    return attend(q, cache, block_table, query_limits(seq_lens, nq, causal), scale, starts=window_starts(pos, window),
+                  softcap=softcap)
 
 
 MAX_QUERIES = 8  # sequences with more new tokens (prefill chunks) go to SDPA, whose GEMMs win there
@@ -151,25 +203,35 @@ class CpuStep:
             if n > MAX_QUERIES:
                 long += members
                 continue
+            positions = torch.tensor([s.start for s in members])[:, None] + torch.arange(n)  # (N, n) global
             self.groups.append((SeqGroup.build(n, members, sp, sp_rank, device),
-                                striped_limits(members, n, sp, sp_rank)))  # (N, n)
+                                striped_limits(members, n, sp, sp_rank), positions))  # (N, n) each
         self._long = self._torch(long) if long else None
         self._fallback = None
+        self._starts = {}  # window -> per group its queries' first local keys (N, n), made once per step
 
     def _torch(self, seqs):
         return paged_torch.TorchStep(seqs, block_size=self.block_size, sp=self.sp, sp_rank=self.sp_rank,
                                      device=self.device)
 
-    def attend(self, q, cache: LayerCache, *, lse: bool = True, lib=None) -> List[RowsOut]:
-        # q (T, H, D) -> per group: rows (N*n,), out (N*n, H, D), lse (H, N*n) or None; lib: a
-        # loaded build instead of this process's (the self-check's)
+    def attend(self, q, cache: LayerCache, *, lse: bool = True, scale: Optional[float] = None,
+               softcap: Optional[float] = None, window: int = -1, lib=None) -> List[RowsOut]:
+        # q (T, H, D) -> per group: rows (N*n,), out (N*n, H, Dv), lse (H, N*n) or None; scale
+        # (default 1/sqrt(D)), softcap, window: paged_base's; lib: a loaded build instead of this
+        # process's (the self-check's)
+        _cap(softcap)
+        window = _window(window)
+        kw = dict(**({} if scale is None else {"scale": scale}), **_features(softcap, window))
         if not (_takes(q, cache) and (lib is not None or library() is not None)):
             if self._fallback is None:
                 self._fallback = self._torch(self.seqs)
-            return self._fallback.attend(q, cache, lse=lse)
-        parts = [g.result(*attend(g.queries(q), cache, g.block_table, limits, lse=lse, lib=lib))
-                 for g, limits in self.groups]
-        return parts + (self._long.attend(q, cache, lse=lse) if self._long is not None else [])
+            return self._fallback.attend(q, cache, lse=lse, **kw)
+        if window not in self._starts:
+            self._starts[window] = [window_starts(pos, window, self.sp, self.sp_rank) for _, _, pos in self.groups]
+        parts = [g.result(*attend(g.queries(q), cache, g.block_table, limits, scale, lse=lse, starts=starts,
+                                  softcap=softcap, lib=lib))
+                 for (g, limits, _), starts in zip(self.groups, self._starts[window])]
+        return parts + (self._long.attend(q, cache, lse=lse, **kw) if self._long is not None else [])
 
 
 plan_step = CpuStep  # the backend's plan_step(seqs, *, block_size, sp, sp_rank, device) (see paged_base)

@@ -2,10 +2,15 @@
  * and loads this file; it needs no torch headers).
  *
  * q      (N, Q, H, D)   float32, contiguous: Q query rows of each of N sequences
- * k, v   (NB, BS, HKV, D) float32, contiguous: the paged cache of one layer
+ * k      (NB, BS, HKV, D), v (NB, BS, HKV, DV) float32, contiguous: the paged cache of one layer
+ *                       (DV, V's head size, may differ from D: MLA's)
  * table  (N, W)         int32: sequence n's key j lives in block table[n, j / BS], slot j % BS
- * limits (N, Q)         int64: query i of sequence n sees its first limits[n, i] keys
- * out    (N, Q, H, D)   float32; lse (N, H, Q) float32 or NULL
+ * limits (N, Q)         int64: query i of sequence n sees keys before limits[n, i] ...
+ * starts (N, Q)         int64 or NULL (0): ... from key starts[n, i] on (a sliding window); the
+ *                       blocks wholly before every query's start are not read (they may be freed)
+ * out    (N, Q, H, DV)  float32; lse (N, H, Q) float32 or NULL
+ * scale, softcap        score = scale q.k, or softcap > 0: softcap * tanh(scale q.k / softcap)
+ *                       (soft-capping, before the softmax; 0: none, and the capping loop is skipped)
  *
  * Query head h reads K/V head h / (H / HKV). A work item is a whole sequence when there are at
  * least 2 per thread (a block is then read as one contiguous run), else one (sequence, K/V head);
@@ -84,6 +89,33 @@ static inline v8 exp8(v8 x) {
     y = y * f + 5.0000001201e-1f;
     y = y * f * f + f + 1.f;
     return y * (v8)((n + 127) << 23);
+}
+
+/* tanh, 8 at a time (Cephes' tanhf, relative error ~1e-7): x + x^3 P(x^2) for |x| < 0.625, else
+ * sign(x) (1 - 2e / (1 + e)) with e = exp(-2|x|) (exp8: >= ~1e-38, so it saturates to +-1). */
+static inline v8 tanh8(v8 x) {
+    const i8 sign = (i8)x & (int32_t)0x80000000;
+    const v8 ax = (v8)((i8)x & (int32_t)0x7fffffff), z = x * x;
+    v8 p = z * -5.70498872745e-3f + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const v8 e = exp8(ax * -2.f);
+    const v8 big = (v8)((i8)(1.f - 2.f * e / (1.f + e)) | sign);
+    return pick(ax < 0.625f, p * z * x + x, big);
+}
+
+/* In place over one row of n scores x: cap * tanh(x) (soft-capping; the last partial group of 8
+ * through a padded copy). */
+static inline void cap_row(float *p, int64_t n, float cap) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) *(v8u *)(p + j) = tanh8(*(const v8u *)(p + j)) * cap;
+    if (j < n) {
+        v8 t = {0};
+        for (int64_t l = j; l < n; l++) t[l - j] = p[l];
+        t = tanh8(t) * cap;
+        for (int64_t l = j; l < n; l++) p[l] = t[l - j];
+    }
 }
 
 /* In place over one row of n scores: p = exp(p - max), returning the max; *total gets the sum. */
@@ -171,61 +203,79 @@ static inline void scores(const float *qr, const float *kr, int64_t nk, int64_t 
 }
 
 /* One item: sequence s, K/V heads kh0 .. kh1 - 1 (all of them where there are enough sequences:
- * a block's rows are then read whole, one contiguous run); d is a constant where the caller can
- * make it one. */
+ * a block's rows are then read whole, one contiguous run); d and vd are constants where the caller
+ * can make them ones. Row r sees keys [st[r], lim[r]); the item reads from the block of the
+ * smallest start that a row with keys has. */
 static inline __attribute__((always_inline)) int item(
-        const float *q, const float *k, const float *v, const int32_t *blocks, const int64_t *limits, float *out,
-        float *lse, int64_t s, int64_t kh0, int64_t kh1, int64_t nq, int64_t h, int64_t hkv, int64_t d, int64_t bs,
-        int64_t w, float scale, int64_t nb) {
+        const float *q, const float *k, const float *v, const int32_t *blocks, const int64_t *limits,
+        const int64_t *starts, float *out, float *lse, int64_t s, int64_t kh0, int64_t kh1, int64_t nq, int64_t h,
+        int64_t hkv, int64_t d, int64_t vd, int64_t bs, int64_t w, float scale, float softcap, int64_t nb) {
     const int64_t g = h / hkv, per = g * nq, rows = (kh1 - kh0) * per, slot = hkv * d, span = (kh1 - kh0) * d;
-    int64_t lmax = 0;
-    for (int64_t i = 0; i < nq; i++)
-        if (limits[s * nq + i] > lmax) lmax = limits[s * nq + i];
-    if (lmax > w * bs) lmax = w * bs;
-    for (int64_t b = 0; b * bs < lmax; b++)
+    const int64_t vslot = hkv * vd, vspan = (kh1 - kh0) * vd;
+    int64_t lmax = 0, smin = INT64_MAX;
+    for (int64_t i = 0; i < nq; i++) {
+        const int64_t li = limits[s * nq + i] < w * bs ? limits[s * nq + i] : w * bs;
+        const int64_t si = starts ? (starts[s * nq + i] > 0 ? starts[s * nq + i] : 0) : 0;
+        if (si < li) {  /* the query sees a key */
+            lmax = li > lmax ? li : lmax;
+            smin = si < smin ? si : smin;
+        }
+    }
+    if (smin > lmax) smin = lmax;  /* no query sees a key: nothing is read */
+    const int64_t j00 = smin / bs * bs;  /* the first block read */
+    for (int64_t b = j00 / bs; b * bs < lmax; b++)
         if (blocks[b] < 0 || blocks[b] >= nb) return 2;
-    const int64_t width = (lmax + 7) / 8 * 8;  /* a row of scores, room for whole groups of 8 */
+    const int64_t width = (lmax - j00 + 7) / 8 * 8;  /* a row of scores from key j00, whole groups of 8 */
     /* rows r = (kh - kh0) * per + gi * nq + i: query i of head kh * g + gi */
-    float *qs = malloc(sizeof(float) * (size_t)(2 * rows * d + rows * width + 2 * rows));
-    int64_t *lim = malloc(sizeof(int64_t) * (size_t)rows);
+    float *qs = malloc(sizeof(float) * (size_t)(rows * d + rows * vd + rows * width + 2 * rows));
+    int64_t *lim = malloc(sizeof(int64_t) * (size_t)(2 * rows)), *st = lim + rows;
     if (!qs || !lim) {
         free(qs);
         free(lim);
         return 1;
     }
-    float *acc = qs + rows * d, *p = acc + rows * d, *m = p + rows * width, *sum = m + rows;
+    float *acc = qs + rows * d, *p = acc + rows * vd, *m = p + rows * width, *sum = m + rows;
+    const float qscale = softcap > 0.f ? scale / softcap : scale;  /* capped: the tanh's argument */
     for (int64_t r = 0; r < rows; r++) {
         const int64_t gi = r % per / nq, i = r % nq, head = (kh0 + r / per) * g + gi;
         const float *src = q + ((s * nq + i) * h + head) * d;
-        for (int64_t e = 0; e < d; e++) qs[r * d + e] = src[e] * scale;
+        for (int64_t e = 0; e < d; e++) qs[r * d + e] = src[e] * qscale;
         lim[r] = limits[s * nq + i] < lmax ? limits[s * nq + i] : lmax;
-        if (lim[r] < 0) lim[r] = 0;
+        st[r] = starts ? starts[s * nq + i] : 0;
+        st[r] = st[r] < smin ? smin : st[r] > lim[r] ? lim[r] : st[r];  /* in [smin, lim]: empty when none */
+        if (lim[r] < st[r]) lim[r] = st[r];
     }
-    memset(acc, 0, sizeof(float) * (size_t)(rows * d));
-    for (int64_t j0 = 0; j0 < lmax; j0 += bs) {  /* scores */
+    memset(acc, 0, sizeof(float) * (size_t)(rows * vd));
+    for (int64_t j0 = j00; j0 < lmax; j0 += bs) {  /* scores */
         const float *kb = k + (int64_t)blocks[j0 / bs] * bs * slot + kh0 * d;
         const int64_t end = j0 + bs < lmax ? j0 + bs : lmax;
         if (end < lmax) prefetch_block(k + (int64_t)blocks[end / bs] * bs * slot + kh0 * d, bs, slot, span);
-        else prefetch_block(v + (int64_t)blocks[0] * bs * slot + kh0 * d, bs, slot, span);
+        else prefetch_block(v + (int64_t)blocks[j00 / bs] * bs * vslot + kh0 * vd, bs, vslot, vspan);
         for (int64_t r = 0; r < rows; r++)
-            scores(qs + r * d, kb + r / per * d, end - j0, slot, d, p + r * width + j0);
+            scores(qs + r * d, kb + r / per * d, end - j0, slot, d, p + r * width + j0 - j00);
     }
-    for (int64_t r = 0; r < rows; r++)  /* softmax over each row's visible keys */
-        m[r] = softmax_row(p + r * width, lim[r], sum + r);
-    for (int64_t j0 = 0; j0 < lmax; j0 += bs) {  /* weighted sum of V */
-        const float *vb = v + (int64_t)blocks[j0 / bs] * bs * slot + kh0 * d;
+    for (int64_t r = 0; r < rows; r++) {  /* softmax over each row's visible keys */
+        float *row = p + r * width + st[r] - j00;
+        if (softcap > 0.f) cap_row(row, lim[r] - st[r], softcap);
+        m[r] = softmax_row(row, lim[r] - st[r], sum + r);
+    }
+    for (int64_t j0 = j00; j0 < lmax; j0 += bs) {  /* weighted sum of V */
+        const float *vb = v + (int64_t)blocks[j0 / bs] * bs * vslot + kh0 * vd;
         const int64_t end = j0 + bs < lmax ? j0 + bs : lmax;
-        if (end < lmax) prefetch_block(v + (int64_t)blocks[end / bs] * bs * slot + kh0 * d, bs, slot, span);
+        if (end < lmax) prefetch_block(v + (int64_t)blocks[end / bs] * bs * vslot + kh0 * vd, bs, vslot, vspan);
         for (int64_t r = 0; r < rows; r++) {
-            const int64_t stop = end < lim[r] ? end : lim[r];
-            if (stop > j0) weighted_sum(acc + r * d, p + r * width + j0, vb + r / per * d, stop - j0, slot, d);
+            const int64_t a = j0 > st[r] ? j0 : st[r], stop = end < lim[r] ? end : lim[r];
+            if (stop > a)
+                weighted_sum(acc + r * vd, p + r * width + a - j00, vb + (a - j0) * vslot + r / per * vd, stop - a,
+                             vslot, vd);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t gi = r % per / nq, i = r % nq, head = (kh0 + r / per) * g + gi;
-        float *dst = out + ((s * nq + i) * h + head) * d;
-        for (int64_t e = 0; e < d; e++) dst[e] = lim[r] > 0 ? acc[r * d + e] / sum[r] : 0.f;
-        if (lse) lse[(s * h + head) * nq + i] = lim[r] > 0 ? m[r] + logf(sum[r]) : -INFINITY;
+        const int sees = lim[r] > st[r];
+        float *dst = out + ((s * nq + i) * h + head) * vd;
+        for (int64_t e = 0; e < vd; e++) dst[e] = sees ? acc[r * vd + e] / sum[r] : 0.f;
+        if (lse) lse[(s * h + head) * nq + i] = sees ? m[r] + logf(sum[r]) : -INFINITY;
     }
     free(lim);
     free(qs);
@@ -233,9 +283,9 @@ static inline __attribute__((always_inline)) int item(
 }
 
 int ringkv_paged_attention_f32(const float *q, const float *k, const float *v, const int32_t *table,
-                               const int64_t *limits, float *out, float *lse, int64_t n, int64_t nq, int64_t h,
-                               int64_t hkv, int64_t d, int64_t nb, int64_t bs, int64_t w, float scale,
-                               int nthreads) {
+                               const int64_t *limits, const int64_t *starts, float *out, float *lse, int64_t n,
+                               int64_t nq, int64_t h, int64_t hkv, int64_t d, int64_t vd, int64_t nb, int64_t bs,
+                               int64_t w, float scale, float softcap, int nthreads) {
     /* whole sequences when there are enough to share out, else one item per (sequence, K/V head);
      * each row's arithmetic is the same either way */
     const int64_t heads = n >= 2 * (int64_t)nthreads ? hkv : 1, per_seq = hkv / heads;
@@ -244,12 +294,15 @@ int ringkv_paged_attention_f32(const float *q, const float *k, const float *v, c
     for (int64_t it = 0; it < n * per_seq; it++) {
         const int64_t s = it / per_seq, kh0 = it % per_seq * heads, kh1 = kh0 + heads;
         const int32_t *blocks = table + s * w;
-        if (d == 64)
-            failed |= item(q, k, v, blocks, limits, out, lse, s, kh0, kh1, nq, h, hkv, 64, bs, w, scale, nb);
-        else if (d == 128)
-            failed |= item(q, k, v, blocks, limits, out, lse, s, kh0, kh1, nq, h, hkv, 128, bs, w, scale, nb);
+        if (d == 64 && vd == 64)
+            failed |= item(q, k, v, blocks, limits, starts, out, lse, s, kh0, kh1, nq, h, hkv, 64, 64, bs, w, scale,
+                           softcap, nb);
+        else if (d == 128 && vd == 128)
+            failed |= item(q, k, v, blocks, limits, starts, out, lse, s, kh0, kh1, nq, h, hkv, 128, 128, bs, w, scale,
+                           softcap, nb);
         else
-            failed |= item(q, k, v, blocks, limits, out, lse, s, kh0, kh1, nq, h, hkv, d, bs, w, scale, nb);
+            failed |= item(q, k, v, blocks, limits, starts, out, lse, s, kh0, kh1, nq, h, hkv, d, vd, bs, w, scale,
+                           softcap, nb);
     }
     return failed;
 }

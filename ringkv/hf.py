@@ -70,8 +70,10 @@ keeps only this rank's tokens. Sampling must use the same seed on every rank.
 
 Not supported (clear errors): padding in ``attention_mask`` other than at the end of rows or
 documents (training, scoring) or at the start of rows (with a KV cache: batched generate), a pad
-pattern that changes between decode steps, attention dropout, soft-capping, attention sinks,
-non-causal attention, models that do not call attention through ``AttentionInterface``.
+pattern that changes between decode steps, attention dropout, non-causal attention, models that
+do not call attention through ``AttentionInterface``. Soft-capping (Gemma 2's ``softcap``),
+attention sinks (gpt-oss's ``s_aux``) and a V head size of its own (MLA: DeepSeek-V3, Kimi-K2)
+run in every SP method and in decode, exactly.
 """
 
 from __future__ import annotations
@@ -125,6 +127,11 @@ class ShardedKVCache(_dynamic_cache()):
     every layer); ``get_seq_length()`` returns the *global* number of tokens seen, which is
     what ``generate`` expects. The model's pre-hook tells the cache, before each forward,
     which of the forward's rows this rank keeps.
+
+    It keeps whatever a layer passes to ``update``, token by token along dim 2: keys ``(B, Hkv,
+    T, D)`` and values ``(B, Hkv, T, Dv)``, or MLA's compressed latents (DeepSeek-V3 caches a
+    one-head ``(B, 1, T, kv_lora_rank)`` latent as keys and its rotary key ``(B, 1, T, rope)`` as
+    values, and expands them into every head's K and V after reading them back).
     """
 
     def __init__(self):
@@ -252,8 +259,9 @@ class _State:
 
 def ringkv_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                      sliding_window=None, softcap=None, **kwargs):
-    """``AttentionInterface`` function: query ``(B, H, S, D)``, key/value ``(B, Hkv, S_kv, D)``
-    -> ``(attn_output (B, S, H, D), None)``."""
+    """``AttentionInterface`` function: query ``(B, H, S, D)``, key ``(B, Hkv, S_kv, D)``, value
+    ``(B, Hkv, S_kv, Dv)`` -> ``(attn_output (B, S, H, Dv), None)``. ``softcap`` and sinks (``s_aux``
+    ``(H,)``) are applied as the model's eager attention does."""
     state = getattr(module, "_ringkv_state", None)
     step = None if state is None else state.step or (state.recompute if torch.is_grad_enabled() else None)
     if step is None:
@@ -264,8 +272,8 @@ def ringkv_attention(module, query, key, value, attention_mask, dropout: float =
                          f"or call model.eval()")
     # transformers' sliding window of W tokens: a query sees itself and the W - 1 keys before it
     window = NO_WINDOW if sliding_window is None else (sliding_window - 1, 0)
-    if softcap or kwargs.get("s_aux") is not None:
-        raise ValueError("ringkv: attention soft-capping and attention sinks are not supported")
+    softcap = softcap or None  # transformers passes 0/None for "no cap"
+    sinks = kwargs.get("s_aux")  # gpt-oss: one sink logit per query head
     if not getattr(module, "is_causal", True):
         raise ValueError("ringkv: only causal (decoder) self-attention is supported")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D) ringkv layout
@@ -274,15 +282,16 @@ def ringkv_attention(module, query, key, value, attention_mask, dropout: float =
         left = step.pad.reach if window[0] < 0 else min(window[0], step.pad.reach)
         out = decode_attention(q.reshape(1, b * t, h, d), k, v, q_positions=step.pad.q_virtual,
                                k_positions=step.pad.k_virtual, group=state.group, softmax_scale=scaling,
-                               timeout=state.timeout, window=(left, 0))
+                               timeout=state.timeout, window=(left, 0), softcap=softcap, sinks=sinks)
         return out.view(b, t, h, out.shape[-1]), None  # (B, T, H, D)
     if step.decode:
         out = decode_attention(q, k, v, q_positions=step.q_positions, k_positions=step.cache.positions,
-                               group=state.group, softmax_scale=scaling, timeout=state.timeout, window=window)
+                               group=state.group, softmax_scale=scaling, timeout=state.timeout, window=window,
+                               softcap=softcap, sinks=sinks)
         return out, None  # (B, T, H, D)
     # the pre-hook already checked that every rank makes the same call
     kw = dict(causal=True, layout=state.layout, softmax_scale=scaling, timeout=state.timeout, check=False,
-              window=window)
+              window=window, softcap=softcap, sinks=sinks)
     if state.method == "ulysses":
         out = ulysses_attention(q, k, v, group=state.group, **kw)
     elif state.method == "usp":

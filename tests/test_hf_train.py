@@ -213,7 +213,8 @@ def test_offloaded_checkpoints_come_back_for_backward(world, ckpt):
 
 FAMILIES = {  # transformers class prefix: config overrides (tiny)
     "Gemma": dict(head_dim=16),
-    "Gemma2": dict(head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=30.0, sliding_window=8),
+    "Gemma2": dict(head_dim=16, attn_logit_softcapping=0.05, query_pre_attn_scalar=1, final_logit_softcapping=30.0,
+                   sliding_window=8),  # scale 1: scores ~0.1 at init, past the cap
     "Cohere": dict(logit_scale=0.25),
     "Granite": dict(logits_scaling=4.0),
     "Phi3": dict(),
@@ -224,7 +225,8 @@ FAMILIES = {  # transformers class prefix: config overrides (tiny)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_other_families_train_like_unpatched(family):
     """Heads that transform their logits (Gemma 2's soft-cap, Cohere's and Granite's scales), fused MLPs
-    (Phi-3), q/k norms (Qwen3): the chunked loss and the tiled MLP equal the unpatched model."""
+    (Phi-3), q/k norms (Qwen3), attention soft-capping (Gemma 2): the chunked loss and the tiled MLP
+    equal the unpatched model."""
     import transformers
 
     torch.manual_seed(0)

@@ -5,29 +5,39 @@ records) and the plain-torch reference are in ``paged_base.py``; the backends in
 it builds), ``paged_torch.py`` (``"torch"``: gather + SDPA, the CPU fallback) and ``triton_paged.py``
 (``"triton"``, CUDA).
 
-    out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, backend="auto")
+    out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, backend="auto",
+                               softcap=None, window=-1, sinks=None)
     out, lse = paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=...)
     attn = plan_step(seqs, block_size=..., sp=1, sp_rank=0, device=None, backend="auto")
-    parts = attn.attend(q, cache, lse=True)    # every layer of the step
+    parts = attn.attend(q, cache, lse=True, scale=None, softcap=None, window=-1)    # every layer of the step
 
 ``plan_step`` is how the engine reads its cache: each backend builds its own per-step metadata
 once (``"cpu"``: block tables and visible-key counts per group; ``"torch"``: gather indices and
 masks per group of sequences; ``"triton"``: device tensors
-for the decode kernel and one varlen prefill batch; ``"reference"``: plain per-group calls) and
+for the decode kernel and one varlen prefill batch; ``"reference"``: one varlen reference call) and
 answers every layer's ``attend`` with ``RowsOut(rows, out, lse)`` parts.
+
+The features (``paged_base``): ``softcap``, ``window`` and a V head size ``Dv != D`` reach the
+backends; ``"auto"`` never picks one that cannot do what a call asks (``features``), and a
+backend asked for by name raises a ValueError naming the argument instead. ``sinks`` (``(H,)``)
+are applied here, once, to the final output (``merge.apply_sinks``); the ``lse`` returned stays
+the one over the real keys (what merges with other ranks' partials).
 
 This module imports the backends; they import ``paged_base``, never this module.
 """
 
 from __future__ import annotations
 
+import inspect
+from functools import lru_cache
+from itertools import accumulate
 from typing import Optional, Sequence
 
 import torch
 
 from . import paged_cpu, paged_torch
-from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, StepAttention, by_query_count,  # noqa: F401
-                         check_striping, paged_attention_reference, paged_prefill_reference, read_blocks,
+from .paged_base import (LayerCache, PagedSeq, RowsOut, StepAttention, check_features,  # noqa: F401
+                         check_striping, padded_table, paged_attention_reference, paged_prefill_reference, read_blocks,
                          validate_paged, validate_prefill)
 
 __all__ = ["paged_attention", "paged_attention_reference", "paged_prefill", "paged_prefill_reference", "plan_step",
@@ -36,69 +46,216 @@ __all__ = ["paged_attention", "paged_attention_reference", "paged_prefill", "pag
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
-                    causal: bool = True, backend: str = "auto", k_scale=None, v_scale=None):
-    """See ``paged_base``. ``backend``: ``"reference"``, ``"cpu"``, ``"torch"``, ``"triton"`` or ``"auto"``."""
-    impl = _BACKENDS.get(backend if backend != "auto" else auto_backend(q.device))
+                    causal: bool = True, backend: str = "auto", k_scale=None, v_scale=None,
+                    softcap: Optional[float] = None, window: int = -1, sinks: Optional[torch.Tensor] = None):
+    """See ``paged_base``. ``backend``: ``"reference"``, ``"cpu"``, ``"torch"``, ``"triton"`` or ``"auto"``.
+    ``sinks`` ``(H,)``: one more logit per head in the softmax's denominator, applied to ``out``; the
+    ``lse`` returned is over the real keys."""
+    want = _wanted(softcap, window, v_cache, k_cache, sinks, q)
+    name = backend if backend != "auto" else auto_backend(q.device, want=want)
+    impl = _BACKENDS.get(name)
     if impl is None:
         raise ValueError(f"unknown paged backend {backend!r}; choose from {sorted(_BACKENDS)} or 'auto'")
-    return impl(q, k_cache, v_cache, block_table, seq_lens, scale=scale, causal=causal, k_scale=k_scale,
-                v_scale=v_scale)
+    _check_dv(name, want, "decode")
+    out, lse = impl(q, k_cache, v_cache, block_table, seq_lens, scale=scale, causal=causal, k_scale=k_scale,
+                    v_scale=v_scale, **_keywords(name, features(name, "decode"), softcap, window))
+    return _sunk(out, lse, sinks), lse
 
 
 def paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, max_seqlen_q: int, q_start=None,
                   scale: Optional[float] = None, causal: bool = True, k_scale=None, v_scale=None, sp: int = 1,
-                  sp_rank: int = 0, backend: str = "auto"):
-    """See ``paged_base``. ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA)."""
-    name = backend if backend != "auto" else auto_backend(q.device, prefill=True)
+                  sp_rank: int = 0, backend: str = "auto", softcap: Optional[float] = None, window: int = -1,
+                  sinks: Optional[torch.Tensor] = None):
+    """See ``paged_base``. ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA).
+    ``sinks`` ``(H,)`` as in ``paged_attention`` (``out (T, H, Dv)``, ``lse (H, T)``)."""
+    want = _wanted(softcap, window, v_cache, k_cache, sinks, q)
+    name = backend if backend != "auto" else auto_backend(q.device, prefill=True, want=want)
     impl = _PREFILL_BACKENDS.get(name)
     if impl is None:
         raise ValueError(f"unknown paged prefill backend {backend!r}; "
                          f"choose from {sorted(_PREFILL_BACKENDS)} or 'auto'")
-    return impl(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=max_seqlen_q, q_start=q_start,
-                scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, sp=sp, sp_rank=sp_rank)
+    _check_dv(name, want, "prefill")
+    out, lse = impl(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=max_seqlen_q,
+                    q_start=q_start, scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, sp=sp,
+                    sp_rank=sp_rank, **_keywords(name, features(name, "prefill"), softcap, window))
+    return (_sunk(out[None], lse[None], sinks)[0] if sinks is not None else out), lse
 
 
 def plan_step(seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None,
               backend: str = "auto") -> StepAttention:
     """The backend's metadata for one step over the cache (see ``paged_base``): ``seqs``, each
-    sequence's query rows, positions and block table; ``sp``/``sp_rank``, the striping of the keys."""
+    sequence's query rows, positions and block table; ``sp``/``sp_rank``, the striping of the keys.
+    Its ``attend`` takes ``scale``, ``softcap`` and ``window`` on every backend: where the chosen
+    one (``"cpu"``) does not, a call that uses them goes to the ``"torch"`` backend's plan when the
+    backend was ``"auto"``, and raises a ValueError naming the argument when it was asked for."""
     name = backend if backend != "auto" else auto_backend(torch.device(device or "cpu"))
     impl = _STEP_BACKENDS.get(name)
     if impl is None:
         raise ValueError(f"unknown paged backend {backend!r}; choose from {sorted(_STEP_BACKENDS)} or 'auto'")
     check_striping(sp, sp_rank)
-    return impl(seqs, block_size=block_size, sp=sp, sp_rank=sp_rank, device=device)
+    step = impl(seqs, block_size=block_size, sp=sp, sp_rank=sp_rank, device=device)
+    have = features(name, "step")
+    if have >= ALL_FEATURES:
+        return step
+    fallback = None
+    if backend == "auto":
+        def fallback():
+            return paged_torch.plan_step(seqs, block_size=block_size, sp=sp, sp_rank=sp_rank, device=device)
+    return _GuardedStep(step, name, have, fallback)
 
 
 class ReferenceStep:
-    """The ``"reference"`` backend's metadata for one step: per group of sequences with the same
-    query count, one ``paged_attention_reference`` call per layer."""
+    """The ``"reference"`` backend's metadata for one step: all of its sequences as one varlen
+    ``paged_prefill_reference`` call per layer (positions, lengths and striping as host tensors)."""
 
     def __init__(self, seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
-        self.groups = [SeqGroup.build(n, members, sp, sp_rank, device) for n, members in by_query_count(seqs).items()]
+        self.sp, self.sp_rank, self.any = sp, sp_rank, bool(seqs)
+        ints = dict(dtype=torch.int32, device=device)
+        self.rows = torch.tensor([s.row + j for s in seqs for j in range(s.n)], device=device, dtype=torch.long)
+        self.block_table = padded_table([s.block_table for s in seqs], device) if seqs else None
+        self.cu = torch.tensor([0] + list(accumulate(s.n for s in seqs)), **ints)
+        self.lens = torch.tensor([s.keys(sp, sp_rank) for s in seqs], **ints)
+        self.start = torch.tensor([s.start for s in seqs], **ints)
+        self.max_n = max((s.n for s in seqs), default=0)
 
-    def attend(self, q, cache: LayerCache, *, lse: bool = True):
-        # q (T, H, D) -> per group: rows (N*n,), out (N*n, H, D), lse (H, N*n) or None
-        parts = []
-        for g in self.groups:
-            o, l = paged_attention_reference(g.queries(q), cache.k, cache.v, g.block_table, g.seq_lens,
-                                             k_scale=cache.k_scale, v_scale=cache.v_scale)
-            parts.append(g.result(o, l if lse else None))
-        return parts
+    def attend(self, q, cache: LayerCache, *, lse: bool = True, scale: Optional[float] = None,
+               softcap: Optional[float] = None, window: int = -1):
+        # q (T, H, D) -> rows (R,), out (R, H, Dv), lse (H, R) or None
+        if not self.any:
+            return []
+        o, l = paged_prefill_reference(q.index_select(0, self.rows), cache.k, cache.v, self.block_table, self.cu,
+                                       self.lens, max_seqlen_q=self.max_n, q_start=self.start, scale=scale,
+                                       k_scale=cache.k_scale, v_scale=cache.v_scale, sp=self.sp,
+                                       sp_rank=self.sp_rank, softcap=softcap, window=window)
+        return [RowsOut(self.rows, o, l if lse else None)]
 
 
-def _reference_step(seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
-    """The reference's ``plan_step``. A striped share (``sp > 1``: query ``i`` sees the local keys
-    up to its position, not the last ``Q`` ones) is outside ``paged_attention_reference``'s
-    contract: the torch backend's plan computes it."""
-    step = paged_torch.TorchStep if sp > 1 else ReferenceStep
-    return step(seqs, block_size=block_size, sp=sp, sp_rank=sp_rank, device=device)
+class _GuardedStep:
+    """A backend's step whose ``attend`` lacks some of the keywords (``features``): calls that do
+    not use them go to it, the others to ``fallback()`` (the ``"torch"`` plan, built on first use)
+    or, without one (the backend was asked for by name), raise a ValueError naming the argument."""
+
+    def __init__(self, step, name: str, have: frozenset, fallback):
+        self.step, self.name, self.have, self._make_fallback, self._fallback = step, name, have, fallback, None
+
+    def attend(self, q, cache: LayerCache, *, lse: bool = True, scale: Optional[float] = None,
+               softcap: Optional[float] = None, window: int = -1):
+        softcap, window = check_features(softcap, window)
+        want = _used(scale=scale, softcap=softcap, window=window, dv=cache.v.shape[-1] != cache.k.shape[-1])
+        missing = want - self.have
+        if not missing:
+            return self.step.attend(q, cache, lse=lse, **_keywords(self.name, self.have, softcap, window, scale))
+        if self._make_fallback is None:
+            _refuse(self.name, missing)
+        if self._fallback is None:
+            self._fallback = self._make_fallback()
+        return self._fallback.attend(q, cache, lse=lse, scale=scale, softcap=softcap, window=window)
+
+
+# ----------------------------------------------------------------------------- features
+
+ALL_FEATURES = frozenset({"scale", "softcap", "window", "dv"})
+_KEYWORD_FEATURES = ("scale", "softcap", "window")
+_ARGUMENT = {"scale": "scale", "softcap": "softcap", "window": "window", "dv": "v_cache"}
+
+
+def _used(*, scale=None, softcap=None, window: int = -1, dv: bool = False) -> frozenset:
+    return frozenset(name for name, on in (("scale", scale is not None), ("softcap", softcap is not None),
+                                           ("window", window != -1), ("dv", dv)) if on)
+
+
+def _wanted(softcap, window, v_cache, k_cache, sinks, q) -> frozenset:
+    """Check the feature arguments of a call (ValueError naming the argument) -> the features it uses."""
+    softcap, window = check_features(softcap, window)
+    check_sinks(sinks, q)
+    dv = isinstance(v_cache, torch.Tensor) and isinstance(k_cache, torch.Tensor) and v_cache.dim() == 4 \
+        and k_cache.dim() == 4 and v_cache.shape[-1] != k_cache.shape[-1]
+    return _used(softcap=softcap, window=window, dv=dv)
+
+
+def check_sinks(sinks, q) -> None:
+    """``sinks``: None or a floating tensor ``(H,)`` (``H`` = q's heads), else a ValueError naming it."""
+    if sinks is None:
+        return
+    heads = q.shape[-2] if isinstance(q, torch.Tensor) and q.dim() >= 2 else None
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point or sinks.dim() != 1 \
+            or (heads is not None and sinks.shape[0] != heads):
+        got = f"{tuple(sinks.shape)} {sinks.dtype}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a floating tensor of shape (H,) = ({heads},) (one logit per query head) "
+                         f"or None, got {got}")
+
+
+def _sunk(out, lse, sinks):
+    """``out`` with the sinks in its softmax's denominator (``merge.apply_sinks``)."""
+    if sinks is None:
+        return out
+    from .merge import apply_sinks
+    return apply_sinks(out, lse, sinks)[0]
+
+
+@lru_cache(maxsize=None)
+def _accepts(fn, keyword: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def features(name: str, kind: str = "decode") -> frozenset:
+    """What backend ``name`` does for calls of ``kind`` (``"decode"``: ``paged_attention``;
+    ``"prefill"``; ``"step"``: ``plan_step(...).attend``), of ``ALL_FEATURES``: ``"scale"``,
+    ``"softcap"``, ``"window"`` (its call takes the keyword; ``"scale"`` is in every decode and
+    prefill call) and ``"dv"`` (a V head size other than K's). A backend module may declare
+    ``FEATURES``; else the keywords its functions take, and no ``"dv"``."""
+    if name in ("reference", "torch", "triton"):
+        return ALL_FEATURES
+    table = {"decode": _BACKENDS, "prefill": _PREFILL_BACKENDS, "step": _STEP_BACKENDS}[kind]
+    impl = table.get(name)
+    if impl is None:
+        return frozenset()
+    fn = getattr(impl, "attend", None) if kind == "step" else impl
+    have = {k for k in _KEYWORD_FEATURES if fn is not None and _accepts(fn, k)}
+    if kind != "step":
+        have.add("scale")
+    declared = getattr(_MODULES.get(name), "FEATURES", None)
+    if declared is not None:
+        have = (have - {"softcap", "window", "dv"}) | (set(declared) & {"softcap", "window", "dv"})
+    return frozenset(have)
+
+
+def _refuse(name: str, missing) -> None:
+    arg = _ARGUMENT[sorted(missing)[0]]
+    raise ValueError(f"the {name!r} paged backend cannot take {arg}= ({', '.join(sorted(missing))}); use "
+                     f"backend='auto', 'torch' or 'reference'")
+
+
+def _check_dv(name: str, want: frozenset, kind: str) -> None:
+    if "dv" in want and "dv" not in features(name, kind):
+        _refuse(name, {"dv"})
+
+
+def _keywords(name: str, have: frozenset, softcap, window, scale=None) -> dict:
+    """The feature keywords for a backend's call: only those the call uses (a backend without a
+    feature it is asked for: ValueError naming the argument)."""
+    kw = {}
+    if scale is not None:
+        kw["scale"] = scale
+    if softcap is not None:
+        kw["softcap"] = softcap
+    if window != -1:
+        kw["window"] = window
+    missing = set(kw) - have
+    if missing:
+        _refuse(name, missing)
+    return kw
 
 
 _BACKENDS = {"reference": paged_attention_reference, "torch": paged_torch.paged_attention_torch,
              "cpu": paged_cpu.paged_attention_cpu}
 _PREFILL_BACKENDS = {"reference": paged_prefill_reference}
-_STEP_BACKENDS = {"reference": _reference_step, "torch": paged_torch.plan_step, "cpu": paged_cpu.plan_step}
+_STEP_BACKENDS = {"reference": ReferenceStep, "torch": paged_torch.plan_step, "cpu": paged_cpu.plan_step}
+_MODULES = {"cpu": paged_cpu}
 
 try:  # the Triton kernels when triton imports
     from . import triton_paged
@@ -108,15 +265,17 @@ else:
     _BACKENDS["triton"] = triton_paged.paged_attention_triton
     _PREFILL_BACKENDS["triton"] = triton_paged.paged_prefill_triton
     _STEP_BACKENDS["triton"] = triton_paged.plan_step
+    _MODULES["triton"] = triton_paged
 
 
-def auto_backend(device, prefill: bool = False) -> str:
+def auto_backend(device, prefill: bool = False, want: frozenset = frozenset()) -> str:
     """What ``backend="auto"`` means on ``device``: the Triton kernels on CUDA when they registered;
-    on the CPU the compiled kernel when it builds, else the batched torch version (decode; prefill:
-    the reference)."""
+    on the CPU the compiled kernel when it builds and does the features ``want`` (see ``features``),
+    else the batched torch version (decode; prefill: the reference)."""
     table = _PREFILL_BACKENDS if prefill else _BACKENDS
     if torch.device(device).type == "cuda" and "triton" in table:
         return "triton"
-    if torch.device(device).type == "cpu" and "cpu" in table and paged_cpu.available():
+    if torch.device(device).type == "cpu" and "cpu" in table and paged_cpu.available() \
+            and want <= features("cpu", "prefill" if prefill else "decode"):
         return "cpu"
     return "torch" if "torch" in table else "reference"

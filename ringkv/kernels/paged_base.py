@@ -7,15 +7,21 @@ describes and imports it; ``paged.py`` holds the registry and the public calls, 
     out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None)
 
 - ``q`` ``(N, Q, H, D)``: ``Q`` newest tokens of each of ``N`` sequences (decode: ``Q = 1``);
-- ``k_cache``/``v_cache`` ``(num_blocks, block_size, Hkv, D)``; token ``t`` of sequence ``n``
-  lives in block ``block_table[n, t // block_size]`` at slot ``t % block_size``;
+- ``k_cache`` ``(num_blocks, block_size, Hkv, D)``, ``v_cache`` ``(num_blocks, block_size, Hkv, Dv)``
+  (``Dv`` may differ from ``D``: MLA); token ``t`` of sequence ``n`` lives in block
+  ``block_table[n, t // block_size]`` at slot ``t % block_size``;
 - ``block_table`` ``(N, max_blocks)`` int; ``seq_lens`` ``(N,)`` int: tokens in the cache for
   each sequence, the ``Q`` new ones included (their K/V were written before the call);
 - causal: query ``i`` of sequence ``n`` sits at position ``seq_lens[n] - Q + i`` and sees keys
   at positions ``<=`` its own; with ``causal=False`` every query sees all ``seq_lens[n]`` keys;
-- ``out`` ``(N, Q, H, D)`` in ``q.dtype``; ``lse`` float32 ``(N, H, Q)``, so partial results
-  of several ranks (each holding a shard of the sequence) merge with ``kernels.merge``.
-  A sequence with no visible key gives ``out = 0``, ``lse = -inf``;
+- ``scale`` (default ``1/sqrt(D)``); ``softcap`` (a float > 0, or None): each score is
+  ``softcap * tanh(scale * q.k / softcap)`` (Gemma 2), the mask applied after;
+- ``window`` (an int ``W``, ``-1`` = unbounded): a query at position ``p`` sees only keys at
+  positions ``>= p - W`` (the left extent: transformers' ``sliding_window`` ``S`` is ``W = S - 1``),
+  on the sequence's global positions (see the SP striping below); ``causal`` bounds the right side;
+- ``out`` ``(N, Q, H, Dv)`` in ``q.dtype``; ``lse`` float32 ``(N, H, Q)`` (over the capped scores),
+  so partial results of several ranks (each holding a shard of the sequence) merge with
+  ``kernels.merge``. A sequence with no visible key gives ``out = 0``, ``lse = -inf``;
 - a quantized cache (``kernels/quant.py``: int8 / fp8 values) comes with ``k_scale`` /
   ``v_scale`` ``(num_blocks, block_size, Hkv)``: every backend dequantizes as it reads.
 
@@ -35,59 +41,66 @@ Varlen (prefill chunks, prefix-continued prompts; the engine's call on CUDA)::
   ``q_start = seq_lens - T_n``: the new tokens are the cache's last);
 - ``sp``/``sp_rank``: the cache holds every ``sp``-th token of the sequence, from position
   ``sp_rank`` (local key ``j`` is position ``j * sp + sp_rank``: an SP rank's striped share);
-  causal: key ``j`` is visible to a query at position ``p`` iff ``j * sp + sp_rank <= p``;
-- ``out`` ``(T, H, D)`` in ``q.dtype``, ``lse`` float32 ``(H, T)`` (flash-attn's varlen layout).
+  causal: key ``j`` is visible to a query at position ``p`` iff ``j * sp + sp_rank <= p``; a
+  ``window`` ``W``: iff also ``j * sp + sp_rank >= p - W``;
+- ``scale``/``softcap``/``window`` as above;
+- ``out`` ``(T, H, Dv)`` in ``q.dtype``, ``lse`` float32 ``(H, T)`` (flash-attn's varlen layout).
 
 A step of the engine (the same every layer), built once per step by a backend's ``plan_step``::
 
     attn = plan_step(seqs, block_size=..., sp=1, sp_rank=0, device=None)   # -> StepAttention
-    parts = attn.attend(q, cache, lse=True)                               # every layer
+    parts = attn.attend(q, cache, lse=True, scale=None, softcap=None, window=-1)   # every layer
 
 - ``seqs``: ``PagedSeq(row, start, n, block_table)`` for each sequence whose ``n`` queries
   (local rows ``row ..``, positions ``start ..``) attend over the cache; the cache holds this
   rank's striped share (``sp``/``sp_rank`` as above), the new tokens' K/V already written;
 - ``q`` ``(T, H, D)``: the step's local query rows; ``cache``: a ``LayerCache`` (one layer's
   K/V and, quantized, scales);
-- ``parts``: ``RowsOut(rows (R,), out (R, H, D), lse (H, R) float32 or None)`` covering every
-  row of ``seqs`` once; with ``lse=False`` a backend may take a faster path without it.
+- ``parts``: ``RowsOut(rows (R,), out (R, H, Dv), lse (H, R) float32 or None)`` covering every
+  row of ``seqs`` once; with ``lse=False`` a backend may take a faster path without it;
+  ``scale``/``softcap``/``window`` per layer as above (a model may alternate windowed and full layers).
+
+Attention sinks are not a kernel feature: ``paged.paged_attention``/``paged_prefill`` apply them
+to the final output (``kernels.merge.apply_sinks``); the backends never see them.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from . import reference
 from .checks import resolve_scale
-from .mask import make_mask
 from .quant import as_bytes, dequantize
 
 __all__ = ["LayerCache", "PagedSeq", "RowsOut", "StepAttention", "SeqGroup", "by_query_count", "padded_table",
            "paged_attention_reference", "paged_prefill_reference", "validate_paged", "validate_prefill",
-           "check_capacity", "check_striping", "query_limits", "striped_limits", "read_blocks", "read_slots"]
+           "check_features", "visible_keys", "attend_dense", "check_capacity", "check_striping", "query_limits",
+           "striped_limits", "read_blocks", "read_slots"]
 
 
 # ----------------------------------------------------------------------------- records
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One layer's paged K/V: ``k``/``v`` ``(num_blocks, block_size, Hkv, D)``; a quantized cache
-    (int8 / fp8 values) has ``k_scale``/``v_scale`` ``(num_blocks, block_size, Hkv)``."""
+    """One layer's paged K/V: ``k`` ``(num_blocks, block_size, Hkv, D)``, ``v`` ``(num_blocks,
+    block_size, Hkv, Dv)`` (``Dv`` may differ from ``D``); a quantized cache (int8 / fp8 values)
+    has ``k_scale``/``v_scale`` ``(num_blocks, block_size, Hkv)``."""
     k: torch.Tensor
     v: torch.Tensor
     k_scale: Optional[torch.Tensor] = None
     v_scale: Optional[torch.Tensor] = None
 
     def read(self, slots: torch.Tensor, dtype=None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``(S, Hkv, D)`` at flat ``slots (S,)`` (``block * block_size + offset``); a
+        """K ``(S, Hkv, D)`` and V ``(S, Hkv, Dv)`` at flat ``slots (S,)`` (``block * block_size + offset``); a
         quantized cache is dequantized to ``dtype`` (default float32)."""
         return read_slots(self.k, self.k_scale, slots, dtype), read_slots(self.v, self.v_scale, slots, dtype)
 
     def read_blocks(self, blocks: torch.Tensor, dtype=None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``(n, block_size, Hkv, D)`` of ``blocks (n,)``, dequantized like ``read``."""
+        """K ``(n, block_size, Hkv, D)`` and V ``(.., Dv)`` of ``blocks (n,)``, dequantized like ``read``."""
         return (read_blocks(self.k, self.k_scale, blocks, dtype or torch.float32),
                 read_blocks(self.v, self.v_scale, blocks, dtype or torch.float32))
 
@@ -112,15 +125,17 @@ class PagedSeq:
 class RowsOut:
     """Attention of some query rows of a step over the cache."""
     rows: torch.Tensor  # (R,) local query rows
-    out: torch.Tensor  # (R, H, D) in q's dtype
+    out: torch.Tensor  # (R, H, Dv) in q's dtype
     lse: Optional[torch.Tensor]  # (H, R) float32; None when not asked for
 
 
 class StepAttention(Protocol):
     """A backend's per-step metadata (``plan_step``): built once per step, used by every layer."""
 
-    def attend(self, q: torch.Tensor, cache: LayerCache, *, lse: bool = True) -> List[RowsOut]:
-        """``q (T, H, D)``: the step's query rows; every row of the step's ``PagedSeq``s once."""
+    def attend(self, q: torch.Tensor, cache: LayerCache, *, lse: bool = True, scale: Optional[float] = None,
+               softcap: Optional[float] = None, window: int = -1) -> List[RowsOut]:
+        """``q (T, H, D)``: the step's query rows; every row of the step's ``PagedSeq``s once
+        (``scale``: default ``1/sqrt(D)``; ``softcap``, ``window``: see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +162,7 @@ class SeqGroup:
         return q.index_select(0, self.rows).view(-1, self.n, *q.shape[1:])
 
     def result(self, out: torch.Tensor, lse: Optional[torch.Tensor] = None) -> RowsOut:
-        """``out (N, n, H, D)``, ``lse (N, H, n)`` (decode layout) -> the rows' ``RowsOut``."""
+        """``out (N, n, H, Dv)``, ``lse (N, H, n)`` (decode layout) -> the rows' ``RowsOut``."""
         return RowsOut(self.rows, out.reshape(-1, *out.shape[2:]),
                        None if lse is None else lse.transpose(0, 1).reshape(lse.shape[1], -1))
 
@@ -204,8 +219,9 @@ def _validate_cache(q, k_cache, v_cache, k_scale, v_scale, tensors, q_layout: st
         raise ValueError(f"q must be {q_layout}, got {tuple(q.shape)}")
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache (num_blocks, block_size, Hkv, D) must be 4-D, got {tuple(k_cache.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must match, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must match in (num_blocks, block_size, Hkv) (v_cache's head size "
+                         f"may differ), got {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}")
     if q.shape[-1] != k_cache.shape[-1] or k_cache.shape[2] == 0 or q.shape[-2] % k_cache.shape[2] != 0:
         raise ValueError(f"q heads/head_dim {tuple(q.shape[-2:])} do not fit the cache's {tuple(k_cache.shape[2:])}: "
                          f"need the same head_dim and heads % kv_heads == 0")
@@ -214,7 +230,24 @@ def _validate_cache(q, k_cache, v_cache, k_scale, v_scale, tensors, q_layout: st
             raise TypeError(f"block_table and seq_lens must be integer tensors, got {t.dtype} for {name}")
 
 
-def validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_scale=None) -> None:
+def check_features(softcap=None, window: int = -1) -> Tuple[Optional[float], int]:
+    """``softcap`` (None, or a finite number > 0) and ``window`` (an int >= -1) checked:
+    ``(softcap as a float or None, window)``, else a ValueError naming the argument."""
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+                or softcap <= 0:
+            raise ValueError(f"softcap must be a finite number > 0 (scores become softcap * tanh(s / softcap)) "
+                             f"or None, got {softcap!r}")
+        softcap = float(softcap)
+    if isinstance(window, bool) or not isinstance(window, int) or window < -1:
+        raise ValueError(f"window must be an int >= 0 (the left extent W: a query at p sees keys >= p - W) "
+                         f"or -1 (unbounded), got {window!r}")
+    return softcap, int(window)
+
+
+def validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_scale=None, softcap=None,
+                   window: int = -1) -> None:
+    check_features(softcap, window)
     _validate_cache(q, k_cache, v_cache, k_scale, v_scale, (("block_table", block_table), ("seq_lens", seq_lens)),
                     "(N, Q, H, D)")
     if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
@@ -223,8 +256,9 @@ def validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale=None, v_s
 
 
 def validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start=None, k_scale=None,
-                     v_scale=None, sp: int = 1, sp_rank: int = 0) -> None:
+                     v_scale=None, sp: int = 1, sp_rank: int = 0, softcap=None, window: int = -1) -> None:
     """Shapes and types of a varlen call (host metadata only: never reads device values)."""
+    check_features(softcap, window)
     ints = [("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)]
     if q_start is not None:
         ints.append(("q_start", q_start))
@@ -270,32 +304,69 @@ def read_slots(cache: torch.Tensor, scale, slots: torch.Tensor, dtype=None) -> t
     return x
 
 
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True, window: int = -1) -> torch.Tensor:
+    """Bool ``(Sq, L)``: key ``j`` (global position ``k_pos[j]``) is visible to query ``i`` (at
+    ``q_pos[i]``): ``k_pos <= q_pos`` when causal, ``k_pos >= q_pos - window`` when ``window >= 0``."""
+    visible = torch.ones(q_pos.shape[0], k_pos.shape[0], dtype=torch.bool, device=q_pos.device)
+    if causal:
+        visible &= k_pos[None, :] <= q_pos[:, None]
+    if window >= 0:
+        visible &= k_pos[None, :] >= q_pos[:, None] - window
+    return visible
+
+
+def attend_dense(q, k, v, scale: float, visible: torch.Tensor, softcap: Optional[float] = None):
+    """The reference's attention of one sequence: ``q (Sq, H, D)`` over ``k (L, Hkv, D)``, ``v (L,
+    Hkv, Dv)`` where ``visible (Sq, L)``, scores capped (``softcap``) before the mask. Computed in
+    float32 (float64 for float64 ``q``) -> ``out (Sq, H, Dv)`` in ``q.dtype``, ``lse (H, Sq)`` float32;
+    a row that sees no key gives 0 / -inf."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    sq, h, d = q.shape
+    hkv = k.shape[1]
+    qg = q.to(compute).reshape(sq, hkv, h // hkv, d)  # (Sq, Hkv, G, D): GQA as a view, K/V never repeated
+    s = torch.einsum("qhgd,khd->hgqk", qg, k.to(compute)) * scale  # (Hkv, G, Sq, L)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible.to(s.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (Hkv, G, Sq); -inf for a row with no key
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    out = torch.einsum("hgqk,khd->qhgd", p, v.to(compute)).reshape(sq, h, v.shape[-1])
+    return out.to(q.dtype), lse.reshape(h, sq).float()
+
+
 def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *,
-                              scale: Optional[float] = None, causal: bool = True, k_scale=None, v_scale=None):
-    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+                              scale: Optional[float] = None, causal: bool = True, k_scale=None, v_scale=None,
+                              softcap: Optional[float] = None, window: int = -1):
+    """The decode-layout contract (module docstring) in plain torch, one sequence at a time."""
+    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, softcap, window)
+    softcap, window = check_features(softcap, window)
     n, nq, h, d = q.shape
     bs = k_cache.shape[1]
     scale = resolve_scale(scale, d)
     check_capacity(seq_lens, block_table.shape[1] * bs)
-    out = torch.zeros(n, nq, h, d, dtype=q.dtype, device=q.device)
+    out = torch.zeros(n, nq, h, v_cache.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((n, h, nq), float("-inf"), device=q.device)
     for i, length in enumerate(seq_lens.tolist()):
         if length <= 0:
             continue
         blocks = block_table[i, : (length + bs - 1) // bs].long()
         k = read_blocks(k_cache, k_scale, blocks, q.dtype).reshape(-1, *k_cache.shape[2:])[:length]  # (L, Hkv, D)
-        v = read_blocks(v_cache, v_scale, blocks, q.dtype).reshape(-1, *v_cache.shape[2:])[:length]
-        mask = make_mask(causal, range(length - nq, length), range(0, length), nq, length)
-        o, l = reference.forward(q[i : i + 1], k[None], v[None], scale, mask)
-        out[i], lse[i] = o[0], l[0]
+        v = read_blocks(v_cache, v_scale, blocks, q.dtype).reshape(-1, *v_cache.shape[2:])[:length]  # (L, Hkv, Dv)
+        visible = visible_keys(torch.arange(length - nq, length, device=q.device),
+                               torch.arange(length, device=q.device), causal, window)
+        o, l = attend_dense(q[i], k, v, scale, visible, softcap)
+        out[i], lse[i] = o, l
     return out, lse
 
 
 def paged_prefill_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, max_seqlen_q: int,
                             q_start=None, scale: Optional[float] = None, causal: bool = True, k_scale=None,
-                            v_scale=None, sp: int = 1, sp_rank: int = 0):
-    """The varlen contract (module docstring) in plain torch: one ``reference.forward`` per sequence."""
-    validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start, k_scale, v_scale, sp, sp_rank)
+                            v_scale=None, sp: int = 1, sp_rank: int = 0, softcap: Optional[float] = None,
+                            window: int = -1):
+    """The varlen contract (module docstring) in plain torch, one sequence at a time."""
+    validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start, k_scale, v_scale, sp, sp_rank,
+                     softcap, window)
+    softcap, window = check_features(softcap, window)
     t, h, d = q.shape
     bs = k_cache.shape[1]
     scale = resolve_scale(scale, d)
@@ -304,7 +375,7 @@ def paged_prefill_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
     if max(b - a for a, b in zip(cu, cu[1:]) or [0]) > max_seqlen_q or (cu and (cu[0] != 0 or cu[-1] > t)):
         raise ValueError(f"cu_seqlens_q {cu} must start at 0, end at most at T = {t} and have steps <= "
                          f"max_seqlen_q = {max_seqlen_q}")
-    out = torch.zeros_like(q)
+    out = torch.zeros(t, h, v_cache.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((h, t), float("-inf"), device=q.device)
     for i, length in enumerate(lens):
         a, b = cu[i], cu[i + 1]
@@ -313,9 +384,8 @@ def paged_prefill_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_
             continue
         blocks = block_table[i, : (length + bs - 1) // bs].long()
         k = read_blocks(k_cache, k_scale, blocks, q.dtype).reshape(-1, *k_cache.shape[2:])[:length]  # (L, Hkv, D)
-        v = read_blocks(v_cache, v_scale, blocks, q.dtype).reshape(-1, *v_cache.shape[2:])[:length]
-        mask = make_mask(causal, range(starts[i], starts[i] + b - a), range(sp_rank, sp_rank + length * sp, sp),
-                         b - a, length, q.device)
-        o, l = reference.forward(q[None, a:b], k[None], v[None], scale, mask)
-        out[a:b], lse[:, a:b] = o[0], l[0]
+        v = read_blocks(v_cache, v_scale, blocks, q.dtype).reshape(-1, *v_cache.shape[2:])[:length]  # (L, Hkv, Dv)
+        visible = visible_keys(torch.arange(starts[i], starts[i] + b - a, device=q.device),
+                               torch.arange(length, device=q.device) * sp + sp_rank, causal, window)
+        out[a:b], lse[:, a:b] = attend_dense(q[a:b], k, v, scale, visible, softcap)
     return out, lse

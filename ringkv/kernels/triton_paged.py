@@ -15,6 +15,12 @@ Causal: query ``i`` sits at position ``seq_len - Q + i`` and sees keys ``t <= se
 The number of splits comes from the cache capacity (``max_blocks * block_size``), not from
 ``seq_lens`` (no host sync): enough programs to fill the GPU (about two per SM) with chunks
 of at least ``MIN_CHUNK`` tokens, so one 128K-token sequence still spreads over every SM.
+
+Features (``paged_base``), compiled in only when used (constexpr flags, so the plain kernels are
+the same as before): ``SOFTCAP``: scores ``softcap * tanh(scale * q.k / softcap)`` (base 2 after
+the cap), masked after; ``HAS_WINDOW``: keys at global positions ``< p - window`` hidden, and key
+tiles wholly before the first row's window skipped; V's head size ``D_V`` has its own tile width
+(``BLOCK_DV``) and strides.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from .checks import resolve_scale
-from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, padded_table, validate_paged,
-                         validate_prefill)
+from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, check_features, check_striping,
+                         padded_table, validate_paged, validate_prefill)
 from .triton_attn import (_big_rows, _block_d, _build, _finish, _interpret, _jit, _online_step,  # ImportError
                           _prec)  # without triton
 
@@ -39,18 +45,19 @@ MAX_SPLITS = 256
 
 
 @_jit
-def _gather_kv(Q, K, V, KScale, VScale, table_row, offs_t, t_ok, hk, offs_d, D, block_size,
-               stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, QUANT: tl.constexpr):
-    """K and V ``(BN, BD)`` of tokens ``offs_t`` of one sequence (its block table row at
-    ``table_row``) and kv head ``hk``, gathered token by token through the table (any block
+def _gather_kv(Q, K, V, KScale, VScale, table_row, offs_t, t_ok, hk, offs_d, D, offs_dv, D_V, block_size,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
+               QUANT: tl.constexpr):
+    """K ``(BN, BD)`` and V ``(BN, BDV)`` of tokens ``offs_t`` of one sequence (its block table row
+    at ``table_row``) and kv head ``hk``, gathered token by token through the table (any block
     size); a quantized cache (one byte per value, one scale per (token, kv head)) is
     dequantized to q's dtype as it is read. Tokens with ``t_ok`` false load as zeros."""
     block = tl.load(table_row + offs_t // block_size, mask=t_ok, other=0).to(tl.int64)
     slot = offs_t % block_size
-    kv_off = block[:, None] * stride_kb + slot[:, None] * stride_ks + hk * stride_kh + offs_d[None, :]
-    kv_mask = t_ok[:, None] & (offs_d[None, :] < D)
-    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    k_off = block[:, None] * stride_kb + slot[:, None] * stride_ks + hk * stride_kh + offs_d[None, :]
+    v_off = block[:, None] * stride_vb + slot[:, None] * stride_vs + hk * stride_vh + offs_dv[None, :]
+    k = tl.load(K + k_off, mask=t_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    v = tl.load(V + v_off, mask=t_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
     if QUANT:
         s_off = block * stride_sb + slot * stride_ss + hk
         k_s = tl.load(KScale + s_off, mask=t_ok, other=0.0).to(tl.float32)
@@ -60,12 +67,33 @@ def _gather_kv(Q, K, V, KScale, VScale, table_row, offs_t, t_ok, hk, offs_d, D, 
     return k, v
 
 
-@_jit(do_not_specialize=["capacity", "chunk", "num_splits"])
-def _paged_split_kernel(Q, K, V, KScale, VScale, BlockTable, SeqLens, OutP, LseP,
-                        stride_qn, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
-                        stride_bt, H, G, NQ, D, block_size, capacity, chunk, num_splits, qk_scale,
-                        CAUSAL: tl.constexpr, QUANT: tl.constexpr, PREC: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+@_jit
+def _paged_scores(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, PREC: tl.constexpr):
+    """Base-2 scores ``(BR, BN)`` of ``q (BR, BD)`` and ``k (BN, BD)``: ``q.k * qk_scale`` (``scale *
+    log2(e)``), or with ``SOFTCAP`` ``cap2 * tanh(q.k * qk_scale)`` (``qk_scale = scale / softcap``,
+    ``cap2 = softcap * log2(e)``); tanh from one exp2 of ``-2|x|`` (no overflow at any ``x``)."""
+    s = _dot(q, tl.trans(k), PREC) * qk_scale
+    if SOFTCAP:
+        e = tl.math.exp2(-2.8853900817779268 * tl.abs(s))  # exp(-2|x|)
+        t = (1.0 - e) / (1.0 + e)
+        s = cap2 * tl.where(s < 0, -t, t)
+    return s
+
+
+@_jit
+def _paged_first_key(first_pos, window, sp, sp_rank):
+    """The first local key (at global position ``sp_rank + j * sp``) at or after ``first_pos - window``."""
+    return (tl.maximum(first_pos - window - sp_rank, 0) + sp - 1) // sp
+
+
+@_jit(do_not_specialize=["capacity", "chunk", "num_splits", "sp", "sp_rank", "window"])
+def _paged_split_kernel(Q, K, V, KScale, VScale, BlockTable, SeqLens, QStart, OutP, LseP,
+                        stride_qn, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                        stride_vh, stride_sb, stride_ss, stride_bt, H, G, NQ, D, D_V, block_size, capacity, chunk,
+                        num_splits, qk_scale, cap2, sp, sp_rank, window,
+                        CAUSAL: tl.constexpr, QUANT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        HAS_START: tl.constexpr, PREC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -77,6 +105,7 @@ def _paged_split_kernel(Q, K, V, KScale, VScale, BlockTable, SeqLens, OutP, LseP
     h = hk * G + g
     row_ok = offs_r < G * NQ
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q_mask = row_ok[:, None] & (offs_d[None, :] < D)
     q = tl.load(Q + n * stride_qn + qi[:, None] * stride_qq + h[:, None] * stride_qh + offs_d[None, :],
                 mask=q_mask, other=0.0)  # (BR, BD)
@@ -87,22 +116,32 @@ def _paged_split_kernel(Q, K, V, KScale, VScale, BlockTable, SeqLens, OutP, LseP
     t_lo = split * chunk
     # splits past the end run no iteration; never read past the table row (seq_len > capacity)
     t_hi = tl.minimum(tl.minimum(t_lo + chunk, seq_len), capacity)
+    if HAS_WINDOW:  # global query positions (default: the last NQ of the keys); skip tiles before the window
+        if HAS_START:
+            start = tl.load(QStart + n).to(tl.int32)
+        else:
+            start = seq_len - NQ
+        pos = start + qi
+        t_lo = tl.maximum(t_lo, _paged_first_key(start, window, sp, sp_rank))
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
     for t0 in range(t_lo, t_hi, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         t_ok = offs_t < t_hi
         k, v = _gather_kv(Q, K, V, KScale, VScale, BlockTable + n * stride_bt, offs_t, t_ok, hk, offs_d, D,
-                          block_size, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, QUANT)
-        s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BR, BN) base-2 scores
+                          offs_dv, D_V, block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                          stride_sb, stride_ss, QUANT)
+        s = _paged_scores(q, k, qk_scale, cap2, SOFTCAP, PREC)  # (BR, BN) base-2 scores
         visible = t_ok[None, :] & (offs_t[None, :] <= last_key[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_t[None, :] * sp + sp_rank >= pos[:, None] - window)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, tl.where(visible, s, float("-inf")), v, PREC)
 
     out, lse2 = _finish(acc, m_i, l_i)
-    # partials: OutP (N, H, NQ, splits, D), LseP (N, H, NQ, splits), both fp32 contiguous
+    # partials: OutP (N, H, NQ, splits, D_V), LseP (N, H, NQ, splits), both fp32 contiguous
     part = ((n * H + h) * NQ + qi) * num_splits + split
-    tl.store(OutP + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
+    tl.store(OutP + part[:, None] * D_V + offs_dv[None, :], out, mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
     tl.store(LseP + part, lse2, mask=row_ok)
 
 
@@ -132,12 +171,14 @@ def _paged_reduce_kernel(OutP, LseP, Out, Lse, stride_on, stride_oq, stride_oh,
     tl.store(Lse + nh * NQ + qi, lse)
 
 
-@_jit(do_not_specialize=["total_q", "H", "G", "D", "block_size", "capacity", "sp", "sp_rank"])
+@_jit(do_not_specialize=["total_q", "H", "G", "D", "D_V", "block_size", "capacity", "sp", "sp_rank", "window"])
 def _paged_prefill_kernel(Q, K, V, KScale, VScale, BlockTable, CuSeqlensQ, SeqLens, QStart, Out, Lse,
-                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
-                          stride_bt, stride_ot, stride_oh, total_q, H, G, D, block_size, capacity, sp, sp_rank,
-                          qk_scale, CAUSAL: tl.constexpr, QUANT: tl.constexpr, HAS_START: tl.constexpr,
-                          PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                          stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                          stride_sb, stride_ss, stride_bt, stride_ot, stride_oh, total_q, H, G, D, D_V, block_size,
+                          capacity, sp, sp_rank, qk_scale, cap2, window, CAUSAL: tl.constexpr, QUANT: tl.constexpr,
+                          HAS_START: tl.constexpr, SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                          PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_DV: tl.constexpr):
     # grid (cdiv(max_seqlen_q, BLOCK_M), N, H): query tokens [m0, m0 + BLOCK_M) of sequence n, head h
     m0 = tl.program_id(0) * BLOCK_M
     n = tl.program_id(1).to(tl.int64)
@@ -154,6 +195,7 @@ def _paged_prefill_kernel(Q, K, V, KScale, VScale, BlockTable, CuSeqlensQ, SeqLe
     rows = q_lo + offs_m  # packed token index, int64
     row_ok = offs_m < nq
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q_mask = row_ok[:, None] & (offs_d[None, :] < D)
     q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)  # (BM, BD)
     pos = start + offs_m  # global position of each query
@@ -164,23 +206,29 @@ def _paged_prefill_kernel(Q, K, V, KScale, VScale, BlockTable, CuSeqlensQ, SeqLe
         last = start + tl.minimum(m0 + BLOCK_M, nq) - 1
         t_hi = tl.minimum(t_hi, tl.maximum((last - sp_rank + sp) // sp, 0))
     t_hi = tl.where(m0 < nq, t_hi, 0)  # a tile past this sequence's queries: nothing to do
+    t_lo = 0
+    if HAS_WINDOW:  # keys before the tile's first row's window are outside the loop
+        t_lo = _paged_first_key(start + m0, window, sp, sp_rank)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for t0 in range(0, t_hi, BLOCK_N):
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for t0 in range(t_lo, t_hi, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         t_ok = offs_t < t_hi
         k, v = _gather_kv(Q, K, V, KScale, VScale, BlockTable + n * stride_bt, offs_t, t_ok, hk, offs_d, D,
-                          block_size, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, QUANT)
-        s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN) base-2 scores
+                          offs_dv, D_V, block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                          stride_sb, stride_ss, QUANT)
+        s = _paged_scores(q, k, qk_scale, cap2, SOFTCAP, PREC)  # (BM, BN) base-2 scores
         visible = t_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_t[None, :] * sp + sp_rank <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_t[None, :] * sp + sp_rank >= pos[:, None] - window)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, tl.where(visible, s, float("-inf")), v, PREC)
 
     out, lse2 = _finish(acc, m_i, l_i)
-    tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=q_mask)
+    tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
     tl.store(Lse + h * total_q + rows, lse2 * 0.6931471805599453, mask=row_ok)  # (H, T), natural log
 
 
@@ -197,34 +245,50 @@ def num_splits_for(capacity: int, programs: int, device) -> int:
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
-                           causal: bool = True, num_splits: Optional[int] = None, k_scale=None, v_scale=None):
+                           causal: bool = True, num_splits: Optional[int] = None, k_scale=None, v_scale=None,
+                           softcap: Optional[float] = None, window: int = -1):
     """Same contract as ``paged_base.paged_attention_reference`` (the ``"triton"`` backend): one new
     token per sequence (or ``num_splits`` given) runs the decode kernel, several the prefill kernel."""
-    kw = dict(scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale)
+    kw = dict(scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window)
     if q.shape[1] == 1 or num_splits is not None:
         return paged_decode_triton(q, k_cache, v_cache, block_table, seq_lens, num_splits=num_splits, **kw)
-    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, softcap, window)
     n, nq, h, d = q.shape
     cu = torch.arange(0, (n + 1) * nq, nq, dtype=torch.int32, device=q.device)  # (N + 1,): Q tokens each
     out, lse = paged_prefill_triton(q.reshape(n * nq, h, d), k_cache, v_cache, block_table, cu, seq_lens,
-                                    max_seqlen_q=nq, **kw)  # (N * Q, H, D), (H, N * Q)
-    return out.view(n, nq, h, d), lse.view(h, n, nq).transpose(0, 1).contiguous()
+                                    max_seqlen_q=nq, **kw)  # (N * Q, H, Dv), (H, N * Q)
+    return out.view(n, nq, h, -1), lse.view(h, n, nq).transpose(0, 1).contiguous()
+
+
+def _score_args(scale: float, softcap: Optional[float]):
+    """``(qk_scale, cap2)`` of ``_scores``: base-2 scores without a cap, ``tanh``'s argument with one."""
+    if softcap is None:
+        return scale * LOG2E, 0.0
+    return scale / softcap, softcap * LOG2E
 
 
 def paged_decode_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
-                        causal: bool = True, num_splits: Optional[int] = None, k_scale=None, v_scale=None):
+                        causal: bool = True, num_splits: Optional[int] = None, k_scale=None, v_scale=None,
+                        softcap: Optional[float] = None, window: int = -1, q_start=None, sp: int = 1,
+                        sp_rank: int = 0):
     """The flash-decoding kernel for any ``Q`` (its row tile is ``G * Q``: meant for a few
-    tokens); ``num_splits`` overrides the choice."""
-    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
+    tokens); ``num_splits`` overrides the choice. ``q_start (N,)``, ``sp``/``sp_rank``: the queries'
+    global positions and the keys' striping, read for a ``window`` only (default: the queries are
+    the last ``Q`` of ``seq_lens`` keys, not striped); ``causal`` compares local positions."""
+    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, softcap, window)
+    softcap, window = check_features(softcap, window)
+    check_striping(sp, sp_rank)
     _build()
     n, nq, h, d = q.shape
-    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    hkv, bs, dv = k_cache.shape[2], k_cache.shape[1], v_cache.shape[-1]
     scale = d ** -0.5 if scale is None else scale
     q = q.contiguous()
-    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():  # the kernel reads both with k's strides
-        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # (never a copy for the engine's caches)
+    if k_cache.stride(-1) != 1:  # (never a copy for the engine's caches)
+        k_cache = k_cache.contiguous()
+    if v_cache.stride(-1) != 1:
+        v_cache = v_cache.contiguous()
     block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
-    out = torch.zeros(n, nq, h, d, dtype=q.dtype, device=q.device)
+    out = torch.zeros(n, nq, h, dv, dtype=q.dtype, device=q.device)
     lse = torch.full((n, h, nq), float("-inf"), dtype=torch.float32, device=q.device)
     capacity = block_table.shape[1] * bs
     if n * nq * h == 0 or capacity == 0:
@@ -233,41 +297,47 @@ def paged_decode_triton(q, k_cache, v_cache, block_table, seq_lens, *, scale: Op
     chunk = triton.cdiv(capacity, splits)
     g = h // hkv
     block_r = max(16, triton.next_power_of_2(g * nq))
-    block_d = max(16, triton.next_power_of_2(d))
-    block_n = 64 if block_d <= 64 else 32
-    out_p = torch.empty(n, h, nq, splits, d, dtype=torch.float32, device=q.device)
+    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    block_n = 64 if max(block_d, block_dv) <= 64 else 32
+    out_p = torch.empty(n, h, nq, splits, dv, dtype=torch.float32, device=q.device)
     lse_p = torch.empty(n, h, nq, splits, dtype=torch.float32, device=q.device)
     quant = k_scale is not None
     if quant:
         k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     k_s, v_s = (k_scale, v_scale) if quant else (q, q)  # unused pointers without QUANT
+    qk_scale, cap2 = _score_args(scale, softcap)
+    has_start = q_start is not None and window >= 0
     _paged_split_kernel[(n, hkv, splits)](
-        q, k_cache, v_cache, k_s, v_s, block_table, seq_lens, out_p, lse_p,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, k_s, v_s, block_table, seq_lens, q_start.contiguous() if has_start else seq_lens,
+        out_p, lse_p, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_s.stride(0) if quant else 0, k_s.stride(1) if quant else 0,
-        block_table.stride(0), h, g, nq, d, bs, capacity, chunk, splits, scale * LOG2E,
-        CAUSAL=causal, QUANT=quant, PREC=_prec(q.dtype), BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d)
+        block_table.stride(0), h, g, nq, d, dv, bs, capacity, chunk, splits, qk_scale, cap2, sp, sp_rank, window,
+        CAUSAL=causal, QUANT=quant, SOFTCAP=softcap is not None, HAS_WINDOW=window >= 0, HAS_START=has_start,
+        PREC=_prec(q.dtype), BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv)
     _paged_reduce_kernel[(n * h, nq)](
-        out_p, lse_p, out, lse, out.stride(0), out.stride(1), out.stride(2), h, nq, d, splits,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d)
+        out_p, lse_p, out, lse, out.stride(0), out.stride(1), out.stride(2), h, nq, dv, splits,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_dv)
     return out, lse
 
 
 def paged_prefill_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, max_seqlen_q: int,
                          q_start=None, scale: Optional[float] = None, causal: bool = True, k_scale=None,
-                         v_scale=None, sp: int = 1, sp_rank: int = 0):
+                         v_scale=None, sp: int = 1, sp_rank: int = 0, softcap: Optional[float] = None,
+                         window: int = -1):
     """Same contract as ``paged_base.paged_prefill_reference``: ``q (T, H, D)`` packed ->
-    ``out (T, H, D)``, ``lse (H, T)`` fp32. No host sync: the grid is ``(cdiv(max_seqlen_q,
+    ``out (T, H, Dv)``, ``lse (H, T)`` fp32. No host sync: the grid is ``(cdiv(max_seqlen_q,
     BLOCK_M), N, H)``, so ``max_seqlen_q`` must be at least every sequence's query count."""
     validate_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, q_start, k_scale, v_scale, sp,
-                     sp_rank)
+                     sp_rank, softcap, window)
+    softcap, window = check_features(softcap, window)
     _build()
     t, h, d = q.shape
-    n, hkv, bs = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
-    scale, block_d = resolve_scale(scale, d), _block_d(d)
+    n, hkv, bs, dv = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1], v_cache.shape[-1]
+    scale, block_d, block_dv = resolve_scale(scale, d), _block_d(d), _block_d(dv)
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     block_table, cu_seqlens_q, seq_lens = block_table.contiguous(), cu_seqlens_q.contiguous(), seq_lens.contiguous()
-    out = torch.empty_like(q)  # every row is written: each sequence's tokens lie in its first tiles
+    out = q.new_empty(t, h, dv)  # every row is written: each sequence's tokens lie in its first tiles
     lse = torch.empty(h, t, dtype=torch.float32, device=q.device)
     capacity = block_table.shape[1] * bs
     if t * h == 0 or n == 0 or max_seqlen_q <= 0:
@@ -276,15 +346,17 @@ def paged_prefill_triton(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_len
     if quant:
         k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     k_s, v_s = (k_scale, v_scale) if quant else (q, q)  # unused pointers without QUANT
-    cfg = _prefill_config(q.element_size(), block_d)
+    cfg = _prefill_config(q.element_size(), max(block_d, block_dv))
+    qk_scale, cap2 = _score_args(scale, softcap)
     _paged_prefill_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), n, h)](
         q, k_cache, v_cache, k_s, v_s, block_table, cu_seqlens_q, seq_lens,
         q_start.contiguous() if q_start is not None else seq_lens, out, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_s.stride(0) if quant else 0, k_s.stride(1) if quant else 0, block_table.stride(0),
-        out.stride(0), out.stride(1), t, h, h // hkv, d, bs, capacity, sp, sp_rank, scale * LOG2E,
-        CAUSAL=causal, QUANT=quant, HAS_START=q_start is not None, PREC=_prec(q.dtype),
-        BLOCK_D=block_d, **cfg)
+        out.stride(0), out.stride(1), t, h, h // hkv, d, dv, bs, capacity, sp, sp_rank, qk_scale, cap2, window,
+        CAUSAL=causal, QUANT=quant, HAS_START=q_start is not None, SOFTCAP=softcap is not None,
+        HAS_WINDOW=window >= 0, PREC=_prec(q.dtype), BLOCK_D=block_d, BLOCK_DV=block_dv, **cfg)
     return out, lse
 
 
@@ -327,23 +399,27 @@ class TritonStep:
         groups = by_query_count(seqs)
         self.sp, self.sp_rank = sp, sp_rank
         self.decode = SeqGroup.build(1, groups[1], sp, sp_rank, device) if 1 in groups else None
+        self.decode_start = None if self.decode is None else torch.tensor(  # (N,) positions, for a window
+            [s.start for s in groups[1]], dtype=torch.int32, device=device)
         multi = [s for n, members in groups.items() if n > 1 for s in members]
         self.varlen = VarlenBatch.build(multi, sp, sp_rank, device) if multi else None
 
-    def attend(self, q, cache: LayerCache, *, lse: bool = True) -> List[RowsOut]:
-        # q (T, H, D) -> decode rows (N,) and varlen rows (R,): out (., H, D), lse (H, .) or None
+    def attend(self, q, cache: LayerCache, *, lse: bool = True, scale: Optional[float] = None,
+               softcap: Optional[float] = None, window: int = -1) -> List[RowsOut]:
+        # q (T, H, D) -> decode rows (N,) and varlen rows (R,): out (., H, Dv), lse (H, .) or None
         parts = []
-        if self.decode is not None:  # one token at the end sees every key stored here
+        if self.decode is not None:  # one token at the end sees every key stored here (its window's)
             o, l = paged_decode_triton(self.decode.queries(q), cache.k, cache.v, self.decode.block_table,
                                        self.decode.seq_lens, causal=False, k_scale=cache.k_scale,
-                                       v_scale=cache.v_scale)
+                                       v_scale=cache.v_scale, scale=scale, softcap=softcap, window=window,
+                                       q_start=self.decode_start, sp=self.sp, sp_rank=self.sp_rank)
             parts.append(self.decode.result(o, l if lse else None))
         if self.varlen is not None:
             b = self.varlen
             o, l = paged_prefill_triton(q.index_select(0, b.rows), cache.k, cache.v, b.block_table, b.cu_seqlens_q,
                                         b.seq_lens, max_seqlen_q=b.max_seqlen_q, q_start=b.q_start,
                                         k_scale=cache.k_scale, v_scale=cache.v_scale, sp=self.sp,
-                                        sp_rank=self.sp_rank)
+                                        sp_rank=self.sp_rank, scale=scale, softcap=softcap, window=window)
             parts.append(RowsOut(b.rows, o, l if lse else None))
         return parts
 

@@ -228,7 +228,7 @@ def build(name, dt, consts, warps=4, stages=2, types=None):
         elif a in ("KScale", "VScale"): sig[a] = "*fp16"
         elif a in PTRS: sig[a] = "*fp32" if a in FP32 else "*" + dt
         elif a in ("BlockTable", "SeqLens", "CuSeqlensQ", "QStart"): sig[a] = "*i32"
-        elif a in ("qk_scale", "scale"): sig[a] = "fp32"
+        elif a in ("qk_scale", "scale", "cap2"): sig[a] = "fp32"
         else: sig[a] = "i32"
     triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=warps, num_stages=stages))
@@ -237,21 +237,26 @@ def build(name, dt, consts, warps=4, stages=2, types=None):
 for dt, prec, bd, bm, bn, w, st in [("fp16", "tf32", 128, 128, 64, 8, 3), ("bf16", "tf32", 64, 64, 32, 4, 2),
                                     ("fp32", "ieee", 32, 64, 32, 4, 2)]:
     for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
-        build(name, dt, dict(IS_OFFSET=dt != "bf16", PREC=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd), w, st)
+        build(name, dt, dict(IS_OFFSET=dt != "bf16", IS_BAND=False, SOFTCAP=False, KV_SAME=True, PREC=prec,
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bd), w, st)
 build("_bwd_preprocess", "bf16", dict(HAS_DLSE=True, BLOCK_M=32, BLOCK_D=128))
-PAGED = dict(CAUSAL=True, PREC="tf32", BLOCK_R=16, BLOCK_N=32, BLOCK_D=128)
+PAGED = dict(CAUSAL=True, SOFTCAP=False, HAS_WINDOW=False, HAS_START=False, PREC="tf32", BLOCK_R=16, BLOCK_N=32,
+             BLOCK_D=128, BLOCK_DV=128)
 build("_paged_split_kernel", "fp16", dict(PAGED, QUANT=False))
-for kv in ("*i8", "*fp8e4nv"):  # a quantized cache: one-byte values and fp16 scales
-    build("_paged_split_kernel", "bf16", dict(PAGED, QUANT=True), types={"K": kv, "V": kv})
+for kv in ("*i8", "*fp8e4nv"):  # a quantized cache: one-byte values and fp16 scales (and every feature, Dv < D)
+    build("_paged_split_kernel", "bf16", dict(PAGED, QUANT=True, SOFTCAP=True, HAS_WINDOW=True, HAS_START=True,
+                                              BLOCK_DV=64), types={"K": kv, "V": kv})
 build("_paged_reduce_kernel", "fp16", dict(BLOCK_S=64, BLOCK_D=128))
 for dt in ("bf16", "fp32"):  # the fused LSE merge: fp32 accumulator, block out in the inputs' dtype
     build("_merge_kernel", "fp32", dict(BLOCK_R=32, BLOCK_D=128), types={"BOut": "*" + dt, "BLse": "*fp32"})
-PREFILL = dict(CAUSAL=True, HAS_START=True, PREC="tf32", BLOCK_M=64, BLOCK_N=32, BLOCK_D=128)
+PREFILL = dict(CAUSAL=True, HAS_START=True, SOFTCAP=False, HAS_WINDOW=False, PREC="tf32", BLOCK_M=64, BLOCK_N=32,
+               BLOCK_D=128, BLOCK_DV=128)
 build("_paged_prefill_kernel", "bf16", dict(PREFILL, QUANT=False))
 for kv in ("*i8", "*fp8e4nv"):
-    build("_paged_prefill_kernel", "bf16", dict(PREFILL, QUANT=True), types={"K": kv, "V": kv})
+    build("_paged_prefill_kernel", "bf16", dict(PREFILL, QUANT=True, SOFTCAP=True, HAS_WINDOW=True, BLOCK_DV=64),
+          types={"K": kv, "V": kv})
 build("_paged_prefill_kernel", "fp32", dict(PREFILL, QUANT=False, CAUSAL=False, HAS_START=False, PREC="ieee",
-                                            BLOCK_M=32, BLOCK_D=64), stages=1)
+                                            BLOCK_M=32, BLOCK_D=64, BLOCK_DV=32), stages=1)
 """
 
 

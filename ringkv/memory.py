@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import tempfile
 import types
 import weakref
@@ -150,6 +151,8 @@ class FileStore(CheckpointStore):
 
     def __init__(self, directory: Optional[str] = None):
         self.directory = directory or tempfile.mkdtemp(prefix="ringkv-ckpt-")
+        if directory is None:  # its own temporary directory goes with it
+            weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._ids = itertools.count()
         self.stored = []          # (shape, dtype) of every tensor put, in order
 

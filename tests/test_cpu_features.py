@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from ringkv.kernels import cpu_flash, native, paged, paged_cpu
 from ringkv.kernels.mask import BAND, FULL, OFFSET, Mask
 from ringkv.kernels.paged_base import LayerCache, PagedSeq, query_limits
+from tests.test_cpu_flash import assert_close
 
 pytestmark = pytest.mark.skipif(native.compiler() is None or os.environ.get("RINGKV_NATIVE_FLASH") == "0",
                                 reason="no C compiler here, or RINGKV_NATIVE_FLASH=0")
@@ -39,16 +40,6 @@ ISA = pytest.mark.parametrize("isa", [
     for isa in ("x86-64-v4", "x86-64-v3", "generic")])
 CAPS = st.one_of(st.none(), st.floats(1.0, 5.0), st.just(50.0))
 
-
-def assert_close(what, got, want, tol):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert not torch.isnan(got).any(), f"{what}: NaN"
-    assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{what}: infinities differ"
-    fin = torch.isfinite(want)
-    if fin.any():
-        err = (got.double()[fin] - want[fin]).abs().max().item()
-        bound = tol * (1 + want[fin].abs().max().item())
-        assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
 def capped_scores(q, k, scale, softcap):

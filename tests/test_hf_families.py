@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ringkv
 from ringkv import hf
 from tests.family_cases import FAMILIES, build
 from tests.test_hf_generate_padded import _left_padded
-from tests.test_hf_packed import _assert_matches, _batch
+from tests.test_hf_packed import _assert_matches, _batch, _grads, _per_document_reference
 
 _TOL = dict(atol=5e-5, rtol=1e-4)
 
@@ -27,36 +26,12 @@ def _ids(b, s, seed):
     return torch.randint(3, 128, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
-def _grads(model) -> dict:
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _reference(family, seed, ids):
     """The unpatched model: logits, loss and gradients of one training step."""
     model = build(family, seed).train()
     out = model(ids, labels=ids, use_cache=False)
     out.loss.backward()
     return out.logits.detach(), out.loss.item(), _grads(model)
-
-
-def _per_document_reference(family, seed, batch):
-    """The unpatched model on each packed document alone: logits ``(B, S, V)`` in the batch's
-    arrangement, the packed mean of the token losses, gradients."""
-    model = build(family, seed).train()
-    rows, loss_sum, count = [], 0.0, 0
-    for r, lengths in enumerate(batch["docs"]):
-        start, parts = 0, []
-        for n in lengths:
-            logits = model(batch["ids"][r:r + 1, start:start + n], use_cache=False).logits   # (1, n, V)
-            target = batch["labels"][r, start + 1:start + n]
-            loss_sum = loss_sum + F.cross_entropy(logits[0, :-1], target, ignore_index=-100, reduction="sum")
-            count += int((target != -100).sum())
-            parts.append(logits)
-            start += n
-        rows.append(torch.cat(parts, 1))
-    loss = loss_sum / count
-    loss.backward()
-    return torch.cat(rows, 0).detach(), loss.item(), _grads(model)
 
 
 def test_the_features_change_the_output():
@@ -129,7 +104,7 @@ def test_train_any_shape(world, family, sp, ulysses, layout, s, b, seed):
 ])
 def test_packed_documents_match_each_document_alone(world, family, layout, form, rows):
     batch = _batch(rows, 3)
-    want = _per_document_reference(family, 0, batch)
+    want = _per_document_reference(family, 0, batch, model=build(family, 0).train())
     res = world.check("tests.family_cases:packed_train_step", 2, family, 0, batch, layout, form)
     _assert_matches(res, *want)
 

@@ -45,10 +45,11 @@ def _grads(model):
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _per_document_reference(arch, seed, batch, config=None):
-    """The unpatched model on each document alone: logits (B, S, V) in the batch's arrangement, the
-    loss combined as the packed mean combines it (sum of token losses / counted tokens), grads."""
-    model = build(arch, seed, **(config or {}))
+def _per_document_reference(arch, seed, batch, config=None, model=None):
+    """The unpatched model (``model``, else ``build(arch, seed, **config)``) on each document alone:
+    logits (B, S, V) in the batch's arrangement, the loss combined as the packed mean combines it
+    (sum of token losses / counted tokens), grads."""
+    model = model if model is not None else build(arch, seed, **(config or {}))
     rows, loss_sum, count = [], 0.0, 0
     for r, lengths in enumerate(batch["docs"]):
         start, parts = 0, []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -401,6 +402,9 @@ def test_a_dropped_graph_frees_its_offloaded_checkpoints():
             torch.testing.assert_close(x.grad, -(2 * x.sin()).sin() * 2 * x.cos())
         del y
         assert store.pending == 0
+    directory = store.directory
+    del store
+    assert not os.path.exists(directory)  # a store's own temporary directory goes with it
 
 
 @pytest.mark.cuda

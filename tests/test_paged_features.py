@@ -12,8 +12,6 @@ quantized), scores scaled, capped, masked by causality and window on global posi
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -365,12 +363,9 @@ for cap, win, start in ((True, True, True), (False, True, False), (True, False, 
 
 
 @pytest.mark.skipif(triton_paged is None or torch.cuda.is_available(), reason="needs triton; a GPU runs them instead")
-def test_feature_kernels_compile_for_sm90():
+def test_feature_kernels_compile_for_sm90(tmp_path):
     """The feature variants (softcap, window, positions, Dv's own tile) through the real compiler path
     for sm_90 (TTIR -> PTX -> cubin): catches what the interpreter accepts but the compiler rejects."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                          env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == 6
+    from tests.test_triton import compile_for_sm90  # sets TRITON_INTERPRET for this process on import
+
+    assert compile_for_sm90(_COMPILE_SCRIPT, tmp_path, timeout=600).count("compiled") == 6

@@ -260,18 +260,24 @@ build("_paged_prefill_kernel", "fp32", dict(PREFILL, QUANT=False, CAUSAL=False, 
 """
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels for real instead")
-def test_kernels_compile_for_sm90():
-    """Without a GPU, compile the kernels for sm_90 (Hopper) through the real compiler path
-    (TTIR -> PTX -> cubin, triton's bundled ptxas): catches what the interpreter accepts but
-    the compiler rejects. No GPU is needed to compile, only to run."""
+def compile_for_sm90(script: str, tmp_path, timeout: int = 300) -> str:
+    """Run a compile script in a fresh interpreter (no TRITON_INTERPRET; a crash fails only the test),
+    with triton's PTX/cubin scratch files in ``tmp_path`` (it leaves them behind); its stdout."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                           env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
+    env["TMPDIR"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == 20
+    return r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels for real instead")
+def test_kernels_compile_for_sm90(tmp_path):
+    """Without a GPU, compile the kernels for sm_90 (Hopper) through the real compiler path
+    (TTIR -> PTX -> cubin, triton's bundled ptxas): catches what the interpreter accepts but
+    the compiler rejects. No GPU is needed to compile, only to run."""
+    assert compile_for_sm90(_COMPILE_SCRIPT, tmp_path).count("compiled") == 20
 
 
 def test_registry_and_supports():

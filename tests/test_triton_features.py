@@ -12,29 +12,16 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton (and ringkv) import it
-
-try:
-    import triton  # noqa: F401
-except ImportError:
-    pytest.skip("triton not installed", allow_module_level=True)
-
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from ringkv.kernels.mask import BAND, EMPTY, FULL, OFFSET, Mask
-
-tk = pytest.importorskip("ringkv.kernels.triton_attn", reason="triton not installed")
-
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+# test_triton sets TRITON_INTERPRET on a machine without CUDA before triton imports, and skips without triton
+from tests.test_triton import DEVICES, compile_for_sm90, tk  # noqa: E402
+from ringkv.kernels.mask import BAND, EMPTY, FULL, OFFSET, Mask  # noqa: E402
 DTYPES = [torch.float32, torch.float32, torch.float16, torch.bfloat16]  # fp32 drawn half the time
 # (out, lse, grads): max error allowed, relative to 1 + max |oracle|
 TOL = {torch.float32: (2e-5, 2e-5, 1e-4), torch.float16: (2e-3, 2e-4, 1e-2),
@@ -267,13 +254,7 @@ for dt, prec, bd, bdv in [("bf16", "tf32", 256, 128), ("fp16", "tf32", 32, 64), 
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels for real instead")
-def test_feature_kernels_compile_for_sm90():
+def test_feature_kernels_compile_for_sm90(tmp_path):
     """The softcap, BAND and Dv != D variants through the real compiler for sm_90 (what the
     interpreter accepts but the compiler rejects: names bound under a constexpr ``if``, tile shapes)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                          env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert r.stdout.count("compiled") == 12
+    assert compile_for_sm90(_COMPILE_SCRIPT, tmp_path).count("compiled") == 12

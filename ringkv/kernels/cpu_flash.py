@@ -32,8 +32,6 @@ flag checked outside its inner loops, so the calls without it run as before (the
 from __future__ import annotations
 
 import ctypes
-import math
-import numbers
 import os
 from functools import lru_cache
 from typing import Optional
@@ -41,6 +39,7 @@ from typing import Optional
 import torch
 
 from . import native
+from .checks import check_softcap
 from .mask import BAND, DENSE, EMPTY, FULL, OFFSET, Mask
 
 UNBOUNDED = 1 << 40  # a mask side with no limit (the kernel's +-2^40)
@@ -142,12 +141,8 @@ def _wide(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _cap(softcap) -> float:
-    """The kernel's softcap argument: 0.0 for none, else a positive float (ValueError otherwise)."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < float(softcap) < math.inf:
-        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
-    return float(softcap)
+    """The kernel's softcap argument: 0.0 for none (``checks.check_softcap`` rejects the rest)."""
+    return check_softcap(softcap) or 0.0
 
 
 def _need(isa: Optional[str]) -> ctypes.CDLL:

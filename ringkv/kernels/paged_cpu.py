@@ -23,8 +23,6 @@ not read), with ``scale``, on ``paged_attention_cpu`` and ``CpuStep.attend``.
 from __future__ import annotations
 
 import ctypes
-import math
-import numbers
 import os
 from functools import lru_cache
 from typing import List, Optional, Sequence
@@ -32,6 +30,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import native, paged_torch
+from .checks import check_softcap
 from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, check_capacity, query_limits,
                          striped_limits, validate_paged)
 
@@ -104,12 +103,8 @@ def supports(q: torch.Tensor, cache: LayerCache) -> bool:
 
 
 def _cap(softcap) -> float:
-    """The kernel's softcap argument: 0.0 for none, else a positive float (ValueError otherwise)."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < float(softcap) < math.inf:
-        raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
-    return float(softcap)
+    """The kernel's softcap argument: 0.0 for none (``checks.check_softcap`` rejects the rest)."""
+    return check_softcap(softcap) or 0.0
 
 
 def _window(window) -> int:

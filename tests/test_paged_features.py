@@ -19,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton (and ringkv) import it
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ringkv.kernels import paged, quant
@@ -224,6 +224,8 @@ def step_backends():
 
 @HYP
 @given(p=problems(), softcap=CAPS, window=WINDOWS, scale=st.sampled_from([None, 0.3]), with_lse=st.booleans())
+@example(p=dict(n=1, bs=3, hkv=1, h=1, d=16, dv=8, new=[1], total=[1], sp=2, sp_rank=1, spare=0, quant=None,
+                spread=1.0, seed=0), softcap=None, window=-1, scale=None, with_lse=False)  # no key on this rank
 def test_plan_step_attend_features(p, softcap, window, scale, with_lse):
     """``plan_step(...).attend(q, cache, lse=..., scale=, softcap=, window=)``: decode rows and chunks
     of one step, over one SP rank's striped share, on every backend, row by row against the oracle

@@ -52,7 +52,10 @@ class PagedPlan:
         self.n, self.dtype, self.sp, self.sp_rank = n, dtype, sp, sp_rank
         self.limits = limits
         self.positions = None if positions is None else positions.to(dev, torch.long)  # (N, Q)
-        self.blocks = block_table[:, :nb].to(torch.long).clamp_min(0).reshape(-1)  # unused entries may be -1
+        table = block_table[:, :nb].to(torch.long).clamp_min(0)  # unused entries may be -1
+        if table.shape[1] < nb:  # no key here at all (another SP rank holds them): block 0, masked
+            table = torch.nn.functional.pad(table, (0, nb - table.shape[1]))
+        self.blocks = table.reshape(-1)
         self.key = torch.arange(nb * block_size, device=dev)  # (L,) local key index
         self._mask(self.key[None, None, :] < limits[:, :, None], limits > 0)  # (N, Q, L), (N, Q)
         self._windowed = {}

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from ringkv.kernels import cpu_flash, native, paged, paged_cpu
 from ringkv.kernels.mask import BAND, FULL, OFFSET, Mask
 from ringkv.kernels.paged_base import LayerCache, PagedSeq, query_limits
-from tests.test_cpu_flash import assert_close
+from tests.test_cpu_flash import assert_close, sharpness, strided
 
 pytestmark = pytest.mark.skipif(native.compiler() is None or os.environ.get("RINGKV_NATIVE_FLASH") == "0",
                                 reason="no C compiler here, or RINGKV_NATIVE_FLASH=0")
@@ -73,12 +73,6 @@ def oracle(q, k, v, dout, dlse, scale, visible, softcap):
     return out.detach(), lse.detach(), [t.grad for t in leaves]
 
 
-def sharpness(q, k, scale) -> float:
-    """How much more than 1 out's error may be (as in tests/test_cpu_flash.py): a raw score ``x`` is
-    computed with an error of about ``eps * |x|``, and the cap's tanh passes it on at most 1:1."""
-    s = capped_scores(q.double(), k.double(), scale, None)
-    return max(1.0, s.abs().max().item() / 16) if s.numel() else 1.0
-
 
 # ---- dense: cpu_flash ----------------------------------------------------------------------------
 
@@ -99,10 +93,6 @@ def dense_problems(draw, small=False):
                 softcap=draw(CAPS), layout=draw(st.sampled_from(["contiguous", "heads_first"])),
                 dlse=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
 
-
-def strided(x: torch.Tensor, how: str) -> torch.Tensor:
-    """The same values as ``x`` ``(B, S, H, D)`` in (B, H, S, D) memory (the ring's layout), or as is."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2) if how == "heads_first" else x
 
 
 def make_dense(p):

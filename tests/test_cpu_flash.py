@@ -113,7 +113,8 @@ def sharpness(q, k, scale) -> float:
     scores up to ~50 (scale 1, head dim 128) torch's own op is 2.2e-5 off (48 x 170 keys), past
     ``32 eps`` of out's magnitude; so scores beyond 16 widen out's tolerance in proportion."""
     kr = k.double().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    return max(1.0, scale * torch.einsum("bqhd,bkhd->bhqk", q.double(), kr).abs().max().item() / 16)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kr)
+    return max(1.0, scale * s.abs().max().item() / 16) if s.numel() else 1.0
 
 
 def check(p, isa=None):

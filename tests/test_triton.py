@@ -46,7 +46,7 @@ def _device_ok(device):
 
 def assert_close(actual, expected, tol, what):
     """Same infinities in the same places; finite entries within ``tol * (1 + max|expected|)``."""
-    a, e = actual.detach().float().cpu(), expected.detach().float().cpu()
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
     assert not torch.isnan(a).any(), f"{what}: NaN in the result"
     assert torch.equal(torch.isinf(a), torch.isinf(e)) and torch.equal(a[torch.isinf(a)], e[torch.isinf(e)]), \

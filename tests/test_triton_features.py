@@ -20,32 +20,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 # test_triton sets TRITON_INTERPRET on a machine without CUDA before triton imports, and skips without triton
-from tests.test_triton import DEVICES, compile_for_sm90, tk  # noqa: E402
+from tests.test_triton import DEVICES, _device_ok, assert_close, compile_for_sm90, tk  # noqa: E402
 from ringkv.kernels.mask import BAND, EMPTY, FULL, OFFSET, Mask  # noqa: E402
 DTYPES = [torch.float32, torch.float32, torch.float16, torch.bfloat16]  # fp32 drawn half the time
 # (out, lse, grads): max error allowed, relative to 1 + max |oracle|
 TOL = {torch.float32: (2e-5, 2e-5, 1e-4), torch.float16: (2e-3, 2e-4, 1e-2),
        torch.bfloat16: (1.6e-2, 2e-4, 6e-2)}
 HYP = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
-
-
-def _device_ok(device):
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU runs of Triton kernels need TRITON_INTERPRET=1 (set before triton is imported)")
-
-
-def assert_close(actual, expected, tol, what):
-    """Same infinities in the same places; finite entries within ``tol * (1 + max|expected|)``."""
-    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    assert not torch.isnan(a).any(), f"{what}: NaN in the result"
-    assert torch.equal(torch.isinf(a), torch.isinf(e)) and torch.equal(a[torch.isinf(a)], e[torch.isinf(e)]), \
-        f"{what}: infinities differ"
-    fin = torch.isfinite(e)
-    if fin.any():
-        err = (a[fin] - e[fin]).abs().max().item()
-        bound = tol * (1 + e[fin].abs().max().item())
-        assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
 def oracle(q, k, v, scale, mask, softcap):

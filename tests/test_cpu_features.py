@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from ringkv.kernels import cpu_flash, native, paged, paged_cpu
 from ringkv.kernels.mask import BAND, FULL, OFFSET, Mask
 from ringkv.kernels.paged_base import LayerCache, PagedSeq, query_limits
-from tests.test_cpu_flash import assert_close, sharpness, strided
+from tests.test_cpu_flash import assert_close, oracle, sharpness, strided
 
 pytestmark = pytest.mark.skipif(native.compiler() is None or os.environ.get("RINGKV_NATIVE_FLASH") == "0",
                                 reason="no C compiler here, or RINGKV_NATIVE_FLASH=0")
@@ -39,39 +39,6 @@ ISA = pytest.mark.parametrize("isa", [
                                                reason=f"this CPU cannot run {isa} code"))
     for isa in ("x86-64-v4", "x86-64-v3", "generic")])
 CAPS = st.one_of(st.none(), st.floats(1.0, 5.0), st.just(50.0))
-
-
-
-def capped_scores(q, k, scale, softcap):
-    """float64 scores ``(B, H, Sq, Sk)`` of q ``(B, Sq, H, D)`` against k ``(B, Sk, Hkv, D)`` (GQA
-    by repeating k), capped as ``softcap * tanh(s / softcap)`` when a cap is given."""
-    kr = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
-    return s if softcap is None else softcap * torch.tanh(s / softcap)
-
-
-def oracle(q, k, v, dout, dlse, scale, visible, softcap):
-    """float64 softmax of the capped scores over ``visible`` (bool, broadcast to ``(B, H, Sq,
-    Sk)``); gradients by autograd. Returns out ``(B, Sq, H, Dv)``, lse ``(B, H, Sq)`` (-inf for a
-    row that sees no key, whose out is 0) and (dq, dk, dv)."""
-    h = q.shape[2]
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    s = capped_scores(leaves[0], leaves[1], scale, softcap).masked_fill(~visible, float("-inf"))
-    m = s.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    e = torch.exp(s - m)  # masked: exactly 0
-    denom = e.sum(-1, keepdim=True)
-    seen = denom > 0
-    denom = torch.where(seen, denom, torch.ones_like(denom))
-    vr = leaves[2].repeat_interleave(h // v.shape[2], dim=2)
-    out = torch.einsum("bhqk,bkhd->bqhd", e / denom, vr)  # (B, Sq, H, Dv)
-    lse = torch.where(seen, torch.log(denom) + m, torch.full_like(m, float("-inf")))[..., 0]  # (B, H, Sq)
-    loss = (out * dout.double()).sum()
-    if dlse is not None:
-        loss = loss + torch.where(seen[..., 0], lse * dlse.double(), torch.zeros_like(lse)).sum()
-    loss.backward()
-    return out.detach(), lse.detach(), [t.grad for t in leaves]
-
 
 
 # ---- dense: cpu_flash ----------------------------------------------------------------------------
@@ -92,7 +59,6 @@ def dense_problems(draw, small=False):
     return dict(b=b, sq=sq, sk=sk, h=h, hkv=hkv, d=d, dv=dv, mask=mask, scale=draw(st.floats(0.02, 1.0)),
                 softcap=draw(CAPS), layout=draw(st.sampled_from(["contiguous", "heads_first"])),
                 dlse=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
-
 
 
 def make_dense(p):

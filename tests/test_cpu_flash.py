@@ -57,23 +57,27 @@ def strided(x: torch.Tensor, how: str) -> torch.Tensor:
     return x
 
 
-def oracle(q, k, v, dout, dlse, scale, mask):
-    """float64 full softmax over the mask's visible pairs, gradients by autograd: out, lse, (dq, dk,
-    dv). (``reference.forward`` keeps lse in float32, which is too coarse an oracle for sharp rows:
-    with one visible key its p is 1 - 1e-6, not 1, and dK is not exactly 0.)"""
+def oracle(q, k, v, dout, dlse, scale, mask, softcap=None):
+    """float64 full softmax over the mask's visible pairs (``mask``: a ``Mask``, or a bool tensor
+    broadcast to ``(B, H, Sq, Sk)``), scores capped as ``softcap * tanh(s / softcap)`` when given,
+    gradients by autograd: out ``(B, Sq, H, Dv)``, lse, (dq, dk, dv). (``reference.forward`` keeps
+    lse in float32, which is too coarse an oracle for sharp rows: with one visible key its p is
+    1 - 1e-6, not 1, and dK is not exactly 0.)"""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    kr, vr = (t.repeat_interleave(h // hkv, dim=2) for t in leaves[1:])  # (B, Sk, H, D)
+    kr, vr = (t.repeat_interleave(h // hkv, dim=2) for t in leaves[1:])  # (B, Sk, H, D), (B, Sk, H, Dv)
     s = torch.einsum("bqhd,bkhd->bhqk", leaves[0], kr) * scale  # (B, H, Sq, Sk)
-    s = s.masked_fill(~mask.visible(sq, sk), float("-inf"))
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~(mask.visible(sq, sk) if isinstance(mask, Mask) else mask), float("-inf"))
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m)  # masked: exactly 0
     denom = e.sum(-1, keepdim=True)
     seen = denom > 0
     denom = torch.where(seen, denom, torch.ones_like(denom))
-    out = torch.einsum("bhqk,bkhd->bqhd", e / denom, vr)  # (B, Sq, H, D)
+    out = torch.einsum("bhqk,bkhd->bqhd", e / denom, vr)  # (B, Sq, H, Dv)
     lse = torch.where(seen, torch.log(denom) + m, torch.full_like(m, float("-inf")))[..., 0]  # (B, H, Sq)
     loss = (out * dout.double()).sum()
     if dlse is not None:

@@ -21,6 +21,7 @@ from ringkv import hf  # noqa: E402
 from tests.hf_cases import packed_kwargs  # noqa: E402
 
 FAMILIES = ("gpt_oss", "gemma2", "deepseek_v3")
+MORE = ("gemma3_text", "qwen3_moe", "mla_wide")  # trained once each: q/k norms with windows, MoE, MLA of other widths
 
 
 def config(family: str, **overrides):
@@ -50,8 +51,22 @@ def config(family: str, **overrides):
                       num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
                       rope_parameters=dict(rope_type="default", rope_theta=10000.0))
         cls = transformers.DeepseekV3Config
+    elif family == "gemma3_text":
+        common.update(intermediate_size=96, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                      layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16)
+        cls = transformers.Gemma3TextConfig
+    elif family == "qwen3_moe":
+        common.update(intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=2, head_dim=16,
+                      num_experts=2, num_experts_per_tok=2, decoder_sparse_step=1)
+        cls = transformers.Qwen3MoeConfig
+    elif family == "mla_wide":  # DeepSeek-V3's MLA with a q LoRA, qk 32 + 16 = 48 and v 24 (Kimi-K2's shape of it)
+        common.update(intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4, kv_lora_rank=48,
+                      q_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=2,
+                      num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                      rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+        cls = transformers.DeepseekV3Config
     else:
-        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + MORE}")
     common.update(overrides)
     return cls(**common)
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ringkv
 from ringkv import hf
-from tests.family_cases import FAMILIES, build
+from tests.family_cases import FAMILIES, MORE, build
 from tests.test_hf_generate_padded import _left_padded
 from tests.test_hf_packed import _assert_matches, _batch, _grads, _per_document_reference
 
@@ -93,6 +93,20 @@ def test_train_any_shape(world, family, sp, ulysses, layout, s, b, seed):
     want = _reference(family, seed, ids)
     res = world.check("tests.family_cases:train_step", sp, family, seed, ids, layout, method, None)
     _assert_matches(res, *want)
+
+
+@pytest.mark.parametrize("family,sp,method,ulysses,layout", [
+    ("gemma3_text", 2, "ring", None, "zigzag"), ("gemma3_text", 2, "ulysses", None, "striped"),
+    ("qwen3_moe", 3, "ring", None, "contiguous"), ("mla_wide", 3, "ring", None, "striped"),
+    ("mla_wide", 4, "ulysses", None, "zigzag"), ("gemma2", 4, "usp", 2, "zigzag"),
+    ("deepseek_v3", 4, "usp", 2, "striped")])
+def test_more_families_and_methods_train_like_unpatched(world, family, sp, method, ulysses, layout):
+    """Gemma 3 (q/k norms, sliding and full layers), Qwen3-MoE, MLA of other widths with a q LoRA, and
+    USP for Gemma 2's cap and DeepSeek-V3's MLA: loss, logits and every gradient as unpatched."""
+    assert family in FAMILIES + MORE
+    ids = _ids(2, 20, 3)
+    _assert_matches(world.check("tests.family_cases:train_step", sp, family, 0, ids, layout, method, ulysses),
+                    *_reference(family, 0, ids))
 
 
 # ---- packed documents ----------------------------------------------------------------------------

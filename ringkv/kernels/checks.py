@@ -51,14 +51,15 @@ def check_softcap(softcap) -> "float | None":
 
 
 def check_sinks(sinks, q):
-    """``sinks``: None, or a floating tensor ``(H,)`` (one logit per query head) on q's device."""
+    """``sinks``: None, or a floating tensor ``(H,)`` (one logit per query head: ``H = q.shape[-2]``,
+    for ``(B, S, H, D)`` and the paged ``(N, Q, H, D)`` / ``(T, H, D)`` alike) on q's device."""
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
-        raise ValueError(f"sinks must be None or a floating tensor of shape (heads,) = ({q.shape[2]},), got "
+        raise ValueError(f"sinks must be None or a floating tensor of shape (heads,) = ({q.shape[-2]},), got "
                          f"{type(sinks).__name__ if not isinstance(sinks, torch.Tensor) else sinks.dtype}")
-    if tuple(sinks.shape) != (q.shape[2],):
-        raise ValueError(f"sinks must have shape (heads,) = ({q.shape[2]},) (one per query head), got "
+    if tuple(sinks.shape) != (q.shape[-2],):
+        raise ValueError(f"sinks must have shape (heads,) = ({q.shape[-2]},) (one per query head), got "
                          f"{tuple(sinks.shape)}")
     if sinks.device != q.device:
         raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")

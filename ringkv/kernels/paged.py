@@ -28,14 +28,14 @@ This module imports the backends; they import ``paged_base``, never this module.
 
 from __future__ import annotations
 
-import inspect
-from functools import lru_cache
 from itertools import accumulate
 from typing import Optional, Sequence
 
 import torch
 
 from . import paged_cpu, paged_torch
+from .checks import check_sinks
+from .merge import apply_sinks
 from .paged_base import (LayerCache, PagedSeq, RowsOut, StepAttention, check_features,  # noqa: F401
                          check_striping, padded_table, paged_attention_reference, paged_prefill_reference, read_blocks,
                          validate_paged, validate_prefill)
@@ -155,7 +155,6 @@ class _GuardedStep:
 # ----------------------------------------------------------------------------- features
 
 ALL_FEATURES = frozenset({"scale", "softcap", "window", "dv"})
-_KEYWORD_FEATURES = ("scale", "softcap", "window")
 _ARGUMENT = {"scale": "scale", "softcap": "softcap", "window": "window", "dv": "v_cache"}
 
 
@@ -173,55 +172,23 @@ def _wanted(softcap, window, v_cache, k_cache, sinks, q) -> frozenset:
     return _used(softcap=softcap, window=window, dv=dv)
 
 
-def check_sinks(sinks, q) -> None:
-    """``sinks``: None or a floating tensor ``(H,)`` (``H`` = q's heads), else a ValueError naming it."""
-    if sinks is None:
-        return
-    heads = q.shape[-2] if isinstance(q, torch.Tensor) and q.dim() >= 2 else None
-    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point or sinks.dim() != 1 \
-            or (heads is not None and sinks.shape[0] != heads):
-        got = f"{tuple(sinks.shape)} {sinks.dtype}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise ValueError(f"sinks must be a floating tensor of shape (H,) = ({heads},) (one logit per query head) "
-                         f"or None, got {got}")
-
 
 def _sunk(out, lse, sinks):
     """``out`` with the sinks in its softmax's denominator (``merge.apply_sinks``)."""
-    if sinks is None:
-        return out
-    from .merge import apply_sinks
-    return apply_sinks(out, lse, sinks)[0]
-
-
-@lru_cache(maxsize=None)
-def _accepts(fn, keyword: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return keyword in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return out if sinks is None else apply_sinks(out, lse, sinks)[0]
 
 
 def features(name: str, kind: str = "decode") -> frozenset:
     """What backend ``name`` does for calls of ``kind`` (``"decode"``: ``paged_attention``;
-    ``"prefill"``; ``"step"``: ``plan_step(...).attend``), of ``ALL_FEATURES``: ``"scale"``,
-    ``"softcap"``, ``"window"`` (its call takes the keyword; ``"scale"`` is in every decode and
-    prefill call) and ``"dv"`` (a V head size other than K's). A backend module may declare
-    ``FEATURES``; else the keywords its functions take, and no ``"dv"``."""
+    ``"prefill"``; ``"step"``: ``plan_step(...).attend``), of ``ALL_FEATURES``: ``"scale"`` (every
+    backend), and what its module declares in ``FEATURES`` among ``"softcap"``, ``"window"`` and
+    ``"dv"`` (a V head size other than K's); none for a kind it has no function for."""
     if name in ("reference", "torch", "triton"):
         return ALL_FEATURES
     table = {"decode": _BACKENDS, "prefill": _PREFILL_BACKENDS, "step": _STEP_BACKENDS}[kind]
-    impl = table.get(name)
-    if impl is None:
+    if name not in table:
         return frozenset()
-    fn = getattr(impl, "attend", None) if kind == "step" else impl
-    have = {k for k in _KEYWORD_FEATURES if fn is not None and _accepts(fn, k)}
-    if kind != "step":
-        have.add("scale")
-    declared = getattr(_MODULES.get(name), "FEATURES", None)
-    if declared is not None:
-        have = (have - {"softcap", "window", "dv"}) | (set(declared) & {"softcap", "window", "dv"})
-    return frozenset(have)
+    return frozenset({"scale"} | (set(getattr(_MODULES.get(name), "FEATURES", ())) & ALL_FEATURES))
 
 
 def _refuse(name: str, missing) -> None:

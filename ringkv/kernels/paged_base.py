@@ -66,14 +66,13 @@ to the final output (``kernels.merge.apply_sinks``); the backends never see them
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from .checks import resolve_scale
+from .checks import check_softcap, resolve_scale
 from .quant import as_bytes, dequantize
 
 __all__ = ["LayerCache", "PagedSeq", "RowsOut", "StepAttention", "SeqGroup", "by_query_count", "padded_table",
@@ -233,12 +232,7 @@ def _validate_cache(q, k_cache, v_cache, k_scale, v_scale, tensors, q_layout: st
 def check_features(softcap=None, window: int = -1) -> Tuple[Optional[float], int]:
     """``softcap`` (None, or a finite number > 0) and ``window`` (an int >= -1) checked:
     ``(softcap as a float or None, window)``, else a ValueError naming the argument."""
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-                or softcap <= 0:
-            raise ValueError(f"softcap must be a finite number > 0 (scores become softcap * tanh(s / softcap)) "
-                             f"or None, got {softcap!r}")
-        softcap = float(softcap)
+    softcap = check_softcap(softcap)
     if isinstance(window, bool) or not isinstance(window, int) or window < -1:
         raise ValueError(f"window must be an int >= 0 (the left extent W: a query at p sees keys >= p - W) "
                          f"or -1 (unbounded), got {window!r}")

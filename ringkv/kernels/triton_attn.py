@@ -32,7 +32,6 @@ dk, dv and takes an optional ``dlse``.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 
 import torch
@@ -40,6 +39,7 @@ import torch
 if importlib.util.find_spec("triton") is None:  # the registry imports us inside ``except ImportError``
     raise ImportError("triton is not installed (pip install 'ringkv[triton]')")
 
+from .checks import check_softcap
 from .mask import BAND, EMPTY, FULL, OFFSET, Mask
 
 LOG2E = 1.4426950408889634
@@ -514,14 +514,6 @@ def _mask_args(mask: Mask) -> dict:
                 IS_OFFSET=diag, IS_BAND=mask.kind == BAND)
 
 
-def _check_softcap(softcap):
-    """``softcap`` as a float > 0, or None."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
-        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
-    return float(softcap)
-
 
 def _score_args(scale: float, softcap) -> dict:
     """Base-2 scores are ``q.k * qk_scale``, or with ``SOFTCAP`` ``cap2 * tanh(q.k * qk_scale)``:
@@ -560,7 +552,7 @@ def _forward(q, k, v, out, lse, scale: float, mask: Mask, softcap=None) -> None:
     last one."""
     _build()
     _check_dims(q, k, v)
-    softcap = _check_softcap(softcap)
+    softcap = check_softcap(softcap)
     b, sq, h, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     if b * h * sq * sk == 0 or mask.kind == EMPTY:
@@ -596,7 +588,7 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, mask: Mask, dls
     """Write fp32 ``dq, dk, dv`` (zeros beforehand); strides as in ``_forward``."""
     _build()
     _check_dims(q, k, v)
-    softcap = _check_softcap(softcap)
+    softcap = check_softcap(softcap)
     b, sq, h, d = q.shape
     sk, hkv, dvh = k.shape[1], k.shape[2], v.shape[-1]
     if b * h * sq * sk == 0 or mask.kind == EMPTY:

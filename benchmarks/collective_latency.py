@@ -31,7 +31,9 @@ import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -54,7 +56,7 @@ def _step(ws, x, allreduce: bool, compute: bool) -> None:
     for wqkv, wo, wgu, wd in ws:
         if compute:
             qkv = F.linear(x, wqkv)  # (rows, (hq + 2 hkv) d)
-            y = F.linear(qkv[:, :wo.shape[1]], wo)  # (rows, h)
+            y = F.linear(qkv[:, : wo.shape[1]], wo)  # (rows, h)
         if allreduce:
             dist.all_reduce(y)
         if compute:
@@ -73,14 +75,30 @@ def rank_threads(tp: int) -> int:
 
 def _rank(rank: int, args, port: int, out) -> None:
     torch.set_num_threads(rank_threads(args.tp))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.tp,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=args.tp,
+        timeout=timedelta(seconds=120),
+    )
     cfg = planner.load_model(args.model)
     d, h, tp = cfg.head_dim, cfg.hidden_size, args.tp
-    hq, hkv, inter = cfg.num_heads // tp, kv_heads_per_rank(cfg, tp), -(-cfg.intermediate_size // tp)
+    hq, hkv, inter = (
+        cfg.num_heads // tp,
+        kv_heads_per_rank(cfg, tp),
+        -(-cfg.intermediate_size // tp),
+    )
     g = torch.Generator().manual_seed(rank)
-    ws = [(torch.randn((hq + 2 * hkv) * d, h, generator=g), torch.randn(h, hq * d, generator=g),
-           torch.randn(2 * inter, h, generator=g), torch.randn(h, inter, generator=g)) for _ in range(cfg.num_layers)]
+    ws = [
+        (
+            torch.randn((hq + 2 * hkv) * d, h, generator=g),
+            torch.randn(h, hq * d, generator=g),
+            torch.randn(2 * inter, h, generator=g),
+            torch.randn(h, inter, generator=g),
+        )
+        for _ in range(cfg.num_layers)
+    ]
     rows = []
     count = 2 * cfg.num_layers + 1
     for n in args.rows:
@@ -92,15 +110,26 @@ def _rank(rank: int, args, port: int, out) -> None:
                 t = time.perf_counter()
                 _step(ws, x, allreduce=m != "compute", compute=m != "comm")
                 dt = torch.tensor([time.perf_counter() - t])
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank is done
+                dist.all_reduce(
+                    dt, op=dist.ReduceOp.MAX
+                )  # the step ends when the slowest rank is done
                 if i:
                     times[m].append(dt.item())
         busy = statistics.median(b - c for b, c in zip(times["both"], times["compute"])) / count
-        rows.append(dict(rows=n, bytes=n * h * 4, allreduces_per_step=count, step_s=times,
-                         compute_step_s=statistics.median(times["compute"]),
-                         both_step_s=statistics.median(times["both"]), comm_step_s=statistics.median(times["comm"]),
-                         allreduce_busy_s=busy, allreduce_idle_s=statistics.median(times["comm"]) / count,
-                         allreduce_busy_fastest_s=(min(times["both"]) - min(times["compute"])) / count))
+        rows.append(
+            dict(
+                rows=n,
+                bytes=n * h * 4,
+                allreduces_per_step=count,
+                step_s=times,
+                compute_step_s=statistics.median(times["compute"]),
+                both_step_s=statistics.median(times["both"]),
+                comm_step_s=statistics.median(times["comm"]),
+                allreduce_busy_s=busy,
+                allreduce_idle_s=statistics.median(times["comm"]) / count,
+                allreduce_busy_fastest_s=(min(times["both"]) - min(times["compute"])) / count,
+            )
+        )
     if rank == 0:
         out.put(rows)
     dist.destroy_process_group()
@@ -125,7 +154,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-120m", help="a planner preset or config (shapes only)")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--rows", type=int, nargs="+", default=[16, 64], help="tokens per step (decode batches)")
+    p.add_argument(
+        "--rows", type=int, nargs="+", default=[16, 64], help="tokens per step (decode batches)"
+    )
     p.add_argument("--steps", type=int, default=30, help="timed steps per mode and size")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
@@ -144,26 +175,49 @@ def main(argv=None) -> int:
     load_after = load_average()
     latency, bw = fit_link(rows, args.tp)
     idle_latency, _ = fit_link(rows, args.tp, "allreduce_idle_s")
-    rates = dict(latency=dict(loopback=latency), source=f"collective_latency.py ({args.model}, tp={args.tp}, "
-                                                         f"load {load_before} -> {load_after})")
+    rates = dict(
+        latency=dict(loopback=latency),
+        source=f"collective_latency.py ({args.model}, tp={args.tp}, "
+        f"load {load_before} -> {load_after})",
+    )
     if bw is not None:
         rates["links"] = dict(loopback=bw)
     mach = machine(threads=rank_threads(args.tp))  # per rank
     print(machine_line(mach) + " per rank")
-    print(f"{args.tp} gloo ranks x {mach['threads']} thread(s), {args.model} decode steps; "
-          f"load average {load_before} -> {load_after}")
-    print("| rows | all-reduce bytes | step compute | step with all-reduces | all-reduce busy | busy (fastest steps) "
-          "| all-reduce idle |")
+    print(
+        f"{args.tp} gloo ranks x {mach['threads']} thread(s), {args.model} decode steps; "
+        f"load average {load_before} -> {load_after}"
+    )
+    print(
+        "| rows | all-reduce bytes | step compute | step with all-reduces | all-reduce busy | busy (fastest steps) "
+        "| all-reduce idle |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['rows']} | {r['bytes']} | {r['compute_step_s'] * 1e3:.1f} ms | {r['both_step_s'] * 1e3:.1f} ms | "
-              f"{r['allreduce_busy_s'] * 1e3:.2f} ms | {r['allreduce_busy_fastest_s'] * 1e3:.2f} ms | "
-              f"{r['allreduce_idle_s'] * 1e3:.2f} ms |")
-    print(f"fit (planner link model, busy): latency {latency * 1e6:.0f} us per message, bandwidth "
-          f"{'-' if bw is None else f'{bw / 1e9:.2f} GB/s'}; idle latency {idle_latency * 1e6:.0f} us per message")
+        print(
+            f"| {r['rows']} | {r['bytes']} | {r['compute_step_s'] * 1e3:.1f} ms | {r['both_step_s'] * 1e3:.1f} ms | "
+            f"{r['allreduce_busy_s'] * 1e3:.2f} ms | {r['allreduce_busy_fastest_s'] * 1e3:.2f} ms | "
+            f"{r['allreduce_idle_s'] * 1e3:.2f} ms |"
+        )
+    print(
+        f"fit (planner link model, busy): latency {latency * 1e6:.0f} us per message, bandwidth "
+        f"{'-' if bw is None else f'{bw / 1e9:.2f} GB/s'}; idle latency {idle_latency * 1e6:.0f} us per message"
+    )
     if args.json:
-        write_json(args.json, dict(kind="collective", model=args.model, tp=args.tp, cores=mach["cores"], machine=mach,
-                                   load_before=load_before, load_after=load_after, rows=rows, rates=rates))
+        write_json(
+            args.json,
+            dict(
+                kind="collective",
+                model=args.model,
+                tp=args.tp,
+                cores=mach["cores"],
+                machine=mach,
+                load_before=load_before,
+                load_after=load_after,
+                rows=rows,
+                rates=rates,
+            ),
+        )
     return 0
 
 

@@ -46,8 +46,12 @@ from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # benchmarks/ never (its modules would shadow installed packages); the ringkv measured comes from PYTHONPATH
-BEFORE_COMMIT = "b68c5a5"  # the commit issue #25 started from: the whole StepPlan as JSON on the store
+sys.path[:] = [
+    p for p in sys.path if os.path.abspath(p or ".") != HERE
+]  # benchmarks/ never (its modules would shadow installed packages); the ringkv measured comes from PYTHONPATH
+BEFORE_COMMIT = (
+    "b68c5a5"  # the commit issue #25 started from: the whole StepPlan as JSON on the store
+)
 
 
 # -- one rank of the measuring world (imports whichever ringkv is on the path) -------------------
@@ -60,7 +64,9 @@ def _rank(rank: int, world: int, port: int, cases, steps: int, block_size: int, 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=600)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world, timeout=timeout
+    )
     control = ctl.ControlPlane(store, "bench", rank, world, timeout)
     new = hasattr(ctl, "Channel")
     if new:  # deep enough that the driver never waits on its own broadcasts inside the loop
@@ -83,19 +89,42 @@ def _drive(control, new: bool, context: int, batch: int, steps: int, block_size:
     from ringkv.parallel import plan as pl
 
     per = -(-(context + steps) // block_size)
-    seqs = [SimpleNamespace(seq_id=i, token_ids=list(range(i, i + context)), finished=False, kv_epoch=0,
-                            block_table=list(range(i * per, i * per + -(-context // block_size)))) for i in range(batch)]
+    seqs = [
+        SimpleNamespace(
+            seq_id=i,
+            token_ids=list(range(i, i + context)),
+            finished=False,
+            kv_epoch=0,
+            block_table=list(range(i * per, i * per + -(-context // block_size))),
+        )
+        for i in range(batch)
+    ]
 
     def step():  # each sequence computes its newest token
-        return [SimpleNamespace(seq=s, start=len(s.token_ids) - 1, n=1, completes=True, targets=0) for s in seqs]
+        return [
+            SimpleNamespace(seq=s, start=len(s.token_ids) - 1, n=1, completes=True, targets=0)
+            for s in seqs
+        ]
 
     pub = pl.Publisher() if new else None
 
     def send(entries) -> int:
         if new:
             return control.publish_step(pub.encode(entries, "tokens"))
-        plan = pl.StepPlan([pl.SeqStep(e.start, e.n, e.seq.token_ids[e.start:e.start + e.n], e.seq.block_table,
-                                       e.completes, None) for e in entries], "tokens")
+        plan = pl.StepPlan(
+            [
+                pl.SeqStep(
+                    e.start,
+                    e.n,
+                    e.seq.token_ids[e.start : e.start + e.n],
+                    e.seq.block_table,
+                    e.completes,
+                    None,
+                )
+                for e in entries
+            ],
+            "tokens",
+        )
         msg = {"kind": "step", **plan.to_json()}
         control.publish(msg)
         return len(json.dumps(msg))
@@ -115,8 +144,15 @@ def _drive(control, new: bool, context: int, batch: int, steps: int, block_size:
     control.publish({"kind": "done"})
     ranks = control.exchange("done", 0.0)  # every rank has rebuilt the last plan
     wall = time.perf_counter() - t0
-    return dict(context=context, batch=batch, steps=steps, bytes=statistics.median(sizes),
-                control_ms=1e3 * wall / steps, driver_ms=1e3 * host / steps, rank_ms=1e3 * max(ranks[1:]) / steps)
+    return dict(
+        context=context,
+        batch=batch,
+        steps=steps,
+        bytes=statistics.median(sizes),
+        control_ms=1e3 * wall / steps,
+        driver_ms=1e3 * host / steps,
+        rank_ms=1e3 * max(ranks[1:]) / steps,
+    )
 
 
 def _follow(control, new: bool) -> None:
@@ -161,12 +197,25 @@ def _engine_rows(args) -> list:
             for batch in map(int, args.batches.split(",")):
                 per_seq = -(-(context + args.steps + 8) // (args.block_size * sp))
                 g = torch.Generator().manual_seed(context + batch)
-                with LLM(path, **kw, block_size=args.block_size, num_blocks=batch * per_seq + 8, max_num_seqs=batch,
-                         max_num_batched_tokens=8192, timeout=600) as llm:
-                    rids = [llm.add_request(torch.randint(3, 1000, (context,), generator=g).tolist(), params)
-                            for _ in range(batch)]
+                with LLM(
+                    path,
+                    **kw,
+                    block_size=args.block_size,
+                    num_blocks=batch * per_seq + 8,
+                    max_num_seqs=batch,
+                    max_num_batched_tokens=8192,
+                    timeout=600,
+                ) as llm:
+                    rids = [
+                        llm.add_request(
+                            torch.randint(3, 1000, (context,), generator=g).tolist(), params
+                        )
+                        for _ in range(batch)
+                    ]
                     started = set()
-                    while len(started) < len(rids):  # every prompt computed: each request has a token
+                    while len(started) < len(
+                        rids
+                    ):  # every prompt computed: each request has a token
                         for o in llm.step():
                             if o.finish_reason == "error":
                                 raise RuntimeError(f"request {o.request_id} failed: {o.error}")
@@ -177,14 +226,32 @@ def _engine_rows(args) -> list:
                         llm.step()
                     after = llm.rank_stats()
                 steps = after[0]["steps"] - before[0]["steps"]
-                per = [((a["control_bytes_total"] - b["control_bytes_total"]) / steps,
-                        1e3 * (a["control_s_total"] - b["control_s_total"]) / steps) for a, b in zip(after, before)]
-                rows.append(dict(mesh=mesh, world=len(after), context=context, batch=batch, steps=steps,
-                                 driver_bytes=per[0][0], driver_ms=per[0][1],
-                                 rank_bytes=max(p[0] for p in per[1:]), rank_ms=max(p[1] for p in per[1:])))
+                per = [
+                    (
+                        (a["control_bytes_total"] - b["control_bytes_total"]) / steps,
+                        1e3 * (a["control_s_total"] - b["control_s_total"]) / steps,
+                    )
+                    for a, b in zip(after, before)
+                ]
+                rows.append(
+                    dict(
+                        mesh=mesh,
+                        world=len(after),
+                        context=context,
+                        batch=batch,
+                        steps=steps,
+                        driver_bytes=per[0][0],
+                        driver_ms=per[0][1],
+                        rank_bytes=max(p[0] for p in per[1:]),
+                        rank_ms=max(p[1] for p in per[1:]),
+                    )
+                )
                 r = rows[-1]
-                print(f"{mesh:>10} {context:>8} {batch:>5} | {r['driver_bytes']:>12.0f} {r['driver_ms']:>9.3f} | "
-                      f"{r['rank_bytes']:>10.0f} {r['rank_ms']:>7.3f}", flush=True)
+                print(
+                    f"{mesh:>10} {context:>8} {batch:>5} | {r['driver_bytes']:>12.0f} {r['driver_ms']:>9.3f} | "
+                    f"{r['rank_bytes']:>10.0f} {r['rank_ms']:>7.3f}",
+                    flush=True,
+                )
     return rows
 
 
@@ -202,8 +269,12 @@ def _worker_main(args) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     port = _port()
-    procs = [ctx.Process(target=_rank, args=(r, args.run_world, port, cases, args.steps, args.block_size, out))
-             for r in range(args.run_world)]
+    procs = [
+        ctx.Process(
+            target=_rank, args=(r, args.run_world, port, cases, args.steps, args.block_size, out)
+        )
+        for r in range(args.run_world)
+    ]
     for p in procs:
         p.start()
     results = out.get()
@@ -214,38 +285,69 @@ def _worker_main(args) -> None:
 
 def _measure(tree: str, world: int, cases, steps: int, block_size: int) -> list:
     env = dict(os.environ, PYTHONPATH=tree)
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--run-world", str(world), "--cases", json.dumps(cases),
-                        "--steps", str(steps), "--block-size", str(block_size)], env=env, capture_output=True, text=True,
-                       timeout=3600, cwd=tempfile.gettempdir())
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--run-world",
+            str(world),
+            "--cases",
+            json.dumps(cases),
+            "--steps",
+            str(steps),
+            "--block-size",
+            str(block_size),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        cwd=tempfile.gettempdir(),
+    )
     line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
     if r.returncode or line is None:
-        raise RuntimeError(f"measuring {tree} (world {world}) failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-    return json.loads(line[len("RESULT "):])
+        raise RuntimeError(
+            f"measuring {tree} (world {world}) failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+        )
+    return json.loads(line[len("RESULT ") :])
 
 
 def _before_tree(args):
     if args.before:
         return args.before, None
     path = tempfile.mkdtemp(prefix="ringkv-before-")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", path, args.before_commit], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-C", ROOT, "worktree", "add", "--detach", path, args.before_commit],
+        check=True,
+        capture_output=True,
+    )
     return path, path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", default="1024,8192,65536", help="tokens per sequence (comma list)")
+    ap.add_argument(
+        "--contexts", default="1024,8192,65536", help="tokens per sequence (comma list)"
+    )
     ap.add_argument("--batches", default="1,16,64", help="sequences per step (comma list)")
     ap.add_argument("--worlds", default="2,4", help="ranks (comma list)")
     ap.add_argument("--steps", type=int, default=30, help="decode steps per case")
-    ap.add_argument("--rounds", type=int, default=2, help="before/after alternations; the median is reported")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="before/after alternations; the median is reported"
+    )
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--before", help="a checkout of the commit to compare with")
     ap.add_argument("--before-commit", default=BEFORE_COMMIT)
     ap.add_argument("--no-before", action="store_true", help="measure this tree only")
     ap.add_argument("--engine", action="store_true", help="real engines (see the module docstring)")
-    ap.add_argument("--meshes", default="tp=2;pp=2;sp=2;tp=2,pp=2;pp=2,sp=2", help="--engine: meshes (';' list)")
-    ap.add_argument("--engine-model", default="tiny-long", help="--engine: a benchmarks/models.py preset or a path")
+    ap.add_argument(
+        "--meshes", default="tp=2;pp=2;sp=2;tp=2,pp=2;pp=2,sp=2", help="--engine: meshes (';' list)"
+    )
+    ap.add_argument(
+        "--engine-model",
+        default="tiny-long",
+        help="--engine: a benchmarks/models.py preset or a path",
+    )
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--run-world", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--cases", help=argparse.SUPPRESS)
@@ -258,14 +360,29 @@ def main() -> None:
     if args.engine:
         load, mach = load_average(), machine()
         print(machine_line(mach) + " in the driver; each rank of a mesh of N: cores / N threads")
-        print(f"{'mesh':>10} {'context':>8} {'batch':>5} | {'driver bytes':>12} {'driver ms':>9} | "
-              f"{'rank bytes':>10} {'rank ms':>7}   (per decode step; load {load})")
+        print(
+            f"{'mesh':>10} {'context':>8} {'batch':>5} | {'driver bytes':>12} {'driver ms':>9} | "
+            f"{'rank bytes':>10} {'rank ms':>7}   (per decode step; load {load})"
+        )
         rows = _engine_rows(args)
         if args.json:
-            write_json(args.json, dict(rows=rows, steps=args.steps, block_size=args.block_size, model=args.engine_model,
-                                       load=[load, load_average()], machine=mach))
+            write_json(
+                args.json,
+                dict(
+                    rows=rows,
+                    steps=args.steps,
+                    block_size=args.block_size,
+                    model=args.engine_model,
+                    load=[load, load_average()],
+                    machine=mach,
+                ),
+            )
         return
-    cases = [[c, b] for c in map(int, args.contexts.split(",")) for b in map(int, args.batches.split(","))]
+    cases = [
+        [c, b]
+        for c in map(int, args.contexts.split(","))
+        for b in map(int, args.batches.split(","))
+    ]
     trees = {"after": ROOT}
     cleanup = None
     if not args.no_before:
@@ -277,35 +394,63 @@ def main() -> None:
             for rnd in range(args.rounds):
                 order = list(trees) if rnd % 2 == 0 else list(trees)[::-1]
                 for version in order:
-                    runs.setdefault((version, world), []).append(_measure(trees[version], world, cases, args.steps,
-                                                                          args.block_size))
+                    runs.setdefault((version, world), []).append(
+                        _measure(trees[version], world, cases, args.steps, args.block_size)
+                    )
                     loads.append(load_average())
     finally:
         if cleanup:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", cleanup], capture_output=True)
+            subprocess.run(
+                ["git", "-C", ROOT, "worktree", "remove", "--force", cleanup], capture_output=True
+            )
     rows = []
     for (version, world), rounds in runs.items():
         for i, (context, batch) in enumerate(cases):
             got = [r[i] for r in rounds]
-            rows.append(dict(version=version, world=world, context=context, batch=batch,
-                             **{k: statistics.median(g[k] for g in got) for k in ("bytes", "control_ms", "driver_ms",
-                                                                                 "rank_ms")}))
+            rows.append(
+                dict(
+                    version=version,
+                    world=world,
+                    context=context,
+                    batch=batch,
+                    **{
+                        k: statistics.median(g[k] for g in got)
+                        for k in ("bytes", "control_ms", "driver_ms", "rank_ms")
+                    },
+                )
+            )
     mach = machine(threads=1)  # every rank: torch.set_num_threads(1)
-    print(f"\ncontrol plane per decode step ({args.steps} steps, median of {args.rounds} rounds; load {loads[0]} .. "
-          f"{loads[-1]})")
+    print(
+        f"\ncontrol plane per decode step ({args.steps} steps, median of {args.rounds} rounds; load {loads[0]} .. "
+        f"{loads[-1]})"
+    )
     print(machine_line(mach) + " per rank")
-    print(f"{'world':>5} {'context':>8} {'batch':>5} | {'bytes before':>12} {'bytes after':>11} | "
-          f"{'ms before':>9} {'ms after':>8} | {'driver ms':>9} {'rank ms':>7}")
+    print(
+        f"{'world':>5} {'context':>8} {'batch':>5} | {'bytes before':>12} {'bytes after':>11} | "
+        f"{'ms before':>9} {'ms after':>8} | {'driver ms':>9} {'rank ms':>7}"
+    )
     get = {(r["version"], r["world"], r["context"], r["batch"]): r for r in rows}
     for world in map(int, args.worlds.split(",")):
         for context, batch in cases:
             a, b = get[("after", world, context, batch)], get.get(("before", world, context, batch))
-            print(f"{world:>5} {context:>8} {batch:>5} | {b['bytes'] if b else float('nan'):>12.0f} {a['bytes']:>11.0f} | "
-                  f"{b['control_ms'] if b else float('nan'):>9.3f} {a['control_ms']:>8.3f} | "
-                  f"{a['driver_ms']:>9.3f} {a['rank_ms']:>7.3f}")
+            print(
+                f"{world:>5} {context:>8} {batch:>5} | {b['bytes'] if b else float('nan'):>12.0f} {a['bytes']:>11.0f} | "
+                f"{b['control_ms'] if b else float('nan'):>9.3f} {a['control_ms']:>8.3f} | "
+                f"{a['driver_ms']:>9.3f} {a['rank_ms']:>7.3f}"
+            )
     if args.json:
-        write_json(args.json, dict(rows=rows, steps=args.steps, rounds=args.rounds, block_size=args.block_size,
-                                   load=loads, before=args.before or args.before_commit, machine=mach))
+        write_json(
+            args.json,
+            dict(
+                rows=rows,
+                steps=args.steps,
+                rounds=args.rounds,
+                block_size=args.block_size,
+                load=loads,
+                before=args.before or args.before_commit,
+                machine=mach,
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402
 
 import torch  # noqa: E402
@@ -35,7 +37,9 @@ def weights(cfg) -> list:
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     q = cfg.num_heads * cfg.head_dim
     layer = [(q + 2 * kv, h), (h, q), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
-    return [torch.randn(*s) for _ in range(cfg.num_layers) for s in layer] + [torch.randn(cfg.vocab_size, h)]
+    return [torch.randn(*s) for _ in range(cfg.num_layers) for s in layer] + [
+        torch.randn(cfg.vocab_size, h)
+    ]
 
 
 def step(ws, xs) -> None:
@@ -46,10 +50,14 @@ def step(ws, xs) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-120m", help="a planner preset, HF directory or config.json")
+    ap.add_argument(
+        "--model", default="llama-120m", help="a planner preset, HF directory or config.json"
+    )
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 64])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--iters", type=int, default=7, help="timed steps per point (the median counts)")
+    ap.add_argument(
+        "--iters", type=int, default=7, help="timed steps per point (the median counts)"
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -77,14 +85,37 @@ def main(argv=None) -> int:
     print("|---:|---:|---:|---:|---:|")
     for (t, r), ts in times.items():
         s = statistics.median(ts)
-        rows.append(dict(threads=t, rows=r, step_s=s, times=ts, bytes_per_s=nbytes / s, flops_per_s=2 * params * r / s))
-        print(f"| {t} | {r} | {s * 1e3:.1f} ms | {nbytes / s / 1e9:.2f} | {2 * params * r / s / 1e9:.1f} |")
+        rows.append(
+            dict(
+                threads=t,
+                rows=r,
+                step_s=s,
+                times=ts,
+                bytes_per_s=nbytes / s,
+                flops_per_s=2 * params * r / s,
+            )
+        )
+        print(
+            f"| {t} | {r} | {s * 1e3:.1f} ms | {nbytes / s / 1e9:.2f} | {2 * params * r / s / 1e9:.1f} |"
+        )
     if args.json:
         load = load_average()
-        gemm = {str(t): {str(x["rows"]): x["bytes_per_s"] for x in rows if x["threads"] == t} for t in args.threads}
-        write_json(args.json, dict(kind="decode_gemm", model=args.model, weight_bytes=nbytes, load=load, rows=rows,
-                                   machine=mach,
-                                   rates=dict(gemm=gemm, source=f"decode_gemm.py ({args.model}, load {load})")))
+        gemm = {
+            str(t): {str(x["rows"]): x["bytes_per_s"] for x in rows if x["threads"] == t}
+            for t in args.threads
+        }
+        write_json(
+            args.json,
+            dict(
+                kind="decode_gemm",
+                model=args.model,
+                weight_bytes=nbytes,
+                load=load,
+                rows=rows,
+                machine=mach,
+                rates=dict(gemm=gemm, source=f"decode_gemm.py ({args.model}, load {load})"),
+            ),
+        )
     return 0
 
 

@@ -29,7 +29,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import torch  # noqa: E402
 
@@ -54,6 +56,7 @@ def timed(owner, name: str, key: str) -> None:
             return f(*a, **k)
         finally:
             SPENT[key] = SPENT.get(key, 0.0) + time.perf_counter() - t
+
     setattr(owner, name, wrapper)
 
 
@@ -70,15 +73,34 @@ def install_timers() -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64], help="decode batch sizes")
-    ap.add_argument("--steps", type=int, default=12, help="timed decode steps per batch size and engine")
-    ap.add_argument("--engines", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
-    ap.add_argument("--sampled", action="store_true", help="temperature 0.8, top-p 0.9, top-k 50 (default greedy)")
-    ap.add_argument("--agg", choices=["median", "mean"], default="median",
-                    help="per-step aggregate (mean: the parts add up to the step)")
-    ap.add_argument("--all-rows-compiled", action="store_true",
-                    help="compile steps of every size (CPU_MIN_ROWS = 1) to time the small ones")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 4, 16, 64], help="decode batch sizes"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=12, help="timed decode steps per batch size and engine"
+    )
+    ap.add_argument(
+        "--engines", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"]
+    )
+    ap.add_argument(
+        "--sampled",
+        action="store_true",
+        help="temperature 0.8, top-p 0.9, top-k 50 (default greedy)",
+    )
+    ap.add_argument(
+        "--agg",
+        choices=["median", "mean"],
+        default="median",
+        help="per-step aggregate (mean: the parts add up to the step)",
+    )
+    ap.add_argument(
+        "--all-rows-compiled",
+        action="store_true",
+        help="compile steps of every size (CPU_MIN_ROWS = 1) to time the small ones",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -90,23 +112,41 @@ def main(argv=None):
     engines = {}
     for name in args.engines:
         t = time.perf_counter()
-        engines[name] = LLM(path, block_size=16, num_blocks=most * 300 // 16 + 8, max_num_seqs=most,
-                            compile_decode=name == "compiled")
+        engines[name] = LLM(
+            path,
+            block_size=16,
+            num_blocks=most * 300 // 16 + 8,
+            max_num_seqs=most,
+            compile_decode=name == "compiled",
+        )
         print(f"{name}: built in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     rng = random.Random(0)
     corpus = [rng.randrange(100, 20000) for _ in range(4000)]
     agg = statistics.mean if args.agg == "mean" else statistics.median
     rows = []
     for n in args.rows:
-        prompts = [corpus[i * 7:i * 7 + rng.randint(16, 256)] for i in range(n)]
-        params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1, max_tokens=args.steps + 1,
-                                ignore_eos=True) if args.sampled else \
-            SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
+        prompts = [corpus[i * 7 : i * 7 + rng.randint(16, 256)] for i in range(n)]
+        params = (
+            SamplingParams(
+                temperature=0.8,
+                top_p=0.9,
+                top_k=50,
+                seed=1,
+                max_tokens=args.steps + 1,
+                ignore_eos=True,
+            )
+            if args.sampled
+            else SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
+        )
         for llm in engines.values():
-            llm.blocks.__init__(llm.blocks.num_blocks, llm.blocks.block_size)  # no prefix hits across sizes
+            llm.blocks.__init__(
+                llm.blocks.num_blocks, llm.blocks.block_size
+            )  # no prefix hits across sizes
             for p in prompts:
                 llm.add_request(p, params)
-            while len(llm.step()) < n:  # prefill (chunked); from here on every step is a pure decode step
+            while (
+                len(llm.step()) < n
+            ):  # prefill (chunked); from here on every step is a pure decode step
                 pass
         parts = {name: {} for name in engines}
         for _ in range(args.steps):
@@ -121,29 +161,66 @@ def main(argv=None):
             while llm.has_unfinished_requests():
                 llm.step()
             ms = {key: agg(v) * 1e3 for key, v in parts[name].items()}
-            step, fwd, head, attn = ms["step"], ms.get("forward", 0.0), ms.get("lm_head", 0.0), ms.get("attention", 0.0)
-            row = dict(engine=name, rows=n, sampled=args.sampled, step_ms=step, forward_ms=fwd, attention_ms=attn,
-                       dense_ms=fwd - attn, lm_head_ms=head, host_ms=step - fwd - head,
-                       host_share=(step - fwd - head) / step, tok_s=n / step * 1e3,
-                       **{f"{k}_ms": ms.get(k, 0.0) for k in ("localstep", "schedule", "sample", "append", "output")})
+            step, fwd, head, attn = (
+                ms["step"],
+                ms.get("forward", 0.0),
+                ms.get("lm_head", 0.0),
+                ms.get("attention", 0.0),
+            )
+            row = dict(
+                engine=name,
+                rows=n,
+                sampled=args.sampled,
+                step_ms=step,
+                forward_ms=fwd,
+                attention_ms=attn,
+                dense_ms=fwd - attn,
+                lm_head_ms=head,
+                host_ms=step - fwd - head,
+                host_share=(step - fwd - head) / step,
+                tok_s=n / step * 1e3,
+                **{
+                    f"{k}_ms": ms.get(k, 0.0)
+                    for k in ("localstep", "schedule", "sample", "append", "output")
+                },
+            )
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     load, mach = load_average(), machine()
     print(machine_line(mach))
-    print(f"SmolLM2-135M-Instruct fp32, {'sampled' if args.sampled else 'greedy'}, {args.agg} of {args.steps} "
-          f"decode steps, load average {load}")
-    print("| engine | rows | ms/step | dense ms | attention ms | LM head ms | host ms (share) | of which sample ms |")
+    print(
+        f"SmolLM2-135M-Instruct fp32, {'sampled' if args.sampled else 'greedy'}, {args.agg} of {args.steps} "
+        f"decode steps, load average {load}"
+    )
+    print(
+        "| engine | rows | ms/step | dense ms | attention ms | LM head ms | host ms (share) | of which sample ms |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['engine']} | {r['rows']} | {r['step_ms']:.1f} | {r['dense_ms']:.1f} | {r['attention_ms']:.1f} | "
-              f"{r['lm_head_ms']:.1f} | {r['host_ms']:.1f} ({100 * r['host_share']:.1f}%) | {r['sample_ms']:.1f} |")
+        print(
+            f"| {r['engine']} | {r['rows']} | {r['step_ms']:.1f} | {r['dense_ms']:.1f} | {r['attention_ms']:.1f} | "
+            f"{r['lm_head_ms']:.1f} | {r['host_ms']:.1f} ({100 * r['host_share']:.1f}%) | {r['sample_ms']:.1f} |"
+        )
     if len(engines) == 2:
         for n in args.rows:
-            e, c = (next(r for r in rows if r["rows"] == n and r["engine"] == k) for k in ("eager", "compiled"))
+            e, c = (
+                next(r for r in rows if r["rows"] == n and r["engine"] == k)
+                for k in ("eager", "compiled")
+            )
             print(f"{n} rows: compiled {e['step_ms'] / c['step_ms']:.2f}x eager per decode step")
     if args.json:
-        write_json(args.json, dict(model="SmolLM2-135M-Instruct", threads=mach["threads"], load=load,
-                                   agg=args.agg, steps=args.steps, rows=rows, machine=mach))
+        write_json(
+            args.json,
+            dict(
+                model="SmolLM2-135M-Instruct",
+                threads=mach["threads"],
+                load=load,
+                agg=args.agg,
+                steps=args.steps,
+                rows=rows,
+                machine=mach,
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import torch  # noqa: E402
 
@@ -48,11 +50,13 @@ from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.model.smollm2 import smollm2_path  # noqa: E402
 from benchmarks.vllm_peer import run_in_venv  # noqa: E402
 
-TEXT = ("The history of the river valley begins with small farming villages that grew along its banks. "
-        "Over centuries, traders arrived from the coast, bringing salt, cloth and new ideas about "
-        "writing and numbers. The villages became towns, the towns built walls, and the walls became "
-        "the borders of the first small kingdoms. Scholars still argue about which of these kingdoms "
-        "was the oldest, because the records they left were written on clay that has mostly crumbled. ")
+TEXT = (
+    "The history of the river valley begins with small farming villages that grew along its banks. "
+    "Over centuries, traders arrived from the coast, bringing salt, cloth and new ideas about "
+    "writing and numbers. The villages became towns, the towns built walls, and the walls became "
+    "the borders of the first small kingdoms. Scholars still argue about which of these kingdoms "
+    "was the oldest, because the records they left were written on clay that has mostly crumbled. "
+)
 
 
 def make_prompts(tok, n: int, lo: int, hi: int, seed: int = 0):
@@ -61,7 +65,7 @@ def make_prompts(tok, n: int, lo: int, hi: int, seed: int = 0):
     prompts = []
     for _ in range(n):
         length, start = rng.randint(lo, hi), rng.randrange(0, 200)
-        prompts.append(corpus[start:start + length])
+        prompts.append(corpus[start : start + length])
     return prompts
 
 
@@ -81,8 +85,14 @@ def bench_hf_batched(hf, tok, prompts, lengths):
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=hf.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
     t = time.perf_counter()
-    out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
-                      min_new_tokens=max_tokens, pad_token_id=pad)
+    out = hf.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        pad_token_id=pad,
+    )
     dt = time.perf_counter() - t
     return [row[:n] for row, n in zip(out[:, width:].tolist(), lengths)], dt
 
@@ -92,11 +102,15 @@ def bench_hf_single(hf, tok, prompts, lengths):
     outs = []
     t = time.perf_counter()
     for p, max_tokens in zip(prompts, lengths):
-        out = hf.generate(torch.tensor([p], device=hf.device),
-                          attention_mask=torch.ones(1, len(p), dtype=torch.long, device=hf.device),
-                          do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                          pad_token_id=tok.pad_token_id)
-        outs.append(out[0, len(p):].tolist())
+        out = hf.generate(
+            torch.tensor([p], device=hf.device),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long, device=hf.device),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            pad_token_id=tok.pad_token_id,
+        )
+        outs.append(out[0, len(p) :].tolist())
     return outs, time.perf_counter() - t
 
 
@@ -107,63 +121,120 @@ def agreement(a, b) -> float:
 
 def prefix_agreement(a, b) -> float:
     """Mean over requests of the fraction of ``a``'s tokens before the first difference from ``b``."""
+
     def common(x, y):
         return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+
     return sum(common(x, y) / max(1, len(x)) for x, y in zip(a, b)) / len(a)
 
 
 def peer_row(args, path, prompts, lengths, r_out, r_dt, dtype) -> dict:
     """vLLM on the same prompts (``--peer-python``): its tok/s, ringkv's speedup over it and the
     greedy agreement with ringkv, or ``vllm_error``: why it did not run."""
-    job = dict(model=path, prompts=prompts, max_tokens=lengths, dtype=dtype, repeats=args.repeats,
-               threads=torch.get_num_threads())
+    job = dict(
+        model=path,
+        prompts=prompts,
+        max_tokens=lengths,
+        dtype=dtype,
+        repeats=args.repeats,
+        threads=torch.get_num_threads(),
+    )
     res = run_in_venv(args.peer_python, job, args.peer_timeout)
     if "error" in res:
         return dict(vllm_error=res["error"])
     v_out, v_dt = res["tokens"], res["seconds"]
-    return dict(vllm_version=res["version"], vllm_s=v_dt, vllm_tok_s=sum(lengths) / v_dt,
-                speedup_vs_vllm=v_dt / r_dt, greedy_agreement_vs_vllm=agreement(r_out, v_out),
-                prefix_agreement_vs_vllm=prefix_agreement(r_out, v_out))
+    return dict(
+        vllm_version=res["version"],
+        vllm_s=v_dt,
+        vllm_tok_s=sum(lengths) / v_dt,
+        speedup_vs_vllm=v_dt / r_dt,
+        greedy_agreement_vs_vllm=agreement(r_out, v_out),
+        prefix_agreement_vs_vllm=prefix_agreement(r_out, v_out),
+    )
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--mixed-output", action="store_true",
-                    help="also run with per-request max_tokens drawn from [max_tokens/4, max_tokens]: "
-                         "the HF batch runs to its longest request, only requested tokens count")
+    ap.add_argument(
+        "--mixed-output",
+        action="store_true",
+        help="also run with per-request max_tokens drawn from [max_tokens/4, max_tokens]: "
+        "the HF batch runs to its longest request, only requested tokens count",
+    )
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads (default: torch's default; parallel mode: of the tp = pp = sp = 1 engine, "
-                         "default all cores)")
-    ap.add_argument("--hf-single-max", type=int, default=16,
-                    help="also time HF one request at a time for runs of at most this many requests (0: never)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="time each side this many times, interleaved, and keep the fastest (a shared CPU is noisy)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's default; parallel mode: of the tp = pp = sp = 1 engine, "
+        "default all cores)",
+    )
+    ap.add_argument(
+        "--hf-single-max",
+        type=int,
+        default=16,
+        help="also time HF one request at a time for runs of at most this many requests (0: never)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="time each side this many times, interleaved, and keep the fastest (a shared CPU is noisy)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--device", default="cpu", help="single mode: cpu or cuda (both engines)")
-    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="single mode: model dtype")
+    ap.add_argument(
+        "--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="single mode: model dtype"
+    )
     ap.add_argument("--tp", type=int, default=1, help="parallel mode: tensor-parallel ranks")
     ap.add_argument("--pp", type=int, default=1, help="parallel mode: pipeline stages")
     ap.add_argument("--sp", type=int, default=1, help="parallel mode: sequence-parallel ranks")
-    ap.add_argument("--model", default="smollm2", help="parallel mode: smollm2, a preset of benchmarks/models.py "
-                                                       "(llama-120m: 12 heads, 4 KV heads) or a directory")
-    ap.add_argument("--kv-cache-memory", type=float, default=0.25, help="parallel mode: GiB of KV cache per rank")
-    ap.add_argument("--compile-decode", action="store_true",
-                    help="single mode: also time a ringkv engine with compile_decode=True (row 'ringkv compiled')")
-    ap.add_argument("--peer", choices=["vllm"], default=None, help="single mode: also time this engine (its own venv)")
-    ap.add_argument("--peer-python", default=os.environ.get("RINGKV_VLLM_PYTHON", "/tmp/vllm-venv/bin/python"),
-                    help="the python of the venv with vLLM (default: $RINGKV_VLLM_PYTHON or /tmp/vllm-venv/bin/python)")
-    ap.add_argument("--peer-timeout", type=float, default=1800, help="seconds the peer may take per run")
+    ap.add_argument(
+        "--model",
+        default="smollm2",
+        help="parallel mode: smollm2, a preset of benchmarks/models.py "
+        "(llama-120m: 12 heads, 4 KV heads) or a directory",
+    )
+    ap.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=0.25,
+        help="parallel mode: GiB of KV cache per rank",
+    )
+    ap.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="single mode: also time a ringkv engine with compile_decode=True (row 'ringkv compiled')",
+    )
+    ap.add_argument(
+        "--peer",
+        choices=["vllm"],
+        default=None,
+        help="single mode: also time this engine (its own venv)",
+    )
+    ap.add_argument(
+        "--peer-python",
+        default=os.environ.get("RINGKV_VLLM_PYTHON", "/tmp/vllm-venv/bin/python"),
+        help="the python of the venv with vLLM (default: $RINGKV_VLLM_PYTHON or /tmp/vllm-venv/bin/python)",
+    )
+    ap.add_argument(
+        "--peer-timeout", type=float, default=1800, help="seconds the peer may take per run"
+    )
     ap.add_argument("--one-engine", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one_engine:  # a job of main_parallel, in its own process
         with open(args.one_engine) as f:
             job = json.load(f)
         with open(args.one_engine + ".out", "w") as f:
-            json.dump(run_engine(job["path"], job["prompts"], job["lengths"], job["kw"], job["threads"]), f)
+            json.dump(
+                run_engine(job["path"], job["prompts"], job["lengths"], job["kw"], job["threads"]),
+                f,
+            )
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -178,32 +249,56 @@ def main(argv=None):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     hf.generation_config.eos_token_id = None  # the same number of tokens on both sides
     need = max(args.requests) * (args.max_prompt + args.max_tokens + 16)
-    llm = LLM(path, block_size=16, num_blocks=need // 16 + 1, max_num_seqs=max(args.requests), dtype=dtype,
-              device=args.device)
+    llm = LLM(
+        path,
+        block_size=16,
+        num_blocks=need // 16 + 1,
+        max_num_seqs=max(args.requests),
+        dtype=dtype,
+        device=args.device,
+    )
     # first-call overheads out of the timings: a prefill as large as the runs' (vLLM's engine
     # runs its own at start), so no side pays the process's first large GEMMs in its timed run
     warm = make_prompts(tok, 2, args.max_prompt, args.max_prompt, seed=99)
     bench_ringkv(llm, warm, [2, 2])
     bench_hf_batched(hf, tok, warm, [2, 2])
     compiled, compile_info = None, {}
-    if args.compile_decode:  # compiled at construction (warm-up), so the timed runs hold no compiling
+    if (
+        args.compile_decode
+    ):  # compiled at construction (warm-up), so the timed runs hold no compiling
         t = time.perf_counter()
-        compiled = LLM(path, block_size=16, num_blocks=need // 16 + 1, max_num_seqs=max(args.requests), dtype=dtype,
-                       device=args.device, compile_decode=True)
-        compile_info = dict(compiled_build_s=time.perf_counter() - t, compile_s=compiled.rank_stats()[0]["compile_s"])
+        compiled = LLM(
+            path,
+            block_size=16,
+            num_blocks=need // 16 + 1,
+            max_num_seqs=max(args.requests),
+            dtype=dtype,
+            device=args.device,
+            compile_decode=True,
+        )
+        compile_info = dict(
+            compiled_build_s=time.perf_counter() - t,
+            compile_s=compiled.rank_stats()[0]["compile_s"],
+        )
         bench_ringkv(compiled, warm, [2, 2])
         print(json.dumps(compile_info), file=sys.stderr)
 
     rows = []
-    runs = [(n, False) for n in args.requests] + ([(n, True) for n in args.requests] if args.mixed_output else [])
+    runs = [(n, False) for n in args.requests] + (
+        [(n, True) for n in args.requests] if args.mixed_output else []
+    )
     for n, mixed in runs:
         prompts = make_prompts(tok, n, args.min_prompt, args.max_prompt, seed=n)
         rng = random.Random(n + 1)
-        lengths = [rng.randint(max(1, args.max_tokens // 4), args.max_tokens) if mixed else args.max_tokens
-                   for _ in prompts]
+        lengths = [
+            rng.randint(max(1, args.max_tokens // 4), args.max_tokens) if mixed else args.max_tokens
+            for _ in prompts
+        ]
         r_dt = h_dt = c_dt = float("inf")
         for _ in range(args.repeats):
-            llm.blocks.__init__(llm.blocks.num_blocks, llm.blocks.block_size)  # no prefix hits from earlier runs
+            llm.blocks.__init__(
+                llm.blocks.num_blocks, llm.blocks.block_size
+            )  # no prefix hits from earlier runs
             r_out, dt = bench_ringkv(llm, prompts, lengths)
             r_dt = min(r_dt, dt)
             if compiled is not None:
@@ -215,49 +310,106 @@ def main(argv=None):
             h_out, dt = bench_hf_batched(hf, tok, prompts, lengths)
             h_dt = min(h_dt, dt)
         tokens = sum(lengths)
-        row = dict(requests=n, output_lengths="mixed" if mixed else "fixed",
-                   prompt_tokens=sum(map(len, prompts)), output_tokens=tokens,
-                   ringkv_s=r_dt, ringkv_tok_s=tokens / r_dt, hf_batched_s=h_dt, hf_batched_tok_s=tokens / h_dt,
-                   speedup_vs_hf_batched=h_dt / r_dt, greedy_agreement_vs_hf_batched=agreement(r_out, h_out))
+        row = dict(
+            requests=n,
+            output_lengths="mixed" if mixed else "fixed",
+            prompt_tokens=sum(map(len, prompts)),
+            output_tokens=tokens,
+            ringkv_s=r_dt,
+            ringkv_tok_s=tokens / r_dt,
+            hf_batched_s=h_dt,
+            hf_batched_tok_s=tokens / h_dt,
+            speedup_vs_hf_batched=h_dt / r_dt,
+            greedy_agreement_vs_hf_batched=agreement(r_out, h_out),
+        )
         if n <= args.hf_single_max:
             s_out, s_dt = bench_hf_single(hf, tok, prompts, lengths)
-            row.update(hf_single_s=s_dt, hf_single_tok_s=tokens / s_dt, speedup_vs_hf_single=s_dt / r_dt,
-                       greedy_agreement_vs_hf_single=agreement(r_out, s_out))
+            row.update(
+                hf_single_s=s_dt,
+                hf_single_tok_s=tokens / s_dt,
+                speedup_vs_hf_single=s_dt / r_dt,
+                greedy_agreement_vs_hf_single=agreement(r_out, s_out),
+            )
         if compiled is not None:
-            row.update(compile_info, compiled_s=c_dt, compiled_tok_s=tokens / c_dt, compiled_vs_eager=r_dt / c_dt,
-                       compiled_vs_hf_batched=h_dt / c_dt, greedy_agreement_compiled_vs_eager=agreement(c_out, r_out),
-                       prefix_agreement_compiled_vs_eager=prefix_agreement(c_out, r_out),
-                       compiled_steps=after["compiled_steps"] - before["compiled_steps"],
-                       steps=after["steps"] - before["steps"], load=load_average())
+            row.update(
+                compile_info,
+                compiled_s=c_dt,
+                compiled_tok_s=tokens / c_dt,
+                compiled_vs_eager=r_dt / c_dt,
+                compiled_vs_hf_batched=h_dt / c_dt,
+                greedy_agreement_compiled_vs_eager=agreement(c_out, r_out),
+                prefix_agreement_compiled_vs_eager=prefix_agreement(c_out, r_out),
+                compiled_steps=after["compiled_steps"] - before["compiled_steps"],
+                steps=after["steps"] - before["steps"],
+                load=load_average(),
+            )
         if args.peer:
             row.update(peer_row(args, path, prompts, lengths, r_out, r_dt, dtype_name))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
 
-    cols = ["requests", "output_lengths", "prompt_tokens", "output_tokens", "ringkv_tok_s", "hf_batched_tok_s",
-            "speedup_vs_hf_batched", "hf_single_tok_s", "speedup_vs_hf_single"]
+    cols = [
+        "requests",
+        "output_lengths",
+        "prompt_tokens",
+        "output_tokens",
+        "ringkv_tok_s",
+        "hf_batched_tok_s",
+        "speedup_vs_hf_batched",
+        "hf_single_tok_s",
+        "speedup_vs_hf_single",
+    ]
     if compiled is not None:
-        cols += ["compiled_tok_s", "compiled_vs_eager", "compiled_vs_hf_batched", "greedy_agreement_compiled_vs_eager"]
+        cols += [
+            "compiled_tok_s",
+            "compiled_vs_eager",
+            "compiled_vs_hf_batched",
+            "greedy_agreement_compiled_vs_eager",
+        ]
     if args.peer:
-        cols += ["vllm_tok_s", "speedup_vs_vllm", "greedy_agreement_vs_vllm", "prefix_agreement_vs_vllm"]
+        cols += [
+            "vllm_tok_s",
+            "speedup_vs_vllm",
+            "greedy_agreement_vs_vllm",
+            "prefix_agreement_vs_vllm",
+        ]
     mach = machine()
     print(machine_line(mach))
-    print(f"SmolLM2-135M-Instruct {args.dtype} on {args.device}, greedy, {args.max_tokens} output tokens/request, "
-          f"prompts {args.min_prompt}-{args.max_prompt} tokens")
+    print(
+        f"SmolLM2-135M-Instruct {args.dtype} on {args.device}, greedy, {args.max_tokens} output tokens/request, "
+        f"prompts {args.min_prompt}-{args.max_prompt} tokens"
+    )
     widths = [max(22, len(c)) for c in cols]
     print(" | ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     for r in rows:
-        print(" | ".join(f"{r.get(c, '-'):>{w}.2f}" if isinstance(r.get(c), float) else f"{r.get(c, '-'):>{w}}"
-                         for c, w in zip(cols, widths)))
+        print(
+            " | ".join(
+                f"{r.get(c, '-'):>{w}.2f}"
+                if isinstance(r.get(c), float)
+                else f"{r.get(c, '-'):>{w}}"
+                for c, w in zip(cols, widths)
+            )
+        )
     for error in dict.fromkeys(r["vllm_error"] for r in rows if "vllm_error" in r):
         print(f"vllm: not run: {error}")
     if compiled is not None:
-        print(f"ringkv compiled: compile (at engine start, not in tok/s) {compile_info['compile_s']:.1f} s, "
-              f"engine built in {compile_info['compiled_build_s']:.1f} s")
+        print(
+            f"ringkv compiled: compile (at engine start, not in tok/s) {compile_info['compile_s']:.1f} s, "
+            f"engine built in {compile_info['compiled_build_s']:.1f} s"
+        )
     if args.json:
-        write_json(args.json, dict(model="SmolLM2-135M-Instruct", dtype=dtype_name,
-                                   max_tokens=args.max_tokens, threads=mach["threads"], device=args.device,
-                                   rows=rows, machine=mach))
+        write_json(
+            args.json,
+            dict(
+                model="SmolLM2-135M-Instruct",
+                dtype=dtype_name,
+                max_tokens=args.max_tokens,
+                threads=mach["threads"],
+                device=args.device,
+                rows=rows,
+                machine=mach,
+            ),
+        )
 
 
 def run_engine(path, prompts, lengths, kw, threads):
@@ -269,8 +421,14 @@ def run_engine(path, prompts, lengths, kw, threads):
         before = llm.rank_stats()
         out, dt = bench_ringkv(llm, prompts, lengths)
         after = llm.rank_stats()
-        ranks = [dict(a, busy_s=a["busy_s"] - b["busy_s"], idle_fraction=1 - (a["busy_s"] - b["busy_s"]) / dt)
-                 for a, b in zip(after, before)]
+        ranks = [
+            dict(
+                a,
+                busy_s=a["busy_s"] - b["busy_s"],
+                idle_fraction=1 - (a["busy_s"] - b["busy_s"]) / dt,
+            )
+            for a, b in zip(after, before)
+        ]
         return out, dt, llm.kv_cache_info(), ranks, llm.peak_in_flight
 
 
@@ -283,8 +441,11 @@ def run_engine_in_subprocess(path, prompts, lengths, kw, threads):
         job = os.path.join(d, "job.json")
         with open(job, "w") as f:
             json.dump(dict(path=path, prompts=prompts, lengths=lengths, kw=kw, threads=threads), f)
-        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--one-engine", job],
-                             capture_output=True, text=True)
+        res = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--one-engine", job],
+            capture_output=True,
+            text=True,
+        )
         if res.returncode != 0:
             raise RuntimeError(res.stderr[-3000:])
         with open(job + ".out") as f:
@@ -300,6 +461,7 @@ def main_parallel(args):
     base_threads, rank_threads = args.threads or cores, max(1, cores // world)
     try:
         from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(path)
     except Exception:  # a random model has no tokenizer: random token ids
         tok = None
@@ -310,8 +472,13 @@ def main_parallel(args):
             prompts = make_prompts(tok, n, args.min_prompt, args.max_prompt, seed=n)
         else:
             rng = random.Random(n)
-            prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
-                       for _ in range(n)]
+            prompts = [
+                [
+                    rng.randrange(3, 1000)
+                    for _ in range(rng.randint(args.min_prompt, args.max_prompt))
+                ]
+                for _ in range(n)
+            ]
         lengths = [args.max_tokens] * n
         best, times = [None, None], [[], []]
         for _ in range(args.repeats):
@@ -325,40 +492,72 @@ def main_parallel(args):
                 print(f"[{n} requests] {c}: {sum(lengths) / res[1]:.1f} tok/s", file=sys.stderr)
         (b_out, b_dt, b_info, b_ranks, _), (p_out, p_dt, p_info, p_ranks, depth) = best
         tokens = sum(lengths)
-        row = dict(requests=n, output_tokens=tokens, prompt_tokens=sum(map(len, prompts)),
-                   config=f"tp={args.tp} pp={args.pp} sp={args.sp}",
-                   base_tok_s=tokens / b_dt, parallel_tok_s=tokens / p_dt, speedup=b_dt / p_dt,
-                   base_times_s=times[0], parallel_times_s=times[1],
-                   greedy_agreement=agreement(b_out, p_out),
-                   base_capacity_tokens=b_info["capacity_tokens"], parallel_capacity_tokens=p_info["capacity_tokens"],
-                   base_rank=_mem(b_ranks[0]), parallel_ranks=[_mem(r) for r in p_ranks],
-                   idle_fraction=[round(r["idle_fraction"], 3) for r in p_ranks],
-                   pp_bubble=sum(r["idle_fraction"] for r in p_ranks) / len(p_ranks), peak_in_flight=depth,
-                   base_threads=base_threads, load=load_average())
+        row = dict(
+            requests=n,
+            output_tokens=tokens,
+            prompt_tokens=sum(map(len, prompts)),
+            config=f"tp={args.tp} pp={args.pp} sp={args.sp}",
+            base_tok_s=tokens / b_dt,
+            parallel_tok_s=tokens / p_dt,
+            speedup=b_dt / p_dt,
+            base_times_s=times[0],
+            parallel_times_s=times[1],
+            greedy_agreement=agreement(b_out, p_out),
+            base_capacity_tokens=b_info["capacity_tokens"],
+            parallel_capacity_tokens=p_info["capacity_tokens"],
+            base_rank=_mem(b_ranks[0]),
+            parallel_ranks=[_mem(r) for r in p_ranks],
+            idle_fraction=[round(r["idle_fraction"], 3) for r in p_ranks],
+            pp_bubble=sum(r["idle_fraction"] for r in p_ranks) / len(p_ranks),
+            peak_in_flight=depth,
+            base_threads=base_threads,
+            load=load_average(),
+        )
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
-    mach = machine(threads=base_threads)  # the tp=pp=sp=1 engine's; each of the N ranks gets cores / N
+    mach = machine(
+        threads=base_threads
+    )  # the tp=pp=sp=1 engine's; each of the N ranks gets cores / N
     print(machine_line(mach) + f" (tp=pp=sp=1; {rows[0]['config']}: {rank_threads} per rank)")
-    print(f"{describe(args.model)} fp32, greedy, {args.max_tokens} output tokens/request, prompts "
-          f"{args.min_prompt}-{args.max_prompt} tokens, {args.kv_cache_memory} GiB KV cache per rank")
-    print("| requests | tp=pp=sp=1 tok/s | " + rows[0]["config"] + " tok/s | speedup | KV capacity (tokens) 1 -> N | "
-          "weights+KV per rank MiB 1 -> N | peak RSS per rank MiB | idle fraction per rank (bubble) |")
+    print(
+        f"{describe(args.model)} fp32, greedy, {args.max_tokens} output tokens/request, prompts "
+        f"{args.min_prompt}-{args.max_prompt} tokens, {args.kv_cache_memory} GiB KV cache per rank"
+    )
+    print(
+        "| requests | tp=pp=sp=1 tok/s | "
+        + rows[0]["config"]
+        + " tok/s | speedup | KV capacity (tokens) 1 -> N | "
+        "weights+KV per rank MiB 1 -> N | peak RSS per rank MiB | idle fraction per rank (bubble) |"
+    )
     print("|---:|---:|---:|---:|---|---|---|---|")
     for r in rows:
         mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
-        print(f"| {r['requests']} | {r['base_tok_s']:.1f} | {r['parallel_tok_s']:.1f} | {r['speedup']:.2f}x | "
-              f"{r['base_capacity_tokens']} -> {r['parallel_capacity_tokens']} | "
-              f"{mib(r['base_rank']['weights'] + r['base_rank']['kv'])} -> "
-              f"{', '.join(mib(x['weights'] + x['kv']) for x in r['parallel_ranks'])} | "
-              f"{mib(r['base_rank']['peak_rss'])} -> {', '.join(mib(x['peak_rss']) for x in r['parallel_ranks'])} | "
-              f"{', '.join(f'{x:.2f}' for x in r['idle_fraction'])} |")
+        print(
+            f"| {r['requests']} | {r['base_tok_s']:.1f} | {r['parallel_tok_s']:.1f} | {r['speedup']:.2f}x | "
+            f"{r['base_capacity_tokens']} -> {r['parallel_capacity_tokens']} | "
+            f"{mib(r['base_rank']['weights'] + r['base_rank']['kv'])} -> "
+            f"{', '.join(mib(x['weights'] + x['kv']) for x in r['parallel_ranks'])} | "
+            f"{mib(r['base_rank']['peak_rss'])} -> {', '.join(mib(x['peak_rss']) for x in r['parallel_ranks'])} | "
+            f"{', '.join(f'{x:.2f}' for x in r['idle_fraction'])} |"
+        )
     if args.json:
-        write_json(args.json, dict(model=describe(args.model), dtype="float32", max_tokens=args.max_tokens,
-                                   cores=mach["cores"], rows=rows, machine=mach))
+        write_json(
+            args.json,
+            dict(
+                model=describe(args.model),
+                dtype="float32",
+                max_tokens=args.max_tokens,
+                cores=mach["cores"],
+                rows=rows,
+                machine=mach,
+            ),
+        )
 
 
 def _mem(rank: dict) -> dict:
-    return dict(weights=rank["weight_bytes"], kv=rank["kv_cache_bytes"], peak_rss=rank["peak_rss_bytes"])
+    return dict(
+        weights=rank["weight_bytes"], kv=rank["kv_cache_bytes"], peak_rss=rank["peak_rss_bytes"]
+    )
 
 
 if __name__ == "__main__":

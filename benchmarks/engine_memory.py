@@ -18,7 +18,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 from benchmarks.models import load_average, machine, machine_line, shape, write_json  # noqa: E402
 
@@ -35,7 +37,9 @@ def wide_vocab_model():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def measure(model, *, steps: int, seqs: int = 8, every: int = 100, max_tokens: int = 400, **engine) -> list:
+def measure(
+    model, *, steps: int, seqs: int = 8, every: int = 100, max_tokens: int = 400, **engine
+) -> list:
     """Run ``steps`` engine steps with ``seqs`` sampled requests in flight; a record per rank
     every ``every`` steps: ``step, rank, rss_mib, peak_rss_mib, pending_sends``."""
     from ringkv import LLM, SamplingParams
@@ -55,8 +59,15 @@ def measure(model, *, steps: int, seqs: int = 8, every: int = 100, max_tokens: i
                 added += 1
             if step % every == 0:
                 for r in llm.rank_stats():
-                    records.append(dict(step=step, rank=r["rank"], rss_mib=r["rss_bytes"] / MIB,
-                                        peak_rss_mib=r["peak_rss_bytes"] / MIB, pending_sends=r["pending_sends"]))
+                    records.append(
+                        dict(
+                            step=step,
+                            rank=r["rank"],
+                            rss_mib=r["rss_bytes"] / MIB,
+                            peak_rss_mib=r["peak_rss_bytes"] / MIB,
+                            pending_sends=r["pending_sends"],
+                        )
+                    )
         for rid in live:
             llm.abort_request(rid)
     return records
@@ -68,14 +79,18 @@ def growth(records: list) -> dict:
     out = {}
     for rank in sorted({r["rank"] for r in records}):
         mine = [r for r in records if r["rank"] == rank]
-        out[rank] = dict(rss_growth_mib=mine[-1]["rss_mib"] - mine[0]["rss_mib"],
-                         peak_growth_mib=mine[-1]["peak_rss_mib"] - mine[0]["peak_rss_mib"],
-                         max_pending_sends=max(r["pending_sends"] for r in mine))
+        out[rank] = dict(
+            rss_growth_mib=mine[-1]["rss_mib"] - mine[0]["rss_mib"],
+            peak_growth_mib=mine[-1]["peak_rss_mib"] - mine[0]["peak_rss_mib"],
+            max_pending_sends=max(r["pending_sends"] for r in mine),
+        )
     return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--sp", type=int, default=1)
@@ -86,23 +101,46 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     load = load_average()
     t = time.perf_counter()
-    records = measure(wide_vocab_model(), steps=args.steps, seqs=args.seqs, every=args.every,
-                      pp=args.pp, tp=args.tp, sp=args.sp)
+    records = measure(
+        wide_vocab_model(),
+        steps=args.steps,
+        seqs=args.seqs,
+        every=args.every,
+        pp=args.pp,
+        tp=args.tp,
+        sp=args.sp,
+    )
     seconds = time.perf_counter() - t
     result = growth(records)
-    world = args.pp * args.tp * args.sp  # spawned ranks get cores / world threads each (ringkv.parallel.launch)
+    world = (
+        args.pp * args.tp * args.sp
+    )  # spawned ranks get cores / world threads each (ringkv.parallel.launch)
     mach = machine(threads=max(1, (os.cpu_count() or 1) // world) if world > 1 else None)
     print(machine_line(mach) + (" per rank" if world > 1 else ""))
-    print(f"{args.steps} sampled decode steps, {args.seqs} requests, pp={args.pp} tp={args.tp} sp={args.sp}, "
-          f"vocab 49152, {seconds:.0f} s, load {load}")
-    print(f"{'rank':>4} {'RSS first':>10} {'RSS last':>9} {'growth':>8} {'peak growth':>12} {'max pending':>12}")
+    print(
+        f"{args.steps} sampled decode steps, {args.seqs} requests, pp={args.pp} tp={args.tp} sp={args.sp}, "
+        f"vocab 49152, {seconds:.0f} s, load {load}"
+    )
+    print(
+        f"{'rank':>4} {'RSS first':>10} {'RSS last':>9} {'growth':>8} {'peak growth':>12} {'max pending':>12}"
+    )
     for rank, g in result.items():
         mine = [r for r in records if r["rank"] == rank]
-        print(f"{rank:>4} {mine[0]['rss_mib']:>8.1f}Mi {mine[-1]['rss_mib']:>7.1f}Mi {g['rss_growth_mib']:>6.1f}Mi "
-              f"{g['peak_growth_mib']:>10.1f}Mi {g['max_pending_sends']:>12}")
+        print(
+            f"{rank:>4} {mine[0]['rss_mib']:>8.1f}Mi {mine[-1]['rss_mib']:>7.1f}Mi {g['rss_growth_mib']:>6.1f}Mi "
+            f"{g['peak_growth_mib']:>10.1f}Mi {g['max_pending_sends']:>12}"
+        )
     if args.json:
-        write_json(args.json, dict(args=vars(args), seconds=seconds, load=load, records=records,
-                                   growth={str(k): v for k, v in result.items()}))
+        write_json(
+            args.json,
+            dict(
+                args=vars(args),
+                seconds=seconds,
+                load=load,
+                records=records,
+                growth={str(k): v for k, v in result.items()},
+            ),
+        )
     return 0
 
 

@@ -22,7 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import ringkv  # noqa: E402
 from benchmarks.models import machine, machine_line, write_json  # noqa: E402
@@ -35,7 +37,7 @@ def reference_grads(q, k, v, dout):
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
     s = q.shape[1]
     kr, vr = (t.repeat_interleave(H // HKV, dim=2) for t in (k, v))
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) / D ** 0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) / D**0.5
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
     out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vr)
     (out * dout.double()).sum().backward()
@@ -44,8 +46,13 @@ def reference_grads(q, k, v, dout):
 
 def _worker(rank, world, port, seqs, dtypes, results):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
+    )
     for s in seqs:
         for dtype in dtypes:
             g = torch.Generator().manual_seed(s)
@@ -55,7 +62,9 @@ def _worker(rank, world, port, seqs, dtypes, results):
             row = dict(world=world, seq=s, dtype=str(dtype).replace("torch.", ""))
             want = reference_grads(q, k, v, dout) if rank == 0 else None
             for wire in (None, torch.bfloat16):
-                ql, kl, vl = (ringkv.shard(t, 1, "zigzag").clone().requires_grad_() for t in (q, k, v))
+                ql, kl, vl = (
+                    ringkv.shard(t, 1, "zigzag").clone().requires_grad_() for t in (q, k, v)
+                )
                 out = ringkv.ring_attention(ql, kl, vl, causal=True, grad_comm_dtype=wire)
                 out.backward(ringkv.shard(dout, 1, "zigzag"))
                 grads = [ringkv.unshard(t.grad, 1, "zigzag") for t in (ql, kl, vl)]
@@ -90,7 +99,10 @@ def main():
     for world in (int(x) for x in a.worlds.split(",")):
         results = ctx.Queue()
         port = _port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, seqs, dtypes, results)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, port, seqs, dtypes, results))
+            for r in range(world)
+        ]
         for proc in procs:
             proc.start()
         for _ in range(len(seqs) * len(dtypes)):
@@ -99,13 +111,17 @@ def main():
             proc.join()
     mach = machine(threads=1)  # every rank: torch.set_num_threads(1)
     print(machine_line(mach) + " per rank")
-    print("| world | seq | inputs | grad | fp32 wire: max / mean rel. error | bf16 wire: max / mean rel. error |")
+    print(
+        "| world | seq | inputs | grad | fp32 wire: max / mean rel. error | bf16 wire: max / mean rel. error |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
         for gname in ("dq", "dk", "dv"):
-            print(f"| {r['world']} | {r['seq']} | {r['dtype']} | {gname} | "
-                  f"{r[f'fp32_{gname}_max']:.2e} / {r[f'fp32_{gname}_mean']:.2e} | "
-                  f"{r[f'bf16_{gname}_max']:.2e} / {r[f'bf16_{gname}_mean']:.2e} |")
+            print(
+                f"| {r['world']} | {r['seq']} | {r['dtype']} | {gname} | "
+                f"{r[f'fp32_{gname}_max']:.2e} / {r[f'fp32_{gname}_mean']:.2e} | "
+                f"{r[f'bf16_{gname}_max']:.2e} / {r[f'bf16_{gname}_mean']:.2e} |"
+            )
     if a.json:
         write_json(a.json, dict(rows=rows, machine=mach))
 

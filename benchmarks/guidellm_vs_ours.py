@@ -49,7 +49,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 ROOT = os.path.dirname(HERE)
 
 
@@ -65,8 +67,18 @@ def start_server(model_path: str, name: str, log_path: str):
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log = open(log_path, "w")
-    cmd = [sys.executable, "-m", "ringkv", "serve", "--model", model_path, "--port", str(port),
-           "--served-model-name", name]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ringkv",
+        "serve",
+        "--model",
+        model_path,
+        "--port",
+        str(port),
+        "--served-model-name",
+        name,
+    ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -86,32 +98,82 @@ def start_server(model_path: str, name: str, log_path: str):
 def warm_up(url: str, name: str) -> None:
     import httpx
 
-    r = httpx.post(url + "/v1/completions", json={"model": name, "prompt": "Hello " * 200, "max_tokens": 16,
-                                                   "temperature": 0, "ignore_eos": True}, timeout=120)
+    r = httpx.post(
+        url + "/v1/completions",
+        json={
+            "model": name,
+            "prompt": "Hello " * 200,
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=120,
+    )
     r.raise_for_status()
 
 
-def guidellm_cmd(exe, url, name, model_path, setting, n, prompt_tokens, output_tokens, out_json, prefetch=0):
-    backend = {"kind": "openai_http", "target": url, "model": name, "request_format": "/v1/completions",
-               "extras": {"body": {"temperature": 0}}}
+def guidellm_cmd(
+    exe, url, name, model_path, setting, n, prompt_tokens, output_tokens, out_json, prefetch=0
+):
+    backend = {
+        "kind": "openai_http",
+        "target": url,
+        "model": name,
+        "request_format": "/v1/completions",
+        "extras": {"body": {"temperature": 0}},
+    }
     kind, value = setting
-    profile = {"sync": "kind=synchronous", "poisson": f"kind=poisson,rate={value:g}",
-               "burst": f"kind=concurrent,streams={int(value)}"}[kind]
-    return [exe, "run", "--backend", json.dumps(backend, separators=(",", ":")),
-            "--tokenizer", f"kind=huggingface_auto,model={model_path}",
-            "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
-            "--profile", profile, "--constraint", f"kind=max_requests,count={n}",
-            "--output", f"kind=json,path={out_json}", "--disable-console-interactive"] + \
-        (["--data-loader", f"kind=pytorch,prefetch_factor={prefetch}"] if prefetch else [])
+    profile = {
+        "sync": "kind=synchronous",
+        "poisson": f"kind=poisson,rate={value:g}",
+        "burst": f"kind=concurrent,streams={int(value)}",
+    }[kind]
+    return [
+        exe,
+        "run",
+        "--backend",
+        json.dumps(backend, separators=(",", ":")),
+        "--tokenizer",
+        f"kind=huggingface_auto,model={model_path}",
+        "--data",
+        f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+        "--profile",
+        profile,
+        "--constraint",
+        f"kind=max_requests,count={n}",
+        "--output",
+        f"kind=json,path={out_json}",
+        "--disable-console-interactive",
+    ] + (["--data-loader", f"kind=pytorch,prefetch_factor={prefetch}"] if prefetch else [])
 
 
 def serve_cmd(url, name, setting, n, prompt_tokens, output_tokens, out_json):
     kind, value = setting
     rate = "inf" if kind == "burst" else f"{value:g}"
-    return [sys.executable, os.path.join(HERE, "serve.py"), "--model", "smollm2", "--url", url,
-            "--served-model-name", name, "--rates", rate, "--requests", str(n),
-            "--min-prompt", str(prompt_tokens), "--max-prompt", str(prompt_tokens),
-            "--min-tokens", str(output_tokens), "--max-tokens", str(output_tokens), "--json", out_json]
+    return [
+        sys.executable,
+        os.path.join(HERE, "serve.py"),
+        "--model",
+        "smollm2",
+        "--url",
+        url,
+        "--served-model-name",
+        name,
+        "--rates",
+        rate,
+        "--requests",
+        str(n),
+        "--min-prompt",
+        str(prompt_tokens),
+        "--max-prompt",
+        str(prompt_tokens),
+        "--min-tokens",
+        str(output_tokens),
+        "--max-tokens",
+        str(output_tokens),
+        "--json",
+        out_json,
+    ]
 
 
 def parse_guidellm(path: str) -> dict:
@@ -124,20 +186,38 @@ def parse_guidellm(path: str) -> dict:
     tokens = m["output_token_count"]["successful"]["total_sum"]
     ttft = m["time_to_first_token_ms"]["successful"]["percentiles"]
     itl = m["inter_token_latency_ms"]["successful"]["percentiles"]
-    return dict(requests=ok, errored=errored, wall_s=dur, output_tokens=tokens,
-                ttft_p50=ttft["p50"] / 1e3, ttft_p99=ttft["p99"] / 1e3, itl_p50=itl["p50"] / 1e3,
-                itl_p99=itl["p99"] / 1e3, tok_s=tokens / dur, req_s=ok / dur,
-                guidellm_output_tok_s_mean=m["output_tokens_per_second"]["successful"]["mean"],
-                guidellm_req_s_mean=m["requests_per_second"]["successful"]["mean"],
-                prompt_tokens_p50=m["prompt_token_count"]["successful"]["percentiles"]["p50"])
+    return dict(
+        requests=ok,
+        errored=errored,
+        wall_s=dur,
+        output_tokens=tokens,
+        ttft_p50=ttft["p50"] / 1e3,
+        ttft_p99=ttft["p99"] / 1e3,
+        itl_p50=itl["p50"] / 1e3,
+        itl_p99=itl["p99"] / 1e3,
+        tok_s=tokens / dur,
+        req_s=ok / dur,
+        guidellm_output_tok_s_mean=m["output_tokens_per_second"]["successful"]["mean"],
+        guidellm_req_s_mean=m["requests_per_second"]["successful"]["mean"],
+        prompt_tokens_p50=m["prompt_token_count"]["successful"]["percentiles"]["p50"],
+    )
 
 
 def parse_serve(path: str) -> dict:
     with open(path) as f:
         r = json.load(f)["rows"][0]
-    return dict(requests=r["requests"], errored=0, wall_s=r["wall_s"], output_tokens=r["output_tokens"],
-                ttft_p50=r["ttft_p50"], ttft_p99=r["ttft_p99"], itl_p50=r["itl_p50"], itl_p99=r["itl_p99"],
-                tok_s=r["tok_s"], req_s=r["req_s"])
+    return dict(
+        requests=r["requests"],
+        errored=0,
+        wall_s=r["wall_s"],
+        output_tokens=r["output_tokens"],
+        ttft_p50=r["ttft_p50"],
+        ttft_p99=r["ttft_p99"],
+        itl_p50=r["itl_p50"],
+        itl_p99=r["itl_p99"],
+        tok_s=r["tok_s"],
+        req_s=r["req_s"],
+    )
 
 
 def run(cmd, env, log_path):
@@ -156,22 +236,40 @@ def load_average() -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     here = os.path.join(os.path.dirname(sys.executable), "guidellm")
-    ap.add_argument("--guidellm", default=here if os.path.exists(here) else shutil.which("guidellm"),
-                    help="the guidellm executable (default: this Python's environment's, else on PATH)")
+    ap.add_argument(
+        "--guidellm",
+        default=here if os.path.exists(here) else shutil.which("guidellm"),
+        help="the guidellm executable (default: this Python's environment's, else on PATH)",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=64)
-    ap.add_argument("--sync-requests", type=int, default=8, help="requests of the synchronous run (0: skip)")
+    ap.add_argument(
+        "--sync-requests", type=int, default=8, help="requests of the synchronous run (0: skip)"
+    )
     ap.add_argument("--rates", type=float, nargs="*", default=[1.0], help="Poisson rates (req/s)")
     ap.add_argument("--rate-requests", type=int, default=24, help="requests per Poisson rate")
     ap.add_argument("--burst", type=int, nargs="*", default=[16], help="requests sent all at once")
-    ap.add_argument("--guidellm-prefetch", type=int, nargs="+", default=[0, 64],
-                    help="guidellm runs per setting, one per data-loader prefetch_factor (0: guidellm's default, "
-                         "4096 synthetic prompts generated ahead by a loader process)")
-    ap.add_argument("--guidellm-workers", type=int, default=1,
-                    help="GUIDELLM__MAX_WORKER_PROCESSES (its default is 10 processes; 1 on a 2-core machine)")
-    ap.add_argument("--out-dir", default=None, help="keep the raw outputs and logs here (default: a temp dir)")
+    ap.add_argument(
+        "--guidellm-prefetch",
+        type=int,
+        nargs="+",
+        default=[0, 64],
+        help="guidellm runs per setting, one per data-loader prefetch_factor (0: guidellm's default, "
+        "4096 synthetic prompts generated ahead by a loader process)",
+    )
+    ap.add_argument(
+        "--guidellm-workers",
+        type=int,
+        default=1,
+        help="GUIDELLM__MAX_WORKER_PROCESSES (its default is 10 processes; 1 on a 2-core machine)",
+    )
+    ap.add_argument(
+        "--out-dir", default=None, help="keep the raw outputs and logs here (default: a temp dir)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -181,27 +279,50 @@ def main(argv=None):
     name = "smol"
     out = args.out_dir or tempfile.mkdtemp(prefix="guidellm_vs_ours_")
     os.makedirs(out, exist_ok=True)
-    genv = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                GUIDELLM__MAX_WORKER_PROCESSES=str(args.guidellm_workers))
+    genv = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        GUIDELLM__MAX_WORKER_PROCESSES=str(args.guidellm_workers),
+    )
     senv = dict(os.environ, HF_HUB_OFFLINE="1")
-    version = subprocess.run([args.guidellm, "--version"], capture_output=True, text=True).stdout.strip()
+    version = subprocess.run(
+        [args.guidellm, "--version"], capture_output=True, text=True
+    ).stdout.strip()
 
-    settings = ([("sync", 1, args.sync_requests)] if args.sync_requests else []) + \
-        [("poisson", r, args.rate_requests) for r in args.rates] + [("burst", b, b) for b in args.burst]
+    settings = (
+        ([("sync", 1, args.sync_requests)] if args.sync_requests else [])
+        + [("poisson", r, args.rate_requests) for r in args.rates]
+        + [("burst", b, b) for b in args.burst]
+    )
     rows, commands = [], []
     proc, url, server_cmd = start_server(path, name, os.path.join(out, "server.log"))
     loads = [load_average()]
     try:
         warm_up(url, name)
         for kind, value, n in settings:
-            label = {"sync": "synchronous", "poisson": f"poisson {value:g} req/s", "burst": f"{n} at once"}[kind]
+            label = {
+                "sync": "synchronous",
+                "poisson": f"poisson {value:g} req/s",
+                "burst": f"{n} at once",
+            }[kind]
             tag = f"{kind}_{value:g}"
             for pf in args.guidellm_prefetch:
                 client = "guidellm" + (f" (prefetch {pf})" if pf else "")
                 gtag = tag + (f"_pf{pf}" if pf else "")
                 gjson = os.path.join(out, f"guidellm_{gtag}.json")
-                cmd = guidellm_cmd(args.guidellm, url, name, path, (kind, value), n, args.prompt_tokens,
-                                   args.output_tokens, gjson, pf)
+                cmd = guidellm_cmd(
+                    args.guidellm,
+                    url,
+                    name,
+                    path,
+                    (kind, value),
+                    n,
+                    args.prompt_tokens,
+                    args.output_tokens,
+                    gjson,
+                    pf,
+                )
                 commands.append(cmd)
                 print(f"{client}  {label} ...", flush=True)
                 run(cmd, genv, os.path.join(out, f"guidellm_{gtag}.log"))
@@ -210,7 +331,9 @@ def main(argv=None):
             if kind == "sync":
                 continue
             sjson = os.path.join(out, f"serve_{tag}.json")
-            cmd = serve_cmd(url, name, (kind, value), n, args.prompt_tokens, args.output_tokens, sjson)
+            cmd = serve_cmd(
+                url, name, (kind, value), n, args.prompt_tokens, args.output_tokens, sjson
+            )
             commands.append(cmd)
             print(f"serve.py  {label} ...", flush=True)
             run(cmd, senv, os.path.join(out, f"serve_{tag}.log"))
@@ -225,20 +348,38 @@ def main(argv=None):
 
     mach = machine(threads=1)  # the server's (OMP_NUM_THREADS=1)
     print("\n" + machine_line(mach) + " (the server)")
-    print(f"SmolLM2-135M-Instruct, ringkv serve (OMP_NUM_THREADS=1), prompts {args.prompt_tokens} tokens, "
-          f"outputs {args.output_tokens} tokens (ignore_eos, greedy), streamed /v1/completions, {version}, "
-          f"load average (1/5/15 min) {loads[0]} at start, {loads[-1]} at end; "
-          f"raw outputs in {out}")
-    print("| client | setting | requests (errors) | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | output tok/s | req/s |")
+    print(
+        f"SmolLM2-135M-Instruct, ringkv serve (OMP_NUM_THREADS=1), prompts {args.prompt_tokens} tokens, "
+        f"outputs {args.output_tokens} tokens (ignore_eos, greedy), streamed /v1/completions, {version}, "
+        f"load average (1/5/15 min) {loads[0]} at start, {loads[-1]} at end; "
+        f"raw outputs in {out}"
+    )
+    print(
+        "| client | setting | requests (errors) | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | output tok/s | req/s |"
+    )
     print("|---|---|---:|---|---|---:|---:|")
     for r in rows:
-        print(f"| {r['client']} | {r['setting']} | {r['requests']} ({r['errored']}) | {r['ttft_p50']:.2f} / "
-              f"{r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p99']:.0f} | {r['tok_s']:.1f} | "
-              f"{r['req_s']:.2f} |")
+        print(
+            f"| {r['client']} | {r['setting']} | {r['requests']} ({r['errored']}) | {r['ttft_p50']:.2f} / "
+            f"{r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p99']:.0f} | {r['tok_s']:.1f} | "
+            f"{r['req_s']:.2f} |"
+        )
     if args.json:
-        write_json(args.json, dict(guidellm_version=version, server_cmd=server_cmd, cores=mach["cores"], machine=mach,
-                                   prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
-                                   load_average=loads, commands=commands, raw_dir=out, rows=rows))
+        write_json(
+            args.json,
+            dict(
+                guidellm_version=version,
+                server_cmd=server_cmd,
+                cores=mach["cores"],
+                machine=mach,
+                prompt_tokens=args.prompt_tokens,
+                output_tokens=args.output_tokens,
+                load_average=loads,
+                commands=commands,
+                raw_dir=out,
+                rows=rows,
+            ),
+        )
 
 
 if __name__ == "__main__":

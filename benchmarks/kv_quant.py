@@ -26,7 +26,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import torch  # noqa: E402
 
@@ -36,35 +38,61 @@ TEXT = os.path.join(HERE, "data", "kv_quant_text.txt")
 
 
 def measure(path, dtype, ids, args):
-    llm = LLM(path, kv_cache_dtype=dtype, max_num_batched_tokens=args.chunk, block_size=16,
-              kv_cache_memory=int(args.kv_gib * (1 << 30)), max_num_seqs=max(args.decode_requests, 8))
+    llm = LLM(
+        path,
+        kv_cache_dtype=dtype,
+        max_num_batched_tokens=args.chunk,
+        block_size=16,
+        kv_cache_memory=int(args.kv_gib * (1 << 30)),
+        max_num_seqs=max(args.decode_requests, 8),
+    )
     info = llm.kv_cache_info()
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    out = llm.generate(
+        [ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )[0]
     lps = out.prompt_logprobs
     starts = [i * len(ids) // (args.greedy_prompts + 1) for i in range(1, args.greedy_prompts + 1)]
-    prompts = [ids[max(0, s - 64):s] for s in starts]
-    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.greedy_tokens,
-                                                                        ignore_eos=True), use_tqdm=False)]
-    dec = [ids[i * 7:i * 7 + 32] for i in range(args.decode_requests)]
+    prompts = [ids[max(0, s - 64) : s] for s in starts]
+    greedy = [
+        o.token_ids
+        for o in llm.generate(
+            prompts,
+            SamplingParams(temperature=0, max_tokens=args.greedy_tokens, ignore_eos=True),
+            use_tqdm=False,
+        )
+    ]
+    dec = [ids[i * 7 : i * 7 + 32] for i in range(args.decode_requests)]
     params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     llm.generate(dec[:2], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     t = time.perf_counter()
     llm.generate(dec, params, use_tqdm=False)
     dt = time.perf_counter() - t
     cfg = llm.config
-    return dict(dtype=dtype, bytes_per_token=info["bytes_per_token"], capacity_tokens=info["capacity_tokens"],
-                fp32_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
-                ppl=math.exp(-sum(lps) / len(lps)), logprobs=lps, greedy=greedy,
-                decode_tok_s=args.decode_requests * args.decode_tokens / dt)
+    return dict(
+        dtype=dtype,
+        bytes_per_token=info["bytes_per_token"],
+        capacity_tokens=info["capacity_tokens"],
+        fp32_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
+        ppl=math.exp(-sum(lps) / len(lps)),
+        logprobs=lps,
+        greedy=greedy,
+        decode_tok_s=args.decode_requests * args.decode_tokens / dt,
+    )
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2", help="smollm2 or an HF directory")
     ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8_e4m3", "fp8_e5m2", "int8"])
     ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--chunk", type=int, default=32, help="max_num_batched_tokens while scoring the text")
-    ap.add_argument("--kv-gib", type=float, default=0.25, help="KV cache budget for the capacity column")
+    ap.add_argument(
+        "--chunk", type=int, default=32, help="max_num_batched_tokens while scoring the text"
+    )
+    ap.add_argument(
+        "--kv-gib", type=float, default=0.25, help="KV cache budget for the capacity column"
+    )
     ap.add_argument("--greedy-prompts", type=int, default=8)
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--decode-requests", type=int, default=16)
@@ -79,18 +107,24 @@ def main(argv=None):
     path = model_path(args.model)
     try:
         from transformers import AutoTokenizer
-        ids = AutoTokenizer.from_pretrained(path).encode(open(TEXT).read())[:args.tokens]
+
+        ids = AutoTokenizer.from_pretrained(path).encode(open(TEXT).read())[: args.tokens]
     except (OSError, ValueError):  # a random model without a tokenizer: seeded token ids
         import random
+
         rng = random.Random(0)
         ids = [rng.randrange(3, 1000) for _ in range(args.tokens)]
     if len(ids) < args.tokens:
         raise SystemExit(f"the text has only {len(ids)} tokens")
-    rows = [measure(path, d, ids, args) for d in (["auto"] + [d for d in args.dtypes if d != "auto"])]
+    rows = [
+        measure(path, d, ids, args) for d in (["auto"] + [d for d in args.dtypes if d != "auto"])
+    ]
     base = rows[0]
     for r in rows:
         r["ppl_delta_pct"] = 100 * (r["ppl"] / base["ppl"] - 1)
-        r["mean_abs_dlogprob"] = sum(abs(a - b) for a, b in zip(r["logprobs"], base["logprobs"])) / len(r["logprobs"])
+        r["mean_abs_dlogprob"] = sum(
+            abs(a - b) for a, b in zip(r["logprobs"], base["logprobs"])
+        ) / len(r["logprobs"])
         agree = []
         for a, b in zip(r["greedy"], base["greedy"]):
             k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
@@ -100,19 +134,34 @@ def main(argv=None):
         r["vs_bf16"] = r["bytes_per_token"] / (r["fp32_bytes_per_token"] / 2)
     mach = machine()
     print(machine_line(mach))
-    print(f"{describe(args.model)} (fp32 model), {args.tokens} tokens of {os.path.relpath(TEXT)} in chunks of "
-          f"{args.chunk}, {args.kv_gib} GiB KV budget")
-    print("| kv_cache_dtype | bytes/token | vs fp32 | vs bf16 | capacity (tokens) | perplexity | delta | "
-          "mean abs d-logprob | greedy agreement | decode tok/s |")
+    print(
+        f"{describe(args.model)} (fp32 model), {args.tokens} tokens of {os.path.relpath(TEXT)} in chunks of "
+        f"{args.chunk}, {args.kv_gib} GiB KV budget"
+    )
+    print(
+        "| kv_cache_dtype | bytes/token | vs fp32 | vs bf16 | capacity (tokens) | perplexity | delta | "
+        "mean abs d-logprob | greedy agreement | decode tok/s |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['bytes_per_token']} | {r['vs_fp32']:.3f} | {r['vs_bf16']:.3f} | "
-              f"{r['capacity_tokens']} | {r['ppl']:.4f} | {r['ppl_delta_pct']:+.3f}% | {r['mean_abs_dlogprob']:.5f} | "
-              f"{r['greedy_agreement']:.3f} | {r['decode_tok_s']:.1f} |")
+        print(
+            f"| {r['dtype']} | {r['bytes_per_token']} | {r['vs_fp32']:.3f} | {r['vs_bf16']:.3f} | "
+            f"{r['capacity_tokens']} | {r['ppl']:.4f} | {r['ppl_delta_pct']:+.3f}% | {r['mean_abs_dlogprob']:.5f} | "
+            f"{r['greedy_agreement']:.3f} | {r['decode_tok_s']:.1f} |"
+        )
     if args.json:
-        write_json(args.json, dict(model=describe(args.model), tokens=args.tokens, chunk=args.chunk,
-                                   rows=[{k: v for k, v in r.items() if k not in ("logprobs", "greedy")} for r in rows],
-                                   machine=mach))
+        write_json(
+            args.json,
+            dict(
+                model=describe(args.model),
+                tokens=args.tokens,
+                chunk=args.chunk,
+                rows=[
+                    {k: v for k, v in r.items() if k not in ("logprobs", "greedy")} for r in rows
+                ],
+                machine=mach,
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 import ringkv  # noqa: E402
 from ringkv.sp import LocalComm  # noqa: E402
 from ringkv.sp import ring as ring_mod  # noqa: E402
@@ -55,38 +57,84 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seq", type=int, default=131072, help="global sequence length (tokens)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=None, help="query heads (default: 1 on CPU, 32 on GPU)")
-    p.add_argument("--kv-heads", default=None,
-                   help="KV heads, or a comma list to sweep (default: 1 on CPU, 8 on GPU)")
-    p.add_argument("--method", default="ring", help="comma list of ring, ulysses, usp, allgather (or all)")
-    p.add_argument("--ulysses", type=int, default=None,
-                   help="USP's Ulysses degree (default: the largest U with U*U <= N dividing N)")
+    p.add_argument(
+        "--heads", type=int, default=None, help="query heads (default: 1 on CPU, 32 on GPU)"
+    )
+    p.add_argument(
+        "--kv-heads",
+        default=None,
+        help="KV heads, or a comma list to sweep (default: 1 on CPU, 8 on GPU)",
+    )
+    p.add_argument(
+        "--method", default="ring", help="comma list of ring, ulysses, usp, allgather (or all)"
+    )
+    p.add_argument(
+        "--ulysses",
+        type=int,
+        default=None,
+        help="USP's Ulysses degree (default: the largest U with U*U <= N dividing N)",
+    )
     p.add_argument("--chunks", type=int, default=2, help="allgather_attention's K/V pieces")
     p.add_argument("--head-dim", type=int, default=None, help="default: 64 on CPU, 128 on GPU")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on GPU")
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
-                   help="causal or not (default: causal on CPU, both on GPU)")
-    p.add_argument("--layout", default=None, help="contiguous, zigzag, striped, a comma list or all (default: zigzag on CPU, all on GPU)")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on GPU"
+    )
+    p.add_argument(
+        "--causal",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="causal or not (default: causal on CPU, both on GPU)",
+    )
+    p.add_argument(
+        "--layout",
+        default=None,
+        help="contiguous, zigzag, striped, a comma list or all (default: zigzag on CPU, all on GPU)",
+    )
     p.add_argument("--backward", action="store_true", help="time forward+backward")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: 2 on CPU, 10 on GPU)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed iterations (default: 0 on CPU, 3 on GPU)")
+    p.add_argument(
+        "--iters", type=int, default=None, help="timed iterations (default: 2 on CPU, 10 on GPU)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed iterations (default: 0 on CPU, 3 on GPU)"
+    )
     p.add_argument("--backend", default="auto", help="kernel backend (see ringkv.kernels.BACKENDS)")
-    p.add_argument("--baseline-max-seq", type=int, default=None,
-                   help="measure the single-worker baseline up to this length, extrapolate above it "
-                        "(default: 131072 on CPU, 262144 on GPU)")
+    p.add_argument(
+        "--baseline-max-seq",
+        type=int,
+        default=None,
+        help="measure the single-worker baseline up to this length, extrapolate above it "
+        "(default: 131072 on CPU, 262144 on GPU)",
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip the single-worker baseline")
-    p.add_argument("--baseline-impl", choices=["ringkv", "flash_attn"], default="ringkv",
-                   help="the single worker: ringkv.attention (--backend), or the flash-attn package's raw "
-                        "flash_attn_func")
+    p.add_argument(
+        "--baseline-impl",
+        choices=["ringkv", "flash_attn"],
+        default="ringkv",
+        help="the single worker: ringkv.attention (--backend), or the flash-attn package's raw "
+        "flash_attn_func",
+    )
     p.add_argument("--no-overlap", action="store_true", help="skip the run without communication")
-    p.add_argument("--peer", choices=["torch"], default=None,
-                   help="time PyTorch's own ring next to ringkv's (interleaved rounds; ring only)")
-    p.add_argument("--virtual", type=int, default=0, metavar="N",
-                   help="one process: run the ring schedule of N virtual ranks one after another")
-    p.add_argument("--check", action="store_true", help="verify sampled output rows against a reference")
+    p.add_argument(
+        "--peer",
+        choices=["torch"],
+        default=None,
+        help="time PyTorch's own ring next to ringkv's (interleaved rounds; ring only)",
+    )
+    p.add_argument(
+        "--virtual",
+        type=int,
+        default=0,
+        metavar="N",
+        help="one process: run the ring schedule of N virtual ranks one after another",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="verify sampled output rows against a reference"
+    )
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the results")
     p.add_argument("--quiet", action="store_true", help="no progress display")
@@ -108,7 +156,9 @@ class Env:
         else:
             self.rank, self.world = 0, max(1, virtual)
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        self.cores = (
+            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        )
         local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if self.distributed else 1
         self.threads = max(1, self.cores // local_procs)
         torch.set_num_threads(self.threads)
@@ -146,8 +196,10 @@ def inputs(args, env, seq, seed=0):
     ever held by one rank, so per-rank memory is what the ring itself needs."""
     g = torch.Generator(device=env.device).manual_seed(seed)
     dt = DTYPES[args.dtype]
-    return tuple(torch.randn(args.batch, seq, h, args.head_dim, generator=g, device=env.device).to(dt)
-                 for h in (args.heads, args.kv_heads, args.kv_heads))
+    return tuple(
+        torch.randn(args.batch, seq, h, args.head_dim, generator=g, device=env.device).to(dt)
+        for h in (args.heads, args.kv_heads, args.kv_heads)
+    )
 
 
 def timed(fn, env, iters, warmup, label, quiet):
@@ -170,7 +222,9 @@ def timed_rounds(fns, env, iters, warmup, labels, quiet):
             if i >= warmup:
                 times[j].append(dt)
             if not quiet:
-                env.log(f"  {labels[j]}: iter {i + 1}/{warmup + iters} {'(warmup) ' if i < warmup else ''}{dt:8.3f}s")
+                env.log(
+                    f"  {labels[j]}: iter {i + 1}/{warmup + iters} {'(warmup) ' if i < warmup else ''}{dt:8.3f}s"
+                )
     return [statistics.median(t) for t in times]
 
 
@@ -198,7 +252,12 @@ def attend(method, args, layout, causal, comm=None):
 
 def bytes_sent(method) -> int:
     """Bytes this rank sent in the method's last forward."""
-    mod = {"ring": ring_mod, "ulysses": ringkv.sp.ulysses, "usp": ringkv.sp.usp, "allgather": ringkv.sp.allgather}
+    mod = {
+        "ring": ring_mod,
+        "ulysses": ringkv.sp.ulysses,
+        "usp": ringkv.sp.usp,
+        "allgather": ringkv.sp.allgather,
+    }
     return mod[method].last_stats.bytes_sent
 
 
@@ -210,6 +269,7 @@ def run(fn, q, k, v, args):
         else:
             with torch.no_grad():
                 fn(q, k, v)
+
     return step
 
 
@@ -227,10 +287,20 @@ def compute_only(method, args, env, layout, causal):
     shape = (args.batch, args.seq // r, args.heads // u, args.head_dim)  # what one rank computes on
     g = torch.Generator(device=env.device).manual_seed(env.rank)
     hkv = max(1, args.kv_heads // u)
-    q, k, v = (torch.randn(*shape[:2], h, shape[3], generator=g, device=env.device).to(DTYPES[args.dtype])
-               .requires_grad_(args.backward) for h in (shape[2], hkv, hkv))
+    q, k, v = (
+        torch.randn(*shape[:2], h, shape[3], generator=g, device=env.device)
+        .to(DTYPES[args.dtype])
+        .requires_grad_(args.backward)
+        for h in (shape[2], hkv, hkv)
+    )
     if method == "ulysses":
-        return run(lambda q, k, v: ringkv.attention(q, k, v, causal=causal, backend=args.backend)[0], q, k, v, args)
+        return run(
+            lambda q, k, v: ringkv.attention(q, k, v, causal=causal, backend=args.backend)[0],
+            q,
+            k,
+            v,
+            args,
+        )
     return run(attend("ring", args, layout, causal, LocalComm(env.rank // u, r)), q, k, v, args)
 
 
@@ -256,12 +326,16 @@ def baseline(args, env, causal):
             def step():
                 if args.baseline_impl == "flash_attn":
                     from flash_attn import flash_attn_func  # (B, S, H, D), GQA native
+
                     out = flash_attn_func(q, k, v, causal=causal)
                 else:
                     out, _ = ringkv.attention(q, k, v, causal=causal, backend=args.backend)
                 if args.backward:
                     out.backward(torch.ones_like(out))
-            measured[s] = timed(step, _Solo(env), args.iters, args.warmup, f"baseline S={s}", args.quiet)
+
+            measured[s] = timed(
+                step, _Solo(env), args.iters, args.warmup, f"baseline S={s}", args.quiet
+            )
         torch.set_num_threads(env.threads)
     env.barrier()
     if args.seq in measured:
@@ -290,7 +364,10 @@ def bench_config(args, env, method, layout, causal):
     row = dict(method=method, layout=layout, causal=causal, kv_heads=args.kv_heads)
     if args.virtual:  # N virtual ranks in turn on one device: compute efficiency of the blocks
         shards = [local_shards(args, env, layout, r) for r in range(env.world)]
-        steps = [run_ring(*s, args, env, layout, causal, comm=LocalComm(r, env.world)) for r, s in enumerate(shards)]
+        steps = [
+            run_ring(*s, args, env, layout, causal, comm=LocalComm(r, env.world))
+            for r, s in enumerate(shards)
+        ]
         pairs = []
 
         def all_ranks():
@@ -298,37 +375,60 @@ def bench_config(args, env, method, layout, causal):
             for f in steps:
                 f()
                 pairs.append(ring_mod.last_stats.pairs)
-        row["time_s"] = timed(all_ranks, env, args.iters, args.warmup, label + " virtual ring", args.quiet)
+
+        row["time_s"] = timed(
+            all_ranks, env, args.iters, args.warmup, label + " virtual ring", args.quiet
+        )
         row["pairs_per_rank"] = max(pairs)
         row["tflops_per_rank"] = flops(sum(pairs), args) / row["time_s"] / 1e12
     else:
         q, k, v = local_shards(args, env, layout, env.rank)
         mine = run(attend(method, args, layout, causal), q, k, v, args)
-        why = args.peer and (f"--peer runs next to the ring only, not {method}" if method != "ring" else
-                             torch_ring_peer.unavailable(layout, causal, args.heads, args.kv_heads, env.device))
+        why = args.peer and (
+            f"--peer runs next to the ring only, not {method}"
+            if method != "ring"
+            else torch_ring_peer.unavailable(layout, causal, args.heads, args.kv_heads, env.device)
+        )
         if args.peer and not why:
             peer = torch_ring_peer.torch_ring(dist.group.WORLD, causal, layout, env.device)
             row["time_s"], row["peer_time_s"] = timed_rounds(
-                [mine, run(peer, *peer_inputs(q, k, v, args), args)], env, args.iters, args.warmup,
-                [label, label + " peer " + args.peer], args.quiet)
+                [mine, run(peer, *peer_inputs(q, k, v, args), args)],
+                env,
+                args.iters,
+                args.warmup,
+                [label, label + " peer " + args.peer],
+                args.quiet,
+            )
             row["vs_peer"] = row["time_s"] / row["peer_time_s"]
         else:
             row["time_s"] = timed(mine, env, args.iters, args.warmup, label, args.quiet)
             if args.peer:
                 row["peer_unavailable"] = why
                 env.log(f"  peer {args.peer} not run: {why}")
-        visible = args.seq * (args.seq + 1) // 2 if causal else args.seq ** 2
-        row["pairs_per_rank"] = int(env.max(ring_mod.last_stats.pairs)) if method == "ring" else visible // env.world
+        visible = args.seq * (args.seq + 1) // 2 if causal else args.seq**2
+        row["pairs_per_rank"] = (
+            int(env.max(ring_mod.last_stats.pairs)) if method == "ring" else visible // env.world
+        )
         row["tflops_per_rank"] = flops(row["pairs_per_rank"], args) / row["time_s"] / 1e12
         row["bytes_sent"] = int(env.max(bytes_sent(method)))
         if not args.no_overlap:
-            row["time_nocomm_s"] = timed(compute_only(method, args, env, layout, causal), env, args.iters,
-                                         args.warmup, label + " no comm", args.quiet)
+            row["time_nocomm_s"] = timed(
+                compute_only(method, args, env, layout, causal),
+                env,
+                args.iters,
+                args.warmup,
+                label + " no comm",
+                args.quiet,
+            )
             row["overlap_ratio"] = row["time_s"] / row["time_nocomm_s"]
     elem = torch.finfo(DTYPES[args.dtype]).bits // 8
-    row["bytes_per_step"] = 2 * args.batch * (args.seq // env.world) * args.kv_heads * args.head_dim * elem
+    row["bytes_per_step"] = (
+        2 * args.batch * (args.seq // env.world) * args.kv_heads * args.head_dim * elem
+    )
     if args.backward:  # K/V again plus their fp32 gradients
-        row["bytes_per_step"] += 2 * args.batch * (args.seq // env.world) * args.kv_heads * args.head_dim * (elem + 4)
+        row["bytes_per_step"] += (
+            2 * args.batch * (args.seq // env.world) * args.kv_heads * args.head_dim * (elem + 4)
+        )
     row["peak_mem_bytes"] = int(env.max(peak_memory_bytes(env.device)))
     if args.check and not args.virtual:
         row["check_max_err"] = check(args, env, method, layout, causal)
@@ -341,7 +441,9 @@ def bench_config(args, env, method, layout, causal):
 
 def peer_inputs(q, k, v, args):
     """The same shards in the peer's ``(B, H, S_local, D)``, contiguous (made before timing)."""
-    return tuple(t.detach().transpose(1, 2).contiguous().requires_grad_(args.backward) for t in (q, k, v))
+    return tuple(
+        t.detach().transpose(1, 2).contiguous().requires_grad_(args.backward) for t in (q, k, v)
+    )
 
 
 def check(args, env, method, layout, causal, rows=64, peer=False):
@@ -351,20 +453,35 @@ def check(args, env, method, layout, causal, rows=64, peer=False):
     q, k, v = local_shards(args, env, layout, env.rank)
     groups = {}
     if method == "usp":
-        groups = dict(zip(("ulysses_group", "ring_group"),
-                          ringkv.sp_groups(ulysses=args.ulysses, ring=env.world // args.ulysses)))
+        groups = dict(
+            zip(
+                ("ulysses_group", "ring_group"),
+                ringkv.sp_groups(ulysses=args.ulysses, ring=env.world // args.ulysses),
+            )
+        )
     where = groups or dict(rank=env.rank, world=env.world)
     pos = ringkv.positions(args.seq, layout, device=env.device, **where)
-    pick = torch.randperm(pos.numel(), generator=torch.Generator().manual_seed(1))[:rows].to(env.device)
+    pick = torch.randperm(pos.numel(), generator=torch.Generator().manual_seed(1))[:rows].to(
+        env.device
+    )
     with torch.no_grad():
         if peer:
             ring = torch_ring_peer.torch_ring(dist.group.WORLD, causal, layout, env.device)
             out = ring(*peer_inputs(q, k, v, args)).transpose(1, 2)
         else:
             out = attend(method, args, layout, causal)(q, k, v)
-        k_all, v_all = (ringkv.unshard(t, 1, layout, **groups) for t in (k, v))  # (B, S, Hkv, D), global order
-        ref, _ = ringkv.attention(q[:, pick].float(), k_all.float(), v_all.float(), causal=causal,
-                                  q_positions=pos[pick], k_positions=range(args.seq), backend="reference")
+        k_all, v_all = (
+            ringkv.unshard(t, 1, layout, **groups) for t in (k, v)
+        )  # (B, S, Hkv, D), global order
+        ref, _ = ringkv.attention(
+            q[:, pick].float(),
+            k_all.float(),
+            v_all.float(),
+            causal=causal,
+            q_positions=pos[pick],
+            k_positions=range(args.seq),
+            backend="reference",
+        )
     err = (out[:, pick].float() - ref).abs().max().item()
     return env.max(err)
 
@@ -376,8 +493,12 @@ def peer_grad_diff(args, env, layout, causal) -> float:
     theirs = peer_inputs(q, k, v, args)
     run(attend("ring", args, layout, causal), q, k, v, args)()
     run(torch_ring_peer.torch_ring(dist.group.WORLD, causal, layout, env.device), *theirs, args)()
-    return env.max(max((a.grad.float() - b.grad.transpose(1, 2).float()).abs().max().item()
-                       for a, b in zip((q, k, v), theirs)))
+    return env.max(
+        max(
+            (a.grad.float() - b.grad.transpose(1, 2).float()).abs().max().item()
+            for a, b in zip((q, k, v), theirs)
+        )
+    )
 
 
 def fmt_bytes(n: float) -> str:
@@ -394,32 +515,48 @@ def main(argv=None) -> int:
     gpu = env.device.type == "cuda"
     methods = list(METHODS) if args.method == "all" else args.method.split(",")
     head_split = any(m in ("ulysses", "usp") for m in methods)
-    defaults = dict(heads=(env.world if head_split else 1) if not gpu else 32, kv_heads="8" if gpu else "1",
-                    head_dim=128 if gpu else 64, dtype="bf16" if gpu else "fp32", iters=10 if gpu else 2,
-                    warmup=3 if gpu else 0, layout="all" if gpu else "zigzag",
-                    baseline_max_seq=262144 if gpu else 131072,
-                    ulysses=max(u for u in range(1, env.world + 1) if env.world % u == 0 and u * u <= env.world))
+    defaults = dict(
+        heads=(env.world if head_split else 1) if not gpu else 32,
+        kv_heads="8" if gpu else "1",
+        head_dim=128 if gpu else 64,
+        dtype="bf16" if gpu else "fp32",
+        iters=10 if gpu else 2,
+        warmup=3 if gpu else 0,
+        layout="all" if gpu else "zigzag",
+        baseline_max_seq=262144 if gpu else 131072,
+        ulysses=max(
+            u for u in range(1, env.world + 1) if env.world % u == 0 and u * u <= env.world
+        ),
+    )
     for key, val in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, val)
     kv_list = [int(x) for x in str(args.kv_heads).split(",")]
     bad = [m for m in methods if m not in METHODS]
     if bad or (args.virtual and methods != ["ring"]):
-        raise SystemExit(f"--method: choose from {METHODS} (--virtual runs the ring only), got {args.method}")
+        raise SystemExit(
+            f"--method: choose from {METHODS} (--virtual runs the ring only), got {args.method}"
+        )
     if args.peer and (args.virtual or not env.distributed):
         raise SystemExit("--peer needs torchrun and no --virtual")
     layouts = list(ringkv.LAYOUTS) if args.layout == "all" else args.layout.split(",")
     causals = ([True, False] if gpu else [True]) if args.causal is None else [args.causal]
-    ringkv.sp.layout.check_seq_len(args.seq, "zigzag" if "zigzag" in layouts else layouts[0], env.world)
-    env.log(f"ringkv long-context benchmark: {env.world} {'virtual ' if args.virtual else ''}rank(s) on "
-            f"{env.device.type} ({'NCCL' if gpu and env.distributed else 'gloo' if env.distributed else 'no comm'}), "
-            f"{env.threads} thread(s)/rank; seq={args.seq} batch={args.batch} heads={args.heads} "
-            f"kv_heads={','.join(map(str, kv_list))} head_dim={args.head_dim} {args.dtype}"
-            f"{' fwd+bwd' if args.backward else ' fwd'} backend={args.backend} methods={','.join(methods)}"
-            f"{f' (usp: ulysses {args.ulysses} x ring {env.world // args.ulysses})' if 'usp' in methods else ''}")
+    ringkv.sp.layout.check_seq_len(
+        args.seq, "zigzag" if "zigzag" in layouts else layouts[0], env.world
+    )
+    env.log(
+        f"ringkv long-context benchmark: {env.world} {'virtual ' if args.virtual else ''}rank(s) on "
+        f"{env.device.type} ({'NCCL' if gpu and env.distributed else 'gloo' if env.distributed else 'no comm'}), "
+        f"{env.threads} thread(s)/rank; seq={args.seq} batch={args.batch} heads={args.heads} "
+        f"kv_heads={','.join(map(str, kv_list))} head_dim={args.head_dim} {args.dtype}"
+        f"{' fwd+bwd' if args.backward else ' fwd'} backend={args.backend} methods={','.join(methods)}"
+        f"{f' (usp: ulysses {args.ulysses} x ring {env.world // args.ulysses})' if 'usp' in methods else ''}"
+    )
     if not gpu:
-        env.log("  (CPU defaults: 1 head of dim 64, zigzag, causal, 2 iterations, so 128K tokens finish in a few "
-                "minutes; --heads, --layout all, --no-causal, --iters change that)")
+        env.log(
+            "  (CPU defaults: 1 head of dim 64, zigzag, causal, 2 iterations, so 128K tokens finish in a few "
+            "minutes; --heads, --layout all, --no-causal, --iters change that)"
+        )
     load_start = load_average()
     env.log(f"  load average at the start: {load_start}")
     rows = []
@@ -443,41 +580,81 @@ def main(argv=None) -> int:
     mach = machine(threads=env.threads)  # per rank (the single-worker baseline: all of them)
     env.log(machine_line(mach) + " per rank")
     # `+` before the peer columns: adjacent literals join first, and `* False` would blank them all
-    header = f"{'method':9s} {'kv':>3s} {'layout':10s} {'mask':6s} {'time/it':>9s} {'TFLOP/s/rank':>12s} " \
-             f"{'efficiency':>10s} {'no-comm':>9s} {'overlap':>8s} {'sent/fwd':>10s} {'peak mem':>10s} {'check':>8s}" \
-             + f"{'  peer':9s} {'vs peer':>8s} {'peer chk':>8s}" * bool(args.peer)
+    header = (
+        f"{'method':9s} {'kv':>3s} {'layout':10s} {'mask':6s} {'time/it':>9s} {'TFLOP/s/rank':>12s} "
+        f"{'efficiency':>10s} {'no-comm':>9s} {'overlap':>8s} {'sent/fwd':>10s} {'peak mem':>10s} {'check':>8s}"
+        + f"{'  peer':9s} {'vs peer':>8s} {'peer chk':>8s}"
+        * bool(args.peer)
+    )
     env.log(header)
     env.log("-" * len(header))
     for r in rows:
-        env.log(f"{r['method']:9s} {r['kv_heads']:3d} {r['layout']:10s} {'causal' if r['causal'] else 'full':6s} "
-                f"{r['time_s']:8.3f}s "
-                f"{r['tflops_per_rank']:12.4f} {r.get('efficiency', float('nan')):10.3f} "
-                f"{r.get('time_nocomm_s', float('nan')):8.3f}s {r.get('overlap_ratio', float('nan')):8.3f} "
-                f"{fmt_bytes(r.get('bytes_sent', r['bytes_per_step'] * (env.world - 1))):>10s} "
-                f"{fmt_bytes(r['peak_mem_bytes']):>10s} "
-                f"{r['check_max_err'] if 'check_max_err' in r else float('nan'):8.1e}"
-                + (f" {r.get('peer_time_s', float('nan')):7.3f}s {r.get('vs_peer', float('nan')):8.3f} "
-                   f"{r.get('peer_check_max_err', float('nan')):8.1e}" if args.peer else ""))
+        env.log(
+            f"{r['method']:9s} {r['kv_heads']:3d} {r['layout']:10s} {'causal' if r['causal'] else 'full':6s} "
+            f"{r['time_s']:8.3f}s "
+            f"{r['tflops_per_rank']:12.4f} {r.get('efficiency', float('nan')):10.3f} "
+            f"{r.get('time_nocomm_s', float('nan')):8.3f}s {r.get('overlap_ratio', float('nan')):8.3f} "
+            f"{fmt_bytes(r.get('bytes_sent', r['bytes_per_step'] * (env.world - 1))):>10s} "
+            f"{fmt_bytes(r['peak_mem_bytes']):>10s} "
+            f"{r['check_max_err'] if 'check_max_err' in r else float('nan'):8.1e}"
+            + (
+                f" {r.get('peer_time_s', float('nan')):7.3f}s {r.get('vs_peer', float('nan')):8.3f} "
+                f"{r.get('peer_check_max_err', float('nan')):8.1e}"
+                if args.peer
+                else ""
+            )
+        )
     for (kv, causal), (t1, how) in baselines.items():
-        env.log(f"baseline (kv_heads {kv}, {'causal' if causal else 'full'}): single worker, whole sequence: "
-                f"{t1:.3f}s ({how}); "
-                f"efficiency = T_single / ({'N x ' if gpu and not args.virtual else ''}T_ring"
-                f"{', all virtual ranks in turn' if args.virtual else ''})")
+        env.log(
+            f"baseline (kv_heads {kv}, {'causal' if causal else 'full'}): single worker, whole sequence: "
+            f"{t1:.3f}s ({how}); "
+            f"efficiency = T_single / ({'N x ' if gpu and not args.virtual else ''}T_ring"
+            f"{', all virtual ranks in turn' if args.virtual else ''})"
+        )
     load_end = load_average()
-    env.log(f"load average at the end: {load_end}"
-            + (f"; vs peer = ringkv time / {args.peer}'s ring time (median of interleaved rounds)" if args.peer else ""))
+    env.log(
+        f"load average at the end: {load_end}"
+        + (
+            f"; vs peer = ringkv time / {args.peer}'s ring time (median of interleaved rounds)"
+            if args.peer
+            else ""
+        )
+    )
     tol = 2e-3 if args.dtype == "fp32" else 5e-2
-    failed = [r for r in rows if max(r.get(e, 0) for e in ("check_max_err", "peer_check_max_err",
-                                                            "peer_grad_max_diff")) > tol]
+    failed = [
+        r
+        for r in rows
+        if max(r.get(e, 0) for e in ("check_max_err", "peer_check_max_err", "peer_grad_max_diff"))
+        > tol
+    ]
     if args.check:
-        env.log("check: " + ("FAILED " + str([(r["method"], r["layout"], r["causal"]) for r in failed]) if failed
-                             else "passed"))
-    result = dict(args=vars(args), rows=rows, environment=dict(
-        torch=torch.__version__, ringkv=ringkv.__version__, python=platform.python_version(),
-        device=torch.cuda.get_device_name() if gpu else mach["cpu"],
-        world_size=env.world, virtual=bool(args.virtual), threads_per_rank=env.threads, cores=env.cores,
-        backend=args.backend, comm="nccl" if gpu and env.distributed else "gloo" if env.distributed else "none",
-        load_start=load_start, load_end=load_end), machine=mach)
+        env.log(
+            "check: "
+            + (
+                "FAILED " + str([(r["method"], r["layout"], r["causal"]) for r in failed])
+                if failed
+                else "passed"
+            )
+        )
+    result = dict(
+        args=vars(args),
+        rows=rows,
+        environment=dict(
+            torch=torch.__version__,
+            ringkv=ringkv.__version__,
+            python=platform.python_version(),
+            device=torch.cuda.get_device_name() if gpu else mach["cpu"],
+            world_size=env.world,
+            virtual=bool(args.virtual),
+            threads_per_rank=env.threads,
+            cores=env.cores,
+            backend=args.backend,
+            comm="nccl" if gpu and env.distributed else "gloo" if env.distributed else "none",
+            load_start=load_start,
+            load_end=load_end,
+        ),
+        machine=mach,
+    )
     if env.rank == 0 and args.json:
         write_json(args.json, result)
     if env.rank == 0 and args.plot:
@@ -491,20 +668,28 @@ def main(argv=None) -> int:
 def plot(rows, path, environment):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return
-    labels = [f"{r['method']} kv{r['kv_heads']}\n{r['layout']} {'causal' if r['causal'] else 'full'}" for r in rows]
+    labels = [
+        f"{r['method']} kv{r['kv_heads']}\n{r['layout']} {'causal' if r['causal'] else 'full'}"
+        for r in rows
+    ]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
     ax.bar([i - 0.27 for i in x], [r["time_s"] for r in rows], 0.27, label="method")
     ax.bar(list(x), [r.get("time_nocomm_s", 0) for r in rows], 0.27, label="its computation alone")
-    ax.bar([i + 0.27 for i in x], [r.get("baseline_s", 0) for r in rows], 0.27, label="single worker")
+    ax.bar(
+        [i + 0.27 for i in x], [r.get("baseline_s", 0) for r in rows], 0.27, label="single worker"
+    )
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("seconds per iteration")
-    ax.set_title(f"ringkv ring attention, {environment['world_size']} ranks, {environment['device']}")
+    ax.set_title(
+        f"ringkv ring attention, {environment['world_size']} ranks, {environment['device']}"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -30,7 +30,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 
 def one(args) -> dict:
@@ -45,13 +47,20 @@ def one(args) -> dict:
     torch.set_num_threads(args.threads or max(1, cores // args.sp[0]))
     rng = random.Random(0)
     prompt = [rng.randrange(3, 1000) for _ in range(args.seq)]
-    kw = dict(sp=args.sp[0], max_num_batched_tokens=args.chunk or args.seq, max_model_len=args.seq + 64,
-              num_blocks=-(-(args.seq + 1024) // (16 * args.sp[0])), block_size=16)  # the prompt + warm-up
+    kw = dict(
+        sp=args.sp[0],
+        max_num_batched_tokens=args.chunk or args.seq,
+        max_model_len=args.seq + 64,
+        num_blocks=-(-(args.seq + 1024) // (16 * args.sp[0])),
+        block_size=16,
+    )  # the prompt + warm-up
     if args.min_ring is not None:
         kw["sp_prefill_min_tokens"] = args.min_ring
     first = SamplingParams(temperature=0, max_tokens=1)
     with LLM(path, **kw) as llm:
-        llm.generate([[rng.randrange(3, 1000) for _ in range(min(args.seq, 512))]], first, use_tqdm=False)  # warm-up
+        llm.generate(
+            [[rng.randrange(3, 1000) for _ in range(min(args.seq, 512))]], first, use_tqdm=False
+        )  # warm-up
         times, cpu = [], []
         for i in range(args.repeats):
             p = [7 + i] + prompt[1:]  # a new first token: no prefix-cache hit
@@ -60,10 +69,20 @@ def one(args) -> dict:
             times.append(time.perf_counter() - t)
             cpu.append(time.process_time() - c)
         ranks = llm.rank_stats()
-    return dict(model=args.model, seq=args.seq, sp=args.sp[0], chunk=kw["max_num_batched_tokens"],
-                min_ring=args.min_ring, ttft_s=min(times), times=times, cpu_s=cpu, token=out.token_ids,
-                peak_rss_mib=[r["peak_rss_bytes"] / 2**20 for r in ranks],
-                kv_cache_mib=[r["kv_cache_bytes"] / 2**20 for r in ranks], threads=torch.get_num_threads())
+    return dict(
+        model=args.model,
+        seq=args.seq,
+        sp=args.sp[0],
+        chunk=kw["max_num_batched_tokens"],
+        min_ring=args.min_ring,
+        ttft_s=min(times),
+        times=times,
+        cpu_s=cpu,
+        token=out.token_ids,
+        peak_rss_mib=[r["peak_rss_bytes"] / 2**20 for r in ranks],
+        kv_cache_mib=[r["kv_cache_bytes"] / 2**20 for r in ranks],
+        threads=torch.get_num_threads(),
+    )
 
 
 def spawn(args, **over) -> dict:
@@ -71,7 +90,9 @@ def spawn(args, **over) -> dict:
     for k, v in over.items():
         if v is not None:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
     row = json.loads(res.stdout.strip().splitlines()[-1])
@@ -82,16 +103,39 @@ def spawn(args, **over) -> dict:
 def main(argv=None):
     from benchmarks.models import load_average, machine, machine_line, write_json
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-long", help="tiny-long, llama-120m, smollm2 (benchmarks/models.py) or a path")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default="tiny-long",
+        help="tiny-long, llama-120m, smollm2 (benchmarks/models.py) or a path",
+    )
     ap.add_argument("--seq", type=int, default=32768, help="prompt tokens")
     ap.add_argument("--sp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens (default: the whole prompt)")
-    ap.add_argument("--min-ring", type=int, default=None, help="sp_prefill_min_tokens (default: the engine's)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / sp)")
-    ap.add_argument("--repeats", type=int, default=2, help="timed prompts per configuration (the fastest counts)")
-    ap.add_argument("--sweep", type=int, nargs="*", default=None, metavar="LEN",
-                    help="sp=2: ring vs replicated at these prompt lengths")
+    ap.add_argument(
+        "--chunk", type=int, default=None, help="max_num_batched_tokens (default: the whole prompt)"
+    )
+    ap.add_argument(
+        "--min-ring", type=int, default=None, help="sp_prefill_min_tokens (default: the engine's)"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads per rank (default: cores / sp)"
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="timed prompts per configuration (the fastest counts)",
+    )
+    ap.add_argument(
+        "--sweep",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="LEN",
+        help="sp=2: ring vs replicated at these prompt lengths",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -104,21 +148,46 @@ def main(argv=None):
             base = spawn(args, seq=n, sp=1)
             ring = spawn(args, seq=n, sp=2, min_ring=1)
             rep = spawn(args, seq=n, sp=2, min_ring=10**9)
-            rows.append(dict(seq=n, sp1_s=base["ttft_s"], ring_s=ring["ttft_s"], replicated_s=rep["ttft_s"],
-                             faster="ring" if ring["ttft_s"] < rep["ttft_s"] else "replicated",
-                             sp1_threads=base["threads"], sp2_threads=ring["threads"]))
-        mach = machine(threads=sorted({t for r in rows for t in (r["sp1_threads"], r["sp2_threads"])}, reverse=True))
+            rows.append(
+                dict(
+                    seq=n,
+                    sp1_s=base["ttft_s"],
+                    ring_s=ring["ttft_s"],
+                    replicated_s=rep["ttft_s"],
+                    faster="ring" if ring["ttft_s"] < rep["ttft_s"] else "replicated",
+                    sp1_threads=base["threads"],
+                    sp2_threads=ring["threads"],
+                )
+            )
+        mach = machine(
+            threads=sorted(
+                {t for r in rows for t in (r["sp1_threads"], r["sp2_threads"])}, reverse=True
+            )
+        )
         print(machine_line(mach))
-        print(f"{args.model}: TTFT at sp=2, ring vs replicated (threads per rank: sp=1 {rows[0]['sp1_threads']}, "
-              f"sp=2 {rows[0]['sp2_threads']})")
+        print(
+            f"{args.model}: TTFT at sp=2, ring vs replicated (threads per rank: sp=1 {rows[0]['sp1_threads']}, "
+            f"sp=2 {rows[0]['sp2_threads']})"
+        )
         print("| prompt tokens | sp=1 | sp=2 ring | sp=2 replicated | faster at sp=2 |")
         print("|---:|---:|---:|---:|---|")
         for r in rows:
-            print(f"| {r['seq']} | {r['sp1_s']:.3f} s | {r['ring_s']:.3f} s | {r['replicated_s']:.3f} s | {r['faster']} |")
+            print(
+                f"| {r['seq']} | {r['sp1_s']:.3f} s | {r['ring_s']:.3f} s | {r['replicated_s']:.3f} s | {r['faster']} |"
+            )
         out = dict(kind="sweep", model=args.model, cores=mach["cores"], rows=rows, machine=mach)
     else:
-        rows = [spawn(args, seq=args.seq, sp=n, chunk=args.chunk, min_ring=args.min_ring, threads=args.threads)
-                for n in args.sp]
+        rows = [
+            spawn(
+                args,
+                seq=args.seq,
+                sp=n,
+                chunk=args.chunk,
+                min_ring=args.min_ring,
+                threads=args.threads,
+            )
+            for n in args.sp
+        ]
         base = next((r for r in rows if r["sp"] == 1), None)
         for r in rows:
             r["efficiency"] = base["ttft_s"] / r["ttft_s"] if base else None
@@ -126,16 +195,27 @@ def main(argv=None):
         mach = machine(threads=sorted({r["threads"] for r in rows}, reverse=True))
         print(machine_line(mach))
         print(f"{args.model}: TTFT of a {args.seq}-token prompt (chunk {rows[0]['chunk']} tokens)")
-        print("| sp | threads per rank | TTFT | efficiency | peak RSS per rank (MiB) | KV cache per rank (MiB) | "
-              "same first token |")
+        print(
+            "| sp | threads per rank | TTFT | efficiency | peak RSS per rank (MiB) | KV cache per rank (MiB) | "
+            "same first token |"
+        )
         print("|---:|---:|---:|---:|---|---|---|")
         for r in rows:
             eff = f"{r['efficiency']:.3f}" if r["efficiency"] is not None else "-"
-            print(f"| {r['sp']} | {r['threads']} | {r['ttft_s']:.2f} s | {eff} | "
-                  f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} | "
-                  f"{', '.join(f'{m:.0f}' for m in r['kv_cache_mib'])} | {r['same_token_as_sp1']} |")
-        out = dict(kind="prefill", model=args.model, seq=args.seq, cores=mach["cores"], rows=rows, load=load_average(),
-                   machine=mach)
+            print(
+                f"| {r['sp']} | {r['threads']} | {r['ttft_s']:.2f} s | {eff} | "
+                f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} | "
+                f"{', '.join(f'{m:.0f}' for m in r['kv_cache_mib'])} | {r['same_token_as_sp1']} |"
+            )
+        out = dict(
+            kind="prefill",
+            model=args.model,
+            seq=args.seq,
+            cores=mach["cores"],
+            rows=rows,
+            load=load_average(),
+            machine=mach,
+        )
     if args.json:
         write_json(args.json, out)
 

@@ -39,7 +39,9 @@ import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import torch  # noqa: E402
 
@@ -111,18 +113,41 @@ class There:
 
     def __init__(self, args, dst, top, requests):
         self.link = Link.listen(timeout=timedelta(seconds=600))
-        self.proc = subprocess.Popen([sys.executable, __file__, "--target", str(self.link.port), "--model", args.model,
-                                      "--target-mesh", dst, "--top", str(top)]
-                                     + (["--threads", str(args.threads)] if args.threads else []))
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--target",
+                str(self.link.port),
+                "--model",
+                args.model,
+                "--target-mesh",
+                dst,
+                "--top",
+                str(top),
+            ]
+            + (["--threads", str(args.threads)] if args.threads else [])
+        )
         self.link.accept(timedelta(seconds=600))
         self.link.send_json({"requests": requests})
 
     def move(self, a, rid, mode, decoded):
-        st = send_request(a, rid, self.link, incremental=mode == "incremental",
-                          between=lambda: [a.step() for _ in range(decoded)])
+        st = send_request(
+            a,
+            rid,
+            self.link,
+            incremental=mode == "incremental",
+            between=lambda: [a.step() for _ in range(decoded)],
+        )
         got = self.link.recv_json()
-        return (st["bytes"] - st["final_bytes"], st["final_bytes"], st["downtime_s"], got["first"] - st["stopped_at"],
-                got["step"], got["tokens"])
+        return (
+            st["bytes"] - st["final_bytes"],
+            st["final_bytes"],
+            st["downtime_s"],
+            got["first"] - st["stopped_at"],
+            got["step"],
+            got["tokens"],
+        )
 
     def close(self):
         assert self.proc.wait(600) == 0
@@ -148,18 +173,27 @@ def target(args):
 def one_context(a, b, n, args, rep):
     prompt = [(97 * i + 13 * rep) % 1000 + 3 for i in range(n)]
     params = SamplingParams(temperature=0, max_tokens=2 * args.decoded + 8, ignore_eos=True)
-    want = a.generate([prompt], params, use_tqdm=False)[0].token_ids  # unmigrated (warms the kernels too)
+    want = a.generate([prompt], params, use_tqdm=False)[
+        0
+    ].token_ids  # unmigrated (warms the kernels too)
     row = dict(context=n)
     for mode in ("full", "incremental"):
-        rid = a.add_request(prompt, params)  # the prompt's full blocks come from the prefix cache (computed once)
+        rid = a.add_request(
+            prompt, params
+        )  # the prompt's full blocks come from the prefix cache (computed once)
         while len(a.pipeline.get(rid)[0].output_token_ids) < args.decoded:
             a.step()
         pre_bytes, nbytes, moved, down, step, got = b.move(a, rid, mode, args.decoded)
         if mode == "full":
             row.update(full_bytes=nbytes, full_move_s=moved, full_downtime_s=down)
         else:  # step: B's decode step at this context, the inter-token time the request has there anyway
-            row.update(pre_copy_bytes=pre_bytes, final_bytes=nbytes, incremental_move_s=moved,
-                       incremental_downtime_s=down, step_s=step)
+            row.update(
+                pre_copy_bytes=pre_bytes,
+                final_bytes=nbytes,
+                incremental_move_s=moved,
+                incremental_downtime_s=down,
+                step_s=step,
+            )
         finish(a, {})
         assert got == want, (mode, n, got, want)
     return row
@@ -176,13 +210,20 @@ def one_pair(path, pair, args):
     src, dst = pair.split(":")
     top = max(args.contexts) + 4 * args.decoded + 64
     a = LLM(path, block_size=16, num_blocks=-(-top // 16) * 2 + 16, **KW, **mesh(src))
-    b = Here(engine_b(path, dst, top)) if args.transport == "bytes" else \
-        There(args, dst, top, 2 * len(args.contexts) * args.repeats)
+    b = (
+        Here(engine_b(path, dst, top))
+        if args.transport == "bytes"
+        else There(args, dst, top, 2 * len(args.contexts) * args.repeats)
+    )
     rows = []
     with a:
         for n in args.contexts:
             runs = [one_context(a, b, n, args, rep) for rep in range(args.repeats)]
-            row = dict(pair=pair, transport=args.transport, **{k: statistics.median(r[k] for r in runs) for k in runs[0]})
+            row = dict(
+                pair=pair,
+                transport=args.transport,
+                **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
+            )
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     (b.b if isinstance(b, Here) else b).close()
@@ -190,17 +231,36 @@ def one_pair(path, pair, args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-long", help="a preset of benchmarks/models.py, smollm2, or a directory")
-    ap.add_argument("--pairs", nargs="+", default=["1:1", "tp2:pp2", "sp2:1"], help="SRC:DST meshes")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default="tiny-long",
+        help="a preset of benchmarks/models.py, smollm2, or a directory",
+    )
+    ap.add_argument(
+        "--pairs", nargs="+", default=["1:1", "tp2:pp2", "sp2:1"], help="SRC:DST meshes"
+    )
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
-    ap.add_argument("--decoded", type=int, default=4, help="tokens decoded before the move (and during the pre-copy)")
+    ap.add_argument(
+        "--decoded",
+        type=int,
+        default=4,
+        help="tokens decoded before the move (and during the pre-copy)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--transport", choices=["bytes", "link"], default="bytes",
-                    help="bytes: B in this process; link: B in another process, over a loopback Link")
+    ap.add_argument(
+        "--transport",
+        choices=["bytes", "link"],
+        default="bytes",
+        help="bytes: B in this process; link: B in another process, over a loopback Link",
+    )
     ap.add_argument("--json", default=None)
-    ap.add_argument("--target", type=int, default=None, help=argparse.SUPPRESS)  # the process of --transport link
+    ap.add_argument(
+        "--target", type=int, default=None, help=argparse.SUPPRESS
+    )  # the process of --transport link
     ap.add_argument("--target-mesh", default="1", help=argparse.SUPPRESS)
     ap.add_argument("--top", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -211,26 +271,43 @@ def main(argv=None):
 
     path = model_path(args.model)
     rows = [row for pair in args.pairs for row in one_pair(path, pair, args)]
-    how = "snapshots through bytes, one process" if args.transport == "bytes" else \
-        "target in another process, over a loopback Link"
+    how = (
+        "snapshots through bytes, one process"
+        if args.transport == "bytes"
+        else "target in another process, over a loopback Link"
+    )
     mach = machine()
     print(machine_line(mach) + " in this process; each rank of a mesh of N > 1: cores / N threads")
-    print(f"{describe(args.model)}; {how}; downtime: stop -> first token on the target; median of {args.repeats}")
-    print("| pair | context | B's decode step | full: bytes | full: downtime | incremental: pre-copy bytes | "
-          "final bytes | stop -> imported | downtime | downtime - B's step | vs shortest context |")
+    print(
+        f"{describe(args.model)}; {how}; downtime: stop -> first token on the target; median of {args.repeats}"
+    )
+    print(
+        "| pair | context | B's decode step | full: bytes | full: downtime | incremental: pre-copy bytes | "
+        "final bytes | stop -> imported | downtime | downtime - B's step | vs shortest context |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         base = next(x for x in rows if x["pair"] == r["pair"])
         added = r["incremental_downtime_s"] - r["step_s"]
-        print(f"| {r['pair']} | {r['context']} | {1e3 * r['step_s']:.1f} ms | {r['full_bytes'] / 2**20:.2f} MiB | "
-              f"{1e3 * r['full_downtime_s']:.1f} ms | {r['pre_copy_bytes'] / 2**20:.2f} MiB | "
-              f"{r['final_bytes'] / 2**10:.1f} KiB | {1e3 * r['incremental_move_s']:.2f} ms | "
-              f"{1e3 * r['incremental_downtime_s']:.2f} ms | {1e3 * added:.2f} ms | "
-              f"{r['incremental_move_s'] / base['incremental_move_s']:.2f}x / "
-              f"{r['incremental_downtime_s'] / base['incremental_downtime_s']:.2f}x |")
+        print(
+            f"| {r['pair']} | {r['context']} | {1e3 * r['step_s']:.1f} ms | {r['full_bytes'] / 2**20:.2f} MiB | "
+            f"{1e3 * r['full_downtime_s']:.1f} ms | {r['pre_copy_bytes'] / 2**20:.2f} MiB | "
+            f"{r['final_bytes'] / 2**10:.1f} KiB | {1e3 * r['incremental_move_s']:.2f} ms | "
+            f"{1e3 * r['incremental_downtime_s']:.2f} ms | {1e3 * added:.2f} ms | "
+            f"{r['incremental_move_s'] / base['incremental_move_s']:.2f}x / "
+            f"{r['incremental_downtime_s'] / base['incremental_downtime_s']:.2f}x |"
+        )
     if args.json:
-        write_json(args.json, dict(model=describe(args.model), decoded=args.decoded, transport=args.transport,
-                                   rows=rows, machine=mach))
+        write_json(
+            args.json,
+            dict(
+                model=describe(args.model),
+                decoded=args.decoded,
+                transport=args.transport,
+                rows=rows,
+                machine=mach,
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -9,14 +9,23 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 from ringkv.planner import catalogue  # noqa: E402
 
 # the HF config fields of a random model that describe() writes (in this order, which the saved
 # JSON keeps: ringkv.planner's _model_of reads it back)
-FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-          "vocab_size", "max_position_embeddings")
+FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 def shape(name: str) -> dict:
@@ -31,20 +40,28 @@ PRESETS = {name: shape(name) for name in ("tiny-test", "llama-120m", "tiny-long"
 # embeddings, rope_theta 1e5) with random weights, at full depth (30 layers) and at 2 layers, and the
 # 2-layer one at another vocabulary (what the training-memory benchmark's vocabulary check varies);
 # positions up to 256K so that long training sequences are within the config
-_SMOL = dict({k: catalogue.PRESETS["smollm2-135m"][k] for k in FIELDS if k != "max_position_embeddings"},
-             max_position_embeddings=262144)
-PRESETS.update({
-    "smollm2-shape": _SMOL,
-    "smollm2-shape-2l": dict(_SMOL, num_hidden_layers=2),
-    "smollm2-shape-2l-v8k": dict(_SMOL, num_hidden_layers=2, vocab_size=8192),
-})
+_SMOL = dict(
+    {k: catalogue.PRESETS["smollm2-135m"][k] for k in FIELDS if k != "max_position_embeddings"},
+    max_position_embeddings=262144,
+)
+PRESETS.update(
+    {
+        "smollm2-shape": _SMOL,
+        "smollm2-shape-2l": dict(_SMOL, num_hidden_layers=2),
+        "smollm2-shape-2l-v8k": dict(_SMOL, num_hidden_layers=2, vocab_size=8192),
+    }
+)
 # config fields beyond FIELDS (default: untied embeddings, rope_theta 10000)
-EXTRA = {name: dict(tie_word_embeddings=True, rope_theta=100000.0)
-         for name in ("smollm2-shape", "smollm2-shape-2l", "smollm2-shape-2l-v8k")}
+EXTRA = {
+    name: dict(tie_word_embeddings=True, rope_theta=100000.0)
+    for name in ("smollm2-shape", "smollm2-shape-2l", "smollm2-shape-2l-v8k")
+}
 
 
 def cache_root() -> str:
-    return os.environ.get("RINGKV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ringkv")
+    return os.environ.get("RINGKV_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "ringkv"
+    )
 
 
 def model_path(name: str) -> str:
@@ -62,12 +79,15 @@ def model_path(name: str) -> str:
 
         torch.manual_seed(0)
         extra = dict(dict(tie_word_embeddings=False), **EXTRA.get(name, {}))
-        cfg = transformers.LlamaConfig(**PRESETS[name], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **extra)
+        cfg = transformers.LlamaConfig(
+            **PRESETS[name], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **extra
+        )
         model = transformers.LlamaForCausalLM(cfg).eval()
         tmp = out + f".tmp{os.getpid()}"
         model.save_pretrained(tmp, safe_serialization=True)
         if os.path.isdir(out):  # a partial copy
             import shutil
+
             shutil.rmtree(out)
         os.replace(tmp, out)
     return out
@@ -87,7 +107,11 @@ def load_average() -> str:
         return " ".join(f.read().split()[:3])
 
 
-ISA_NAMES = {"x86-64-v4": "x86-64-v4 (AVX-512)", "x86-64-v3": "x86-64-v3 (AVX2)", "generic": "generic"}
+ISA_NAMES = {
+    "x86-64-v4": "x86-64-v4 (AVX-512)",
+    "x86-64-v3": "x86-64-v3 (AVX2)",
+    "generic": "generic",
+}
 
 
 def machine(threads=None) -> dict:
@@ -116,8 +140,11 @@ def machine(threads=None) -> dict:
     out = dict(cpu=native.cpu_model(), isa=isa, kernel_build=build, cores=os.cpu_count())
     if hasattr(os, "sched_getaffinity"):
         out["usable_cores"] = len(os.sched_getaffinity(0))
-    out["threads"] = torch.get_num_threads() if threads is None else (
-        list(threads) if isinstance(threads, (list, tuple)) else int(threads))
+    out["threads"] = (
+        torch.get_num_threads()
+        if threads is None
+        else (list(threads) if isinstance(threads, (list, tuple)) else int(threads))
+    )
     return out
 
 

@@ -33,7 +33,9 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 import ringkv  # noqa: E402
 from ringkv import kernels  # noqa: E402
 from ringkv.kernels import cpu_flash, merge as merge_mod, sdpa  # noqa: E402
@@ -67,11 +69,16 @@ class Clock:
                 ahead = category == "post" and a[0].tag == 0
                 self.table[self.step + ahead, category] += time.perf_counter() - t
                 self.depth -= 1
+
         setattr(owner, name, timed)
 
     def install(self):
-        for owner, name in ((sdpa, "_fused"), (sdpa, "_fused_backward"), (cpu_flash, "forward"),
-                            (cpu_flash, "_backward")):
+        for owner, name in (
+            (sdpa, "_fused"),
+            (sdpa, "_fused_backward"),
+            (cpu_flash, "forward"),
+            (cpu_flash, "_backward"),
+        ):
             self.wrap(owner, name, "kernel")
         for owner in (sdpa, merge_mod, kernels):  # each module's own reference to the merge
             self.wrap(owner, "merge_", "merge")
@@ -84,6 +91,7 @@ class Clock:
         def counted(shards, *a, **kw):
             self.step += self.enabled
             return plan(shards, *a, **kw)
+
         ring.Shards.plan = counted
 
 
@@ -95,18 +103,24 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--layout", default="zigzag")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--backward", action="store_true", help="profile the backward (after an untimed forward)")
+    p.add_argument(
+        "--backward", action="store_true", help="profile the backward (after an untimed forward)"
+    )
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if "RANK" in os.environ:
         dist.init_process_group("gloo", timeout=timedelta(minutes=30))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    torch.set_num_threads(
+        max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    )
     g = torch.Generator().manual_seed(1 + rank)
     s = args.seq // world
-    q, k, v = (torch.randn(1, s, h, args.head_dim, generator=g).requires_grad_(args.backward)
-               for h in (args.heads, args.kv_heads or args.heads, args.kv_heads or args.heads))
+    q, k, v = (
+        torch.randn(1, s, h, args.head_dim, generator=g).requires_grad_(args.backward)
+        for h in (args.heads, args.kv_heads or args.heads, args.kv_heads or args.heads)
+    )
     call = functools.partial(ringkv.ring_attention, causal=args.causal, layout=args.layout)
     clock = Clock()
     clock.install()
@@ -141,16 +155,24 @@ def main(argv=None) -> int:
         mach = machine()  # this rank's threads: every rank sets the same count
         print(machine_line(mach) + " per rank")
         what = "forward + backward's backward" if args.backward else "forward"
-        print(f"ring {what}: seq={args.seq} heads={args.heads} kv_heads={args.kv_heads or args.heads} "
-              f"head_dim={args.head_dim} {args.layout} {'causal' if args.causal else 'full'}, {world} rank(s); "
-              f"seconds per call, by step on rank 0, in all on every rank (load {load_average()})")
+        print(
+            f"ring {what}: seq={args.seq} heads={args.heads} kv_heads={args.kv_heads or args.heads} "
+            f"head_dim={args.head_dim} {args.layout} {'causal' if args.causal else 'full'}, {world} rank(s); "
+            f"seconds per call, by step on rank 0, in all on every rank (load {load_average()})"
+        )
         print(f"{'step':>5s} " + " ".join(f"{c:>8s}" for c in CATEGORIES))
         for r in rows:
-            print(f"{'setup' if r['step'] < 0 else r['step']:>5} " + " ".join(f"{r[c]:8.4f}" for c in CATEGORIES[:-1]))
+            print(
+                f"{'setup' if r['step'] < 0 else r['step']:>5} "
+                + " ".join(f"{r[c]:8.4f}" for c in CATEGORIES[:-1])
+            )
         for res in every:
             sums = {c: sum(r[c] for r in res["rows"]) for c in CATEGORIES[:-1]}
-            print(f"{'all':>5s} " + " ".join(f"{sums[c]:8.4f}" for c in CATEGORIES[:-1]) +
-                  f" {res['other_s']:8.4f}   total {res['total_s']:.4f}  (rank {res['rank']})")
+            print(
+                f"{'all':>5s} "
+                + " ".join(f"{sums[c]:8.4f}" for c in CATEGORIES[:-1])
+                + f" {res['other_s']:8.4f}   total {res['total_s']:.4f}  (rank {res['rank']})"
+            )
         if args.json:
             write_json(args.json, dict(args=vars(args), ranks=every, machine=mach))
     if dist.is_initialized():

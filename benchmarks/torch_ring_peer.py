@@ -26,13 +26,17 @@ import sys
 from typing import Callable, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 import torch
 import torch.distributed as dist
 
-_MODULES = ("torch.distributed.tensor.experimental._context_parallel._attention",  # torch >= 2.9
-            "torch.distributed.tensor.experimental._attention")                     # torch 2.4 - 2.8
+_MODULES = (
+    "torch.distributed.tensor.experimental._context_parallel._attention",  # torch >= 2.9
+    "torch.distributed.tensor.experimental._attention",
+)  # torch 2.4 - 2.8
 
 
 def _module():
@@ -44,15 +48,24 @@ def _module():
         except ImportError as e:
             errors.append(f"{name}: {e}")
             continue
-        missing = [a for a in ("_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options")
-                   if not hasattr(mod, a)]
+        missing = [
+            a
+            for a in (
+                "_templated_ring_attention",
+                "_templated_ring_attention_backward",
+                "_cp_options",
+            )
+            if not hasattr(mod, a)
+        ]
         if not missing:
             return mod
         errors.append(f"{name} lacks {', '.join(missing)}")
     return "; ".join(errors)
 
 
-def unavailable(layout: str, causal: bool, heads: int, kv_heads: int, device: torch.device) -> Optional[str]:
+def unavailable(
+    layout: str, causal: bool, heads: int, kv_heads: int, device: torch.device
+) -> Optional[str]:
     """Why torch's ring cannot run this configuration, or None when it can."""
     mod = _module()
     if isinstance(mod, str):
@@ -66,26 +79,46 @@ def unavailable(layout: str, causal: bool, heads: int, kv_heads: int, device: to
     return None
 
 
-def torch_ring(group: dist.ProcessGroup, causal: bool, layout: str, device: torch.device) -> Callable:
+def torch_ring(
+    group: dist.ProcessGroup, causal: bool, layout: str, device: torch.device
+) -> Callable:
     """``peer(q, k, v) -> out`` over ``(B, H, S_local, D)`` shards of ``layout`` (see ``unavailable``)."""
     mod, aten = _module(), torch.ops.aten
     balance = causal and layout == "zigzag"
     if device.type == "cpu":  # (out, lse)
-        fwd_op, bwd_op = aten._scaled_dot_product_flash_attention_for_cpu, \
-            aten._scaled_dot_product_flash_attention_for_cpu_backward
+        fwd_op, bwd_op = (
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        )
     else:  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)
-        fwd_op, bwd_op = aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward
+        fwd_op, bwd_op = (
+            aten._scaled_dot_product_flash_attention,
+            aten._scaled_dot_product_flash_attention_backward,
+        )
 
     class _Ring(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
             mod._cp_options.enable_load_balance = balance
-            res = mod._templated_ring_attention(group, 2, fwd_op, q, k, v, is_causal=causal, dropout_p=0.0,
-                                                scale=q.shape[-1] ** -0.5)
+            res = mod._templated_ring_attention(
+                group,
+                2,
+                fwd_op,
+                q,
+                k,
+                v,
+                is_causal=causal,
+                dropout_p=0.0,
+                scale=q.shape[-1] ** -0.5,
+            )
             out, lse = res[0], res[1]
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.rest = dict(zip(("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"),
-                                res[2:8]))
+            ctx.rest = dict(
+                zip(
+                    ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"),
+                    res[2:8],
+                )
+            )
             return out
 
         @staticmethod
@@ -93,8 +126,21 @@ def torch_ring(group: dist.ProcessGroup, causal: bool, layout: str, device: torc
             q, k, v, out, lse = ctx.saved_tensors
             mod._cp_options.enable_load_balance = balance
             dq, dk, dv = mod._templated_ring_attention_backward(
-                group, 2, bwd_op, dout.contiguous(), "grad_out", q, k, v, out, lse, is_causal=causal,
-                dropout_p=0.0, scale=q.shape[-1] ** -0.5, **ctx.rest)[:3]
+                group,
+                2,
+                bwd_op,
+                dout.contiguous(),
+                "grad_out",
+                q,
+                k,
+                v,
+                out,
+                lse,
+                is_causal=causal,
+                dropout_p=0.0,
+                scale=q.shape[-1] ** -0.5,
+                **ctx.rest,
+            )[:3]
             return dq, dk, dv
 
     return _Ring.apply

@@ -81,12 +81,14 @@ import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 from benchmarks.models import describe, load_average, machine, machine_line, model_path, write_json  # noqa: E402
 
-MIB = 2 ** 20
-GIB = 2 ** 30
+MIB = 2**20
+GIB = 2**30
 CONFIGS = ("unpatched", "unpatched+ckpt", "logits", "chunked", "chunked+ckpt", "chunked+ckpt+tiled")
 MEMORY_CONFIGS = ("unpatched", "logits", "chunked", "chunked+ckpt", "chunked+ckpt+tiled")
 THROUGHPUT_CONFIGS = ("unpatched", "unpatched+ckpt", "logits", "chunked+ckpt", "chunked+ckpt+tiled")
@@ -225,8 +227,10 @@ def longest(f: dict, weights: int, budget: float, pts) -> dict:
     weights): on the fit ``a + b x``, and on the line through the two largest points (``b_last``: the
     marginal bytes per token there, which a step whose constant part is amortised over S/N has above
     the fit's ``b``)."""
+
     def x(held):
         return max(0, int((budget - held - f["a"]) / f["b"])) if f["b"] > 0 else None
+
     out = dict(per_rank=x(weights), per_rank_adamw=x(3 * weights))
     (x0, m0), (x1, m1) = sorted(pts)[-2:]
     b = (m1 - m0) / (x1 - x0)
@@ -262,35 +266,92 @@ def estimate_seconds(points, x):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-long", help="a preset of benchmarks/models.py or an HF directory")
-    ap.add_argument("--per-rank", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768],
-                    help="memory: the tokens per rank (S/N) of the points; patched runs get S = N x S/N tokens, "
-                         "unpatched ones S/N tokens in one process")
-    ap.add_argument("--seq", type=int, nargs="+", default=[8192, 16384],
-                    help="--throughput: the total tokens S of a step (patched: S/N per rank; unpatched: all S)")
-    ap.add_argument("--throughput", action="store_true", help="time steps instead of measuring memory")
-    ap.add_argument("--configs", nargs="+", default=None, choices=CONFIGS,
-                    help=f"default: {' '.join(MEMORY_CONFIGS)} (memory), {' '.join(THROUGHPUT_CONFIGS)} (throughput)")
-    ap.add_argument("--limit", nargs="+", default=[], metavar="CONFIG=S_PER_RANK",
-                    help="run CONFIG only up to this many tokens per rank (a time budget)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", default="tiny-long", help="a preset of benchmarks/models.py or an HF directory"
+    )
+    ap.add_argument(
+        "--per-rank",
+        type=int,
+        nargs="+",
+        default=[2048, 4096, 8192, 16384, 32768],
+        help="memory: the tokens per rank (S/N) of the points; patched runs get S = N x S/N tokens, "
+        "unpatched ones S/N tokens in one process",
+    )
+    ap.add_argument(
+        "--seq",
+        type=int,
+        nargs="+",
+        default=[8192, 16384],
+        help="--throughput: the total tokens S of a step (patched: S/N per rank; unpatched: all S)",
+    )
+    ap.add_argument(
+        "--throughput", action="store_true", help="time steps instead of measuring memory"
+    )
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        choices=CONFIGS,
+        help=f"default: {' '.join(MEMORY_CONFIGS)} (memory), {' '.join(THROUGHPUT_CONFIGS)} (throughput)",
+    )
+    ap.add_argument(
+        "--limit",
+        nargs="+",
+        default=[],
+        metavar="CONFIG=S_PER_RANK",
+        help="run CONFIG only up to this many tokens per rank (a time budget)",
+    )
     ap.add_argument("--layout", default="zigzag")
-    ap.add_argument("--loss-chunk", type=int, default=None, help="patch_model's loss_chunk (default: ringkv's)")
-    ap.add_argument("--mem-limit", type=float, default=10.0,
-                    help="GiB: skip a point whose estimated resident memory of all processes together exceeds it")
-    ap.add_argument("--max-step-seconds", type=float, default=None,
-                    help="skip a point whose step is estimated to take longer than this")
-    ap.add_argument("--fit-budget", type=float, default=8.0, help="GiB per rank for the longest-S/N column")
+    ap.add_argument(
+        "--loss-chunk", type=int, default=None, help="patch_model's loss_chunk (default: ringkv's)"
+    )
+    ap.add_argument(
+        "--mem-limit",
+        type=float,
+        default=10.0,
+        help="GiB: skip a point whose estimated resident memory of all processes together exceeds it",
+    )
+    ap.add_argument(
+        "--max-step-seconds",
+        type=float,
+        default=None,
+        help="skip a point whose step is estimated to take longer than this",
+    )
+    ap.add_argument(
+        "--fit-budget", type=float, default=8.0, help="GiB per rank for the longest-S/N column"
+    )
     ap.add_argument("--warmup", type=int, default=256, help="tokens per rank of the warm-up step")
-    ap.add_argument("--calib", type=int, default=256,
-                    help="tokens per rank of the first of the two calibration steps (estimates only)")
+    ap.add_argument(
+        "--calib",
+        type=int,
+        default=256,
+        help="tokens per rank of the first of the two calibration steps (estimates only)",
+    )
     ap.add_argument("--iters", type=int, default=2, help="--throughput: timed steps per point")
-    ap.add_argument("--baseline-threads", type=int, default=None, help="threads of the unpatched runs (default N)")
-    ap.add_argument("--memory-json", nargs="+", default=[], metavar="JSON",
-                    help="memory runs of this model whose points also estimate each step's peak (the calibration "
-                         "steps alone underestimate it: at a few hundred tokens a constant dominates the peak)")
-    ap.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
-                    help="print the goals' numbers from earlier runs' JSON files (no torchrun)")
+    ap.add_argument(
+        "--baseline-threads",
+        type=int,
+        default=None,
+        help="threads of the unpatched runs (default N)",
+    )
+    ap.add_argument(
+        "--memory-json",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="memory runs of this model whose points also estimate each step's peak (the calibration "
+        "steps alone underestimate it: at a few hundred tokens a constant dominates the peak)",
+    )
+    ap.add_argument(
+        "--summarize",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="print the goals' numbers from earlier runs' JSON files (no torchrun)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.summarize:
@@ -314,7 +375,11 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=3))
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
+    device = (
+        torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        if cuda
+        else torch.device("cpu")
+    )
     if cuda:
         torch.cuda.set_device(device)
     rank_threads = 1
@@ -339,7 +404,9 @@ def main(argv=None) -> int:
     def build(cfg):
         m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         m = m.to(device).train()
-        with torch.no_grad():  # touch every weight (safetensors may be memory-mapped) before measuring
+        with (
+            torch.no_grad()
+        ):  # touch every weight (safetensors may be memory-mapped) before measuring
             for p in m.parameters():
                 p.add_(0)
         if not cfg.startswith("unpatched"):
@@ -352,13 +419,20 @@ def main(argv=None) -> int:
                 kw["loss_chunk"] = args.loss_chunk
             ringkv.hf.patch_model(m, **kw)
         on = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable
-        off = getattr(m, "activation_checkpointing_disable", None) or m.gradient_checkpointing_disable
+        off = (
+            getattr(m, "activation_checkpointing_disable", None) or m.gradient_checkpointing_disable
+        )
         (on if "+ckpt" in cfg else off)()  # transformers 5 names; gradient_checkpointing_* before
         return m
 
     vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
-    def ids_of(s):  # the same tokens on every rank whatever ran before (rank 0 alone runs the baselines)
-        return torch.randint(3, vocab, (1, s), generator=torch.Generator().manual_seed(s)).to(device)
+
+    def ids_of(
+        s,
+    ):  # the same tokens on every rank whatever ran before (rank 0 alone runs the baselines)
+        return torch.randint(3, vocab, (1, s), generator=torch.Generator().manual_seed(s)).to(
+            device
+        )
 
     def gather(obj):
         out = [None] * world
@@ -392,21 +466,31 @@ def main(argv=None) -> int:
         torch.set_num_threads(base_threads if alone else rank_threads)  # rank 0 alone has the cores
         points = []  # (x per rank, alloc, seconds) of the calibration steps
         if active:
-            logits_built[cfg] = _step(model, ids_of(args.warmup * n))  # warm-up: one-time buffers and probes
+            logits_built[cfg] = _step(
+                model, ids_of(args.warmup * n)
+            )  # warm-up: one-time buffers and probes
             for c in (args.calib, 2 * args.calib):
                 r = step_memory(model, ids_of(c * n), device)
                 points.append((c, r["alloc"], r["seconds"]))
-        points = [tuple(max(p[i] for p in pts) if i else pts[0][0] for i in range(3))
-                  for pts in zip(*[g for g in gather(points) if g])]  # per point: the largest rank
+        points = [
+            tuple(max(p[i] for p in pts) if i else pts[0][0] for i in range(3))
+            for pts in zip(*[g for g in gather(points) if g])
+        ]  # per point: the largest rank
         calib += [dict(config=cfg, tokens_per_rank=x, alloc=a, seconds=t) for x, a, t in points]
-        mem_pts = [(x, a) for x, a, _ in points]  # for the estimates: calibration, then the measured points
+        mem_pts = [
+            (x, a) for x, a, _ in points
+        ]  # for the estimates: calibration, then the measured points
         known = [(r["tokens_per_rank"], r["alloc"]) for r in known_rows if r["config"] == cfg]
         time_pts = [(x, t) for x, _, t in points]
         for value in targets:
             x = value // n if args.throughput else value
             s = value if args.throughput else value * n
             if cfg in limits and x > limits[cfg]:
-                skipped.append(dict(config=cfg, tokens_per_rank=x, seq=s, reason=f"--limit {cfg}={limits[cfg]}"))
+                skipped.append(
+                    dict(
+                        config=cfg, tokens_per_rank=x, seq=s, reason=f"--limit {cfg}={limits[cfg]}"
+                    )
+                )
                 continue
             est, est_s = estimate_alloc(mem_pts, x), estimate_seconds(time_pts, x)
             if known and est is not None:  # the larger of the two lines
@@ -416,15 +500,27 @@ def main(argv=None) -> int:
             need = None if est is None else resident + (1.05 * est) * (1 if alone else world)
             reason = None
             if need is not None and need > mem_limit:
-                reason = (f"estimated {need / GIB:.1f} GiB in all processes (step peak {est / GIB:.2f} GiB per active "
-                          f"rank) > --mem-limit {args.mem_limit:g} GiB")
+                reason = (
+                    f"estimated {need / GIB:.1f} GiB in all processes (step peak {est / GIB:.2f} GiB per active "
+                    f"rank) > --mem-limit {args.mem_limit:g} GiB"
+                )
             elif need is not None and need - resident > 0.9 * min(g["avail"] for g in state):
                 reason = f"estimated step peak {est / GIB:.2f} GiB > 90% of the machine's available memory"
             elif args.max_step_seconds and est_s is not None and est_s > args.max_step_seconds:
-                reason = f"estimated step {est_s:.0f} s > --max-step-seconds {args.max_step_seconds:g}"
+                reason = (
+                    f"estimated step {est_s:.0f} s > --max-step-seconds {args.max_step_seconds:g}"
+                )
             if reason:
-                skipped.append(dict(config=cfg, tokens_per_rank=x, seq=s, reason=reason, estimate=est,
-                                    estimate_seconds=est_s))
+                skipped.append(
+                    dict(
+                        config=cfg,
+                        tokens_per_rank=x,
+                        seq=s,
+                        reason=reason,
+                        estimate=est,
+                        estimate_seconds=est_s,
+                    )
+                )
                 if rank == 0:
                     print(f"[{cfg}] S/N {x}: skipped: {reason}", flush=True)
                 continue
@@ -442,28 +538,48 @@ def main(argv=None) -> int:
                         times.append(step_time(model, ids, device))
                     res = dict(warmup_seconds=warm, times=times)
                 got = [g for g in gather(res) if g]
-                times = [max(ts) for ts in zip(*[g["times"] for g in got])]  # per step: the slowest rank
+                times = [
+                    max(ts) for ts in zip(*[g["times"] for g in got])
+                ]  # per step: the slowest rank
                 med = statistics.median(times)
-                row = dict(config=cfg, ranks=n, threads=base_threads if alone else rank_threads, seq=s,
-                           tokens_per_rank=x, seconds=med, times=times, tokens_per_s=s / med,
-                           warmup_seconds=max(g["warmup_seconds"] for g in got), estimate=est)
+                row = dict(
+                    config=cfg,
+                    ranks=n,
+                    threads=base_threads if alone else rank_threads,
+                    seq=s,
+                    tokens_per_rank=x,
+                    seconds=med,
+                    times=times,
+                    tokens_per_s=s / med,
+                    warmup_seconds=max(g["warmup_seconds"] for g in got),
+                    estimate=est,
+                )
                 time_pts = [p for p in time_pts if p[0] != x] + [(x, med)]
             else:
                 res = step_memory(model, ids_of(s), device) if active else None
                 got = [g for g in gather(res) if g]
-                row = dict(config=cfg, ranks=n, seq=s, tokens_per_rank=x,
-                           alloc=max(g["alloc"] for g in got),
-                           rss=None if got[0]["rss"] is None else max(g["rss"] for g in got),
-                           seconds=max(g["seconds"] for g in got),
-                           alloc_per_rank=[g["alloc"] for g in got], rss_per_rank=[g["rss"] for g in got],
-                           estimate=est)
+                row = dict(
+                    config=cfg,
+                    ranks=n,
+                    seq=s,
+                    tokens_per_rank=x,
+                    alloc=max(g["alloc"] for g in got),
+                    rss=None if got[0]["rss"] is None else max(g["rss"] for g in got),
+                    seconds=max(g["seconds"] for g in got),
+                    alloc_per_rank=[g["alloc"] for g in got],
+                    rss_per_rank=[g["rss"] for g in got],
+                    estimate=est,
+                )
                 mem_pts.append((x, row["alloc"]))
                 time_pts.append((x, row["seconds"]))
             rows.append(row)
             if rank == 0:
-                extra = (f"{row['tokens_per_s']:.0f} tokens/s ({row['seconds']:.1f} s)" if args.throughput else
-                         f"alloc {row['alloc'] / MIB:.1f} MiB (estimate "
-                         f"{'-' if est is None else f'{est / MIB:.0f}'}), {row['seconds']:.1f} s")
+                extra = (
+                    f"{row['tokens_per_s']:.0f} tokens/s ({row['seconds']:.1f} s)"
+                    if args.throughput
+                    else f"alloc {row['alloc'] / MIB:.1f} MiB (estimate "
+                    f"{'-' if est is None else f'{est / MIB:.0f}'}), {row['seconds']:.1f} s"
+                )
                 print(f"[{cfg}] S/N {x}: {extra}", flush=True)
         del model
         _trim()
@@ -474,29 +590,60 @@ def main(argv=None) -> int:
     if rank == 0:
         threads = sorted({rank_threads, base_threads}) if args.throughput else rank_threads
         mach = machine(threads=threads)
-        print(machine_line(mach) + (" (patched: 1 per rank; unpatched: one process)" if args.throughput else " per rank"))
+        print(
+            machine_line(mach)
+            + (" (patched: 1 per rank; unpatched: one process)" if args.throughput else " per rank")
+        )
         dev = torch.cuda.get_device_name(device) if cuda else "CPU (gloo)"
-        head = (f"{'train-step time' if args.throughput else 'train-step memory'}: {describe(args.model)}, fp32, "
-                f"layout {args.layout}, N={world} ranks on {dev}; load {load} at the start, {load_end} at the end; "
-                f"weights {weights / MIB:.1f} MiB per rank (held before the step)")
+        head = (
+            f"{'train-step time' if args.throughput else 'train-step memory'}: {describe(args.model)}, fp32, "
+            f"layout {args.layout}, N={world} ranks on {dev}; load {load} at the start, {load_end} at the end; "
+            f"weights {weights / MIB:.1f} MiB per rank (held before the step)"
+        )
         if not args.throughput:
-            head += ("; alloc = torch allocator peak above the step's start"
-                     + ("" if cuda else f" (profiler memory events); rss = VmHWM rise (mmap threshold fixed: "
-                                        f"{malloc_fixed})"))
+            head += "; alloc = torch allocator peak above the step's start" + (
+                ""
+                if cuda
+                else f" (profiler memory events); rss = VmHWM rise (mmap threshold fixed: "
+                f"{malloc_fixed})"
+            )
         print(head)
-        report = dict(mode="throughput" if args.throughput else "memory", args=vars(args), model=args.model,
-                      model_desc=describe(args.model), vocab=vocab, world=world, device=dev, load=load,
-                      load_end=load_end, weight_bytes=weights, malloc_fixed=malloc_fixed, configs=list(configs),
-                      rows=rows, skipped=skipped, calibration=calib, not_available=notes, logits_built=logits_built,
-                      loss_chunk=args.loss_chunk, patch_model_options=sorted(params), machine=mach)
+        report = dict(
+            mode="throughput" if args.throughput else "memory",
+            args=vars(args),
+            model=args.model,
+            model_desc=describe(args.model),
+            vocab=vocab,
+            world=world,
+            device=dev,
+            load=load,
+            load_end=load_end,
+            weight_bytes=weights,
+            malloc_fixed=malloc_fixed,
+            configs=list(configs),
+            rows=rows,
+            skipped=skipped,
+            calibration=calib,
+            not_available=notes,
+            logits_built=logits_built,
+            loss_chunk=args.loss_chunk,
+            patch_model_options=sorted(params),
+            machine=mach,
+        )
         if args.throughput:
             print_throughput(rows)
         else:
-            report["fits"] = print_memory(rows, configs, weights, args.fit_budget * GIB, args.fit_budget)
-        print("logits built by the warm-up step (out.logits is not None): "
-              + ", ".join(f"{c} {'yes' if b else 'no'}" for c, b in logits_built.items()))
+            report["fits"] = print_memory(
+                rows, configs, weights, args.fit_budget * GIB, args.fit_budget
+            )
+        print(
+            "logits built by the warm-up step (out.logits is not None): "
+            + ", ".join(f"{c} {'yes' if b else 'no'}" for c, b in logits_built.items())
+        )
         for s in skipped:
-            print(f"skipped: {s['config']} at S/N {s['tokens_per_rank']} (S {s['seq']}): {s['reason']}")
+            print(
+                f"skipped: {s['config']} at S/N {s['tokens_per_rank']} (S {s['seq']}): {s['reason']}"
+            )
         for cfg, why in notes.items():
             print(f"not available: {cfg}: {why}")
         if args.json:
@@ -506,17 +653,25 @@ def main(argv=None) -> int:
 
 
 def print_memory(rows, configs, weights, budget, budget_gib):
-    print("| config | N | S | S/N | alloc per rank (MiB) | rss per rank (MiB) | KiB per token | step s |")
+    print(
+        "| config | N | S | S/N | alloc per rank (MiB) | rss per rank (MiB) | KiB per token | step s |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         rss = "-" if r["rss"] is None else f"{r['rss'] / MIB:.0f}"
-        print(f"| {r['config']} | {r['ranks']} | {r['seq']} | {r['tokens_per_rank']} | {r['alloc'] / MIB:.1f} | "
-              f"{rss} | {r['alloc'] / r['tokens_per_rank'] / 1024:.1f} | {r['seconds']:.1f} |")
+        print(
+            f"| {r['config']} | {r['ranks']} | {r['seq']} | {r['tokens_per_rank']} | {r['alloc'] / MIB:.1f} | "
+            f"{rss} | {r['alloc'] / r['tokens_per_rank'] / 1024:.1f} | {r['seconds']:.1f} |"
+        )
     fits = {}
-    print(f"\nlinear fit alloc = a + b * (S/N) per configuration; longest S/N with weights + peak <= "
-          f"{budget_gib:g} GiB per rank (and with AdamW state, 3 x weights):")
-    print(f"| config | points | a (MiB) | b (KiB per token per rank) | worst residual | longest S/N in {budget_gib:g} GiB "
-          f"| with AdamW | b of the two largest points (KiB) | longest S/N on their line | with AdamW |")
+    print(
+        f"\nlinear fit alloc = a + b * (S/N) per configuration; longest S/N with weights + peak <= "
+        f"{budget_gib:g} GiB per rank (and with AdamW state, 3 x weights):"
+    )
+    print(
+        f"| config | points | a (MiB) | b (KiB per token per rank) | worst residual | longest S/N in {budget_gib:g} GiB "
+        f"| with AdamW | b of the two largest points (KiB) | longest S/N on their line | with AdamW |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for cfg in configs:
         pts = [r for r in rows if r["config"] == cfg]
@@ -525,20 +680,26 @@ def print_memory(rows, configs, weights, budget, budget_gib):
             continue
         f.update(longest(f, weights, budget, [(r["tokens_per_rank"], r["alloc"]) for r in pts]))
         fits[cfg] = f
-        print(f"| {cfg} | {f['points']} | {f['a'] / MIB:.1f} | {f['b'] / 1024:.2f} | {100 * f['worst']:.1f}% | "
-              f"{f['per_rank']} | {f['per_rank_adamw']} | {f['b_last'] / 1024:.2f} | {f['per_rank_last']} | "
-              f"{f['per_rank_adamw_last']} |")
+        print(
+            f"| {cfg} | {f['points']} | {f['a'] / MIB:.1f} | {f['b'] / 1024:.2f} | {100 * f['worst']:.1f}% | "
+            f"{f['per_rank']} | {f['per_rank_adamw']} | {f['b_last'] / 1024:.2f} | {f['per_rank_last']} | "
+            f"{f['per_rank_adamw_last']} |"
+        )
     return fits
 
 
 def print_throughput(rows):
-    print("| config | ranks x threads | S | S/N | step s (median) | tokens/s | time per token vs unpatched |")
+    print(
+        "| config | ranks x threads | S | S/N | step s (median) | tokens/s | time per token vs unpatched |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         base = [b for b in rows if b["config"] == "unpatched" and b["seq"] == r["seq"]]
         ratio = f"{r['seconds'] / base[0]['seconds']:.3f}" if base else "-"
-        print(f"| {r['config']} | {r['ranks']} x {r['threads']} | {r['seq']} | {r['tokens_per_rank']} | "
-              f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {ratio} |")
+        print(
+            f"| {r['config']} | {r['ranks']} x {r['threads']} | {r['seq']} | {r['tokens_per_rank']} | "
+            f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {ratio} |"
+        )
 
 
 def summarize(paths) -> int:
@@ -551,13 +712,17 @@ def summarize(paths) -> int:
         d["path"] = p
         runs.append(d)
     mem = []
-    for d in (d for d in runs if d.get("mode") == "memory"):  # runs of one model and N: points merged, later wins
+    for d in (
+        d for d in runs if d.get("mode") == "memory"
+    ):  # runs of one model and N: points merged, later wins
         same = [m for m in mem if m["model"] == d["model"] and m["world"] == d["world"]]
         if not same:
             mem.append(dict(d, rows=list(d["rows"])))
             continue
         m, new = same[0], {(r["config"], r["tokens_per_rank"]) for r in d["rows"]}
-        m["rows"] = [r for r in m["rows"] if (r["config"], r["tokens_per_rank"]) not in new] + d["rows"]
+        m["rows"] = [r for r in m["rows"] if (r["config"], r["tokens_per_rank"]) not in new] + d[
+            "rows"
+        ]
         m["load"] += f"; {d['load']}"
     for m in mem:  # the fits of the merged points
         m["fits"] = {}
@@ -570,31 +735,43 @@ def summarize(paths) -> int:
     tput = [d for d in runs if d.get("mode") == "throughput"]
     for d in runs:
         m = d.get("machine", {})
-        print(f"{d['path']}: {d.get('mode')} {d['model']} (vocab {d.get('vocab')}), N={d['world']}, load "
-              f"{d['load']} -> {d.get('load_end')}, {m.get('cpu')} {m.get('isa')}")
+        print(
+            f"{d['path']}: {d.get('mode')} {d['model']} (vocab {d.get('vocab')}), N={d['world']}, load "
+            f"{d['load']} -> {d.get('load_end')}, {m.get('cpu')} {m.get('isa')}"
+        )
 
     def fit_of(d, cfg):
         return (d.get("fits") or {}).get(cfg)
 
     def layers(d):
-        return json.loads(d["model_desc"].split(" ", 2)[2].strip("()"))["num_hidden_layers"] \
-            if d["model_desc"].startswith("random ") else None
+        return (
+            json.loads(d["model_desc"].split(" ", 2)[2].strip("()"))["num_hidden_layers"]
+            if d["model_desc"].startswith("random ")
+            else None
+        )
 
-    print("\nfits of every model's merged points: a (MiB) + b (KiB per token per rank) x, worst residual; longest S/N "
-          "in the fit budget on the fit and on the two largest points' line:")
+    print(
+        "\nfits of every model's merged points: a (MiB) + b (KiB per token per rank) x, worst residual; longest S/N "
+        "in the fit budget on the fit and on the two largest points' line:"
+    )
     for d in mem:
         for c, f in d["fits"].items():
-            print(f"  {d['model']} N={d['world']} {c}: points {sorted(r['tokens_per_rank'] for r in d['rows'] if r['config'] == c)}"
-                  f", a {f['a'] / MIB:.1f}, b {f['b'] / 1024:.2f}, worst {100 * f['worst']:.1f}%, longest "
-                  f"{f['per_rank']} (AdamW {f['per_rank_adamw']}); b of the two largest {f['b_last'] / 1024:.2f}, "
-                  f"longest {f['per_rank_last']} (AdamW {f['per_rank_adamw_last']})")
+            print(
+                f"  {d['model']} N={d['world']} {c}: points {sorted(r['tokens_per_rank'] for r in d['rows'] if r['config'] == c)}"
+                f", a {f['a'] / MIB:.1f}, b {f['b'] / 1024:.2f}, worst {100 * f['worst']:.1f}%, longest "
+                f"{f['per_rank']} (AdamW {f['per_rank_adamw']}); b of the two largest {f['b_last'] / 1024:.2f}, "
+                f"longest {f['per_rank_last']} (AdamW {f['per_rank_adamw_last']})"
+            )
     print("\nslope b (KiB per token per rank) per configuration and model:")
     cfgs = [c for c in CONFIGS if any(fit_of(d, c) for d in mem)]
     print("| model | layers | vocab | " + " | ".join(cfgs) + " |")
     print("|---|---:|---:|" + "---:|" * len(cfgs))
     for d in mem:
-        print(f"| {d['model']} | {layers(d)} | {d['vocab']} | " + " | ".join(
-            f"{fit_of(d, c)['b'] / 1024:.2f}" if fit_of(d, c) else "-" for c in cfgs) + " |")
+        print(
+            f"| {d['model']} | {layers(d)} | {d['vocab']} | "
+            + " | ".join(f"{fit_of(d, c)['b'] / 1024:.2f}" if fit_of(d, c) else "-" for c in cfgs)
+            + " |"
+        )
     out = {}
     # the part of b that does not scale with depth: b(L) = b0 + L * per_layer, from two depths at one vocabulary
     by_vocab = {}
@@ -610,24 +787,42 @@ def summarize(paths) -> int:
                 b0 = fit_of(lo, c)["b"] - layers(lo) * per_layer
                 out.setdefault(c, {})["per_layer"] = per_layer
                 out[c].setdefault("b0", {})[v] = b0
-                print(f"{c}: per layer {per_layer / 1024:.2f} KiB per token; not scaling with depth (vocab {v}): "
-                      f"{b0 / 1024:.2f} KiB per token")
+                print(
+                    f"{c}: per layer {per_layer / 1024:.2f} KiB per token; not scaling with depth (vocab {v}): "
+                    f"{b0 / 1024:.2f} KiB per token"
+                )
         if per_layer is not None:  # the other vocabularies' b0 with the same per-layer part
             for v, ds in by_vocab.items():
                 for d in ds:
                     if fit_of(d, c) and layers(d) and v not in out[c]["b0"]:
                         b0 = fit_of(d, c)["b"] - layers(d) * per_layer
                         out[c]["b0"][v] = b0
-                        print(f"{c}: not scaling with depth (vocab {v}, from {d['model']}): {b0 / 1024:.2f} KiB per token")
-        same = [(d, e) for v in by_vocab for w in by_vocab if v < w for d in by_vocab[v] for e in by_vocab[w]
-                if layers(d) == layers(e) and fit_of(d, c) and fit_of(e, c)]
+                        print(
+                            f"{c}: not scaling with depth (vocab {v}, from {d['model']}): {b0 / 1024:.2f} KiB per token"
+                        )
+        same = [
+            (d, e)
+            for v in by_vocab
+            for w in by_vocab
+            if v < w
+            for d in by_vocab[v]
+            for e in by_vocab[w]
+            if layers(d) == layers(e) and fit_of(d, c) and fit_of(e, c)
+        ]
         for d, e in same:
             diff = fit_of(e, c)["b"] - fit_of(d, c)["b"]
-            print(f"{c}: {layers(d)} layers, vocab {d['vocab']} -> {e['vocab']}: b {fit_of(d, c)['b'] / 1024:.2f} -> "
-                  f"{fit_of(e, c)['b'] / 1024:.2f} KiB per token ({diff / 1024:+.2f} KiB, "
-                  f"{4 * (e['vocab'] - d['vocab']) / 1024:.0f} KiB is one fp32 logits row's difference)")
+            print(
+                f"{c}: {layers(d)} layers, vocab {d['vocab']} -> {e['vocab']}: b {fit_of(d, c)['b'] / 1024:.2f} -> "
+                f"{fit_of(e, c)['b'] / 1024:.2f} KiB per token ({diff / 1024:+.2f} KiB, "
+                f"{4 * (e['vocab'] - d['vocab']) / 1024:.0f} KiB is one fp32 logits row's difference)"
+            )
             out.setdefault(c, {}).setdefault("vocab_pairs", []).append(
-                dict(layers=layers(d), vocabs=[d["vocab"], e["vocab"]], b=[fit_of(d, c)["b"], fit_of(e, c)["b"]]))
+                dict(
+                    layers=layers(d),
+                    vocabs=[d["vocab"], e["vocab"]],
+                    b=[fit_of(d, c)["b"], fit_of(e, c)["b"]],
+                )
+            )
 
     def at(d, c, x):
         r = [r for r in d["rows"] if r["config"] == c and r["tokens_per_rank"] == x]
@@ -642,10 +837,21 @@ def summarize(paths) -> int:
             for c in ("chunked+ckpt", "chunked+ckpt+tiled"):
                 (num, how_n), (den, how_d) = at(d, c, 8192), at(d, base, 8192)
                 if num and den:
-                    print(f"{d['model']}: peak at S/N 8192: {c} {num / MIB:.1f} MiB ({how_n}) / {base} "
-                          f"{den / MIB:.1f} MiB ({how_d}) = {num / den:.3f}")
-                    out.setdefault("ratio_8k", []).append(dict(model=d["model"], config=c, base=base, ratio=num / den,
-                                                               num=num, den=den, how=[how_n, how_d]))
+                    print(
+                        f"{d['model']}: peak at S/N 8192: {c} {num / MIB:.1f} MiB ({how_n}) / {base} "
+                        f"{den / MIB:.1f} MiB ({how_d}) = {num / den:.3f}"
+                    )
+                    out.setdefault("ratio_8k", []).append(
+                        dict(
+                            model=d["model"],
+                            config=c,
+                            base=base,
+                            ratio=num / den,
+                            num=num,
+                            den=den,
+                            how=[how_n, how_d],
+                        )
+                    )
         fl = fit_of(d, "logits")
         for c in ("chunked+ckpt", "chunked+ckpt+tiled"):
             fc = fit_of(d, c)
@@ -653,16 +859,26 @@ def summarize(paths) -> int:
                 r = fc["per_rank"] / fl["per_rank"]
                 last = fc.get("per_rank_last"), fl.get("per_rank_last")
                 r_last = last[0] / last[1] if all(last) else None
-                print(f"{d['model']}: longest S/N in {d['args']['fit_budget']:g} GiB per rank: {c} {fc['per_rank']} / "
-                      f"logits {fl['per_rank']} = {r:.1f}x on the fits (with AdamW: {fc['per_rank_adamw']} / "
-                      f"{fl['per_rank_adamw']})" + ("" if r_last is None else
-                                                   f"; on the two largest points' lines {last[0]} / {last[1]} = "
-                                                   f"{r_last:.1f}x"))
-                out.setdefault("longest", []).append(dict(model=d["model"], config=c, ratio=r, ratio_last=r_last))
+                print(
+                    f"{d['model']}: longest S/N in {d['args']['fit_budget']:g} GiB per rank: {c} {fc['per_rank']} / "
+                    f"logits {fl['per_rank']} = {r:.1f}x on the fits (with AdamW: {fc['per_rank_adamw']} / "
+                    f"{fl['per_rank_adamw']})"
+                    + (
+                        ""
+                        if r_last is None
+                        else f"; on the two largest points' lines {last[0]} / {last[1]} = "
+                        f"{r_last:.1f}x"
+                    )
+                )
+                out.setdefault("longest", []).append(
+                    dict(model=d["model"], config=c, ratio=r, ratio_last=r_last)
+                )
     for d in tput:
         for r in d["rows"]:
             base = [b for b in d["rows"] if b["config"] == "unpatched" and b["seq"] == r["seq"]]
-            mbase = [b for b in d["rows"] if b["config"] == "unpatched+ckpt" and b["seq"] == r["seq"]]
+            mbase = [
+                b for b in d["rows"] if b["config"] == "unpatched+ckpt" and b["seq"] == r["seq"]
+            ]
             if r["config"].startswith("unpatched"):
                 continue
             parts = [f"{d['model']} S {r['seq']}: {r['config']} {r['tokens_per_s']:.0f} tokens/s"]

@@ -37,7 +37,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+sys.path[:] = (
+    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -68,8 +70,14 @@ def run(job: dict) -> dict:
 
     prompts, max_tokens = job["prompts"], job["max_tokens"]
     max_len = max(len(p) + n for p, n in zip(prompts, max_tokens)) + 16
-    llm = vllm.LLM(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=max_len,
-                   max_num_seqs=len(prompts), kv_cache_memory_bytes=job.get("kv_cache_bytes", 2 << 30), seed=0)
+    llm = vllm.LLM(
+        model=job["model"],
+        dtype=job.get("dtype", "float32"),
+        max_model_len=max_len,
+        max_num_seqs=len(prompts),
+        kv_cache_memory_bytes=job.get("kv_cache_bytes", 2 << 30),
+        seed=0,
+    )
     generate(llm, [p[:8] for p in prompts[:2]], [2] * min(2, len(prompts)))
     best = None
     for _ in range(job.get("repeats", 1)):
@@ -91,8 +99,14 @@ def run_in_venv(python: str, job: dict, timeout: float) -> dict:
         job_path, out_path = os.path.join(d, "job.json"), os.path.join(d, "out.json")
         with open(job_path, "w") as f:
             json.dump(job, f)
-        proc = subprocess.Popen([python, "-I", os.path.abspath(__file__), job_path, out_path], cwd=d,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [python, "-I", os.path.abspath(__file__), job_path, out_path],
+            cwd=d,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -18,16 +18,20 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run from a checkout
 
 import torch.distributed as dist  # noqa: E402
 
 from ringkv.engine import LLM, KVSnapshot, SamplingParams  # noqa: E402
 from ringkv.parallel.transfer import recv_bytes, send_bytes  # noqa: E402
 
-TEXT = ("The history of the river valley begins with small farming villages that grew along its banks. "
-        "Traders arrived from the coast with salt and cloth, the villages became towns, the towns built "
-        "walls, and the walls became the borders of the first kingdoms. ")
+TEXT = (
+    "The history of the river valley begins with small farming villages that grew along its banks. "
+    "Traders arrived from the coast with salt and cloth, the villages became towns, the towns built "
+    "walls, and the walls became the borders of the first kingdoms. "
+)
 
 
 def prompts_for(llm, n):
@@ -35,7 +39,7 @@ def prompts_for(llm, n):
         v = llm.config.vocab_size - 3
         return [[(7 * i + 3 * j) % v + 3 for j in range(20 + 13 * i)] for i in range(n)]
     ids = llm.tokenizer.encode(TEXT * 6)
-    return [ids[(17 * i) % 40:(17 * i) % 40 + 24 + 11 * i] for i in range(n)]
+    return [ids[(17 * i) % 40 : (17 * i) % 40 + 24 + 11 * i] for i in range(n)]
 
 
 def prefill(llm, prompts, params):
@@ -48,7 +52,9 @@ def prefill(llm, prompts, params):
                 continue
             sent.add(out.request_id)
             if out.finished:  # done at its first token: nothing to decode
-                send_bytes(json.dumps({"done": out.request_id, "token_ids": out.token_ids}).encode(), 1)
+                send_bytes(
+                    json.dumps({"done": out.request_id, "token_ids": out.token_ids}).encode(), 1
+                )
                 continue
             send_bytes(json.dumps({"snapshot": out.request_id}).encode(), 1)
             llm.export_request(out.request_id).send(1)
@@ -72,7 +78,9 @@ def decode(llm, n):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -83,6 +91,7 @@ def main(argv=None) -> int:
         raise SystemExit("run with torchrun --nproc-per-node 2")
     if args.model is None:
         from ringkv.model.smollm2 import smollm2_path
+
         args.model = smollm2_path()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm = LLM(args.model, block_size=16, num_blocks=1024, max_num_batched_tokens=512)
@@ -105,9 +114,13 @@ def main(argv=None) -> int:
     ref = json.loads(recv_bytes(0))
     same = got == ref["tokens"]
     tokens = sum(map(len, got))
-    print(f"disaggregated (prefill rank 0 -> decode rank 1): {tokens / split_s:.1f} output tok/s over {split_s:.2f} s")
-    print(f"one engine:                                      {tokens / ref['seconds']:.1f} output tok/s over "
-          f"{ref['seconds']:.2f} s")
+    print(
+        f"disaggregated (prefill rank 0 -> decode rank 1): {tokens / split_s:.1f} output tok/s over {split_s:.2f} s"
+    )
+    print(
+        f"one engine:                                      {tokens / ref['seconds']:.1f} output tok/s over "
+        f"{ref['seconds']:.2f} s"
+    )
     print(f"outputs identical to one engine: {same} ({len(got)} requests, {tokens} tokens)")
     dist.destroy_process_group()
     return 0 if same else 1

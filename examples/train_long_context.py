@@ -62,8 +62,10 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "coriola
 
 # ---- data: documents, packed rows, batches ----
 
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids (byte + 3; 0 pad, 1 bos, 2 eos) for models without a tokenizer."""
+
     eos_token_id = 2
 
     def __call__(self, text):
@@ -76,16 +78,20 @@ def tokenizer_for(args):
     if args.tokenizer == "bytes":
         vocab = AutoConfig.from_pretrained(args.model).vocab_size
         if vocab < 259:
-            raise SystemExit(f"--tokenizer bytes needs a model with vocab_size >= 259 (ids = byte + 3); "
-                             f"{args.model} has {vocab}")
+            raise SystemExit(
+                f"--tokenizer bytes needs a model with vocab_size >= 259 (ids = byte + 3); "
+                f"{args.model} has {vocab}"
+            )
         return ByteTokenizer()
 
     path = args.tokenizer or args.model
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"no tokenizer in {path} ({e}); pass --tokenizer DIR, or --tokenizer bytes "
-                         f"(UTF-8 bytes, for a model with vocab_size >= 259)")
+        raise SystemExit(
+            f"no tokenizer in {path} ({e}); pass --tokenizer DIR, or --tokenizer bytes "
+            f"(UTF-8 bytes, for a model with vocab_size >= 259)"
+        )
 
 
 def documents(path, tok):
@@ -130,10 +136,11 @@ def collate(rows):
 
 def replica_batch(rows, step, replica, dp, batch, device):
     first = (step * dp + replica) * batch
-    return {k: v.to(device) for k, v in collate(rows[first:first + batch]).items()}
+    return {k: v.to(device) for k, v in collate(rows[first : first + batch]).items()}
 
 
 # ---- model and training ----
+
 
 def rows_dataset(rows):
     """The Trainer's dataset: one item per packed row, its document pieces (collate() flattens them)."""
@@ -156,17 +163,38 @@ def training_args(args, out_dir, per_device, cuda):
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=args.ga, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, optim="adamw_torch", max_grad_norm=args.max_grad_norm, logging_steps=1,
-        save_strategy="no", report_to="none", disable_tqdm=True, bf16=False, fp16=False, seed=0,
-        train_sampling_strategy="sequential", remove_unused_columns=False, dataloader_num_workers=0,
-        use_cpu=not cuda, ddp_backend="gloo" if dist.is_initialized() and not cuda else None)
+        output_dir=out_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=args.ga,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        max_grad_norm=args.max_grad_norm,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        bf16=False,
+        fp16=False,
+        seed=0,
+        train_sampling_strategy="sequential",
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        use_cpu=not cuda,
+        ddp_backend="gloo" if dist.is_initialized() and not cuda else None,
+    )
 
 
 def steps_of(trainer):
     """[(loss, grad norm)] of every optimizer step, as Trainer logged them."""
-    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    return [
+        (h["loss"], h["grad_norm"])
+        for h in trainer.state.log_history
+        if "loss" in h and "grad_norm" in h
+    ]
 
 
 def distributed_run(args, rows, device, out_dir):
@@ -179,12 +207,20 @@ def distributed_run(args, rows, device, out_dir):
     mesh = init_device_mesh(device.type, (args.dp, args.sp), mesh_dim_names=("dp", "sp"))
     model = load_model(args, device)
     ringkv.hf.patch_model(model, group=mesh, mesh_dim="sp", layout=args.layout)
-    trainer = sp_trainer(Trainer)(model=model, args=training_args(args, out_dir, args.batch, device.type == "cuda"),
-                                  train_dataset=rows_dataset(rows), data_collator=collate_rows, sp_mesh=mesh)
+    trainer = sp_trainer(Trainer)(
+        model=model,
+        args=training_args(args, out_dir, args.batch, device.type == "cuda"),
+        train_dataset=rows_dataset(rows),
+        data_collator=collate_rows,
+        sp_mesh=mesh,
+    )
     if dist.get_rank() == 0:
-        print(f"ringkv: dp={args.dp} x sp={args.sp} ({args.layout}), rows of {args.seq} tokens, {args.batch} per "
-              f"replica per micro-batch, {args.ga} micro-batch(es) per step, lr {args.lr}, {device}, fp32, "
-              f"model {args.model}", flush=True)
+        print(
+            f"ringkv: dp={args.dp} x sp={args.sp} ({args.layout}), rows of {args.seq} tokens, {args.batch} per "
+            f"replica per micro-batch, {args.ga} micro-batch(es) per step, lr {args.lr}, {device}, fp32, "
+            f"model {args.model}",
+            flush=True,
+        )
     trainer.train()
     return steps_of(trainer)
 
@@ -194,10 +230,17 @@ def reference_run(args, rows, device, out_dir):
     from transformers import Trainer
 
     model = load_model(args, device)
-    print(f"reference: unpatched model in one process ({torch.get_num_threads()} threads), "
-          f"{args.dp} x {args.batch} rows per micro-batch", flush=True)
-    trainer = Trainer(model=model, args=training_args(args, out_dir, args.dp * args.batch, device.type == "cuda"),
-                      train_dataset=rows_dataset(rows), data_collator=collate_rows)
+    print(
+        f"reference: unpatched model in one process ({torch.get_num_threads()} threads), "
+        f"{args.dp} x {args.batch} rows per micro-batch",
+        flush=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args(args, out_dir, args.dp * args.batch, device.type == "cuda"),
+        train_dataset=rows_dataset(rows),
+        data_collator=collate_rows,
+    )
     trainer.train()
     return steps_of(trainer)
 
@@ -207,13 +250,27 @@ def reference_subprocess(args):
     per process): its steps, read back from a JSON file."""
     out = os.path.join(args.output_dir, "reference.json")
     argv = [sys.executable, os.path.abspath(__file__), "--single", "--json", out]
-    for name in ("model", "tokenizer", "data", "dp", "seq", "batch", "ga", "steps", "lr", "max_grad_norm"):
+    for name in (
+        "model",
+        "tokenizer",
+        "data",
+        "dp",
+        "seq",
+        "batch",
+        "ga",
+        "steps",
+        "lr",
+        "max_grad_norm",
+    ):
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")
-    env = {k: v for k, v in os.environ.items()  # not a torchrun worker: accelerate reads these
-           if k not in launcher and not k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "MASTER_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()  # not a torchrun worker: accelerate reads these
+        if k not in launcher and not k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "MASTER_"))
+    }
     subprocess.run(argv, env=env, check=True)
     with open(out) as f:
         return [tuple(x) for x in json.load(f)]
@@ -221,17 +278,28 @@ def reference_subprocess(args):
 
 def compare(ring, ref, tol) -> bool:
     """Print both runs' losses and gradient norms side by side; True when every step is within ``tol``."""
-    print(f"{'step':>4}  {'ringkv loss':>12}  {'reference':>12}  {'|diff|':>9}  {'relative':>9}   "
-          f"{'grad norm':>10}  {'reference':>10}  {'relative':>9}")
+    print(
+        f"{'step':>4}  {'ringkv loss':>12}  {'reference':>12}  {'|diff|':>9}  {'relative':>9}   "
+        f"{'grad norm':>10}  {'reference':>10}  {'relative':>9}"
+    )
     worst_abs = worst_rel = worst_norm = 0.0
     for i, ((a, na), (b, nb)) in enumerate(zip(ring, ref)):
         diff = abs(a - b)
         rel, rel_norm = diff / max(abs(b), 1e-12), abs(na - nb) / max(abs(nb), 1e-12)
-        worst_abs, worst_rel, worst_norm = max(worst_abs, diff), max(worst_rel, rel), max(worst_norm, rel_norm)
-        print(f"{i + 1:>4}  {a:12.6f}  {b:12.6f}  {diff:9.2e}  {rel:9.2e}   {na:10.6f}  {nb:10.6f}  {rel_norm:9.2e}")
+        worst_abs, worst_rel, worst_norm = (
+            max(worst_abs, diff),
+            max(worst_rel, rel),
+            max(worst_norm, rel_norm),
+        )
+        print(
+            f"{i + 1:>4}  {a:12.6f}  {b:12.6f}  {diff:9.2e}  {rel:9.2e}   {na:10.6f}  {nb:10.6f}  {rel_norm:9.2e}"
+        )
     ok = len(ring) == len(ref) and worst_rel <= tol and worst_norm <= tol
-    print(f"max |loss difference| = {worst_abs:.3e} (relative {worst_rel:.3e}); max relative grad norm "
-          f"difference = {worst_norm:.3e}; tolerance {tol:.0e} relative: {'OK' if ok else 'EXCEEDED'}", flush=True)
+    print(
+        f"max |loss difference| = {worst_abs:.3e} (relative {worst_rel:.3e}); max relative grad norm "
+        f"difference = {worst_norm:.3e}; tolerance {tol:.0e} relative: {'OK' if ok else 'EXCEEDED'}",
+        flush=True,
+    )
     return ok
 
 
@@ -245,24 +313,54 @@ def load_average():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="HF-format model directory (default: SmolLM2-135M-Instruct, smollm2_path())")
-    p.add_argument("--tokenizer", help="tokenizer directory (default: the model's), or 'bytes' (UTF-8 bytes + 3)")
+    p.add_argument(
+        "--model", help="HF-format model directory (default: SmolLM2-135M-Instruct, smollm2_path())"
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer directory (default: the model's), or 'bytes' (UTF-8 bytes + 3)",
+    )
     p.add_argument("--data", default=DATA, help="a text file; blank lines separate documents")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    p.add_argument("--sp", type=int, default=None, help="sequence-parallel ranks per replica (default world / dp)")
+    p.add_argument(
+        "--sp",
+        type=int,
+        default=None,
+        help="sequence-parallel ranks per replica (default world / dp)",
+    )
     p.add_argument("--seq", type=int, default=512, help="tokens per packed row")
     p.add_argument("--batch", type=int, default=1, help="packed rows per replica per micro-batch")
-    p.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps: micro-batches per optimizer step")
+    p.add_argument(
+        "--ga",
+        type=int,
+        default=1,
+        help="gradient_accumulation_steps: micro-batches per optimizer step",
+    )
     p.add_argument("--steps", type=int, default=5, help="optimizer steps (Trainer's max_steps)")
     p.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (constant)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: none)")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous", "striped"])
-    p.add_argument("--reference", action="store_true",
-                   help="after the run, rank 0 runs the unpatched model on the same batches and compares losses")
-    p.add_argument("--single", action="store_true", help="run only the reference, in this one process (no torchrun)")
-    p.add_argument("--json", help="with --single: write the reference's [(loss, grad norm)] per step here")
-    p.add_argument("--output-dir", default=None, help="Trainer's output_dir (nothing is saved; default a temp dir)")
-    p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference that passes")
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="after the run, rank 0 runs the unpatched model on the same batches and compares losses",
+    )
+    p.add_argument(
+        "--single",
+        action="store_true",
+        help="run only the reference, in this one process (no torchrun)",
+    )
+    p.add_argument(
+        "--json", help="with --single: write the reference's [(loss, grad norm)] per step here"
+    )
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="Trainer's output_dir (nothing is saved; default a temp dir)",
+    )
+    p.add_argument(
+        "--tol", type=float, default=1e-4, help="largest relative loss difference that passes"
+    )
     args = p.parse_args()
     for name in ("dp", "seq", "batch", "ga", "steps"):
         if getattr(args, name) < 1:
@@ -291,31 +389,45 @@ def main():
     if args.single:
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
             p.error("--single runs in one process: start it with python, not torchrun")
-        print(f"{len(docs)} documents from {os.path.basename(args.data)}; {len(rows)} rows of {args.seq} tokens")
+        print(
+            f"{len(docs)} documents from {os.path.basename(args.data)}; {len(rows)} rows of {args.seq} tokens"
+        )
         t0 = time.perf_counter()
         ref = reference_run(args, rows, device, os.path.join(args.output_dir, "reference"))
-        print(f"reference: {time.perf_counter() - t0:.1f} s; load average {load_average()}", flush=True)
+        print(
+            f"reference: {time.perf_counter() - t0:.1f} s; load average {load_average()}",
+            flush=True,
+        )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(ref, f)
         return 0
 
     if "WORLD_SIZE" not in os.environ:
-        p.error("start the distributed run with torchrun --nproc-per-node DP*SP (or pass --single for the "
-                "reference alone)")
+        p.error(
+            "start the distributed run with torchrun --nproc-per-node DP*SP (or pass --single for the "
+            "reference alone)"
+        )
     world = int(os.environ["WORLD_SIZE"])
     if args.sp is None and world % args.dp:
         p.error(f"--dp {args.dp} does not divide the world of {world} ranks")
     args.sp = args.sp or world // args.dp
     if args.sp < 1 or args.dp * args.sp != world:
-        p.error(f"--dp {args.dp} x --sp {args.sp} = {args.dp * args.sp} ranks, but the world has {world} "
-                f"(start torchrun --nproc-per-node {max(1, args.dp * args.sp)})")
-    if not dist.is_initialized():  # before patch_model (it needs the groups); accelerate then uses this group
+        p.error(
+            f"--dp {args.dp} x --sp {args.sp} = {args.dp * args.sp} ranks, but the world has {world} "
+            f"(start torchrun --nproc-per-node {max(1, args.dp * args.sp)})"
+        )
+    if (
+        not dist.is_initialized()
+    ):  # before patch_model (it needs the groups); accelerate then uses this group
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     if rank == 0:
-        print(f"{len(docs)} documents from {os.path.basename(args.data)}; {len(rows)} rows of {args.seq} tokens "
-              f"({sum(len(r) for r in rows)} pieces); load average {load_average()}", flush=True)
+        print(
+            f"{len(docs)} documents from {os.path.basename(args.data)}; {len(rows)} rows of {args.seq} tokens "
+            f"({sum(len(r) for r in rows)} pieces); load average {load_average()}",
+            flush=True,
+        )
     t0 = time.perf_counter()
     ring = distributed_run(args, rows, device, os.path.join(args.output_dir, "ringkv"))
     seconds = time.perf_counter() - t0
@@ -323,12 +435,18 @@ def main():
     dist.destroy_process_group()
     if rank != 0:
         return 0
-    print(f"ringkv: {seconds:.1f} s for {args.steps} steps with loading; load average {load_average()}", flush=True)
+    print(
+        f"ringkv: {seconds:.1f} s for {args.steps} steps with loading; load average {load_average()}",
+        flush=True,
+    )
     if not args.reference:
         return 0
     t0 = time.perf_counter()
     ref = reference_subprocess(args)
-    print(f"reference: {time.perf_counter() - t0:.1f} s with loading; load average {load_average()}", flush=True)
+    print(
+        f"reference: {time.perf_counter() - t0:.1f} s with loading; load average {load_average()}",
+        flush=True,
+    )
     return 0 if compare(ring, ref, args.tol) else 1
 
 

@@ -18,100 +18,220 @@ import sys
 
 
 def _engine_options(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--model", required=True, help="HF directory (config.json + *.safetensors) or a .gguf file")
-    g.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: float32 on CPU)")
-    g.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB per rank")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (attention heads split)")
+    g.add_argument(
+        "--model", required=True, help="HF directory (config.json + *.safetensors) or a .gguf file"
+    )
+    g.add_argument(
+        "--dtype", default=None, help="float32 / bfloat16 / float16 (default: float32 on CPU)"
+    )
+    g.add_argument(
+        "--kv-cache-memory", type=float, default=None, help="KV cache size in GiB per rank"
+    )
+    g.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks (attention heads split)"
+    )
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (layers split)")
-    g.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks (ring prefill, KV striped)")
-    g.add_argument("--pp-layers", type=int, nargs="+", default=None, help="layers per pipeline stage")
+    g.add_argument(
+        "--sp", type=int, default=1, help="sequence-parallel ranks (ring prefill, KV striped)"
+    )
+    g.add_argument(
+        "--pp-layers", type=int, nargs="+", default=None, help="layers per pipeline stage"
+    )
     g.add_argument("--block-size", type=int, default=16, help="KV cache tokens per block on a rank")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests computed at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)")
-    g.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's), fp8 (= fp8_e4m3), fp8_e5m2 or int8")
-    g.add_argument("--sp-prefill-min-tokens", type=int, default=None,
-                   help="tokens a sequence computes in a step before the ring splits them over the SP ranks")
-    g.add_argument("--compile-decode", action="store_true",
-                   help="run decode steps' dense parts (on CPU, prefill steps' too) through torch.compile "
-                        "(compiled at start-up; tp=1 only)")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)"
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model's), fp8 (= fp8_e4m3), fp8_e5m2 or int8",
+    )
+    g.add_argument(
+        "--sp-prefill-min-tokens",
+        type=int,
+        default=None,
+        help="tokens a sequence computes in a step before the ring splits them over the SP ranks",
+    )
+    g.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="run decode steps' dense parts (on CPU, prefill steps' too) through torch.compile "
+        "(compiled at start-up; tp=1 only)",
+    )
 
 
 def _front_options(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--api-key", default=None,
-                   help="/v1/* needs Authorization: Bearer KEY (default $RINGKV_API_KEY; none: open)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="/v1/* needs Authorization: Bearer KEY (default $RINGKV_API_KEY; none: open)",
+    )
     g.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
-    g.add_argument("--admin", action="store_true",
-                   help="turn on the admin endpoints (/admin/* on a front, /internal/* on an instance)")
-    g.add_argument("--admin-key", default=None,
-                   help="admin endpoints on, behind this key (x-ringkv-admin-key header; default $RINGKV_ADMIN_KEY)")
-    g.add_argument("--routing", default="kv", choices=["kv", "round-robin", "least-loaded"],
-                   help="a front's routing: the longest cached prefix (kv), or the baselines")
-    g.add_argument("--balance", type=int, default=16,
-                   help="kv routing: an instance holding this many more requests than the least busy one is "
-                        "passed over")
-    g.add_argument("--no-migration", action="store_true", help="a front never moves running requests by itself")
-    g.add_argument("--migration-threshold", type=float, default=0.1,
-                   help="a front moves a request when two instances' loads (max of KV usage and requests / "
-                        "max-num-seqs) differ by more than this")
+    g.add_argument(
+        "--admin",
+        action="store_true",
+        help="turn on the admin endpoints (/admin/* on a front, /internal/* on an instance)",
+    )
+    g.add_argument(
+        "--admin-key",
+        default=None,
+        help="admin endpoints on, behind this key (x-ringkv-admin-key header; default $RINGKV_ADMIN_KEY)",
+    )
+    g.add_argument(
+        "--routing",
+        default="kv",
+        choices=["kv", "round-robin", "least-loaded"],
+        help="a front's routing: the longest cached prefix (kv), or the baselines",
+    )
+    g.add_argument(
+        "--balance",
+        type=int,
+        default=16,
+        help="kv routing: an instance holding this many more requests than the least busy one is "
+        "passed over",
+    )
+    g.add_argument(
+        "--no-migration", action="store_true", help="a front never moves running requests by itself"
+    )
+    g.add_argument(
+        "--migration-threshold",
+        type=float,
+        default=0.1,
+        help="a front moves a request when two instances' loads (max of KV usage and requests / "
+        "max-num-seqs) differ by more than this",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ringkv", description="ringkv: exact ring attention and an inference engine")
+    p = argparse.ArgumentParser(
+        prog="ringkv", description="ringkv: exact ring attention and an inference engine"
+    )
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with the ringkv engine")
     _engine_options(g)
-    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    g.add_argument(
+        "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
+    )
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--stream", action="store_true", help="print tokens as they are generated (one prompt)")
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    g.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
+    g.add_argument(
+        "--stream", action="store_true", help="print tokens as they are generated (one prompt)"
+    )
+    s = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"
+    )
     _engine_options(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    s.add_argument(
+        "--served-model-name", default=None, help="the model name clients use (default: --model)"
+    )
     s.add_argument("--log-level", default="warning")
-    s.add_argument("--max-request-bytes", type=int, default=None,
-                   help="request bodies larger than this get a 413 (default: 16 MiB)")
-    s.add_argument("--instance-id", default=None, help="this instance's name in x-ringkv-instance (default host:port)")
-    s.add_argument("--max-waiting", type=int, default=None,
-                   help="requests past this many waiting get a 429 with Retry-After (default: no limit)")
-    s.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds after which a request is aborted and its blocks freed (default: none)")
-    s.add_argument("--replicas", type=int, default=None,
-                   help="start N engine instances (each with the engine options) behind a routing front")
+    s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="request bodies larger than this get a 413 (default: 16 MiB)",
+    )
+    s.add_argument(
+        "--instance-id",
+        default=None,
+        help="this instance's name in x-ringkv-instance (default host:port)",
+    )
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="requests past this many waiting get a 429 with Retry-After (default: no limit)",
+    )
+    s.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds after which a request is aborted and its blocks freed (default: none)",
+    )
+    s.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="start N engine instances (each with the engine options) behind a routing front",
+    )
     _front_options(s)
-    r = sub.add_parser("router", help="an OpenAI-compatible front over ringkv serve instances (KV-aware routing, "
-                                      "live migration, failover)")
-    r.add_argument("--upstream", action="append", default=[], metavar="URL",
-                   help="a ringkv serve instance started with --admin or the same --admin-key (repeat)")
+    r = sub.add_parser(
+        "router",
+        help="an OpenAI-compatible front over ringkv serve instances (KV-aware routing, "
+        "live migration, failover)",
+    )
+    r.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a ringkv serve instance started with --admin or the same --admin-key (repeat)",
+    )
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--log-level", default="warning")
     r.add_argument("--max-request-bytes", type=int, default=None)
     _front_options(r)
-    q = sub.add_parser("plan", help="choose TP/PP/SP (and KV dtype) for a model, a context length and a cluster")
-    q.add_argument("--model", required=True, help="preset name (e.g. llama-3-70b), HF directory or config.json")
+    q = sub.add_parser(
+        "plan", help="choose TP/PP/SP (and KV dtype) for a model, a context length and a cluster"
+    )
+    q.add_argument(
+        "--model", required=True, help="preset name (e.g. llama-3-70b), HF directory or config.json"
+    )
     q.add_argument("--seq", type=int, required=True, help="tokens per sequence (prompt + output)")
     q.add_argument("--batch", type=int, default=1, help="sequences held and decoded together")
     q.add_argument("--gpus", type=int, required=True)
-    q.add_argument("--gpu", default="h100", help="h100, h200, h800, a100, l40s, 4090, cpu (or one from --hardware)")
-    q.add_argument("--interconnect", default="nvlink", help="link inside a node: nvlink, pcie; ib: one GPU per node")
-    q.add_argument("--nodes", type=int, default=None, help="nodes holding the GPUs (between nodes: ib)")
-    q.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="one or more of auto, int8, fp8, fp8_e5m2")
-    q.add_argument("--dtype", default="bfloat16", help="bfloat16, float16, float32, fp8 (FP8 weights)")
-    q.add_argument("--hardware", default=None, metavar="FILE", help="JSON merged over ringkv/hardware.json")
-    q.add_argument("--calibrate", nargs="+", default=None, metavar="JSON",
-                   help="benchmark results (long_ctx.py, long_prefill.py, engine.py --json) or a rates file")
-    q.add_argument("--output-tokens", type=int, default=256, help="decode length used to rank the options")
+    q.add_argument(
+        "--gpu",
+        default="h100",
+        help="h100, h200, h800, a100, l40s, 4090, cpu (or one from --hardware)",
+    )
+    q.add_argument(
+        "--interconnect",
+        default="nvlink",
+        help="link inside a node: nvlink, pcie; ib: one GPU per node",
+    )
+    q.add_argument(
+        "--nodes", type=int, default=None, help="nodes holding the GPUs (between nodes: ib)"
+    )
+    q.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        help="one or more of auto, int8, fp8, fp8_e5m2",
+    )
+    q.add_argument(
+        "--dtype", default="bfloat16", help="bfloat16, float16, float32, fp8 (FP8 weights)"
+    )
+    q.add_argument(
+        "--hardware", default=None, metavar="FILE", help="JSON merged over ringkv/hardware.json"
+    )
+    q.add_argument(
+        "--calibrate",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="benchmark results (long_ctx.py, long_prefill.py, engine.py --json) or a rates file",
+    )
+    q.add_argument(
+        "--output-tokens", type=int, default=256, help="decode length used to rank the options"
+    )
     q.add_argument("--no-ulysses", action="store_true", help="plain ring only for SP")
     q.add_argument("--json", default=None, metavar="PATH", help="write the options as JSON")
-    q.add_argument("--plot", default=None, metavar="PATH", help="prefill vs decode plot of the options")
+    q.add_argument(
+        "--plot", default=None, metavar="PATH", help="prefill vs decode plot of the options"
+    )
     q.add_argument("--top", type=int, default=None, help="print only the best N options")
     return p
 
@@ -122,20 +242,41 @@ def _plan(args) -> int:
     from . import planner
 
     try:
-        opts = planner.plan(args.model, args.seq, batch=args.batch, gpus=args.gpus, gpu=args.gpu,
-                            interconnect=args.interconnect, nodes=args.nodes, kv_cache_dtype=args.kv_cache_dtype,
-                            dtype=args.dtype, hardware=args.hardware, calibrate=args.calibrate,
-                            output_tokens=args.output_tokens, ulysses=not args.no_ulysses)
+        opts = planner.plan(
+            args.model,
+            args.seq,
+            batch=args.batch,
+            gpus=args.gpus,
+            gpu=args.gpu,
+            interconnect=args.interconnect,
+            nodes=args.nodes,
+            kv_cache_dtype=args.kv_cache_dtype,
+            dtype=args.dtype,
+            hardware=args.hardware,
+            calibrate=args.calibrate,
+            output_tokens=args.output_tokens,
+            ulysses=not args.no_ulysses,
+        )
     except (ValueError, TypeError) as e:
         print(f"ringkv: {e}", file=sys.stderr)
         return 2
-    print(planner.format_table(opts[:args.top] if args.top else opts))
+    print(planner.format_table(opts[: args.top] if args.top else opts))
     best = [o for o in opts if o.recommended]
-    print(f"\n{'recommended: tp=%d pp=%d sp=%d%s' % (best[0].tp, best[0].pp, best[0].sp, ' ulysses=%d' % best[0].ulysses if best[0].ulysses > 1 else '') if best else 'nothing fits (closest: ' + opts[0].reason + '); use more GPUs, a quantized KV cache or a shorter sequence'}")
+    print(
+        f"\n{'recommended: tp=%d pp=%d sp=%d%s' % (best[0].tp, best[0].pp, best[0].sp, ' ulysses=%d' % best[0].ulysses if best[0].ulysses > 1 else '') if best else 'nothing fits (closest: ' + opts[0].reason + '); use more GPUs, a quantized KV cache or a shorter sequence'}"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(inputs={k: v for k, v in vars(args).items() if k not in ("json", "plot", "command")},
-                           options=[o.asdict() for o in opts]), f, indent=2)
+            json.dump(
+                dict(
+                    inputs={
+                        k: v for k, v in vars(args).items() if k not in ("json", "plot", "command")
+                    },
+                    options=[o.asdict() for o in opts],
+                ),
+                f,
+                indent=2,
+            )
     if args.plot:
         planner.plot(opts, args.plot, f"{args.model}, {args.seq} tokens, {args.gpus} x {args.gpu}")
     return 0
@@ -145,11 +286,27 @@ def _build(args):
     from .engine import LLM
 
     mem = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
-    extra = {} if args.sp_prefill_min_tokens is None else {"sp_prefill_min_tokens": args.sp_prefill_min_tokens}
-    return LLM(args.model, dtype=args.dtype, kv_cache_memory=mem, tp=args.tp, pp=args.pp, sp=args.sp,
-               pp_layers=args.pp_layers, block_size=args.block_size, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               kv_cache_dtype=args.kv_cache_dtype, compile_decode=args.compile_decode, **extra)
+    extra = (
+        {}
+        if args.sp_prefill_min_tokens is None
+        else {"sp_prefill_min_tokens": args.sp_prefill_min_tokens}
+    )
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        kv_cache_memory=mem,
+        tp=args.tp,
+        pp=args.pp,
+        sp=args.sp,
+        pp_layers=args.pp_layers,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
+        compile_decode=args.compile_decode,
+        **extra,
+    )
 
 
 def _router(args, replicas=None) -> int:
@@ -159,30 +316,60 @@ def _router(args, replicas=None) -> int:
 
     key = args.admin_key or os.environ.get("RINGKV_ADMIN_KEY")
     try:
-        router = Router(routing=args.routing, migration=not args.no_migration, threshold=args.migration_threshold,
-                        balance=args.balance, admin=args.admin, admin_key=key,
-                        upstream_key=key or (new_key() if replicas else None),
-                        api_key=args.api_key or os.environ.get("RINGKV_API_KEY"), protect_metrics=args.protect_metrics)
+        router = Router(
+            routing=args.routing,
+            migration=not args.no_migration,
+            threshold=args.migration_threshold,
+            balance=args.balance,
+            admin=args.admin,
+            admin_key=key,
+            upstream_key=key or (new_key() if replicas else None),
+            api_key=args.api_key or os.environ.get("RINGKV_API_KEY"),
+            protect_metrics=args.protect_metrics,
+        )
         for url in args.upstream if replicas is None else []:
             router.add(url)
     except ValueError as e:
         print(f"ringkv: {e}", file=sys.stderr)
         return 2
     if replicas is None and not args.upstream:
-        print("ringkv: router needs at least one --upstream URL (more can join: POST /admin/instances)",
-              file=sys.stderr)
-    print(f"ringkv: routing ({args.routing}) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    run(router, host=args.host, port=args.port, log_level=args.log_level, replicas=replicas,
-        max_request_bytes=args.max_request_bytes)
+        print(
+            "ringkv: router needs at least one --upstream URL (more can join: POST /admin/instances)",
+            file=sys.stderr,
+        )
+    print(
+        f"ringkv: routing ({args.routing}) on http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    run(
+        router,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        replicas=replicas,
+        max_request_bytes=args.max_request_bytes,
+    )
     if router.fatal:
         print(f"ringkv: {router.fatal}", file=sys.stderr)
         return 1
     return 0
 
 
-_FRONT_ONLY = {"--replicas": 1, "--host": 1, "--port": 1, "--admin": 0, "--admin-key": 1, "--routing": 1,
-               "--balance": 1, "--no-migration": 0, "--migration-threshold": 1, "--instance-id": 1,
-               "--api-key": 1, "--protect-metrics": 0}
+_FRONT_ONLY = {
+    "--replicas": 1,
+    "--host": 1,
+    "--port": 1,
+    "--admin": 0,
+    "--admin-key": 1,
+    "--routing": 1,
+    "--balance": 1,
+    "--no-migration": 0,
+    "--migration-threshold": 1,
+    "--instance-id": 1,
+    "--api-key": 1,
+    "--protect-metrics": 0,
+}
 
 
 def _replica_argv(argv, n: int):
@@ -208,17 +395,28 @@ def main(argv=None) -> int:
         import os
 
         if args.replicas < 1 or not os.path.exists(args.model):
-            why = f"--replicas must be >= 1, got {args.replicas}" if args.replicas < 1 else \
-                f"no model at {args.model!r}"
+            why = (
+                f"--replicas must be >= 1, got {args.replicas}"
+                if args.replicas < 1
+                else f"no model at {args.model!r}"
+            )
             print(f"ringkv: {why}", file=sys.stderr)
             return 2
-        return _router(args, _replica_argv(sys.argv[1:] if argv is None else list(argv), args.replicas))
+        return _router(
+            args, _replica_argv(sys.argv[1:] if argv is None else list(argv), args.replicas)
+        )
     from .engine import SamplingParams
 
     params = None
     if args.command == "generate":
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, stop=args.stop, seed=args.seed)
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            stop=args.stop,
+            seed=args.seed,
+        )
         problem = params.problem()
         if problem:
             print(f"ringkv: {problem}", file=sys.stderr)
@@ -245,24 +443,45 @@ def _serve(llm, args) -> int:
         follow_forever(llm)
         return 0
     name = args.served_model_name or args.model
-    print(f"ringkv: serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(
+        f"ringkv: serving {name!r} on http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
     import os
 
     api_key = args.api_key or os.environ.get("RINGKV_API_KEY")
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"ringkv: WARNING: serving on {args.host} without an API key: anyone who reaches the port can use "
-              f"it (--api-key or RINGKV_API_KEY)", file=sys.stderr, flush=True)
-    serve(llm, host=args.host, port=args.port, model_name=name, log_level=args.log_level,
-          max_request_bytes=args.max_request_bytes, instance_id=args.instance_id, admin=args.admin,
-          admin_key=args.admin_key or os.environ.get("RINGKV_ADMIN_KEY"), api_key=api_key,
-          protect_metrics=args.protect_metrics, max_waiting=args.max_waiting, request_timeout=args.request_timeout)
+        print(
+            f"ringkv: WARNING: serving on {args.host} without an API key: anyone who reaches the port can use "
+            f"it (--api-key or RINGKV_API_KEY)",
+            file=sys.stderr,
+            flush=True,
+        )
+    serve(
+        llm,
+        host=args.host,
+        port=args.port,
+        model_name=name,
+        log_level=args.log_level,
+        max_request_bytes=args.max_request_bytes,
+        instance_id=args.instance_id,
+        admin=args.admin,
+        admin_key=args.admin_key or os.environ.get("RINGKV_ADMIN_KEY"),
+        api_key=api_key,
+        protect_metrics=args.protect_metrics,
+        max_waiting=args.max_waiting,
+        request_timeout=args.request_timeout,
+    )
     return 0
 
 
 def _run(llm, args, params) -> int:
     show = llm.rank == 0  # under torchrun every rank runs the command; rank 0 prints
     if llm.tokenizer is None:
-        print(f"ringkv: no tokenizer files in {args.model!r}; text prompts need one", file=sys.stderr)
+        print(
+            f"ringkv: no tokenizer files in {args.model!r}; text prompts need one", file=sys.stderr
+        )
         return 2
     if args.stream and len(args.prompt) == 1:
         try:

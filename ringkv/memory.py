@@ -30,24 +30,39 @@ __all__ = ["tile_mlp", "offload_checkpoints", "CheckpointStore", "HostStore", "F
 
 # child modules by which an MLP is recognised as a token-wise feed-forward block (Llama, Qwen, Mistral, Gemma,
 # Phi, GPT-style); routed experts (MoE) are not tiled
-MLP_FORMS = (("gate_proj", "up_proj", "down_proj"), ("up_proj", "down_proj"), ("fc1", "fc2"), ("c_fc", "c_proj"),
-             ("gate_up_proj", "down_proj"), ("dense_h_to_4h", "dense_4h_to_h"))
+MLP_FORMS = (
+    ("gate_proj", "up_proj", "down_proj"),
+    ("up_proj", "down_proj"),
+    ("fc1", "fc2"),
+    ("c_fc", "c_proj"),
+    ("gate_up_proj", "down_proj"),
+    ("dense_h_to_4h", "dense_4h_to_h"),
+)
 
 
 def mlps(model) -> List[torch.nn.Module]:
     """The MLPs of ``model``'s decoder layers (a layer: a module with ``self_attn`` and ``mlp``).
     ``ValueError`` naming ``tile_mlp`` when there are none, or one is not a recognised form."""
-    found = [m.mlp for m in model.modules() if isinstance(getattr(m, "mlp", None), torch.nn.Module)
-             and hasattr(m, "self_attn")]
+    found = [
+        m.mlp
+        for m in model.modules()
+        if isinstance(getattr(m, "mlp", None), torch.nn.Module) and hasattr(m, "self_attn")
+    ]
     if not found:
-        raise ValueError(f"tile_mlp: found no decoder layers (modules with self_attn and mlp) in "
-                         f"{type(model).__name__}; tile_mlp recognises Llama-style layers")
+        raise ValueError(
+            f"tile_mlp: found no decoder layers (modules with self_attn and mlp) in "
+            f"{type(model).__name__}; tile_mlp recognises Llama-style layers"
+        )
     for mlp in found:
         names = {n for n, _ in mlp.named_children()}
-        if any(n in names for n in ("experts", "router", "gate")) or not any(set(f) <= names for f in MLP_FORMS):
-            raise ValueError(f"tile_mlp: {type(model).__name__}'s MLP {type(mlp).__name__} (children "
-                             f"{sorted(names)}) is not a recognised token-wise MLP (one of "
-                             f"{[list(f) for f in MLP_FORMS]}; mixtures of experts are not tiled); pass tile_mlp=False")
+        if any(n in names for n in ("experts", "router", "gate")) or not any(
+            set(f) <= names for f in MLP_FORMS
+        ):
+            raise ValueError(
+                f"tile_mlp: {type(model).__name__}'s MLP {type(mlp).__name__} (children "
+                f"{sorted(names)}) is not a recognised token-wise MLP (one of "
+                f"{[list(f) for f in MLP_FORMS]}; mixtures of experts are not tiled); pass tile_mlp=False"
+            )
     return found
 
 
@@ -57,11 +72,16 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, tile, x, *params):
         ctx.fn, ctx.tile, ctx.params = fn, tile, params
-        ctx.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-                        if d == "cpu" or torch.cuda.is_available()]
+        ctx.autocast = [
+            (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+            for d in ("cpu", "cuda")
+            if d == "cpu" or torch.cuda.is_available()
+        ]
         ctx.save_for_backward(x)
         # tile by tile: the whole sequence's intermediates never exist
-        return torch.cat([fn(x[:, lo:lo + tile]) for lo in range(0, x.shape[1], tile)], 1)        # (B, S, H)
+        return torch.cat(
+            [fn(x[:, lo : lo + tile]) for lo in range(0, x.shape[1], tile)], 1
+        )  # (B, S, H)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -70,13 +90,17 @@ class _TiledMLP(torch.autograd.Function):
         grads = [None] * len(ctx.params)
         dx = torch.empty_like(x) if ctx.needs_input_grad[2] else None
         for lo in range(0, x.shape[1], ctx.tile):
-            xt = x[:, lo:lo + ctx.tile].detach().requires_grad_(dx is not None)
+            xt = x[:, lo : lo + ctx.tile].detach().requires_grad_(dx is not None)
             with torch.enable_grad(), _autocast(ctx.autocast):
-                yt = ctx.fn(xt)                                                 # one tile, recomputed
-            got = torch.autograd.grad(yt, ([xt] if dx is not None else []) + [ctx.params[i] for i in want],
-                                      grad_out[:, lo:lo + ctx.tile], allow_unused=True)
+                yt = ctx.fn(xt)  # one tile, recomputed
+            got = torch.autograd.grad(
+                yt,
+                ([xt] if dx is not None else []) + [ctx.params[i] for i in want],
+                grad_out[:, lo : lo + ctx.tile],
+                allow_unused=True,
+            )
             if dx is not None:
-                dx[:, lo:lo + ctx.tile], got = got[0], got[1:]
+                dx[:, lo : lo + ctx.tile], got = got[0], got[1:]
             for i, g in zip(want, got):
                 grads[i] = g if grads[i] is None else grads[i] if g is None else grads[i] + g
         return (None, None, dx, *grads)
@@ -117,6 +141,7 @@ def tile_mlp(model, tile: Optional[int] = None) -> Callable[[], None]:
     def undo():
         for mlp in found:
             del mlp.forward
+
     return undo
 
 
@@ -127,11 +152,13 @@ def _tiled_forward(forward, tile: int):
         if args or kwargs or x.dim() != 3 or x.shape[1] <= tile or not torch.is_grad_enabled():
             return fn(x, *args, **kwargs)  # nothing to save: no tiling needed
         return _TiledMLP.apply(fn, tile, x, *self.parameters())
+
     return tiled
 
 
 # ---------------------------------------------------------------------------------------------
 # checkpoint offload
+
 
 class CheckpointStore:
     """Where offloaded checkpoints live between forward and backward: ``put`` takes a tensor
@@ -154,7 +181,7 @@ class FileStore(CheckpointStore):
         if directory is None:  # its own temporary directory goes with it
             weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._ids = itertools.count()
-        self.stored = []          # (shape, dtype) of every tensor put, in order
+        self.stored = []  # (shape, dtype) of every tensor put, in order
 
     @property
     def pending(self) -> int:
@@ -176,7 +203,7 @@ class FileStore(CheckpointStore):
 class _FileHandle:
     def __init__(self, path, device):
         self.path, self.device = path, device
-        self.done = weakref.finalize(self, _remove, path)   # on read, or when the handle dies unread
+        self.done = weakref.finalize(self, _remove, path)  # on read, or when the handle dies unread
 
 
 def _remove(path):
@@ -194,7 +221,7 @@ class HostStore(CheckpointStore):
 
     def __init__(self, device=None):
         self.stream = torch.cuda.Stream(device)
-        self._last = None          # weakref to the newest entry: the next one's predecessor
+        self._last = None  # weakref to the newest entry: the next one's predecessor
 
     def put(self, tensor):
         current = torch.cuda.current_stream(tensor.device)
@@ -203,7 +230,7 @@ class HostStore(CheckpointStore):
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)
             stored = self.stream.record_event()
-        tensor.record_stream(self.stream)   # its memory is not reused before the copy ends
+        tensor.record_stream(self.stream)  # its memory is not reused before the copy ends
         entry = _HostEntry(host, stored, tensor.device, self._last)
         self._last = weakref.ref(entry)
         return entry
@@ -219,7 +246,7 @@ class HostStore(CheckpointStore):
         self._fetch(e)
         prev = e.prev() if e.prev is not None else None
         if prev is not None and prev.host is not None:
-            self._fetch(prev)                     # the next one backward needs, overlapped with this layer
+            self._fetch(prev)  # the next one backward needs, overlapped with this layer
         t, ready = e.back, e.ready
         e.host = e.back = None
         current = torch.cuda.current_stream(t.device)

@@ -69,36 +69,53 @@ def sp_layout(model, mesh=None, mesh_dim: str = "sp"):
     a patch over other ranks than the mesh's, or groups that do not tile the world."""
     state = _ringkv_state(model)
     if state is None:
-        raise ValueError("ringkv.trainer: the model is not patched; call ringkv.hf.patch_model(model, group=...) "
-                         "on every rank before building the Trainer")
+        raise ValueError(
+            "ringkv.trainer: the model is not patched; call ringkv.hf.patch_model(model, group=...) "
+            "on every rank before building the Trainer"
+        )
     if state.inputs != "full":
-        raise ValueError(f"ringkv.trainer: the model was patched with inputs={state.inputs!r}; Trainer passes each "
-                         f"replica's whole batch to every rank of its SP group: patch with inputs='full'")
+        raise ValueError(
+            f"ringkv.trainer: the model was patched with inputs={state.inputs!r}; Trainer passes each "
+            f"replica's whole batch to every rank of its SP group: patch with inputs='full'"
+        )
     if not dist.is_initialized():
         return 1, 1, 0
     world, rank = dist.get_world_size(), dist.get_rank()
-    group_ranks = tuple(sorted(dist.get_process_group_ranks(state.group))) if state.group is not None \
+    group_ranks = (
+        tuple(sorted(dist.get_process_group_ranks(state.group)))
+        if state.group is not None
         else tuple(range(world))
+    )
     mesh_ranks = None
     if mesh is not None:
         names = tuple(mesh.mesh_dim_names or ())
         if mesh_dim not in names:
-            raise ValueError(f"ringkv.trainer: mesh has no dimension {mesh_dim!r} (its dims are {names})")
+            raise ValueError(
+                f"ringkv.trainer: mesh has no dimension {mesh_dim!r} (its dims are {names})"
+            )
         mesh_ranks = tuple(sorted(dist.get_process_group_ranks(mesh.get_group(mesh_dim))))
     everyone = [None] * world
-    dist.all_gather_object(everyone, (group_ranks, mesh_ranks))  # every rank checks every rank's view alike
+    dist.all_gather_object(
+        everyone, (group_ranks, mesh_ranks)
+    )  # every rank checks every rank's view alike
     sp = len(group_ranks)
     for r, (g, m) in enumerate(everyone):
         if m is not None and m != g:
-            raise ValueError(f"ringkv.trainer: rank {r}'s model is patched over ranks {list(g)}, but the mesh's "
-                             f"{mesh_dim!r} group of that rank is {list(m)}; patch with "
-                             f"patch_model(model, group=mesh, mesh_dim={mesh_dim!r})")
+            raise ValueError(
+                f"ringkv.trainer: rank {r}'s model is patched over ranks {list(g)}, but the mesh's "
+                f"{mesh_dim!r} group of that rank is {list(m)}; patch with "
+                f"patch_model(model, group=mesh, mesh_dim={mesh_dim!r})"
+            )
         if len(g) != sp or r not in g or any(set(g) & set(h) and g != h for h, _ in everyone):
-            raise ValueError(f"ringkv.trainer: the ranks' SP groups must split the world into equal, disjoint groups "
-                             f"(a (dp, sp) layout); rank {r} is patched over ranks {list(g)}, rank {rank} over "
-                             f"{list(group_ranks)}")
+            raise ValueError(
+                f"ringkv.trainer: the ranks' SP groups must split the world into equal, disjoint groups "
+                f"(a (dp, sp) layout); rank {r} is patched over ranks {list(g)}, rank {rank} over "
+                f"{list(group_ranks)}"
+            )
     if world % sp:
-        raise ValueError(f"ringkv.trainer: the world of {world} ranks is not divisible by the SP group size {sp}")
+        raise ValueError(
+            f"ringkv.trainer: the world of {world} ranks is not divisible by the SP group size {sp}"
+        )
     replicas = sorted({g for g, _ in everyone})
     return sp, len(replicas), replicas.index(group_ranks)
 
@@ -113,10 +130,15 @@ class SPTrainerMixin:
         self.sp_size, self.dp_size, self.dp_rank = sp_layout(self.model, sp_mesh)
         self._ringkv_backward = False
         if self._is_sft():
-            if self.compute_loss_func is not None or getattr(self.args, "loss_type", "nll") != "nll" \
-                    or self.label_smoother is not None:
-                raise ValueError("ringkv.trainer: with SFTTrainer only loss_type='nll' without compute_loss_func or "
-                                 "label smoothing is supported (the loss is the patched model's own)")
+            if (
+                self.compute_loss_func is not None
+                or getattr(self.args, "loss_type", "nll") != "nll"
+                or self.label_smoother is not None
+            ):
+                raise ValueError(
+                    "ringkv.trainer: with SFTTrainer only loss_type='nll' without compute_loss_func or "
+                    "label smoothing is supported (the loss is the patched model's own)"
+                )
 
     def _is_sft(self) -> bool:
         trl = sys.modules.get("trl")
@@ -130,14 +152,20 @@ class SPTrainerMixin:
             return loader
         world, rank = dist.get_world_size(), dist.get_rank()
         for shard in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
-            if hasattr(shard, "num_processes") and hasattr(shard, "process_index") and hasattr(shard, "batch_sampler"):
+            if (
+                hasattr(shard, "num_processes")
+                and hasattr(shard, "process_index")
+                and hasattr(shard, "batch_sampler")
+            ):
                 if (shard.num_processes, shard.process_index) != (world, rank):
                     break
                 shard.num_processes, shard.process_index = self.dp_size, self.dp_rank
                 return loader
-        raise ValueError(f"ringkv.trainer: the {what} dataloader is not sharded by accelerate's BatchSamplerShard "
-                         f"over the {world} processes ({type(loader).__name__}); use a map-style dataset (with "
-                         f"__len__) and the default sampler, so that each SP group gets one replica's batches")
+        raise ValueError(
+            f"ringkv.trainer: the {what} dataloader is not sharded by accelerate's BatchSamplerShard "
+            f"over the {world} processes ({type(loader).__name__}); use a map-style dataset (with "
+            f"__len__) and the default sampler, so that each SP group gets one replica's batches"
+        )
 
     def get_train_dataloader(self):
         return self._reshard(super().get_train_dataloader(), "training")
@@ -155,7 +183,9 @@ class SPTrainerMixin:
         # Trainer sums every process's batch (include_num_input_tokens_seen): sp ranks share one replica's batch
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)
-        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.sp_size
+        self.state.num_input_tokens_seen = (
+            before + (self.state.num_input_tokens_seen - before) // self.sp_size
+        )
 
     # ---- loss: SUM over sp under a wrapper that takes the MEAN over dp * sp ----
 
@@ -165,18 +195,28 @@ class SPTrainerMixin:
             loss = super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
         finally:
             self._ringkv_backward = False
-        return loss / self.sp_size  # what Trainer logs: its own loss, not the sp times larger one backward saw
+        return (
+            loss / self.sp_size
+        )  # what Trainer logs: its own loss, not the sp times larger one backward saw
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self._is_sft():  # TRL's fused LM head bypasses the patched model's loss: use the model's own
+        if (
+            self._is_sft()
+        ):  # TRL's fused LM head bypasses the patched model's loss: use the model's own
             from transformers import Trainer
 
             inputs = {**inputs, "use_cache": False}
-            out = Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
-                                       num_items_in_batch=num_items_in_batch)
+            out = Trainer.compute_loss(
+                self,
+                model,
+                inputs,
+                return_outputs=return_outputs,
+                num_items_in_batch=num_items_in_batch,
+            )
         else:
-            out = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                       num_items_in_batch=num_items_in_batch)
+            out = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         if not self._ringkv_backward or self.sp_size == 1:
             return out
         if return_outputs:

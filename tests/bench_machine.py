@@ -11,7 +11,9 @@ def assert_names_machine(result: dict, stdout: str, threads=None) -> dict:
     assert isinstance(m["isa"], str) and m["isa"].strip(), m
     assert isinstance(m["kernel_build"], str) and m["kernel_build"], m
     assert type(m["cores"]) is int and m["cores"] >= 1, m
-    threads_of = m["threads"] if isinstance(m["threads"], list) else [m["threads"]]  # a list: a sweep's counts
+    threads_of = (
+        m["threads"] if isinstance(m["threads"], list) else [m["threads"]]
+    )  # a list: a sweep's counts
     assert threads_of and all(type(t) is int and t >= 1 for t in threads_of), m
     if threads is not None:
         assert m["threads"] == threads, m

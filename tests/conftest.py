@@ -35,9 +35,18 @@ def fork_context():
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "transformers.models.llama.modeling_llama",
-                                "tests.engine_cases", "tests.ring_cases", "tests.hf_cases", "tests.variant_cases",
-                                "tests.varlen_cases"])
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "torch.distributed",
+            "transformers.models.llama.modeling_llama",
+            "tests.engine_cases",
+            "tests.ring_cases",
+            "tests.hf_cases",
+            "tests.variant_cases",
+            "tests.varlen_cases",
+        ]
+    )
     # the preloaded ringkv reads RINGKV_TIMEOUT_S once, at import: the 60 s a rank sets for itself
     # (tests/dist.py) must be in the server's environment, and only there
     before = os.environ.get("RINGKV_TIMEOUT_S")
@@ -56,7 +65,9 @@ def fork_context():
         if before is None:
             del os.environ["RINGKV_TIMEOUT_S"]
     yield ctx
-    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)  # the server's memory back
+    stop = getattr(
+        multiprocessing.forkserver._forkserver, "_stop", None
+    )  # the server's memory back
     if stop is not None:
         stop()
 

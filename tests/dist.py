@@ -50,9 +50,17 @@ def _worker(rank: int, size: int, port: int, tasks, results, pg_timeout_s: float
 
     torch.set_num_threads(1)
     os.environ.setdefault("RINGKV_TIMEOUT_S", "60")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=pg_timeout_s))
-    groups = {n: (dist.new_group(list(range(n))) if n < size else dist.group.WORLD) for n in range(1, size + 1)}
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=pg_timeout_s),
+    )
+    groups = {
+        n: (dist.new_group(list(range(n))) if n < size else dist.group.WORLD)
+        for n in range(1, size + 1)
+    }
     while True:
         task = tasks.get()
         if task is None:
@@ -81,13 +89,21 @@ def settled_keys(store) -> int:
 
 class World:
     def __init__(self, size: int, pg_timeout_s: float = 120.0, context=None):
-        ctx = context or mp.get_context("spawn")  # context: e.g. a forkserver that imported torch once
+        ctx = context or mp.get_context(
+            "spawn"
+        )  # context: e.g. a forkserver that imported torch once
         self.size = size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(size)]
         port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, size, port, self.tasks[r], self.results, pg_timeout_s),
-                                  daemon=True) for r in range(size)]
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, size, port, self.tasks[r], self.results, pg_timeout_s),
+                daemon=True,
+            )
+            for r in range(size)
+        ]
         for p in self.procs:
             p.start()
 
@@ -103,11 +119,15 @@ class World:
                 rank, result = self.results.get(timeout=1)
             except queue.Empty:
                 missing = sorted(set(range(n)) - set(out))
-                for r in missing:  # a rank that died (a fault test killed it) answers with its exit code
+                for r in (
+                    missing
+                ):  # a rank that died (a fault test killed it) answers with its exit code
                     if not self.procs[r].is_alive() and self.results.empty():
                         out[r] = RankError(r, "died", f"exit code {self.procs[r].exitcode}", "")
                 if time.monotonic() > deadline and len(out) < n:
-                    raise TimeoutError(f"ranks {missing} did not answer within {timeout}s") from None
+                    raise TimeoutError(
+                        f"ranks {missing} did not answer within {timeout}s"
+                    ) from None
                 continue
             out[rank] = result
         return [out[r] for r in range(n)]
@@ -117,7 +137,9 @@ class World:
         res = self.run(name, n, *args, timeout=timeout)
         errors = [r for r in res if isinstance(r, RankError)]
         if errors:
-            raise AssertionError("\n".join(f"rank {e.rank}: {e.type}: {e.message}\n{e.trace}" for e in errors))
+            raise AssertionError(
+                "\n".join(f"rank {e.rank}: {e.type}: {e.message}\n{e.trace}" for e in errors)
+            )
         return res
 
     def alive(self) -> bool:

@@ -36,9 +36,17 @@ def generate(ctx, spec, llm_kwargs, prompts, params, rounds=1):
             cached.append([o.num_cached_tokens for o in outs])
             if llm.rank == 0:
                 llm.blocks.check()
-        return dict(tokens=tokens, cached=cached, info=llm.kv_cache_info(), hits=llm.prefix_cache_hits,
-                    preemptions=llm.scheduler.num_preemptions, peak_in_flight=llm.peak_in_flight,
-                    written=written_slots(llm), free=llm.blocks.num_free, stats=llm.rank_stats())
+        return dict(
+            tokens=tokens,
+            cached=cached,
+            info=llm.kv_cache_info(),
+            hits=llm.prefix_cache_hits,
+            preemptions=llm.scheduler.num_preemptions,
+            peak_in_flight=llm.peak_in_flight,
+            written=written_slots(llm),
+            free=llm.blocks.num_free,
+            stats=llm.rank_stats(),
+        )
 
 
 def stream(ctx, spec, llm_kwargs, prompt, params):
@@ -61,7 +69,9 @@ def disagree_call(ctx, spec, llm_kwargs, prompts):
     """Every rank builds the same engine but rank 1 asks for other prompts."""
     with LLM(model_from(spec), timeout=10, **llm_kwargs) as llm:
         try:
-            llm.generate(prompts[ctx.rank], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+            llm.generate(
+                prompts[ctx.rank], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False
+            )
             return "ok"
         except ValueError as e:
             return str(e)
@@ -78,7 +88,9 @@ def read_slices(ctx, path, llm_kwargs):
 
     def recording(self, name, dim=None, start=0, stop=0):
         t = real(self, name, dim, start, stop)
-        (digest if sampling else seen).append((name, dim, start, stop, t.numel() * t.element_size()))
+        (digest if sampling else seen).append(
+            (name, dim, start, stop, t.numel() * t.element_size())
+        )
         return t
 
     def digesting(*args):
@@ -91,8 +103,11 @@ def read_slices(ctx, path, llm_kwargs):
     loader.SafetensorsSource.get, llm_module.model_digest = recording, digesting
     try:
         with LLM(path, **llm_kwargs) as llm:
-            return dict(seen=[(n, d, b) for n, d, _, _, b in seen], digest=digest,
-                        weight_bytes=llm.kv_cache_info()["per_rank"][ctx.rank]["weight_bytes"])
+            return dict(
+                seen=[(n, d, b) for n, d, _, _, b in seen],
+                digest=digest,
+                weight_bytes=llm.kv_cache_info()["per_rank"][ctx.rank]["weight_bytes"],
+            )
     finally:
         loader.SafetensorsSource.get, llm_module.model_digest = real, real_digest
 
@@ -105,7 +120,9 @@ def seeded(ctx, spec, llm_kwargs, prompts, params):
 def cache_contents(ctx, spec, llm_kwargs, prompt, max_tokens):
     """One long prompt on a fresh engine: how many of its tokens' K/V this rank stores."""
     with LLM(model_from(spec), **llm_kwargs) as llm:
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
+        out = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False
+        )[0]
         return dict(tokens=out.token_ids, written=written_slots(llm), info=llm.kv_cache_info())
 
 
@@ -116,10 +133,14 @@ def torch_threads(ctx):
 def prompt_logprobs(ctx, spec, llm_kwargs, prompt, k: int = 0):
     """The prompt's log-probs (k = 0), or them and the top k alternatives at each position."""
     with LLM(model_from(spec), **llm_kwargs) as llm:
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k),
-                           use_tqdm=False)[0]
-        return out.prompt_logprobs if k == 0 else (out.prompt_logprobs, [list(map(list, x)) for x in
-                                                                        out.prompt_top_logprobs])
+        out = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k), use_tqdm=False
+        )[0]
+        return (
+            out.prompt_logprobs
+            if k == 0
+            else (out.prompt_logprobs, [list(map(list, x)) for x in out.prompt_top_logprobs])
+        )
 
 
 def migrate_pair(ctx, spec, prompts, params):
@@ -127,7 +148,12 @@ def migrate_pair(ctx, spec, prompts, params):
     final snapshot), over the process group; rank 1 finishes them."""
     from ringkv.engine import KVSnapshot
 
-    llm = LLM(model_from(spec), block_size=4 if ctx.rank == 0 else 8, num_blocks=128, max_num_batched_tokens=16)
+    llm = LLM(
+        model_from(spec),
+        block_size=4 if ctx.rank == 0 else 8,
+        num_blocks=128,
+        max_num_batched_tokens=16,
+    )
     params = SamplingParams(**params)
     if ctx.rank == 0:
         rids = [llm.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
@@ -180,7 +206,9 @@ def fault_run(ctx, spec, llm_kwargs, fault, close_after, prompts, params):
                                 break
                         out[call] = got
                     else:
-                        out[call] = [o.token_ids for o in llm.generate(prompts[1:], params, use_tqdm=False)]
+                        out[call] = [
+                            o.token_ids for o in llm.generate(prompts[1:], params, use_tqdm=False)
+                        ]
                 except BaseException as e:  # noqa: BLE001 - the test reads every rank's outcome
                     out["errors"].append(f"{call}: {type(e).__name__}: {e}")
                 out[f"{call}_s"] = time.monotonic() - t
@@ -256,7 +284,14 @@ def kv_size_mismatch(ctx, spec, prompt, move, timeout):
     if ctx.rank == 1:
         real = kvmove._slots
         kvmove._slots = lambda *a: real(*a)[:-1]
-    a = LLM(model_from(spec), sp=2, block_size=4, num_blocks=64, max_num_batched_tokens=16, timeout=timeout)
+    a = LLM(
+        model_from(spec),
+        sp=2,
+        block_size=4,
+        num_blocks=64,
+        max_num_batched_tokens=16,
+        timeout=timeout,
+    )
     params = SamplingParams(temperature=0, max_tokens=8)
     t = time.monotonic()
     try:

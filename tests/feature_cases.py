@@ -10,8 +10,12 @@ import ringkv
 from ringkv.sp.decode import decode_attention
 from tests.variant_cases import _where
 
-METHODS = {"ring": ringkv.ring_attention, "ulysses": ringkv.ulysses_attention, "usp": ringkv.usp_attention,
-           "allgather": ringkv.allgather_attention}
+METHODS = {
+    "ring": ringkv.ring_attention,
+    "ulysses": ringkv.ulysses_attention,
+    "usp": ringkv.usp_attention,
+    "allgather": ringkv.allgather_attention,
+}
 
 
 def forward_backward(ctx, method, q, k, v, sinks, dout, dlse, c, cu=None):
@@ -26,9 +30,21 @@ def forward_backward(ctx, method, q, k, v, sinks, dout, dlse, c, cu=None):
     ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
     sk = None if sinks is None else sinks.clone().requires_grad_()
     kw = dict(chunks=c["chunks"]) if method == "allgather" else {}
-    out, lse = METHODS[method](ql, kl, vl, causal=c["causal"], layout=c["layout"], softmax_scale=c["scale"],
-                               return_lse=True, window=c["window"], softcap=c["softcap"], sinks=sk, **where,
-                               **extra, **kw)
+    out, lse = METHODS[method](
+        ql,
+        kl,
+        vl,
+        causal=c["causal"],
+        layout=c["layout"],
+        softmax_scale=c["scale"],
+        return_lse=True,
+        window=c["window"],
+        softcap=c["softcap"],
+        sinks=sk,
+        **where,
+        **extra,
+        **kw,
+    )
     loss = (out.float() * shard(dout)).sum()
     if dlse is not None:
         loss = loss + (lse.nan_to_num(0, 0, 0) * shard(dlse, 2)).sum()
@@ -37,8 +53,10 @@ def forward_backward(ctx, method, q, k, v, sinks, dout, dlse, c, cu=None):
     if sk is not None:  # a replicated weight: its gradient is the sum of the ranks' shares
         dsinks = sk.grad.float()
         dist.all_reduce(dsinks, group=where.get("group"))
-    full = [ringkv.unshard(x.detach(), dim, c["layout"], **where, **extra)
-            for x, dim in zip((out, lse, ql.grad, kl.grad, vl.grad), (1, 2, 1, 1, 1))]
+    full = [
+        ringkv.unshard(x.detach(), dim, c["layout"], **where, **extra)
+        for x, dim in zip((out, lse, ql.grad, kl.grad, vl.grad), (1, 2, 1, 1, 1))
+    ]
     return (*full, dsinks)
 
 
@@ -56,5 +74,13 @@ def disagree(ctx, per_rank):
 def decode(ctx, q, k, v, sinks, q_pos):
     """decode_attention over this rank's striped slice of the cache, with a cap and sinks."""
     mine = torch.arange(ctx.rank, k.shape[1], ctx.world)
-    return decode_attention(q, k[:, mine], v[:, mine], q_positions=q_pos, k_positions=mine, group=ctx.group,
-                             softcap=5.0, sinks=sinks)
+    return decode_attention(
+        q,
+        k[:, mine],
+        v[:, mine],
+        q_positions=q_pos,
+        k_positions=mine,
+        group=ctx.group,
+        softcap=5.0,
+        sinks=sinks,
+    )

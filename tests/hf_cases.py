@@ -23,17 +23,38 @@ def build(arch: str, seed: int, **overrides):
     from tests.models import smollm2_path, tiny_config
 
     if arch == "smollm2":
-        return transformers.AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32).eval()
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2_path(), dtype=torch.float32
+        ).eval()
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).eval()
 
 
-def train_step(ctx, arch, seed, ids, layout, inputs, give_positions=False, checkpointing=False, method="ring",
-               ulysses=None, config=None):
+def train_step(
+    ctx,
+    arch,
+    seed,
+    ids,
+    layout,
+    inputs,
+    give_positions=False,
+    checkpointing=False,
+    method="ring",
+    ulysses=None,
+    config=None,
+):
     """Patched forward with labels + backward; returns gathered logits, loss, this rank's grads."""
     # keep_logits: a training-mode forward (checkpointing) returns its logits too, compared below
-    model = hf.patch_model(build(arch, seed, **(config or {})), sp=ctx.world, group=ctx.group, layout=layout,
-                           inputs=inputs, method=method, ulysses=ulysses, keep_logits=True)
+    model = hf.patch_model(
+        build(arch, seed, **(config or {})),
+        sp=ctx.world,
+        group=ctx.group,
+        layout=layout,
+        inputs=inputs,
+        method=method,
+        ulysses=ulysses,
+        keep_logits=True,
+    )
     u = ulysses or 1
     if checkpointing:
         model.train().activation_checkpointing_enable()
@@ -44,25 +65,48 @@ def train_step(ctx, arch, seed, ids, layout, inputs, give_positions=False, check
         local = ringkv.shard(ids, 1, layout, ctx.group, rank=ctx.rank, world=ctx.world, ulysses=u)
         kw = {}
         if give_positions:
-            kw["position_ids"] = ringkv.positions(ids.shape[1], layout, ctx.rank, ctx.world, ulysses=u).unsqueeze(0)
+            kw["position_ids"] = ringkv.positions(
+                ids.shape[1], layout, ctx.rank, ctx.world, ulysses=u
+            ).unsqueeze(0)
         out = model(local, labels=local, use_cache=False, **kw)
-        helper = hf.causal_lm_loss(out.logits, local, layout=layout, group=ctx.group, sharded=True, ulysses=u)
+        helper = hf.causal_lm_loss(
+            out.logits, local, layout=layout, group=ctx.group, sharded=True, ulysses=u
+        )
     out.loss.backward()
-    logits = hf.gather_logits(out.logits.detach(), layout, ctx.group, seq_len=ids.shape[1], ulysses=u)
+    logits = hf.gather_logits(
+        out.logits.detach(), layout, ctx.group, seq_len=ids.shape[1], ulysses=u
+    )
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return dict(logits=logits, loss=out.loss.item(), helper=helper.item(), grads=grads)
 
 
 def generate(ctx, arch, seed, ids, layout, new_tokens, method="ring", ulysses=None, config=None):
     """Greedy generate on the patched model; returns tokens, per-step scores and the cache shard."""
-    model = hf.patch_model(build(arch, seed, **(config or {})), group=ctx.group, layout=layout, method=method,
-                           ulysses=ulysses)
+    model = hf.patch_model(
+        build(arch, seed, **(config or {})),
+        group=ctx.group,
+        layout=layout,
+        method=method,
+        ulysses=ulysses,
+    )
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
-                             output_scores=True, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            ids,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     cache = out.cache if "cache" in out else out.past_key_values
-    return dict(tokens=out.sequences, scores=torch.stack(out.scores, 1), positions=cache.positions.tolist(),
-                local_keys=cache.layers[0].keys.shape[2], seen=cache.get_seq_length())
+    return dict(
+        tokens=out.sequences,
+        scores=torch.stack(out.scores, 1),
+        positions=cache.positions.tolist(),
+        local_keys=cache.layers[0].keys.shape[2],
+        seen=cache.get_seq_length(),
+    )
 
 
 def shard_prefill_decode(ctx, arch, seed, ids, layout, steps):
@@ -75,7 +119,7 @@ def shard_prefill_decode(ctx, arch, seed, ids, layout, steps):
         prefill = hf.gather_logits(out.logits, layout, ctx.group)
         cache, step_logits = out.cache, []
         for i in range(s, ids.shape[1]):
-            out = model(ids[:, i:i + 1], cache=cache)
+            out = model(ids[:, i : i + 1], cache=cache)
             cache = out.cache
             step_logits.append(out.logits[:, -1])
     return dict(prefill=prefill, steps=torch.stack(step_logits, 1), local=cache.positions.numel())
@@ -96,8 +140,12 @@ def smollm2(ctx, ids, new_tokens, layout="zigzag"):
     """SmolLM2-135M-Instruct patched over the group: gathered prompt logits and greedy tokens."""
     model = hf.patch_model(build("smollm2", 0), sp=ctx.world, group=ctx.group, layout=layout)
     with torch.no_grad():
-        logits = hf.gather_logits(model(ids, use_cache=False).logits, layout, ctx.group, seq_len=ids.shape[1])
-        tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        logits = hf.gather_logits(
+            model(ids, use_cache=False).logits, layout, ctx.group, seq_len=ids.shape[1]
+        )
+        tokens = model.generate(
+            ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
     return dict(logits=logits, tokens=tokens)
 
 
@@ -122,37 +170,62 @@ def decode(ctx, q, k, v, q_pos, owner):
     from ringkv.sp.decode import decode_attention
 
     mine = (owner == ctx.rank).nonzero().squeeze(1)
-    return decode_attention(q, k[:, mine], v[:, mine], q_positions=q_pos, k_positions=mine, group=ctx.group)
+    return decode_attention(
+        q, k[:, mine], v[:, mine], q_positions=q_pos, k_positions=mine, group=ctx.group
+    )
 
 
 # ---- packed documents and padding masks (tests/test_hf_packed.py) ----
+
 
 def packed_kwargs(ctx, batch, form, layout, inputs):
     """The model's keyword arguments that describe ``batch``'s packed documents in ``form``:
     ``"position_ids"``, ``"flash"`` (cu_seq_lens_q/k, max_length_q/k), ``"seq_idx"`` or ``"all"``.
     ``inputs="shard"``: cu_seq_lens_q always (the whole packed row's), the rest as this rank's shard."""
     cu = torch.tensor(batch["cu"], dtype=torch.int32)
-    flash = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch["max_length"],
-                 max_length_k=batch["max_length"])
+    flash = dict(
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=batch["max_length"],
+        max_length_k=batch["max_length"],
+    )
     if inputs == "full":
-        parts = dict(position_ids=dict(position_ids=batch["position_ids"]), flash=flash,
-                     seq_idx=dict(seq_idx=batch["seq_idx"]))
+        parts = dict(
+            position_ids=dict(position_ids=batch["position_ids"]),
+            flash=flash,
+            seq_idx=dict(seq_idx=batch["seq_idx"]),
+        )
     else:
         total = batch["cu"][-1]
-        pos = ringkv.positions(total, layout, ctx.rank, ctx.world, cu_seqlens=batch["cu"]).unsqueeze(0)
-        idx = ringkv.shard(batch["seq_idx"].reshape(1, -1), 1, layout, ctx.group, cu_seqlens=batch["cu"])
-        parts = dict(position_ids=dict(cu_seq_lens_q=cu, position_ids=pos), flash=flash,
-                     seq_idx=dict(cu_seq_lens_q=cu, seq_idx=idx))
+        pos = ringkv.positions(
+            total, layout, ctx.rank, ctx.world, cu_seqlens=batch["cu"]
+        ).unsqueeze(0)
+        idx = ringkv.shard(
+            batch["seq_idx"].reshape(1, -1), 1, layout, ctx.group, cu_seqlens=batch["cu"]
+        )
+        parts = dict(
+            position_ids=dict(cu_seq_lens_q=cu, position_ids=pos),
+            flash=flash,
+            seq_idx=dict(cu_seq_lens_q=cu, seq_idx=idx),
+        )
     if form == "all":
         return {k: v for p in parts.values() for k, v in p.items()}
     return parts[form]
 
 
-def packed_train_step(ctx, arch, seed, batch, layout, inputs, form, config=None, checkpointing=False):
+def packed_train_step(
+    ctx, arch, seed, batch, layout, inputs, form, config=None, checkpointing=False
+):
     """Patched forward + backward of a packed batch (documents in ``form``); returns the gathered
     logits ``(B, S, V)``, the model's loss, causal_lm_loss's, and this rank's gradients."""
-    model = hf.patch_model(build(arch, seed, **(config or {})), sp=ctx.world, group=ctx.group, layout=layout,
-                           inputs=inputs, keep_logits=True)
+    model = hf.patch_model(
+        build(arch, seed, **(config or {})),
+        sp=ctx.world,
+        group=ctx.group,
+        layout=layout,
+        inputs=inputs,
+        keep_logits=True,
+    )
     if checkpointing:
         model.train().activation_checkpointing_enable()
     ids, labels = batch["ids"], batch["labels"]
@@ -161,10 +234,18 @@ def packed_train_step(ctx, arch, seed, batch, layout, inputs, form, config=None,
     if inputs == "full":
         out = model(ids, labels=labels, use_cache=False, **kw)
         if form == "flash":  # cu_seqlens: the packed row (1, B*S, V)
-            logits = hf.gather_logits(out.logits, layout, ctx.group, cu_seqlens=batch["cu"]).view(b, s, -1)
-            helper = hf.causal_lm_loss(out.logits, labels, layout=layout, group=ctx.group, cu_seqlens=batch["cu"])
+            logits = hf.gather_logits(out.logits, layout, ctx.group, cu_seqlens=batch["cu"]).view(
+                b, s, -1
+            )
+            helper = hf.causal_lm_loss(
+                out.logits, labels, layout=layout, group=ctx.group, cu_seqlens=batch["cu"]
+            )
         else:
-            by = dict(seq_idx=batch["seq_idx"]) if form == "seq_idx" else dict(position_ids=batch["position_ids"])
+            by = (
+                dict(seq_idx=batch["seq_idx"])
+                if form == "seq_idx"
+                else dict(position_ids=batch["position_ids"])
+            )
             logits = hf.gather_logits(out.logits, layout, ctx.group, **by)
             helper = hf.causal_lm_loss(out.logits, labels, layout=layout, group=ctx.group, **by)
     else:  # the documented recipe: one packed row, sharded with cu_seqlens
@@ -174,23 +255,36 @@ def packed_train_step(ctx, arch, seed, batch, layout, inputs, form, config=None,
         local_labels = ringkv.shard(labels.reshape(1, -1), 1, layout, ctx.group, cu_seqlens=cu)
         out = model(local, labels=local_labels, use_cache=False, **kw)
         logits = hf.gather_logits(out.logits, layout, ctx.group, cu_seqlens=cu).view(b, s, -1)
-        helper = hf.causal_lm_loss(out.logits, local_labels, layout=layout, group=ctx.group, sharded=True,
-                                   cu_seqlens=cu)
+        helper = hf.causal_lm_loss(
+            out.logits, local_labels, layout=layout, group=ctx.group, sharded=True, cu_seqlens=cu
+        )
     out.loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return dict(logits=logits, loss=out.loss.item(), helper=helper.item(), grads=grads,
-                local_rows=out.logits.shape[1], cached=out.get("cache") is not None)
+    return dict(
+        logits=logits,
+        loss=out.loss.item(),
+        helper=helper.item(),
+        grads=grads,
+        local_rows=out.logits.shape[1],
+        cached=out.get("cache") is not None,
+    )
 
 
 def padded_train_step(ctx, arch, seed, ids, mask, labels, layout, inputs, config=None, extra=None):
     """Patched forward + backward of a right-padded batch (``extra``: e.g. the position_ids of
     packed rows, inputs="full"); returns gathered logits, loss, grads."""
-    model = hf.patch_model(build(arch, seed, **(config or {})), sp=ctx.world, group=ctx.group, layout=layout,
-                           inputs=inputs)
+    model = hf.patch_model(
+        build(arch, seed, **(config or {})),
+        sp=ctx.world,
+        group=ctx.group,
+        layout=layout,
+        inputs=inputs,
+    )
     extra = extra or {}
     if inputs == "full":
         out = model(ids, attention_mask=mask, labels=labels, **extra)
     else:
+
         def mine(x):
             return ringkv.shard(x, 1, layout, ctx.group)
 
@@ -198,15 +292,26 @@ def padded_train_step(ctx, arch, seed, ids, mask, labels, layout, inputs, config
     out.loss.backward()
     logits = hf.gather_logits(out.logits, layout, ctx.group, seq_len=ids.shape[1], **extra)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return dict(logits=logits, loss=out.loss.item(), grads=grads, cached=out.get("cache") is not None)
+    return dict(
+        logits=logits, loss=out.loss.item(), grads=grads, cached=out.get("cache") is not None
+    )
 
 
-def forward_error(ctx, arch, seed, layout, inputs, kwargs, method="ring", only_rank0=False, config=None):
+def forward_error(
+    ctx, arch, seed, layout, inputs, kwargs, method="ring", only_rank0=False, config=None
+):
     """One patched forward with ``kwargs`` (``kwargs["per_rank"]``: a list of this rank's extra
     kwargs); returns ``(error type, message)`` or ``("ok", "")``. ``only_rank0``: the other ranks
     make no call at all (an error must then come before any collective)."""
-    model = hf.patch_model(build(arch, seed, **(config or {})), sp=ctx.world, group=ctx.group, layout=layout,
-                           inputs=inputs, method=method, timeout=20)
+    model = hf.patch_model(
+        build(arch, seed, **(config or {})),
+        sp=ctx.world,
+        group=ctx.group,
+        layout=layout,
+        inputs=inputs,
+        method=method,
+        timeout=20,
+    )
     if only_rank0 and ctx.rank != 0:
         return ("skipped", "")
     kw = dict(kwargs)
@@ -266,8 +371,11 @@ def dp_sp_train(ctx, arch, seed, batches, layout, recipe, sp_arg="mesh_dim", wei
     d, s = mesh.get_coordinate()
     sp_group, dp_group = mesh.get_group("sp"), mesh.get_group("dp")
     model = build(arch, seed).train()
-    where = dict(mesh_dim=dict(group=mesh, mesh_dim="sp"), submesh=dict(group=mesh["sp"]),
-                 group=dict(group=sp_group))[sp_arg]
+    where = dict(
+        mesh_dim=dict(group=mesh, mesh_dim="sp"),
+        submesh=dict(group=mesh["sp"]),
+        group=dict(group=sp_group),
+    )[sp_arg]
     hf.patch_model(model, sp=sp, layout=layout, **where)
     batch = batches[d]
     ids, labels = batch if isinstance(batch, (tuple, list)) else (batch, batch)
@@ -301,8 +409,10 @@ def dp_sp_train(ctx, arch, seed, batches, layout, recipe, sp_arg="mesh_dim", wei
         _sum_over(sp_group, [p.grad for p in params.values()])
     elif recipe == "fsdp":
         _sum_over(sp_group, [p.grad.to_local() for p in params.values()])
-    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-             for n, p in params.items()}
+    grads = {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+        for n, p in params.items()
+    }
     return dict(loss=out.loss.item(), dp=d, sp=s, grads=grads)
 
 
@@ -311,14 +421,22 @@ def mesh_errors(ctx, dp):
     ``mesh_dim`` with a process group (none enters a collective: raised on every rank alone)."""
     mesh = dp_sp_mesh(dp, ctx.world // dp)
     out = []
-    for kw in (dict(group=mesh), dict(group=mesh, mesh_dim="tp"), dict(group=mesh, mesh_dim=2),
-               dict(group=ctx.group, mesh_dim="sp")):
+    for kw in (
+        dict(group=mesh),
+        dict(group=mesh, mesh_dim="tp"),
+        dict(group=mesh, mesh_dim=2),
+        dict(group=ctx.group, mesh_dim="sp"),
+    ):
         try:
             hf.patch_model(build("llama", 0), **kw)
             out.append("ok")
         except ValueError as e:
             out.append(str(e))
-    for kw in (dict(group=mesh, mesh_dim=1), dict(group=mesh["sp"]), dict(group=mesh, mesh_dim="dp")):
+    for kw in (
+        dict(group=mesh, mesh_dim=1),
+        dict(group=mesh["sp"]),
+        dict(group=mesh, mesh_dim="dp"),
+    ):
         state = hf.patch_model(build("llama", 0), **kw)._ringkv_state
         out.append((state.rank, state.world, dist_ranks(state.group)))
     return out
@@ -343,7 +461,9 @@ def compile_train(ctx, arch, seed, batches, layout, backend="inductor", inputs="
     torch._dynamo.reset()
     counters.clear()
     torch._inductor.config.compile_threads = 1  # no compile worker pool in a test rank
-    model = hf.patch_model(build(arch, seed), group=ctx.group, layout=layout, inputs=inputs, **(patch or {})).train()
+    model = hf.patch_model(
+        build(arch, seed), group=ctx.group, layout=layout, inputs=inputs, **(patch or {})
+    ).train()
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter)
 
@@ -352,9 +472,16 @@ def compile_train(ctx, arch, seed, batches, layout, backend="inductor", inputs="
         x = ids if inputs == "full" else ringkv.shard(ids, 1, layout, ctx.group)
         out = m(x, labels=x, use_cache=False)
         out.loss.backward()
-        logits = None if out.logits is None else hf.gather_logits(out.logits, layout, ctx.group, seq_len=ids.shape[1])
-        return dict(loss=out.loss.item(), logits=logits,
-                    grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        logits = (
+            None
+            if out.logits is None
+            else hf.gather_logits(out.logits, layout, ctx.group, seq_len=ids.shape[1])
+        )
+        return dict(
+            loss=out.loss.item(),
+            logits=logits,
+            grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
 
     steps, frames = [], []
     try:
@@ -373,22 +500,46 @@ def compile_train(ctx, arch, seed, batches, layout, backend="inductor", inputs="
 
 # ---- left-padded batched generate (tests/test_hf_generate_padded.py) ----
 
+
 def padded_generate(ctx, arch, seed, ids, mask, layout, new_tokens, config=None):
     """Greedy generate of a left-padded batch on the patched model: tokens, scores and what this
     rank's sharded cache holds (the batch row and position of every cached token)."""
     model = hf.patch_model(build(arch, seed, **(config or {})), group=ctx.group, layout=layout)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             return_dict_in_generate=True, output_scores=True, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     cache = out.cache if "cache" in out else out.past_key_values
     keys = [layer.keys.shape[0] * layer.keys.shape[2] for layer in cache.layers]
-    if cache.rows is None:  # no padding (generate drops a mask of ones): every row holds the same positions
+    if (
+        cache.rows is None
+    ):  # no padding (generate drops a mask of ones): every row holds the same positions
         b, pos = ids.shape[0], cache.positions.tolist()
-        return dict(tokens=out.sequences, scores=torch.stack(out.scores, 1), rows=[r for r in range(b) for _ in pos],
-                    positions=pos * b, local_keys=keys, seen=cache.get_seq_length(), lengths=[cache.seen] * b)
-    return dict(tokens=out.sequences, scores=torch.stack(out.scores, 1), rows=cache.rows.tolist(),
-                positions=cache.positions.tolist(), local_keys=keys, seen=cache.get_seq_length(),
-                lengths=cache.lengths.tolist())
+        return dict(
+            tokens=out.sequences,
+            scores=torch.stack(out.scores, 1),
+            rows=[r for r in range(b) for _ in pos],
+            positions=pos * b,
+            local_keys=keys,
+            seen=cache.get_seq_length(),
+            lengths=[cache.seen] * b,
+        )
+    return dict(
+        tokens=out.sequences,
+        scores=torch.stack(out.scores, 1),
+        rows=cache.rows.tolist(),
+        positions=cache.positions.tolist(),
+        local_keys=keys,
+        seen=cache.get_seq_length(),
+        lengths=cache.lengths.tolist(),
+    )
 
 
 def padded_decode_error(ctx, arch, ids, mask, bad, only_rank0=False):
@@ -403,15 +554,15 @@ def padded_decode_error(ctx, arch, ids, mask, bad, only_rank0=False):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         grown = torch.cat([mask, torch.ones_like(nxt)], 1)
         step = dict(attention_mask=grown, position_ids=pos[:, -1:] + 1)
-        if bad == "pattern":     # the pad pattern changes
+        if bad == "pattern":  # the pad pattern changes
             step["attention_mask"] = grown.roll(1, 1)
         elif bad == "no_mask":
             step.pop("attention_mask")
-        elif bad == "new_pad":   # a new token marked as a pad
+        elif bad == "new_pad":  # a new token marked as a pad
             step["attention_mask"] = torch.cat([mask, torch.zeros_like(nxt)], 1)
         elif bad == "positions":
             step["position_ids"] = torch.full_like(nxt, ids.shape[1])
-        elif bad == "short":     # the mask of the prompt only
+        elif bad == "short":  # the mask of the prompt only
             step["attention_mask"] = mask
         try:
             model(nxt, cache=out.cache, use_cache=True, **step)

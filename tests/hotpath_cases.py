@@ -19,9 +19,13 @@ def agreement_counts(ctx, method):
         def wrapper(*a, **kw):
             calls[name] += 1
             return fn(*a, **kw)
+
         return wrapper
 
-    collectives.agree, dist.all_gather = counting("agree", real_agree), counting("all_gather", real_gather)
+    collectives.agree, dist.all_gather = (
+        counting("agree", real_agree),
+        counting("all_gather", real_gather),
+    )
     try:
         g = torch.Generator().manual_seed(ctx.rank)
         q, k, v = (torch.randn(1, 8, 4, 16, generator=g) for _ in range(3))
@@ -29,8 +33,11 @@ def agreement_counts(ctx, method):
             ug, rg = ringkv.sp_groups(ulysses=2, ring=2)
             fn, where = ringkv.usp_attention, dict(ulysses_group=ug, ring_group=rg)
         else:
-            fn = {"ring": ringkv.ring_attention, "ulysses": ringkv.ulysses_attention,
-                  "allgather": ringkv.allgather_attention}[method]
+            fn = {
+                "ring": ringkv.ring_attention,
+                "ulysses": ringkv.ulysses_attention,
+                "allgather": ringkv.allgather_attention,
+            }[method]
             where = dict(group=ctx.group)
         for causal in (False, False, False, True, False):
             before = dict(calls)
@@ -44,9 +51,12 @@ def agreement_counts(ctx, method):
 def grad_comm(ctx, q, k, v, dout, causal, layout, grad_comm_dtype):
     """Ring forward + backward with dK/dV on the wire in ``grad_comm_dtype``: the gradients and the
     backward's bytes sent."""
-    ql, kl, vl = (ringkv.shard(t, 1, layout, rank=ctx.rank, world=ctx.world).clone().requires_grad_()
-                  for t in (q, k, v))
-    out = ringkv.ring_attention(ql, kl, vl, causal=causal, group=ctx.group, layout=layout,
-                                grad_comm_dtype=grad_comm_dtype)
+    ql, kl, vl = (
+        ringkv.shard(t, 1, layout, rank=ctx.rank, world=ctx.world).clone().requires_grad_()
+        for t in (q, k, v)
+    )
+    out = ringkv.ring_attention(
+        ql, kl, vl, causal=causal, group=ctx.group, layout=layout, grad_comm_dtype=grad_comm_dtype
+    )
     (out.float() * ringkv.shard(dout, 1, layout, rank=ctx.rank, world=ctx.world)).sum().backward()
     return ql.grad, kl.grad, vl.grad, ring_mod.last_backward_stats.bytes_sent

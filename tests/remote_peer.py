@@ -61,8 +61,13 @@ def target(llm: LLM, link: Link, cfg: dict) -> None:
         except MigrationError as e:
             errors.append(str(e))
     outs = finish(llm)
-    link.send_json(dict(outputs=outs, errors=errors, all_free=llm.blocks.num_free == llm.blocks.num_blocks
-                        and not llm.pipeline.staged))
+    link.send_json(
+        dict(
+            outputs=outs,
+            errors=errors,
+            all_free=llm.blocks.num_free == llm.blocks.num_blocks and not llm.pipeline.staged,
+        )
+    )
 
 
 def damage_once(link: Link) -> None:
@@ -84,7 +89,10 @@ def damage_once(link: Link) -> None:
 
 
 def source(llm: LLM, link: Link, cfg: dict) -> None:
-    rids = [llm.add_request(p, SamplingParams(**cfg["params"]), request_id=f"r{i}") for i, p in enumerate(cfg["prompts"])]
+    rids = [
+        llm.add_request(p, SamplingParams(**cfg["params"]), request_id=f"r{i}")
+        for i, p in enumerate(cfg["prompts"])
+    ]
     for _ in range(cfg["steps"]):
         llm.step()
     if cfg.get("damage_first"):

@@ -18,20 +18,38 @@ def _shard(x, layout, ctx, dim=1):
 def forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, backend):
     """Ring forward + backward on this rank's shard; returns out, lse, dq, dk, dv, stats."""
     ql, kl, vl = (_shard(t, layout, ctx).clone().requires_grad_() for t in (q, k, v))
-    out, lse = ringkv.ring_attention(ql, kl, vl, causal=causal, group=ctx.group, layout=layout,
-                                     softmax_scale=scale, return_lse=True, backend=backend)
+    out, lse = ringkv.ring_attention(
+        ql,
+        kl,
+        vl,
+        causal=causal,
+        group=ctx.group,
+        layout=layout,
+        softmax_scale=scale,
+        return_lse=True,
+        backend=backend,
+    )
     stats = ring_mod.last_stats
     loss = (out.float() * _shard(dout, layout, ctx)).sum()
     if dlse is not None:
         loss = loss + (lse.nan_to_num(0, 0, 0) * _shard(dlse, layout, ctx, dim=2)).sum()
     loss.backward()
-    return out.detach(), lse.detach(), ql.grad, kl.grad, vl.grad, (stats.pairs, stats.calls, stats.skipped)
+    return (
+        out.detach(),
+        lse.detach(),
+        ql.grad,
+        kl.grad,
+        vl.grad,
+        (stats.pairs, stats.calls, stats.skipped),
+    )
 
 
 def twice_bitwise(ctx, q, k, v, causal, layout):
     """Two identical calls (forward + backward) give bit-identical results."""
-    results = [forward_backward(ctx, q, k, v, torch.ones(q.shape), None, causal, layout, None, "auto")[:5]
-               for _ in range(2)]
+    results = [
+        forward_backward(ctx, q, k, v, torch.ones(q.shape), None, causal, layout, None, "auto")[:5]
+        for _ in range(2)
+    ]
     return all(torch.equal(a, b) for a, b in zip(*results))
 
 
@@ -41,8 +59,13 @@ def call(ctx, per_rank_kwargs, timeout_s=5.0):
     if kw.pop("skip", False):
         return "skipped"
     dtype = kw.pop("dtype", torch.float32)
-    q, k, v = (torch.randn(*kw.pop(n)).to(dtype) if isinstance(kw.get(n), tuple) else kw.pop(n) for n in "qkv")
-    out = ringkv.ring_attention(q, k, v, group=ctx.group, timeout=timedelta(seconds=timeout_s), **kw)
+    q, k, v = (
+        torch.randn(*kw.pop(n)).to(dtype) if isinstance(kw.get(n), tuple) else kw.pop(n)
+        for n in "qkv"
+    )
+    out = ringkv.ring_attention(
+        q, k, v, group=ctx.group, timeout=timedelta(seconds=timeout_s), **kw
+    )
     return tuple(out.shape)
 
 
@@ -62,5 +85,7 @@ def die_mid_ring(ctx, doomed_rank, timeout_s=10.0):
         ring_mod.kernels.block_forward = dying
     q = torch.randn(1, 64, 2, 16)
     for _ in range(2):
-        ringkv.ring_attention(q, q, q, causal=False, group=ctx.group, timeout=timedelta(seconds=timeout_s))
+        ringkv.ring_attention(
+            q, q, q, causal=False, group=ctx.group, timeout=timedelta(seconds=timeout_s)
+        )
     return "finished"

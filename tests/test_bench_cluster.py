@@ -22,11 +22,39 @@ pytestmark = pytest.mark.slow
 def test_cluster_benchmark_prefix(tmp_path, bench_cache):
     out, plot = tmp_path / "cluster.json", tmp_path / "cluster.png"
     env = dict(os.environ, RINGKV_CACHE=bench_cache, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/cluster.py", "--scenario", "prefix", "--setups", "kv",
-                           "--model", "tiny-test", "--prefixes", "2", "--per-prefix", "3", "--prefix-tokens", "48",
-                           "--suffix-tokens", "4", "--prefix-max-tokens", "4", "--prefix-rate", "8",
-                           "--json", str(out), "--plot", str(plot)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/cluster.py",
+            "--scenario",
+            "prefix",
+            "--setups",
+            "kv",
+            "--model",
+            "tiny-test",
+            "--prefixes",
+            "2",
+            "--per-prefix",
+            "3",
+            "--prefix-tokens",
+            "48",
+            "--suffix-tokens",
+            "4",
+            "--prefix-max-tokens",
+            "4",
+            "--prefix-rate",
+            "8",
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "| kv | 2 | 6 / 6 |" in proc.stdout and "load averages" in proc.stdout
     assert plot.stat().st_size > 0
@@ -35,8 +63,15 @@ def test_cluster_benchmark_prefix(tmp_path, bench_cache):
     d = res["scenarios"]["prefix"]
     (row,) = d["rows"]
     assert row["lost"] == 0 and row["replicas"] == 2 and len(row["instances"]) == 2
-    assert row["prompt_tokens"] > 0 and row["cached_tokens"] is not None and row["router_problems"] == []
+    assert (
+        row["prompt_tokens"] > 0
+        and row["cached_tokens"] is not None
+        and row["router_problems"] == []
+    )
     recs = d["records"]["kv"]
     assert all(r["ok"] and r["instance"] in ("r0", "r1") and r["ttft"] > 0 for r in recs)
     for inst in row["instances"]:  # stopped with the front
-        assert not os.path.exists(f"/proc/{inst['pid']}") or open(f"/proc/{inst['pid']}/stat").read().split()[2] == "Z"
+        assert (
+            not os.path.exists(f"/proc/{inst['pid']}")
+            or open(f"/proc/{inst['pid']}/stat").read().split()[2] == "Z"
+        )

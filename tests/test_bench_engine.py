@@ -25,8 +25,17 @@ class Runs:
         self.procs, self.outs = {}, {}
 
     def start(self, name, arg_lists) -> "Runs":
-        self.procs[name] = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                             text=True, cwd=ROOT, env=self.env) for args in arg_lists]
+        self.procs[name] = [
+            subprocess.Popen(
+                [sys.executable, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                env=self.env,
+            )
+            for args in arg_lists
+        ]
         return self
 
     def stdouts(self, name) -> list:
@@ -68,31 +77,201 @@ def preset(cache, name):
 # The runs are mostly start-ups and single-threaded steps with waits between processes: started all
 # at once (on the first test's call), the module takes the time of its longest chain, not the sum.
 RUNS = {
-    "engine": [["benchmarks/engine.py", "--pp", "2", "--model", "tiny-test", "--requests", "3", "--max-tokens", "4",
-                "--min-prompt", "4", "--max-prompt", "30", "--kv-cache-memory", "0.01", "--json", "{d}/engine.json"]],
-    "peer": [["benchmarks/engine.py", "--requests", "3", "--max-tokens", "4", "--min-prompt", "4",
-              "--max-prompt", "30", "--peer", "vllm", "--peer-python", "/nonexistent/python",
-              "--json", "{d}/engine-peer.json"]],
-    "prefill": [["benchmarks/long_prefill.py", "--model", "tiny-test", "--seq", "300", "--sp", "1", "2",
-                 "--min-ring", "64", "--repeats", "1", "--json", "{d}/prefill.json"],
-                ["benchmarks/long_prefill.py", "--model", "tiny-test", "--sweep", "16", "--repeats", "1",
-                 "--json", "{d}/sweep.json"]],
-    "collective": [["benchmarks/collective_latency.py", "--model", "tiny-long", "--rows", "4", "--steps", "1",
-                    "--json", "{d}/collective.json"]],
-    "gemm": [["benchmarks/decode_gemm.py", "--model", "tiny-long", "--rows", "1", "4", "--threads", "1",
-              "--iters", "1", "--rounds", "1", "--json", "{d}/gemm.json"]],
-    "serve": [["benchmarks/serve.py", "--model", "tiny-test", "--rates", "8", "inf", "--requests", "4",
-               "--max-prompt", "40", "--min-tokens", "2", "--max-tokens", "6", "--json", "{d}/serve.json",
-               "--plot", "{d}/serve.png"]],
-    "kv": [["benchmarks/kv_quant.py", "--model", "tiny-test", "--tokens", "96", "--chunk", "16",
-            "--greedy-prompts", "2", "--greedy-tokens", "4", "--decode-requests", "2", "--decode-tokens", "4",
-            "--kv-gib", "0.01", "--json", "{d}/kv.json"]],
-    "migration": [["benchmarks/migration.py", "--model", "tiny-test", "--contexts", "64", "256", "--repeats", "1",
-                   "--decoded", "2", "--pairs", "1:1", "tp2:pp2", "--json", "{d}/mig.json"],
-                  ["benchmarks/migration.py", "--model", "tiny-test", "--contexts", "64", "--repeats", "1",
-                   "--decoded", "2", "--pairs", "1:1", "--transport", "link"]],  # B in another process
-    "decode_step": [["benchmarks/decode_step.py", "--rows", "2", "--steps", "2", "--engines", "eager", "--agg",
-                     "mean", "--sampled", "--json", "{d}/decode.json"]],
+    "engine": [
+        [
+            "benchmarks/engine.py",
+            "--pp",
+            "2",
+            "--model",
+            "tiny-test",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "4",
+            "--min-prompt",
+            "4",
+            "--max-prompt",
+            "30",
+            "--kv-cache-memory",
+            "0.01",
+            "--json",
+            "{d}/engine.json",
+        ]
+    ],
+    "peer": [
+        [
+            "benchmarks/engine.py",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "4",
+            "--min-prompt",
+            "4",
+            "--max-prompt",
+            "30",
+            "--peer",
+            "vllm",
+            "--peer-python",
+            "/nonexistent/python",
+            "--json",
+            "{d}/engine-peer.json",
+        ]
+    ],
+    "prefill": [
+        [
+            "benchmarks/long_prefill.py",
+            "--model",
+            "tiny-test",
+            "--seq",
+            "300",
+            "--sp",
+            "1",
+            "2",
+            "--min-ring",
+            "64",
+            "--repeats",
+            "1",
+            "--json",
+            "{d}/prefill.json",
+        ],
+        [
+            "benchmarks/long_prefill.py",
+            "--model",
+            "tiny-test",
+            "--sweep",
+            "16",
+            "--repeats",
+            "1",
+            "--json",
+            "{d}/sweep.json",
+        ],
+    ],
+    "collective": [
+        [
+            "benchmarks/collective_latency.py",
+            "--model",
+            "tiny-long",
+            "--rows",
+            "4",
+            "--steps",
+            "1",
+            "--json",
+            "{d}/collective.json",
+        ]
+    ],
+    "gemm": [
+        [
+            "benchmarks/decode_gemm.py",
+            "--model",
+            "tiny-long",
+            "--rows",
+            "1",
+            "4",
+            "--threads",
+            "1",
+            "--iters",
+            "1",
+            "--rounds",
+            "1",
+            "--json",
+            "{d}/gemm.json",
+        ]
+    ],
+    "serve": [
+        [
+            "benchmarks/serve.py",
+            "--model",
+            "tiny-test",
+            "--rates",
+            "8",
+            "inf",
+            "--requests",
+            "4",
+            "--max-prompt",
+            "40",
+            "--min-tokens",
+            "2",
+            "--max-tokens",
+            "6",
+            "--json",
+            "{d}/serve.json",
+            "--plot",
+            "{d}/serve.png",
+        ]
+    ],
+    "kv": [
+        [
+            "benchmarks/kv_quant.py",
+            "--model",
+            "tiny-test",
+            "--tokens",
+            "96",
+            "--chunk",
+            "16",
+            "--greedy-prompts",
+            "2",
+            "--greedy-tokens",
+            "4",
+            "--decode-requests",
+            "2",
+            "--decode-tokens",
+            "4",
+            "--kv-gib",
+            "0.01",
+            "--json",
+            "{d}/kv.json",
+        ]
+    ],
+    "migration": [
+        [
+            "benchmarks/migration.py",
+            "--model",
+            "tiny-test",
+            "--contexts",
+            "64",
+            "256",
+            "--repeats",
+            "1",
+            "--decoded",
+            "2",
+            "--pairs",
+            "1:1",
+            "tp2:pp2",
+            "--json",
+            "{d}/mig.json",
+        ],
+        [
+            "benchmarks/migration.py",
+            "--model",
+            "tiny-test",
+            "--contexts",
+            "64",
+            "--repeats",
+            "1",
+            "--decoded",
+            "2",
+            "--pairs",
+            "1:1",
+            "--transport",
+            "link",
+        ],
+    ],  # B in another process
+    "decode_step": [
+        [
+            "benchmarks/decode_step.py",
+            "--rows",
+            "2",
+            "--steps",
+            "2",
+            "--engines",
+            "eager",
+            "--agg",
+            "mean",
+            "--sampled",
+            "--json",
+            "{d}/decode.json",
+        ]
+    ],
 }
 NEEDS_SMOLLM2 = {"peer", "decode_step"}
 
@@ -128,7 +307,11 @@ def test_engine_benchmark_parallel_mode(bench):
     assert res["cores"] == m["cores"]
     assert row["greedy_agreement"] == 1.0 and row["parallel_tok_s"] > 0 and row["base_tok_s"] > 0
     assert row["parallel_capacity_tokens"] > row["base_capacity_tokens"]  # half the layers per rank
-    assert len(row["parallel_ranks"]) == 2 and len(row["idle_fraction"]) == 2 and row["peak_in_flight"] == 2
+    assert (
+        len(row["parallel_ranks"]) == 2
+        and len(row["idle_fraction"]) == 2
+        and row["peak_in_flight"] == 2
+    )
 
 
 @needs_smollm2
@@ -138,9 +321,15 @@ def test_engine_benchmark_peer_not_run(bench):
     assert "vllm: not run: no python at /nonexistent/python" in table
     lines = table.splitlines()
     title = next(i for i, line in enumerate(lines) if line.startswith("SmolLM2-135M-Instruct"))
-    assert lines[title - 1].startswith("machine: ")  # the table's header: the machine, the title, the columns
-    header, row_line = lines[title + 1:title + 3]
-    assert "ringkv_tok_s" in header and "vllm_tok_s" in header and row_line.split("|")[0].strip() == "3"
+    assert lines[title - 1].startswith(
+        "machine: "
+    )  # the table's header: the machine, the title, the columns
+    header, row_line = lines[title + 1 : title + 3]
+    assert (
+        "ringkv_tok_s" in header
+        and "vllm_tok_s" in header
+        and row_line.split("|")[0].strip() == "3"
+    )
     res = json.loads((d / "engine-peer.json").read_text())
     assert_names_machine(res, table, threads=res["threads"])
     (row,) = res["rows"]
@@ -154,8 +343,14 @@ def test_long_prefill_benchmark(bench):
     res = json.loads((d / "prefill.json").read_text())
     rows = res["rows"]
     assert [r["sp"] for r in rows] == [1, 2]
-    assert assert_names_machine(res, table)["threads"] == sorted({r["threads"] for r in rows}, reverse=True)
-    assert rows[1]["same_token_as_sp1"] and rows[1]["efficiency"] > 0 and len(rows[1]["peak_rss_mib"]) == 2
+    assert assert_names_machine(res, table)["threads"] == sorted(
+        {r["threads"] for r in rows}, reverse=True
+    )
+    assert (
+        rows[1]["same_token_as_sp1"]
+        and rows[1]["efficiency"] > 0
+        and len(rows[1]["peak_rss_mib"]) == 2
+    )
     res = json.loads((d / "sweep.json").read_text())
     assert_names_machine(res, sweep)
     (r,) = res["rows"]
@@ -171,9 +366,15 @@ def test_collective_latency_benchmark(bench):
     out = folder / "collective.json"
     assert "all-reduce busy" in table
     d = json.loads(out.read_text())
-    assert_names_machine(d, table, threads=max(1, d["machine"]["cores"] // 2))  # 2 ranks share the cores
-    assert [r["rows"] for r in d["rows"]] == [4] and d["rows"][0]["allreduces_per_step"] == 2 * 4 + 1
-    r = planner.apply_calibration(planner.rates(planner.load_hardware(), "cpu", "float32"), [str(out)])
+    assert_names_machine(
+        d, table, threads=max(1, d["machine"]["cores"] // 2)
+    )  # 2 ranks share the cores
+    assert [r["rows"] for r in d["rows"]] == [4] and d["rows"][0][
+        "allreduces_per_step"
+    ] == 2 * 4 + 1
+    r = planner.apply_calibration(
+        planner.rates(planner.load_hardware(), "cpu", "float32"), [str(out)]
+    )
     assert r.latency["loopback"] == d["rates"]["latency"]["loopback"] >= 0
 
 
@@ -188,8 +389,13 @@ def test_decode_gemm_benchmark(bench):
     d = json.loads(out.read_text())
     assert_names_machine(d, table, threads=[1])  # the sweep's thread counts
     assert [(r["threads"], r["rows"]) for r in d["rows"]] == [(1, 1), (1, 4)]
-    r = planner.apply_calibration(planner.rates(planner.load_hardware(), "cpu", "float32"), [str(out)])
-    assert r.weight_rate(4) == d["rows"][1]["bytes_per_s"] > 0 and planner._threads(r, 2).weight_rate(4) is None
+    r = planner.apply_calibration(
+        planner.rates(planner.load_hardware(), "cpu", "float32"), [str(out)]
+    )
+    assert (
+        r.weight_rate(4) == d["rows"][1]["bytes_per_s"] > 0
+        and planner._threads(r, 2).weight_rate(4) is None
+    )
 
 
 def test_serve_benchmark(bench):
@@ -200,7 +406,9 @@ def test_serve_benchmark(bench):
     rows = res["rows"]
     assert [r["rate"] for r in rows] == [8, float("inf")]
     for r in rows:
-        assert r["requests"] == 4 and r["output_tokens"] >= 4 and r["tok_s"] > 0 and r["ttft_p50"] > 0
+        assert (
+            r["requests"] == 4 and r["output_tokens"] >= 4 and r["tok_s"] > 0 and r["ttft_p50"] > 0
+        )
 
 
 def test_kv_quant_benchmark(bench):
@@ -212,7 +420,11 @@ def test_kv_quant_benchmark(bench):
     assert rows["auto"]["ppl_delta_pct"] == 0 and rows["auto"]["greedy_agreement"] == 1
     for name in ("fp8_e4m3", "fp8_e5m2", "int8"):
         r = rows[name]
-        assert r["vs_fp32"] < 0.4 and r["capacity_tokens"] > rows["auto"]["capacity_tokens"] and r["ppl"] > 0
+        assert (
+            r["vs_fp32"] < 0.4
+            and r["capacity_tokens"] > rows["auto"]["capacity_tokens"]
+            and r["ppl"] > 0
+        )
 
 
 def test_migration_benchmark(bench):
@@ -221,7 +433,12 @@ def test_migration_benchmark(bench):
     res = json.loads((d / "mig.json").read_text())
     assert_names_machine(res, table)
     rows = res["rows"]
-    assert [(r["pair"], r["context"]) for r in rows] == [("1:1", 64), ("1:1", 256), ("tp2:pp2", 64), ("tp2:pp2", 256)]
+    assert [(r["pair"], r["context"]) for r in rows] == [
+        ("1:1", 64),
+        ("1:1", 256),
+        ("tp2:pp2", 64),
+        ("tp2:pp2", 256),
+    ]
     for r in rows:
         assert r["full_bytes"] > r["final_bytes"] > 0 and r["incremental_downtime_s"] > 0
     assert "over a loopback Link" in link and "| 1:1 | 64 |" in link and "machine: " in link

@@ -46,9 +46,17 @@ print("OK", os.path.dirname(kernels.__file__), sum(p.numel() for p in model.para
 def test_no_benchmark_module_shadows_an_installed_package():
     import importlib.util
 
-    assert importlib.util.find_spec("kernels") is not None, "HF's `kernels` is not installed (see constraints.txt)"
-    r = subprocess.run([sys.executable, "-c", CHECK, str(HERE)], capture_output=True, text=True, timeout=300,
-                       cwd=str(HERE.parent), env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert importlib.util.find_spec("kernels") is not None, (
+        "HF's `kernels` is not installed (see constraints.txt)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", CHECK, str(HERE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(HERE.parent),
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     line = r.stdout.strip().splitlines()[-1]
     assert line.startswith("OK ") and str(HERE) not in line, line

@@ -30,7 +30,9 @@ def test_machine_names_cpu_isa_cores_and_threads(monkeypatch):
     assert m["cores"] == os.cpu_count()
     if hasattr(os, "sched_getaffinity"):
         assert m["usable_cores"] == len(os.sched_getaffinity(0))
-    assert models.machine(threads=3)["threads"] == 3  # the measured processes' count (servers, ranks)
+    assert (
+        models.machine(threads=3)["threads"] == 3
+    )  # the measured processes' count (servers, ranks)
     assert models.machine(threads=(2, 1))["threads"] == [2, 1]  # a sweep's
 
 
@@ -45,24 +47,42 @@ def test_machine_cpu_is_the_model_name_of_cpuinfo():
     assert models.machine()["cpu"] == names[0]
 
 
-@pytest.mark.parametrize("isa, label", [("x86-64-v3", "x86-64-v3 (AVX2)"), ("x86-64-v4", "x86-64-v4 (AVX-512)"),
-                                        ("generic", "generic")])
+@pytest.mark.parametrize(
+    "isa, label",
+    [
+        ("x86-64-v3", "x86-64-v3 (AVX2)"),
+        ("x86-64-v4", "x86-64-v4 (AVX-512)"),
+        ("generic", "generic"),
+    ],
+)
 def test_forced_kernel_isa_is_what_the_machine_says(monkeypatch, isa, label):
     monkeypatch.setenv("RINGKV_KERNEL_ISA", isa)
     m = models.machine()
     assert m["kernel_build"] == isa and m["isa"].startswith(label)
     # a target this CPU cannot run is refused by the kernels (torch paths run): the field says so
-    assert (m["isa"] == label) if isa in native.supported_isas() else ("not runnable here" in m["isa"])
+    assert (
+        (m["isa"] == label) if isa in native.supported_isas() else ("not runnable here" in m["isa"])
+    )
     assert f"| {m['isa']} |" in models.machine_line(m)
 
 
 def test_machine_line_is_one_header_line():
-    m = dict(cpu="Intel(R) Xeon(R) Processor", isa="x86-64-v4 (AVX-512)", kernel_build="native", cores=2,
-             usable_cores=2, threads=2)
-    assert models.machine_line(m) == "machine: Intel(R) Xeon(R) Processor | x86-64-v4 (AVX-512) | 2 cores | 2 threads"
+    m = dict(
+        cpu="Intel(R) Xeon(R) Processor",
+        isa="x86-64-v4 (AVX-512)",
+        kernel_build="native",
+        cores=2,
+        usable_cores=2,
+        threads=2,
+    )
+    assert (
+        models.machine_line(m)
+        == "machine: Intel(R) Xeon(R) Processor | x86-64-v4 (AVX-512) | 2 cores | 2 threads"
+    )
     assert models.machine_line(dict(m, usable_cores=1, threads=[2, 1])) == (
         "machine: Intel(R) Xeon(R) Processor | x86-64-v4 (AVX-512) | 2 cores (1 usable) | "
-        "2, 1 threads (per configuration)")
+        "2, 1 threads (per configuration)"
+    )
     line = models.machine_line()
     assert line.startswith("machine: ") and "\n" not in line and f"{os.cpu_count()} cores" in line
 
@@ -72,7 +92,9 @@ def test_write_json_adds_the_machine(tmp_path):
     d = json.loads((tmp_path / "a" / "r.json").read_text())
     assert d["rows"] == [1] and d["machine"] == models.machine()
     mine = dict(cpu="x", isa="generic", kernel_build="generic", cores=1, threads=1)
-    models.write_json(str(tmp_path / "b.json"), dict(rows=[], machine=mine))  # the script's own: kept
+    models.write_json(
+        str(tmp_path / "b.json"), dict(rows=[], machine=mine)
+    )  # the script's own: kept
     assert json.loads((tmp_path / "b.json").read_text())["machine"] == mine
     models.write_json(str(tmp_path / "c.json"), [1, 2])  # not a dict: as it is
     assert json.loads((tmp_path / "c.json").read_text()) == [1, 2]

@@ -101,25 +101,32 @@ class BlockMachine(RuleBasedStateMachine):
     @initialize(collide=st.booleans(), limit=st.sampled_from([2, 5, 1000]))
     def setup(self, collide, limit):
         self.bm = BlockManager(12, BS, hash_fn=(lambda k: hash(k) % 3) if collide else hash)
-        self.bm.events = KVEvents(limit)  # a reader that falls behind a short log re-reads the index
+        self.bm.events = KVEvents(
+            limit
+        )  # a reader that falls behind a short log re-reads the index
         self.after, self.index = 0, set()  # what a router knows of the prefix cache
 
     def _compute(self, entry, upto):
         tokens, table, salt, cursor, done = entry
         for i, b in enumerate(table):  # "compute" KV into the blocks' new slots
             if min(upto, (i + 1) * BS) > max(done, i * BS):
-                self.store[b] = (salt, tuple(tokens[:min(upto, (i + 1) * BS)]))
+                self.store[b] = (salt, tuple(tokens[: min(upto, (i + 1) * BS)]))
         entry[4] = upto
         self.bm.register(table, tokens, upto, salt, cursor)
 
-    @rule(n=st.integers(1, 14), vocab=st.integers(1, 3), seed=st.integers(0, 3),
-          salt=st.sampled_from([None, "s"]), first=st.integers(0, 14))
+    @rule(
+        n=st.integers(1, 14),
+        vocab=st.integers(1, 3),
+        seed=st.integers(0, 3),
+        salt=st.sampled_from([None, "s"]),
+        first=st.integers(0, 14),
+    )
     def add(self, n, vocab, seed, salt, first):
         rng = random.Random(seed)
         tokens = [rng.randrange(vocab) for _ in range(n)]
         table = self.bm.match_prefix(tokens, salt)
         for i, b in enumerate(table):  # a hit must hold exactly this prefix
-            assert self.store[b] == (salt, tuple(tokens[:(i + 1) * BS])), "served wrong KV"
+            assert self.store[b] == (salt, tuple(tokens[: (i + 1) * BS])), "served wrong KV"
         hit = len(table) * BS
         if not self.bm.grow(table, n):
             self.bm.free(table)
@@ -191,7 +198,9 @@ def test_chain_whose_parent_was_evicted_is_reached_again():
     taken = bm.allocate(3)  # the two empty blocks, then a[0]
     assert a[0] in taken and a[1] not in taken and bm.match_prefix(toks) == []
     bm.free(taken)
-    again = alloc_prompt(bm, toks)  # computes the parent block anew (and a second copy of the child)
+    again = alloc_prompt(
+        bm, toks
+    )  # computes the parent block anew (and a second copy of the child)
     bm.register(again, toks, 9)
     assert bm.match_prefix(toks) == [again[0], a[1]]
     bm.check()
@@ -208,17 +217,23 @@ def test_hits_count_once_per_request_not_per_admission_attempt():
     bm.register(t, pre, 9)
     bm.free(t)  # 2 cached blocks, 3 empty
     sched = Scheduler(bm, max_num_batched_tokens=100)
-    hog = Sequence(seq_id=0, prompt=None, prompt_token_ids=list(range(100, 112)), params=SamplingParams())  # takes the 3 empty blocks
+    hog = Sequence(
+        seq_id=0, prompt=None, prompt_token_ids=list(range(100, 112)), params=SamplingParams()
+    )  # takes the 3 empty blocks
     sched.add(hog)
     assert [s.seq for s in sched.schedule()] == [hog]
-    seq = Sequence(seq_id=1, prompt=None, prompt_token_ids=pre[:8] + [50] * 9, params=SamplingParams())  # 2 cached blocks + 3 more: no room yet
+    seq = Sequence(
+        seq_id=1, prompt=None, prompt_token_ids=pre[:8] + [50] * 9, params=SamplingParams()
+    )  # 2 cached blocks + 3 more: no room yet
     sched.add(seq)
     for _ in range(3):
         assert seq not in [s.seq for s in sched.schedule()]
     assert bm.hits == 0 and seq.num_cached_tokens is None
     sched.finish(hog)
     assert [s.seq for s in sched.schedule()] == [seq]
-    assert bm.hits == 2 and bm.queries == 2 + 4 and seq.num_cached_tokens == 8  # hog: 2 blocks looked up
+    assert (
+        bm.hits == 2 and bm.queries == 2 + 4 and seq.num_cached_tokens == 8
+    )  # hog: 2 blocks looked up
 
 
 def test_a_chain_continued_through_a_twin_survives_the_twins_eviction():
@@ -247,9 +262,18 @@ def test_block_hashes_agree_across_processes():
     import subprocess
     import sys
 
-    code = ("from ringkv.cache.block_manager import block_hash as h; a = h((None, (1, 2, 3, 4), 'tenant-a')); "
-            "print(h((a, (5, 6, 7, 8), 'tenant-a')).hex(), hash('tenant-a'))")
-    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout.split()
-            for seed in ("1", "2")]
+    code = (
+        "from ringkv.cache.block_manager import block_hash as h; a = h((None, (1, 2, 3, 4), 'tenant-a')); "
+        "print(h((a, (5, 6, 7, 8), 'tenant-a')).hex(), hash('tenant-a'))"
+    )
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+        ).stdout.split()
+        for seed in ("1", "2")
+    ]
     assert outs[0][0] == outs[1][0] and outs[0][1] != outs[1][1]

@@ -59,8 +59,13 @@ class Proc:
         env.pop("RINGKV_ADMIN_KEY", None)
         self.headers = {} if key is None else {"x-ringkv-admin-key": key}
         self.name, self.up, self.deadline = args[0], up, time.time() + 300
-        self.proc = subprocess.Popen([sys.executable, "-m", "ringkv", *args, "--port", str(self.port)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ringkv", *args, "--port", str(self.port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         self.client = OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
         if wait:
             self.wait_up()
@@ -71,7 +76,9 @@ class Proc:
                 raise RuntimeError(f"{self.name} exited: {self.proc.stdout.read()[-3000:]}")
             try:
                 r = httpx.get(self.url + "/health", timeout=2)
-                if self.up == 0 or r.status_code == 200 and r.json().get("up", self.up) >= self.up:  # 0: it answers
+                if (
+                    self.up == 0 or r.status_code == 200 and r.json().get("up", self.up) >= self.up
+                ):  # 0: it answers
                     return self
             except httpx.HTTPError:
                 pass
@@ -137,7 +144,9 @@ def test_the_index_matches_the_engines_prefix_cache(block_size, sp):
     for cut in (0, 5, 17, 39, 40):
         prompt = base[:cut] + [rng.randrange(50, 60) for _ in range(7)]
         for salt in (None, "tenant-a", "tenant-b"):
-            want = len(bm.match_prefix(prompt + [0], salt)) * block_size * sp  # + [0]: no last-token rule
+            want = (
+                len(bm.match_prefix(prompt + [0], salt)) * block_size * sp
+            )  # + [0]: no last-token rule
             bm.free(bm.match_prefix(prompt + [0], salt))
             assert router.cached_tokens(inst, prompt, salt, {}) == want
 
@@ -153,8 +162,14 @@ def instance_in_thread(llm, instance_id: str):
 
     engine = AsyncEngine(llm, kv_events=True)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", instance_id=instance_id, admin=True),
-                                           host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(engine, "tiny", instance_id=instance_id, admin=True),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -182,17 +197,29 @@ def test_router_poll_drops_the_blocks_an_instance_evicted():
     from ringkv.model import LlamaForCausalLM, ModelConfig
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2,
-                                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
-                                         eos_token_id=None)).eval()
+    model = LlamaForCausalLM(
+        ModelConfig(
+            vocab_size=61,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+            eos_token_id=None,
+        )
+    ).eval()
     bs, nb = 4, 8
     held = [(i * 7 + 3) % 61 for i in range(20)]  # 5 full blocks
-    evicting = [(i * 5 + 1) % 61 for i in range(bs * nb - 1)]  # with its token: every block of the cache
+    evicting = [
+        (i * 5 + 1) % 61 for i in range(bs * nb - 1)
+    ]  # with its token: every block of the cache
 
     def chain(ids):
         out, parent = [], None
         for i in range(len(ids) // bs):
-            parent = block_hash((parent, tuple(ids[i * bs:(i + 1) * bs]), None))
+            parent = block_hash((parent, tuple(ids[i * bs : (i + 1) * bs]), None))
             out.append(parent.hex())
         return out
 
@@ -201,9 +228,13 @@ def test_router_poll_drops_the_blocks_an_instance_evicted():
         router.client = httpx.AsyncClient()
         a, b = router.add(url_a, "a"), router.add(url_b, "b")
         try:
+
             async def complete(ids):
-                r = await router.client.post(url_a + "/v1/completions", timeout=60,
-                                             json=dict(model="tiny", prompt=ids, max_tokens=1, temperature=0))
+                r = await router.client.post(
+                    url_a + "/v1/completions",
+                    timeout=60,
+                    json=dict(model="tiny", prompt=ids, max_tokens=1, temperature=0),
+                )
                 assert r.status_code == 200, r.text
 
             for inst in (a, b):
@@ -219,7 +250,9 @@ def test_router_poll_drops_the_blocks_an_instance_evicted():
             await router.poll(a)
             assert set(chain(evicting)) <= a.blocks
             stale = set(chain(held)) & a.blocks
-            assert not stale, f"{len(stale)} of the {len(held) // bs} evicted blocks stayed in the router's index"
+            assert not stale, (
+                f"{len(stale)} of the {len(held) // bs} evicted blocks stayed in the router's index"
+            )
             assert router.cached_tokens(a, held, None, {}) == 0
             assert router.pick(held).id == "b"
         finally:
@@ -241,8 +274,9 @@ def test_routing_policy():
     ids = list(range(12))
     chain, parent = [], None
     from ringkv.cache.block_manager import block_hash
+
     for k in range(3):
-        parent = block_hash((parent, tuple(ids[k * 4:(k + 1) * 4]), None))
+        parent = block_hash((parent, tuple(ids[k * 4 : (k + 1) * 4]), None))
         chain.append(parent.hex())
     b.blocks, c.blocks = set(chain[:1]), set(chain[:2])
     assert r.pick(ids).id == "c"
@@ -275,16 +309,30 @@ def test_routing_policy():
 
 
 # -- SmolLM2 replicas behind `ringkv serve --replicas 2` ----------------------------------------
-SYSTEM = ["You are a terse assistant who answers in one short sentence. " * 6,
-          "You are a pirate. Answer every question as a pirate would, with nautical words. " * 5]
+SYSTEM = [
+    "You are a terse assistant who answers in one short sentence. " * 6,
+    "You are a pirate. Answer every question as a pirate would, with nautical words. " * 5,
+]
 
 
 @pytest.fixture(scope="module")
 def front():
     from tests.models import smollm2_path
 
-    f = Proc("serve", "--model", smollm2_path(), "--replicas", "2", "--admin", "--served-model-name", "smol",
-             "--no-migration", "--max-num-seqs", "16", up=2)
+    f = Proc(
+        "serve",
+        "--model",
+        smollm2_path(),
+        "--replicas",
+        "2",
+        "--admin",
+        "--served-model-name",
+        "smol",
+        "--no-migration",
+        "--max-num-seqs",
+        "16",
+        up=2,
+    )
     yield f
     f.close()
 
@@ -308,8 +356,9 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(front, smol):
     for k in range(3):
         for s, system in enumerate(SYSTEM):
             prompt = f"{system}Question {k}: name a colour."
-            r = front.client.completions.with_raw_response.create(model="smol", prompt=prompt, max_tokens=4,
-                                                                  temperature=0)
+            r = front.client.completions.with_raw_response.create(
+                model="smol", prompt=prompt, max_tokens=4, temperature=0
+            )
             out = r.parse()
             assert out.choices[0].text == greedy(smol, prompt, 4)
             where.setdefault(s, set()).add(r.headers["x-ringkv-instance"])
@@ -319,7 +368,11 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(front, smol):
     assert all(len(v) == 1 for v in where.values()), where
     m = front.metrics()
     assert sum(v for k, v in m.items() if k.startswith("ringkv_router_prefix_hit_tokens_total")) > 0
-    assert m['ringkv_router_instance_up{instance="r0"}'] == 1 == m['ringkv_router_instance_up{instance="r1"}']
+    assert (
+        m['ringkv_router_instance_up{instance="r0"}']
+        == 1
+        == m['ringkv_router_instance_up{instance="r1"}']
+    )
 
 
 def stream_and_migrate(front, kind: str, after: int = 4, **kw):
@@ -345,7 +398,9 @@ def stream_and_migrate(front, kind: str, after: int = 4, **kw):
 def test_a_request_migrated_mid_stream_streams_the_same_text(front, smol):
     before = front.metrics()
     prompt = "Once upon a time, in a land far away,"
-    text, src, dst = stream_and_migrate(front, "completions", prompt=prompt, max_tokens=40, temperature=0)
+    text, src, dst = stream_and_migrate(
+        front, "completions", prompt=prompt, max_tokens=40, temperature=0
+    )
     assert text == greedy(smol, prompt, 40)
     messages = [{"role": "user", "content": "Write a short poem about the sea."}]
     seeded = dict(messages=messages, max_tokens=32, temperature=0.9, seed=1234)
@@ -353,8 +408,11 @@ def test_a_request_migrated_mid_stream_streams_the_same_text(front, smol):
     text, _, _ = stream_and_migrate(front, "chat", after=6, **seeded)
     assert text == want
     after = front.metrics()
-    moved_out = sum(after[f'ringkv_router_migrations_out_total{{instance="{i}"}}']
-                    - before[f'ringkv_router_migrations_out_total{{instance="{i}"}}'] for i in ("r0", "r1"))
+    moved_out = sum(
+        after[f'ringkv_router_migrations_out_total{{instance="{i}"}}']
+        - before[f'ringkv_router_migrations_out_total{{instance="{i}"}}']
+        for i in ("r0", "r1")
+    )
     assert moved_out == 2
 
 
@@ -366,21 +424,35 @@ def test_bad_admin_input_is_refused(front):
     assert front.post("/admin/migrate", ["x"]).status_code == 400
     assert httpx.post(front.url + "/admin/migrate", content=b"{", timeout=10).status_code == 400
     assert front.post("/admin/instances", {"url": "not a url"}).status_code == 400
-    assert front.post("/admin/instances", {"url": front.instances()["r0"]["url"]}).status_code == 409
+    assert (
+        front.post("/admin/instances", {"url": front.instances()["r0"]["url"]}).status_code == 409
+    )
     assert httpx.delete(front.url + "/admin/instances/nope", timeout=10).status_code == 404
     # a stream that is running: to an unknown instance, and to where it already is
-    raw = front.client.completions.with_raw_response.create(model="smol", prompt="Count: 1, 2, 3,", max_tokens=40,
-                                                           temperature=0, stream=True)
+    raw = front.client.completions.with_raw_response.create(
+        model="smol", prompt="Count: 1, 2, 3,", max_tokens=40, temperature=0, stream=True
+    )
     src = raw.headers["x-ringkv-instance"]
     for i, ch in enumerate(raw.parse()):
         if i == 2:
-            assert front.post("/admin/migrate", {"request_id": ch.id, "to": "r9"}).status_code == 404
+            assert (
+                front.post("/admin/migrate", {"request_id": ch.id, "to": "r9"}).status_code == 404
+            )
             assert front.post("/admin/migrate", {"request_id": ch.id, "to": src}).status_code == 409
     # the replicas' own admin endpoints need the key the front gave them
     url = front.instances()["r0"]["url"]
     assert httpx.get(url + "/internal/state", timeout=10).status_code == 401
-    assert httpx.get(url + "/internal/state", headers={"x-ringkv-admin-key": "wrong"}, timeout=10).status_code == 401
-    assert front.client.completions.create(model="smol", prompt="Hi", max_tokens=2).choices[0].finish_reason
+    assert (
+        httpx.get(
+            url + "/internal/state", headers={"x-ringkv-admin-key": "wrong"}, timeout=10
+        ).status_code
+        == 401
+    )
+    assert (
+        front.client.completions.create(model="smol", prompt="Hi", max_tokens=2)
+        .choices[0]
+        .finish_reason
+    )
 
 
 @needs_smollm2
@@ -389,18 +461,25 @@ def test_a_killed_instance_loses_no_request_and_rejoins(front, smol):
     prompts = [f"Story {i}: once upon a time there was a" for i in range(4)]
     messages = [{"role": "user", "content": "Describe a forest in two sentences."}]
     # the references in one batch (as the instances run them), not one by one: ~3x faster
-    want = [o.text for o in smol.generate(prompts, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)]
+    want = [
+        o.text
+        for o in smol.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False
+        )
+    ]
     want += [[greedy(smol, messages, 48, chat=True)] * 2]
     got, errors, started = {}, [], threading.Barrier(len(prompts) + 2)
 
     def one(i):  # 0-3: completions; 4: a chat with n = 2 (each choice continues on its own)
         try:
             if i < len(prompts):
-                s = front.client.completions.create(model="smol", prompt=prompts[i], max_tokens=48, temperature=0,
-                                                    stream=True)
+                s = front.client.completions.create(
+                    model="smol", prompt=prompts[i], max_tokens=48, temperature=0, stream=True
+                )
             else:
-                s = front.client.chat.completions.create(model="smol", messages=messages, max_tokens=48, n=2,
-                                                         temperature=0, stream=True)
+                s = front.client.chat.completions.create(
+                    model="smol", messages=messages, max_tokens=48, n=2, temperature=0, stream=True
+                )
             text, n = ["", ""], 0
             for ch in s:
                 for c in ch.choices:
@@ -431,7 +510,9 @@ def test_a_killed_instance_loses_no_request_and_rejoins(front, smol):
     assert front.metrics()[f'ringkv_router_failovers_total{{instance="{victim["id"]}"}}'] >= 1
     inst = front.wait_all_up(180)  # the replica was started again and rejoined
     assert inst[victim["id"]]["pid"] != victim["pid"]
-    r = front.client.completions.create(model="smol", prompt=prompts[0], max_tokens=8, temperature=0)
+    r = front.client.completions.create(
+        model="smol", prompt=prompts[0], max_tokens=8, temperature=0
+    )
     assert r.choices[0].text == greedy(smol, prompts[0], 8)
 
 
@@ -439,8 +520,9 @@ def test_a_killed_instance_loses_no_request_and_rejoins(front, smol):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama", 3, num_hidden_layers=4, max_position_embeddings=512).save_pretrained(path,
-                                                                                           safe_serialization=True)
+    tiny_model("llama", 3, num_hidden_layers=4, max_position_embeddings=512).save_pretrained(
+        path, safe_serialization=True
+    )
     return str(path)
 
 
@@ -456,7 +538,10 @@ def meshes(tiny):
 
 def tiny_reference(tiny, prompts, n: int):
     llm = LLM(tiny, block_size=4, num_blocks=256)
-    return [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)]
+    return [
+        o.token_ids
+        for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)
+    ]
 
 
 def tokens_of(stream) -> list:
@@ -475,18 +560,31 @@ def test_admin_is_off_by_default(meshes, tiny):
         router.wait_up()
         for path in ("/internal/state", "/internal/attach/x"):
             assert httpx.get(plain.url + path, timeout=10).status_code == 404
-        assert httpx.post(plain.url + "/internal/accept", json={"host": "127.0.0.1"}, timeout=10).status_code == 404
+        assert (
+            httpx.post(
+                plain.url + "/internal/accept", json={"host": "127.0.0.1"}, timeout=10
+            ).status_code
+            == 404
+        )
         for path in ("/admin/instances",):
             assert httpx.get(router.url + path, timeout=10).status_code == 404
         assert httpx.post(router.url + "/admin/migrate", json={}, timeout=10).status_code == 404
         # this router has not got the instance's key: it cannot read its state, so routes nowhere
         time.sleep(2)
         assert httpx.get(router.url + "/health", timeout=10).status_code == 503
-        assert httpx.post(router.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
-                          timeout=60).status_code == 503
+        assert (
+            httpx.post(
+                router.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=60
+            ).status_code
+            == 503
+        )
         # a request naming itself (x-ringkv-request-id) is an ordinary request on an instance without admin
-        r = httpx.post(plain.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2},
-                       headers={"x-ringkv-request-id": "mine"}, timeout=60)
+        r = httpx.post(
+            plain.url + "/v1/completions",
+            json={"prompt": [5, 6, 7], "max_tokens": 2},
+            headers={"x-ringkv-request-id": "mine"},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.json()["id"] != "mine"
     finally:
         plain.close()
@@ -498,7 +596,9 @@ def test_instances_of_different_meshes_join_route_and_migrate(meshes, tiny):
     a, b = meshes
     router = Proc("router", "--upstream", a.url, "--admin-key", KEY, "--no-migration", key=KEY)
     try:
-        r = httpx.post(router.url + "/admin/instances", json={"url": b.url, "id": "pp2"}, timeout=30)
+        r = httpx.post(
+            router.url + "/admin/instances", json={"url": b.url, "id": "pp2"}, timeout=30
+        )
         assert r.status_code == 401  # without the key
         r = router.post("/admin/instances", {"url": b.url, "id": "pp2"})
         assert r.status_code == 200, r.text
@@ -506,24 +606,38 @@ def test_instances_of_different_meshes_join_route_and_migrate(meshes, tiny):
         assert set(inst) == {"u0", "pp2"}
         prompts = [[5 + i, 6, 7, 8, 9] * 3 for i in range(3)]
         want = tiny_reference(tiny, prompts, 40)
-        r = router.client.completions.create(model=tiny, prompt=prompts, max_tokens=40, temperature=0, logprobs=0)
-        assert [[int(t) for t in c.logprobs.tokens] for c in sorted(r.choices, key=lambda c: c.index)] == want
+        r = router.client.completions.create(
+            model=tiny, prompt=prompts, max_tokens=40, temperature=0, logprobs=0
+        )
+        assert [
+            [int(t) for t in c.logprobs.tokens] for c in sorted(r.choices, key=lambda c: c.index)
+        ] == want
         for src_to in ("pp2", "u0"):  # there and back, mid-stream
-            raw = router.client.completions.with_raw_response.create(model=tiny, prompt=prompts[1], max_tokens=40,
-                                                                     temperature=0, logprobs=0, stream=True)
+            raw = router.client.completions.with_raw_response.create(
+                model=tiny, prompt=prompts[1], max_tokens=40, temperature=0, logprobs=0, stream=True
+            )
             src = raw.headers["x-ringkv-instance"]
             dst = "pp2" if src == "u0" else "u0"
             got = []
             for i, ch in enumerate(raw.parse()):
-                got += [int(t) for c in ch.choices for t in (c.logprobs.tokens if c.logprobs else [])]
+                got += [
+                    int(t) for c in ch.choices for t in (c.logprobs.tokens if c.logprobs else [])
+                ]
                 if i == 3:
                     m = router.post("/admin/migrate", {"request_id": ch.id, "to": dst})
                     assert m.status_code == 200, m.text
             assert got == want[1], src_to
         # drained and removed; requests still served by the other
-        assert httpx.delete(router.url + "/admin/instances/pp2", headers=router.headers, timeout=60).status_code == 200
+        assert (
+            httpx.delete(
+                router.url + "/admin/instances/pp2", headers=router.headers, timeout=60
+            ).status_code
+            == 200
+        )
         assert set(router.instances()) == {"u0"}
-        r = router.client.completions.create(model=tiny, prompt=prompts[2], max_tokens=40, temperature=0, logprobs=0)
+        r = router.client.completions.create(
+            model=tiny, prompt=prompts[2], max_tokens=40, temperature=0, logprobs=0
+        )
         assert [int(t) for t in r.choices[0].logprobs.tokens] == want[2]
     finally:
         router.close()
@@ -534,23 +648,45 @@ def test_the_load_policy_moves_requests_and_keeps_their_tokens(meshes, tiny):
     """Requests pinned to one instance by their shared prefix: the policy moves some to the
     idle one while they decode; every output equals the reference."""
     a, b = meshes
-    router = Proc("router", "--upstream", a.url, "--upstream", b.url, "--admin-key", KEY, "--migration-threshold",
-                  "0.1", "--balance", "64", up=2, key=KEY)
+    router = Proc(
+        "router",
+        "--upstream",
+        a.url,
+        "--upstream",
+        b.url,
+        "--admin-key",
+        KEY,
+        "--migration-threshold",
+        "0.1",
+        "--balance",
+        "64",
+        up=2,
+        key=KEY,
+    )
     try:
         base = [11, 12, 13, 14] * 6
         prompts = [base + [20 + i] for i in range(6)]
         want = tiny_reference(tiny, prompts, 200)
-        warm = router.client.completions.create(model=tiny, prompt=base, max_tokens=1)  # caches the prefix
+        warm = router.client.completions.create(
+            model=tiny, prompt=base, max_tokens=1
+        )  # caches the prefix
         assert warm.choices[0].finish_reason
         got, errors = {}, []
 
         def one(i):
             try:
-                s = router.client.completions.create(model=tiny, prompt=prompts[i], max_tokens=200, temperature=0,
-                                                     logprobs=0, stream=True)
+                s = router.client.completions.create(
+                    model=tiny,
+                    prompt=prompts[i],
+                    max_tokens=200,
+                    temperature=0,
+                    logprobs=0,
+                    stream=True,
+                )
                 got[i] = tokens_of(s)
             except Exception as e:  # noqa: BLE001
                 errors.append(repr(e))
+
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
@@ -572,11 +708,41 @@ def test_replicas_that_cannot_start_stop_the_front_with_the_reason(tmp_path):
     bad = tmp_path / "empty-model"
     bad.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    nope = subprocess.Popen([sys.executable, "-m", "ringkv", "serve", "--model", str(tmp_path / "nope"), "--replicas",
-                             "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # meanwhile
+    nope = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ringkv",
+            "serve",
+            "--model",
+            str(tmp_path / "nope"),
+            "--replicas",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )  # meanwhile
     try:
-        r = subprocess.run([sys.executable, "-m", "ringkv", "serve", "--model", str(bad), "--replicas", "2",
-                            "--port", str(free_port())], capture_output=True, text=True, timeout=120, env=env)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ringkv",
+                "serve",
+                "--model",
+                str(bad),
+                "--replicas",
+                "2",
+                "--port",
+                str(free_port()),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         assert r.returncode == 1, r.stderr
         assert "no config.json" in r.stderr and "every instance failed to start" in r.stderr
         _, stderr = nope.communicate(timeout=60)

@@ -20,11 +20,16 @@ from ringkv.kernels import linear_cpu  # noqa: E402
 from ringkv.parallel.compiled import CPU_MIN_ROWS, CompiledDecode, decode_buckets  # noqa: E402
 from tests.models import needs_smollm2  # noqa: E402
 
-TEXTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,",
-         "Once upon a time, in a land far away, there lived a young",
-         "You are a careful assistant. Answer briefly. The river is long, the mountain is tall, "
-         "the city is old and the sea is deep. Question: which is deep?",
-         "Hi", "The history of the river valley begins with small farming villages"]
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "Once upon a time, in a land far away, there lived a young",
+    "You are a careful assistant. Answer briefly. The river is long, the mountain is tall, "
+    "the city is old and the sea is deep. Question: which is deep?",
+    "Hi",
+    "The history of the river valley begins with small farming villages",
+]
 NEAR_TIE = 1e-4  # a token may differ only where eager's top-2 log-probs are this close (relative)
 
 
@@ -63,15 +68,25 @@ def test_greedy_equals_eager_as_requests_finish(engines):
     params = [greedy(n) for n in lengths]
     before = compiled.rank_stats()[0]
     want = eager.generate(prompts, params, use_tqdm=False)
-    got = compiled.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                                      for n in lengths], use_tqdm=False)
+    got = compiled.generate(
+        prompts,
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
+        use_tqdm=False,
+    )
     assert [len(o.token_ids) for o in got] == lengths
     check_same(want, got)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]  # what we observe: no near-tie at all
+    assert [o.token_ids for o in got] == [
+        o.token_ids for o in want
+    ]  # what we observe: no near-tie at all
     after = compiled.rank_stats()[0]
-    steps, compiled_steps = after["steps"] - before["steps"], after["compiled_steps"] - before["compiled_steps"]
+    steps, compiled_steps = (
+        after["steps"] - before["steps"],
+        after["compiled_steps"] - before["compiled_steps"],
+    )
     assert CPU_MIN_ROWS == 4 and steps == max(lengths)  # one prefill step, 11 decode steps
-    assert compiled_steps == 1 + 7  # the prefill (the unfrozen graph), the decode steps of >= 4 rows; 1-3 rows: eager
+    assert (
+        compiled_steps == 1 + 7
+    )  # the prefill (the unfrozen graph), the decode steps of >= 4 rows; 1-3 rows: eager
     assert after["compile_s"] > 0
     assert after["decode_linear"] == ("packed" if linear_cpu.available() else "onednn")
     assert eager.rank_stats()[0]["decode_linear"] is None
@@ -81,13 +96,23 @@ def test_greedy_equals_eager_as_requests_finish(engines):
 def test_full_batch_single_request_and_sampling(engines):
     eager, compiled, prompts = engines
     batch = prompts + [prompts[0] + prompts[2]]  # 8 rows = max_num_seqs, the largest bucket
-    check_same(eager.generate(batch, greedy(5), use_tqdm=False),
-               compiled.generate(batch, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-                                 use_tqdm=False))
-    one = [prompts[3]]  # a single request: 1-row decode steps, eager (a prefix-cache hit on its prompt)
-    check_same(eager.generate(one, greedy(6), use_tqdm=False), compiled.generate(one, greedy(6), use_tqdm=False))
+    check_same(
+        eager.generate(batch, greedy(5), use_tqdm=False),
+        compiled.generate(
+            batch, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+        ),
+    )
+    one = [
+        prompts[3]
+    ]  # a single request: 1-row decode steps, eager (a prefix-cache hit on its prompt)
+    check_same(
+        eager.generate(one, greedy(6), use_tqdm=False),
+        compiled.generate(one, greedy(6), use_tqdm=False),
+    )
     seeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=6, seed=3, ignore_eos=True)
-    a = eager.generate(prompts[:3], seeded, use_tqdm=False)  # logits to the driver: the compiled LM head
+    a = eager.generate(
+        prompts[:3], seeded, use_tqdm=False
+    )  # logits to the driver: the compiled LM head
     b = compiled.generate(prompts[:3], seeded, use_tqdm=False)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
@@ -108,7 +133,10 @@ def test_chunked_prefill_and_mixed_steps(engines):
         for llm in (eager, compiled):
             llm.pipeline.scheduler.max_num_batched_tokens = 2048
     check_same(want, got)
-    compiled_steps, steps = after["compiled_steps"] - before["compiled_steps"], after["steps"] - before["steps"]
+    compiled_steps, steps = (
+        after["compiled_steps"] - before["compiled_steps"],
+        after["steps"] - before["steps"],
+    )
     assert steps > 7  # the prompts took several chunked steps
     assert compiled_steps > 6  # more than the <= 6 decode-only steps: chunked and mixed steps too
 
@@ -118,11 +146,31 @@ def test_buckets():
     assert decode_buckets(6) == (1, 2, 4, 6) and decode_buckets(1) == (1,)
     cpu = CompiledDecode.__new__(CompiledDecode)  # bucket() only: nothing compiled
     cpu.cuda, cpu.buckets, cpu.largest, cpu.min_rows = False, decode_buckets(8), 8, CPU_MIN_ROWS
-    assert [cpu.bucket(t) for t in (1, 3, 4, 5, 8, 9)] == [None, None, 4, 5, 8, None]  # one dynamic graph
-    assert [cpu.other(t) for t in (1, 3, 4, 9, 2048)] == [False, False, True, True, True]  # the unfrozen graph
+    assert [cpu.bucket(t) for t in (1, 3, 4, 5, 8, 9)] == [
+        None,
+        None,
+        4,
+        5,
+        8,
+        None,
+    ]  # one dynamic graph
+    assert [cpu.other(t) for t in (1, 3, 4, 9, 2048)] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]  # the unfrozen graph
     gpu = CompiledDecode.__new__(CompiledDecode)
     gpu.cuda, gpu.buckets, gpu.largest, gpu.min_rows = True, decode_buckets(6), 6, 1
-    assert [gpu.bucket(t) for t in (1, 2, 3, 5, 6, 7)] == [1, 2, 4, 6, 6, None]  # padded up to a bucket
+    assert [gpu.bucket(t) for t in (1, 2, 3, 5, 6, 7)] == [
+        1,
+        2,
+        4,
+        6,
+        6,
+        None,
+    ]  # padded up to a bucket
     assert not any(gpu.other(t) for t in (1, 7, 2048))  # CUDA: any other step eager
 
 
@@ -156,12 +204,23 @@ def test_mesh_greedy_equals_transformers(worlds, mesh):
 
     s = ("tiny", "llama", 0, dict(num_hidden_layers=3))
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 17, 9, 1, 30, 12, 5, 22, 8, 14)]
+    prompts = [
+        torch.randint(3, 128, (n,), generator=g).tolist()
+        for n in (3, 17, 9, 1, 30, 12, 5, 22, 8, 14)
+    ]
     want = hf_greedy(tiny_model("llama", 0, num_hidden_layers=3), prompts, 6)
     # pp=2 keeps two steps in flight, each with half the sequences: 5 rows, compiled (>= CPU_MIN_ROWS)
     kw = dict(mesh, block_size=4, num_blocks=128, max_num_seqs=10, compile_decode=True)
-    res = worlds(2).check("tests.engine_cases:generate", 2, s, kw, prompts,
-                          SamplingParams(temperature=0, max_tokens=6), 1, timeout=300)
+    res = worlds(2).check(
+        "tests.engine_cases:generate",
+        2,
+        s,
+        kw,
+        prompts,
+        SamplingParams(temperature=0, max_tokens=6),
+        1,
+        timeout=300,
+    )
     for r in res:
         assert r["tokens"] == [want]
     for st in res[0]["stats"]:

@@ -38,11 +38,19 @@ class Deltas(RuleBasedStateMachine):
         self.pub, self.mirror = Publisher(), Mirror()
         self.ids = 0
 
-    @rule(length=st.integers(1, 30), logprobs=st.sampled_from([None, 0, 2, 20]), shared=st.booleans())
+    @rule(
+        length=st.integers(1, 30), logprobs=st.sampled_from([None, 0, 2, 20]), shared=st.booleans()
+    )
     def add(self, length, logprobs, shared):
-        tokens = [7] * 8 + [self.ids] * length if shared else [self.ids % 50 + i for i in range(length)]
-        params = SamplingParams(prompt_logprobs=logprobs)  # k > 0: the plan's top travels in its header
-        self.sched.add(Sequence(seq_id=self.ids, prompt=None, prompt_token_ids=tokens, params=params))
+        tokens = (
+            [7] * 8 + [self.ids] * length if shared else [self.ids % 50 + i for i in range(length)]
+        )
+        params = SamplingParams(
+            prompt_logprobs=logprobs
+        )  # k > 0: the plan's top travels in its header
+        self.sched.add(
+            Sequence(seq_id=self.ids, prompt=None, prompt_token_ids=tokens, params=params)
+        )
         self.ids += 1
 
     @rule(tokens=st.integers(1, 3))
@@ -55,7 +63,9 @@ class Deltas(RuleBasedStateMachine):
         want = "tokens" if len(batch) % 2 else "logits"
         words = self.pub.encode(batch, want)
         for s, (flags, ntok, nblk) in zip(batch, _entries(words)):
-            if flags & NEW:  # once: its tokens from the first position it computes (a cached prefix: none), all blocks
+            if (
+                flags & NEW
+            ):  # once: its tokens from the first position it computes (a cached prefix: none), all blocks
                 assert (ntok, nblk) == (s.seq.num_tokens - s.start, len(s.seq.block_table))
             else:  # the token sampled since, the blocks these n tokens need: not the context
                 assert ntok <= 1 and nblk <= s.n // self.blocks.block_size + 1, (ntok, nblk, s.n)
@@ -63,7 +73,9 @@ class Deltas(RuleBasedStateMachine):
         want_plan = local_plan(batch, want)
         assert plan == want_plan
         for s in batch:
-            self.blocks.register(s.seq.block_table, s.seq.token_ids, s.start + s.n, None, s.seq.prefix_cursor)
+            self.blocks.register(
+                s.seq.block_table, s.seq.token_ids, s.start + s.n, None, s.seq.prefix_cursor
+            )
             if s.completes:
                 s.seq.token_ids.append(1000 + s.seq.num_tokens)
                 if s.seq.num_tokens >= len(s.seq.prompt_token_ids) + tokens:
@@ -93,9 +105,11 @@ class Deltas(RuleBasedStateMachine):
         assert set(self.mirror.seqs) == set(self.pub.sent)
         for sid, e in self.pub.sent.items():
             m = self.mirror.seqs[sid]
-            assert m.offset == e.offset and m.tokens == e.seq.token_ids[e.offset:e.offset + e.tokens]
+            assert (
+                m.offset == e.offset and m.tokens == e.seq.token_ids[e.offset : e.offset + e.tokens]
+            )
             if e.seq.kv_epoch == e.epoch and not e.seq.finished:  # else dropped at the next step
-                assert m.table == e.seq.block_table[:e.blocks]
+                assert m.table == e.seq.block_table[: e.blocks]
 
 
 def _entries(words):
@@ -118,7 +132,14 @@ def _decode_words(context: int, batch: int, block_size: int = 16) -> int:
     sched = Scheduler(blocks, max_num_seqs=batch, max_num_batched_tokens=batch * context)
     pub, mirror = Publisher(), Mirror()
     for i in range(batch):
-        sched.add(Sequence(seq_id=i, prompt=None, prompt_token_ids=list(range(i, i + context)), params=SamplingParams()))
+        sched.add(
+            Sequence(
+                seq_id=i,
+                prompt=None,
+                prompt_token_ids=list(range(i, i + context)),
+                params=SamplingParams(),
+            )
+        )
     sizes = []
     for _ in range(3):
         step = sched.schedule()
@@ -144,7 +165,9 @@ def test_a_corrupted_mirror_fails_the_next_step():
     blocks = BlockManager(16, 4)
     sched = Scheduler(blocks, max_num_batched_tokens=64)
     pub, mirror = Publisher(), Mirror(rank=3)
-    sched.add(Sequence(seq_id=0, prompt=None, prompt_token_ids=list(range(10)), params=SamplingParams()))
+    sched.add(
+        Sequence(seq_id=0, prompt=None, prompt_token_ids=list(range(10)), params=SamplingParams())
+    )
     for step in range(4):
         batch = sched.schedule()
         for s in batch:
@@ -152,7 +175,9 @@ def test_a_corrupted_mirror_fails_the_next_step():
         words = pub.encode(batch, "tokens")
         if step == 2:
             mirror.seqs[0].tokens.pop()  # what a lost or misapplied delta leaves behind
-            with pytest.raises(EngineError, match=r"rank 3: the step mirror drifted from the driver's at step 2"):
+            with pytest.raises(
+                EngineError, match=r"rank 3: the step mirror drifted from the driver's at step 2"
+            ):
                 mirror.apply(words)
             return
         mirror.apply(words)
@@ -188,8 +213,13 @@ def model():
 
 def _bytes_per_decode_step(llm, prompt_len: int) -> float:
     g = torch.Generator().manual_seed(prompt_len)
-    rids = [llm.add_request(torch.randint(3, 128, (prompt_len,), generator=g).tolist(), GREEDY) for _ in range(4)]
-    while not all(llm._active[r][0].output_token_ids for r in rids):  # prefill done: every prompt has a token
+    rids = [
+        llm.add_request(torch.randint(3, 128, (prompt_len,), generator=g).tolist(), GREEDY)
+        for _ in range(4)
+    ]
+    while not all(
+        llm._active[r][0].output_token_ids for r in rids
+    ):  # prefill done: every prompt has a token
         llm.step()
     before = llm.rank_stats()
     for _ in range(6):
@@ -198,19 +228,27 @@ def _bytes_per_decode_step(llm, prompt_len: int) -> float:
     while llm.has_unfinished_requests():
         llm.step()
     steps = after[0]["steps"] - before[0]["steps"]
-    return [(a["control_bytes_total"] - b["control_bytes_total"]) / steps for a, b in zip(after, before)]
+    return [
+        (a["control_bytes_total"] - b["control_bytes_total"]) / steps for a, b in zip(after, before)
+    ]
 
 
 @pytest.mark.slow
 def test_control_bytes_per_decode_step_do_not_grow_with_context(model):
     """tp=2, spawned: 4 sequences of 24 vs 480 tokens (block size 4: 6 vs 120 blocks each). The
     old JSON plan grew with every block table; the delta does not."""
-    with LLM(model, tp=2, block_size=4, num_blocks=1024, max_num_batched_tokens=512, timeout=60) as llm:
+    with LLM(
+        model, tp=2, block_size=4, num_blocks=1024, max_num_batched_tokens=512, timeout=60
+    ) as llm:
         short = _bytes_per_decode_step(llm, 24)
         long = _bytes_per_decode_step(llm, 480)
         stats = llm.rank_stats()
-    assert all(s["control_bytes"] > 0 and s["control_s"] > 0 for s in stats)  # received and applied by each rank
-    assert stats[0]["driver_control_bytes"] > 0 and stats[0]["driver_control_s"] > 0  # sent by the driver
+    assert all(
+        s["control_bytes"] > 0 and s["control_s"] > 0 for s in stats
+    )  # received and applied by each rank
+    assert (
+        stats[0]["driver_control_bytes"] > 0 and stats[0]["driver_control_s"] > 0
+    )  # sent by the driver
     for a, b in zip(short, long):
         assert 0 < b <= 1.2 * a, (short, long)
 
@@ -226,7 +264,9 @@ def test_a_drifted_mirror_is_an_engine_error_naming_the_step(model, rank):
     finally:
         os.environ.pop("RINGKV_FAULT")
     with llm:
-        with pytest.raises(EngineError, match=r"rank \d: the step mirror drifted from the driver.s at step 4"):
+        with pytest.raises(
+            EngineError, match=r"rank \d: the step mirror drifted from the driver.s at step 4"
+        ):
             llm.generate([[5, 6, 7, 8, 9]], GREEDY, use_tqdm=False)
         with pytest.raises(EngineError, match="broken"):
             llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)

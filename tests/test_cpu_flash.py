@@ -28,8 +28,10 @@ from ringkv.kernels.mask import BAND, DENSE, FULL, OFFSET, Mask
 
 # only where there is no compiler, or the kernel is switched off: where one is, a kernel that fails to
 # build fails these tests (tests/conftest.py turns the kernel on without its timing self-check)
-pytestmark = pytest.mark.skipif(native.compiler() is None or os.environ.get("RINGKV_NATIVE_FLASH") == "0",
-                                reason="no C compiler here, or RINGKV_NATIVE_FLASH=0")
+pytestmark = pytest.mark.skipif(
+    native.compiler() is None or os.environ.get("RINGKV_NATIVE_FLASH") == "0",
+    reason="no C compiler here, or RINGKV_NATIVE_FLASH=0",
+)
 
 EPS = torch.finfo(torch.float32).eps
 HYP = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -52,8 +54,8 @@ def strided(x: torch.Tensor, how: str) -> torch.Tensor:
         return x.transpose(1, 2).contiguous().transpose(1, 2)
     if how == "padded":  # a slice of a wider buffer: rows further apart than H * D
         wide = torch.zeros(*x.shape[:-1], x.shape[-1] + 16)
-        wide[..., 3:3 + x.shape[-1]] = x
-        return wide[..., 3:3 + x.shape[-1]]
+        wide[..., 3 : 3 + x.shape[-1]] = x
+        return wide[..., 3 : 3 + x.shape[-1]]
     return x
 
 
@@ -66,7 +68,9 @@ def oracle(q, k, v, dout, dlse, scale, mask, softcap=None):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    kr, vr = (t.repeat_interleave(h // hkv, dim=2) for t in leaves[1:])  # (B, Sk, H, D), (B, Sk, H, Dv)
+    kr, vr = (
+        t.repeat_interleave(h // hkv, dim=2) for t in leaves[1:]
+    )  # (B, Sk, H, D), (B, Sk, H, Dv)
     s = torch.einsum("bqhd,bkhd->bhqk", leaves[0], kr) * scale  # (B, H, Sq, Sk)
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
@@ -78,7 +82,9 @@ def oracle(q, k, v, dout, dlse, scale, mask, softcap=None):
     seen = denom > 0
     denom = torch.where(seen, denom, torch.ones_like(denom))
     out = torch.einsum("bhqk,bkhd->bqhd", e / denom, vr)  # (B, Sq, H, Dv)
-    lse = torch.where(seen, torch.log(denom) + m, torch.full_like(m, float("-inf")))[..., 0]  # (B, H, Sq)
+    lse = torch.where(seen, torch.log(denom) + m, torch.full_like(m, float("-inf")))[
+        ..., 0
+    ]  # (B, H, Sq)
     loss = (out * dout.double()).sum()
     if dlse is not None:
         loss = loss + torch.where(seen[..., 0], lse * dlse.double(), torch.zeros_like(lse)).sum()
@@ -96,11 +102,26 @@ def problems(draw):
     d = draw(st.sampled_from([16, 48, 64, 80, 128]))
     kind = draw(st.sampled_from([FULL, OFFSET, OFFSET, BAND]))
     hi = draw(st.integers(-sq - 2, sk + 2))  # from no row seeing a key to every row seeing all
-    mask = Mask(FULL) if kind == FULL else Mask(OFFSET, offset=hi) if kind == OFFSET else \
-        Mask(BAND, offset=hi, lo=hi - draw(st.integers(0, sk + 2)))
-    return dict(b=b, sq=sq, sk=sk, h=h, hkv=hkv, d=d, mask=mask, scale=draw(st.floats(0.02, 1.0)),
-                layout=draw(st.sampled_from(["contiguous", "heads_first", "padded"])), dlse=draw(st.booleans()),
-                seed=draw(st.integers(0, 2**31 - 1)))
+    mask = (
+        Mask(FULL)
+        if kind == FULL
+        else Mask(OFFSET, offset=hi)
+        if kind == OFFSET
+        else Mask(BAND, offset=hi, lo=hi - draw(st.integers(0, sk + 2)))
+    )
+    return dict(
+        b=b,
+        sq=sq,
+        sk=sk,
+        h=h,
+        hkv=hkv,
+        d=d,
+        mask=mask,
+        scale=draw(st.floats(0.02, 1.0)),
+        layout=draw(st.sampled_from(["contiguous", "heads_first", "padded"])),
+        dlse=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 def make(p):
@@ -127,7 +148,9 @@ def check(p, isa=None):
     q, k, v, dout, dlse = make(p)
     mask, scale = p["mask"], p["scale"]
     ref_out, ref_lse, ref_grads = oracle(q, k, v, dout, dlse, scale, mask)
-    out, lse = cpu_flash.forward(*(strided(t, p["layout"]) for t in (q, k, v)), scale, mask, isa=isa)
+    out, lse = cpu_flash.forward(
+        *(strided(t, p["layout"]) for t in (q, k, v)), scale, mask, isa=isa
+    )
     assert out.dtype == lse.dtype == torch.float32
     assert_close("out", out, ref_out, 32 * EPS * sharpness(q, k, scale))
     assert_close("lse", lse, ref_lse, 32 * EPS)
@@ -135,7 +158,9 @@ def check(p, isa=None):
     assert torch.equal(out.transpose(1, 2)[blind], torch.zeros_like(out.transpose(1, 2)[blind]))
 
     inputs = [strided(t, p["layout"]) for t in (dout, q, k, v)]
-    grads = cpu_flash.backward(*inputs, ref_out.float(), ref_lse.float(), scale, mask, dlse, isa=isa)
+    grads = cpu_flash.backward(
+        *inputs, ref_out.float(), ref_lse.float(), scale, mask, dlse, isa=isa
+    )
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert got.dtype == torch.float32
         assert_close(name, got, want, 512 * EPS)
@@ -156,7 +181,10 @@ def test_backward_into_adds_to_strided_accumulators():
     out, lse = reference.forward(q, k, v, 0.125, mask)
     want = cpu_flash.backward(dout, q, k, v, out, lse, 0.125, mask)
     big = [torch.randn(1, 2 * t.shape[1], t.shape[2], 64, generator=g) for t in (q, k, v)]
-    views = [b.transpose(1, 2).contiguous().transpose(1, 2)[:, 5:5 + t.shape[1]] for b, t in zip(big, (q, k, v))]
+    views = [
+        b.transpose(1, 2).contiguous().transpose(1, 2)[:, 5 : 5 + t.shape[1]]
+        for b, t in zip(big, (q, k, v))
+    ]
     before = [x.clone() for x in views]
     cpu_flash.backward_into(*views, dout, q, k, v, out, lse, 0.125, mask)
     for name, view, b0, w in zip(("dq", "dk", "dv"), views, before, want):
@@ -184,18 +212,30 @@ def test_result_does_not_depend_on_the_thread_count():
 def test_auto_picks_it_for_float32_only():
     q = torch.zeros(1, 8, 2, 64)
     assert kernels.pick("auto", q, Mask(OFFSET, offset=0)) is cpu_flash
-    assert kernels.pick("auto", q, Mask(FULL), dlse=True, backward=True) is cpu_flash  # lse gradient natively
+    assert (
+        kernels.pick("auto", q, Mask(FULL), dlse=True, backward=True) is cpu_flash
+    )  # lse gradient natively
     assert kernels.pick("auto", q.bfloat16(), Mask(FULL)) is kernels.sdpa
     assert kernels.pick("auto", torch.zeros(1, 8, 2, 8), Mask(FULL)) is kernels.sdpa  # head_dim 8
-    assert kernels.pick("auto", q, Mask(DENSE, dense=torch.ones(8, 8, dtype=torch.bool))) is kernels.sdpa
+    assert (
+        kernels.pick("auto", q, Mask(DENSE, dense=torch.ones(8, 8, dtype=torch.bool)))
+        is kernels.sdpa
+    )
 
 
 def test_turned_off_by_its_environment_variable():
-    script = ("import torch, ringkv.kernels as K\n"
-              "from ringkv.kernels.mask import Mask, FULL\n"
-              "print(K.pick('auto', torch.zeros(1, 4, 1, 64), Mask(FULL)).__name__, K.BACKENDS['cpu_flash'].unavailable)\n")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "RINGKV_NATIVE_FLASH": "0"})
+    script = (
+        "import torch, ringkv.kernels as K\n"
+        "from ringkv.kernels.mask import Mask, FULL\n"
+        "print(K.pick('auto', torch.zeros(1, 4, 1, 64), Mask(FULL)).__name__, K.BACKENDS['cpu_flash'].unavailable)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RINGKV_NATIVE_FLASH": "0"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("ringkv.kernels.sdpa off: RINGKV_NATIVE_FLASH=0"), r.stdout
 
@@ -205,10 +245,19 @@ def test_ab_benchmark_runs_and_writes_its_table(tmp_path):
     from benchmarks import cpu_flash_ab
 
     out = tmp_path / "ab.json"
-    assert cpu_flash_ab.main(["--rounds", "1", "--shapes", "40,2,1,16", "100,3,3,32", "--json", str(out)]) == 0
+    assert (
+        cpu_flash_ab.main(
+            ["--rounds", "1", "--shapes", "40,2,1,16", "100,3,3,32", "--json", str(out)]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     m, rows = res["machine"], res["rows"]
     assert m["cpu"] and m["isa"] and res["threads"] == m["threads"] == 1 and type(m["cores"]) is int
     assert [(r["seq"], r["mask"], r["pass_"]) for r in rows] == [
-        (s, m, p) for s in (40, 100) for m in ("causal", "full") for p in ("fwd", "bwd")]
-    assert all(r["torch_s"] > 0 and r["ours_s"] > 0 and r["ratio"] == r["ours_s"] / r["torch_s"] for r in rows)
+        (s, m, p) for s in (40, 100) for m in ("causal", "full") for p in ("fwd", "bwd")
+    ]
+    assert all(
+        r["torch_s"] > 0 and r["ours_s"] > 0 and r["ratio"] == r["ours_s"] / r["torch_s"]
+        for r in rows
+    )

@@ -18,8 +18,17 @@ V = 61
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, max_position_embeddings=512, eos_token_id=None)
+    cfg = ModelConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        eos_token_id=None,
+    )
     m = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # sharper logits: fewer near-ties, so greedy is a strong check
         m.lm_head.weight.mul_(8)
@@ -37,7 +46,7 @@ def reference(model, prompt, n):
         with torch.no_grad():
             for _ in range(n):
                 ids.append(int(model.logits(model(torch.tensor(ids))[-1:]).argmax()))
-        _ref_cache[key] = ids[len(prompt):]
+        _ref_cache[key] = ids[len(prompt) :]
     return _ref_cache[key]
 
 
@@ -55,6 +64,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
 class CharTokenizer:
     """ids <-> letters, enough to exercise stop strings and streaming text."""
+
     eos_token_id = None
 
     def encode(self, text):
@@ -106,15 +116,28 @@ def test_preemption_and_chunked_prefill_keep_output(model):
 
 
 @settings(max_examples=12, deadline=None)
-@given(block_size=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(8, 80),
-       max_seqs=st.integers(1, 6), max_tokens_step=st.integers(1, 40), caching=st.booleans())
-def test_any_engine_shape_gives_reference_tokens(model, block_size, num_blocks, max_seqs, max_tokens_step, caching):
+@given(
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    num_blocks=st.integers(8, 80),
+    max_seqs=st.integers(1, 6),
+    max_tokens_step=st.integers(1, 40),
+    caching=st.booleans(),
+)
+def test_any_engine_shape_gives_reference_tokens(
+    model, block_size, num_blocks, max_seqs, max_tokens_step, caching
+):
     cap = block_size * num_blocks
     prompts = [p for p in PROMPTS if len(p) + 6 <= cap][:6]
     if not prompts:
         return
-    llm = LLM(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_seqs,
-              max_num_batched_tokens=max_tokens_step, enable_prefix_caching=caching)
+    llm = LLM(
+        model,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max_tokens_step,
+        enable_prefix_caching=caching,
+    )
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert [o.token_ids for o in outs] == [reference(model, p, 10)[:6] for p in prompts]
     llm.blocks.check()
@@ -127,21 +150,34 @@ def test_sampling_seed_top_k_and_stop_ids(model):
     a = llm.generate(PROMPTS[:4], p, use_tqdm=False)
     b = llm.generate(PROMPTS[:4], p, use_tqdm=False)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    c = llm.generate(PROMPTS[:4], SamplingParams(temperature=0.9, max_tokens=12, seed=8), use_tqdm=False)
+    c = llm.generate(
+        PROMPTS[:4], SamplingParams(temperature=0.9, max_tokens=12, seed=8), use_tqdm=False
+    )
     assert [o.token_ids for o in c] != [o.token_ids for o in a]
-    k1 = llm.generate(PROMPTS[:4], SamplingParams(temperature=1.5, top_k=1, max_tokens=10), use_tqdm=False)
+    k1 = llm.generate(
+        PROMPTS[:4], SamplingParams(temperature=1.5, top_k=1, max_tokens=10), use_tqdm=False
+    )
     assert [o.token_ids for o in k1] == [reference(model, q, 10) for q in PROMPTS[:4]]
     ref = reference(model, PROMPTS[1], 10)
-    stop = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ref[3]]),
-                        use_tqdm=False)[0]
+    stop = llm.generate(
+        PROMPTS[1],
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ref[3]]),
+        use_tqdm=False,
+    )[0]
     first = ref.index(ref[3])
-    assert stop.token_ids == ref[:first + 1] and stop.finish_reason == "stop"
+    assert stop.token_ids == ref[: first + 1] and stop.finish_reason == "stop"
     # EOS ends a request unless ignore_eos
     llm.eos_ids = {ref[2]}
     first = ref.index(ref[2])
-    assert llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].token_ids == ref[:first + 1]
-    assert llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                        use_tqdm=False)[0].token_ids == ref
+    assert llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].token_ids == ref[: first + 1]
+    assert (
+        llm.generate(
+            PROMPTS[1],
+            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+            use_tqdm=False,
+        )[0].token_ids
+        == ref
+    )
 
 
 def test_stop_strings_and_stream(model):
@@ -149,8 +185,10 @@ def test_stop_strings_and_stream(model):
     ref = reference(model, PROMPTS[2], 10)
     text = CharTokenizer().decode(ref)
     stop = text[4:6]
-    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, stop=[stop]), use_tqdm=False)[0]
-    assert out.finish_reason == "stop" and out.text == text[:text.index(stop)]
+    out = llm.generate(
+        PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, stop=[stop]), use_tqdm=False
+    )[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
     deltas = list(llm.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10)))
     assert [d.token_id for d in deltas] == ref
     assert "".join(d.text for d in deltas) == text and deltas[-1].finish_reason == "length"
@@ -161,9 +199,11 @@ def test_stop_strings_and_stream(model):
 def test_bad_requests_fail_alone(model):
     llm = LLM(model, block_size=4, num_blocks=64, max_model_len=40)
     good = PROMPTS[1]
-    outs = llm.generate([good, [], list(range(45)), [V + 3], good, good],
-                        [GREEDY, GREEDY, GREEDY, GREEDY, SamplingParams(temperature=-1), SamplingParams(top_p=0)],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [good, [], list(range(45)), [V + 3], good, good],
+        [GREEDY, GREEDY, GREEDY, GREEDY, SamplingParams(temperature=-1), SamplingParams(top_p=0)],
+        use_tqdm=False,
+    )
     assert outs[0].token_ids == reference(model, good, 10) and outs[0].error is None
     for o, word in zip(outs[1:], ["empty", "max_model_len", "vocabulary", "temperature", "top_p"]):
         assert o.finish_reason == "error" and word in o.error and o.token_ids == []
@@ -178,12 +218,15 @@ def test_bad_requests_fail_alone(model):
     with pytest.raises(ValueError, match="empty"):
         list(llm.stream([], GREEDY))
     # length limit: generation stops at max_model_len
-    out = llm.generate(list(range(35)), SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)[0]
+    out = llm.generate(
+        list(range(35)), SamplingParams(temperature=0, max_tokens=50), use_tqdm=False
+    )[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
 def test_kv_cache_sized_from_memory_budget(model):
     from ringkv.cache import bytes_per_block
+
     per = bytes_per_block(2, 4, 2, 8, torch.float32)
     llm = LLM(model, block_size=4, kv_cache_memory=per * 10 + 5)
     assert llm.kv.num_blocks == 10 and llm.max_model_len == 40
@@ -200,7 +243,9 @@ def test_cache_salt_per_request(model):
         llm.generate([p, p], GREEDY, use_tqdm=False, cache_salt=["x"])
 
 
-@pytest.mark.parametrize("first", [dict(), dict(prompt_logprobs=0)], ids=["plain", "prompt_logprobs"])
+@pytest.mark.parametrize(
+    "first", [dict(), dict(prompt_logprobs=0)], ids=["plain", "prompt_logprobs"]
+)
 def test_request_finished_in_its_prefill_step_leaves_its_prompt_blocks_cached(model, first):
     """A request whose prefill step is also its last (max_tokens=1, or an echo-style
     prompt-log-probs request) registers the prompt blocks that step filled: the same prompt
@@ -208,7 +253,9 @@ def test_request_finished_in_its_prefill_step_leaves_its_prompt_blocks_cached(mo
     llm = LLM(model, block_size=16, num_blocks=64)
     for length in (20, 50, 32):  # a part-filled last block, several blocks, an exact multiple
         prompt = [(i * 11 + length) % V for i in range(length)]
-        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, **first), use_tqdm=False)[0]
+        out = llm.generate(
+            prompt, SamplingParams(temperature=0, max_tokens=1, **first), use_tqdm=False
+        )[0]
         assert out.num_cached_tokens == 0 and out.token_ids == reference(model, prompt, 1)
         again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
         assert again.num_cached_tokens == (length - 1) // 16 * 16, (length, again.num_cached_tokens)
@@ -228,7 +275,9 @@ def test_decode_steps_hash_each_block_once(model, length):
 
     llm = LLM(model, block_size=16, num_blocks=128, hash_fn=counting, max_num_batched_tokens=4096)
     prompt = [(i * 7) % V for i in range(length)]
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.token_ids) == 40
     blocks = (length + 40) // 16
     assert len(calls) <= 2 * blocks + 2  # admission's lookup + one registration per full block
@@ -243,7 +292,9 @@ def test_streams_interleaved_with_each_other_and_generate(model):
     sa, sb = llm.stream(a, GREEDY), llm.stream(b, GREEDY)
     got_a, got_b = [next(sa)], [next(sb)]  # b's first step also advanced a
     got_a.append(next(sa))
-    assert [o.token_ids for o in llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)] == [reference(model, PROMPTS[3], 10)]
+    assert [o.token_ids for o in llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)] == [
+        reference(model, PROMPTS[3], 10)
+    ]
     got_a += list(sa)
     got_b += list(sb)
     for got, ref in ((got_a, reference(model, a, 10)), (got_b, reference(model, b, 10))):
@@ -259,7 +310,10 @@ def test_stop_string_across_tokens_is_never_streamed(model):
     ref = tok.decode(reference(model, PROMPTS[2], 10))
     stop = ref[3:6]  # spans three tokens
     deltas = list(llm.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, stop=[stop])))
-    assert "".join(d.text for d in deltas) == ref[:ref.index(stop)] and deltas[-1].finish_reason == "stop"
+    assert (
+        "".join(d.text for d in deltas) == ref[: ref.index(stop)]
+        and deltas[-1].finish_reason == "stop"
+    )
 
 
 def test_triton_paged_kernels_give_reference_results(model, monkeypatch):
@@ -273,7 +327,9 @@ def test_triton_paged_kernels_give_reference_results(model, monkeypatch):
     calls = []
     for name in ("paged_decode_triton", "paged_prefill_triton"):
         real = getattr(tp, name)
-        monkeypatch.setattr(tp, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+        monkeypatch.setattr(
+            tp, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
+        )
     monkeypatch.setitem(paged._PREFILL_BACKENDS, "triton", tp.paged_prefill_triton)
     prompt, cont = PROMPTS[-3], PROMPTS[-2]  # 38 tokens; 41 sharing the first 36
     with torch.no_grad():
@@ -288,6 +344,10 @@ def test_triton_paged_kernels_give_reference_results(model, monkeypatch):
     assert again[0].token_ids == reference(model, cont, 10)[:3] and again[0].num_cached_tokens == 36
     assert {"paged_decode_triton", "paged_prefill_triton"} <= set(calls)
     llm.blocks.check()
-    int8 = [run(model, [prompt], params, paged_backend=b, kv_cache_dtype="int8", **kw)[1][0].prompt_logprobs
-            for b in ("triton", "torch")]
+    int8 = [
+        run(model, [prompt], params, paged_backend=b, kv_cache_dtype="int8", **kw)[1][
+            0
+        ].prompt_logprobs
+        for b in ("triton", "torch")
+    ]
     torch.testing.assert_close(torch.tensor(int8[0]), torch.tensor(int8[1]), atol=1e-4, rtol=1e-4)

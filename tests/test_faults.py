@@ -56,8 +56,10 @@ def reference(model, ps=None, params=GREEDY):
     ps = ps or prompts()
     key = (id(model), repr(ps), repr(params))
     if key not in _refs:
-        _refs[key] = [o.token_ids for o in LLM(model, block_size=4, num_blocks=64).generate(ps, params,
-                                                                                         use_tqdm=False)]
+        _refs[key] = [
+            o.token_ids
+            for o in LLM(model, block_size=4, num_blocks=64).generate(ps, params, use_tqdm=False)
+        ]
     return _refs[key]
 
 
@@ -108,14 +110,31 @@ def clean(llm) -> None:
 
 # -- the reproductions -----------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_pipeline_memory_stays_flat_over_sampled_decode(tmp_path):
     """pp=2, vocabulary 49152, 8 sampled requests: the last stage kept every step's logits
     (4 rows x 49152 x 4 bytes a step) in its send list; 200 steps grew its memory by ~80 MiB."""
     out = tmp_path / "memory.json"
-    proc = subprocess.run([sys.executable, "benchmarks/engine_memory.py", "--pp", "2", "--steps", "200",
-                           "--every", "100", "--json", str(out)], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/engine_memory.py",
+            "--pp",
+            "2",
+            "--steps",
+            "200",
+            "--every",
+            "100",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     growth = json.loads(out.read_text())["growth"]
     assert set(growth) == {"0", "1"}
@@ -184,7 +203,9 @@ def test_workers_ignore_a_terminal_ctrl_c(model):
     with engine(model, tp=2) as llm:
         os.kill(llm.cluster.procs[0].pid, signal.SIGINT)
         time.sleep(0.5)
-        assert [o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == reference(model)[:2]
+        assert [o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == reference(model)[
+            :2
+        ]
 
 
 def test_blocks_held_by_exports_and_imports_do_not_stop_admission(model):
@@ -194,7 +215,10 @@ def test_blocks_held_by_exports_and_imports_do_not_stop_admission(model):
     ps = prompts()
     long = ps[3] + ps[1]  # 45 tokens + 8: 14 of the 16 blocks
     want = reference(model, [ps[0], ps[2], long])
-    with LLM(model, block_size=4, num_blocks=16) as src, LLM(model, block_size=4, num_blocks=16) as dst:
+    with (
+        LLM(model, block_size=4, num_blocks=16) as src,
+        LLM(model, block_size=4, num_blocks=16) as dst,
+    ):
         a = src.add_request(ps[0], GREEDY)
         b = src.add_request(ps[2], GREEDY)
         for _ in range(3):
@@ -271,7 +295,9 @@ def test_a_request_whose_step_cannot_be_finished_fails_alone(model):
     want = reference(model)
     bad = want[1][3]  # the 4th token of request 1
     assert bad not in want[0][:8] and bad not in want[2]
-    llm = LLM(model, block_size=4, num_blocks=48, max_num_batched_tokens=16, tokenizer=BrokenDecode(bad))
+    llm = LLM(
+        model, block_size=4, num_blocks=48, max_num_batched_tokens=16, tokenizer=BrokenDecode(bad)
+    )
     rids = [llm.add_request(p, GREEDY) for p in ps[:3]]
     outs = drive(llm)
     assert outs[rids[1]].finish_reason == "error" and "UnicodeDecodeError" in outs[rids[1]].error
@@ -283,6 +309,7 @@ def test_a_request_whose_step_cannot_be_finished_fails_alone(model):
 
 
 # -- the harness -----------------------------------------------------------------------------
+
 
 def check_outcome(kind: str, rank: int, errors: list, broken) -> None:
     """What a fault must end in: ``sigint`` on rank 0 interrupts the call it hit and leaves the
@@ -297,13 +324,20 @@ def check_outcome(kind: str, rank: int, errors: list, broken) -> None:
         assert all(("EngineError" in e or "KeyboardInterrupt" in e) for e in errors), errors
 
 
-HARNESS = dict(deadline=None, suppress_health_check=list(HealthCheck),
-               phases=[Phase.explicit, Phase.reuse, Phase.generate])  # an example takes seconds: no shrinking
+HARNESS = dict(
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)  # an example takes seconds: no shrinking
 
 
 @settings(max_examples=6, **HARNESS)
-@given(mesh=st.sampled_from(MESHES), kind=st.sampled_from(["raise", "interrupt", "sigint", "kill", "close"]),
-       rank=st.integers(0, 1), step=st.integers(0, 8))
+@given(
+    mesh=st.sampled_from(MESHES),
+    kind=st.sampled_from(["raise", "interrupt", "sigint", "kill", "close"]),
+    rank=st.integers(0, 1),
+    step=st.integers(0, 8),
+)
 def test_fault_injection_spawned(model, mesh, kind, rank, step):
     """Spawn mode (this process is rank 0 and cannot be killed here: kill hits rank 1). A step-API
     request runs beside a stream and a ``generate``; whatever the fault, the call it hits ends
@@ -361,9 +395,23 @@ def fresh_world(fork_context):
 def torchrun_fault_run(world, mesh: dict, fault, close_after):
     """``engine_cases.fault_run`` on both ranks of ``world`` (then killed): each rank's outcome."""
     try:
-        return world.run("tests.engine_cases:fault_run", 2, SPEC,
-                         dict(mesh, block_size=4, num_blocks=48, max_num_batched_tokens=16, timeout=TORCHRUN_TIMEOUT),
-                         fault, close_after, prompts()[:3], GREEDY, timeout=3 * TORCHRUN_TIMEOUT + 60)
+        return world.run(
+            "tests.engine_cases:fault_run",
+            2,
+            SPEC,
+            dict(
+                mesh,
+                block_size=4,
+                num_blocks=48,
+                max_num_batched_tokens=16,
+                timeout=TORCHRUN_TIMEOUT,
+            ),
+            fault,
+            close_after,
+            prompts()[:3],
+            GREEDY,
+            timeout=3 * TORCHRUN_TIMEOUT + 60,
+        )
     finally:
         world.kill()
 
@@ -390,48 +438,79 @@ def test_a_kv_move_whose_sides_disagree_on_a_size_is_an_error_on_every_rank(fres
     raises an ``EngineError`` naming both sizes, at once (well within the timeout)."""
     world = fresh_world()
     try:
-        res = world.run("tests.engine_cases:kv_size_mismatch", 2, SPEC, prompts()[1], move, TORCHRUN_TIMEOUT,
-                        timeout=3 * TORCHRUN_TIMEOUT + 60)
+        res = world.run(
+            "tests.engine_cases:kv_size_mismatch",
+            2,
+            SPEC,
+            prompts()[1],
+            move,
+            TORCHRUN_TIMEOUT,
+            timeout=3 * TORCHRUN_TIMEOUT + 60,
+        )
     finally:
         world.kill()
     for r, out in enumerate(res):
         assert not isinstance(out, RankError), (r, out)  # no rank died
-        assert out["error"] and "model rank 1 stores" in out["error"] and "the driver expects" in out["error"], (r, out)
+        assert (
+            out["error"]
+            and "model rank 1 stores" in out["error"]
+            and "the driver expects" in out["error"]
+        ), (r, out)
         assert out["s"] < TORCHRUN_TIMEOUT, (r, out)
     import re
 
-    start, end, got, want = map(int, re.search(r"tokens \[(\d+), (\d+)\): model rank 1 stores (\d+) of them "
-                                              r"\(\d+ bytes\), the driver expects (\d+) ", res[0]["error"]).groups())
-    assert want == len(range(start + (1 - start) % 2, end, 2)) > 0 and got == want - 1, res[0]  # rank 1: odd tokens
+    start, end, got, want = map(
+        int,
+        re.search(
+            r"tokens \[(\d+), (\d+)\): model rank 1 stores (\d+) of them "
+            r"\(\d+ bytes\), the driver expects (\d+) ",
+            res[0]["error"],
+        ).groups(),
+    )
+    assert want == len(range(start + (1 - start) % 2, end, 2)) > 0 and got == want - 1, res[
+        0
+    ]  # rank 1: odd tokens
 
 
 @settings(max_examples=4, **HARNESS)
-@given(mesh=st.sampled_from(MESHES), kind=st.sampled_from(["raise", "interrupt", "sigint", "kill", "close"]),
-       rank=st.integers(0, 1), step=st.integers(0, 8))
+@given(
+    mesh=st.sampled_from(MESHES),
+    kind=st.sampled_from(["raise", "interrupt", "sigint", "kill", "close"]),
+    rank=st.integers(0, 1),
+    step=st.integers(0, 8),
+)
 def test_fault_injection_torchrun(model, fresh_world, mesh, kind, rank, step):
     """Torchrun mode: every rank runs the same calls (a stream, a ``generate``, another one) in a
     fresh 2-rank gloo world, and any rank may be the one that fails or is killed."""
     want = reference(model)
     close_after = step % 7 + 1 if kind == "close" else None
     t0 = time.monotonic()
-    res = torchrun_fault_run(fresh_world(), mesh, None if kind == "close" else dict(rank=rank, step=step, kind=kind),
-                             close_after)
+    res = torchrun_fault_run(
+        fresh_world(),
+        mesh,
+        None if kind == "close" else dict(rank=rank, step=step, kind=kind),
+        close_after,
+    )
     assert time.monotonic() - t0 < 3 * TORCHRUN_TIMEOUT + 60
     for r, out in enumerate(res):
         if isinstance(out, RankError):  # only the killed rank may not answer
             assert kind == "kill" and r == rank and out.type == "died", out
             continue
-        if out["broken"] is None:  # every call that returned is exact (an interrupted one returned nothing)
+        if (
+            out["broken"] is None
+        ):  # every call that returned is exact (an interrupted one returned nothing)
             assert out.get("generate", want[1:3]) == want[1:3] and out["again"] == want[1:3], out
             assert abs(out["key_growth"]) <= KEY_SLACK, out
             if r == 0:
                 assert out["free"] == out["num_blocks"], out
             if "stream" in out:
-                assert out["stream"] == want[0][:close_after or len(want[0])], out
+                assert out["stream"] == want[0][: close_after or len(want[0])], out
         if kind in ("close",):
             assert not out["errors"], out
         elif kind == "sigint":  # the interrupted rank raises; rank 0 ends the call for everyone
             assert len(out["errors"]) <= 1 and out["broken"] is None, out
             assert bool(out["errors"]) == (r == rank or rank == 0), out
         else:
-            assert out["errors"] and all(("Error" in e or "KeyboardInterrupt" in e) for e in out["errors"]), out
+            assert out["errors"] and all(
+                ("Error" in e or "KeyboardInterrupt" in e) for e in out["errors"]
+            ), out

@@ -29,31 +29,63 @@ def _reference(arch, seed, ids, config=None):
     return out.logits.detach(), out.loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _check_train(world, arch, sp, layout, inputs, s, b=1, seed=0, positions=False, checkpointing=False,
-                 method="ring", ulysses=None, config=None):
+def _check_train(
+    world,
+    arch,
+    sp,
+    layout,
+    inputs,
+    s,
+    b=1,
+    seed=0,
+    positions=False,
+    checkpointing=False,
+    method="ring",
+    ulysses=None,
+    config=None,
+):
     ids = _ids(b, s, seed + s)
     logits, loss, grads = _reference(arch, seed, ids, config)
-    res = world.check("tests.hf_cases:train_step", sp, arch, seed, ids, layout, inputs, positions, checkpointing,
-                      method, ulysses, config)
+    res = world.check(
+        "tests.hf_cases:train_step",
+        sp,
+        arch,
+        seed,
+        ids,
+        layout,
+        inputs,
+        positions,
+        checkpointing,
+        method,
+        ulysses,
+        config,
+    )
     for r, got in enumerate(res):
-        torch.testing.assert_close(got["logits"], logits, **_TOL, msg=lambda m: f"logits rank {r}: {m}")
+        torch.testing.assert_close(
+            got["logits"], logits, **_TOL, msg=lambda m: f"logits rank {r}: {m}"
+        )
         assert got["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6), (r, got["loss"], loss)
         assert got["helper"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
     assert set(res[0]["grads"]) == set(grads)
     for name, want in grads.items():  # gradients summed over the SP group, as an all-reduce would
         total = sum(r["grads"][name] for r in res)
         scale = max(1.0, want.abs().max().item())
-        torch.testing.assert_close(total, want, atol=2e-5 * scale, rtol=1e-4, msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(
+            total, want, atol=2e-5 * scale, rtol=1e-4, msg=lambda m: f"grad {name}: {m}"
+        )
 
 
-@pytest.mark.parametrize("arch,sp,layout,inputs,s,b", [
-    ("llama", 4, "zigzag", "full", 21, 1),       # padded to 24 automatically
-    ("qwen2", 3, "striped", "shard", 18, 2),
-    ("mistral", 2, "contiguous", "full", 16, 1),
-    ("llama", 1, "zigzag", "shard", 10, 1),
-    ("mistral", 3, "zigzag", "shard", 24, 1),
-    ("qwen2", 2, "zigzag", "full", 7, 2),        # padded to 8
-])
+@pytest.mark.parametrize(
+    "arch,sp,layout,inputs,s,b",
+    [
+        ("llama", 4, "zigzag", "full", 21, 1),  # padded to 24 automatically
+        ("qwen2", 3, "striped", "shard", 18, 2),
+        ("mistral", 2, "contiguous", "full", 16, 1),
+        ("llama", 1, "zigzag", "shard", 10, 1),
+        ("mistral", 3, "zigzag", "shard", 24, 1),
+        ("qwen2", 2, "zigzag", "full", 7, 2),  # padded to 8
+    ],
+)
 def test_train_matches_unpatched(world, arch, sp, layout, inputs, s, b):
     _check_train(world, arch, sp, layout, inputs, s, b, positions=(inputs == "shard" and sp == 3))
 
@@ -62,27 +94,48 @@ def test_train_with_activation_checkpointing(world):
     _check_train(world, "llama", 3, "zigzag", "full", 17, checkpointing=True)
 
 
-@settings(max_examples=6, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(arch=st.sampled_from(ARCHS), sp=st.integers(1, 4), layout=st.sampled_from(ringkv.LAYOUTS),
-       s=st.integers(2, 33), seed=st.integers(0, 1000))
+@settings(
+    max_examples=6,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    arch=st.sampled_from(ARCHS),
+    sp=st.integers(1, 4),
+    layout=st.sampled_from(ringkv.LAYOUTS),
+    s=st.integers(2, 33),
+    seed=st.integers(0, 1000),
+)
 def test_train_any_length_full_inputs(world, arch, sp, layout, s, seed):
     _check_train(world, arch, sp, layout, "full", s, seed=seed)
 
 
-@pytest.mark.parametrize("arch,sp,layout,s,b", [
-    ("llama", 2, "zigzag", 13, 1),
-    ("qwen2", 3, "contiguous", 9, 2),
-    ("mistral", 4, "striped", 16, 1),
-    ("llama", 4, "zigzag", 5, 2),                # some ranks cache no prompt token at all
-])
-def test_generate_matches_unpatched(world, arch, sp, layout, s, b, method="ring", ulysses=None, config=None):
+@pytest.mark.parametrize(
+    "arch,sp,layout,s,b",
+    [
+        ("llama", 2, "zigzag", 13, 1),
+        ("qwen2", 3, "contiguous", 9, 2),
+        ("mistral", 4, "striped", 16, 1),
+        ("llama", 4, "zigzag", 5, 2),  # some ranks cache no prompt token at all
+    ],
+)
+def test_generate_matches_unpatched(
+    world, arch, sp, layout, s, b, method="ring", ulysses=None, config=None
+):
     new = 8
     ids = _ids(b, s, 7 + s)
     with torch.no_grad():
-        ref = build(arch, 0, **(config or {})).generate(ids, max_new_tokens=new, do_sample=False,
-                                                        return_dict_in_generate=True, output_scores=True,
-                                                        eos_token_id=None, pad_token_id=0)
-    res = world.check("tests.hf_cases:generate", sp, arch, 0, ids, layout, new, method, ulysses, config)
+        ref = build(arch, 0, **(config or {})).generate(
+            ids,
+            max_new_tokens=new,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    res = world.check(
+        "tests.hf_cases:generate", sp, arch, 0, ids, layout, new, method, ulysses, config
+    )
     ref_scores = torch.stack(ref.scores, 1)
     for r, got in enumerate(res):
         assert torch.equal(got["tokens"], ref.sequences), (r, got["tokens"], ref.sequences)
@@ -97,41 +150,108 @@ def test_generate_matches_unpatched(world, arch, sp, layout, s, b, method="ring"
 
 # ---- other SP methods and sliding windows: the same checks ----
 
-@pytest.mark.parametrize("arch,sp,layout,inputs,s,method,ulysses,config", [
-    ("llama", 4, "zigzag", "full", 13, "ulysses", None, None),       # 4 heads over 4 ranks, KV heads replicated
-    ("qwen2", 2, "striped", "shard", 12, "ulysses", None, None),
-    ("llama", 4, "zigzag", "full", 21, "usp", 2, None),               # 2 (ulysses) x 2 (ring), padded to 24
-    ("mistral", 4, "contiguous", "shard", 16, "usp", 2, dict(sliding_window=5)),
-    ("mistral", 3, "zigzag", "full", 23, "ring", None, dict(sliding_window=4)),   # window < shard
-    ("mistral", 2, "contiguous", "full", 17, "ring", None, dict(sliding_window=11)),  # window > shard
-    ("qwen2", 4, "zigzag", "full", 19, "ulysses", None, dict(use_sliding_window=True, sliding_window=3,
-                                                           max_window_layers=1)),  # one windowed layer
-])
-def test_methods_and_windows_train_like_unpatched(world, arch, sp, layout, inputs, s, method, ulysses, config):
+
+@pytest.mark.parametrize(
+    "arch,sp,layout,inputs,s,method,ulysses,config",
+    [
+        (
+            "llama",
+            4,
+            "zigzag",
+            "full",
+            13,
+            "ulysses",
+            None,
+            None,
+        ),  # 4 heads over 4 ranks, KV heads replicated
+        ("qwen2", 2, "striped", "shard", 12, "ulysses", None, None),
+        ("llama", 4, "zigzag", "full", 21, "usp", 2, None),  # 2 (ulysses) x 2 (ring), padded to 24
+        ("mistral", 4, "contiguous", "shard", 16, "usp", 2, dict(sliding_window=5)),
+        (
+            "mistral",
+            3,
+            "zigzag",
+            "full",
+            23,
+            "ring",
+            None,
+            dict(sliding_window=4),
+        ),  # window < shard
+        (
+            "mistral",
+            2,
+            "contiguous",
+            "full",
+            17,
+            "ring",
+            None,
+            dict(sliding_window=11),
+        ),  # window > shard
+        (
+            "qwen2",
+            4,
+            "zigzag",
+            "full",
+            19,
+            "ulysses",
+            None,
+            dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
+        ),  # one windowed layer
+    ],
+)
+def test_methods_and_windows_train_like_unpatched(
+    world, arch, sp, layout, inputs, s, method, ulysses, config
+):
     _check_train(world, arch, sp, layout, inputs, s, method=method, ulysses=ulysses, config=config)
 
 
-@pytest.mark.parametrize("arch,sp,layout,s,method,ulysses,config", [
-    ("llama", 2, "zigzag", 9, "ulysses", None, None),
-    ("qwen2", 4, "striped", 10, "usp", 2, None),
-    ("mistral", 4, "zigzag", 11, "ring", None, dict(sliding_window=4)),   # the window also bounds decode
-])
-def test_methods_and_windows_generate_like_unpatched(world, arch, sp, layout, s, method, ulysses, config):
+@pytest.mark.parametrize(
+    "arch,sp,layout,s,method,ulysses,config",
+    [
+        ("llama", 2, "zigzag", 9, "ulysses", None, None),
+        ("qwen2", 4, "striped", 10, "usp", 2, None),
+        (
+            "mistral",
+            4,
+            "zigzag",
+            11,
+            "ring",
+            None,
+            dict(sliding_window=4),
+        ),  # the window also bounds decode
+    ],
+)
+def test_methods_and_windows_generate_like_unpatched(
+    world, arch, sp, layout, s, method, ulysses, config
+):
     test_generate_matches_unpatched(world, arch, sp, layout, s, 1, method, ulysses, config)
 
 
-@settings(max_examples=4, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(arch=st.sampled_from(ARCHS), sp=st.integers(1, 4), layout=st.sampled_from(ringkv.LAYOUTS),
-       s=st.integers(1, 20), b=st.integers(1, 2))
+@settings(
+    max_examples=4,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    arch=st.sampled_from(ARCHS),
+    sp=st.integers(1, 4),
+    layout=st.sampled_from(ringkv.LAYOUTS),
+    s=st.integers(1, 20),
+    b=st.integers(1, 2),
+)
 def test_generate_any_prompt_length(world, arch, sp, layout, s, b):
     ids = _ids(b, s, s)
     with torch.no_grad():
-        want = build(arch, 0).generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+        want = build(arch, 0).generate(
+            ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
     for got in world.check("tests.hf_cases:generate", sp, arch, 0, ids, layout, 4):
         assert torch.equal(got["tokens"], want)
 
 
-@pytest.mark.parametrize("arch,sp,layout", [("llama", 2, "zigzag"), ("qwen2", 4, "striped"), ("mistral", 3, "contiguous")])
+@pytest.mark.parametrize(
+    "arch,sp,layout",
+    [("llama", 2, "zigzag"), ("qwen2", 4, "striped"), ("mistral", 3, "contiguous")],
+)
 def test_shard_inputs_prefill_then_decode(world, arch, sp, layout):
     steps, s = 3, 12
     ids = _ids(1, s + steps, 3)
@@ -144,9 +264,18 @@ def test_shard_inputs_prefill_then_decode(world, arch, sp, layout):
     assert sum(got["local"] for got in res) == s + steps
 
 
-@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(sp=st.integers(1, 4), s=st.integers(1, 24), t=st.integers(1, 3), hkv=st.sampled_from([1, 2]),
-       groups=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+@settings(
+    max_examples=8,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    sp=st.integers(1, 4),
+    s=st.integers(1, 24),
+    t=st.integers(1, 3),
+    hkv=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 3]),
+    seed=st.integers(0, 2**16),
+)
 def test_decode_attention_over_a_sharded_cache(world, sp, s, t, hkv, groups, seed):
     """Keys spread over ranks arbitrarily (some ranks may hold none): the merged result equals
     single-device causal attention, identically on every rank."""
@@ -155,7 +284,9 @@ def test_decode_attention_over_a_sharded_cache(world, sp, s, t, hkv, groups, see
     k, v = torch.randn(2, s + t, hkv, 16, generator=g), torch.randn(2, s + t, hkv, 16, generator=g)
     q_pos = torch.arange(s, s + t)
     owner = torch.randint(0, sp, (s + t,), generator=g)
-    want, _ = ringkv.attention(q, k, v, causal=True, q_positions=q_pos, k_positions=torch.arange(s + t))
+    want, _ = ringkv.attention(
+        q, k, v, causal=True, q_positions=q_pos, k_positions=torch.arange(s + t)
+    )
     res = world.check("tests.hf_cases:decode", sp, q, k, v, q_pos, owner)
     for got in res:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -173,7 +304,9 @@ def test_ranks_that_disagree_get_an_error_not_a_hang(world):
 def test_a_silent_peer_gives_an_error_within_the_timeout(fork_context):
     from tests.dist import World
 
-    w = World(2, context=fork_context)  # its own world: the silent rank leaves a collective unmatched
+    w = World(
+        2, context=fork_context
+    )  # its own world: the silent rank leaves a collective unmatched
     try:
         res = w.check("tests.hf_cases:silent_peer", 2, "llama", 0, _ids(1, 8, 0), 3.0, timeout=90)
     finally:
@@ -184,6 +317,7 @@ def test_a_silent_peer_gives_an_error_within_the_timeout(fork_context):
 
 
 # ---- single-process errors (a one-rank "group": no process group needed) ----
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -212,7 +346,9 @@ def test_unpatch_restores(tiny):
 def test_errors_name_the_fix(tiny):
     import transformers
 
-    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2))
+    bloom = transformers.BloomForCausalLM(
+        transformers.BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2)
+    )
     with pytest.raises(TypeError, match="AttentionInterface"):
         hf.patch_model(bloom)
     with pytest.raises(TypeError, match="AttentionInterface"):
@@ -246,7 +382,9 @@ def test_errors_name_the_fix(tiny):
 
 
 def test_model_level_limits():
-    with pytest.raises(ValueError, match="valid world sizes"):  # 4 heads, 2 KV heads cannot split over 3 ranks
+    with pytest.raises(
+        ValueError, match="valid world sizes"
+    ):  # 4 heads, 2 KV heads cannot split over 3 ranks
         hf._method_groups(build("llama", 0).config, "ulysses", None, None, 3)
     with pytest.raises(ValueError, match="ulysses=U"):
         hf.patch_model(build("llama", 0), method="usp")
@@ -259,6 +397,7 @@ def test_model_level_limits():
 
 # ---- the real model ----
 
+
 @pytest.mark.slow
 def test_smollm2_sp2_zigzag(world):
     from transformers import AutoTokenizer
@@ -266,27 +405,46 @@ def test_smollm2_sp2_zigzag(world):
     from tests.models import smollm2_path
 
     tok = AutoTokenizer.from_pretrained(smollm2_path())
-    text = ("Ring attention splits a long sequence across devices. Each device keeps its own queries, "
-            "passes keys and values around a ring, and merges partial softmax results. Explain why this is exact:")
+    text = (
+        "Ring attention splits a long sequence across devices. Each device keeps its own queries, "
+        "passes keys and values around a ring, and merges partial softmax results. Explain why this is exact:"
+    )
     ids = tok(text, return_tensors="pt").input_ids[:, :64]
     model = build("smollm2", 0)
     with torch.no_grad():
         want = model(ids).logits
-        ref = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref = model.generate(
+            ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
     del model
     res = world.check("tests.hf_cases:smollm2", 2, ids, 4, timeout=300)
     for got in res:
         torch.testing.assert_close(got["logits"], want, atol=2e-4, rtol=1e-3)
-        assert torch.equal(got["tokens"], ref), (tok.decode(got["tokens"][0, -4:]), tok.decode(ref[0, -4:]))
+        assert torch.equal(got["tokens"], ref), (
+            tok.decode(got["tokens"][0, -4:]),
+            tok.decode(ref[0, -4:]),
+        )
 
 
 # ---- the example under torchrun ----
 
+
 def test_example_runs_under_torchrun(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(root, "examples", "hf_long_context.py"), "--seq", "64", "--new-tokens", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(root, "examples", "hf_long_context.py"),
+        "--seq",
+        "64",
+        "--new-tokens",
+        "2",
+    ]
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "max |logits - unpatched|" in p.stdout and "rank 1" in p.stdout, p.stdout

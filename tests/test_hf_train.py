@@ -18,7 +18,9 @@ from ringkv.memory import FileStore
 from tests.hf_cases import build
 from tests.train_cases import reference, step_kwargs, targets
 
-_SETTINGS = dict(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow], deadline=None)
+_SETTINGS = dict(
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow], deadline=None
+)
 
 
 def _close_grads(res, grads, scale_tol=2e-5):
@@ -26,7 +28,9 @@ def _close_grads(res, grads, scale_tol=2e-5):
     for name, want in grads.items():  # summed over the SP group, as an all-reduce would
         total = sum(r["grads"][name] for r in res)
         scale = max(1.0, want.abs().max().item())
-        torch.testing.assert_close(total, want, atol=scale_tol * scale, rtol=1e-4, msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(
+            total, want, atol=scale_tol * scale, rtol=1e-4, msg=lambda m: f"grad {name}: {m}"
+        )
 
 
 def _labels(ids, density, seed):
@@ -54,11 +58,22 @@ def _packed_positions(b, s, seed):
 
 # ---- the kernel -------------------------------------------------------------------------------
 
+
 @settings(max_examples=25, **_SETTINGS)
-@given(n=st.integers(1, 70), h=st.integers(1, 24), v=st.integers(2, 90), chunk=st.one_of(st.none(), st.integers(1, 80)),
-       density=st.floats(0, 1), bias=st.booleans(), softcap=st.sampled_from([None, 0.5, 30.0]),
-       scale=st.sampled_from([None, 0.25, 3.0]), seed=st.integers(0, 10 ** 6))
-def test_linear_cross_entropy_equals_the_head_then_cross_entropy(n, h, v, chunk, density, bias, softcap, scale, seed):
+@given(
+    n=st.integers(1, 70),
+    h=st.integers(1, 24),
+    v=st.integers(2, 90),
+    chunk=st.one_of(st.none(), st.integers(1, 80)),
+    density=st.floats(0, 1),
+    bias=st.booleans(),
+    softcap=st.sampled_from([None, 0.5, 30.0]),
+    scale=st.sampled_from([None, 0.25, 3.0]),
+    seed=st.integers(0, 10**6),
+)
+def test_linear_cross_entropy_equals_the_head_then_cross_entropy(
+    n, h, v, chunk, density, bias, softcap, scale, seed
+):
     """Sum, d hidden, d weight and d bias equal F.linear + (scale, softcap) + cross_entropy(sum)."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g, requires_grad=True)
@@ -94,43 +109,67 @@ def test_linear_cross_entropy_bf16_accumulates_in_float32():
     dh, dw = torch.autograd.grad(got, [hidden, weight])
     assert got.dtype == torch.float32 and dh.dtype == dw.dtype == torch.bfloat16
     torch.testing.assert_close(got, ref_loss, rtol=1e-5, atol=1e-3)
-    exact = F.cross_entropy(F.linear(hidden.float(), weight.float()), y, reduction="sum")  # all float32
-    dh32, dw32 = torch.autograd.grad(exact, [hidden, weight])  # grads of the bf16 leaves, float32 math
-    assert (dw.float() - dw32.float()).abs().max() <= (dw_ref.float() - dw32.float()).abs().max() * 1.01
+    exact = F.cross_entropy(
+        F.linear(hidden.float(), weight.float()), y, reduction="sum"
+    )  # all float32
+    dh32, dw32 = torch.autograd.grad(
+        exact, [hidden, weight]
+    )  # grads of the bf16 leaves, float32 math
+    assert (dw.float() - dw32.float()).abs().max() <= (
+        dw_ref.float() - dw32.float()
+    ).abs().max() * 1.01
     torch.testing.assert_close(dh.float(), dh_ref.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_linear_cross_entropy_keeps_at_most_one_chunk_of_logits():
     """The peak allocation of forward + backward grows with the chunk, not with the tokens: 4x the
     tokens at the same chunk add only the (N, H) hidden-state gradient, never (N, V) logits."""
-    from benchmarks.train_memory import _profiled_peak  # the benchmark's own CPU allocator accounting
+    from benchmarks.train_memory import (
+        _profiled_peak,
+    )  # the benchmark's own CPU allocator accounting
 
     def peak(n, chunk):
         g = torch.Generator().manual_seed(n)
         hidden = torch.randn(n, 16, generator=g, requires_grad=True)
         weight = torch.randn(4096, 16, generator=g, requires_grad=True)
         y = torch.randint(0, 4096, (n,), generator=g)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as prof:
             linear_cross_entropy(hidden, weight, y, chunk=chunk).backward()
         return _profiled_peak(prof)
 
     logits_bytes = 4096 * 4
     small, large = peak(256, 32), peak(1024, 32)
-    assert large - small < 768 * logits_bytes / 8, (small, large)  # far below 768 more rows of logits
-    assert peak(1024, 256) - large > 100 * logits_bytes            # a larger chunk does cost more
-    assert default_chunk(49152) * 49152 * 4 <= 64 * 2 ** 20 and default_chunk(10 ** 9) == 16
+    assert large - small < 768 * logits_bytes / 8, (
+        small,
+        large,
+    )  # far below 768 more rows of logits
+    assert peak(1024, 256) - large > 100 * logits_bytes  # a larger chunk does cost more
+    assert default_chunk(49152) * 49152 * 4 <= 64 * 2**20 and default_chunk(10**9) == 16
 
 
 # ---- the patched model on the gloo world -------------------------------------------------------
 
+
 @settings(max_examples=10, **_SETTINGS)
-@given(arch=st.sampled_from(["llama", "qwen2", "mistral"]), sp=st.integers(1, 3),
-       layout=st.sampled_from(ringkv.LAYOUTS), s=st.integers(3, 40), b=st.integers(1, 2),
-       chunk=st.one_of(st.none(), st.integers(1, 30)), tie=st.booleans(), density=st.floats(0, 0.9),
-       packed=st.booleans(), form=st.sampled_from(["labels", "shift", "both"]),
-       num_items=st.one_of(st.none(), st.integers(1, 100)), seed=st.integers(0, 1000))
-def test_chunked_loss_equals_the_unpatched_model(world, arch, sp, layout, s, b, chunk, tie, density, packed, form,
-                                                  num_items, seed):
+@given(
+    arch=st.sampled_from(["llama", "qwen2", "mistral"]),
+    sp=st.integers(1, 3),
+    layout=st.sampled_from(ringkv.LAYOUTS),
+    s=st.integers(3, 40),
+    b=st.integers(1, 2),
+    chunk=st.one_of(st.none(), st.integers(1, 30)),
+    tie=st.booleans(),
+    density=st.floats(0, 0.9),
+    packed=st.booleans(),
+    form=st.sampled_from(["labels", "shift", "both"]),
+    num_items=st.one_of(st.none(), st.integers(1, 100)),
+    seed=st.integers(0, 1000),
+)
+def test_chunked_loss_equals_the_unpatched_model(
+    world, arch, sp, layout, s, b, chunk, tie, density, packed, form, num_items, seed
+):
     """Training mode with labels (or shift_labels, or both): no logits come back, and the loss and the
     SP-summed gradients equal the unpatched model's, over lengths, loss chunks, packed documents,
     ignore-index density, tied or untied heads and HF's num_items_in_batch."""
@@ -139,38 +178,71 @@ def test_chunked_loss_equals_the_unpatched_model(world, arch, sp, layout, s, b, 
     pos = _packed_positions(b, s, seed) if packed else None
     config = dict(tie_word_embeddings=tie)
     loss, grads = reference(arch, seed, ids, labels, form, pos, num_items, config)
-    opts = dict(form=form, position_ids=pos, num_items=num_items, config=config, patch=dict(loss_chunk=chunk))
-    res = world.check("tests.train_cases:chunked_step", sp, arch, seed, ids, labels, layout, "full", opts)
+    opts = dict(
+        form=form,
+        position_ids=pos,
+        num_items=num_items,
+        config=config,
+        patch=dict(loss_chunk=chunk),
+    )
+    res = world.check(
+        "tests.train_cases:chunked_step", sp, arch, seed, ids, labels, layout, "full", opts
+    )
     for r in res:
         assert not r["logits"] and "logits" not in r["keys"], r["keys"]
         assert r["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6), (r["loss"], loss)
     _close_grads(res, grads)
 
 
-@pytest.mark.parametrize("sp,layout,form", [(2, "zigzag", "labels"), (3, "striped", "shift"), (2, "contiguous", "both")])
+@pytest.mark.parametrize(
+    "sp,layout,form", [(2, "zigzag", "labels"), (3, "striped", "shift"), (2, "contiguous", "both")]
+)
 def test_chunked_loss_with_sharded_inputs(world, sp, layout, form):
     """inputs="shard": this rank's shard of the labels (or shift_labels) and of the tokens."""
     s = 6 * sp
     ids = torch.randint(3, 128, (2, s), generator=torch.Generator().manual_seed(s))
     labels = _labels(ids, 0.3, s)
     loss, grads = reference("llama", 1, ids, labels, form, num_items=17)
-    res = world.check("tests.train_cases:chunked_step", sp, "llama", 1, ids, labels, layout, "shard",
-                      dict(form=form, num_items=17, patch=dict(loss_chunk=5)))
+    res = world.check(
+        "tests.train_cases:chunked_step",
+        sp,
+        "llama",
+        1,
+        ids,
+        labels,
+        layout,
+        "shard",
+        dict(form=form, num_items=17, patch=dict(loss_chunk=5)),
+    )
     for r in res:
         assert not r["logits"] and r["loss"] == pytest.approx(loss, rel=1e-5)
     _close_grads(res, grads)
 
 
 @settings(max_examples=6, **_SETTINGS)
-@given(tile=st.integers(1, 20), ckpt=st.sampled_from([None, "reentrant", "plain"]), sp=st.integers(1, 2),
-       s=st.integers(4, 40), seed=st.integers(0, 1000))
+@given(
+    tile=st.integers(1, 20),
+    ckpt=st.sampled_from([None, "reentrant", "plain"]),
+    sp=st.integers(1, 2),
+    s=st.integers(4, 40),
+    seed=st.integers(0, 1000),
+)
 def test_tiled_mlp_is_exact(world, tile, ckpt, sp, s, seed):
     """tile_mlp=T: loss and gradients equal the unpatched model's, with and without HF's activation
     checkpointing (both kinds)."""
     ids = torch.randint(3, 128, (1, s), generator=torch.Generator().manual_seed(seed))
     loss, grads = reference("qwen2", seed, ids, ids)
-    res = world.check("tests.train_cases:chunked_step", sp, "qwen2", seed, ids, ids, "zigzag", "full",
-                      dict(patch=dict(tile_mlp=tile), checkpointing=ckpt))
+    res = world.check(
+        "tests.train_cases:chunked_step",
+        sp,
+        "qwen2",
+        seed,
+        ids,
+        ids,
+        "zigzag",
+        "full",
+        dict(patch=dict(tile_mlp=tile), checkpointing=ckpt),
+    )
     for r in res:
         assert r["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
     _close_grads(res, grads)
@@ -199,8 +271,17 @@ def test_offloaded_checkpoints_come_back_for_backward(world, ckpt):
     with the tiled MLP too."""
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(3))
     loss, grads = reference("llama", 0, ids, ids)
-    res = world.check("tests.train_cases:chunked_step", 2, "llama", 0, ids, ids, "zigzag", "full",
-                      dict(store=True, checkpointing=ckpt, patch=dict(tile_mlp=3)))
+    res = world.check(
+        "tests.train_cases:chunked_step",
+        2,
+        "llama",
+        0,
+        ids,
+        ids,
+        "zigzag",
+        "full",
+        dict(store=True, checkpointing=ckpt, patch=dict(tile_mlp=3)),
+    )
     layers = build("llama", 0).config.num_hidden_layers
     for r in res:
         assert r["loss"] == pytest.approx(loss, rel=1e-5)
@@ -214,8 +295,13 @@ def test_offloaded_checkpoints_come_back_for_backward(world, ckpt):
 
 FAMILIES = {  # transformers class prefix: config overrides (tiny)
     "Gemma": dict(head_dim=16),
-    "Gemma2": dict(head_dim=16, attn_logit_softcapping=0.05, query_pre_attn_scalar=1, final_logit_softcapping=30.0,
-                   sliding_window=8),  # scale 1: scores ~0.1 at init, past the cap
+    "Gemma2": dict(
+        head_dim=16,
+        attn_logit_softcapping=0.05,
+        query_pre_attn_scalar=1,
+        final_logit_softcapping=30.0,
+        sliding_window=8,
+    ),  # scale 1: scores ~0.1 at init, past the cap
     "Cohere": dict(logit_scale=0.25),
     "Granite": dict(logits_scaling=4.0),
     "Phi3": dict(),
@@ -232,8 +318,16 @@ def test_other_families_train_like_unpatched(family):
 
     torch.manual_seed(0)
     config = getattr(transformers, family + "Config")(
-        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, **FAMILIES[family])
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        **FAMILIES[family],
+    )
     model = getattr(transformers, family + "ForCausalLM")(config).train()
     ref = copy.deepcopy(model)
     ids = torch.randint(3, 160, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -245,7 +339,9 @@ def test_other_families_train_like_unpatched(family):
     assert got.logits is None
     assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=2e-6, rtol=1e-4, msg=lambda m: f"{family} {name}: {m}")
+        torch.testing.assert_close(
+            p.grad, q.grad, atol=2e-6, rtol=1e-4, msg=lambda m: f"{family} {name}: {m}"
+        )
 
 
 def test_bf16_weights_train_like_unpatched():
@@ -259,19 +355,31 @@ def test_bf16_weights_train_like_unpatched():
     out = model(ids, labels=ids, use_cache=False)
     out.loss.backward()
     assert out.logits is None and out.loss.dtype == torch.float32
-    assert out.loss.item() == pytest.approx(loss16, rel=2e-3) and out.loss.item() == pytest.approx(loss32, rel=1e-2)
+    assert out.loss.item() == pytest.approx(loss16, rel=2e-3) and out.loss.item() == pytest.approx(
+        loss32, rel=1e-2
+    )
     for name, p in model.named_parameters():
         assert p.grad.dtype == torch.bfloat16
         scale = grads16[name].float().abs().max().item()
-        torch.testing.assert_close(p.grad.float(), grads16[name].float(), atol=0.05 * scale + 1e-3, rtol=0.05,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            p.grad.float(),
+            grads16[name].float(),
+            atol=0.05 * scale + 1e-3,
+            rtol=0.05,
+            msg=lambda m: f"{name}: {m}",
+        )
 
 
 def test_keep_logits_modes():
     """None: logits in eval, none in training with labels; True: always; False: never with labels."""
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(2))
     want = build("llama", 0)(ids, labels=ids, use_cache=False)
-    for keep, train, has in [(None, True, False), (None, False, True), (True, True, True), (False, False, False)]:
+    for keep, train, has in [
+        (None, True, False),
+        (None, False, True),
+        (True, True, True),
+        (False, False, False),
+    ]:
         model = hf.patch_model(build("llama", 0).train(train), keep_logits=keep)
         out = model(ids, labels=ids, use_cache=False)
         assert (out.logits is not None) == has, (keep, train)
@@ -279,7 +387,9 @@ def test_keep_logits_modes():
         if has:
             torch.testing.assert_close(out.logits, want.logits, atol=1e-5, rtol=1e-5)
     model = hf.patch_model(build("llama", 0).train(), keep_logits=None)
-    out = model(ids, labels=ids, use_cache=False, logits_to_keep=3)  # training, kept logits asked for: given
+    out = model(
+        ids, labels=ids, use_cache=False, logits_to_keep=3
+    )  # training, kept logits asked for: given
     torch.testing.assert_close(out.logits, want.logits[:, -3:], atol=1e-5, rtol=1e-5)
     assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-5)
 
@@ -291,17 +401,23 @@ def test_causal_lm_loss_from_hidden_states(world):
     for r in res:
         assert r["hidden"] == pytest.approx(r["logits"], rel=1e-6)
         assert r["shifted"] == pytest.approx(r["logits"] * r["count"] / 7, rel=1e-6)
-    torch.testing.assert_close(sum(r["g_hidden"] for r in res), sum(r["g_logits"] for r in res), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        sum(r["g_hidden"] for r in res), sum(r["g_logits"] for r in res), atol=1e-6, rtol=1e-5
+    )
 
 
 # ---- bad input ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(num_items_in_batch=0), "num_items_in_batch"),
-    (dict(num_items_in_batch=torch.tensor(-3)), "num_items_in_batch"),
-    (dict(num_items_in_batch=float("nan")), "num_items_in_batch"),
-    (dict(shift_labels="wrong"), "shift_labels"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(num_items_in_batch=0), "num_items_in_batch"),
+        (dict(num_items_in_batch=torch.tensor(-3)), "num_items_in_batch"),
+        (dict(num_items_in_batch=float("nan")), "num_items_in_batch"),
+        (dict(shift_labels="wrong"), "shift_labels"),
+    ],
+)
 def test_bad_loss_arguments_fail_before_any_collective(world, kwargs, name):
     """Only rank 0 makes the call: its error comes before any collective (else it would wait)."""
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -315,7 +431,13 @@ def test_bad_loss_arguments_fail_before_any_collective(world, kwargs, name):
 
 def test_shift_labels_that_disagree_in_shards_fail_on_every_rank(world):
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    kw = dict(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False, shard=("input_ids", "labels", "shift_labels"))
+    kw = dict(
+        input_ids=ids,
+        labels=ids,
+        shift_labels=ids,
+        use_cache=False,
+        shard=("input_ids", "labels", "shift_labels"),
+    )
     res = world.check("tests.train_cases:train_error", 2, "llama", "zigzag", "shard", kw)
     assert all(r[0] == "ValueError" and "shift_labels" in r[1] for r in res), res
 
@@ -323,16 +445,48 @@ def test_shift_labels_that_disagree_in_shards_fail_on_every_rank(world):
 def test_bad_patch_options_are_clear_errors(world):
     ids = torch.randint(3, 128, (1, 12))
     # keep_logits=False: logits_to_keep in eval asks for what is never built
-    res = world.check("tests.train_cases:train_error", 2, "llama", "zigzag", "full",
-                      dict(input_ids=ids, logits_to_keep=1), dict(keep_logits=False), True, False)
-    assert res[0][0] == "ValueError" and "keep_logits" in res[0][1] and "logits_to_keep" in res[0][1], res
+    res = world.check(
+        "tests.train_cases:train_error",
+        2,
+        "llama",
+        "zigzag",
+        "full",
+        dict(input_ids=ids, logits_to_keep=1),
+        dict(keep_logits=False),
+        True,
+        False,
+    )
+    assert (
+        res[0][0] == "ValueError" and "keep_logits" in res[0][1] and "logits_to_keep" in res[0][1]
+    ), res
     # offload_checkpoints=True on a CPU; offloading without checkpointing
-    res = world.check("tests.train_cases:train_error", 2, "llama", "zigzag", "full", {},
-                      dict(offload_checkpoints=True))
-    assert all(r[0] == "ValueError" and "offload_checkpoints" in r[1] and "cpu" in r[1] for r in res), res
-    res = world.check("tests.train_cases:train_error", 2, "llama", "zigzag", "full",
-                      dict(input_ids=ids, labels=ids, use_cache=False), dict(offload_checkpoints=FileStore()), True)
-    assert res[0][0] == "ValueError" and "offload_checkpoints" in res[0][1] and "checkpointing" in res[0][1], res
+    res = world.check(
+        "tests.train_cases:train_error",
+        2,
+        "llama",
+        "zigzag",
+        "full",
+        {},
+        dict(offload_checkpoints=True),
+    )
+    assert all(
+        r[0] == "ValueError" and "offload_checkpoints" in r[1] and "cpu" in r[1] for r in res
+    ), res
+    res = world.check(
+        "tests.train_cases:train_error",
+        2,
+        "llama",
+        "zigzag",
+        "full",
+        dict(input_ids=ids, labels=ids, use_cache=False),
+        dict(offload_checkpoints=FileStore()),
+        True,
+    )
+    assert (
+        res[0][0] == "ValueError"
+        and "offload_checkpoints" in res[0][1]
+        and "checkpointing" in res[0][1]
+    ), res
     for bad in (0, -1, 2.5, "yes"):
         with pytest.raises(ValueError, match="tile_mlp"):
             hf.patch_model(build("llama", 0), tile_mlp=bad)
@@ -343,8 +497,15 @@ def test_bad_patch_options_are_clear_errors(world):
 def test_tile_mlp_on_an_unrecognised_mlp_is_a_value_error():
     import transformers
 
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
+    config = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+    )
     model = transformers.MixtralForCausalLM(config)
     with pytest.raises(ValueError, match="tile_mlp.*MixtralSparseMoeBlock"):
         hf.patch_model(model, tile_mlp=True)
@@ -377,7 +538,11 @@ def test_offload_to_pinned_host_memory_on_cuda():
     kept = ref(ids, labels=ids, use_cache=False)
     without = torch.cuda.memory_allocated() - before
     layer_inputs = model.config.num_hidden_layers * ids.numel() * model.config.hidden_size * 4
-    assert without - with_offload >= layer_inputs, (without, with_offload, layer_inputs)  # they left the GPU
+    assert without - with_offload >= layer_inputs, (
+        without,
+        with_offload,
+        layer_inputs,
+    )  # they left the GPU
     kept.loss.backward()
     assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -395,7 +560,9 @@ def test_a_dropped_graph_frees_its_offloaded_checkpoints():
     for backward in (False, True):
         x = torch.randn(2, 5, 8, requires_grad=True)
         with offload_checkpoints(store, hidden=8):
-            y = (x.sin() * 2).cos().sum() + (w * 3).sin().sum()   # sin saves x, cos 2 sin(x); w's stay
+            y = (x.sin() * 2).cos().sum() + (
+                w * 3
+            ).sin().sum()  # sin saves x, cos 2 sin(x); w's stay
         assert store.pending == 2
         if backward:
             y.backward()

@@ -68,14 +68,18 @@ def test_no_module_imports_the_package_and_the_graph_is_acyclic():
     modules = _modules()
     graph = {m: imports_of(m, modules) for m in modules}
     assert not [m for m, deps in graph.items() if m != PACKAGE and PACKAGE in deps], graph
-    assert graph["paged"] >= {"paged_base", "paged_torch"} and "dispatch" in graph[PACKAGE]  # the parser sees them
+    assert (
+        graph["paged"] >= {"paged_base", "paged_torch"} and "dispatch" in graph[PACKAGE]
+    )  # the parser sees them
     state, stack = {}, []
 
     def visit(m):  # depth-first search; a module met again while on the stack closes a circle
         state[m] = "open"
         stack.append(m)
         for d in sorted(graph.get(m, ())):
-            assert state.get(d) != "open", f"import circle: {' -> '.join(stack[stack.index(d):] + [d])}"
+            assert state.get(d) != "open", (
+                f"import circle: {' -> '.join(stack[stack.index(d) :] + [d])}"
+            )
             if d not in state:
                 visit(d)
         stack.pop()
@@ -109,8 +113,13 @@ print(json.dumps(result))
     env = dict(os.environ)
     if not _cuda():
         env.setdefault("TRITON_INTERPRET", "1")
-    r = subprocess.run([sys.executable, "-c", script, str(KERNELS.parent), *_modules()], capture_output=True,
-                       text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(KERNELS.parent), *_modules()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result == {m: "ok" for m in _modules()}, result

@@ -32,35 +32,55 @@ from ringkv.kernels.paged_base import LayerCache, paged_attention_reference, que
 from tests.test_cpu_flash import EPS, assert_close, check, make, oracle, problems
 from tests.test_paged import spread_problem
 
-pytestmark = pytest.mark.skipif(native.compiler() is None or platform.system() != "Linux",
-                                reason="no C compiler here (or not Linux)")
+pytestmark = pytest.mark.skipif(
+    native.compiler() is None or platform.system() != "Linux",
+    reason="no C compiler here (or not Linux)",
+)
 
 NAMED = ("x86-64-v4", "x86-64-v3", "generic")
 KERNELS = ("flash_attention", "linear", "paged_attention")
 SWITCHES = ("RINGKV_NATIVE_FLASH", "RINGKV_NATIVE_LINEAR", "RINGKV_NATIVE_PAGED")
-TILES = {"x86-64-v4": "avx512", "x86-64-v3": "avx2", "generic": "generic"}  # what each build says it is
+TILES = {
+    "x86-64-v4": "avx512",
+    "x86-64-v3": "avx2",
+    "generic": "generic",
+}  # what each build says it is
 NR = {"x86-64-v4": 32, "x86-64-v3": 16, "generic": 8}  # the packed linear's panel width per build
-ISA = pytest.mark.parametrize("isa", [
-    pytest.param(isa, marks=pytest.mark.skipif(isa not in native.supported_isas(),
-                                               reason=f"this CPU cannot run {isa} code"))
-    for isa in NAMED])
+ISA = pytest.mark.parametrize(
+    "isa",
+    [
+        pytest.param(
+            isa,
+            marks=pytest.mark.skipif(
+                isa not in native.supported_isas(), reason=f"this CPU cannot run {isa} code"
+            ),
+        )
+        for isa in NAMED
+    ],
+)
 HYP = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 # ---- targets and builds -------------------------------------------------------------------------
 
-AVX512_CPU = ("flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 fma bmi1 bmi2 f16c movbe abm "
-              "avx512f avx512bw avx512cd avx512dq avx512vl\n")
-EPYC_CPU = "model name\t: AMD EPYC 7B12\nflags\t\t: fpu sse sse2 avx avx2 fma bmi1 bmi2 f16c movbe abm\n"
+AVX512_CPU = (
+    "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 fma bmi1 bmi2 f16c movbe abm "
+    "avx512f avx512bw avx512cd avx512dq avx512vl\n"
+)
+EPYC_CPU = (
+    "model name\t: AMD EPYC 7B12\nflags\t\t: fpu sse sse2 avx avx2 fma bmi1 bmi2 f16c movbe abm\n"
+)
 
 
 def test_supported_isas_follow_the_cpu_flags(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    for cpuinfo, want in ((AVX512_CPU, ("x86-64-v4", "x86-64-v3", "generic")),
-                          (EPYC_CPU, ("x86-64-v3", "generic")),
-                          (EPYC_CPU.replace(" movbe", ""), ("generic",)),  # v3 needs every one of its flags
-                          (AVX512_CPU.replace(" avx512vl", ""), ("x86-64-v3", "generic")),
-                          ("", ("generic",))):
+    for cpuinfo, want in (
+        (AVX512_CPU, ("x86-64-v4", "x86-64-v3", "generic")),
+        (EPYC_CPU, ("x86-64-v3", "generic")),
+        (EPYC_CPU.replace(" movbe", ""), ("generic",)),  # v3 needs every one of its flags
+        (AVX512_CPU.replace(" avx512vl", ""), ("x86-64-v3", "generic")),
+        ("", ("generic",)),
+    ):
         monkeypatch.setattr(native, "_cpuinfo", lambda c=cpuinfo: c)
         assert native.supported_isas() == want
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
@@ -69,9 +89,13 @@ def test_supported_isas_follow_the_cpu_flags(monkeypatch):
 
 
 def test_flags_per_target_and_the_default_from_the_environment(monkeypatch):
-    assert "-march=x86-64-v3" in native.flags("x86-64-v3") and "-march=x86-64-v4" in native.flags("x86-64-v4")
+    assert "-march=x86-64-v3" in native.flags("x86-64-v3") and "-march=x86-64-v4" in native.flags(
+        "x86-64-v4"
+    )
     assert "-march=native" in native.flags("native")
-    assert not any(f.startswith(("-march", "-mtune")) for f in native.flags("generic"))  # the compiler's default
+    assert not any(
+        f.startswith(("-march", "-mtune")) for f in native.flags("generic")
+    )  # the compiler's default
     with pytest.raises(ValueError, match="choose one of"):
         native.flags("avx2")
     monkeypatch.delenv("RINGKV_KERNEL_ISA", raising=False)
@@ -122,6 +146,7 @@ def test_kernel_isa_sets_the_build_of_the_process(monkeypatch):
 
 # ---- each build against float64 ----------------------------------------------------------------
 
+
 @ISA
 @HYP
 @given(p=problems())
@@ -132,9 +157,18 @@ def test_flash_matches_float64_on_every_target(isa, p):
 # query rows around every target's row tiles (3, 6, 12) and blocks (48, 96), keys around its panels
 # (16, 32) and blocks (512), head dims whose last column chunk is partial (16, 48, 80 against
 # chunks of 16, 32 and 64 columns)
-EDGES = [(sq, sk, d, mask) for sq, sk, d in ((1, 1, 16), (5, 17, 48), (7, 33, 80), (13, 15, 16), (49, 95, 48),
-                                              (97, 513, 80))
-         for mask in (Mask(FULL), Mask(OFFSET, offset=sk - sq), Mask(BAND, offset=2, lo=-9))]
+EDGES = [
+    (sq, sk, d, mask)
+    for sq, sk, d in (
+        (1, 1, 16),
+        (5, 17, 48),
+        (7, 33, 80),
+        (13, 15, 16),
+        (49, 95, 48),
+        (97, 513, 80),
+    )
+    for mask in (Mask(FULL), Mask(OFFSET, offset=sk - sq), Mask(BAND, offset=2, lo=-9))
+]
 
 
 @ISA
@@ -146,7 +180,9 @@ def test_flash_tile_edges_on_every_target(isa):
         out, lse = cpu_flash.forward(q, k, v, 0.3, mask, isa=isa)
         assert_close(f"out {sq}x{sk}x{d} {mask.kind}", out, ref_out, 32 * EPS)
         assert_close(f"lse {sq}x{sk}x{d} {mask.kind}", lse, ref_lse, 32 * EPS)
-        grads = cpu_flash.backward(dout, q, k, v, ref_out.float(), ref_lse.float(), 0.3, mask, dlse, isa=isa)
+        grads = cpu_flash.backward(
+            dout, q, k, v, ref_out.float(), ref_lse.float(), 0.3, mask, dlse, isa=isa
+        )
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
             assert_close(f"{name} {sq}x{sk}x{d} {mask.kind}", got, want, 512 * EPS)
 
@@ -162,7 +198,9 @@ def test_flash_result_does_not_depend_on_the_thread_count(isa):
         for n in (1, 2):
             torch.set_num_threads(n)
             out, lse = cpu_flash.forward(q, k, v, 0.2, mask, isa=isa)
-            runs.append((out, lse, *cpu_flash.backward(dout, q, k, v, out, lse, 0.2, mask, isa=isa)))
+            runs.append(
+                (out, lse, *cpu_flash.backward(dout, q, k, v, out, lse, 0.2, mask, isa=isa))
+            )
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
@@ -170,9 +208,13 @@ def test_flash_result_does_not_depend_on_the_thread_count(isa):
 
 @ISA
 @HYP
-@given(m=st.one_of(st.integers(1, 40), st.integers(125, 140)), n=st.integers(1, 70),
-       k=st.one_of(st.integers(1, 40), st.integers(120, 300)), lead=st.sampled_from([(), (2,)]),
-       seed=st.integers(0, 2 ** 16))
+@given(
+    m=st.one_of(st.integers(1, 40), st.integers(125, 140)),
+    n=st.integers(1, 70),
+    k=st.one_of(st.integers(1, 40), st.integers(120, 300)),
+    lead=st.sampled_from([(), (2,)]),
+    seed=st.integers(0, 2**16),
+)
 def test_linear_matches_float64_on_every_target(isa, m, n, k, lead, seed):
     g = torch.Generator().manual_seed(seed)
     w, x = torch.randn(n, k, generator=g), torch.randn(*lead, m, k, generator=g)
@@ -180,13 +222,16 @@ def test_linear_matches_float64_on_every_target(isa, m, n, k, lead, seed):
     got = linear_cpu.packed_linear(x, linear_cpu.pack(w, isa=isa), n, isa=isa)
     assert got.shape == want.shape and got.dtype == torch.float32
     mkl = (F.linear(x, w).double() - want).abs().max().item()
-    assert (got.double() - want).abs().max().item() <= 4 * mkl + 1e-5 * k ** 0.5
+    assert (got.double() - want).abs().max().item() <= 4 * mkl + 1e-5 * k**0.5
 
 
 @ISA
 def test_linear_bitwise_the_same_for_any_thread_count_and_row_count(isa):
     torch.manual_seed(0)
-    w, x = torch.randn(203, 300), torch.randn(21, 300)  # panels and row tiles with remainders on every target
+    w, x = (
+        torch.randn(203, 300),
+        torch.randn(21, 300),
+    )  # panels and row tiles with remainders on every target
     packed = linear_cpu.pack(w, isa=isa)
     threads, outs = torch.get_num_threads(), []
     try:
@@ -196,7 +241,9 @@ def test_linear_bitwise_the_same_for_any_thread_count_and_row_count(isa):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    more = torch.cat([x, torch.randn(140 - 21, 300)])  # past 128 rows: each tile over all of K, same order
+    more = torch.cat(
+        [x, torch.randn(140 - 21, 300)]
+    )  # past 128 rows: each tile over all of K, same order
     assert torch.equal(linear_cpu.packed_linear(more, packed, 203, isa=isa)[:21], outs[0])
     with pytest.raises(ValueError, match="do not hold"):
         linear_cpu.packed_linear(x, packed[:-1], 203, isa=isa)
@@ -204,14 +251,22 @@ def test_linear_bitwise_the_same_for_any_thread_count_and_row_count(isa):
 
 @ISA
 @HYP
-@given(d=st.sampled_from([8, 20, 64, 128, 136]), nq=st.integers(1, 3), g=st.sampled_from([1, 3]),
-       spread=st.sampled_from([1.0, 25.0]), lens=st.lists(st.integers(0, 90), min_size=1, max_size=6),
-       causal=st.booleans(), seed=st.integers(0, 2 ** 16))
+@given(
+    d=st.sampled_from([8, 20, 64, 128, 136]),
+    nq=st.integers(1, 3),
+    g=st.sampled_from([1, 3]),
+    spread=st.sampled_from([1.0, 25.0]),
+    lens=st.lists(st.integers(0, 90), min_size=1, max_size=6),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_paged_matches_float64_on_every_target(isa, d, nq, g, spread, lens, causal, seed):
     q, kc, vc, table, seq_lens = spread_problem(d, nq, g, spread, lens, seed)
     limits = query_limits(seq_lens, nq, causal)
     out, lse = paged_cpu.attend(q, LayerCache(kc, vc), table, limits, isa=isa)
-    ref_out, ref_lse = paged_attention_reference(q.double(), kc.double(), vc.double(), table, seq_lens, causal=causal)
+    ref_out, ref_lse = paged_attention_reference(
+        q.double(), kc.double(), vc.double(), table, seq_lens, causal=causal
+    )
     assert_close("out", out, ref_out, 2e-5)
     assert_close("lse", lse, ref_lse, 2e-5)
     threads = torch.get_num_threads()
@@ -223,6 +278,7 @@ def test_paged_matches_float64_on_every_target(isa, d, nq, g, spread, lens, caus
 
 
 # ---- the self-check ----------------------------------------------------------------------------
+
 
 def _forget():
     """This process's builds, libraries and verdicts forgotten (as in a new process)."""
@@ -269,7 +325,13 @@ def test_self_check_runs_once_is_cached_beside_the_build_and_read_back(fresh, mo
     monkeypatch.setattr(native, "measure", timings)
     for m in (cpu_flash, linear_cpu, paged_cpu):
         s = m.status()
-        assert (s["on"], s["by"], s["why"], s["kernel_us"], s["torch_us"]) == (True, "self-check", "", 1000.0, 2000.0)
+        assert (s["on"], s["by"], s["why"], s["kernel_us"], s["torch_us"]) == (
+            True,
+            "self-check",
+            "",
+            1000.0,
+            2000.0,
+        )
         assert s["isa"] == native.default_isa() and s["tiles"] and s["call"]
     assert timings.calls == 3
     files = sorted(fresh.glob("*.json"))
@@ -279,11 +341,16 @@ def test_self_check_runs_once_is_cached_beside_the_build_and_read_back(fresh, mo
         (entry,) = json.loads(f.read_text()).values()  # one per torch version and thread count
         assert (entry["on"], entry["kernel_us"], entry["torch_us"]) == (True, 1000.0, 2000.0)
     _forget()  # a new process: reads the verdicts, times nothing
-    assert [m.status()["by"] for m in (cpu_flash, linear_cpu, paged_cpu)] == ["self-check (cached)"] * 3
+    assert [m.status()["by"] for m in (cpu_flash, linear_cpu, paged_cpu)] == [
+        "self-check (cached)"
+    ] * 3
     assert timings.calls == 3
     d = K.describe("cpu", torch.float32)
     json.dumps(d)
-    assert set(d["native"]) == {*KERNELS, "flash_attention (full)"}  # cpu_flash's full blocks: a verdict apart
+    assert set(d["native"]) == {
+        *KERNELS,
+        "flash_attention (full)",
+    }  # cpu_flash's full blocks: a verdict apart
     for s in d["native"].values():
         assert (s["on"], s["kernel_us"], s["torch_us"]) == (True, 1000.0, 2000.0)
     assert d["auto"]["forward"]["offset"] == "cpu_flash"
@@ -293,19 +360,29 @@ def test_self_check_runs_once_is_cached_beside_the_build_and_read_back(fresh, mo
 def test_torch_faster_turns_each_kernel_off_in_dispatch(fresh, monkeypatch):
     monkeypatch.setattr(native, "measure", Timings(0.003, 0.001))
     q = torch.randn(1, 40, 2, 64)
-    assert cpu_flash.unavailable.startswith("off: torch's fused op (sdpa) was faster in the self-check (3000 us "
-                                            "against 1000 us")
+    assert cpu_flash.unavailable.startswith(
+        "off: torch's fused op (sdpa) was faster in the self-check (3000 us against 1000 us"
+    )
     assert K.pick("auto", q, Mask(OFFSET, offset=0)) is K.sdpa
     assert K.pick("auto", q, Mask(FULL), dlse=True, backward=True) is reference
     assert not linear_cpu.available() and not linear_cpu.packs(nn.Linear(4, 4))
     assert not paged_cpu.available() and paged.auto_backend("cpu") == "torch"
     d = K.describe("cpu", torch.float32)
-    assert d["auto"]["forward"]["full"] == "sdpa" and d["skipped"]["cpu_flash"] == cpu_flash.unavailable
+    assert (
+        d["auto"]["forward"]["full"] == "sdpa"
+        and d["skipped"]["cpu_flash"] == cpu_flash.unavailable
+    )
     for s in d["native"].values():
-        assert (s["on"], s["kernel_us"], s["torch_us"]) == (False, 3000.0, 1000.0) and "=1 turns it on" in s["why"]
+        assert (s["on"], s["kernel_us"], s["torch_us"]) == (
+            False,
+            3000.0,
+            1000.0,
+        ) and "=1 turns it on" in s["why"]
     # asked for by name, each still runs
     mask = Mask(OFFSET, offset=0)
-    torch.testing.assert_close(cpu_flash.forward(q, q, q, 0.1, mask)[0], reference.forward(q, q, q, 0.1, mask)[0])
+    torch.testing.assert_close(
+        cpu_flash.forward(q, q, q, 0.1, mask)[0], reference.forward(q, q, q, 0.1, mask)[0]
+    )
     assert cpu_flash.supports(q, mask) and paged_cpu.supports(q, LayerCache(q, q))
 
 
@@ -314,9 +391,20 @@ def test_flash_full_blocks_have_a_verdict_of_their_own(fresh, monkeypatch):
     to torch's op: full blocks are timed apart, and where they lose ``"auto"`` sends them to sdpa
     while the diagonal blocks stay on the kernel (which still runs when asked for by name)."""
     kinds, real = [], cpu_flash._timed_call
-    monkeypatch.setattr(cpu_flash, "_timed_call", lambda isa, kind="causal": (kinds.append(kind), real(isa, kind))[1])
-    monkeypatch.setattr(native, "measure", lambda kernel, torch_path, **kw: (
-        kernel(), torch_path(), (0.001, 0.002) if kinds[-1] == "causal" else (0.003, 0.002))[2])
+    monkeypatch.setattr(
+        cpu_flash,
+        "_timed_call",
+        lambda isa, kind="causal": (kinds.append(kind), real(isa, kind))[1],
+    )
+    monkeypatch.setattr(
+        native,
+        "measure",
+        lambda kernel, torch_path, **kw: (
+            kernel(),
+            torch_path(),
+            (0.001, 0.002) if kinds[-1] == "causal" else (0.003, 0.002),
+        )[2],
+    )
     q = torch.randn(1, 40, 2, 64)
     assert K.pick("auto", q, Mask(OFFSET, offset=0)) is cpu_flash
     assert K.pick("auto", q, Mask(FULL)) is K.sdpa
@@ -328,7 +416,11 @@ def test_flash_full_blocks_have_a_verdict_of_their_own(fresh, monkeypatch):
     assert d["auto"]["forward"]["full"] == "sdpa" and d["auto"]["forward"]["offset"] == "cpu_flash"
     full = d["native"]["flash_attention (full)"]
     assert (full["on"], full["kernel_us"], full["torch_us"]) == (False, 3000.0, 2000.0), full
-    assert "full block" in full["call"] and "sdpa" in full["why"] and d["native"]["flash_attention"]["on"]
+    assert (
+        "full block" in full["call"]
+        and "sdpa" in full["why"]
+        and d["native"]["flash_attention"]["on"]
+    )
     _forget()  # a new process reads both verdicts from the one file beside the build
     assert cpu_flash.status("full")["by"] == "self-check (cached)" and kinds == ["causal", "full"]
 
@@ -342,7 +434,12 @@ def test_the_switches_bypass_the_self_check(fresh, monkeypatch):
         monkeypatch.setenv(switch, "1")
     for m, switch in zip((cpu_flash, linear_cpu, paged_cpu), SWITCHES):
         s = m.status()
-        assert (s["on"], s["by"], s["kernel_us"], s["torch_us"]) == (True, f"{switch}=1", None, None)
+        assert (s["on"], s["by"], s["kernel_us"], s["torch_us"]) == (
+            True,
+            f"{switch}=1",
+            None,
+            None,
+        )
     assert not list(fresh.glob("*.json"))
     _forget()
     for switch in SWITCHES:
@@ -361,6 +458,7 @@ def test_measure_interleaves_and_takes_medians(monkeypatch):
         def run():
             order.append(name)
             clock[0] += cost
+
         return run
 
     monkeypatch.setattr(native.time, "perf_counter", lambda: clock[0])

@@ -37,12 +37,15 @@ def tolerances(dtype):
 
 # ---------------------------------------------------------------------------- the oracle
 
+
 def explicit_positions(q_pos, k_pos, sq, sk):
     """Position vectors as long tensors; ``None`` means keys ``0..Sk-1``, queries at the end."""
+
     def as_tensor(pos, default):
         if pos is None:
             return default
         return torch.tensor(list(pos), dtype=torch.long) if isinstance(pos, range) else pos.long()
+
     return as_tensor(q_pos, torch.arange(sk - sq, sk)), as_tensor(k_pos, torch.arange(sk))
 
 
@@ -68,6 +71,7 @@ def naive_attention(q, k, v, scale, causal, q_pos, k_pos):
 
 
 # ---------------------------------------------------------------------------- strategies
+
 
 @st.composite
 def position_pair(draw, sq, sk):
@@ -111,8 +115,20 @@ def problems(draw, max_s=40):
     q_pos, k_pos = draw(position_pair(sq, sk)) if causal else (None, None)
     scale = draw(st.none() | st.floats(0.02, 0.5))
     seed = draw(st.integers(0, 2**31 - 1))
-    return dict(b=b, sq=sq, sk=sk, h=h, hkv=hkv, d=d, dtype=dtype, causal=causal,
-                q_pos=q_pos, k_pos=k_pos, scale=scale, seed=seed)
+    return dict(
+        b=b,
+        sq=sq,
+        sk=sk,
+        h=h,
+        hkv=hkv,
+        d=d,
+        dtype=dtype,
+        causal=causal,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        scale=scale,
+        seed=seed,
+    )
 
 
 def make_inputs(p):
@@ -134,6 +150,7 @@ def usable_backends(q, mask):
 
 
 # ---------------------------------------------------------------------------- comparisons
+
 
 def assert_close(what, got, want, tol):
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
@@ -168,8 +185,14 @@ def check_backends(p, dlse_too=False):
     mask = make_mask(p["causal"], p["q_pos"], p["k_pos"], p["sq"], p["sk"])
     for name in usable_backends(q, mask):
         x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out, lse = attention(*x, scale=p["scale"], causal=p["causal"], q_positions=p["q_pos"],
-                             k_positions=p["k_pos"], backend=name)
+        out, lse = attention(
+            *x,
+            scale=p["scale"],
+            causal=p["causal"],
+            q_positions=p["q_pos"],
+            k_positions=p["k_pos"],
+            backend=name,
+        )
         assert out.dtype == q.dtype, f"{name}: out dtype {out.dtype}"
         assert_close(f"{name} out", out, ref_out.detach(), tol)
         assert_lse(f"{name} lse", lse, ref_lse.detach(), lse_tol)
@@ -180,6 +203,7 @@ def check_backends(p, dlse_too=False):
 
 
 # ---------------------------------------------------------------------------- tests
+
 
 @settings(max_examples=60)
 @given(problems())
@@ -197,24 +221,44 @@ def test_gradient_through_lse(p):
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_every_head_dim_and_dtype(d, dtype):
     # fixed cover of the grid hypothesis only samples: causal offset mask with a fully masked row
-    p = dict(b=2, sq=5, sk=9, h=4, hkv=2, d=d, dtype=dtype, causal=True, q_pos=range(-1, 4),
-             k_pos=range(0, 9), scale=None, seed=d)
+    p = dict(
+        b=2,
+        sq=5,
+        sk=9,
+        h=4,
+        hkv=2,
+        d=d,
+        dtype=dtype,
+        causal=True,
+        q_pos=range(-1, 4),
+        k_pos=range(0, 9),
+        scale=None,
+        seed=d,
+    )
     check_backends(p)
 
 
 def test_rows_without_keys_are_zero_with_minus_inf_lse():
     q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 3, 2, 16), torch.randn(1, 3, 2, 16)
-    for q_pos, k_pos in [(range(0, 4), range(2, 5)), (torch.tensor([0, 5, 1, 9]), torch.tensor([3, 3, 2]))]:
+    for q_pos, k_pos in [
+        (range(0, 4), range(2, 5)),
+        (torch.tensor([0, 5, 1, 9]), torch.tensor([3, 3, 2])),
+    ]:
         for name in usable_backends(q, make_mask(True, q_pos, k_pos, 4, 3)):
-            out, lse = attention(q, k, v, causal=True, q_positions=q_pos, k_positions=k_pos, backend=name)
+            out, lse = attention(
+                q, k, v, causal=True, q_positions=q_pos, k_positions=k_pos, backend=name
+            )
             blind = explicit_positions(q_pos, k_pos, 4, 3)
             blind = ~(blind[0][:, None] >= blind[1][None, :]).any(1)  # rows seeing nothing
             assert blind.any()
             assert torch.equal(out[0, blind], torch.zeros_like(out[0, blind])), name
-            assert torch.isneginf(lse[0][:, blind]).all() and torch.isfinite(lse[0][:, ~blind]).all(), name
+            assert (
+                torch.isneginf(lse[0][:, blind]).all() and torch.isfinite(lse[0][:, ~blind]).all()
+            ), name
 
 
 # ---------------------------------------------------------------------------- mask.py
+
 
 @settings(max_examples=60)
 @given(st.integers(0, 12), st.integers(0, 12), st.data())
@@ -249,7 +293,7 @@ def test_offset_tiles_cover_the_mask_once(sq, sk, data):
         if t.causal:
             assert t.q1 - t.q0 == t.k1 - t.k0, f"causal tile not square: {t}"
             tile = tile.tril()
-        count[t.q0:t.q1, t.k0:t.k1] += tile
+        count[t.q0 : t.q1, t.k0 : t.k1] += tile
     assert count.max() <= 1, "tiles overlap"
     assert torch.equal(count == 1, want), "tiles' union differs from the mask"
 
@@ -279,5 +323,7 @@ def test_host_positions_classify_exactly_and_find_the_band(data):
     if window[0] >= 0:
         want &= dist <= window[0]
     assert torch.equal(mask.visible(t, k.numel()), want)
-    if causal and window[0] < 0:  # every row sees a prefix of the sorted keys: full or offset, never a matrix
+    if (
+        causal and window[0] < 0
+    ):  # every row sees a prefix of the sorted keys: full or offset, never a matrix
         assert mask.kind != DENSE, (mask, k.tolist(), q.tolist())

@@ -15,13 +15,19 @@ from ringkv.kernels.paged import _BACKENDS, paged_attention, paged_attention_ref
 from ringkv.kernels.quant import FORMATS, dequantize, quantize, rotation
 
 NAMES = sorted(FORMATS)
-REL = {"int8": None, "fp8_e4m3": 2 ** -4, "fp8_e5m2": 2 ** -3}  # fp8: relative precision (half an ulp)
+REL = {"int8": None, "fp8_e4m3": 2**-4, "fp8_e5m2": 2**-3}  # fp8: relative precision (half an ulp)
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(NAMES), t=st.integers(1, 5), h=st.integers(1, 3), d=st.sampled_from([8, 16, 48, 64, 128]),
-       magnitude=st.sampled_from([0.0, 1e-30, 1e-6, 1e-2, 1.0, 30.0, 1e4]), seed=st.integers(0, 1000),
-       outlier=st.booleans())
+@given(
+    name=st.sampled_from(NAMES),
+    t=st.integers(1, 5),
+    h=st.integers(1, 3),
+    d=st.sampled_from([8, 16, 48, 64, 128]),
+    magnitude=st.sampled_from([0.0, 1e-30, 1e-6, 1e-2, 1.0, 30.0, 1e4]),
+    seed=st.integers(0, 1000),
+    outlier=st.booleans(),
+)
 def test_quantize_error_is_bounded(name, t, h, d, magnitude, seed, outlier):
     fmt = FORMATS[name]
     x = torch.randn(t, h, d, generator=torch.Generator().manual_seed(seed)) * magnitude
@@ -38,8 +44,10 @@ def test_quantize_error_is_bounded(name, t, h, d, magnitude, seed, outlier):
     if name == "int8":  # half a step, where the step is the (fp16) scale
         assert bool((err <= 0.5 * scale * 1.01 + 1e-30).all()), err.max()
     else:  # no worse in total than plain amax scaling, whose error per value is relative
-        amax_scale = (xr.abs().amax(-1, keepdim=True) / fmt.qmax).clamp(2 ** -24, 65504).half().float()
-        bound = xr.abs() * REL[name] + amax_scale * 2 ** -9
+        amax_scale = (
+            (xr.abs().amax(-1, keepdim=True) / fmt.qmax).clamp(2**-24, 65504).half().float()
+        )
+        bound = xr.abs() * REL[name] + amax_scale * 2**-9
         assert float(err.square().sum()) <= float(bound.square().sum()) * 1.0001 + 1e-30
     if magnitude == 0.0:
         assert bool((y == 0).all())
@@ -73,11 +81,19 @@ def quantized_cache(num_blocks, bs, hkv, d, fmt, seed):
 
 
 @settings(max_examples=20, deadline=None)
-@given(name=st.sampled_from(NAMES), n=st.integers(1, 3), nq=st.integers(1, 3), hkv=st.sampled_from([1, 2]),
-       g=st.sampled_from([1, 3]), causal=st.booleans(), seed=st.integers(0, 100),
-       backend=st.sampled_from(sorted(b for b in _BACKENDS)))
+@given(
+    name=st.sampled_from(NAMES),
+    n=st.integers(1, 3),
+    nq=st.integers(1, 3),
+    hkv=st.sampled_from([1, 2]),
+    g=st.sampled_from([1, 3]),
+    causal=st.booleans(),
+    seed=st.integers(0, 100),
+    backend=st.sampled_from(sorted(b for b in _BACKENDS)),
+)
 def test_paged_attention_over_a_quantized_cache_equals_the_reference_on_its_values(
-        name, n, nq, hkv, g, causal, seed, backend):
+    name, n, nq, hkv, g, causal, seed, backend
+):
     bs, d, num_blocks = 4, 16, 12
     (kq, vq, ks, vs), (kf, vf) = quantized_cache(num_blocks, bs, hkv, d, FORMATS[name], seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -85,12 +101,15 @@ def test_paged_attention_over_a_quantized_cache_equals_the_reference_on_its_valu
     lens = torch.randint(nq, 3 * bs + 1, (n,), generator=gen)
     table = torch.stack([torch.randperm(num_blocks, generator=gen)[:3] for _ in range(n)]).int()
     want_o, want_l = paged_attention_reference(q, kf, vf, table, lens, causal=causal)
-    got_o, got_l = paged_attention(q, kq, vq, table, lens, causal=causal, backend=backend, k_scale=ks, v_scale=vs)
+    got_o, got_l = paged_attention(
+        q, kq, vq, table, lens, causal=causal, backend=backend, k_scale=ks, v_scale=vs
+    )
     torch.testing.assert_close(got_o, want_o, atol=2e-5, rtol=2e-4)
     torch.testing.assert_close(got_l, want_l, atol=2e-5, rtol=2e-4)
 
 
 # ---- the engine ----
+
 
 @pytest.fixture(scope="module")
 def hf_model():
@@ -106,16 +125,26 @@ def test_prompt_logprobs_equal_transformers_log_softmax(hf_model):
         logits = hf_model(torch.tensor([ids])).logits[0].float()
     want = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     llm = LLM(hf_model, block_size=4, num_blocks=64, max_num_batched_tokens=8)
-    llm.generate([ids], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # caches the prompt
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
+    llm.generate(
+        [ids], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False
+    )  # caches the prompt
+    out = llm.generate(
+        [ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0), use_tqdm=False
+    )[0]
     assert out.num_cached_tokens == 0  # computed again: a cache hit would skip positions
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=2e-5, rtol=1e-5)
     assert len(out.prompt_logprobs) == len(ids) - 1 and out.prompt_top_logprobs is None
     values, top = torch.log_softmax(logits, -1)[:-1].topk(5)
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=5), use_tqdm=False)[0]
+    out = llm.generate(
+        [ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=5), use_tqdm=False
+    )[0]
     assert [[t for t, _ in x] for x in out.prompt_top_logprobs] == top.tolist()
-    torch.testing.assert_close(torch.tensor([[v for _, v in x] for x in out.prompt_top_logprobs]), values,
-                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor([[v for _, v in x] for x in out.prompt_top_logprobs]),
+        values,
+        atol=2e-5,
+        rtol=1e-5,
+    )
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=2e-5, rtol=1e-5)
     for bad in (21, -1, True, 2.0):
         with pytest.raises(ValueError, match="prompt_logprobs"):
@@ -132,10 +161,14 @@ def test_prompt_top_logprobs_on_every_mesh(worlds):
     lp, top = worlds(1).check("tests.engine_cases:prompt_logprobs", 1, s, kw, prompt, 4)[0]
     assert len(top) == len(lp) == len(prompt) - 1 and all(len(x) == 4 for x in top)
     for mesh in (dict(tp=2), dict(pp=2), dict(sp=2, sp_prefill_min_tokens=16)):
-        got_lp, got_top = worlds(2).check("tests.engine_cases:prompt_logprobs", 2, s, dict(kw, **mesh), prompt, 4)[0]
+        got_lp, got_top = worlds(2).check(
+            "tests.engine_cases:prompt_logprobs", 2, s, dict(kw, **mesh), prompt, 4
+        )[0]
         torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(lp), atol=1e-4, rtol=1e-4)
         assert [[t for t, _ in x] for x in got_top] == [[t for t, _ in x] for x in top], mesh
-        torch.testing.assert_close(torch.tensor(got_top)[..., 1], torch.tensor(top)[..., 1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(got_top)[..., 1], torch.tensor(top)[..., 1], atol=1e-4, rtol=1e-4
+        )
 
 
 def test_bytes_per_token_counts_the_scales(hf_model):
@@ -158,9 +191,13 @@ def test_quantized_cache_with_prefix_hits_and_preemption(hf_model, name):
     params = SamplingParams(temperature=0, max_tokens=8)
     big = LLM(hf_model, block_size=4, num_blocks=128, kv_cache_dtype=name)
     first = [o.token_ids for o in big.generate(prompts, params, use_tqdm=False)]
-    assert first == [o.token_ids for o in big.generate(prompts, params, use_tqdm=False)]  # with hits: the same
+    assert first == [
+        o.token_ids for o in big.generate(prompts, params, use_tqdm=False)
+    ]  # with hits: the same
     assert big.prefix_cache_hits > 0
-    small = LLM(hf_model, block_size=4, num_blocks=24, max_num_batched_tokens=16, kv_cache_dtype=name)
+    small = LLM(
+        hf_model, block_size=4, num_blocks=24, max_num_batched_tokens=16, kv_cache_dtype=name
+    )
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.scheduler.num_preemptions > 0 and all(len(o.token_ids) == 8 for o in outs)
     assert small.blocks.num_free == small.blocks.num_blocks
@@ -180,6 +217,11 @@ def test_meshes_with_a_quantized_cache_equal_the_single_process_engine(worlds, n
         assert res[0] == res[1] == want, mesh
     plp = dict(kw, max_num_batched_tokens=32)
     lp_one = worlds(1).check("tests.engine_cases:prompt_logprobs", 1, s, plp, prompts[2])[0]
-    lp_sp = worlds(2).check("tests.engine_cases:prompt_logprobs", 2, s, dict(plp, sp=2, num_blocks=128,
-                                                                          sp_prefill_min_tokens=16), prompts[2])
+    lp_sp = worlds(2).check(
+        "tests.engine_cases:prompt_logprobs",
+        2,
+        s,
+        dict(plp, sp=2, num_blocks=128, sp_prefill_min_tokens=16),
+        prompts[2],
+    )
     torch.testing.assert_close(torch.tensor(lp_sp[0]), torch.tensor(lp_one), atol=1e-4, rtol=1e-4)

@@ -46,16 +46,22 @@ def test_spawned_ranks_equal_transformers_and_stop_on_close(model):
     want = hf_greedy(model, prompts(), 6)
     with LLM(model, tp=2, pp=2, block_size=4, num_blocks=64) as llm:
         pids = [p.pid for p in llm.cluster.procs]
-        assert len(pids) == 4 and all(alive(p) for p in pids)  # every model rank is a worker; this process drives
+        assert len(pids) == 4 and all(
+            alive(p) for p in pids
+        )  # every model rank is a worker; this process drives
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want
-        assert [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want  # and again
+        assert [
+            o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)
+        ] == want  # and again
         stats = llm.rank_stats()
         assert [s["rank"] for s in stats] == [0, 1, 2, 3] and all(s["steps"] > 0 for s in stats)
     deadline = time.time() + 10
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
-    with LLM(model, sp=2, block_size=4, num_blocks=64, sp_prefill_min_tokens=16) as llm:  # a second engine
+    with LLM(
+        model, sp=2, block_size=4, num_blocks=64, sp_prefill_min_tokens=16
+    ) as llm:  # a second engine
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want
 
 
@@ -76,10 +82,15 @@ def test_killed_worker_is_an_error_within_the_timeout(model):
 
 def test_bad_configurations_fail_before_any_process_starts(model):
     before = multiprocessing.active_children()
-    for kw, word in [(dict(tp=3), "use tp in"), (dict(tp=2, kv_cache_memory=10), "holds no block"),
-                     (dict(pp=4), "exceeds the model's 3 layers"), (dict(sp=0), "sp must be"),
-                     (dict(tp=2, num_blocks=1, max_model_len=100), "max_model_len"),
-                     (dict(pp=2, pp_layers=[1, 1]), "pp_layers"), (dict(tp=2, gpu_memory_utilization=2), "(0, 1]")]:
+    for kw, word in [
+        (dict(tp=3), "use tp in"),
+        (dict(tp=2, kv_cache_memory=10), "holds no block"),
+        (dict(pp=4), "exceeds the model's 3 layers"),
+        (dict(sp=0), "sp must be"),
+        (dict(tp=2, num_blocks=1, max_model_len=100), "max_model_len"),
+        (dict(pp=2, pp_layers=[1, 1]), "pp_layers"),
+        (dict(tp=2, gpu_memory_utilization=2), "(0, 1]"),
+    ]:
         with pytest.raises(ValueError, match=word.replace("(", r"\(").replace("]", r"\]")):
             LLM(model, **kw)
     assert multiprocessing.active_children() == before
@@ -89,7 +100,8 @@ def test_program_exit_stops_its_workers(tmp_path):
     """A script that never calls close(): its workers stop when it exits, and it needs no
     ``if __name__ == "__main__"`` guard (workers do not re-run the script)."""
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {os.getcwd()!r})
         from ringkv.engine import LLM, SamplingParams
@@ -97,12 +109,18 @@ def test_program_exit_stops_its_workers(tmp_path):
         llm = LLM(tiny_model("llama", 0, num_hidden_layers=2), tp=2, block_size=4, num_blocks=32)
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
         print("PIDS", *[p.pid for p in llm.cluster.procs], "TOKENS", *out[0].token_ids, flush=True)
-    """))
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    """)
+    )
+    res = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert res.returncode == 0, res.stderr
     line = next(l for l in res.stdout.splitlines() if l.startswith("PIDS"))
-    pids = [int(x) for x in line.split()[1:line.split().index("TOKENS")]]
+    pids = [int(x) for x in line.split()[1 : line.split().index("TOKENS")]]
     assert len(pids) == 2  # both model ranks are workers; the script drives
     deadline = time.time() + 10
     while any(alive(p) for p in pids) and time.time() < deadline:

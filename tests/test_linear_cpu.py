@@ -18,14 +18,23 @@ pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler
 
 
 def test_kernel_builds_where_a_compiler_is():
-    assert linear_cpu.library() is not None  # (whether compiled decode uses it: its self-check, or the switch)
-    assert linear_cpu.packed_floats(1, 1) == linear_cpu.nr() in (8, 16, 32)  # the build's panel width
+    assert (
+        linear_cpu.library() is not None
+    )  # (whether compiled decode uses it: its self-check, or the switch)
+    assert (
+        linear_cpu.packed_floats(1, 1) == linear_cpu.nr() in (8, 16, 32)
+    )  # the build's panel width
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.one_of(st.integers(1, 70), st.integers(129, 140)), n=st.integers(1, 100),
-       k=st.one_of(st.integers(1, 90), st.integers(120, 400)), bias=st.booleans(),
-       lead=st.sampled_from([(), (2,)]), seed=st.integers(0, 2 ** 16))
+@given(
+    m=st.one_of(st.integers(1, 70), st.integers(129, 140)),
+    n=st.integers(1, 100),
+    k=st.one_of(st.integers(1, 90), st.integers(120, 400)),
+    bias=st.booleans(),
+    lead=st.sampled_from([(), (2,)]),
+    seed=st.integers(0, 2**16),
+)
 def test_matches_float64_as_closely_as_mkl(m, n, k, bias, lead, seed):
     g = torch.Generator().manual_seed(seed)
     lin = nn.Linear(k, n, bias=bias)
@@ -34,11 +43,13 @@ def test_matches_float64_as_closely_as_mkl(m, n, k, bias, lead, seed):
         if bias:
             lin.bias.copy_(torch.randn(n, generator=g))
     x = torch.randn(*lead, m, k, generator=g)  # (..., M, K)
-    want = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+    want = F.linear(
+        x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double()
+    )
     got = linear_cpu.PackedLinear(lin)(x)  # (..., M, N)
     assert got.shape == want.shape and got.dtype == torch.float32
     mkl = (lin(x).double() - want).abs().max().item()
-    assert (got.double() - want).abs().max().item() <= 4 * mkl + 1e-5 * k ** 0.5
+    assert (got.double() - want).abs().max().item() <= 4 * mkl + 1e-5 * k**0.5
 
 
 def test_bitwise_the_same_for_any_thread_count_and_row_count():
@@ -61,13 +72,34 @@ def test_bitwise_the_same_for_any_thread_count_and_row_count():
 
 def test_module_copy_packs_float32_linears_and_shares_the_rest():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(50, 24), nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 24, bias=False),
-                          nn.Linear(24, 8).double())
+    model = nn.Sequential(
+        nn.Embedding(50, 24),
+        nn.Linear(24, 40),
+        nn.ReLU(),
+        nn.Linear(40, 24, bias=False),
+        nn.Linear(24, 8).double(),
+    )
     copy = linear_cpu.with_packed_linears(model)
     assert linear_cpu.packs(model)
-    assert [type(m).__name__ for m in copy] == ["Embedding", "PackedLinear", "ReLU", "PackedLinear", "Linear"]
-    assert [type(m).__name__ for m in model] == ["Embedding", "Linear", "ReLU", "Linear", "Linear"]  # untouched
-    assert copy[0].weight is model[0].weight and copy[1].bias is model[1].bias and copy[4].weight is model[4].weight
+    assert [type(m).__name__ for m in copy] == [
+        "Embedding",
+        "PackedLinear",
+        "ReLU",
+        "PackedLinear",
+        "Linear",
+    ]
+    assert [type(m).__name__ for m in model] == [
+        "Embedding",
+        "Linear",
+        "ReLU",
+        "Linear",
+        "Linear",
+    ]  # untouched
+    assert (
+        copy[0].weight is model[0].weight
+        and copy[1].bias is model[1].bias
+        and copy[4].weight is model[4].weight
+    )
     x = torch.randint(0, 50, (7,))
     a, b = model[:4](x), copy[:4](x)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

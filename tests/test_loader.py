@@ -25,7 +25,9 @@ def hf_model():
     import transformers
 
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_config(
+        tiny_config("llama"), dtype=torch.float32
+    ).eval()
 
 
 def write_dir(hf_model, path, shards=1):
@@ -114,11 +116,31 @@ def test_gguf_and_cli():
 
     # the CLI runs (one thread each) start first and run while this process de-quantizes the GGUF file
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    cli = subprocess.Popen([sys.executable, "-m", "ringkv", "generate", "--model", smollm2_path(), "--prompt",
-                            "The capital of France is", "--max-tokens", "4"], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env)
-    bad_cli = subprocess.Popen([sys.executable, "-m", "ringkv", "generate", "--model", "/nonexistent", "--prompt", "x"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ringkv",
+            "generate",
+            "--model",
+            smollm2_path(),
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "4",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    bad_cli = subprocess.Popen(
+        [sys.executable, "-m", "ringkv", "generate", "--model", "/nonexistent", "--prompt", "x"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         from_gguf, cfg, tok = load_model(gguf_path())
         from_dir, _, tok2 = load_model(smollm2_path())

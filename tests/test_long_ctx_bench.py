@@ -15,18 +15,48 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 def test_long_ctx_under_torchrun(tmp_path):
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", "long_ctx.py"), "--seq", "512", "--heads", "2", "--kv-heads", "1",
-           "--head-dim", "16", "--iters", "1", "--warmup", "0", "--layout", "all", "--backward", "--check", "--quiet",
-           "--json", str(out), "--plot", str(tmp_path / "r.png")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(ROOT, "benchmarks", "long_ctx.py"),
+        "--seq",
+        "512",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "16",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--layout",
+        "all",
+        "--backward",
+        "--check",
+        "--quiet",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "r.png"),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check: passed" in proc.stdout
     res = json.loads(out.read_text())
     assert res["environment"]["world_size"] == 2 and res["environment"]["comm"] == "gloo"
     m = assert_names_machine(res, proc.stdout, threads=res["environment"]["threads_per_rank"])
     assert res["environment"]["device"] == m["cpu"]
-    assert [(r["layout"], r["causal"]) for r in res["rows"]] == [(lay, True) for lay in ("contiguous", "zigzag", "striped")]
+    assert [(r["layout"], r["causal"]) for r in res["rows"]] == [
+        (lay, True) for lay in ("contiguous", "zigzag", "striped")
+    ]
     for row in res["rows"]:
         assert row["time_s"] > 0 and row["time_nocomm_s"] > 0 and row["baseline_s"] > 0
         assert row["efficiency"] > 0 and row["overlap_ratio"] > 0  # tiny sizes: latency dominates
@@ -45,15 +75,45 @@ def test_torch_ring_as_peer(tmp_path):
     checked against the reference and its gradients against ringkv's; where torch has no
     counterpart (striped causal) the row says why instead."""
     out = tmp_path / "p.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", "long_ctx.py"), "--seq", "512", "--heads", "2", "--kv-heads", "2",
-           "--head-dim", "16", "--iters", "2", "--layout", "zigzag,striped", "--backward", "--check", "--quiet",
-           "--no-baseline", "--no-overlap", "--peer", "torch", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(ROOT, "benchmarks", "long_ctx.py"),
+        "--seq",
+        "512",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--iters",
+        "2",
+        "--layout",
+        "zigzag,striped",
+        "--backward",
+        "--check",
+        "--quiet",
+        "--no-baseline",
+        "--no-overlap",
+        "--peer",
+        "torch",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check: passed" in proc.stdout and "vs peer" in proc.stdout
     zigzag, striped = json.loads(out.read_text())["rows"]
-    assert zigzag["peer_time_s"] > 0 and zigzag["vs_peer"] == zigzag["time_s"] / zigzag["peer_time_s"]
+    assert (
+        zigzag["peer_time_s"] > 0 and zigzag["vs_peer"] == zigzag["time_s"] / zigzag["peer_time_s"]
+    )
     assert zigzag["peer_check_max_err"] < 1e-4 and zigzag["peer_grad_max_diff"] < 1e-4
     assert "peer_time_s" not in striped and "striped" in striped["peer_unavailable"]
 
@@ -63,10 +123,29 @@ def test_ring_profile_under_torchrun(tmp_path):
     """benchmarks/ring_profile.py: per-step parts of a ring backward on 2 ranks; the parts it
     times add up to no more than the call."""
     out = tmp_path / "prof.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", "ring_profile.py"), "--seq", "512", "--heads", "2", "--head-dim", "16",
-           "--iters", "1", "--backward", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(ROOT, "benchmarks", "ring_profile.py"),
+        "--seq",
+        "512",
+        "--heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--iters",
+        "1",
+        "--backward",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert_names_machine(res, proc.stdout, threads=1)  # 2 ranks on OMP_NUM_THREADS=1
@@ -77,9 +156,26 @@ def test_ring_profile_under_torchrun(tmp_path):
 
 def test_virtual_ranks_single_process(tmp_path):
     out = tmp_path / "v.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "long_ctx.py"), "--virtual", "4", "--seq", "256",
-           "--head-dim", "16", "--iters", "1", "--warmup", "0", "--layout", "zigzag", "--causal", "--quiet",
-           "--json", str(out)]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "long_ctx.py"),
+        "--virtual",
+        "4",
+        "--seq",
+        "256",
+        "--head-dim",
+        "16",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--layout",
+        "zigzag",
+        "--causal",
+        "--quiet",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
@@ -93,21 +189,59 @@ def test_virtual_ranks_single_process(tmp_path):
 def test_methods_side_by_side_under_torchrun(tmp_path):
     """--method all: every method on the same inputs, checked against the reference, per KV head count."""
     out = tmp_path / "m.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", "long_ctx.py"), "--method", "all", "--seq", "512", "--heads", "4",
-           "--kv-heads", "2,1", "--head-dim", "16", "--iters", "1", "--warmup", "0", "--backward", "--check",
-           "--quiet", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(ROOT, "benchmarks", "long_ctx.py"),
+        "--method",
+        "all",
+        "--seq",
+        "512",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2,1",
+        "--head-dim",
+        "16",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--backward",
+        "--check",
+        "--quiet",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "check: passed" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["method"], r["kv_heads"]) for r in rows] == [(m, kv) for kv in (2, 1)
-                                                             for m in ("ring", "ulysses", "usp", "allgather")]
+    assert [(r["method"], r["kv_heads"]) for r in rows] == [
+        (m, kv) for kv in (2, 1) for m in ("ring", "ulysses", "usp", "allgather")
+    ]
     for r in rows:
-        assert r["check_max_err"] < 1e-4 and r["time_s"] > 0 and r["time_nocomm_s"] > 0 and r["efficiency"] > 0
+        assert (
+            r["check_max_err"] < 1e-4
+            and r["time_s"] > 0
+            and r["time_nocomm_s"] > 0
+            and r["efficiency"] > 0
+        )
         kv_bytes = 2 * 256 * r["kv_heads"] * 16 * 4  # K and V of one rank's 256 tokens, fp32
-        if r["method"] in ("ring", "allgather", "usp"):  # one other rank gets this rank's K/V once (usp: 1 x 2)
+        if r["method"] in (
+            "ring",
+            "allgather",
+            "usp",
+        ):  # one other rank gets this rank's K/V once (usp: 1 x 2)
             assert r["bytes_sent"] == kv_bytes
         else:  # 2 ranks: half of this rank's q (4 heads), K/V heads and out go to the other rank
-            kv_sent = kv_bytes // 2 if r["kv_heads"] == 2 else kv_bytes  # 1 KV head: replicated to both
+            kv_sent = (
+                kv_bytes // 2 if r["kv_heads"] == 2 else kv_bytes
+            )  # 1 KV head: replicated to both
             assert r["bytes_sent"] == 256 * 2 * 16 * 4 * 2 + kv_sent

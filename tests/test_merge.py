@@ -33,19 +33,36 @@ def split_problems(draw):
     hkv = draw(st.integers(1, 2))
     h, d = hkv * draw(st.sampled_from([1, 3])), draw(st.sampled_from([16, 32]))
     causal = draw(st.booleans())
-    if draw(st.booleans()):  # a query chunk somewhere along the keys: early chunks see nothing later
+    if draw(
+        st.booleans()
+    ):  # a query chunk somewhere along the keys: early chunks see nothing later
         step = draw(st.integers(1, 3))
         q_pos = range(a := draw(st.integers(-5, sk + 5)), a + sq * step, step)
         k_pos = range(0, sk * step, step)
     else:  # arbitrary positions, duplicates included
-        q_pos = torch.tensor(draw(st.lists(st.integers(0, 20), min_size=sq, max_size=sq)), dtype=torch.long)
-        k_pos = torch.tensor(draw(st.lists(st.integers(0, 20), min_size=sk, max_size=sk)), dtype=torch.long)
+        q_pos = torch.tensor(
+            draw(st.lists(st.integers(0, 20), min_size=sq, max_size=sq)), dtype=torch.long
+        )
+        k_pos = torch.tensor(
+            draw(st.lists(st.integers(0, 20), min_size=sk, max_size=sk)), dtype=torch.long
+        )
     cuts = sorted(draw(st.lists(st.integers(0, sk), max_size=5)))  # repeated cuts: empty pieces
     bounds = [0] + cuts + [sk]
     pieces = list(zip(bounds[:-1], bounds[1:]))
     order = draw(st.permutations(range(len(pieces))))
-    return dict(b=b, sq=sq, sk=sk, h=h, hkv=hkv, d=d, causal=causal, q_pos=q_pos, k_pos=k_pos,
-                pieces=[pieces[i] for i in order], seed=draw(st.integers(0, 2**31 - 1)))
+    return dict(
+        b=b,
+        sq=sq,
+        sk=sk,
+        h=h,
+        hkv=hkv,
+        d=d,
+        causal=causal,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        pieces=[pieces[i] for i in order],
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 @settings(max_examples=60)
@@ -97,7 +114,11 @@ def test_rows_without_keys_stay_zero_and_minus_inf():
     want_out = torch.cat([junk[:, :2], torch.zeros(1, 2, 2, 8)], dim=1)
     assert_same(acc, lse, want_out, half)
     assert torch.equal(acc[:, 2:], torch.zeros(1, 2, 2, 8))
-    assert_same(*merge([junk, junk * 3], [blind, half]), torch.cat([3 * junk[:, :2], torch.zeros(1, 2, 2, 8)], 1), half)
+    assert_same(
+        *merge([junk, junk * 3], [blind, half]),
+        torch.cat([3 * junk[:, :2], torch.zeros(1, 2, 2, 8)], 1),
+        half,
+    )
     out, lse = merge([junk, junk], [blind, blind])  # nothing seen anywhere
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
 
@@ -110,7 +131,10 @@ def test_bf16_block_outs_merge_in_fp32(n, seed):
     lses = [4 * torch.randn(2, 3, 5, generator=g) for _ in range(n)]
     # float64 formula on the same (bf16-rounded) values
     lse64 = torch.logsumexp(torch.stack(lses).double(), 0)  # (B, H, S)
-    out64 = sum(o.double() * torch.exp(l.double() - lse64).transpose(1, 2)[..., None] for o, l in zip(outs, lses))
+    out64 = sum(
+        o.double() * torch.exp(l.double() - lse64).transpose(1, 2)[..., None]
+        for o, l in zip(outs, lses)
+    )
     acc, lse = start(2, 5, 3, 16)
     for o, l in zip(outs, lses):
         merge_(acc, lse, o, l)
@@ -121,14 +145,25 @@ def test_bf16_block_outs_merge_in_fp32(n, seed):
 def test_merge_into_strided_views():
     # the ring merges into views of its accumulator (e.g. one zigzag half's rows)
     g = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(1, 8, 2, 16, generator=g), torch.randn(1, 10, 2, 16, generator=g), torch.randn(1, 10, 2, 16, generator=g)
+    q, k, v = (
+        torch.randn(1, 8, 2, 16, generator=g),
+        torch.randn(1, 10, 2, 16, generator=g),
+        torch.randn(1, 10, 2, 16, generator=g),
+    )
     kw = dict(causal=True, q_positions=range(1, 9), backend="reference")
     want_out, want_lse = attention(q, k, v, **kw)
     acc, lse = start(1, 8, 2, 16)
     for rows in (slice(0, 8, 2), slice(1, 8, 2)):  # even rows, odd rows
         qpos = torch.arange(1, 9)[rows]
         for lo, hi in ((0, 4), (4, 10)):
-            o, l = attention(q[:, rows], k[:, lo:hi], v[:, lo:hi], causal=True, q_positions=qpos,
-                             k_positions=range(lo, hi), backend="reference")
+            o, l = attention(
+                q[:, rows],
+                k[:, lo:hi],
+                v[:, lo:hi],
+                causal=True,
+                q_positions=qpos,
+                k_positions=range(lo, hi),
+                backend="reference",
+            )
             merge_(acc[:, rows], lse[:, :, rows], o, l)
     assert_same(acc, lse, want_out, want_lse)

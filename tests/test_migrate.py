@@ -46,8 +46,12 @@ _refs = {}
 def reference(model, params):
     key = (id(model), repr(params))
     if key not in _refs:
-        _refs[key] = [o.token_ids for o in LLM(model, block_size=4, num_blocks=128).generate(
-            prompts(), params, use_tqdm=False)]
+        _refs[key] = [
+            o.token_ids
+            for o in LLM(model, block_size=4, num_blocks=128).generate(
+                prompts(), params, use_tqdm=False
+            )
+        ]
     return _refs[key]
 
 
@@ -55,7 +59,9 @@ class Run:
     """Two engines and the outputs of every step of either."""
 
     def __init__(self, model, src_kw=None, dst_kw=None):
-        self.a = LLM(model, **(src_kw or dict(block_size=4, num_blocks=128, max_num_batched_tokens=16)))
+        self.a = LLM(
+            model, **(src_kw or dict(block_size=4, num_blocks=128, max_num_batched_tokens=16))
+        )
         self.b = LLM(model, **(dst_kw or dict(block_size=8, num_blocks=64)))
         self.outs = {}
 
@@ -76,7 +82,11 @@ def test_migrated_requests_finish_as_if_never_moved(model, params, mode, tmp_pat
     rids = [r.a.add_request(p, params) for p in prompts()]
     for _ in range(3):
         r.step(r.a)
-    mid_prefill = [rid for rid in rids if r.a._active[rid][0].num_computed < len(r.a._active[rid][0].prompt_token_ids)]
+    mid_prefill = [
+        rid
+        for rid in rids
+        if r.a._active[rid][0].num_computed < len(r.a._active[rid][0].prompt_token_ids)
+    ]
     assert mid_prefill  # chunked prefill is under way for some of them
     moved = 0
     for rid in rids:
@@ -107,11 +117,16 @@ def test_migrated_requests_finish_as_if_never_moved(model, params, mode, tmp_pat
     assert moved >= 2
     r.finish()
     assert [r.outs[rid].token_ids for rid in rids] == reference(model, params)
-    assert r.a.blocks.num_free == r.a.blocks.num_blocks and r.b.blocks.num_free == r.b.blocks.num_blocks
+    assert (
+        r.a.blocks.num_free == r.a.blocks.num_blocks
+        and r.b.blocks.num_free == r.b.blocks.num_blocks
+    )
 
 
 def test_a_preempted_request_moves_and_imported_blocks_serve_hits(model):
-    r = Run(model, dict(block_size=4, num_blocks=24, max_num_batched_tokens=32))  # 96 tokens: preemption
+    r = Run(
+        model, dict(block_size=4, num_blocks=24, max_num_batched_tokens=32)
+    )  # 96 tokens: preemption
     rids = [r.a.add_request(p, GREEDY) for p in prompts()]
     while not r.a.scheduler.num_preemptions:
         r.step(r.a)
@@ -127,10 +142,14 @@ def test_a_preempted_request_moves_and_imported_blocks_serve_hits(model):
     rid = c.a.add_request(prompts()[3], GREEDY)
     for _ in range(6):
         c.step(c.a)
-    c.b.import_request(c.a.export_request(rid), cache_prefix=True)  # opt-in: by default imported K/V stay out
+    c.b.import_request(
+        c.a.export_request(rid), cache_prefix=True
+    )  # opt-in: by default imported K/V stay out
     hits = c.b.prefix_cache_hits
     again = c.b.generate(prompts()[3], GREEDY, use_tqdm=False)[0]
-    assert c.b.prefix_cache_hits - hits == (len(prompts()[3]) - 1) // 8 and again.num_cached_tokens > 0
+    assert (
+        c.b.prefix_cache_hits - hits == (len(prompts()[3]) - 1) // 8 and again.num_cached_tokens > 0
+    )
 
 
 def test_wrong_snapshots_are_refused_and_the_source_keeps_the_request(model, tmp_path):
@@ -162,7 +181,9 @@ def test_wrong_snapshots_are_refused_and_the_source_keeps_the_request(model, tmp
     nxt = a2(rid, since=base, stop=False)
     with pytest.raises(ValueError, match="in order"):
         r.b.import_request(nxt)
-    assert rid not in r.b._staged and r.b.blocks.num_free == r.b.blocks.num_blocks  # nothing changed
+    assert (
+        rid not in r.b._staged and r.b.blocks.num_free == r.b.blocks.num_blocks
+    )  # nothing changed
     r.finish()  # nothing lost: the source still finishes it
     assert r.outs[rid].token_ids == reference(model, GREEDY)[2]
 
@@ -170,9 +191,15 @@ def test_wrong_snapshots_are_refused_and_the_source_keeps_the_request(model, tmp
 def test_migration_across_two_processes(worlds):
     params = dict(temperature=0.8, max_tokens=12, seed=9)
     want = LLM(tiny_model("llama", 0, num_hidden_layers=3), block_size=4, num_blocks=128).generate(
-        prompts(), SamplingParams(**params), use_tqdm=False)
-    res = worlds(2).check("tests.engine_cases:migrate_pair", 2, ("tiny", "llama", 0, dict(num_hidden_layers=3)),
-                          prompts(), params)
+        prompts(), SamplingParams(**params), use_tqdm=False
+    )
+    res = worlds(2).check(
+        "tests.engine_cases:migrate_pair",
+        2,
+        ("tiny", "llama", 0, dict(num_hidden_layers=3)),
+        prompts(),
+        params,
+    )
     assert res[1] == [o.token_ids for o in want] and res[0] == "sent"
 
 
@@ -185,8 +212,11 @@ class Migrations(RuleBasedStateMachine):
         self.run = None
 
     def make_run(self) -> Run:
-        return Run(MODEL, dict(block_size=4, num_blocks=48, max_num_batched_tokens=24),
-                   dict(block_size=8, num_blocks=32, max_num_batched_tokens=24))
+        return Run(
+            MODEL,
+            dict(block_size=4, num_blocks=48, max_num_batched_tokens=24),
+            dict(block_size=8, num_blocks=32, max_num_batched_tokens=24),
+        )
 
     @initialize()
     def setup(self):
@@ -270,7 +300,9 @@ class Migrations(RuleBasedStateMachine):
         if self.run is None:
             return
         for rid, e in self.where.items():
-            homes = [n for n, eng in self.engines.items() if rid in eng._active or rid in eng._paused]
+            homes = [
+                n for n, eng in self.engines.items() if rid in eng._active or rid in eng._paused
+            ]
             assert homes in ([], [e]), (rid, homes)
 
     def teardown(self):
@@ -309,10 +341,27 @@ def test_disaggregated_example_under_torchrun(tmp_path):
 
     tiny_model("llama", 0, num_hidden_layers=2).save_pretrained(tmp_path, safe_serialization=True)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        os.path.join(root, "examples", "disaggregated.py"), "--model", str(tmp_path), "--requests", "6",
-                        "--max-tokens", "8"], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=root))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            os.path.join(root, "examples", "disaggregated.py"),
+            "--model",
+            str(tmp_path),
+            "--requests",
+            "6",
+            "--max-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=root),
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "outputs identical to one engine: True (6 requests, 48 tokens)" in r.stdout
 
@@ -338,11 +387,29 @@ def test_quantized_blocks_move_with_their_scales(model):
 def state(e):
     """What a refused import must leave exactly as it was (and the block invariants hold)."""
     e.blocks.check()
-    staged = {rid: (st.last_id, st.kv_end, st.dropped, list(st.seq.token_ids), len(st.seq.logprobs),
-                    list(st.seq.block_table), st.seq.num_computed, st.seq.generator.get_state().sum().item())
-              for rid, st in e._staged.items()}
-    return (e.blocks.num_free, list(e.blocks.ref), dict(e.blocks.hash_of), list(e._active), list(e._paused), staged,
-            [s.seq_id for s in e.scheduler.waiting], [s.seq_id for s in e.scheduler.running])
+    staged = {
+        rid: (
+            st.last_id,
+            st.kv_end,
+            st.dropped,
+            list(st.seq.token_ids),
+            len(st.seq.logprobs),
+            list(st.seq.block_table),
+            st.seq.num_computed,
+            st.seq.generator.get_state().sum().item(),
+        )
+        for rid, st in e._staged.items()
+    }
+    return (
+        e.blocks.num_free,
+        list(e.blocks.ref),
+        dict(e.blocks.hash_of),
+        list(e._active),
+        list(e._paused),
+        staged,
+        [s.seq_id for s in e.scheduler.waiting],
+        [s.seq_id for s in e.scheduler.running],
+    )
 
 
 def refused(e, snap, match=None, errors=(ValueError, TypeError), what=""):
@@ -380,7 +447,7 @@ NAN, INF = float("nan"), float("inf")
 
 
 def _lp(s, i, entry):
-    return s.logprobs[:i] + [entry] + s.logprobs[i + 1:]
+    return s.logprobs[:i] + [entry] + s.logprobs[i + 1 :]
 
 
 def _poke(t, value):
@@ -394,22 +461,61 @@ MUTATIONS = [
     ("OOV token id", "fi", "token_ids", lambda s: r_(s, token_ids=s.token_ids + [V])),
     ("negative token id", "fi", "token_ids", lambda s: r_(s, token_ids=s.token_ids + [-1])),
     ("bool token id", "fi", "token_ids", lambda s: r_(s, token_ids=[True] + s.token_ids[1:])),
-    ("float token id", "fi", "token_ids", lambda s: r_(s, token_ids=[float(s.token_ids[0])] + s.token_ids[1:])),
-    ("token ids as a tensor", "fi", "token_ids", lambda s: r_(s, token_ids=torch.tensor(s.token_ids))),
-    ("OOV prompt id", "fi", "prompt_token_ids", lambda s: r_(s, prompt_token_ids=s.prompt_token_ids + [V])),
-    ("prompt not the tokens' start", "f", "token_ids",
-     lambda s: r_(s, prompt_token_ids=[(t + 1) % V for t in s.prompt_token_ids])),
+    (
+        "float token id",
+        "fi",
+        "token_ids",
+        lambda s: r_(s, token_ids=[float(s.token_ids[0])] + s.token_ids[1:]),
+    ),
+    (
+        "token ids as a tensor",
+        "fi",
+        "token_ids",
+        lambda s: r_(s, token_ids=torch.tensor(s.token_ids)),
+    ),
+    (
+        "OOV prompt id",
+        "fi",
+        "prompt_token_ids",
+        lambda s: r_(s, prompt_token_ids=s.prompt_token_ids + [V]),
+    ),
+    (
+        "prompt not the tokens' start",
+        "f",
+        "token_ids",
+        lambda s: r_(s, prompt_token_ids=[(t + 1) % V for t in s.prompt_token_ids]),
+    ),
     ("empty prompt", "f", "prompt_token_ids", lambda s: r_(s, prompt_token_ids=[])),
     ("too many tokens", "fi", "max_model_len", lambda s: r_(s, token_ids=s.token_ids + [5] * 300)),
     ("max_tokens reached", "fi", "max_tokens", lambda s: r_(s, token_ids=s.token_ids + [5] * 12)),
     ("unknown params key", "fi", "params", lambda s: r_(s, params=dict(s.params, bogus=1))),
-    ("negative temperature", "fi", "params", lambda s: r_(s, params=dict(s.params, temperature=-1.0))),
+    (
+        "negative temperature",
+        "fi",
+        "params",
+        lambda s: r_(s, params=dict(s.params, temperature=-1.0)),
+    ),
     ("max_tokens 0", "fi", "params", lambda s: r_(s, params=dict(s.params, max_tokens=0))),
     ("n = 2", "fi", "params", lambda s: r_(s, params=dict(s.params, n=2))),
     ("params not a dict", "fi", "params", lambda s: r_(s, params=None)),
-    ("truncated generator state", "fi", "generator_state", lambda s: r_(s, generator_state=s.generator_state[:-1])),
-    ("float generator state", "fi", "generator_state", lambda s: r_(s, generator_state=s.generator_state.float())),
-    ("zero generator state", "fi", "generator_state", lambda s: r_(s, generator_state=torch.zeros_like(s.generator_state))),
+    (
+        "truncated generator state",
+        "fi",
+        "generator_state",
+        lambda s: r_(s, generator_state=s.generator_state[:-1]),
+    ),
+    (
+        "float generator state",
+        "fi",
+        "generator_state",
+        lambda s: r_(s, generator_state=s.generator_state.float()),
+    ),
+    (
+        "zero generator state",
+        "fi",
+        "generator_state",
+        lambda s: r_(s, generator_state=torch.zeros_like(s.generator_state)),
+    ),
     ("no generator state", "fi", "generator_state", lambda s: r_(s, generator_state=None)),
     ("K of a wrong head size", "fi", "'k'", lambda s: r_(s, k=s.k[..., :-1])),
     ("K of one token more", "fi", "'k'", lambda s: r_(s, k=torch.cat([s.k, s.k[:, -1:]], 1))),
@@ -419,20 +525,70 @@ MUTATIONS = [
     ("K with an inf", "fi", "'k'", lambda s: r_(s, k=_poke(s.k, INF))),
     ("K as a list", "fi", "'k'", lambda s: r_(s, k=s.k.tolist())),
     ("scales for a float cache", "fi", "k_scale", lambda s: r_(s, k_scale=s.k[..., 0])),
-    ("OOV log-prob token", "fi", "logprobs", lambda s: r_(s, logprobs=_lp(s, 0, [V] + s.logprobs[0][1:]))),
-    ("NaN log-prob", "fi", "logprobs", lambda s: r_(s, logprobs=_lp(s, 0, [s.logprobs[0][0], NAN, []]))),
-    ("+inf log-prob", "fi", "logprobs", lambda s: r_(s, logprobs=_lp(s, 0, [s.logprobs[0][0], INF, []]))),
-    ("malformed top log-prob", "fi", "logprobs", lambda s: r_(s, logprobs=_lp(s, 0, s.logprobs[0][:2] + [[[1]]]))),
-    ("bool top token", "fi", "logprobs", lambda s: r_(s, logprobs=_lp(s, 0, s.logprobs[0][:2] + [[[True, -1.0]]]))),
-    ("log-prob entry as a dict", "fi", "logprobs", lambda s: r_(s, logprobs=_lp(s, 0, {"token_id": 1}))),
+    (
+        "OOV log-prob token",
+        "fi",
+        "logprobs",
+        lambda s: r_(s, logprobs=_lp(s, 0, [V] + s.logprobs[0][1:])),
+    ),
+    (
+        "NaN log-prob",
+        "fi",
+        "logprobs",
+        lambda s: r_(s, logprobs=_lp(s, 0, [s.logprobs[0][0], NAN, []])),
+    ),
+    (
+        "+inf log-prob",
+        "fi",
+        "logprobs",
+        lambda s: r_(s, logprobs=_lp(s, 0, [s.logprobs[0][0], INF, []])),
+    ),
+    (
+        "malformed top log-prob",
+        "fi",
+        "logprobs",
+        lambda s: r_(s, logprobs=_lp(s, 0, s.logprobs[0][:2] + [[[1]]])),
+    ),
+    (
+        "bool top token",
+        "fi",
+        "logprobs",
+        lambda s: r_(s, logprobs=_lp(s, 0, s.logprobs[0][:2] + [[[True, -1.0]]])),
+    ),
+    (
+        "log-prob entry as a dict",
+        "fi",
+        "logprobs",
+        lambda s: r_(s, logprobs=_lp(s, 0, {"token_id": 1})),
+    ),
     ("a log-prob missing", "fi", "logprobs", lambda s: r_(s, logprobs=s.logprobs[:-1])),
-    ("a log-prob too many", "fi", "logprobs", lambda s: r_(s, logprobs=s.logprobs + s.logprobs[-1:])),
+    (
+        "a log-prob too many",
+        "fi",
+        "logprobs",
+        lambda s: r_(s, logprobs=s.logprobs + s.logprobs[-1:]),
+    ),
     ("log-probs not a list", "fi", "logprobs", lambda s: r_(s, logprobs=None)),
     ("prompt log-probs missing", "fi", "prompt_logprobs", lambda s: r_(s, prompt_logprobs=None)),
-    ("prompt log-probs short", "fi", "prompt_logprobs", lambda s: r_(s, prompt_logprobs=s.prompt_logprobs[:-1])),
-    ("prompt log-prob a string", "fi", "prompt_logprobs", lambda s: r_(s, prompt_logprobs=["x"] + s.prompt_logprobs[1:])),
+    (
+        "prompt log-probs short",
+        "fi",
+        "prompt_logprobs",
+        lambda s: r_(s, prompt_logprobs=s.prompt_logprobs[:-1]),
+    ),
+    (
+        "prompt log-prob a string",
+        "fi",
+        "prompt_logprobs",
+        lambda s: r_(s, prompt_logprobs=["x"] + s.prompt_logprobs[1:]),
+    ),
     ("negative cached tokens", "fi", "num_cached_tokens", lambda s: r_(s, num_cached_tokens=-1)),
-    ("cached tokens past the prompt", "fi", "num_cached_tokens", lambda s: r_(s, num_cached_tokens=10 ** 6)),
+    (
+        "cached tokens past the prompt",
+        "fi",
+        "num_cached_tokens",
+        lambda s: r_(s, num_cached_tokens=10**6),
+    ),
     ("bool cached tokens", "fi", "num_cached_tokens", lambda s: r_(s, num_cached_tokens=True)),
     ("bool request id", "fi", "request_id", lambda s: r_(s, request_id=True)),
     ("float request id", "fi", "request_id", lambda s: r_(s, request_id=1.5)),
@@ -448,9 +604,19 @@ MUTATIONS = [
     ("end moved on", "fi", "end", lambda s: r_(s, end=s.end + 1)),
     ("end before start", "fi", "end", lambda s: r_(s, end=s.start - 1)),
     ("bool end", "fi", "end", lambda s: r_(s, end=True)),
-    ("tokens_from moved on", "fi", "first token|continue", lambda s: r_(s, tokens_from=s.tokens_from + 1)),
+    (
+        "tokens_from moved on",
+        "fi",
+        "first token|continue",
+        lambda s: r_(s, tokens_from=s.tokens_from + 1),
+    ),
     ("tokens_from moved back", "i", "continue", lambda s: r_(s, tokens_from=s.tokens_from - 1)),
-    ("logprobs_from moved on", "fi", "first token|continue", lambda s: r_(s, logprobs_from=s.logprobs_from + 1)),
+    (
+        "logprobs_from moved on",
+        "fi",
+        "first token|continue",
+        lambda s: r_(s, logprobs_from=s.logprobs_from + 1),
+    ),
     ("another model", "fi", "another model", lambda s: r_(s, model="0" * 16)),
     ("another KV dtype", "fi", "kv_cache_dtype", lambda s: r_(s, kv_cache_dtype="int8")),
     ("format version 1", "fi", "version", lambda s: r_(s, version=1)),
@@ -463,15 +629,24 @@ def test_each_corrupted_field_is_refused_by_name_and_changes_nothing(model):
     r, full, inc = held(model)
     for (what, _, match, mutate), kind in CASES:
         refused(r.b, mutate(full if kind == "f" else inc), match, what=what)
-    assert r.b.generate(prompts()[0], GREEDY, use_tqdm=False)[0].token_ids == reference(model, GREEDY)[0]
+    assert (
+        r.b.generate(prompts()[0], GREEDY, use_tqdm=False)[0].token_ids
+        == reference(model, GREEDY)[0]
+    )
     for snap in (full, inc):  # the snapshots themselves are fine
         r.b.import_request(KVSnapshot.from_bytes(snap.to_bytes()))
     for rid in ("f", "s"):
         r.a.abort_request(rid)
     r.finish()
-    assert [r.outs[rid].token_ids for rid in ("f", "s")] == [reference(model, GREEDY)[i] for i in (1, 3)]
-    assert r.outs["s"].prompt_logprobs == pytest.approx(LLM(model, block_size=4, num_blocks=64).generate(
-        prompts()[3], LOGPROBS, use_tqdm=False)[0].prompt_logprobs, abs=1e-4)  # other chunks: rounding
+    assert [r.outs[rid].token_ids for rid in ("f", "s")] == [
+        reference(model, GREEDY)[i] for i in (1, 3)
+    ]
+    assert r.outs["s"].prompt_logprobs == pytest.approx(
+        LLM(model, block_size=4, num_blocks=64)
+        .generate(prompts()[3], LOGPROBS, use_tqdm=False)[0]
+        .prompt_logprobs,
+        abs=1e-4,
+    )  # other chunks: rounding
     assert r.b.blocks.num_free == r.b.blocks.num_blocks
     r.b.blocks.check()
 
@@ -487,7 +662,10 @@ def test_any_corrupted_snapshot_is_refused_and_the_engine_serves_on(held_engine,
     r, full, inc = held_engine
     (what, _, _, mutate), kind = case
     refused(r.b, mutate(full if kind == "f" else inc), what=what)
-    assert r.b.generate(prompts()[0], GREEDY, use_tqdm=False)[0].token_ids == reference(model, GREEDY)[0], what
+    assert (
+        r.b.generate(prompts()[0], GREEDY, use_tqdm=False)[0].token_ids
+        == reference(model, GREEDY)[0]
+    ), what
 
 
 def test_quantized_snapshots_need_their_scales(model):
@@ -496,12 +674,14 @@ def test_quantized_snapshots_need_their_scales(model):
     rid = a.add_request(prompts()[1], GREEDY)
     a.step()
     snap = a.export_request(rid)
-    for bad, match in ((r_(snap, k_scale=snap.k_scale[..., :-1]), "k_scale"),
-                       (r_(snap, v_scale=snap.v_scale[:, :-1]), "v_scale"),
-                       (r_(snap, k_scale=snap.k_scale.float()), "k_scale"),
-                       (r_(snap, v_scale=None), "v_scale"),
-                       (r_(snap, v_scale=_poke(snap.v_scale, NAN)), "v_scale"),
-                       (r_(snap, k=snap.k.view(torch.uint8)), "'k'")):
+    for bad, match in (
+        (r_(snap, k_scale=snap.k_scale[..., :-1]), "k_scale"),
+        (r_(snap, v_scale=snap.v_scale[:, :-1]), "v_scale"),
+        (r_(snap, k_scale=snap.k_scale.float()), "k_scale"),
+        (r_(snap, v_scale=None), "v_scale"),
+        (r_(snap, v_scale=_poke(snap.v_scale, NAN)), "v_scale"),
+        (r_(snap, k=snap.k.view(torch.uint8)), "'k'"),
+    ):
         refused(b, bad, match)
     b.import_request(snap)
 
@@ -532,13 +712,13 @@ def test_a_refused_import_takes_no_blocks_and_a_failed_write_gives_them_back(mod
 def _edit_meta(data: bytes, edit) -> bytes:
     """A safetensors buffer with its snapshot metadata changed by ``edit(meta)`` (tensors untouched)."""
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     meta = json.loads(header["__metadata__"]["ringkv_snapshot"])
     edit(meta)
     header["__metadata__"]["ringkv_snapshot"] = json.dumps(meta)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw + data[8 + n:]
+    return struct.pack("<Q", len(raw)) + raw + data[8 + n :]
 
 
 def test_the_checksum_covers_the_metadata(model):
@@ -547,14 +727,21 @@ def test_the_checksum_covers_the_metadata(model):
     for _ in range(4):
         r.step(r.a)
     data = r.a.export_request(rid).to_bytes()
-    assert KVSnapshot.from_bytes(_edit_meta(data, lambda m: None)).token_ids == r.a._paused[rid][0].token_ids
-    for edit in (lambda m: m["token_ids"].__setitem__(3, (m["token_ids"][3] + 1) % V),
-                 lambda m: m["params"].__setitem__("max_tokens", 100),
-                 lambda m: m.__setitem__("request_id", "other")):
+    assert (
+        KVSnapshot.from_bytes(_edit_meta(data, lambda m: None)).token_ids
+        == r.a._paused[rid][0].token_ids
+    )
+    for edit in (
+        lambda m: m["token_ids"].__setitem__(3, (m["token_ids"][3] + 1) % V),
+        lambda m: m["params"].__setitem__("max_tokens", 100),
+        lambda m: m.__setitem__("request_id", "other"),
+    ):
         with pytest.raises(ValueError, match="checksum"):
             KVSnapshot.from_bytes(_edit_meta(data, edit))
     with pytest.raises(ValueError, match="format version 1"):  # a file of the old format
-        KVSnapshot.from_bytes(_edit_meta(data, lambda m: m.update(version=1, tensors_sha256=m.pop("sha256"))))
+        KVSnapshot.from_bytes(
+            _edit_meta(data, lambda m: m.update(version=1, tensors_sha256=m.pop("sha256")))
+        )
 
 
 def test_a_snapshot_of_another_checkpoint_with_the_same_config_is_refused(model, tmp_path):
@@ -563,18 +750,25 @@ def test_a_snapshot_of_another_checkpoint_with_the_same_config_is_refused(model,
     for _ in range(4):
         r.step(r.a)
     snap = r.a.export_request(rid)
-    tuned = LLM(tiny_model("llama", 1, num_hidden_layers=3), block_size=4, num_blocks=64)  # same config
+    tuned = LLM(
+        tiny_model("llama", 1, num_hidden_layers=3), block_size=4, num_blocks=64
+    )  # same config
     refused(tuned, snap, "another model")
     r.b.import_request(snap)  # the same model takes it
     # the digest is the checkpoint's: the same from a directory and in memory (a tied LM head
     # too), and for the same values in another storage dtype
     for m in (model, tiny_model("qwen2", 0)):
         m.save_pretrained(tmp_path / m.config.model_type, safe_serialization=True)
-        assert model_digest(*open_model(str(tmp_path / m.config.model_type))[:2]) == model_digest(*open_model(m)[:2])
+        assert model_digest(*open_model(str(tmp_path / m.config.model_type))[:2]) == model_digest(
+            *open_model(m)[:2]
+        )
     cfg, w, _ = open_model(model)
     half = {k: v.to(torch.bfloat16) for k, v in w.state.items()}
-    assert model_digest(cfg, StateDictSource(half)) == model_digest(cfg, StateDictSource(
-        {k: v.float() for k, v in half.items()})) != model_digest(cfg, w)
+    assert (
+        model_digest(cfg, StateDictSource(half))
+        == model_digest(cfg, StateDictSource({k: v.float() for k, v in half.items()}))
+        != model_digest(cfg, w)
+    )
 
 
 def test_imported_kv_stay_out_of_the_prefix_cache_by_default(model):
@@ -611,7 +805,11 @@ def test_reclaim_frees_held_blocks_and_loses_nothing(model):
     pre = r.a.export_request(staged, stop=False)
     r.b.import_request(pre)  # staged there, blocks held
     free = r.a.blocks.num_free
-    assert migrate.reclaim(r.a) and r.a.blocks.num_free > free and not r.a._paused[paused][0].block_table
+    assert (
+        migrate.reclaim(r.a)
+        and r.a.blocks.num_free > free
+        and not r.a._paused[paused][0].block_table
+    )
     assert not migrate.reclaim(r.a)  # nothing else held here
     r.a.resume_request(paused)  # recomputed from its tokens
     assert migrate.reclaim(r.b) and r.b.blocks.num_free == r.b.blocks.num_blocks
@@ -627,7 +825,9 @@ def test_reclaim_frees_held_blocks_and_loses_nothing(model):
     r.b.import_request(r.a.export_request(staged, since=nxt))  # runs, recomputed from scratch
     r.a.abort_request(staged)
     r.finish()
-    assert [r.outs[rid].token_ids for rid in (paused, staged)] == [reference(model, GREEDY)[i] for i in (1, 3)]
+    assert [r.outs[rid].token_ids for rid in (paused, staged)] == [
+        reference(model, GREEDY)[i] for i in (1, 3)
+    ]
     for e in (r.a, r.b):
         assert e.blocks.num_free == e.blocks.num_blocks
         e.blocks.check()

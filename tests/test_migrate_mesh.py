@@ -29,11 +29,19 @@ MESHES = {  # name -> LLM settings (each a different mesh or block size)
     "pp2sp2": dict(pp=2, sp=2, block_size=2),
     "tp4-int8": dict(tp=4, block_size=4, kv_cache_dtype="int8"),  # tp > Hkv: each head on two ranks
     "1-int8": dict(block_size=16, kv_cache_dtype="int8"),
-    "sp3-fp8": dict(sp=3, block_size=8, kv_cache_dtype="fp8_e4m3"),  # sp=3: a step's token is on one rank of three
+    "sp3-fp8": dict(
+        sp=3, block_size=8, kv_cache_dtype="fp8_e4m3"
+    ),  # sp=3: a step's token is on one rank of three
     "pp2-fp8": dict(pp=2, block_size=4, kv_cache_dtype="fp8_e4m3"),
 }
-PAIRS = [("tp2", "pp2"), ("sp2", "1"), ("1", "tp2pp2"), ("pp2sp2", "tp2"), ("tp4-int8", "1-int8"),
-         ("sp3-fp8", "pp2-fp8")]
+PAIRS = [
+    ("tp2", "pp2"),
+    ("sp2", "1"),
+    ("1", "tp2pp2"),
+    ("pp2sp2", "tp2"),
+    ("tp4-int8", "1-int8"),
+    ("sp3-fp8", "pp2-fp8"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +57,9 @@ def engines(model):
 
     def get(name):
         if name not in made:
-            made[name] = LLM(model, num_blocks=160, max_num_batched_tokens=16, timeout=60, **MESHES[name])
+            made[name] = LLM(
+                model, num_blocks=160, max_num_batched_tokens=16, timeout=60, **MESHES[name]
+            )
         return made[name]
 
     yield get
@@ -68,9 +78,21 @@ def reference(model, kv_cache_dtype):
     """Unmigrated outputs of every (prompt, params) request, on one rank with the same cache format
     (a quantized cache rounds K/V: its outputs are its own)."""
     if kv_cache_dtype not in _refs:
-        llm = LLM(model, block_size=4, num_blocks=160, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
-        _refs[kv_cache_dtype] = [o.token_ids for o in llm.generate(
-            [p for p in prompts() for _ in range(2)], [GREEDY, SEEDED] * len(prompts()), use_tqdm=False)]
+        llm = LLM(
+            model,
+            block_size=4,
+            num_blocks=160,
+            max_num_batched_tokens=16,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        _refs[kv_cache_dtype] = [
+            o.token_ids
+            for o in llm.generate(
+                [p for p in prompts() for _ in range(2)],
+                [GREEDY, SEEDED] * len(prompts()),
+                use_tqdm=False,
+            )
+        ]
     return _refs[kv_cache_dtype]
 
 
@@ -88,7 +110,10 @@ def _finish(e, outs):
 def test_requests_move_between_meshes_and_finish_as_if_never_moved(engines, model, src, dst):
     a, b = engines(src), engines(dst)
     reqs = [(p, params) for p in prompts() for params in (GREEDY, SEEDED)]
-    rids = [a.add_request(p, params, request_id=f"{src}>{dst}:{i}") for i, (p, params) in enumerate(reqs)]
+    rids = [
+        a.add_request(p, params, request_id=f"{src}>{dst}:{i}")
+        for i, (p, params) in enumerate(reqs)
+    ]
     outs = {}
     for _ in range(4):
         _steps(a, outs)
@@ -104,8 +129,12 @@ def test_requests_move_between_meshes_and_finish_as_if_never_moved(engines, mode
                 assert b.abort_request(rid)
                 continue
             last = a.export_request(rid, since=first)
-            assert last.start == first.end and last.k.shape[1] == last.end - last.start  # only what is new
-            if first.end >= len(reqs[i][0]):  # decoding: a step or two's tokens (pp=2 has two in flight)
+            assert (
+                last.start == first.end and last.k.shape[1] == last.end - last.start
+            )  # only what is new
+            if first.end >= len(
+                reqs[i][0]
+            ):  # decoding: a step or two's tokens (pp=2 has two in flight)
                 assert last.end - last.start <= 3 and len(last.token_ids) <= 3
             b.import_request(last)
         else:
@@ -115,13 +144,25 @@ def test_requests_move_between_meshes_and_finish_as_if_never_moved(engines, mode
     assert moved >= 4
     _finish(a, outs)
     _finish(b, outs)
-    assert [outs[rid].token_ids for rid in rids] == reference(model, MESHES[src].get("kv_cache_dtype", "auto"))
+    assert [outs[rid].token_ids for rid in rids] == reference(
+        model, MESHES[src].get("kv_cache_dtype", "auto")
+    )
     for e in (a, b):
-        assert e.blocks.num_free == e.blocks.num_blocks and not e.pipeline.staged and not e.pipeline.paused
+        assert (
+            e.blocks.num_free == e.blocks.num_blocks
+            and not e.pipeline.staged
+            and not e.pipeline.paused
+        )
 
 
-@given(sp=st.integers(1, 4), block_size=st.integers(1, 5), start=st.integers(0, 40), n=st.integers(0, 9),
-       quant=st.sampled_from([None, "int8", "fp8_e4m3"]), seed=st.integers(0, 2**16))
+@given(
+    sp=st.integers(1, 4),
+    block_size=st.integers(1, 5),
+    start=st.integers(0, 40),
+    n=st.integers(0, 9),
+    quant=st.sampled_from([None, "int8", "fp8_e4m3"]),
+    seed=st.integers(0, 2**16),
+)
 @settings(max_examples=60, deadline=None)
 def test_every_sp_rank_reads_back_exactly_its_tokens(sp, block_size, start, n, quant, seed):
     """``kvmove.read``/``write`` of any token range on every SP rank (some store none of a short
@@ -136,21 +177,40 @@ def test_every_sp_rank_reads_back_exactly_its_tokens(sp, block_size, start, n, q
     nblocks = -(-end // lb) + 1
     table = torch.randperm(nblocks, generator=g).tolist()
     first = start // lb
-    part = table[first:max(first, -(-end // lb))]
+    part = table[first : max(first, -(-end // lb))]
     got = torch.full((n,), -1.0)
     for r in range(sp):
-        kv = KVCache(2, 1, 4, block_size=block_size, num_blocks=nblocks, quant=resolve(quant) if quant else None)
+        kv = KVCache(
+            2,
+            1,
+            4,
+            block_size=block_size,
+            num_blocks=nblocks,
+            quant=resolve(quant) if quant else None,
+        )
         mine = list(range(start + (r - start) % sp, end, sp))
         pos = torch.tensor(mine, dtype=torch.float32)  # a token's position, exact in its storage
-        data = (pos % 8 if quant else pos)[None, None, :, None, None].expand(2, 2, len(mine), 1, 4).to(kv.data.dtype)
-        scale = None if kv.scale is None else pos[None, None, :, None].expand(2, 2, len(mine), 1).to(kv.scale.dtype)
+        data = (
+            (pos % 8 if quant else pos)[None, None, :, None, None]
+            .expand(2, 2, len(mine), 1, 4)
+            .to(kv.data.dtype)
+        )
+        scale = (
+            None
+            if kv.scale is None
+            else pos[None, None, :, None].expand(2, 2, len(mine), 1).to(kv.scale.dtype)
+        )
         kvmove.write(kv, part, first, start, end, data, scale, sp, r)
         back, back_scale = kvmove.read(kv, part, first, start, end, sp, r)
         assert back.shape == (2, 2, len(mine), 1, 4) and torch.equal(back, data)
-        assert (back_scale is None) == (kv.scale is None) and (scale is None or torch.equal(back_scale, scale))
+        assert (back_scale is None) == (kv.scale is None) and (
+            scale is None or torch.equal(back_scale, scale)
+        )
         for i, p in enumerate(mine):
             assert p % sp == r and got[p - start] == -1
-            got[p - start] = (back if scale is None else back_scale)[0, 0, i, 0].float().flatten()[0]
+            got[p - start] = (
+                (back if scale is None else back_scale)[0, 0, i, 0].float().flatten()[0]
+            )
     assert torch.equal(got, torch.arange(start, end, dtype=torch.float32))
 
 
@@ -160,7 +220,10 @@ def test_an_export_completes_the_steps_in_flight_first(engines, model):
     it does not finish is exported with that step's token."""
     e = engines("pp2")
     p = SamplingParams(temperature=0, max_tokens=3)
-    rids = [e.add_request(t, p, request_id=f"inflight{i}") for i, t in enumerate(([5, 6, 7, 8], [9, 10, 11]))]
+    rids = [
+        e.add_request(t, p, request_id=f"inflight{i}")
+        for i, t in enumerate(([5, 6, 7, 8], [9, 10, 11]))
+    ]
     outs = {}
     while True:
         _steps(e, outs)
@@ -175,7 +238,9 @@ def test_an_export_completes_the_steps_in_flight_first(engines, model):
     assert len(snap.token_ids) == len(e.pipeline.paused[other][0].token_ids)
     e.resume_request(other)
     _finish(e, outs)
-    want = LLM(model, block_size=4, num_blocks=64).generate([[5, 6, 7, 8], [9, 10, 11]], p, use_tqdm=False)
+    want = LLM(model, block_size=4, num_blocks=64).generate(
+        [[5, 6, 7, 8], [9, 10, 11]], p, use_tqdm=False
+    )
     assert [outs[r].token_ids for r in rids] == [o.token_ids for o in want]
     assert e.blocks.num_free == e.blocks.num_blocks
 
@@ -202,10 +267,19 @@ def test_migration_under_torchrun_both_ways(worlds, model):
     """A torchrun tp=2 engine exports to a one-rank engine on rank 0 and imports from it; rank 1
     follows the calls (ranks > 0 get None)."""
     params = dict(temperature=0.8, max_tokens=12, seed=9)
-    want = [o.token_ids for o in LLM(model, block_size=4, num_blocks=128).generate(
-        prompts(), SamplingParams(**params), use_tqdm=False)]
-    res = worlds(2).check("tests.engine_cases:migrate_mesh_torchrun", 2,
-                          ("tiny", "llama", 0, dict(num_hidden_layers=3)), prompts(), params)
+    want = [
+        o.token_ids
+        for o in LLM(model, block_size=4, num_blocks=128).generate(
+            prompts(), SamplingParams(**params), use_tqdm=False
+        )
+    ]
+    res = worlds(2).check(
+        "tests.engine_cases:migrate_mesh_torchrun",
+        2,
+        ("tiny", "llama", 0, dict(num_hidden_layers=3)),
+        prompts(),
+        params,
+    )
     assert res[0] == want and res[1] == "followed"
 
 
@@ -248,12 +322,22 @@ def test_moves_between_two_multi_rank_engines_lose_nothing(_mesh_machine):
     walk.setup()
     for i, e in ((0, "a"), (1, "b"), (2, "a")):
         walk.add(i, e)
-    for name, *args in (("step", "a"), ("step", "b"), ("move", 0, True), ("move", 0, False), ("step", "a"),
-                        ("step", "b"), ("move", 1, False), ("step", "b"), ("move", 2, False)):
+    for name, *args in (
+        ("step", "a"),
+        ("step", "b"),
+        ("move", 0, True),
+        ("move", 0, False),
+        ("step", "a"),
+        ("step", "b"),
+        ("move", 1, False),
+        ("step", "b"),
+        ("move", 2, False),
+    ):
         getattr(walk, name)(*args)
         walk.each_request_lives_once()
     walk.teardown()
     assert MeshMigrations.moved >= 3, MeshMigrations.moved
 
-    run_state_machine_as_test(MeshMigrations, settings=settings(max_examples=10, stateful_step_count=20,
-                                                                deadline=None))
+    run_state_machine_as_test(
+        MeshMigrations, settings=settings(max_examples=10, stateful_step_count=20, deadline=None)
+    )

@@ -18,7 +18,11 @@ from ringkv.model.loader import load_hf_model  # noqa: E402
 from tests.models import tiny_config, tiny_model  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3"]
-NEW = ("gemma2", "gemma3_text", "phi3")  # tests.models.tiny_model makes their norms, caps and windows matter
+NEW = (
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+)  # tests.models.tiny_model makes their norms, caps and windows matter
 TOL = dict(atol=2e-4, rtol=2e-4)
 
 
@@ -50,15 +54,21 @@ def hf_logits(m, ids):
 def test_config_reads_arch_details(hf_model):
     cfg = ModelConfig.from_hf(hf_model.config.to_dict())
     arch = hf_model.config.model_type
-    assert cfg.qkv_bias == (arch == "qwen2") and cfg.tie_word_embeddings == (arch in ("qwen2", "qwen3") + NEW[:2])
+    assert cfg.qkv_bias == (arch == "qwen2") and cfg.tie_word_embeddings == (
+        arch in ("qwen2", "qwen3") + NEW[:2]
+    )
     assert cfg.qk_norm == (arch in ("qwen3", "gemma3_text"))
     assert (cfg.rope_scaling or {}).get("rope_type") == ("llama3" if arch == "llama" else None)
-    assert cfg.norm_plus_one == cfg.sandwich_norms == (arch in NEW[:2]) and cfg.fused_proj == (arch == "phi3")
+    assert cfg.norm_plus_one == cfg.sandwich_norms == (arch in NEW[:2]) and cfg.fused_proj == (
+        arch == "phi3"
+    )
     assert cfg.attn_softcap == (1.5 if arch == "gemma2" else None)
     assert cfg.final_softcap == {"gemma2": 3.0, "gemma3_text": 4.0}.get(arch)
-    assert cfg.attn_scale == (24 ** -0.5 if arch in NEW[:2] else None)
+    assert cfg.attn_scale == (24**-0.5 if arch in NEW[:2] else None)
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
-    assert windows == {"gemma2": [5, -1, 5], "gemma3_text": [4, -1, 4], "phi3": [6, 6, 6]}.get(arch, [-1, -1])
+    assert windows == {"gemma2": [5, -1, 5], "gemma3_text": [4, -1, 4], "phi3": [6, 6, 6]}.get(
+        arch, [-1, -1]
+    )
     assert cfg.local_rope_theta == (10000.0 if arch == "gemma3_text" else None)
     assert cfg.partial_rotary_factor == (0.5 if arch == "phi3" else 1.0)
 
@@ -66,30 +76,90 @@ def test_config_reads_arch_details(hf_model):
 def test_config_json_as_the_hub_writes_it():
     """Older config.json layouts: Gemma 3's top-level RoPE bases and window pattern, Gemma 2 without
     layer_types, Qwen2's windows from max_window_layers; refused: longrope, the multimodal Gemma 3."""
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=7, num_attention_heads=2,
-                num_key_value_heads=1)
-    g3 = ModelConfig.from_hf(dict(base, model_type="gemma3_text", head_dim=16, rope_theta=1e6, rope_scaling=None,
-                                  rope_local_base_freq=1e4, sliding_window=512, sliding_window_pattern=6,
-                                  query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh"))
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=7,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    g3 = ModelConfig.from_hf(
+        dict(
+            base,
+            model_type="gemma3_text",
+            head_dim=16,
+            rope_theta=1e6,
+            rope_scaling=None,
+            rope_local_base_freq=1e4,
+            sliding_window=512,
+            sliding_window_pattern=6,
+            query_pre_attn_scalar=16,
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    )
     assert [g3.window(i) for i in range(7)] == [511] * 5 + [-1, 511]
-    assert (g3.rope_theta, g3.local_rope_theta, g3.attn_scale, g3.tie_word_embeddings) == (1e6, 1e4, 0.25, True)
-    g3 = ModelConfig.from_hf(dict(base, model_type="gemma3_text", rope_scaling={"rope_type": "linear", "factor": 8.0}))
-    assert g3.rope_scaling["factor"] == 8.0 and g3.local_rope_scaling is None and g3.local_rope_theta == 1e4
-    assert g3.rope_theta == 1e6 and g3.hidden_act == "gelu_pytorch_tanh" and g3.sliding_window == 4096
+    assert (g3.rope_theta, g3.local_rope_theta, g3.attn_scale, g3.tie_word_embeddings) == (
+        1e6,
+        1e4,
+        0.25,
+        True,
+    )
+    g3 = ModelConfig.from_hf(
+        dict(base, model_type="gemma3_text", rope_scaling={"rope_type": "linear", "factor": 8.0})
+    )
+    assert (
+        g3.rope_scaling["factor"] == 8.0
+        and g3.local_rope_scaling is None
+        and g3.local_rope_theta == 1e4
+    )
+    assert (
+        g3.rope_theta == 1e6 and g3.hidden_act == "gelu_pytorch_tanh" and g3.sliding_window == 4096
+    )
     from ringkv.model.rope import rope_index
-    g3 = ModelConfig.from_hf(dict(base, model_type="gemma3_text", sliding_window=None))  # no window: the RoPEs stay
-    assert [g3.window(i) for i in range(7)] == [-1] * 7 and [rope_index(g3, i) for i in range(7)] == [1] * 5 + [0, 1]
-    g2 = ModelConfig.from_hf(dict(base, model_type="gemma2", sliding_window=4096, attn_logit_softcapping=50.0,
-                                  final_logit_softcapping=30.0, query_pre_attn_scalar=144))
+
+    g3 = ModelConfig.from_hf(
+        dict(base, model_type="gemma3_text", sliding_window=None)
+    )  # no window: the RoPEs stay
+    assert [g3.window(i) for i in range(7)] == [-1] * 7 and [
+        rope_index(g3, i) for i in range(7)
+    ] == [1] * 5 + [0, 1]
+    g2 = ModelConfig.from_hf(
+        dict(
+            base,
+            model_type="gemma2",
+            sliding_window=4096,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=144,
+        )
+    )
     assert [g2.window(i) for i in range(7)] == [4095, -1] * 3 + [4095] and g2.attn_softcap == 50.0
-    q2 = ModelConfig.from_hf(dict(base, model_type="qwen2", use_sliding_window=True, sliding_window=8,
-                                  max_window_layers=4))
+    q2 = ModelConfig.from_hf(
+        dict(
+            base, model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=4
+        )
+    )
     assert [q2.window(i) for i in range(7)] == [-1] * 4 + [7] * 3
-    assert ModelConfig.from_hf(dict(base, model_type="qwen2", sliding_window=8)).sliding_window is None
-    assert [ModelConfig.from_hf(dict(base, model_type="mistral", sliding_window=8)).window(i) for i in (0, 6)] == [7, 7]
+    assert (
+        ModelConfig.from_hf(dict(base, model_type="qwen2", sliding_window=8)).sliding_window is None
+    )
+    assert [
+        ModelConfig.from_hf(dict(base, model_type="mistral", sliding_window=8)).window(i)
+        for i in (0, 6)
+    ] == [7, 7]
     with pytest.raises(ValueError, match="longrope"):
-        ModelConfig.from_hf(dict(base, model_type="phi3", rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
-                                                                         "long_factor": [2.0] * 8}))
+        ModelConfig.from_hf(
+            dict(
+                base,
+                model_type="phi3",
+                rope_scaling={
+                    "type": "longrope",
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                },
+            )
+        )
     with pytest.raises(ValueError, match="gemma3_text"):
         ModelConfig.from_hf(dict(base, model_type="gemma3"))
     with pytest.raises(ValueError, match="activation"):
@@ -133,9 +203,14 @@ def test_engine_greedy_matches_hf_generate(hf_model):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     for p, o in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                    do_sample=False, max_new_tokens=8, pad_token_id=0)
-        assert o.token_ids == ref[0, len(p):].tolist()  # both stop after EOS (id 2), included
+            ref = hf_model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=8,
+                pad_token_id=0,
+            )
+        assert o.token_ids == ref[0, len(p) :].tolist()  # both stop after EOS (id 2), included
 
 
 def test_sliding_window_beyond_the_window():
@@ -148,6 +223,7 @@ def test_sliding_window_beyond_the_window():
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (4, 30, 45)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     from tests.models import hf_greedy
+
     assert [o.token_ids for o in outs] == hf_greedy(m, prompts, 8)
 
 

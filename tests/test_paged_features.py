@@ -31,7 +31,9 @@ try:
 except ImportError:
     triton_paged = None
 
-HAVE_TRITON = triton_paged is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+HAVE_TRITON = triton_paged is not None and (
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HYP = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 TOL = 2e-5  # float32 against float64: max error relative to 1 + max |oracle|
@@ -44,7 +46,9 @@ def assert_close(actual, expected, what, tol=TOL):
     a, e = actual.double().cpu(), expected.double().cpu()
     assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
     assert not torch.isnan(a).any(), f"{what}: NaN in the result"
-    assert torch.equal(torch.isinf(a), torch.isinf(e)), f"{what}: infinities differ (rows that see no key)"
+    assert torch.equal(torch.isinf(a), torch.isinf(e)), (
+        f"{what}: infinities differ (rows that see no key)"
+    )
     fin = torch.isfinite(e)
     if fin.any():
         err = (a[fin] - e[fin]).abs().max().item()
@@ -53,6 +57,7 @@ def assert_close(actual, expected, what, tol=TOL):
 
 
 # ----------------------------------------------------------------------------- problems and oracle
+
 
 class Problem:
     """Sequences of ``total[i]`` tokens whose last ``new[i]`` are the queries; the cache holds SP
@@ -71,24 +76,38 @@ class Problem:
         self.k_scale = self.v_scale = None
         if p["quant"]:
             fmt = quant.FORMATS[p["quant"]]
-            (k, self.k_scale), (v, self.v_scale) = quant.quantize(k, fmt, quant.rotation(d)), \
-                quant.quantize(v, fmt, quant.rotation(dv))
-            self.k_val, self.v_val = quant.dequantize(k, self.k_scale).double(), \
-                quant.dequantize(v, self.v_scale).double()
+            (k, self.k_scale), (v, self.v_scale) = (
+                quant.quantize(k, fmt, quant.rotation(d)),
+                quant.quantize(v, fmt, quant.rotation(dv)),
+            )
+            self.k_val, self.v_val = (
+                quant.dequantize(k, self.k_scale).double(),
+                quant.dequantize(v, self.v_scale).double(),
+            )
         else:
             self.k_val, self.v_val = k.double(), v.double()
         perm = torch.randperm(num_blocks, generator=g)
         self.table = torch.zeros(len(per_seq), max(per_seq), dtype=torch.int32)
         used = 0
         for i, nb in enumerate(per_seq):
-            self.table[i, :nb] = perm[used:used + nb]
+            self.table[i, :nb] = perm[used : used + nb]
             used += nb
-        self.q = torch.randn(sum(p["new"]), p["h"], d, generator=g) * p["spread"]  # (T, H, D) packed
+        self.q = (
+            torch.randn(sum(p["new"]), p["h"], d, generator=g) * p["spread"]
+        )  # (T, H, D) packed
         self.cu = [0] + torch.tensor(p["new"]).cumsum(0).tolist()
         to = lambda t: None if t is None else t.to(device)  # noqa: E731
-        self.dev = dict(q=to(self.q), k=to(k), v=to(v), table=to(self.table), k_scale=to(self.k_scale),
-                        v_scale=to(self.v_scale))
-        self.cache = LayerCache(self.dev["k"], self.dev["v"], self.dev["k_scale"], self.dev["v_scale"])
+        self.dev = dict(
+            q=to(self.q),
+            k=to(k),
+            v=to(v),
+            table=to(self.table),
+            k_scale=to(self.k_scale),
+            v_scale=to(self.v_scale),
+        )
+        self.cache = LayerCache(
+            self.dev["k"], self.dev["v"], self.dev["k_scale"], self.dev["v_scale"]
+        )
 
     def keys(self, i):
         """Sequence ``i``'s K ``(L, Hkv, D)``, V ``(L, Hkv, Dv)`` float64 and their global positions ``(L,)``,
@@ -96,7 +115,11 @@ class Problem:
         t = torch.arange(self.local[i])
         blocks = self.table[i, t // self.p["bs"]].long()
         slots = t % self.p["bs"]
-        return self.k_val[blocks, slots], self.v_val[blocks, slots], t * self.p["sp"] + self.p["sp_rank"]
+        return (
+            self.k_val[blocks, slots],
+            self.v_val[blocks, slots],
+            t * self.p["sp"] + self.p["sp_rank"],
+        )
 
 
 def oracle(q, k, v, q_pos, k_pos, *, causal, window, scale, softcap, sinks=None):
@@ -128,8 +151,18 @@ def expected(prob, *, causal=True, window=-1, softcap=None, scale=None, sinks=No
     for i, (a, b) in enumerate(zip(prob.cu, prob.cu[1:])):
         k, v, k_pos = prob.keys(i)
         q_pos = torch.arange(p["total"][i] - (b - a), p["total"][i])
-        out[a:b], lse[:, a:b] = oracle(prob.q[a:b], k, v, q_pos, k_pos, causal=causal, window=window, scale=scale,
-                                       softcap=softcap, sinks=sinks)
+        out[a:b], lse[:, a:b] = oracle(
+            prob.q[a:b],
+            k,
+            v,
+            q_pos,
+            k_pos,
+            causal=causal,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
+        )
     return out, lse
 
 
@@ -146,14 +179,26 @@ def problems(draw, *, same_new=False, sp=True):
         new = draw(st.lists(st.sampled_from([0, 1, 1, 3, 17]), min_size=n, max_size=n))
     prefix = draw(st.lists(st.sampled_from([0, 1, 4, 13, 40]), min_size=n, max_size=n))
     s = draw(st.sampled_from([1, 1, 2, 3])) if sp else 1
-    return dict(n=n, bs=draw(st.sampled_from([3, 4, 16])), hkv=hkv, h=hkv * draw(st.sampled_from([1, 2, 3])), d=d,
-                dv=draw(st.sampled_from([8, d, 24, 48])), new=new, total=[a + b for a, b in zip(prefix, new)],
-                sp=s, sp_rank=draw(st.integers(0, s - 1)), spare=draw(st.sampled_from([0, 1])),
-                quant=draw(st.sampled_from(QUANT_NAMES)), spread=draw(st.sampled_from([1.0, 4.0])),
-                seed=draw(st.integers(0, 2**16)))
+    return dict(
+        n=n,
+        bs=draw(st.sampled_from([3, 4, 16])),
+        hkv=hkv,
+        h=hkv * draw(st.sampled_from([1, 2, 3])),
+        d=d,
+        dv=draw(st.sampled_from([8, d, 24, 48])),
+        new=new,
+        total=[a + b for a, b in zip(prefix, new)],
+        sp=s,
+        sp_rank=draw(st.integers(0, s - 1)),
+        spare=draw(st.sampled_from([0, 1])),
+        quant=draw(st.sampled_from(QUANT_NAMES)),
+        spread=draw(st.sampled_from([1.0, 4.0])),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 # ----------------------------------------------------------------------------- decode layout
+
 
 def decode_backends():
     names = ["reference", "torch", "cpu", "auto"]
@@ -161,8 +206,14 @@ def decode_backends():
 
 
 @HYP
-@given(p=problems(same_new=True, sp=False), causal=st.booleans(), softcap=CAPS, window=WINDOWS,
-       scale=st.sampled_from([None, 0.3]), splits=st.sampled_from([None, 3]))
+@given(
+    p=problems(same_new=True, sp=False),
+    causal=st.booleans(),
+    softcap=CAPS,
+    window=WINDOWS,
+    scale=st.sampled_from([None, 0.3]),
+    splits=st.sampled_from([None, 3]),
+)
 def test_paged_attention_features(p, causal, softcap, window, scale, splits):
     """``paged_attention`` (``(N, Q, H, D)``: the queries the last ``Q`` of each sequence's keys) on
     every backend against the oracle; ``"cpu"`` runs float32 only (else falls back) and, where it
@@ -173,41 +224,74 @@ def test_paged_attention_features(p, causal, softcap, window, scale, splits):
     lens = torch.tensor(prob.local, dtype=torch.int32, device=DEVICE)
     want_o, want_l = expected(prob, causal=causal, window=window, softcap=softcap, scale=scale)
     want_o, want_l = want_o.view(n, nq, p["h"], p["dv"]), want_l.view(p["h"], n, nq).transpose(0, 1)
-    kw = dict(causal=causal, softcap=softcap, window=window, scale=scale, k_scale=prob.dev["k_scale"],
-              v_scale=prob.dev["v_scale"])
+    kw = dict(
+        causal=causal,
+        softcap=softcap,
+        window=window,
+        scale=scale,
+        k_scale=prob.dev["k_scale"],
+        v_scale=prob.dev["v_scale"],
+    )
     used = paged._used(softcap=softcap, window=window, dv=p["dv"] != p["d"])
     for backend in decode_backends():
         if backend == "cpu" and DEVICE != "cpu":
             continue
         if backend == "cpu" and not used <= paged.features("cpu", "decode"):
             with pytest.raises(ValueError, match="cannot take"):
-                paged_attention(q, prob.dev["k"], prob.dev["v"], prob.dev["table"], lens, backend=backend, **kw)
+                paged_attention(
+                    q, prob.dev["k"], prob.dev["v"], prob.dev["table"], lens, backend=backend, **kw
+                )
             continue
-        out, lse = paged_attention(q, prob.dev["k"], prob.dev["v"], prob.dev["table"], lens, backend=backend, **kw)
+        out, lse = paged_attention(
+            q, prob.dev["k"], prob.dev["v"], prob.dev["table"], lens, backend=backend, **kw
+        )
         assert out.dtype == q.dtype and lse.dtype == torch.float32
         assert_close(out, want_o, f"{backend} out")
         assert_close(lse, want_l, f"{backend} lse")
     if HAVE_TRITON and splits:  # the flash-decoding kernel for any Q, its key range split
-        out, lse = triton_paged.paged_attention_triton(q, prob.dev["k"], prob.dev["v"], prob.dev["table"], lens,
-                                                       num_splits=splits, **kw)
+        out, lse = triton_paged.paged_attention_triton(
+            q, prob.dev["k"], prob.dev["v"], prob.dev["table"], lens, num_splits=splits, **kw
+        )
         assert_close(out, want_o, "triton split out")
         assert_close(lse, want_l, "triton split lse")
 
 
 # ----------------------------------------------------------------------------- varlen prefill
 
+
 @HYP
-@given(p=problems(), causal=st.booleans(), softcap=CAPS, window=WINDOWS, scale=st.sampled_from([None, 0.3]))
+@given(
+    p=problems(),
+    causal=st.booleans(),
+    softcap=CAPS,
+    window=WINDOWS,
+    scale=st.sampled_from([None, 0.3]),
+)
 def test_paged_prefill_features(p, causal, softcap, window, scale):
     """``paged_prefill`` (packed queries, explicit positions, SP-striped keys) on the reference and
     Triton backends against the oracle."""
     prob = Problem(p, DEVICE)
     ints = dict(dtype=torch.int32, device=DEVICE)
-    args = (prob.dev["q"], prob.dev["k"], prob.dev["v"], prob.dev["table"], torch.tensor(prob.cu, **ints),
-            torch.tensor(prob.local, **ints))
-    kw = dict(max_seqlen_q=max(p["new"]), q_start=torch.tensor([t - n for t, n in zip(p["total"], p["new"])], **ints),
-              causal=causal, sp=p["sp"], sp_rank=p["sp_rank"], k_scale=prob.dev["k_scale"],
-              v_scale=prob.dev["v_scale"], softcap=softcap, window=window, scale=scale)
+    args = (
+        prob.dev["q"],
+        prob.dev["k"],
+        prob.dev["v"],
+        prob.dev["table"],
+        torch.tensor(prob.cu, **ints),
+        torch.tensor(prob.local, **ints),
+    )
+    kw = dict(
+        max_seqlen_q=max(p["new"]),
+        q_start=torch.tensor([t - n for t, n in zip(p["total"], p["new"])], **ints),
+        causal=causal,
+        sp=p["sp"],
+        sp_rank=p["sp_rank"],
+        k_scale=prob.dev["k_scale"],
+        v_scale=prob.dev["v_scale"],
+        softcap=softcap,
+        window=window,
+        scale=scale,
+    )
     want_o, want_l = expected(prob, causal=causal, window=window, softcap=softcap, scale=scale)
     for backend in ["reference", "auto"] + (["triton"] if HAVE_TRITON else []):
         out, lse = paged_prefill(*args, backend=backend, **kw)
@@ -218,26 +302,69 @@ def test_paged_prefill_features(p, causal, softcap, window, scale):
 
 # ----------------------------------------------------------------------------- engine steps
 
+
 def step_backends():
     return ["reference", "torch", "cpu", "auto"] + (["triton"] if HAVE_TRITON else [])
 
 
 @HYP
-@given(p=problems(), softcap=CAPS, window=WINDOWS, scale=st.sampled_from([None, 0.3]), with_lse=st.booleans())
-@example(p=dict(n=1, bs=3, hkv=1, h=1, d=16, dv=8, new=[1], total=[1], sp=2, sp_rank=1, spare=0, quant=None,
-                spread=1.0, seed=0), softcap=None, window=-1, scale=None, with_lse=False)  # no key on this rank
+@given(
+    p=problems(),
+    softcap=CAPS,
+    window=WINDOWS,
+    scale=st.sampled_from([None, 0.3]),
+    with_lse=st.booleans(),
+)
+@example(
+    p=dict(
+        n=1,
+        bs=3,
+        hkv=1,
+        h=1,
+        d=16,
+        dv=8,
+        new=[1],
+        total=[1],
+        sp=2,
+        sp_rank=1,
+        spare=0,
+        quant=None,
+        spread=1.0,
+        seed=0,
+    ),
+    softcap=None,
+    window=-1,
+    scale=None,
+    with_lse=False,
+)  # no key on this rank
 def test_plan_step_attend_features(p, softcap, window, scale, with_lse):
     """``plan_step(...).attend(q, cache, lse=..., scale=, softcap=, window=)``: decode rows and chunks
     of one step, over one SP rank's striped share, on every backend, row by row against the oracle
     (causal on global positions: a row that sees no key here has out 0, lse -inf)."""
     prob = Problem(p, DEVICE)
-    seqs = [PagedSeq(row=a, start=t - (b - a), n=b - a, block_table=prob.table[i].tolist())
-            for i, (a, b, t) in enumerate(zip(prob.cu, prob.cu[1:], p["total"])) if b > a]
+    seqs = [
+        PagedSeq(row=a, start=t - (b - a), n=b - a, block_table=prob.table[i].tolist())
+        for i, (a, b, t) in enumerate(zip(prob.cu, prob.cu[1:], p["total"]))
+        if b > a
+    ]
     want_o, want_l = expected(prob, window=window, softcap=softcap, scale=scale)
     for backend in step_backends():
-        step = plan_step(seqs, block_size=p["bs"], sp=p["sp"], sp_rank=p["sp_rank"], device=DEVICE, backend=backend)
-        parts = step.attend(prob.dev["q"], prob.cache, lse=with_lse, scale=scale, softcap=softcap, window=window)
-        rows = torch.cat([part.rows.cpu() for part in parts]) if parts else torch.zeros(0, dtype=torch.long)
+        step = plan_step(
+            seqs,
+            block_size=p["bs"],
+            sp=p["sp"],
+            sp_rank=p["sp_rank"],
+            device=DEVICE,
+            backend=backend,
+        )
+        parts = step.attend(
+            prob.dev["q"], prob.cache, lse=with_lse, scale=scale, softcap=softcap, window=window
+        )
+        rows = (
+            torch.cat([part.rows.cpu() for part in parts])
+            if parts
+            else torch.zeros(0, dtype=torch.long)
+        )
         assert sorted(rows.tolist()) == list(range(prob.q.shape[0])), f"{backend}: every row once"
         for part in parts:
             r = part.rows.cpu()
@@ -248,9 +375,14 @@ def test_plan_step_attend_features(p, softcap, window, scale, with_lse):
 
 # ----------------------------------------------------------------------------- sinks
 
+
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
-@given(p=problems(same_new=True, sp=False), softcap=CAPS, window=WINDOWS,
-       sink=st.sampled_from([-30.0, -1.0, 0.0, 2.0, 30.0]))
+@given(
+    p=problems(same_new=True, sp=False),
+    softcap=CAPS,
+    window=WINDOWS,
+    sink=st.sampled_from([-30.0, -1.0, 0.0, 2.0, 30.0]),
+)
 def test_sinks_on_the_entry_points(p, softcap, window, sink):
     """``sinks`` ``(H,)`` (large negatives and positives): ``out`` has one more logit per head in its
     denominator, ``lse`` stays over the real keys; decode layout and varlen prefill."""
@@ -262,14 +394,34 @@ def test_sinks_on_the_entry_points(p, softcap, window, sink):
     lens = torch.tensor(prob.local, **ints)
     scales = dict(k_scale=prob.dev["k_scale"], v_scale=prob.dev["v_scale"])
     for backend in ["reference", "auto"] + (["triton"] if HAVE_TRITON else []):
-        out, lse = paged_attention(prob.dev["q"].view(n, nq, h, p["d"]), prob.dev["k"], prob.dev["v"],
-                                   prob.dev["table"], lens, softcap=softcap, window=window, sinks=sinks,
-                                   backend=backend, **scales)
+        out, lse = paged_attention(
+            prob.dev["q"].view(n, nq, h, p["d"]),
+            prob.dev["k"],
+            prob.dev["v"],
+            prob.dev["table"],
+            lens,
+            softcap=softcap,
+            window=window,
+            sinks=sinks,
+            backend=backend,
+            **scales,
+        )
         assert_close(out, want_o.view(n, nq, h, -1), f"{backend} out")
         assert_close(lse, want_l.view(h, n, nq).transpose(0, 1), f"{backend} lse (real keys)")
-        out, lse = paged_prefill(prob.dev["q"], prob.dev["k"], prob.dev["v"], prob.dev["table"],
-                                 torch.tensor(prob.cu, **ints), lens, max_seqlen_q=nq, softcap=softcap,
-                                 window=window, sinks=sinks, backend=backend, **scales)
+        out, lse = paged_prefill(
+            prob.dev["q"],
+            prob.dev["k"],
+            prob.dev["v"],
+            prob.dev["table"],
+            torch.tensor(prob.cu, **ints),
+            lens,
+            max_seqlen_q=nq,
+            softcap=softcap,
+            window=window,
+            sinks=sinks,
+            backend=backend,
+            **scales,
+        )
         assert_close(out, want_o, f"{backend} prefill out")
         assert_close(lse, want_l, f"{backend} prefill lse (real keys)")
 
@@ -282,13 +434,24 @@ KC, VC = torch.randn(NB, BS, HKV, D), torch.randn(NB, BS, HKV, 24)
 TABLE = torch.arange(NB).view(N, NB // N).int()
 LENS = torch.tensor([5, 9], dtype=torch.int32)
 BAD = [
-    (dict(softcap=0.0), "softcap"), (dict(softcap=-1.0), "softcap"), (dict(softcap=float("nan")), "softcap"),
-    (dict(softcap=float("inf")), "softcap"), (dict(softcap="2"), "softcap"), (dict(softcap=True), "softcap"),
-    (dict(window=-2), "window"), (dict(window=1.5), "window"), (dict(window=True), "window"),
-    (dict(window="3"), "window"), (dict(v_cache=VC[:4]), "v_cache"), (dict(v_cache=VC[:, :2]), "v_cache"),
-    (dict(v_cache=VC[:, :, :1]), "v_cache"), (dict(v_cache=VC[0]), "v_cache"),
-    (dict(sinks=torch.zeros(H + 1)), "sinks"), (dict(sinks=torch.zeros(1, H)), "sinks"),
-    (dict(sinks=torch.zeros(H, dtype=torch.long)), "sinks"), (dict(sinks=[0.0] * H), "sinks"),
+    (dict(softcap=0.0), "softcap"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(softcap=float("nan")), "softcap"),
+    (dict(softcap=float("inf")), "softcap"),
+    (dict(softcap="2"), "softcap"),
+    (dict(softcap=True), "softcap"),
+    (dict(window=-2), "window"),
+    (dict(window=1.5), "window"),
+    (dict(window=True), "window"),
+    (dict(window="3"), "window"),
+    (dict(v_cache=VC[:4]), "v_cache"),
+    (dict(v_cache=VC[:, :2]), "v_cache"),
+    (dict(v_cache=VC[:, :, :1]), "v_cache"),
+    (dict(v_cache=VC[0]), "v_cache"),
+    (dict(sinks=torch.zeros(H + 1)), "sinks"),
+    (dict(sinks=torch.zeros(1, H)), "sinks"),
+    (dict(sinks=torch.zeros(H, dtype=torch.long)), "sinks"),
+    (dict(sinks=[0.0] * H), "sinks"),
 ]
 
 
@@ -307,13 +470,27 @@ def test_bad_features_are_value_errors_naming_the_argument(change, name):
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     for backend in ["reference"] + (["triton"] if HAVE_TRITON else []):
         with pytest.raises(ValueError, match=name):
-            paged_prefill(args["q"][:, 0], args["k_cache"], args["v_cache"], TABLE, cu, LENS, max_seqlen_q=1,
-                          backend=backend, **kwargs)
-    if kwargs and set(kwargs) <= {"softcap", "window"}:  # a step's attend (per layer: the cache is not checked)
+            paged_prefill(
+                args["q"][:, 0],
+                args["k_cache"],
+                args["v_cache"],
+                TABLE,
+                cu,
+                LENS,
+                max_seqlen_q=1,
+                backend=backend,
+                **kwargs,
+            )
+    if kwargs and set(kwargs) <= {
+        "softcap",
+        "window",
+    }:  # a step's attend (per layer: the cache is not checked)
         seqs = [PagedSeq(row=0, start=4, n=1, block_table=[0, 1])]
         for backend in step_backends():
             with pytest.raises(ValueError, match=name):
-                plan_step(seqs, block_size=BS, backend=backend).attend(PQ[:1, 0], LayerCache(KC, VC), **kwargs)
+                plan_step(seqs, block_size=BS, backend=backend).attend(
+                    PQ[:1, 0], LayerCache(KC, VC), **kwargs
+                )
 
 
 def test_auto_never_picks_a_backend_without_the_feature():
@@ -321,8 +498,11 @@ def test_auto_never_picks_a_backend_without_the_feature():
     cannot do, and ``"cpu"`` asked for by name then refuses, naming the argument."""
     for name in ("reference", "torch") + (("triton",) if triton_paged is not None else ()):
         assert paged.features(name, "decode") == paged.features(name, "step") == paged.ALL_FEATURES
-    for want, arg in ((frozenset({"softcap"}), "softcap"), (frozenset({"window"}), "window"),
-                      (frozenset({"dv"}), "v_cache")):
+    for want, arg in (
+        (frozenset({"softcap"}), "softcap"),
+        (frozenset({"window"}), "window"),
+        (frozenset({"dv"}), "v_cache"),
+    ):
         if want <= paged.features("cpu", "decode"):
             continue
         assert paged.auto_backend("cpu", want=want) != "cpu"
@@ -364,10 +544,15 @@ for cap, win, start in ((True, True, True), (False, True, False), (True, False, 
 """
 
 
-@pytest.mark.skipif(triton_paged is None or torch.cuda.is_available(), reason="needs triton; a GPU runs them instead")
+@pytest.mark.skipif(
+    triton_paged is None or torch.cuda.is_available(),
+    reason="needs triton; a GPU runs them instead",
+)
 def test_feature_kernels_compile_for_sm90(tmp_path):
     """The feature variants (softcap, window, positions, Dv's own tile) through the real compiler path
     for sm_90 (TTIR -> PTX -> cubin): catches what the interpreter accepts but the compiler rejects."""
-    from tests.test_triton import compile_for_sm90  # sets TRITON_INTERPRET for this process on import
+    from tests.test_triton import (
+        compile_for_sm90,
+    )  # sets TRITON_INTERPRET for this process on import
 
     assert compile_for_sm90(_COMPILE_SCRIPT, tmp_path, timeout=600).count("compiled") == 6

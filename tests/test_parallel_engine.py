@@ -19,15 +19,36 @@ from tests.models import hf_greedy, tiny_model  # noqa: E402
 N_OUT = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=N_OUT)
 # (heads, kv heads) per arch and tp: KV heads split, or replicated when tp > kv heads
-HEADS = {("llama", 1): (4, 2), ("llama", 2): (4, 2), ("llama", 3): (6, 3), ("llama", 4): (8, 2),
-         ("qwen2", 1): (4, 2), ("qwen2", 2): (4, 1), ("qwen2", 3): (3, 1), ("qwen2", 4): (4, 2),
-         ("mistral", 1): (4, 2), ("mistral", 2): (6, 2), ("mistral", 3): (6, 3), ("mistral", 4): (4, 4)}
+HEADS = {
+    ("llama", 1): (4, 2),
+    ("llama", 2): (4, 2),
+    ("llama", 3): (6, 3),
+    ("llama", 4): (8, 2),
+    ("qwen2", 1): (4, 2),
+    ("qwen2", 2): (4, 1),
+    ("qwen2", 3): (3, 1),
+    ("qwen2", 4): (4, 2),
+    ("mistral", 1): (4, 2),
+    ("mistral", 2): (6, 2),
+    ("mistral", 3): (6, 3),
+    ("mistral", 4): (4, 4),
+}
 _refs = {}
 
 
 def spec(arch, heads, kv, layers=5, max_pos=512, seed=0):
-    return ("tiny", arch, seed, dict(num_attention_heads=heads, num_key_value_heads=kv, hidden_size=16 * heads,
-                                     num_hidden_layers=layers, max_position_embeddings=max_pos))
+    return (
+        "tiny",
+        arch,
+        seed,
+        dict(
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            hidden_size=16 * heads,
+            num_hidden_layers=layers,
+            max_position_embeddings=max_pos,
+        ),
+    )
 
 
 def reference(s, prompts, n=N_OUT):
@@ -46,15 +67,21 @@ def prompts_short(seed=0):
 def check_info(info, s, tp, pp, sp, layers):
     kv = s[3]["num_key_value_heads"]
     stages = sorted({tuple(r["layers"]) for r in info["per_rank"]})
-    assert len(stages) == pp and stages[0][0] == 0 and stages[-1][1] == layers  # contiguous stages, all layers
+    assert (
+        len(stages) == pp and stages[0][0] == 0 and stages[-1][1] == layers
+    )  # contiguous stages, all layers
     assert all(a[1] == b[0] for a, b in zip(stages, stages[1:]))
     assert info["capacity_tokens"] == info["num_blocks"] * info["block_size"] * sp
     assert len(info["per_rank"]) == tp * pp * sp
     for r in info["per_rank"]:
         assert tuple(r["layers"]) == stages[r["pp_rank"]]
-        per_token = 2 * (r["layers"][1] - r["layers"][0]) * max(1, kv // tp) * 16 * 4  # the seed's formula, fp32
+        per_token = (
+            2 * (r["layers"][1] - r["layers"][0]) * max(1, kv // tp) * 16 * 4
+        )  # the seed's formula, fp32
         assert r["bytes_per_token"] == per_token, r
-        assert r["kv_cache_bytes"] == info["num_blocks"] * info["block_size"] * per_token, r  # really allocated
+        assert r["kv_cache_bytes"] == info["num_blocks"] * info["block_size"] * per_token, (
+            r
+        )  # really allocated
 
 
 TP_PP = [(2, 1), (3, 1), (4, 1), (1, 2), (1, 3), (1, 4), (2, 2)]
@@ -63,7 +90,9 @@ TP_PP = [(2, 1), (3, 1), (4, 1), (1, 2), (1, 3), (1, 4), (2, 2)]
 def hf_prompt_logprobs(s, prompt):
     """transformers' ``log p(prompt[i] | prompt[:i])`` for ``i >= 1``: ``(len - 1,)`` float32."""
     with torch.no_grad():
-        logp = torch.log_softmax(tiny_model(s[1], s[2], **s[3])(torch.tensor([prompt])).logits[0].float(), -1)
+        logp = torch.log_softmax(
+            tiny_model(s[1], s[2], **s[3])(torch.tensor([prompt])).logits[0].float(), -1
+        )
     return logp[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
 
 
@@ -89,8 +118,16 @@ def test_families_greedy_and_logprobs_equal_transformers_on_a_mesh(worlds, arch,
     prompts = prompts_short(5)
     want = reference(s, prompts)
     n = tp * pp * sp
-    kw = dict(tp=tp, pp=pp, sp=sp, block_size=4, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4,
-              sp_prefill_min_tokens=8)
+    kw = dict(
+        tp=tp,
+        pp=pp,
+        sp=sp,
+        block_size=4,
+        num_blocks=64,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        sp_prefill_min_tokens=8,
+    )
     res = worlds(n).check("tests.engine_cases:generate", n, s, kw, prompts, GREEDY, 2, timeout=300)
     for r in res:
         assert r["tokens"] == [want, want]
@@ -98,7 +135,9 @@ def test_families_greedy_and_logprobs_equal_transformers_on_a_mesh(worlds, arch,
     # the prompt's log-probs against transformers' (sensitive where 8 greedy tokens of a tiny model are not)
     prompt = prompts[4]
     got = worlds(n).check("tests.engine_cases:prompt_logprobs", n, s, kw, prompt, timeout=300)[0]
-    torch.testing.assert_close(got_logprobs(got), hf_prompt_logprobs(s, prompt), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        got_logprobs(got), hf_prompt_logprobs(s, prompt), atol=1e-4, rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "phi3"])
@@ -112,7 +151,9 @@ def test_families_with_a_quantized_cache(worlds, arch):
     one = got_logprobs(worlds(1).check("tests.engine_cases:prompt_logprobs", 1, s, kw, prompt)[0])
     torch.testing.assert_close(one, hf_prompt_logprobs(s, prompt), atol=0.05, rtol=0)
     for mesh in (dict(sp=2, sp_prefill_min_tokens=8), dict(tp=2)):
-        got = worlds(2).check("tests.engine_cases:prompt_logprobs", 2, s, dict(kw, **mesh), prompt)[0]
+        got = worlds(2).check("tests.engine_cases:prompt_logprobs", 2, s, dict(kw, **mesh), prompt)[
+            0
+        ]
         torch.testing.assert_close(got_logprobs(got), one, atol=1e-4, rtol=1e-4)
 
 
@@ -123,11 +164,15 @@ def test_tp_pp_greedy_equals_transformers(worlds, arch, tp, pp):
     prompts = prompts_short(tp * 10 + pp)
     want = reference(s, prompts)
     kw = dict(tp=tp, pp=pp, block_size=4, num_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)
-    res = worlds(tp * pp).check("tests.engine_cases:generate", tp * pp, s, kw, prompts, GREEDY, 2, timeout=300)
+    res = worlds(tp * pp).check(
+        "tests.engine_cases:generate", tp * pp, s, kw, prompts, GREEDY, 2, timeout=300
+    )
     for r in res:  # every rank returns the same outputs
         assert r["tokens"] == [want, want]
     lead = res[0]
-    assert lead["preemptions"] > 0 and lead["hits"] > 0 and any(lead["cached"][1])  # all three happened
+    assert (
+        lead["preemptions"] > 0 and lead["hits"] > 0 and any(lead["cached"][1])
+    )  # all three happened
     assert lead["free"] == 24  # nothing leaked
     assert lead["peak_in_flight"] == pp  # pipeline stages were kept busy
     check_info(lead["info"], s, tp, pp, 1, 5)
@@ -140,14 +185,29 @@ def test_sp_long_prompts_equal_transformers(worlds, sp, tp):
     lb = 4 * sp  # tokens per logical block
     n1, n2 = 2500 - 2500 % lb, 700 - 700 % lb  # whole blocks: their first decode needs a new block
     long = torch.randint(3, 128, (n1,), generator=g).tolist()
-    prompts = [long, torch.randint(3, 128, (n2,), generator=g).tolist(), long[:2100] + [7, 8, 9],
-               [5, 9, 11, 13, 40], [77], torch.randint(3, 128, (300,), generator=g).tolist()]
+    prompts = [
+        long,
+        torch.randint(3, 128, (n2,), generator=g).tolist(),
+        long[:2100] + [7, 8, 9],
+        [5, 9, 11, 13, 40],
+        [77],
+        torch.randint(3, 128, (300,), generator=g).tolist(),
+    ]
     want = reference(s, prompts)
     # 1024-token chunks (the long prompt takes three), rings for >= 256 tokens, a cache that holds
     # the first two prompts but not their next token (preemption), a repeated prefix (hits)
-    kw = dict(sp=sp, tp=tp, block_size=4, num_blocks=(n1 + n2) // lb, max_num_batched_tokens=1024,
-              sp_prefill_min_tokens=256, max_num_seqs=4)
-    res = worlds(sp * tp).check("tests.engine_cases:generate", sp * tp, s, kw, prompts, GREEDY, 2, timeout=600)
+    kw = dict(
+        sp=sp,
+        tp=tp,
+        block_size=4,
+        num_blocks=(n1 + n2) // lb,
+        max_num_batched_tokens=1024,
+        sp_prefill_min_tokens=256,
+        max_num_seqs=4,
+    )
+    res = worlds(sp * tp).check(
+        "tests.engine_cases:generate", sp * tp, s, kw, prompts, GREEDY, 2, timeout=600
+    )
     for r in res:
         assert r["tokens"] == [want, want]
     lead = res[0]
@@ -161,8 +221,16 @@ def test_sp_default_threshold_and_short_prompts(worlds):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (1, 2, 3, 9, 1500)]
     want = reference(s, prompts)
-    res = worlds(3).check("tests.engine_cases:generate", 3, s, dict(sp=3, block_size=16, num_blocks=64), prompts,
-                          GREEDY, 1, timeout=300)
+    res = worlds(3).check(
+        "tests.engine_cases:generate",
+        3,
+        s,
+        dict(sp=3, block_size=16, num_blocks=64),
+        prompts,
+        GREEDY,
+        1,
+        timeout=300,
+    )
     assert all(r["tokens"] == [want] for r in res)
 
 
@@ -177,13 +245,17 @@ def test_kv_is_striped_over_sp_ranks(worlds):
     one = worlds(1).check("tests.engine_cases:cache_contents", 1, s, kw, prompt, 4)[0]
     assert one["tokens"] == want and one["written"] == computed
     for sp in (2, 4):
-        res = worlds(sp).check("tests.engine_cases:cache_contents", sp, s, dict(kw, sp=sp), prompt, 4)
+        res = worlds(sp).check(
+            "tests.engine_cases:cache_contents", sp, s, dict(kw, sp=sp), prompt, 4
+        )
         for r, got in enumerate(res):
             assert got["tokens"] == want
             assert got["written"] == len(range(r, computed, sp))  # exactly its striped share
             bytes_rank = got["written"] * got["info"]["bytes_per_token"]
-            assert abs(bytes_rank - one["written"] * one["info"]["bytes_per_token"] / sp) <= \
-                16 * got["info"]["bytes_per_token"]  # within one block of 1/sp
+            assert (
+                abs(bytes_rank - one["written"] * one["info"]["bytes_per_token"] / sp)
+                <= 16 * got["info"]["bytes_per_token"]
+            )  # within one block of 1/sp
         assert got["info"]["capacity_tokens"] == sp * one["info"]["capacity_tokens"]
 
 
@@ -191,19 +263,25 @@ def test_stream_on_every_rank(worlds):
     s = spec("llama", 4, 2)
     prompt = prompts_short()[2]
     want = reference(s, [prompt])[0]
-    res = worlds(2).check("tests.engine_cases:stream", 2, s, dict(pp=2, block_size=4, num_blocks=64), prompt, GREEDY)
+    res = worlds(2).check(
+        "tests.engine_cases:stream", 2, s, dict(pp=2, block_size=4, num_blocks=64), prompt, GREEDY
+    )
     assert res[0] == res[1] and [t for t, _, _ in res[0]] == want and res[0][-1][2] == "length"
 
 
 def test_seeded_sampling_equals_single_process(worlds):
     s = spec("qwen2", 4, 2)
     prompts = prompts_short(3)[:5]
-    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=N_OUT, seed=i) for i in range(5)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=N_OUT, seed=i) for i in range(5)
+    ]
     kw = dict(block_size=4, num_blocks=64)
     single = worlds(1).check("tests.engine_cases:seeded", 1, s, kw, prompts, params)[0]
     assert single != reference(s, prompts)  # really sampled
     for tp, pp in ((2, 1), (1, 2)):
-        res = worlds(2).check("tests.engine_cases:seeded", 2, s, dict(kw, tp=tp, pp=pp), prompts, params)
+        res = worlds(2).check(
+            "tests.engine_cases:seeded", 2, s, dict(kw, tp=tp, pp=pp), prompts, params
+        )
         assert res[0] == res[1] == single
 
 
@@ -217,30 +295,51 @@ def test_ranks_read_only_their_slices(worlds, tmp_path):
     m = tiny_model(s[1], s[2], **s[3])
     m.save_pretrained(tmp_path, safe_serialization=True)
     total = sum(p.numel() * 4 for p in m.parameters())
-    res = worlds(4).check("tests.engine_cases:read_slices", 4, str(tmp_path), dict(tp=2, pp=2, num_blocks=8))
+    res = worlds(4).check(
+        "tests.engine_cases:read_slices", 4, str(tmp_path), dict(tp=2, pp=2, num_blocks=8)
+    )
     for r, got in enumerate(res):
         read = sum(b for _, _, b in got["seen"])
-        assert read == got["weight_bytes"] < 0.35 * total, (r, read, total)  # about 1/4 of the model
+        assert read == got["weight_bytes"] < 0.35 * total, (
+            r,
+            read,
+            total,
+        )  # about 1/4 of the model
         for name, dim, _ in got["seen"]:
             assert dim is not None or "norm" in name, name  # only the small norms are read whole
             layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
-            assert layer is None or (layer < 2) == (r < 2), (r, name)  # stage 0 = ranks 0-1, layers 0-1
+            assert layer is None or (layer < 2) == (r < 2), (
+                r,
+                name,
+            )  # stage 0 = ranks 0-1, layers 0-1
         if r > 0:
             assert not got["digest"]
             continue
-        assert {n for n, *_ in got["digest"]} == {n for n, _ in m.named_parameters()}  # every tensor, sampled
+        assert {n for n, *_ in got["digest"]} == {
+            n for n, _ in m.named_parameters()
+        }  # every tensor, sampled
         for name, dim, start, stop, _ in got["digest"]:
-            assert (dim, stop - start) == (0, 1) or "norm" in name, (name, dim, start, stop)  # single rows
-        assert len([d for d in got["digest"] if d[1] == 0]) <= DIGEST_ROWS * len(list(m.parameters()))
+            assert (dim, stop - start) == (0, 1) or "norm" in name, (
+                name,
+                dim,
+                start,
+                stop,
+            )  # single rows
+        assert len([d for d in got["digest"] if d[1] == 0]) <= DIGEST_ROWS * len(
+            list(m.parameters())
+        )
 
 
 def test_bad_configurations_fail_on_every_rank_before_loading(worlds):
     s = spec("llama", 4, 2, layers=3)
     cases = [
-        (dict(tp=2, pp_layers=[2, 2]), "pp_layers"),      # does not sum to 3 layers (pp defaults to 1)
+        (dict(tp=2, pp_layers=[2, 2]), "pp_layers"),  # does not sum to 3 layers (pp defaults to 1)
         (dict(pp=2, pp_layers=[3, 0]), "pp_layers"),
-        (dict(tp=4, num_blocks=4), "world has 2"),        # world of 2 != tp * pp * sp = 4
-        (dict(tp=2, num_blocks=2, max_model_len=64), "max_model_len"),  # 2 blocks of 16 tokens hold 32
+        (dict(tp=4, num_blocks=4), "world has 2"),  # world of 2 != tp * pp * sp = 4
+        (
+            dict(tp=2, num_blocks=2, max_model_len=64),
+            "max_model_len",
+        ),  # 2 blocks of 16 tokens hold 32
         (dict(tp=2, kv_cache_memory=1000), "holds no block"),
     ]
     for kw, word in cases:
@@ -251,37 +350,83 @@ def test_bad_configurations_fail_on_every_rank_before_loading(worlds):
 
 def test_disagreeing_ranks_fail_within_the_timeout(worlds):
     s = spec("llama", 4, 2, layers=2)
-    res = worlds(2).run("tests.engine_cases:construct", 2, s, [dict(tp=2, block_size=4), dict(tp=2, block_size=8)])
+    res = worlds(2).run(
+        "tests.engine_cases:construct", 2, s, [dict(tp=2, block_size=4), dict(tp=2, block_size=8)]
+    )
     assert all(kind == "ValueError" and "different engine" in msg for kind, msg, _ in res), res
-    res = worlds(2).check("tests.engine_cases:disagree_call", 2, s, dict(pp=2, num_blocks=16), [[5, 6, 7], [5, 6]])
+    res = worlds(2).check(
+        "tests.engine_cases:disagree_call", 2, s, dict(pp=2, num_blocks=16), [[5, 6, 7], [5, 6]]
+    )
     assert all("other prompts" in m for m in res), res
 
 
 @st.composite
 def mesh_case(draw):
     """A mesh of at most 4 ranks and a model and cache it can run."""
-    tp, pp, sp = draw(st.sampled_from([(1, 1, 2), (2, 1, 1), (1, 2, 1), (1, 1, 3), (3, 1, 1), (1, 3, 1), (2, 2, 1),
-                                       (2, 1, 2), (1, 2, 2), (4, 1, 1), (1, 1, 4), (1, 4, 1)]))
-    kv = draw(st.sampled_from([k for k in (1, 2, 3, 4, 6) if (k % tp == 0 if tp <= k else tp % k == 0)]))
+    tp, pp, sp = draw(
+        st.sampled_from(
+            [
+                (1, 1, 2),
+                (2, 1, 1),
+                (1, 2, 1),
+                (1, 1, 3),
+                (3, 1, 1),
+                (1, 3, 1),
+                (2, 2, 1),
+                (2, 1, 2),
+                (1, 2, 2),
+                (4, 1, 1),
+                (1, 1, 4),
+                (1, 4, 1),
+            ]
+        )
+    )
+    kv = draw(
+        st.sampled_from([k for k in (1, 2, 3, 4, 6) if (k % tp == 0 if tp <= k else tp % k == 0)])
+    )
     heads = kv * draw(st.sampled_from([g for g in (1, 2, 3, 4) if (kv * g) % tp == 0]))
     layers = draw(st.integers(pp, pp + 3))
-    arch = draw(st.sampled_from(["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3"]))
-    s = ("tiny", arch, draw(st.integers(0, 3)), dict(num_attention_heads=heads, num_key_value_heads=kv,
-                                                     hidden_size=8 * heads, num_hidden_layers=layers,
-                                                     intermediate_size=draw(st.sampled_from([40, 96, 97])),
-                                                     max_position_embeddings=1024))
+    arch = draw(
+        st.sampled_from(["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3"])
+    )
+    s = (
+        "tiny",
+        arch,
+        draw(st.integers(0, 3)),
+        dict(
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            hidden_size=8 * heads,
+            num_hidden_layers=layers,
+            intermediate_size=draw(st.sampled_from([40, 96, 97])),
+            max_position_embeddings=1024,
+        ),
+    )
     lengths = draw(st.lists(st.integers(1, 300), min_size=1, max_size=5))
     bs = draw(st.sampled_from([1, 2, 4, 16]))
     need = max(lengths) + 6
-    blocks = -(-need // (bs * sp)) + draw(st.integers(0, 40))  # room for the longest, maybe not for all
-    kw = dict(tp=tp, pp=pp, sp=sp, block_size=bs, num_blocks=blocks, max_num_seqs=draw(st.integers(1, 5)),
-              max_num_batched_tokens=draw(st.integers(8, 400)), sp_prefill_min_tokens=draw(st.integers(1, 300)),
-              enable_prefix_caching=draw(st.booleans()))
+    blocks = -(-need // (bs * sp)) + draw(
+        st.integers(0, 40)
+    )  # room for the longest, maybe not for all
+    kw = dict(
+        tp=tp,
+        pp=pp,
+        sp=sp,
+        block_size=bs,
+        num_blocks=blocks,
+        max_num_seqs=draw(st.integers(1, 5)),
+        max_num_batched_tokens=draw(st.integers(8, 400)),
+        sp_prefill_min_tokens=draw(st.integers(1, 300)),
+        enable_prefix_caching=draw(st.booleans()),
+    )
     return s, kw, lengths, draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=int(os.environ.get("RINGKV_MESH_EXAMPLES", "10")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("RINGKV_MESH_EXAMPLES", "10")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(case=mesh_case())
 def test_any_mesh_gives_single_process_tokens(worlds, case):
     """Whatever the mesh, model shape, block size, cache size and batch limits: the tokens of
@@ -307,11 +452,20 @@ def test_sp_triton_paged_kernels_equal_the_single_process_engine(worlds):
     s = spec("llama", 4, 2, layers=2)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (21, 5)]
-    kw = dict(block_size=4, num_blocks=64, max_num_batched_tokens=8)  # 8-token chunks, all replicated
+    kw = dict(
+        block_size=4, num_blocks=64, max_num_batched_tokens=8
+    )  # 8-token chunks, all replicated
     lp_one = worlds(1).check("tests.engine_cases:prompt_logprobs", 1, s, kw, prompts[0])[0]
     sp_kw = dict(kw, sp=2, sp_prefill_min_tokens=1000, paged_backend="triton")
     lp_sp = worlds(2).check("tests.engine_cases:prompt_logprobs", 2, s, sp_kw, prompts[0])
     torch.testing.assert_close(torch.tensor(lp_sp[0]), torch.tensor(lp_one), atol=1e-4, rtol=1e-4)
-    res = worlds(2).check("tests.engine_cases:generate", 2, s, sp_kw, prompts[1:], SamplingParams(temperature=0,
-                          max_tokens=3), 1)
+    res = worlds(2).check(
+        "tests.engine_cases:generate",
+        2,
+        s,
+        sp_kw,
+        prompts[1:],
+        SamplingParams(temperature=0, max_tokens=3),
+        1,
+    )
     assert all(r["tokens"] == [reference(s, prompts[1:], 3)] for r in res)

@@ -23,16 +23,26 @@ def test_kv_and_weights_equal_the_seed_formulas(name):
     cfg = load_model(name)
     seq, batch = 100_003, 2
     for o in plan(name, seq, batch=batch, gpus=8, gpu="h200", kv_cache_dtype=["auto", "int8"]):
-        hkv = cfg.num_kv_heads // o.tp if o.tp <= cfg.num_kv_heads else 1  # replicated when tp > Hkv
+        hkv = (
+            cfg.num_kv_heads // o.tp if o.tp <= cfg.num_kv_heads else 1
+        )  # replicated when tp > Hkv
         layers = max(o.layers_per_stage)
-        per_head = cfg.head_dim * 2 if o.kv_cache_dtype == "auto" else cfg.head_dim + 2  # int8 + fp16 scale
+        per_head = (
+            cfg.head_dim * 2 if o.kv_cache_dtype == "auto" else cfg.head_dim + 2
+        )  # int8 + fp16 scale
         assert o.kv_bytes_per_token_per_gpu == 2 * layers * hkv * per_head
         assert o.kv_bytes_per_gpu == o.kv_bytes_per_token_per_gpu * batch * math.ceil(seq / o.sp)
         assert sum(o.layers_per_stage) == cfg.num_layers and len(o.layers_per_stage) == o.pp
-        if o.pp == 1:  # whole model on each TP rank: its parameters / tp, embeddings split by vocabulary
+        if (
+            o.pp == 1
+        ):  # whole model on each TP rank: its parameters / tp, embeddings split by vocabulary
             h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
             attn = h * cfg.num_heads * cfg.head_dim * 2 // o.tp + 2 * h * hkv * cfg.head_dim
-            bias = (cfg.num_heads * cfg.head_dim // o.tp + 2 * hkv * cfg.head_dim) if cfg.qkv_bias else 0
+            bias = (
+                (cfg.num_heads * cfg.head_dim // o.tp + 2 * hkv * cfg.head_dim)
+                if cfg.qkv_bias
+                else 0
+            )
             layer = attn + bias + 3 * h * math.ceil(i / o.tp) + 2 * h
             emb = math.ceil(v / o.tp) * h * (1 if cfg.tie_word_embeddings else 2)
             assert o.weight_bytes_per_gpu == 2 * (cfg.num_layers * layer + emb + h)
@@ -52,24 +62,37 @@ def test_fits_and_exactly_one_recommendation():
         need = o.weight_bytes_per_gpu + o.kv_bytes_per_gpu
         assert o.fits == (need <= o.memory_per_gpu) and o.reason
     best = opts[0]
-    assert best.fits and best.sp > 1 and best.links["tp"] == "nvlink"  # 1M tokens need SP; TP stays in a node
-    tp16 = by_config(opts)[(16, 1, 1, 1, "auto")]  # fits (1 replicated KV head per rank) but TP crosses nodes
+    assert (
+        best.fits and best.sp > 1 and best.links["tp"] == "nvlink"
+    )  # 1M tokens need SP; TP stays in a node
+    tp16 = by_config(opts)[
+        (16, 1, 1, 1, "auto")
+    ]  # fits (1 replicated KV head per rank) but TP crosses nodes
     assert tp16.fits and tp16.links["tp"] == "ib" and "crosses nodes" in tp16.reason
     # 1M tokens of Llama-3-70B KV (bf16: 320 KiB/token) cannot fit on 2 GPUs: nothing recommended
     small = plan("llama-3-70b", 1 << 20, gpus=2, gpu="h100")
-    assert not any(o.fits or o.recommended for o in small) and all("does not fit" in o.reason for o in small)
+    assert not any(o.fits or o.recommended for o in small) and all(
+        "does not fit" in o.reason for o in small
+    )
 
 
 def test_quantized_kv_halves_bytes_and_can_make_it_fit():
-    opts = by_config(plan("llama-3-8b", 500_000, gpus=1, gpu="h100", kv_cache_dtype=["auto", "int8", "fp8"]))
+    opts = by_config(
+        plan("llama-3-8b", 500_000, gpus=1, gpu="h100", kv_cache_dtype=["auto", "int8", "fp8"])
+    )
     auto, i8 = opts[(1, 1, 1, 1, "auto")], opts[(1, 1, 1, 1, "int8")]
-    assert i8.kv_bytes_per_token_per_gpu == 2 * 32 * 8 * (128 + 2) and auto.kv_bytes_per_token_per_gpu == 131072
+    assert (
+        i8.kv_bytes_per_token_per_gpu == 2 * 32 * 8 * (128 + 2)
+        and auto.kv_bytes_per_token_per_gpu == 131072
+    )
     assert not auto.fits and i8.fits and i8.recommended
 
 
 def test_links_follow_the_mesh_order():
     """TP innermost: tp=8 on 8-GPU nodes stays on NVLink, the SP ring crosses nodes (ib)."""
-    o = by_config(plan("llama-3.1-405b", 1 << 20, gpus=128, nodes=16, dtype="fp8"))[(8, 1, 16, 1, "auto")]
+    o = by_config(plan("llama-3.1-405b", 1 << 20, gpus=128, nodes=16, dtype="fp8"))[
+        (8, 1, 16, 1, "auto")
+    ]
     assert o.links == dict(tp="nvlink", ulysses="nvlink", ring="ib", pp="nvlink")
     # per ring step one rank sends K and V of 1M/16 tokens x its 1 KV head x 128 x 2 bytes
     assert o.ring_bytes_per_step == 2 * (1 << 20) // 16 * 1 * 128 * 2
@@ -98,34 +121,50 @@ def test_pp_prefill_runs_the_stages_one_after_the_other():
     kw = dict(calibrate={"host": {"step": 0.0}})  # layers only
     one = plan("smollm2-135m", 8192, gpus=1, **kw)[0]
     for batch in (1, 2):
-        (pp2,) = [o for o in plan("smollm2-135m", 8192, batch=batch, gpus=2, ulysses=False, **kw) if o.pp == 2]
+        (pp2,) = [
+            o
+            for o in plan("smollm2-135m", 8192, batch=batch, gpus=2, ulysses=False, **kw)
+            if o.pp == 2
+        ]
         stage = max(pp2.layers_per_stage) / sum(pp2.layers_per_stage)
         assert pp2.prefill_s == pytest.approx(one.prefill_s * (1 + (batch - 1) * stage), rel=0.02)
 
 
 def test_long_ctx_calibration_fits_the_attention_rate(tmp_path):
-    row = dict(layout="zigzag", causal=True, time_s=2.0, time_nocomm_s=1.5, pairs_per_rank=1000, tflops_per_rank=0)
+    row = dict(
+        layout="zigzag",
+        causal=True,
+        time_s=2.0,
+        time_nocomm_s=1.5,
+        pairs_per_rank=1000,
+        tflops_per_rank=0,
+    )
     f = tmp_path / "lc.json"
     f.write_text(json.dumps(dict(args=dict(batch=1, heads=8, head_dim=64), rows=[row])))
-    r = planner.apply_calibration(planner.rates(planner.load_hardware(), "cpu", "float32"), [str(f)])
+    r = planner.apply_calibration(
+        planner.rates(planner.load_hardware(), "cpu", "float32"), [str(f)]
+    )
     assert r.attention == pytest.approx(4 * 1000 * 8 * 64 / 1.5)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(gpu="b200"), "unknown gpu"),
-    (dict(interconnect="nvlink", gpu="4090"), "has no 'nvlink' link"),
-    (dict(interconnect="infiniband"), "has no 'infiniband' link"),
-    (dict(gpus=0), "gpus must be a positive integer"),
-    (dict(gpus=2.5), "gpus must be a positive integer"),
-    (dict(seq=0), "seq must be a positive integer"),
-    (dict(seq=-5), "seq must be a positive integer"),
-    (dict(nodes=3, gpus=8), "does not divide"),
-    (dict(gpus=16, nodes=1), "exceed the 8"),
-    (dict(kv_cache_dtype="int4"), "unsupported kv_cache_dtype"),
-    (dict(dtype="int4"), "unknown dtype"),
-    (dict(model="no-such-model"), "unknown model"),
-    (dict(calibrate={"speed": 1}), "unknown calibration keys"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(gpu="b200"), "unknown gpu"),
+        (dict(interconnect="nvlink", gpu="4090"), "has no 'nvlink' link"),
+        (dict(interconnect="infiniband"), "has no 'infiniband' link"),
+        (dict(gpus=0), "gpus must be a positive integer"),
+        (dict(gpus=2.5), "gpus must be a positive integer"),
+        (dict(seq=0), "seq must be a positive integer"),
+        (dict(seq=-5), "seq must be a positive integer"),
+        (dict(nodes=3, gpus=8), "does not divide"),
+        (dict(gpus=16, nodes=1), "exceed the 8"),
+        (dict(kv_cache_dtype="int4"), "unsupported kv_cache_dtype"),
+        (dict(dtype="int4"), "unknown dtype"),
+        (dict(model="no-such-model"), "unknown model"),
+        (dict(calibrate={"speed": 1}), "unknown calibration keys"),
+    ],
+)
 def test_invalid_inputs(kw, match):
     args = dict(model="llama-3-8b", seq=4096, gpus=8)
     args.update(kw)
@@ -141,7 +180,9 @@ def test_config_json_missing_fields(tmp_path):
         plan(str(tmp_path), 4096, gpus=1)
     cfg["num_attention_heads"] = 32
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert plan(str(tmp_path / "config.json"), 4096, gpus=1)[0].recommended  # a directory or the file itself
+    assert plan(str(tmp_path / "config.json"), 4096, gpus=1)[
+        0
+    ].recommended  # a directory or the file itself
 
 
 def test_cli(tmp_path, capsys):
@@ -149,18 +190,48 @@ def test_cli(tmp_path, capsys):
 
     out = tmp_path / "plan.json"
     svg = tmp_path / "plan.png"
-    assert main(["plan", "--model", "llama-3-70b", "--seq", "1048576", "--gpus", "16", "--nodes", "2",
-                 "--json", str(out), "--plot", str(svg)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama-3-70b",
+                "--seq",
+                "1048576",
+                "--gpus",
+                "16",
+                "--nodes",
+                "2",
+                "--json",
+                str(out),
+                "--plot",
+                str(svg),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "recommended: tp=" in text and text.count("\n*") == 1
     data = json.loads(out.read_text())
     assert sum(o["recommended"] for o in data["options"]) == 1 and svg.stat().st_size > 0
-    for key in ("tp", "pp", "sp", "weight_bytes_per_gpu", "kv_bytes_per_token_per_gpu", "kv_bytes_per_gpu", "fits",
-                "prefill_s", "decode_tokens_per_s", "recommended"):
+    for key in (
+        "tp",
+        "pp",
+        "sp",
+        "weight_bytes_per_gpu",
+        "kv_bytes_per_token_per_gpu",
+        "kv_bytes_per_gpu",
+        "fits",
+        "prefill_s",
+        "decode_tokens_per_s",
+        "recommended",
+    ):
         assert key in data["options"][0]
     assert main(["plan", "--model", "llama-3-70b", "--seq", "0", "--gpus", "2"]) == 2
     assert "seq must be a positive integer" in capsys.readouterr().err
-    planner._svg([(1.0, 2.0, "a", planner.plan("tiny-long", 64, gpus=1)[0])], str(tmp_path / "p.svg"), "")
+    planner._svg(
+        [(1.0, 2.0, "a", planner.plan("tiny-long", 64, gpus=1)[0])], str(tmp_path / "p.svg"), ""
+    )
     assert (tmp_path / "p.svg").read_text().startswith("<svg")
     assert ringkv.plan is plan
 
@@ -182,8 +253,19 @@ def test_plan_equals_a_real_engines_kv_cache_info():
         assert r["bytes_per_token"] == kvt[r["pp_rank"]]
         assert r["weight_bytes"] == wb[r["pp_rank"]]
         assert r["layers"][1] - r["layers"][0] == planner.stage_sizes(cfg, 2)[r["pp_rank"]]
-    (o,) = [o for o in plan(model, 64, gpus=4, gpu="cpu", interconnect="loopback", dtype="float32",
-                            kv_cache_dtype="int8") if (o.tp, o.pp, o.sp) == (2, 2, 1)]
+    (o,) = [
+        o
+        for o in plan(
+            model,
+            64,
+            gpus=4,
+            gpu="cpu",
+            interconnect="loopback",
+            dtype="float32",
+            kv_cache_dtype="int8",
+        )
+        if (o.tp, o.pp, o.sp) == (2, 2, 1)
+    ]
     assert o.kv_bytes_per_token_per_gpu == max(kvt) and o.weight_bytes_per_gpu == max(wb)
 
 
@@ -194,11 +276,13 @@ def test_validation_script_rows(tmp_path):
     prefills and every TP and PP run, and the 405B 1M-token prefill against Meta's published
     time and utilization. Not asserted: Meta's 128K figure (docs/performance.md says why)."""
     from benchmarks import plan_validate
+
     assert plan_validate.main(["--json", str(tmp_path / "v.json")]) == 0
     rows = json.loads((tmp_path / "v.json").read_text())["rows"]
     passing = [r for r in rows if "2^17" not in r["case"]]
-    assert len(rows) == 15 and len(passing) == 14 and all(r["within"] for r in passing), \
-        [(r["case"], r["error"]) for r in passing]
+    assert len(rows) == 15 and len(passing) == 14 and all(r["within"] for r in passing), [
+        (r["case"], r["error"]) for r in passing
+    ]
 
 
 def test_gemm_table_prices_the_weights_of_a_step():
@@ -218,13 +302,19 @@ def test_gemm_table_prices_the_weights_of_a_step():
     cfg = load_model("llama-120m")
     steps, _ = planner.engine_workload([16] * 12, 2, 64)
     (decode,) = [w for w in steps if w.tokens == 12]
-    terms = planner._step_terms(cfg, decode, tp=1, pp=1, sp=1, stage=0, dtype="float32", sp_prefill_min_tokens=64)
+    terms = planner._step_terms(
+        cfg, decode, tp=1, pp=1, sp=1, stage=0, dtype="float32", sp_prefill_min_tokens=64
+    )
     n, nbytes, flops, attn, ring, msgs, wbytes, rows = terms
     assert rows == 12 and 0 < wbytes < nbytes
-    expect = max((nbytes - wbytes) / r.memory + wbytes / 1.5e9, flops / r.matmul) + attn / r.attention
+    expect = (
+        max((nbytes - wbytes) / r.memory + wbytes / 1.5e9, flops / r.matmul) + attn / r.attention
+    )
     assert planner._step_cost(terms, r, "loopback") == pytest.approx(expect)
     plain = planner._step_cost(terms, two, "loopback")  # no table for 2 threads: the roofline
-    assert plain == pytest.approx(max(nbytes / two.memory, flops / two.matmul) + attn / two.attention)
+    assert plain == pytest.approx(
+        max(nbytes / two.memory, flops / two.matmul) + attn / two.attention
+    )
 
 
 def test_engine_workload_follows_the_scheduler():
@@ -233,11 +323,20 @@ def test_engine_workload_follows_the_scheduler():
     flight; a cache too small for every sequence preempts and recomputes."""
     steps, events = planner.engine_workload([10, 20, 30, 40], 5, 64)
     assert [s.tokens for s in steps] == [100, 4, 4, 4, 4] and all(s.completing == 4 for s in steps)
-    assert steps[1].kv_tokens == 4 * 41 and steps[0].pairs == sum(n * (n + 1) // 2 for n in (10, 20, 30, 40))
+    assert steps[1].kv_tokens == 4 * 41 and steps[0].pairs == sum(
+        n * (n + 1) // 2 for n in (10, 20, 30, 40)
+    )
     steps, _ = planner.engine_workload([10, 20, 30, 40], 5, 64, max_num_batched_tokens=64)
-    assert [s.tokens for s in steps[:2]] == [64, 36 + 3]  # chunked prefill, then decodes share the budget
+    assert [s.tokens for s in steps[:2]] == [
+        64,
+        36 + 3,
+    ]  # chunked prefill, then decodes share the budget
     steps, events = planner.engine_workload([10, 20, 30, 40], 5, 64, pp=2)
-    assert max(s.seqs for s in steps) == 2 and events[:3] == [("submit", 0), ("submit", 1), ("complete", 0)]
+    assert max(s.seqs for s in steps) == 2 and events[:3] == [
+        ("submit", 0),
+        ("submit", 1),
+        ("complete", 0),
+    ]
     small, _ = planner.engine_workload([60] * 4, 40, 16)  # 256 tokens of cache for 4 x 100
     assert sum(s.tokens for s in small) > 4 * 60 + 4 * 39
 
@@ -249,16 +348,38 @@ def test_fit_engine_recovers_the_rates_of_its_own_model():
     true = planner.rates(planner.load_hardware(), "cpu", "float32")
     true.matmul, true.memory, true.host = 150e9, 12e9, dict(step=2e-3, seq=1e-3, layer=5e-4)
     true.thread_scaling = 0.8
-    runs = [planner.EngineRun(cfg=planner.load_model(name), prompts=[n] * k, max_tokens=m, num_blocks=4096,
-                              measured_s=0.0, max_num_seqs=k, threads=t)
-            for name in ("llama-120m", "smollm2")
-            for n, k, m, t in ((16, 1, 8, 2), (200, 16, 16, 2), (64, 32, 8, 1), (1024, 2, 2, 2), (1024, 1, 1, 1))]
+    runs = [
+        planner.EngineRun(
+            cfg=planner.load_model(name),
+            prompts=[n] * k,
+            max_tokens=m,
+            num_blocks=4096,
+            measured_s=0.0,
+            max_num_seqs=k,
+            threads=t,
+        )
+        for name in ("llama-120m", "smollm2")
+        for n, k, m, t in (
+            (16, 1, 8, 2),
+            (200, 16, 16, 2),
+            (64, 32, 8, 1),
+            (1024, 2, 2, 2),
+            (1024, 1, 1, 1),
+        )
+    ]
     for run in runs:
         run.measured_s = run.seconds(true)
     guess = copy.deepcopy(true)
-    guess.matmul, guess.memory, guess.host, guess.thread_scaling = 50e9, 40e9, dict(step=1e-4, seq=1e-4, layer=1e-4), 1
+    guess.matmul, guess.memory, guess.host, guess.thread_scaling = (
+        50e9,
+        40e9,
+        dict(step=1e-4, seq=1e-4, layer=1e-4),
+        1,
+    )
     got = planner.fit_engine(runs, guess, planner.FIT_KEYS[:2] + planner.FIT_KEYS[3:])
-    assert got.matmul == pytest.approx(150e9, rel=0.02) and got.memory == pytest.approx(12e9, rel=0.02)
+    assert got.matmul == pytest.approx(150e9, rel=0.02) and got.memory == pytest.approx(
+        12e9, rel=0.02
+    )
     assert got.thread_scaling == pytest.approx(0.8, rel=0.02)
     for k, v in true.host.items():
         assert got.host[k] == pytest.approx(v, rel=0.05), k

@@ -26,7 +26,13 @@ import torch
 pytest.importorskip("transformers")
 
 from ringkv.engine import LLM, KVSnapshot, SamplingParams  # noqa: E402
-from ringkv.engine.remote import MigrationError, receive_request, recv_snapshot, send_request, send_snapshot  # noqa: E402
+from ringkv.engine.remote import (
+    MigrationError,
+    receive_request,
+    recv_snapshot,
+    send_request,
+    send_snapshot,
+)  # noqa: E402
 from ringkv.parallel.transfer import Link, LinkError, LinkTimeout  # noqa: E402
 from tests.models import tiny_model  # noqa: E402
 
@@ -57,7 +63,9 @@ def reference(model_dir, params, **kw):
     """Token ids of ``prompts()`` with ``params`` (one dict per prompt) on one engine, unmoved."""
     key = (json.dumps(params), json.dumps(kw))
     if key not in _refs:
-        outs = LLM(model_dir, **SOURCE, **kw).generate(prompts(), [SamplingParams(**p) for p in params], use_tqdm=False)
+        outs = LLM(model_dir, **SOURCE, **kw).generate(
+            prompts(), [SamplingParams(**p) for p in params], use_tqdm=False
+        )
         _refs[key] = [o.token_ids for o in outs]
     return _refs[key]
 
@@ -71,7 +79,11 @@ def finish(llm):
 
 
 def all_free(llm) -> bool:
-    return llm.blocks.num_free == llm.blocks.num_blocks and not llm.pipeline.staged and not llm.pipeline.paused
+    return (
+        llm.blocks.num_free == llm.blocks.num_blocks
+        and not llm.pipeline.staged
+        and not llm.pipeline.paused
+    )
 
 
 class Peer:
@@ -80,8 +92,18 @@ class Peer:
     def __init__(self, role, model_dir, port, **cfg):
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tests", "remote_peer.py"), role, model_dir, str(port), json.dumps(cfg)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+            [
+                sys.executable,
+                os.path.join(ROOT, "tests", "remote_peer.py"),
+                role,
+                model_dir,
+                str(port),
+                json.dumps(cfg),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+        )
 
     def __enter__(self):
         return self
@@ -108,18 +130,30 @@ def test_requests_move_to_another_process_and_finish_as_if_never_moved(model_dir
     link = Link.listen(timeout=TIMEOUT)
     with Peer("target", model_dir, link.port, engine=dict(TARGET, **kv), requests=4) as peer:
         src = LLM(model_dir, **SOURCE, **kv)
-        rids = [src.add_request(p, SamplingParams(**q), request_id=f"r{i}") for i, (p, q) in enumerate(zip(prompts(), params))]
+        rids = [
+            src.add_request(p, SamplingParams(**q), request_id=f"r{i}")
+            for i, (p, q) in enumerate(zip(prompts(), params))
+        ]
         for _ in range(3):  # chunked prefill under way
             src.step()
-        stats = [send_request(src, rid, link, incremental=i >= 2) for i, rid in enumerate(rids)]  # full, then pre-copy
+        stats = [
+            send_request(src, rid, link, incremental=i >= 2) for i, rid in enumerate(rids)
+        ]  # full, then pre-copy
         res = link.recv_json()
         assert peer.wait() == 0
     link.close()
     assert [res["outputs"][rid] for rid in rids] == reference(model_dir, params, **kv)
-    assert res["all_free"] and not res["errors"] and all_free(src) and not src.has_unfinished_requests()
+    assert (
+        res["all_free"]
+        and not res["errors"]
+        and all_free(src)
+        and not src.has_unfinished_requests()
+    )
     for s in stats:
         assert 0 < s["downtime_s"] <= s["seconds"] and 0 < s["final_bytes"] <= s["bytes"]
-    assert all(s["final_bytes"] == s["bytes"] for s in stats[:2]) and all(s["final_bytes"] < s["bytes"] for s in stats[2:])
+    assert all(s["final_bytes"] == s["bytes"] for s in stats[:2]) and all(
+        s["final_bytes"] < s["bytes"] for s in stats[2:]
+    )
 
 
 @pytest.mark.slow
@@ -128,11 +162,18 @@ def test_requests_move_between_multi_rank_engines_in_two_processes(model_dir):
     process: the K/V are gathered from two ranks and scattered to four, over the link."""
     params = [SEEDED, GREEDY, SEEDED, GREEDY]
     link = Link.listen(timeout=TIMEOUT)
-    with Peer("target", model_dir, link.port, engine=dict(pp=2, sp=2, block_size=2, num_blocks=256),
-              requests=4) as peer:
+    with Peer(
+        "target",
+        model_dir,
+        link.port,
+        engine=dict(pp=2, sp=2, block_size=2, num_blocks=256),
+        requests=4,
+    ) as peer:
         with LLM(model_dir, tp=2, **SOURCE) as src:
-            rids = [src.add_request(p, SamplingParams(**q), request_id=f"r{i}")
-                    for i, (p, q) in enumerate(zip(prompts(), params))]
+            rids = [
+                src.add_request(p, SamplingParams(**q), request_id=f"r{i}")
+                for i, (p, q) in enumerate(zip(prompts(), params))
+            ]
             for _ in range(3):
                 src.step()
             link.accept(timedelta(seconds=120))  # the peer spawns its ranks first
@@ -148,7 +189,9 @@ def test_requests_move_between_multi_rank_engines_in_two_processes(model_dir):
 
 def test_a_target_killed_mid_import_leaves_the_request_running_on_the_source(model_dir):
     link = Link.listen(timeout=TIMEOUT)
-    with Peer("target", model_dir, link.port, engine=TARGET, requests=1, die="after-precopy-ack") as peer:
+    with Peer(
+        "target", model_dir, link.port, engine=TARGET, requests=1, die="after-precopy-ack"
+    ) as peer:
         src = LLM(model_dir, **SOURCE)
         rid = src.add_request(prompts()[2], SamplingParams(**SEEDED))
         for _ in range(3):
@@ -162,23 +205,40 @@ def test_a_target_killed_mid_import_leaves_the_request_running_on_the_source(mod
     assert finish(src)[rid] == reference(model_dir, [SEEDED] * 4)[2] and all_free(src)
 
 
-def test_a_damaged_transfer_is_refused_and_a_source_killed_after_the_final_ack_leaves_it_to_the_target(model_dir):
+def test_a_damaged_transfer_is_refused_and_a_source_killed_after_the_final_ack_leaves_it_to_the_target(
+    model_dir,
+):
     link = Link.listen(timeout=TIMEOUT)
-    with Peer("source", model_dir, link.port, engine=SOURCE, prompts=[prompts()[2]], params=GREEDY, steps=3,
-              damage_first=True, die="after-final-ack") as peer:
+    with Peer(
+        "source",
+        model_dir,
+        link.port,
+        engine=SOURCE,
+        prompts=[prompts()[2]],
+        params=GREEDY,
+        steps=3,
+        damage_first=True,
+        die="after-final-ack",
+    ) as peer:
         dst = LLM(model_dir, **TARGET)
         link.accept()
-        with pytest.raises(MigrationError, match="checksum"):  # one bit flipped in the K/V on the way
+        with pytest.raises(
+            MigrationError, match="checksum"
+        ):  # one bit flipped in the K/V on the way
             receive_request(dst, link)
         assert all_free(dst) and not dst.has_unfinished_requests()
-        rid = receive_request(dst, link)  # the source resumed it and sends it again (pre-copy, final)
+        rid = receive_request(
+            dst, link
+        )  # the source resumed it and sends it again (pre-copy, final)
         assert peer.wait() == -signal.SIGKILL  # it died right after the final ack
     assert "first move failed" in peer.output() and "checksum" in peer.output()
     assert finish(dst)[rid] == reference(model_dir, [GREEDY] * 4)[2] and all_free(dst)
 
 
 def test_a_silent_peer_is_a_timeout_on_either_side(model_dir):
-    short = timedelta(seconds=1.5)  # each side only waits this out (it was 3 s: 3 s more of waiting)
+    short = timedelta(
+        seconds=1.5
+    )  # each side only waits this out (it was 3 s: 3 s more of waiting)
     a, b = Link.listen(timeout=short), Link.listen(timeout=short)  # one process, two links
     with Peer("silent", model_dir, a.port, ports=[b.port]):
         a.accept(TIMEOUT)  # the peer's start-up may take longer than a message
@@ -229,18 +289,36 @@ def snapshot_like_export(dtype, layers=3, tokens=50, hkv=2, d=8):
     """K/V as export makes them: ``(layers, 2, T, Hkv, D)[:, i]`` (not contiguous), int8 scales."""
     data = (torch.randn(layers, 2, tokens, hkv, d) * 50).to(dtype)
     scale = torch.rand(layers, 2, tokens, hkv).half() if dtype == torch.int8 else None
-    return KVSnapshot(model="m", kv_cache_dtype=str(dtype), request_id="r", snapshot_id="s", base_id=None, final=True,
-                      prompt=[1, 2], prompt_token_ids=[1, 2], token_ids=[1, 2, 3], tokens_from=0,
-                      params=dict(GREEDY), cache_salt=None, start=0, end=tokens, k=data[:, 0], v=data[:, 1],
-                      generator_state=torch.Generator().manual_seed(1).get_state(),
-                      k_scale=None if scale is None else scale[:, 0], v_scale=None if scale is None else scale[:, 1])
+    return KVSnapshot(
+        model="m",
+        kv_cache_dtype=str(dtype),
+        request_id="r",
+        snapshot_id="s",
+        base_id=None,
+        final=True,
+        prompt=[1, 2],
+        prompt_token_ids=[1, 2],
+        token_ids=[1, 2, 3],
+        tokens_from=0,
+        params=dict(GREEDY),
+        cache_salt=None,
+        start=0,
+        end=tokens,
+        k=data[:, 0],
+        v=data[:, 1],
+        generator_state=torch.Generator().manual_seed(1).get_state(),
+        k_scale=None if scale is None else scale[:, 0],
+        v_scale=None if scale is None else scale[:, 1],
+    )
 
 
 def as_bytes(t):
     return t.contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn], ids=str
+)
 def test_tensors_cross_bit_for_bit_allocated_once_and_sent_without_a_copy(dtype):
     a, b = pair(timeout=TIMEOUT, chunk_bytes=300)  # several chunks per layer
     sent, received = recorded(a), recorded(b)
@@ -249,20 +327,42 @@ def test_tensors_cross_bit_for_bit_allocated_once_and_sent_without_a_copy(dtype)
         fut = ex.submit(recv_snapshot, b)
         send_snapshot(a, snap)
         got = fut.result()
-    names = [n for n in ("k", "v", "k_scale", "v_scale", "generator_state") if getattr(snap, n) is not None]
+    names = [
+        n
+        for n in ("k", "v", "k_scale", "v_scale", "generator_state")
+        if getattr(snap, n) is not None
+    ]
     for n in names:
         x, y = getattr(snap, n), getattr(got, n)
-        assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(as_bytes(y), as_bytes(x)), n
-        assert y.untyped_storage().nbytes() == y.numel() * y.element_size()  # its own buffer, just its size
-    assert got.k_scale is None or got.k_scale.untyped_storage().data_ptr() != got.v_scale.untyped_storage().data_ptr()
-    assert (got.request_id, got.token_ids, got.params, got.v_scale is None) == ("r", [1, 2, 3], GREEDY, dtype != torch.int8)
+        assert (
+            y.dtype == x.dtype and y.shape == x.shape and torch.equal(as_bytes(y), as_bytes(x))
+        ), n
+        assert (
+            y.untyped_storage().nbytes() == y.numel() * y.element_size()
+        )  # its own buffer, just its size
+    assert (
+        got.k_scale is None
+        or got.k_scale.untyped_storage().data_ptr() != got.v_scale.untyped_storage().data_ptr()
+    )
+    assert (got.request_id, got.token_ids, got.params, got.v_scale is None) == (
+        "r",
+        [1, 2, 3],
+        GREEDY,
+        dtype != torch.int8,
+    )
     # the sender's chunks are views of the snapshot's own tensors (length, header, ..., checksum)
     theirs = {getattr(snap, n).untyped_storage().data_ptr() for n in names}
-    assert len(sent[0]) > 12 and all(c.untyped_storage().data_ptr() in theirs for c in sent[0][2:-1])
+    assert len(sent[0]) > 12 and all(
+        c.untyped_storage().data_ptr() in theirs for c in sent[0][2:-1]
+    )
     # the receiver's chunks are slices of the tensors it returns (streams: length, header, bytes, checksum)
     ours = {getattr(got, n).untyped_storage().data_ptr() for n in names}
-    assert {c.untyped_storage().data_ptr() for c in received[2]} == ours and len(received[2]) == len(sent[0]) - 3
-    empty = snapshot_like_export(dtype, tokens=0)  # a preempted request's: no K/V; the link serves on
+    assert {c.untyped_storage().data_ptr() for c in received[2]} == ours and len(
+        received[2]
+    ) == len(sent[0]) - 3
+    empty = snapshot_like_export(
+        dtype, tokens=0
+    )  # a preempted request's: no K/V; the link serves on
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(recv_snapshot, b)
         send_snapshot(a, empty)

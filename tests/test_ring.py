@@ -23,11 +23,20 @@ def ring_case(draw):
     s_local = per * draw(st.integers(1, 12 // per))
     hkv = draw(st.sampled_from([1, 2, 3]))
     h = hkv * draw(st.sampled_from([1, 2, 3]))
-    return dict(n=n, layout=layout, causal=draw(st.booleans()), b=draw(st.integers(1, 2)), s=s_local * n,
-                h=h, hkv=hkv, d=draw(st.sampled_from([16, 32, 64, 80])),
-                dtype=draw(st.sampled_from([torch.float32] * 3 + [torch.bfloat16, torch.float16])),
-                scale=draw(st.sampled_from([None, 0.05, 0.5])), lse_grad=draw(st.booleans()),
-                seed=draw(st.integers(0, 2**16)))
+    return dict(
+        n=n,
+        layout=layout,
+        causal=draw(st.booleans()),
+        b=draw(st.integers(1, 2)),
+        s=s_local * n,
+        h=h,
+        hkv=hkv,
+        d=draw(st.sampled_from([16, 32, 64, 80])),
+        dtype=draw(st.sampled_from([torch.float32] * 3 + [torch.bfloat16, torch.float16])),
+        scale=draw(st.sampled_from([None, 0.05, 0.5])),
+        lse_grad=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 def _inputs(case):
@@ -54,19 +63,36 @@ def _reference(q, k, v, dout, dlse, causal, scale, window=(-1, -1)):
 def _assert_close(name, got, want, dtype, rank):
     atol, rtol = TOL[dtype]
     finite = want[torch.isfinite(want)].float()
-    atol *= max(1.0, finite.abs().max().item() if finite.numel() else 1.0)  # errors scale with magnitude
-    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol,
-                               msg=lambda m: f"{name} on rank {rank}: {m}")
+    atol *= max(
+        1.0, finite.abs().max().item() if finite.numel() else 1.0
+    )  # errors scale with magnitude
+    torch.testing.assert_close(
+        got.float(), want.float(), atol=atol, rtol=rtol, msg=lambda m: f"{name} on rank {rank}: {m}"
+    )
 
 
-@settings(max_examples=45, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=45,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(case=ring_case())
 def test_ring_matches_single_device(world, case):
     q, k, v, dout, dlse = _inputs(case)
     b, s, h, dt = case["b"], case["s"], case["h"], case["dtype"]
     want = _reference(q, k, v, dout, dlse, case["causal"], case["scale"])
-    results = world.check("tests.ring_cases:forward_backward", case["n"], q, k, v, dout, dlse, case["causal"],
-                          case["layout"], case["scale"], "auto")
+    results = world.check(
+        "tests.ring_cases:forward_backward",
+        case["n"],
+        q,
+        k,
+        v,
+        dout,
+        dlse,
+        case["causal"],
+        case["layout"],
+        case["scale"],
+        "auto",
+    )
     dims = [1, 2, 1, 1, 1]  # out, lse, dq, dk, dv: the sequence dim
     for rank, res in enumerate(results):
         for name, got, full, dim in zip(["out", "lse", "dq", "dk", "dv"], res[:5], want, dims):
@@ -85,13 +111,26 @@ def test_deterministic(world, layout):
 def test_causal_work_balance(world, layout):
     n, s = 4, 64
     q = torch.randn(1, s, 2, 16)
-    res = world.check("tests.ring_cases:forward_backward", n, q, q, q, torch.ones(q.shape), None, True,
-                      layout, None, "auto")
+    res = world.check(
+        "tests.ring_cases:forward_backward",
+        n,
+        q,
+        q,
+        q,
+        torch.ones(q.shape),
+        None,
+        True,
+        layout,
+        None,
+        "auto",
+    )
     pairs = [r[5][0] for r in res]
     calls = [r[5][1] for r in res]
     assert sum(pairs) == s * (s + 1) // 2  # every visible pair computed exactly once
     chunk = s // n // (2 if layout == "zigzag" else 1)
-    if layout == "contiguous":  # the unbalanced baseline: the last rank does 2N-1 times the first's work
+    if (
+        layout == "contiguous"
+    ):  # the unbalanced baseline: the last rank does 2N-1 times the first's work
         assert pairs[-1] > 3 * pairs[0] and calls == [1, 2, 3, 4]
     else:
         assert max(pairs) - min(pairs) <= chunk * chunk, pairs
@@ -100,8 +139,19 @@ def test_causal_work_balance(world, layout):
 
 def test_group_of_one_is_plain_attention(world):
     q, k, v = torch.randn(2, 10, 4, 16), torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 16)
-    (res,) = world.check("tests.ring_cases:forward_backward", 1, q, k, v, torch.ones(q.shape), None, True,
-                         "contiguous", None, "auto")
+    (res,) = world.check(
+        "tests.ring_cases:forward_backward",
+        1,
+        q,
+        k,
+        v,
+        torch.ones(q.shape),
+        None,
+        True,
+        "contiguous",
+        None,
+        "auto",
+    )
     torch.testing.assert_close(res[0], attention(q, k, v, causal=True)[0])
 
 
@@ -110,11 +160,16 @@ def test_module_wraps_function():
     mod = ringkv.RingAttention(causal=True, layout="zigzag")
     torch.testing.assert_close(mod(q, q, q), attention(q, q, q, causal=True)[0])
     assert "zigzag" in repr(mod)
-    assert torch.equal(ringkv.RingAttention()(q, q, q), ringkv.ring_attention(q, q, q))  # one set of defaults
-    assert torch.equal(ringkv.RingAttention(causal=True, check=False, timeout=None)(q, q, q), mod(q, q, q))
+    assert torch.equal(
+        ringkv.RingAttention()(q, q, q), ringkv.ring_attention(q, q, q)
+    )  # one set of defaults
+    assert torch.equal(
+        ringkv.RingAttention(causal=True, check=False, timeout=None)(q, q, q), mod(q, q, q)
+    )
 
 
 # ---- bad input: a clear error on every rank, never a hang -------------------------------------
+
 
 def _errors(results):
     return [r for r in results if isinstance(r, RankError)]
@@ -123,7 +178,10 @@ def _errors(results):
 def test_local_bad_input_raises_on_every_rank(world):
     for kw, match in [
         (dict(q=(1, 8, 3, 16), k=(1, 8, 2, 16), v=(1, 8, 2, 16)), "multiple of kv heads"),
-        (dict(q=(1, 7, 2, 16), k=(1, 7, 2, 16), v=(1, 7, 2, 16), layout="zigzag"), "pad the global sequence"),
+        (
+            dict(q=(1, 7, 2, 16), k=(1, 7, 2, 16), v=(1, 7, 2, 16), layout="zigzag"),
+            "pad the global sequence",
+        ),
         (dict(q=(1, 8, 2, 16), k=(1, 8, 2, 16), v=(1, 8, 2, 16), layout="ring"), "unknown layout"),
         (dict(q=(1, 8, 2, 16), k=(1, 6, 2, 16), v=(1, 6, 2, 16)), "same local length"),
         (dict(q=(8, 2, 16), k=(8, 2, 16), v=(8, 2, 16)), "must be 4-D"),
@@ -134,12 +192,15 @@ def test_local_bad_input_raises_on_every_rank(world):
         assert all(e.type in ("ValueError", "TypeError") and match in e.message for e in errs), errs
 
 
-@pytest.mark.parametrize("field,rank1,match", [
-    ("q", (1, 8, 4, 16), "heads"),
-    ("dtype", torch.bfloat16, "dtype"),
-    ("layout", "striped", "layout"),
-    ("causal", True, "causal"),
-])
+@pytest.mark.parametrize(
+    "field,rank1,match",
+    [
+        ("q", (1, 8, 4, 16), "heads"),
+        ("dtype", torch.bfloat16, "dtype"),
+        ("layout", "striped", "layout"),
+        ("causal", True, "causal"),
+    ],
+)
 def test_ranks_that_disagree_all_raise(world, field, rank1, match):
     """Arguments that differ across ranks: every rank raises ValueError naming the difference."""
     base = dict(q=(1, 8, 2, 16), k=(1, 8, 2, 16), v=(1, 8, 2, 16), layout="zigzag", causal=False)
@@ -155,8 +216,13 @@ def test_rank_that_never_calls_gives_timeout_not_hang(fork_context):
     w = World(3, context=fork_context)
     try:
         t0 = time.time()
-        res = w.run("tests.ring_cases:call", 3, [dict(q=(1, 8, 2, 16), k=(1, 8, 2, 16), v=(1, 8, 2, 16))] * 2
-                    + [dict(skip=True)], 2.0, timeout=60)
+        res = w.run(
+            "tests.ring_cases:call",
+            3,
+            [dict(q=(1, 8, 2, 16), k=(1, 8, 2, 16), v=(1, 8, 2, 16))] * 2 + [dict(skip=True)],
+            2.0,
+            timeout=60,
+        )
         elapsed = time.time() - t0
     finally:
         w.close()

@@ -26,20 +26,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_kernels_import_nothing_from_sp():
     """Dependencies point downward: every module of ringkv.kernels imports without ringkv.sp
     (the ``ringkv`` package's own __init__, which imports sp, is bypassed)."""
-    script = (f"import sys, types, pkgutil, importlib\n"
-              f"pkg = types.ModuleType('ringkv'); pkg.__path__ = [{os.path.join(ROOT, 'ringkv')!r}]\n"
-              f"sys.modules['ringkv'] = pkg\n"
-              f"import ringkv.kernels as k\n"
-              f"for m in pkgutil.iter_modules(k.__path__):\n"
-              f"    try: importlib.import_module('ringkv.kernels.' + m.name)\n"
-              f"    except ImportError: pass\n"
-              f"bad = sorted(m for m in sys.modules if m.startswith('ringkv.') and not m.startswith('ringkv.kernels'))\n"
-              f"assert not bad, bad\n"
-              f"print('merge' in dir(k), len([m for m in sys.modules if m.startswith('ringkv.kernels.')]))\n")
+    script = (
+        f"import sys, types, pkgutil, importlib\n"
+        f"pkg = types.ModuleType('ringkv'); pkg.__path__ = [{os.path.join(ROOT, 'ringkv')!r}]\n"
+        f"sys.modules['ringkv'] = pkg\n"
+        f"import ringkv.kernels as k\n"
+        f"for m in pkgutil.iter_modules(k.__path__):\n"
+        f"    try: importlib.import_module('ringkv.kernels.' + m.name)\n"
+        f"    except ImportError: pass\n"
+        f"bad = sorted(m for m in sys.modules if m.startswith('ringkv.') and not m.startswith('ringkv.kernels'))\n"
+        f"assert not bad, bad\n"
+        f"print('merge' in dir(k), len([m for m in sys.modules if m.startswith('ringkv.kernels.')]))\n"
+    )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert int(r.stdout.split()[-1]) >= 8  # the modules were really imported
     from ringkv.sp.merge import merge, merge_  # the old path still works
+
     assert merge_ is merge_mod.merge_ and merge is merge_mod.merge
 
 
@@ -51,7 +54,9 @@ def _partials(seed, dtype):
     bl = torch.randn(2, 3, 11, generator=g) * 4
     lse[0, 1, :3] = float("-inf")  # rows no partial saw so far
     acc[0, :3, 1] = 0
-    bl[0, 1, 1:5] = float("-inf")  # rows 1, 2: neither partial saw a key; rows 3, 4: only the accumulator
+    bl[0, 1, 1:5] = float(
+        "-inf"
+    )  # rows 1, 2: neither partial saw a key; rows 3, 4: only the accumulator
     bl[1, 2, 7] = float("-inf")
     lse[1, 0, 5], bl[1, 0, 5] = 80.0, -60.0  # a large gap
     return acc, lse, bo, bl
@@ -71,7 +76,9 @@ def test_fused_merge_equals_eager(dtype):
     tm.merge_(got[0][:, 2:9], got[1][:, :, 2:9], bo[:, 2:9], bl[:, :, 2:9])  # views: rows 2..8
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     assert torch.equal(torch.isinf(got[1]), torch.isinf(want[1])) and not torch.isnan(got[0]).any()
-    torch.testing.assert_close(got[1].nan_to_num(0, 0, 0), want[1].nan_to_num(0, 0, 0), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        got[1].nan_to_num(0, 0, 0), want[1].nan_to_num(0, 0, 0), atol=1e-6, rtol=1e-6
+    )
     # a transposed accumulator (what sdpa returns) and a transposed block lse
     t = torch.randn(2, 3, 11, 40).transpose(1, 2)
     w, g2 = t.clone(), t.clone()
@@ -95,9 +102,15 @@ class _NoHostSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True, layout="zigzag"), dict(causal=False, layout="striped"),
-                                dict(causal=True, layout="contiguous", window=(5, 0)),
-                                dict(causal=True, layout="zigzag", cu_seqlens=[0, 13, 40, 48])])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(causal=True, layout="zigzag"),
+        dict(causal=False, layout="striped"),
+        dict(causal=True, layout="contiguous", window=(5, 0)),
+        dict(causal=True, layout="zigzag", cu_seqlens=[0, 13, 40, 48]),
+    ],
+)
 def test_ring_forward_backward_make_no_host_sync(kw):
     """Every ring step of ranks 0..2 of 3 (LocalComm: the schedule without a network) under a
     dispatch mode that fails on a device-to-host read: forward and backward."""
@@ -110,9 +123,14 @@ def test_ring_forward_backward_make_no_host_sync(kw):
         if rank == 0:  # the backend probes (once per process, they compare on the host) run first
             ringkv.ring_attention(q, k, v, comm=LocalComm(rank, 3), **kw).sum().backward()
             chosen = ringkv.kernels.pick("auto", q, Mask(OFFSET, offset=0), backward=True).__name__
-            assert chosen.rsplit(".", 1)[-1] in ("cpu_flash", "sdpa")  # a fused kernel, not the reference
+            assert chosen.rsplit(".", 1)[-1] in (
+                "cpu_flash",
+                "sdpa",
+            )  # a fused kernel, not the reference
         with _NoHostSync():
-            out = ringkv.ring_attention(q, k, v, comm=LocalComm(rank, 3), grad_comm_dtype=torch.bfloat16, **kw)
+            out = ringkv.ring_attention(
+                q, k, v, comm=LocalComm(rank, 3), grad_comm_dtype=torch.bfloat16, **kw
+            )
             out.sum().backward()
         assert q.grad is not None and k.grad is not None
 
@@ -120,7 +138,9 @@ def test_ring_forward_backward_make_no_host_sync(kw):
 def test_cu_seqlens_tensor_is_read_once(monkeypatch):
     reads = []
     real = layout_mod._check_cu_seqlens
-    monkeypatch.setattr(layout_mod, "_check_cu_seqlens", lambda cu: reads.append(torch.is_tensor(cu)) or real(cu))
+    monkeypatch.setattr(
+        layout_mod, "_check_cu_seqlens", lambda cu: reads.append(torch.is_tensor(cu)) or real(cu)
+    )
     cu = torch.tensor([0, 5, 12])
     q = torch.randn(1, 8, 2, 8)  # each document padded to 8, 4 rows per rank each
     for _ in range(3):
@@ -140,15 +160,23 @@ def test_each_block_partial_merged_once(monkeypatch):
     counting = lambda *a: merges.append(1) or real_merge(*a)  # noqa: E731
     monkeypatch.setattr(sdpa, "merge_", counting)
     monkeypatch.setattr(kernels, "merge_", counting)
-    for layout, causal, rank in [("zigzag", True, 2), ("striped", True, 1), ("contiguous", False, 0),
-                                 ("contiguous", True, 3)]:
+    for layout, causal, rank in [
+        ("zigzag", True, 2),
+        ("striped", True, 1),
+        ("contiguous", False, 0),
+        ("contiguous", True, 3),
+    ]:
         fused.clear(), merges.clear()
         q = torch.randn(1, 16, 2, 8)
-        ringkv.ring_attention(q, q, q, causal=causal, layout=layout, comm=LocalComm(rank, 4), backend="sdpa")
+        ringkv.ring_attention(
+            q, q, q, causal=causal, layout=layout, comm=LocalComm(rank, 4), backend="sdpa"
+        )
         assert len(merges) == len(fused) - 1, (layout, causal, len(fused), len(merges))
     q = torch.randn(1, 16, 2, 8)
     fused.clear(), merges.clear()
-    ringkv.ring_attention(q, q, q, causal=True, backend="sdpa")  # one rank: one tile, nothing merged
+    ringkv.ring_attention(
+        q, q, q, causal=True, backend="sdpa"
+    )  # one rank: one tile, nothing merged
     assert (len(fused), len(merges)) == (1, 0)
 
 
@@ -179,7 +207,9 @@ def test_repeated_calls_make_no_agreement_collective(world, method):
     res = world.check("tests.hotpath_cases:agreement_counts", 4, method)
     agree = [[c[0] for c in r] for r in res]
     assert all(a == [1, 0, 0, 1, 0] for a in agree), agree
-    if method != "allgather":  # their only all-gathers are the argument checks (USP: one per mesh axis)
+    if (
+        method != "allgather"
+    ):  # their only all-gathers are the argument checks (USP: one per mesh axis)
         per_check = 2 if method == "usp" else 1
         assert all([c[1] for c in r] == [per_check * a for a in (1, 0, 0, 1, 0)] for r in res), res
 
@@ -190,11 +220,19 @@ def test_grad_comm_dtype_bf16(world):
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = (torch.randn(1, 24, 4, 16, generator=g) for _ in range(4))
     want = _reference(q, k, v, dout, None, True, None)
-    got = {dt: world.check("tests.hotpath_cases:grad_comm", 3, q, k, v, dout, True, "zigzag", dt)
-           for dt in (None, torch.bfloat16)}
+    got = {
+        dt: world.check("tests.hotpath_cases:grad_comm", 3, q, k, v, dout, True, "zigzag", dt)
+        for dt in (None, torch.bfloat16)
+    }
     for rank, res in enumerate(got[torch.bfloat16]):
         for name, grad, full in zip(["dq", "dk", "dv"], res[:3], want[2:]):
-            _assert_close(name, grad, ringkv.shard(full, 1, "zigzag", rank=rank, world=3), torch.bfloat16, rank)
+            _assert_close(
+                name,
+                grad,
+                ringkv.shard(full, 1, "zigzag", rank=rank, world=3),
+                torch.bfloat16,
+                rank,
+            )
         kv_bytes = 2 * 8 * 4 * 16 * 4  # one K/V message (fp32 inputs) per hop
         assert got[None][rank][3] == 2 * kv_bytes + 2 * kv_bytes  # 2 K/V hops, 2 dK/dV hops in fp32
         assert res[3] == 2 * kv_bytes + kv_bytes  # ... and the dK/dV hops in bf16: half

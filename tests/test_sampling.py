@@ -18,8 +18,16 @@ LOGITS = torch.tensor([2.0, 1.2, 0.9, 0.0, -0.5, -1.0, -3.0])
 
 
 def rows(params: SamplingParams, n: int, prompt=(0,), output=()):
-    return [SimpleNamespace(params=params, generator=torch.Generator().manual_seed(i), penalty=None,
-                            prompt_token_ids=list(prompt), output_token_ids=list(output)) for i in range(n)]
+    return [
+        SimpleNamespace(
+            params=params,
+            generator=torch.Generator().manual_seed(i),
+            penalty=None,
+            prompt_token_ids=list(prompt),
+            output_token_ids=list(output),
+        )
+        for i in range(n)
+    ]
 
 
 def frequencies(params: SamplingParams, n: int = 20000) -> torch.Tensor:
@@ -50,19 +58,40 @@ def reference(t=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
     return restricted(p, keep)
 
 
-@pytest.mark.parametrize("kw", [dict(t=0.5), dict(t=1.0), dict(t=2.0), dict(t=1.0, top_k=2), dict(t=0.8, top_p=0.7),
-                                dict(t=1.0, min_p=0.25), dict(t=1.3, top_k=4, top_p=0.8, min_p=0.1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(t=0.5),
+        dict(t=1.0),
+        dict(t=2.0),
+        dict(t=1.0, top_k=2),
+        dict(t=0.8, top_p=0.7),
+        dict(t=1.0, min_p=0.25),
+        dict(t=1.3, top_k=4, top_p=0.8, min_p=0.1),
+    ],
+)
 def test_sample_frequencies_follow_the_definition(kw):
-    params = SamplingParams(temperature=kw["t"], top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0),
-                            min_p=kw.get("min_p", 0.0), max_tokens=1)
+    params = SamplingParams(
+        temperature=kw["t"],
+        top_k=kw.get("top_k", 0),
+        top_p=kw.get("top_p", 1.0),
+        min_p=kw.get("min_p", 0.0),
+        max_tokens=1,
+    )
     got, want = frequencies(params), reference(**kw)
     assert torch.allclose(got, want, atol=0.015), (got, want)
     assert bool((got[want == 0] == 0).all())  # never outside the set
 
 
 @settings(max_examples=30, deadline=None)
-@given(v=st.integers(2, 40), r=st.integers(1, 6), seed=st.integers(0, 1000), k=st.integers(0, 45),
-       p=st.floats(0.05, 1.0), m=st.floats(0.0, 1.0))
+@given(
+    v=st.integers(2, 40),
+    r=st.integers(1, 6),
+    seed=st.integers(0, 1000),
+    k=st.integers(0, 45),
+    p=st.floats(0.05, 1.0),
+    m=st.floats(0.0, 1.0),
+)
 def test_filter_keeps_the_defined_set(v, r, seed, k, p, m):
     x = torch.randn(r, v, generator=torch.Generator().manual_seed(seed)) * 3
     got = filter_logits(x, torch.full((r,), k), torch.full((r,), p), torch.full((r,), m))
@@ -83,25 +112,33 @@ def test_filter_keeps_the_defined_set(v, r, seed, k, p, m):
         assert torch.equal(got[i][keep], x[i][keep])
 
 
-@pytest.mark.parametrize("v, top_p, kept", [(4, 0.5, 2), (4, 0.25, 1), (8, 0.75, 6), (8, 0.5, 4), (2, 0.5, 1)])
+@pytest.mark.parametrize(
+    "v, top_p, kept", [(4, 0.5, 2), (4, 0.25, 1), (8, 0.75, 6), (8, 0.5, 4), (2, 0.5, 1)]
+)
 def test_top_p_at_an_exact_tie_keeps_exactly_the_mass(v, top_p, kept):
     """Equal logits: each token's probability is 1/v, a power of two, so the running mass hits
     top_p exactly (no rounding) and the smallest set reaching it has top_p * v tokens; the
     token after it (whose preceding mass equals top_p) is out. The hypothesis test's random
     logits never land on such a tie."""
     x = torch.zeros(3, v)
-    got = filter_logits(x, torch.zeros(3, dtype=torch.long), torch.full((3,), top_p), torch.zeros(3))
+    got = filter_logits(
+        x, torch.zeros(3, dtype=torch.long), torch.full((3,), top_p), torch.zeros(3)
+    )
     assert torch.isfinite(got).sum(dim=-1).tolist() == [kept] * 3, got
     # the sampler draws only those: `kept` distinct tokens, each about equally often
     n = 4000
-    tokens, _ = sample(x[:1].expand(n, -1).clone(), rows(SamplingParams(temperature=1.0, top_p=top_p), n))
+    tokens, _ = sample(
+        x[:1].expand(n, -1).clone(), rows(SamplingParams(temperature=1.0, top_p=top_p), n)
+    )
     counts = torch.bincount(torch.tensor(tokens), minlength=v)
     assert int((counts > 0).sum()) == kept, counts
     assert bool((counts[counts > 0] > n / kept * 0.8).all()), counts
 
 
 def test_logprobs_are_log_softmax_of_the_raw_logits():
-    params = SamplingParams(temperature=0.7, top_k=3, logprobs=4, repetition_penalty=1.5, max_tokens=1)
+    params = SamplingParams(
+        temperature=0.7, top_k=3, logprobs=4, repetition_penalty=1.5, max_tokens=1
+    )
     x = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
     tokens, lps = sample(x.clone(), rows(params, 5, prompt=[1, 2]))
     ref = torch.log_softmax(x, dim=-1)
@@ -137,16 +174,34 @@ def test_tiny_temperatures_are_greedy(t):
     assert tokens == [3, 3, 3]
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(stop=5), "stop"), (dict(stop=[""]), "stop"), (dict(stop=[1]), "stop"), (dict(stop={"a": 1}), "stop"),
-    (dict(stop=["x"] * (MAX_STOP + 1)), "stop"), (dict(stop=["x" * (MAX_STOP_CHARS + 1)]), "stop"),
-    (dict(stop_token_ids=5), "stop_token_ids"), (dict(stop_token_ids=[1.0]), "stop_token_ids"),
-    (dict(stop_token_ids=[True]), "stop_token_ids"), (dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
-    (dict(temperature=10**400), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_k=1 << 63), "top_k"), (dict(top_k=2.0), "top_k"), (dict(seed=1 << 64), "seed"), (dict(seed="1"), "seed"),
-    (dict(ignore_eos="no"), "ignore_eos"), (dict(n=2.0), "n"), (dict(n=[2]), "n"), (dict(logprobs=True), "logprobs"),
-    (dict(min_p={}), "min_p"), (dict(presence_penalty=10**400), "presence_penalty"), (dict(max_tokens="5"), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(stop=5), "stop"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop=[1]), "stop"),
+        (dict(stop={"a": 1}), "stop"),
+        (dict(stop=["x"] * (MAX_STOP + 1)), "stop"),
+        (dict(stop=["x" * (MAX_STOP_CHARS + 1)]), "stop"),
+        (dict(stop_token_ids=5), "stop_token_ids"),
+        (dict(stop_token_ids=[1.0]), "stop_token_ids"),
+        (dict(stop_token_ids=[True]), "stop_token_ids"),
+        (dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
+        (dict(temperature=10**400), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=1 << 63), "top_k"),
+        (dict(top_k=2.0), "top_k"),
+        (dict(seed=1 << 64), "seed"),
+        (dict(seed="1"), "seed"),
+        (dict(ignore_eos="no"), "ignore_eos"),
+        (dict(n=2.0), "n"),
+        (dict(n=[2]), "n"),
+        (dict(logprobs=True), "logprobs"),
+        (dict(min_p={}), "min_p"),
+        (dict(presence_penalty=10**400), "presence_penalty"),
+        (dict(max_tokens="5"), "max_tokens"),
+    ],
+)
 def test_problem_checks_types_and_bounds_and_names_the_field(kw, field):
     problem = SamplingParams(**kw).problem()
     assert problem is not None and problem.split(" ", 1)[0] == field, problem
@@ -154,8 +209,13 @@ def test_problem_checks_types_and_bounds_and_names_the_field(kw, field):
 
 
 def test_bounds_are_inclusive():
-    ok = SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOP, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)),
-                        seed=(1 << 63) - 1, top_k=-1, temperature=1e-39)
+    ok = SamplingParams(
+        stop=["x" * MAX_STOP_CHARS] * MAX_STOP,
+        stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)),
+        seed=(1 << 63) - 1,
+        top_k=-1,
+        temperature=1e-39,
+    )
     assert ok.problem() is None
 
 
@@ -167,7 +227,9 @@ from tests.test_engine import model  # noqa: E402,F401  the tiny ringkv model (a
 def test_engine_logprobs_match_the_models_log_softmax(model):
     llm = LLM(model, block_size=4, num_blocks=64)
     prompt = [3, 14, 15, 9, 2, 6]
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)[0]
+    out = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False
+    )[0]
     ids = list(prompt)
     with torch.no_grad():
         for tok, lp in zip(out.token_ids, out.logprobs):
@@ -190,7 +252,9 @@ def test_n_samples_are_distinct_reproducible_and_share_the_prompt(model):
     assert llm.blocks.hits - hits == 3 * 6  # samples 1..3 reused the prompt's 6 full blocks
     b = llm.generate(prompt, params, use_tqdm=False)[0]
     assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]  # reproducible
-    single = llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=11), use_tqdm=False)[0]
+    single = llm.generate(
+        prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=11), use_tqdm=False
+    )[0]
     assert single.token_ids == a.outputs[0].token_ids  # sample 0 uses the seed itself
     assert llm.blocks.num_free == llm.blocks.num_blocks
 
@@ -214,17 +278,26 @@ def test_step_api_and_abort_free_blocks(model):
         if steps == 2:
             assert llm.abort_request("r1") and not llm.abort_request("r1")
     assert got["r0"].token_ids == want[0] and got["r2"].token_ids == want[2]
-    assert got["r1"].finish_reason is None and len(got["r1"].token_ids) < 6  # stopped early, never finished
+    assert (
+        got["r1"].finish_reason is None and len(got["r1"].token_ids) < 6
+    )  # stopped early, never finished
     assert llm.blocks.num_free == llm.blocks.num_blocks and not llm.has_unfinished_requests()
 
 
 def test_engine_tiny_temperatures_are_greedy_and_unbounded_stops_refused(model):
     llm = LLM(model, block_size=4, num_blocks=64)
     prompts = [[3, 14, 15, 9, 2, 6], [7, 7, 1]]
-    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)]
-    assert all(any(want_ids) for want_ids in want)  # not the all-zero answer of an overflowed softmax
+    want = [
+        o.token_ids
+        for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    ]
+    assert all(
+        any(want_ids) for want_ids in want
+    )  # not the all-zero answer of an overflowed softmax
     for t in (1e-39, 1e-6):
-        got = llm.generate(prompts, SamplingParams(temperature=t, max_tokens=6, seed=1), use_tqdm=False)
+        got = llm.generate(
+            prompts, SamplingParams(temperature=t, max_tokens=6, seed=1), use_tqdm=False
+        )
         assert [o.token_ids for o in got] == want, t
     out = llm.generate(prompts[0], SamplingParams(stop=["x"] * (MAX_STOP + 1)), use_tqdm=False)[0]
     assert out.finish_reason == "error" and out.error.startswith("stop must hold at most")

@@ -11,8 +11,13 @@ from ringkv.engine.sequence import Sequence, Status
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4]),
-                max_seqs=st.integers(1, 5), max_tokens=st.integers(1, 24), collide=st.booleans())
+    @initialize(
+        num_blocks=st.integers(4, 24),
+        block_size=st.sampled_from([1, 2, 4]),
+        max_seqs=st.integers(1, 5),
+        max_tokens=st.integers(1, 24),
+        collide=st.booleans(),
+    )
     def setup(self, num_blocks, block_size, max_seqs, max_tokens, collide):
         self.bm = BlockManager(num_blocks, block_size, hash_fn=(lambda k: 7) if collide else hash)
         self.s = Scheduler(self.bm, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens)
@@ -25,7 +30,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         if length + out > self.cap:  # what LLM enforces through max_model_len
             return
         tokens = [(i * 5 + self.ids) % vocab for i in range(length)]
-        seq = Sequence(seq_id=self.ids, prompt=None, prompt_token_ids=tokens, params=SamplingParams(max_tokens=out))
+        seq = Sequence(
+            seq_id=self.ids,
+            prompt=None,
+            prompt_token_ids=tokens,
+            params=SamplingParams(max_tokens=out),
+        )
         self.ids += 1
         self.seqs.append(seq)
         self.s.add(seq)
@@ -43,14 +53,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         for b in batch:
             assert b.n >= 1 and b.start == b.seq.num_computed
             assert len(b.seq.block_table) * bs >= b.start + b.n
-            for i in range(b.start // bs):  # blocks before the new tokens (prefix hits too) hold their KV
-                assert self.store.get(b.seq.block_table[i]) == tuple(b.seq.token_ids[:(i + 1) * bs]), \
-                    "a sequence reads a block holding other K/V"
+            for i in range(
+                b.start // bs
+            ):  # blocks before the new tokens (prefix hits too) hold their KV
+                assert self.store.get(b.seq.block_table[i]) == tuple(
+                    b.seq.token_ids[: (i + 1) * bs]
+                ), "a sequence reads a block holding other K/V"
         for b in batch:
             seq = b.seq
             seq.num_computed = b.start + b.n
             for i in range(b.start // bs, -(-seq.num_computed // bs)):
-                self.store[seq.block_table[i]] = tuple(seq.token_ids[:min(seq.num_computed, (i + 1) * bs)])
+                self.store[seq.block_table[i]] = tuple(
+                    seq.token_ids[: min(seq.num_computed, (i + 1) * bs)]
+                )
             self.bm.register(seq.block_table, seq.token_ids, seq.num_computed, seq.cache_salt)
             if b.completes:
                 seq.token_ids.append((seq.num_tokens * 3) % 5)  # a fake, deterministic "sample"
@@ -76,7 +91,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             for blk in seq.block_table:
                 owners.setdefault(blk, []).append(seq)
         for blk, seqs in owners.items():
-            assert self.bm.ref[blk] == len(seqs), f"block {blk}: ref {self.bm.ref[blk]}, owners {len(seqs)}"
+            assert self.bm.ref[blk] == len(seqs), (
+                f"block {blk}: ref {self.bm.ref[blk]}, owners {len(seqs)}"
+            )
             if len(seqs) > 1:
                 assert blk in self.bm.hash_of, "an unregistered block is shared"
         assert sum(self.bm.ref) == sum(len(v) for v in owners.values())

@@ -35,8 +35,10 @@ def server(smol_server):
 def hf():
     transformers = pytest.importorskip("transformers")
     path = smollm2_path()
-    return (transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
-            transformers.AutoTokenizer.from_pretrained(path))
+    return (
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+        transformers.AutoTokenizer.from_pretrained(path),
+    )
 
 
 def log_softmax_of(model, ids):
@@ -52,9 +54,17 @@ def completion(server, **body):
 
 def streamed(server, **body) -> dict:
     """The chunks of a streamed completion joined: text, logprobs lists, finish reason."""
-    text, lps, reason = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, None
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
-                      json=dict(model="smol", stream=True, **body)) as r:
+    text, lps, reason = (
+        "",
+        {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []},
+        None,
+    )
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        timeout=120,
+        json=dict(model="smol", stream=True, **body),
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 c = json.loads(line[6:])["choices"][0]
@@ -76,22 +86,28 @@ def test_echo_gives_the_prompt_its_logprobs_and_top_alternatives(server, hf):
     assert len(lp["tokens"]) == len(ids) + 3 == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     want = lsm[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:len(ids)]), want, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(
+        torch.tensor(lp["token_logprobs"][1 : len(ids)]), want, atol=1e-3, rtol=1e-3
+    )
     top_v, top_i = lsm[:-1].topk(2)
     for j in range(1, len(ids)):  # the top 2 at each prompt position, by text, with their log-probs
         got = lp["top_logprobs"][j]
         assert set(got) == {tok.decode([t]) for t in top_i[j - 1].tolist()}, j
-        torch.testing.assert_close(torch.tensor(sorted(got.values())), top_v[j - 1].sort().values,
-                                   atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(
+            torch.tensor(sorted(got.values())), top_v[j - 1].sort().values, atol=1e-3, rtol=1e-3
+        )
     assert "".join(lp["tokens"]) == c["text"]
-    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(len(lp["tokens"]))]
+    assert lp["text_offset"] == [
+        sum(len(t) for t in lp["tokens"][:j]) for j in range(len(lp["tokens"]))
+    ]
     assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == 3
     # streamed: the same text and log-probs
     s = streamed(server, prompt=PROMPT, echo=True, logprobs=2, max_tokens=3, temperature=0)
     assert s["text"] == c["text"] and s["logprobs"]["tokens"] == lp["tokens"]
     assert s["logprobs"]["text_offset"] == lp["text_offset"]
-    torch.testing.assert_close(torch.tensor(s["logprobs"]["token_logprobs"][1:]),
-                               torch.tensor(lp["token_logprobs"][1:]))
+    torch.testing.assert_close(
+        torch.tensor(s["logprobs"]["token_logprobs"][1:]), torch.tensor(lp["token_logprobs"][1:])
+    )
 
 
 def test_echo_with_max_tokens_zero_scores_the_prompt_only(server, hf):
@@ -118,16 +134,26 @@ def test_bad_input_gets_a_4xx_and_the_next_request_its_text(server):
         ("/v1/completions", dict(prompt=PROMPT, echo=True, logprobs=21), 400),
         ("/v1/completions", dict(prompt=PROMPT, n=1000), 400),
         ("/v1/completions", dict(prompt=PROMPT, max_tokens=-1, echo=True), 400),
-        ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}], echo=True), 400),
+        (
+            "/v1/chat/completions",
+            dict(messages=[{"role": "user", "content": "Hi"}], echo=True),
+            400,
+        ),
     ]
     for path, body, status in bad:
         r = httpx.post(server.url + path, json=dict(model="smol", **body), timeout=60)
         assert r.status_code == status, (body, r.text)
         assert r.json()["error"]["message"]
-    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "\xff\xfe"}', timeout=60,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=b'{"prompt": "\xff\xfe"}',
+        timeout=60,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400  # malformed UTF-8
-    assert completion(server, prompt=PROMPT, max_tokens=4, temperature=0)["choices"][0]["text"] == want
+    assert (
+        completion(server, prompt=PROMPT, max_tokens=4, temperature=0)["choices"][0]["text"] == want
+    )
 
 
 def test_lm_evaluation_harness_scores_through_the_server(server, hf, tmp_path):
@@ -141,22 +167,36 @@ def test_lm_evaluation_harness_scores_through_the_server(server, hf, tmp_path):
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     results = lm_eval.simple_evaluate(
         model="local-completions",
-        model_args=dict(model="smol", base_url=server.url + "/v1/completions", tokenizer=smollm2_path(),
-                        tokenizer_backend="huggingface", tokenized_requests=True, num_concurrent=2, max_retries=1),
-        tasks=["ringkv_tiny_mc"], task_manager=TaskManager(include_path="tests/data/lm_eval"), log_samples=True)
+        model_args=dict(
+            model="smol",
+            base_url=server.url + "/v1/completions",
+            tokenizer=smollm2_path(),
+            tokenizer_backend="huggingface",
+            tokenized_requests=True,
+            num_concurrent=2,
+            max_retries=1,
+        ),
+        tasks=["ringkv_tiny_mc"],
+        task_manager=TaskManager(include_path="tests/data/lm_eval"),
+        log_samples=True,
+    )
     samples = results["samples"]["ringkv_tiny_mc"]
     assert len(samples) == 6
     from lm_eval.api.registry import get_model
 
-    lm = get_model("local-completions")(model="smol", base_url=server.url + "/v1/completions",
-                                       tokenizer=smollm2_path(), tokenizer_backend="huggingface")
+    lm = get_model("local-completions")(
+        model="smol",
+        base_url=server.url + "/v1/completions",
+        tokenizer=smollm2_path(),
+        tokenizer_backend="huggingface",
+    )
     checked = 0
     for sample in samples:
         for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
             ll, greedy = resp[0]
             ctx, cont = lm._encode_pair(context, continuation)
             lsm = log_softmax_of(model, ctx + cont)
-            rows = lsm[len(ctx) - 1:len(ctx) + len(cont) - 1]
+            rows = lsm[len(ctx) - 1 : len(ctx) + len(cont) - 1]
             want = rows.gather(1, torch.tensor(cont)[:, None]).sum().item()
             assert ll == pytest.approx(want, abs=2e-3), (context, continuation)
             assert greedy == (rows.argmax(-1).tolist() == cont)
@@ -176,18 +216,45 @@ def test_guidellm_benchmarks_the_server(server, tmp_path, endpoint="/v1/completi
     exe = os.path.join(os.path.dirname(sys.executable), "guidellm")
     exe = exe if os.path.exists(exe) else shutil.which("guidellm")
     out = tmp_path / "guidellm.json"
-    backend = {"kind": "openai_http", "target": server.url, "model": "smol", "request_format": endpoint,
-               "extras": {"body": {"temperature": 0}}}
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", GUIDELLM__MAX_WORKER_PROCESSES="1")
-    r = subprocess.run([exe, "run", "--backend", json.dumps(backend),
-                        "--tokenizer", f"kind=huggingface_auto,model={smollm2_path()}",
-                        "--data", "kind=synthetic_text,prompt_tokens=48,output_tokens=8",
-                        "--data-loader", "kind=pytorch,prefetch_factor=8",
-                        "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=3",
-                        "--output", f"kind=json,path={out}", "--disable-console-interactive"],
-                       capture_output=True, text=True, timeout=600, env=env)
+    backend = {
+        "kind": "openai_http",
+        "target": server.url,
+        "model": "smol",
+        "request_format": endpoint,
+        "extras": {"body": {"temperature": 0}},
+    }
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", GUIDELLM__MAX_WORKER_PROCESSES="1"
+    )
+    r = subprocess.run(
+        [
+            exe,
+            "run",
+            "--backend",
+            json.dumps(backend),
+            "--tokenizer",
+            f"kind=huggingface_auto,model={smollm2_path()}",
+            "--data",
+            "kind=synthetic_text,prompt_tokens=48,output_tokens=8",
+            "--data-loader",
+            "kind=pytorch,prefetch_factor=8",
+            "--profile",
+            "kind=synchronous",
+            "--constraint",
+            "kind=max_requests,count=3",
+            "--output",
+            f"kind=json,path={out}",
+            "--disable-console-interactive",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
-    assert m["request_totals"]["successful"] == 3 and m["request_totals"]["errored"] == 0, m["request_totals"]
+    assert m["request_totals"]["successful"] == 3 and m["request_totals"]["errored"] == 0, m[
+        "request_totals"
+    ]
     assert m["output_token_count"]["successful"]["total_sum"] == 3 * 8
     assert m["time_to_first_token_ms"]["successful"]["percentiles"]["p50"] > 0

@@ -27,7 +27,8 @@ KEY = "sk-test-123"
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     tiny_model("llama", 5, num_hidden_layers=2, max_position_embeddings=4096).save_pretrained(
-        path, safe_serialization=True)
+        path, safe_serialization=True
+    )
     return str(path)
 
 
@@ -36,11 +37,39 @@ def servers(tiny):
     """This module's two servers, started side by side (~3.5 s, not ~10 one after the other):
     ``server`` (2 computed at once, 2 waiting, a key, protected metrics) and ``hasty`` (requests
     may run 1.5 s: far less than 3,500 tokens take on any CPU here)."""
-    s = Proc("serve", "--model", tiny, "--block-size", "4", "--max-num-seqs", "2", "--max-waiting", "2",
-             "--request-timeout", "30", "--api-key", KEY, "--protect-metrics", "--served-model-name", "tiny",
-             wait=False)
-    h = Proc("serve", "--model", tiny, "--block-size", "4", "--request-timeout", "1.5", "--api-key", KEY,
-             "--served-model-name", "tiny", wait=False)
+    s = Proc(
+        "serve",
+        "--model",
+        tiny,
+        "--block-size",
+        "4",
+        "--max-num-seqs",
+        "2",
+        "--max-waiting",
+        "2",
+        "--request-timeout",
+        "30",
+        "--api-key",
+        KEY,
+        "--protect-metrics",
+        "--served-model-name",
+        "tiny",
+        wait=False,
+    )
+    h = Proc(
+        "serve",
+        "--model",
+        tiny,
+        "--block-size",
+        "4",
+        "--request-timeout",
+        "1.5",
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "tiny",
+        wait=False,
+    )
     try:
         s.wait_up()
         h.wait_up()
@@ -70,18 +99,32 @@ def metric(s, name: str) -> float:
 
 def test_the_api_key_is_needed_and_checked(server, tiny):
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
-    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}, {"x-api-key": KEY}):
+    for headers in (
+        {},
+        {"authorization": "Bearer wrong"},
+        {"authorization": KEY},
+        {"x-api-key": KEY},
+    ):
         r = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=30)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (
+            headers,
+            r.text,
+        )
     assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
     assert httpx.get(server.url + "/metrics", timeout=10).status_code == 401  # --protect-metrics
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # always open
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).completions.create(
-            model="tiny", prompt=[5, 6, 7], max_tokens=3)
-    want = LLM(tiny, block_size=4, num_blocks=64).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3),
-                                                            use_tqdm=False)[0].token_ids
-    r = server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0, logprobs=0)
+        openai.OpenAI(
+            base_url=server.url + "/v1", api_key="nope", max_retries=0
+        ).completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3)
+    want = (
+        LLM(tiny, block_size=4, num_blocks=64)
+        .generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+        .token_ids
+    )
+    r = server.client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0, logprobs=0
+    )
     assert [int(t) for t in r.choices[0].logprobs.tokens] == want
 
 
@@ -93,11 +136,21 @@ def test_past_max_waiting_requests_get_429_and_the_admitted_ones_complete(server
 
     def one(i):
         go.wait()
-        r = httpx.post(server.url + "/v1/completions", headers=server.auth, timeout=120,
-                       json={"model": "tiny", "prompt": [5 + i, 6, 7], "max_tokens": 150, "temperature": 0,
-                             "ignore_eos": True})
+        r = httpx.post(
+            server.url + "/v1/completions",
+            headers=server.auth,
+            timeout=120,
+            json={
+                "model": "tiny",
+                "prompt": [5 + i, 6, 7],
+                "max_tokens": 150,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         with lock:
             results.append(r)
+
     threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
     for t in threads:
         t.start()
@@ -108,7 +161,10 @@ def test_past_max_waiting_requests_get_429_and_the_admitted_ones_complete(server
     assert codes.count(200) >= 4  # 2 running + 2 waiting at the least
     for r in results:
         if r.status_code == 429:
-            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "too_many_requests"
+            assert (
+                int(r.headers["retry-after"]) >= 1
+                and r.json()["error"]["code"] == "too_many_requests"
+            )
         else:
             assert r.json()["choices"][0]["finish_reason"] == "length"
             assert r.json()["usage"]["completion_tokens"] == 150
@@ -126,9 +182,20 @@ def test_a_request_past_the_timeout_is_aborted_and_freed(hasty):
     server = hasty
     t0 = time.time()
     events = []
-    with httpx.stream("POST", server.url + "/v1/completions", headers=server.auth, timeout=120,
-                      json={"model": "tiny", "prompt": [9, 8, 7], "max_tokens": 3500, "temperature": 0,
-                            "ignore_eos": True, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        headers=server.auth,
+        timeout=120,
+        json={
+            "model": "tiny",
+            "prompt": [9, 8, 7],
+            "max_tokens": 3500,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -142,5 +209,7 @@ def test_a_request_past_the_timeout_is_aborted_and_freed(hasty):
     assert 1.5 < took < 60, took
     assert metric(server, "ringkv_requests_running") == 0
     assert metric(server, "ringkv_kv_cache_usage_ratio") == 0
-    r = server.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0)
+    r = server.client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0
+    )
     assert r.choices[0].finish_reason == "length"

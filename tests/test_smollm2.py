@@ -17,12 +17,20 @@ from tests.models import smollm2_path  # noqa: E402
 
 pytestmark = pytest.mark.slow
 N = 10
-PREAMBLE = ("You are a careful assistant. Answer briefly and precisely. The following facts are "
-            "given: the river is long, the mountain is tall, the city is old and the sea is deep. ")
-TEXTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,",
-         "Once upon a time, in a land far away, there lived a",
-         PREAMBLE + "Question: which is deep?", PREAMBLE + "Question: which is old?",
-         PREAMBLE + "Question: which is tall? Answer:", "Hi"]
+PREAMBLE = (
+    "You are a careful assistant. Answer briefly and precisely. The following facts are "
+    "given: the river is long, the mountain is tall, the city is old and the sea is deep. "
+)
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "Once upon a time, in a land far away, there lived a",
+    PREAMBLE + "Question: which is deep?",
+    PREAMBLE + "Question: which is old?",
+    PREAMBLE + "Question: which is tall? Answer:",
+    "Hi",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +41,25 @@ def setup():
     tok = AutoTokenizer.from_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [tok.encode(t) for t in TEXTS]
-    prompts.append(tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
-                                           add_generation_prompt=True, tokenize=True, return_dict=False))
+    prompts.append(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "What is 2+2?"}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
     refs = []
     for p in prompts:
         with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              do_sample=False, max_new_tokens=N, pad_token_id=tok.pad_token_id)
-        refs.append(out[0, len(p):].tolist())
+            out = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=N,
+                pad_token_id=tok.pad_token_id,
+            )
+        refs.append(out[0, len(p) :].tolist())
     llm = LLM(path, block_size=16, num_blocks=256)
     return llm, prompts, refs
 
@@ -76,7 +95,9 @@ def test_text_chat_template_and_stream(setup):
     assert out.text == llm.tokenizer.decode(refs[-1], skip_special_tokens=True)
     deltas = list(llm.stream(TEXTS[0], GREEDY))
     assert [d.token_id for d in deltas] == refs[0]
-    assert "".join(d.text for d in deltas) == llm.tokenizer.decode(refs[0], skip_special_tokens=True)
+    assert "".join(d.text for d in deltas) == llm.tokenizer.decode(
+        refs[0], skip_special_tokens=True
+    )
 
 
 def test_preempted_run_equals_transformers(setup):
@@ -91,8 +112,16 @@ def test_tp3_and_pp2_equal_transformers(setup, worlds):
     """TP over all 3 KV heads (9 query heads) in a torchrun-style world; PP over 2 stages with
     the ranks spawned from this process."""
     _, prompts, refs = setup
-    res = worlds(3).check("tests.engine_cases:generate", 3, smollm2_path(),
-                          dict(tp=3, block_size=16, num_blocks=256), prompts, GREEDY, 1, timeout=600)
+    res = worlds(3).check(
+        "tests.engine_cases:generate",
+        3,
+        smollm2_path(),
+        dict(tp=3, block_size=16, num_blocks=256),
+        prompts,
+        GREEDY,
+        1,
+        timeout=600,
+    )
     assert all(r["tokens"] == [refs] for r in res)
     assert res[0]["info"]["per_rank"][0]["kv_heads"] == 1
     with LLM(smollm2_path(), pp=2, block_size=16, num_blocks=256) as llm:
@@ -103,8 +132,19 @@ def test_tp3_and_pp2_equal_transformers(setup, worlds):
 
 # 77 rounds of notes: ~4130 tokens with the question, just past 4096 (80 rounds, ~4300 tokens,
 # crossed no boundary more and cost the quadratic prefills, here and in transformers, ~8% more)
-LONG = " ".join(f"Note {i}: the {w} is {c}." for i, (w, c) in enumerate(
-    [("river", "long"), ("mountain", "tall"), ("city", "old"), ("sea", "deep"), ("forest", "green")] * 77))
+LONG = " ".join(
+    f"Note {i}: the {w} is {c}."
+    for i, (w, c) in enumerate(
+        [
+            ("river", "long"),
+            ("mountain", "tall"),
+            ("city", "old"),
+            ("sea", "deep"),
+            ("forest", "green"),
+        ]
+        * 77
+    )
+)
 
 
 def test_sp2_long_prompt_equals_transformers(setup, worlds):
@@ -120,13 +160,26 @@ def test_sp2_long_prompt_equals_transformers(setup, worlds):
     try:
         hf = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32).eval()
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              do_sample=False, max_new_tokens=N, pad_token_id=llm.tokenizer.pad_token_id)
-        want = ref[0, len(prompt):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=N,
+                pad_token_id=llm.tokenizer.pad_token_id,
+            )
+        want = ref[0, len(prompt) :].tolist()
     finally:
         torch.set_num_threads(threads)
-    res = worlds(2).check("tests.engine_cases:generate", 2, smollm2_path(),
-                          dict(sp=2, block_size=16, num_blocks=300), [prompt], GREEDY, 1, timeout=900)
+    res = worlds(2).check(
+        "tests.engine_cases:generate",
+        2,
+        smollm2_path(),
+        dict(sp=2, block_size=16, num_blocks=300),
+        [prompt],
+        GREEDY,
+        1,
+        timeout=900,
+    )
     assert all(r["tokens"] == [[want]] for r in res)
     assert res[0]["info"]["capacity_tokens"] == 2 * 300 * 16
 
@@ -136,12 +189,38 @@ def test_cli_under_torchrun():
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    args = ["-m", "ringkv", "generate", "--model", smollm2_path(), "--prompt", "The capital of France is",
-            "--max-tokens", "6"]
-    runs = [[sys.executable, *args],  # (spawned ranks from the CLI: tests/test_serve.py, ringkv serve --pp 2)
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args, "--sp", "2"]]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for cmd in runs]  # side by side: each rank has one thread
+    args = [
+        "-m",
+        "ringkv",
+        "generate",
+        "--model",
+        smollm2_path(),
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "6",
+    ]
+    runs = [
+        [
+            sys.executable,
+            *args,
+        ],  # (spawned ranks from the CLI: tests/test_serve.py, ringkv serve --pp 2)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            *args,
+            "--sp",
+            "2",
+        ],
+    ]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for cmd in runs
+    ]  # side by side: each rank has one thread
     try:
         stdouts = []
         for p in procs:

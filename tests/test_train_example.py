@@ -22,24 +22,56 @@ def tiny_dir(tmp_path_factory):
     from tests.models import tiny_model
 
     path = tmp_path_factory.mktemp("tiny_llama")
-    tiny_model("llama", 0, vocab_size=259).save_pretrained(str(path))  # ids = byte + 3 (0 pad, 1 bos, 2 eos)
+    tiny_model("llama", 0, vocab_size=259).save_pretrained(
+        str(path)
+    )  # ids = byte + 3 (0 pad, 1 bos, 2 eos)
     return str(path)
 
 
 def _table(stdout):
     """The comparison table's rows: (step, ring loss, reference loss, |diff|, rel, norm, ref norm, rel)."""
-    return [tuple(float(x) for x in m.groups()) for m in re.finditer(
-        r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)$",
-        stdout, re.M)]
+    return [
+        tuple(float(x) for x in m.groups())
+        for m in re.finditer(
+            r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)$",
+            stdout,
+            re.M,
+        )
+    ]
 
 
 @pytest.mark.slow
 def test_train_example_dp2_sp2_matches_the_unpatched_reference(tiny_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     steps = 3
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", EXAMPLE,
-           "--model", tiny_dir, "--tokenizer", "bytes", "--dp", "2", "--sp", "2", "--seq", "48", "--batch", "2",
-           "--ga", "2", "--steps", str(steps), "--lr", "1e-3", "--reference"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        EXAMPLE,
+        "--model",
+        tiny_dir,
+        "--tokenizer",
+        "bytes",
+        "--dp",
+        "2",
+        "--sp",
+        "2",
+        "--seq",
+        "48",
+        "--batch",
+        "2",
+        "--ga",
+        "2",
+        "--steps",
+        str(steps),
+        "--lr",
+        "1e-3",
+        "--reference",
+    ]
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
@@ -49,7 +81,9 @@ def test_train_example_dp2_sp2_matches_the_unpatched_reference(tiny_dir, tmp_pat
         assert abs(ring - ref) <= 1e-4 * abs(ref) and rel <= 1e-4, p.stdout
         assert abs(norm - ref_norm) <= 1e-4 * ref_norm and rel_norm <= 1e-4, p.stdout
     assert rows[-1][1] < rows[0][1], p.stdout  # lr 1e-3 on a random model: it learns
-    assert re.search(r"max \|loss difference\| = \S+ .*tolerance 1e-04 relative: OK", p.stdout), p.stdout
+    assert re.search(r"max \|loss difference\| = \S+ .*tolerance 1e-04 relative: OK", p.stdout), (
+        p.stdout
+    )
 
 
 def test_pack_rows_and_collate_follow_the_flattening_collator():
@@ -73,4 +107,6 @@ def test_pack_rows_and_collate_follow_the_flattening_collator():
     tok = ex.ByteTokenizer()
     docs = ex.documents(ex.DATA, tok)
     assert len(docs) > 100 and all(d[-1] == tok.eos_token_id for d in docs)
-    assert not any(bytes(t - 3 for t in d[:-1]).decode().startswith("#") for d in docs)  # the header is skipped
+    assert not any(
+        bytes(t - 3 for t in d[:-1]).decode().startswith("#") for d in docs
+    )  # the header is skipped

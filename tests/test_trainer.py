@@ -27,12 +27,41 @@ def runs(tmp_path_factory):
     both run Trainer then (when trl is installed) SFTTrainer with packing."""
     kinds = "trainer,sft" if _have("trl") and _have("datasets") else "trainer"
     tmp = tmp_path_factory.mktemp("trainer")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", RINGKV_TIMEOUT_S="120")
-    ring = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                             CASES, "--dp", "2", "--sp", "2", "--kinds", kinds, "--out", str(tmp / "ring.json")],
-                            cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ref = subprocess.run([sys.executable, CASES, "--dp", "2", "--kinds", kinds, "--out", str(tmp / "ref.json")],
-                         cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", RINGKV_TIMEOUT_S="120"
+    )
+    ring = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            CASES,
+            "--dp",
+            "2",
+            "--sp",
+            "2",
+            "--kinds",
+            kinds,
+            "--out",
+            str(tmp / "ring.json"),
+        ],
+        cwd=tmp,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ref = subprocess.run(
+        [sys.executable, CASES, "--dp", "2", "--kinds", kinds, "--out", str(tmp / "ref.json")],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     try:
         ring_out, _ = ring.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -52,15 +81,31 @@ def _have(name):
 
 
 def _check(ring, ref):
-    assert len(ref["steps"]) == 3 and [s["step"] for s in ring["steps"]] == [s["step"] for s in ref["steps"]]
+    assert len(ref["steps"]) == 3 and [s["step"] for s in ring["steps"]] == [
+        s["step"] for s in ref["steps"]
+    ]
     for a, b in zip(ring["steps"], ref["steps"]):
         assert abs(a["loss"] - b["loss"]) <= TOL * abs(b["loss"]), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOL * b["grad_norm"], (a, b)
     assert ring["tokens_seen"] > 0
-    for key in ("global_step", "epoch", "max_steps", "batches_per_epoch", "total_batch", "fsdp", "tokens_seen"):
-        assert ring[key] == ref[key], (key, ring[key], ref[key])  # dp replicas' batches, not the world's
+    for key in (
+        "global_step",
+        "epoch",
+        "max_steps",
+        "batches_per_epoch",
+        "total_batch",
+        "fsdp",
+        "tokens_seen",
+    ):
+        assert ring[key] == ref[key], (
+            key,
+            ring[key],
+            ref[key],
+        )  # dp replicas' batches, not the world's
     assert ring["total_batch"] == 2 * 2 * 2  # per device 2 x accumulation 2 x dp 2
-    assert ring["wrapped"] == "DistributedDataParallel" and ref["wrapped"] != ring["wrapped"]  # DDP over the world
+    assert (
+        ring["wrapped"] == "DistributedDataParallel" and ref["wrapped"] != ring["wrapped"]
+    )  # DDP over the world
     assert len({round(s["loss"], 4) for s in ring["steps"]}) == 3  # the steps saw different data
 
 

@@ -31,17 +31,30 @@ from ringkv.kernels.mask import DENSE, EMPTY, FULL, OFFSET, Mask
 
 tk = pytest.importorskip("ringkv.kernels.triton_attn", reason="triton not installed")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (out, lse, grads): max error allowed, relative to 1 + max |reference|
-TOL = {torch.float32: (2e-5, 2e-5, 1e-4), torch.float16: (2e-3, 1e-4, 8e-3),
-       torch.bfloat16: (1.6e-2, 1e-4, 6e-2)}
+TOL = {
+    torch.float32: (2e-5, 2e-5, 1e-4),
+    torch.float16: (2e-3, 1e-4, 8e-3),
+    torch.bfloat16: (1.6e-2, 1e-4, 6e-2),
+}
 
 
 def _device_ok(device):
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU runs of Triton kernels need TRITON_INTERPRET=1 (set before triton is imported)")
+        pytest.skip(
+            "CPU runs of Triton kernels need TRITON_INTERPRET=1 (set before triton is imported)"
+        )
 
 
 def assert_close(actual, expected, tol, what):
@@ -49,8 +62,9 @@ def assert_close(actual, expected, tol, what):
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
     assert not torch.isnan(a).any(), f"{what}: NaN in the result"
-    assert torch.equal(torch.isinf(a), torch.isinf(e)) and torch.equal(a[torch.isinf(a)], e[torch.isinf(e)]), \
-        f"{what}: infinities differ"
+    assert torch.equal(torch.isinf(a), torch.isinf(e)) and torch.equal(
+        a[torch.isinf(a)], e[torch.isinf(e)]
+    ), f"{what}: infinities differ"
     fin = torch.isfinite(e)
     if fin.any():
         err = (a[fin] - e[fin]).abs().max().item()
@@ -75,10 +89,18 @@ def problems(draw):
     kind = draw(st.sampled_from([FULL, OFFSET, OFFSET, EMPTY]))
     # offsets from "every row sees nothing" through the diagonal to "every row sees everything"
     offset = draw(st.integers(-sq - 2, sk + 2))
-    return dict(b=draw(st.integers(1, 2)), sq=sq, sk=sk, h=hkv * groups, hkv=hkv,
-                d=draw(st.sampled_from([16, 32, 64])), dtype=draw(st.sampled_from(DTYPES)),
-                mask=Mask(kind, offset=offset if kind == OFFSET else 0),
-                scale=draw(st.sampled_from([None, 0.05, 0.3])), seed=draw(st.integers(0, 2**16)))
+    return dict(
+        b=draw(st.integers(1, 2)),
+        sq=sq,
+        sk=sk,
+        h=hkv * groups,
+        hkv=hkv,
+        d=draw(st.sampled_from([16, 32, 64])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        mask=Mask(kind, offset=offset if kind == OFFSET else 0),
+        scale=draw(st.sampled_from([None, 0.05, 0.3])),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 def _scale(p):
@@ -86,7 +108,9 @@ def _scale(p):
 
 
 def check_forward(p, device):
-    q, k, v = make_inputs(p["b"], p["sq"], p["sk"], p["h"], p["hkv"], p["d"], p["dtype"], device, p["seed"])
+    q, k, v = make_inputs(
+        p["b"], p["sq"], p["sk"], p["h"], p["hkv"], p["d"], p["dtype"], device, p["seed"]
+    )
     out, lse = tk.forward(q, k, v, _scale(p), p["mask"])
     ref_out, ref_lse = reference.forward(q, k, v, _scale(p), p["mask"])
     t_out, t_lse, _ = TOL[p["dtype"]]
@@ -103,12 +127,16 @@ def check_backward(p, device, merged, with_dlse):
     rows have a finite lse although this block shows them no key); otherwise from the block
     alone (rows that see nothing have lse = -inf and must get zero gradients).
     """
-    q, k, v = make_inputs(p["b"], p["sq"], p["sk"], p["h"], p["hkv"], p["d"], p["dtype"], device, p["seed"])
+    q, k, v = make_inputs(
+        p["b"], p["sq"], p["sk"], p["h"], p["hkv"], p["d"], p["dtype"], device, p["seed"]
+    )
     scale, mask = _scale(p), p["mask"]
     g = torch.Generator().manual_seed(p["seed"] + 1)
     dout = torch.randn(q.shape, generator=g).to(device, q.dtype)
     if merged:
-        k2, v2 = (torch.randn(p["b"], 5, p["hkv"], p["d"], generator=g).to(device, q.dtype) for _ in "kv")
+        k2, v2 = (
+            torch.randn(p["b"], 5, p["hkv"], p["d"], generator=g).to(device, q.dtype) for _ in "kv"
+        )
         o1, l1 = reference.forward(q, k, v, scale, mask)
         o2, l2 = reference.forward(q, k2, v2, scale, Mask(FULL))
         lse = torch.logaddexp(l1, l2)
@@ -117,7 +145,9 @@ def check_backward(p, device, merged, with_dlse):
     else:
         out, lse = reference.forward(q, k, v, scale, mask)
     dlse = torch.randn(lse.shape, generator=g).to(device) if with_dlse else None
-    got = block_backward(dout, q, k, v, out, lse, scale=scale, mask=mask, dlse=dlse, backend="triton")
+    got = block_backward(
+        dout, q, k, v, out, lse, scale=scale, mask=mask, dlse=dlse, backend="triton"
+    )
     want = reference.backward(dout, q, k, v, out, lse, scale, mask, dlse)
     tol = TOL[p["dtype"]][2]
     for name, a, e in zip(("dq", "dk", "dv"), got, want):
@@ -151,17 +181,34 @@ def test_padded_head_dims(device, d, kind, offset):
     """Head dims that are not powers of two (80) and the large end (128), small sequences."""
     _device_ok(device)
     for dtype in (torch.float32, torch.bfloat16):
-        p = dict(b=1, sq=37, sk=45, h=4, hkv=2, d=d, dtype=dtype, mask=Mask(kind, offset=offset),
-                 scale=None, seed=d)
+        p = dict(
+            b=1,
+            sq=37,
+            sk=45,
+            h=4,
+            hkv=2,
+            d=d,
+            dtype=dtype,
+            mask=Mask(kind, offset=offset),
+            scale=None,
+            seed=d,
+        )
         check_forward(p, device)
         check_backward(p, device, merged=False, with_dlse=False)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @HYP
-@given(sq=st.integers(1, 40), sk=st.integers(1, 40), q0=st.integers(-45, 45), k0=st.integers(0, 10),
-       step=st.sampled_from([1, 2]), causal=st.booleans(), groups=st.sampled_from([1, 2]),
-       dtype=st.sampled_from(DTYPES))
+@given(
+    sq=st.integers(1, 40),
+    sk=st.integers(1, 40),
+    q0=st.integers(-45, 45),
+    k0=st.integers(0, 10),
+    step=st.sampled_from([1, 2]),
+    causal=st.booleans(),
+    groups=st.sampled_from([1, 2]),
+    dtype=st.sampled_from(DTYPES),
+)
 def test_autograd_through_registry(device, sq, sk, q0, k0, step, causal, groups, dtype):
     """``attention(..., backend="triton")``: out, lse and the gradients of both vs the reference."""
     _device_ok(device)
@@ -173,13 +220,19 @@ def test_autograd_through_registry(device, sq, sk, q0, k0, step, causal, groups,
     results = {}
     for backend in ("triton", "reference"):
         q, k, v = (t.clone().requires_grad_(True) for t in base)
-        out, lse = attention(q, k, v, causal=causal, q_positions=qpos, k_positions=kpos, backend=backend)
+        out, lse = attention(
+            q, k, v, causal=causal, q_positions=qpos, k_positions=kpos, backend=backend
+        )
         # lse of rows that see nothing is -inf: keep its gradient finite by masking those rows
         torch.autograd.backward([out, torch.where(torch.isinf(lse), 0.0, lse)], [dout, dlse])
         results[backend] = (out, lse, q.grad, k.grad, v.grad)
     t_out, t_lse, t_grad = TOL[dtype]
-    for name, a, e, tol in zip(("out", "lse", "dq", "dk", "dv"), results["triton"], results["reference"],
-                               (t_out, t_lse, t_grad, t_grad, t_grad)):
+    for name, a, e, tol in zip(
+        ("out", "lse", "dq", "dk", "dv"),
+        results["triton"],
+        results["reference"],
+        (t_out, t_lse, t_grad, t_grad, t_grad),
+    ):
         assert_close(a, e, tol, name)
 
 
@@ -191,8 +244,18 @@ def test_offset_sweep_across_tile_boundaries(device):
     _device_ok(device)
     sq, sk = 37, 50
     for offset in range(-sq - 1, sk + 1):
-        p = dict(b=1, sq=sq, sk=sk, h=2, hkv=1, d=16, dtype=torch.float32,
-                 mask=Mask(OFFSET, offset=offset), scale=None, seed=offset + 100)
+        p = dict(
+            b=1,
+            sq=sq,
+            sk=sk,
+            h=2,
+            hkv=1,
+            d=16,
+            dtype=torch.float32,
+            mask=Mask(OFFSET, offset=offset),
+            scale=None,
+            seed=offset + 100,
+        )
         check_forward(p, device)
         if offset % 3 == 0:
             check_backward(p, device, merged=offset % 2 == 0, with_dlse=True)
@@ -203,8 +266,18 @@ def test_offset_sweep_across_tile_boundaries(device):
 def test_autotuned_configs_match_reference(monkeypatch):
     """The autotuned launch path (the other CUDA tests may pin one config for speed)."""
     monkeypatch.setenv("RINGKV_TRITON_AUTOTUNE", "1")
-    p = dict(b=2, sq=300, sk=260, h=8, hkv=2, d=128, dtype=torch.bfloat16,
-             mask=Mask(OFFSET, offset=-40), scale=None, seed=1)
+    p = dict(
+        b=2,
+        sq=300,
+        sk=260,
+        h=8,
+        hkv=2,
+        d=128,
+        dtype=torch.bfloat16,
+        mask=Mask(OFFSET, offset=-40),
+        scale=None,
+        seed=1,
+    )
     check_forward(p, "cuda")
     check_backward(p, "cuda", merged=True, with_dlse=True)
 
@@ -264,10 +337,13 @@ def compile_for_sm90(script: str, tmp_path, timeout: int = 300) -> str:
     """Run a compile script in a fresh interpreter (no TRITON_INTERPRET; a crash fails only the test),
     with triton's PTX/cubin scratch files in ``tmp_path`` (it leaves them behind); its stdout."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                          env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]
+    )
     env["TMPDIR"] = str(tmp_path)
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r.stdout
 
@@ -348,8 +424,10 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not sys.platform.startswith("linux"),
-                    reason="needs the CPU interpreter and Linux's MAP_NORESERVE")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not sys.platform.startswith("linux"),
+    reason="needs the CPU interpreter and Linux's MAP_NORESERVE",
+)
 def test_offsets_past_2_to_31_elements():
     """Row offsets ``row * stride`` past 2**31 elements (``S_local * H * D >= 2**31``: 512K tokens
     at H=32, D=128). Such tensors cannot be allocated here, so the inputs and outputs are views
@@ -357,9 +435,24 @@ def test_offsets_past_2_to_31_elements():
     the interpreter reads and writes raw addresses like a GPU, so an int32 product wraps to a
     negative offset and the run crashes (or reads garbage) instead of matching the reference.
     A subprocess, so a crash fails this test rather than the session."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _HUGE_OFFSETS_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), \
-        f"rc={r.returncode} (-11: segfault from a wrapped int32 offset)\n" + r.stdout[-2000:] + r.stderr[-3000:]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", _HUGE_OFFSETS_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (
+        f"rc={r.returncode} (-11: segfault from a wrapped int32 offset)\n"
+        + r.stdout[-2000:]
+        + r.stderr[-3000:]
+    )

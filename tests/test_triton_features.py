@@ -22,10 +22,14 @@ from hypothesis import strategies as st
 # test_triton sets TRITON_INTERPRET on a machine without CUDA before triton imports, and skips without triton
 from tests.test_triton import DEVICES, _device_ok, assert_close, compile_for_sm90, tk  # noqa: E402
 from ringkv.kernels.mask import BAND, EMPTY, FULL, OFFSET, Mask  # noqa: E402
+
 DTYPES = [torch.float32, torch.float32, torch.float16, torch.bfloat16]  # fp32 drawn half the time
 # (out, lse, grads): max error allowed, relative to 1 + max |oracle|
-TOL = {torch.float32: (2e-5, 2e-5, 1e-4), torch.float16: (2e-3, 2e-4, 1e-2),
-       torch.bfloat16: (1.6e-2, 2e-4, 6e-2)}
+TOL = {
+    torch.float32: (2e-5, 2e-5, 1e-4),
+    torch.float16: (2e-3, 2e-4, 1e-2),
+    torch.bfloat16: (1.6e-2, 2e-4, 6e-2),
+}
 HYP = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 
 
@@ -80,18 +84,56 @@ def problems(draw):
     sq, sk = draw(st.integers(1, 48)), draw(st.integers(1, 48))
     hkv = draw(st.sampled_from([1, 2]))
     d = draw(st.sampled_from([16, 32, 24]))
-    return dict(b=draw(st.integers(1, 2)), sq=sq, sk=sk, hkv=hkv, h=hkv * draw(st.sampled_from([1, 2, 3])),
-                d=d, dv=draw(st.sampled_from([d, 8, 16, 32, 40])), mask=draw(masks(sq, sk)),
-                softcap=draw(st.one_of(st.none(), st.floats(1.0, 5.0), st.just(50.0))),
-                scale=draw(st.sampled_from([None, 0.3, 1.0])), amp=draw(st.sampled_from([1.0, 3.0])),
-                dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)))
+    return dict(
+        b=draw(st.integers(1, 2)),
+        sq=sq,
+        sk=sk,
+        hkv=hkv,
+        h=hkv * draw(st.sampled_from([1, 2, 3])),
+        d=d,
+        dv=draw(st.sampled_from([d, 8, 16, 32, 40])),
+        mask=draw(masks(sq, sk)),
+        softcap=draw(st.one_of(st.none(), st.floats(1.0, 5.0), st.just(50.0))),
+        scale=draw(st.sampled_from([None, 0.3, 1.0])),
+        amp=draw(st.sampled_from([1.0, 3.0])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 # the cases the issue names, pinned so every run has them: Dv < D, Dv > D, a small and a large cap
-PINNED = [dict(b=1, sq=37, sk=45, hkv=2, h=4, d=32, dv=16, mask=Mask(OFFSET, offset=3), softcap=1.0, scale=None,
-               amp=3.0, dtype=torch.float32, seed=1),
-          dict(b=2, sq=29, sk=40, hkv=1, h=3, d=16, dv=32, mask=Mask(BAND, offset=4, lo=-17), softcap=50.0,
-               scale=1.0, amp=1.0, dtype=torch.float32, seed=2)]
+PINNED = [
+    dict(
+        b=1,
+        sq=37,
+        sk=45,
+        hkv=2,
+        h=4,
+        d=32,
+        dv=16,
+        mask=Mask(OFFSET, offset=3),
+        softcap=1.0,
+        scale=None,
+        amp=3.0,
+        dtype=torch.float32,
+        seed=1,
+    ),
+    dict(
+        b=2,
+        sq=29,
+        sk=40,
+        hkv=1,
+        h=3,
+        d=16,
+        dv=32,
+        mask=Mask(BAND, offset=4, lo=-17),
+        softcap=50.0,
+        scale=1.0,
+        amp=1.0,
+        dtype=torch.float32,
+        seed=2,
+    ),
+]
 
 
 def make_inputs(p, device):
@@ -120,13 +162,27 @@ def check_block(p, device, with_dlse):
     out, lse = tk.forward(q, k, v, scale, mask, **_cap(p))
     want = oracle_grads(q, k, v, scale, mask, p["softcap"], dout, dlse if with_dlse else None)
     t_out, t_lse, t_grad = TOL[p["dtype"]]
-    assert out.dtype == q.dtype and out.shape == (p["b"], p["sq"], p["h"], p["dv"]) and lse.dtype == torch.float32
+    assert (
+        out.dtype == q.dtype
+        and out.shape == (p["b"], p["sq"], p["h"], p["dv"])
+        and lse.dtype == torch.float32
+    )
     assert_close(out, want[0], t_out, "out")
     assert_close(lse, want[1], t_lse, "lse")
     if mask.kind == EMPTY:  # the registry answers EMPTY blocks; the module still gives zeros
         return
-    grads = tk.backward(dout.to(device, q.dtype), q, k, v, out, lse, scale, mask,
-                        dlse.float().to(device) if with_dlse else None, **_cap(p))
+    grads = tk.backward(
+        dout.to(device, q.dtype),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scale,
+        mask,
+        dlse.float().to(device) if with_dlse else None,
+        **_cap(p),
+    )
     for name, a, e in zip(("dq", "dk", "dv"), grads, want[2:]):
         assert a.dtype == torch.float32, name
         assert_close(a, e, t_grad, name)
@@ -145,8 +201,10 @@ def check_split(p, device, split, with_dlse):
         outs.append(o.double())
         lses.append(s.double())
     lse = torch.logaddexp(*lses)
-    w = [torch.where(torch.isinf(s), 0.0, torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)))
-         for s in lses]  # (B, H, Sq) each block's share of the row
+    w = [
+        torch.where(torch.isinf(s), 0.0, torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)))
+        for s in lses
+    ]  # (B, H, Sq) each block's share of the row
     out = sum(wi.transpose(1, 2)[..., None] * o for wi, o in zip(w, outs)).to(q.dtype)
     lse = lse.float()
     want = oracle_grads(q, k, v, scale, mask, p["softcap"], dout, dlse if with_dlse else None)
@@ -156,8 +214,18 @@ def check_split(p, device, split, with_dlse):
     dq = torch.zeros(q.shape, dtype=torch.float64)
     dks, dvs = [], []
     for k0, k1 in parts:
-        g = tk.backward(dout.to(device, q.dtype), q, k[:, k0:k1], v[:, k0:k1], out, lse, scale,
-                        mask.block(0, sq, k0, k1), dlse.float().to(device) if with_dlse else None, **_cap(p))
+        g = tk.backward(
+            dout.to(device, q.dtype),
+            q,
+            k[:, k0:k1],
+            v[:, k0:k1],
+            out,
+            lse,
+            scale,
+            mask.block(0, sq, k0, k1),
+            dlse.float().to(device) if with_dlse else None,
+            **_cap(p),
+        )
         dq += g[0].double().cpu()
         dks.append(g[1])
         dvs.append(g[2])
@@ -191,8 +259,21 @@ def test_split_keys_merged_by_lse(device, p, frac, with_dlse):
 def test_wide_head_dims(device, d, dv, dtype):
     """MLA's shape (qk 192, v 128: padded to 256 and 128 wide tiles) and a non-power-of-two Dv > D."""
     _device_ok(device)
-    p = dict(b=1, sq=21, sk=35, hkv=1, h=2, d=d, dv=dv, mask=Mask(OFFSET, offset=14), softcap=5.0, scale=None,
-             amp=2.0, dtype=dtype, seed=d + dv)
+    p = dict(
+        b=1,
+        sq=21,
+        sk=35,
+        hkv=1,
+        h=2,
+        d=d,
+        dv=dv,
+        mask=Mask(OFFSET, offset=14),
+        softcap=5.0,
+        scale=None,
+        amp=2.0,
+        dtype=dtype,
+        seed=d + dv,
+    )
     check_block(p, device, with_dlse=True)
 
 

@@ -31,12 +31,23 @@ def step_kwargs(ids, labels, form, position_ids=None, num_items=None):
     return kw
 
 
-def reference(arch, seed, ids, labels, form="labels", position_ids=None, num_items=None, config=None,
-              dtype=torch.float32):
+def reference(
+    arch,
+    seed,
+    ids,
+    labels,
+    form="labels",
+    position_ids=None,
+    num_items=None,
+    config=None,
+    dtype=torch.float32,
+):
     """The unpatched model, one process: loss and gradients of the same step."""
     model = build(arch, seed, **(config or {})).to(dtype).train()
     # HF computes a loss only when labels come (shift_labels then replace their shift); ringkv takes either alone
-    out = model(**step_kwargs(ids, labels, "both" if form == "shift" else form, position_ids, num_items))
+    out = model(
+        **step_kwargs(ids, labels, "both" if form == "shift" else form, position_ids, num_items)
+    )
     out.loss.backward()
     return out.loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -48,13 +59,22 @@ def chunked_step(ctx, arch, seed, ids, labels, layout, inputs, opts):
     Returns the loss, whether logits came back, this rank's gradients and what the store saw."""
     model = build(arch, seed, **opts.get("config", {})).train()
     store = FileStore() if opts.get("store") else False
-    hf.patch_model(model, sp=ctx.world, group=ctx.group, layout=layout, inputs=inputs, offload_checkpoints=store,
-                   **opts.get("patch", {}))
+    hf.patch_model(
+        model,
+        sp=ctx.world,
+        group=ctx.group,
+        layout=layout,
+        inputs=inputs,
+        offload_checkpoints=store,
+        **opts.get("patch", {}),
+    )
     if opts.get("checkpointing"):
         model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": opts["checkpointing"] == "reentrant"})
+            gradient_checkpointing_kwargs={"use_reentrant": opts["checkpointing"] == "reentrant"}
+        )
     form = opts.get("form", "labels")
     if inputs == "shard":
+
         def mine(x):
             return ringkv.shard(x, 1, layout, ctx.group)
 
@@ -70,19 +90,33 @@ def chunked_step(ctx, arch, seed, ids, labels, layout, inputs, opts):
     out = model(**kw)
     stored = list(store.stored) if store else []
     out.loss.backward()
-    return dict(loss=out.loss.item(), logits=out.logits is not None, keys=list(out.keys()),
-                grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None},
-                stored=stored, pending=store.pending if store else 0)
+    return dict(
+        loss=out.loss.item(),
+        logits=out.logits is not None,
+        keys=list(out.keys()),
+        grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+        stored=stored,
+        pending=store.pending if store else 0,
+    )
 
 
-def train_error(ctx, arch, layout, inputs, kwargs, patch=None, only_rank0=False, train=True, config=None):
+def train_error(
+    ctx, arch, layout, inputs, kwargs, patch=None, only_rank0=False, train=True, config=None
+):
     """One forward of a patched model in training (or eval) mode with ``kwargs``; ``(error type,
     message)`` or ``("ok", "")``. ``only_rank0``: the other ranks make no call (the error must come
     before any collective). ``kwargs["shard"]``: names of tensors to shard (inputs="shard")."""
     model = build(arch, 0, **(config or {})).train(train)
     try:
-        hf.patch_model(model, sp=ctx.world, group=ctx.group, layout=layout, inputs=inputs, timeout=20,
-                       **(patch or {}))
+        hf.patch_model(
+            model,
+            sp=ctx.world,
+            group=ctx.group,
+            layout=layout,
+            inputs=inputs,
+            timeout=20,
+            **(patch or {}),
+        )
     except (ValueError, TypeError) as e:
         return (type(e).__name__, str(e))
     if only_rank0 and ctx.rank != 0:
@@ -110,10 +144,24 @@ def helper_from_hidden(ctx):
     kw = dict(layout="zigzag", group=ctx.group)
     weight = model.lm_head.weight
     by_logits = hf.causal_lm_loss(out.logits, labels, **kw)
-    by_hidden = hf.causal_lm_loss(seen[0], labels, weight=weight, chunk=3, **kw)  # hidden states first
-    shifted = hf.causal_lm_loss(None, shift_labels=targets(labels), hidden=seen[0], weight=weight,
-                                num_items_in_batch=7, **kw)
+    by_hidden = hf.causal_lm_loss(
+        seen[0], labels, weight=weight, chunk=3, **kw
+    )  # hidden states first
+    shifted = hf.causal_lm_loss(
+        None,
+        shift_labels=targets(labels),
+        hidden=seen[0],
+        weight=weight,
+        num_items_in_batch=7,
+        **kw,
+    )
     g_logits = torch.autograd.grad(by_logits, weight)[0]
     g_hidden = torch.autograd.grad(by_hidden, weight)[0]
-    return dict(logits=by_logits.item(), hidden=by_hidden.item(), shifted=shifted.item(),
-                count=int((labels[:, 1:] != -100).sum()), g_logits=g_logits, g_hidden=g_hidden)
+    return dict(
+        logits=by_logits.item(),
+        hidden=by_hidden.item(),
+        shifted=shifted.item(),
+        count=int((labels[:, 1:] != -100).sum()),
+        g_logits=g_logits,
+        g_hidden=g_hidden,
+    )

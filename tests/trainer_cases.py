@@ -39,7 +39,10 @@ def trainer_rows(n: int, length: int, seed: int = 1):
 
 def sft_documents(n: int, seed: int = 2):
     rng = random.Random(seed)
-    return [{"input_ids": [rng.randrange(3, 128) for _ in range(rng.randrange(3, 21))]} for _ in range(n)]
+    return [
+        {"input_ids": [rng.randrange(3, 128) for _ in range(rng.randrange(3, 21))]}
+        for _ in range(n)
+    ]
 
 
 def tiny_tokenizer():
@@ -69,11 +72,24 @@ def build_model(arch: str, patch: bool, sp: int, layout: str):
 
 
 def common_args(a, out_dir, batch):
-    return dict(output_dir=out_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=a.ga,
-                learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-                report_to="none", disable_tqdm=True, seed=a.seed, bf16=False, fp16=False,
-                dataloader_num_workers=0, use_cpu=True, ddp_backend="gloo" if a.sp else None,
-                include_num_input_tokens_seen="all")
+    return dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=a.ga,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=a.seed,
+        bf16=False,
+        fp16=False,
+        dataloader_num_workers=0,
+        use_cpu=True,
+        ddp_backend="gloo" if a.sp else None,
+        include_num_input_tokens_seen="all",
+    )
 
 
 def run_trainer(a, out_dir):
@@ -87,8 +103,13 @@ def run_trainer(a, out_dir):
     args = TrainingArguments(num_train_epochs=1, **common_args(a, out_dir, batch))
     cls = sp_trainer(Trainer) if patched else Trainer
     kw = {"sp_mesh": mesh} if patched else {}
-    trainer = cls(model=model, args=args, train_dataset=trainer_rows(a.rows, a.length),
-                  data_collator=default_data_collator, **kw)
+    trainer = cls(
+        model=model,
+        args=args,
+        train_dataset=trainer_rows(a.rows, a.length),
+        data_collator=default_data_collator,
+        **kw,
+    )
     trainer.train()
     return trainer
 
@@ -102,30 +123,49 @@ def run_sft(a, out_dir):
     patched = a.sp is not None
     model, mesh = build_model(a.arch, patched, a.sp or 1, a.layout)
     batch = a.batch if patched else a.batch * a.dp
-    args = SFTConfig(packing=True, max_length=a.length, max_steps=a.steps, dataset_num_proc=None,
-                     **common_args(a, out_dir, batch))
+    args = SFTConfig(
+        packing=True,
+        max_length=a.length,
+        max_steps=a.steps,
+        dataset_num_proc=None,
+        **common_args(a, out_dir, batch),
+    )
     cls = sp_trainer(SFTTrainer) if patched else SFTTrainer
     kw = {"sp_mesh": mesh} if patched else {}
-    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(sft_documents(a.docs)),
-                  processing_class=tiny_tokenizer(), **kw)
+    trainer = cls(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(sft_documents(a.docs)),
+        processing_class=tiny_tokenizer(),
+        **kw,
+    )
     trainer.train()
     return trainer
 
 
 def summary(trainer):
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
-    return {"steps": [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in logs],
-            "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
-            "tokens_seen": trainer.state.num_input_tokens_seen,
-            "max_steps": trainer.state.max_steps, "batches_per_epoch": len(trainer.get_train_dataloader()),
-            "total_batch": trainer.get_total_train_batch_size(trainer.args),
-            "wrapped": type(trainer.model_wrapped).__name__, "fsdp": trainer.is_fsdp_enabled}
+    return {
+        "steps": [
+            {"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in logs
+        ],
+        "global_step": trainer.state.global_step,
+        "epoch": trainer.state.epoch,
+        "tokens_seen": trainer.state.num_input_tokens_seen,
+        "max_steps": trainer.state.max_steps,
+        "batches_per_epoch": len(trainer.get_train_dataloader()),
+        "total_batch": trainer.get_total_train_batch_size(trainer.args),
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "fsdp": trainer.is_fsdp_enabled,
+    }
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--sp", type=int, default=None, help="set: the patched distributed run (under torchrun)")
+    p.add_argument(
+        "--sp", type=int, default=None, help="set: the patched distributed run (under torchrun)"
+    )
     p.add_argument("--kinds", default="trainer,sft")
     p.add_argument("--arch", default="llama")
     p.add_argument("--layout", default="zigzag")
@@ -149,7 +189,9 @@ def main():
     torch.manual_seed(0)
     results = {}
     for kind in a.kinds.split(","):
-        trainer = {"trainer": run_trainer, "sft": run_sft}[kind](a, os.path.join(os.path.dirname(a.out), kind))
+        trainer = {"trainer": run_trainer, "sft": run_sft}[kind](
+            a, os.path.join(os.path.dirname(a.out), kind)
+        )
         results[kind] = summary(trainer)
         del trainer
     if a.sp is None or int(os.environ.get("RANK", 0)) == 0:
@@ -166,6 +208,7 @@ if __name__ == "__main__":
 
 
 # ---- world cases (tests/dist.py): sp_layout's checks on the session's 4-rank world ----
+
 
 def layout_errors(ctx):
     """sp_layout over a (2, 2) mesh: patched over the mesh's sp dim (ok), over its dp dim with the
@@ -187,11 +230,27 @@ def layout_errors(ctx):
         except ValueError as e:
             out[name] = "ValueError: " + str(e)
 
-    attempt("sp", lambda: sp_layout(ringkv.hf.patch_model(tiny_model("llama", 0), group=mesh, mesh_dim="sp"), mesh))
-    attempt("dp_with_mesh", lambda: sp_layout(ringkv.hf.patch_model(tiny_model("llama", 0), group=mesh,
-                                                                    mesh_dim="dp"), mesh))
-    attempt("dp_alone", lambda: sp_layout(ringkv.hf.patch_model(tiny_model("llama", 0), group=mesh, mesh_dim="dp")))
+    attempt(
+        "sp",
+        lambda: sp_layout(
+            ringkv.hf.patch_model(tiny_model("llama", 0), group=mesh, mesh_dim="sp"), mesh
+        ),
+    )
+    attempt(
+        "dp_with_mesh",
+        lambda: sp_layout(
+            ringkv.hf.patch_model(tiny_model("llama", 0), group=mesh, mesh_dim="dp"), mesh
+        ),
+    )
+    attempt(
+        "dp_alone",
+        lambda: sp_layout(ringkv.hf.patch_model(tiny_model("llama", 0), group=mesh, mesh_dim="dp")),
+    )
     three, one = dist.new_group([0, 1, 2]), dist.new_group([3])
-    attempt("unequal", lambda: sp_layout(ringkv.hf.patch_model(tiny_model("llama", 0),
-                                                               group=three if ctx.rank < 3 else one)))
+    attempt(
+        "unequal",
+        lambda: sp_layout(
+            ringkv.hf.patch_model(tiny_model("llama", 0), group=three if ctx.rank < 3 else one)
+        ),
+    )
     return out

@@ -43,8 +43,17 @@ def forward_backward(ctx, method, q, k, v, dout, dlse, causal, layout, scale, di
     where = _where(ctx, dims)
     fn = ringkv.usp_attention if dims is not None else METHODS[method]
     ql, kl, vl = (_shard(t, layout, where).clone().requires_grad_() for t in (q, k, v))
-    out, lse = fn(ql, kl, vl, causal=causal, layout=layout, softmax_scale=scale, return_lse=True,
-                  **where, **(kw or {}))
+    out, lse = fn(
+        ql,
+        kl,
+        vl,
+        causal=causal,
+        layout=layout,
+        softmax_scale=scale,
+        return_lse=True,
+        **where,
+        **(kw or {}),
+    )
     loss = (out.float() * _shard(dout, layout, where)).sum()
     if dlse is not None:
         loss = loss + (lse.nan_to_num(0, 0, 0) * _shard(dlse, layout, where, dim=2)).sum()
@@ -73,13 +82,21 @@ def bytes_sent(ctx, q, k, v):
     args = dict(layout="contiguous", group=ctx.group)
     ringkv.ring_attention(*(ringkv.shard(t, 1, "contiguous", ctx.group) for t in (q, k, v)), **args)
     out["ring"] = ring.last_stats.bytes_sent
-    ringkv.ulysses_attention(*(ringkv.shard(t, 1, "contiguous", ctx.group) for t in (q, k, v)), **args)
+    ringkv.ulysses_attention(
+        *(ringkv.shard(t, 1, "contiguous", ctx.group) for t in (q, k, v)), **args
+    )
     out["ulysses"] = ulysses.last_stats.bytes_sent
-    ringkv.allgather_attention(*(ringkv.shard(t, 1, "contiguous", ctx.group) for t in (q, k, v)), **args)
+    ringkv.allgather_attention(
+        *(ringkv.shard(t, 1, "contiguous", ctx.group) for t in (q, k, v)), **args
+    )
     out["allgather"] = allgather.last_stats.bytes_sent
     ug, rg = _groups((2, 2))
-    ringkv.usp_attention(*(ringkv.shard(t, 1, "contiguous", ulysses_group=ug, ring_group=rg) for t in (q, k, v)),
-                         layout="contiguous", ulysses_group=ug, ring_group=rg)
+    ringkv.usp_attention(
+        *(ringkv.shard(t, 1, "contiguous", ulysses_group=ug, ring_group=rg) for t in (q, k, v)),
+        layout="contiguous",
+        ulysses_group=ug,
+        ring_group=rg,
+    )
     out["usp"] = usp.last_stats.bytes_sent
     return out
 
@@ -97,8 +114,9 @@ def call(ctx, method, per_rank_kwargs, timeout_s=10.0):
     q, k, v = (torch.randn(*kw.pop(n)).to(dtype) for n in "qkv")
     if method == "usp":
         ug, rg = _groups(kw.pop("dims"))
-        out = ringkv.usp_attention(q, k, v, ulysses_group=ug, ring_group=rg, timeout=timedelta(seconds=timeout_s),
-                                   **kw)
+        out = ringkv.usp_attention(
+            q, k, v, ulysses_group=ug, ring_group=rg, timeout=timedelta(seconds=timeout_s), **kw
+        )
     else:
         out = METHODS[method](q, k, v, group=ctx.group, timeout=timedelta(seconds=timeout_s), **kw)
     return tuple(out.shape)

@@ -11,30 +11,58 @@ from ringkv.sp.layout import varlen_index, varlen_local_len
 
 def window_forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, window):
     """Windowed ring forward + backward on this rank's shard: out, lse, dq, dk, dv, (fwd hops, bwd hops)."""
+
     def shard(x, dim=1):
         return ringkv.shard(x, dim, layout, rank=ctx.rank, world=ctx.world)
 
     ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
-    out, lse = ringkv.ring_attention(ql, kl, vl, causal=causal, group=ctx.group, layout=layout,
-                                     softmax_scale=scale, return_lse=True, window=window)
+    out, lse = ringkv.ring_attention(
+        ql,
+        kl,
+        vl,
+        causal=causal,
+        group=ctx.group,
+        layout=layout,
+        softmax_scale=scale,
+        return_lse=True,
+        window=window,
+    )
     hops = ring_mod.last_stats.hops
     loss = (out.float() * shard(dout)).sum()
     if dlse is not None:
         loss = loss + (lse.nan_to_num(0, 0, 0) * shard(dlse, 2)).sum()
     loss.backward()
-    return out.detach(), lse.detach(), ql.grad, kl.grad, vl.grad, (hops, ring_mod.last_backward_stats.hops)
+    return (
+        out.detach(),
+        lse.detach(),
+        ql.grad,
+        kl.grad,
+        vl.grad,
+        (hops, ring_mod.last_backward_stats.hops),
+    )
 
 
 def varlen_forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, window, cu):
     """Packed ring forward + backward; checks pad rows locally and returns the *unsharded*
     (1, S, ...) out, lse, dq, dk, dv (so shard/unshard round-trip with the results)."""
+
     def shard(x, dim=1):
         return ringkv.shard(x, dim, layout, ctx.group, cu_seqlens=cu)
 
     ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
     assert ql.shape[1] == varlen_local_len(cu, layout, ctx.world)
-    out, lse = ringkv.ring_attention(ql, kl, vl, causal=causal, group=ctx.group, layout=layout,
-                                     softmax_scale=scale, return_lse=True, window=window, cu_seqlens=cu)
+    out, lse = ringkv.ring_attention(
+        ql,
+        kl,
+        vl,
+        causal=causal,
+        group=ctx.group,
+        layout=layout,
+        softmax_scale=scale,
+        return_lse=True,
+        window=window,
+        cu_seqlens=cu,
+    )
     stats = ring_mod.last_stats
     loss = (out.float() * shard(dout)).sum()
     if dlse is not None:
@@ -42,10 +70,15 @@ def varlen_forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, win
     loss.backward()
     pad = varlen_index(cu, layout, ctx.rank, ctx.world) < 0
     grads = (ql.grad, kl.grad, vl.grad)
-    pad_ok = (not out[:, pad].any() and bool(torch.isneginf(lse[:, :, pad]).all())  # out 0, lse -inf
-              and not any(g[:, pad].any() for g in grads))  # and no gradient
-    full = [ringkv.unshard(x.detach(), dim, layout, ctx.group, cu_seqlens=cu)
-            for x, dim in zip((out, lse, *grads), (1, 2, 1, 1, 1))]
+    pad_ok = (
+        not out[:, pad].any()
+        and bool(torch.isneginf(lse[:, :, pad]).all())  # out 0, lse -inf
+        and not any(g[:, pad].any() for g in grads)
+    )  # and no gradient
+    full = [
+        ringkv.unshard(x.detach(), dim, layout, ctx.group, cu_seqlens=cu)
+        for x, dim in zip((out, lse, *grads), (1, 2, 1, 1, 1))
+    ]
     return (*full, (stats.hops, stats.calls, stats.pairs), pad_ok)
 
 

@@ -66,7 +66,11 @@ class KVEvents:
     def since(self, after: int) -> Tuple[int, Optional[List[tuple]]]:
         """``(last number, the events numbered after ``after``)``; None if some are gone."""
         with self.lock:
-            if after > self.last or (self.log and self.log[0][0] > after + 1) or (not self.log and after < self.last):
+            if (
+                after > self.last
+                or (self.log and self.log[0][0] > after + 1)
+                or (not self.log and after < self.last)
+            ):
                 return self.last, None
             return self.last, [e for e in self.log if e[0] > after]
 
@@ -74,6 +78,7 @@ class KVEvents:
 @dataclass(frozen=True)
 class _Content:
     """What a registered block holds; two blocks with equal content hold the same KV."""
+
     parent: Optional[int]  # content id of the previous block (None for the first block)
     tokens: Tuple[int, ...]
     salt: Optional[str]
@@ -82,6 +87,7 @@ class _Content:
 @dataclass
 class PrefixCursor:
     """How far a sequence's chain of full blocks is registered (reset when its table is freed)."""
+
     blocks: int = 0  # full blocks already processed
     hash: Hashable = None  # chained hash of the last processed block
     cid: Optional[int] = None  # content id of the last processed block
@@ -89,10 +95,18 @@ class PrefixCursor:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 hash_fn: Callable[[tuple], Hashable] = block_hash):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        hash_fn: Callable[[tuple], Hashable] = block_hash,
+    ):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
         self.num_blocks, self.block_size = num_blocks, block_size
         self.prefix_caching, self.hash_fn = enable_prefix_caching, hash_fn
         self.ref = [0] * num_blocks
@@ -104,7 +118,9 @@ class BlockManager:
         self.twins: Dict[int, set] = {}  # content id -> blocks in use that hold it, not registered
         self.cids: Dict[_Content, int] = {}  # interned contents
         self.contents: Dict[int, _Content] = {}
-        self.cid_refs: Dict[int, int] = {}  # registered blocks holding it + contents whose parent it is
+        self.cid_refs: Dict[
+            int, int
+        ] = {}  # registered blocks holding it + contents whose parent it is
         self._next_cid = itertools.count()
         self.hits = self.queries = self.evictions = 0  # counters, in blocks
         self.events: Optional[KVEvents] = None  # set to publish the prefix cache's changes
@@ -123,7 +139,7 @@ class BlockManager:
         """Yield (index, hash, tokens) for the first ``num_blocks`` full blocks, parent-chained."""
         parent = None
         for i in range(num_blocks):
-            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = self.hash_fn((parent, tokens, salt))
             yield i, h, tokens
             parent = h
@@ -233,8 +249,14 @@ class BlockManager:
         table.clear()
 
     # -- registration --------------------------------------------------------------------
-    def register(self, table: List[int], token_ids: Sequence[int], num_computed: int,
-                 salt: Optional[str] = None, cursor: Optional[PrefixCursor] = None) -> None:
+    def register(
+        self,
+        table: List[int],
+        token_ids: Sequence[int],
+        num_computed: int,
+        salt: Optional[str] = None,
+        cursor: Optional[PrefixCursor] = None,
+    ) -> None:
         """Register every full block of ``table`` whose ``num_computed`` tokens are in the cache.
         With the sequence's ``cursor``, blocks processed by earlier calls are not hashed again."""
         if not self.prefix_caching:
@@ -243,7 +265,7 @@ class BlockManager:
         full = min(num_computed // self.block_size, len(table))
         while cur.blocks < full and not cur.stopped:
             i = cur.blocks
-            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = self.hash_fn((cur.hash, tokens, salt))
             content = _Content(cur.cid, tokens, salt)
             b = table[i]
@@ -261,8 +283,12 @@ class BlockManager:
                     cur.stopped = True  # a hash collision: leave the rest of this chain uncached
                     return
                 own = table[i]
-                if own not in self.cid_of:  # it holds the twin's content alive (its chain goes on from
-                    self.cid_of[own] = self.cid_of[twin]  # there) and takes over if the twin is evicted
+                if (
+                    own not in self.cid_of
+                ):  # it holds the twin's content alive (its chain goes on from
+                    self.cid_of[own] = self.cid_of[
+                        twin
+                    ]  # there) and takes over if the twin is evicted
                     self.cid_refs[self.cid_of[own]] += 1
                     self.twins.setdefault(self.cid_of[own], set()).add(own)
                 b = twin  # a twin holds the same KV (computed concurrently): chain on through it
@@ -281,8 +307,13 @@ class BlockManager:
         for h, b in self.by_hash.items():
             assert self.hash_of[b] == h
         for cid, blocks in self.twins.items():
-            assert all(self.cid_of.get(b) == cid and b not in self.hash_of and self.ref[b] > 0 for b in blocks)
+            assert all(
+                self.cid_of.get(b) == cid and b not in self.hash_of and self.ref[b] > 0
+                for b in blocks
+            )
         held = {}
-        for cid in list(self.cid_of.values()) + [c.parent for c in self.contents.values() if c.parent is not None]:
+        for cid in list(self.cid_of.values()) + [
+            c.parent for c in self.contents.values() if c.parent is not None
+        ]:
             held[cid] = held.get(cid, 0) + 1
         assert held == self.cid_refs, "content reference counts"

@@ -16,35 +16,56 @@ import torch
 from ..kernels.quant import SCALE_DTYPE, QuantFormat, as_bytes, bytes_per_head, quantize, rotation
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype, quant: Optional[QuantFormat] = None) -> int:
+def bytes_per_block(
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    quant: Optional[QuantFormat] = None,
+) -> int:
     """K and V of one block over all layers (scales included)."""
     return 2 * num_layers * block_size * num_kv_heads * bytes_per_head(quant, head_dim, dtype)
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, block_size: int = 16,
-                 num_blocks: Optional[int] = None, memory_bytes: Optional[int] = None,
-                 dtype: torch.dtype = torch.float32, device="cpu", quant: Optional[QuantFormat] = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        block_size: int = 16,
+        num_blocks: Optional[int] = None,
+        memory_bytes: Optional[int] = None,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        quant: Optional[QuantFormat] = None,
+    ):
         per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype, quant)
         if num_blocks is None:
             if memory_bytes is None:
                 raise ValueError("give the KV cache size as num_blocks or memory_bytes")
             num_blocks = int(memory_bytes) // per_block
         if num_blocks < 1:
-            raise ValueError(f"KV cache of {memory_bytes} bytes holds no block of {per_block} bytes "
-                             f"(block_size={block_size}); give more memory or a smaller block_size")
+            raise ValueError(
+                f"KV cache of {memory_bytes} bytes holds no block of {per_block} bytes "
+                f"(block_size={block_size}); give more memory or a smaller block_size"
+            )
         self.num_blocks, self.block_size, self.quant = num_blocks, block_size, quant
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads)
         # (layers, 2, num_blocks, block_size, Hkv, D); k = [l, 0], v = [l, 1]
-        self.data = torch.zeros(*shape, head_dim, dtype=quant.dtype if quant else dtype, device=device)
+        self.data = torch.zeros(
+            *shape, head_dim, dtype=quant.dtype if quant else dtype, device=device
+        )
         self.scale = torch.zeros(shape, dtype=SCALE_DTYPE, device=device) if quant else None
         self.rot = rotation(head_dim, device) if quant is not None and quant.rotate else None
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + (
-            self.scale.numel() * self.scale.element_size() if self.scale is not None else 0)
+            self.scale.numel() * self.scale.element_size() if self.scale is not None else 0
+        )
 
     def k(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]
@@ -58,9 +79,13 @@ class KVCache:
     def v_scale(self, layer: int) -> Optional[torch.Tensor]:
         return None if self.scale is None else self.scale[layer, 1]
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         """k/v (T, Hkv, D) into their slots (T,) of ``layer`` (quantized on the way in)."""
-        kv = as_bytes(self.data[layer]).view(2, -1, *k.shape[1:])  # (2, num_blocks * block_size, Hkv, D)
+        kv = as_bytes(self.data[layer]).view(
+            2, -1, *k.shape[1:]
+        )  # (2, num_blocks * block_size, Hkv, D)
         if self.quant is None:
             kv[0].index_copy_(0, slot_mapping, k.to(self.data.dtype))
             kv[1].index_copy_(0, slot_mapping, v.to(self.data.dtype))
@@ -70,4 +95,3 @@ class KVCache:
             q, s = quantize(x, self.quant, self.rot)
             kv[i].index_copy_(0, slot_mapping, as_bytes(q))
             sc[i].index_copy_(0, slot_mapping, s)
-

@@ -4,4 +4,13 @@ from .llm import LLM, EngineConfig
 from .params import CompletionOutput, Logprob, RequestOutput, SamplingParams, TokenDelta
 from .snapshot import KVSnapshot
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "TokenDelta", "KVSnapshot"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "TokenDelta",
+    "KVSnapshot",
+]

@@ -21,16 +21,16 @@ class IncrementalDetokenizer:
 
     def step(self, ids: Sequence[int]) -> str:
         """The text ``ids`` (all output tokens so far, the newest last) add; "" while incomplete."""
-        before = self._decode(ids[self.prefix:self.read])
-        now = self._decode(ids[self.prefix:])
+        before = self._decode(ids[self.prefix : self.read])
+        now = self._decode(ids[self.prefix :])
         if len(now) > len(before) and not now.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(ids)
-            return now[len(before):]
+            return now[len(before) :]
         return ""
 
     def flush(self, ids: Sequence[int]) -> str:
         """Whatever is still held back (the output ended mid-character)."""
-        before = self._decode(ids[self.prefix:self.read])
-        now = self._decode(ids[self.prefix:])
+        before = self._decode(ids[self.prefix : self.read])
+        now = self._decode(ids[self.prefix :])
         self.prefix = self.read = len(ids)
-        return now[len(before):] if len(now) > len(before) else ""
+        return now[len(before) :] if len(now) > len(before) else ""

@@ -60,6 +60,7 @@ class EngineConfig:
     ``compile_decode``: decode steps (on CPU, every step of 4 rows or more but ring-mode
     prefills) run through ``torch.compile`` (compiled when the engine starts; tp=1;
     ``parallel/compiled.py``, docs/engine.md)."""
+
     tp: int = 1
     pp: int = 1
     sp: int = 1
@@ -80,7 +81,9 @@ class EngineConfig:
     paged_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     timeout: Optional[float] = None
-    compile_decode: bool = False  # decode (CPU: also prefill) steps' dense parts through torch.compile
+    compile_decode: bool = (
+        False  # decode (CPU: also prefill) steps' dense parts through torch.compile
+    )
 
 
 class LLM:
@@ -94,17 +97,27 @@ class LLM:
         names = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(settings) - names)
         if unknown:
-            raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}; the settings are {sorted(names)}")
+            raise TypeError(
+                f"LLM() got unexpected keyword argument(s) {unknown}; the settings are {sorted(names)}"
+            )
         c = self.engine_config = replace(config or EngineConfig(), **settings)
         tp, pp, sp, block_size = c.tp, c.pp, c.sp, c.block_size
-        kv_cache_memory, num_blocks, gpu_memory_utilization = c.kv_cache_memory, c.num_blocks, c.gpu_memory_utilization
+        kv_cache_memory, num_blocks, gpu_memory_utilization = (
+            c.kv_cache_memory,
+            c.num_blocks,
+            c.gpu_memory_utilization,
+        )
         max_model_len, dtype = c.max_model_len, c.dtype
         for name in ("tp", "pp", "sp", "block_size", "sp_prefill_min_tokens", "max_num_seqs"):
             _positive_int(name, getattr(c, name))
         if sum(x is not None for x in (kv_cache_memory, num_blocks, gpu_memory_utilization)) > 1:
-            raise ValueError("give one of kv_cache_memory (bytes per rank), gpu_memory_utilization or num_blocks")
+            raise ValueError(
+                "give one of kv_cache_memory (bytes per rank), gpu_memory_utilization or num_blocks"
+            )
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
+            )
         self.device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
@@ -121,21 +134,52 @@ class LLM:
         if not isinstance(c.compile_decode, bool):
             raise ValueError(f"compile_decode must be True or False, got {c.compile_decode!r}")
         if c.compile_decode and tp > 1:
-            raise ValueError(f"compile_decode does not support tp={tp} (the tensor-parallel all-reduces sit inside "
-                             f"the layers' dense parts it compiles); use tp=1 (any pp and sp) or compile_decode=False")
-        shape = EngineShape(pp, sp, tp, tuple(c.pp_layers) if c.pp_layers is not None else None, block_size,
-                            c.sp_prefill_min_tokens, c.paged_backend, c.kv_cache_dtype,
-                            decode_buckets(c.max_num_seqs) if c.compile_decode else None)
+            raise ValueError(
+                f"compile_decode does not support tp={tp} (the tensor-parallel all-reduces sit inside "
+                f"the layers' dense parts it compiles); use tp=1 (any pp and sp) or compile_decode=False"
+            )
+        shape = EngineShape(
+            pp,
+            sp,
+            tp,
+            tuple(c.pp_layers) if c.pp_layers is not None else None,
+            block_size,
+            c.sp_prefill_min_tokens,
+            c.paged_backend,
+            c.kv_cache_dtype,
+            decode_buckets(c.max_num_seqs) if c.compile_decode else None,
+        )
         self.stage_layers = shape.stage_sizes(cfg)  # also validates pp and pp_layers
         Cluster.mode_for(tp * pp * sp)  # a torch.distributed world of the wrong size
-        budget = CacheBudget(num_blocks, kv_cache_memory, gpu_memory_utilization, c.max_num_batched_tokens)
-        if gpu_memory_utilization is None:  # the cache size is known now: check it before loading anything
-            self._check_capacity(num_blocks if num_blocks is not None else min(
-                int(kv_cache_memory or DEFAULT_KV_MEMORY) // (shape.bytes_per_token(cfg, s, dtype) * block_size)
-                for s in range(pp)), shape, max_model_len, kv_cache_memory)
+        budget = CacheBudget(
+            num_blocks, kv_cache_memory, gpu_memory_utilization, c.max_num_batched_tokens
+        )
+        if (
+            gpu_memory_utilization is None
+        ):  # the cache size is known now: check it before loading anything
+            self._check_capacity(
+                num_blocks
+                if num_blocks is not None
+                else min(
+                    int(kv_cache_memory or DEFAULT_KV_MEMORY)
+                    // (shape.bytes_per_token(cfg, s, dtype) * block_size)
+                    for s in range(pp)
+                ),
+                shape,
+                max_model_len,
+                kv_cache_memory,
+            )
         self.shape = shape
-        self.cluster = Cluster(shape, cfg, weights, model_arg=model, dtype=dtype, device=self.device, budget=budget,
-                               timeout=None if c.timeout is None else timedelta(seconds=c.timeout))
+        self.cluster = Cluster(
+            shape,
+            cfg,
+            weights,
+            model_arg=model,
+            dtype=dtype,
+            device=self.device,
+            budget=budget,
+            timeout=None if c.timeout is None else timedelta(seconds=c.timeout),
+        )
         self._finalizer = weakref.finalize(self, self.cluster.close)
         self.num_blocks = self.cluster.num_blocks
         try:
@@ -148,11 +192,18 @@ class LLM:
         self.kv = self.cluster.worker.kv if self.cluster.worker is not None else None
         # which model a KV snapshot belongs to (config and sampled weights); the driver makes and takes snapshots
         self.digest = model_digest(cfg, weights) if self.cluster.is_driver else None
-        self.blocks = BlockManager(self.num_blocks, block_size * sp, enable_prefix_caching=c.enable_prefix_caching,
-                                   hash_fn=c.hash_fn)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=c.max_num_seqs,
-                                   max_num_batched_tokens=c.max_num_batched_tokens,
-                                   reclaim=lambda: migrate.reclaim(self))
+        self.blocks = BlockManager(
+            self.num_blocks,
+            block_size * sp,
+            enable_prefix_caching=c.enable_prefix_caching,
+            hash_fn=c.hash_fn,
+        )
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            reclaim=lambda: migrate.reclaim(self),
+        )
         self.pipeline = StepPipeline(self.scheduler, _Steps(self), depth=pp)
         self.eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -171,15 +222,21 @@ class LLM:
         return self.pipeline.peak_in_flight
 
     @staticmethod
-    def _check_capacity(num_blocks: int, shape: EngineShape, max_model_len: Optional[int], memory) -> int:
+    def _check_capacity(
+        num_blocks: int, shape: EngineShape, max_model_len: Optional[int], memory
+    ) -> int:
         capacity = num_blocks * shape.block_size * shape.sp
         if num_blocks < 1:
-            raise ValueError(f"a KV cache of {memory} bytes per rank holds no block of {shape.block_size} tokens; "
-                             f"give more kv_cache_memory or a smaller block_size")
+            raise ValueError(
+                f"a KV cache of {memory} bytes per rank holds no block of {shape.block_size} tokens; "
+                f"give more kv_cache_memory or a smaller block_size"
+            )
         if max_model_len is not None and max_model_len > capacity:
-            raise ValueError(f"max_model_len={max_model_len} needs more KV cache than the {num_blocks} blocks "
-                             f"of {shape.block_size * shape.sp} tokens ({capacity} tokens); raise "
-                             f"kv_cache_memory/num_blocks{', or sp' if shape.sp > 1 else ''}")
+            raise ValueError(
+                f"max_model_len={max_model_len} needs more KV cache than the {num_blocks} blocks "
+                f"of {shape.block_size * shape.sp} tokens ({capacity} tokens); raise "
+                f"kv_cache_memory/num_blocks{', or sp' if shape.sp > 1 else ''}"
+            )
         return capacity
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -205,13 +262,22 @@ class LLM:
         (tokens the whole engine holds) and ``per_rank`` (each rank's layers, KV heads,
         bytes per token and allocated cache bytes)."""
         sh = self.shape
-        return dict(block_size=sh.block_size, tokens_per_block=sh.block_size * sh.sp, num_blocks=self.num_blocks,
-                    bytes_per_token=self.cluster.worker.bytes_per_token if self.cluster.worker
-                    else self.cluster.infos[0]["bytes_per_token"],  # a spawn-mode driver: model rank 0's
-                    capacity_tokens=self.num_blocks * sh.block_size * sh.sp, max_model_len=self.max_model_len,
-                    dtype=str(self.dtype).replace("torch.", ""), kv_cache_dtype=sh.kv_cache_dtype,
-                    tp=sh.tp, pp=sh.pp, sp=sh.sp,
-                    per_rank=self.cluster.infos)
+        return dict(
+            block_size=sh.block_size,
+            tokens_per_block=sh.block_size * sh.sp,
+            num_blocks=self.num_blocks,
+            bytes_per_token=self.cluster.worker.bytes_per_token
+            if self.cluster.worker
+            else self.cluster.infos[0]["bytes_per_token"],  # a spawn-mode driver: model rank 0's
+            capacity_tokens=self.num_blocks * sh.block_size * sh.sp,
+            max_model_len=self.max_model_len,
+            dtype=str(self.dtype).replace("torch.", ""),
+            kv_cache_dtype=sh.kv_cache_dtype,
+            tp=sh.tp,
+            pp=sh.pp,
+            sp=sh.sp,
+            per_rank=self.cluster.infos,
+        )
 
     def rank_stats(self) -> List[dict]:
         """Per rank: ``kv_cache_info``'s fields plus steps run, seconds computing (``busy_s``) and
@@ -250,30 +316,56 @@ class LLM:
         return self._max_prompt_chars
 
     def _tokenize(self, prompt, apply_chat_template: bool) -> List[int]:
-        if isinstance(prompt, (str, list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        if (
+            isinstance(prompt, (str, list, tuple))
+            and prompt
+            and all(isinstance(m, dict) for m in prompt)
+        ):
             apply_chat_template, messages = True, list(prompt)
         elif isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
         else:
             return list(prompt)
         if self.tokenizer is None:
-            raise ValueError("string prompts need a tokenizer: pass tokenizer=... to LLM or give token ids")
-        chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in messages) \
-            if apply_chat_template else len(prompt)
+            raise ValueError(
+                "string prompts need a tokenizer: pass tokenizer=... to LLM or give token ids"
+            )
+        chars = (
+            sum(
+                len(m.get("content") or "") if isinstance(m.get("content"), str) else 0
+                for m in messages
+            )
+            if apply_chat_template
+            else len(prompt)
+        )
         if chars > self.max_prompt_chars:
-            raise ValueError(f"prompt of {chars} characters cannot fit in max_model_len={self.max_model_len} "
-                             f"tokens (at most {self.max_prompt_chars} characters); shorten it")
+            raise ValueError(
+                f"prompt of {chars} characters cannot fit in max_model_len={self.max_model_len} "
+                f"tokens (at most {self.max_prompt_chars} characters); shorten it"
+            )
         if apply_chat_template:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
         return list(self.tokenizer.encode(prompt))
 
-    def _make(self, prompt, params: SamplingParams, apply_chat_template: bool, cache_salt=None,
-              request_id=None) -> List[Sequence]:
+    def _make(
+        self,
+        prompt,
+        params: SamplingParams,
+        apply_chat_template: bool,
+        cache_salt=None,
+        request_id=None,
+    ) -> List[Sequence]:
         """The ``n`` samples of a request; one sequence finished with an error if it is invalid."""
         ids: List[int] = []
-        problem = params.problem() if isinstance(params, SamplingParams) else \
-            f"sampling params must be a SamplingParams, got {type(params).__name__}"
+        problem = (
+            params.problem()
+            if isinstance(params, SamplingParams)
+            else f"sampling params must be a SamplingParams, got {type(params).__name__}"
+        )
         if problem is None:
             if not isinstance(prompt, (str, list, tuple)):
                 problem = f"a prompt must be a str, a list of token ids or chat messages, got {type(prompt).__name__}"
@@ -286,22 +378,42 @@ class LLM:
                     problem = f"invalid prompt: {e}"
         rid = self.pipeline.new_id() if request_id is None else request_id
         if problem is not None:
-            seq = Sequence(seq_id=rid if isinstance(rid, int) else 0, prompt=prompt, prompt_token_ids=[],
-                           params=SamplingParams(), cache_salt=cache_salt, request_id=rid)
+            seq = Sequence(
+                seq_id=rid if isinstance(rid, int) else 0,
+                prompt=prompt,
+                prompt_token_ids=[],
+                params=SamplingParams(),
+                cache_salt=cache_salt,
+                request_id=rid,
+            )
             seq.prompt_token_ids = ids
             seq.finish("error", problem)
             return [seq]
-        seqs = [Sequence(seq_id=self.pipeline.new_id(), prompt=prompt, prompt_token_ids=ids, params=params,
-                         cache_salt=cache_salt, index=i, request_id=rid) for i in range(params.n)]
+        seqs = [
+            Sequence(
+                seq_id=self.pipeline.new_id(),
+                prompt=prompt,
+                prompt_token_ids=ids,
+                params=params,
+                cache_salt=cache_salt,
+                index=i,
+                request_id=rid,
+            )
+            for i in range(params.n)
+        ]
         seqs[0].siblings = seqs[1:]
         return seqs
 
     def _check_ids(self, ids) -> Optional[str]:
         if not ids:
             return "empty prompt: give at least one token"
-        if len(ids) >= self.max_model_len:  # before any per-token check: a huge prompt costs nothing more
-            return (f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
-                    f"{self.max_model_len}; shorten it or raise max_model_len")
+        if (
+            len(ids) >= self.max_model_len
+        ):  # before any per-token check: a huge prompt costs nothing more
+            return (
+                f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
+                f"{self.max_model_len}; shorten it or raise max_model_len"
+            )
         if not all(map(is_int, ids)):
             return "prompt token ids must be ints"
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
@@ -310,14 +422,26 @@ class LLM:
         return None
 
     # -- the step API (what generate, stream and the server use) -----------------------------
-    def add_request(self, prompt, params: Optional[SamplingParams] = None, *, request_id=None,
-                    cache_salt: Optional[str] = None, apply_chat_template: bool = False):
+    def add_request(
+        self,
+        prompt,
+        params: Optional[SamplingParams] = None,
+        *,
+        request_id=None,
+        cache_salt: Optional[str] = None,
+        apply_chat_template: bool = False,
+    ):
         """Queue a request (a string, token ids or chat messages); returns its id. An invalid
         request raises ``ValueError`` and changes nothing."""
         if request_id is not None and self.pipeline.known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        seqs = self._make(prompt, SamplingParams() if params is None else params, apply_chat_template, cache_salt,
-                          request_id)
+        seqs = self._make(
+            prompt,
+            SamplingParams() if params is None else params,
+            apply_chat_template,
+            cache_salt,
+            request_id,
+        )
         if seqs[0].finished:
             raise ValueError(seqs[0].error)
         self.pipeline.add(seqs)
@@ -325,7 +449,9 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step()`` has anything left to do or to report."""
-        return self.pipeline.has_unreported or any(not s.finished for seqs in self._active.values() for s in seqs)
+        return self.pipeline.has_unreported or any(
+            not s.finished for seqs in self._active.values() for s in seqs
+        )
 
     def abort_request(self, request_id) -> bool:
         """Stop a request and free its blocks (also one stopped by an export, or staged by an
@@ -344,7 +470,9 @@ class LLM:
         return [self._output(seqs, delta) for _, seqs in self.pipeline.reports()]
 
     # -- migration (engine/migrate.py) -------------------------------------------------------
-    def export_request(self, request_id, *, since: Optional[KVSnapshot] = None, stop: bool = True) -> KVSnapshot:
+    def export_request(
+        self, request_id, *, since: Optional[KVSnapshot] = None, stop: bool = True
+    ) -> KVSnapshot:
         """A ``KVSnapshot`` of a running request (tokens, sampler state, the K/V of its computed
         tokens gathered from every rank; ``since``: only what was computed after that earlier
         snapshot). ``stop=True`` takes it out of this engine's scheduler but keeps its blocks
@@ -388,7 +516,9 @@ class LLM:
     def _advance(self) -> List[Sequence]:
         """One step of the pipeline (``StepPipeline.advance``). Returns the sequences that got a token."""
         if not self.cluster.is_driver:
-            raise RuntimeError("only rank 0 drives the engine; other torchrun ranks call generate/stream like rank 0")
+            raise RuntimeError(
+                "only rank 0 drives the engine; other torchrun ranks call generate/stream like rank 0"
+            )
         self.cluster.ensure_usable()
         with deferred_interrupt():  # a Ctrl-C takes effect between steps, never inside one
             return self.pipeline.advance()
@@ -409,19 +539,22 @@ class LLM:
                 start = max(0, len(seq.text) - len(piece) - max(map(len, stops)) + 1)
                 hits = [i for i in (seq.text.find(x, start) for x in stops) if i >= 0]
                 if hits:
-                    seq.text = seq.text[:min(hits)]
+                    seq.text = seq.text[: min(hits)]
                     seq.finish("stop")
         if not seq.finished:
             if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
                 seq.finish("stop")
-            elif seq.num_tokens - len(seq.prompt_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif (
+                seq.num_tokens - len(seq.prompt_token_ids) >= p.max_tokens
+                or seq.num_tokens >= self.max_model_len
+            ):
                 seq.finish("length")
             if seq.finished and self.tokenizer is not None:  # a character the last tokens left open
                 seq.text += seq.detok.flush(seq.output_token_ids)
         # release the new text, but hold back what could still turn out to start a stop string
         hold = 0 if seq.finished or not stops else max(map(len, stops)) - 1
         upto = max(seq.emitted, len(seq.text) - hold)
-        seq.deltas.append(seq.text[seq.emitted:upto])
+        seq.deltas.append(seq.text[seq.emitted : upto])
         seq.emitted = upto
 
     def _drain(self) -> None:
@@ -450,8 +583,10 @@ class LLM:
         mine = hashlib.sha256(json.dumps(call, sort_keys=True, default=repr).encode()).hexdigest()
         for r, theirs in enumerate(self.cluster.exchange(f"call{next(self._calls)}", mine)):
             if theirs != mine:
-                raise ValueError(f"rank {r} called the engine with other prompts or parameters than rank "
-                                 f"{self.rank}; under torchrun every rank must make the same call")
+                raise ValueError(
+                    f"rank {r} called the engine with other prompts or parameters than rank "
+                    f"{self.rank}; under torchrun every rank must make the same call"
+                )
 
     def _output(self, seqs: List[Sequence], delta: bool = False) -> RequestOutput:
         outs = []
@@ -460,45 +595,91 @@ class LLM:
             start = len(s.prompt_token_ids) + k
             text = "".join(s.deltas[k:]) if delta else s.text
             lps = s.logprobs[k:] if s.params.logprobs is not None else None
-            outs.append(CompletionOutput(index=s.index, token_ids=s.token_ids[start:], text=text,
-                                         finish_reason=s.finish_reason, logprobs=lps))
+            outs.append(
+                CompletionOutput(
+                    index=s.index,
+                    token_ids=s.token_ids[start:],
+                    text=text,
+                    finish_reason=s.finish_reason,
+                    logprobs=lps,
+                )
+            )
             if delta:
                 s.reported = s.num_tokens - len(s.prompt_token_ids)
         first = seqs[0]
-        plp = None if delta and first.reported_prompt else first.prompt_logprobs  # delta: in the first output
+        plp = (
+            None if delta and first.reported_prompt else first.prompt_logprobs
+        )  # delta: in the first output
         ptop = None if plp is None else first.prompt_top
         first.reported_prompt = first.reported_prompt or delta
-        return RequestOutput(request_id=first.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-                             token_ids=outs[0].token_ids, text=outs[0].text, finish_reason=outs[0].finish_reason,
-                             error=first.error, num_cached_tokens=first.num_cached_tokens or 0,
-                             logprobs=outs[0].logprobs, outputs=outs, prompt_logprobs=plp,
-                             prompt_top_logprobs=ptop)
+        return RequestOutput(
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            token_ids=outs[0].token_ids,
+            text=outs[0].text,
+            finish_reason=outs[0].finish_reason,
+            error=first.error,
+            num_cached_tokens=first.num_cached_tokens or 0,
+            logprobs=outs[0].logprobs,
+            outputs=outs,
+            prompt_logprobs=plp,
+            prompt_top_logprobs=ptop,
+        )
 
     def _requests(self, prompts, params, apply_chat_template, cache_salt) -> List[List[Sequence]]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple))
+            and prompts
+            and all(isinstance(t, int) for t in prompts)
+        ):
             prompts = [prompts]  # one prompt (a string or one list of token ids)
         if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a str, a list of token ids or a list of those, "
-                            f"got {type(prompts).__name__}")
+            raise TypeError(
+                f"prompts must be a str, a list of token ids or a list of those, "
+                f"got {type(prompts).__name__}"
+            )
         if params is None:
             params = SamplingParams()
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
-                                 f"give one, or one per prompt")
+                raise ValueError(
+                    f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                    f"give one, or one per prompt"
+                )
         else:
             params = [params] * len(prompts)
-        if isinstance(prompts, (list, tuple)) and any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
-            raise ValueError("string prompts need a tokenizer: pass tokenizer=... to LLM or give token ids")
-        salts = list(cache_salt) if isinstance(cache_salt, (list, tuple)) else [cache_salt] * len(prompts)
+        if (
+            isinstance(prompts, (list, tuple))
+            and any(isinstance(p, str) for p in prompts)
+            and self.tokenizer is None
+        ):
+            raise ValueError(
+                "string prompts need a tokenizer: pass tokenizer=... to LLM or give token ids"
+            )
+        salts = (
+            list(cache_salt)
+            if isinstance(cache_salt, (list, tuple))
+            else [cache_salt] * len(prompts)
+        )
         if len(salts) != len(prompts):
-            raise ValueError(f"got {len(salts)} cache salts for {len(prompts)} prompts; give one, or one per prompt")
-        return [self._make(p, sp, apply_chat_template, salt) for p, sp, salt in zip(prompts, params, salts)]
+            raise ValueError(
+                f"got {len(salts)} cache salts for {len(prompts)} prompts; give one, or one per prompt"
+            )
+        return [
+            self._make(p, sp, apply_chat_template, salt)
+            for p, sp, salt in zip(prompts, params, salts)
+        ]
 
-    def generate(self, prompts, params: Union[SamplingParams, Seq[SamplingParams], None] = None, *,
-                 use_tqdm: bool = True, apply_chat_template: bool = False,
-                 cache_salt: Union[str, Seq[Optional[str]], None] = None) -> List[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        params: Union[SamplingParams, Seq[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        apply_chat_template: bool = False,
+        cache_salt: Union[str, Seq[Optional[str]], None] = None,
+    ) -> List[RequestOutput]:
         """Generate for every prompt (batched); outputs in prompt order. An invalid request
         gets ``finish_reason="error"`` and an ``error`` message; the others still complete.
         ``cache_salt`` (one, or one per prompt): prefix-cache blocks are shared only between
@@ -515,6 +696,7 @@ class LLM:
         if use_tqdm and live:
             try:
                 from tqdm import tqdm
+
                 bar = tqdm(total=len(groups), desc="generate", unit="req")
             except ImportError:
                 pass
@@ -544,13 +726,21 @@ class LLM:
         if e is not None:
             self.cluster.abort(f"{type(e).__name__}: {e}")
 
-    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
-               apply_chat_template: bool = False, cache_salt: Optional[str] = None) -> Iterator[TokenDelta]:
+    def stream(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        *,
+        apply_chat_template: bool = False,
+        cache_salt: Optional[str] = None,
+    ) -> Iterator[TokenDelta]:
         """Yield each generated token (id and the text it adds) as soon as it is sampled, one
         ``TokenDelta`` per token even when other calls drive the engine in between. An invalid
         request raises ``ValueError``. Under torchrun, ranks other than 0 yield the same deltas
         once the request is done. (``n`` > 1: the first sample.)"""
-        ((seq, *_),) = group = self._requests([prompt], params or SamplingParams(), apply_chat_template, cache_salt)
+        ((seq, *_),) = group = self._requests(
+            [prompt], params or SamplingParams(), apply_chat_template, cache_salt
+        )
         if seq.finished:
             raise ValueError(seq.error)
         self._agree_call("stream", prompt, params, apply_chat_template, cache_salt)
@@ -567,7 +757,13 @@ class LLM:
                 while len(sent) < len(seq.deltas):  # one delta per token, whoever advanced it
                     i = len(sent)
                     last = seq.finished and i == len(seq.deltas) - 1
-                    sent.append((seq.output_token_ids[i], seq.deltas[i], seq.finish_reason if last else None))
+                    sent.append(
+                        (
+                            seq.output_token_ids[i],
+                            seq.deltas[i],
+                            seq.finish_reason if last else None,
+                        )
+                    )
                     yield TokenDelta(*sent[-1])
                 if seq.finished:
                     break
@@ -595,7 +791,9 @@ class _Steps:
         self.llm, self.cluster = llm, llm.cluster
 
     def submit(self, batch: List[Scheduled]) -> None:
-        want = "logits" if any(needs_logits(s.seq.params) for s in batch if s.completes) else "tokens"
+        want = (
+            "logits" if any(needs_logits(s.seq.params) for s in batch if s.completes) else "tokens"
+        )
         self.cluster.submit(batch, want)
 
     def result(self, batch: List[Scheduled]):
@@ -605,7 +803,9 @@ class _Steps:
         """The step's prompt log-probs written into their sequences, then ``(seq, (token,
         logprob) or the exception sampling it raised)`` per completing sequence."""
         if result is not None and result.prompt_logprobs is not None:
-            rows = iter(result.prompt_logprobs.tolist())  # floats, or [value, top ids..., top values...]
+            rows = iter(
+                result.prompt_logprobs.tolist()
+            )  # floats, or [value, top ids..., top values...]
             for s in batch:
                 k = s.seq.params.prompt_logprobs or 0
                 for j in range(s.targets):
@@ -616,7 +816,9 @@ class _Steps:
                     top = (len(row) - 1) // 2
                     s.seq.prompt_logprobs[s.start + j] = row[0]
                     if k:
-                        s.seq.prompt_top[s.start + j] = [(int(t), v) for t, v in zip(row[1:1 + k], row[1 + top:1 + top + k])]
+                        s.seq.prompt_top[s.start + j] = [
+                            (int(t), v) for t, v in zip(row[1 : 1 + k], row[1 + top : 1 + top + k])
+                        ]
         done = [s.seq for s in batch if s.completes]
         return list(zip(done, self._sample(result, done)))
 
@@ -632,7 +834,7 @@ class _Steps:
             out = []
             for i, seq in enumerate(seqs):
                 try:
-                    out.append(next(zip(*sample(result.main[i:i + 1], [seq]))))
+                    out.append(next(zip(*sample(result.main[i : i + 1], [seq]))))
                 except Exception as e:  # noqa: BLE001
                     out.append(e)
             return out
@@ -646,9 +848,19 @@ class _Steps:
 
 def _output_from_json(d: dict) -> RequestOutput:
     """A ``RequestOutput`` as ``asdict`` wrote it (torchrun followers get the driver's outputs)."""
-    lp = lambda xs: None if xs is None else [Logprob(x["token_id"], x["logprob"], [tuple(t) for t in x["top"]])  # noqa: E731
-                                             for x in xs]
-    outs = [CompletionOutput(**dict(o, logprobs=lp(o["logprobs"]))) for o in d.pop("outputs")]  # prompt_logprobs: floats
+    lp = lambda xs: (
+        None
+        if xs is None
+        else [
+            Logprob(x["token_id"], x["logprob"], [tuple(t) for t in x["top"]])  # noqa: E731
+            for x in xs
+        ]
+    )
+    outs = [
+        CompletionOutput(**dict(o, logprobs=lp(o["logprobs"]))) for o in d.pop("outputs")
+    ]  # prompt_logprobs: floats
     top = d.get("prompt_top_logprobs")
     top = None if top is None else [None if x is None else [tuple(t) for t in x] for x in top]
-    return RequestOutput(**dict(d, logprobs=lp(d["logprobs"]), outputs=outs, prompt_top_logprobs=top))
+    return RequestOutput(
+        **dict(d, logprobs=lp(d["logprobs"]), outputs=outs, prompt_top_logprobs=top)
+    )

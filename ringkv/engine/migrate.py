@@ -37,10 +37,13 @@ from .snapshot import VERSION, KVSnapshot
 @dataclass
 class Staged:
     """An import waiting for its final snapshot (``StepPipeline.staged[request_id]``)."""
+
     seq: Sequence
     last_id: str  # the snapshot the next one must extend
     kv_end: int  # the K/V the snapshots reached: the next one starts there
-    dropped: bool = False  # ``reclaim`` freed its blocks: later K/V are ignored, the request is recomputed
+    dropped: bool = (
+        False  # ``reclaim`` freed its blocks: later K/V are ignored, the request is recomputed
+    )
 
 
 def _storage(llm) -> str:
@@ -53,15 +56,23 @@ def _write(llm, table: List[int], start: int, snap: KVSnapshot) -> None:
 
 def export_request(llm, rid, since: Optional[KVSnapshot] = None, stop: bool = True) -> KVSnapshot:
     book = llm.pipeline
-    if book.inflight:  # pipeline parallel keeps steps in flight: finish them (the next step() reports them)
+    if (
+        book.inflight
+    ):  # pipeline parallel keeps steps in flight: finish them (the next step() reports them)
         llm._drain()
         llm.cluster.ensure_usable()
     seqs = book.get(rid)
     if seqs is None:
-        state = "stopped by an earlier export (resume or abort it)" if rid in book.paused else "unknown or finished"
+        state = (
+            "stopped by an earlier export (resume or abort it)"
+            if rid in book.paused
+            else "unknown or finished"
+        )
         raise ValueError(f"request {rid!r} is {state}; nothing to export")
     if len(seqs) != 1:
-        raise ValueError(f"request {rid!r} has n={len(seqs)} samples; only requests with n = 1 can migrate")
+        raise ValueError(
+            f"request {rid!r} has n={len(seqs)} samples; only requests with n = 1 can migrate"
+        )
     seq = seqs[0]
     if seq.finished:
         raise ValueError(f"request {rid!r} is finished; nothing to export")
@@ -72,19 +83,41 @@ def export_request(llm, rid, since: Optional[KVSnapshot] = None, stop: bool = Tr
         start, tokens_from = since.end, since.tokens_from + len(since.token_ids)
         logprobs_from = since.logprobs_from + len(since.logprobs)
     end = max(start, seq.num_computed)  # after a preemption the receiver keeps what it has
-    k, v, ks, vs = llm.cluster.read_kv(seq.block_table, start, seq.num_computed)  # empty if nothing is new
+    k, v, ks, vs = llm.cluster.read_kv(
+        seq.block_table, start, seq.num_computed
+    )  # empty if nothing is new
     first = since is None
     snap = KVSnapshot(
-        model=llm.digest, kv_cache_dtype=_storage(llm), request_id=rid,
-        snapshot_id=uuid.uuid4().hex, base_id=None if first else since.snapshot_id, final=stop,
-        prompt=seq.prompt if first else None, prompt_token_ids=list(seq.prompt_token_ids) if first else [],
-        token_ids=seq.token_ids[tokens_from:], tokens_from=tokens_from, params=asdict(seq.params),
-        cache_salt=seq.cache_salt, start=start, end=end, k=k, v=v, generator_state=seq.generator.get_state(),
-        k_scale=ks, v_scale=vs, logprobs=[[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
-                                          for lp in seq.logprobs[logprobs_from:]],
-        logprobs_from=logprobs_from, prompt_logprobs=seq.prompt_logprobs, num_cached_tokens=seq.num_cached_tokens or 0,
-        prompt_top_logprobs=None if seq.prompt_top is None else [None if x is None else [list(t) for t in x]
-                                                                 for x in seq.prompt_top])
+        model=llm.digest,
+        kv_cache_dtype=_storage(llm),
+        request_id=rid,
+        snapshot_id=uuid.uuid4().hex,
+        base_id=None if first else since.snapshot_id,
+        final=stop,
+        prompt=seq.prompt if first else None,
+        prompt_token_ids=list(seq.prompt_token_ids) if first else [],
+        token_ids=seq.token_ids[tokens_from:],
+        tokens_from=tokens_from,
+        params=asdict(seq.params),
+        cache_salt=seq.cache_salt,
+        start=start,
+        end=end,
+        k=k,
+        v=v,
+        generator_state=seq.generator.get_state(),
+        k_scale=ks,
+        v_scale=vs,
+        logprobs=[
+            [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+            for lp in seq.logprobs[logprobs_from:]
+        ],
+        logprobs_from=logprobs_from,
+        prompt_logprobs=seq.prompt_logprobs,
+        num_cached_tokens=seq.num_cached_tokens or 0,
+        prompt_top_logprobs=None
+        if seq.prompt_top is None
+        else [None if x is None else [list(t) for t in x] for x in seq.prompt_top],
+    )
     if stop:  # out of the scheduler, blocks kept: resume_request or abort_request decides
         book.pause(rid)
     return snap
@@ -99,12 +132,22 @@ def resume_request(llm, rid) -> None:
 # -- import: check everything, then change the engine ----------------------------------------
 def _logprob(x) -> bool:
     """A log-probability: a finite number or -inf (compared, not converted: a huge int is fine)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and (x == -math.inf or -math.inf < x < math.inf)
+    return (
+        isinstance(x, (int, float))
+        and not isinstance(x, bool)
+        and (x == -math.inf or -math.inf < x < math.inf)
+    )
 
 
 def _pair(x, vocab: int) -> bool:
     """``[token id, log-prob]``."""
-    return isinstance(x, (list, tuple)) and len(x) == 2 and is_int(x[0]) and 0 <= x[0] < vocab and _logprob(x[1])
+    return (
+        isinstance(x, (list, tuple))
+        and len(x) == 2
+        and is_int(x[0])
+        and 0 <= x[0] < vocab
+        and _logprob(x[1])
+    )
 
 
 def _bad(name: str, why: str) -> ValueError:
@@ -126,7 +169,9 @@ def _check_params(p) -> SamplingParams:
         params = SamplingParams(**p)
     except TypeError as e:  # an unknown (or non-string) key
         raise _bad("params", f"not SamplingParams fields ({e})") from None
-    problem = params.problem() or (None if params.n == 1 else "only requests with n = 1 can migrate")
+    problem = params.problem() or (
+        None if params.n == 1 else "only requests with n = 1 can migrate"
+    )
     if problem is not None:
         raise _bad("params", problem)
     return params
@@ -136,30 +181,64 @@ def _check_logprobs(snap: KVSnapshot, vocab: int, want: int) -> None:
     """``want`` log-probs in all (one per generated token if the request asks for them, else none)."""
     lps = snap.logprobs
     if not isinstance(lps, (list, tuple)) or snap.logprobs_from + len(lps) != want:
-        got = f"{snap.logprobs_from} + {len(lps)}" if isinstance(lps, (list, tuple)) else type(lps).__name__
+        got = (
+            f"{snap.logprobs_from} + {len(lps)}"
+            if isinstance(lps, (list, tuple))
+            else type(lps).__name__
+        )
         raise _bad("logprobs", f"the request has {want} log-probs so far, the snapshot gives {got}")
     for e in lps:
-        if not (isinstance(e, (list, tuple)) and len(e) == 3 and _pair(e[:2], vocab)
-                and isinstance(e[2], (list, tuple)) and all(_pair(x, vocab) for x in e[2])):
-            raise _bad("logprobs", f"holds {e!r:.80}: entries are [token id, log-prob, [[token id, log-prob], ...]]")
+        if not (
+            isinstance(e, (list, tuple))
+            and len(e) == 3
+            and _pair(e[:2], vocab)
+            and isinstance(e[2], (list, tuple))
+            and all(_pair(x, vocab) for x in e[2])
+        ):
+            raise _bad(
+                "logprobs",
+                f"holds {e!r:.80}: entries are [token id, log-prob, [[token id, log-prob], ...]]",
+            )
 
 
 def _check_prompt_logprobs(plp, top, params: SamplingParams, prompt_len: int, vocab: int) -> None:
     if params.prompt_logprobs is None:
         if plp is not None:
             raise _bad("prompt_logprobs", "must be None: the request's params do not ask for them")
-    elif not isinstance(plp, (list, tuple)) or len(plp) != prompt_len - 1 \
-            or not all(x is None or _logprob(x) for x in plp):
-        raise _bad("prompt_logprobs", f"must be a list of {prompt_len - 1} log-probs (None: not computed yet)")
+    elif (
+        not isinstance(plp, (list, tuple))
+        or len(plp) != prompt_len - 1
+        or not all(x is None or _logprob(x) for x in plp)
+    ):
+        raise _bad(
+            "prompt_logprobs",
+            f"must be a list of {prompt_len - 1} log-probs (None: not computed yet)",
+        )
     k = params.prompt_logprobs or 0
     if not k:
         if top is not None:
-            raise _bad("prompt_top_logprobs", "must be None: the request's params ask for no alternatives")
-    elif not isinstance(top, (list, tuple)) or len(top) != prompt_len - 1 or not all(
-            (x is None) == (p is None) and (x is None or isinstance(x, (list, tuple)) and len(x) == k
-                                            and all(_pair(t, vocab) for t in x)) for x, p in zip(top, plp)):
-        raise _bad("prompt_top_logprobs", f"must be a list of {prompt_len - 1} lists of {k} [token id, log-prob] "
-                                          f"(None where the log-prob is)")
+            raise _bad(
+                "prompt_top_logprobs", "must be None: the request's params ask for no alternatives"
+            )
+    elif (
+        not isinstance(top, (list, tuple))
+        or len(top) != prompt_len - 1
+        or not all(
+            (x is None) == (p is None)
+            and (
+                x is None
+                or isinstance(x, (list, tuple))
+                and len(x) == k
+                and all(_pair(t, vocab) for t in x)
+            )
+            for x, p in zip(top, plp)
+        )
+    ):
+        raise _bad(
+            "prompt_top_logprobs",
+            f"must be a list of {prompt_len - 1} lists of {k} [token id, log-prob] "
+            f"(None where the log-prob is)",
+        )
 
 
 def _check_tensors(llm, snap: KVSnapshot) -> None:
@@ -170,8 +249,12 @@ def _check_tensors(llm, snap: KVSnapshot) -> None:
     layers, hkv, d = mover.shape
     want = (layers, snap.end - snap.start, hkv, d)
     scale = mover.scale_dtype
-    for name, shape, dtype in (("k", want, mover.dtype), ("v", want, mover.dtype),
-                               ("k_scale", want[:3], scale), ("v_scale", want[:3], scale)):
+    for name, shape, dtype in (
+        ("k", want, mover.dtype),
+        ("v", want, mover.dtype),
+        ("k_scale", want[:3], scale),
+        ("v_scale", want[:3], scale),
+    ):
         x = getattr(snap, name)
         if dtype is None:
             if x is not None:
@@ -180,14 +263,20 @@ def _check_tensors(llm, snap: KVSnapshot) -> None:
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype:
             got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise _bad(name, f"must be a {shape} {dtype} tensor, got {got}")
-        if x.is_floating_point() and not all(bool(torch.isfinite(t.float()).all()) for t in x):  # per layer
+        if x.is_floating_point() and not all(
+            bool(torch.isfinite(t.float()).all()) for t in x
+        ):  # per layer
             raise _bad(name, "holds inf or NaN")
     g = snap.generator_state
     if not isinstance(g, torch.Tensor) or g.dtype != torch.uint8:
         got = g.dtype if isinstance(g, torch.Tensor) else type(g).__name__
-        raise _bad("generator_state", f"must be a uint8 tensor (torch.Generator().get_state()), got {got}")
+        raise _bad(
+            "generator_state", f"must be a uint8 tensor (torch.Generator().get_state()), got {got}"
+        )
     try:
-        torch.Generator().set_state(g)  # a scratch generator: the request's is set once all is checked
+        torch.Generator().set_state(
+            g
+        )  # a scratch generator: the request's is set once all is checked
     except (RuntimeError, TypeError, ValueError) as e:
         raise _bad("generator_state", f"not a CPU generator's state ({e})") from None
 
@@ -198,20 +287,32 @@ def _validate(llm, snap: KVSnapshot):
     if not isinstance(snap, KVSnapshot):
         raise TypeError(f"import_request takes a KVSnapshot, got {type(snap).__name__}")
     if snap.version != VERSION:
-        raise _bad("version", f"snapshot format version {snap.version!r}, this ringkv reads {VERSION}")
+        raise _bad(
+            "version", f"snapshot format version {snap.version!r}, this ringkv reads {VERSION}"
+        )
     if snap.model != llm.digest:
-        raise ValueError("the snapshot is of another model (its config or weights differ from this engine's); "
-                         "it cannot be imported here")
+        raise ValueError(
+            "the snapshot is of another model (its config or weights differ from this engine's); "
+            "it cannot be imported here"
+        )
     if snap.kv_cache_dtype != _storage(llm):
-        raise ValueError(f"the snapshot's KV are {snap.kv_cache_dtype}, this engine stores {_storage(llm)}; "
-                         f"both engines need the same kv_cache_dtype (and model dtype)")
+        raise ValueError(
+            f"the snapshot's KV are {snap.kv_cache_dtype}, this engine stores {_storage(llm)}; "
+            f"both engines need the same kv_cache_dtype (and model dtype)"
+        )
     rid = snap.request_id
     if not isinstance(rid, str) and not is_int(rid):
         raise _bad("request_id", f"must be a str or an int, got {rid!r}")
-    for name, ok, want in (("snapshot_id", isinstance(snap.snapshot_id, str), "a str"),
-                           ("base_id", snap.base_id is None or isinstance(snap.base_id, str), "None or a str"),
-                           ("final", isinstance(snap.final, bool), "a bool"),
-                           ("cache_salt", snap.cache_salt is None or isinstance(snap.cache_salt, str), "None or a str")):
+    for name, ok, want in (
+        ("snapshot_id", isinstance(snap.snapshot_id, str), "a str"),
+        ("base_id", snap.base_id is None or isinstance(snap.base_id, str), "None or a str"),
+        ("final", isinstance(snap.final, bool), "a bool"),
+        (
+            "cache_salt",
+            snap.cache_salt is None or isinstance(snap.cache_salt, str),
+            "None or a str",
+        ),
+    ):
         if not ok:
             raise _bad(name, f"must be {want}, got {getattr(snap, name)!r}")
     for name in ("start", "end", "tokens_from", "logprobs_from", "num_cached_tokens"):
@@ -229,30 +330,51 @@ def _validate(llm, snap: KVSnapshot):
         if not prompt:
             raise _bad("prompt_token_ids", "empty: a first snapshot carries the prompt")
         if (snap.start, snap.tokens_from, snap.logprobs_from) != (0, 0, 0):
-            raise ValueError("a first snapshot must hold everything from the first token "
-                             "(start = tokens_from = logprobs_from = 0)")
-        if list(snap.token_ids[:len(prompt)]) != list(prompt):
+            raise ValueError(
+                "a first snapshot must hold everything from the first token "
+                "(start = tokens_from = logprobs_from = 0)"
+            )
+        if list(snap.token_ids[: len(prompt)]) != list(prompt):
             raise _bad("token_ids", "must start with prompt_token_ids")
     else:
         if staged is None or staged.last_id != snap.base_id:
-            raise ValueError(f"the snapshot extends {snap.base_id!r}, but this engine holds "
-                             f"{staged.last_id if staged else None!r} for request {rid!r}: import the snapshots in order")
+            raise ValueError(
+                f"the snapshot extends {snap.base_id!r}, but this engine holds "
+                f"{staged.last_id if staged else None!r} for request {rid!r}: import the snapshots in order"
+            )
         seq = staged.seq
         prompt, req = seq.prompt_token_ids, seq.params  # the first snapshot's are the request's
-        if (snap.start, snap.tokens_from, snap.logprobs_from) != (staged.kv_end, seq.num_tokens, len(seq.logprobs)):
-            raise ValueError("the snapshot does not continue the imported request (tokens or K/V positions differ)")
+        if (snap.start, snap.tokens_from, snap.logprobs_from) != (
+            staged.kv_end,
+            seq.num_tokens,
+            len(seq.logprobs),
+        ):
+            raise ValueError(
+                "the snapshot does not continue the imported request (tokens or K/V positions differ)"
+            )
     total = snap.tokens_from + len(snap.token_ids)
     if not snap.start <= snap.end < total:
-        raise _bad("end", f"K/V of tokens [{snap.start}, {snap.end}) must lie within the request's {total} tokens "
-                          f"and leave the last one to compute")
+        raise _bad(
+            "end",
+            f"K/V of tokens [{snap.start}, {snap.end}) must lie within the request's {total} tokens "
+            f"and leave the last one to compute",
+        )
     if total >= llm.max_model_len:
-        raise ValueError(f"the request has {total} tokens; this engine's max_model_len is {llm.max_model_len}")
+        raise ValueError(
+            f"the request has {total} tokens; this engine's max_model_len is {llm.max_model_len}"
+        )
     generated = total - len(prompt)
     if generated >= req.max_tokens:
-        raise _bad("params", f"max_tokens={req.max_tokens}, but the request has {generated} generated tokens "
-                             f"already: it is done")
+        raise _bad(
+            "params",
+            f"max_tokens={req.max_tokens}, but the request has {generated} generated tokens "
+            f"already: it is done",
+        )
     if snap.num_cached_tokens > len(prompt):
-        raise _bad("num_cached_tokens", f"{snap.num_cached_tokens} exceeds the prompt's {len(prompt)} tokens")
+        raise _bad(
+            "num_cached_tokens",
+            f"{snap.num_cached_tokens} exceeds the prompt's {len(prompt)} tokens",
+        )
     _check_logprobs(snap, vocab, 0 if req.logprobs is None else generated)
     _check_prompt_logprobs(snap.prompt_logprobs, snap.prompt_top_logprobs, req, len(prompt), vocab)
     _check_tensors(llm, snap)
@@ -270,8 +392,10 @@ def import_request(llm, snap: KVSnapshot, cache_prefix: bool = False):
     table = [] if seq is None else list(seq.block_table)
     need = llm.blocks.blocks_for(snap.end) - len(table) if with_kv else 0
     if need > llm.blocks.num_free:
-        raise ValueError(f"not enough free KV blocks to import {snap.end} tokens ({need} needed, "
-                         f"{llm.blocks.num_free} free); nothing was imported")
+        raise ValueError(
+            f"not enough free KV blocks to import {snap.end} tokens ({need} needed, "
+            f"{llm.blocks.num_free} free); nothing was imported"
+        )
     tokens = ([] if seq is None else seq.token_ids) + list(snap.token_ids)
     prompt_len = len(snap.prompt_token_ids if seq is None else seq.prompt_token_ids)
     text = None
@@ -286,20 +410,31 @@ def import_request(llm, snap: KVSnapshot, cache_prefix: bool = False):
             llm.blocks.free(table[old:])
             raise
     if seq is None:
-        seq = Sequence(seq_id=llm.pipeline.new_id(), prompt=snap.prompt, prompt_token_ids=snap.prompt_token_ids,
-                       params=params, cache_salt=snap.cache_salt, request_id=snap.request_id)
+        seq = Sequence(
+            seq_id=llm.pipeline.new_id(),
+            prompt=snap.prompt,
+            prompt_token_ids=snap.prompt_token_ids,
+            params=params,
+            cache_salt=snap.cache_salt,
+            request_id=snap.request_id,
+        )
     seq.token_ids, seq.block_table = tokens, table
     if with_kv:
         seq.num_computed = snap.end
     seq.generator.set_state(snap.generator_state)
     seq.logprobs += [Logprob(t, lp, [tuple(x) for x in top]) for t, lp, top in snap.logprobs]
     seq.prompt_logprobs = None if snap.prompt_logprobs is None else list(snap.prompt_logprobs)
-    seq.prompt_top = None if snap.prompt_top_logprobs is None else [
-        None if x is None else [(int(t), v) for t, v in x] for x in snap.prompt_top_logprobs]
+    seq.prompt_top = (
+        None
+        if snap.prompt_top_logprobs is None
+        else [None if x is None else [(int(t), v) for t, v in x] for x in snap.prompt_top_logprobs]
+    )
     seq.num_cached_tokens = snap.num_cached_tokens
     if with_kv and snap.end > snap.start:  # K/V computed elsewhere: cached only when vouched for
         if cache_prefix:
-            llm.blocks.register(seq.block_table, seq.token_ids, seq.num_computed, seq.cache_salt, seq.prefix_cursor)
+            llm.blocks.register(
+                seq.block_table, seq.token_ids, seq.num_computed, seq.cache_salt, seq.prefix_cursor
+            )
         else:
             seq.prefix_cursor.stopped = True  # until a preemption recomputes it here
     if not snap.final:

@@ -11,7 +11,9 @@ MAX_N = 16
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 1024  # characters per stop string (a stream holds back one less than the longest)
 MAX_STOP_TOKEN_IDS = 1024
-GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (vLLM's rule): l / T overflows near 1e-38
+GREEDY_TEMPERATURE = (
+    1e-5  # temperatures below this are greedy (vLLM's rule): l / T overflows near 1e-38
+)
 INT64 = 1 << 63  # seed and top_k must fit in an int64 (torch's generator and tensors)
 
 
@@ -22,6 +24,7 @@ class SamplingParams:
     ``logprobs <= MAX_LOGPROBS``, at most ``MAX_STOP`` stop strings of at most
     ``MAX_STOP_CHARS`` characters, at most ``MAX_STOP_TOKEN_IDS`` stop token ids, ``seed`` and
     ``top_k`` within int64."""
+
     temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
@@ -34,9 +37,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # prompt and output tokens: logit / r if > 0 else logit * r
     presence_penalty: float = 0.0  # output tokens: logit - presence x (count > 0)
     frequency_penalty: float = 0.0  # output tokens: logit - frequency x count
-    logprobs: Optional[int] = None  # log-prob of each sampled token and of the top ``logprobs`` ones
+    logprobs: Optional[int] = (
+        None  # log-prob of each sampled token and of the top ``logprobs`` ones
+    )
     n: int = 1  # samples of the prompt (they share its cached blocks)
-    prompt_logprobs: Optional[int] = None  # k: the log-prob of each prompt token after the first, and the top k
+    prompt_logprobs: Optional[int] = (
+        None  # k: the log-prob of each prompt token after the first, and the top k
+    )
 
     def problem(self) -> Optional[str]:
         """Why these params are invalid, or None. The message starts with the field's name;
@@ -54,8 +61,10 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             return f"stop must be a string or a list of non-empty strings, got {_shown(self.stop)}"
         if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
-            return (f"stop must hold at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters, got "
-                    f"{len(stop)} of up to {max(map(len, stop))}")
+            return (
+                f"stop must hold at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters, got "
+                f"{len(stop)} of up to {max(map(len, stop))}"
+            )
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(is_int(i) for i in ids):
             return f"stop_token_ids must be a list of ints, got {_shown(ids)}"
@@ -65,23 +74,34 @@ class SamplingParams:
             return f"ignore_eos must be a bool, got {_shown(self.ignore_eos)}"
         if self.seed is not None and (not is_int(self.seed) or not -INT64 <= self.seed < INT64):
             return f"seed must be an int in [-2**63, 2**63) or None, got {_shown(self.seed)}"
-        for name, lo, hi in (("min_p", 0, 1), ("repetition_penalty", 1e-9, float("inf")),
-                             ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
+        for name, lo, hi in (
+            ("min_p", 0, 1),
+            ("repetition_penalty", 1e-9, float("inf")),
+            ("presence_penalty", -2, 2),
+            ("frequency_penalty", -2, 2),
+        ):
             v = getattr(self, name)
             if not _number(v) or not lo <= v <= hi:
                 return f"{name} must be a number in [{lo}, {hi}], got {_shown(v)}"
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
             return f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {_shown(self.logprobs)}"
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             return f"n must be an int in [1, {MAX_N}], got {_shown(self.n)}"
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
             return f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {_shown(self.prompt_logprobs)}"
         return None
 
     @property
     def penalized(self) -> bool:
-        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        return (
+            self.repetition_penalty != 1
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+        )
 
     @property
     def stop_strings(self) -> List[str]:
@@ -113,6 +133,7 @@ def _shown(v) -> str:
 class Logprob:
     """A sampled token's log-probability under the model (log-softmax of its logits, before
     penalties, temperature and filtering) and the ``logprobs`` most likely tokens', best first."""
+
     token_id: int
     logprob: float
     top: List[Tuple[int, float]] = field(default_factory=list)
@@ -121,6 +142,7 @@ class Logprob:
 @dataclass(kw_only=True)
 class CompletionOutput:
     """One of the ``n`` samples of a request."""
+
     index: int
     token_ids: List[int]
     text: str
@@ -132,6 +154,7 @@ class CompletionOutput:
 class RequestOutput:
     """A request's state. The flat fields (``token_ids``, ``text``, ``finish_reason``,
     ``logprobs``) are those of the first sample; ``outputs`` holds all ``n``."""
+
     request_id: Union[int, str]
     prompt: object  # the prompt as given (str or token ids)
     prompt_token_ids: List[int]
@@ -143,17 +166,23 @@ class RequestOutput:
     logprobs: Optional[List[Logprob]] = None
     outputs: List[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: Optional[List[float]] = None  # log p(prompt[i] | prompt[:i]) for i >= 1
-    prompt_top_logprobs: Optional[List[List[Tuple[int, float]]]] = None  # and the top prompt_logprobs there
+    prompt_top_logprobs: Optional[List[List[Tuple[int, float]]]] = (
+        None  # and the top prompt_logprobs there
+    )
 
     @property
     def finished(self) -> bool:
-        return all(o.finish_reason is not None for o in self.outputs) if self.outputs else \
-            self.finish_reason is not None
+        return (
+            all(o.finish_reason is not None for o in self.outputs)
+            if self.outputs
+            else self.finish_reason is not None
+        )
 
 
 @dataclass
 class TokenDelta:
     """One streamed token: its id and the text it adds (may be "" mid-character)."""
+
     token_id: int
     text: str
     finish_reason: Optional[str] = None

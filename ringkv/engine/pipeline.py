@@ -36,7 +36,12 @@ from .sequence import Sequence, Status
 
 class StepPipeline:
     def __init__(self, scheduler: Scheduler, executor, depth: int = 1):
-        self.scheduler, self.blocks, self.executor, self.depth = scheduler, scheduler.blocks, executor, depth
+        self.scheduler, self.blocks, self.executor, self.depth = (
+            scheduler,
+            scheduler.blocks,
+            executor,
+            depth,
+        )
         self.inflight: "deque[List[Scheduled]]" = deque()
         self.peak_in_flight = 0  # most steps in flight at once
         self.active: Dict = {}  # request id -> its sequences (samples)
@@ -59,7 +64,9 @@ class StepPipeline:
         """Submit steps until ``depth`` are in flight or nothing more can run, then complete the
         oldest one. Returns the sequences that got a token."""
         sched = self.scheduler
-        share = -(-(len(sched.running) + len(sched.waiting)) // self.depth)  # each step in flight takes its share
+        share = -(
+            -(len(sched.running) + len(sched.waiting)) // self.depth
+        )  # each step in flight takes its share
         while len(self.inflight) < self.depth:
             busy = {s.seq for batch in self.inflight for s in batch}
             batch = sched.schedule(busy, max_seqs=share if self.depth > 1 else None)
@@ -67,12 +74,16 @@ class StepPipeline:
                 break
             for s in batch:
                 s.seq.num_computed = s.start + s.n
-            self.inflight.append(batch)  # before it is submitted: an interrupt cannot land between the two
+            self.inflight.append(
+                batch
+            )  # before it is submitted: an interrupt cannot land between the two
             self.executor.submit(batch)
             self.peak_in_flight = max(self.peak_in_flight, len(self.inflight))
         if not self.inflight:
-            raise RuntimeError("the scheduler made no progress with requests pending (a sequence larger than the KV "
-                               "cache, or a bug)")
+            raise RuntimeError(
+                "the scheduler made no progress with requests pending (a sequence larger than the KV "
+                "cache, or a bug)"
+            )
         batch = self.inflight.popleft()
         return self.complete(batch, self.executor.result(batch))
 
@@ -81,8 +92,13 @@ class StepPipeline:
         sequence's token. A request whose part of this fails (sampling, detokenizing, a stop
         check) fails alone, with ``finish_reason="error"``; the others keep their tokens."""
         for s in batch:
-            self.blocks.register(s.seq.block_table, s.seq.token_ids, s.start + s.n, s.seq.cache_salt,
-                                 s.seq.prefix_cursor)
+            self.blocks.register(
+                s.seq.block_table,
+                s.seq.token_ids,
+                s.start + s.n,
+                s.seq.cache_salt,
+                s.seq.prefix_cursor,
+            )
         advanced = []
         for seq, picked in self.executor.tokens(batch, result):
             if seq.finished:  # aborted while its step was in flight
@@ -90,7 +106,9 @@ class StepPipeline:
             try:
                 if isinstance(picked, Exception):
                     raise picked
-                if seq.num_tokens == len(seq.prompt_token_ids):  # its first token: the prompt is computed
+                if seq.num_tokens == len(
+                    seq.prompt_token_ids
+                ):  # its first token: the prompt is computed
                     self._release_siblings(seq)
                 self.executor.append(seq, picked)
             except Exception as e:  # noqa: BLE001 - this request fails, the step's others go on
@@ -146,7 +164,9 @@ class StepPipeline:
         """The id is in use: active, paused by an export or staged by an import."""
         return rid in self.active or rid in self.paused or rid in self.staged
 
-    def finish(self, seqs: List[Sequence], reason: str, error: Optional[str] = None) -> List[Sequence]:
+    def finish(
+        self, seqs: List[Sequence], reason: str, error: Optional[str] = None
+    ) -> List[Sequence]:
         """Stop these sequences now and free their blocks (a step in flight for them completes
         and is discarded); returns those that were still running."""
         live = [s for s in seqs if not s.finished]
@@ -224,5 +244,10 @@ class StepPipeline:
         """``running`` and ``waiting`` sequences, ``kv_usage`` (fraction of blocks in use), prefix
         cache ``hits`` and ``queries`` (in blocks)."""
         s, b = self.scheduler, self.blocks
-        return dict(running=len(s.running), waiting=len(s.waiting), kv_usage=1 - b.num_free / b.num_blocks,
-                    hits=b.hits, queries=b.queries)
+        return dict(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_usage=1 - b.num_free / b.num_blocks,
+            hits=b.hits,
+            queries=b.queries,
+        )

@@ -31,8 +31,11 @@ def send_snapshot(link: Link, snap: KVSnapshot) -> int:
     """A snapshot over ``link``: its fields as the head, its tensors in place; the bytes sent."""
     values = {f.name: getattr(snap, f.name) for f in fields(snap)}
     tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
-    return link.send({"snapshot": {k: v for k, v in values.items() if k not in tensors}}, tensors,
-                     f"sending a snapshot of request {snap.request_id!r}")
+    return link.send(
+        {"snapshot": {k: v for k, v in values.items() if k not in tensors}},
+        tensors,
+        f"sending a snapshot of request {snap.request_id!r}",
+    )
 
 
 def recv_snapshot(link: Link, what: str = "a snapshot"):
@@ -46,7 +49,9 @@ def recv_snapshot(link: Link, what: str = "a snapshot"):
         raise ValueError(f"{link}: the peer sent neither a snapshot nor a JSON message")
     known = {f.name for f in fields(KVSnapshot)}
     try:
-        return KVSnapshot(**{k: v for k, v in meta.items() if k in known and k not in tensors}, **tensors)
+        return KVSnapshot(
+            **{k: v for k, v in meta.items() if k in known and k not in tensors}, **tensors
+        )
     except TypeError as e:
         raise ValueError(f"{link}: the peer sent an incomplete snapshot: {e}") from None
 
@@ -79,7 +84,9 @@ def send_request(llm, request_id, link: Link, *, incremental: bool = True, betwe
     except BaseException as e:
         if stopped is not None:
             llm.resume_request(request_id)
-        if staged and link.broken is None:  # failed here between the pre-copy and the final: tell the target
+        if (
+            staged and link.broken is None
+        ):  # failed here between the pre-copy and the final: tell the target
             try:
                 link.send_json({"ok": False, "error": f"the source gave up: {e}"})
             except LinkError:
@@ -90,8 +97,14 @@ def send_request(llm, request_id, link: Link, *, incremental: bool = True, betwe
         raise MigrationError(f"request {request_id!r} did not move{resumed}: {e}") from e
     llm.abort_request(request_id)  # the target has it: free the blocks here
     end = time.monotonic()
-    return dict(request_id=request_id, bytes=sent, final_bytes=final_bytes, seconds=end - t0, downtime_s=end - stopped,
-                stopped_at=stopped_at)
+    return dict(
+        request_id=request_id,
+        bytes=sent,
+        final_bytes=final_bytes,
+        seconds=end - t0,
+        downtime_s=end - stopped,
+        stopped_at=stopped_at,
+    )
 
 
 def _ack(link: Link, what: str) -> None:
@@ -116,25 +129,35 @@ def receive_request(llm, link: Link, *, cache_prefix: bool = False):
                 _refuse(link, e)
                 raise
             if not isinstance(snap, KVSnapshot):  # the source gave up
-                error = snap["json"].get("error") if isinstance(snap["json"], dict) else snap["json"]
+                error = (
+                    snap["json"].get("error") if isinstance(snap["json"], dict) else snap["json"]
+                )
                 raise MigrationError(f"request {rid!r} was not received: {error}")
             try:
                 if rid is not None and snap.request_id != rid:
-                    raise ValueError(f"a snapshot of request {snap.request_id!r} came before the final one of {rid!r}")
+                    raise ValueError(
+                        f"a snapshot of request {snap.request_id!r} came before the final one of {rid!r}"
+                    )
                 rid = llm.import_request(snap, cache_prefix=cache_prefix)
-            except Exception as e:  # refused (ValueError), or the engine failed: the source keeps it
+            except (
+                Exception
+            ) as e:  # refused (ValueError), or the engine failed: the source keeps it
                 _refuse(link, e)
                 raise
             link.send_json({"ok": True})
             if snap.final:
                 return rid
-            del snap  # a pre-copy's K/V are in the cache now: free them before the final snapshot comes
+            del (
+                snap
+            )  # a pre-copy's K/V are in the cache now: free them before the final snapshot comes
     except BaseException as e:
         if rid is not None:
             llm.abort_request(rid)  # staged, or started but not acknowledged: the source keeps it
         if not isinstance(e, Exception) or isinstance(e, MigrationError):
             raise
-        raise MigrationError(f"{'no request' if rid is None else f'request {rid!r}'} was not received: {e}") from e
+        raise MigrationError(
+            f"{'no request' if rid is None else f'request {rid!r}'} was not received: {e}"
+        ) from e
 
 
 def _refuse(link: Link, e: Exception) -> None:

@@ -43,7 +43,9 @@ def penalty_state(seq, vocab: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
         counts = torch.zeros(vocab, device=device)
         out = seq.output_token_ids
         if out:
-            counts.index_add_(0, torch.tensor(out, device=device), torch.ones(len(out), device=device))
+            counts.index_add_(
+                0, torch.tensor(out, device=device), torch.ones(len(out), device=device)
+            )
         seq.penalty = (prompt, counts)
     return seq.penalty
 
@@ -53,10 +55,15 @@ def observe(seq, token: int) -> None:
         seq.penalty[1][token] += 1
 
 
-def apply_penalties(x: torch.Tensor, params, in_prompt: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    x: torch.Tensor, params, in_prompt: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """``x (R, V)`` penalised as the module docstring says; ``in_prompt``/``counts`` ``(R, V)``."""
+
     def col(name):
-        return torch.tensor([getattr(p, name) for p in params], dtype=x.dtype, device=x.device)[:, None]
+        return torch.tensor([getattr(p, name) for p in params], dtype=x.dtype, device=x.device)[
+            :, None
+        ]
 
     r = col("repetition_penalty")
     seen = in_prompt | (counts > 0)
@@ -64,7 +71,9 @@ def apply_penalties(x: torch.Tensor, params, in_prompt: torch.Tensor, counts: to
     return x - col("presence_penalty") * (counts > 0) - col("frequency_penalty") * counts
 
 
-def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Temperature-scaled logits ``x (R, V)`` with everything outside each row's top-k, top-p
     and min-p sets at ``-inf``. ``top_k`` (R,) int (<= 0: off), ``top_p``/``min_p`` (R,) float."""
     v = x.shape[-1]
@@ -94,8 +103,12 @@ def sample(logits: torch.Tensor, seqs) -> Tuple[List[int], List[Optional[Logprob
         states = [penalty_state(seqs[i], v, x.device) for i in pen]
         rows = torch.tensor(pen, device=x.device)
         x = x.clone()
-        x[rows] = apply_penalties(x[rows], [params[i] for i in pen], torch.stack([s[0] for s in states]),
-                                  torch.stack([s[1] for s in states]))
+        x[rows] = apply_penalties(
+            x[rows],
+            [params[i] for i in pen],
+            torch.stack([s[0] for s in states]),
+            torch.stack([s[1] for s in states]),
+        )
     tokens = x.argmax(dim=-1)  # (M,): the greedy rows' answer
     drawn = [i for i, p in enumerate(params) if not greedy(p)]
     if drawn:
@@ -105,9 +118,15 @@ def sample(logits: torch.Tensor, seqs) -> Tuple[List[int], List[Optional[Logprob
         def col(name, dtype):
             return torch.tensor([getattr(p, name) for p in sel], dtype=dtype, device=x.device)
 
-        xs = filter_logits(x[rows] / col("temperature", x.dtype)[:, None], col("top_k", torch.long),
-                           col("top_p", x.dtype), col("min_p", x.dtype))
-        noise = torch.stack([torch.empty(v).exponential_(generator=seqs[i].generator) for i in drawn])
+        xs = filter_logits(
+            x[rows] / col("temperature", x.dtype)[:, None],
+            col("top_k", torch.long),
+            col("top_p", x.dtype),
+            col("min_p", x.dtype),
+        )
+        noise = torch.stack(
+            [torch.empty(v).exponential_(generator=seqs[i].generator) for i in drawn]
+        )
         tokens[rows] = (torch.softmax(xs, dim=-1) / noise.to(x.device)).argmax(dim=-1)
     tokens = tokens.tolist()
     out: List[Optional[Logprob]] = [None] * m
@@ -116,7 +135,9 @@ def sample(logits: torch.Tensor, seqs) -> Tuple[List[int], List[Optional[Logprob
         lp = torch.log_softmax(logits[torch.tensor(asked, device=logits.device)], dim=-1)
         n = max(params[i].logprobs for i in asked)
         top_v, top_i = lp.topk(min(n, v), dim=-1) if n else (lp[:, :0], lp[:, :0].long())
-        chosen = lp.gather(1, torch.tensor([tokens[i] for i in asked], device=lp.device)[:, None])[:, 0].tolist()
+        chosen = lp.gather(1, torch.tensor([tokens[i] for i in asked], device=lp.device)[:, None])[
+            :, 0
+        ].tolist()
         top_v, top_i = top_v.tolist(), top_i.tolist()
         for j, i in enumerate(asked):
             k = params[i].logprobs

@@ -46,8 +46,14 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 reclaim: Callable[[], bool] = lambda: False):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        reclaim: Callable[[], bool] = lambda: False,
+    ):
         """``reclaim()``: free the blocks of one request held outside the scheduler; False when
         none holds any."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -72,7 +78,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self, busy: Set[Sequence] = frozenset(), max_seqs: Optional[int] = None) -> List[Scheduled]:
+    def schedule(
+        self, busy: Set[Sequence] = frozenset(), max_seqs: Optional[int] = None
+    ) -> List[Scheduled]:
         """The next step's work. ``busy``: sequences in steps still in flight (pipeline
         parallelism): they are never preempted, and one whose every token is already being
         computed waits for its sampled token. ``max_seqs``: at most this many sequences in the
@@ -90,8 +98,13 @@ class Scheduler:
                 continue
             while not self._grow(seq.block_table, seq.num_computed + n):
                 scheduled = {s.seq for s in out}  # older than seq: never victims
-                victim = next((v for v in reversed(self.running) if v not in busy and v not in scheduled), None)
-                if victim is None:  # memory is short and only in-flight work could free it: wait for it
+                victim = next(
+                    (v for v in reversed(self.running) if v not in busy and v not in scheduled),
+                    None,
+                )
+                if (
+                    victim is None
+                ):  # memory is short and only in-flight work could free it: wait for it
                     return out
                 self._preempt(victim)
                 preempted = True
@@ -104,16 +117,26 @@ class Scheduler:
                 continue
             break
         # admit waiting sequences (not in a step that had to preempt: memory is short)
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(out) < max_seqs
-               and not preempted):
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and len(out) < max_seqs
+            and not preempted
+        ):
             seq = self.waiting[0]
             if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None:
                 seq.block_table = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
                 seq.num_computed = len(seq.block_table) * self.blocks.block_size
             n = min(seq.num_tokens - seq.num_computed, budget)
-            idle = not (out or busy or self.running)  # nothing else runs: held blocks must make room
-            if not (self.blocks.grow(seq.block_table, seq.num_computed + n)
-                    or idle and self._grow(seq.block_table, seq.num_computed + n)):
+            idle = not (
+                out or busy or self.running
+            )  # nothing else runs: held blocks must make room
+            if not (
+                self.blocks.grow(seq.block_table, seq.num_computed + n)
+                or idle
+                and self._grow(seq.block_table, seq.num_computed + n)
+            ):
                 seq.free_kv(self.blocks)  # give the prefix back; retry next step
                 break
             if seq.num_cached_tokens is None:  # a request's hits count once, at its first admission

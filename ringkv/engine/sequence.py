@@ -21,8 +21,17 @@ class Status(enum.Enum):
 class Sequence:
     """One sample of a request (``index`` of its ``n``): tokens, cache state, text so far."""
 
-    def __init__(self, *, seq_id: int, prompt, prompt_token_ids: List[int], params: SamplingParams,
-                 cache_salt: Optional[str] = None, index: int = 0, request_id=None):
+    def __init__(
+        self,
+        *,
+        seq_id: int,
+        prompt,
+        prompt_token_ids: List[int],
+        params: SamplingParams,
+        cache_salt: Optional[str] = None,
+        index: int = 0,
+        request_id=None,
+    ):
         self.seq_id, self.prompt, self.params, self.index = seq_id, prompt, params, index
         self.request_id = seq_id if request_id is None else request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -30,7 +39,9 @@ class Sequence:
         self.cache_salt = cache_salt
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_table: List[int] = []
-        self.kv_epoch = 0  # counts the times its blocks were dropped (the ranks' step mirrors re-learn it)
+        self.kv_epoch = (
+            0  # counts the times its blocks were dropped (the ranks' step mirrors re-learn it)
+        )
         self.prefix_cursor = PrefixCursor()  # how far its full blocks are registered
         self.status = Status.WAITING
         self.finish_reason: Optional[str] = None
@@ -39,21 +50,35 @@ class Sequence:
         self.deltas: List[str] = []  # the text each output token released (streaming)
         self.emitted = 0  # characters of ``text`` released so far
         self.reported = 0  # output tokens already returned by ``LLM.step(delta=True)``
-        self.reported_prompt = False  # its prompt log-probs were returned (delta outputs carry them once)
+        self.reported_prompt = (
+            False  # its prompt log-probs were returned (delta outputs carry them once)
+        )
         self.detok = None  # an IncrementalDetokenizer once the engine decodes its first token
         self.logprobs: List = []
         self.prompt_logprobs: Optional[List[Optional[float]]] = (
-            [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs is not None else None)
-        self.prompt_top: Optional[List[Optional[list]]] = (  # [(token id, log-prob)] * k per position
-            [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs else None)
-        self.penalty = None  # (in_prompt, counts) once a penalty needs them (sampling.penalty_state)
-        self.siblings: List["Sequence"] = []  # samples 1..n-1, admitted once this one's prompt is computed
+            [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs is not None else None
+        )
+        self.prompt_top: Optional[
+            List[Optional[list]]
+        ] = (  # [(token id, log-prob)] * k per position
+            [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs else None
+        )
+        self.penalty = (
+            None  # (in_prompt, counts) once a penalty needs them (sampling.penalty_state)
+        )
+        self.siblings: List[
+            "Sequence"
+        ] = []  # samples 1..n-1, admitted once this one's prompt is computed
         self.num_cached_tokens: Optional[int] = None  # set on first admission
         self.num_preemptions = 0
         if params.seed is None:
             seed = random.getrandbits(63)
         else:  # sample i of a seeded request: its own reproducible stream (sample 0: the seed itself)
-            seed = params.seed if index == 0 else random.Random(f"{params.seed}/{index}").getrandbits(63)
+            seed = (
+                params.seed
+                if index == 0
+                else random.Random(f"{params.seed}/{index}").getrandbits(63)
+            )
         self.generator = torch.Generator().manual_seed(seed)
 
     @property
@@ -62,7 +87,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> List[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def finished(self) -> bool:

@@ -56,10 +56,14 @@ class KVSnapshot:
     generator_state: torch.Tensor
     k_scale: Optional[torch.Tensor] = None
     v_scale: Optional[torch.Tensor] = None
-    logprobs: List = field(default_factory=list)  # [token_id, logprob, [[id, logprob], ...]] per token ...
+    logprobs: List = field(
+        default_factory=list
+    )  # [token_id, logprob, [[id, logprob], ...]] per token ...
     logprobs_from: int = 0  # ... from this generated token on
     prompt_logprobs: Optional[List] = None
-    prompt_top_logprobs: Optional[List] = None  # [[token id, log-prob] * k or None] per prompt position
+    prompt_top_logprobs: Optional[List] = (
+        None  # [[token id, log-prob] * k or None] per prompt position
+    )
     num_cached_tokens: int = 0
     version: int = VERSION
 
@@ -88,20 +92,29 @@ class KVSnapshot:
 
         try:
             (n,) = struct.unpack("<Q", data[:8])
-            header = json.loads(data[8:8 + n])
+            header = json.loads(data[8 : 8 + n])
             meta = json.loads(header["__metadata__"]["ringkv_snapshot"])
             tensors = load(data)
         except Exception as e:  # noqa: BLE001 - any damage is the same error to the caller
-            raise ValueError(f"{what} is corrupt or not a ringkv KV snapshot: {type(e).__name__}: {e}") from None
+            raise ValueError(
+                f"{what} is corrupt or not a ringkv KV snapshot: {type(e).__name__}: {e}"
+            ) from None
         if not isinstance(meta, dict) or meta.get("version") != VERSION:
             version = meta.get("version") if isinstance(meta, dict) else None
-            raise ValueError(f"{what} has snapshot format version {version}, this ringkv reads {VERSION}; "
-                             f"export it again with this ringkv")
+            raise ValueError(
+                f"{what} has snapshot format version {version}, this ringkv reads {VERSION}; "
+                f"export it again with this ringkv"
+            )
         if meta.pop("sha256", None) != _checksum(meta, tensors, data):
-            raise ValueError(f"{what} is corrupt or edited: its contents do not match their checksum")
+            raise ValueError(
+                f"{what} is corrupt or edited: its contents do not match their checksum"
+            )
         known = {f.name for f in fields(cls)}
         try:
-            return cls(**{k: v for k, v in meta.items() if k in known}, **{n: tensors.get(n) for n in _TENSORS})
+            return cls(
+                **{k: v for k, v in meta.items() if k in known},
+                **{n: tensors.get(n) for n in _TENSORS},
+            )
         except TypeError as e:  # a field missing
             raise ValueError(f"{what} is not a complete ringkv KV snapshot: {e}") from None
 
@@ -135,7 +148,7 @@ def _checksum(meta: dict, tensors: Dict[str, torch.Tensor], data: bytes) -> str:
     (n,) = struct.unpack("<Q", data[:8])
     layout = {k: [str(t.dtype), list(t.shape)] for k, t in tensors.items()}
     h = hashlib.sha256(json.dumps([meta, layout], sort_keys=True).encode())
-    h.update(memoryview(data)[8 + n:])
+    h.update(memoryview(data)[8 + n :])
     return h.hexdigest()
 
 
@@ -151,7 +164,11 @@ def model_digest(cfg, weights=None) -> str:
     one as a directory, an in-memory model or in another storage dtype that holds the same
     values, on every rank and mesh (it reads the checkpoint, not a rank's slice). Cheap: a few
     rows per tensor are read, never a whole file (SmolLM2-135M: under 0.1 s, 0.2 s the first time in a process)."""
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("extra", "eos_token_id", "bos_token_id", "torch_dtype")}
+    keep = {
+        k: v
+        for k, v in asdict(cfg).items()
+        if k not in ("extra", "eos_token_id", "bos_token_id", "torch_dtype")
+    }
     h = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode())
     for name in sorted(model_tensors(cfg, weights)) if weights is not None else ():
         shape = tuple(weights.shape(name))
@@ -159,8 +176,14 @@ def model_digest(cfg, weights=None) -> str:
         if len(shape) < 2:
             parts = [weights.get(name)]
         else:
-            rows = sorted({i * (shape[0] - 1) // (DIGEST_ROWS - 1) for i in range(DIGEST_ROWS)}) if shape[0] else []
+            rows = (
+                sorted({i * (shape[0] - 1) // (DIGEST_ROWS - 1) for i in range(DIGEST_ROWS)})
+                if shape[0]
+                else []
+            )
             parts = [weights.get(name, 0, i, i + 1) for i in rows]
         for t in parts:
-            h.update(t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
+            h.update(
+                t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes()
+            )
     return h.hexdigest()[:16]

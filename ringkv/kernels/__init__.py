@@ -29,15 +29,44 @@ from typing import Optional, Tuple
 import torch
 
 from . import cudnn, flash_attn, reference, sdpa  # noqa: F401  (``kernels.sdpa`` etc. for callers)
-from .checks import (check_causal, check_grad_inputs, check_sinks, check_softcap, resolve_scale,  # noqa: F401
-                     validate)
-from .dispatch import BACKENDS, MISSING, NEEDS, PREFERENCE, describe, features, pick, register_backend  # noqa: F401
+from .checks import (
+    check_causal,
+    check_grad_inputs,
+    check_sinks,
+    check_softcap,
+    resolve_scale,  # noqa: F401
+    validate,
+)
+from .dispatch import (
+    BACKENDS,
+    MISSING,
+    NEEDS,
+    PREFERENCE,
+    describe,
+    features,
+    pick,
+    register_backend,
+)  # noqa: F401
 from .mask import EMPTY, NO_WINDOW, Mask, Positions, check_positions, check_window, make_mask
 from .merge import apply_sinks, merge_, sinks_dlse, sinks_grad
 
-__all__ = ["attention", "attention_backward", "block_forward", "block_backward", "block_forward_into",
-           "block_backward_into", "run_differentiable", "make_mask", "Mask", "BACKENDS", "PREFERENCE",
-           "register_backend", "pick", "validate", "describe"]
+__all__ = [
+    "attention",
+    "attention_backward",
+    "block_forward",
+    "block_backward",
+    "block_forward_into",
+    "block_backward_into",
+    "run_differentiable",
+    "make_mask",
+    "Mask",
+    "BACKENDS",
+    "PREFERENCE",
+    "register_backend",
+    "pick",
+    "validate",
+    "describe",
+]
 
 
 def _cap(softcap) -> dict:
@@ -45,8 +74,15 @@ def _cap(softcap) -> dict:
 
 
 def _pick(backend, q, v, mask, softcap, dlse=False, backward=False):
-    return pick(backend, q, mask, dlse=dlse, backward=backward, softcap=softcap is not None,
-                dv=q.shape[-1] != v.shape[-1])
+    return pick(
+        backend,
+        q,
+        mask,
+        dlse=dlse,
+        backward=backward,
+        softcap=softcap is not None,
+        dv=q.shape[-1] != v.shape[-1],
+    )
 
 
 def _padded(module, q, v) -> bool:
@@ -64,16 +100,26 @@ def _forward(module, q, k, v, scale, mask, softcap):
         return module.forward(q, k, v, scale, mask, **_cap(softcap))
     d = max(q.shape[-1], v.shape[-1])
     out, lse = module.forward(_pad(q, d), _pad(k, d), _pad(v, d), scale, mask, **_cap(softcap))
-    return out[..., :v.shape[-1]], lse  # (B, Sq, H, Dv)
+    return out[..., : v.shape[-1]], lse  # (B, Sq, H, Dv)
 
 
 def _backward(module, dout, q, k, v, out, lse, scale, mask, dlse, softcap):
     if not _padded(module, q, v):
         return module.backward(dout, q, k, v, out, lse, scale, mask, dlse, **_cap(softcap))
     d = max(q.shape[-1], v.shape[-1])
-    dq, dk, dv = module.backward(_pad(dout, d), _pad(q, d), _pad(k, d), _pad(v, d), _pad(out, d), lse, scale, mask,
-                                 dlse, **_cap(softcap))
-    return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
+    dq, dk, dv = module.backward(
+        _pad(dout, d),
+        _pad(q, d),
+        _pad(k, d),
+        _pad(v, d),
+        _pad(out, d),
+        lse,
+        scale,
+        mask,
+        dlse,
+        **_cap(softcap),
+    )
+    return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
 
 
 def block_forward(q, k, v, *, scale: float, mask: Mask, backend: str = "auto", softcap=None):
@@ -83,14 +129,32 @@ def block_forward(q, k, v, *, scale: float, mask: Mask, backend: str = "auto", s
     return _forward(_pick(backend, q, v, mask, softcap), q, k, v, scale, mask, softcap)
 
 
-def block_backward(dout, q, k, v, out, lse, *, scale: float, mask: Mask, dlse=None, backend: str = "auto",
-                   softcap=None):
+def block_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    scale: float,
+    mask: Mask,
+    dlse=None,
+    backend: str = "auto",
+    softcap=None,
+):
     """Unvalidated backward for one block given the rows' final ``out``/``lse``: fp32 dq, dk, dv."""
-    module = reference if mask.kind == EMPTY else _pick(backend, q, v, mask, softcap, dlse is not None, True)
+    module = (
+        reference
+        if mask.kind == EMPTY
+        else _pick(backend, q, v, mask, softcap, dlse is not None, True)
+    )
     return _backward(module, dout, q, k, v, out, lse, scale, mask, dlse, softcap)
 
 
-def block_forward_into(out, lse, q, k, v, *, scale: float, mask: Mask, backend: str = "auto", softcap=None) -> None:
+def block_forward_into(
+    out, lse, q, k, v, *, scale: float, mask: Mask, backend: str = "auto", softcap=None
+) -> None:
     """Merge one block's partial into a float32 accumulator in place: ``out`` ``(B, Sq, H, Dv)``,
     ``lse`` ``(B, H, Sq)`` (views allowed). A backend with ``forward_into`` merges each of its own
     tiles straight into the accumulator (no intermediate partial merged a second time); others
@@ -104,8 +168,23 @@ def block_forward_into(out, lse, q, k, v, *, scale: float, mask: Mask, backend: 
         merge_(out, lse, *_forward(module, q, k, v, scale, mask, softcap))
 
 
-def block_backward_into(dq, dk, dv, dout, q, k, v, out, lse, *, scale: float, mask: Mask, dlse=None,
-                        backend: str = "auto", softcap=None) -> None:
+def block_backward_into(
+    dq,
+    dk,
+    dv,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    scale: float,
+    mask: Mask,
+    dlse=None,
+    backend: str = "auto",
+    softcap=None,
+) -> None:
     """``block_backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed): a
     backend with ``backward_into`` adds each tile's gradients directly (no zeroed per-block
     buffers to add again)."""
@@ -113,9 +192,13 @@ def block_backward_into(dq, dk, dv, dout, q, k, v, out, lse, *, scale: float, ma
         return
     module = _pick(backend, q, v, mask, softcap, dlse is not None, True)
     if hasattr(module, "backward_into") and not _padded(module, q, v):
-        module.backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, **_cap(softcap))
+        module.backward_into(
+            dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, **_cap(softcap)
+        )
         return
-    for acc, g in zip((dq, dk, dv), _backward(module, dout, q, k, v, out, lse, scale, mask, dlse, softcap)):
+    for acc, g in zip(
+        (dq, dk, dv), _backward(module, dout, q, k, v, out, lse, scale, mask, dlse, softcap)
+    ):
         acc.add_(g)
 
 
@@ -144,8 +227,16 @@ class _Differentiable(torch.autograd.Function):
         return None, None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
 
 
-def run_differentiable(fwd, bwd, q, k, v, fwd_args: tuple, bwd_args: Optional[tuple] = None,
-                       sinks: Optional[torch.Tensor] = None):
+def run_differentiable(
+    fwd,
+    bwd,
+    q,
+    k,
+    v,
+    fwd_args: tuple,
+    bwd_args: Optional[tuple] = None,
+    sinks: Optional[torch.Tensor] = None,
+):
     """``fwd(q, k, v, *fwd_args) -> (out, lse)``, through autograd when q, k, v or sinks need a
     gradient: ``bwd(dout, dlse, q, k, v, out, lse, *bwd_args) -> (dq, dk, dv)`` (``dlse`` is ``None``
     when lse is unused; ``bwd_args`` default to ``fwd_args``). Every attention here (the kernels, the
@@ -154,8 +245,16 @@ def run_differentiable(fwd, bwd, q, k, v, fwd_args: tuple, bwd_args: Optional[tu
     their gradient covers this rank's rows (summed over the SP group like any replicated weight)."""
     grads = any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     if torch.is_grad_enabled() and grads:
-        return _Differentiable.apply(fwd, bwd, tuple(fwd_args), tuple(fwd_args if bwd_args is None else bwd_args),
-                                     q, k, v, sinks)
+        return _Differentiable.apply(
+            fwd,
+            bwd,
+            tuple(fwd_args),
+            tuple(fwd_args if bwd_args is None else bwd_args),
+            q,
+            k,
+            v,
+            sinks,
+        )
     out, lse = fwd(q, k, v, *fwd_args)
     return (out, lse) if sinks is None else (apply_sinks(out, lse, sinks)[0], lse)
 
@@ -165,8 +264,9 @@ def _block_fwd(q, k, v, scale, mask, backend, softcap=None):
 
 
 def _block_bwd(dout, dlse, q, k, v, out, lse, scale, mask, backend, softcap=None):
-    return block_backward(dout, q, k, v, out, lse, scale=scale, mask=mask, dlse=dlse, backend=backend,
-                          softcap=softcap)
+    return block_backward(
+        dout, q, k, v, out, lse, scale=scale, mask=mask, dlse=dlse, backend=backend, softcap=softcap
+    )
 
 
 def _mask(q, k, causal, q_positions, k_positions, window) -> Mask:
@@ -177,10 +277,20 @@ def _mask(q, k, causal, q_positions, k_positions, window) -> Mask:
     return make_mask(causal, q_positions, k_positions, q.shape[1], k.shape[1], q.device, window)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
-              causal: bool = False, q_positions: Positions = None, k_positions: Positions = None,
-              window: Tuple[int, int] = NO_WINDOW, backend: str = "auto", softcap: Optional[float] = None,
-              sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    q_positions: Positions = None,
+    k_positions: Positions = None,
+    window: Tuple[int, int] = NO_WINDOW,
+    backend: str = "auto",
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q (B, Sq, H, D)`` over ``k (B, Sk, Hkv, D)``, ``v (B, Sk, Hkv, Dv)``: ``(out
     (B, Sq, H, Dv), lse (B, H, Sq))``.
 
@@ -195,13 +305,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     softcap, sinks = check_softcap(softcap), check_sinks(sinks, q)
     mask = _mask(q, k, causal, q_positions, k_positions, window)
     _pick(backend, q, v, mask, softcap)  # fail early on an unusable explicit backend
-    return run_differentiable(_block_fwd, _block_bwd, q, k, v, (scale, mask, backend, softcap), sinks=sinks)
+    return run_differentiable(
+        _block_fwd, _block_bwd, q, k, v, (scale, mask, backend, softcap), sinks=sinks
+    )
 
 
-def attention_backward(dout, q, k, v, out, lse, *, scale: Optional[float] = None, causal: bool = False,
-                       q_positions: Positions = None, k_positions: Positions = None, dlse=None,
-                       window: Tuple[int, int] = NO_WINDOW, backend: str = "auto", softcap: Optional[float] = None,
-                       sinks: Optional[torch.Tensor] = None):
+def attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    q_positions: Positions = None,
+    k_positions: Positions = None,
+    dlse=None,
+    window: Tuple[int, int] = NO_WINDOW,
+    backend: str = "auto",
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+):
     """dq, dk, dv (in the inputs' dtypes) of ``attention`` given ``dout`` (and ``dlse``), with
     ``out``/``lse`` as ``attention`` returned them; with ``sinks`` also ``dsinks`` (in sinks' dtype)."""
     scale = validate(q, k, v, scale)
@@ -211,8 +337,20 @@ def attention_backward(dout, q, k, v, out, lse, *, scale: Optional[float] = None
     lse_f = lse if sinks is None else torch.logaddexp(lse, sinks.float().view(1, -1, 1))
     if sinks is not None and dlse is not None:
         dlse = sinks_dlse(dlse, lse, lse_f)
-    dq, dk, dv = block_backward(dout, q, k, v, out, lse_f, scale=scale, mask=mask, dlse=dlse, backend=backend,
-                                softcap=softcap)
+    dq, dk, dv = block_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse_f,
+        scale=scale,
+        mask=mask,
+        dlse=dlse,
+        backend=backend,
+        softcap=softcap,
+    )
     grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
-    return grads if sinks is None else grads + (sinks_grad(dout, out, lse_f, sinks).to(sinks.dtype),)
-
+    return (
+        grads if sinks is None else grads + (sinks_grad(dout, out, lse_f, sinks).to(sinks.dtype),)
+    )

@@ -15,28 +15,38 @@ def validate(q, k, v, scale=None) -> float:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}"
+            )
         if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a floating tensor (float32/float16/bfloat16), got {t.dtype}")
+            raise TypeError(
+                f"{name} must be a floating tensor (float32/float16/bfloat16), got {t.dtype}"
+            )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must have the same shape but for the head_dim (batch, seq, kv_heads; v may have "
-                         f"its own head_dim), "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must have the same shape but for the head_dim (batch, seq, kv_heads; v may have "
+            f"its own head_dim), "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if v.shape[3] == 0:
         raise ValueError(f"v's head_dim must be at least 1, got shape {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+        raise ValueError(
+            f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}"
+        )
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
     if q.shape[3] == 0:
         raise ValueError(f"head_dim must be at least 1, got shape {tuple(q.shape)}")
     if k.shape[2] == 0 or q.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"query heads ({q.shape[2]}) must be a positive multiple of kv heads ({k.shape[2]}) "
-                         f"for GQA/MQA")
+        raise ValueError(
+            f"query heads ({q.shape[2]}) must be a positive multiple of kv heads ({k.shape[2]}) "
+            f"for GQA/MQA"
+        )
     return resolve_scale(scale, q.shape[3])
 
 
@@ -44,9 +54,15 @@ def check_softcap(softcap) -> "float | None":
     """``softcap``: None, or a finite float > 0 (scores become ``softcap * tanh(s / softcap)``)."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-            or softcap <= 0:
-        raise ValueError(f"softcap must be None or a finite float > 0 (logit soft-capping), got {softcap!r}")
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap <= 0
+    ):
+        raise ValueError(
+            f"softcap must be None or a finite float > 0 (logit soft-capping), got {softcap!r}"
+        )
     return float(softcap)
 
 
@@ -56,11 +72,15 @@ def check_sinks(sinks, q):
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
-        raise ValueError(f"sinks must be None or a floating tensor of shape (heads,) = ({q.shape[-2]},), got "
-                         f"{type(sinks).__name__ if not isinstance(sinks, torch.Tensor) else sinks.dtype}")
+        raise ValueError(
+            f"sinks must be None or a floating tensor of shape (heads,) = ({q.shape[-2]},), got "
+            f"{type(sinks).__name__ if not isinstance(sinks, torch.Tensor) else sinks.dtype}"
+        )
     if tuple(sinks.shape) != (q.shape[-2],):
-        raise ValueError(f"sinks must have shape (heads,) = ({q.shape[-2]},) (one per query head), got "
-                         f"{tuple(sinks.shape)}")
+        raise ValueError(
+            f"sinks must have shape (heads,) = ({q.shape[-2]},) (one per query head), got "
+            f"{tuple(sinks.shape)}"
+        )
     if sinks.device != q.device:
         raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
     return sinks
@@ -77,8 +97,10 @@ def resolve_scale(scale, head_dim: int) -> float:
 
 def check_causal(causal) -> None:
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {type(causal).__name__}; "
-                        f"pass positions (q_positions/k_positions) for other masks")
+        raise TypeError(
+            f"causal must be True or False, got {type(causal).__name__}; "
+            f"pass positions (q_positions/k_positions) for other masks"
+        )
 
 
 def check_grad_inputs(q, v, dout, out, lse, dlse) -> None:
@@ -96,8 +118,12 @@ def check_grad_inputs(q, v, dout, out, lse, dlse) -> None:
         if t is None and name == "dlse":
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a float32 torch.Tensor (batch, heads, seq), got {type(t).__name__}")
+            raise TypeError(
+                f"{name} must be a float32 torch.Tensor (batch, heads, seq), got {type(t).__name__}"
+            )
         if tuple(t.shape) != lse_shape:
-            raise ValueError(f"{name} must have shape (batch, heads, seq_q) = {lse_shape}, got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have shape (batch, heads, seq_q) = {lse_shape}, got {tuple(t.shape)}"
+            )
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must be float32 (as attention returns it), got {t.dtype}")

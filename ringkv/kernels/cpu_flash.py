@@ -57,7 +57,9 @@ def _lib(isa: str) -> Optional[ctypes.CDLL]:
     f = ctypes.c_float
     lib.ringkv_flash_fwd_f32.argtypes = [p] * 5 + [i] * 7 + [p] * 4 + [i, i, f, f, ctypes.c_int]
     lib.ringkv_flash_bwd_f32.restype = ctypes.c_int
-    lib.ringkv_flash_bwd_f32.argtypes = [p] * 10 + [i] * 7 + [p] * 8 + [i, i, f, f, ctypes.c_int, ctypes.c_int]
+    lib.ringkv_flash_bwd_f32.argtypes = (
+        [p] * 10 + [i] * 7 + [p] * 8 + [i, i, f, f, ctypes.c_int, ctypes.c_int]
+    )
     return lib
 
 
@@ -81,7 +83,9 @@ def _timed_call(isa: str, kind: str = "causal"):
     from . import sdpa
 
     g = torch.Generator().manual_seed(0)
-    q, dout = (torch.randn(1, 4, 512, 64, generator=g).transpose(1, 2) for _ in range(2))  # (B, S, H, D) views
+    q, dout = (
+        torch.randn(1, 4, 512, 64, generator=g).transpose(1, 2) for _ in range(2)
+    )  # (B, S, H, D) views
     k, v = (torch.randn(1, 2, 512, 64, generator=g).transpose(1, 2) for _ in range(2))
     mask = Mask(OFFSET, offset=0) if kind == "causal" else Mask(FULL)
 
@@ -89,8 +93,11 @@ def _timed_call(isa: str, kind: str = "causal"):
         out, lse = fwd(q, k, v, 0.125, mask)
         bwd(dout, q, k, v, out, lse, 0.125, mask)
 
-    return (lambda: run(lambda *a: forward(*a, isa=isa), lambda *a: backward(*a, isa=isa)),
-            lambda: run(sdpa.forward, sdpa.backward), f"a 512 x 512 {kind} block forward and backward, 4 / 2 heads x 64")
+    return (
+        lambda: run(lambda *a: forward(*a, isa=isa), lambda *a: backward(*a, isa=isa)),
+        lambda: run(sdpa.forward, sdpa.backward),
+        f"a 512 x 512 {kind} block forward and backward, 4 / 2 heads x 64",
+    )
 
 
 @lru_cache(maxsize=None)
@@ -99,8 +106,13 @@ def status(kind: str = "causal") -> dict:
     mask with a diagonal: whether ``"auto"`` runs this kernel here at all) or ``"full"`` (whether it
     also takes the full blocks: the AVX2 build wins the diagonal blocks by skipping their masked
     panels and can lose the full ones); why, and both timings."""
-    return native.self_check("flash_attention", SWITCH, lambda isa: _timed_call(isa, kind), "torch's fused op (sdpa)",
-                             "" if kind == "causal" else kind)
+    return native.self_check(
+        "flash_attention",
+        SWITCH,
+        lambda isa: _timed_call(isa, kind),
+        "torch's fused op (sdpa)",
+        "" if kind == "causal" else kind,
+    )
 
 
 def declines(mask: Mask) -> str:
@@ -120,8 +132,14 @@ def __getattr__(name: str):
 
 def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
     d = q.shape[-1]
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and d % 16 == 0 and 0 < d <= 256
-            and mask.kind != DENSE and library() is not None)
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and d % 16 == 0
+        and 0 < d <= 256
+        and mask.kind != DENSE
+        and library() is not None
+    )
 
 
 def _check_dims(q, k, v) -> int:
@@ -129,15 +147,19 @@ def _check_dims(q, k, v) -> int:
     (the kernel's is a multiple of 16; ``_wide`` pads another)."""
     d, dv = q.shape[-1], v.shape[-1]
     if k.shape[-1] != d or d % 16 or not 0 < d <= 256 or dv <= 0:
-        raise ValueError(f"cpu_flash takes q/k of one head size D (a multiple of 16 up to 256) and v of head size "
-                         f"Dv > 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"cpu_flash takes q/k of one head size D (a multiple of 16 up to 256) and v of head size "
+            f"Dv > 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     return dv
 
 
 def _wide(t: torch.Tensor, width: int) -> torch.Tensor:
     """``t`` zero-padded in its last dimension to ``width`` (the kernel's V head size, a multiple of
     16; exact: the padded columns of out and dv come out 0 and are dropped)."""
-    return t if t.shape[-1] == width else torch.nn.functional.pad(t.float(), (0, width - t.shape[-1]))
+    return (
+        t if t.shape[-1] == width else torch.nn.functional.pad(t.float(), (0, width - t.shape[-1]))
+    )
 
 
 def _cap(softcap) -> float:
@@ -171,7 +193,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def forward(q, k, v, scale: float, mask: Mask, softcap: Optional[float] = None, *, isa: Optional[str] = None):
+def forward(
+    q, k, v, scale: float, mask: Mask, softcap: Optional[float] = None, *, isa: Optional[str] = None
+):
     """Same contract as ``reference.forward`` (float32): q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``,
     v ``(B, Sk, Hkv, Dv)`` -> out ``(B, Sq, H, Dv)``, lse ``(B, H, Sq)``; ``softcap``: the scores'
     cap (None: none); ``isa``: the build to run (default: this process's)."""
@@ -189,16 +213,50 @@ def _forward(lib, q, k, v, scale: float, mask: Mask, softcap=None):
     q, k, v = _rows(q), _rows(k), _rows(_wide(v, wide))
     lo, hi = _bounds(mask)
     failed = lib.ringkv_flash_fwd_f32(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), b, sq, k.shape[1], h,
-        k.shape[2], d, wide, _strides(q), _strides(k), _strides(v), _strides(out), lo, hi, scale, cap,
-        torch.get_num_threads())
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        b,
+        sq,
+        k.shape[1],
+        h,
+        k.shape[2],
+        d,
+        wide,
+        _strides(q),
+        _strides(k),
+        _strides(v),
+        _strides(out),
+        lo,
+        hi,
+        scale,
+        cap,
+        torch.get_num_threads(),
+    )
     if failed:
         raise MemoryError("cpu_flash: the forward could not allocate its scratch memory")
     return (out if wide == dv else out[..., :dv].contiguous()), lse
 
 
-def backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None,
-                  softcap: Optional[float] = None, *, isa: Optional[str] = None) -> None:
+def backward_into(
+    dq,
+    dk,
+    dv,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    scale: float,
+    mask: Mask,
+    dlse=None,
+    softcap: Optional[float] = None,
+    *,
+    isa: Optional[str] = None,
+) -> None:
     """``backward`` added in place into float32 ``dq`` ``(B, Sq, H, D)``, ``dk`` ``(B, Sk, Hkv, D)``,
     ``dv`` ``(B, Sk, Hkv, Dv)`` (views with a contiguous last dimension; others are added through a
     copy)."""
@@ -206,25 +264,62 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask,
         return
     targets = (dq, dk, dv)
     if any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in targets) or v.shape[-1] % 16:
-        for acc, g in zip(targets, backward(dout, q, k, v, out, lse, scale, mask, dlse, softcap, isa=isa)):
+        for acc, g in zip(
+            targets, backward(dout, q, k, v, out, lse, scale, mask, dlse, softcap, isa=isa)
+        ):
             acc.add_(g)
         return
-    _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, softcap, accumulate=True, isa=isa)
+    _backward(
+        dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, softcap, accumulate=True, isa=isa
+    )
 
 
-def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, softcap: Optional[float] = None, *,
-             isa: Optional[str] = None):
+def backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    scale: float,
+    mask: Mask,
+    dlse=None,
+    softcap: Optional[float] = None,
+    *,
+    isa: Optional[str] = None,
+):
     """Same contract as ``reference.backward``, ``dlse`` and ``softcap`` included: float32 dq
     ``(B, Sq, H, D)``, dk ``(B, Sk, Hkv, D)``, dv ``(B, Sk, Hkv, Dv)`` (dout/out ``(B, Sq, H, Dv)``)."""
     vd = v.shape[-1]
     dq = torch.zeros(q.shape, dtype=torch.float32)
-    dk, dv = torch.zeros(k.shape, dtype=torch.float32), torch.zeros(*v.shape[:-1], -(-vd // 16) * 16)
+    dk, dv = (
+        torch.zeros(k.shape, dtype=torch.float32),
+        torch.zeros(*v.shape[:-1], -(-vd // 16) * 16),
+    )
     if mask.kind != EMPTY and q.shape[1] and k.shape[1]:
-        _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, softcap, accumulate=False, isa=isa)
+        _backward(
+            dq,
+            dk,
+            dv,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            scale,
+            mask,
+            dlse,
+            softcap,
+            accumulate=False,
+            isa=isa,
+        )
     return dq, dk, (dv if dv.shape[-1] == vd else dv[..., :vd].contiguous())
 
 
-def _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, softcap, accumulate: bool, isa=None) -> None:
+def _backward(
+    dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, softcap, accumulate: bool, isa=None
+) -> None:
     lib = _need(isa)
     b, sq, h, d = q.shape
     _check_dims(q, k, v)
@@ -235,9 +330,30 @@ def _backward(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, dlse, softcap, a
     dlse = None if dlse is None else dlse.float().contiguous()
     lo, hi = _bounds(mask)
     failed = lib.ringkv_flash_bwd_f32(
-        dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-        None if dlse is None else dlse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, sq, k.shape[1], h,
-        k.shape[2], d, vd, *(_strides(t) for t in (dout, q, k, v, out, dq, dk, dv)), lo, hi, scale, cap,
-        int(accumulate), torch.get_num_threads())
+        dout.data_ptr(),
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        None if dlse is None else dlse.data_ptr(),
+        dq.data_ptr(),
+        dk.data_ptr(),
+        dv.data_ptr(),
+        b,
+        sq,
+        k.shape[1],
+        h,
+        k.shape[2],
+        d,
+        vd,
+        *(_strides(t) for t in (dout, q, k, v, out, dq, dk, dv)),
+        lo,
+        hi,
+        scale,
+        cap,
+        int(accumulate),
+        torch.get_num_threads(),
+    )
     if failed:
         raise MemoryError("cpu_flash: the backward could not allocate its scratch memory")

@@ -30,20 +30,39 @@ import torch
 from . import cpu_flash, cudnn, flash_attn, reference, sdpa
 from .mask import BAND, DENSE, FULL, OFFSET, Mask
 
-BACKENDS: Dict[str, object] = {"reference": reference, "sdpa": sdpa, "cudnn": cudnn, "cpu_flash": cpu_flash,
-                               "flash_attn": flash_attn.FA2, "flash_attn3": flash_attn.FA3}
+BACKENDS: Dict[str, object] = {
+    "reference": reference,
+    "sdpa": sdpa,
+    "cudnn": cudnn,
+    "cpu_flash": cpu_flash,
+    "flash_attn": flash_attn.FA2,
+    "flash_attn3": flash_attn.FA3,
+}
 # expected fastest first (published H100/A100 results, not measured by us): FlashAttention-3 (Hopper),
 # flash-attn 2, cuDNN, torch's flash SDPA, then our Triton kernels (never run on a GPU yet; registered
 # after sdpa at the end of this file); each call takes the first that supports it and passed its probe.
 # CPU: our C kernel (float32, faster than torch's fused op: docs/kernels.md), then torch's op
-PREFERENCE = {"cuda": ["flash_attn3", "flash_attn", "cudnn", "sdpa", "reference"],
-              "cpu": ["cpu_flash", "sdpa", "reference"]}
+PREFERENCE = {
+    "cuda": ["flash_attn3", "flash_attn", "cudnn", "sdpa", "reference"],
+    "cpu": ["cpu_flash", "sdpa", "reference"],
+}
 NEEDS = ("forward", "backward", "lse_grad")
 MISSING: Dict[str, str] = {}  # backends that could not even be imported: name -> why
-_verified: Dict[tuple, Dict[str, str]] = {}  # (name, device type, dtype) -> need -> "" (passed) or why not
+_verified: Dict[
+    tuple, Dict[str, str]
+] = {}  # (name, device type, dtype) -> need -> "" (passed) or why not
 _warned: set = set()
 
-__all__ = ["BACKENDS", "PREFERENCE", "NEEDS", "MISSING", "register_backend", "pick", "describe", "features"]
+__all__ = [
+    "BACKENDS",
+    "PREFERENCE",
+    "NEEDS",
+    "MISSING",
+    "register_backend",
+    "pick",
+    "describe",
+    "features",
+]
 
 
 def features(module) -> frozenset:
@@ -74,10 +93,16 @@ def _close(a: torch.Tensor, e: torch.Tensor, tol: float) -> bool:
     """Same infinities, finite entries within ``tol * (1 + max |e|)``."""
     a, e = a.float(), e.float()
     inf = torch.isinf(e)
-    if not torch.equal(torch.isinf(a), inf) or not torch.equal(a[inf], e[inf]) or torch.isnan(a).any():
+    if (
+        not torch.equal(torch.isinf(a), inf)
+        or not torch.equal(a[inf], e[inf])
+        or torch.isnan(a).any()
+    ):
         return False
     fin = ~inf
-    return not fin.any() or (a[fin] - e[fin]).abs().max().item() <= tol * (1 + e[fin].abs().max().item())
+    return not fin.any() or (a[fin] - e[fin]).abs().max().item() <= tol * (
+        1 + e[fin].abs().max().item()
+    )
 
 
 def _check(name: str, need: str, q: torch.Tensor, softcap: bool = False, dv: bool = False) -> str:
@@ -86,12 +111,21 @@ def _check(name: str, need: str, q: torch.Tensor, softcap: bool = False, dv: boo
     module = BACKENDS[name]
     g = torch.Generator(device="cpu").manual_seed(0)
     dims = (64, 64, 32 if dv else 64, 32 if dv else 64)
-    q, k, v, dout = [torch.randn(2, 77, s, d, generator=g).to(q.device, q.dtype) for s, d in zip((4, 2, 2, 4), dims)]
+    q, k, v, dout = [
+        torch.randn(2, 77, s, d, generator=g).to(q.device, q.dtype)
+        for s, d in zip((4, 2, 2, 4), dims)
+    ]
     cap = dict(softcap=2.0) if softcap else {}
     dlse = torch.randn(2, 4, 77, generator=g).to(q.device) if need == "lse_grad" else None
     tol = max(16 * torch.finfo(q.dtype).eps, 1e-3)  # wrong arguments give errors of order 1
-    masks = [m for m in (Mask(OFFSET, offset=-5), Mask(BAND, offset=3, lo=-20))  # rows with no key included
-             if module.supports(q, m, dlse is not None)]
+    masks = [
+        m
+        for m in (
+            Mask(OFFSET, offset=-5),
+            Mask(BAND, offset=3, lo=-20),
+        )  # rows with no key included
+        if module.supports(q, m, dlse is not None)
+    ]
     if not masks:
         return "unsupported"
     try:
@@ -111,7 +145,9 @@ def _check(name: str, need: str, q: torch.Tensor, softcap: bool = False, dv: boo
     return ""
 
 
-def _probe(name: str, q: torch.Tensor, need: str = "forward", softcap: bool = False, dv: bool = False) -> str:
+def _probe(
+    name: str, q: torch.Tensor, need: str = "forward", softcap: bool = False, dv: bool = False
+) -> str:
     """Check a backend once per (device, dtype, need, native feature) against the reference: "" or why not."""
     key = (name, q.device.type, q.dtype)
     results = _verified.setdefault(key, {})
@@ -119,8 +155,11 @@ def _probe(name: str, q: torch.Tensor, need: str = "forward", softcap: bool = Fa
     if need not in results:
         results[need] = _check(name, need.split("+")[0], q, softcap, dv)
         if results[need].startswith("failed"):
-            _warn_once((key, need), f"ringkv: backend {name!r} {results[need]} on {q.device.type} {q.dtype}; "
-                                    f"'auto' runs the {need} elsewhere (ringkv.kernels.describe() says where)")
+            _warn_once(
+                (key, need),
+                f"ringkv: backend {name!r} {results[need]} on {q.device.type} {q.dtype}; "
+                f"'auto' runs the {need} elsewhere (ringkv.kernels.describe() says where)",
+            )
     return results[need]
 
 
@@ -128,7 +167,9 @@ def _need(dlse: bool, backward: bool) -> str:
     return "lse_grad" if dlse else "backward" if backward else "forward"
 
 
-def _skip_reason(name: str, q: torch.Tensor, mask: Mask, need: str, softcap: bool = False, dv: bool = False) -> str:
+def _skip_reason(
+    name: str, q: torch.Tensor, mask: Mask, need: str, softcap: bool = False, dv: bool = False
+) -> str:
     """Why ``auto`` passes over backend ``name`` for this call ("" when it may take it).
     ``softcap``: the call caps its scores; ``dv``: V's head size differs from q's."""
     module = BACKENDS.get(name)
@@ -142,13 +183,27 @@ def _skip_reason(name: str, q: torch.Tensor, mask: Mask, need: str, softcap: boo
     if softcap and "softcap" not in features(module):
         return "unsupported: no logit soft-capping"
     if not module.supports(q, mask, need == "lse_grad"):
-        return "unsupported" + (" (takes no gradient through lse)" if need == "lse_grad"
-                                and module.supports(q, mask) else "")
-    return "" if name == "reference" else _probe(name, q, need, softcap, dv and "dv" in features(module))
+        return "unsupported" + (
+            " (takes no gradient through lse)"
+            if need == "lse_grad" and module.supports(q, mask)
+            else ""
+        )
+    return (
+        ""
+        if name == "reference"
+        else _probe(name, q, need, softcap, dv and "dv" in features(module))
+    )
 
 
-def pick(backend: str, q: torch.Tensor, mask: Mask, dlse: bool = False, backward: bool = False,
-         softcap: bool = False, dv: bool = False):
+def pick(
+    backend: str,
+    q: torch.Tensor,
+    mask: Mask,
+    dlse: bool = False,
+    backward: bool = False,
+    softcap: bool = False,
+    dv: bool = False,
+):
     """Resolve a backend name (or ``"auto"``) to a module for this call.
 
     ``backward``: the call is a backward; ``dlse``: a backward with a gradient through lse;
@@ -161,21 +216,29 @@ def pick(backend: str, q: torch.Tensor, mask: Mask, dlse: bool = False, backward
     """
     if backend != "auto":
         if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)} or 'auto'")
+            raise ValueError(
+                f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)} or 'auto'"
+            )
         module = BACKENDS[backend]
         if softcap and "softcap" not in features(module):
-            raise ValueError(f"softcap: backend {backend!r} has no logit soft-capping; use backend='auto' or one of "
-                             f"{sorted(n for n, m in BACKENDS.items() if 'softcap' in features(m))}")
+            raise ValueError(
+                f"softcap: backend {backend!r} has no logit soft-capping; use backend='auto' or one of "
+                f"{sorted(n for n, m in BACKENDS.items() if 'softcap' in features(m))}"
+            )
         if module.supports(q, mask, dlse):
             return module
         if dlse and module.supports(q, mask):
             chosen = pick("auto", q, mask, dlse=True, backward=True, softcap=softcap, dv=dv)
-            _warn_once(("dlse", backend, _name(chosen)),
-                       f"ringkv: backend {backend!r} takes no gradient through lse; backward calls with one run "
-                       f"on {_name(chosen)!r}")
+            _warn_once(
+                ("dlse", backend, _name(chosen)),
+                f"ringkv: backend {backend!r} takes no gradient through lse; backward calls with one run "
+                f"on {_name(chosen)!r}",
+            )
             return chosen
-        raise ValueError(f"backend {backend!r} does not support {q.device.type} {q.dtype} "
-                         f"head_dim={q.shape[-1]} with mask {mask.kind!r}; use backend='auto'")
+        raise ValueError(
+            f"backend {backend!r} does not support {q.device.type} {q.dtype} "
+            f"head_dim={q.shape[-1]} with mask {mask.kind!r}; use backend='auto'"
+        )
     need = _need(dlse, backward)
     for name in PREFERENCE.get(q.device.type, ["reference"]):
         if not _skip_reason(name, q, mask, need, softcap, dv):
@@ -183,9 +246,14 @@ def pick(backend: str, q: torch.Tensor, mask: Mask, dlse: bool = False, backward
     return reference
 
 
-_SAMPLE_MASKS = {FULL: lambda s: Mask(FULL), OFFSET: lambda s: Mask(OFFSET),
-                 BAND: lambda s: Mask(BAND, offset=0, lo=-s // 4),
-                 DENSE: lambda s: Mask(DENSE, dense=torch.rand(s, s, generator=torch.Generator().manual_seed(0)) < .5)}
+_SAMPLE_MASKS = {
+    FULL: lambda s: Mask(FULL),
+    OFFSET: lambda s: Mask(OFFSET),
+    BAND: lambda s: Mask(BAND, offset=0, lo=-s // 4),
+    DENSE: lambda s: Mask(
+        DENSE, dense=torch.rand(s, s, generator=torch.Generator().manual_seed(0)) < 0.5
+    ),
+}
 
 
 def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
@@ -203,7 +271,9 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
     kernel's verdict (``native.self_check``: its ISA and tiles, ``on``, ``by`` what, ``why`` not,
     ``kernel_us`` and ``torch_us`` from its self-check); running it may run the self-checks.
     """
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(
+        device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     q = torch.zeros(1, 64, 2, head_dim, device=device, dtype=dtype)
     order = PREFERENCE.get(device.type, ["reference"])
@@ -212,7 +282,9 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
         auto[need] = {}
         for kind, make in _SAMPLE_MASKS.items():
             mask = make(q.shape[1])
-            chosen = _name(pick("auto", q, mask, dlse=need == "lse_grad", backward=need != "forward"))
+            chosen = _name(
+                pick("auto", q, mask, dlse=need == "lse_grad", backward=need != "forward")
+            )
             auto[need][kind] = chosen
             for name in sorted(set(BACKENDS) | set(MISSING)):
                 if name == chosen:
@@ -222,25 +294,64 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
                     why = f"not in the {device.type} preference order"
                 elif not why and order.index(name) > order.index(chosen):
                     why = f"after {chosen!r} in the preference order"
-                cells.setdefault(name, {})[f"{need}/{kind}"] = why or _skip_reason(name, q, mask, need)
-    skipped = {n: (next(iter(c.values())) if len(set(c.values())) == 1 else c) for n, c in cells.items()}
-    auto_softcap = {need: {kind: _name(pick("auto", q, make(q.shape[1]), dlse=need == "lse_grad",
-                                            backward=need != "forward", softcap=True))
-                           for kind, make in _SAMPLE_MASKS.items()} for need in NEEDS}
-    feats = {n: {"softcap": "native" if "softcap" in features(m) else "no (skipped for capped calls)",
-                 "dv": "native" if "dv" in features(m) else "zero-padded to max(D, Dv)"} for n, m in BACKENDS.items()}
+                cells.setdefault(name, {})[f"{need}/{kind}"] = why or _skip_reason(
+                    name, q, mask, need
+                )
+    skipped = {
+        n: (next(iter(c.values())) if len(set(c.values())) == 1 else c) for n, c in cells.items()
+    }
+    auto_softcap = {
+        need: {
+            kind: _name(
+                pick(
+                    "auto",
+                    q,
+                    make(q.shape[1]),
+                    dlse=need == "lse_grad",
+                    backward=need != "forward",
+                    softcap=True,
+                )
+            )
+            for kind, make in _SAMPLE_MASKS.items()
+        }
+        for need in NEEDS
+    }
+    feats = {
+        n: {
+            "softcap": "native" if "softcap" in features(m) else "no (skipped for capped calls)",
+            "dv": "native" if "dv" in features(m) else "zero-padded to max(D, Dv)",
+        }
+        for n, m in BACKENDS.items()
+    }
     notes = []
     if "reference" in auto["lse_grad"].values():
-        notes.append("lse_grad on 'reference': no backend usable here takes a gradient through lse natively "
-                     "(only 'cpu_flash' does, float32 on CPU, and 'triton', for full/offset masks on CUDA), so the "
-                     "reference runs those backward calls, by design")
-    out = dict(device=str(device), dtype=str(dtype), order=list(order), auto=auto, skipped=skipped, notes=notes,
-               auto_softcap=auto_softcap, features=feats)
+        notes.append(
+            "lse_grad on 'reference': no backend usable here takes a gradient through lse natively "
+            "(only 'cpu_flash' does, float32 on CPU, and 'triton', for full/offset masks on CUDA), so the "
+            "reference runs those backward calls, by design"
+        )
+    out = dict(
+        device=str(device),
+        dtype=str(dtype),
+        order=list(order),
+        auto=auto,
+        skipped=skipped,
+        notes=notes,
+        auto_softcap=auto_softcap,
+        features=feats,
+    )
     if device.type == "cpu":
         from . import linear_cpu, paged_cpu
 
-        out["native"] = {s["kernel"]: s for s in (cpu_flash.status(), cpu_flash.status("full"), linear_cpu.status(),
-                                                  paged_cpu.status())}
+        out["native"] = {
+            s["kernel"]: s
+            for s in (
+                cpu_flash.status(),
+                cpu_flash.status("full"),
+                linear_cpu.status(),
+                paged_cpu.status(),
+            )
+        }
     return out
 
 
@@ -250,4 +361,3 @@ except ImportError as e:
     MISSING["triton"] = f"not installed ({e})"
 else:
     register_backend("triton", triton_attn, preference={"cuda": 4})
-

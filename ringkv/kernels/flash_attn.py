@@ -41,8 +41,11 @@ class Adapter:
     positionally (any later parameter must have a default). ``softcap``: the release caps scores
     in its forward and backward (``softcap`` 0 = off), and the adapter passes ours.
     """
+
     name: str
-    versions: Optional[Tuple[Tuple[int, int], Tuple[int, int]]]  # [low, high) (major, minor); None: FA3
+    versions: Optional[
+        Tuple[Tuple[int, int], Tuple[int, int]]
+    ]  # [low, high) (major, minor); None: FA3
     fwd_params: Tuple[str, ...]
     bwd_params: Tuple[str, ...]
     fwd: Callable
@@ -57,12 +60,32 @@ _GRAD_IN = ("dout", "q", "k", "v", "out", "softmax_lse")
 # flash-attn 2.6.0-2.6.3, flash_attn/flash_attn_interface.py: window as one tuple; the forward
 # returns (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
 def _fa26_fwd(fn, q, k, v, scale, causal, window, softcap=0.0):
-    out, _, _, _, _, lse, _, _ = fn(q, k, v, 0.0, scale, causal, tuple(window), softcap, None, False)
+    out, _, _, _, _, lse, _, _ = fn(
+        q, k, v, 0.0, scale, causal, tuple(window), softcap, None, False
+    )
     return out, lse
 
 
 def _fa26_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap=0.0):
-    fn(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, tuple(window), softcap, None, False, None)
+    fn(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dq,
+        dk,
+        dv,
+        0.0,
+        scale,
+        causal,
+        tuple(window),
+        softcap,
+        None,
+        False,
+        None,
+    )
 
 
 # flash-attn 2.7.0-2.8.x (torch custom ops since 2.7.0): window as left, right; the forward returns
@@ -73,30 +96,127 @@ def _fa27_fwd(fn, q, k, v, scale, causal, window, softcap=0.0):
 
 
 def _fa27_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap=0.0):
-    fn(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, causal, window[0], window[1], softcap, None, False, None)
+    fn(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dq,
+        dk,
+        dv,
+        0.0,
+        scale,
+        causal,
+        window[0],
+        window[1],
+        softcap,
+        None,
+        False,
+        None,
+    )
 
 
 FA2_ADAPTERS = (
-    Adapter("flash-attn 2.6", ((2, 6), (2, 7)),
-            _QKV + ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
-                    "return_softmax"),
-            _GRAD_IN + ("dq", "dk", "dv", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
-                        "alibi_slopes", "deterministic", "rng_state"),
-            _fa26_fwd, _fa26_bwd, softcap=True),
-    Adapter("flash-attn 2.7-2.8", ((2, 7), (2, 9)),
-            _QKV + ("dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
-                    "alibi_slopes", "return_softmax"),
-            _GRAD_IN + ("dq", "dk", "dv", "dropout_p", "softmax_scale", "causal", "window_size_left",
-                        "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state"),
-            _fa27_fwd, _fa27_bwd, softcap=True),
+    Adapter(
+        "flash-attn 2.6",
+        ((2, 6), (2, 7)),
+        _QKV
+        + (
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size",
+            "softcap",
+            "alibi_slopes",
+            "return_softmax",
+        ),
+        _GRAD_IN
+        + (
+            "dq",
+            "dk",
+            "dv",
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size",
+            "softcap",
+            "alibi_slopes",
+            "deterministic",
+            "rng_state",
+        ),
+        _fa26_fwd,
+        _fa26_bwd,
+        softcap=True,
+    ),
+    Adapter(
+        "flash-attn 2.7-2.8",
+        ((2, 7), (2, 9)),
+        _QKV
+        + (
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size_left",
+            "window_size_right",
+            "softcap",
+            "alibi_slopes",
+            "return_softmax",
+        ),
+        _GRAD_IN
+        + (
+            "dq",
+            "dk",
+            "dv",
+            "dropout_p",
+            "softmax_scale",
+            "causal",
+            "window_size_left",
+            "window_size_right",
+            "softcap",
+            "alibi_slopes",
+            "deterministic",
+            "rng_state",
+        ),
+        _fa27_fwd,
+        _fa27_bwd,
+        softcap=True,
+    ),
 )
 
 # FlashAttention-3, hopper/flash_attn_interface.py: 20 optional inputs (new KV, paging, rotary,
 # fp8 descales, varlen) between v and the scale, which we pass as None; 6 varlen ones in the backward
-_FA3_FWD_NONE = ("k_new", "v_new", "qv", "out", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new", "seqused_q",
-                 "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table", "kv_batch_idx", "leftpad_k",
-                 "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale", "v_descale")
-_FA3_BWD_NONE = ("cu_seqlens_q", "cu_seqlens_k", "sequed_q", "sequed_k", "max_seqlen_q", "max_seqlen_k")
+_FA3_FWD_NONE = (
+    "k_new",
+    "v_new",
+    "qv",
+    "out",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "cu_seqlens_k_new",
+    "seqused_q",
+    "seqused_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "page_table",
+    "kv_batch_idx",
+    "leftpad_k",
+    "rotary_cos",
+    "rotary_sin",
+    "seqlens_rotary",
+    "q_descale",
+    "k_descale",
+    "v_descale",
+)
+_FA3_BWD_NONE = (
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "sequed_q",
+    "sequed_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+)
 
 
 # as of tags v2.8.0-v2.8.3: window as one tuple; backward returns (dq, dk, dv, softmax_d)
@@ -106,7 +226,21 @@ def _fa3_tuple_fwd(fn, q, k, v, scale, causal, window, softcap=0.0):
 
 
 def _fa3_tuple_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap=0.0):
-    fn(dout, q, k, v, out, lse, *(None,) * len(_FA3_BWD_NONE), dq, dk, dv, scale, causal, tuple(window))
+    fn(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *(None,) * len(_FA3_BWD_NONE),
+        dq,
+        dk,
+        dv,
+        scale,
+        causal,
+        tuple(window),
+    )
 
 
 # after v2.8.3 (torch custom ops): window as left, right; the output buffer renamed ``out_``, the
@@ -117,28 +251,56 @@ def _fa3_split_fwd(fn, q, k, v, scale, causal, window, softcap=0.0):
 
 
 def _fa3_split_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap=0.0):
-    fn(dout, q, k, v, out, lse, *(None,) * len(_FA3_BWD_NONE), dq, dk, dv, scale, causal, window[0], window[1])
+    fn(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *(None,) * len(_FA3_BWD_NONE),
+        dq,
+        dk,
+        dv,
+        scale,
+        causal,
+        window[0],
+        window[1],
+    )
 
 
 FA3_ADAPTERS = (
-    Adapter("FlashAttention-3 (window_size tuple, v2.8.0-v2.8.3)", None,
-            _QKV + _FA3_FWD_NONE + ("softmax_scale", "causal", "window_size"),
-            _GRAD_IN + _FA3_BWD_NONE + ("dq", "dk", "dv", "softmax_scale", "causal", "window_size"),
-            _fa3_tuple_fwd, _fa3_tuple_bwd),
-    Adapter("FlashAttention-3 (window_size_left/right, after v2.8.3)", None,
-            _QKV + tuple("out_" if p == "out" else p for p in _FA3_FWD_NONE)
-            + ("softmax_scale", "causal", "window_size_left", "window_size_right"),
-            _GRAD_IN + _FA3_BWD_NONE + ("dq", "dk", "dv", "softmax_scale", "is_causal", "window_size_left",
-                                        "window_size_right"),
-            _fa3_split_fwd, _fa3_split_bwd),
+    Adapter(
+        "FlashAttention-3 (window_size tuple, v2.8.0-v2.8.3)",
+        None,
+        _QKV + _FA3_FWD_NONE + ("softmax_scale", "causal", "window_size"),
+        _GRAD_IN + _FA3_BWD_NONE + ("dq", "dk", "dv", "softmax_scale", "causal", "window_size"),
+        _fa3_tuple_fwd,
+        _fa3_tuple_bwd,
+    ),
+    Adapter(
+        "FlashAttention-3 (window_size_left/right, after v2.8.3)",
+        None,
+        _QKV
+        + tuple("out_" if p == "out" else p for p in _FA3_FWD_NONE)
+        + ("softmax_scale", "causal", "window_size_left", "window_size_right"),
+        _GRAD_IN
+        + _FA3_BWD_NONE
+        + ("dq", "dk", "dv", "softmax_scale", "is_causal", "window_size_left", "window_size_right"),
+        _fa3_split_fwd,
+        _fa3_split_bwd,
+    ),
 )
 
 
 def _fits(fn, names: Tuple[str, ...]) -> bool:
     """``fn``'s parameters start with ``names`` and all later ones have defaults."""
-    params = list(inspect.signature(getattr(fn, "_init_fn", fn)).parameters.values())  # custom ops wrap a def
-    return (tuple(p.name for p in params[:len(names)]) == names
-            and all(p.default is not p.empty for p in params[len(names):]))
+    params = list(
+        inspect.signature(getattr(fn, "_init_fn", fn)).parameters.values()
+    )  # custom ops wrap a def
+    return tuple(p.name for p in params[: len(names)]) == names and all(
+        p.default is not p.empty for p in params[len(names) :]
+    )
 
 
 def _version(text: str) -> Tuple[int, int]:
@@ -148,16 +310,24 @@ def _version(text: str) -> Tuple[int, int]:
 
 def select(table, fwd_fn, bwd_fn, version: Optional[str] = None):
     """``(adapter, "")`` for the installed functions, or ``(None, why not)``."""
-    ranged = [a for a in table if a.versions is None or a.versions[0] <= _version(version or "") < a.versions[1]]
+    ranged = [
+        a
+        for a in table
+        if a.versions is None or a.versions[0] <= _version(version or "") < a.versions[1]
+    ]
     if not ranged:
-        span = f"{table[0].versions[0][0]}.{table[0].versions[0][1]}-" \
-               f"{table[-1].versions[1][0]}.{table[-1].versions[1][1] - 1}"
+        span = (
+            f"{table[0].versions[0][0]}.{table[0].versions[0][1]}-"
+            f"{table[-1].versions[1][0]}.{table[-1].versions[1][1] - 1}"
+        )
         return None, f"version {version} is outside the supported {span}"
     for adapter in ranged:
         if _fits(fwd_fn, adapter.fwd_params) and _fits(bwd_fn, adapter.bwd_params):
             return adapter, ""
-    return None, (f"private _flash_attn_forward/_flash_attn_backward{' of ' + version if version else ''} "
-                  f"match none of: {', '.join(a.name for a in ranged)}")
+    return None, (
+        f"private _flash_attn_forward/_flash_attn_backward{' of ' + version if version else ''} "
+        f"match none of: {', '.join(a.name for a in ranged)}"
+    )
 
 
 def _tiles(mask: Mask, sq: int, sk: int):
@@ -172,31 +342,48 @@ def _tiles(mask: Mask, sq: int, sk: int):
         shift = (c1 - c0) - (r1 - r0)
         left, right = shift - (lo + r0 - c0), (hi + r0 - c0) - shift  # both >= 0 after the trim
         return [(slice(r0, r1 + 1), slice(c0, c1 + 1), False, (left, right))]
-    return [(slice(t.q0, t.q1), slice(t.k0, t.k1), t.causal, (-1, -1))
-            for t in offset_tiles(mask.offset, sq, sk)]
+    return [
+        (slice(t.q0, t.q1), slice(t.k0, t.k1), t.causal, (-1, -1))
+        for t in offset_tiles(mask.offset, sq, sk)
+    ]
 
 
 class FlashBackend:
     """One flash-attn package behind the backend contract (``supports/forward/backward``)."""
 
-    def __init__(self, name: str, module, table, version: Optional[str] = None, unavailable: str = ""):
+    def __init__(
+        self, name: str, module, table, version: Optional[str] = None, unavailable: str = ""
+    ):
         self.name, self.module, self.adapter, self.unavailable = name, module, None, unavailable
         self.FEATURES = frozenset()  # V's own head size runs zero-padded (see ringkv.kernels)
         if module is not None:
-            self.adapter, why = select(table, module._flash_attn_forward, module._flash_attn_backward, version)
+            self.adapter, why = select(
+                table, module._flash_attn_forward, module._flash_attn_backward, version
+            )
             self.unavailable = "" if self.adapter else why
-            if self.adapter is not None and self.adapter.softcap:  # FA3's capped backward is not wired (untested)
+            if (
+                self.adapter is not None and self.adapter.softcap
+            ):  # FA3's capped backward is not wired (untested)
                 self.FEATURES = frozenset({"softcap"})
 
     def __repr__(self):
         return f"<backend {self.name}: {self.adapter.name if self.adapter else self.unavailable}>"
 
     def supports(self, q: torch.Tensor, mask: Mask, dlse=False) -> bool:
-        return (self.adapter is not None and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-                and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and mask.kind != DENSE and not dlse)
+        return (
+            self.adapter is not None
+            and q.device.type == "cuda"
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] <= 256
+            and q.shape[-1] % 8 == 0
+            and mask.kind != DENSE
+            and not dlse
+        )
 
     def _fwd(self, q, k, v, scale: float, causal: bool, window, softcap=None):
-        o, l = self.adapter.fwd(self.module._flash_attn_forward, q, k, v, scale, causal, window, softcap or 0.0)
+        o, l = self.adapter.fwd(
+            self.module._flash_attn_forward, q, k, v, scale, causal, window, softcap or 0.0
+        )
         return o, l.float()
 
     @torch.no_grad()
@@ -216,7 +403,11 @@ class FlashBackend:
         if mask.kind == EMPTY:
             return
         for r, c, causal, window in _tiles(mask, q.shape[1], k.shape[1]):
-            merge_(out[:, r], lse[:, :, r], *self._fwd(q[:, r], k[:, c], v[:, c], scale, causal, window, softcap))
+            merge_(
+                out[:, r],
+                lse[:, :, r],
+                *self._fwd(q[:, r], k[:, c], v[:, c], scale, causal, window, softcap),
+            )
 
     @torch.no_grad()
     def backward(self, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, softcap=None):
@@ -226,19 +417,33 @@ class FlashBackend:
         return tuple(grads)
 
     @torch.no_grad()
-    def backward_into(self, dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None,
-                      softcap=None) -> None:
+    def backward_into(
+        self, dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, softcap=None
+    ) -> None:
         """``backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed), call by call."""
         assert dlse is None
         if mask.kind == EMPTY:
             return
-        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).contiguous()  # no-key rows: P = 0
+        lse = torch.where(
+            torch.isinf(lse), torch.zeros_like(lse), lse
+        ).contiguous()  # no-key rows: P = 0
         for r, c, causal, window in _tiles(mask, q.shape[1], k.shape[1]):
             qs, ks, vs = q[:, r].contiguous(), k[:, c].contiguous(), v[:, c].contiguous()
             g = [torch.empty_like(t) for t in (qs, ks, vs)]
-            self.adapter.bwd(self.module._flash_attn_backward, dout[:, r].contiguous(), qs, ks, vs,
-                             out[:, r].contiguous(), lse[:, :, r].contiguous(), *g, scale, causal, window,
-                             softcap or 0.0)
+            self.adapter.bwd(
+                self.module._flash_attn_backward,
+                dout[:, r].contiguous(),
+                qs,
+                ks,
+                vs,
+                out[:, r].contiguous(),
+                lse[:, :, r].contiguous(),
+                *g,
+                scale,
+                causal,
+                window,
+                softcap or 0.0,
+            )
             dq[:, r] += g[0]
             dk[:, c] += g[1]
             dv[:, c] += g[2]
@@ -249,7 +454,9 @@ def load(name: str, module_name: str, table, dist: Optional[str] = None) -> Flas
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or a broken CUDA install
-        return FlashBackend(name, None, table, unavailable=f"not installed ({type(e).__name__}: {e})")
+        return FlashBackend(
+            name, None, table, unavailable=f"not installed ({type(e).__name__}: {e})"
+        )
     version = None
     if dist is not None:
         version = getattr(importlib.import_module(dist), "__version__", None) or "unknown"

@@ -29,7 +29,7 @@ import torch
 
 __all__ = ["linear_cross_entropy", "default_chunk"]
 
-CHUNK_BYTES = 64 * 2 ** 20   # one chunk's float32 logits: a constant, whatever the length
+CHUNK_BYTES = 64 * 2**20  # one chunk's float32 logits: a constant, whatever the length
 
 
 def default_chunk(vocab: int) -> int:
@@ -55,13 +55,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad = any(ctx.needs_input_grad[:3])
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        d_hidden = torch.empty_like(hidden) if want_h else None                          # (N, H)
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        d_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
+        d_hidden = torch.empty_like(hidden) if want_h else None  # (N, H)
+        d_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        )
+        d_bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
+        )
         for lo in range(0, n, chunk):
-            h, y = hidden[lo:lo + chunk], targets[lo:lo + chunk]                          # (c, H), (c,)
-            logits, t = _logits(h, weight, bias, softcap, scale)                          # (c, V) float32
-            lse = torch.logsumexp(logits, -1)                                             # (c,)
+            h, y = hidden[lo : lo + chunk], targets[lo : lo + chunk]  # (c, H), (c,)
+            logits, t = _logits(h, weight, bias, softcap, scale)  # (c, V) float32
+            lse = torch.logsumexp(logits, -1)  # (c,)
             valid = y != ignore_index
             safe = torch.where(valid, y, 0)
             picked = logits.gather(1, safe[:, None]).squeeze(1)
@@ -69,7 +73,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if not grad:
                 continue
             # d loss / d logits = softmax - onehot on counted rows; then through softcap and scale
-            g = logits.sub_(lse[:, None]).exp_()                                          # (c, V) in place
+            g = logits.sub_(lse[:, None]).exp_()  # (c, V) in place
             g[torch.arange(g.shape[0], device=g.device), safe] -= 1.0
             g.mul_(valid[:, None])
             if t is not None:
@@ -77,7 +81,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if scale is not None:
                 g.mul_(scale)
             if want_h:
-                d_hidden[lo:lo + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                d_hidden[lo : lo + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if want_w:
                 d_weight.addmm_(g.t(), h.float())
             if want_b:
@@ -97,10 +101,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         bias: Optional[torch.Tensor] = None, *, ignore_index: int = -100,
-                         chunk: Optional[int] = None, softcap: Optional[float] = None,
-                         scale: Optional[float] = None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    ignore_index: int = -100,
+    chunk: Optional[int] = None,
+    softcap: Optional[float] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """Summed next-token cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``.
 
     ``hidden`` ``(N, H)``, ``weight`` ``(V, H)``, ``bias`` ``(V,)`` or None, ``targets`` ``(N,)``
@@ -110,18 +121,28 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     ``hidden``, ``weight`` and ``bias``.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"linear_cross_entropy: hidden must be (N, H) and weight (V, H), got "
-                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"linear_cross_entropy: hidden must be (N, H) and weight (V, H), got "
+            f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if targets.shape != hidden.shape[:1] or targets.dtype.is_floating_point:
-        raise ValueError(f"linear_cross_entropy: targets must be (N,) = ({hidden.shape[0]},) integers, got "
-                         f"{tuple(targets.shape)} {targets.dtype}")
+        raise ValueError(
+            f"linear_cross_entropy: targets must be (N,) = ({hidden.shape[0]},) integers, got "
+            f"{tuple(targets.shape)} {targets.dtype}"
+        )
     if bias is not None and bias.shape != weight.shape[:1]:
-        raise ValueError(f"linear_cross_entropy: bias must be (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+        raise ValueError(
+            f"linear_cross_entropy: bias must be (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}"
+        )
     if chunk is None:
         chunk = default_chunk(weight.shape[0])
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"linear_cross_entropy: chunk must be a positive int (rows per chunk), got {chunk!r}")
+        raise ValueError(
+            f"linear_cross_entropy: chunk must be a positive int (rows per chunk), got {chunk!r}"
+        )
     if softcap is not None and not softcap > 0:
         raise ValueError(f"linear_cross_entropy: softcap must be positive or None, got {softcap!r}")
     targets = targets.to(hidden.device).long()
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, chunk, softcap, scale)
+    return _LinearCrossEntropy.apply(
+        hidden, weight, bias, targets, ignore_index, chunk, softcap, scale
+    )

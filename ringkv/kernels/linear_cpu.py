@@ -52,7 +52,9 @@ def _lib(isa: str) -> Optional[ctypes.CDLL]:
     lib.ringkv_linear_f32.restype = None
     lib.ringkv_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.nr = lib.ringkv_linear_nr()  # the build's panel width, read once
-    assert lib.ringkv_linear_packed_floats(1, 1) == lib.nr, "csrc/linear.c's panel width and its packed size disagree"
+    assert lib.ringkv_linear_packed_floats(1, 1) == lib.nr, (
+        "csrc/linear.c's panel width and its packed size disagree"
+    )
     return lib
 
 
@@ -102,6 +104,7 @@ def _timed_call(isa: str):
             for w in theirs:
                 torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     else:
+
         def torch_path():
             for w in ws:
                 torch.nn.functional.linear(x, w)
@@ -129,8 +132,10 @@ def pack(weight: torch.Tensor, isa: Optional[str] = None) -> torch.Tensor:
     """An ``nn.Linear`` weight ``(N, K)`` float32 on the CPU -> its packed copy (1-D float32) for
     the build for ``isa`` (default: this process's)."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"pack takes a 2-D float32 CPU weight, got {tuple(weight.shape)} {weight.dtype} "
-                         f"on {weight.device}")
+        raise ValueError(
+            f"pack takes a 2-D float32 CPU weight, got {tuple(weight.shape)} {weight.dtype} "
+            f"on {weight.device}"
+        )
     return _pack(_need(isa), weight)
 
 
@@ -142,7 +147,9 @@ def _pack(lib, weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, isa: Optional[str] = None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, n: int, isa: Optional[str] = None
+) -> torch.Tensor:
     """``x (..., K)`` times the weight ``pack(W, isa)`` packed: ``(..., n)`` (the op
     ``torch.ops.ringkv.packed_linear`` without ``isa``)."""
     return _linear(_need(isa), x, packed, n)
@@ -150,9 +157,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, isa: Optional[s
 
 def _linear(lib, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     k = x.shape[-1]
-    if packed.numel() != _floats(lib, n, k) or x.dtype != torch.float32 or packed.dtype != torch.float32:
-        raise ValueError(f"packed_linear: {packed.numel()} packed {packed.dtype} do not hold a ({n}, {k}) float32 "
-                         f"weight for x of {x.dtype}")
+    if (
+        packed.numel() != _floats(lib, n, k)
+        or x.dtype != torch.float32
+        or packed.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"packed_linear: {packed.numel()} packed {packed.dtype} do not hold a ({n}, {k}) float32 "
+            f"weight for x of {x.dtype}"
+        )
     x2 = x.reshape(-1, k).contiguous()  # (M, K)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)  # (M, n)
     lib.ringkv_linear_f32(x2.data_ptr(), packed.data_ptr(), y.data_ptr(), x2.shape[0], n, k)
@@ -192,7 +205,11 @@ class PackedLinear(nn.Module):
 
 
 def _packable(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    return (
+        isinstance(m, nn.Linear)
+        and m.weight.dtype == torch.float32
+        and m.weight.device.type == "cpu"
+    )
 
 
 def packs(module: nn.Module) -> bool:

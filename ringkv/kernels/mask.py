@@ -111,9 +111,14 @@ def _as_tensor(pos: Positions, n: int, device) -> torch.Tensor:
 
 def check_window(window) -> Tuple[int, int]:
     """``window`` as ``(left, right)`` ints ``>= -1`` (``-1`` = unbounded), or a clear error."""
-    if not isinstance(window, (tuple, list)) or len(window) != 2 or \
-            not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
-        raise TypeError(f"window must be a tuple of two ints (left, right), -1 = unbounded, got {window!r}")
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+    ):
+        raise TypeError(
+            f"window must be a tuple of two ints (left, right), -1 = unbounded, got {window!r}"
+        )
     if min(window) < -1:
         raise ValueError(f"window sizes must be >= 0, or -1 for unbounded, got {tuple(window)}")
     return int(window[0]), int(window[1])
@@ -125,21 +130,34 @@ def check_positions(name: str, pos: Positions, n: int) -> None:
         return
     if isinstance(pos, range):
         if len(pos) != n:
-            raise ValueError(f"{name} has {len(pos)} positions but the tensor has {n} tokens; "
-                             f"pass one position per token")
+            raise ValueError(
+                f"{name} has {len(pos)} positions but the tensor has {n} tokens; "
+                f"pass one position per token"
+            )
         if n > 1 and pos.step <= 0:
             raise ValueError(f"{name} must be increasing (range step > 0), got step {pos.step}")
         return
     if not isinstance(pos, torch.Tensor):
-        raise TypeError(f"{name} must be None, a range or a 1-D integer tensor, got {type(pos).__name__}")
+        raise TypeError(
+            f"{name} must be None, a range or a 1-D integer tensor, got {type(pos).__name__}"
+        )
     if pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got dtype {pos.dtype}")
     if pos.dim() != 1 or pos.numel() != n:
-        raise ValueError(f"{name} must have shape ({n},) (one position per token), got {tuple(pos.shape)}")
+        raise ValueError(
+            f"{name} must have shape ({n},) (one position per token), got {tuple(pos.shape)}"
+        )
 
 
-def make_mask(causal: bool, q_positions: Positions, k_positions: Positions,
-              sq: int, sk: int, device=None, window: Tuple[int, int] = NO_WINDOW) -> Mask:
+def make_mask(
+    causal: bool,
+    q_positions: Positions,
+    k_positions: Positions,
+    sq: int,
+    sk: int,
+    device=None,
+    window: Tuple[int, int] = NO_WINDOW,
+) -> Mask:
     """Reduce ``causal`` + ``window`` + global positions to a :class:`Mask` for a ``(Sq, Sk)`` block.
 
     With ``None`` positions, keys sit at ``0..Sk-1`` and queries are aligned to the end of
@@ -155,15 +173,24 @@ def make_mask(causal: bool, q_positions: Positions, k_positions: Positions,
         q_positions = range(sk - sq, sk)
     if k_positions is None:
         k_positions = range(0, sk)
-    if isinstance(q_positions, range) and isinstance(k_positions, range) \
-            and (q_positions.step == k_positions.step or sq <= 1 or sk <= 1):
+    if (
+        isinstance(q_positions, range)
+        and isinstance(k_positions, range)
+        and (q_positions.step == k_positions.step or sq <= 1 or sk <= 1)
+    ):
         step = q_positions.step if sq > 1 else k_positions.step
         if sq <= 1 and sk <= 1:
             step = 1
         gap = q_positions.start - k_positions.start
-        return _classify_band(None if left < 0 else -((left - gap) // step),  # ceil((gap - left) / step)
-                              None if right < 0 else (gap + right) // step, sq, sk)
-    on_host = all(isinstance(p, range) or p.device.type == "cpu" for p in (q_positions, k_positions))
+        return _classify_band(
+            None if left < 0 else -((left - gap) // step),  # ceil((gap - left) / step)
+            None if right < 0 else (gap + right) // step,
+            sq,
+            sk,
+        )
+    on_host = all(
+        isinstance(p, range) or p.device.type == "cpu" for p in (q_positions, k_positions)
+    )
     at = "cpu" if on_host else device  # host positions: classify on the host (no device sync)
     qp = _as_tensor(q_positions, sq, at)
     kp = _as_tensor(k_positions, sk, at)
@@ -197,6 +224,7 @@ def _as_band(visible: torch.Tensor) -> Optional[Mask]:
 @dataclass(frozen=True)
 class Tile:
     """Rows ``[q0, q1)`` x keys ``[k0, k1)``; ``causal`` tiles are square, top-left causal."""
+
     q0: int
     q1: int
     k0: int

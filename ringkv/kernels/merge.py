@@ -20,15 +20,25 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["empty_partial", "merge_", "merge_eager_", "merge", "apply_sinks", "sinks_grad", "sinks_dlse"]
+__all__ = [
+    "empty_partial",
+    "merge_",
+    "merge_eager_",
+    "merge",
+    "apply_sinks",
+    "sinks_grad",
+    "sinks_dlse",
+]
 
 _fused = None  # triton_merge.merge_ once imported; False when triton is not installed
 
 
 def empty_partial(b: int, s: int, h: int, d: int, device=None):
     """The identity of ``merge_``: ``out = 0`` float32 ``(B, S, H, D)``, ``lse = -inf`` ``(B, H, S)``."""
-    return (torch.zeros(b, s, h, d, dtype=torch.float32, device=device),
-            torch.full((b, h, s), float("-inf"), device=device))
+    return (
+        torch.zeros(b, s, h, d, dtype=torch.float32, device=device),
+        torch.full((b, h, s), float("-inf"), device=device),
+    )
 
 
 def _weight(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -37,7 +47,9 @@ def _weight(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
 
 
-def merge_eager_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def merge_eager_(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """``merge_`` in plain torch ops (CPU, and the oracle of the fused kernel)."""
     total = torch.logaddexp(lse, block_lse.float())
     out.mul_(_weight(lse, total)).add_(block_out.float() * _weight(block_lse.float(), total))
@@ -57,7 +69,9 @@ def _fused_merge():
     return _fused
 
 
-def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def merge_(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """Accumulate one partial into ``(out, lse)`` in place (the ring loop's form).
 
     ``out`` is a float32 accumulator ``(B, S, H, D)`` and ``lse`` float32 ``(B, H, S)``; both may
@@ -75,7 +89,9 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     ``outs[i]`` ``(B, S, H, D)`` and ``lses[i]`` ``(B, H, S)`` are partials over disjoint keys.
     """
     if len(outs) != len(lses) or not outs:
-        raise ValueError(f"merge needs the same, non-zero number of outs and lses, got {len(outs)} and {len(lses)}")
+        raise ValueError(
+            f"merge needs the same, non-zero number of outs and lses, got {len(outs)} and {len(lses)}"
+        )
     lse_all = torch.stack([l.float() for l in lses])  # (N, B, H, S)
     total = torch.logsumexp(lse_all, dim=0)
     out = torch.zeros(outs[0].shape, dtype=torch.float32, device=outs[0].device)
@@ -102,7 +118,9 @@ def sinks_dlse(dlse: torch.Tensor, lse: torch.Tensor, lse_f: torch.Tensor) -> to
     return dlse * torch.exp((lse_f - lse).clamp(max=80.0))
 
 
-def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse_f: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def sinks_grad(
+    dout: torch.Tensor, out: torch.Tensor, lse_f: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
     """d loss / d sinks ``(H,)`` float32 from the rows held here: ``-sum p_sink * rowsum(dout * out)``
     over batch and rows, with ``out``/``lse_f`` the sinked results of ``apply_sinks``."""
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (B, H, S)

@@ -43,8 +43,12 @@ from typing import Callable, Optional, Tuple
 CSRC = Path(__file__).with_name("csrc")
 BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC"]
 ISAS = ("native", "x86-64-v4", "x86-64-v3", "generic")
-MARCH = {"native": ["-march=native"], "x86-64-v4": ["-march=x86-64-v4", "-mtune=generic"],
-         "x86-64-v3": ["-march=x86-64-v3", "-mtune=generic"], "generic": []}
+MARCH = {
+    "native": ["-march=native"],
+    "x86-64-v4": ["-march=x86-64-v4", "-mtune=generic"],
+    "x86-64-v3": ["-march=x86-64-v3", "-mtune=generic"],
+    "generic": [],
+}
 # what each x86-64 level needs from /proc/cpuinfo's flags (the psABI's levels; abm is lzcnt)
 V3_FLAGS = ("avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm")
 V4_FLAGS = V3_FLAGS + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
@@ -112,6 +116,7 @@ def cache_dir() -> Path:
 @dataclass(frozen=True)
 class Build:
     """One kernel compiled for one target: the loaded library, its ``.so`` and its key."""
+
     name: str
     isa: str
     path: Path
@@ -134,8 +139,10 @@ def build(name: str, isa: Optional[str] = None) -> Optional[Build]:
     isa = isa or default_isa()
     flags(isa)  # a known name
     if isa != "native" and isa not in supported_isas():
-        warnings.warn(f"ringkv: this CPU cannot run {isa} code (supported: {', '.join(supported_isas())}); the {name} "
-                      f"kernel for it is off (the torch path runs)")
+        warnings.warn(
+            f"ringkv: this CPU cannot run {isa} code (supported: {', '.join(supported_isas())}); the {name} "
+            f"kernel for it is off (the torch path runs)"
+        )
         return None
     return _build(name, isa)
 
@@ -148,10 +155,13 @@ def _build(name: str, isa: str) -> Optional[Build]:
     source = CSRC / f"{name}.c"
     cc = compiler()
     if cc is None:
-        warnings.warn(f"ringkv: no C compiler found; the {name} kernel is off (the torch path runs)")
+        warnings.warn(
+            f"ringkv: no C compiler found; the {name} kernel is off (the torch path runs)"
+        )
         return None
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join([cc, *fl]).encode(),
-                                     _cpu_id().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join([source.read_bytes(), " ".join([cc, *fl]).encode(), _cpu_id().encode()])
+    ).hexdigest()[:16]
     root = cache_dir()
     path = root / f"{name}-{key}.so"
     try:
@@ -160,8 +170,12 @@ def _build(name: str, isa: str) -> Optional[Build]:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)  # several ranks may build at once
             os.close(fd)
             try:
-                subprocess.run([cc, *fl, str(source), "-o", tmp, "-lm"], check=True, capture_output=True,
-                               timeout=180)
+                subprocess.run(
+                    [cc, *fl, str(source), "-o", tmp, "-lm"],
+                    check=True,
+                    capture_output=True,
+                    timeout=180,
+                )
                 os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):
@@ -169,12 +183,16 @@ def _build(name: str, isa: str) -> Optional[Build]:
         return Build(name, isa, path, ctypes.CDLL(str(path)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
-        warnings.warn(f"ringkv: building the {name} kernel for {isa} failed ({e}; "
-                      f"{detail.decode(errors='replace')[-500:]}); the torch path runs")
+        warnings.warn(
+            f"ringkv: building the {name} kernel for {isa} failed ({e}; "
+            f"{detail.decode(errors='replace')[-500:]}); the torch path runs"
+        )
         return None
 
 
-def load(name: str, switch: Optional[str] = None, isa: Optional[str] = None) -> Optional[ctypes.CDLL]:
+def load(
+    name: str, switch: Optional[str] = None, isa: Optional[str] = None
+) -> Optional[ctypes.CDLL]:
     """The library of ``build(name, isa)``; None when it does not build, or when the environment
     variable ``switch`` (if given) is ``0``."""
     if switch and os.environ.get(switch) == "0":
@@ -186,15 +204,24 @@ def load(name: str, switch: Optional[str] = None, isa: Optional[str] = None) -> 
 def require(lib: Optional[ctypes.CDLL], who: str, switch: str, isa: Optional[str]) -> ctypes.CDLL:
     """``lib``, or a ``RuntimeError`` saying why the kernel ``who`` asked for is off."""
     if lib is None:
-        raise RuntimeError(f"{who}: the kernel for {isa or default_isa()} is off here "
-                           f"({switch}=0, no compiler, or a target this CPU cannot run)")
+        raise RuntimeError(
+            f"{who}: the kernel for {isa or default_isa()} is off here "
+            f"({switch}=0, no compiler, or a target this CPU cannot run)"
+        )
     return lib
 
 
 # ---- the self-check ---------------------------------------------------------------------------
 
-def measure(kernel: Callable[[], object], torch_path: Callable[[], object], *, budget_s: float = 0.3,
-            min_rounds: int = 5, max_rounds: int = 31) -> Tuple[float, float]:
+
+def measure(
+    kernel: Callable[[], object],
+    torch_path: Callable[[], object],
+    *,
+    budget_s: float = 0.3,
+    min_rounds: int = 5,
+    max_rounds: int = 31,
+) -> Tuple[float, float]:
     """Median seconds of a kernel call and of its torch counterpart, interleaved (the order
     alternates each round) after one warm-up call each: at least ``min_rounds`` rounds, more while
     ``budget_s`` lasts. (The seam the self-check's tests replace.)"""
@@ -203,7 +230,7 @@ def measure(kernel: Callable[[], object], torch_path: Callable[[], object], *, b
     times = ([], [])
     stop = time.perf_counter() + budget_s
     for r in range(max_rounds):
-        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
             t = time.perf_counter()
             (kernel, torch_path)[i]()
             times[i].append(time.perf_counter() - t)
@@ -226,8 +253,13 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def self_check(name: str, switch: str, setup: Callable[[str], Tuple[Callable, Callable, str]],
-               torch_name: str, variant: str = "") -> dict:
+def self_check(
+    name: str,
+    switch: str,
+    setup: Callable[[str], Tuple[Callable, Callable, str]],
+    torch_name: str,
+    variant: str = "",
+) -> dict:
     """Whether the kernel ``name`` (the default build) runs instead of its torch path here.
 
     ``setup(isa)`` makes a representative call's inputs for the build for ``isa`` and returns
@@ -238,13 +270,29 @@ def self_check(name: str, switch: str, setup: Callable[[str], Tuple[Callable, Ca
     ``context`` (torch version, threads) and ``file`` (the cached verdicts). ``variant``: a second
     kind of call timed apart (its own verdict, e.g. cpu_flash's full-mask blocks)."""
     value = os.environ.get(switch)
-    out = dict(kernel=f"{name} ({variant})" if variant else name, isa=default_isa(), tiles="", on=False, by="", why="", kernel_us=None, torch_us=None,
-               call="", versus=torch_name, context="", file="")
+    out = dict(
+        kernel=f"{name} ({variant})" if variant else name,
+        isa=default_isa(),
+        tiles="",
+        on=False,
+        by="",
+        why="",
+        kernel_us=None,
+        torch_us=None,
+        call="",
+        versus=torch_name,
+        context="",
+        file="",
+    )
     if value == "0":
         return {**out, "by": f"{switch}=0", "why": f"off: {switch}=0"}
     b = build(name)
     if b is None:
-        return {**out, "by": "no build", "why": "off: no C compiler builds it here (a warning said why)"}
+        return {
+            **out,
+            "by": "no build",
+            "why": "off: no C compiler builds it here (a warning said why)",
+        }
     out.update(tiles=b.tiles)
     if value == "1":
         return {**out, "on": True, "by": f"{switch}=1"}
@@ -254,16 +302,23 @@ def self_check(name: str, switch: str, setup: Callable[[str], Tuple[Callable, Ca
     if found is None:
         import fcntl  # (Linux: there are no builds elsewhere)
 
-        with open(b.path.with_suffix(".lock"), "w") as lock:  # one process of several times it, the rest wait
+        with open(
+            b.path.with_suffix(".lock"), "w"
+        ) as lock:  # one process of several times it, the rest wait
             fcntl.flock(lock, fcntl.LOCK_EX)
             table = _read(path)
             found = table.get(context)
             if found is None:
                 kernel, torch_path, call = setup(b.isa)
                 k_s, t_s = measure(kernel, torch_path)
-                found = dict(kernel_us=round(k_s * 1e6, 1), torch_us=round(t_s * 1e6, 1), call=call,
-                             on=k_s < t_s, measured=time.strftime("%Y-%m-%d %H:%M:%S"),
-                             load=round(os.getloadavg()[0], 2))  # a busy machine's verdict may be noise
+                found = dict(
+                    kernel_us=round(k_s * 1e6, 1),
+                    torch_us=round(t_s * 1e6, 1),
+                    call=call,
+                    on=k_s < t_s,
+                    measured=time.strftime("%Y-%m-%d %H:%M:%S"),
+                    load=round(os.getloadavg()[0], 2),
+                )  # a busy machine's verdict may be noise
                 table[context] = found
                 fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
                 with os.fdopen(fd, "w") as f:
@@ -271,7 +326,22 @@ def self_check(name: str, switch: str, setup: Callable[[str], Tuple[Callable, Ca
                 os.replace(tmp, path)
                 by = "self-check"
     on = bool(found["on"])
-    why = "" if on else (f"off: {torch_name} was faster in the self-check ({found['kernel_us']:.0f} us against "
-                         f"{found['torch_us']:.0f} us on {found['call']}; {switch}=1 turns it on)")
-    return {**out, "on": on, "by": by, "why": why, "kernel_us": found["kernel_us"], "torch_us": found["torch_us"],
-            "call": found["call"], "context": context, "file": str(path)}
+    why = (
+        ""
+        if on
+        else (
+            f"off: {torch_name} was faster in the self-check ({found['kernel_us']:.0f} us against "
+            f"{found['torch_us']:.0f} us on {found['call']}; {switch}=1 turns it on)"
+        )
+    )
+    return {
+        **out,
+        "on": on,
+        "by": by,
+        "why": why,
+        "kernel_us": found["kernel_us"],
+        "torch_us": found["torch_us"],
+        "call": found["call"],
+        "context": context,
+        "file": str(path),
+    }

@@ -36,18 +36,54 @@ import torch
 from . import paged_cpu, paged_torch
 from .checks import check_sinks
 from .merge import apply_sinks
-from .paged_base import (LayerCache, PagedSeq, RowsOut, StepAttention, check_features,  # noqa: F401
-                         check_striping, padded_table, paged_attention_reference, paged_prefill_reference, read_blocks,
-                         validate_paged, validate_prefill)
+from .paged_base import (
+    LayerCache,
+    PagedSeq,
+    RowsOut,
+    StepAttention,
+    check_features,  # noqa: F401
+    check_striping,
+    padded_table,
+    paged_attention_reference,
+    paged_prefill_reference,
+    read_blocks,
+    validate_paged,
+    validate_prefill,
+)
 
-__all__ = ["paged_attention", "paged_attention_reference", "paged_prefill", "paged_prefill_reference", "plan_step",
-           "auto_backend", "validate_paged", "validate_prefill", "read_blocks", "LayerCache", "PagedSeq", "RowsOut",
-           "StepAttention"]
+__all__ = [
+    "paged_attention",
+    "paged_attention_reference",
+    "paged_prefill",
+    "paged_prefill_reference",
+    "plan_step",
+    "auto_backend",
+    "validate_paged",
+    "validate_prefill",
+    "read_blocks",
+    "LayerCache",
+    "PagedSeq",
+    "RowsOut",
+    "StepAttention",
+]
 
 
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
-                    causal: bool = True, backend: str = "auto", k_scale=None, v_scale=None,
-                    softcap: Optional[float] = None, window: int = -1, sinks: Optional[torch.Tensor] = None):
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    backend: str = "auto",
+    k_scale=None,
+    v_scale=None,
+    softcap: Optional[float] = None,
+    window: int = -1,
+    sinks: Optional[torch.Tensor] = None,
+):
     """See ``paged_base``. ``backend``: ``"reference"``, ``"cpu"``, ``"torch"``, ``"triton"`` or ``"auto"``.
     ``sinks`` ``(H,)``: one more logit per head in the softmax's denominator, applied to ``out``; the
     ``lse`` returned is over the real keys."""
@@ -55,34 +91,86 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale: Option
     name = backend if backend != "auto" else auto_backend(q.device, want=want)
     impl = _BACKENDS.get(name)
     if impl is None:
-        raise ValueError(f"unknown paged backend {backend!r}; choose from {sorted(_BACKENDS)} or 'auto'")
+        raise ValueError(
+            f"unknown paged backend {backend!r}; choose from {sorted(_BACKENDS)} or 'auto'"
+        )
     _check_dv(name, want, "decode")
-    out, lse = impl(q, k_cache, v_cache, block_table, seq_lens, scale=scale, causal=causal, k_scale=k_scale,
-                    v_scale=v_scale, **_keywords(name, features(name, "decode"), softcap, window))
+    out, lse = impl(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        scale=scale,
+        causal=causal,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        **_keywords(name, features(name, "decode"), softcap, window),
+    )
     return _sunk(out, lse, sinks), lse
 
 
-def paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, *, max_seqlen_q: int, q_start=None,
-                  scale: Optional[float] = None, causal: bool = True, k_scale=None, v_scale=None, sp: int = 1,
-                  sp_rank: int = 0, backend: str = "auto", softcap: Optional[float] = None, window: int = -1,
-                  sinks: Optional[torch.Tensor] = None):
+def paged_prefill(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    *,
+    max_seqlen_q: int,
+    q_start=None,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    k_scale=None,
+    v_scale=None,
+    sp: int = 1,
+    sp_rank: int = 0,
+    backend: str = "auto",
+    softcap: Optional[float] = None,
+    window: int = -1,
+    sinks: Optional[torch.Tensor] = None,
+):
     """See ``paged_base``. ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA).
     ``sinks`` ``(H,)`` as in ``paged_attention`` (``out (T, H, Dv)``, ``lse (H, T)``)."""
     want = _wanted(softcap, window, v_cache, k_cache, sinks, q)
     name = backend if backend != "auto" else auto_backend(q.device, prefill=True, want=want)
     impl = _PREFILL_BACKENDS.get(name)
     if impl is None:
-        raise ValueError(f"unknown paged prefill backend {backend!r}; "
-                         f"choose from {sorted(_PREFILL_BACKENDS)} or 'auto'")
+        raise ValueError(
+            f"unknown paged prefill backend {backend!r}; "
+            f"choose from {sorted(_PREFILL_BACKENDS)} or 'auto'"
+        )
     _check_dv(name, want, "prefill")
-    out, lse = impl(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=max_seqlen_q,
-                    q_start=q_start, scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, sp=sp,
-                    sp_rank=sp_rank, **_keywords(name, features(name, "prefill"), softcap, window))
+    out, lse = impl(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        max_seqlen_q=max_seqlen_q,
+        q_start=q_start,
+        scale=scale,
+        causal=causal,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sp=sp,
+        sp_rank=sp_rank,
+        **_keywords(name, features(name, "prefill"), softcap, window),
+    )
     return (_sunk(out[None], lse[None], sinks)[0] if sinks is not None else out), lse
 
 
-def plan_step(seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None,
-              backend: str = "auto") -> StepAttention:
+def plan_step(
+    seqs: Sequence[PagedSeq],
+    *,
+    block_size: int,
+    sp: int = 1,
+    sp_rank: int = 0,
+    device=None,
+    backend: str = "auto",
+) -> StepAttention:
     """The backend's metadata for one step over the cache (see ``paged_base``): ``seqs``, each
     sequence's query rows, positions and block table; ``sp``/``sp_rank``, the striping of the keys.
     Its ``attend`` takes ``scale``, ``softcap`` and ``window`` on every backend: where the chosen
@@ -91,7 +179,9 @@ def plan_step(seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank
     name = backend if backend != "auto" else auto_backend(torch.device(device or "cpu"))
     impl = _STEP_BACKENDS.get(name)
     if impl is None:
-        raise ValueError(f"unknown paged backend {backend!r}; choose from {sorted(_STEP_BACKENDS)} or 'auto'")
+        raise ValueError(
+            f"unknown paged backend {backend!r}; choose from {sorted(_STEP_BACKENDS)} or 'auto'"
+        )
     check_striping(sp, sp_rank)
     step = impl(seqs, block_size=block_size, sp=sp, sp_rank=sp_rank, device=device)
     have = features(name, "step")
@@ -99,8 +189,12 @@ def plan_step(seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank
         return step
     fallback = None
     if backend == "auto":
+
         def fallback():
-            return paged_torch.plan_step(seqs, block_size=block_size, sp=sp, sp_rank=sp_rank, device=device)
+            return paged_torch.plan_step(
+                seqs, block_size=block_size, sp=sp, sp_rank=sp_rank, device=device
+            )
+
     return _GuardedStep(step, name, have, fallback)
 
 
@@ -108,25 +202,56 @@ class ReferenceStep:
     """The ``"reference"`` backend's metadata for one step: all of its sequences as one varlen
     ``paged_prefill_reference`` call per layer (positions, lengths and striping as host tensors)."""
 
-    def __init__(self, seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
+    def __init__(
+        self,
+        seqs: Sequence[PagedSeq],
+        *,
+        block_size: int,
+        sp: int = 1,
+        sp_rank: int = 0,
+        device=None,
+    ):
         self.sp, self.sp_rank, self.any = sp, sp_rank, bool(seqs)
         ints = dict(dtype=torch.int32, device=device)
-        self.rows = torch.tensor([s.row + j for s in seqs for j in range(s.n)], device=device, dtype=torch.long)
+        self.rows = torch.tensor(
+            [s.row + j for s in seqs for j in range(s.n)], device=device, dtype=torch.long
+        )
         self.block_table = padded_table([s.block_table for s in seqs], device) if seqs else None
         self.cu = torch.tensor([0] + list(accumulate(s.n for s in seqs)), **ints)
         self.lens = torch.tensor([s.keys(sp, sp_rank) for s in seqs], **ints)
         self.start = torch.tensor([s.start for s in seqs], **ints)
         self.max_n = max((s.n for s in seqs), default=0)
 
-    def attend(self, q, cache: LayerCache, *, lse: bool = True, scale: Optional[float] = None,
-               softcap: Optional[float] = None, window: int = -1):
+    def attend(
+        self,
+        q,
+        cache: LayerCache,
+        *,
+        lse: bool = True,
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
+        window: int = -1,
+    ):
         # q (T, H, D) -> rows (R,), out (R, H, Dv), lse (H, R) or None
         if not self.any:
             return []
-        o, l = paged_prefill_reference(q.index_select(0, self.rows), cache.k, cache.v, self.block_table, self.cu,
-                                       self.lens, max_seqlen_q=self.max_n, q_start=self.start, scale=scale,
-                                       k_scale=cache.k_scale, v_scale=cache.v_scale, sp=self.sp,
-                                       sp_rank=self.sp_rank, softcap=softcap, window=window)
+        o, l = paged_prefill_reference(
+            q.index_select(0, self.rows),
+            cache.k,
+            cache.v,
+            self.block_table,
+            self.cu,
+            self.lens,
+            max_seqlen_q=self.max_n,
+            q_start=self.start,
+            scale=scale,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
+            sp=self.sp,
+            sp_rank=self.sp_rank,
+            softcap=softcap,
+            window=window,
+        )
         return [RowsOut(self.rows, o, l if lse else None)]
 
 
@@ -136,15 +261,33 @@ class _GuardedStep:
     or, without one (the backend was asked for by name), raise a ValueError naming the argument."""
 
     def __init__(self, step, name: str, have: frozenset, fallback):
-        self.step, self.name, self.have, self._make_fallback, self._fallback = step, name, have, fallback, None
+        self.step, self.name, self.have, self._make_fallback, self._fallback = (
+            step,
+            name,
+            have,
+            fallback,
+            None,
+        )
 
-    def attend(self, q, cache: LayerCache, *, lse: bool = True, scale: Optional[float] = None,
-               softcap: Optional[float] = None, window: int = -1):
+    def attend(
+        self,
+        q,
+        cache: LayerCache,
+        *,
+        lse: bool = True,
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
+        window: int = -1,
+    ):
         softcap, window = check_features(softcap, window)
-        want = _used(scale=scale, softcap=softcap, window=window, dv=cache.v.shape[-1] != cache.k.shape[-1])
+        want = _used(
+            scale=scale, softcap=softcap, window=window, dv=cache.v.shape[-1] != cache.k.shape[-1]
+        )
         missing = want - self.have
         if not missing:
-            return self.step.attend(q, cache, lse=lse, **_keywords(self.name, self.have, softcap, window, scale))
+            return self.step.attend(
+                q, cache, lse=lse, **_keywords(self.name, self.have, softcap, window, scale)
+            )
         if self._make_fallback is None:
             _refuse(self.name, missing)
         if self._fallback is None:
@@ -159,18 +302,30 @@ _ARGUMENT = {"scale": "scale", "softcap": "softcap", "window": "window", "dv": "
 
 
 def _used(*, scale=None, softcap=None, window: int = -1, dv: bool = False) -> frozenset:
-    return frozenset(name for name, on in (("scale", scale is not None), ("softcap", softcap is not None),
-                                           ("window", window != -1), ("dv", dv)) if on)
+    return frozenset(
+        name
+        for name, on in (
+            ("scale", scale is not None),
+            ("softcap", softcap is not None),
+            ("window", window != -1),
+            ("dv", dv),
+        )
+        if on
+    )
 
 
 def _wanted(softcap, window, v_cache, k_cache, sinks, q) -> frozenset:
     """Check the feature arguments of a call (ValueError naming the argument) -> the features it uses."""
     softcap, window = check_features(softcap, window)
     check_sinks(sinks, q)
-    dv = isinstance(v_cache, torch.Tensor) and isinstance(k_cache, torch.Tensor) and v_cache.dim() == 4 \
-        and k_cache.dim() == 4 and v_cache.shape[-1] != k_cache.shape[-1]
+    dv = (
+        isinstance(v_cache, torch.Tensor)
+        and isinstance(k_cache, torch.Tensor)
+        and v_cache.dim() == 4
+        and k_cache.dim() == 4
+        and v_cache.shape[-1] != k_cache.shape[-1]
+    )
     return _used(softcap=softcap, window=window, dv=dv)
-
 
 
 def _sunk(out, lse, sinks):
@@ -193,8 +348,10 @@ def features(name: str, kind: str = "decode") -> frozenset:
 
 def _refuse(name: str, missing) -> None:
     arg = _ARGUMENT[sorted(missing)[0]]
-    raise ValueError(f"the {name!r} paged backend cannot take {arg}= ({', '.join(sorted(missing))}); use "
-                     f"backend='auto', 'torch' or 'reference'")
+    raise ValueError(
+        f"the {name!r} paged backend cannot take {arg}= ({', '.join(sorted(missing))}); use "
+        f"backend='auto', 'torch' or 'reference'"
+    )
 
 
 def _check_dv(name: str, want: frozenset, kind: str) -> None:
@@ -218,10 +375,17 @@ def _keywords(name: str, have: frozenset, softcap, window, scale=None) -> dict:
     return kw
 
 
-_BACKENDS = {"reference": paged_attention_reference, "torch": paged_torch.paged_attention_torch,
-             "cpu": paged_cpu.paged_attention_cpu}
+_BACKENDS = {
+    "reference": paged_attention_reference,
+    "torch": paged_torch.paged_attention_torch,
+    "cpu": paged_cpu.paged_attention_cpu,
+}
 _PREFILL_BACKENDS = {"reference": paged_prefill_reference}
-_STEP_BACKENDS = {"reference": ReferenceStep, "torch": paged_torch.plan_step, "cpu": paged_cpu.plan_step}
+_STEP_BACKENDS = {
+    "reference": ReferenceStep,
+    "torch": paged_torch.plan_step,
+    "cpu": paged_cpu.plan_step,
+}
 _MODULES = {"cpu": paged_cpu}
 
 try:  # the Triton kernels when triton imports
@@ -242,7 +406,11 @@ def auto_backend(device, prefill: bool = False, want: frozenset = frozenset()) -
     table = _PREFILL_BACKENDS if prefill else _BACKENDS
     if torch.device(device).type == "cuda" and "triton" in table:
         return "triton"
-    if torch.device(device).type == "cpu" and "cpu" in table and paged_cpu.available() \
-            and want <= features("cpu", "prefill" if prefill else "decode"):
+    if (
+        torch.device(device).type == "cpu"
+        and "cpu" in table
+        and paged_cpu.available()
+        and want <= features("cpu", "prefill" if prefill else "decode")
+    ):
         return "cpu"
     return "torch" if "torch" in table else "reference"

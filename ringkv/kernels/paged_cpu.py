@@ -31,8 +31,17 @@ import torch
 
 from . import native, paged_torch
 from .checks import check_softcap
-from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, check_capacity, query_limits,
-                         striped_limits, validate_paged)
+from .paged_base import (
+    LayerCache,
+    PagedSeq,
+    RowsOut,
+    SeqGroup,
+    by_query_count,
+    check_capacity,
+    query_limits,
+    striped_limits,
+    validate_paged,
+)
 
 SWITCH = "RINGKV_NATIVE_PAGED"
 FEATURES = frozenset({"softcap", "window", "dv"})  # done in the kernel (scale too, on every call)
@@ -45,7 +54,11 @@ def _lib(isa: str) -> Optional[ctypes.CDLL]:
         return None
     fn = lib.ringkv_paged_attention_f32
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = (
+        [ctypes.c_void_p] * 8
+        + [ctypes.c_int64] * 9
+        + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    )
     return lib
 
 
@@ -74,8 +87,11 @@ def _timed_call(isa: str):
     seqs = [PagedSeq(row=i, start=n - 1, n=1, block_table=order[i]) for i, n in enumerate(lens)]
     q, cache = torch.randn(16, 9, 64, generator=g), LayerCache(kc, vc)
     mine, theirs = CpuStep(seqs, block_size=bs), paged_torch.TorchStep(seqs, block_size=bs)
-    return (lambda: mine.attend(q, cache, lse=False, lib=lib), lambda: theirs.attend(q, cache, lse=False),
-            "a decode step of 16 sequences of 200-312 keys, 9 / 3 heads x 64")
+    return (
+        lambda: mine.attend(q, cache, lse=False, lib=lib),
+        lambda: theirs.attend(q, cache, lse=False),
+        "a decode step of 16 sequences of 200-312 keys, 9 / 3 heads x 64",
+    )
 
 
 @lru_cache(maxsize=None)
@@ -92,9 +108,15 @@ def available() -> bool:
 
 
 def _takes(q: torch.Tensor, cache: LayerCache) -> bool:
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.k_scale is None
-            and cache.k.dtype == cache.v.dtype == torch.float32 and cache.k.is_contiguous()
-            and cache.v.is_contiguous() and cache.v.shape[:3] == cache.k.shape[:3])
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and cache.k_scale is None
+        and cache.k.dtype == cache.v.dtype == torch.float32
+        and cache.k.is_contiguous()
+        and cache.v.is_contiguous()
+        and cache.v.shape[:3] == cache.k.shape[:3]
+    )
 
 
 def supports(q: torch.Tensor, cache: LayerCache) -> bool:
@@ -109,13 +131,25 @@ def _cap(softcap) -> float:
 
 def _window(window) -> int:
     if isinstance(window, bool) or not isinstance(window, int) or window < -1:
-        raise ValueError(f"window must be an int >= 0 (the left extent W) or -1 (unbounded), got {window!r}")
+        raise ValueError(
+            f"window must be an int >= 0 (the left extent W) or -1 (unbounded), got {window!r}"
+        )
     return window
 
 
-def attend(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, limits: torch.Tensor,
-           scale: Optional[float] = None, lse: bool = True, *, starts: Optional[torch.Tensor] = None,
-           softcap: Optional[float] = None, isa: Optional[str] = None, lib=None):
+def attend(
+    q: torch.Tensor,
+    cache: LayerCache,
+    table: torch.Tensor,
+    limits: torch.Tensor,
+    scale: Optional[float] = None,
+    lse: bool = True,
+    *,
+    starts: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    isa: Optional[str] = None,
+    lib=None,
+):
     """``q (N, Q, H, D)`` float32 over the cache (``k`` ``(NB, BS, Hkv, D)``, ``v`` ``(NB, BS, Hkv,
     Dv)``): query ``i`` of sequence ``n`` sees the keys ``starts[n, i] <= j < limits[n, i]`` (int64
     ``(N, Q)``; ``starts`` None: from 0; the kernel clamps both to ``[0, W * block_size]``) of the
@@ -137,10 +171,27 @@ def attend(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, limits: torc
     if n == 0:
         return out, lse_out
     err = lib.ringkv_paged_attention_f32(
-        q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), table.data_ptr(), limits.data_ptr(),
-        None if starts is None else starts.data_ptr(), out.data_ptr(), None if lse_out is None else lse_out.data_ptr(),
-        n, nq, h, hkv, d, dv, nb, bs, table.shape[1], d ** -0.5 if scale is None else float(scale), _cap(softcap),
-        torch.get_num_threads())
+        q.data_ptr(),
+        cache.k.data_ptr(),
+        cache.v.data_ptr(),
+        table.data_ptr(),
+        limits.data_ptr(),
+        None if starts is None else starts.data_ptr(),
+        out.data_ptr(),
+        None if lse_out is None else lse_out.data_ptr(),
+        n,
+        nq,
+        h,
+        hkv,
+        d,
+        dv,
+        nb,
+        bs,
+        table.shape[1],
+        d**-0.5 if scale is None else float(scale),
+        _cap(softcap),
+        torch.get_num_threads(),
+    )
     if err == 2:
         raise ValueError(f"block_table holds block ids outside [0, {nb}) where the queries read")
     if err:
@@ -148,7 +199,9 @@ def attend(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, limits: torc
     return out, lse_out
 
 
-def window_starts(positions: torch.Tensor, window: int, sp: int = 1, sp_rank: int = 0) -> Optional[torch.Tensor]:
+def window_starts(
+    positions: torch.Tensor, window: int, sp: int = 1, sp_rank: int = 0
+) -> Optional[torch.Tensor]:
     """The first local key a query at global position ``positions`` (int, any shape) sees under a
     left ``window`` ``W`` (position ``>= p - W``), local key ``i`` at position ``sp_rank + i * sp``:
     ``ceil((p - W - sp_rank) / sp)`` (may be <= 0: from the first); None when ``window`` is -1."""
@@ -159,27 +212,59 @@ def window_starts(positions: torch.Tensor, window: int, sp: int = 1, sp_rank: in
 
 def _features(softcap=None, window: int = -1):
     """The keywords of the torch backend's call for the features in use (only those, as it takes them)."""
-    return {**({} if softcap is None else {"softcap": softcap}), **({} if window == -1 else {"window": window})}
+    return {
+        **({} if softcap is None else {"softcap": softcap}),
+        **({} if window == -1 else {"window": window}),
+    }
 
 
-def paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
-                        causal: bool = True, k_scale=None, v_scale=None, softcap: Optional[float] = None,
-                        window: int = -1):
+def paged_attention_cpu(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    k_scale=None,
+    v_scale=None,
+    softcap: Optional[float] = None,
+    window: int = -1,
+):
     """``paged_base``'s contract (``v_cache`` of its own head size ``Dv``, ``softcap``, ``window``
     included); falls back to the ``"torch"`` backend where the kernel does not apply."""
     _cap(softcap)
     _window(window)
-    validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, **_features(softcap, window))
+    validate_paged(
+        q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, **_features(softcap, window)
+    )
     cache = LayerCache(k_cache, v_cache, k_scale, v_scale)
     if not supports(q, cache):
-        return paged_torch.paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
-                                                 causal=causal, k_scale=k_scale, v_scale=v_scale,
-                                                 **_features(softcap, window))
+        return paged_torch.paged_attention_torch(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            scale=scale,
+            causal=causal,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            **_features(softcap, window),
+        )
     check_capacity(seq_lens, block_table.shape[1] * k_cache.shape[1])
     nq = q.shape[1]
     pos = seq_lens.to(torch.long)[:, None] - nq + torch.arange(nq)  # (N, Q): the queries' positions
-    return attend(q, cache, block_table, query_limits(seq_lens, nq, causal), scale, starts=window_starts(pos, window),
-                  softcap=softcap)
+    return attend(
+        q,
+        cache,
+        block_table,
+        query_limits(seq_lens, nq, causal),
+        scale,
+        starts=window_starts(pos, window),
+        softcap=softcap,
+    )
 
 
 MAX_QUERIES = 8  # sequences with more new tokens (prefill chunks) go to SDPA, whose GEMMs win there
@@ -191,26 +276,57 @@ class CpuStep:
     no gather); the ``"torch"`` backend's plan for longer chunks, and for every sequence when the
     cache is one the kernel does not take (built when first needed)."""
 
-    def __init__(self, seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
-        self.seqs, self.block_size, self.sp, self.sp_rank, self.device = seqs, block_size, sp, sp_rank, device
+    def __init__(
+        self,
+        seqs: Sequence[PagedSeq],
+        *,
+        block_size: int,
+        sp: int = 1,
+        sp_rank: int = 0,
+        device=None,
+    ):
+        self.seqs, self.block_size, self.sp, self.sp_rank, self.device = (
+            seqs,
+            block_size,
+            sp,
+            sp_rank,
+            device,
+        )
         self.groups, long = [], []
         for n, members in by_query_count(seqs).items():
             if n > MAX_QUERIES:
                 long += members
                 continue
-            positions = torch.tensor([s.start for s in members])[:, None] + torch.arange(n)  # (N, n) global
-            self.groups.append((SeqGroup.build(n, members, sp, sp_rank, device),
-                                striped_limits(members, n, sp, sp_rank), positions))  # (N, n) each
+            positions = torch.tensor([s.start for s in members])[:, None] + torch.arange(
+                n
+            )  # (N, n) global
+            self.groups.append(
+                (
+                    SeqGroup.build(n, members, sp, sp_rank, device),
+                    striped_limits(members, n, sp, sp_rank),
+                    positions,
+                )
+            )  # (N, n) each
         self._long = self._torch(long) if long else None
         self._fallback = None
         self._starts = {}  # window -> per group its queries' first local keys (N, n), made once per step
 
     def _torch(self, seqs):
-        return paged_torch.TorchStep(seqs, block_size=self.block_size, sp=self.sp, sp_rank=self.sp_rank,
-                                     device=self.device)
+        return paged_torch.TorchStep(
+            seqs, block_size=self.block_size, sp=self.sp, sp_rank=self.sp_rank, device=self.device
+        )
 
-    def attend(self, q, cache: LayerCache, *, lse: bool = True, scale: Optional[float] = None,
-               softcap: Optional[float] = None, window: int = -1, lib=None) -> List[RowsOut]:
+    def attend(
+        self,
+        q,
+        cache: LayerCache,
+        *,
+        lse: bool = True,
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
+        window: int = -1,
+        lib=None,
+    ) -> List[RowsOut]:
         # q (T, H, D) -> per group: rows (N*n,), out (N*n, H, Dv), lse (H, N*n) or None; scale
         # (default 1/sqrt(D)), softcap, window: paged_base's; lib: a loaded build instead of this
         # process's (the self-check's)
@@ -222,11 +338,30 @@ class CpuStep:
                 self._fallback = self._torch(self.seqs)
             return self._fallback.attend(q, cache, lse=lse, **kw)
         if window not in self._starts:
-            self._starts[window] = [window_starts(pos, window, self.sp, self.sp_rank) for _, _, pos in self.groups]
-        parts = [g.result(*attend(g.queries(q), cache, g.block_table, limits, scale, lse=lse, starts=starts,
-                                  softcap=softcap, lib=lib))
-                 for (g, limits, _), starts in zip(self.groups, self._starts[window])]
-        return parts + (self._long.attend(q, cache, lse=lse, **kw) if self._long is not None else [])
+            self._starts[window] = [
+                window_starts(pos, window, self.sp, self.sp_rank) for _, _, pos in self.groups
+            ]
+        parts = [
+            g.result(
+                *attend(
+                    g.queries(q),
+                    cache,
+                    g.block_table,
+                    limits,
+                    scale,
+                    lse=lse,
+                    starts=starts,
+                    softcap=softcap,
+                    lib=lib,
+                )
+            )
+            for (g, limits, _), starts in zip(self.groups, self._starts[window])
+        ]
+        return parts + (
+            self._long.attend(q, cache, lse=lse, **kw) if self._long is not None else []
+        )
 
 
-plan_step = CpuStep  # the backend's plan_step(seqs, *, block_size, sp, sp_rank, device) (see paged_base)
+plan_step = (
+    CpuStep  # the backend's plan_step(seqs, *, block_size, sp, sp_rank, device) (see paged_base)
+)

@@ -20,8 +20,17 @@ from typing import List, Optional, Sequence
 import torch
 
 from .checks import resolve_scale
-from .paged_base import (LayerCache, PagedSeq, RowsOut, SeqGroup, by_query_count, check_features, query_limits,
-                         striped_limits, validate_paged)
+from .paged_base import (
+    LayerCache,
+    PagedSeq,
+    RowsOut,
+    SeqGroup,
+    by_query_count,
+    check_features,
+    query_limits,
+    striped_limits,
+    validate_paged,
+)
 
 
 class PagedPlan:
@@ -38,9 +47,20 @@ class PagedPlan:
     at ``sp_rank + j * sp``). ``windowed(W)`` is the same plan with keys ``< p - W`` hidden too.
     """
 
-    def __init__(self, block_table: torch.Tensor, seq_lens: Optional[torch.Tensor], num_queries: int,
-                 block_size: int, *, causal: bool = True, dtype=torch.float32, limits: Optional[torch.Tensor] = None,
-                 positions: Optional[torch.Tensor] = None, sp: int = 1, sp_rank: int = 0):
+    def __init__(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: Optional[torch.Tensor],
+        num_queries: int,
+        block_size: int,
+        *,
+        causal: bool = True,
+        dtype=torch.float32,
+        limits: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+        sp: int = 1,
+        sp_rank: int = 0,
+    ):
         n = block_table.shape[0]
         dev = block_table.device
         if limits is None:
@@ -65,7 +85,8 @@ class PagedPlan:
         self.visible, self.sees = visible, sees
         self.all_see_a_key = bool(self.sees.all())
         self.bias = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill(
-            ~visible, float("-inf"))[:, None]  # (N, 1, Q, L)
+            ~visible, float("-inf")
+        )[:, None]  # (N, 1, Q, L)
         self._folded_bias = {}
 
     def windowed(self, window: int) -> "PagedPlan":
@@ -75,9 +96,15 @@ class PagedPlan:
             return self
         if window not in self._windowed:
             if self.positions is None:
-                raise ValueError("a window needs the queries' positions: build the plan with positions=")
-            first = self.positions - window - self.sp_rank  # (N, Q): keys at global positions >= p - W
-            first = torch.div(first + self.sp - 1, self.sp, rounding_mode="floor").clamp_min(0)  # local index
+                raise ValueError(
+                    "a window needs the queries' positions: build the plan with positions="
+                )
+            first = (
+                self.positions - window - self.sp_rank
+            )  # (N, Q): keys at global positions >= p - W
+            first = torch.div(first + self.sp - 1, self.sp, rounding_mode="floor").clamp_min(
+                0
+            )  # local index
             plan = copy.copy(self)
             plan._windowed = {}
             visible = self.visible & (self.key[None, None, :] >= first[:, :, None])
@@ -91,7 +118,9 @@ class PagedPlan:
         key = (g, dtype)
         if key not in self._folded_bias:
             bias = self.bias.to(dtype)
-            self._folded_bias[key] = bias.repeat(1, 1, g, 1) if bias.shape[2] > 1 and g > 1 else bias
+            self._folded_bias[key] = (
+                bias.repeat(1, 1, g, 1) if bias.shape[2] > 1 and g > 1 else bias
+            )
         return self._folded_bias[key]
 
     def gather(self, cache: LayerCache, dtype=None):
@@ -103,13 +132,31 @@ class PagedPlan:
         return k.view(self.n, -1, *k.shape[2:]), v.view(self.n, -1, *v.shape[2:])
 
 
-def paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, *, scale: Optional[float] = None,
-                          causal: bool = True, k_scale=None, v_scale=None, softcap: Optional[float] = None,
-                          window: int = -1):
+def paged_attention_torch(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    k_scale=None,
+    v_scale=None,
+    softcap: Optional[float] = None,
+    window: int = -1,
+):
     validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, softcap, window)
-    plan = PagedPlan(block_table.to(q.device), seq_lens, q.shape[1], k_cache.shape[1], causal=causal)
-    return paged_attention_lse(q, LayerCache(k_cache, v_cache, k_scale, v_scale), plan.windowed(window),
-                               scale=scale, softcap=softcap)
+    plan = PagedPlan(
+        block_table.to(q.device), seq_lens, q.shape[1], k_cache.shape[1], causal=causal
+    )
+    return paged_attention_lse(
+        q,
+        LayerCache(k_cache, v_cache, k_scale, v_scale),
+        plan.windowed(window),
+        scale=scale,
+        softcap=softcap,
+    )
 
 
 def _folded(q, plan: PagedPlan, hkv: int):
@@ -120,7 +167,9 @@ def _folded(q, plan: PagedPlan, hkv: int):
     the 2-core VM)."""
     n, nq, h, d = q.shape
     g = h // hkv
-    qg = q.reshape(n, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * nq, d)  # (N, Hkv, G*Q, D)
+    qg = (
+        q.reshape(n, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * nq, d)
+    )  # (N, Hkv, G*Q, D)
     return qg, plan.folded_bias(g, q.dtype)
 
 
@@ -141,15 +190,21 @@ def _one_head_size(qg, k, v):
     return qg, k, v, dv
 
 
-def paged_attention_lse(q, cache: LayerCache, plan: PagedPlan, *, scale: Optional[float] = None,
-                        softcap: Optional[float] = None):
+def paged_attention_lse(
+    q,
+    cache: LayerCache,
+    plan: PagedPlan,
+    *,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+):
     """``(out (N, Q, H, Dv), lse float32 (N, H, Q))`` of ``q`` over the cache as ``plan`` describes
     (``plan.windowed(W)`` for a window); a query that sees no key gives ``out = 0``, ``lse = -inf``.
     On CPU: the fused flash op, which returns the lse (the matmul path below copies the gathered
     K/V twice more for its strides); with a ``softcap`` the matmul path, scores capped before the mask."""
     n, nq, h, d = q.shape
     hkv = cache.k.shape[2]
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     compute = torch.float32 if q.dtype != torch.float64 else q.dtype
     k, v = plan.gather(cache, compute)  # (N, L, Hkv, D), (N, L, Hkv, Dv)
     k, v = k.to(compute), v.to(compute)
@@ -157,7 +212,8 @@ def paged_attention_lse(q, cache: LayerCache, plan: PagedPlan, *, scale: Optiona
     if q.device.type == "cpu" and softcap is None:
         qg, k, v, dv = _one_head_size(qg, k, v)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qg, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=bias, scale=scale)  # lse (N, Hkv, G*Q)
+            qg, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=bias, scale=scale
+        )  # lse (N, Hkv, G*Q)
         out = out[..., :dv]
         if not plan.all_see_a_key:  # rows with no key: out 0, lse -inf (the kernel's are undefined)
             seen = plan.sees[:, None, None, :].expand(n, hkv, h // hkv, nq).reshape(lse.shape)
@@ -174,30 +230,40 @@ def paged_attention_lse(q, cache: LayerCache, plan: PagedPlan, *, scale: Optiona
         denom = p.sum(dim=-1, keepdim=True)
         out = torch.matmul(p, v.permute(0, 2, 1, 3)) / denom.clamp_min(1e-30)  # (N, Hkv, G*Q, Dv)
         lse = m + denom.log()
-    return _unfolded(out, n, nq, hkv).to(q.dtype), lse.reshape(n, h, nq).float()  # heads (Hkv, G)-major like q's
+    return _unfolded(out, n, nq, hkv).to(q.dtype), lse.reshape(
+        n, h, nq
+    ).float()  # heads (Hkv, G)-major like q's
 
 
-def paged_attention_planned(q, cache: LayerCache, plan: PagedPlan, *, scale: Optional[float] = None):
+def paged_attention_planned(
+    q, cache: LayerCache, plan: PagedPlan, *, scale: Optional[float] = None
+):
     """``out (N, Q, H, Dv)`` of ``q (N, Q, H, D)`` over the cache as ``plan`` describes (no lse:
     the engine's fast path; use ``paged_attention_lse`` when partials must be merged, or for a softcap)."""
-    if not plan.all_see_a_key:  # a fully masked row would be NaN in SDPA; the general path handles it
+    if (
+        not plan.all_see_a_key
+    ):  # a fully masked row would be NaN in SDPA; the general path handles it
         raise ValueError("a query row sees no key; use paged_attention_lse")
     n, nq, h, d = q.shape
     k, v = plan.gather(cache, q.dtype)  # (N, L, Hkv, D), (N, L, Hkv, Dv)
     qg, bias = _folded(q, plan, k.shape[2])
-    if k.shape[-1] != v.shape[-1]:  # SDPA's fused kernels take one head size: pad (exact), keep the default scale
+    if (
+        k.shape[-1] != v.shape[-1]
+    ):  # SDPA's fused kernels take one head size: pad (exact), keep the default scale
         scale = resolve_scale(scale, d)
         qg, k, v, dv = _one_head_size(qg, k, v)
     out = torch.nn.functional.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale)  # (N, Hkv, G*Q, Dv)
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale
+    )  # (N, Hkv, G*Q, Dv)
     if out.shape[-1] != cache.v.shape[-1]:
-        out = out[..., :cache.v.shape[-1]]
+        out = out[..., : cache.v.shape[-1]]
     return _unfolded(out, n, nq, k.shape[2])
 
 
 @dataclass(frozen=True)
 class PlannedGroup:
     """A group of sequences with the same query count and what it reads from the cache."""
+
     group: SeqGroup
     plan: PagedPlan
 
@@ -213,7 +279,7 @@ def by_length(seqs: Sequence[PagedSeq], sp: int, sp_rank: int) -> List[List[Page
         return [list(seqs)]
     ordered = sorted(seqs, key=lambda s: s.keys(sp, sp_rank))
     k = len(ordered) // GROUP_MIN
-    return [ordered[i * len(ordered) // k:(i + 1) * len(ordered) // k] for i in range(k)]
+    return [ordered[i * len(ordered) // k : (i + 1) * len(ordered) // k] for i in range(k)]
 
 
 class TorchStep:
@@ -221,32 +287,75 @@ class TorchStep:
     mask) per group of sequences with the same query count and similar lengths, built once,
     used by every layer."""
 
-    def __init__(self, seqs: Sequence[PagedSeq], *, block_size: int, sp: int = 1, sp_rank: int = 0, device=None):
+    def __init__(
+        self,
+        seqs: Sequence[PagedSeq],
+        *,
+        block_size: int,
+        sp: int = 1,
+        sp_rank: int = 0,
+        device=None,
+    ):
         self.groups: List[PlannedGroup] = []
-        parts = [(n, members) for n, same_n in by_query_count(seqs).items()
-                 for members in by_length(same_n, sp, sp_rank)]
+        parts = [
+            (n, members)
+            for n, same_n in by_query_count(seqs).items()
+            for members in by_length(same_n, sp, sp_rank)
+        ]
         for n, members in parts:
             g = SeqGroup.build(n, members, sp, sp_rank, device)
             limits = striped_limits(members, n, sp, sp_rank, device)  # (N, n)
-            positions = torch.tensor([s.start for s in members], device=device)[:, None] \
-                + torch.arange(n, device=device)  # (N, n) global
-            self.groups.append(PlannedGroup(g, PagedPlan(g.block_table, None, n, block_size, limits=limits,
-                                                         positions=positions, sp=sp, sp_rank=sp_rank)))
+            positions = torch.tensor([s.start for s in members], device=device)[
+                :, None
+            ] + torch.arange(n, device=device)  # (N, n) global
+            self.groups.append(
+                PlannedGroup(
+                    g,
+                    PagedPlan(
+                        g.block_table,
+                        None,
+                        n,
+                        block_size,
+                        limits=limits,
+                        positions=positions,
+                        sp=sp,
+                        sp_rank=sp_rank,
+                    ),
+                )
+            )
 
-    def attend(self, q, cache: LayerCache, *, lse: bool = True, scale: Optional[float] = None,
-               softcap: Optional[float] = None, window: int = -1) -> List[RowsOut]:
+    def attend(
+        self,
+        q,
+        cache: LayerCache,
+        *,
+        lse: bool = True,
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
+        window: int = -1,
+    ) -> List[RowsOut]:
         # q (T, H, D) -> per group: rows (N*n,), out (N*n, H, Dv), lse (H, N*n) or None
         if softcap is not None or window != -1:
             softcap, window = check_features(softcap, window)
         parts = []
         for p in self.groups:
             plan = p.plan.windowed(window)
-            if lse or softcap is not None or not plan.all_see_a_key:  # SDPA: no cap, NaN for a row with no key
-                o, l = paged_attention_lse(p.group.queries(q), cache, plan, scale=scale, softcap=softcap)
+            if (
+                lse or softcap is not None or not plan.all_see_a_key
+            ):  # SDPA: no cap, NaN for a row with no key
+                o, l = paged_attention_lse(
+                    p.group.queries(q), cache, plan, scale=scale, softcap=softcap
+                )
                 parts.append(p.group.result(o, l if lse else None))
             else:
-                parts.append(p.group.result(paged_attention_planned(p.group.queries(q), cache, plan, scale=scale)))
+                parts.append(
+                    p.group.result(
+                        paged_attention_planned(p.group.queries(q), cache, plan, scale=scale)
+                    )
+                )
         return parts
 
 
-plan_step = TorchStep  # the backend's plan_step(seqs, *, block_size, sp, sp_rank, device) (see paged_base)
+plan_step = (
+    TorchStep  # the backend's plan_step(seqs, *, block_size, sp, sp_rank, device) (see paged_base)
+)

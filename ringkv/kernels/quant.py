@@ -58,7 +58,7 @@ def _formats():
 FORMATS = _formats()
 SUPPORTED = ("auto", "fp8", *FORMATS)
 SCALE_DTYPE = torch.float16
-_TINY, _HUGE = 2.0 ** -24, 65504.0  # fp16 range for scales
+_TINY, _HUGE = 2.0**-24, 65504.0  # fp16 range for scales
 
 
 def resolve(kv_cache_dtype) -> Optional[QuantFormat]:
@@ -104,7 +104,9 @@ def quantize(x: torch.Tensor, fmt: QuantFormat, rot: Optional[torch.Tensor] = No
             best = [q, scale, err]
             continue
         better = err < best[2]
-        best[0] = torch.where(better[..., None], q.view(torch.uint8), best[0].view(torch.uint8)).view(fmt.dtype)
+        best[0] = torch.where(
+            better[..., None], q.view(torch.uint8), best[0].view(torch.uint8)
+        ).view(fmt.dtype)
         best[1] = torch.where(better, scale, best[1])
         best[2] = torch.minimum(err, best[2])
     return best[0], best[1]

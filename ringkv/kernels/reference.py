@@ -24,7 +24,9 @@ def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
     b, sq, h, d = q.shape
     # float32, or float64 when given (the tests' oracle)
-    return q.to(torch.promote_types(q.dtype, torch.float32)).reshape(b, sq, hkv, h // hkv, d)  # (B, Sq, Hkv, G, D)
+    return q.to(torch.promote_types(q.dtype, torch.float32)).reshape(
+        b, sq, hkv, h // hkv, d
+    )  # (B, Sq, Hkv, G, D)
 
 
 def _scores(qg, k, scale, mask: Mask, k0: int, k1: int, softcap=None, capped_grad: bool = False):
@@ -67,7 +69,9 @@ def forward(q, k, v, scale: float, mask: Mask, chunk: int = CHUNK, softcap=None)
     return out.to(q.dtype), lse.reshape(b, h, sq)
 
 
-def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, chunk: int = CHUNK, softcap=None):
+def backward(
+    dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, chunk: int = CHUNK, softcap=None
+):
     """Gradients of ``out`` (and of ``lse`` when ``dlse`` is given) w.r.t. q, k, v.
 
     ``out``/``lse`` are the *final* values of the row (after any merge), so this also gives

@@ -27,8 +27,12 @@ def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
     if q.device.type == "cpu":
         return True
     if q.device.type == "cuda":
-        return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-                and q.shape[-1] % 8 == 0 and mask.kind not in (DENSE, BAND))
+        return (
+            q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] <= 256
+            and q.shape[-1] % 8 == 0
+            and mask.kind not in (DENSE, BAND)
+        )
     return False
 
 
@@ -48,10 +52,12 @@ def _fused(q, k, v, scale, causal, attn_mask=None):
     qt, kt, vt = q.transpose(1, 2), _bhsd(k, h), _bhsd(v, h)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qt, kt, vt, 0.0, causal, attn_mask=attn_mask, scale=scale)
+            qt, kt, vt, 0.0, causal, attn_mask=attn_mask, scale=scale
+        )
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            qt.contiguous(), kt.contiguous(), vt.contiguous(), 0.0, causal, False, scale=scale)[:2]
+            qt.contiguous(), kt.contiguous(), vt.contiguous(), 0.0, causal, False, scale=scale
+        )[:2]
     return out.transpose(1, 2), lse.float()
 
 
@@ -60,7 +66,11 @@ def grad_args(dout, q, k, v, out, lse):
     with rows that saw no key at 0 (so P = 0 there, not NaN)."""
     h = q.shape[2]
     lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return [t.transpose(1, 2) for t in (dout, q)] + [_bhsd(k, h), _bhsd(v, h), out.transpose(1, 2)], lse
+    return [t.transpose(1, 2) for t in (dout, q)] + [
+        _bhsd(k, h),
+        _bhsd(v, h),
+        out.transpose(1, 2),
+    ], lse
 
 
 def grads_bshd(dq, dk, dv, k_shape):
@@ -79,19 +89,36 @@ def _fused_backward(dout, q, k, v, out, lse, scale, causal, attn_mask=None):
     args, lse = grad_args(dout, q, k, v, out, lse)
     if q.device.type == "cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            *args, lse.double() if q.dtype == torch.float64 else lse, 0.0, causal, attn_mask=attn_mask,
-            scale=scale)  # the op's own lse is float64 for float64 inputs (found by the probe)
+            *args,
+            lse.double() if q.dtype == torch.float64 else lse,
+            0.0,
+            causal,
+            attn_mask=attn_mask,
+            scale=scale,
+        )  # the op's own lse is float64 for float64 inputs (found by the probe)
     else:
         args = [a.contiguous() for a in args]
         empty = torch.empty(0, device=q.device, dtype=torch.int64)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            *args, lse.contiguous(), empty, empty, q.shape[1], sk, 0.0, causal, empty, empty, scale=scale)
+            *args,
+            lse.contiguous(),
+            empty,
+            empty,
+            q.shape[1],
+            sk,
+            0.0,
+            causal,
+            empty,
+            empty,
+            scale=scale,
+        )
     return grads_bshd(dq, dk, dv, k.shape)
 
 
 def _additive(mask: Mask, dtype) -> torch.Tensor:
     return torch.zeros(mask.dense.shape, dtype=dtype, device=mask.dense.device).masked_fill(
-        ~mask.dense, float("-inf"))
+        ~mask.dense, float("-inf")
+    )
 
 
 def _as_dense(mask: Mask, sq: int, sk: int, device) -> Mask:
@@ -123,13 +150,15 @@ def tiled_forward(q, k, v, scale: float, mask: Mask, fused):
     an ``OFFSET`` block that is one tile over all rows is one call, returned without a merge."""
     if mask.kind == FULL:
         return fused(q, k, v, scale, False)
-    acc, lse = empty_partial(*q.shape[:3], v.shape[-1], q.device)  # EMPTY, or the tiles' accumulator
+    acc, lse = empty_partial(
+        *q.shape[:3], v.shape[-1], q.device
+    )  # EMPTY, or the tiles' accumulator
     if mask.kind == EMPTY:
         return acc.to(q.dtype), lse
     tiles = offset_tiles(mask.offset, q.shape[1], k.shape[1])
     if len(tiles) == 1 and (tiles[0].q0, tiles[0].q1) == (0, q.shape[1]):  # single tile: no merge
         t = tiles[0]
-        return fused(q, k[:, t.k0:t.k1], v[:, t.k0:t.k1], scale, t.causal)
+        return fused(q, k[:, t.k0 : t.k1], v[:, t.k0 : t.k1], scale, t.causal)
     tiled_forward_into(q, k, v, scale, mask, acc, lse, fused)
     return acc.to(q.dtype), lse
 
@@ -137,8 +166,8 @@ def tiled_forward(q, k, v, scale: float, mask: Mask, fused):
 def tiled_forward_into(q, k, v, scale: float, mask: Mask, out, lse, fused) -> None:
     """The ``OFFSET`` tiles' partials merged one by one into ``out``/``lse`` (float32)."""
     for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
-        o, l = fused(q[:, t.q0:t.q1], k[:, t.k0:t.k1], v[:, t.k0:t.k1], scale, t.causal)
-        merge_(out[:, t.q0:t.q1], lse[:, :, t.q0:t.q1], o, l)
+        o, l = fused(q[:, t.q0 : t.q1], k[:, t.k0 : t.k1], v[:, t.k0 : t.k1], scale, t.causal)
+        merge_(out[:, t.q0 : t.q1], lse[:, :, t.q0 : t.q1], o, l)
 
 
 def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
@@ -146,7 +175,9 @@ def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
     assert dlse is None and mask.kind != EMPTY
     mask = _as_dense(mask, q.shape[1], k.shape[1], q.device)
     if mask.kind == DENSE:
-        return _fused_backward(dout, q, k, v, out, lse, scale, False, attn_mask=_additive(mask, q.dtype))
+        return _fused_backward(
+            dout, q, k, v, out, lse, scale, False, attn_mask=_additive(mask, q.dtype)
+        )
     return tiled_backward(dout, q, k, v, out, lse, scale, mask, _fused_backward)
 
 
@@ -166,18 +197,24 @@ def tiled_backward(dout, q, k, v, out, lse, scale: float, mask: Mask, fused_back
     if mask.kind == FULL:
         return fused_backward(dout, q, k, v, out, lse, scale, False)
     tiles = offset_tiles(mask.offset, q.shape[1], k.shape[1])
-    if len(tiles) == 1 and tiles[0] == Tile(0, q.shape[1], 0, k.shape[1], tiles[0].causal):  # one tile
+    if len(tiles) == 1 and tiles[0] == Tile(
+        0, q.shape[1], 0, k.shape[1], tiles[0].causal
+    ):  # one tile
         return fused_backward(dout, q, k, v, out, lse, scale, tiles[0].causal)
     grads = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
     tiled_backward_into(*grads, dout, q, k, v, out, lse, scale, mask, fused_backward)
     return tuple(grads)
 
 
-def tiled_backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, fused_backward) -> None:
+def tiled_backward_into(
+    dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, fused_backward
+) -> None:
     """The ``OFFSET`` tiles' gradients added one by one into float32 ``dq``, ``dk``, ``dv``."""
     for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
         r, c = slice(t.q0, t.q1), slice(t.k0, t.k1)
-        g = fused_backward(dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r], lse[:, :, r], scale, t.causal)
+        g = fused_backward(
+            dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r], lse[:, :, r], scale, t.causal
+        )
         dq[:, r] += g[0]
         dk[:, c] += g[1]
         dv[:, c] += g[2]

@@ -36,7 +36,9 @@ import os
 
 import torch
 
-if importlib.util.find_spec("triton") is None:  # the registry imports us inside ``except ImportError``
+if (
+    importlib.util.find_spec("triton") is None
+):  # the registry imports us inside ``except ImportError``
     raise ImportError("triton is not installed (pip install 'ringkv[triton]')")
 
 from .checks import check_softcap
@@ -55,8 +57,12 @@ def _interpret() -> bool:
 def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
     on_device = q.device.type == "cuda" or (q.device.type == "cpu" and _interpret())
     # EMPTY: answered without a launch (the registry also routes it to the reference first)
-    return (on_device and q.dtype in _DTYPES and 0 < q.shape[-1] <= MAX_HEAD
-            and mask.kind in (FULL, OFFSET, BAND, EMPTY))
+    return (
+        on_device
+        and q.dtype in _DTYPES
+        and 0 < q.shape[-1] <= MAX_HEAD
+        and mask.kind in (FULL, OFFSET, BAND, EMPTY)
+    )
 
 
 # ----------------------------------------------------------------------------- lazy jit
@@ -81,9 +87,12 @@ def _build() -> None:
         return
     import triton as _triton
     import triton.language as _tl
+
     if _interpret() and isinstance(getattr(_tl, "zeros", None), _triton.runtime.JITFunction):
-        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported in this process; "
-                           "set it before anything imports triton (e.g. at the top of tests/conftest.py)")
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after triton was imported in this process; "
+            "set it before anything imports triton (e.g. at the top of tests/conftest.py)"
+        )
     triton, tl = _triton, _tl
     _KERNELS.update({fn.__name__: _triton.jit(**options)(fn) for fn, options in _PENDING})
     for fn, _ in _PENDING:  # kernels call each other across modules by name (e.g. ``_dot``)
@@ -92,6 +101,7 @@ def _build() -> None:
 
 
 # ----------------------------------------------------------------------------- kernels
+
 
 @_jit
 def _dot(a, b, PREC: tl.constexpr):
@@ -122,8 +132,14 @@ def _tanh(x):
     a = tl.abs(x)
     e = tl.math.exp2(a * -2.8853900817779268)  # exp(-2a)
     a2 = a * a
-    series = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (
-        -0.05396825396825397 + a2 * 0.021869488536155203))))
+    series = a * (
+        1.0
+        + a2
+        * (
+            -0.3333333333333333
+            + a2 * (0.13333333333333333 + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203))
+        )
+    )
     r = tl.where(a < 0.25, series, (1.0 - e) / (1.0 + e))
     return tl.where(x < 0.0, -r, r)
 
@@ -166,30 +182,71 @@ def _finish(acc, m_i, l_i):
 
 
 @_jit
-def _load_v(v_at_k, v_base, k_off, k_mask, n0, offs_n, offs_dv, stride_vn, Sk, Dv,
-            KV_SAME: tl.constexpr, BLOCK_N: tl.constexpr):
+def _load_v(
+    v_at_k,
+    v_base,
+    k_off,
+    k_mask,
+    n0,
+    offs_n,
+    offs_dv,
+    stride_vn,
+    Sk,
+    Dv,
+    KV_SAME: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """V's key tile ``(BN, BDV)`` from ``v_base`` (this head's V). ``KV_SAME`` (``Dv == D``, v's strides
     k's): ``v_at_k + k_off`` with the K tile's own offsets and mask, as before V had its own head size
     (no second set of addresses per tile)."""
     if KV_SAME:
         return tl.load(v_at_k + k_off, mask=k_mask, other=0.0)
-    return tl.load(v_base + _rows_off(n0, stride_vn, BLOCK_N) + offs_dv[None, :],
-                   mask=(offs_n[:, None] < Sk) & (offs_dv[None, :] < Dv), other=0.0)
+    return tl.load(
+        v_base + _rows_off(n0, stride_vn, BLOCK_N) + offs_dv[None, :],
+        mask=(offs_n[:, None] < Sk) & (offs_dv[None, :] < Dv),
+        other=0.0,
+    )
 
 
 @_jit
-def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv, n_lo, n_hi,
-              Sk, offset, lo, qk_scale, cap2, D, Dv,
-              MASKED: tl.constexpr, IS_OFFSET: tl.constexpr, IS_BAND: tl.constexpr, SOFTCAP: tl.constexpr,
-              KV_SAME: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+def _fwd_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_d,
+    offs_dv,
+    n_lo,
+    n_hi,
+    Sk,
+    offset,
+    lo,
+    qk_scale,
+    cap2,
+    D,
+    Dv,
+    MASKED: tl.constexpr,
+    IS_OFFSET: tl.constexpr,
+    IS_BAND: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    KV_SAME: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Online softmax (base 2) of one query tile over key tiles ``[n_lo, n_hi)``; acc ``(BM, BDV)``."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
         k_off = _rows_off(n0, stride_kn, BLOCK_N) + offs_d[None, :]
         k = tl.load(k_base + k_off, mask=k_mask, other=0.0)  # (BN, BD)
-        v = _load_v(v_base, v_base, k_off, k_mask, n0, offs_n, offs_dv, stride_vn, Sk, Dv,
-                    KV_SAME, BLOCK_N)  # (BN, BDV)
+        v = _load_v(
+            v_base, v_base, k_off, k_mask, n0, offs_n, offs_dv, stride_vn, Sk, Dv, KV_SAME, BLOCK_N
+        )  # (BN, BDV)
         s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN) base-2 scores
         if SOFTCAP:  # qk_scale = scale / cap, cap2 = cap * log2(e)
             s = _tanh(s) * cap2
@@ -209,13 +266,46 @@ _NO_SPEC = ["H", "G", "Sq", "Sk", "D", "Dv", "offset", "lo", "SQ_B", "SK_B"]
 
 
 @_jit(do_not_specialize=_NO_SPEC)
-def _fwd_kernel(Q, K, V, Out, Lse,
-                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
-                H, G, Sq, Sk, D, Dv, offset, lo, qk_scale, cap2, SQ_B, SK_B,
-                IS_OFFSET: tl.constexpr, IS_BAND: tl.constexpr, SOFTCAP: tl.constexpr, KV_SAME: tl.constexpr,
-                PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_DV: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    H,
+    G,
+    Sq,
+    Sk,
+    D,
+    Dv,
+    offset,
+    lo,
+    qk_scale,
+    cap2,
+    SQ_B,
+    SK_B,
+    IS_OFFSET: tl.constexpr,
+    IS_BAND: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    KV_SAME: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     # grid (cdiv(Sq, BLOCK_M), B * H): one query tile of one head
     m0 = _tile_start(IS_OFFSET, BLOCK_M)
     b = (tl.program_id(1) // H).to(tl.int64)  # int64: batch/head offsets may pass 2**31
@@ -225,12 +315,17 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + _rows_off(m0, stride_qm, BLOCK_M) + offs_d[None, :],
-                mask=q_mask, other=0.0)  # (BM, BD)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + _rows_off(m0, stride_qm, BLOCK_M) + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )  # (BM, BD)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     if KV_SAME:
-        v_base = V + b * stride_kb + hk * stride_kh  # k's offsets (the same strides: shared by the compiler)
+        v_base = (
+            V + b * stride_kb + hk * stride_kh
+        )  # k's offsets (the same strides: shared by the compiler)
 
     # key range: [0, n_full) seen by every row of the tile, [n_full, n_hi) needs the mask
     n_hi = Sk
@@ -249,32 +344,132 @@ def _fwd_kernel(Q, K, V, Out, Lse,
         # keys below the first row's window are skipped; [n_lo, n_mid) (below the last row's) is masked,
         # then [n_mid, n_full) is seen by every row and [n_full, n_hi) masked again
         n_lo = tl.minimum(tl.maximum(m0 + lo, 0) // BLOCK_N * BLOCK_N, n_hi)
-        n_mid = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last_row + lo, 0), BLOCK_N) * BLOCK_N, n_lo), n_hi)
+        n_mid = tl.minimum(
+            tl.maximum(tl.cdiv(tl.maximum(last_row + lo, 0), BLOCK_N) * BLOCK_N, n_lo), n_hi
+        )
         n_full = tl.minimum(tl.maximum(n_full, n_mid), n_hi)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
-                                  n_lo, n_mid, Sk, offset, lo, qk_scale, cap2, D, Dv,
-                                  True, IS_OFFSET, IS_BAND, SOFTCAP, KV_SAME, BLOCK_N, PREC)
+        acc, m_i, l_i = _fwd_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            stride_kn,
+            stride_vn,
+            offs_m,
+            offs_d,
+            offs_dv,
+            n_lo,
+            n_mid,
+            Sk,
+            offset,
+            lo,
+            qk_scale,
+            cap2,
+            D,
+            Dv,
+            True,
+            IS_OFFSET,
+            IS_BAND,
+            SOFTCAP,
+            KV_SAME,
+            BLOCK_N,
+            PREC,
+        )
         n_lo = n_mid
-    acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
-                              n_lo, n_full, Sk, offset, lo, qk_scale, cap2, D, Dv,
-                              False, IS_OFFSET, IS_BAND, SOFTCAP, KV_SAME, BLOCK_N, PREC)
-    acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, offs_dv,
-                              n_full, n_hi, Sk, offset, lo, qk_scale, cap2, D, Dv,
-                              True, IS_OFFSET, IS_BAND, SOFTCAP, KV_SAME, BLOCK_N, PREC)
+    acc, m_i, l_i = _fwd_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        offs_dv,
+        n_lo,
+        n_full,
+        Sk,
+        offset,
+        lo,
+        qk_scale,
+        cap2,
+        D,
+        Dv,
+        False,
+        IS_OFFSET,
+        IS_BAND,
+        SOFTCAP,
+        KV_SAME,
+        BLOCK_N,
+        PREC,
+    )
+    acc, m_i, l_i = _fwd_tile(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        offs_dv,
+        n_full,
+        n_hi,
+        Sk,
+        offset,
+        lo,
+        qk_scale,
+        cap2,
+        D,
+        Dv,
+        True,
+        IS_OFFSET,
+        IS_BAND,
+        SOFTCAP,
+        KV_SAME,
+        BLOCK_N,
+        PREC,
+    )
 
     out, lse2 = _finish(acc, m_i, l_i)  # rows that saw no key: out 0, lse -inf
     lse = lse2 * 0.6931471805599453  # natural log
     if not KV_SAME:
         q_mask = (offs_m[:, None] < Sq) & (offs_dv[None, :] < Dv)  # now out's
-    tl.store(Out + b * stride_ob + h * stride_oh + _rows_off(m0, stride_om, BLOCK_M) + offs_dv[None, :],
-             _cast(out, Out.dtype.element_ty, PREC), mask=q_mask)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + _rows_off(m0, stride_om, BLOCK_M) + offs_dv[None, :],
+        _cast(out, Out.dtype.element_ty, PREC),
+        mask=q_mask,
+    )
     tl.store(Lse + (b * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)
 
 
 @_jit(do_not_specialize=["H", "Sq", "D"])
-def _bwd_preprocess(Out, DO, Lse, DLse, Delta, Lse2,
-                    stride_ob, stride_om, stride_oh, stride_db, stride_dm, stride_dh,
-                    H, Sq, D, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _bwd_preprocess(
+    Out,
+    DO,
+    Lse,
+    DLse,
+    Delta,
+    Lse2,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_db,
+    stride_dm,
+    stride_dh,
+    H,
+    Sq,
+    D,
+    HAS_DLSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # grid (cdiv(Sq, BLOCK_M), B * H): delta = rowsum(dout * out) - dlse; lse in base 2 (D here: V's Dv)
     m0 = tl.program_id(0) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -282,10 +477,16 @@ def _bwd_preprocess(Out, DO, Lse, DLse, Delta, Lse2,
     h = (tl.program_id(1) % H).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
-    o = tl.load(Out + b * stride_ob + h * stride_oh + _rows_off(m0, stride_om, BLOCK_M) + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * stride_db + h * stride_dh + _rows_off(m0, stride_dm, BLOCK_M) + offs_d[None, :],
-                 mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(
+        Out + b * stride_ob + h * stride_oh + _rows_off(m0, stride_om, BLOCK_M) + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        DO + b * stride_db + h * stride_dh + _rows_off(m0, stride_dm, BLOCK_M) + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
     row = (b * H + h) * Sq + offs_m
     delta = tl.sum(o * do, 1)
     if HAS_DLSE:
@@ -298,14 +499,57 @@ def _bwd_preprocess(Out, DO, Lse, DLse, Delta, Lse2,
 
 
 @_jit(do_not_specialize=_NO_SPEC + ["Hkv"])
-def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV,
-                     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                     stride_vb, stride_vn, stride_vh, stride_db, stride_dm, stride_dh,
-                     stride_gb, stride_gn, stride_gh, stride_gvb, stride_gvn, stride_gvh,
-                     H, Hkv, G, Sq, Sk, D, Dv, offset, lo, qk_scale, cap2, scale, SQ_B, SK_B,
-                     IS_OFFSET: tl.constexpr, IS_BAND: tl.constexpr, SOFTCAP: tl.constexpr, KV_SAME: tl.constexpr,
-                     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_DV: tl.constexpr):
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse2,
+    Delta,
+    DK,
+    DV,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_db,
+    stride_dm,
+    stride_dh,
+    stride_gb,
+    stride_gn,
+    stride_gh,
+    stride_gvb,
+    stride_gvn,
+    stride_gvh,
+    H,
+    Hkv,
+    G,
+    Sq,
+    Sk,
+    D,
+    Dv,
+    offset,
+    lo,
+    qk_scale,
+    cap2,
+    scale,
+    SQ_B,
+    SK_B,
+    IS_OFFSET: tl.constexpr,
+    IS_BAND: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    KV_SAME: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     # grid (cdiv(Sk, BLOCK_N), B * Hkv): one key tile of one kv head, all G query heads
     n0 = tl.program_id(0) * BLOCK_N
     b = (tl.program_id(1) // Hkv).to(tl.int64)
@@ -316,8 +560,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV,
     k_mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
     kv_off = b * stride_kb + hk * stride_kh + _rows_off(n0, stride_kn, BLOCK_N) + offs_d[None, :]
     k = tl.load(K + kv_off, mask=k_mask, other=0.0)  # (BN, BD)
-    v = _load_v(V, V + b * stride_vb + hk * stride_vh, kv_off, k_mask, n0, offs_n, offs_dv, stride_vn, Sk, Dv,
-                KV_SAME, BLOCK_N)  # (BN, BDV)
+    v = _load_v(
+        V,
+        V + b * stride_vb + hk * stride_vh,
+        kv_off,
+        k_mask,
+        n0,
+        offs_n,
+        offs_dv,
+        stride_vn,
+        Sk,
+        Dv,
+        KV_SAME,
+        BLOCK_N,
+    )  # (BN, BDV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
@@ -334,12 +590,26 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV,
         for m0 in range(m_lo, m_hi, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             q_mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
-            q = tl.load(Q + b * stride_qb + h * stride_qh + _rows_off(m0, stride_qm, BLOCK_M) + offs_d[None, :],
-                        mask=q_mask, other=0.0)  # (BM, BD)
+            q = tl.load(
+                Q
+                + b * stride_qb
+                + h * stride_qh
+                + _rows_off(m0, stride_qm, BLOCK_M)
+                + offs_d[None, :],
+                mask=q_mask,
+                other=0.0,
+            )  # (BM, BD)
             if not KV_SAME:
                 q_mask = (offs_m[:, None] < Sq) & (offs_dv[None, :] < Dv)  # now dout's
-            do = tl.load(DO + b * stride_db + h * stride_dh + _rows_off(m0, stride_dm, BLOCK_M) + offs_dv[None, :],
-                         mask=q_mask, other=0.0)  # (BM, BDV)
+            do = tl.load(
+                DO
+                + b * stride_db
+                + h * stride_dh
+                + _rows_off(m0, stride_dm, BLOCK_M)
+                + offs_dv[None, :],
+                mask=q_mask,
+                other=0.0,
+            )  # (BM, BDV)
             row = (b * H + h) * Sq + offs_m
             lse2 = tl.load(Lse2 + row, mask=offs_m < Sq, other=float("inf"))  # (BM,)
             delta = tl.load(Delta + row, mask=offs_m < Sq, other=0.0)
@@ -362,20 +632,60 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse2, Delta, DK, DV,
     g_off = b * stride_gb + hk * stride_gh + _rows_off(n0, stride_gn, BLOCK_N) + offs_d[None, :]
     tl.store(DK + g_off, _cast(dk * scale, DK.dtype.element_ty, PREC), mask=k_mask)
     if not KV_SAME:  # dv's own offsets and mask
-        g_off = b * stride_gvb + hk * stride_gvh + _rows_off(n0, stride_gvn, BLOCK_N) + offs_dv[None, :]
+        g_off = (
+            b * stride_gvb + hk * stride_gvh + _rows_off(n0, stride_gvn, BLOCK_N) + offs_dv[None, :]
+        )
         k_mask = (offs_n[:, None] < Sk) & (offs_dv[None, :] < Dv)
     tl.store(DV + g_off, _cast(dv, DV.dtype.element_ty, PREC), mask=k_mask)
 
 
 @_jit(do_not_specialize=_NO_SPEC)
-def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
-                   stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                   stride_vb, stride_vn, stride_vh, stride_db, stride_dm, stride_dh,
-                   stride_gb, stride_gm, stride_gh,
-                   H, G, Sq, Sk, D, Dv, offset, lo, qk_scale, cap2, scale, SQ_B, SK_B,
-                   IS_OFFSET: tl.constexpr, IS_BAND: tl.constexpr, SOFTCAP: tl.constexpr, KV_SAME: tl.constexpr,
-                   PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_DV: tl.constexpr):
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    Lse2,
+    Delta,
+    DQ,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_db,
+    stride_dm,
+    stride_dh,
+    stride_gb,
+    stride_gm,
+    stride_gh,
+    H,
+    G,
+    Sq,
+    Sk,
+    D,
+    Dv,
+    offset,
+    lo,
+    qk_scale,
+    cap2,
+    scale,
+    SQ_B,
+    SK_B,
+    IS_OFFSET: tl.constexpr,
+    IS_BAND: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    KV_SAME: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     # grid (cdiv(Sq, BLOCK_M), B * H): one query tile of one head over its visible key tiles
     m0 = _tile_start(IS_OFFSET, BLOCK_M)
     b = (tl.program_id(1) // H).to(tl.int64)  # int64: batch/head offsets may pass 2**31
@@ -385,20 +695,28 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < D)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + _rows_off(m0, stride_qm, BLOCK_M) + offs_d[None, :],
-                mask=q_mask, other=0.0)  # (BM, BD)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + _rows_off(m0, stride_qm, BLOCK_M) + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )  # (BM, BD)
     do_mask = q_mask
     if not KV_SAME:
         do_mask = (offs_m[:, None] < Sq) & (offs_dv[None, :] < Dv)
-    do = tl.load(DO + b * stride_db + h * stride_dh + _rows_off(m0, stride_dm, BLOCK_M) + offs_dv[None, :],
-                 mask=do_mask, other=0.0)  # (BM, BDV)
+    do = tl.load(
+        DO + b * stride_db + h * stride_dh + _rows_off(m0, stride_dm, BLOCK_M) + offs_dv[None, :],
+        mask=do_mask,
+        other=0.0,
+    )  # (BM, BDV)
     row = (b * H + h) * Sq + offs_m
     lse2 = tl.load(Lse2 + row, mask=offs_m < Sq, other=float("inf"))
     delta = tl.load(Delta + row, mask=offs_m < Sq, other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     if KV_SAME:
-        v_base = V + b * stride_kb + hk * stride_kh  # k's offsets (the same strides: shared by the compiler)
+        v_base = (
+            V + b * stride_kb + hk * stride_kh
+        )  # k's offsets (the same strides: shared by the compiler)
 
     n_lo = 0
     n_hi = Sk
@@ -412,8 +730,9 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
         k_mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
         k_off = _rows_off(n0, stride_kn, BLOCK_N) + offs_d[None, :]
         k = tl.load(k_base + k_off, mask=k_mask, other=0.0)  # (BN, BD)
-        v = _load_v(v_base, v_base, k_off, k_mask, n0, offs_n, offs_dv, stride_vn, Sk, Dv,
-                    KV_SAME, BLOCK_N)  # (BN, BDV)
+        v = _load_v(
+            v_base, v_base, k_off, k_mask, n0, offs_n, offs_dv, stride_vn, Sk, Dv, KV_SAME, BLOCK_N
+        )  # (BN, BDV)
         s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN)
         if SOFTCAP:
             t = _tanh(s)
@@ -429,8 +748,11 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse2, Delta, DQ,
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
         dq += _dot(_cast(ds, k.dtype, PREC), k, PREC)
-    tl.store(DQ + b * stride_gb + h * stride_gh + _rows_off(m0, stride_gm, BLOCK_M) + offs_d[None, :],
-             _cast(dq * scale, DQ.dtype.element_ty, PREC), mask=q_mask)
+    tl.store(
+        DQ + b * stride_gb + h * stride_gh + _rows_off(m0, stride_gm, BLOCK_M) + offs_d[None, :],
+        _cast(dq * scale, DQ.dtype.element_ty, PREC),
+        mask=q_mask,
+    )
 
 
 # ----------------------------------------------------------------------------- launch
@@ -441,9 +763,16 @@ _FIXED_BIG = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)  # ... for 
 
 
 def _configs():
-    return [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=w, num_stages=s)
-            for bm, bn, w, s in [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2),
-                                 (16, 16, 2, 1)]]
+    return [
+        triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=w, num_stages=s)
+        for bm, bn, w, s in [
+            (128, 64, 8, 3),
+            (128, 32, 4, 3),
+            (64, 64, 4, 3),
+            (64, 32, 4, 2),
+            (16, 16, 2, 1),
+        ]
+    ]
 
 
 def _big_rows(elem_bytes: int, block_d: int) -> bool:
@@ -470,9 +799,11 @@ def _prune(configs, named_args, **kwargs):
 
 def _tuned(kernel):
     # key on bucketed lengths (SQ_B/SK_B are the next powers of two), the head dims and the variant
-    return triton.autotune(_configs(), key=["SQ_B", "SK_B", "BLOCK_D", "BLOCK_DV", "IS_OFFSET", "IS_BAND",
-                                            "SOFTCAP", "KV_SAME"],
-                           prune_configs_by={"early_config_prune": _prune})(kernel)
+    return triton.autotune(
+        _configs(),
+        key=["SQ_B", "SK_B", "BLOCK_D", "BLOCK_DV", "IS_OFFSET", "IS_BAND", "SOFTCAP", "KV_SAME"],
+        prune_configs_by={"early_config_prune": _prune},
+    )(kernel)
 
 
 _TUNED = {}
@@ -510,9 +841,12 @@ def _prec(dtype) -> str:
 def _mask_args(mask: Mask) -> dict:
     """The kernels' mask: ``offset`` (OFFSET and BAND: ``j <= i + offset``), ``lo`` (BAND: ``j >= i + lo``)."""
     diag = mask.kind in (OFFSET, BAND)
-    return dict(offset=mask.offset if diag else 0, lo=mask.lo if mask.kind == BAND else 0,
-                IS_OFFSET=diag, IS_BAND=mask.kind == BAND)
-
+    return dict(
+        offset=mask.offset if diag else 0,
+        lo=mask.lo if mask.kind == BAND else 0,
+        IS_OFFSET=diag,
+        IS_BAND=mask.kind == BAND,
+    )
 
 
 def _score_args(scale: float, softcap) -> dict:
@@ -531,8 +865,10 @@ def _kv_same(k, v) -> bool:
 def _check_dims(q, k, v) -> None:
     d, dv = q.shape[-1], v.shape[-1]
     if k.shape[-1] != d or not 0 < dv <= MAX_HEAD:
-        raise ValueError(f"triton attention needs k's head size equal to q's ({k.shape[-1]} vs {d}) and "
-                         f"v's head size Dv in 1..{MAX_HEAD}, got Dv={dv}")
+        raise ValueError(
+            f"triton attention needs k's head size equal to q's ({k.shape[-1]} vs {d}) and "
+            f"v's head size Dv in 1..{MAX_HEAD}, got Dv={dv}"
+        )
 
 
 def forward(q, k, v, scale: float, mask: Mask, softcap=None):
@@ -557,13 +893,40 @@ def _forward(q, k, v, out, lse, scale: float, mask: Mask, softcap=None) -> None:
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     if b * h * sq * sk == 0 or mask.kind == EMPTY:
         return
-    _launch(_fwd_kernel, lambda c: (triton.cdiv(sq, c["BLOCK_M"]), b * h),
-            q, k, v, out, lse,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            h, h // hkv, sq, sk, d, dv, **_mask_args(mask), **_score_args(scale, softcap),
-            KV_SAME=_kv_same(k, v), PREC=_prec(q.dtype), BLOCK_D=_block_d(d), BLOCK_DV=_block_d(dv),
-            **_buckets(sq, sk))
+    _launch(
+        _fwd_kernel,
+        lambda c: (triton.cdiv(sq, c["BLOCK_M"]), b * h),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        h,
+        h // hkv,
+        sq,
+        sk,
+        d,
+        dv,
+        **_mask_args(mask),
+        **_score_args(scale, softcap),
+        KV_SAME=_kv_same(k, v),
+        PREC=_prec(q.dtype),
+        BLOCK_D=_block_d(d),
+        BLOCK_DV=_block_d(dv),
+        **_buckets(sq, sk),
+    )
 
 
 def _buckets(sq, sk):
@@ -579,12 +942,27 @@ def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, softc
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-    _backward(dout.to(q.dtype), q, k, v, out, lse.float().contiguous(), dq, dk, dv, scale, mask, dlse,
-              softcap=softcap)
+    _backward(
+        dout.to(q.dtype),
+        q,
+        k,
+        v,
+        out,
+        lse.float().contiguous(),
+        dq,
+        dk,
+        dv,
+        scale,
+        mask,
+        dlse,
+        softcap=softcap,
+    )
     return dq, dk, dv
 
 
-def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, mask: Mask, dlse=None, softcap=None) -> None:
+def _backward(
+    dout, q, k, v, out, lse, dq, dk, dv, scale: float, mask: Mask, dlse=None, softcap=None
+) -> None:
     """Write fp32 ``dq, dk, dv`` (zeros beforehand); strides as in ``_forward``."""
     _build()
     _check_dims(q, k, v)
@@ -599,16 +977,95 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale: float, mask: Mask, dls
     bd, bdv = _block_d(d), _block_d(dvh)
     bm = 32
     _bwd_preprocess[(triton.cdiv(sq, bm), b * h)](
-        out, dout, lse, dlse_t, delta, lse2,
-        out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        h, sq, dvh, HAS_DLSE=dlse is not None, BLOCK_M=bm, BLOCK_D=bdv)
-    common = dict(**_mask_args(mask), **_score_args(scale, softcap), scale=scale, PREC=_prec(q.dtype),
-                  KV_SAME=_kv_same(k, v) and _kv_same(dk, dv), BLOCK_D=bd, BLOCK_DV=bdv, **_buckets(sq, sk))
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
-    _launch(_bwd_dkdv_kernel, lambda c: (triton.cdiv(sk, c["BLOCK_N"]), b * hkv),
-            q, k, v, dout, lse2, delta, dk, dv, *strides, dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2), h, hkv, h // hkv, sq, sk, d, dvh, **common)
-    _launch(_bwd_dq_kernel, lambda c: (triton.cdiv(sq, c["BLOCK_M"]), b * h),
-            q, k, v, dout, lse2, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-            h, h // hkv, sq, sk, d, dvh, **common)
+        out,
+        dout,
+        lse,
+        dlse_t,
+        delta,
+        lse2,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        dout.stride(0),
+        dout.stride(1),
+        dout.stride(2),
+        h,
+        sq,
+        dvh,
+        HAS_DLSE=dlse is not None,
+        BLOCK_M=bm,
+        BLOCK_D=bdv,
+    )
+    common = dict(
+        **_mask_args(mask),
+        **_score_args(scale, softcap),
+        scale=scale,
+        PREC=_prec(q.dtype),
+        KV_SAME=_kv_same(k, v) and _kv_same(dk, dv),
+        BLOCK_D=bd,
+        BLOCK_DV=bdv,
+        **_buckets(sq, sk),
+    )
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        dout.stride(0),
+        dout.stride(1),
+        dout.stride(2),
+    )
+    _launch(
+        _bwd_dkdv_kernel,
+        lambda c: (triton.cdiv(sk, c["BLOCK_N"]), b * hkv),
+        q,
+        k,
+        v,
+        dout,
+        lse2,
+        delta,
+        dk,
+        dv,
+        *strides,
+        dk.stride(0),
+        dk.stride(1),
+        dk.stride(2),
+        dv.stride(0),
+        dv.stride(1),
+        dv.stride(2),
+        h,
+        hkv,
+        h // hkv,
+        sq,
+        sk,
+        d,
+        dvh,
+        **common,
+    )
+    _launch(
+        _bwd_dq_kernel,
+        lambda c: (triton.cdiv(sq, c["BLOCK_M"]), b * h),
+        q,
+        k,
+        v,
+        dout,
+        lse2,
+        delta,
+        dq,
+        *strides,
+        dq.stride(0),
+        dq.stride(1),
+        dq.stride(2),
+        h,
+        h // hkv,
+        sq,
+        sk,
+        d,
+        dvh,
+        **common,
+    )

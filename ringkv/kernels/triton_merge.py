@@ -18,9 +18,32 @@ triton = tl = None  # bound by _build() (see triton_attn: kernels are decorated 
 
 
 @_jit
-def _merge_kernel(Out, Lse, BOut, BLse, n_rows, S, H, D,
-                  so0, so1, so2, so3, sl0, sl1, sl2, sb0, sb1, sb2, sb3, sc0, sc1, sc2,
-                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_kernel(
+    Out,
+    Lse,
+    BOut,
+    BLse,
+    n_rows,
+    S,
+    H,
+    D,
+    so0,
+    so1,
+    so2,
+    so3,
+    sl0,
+    sl1,
+    sl2,
+    sb0,
+    sb1,
+    sb2,
+    sb3,
+    sc0,
+    sc1,
+    sc2,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < n_rows
     h = (rows % H).to(tl.int64)
@@ -45,7 +68,9 @@ def _merge_kernel(Out, Lse, BOut, BLse, n_rows, S, H, D,
     tl.store(Lse + b * sl0 + h * sl1 + s * sl2, total, mask=live)
 
 
-def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def merge_(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """Same contract as ``merge.merge_`` (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``)."""
     _build()
     b, s, h, d = out.shape
@@ -55,5 +80,18 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     block_d = triton.next_power_of_2(d)
     block_r = 16 if _interpret() else max(1, min(64, 4096 // block_d))
     _merge_kernel[(triton.cdiv(n_rows, block_r),)](
-        out, lse, block_out, block_lse, n_rows, s, h, d, *out.stride(), *lse.stride(), *block_out.stride(),
-        *block_lse.stride(), BLOCK_R=block_r, BLOCK_D=block_d)
+        out,
+        lse,
+        block_out,
+        block_lse,
+        n_rows,
+        s,
+        h,
+        d,
+        *out.stride(),
+        *lse.stride(),
+        *block_out.stride(),
+        *block_lse.stride(),
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+    )

@@ -23,31 +23,45 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: Optional[Dict[str, Any]] = None  # {"rope_type": "llama3" | "linear" | "default", ...}
+    rope_scaling: Optional[Dict[str, Any]] = (
+        None  # {"rope_type": "llama3" | "linear" | "default", ...}
+    )
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: bias on q/k/v projections
     o_bias: bool = False  # Llama attention_bias=True: bias on o_proj too
     mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k (weights of head_dim) before RoPE
+    qk_norm: bool = (
+        False  # Qwen3, Gemma 3: RMSNorm over each head's q and k (weights of head_dim) before RoPE
+    )
     model_type: str = "llama"
     eos_token_id: Any = None  # int or list of ints
     bos_token_id: Optional[int] = None
     torch_dtype: Optional[str] = None
     # transformers' window S: a query of a sliding layer sees itself and the S - 1 keys before it
     sliding_window: Optional[int] = None
-    layer_types: Optional[List[str]] = None  # per layer "full_attention" | "sliding_attention"; None: all full
+    layer_types: Optional[List[str]] = (
+        None  # per layer "full_attention" | "sliding_attention"; None: all full
+    )
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh" (Gemma)
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight), all in float32
     sandwich_norms: bool = False  # Gemma 2/3: a norm after attention and before and after the MLP
-    embed_scale: Optional[float] = None  # Gemma: the embeddings times sqrt(hidden_size) (in their dtype)
-    attn_scale: Optional[float] = None  # Gemma: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    embed_scale: Optional[float] = (
+        None  # Gemma: the embeddings times sqrt(hidden_size) (in their dtype)
+    )
+    attn_scale: Optional[float] = (
+        None  # Gemma: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    )
     attn_softcap: Optional[float] = None  # Gemma 2: scores capped as c * tanh(s / c)
     final_softcap: Optional[float] = None  # Gemma 2/3: logits capped as c * tanh(l / c)
-    local_rope_theta: Optional[float] = None  # Gemma 3: the RoPE base of sliding layers (None: rope_theta)
+    local_rope_theta: Optional[float] = (
+        None  # Gemma 3: the RoPE base of sliding layers (None: rope_theta)
+    )
     local_rope_scaling: Optional[Dict[str, Any]] = None  # Gemma 3: their RoPE scaling
     partial_rotary_factor: float = 1.0  # Phi-3 family: RoPE on the first head_dim * factor channels
-    fused_proj: bool = False  # Phi-3: the checkpoint holds qkv_proj and gate_up_proj (split when loaded)
+    fused_proj: bool = (
+        False  # Phi-3: the checkpoint holds qkv_proj and gate_up_proj (split when loaded)
+    )
     extra: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -56,45 +70,75 @@ class ModelConfig:
         text, Phi-3), as written by any transformers version (``rope_parameters`` or the older
         top-level ``rope_theta`` / ``rope_scaling``)."""
         if not isinstance(cfg, dict):
-            raise TypeError(f"ModelConfig.from_hf takes the config.json dict, got {type(cfg).__name__}")
+            raise TypeError(
+                f"ModelConfig.from_hf takes the config.json dict, got {type(cfg).__name__}"
+            )
         mt = cfg.get("model_type", "llama")
         if mt not in ARCHS:
-            hint = " (load the text model: model_type 'gemma3_text', Gemma3ForCausalLM)" if mt == "gemma3" else ""
+            hint = (
+                " (load the text model: model_type 'gemma3_text', Gemma3ForCausalLM)"
+                if mt == "gemma3"
+                else ""
+            )
             raise ValueError(f"unsupported model_type {mt!r}; ringkv.model supports {ARCHS}{hint}")
         try:
             heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
             layers = cfg["num_hidden_layers"]
-            kw = dict(vocab_size=cfg["vocab_size"], hidden_size=hidden,
-                      intermediate_size=cfg["intermediate_size"], num_layers=layers, num_heads=heads)
+            kw = dict(
+                vocab_size=cfg["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=cfg["intermediate_size"],
+                num_layers=layers,
+                num_heads=heads,
+            )
         except KeyError as e:
             raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
         gemma = mt in GEMMA
         act = cfg.get("hidden_activation") if gemma else None
         act = act or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
         if act not in ACTIVATIONS:
-            raise ValueError(f"hidden activation {act!r} is not supported; ringkv.model runs {sorted(ACTIVATIONS)}")
+            raise ValueError(
+                f"hidden activation {act!r} is not supported; ringkv.model runs {sorted(ACTIVATIONS)}"
+            )
         if cfg.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention=True (an encoder) is not supported: the engine is causal")
+            raise ValueError(
+                "use_bidirectional_attention=True (an encoder) is not supported: the engine is causal"
+            )
         # transformers >= 5 keeps theta and scaling in "rope_parameters" (Gemma 3: one dict per layer
         # type); older configs at top level (Gemma 3: rope_theta, rope_local_base_freq, rope_scaling)
         params = dict(cfg.get("rope_parameters") or {})
-        nested = isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict)
+        nested = isinstance(params.get("full_attention"), dict) or isinstance(
+            params.get("sliding_attention"), dict
+        )
         rope = dict(params.get("full_attention") or {}) if nested else params
         local = dict(params.get("sliding_attention") or {}) if nested else {}
-        scaling = _scaling(cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None))
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 1e6 if mt == "gemma3_text" else 10000.0)))
+        scaling = _scaling(
+            cfg.get("rope_scaling")
+            or (rope if rope.get("rope_type", "default") != "default" else None)
+        )
+        theta = float(
+            rope.get("rope_theta", cfg.get("rope_theta", 1e6 if mt == "gemma3_text" else 10000.0))
+        )
         local_theta = local_scaling = None
         if mt == "gemma3_text":
             local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
-            local_scaling = _scaling(local if local.get("rope_type", "default") != "default" else None)
+            local_scaling = _scaling(
+                local if local.get("rope_type", "default") != "default" else None
+            )
         if mt == "phi3" and (scaling or {}).get("rope_type") in ("longrope", "su", "yarn"):
-            raise ValueError("Phi-3's longrope RoPE scaling (the 128k and Phi-3.5 / Phi-4-mini checkpoints) is not "
-                             "supported; use a checkpoint with rope_scaling null (e.g. Phi-3-mini-4k-instruct)")
-        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+            raise ValueError(
+                "Phi-3's longrope RoPE scaling (the 128k and Phi-3.5 / Phi-4-mini checkpoints) is not "
+                "supported; use a checkpoint with rope_scaling null (e.g. Phi-3-mini-4k-instruct)"
+            )
+        partial = float(
+            rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0
+        )
         window, types = _windows(mt, cfg, layers)
         attention_bias = bool(cfg.get("attention_bias", False))
-        head_dim = cfg.get("head_dim") or (256 if gemma and "head_dim" not in cfg else hidden // heads)
+        head_dim = cfg.get("head_dim") or (
+            256 if gemma and "head_dim" not in cfg else hidden // heads
+        )
         softcap = final = scalar = None
         if gemma:  # missing keys take transformers' defaults; its Gemma 3 attention takes no cap: nor do we
             softcap = cfg.get("attn_logit_softcapping", 50.0) if mt == "gemma2" else None
@@ -146,7 +190,11 @@ class ModelConfig:
     def window(self, layer: int) -> int:
         """``layer``'s left extent on global positions: a query at ``p`` sees keys ``p - W .. p``
         (``W = sliding_window - 1``), or -1 (unbounded) on a full-attention layer."""
-        return self.sliding_window - 1 if self.sliding_window is not None and self.is_sliding(layer) else -1
+        return (
+            self.sliding_window - 1
+            if self.sliding_window is not None and self.is_sliding(layer)
+            else -1
+        )
 
 
 def _scaling(s: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -166,7 +214,9 @@ def _windows(mt: str, cfg: Dict[str, Any], layers: int):
     window = cfg.get("sliding_window", 4096 if mt in GEMMA else None)  # transformers' defaults
     if mt in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
         window = None
-    if mt == "llama" or not (window or mt == "gemma3_text"):  # Gemma 3's layer types also pick the RoPE
+    if mt == "llama" or not (
+        window or mt == "gemma3_text"
+    ):  # Gemma 3's layer types also pick the RoPE
         return None, None
     window = window or None
     types = cfg.get("layer_types")
@@ -177,9 +227,16 @@ def _windows(mt: str, cfg: Dict[str, Any], layers: int):
             first = cfg.get("max_window_layers", 28)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         else:
-            every = 2 if mt == "gemma2" else int(cfg.get("sliding_window_pattern",
-                                                          cfg.get("_sliding_window_pattern", 6)) or 6)
-            types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+            every = (
+                2
+                if mt == "gemma2"
+                else int(
+                    cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)) or 6
+                )
+            )
+            types = [
+                "sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)
+            ]
     types = list(types)
     if len(types) != layers or any(t not in LAYER_TYPES for t in types):
         raise ValueError(f"layer_types must list {layers} of {LAYER_TYPES}, got {types}")

@@ -40,12 +40,30 @@ class DenseContext:
     def __init__(self, positions: torch.Tensor, backend: str = "auto"):
         self.positions, self.backend = positions, backend
 
-    def attend(self, layer: int, q, k, v, *, scale: Optional[float] = None, softcap: Optional[float] = None,
-               window: int = -1):
+    def attend(
+        self,
+        layer: int,
+        q,
+        k,
+        v,
+        *,
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
+        window: int = -1,
+    ):
         # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D)
-        out, _ = attention(q[None], k[None], v[None], scale=scale, causal=True, q_positions=self.positions,
-                           k_positions=self.positions, window=(window, 0) if window >= 0 else NO_WINDOW,
-                           backend=self.backend, softcap=softcap)
+        out, _ = attention(
+            q[None],
+            k[None],
+            v[None],
+            scale=scale,
+            causal=True,
+            q_positions=self.positions,
+            k_positions=self.positions,
+            window=(window, 0) if window >= 0 else NO_WINDOW,
+            backend=self.backend,
+            softcap=softcap,
+        )
         return out[0]
 
 
@@ -79,7 +97,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.rope = rope_index(cfg, layer_idx)
         kw = dict(scale=cfg.attn_scale, softcap=cfg.attn_softcap, window=cfg.window(layer_idx))
-        self.attn_kw = {k: v for k, v in kw.items() if v not in (None, -1)}  # only what is not the default
+        self.attn_kw = {
+            k: v for k, v in kw.items() if v not in (None, -1)
+        }  # only what is not the default
 
     def forward(self, x, cos, sin, ctx):
         # x (T, hidden); cos/sin (R, T, 1, rotary_dim): the model's RoPEs, this layer's is [self.rope]
@@ -91,7 +111,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos[self.rope], sin[self.rope]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = ctx.attend(self.layer_idx, q, k, v, **self.attn_kw)  # (T, H, D): the one attention call site
+        out = ctx.attend(
+            self.layer_idx, q, k, v, **self.attn_kw
+        )  # (T, H, D): the one attention call site
         return self.o_proj(out.reshape(t, self.h * self.d))  # (T, hidden)
 
 
@@ -117,7 +139,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         h, eps, one = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one
         self.input_layernorm = RMSNorm(h, eps, one)
-        self.post_attention_layernorm = RMSNorm(h, eps, one)  # Gemma: on attention's output; else the MLP's input
+        self.post_attention_layernorm = RMSNorm(
+            h, eps, one
+        )  # Gemma: on attention's output; else the MLP's input
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(h, eps, one)
@@ -130,7 +154,9 @@ class DecoderLayer(nn.Module):
         if self.embed_scale is not None:  # as HF: a float32 scalar cast to the embeddings' dtype
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+            x = x + self.post_attention_layernorm(
+                self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+            )
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))

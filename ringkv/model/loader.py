@@ -46,7 +46,9 @@ class StateDictSource:
     def shape(self, name: str) -> tuple:
         return tuple(self.state[name].shape)
 
-    def get(self, name: str, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+    def get(
+        self, name: str, dim: Optional[int] = None, start: int = 0, stop: int = 0
+    ) -> torch.Tensor:
         t = self.state[name]
         return t if dim is None else t.narrow(dim, start, stop - start)
 
@@ -69,7 +71,11 @@ class SafetensorsSource:
             files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
             if not files:
                 pickled = [f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth"))]
-                hint = f" (found {pickled}: ringkv never unpickles; convert them to safetensors)" if pickled else ""
+                hint = (
+                    f" (found {pickled}: ringkv never unpickles; convert them to safetensors)"
+                    if pickled
+                    else ""
+                )
                 raise FileNotFoundError(f"no *.safetensors checkpoint in {directory!r}{hint}")
         self.handles, self.file_of = {}, {}
         for name in files:
@@ -79,7 +85,9 @@ class SafetensorsSource:
             try:  # the header is validated against the file size here: truncation is caught now
                 handle = safe_open(path, framework="pt", device="cpu")
             except Exception as e:  # SafetensorError / OSError on truncated or garbled files
-                raise ValueError(f"checkpoint file {path!r} is corrupt or not a safetensors file: {e}") from None
+                raise ValueError(
+                    f"checkpoint file {path!r} is corrupt or not a safetensors file: {e}"
+                ) from None
             self.handles[path] = handle
             self.file_of.update({k: path for k in handle.keys()})
 
@@ -89,7 +97,9 @@ class SafetensorsSource:
     def shape(self, name: str) -> tuple:
         return tuple(self.handles[self.file_of[name]].get_slice(name).get_shape())
 
-    def get(self, name: str, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+    def get(
+        self, name: str, dim: Optional[int] = None, start: int = 0, stop: int = 0
+    ) -> torch.Tensor:
         sl = self.handles[self.file_of[name]].get_slice(name)
         if dim is None:
             return sl[:]
@@ -108,14 +118,20 @@ def checkpoint_name(cfg: ModelConfig, param: str) -> str:
     fused = fused_part(cfg, param)
     if fused is not None:
         return fused[0]
-    return "model.embed_tokens.weight" if cfg.tie_word_embeddings and param == "lm_head.weight" else param
+    return (
+        "model.embed_tokens.weight"
+        if cfg.tie_word_embeddings and param == "lm_head.weight"
+        else param
+    )
 
 
-_FUSED = {"self_attn.q_proj.weight": "self_attn.qkv_proj.weight",
-          "self_attn.k_proj.weight": "self_attn.qkv_proj.weight",
-          "self_attn.v_proj.weight": "self_attn.qkv_proj.weight",
-          "mlp.gate_proj.weight": "mlp.gate_up_proj.weight",
-          "mlp.up_proj.weight": "mlp.gate_up_proj.weight"}
+_FUSED = {
+    "self_attn.q_proj.weight": "self_attn.qkv_proj.weight",
+    "self_attn.k_proj.weight": "self_attn.qkv_proj.weight",
+    "self_attn.v_proj.weight": "self_attn.qkv_proj.weight",
+    "mlp.gate_proj.weight": "mlp.gate_up_proj.weight",
+    "mlp.up_proj.weight": "mlp.gate_up_proj.weight",
+}
 
 
 def fused_part(cfg: ModelConfig, param: str) -> Optional[Tuple[str, int, int]]:
@@ -123,13 +139,21 @@ def fused_part(cfg: ModelConfig, param: str) -> Optional[Tuple[str, int, int]]:
     (Phi-3's ``qkv_proj`` and ``gate_up_proj``), None for any other parameter."""
     if not cfg.fused_proj or not param.startswith("model.layers."):
         return None
-    layer, _, key = param[len("model.layers."):].partition(".")
+    layer, _, key = param[len("model.layers.") :].partition(".")
     if key not in _FUSED:
         return None
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    first, rows = {"self_attn.q_proj.weight": (0, q), "self_attn.k_proj.weight": (q, kv),
-                   "self_attn.v_proj.weight": (q + kv, kv), "mlp.gate_proj.weight": (0, inter),
-                   "mlp.up_proj.weight": (inter, inter)}[key]
+    q, kv, inter = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    first, rows = {
+        "self_attn.q_proj.weight": (0, q),
+        "self_attn.k_proj.weight": (q, kv),
+        "self_attn.v_proj.weight": (q + kv, kv),
+        "mlp.gate_proj.weight": (0, inter),
+        "mlp.up_proj.weight": (inter, inter),
+    }[key]
     return f"model.layers.{layer}.{_FUSED[key]}", first, rows
 
 
@@ -144,7 +168,9 @@ def source_key(cfg: ModelConfig, param: str, sl: Optional["Slice"] = None) -> tu
     if dim is None:
         start, stop = 0, rows
     elif dim != 0:
-        raise ValueError(f"{param} is part of the fused {name}: only rows of it can be read, not dim {dim}")
+        raise ValueError(
+            f"{param} is part of the fused {name}: only rows of it can be read, not dim {dim}"
+        )
     return name, 0, first + start, first + stop
 
 
@@ -171,20 +197,29 @@ def check_checkpoint(cfg: ModelConfig, weights) -> None:
     have = model_tensors(cfg, weights)
     missing, unexpected = sorted(set(shapes) - have), sorted(have - set(shapes))
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the {cfg.model_type} config: missing {missing[:5]}"
-                         f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                         f"{'...' if len(unexpected) > 5 else ''}")
+        raise ValueError(
+            f"checkpoint does not match the {cfg.model_type} config: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{'...' if len(unexpected) > 5 else ''}"
+        )
     for k, want in shapes.items():
         got = weights.shape(k)
         if got != tuple(want):
-            raise ValueError(f"checkpoint tensor {k!r} has shape {got}, config expects {tuple(want)}")
+            raise ValueError(
+                f"checkpoint tensor {k!r} has shape {got}, config expects {tuple(want)}"
+            )
 
 
 Slice = Tuple[int, int, int]  # (dim, start, stop) of the checkpoint tensor
 
 
-def materialize(model: LlamaForCausalLM, weights, dtype=torch.float32, device="cpu",
-                slices: Optional[Dict[str, Slice]] = None) -> LlamaForCausalLM:
+def materialize(
+    model: LlamaForCausalLM,
+    weights,
+    dtype=torch.float32,
+    device="cpu",
+    slices: Optional[Dict[str, Slice]] = None,
+) -> LlamaForCausalLM:
     """Give a model built on the meta device (possibly reshaped by ``ringkv.parallel``) its
     weights: each parameter reads ``checkpoint_name(param)`` or, when ``slices`` names it, only
     that slice of it. Parameters that read the same tensor and slice share one tensor (a tied
@@ -200,15 +235,21 @@ def materialize(model: LlamaForCausalLM, weights, dtype=torch.float32, device="c
             if key not in loaded:
                 t = weights.get(*key).to(device=device, dtype=dtype)
                 if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"checkpoint slice {key} has shape {tuple(t.shape)}, {full} expects {tuple(p.shape)}")
+                    raise ValueError(
+                        f"checkpoint slice {key} has shape {tuple(t.shape)}, {full} expects {tuple(p.shape)}"
+                    )
                 loaded[key] = torch.nn.Parameter(t, requires_grad=False)
             module._parameters[pname] = loaded[key]
     model.model.rotary = type(model.model.rotary)(cfg).to(device)  # buffer out of the meta device
     return model.eval()
 
 
-def build(cfg: ModelConfig, state: Dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-          device="cpu") -> LlamaForCausalLM:
+def build(
+    cfg: ModelConfig,
+    state: Dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+) -> LlamaForCausalLM:
     """Model with ``state`` (HF parameter names) loaded strictly, in ``dtype`` on ``device``."""
     return build_from(cfg, StateDictSource(state), dtype, device)
 
@@ -220,12 +261,16 @@ def build_from(cfg: ModelConfig, weights, dtype=torch.float32, device="cpu") -> 
     return materialize(model, weights, dtype, device)
 
 
-def load_dir(directory: str, dtype=torch.float32, device="cpu") -> Tuple[LlamaForCausalLM, ModelConfig]:
+def load_dir(
+    directory: str, dtype=torch.float32, device="cpu"
+) -> Tuple[LlamaForCausalLM, ModelConfig]:
     cfg = ModelConfig.from_hf(read_config(directory))
     return build_from(cfg, SafetensorsSource(directory), dtype, device), cfg
 
 
-def load_hf_model(hf_model, dtype=torch.float32, device="cpu") -> Tuple[LlamaForCausalLM, ModelConfig]:
+def load_hf_model(
+    hf_model, dtype=torch.float32, device="cpu"
+) -> Tuple[LlamaForCausalLM, ModelConfig]:
     """From an in-memory transformers ``*ForCausalLM`` (its config and state_dict)."""
     cfg = ModelConfig.from_hf(hf_model.config.to_dict())
     return build(cfg, dict(hf_model.state_dict()), dtype, device), cfg
@@ -265,6 +310,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
     tok.save_pretrained(tmp)
     if os.path.isdir(out_dir):  # a stale or partial copy
         import shutil
+
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)  # a half-written copy is never picked up as complete
     return out_dir
@@ -278,7 +324,11 @@ def open_model(source):
         path = os.fspath(source)
         if path.endswith(".gguf"):
             hf, tok = load_gguf_hf(path)
-            return ModelConfig.from_hf(hf.config.to_dict()), StateDictSource(dict(hf.state_dict())), tok
+            return (
+                ModelConfig.from_hf(hf.config.to_dict()),
+                StateDictSource(dict(hf.state_dict())),
+                tok,
+            )
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model path {path!r} is neither a directory nor a .gguf file")
         cfg = ModelConfig.from_hf(read_config(path))
@@ -286,9 +336,15 @@ def open_model(source):
     if isinstance(source, LlamaForCausalLM):
         return source.config, StateDictSource(source.state_dict()), None
     if hasattr(source, "state_dict") and hasattr(source, "config"):
-        return ModelConfig.from_hf(source.config.to_dict()), StateDictSource(dict(source.state_dict())), None
-    raise TypeError(f"model must be a path (HF directory or .gguf) or a transformers model, "
-                    f"got {type(source).__name__}")
+        return (
+            ModelConfig.from_hf(source.config.to_dict()),
+            StateDictSource(dict(source.state_dict())),
+            None,
+        )
+    raise TypeError(
+        f"model must be a path (HF directory or .gguf) or a transformers model, "
+        f"got {type(source).__name__}"
+    )
 
 
 def load_model(source, dtype: Optional[torch.dtype] = None, device="cpu"):
@@ -298,6 +354,7 @@ def load_model(source, dtype: Optional[torch.dtype] = None, device="cpu"):
         p = next(source.parameters())
         if p.device != torch.device(device) or p.dtype != dtype:  # never move the caller's model
             import copy
+
             source = copy.deepcopy(source).to(device=device, dtype=dtype)
         return source.eval(), source.config, None
     cfg, weights, tok = open_model(source)
@@ -305,7 +362,9 @@ def load_model(source, dtype: Optional[torch.dtype] = None, device="cpu"):
 
 
 def _maybe_tokenizer(path: str):
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
         return None
     try:
         from transformers import AutoTokenizer

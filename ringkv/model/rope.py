@@ -33,7 +33,11 @@ def inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     if kind == "linear":
         return freq / float(s["factor"])
     if kind == "llama3":
-        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        factor, lo, hi = (
+            float(s["factor"]),
+            float(s["low_freq_factor"]),
+            float(s["high_freq_factor"]),
+        )
         old = float(s["original_max_position_embeddings"])
         wavelen = 2 * math.pi / freq
         out = torch.where(wavelen > old / lo, freq / factor, freq)  # long wavelengths: scaled
@@ -41,8 +45,10 @@ def inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
         smoothed = (1 - smooth) * out / factor + smooth * out
         medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         return torch.where(medium, smoothed, out)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported; use a config with rope_scaling type "
-                     f"default, linear or llama3")
+    raise ValueError(
+        f"rope_scaling type {kind!r} is not supported; use a config with rope_scaling type "
+        f"default, linear or llama3"
+    )
 
 
 def rope_index(cfg: ModelConfig, layer: int) -> int:
@@ -57,11 +63,15 @@ class Rotary(torch.nn.Module):
         freqs = [inv_freq(cfg)]
         if cfg.local_rope_theta is not None:
             freqs.append(inv_freq(cfg, local=True))
-        self.register_buffer("inv_freq", torch.stack(freqs), persistent=False)  # (R, rotary_dim // 2)
+        self.register_buffer(
+            "inv_freq", torch.stack(freqs), persistent=False
+        )  # (R, rotary_dim // 2)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         # positions (T,) int -> cos, sin (R, T, 1, rotary_dim), computed in fp32; R: the model's RoPEs
-        freqs = positions.to(self.inv_freq.device).float()[None, :, None] * self.inv_freq[:, None, :]
+        freqs = (
+            positions.to(self.inv_freq.device).float()[None, :, None] * self.inv_freq[:, None, :]
+        )
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
 

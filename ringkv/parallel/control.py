@@ -65,7 +65,9 @@ class Channel:
         self.cap = 1024
         self.pending: "deque" = deque()  # (work, buffer) of the driver's broadcasts in flight
         self.last_bytes = 0  # bytes the last message received took
-        self.posted = None  # (work, buffer): the receive of the next message, posted early (``prefetch``)
+        self.posted = (
+            None  # (work, buffer): the receive of the next message, posted early (``prefetch``)
+        )
 
     def _broadcast(self, buf: torch.Tensor):
         """An asynchronous broadcast from control rank 0 on the group itself (it may be a group
@@ -84,8 +86,8 @@ class Channel:
         nxt = self._next_cap(words)
         first = torch.zeros(head, dtype=torch.int64)
         first[0], first[1] = words, nxt
-        first[2:2 + min(words, head - 2)] = payload[:head - 2]
-        bufs = [first] + ([payload[head - 2:].clone()] if words > head - 2 else [])
+        first[2 : 2 + min(words, head - 2)] = payload[: head - 2]
+        bufs = [first] + ([payload[head - 2 :].clone()] if words > head - 2 else [])
         for buf in bufs:
             self.pending.append((self._broadcast(buf), buf))
         self.cap = nxt
@@ -105,7 +107,9 @@ class Channel:
         work.wait()
         words, nxt = int(first[0]), int(first[1])
         if not 0 <= words <= (1 << 40) or not self.MIN_CAP <= nxt <= self.MAX_CAP:
-            raise EngineError(f"rank {self.rank}: a malformed control message ({words} words, next size {nxt})")
+            raise EngineError(
+                f"rank {self.rank}: a malformed control message ({words} words, next size {nxt})"
+            )
         head, self.last_bytes = self.cap // 8 - 2, self.cap
         if words > head:
             rest = torch.empty(words - head, dtype=torch.int64)
@@ -113,7 +117,7 @@ class Channel:
             self.last_bytes += rest.numel() * 8
             payload = torch.cat([first[2:], rest])
         else:
-            payload = first[2:2 + words]
+            payload = first[2 : 2 + words]
         self.cap = nxt
         return payload
 
@@ -127,7 +131,9 @@ class Channel:
 
 
 class ControlPlane:
-    def __init__(self, store, prefix: str, rank: int, world: int, timeout: Optional[timedelta] = None):
+    def __init__(
+        self, store, prefix: str, rank: int, world: int, timeout: Optional[timedelta] = None
+    ):
         self.store = dist.PrefixStore(prefix, store)
         self.rank, self.world = rank, world
         self.timeout = timeout or DEFAULT_TIMEOUT
@@ -141,7 +147,9 @@ class ControlPlane:
         ``new_group`` of the default group (every rank calls this in the same order)."""
         timeout = max(CHANNEL_TIMEOUT, self.timeout)
         if direct:
-            group = dist.ProcessGroupGloo(dist.PrefixStore("channel", self.store), self.rank, self.world, timeout)
+            group = dist.ProcessGroupGloo(
+                dist.PrefixStore("channel", self.store), self.rank, self.world, timeout
+            )
         else:
             group = dist.new_group(list(range(self.world)), backend="gloo", timeout=timeout)
         self.channel = Channel(group, self.rank, depth)
@@ -183,14 +191,18 @@ class ControlPlane:
             self.channel.reap()
             self.parked = True
 
-    def receive(self, timeout: Optional[timedelta] = None, alive: Callable[[], bool] = lambda: True) -> dict:
+    def receive(
+        self, timeout: Optional[timedelta] = None, alive: Callable[[], bool] = lambda: True
+    ) -> dict:
         """The next message, in order: a dict from the store, or ``{"kind": "step", "words":
         payload}`` from the channel during a burst. ``timeout=None``: wait on the store as long
         as ``alive()`` holds."""
         while True:
             if not self.parked:
                 words = self.channel.recv()
-                if int(words[0]) == STEP:  # more steps (or a PARK) follow soon: receive the next one early
+                if (
+                    int(words[0]) == STEP
+                ):  # more steps (or a PARK) follow soon: receive the next one early
                     self.channel.prefetch()
                     return {"kind": "step", "words": words[1:], "bytes": self.channel.last_bytes}
                 self.parked = True
@@ -198,7 +210,9 @@ class ControlPlane:
             key = f"m{self.received}"
             self._wait(key, timeout, alive, "the next message from the driver (rank 0)")
             data = self.store.get(key)
-            if self.store.add(f"a{self.received}", 1) == self.world - 1:  # the last reader cleans up
+            if (
+                self.store.add(f"a{self.received}", 1) == self.world - 1
+            ):  # the last reader cleans up
                 self.store.delete_key(key)
                 self.store.delete_key(f"a{self.received}")
             self.received += 1
@@ -233,19 +247,27 @@ class ControlPlane:
         key = f"v/{name}/{rank}"
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
-    def _wait(self, key: str, timeout: Optional[timedelta], alive: Callable[[], bool], what: str) -> None:
+    def _wait(
+        self, key: str, timeout: Optional[timedelta], alive: Callable[[], bool], what: str
+    ) -> None:
         while True:  # with no timeout: wait in rounds of POLL while ``alive()``
             try:
                 self.store.wait([key], timeout or POLL)
                 return
             except Exception as e:  # the store's wait raises on its timeout; the store stays usable
                 if "timeout" not in str(e).lower():
-                    raise RingTimeoutError(f"rank {self.rank}: the control store failed waiting for {what}: {e}") from e
+                    raise RingTimeoutError(
+                        f"rank {self.rank}: the control store failed waiting for {what}: {e}"
+                    ) from e
                 if timeout is not None:
-                    raise RingTimeoutError(f"rank {self.rank}: no {what} within {timeout.total_seconds():.0f}s "
-                                           f"(a rank died, hangs, or called something else)") from None
+                    raise RingTimeoutError(
+                        f"rank {self.rank}: no {what} within {timeout.total_seconds():.0f}s "
+                        f"(a rank died, hangs, or called something else)"
+                    ) from None
             if not alive():
-                raise RingTimeoutError(f"rank {self.rank}: gave up waiting for {what}: the driver is gone")
+                raise RingTimeoutError(
+                    f"rank {self.rank}: gave up waiting for {what}: the driver is gone"
+                )
 
 
 def parent_alive(parent_pid: int) -> Callable[[], bool]:

@@ -52,7 +52,11 @@ def _fire(fault: dict, where: str) -> None:
 def install(worker) -> None:
     """Hook the fault the environment names (if it is this model rank's) into ``worker``'s model."""
     fault = _spec()
-    if fault is None or fault["rank"] != worker.mesh.rank or (fault["rank"] == 0 and not worker.driver):
+    if (
+        fault is None
+        or fault["rank"] != worker.mesh.rank
+        or (fault["rank"] == 0 and not worker.driver)
+    ):
         return
     if fault["kind"] == "drift":
         if worker.driver:
@@ -95,4 +99,6 @@ def install_driver(cluster) -> None:
 
         pub.encode = corrupt
     elif cluster.worker is None:
-        cluster.fault = lambda c: _fire(fault, "the driver") if c.stats.steps == fault["step"] + 1 else None
+        cluster.fault = lambda c: (
+            _fire(fault, "the driver") if c.stats.steps == fault["step"] + 1 else None
+        )

@@ -40,7 +40,9 @@ from .control import EngineError
 KV_TAG = 15  # apart from the step results (RESULT_TAG) and snapshot transfers
 KINDS = ("kv_read", "kv_write")
 
-KV = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]  # k, v, k_scale, v_scale
+KV = Tuple[
+    torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]
+]  # k, v, k_scale, v_scale
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Box:
     """What one model rank stores of a snapshot: ``layers`` and ``heads`` (global ids) and
     tokens ``sp_rank, sp_rank + sp, ...``. ``owner``: the first replica of these heads (the one
     that sends them on export)."""
+
     rank: int
     layers: range
     heads: range
@@ -57,9 +60,16 @@ class Box:
     @staticmethod
     def of(info: dict, num_kv_heads: int, tp: int) -> "Box":
         t = info["tp_rank"]
-        first = t * num_kv_heads // tp  # tp <= Hkv: Hkv / tp heads each; tp > Hkv: one head per tp / Hkv ranks
-        return Box(info["rank"], range(*info["layers"]), range(first, first + info["kv_heads"]), info["sp_rank"],
-                   owner=t * num_kv_heads % tp < num_kv_heads)
+        first = (
+            t * num_kv_heads // tp
+        )  # tp <= Hkv: Hkv / tp heads each; tp > Hkv: one head per tp / Hkv ranks
+        return Box(
+            info["rank"],
+            range(*info["layers"]),
+            range(first, first + info["kv_heads"]),
+            info["sp_rank"],
+            owner=t * num_kv_heads % tp < num_kv_heads,
+        )
 
     def tokens(self, start: int, end: int, sp: int) -> slice:
         """Its tokens among ``[start, end)``, as a slice of the snapshot's token dim."""
@@ -71,24 +81,36 @@ class Box:
 
     def index(self, start: int, end: int, sp: int) -> tuple:
         """Its box of ``(L, 2, T, H, ...)`` K/V (or scales) of tokens ``[start, end)``."""
-        return (slice(self.layers.start, self.layers.stop), slice(None), self.tokens(start, end, sp),
-                slice(self.heads.start, self.heads.stop))
+        return (
+            slice(self.layers.start, self.layers.stop),
+            slice(None),
+            self.tokens(start, end, sp),
+            slice(self.heads.start, self.heads.stop),
+        )
 
 
-def _slots(table: List[int], first: int, start: int, end: int, block_size: int, sp: int, sp_rank: int) -> torch.Tensor:
+def _slots(
+    table: List[int], first: int, start: int, end: int, block_size: int, sp: int, sp_rank: int
+) -> torch.Tensor:
     """Slots of SP rank ``sp_rank``'s tokens among ``[start, end)``; ``table`` is the block table
     from logical block ``first`` on."""
     lb = block_size * sp  # tokens per logical block
-    first_pos = start + (sp_rank - start) % sp  # may lie past ``end``: this rank stores none of them
+    first_pos = (
+        start + (sp_rank - start) % sp
+    )  # may lie past ``end``: this rank stores none of them
     pos = torch.arange(first_pos, max(first_pos, end), sp)
     return torch.tensor(table, dtype=torch.long)[pos // lb - first] * block_size + pos % lb // sp
 
 
-def mismatch(rank: int, start: int, end: int, got: int, expected: int, token_bytes: int) -> EngineError:
+def mismatch(
+    rank: int, start: int, end: int, got: int, expected: int, token_bytes: int
+) -> EngineError:
     """The error of a box whose size the two sides disagree on (token counts and bytes)."""
-    return EngineError(f"moving the K/V of tokens [{start}, {end}): model rank {rank} stores {got} of them "
-                       f"({got * token_bytes} bytes), the driver expects {expected} ({expected * token_bytes} "
-                       f"bytes); the two sides disagree on the layout")
+    return EngineError(
+        f"moving the K/V of tokens [{start}, {end}): model rank {rank} stores {got} of them "
+        f"({got * token_bytes} bytes), the driver expects {expected} ({expected * token_bytes} "
+        f"bytes); the two sides disagree on the layout"
+    )
 
 
 def _agree(expected: int, got: int, kv: KVCache, rank: int, start: int, end: int) -> None:
@@ -98,8 +120,17 @@ def _agree(expected: int, got: int, kv: KVCache, rank: int, start: int, end: int
         raise mismatch(rank, start, end, got, expected, _nbytes((L, 2, 1, h, d), kv.data.dtype))
 
 
-def read(kv: KVCache, table: List[int], first: int, start: int, end: int, sp: int = 1, sp_rank: int = 0,
-         expected: Optional[int] = None, rank: int = 0):
+def read(
+    kv: KVCache,
+    table: List[int],
+    first: int,
+    start: int,
+    end: int,
+    sp: int = 1,
+    sp_rank: int = 0,
+    expected: Optional[int] = None,
+    rank: int = 0,
+):
     """This rank's stored tokens among ``[start, end)``: data ``(L, 2, n, H, D)`` and scale
     ``(L, 2, n, H)`` (None unless quantized), on the CPU. ``expected``: the token count the
     driver expects (``EngineError`` otherwise)."""
@@ -112,8 +143,18 @@ def read(kv: KVCache, table: List[int], first: int, start: int, end: int, sp: in
     return data, scale
 
 
-def write(kv: KVCache, table: List[int], first: int, start: int, end: int, data: torch.Tensor,
-          scale: Optional[torch.Tensor], sp: int = 1, sp_rank: int = 0, rank: int = 0) -> None:
+def write(
+    kv: KVCache,
+    table: List[int],
+    first: int,
+    start: int,
+    end: int,
+    data: torch.Tensor,
+    scale: Optional[torch.Tensor],
+    sp: int = 1,
+    sp_rank: int = 0,
+    rank: int = 0,
+) -> None:
     """Store ``read``'s layout back: ``data`` ``(L, 2, n, H, D)``, ``scale`` ``(L, 2, n, H)``."""
     slots = _slots(table, first, start, end, kv.block_size, sp, sp_rank).to(kv.data.device)
     _agree(data.shape[2], slots.numel(), kv, rank, start, end)
@@ -146,12 +187,16 @@ class Mover:
         self.boxes = [Box.of(i, cfg.num_kv_heads, sh.tp) for i in cluster.infos]
         self.dtype = sh.quant.dtype if sh.quant else cluster.dtype  # what the cache stores
         self.scale_dtype = SCALE_DTYPE if sh.quant else None
-        self.shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # a snapshot's K/V: (layers, T, Hkv, D)
+        self.shape = (
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )  # a snapshot's K/V: (layers, T, Hkv, D)
 
     def _table(self, table: List[int], start: int, end: int):
         lb = self.block_size * self.sp
         first = start // lb
-        return first, [int(b) for b in table[first:-(-end // lb)]]
+        return first, [int(b) for b in table[first : -(-end // lb)]]
 
     def _local(self, box: Box) -> bool:
         """The box is this process's own (a torchrun driver is model rank 0)."""
@@ -168,8 +213,13 @@ class Mover:
     def _recv(self, box: Box, shape, dtype: torch.dtype) -> torch.Tensor:
         c = self.cluster
         buf = torch.empty(_nbytes(shape, dtype), dtype=torch.uint8)
-        return _unwire(c.control.recv_from(box.rank + c.offset, buf, KV_TAG, f"the K/V of model rank {box.rank}"),
-                       dtype, shape)
+        return _unwire(
+            c.control.recv_from(
+                box.rank + c.offset, buf, KV_TAG, f"the K/V of model rank {box.rank}"
+            ),
+            dtype,
+            shape,
+        )
 
     def empty(self) -> KV:
         """The K/V of no token: ``(layers, 0, Hkv, D)`` (scales ``(layers, 0, Hkv)``)."""
@@ -191,28 +241,57 @@ class Mover:
         else:
             L, H, D = self.shape
             data = torch.empty(L, 2, end - start, H, D, dtype=self.dtype)  # (L, 2, T, H, D)
-            scale = None if self.scale_dtype is None else torch.empty(L, 2, end - start, H, dtype=self.scale_dtype)
+            scale = (
+                None
+                if self.scale_dtype is None
+                else torch.empty(L, 2, end - start, H, dtype=self.scale_dtype)
+            )
             counts = self._counts(start, end)
-            c.control.publish({"kind": "kv_read", "table": part, "first": first, "start": start, "end": end,
-                               "counts": counts})
+            c.control.publish(
+                {
+                    "kind": "kv_read",
+                    "table": part,
+                    "first": first,
+                    "start": start,
+                    "end": end,
+                    "counts": counts,
+                }
+            )
             for box in self.boxes:
                 if not box.owner:
                     continue
                 at = box.index(start, end, self.sp)
                 if self._local(box):  # the torchrun driver's own box
-                    mine, mine_scale = read(c.worker.kv, part, first, start, end, self.sp, box.sp_rank,
-                                            counts[box.rank], box.rank)
+                    mine, mine_scale = read(
+                        c.worker.kv,
+                        part,
+                        first,
+                        start,
+                        end,
+                        self.sp,
+                        box.sp_rank,
+                        counts[box.rank],
+                        box.rank,
+                    )
                 else:
                     shape = data[at].shape  # (l, 2, n, h, D)
-                    got = int(self._recv(box, (1,), torch.int64)[0])  # the rank's own count, before its box
+                    got = int(
+                        self._recv(box, (1,), torch.int64)[0]
+                    )  # the rank's own count, before its box
                     if got != counts[box.rank]:
-                        raise mismatch(box.rank, start, end, got, counts[box.rank], self._token_bytes(box))
+                        raise mismatch(
+                            box.rank, start, end, got, counts[box.rank], self._token_bytes(box)
+                        )
                     mine = self._recv(box, shape, data.dtype)
                     mine_scale = None if scale is None else self._recv(box, shape[:-1], scale.dtype)
                 data[at] = mine
                 if scale is not None:
                     scale[at] = mine_scale
-        return data[:, 0], data[:, 1], *((None, None) if scale is None else (scale[:, 0], scale[:, 1]))
+        return (
+            data[:, 0],
+            data[:, 1],
+            *((None, None) if scale is None else (scale[:, 0], scale[:, 1])),
+        )
 
     def scatter(self, table: List[int], start: int, kv: KV) -> None:
         """Write ``kv`` (``gather``'s layout, tokens ``[start, start + T)``) into the blocks of
@@ -229,24 +308,55 @@ class Mover:
             write(c.worker.kv, part, first, start, end, data, scale)
             return
         counts = self._counts(start, end)
-        c.control.publish({"kind": "kv_write", "table": part, "first": first, "start": start, "end": end,
-                           "counts": counts})
+        c.control.publish(
+            {
+                "kind": "kv_write",
+                "table": part,
+                "first": first,
+                "start": start,
+                "end": end,
+                "counts": counts,
+            }
+        )
         for box in self.boxes:
             at = box.index(start, end, self.sp)
             mine, mine_scale = data[at], None if scale is None else scale[at]
             if self._local(box):
-                write(c.worker.kv, part, first, start, end, mine, mine_scale, self.sp, box.sp_rank, box.rank)
+                write(
+                    c.worker.kv,
+                    part,
+                    first,
+                    start,
+                    end,
+                    mine,
+                    mine_scale,
+                    self.sp,
+                    box.sp_rank,
+                    box.rank,
+                )
                 continue
             c.control.send(_wire(mine), box.rank + c.offset, KV_TAG)
             if mine_scale is not None:
                 c.control.send(_wire(mine_scale), box.rank + c.offset, KV_TAG)
-            c.control.channel.reap(0)  # one box in flight at a time: the snapshot plus one box, never twice
+            c.control.channel.reap(
+                0
+            )  # one box in flight at a time: the snapshot plus one box, never twice
         for box in self.boxes:  # every rank has written (or failed: then its error reaches us)
             if not self._local(box):
-                got = int(c.control.recv_from(box.rank + c.offset, torch.zeros(1, dtype=torch.int64), KV_TAG,
-                                              f"model rank {box.rank} to store the imported K/V")[0])
-                if got != counts[box.rank]:  # it answers with the count it stores: then it wrote nothing
-                    raise mismatch(box.rank, start, end, got, counts[box.rank], self._token_bytes(box))
+                got = int(
+                    c.control.recv_from(
+                        box.rank + c.offset,
+                        torch.zeros(1, dtype=torch.int64),
+                        KV_TAG,
+                        f"model rank {box.rank} to store the imported K/V",
+                    )[0]
+                )
+                if (
+                    got != counts[box.rank]
+                ):  # it answers with the count it stores: then it wrote nothing
+                    raise mismatch(
+                        box.rank, start, end, got, counts[box.rank], self._token_bytes(box)
+                    )
 
 
 def serve(worker, control, msg: dict) -> None:
@@ -256,9 +366,13 @@ def serve(worker, control, msg: dict) -> None:
     sp, expected = m.sp, msg["counts"][m.rank]
     if msg["kind"] == "kv_read" and not Box.of(worker.info(), worker.cfg.num_kv_heads, m.tp).owner:
         return  # a replica: another rank sends these heads
-    own = _slots(table, first, start, end, kv.block_size, sp, m.sp_rank).numel()  # what this rank stores
+    own = _slots(
+        table, first, start, end, kv.block_size, sp, m.sp_rank
+    ).numel()  # what this rank stores
     if msg["kind"] == "kv_read":
-        control.send(torch.tensor([own]), 0, KV_TAG)  # its count first: the driver checks it before the box
+        control.send(
+            torch.tensor([own]), 0, KV_TAG
+        )  # its count first: the driver checks it before the box
         _agree(expected, own, kv, m.rank, start, end)
         data, scale = read(kv, table, first, start, end, sp, m.sp_rank)
         control.send(_wire(data), 0, KV_TAG)
@@ -270,11 +384,15 @@ def serve(worker, control, msg: dict) -> None:
 
     def recv(shape, dtype):
         buf = torch.empty(_nbytes(shape, dtype), dtype=torch.uint8)
-        return _unwire(control.recv_from(0, buf, KV_TAG, "the imported K/V from the driver"), dtype, shape)
+        return _unwire(
+            control.recv_from(0, buf, KV_TAG, "the imported K/V from the driver"), dtype, shape
+        )
 
     data = recv(shape, kv.data.dtype)
     scale = None if kv.scale is None else recv(shape[:-1], kv.scale.dtype)
-    if own == expected:  # written before the answer: the import is complete once every rank answered
+    if (
+        own == expected
+    ):  # written before the answer: the import is complete once every rank answered
         write(kv, table, first, start, end, data, scale, sp, m.sp_rank, m.rank)
     control.send(torch.tensor([own]), 0, KV_TAG)  # the count it stores: the driver checks it
     _agree(expected, own, kv, m.rank, start, end)

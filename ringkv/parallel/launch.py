@@ -59,6 +59,7 @@ class CacheBudget:
     """How many KV blocks a rank may allocate: ``num_blocks``, or ``kv_cache_memory`` bytes per
     rank (default 1 GiB), or on CUDA a ``gpu_memory_utilization`` fraction of the device
     measured after the weights and one profiling forward of ``profile_tokens`` tokens."""
+
     num_blocks: Optional[int] = None
     kv_cache_memory: Optional[int] = None
     gpu_memory_utilization: Optional[float] = None
@@ -69,7 +70,9 @@ class CacheBudget:
             return self.num_blocks
         per_block = worker.bytes_per_token * worker.shape.block_size
         if self.gpu_memory_utilization is not None:
-            return worker.free_kv_bytes(self.gpu_memory_utilization, self.profile_tokens) // per_block
+            return (
+                worker.free_kv_bytes(self.gpu_memory_utilization, self.profile_tokens) // per_block
+            )
         return int(self.kv_cache_memory or DEFAULT_KV_MEMORY) // per_block
 
 
@@ -79,15 +82,27 @@ def _backend(device: torch.device) -> str:
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:
     if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        return torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        )
     return device
 
 
 class Cluster:
     """``submit(plan)`` / ``result()`` on the driver, ``follow()`` on torchrun followers."""
 
-    def __init__(self, shape: EngineShape, cfg: ModelConfig, weights, *, model_arg, dtype: torch.dtype,
-                 device: torch.device, budget: CacheBudget, timeout: Optional[timedelta] = None):
+    def __init__(
+        self,
+        shape: EngineShape,
+        cfg: ModelConfig,
+        weights,
+        *,
+        model_arg,
+        dtype: torch.dtype,
+        device: torch.device,
+        budget: CacheBudget,
+        timeout: Optional[timedelta] = None,
+    ):
         self.shape, self.cfg, self.dtype = shape, cfg, dtype
         self.timeout = timeout or DEFAULT_TIMEOUT
         mesh_shape = MeshShape(shape.pp, shape.sp, shape.tp)
@@ -101,9 +116,13 @@ class Cluster:
         self.publisher = Publisher()  # the driver: what every other rank's step mirror holds
         self.stats = WorkerStats()  # the driver's steps and control-plane counters
         self.fault = None  # tests only (faults.install_driver): called after each submit
-        self.worker: Optional[Worker] = None  # this process's model rank (none on a spawn-mode driver)
+        self.worker: Optional[Worker] = (
+            None  # this process's model rank (none on a spawn-mode driver)
+        )
         self.offset = 1 if self.mode == "spawn" else 0  # control rank of model rank r: r + offset
-        self.sampler = mesh_shape.rank_of(shape.pp - 1, 0, 0)  # the model rank that returns step results
+        self.sampler = mesh_shape.rank_of(
+            shape.pp - 1, 0, 0
+        )  # the model rank that returns step results
         self._reports = itertools.count()
         if self.mode == "local":
             self.rank, self.device = 0, device
@@ -114,8 +133,13 @@ class Cluster:
                 torch.cuda.set_device(self.device)  # NCCL communicators use the current device
             if not dist.is_initialized():
                 dist.init_process_group(_backend(device), timeout=self.timeout)
-            self.control = ControlPlane(dist.distributed_c10d._get_default_store(), f"ringkv/engine{next(_ENGINE_IDS)}",
-                                        self.rank, self.world, self.timeout)
+            self.control = ControlPlane(
+                dist.distributed_c10d._get_default_store(),
+                f"ringkv/engine{next(_ENGINE_IDS)}",
+                self.rank,
+                self.world,
+                self.timeout,
+            )
             self._agree(cfg, dtype)
         else:
             self.rank, self.device = 0, device
@@ -124,11 +148,22 @@ class Cluster:
                 self._spawn(model_arg, cfg, weights, dtype, device, budget)
             else:
                 self.worker, self.num_blocks, self.infos = setup_rank(
-                    mesh_shape, self.shape, cfg, weights, dtype, self.device, self.control, budget, self.timeout)
+                    mesh_shape,
+                    self.shape,
+                    cfg,
+                    weights,
+                    dtype,
+                    self.device,
+                    self.control,
+                    budget,
+                    self.timeout,
+                )
         except BaseException:
             self.close()
             raise
-        self.mover = kvmove.Mover(self) if self.is_driver else None  # one request's K/V, from and to every rank
+        self.mover = (
+            kvmove.Mover(self) if self.is_driver else None
+        )  # one request's K/V, from and to every rank
         faults.install_driver(self)  # tests only: RINGKV_FAULT
 
     @staticmethod
@@ -137,14 +172,18 @@ class Cluster:
             return "local"
         if dist.is_initialized():
             if dist.get_world_size() != world:
-                raise ValueError(f"tp * pp * sp = {world} but the torch.distributed world has {dist.get_world_size()} "
-                                 f"ranks; run under torchrun --nproc-per-node {world} (one process per rank)")
+                raise ValueError(
+                    f"tp * pp * sp = {world} but the torch.distributed world has {dist.get_world_size()} "
+                    f"ranks; run under torchrun --nproc-per-node {world} (one process per rank)"
+                )
             return "torchrun"
         env = os.environ.get("WORLD_SIZE")
         if env is not None and int(env) > 1:
             if int(env) != world:
-                raise ValueError(f"tp * pp * sp = {world} but torchrun started {env} processes; "
-                                 f"use --nproc-per-node {world}")
+                raise ValueError(
+                    f"tp * pp * sp = {world} but torchrun started {env} processes; "
+                    f"use --nproc-per-node {world}"
+                )
             return "torchrun"
         return "spawn"
 
@@ -154,31 +193,59 @@ class Cluster:
 
     def _agree(self, cfg: ModelConfig, dtype) -> None:
         """Every rank must build the same engine (checked before any weight is loaded)."""
-        mine = json.dumps([vars(self.shape), {k: v for k, v in vars(cfg).items() if k != "extra"}, str(dtype)],
-                          sort_keys=True, default=str)
+        mine = json.dumps(
+            [vars(self.shape), {k: v for k, v in vars(cfg).items() if k != "extra"}, str(dtype)],
+            sort_keys=True,
+            default=str,
+        )
         for r, theirs in enumerate(self.control.exchange("engine", mine)):
             if theirs != mine:
-                raise ValueError(f"rank {r} builds a different engine than rank {self.rank} (model config, dtype, "
-                                 f"tp/pp/sp or cache settings differ); every rank must call LLM(...) alike")
+                raise ValueError(
+                    f"rank {r} builds a different engine than rank {self.rank} (model config, dtype, "
+                    f"tp/pp/sp or cache settings differ); every rank must call LLM(...) alike"
+                )
 
     # -- spawn mode ----------------------------------------------------------------------
-    def _spawn(self, model_arg, cfg: ModelConfig, weights, dtype, device, budget: CacheBudget) -> None:
+    def _spawn(
+        self, model_arg, cfg: ModelConfig, weights, dtype, device, budget: CacheBudget
+    ) -> None:
         import torch.multiprocessing as mp
 
-        path = model_arg if isinstance(model_arg, (str, os.PathLike)) and os.path.isdir(model_arg) else None
-        if path is None:  # in-memory weights (or GGUF): one safetensors copy the workers read slices of
+        path = (
+            model_arg
+            if isinstance(model_arg, (str, os.PathLike)) and os.path.isdir(model_arg)
+            else None
+        )
+        if (
+            path is None
+        ):  # in-memory weights (or GGUF): one safetensors copy the workers read slices of
             self.tmpdir = path = tempfile.mkdtemp(prefix="ringkv-weights-")
             _save_weights(cfg, weights, path)
-        store = dist.TCPStore("127.0.0.1", 0, self.world + 1, True, timeout=self.timeout, wait_for_workers=False)
+        store = dist.TCPStore(
+            "127.0.0.1", 0, self.world + 1, True, timeout=self.timeout, wait_for_workers=False
+        )
         self.store = store
-        spec = dict(world=self.world, port=store.port, path=os.fspath(path), config=_config_dict(cfg),
-                    shape=vars(self.shape), budget=vars(budget), dtype=str(dtype).replace("torch.", ""), device=str(device),
-                    timeout=self.timeout.total_seconds(), threads=max(1, (os.cpu_count() or 1) // self.world))
+        spec = dict(
+            world=self.world,
+            port=store.port,
+            path=os.fspath(path),
+            config=_config_dict(cfg),
+            shape=vars(self.shape),
+            budget=vars(budget),
+            dtype=str(dtype).replace("torch.", ""),
+            device=str(device),
+            timeout=self.timeout.total_seconds(),
+            threads=max(1, (os.cpu_count() or 1) // self.world),
+        )
         ctx = mp.get_context("spawn")
         with _plain_child():
             for r in range(self.world):
-                p = ctx.Process(target=_worker_main, args=(r, json.dumps(spec), os.getpid()), daemon=True,
-                                name=f"ringkv-rank{r}")
+                p = ctx.Process(
+                    target=_worker_main,
+                    args=(r, json.dumps(spec), os.getpid()),
+                    daemon=True,
+                    name=f"ringkv-rank{r}",
+                )
                 p.start()
                 self.procs.append(p)
         self.control = ControlPlane(store, "ringkv/engine", 0, self.world + 1, self.timeout)
@@ -187,13 +254,20 @@ class Cluster:
             while self.control.poll("hello", r + 1) is None:
                 self._check_procs("starting")
                 if time.monotonic() > deadline:
-                    raise EngineError(f"worker rank {r} did not start within {self.timeout.total_seconds():.0f}s")
+                    raise EngineError(
+                        f"worker rank {r} did not start within {self.timeout.total_seconds():.0f}s"
+                    )
                 time.sleep(0.05)
-        self._while_alive("connecting", lambda: self.control.open_channel(depth=_depth(self.shape), direct=True))
+        self._while_alive(
+            "connecting", lambda: self.control.open_channel(depth=_depth(self.shape), direct=True)
+        )
         blocks = self._while_alive("loading", lambda: self.control.exchange("num_blocks", None))
         self.num_blocks = min(b for b in blocks if b is not None)
-        self.infos = [i for i in self._while_alive("loading", lambda: self.control.exchange("info", None))
-                      if i is not None]
+        self.infos = [
+            i
+            for i in self._while_alive("loading", lambda: self.control.exchange("info", None))
+            if i is not None
+        ]
 
     def _while_alive(self, doing: str, fn):
         """``fn()`` (which waits for every worker) in a thread, while the workers are checked: a
@@ -212,13 +286,26 @@ class Cluster:
     def _check_procs(self, doing: str) -> None:
         """``EngineError`` if a worker died: the one whose own error is the cause first (a peer
         of a dead rank dies too, of a closed connection), the others named after it."""
-        dead = [(r, p.exitcode, self.control.poll("error", r + 1) if self.control else None)
-                for r, p in enumerate(self.procs) if not p.is_alive()]
+        dead = [
+            (r, p.exitcode, self.control.poll("error", r + 1) if self.control else None)
+            for r, p in enumerate(self.procs)
+            if not p.is_alive()
+        ]
         if dead:
-            dead.sort(key=lambda d: any(x in (d[2] or "") for x in ("transport/tcp", "got no answer")))  # a peer's error
+            dead.sort(
+                key=lambda d: any(x in (d[2] or "") for x in ("transport/tcp", "got no answer"))
+            )  # a peer's error
             r, code, err = dead[0]
-            also = f"\n(also exited: worker ranks {', '.join(str(d[0]) for d in dead[1:])})" if dead[1:] else ""
-            raise EngineError(f"worker rank {r} exited (code {code}) while {doing}" + (f":\n{err}" if err else "") + also)
+            also = (
+                f"\n(also exited: worker ranks {', '.join(str(d[0]) for d in dead[1:])})"
+                if dead[1:]
+                else ""
+            )
+            raise EngineError(
+                f"worker rank {r} exited (code {code}) while {doing}"
+                + (f":\n{err}" if err else "")
+                + also
+            )
 
     # -- driver --------------------------------------------------------------------------
     def submit(self, batch, want: str) -> None:
@@ -232,7 +319,9 @@ class Cluster:
             if self.world > 1:
                 self.control.reap()  # back-pressure from a lagging rank: not control work
                 t = time.perf_counter()
-                self.stats.control_bytes += self.control.publish_step(self.publisher.encode(batch, want))
+                self.stats.control_bytes += self.control.publish_step(
+                    self.publisher.encode(batch, want)
+                )
                 self.stats.control_s += time.perf_counter() - t
             self.stats.steps += 1
             self.pending.append((plan, self.worker.execute(plan) if self.worker else None))
@@ -267,10 +356,21 @@ class Cluster:
         src, what = self.sampler + self.offset, f"results from the sampler rank {self.sampler}"
         k = plan.num_completing
         tokens = plan.want == "tokens"
-        main = self.control.recv_from(src, torch.empty((k,) if tokens else (k, self.cfg.vocab_size),
-                                                       dtype=torch.long if tokens else torch.float32), RESULT_TAG, what)
+        main = self.control.recv_from(
+            src,
+            torch.empty(
+                (k,) if tokens else (k, self.cfg.vocab_size),
+                dtype=torch.long if tokens else torch.float32,
+            ),
+            RESULT_TAG,
+            what,
+        )
         shape = (plan.num_targets, 1 + 2 * plan.top) if plan.top else (plan.num_targets,)
-        lp = self.control.recv_from(src, torch.empty(shape), RESULT_TAG, what) if plan.num_targets else None
+        lp = (
+            self.control.recv_from(src, torch.empty(shape), RESULT_TAG, what)
+            if plan.num_targets
+            else None
+        )
         return StepResult(main, lp)
 
     def read_kv(self, table: List[int], start: int, end: int) -> kvmove.KV:
@@ -320,7 +420,9 @@ class Cluster:
         """Torchrun ranks > 0: run the driver's steps until it ends the call; returns its payload.
         ``idle``: no bound on the wait for the next message (a server's ranks wait for requests)."""
         self.ensure_usable()
-        with deferred_interrupt():  # Ctrl-C reaches every torchrun rank: rank 0 decides, the call ends alike
+        with (
+            deferred_interrupt()
+        ):  # Ctrl-C reaches every torchrun rank: rank 0 decides, the call ends alike
             while True:
                 try:
                     msg = self.control.receive(None if idle else self.timeout)
@@ -354,8 +456,13 @@ class Cluster:
         """Rank 0's report plus the driver's control-plane counters: bytes of step deltas it
         sent and seconds encoding and posting them, per step and in total."""
         st, steps = self.stats, max(1, self.stats.steps)
-        return dict(report, driver_control_bytes=st.control_bytes / steps, driver_control_s=st.control_s / steps,
-                    driver_control_bytes_total=st.control_bytes, driver_control_s_total=st.control_s)
+        return dict(
+            report,
+            driver_control_bytes=st.control_bytes / steps,
+            driver_control_s=st.control_s / steps,
+            driver_control_bytes_total=st.control_bytes,
+            driver_control_s_total=st.control_s,
+        )
 
     def ensure_usable(self) -> None:
         """Raise ``EngineError`` once the engine is broken."""
@@ -416,8 +523,10 @@ def deferred_interrupt():
     leaves the ranks in step and the engine usable. A second Ctrl-C interrupts at once (and an
     interrupt inside a step breaks the engine). Only on the main thread, and only while Python's
     default handler is installed (a program's own handler is left alone)."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
     held = []
@@ -442,7 +551,11 @@ def _plain_child():
     ``if __name__ == "__main__"`` guard: workers only import ringkv) and that do not log a C++
     warning each time an idle worker's wait on the store times out."""
     main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    saved = {
+        k: main.__dict__[k]
+        for k in ("__spec__", "__file__")
+        if main is not None and k in main.__dict__
+    }
     level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     try:
@@ -471,22 +584,46 @@ def _call(fn):
         return False, e
 
 
-def setup_rank(mesh_shape: MeshShape, shape: EngineShape, cfg: ModelConfig, weights, dtype, device,
-               control: Optional[ControlPlane], budget: CacheBudget, timeout, spawned: bool = False):
+def setup_rank(
+    mesh_shape: MeshShape,
+    shape: EngineShape,
+    cfg: ModelConfig,
+    weights,
+    dtype,
+    device,
+    control: Optional[ControlPlane],
+    budget: CacheBudget,
+    timeout,
+    spawned: bool = False,
+):
     """Build this rank's worker and its KV cache; the block count is the minimum over ranks.
     ``spawned``: a worker process of a spawn-mode driver (whose channel is already open)."""
-    if control is not None and not spawned:  # every rank, in the same order (it creates a process group)
+    if (
+        control is not None and not spawned
+    ):  # every rank, in the same order (it creates a process group)
         control.open_channel(depth=_depth(shape))
     driver = control is None or (control.rank == 0 and not spawned)  # one rank, or torchrun rank 0
-    worker = Worker(build_mesh(mesh_shape, device.type), cfg, weights, shape, dtype=dtype, device=device,
-                    timeout=timeout, driver=driver)
+    worker = Worker(
+        build_mesh(mesh_shape, device.type),
+        cfg,
+        weights,
+        shape,
+        dtype=dtype,
+        device=device,
+        timeout=timeout,
+        driver=driver,
+    )
     if not worker.driver:
         worker.control = control
     mine = budget.blocks(worker)
-    num_blocks = min(b for b in control.exchange("num_blocks", mine) if b is not None) if control else mine
+    num_blocks = (
+        min(b for b in control.exchange("num_blocks", mine) if b is not None) if control else mine
+    )
     if num_blocks < 1:
-        raise ValueError(f"the KV cache budget holds no block of {shape.block_size} tokens on some rank; "
-                         f"give more kv_cache_memory / gpu_memory_utilization or a smaller block_size")
+        raise ValueError(
+            f"the KV cache budget holds no block of {shape.block_size} tokens on some rank; "
+            f"give more kv_cache_memory / gpu_memory_utilization or a smaller block_size"
+        )
     worker.allocate(num_blocks)
     infos = control.exchange("info", worker.info()) if control else [worker.info()]
     return worker, num_blocks, [i for i in infos if i is not None]
@@ -501,35 +638,64 @@ def _save_weights(cfg: ModelConfig, weights, path: str) -> None:
 
     from ..model.loader import _IGNORED_SUFFIXES
 
-    names = [n for n in sorted(weights.names()) if not n.endswith(_IGNORED_SUFFIXES)
-             and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
-    save_file({n: weights.get(n).detach().contiguous() for n in names}, os.path.join(path, "model.safetensors"))
+    names = [
+        n
+        for n in sorted(weights.names())
+        if not n.endswith(_IGNORED_SUFFIXES)
+        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    ]
+    save_file(
+        {n: weights.get(n).detach().contiguous() for n in names},
+        os.path.join(path, "model.safetensors"),
+    )
 
 
 def _worker_main(rank: int, spec_json: str, parent_pid: int) -> None:
     """A spawned rank: join the world, build its worker, run the driver's messages."""
     spec = json.loads(spec_json)
     control = None
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the driver's to handle; rank 0 stops us
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # a terminal's Ctrl-C is the driver's to handle; rank 0 stops us
     try:
         torch.set_num_threads(spec["threads"])
         from ..model.loader import SafetensorsSource
 
         timeout = timedelta(seconds=spec["timeout"])
         store = dist.TCPStore("127.0.0.1", spec["port"], spec["world"] + 1, False, timeout=timeout)
-        control = ControlPlane(store, "ringkv/engine", rank + 1, spec["world"] + 1, timeout)  # the driver is 0
+        control = ControlPlane(
+            store, "ringkv/engine", rank + 1, spec["world"] + 1, timeout
+        )  # the driver is 0
         control.post("hello", os.getpid())
         cfg = ModelConfig(**spec["config"])
-        shape = EngineShape(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["shape"].items()})
-        control.open_channel(depth=_depth(shape), direct=True)  # with the driver, before anything slow
+        shape = EngineShape(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in spec["shape"].items()}
+        )
+        control.open_channel(
+            depth=_depth(shape), direct=True
+        )  # with the driver, before anything slow
         device = _rank_device(torch.device(spec["device"]), rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(_backend(device), store=dist.PrefixStore("pg", store), rank=rank,
-                                world_size=spec["world"], timeout=timeout)
-        worker, _, _ = setup_rank(MeshShape(shape.pp, shape.sp, shape.tp), shape, cfg,
-                                  SafetensorsSource(spec["path"]), getattr(torch, spec["dtype"]), device, control,
-                                  CacheBudget(**spec["budget"]), timeout, spawned=True)
+        dist.init_process_group(
+            _backend(device),
+            store=dist.PrefixStore("pg", store),
+            rank=rank,
+            world_size=spec["world"],
+            timeout=timeout,
+        )
+        worker, _, _ = setup_rank(
+            MeshShape(shape.pp, shape.sp, shape.tp),
+            shape,
+            cfg,
+            SafetensorsSource(spec["path"]),
+            getattr(torch, spec["dtype"]),
+            device,
+            control,
+            CacheBudget(**spec["budget"]),
+            timeout,
+            spawned=True,
+        )
         alive = parent_alive(parent_pid)
         while True:
             msg = control.receive(None, alive)

@@ -27,7 +27,11 @@ class MeshShape:
 
     def coords(self, rank: int) -> Dict[str, int]:
         """``{"pp": i, "sp": j, "tp": k}`` of a global rank."""
-        return {"pp": rank // (self.sp * self.tp), "sp": rank // self.tp % self.sp, "tp": rank % self.tp}
+        return {
+            "pp": rank // (self.sp * self.tp),
+            "sp": rank // self.tp % self.sp,
+            "tp": rank % self.tp,
+        }
 
     def rank_of(self, pp: int, sp: int, tp: int) -> int:
         return (pp * self.sp + sp) * self.tp + tp
@@ -83,7 +87,9 @@ def build_mesh(shape: MeshShape, device_type: str) -> Mesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         dm = init_device_mesh(device_type, (shape.pp, shape.sp, shape.tp), mesh_dim_names=AXES)
-        _MESHES[key] = {a: dm.get_group(a) for a, n in zip(AXES, (shape.pp, shape.sp, shape.tp)) if n > 1}
+        _MESHES[key] = {
+            a: dm.get_group(a) for a, n in zip(AXES, (shape.pp, shape.sp, shape.tp)) if n > 1
+        }
     return Mesh(shape, dist.get_rank(), _MESHES[key])
 
 

@@ -78,14 +78,27 @@ def local_plan(batch, want: str) -> StepPlan:
     mirror). ``batch``: the scheduler's entries, each with ``seq`` (``seq_id``, ``token_ids``,
     ``block_table``, ``kv_epoch``, ``finished``), ``start``, ``n``, ``completes`` and
     ``targets`` (how many prompt log-probs the step computes)."""
-    return StepPlan([SeqStep(s.start, s.n, s.seq.token_ids[s.start:s.start + s.n], s.seq.block_table, s.completes,
-                             s.seq.token_ids[s.start + 1:s.start + 1 + s.targets] if s.targets else None)
-                     for s in batch], want, prompt_top(batch))
+    return StepPlan(
+        [
+            SeqStep(
+                s.start,
+                s.n,
+                s.seq.token_ids[s.start : s.start + s.n],
+                s.seq.block_table,
+                s.completes,
+                s.seq.token_ids[s.start + 1 : s.start + 1 + s.targets] if s.targets else None,
+            )
+            for s in batch
+        ],
+        want,
+        prompt_top(batch),
+    )
 
 
 @dataclass
 class _Sent:
     """What the mirrors hold of one sequence (driver side)."""
+
     seq: object
     epoch: int
     offset: int  # the first token the mirrors hold (the sequence's first scheduled position)
@@ -122,15 +135,23 @@ class Publisher:
             nt, nb = len(toks) - e.offset - e.tokens, len(blks) - e.blocks
             words += (seq.seq_id, flags, s.start, s.n, s.targets, nt, nb)
             if nt:
-                words += toks[e.offset + e.tokens:]
+                words += toks[e.offset + e.tokens :]
                 e.tokens += nt
                 self.tokens += nt
             if nb:
-                words += blks[e.blocks:]
+                words += blks[e.blocks :]
                 e.blocks += nb
                 self.blocks += nb
         want_word = WANT.index(want) + len(WANT) * prompt_top(batch)  # both in one word
-        head = [self.steps, want_word, len(drops), len(batch), len(self.sent), self.tokens, self.blocks]
+        head = [
+            self.steps,
+            want_word,
+            len(drops),
+            len(batch),
+            len(self.sent),
+            self.tokens,
+            self.blocks,
+        ]
         self.steps += 1
         return torch.tensor(head + drops + words, dtype=torch.int64)
 
@@ -158,15 +179,15 @@ class Mirror:
         if step != self.steps:
             self._drift(step, f"expected step {self.steps}")
         i = HEADER
-        for sid in w[i:i + ndrop]:
+        for sid in w[i : i + ndrop]:
             if self.seqs.pop(sid, None) is None:
                 self._drift(step, f"dropping sequence {sid}, which it does not hold")
         i += ndrop
         seqs = []
         for _ in range(nentry):
-            sid, flags, start, n, targets, ntok, nblk = w[i:i + ENTRY]
+            sid, flags, start, n, targets, ntok, nblk = w[i : i + ENTRY]
             i += ENTRY
-            toks, blks = w[i:i + ntok], w[i + ntok:i + ntok + nblk]
+            toks, blks = w[i : i + ntok], w[i + ntok : i + ntok + nblk]
             i += ntok + nblk
             m = self.seqs.get(sid)
             if flags & NEW:
@@ -180,18 +201,37 @@ class Mirror:
                 m.table += blks
             lo, o = start - m.offset, m.offset  # lo: the step's first token in m.tokens
             if lo < 0 or lo + n > len(m.tokens) or lo + 1 + targets > len(m.tokens):
-                self._drift(step, f"sequence {sid} computes tokens [{start}, {start + n}) of the held "
-                                  f"[{o}, {o + len(m.tokens)})")
-            seqs.append(SeqStep(start, n, m.tokens[lo:lo + n], m.table, bool(flags & COMPLETES),
-                                m.tokens[lo + 1:lo + 1 + targets] if targets else None))
+                self._drift(
+                    step,
+                    f"sequence {sid} computes tokens [{start}, {start + n}) of the held "
+                    f"[{o}, {o + len(m.tokens)})",
+                )
+            seqs.append(
+                SeqStep(
+                    start,
+                    n,
+                    m.tokens[lo : lo + n],
+                    m.table,
+                    bool(flags & COMPLETES),
+                    m.tokens[lo + 1 : lo + 1 + targets] if targets else None,
+                )
+            )
         if i != len(w):
             self._drift(step, f"{len(w) - i} words left over")
-        held = (len(self.seqs), sum(len(m.tokens) for m in self.seqs.values()),
-                sum(len(m.table) for m in self.seqs.values()))
+        held = (
+            len(self.seqs),
+            sum(len(m.tokens) for m in self.seqs.values()),
+            sum(len(m.table) for m in self.seqs.values()),
+        )
         if held != (count, tokens, blocks):
-            self._drift(step, f"it holds (sequences, tokens, blocks) = {held}, the driver sent {(count, tokens, blocks)}")
+            self._drift(
+                step,
+                f"it holds (sequences, tokens, blocks) = {held}, the driver sent {(count, tokens, blocks)}",
+            )
         self.steps += 1
         return StepPlan(seqs, WANT[want % len(WANT)], want // len(WANT))
 
     def _drift(self, step: int, why: str):
-        raise EngineError(f"rank {self.rank}: the step mirror drifted from the driver's at step {step}: {why}")
+        raise EngineError(
+            f"rank {self.rank}: the step mirror drifted from the driver's at step {step}: {why}"
+        )

@@ -19,7 +19,9 @@ from ..sp.collectives import wait
 HIDDEN_TAG = 7  # keeps stage-to-stage messages apart from the ring's and the driver's
 
 
-def stage_sizes(num_layers: int, pp: int, layers: Optional[Sequence[int]] = None, head_cost: float = 0.0) -> List[int]:
+def stage_sizes(
+    num_layers: int, pp: int, layers: Optional[Sequence[int]] = None, head_cost: float = 0.0
+) -> List[int]:
     """Layers per stage: ``layers`` as given (validated), else balanced for decode: the last
     stage also runs the LM head, which costs ``head_cost`` layers (its weights over a layer's),
     so it takes fewer layers; the other stages split the rest as evenly as possible (extra
@@ -30,8 +32,14 @@ def stage_sizes(num_layers: int, pp: int, layers: Optional[Sequence[int]] = None
         raise ValueError(f"pp={pp} exceeds the model's {num_layers} layers; use pp <= {num_layers}")
     if layers is not None:
         layers = list(layers)
-        if len(layers) != pp or any(not isinstance(n, int) or n < 1 for n in layers) or sum(layers) != num_layers:
-            raise ValueError(f"pp_layers must list {pp} positive layer counts summing to {num_layers}, got {layers}")
+        if (
+            len(layers) != pp
+            or any(not isinstance(n, int) or n < 1 for n in layers)
+            or sum(layers) != num_layers
+        ):
+            raise ValueError(
+                f"pp_layers must list {pp} positive layer counts summing to {num_layers}, got {layers}"
+            )
         return layers
     if pp == 1:
         return [num_layers]
@@ -39,8 +47,13 @@ def stage_sizes(num_layers: int, pp: int, layers: Optional[Sequence[int]] = None
     def even(n: int, parts: int) -> List[int]:
         return [n // parts + (i < n % parts) for i in range(parts)]
 
-    last = min(range(1, num_layers - pp + 2),  # the last stage's layers; ties: the even split
-               key=lambda k: (max(-(-(num_layers - k) // (pp - 1)), k + head_cost), abs(k - num_layers / pp)))
+    last = min(
+        range(1, num_layers - pp + 2),  # the last stage's layers; ties: the even split
+        key=lambda k: (
+            max(-(-(num_layers - k) // (pp - 1)), k + head_cost),
+            abs(k - num_layers / pp),
+        ),
+    )
     return even(num_layers - last, pp - 1) + [last]
 
 
@@ -68,7 +81,7 @@ def stage_forward(model, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch
     if m.embed_tokens is not None:
         x = m.embed_tokens(x)  # (T, hidden)
     cos, sin = m.rotary.cos_sin(positions, x.dtype)  # (T, 1, D)
-    for layer in (m.layers.values() if isinstance(m.layers, nn.ModuleDict) else m.layers):
+    for layer in m.layers.values() if isinstance(m.layers, nn.ModuleDict) else m.layers:
         x = layer(x, cos, sin, ctx)
     return m.norm(x) if m.norm is not None else x
 
@@ -96,7 +109,12 @@ class StageLink:
 
     def recv(self, shape, dtype, device, src: int) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=device)
-        wait(dist.irecv(x, src, tag=HIDDEN_TAG), x, self.timeout, f"hidden states from pipeline rank {src}")
+        wait(
+            dist.irecv(x, src, tag=HIDDEN_TAG),
+            x,
+            self.timeout,
+            f"hidden states from pipeline rank {src}",
+        )
         return x
 
     def flush(self) -> None:

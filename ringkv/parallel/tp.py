@@ -40,12 +40,16 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     ok = [d for d in range(1, h + 1) if h % d == 0 and (hkv % d == 0 if d <= hkv else d % hkv == 0)]
     if h % tp:
         raise ValueError(f"tp={tp} does not divide the model's {h} attention heads; use tp in {ok}")
-    if (hkv % tp if tp <= hkv else tp % hkv):
-        raise ValueError(f"tp={tp} cannot split the model's {hkv} KV heads (need kv_heads % tp == 0, or "
-                         f"tp % kv_heads == 0 to replicate them); use tp in {ok}")
+    if hkv % tp if tp <= hkv else tp % hkv:
+        raise ValueError(
+            f"tp={tp} cannot split the model's {hkv} KV heads (need kv_heads % tp == 0, or "
+            f"tp % kv_heads == 0 to replicate them); use tp in {ok}"
+        )
     if cfg.vocab_size < tp or cfg.intermediate_size < tp:
-        raise ValueError(f"tp={tp} exceeds the vocabulary ({cfg.vocab_size}) or MLP width "
-                         f"({cfg.intermediate_size}); use tp in {ok}")
+        raise ValueError(
+            f"tp={tp} exceeds the vocabulary ({cfg.vocab_size}) or MLP width "
+            f"({cfg.intermediate_size}); use tp in {ok}"
+        )
 
 
 def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
@@ -55,14 +59,18 @@ def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
 class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_local @ W_local^T) + b``: ``x`` holds this rank's input features."""
 
-    def __init__(self, in_local: int, out_features: int, bias: bool, group, timeout: Optional[timedelta]):
+    def __init__(
+        self, in_local: int, out_features: int, bias: bool, group, timeout: Optional[timedelta]
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.group, self.timeout = group, timeout
 
     def forward(self, x):
-        y = all_reduce_(F.linear(x, self.weight), self.group, self.timeout, "tensor-parallel all-reduce")
+        y = all_reduce_(
+            F.linear(x, self.weight), self.group, self.timeout, "tensor-parallel all-reduce"
+        )
         return y if self.bias is None else y + self.bias
 
 
@@ -82,7 +90,9 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce_(x, self.group, self.timeout, "vocab-parallel embedding")
 
 
-def apply_tp(model, cfg: ModelConfig, rank: int, tp: int, group, timeout: Optional[timedelta] = None) -> Dict:
+def apply_tp(
+    model, cfg: ModelConfig, rank: int, tp: int, group, timeout: Optional[timedelta] = None
+) -> Dict:
     """Reshape ``model`` (on the meta device) into TP rank ``rank``'s shard; return the
     checkpoint slice ``{param name: (dim, start, stop)}`` each sharded parameter holds."""
     check_tp(cfg, tp)
@@ -93,7 +103,9 @@ def apply_tp(model, cfg: ModelConfig, rank: int, tp: int, group, timeout: Option
     if tp <= cfg.num_kv_heads:
         kv = split(cfg.num_kv_heads, tp, rank)
     else:
-        kv = range(rank * cfg.num_kv_heads // tp, rank * cfg.num_kv_heads // tp + 1)  # the head its queries read
+        kv = range(
+            rank * cfg.num_kv_heads // tp, rank * cfg.num_kv_heads // tp + 1
+        )  # the head its queries read
     mlp = split(cfg.intermediate_size, tp, rank)
     vocab = split(cfg.vocab_size, tp, rank)
     rows_q, rows_kv = range(heads.start * d, heads.stop * d), range(kv.start * d, kv.stop * d)
@@ -132,14 +144,22 @@ def apply_tp(model, cfg: ModelConfig, rank: int, tp: int, group, timeout: Option
 
 def _layers(model):
     layers = model.model.layers
-    return layers.items() if isinstance(layers, nn.ModuleDict) else ((str(i), l) for i, l in enumerate(layers))
+    return (
+        layers.items()
+        if isinstance(layers, nn.ModuleDict)
+        else ((str(i), l) for i, l in enumerate(layers))
+    )
 
 
-def gather_vocab(logits: torch.Tensor, cfg: ModelConfig, tp: int, group, timeout=None) -> torch.Tensor:
+def gather_vocab(
+    logits: torch.Tensor, cfg: ModelConfig, tp: int, group, timeout=None
+) -> torch.Tensor:
     """Full logits ``(M, vocab)`` from each TP rank's ``(M, vocab_rank)`` columns (every rank gets them)."""
     if tp == 1:
         return logits
     width = -(-cfg.vocab_size // tp)
     padded = F.pad(logits, (0, width - logits.shape[1]))  # equal sizes for the all-gather
     parts = all_gather(padded, group, timeout, "logits gather")
-    return torch.cat([p[:, :len(split(cfg.vocab_size, tp, r))] for r, p in enumerate(parts)], dim=1)
+    return torch.cat(
+        [p[:, : len(split(cfg.vocab_size, tp, r))] for r, p in enumerate(parts)], dim=1
+    )

@@ -41,7 +41,12 @@ def send_bytes(data: bytes, dst: int, group=None, timeout: Optional[timedelta] =
     n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     for t in (n, payload):
-        wait(dist.isend(t, dst, group=group, tag=TAG), t, timeout, f"sending a snapshot to rank {dst}")
+        wait(
+            dist.isend(t, dst, group=group, tag=TAG),
+            t,
+            timeout,
+            f"sending a snapshot to rank {dst}",
+        )
 
 
 def recv_bytes(src: int, group=None, timeout: Optional[timedelta] = None) -> bytes:
@@ -49,9 +54,16 @@ def recv_bytes(src: int, group=None, timeout: Optional[timedelta] = None) -> byt
     n = torch.empty(1, dtype=torch.int64, device=dev)
     wait(dist.irecv(n, src, group=group, tag=TAG), n, timeout, f"a snapshot from rank {src}")
     payload = torch.empty(int(n), dtype=torch.uint8, device=dev)
-    wait(dist.irecv(payload, src, group=group, tag=TAG), payload, timeout, f"a snapshot from rank {src}")
+    wait(
+        dist.irecv(payload, src, group=group, tag=TAG),
+        payload,
+        timeout,
+        f"a snapshot from rank {src}",
+    )
     payload = payload.cpu().contiguous()
-    return ctypes.string_at(payload.data_ptr(), payload.numel())  # one C copy (bytes(storage) loops in Python)
+    return ctypes.string_at(
+        payload.data_ptr(), payload.numel()
+    )  # one C copy (bytes(storage) loops in Python)
 
 
 # -- a link between two processes that share no process group --------------------------------
@@ -91,22 +103,38 @@ class Link:
         self._store, self._device, self._group = store, device, None
 
     @classmethod
-    def listen(cls, host: str = "127.0.0.1", port: int = 0, timeout: timedelta = timedelta(seconds=60),
-               chunk_bytes: int = CHUNK_BYTES) -> "Link":
+    def listen(
+        cls,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout: timedelta = timedelta(seconds=60),
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> "Link":
         """Rank 0: listen on ``host:port`` for one peer; returns at once (``accept`` waits)."""
         store = dist.TCPStore(host, port, 2, True, timeout=timeout, wait_for_workers=False)
         gloo = dist.ProcessGroupGloo
-        device = gloo.create_default_device() if host in ("", "0.0.0.0", "::") else gloo.create_device(hostname=host)
+        device = (
+            gloo.create_default_device()
+            if host in ("", "0.0.0.0", "::")
+            else gloo.create_device(hostname=host)
+        )
         return cls(store, 0, host, device, timeout, chunk_bytes)
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout: timedelta = timedelta(seconds=60),
-                chunk_bytes: int = CHUNK_BYTES) -> "Link":
+    def connect(
+        cls,
+        host: str,
+        port: int,
+        timeout: timedelta = timedelta(seconds=60),
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> "Link":
         """Rank 1: connect to a listening link (retried until ``timeout``)."""
         try:
             store = dist.TCPStore(host, port, 2, False, timeout=timeout)
         except RuntimeError as e:
-            raise LinkTimeout(f"no link listens on {host}:{port} (waited {timeout.total_seconds():.0f}s): {e}") from e
+            raise LinkTimeout(
+                f"no link listens on {host}:{port} (waited {timeout.total_seconds():.0f}s): {e}"
+            ) from e
         device = dist.ProcessGroupGloo.create_device(hostname=_local_address(host, port))
         link = cls(store, 1, host, device, timeout, chunk_bytes)
         link.accept()
@@ -122,12 +150,18 @@ class Link:
             self._check()
             timeout = timeout or self.timeout
             self._store.set_timeout(timeout)
-            opts = dist.ProcessGroupGloo._Options()  # as torch.distributed builds its gloo groups: to pick the device
+            opts = (
+                dist.ProcessGroupGloo._Options()
+            )  # as torch.distributed builds its gloo groups: to pick the device
             opts._timeout, opts._devices = timeout, [self._device]
             try:
-                self._group = dist.ProcessGroupGloo(dist.PrefixStore("link", self._store), self.rank, 2, opts)
+                self._group = dist.ProcessGroupGloo(
+                    dist.PrefixStore("link", self._store), self.rank, 2, opts
+                )
             except RuntimeError as e:
-                self._fail(LinkTimeout, f"{self}: no peer joined within {timeout.total_seconds():g}s: {e}")
+                self._fail(
+                    LinkTimeout, f"{self}: no peer joined within {timeout.total_seconds():g}s: {e}"
+                )
         return self
 
     def close(self) -> None:
@@ -142,7 +176,9 @@ class Link:
         self.close()
 
     # -- messages --------------------------------------------------------------------------
-    def send(self, head: dict, tensors: Optional[Dict[str, torch.Tensor]] = None, what: str = "sending") -> int:
+    def send(
+        self, head: dict, tensors: Optional[Dict[str, torch.Tensor]] = None, what: str = "sending"
+    ) -> int:
         """A message: ``head`` (JSON) and named tensors (read in place: a tensor whose rows are
         contiguous, such as K/V taken as ``(layers, 2, ...)[:, i]``, is not copied; fp8
         included). Returns the bytes sent."""
@@ -161,14 +197,18 @@ class Link:
     def recv_json(self, what: str = "a JSON message"):
         head, tensors = self.recv(what)
         if set(head) != {"json"} or tensors:
-            self._fail(LinkError, f"{self}: expected a JSON message, the peer sent {sorted(head)!r:.200}")
+            self._fail(
+                LinkError, f"{self}: expected a JSON message, the peer sent {sorted(head)!r:.200}"
+            )
         return head["json"]
 
     # -- the wire: head (length, JSON), each tensor's chunks, SHA-256 of all ---------------------
     def _send(self, head: dict, tensors: Dict[str, torch.Tensor], what: str) -> int:
         pieces = {name: _pieces(t) for name, t in tensors.items()}
-        layout = [[name, str(t.dtype).replace("torch.", ""), list(t.shape), len(pieces[name])]
-                  for name, t in tensors.items()]
+        layout = [
+            [name, str(t.dtype).replace("torch.", ""), list(t.shape), len(pieces[name])]
+            for name, t in tensors.items()
+        ]
         head = dict(head, tensors=layout, chunk=self.chunk_bytes)
         data = json.dumps(head).encode()
         digest = hashlib.sha256(data)
@@ -179,7 +219,7 @@ class Link:
             for parts in pieces.values():
                 for p in parts:
                     for i in range(0, p.numel(), self.chunk_bytes):
-                        c = p[i:i + self.chunk_bytes]
+                        c = p[i : i + self.chunk_bytes]
                         digest.update(c.numpy())
                         yield c
             yield torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
@@ -191,33 +231,58 @@ class Link:
         n = torch.empty(1, dtype=torch.int64)
         self._stream("recv", [n], what)
         if not 0 < int(n) < 1 << 30:
-            self._fail(LinkError, f"{self}: the peer sent a message header of {int(n)} bytes: not a ringkv link")
+            self._fail(
+                LinkError,
+                f"{self}: the peer sent a message header of {int(n)} bytes: not a ringkv link",
+            )
         data = torch.empty(int(n), dtype=torch.uint8)
         self._stream("recv", [data], f"{what} (its header)")
         data = data.numpy().tobytes()
         try:
             head = json.loads(data)
-            layout = [(name, _dtype(dtype), [int(s) for s in shape], int(parts))
-                      for name, dtype, shape, parts in head["tensors"]]
+            layout = [
+                (name, _dtype(dtype), [int(s) for s in shape], int(parts))
+                for name, dtype, shape, parts in head["tensors"]
+            ]
             chunk = int(head["chunk"])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:  # out of step with the peer from here
-            self._fail(LinkError, f"{self}: the peer sent a damaged message header ({type(e).__name__}: {e})")
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+        ) as e:  # out of step with the peer from here
+            self._fail(
+                LinkError,
+                f"{self}: the peer sent a damaged message header ({type(e).__name__}: {e})",
+            )
         tensors, bufs = {}, []
         for name, dtype, shape, parts in layout:
             nbytes = math.prod(shape) * dtype.itemsize
             if min(shape, default=0) < 0 or parts < 1 or nbytes % parts or chunk < 1:
-                self._fail(LinkError, f"{self}: the peer sent a damaged message header ({name}: {shape}, {parts} parts)")
-            buf = torch.empty(nbytes, dtype=torch.uint8)  # each tensor once; its chunks land in slices of it
+                self._fail(
+                    LinkError,
+                    f"{self}: the peer sent a damaged message header ({name}: {shape}, {parts} parts)",
+                )
+            buf = torch.empty(
+                nbytes, dtype=torch.uint8
+            )  # each tensor once; its chunks land in slices of it
             tensors[name] = buf.view(dtype).view(shape)
-            size = nbytes // parts  # the sender's pieces (a layer each when not contiguous), chunked alike
-            bufs += [buf[p + i:p + min(i + chunk, size)] for p in range(0, nbytes, size or 1)
-                     for i in range(0, size, chunk)]
+            size = (
+                nbytes // parts
+            )  # the sender's pieces (a layer each when not contiguous), chunked alike
+            bufs += [
+                buf[p + i : p + min(i + chunk, size)]
+                for p in range(0, nbytes, size or 1)
+                for i in range(0, size, chunk)
+            ]
         digest = hashlib.sha256(data)
         got = torch.empty(32, dtype=torch.uint8)
         self._stream("recv", bufs, f"{what} (its tensors)", lambda c: digest.update(c.numpy()))
         self._stream("recv", [got], f"{what} (its checksum)")
         if got.numpy().tobytes() != digest.digest():
-            raise ValueError(f"{self}: a message arrived damaged: its bytes do not match their checksum")
+            raise ValueError(
+                f"{self}: a message arrived damaged: its bytes do not match their checksum"
+            )
         return head, tensors
 
     def _stream(self, op: str, chunks, what: str, done=None) -> None:
@@ -241,7 +306,11 @@ class Link:
             wait(work, c, self.timeout, f"{self}: {what}")
         except RingTimeoutError as e:
             slow = time.monotonic() - t0 >= 0.99 * self.timeout.total_seconds()
-            why = f"no answer within {self.timeout.total_seconds():g}s" if slow else "the peer closed the link (died?)"
+            why = (
+                f"no answer within {self.timeout.total_seconds():g}s"
+                if slow
+                else "the peer closed the link (died?)"
+            )
             self._fail(LinkTimeout if slow else LinkError, f"{self}: {what}: {why}: {e.__cause__}")
         if done is not None:
             done(c)

@@ -36,6 +36,7 @@ RESULT_TAG = 11
 @dataclass(frozen=True)
 class EngineShape:
     """The settings every rank shares (a JSON dict travels to spawned workers)."""
+
     pp: int = 1
     sp: int = 1
     tp: int = 1
@@ -44,23 +45,35 @@ class EngineShape:
     sp_prefill_min_tokens: int = 64
     paged_backend: str = "auto"
     kv_cache_dtype: str = "auto"
-    compile_buckets: Optional[tuple] = None  # compile_decode: decode batch sizes (CUDA graphs; CPU: the largest)
+    compile_buckets: Optional[tuple] = (
+        None  # compile_decode: decode batch sizes (CUDA graphs; CPU: the largest)
+    )
 
     @property
     def quant(self):
         return quant.resolve(self.kv_cache_dtype)
 
     def stage_sizes(self, cfg: ModelConfig) -> List[int]:
-        layer = (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * cfg.hidden_size + \
-            3 * cfg.hidden_size * cfg.intermediate_size  # weights a token multiplies in a layer
-        return stage_sizes(cfg.num_layers, self.pp, self.pp_layers, cfg.vocab_size * cfg.hidden_size / layer)
+        layer = (
+            (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * cfg.hidden_size
+            + 3 * cfg.hidden_size * cfg.intermediate_size
+        )  # weights a token multiplies in a layer
+        return stage_sizes(
+            cfg.num_layers, self.pp, self.pp_layers, cfg.vocab_size * cfg.hidden_size / layer
+        )
 
     def bytes_per_token(self, cfg: ModelConfig, stage: int, dtype: torch.dtype) -> int:
         """K and V of one token on a rank of ``stage`` (the seed's formula):
         ``2 x layers_on_stage x kv_heads_on_rank x head_dim x bytes`` (a quantized cache: one
         byte per value plus its scales' share)."""
-        return bytes_per_block(self.stage_sizes(cfg)[stage], 1, kv_heads_per_rank(cfg, self.tp), cfg.head_dim, dtype,
-                               self.quant)
+        return bytes_per_block(
+            self.stage_sizes(cfg)[stage],
+            1,
+            kv_heads_per_rank(cfg, self.tp),
+            cfg.head_dim,
+            dtype,
+            self.quant,
+        )
 
 
 def peak_rss() -> int:
@@ -71,6 +84,7 @@ def peak_rss() -> int:
             return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
     except (OSError, StopIteration):
         import resource
+
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -95,11 +109,23 @@ class WorkerStats:
 
 
 class Worker:
-    def __init__(self, mesh: Mesh, cfg: ModelConfig, weights, shape: EngineShape, *, dtype: torch.dtype,
-                 device, timeout: Optional[timedelta] = None, driver: bool = True):
+    def __init__(
+        self,
+        mesh: Mesh,
+        cfg: ModelConfig,
+        weights,
+        shape: EngineShape,
+        *,
+        dtype: torch.dtype,
+        device,
+        timeout: Optional[timedelta] = None,
+        driver: bool = True,
+    ):
         self.mesh, self.cfg, self.shape, self.dtype = mesh, cfg, shape, dtype
         self.driver = driver  # this process drives the engine (one process, or torchrun rank 0)
-        self.control = None  # a rank that is not the driver: its ``ControlPlane`` (results go there)
+        self.control = (
+            None  # a rank that is not the driver: its ``ControlPlane`` (results go there)
+        )
         self.device, self.timeout = torch.device(device), timeout
         sizes = shape.stage_sizes(cfg)
         self.layers = stage_range(sizes, mesh.pp_rank)
@@ -112,40 +138,62 @@ class Worker:
         self.kv_heads = kv_heads_per_rank(cfg, mesh.tp)
         self.kv: Optional[KVCache] = None
         self.paged_backend = shape.paged_backend
-        if self.paged_backend == "auto":  # CUDA: the Triton decode + varlen prefill kernels; CPU: batched torch
+        if (
+            self.paged_backend == "auto"
+        ):  # CUDA: the Triton decode + varlen prefill kernels; CPU: batched torch
             self.paged_backend = paged.auto_backend(self.device)
         self.ring = RingComm(mesh.sp_group, timeout) if mesh.sp > 1 else None
         self.link = StageLink(timeout, depth=shape.pp)
         self.stats = WorkerStats()
         self.compiled: Optional[CompiledDecode] = None
-        if shape.compile_buckets:  # compile_decode: compiled now, not in the first steps that need it
-            self.compiled = CompiledDecode(self.model, shape.compile_buckets, self.device, first_stage=mesh.first_stage)
+        if (
+            shape.compile_buckets
+        ):  # compile_decode: compiled now, not in the first steps that need it
+            self.compiled = CompiledDecode(
+                self.model, shape.compile_buckets, self.device, first_stage=mesh.first_stage
+            )
             self.stats.compile_s = self.compiled.warm_up(dtype, cfg.hidden_size)
-        self.mirror = Mirror(mesh.rank)  # not the driver: the running sequences, kept by the driver's step deltas
+        self.mirror = Mirror(
+            mesh.rank
+        )  # not the driver: the running sequences, kept by the driver's step deltas
         faults.install(self)  # tests only: RINGKV_FAULT
 
     @property
     def bytes_per_token(self) -> int:
-        return bytes_per_block(len(self.layers), 1, self.kv_heads, self.cfg.head_dim, self.dtype, self.shape.quant)
+        return bytes_per_block(
+            len(self.layers), 1, self.kv_heads, self.cfg.head_dim, self.dtype, self.shape.quant
+        )
 
     def allocate(self, num_blocks: int) -> None:
-        self.kv = KVCache(len(self.layers), self.kv_heads, self.cfg.head_dim, block_size=self.shape.block_size,
-                          quant=self.shape.quant,
-                          num_blocks=num_blocks, dtype=self.dtype, device=self.device)
+        self.kv = KVCache(
+            len(self.layers),
+            self.kv_heads,
+            self.cfg.head_dim,
+            block_size=self.shape.block_size,
+            quant=self.shape.quant,
+            num_blocks=num_blocks,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def free_kv_bytes(self, utilization: float, tokens: int) -> int:
         """CUDA: bytes left for the KV cache within ``utilization`` of the device after the weights,
         other processes' memory and the activations of one ``tokens``-token forward (profiled)."""
         if self.device.type != "cuda":
-            raise ValueError("gpu_memory_utilization needs a CUDA device; on CPU give kv_cache_memory (bytes per rank)")
+            raise ValueError(
+                "gpu_memory_utilization needs a CUDA device; on CPU give kv_cache_memory (bytes per rank)"
+            )
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)
         positions = torch.arange(tokens, device=self.device)
-        x = positions if self.mesh.first_stage else torch.zeros(tokens, self.cfg.hidden_size, dtype=self.dtype,
-                                                                device=self.device)
+        x = (
+            positions
+            if self.mesh.first_stage
+            else torch.zeros(tokens, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        )
         with torch.inference_mode():
             stage_forward(self.model, x, positions, DenseContext(positions))
         torch.cuda.synchronize(self.device)
@@ -153,23 +201,39 @@ class Worker:
 
     def info(self) -> dict:
         m = self.mesh
-        return dict(rank=m.rank, pp_rank=m.pp_rank, sp_rank=m.sp_rank, tp_rank=m.tp_rank,
-                    layers=[self.layers.start, self.layers.stop], kv_heads=self.kv_heads,
-                    bytes_per_token=self.bytes_per_token,
-                    kv_cache_bytes=self.kv.nbytes if self.kv else 0,
-                    weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()))
+        return dict(
+            rank=m.rank,
+            pp_rank=m.pp_rank,
+            sp_rank=m.sp_rank,
+            tp_rank=m.tp_rank,
+            layers=[self.layers.start, self.layers.stop],
+            kv_heads=self.kv_heads,
+            bytes_per_token=self.bytes_per_token,
+            kv_cache_bytes=self.kv.nbytes if self.kv else 0,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+        )
 
     def report(self) -> dict:
         """``info()`` plus counters: steps, seconds computing / waiting for the previous stage,
         this process's resident memory (peak and now) and the sends not yet complete; with
         ``compile_decode``, which kernel runs the decode graph's linears (``decode_linear``)."""
         st, steps = self.stats, max(1, self.stats.steps)
-        return dict(self.info(), steps=st.steps, busy_s=st.busy_s, wait_s=st.wait_s,
-                    control_bytes=st.control_bytes / steps, control_s=st.control_s / steps,
-                    control_bytes_total=st.control_bytes, control_s_total=st.control_s,
-                    compile_s=st.compile_s, compiled_steps=st.compiled_steps,
-                    decode_linear=None if self.compiled is None else self.compiled.linear_kernel,
-                    peak_rss_bytes=peak_rss(), rss_bytes=rss(), pending_sends=len(self.link.pending))
+        return dict(
+            self.info(),
+            steps=st.steps,
+            busy_s=st.busy_s,
+            wait_s=st.wait_s,
+            control_bytes=st.control_bytes / steps,
+            control_s=st.control_s / steps,
+            control_bytes_total=st.control_bytes,
+            control_s_total=st.control_s,
+            compile_s=st.compile_s,
+            compiled_steps=st.compiled_steps,
+            decode_linear=None if self.compiled is None else self.compiled.linear_kernel,
+            peak_rss_bytes=peak_rss(),
+            rss_bytes=rss(),
+            pending_sends=len(self.link.pending),
+        )
 
     def run(self, words: torch.Tensor, nbytes: int) -> None:
         """A rank other than the driver: apply a step's delta (``nbytes`` on the wire) to the
@@ -186,21 +250,40 @@ class Worker:
         is the driver, else sends it there; the others return None."""
         t0 = time.perf_counter()
         m, sh = self.mesh, self.shape
-        step = LocalStep(plan, m.sp_rank, m.sp, sh.block_size, sh.sp_prefill_min_tokens, self.device, self.paged_backend)
+        step = LocalStep(
+            plan,
+            m.sp_rank,
+            m.sp,
+            sh.block_size,
+            sh.sp_prefill_min_tokens,
+            self.device,
+            self.paged_backend,
+        )
         ctx = StepContext(self.kv, step, self.layers.start, m.sp, self.ring, timeout=self.timeout)
         if m.first_stage:
             x = step.input_ids
         else:
             w = time.perf_counter()
-            x = self.link.recv((step.input_ids.numel(), self.cfg.hidden_size), self.dtype, self.device, m.neighbour(-1))
+            x = self.link.recv(
+                (step.input_ids.numel(), self.cfg.hidden_size),
+                self.dtype,
+                self.device,
+                m.neighbour(-1),
+            )
             self.stats.wait_s += time.perf_counter() - w
             t0 += time.perf_counter() - w
         bucket = self._decode_bucket(plan, step)
         if bucket is not None:  # compile_decode: a decode step within the buckets
             x = self.compiled.forward(x, step.positions, ctx, bucket)
             self.stats.compiled_steps += 1
-        elif self.compiled is not None and not step.rings and self.compiled.other(step.positions.numel()):
-            x = self.compiled.forward_any(x, step.positions, ctx)  # CPU: any other step, unfrozen graph
+        elif (
+            self.compiled is not None
+            and not step.rings
+            and self.compiled.other(step.positions.numel())
+        ):
+            x = self.compiled.forward_any(
+                x, step.positions, ctx
+            )  # CPU: any other step, unfrozen graph
             self.stats.compiled_steps += 1
         else:
             x = stage_forward(self.model, x, step.positions, ctx)  # (T, hidden)
@@ -219,10 +302,14 @@ class Worker:
             return None
         return self.compiled.bucket(step.positions.numel())
 
-    def _sample_input(self, x, step: LocalStep, plan: StepPlan, compiled: bool = False) -> Optional[StepResult]:
+    def _sample_input(
+        self, x, step: LocalStep, plan: StepPlan, compiled: bool = False
+    ) -> Optional[StepResult]:
         m = self.mesh
         rows = torch.tensor(step.last_rows + step.target_rows, device=x.device)
-        picked = x.index_select(0, rows.clamp_min(0)) * (rows >= 0)[:, None].to(x.dtype)  # (M + R, hidden)
+        picked = x.index_select(0, rows.clamp_min(0)) * (rows >= 0)[:, None].to(
+            x.dtype
+        )  # (M + R, hidden)
         if m.sp > 1:  # each row lives on one SP rank: the sum gathers them
             picked = all_sum(picked, m.sp_group, self.timeout, "last hidden states")
         if m.sp_rank != 0:
@@ -240,7 +327,9 @@ class Worker:
             targets = torch.tensor(step.targets, device=logits.device)
             lsm = torch.log_softmax(logits[k:], dim=-1)  # (R, vocab)
             prompt_lp = lsm.gather(1, targets[:, None])[:, 0]  # (R,)
-            if plan.top:  # (R, 1 + 2 top): the target's, then the top ids (exact in fp32) and their values
+            if (
+                plan.top
+            ):  # (R, 1 + 2 top): the target's, then the top ids (exact in fp32) and their values
                 values, ids = lsm.topk(plan.top, dim=-1)
                 prompt_lp = torch.cat([prompt_lp[:, None], ids.float(), values], dim=1)
         if not self.driver:  # to the driver (CPU tensors over the control plane's gloo group)
@@ -257,5 +346,6 @@ class StepResult:
     ``(M, vocab)`` fp32 logits of the completing sequences; ``prompt_logprobs`` ``(R,)`` the
     log-probs of the plan's ``targets``, in plan order: ``(R,)``, or ``(R, 1 + 2 top)`` with the
     plan's ``top`` alternatives (each row: the target's, the top ids, their log-probs)."""
+
     main: torch.Tensor
     prompt_logprobs: Optional[torch.Tensor] = None

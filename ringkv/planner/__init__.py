@@ -49,13 +49,56 @@ sources and the validation are in docs/plan.md.
 from dataclasses import asdict  # noqa: F401  (planner.asdict: benchmarks/plan_validate.py)
 
 from .catalogue import ALIASES, PRESETS, _llama, _model_of, _read_json, load_model  # noqa: F401
-from .memory import DTYPES, _gb, layer_params, stage_kv_bytes_per_token, stage_sizes, stage_weight_bytes  # noqa: F401
+from .memory import (
+    DTYPES,
+    _gb,
+    layer_params,
+    stage_kv_bytes_per_token,
+    stage_sizes,
+    stage_weight_bytes,
+)  # noqa: F401
 from .hardware import HARDWARE_PATH, Rates, _merge, _threads, load_hardware, rates  # noqa: F401
-from .simulation import (EngineRun, RingTerms, StepTerms, StepWork, _run_terms, _simulate, _step_cost,  # noqa: F401
-                         _step_terms, _xfer, engine_run_seconds, engine_workload, ring_attention_seconds)
-from .calibration import (FIT_KEYS, RATE_KEYS, _fit_attention, _kind, _nelder_mead, _parse_config,  # noqa: F401
-                          _single_process_runs, _with, apply_calibration, fit_engine, fit_keys, fit_rates,
-                          one_process_seconds)
-from .options import (SEED_MAX_PP, SEED_SP_TOKENS, WEAK_LINK_MAX_TP, Option, _divisors, _link,  # noqa: F401
-                      _needs_sp, _option, _positive_int, _rank, _why, plan)
+from .simulation import (
+    EngineRun,
+    RingTerms,
+    StepTerms,
+    StepWork,
+    _run_terms,
+    _simulate,
+    _step_cost,  # noqa: F401
+    _step_terms,
+    _xfer,
+    engine_run_seconds,
+    engine_workload,
+    ring_attention_seconds,
+)
+from .calibration import (
+    FIT_KEYS,
+    RATE_KEYS,
+    _fit_attention,
+    _kind,
+    _nelder_mead,
+    _parse_config,  # noqa: F401
+    _single_process_runs,
+    _with,
+    apply_calibration,
+    fit_engine,
+    fit_keys,
+    fit_rates,
+    one_process_seconds,
+)
+from .options import (
+    SEED_MAX_PP,
+    SEED_SP_TOKENS,
+    WEAK_LINK_MAX_TP,
+    Option,
+    _divisors,
+    _link,  # noqa: F401
+    _needs_sp,
+    _option,
+    _positive_int,
+    _rank,
+    _why,
+    plan,
+)
 from .report import _svg, format_table, plot  # noqa: F401

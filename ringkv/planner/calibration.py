@@ -22,8 +22,11 @@ from .simulation import EngineRun
 FIT_KEYS = ("matmul", "memory", "attention", "step", "seq", "layer", "thread_scaling")
 
 
-def fit_engine(runs: Sequence[EngineRun], r: Rates, keys: Sequence[str] = ("matmul", "memory", "step", "seq",
-                                                                           "layer")) -> Rates:
+def fit_engine(
+    runs: Sequence[EngineRun],
+    r: Rates,
+    keys: Sequence[str] = ("matmul", "memory", "step", "seq", "layer"),
+) -> Rates:
     """``r`` with ``keys`` (one thread's rates: matmul, memory, attention; host seconds: step,
     seq, layer; ``thread_scaling``, which needs runs with different thread counts) chosen to
     minimise the squared log error of ``runs``' modelled times (Nelder-Mead over the
@@ -31,8 +34,15 @@ def fit_engine(runs: Sequence[EngineRun], r: Rates, keys: Sequence[str] = ("matm
     bad = [k for k in keys if k not in FIT_KEYS]
     if bad or not runs:
         raise ValueError(f"fit_engine needs runs and keys among {FIT_KEYS}, got {list(keys)}")
-    start = dict(matmul=r.matmul, memory=r.memory, attention=r.attention, step=r.host.get("step") or 1e-3,
-                 seq=r.host.get("seq") or 1e-4, layer=r.host.get("layer") or 1e-4, thread_scaling=r.thread_scaling)
+    start = dict(
+        matmul=r.matmul,
+        memory=r.memory,
+        attention=r.attention,
+        step=r.host.get("step") or 1e-3,
+        seq=r.host.get("seq") or 1e-4,
+        layer=r.host.get("layer") or 1e-4,
+        thread_scaling=r.thread_scaling,
+    )
 
     def make(x) -> Rates:
         out = copy.deepcopy(r)
@@ -52,7 +62,9 @@ def fit_engine(runs: Sequence[EngineRun], r: Rates, keys: Sequence[str] = ("matm
     return make(x)
 
 
-def _nelder_mead(f, x0: List[float], step: float = 0.7, iters: int = 400, tol: float = 1e-9) -> List[float]:
+def _nelder_mead(
+    f, x0: List[float], step: float = 0.7, iters: int = 400, tol: float = 1e-9
+) -> List[float]:
     """Minimise ``f`` from ``x0`` (standard reflection / expansion / contraction / shrink)."""
     n = len(x0)
     pts = [list(x0)] + [[x0[j] + (step if j == i else 0.0) for j in range(n)] for i in range(n)]
@@ -126,7 +138,9 @@ def fit_rates(paths: Iterable, r: Rates) -> Rates:
     order = {"rates": 0, "long_ctx": 1, "prefill": 2, "engine": 2}
     docs = [(p, d, _kind(p, d)) for p, d in ((p, _read_json(p)) for p in paths)]
     out, used, runs = copy.deepcopy(r), [], []
-    for p, d, kind in sorted(docs, key=lambda t: order[t[2]]):  # stable: the given order within a kind
+    for p, d, kind in sorted(
+        docs, key=lambda t: order[t[2]]
+    ):  # stable: the given order within a kind
         if kind == "rates":
             out = _with(out, d)
         elif kind == "long_ctx":
@@ -143,7 +157,11 @@ def fit_rates(paths: Iterable, r: Rates) -> Rates:
 def fit_keys(runs: Sequence[EngineRun]) -> tuple:
     """What ``runs`` can tell ``fit_engine``: matmul; memory and host seconds given multi-step
     (engine) runs; ``thread_scaling`` given runs on different thread counts."""
-    keys = ("matmul", "memory", "step", "seq", "layer") if any(x.max_tokens > 1 for x in runs) else ("matmul",)
+    keys = (
+        ("matmul", "memory", "step", "seq", "layer")
+        if any(x.max_tokens > 1 for x in runs)
+        else ("matmul",)
+    )
     return keys + (("thread_scaling",) if len({x.threads for x in runs}) > 1 else ())
 
 
@@ -155,21 +173,36 @@ def _single_process_runs(d: dict) -> List[EngineRun]:
         for row in d["rows"]:
             if row.get("sp", 1) == 1:
                 seq = row["seq"]
-                out.append(EngineRun(cfg=_model_of(row.get("model", d.get("model"))), prompts=[seq], max_tokens=1,
-                                     num_blocks=seq // 16 + 8, measured_s=one_process_seconds(row),
-                                     threads=row.get("threads") or d.get("cores") or 1, max_num_seqs=1,
-                                     max_num_batched_tokens=row.get("chunk") or seq,
-                                     label=f"{row.get('model')} {seq} sp=1"))
+                out.append(
+                    EngineRun(
+                        cfg=_model_of(row.get("model", d.get("model"))),
+                        prompts=[seq],
+                        max_tokens=1,
+                        num_blocks=seq // 16 + 8,
+                        measured_s=one_process_seconds(row),
+                        threads=row.get("threads") or d.get("cores") or 1,
+                        max_num_seqs=1,
+                        max_num_batched_tokens=row.get("chunk") or seq,
+                        label=f"{row.get('model')} {seq} sp=1",
+                    )
+                )
         return out
     cfg = _model_of(d["model"])
     for row in d["rows"]:
         n, total = row["requests"], row["prompt_tokens"]
         prompts = [total // n + (i < total % n) for i in range(n)]
-        out.append(EngineRun(cfg=cfg, prompts=prompts, max_tokens=d["max_tokens"],
-                             num_blocks=row["base_capacity_tokens"] // 16,
-                             measured_s=row["output_tokens"] / row["base_tok_s"],
-                             threads=row.get("base_threads", d["cores"]), max_num_seqs=n,
-                             label=f"{n} requests, one process"))
+        out.append(
+            EngineRun(
+                cfg=cfg,
+                prompts=prompts,
+                max_tokens=d["max_tokens"],
+                num_blocks=row["base_capacity_tokens"] // 16,
+                measured_s=row["output_tokens"] / row["base_tok_s"],
+                threads=row.get("base_threads", d["cores"]),
+                max_num_seqs=n,
+                label=f"{n} requests, one process",
+            )
+        )
     return out
 
 
@@ -192,7 +225,9 @@ def _kind(path, d: dict) -> str:
         return "long_ctx"
     if rows and "parallel_tok_s" in rows[0]:
         return "engine"
-    raise ValueError(f"{path!r} is not a rates file nor the JSON of long_ctx.py, long_prefill.py or engine.py")
+    raise ValueError(
+        f"{path!r} is not a rates file nor the JSON of long_ctx.py, long_prefill.py or engine.py"
+    )
 
 
 def _fit_attention(d: dict) -> float:
@@ -205,7 +240,9 @@ def _fit_attention(d: dict) -> float:
             t = row.get("time_nocomm_s") or row["time_s"]
             vals.append(4 * row["pairs_per_rank"] * a["batch"] * a["heads"] * a["head_dim"] / t)
     if not vals:
-        raise ValueError("long_ctx JSON has no causal zigzag/striped row to fit the attention rate from")
+        raise ValueError(
+            "long_ctx JSON has no causal zigzag/striped row to fit the attention rate from"
+        )
     return sorted(vals)[len(vals) // 2]
 
 

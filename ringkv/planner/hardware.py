@@ -14,7 +14,9 @@ from typing import Dict, Optional
 
 from .catalogue import _read_json
 
-HARDWARE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hardware.json")
+HARDWARE_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hardware.json"
+)
 
 
 def load_hardware(path: Optional[str] = None) -> dict:
@@ -24,7 +26,9 @@ def load_hardware(path: Optional[str] = None) -> dict:
         return table
     extra = _read_json(path, "hardware file")
     if not isinstance(extra, dict):
-        raise ValueError(f"hardware file {path!r} must hold a JSON object like ringkv/hardware.json")
+        raise ValueError(
+            f"hardware file {path!r} must hold a JSON object like ringkv/hardware.json"
+        )
     return _merge(table, extra)
 
 
@@ -45,6 +49,7 @@ class Rates:
     decode matmuls of ``rows`` tokens, ``{threads: {rows: bytes/s}}`` (``benchmarks/decode_gemm.py``);
     where it has the process's thread count, a step's weights are read at that rate (linear in
     rows between the measured ones, the nearest outside) instead of ``memory``."""
+
     matmul: float
     attention: float
     memory: float
@@ -77,17 +82,28 @@ def rates(hw: dict, gpu: str, dtype: str = "bfloat16") -> Rates:
     eff = dict(hw["efficiency"], **g.get("efficiency", {}))
     flops = g["flops"]
     if dtype not in flops:
-        raise ValueError(f"{gpu} has no {dtype} peak in the hardware table; choose dtype in {sorted(flops)}")
+        raise ValueError(
+            f"{gpu} has no {dtype} peak in the hardware table; choose dtype in {sorted(flops)}"
+        )
     attn_dtype = "float32" if dtype == "float32" else "bfloat16"
-    return Rates(matmul=flops[dtype] * eff["matmul"], attention=flops[attn_dtype] * eff["attention"],
-                 memory=g["mem_bw"] * eff["memory"], links={k: v * eff["link"] for k, v in g["links"].items()},
-                 latency={k: hw["links"].get(k, {}).get("latency", 0.0) for k in g["links"]},
-                 host={k: float(v) for k, v in dict(hw.get("host", {}), **g.get("host", {})).items()
-                       if not k.startswith("_")})
+    return Rates(
+        matmul=flops[dtype] * eff["matmul"],
+        attention=flops[attn_dtype] * eff["attention"],
+        memory=g["mem_bw"] * eff["memory"],
+        links={k: v * eff["link"] for k, v in g["links"].items()},
+        latency={k: hw["links"].get(k, {}).get("latency", 0.0) for k in g["links"]},
+        host={
+            k: float(v)
+            for k, v in dict(hw.get("host", {}), **g.get("host", {})).items()
+            if not k.startswith("_")
+        },
+    )
 
 
 def _threads(r: Rates, t: int) -> Rates:
     """The rates of a process with ``t`` threads from one thread's ``r``: compute and memory times
     ``t ** thread_scaling``; the ``gemm`` row of ``t`` threads."""
-    k = t ** r.thread_scaling
-    return dataclasses.replace(r, matmul=r.matmul * k, memory=r.memory * k, attention=r.attention * k, threads=t)
+    k = t**r.thread_scaling
+    return dataclasses.replace(
+        r, matmul=r.matmul * k, memory=r.memory * k, attention=r.attention * k, threads=t
+    )

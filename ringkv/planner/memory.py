@@ -13,8 +13,12 @@ from ..model.config import ModelConfig
 from ..parallel.tp import check_tp, kv_heads_per_rank
 from ..parallel.worker import EngineShape
 
-DTYPES = {"float32": (torch.float32, 4), "bfloat16": (torch.bfloat16, 2), "float16": (torch.float16, 2),
-          "fp8": (torch.bfloat16, 1)}  # fp8: FP8 weights and matmuls, bf16 activations and K/V
+DTYPES = {
+    "float32": (torch.float32, 4),
+    "bfloat16": (torch.bfloat16, 2),
+    "float16": (torch.float16, 2),
+    "fp8": (torch.bfloat16, 1),
+}  # fp8: FP8 weights and matmuls, bf16 activations and K/V
 
 
 def stage_sizes(cfg: ModelConfig, pp: int) -> List[int]:
@@ -26,10 +30,17 @@ def layer_params(cfg: ModelConfig, tp: int) -> Dict[str, int]:
     """Parameters of one decoder layer on a TP rank: ``linear`` (the matmul weights a token
     multiplies) and ``total`` (with norms and biases). Split as ``apply_tp`` splits them."""
     d, h = cfg.head_dim, cfg.hidden_size
-    hq, hkv, inter = cfg.num_heads // tp, kv_heads_per_rank(cfg, tp), -(-cfg.intermediate_size // tp)
+    hq, hkv, inter = (
+        cfg.num_heads // tp,
+        kv_heads_per_rank(cfg, tp),
+        -(-cfg.intermediate_size // tp),
+    )
     linear = h * hq * d + 2 * h * hkv * d + hq * d * h + 3 * h * inter
-    bias = (hq * d + 2 * hkv * d if cfg.qkv_bias else 0) + (h if cfg.o_bias else 0) + \
-        (2 * inter + h if cfg.mlp_bias else 0)
+    bias = (
+        (hq * d + 2 * hkv * d if cfg.qkv_bias else 0)
+        + (h if cfg.o_bias else 0)
+        + (2 * inter + h if cfg.mlp_bias else 0)
+    )
     return dict(linear=linear, total=linear + bias + 2 * h)
 
 
@@ -51,8 +62,9 @@ def stage_weight_bytes(cfg: ModelConfig, tp: int, pp: int, dtype: str = "bfloat1
     return out
 
 
-def stage_kv_bytes_per_token(cfg: ModelConfig, tp: int, pp: int, kv_cache_dtype: str = "auto",
-                             dtype: str = "bfloat16") -> List[int]:
+def stage_kv_bytes_per_token(
+    cfg: ModelConfig, tp: int, pp: int, kv_cache_dtype: str = "auto", dtype: str = "bfloat16"
+) -> List[int]:
     """K/V bytes of one token on a rank of each stage: ``EngineShape.bytes_per_token``, the
     seed's ``2 x layers_on_stage x kv_heads_on_rank x head_dim x bytes`` (+ quantization scales)."""
     shape = EngineShape(pp=pp, tp=tp, kv_cache_dtype=kv_cache_dtype)

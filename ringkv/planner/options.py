@@ -15,7 +15,14 @@ from ..parallel.tp import check_tp, kv_heads_per_rank
 from .calibration import apply_calibration
 from .catalogue import load_model
 from .hardware import Rates, _merge, load_hardware, rates
-from .memory import DTYPES, _gb, layer_params, stage_kv_bytes_per_token, stage_sizes, stage_weight_bytes
+from .memory import (
+    DTYPES,
+    _gb,
+    layer_params,
+    stage_kv_bytes_per_token,
+    stage_sizes,
+    stage_weight_bytes,
+)
 from .simulation import _xfer, ring_attention_seconds
 
 SEED_SP_TOKENS = 32768  # seed rule 4: consider SP beyond 32K tokens
@@ -27,6 +34,7 @@ WEAK_LINK_MAX_TP = 2  # seed (consumer cards): without NVLink TP=2 is the most t
 @dataclass(kw_only=True)
 class Option:
     """One configuration and what it costs. Bytes are per GPU (the fullest stage), times in s."""
+
     tp: int
     pp: int
     sp: int
@@ -72,10 +80,23 @@ def _link(group: int, span: int, gpn: int, intra: str) -> str:
     return intra if group == 1 or gpn % span == 0 else "ib"
 
 
-def plan(model, seq: int, *, batch: int = 1, gpus: int, gpu: str = "h100", interconnect: str = "nvlink",
-         nodes: Optional[int] = None, kv_cache_dtype: Union[str, Sequence[str]] = "auto",
-         dtype: str = "bfloat16", hardware: Union[None, str, dict] = None, calibrate=None,
-         gpu_memory_utilization: float = 0.9, output_tokens: int = 256, ulysses: bool = True) -> List[Option]:
+def plan(
+    model,
+    seq: int,
+    *,
+    batch: int = 1,
+    gpus: int,
+    gpu: str = "h100",
+    interconnect: str = "nvlink",
+    nodes: Optional[int] = None,
+    kv_cache_dtype: Union[str, Sequence[str]] = "auto",
+    dtype: str = "bfloat16",
+    hardware: Union[None, str, dict] = None,
+    calibrate=None,
+    gpu_memory_utilization: float = 0.9,
+    output_tokens: int = 256,
+    ulysses: bool = True,
+) -> List[Option]:
     """Every valid ``(tp, pp, sp[, ulysses])`` for ``gpus`` GPUs, best first; exactly one
     ``recommended`` among those that fit (none when nothing fits; each option's ``reason`` says why).
 
@@ -89,28 +110,48 @@ def plan(model, seq: int, *, batch: int = 1, gpus: int, gpu: str = "h100", inter
     rates dict (see ``calibrate``) replacing the table's rates. ``output_tokens``: decode length
     used to rank options (prefill + that many decode steps)."""
     cfg = load_model(model)
-    seq, batch, gpus = _positive_int("seq", seq), _positive_int("batch", batch), _positive_int("gpus", gpus)
-    hw = load_hardware(hardware) if not isinstance(hardware, dict) else _merge(load_hardware(), hardware)
+    seq, batch, gpus = (
+        _positive_int("seq", seq),
+        _positive_int("batch", batch),
+        _positive_int("gpus", gpus),
+    )
+    hw = (
+        load_hardware(hardware)
+        if not isinstance(hardware, dict)
+        else _merge(load_hardware(), hardware)
+    )
     if gpu not in hw["gpus"]:
-        raise ValueError(f"unknown gpu {gpu!r}; choose one of {', '.join(hw['gpus'])} (or add it with --hardware)")
+        raise ValueError(
+            f"unknown gpu {gpu!r}; choose one of {', '.join(hw['gpus'])} (or add it with --hardware)"
+        )
     g = hw["gpus"][gpu]
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     have = list(g["links"])
     if interconnect not in have:
-        raise ValueError(f"{gpu} has no {interconnect!r} link in the hardware table; choose interconnect in {have}")
+        raise ValueError(
+            f"{gpu} has no {interconnect!r} link in the hardware table; choose interconnect in {have}"
+        )
     if nodes is None:
         nodes = gpus if interconnect == "ib" else max(1, -(-gpus // g["gpus_per_node"]))
     nodes = _positive_int("nodes", nodes)
     if gpus % nodes:
-        raise ValueError(f"nodes={nodes} does not divide gpus={gpus}; give gpus as nodes x GPUs per node")
+        raise ValueError(
+            f"nodes={nodes} does not divide gpus={gpus}; give gpus as nodes x GPUs per node"
+        )
     if nodes > 1 and "ib" not in have:
-        raise ValueError(f"{gpu} has no 'ib' link for {nodes} nodes in the hardware table; add it with --hardware")
+        raise ValueError(
+            f"{gpu} has no 'ib' link for {nodes} nodes in the hardware table; add it with --hardware"
+        )
     gpn = gpus // nodes
     if gpn > g["gpus_per_node"]:
-        raise ValueError(f"{gpn} GPUs per node exceed the {g['gpus_per_node']} a {gpu} node holds; give --nodes")
+        raise ValueError(
+            f"{gpn} GPUs per node exceed the {g['gpus_per_node']} a {gpu} node holds; give --nodes"
+        )
     if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
+        )
     kv_dtypes = [kv_cache_dtype] if isinstance(kv_cache_dtype, str) else list(kv_cache_dtype)
     for k in kv_dtypes:
         quant.resolve(k)  # ValueError naming the choices
@@ -133,19 +174,40 @@ def plan(model, seq: int, *, batch: int = 1, gpus: int, gpu: str = "h100", inter
             hq = cfg.num_heads // tp
             for u in [d for d in _divisors(sp) if hq % d == 0 and (ulysses or d == 1)]:
                 for kvd in kv_dtypes:
-                    links = dict(tp=_link(tp, tp, gpn, intra),
-                                 ulysses=_link(u, tp * u, gpn, intra),
-                                 ring=_link(sp // u, tp * sp, gpn, intra),
-                                 pp=_link(pp, gpus, gpn, intra))
-                    options.append(_option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r, links, usable,
-                                           output_tokens))
+                    links = dict(
+                        tp=_link(tp, tp, gpn, intra),
+                        ulysses=_link(u, tp * u, gpn, intra),
+                        ring=_link(sp // u, tp * sp, gpn, intra),
+                        pp=_link(pp, gpus, gpn, intra),
+                    )
+                    options.append(
+                        _option(
+                            cfg,
+                            seq,
+                            batch,
+                            tp,
+                            pp,
+                            sp,
+                            u,
+                            kvd,
+                            dtype,
+                            r,
+                            links,
+                            usable,
+                            output_tokens,
+                        )
+                    )
     if not options:
-        raise ValueError(f"no (tp, pp, sp) with tp x pp x sp = {gpus} suits this model "
-                         f"({cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, {cfg.num_layers} layers)")
+        raise ValueError(
+            f"no (tp, pp, sp) with tp x pp x sp = {gpus} suits this model "
+            f"({cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, {cfg.num_layers} layers)"
+        )
     return _rank(options, cfg, seq, gpn, interconnect, output_tokens, g)
 
 
-def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable, output_tokens) -> Option:
+def _option(
+    cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable, output_tokens
+) -> Option:
     act = 4 if dtype == "float32" else 2  # activation / ring K/V bytes
     sizes = stage_sizes(cfg, pp)
     wb = stage_weight_bytes(cfg, tp, pp, dtype)
@@ -162,14 +224,18 @@ def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable,
     heads_att, kv_att = hq // u, max(1, hkv // u)
     tok = -(-seq // sp)
     t_lin = 2 * lin * tok / r.matmul
-    t_attn, step, xfer, ring_bytes = ring_attention_seconds(seq, heads_att, kv_att, d, ring, act, r, links["ring"])
+    t_attn, step, xfer, ring_bytes = ring_attention_seconds(
+        seq, heads_att, kv_att, d, ring, act, r, links["ring"]
+    )
     u_bytes = int((u - 1) / u * tok * d * act * (2 * hq + 2 * max(hkv, u))) if u > 1 else 0
     t_u = _xfer(u_bytes, links["ulysses"], r, 4) if u > 1 else 0.0
     tp_bytes = int(2 * 2 * (tp - 1) / tp * tok * h * act) if tp > 1 else 0
     t_tp = _xfer(tp_bytes, links["tp"], r, 2 * 2 * (tp - 1)) if tp > 1 else 0.0
     t_layer = t_lin + t_attn + t_u + t_tp
     handoff = _xfer(tok * h * act, links["pp"], r) if pp > 1 else 0.0
-    host = r.host.get("step", 0.0) + r.host.get("seq", 0.0)  # per step: the driver's scheduling and sampling
+    host = r.host.get("step", 0.0) + r.host.get(
+        "seq", 0.0
+    )  # per step: the driver's scheduling and sampling
     stage_t = [n * (t_layer + r.host.get("layer", 0.0)) + handoff for n in sizes]
     # a sequence runs the stages one after the other; the next one enters when the slowest is free
     prefill = sum(stage_t) + (batch - 1) * max(stage_t) + host
@@ -184,7 +250,11 @@ def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable,
         read = (wb[i] + kv_bytes) / r.memory if bw is None else wb[i] / bw + kv_bytes / r.memory
         t = max(read, flops / min(r.matmul, r.attention)) + n * r.host.get("layer", 0.0)
         if tp > 1:
-            t += n * 2 * _xfer(int(2 * (tp - 1) / tp * micro * h * act), links["tp"], r, 2 * (tp - 1))
+            t += (
+                n
+                * 2
+                * _xfer(int(2 * (tp - 1) / tp * micro * h * act), links["tp"], r, 2 * (tp - 1))
+            )
         if sp > 1:  # (out, lse) partials merged across the SP group each layer
             t += n * _xfer(micro * hq * (d + 1) * 4, links["ring"], r, math.ceil(math.log2(sp)))
         if pp > 1:
@@ -192,13 +262,29 @@ def _option(cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable,
         steps.append(t)
     step_t = pp * (max(steps) + r.host.get("step", 0.0) + r.host.get("seq", 0.0) * micro)
     decode = batch / step_t
-    return Option(tp=tp, pp=pp, sp=sp, ulysses=u, kv_cache_dtype=kvd, layers_per_stage=sizes,
-                  kv_heads_per_gpu=hkv, weight_bytes_per_gpu=max(wb), kv_bytes_per_token_per_gpu=max(kvt),
-                  kv_bytes_per_gpu=max(kv_gpu), memory_per_gpu=usable, fits=need <= usable,
-                  ring_bytes_per_step=ring_bytes, ring_compute_s_per_step=step if ring > 1 else 0.0,
-                  ring_transfer_s_per_step=xfer, tp_allreduce_bytes_per_layer=tp_bytes,
-                  ulysses_bytes_per_layer=u_bytes, links=links, prefill_s=prefill, decode_tokens_per_s=decode,
-                  decode_step_s=step_t)
+    return Option(
+        tp=tp,
+        pp=pp,
+        sp=sp,
+        ulysses=u,
+        kv_cache_dtype=kvd,
+        layers_per_stage=sizes,
+        kv_heads_per_gpu=hkv,
+        weight_bytes_per_gpu=max(wb),
+        kv_bytes_per_token_per_gpu=max(kvt),
+        kv_bytes_per_gpu=max(kv_gpu),
+        memory_per_gpu=usable,
+        fits=need <= usable,
+        ring_bytes_per_step=ring_bytes,
+        ring_compute_s_per_step=step if ring > 1 else 0.0,
+        ring_transfer_s_per_step=xfer,
+        tp_allreduce_bytes_per_layer=tp_bytes,
+        ulysses_bytes_per_layer=u_bytes,
+        links=links,
+        prefill_s=prefill,
+        decode_tokens_per_s=decode,
+        decode_step_s=step_t,
+    )
 
 
 def _rank(options: List[Option], cfg, seq, gpn, interconnect, output_tokens, g) -> List[Option]:
@@ -210,7 +296,9 @@ def _rank(options: List[Option], cfg, seq, gpn, interconnect, output_tokens, g) 
         if o.links["tp"] == "ib":
             out.append(f"TP {o.tp} crosses nodes (keep TP inside a node's fast link)")
         if weak and o.tp > WEAK_LINK_MAX_TP:
-            out.append(f"TP {o.tp} over {interconnect} (without NVLink TP > {WEAK_LINK_MAX_TP} stops paying)")
+            out.append(
+                f"TP {o.tp} over {interconnect} (without NVLink TP > {WEAK_LINK_MAX_TP} stops paying)"
+            )
         if o.pp > SEED_MAX_PP:
             out.append(f"PP {o.pp} > {SEED_MAX_PP} (deep pipelines add bubbles)")
         if o.sp > 1 and seq < SEED_SP_TOKENS and o.fits and not _needs_sp(o, options):
@@ -225,21 +313,31 @@ def _rank(options: List[Option], cfg, seq, gpn, interconnect, output_tokens, g) 
     for o in options:
         o.warnings = penalties(o)
     # a Ulysses split must win by more than 2% to beat the plain ring (one more collective to run)
-    fit = sorted((o for o in options if o.fits),
-                 key=lambda o: (len(o.warnings), cost(o) * (1.02 if o.ulysses > 1 else 1.0)))
-    nofit = sorted((o for o in options if not o.fits), key=lambda o: o.weight_bytes_per_gpu + o.kv_bytes_per_gpu)
+    fit = sorted(
+        (o for o in options if o.fits),
+        key=lambda o: (len(o.warnings), cost(o) * (1.02 if o.ulysses > 1 else 1.0)),
+    )
+    nofit = sorted(
+        (o for o in options if not o.fits),
+        key=lambda o: o.weight_bytes_per_gpu + o.kv_bytes_per_gpu,
+    )
     if fit:
         best = fit[0]
         best.recommended = True
         best.reason = "recommended: " + _why(best, seq, cfg)
         for o in fit[1:]:
             slower = cost(o) / cost(best)
-            o.reason = (f"{'; '.join(o.warnings)}" if len(o.warnings) > len(best.warnings) else
-                        f"{slower:.2f}x the recommended time (prefill {o.prefill_s:.3g} s, "
-                        f"decode {o.decode_tokens_per_s:.3g} tok/s)")
+            o.reason = (
+                f"{'; '.join(o.warnings)}"
+                if len(o.warnings) > len(best.warnings)
+                else f"{slower:.2f}x the recommended time (prefill {o.prefill_s:.3g} s, "
+                f"decode {o.decode_tokens_per_s:.3g} tok/s)"
+            )
     for o in nofit:
-        o.reason = (f"does not fit: weights {_gb(o.weight_bytes_per_gpu)} + KV {_gb(o.kv_bytes_per_gpu)} "
-                    f"> {_gb(o.memory_per_gpu)} usable per GPU")
+        o.reason = (
+            f"does not fit: weights {_gb(o.weight_bytes_per_gpu)} + KV {_gb(o.kv_bytes_per_gpu)} "
+            f"> {_gb(o.memory_per_gpu)} usable per GPU"
+        )
     return fit + nofit
 
 
@@ -249,13 +347,17 @@ def _needs_sp(o: Option, options: List[Option]) -> bool:
 
 
 def _why(o: Option, seq: int, cfg) -> str:
-    parts = [f"fits ({_gb(o.weight_bytes_per_gpu + o.kv_bytes_per_gpu)} of {_gb(o.memory_per_gpu)})"]
+    parts = [
+        f"fits ({_gb(o.weight_bytes_per_gpu + o.kv_bytes_per_gpu)} of {_gb(o.memory_per_gpu)})"
+    ]
     if o.tp > 1:
         parts.append(f"TP {o.tp} over {o.links['tp']}")
     if o.pp > 1:
         parts.append(f"PP {o.pp} over {o.links['pp']}")
     if o.sp > 1:
-        parts.append(f"SP {o.sp} ({'Ulysses %d x ' % o.ulysses if o.ulysses > 1 else ''}ring over "
-                     f"{o.links['ring']}) for {seq} tokens")
+        parts.append(
+            f"SP {o.sp} ({'Ulysses %d x ' % o.ulysses if o.ulysses > 1 else ''}ring over "
+            f"{o.links['ring']}) for {seq} tokens"
+        )
     parts.append(f"prefill {o.prefill_s:.3g} s, decode {o.decode_tokens_per_s:.3g} tok/s")
     return ", ".join(parts)

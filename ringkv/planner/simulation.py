@@ -20,13 +20,24 @@ from .memory import DTYPES, layer_params, stage_sizes
 
 
 # -- ring attention and messages ---------------------------------------------------------------------
-def ring_attention_seconds(seq: int, heads: int, kv_heads: int, head_dim: int, ring: int, act_bytes: int,
-                           r: Rates, link: str, causal: bool = True):
+def ring_attention_seconds(
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    ring: int,
+    act_bytes: int,
+    r: Rates,
+    link: str,
+    causal: bool = True,
+):
     """One rank's forward ring attention over ``ring`` ranks (balanced layout): ``(total s, compute
     s per step, transfer s per step, K/V bytes per step)``. Step 0 computes the local block; each
     of the ``ring - 1`` others takes ``max(compute, transfer)`` (the next hop is in flight while a
     block computes) plus the fp32 (out, lse) merge, which reads and writes the accumulator."""
-    flops = 4 * head_dim * heads * seq * seq / ring * (0.5 if causal else 1.0)  # this rank's pairs x 4 D
+    flops = (
+        4 * head_dim * heads * seq * seq / ring * (0.5 if causal else 1.0)
+    )  # this rank's pairs x 4 D
     step = flops / ring / r.attention
     nbytes = 2 * -(-seq // ring) * kv_heads * head_dim * act_bytes if ring > 1 else 0
     xfer = _xfer(nbytes, link, r) if ring > 1 else 0.0
@@ -42,6 +53,7 @@ def _xfer(nbytes: float, link: str, r: Rates, messages: int = 1) -> float:
 @dataclass(kw_only=True)
 class StepWork:
     """One engine step as the scheduler built it (what its cost depends on)."""
+
     seqs: int  # sequences in the step
     tokens: int  # tokens computed (prompt chunks + one per decoding sequence)
     completing: int  # sequences whose last token is computed: LM head rows, sampled tokens
@@ -50,8 +62,18 @@ class StepWork:
     longest: int  # the largest chunk (sp > 1: ring mode from sp_prefill_min_tokens on)
 
 
-def engine_workload(prompts, max_tokens: int, num_blocks: int, *, pp: int = 1, sp: int = 1, block_size: int = 16,
-                    max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, prefix_caching: bool = True):
+def engine_workload(
+    prompts,
+    max_tokens: int,
+    num_blocks: int,
+    *,
+    pp: int = 1,
+    sp: int = 1,
+    block_size: int = 16,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    prefix_caching: bool = True,
+):
     """The steps ``LLM.generate`` runs for ``prompts`` (token-id lists, or lengths: distinct ids)
     with ``max_tokens`` output tokens each (EOS ignored) on a cache of ``num_blocks`` blocks:
     the engine's own ``StepPipeline`` over its ``Scheduler`` and ``BlockManager`` (``pp`` steps
@@ -68,10 +90,17 @@ def engine_workload(prompts, max_tokens: int, num_blocks: int, *, pp: int = 1, s
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, seed=0)
     blocks = BlockManager(num_blocks, block_size * sp, enable_prefix_caching=prefix_caching)
     timed = _Timed(max_tokens)
-    pipeline = StepPipeline(Scheduler(blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-                            timed, depth=pp)
+    pipeline = StepPipeline(
+        Scheduler(blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        timed,
+        depth=pp,
+    )
     for i, p in enumerate(prompts):
-        ids = list(range(10_000_000 * (i + 1), 10_000_000 * (i + 1) + p)) if isinstance(p, int) else list(p)
+        ids = (
+            list(range(10_000_000 * (i + 1), 10_000_000 * (i + 1) + p))
+            if isinstance(p, int)
+            else list(p)
+        )
         pipeline.add([Sequence(seq_id=i, prompt=None, prompt_token_ids=ids, params=params)])
     while pipeline.busy:
         pipeline.advance()
@@ -84,17 +113,23 @@ class _Timed:
     token, finishing it after ``max_tokens``."""
 
     def __init__(self, max_tokens: int):
-        self.max_tokens, self.fresh = max_tokens, 10 ** 12
+        self.max_tokens, self.fresh = max_tokens, 10**12
         self.steps: List[StepWork] = []
         self.events: List[tuple] = []
         self.inflight: "deque[int]" = deque()
 
     def submit(self, batch) -> None:
         ends = [s.start + s.n for s in batch]
-        self.steps.append(StepWork(seqs=len(batch), tokens=sum(s.n for s in batch),
-                                   completing=sum(s.completes for s in batch),
-                                   pairs=sum(s.n * s.start + s.n * (s.n + 1) // 2 for s in batch),
-                                   kv_tokens=len(batch) * max(ends), longest=max(s.n for s in batch)))
+        self.steps.append(
+            StepWork(
+                seqs=len(batch),
+                tokens=sum(s.n for s in batch),
+                completing=sum(s.completes for s in batch),
+                pairs=sum(s.n * s.start + s.n * (s.n + 1) // 2 for s in batch),
+                kv_tokens=len(batch) * max(ends),
+                longest=max(s.n for s in batch),
+            )
+        )
         self.events.append(("submit", len(self.steps) - 1))
         self.inflight.append(len(self.steps) - 1)
 
@@ -122,6 +157,7 @@ class _Timed:
 class RingTerms:
     """A step that runs the SP ring (its longest chunk has ``sp_prefill_min_tokens`` or more):
     per layer one ``ring_attention_seconds`` over the step's tokens, scaled to its causal pairs."""
+
     tokens: int  # tokens of the step: the ring's sequence length
     heads: int  # query heads on a TP rank
     kv_heads: int  # K/V heads on a TP rank (the ones that travel)
@@ -136,22 +172,46 @@ class StepTerms:
     """What one engine step asks of one rank of a stage, independent of the rates (``_step_terms``;
     priced by ``_step_cost``). Unpacks, like the tuple it replaced, as ``(layers, read_bytes,
     linear_flops, attention_flops, ring, messages, weight_bytes, rows)``."""
+
     layers: int  # decoder layers of the stage
     read_bytes: float  # bytes read from memory: the weights + the K/V the paged kernel reads
     linear_flops: float  # FLOPs of the linear layers (+ the LM head's rows on the last stage)
     attention_flops: float  # FLOPs of attention outside the ring (0 when ``ring`` is set)
     ring: Optional[RingTerms]  # the SP ring when the step runs it, else None (replicated)
-    messages: Tuple[Tuple[float, int], ...]  # (bytes sent, messages) of each collective and hand-off
-    weight_bytes: float  # the weights' share of ``read_bytes`` (read at ``Rates.gemm`` when measured)
+    messages: Tuple[
+        Tuple[float, int], ...
+    ]  # (bytes sent, messages) of each collective and hand-off
+    weight_bytes: (
+        float  # the weights' share of ``read_bytes`` (read at ``Rates.gemm`` when measured)
+    )
     rows: float  # tokens a matmul multiplies on this rank (tokens / sp in ring mode): selects ``gemm``
 
     def __iter__(self):
-        return iter((self.layers, self.read_bytes, self.linear_flops, self.attention_flops, self.ring,
-                     self.messages, self.weight_bytes, self.rows))
+        return iter(
+            (
+                self.layers,
+                self.read_bytes,
+                self.linear_flops,
+                self.attention_flops,
+                self.ring,
+                self.messages,
+                self.weight_bytes,
+                self.rows,
+            )
+        )
 
 
-def _step_terms(cfg: ModelConfig, w: StepWork, *, tp: int, pp: int, sp: int, stage: int, dtype: str,
-                sp_prefill_min_tokens: int) -> StepTerms:
+def _step_terms(
+    cfg: ModelConfig,
+    w: StepWork,
+    *,
+    tp: int,
+    pp: int,
+    sp: int,
+    stage: int,
+    dtype: str,
+    sp_prefill_min_tokens: int,
+) -> StepTerms:
     """What step ``w`` asks of one rank of ``stage``, independent of the rates. ``ring``: the
     ``RingTerms`` when the step runs the SP ring, else None; ``messages``: ``(bytes sent, message
     count)`` of each of its collectives and hand-offs."""
@@ -162,29 +222,50 @@ def _step_terms(cfg: ModelConfig, w: StepWork, *, tp: int, pp: int, sp: int, sta
     hq, hkv = cfg.num_heads // tp, kv_heads_per_rank(cfg, tp)
     lin = layer_params(cfg, tp)
     vocab = -(-cfg.vocab_size // tp)
-    ring = sp > 1 and w.longest >= sp_prefill_min_tokens  # else replicated: every SP rank computes all tokens
+    ring = (
+        sp > 1 and w.longest >= sp_prefill_min_tokens
+    )  # else replicated: every SP rank computes all tokens
     rows = w.tokens / sp if ring else w.tokens
     flops = 2 * n * lin["linear"] * rows + (2 * vocab * h * w.completing if last else 0)
     wbytes = (n * lin["total"] + (vocab * h if last and w.completing else 0)) * act
-    nbytes = wbytes + n * w.kv_tokens / sp * 2 * hkv * d * act  # + the K/V a rank stores, read by the paged kernel
+    nbytes = (
+        wbytes + n * w.kv_tokens / sp * 2 * hkv * d * act
+    )  # + the K/V a rank stores, read by the paged kernel
     msgs = []
     if ring:
-        ring_terms = RingTerms(tokens=w.tokens, heads=hq, kv_heads=hkv, head_dim=d, ranks=sp, act_bytes=act,
-                               scale=n * w.pairs / max(1, w.tokens * (w.tokens + 1) // 2))
+        ring_terms = RingTerms(
+            tokens=w.tokens,
+            heads=hq,
+            kv_heads=hkv,
+            head_dim=d,
+            ranks=sp,
+            act_bytes=act,
+            scale=n * w.pairs / max(1, w.tokens * (w.tokens + 1) // 2),
+        )
         attn = 0.0
     else:
         ring_terms, attn = None, n * 4 * hq * d * w.pairs / sp
         if sp > 1:  # (out, lse) partials merged over the SP group each layer
             msgs.append((n * w.tokens * hq * (d + 1) * 4, n * math.ceil(math.log2(sp))))
     if tp > 1:  # two all-reduces per layer (+ the vocab-parallel embedding), the vocabulary gather
-        count = 2 * n + first  # ring all-reduces: 2 (tp - 1) messages, 2 (tp - 1) / tp of the tensor sent
+        count = (
+            2 * n + first
+        )  # ring all-reduces: 2 (tp - 1) messages, 2 (tp - 1) / tp of the tensor sent
         msgs.append((count * 2 * (tp - 1) / tp * rows * h * act, count * 2 * (tp - 1)))
         if last and w.completing:
             msgs.append(((tp - 1) * vocab * w.completing * act, tp - 1))
     if pp > 1 and not last:
         msgs.append((rows * h * act, 1))
-    return StepTerms(layers=n, read_bytes=nbytes, linear_flops=flops, attention_flops=attn, ring=ring_terms,
-                     messages=tuple(msgs), weight_bytes=wbytes, rows=rows)
+    return StepTerms(
+        layers=n,
+        read_bytes=nbytes,
+        linear_flops=flops,
+        attention_flops=attn,
+        ring=ring_terms,
+        messages=tuple(msgs),
+        weight_bytes=wbytes,
+        rows=rows,
+    )
 
 
 def _step_cost(terms: StepTerms, r: Rates, link: str) -> float:
@@ -192,21 +273,49 @@ def _step_cost(terms: StepTerms, r: Rates, link: str) -> float:
     linear FLOPs / matmul) + attention FLOPs / attention`` (or the ring), plus its messages; with
     a measured ``gemm`` rate the weights' share of ``bytes`` is read at it."""
     bw = r.weight_rate(terms.rows)
-    read = terms.read_bytes / r.memory if bw is None else \
-        (terms.read_bytes - terms.weight_bytes) / r.memory + terms.weight_bytes / bw
-    t = terms.layers * r.host.get("layer", 0.0) + max(read, terms.linear_flops / r.matmul) + \
-        terms.attention_flops / r.attention
+    read = (
+        terms.read_bytes / r.memory
+        if bw is None
+        else (terms.read_bytes - terms.weight_bytes) / r.memory + terms.weight_bytes / bw
+    )
+    t = (
+        terms.layers * r.host.get("layer", 0.0)
+        + max(read, terms.linear_flops / r.matmul)
+        + terms.attention_flops / r.attention
+    )
     ring = terms.ring
     if ring is not None:  # one ring per layer over the step's tokens (scaled to its causal pairs)
-        t += ring.scale * ring_attention_seconds(ring.tokens, ring.heads, ring.kv_heads, ring.head_dim, ring.ranks,
-                                                 ring.act_bytes, r, link)[0]
+        t += (
+            ring.scale
+            * ring_attention_seconds(
+                ring.tokens,
+                ring.heads,
+                ring.kv_heads,
+                ring.head_dim,
+                ring.ranks,
+                ring.act_bytes,
+                r,
+                link,
+            )[0]
+        )
     for nb, count in terms.messages:
         t += _xfer(nb, link, r, count)
     return t
 
 
-def engine_run_seconds(cfg: ModelConfig, steps, events, r: Rates, *, tp: int = 1, pp: int = 1, sp: int = 1,
-                       dtype: str = "float32", sp_prefill_min_tokens: int = 64, link: Optional[str] = None) -> float:
+def engine_run_seconds(
+    cfg: ModelConfig,
+    steps,
+    events,
+    r: Rates,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    sp: int = 1,
+    dtype: str = "float32",
+    sp_prefill_min_tokens: int = 64,
+    link: Optional[str] = None,
+) -> float:
     """Wall time of the steps of ``engine_workload`` run by a ``tp x pp x sp`` engine whose ranks
     have rates ``r``. The driver (rank 0, also stage 0) spends ``host["step"] + host["seq"] x
     seqs`` per step (schedule, step plan, publish, sample, append), then runs stage 0; stage ``i``
@@ -220,8 +329,22 @@ def engine_run_seconds(cfg: ModelConfig, steps, events, r: Rates, *, tp: int = 1
 
 def _run_terms(cfg, steps, tp, pp, sp, dtype="float32", sp_prefill_min_tokens=64) -> list:
     """``_step_terms`` of every step (rows) and stage (columns)."""
-    return [[_step_terms(cfg, w, tp=tp, pp=pp, sp=sp, stage=i, dtype=dtype, sp_prefill_min_tokens=sp_prefill_min_tokens)
-             for i in range(pp)] for w in steps]
+    return [
+        [
+            _step_terms(
+                cfg,
+                w,
+                tp=tp,
+                pp=pp,
+                sp=sp,
+                stage=i,
+                dtype=dtype,
+                sp_prefill_min_tokens=sp_prefill_min_tokens,
+            )
+            for i in range(pp)
+        ]
+        for w in steps
+    ]
 
 
 def _simulate(steps, events, terms, r: Rates, link: str) -> float:
@@ -248,6 +371,7 @@ class EngineRun:
     tokens per request, cache blocks, wall seconds, mesh, torch threads per rank and scheduler
     limits; ``seconds(r)`` is the model's time for it with one thread's rates ``r`` (the
     workload and step terms are computed once)."""
+
     cfg: ModelConfig
     prompts: list
     max_tokens: int
@@ -264,9 +388,15 @@ class EngineRun:
 
     def seconds(self, r: Rates) -> float:
         if self._cache is None:
-            steps, events = engine_workload(self.prompts, self.max_tokens, self.num_blocks, pp=self.pp, sp=self.sp,
-                                            max_num_seqs=self.max_num_seqs,
-                                            max_num_batched_tokens=self.max_num_batched_tokens)
+            steps, events = engine_workload(
+                self.prompts,
+                self.max_tokens,
+                self.num_blocks,
+                pp=self.pp,
+                sp=self.sp,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+            )
             self._cache = steps, events, _run_terms(self.cfg, steps, self.tp, self.pp, self.sp)
         steps, events, terms = self._cache
         return _simulate(steps, events, terms, _threads(r, self.threads), next(iter(r.links)))

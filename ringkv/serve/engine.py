@@ -58,6 +58,7 @@ class Metrics:
 @dataclass
 class Add:
     """Inbox: admit a request (its prompt already encoded) and reply on ``added``."""
+
     rid: str
     ids: List[int]
     params: SamplingParams
@@ -71,6 +72,7 @@ class Add:
 @dataclass
 class Running:
     """A request the engine's thread is serving."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     start: float  # perf_counter() when it was added
@@ -81,6 +83,7 @@ class Running:
 @dataclass
 class Moved:
     """A stream's last item: the request now runs on instance ``to`` (``attach`` there)."""
+
     to: str
     request_id: str
 
@@ -88,6 +91,7 @@ class Moved:
 @dataclass
 class Call:
     """Inbox: run ``fn(*args)`` on the engine's thread, its result (or error) in ``future``."""
+
     fn: Callable
     args: tuple
     future: Future
@@ -96,6 +100,7 @@ class Call:
 @dataclass
 class Abort:
     """Inbox: stop a request (its client went away)."""
+
     rid: str
 
 
@@ -124,22 +129,39 @@ ATTACH_TIMEOUT = 60.0  # seconds a request that moved in waits to be attached be
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, *, kv_events: bool = False, max_waiting: Optional[int] = None,
-                 request_timeout: Optional[float] = None):
+    def __init__(
+        self,
+        llm: LLM,
+        *,
+        kv_events: bool = False,
+        max_waiting: Optional[int] = None,
+        request_timeout: Optional[float] = None,
+    ):
         """``kv_events``: publish the prefix cache's changes (``llm.blocks.events``) for a router.
         ``max_waiting``: requests past that many waiting get ``Busy``; ``request_timeout``:
         seconds after which a request is aborted (its stream ends with ``RequestTimeout``)."""
         for name, v in (("max_waiting", max_waiting), ("request_timeout", request_timeout)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
-                                  or name == "max_waiting" and not isinstance(v, int)):
-                raise ValueError(f"{name} must be a positive {'int' if name == 'max_waiting' else 'number'}, got {v!r}")
+            if v is not None and (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or v <= 0
+                or name == "max_waiting"
+                and not isinstance(v, int)
+            ):
+                raise ValueError(
+                    f"{name} must be a positive {'int' if name == 'max_waiting' else 'number'}, got {v!r}"
+                )
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
-        self.pending = 0  # requests on their way to the engine's thread (the asyncio side counts them)
+        self.pending = (
+            0  # requests on their way to the engine's thread (the asyncio side counts them)
+        )
         self.llm = llm
         if kv_events:
             llm.blocks.events = KVEvents()
         self.adopted: Dict[str, tuple] = {}  # moved in, not attached yet: rid -> (stream, deadline)
-        self.epoch = uuid.uuid4().hex  # this engine's life: a router that sees another one re-reads its index
+        self.epoch = (
+            uuid.uuid4().hex
+        )  # this engine's life: a router that sees another one re-reads its index
         self.inbox: "queue.Queue" = queue.Queue()
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the server's (set by add / the app)
         self.requests: Dict[str, Running] = {}
@@ -154,8 +176,15 @@ class AsyncEngine:
         self.thread.start()
 
     # -- asyncio side ----------------------------------------------------------------------
-    async def add(self, prompt, params: SamplingParams, *, apply_chat_template: bool = False,
-                  request_id: Optional[str] = None, **kw) -> "RequestStream":
+    async def add(
+        self,
+        prompt,
+        params: SamplingParams,
+        *,
+        apply_chat_template: bool = False,
+        request_id: Optional[str] = None,
+        **kw,
+    ) -> "RequestStream":
         """Queue a request (a string, token ids or chat messages); raises ``ValueError`` if it
         is invalid (nothing was added). The prompt is encoded on the encoder thread and the
         engine's thread gets token ids. The returned stream yields a *delta*
@@ -166,8 +195,10 @@ class AsyncEngine:
             raise EngineDead(self.dead)
         if self.max_waiting is not None and self.queued() >= self.max_waiting:
             self.metrics.rejected += 1
-            raise Busy(f"the server is busy: {self.max_waiting} requests are waiting (--max-waiting); retry later",
-                       retry_after=1)
+            raise Busy(
+                f"the server is busy: {self.max_waiting} requests are waiting (--max-waiting); retry later",
+                retry_after=1,
+            )
         self.pending += 1
         try:
             return await self._enqueue(prompt, params, apply_chat_template, request_id, kw)
@@ -179,10 +210,14 @@ class AsyncEngine:
         g, slots = self.gauges, self.llm.engine_config.max_num_seqs
         return g["waiting"] + self.pending - max(0, slots - g["running"])
 
-    async def _enqueue(self, prompt, params, apply_chat_template, request_id, kw) -> "RequestStream":
+    async def _enqueue(
+        self, prompt, params, apply_chat_template, request_id, kw
+    ) -> "RequestStream":
         loop = asyncio.get_running_loop()
         try:
-            ids = await loop.run_in_executor(self.encoder, self.llm.encode, prompt, apply_chat_template)
+            ids = await loop.run_in_executor(
+                self.encoder, self.llm.encode, prompt, apply_chat_template
+            )
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the messages
@@ -190,7 +225,18 @@ class AsyncEngine:
         added: asyncio.Future = loop.create_future()
         stream = RequestStream(self, request_id or f"req-{next(self._ids)}")
         self.loop = loop
-        self.inbox.put(Add(stream.id, ids, params, kw, loop, added, stream.queue, movable=request_id is not None))
+        self.inbox.put(
+            Add(
+                stream.id,
+                ids,
+                params,
+                kw,
+                loop,
+                added,
+                stream.queue,
+                movable=request_id is not None,
+            )
+        )
         await added
         return stream
 
@@ -216,7 +262,10 @@ class AsyncEngine:
             if r is None:
                 raise ValueError(f"request {rid!r} is not running on this instance")
             if not r.movable:
-                raise ValueError(f"request {rid!r} did not come through a router: its client could not follow it")
+                raise ValueError(
+                    f"request {rid!r} did not come through a router: its client could not follow it"
+                )
+
         self.call(check)
         with Link.connect(host, port, timeout=timedelta(seconds=timeout)) as link:
             stats = send_request(_Source(self, to), rid, link, incremental=True)
@@ -237,6 +286,7 @@ class AsyncEngine:
                     receive_request(_Target(self), link)
             except (MigrationError, LinkError, EngineDead, ValueError):
                 pass  # the source keeps the request; nothing is left here
+
         threading.Thread(target=run, name="ringkv-migrate-in", daemon=True).start()
         return link.port
 
@@ -262,8 +312,12 @@ class AsyncEngine:
     def _import(self, snap, kw: dict):
         rid = self.llm.import_request(snap, **kw)
         if snap.final:  # it runs here now: buffer its outputs until its client attaches
-            stream = RequestStream(self, rid)  # tokens=1: its first token was timed where it started
-            self.requests[rid] = Running(self.loop, stream.queue, time.perf_counter(), tokens=1, movable=True)
+            stream = RequestStream(
+                self, rid
+            )  # tokens=1: its first token was timed where it started
+            self.requests[rid] = Running(
+                self.loop, stream.queue, time.perf_counter(), tokens=1, movable=True
+            )
             self.adopted[rid] = (stream, time.monotonic() + ATTACH_TIMEOUT)
             self.metrics.migrations_in += 1
         return rid
@@ -276,12 +330,18 @@ class AsyncEngine:
     def _expire(self) -> None:
         """Abort the requests that ran past ``request_timeout``."""
         now = time.perf_counter()
-        for rid in [rid for rid, r in self.requests.items() if now - r.start > self.request_timeout]:
+        for rid in [
+            rid for rid, r in self.requests.items() if now - r.start > self.request_timeout
+        ]:
             r = self.requests.pop(rid)
             self.llm.abort_request(rid)
             self.metrics.finished["timeout"] = self.metrics.finished.get("timeout", 0) + 1
-            r.loop.call_soon_threadsafe(r.queue.put_nowait, RequestTimeout(
-                f"the request ran longer than {self.request_timeout:g} s (--request-timeout); it was aborted"))
+            r.loop.call_soon_threadsafe(
+                r.queue.put_nowait,
+                RequestTimeout(
+                    f"the request ran longer than {self.request_timeout:g} s (--request-timeout); it was aborted"
+                ),
+            )
             self._update_gauges()  # /metrics shows it gone before its client reads the end
 
     def _reap(self) -> None:

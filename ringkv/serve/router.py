@@ -53,13 +53,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..cache.block_manager import STORED, block_hash
-from .app import ADMIN_HEADER, BadRequest, check_admin, completion_prompts, error_body, read_body, refused_key
+from .app import (
+    ADMIN_HEADER,
+    BadRequest,
+    check_admin,
+    completion_prompts,
+    error_body,
+    read_body,
+    refused_key,
+)
 
 ROUTINGS = ("kv", "round-robin", "least-loaded")
 POLL_S = 0.5  # how often each instance is asked for its state
 DOWN_AFTER = 3  # failed polls in a row that mark an instance down
-PENDING_S = 30.0  # seconds a routed prompt's blocks count as cached where it went, before its events arrive
-MIN_LEFT = 16  # the load policy moves only requests with at least this many tokens still to generate
+PENDING_S = (
+    30.0  # seconds a routed prompt's blocks count as cached where it went, before its events arrive
+)
+MIN_LEFT = (
+    16  # the load policy moves only requests with at least this many tokens still to generate
+)
 MOVE_EVERY = 10.0  # ... and each at most once in this many seconds
 RESTART_AFTER = 5.0  # seconds a replica that exited has run at least before it is started again
 MAX_CRASHES = 3  # a replica that exits this often in a row before it answers is not started again
@@ -76,7 +88,9 @@ class Instance:
     epoch: str = ""
     last: int = 0  # the last block event read
     blocks: set = field(default_factory=set)  # hashes (hex) of the blocks its prefix cache holds
-    pending: Dict[str, float] = field(default_factory=dict)  # hashes of prompts routed there: until when they count
+    pending: Dict[str, float] = field(
+        default_factory=dict
+    )  # hashes of prompts routed there: until when they count
     tokens_per_block: int = 0
     model: str = ""  # model digest: migration needs the same on both sides
     kv_cache_dtype: str = ""
@@ -85,8 +99,16 @@ class Instance:
     inflight: int = 0  # sub-requests this front streams from it now
     failed_polls: int = 0
     crashes: int = 0  # times in a row its process exited before it answered
-    counters: Dict[str, int] = field(default_factory=lambda: dict(
-        requests=0, prompt_tokens=0, cached_tokens=0, migrations_in=0, migrations_out=0, failovers=0))
+    counters: Dict[str, int] = field(
+        default_factory=lambda: dict(
+            requests=0,
+            prompt_tokens=0,
+            cached_tokens=0,
+            migrations_in=0,
+            migrations_out=0,
+            failovers=0,
+        )
+    )
 
     @property
     def pid(self) -> Optional[int]:
@@ -96,10 +118,17 @@ class Instance:
         return max(float(self.load.get("kv_usage", 0.0)), self.inflight / max(self.max_num_seqs, 1))
 
     def view(self) -> dict:
-        return dict(id=self.id, url=self.url, pid=self.pid, state=self.state, error=self.error,
-                    load=dict(self.load, inflight=self.inflight, score=round(self.score(), 4)),
-                    cached_blocks=len(self.blocks), tokens_per_block=self.tokens_per_block,
-                    counters=dict(self.counters))
+        return dict(
+            id=self.id,
+            url=self.url,
+            pid=self.pid,
+            state=self.state,
+            error=self.error,
+            load=dict(self.load, inflight=self.inflight, score=round(self.score(), 4)),
+            cached_blocks=len(self.blocks),
+            tokens_per_block=self.tokens_per_block,
+            counters=dict(self.counters),
+        )
 
 
 class NoInstance(RuntimeError):
@@ -125,6 +154,7 @@ class ChoiceState:
 @dataclass
 class Attempt:
     """One stream from one instance: the choices (indexes of its sub-request) it carries."""
+
     instance: Instance
     rid: str  # the engine's request id there
     choices: List[int]  # its choice i -> the sub-request's choice choices[i]
@@ -136,13 +166,26 @@ class Attempt:
 class Sub:
     """A client request's prompt ``index``: sent to instances, followed across moves and failures."""
 
-    def __init__(self, router: "Router", rid: str, index: int, path: str, body: dict, ids: List[int], n: int):
-        self.router, self.rid, self.index, self.path, self.body, self.ids = router, rid, index, path, body, ids
+    def __init__(
+        self, router: "Router", rid: str, index: int, path: str, body: dict, ids: List[int], n: int
+    ):
+        self.router, self.rid, self.index, self.path, self.body, self.ids = (
+            router,
+            rid,
+            index,
+            path,
+            body,
+            ids,
+        )
         self.n, self.choices = n, [ChoiceState() for _ in range(n)]
         self.prompt_tokens, self.cached = len(ids), None
         self.attempts: List[Attempt] = []
-        self.queue: asyncio.Queue = asyncio.Queue()  # ("chunk", choice, data) | ("reject" | "error", status, error)
-        self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()  # the instance took it
+        self.queue: asyncio.Queue = (
+            asyncio.Queue()
+        )  # ("chunk", choice, data) | ("reject" | "error", status, error)
+        self.accepted: asyncio.Future = (
+            asyncio.get_running_loop().create_future()
+        )  # the instance took it
         self.tasks: List[asyncio.Task] = []
         self.running = 0  # its tasks still streaming
         self.finished_on: Optional[str] = None
@@ -155,7 +198,9 @@ class Sub:
     def body_for(self, choices: List[int]) -> dict:
         """The request that continues ``choices``: as sent, if none got a token yet; else one
         choice from its prompt plus the tokens it got, for the tokens it may still generate."""
-        b = dict(self.body, stream=True, stream_options={"include_usage": True}, return_token_ids=True)
+        b = dict(
+            self.body, stream=True, stream_options={"include_usage": True}, return_token_ids=True
+        )
         got = [self.choices[c].tokens for c in choices]
         if len(choices) == self.n and not any(got):
             return b
@@ -171,8 +216,12 @@ class Sub:
                 b[name] = max(1, b[name] - len(self.choices[c].tokens))
         if "messages" not in b and b.get("max_tokens") is None:
             b["max_tokens"] = max(1, 16 - len(self.choices[c].tokens))  # /v1/completions' default
-        if b.get("seed") is not None:  # the random stream cannot be recovered: a reproducible new one
-            b["seed"] = random.Random(f"{b['seed']}/{c}/{len(self.choices[c].tokens)}").getrandbits(63)
+        if (
+            b.get("seed") is not None
+        ):  # the random stream cannot be recovered: a reproducible new one
+            b["seed"] = random.Random(f"{b['seed']}/{c}/{len(self.choices[c].tokens)}").getrandbits(
+                63
+            )
         return b
 
     def start(self, choices: List[int], exclude: frozenset = frozenset()) -> None:
@@ -199,7 +248,9 @@ class Sub:
             except NoInstance as e:
                 self.fail("error", 503, e)
                 return
-            attempt = Attempt(inst, f"{self.rid}.{next(self.ids_seq)}" if self.attempts else self.rid, choices)
+            attempt = Attempt(
+                inst, f"{self.rid}.{next(self.ids_seq)}" if self.attempts else self.rid, choices
+            )
             self.attempts.append(attempt)
             try:
                 await self.follow(attempt, self.body_for(choices))
@@ -209,9 +260,16 @@ class Sub:
                 return
             except Full as e:
                 tried.add(attempt.instance.id)
-                if all(i.id in tried for i in r.instances if i.state == "up"):  # every instance is full
-                    self.fail("reject", 429, BadRequest(str(e), 429, code="too_many_requests",
-                                                        headers={"Retry-After": "1"}))
+                if all(
+                    i.id in tried for i in r.instances if i.state == "up"
+                ):  # every instance is full
+                    self.fail(
+                        "reject",
+                        429,
+                        BadRequest(
+                            str(e), 429, code="too_many_requests", headers={"Retry-After": "1"}
+                        ),
+                    )
                     return
             except Failed as e:
                 inst = attempt.instance
@@ -246,14 +304,18 @@ class Sub:
         try:
             url, method, payload = inst.url + self.path, "POST", body
             while True:
-                async with r.open(method, url, payload, {"x-ringkv-request-id": attempt.rid}) as resp:
+                async with r.open(
+                    method, url, payload, {"x-ringkv-request-id": attempt.rid}
+                ) as resp:
                     if resp.status_code >= 400:
                         text = (await resp.aread()).decode(errors="replace")
                         if resp.status_code == 429:
                             raise Full(_rejected(429, text))
                         if resp.status_code < 500:
                             raise _rejected(resp.status_code, text)
-                        raise Failed(f"instance {inst.id} answered {resp.status_code}: {text[:200]}")
+                        raise Failed(
+                            f"instance {inst.id} answered {resp.status_code}: {text[:200]}"
+                        )
                     if not self.accepted.done():
                         self.accepted.set_result(inst.id)
                     await self.read(attempt, resp)
@@ -292,7 +354,9 @@ class Sub:
                 continue
             if ev.get("usage") and not ev.get("choices"):
                 if self.cached is None or attempt.rid != self.rid:  # the latest stream's count
-                    cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    cached = (ev["usage"].get("prompt_tokens_details") or {}).get(
+                        "cached_tokens", 0
+                    )
                     self.cached = min(cached, self.prompt_tokens)
                 continue
             for c in ev.get("choices", []):
@@ -300,7 +364,9 @@ class Sub:
                     continue  # a chat stream's opening chunk: the front sends its own
                 index = attempt.choices[c["index"]] if c["index"] < len(attempt.choices) else None
                 if index is None:
-                    raise Failed(f"instance {attempt.instance.id} streamed an unknown choice {c['index']}")
+                    raise Failed(
+                        f"instance {attempt.instance.id} streamed an unknown choice {c['index']}"
+                    )
                 state = self.choices[index]
                 if state.finish_reason is not None:
                     continue
@@ -309,8 +375,9 @@ class Sub:
                     state.finish_reason = c["finish_reason"]
                     self.finished_on = attempt.instance.id
                 await self.queue.put(("chunk", index, ev | {"choices": [c]}))
-        if attempt.moved_to is None and (not done or any(self.choices[c].finish_reason is None
-                                                          for c in attempt.choices)):
+        if attempt.moved_to is None and (
+            not done or any(self.choices[c].finish_reason is None for c in attempt.choices)
+        ):
             raise Failed(f"instance {attempt.instance.id}: the stream ended early")
 
 
@@ -329,26 +396,48 @@ def _httpx():
 
 
 class Router:
-    def __init__(self, *, routing: str = "kv", migration: bool = True, threshold: float = 0.1,
-                 balance: int = 16, admin: bool = False, admin_key: Optional[str] = None,
-                 upstream_key: Optional[str] = None, restart: bool = True, api_key: Optional[str] = None,
-                 protect_metrics: bool = False):
+    def __init__(
+        self,
+        *,
+        routing: str = "kv",
+        migration: bool = True,
+        threshold: float = 0.1,
+        balance: int = 16,
+        admin: bool = False,
+        admin_key: Optional[str] = None,
+        upstream_key: Optional[str] = None,
+        restart: bool = True,
+        api_key: Optional[str] = None,
+        protect_metrics: bool = False,
+    ):
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
         if not threshold > 0:
             raise ValueError(f"the migration threshold must be > 0, got {threshold!r}")
         if balance < 0:
             raise ValueError(f"balance must be >= 0, got {balance!r}")
-        self.routing, self.migration, self.threshold, self.balance = routing, migration, threshold, balance
+        self.routing, self.migration, self.threshold, self.balance = (
+            routing,
+            migration,
+            threshold,
+            balance,
+        )
         self.admin, self.admin_key = admin or admin_key is not None, admin_key
         self.upstream_key, self.restart = upstream_key, restart
-        self.api_key, self.protect_metrics = api_key, protect_metrics  # the clients', also sent to the instances
+        self.api_key, self.protect_metrics = (
+            api_key,
+            protect_metrics,
+        )  # the clients', also sent to the instances
         self.instances: List[Instance] = []
         self.by_id: Dict[str, Instance] = {}
-        self.subs: Dict[str, List[Sub]] = {}  # client request id -> its sub-requests (while running)
+        self.subs: Dict[
+            str, List[Sub]
+        ] = {}  # client request id -> its sub-requests (while running)
         self.rr = itertools.count()
         self.client = None
-        self.counters = dict(migrations=0, migration_failures=0, auto_migrations=0, requests=0, failed_requests=0)
+        self.counters = dict(
+            migrations=0, migration_failures=0, auto_migrations=0, requests=0, failed_requests=0
+        )
         self.tasks: List[asyncio.Task] = []
         self.moving: set = set()  # instances a migration is leaving from now
         self.rebalancing: Optional[asyncio.Task] = None
@@ -382,7 +471,9 @@ class Router:
         if inst.proc is not None and inst.proc.poll() is not None:
             self.down(inst, f"its process exited ({inst.proc.returncode})")
         else:
-            inst.failed_polls = max(inst.failed_polls, DOWN_AFTER - 1)  # the next failed poll marks it down
+            inst.failed_polls = max(
+                inst.failed_polls, DOWN_AFTER - 1
+            )  # the next failed poll marks it down
             inst.error = why
 
     def down(self, inst: Instance, why: str) -> None:
@@ -408,22 +499,39 @@ class Router:
             if inst.state not in ("down", "failed"):
                 if inst.state == "starting":
                     inst.crashes += 1  # exited before it ever answered
-                self.down(inst, f"its process exited ({inst.proc.returncode}): {log_tail(inst.proc)}")
+                self.down(
+                    inst, f"its process exited ({inst.proc.returncode}): {log_tail(inst.proc)}"
+                )
                 if inst.crashes >= MAX_CRASHES:
                     inst.state = "failed"  # e.g. a bad model path: starting it again would not help
-                    print(f"ringkv: instance {inst.id} failed to start {inst.crashes} times; last: {inst.error}",
-                          file=sys.stderr, flush=True)
-            if self.restart and inst.state == "down" and inst.argv is not None \
-                    and time.monotonic() - inst.proc.started > RESTART_AFTER:
+                    print(
+                        f"ringkv: instance {inst.id} failed to start {inst.crashes} times; last: {inst.error}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            if (
+                self.restart
+                and inst.state == "down"
+                and inst.argv is not None
+                and time.monotonic() - inst.proc.started > RESTART_AFTER
+            ):
                 inst.proc = start_process(inst.argv, inst.proc.log)
                 inst.state = "starting"
             return
         try:
-            r = await self.client.get(f"{inst.url}/internal/state", params={"after": inst.last, "epoch": inst.epoch},
-                                      headers=self.headers(), timeout=2.0)
+            r = await self.client.get(
+                f"{inst.url}/internal/state",
+                params={"after": inst.last, "epoch": inst.epoch},
+                headers=self.headers(),
+                timeout=2.0,
+            )
             state = r.json()
-            if r.status_code == 503 or state.get("dead"):  # its engine failed (a rank died): it stays so
-                self.down(inst, f"its engine failed: {state.get('dead') or state.get('error')}"[:300])
+            if r.status_code == 503 or state.get(
+                "dead"
+            ):  # its engine failed (a rank died): it stays so
+                self.down(
+                    inst, f"its engine failed: {state.get('dead') or state.get('error')}"[:300]
+                )
                 if inst.proc is not None and inst.proc.poll() is None:
                     inst.proc.terminate()  # a replica of this front: started again once it exited
                 return
@@ -451,14 +559,18 @@ class Router:
 
     async def poll_forever(self) -> None:
         while True:
-            await asyncio.gather(*(self.poll(i) for i in list(self.instances)), return_exceptions=True)
+            await asyncio.gather(
+                *(self.poll(i) for i in list(self.instances)), return_exceptions=True
+            )
             if self.instances and all(i.state == "failed" for i in self.instances):
                 self.fatal = "every instance failed to start"
                 if self.server is not None:
                     self.server.should_exit = True  # the front stops
                 return
             if self.migration and (self.rebalancing is None or self.rebalancing.done()):
-                self.rebalancing = asyncio.create_task(self.rebalance())  # polls go on while it moves
+                self.rebalancing = asyncio.create_task(
+                    self.rebalance()
+                )  # polls go on while it moves
             await asyncio.sleep(POLL_S)
 
     # -- routing ---------------------------------------------------------------------------
@@ -469,7 +581,7 @@ class Router:
         if tpb not in chains:  # the prompt's chain of block hashes at this block size
             out, parent = [], None
             for i in range(len(ids) // tpb):
-                parent = block_hash((parent, tuple(ids[i * tpb:(i + 1) * tpb]), salt))
+                parent = block_hash((parent, tuple(ids[i * tpb : (i + 1) * tpb]), salt))
                 out.append(parent.hex())
             chains[tpb] = out
         n, now = 0, time.monotonic()
@@ -498,7 +610,9 @@ class Router:
         chains: dict = {}
         least = min(i.inflight for i in up)
         fair = [i for i in up if i.inflight <= least + self.balance] or up
-        best = max(fair, key=lambda i: (self.cached_tokens(i, ids, salt, chains), -i.score(), -i.inflight))
+        best = max(
+            fair, key=lambda i: (self.cached_tokens(i, ids, salt, chains), -i.score(), -i.inflight)
+        )
         self.claim(best, chains)
         return best
 
@@ -510,8 +624,9 @@ class Router:
             try:
                 return choose()
             except NoInstance:
-                coming = self.restart and any(i.proc is not None and i.state in ("starting", "down")
-                                              for i in self.instances)
+                coming = self.restart and any(
+                    i.proc is not None and i.state in ("starting", "down") for i in self.instances
+                )
                 if time.monotonic() > deadline or not coming:
                     raise
                 await asyncio.sleep(0.2)
@@ -519,16 +634,20 @@ class Router:
     async def pick_waiting(self, ids, salt, exclude: frozenset) -> Instance:
         """``pick`` avoiding ``exclude`` (where the request failed), waiting for an instance
         (``when_up``); an excluded one that is up again may take it then."""
+
         def choose():
             nonlocal exclude
             try:
                 return self.pick(ids, salt, exclude)
             except NoInstance:
-                relaxed = frozenset(i for i in exclude if self.by_id.get(i) and self.by_id[i].state != "up")
+                relaxed = frozenset(
+                    i for i in exclude if self.by_id.get(i) and self.by_id[i].state != "up"
+                )
                 if relaxed == exclude:
                     raise
                 exclude = relaxed
                 return self.pick(ids, salt, exclude)
+
         return await self.when_up(choose)
 
     async def tokenize(self, prompt, chat: bool) -> List[int]:
@@ -538,7 +657,9 @@ class Router:
         for _ in range(3):
             inst = await self.when_up(self.pick_tokenizer)
             try:
-                r = await self.client.post(inst.url + "/tokenize", json=payload, headers=self.headers(), timeout=30.0)
+                r = await self.client.post(
+                    inst.url + "/tokenize", json=payload, headers=self.headers(), timeout=30.0
+                )
             except _httpx().HTTPError as e:
                 self.lost(inst, f"{type(e).__name__}: {e}")
                 continue
@@ -555,8 +676,13 @@ class Router:
 
     # -- migration -------------------------------------------------------------------------
     def attempts_on(self, inst: Instance) -> List[tuple]:
-        return [(sub, a) for subs in self.subs.values() for sub in subs for a in sub.attempts
-                if a.live and a.instance is inst and len(a.choices) == 1 and a.moved_to is None]
+        return [
+            (sub, a)
+            for subs in self.subs.values()
+            for sub in subs
+            for a in sub.attempts
+            if a.live and a.instance is inst and len(a.choices) == 1 and a.moved_to is None
+        ]
 
     async def migrate(self, sub: Sub, attempt: Attempt, target: Instance) -> dict:
         src = attempt.instance
@@ -565,17 +691,31 @@ class Router:
         if target.state != "up":
             raise BadRequest(f"instance {target.id} is {target.state}", 409, "to")
         if (target.model, target.kv_cache_dtype) != (src.model, src.kv_cache_dtype):
-            raise BadRequest(f"instances {src.id} and {target.id} run another model or KV cache dtype", 409, "to")
+            raise BadRequest(
+                f"instances {src.id} and {target.id} run another model or KV cache dtype", 409, "to"
+            )
         self.moving.add(src.id)
         try:
             host = urlparse(target.url).hostname
-            r = await self.client.post(f"{target.url}/internal/accept", json={"host": host},
-                                       headers=self.headers(), timeout=30.0)
+            r = await self.client.post(
+                f"{target.url}/internal/accept",
+                json={"host": host},
+                headers=self.headers(),
+                timeout=30.0,
+            )
             if r.status_code != 200:
                 raise _rejected(r.status_code, r.text)
-            r = await self.client.post(f"{src.url}/internal/migrate", headers=self.headers(), timeout=120.0,
-                                       json={"request_id": attempt.rid, "host": host, "port": r.json()["port"],
-                                             "to": target.id})
+            r = await self.client.post(
+                f"{src.url}/internal/migrate",
+                headers=self.headers(),
+                timeout=120.0,
+                json={
+                    "request_id": attempt.rid,
+                    "host": host,
+                    "port": r.json()["port"],
+                    "to": target.id,
+                },
+            )
             if r.status_code != 200:
                 self.counters["migration_failures"] += 1
                 raise _rejected(r.status_code, r.text)
@@ -593,7 +733,11 @@ class Router:
         if len(up) < 2:
             return
         src = max(up, key=Instance.score)
-        peers = [i for i in up if i is not src and (i.model, i.kv_cache_dtype) == (src.model, src.kv_cache_dtype)]
+        peers = [
+            i
+            for i in up
+            if i is not src and (i.model, i.kv_cache_dtype) == (src.model, src.kv_cache_dtype)
+        ]
         if not peers:
             return
         dst = min(peers, key=Instance.score)
@@ -603,12 +747,19 @@ class Router:
 
         def left(item):  # tokens the request may still generate
             sub, a = item
-            return (sub.body.get("max_tokens") or sub.body.get("max_completion_tokens") or 1 << 30) - \
-                len(sub.choices[a.choices[0]].tokens)
+            return (
+                sub.body.get("max_tokens") or sub.body.get("max_completion_tokens") or 1 << 30
+            ) - len(sub.choices[a.choices[0]].tokens)
+
         now = time.monotonic()
-        movable = [(sub, a) for sub, a in self.attempts_on(src) if sub.choices[a.choices[0]].tokens
-                   and sub.choices[a.choices[0]].finish_reason is None and left((sub, a)) >= MIN_LEFT
-                   and now - a.moved_at > MOVE_EVERY]
+        movable = [
+            (sub, a)
+            for sub, a in self.attempts_on(src)
+            if sub.choices[a.choices[0]].tokens
+            and sub.choices[a.choices[0]].finish_reason is None
+            and left((sub, a)) >= MIN_LEFT
+            and now - a.moved_at > MOVE_EVERY
+        ]
         if not movable:
             return
         sub, a = max(movable, key=left)  # the one with the most left to generate moves
@@ -624,35 +775,97 @@ class Router:
         def family(name, kind, help, values):
             lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
             lines.extend(f'{name}{{instance="{i.id}"}} {values(i)}' for i in self.instances)
-        family("ringkv_router_instance_up", "gauge", "1 if the instance is up.", lambda i: int(i.state == "up"))
-        family("ringkv_router_requests_running", "gauge", "Requests the instance computes.",
-               lambda i: i.load.get("running", 0))
-        family("ringkv_router_requests_waiting", "gauge", "Requests waiting in the instance.",
-               lambda i: i.load.get("waiting", 0))
-        family("ringkv_router_requests_inflight", "gauge", "Sub-requests the router streams from the instance.",
-               lambda i: i.inflight)
-        family("ringkv_router_kv_cache_usage_ratio", "gauge", "Fraction of the instance's KV blocks in use.",
-               lambda i: f"{float(i.load.get('kv_usage', 0.0)):.6f}")
-        family("ringkv_router_cached_blocks", "gauge", "Prefix blocks the router's index holds for the instance.",
-               lambda i: len(i.blocks))
-        family("ringkv_router_requests_total", "counter", "Sub-requests sent to the instance.",
-               lambda i: i.counters["requests"])
-        family("ringkv_router_prompt_tokens_total", "counter", "Prompt tokens of requests the instance finished.",
-               lambda i: i.counters["prompt_tokens"])
-        family("ringkv_router_prefix_hit_tokens_total", "counter",
-               "Prompt tokens the instance served from its prefix cache.", lambda i: i.counters["cached_tokens"])
-        family("ringkv_router_migrations_in_total", "counter", "Requests migrated to the instance.",
-               lambda i: i.counters["migrations_in"])
-        family("ringkv_router_migrations_out_total", "counter", "Requests migrated off the instance.",
-               lambda i: i.counters["migrations_out"])
-        family("ringkv_router_failovers_total", "counter", "Streams of the instance that broke and went on elsewhere.",
-               lambda i: i.counters["failovers"])
-        lines += ["# HELP ringkv_router_auto_migration 1 if load-balancing migration is on.",
-                  "# TYPE ringkv_router_auto_migration gauge", f"ringkv_router_auto_migration {int(self.migration)}",
-                  "# TYPE ringkv_router_migration_threshold gauge",
-                  f"ringkv_router_migration_threshold {self.threshold}"]
-        for k in ("migrations", "migration_failures", "auto_migrations", "requests", "failed_requests"):
-            lines += [f"# TYPE ringkv_router_{k}_total counter", f"ringkv_router_{k}_total {self.counters[k]}"]
+
+        family(
+            "ringkv_router_instance_up",
+            "gauge",
+            "1 if the instance is up.",
+            lambda i: int(i.state == "up"),
+        )
+        family(
+            "ringkv_router_requests_running",
+            "gauge",
+            "Requests the instance computes.",
+            lambda i: i.load.get("running", 0),
+        )
+        family(
+            "ringkv_router_requests_waiting",
+            "gauge",
+            "Requests waiting in the instance.",
+            lambda i: i.load.get("waiting", 0),
+        )
+        family(
+            "ringkv_router_requests_inflight",
+            "gauge",
+            "Sub-requests the router streams from the instance.",
+            lambda i: i.inflight,
+        )
+        family(
+            "ringkv_router_kv_cache_usage_ratio",
+            "gauge",
+            "Fraction of the instance's KV blocks in use.",
+            lambda i: f"{float(i.load.get('kv_usage', 0.0)):.6f}",
+        )
+        family(
+            "ringkv_router_cached_blocks",
+            "gauge",
+            "Prefix blocks the router's index holds for the instance.",
+            lambda i: len(i.blocks),
+        )
+        family(
+            "ringkv_router_requests_total",
+            "counter",
+            "Sub-requests sent to the instance.",
+            lambda i: i.counters["requests"],
+        )
+        family(
+            "ringkv_router_prompt_tokens_total",
+            "counter",
+            "Prompt tokens of requests the instance finished.",
+            lambda i: i.counters["prompt_tokens"],
+        )
+        family(
+            "ringkv_router_prefix_hit_tokens_total",
+            "counter",
+            "Prompt tokens the instance served from its prefix cache.",
+            lambda i: i.counters["cached_tokens"],
+        )
+        family(
+            "ringkv_router_migrations_in_total",
+            "counter",
+            "Requests migrated to the instance.",
+            lambda i: i.counters["migrations_in"],
+        )
+        family(
+            "ringkv_router_migrations_out_total",
+            "counter",
+            "Requests migrated off the instance.",
+            lambda i: i.counters["migrations_out"],
+        )
+        family(
+            "ringkv_router_failovers_total",
+            "counter",
+            "Streams of the instance that broke and went on elsewhere.",
+            lambda i: i.counters["failovers"],
+        )
+        lines += [
+            "# HELP ringkv_router_auto_migration 1 if load-balancing migration is on.",
+            "# TYPE ringkv_router_auto_migration gauge",
+            f"ringkv_router_auto_migration {int(self.migration)}",
+            "# TYPE ringkv_router_migration_threshold gauge",
+            f"ringkv_router_migration_threshold {self.threshold}",
+        ]
+        for k in (
+            "migrations",
+            "migration_failures",
+            "auto_migrations",
+            "requests",
+            "failed_requests",
+        ):
+            lines += [
+                f"# TYPE ringkv_router_{k}_total counter",
+                f"ringkv_router_{k}_total {self.counters[k]}",
+            ]
         return "\n".join(lines) + "\n"
 
 
@@ -662,8 +875,10 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
-        router.client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None),
-                                          limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64))
+        router.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(30.0, read=None),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
+        )
         router.tasks.append(asyncio.create_task(router.poll_forever()))
         try:
             yield
@@ -676,11 +891,15 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
 
     @app.middleware("http")
     async def keyed(request: Request, call_next):
-        return refused_key(request, router.api_key, router.protect_metrics) or await call_next(request)
+        return refused_key(request, router.api_key, router.protect_metrics) or await call_next(
+            request
+        )
 
     @app.exception_handler(BadRequest)
     async def bad_request(_, e: BadRequest):
-        return JSONResponse(error_body(str(e), e.status, e.param, e.code), status_code=e.status, headers=e.headers)
+        return JSONResponse(
+            error_body(str(e), e.status, e.param, e.code), status_code=e.status, headers=e.headers
+        )
 
     @app.exception_handler(NoInstance)
     async def no_instance(_, e: NoInstance):
@@ -729,7 +948,9 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
             raise BadRequest(f"n must be an int in [1, 128], got {n!r:.80}", param="n")
         if chat:
             if not isinstance(body.get("messages"), list):
-                raise BadRequest("messages must be a non-empty list of {role, content} objects", param="messages")
+                raise BadRequest(
+                    "messages must be a non-empty list of {role, content} objects", param="messages"
+                )
             prompts = [body["messages"]]
         else:
             prompts = completion_prompts(body.get("prompt"))
@@ -753,8 +974,11 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
         headers = {"x-ringkv-instance": first[0]}
         model = body.get("model")
         if stream:
-            return StreamingResponse(events(rid, subs, chat, n, model, bool(options.get("include_usage")), want_ids),
-                                     media_type="text/event-stream", headers=headers)
+            return StreamingResponse(
+                events(rid, subs, chat, n, model, bool(options.get("include_usage")), want_ids),
+                media_type="text/event-stream",
+                headers=headers,
+            )
         work = asyncio.ensure_future(collect(rid, subs, chat, n, model, want_ids))
         try:
             while not (await asyncio.wait({work}, timeout=0.5))[0]:
@@ -781,8 +1005,12 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
             if inst is not None:
                 inst.counters["prompt_tokens"] += s.prompt_tokens
                 inst.counters["cached_tokens"] += s.cached or 0
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     async def merged(subs: List[Sub]):
         """``(sub, kind, choice, data)`` from every sub until each has ended."""
@@ -811,22 +1039,51 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices, **extra) -> str:
-            return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
-                                          "choices": choices, **extra}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps(
+                    {
+                        "id": rid,
+                        "object": kind,
+                        "created": created,
+                        "model": model,
+                        "choices": choices,
+                        **extra,
+                    }
+                )
+                + "\n\n"
+            )
+
         try:
             if chat:
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(len(subs) * n)])
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for i in range(len(subs) * n)
+                    ]
+                )
             async for s, what, choice, data in merged(subs):
                 if what != "chunk":
                     router.counters["failed_requests"] += 1
                     msg = str(data)
-                    yield "data: " + json.dumps(error_body(msg, getattr(data, "status", 503))) + "\n\n"
+                    yield (
+                        "data: "
+                        + json.dumps(error_body(msg, getattr(data, "status", 503)))
+                        + "\n\n"
+                    )
                     break
                 model = model or data.get("model")
                 c = visible(dict(data["choices"][0], index=s.index * n + choice), want_ids)
-                extra = {"prompt_token_ids": data["prompt_token_ids"]} if want_ids and "prompt_token_ids" in data \
-                    and choice == 0 else {}
+                extra = (
+                    {"prompt_token_ids": data["prompt_token_ids"]}
+                    if want_ids and "prompt_token_ids" in data and choice == 0
+                    else {}
+                )
                 yield chunk([c], **extra)
             else:
                 if include_usage:
@@ -846,19 +1103,33 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
                 raise NoInstance(str(data))
             model = model or data.get("model")
             c, state = data["choices"][0], s.choices[choice]
-            state.text += (c.get("delta") or {}).get("content") or "" if chat else c.get("text") or ""
+            state.text += (
+                (c.get("delta") or {}).get("content") or "" if chat else c.get("text") or ""
+            )
             lp = c.get("logprobs")
             if lp:
                 if state.logprobs is None:
-                    state.logprobs = {"content": []} if chat else {"tokens": [], "token_logprobs": [],
-                                                                  "top_logprobs": [], "text_offset": []}
+                    state.logprobs = (
+                        {"content": []}
+                        if chat
+                        else {
+                            "tokens": [],
+                            "token_logprobs": [],
+                            "top_logprobs": [],
+                            "text_offset": [],
+                        }
+                    )
                 for k, v in lp.items():
                     if isinstance(v, list):
                         state.logprobs.setdefault(k, []).extend(v)
         out = []
         for s in subs:
             for i, ch in enumerate(s.choices):
-                c = {"index": s.index * n + i, "logprobs": ch.logprobs, "finish_reason": ch.finish_reason}
+                c = {
+                    "index": s.index * n + i,
+                    "logprobs": ch.logprobs,
+                    "finish_reason": ch.finish_reason,
+                }
                 if chat:
                     c["message"] = {"role": "assistant", "content": ch.text}
                 else:
@@ -866,15 +1137,25 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
                 if want_ids:
                     c["token_ids"] = ch.tokens
                 out.append(c)
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model, "choices": out, "usage": account(subs)}
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": out,
+            "usage": account(subs),
+        }
 
     # -- admin -----------------------------------------------------------------------------
     @app.get("/admin/instances")
     async def instances(request: Request):
         check_admin(request, router.admin, router.admin_key)
-        return {"instances": [i.view() for i in router.instances], "routing": router.routing,
-                "migration": router.migration, "threshold": router.threshold}
+        return {
+            "instances": [i.view() for i in router.instances],
+            "routing": router.routing,
+            "migration": router.migration,
+            "threshold": router.threshold,
+        }
 
     @app.post("/admin/instances")
     async def join(request: Request):
@@ -882,8 +1163,12 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
         check_admin(request, router.admin, router.admin_key)
         body = await body_of(request)
         url, id = body.get("url"), body.get("id")
-        if not isinstance(url, str) or (id is not None and not (isinstance(id, str) and 0 < len(id) <= 64)):
-            raise BadRequest("join takes url (http://host:port) and an optional id (a string)", param="url")
+        if not isinstance(url, str) or (
+            id is not None and not (isinstance(id, str) and 0 < len(id) <= 64)
+        ):
+            raise BadRequest(
+                "join takes url (http://host:port) and an optional id (a string)", param="url"
+            )
         try:
             inst = router.add(url, id)
         except ValueError as e:
@@ -924,7 +1209,11 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
             raise BadRequest(f"no instance {to!r}", 404, "to")
         moved = []
         for s in subs:
-            running = [a for a in s.attempts if a.live and a.moved_to is None and not s.done and a.instance is not target]
+            running = [
+                a
+                for a in s.attempts
+                if a.live and a.moved_to is None and not s.done and a.instance is not target
+            ]
             for a in running:
                 if len(a.choices) != 1:
                     raise BadRequest("only requests with n = 1 can migrate", 409, "request_id")
@@ -945,7 +1234,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):  # Linux: a replica goes when the front goes, even on SIGKILL
+    with contextlib.suppress(
+        Exception
+    ):  # Linux: a replica goes when the front goes, even on SIGKILL
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -962,13 +1253,22 @@ def log_tail(proc, n: int = 400) -> str:
 
 def start_process(argv: List[str], log) -> subprocess.Popen:
     env = dict(os.environ)
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+    )
     proc.log, proc.started = log, time.monotonic()
     return proc
 
 
-def run(router: Router, *, host: str, port: int, log_level: str = "warning", replicas: Optional[List[List[str]]] = None,
-        max_request_bytes: Optional[int] = None) -> None:
+def run(
+    router: Router,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    replicas: Optional[List[List[str]]] = None,
+    max_request_bytes: Optional[int] = None,
+) -> None:
     """Serve the front until interrupted; ``replicas``: the ``ringkv serve`` argument lists of
     the instances to start here (each then gets ``--port``, ``--instance-id`` and the key)."""
     import uvicorn
@@ -979,8 +1279,19 @@ def run(router: Router, *, host: str, port: int, log_level: str = "warning", rep
     try:
         for i, extra in enumerate(replicas or []):
             p = free_port()
-            argv = [sys.executable, "-m", "ringkv", "serve", *extra, "--host", "127.0.0.1", "--port", str(p),
-                    "--instance-id", f"r{i}"]
+            argv = [
+                sys.executable,
+                "-m",
+                "ringkv",
+                "serve",
+                *extra,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(p),
+                "--instance-id",
+                f"r{i}",
+            ]
             log = open(os.path.join(logs, f"r{i}.log"), "ab")
             os.environ["RINGKV_ADMIN_KEY"] = key  # the replicas read it (not on their command line)
             if router.api_key is not None:
@@ -989,9 +1300,15 @@ def run(router: Router, *, host: str, port: int, log_level: str = "warning", rep
             procs.append(proc)
             router.add(f"http://127.0.0.1:{p}", f"r{i}", proc=proc, argv=argv)
         if replicas:
-            print(f"ringkv: {len(replicas)} replicas starting (logs in {logs})", file=sys.stderr, flush=True)
+            print(
+                f"ringkv: {len(replicas)} replicas starting (logs in {logs})",
+                file=sys.stderr,
+                flush=True,
+            )
         app = build_router_app(router, max_request_bytes or 16 << 20)
-        router.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+        router.server = uvicorn.Server(
+            uvicorn.Config(app, host=host, port=port, log_level=log_level)
+        )
         router.server.run()
     finally:
         for inst in router.instances:

@@ -9,6 +9,24 @@ from .ring import RingAttention, RingStats, ring_attention
 from .ulysses import ulysses_attention
 from .usp import sp_groups, usp_attention
 
-__all__ = ["LocalComm", "RingComm", "RingTimeoutError", "LAYOUTS", "chunks", "positions", "shard", "unshard",
-           "usp_chunks", "merge", "merge_", "RingAttention", "RingStats", "ring_attention", "ulysses_attention",
-           "usp_attention", "allgather_attention", "sp_groups", "CommStats"]
+__all__ = [
+    "LocalComm",
+    "RingComm",
+    "RingTimeoutError",
+    "LAYOUTS",
+    "chunks",
+    "positions",
+    "shard",
+    "unshard",
+    "usp_chunks",
+    "merge",
+    "merge_",
+    "RingAttention",
+    "RingStats",
+    "ring_attention",
+    "ulysses_attention",
+    "usp_attention",
+    "allgather_attention",
+    "sp_groups",
+    "CommStats",
+]

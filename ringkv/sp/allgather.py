@@ -36,13 +36,20 @@ last_stats = CommStats("allgather")
 class _Plan:
     """Who holds what: this rank's query ranges and every rank's K/V chunk ranges."""
 
-    def __init__(self, s_local: int, layout: str, rank: int, world: int, n_chunks: int, window=NO_WINDOW):
+    def __init__(
+        self, s_local: int, layout: str, rank: int, world: int, n_chunks: int, window=NO_WINDOW
+    ):
         self.window = window
         self.rank, self.world = rank, world
         ranges = [layout_chunks(s_local * world, layout, r, world) for r in range(world)]
         self.q = list(ranges[rank])
-        self.bounds = [c * s_local // n_chunks for c in range(n_chunks + 1)]  # local rows of chunk c
-        self.k = [[cut(ranges[src], lo, hi) for src in range(world)] for lo, hi in zip(self.bounds, self.bounds[1:])]
+        self.bounds = [
+            c * s_local // n_chunks for c in range(n_chunks + 1)
+        ]  # local rows of chunk c
+        self.k = [
+            [cut(ranges[src], lo, hi) for src in range(world)]
+            for lo, hi in zip(self.bounds, self.bounds[1:])
+        ]
 
     def rows(self, c: int) -> slice:
         return slice(self.bounds[c], self.bounds[c + 1])
@@ -80,15 +87,25 @@ def _forward(q, k, v, scale, causal, p: _Plan, group, timeout, backend, softcap=
             pending = _gather(kv, p, c + 1, group, timeout)
         for src, blk in _blocks(kv, p, c, current):
             for qs, ks, mask in plan(p.q, p.k[c][src], causal, p.window):
-                kernels.block_forward_into(out[:, qs], lse[:, :, qs], q[:, qs], blk[0][:, ks, :, :d],
-                                           blk[1][:, ks, :, :dv], scale=scale, mask=mask, backend=backend,
-                                           softcap=softcap)
+                kernels.block_forward_into(
+                    out[:, qs],
+                    lse[:, :, qs],
+                    q[:, qs],
+                    blk[0][:, ks, :, :d],
+                    blk[1][:, ks, :, :dv],
+                    scale=scale,
+                    mask=mask,
+                    backend=backend,
+                    softcap=softcap,
+                )
     global last_stats
     last_stats = CommStats("allgather", sent)
     return out.to(q.dtype), lse
 
 
-def _backward(dout, dlse, q, k, v, out, lse, scale, causal, p: _Plan, group, timeout, backend, softcap=None):
+def _backward(
+    dout, dlse, q, k, v, out, lse, scale, causal, p: _Plan, group, timeout, backend, softcap=None
+):
     d, dv = k.shape[-1], v.shape[-1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = _message(k, v)
@@ -98,23 +115,54 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, p: _Plan, group, tim
         if c + 1 < len(p.k):
             pending = _gather(kv, p, c + 1, group, timeout)
         own = kv[:, :, p.rows(c)]
-        dkv = torch.zeros((p.world, *own.shape), dtype=torch.float32, device=q.device)  # every rank's chunk c
+        dkv = torch.zeros(
+            (p.world, *own.shape), dtype=torch.float32, device=q.device
+        )  # every rank's chunk c
         for src, blk in _blocks(kv, p, c, current):
             for qs, ks, mask in plan(p.q, p.k[c][src], causal, p.window):
                 kernels.block_backward_into(
-                    dq[:, qs], dkv[src, 0][:, ks, :, :d], dkv[src, 1][:, ks, :, :dv], dout[:, qs], q[:, qs],
-                    blk[0][:, ks, :, :d], blk[1][:, ks, :, :dv], out[:, qs], lse[:, :, qs], scale=scale, mask=mask,
-                    dlse=None if dlse is None else dlse[:, :, qs], backend=backend, softcap=softcap)
-        reduces.append(start_reduce_scatter(dkv, group, timeout, "allgather_attention"))  # back to the owners
-    mine = torch.cat([r.wait() for r in reduces], dim=2)  # (2, B, S_l, Hkv, max(D, Dv)): this rank's dK/dV, summed
+                    dq[:, qs],
+                    dkv[src, 0][:, ks, :, :d],
+                    dkv[src, 1][:, ks, :, :dv],
+                    dout[:, qs],
+                    q[:, qs],
+                    blk[0][:, ks, :, :d],
+                    blk[1][:, ks, :, :dv],
+                    out[:, qs],
+                    lse[:, :, qs],
+                    scale=scale,
+                    mask=mask,
+                    dlse=None if dlse is None else dlse[:, :, qs],
+                    backend=backend,
+                    softcap=softcap,
+                )
+        reduces.append(
+            start_reduce_scatter(dkv, group, timeout, "allgather_attention")
+        )  # back to the owners
+    mine = torch.cat(
+        [r.wait() for r in reduces], dim=2
+    )  # (2, B, S_l, Hkv, max(D, Dv)): this rank's dK/dV, summed
     return dq.to(q.dtype), mine[0, ..., :d].to(k.dtype), mine[1, ..., :dv].to(v.dtype)
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                        group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
-                        softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
-                        timeout: Optional[timedelta] = None, check: bool = True, chunks: int = 2,
-                        window=NO_WINDOW, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
+def allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    group: Optional[dist.ProcessGroup] = None,
+    layout: str = "zigzag",
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    timeout: Optional[timedelta] = None,
+    check: bool = True,
+    chunks: int = 2,
+    window=NO_WINDOW,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+):
     """Exact attention of this rank's query shard over the whole sequence, by all-gathering K/V.
 
     Args:
@@ -133,15 +181,28 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         Differentiable w.r.t. q, k, v (and sinks).
     """
     rank, n = rank_world(group)
-    scale, softcap = check_inputs(q, k, v, causal, layout, softmax_scale, backend, n, softcap=softcap, sinks=sinks)
+    scale, softcap = check_inputs(
+        q, k, v, causal, layout, softmax_scale, backend, n, softcap=softcap, sinks=sinks
+    )
     window = check_window(window)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive int, got {chunks!r}")
     n_chunks = min(chunks, q.shape[1])
     if check and n > 1:
-        names, values = call_values(q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks)
-        agree_once(values + [n_chunks], names + ["chunks"], group, timeout, "allgather_attention", q.device)
+        names, values = call_values(
+            q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks
+        )
+        agree_once(
+            values + [n_chunks], names + ["chunks"], group, timeout, "allgather_attention", q.device
+        )
     p = _Plan(q.shape[1], layout, rank, n, n_chunks, window)
-    out, lse = kernels.run_differentiable(_forward, _backward, q, k, v,
-                                          (scale, causal, p, group, timeout, backend, softcap), sinks=sinks)
+    out, lse = kernels.run_differentiable(
+        _forward,
+        _backward,
+        q,
+        k,
+        v,
+        (scale, causal, p, group, timeout, backend, softcap),
+        sinks=sinks,
+    )
     return (out, lse) if return_lse else out

@@ -18,8 +18,20 @@ import torch.distributed as dist
 
 from .comm import DEFAULT_TIMEOUT, RingTimeoutError
 
-__all__ = ["rank_world", "all_gather", "all_sum", "all_reduce_", "wait", "agree", "agree_once", "all_to_all", "Pending",
-           "start_all_gather", "start_reduce_scatter", "CommStats"]
+__all__ = [
+    "rank_world",
+    "all_gather",
+    "all_sum",
+    "all_reduce_",
+    "wait",
+    "agree",
+    "agree_once",
+    "all_to_all",
+    "Pending",
+    "start_all_gather",
+    "start_reduce_scatter",
+    "CommStats",
+]
 
 
 def rank_world(group: Optional[dist.ProcessGroup] = None) -> tuple:
@@ -34,12 +46,15 @@ def wait(work, x: torch.Tensor, timeout: Optional[timedelta], what: str) -> None
         work.wait(timeout) if x.device.type == "cpu" else work.wait()
     except RuntimeError as e:
         rank, world = rank_world()
-        raise RingTimeoutError(f"{what}: rank {rank} got no answer from its peers within "
-                               f"{timeout.total_seconds():.0f}s (a peer died, hangs or called something else): {e}") from e
+        raise RingTimeoutError(
+            f"{what}: rank {rank} got no answer from its peers within "
+            f"{timeout.total_seconds():.0f}s (a peer died, hangs or called something else): {e}"
+        ) from e
 
 
-def all_gather(x: torch.Tensor, group=None, timeout: Optional[timedelta] = None,
-               what: str = "all_gather") -> List[torch.Tensor]:
+def all_gather(
+    x: torch.Tensor, group=None, timeout: Optional[timedelta] = None, what: str = "all_gather"
+) -> List[torch.Tensor]:
     """Every rank's ``x`` (same shape and dtype on every rank), in group rank order."""
     rank, world = rank_world(group)
     if world == 1:
@@ -50,21 +65,31 @@ def all_gather(x: torch.Tensor, group=None, timeout: Optional[timedelta] = None,
     return parts
 
 
-def all_sum(x: torch.Tensor, group=None, timeout: Optional[timedelta] = None, what: str = "all_reduce") -> torch.Tensor:
+def all_sum(
+    x: torch.Tensor, group=None, timeout: Optional[timedelta] = None, what: str = "all_reduce"
+) -> torch.Tensor:
     """The sum of ``x`` over the group (a new tensor; not differentiable)."""
     rank, world = rank_world(group)
     x = x.detach().clone().contiguous()
     return x if world == 1 else all_reduce_(x, group, timeout, what)
 
 
-def all_reduce_(x: torch.Tensor, group, timeout: Optional[timedelta] = None, what: str = "all_reduce") -> torch.Tensor:
+def all_reduce_(
+    x: torch.Tensor, group, timeout: Optional[timedelta] = None, what: str = "all_reduce"
+) -> torch.Tensor:
     """Sum ``x`` over ``group`` in place (bounded like every wait here); returns ``x``."""
     wait(dist.all_reduce(x, group=group, async_op=True), x, timeout, what)
     return x
 
 
-def agree(values: Sequence[int], names: Sequence[str], group=None, timeout: Optional[timedelta] = None,
-          what: str = "ringkv", device=None) -> None:
+def agree(
+    values: Sequence[int],
+    names: Sequence[str],
+    group=None,
+    timeout: Optional[timedelta] = None,
+    what: str = "ringkv",
+    device=None,
+) -> None:
     """Raise ``ValueError`` on every rank unless all ranks pass the same ``values`` (one tiny all-gather).
 
     ``group`` may be a list of groups that together connect the ranks (the two axes of a 2D
@@ -72,11 +97,13 @@ def agree(values: Sequence[int], names: Sequence[str], group=None, timeout: Opti
     so every rank of the mesh raises, not only those of the group that disagrees.
     """
     problem = None
-    for g in (group if isinstance(group, (list, tuple)) else [group]):
+    for g in group if isinstance(group, (list, tuple)) else [group]:
         rank, world = rank_world(g)
         if world == 1:
             continue
-        mine = torch.tensor([int(v) for v in values] + [problem is not None], dtype=torch.int64, device=device)
+        mine = torch.tensor(
+            [int(v) for v in values] + [problem is not None], dtype=torch.int64, device=device
+        )
         for r, theirs in enumerate(all_gather(mine, g, timeout, what)):
             diff = [n for n, a, b in zip(names, mine.tolist(), theirs.tolist()) if a != b]
             if diff and problem is None:
@@ -84,16 +111,26 @@ def agree(values: Sequence[int], names: Sequence[str], group=None, timeout: Opti
             if theirs[-1] and problem is None:
                 problem = f"rank {r} saw ranks that disagree (in its other group)"
     if problem:
-        raise ValueError(f"{what}: {problem}; every rank of the "
-                         f"SP group must make the same call (same batch, sequence length, phase and tokens)")
+        raise ValueError(
+            f"{what}: {problem}; every rank of the "
+            f"SP group must make the same call (same batch, sequence length, phase and tokens)"
+        )
 
 
-_AGREED: Dict[tuple, "OrderedDict[tuple, None]"] = {}  # groups -> (what, values) that all ranks agreed on
+_AGREED: Dict[
+    tuple, "OrderedDict[tuple, None]"
+] = {}  # groups -> (what, values) that all ranks agreed on
 AGREED_PER_GROUP = 1024  # remembered configurations per group (least recently used dropped first)
 
 
-def agree_once(values: Sequence[int], names: Sequence[str], group=None, timeout: Optional[timedelta] = None,
-               what: str = "ringkv", device=None) -> bool:
+def agree_once(
+    values: Sequence[int],
+    names: Sequence[str],
+    group=None,
+    timeout: Optional[timedelta] = None,
+    what: str = "ringkv",
+    device=None,
+) -> bool:
     """``agree``, remembered: a call whose ``(group, what, values)`` already agreed makes no
     collective (and no host synchronisation). Returns whether it communicated.
 
@@ -124,6 +161,7 @@ def agree_once(values: Sequence[int], names: Sequence[str], group=None, timeout:
 @dataclass
 class CommStats:
     """What this rank sent to other ranks in its last forward of ``method`` (for benchmarks)."""
+
     method: str = ""
     bytes_sent: int = 0
 
@@ -135,8 +173,15 @@ def _nbytes(x: torch.Tensor) -> int:
 class Pending:
     """An asynchronous collective: ``wait()`` waits (bounded like ``wait``) and returns its result."""
 
-    def __init__(self, work, out: torch.Tensor, timeout: Optional[timedelta], what: str,
-                 finish: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, sent: int = 0):
+    def __init__(
+        self,
+        work,
+        out: torch.Tensor,
+        timeout: Optional[timedelta],
+        what: str,
+        finish: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        sent: int = 0,
+    ):
         self.work, self.out, self.timeout, self.what, self.finish = work, out, timeout, what, finish
         self.sent = sent  # bytes this rank sends to other ranks
 
@@ -151,7 +196,9 @@ def _start_all_to_all(x: torch.Tensor, group, timeout, what, finish=lambda t: t)
     # x (N, ...): row j goes to rank j; the result (N, ...) has row i from rank i
     rank, world = rank_world(group)
     if x.shape[0] != world:
-        raise ValueError(f"{what}: all_to_all needs a leading dim of the group size {world}, got {tuple(x.shape)}")
+        raise ValueError(
+            f"{what}: all_to_all needs a leading dim of the group size {world}, got {tuple(x.shape)}"
+        )
     if world == 1:
         return Pending(None, x, timeout, what, finish)
     x = x.contiguous()
@@ -160,20 +207,24 @@ def _start_all_to_all(x: torch.Tensor, group, timeout, what, finish=lambda t: t)
     return Pending(work, out, timeout, what, finish, _nbytes(x) // world * (world - 1))
 
 
-def start_all_gather(x: torch.Tensor, group=None, timeout: Optional[timedelta] = None,
-                     what: str = "all_gather") -> Pending:
+def start_all_gather(
+    x: torch.Tensor, group=None, timeout: Optional[timedelta] = None, what: str = "all_gather"
+) -> Pending:
     """Post an all-gather of ``x`` (same shape on every rank); ``wait()`` gives ``(N, *x.shape)``."""
     rank, world = rank_world(group)
     if world == 1:
         return Pending(None, x.unsqueeze(0), timeout, what)
     x = x.contiguous()
     out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-    work = dist.all_gather(list(out.unbind(0)), x, group=group, async_op=True)  # into views of one buffer
+    work = dist.all_gather(
+        list(out.unbind(0)), x, group=group, async_op=True
+    )  # into views of one buffer
     return Pending(work, out, timeout, what, sent=_nbytes(x) * (world - 1))
 
 
-def start_reduce_scatter(x: torch.Tensor, group=None, timeout: Optional[timedelta] = None,
-                         what: str = "reduce_scatter") -> Pending:
+def start_reduce_scatter(
+    x: torch.Tensor, group=None, timeout: Optional[timedelta] = None, what: str = "reduce_scatter"
+) -> Pending:
     """Post a reduce-scatter of ``x`` ``(N, ...)``: ``wait()`` gives the sum over ranks of their
     ``x[rank]``. Done as an all-to-all and a local sum (what gloo and NCCL all have; the same
     bytes on the wire as a ring reduce-scatter)."""
@@ -193,8 +244,9 @@ class _AllToAll(torch.autograd.Function):
         return (None, None, None, *(p.wait() for p in pending))
 
 
-def all_to_all(*xs: torch.Tensor, group=None, timeout: Optional[timedelta] = None,
-               what: str = "all_to_all") -> tuple:
+def all_to_all(
+    *xs: torch.Tensor, group=None, timeout: Optional[timedelta] = None, what: str = "all_to_all"
+) -> tuple:
     """Exchange rows: row ``j`` of every ``x`` ``(N, ...)`` goes to rank ``j``; returns a tuple of
     ``(N, ...)`` tensors whose row ``i`` came from rank ``i``. Differentiable (the backward is the
     same exchange of the gradients, always all of them, so every rank communicates alike)."""

@@ -23,8 +23,12 @@ class RingTimeoutError(RuntimeError):
 
 
 class RingComm:
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, timeout: Optional[timedelta] = None,
-                 tag: int = 0):
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        timeout: Optional[timedelta] = None,
+        tag: int = 0,
+    ):
         self.group, self.tag = group, tag  # distinct tags keep two rings on one group apart (gloo)
         self.timeout = timeout or DEFAULT_TIMEOUT
         if dist.is_initialized():
@@ -43,7 +47,9 @@ class RingComm:
         peer = (self.rank + offset) % self.world
         return dist.get_global_rank(self.group, peer) if self.group else peer
 
-    def send_recv(self, send: List[torch.Tensor], recv: List[torch.Tensor], offset: int = 1) -> "RingComm":
+    def send_recv(
+        self, send: List[torch.Tensor], recv: List[torch.Tensor], offset: int = 1
+    ) -> "RingComm":
         """Post sends of ``send`` to the next rank and receives into ``recv`` from the previous one.
 
         ``offset``: send to rank ``r + offset`` and receive from ``r - offset`` instead (mod N),
@@ -55,7 +61,9 @@ class RingComm:
             for s, r in zip(send, recv):
                 r.copy_(s)
             return self
-        dst, src = (self.next, self.prev) if offset == 1 else (self._global(offset), self._global(-offset))
+        dst, src = (
+            (self.next, self.prev) if offset == 1 else (self._global(offset), self._global(-offset))
+        )
         ops = [dist.P2POp(dist.isend, t, dst, self.group, self.tag) for t in send]
         ops += [dist.P2POp(dist.irecv, t, src, self.group, self.tag) for t in recv]
         self._reqs = dist.batch_isend_irecv(ops)

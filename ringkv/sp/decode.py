@@ -21,11 +21,21 @@ from ..kernels.merge import apply_sinks, empty_partial, merge
 __all__ = ["decode_attention", "merge_across"]
 
 
-def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *, q_positions: torch.Tensor,
-                     k_positions: torch.Tensor, group=None, softmax_scale: Optional[float] = None,
-                     backend: str = "auto", timeout: Optional[timedelta] = None,
-                     window: Tuple[int, int] = (-1, -1), softcap: Optional[float] = None,
-                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_local: torch.Tensor,
+    v_local: torch.Tensor,
+    *,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    group=None,
+    softmax_scale: Optional[float] = None,
+    backend: str = "auto",
+    timeout: Optional[timedelta] = None,
+    window: Tuple[int, int] = (-1, -1),
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Exact causal attention of replicated new queries over the sharded cache.
 
     Args:
@@ -40,21 +50,38 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
     """
     softcap, sinks = kernels.check_softcap(softcap), kernels.check_sinks(sinks, q)
     if k_local.shape[1] != k_positions.numel():
-        raise ValueError(f"decode_attention: {k_local.shape[1]} cached keys but {k_positions.numel()} positions")
+        raise ValueError(
+            f"decode_attention: {k_local.shape[1]} cached keys but {k_positions.numel()} positions"
+        )
     b, t, h, d = q.shape
     if k_local.shape[1] == 0:  # this rank caches nothing (yet): a neutral partial
         out, lse = empty_partial(b, t, h, v_local.shape[-1], q.device)
     else:
-        out, lse = kernels.attention(q, k_local, v_local, scale=softmax_scale, causal=True, q_positions=q_positions,
-                                     k_positions=k_positions, window=window, backend=backend, softcap=softcap)
+        out, lse = kernels.attention(
+            q,
+            k_local,
+            v_local,
+            scale=softmax_scale,
+            causal=True,
+            q_positions=q_positions,
+            k_positions=k_positions,
+            window=window,
+            backend=backend,
+            softcap=softcap,
+        )
     merged, lse = merge_across(out, lse, group, timeout, "decode_attention")
     if sinks is not None:
         merged = apply_sinks(merged, lse, sinks)[0]
     return merged.to(q.dtype)
 
 
-def merge_across(out: torch.Tensor, lse: torch.Tensor, group=None, timeout: Optional[timedelta] = None,
-                 what: str = "merge_across"):
+def merge_across(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group=None,
+    timeout: Optional[timedelta] = None,
+    what: str = "merge_across",
+):
     """Merge the partial results of the same queries over the disjoint keys each rank of
     ``group`` holds: ``out`` ``(B, T, H, D)``, ``lse`` float32 ``(B, H, T)`` -> the exact
     ``(out float32, lse)``, identical on every rank (one all-gather of out and lse together)."""

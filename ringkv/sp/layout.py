@@ -48,8 +48,10 @@ def check_seq_len(seq_len: int, layout: str, world: int, ulysses: int = 1) -> No
     g = granule(layout, world, ulysses)
     if seq_len % g:
         pad = -seq_len % g
-        raise ValueError(f"layout {layout!r} over {world} ranks needs a sequence length divisible by {g}, "
-                         f"got {seq_len}; pad the sequence by {pad} tokens (to {seq_len + pad})")
+        raise ValueError(
+            f"layout {layout!r} over {world} ranks needs a sequence length divisible by {g}, "
+            f"got {seq_len}; pad the sequence by {pad} tokens (to {seq_len + pad})"
+        )
 
 
 def chunks(seq_len: int, layout: str, rank: int, world: int, ulysses: int = 1) -> List[range]:
@@ -60,8 +62,12 @@ def chunks(seq_len: int, layout: str, rank: int, world: int, ulysses: int = 1) -
     ``usp_attention`` takes (``usp_chunks``)."""
     if ulysses != 1:
         if ulysses < 1 or world % ulysses:
-            raise ValueError(f"ulysses={ulysses} must be a positive divisor of the world size {world}")
-        return usp_chunks(seq_len, layout, rank // ulysses, world // ulysses, rank % ulysses, ulysses)
+            raise ValueError(
+                f"ulysses={ulysses} must be a positive divisor of the world size {world}"
+            )
+        return usp_chunks(
+            seq_len, layout, rank // ulysses, world // ulysses, rank % ulysses, ulysses
+        )
     check_seq_len(seq_len, layout, world)
     if layout == "contiguous":
         n = seq_len // world
@@ -84,16 +90,24 @@ def cut(ranges: List[range], lo: int, hi: int) -> List[range]:
     return out
 
 
-def usp_chunks(seq_len: int, layout: str, ring_rank: int, ring_world: int, ulysses_rank: int,
-               ulysses_world: int) -> List[range]:
+def usp_chunks(
+    seq_len: int,
+    layout: str,
+    ring_rank: int,
+    ring_world: int,
+    ulysses_rank: int,
+    ulysses_world: int,
+) -> List[range]:
     """Global positions of a 2D rank's tokens: part ``ulysses_rank`` of ``ulysses_world``
     contiguous parts of ring rank ``ring_rank``'s shard in ``layout`` over ``ring_world``."""
     ranges = chunks(seq_len, layout, ring_rank, ring_world)
     n = seq_len // ring_world
     if n % ulysses_world:
         g = granule(layout, ring_world) * ulysses_world
-        raise ValueError(f"layout {layout!r} over {ulysses_world} (ulysses) x {ring_world} (ring) ranks needs a "
-                         f"sequence length divisible by {g}, got {seq_len}; pad the sequence by {-seq_len % g} tokens")
+        raise ValueError(
+            f"layout {layout!r} over {ulysses_world} (ulysses) x {ring_world} (ring) ranks needs a "
+            f"sequence length divisible by {g}, got {seq_len}; pad the sequence by {-seq_len % g} tokens"
+        )
     part = n // ulysses_world
     return cut(ranges, ulysses_rank * part, (ulysses_rank + 1) * part)
 
@@ -102,12 +116,16 @@ def _is_2d(group, rank, ulysses_group, ring_group) -> bool:
     if ulysses_group is None and ring_group is None:
         return False
     if ulysses_group is None or ring_group is None or group is not None or rank is not None:
-        raise ValueError("pass both ulysses_group and ring_group (see ringkv.sp_groups) for a 2D shard, "
-                         "or group/rank/world for a 1D one, not both")
+        raise ValueError(
+            "pass both ulysses_group and ring_group (see ringkv.sp_groups) for a 2D shard, "
+            "or group/rank/world for a 1D one, not both"
+        )
     return True
 
 
-def _ranges(seq_len: int, layout: str, group, rank, world, ulysses_group, ring_group, ulysses=1) -> List[range]:
+def _ranges(
+    seq_len: int, layout: str, group, rank, world, ulysses_group, ring_group, ulysses=1
+) -> List[range]:
     if not _is_2d(group, rank, ulysses_group, ring_group):
         if rank is None or world is None:
             rank, world = rank_world(group)
@@ -116,9 +134,18 @@ def _ranges(seq_len: int, layout: str, group, rank, world, ulysses_group, ring_g
     return usp_chunks(seq_len, layout, r, n_r, u, n_u)
 
 
-def positions(seq_len: int, layout: str, rank: Optional[int] = None, world: Optional[int] = None, device=None, *,
-              cu_seqlens: Optional[CuSeqlens] = None, ulysses_group: Optional[dist.ProcessGroup] = None,
-              ring_group: Optional[dist.ProcessGroup] = None, ulysses: int = 1) -> torch.Tensor:
+def positions(
+    seq_len: int,
+    layout: str,
+    rank: Optional[int] = None,
+    world: Optional[int] = None,
+    device=None,
+    *,
+    cu_seqlens: Optional[CuSeqlens] = None,
+    ulysses_group: Optional[dist.ProcessGroup] = None,
+    ring_group: Optional[dist.ProcessGroup] = None,
+    ulysses: int = 1,
+) -> torch.Tensor:
     """Global positions ``(seq_len // world,)`` int64 of rank ``rank``'s tokens, in local order
     (default: this rank of the world; with ``ulysses_group``/``ring_group``, or ``ulysses=U`` and
     a rank of the ``(ring, ulysses)`` mesh: its 2D part).
@@ -130,7 +157,9 @@ def positions(seq_len: int, layout: str, rank: Optional[int] = None, world: Opti
     if cu_seqlens is not None:
         if rank is None or world is None:
             rank, world = rank_world()
-        ranges = [r for _, r in varlen_chunks(check_cu_seqlens(cu_seqlens, seq_len), layout, rank, world)]
+        ranges = [
+            r for _, r in varlen_chunks(check_cu_seqlens(cu_seqlens, seq_len), layout, rank, world)
+        ]
     else:
         ranges = _ranges(seq_len, layout, None, rank, world, ulysses_group, ring_group, ulysses)
     return torch.cat([torch.arange(r.start, r.stop, r.step, device=device) for r in ranges])
@@ -149,41 +178,64 @@ def check_cu_seqlens(cu_seqlens: CuSeqlens, seq_len: Optional[int] = None) -> Tu
         else:
             cu = _check_cu_seqlens(cu_seqlens)
             key = id(cu_seqlens)
-            _CU_READ[key] = (weakref.ref(cu_seqlens, lambda _: _CU_READ.pop(key, None)), cu_seqlens._version, cu)
+            _CU_READ[key] = (
+                weakref.ref(cu_seqlens, lambda _: _CU_READ.pop(key, None)),
+                cu_seqlens._version,
+                cu,
+            )
     else:
         cu = _check_cu_seqlens(cu_seqlens)
     if seq_len is not None and cu[-1] != seq_len:
-        raise ValueError(f"cu_seqlens must end at the packed sequence length {seq_len}, got {cu[-1]}")
+        raise ValueError(
+            f"cu_seqlens must end at the packed sequence length {seq_len}, got {cu[-1]}"
+        )
     return cu
 
 
-_CU_READ: Dict[int, tuple] = {}  # id(tensor) -> (weakref, version, checked tuple): tensors read once
+_CU_READ: Dict[
+    int, tuple
+] = {}  # id(tensor) -> (weakref, version, checked tuple): tensors read once
 
 
 def _check_cu_seqlens(cu_seqlens: CuSeqlens) -> Tuple[int, ...]:
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex \
-                or cu_seqlens.dtype == torch.bool:
-            raise TypeError(f"cu_seqlens must be a 1-D integer tensor or a list of ints, got a "
-                            f"{cu_seqlens.dim()}-D {cu_seqlens.dtype} tensor")
+        if (
+            cu_seqlens.dim() != 1
+            or cu_seqlens.dtype.is_floating_point
+            or cu_seqlens.dtype.is_complex
+            or cu_seqlens.dtype == torch.bool
+        ):
+            raise TypeError(
+                f"cu_seqlens must be a 1-D integer tensor or a list of ints, got a "
+                f"{cu_seqlens.dim()}-D {cu_seqlens.dtype} tensor"
+            )
         cu = tuple(int(x) for x in cu_seqlens.tolist())
-    elif isinstance(cu_seqlens, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
-                                                       for x in cu_seqlens):
+    elif isinstance(cu_seqlens, (list, tuple)) and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens
+    ):
         cu = tuple(cu_seqlens)
     else:
-        raise TypeError(f"cu_seqlens must be a 1-D integer tensor or a list of ints [0, l0, l0+l1, ..., S], "
-                        f"got {cu_seqlens!r}")
+        raise TypeError(
+            f"cu_seqlens must be a 1-D integer tensor or a list of ints [0, l0, l0+l1, ..., S], "
+            f"got {cu_seqlens!r}"
+        )
     if len(cu) < 2 or cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0 and hold at least one document ([0, l0, ..., S]), "
-                         f"got {list(cu)[:8]}")
+        raise ValueError(
+            f"cu_seqlens must start at 0 and hold at least one document ([0, l0, ..., S]), "
+            f"got {list(cu)[:8]}"
+        )
     bad = next((i for i in range(1, len(cu)) if cu[i] <= cu[i - 1]), None)
     if bad is not None:
-        raise ValueError(f"cu_seqlens must be strictly increasing (every document has at least one token), "
-                         f"got {cu[bad - 1]} then {cu[bad]} at index {bad}")
+        raise ValueError(
+            f"cu_seqlens must be strictly increasing (every document has at least one token), "
+            f"got {cu[bad - 1]} then {cu[bad]} at index {bad}"
+        )
     return cu
 
 
-def varlen_chunks(cu_seqlens: CuSeqlens, layout: str, rank: int, world: int) -> List[Tuple[int, range]]:
+def varlen_chunks(
+    cu_seqlens: CuSeqlens, layout: str, rank: int, world: int
+) -> List[Tuple[int, range]]:
     """Rank ``rank``'s pieces of a packed sequence, in local order: ``(document, positions within
     the document)``; document ``-1`` marks pad rows. Each document is padded to a multiple of
     ``granule(layout, world)`` and split by ``layout`` on its own."""
@@ -194,7 +246,7 @@ def varlen_chunks(cu_seqlens: CuSeqlens, layout: str, rank: int, world: int) -> 
         for r in chunks(-(-n // g) * g, layout, rank, world):
             real = range(r.start, min(r.stop, n), r.step)
             pieces += [(doc, real)] if len(real) else []
-            pieces += [(-1, r[len(real):])] if len(real) < len(r) else []
+            pieces += [(-1, r[len(real) :])] if len(real) < len(r) else []
     return pieces
 
 
@@ -204,53 +256,85 @@ def varlen_local_len(cu_seqlens: CuSeqlens, layout: str, world: int) -> int:
     return sum(-(-(b - a) // g) * g for a, b in zip(cu, cu[1:])) // world
 
 
-def varlen_index(cu_seqlens: CuSeqlens, layout: str, rank: int, world: int, device=None) -> torch.Tensor:
+def varlen_index(
+    cu_seqlens: CuSeqlens, layout: str, rank: int, world: int, device=None
+) -> torch.Tensor:
     """``(varlen_local_len,)`` int64: the packed index of each local row, ``-1`` for pad rows."""
     cu = check_cu_seqlens(cu_seqlens)
-    return torch.cat([torch.arange(r.start, r.stop, r.step, device=device) + cu[d] if d >= 0 else
-                      torch.full((len(r),), -1, dtype=torch.long, device=device)
-                      for d, r in varlen_chunks(cu, layout, rank, world)])
+    return torch.cat(
+        [
+            torch.arange(r.start, r.stop, r.step, device=device) + cu[d]
+            if d >= 0
+            else torch.full((len(r),), -1, dtype=torch.long, device=device)
+            for d, r in varlen_chunks(cu, layout, rank, world)
+        ]
+    )
 
 
 def _check_packed(x: torch.Tensor, dim: int, what: str) -> None:
     if dim % x.dim() != 0 and x.shape[0] != 1:
-        raise ValueError(f"{what} with cu_seqlens takes one packed batch row, got batch {x.shape[0]} "
-                         f"(shape {tuple(x.shape)}); concatenate the documents into shape (1, S, ...)")
+        raise ValueError(
+            f"{what} with cu_seqlens takes one packed batch row, got batch {x.shape[0]} "
+            f"(shape {tuple(x.shape)}); concatenate the documents into shape (1, S, ...)"
+        )
 
 
-def _shard_varlen(x: torch.Tensor, dim: int, layout: str, rank: int, world: int, cu_seqlens) -> torch.Tensor:
+def _shard_varlen(
+    x: torch.Tensor, dim: int, layout: str, rank: int, world: int, cu_seqlens
+) -> torch.Tensor:
     dim %= x.dim()
     _check_packed(x, dim, "shard")
     cu = check_cu_seqlens(cu_seqlens, x.shape[dim])
     index = varlen_index(cu, layout, rank, world, x.device)
-    padded = torch.cat([x, x.new_zeros(x.shape[:dim] + (1,) + x.shape[dim + 1:])], dim)  # row S: zeros
+    padded = torch.cat(
+        [x, x.new_zeros(x.shape[:dim] + (1,) + x.shape[dim + 1 :])], dim
+    )  # row S: zeros
     return padded.index_select(dim, torch.where(index < 0, x.shape[dim], index))
 
 
-def _unshard_varlen(x_local: torch.Tensor, dim: int, layout: str, group, cu_seqlens) -> torch.Tensor:
+def _unshard_varlen(
+    x_local: torch.Tensor, dim: int, layout: str, group, cu_seqlens
+) -> torch.Tensor:
     _check_packed(x_local, dim, "unshard")
     rank, world = rank_world(group)
     cu = check_cu_seqlens(cu_seqlens)
     if x_local.shape[dim] != varlen_local_len(cu, layout, world):
-        raise ValueError(f"unshard: cu_seqlens give {varlen_local_len(cu, layout, world)} local rows per rank "
-                         f"(pad rows included), got {x_local.shape[dim]} along dim {dim}")
+        raise ValueError(
+            f"unshard: cu_seqlens give {varlen_local_len(cu, layout, world)} local rows per rank "
+            f"(pad rows included), got {x_local.shape[dim]} along dim {dim}"
+        )
     parts = all_gather(x_local, group, what="unshard") if world > 1 else [x_local]
-    index = torch.cat([varlen_index(cu, layout, r, world) for r in range(world)])  # packed index of gathered rows
+    index = torch.cat(
+        [varlen_index(cu, layout, r, world) for r in range(world)]
+    )  # packed index of gathered rows
     order = torch.empty(cu[-1], dtype=torch.long)
     order[index[index >= 0]] = torch.arange(len(index))[index >= 0]
     return torch.cat(parts, dim).index_select(dim, order.to(x_local.device))
 
 
 def _select(x: torch.Tensor, dim: int, ranges: List[range]) -> torch.Tensor:
-    parts = [x.narrow(dim, r.start, len(r)) if r.step == 1 else
-             x.index_select(dim, torch.arange(r.start, r.stop, r.step, device=x.device)) for r in ranges]
+    parts = [
+        x.narrow(dim, r.start, len(r))
+        if r.step == 1
+        else x.index_select(dim, torch.arange(r.start, r.stop, r.step, device=x.device))
+        for r in ranges
+    ]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def shard(x: torch.Tensor, dim: int = 1, layout: str = "zigzag", group: Optional[dist.ProcessGroup] = None,
-          *, rank: Optional[int] = None, world: Optional[int] = None, cu_seqlens: Optional[CuSeqlens] = None,
-          ulysses_group: Optional[dist.ProcessGroup] = None,
-          ring_group: Optional[dist.ProcessGroup] = None, ulysses: int = 1) -> torch.Tensor:
+def shard(
+    x: torch.Tensor,
+    dim: int = 1,
+    layout: str = "zigzag",
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    rank: Optional[int] = None,
+    world: Optional[int] = None,
+    cu_seqlens: Optional[CuSeqlens] = None,
+    ulysses_group: Optional[dist.ProcessGroup] = None,
+    ring_group: Optional[dist.ProcessGroup] = None,
+    ulysses: int = 1,
+) -> torch.Tensor:
     """This rank's shard of the full tensor ``x`` along ``dim`` (local op, no communication);
     with ``ulysses_group`` and ``ring_group`` (or ``ulysses=U`` and a rank of the ``(ring,
     ulysses)`` mesh), its part of the 2D layout ``usp_attention`` takes.
@@ -262,11 +346,17 @@ def shard(x: torch.Tensor, dim: int = 1, layout: str = "zigzag", group: Optional
         if rank is None or world is None:
             rank, world = rank_world(group)
         return _shard_varlen(x, dim, layout, rank, world, cu_seqlens)
-    return _select(x, dim, _ranges(x.shape[dim], layout, group, rank, world, ulysses_group, ring_group, ulysses))
+    return _select(
+        x,
+        dim,
+        _ranges(x.shape[dim], layout, group, rank, world, ulysses_group, ring_group, ulysses),
+    )
 
 
 @functools.lru_cache(maxsize=64)
-def gather_order(seq_len: int, layout: str, world: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+def gather_order(
+    seq_len: int, layout: str, world: int, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(index, order)`` on ``device``, both ``(S,)``: ``index[i]`` is the global position of row
     ``i`` of every rank's shard concatenated in rank order; ``order`` is its inverse (the rows of
     that concatenation in global order). Cached: read-only."""
@@ -276,10 +366,16 @@ def gather_order(seq_len: int, layout: str, world: int, device: torch.device) ->
     return index.to(device), order.to(device)
 
 
-def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "zigzag",
-            group: Optional[dist.ProcessGroup] = None, *, cu_seqlens: Optional[CuSeqlens] = None,
-            ulysses_group: Optional[dist.ProcessGroup] = None,
-            ring_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def unshard(
+    x_local: torch.Tensor,
+    dim: int = 1,
+    layout: str = "zigzag",
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    cu_seqlens: Optional[CuSeqlens] = None,
+    ulysses_group: Optional[dist.ProcessGroup] = None,
+    ring_group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
     """All-gather the shards of every rank and put them back in global order (not differentiable).
 
     ``cu_seqlens``: the shards hold a packed sequence; returns ``(1, S, ...)`` without pad rows.

@@ -32,27 +32,43 @@ from .. import kernels
 from ..kernels.mask import EMPTY, FULL, NO_WINDOW, OFFSET, Mask, check_window, make_mask
 from .collectives import agree_once
 from .comm import LocalComm, RingComm
-from .layout import (LAYOUTS, CuSeqlens, check_cu_seqlens, check_layout, chunks, granule, varlen_chunks,
-                     varlen_local_len)
+from .layout import (
+    LAYOUTS,
+    CuSeqlens,
+    check_cu_seqlens,
+    check_layout,
+    chunks,
+    granule,
+    varlen_chunks,
+    varlen_local_len,
+)
 from ..kernels.merge import empty_partial
 
-__all__ = ["ring_attention", "ring_attention_shards", "Shards", "RingAttention", "RingStats", "last_stats",
-           "last_backward_stats"]
+__all__ = [
+    "ring_attention",
+    "ring_attention_shards",
+    "Shards",
+    "RingAttention",
+    "RingStats",
+    "last_stats",
+    "last_backward_stats",
+]
 
 
 @dataclass
 class RingStats:
     """What this rank computed in its last ring forward / backward (for tests and benchmarks)."""
+
     steps: int = 0
-    calls: int = 0        # kernel calls
-    skipped: int = 0      # chunk pairs skipped because their mask is empty
-    pairs: int = 0        # visible (query, key) pairs computed: the real work
+    calls: int = 0  # kernel calls
+    skipped: int = 0  # chunk pairs skipped because their mask is empty
+    pairs: int = 0  # visible (query, key) pairs computed: the real work
     per_step: List[int] = field(default_factory=list)
-    hops: int = 0         # messages this rank sent (K and V together are one)
-    bytes_sent: int = 0   # K/V bytes sent to the next rank: bytes per hop x hops
+    hops: int = 0  # messages this rank sent (K and V together are one)
+    bytes_sent: int = 0  # K/V bytes sent to the next rank: bytes per hop x hops
 
 
-last_stats = RingStats()           # of the last forward
+last_stats = RingStats()  # of the last forward
 last_backward_stats = RingStats()  # of the last backward
 
 
@@ -64,9 +80,14 @@ def _slices(ranges: List[range]) -> List[slice]:
     return out
 
 
-def plan(q_ranges: List[range], k_ranges: List[range], causal: bool, window: Tuple[int, int] = NO_WINDOW,
-         q_docs: Optional[Tuple[int, ...]] = None, k_docs: Optional[Tuple[int, ...]] = None
-         ) -> List[Tuple[slice, slice, Mask]]:
+def plan(
+    q_ranges: List[range],
+    k_ranges: List[range],
+    causal: bool,
+    window: Tuple[int, int] = NO_WINDOW,
+    q_docs: Optional[Tuple[int, ...]] = None,
+    k_docs: Optional[Tuple[int, ...]] = None,
+) -> List[Tuple[slice, slice, Mask]]:
     """Kernel calls for one ring step: ``(q rows, k rows, mask)``, empty pairs dropped.
 
     Pairs of chunks get their mask from global positions (and ``window``); a query chunk that
@@ -84,12 +105,23 @@ def plan(q_ranges: List[range], k_ranges: List[range], causal: bool, window: Tup
         calls = []
         for i, doc in enumerate(q_docs):
             for j in by_doc[doc] if doc >= 0 else ():
-                mask = make_mask(causal, q_ranges[i], k_ranges[j], len(q_ranges[i]), len(k_ranges[j]), window=window)
+                mask = make_mask(
+                    causal,
+                    q_ranges[i],
+                    k_ranges[j],
+                    len(q_ranges[i]),
+                    len(k_ranges[j]),
+                    window=window,
+                )
                 calls += [(qs[i], ks[j], mask)] if mask.kind != EMPTY else []
         return calls
-    if causal and window == NO_WINDOW and q_ranges == k_ranges:  # a shard against itself: local causal
+    if (
+        causal and window == NO_WINDOW and q_ranges == k_ranges
+    ):  # a shard against itself: local causal
         return [(slice(0, sq), slice(0, sk), Mask(OFFSET, offset=0))]
-    m = [[make_mask(causal, a, b, len(a), len(b), window=window) for b in k_ranges] for a in q_ranges]
+    m = [
+        [make_mask(causal, a, b, len(a), len(b), window=window) for b in k_ranges] for a in q_ranges
+    ]
     if all(x.kind == FULL for row in m for x in row):
         return [(slice(0, sq), slice(0, sk), Mask(FULL))]
     calls, rest = [], []
@@ -110,24 +142,77 @@ def _bits(x: Optional[float]) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", x))[0]
 
 
-def call_values(q, k, causal, layout, scale, backend, window=NO_WINDOW, cu=None, v=None, softcap=None,
-                sinks=None) -> Tuple[List[str], List[int]]:
+def call_values(
+    q,
+    k,
+    causal,
+    layout,
+    scale,
+    backend,
+    window=NO_WINDOW,
+    cu=None,
+    v=None,
+    softcap=None,
+    sinks=None,
+) -> Tuple[List[str], List[int]]:
     """Names and integer values of the shapes and settings every rank must agree on (for ``agree``)."""
-    names = ["batch", "seq_local", "heads", "head_dim", "kv_heads", "dtype", "layout", "causal", "scale", "backend",
-             "window", "window", "cu_seqlens", "v_head_dim", "softcap", "sinks"]
-    values = [*q.shape, k.shape[2], zlib.crc32(str(q.dtype).encode()), LAYOUTS.index(layout), int(causal),
-              _bits(scale), zlib.crc32(backend.encode()), *window, -1 if cu is None else zlib.crc32(repr(cu).encode()),
-              (k if v is None else v).shape[-1], _bits(softcap), int(sinks is not None)]
+    names = [
+        "batch",
+        "seq_local",
+        "heads",
+        "head_dim",
+        "kv_heads",
+        "dtype",
+        "layout",
+        "causal",
+        "scale",
+        "backend",
+        "window",
+        "window",
+        "cu_seqlens",
+        "v_head_dim",
+        "softcap",
+        "sinks",
+    ]
+    values = [
+        *q.shape,
+        k.shape[2],
+        zlib.crc32(str(q.dtype).encode()),
+        LAYOUTS.index(layout),
+        int(causal),
+        _bits(scale),
+        zlib.crc32(backend.encode()),
+        *window,
+        -1 if cu is None else zlib.crc32(repr(cu).encode()),
+        (k if v is None else v).shape[-1],
+        _bits(softcap),
+        int(sinks is not None),
+    ]
     return names, values
 
 
-def _check_across_ranks(comm: RingComm, q, k, causal, layout, scale, backend, window, cu, grad_comm_dtype,
-                        v=None, softcap=None, sinks=None) -> None:
+def _check_across_ranks(
+    comm: RingComm,
+    q,
+    k,
+    causal,
+    layout,
+    scale,
+    backend,
+    window,
+    cu,
+    grad_comm_dtype,
+    v=None,
+    softcap=None,
+    sinks=None,
+) -> None:
     """All ranks must call with the same shapes and settings: one tiny bounded all-gather the first
     time a configuration is seen on this group, nothing on later calls (``agree_once``)."""
     names, values = call_values(q, k, causal, layout, scale, backend, window, cu, v, softcap, sinks)
     values.append(zlib.crc32(str(grad_comm_dtype).encode()))
-    agree_once(values, names + ["grad_comm_dtype"], comm.group, comm.timeout, "ring_attention", q.device)
+    agree_once(
+        values, names + ["grad_comm_dtype"], comm.group, comm.timeout, "ring_attention", q.device
+    )
 
 
 GRAD_COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
@@ -135,8 +220,10 @@ GRAD_COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 def check_grad_comm_dtype(grad_comm_dtype):
     if grad_comm_dtype not in GRAD_COMM_DTYPES:
-        raise ValueError(f"grad_comm_dtype must be None (float32), torch.float32, torch.bfloat16 or "
-                         f"torch.float16, got {grad_comm_dtype!r}")
+        raise ValueError(
+            f"grad_comm_dtype must be None (float32), torch.float32, torch.bfloat16 or "
+            f"torch.float16, got {grad_comm_dtype!r}"
+        )
     return None if grad_comm_dtype == torch.float32 else grad_comm_dtype
 
 
@@ -147,6 +234,7 @@ class Shards:
 
     Packed documents: ``q_docs[r][i]`` is the document of range ``q[r][i]`` (whose positions
     are then within that document), ``-1`` for pad rows (never computed); likewise ``k_docs``."""
+
     q: Tuple[Tuple[range, ...], ...]
     k: Tuple[Tuple[range, ...], ...]
     q_docs: Optional[Tuple[Tuple[int, ...], ...]] = None
@@ -187,9 +275,11 @@ def _heads_first(device: torch.device) -> bool:
 def _unpack(buf: torch.Tensor, k_shape, v_shape, hf: bool = False):
     """A flat message's K ``(B, S, Hkv, D)`` and V ``(B, S, Hkv, Dv)`` views: K's elements then V's,
     each in ``(B, Hkv, S, .)`` memory when ``hf``. V may have its own head size (MLA)."""
+
     def view(flat, shape):
         b, s, h, d = shape
         return flat.view(b, h, s, d).transpose(1, 2) if hf else flat.view(shape)
+
     nk = math.prod(k_shape)
     return view(buf[:nk], k_shape), view(buf[nk:], v_shape)
 
@@ -208,8 +298,14 @@ def _last_step(shards: Shards, causal: bool, window: Tuple[int, int]) -> int:
     n = len(shards.q)
     if window == NO_WINDOW and shards.q_docs is None:
         return n - 1  # without windows or documents the whole ring runs, as it always did
-    return next((t for t in range(n - 1, 0, -1)
-                 if any(shards.plan(r, (r - t) % n, causal, window) for r in range(n))), 0)
+    return next(
+        (
+            t
+            for t in range(n - 1, 0, -1)
+            if any(shards.plan(r, (r - t) % n, causal, window) for r in range(n))
+        ),
+        0,
+    )
 
 
 def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, backend, softcap=None):
@@ -232,14 +328,26 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
         work = 0
         for qs, ks, mask in calls:
             args = (q[:, qs], cur[0][:, ks], cur[1][:, ks])
-            if out is None and (qs.start, qs.stop) == (0, s):  # nothing to merge with yet: take it as it is
-                o, lse = kernels.block_forward(*args, scale=scale, mask=mask, backend=backend, softcap=softcap)
+            if out is None and (qs.start, qs.stop) == (
+                0,
+                s,
+            ):  # nothing to merge with yet: take it as it is
+                o, lse = kernels.block_forward(
+                    *args, scale=scale, mask=mask, backend=backend, softcap=softcap
+                )
                 out = o.float()
             else:
                 if out is None:
                     out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
-                kernels.block_forward_into(out[:, qs], lse[:, :, qs], *args, scale=scale, mask=mask, backend=backend,
-                                           softcap=softcap)
+                kernels.block_forward_into(
+                    out[:, qs],
+                    lse[:, :, qs],
+                    *args,
+                    scale=scale,
+                    mask=mask,
+                    backend=backend,
+                    softcap=softcap,
+                )
             work += mask.pairs(qs.stop - qs.start, ks.stop - ks.start)
         stats.calls += len(calls)
         stats.skipped += len(shards.q[r]) * len(shards.k[src]) - len(calls)
@@ -254,8 +362,23 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
     return out.to(q.dtype), lse
 
 
-def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shards, comm: RingComm, backend,
-              grad_comm_dtype=None, softcap=None):
+def _backward(
+    dout,
+    dlse,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    scale,
+    causal,
+    window,
+    shards: Shards,
+    comm: RingComm,
+    backend,
+    grad_comm_dtype=None,
+    softcap=None,
+):
     """dK/dV of the block held at step ``t >= 1`` travel on with it (one ring hop per step); after
     the last step they go straight back to their owner (``last`` hops behind) in one message,
     where they join the owner's own share (step 0). They travel in ``grad_comm_dtype`` (default
@@ -269,7 +392,9 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shar
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = [_pack(k, v, hf), None]
     kv[1] = torch.empty_like(kv[0])
-    mine = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)  # own dK then dV, flat (_unpack)
+    mine = torch.zeros(
+        kv[0].shape, dtype=torch.float32, device=q.device
+    )  # own dK then dV, flat (_unpack)
     # the travelling dK/dV, double-buffered: receive into one while the other is sent
     dkv = [torch.empty(mine.shape, dtype=wire, device=q.device) for _ in range(2)] if last else []
     # this step's share of the block held (float32); with a float32 wire step 1 computes into its send buffer
@@ -288,9 +413,21 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shar
         calls = shards.plan(r, src, causal, window)
         for qs, ks, mask in calls:
             kernels.block_backward_into(
-                dq[:, qs], dk_acc[:, ks], dv_acc[:, ks], dout[:, qs], q[:, qs], cur[0][:, ks], cur[1][:, ks],
-                out[:, qs], lse[:, :, qs], scale=scale, mask=mask, dlse=None if dlse is None else dlse[:, :, qs],
-                backend=backend, softcap=softcap)
+                dq[:, qs],
+                dk_acc[:, ks],
+                dv_acc[:, ks],
+                dout[:, qs],
+                q[:, qs],
+                cur[0][:, ks],
+                cur[1][:, ks],
+                out[:, qs],
+                lse[:, :, qs],
+                scale=scale,
+                mask=mask,
+                dlse=None if dlse is None else dlse[:, :, qs],
+                backend=backend,
+                softcap=softcap,
+            )
         stats.calls += len(calls)
         if step >= 1:
             send = dkv[step % 2]
@@ -317,13 +454,26 @@ def _backward(dout, dlse, q, k, v, out, lse, scale, causal, window, shards: Shar
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                   group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
-                   softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
-                   timeout: Optional[timedelta] = None, check: bool = True, comm: Optional[RingComm] = None,
-                   window: Tuple[int, int] = NO_WINDOW, cu_seqlens: Optional[CuSeqlens] = None,
-                   grad_comm_dtype: Optional[torch.dtype] = None, softcap: Optional[float] = None,
-                   sinks: Optional[torch.Tensor] = None):
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    group: Optional[dist.ProcessGroup] = None,
+    layout: str = "zigzag",
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    timeout: Optional[timedelta] = None,
+    check: bool = True,
+    comm: Optional[RingComm] = None,
+    window: Tuple[int, int] = NO_WINDOW,
+    cu_seqlens: Optional[CuSeqlens] = None,
+    grad_comm_dtype: Optional[torch.dtype] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+):
     """Exact attention of this rank's query shard over the whole sharded sequence.
 
     Args:
@@ -365,20 +515,61 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     comm = comm or RingComm(group, timeout)
     window = check_window(window)
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens)
-    scale, softcap = check_inputs(q, k, v, causal, layout, softmax_scale, backend, comm.world, cu=cu, softcap=softcap,
-                                  sinks=sinks)
+    scale, softcap = check_inputs(
+        q,
+        k,
+        v,
+        causal,
+        layout,
+        softmax_scale,
+        backend,
+        comm.world,
+        cu=cu,
+        softcap=softcap,
+        sinks=sinks,
+    )
     grad_comm_dtype = check_grad_comm_dtype(grad_comm_dtype)
     if check and comm.world > 1 and not isinstance(comm, LocalComm):
-        _check_across_ranks(comm, q, k, causal, layout, scale, backend, window, cu, grad_comm_dtype, v, softcap,
-                            sinks)
-    shards = Shards.of_layout(q.shape[1] * comm.world, layout, comm.world) if cu is None else \
-        Shards.of_varlen(cu, layout, comm.world)
-    out, lse = _run(q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype, softcap, sinks)
+        _check_across_ranks(
+            comm,
+            q,
+            k,
+            causal,
+            layout,
+            scale,
+            backend,
+            window,
+            cu,
+            grad_comm_dtype,
+            v,
+            softcap,
+            sinks,
+        )
+    shards = (
+        Shards.of_layout(q.shape[1] * comm.world, layout, comm.world)
+        if cu is None
+        else Shards.of_varlen(cu, layout, comm.world)
+    )
+    out, lse = _run(
+        q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype, softcap, sinks
+    )
     return (out, lse) if return_lse else out
 
 
-def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, parts: int = 1, cu=None,
-                 softcap=None, sinks=None) -> Tuple[float, Optional[float]]:
+def check_inputs(
+    q,
+    k,
+    v,
+    causal,
+    layout,
+    softmax_scale,
+    backend,
+    world: int,
+    parts: int = 1,
+    cu=None,
+    softcap=None,
+    sinks=None,
+) -> Tuple[float, Optional[float]]:
     """The checks every SP attention makes before it communicates; returns the softmax scale and
     the checked ``softcap`` (``sinks``: ``(H,)`` or None, checked too).
 
@@ -391,23 +582,33 @@ def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, pa
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if k.shape[1] != q.shape[1]:
-        raise ValueError(f"q and k/v must be shards of one sequence with the same local length, "
-                         f"got {q.shape[1]} and {k.shape[1]}")
+        raise ValueError(
+            f"q and k/v must be shards of one sequence with the same local length, "
+            f"got {q.shape[1]} and {k.shape[1]}"
+        )
     if cu is not None:
         if q.shape[0] != 1:
-            raise ValueError(f"with cu_seqlens the documents are packed into one batch row: q must be "
-                             f"(1, S_local, H, D), got batch {q.shape[0]}")
+            raise ValueError(
+                f"with cu_seqlens the documents are packed into one batch row: q must be "
+                f"(1, S_local, H, D), got batch {q.shape[0]}"
+            )
         want = varlen_local_len(cu, layout, world)
         if q.shape[1] != want:
-            raise ValueError(f"cu_seqlens over {world} ranks in layout {layout!r} give {want} local rows "
-                             f"(pad rows included), got {q.shape[1]}; shard with ringkv.shard(x, 1, layout, "
-                             f"cu_seqlens=cu_seqlens)")
+            raise ValueError(
+                f"cu_seqlens over {world} ranks in layout {layout!r} give {want} local rows "
+                f"(pad rows included), got {q.shape[1]}; shard with ringkv.shard(x, 1, layout, "
+                f"cu_seqlens=cu_seqlens)"
+            )
     else:
         per_rank = granule(layout, world) // world
-        unit = per_rank // math.gcd(per_rank, parts)  # the local length times parts must divide by per_rank
+        unit = per_rank // math.gcd(
+            per_rank, parts
+        )  # the local length times parts must divide by per_rank
         if q.shape[1] == 0 or q.shape[1] % unit:
-            raise ValueError(f"layout {layout!r} needs a positive local length divisible by {unit}, got "
-                             f"{q.shape[1]}; pad the global sequence to a multiple of {granule(layout, world) * parts}")
+            raise ValueError(
+                f"layout {layout!r} needs a positive local length divisible by {unit}, got "
+                f"{q.shape[1]}; pad the global sequence to a multiple of {granule(layout, world) * parts}"
+            )
     softcap = kernels.check_softcap(softcap)
     kernels.check_sinks(sinks, q)
     # an unusable explicit backend fails here, on every rank
@@ -415,16 +616,47 @@ def check_inputs(q, k, v, causal, layout, softmax_scale, backend, world: int, pa
     return scale, softcap
 
 
-def _run(q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype=None, softcap=None, sinks=None):
+def _run(
+    q,
+    k,
+    v,
+    scale,
+    causal,
+    window,
+    shards,
+    comm,
+    backend,
+    grad_comm_dtype=None,
+    softcap=None,
+    sinks=None,
+):
     args = (scale, causal, window, shards, comm, backend)
-    return kernels.run_differentiable(_forward, _backward, q, k, v, args + (softcap,),
-                                      args + (grad_comm_dtype, softcap), sinks=sinks)
+    return kernels.run_differentiable(
+        _forward,
+        _backward,
+        q,
+        k,
+        v,
+        args + (softcap,),
+        args + (grad_comm_dtype, softcap),
+        sinks=sinks,
+    )
 
 
-def ring_attention_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: Shards, *, causal: bool,
-                          comm: RingComm, softmax_scale: Optional[float] = None, backend: str = "auto",
-                          window: Tuple[int, int] = NO_WINDOW, softcap: Optional[float] = None,
-                          sinks: Optional[torch.Tensor] = None):
+def ring_attention_shards(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    shards: Shards,
+    *,
+    causal: bool,
+    comm: RingComm,
+    softmax_scale: Optional[float] = None,
+    backend: str = "auto",
+    window: Tuple[int, int] = NO_WINDOW,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+):
     """Ring attention over shards of any positions (``Shards``: e.g. the engine's
     prompt chunks, where queries and keys differ in length). No cross-rank argument check: the
     caller guarantees that every rank passes the same ``shards``. Returns ``(out, lse)``.
@@ -436,26 +668,49 @@ def ring_attention_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sha
     """
     scale = kernels.validate(q, k, v, softmax_scale)
     softcap, sinks = kernels.check_softcap(softcap), kernels.check_sinks(sinks, q)
-    return _run(q, k, v, scale, causal, check_window(window), shards, comm, backend, None, softcap, sinks)
+    return _run(
+        q, k, v, scale, causal, check_window(window), shards, comm, backend, None, softcap, sinks
+    )
 
 
 class RingAttention(nn.Module):
     """``ring_attention`` as a module, with the same arguments and defaults:
     ``forward(q, k, v) -> out`` (and lse with ``return_lse``)."""
 
-    def __init__(self, *, causal: bool = False, group: Optional[dist.ProcessGroup] = None,
-                 layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
-                 backend: str = "auto", timeout: Optional[timedelta] = None, check: bool = True,
-                 window: Tuple[int, int] = NO_WINDOW, grad_comm_dtype: Optional[torch.dtype] = None,
-                 softcap: Optional[float] = None):
+    def __init__(
+        self,
+        *,
+        causal: bool = False,
+        group: Optional[dist.ProcessGroup] = None,
+        layout: str = "zigzag",
+        softmax_scale: Optional[float] = None,
+        return_lse: bool = False,
+        backend: str = "auto",
+        timeout: Optional[timedelta] = None,
+        check: bool = True,
+        window: Tuple[int, int] = NO_WINDOW,
+        grad_comm_dtype: Optional[torch.dtype] = None,
+        softcap: Optional[float] = None,
+    ):
         super().__init__()
         check_layout(layout)
-        self.kw = dict(causal=causal, group=group, layout=layout, softmax_scale=softmax_scale,
-                       return_lse=return_lse, backend=backend, timeout=timeout, check=check,
-                       window=check_window(window), grad_comm_dtype=check_grad_comm_dtype(grad_comm_dtype),
-                       softcap=kernels.check_softcap(softcap))
+        self.kw = dict(
+            causal=causal,
+            group=group,
+            layout=layout,
+            softmax_scale=softmax_scale,
+            return_lse=return_lse,
+            backend=backend,
+            timeout=timeout,
+            check=check,
+            window=check_window(window),
+            grad_comm_dtype=check_grad_comm_dtype(grad_comm_dtype),
+            softcap=kernels.check_softcap(softcap),
+        )
 
-    def forward(self, q, k, v, cu_seqlens: Optional[CuSeqlens] = None, sinks: Optional[torch.Tensor] = None):
+    def forward(
+        self, q, k, v, cu_seqlens: Optional[CuSeqlens] = None, sinks: Optional[torch.Tensor] = None
+    ):
         return ring_attention(q, k, v, cu_seqlens=cu_seqlens, sinks=sinks, **self.kw)
 
     def extra_repr(self) -> str:

@@ -38,12 +38,16 @@ def head_plan(h: int, hkv: int, world: int, what: str = "ulysses_attention") -> 
     query heads ``[j*H/N, (j+1)*H/N)`` and the KV heads they use. ``ValueError`` naming the
     valid world sizes when ``H % N`` or (``Hkv % N`` and ``N % Hkv``) are not zero."""
     if h % world or (hkv % world and world % hkv):
-        raise ValueError(f"{what} over {world} ranks splits heads: it needs heads ({h}) divisible by {world}, and "
-                         f"kv heads ({hkv}) divisible by {world} (split) or dividing it (replicated); valid world "
-                         f"sizes for heads={h}, kv_heads={hkv}: {_valid_worlds(h, hkv)}")
+        raise ValueError(
+            f"{what} over {world} ranks splits heads: it needs heads ({h}) divisible by {world}, and "
+            f"kv heads ({hkv}) divisible by {world} (split) or dividing it (replicated); valid world "
+            f"sizes for heads={h}, kv_heads={hkv}: {_valid_worlds(h, hkv)}"
+        )
     if hkv % world == 0:
         return torch.arange(hkv)
-    return torch.arange(world) // (world // hkv)  # one KV head per rank: the one its query heads share
+    return torch.arange(world) // (
+        world // hkv
+    )  # one KV head per rank: the one its query heads share
 
 
 def _bytes(x: torch.Tensor, world: int) -> int:
@@ -61,17 +65,30 @@ def scatter_heads(q, k, v, group, timeout, what):
     _, n = rank_world(group)
     kv_index = head_plan(h, k.shape[2], n, what)  # host
     hkv = kv_index.numel() // n
-    if kv_index.numel() != k.shape[2]:  # replicated KV heads (the index_select backward sums the replicas)
+    if (
+        kv_index.numel() != k.shape[2]
+    ):  # replicated KV heads (the index_select backward sums the replicas)
         kv_index = kv_index.to(k.device)
         k, v = k.index_select(2, kv_index), v.index_select(2, kv_index)
     # one message per pair: q, K, V heads for rank j packed along the flattened (heads, head_dim)
-    packed = torch.cat([q.reshape(b, s, n, h // n * d), k.reshape(b, s, n, hkv * d), v.reshape(b, s, n, hkv * dv)],
-                       dim=3)
-    packed = packed.permute(2, 0, 1, 3)  # (N, B, S_l, (H/N + Hkv_l) * D + Hkv_l * Dv): row j goes to rank j
+    packed = torch.cat(
+        [q.reshape(b, s, n, h // n * d), k.reshape(b, s, n, hkv * d), v.reshape(b, s, n, hkv * dv)],
+        dim=3,
+    )
+    packed = packed.permute(
+        2, 0, 1, 3
+    )  # (N, B, S_l, (H/N + Hkv_l) * D + Hkv_l * Dv): row j goes to rank j
     (got,) = all_to_all(packed, group=group, timeout=timeout, what=what)  # row i came from rank i
-    got = got.permute(1, 0, 2, 3).reshape(b, n * s, -1)  # (B, N*S_l, (H/N + Hkv_l) * D + Hkv_l * Dv)
+    got = got.permute(1, 0, 2, 3).reshape(
+        b, n * s, -1
+    )  # (B, N*S_l, (H/N + Hkv_l) * D + Hkv_l * Dv)
     q, k, v = got.split([h // n * d, hkv * d, hkv * dv], dim=2)
-    return q.unflatten(2, (h // n, d)), k.unflatten(2, (hkv, d)), v.unflatten(2, (hkv, dv)), _bytes(packed, n)
+    return (
+        q.unflatten(2, (h // n, d)),
+        k.unflatten(2, (hkv, d)),
+        v.unflatten(2, (hkv, dv)),
+        _bytes(packed, n),
+    )
 
 
 def gather_heads(out, lse, group, timeout, what):
@@ -81,7 +98,9 @@ def gather_heads(out, lse, group, timeout, what):
     b, s_all, hl, d = out.shape
     _, n = rank_world(group)
     s = s_all // n
-    send = [out.reshape(b, n, s, hl, d).transpose(0, 1)]  # (N, B, S_l, H/N, D): rows of rank j's tokens
+    send = [
+        out.reshape(b, n, s, hl, d).transpose(0, 1)
+    ]  # (N, B, S_l, H/N, D): rows of rank j's tokens
     if lse is not None:
         send.append(lse.reshape(b, hl, n, s).permute(2, 0, 1, 3))  # (N, B, H/N, S_l)
     got = all_to_all(*send, group=group, timeout=timeout, what=what)  # row i: rank i's heads
@@ -90,11 +109,23 @@ def gather_heads(out, lse, group, timeout, what):
     return out, lse, sum(_bytes(x, n) for x in send)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                      group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
-                      softmax_scale: Optional[float] = None, return_lse: bool = False, backend: str = "auto",
-                      timeout: Optional[timedelta] = None, check: bool = True, window=NO_WINDOW,
-                      softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    group: Optional[dist.ProcessGroup] = None,
+    layout: str = "zigzag",
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    timeout: Optional[timedelta] = None,
+    check: bool = True,
+    window=NO_WINDOW,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+):
     """Exact attention of this rank's query shard over the whole sharded sequence, by head shards.
 
     Args:
@@ -114,25 +145,44 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         (and sinks).
     """
     rank, n = rank_world(group)
-    scale, softcap = check_inputs(q, k, v, causal, layout, softmax_scale, backend, n, softcap=softcap, sinks=sinks)
+    scale, softcap = check_inputs(
+        q, k, v, causal, layout, softmax_scale, backend, n, softcap=softcap, sinks=sinks
+    )
     head_plan(q.shape[2], k.shape[2], n)
     window = check_window(window)
     if check and n > 1:
-        names, values = call_values(q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks)
+        names, values = call_values(
+            q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks
+        )
         agree_once(values, names, group, timeout, "ulysses_attention", q.device)
     seq_len = q.shape[1] * n
-    qh, kh, vh, sent = scatter_heads(q, k, v, group, timeout, "ulysses_attention")  # (B, S, H/N, D), rank order
+    qh, kh, vh, sent = scatter_heads(
+        q, k, v, group, timeout, "ulysses_attention"
+    )  # (B, S, H/N, D), rank order
     # only a causal or windowed mask needs the tokens in global order
     in_order = layout == "contiguous" or n == 1 or (not causal and window == NO_WINDOW)
     if not in_order:  # global order, so that plain causal (a fused kernel) applies
-        index, order = gather_order(seq_len, layout, n, q.device)  # global position of each row, its inverse
+        index, order = gather_order(
+            seq_len, layout, n, q.device
+        )  # global position of each row, its inverse
         qh, kh, vh = (t.index_select(1, order) for t in (qh, kh, vh))
     local_sinks = None if sinks is None else sinks.view(n, -1)[rank]  # (H/N,): this rank's heads
-    out, lse = kernels.attention(qh, kh, vh, scale=scale, causal=causal, window=window, backend=backend,
-                                 softcap=softcap, sinks=local_sinks)
+    out, lse = kernels.attention(
+        qh,
+        kh,
+        vh,
+        scale=scale,
+        causal=causal,
+        window=window,
+        backend=backend,
+        softcap=softcap,
+        sinks=local_sinks,
+    )
     if not in_order:  # back to rank order
         out, lse = out.index_select(1, index), lse.index_select(2, index)
-    out, lse, sent_back = gather_heads(out, lse if return_lse else None, group, timeout, "ulysses_attention")
+    out, lse, sent_back = gather_heads(
+        out, lse if return_lse else None, group, timeout, "ulysses_attention"
+    )
     global last_stats
     last_stats = CommStats("ulysses", sent + sent_back)
     return (out, lse) if return_lse else out

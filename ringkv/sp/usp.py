@@ -30,7 +30,9 @@ last_stats = CommStats("usp")
 _GROUPS: Dict[tuple, tuple] = {}
 
 
-def sp_groups(ulysses: int, ring: int) -> Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+def sp_groups(
+    ulysses: int, ring: int
+) -> Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
     """``(ulysses_group, ring_group)`` of this rank in a ``(ring, ulysses)`` mesh over the default world.
 
     Global rank ``= ring_rank * ulysses + ulysses_rank``: a Ulysses group is ``ulysses``
@@ -43,8 +45,10 @@ def sp_groups(ulysses: int, ring: int) -> Tuple[Optional[dist.ProcessGroup], Opt
             raise ValueError(f"sp_groups: {name} must be a positive int, got {n!r}")
     rank, world = rank_world()
     if ulysses * ring != world:
-        raise ValueError(f"sp_groups(ulysses={ulysses}, ring={ring}) needs ulysses * ring == the world size {world}, "
-                         f"got {ulysses * ring}")
+        raise ValueError(
+            f"sp_groups(ulysses={ulysses}, ring={ring}) needs ulysses * ring == the world size {world}, "
+            f"got {ulysses * ring}"
+        )
     if not dist.is_initialized():
         return None, None
     key = (id(dist.group.WORLD), ulysses, ring)
@@ -57,11 +61,24 @@ def sp_groups(ulysses: int, ring: int) -> Tuple[Optional[dist.ProcessGroup], Opt
     return _GROUPS[key]
 
 
-def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                  ulysses_group: Optional[dist.ProcessGroup], ring_group: Optional[dist.ProcessGroup],
-                  layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
-                  backend: str = "auto", timeout: Optional[timedelta] = None, check: bool = True,
-                  window=NO_WINDOW, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None):
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    ulysses_group: Optional[dist.ProcessGroup],
+    ring_group: Optional[dist.ProcessGroup],
+    layout: str = "zigzag",
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    timeout: Optional[timedelta] = None,
+    check: bool = True,
+    window=NO_WINDOW,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+):
     """Exact attention over a sequence sharded on a ``(ring, ulysses)`` mesh (``sp_groups``).
 
     Args:
@@ -78,26 +95,61 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         Differentiable w.r.t. q, k, v.
     """
     if rank_world()[1] > 1 and (ulysses_group is None or ring_group is None):
-        raise ValueError("usp_attention needs ulysses_group and ring_group: build them with "
-                         "ringkv.sp_groups(ulysses=U, ring=R)")
+        raise ValueError(
+            "usp_attention needs ulysses_group and ring_group: build them with "
+            "ringkv.sp_groups(ulysses=U, ring=R)"
+        )
     (u_rank, n_u), (_, n_r) = rank_world(ulysses_group), rank_world(ring_group)
-    scale, softcap = check_inputs(q, k, v, causal, layout, softmax_scale, backend, n_r, parts=n_u, softcap=softcap,
-                                  sinks=sinks)
+    scale, softcap = check_inputs(
+        q,
+        k,
+        v,
+        causal,
+        layout,
+        softmax_scale,
+        backend,
+        n_r,
+        parts=n_u,
+        softcap=softcap,
+        sinks=sinks,
+    )
     head_plan(q.shape[2], k.shape[2], n_u, "usp_attention")
     window = check_window(window)
     if check and n_u * n_r > 1:
-        names, values = call_values(q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks)
-        agree_once(values + [n_u, n_r], names + ["ulysses_world", "ring_world"], [ulysses_group, ring_group], timeout,
-              "usp_attention", q.device)
+        names, values = call_values(
+            q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks
+        )
+        agree_once(
+            values + [n_u, n_r],
+            names + ["ulysses_world", "ring_world"],
+            [ulysses_group, ring_group],
+            timeout,
+            "usp_attention",
+            q.device,
+        )
     # (B, S/R, H/U, D): this ring rank's shard, in local order, for H/U heads
     qh, kh, vh, sent = scatter_heads(q, k, v, ulysses_group, timeout, "usp_attention")
     shards = Shards.of_layout(q.shape[1] * n_u * n_r, layout, n_r)
-    local_sinks = None if sinks is None else sinks.view(n_u, -1)[u_rank]  # (H/U,): this Ulysses rank's heads
-    out, lse = ring_attention_shards(qh, kh, vh, shards, causal=causal, comm=RingComm(ring_group, timeout),
-                                     softmax_scale=scale, backend=backend, window=window, softcap=softcap,
-                                     sinks=local_sinks)
+    local_sinks = (
+        None if sinks is None else sinks.view(n_u, -1)[u_rank]
+    )  # (H/U,): this Ulysses rank's heads
+    out, lse = ring_attention_shards(
+        qh,
+        kh,
+        vh,
+        shards,
+        causal=causal,
+        comm=RingComm(ring_group, timeout),
+        softmax_scale=scale,
+        backend=backend,
+        window=window,
+        softcap=softcap,
+        sinks=local_sinks,
+    )
     sent += ring_mod.last_stats.bytes_sent
-    out, lse, sent_back = gather_heads(out, lse if return_lse else None, ulysses_group, timeout, "usp_attention")
+    out, lse, sent_back = gather_heads(
+        out, lse if return_lse else None, ulysses_group, timeout, "usp_attention"
+    )
     global last_stats
     last_stats = CommStats("usp", sent + sent_back)
     return (out, lse) if return_lse else out

@@ -25,7 +25,7 @@ from typing import Dict, Iterator, List, Optional, Sequence as Seq, Union
 
 import torch
 
-from ..cache.block_manager import BlockManager, block_hash
+from ..cache.block_manager import BlockManager, KVEvents, block_hash
 from ..kernels import quant
 from ..model.loader import open_model
 from ..parallel.compiled import decode_buckets
@@ -289,6 +289,22 @@ class LLM:
     def prefix_cache_hits(self) -> int:
         """Blocks served from the prefix cache so far."""
         return self.blocks.hits
+
+    def publish_kv_events(self) -> KVEvents:
+        """Start numbering the prefix cache's changes (``kv_events``; a router's index of which
+        engine holds which blocks); idempotent. Returns the log."""
+        if self.blocks.events is None:
+            self.blocks.events = KVEvents()
+        return self.blocks.events
+
+    @property
+    def kv_events(self) -> Optional[KVEvents]:
+        """The prefix cache's changes (``publish_kv_events``), or None if they are not published."""
+        return self.blocks.events
+
+    def cached_blocks(self) -> List[bytes]:
+        """The hashes of every block in the prefix cache (read it on the engine's thread)."""
+        return list(self.blocks.by_hash)
 
     # -- requests --------------------------------------------------------------------------
     def encode(self, prompt, apply_chat_template: bool = False) -> List[int]:

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional
 
-from ..cache.block_manager import KVEvents
 from ..engine import LLM, RequestOutput, SamplingParams
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -137,7 +136,7 @@ class AsyncEngine:
         max_waiting: Optional[int] = None,
         request_timeout: Optional[float] = None,
     ):
-        """``kv_events``: publish the prefix cache's changes (``llm.blocks.events``) for a router.
+        """``kv_events``: publish the prefix cache's changes (``kv_changes``) for a router.
         ``max_waiting``: requests past that many waiting get ``Busy``; ``request_timeout``:
         seconds after which a request is aborted (its stream ends with ``RequestTimeout``)."""
         for name, v in (("max_waiting", max_waiting), ("request_timeout", request_timeout)):
@@ -149,7 +148,8 @@ class AsyncEngine:
                 and not isinstance(v, int)
             ):
                 raise ValueError(
-                    f"{name} must be a positive {'int' if name == 'max_waiting' else 'number'}, got {v!r}"
+                    f"{name} must be a positive "
+                    f"{'int' if name == 'max_waiting' else 'number'}, got {v!r}"
                 )
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
         self.pending = (
@@ -157,7 +157,7 @@ class AsyncEngine:
         )
         self.llm = llm
         if kv_events:
-            llm.blocks.events = KVEvents()
+            llm.publish_kv_events()
         self.adopted: Dict[str, tuple] = {}  # moved in, not attached yet: rid -> (stream, deadline)
         self.epoch = (
             uuid.uuid4().hex
@@ -196,7 +196,8 @@ class AsyncEngine:
         if self.max_waiting is not None and self.queued() >= self.max_waiting:
             self.metrics.rejected += 1
             raise Busy(
-                f"the server is busy: {self.max_waiting} requests are waiting (--max-waiting); retry later",
+                f"the server is busy: {self.max_waiting} requests are waiting (--max-waiting); "
+                "retry later",
                 retry_after=1,
             )
         self.pending += 1
@@ -206,7 +207,8 @@ class AsyncEngine:
             self.pending -= 1
 
     def queued(self) -> int:
-        """Requests that will wait: those waiting or on their way in, less the free running slots."""
+        """Requests that will wait: those waiting or on their way in, less the free running
+        slots."""
         g, slots = self.gauges, self.llm.engine_config.max_num_seqs
         return g["waiting"] + self.pending - max(0, slots - g["running"])
 
@@ -241,7 +243,8 @@ class AsyncEngine:
         return stream
 
     def call(self, fn: Callable, *args, timeout: Optional[float] = None):
-        """``fn(*args)`` on the engine's thread (from any other thread): its result, or its error."""
+        """``fn(*args)`` on the engine's thread (from any other thread): its result, or its
+        error."""
         if self.dead:
             raise EngineDead(self.dead)
         future: Future = Future()
@@ -271,12 +274,22 @@ class AsyncEngine:
             stats = send_request(_Source(self, to), rid, link, incremental=True)
         return stats
 
-    def accept(self, host: str, timeout: float = 30.0) -> int:
+    def accept(
+        self,
+        host: str,
+        timeout: float = 30.0,
+        *,
+        loop: Optional[asyncio.AbstractEventLoop] = None,
+    ) -> int:
         """Listen on ``host`` for one request moving in (``migrate_out`` on another instance);
-        returns the port. The request, once imported, waits for ``attach``."""
+        returns the port. The request, once imported, waits for ``attach``; its stream's items
+        are put on ``loop`` (the caller's running event loop; default: the one of the last
+        ``add``)."""
         from ..engine.remote import MigrationError, receive_request
         from ..parallel.transfer import Link, LinkError
 
+        if loop is not None:
+            self.loop = loop
         link = Link.listen(host, 0, timeout=timedelta(seconds=timeout))
 
         def run():
@@ -289,6 +302,25 @@ class AsyncEngine:
 
         threading.Thread(target=run, name="ringkv-migrate-in", daemon=True).start()
         return link.port
+
+    def kv_changes(self, after: int, epoch: str) -> Optional[dict]:
+        """The prefix cache's changes for a router, or None if this engine does not publish them
+        (``kv_events=False``): ``{"last": number of the last event, "events": [[STORED | REMOVED,
+        hex hash], ...] after event ``after``, "full": None}``, or, when those events are gone or
+        ``epoch`` is not this engine's (it restarted), ``"events": []`` and ``"full"``: the hex
+        hashes of the whole index. Blocking (the index is read on the engine's thread): call it
+        off the event loop."""
+        events = self.llm.kv_events
+        if events is None:
+            return None
+        full = None
+        last, new = events.since(after) if epoch == self.epoch else (events.last, None)
+        if new is None:  # the whole index, read on the engine's thread (where it changes)
+            last, full = self.call(
+                lambda: (events.last, [h.hex() for h in self.llm.cached_blocks()])
+            )
+            new = []
+        return {"last": last, "events": [[kind, h.hex()] for _, kind, h in new], "full": full}
 
     def attach(self, rid: str) -> "RequestStream":
         """The stream of a request that moved in (``KeyError`` if there is none to attach)."""
@@ -339,7 +371,8 @@ class AsyncEngine:
             r.loop.call_soon_threadsafe(
                 r.queue.put_nowait,
                 RequestTimeout(
-                    f"the request ran longer than {self.request_timeout:g} s (--request-timeout); it was aborted"
+                    f"the request ran longer than {self.request_timeout:g} s "
+                    "(--request-timeout); it was aborted"
                 ),
             )
             self._update_gauges()  # /metrics shows it gone before its client reads the end

@@ -1,10 +1,13 @@
 """Command line.
 
     ringkv generate --model PATH --prompt "..." [--max-tokens N] [--tp/--pp/--sp N] ...
-    ringkv serve --model PATH [--tp/--pp/--sp N] [--host 127.0.0.1] [--port 8000] [--max-request-bytes N]
-    ringkv serve --model PATH --replicas N [--routing kv] ...      # a front and N instances on this host
-    ringkv router --upstream URL [--upstream URL ...] [--port 8000]   # a front over instances anywhere
-    ringkv plan --model PATH|config.json|NAME --seq N --gpus G [--gpu h100] [--interconnect nvlink] ...
+    ringkv serve --model PATH [--tp/--pp/--sp N] [--host 127.0.0.1] [--port 8000] ...
+    ringkv serve --model PATH --replicas N [--routing kv] ...   # a front and N instances here
+    ringkv router --upstream URL [--upstream URL ...] [--port 8000]   # a front over instances
+    ringkv plan --model PATH|config.json|NAME --seq N --gpus G [--gpu h100] ...
+
+The serving flags (and their environment fallbacks) are the fields of
+``ringkv.serve.ServeConfig``; the engine's are ``EngineConfig``'s.
 
 With ``--tp/--pp/--sp`` the command starts the extra ranks itself; under
 ``torchrun --nproc-per-node N -m ringkv ...`` every rank runs it and rank 0 prints (generate)
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from .serve.config import ServeConfig
 
 
 def _engine_options(g: argparse.ArgumentParser) -> None:
@@ -62,48 +67,6 @@ def _engine_options(g: argparse.ArgumentParser) -> None:
     )
 
 
-def _front_options(g: argparse.ArgumentParser) -> None:
-    g.add_argument(
-        "--api-key",
-        default=None,
-        help="/v1/* needs Authorization: Bearer KEY (default $RINGKV_API_KEY; none: open)",
-    )
-    g.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
-    g.add_argument(
-        "--admin",
-        action="store_true",
-        help="turn on the admin endpoints (/admin/* on a front, /internal/* on an instance)",
-    )
-    g.add_argument(
-        "--admin-key",
-        default=None,
-        help="admin endpoints on, behind this key (x-ringkv-admin-key header; default $RINGKV_ADMIN_KEY)",
-    )
-    g.add_argument(
-        "--routing",
-        default="kv",
-        choices=["kv", "round-robin", "least-loaded"],
-        help="a front's routing: the longest cached prefix (kv), or the baselines",
-    )
-    g.add_argument(
-        "--balance",
-        type=int,
-        default=16,
-        help="kv routing: an instance holding this many more requests than the least busy one is "
-        "passed over",
-    )
-    g.add_argument(
-        "--no-migration", action="store_true", help="a front never moves running requests by itself"
-    )
-    g.add_argument(
-        "--migration-threshold",
-        type=float,
-        default=0.1,
-        help="a front moves a request when two instances' loads (max of KV usage and requests / "
-        "max-num-seqs) differ by more than this",
-    )
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ringkv", description="ringkv: exact ring attention and an inference engine"
@@ -130,42 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"
     )
     _engine_options(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument(
-        "--served-model-name", default=None, help="the model name clients use (default: --model)"
-    )
-    s.add_argument("--log-level", default="warning")
-    s.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=None,
-        help="request bodies larger than this get a 413 (default: 16 MiB)",
-    )
-    s.add_argument(
-        "--instance-id",
-        default=None,
-        help="this instance's name in x-ringkv-instance (default host:port)",
-    )
-    s.add_argument(
-        "--max-waiting",
-        type=int,
-        default=None,
-        help="requests past this many waiting get a 429 with Retry-After (default: no limit)",
-    )
-    s.add_argument(
-        "--request-timeout",
-        type=float,
-        default=None,
-        help="seconds after which a request is aborted and its blocks freed (default: none)",
-    )
-    s.add_argument(
-        "--replicas",
-        type=int,
-        default=None,
-        help="start N engine instances (each with the engine options) behind a routing front",
-    )
-    _front_options(s)
+    ServeConfig.add_arguments(s, "serve")
     r = sub.add_parser(
         "router",
         help="an OpenAI-compatible front over ringkv serve instances (KV-aware routing, "
@@ -178,11 +106,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a ringkv serve instance started with --admin or the same --admin-key (repeat)",
     )
-    r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=8000)
-    r.add_argument("--log-level", default="warning")
-    r.add_argument("--max-request-bytes", type=int, default=None)
-    _front_options(r)
+    ServeConfig.add_arguments(r, "router")
     q = sub.add_parser(
         "plan", help="choose TP/PP/SP (and KV dtype) for a model, a context length and a cluster"
     )
@@ -262,9 +186,15 @@ def _plan(args) -> int:
         return 2
     print(planner.format_table(opts[: args.top] if args.top else opts))
     best = [o for o in opts if o.recommended]
-    print(
-        f"\n{'recommended: tp=%d pp=%d sp=%d%s' % (best[0].tp, best[0].pp, best[0].sp, ' ulysses=%d' % best[0].ulysses if best[0].ulysses > 1 else '') if best else 'nothing fits (closest: ' + opts[0].reason + '); use more GPUs, a quantized KV cache or a shorter sequence'}"
-    )
+    if best:
+        b = best[0]
+        ulysses = f" ulysses={b.ulysses}" if b.ulysses > 1 else ""
+        print(f"\nrecommended: tp={b.tp} pp={b.pp} sp={b.sp}{ulysses}")
+    else:
+        print(
+            f"\nnothing fits (closest: {opts[0].reason}); use more GPUs, a quantized KV cache or "
+            f"a shorter sequence"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -309,46 +239,47 @@ def _build(args):
     )
 
 
-def _router(args, replicas=None) -> int:
-    import os
-
+def _router(config: ServeConfig, upstream=(), replicas=None) -> int:
+    """A front: over ``upstream`` URLs (``ringkv router``), or over ``replicas`` it starts (the
+    ``ringkv serve`` argument lists of ``ringkv serve --replicas``)."""
     from .serve.router import Router, new_key, run
 
-    key = args.admin_key or os.environ.get("RINGKV_ADMIN_KEY")
+    c = config
     try:
         router = Router(
-            routing=args.routing,
-            migration=not args.no_migration,
-            threshold=args.migration_threshold,
-            balance=args.balance,
-            admin=args.admin,
-            admin_key=key,
-            upstream_key=key or (new_key() if replicas else None),
-            api_key=args.api_key or os.environ.get("RINGKV_API_KEY"),
-            protect_metrics=args.protect_metrics,
+            routing=c.routing,
+            migration=c.migration,
+            threshold=c.migration_threshold,
+            balance=c.balance,
+            admin=c.admin,
+            admin_key=c.admin_key,
+            upstream_key=c.admin_key or (new_key() if replicas else None),
+            api_key=c.api_key,
+            protect_metrics=c.protect_metrics,
         )
-        for url in args.upstream if replicas is None else []:
+        for url in upstream:
             router.add(url)
     except ValueError as e:
         print(f"ringkv: {e}", file=sys.stderr)
         return 2
-    if replicas is None and not args.upstream:
+    if replicas is None and not upstream:
         print(
-            "ringkv: router needs at least one --upstream URL (more can join: POST /admin/instances)",
+            "ringkv: router needs at least one --upstream URL "
+            "(more can join: POST /admin/instances)",
             file=sys.stderr,
         )
     print(
-        f"ringkv: routing ({args.routing}) on http://{args.host}:{args.port}/v1",
+        f"ringkv: routing ({c.routing}) on http://{c.host}:{c.port}/v1",
         file=sys.stderr,
         flush=True,
     )
     run(
         router,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
+        host=c.host,
+        port=c.port,
+        log_level=c.log_level,
         replicas=replicas,
-        max_request_bytes=args.max_request_bytes,
+        max_request_bytes=c.max_request_bytes,
     )
     if router.fatal:
         print(f"ringkv: {router.fatal}", file=sys.stderr)
@@ -356,55 +287,26 @@ def _router(args, replicas=None) -> int:
     return 0
 
 
-_FRONT_ONLY = {
-    "--replicas": 1,
-    "--host": 1,
-    "--port": 1,
-    "--admin": 0,
-    "--admin-key": 1,
-    "--routing": 1,
-    "--balance": 1,
-    "--no-migration": 0,
-    "--migration-threshold": 1,
-    "--instance-id": 1,
-    "--api-key": 1,
-    "--protect-metrics": 0,
-}
-
-
-def _replica_argv(argv, n: int):
-    """Each replica's ``ringkv serve`` arguments: the command line less the front's own options."""
-    out, i = [], 0
-    while i < len(argv):
-        name = argv[i].split("=", 1)[0]
-        if name in _FRONT_ONLY:
-            i += 1 + (_FRONT_ONLY[name] if "=" not in argv[i] else 0)
-            continue
-        out.append(argv[i])
-        i += 1
-    return [out[1:] if out and out[0] == "serve" else out for _ in range(n)]
-
-
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plan":
         return _plan(args)
+    config = ServeConfig.from_args(args)  # serve and router: with the environment's fallbacks
     if args.command == "router":
-        return _router(args)
-    if args.command == "serve" and args.replicas is not None:
+        return _router(config, args.upstream)
+    if args.command == "serve" and config.replicas is not None:
         import os
 
-        if args.replicas < 1 or not os.path.exists(args.model):
+        if config.replicas < 1 or not os.path.exists(args.model):
             why = (
-                f"--replicas must be >= 1, got {args.replicas}"
-                if args.replicas < 1
+                f"--replicas must be >= 1, got {config.replicas}"
+                if config.replicas < 1
                 else f"no model at {args.model!r}"
             )
             print(f"ringkv: {why}", file=sys.stderr)
             return 2
-        return _router(
-            args, _replica_argv(sys.argv[1:] if argv is None else list(argv), args.replicas)
-        )
+        argv = ServeConfig.replica_argv(sys.argv[1:] if argv is None else list(argv))
+        return _router(config, replicas=[list(argv) for _ in range(config.replicas)])
     from .engine import SamplingParams
 
     params = None
@@ -428,7 +330,7 @@ def main(argv=None) -> int:
         return 2
     with llm:
         if args.command == "serve":
-            return _serve(llm, args)
+            return _serve(llm, config, args.model)
         try:
             return _run(llm, args, params)
         except KeyboardInterrupt:  # Ctrl-C: the step in flight finished on every rank; stop quietly
@@ -436,43 +338,28 @@ def main(argv=None) -> int:
             return 130
 
 
-def _serve(llm, args) -> int:
+def _serve(llm, config: ServeConfig, model: str) -> int:
+    from dataclasses import replace
+
     from .serve import follow_forever, serve
 
     if llm.rank != 0:  # under torchrun: rank 0 serves, the others run its steps
         follow_forever(llm)
         return 0
-    name = args.served_model_name or args.model
+    c = replace(config, model_name=config.model_name or model)
     print(
-        f"ringkv: serving {name!r} on http://{args.host}:{args.port}/v1",
+        f"ringkv: serving {c.model_name!r} on http://{c.host}:{c.port}/v1",
         file=sys.stderr,
         flush=True,
     )
-    import os
-
-    api_key = args.api_key or os.environ.get("RINGKV_API_KEY")
-    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if c.api_key is None and c.host not in ("127.0.0.1", "localhost", "::1"):
         print(
-            f"ringkv: WARNING: serving on {args.host} without an API key: anyone who reaches the port can use "
-            f"it (--api-key or RINGKV_API_KEY)",
+            f"ringkv: WARNING: serving on {c.host} without an API key: anyone who reaches the "
+            f"port can use it (--api-key or RINGKV_API_KEY)",
             file=sys.stderr,
             flush=True,
         )
-    serve(
-        llm,
-        host=args.host,
-        port=args.port,
-        model_name=name,
-        log_level=args.log_level,
-        max_request_bytes=args.max_request_bytes,
-        instance_id=args.instance_id,
-        admin=args.admin,
-        admin_key=args.admin_key or os.environ.get("RINGKV_ADMIN_KEY"),
-        api_key=api_key,
-        protect_metrics=args.protect_metrics,
-        max_waiting=args.max_waiting,
-        request_timeout=args.request_timeout,
-    )
+    serve(llm, c)
     return 0
 
 

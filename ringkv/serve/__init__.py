@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+from dataclasses import fields, replace
+
+from .config import ServeConfig
 from .engine import AsyncEngine, EngineDead
 
-__all__ = ["AsyncEngine", "EngineDead", "build_app", "serve", "follow_forever"]
+__all__ = ["AsyncEngine", "EngineDead", "ServeConfig", "build_app", "serve", "follow_forever"]
 
 
 def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[int] = None, **kw):
@@ -15,48 +18,46 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
     return build(engine, model_name, max_request_bytes, **kw)
 
 
-def serve(
-    llm,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    model_name: str = "ringkv",
-    log_level: str = "warning",
-    max_request_bytes: Optional[int] = None,
-    instance_id: Optional[str] = None,
-    admin: bool = False,
-    admin_key: Optional[str] = None,
-    api_key: Optional[str] = None,
-    protect_metrics: bool = False,
-    max_waiting: Optional[int] = None,
-    request_timeout: Optional[float] = None,
-) -> None:
-    """Serve ``llm`` until interrupted; request bodies over ``max_request_bytes`` (default
-    16 MiB) get a 413. ``instance_id`` names it in the ``x-ringkv-instance`` header (default
-    ``host:port``); ``admin`` (or an ``admin_key``) turns on the endpoints a router drives;
-    ``api_key``: ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (and ``/metrics`` with
-    ``protect_metrics``); ``max_waiting``: a 429 past that many waiting requests;
-    ``request_timeout``: seconds after which a request is aborted. Under
-    torchrun, call it on rank 0; the other ranks must run ``follow_forever(llm)`` (``ringkv serve``
-    does both)."""
+def serve(llm, config: Optional[ServeConfig] = None, **settings) -> None:
+    """Serve ``llm`` until interrupted, as ``config`` says (``ServeConfig``), or with its fields
+    as keywords (``serve(llm, port=8001, api_key=KEY)``; keywords override a given config).
+    Request bodies over ``max_request_bytes`` (default 16 MiB) get a 413. ``instance_id``
+    names it in the ``x-ringkv-instance`` header (default ``host:port``); ``admin`` (or an
+    ``admin_key``) turns on the endpoints a router drives; ``api_key``: ``/v1/*`` needs
+    ``Authorization: Bearer <api_key>`` (and ``/metrics`` with ``protect_metrics``);
+    ``max_waiting``: a 429 past that many waiting requests; ``request_timeout``: seconds after
+    which a request is aborted; ``model_name``: the name clients use (default ``"ringkv"``).
+    The front's fields (``replicas``, ``routing``, ...) are not read here. Under torchrun,
+    call it on rank 0; the other ranks must run ``follow_forever(llm)`` (``ringkv serve`` does
+    both)."""
     import uvicorn
 
-    admin = admin or admin_key is not None
+    if config is not None and not isinstance(config, ServeConfig):
+        raise TypeError(f"config must be a ServeConfig, got {type(config).__name__}")
+    names = {f.name for f in fields(ServeConfig)}
+    unknown = sorted(set(settings) - names)
+    if unknown:
+        raise TypeError(
+            f"serve() got unexpected keyword argument(s) {unknown}; the settings are "
+            f"{sorted(names)}"
+        )
+    c = replace(config or ServeConfig(), **settings)
+    admin = c.admin or c.admin_key is not None
     engine = AsyncEngine(
-        llm, kv_events=admin, max_waiting=max_waiting, request_timeout=request_timeout
+        llm, kv_events=admin, max_waiting=c.max_waiting, request_timeout=c.request_timeout
     )
     app = build_app(
         engine,
-        model_name,
-        max_request_bytes,
-        instance_id=instance_id or f"{host}:{port}",
+        "ringkv" if c.model_name is None else c.model_name,
+        c.max_request_bytes,
+        instance_id=c.instance_id or f"{c.host}:{c.port}",
         admin=admin,
-        admin_key=admin_key,
-        api_key=api_key,
-        protect_metrics=protect_metrics,
+        admin_key=c.admin_key,
+        api_key=c.api_key,
+        protect_metrics=c.protect_metrics,
     )
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        uvicorn.run(app, host=c.host, port=c.port, log_level=c.log_level)
     finally:
         engine.shutdown()
         llm.cluster.shutdown_followers()

@@ -1,19 +1,24 @@
 """The ranks of one engine, seen from this process (``Cluster``), and how they start.
 
-Three ways to run, chosen by ``Cluster.mode(world)``:
+Three ways to run, chosen by ``Cluster.mode_for(world)`` and kept in ``Cluster.mode``
+(a ``ClusterMode``; a ``str`` enum, so ``mode == "spawn"`` holds too):
 
-- ``"local"``: one rank (world 1); no process group is touched.
-- ``"torchrun"``: this process is one rank of a ``torch.distributed`` world of exactly
-  ``tp * pp * sp`` processes (torchrun, or any launcher that initialised the default
+- ``LOCAL`` (``"local"``): one rank (world 1); no process group is touched.
+- ``TORCHRUN`` (``"torchrun"``): this process is one rank of a ``torch.distributed`` world of
+  exactly ``tp * pp * sp`` processes (torchrun, or any launcher that initialised the default
   group). Every rank builds the same engine; rank 0 drives, the others follow its messages
   while they are inside the same call.
-- ``"spawn"``: a plain process asks for several ranks: it stays the driver (scheduler, block
-  manager, sampling; it holds no model shard) and starts every model rank as a worker process
-  (``torch.multiprocessing`` spawn, a TCP store of this engine's own, and the workers' gloo/NCCL
-  group on loopback); ``close()`` (or the exit of the program) stops them. The driver joins no
-  default process group (its link to the workers is a gloo group built from the engine's
-  store: ``control.ControlPlane.open_channel``), so one process can hold several engines and
-  close them in any order.
+- ``SPAWN`` (``"spawn"``): a plain process asks for several ranks: it stays the driver
+  (scheduler, block manager, sampling; it holds no model shard) and starts every model rank as
+  a worker process (``torch.multiprocessing`` spawn, a TCP store of this engine's own, and the
+  workers' gloo/NCCL group on loopback); ``close()`` (or the exit of the program) stops them.
+  The driver joins no default process group (its link to the workers is a gloo group built
+  from the engine's store: ``control.ControlPlane.open_channel``), so one process can hold
+  several engines and close them in any order.
+- ``CLOSED`` (``"closed"``): a spawn-mode driver after ``close()``: its workers are stopped
+  and its control plane dropped, so nothing of spawn mode runs again (a second ``close()``
+  does nothing). ``LOCAL`` and ``TORCHRUN`` clusters keep their mode when closed (they own
+  no processes).
 
 Rank 0 sends every step to the other ranks as a delta of their mirrors of the running
 sequences (``plan.Publisher`` -> ``control.ControlPlane.publish_step`` -> ``plan.Mirror`` on
@@ -37,15 +42,16 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from typing import Deque, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..model.config import ModelConfig
-from ..sp.comm import DEFAULT_TIMEOUT, RingTimeoutError
+from ..sp.comm import DEFAULT_TIMEOUT
 from .control import ControlPlane, EngineError, parent_alive
-from .mesh import MeshShape, build_mesh, forget_meshes
+from .mesh import MeshShape, build_mesh
 from .plan import Publisher, StepPlan, local_plan
 from . import faults, kvmove
 from .worker import RESULT_TAG, EngineShape, StepResult, Worker, WorkerStats
@@ -88,6 +94,19 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
     return device
 
 
+class ClusterMode(str, Enum):
+    """How the ranks of a ``Cluster`` run: see the module docstring. Its values are the strings
+    the mode was before it was an enum, and it compares equal to them."""
+
+    LOCAL = "local"
+    TORCHRUN = "torchrun"
+    SPAWN = "spawn"
+    CLOSED = "closed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Cluster:
     """``submit(plan)`` / ``result()`` on the driver, ``follow()`` on torchrun followers."""
 
@@ -116,17 +135,16 @@ class Cluster:
         self.publisher = Publisher()  # the driver: what every other rank's step mirror holds
         self.stats = WorkerStats()  # the driver's steps and control-plane counters
         self.fault = None  # tests only (faults.install_driver): called after each submit
-        self.worker: Optional[Worker] = (
-            None  # this process's model rank (none on a spawn-mode driver)
-        )
-        self.offset = 1 if self.mode == "spawn" else 0  # control rank of model rank r: r + offset
-        self.sampler = mesh_shape.rank_of(
-            shape.pp - 1, 0, 0
-        )  # the model rank that returns step results
+        # this process's model rank (none on a spawn-mode driver)
+        self.worker: Optional[Worker] = None
+        # the control rank of model rank r is r + offset
+        self.offset = 1 if self.mode is ClusterMode.SPAWN else 0
+        # the model rank that returns step results
+        self.sampler = mesh_shape.rank_of(shape.pp - 1, 0, 0)
         self._reports = itertools.count()
-        if self.mode == "local":
+        if self.mode is ClusterMode.LOCAL:
             self.rank, self.device = 0, device
-        elif self.mode == "torchrun":
+        elif self.mode is ClusterMode.TORCHRUN:
             self.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
             self.device = _rank_device(device, self.rank)
             if self.device.type == "cuda":
@@ -144,7 +162,7 @@ class Cluster:
         else:
             self.rank, self.device = 0, device
         try:
-            if self.mode == "spawn":
+            if self.mode is ClusterMode.SPAWN:
                 self._spawn(model_arg, cfg, weights, dtype, device, budget)
             else:
                 self.worker, self.num_blocks, self.infos = setup_rank(
@@ -167,16 +185,17 @@ class Cluster:
         faults.install_driver(self)  # tests only: RINGKV_FAULT
 
     @staticmethod
-    def mode_for(world: int) -> str:
+    def mode_for(world: int) -> ClusterMode:
         if world == 1:
-            return "local"
+            return ClusterMode.LOCAL
         if dist.is_initialized():
             if dist.get_world_size() != world:
                 raise ValueError(
-                    f"tp * pp * sp = {world} but the torch.distributed world has {dist.get_world_size()} "
-                    f"ranks; run under torchrun --nproc-per-node {world} (one process per rank)"
+                    f"tp * pp * sp = {world} but the torch.distributed world has "
+                    f"{dist.get_world_size()} ranks; run under torchrun --nproc-per-node {world} "
+                    f"(one process per rank)"
                 )
-            return "torchrun"
+            return ClusterMode.TORCHRUN
         env = os.environ.get("WORLD_SIZE")
         if env is not None and int(env) > 1:
             if int(env) != world:
@@ -184,8 +203,8 @@ class Cluster:
                     f"tp * pp * sp = {world} but torchrun started {env} processes; "
                     f"use --nproc-per-node {world}"
                 )
-            return "torchrun"
-        return "spawn"
+            return ClusterMode.TORCHRUN
+        return ClusterMode.SPAWN
 
     @property
     def is_driver(self) -> bool:
@@ -201,8 +220,9 @@ class Cluster:
         for r, theirs in enumerate(self.control.exchange("engine", mine)):
             if theirs != mine:
                 raise ValueError(
-                    f"rank {r} builds a different engine than rank {self.rank} (model config, dtype, "
-                    f"tp/pp/sp or cache settings differ); every rank must call LLM(...) alike"
+                    f"rank {r} builds a different engine than rank {self.rank} (model config, "
+                    f"dtype, tp/pp/sp or cache settings differ); every rank must call LLM(...) "
+                    f"alike"
                 )
 
     # -- spawn mode ----------------------------------------------------------------------
@@ -379,7 +399,8 @@ class Cluster:
         return self._on_ranks(self.mover.gather, table, start, end)
 
     def write_kv(self, table: List[int], start: int, kv: kvmove.KV) -> None:
-        """The driver: store ``kv`` (``read_kv``'s layout) from token ``start`` on, on every rank."""
+        """The driver: store ``kv`` (``read_kv``'s layout) from token ``start`` on, on every
+        rank."""
         self._on_ranks(self.mover.scatter, table, start, kv)
 
     def _on_ranks(self, fn, *args):
@@ -404,16 +425,16 @@ class Cluster:
 
     def end(self, payload: dict) -> None:
         """Torchrun: let the followers return ``payload`` from the call they are in."""
-        if self.mode == "torchrun" and self.is_driver:
+        if self.mode is ClusterMode.TORCHRUN and self.is_driver:
             self.control.publish({"kind": "end", **payload})
 
     def shutdown_followers(self) -> None:
         """Torchrun: release ranks > 0 from ``follow(idle=True)`` loops (a server stopping)."""
-        if self.mode == "torchrun" and self.is_driver and not self.broken:
+        if self.mode is ClusterMode.TORCHRUN and self.is_driver and not self.broken:
             self.control.publish({"kind": "shutdown"})
 
     def abort(self, message: str) -> None:
-        if self.mode == "torchrun" and self.is_driver and not self.broken:
+        if self.mode is ClusterMode.TORCHRUN and self.is_driver and not self.broken:
             self.control.publish({"kind": "error", "message": message})
 
     def follow(self, idle: bool = False) -> dict:
@@ -445,7 +466,7 @@ class Cluster:
         if self.world == 1:
             return [self._with_control(mine)]
         n = next(self._reports)
-        if self.mode == "spawn":
+        if self.mode is ClusterMode.SPAWN:
             self.control.publish({"kind": "report", "n": n})
         reports = [r for r in self.control.exchange(f"report{n}", mine) if r is not None]
         if self.is_driver:
@@ -476,7 +497,7 @@ class Cluster:
         msg = f"{type(e).__name__}: {e}"
         if not isinstance(e, Exception):
             msg = f"{type(e).__name__} inside a step, which the other ranks may still be running"
-        elif self.mode == "spawn":
+        elif self.mode is ClusterMode.SPAWN:
             time.sleep(0.2)  # a dying worker posts its error first
             try:
                 self._check_procs("running a step")
@@ -497,7 +518,7 @@ class Cluster:
 
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:
-        if self.mode == "spawn" and self.procs:
+        if self.mode is ClusterMode.SPAWN and self.procs:
             try:
                 if self.control is not None and not self.broken:
                     self.control.publish({"kind": "shutdown"})
@@ -508,9 +529,9 @@ class Cluster:
                 p.join(timeout=0 if self.broken else 10)
             self._kill_workers()
             self.procs = []
-        if self.mode == "spawn":
+        if self.mode is ClusterMode.SPAWN:
             self.control = None  # its gloo group and the store go with it
-            self.mode = "closed"
+            self.mode = ClusterMode.CLOSED
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None

@@ -63,9 +63,9 @@ class Deltas(RuleBasedStateMachine):
         want = "tokens" if len(batch) % 2 else "logits"
         words = self.pub.encode(batch, want)
         for s, (flags, ntok, nblk) in zip(batch, _entries(words)):
-            if (
-                flags & NEW
-            ):  # once: its tokens from the first position it computes (a cached prefix: none), all blocks
+            # once: its tokens from the first position it computes (a cached prefix: none), all
+            # blocks
+            if flags & NEW:
                 assert (ntok, nblk) == (s.seq.num_tokens - s.start, len(s.seq.block_table))
             else:  # the token sampled since, the blocks these n tokens need: not the context
                 assert ntok <= 1 and nblk <= s.n // self.blocks.block_size + 1, (ntok, nblk, s.n)
@@ -127,7 +127,8 @@ TestDeltas.settings = settings(max_examples=60, stateful_step_count=30, deadline
 
 
 def _decode_words(context: int, batch: int, block_size: int = 16) -> int:
-    """Words of one decode step of ``batch`` sequences at ``context`` tokens (after their prefill)."""
+    """Words of one decode step of ``batch`` sequences at ``context`` tokens (after their
+    prefill)."""
     blocks = BlockManager(batch * (context // block_size + 2), block_size)
     sched = Scheduler(blocks, max_num_seqs=batch, max_num_batched_tokens=batch * context)
     pub, mirror = Publisher(), Mirror()
@@ -218,7 +219,7 @@ def _bytes_per_decode_step(llm, prompt_len: int) -> float:
         for _ in range(4)
     ]
     while not all(
-        llm._active[r][0].output_token_ids for r in rids
+        llm.sequences(r)[0].output_token_ids for r in rids
     ):  # prefill done: every prompt has a token
         llm.step()
     before = llm.rank_stats()

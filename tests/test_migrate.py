@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import struct
 
 import pytest
@@ -21,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 pytest.importorskip("transformers")
 
-from ringkv.engine import LLM, KVSnapshot, SamplingParams, migrate  # noqa: E402
+from ringkv.engine import LLM, KVSnapshot, RequestState, SamplingParams  # noqa: E402
 from ringkv.engine.snapshot import model_digest  # noqa: E402
 from ringkv.model.loader import StateDictSource, open_model  # noqa: E402
 from tests.models import tiny_model  # noqa: E402
@@ -85,24 +84,25 @@ def test_migrated_requests_finish_as_if_never_moved(model, params, mode, tmp_pat
     mid_prefill = [
         rid
         for rid in rids
-        if r.a._active[rid][0].num_computed < len(r.a._active[rid][0].prompt_token_ids)
+        if r.a.sequences(rid)[0].num_computed < len(r.a.sequences(rid)[0].prompt_token_ids)
     ]
     assert mid_prefill  # chunked prefill is under way for some of them
     moved = 0
     for rid in rids:
-        if rid not in r.a._active:
+        if r.a.request_state(rid) is not RequestState.ACTIVE:
             continue  # it finished here meanwhile
         if mode == "incremental":  # pre-copy while it runs, two more rounds, then stop
             snap = r.a.export_request(rid, stop=False)
             r.b.import_request(snap)
             for _ in range(2):
                 r.step(r.a)
-                if rid not in r.a._active:
+                if r.a.request_state(rid) is not RequestState.ACTIVE:
                     break
                 nxt = r.a.export_request(rid, since=snap, stop=False)
                 r.b.import_request(nxt)
                 snap = nxt
-            if rid not in r.a._active:  # finished on the source: the staged copy goes
+            # finished on the source: the staged copy goes
+            if r.a.request_state(rid) is not RequestState.ACTIVE:
                 assert r.b.abort_request(rid)
                 continue
             r.b.import_request(r.a.export_request(rid, since=snap))
@@ -182,7 +182,8 @@ def test_wrong_snapshots_are_refused_and_the_source_keeps_the_request(model, tmp
     with pytest.raises(ValueError, match="in order"):
         r.b.import_request(nxt)
     assert (
-        rid not in r.b._staged and r.b.blocks.num_free == r.b.blocks.num_blocks
+        r.b.request_state(rid) is not RequestState.STAGED
+        and r.b.blocks.num_free == r.b.blocks.num_blocks
     )  # nothing changed
     r.finish()  # nothing lost: the source still finishes it
     assert r.outs[rid].token_ids == reference(model, GREEDY)[2]
@@ -236,7 +237,11 @@ class Migrations(RuleBasedStateMachine):
             self.run.step(self.engines[e])
 
     def _live(self):
-        return [rid for rid, e in self.where.items() if rid in self.engines[e]._active]
+        return [
+            rid
+            for rid, e in self.where.items()
+            if self.engines[e].request_state(rid) is RequestState.ACTIVE
+        ]
 
     @precondition(lambda self: self.run is not None)
     @rule(k=st.integers(0, 50), pre=st.booleans())
@@ -301,7 +306,9 @@ class Migrations(RuleBasedStateMachine):
             return
         for rid, e in self.where.items():
             homes = [
-                n for n, eng in self.engines.items() if rid in eng._active or rid in eng._paused
+                n
+                for n, eng in self.engines.items()
+                if eng.request_state(rid) in (RequestState.ACTIVE, RequestState.PAUSED)
             ]
             assert homes in ([], [e]), (rid, homes)
 
@@ -317,7 +324,9 @@ class Migrations(RuleBasedStateMachine):
             if rid not in self.aborted:
                 assert self.run.outs[rid].token_ids == ref[i], rid
         for eng in self.engines.values():
-            assert eng.blocks.num_free == eng.blocks.num_blocks and not eng._staged
+            assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.request_ids(
+                RequestState.STAGED
+            )
 
 
 MODEL = None
@@ -374,7 +383,7 @@ def test_quantized_blocks_move_with_their_scales(model):
     for _ in range(5):
         r.step(r.a)
     for rid in rids:
-        if rid in r.a._active:
+        if r.a.request_state(rid) is RequestState.ACTIVE:
             snap = KVSnapshot.from_bytes(r.a.export_request(rid).to_bytes())
             assert snap.k.dtype == torch.int8 and snap.k_scale is not None
             r.b.import_request(snap)
@@ -398,14 +407,14 @@ def state(e):
             st.seq.num_computed,
             st.seq.generator.get_state().sum().item(),
         )
-        for rid, st in e._staged.items()
+        for rid, st in ((rid, e.staged(rid)) for rid in e.request_ids(RequestState.STAGED))
     }
     return (
         e.blocks.num_free,
         list(e.blocks.ref),
         dict(e.blocks.hash_of),
-        list(e._active),
-        list(e._paused),
+        e.request_ids(RequestState.ACTIVE),
+        e.request_ids(RequestState.PAUSED),
         staged,
         [s.seq_id for s in e.scheduler.waiting],
         [s.seq_id for s in e.scheduler.running],
@@ -456,7 +465,8 @@ def _poke(t, value):
     return t
 
 
-# (what is wrong, which snapshot it applies to: f = full / first, i = increment, the error must match, mutation)
+# (what is wrong, which snapshot it applies to: f = full / first, i = increment, the error must
+# match, mutation)
 MUTATIONS = [
     ("OOV token id", "fi", "token_ids", lambda s: r_(s, token_ids=s.token_ids + [V])),
     ("negative token id", "fi", "token_ids", lambda s: r_(s, token_ids=s.token_ids + [-1])),
@@ -700,7 +710,7 @@ def test_a_refused_import_takes_no_blocks_and_a_failed_write_gives_them_back(mod
     def broken(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(migrate, "_write", broken)
+    monkeypatch.setattr(r.b.cluster, "write_kv", broken)
     refused(r.b, snap, "device lost", RuntimeError)
     monkeypatch.undo()
     r.b.import_request(snap)
@@ -710,7 +720,8 @@ def test_a_refused_import_takes_no_blocks_and_a_failed_write_gives_them_back(mod
 
 
 def _edit_meta(data: bytes, edit) -> bytes:
-    """A safetensors buffer with its snapshot metadata changed by ``edit(meta)`` (tensors untouched)."""
+    """A safetensors buffer with its snapshot metadata changed by ``edit(meta)`` (tensors
+    untouched)."""
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
     meta = json.loads(header["__metadata__"]["ringkv_snapshot"])
@@ -729,7 +740,7 @@ def test_the_checksum_covers_the_metadata(model):
     data = r.a.export_request(rid).to_bytes()
     assert (
         KVSnapshot.from_bytes(_edit_meta(data, lambda m: None)).token_ids
-        == r.a._paused[rid][0].token_ids
+        == r.a.sequences(rid)[0].token_ids
     )
     for edit in (
         lambda m: m["token_ids"].__setitem__(3, (m["token_ids"][3] + 1) % V),
@@ -806,14 +817,14 @@ def test_reclaim_frees_held_blocks_and_loses_nothing(model):
     r.b.import_request(pre)  # staged there, blocks held
     free = r.a.blocks.num_free
     assert (
-        migrate.reclaim(r.a)
+        r.a.core.migration.reclaim()
         and r.a.blocks.num_free > free
-        and not r.a._paused[paused][0].block_table
+        and not r.a.sequences(paused)[0].block_table
     )
-    assert not migrate.reclaim(r.a)  # nothing else held here
+    assert not r.a.core.migration.reclaim()  # nothing else held here
     r.a.resume_request(paused)  # recomputed from its tokens
-    assert migrate.reclaim(r.b) and r.b.blocks.num_free == r.b.blocks.num_blocks
-    assert not migrate.reclaim(r.b)
+    assert r.b.core.migration.reclaim() and r.b.blocks.num_free == r.b.blocks.num_blocks
+    assert not r.b.core.migration.reclaim()
     r.b.blocks.check()
     r.step(r.a)
     nxt = r.a.export_request(staged, since=pre, stop=False)

@@ -74,8 +74,9 @@ def test_config_reads_arch_details(hf_model):
 
 
 def test_config_json_as_the_hub_writes_it():
-    """Older config.json layouts: Gemma 3's top-level RoPE bases and window pattern, Gemma 2 without
-    layer_types, Qwen2's windows from max_window_layers; refused: longrope, the multimodal Gemma 3."""
+    """Older config.json layouts: Gemma 3's top-level RoPE bases and window pattern, Gemma 2
+    without layer_types, Qwen2's windows from max_window_layers; refused: longrope, the
+    multimodal Gemma 3."""
     base = dict(
         vocab_size=64,
         hidden_size=32,
@@ -179,12 +180,12 @@ def test_paged_decode_logits_match(hf_model):
     equal HF's full forward at that position."""
     llm = LLM(hf_model, block_size=4, num_blocks=64, max_num_batched_tokens=16)
     ids = torch.randint(3, 128, (37,), generator=torch.Generator().manual_seed(2)).tolist()
-    (seq,) = llm._make(ids, SamplingParams(temperature=0), False)
+    (seq,) = llm.core.make_request(ids, SamplingParams(temperature=0))
     llm.scheduler.add(seq)
     steps = 0
     while steps < 8:
         batch = llm.scheduler.schedule()
-        logits = llm.runner.run(batch)
+        logits = llm.core.logits(batch)
         for s in batch:
             s.seq.num_computed = s.start + s.n
         if not batch[0].completes:  # a prefill chunk (16 tokens a step)

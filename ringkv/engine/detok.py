@@ -12,9 +12,10 @@ from typing import Sequence
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, start: int = 0):
+        """``start``: output tokens whose text is already known (a request that moved in)."""
         self.tokenizer = tokenizer
-        self.prefix = self.read = 0  # ids[prefix:read]: the window already turned into text
+        self.prefix = self.read = start  # ids[prefix:read]: the window already turned into text
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

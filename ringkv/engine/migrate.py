@@ -1,5 +1,6 @@
-"""Moving a running request between engines: ``export_request`` / ``import_request`` (the
-``LLM`` methods of the same names call these), and ``reclaim`` of the blocks such requests hold.
+"""Moving a running request between engines: ``Migration``, owned by the ``EngineCore``
+(``export_request`` / ``import_request`` / ``resume_request``, which ``LLM``'s methods of the same
+names call), and ``reclaim`` of the blocks such requests hold.
 
 Flow (full): ``snap = src.export_request(rid)`` stops the request on ``src`` but keeps its
 blocks; ``dst.import_request(snap)`` continues it; then ``src.abort_request(rid)`` frees the
@@ -23,110 +24,18 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import asdict, dataclass
-from typing import List, Optional
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
-from .detok import IncrementalDetokenizer
 from .params import Logprob, SamplingParams, is_int
+from .pipeline import RequestState, Staged
 from .sequence import Sequence
 from .snapshot import VERSION, KVSnapshot
 
-
-@dataclass
-class Staged:
-    """An import waiting for its final snapshot (``StepPipeline.staged[request_id]``)."""
-
-    seq: Sequence
-    last_id: str  # the snapshot the next one must extend
-    kv_end: int  # the K/V the snapshots reached: the next one starts there
-    dropped: bool = (
-        False  # ``reclaim`` freed its blocks: later K/V are ignored, the request is recomputed
-    )
-
-
-def _storage(llm) -> str:
-    return llm.shape.kv_cache_dtype if llm.shape.quant else str(llm.dtype).replace("torch.", "")
-
-
-def _write(llm, table: List[int], start: int, snap: KVSnapshot) -> None:
-    llm.cluster.write_kv(table, start, (snap.k, snap.v, snap.k_scale, snap.v_scale))
-
-
-def export_request(llm, rid, since: Optional[KVSnapshot] = None, stop: bool = True) -> KVSnapshot:
-    book = llm.pipeline
-    if (
-        book.inflight
-    ):  # pipeline parallel keeps steps in flight: finish them (the next step() reports them)
-        llm._drain()
-        llm.cluster.ensure_usable()
-    seqs = book.get(rid)
-    if seqs is None:
-        state = (
-            "stopped by an earlier export (resume or abort it)"
-            if rid in book.paused
-            else "unknown or finished"
-        )
-        raise ValueError(f"request {rid!r} is {state}; nothing to export")
-    if len(seqs) != 1:
-        raise ValueError(
-            f"request {rid!r} has n={len(seqs)} samples; only requests with n = 1 can migrate"
-        )
-    seq = seqs[0]
-    if seq.finished:
-        raise ValueError(f"request {rid!r} is finished; nothing to export")
-    start = tokens_from = logprobs_from = 0
-    if since is not None:
-        if since.request_id != rid or since.tokens_from + len(since.token_ids) > seq.num_tokens:
-            raise ValueError(f"the base snapshot is not an earlier snapshot of request {rid!r}")
-        start, tokens_from = since.end, since.tokens_from + len(since.token_ids)
-        logprobs_from = since.logprobs_from + len(since.logprobs)
-    end = max(start, seq.num_computed)  # after a preemption the receiver keeps what it has
-    k, v, ks, vs = llm.cluster.read_kv(
-        seq.block_table, start, seq.num_computed
-    )  # empty if nothing is new
-    first = since is None
-    snap = KVSnapshot(
-        model=llm.digest,
-        kv_cache_dtype=_storage(llm),
-        request_id=rid,
-        snapshot_id=uuid.uuid4().hex,
-        base_id=None if first else since.snapshot_id,
-        final=stop,
-        prompt=seq.prompt if first else None,
-        prompt_token_ids=list(seq.prompt_token_ids) if first else [],
-        token_ids=seq.token_ids[tokens_from:],
-        tokens_from=tokens_from,
-        params=asdict(seq.params),
-        cache_salt=seq.cache_salt,
-        start=start,
-        end=end,
-        k=k,
-        v=v,
-        generator_state=seq.generator.get_state(),
-        k_scale=ks,
-        v_scale=vs,
-        logprobs=[
-            [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
-            for lp in seq.logprobs[logprobs_from:]
-        ],
-        logprobs_from=logprobs_from,
-        prompt_logprobs=seq.prompt_logprobs,
-        num_cached_tokens=seq.num_cached_tokens or 0,
-        prompt_top_logprobs=None
-        if seq.prompt_top is None
-        else [None if x is None else [list(t) for t in x] for x in seq.prompt_top],
-    )
-    if stop:  # out of the scheduler, blocks kept: resume_request or abort_request decides
-        book.pause(rid)
-    return snap
-
-
-def resume_request(llm, rid) -> None:
-    if rid not in llm.pipeline.paused:
-        raise ValueError(f"request {rid!r} is not stopped by an export")
-    llm.pipeline.resume(rid)
+if TYPE_CHECKING:
+    from .core import EngineCore
 
 
 # -- import: check everything, then change the engine ----------------------------------------
@@ -178,7 +87,8 @@ def _check_params(p) -> SamplingParams:
 
 
 def _check_logprobs(snap: KVSnapshot, vocab: int, want: int) -> None:
-    """``want`` log-probs in all (one per generated token if the request asks for them, else none)."""
+    """``want`` log-probs in all (one per generated token if the request asks for them, else
+    none)."""
     lps = snap.logprobs
     if not isinstance(lps, (list, tuple)) or snap.logprobs_from + len(lps) != want:
         got = (
@@ -241,11 +151,11 @@ def _check_prompt_logprobs(plp, top, params: SamplingParams, prompt_len: int, vo
         )
 
 
-def _check_tensors(llm, snap: KVSnapshot) -> None:
+def _check_tensors(mover, snap: KVSnapshot) -> None:
     """K/V ``(layers, end - start, Hkv, D)`` in the cache's dtype, finite (they may land in blocks
     other requests reuse); scales ``(layers, end - start, Hkv)`` iff the cache is quantized; a
-    generator state a fresh ``torch.Generator`` accepts."""
-    mover = llm.cluster.mover
+    generator state a fresh ``torch.Generator`` accepts. ``mover``: the cluster's
+    ``parallel.kvmove`` placement (``shape``, ``dtype``, ``scale_dtype``)."""
     layers, hkv, d = mover.shape
     want = (layers, snap.end - snap.start, hkv, d)
     scale = mover.scale_dtype
@@ -281,189 +191,284 @@ def _check_tensors(llm, snap: KVSnapshot) -> None:
         raise _bad("generator_state", f"not a CPU generator's state ({e})") from None
 
 
-def _validate(llm, snap: KVSnapshot):
-    """Every check of an import, changing nothing. Returns the staged import the snapshot
-    continues (None for a first snapshot) and its sampling parameters."""
-    if not isinstance(snap, KVSnapshot):
-        raise TypeError(f"import_request takes a KVSnapshot, got {type(snap).__name__}")
-    if snap.version != VERSION:
-        raise _bad(
-            "version", f"snapshot format version {snap.version!r}, this ringkv reads {VERSION}"
-        )
-    if snap.model != llm.digest:
-        raise ValueError(
-            "the snapshot is of another model (its config or weights differ from this engine's); "
-            "it cannot be imported here"
-        )
-    if snap.kv_cache_dtype != _storage(llm):
-        raise ValueError(
-            f"the snapshot's KV are {snap.kv_cache_dtype}, this engine stores {_storage(llm)}; "
-            f"both engines need the same kv_cache_dtype (and model dtype)"
-        )
-    rid = snap.request_id
-    if not isinstance(rid, str) and not is_int(rid):
-        raise _bad("request_id", f"must be a str or an int, got {rid!r}")
-    for name, ok, want in (
-        ("snapshot_id", isinstance(snap.snapshot_id, str), "a str"),
-        ("base_id", snap.base_id is None or isinstance(snap.base_id, str), "None or a str"),
-        ("final", isinstance(snap.final, bool), "a bool"),
-        (
-            "cache_salt",
-            snap.cache_salt is None or isinstance(snap.cache_salt, str),
-            "None or a str",
-        ),
-    ):
-        if not ok:
-            raise _bad(name, f"must be {want}, got {getattr(snap, name)!r}")
-    for name in ("start", "end", "tokens_from", "logprobs_from", "num_cached_tokens"):
-        if not is_int(getattr(snap, name)) or getattr(snap, name) < 0:
-            raise _bad(name, f"must be an int >= 0, got {getattr(snap, name)!r}")
-    vocab = llm.config.vocab_size
-    _check_ids("token_ids", snap.token_ids, vocab)
-    _check_ids("prompt_token_ids", snap.prompt_token_ids, vocab)
-    params = _check_params(snap.params)
-    staged = llm.pipeline.staged.get(rid)
-    if snap.base_id is None:
-        if llm.pipeline.known(rid):
-            raise ValueError(f"request {rid!r} already exists in this engine")
-        prompt, req = snap.prompt_token_ids, params
-        if not prompt:
-            raise _bad("prompt_token_ids", "empty: a first snapshot carries the prompt")
-        if (snap.start, snap.tokens_from, snap.logprobs_from) != (0, 0, 0):
-            raise ValueError(
-                "a first snapshot must hold everything from the first token "
-                "(start = tokens_from = logprobs_from = 0)"
+class Migration:
+    """The migration calls of one ``EngineCore``: it reads the core's public parts (its
+    pipeline's book, block manager, cluster, output processor, model digest and KV storage)
+    and drains the core's steps in flight before an export."""
+
+    def __init__(self, core: "EngineCore"):
+        self.core = core
+
+    # -- export ----------------------------------------------------------------------------
+    def export_request(
+        self, rid, since: Optional[KVSnapshot] = None, stop: bool = True
+    ) -> KVSnapshot:
+        """See ``LLM.export_request``."""
+        core = self.core
+        book, cluster = core.pipeline, core.cluster
+        if book.inflight:  # pipeline parallel keeps steps in flight: finish them (the next
+            core.drain()  # step() reports them)
+            cluster.ensure_usable()
+        seqs = book.get(rid)
+        if seqs is None:
+            state = (
+                "stopped by an earlier export (resume or abort it)"
+                if book.state(rid) is RequestState.PAUSED
+                else "unknown or finished"
             )
-        if list(snap.token_ids[: len(prompt)]) != list(prompt):
-            raise _bad("token_ids", "must start with prompt_token_ids")
-    else:
-        if staged is None or staged.last_id != snap.base_id:
+            raise ValueError(f"request {rid!r} is {state}; nothing to export")
+        if len(seqs) != 1:
             raise ValueError(
-                f"the snapshot extends {snap.base_id!r}, but this engine holds "
-                f"{staged.last_id if staged else None!r} for request {rid!r}: import the snapshots in order"
+                f"request {rid!r} has n={len(seqs)} samples; only requests with n = 1 can migrate"
             )
-        seq = staged.seq
-        prompt, req = seq.prompt_token_ids, seq.params  # the first snapshot's are the request's
-        if (snap.start, snap.tokens_from, snap.logprobs_from) != (
-            staged.kv_end,
-            seq.num_tokens,
-            len(seq.logprobs),
+        seq = seqs[0]
+        if seq.finished:
+            raise ValueError(f"request {rid!r} is finished; nothing to export")
+        start = tokens_from = logprobs_from = 0
+        if since is not None:
+            if since.request_id != rid or since.tokens_from + len(since.token_ids) > seq.num_tokens:
+                raise ValueError(f"the base snapshot is not an earlier snapshot of request {rid!r}")
+            start, tokens_from = since.end, since.tokens_from + len(since.token_ids)
+            logprobs_from = since.logprobs_from + len(since.logprobs)
+        end = max(start, seq.num_computed)  # after a preemption the receiver keeps what it has
+        # empty if nothing is new
+        k, v, ks, vs = cluster.read_kv(seq.block_table, start, seq.num_computed)
+        first = since is None
+        snap = KVSnapshot(
+            model=core.digest,
+            kv_cache_dtype=core.kv_storage,
+            request_id=rid,
+            snapshot_id=uuid.uuid4().hex,
+            base_id=None if first else since.snapshot_id,
+            final=stop,
+            prompt=seq.prompt if first else None,
+            prompt_token_ids=list(seq.prompt_token_ids) if first else [],
+            token_ids=seq.token_ids[tokens_from:],
+            tokens_from=tokens_from,
+            params=asdict(seq.params),
+            cache_salt=seq.cache_salt,
+            start=start,
+            end=end,
+            k=k,
+            v=v,
+            generator_state=seq.generator.get_state(),
+            k_scale=ks,
+            v_scale=vs,
+            logprobs=[
+                [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+                for lp in seq.logprobs[logprobs_from:]
+            ],
+            logprobs_from=logprobs_from,
+            prompt_logprobs=seq.prompt_logprobs,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            prompt_top_logprobs=None
+            if seq.prompt_top is None
+            else [None if x is None else [list(t) for t in x] for x in seq.prompt_top],
+        )
+        if stop:  # out of the scheduler, blocks kept: resume_request or abort_request decides
+            book.pause(rid)
+        return snap
+
+    def resume_request(self, rid) -> None:
+        """See ``LLM.resume_request``."""
+        book = self.core.pipeline
+        if book.state(rid) is not RequestState.PAUSED:
+            raise ValueError(f"request {rid!r} is not stopped by an export")
+        book.resume(rid)
+
+    # -- import: check everything, then change the engine ----------------------------------
+    def _validate(self, snap: KVSnapshot) -> Tuple[Optional[Staged], SamplingParams]:
+        """Every check of an import, changing nothing. Returns the staged import the snapshot
+        continues (None for a first snapshot) and its sampling parameters."""
+        core = self.core
+        if not isinstance(snap, KVSnapshot):
+            raise TypeError(f"import_request takes a KVSnapshot, got {type(snap).__name__}")
+        if snap.version != VERSION:
+            raise _bad(
+                "version",
+                f"snapshot format version {snap.version!r}, this ringkv reads {VERSION}",
+            )
+        if snap.model != core.digest:
+            raise ValueError(
+                "the snapshot is of another model (its config or weights differ from this "
+                "engine's); it cannot be imported here"
+            )
+        if snap.kv_cache_dtype != core.kv_storage:
+            raise ValueError(
+                f"the snapshot's KV are {snap.kv_cache_dtype}, this engine stores "
+                f"{core.kv_storage}; both engines need the same kv_cache_dtype (and model dtype)"
+            )
+        rid = snap.request_id
+        if not isinstance(rid, str) and not is_int(rid):
+            raise _bad("request_id", f"must be a str or an int, got {rid!r}")
+        for name, ok, want in (
+            ("snapshot_id", isinstance(snap.snapshot_id, str), "a str"),
+            ("base_id", snap.base_id is None or isinstance(snap.base_id, str), "None or a str"),
+            ("final", isinstance(snap.final, bool), "a bool"),
+            (
+                "cache_salt",
+                snap.cache_salt is None or isinstance(snap.cache_salt, str),
+                "None or a str",
+            ),
         ):
+            if not ok:
+                raise _bad(name, f"must be {want}, got {getattr(snap, name)!r}")
+        for name in ("start", "end", "tokens_from", "logprobs_from", "num_cached_tokens"):
+            if not is_int(getattr(snap, name)) or getattr(snap, name) < 0:
+                raise _bad(name, f"must be an int >= 0, got {getattr(snap, name)!r}")
+        vocab = core.config.vocab_size
+        _check_ids("token_ids", snap.token_ids, vocab)
+        _check_ids("prompt_token_ids", snap.prompt_token_ids, vocab)
+        params = _check_params(snap.params)
+        staged = core.pipeline.staged.get(rid)
+        if snap.base_id is None:
+            if core.pipeline.known(rid):
+                raise ValueError(f"request {rid!r} already exists in this engine")
+            prompt, req = snap.prompt_token_ids, params
+            if not prompt:
+                raise _bad("prompt_token_ids", "empty: a first snapshot carries the prompt")
+            if (snap.start, snap.tokens_from, snap.logprobs_from) != (0, 0, 0):
+                raise ValueError(
+                    "a first snapshot must hold everything from the first token "
+                    "(start = tokens_from = logprobs_from = 0)"
+                )
+            if list(snap.token_ids[: len(prompt)]) != list(prompt):
+                raise _bad("token_ids", "must start with prompt_token_ids")
+        else:
+            if staged is None or staged.last_id != snap.base_id:
+                raise ValueError(
+                    f"the snapshot extends {snap.base_id!r}, but this engine holds "
+                    f"{staged.last_id if staged else None!r} for request {rid!r}: import the "
+                    f"snapshots in order"
+                )
+            seq = staged.seq
+            prompt, req = seq.prompt_token_ids, seq.params  # the first snapshot's: the request's
+            if (snap.start, snap.tokens_from, snap.logprobs_from) != (
+                staged.kv_end,
+                seq.num_tokens,
+                len(seq.logprobs),
+            ):
+                raise ValueError(
+                    "the snapshot does not continue the imported request (tokens or K/V "
+                    "positions differ)"
+                )
+        total = snap.tokens_from + len(snap.token_ids)
+        if not snap.start <= snap.end < total:
+            raise _bad(
+                "end",
+                f"K/V of tokens [{snap.start}, {snap.end}) must lie within the request's {total} "
+                f"tokens and leave the last one to compute",
+            )
+        if total >= core.max_model_len:
             raise ValueError(
-                "the snapshot does not continue the imported request (tokens or K/V positions differ)"
+                f"the request has {total} tokens; this engine's max_model_len is "
+                f"{core.max_model_len}"
             )
-    total = snap.tokens_from + len(snap.token_ids)
-    if not snap.start <= snap.end < total:
-        raise _bad(
-            "end",
-            f"K/V of tokens [{snap.start}, {snap.end}) must lie within the request's {total} tokens "
-            f"and leave the last one to compute",
-        )
-    if total >= llm.max_model_len:
-        raise ValueError(
-            f"the request has {total} tokens; this engine's max_model_len is {llm.max_model_len}"
-        )
-    generated = total - len(prompt)
-    if generated >= req.max_tokens:
-        raise _bad(
-            "params",
-            f"max_tokens={req.max_tokens}, but the request has {generated} generated tokens "
-            f"already: it is done",
-        )
-    if snap.num_cached_tokens > len(prompt):
-        raise _bad(
-            "num_cached_tokens",
-            f"{snap.num_cached_tokens} exceeds the prompt's {len(prompt)} tokens",
-        )
-    _check_logprobs(snap, vocab, 0 if req.logprobs is None else generated)
-    _check_prompt_logprobs(snap.prompt_logprobs, snap.prompt_top_logprobs, req, len(prompt), vocab)
-    _check_tensors(llm, snap)
-    return staged, params
-
-
-def import_request(llm, snap: KVSnapshot, cache_prefix: bool = False):
-    """Continue (or stage) an exported request. Everything is checked before anything changes;
-    the blocks are allocated last and given back if writing the K/V fails. ``cache_prefix``:
-    register the imported full blocks in the prefix cache (under the snapshot's salt); by
-    default they, and every block computed on top of them, stay out of it."""
-    staged, params = _validate(llm, snap)
-    seq = None if staged is None else staged.seq
-    with_kv = staged is None or not staged.dropped  # a reclaimed staged import ignores K/V
-    table = [] if seq is None else list(seq.block_table)
-    need = llm.blocks.blocks_for(snap.end) - len(table) if with_kv else 0
-    if need > llm.blocks.num_free:
-        raise ValueError(
-            f"not enough free KV blocks to import {snap.end} tokens ({need} needed, "
-            f"{llm.blocks.num_free} free); nothing was imported"
-        )
-    tokens = ([] if seq is None else seq.token_ids) + list(snap.token_ids)
-    prompt_len = len(snap.prompt_token_ids if seq is None else seq.prompt_token_ids)
-    text = None
-    if snap.final and llm.tokenizer is not None:
-        text = llm.tokenizer.decode(tokens[prompt_len:], skip_special_tokens=True)
-    if with_kv:  # all checked: allocate and write, and give the blocks back if that fails
-        old = len(table)
-        llm.blocks.grow(table, snap.end)
-        try:
-            _write(llm, table, snap.start, snap)
-        except BaseException:
-            llm.blocks.free(table[old:])
-            raise
-    if seq is None:
-        seq = Sequence(
-            seq_id=llm.pipeline.new_id(),
-            prompt=snap.prompt,
-            prompt_token_ids=snap.prompt_token_ids,
-            params=params,
-            cache_salt=snap.cache_salt,
-            request_id=snap.request_id,
-        )
-    seq.token_ids, seq.block_table = tokens, table
-    if with_kv:
-        seq.num_computed = snap.end
-    seq.generator.set_state(snap.generator_state)
-    seq.logprobs += [Logprob(t, lp, [tuple(x) for x in top]) for t, lp, top in snap.logprobs]
-    seq.prompt_logprobs = None if snap.prompt_logprobs is None else list(snap.prompt_logprobs)
-    seq.prompt_top = (
-        None
-        if snap.prompt_top_logprobs is None
-        else [None if x is None else [(int(t), v) for t, v in x] for x in snap.prompt_top_logprobs]
-    )
-    seq.num_cached_tokens = snap.num_cached_tokens
-    if with_kv and snap.end > snap.start:  # K/V computed elsewhere: cached only when vouched for
-        if cache_prefix:
-            llm.blocks.register(
-                seq.block_table, seq.token_ids, seq.num_computed, seq.cache_salt, seq.prefix_cursor
+        generated = total - len(prompt)
+        if generated >= req.max_tokens:
+            raise _bad(
+                "params",
+                f"max_tokens={req.max_tokens}, but the request has {generated} generated tokens "
+                f"already: it is done",
             )
-        else:
-            seq.prefix_cursor.stopped = True  # until a preemption recomputes it here
-    if not snap.final:
-        if staged is None:
-            llm.pipeline.staged[snap.request_id] = Staged(seq, snap.snapshot_id, snap.end)
-        else:
-            staged.last_id, staged.kv_end = snap.snapshot_id, snap.end
+        if snap.num_cached_tokens > len(prompt):
+            raise _bad(
+                "num_cached_tokens",
+                f"{snap.num_cached_tokens} exceeds the prompt's {len(prompt)} tokens",
+            )
+        _check_logprobs(snap, vocab, 0 if req.logprobs is None else generated)
+        _check_prompt_logprobs(
+            snap.prompt_logprobs, snap.prompt_top_logprobs, req, len(prompt), vocab
+        )
+        _check_tensors(core.cluster.mover, snap)
+        return staged, params
+
+    def import_request(self, snap: KVSnapshot, cache_prefix: bool = False):
+        """Continue (or stage) an exported request. Everything is checked before anything
+        changes; the blocks are allocated last and given back if writing the K/V fails.
+        ``cache_prefix``: register the imported full blocks in the prefix cache (under the
+        snapshot's salt); by default they, and every block computed on top of them, stay out
+        of it."""
+        core = self.core
+        blocks, book = core.blocks, core.pipeline
+        staged, params = self._validate(snap)
+        seq = None if staged is None else staged.seq
+        with_kv = staged is None or not staged.dropped  # a reclaimed staged import ignores K/V
+        table = [] if seq is None else list(seq.block_table)
+        need = blocks.blocks_for(snap.end) - len(table) if with_kv else 0
+        if need > blocks.num_free:
+            raise ValueError(
+                f"not enough free KV blocks to import {snap.end} tokens ({need} needed, "
+                f"{blocks.num_free} free); nothing was imported"
+            )
+        tokens = ([] if seq is None else seq.token_ids) + list(snap.token_ids)
+        prompt_len = len(snap.prompt_token_ids if seq is None else seq.prompt_token_ids)
+        text = core.output.decode(tokens[prompt_len:]) if snap.final else None
+        if with_kv:  # all checked: allocate and write, and give the blocks back if that fails
+            old = len(table)
+            blocks.grow(table, snap.end)
+            try:
+                core.cluster.write_kv(
+                    table, snap.start, (snap.k, snap.v, snap.k_scale, snap.v_scale)
+                )
+            except BaseException:
+                blocks.free(table[old:])
+                raise
+        if seq is None:
+            seq = Sequence(
+                seq_id=book.new_id(),
+                prompt=snap.prompt,
+                prompt_token_ids=snap.prompt_token_ids,
+                params=params,
+                cache_salt=snap.cache_salt,
+                request_id=snap.request_id,
+            )
+        seq.token_ids, seq.block_table = tokens, table
+        if with_kv:
+            seq.num_computed = snap.end
+        seq.generator.set_state(snap.generator_state)
+        seq.logprobs += [Logprob(t, lp, [tuple(x) for x in top]) for t, lp, top in snap.logprobs]
+        seq.prompt_logprobs = None if snap.prompt_logprobs is None else list(snap.prompt_logprobs)
+        seq.prompt_top = (
+            None
+            if snap.prompt_top_logprobs is None
+            else [
+                None if x is None else [(int(t), v) for t, v in x] for x in snap.prompt_top_logprobs
+            ]
+        )
+        seq.num_cached_tokens = snap.num_cached_tokens
+        if with_kv and snap.end > snap.start:  # K/V computed elsewhere: cached when vouched for
+            if cache_prefix:
+                blocks.register(
+                    seq.block_table,
+                    seq.token_ids,
+                    seq.num_computed,
+                    seq.cache_salt,
+                    seq.prefix_cursor,
+                )
+            else:
+                seq.prefix_cursor.stopped = True  # until a preemption recomputes it here
+        if not snap.final:
+            if staged is None:
+                book.stage(snap.request_id, Staged(seq, snap.snapshot_id, snap.end))
+            else:
+                staged.last_id, staged.kv_end = snap.snapshot_id, snap.end
+            return snap.request_id
+        core.output.restore(seq, text)  # its text so far, the detokenizer past it
+        book.start(snap.request_id, seq)
         return snap.request_id
-    out = seq.output_token_ids  # text so far, and the detokenizer past it
-    if text is not None:
-        seq.text = text
-        seq.detok = IncrementalDetokenizer(llm.tokenizer)
-        seq.detok.prefix = seq.detok.read = len(out)
-    seq.deltas, seq.emitted, seq.reported = [""] * len(out), len(seq.text), len(out)
-    llm.pipeline.start(snap.request_id, seq)
-    return snap.request_id
 
-
-# -- held blocks ----------------------------------------------------------------------------
-def reclaim(llm) -> bool:
-    """Free the K/V blocks of ONE held request, oldest first, so they can serve admission: a
-    request stopped by an export (``resume_request`` then recomputes it from its tokens) before a
-    staged import (its later snapshots add their tokens and log-probs but not their K/V, and the
-    final one starts it from scratch). Only compute is lost, never a token. True if it freed
-    blocks, False if no held request holds any."""
-    for seq, staged in llm.pipeline.held():
-        if seq.block_table:
-            seq.free_kv(llm.blocks)
-            if staged is not None:
-                staged.dropped = True
-            return True
-    return False
+    # -- held blocks -----------------------------------------------------------------------
+    def reclaim(self) -> bool:
+        """Free the K/V blocks of ONE held request, oldest first, so they can serve admission: a
+        request stopped by an export (``resume_request`` then recomputes it from its tokens)
+        before a staged import (its later snapshots add their tokens and log-probs but not
+        their K/V, and the final one starts it from scratch). Only compute is lost, never a
+        token. True if it freed blocks, False if no held request holds any."""
+        for seq, staged in self.core.pipeline.held():
+            if seq.block_table:
+                seq.free_kv(self.core.blocks)
+                if staged is not None:
+                    staged.dropped = True
+                return True
+        return False

@@ -62,8 +62,8 @@ class SamplingParams:
             return f"stop must be a string or a list of non-empty strings, got {_shown(self.stop)}"
         if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
             return (
-                f"stop must hold at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters, got "
-                f"{len(stop)} of up to {max(map(len, stop))}"
+                f"stop must hold at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} "
+                f"characters, got {len(stop)} of up to {max(map(len, stop))}"
             )
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(is_int(i) for i in ids):
@@ -86,13 +86,19 @@ class SamplingParams:
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            return f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {_shown(self.logprobs)}"
+            return (
+                f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, "
+                f"got {_shown(self.logprobs)}"
+            )
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             return f"n must be an int in [1, {MAX_N}], got {_shown(self.n)}"
         if self.prompt_logprobs is not None and (
             not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
-            return f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {_shown(self.prompt_logprobs)}"
+            return (
+                f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, "
+                f"got {_shown(self.prompt_logprobs)}"
+            )
         return None
 
     @property
@@ -114,7 +120,8 @@ def is_int(v) -> bool:
 
 
 def _number(v) -> bool:
-    """A finite float, or an int within float range (JSON carries 1e999 as inf and 10**400 as an int)."""
+    """A finite float, or an int within float range (JSON carries 1e999 as inf and 10**400 as an
+    int)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
     try:

@@ -20,18 +20,39 @@ per completing sequence), ``append(seq, picked)`` (add the token, decide whether
 sequence is done) and ``idle()`` (nothing is in flight or waiting).
 
 The book: ``active`` requests (id -> their samples), those ``paused`` by an export (out of the
-scheduler, blocks kept), imports ``staged`` until their final snapshot, and which requests got
-tokens since ``step()`` last reported them.
+scheduler, blocks kept), imports ``staged`` until their final snapshot (a ``Staged`` record), and
+which requests got tokens since ``step()`` last reported them. ``state(rid)`` says which of the
+three (a ``RequestState``) a request is in.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections import deque
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence, Status
+
+
+class RequestState(enum.Enum):
+    """Where a request is in an engine's book (an unknown or forgotten one is in none)."""
+
+    ACTIVE = "active"  # admitted: waiting, running, or finished and not reported by step() yet
+    PAUSED = "paused"  # stopped by an export: out of the scheduler, its blocks kept
+    STAGED = "staged"  # imported without its final snapshot: blocks held, not scheduled
+
+
+@dataclass
+class Staged:
+    """An import waiting for its final snapshot (``RequestState.STAGED``)."""
+
+    seq: Sequence
+    last_id: str  # the snapshot the next one must extend
+    kv_end: int  # the K/V the snapshots reached: the next one starts there
+    dropped: bool = False  # its blocks were reclaimed: later K/V are ignored, it is recomputed
 
 
 class StepPipeline:
@@ -44,9 +65,9 @@ class StepPipeline:
         )
         self.inflight: "deque[List[Scheduled]]" = deque()
         self.peak_in_flight = 0  # most steps in flight at once
-        self.active: Dict = {}  # request id -> its sequences (samples)
-        self.paused: Dict = {}  # exported with stop=True: out of the scheduler, blocks kept
-        self.staged: Dict = {}  # imported without their final snapshot: migrate.Staged
+        self.active: Dict[object, List[Sequence]] = {}  # request id -> its samples
+        self.paused: Dict[object, List[Sequence]] = {}  # RequestState.PAUSED
+        self.staged: Dict[object, Staged] = {}  # RequestState.STAGED
         self._unreported: Dict = {}  # request ids that got tokens since ``reports()`` (ordered)
         self._ids = itertools.count()
 
@@ -81,8 +102,8 @@ class StepPipeline:
             self.peak_in_flight = max(self.peak_in_flight, len(self.inflight))
         if not self.inflight:
             raise RuntimeError(
-                "the scheduler made no progress with requests pending (a sequence larger than the KV "
-                "cache, or a bug)"
+                "the scheduler made no progress with requests pending (a sequence larger than the "
+                "KV cache, or a bug)"
             )
         batch = self.inflight.popleft()
         return self.complete(batch, self.executor.result(batch))
@@ -164,6 +185,30 @@ class StepPipeline:
         """The id is in use: active, paused by an export or staged by an import."""
         return rid in self.active or rid in self.paused or rid in self.staged
 
+    def state(self, rid) -> Optional[RequestState]:
+        """Which part of the book the request is in; None if unknown (or reported finished)."""
+        for state, book in self._books():
+            if rid in book:
+                return state
+        return None
+
+    def ids(self, state: RequestState) -> list:
+        """The ids of the requests in ``state``, oldest first."""
+        return list(dict(self._books())[state])
+
+    def samples(self, rid) -> Optional[List[Sequence]]:
+        """The samples of a request in any state (a staged import has one), or None."""
+        seqs = self.active.get(rid) or self.paused.get(rid)
+        staged = self.staged.get(rid) if seqs is None else None
+        return [staged.seq] if staged is not None else seqs
+
+    def _books(self):
+        return (
+            (RequestState.ACTIVE, self.active),
+            (RequestState.PAUSED, self.paused),
+            (RequestState.STAGED, self.staged),
+        )
+
     def finish(
         self, seqs: List[Sequence], reason: str, error: Optional[str] = None
     ) -> List[Sequence]:
@@ -210,6 +255,10 @@ class StepPipeline:
         return bool(self._unreported)
 
     # -- migration (engine/migrate.py) -------------------------------------------------------
+    def stage(self, rid, staged: Staged) -> None:
+        """Hold an import until its final snapshot."""
+        self.staged[rid] = staged
+
     def pause(self, rid) -> None:
         """Take an active request out of the scheduler, keeping its blocks (an export)."""
         seq = self.active[rid][0]

@@ -136,7 +136,8 @@ def receive_request(llm, link: Link, *, cache_prefix: bool = False):
             try:
                 if rid is not None and snap.request_id != rid:
                     raise ValueError(
-                        f"a snapshot of request {snap.request_id!r} came before the final one of {rid!r}"
+                        f"a snapshot of request {snap.request_id!r} came before the final one "
+                        f"of {rid!r}"
                     )
                 rid = llm.import_request(snap, cache_prefix=cache_prefix)
             except (

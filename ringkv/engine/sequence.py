@@ -9,6 +9,7 @@ from typing import List, Optional
 import torch
 
 from ..cache.block_manager import PrefixCursor
+from .output import OutputState
 from .params import SamplingParams
 
 
@@ -46,14 +47,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
-        self.text = ""  # the output text (cut before a stop string)
-        self.deltas: List[str] = []  # the text each output token released (streaming)
-        self.emitted = 0  # characters of ``text`` released so far
-        self.reported = 0  # output tokens already returned by ``LLM.step(delta=True)``
-        self.reported_prompt = (
-            False  # its prompt log-probs were returned (delta outputs carry them once)
-        )
-        self.detok = None  # an IncrementalDetokenizer once the engine decodes its first token
+        self.out = OutputState()  # its text and what was reported (``OutputProcessor``)
         self.logprobs: List = []
         self.prompt_logprobs: Optional[List[Optional[float]]] = (
             [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs is not None else None
@@ -73,7 +67,7 @@ class Sequence:
         self.num_preemptions = 0
         if params.seed is None:
             seed = random.getrandbits(63)
-        else:  # sample i of a seeded request: its own reproducible stream (sample 0: the seed itself)
+        else:  # sample i of a seeded request: its own reproducible stream (sample 0: the seed)
             seed = (
                 params.seed
                 if index == 0

@@ -163,7 +163,8 @@ def model_digest(cfg, weights=None) -> str:
     architecture (a fine-tune) gets another digest, while the same checkpoint gets the same
     one as a directory, an in-memory model or in another storage dtype that holds the same
     values, on every rank and mesh (it reads the checkpoint, not a rank's slice). Cheap: a few
-    rows per tensor are read, never a whole file (SmolLM2-135M: under 0.1 s, 0.2 s the first time in a process)."""
+    rows per tensor are read, never a whole file (SmolLM2-135M: under 0.1 s, 0.2 s the first
+    time in a process)."""
     keep = {
         k: v
         for k, v in asdict(cfg).items()

@@ -80,6 +80,15 @@ class Running:
 
 
 @dataclass
+class Adopted:
+    """A request that moved in: its stream waits for ``attach`` until ``deadline``
+    (``time.monotonic()``), then the request is aborted."""
+
+    stream: "RequestStream"
+    deadline: float
+
+
+@dataclass
 class Moved:
     """A stream's last item: the request now runs on instance ``to`` (``attach`` there)."""
 
@@ -152,16 +161,14 @@ class AsyncEngine:
                     f"{'int' if name == 'max_waiting' else 'number'}, got {v!r}"
                 )
         self.max_waiting, self.request_timeout = max_waiting, request_timeout
-        self.pending = (
-            0  # requests on their way to the engine's thread (the asyncio side counts them)
-        )
+        # requests on their way to the engine's thread (the asyncio side counts them)
+        self.pending = 0
         self.llm = llm
         if kv_events:
             llm.publish_kv_events()
-        self.adopted: Dict[str, tuple] = {}  # moved in, not attached yet: rid -> (stream, deadline)
-        self.epoch = (
-            uuid.uuid4().hex
-        )  # this engine's life: a router that sees another one re-reads its index
+        self.adopted: Dict[str, Adopted] = {}  # moved in, not attached yet
+        # this engine's life: a router that sees another one re-reads its index
+        self.epoch = uuid.uuid4().hex
         self.inbox: "queue.Queue" = queue.Queue()
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the server's (set by add / the app)
         self.requests: Dict[str, Running] = {}
@@ -324,14 +331,12 @@ class AsyncEngine:
 
     def attach(self, rid: str) -> "RequestStream":
         """The stream of a request that moved in (``KeyError`` if there is none to attach)."""
-        stream, _ = self.adopted.pop(rid)
-        return stream
+        return self.adopted.pop(rid).stream
 
     def _export(self, rid, kw: dict):
-        seqs = self.llm.pipeline.get(rid)
         snap = self.llm.export_request(rid, **kw)
-        if kw.get("stop") and seqs:  # what a PP drain computed before the stop: to its client
-            self._deliver([self.llm._output(seqs, delta=True)])
+        if kw.get("stop"):  # what a PP drain computed before the stop: to its client
+            self._deliver([self.llm.request_output(rid, delta=True)])
         return snap
 
     def _moved(self, rid, to: str) -> None:
@@ -344,13 +349,12 @@ class AsyncEngine:
     def _import(self, snap, kw: dict):
         rid = self.llm.import_request(snap, **kw)
         if snap.final:  # it runs here now: buffer its outputs until its client attaches
-            stream = RequestStream(
-                self, rid
-            )  # tokens=1: its first token was timed where it started
+            stream = RequestStream(self, rid)
+            # tokens=1: its first token was timed where it started
             self.requests[rid] = Running(
                 self.loop, stream.queue, time.perf_counter(), tokens=1, movable=True
             )
-            self.adopted[rid] = (stream, time.monotonic() + ATTACH_TIMEOUT)
+            self.adopted[rid] = Adopted(stream, time.monotonic() + ATTACH_TIMEOUT)
             self.metrics.migrations_in += 1
         return rid
 
@@ -380,7 +384,7 @@ class AsyncEngine:
     def _reap(self) -> None:
         """Abort what moved in and was never attached (its router went away)."""
         now = time.monotonic()
-        for rid in [rid for rid, (_, deadline) in self.adopted.items() if deadline < now]:
+        for rid in [rid for rid, a in self.adopted.items() if a.deadline < now]:
             self._drop(rid)
 
     def shutdown(self) -> None:

@@ -1,0 +1,540 @@
+"""``EngineCore``: what runs requests, under the ``LLM`` facade.
+
+It owns the model's ranks (``parallel.Cluster``), the block manager, the scheduler and the step
+pipeline (``pipeline.py``), with the executor that sends each step to the ranks and samples on
+the driver; the ``OutputProcessor`` (``output.py``) turns the sampled tokens into text, stop
+decisions and ``RequestOutput``\\ s; ``Migration`` (``migrate.py``) exports and imports running
+requests. It checks requests (``encode``, ``make_request``), admits them (``add_request``),
+advances the pipeline one step (``advance``) and says where a request is
+(``request_state``). Calls that every torchrun rank makes together (``generate``, ``stream``,
+the migration calls) are the facade's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, List, Optional, Sequence as Seq
+
+import torch
+
+from ..cache.block_manager import BlockManager, KVEvents, block_hash
+from ..kernels import quant
+from ..model.loader import open_model
+from ..parallel.compiled import decode_buckets
+from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster, deferred_interrupt
+from ..parallel.tp import check_tp
+from ..parallel.worker import EngineShape
+from .migrate import Migration
+from .output import OutputProcessor
+from .params import SamplingParams, is_int
+from .pipeline import StepPipeline
+from .sampling import needs_logits, observe, sample
+from .scheduler import Scheduled, Scheduler
+from .sequence import Sequence
+from .snapshot import model_digest
+
+SP_PREFILL_MIN_TOKENS = 64  # a sequence computing at least this many tokens in a step uses the
+# ring (sp > 1); measured: docs/performance.md
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Everything ``LLM`` is built with besides the model. ``tp``/``pp``/``sp``: tensor-,
+    pipeline- and sequence-parallel ranks (``tp * pp * sp`` processes); ``kv_cache_memory`` is
+    bytes *per rank*, ``gpu_memory_utilization`` (CUDA) sizes the cache from the device
+    instead, ``num_blocks`` sets it (give at most one of the three); the block count is the
+    minimum over ranks. ``timeout``: seconds a rank waits for its peers before it fails.
+    ``compile_decode``: decode steps (on CPU, every step of 4 rows or more but ring-mode
+    prefills) run through ``torch.compile`` (compiled when the engine starts; tp=1;
+    ``parallel/compiled.py``, docs/engine.md)."""
+
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    pp_layers: Optional[Seq[int]] = None  # layers per pipeline stage (default: balanced)
+    sp_prefill_min_tokens: int = SP_PREFILL_MIN_TOKENS
+    block_size: int = 16  # tokens per block on one rank (a block-table entry holds block_size * sp)
+    max_model_len: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    gpu_memory_utilization: Optional[float] = None
+    num_blocks: Optional[int] = None
+    dtype: Optional[torch.dtype] = None  # or its name; default float32 on CPU, bfloat16 on CUDA
+    tokenizer: object = None  # default: the model's own
+    device: object = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    hash_fn: object = block_hash
+    paged_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    timeout: Optional[float] = None
+    compile_decode: bool = (
+        False  # decode (CPU: also prefill) steps' dense parts through torch.compile
+    )
+
+
+class EngineCore:
+    """The engine without its calling conventions (see the module docstring): built from a
+    model and a checked ``EngineConfig``. ``digest(config, weights)`` names the model in KV
+    snapshots (``snapshot.model_digest``)."""
+
+    def __init__(self, model, config: EngineConfig, *, digest: Callable = model_digest):
+        c = self.engine_config = config
+        tp, pp, sp, block_size = c.tp, c.pp, c.sp, c.block_size
+        kv_cache_memory, num_blocks, gpu_memory_utilization = (
+            c.kv_cache_memory,
+            c.num_blocks,
+            c.gpu_memory_utilization,
+        )
+        max_model_len, dtype = c.max_model_len, c.dtype
+        for name in ("tp", "pp", "sp", "block_size", "sp_prefill_min_tokens", "max_num_seqs"):
+            _positive_int(name, getattr(c, name))
+        if sum(x is not None for x in (kv_cache_memory, num_blocks, gpu_memory_utilization)) > 1:
+            raise ValueError(
+                "give one of kv_cache_memory (bytes per rank), gpu_memory_utilization or num_blocks"
+            )
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
+            )
+        self.device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        if isinstance(dtype, str):
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+            dtype = getattr(torch, dtype)
+        self.dtype = dtype
+        cfg, weights, tok = open_model(model)
+        self.config, self.tokenizer = cfg, c.tokenizer if c.tokenizer is not None else tok
+        # -- everything that can be wrong with the configuration, before any weight or cache
+        check_tp(cfg, tp)
+        quant.resolve(c.kv_cache_dtype)  # an unsupported kv_cache_dtype names the supported ones
+        if not isinstance(c.compile_decode, bool):
+            raise ValueError(f"compile_decode must be True or False, got {c.compile_decode!r}")
+        if c.compile_decode and tp > 1:
+            raise ValueError(
+                f"compile_decode does not support tp={tp} (the tensor-parallel all-reduces sit "
+                f"inside the layers' dense parts it compiles); use tp=1 (any pp and sp) or "
+                f"compile_decode=False"
+            )
+        shape = EngineShape(
+            pp,
+            sp,
+            tp,
+            tuple(c.pp_layers) if c.pp_layers is not None else None,
+            block_size,
+            c.sp_prefill_min_tokens,
+            c.paged_backend,
+            c.kv_cache_dtype,
+            decode_buckets(c.max_num_seqs) if c.compile_decode else None,
+        )
+        self.stage_layers = shape.stage_sizes(cfg)  # also validates pp and pp_layers
+        Cluster.mode_for(tp * pp * sp)  # a torch.distributed world of the wrong size
+        budget = CacheBudget(
+            num_blocks, kv_cache_memory, gpu_memory_utilization, c.max_num_batched_tokens
+        )
+        if (
+            gpu_memory_utilization is None
+        ):  # the cache size is known now: check it before loading anything
+            self._check_capacity(
+                num_blocks
+                if num_blocks is not None
+                else min(
+                    int(kv_cache_memory or DEFAULT_KV_MEMORY)
+                    // (shape.bytes_per_token(cfg, s, dtype) * block_size)
+                    for s in range(pp)
+                ),
+                shape,
+                max_model_len,
+                kv_cache_memory,
+            )
+        self.shape = shape
+        self.cluster = Cluster(
+            shape,
+            cfg,
+            weights,
+            model_arg=model,
+            dtype=dtype,
+            device=self.device,
+            budget=budget,
+            timeout=None if c.timeout is None else timedelta(seconds=c.timeout),
+        )
+        self._finalizer = weakref.finalize(self, self.cluster.close)
+        self.num_blocks = self.cluster.num_blocks
+        try:
+            capacity = self._check_capacity(self.num_blocks, shape, max_model_len, kv_cache_memory)
+        except ValueError:
+            self.close()
+            raise
+        self.max_model_len = max_model_len or int(min(cfg.max_position_embeddings, capacity))
+        # this process's share of the cache (None on a spawn-mode driver: every model rank is a
+        # worker)
+        self.kv = self.cluster.worker.kv if self.cluster.worker is not None else None
+        # which model a KV snapshot belongs to (config and sampled weights); the driver makes and
+        # takes snapshots
+        self.digest = digest(cfg, weights) if self.cluster.is_driver else None
+        # the K/V as a snapshot carries them: the quantized format, else the model dtype's name
+        self.kv_storage = shape.kv_cache_dtype if shape.quant else str(dtype).replace("torch.", "")
+        self.blocks = BlockManager(
+            self.num_blocks,
+            block_size * sp,
+            enable_prefix_caching=c.enable_prefix_caching,
+            hash_fn=c.hash_fn,
+        )
+        self.migration = Migration(self)  # export / import of running requests
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            reclaim=self.migration.reclaim,
+        )
+        eos_ids = set(cfg.eos_token_ids)
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self.output = OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)
+        self.pipeline = StepPipeline(self.scheduler, _Steps(self.cluster, self.output), depth=pp)
+        self._max_prompt_chars: Optional[int] = None
+
+    @staticmethod
+    def _check_capacity(
+        num_blocks: int, shape: EngineShape, max_model_len: Optional[int], memory
+    ) -> int:
+        capacity = num_blocks * shape.block_size * shape.sp
+        if num_blocks < 1:
+            raise ValueError(
+                f"a KV cache of {memory} bytes per rank holds no block of {shape.block_size} "
+                f"tokens; give more kv_cache_memory or a smaller block_size"
+            )
+        if max_model_len is not None and max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len={max_model_len} needs more KV cache than the {num_blocks} blocks "
+                f"of {shape.block_size * shape.sp} tokens ({capacity} tokens); raise "
+                f"kv_cache_memory/num_blocks{', or sp' if shape.sp > 1 else ''}"
+            )
+        return capacity
+
+    # -- lifecycle and stats ---------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the worker processes this engine started (spawn mode); idempotent."""
+        self._finalizer()
+
+    @property
+    def rank(self) -> int:
+        return self.cluster.rank
+
+    def kv_cache_info(self) -> dict:
+        """The paged KV cache: ``block_size`` (tokens per block on a rank), ``tokens_per_block``
+        (a block-table entry: ``block_size * sp`` tokens, striped over the SP ranks),
+        ``num_blocks``, ``bytes_per_token`` (K and V of one token on this rank:
+        ``2 x layers_on_stage x kv_heads_on_rank x head_dim x bytes``), ``capacity_tokens``
+        (tokens the whole engine holds) and ``per_rank`` (each rank's layers, KV heads,
+        bytes per token and allocated cache bytes)."""
+        sh = self.shape
+        return dict(
+            block_size=sh.block_size,
+            tokens_per_block=sh.block_size * sh.sp,
+            num_blocks=self.num_blocks,
+            bytes_per_token=self.cluster.worker.bytes_per_token
+            if self.cluster.worker
+            else self.cluster.infos[0]["bytes_per_token"],  # a spawn-mode driver: model rank 0's
+            capacity_tokens=self.num_blocks * sh.block_size * sh.sp,
+            max_model_len=self.max_model_len,
+            dtype=str(self.dtype).replace("torch.", ""),
+            kv_cache_dtype=sh.kv_cache_dtype,
+            tp=sh.tp,
+            pp=sh.pp,
+            sp=sh.sp,
+            per_rank=self.cluster.infos,
+        )
+
+    def rank_stats(self) -> List[dict]:
+        """Per rank: ``kv_cache_info``'s fields plus steps run, seconds computing (``busy_s``) and
+        seconds waiting for the previous pipeline stage (``wait_s``). Under torchrun every rank
+        calls it."""
+        return self.cluster.report()
+
+    @property
+    def peak_in_flight(self) -> int:
+        """Most steps in flight at once (pipeline parallelism keeps up to ``pp``)."""
+        return self.pipeline.peak_in_flight
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Blocks served from the prefix cache so far."""
+        return self.blocks.hits
+
+    def publish_kv_events(self) -> KVEvents:
+        """Start numbering the prefix cache's changes (``kv_events``; a router's index of which
+        engine holds which blocks); idempotent. Returns the log."""
+        if self.blocks.events is None:
+            self.blocks.events = KVEvents()
+        return self.blocks.events
+
+    @property
+    def kv_events(self) -> Optional[KVEvents]:
+        """The prefix cache's changes (``publish_kv_events``), or None if they are not
+        published."""
+        return self.blocks.events
+
+    def cached_blocks(self) -> List[bytes]:
+        """The hashes of every block in the prefix cache (read it on the engine's thread)."""
+        return list(self.blocks.by_hash)
+
+    # -- requests --------------------------------------------------------------------------
+    def encode(self, prompt, apply_chat_template: bool = False) -> List[int]:
+        """The validated token ids of a prompt (a string, token ids, or chat messages: a list of
+        ``{"role", "content"}`` dicts, always through the chat template); ``ValueError`` names
+        what is wrong. Reads no engine state, so a server may call it off the engine's thread.
+        Text that cannot fit in ``max_model_len`` tokens (longer than ``max_prompt_chars``) is
+        refused before it is tokenized."""
+        ids = self._tokenize(prompt, apply_chat_template)
+        problem = self._check_ids(ids)
+        if problem is not None:
+            raise ValueError(problem)
+        return ids
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters of text past which a prompt cannot fit in ``max_model_len`` tokens: no token
+        covers more characters than the longest string in the vocabulary, so longer text is
+        refused without running the tokenizer (a multi-megabyte prompt costs nothing)."""
+        if self._max_prompt_chars is None:
+            longest = 1
+            if self.tokenizer is not None and hasattr(self.tokenizer, "get_vocab"):
+                longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+            self._max_prompt_chars = longest * self.max_model_len
+        return self._max_prompt_chars
+
+    def _tokenize(self, prompt, apply_chat_template: bool) -> List[int]:
+        if (
+            isinstance(prompt, (str, list, tuple))
+            and prompt
+            and all(isinstance(m, dict) for m in prompt)
+        ):
+            apply_chat_template, messages = True, list(prompt)
+        elif isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError(
+                "string prompts need a tokenizer: pass tokenizer=... to LLM or give token ids"
+            )
+        chars = (
+            sum(
+                len(m.get("content") or "") if isinstance(m.get("content"), str) else 0
+                for m in messages
+            )
+            if apply_chat_template
+            else len(prompt)
+        )
+        if chars > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt of {chars} characters cannot fit in max_model_len={self.max_model_len} "
+                f"tokens (at most {self.max_prompt_chars} characters); shorten it"
+            )
+        if apply_chat_template:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+        return list(self.tokenizer.encode(prompt))
+
+    def make_request(
+        self,
+        prompt,
+        params: SamplingParams,
+        *,
+        apply_chat_template: bool = False,
+        cache_salt: Optional[str] = None,
+        request_id=None,
+    ) -> List[Sequence]:
+        """The ``n`` samples of a request, not admitted yet (``pipeline.add``, or a test's
+        scheduler); one sequence finished with an error if it is invalid."""
+        ids: List[int] = []
+        problem = (
+            params.problem()
+            if isinstance(params, SamplingParams)
+            else f"sampling params must be a SamplingParams, got {type(params).__name__}"
+        )
+        if problem is None:
+            if not isinstance(prompt, (str, list, tuple)):
+                problem = (
+                    "a prompt must be a str, a list of token ids or chat messages, "
+                    f"got {type(prompt).__name__}"
+                )
+            else:
+                try:
+                    ids = self.encode(prompt, apply_chat_template)
+                except ValueError as e:
+                    problem = str(e)
+                except (TypeError, KeyError, AttributeError) as e:  # e.g. malformed chat messages
+                    problem = f"invalid prompt: {e}"
+        rid = self.pipeline.new_id() if request_id is None else request_id
+        if problem is not None:
+            seq = Sequence(
+                seq_id=rid if isinstance(rid, int) else 0,
+                prompt=prompt,
+                prompt_token_ids=[],
+                params=SamplingParams(),
+                cache_salt=cache_salt,
+                request_id=rid,
+            )
+            seq.prompt_token_ids = ids
+            seq.finish("error", problem)
+            return [seq]
+        seqs = [
+            Sequence(
+                seq_id=self.pipeline.new_id(),
+                prompt=prompt,
+                prompt_token_ids=ids,
+                params=params,
+                cache_salt=cache_salt,
+                index=i,
+                request_id=rid,
+            )
+            for i in range(params.n)
+        ]
+        seqs[0].siblings = seqs[1:]
+        return seqs
+
+    def _check_ids(self, ids) -> Optional[str]:
+        if not ids:
+            return "empty prompt: give at least one token"
+        if (
+            len(ids) >= self.max_model_len
+        ):  # before any per-token check: a huge prompt costs nothing more
+            return (
+                f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
+                f"{self.max_model_len}; shorten it or raise max_model_len"
+            )
+        if not all(map(is_int, ids)):
+            return "prompt token ids must be ints"
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            return (
+                f"prompt token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {self.config.vocab_size})"
+            )
+        return None
+
+    def add_request(
+        self,
+        prompt,
+        params: Optional[SamplingParams] = None,
+        *,
+        request_id=None,
+        cache_salt: Optional[str] = None,
+        apply_chat_template: bool = False,
+    ):
+        """Queue a request (a string, token ids or chat messages); returns its id. An invalid
+        request raises ``ValueError`` and changes nothing."""
+        if request_id is not None and self.pipeline.known(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seqs = self.make_request(
+            prompt,
+            SamplingParams() if params is None else params,
+            apply_chat_template=apply_chat_template,
+            cache_salt=cache_salt,
+            request_id=request_id,
+        )
+        if seqs[0].finished:
+            raise ValueError(seqs[0].error)
+        self.pipeline.add(seqs)
+        return seqs[0].request_id
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether ``step()`` has anything left to do or to report."""
+        return self.pipeline.has_unreported or any(
+            not s.finished for seqs in self.pipeline.active.values() for s in seqs
+        )
+
+    def abort_request(self, request_id) -> bool:
+        """Stop a request and free its blocks (also one stopped by an export, or staged by an
+        import); False if it is unknown or already finished."""
+        return self.pipeline.abort(request_id)
+
+    # -- the loop --------------------------------------------------------------------------
+    def advance(self) -> List[Sequence]:
+        """One step of the pipeline (``StepPipeline.advance``). Returns the sequences that got a
+        token."""
+        if not self.cluster.is_driver:
+            raise RuntimeError(
+                "only rank 0 drives the engine; other torchrun ranks call generate/stream like "
+                "rank 0"
+            )
+        self.cluster.ensure_usable()
+        with deferred_interrupt():  # a Ctrl-C takes effect between steps, never inside one
+            return self.pipeline.advance()
+
+    def drain(self) -> None:
+        """Finish the steps still in flight after an interruption: every request still running
+        keeps its tokens (aborted ones are finished first, so theirs are dropped)."""
+        with deferred_interrupt():
+            self.pipeline.drain(lambda: not self.cluster.broken)
+
+    def logits(self, batch: List[Scheduled]) -> torch.Tensor:
+        """Compute one scheduled batch now; fp32 logits ``(M, vocab)`` of its completing rows
+        (for tests that drive the scheduler by hand)."""
+        self.cluster.submit(batch, "logits")
+        out = self.cluster.result()
+        return out.main if out is not None else torch.zeros(0, self.config.vocab_size)
+
+
+class _Steps:
+    """What a step computes for the core (the pipeline's executor): the ranks run it
+    (``parallel.Cluster``), the driver samples, the output processor takes the tokens."""
+
+    def __init__(self, cluster: Cluster, output: OutputProcessor):
+        self.cluster, self.output = cluster, output
+
+    def submit(self, batch: List[Scheduled]) -> None:
+        want = (
+            "logits" if any(needs_logits(s.seq.params) for s in batch if s.completes) else "tokens"
+        )
+        self.cluster.submit(batch, want)
+
+    def result(self, batch: List[Scheduled]):
+        return self.cluster.result()
+
+    def tokens(self, batch: List[Scheduled], result) -> list:
+        """The step's prompt log-probs written into their sequences, then ``(seq, (token,
+        logprob) or the exception sampling it raised)`` per completing sequence."""
+        if result is not None and result.prompt_logprobs is not None:
+            self.output.prompt_logprobs(batch, result.prompt_logprobs.tolist())
+        done = [s.seq for s in batch if s.completes]
+        return list(zip(done, self._sample(result, done)))
+
+    @staticmethod
+    def _sample(result, seqs: List[Sequence]) -> list:
+        if result is None:
+            return []
+        if result.main.dtype == torch.long:
+            return [(t, None) for t in result.main.tolist()]
+        try:
+            return list(zip(*sample(result.main, seqs)))
+        except Exception:  # noqa: BLE001 - find the rows that fail; the others are sampled alone
+            out = []
+            for i, seq in enumerate(seqs):
+                try:
+                    out.append(next(zip(*sample(result.main[i : i + 1], [seq]))))
+                except Exception as e:  # noqa: BLE001
+                    out.append(e)
+            return out
+
+    def append(self, seq: Sequence, picked) -> None:
+        token, logprob = picked
+        observe(seq, token)  # the penalties' counts
+        self.output.append(seq, token, logprob)
+
+    def idle(self) -> None:
+        self.cluster.park()

@@ -13,7 +13,7 @@ the migration calls) are the facade's.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import Callable, List, Optional, Sequence as Seq
 
@@ -37,6 +37,24 @@ from .snapshot import model_digest
 
 SP_PREFILL_MIN_TOKENS = 64  # a sequence computing at least this many tokens in a step uses the
 # ring (sp > 1); measured: docs/performance.md
+
+
+def with_settings(cls, config, settings: dict, caller: str):
+    """``config`` (an instance of the dataclass ``cls``; None: its defaults) with ``settings``
+    (keywords naming its fields) applied: how ``LLM(model, config, **settings)`` reads its
+    arguments. ``TypeError`` for a config of another type or an unknown keyword (the message
+    lists the settings)."""
+    if config is not None and not isinstance(config, cls):
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
+        raise TypeError(f"config must be {article} {cls.__name__}, got {type(config).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(settings) - names)
+    if unknown:
+        raise TypeError(
+            f"{caller}() got unexpected keyword argument(s) {unknown}; the settings are "
+            f"{sorted(names)}"
+        )
+    return replace(config or cls(), **settings)
 
 
 def _positive_int(name: str, value) -> None:

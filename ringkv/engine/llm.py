@@ -18,11 +18,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict
 from typing import Iterator, List, Optional, Sequence as Seq, Union
 
 from ..parallel.launch import ClusterMode
-from .core import SP_PREFILL_MIN_TOKENS, EngineConfig, EngineCore
+from .core import SP_PREFILL_MIN_TOKENS, EngineConfig, EngineCore, with_settings
 from .output import output_from_json
 from .params import RequestOutput, SamplingParams, TokenDelta
 from .pipeline import RequestState, Staged
@@ -52,18 +52,8 @@ class LLM:
     ``step``; under torchrun every rank makes them together)."""
 
     def __init__(self, model, config: Optional[EngineConfig] = None, **settings):
-        if config is not None and not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        names = {f.name for f in fields(EngineConfig)}
-        unknown = sorted(set(settings) - names)
-        if unknown:
-            raise TypeError(
-                f"LLM() got unexpected keyword argument(s) {unknown}; the settings are "
-                f"{sorted(names)}"
-            )
-        self.core = EngineCore(
-            model, replace(config or EngineConfig(), **settings), digest=model_digest
-        )
+        config = with_settings(EngineConfig, config, settings, "LLM")
+        self.core = EngineCore(model, config, digest=model_digest)
         self._calls = itertools.count()
 
     # the core's parts and calls, under the names callers use

@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from ringkv.kernels import cpu_flash, native, paged, paged_cpu
 from ringkv.kernels.mask import BAND, FULL, OFFSET, Mask
 from ringkv.kernels.paged_base import LayerCache, PagedSeq, query_limits
-from tests.test_cpu_flash import assert_close, oracle, sharpness, strided
+from tests.checks import assert_close
+from tests.test_cpu_flash import oracle, sharpness, strided
 
 pytestmark = pytest.mark.skipif(
     native.compiler() is None or os.environ.get("RINGKV_NATIVE_FLASH") == "0",

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from ringkv import kernels
 from ringkv.kernels import cpu_flash, native, reference
 from ringkv.kernels.mask import BAND, DENSE, FULL, OFFSET, Mask
+from tests.checks import assert_close
 
 # only where there is no compiler, or the kernel is switched off: where one is, a kernel that fails to
 # build fails these tests (tests/conftest.py turns the kernel on without its timing self-check)
@@ -35,17 +36,6 @@ pytestmark = pytest.mark.skipif(
 
 EPS = torch.finfo(torch.float32).eps
 HYP = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-
-
-def assert_close(what, got, want, tol):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert not torch.isnan(got).any(), f"{what}: NaN"
-    assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{what}: infinities differ"
-    fin = torch.isfinite(want)
-    if fin.any():
-        err = (got.double()[fin] - want[fin]).abs().max().item()
-        bound = tol * (1 + want[fin].abs().max().item())
-        assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
 def strided(x: torch.Tensor, how: str) -> torch.Tensor:

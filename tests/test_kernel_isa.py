@@ -29,7 +29,8 @@ from ringkv import kernels as K
 from ringkv.kernels import cpu_flash, linear_cpu, native, paged, paged_cpu, reference
 from ringkv.kernels.mask import BAND, FULL, OFFSET, Mask
 from ringkv.kernels.paged_base import LayerCache, paged_attention_reference, query_limits
-from tests.test_cpu_flash import EPS, assert_close, check, make, oracle, problems
+from tests.checks import assert_close
+from tests.test_cpu_flash import EPS, check, make, oracle, problems
 from tests.test_paged import spread_problem
 
 pytestmark = pytest.mark.skipif(

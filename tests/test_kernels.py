@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from ringkv.kernels import BACKENDS, attention, make_mask
 from ringkv.kernels.mask import DENSE, offset_tiles
+from tests.checks import assert_close
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -150,15 +151,6 @@ def usable_backends(q, mask):
 
 
 # ---------------------------------------------------------------------------- comparisons
-
-
-def assert_close(what, got, want, tol):
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    got = got.double()
-    assert not torch.isnan(got).any(), f"{what}: NaN"
-    err = (got - want).abs().max().item() if got.numel() else 0.0
-    bound = tol * (1 + want.abs().max().item() if want.numel() else 1)
-    assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
 
 
 def assert_lse(what, got, want, tol):

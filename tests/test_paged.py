@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from ringkv.kernels import attention, native, paged, paged_cpu, quant
 from ringkv.kernels.paged import paged_attention, paged_attention_reference
+from tests.checks import assert_close
 
 try:
     import triton  # noqa: F401
@@ -41,18 +42,6 @@ DEVICES = [
 # (out, lse): max error allowed relative to 1 + max |reference|
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 1e-4), torch.bfloat16: (1.6e-2, 1e-4)}
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-
-
-def assert_close(actual, expected, tol, what):
-    a, e = actual.float().cpu(), expected.float().cpu()
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    assert not torch.isnan(a).any(), f"{what}: NaN in the result"
-    assert torch.equal(torch.isinf(a), torch.isinf(e)), f"{what}: infinities differ"
-    fin = torch.isfinite(e)
-    if fin.any():
-        err = (a[fin] - e[fin]).abs().max().item()
-        bound = tol * (1 + e[fin].abs().max().item())
-        assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
 @st.composite
@@ -113,8 +102,8 @@ def test_reference_matches_direct_attention(p):
         v = torch.stack([vc[b, s] for b, s in slots])[None] if slots else vc[:0, 0][None]
         # default positions: keys 0..L-1, the Q queries aligned to the end (L - Q + i)
         o, l = attention(q[i : i + 1], k, v, causal=p["causal"])  # "auto": sdpa on CPU
-        assert_close(out[i], o[0], TOL[p["dtype"]][0], f"out of sequence {i}")
-        assert_close(lse[i], l[0], TOL[p["dtype"]][1], f"lse of sequence {i}")
+        assert_close(f"out of sequence {i}", out[i], o[0], TOL[p["dtype"]][0])
+        assert_close(f"lse of sequence {i}", lse[i], l[0], TOL[p["dtype"]][1])
 
 
 @HYP
@@ -129,8 +118,8 @@ def test_batched_cpu_backends_match_reference(p, backend):
     out, lse = paged_attention(q, kc, vc, table, lens, causal=p["causal"], backend=backend)
     ref_out, ref_lse = paged_attention_reference(q, kc, vc, table, lens, causal=p["causal"])
     assert out.dtype == q.dtype and lse.dtype == torch.float32
-    assert_close(out, ref_out, TOL[p["dtype"]][0], "out")
-    assert_close(lse, ref_lse, TOL[p["dtype"]][1], "lse")
+    assert_close("out", out, ref_out, TOL[p["dtype"]][0])
+    assert_close("lse", lse, ref_lse, TOL[p["dtype"]][1])
 
 
 @needs_triton
@@ -149,8 +138,8 @@ def test_triton_matches_reference(device, p, splits):
     ref_out, ref_lse = paged_attention_reference(q, kc, vc, table, lens, causal=p["causal"])
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     t_out, t_lse = TOL[p["dtype"]]
-    assert_close(out, ref_out, t_out, "out")
-    assert_close(lse, ref_lse, t_lse, "lse")
+    assert_close("out", out, ref_out, t_out)
+    assert_close("lse", lse, ref_lse, t_lse)
 
 
 @needs_triton
@@ -296,8 +285,8 @@ def test_prefill_triton_matches_reference(device, p):
         assert (
             out.dtype == args[0].dtype and lse.dtype == torch.float32 and lse.shape == want_l.shape
         )
-        assert_close(out, want_o, tol_o, f"{impl.__name__} out")
-        assert_close(lse, want_l, tol_l, f"{impl.__name__} lse")
+        assert_close(f"{impl.__name__} out", out, want_o, tol_o)
+        assert_close(f"{impl.__name__} lse", lse, want_l, tol_l)
 
 
 @needs_triton
@@ -328,8 +317,8 @@ def test_triton_backend_sends_single_tokens_to_decode_and_chunks_to_prefill(monk
     want = paged_attention_reference(q, kc, vc, table, lens)
     got = paged_attention(q, kc, vc, table, lens, backend="triton")
     assert calls == ["paged_prefill_triton"]
-    assert_close(got[0], want[0], 2e-5, "out")
-    assert_close(got[1], want[1], 2e-5, "lse")
+    assert_close("out", got[0], want[0], 2e-5)
+    assert_close("lse", got[1], want[1], 2e-5)
     paged_attention(q[:, -1:], kc, vc, table, lens, backend="triton")
     triton_paged.paged_attention_triton(q, kc, vc, table, lens, num_splits=2)
     assert calls[1:] == ["paged_decode_triton", "paged_decode_triton"]
@@ -366,8 +355,8 @@ def test_cpu_kernel_checks_blocks_and_ignores_the_thread_count():
     )  # row 1 reads blocks 4, 5; row 2 block 7 only
     out, lse = paged_attention(q, kc, vc, table, lens, backend="cpu")
     ref_out, ref_lse = paged_attention_reference(q, kc, vc, table, lens)
-    assert_close(out, ref_out, 2e-5, "out")
-    assert_close(lse, ref_lse, 2e-5, "lse")
+    assert_close("out", out, ref_out, 2e-5)
+    assert_close("lse", lse, ref_lse, 2e-5)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -425,8 +414,8 @@ def test_cpu_kernel_softmax_and_head_sizes(d, nq, g, spread, lens, causal, seed)
     ref_out, ref_lse = paged_attention_reference(
         q.double(), kc.double(), vc.double(), table, seq_lens, causal=causal
     )
-    assert_close(out, ref_out, 2e-5, "out")
-    assert_close(lse, ref_lse, 2e-5, "lse")
+    assert_close("out", out, ref_out, 2e-5)
+    assert_close("lse", lse, ref_lse, 2e-5)
 
 
 def _rows_dense(parts, t, h, d):
@@ -483,8 +472,8 @@ def test_cpu_steps_of_many_sequences(seed, sp, bs, quant_fmt, backend):
         ref = plan_step(seqs, block_size=bs, sp=sp, sp_rank=rank, backend="reference")
         want_out, want_lse = _rows_dense(ref.attend(q, cache), row, h, d)
         got_out, got_lse = _rows_dense(torch_step.attend(q, cache), row, h, d)
-        assert_close(got_out, want_out, 2e-5, "out")
-        assert_close(got_lse, want_lse, 2e-5, "lse")
+        assert_close("out", got_out, want_out, 2e-5)
+        assert_close("lse", got_lse, want_lse, 2e-5)
         if sp == 1:  # the engine's path without lse (every row sees a key)
             fast_out, _ = _rows_dense(torch_step.attend(q, cache, lse=False), row, h, d)
-            assert_close(fast_out, want_out, 2e-5, "out (no lse)")
+            assert_close("out (no lse)", fast_out, want_out, 2e-5)

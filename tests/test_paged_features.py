@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from ringkv.kernels import paged, quant
 from ringkv.kernels.paged import LayerCache, PagedSeq, paged_attention, paged_prefill, plan_step
+from tests.checks import assert_close
 
 try:
     import triton  # noqa: F401
@@ -40,20 +41,6 @@ TOL = 2e-5  # float32 against float64: max error relative to 1 + max |oracle|
 QUANT_NAMES = [None, None, "int8"] + (["fp8_e4m3"] if "fp8_e4m3" in quant.FORMATS else [])
 CAPS = st.one_of(st.none(), st.floats(1.0, 5.0), st.just(50.0))
 WINDOWS = st.sampled_from([-1, -1, 0, 1, 3, 9, 200])
-
-
-def assert_close(actual, expected, what, tol=TOL):
-    a, e = actual.double().cpu(), expected.double().cpu()
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    assert not torch.isnan(a).any(), f"{what}: NaN in the result"
-    assert torch.equal(torch.isinf(a), torch.isinf(e)), (
-        f"{what}: infinities differ (rows that see no key)"
-    )
-    fin = torch.isfinite(e)
-    if fin.any():
-        err = (a[fin] - e[fin]).abs().max().item()
-        bound = tol * (1 + e[fin].abs().max().item())
-        assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
 # ----------------------------------------------------------------------------- problems and oracle
@@ -246,14 +233,14 @@ def test_paged_attention_features(p, causal, softcap, window, scale, splits):
             q, prob.dev["k"], prob.dev["v"], prob.dev["table"], lens, backend=backend, **kw
         )
         assert out.dtype == q.dtype and lse.dtype == torch.float32
-        assert_close(out, want_o, f"{backend} out")
-        assert_close(lse, want_l, f"{backend} lse")
+        assert_close(f"{backend} out", out, want_o, TOL)
+        assert_close(f"{backend} lse", lse, want_l, TOL)
     if HAVE_TRITON and splits:  # the flash-decoding kernel for any Q, its key range split
         out, lse = triton_paged.paged_attention_triton(
             q, prob.dev["k"], prob.dev["v"], prob.dev["table"], lens, num_splits=splits, **kw
         )
-        assert_close(out, want_o, "triton split out")
-        assert_close(lse, want_l, "triton split lse")
+        assert_close("triton split out", out, want_o, TOL)
+        assert_close("triton split lse", lse, want_l, TOL)
 
 
 # ----------------------------------------------------------------------------- varlen prefill
@@ -296,8 +283,8 @@ def test_paged_prefill_features(p, causal, softcap, window, scale):
     for backend in ["reference", "auto"] + (["triton"] if HAVE_TRITON else []):
         out, lse = paged_prefill(*args, backend=backend, **kw)
         assert out.dtype == args[0].dtype and lse.shape == want_l.shape
-        assert_close(out, want_o, f"{backend} out")
-        assert_close(lse, want_l, f"{backend} lse")
+        assert_close(f"{backend} out", out, want_o, TOL)
+        assert_close(f"{backend} lse", lse, want_l, TOL)
 
 
 # ----------------------------------------------------------------------------- engine steps
@@ -368,9 +355,9 @@ def test_plan_step_attend_features(p, softcap, window, scale, with_lse):
         assert sorted(rows.tolist()) == list(range(prob.q.shape[0])), f"{backend}: every row once"
         for part in parts:
             r = part.rows.cpu()
-            assert_close(part.out, want_o[r], f"{backend} out")
+            assert_close(f"{backend} out", part.out, want_o[r], TOL)
             if with_lse:
-                assert_close(part.lse, want_l[:, r], f"{backend} lse")
+                assert_close(f"{backend} lse", part.lse, want_l[:, r], TOL)
 
 
 # ----------------------------------------------------------------------------- sinks
@@ -406,8 +393,8 @@ def test_sinks_on_the_entry_points(p, softcap, window, sink):
             backend=backend,
             **scales,
         )
-        assert_close(out, want_o.view(n, nq, h, -1), f"{backend} out")
-        assert_close(lse, want_l.view(h, n, nq).transpose(0, 1), f"{backend} lse (real keys)")
+        assert_close(f"{backend} out", out, want_o.view(n, nq, h, -1), TOL)
+        assert_close(f"{backend} lse (real keys)", lse, want_l.view(h, n, nq).transpose(0, 1), TOL)
         out, lse = paged_prefill(
             prob.dev["q"],
             prob.dev["k"],
@@ -422,8 +409,8 @@ def test_sinks_on_the_entry_points(p, softcap, window, sink):
             backend=backend,
             **scales,
         )
-        assert_close(out, want_o, f"{backend} prefill out")
-        assert_close(lse, want_l, f"{backend} prefill lse (real keys)")
+        assert_close(f"{backend} prefill out", out, want_o, TOL)
+        assert_close(f"{backend} prefill lse (real keys)", lse, want_l, TOL)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from ringkv.kernels import BACKENDS, attention, block_backward, block_forward, pick, reference
 from ringkv.kernels.mask import DENSE, EMPTY, FULL, OFFSET, Mask
+from tests.checks import assert_close
 
 tk = pytest.importorskip("ringkv.kernels.triton_attn", reason="triton not installed")
 
@@ -55,21 +56,6 @@ def _device_ok(device):
         pytest.skip(
             "CPU runs of Triton kernels need TRITON_INTERPRET=1 (set before triton is imported)"
         )
-
-
-def assert_close(actual, expected, tol, what):
-    """Same infinities in the same places; finite entries within ``tol * (1 + max|expected|)``."""
-    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
-    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    assert not torch.isnan(a).any(), f"{what}: NaN in the result"
-    assert torch.equal(torch.isinf(a), torch.isinf(e)) and torch.equal(
-        a[torch.isinf(a)], e[torch.isinf(e)]
-    ), f"{what}: infinities differ"
-    fin = torch.isfinite(e)
-    if fin.any():
-        err = (a[fin] - e[fin]).abs().max().item()
-        bound = tol * (1 + e[fin].abs().max().item())
-        assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
 def make_inputs(b, sq, sk, h, hkv, d, dtype, device, seed):
@@ -115,8 +101,8 @@ def check_forward(p, device):
     ref_out, ref_lse = reference.forward(q, k, v, _scale(p), p["mask"])
     t_out, t_lse, _ = TOL[p["dtype"]]
     assert out.dtype == q.dtype and lse.dtype == torch.float32
-    assert_close(out, ref_out, t_out, "out")
-    assert_close(lse, ref_lse, t_lse, "lse")
+    assert_close("out", out, ref_out, t_out)
+    assert_close("lse", lse, ref_lse, t_lse)
     return q, k, v
 
 
@@ -152,7 +138,7 @@ def check_backward(p, device, merged, with_dlse):
     tol = TOL[p["dtype"]][2]
     for name, a, e in zip(("dq", "dk", "dv"), got, want):
         assert a.dtype == torch.float32, name
-        assert_close(a, e, tol, name)
+        assert_close(name, a, e, tol)
 
 
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -233,7 +219,7 @@ def test_autograd_through_registry(device, sq, sk, q0, k0, step, causal, groups,
         results["reference"],
         (t_out, t_lse, t_grad, t_grad, t_grad),
     ):
-        assert_close(a, e, tol, name)
+        assert_close(name, a, e, tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)

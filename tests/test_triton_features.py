@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 # test_triton sets TRITON_INTERPRET on a machine without CUDA before triton imports, and skips without triton
-from tests.test_triton import DEVICES, _device_ok, assert_close, compile_for_sm90, tk  # noqa: E402
+from tests.checks import assert_close  # noqa: E402
+from tests.test_triton import DEVICES, _device_ok, compile_for_sm90, tk  # noqa: E402
 from ringkv.kernels.mask import BAND, EMPTY, FULL, OFFSET, Mask  # noqa: E402
 
 DTYPES = [torch.float32, torch.float32, torch.float16, torch.bfloat16]  # fp32 drawn half the time
@@ -167,8 +168,8 @@ def check_block(p, device, with_dlse):
         and out.shape == (p["b"], p["sq"], p["h"], p["dv"])
         and lse.dtype == torch.float32
     )
-    assert_close(out, want[0], t_out, "out")
-    assert_close(lse, want[1], t_lse, "lse")
+    assert_close("out", out, want[0], t_out)
+    assert_close("lse", lse, want[1], t_lse)
     if mask.kind == EMPTY:  # the registry answers EMPTY blocks; the module still gives zeros
         return
     grads = tk.backward(
@@ -185,7 +186,7 @@ def check_block(p, device, with_dlse):
     )
     for name, a, e in zip(("dq", "dk", "dv"), grads, want[2:]):
         assert a.dtype == torch.float32, name
-        assert_close(a, e, t_grad, name)
+        assert_close(name, a, e, t_grad)
 
 
 def check_split(p, device, split, with_dlse):
@@ -209,8 +210,8 @@ def check_split(p, device, split, with_dlse):
     lse = lse.float()
     want = oracle_grads(q, k, v, scale, mask, p["softcap"], dout, dlse if with_dlse else None)
     t_out, t_lse, t_grad = TOL[p["dtype"]]
-    assert_close(out, want[0], t_out, "merged out")
-    assert_close(lse, want[1], t_lse, "merged lse")
+    assert_close("merged out", out, want[0], t_out)
+    assert_close("merged lse", lse, want[1], t_lse)
     dq = torch.zeros(q.shape, dtype=torch.float64)
     dks, dvs = [], []
     for k0, k1 in parts:
@@ -230,7 +231,7 @@ def check_split(p, device, split, with_dlse):
         dks.append(g[1])
         dvs.append(g[2])
     for name, a, e in zip(("dq", "dk", "dv"), (dq, torch.cat(dks, 1), torch.cat(dvs, 1)), want[2:]):
-        assert_close(a, e, t_grad, name)
+        assert_close(name, a, e, t_grad)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -13,8 +13,8 @@ from ringkv.kernels.flash_attn import _tiles
 from ringkv.kernels.mask import BAND, DENSE, EMPTY, FULL, Mask
 from ringkv.sp.layout import varlen_chunks, varlen_index, varlen_local_len
 from tests.dist import RankError
+from tests.checks import assert_close
 from tests.test_kernels import (
-    assert_close,
     assert_lse,
     explicit_positions,
     position_pair,

@@ -49,7 +49,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +63,7 @@ sys.path[:] = (
 ROOT = os.path.dirname(HERE)
 
 from benchmarks.models import describe, machine, machine_line, model_path, write_json  # noqa: E402
+from ringkv.serve.router import free_port  # noqa: E402
 
 NAME = "bench"  # --served-model-name
 WORDS = (
@@ -138,12 +138,6 @@ def body_of(prompt, max_tokens: int, chat: bool) -> dict:
 
 
 # -- the front process -----------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def parse_metrics(text: str) -> dict:
     """Prometheus text -> {(name, ((label, value), ...)): value}."""
     out = {}

@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,11 +53,7 @@ sys.path[:] = (
 )  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 ROOT = os.path.dirname(HERE)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ringkv.serve.router import free_port  # noqa: E402
 
 
 def start_server(model_path: str, name: str, log_path: str):

@@ -34,18 +34,10 @@ from openai import OpenAI  # noqa: E402
 
 from ringkv.cache import BlockManager  # noqa: E402
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
-from ringkv.serve.router import Instance, Router  # noqa: E402
+from ringkv.serve.router import Instance, Router, free_port  # noqa: E402
 from tests.models import needs_smollm2, tiny_model  # noqa: E402
 
 KEY = "test-admin-key"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

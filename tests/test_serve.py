@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,16 +25,11 @@ import httpx  # noqa: E402
 from openai import BadRequestError, NotFoundError, OpenAI  # noqa: E402
 
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
+from ringkv.serve.router import free_port  # noqa: E402
 from tests.models import smollm2_path, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

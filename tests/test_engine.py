@@ -38,7 +38,7 @@ def model():
 _ref_cache = {}
 
 
-def reference(model, prompt, n):
+def uncached_greedy(model, prompt, n):
     """Greedy continuation by re-running the whole sequence each step (no cache)."""
     key = (id(model), tuple(prompt), n)
     if key not in _ref_cache:
@@ -80,7 +80,7 @@ def run(model, prompts=PROMPTS, params=GREEDY, **kw):
 
 
 def test_greedy_matches_no_cache_loop_batched_and_one_by_one(model):
-    expected = [reference(model, p, 10) for p in PROMPTS]
+    expected = [uncached_greedy(model, p, 10) for p in PROMPTS]
     llm, outs = run(model, block_size=4, num_blocks=256)
     assert [o.token_ids for o in outs] == expected
     assert all(o.finish_reason == "length" for o in outs)
@@ -90,7 +90,7 @@ def test_greedy_matches_no_cache_loop_batched_and_one_by_one(model):
 
 
 def test_prefix_cache_hits_do_not_change_output(model):
-    expected = [reference(model, p, 10) for p in PROMPTS]
+    expected = [uncached_greedy(model, p, 10) for p in PROMPTS]
     llm, first = run(model, block_size=4, num_blocks=256)
     hits = llm.prefix_cache_hits  # one step admits the whole first batch: few or no hits yet
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -99,14 +99,14 @@ def test_prefix_cache_hits_do_not_change_output(model):
 
 
 def test_forced_hash_collisions_do_not_change_output(model):
-    expected = [reference(model, p, 10) for p in PROMPTS]
+    expected = [uncached_greedy(model, p, 10) for p in PROMPTS]
     llm, outs = run(model, block_size=4, num_blocks=256, hash_fn=lambda key: 42)
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in again] == expected
 
 
 def test_preemption_and_chunked_prefill_keep_output(model):
-    expected = [reference(model, p, 10) for p in PROMPTS]
+    expected = [uncached_greedy(model, p, 10) for p in PROMPTS]
     # 16 blocks of 4 = 64 tokens: the batch cannot fit, sequences get preempted and recomputed
     llm, outs = run(model, block_size=4, num_blocks=16, max_num_batched_tokens=12)
     assert llm.scheduler.num_preemptions > 0
@@ -139,7 +139,7 @@ def test_any_engine_shape_gives_reference_tokens(
         enable_prefix_caching=caching,
     )
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
-    assert [o.token_ids for o in outs] == [reference(model, p, 10)[:6] for p in prompts]
+    assert [o.token_ids for o in outs] == [uncached_greedy(model, p, 10)[:6] for p in prompts]
     llm.blocks.check()
     assert sum(llm.blocks.ref) == 0
 
@@ -157,8 +157,8 @@ def test_sampling_seed_top_k_and_stop_ids(model):
     k1 = llm.generate(
         PROMPTS[:4], SamplingParams(temperature=1.5, top_k=1, max_tokens=10), use_tqdm=False
     )
-    assert [o.token_ids for o in k1] == [reference(model, q, 10) for q in PROMPTS[:4]]
-    ref = reference(model, PROMPTS[1], 10)
+    assert [o.token_ids for o in k1] == [uncached_greedy(model, q, 10) for q in PROMPTS[:4]]
+    ref = uncached_greedy(model, PROMPTS[1], 10)
     stop = llm.generate(
         PROMPTS[1],
         SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ref[3]]),
@@ -182,7 +182,7 @@ def test_sampling_seed_top_k_and_stop_ids(model):
 
 def test_stop_strings_and_stream(model):
     llm = LLM(model, block_size=4, num_blocks=128, tokenizer=CharTokenizer())
-    ref = reference(model, PROMPTS[2], 10)
+    ref = uncached_greedy(model, PROMPTS[2], 10)
     text = CharTokenizer().decode(ref)
     stop = text[4:6]
     out = llm.generate(
@@ -204,7 +204,7 @@ def test_bad_requests_fail_alone(model):
         [GREEDY, GREEDY, GREEDY, GREEDY, SamplingParams(temperature=-1), SamplingParams(top_p=0)],
         use_tqdm=False,
     )
-    assert outs[0].token_ids == reference(model, good, 10) and outs[0].error is None
+    assert outs[0].token_ids == uncached_greedy(model, good, 10) and outs[0].error is None
     for o, word in zip(outs[1:], ["empty", "max_model_len", "vocabulary", "temperature", "top_p"]):
         assert o.finish_reason == "error" and word in o.error and o.token_ids == []
     with pytest.raises(ValueError, match="one per prompt"):
@@ -238,7 +238,7 @@ def test_cache_salt_per_request(model):
     llm.generate(p, GREEDY, use_tqdm=False, cache_salt="alice")
     outs = llm.generate([p, p], GREEDY, use_tqdm=False, cache_salt=["bob", "alice"])
     assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens > 0
-    assert outs[0].token_ids == outs[1].token_ids == reference(model, p, 10)
+    assert outs[0].token_ids == outs[1].token_ids == uncached_greedy(model, p, 10)
     with pytest.raises(ValueError, match="cache salts"):
         llm.generate([p, p], GREEDY, use_tqdm=False, cache_salt=["x"])
 
@@ -256,7 +256,7 @@ def test_request_finished_in_its_prefill_step_leaves_its_prompt_blocks_cached(mo
         out = llm.generate(
             prompt, SamplingParams(temperature=0, max_tokens=1, **first), use_tqdm=False
         )[0]
-        assert out.num_cached_tokens == 0 and out.token_ids == reference(model, prompt, 1)
+        assert out.num_cached_tokens == 0 and out.token_ids == uncached_greedy(model, prompt, 1)
         again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
         assert again.num_cached_tokens == (length - 1) // 16 * 16, (length, again.num_cached_tokens)
         assert again.token_ids == out.token_ids
@@ -293,11 +293,14 @@ def test_streams_interleaved_with_each_other_and_generate(model):
     got_a, got_b = [next(sa)], [next(sb)]  # b's first step also advanced a
     got_a.append(next(sa))
     assert [o.token_ids for o in llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)] == [
-        reference(model, PROMPTS[3], 10)
+        uncached_greedy(model, PROMPTS[3], 10)
     ]
     got_a += list(sa)
     got_b += list(sb)
-    for got, ref in ((got_a, reference(model, a, 10)), (got_b, reference(model, b, 10))):
+    for got, ref in (
+        (got_a, uncached_greedy(model, a, 10)),
+        (got_b, uncached_greedy(model, b, 10)),
+    ):
         assert [d.token_id for d in got] == ref
         assert "".join(d.text for d in got) == tok.decode(ref)
         assert got[-1].finish_reason == "length" and all(d.finish_reason is None for d in got[:-1])
@@ -307,7 +310,7 @@ def test_streams_interleaved_with_each_other_and_generate(model):
 def test_stop_string_across_tokens_is_never_streamed(model):
     tok = CharTokenizer()
     llm = LLM(model, block_size=4, num_blocks=128, tokenizer=tok)
-    ref = tok.decode(reference(model, PROMPTS[2], 10))
+    ref = tok.decode(uncached_greedy(model, PROMPTS[2], 10))
     stop = ref[3:6]  # spans three tokens
     deltas = list(llm.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, stop=[stop])))
     assert (
@@ -339,9 +342,12 @@ def test_triton_paged_kernels_give_reference_results(model, monkeypatch):
     kw = dict(block_size=4, num_blocks=40, max_num_batched_tokens=12)  # 12-token chunks
     llm, outs = run(model, [prompt], params, paged_backend="triton", **kw)
     torch.testing.assert_close(torch.tensor(outs[0].prompt_logprobs), want, atol=1e-4, rtol=1e-4)
-    assert outs[0].token_ids == reference(model, prompt, 10)[:3]
+    assert outs[0].token_ids == uncached_greedy(model, prompt, 10)[:3]
     again = llm.generate([cont], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    assert again[0].token_ids == reference(model, cont, 10)[:3] and again[0].num_cached_tokens == 36
+    assert (
+        again[0].token_ids == uncached_greedy(model, cont, 10)[:3]
+        and again[0].num_cached_tokens == 36
+    )
     assert {"paged_decode_triton", "paged_prefill_triton"} <= set(calls)
     llm.blocks.check()
     int8 = [

@@ -51,7 +51,7 @@ def prompts():
 _refs = {}
 
 
-def reference(model, ps=None, params=GREEDY):
+def fault_free_tokens(model, ps=None, params=GREEDY):
     """One process, no faults: the tokens every surviving request must get."""
     ps = ps or prompts()
     key = (id(model), repr(ps), repr(params))
@@ -146,7 +146,7 @@ def test_closing_a_stream_keeps_the_other_streams_tokens(model):
     """pp=2: closing one of two interleaved streams threw away the steps in flight, the other
     stream's tokens included; it then failed with 'scheduler made no progress'."""
     ps = prompts()
-    want = reference(model)
+    want = fault_free_tokens(model)
     with engine(model, pp=2) as llm:
         a, b = llm.stream(ps[0], GREEDY), llm.stream(ps[1], GREEDY)
         got = [next(b).token_id]
@@ -164,7 +164,7 @@ def test_an_interrupted_generate_leaves_step_api_requests_running(model):
     """An interrupt inside ``generate`` aborts that call's requests only: a request of the
     step API keeps every token, and ``step()`` reports the tokens ``generate`` advanced."""
     ps = prompts()
-    want = reference(model)
+    want = fault_free_tokens(model)
     with fault(0, 5, "sigint"), engine(model, pp=2) as llm:
         rid = llm.add_request(ps[0], GREEDY)
         with pytest.raises(KeyboardInterrupt):
@@ -181,7 +181,7 @@ def test_ctrl_c_mid_step_resynchronises_and_an_interrupt_inside_breaks_at_once(m
     step's end (the engine stays usable and exact); an interrupt raised inside a step breaks the
     engine at once with a clear error, and its workers are stopped."""
     ps = prompts()[:2]
-    want = reference(model)[:2]
+    want = fault_free_tokens(model)[:2]
     with fault(0, 4, "sigint"), engine(model, tp=2) as llm:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(ps, GREEDY, use_tqdm=False)
@@ -203,9 +203,9 @@ def test_workers_ignore_a_terminal_ctrl_c(model):
     with engine(model, tp=2) as llm:
         os.kill(llm.cluster.procs[0].pid, signal.SIGINT)
         time.sleep(0.5)
-        assert [o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == reference(model)[
-            :2
-        ]
+        assert [o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == fault_free_tokens(
+            model
+        )[:2]
 
 
 def test_blocks_held_by_exports_and_imports_do_not_stop_admission(model):
@@ -214,7 +214,7 @@ def test_blocks_held_by_exports_and_imports_do_not_stop_admission(model):
     Held blocks are now taken back (the held requests recompute later): nothing is lost."""
     ps = prompts()
     long = ps[3] + ps[1]  # 45 tokens + 8: 14 of the 16 blocks
-    want = reference(model, [ps[0], ps[2], long])
+    want = fault_free_tokens(model, [ps[0], ps[2], long])
     with (
         LLM(model, block_size=4, num_blocks=16) as src,
         LLM(model, block_size=4, num_blocks=16) as dst,
@@ -292,7 +292,7 @@ def test_a_request_whose_step_cannot_be_finished_fails_alone(model):
     """An exception while a step's tokens were applied left its requests stuck for good (every
     token marked computed, never scheduled again), holding their blocks."""
     ps = prompts()
-    want = reference(model)
+    want = fault_free_tokens(model)
     bad = want[1][3]  # the 4th token of request 1
     assert bad not in want[0][:8] and bad not in want[2]
     llm = LLM(
@@ -345,7 +345,7 @@ def test_fault_injection_spawned(model, mesh, kind, rank, step):
     if kind == "kill":
         rank = 1
     ps = prompts()
-    want = reference(model)
+    want = fault_free_tokens(model)
     errors = []
     t0 = time.monotonic()
     with fault(rank, step, None if kind == "close" else kind), engine(model, **mesh) as llm:
@@ -482,7 +482,7 @@ def test_a_kv_move_whose_sides_disagree_on_a_size_is_an_error_on_every_rank(fres
 def test_fault_injection_torchrun(model, fresh_world, mesh, kind, rank, step):
     """Torchrun mode: every rank runs the same calls (a stream, a ``generate``, another one) in a
     fresh 2-rank gloo world, and any rank may be the one that fails or is killed."""
-    want = reference(model)
+    want = fault_free_tokens(model)
     close_after = step % 7 + 1 if kind == "close" else None
     t0 = time.monotonic()
     res = torchrun_fault_run(

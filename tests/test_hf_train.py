@@ -16,7 +16,7 @@ from ringkv import hf
 from ringkv.kernels.linear_ce import default_chunk, linear_cross_entropy
 from ringkv.memory import FileStore
 from tests.hf_cases import build
-from tests.train_cases import reference, step_kwargs, targets
+from tests.train_cases import step_kwargs, targets, unpatched_step
 
 _SETTINGS = dict(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow], deadline=None
@@ -177,7 +177,7 @@ def test_chunked_loss_equals_the_unpatched_model(
     labels = _labels(ids, density, seed)
     pos = _packed_positions(b, s, seed) if packed else None
     config = dict(tie_word_embeddings=tie)
-    loss, grads = reference(arch, seed, ids, labels, form, pos, num_items, config)
+    loss, grads = unpatched_step(arch, seed, ids, labels, form, pos, num_items, config)
     opts = dict(
         form=form,
         position_ids=pos,
@@ -202,7 +202,7 @@ def test_chunked_loss_with_sharded_inputs(world, sp, layout, form):
     s = 6 * sp
     ids = torch.randint(3, 128, (2, s), generator=torch.Generator().manual_seed(s))
     labels = _labels(ids, 0.3, s)
-    loss, grads = reference("llama", 1, ids, labels, form, num_items=17)
+    loss, grads = unpatched_step("llama", 1, ids, labels, form, num_items=17)
     res = world.check(
         "tests.train_cases:chunked_step",
         sp,
@@ -231,7 +231,7 @@ def test_tiled_mlp_is_exact(world, tile, ckpt, sp, s, seed):
     """tile_mlp=T: loss and gradients equal the unpatched model's, with and without HF's activation
     checkpointing (both kinds)."""
     ids = torch.randint(3, 128, (1, s), generator=torch.Generator().manual_seed(seed))
-    loss, grads = reference("qwen2", seed, ids, ids)
+    loss, grads = unpatched_step("qwen2", seed, ids, ids)
     res = world.check(
         "tests.train_cases:chunked_step",
         sp,
@@ -270,7 +270,7 @@ def test_offloaded_checkpoints_come_back_for_backward(world, ckpt):
     and comes back in backward (nothing left behind), and the gradients are the unpatched model's,
     with the tiled MLP too."""
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(3))
-    loss, grads = reference("llama", 0, ids, ids)
+    loss, grads = unpatched_step("llama", 0, ids, ids)
     res = world.check(
         "tests.train_cases:chunked_step",
         2,
@@ -348,8 +348,8 @@ def test_bf16_weights_train_like_unpatched():
     """bf16 weights: the chunked loss (float32 inside) is within bf16 rounding of the unpatched bf16
     model's, and both are near the float32 model's loss."""
     ids = torch.randint(3, 128, (2, 32), generator=torch.Generator().manual_seed(5))
-    loss32, _ = reference("llama", 0, ids, ids)
-    loss16, grads16 = reference("llama", 0, ids, ids, dtype=torch.bfloat16)
+    loss32, _ = unpatched_step("llama", 0, ids, ids)
+    loss16, grads16 = unpatched_step("llama", 0, ids, ids, dtype=torch.bfloat16)
     model = build("llama", 0).to(torch.bfloat16).train()
     hf.patch_model(model, loss_chunk=9)
     out = model(ids, labels=ids, use_cache=False)

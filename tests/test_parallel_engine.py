@@ -51,7 +51,8 @@ def spec(arch, heads, kv, layers=5, max_pos=512, seed=0):
     )
 
 
-def reference(s, prompts, n=N_OUT):
+def hf_greedy_tokens(s, prompts, n=N_OUT):
+    """transformers' greedy tokens of the unsharded tiny model ``s`` describes (cached)."""
     key = (repr(s), tuple(map(tuple, prompts)), n)
     if key not in _refs:
         _refs[key] = hf_greedy(tiny_model(s[1], s[2], **s[3]), prompts, n)
@@ -116,7 +117,7 @@ def test_families_greedy_and_logprobs_equal_transformers_on_a_mesh(worlds, arch,
     log-probs see what greedy tokens cannot (a soft-cap on the logits keeps their order)."""
     s = spec(arch, 4, 2)
     prompts = prompts_short(5)
-    want = reference(s, prompts)
+    want = hf_greedy_tokens(s, prompts)
     n = tp * pp * sp
     kw = dict(
         tp=tp,
@@ -162,7 +163,7 @@ def test_families_with_a_quantized_cache(worlds, arch):
 def test_tp_pp_greedy_equals_transformers(worlds, arch, tp, pp):
     s = spec(arch, *HEADS[(arch, tp)])  # 5 layers: pp = 2, 3, 4 split them unevenly
     prompts = prompts_short(tp * 10 + pp)
-    want = reference(s, prompts)
+    want = hf_greedy_tokens(s, prompts)
     kw = dict(tp=tp, pp=pp, block_size=4, num_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)
     res = worlds(tp * pp).check(
         "tests.engine_cases:generate", tp * pp, s, kw, prompts, GREEDY, 2, timeout=300
@@ -193,7 +194,7 @@ def test_sp_long_prompts_equal_transformers(worlds, sp, tp):
         [77],
         torch.randint(3, 128, (300,), generator=g).tolist(),
     ]
-    want = reference(s, prompts)
+    want = hf_greedy_tokens(s, prompts)
     # 1024-token chunks (the long prompt takes three), rings for >= 256 tokens, a cache that holds
     # the first two prompts but not their next token (preemption), a repeated prefix (hits)
     kw = dict(
@@ -220,7 +221,7 @@ def test_sp_default_threshold_and_short_prompts(worlds):
     s = spec("mistral", 4, 2, layers=2, max_pos=4096)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (1, 2, 3, 9, 1500)]
-    want = reference(s, prompts)
+    want = hf_greedy_tokens(s, prompts)
     res = worlds(3).check(
         "tests.engine_cases:generate",
         3,
@@ -239,7 +240,7 @@ def test_kv_is_striped_over_sp_ranks(worlds):
     long sequence costs each rank 1/sp of the single-process bytes."""
     s = spec("llama", 4, 2, layers=2, max_pos=4096)
     prompt = torch.randint(3, 128, (1000,), generator=torch.Generator().manual_seed(1)).tolist()
-    want = reference(s, [prompt], 4)[0]
+    want = hf_greedy_tokens(s, [prompt], 4)[0]
     computed = len(prompt) + 4 - 1  # the last sampled token never gets K/V
     kw = dict(block_size=16, num_blocks=128, sp_prefill_min_tokens=64)
     one = worlds(1).check("tests.engine_cases:cache_contents", 1, s, kw, prompt, 4)[0]
@@ -262,7 +263,7 @@ def test_kv_is_striped_over_sp_ranks(worlds):
 def test_stream_on_every_rank(worlds):
     s = spec("llama", 4, 2)
     prompt = prompts_short()[2]
-    want = reference(s, [prompt])[0]
+    want = hf_greedy_tokens(s, [prompt])[0]
     res = worlds(2).check(
         "tests.engine_cases:stream", 2, s, dict(pp=2, block_size=4, num_blocks=64), prompt, GREEDY
     )
@@ -277,7 +278,7 @@ def test_seeded_sampling_equals_single_process(worlds):
     ]
     kw = dict(block_size=4, num_blocks=64)
     single = worlds(1).check("tests.engine_cases:seeded", 1, s, kw, prompts, params)[0]
-    assert single != reference(s, prompts)  # really sampled
+    assert single != hf_greedy_tokens(s, prompts)  # really sampled
     for tp, pp in ((2, 1), (1, 2)):
         res = worlds(2).check(
             "tests.engine_cases:seeded", 2, s, dict(kw, tp=tp, pp=pp), prompts, params
@@ -468,4 +469,4 @@ def test_sp_triton_paged_kernels_equal_the_single_process_engine(worlds):
         SamplingParams(temperature=0, max_tokens=3),
         1,
     )
-    assert all(r["tokens"] == [reference(s, prompts[1:], 3)] for r in res)
+    assert all(r["tokens"] == [hf_greedy_tokens(s, prompts[1:], 3)] for r in res)

@@ -59,7 +59,7 @@ def prompts():
 _refs = {}
 
 
-def reference(model_dir, params, **kw):
+def unmoved_tokens(model_dir, params, **kw):
     """Token ids of ``prompts()`` with ``params`` (one dict per prompt) on one engine, unmoved."""
     key = (json.dumps(params), json.dumps(kw))
     if key not in _refs:
@@ -142,7 +142,7 @@ def test_requests_move_to_another_process_and_finish_as_if_never_moved(model_dir
         res = link.recv_json()
         assert peer.wait() == 0
     link.close()
-    assert [res["outputs"][rid] for rid in rids] == reference(model_dir, params, **kv)
+    assert [res["outputs"][rid] for rid in rids] == unmoved_tokens(model_dir, params, **kv)
     assert (
         res["all_free"]
         and not res["errors"]
@@ -183,7 +183,7 @@ def test_requests_move_between_multi_rank_engines_in_two_processes(model_dir):
             assert all_free(src) and not src.has_unfinished_requests()
         assert peer.wait() == 0
     link.close()
-    assert [res["outputs"][rid] for rid in rids] == reference(model_dir, params)
+    assert [res["outputs"][rid] for rid in rids] == unmoved_tokens(model_dir, params)
     assert res["all_free"] and not res["errors"]
 
 
@@ -202,7 +202,7 @@ def test_a_target_killed_mid_import_leaves_the_request_running_on_the_source(mod
             send_request(src, rid, link)
         assert time.monotonic() - t0 < 10  # the closed connection, not the 60 s timeout
         assert peer.wait() == -signal.SIGKILL and link.broken
-    assert finish(src)[rid] == reference(model_dir, [SEEDED] * 4)[2] and all_free(src)
+    assert finish(src)[rid] == unmoved_tokens(model_dir, [SEEDED] * 4)[2] and all_free(src)
 
 
 def test_a_damaged_transfer_is_refused_and_a_source_killed_after_the_final_ack_leaves_it_to_the_target(
@@ -232,7 +232,7 @@ def test_a_damaged_transfer_is_refused_and_a_source_killed_after_the_final_ack_l
         )  # the source resumed it and sends it again (pre-copy, final)
         assert peer.wait() == -signal.SIGKILL  # it died right after the final ack
     assert "first move failed" in peer.output() and "checksum" in peer.output()
-    assert finish(dst)[rid] == reference(model_dir, [GREEDY] * 4)[2] and all_free(dst)
+    assert finish(dst)[rid] == unmoved_tokens(model_dir, [GREEDY] * 4)[2] and all_free(dst)
 
 
 def test_a_silent_peer_is_a_timeout_on_either_side(model_dir):
@@ -254,7 +254,7 @@ def test_a_silent_peer_is_a_timeout_on_either_side(model_dir):
         with pytest.raises(MigrationError, match=r"no answer within 1\.5s"):
             receive_request(llm, b)
         assert 1.5 <= time.monotonic() - t0 < 6.5
-    assert finish(llm)[rid] == reference(model_dir, [GREEDY] * 4)[1] and all_free(llm)
+    assert finish(llm)[rid] == unmoved_tokens(model_dir, [GREEDY] * 4)[1] and all_free(llm)
 
 
 # -- the wire, in one process ---------------------------------------------------------------

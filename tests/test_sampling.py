@@ -40,7 +40,7 @@ def restricted(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return p / p.sum()
 
 
-def reference(t=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+def defined_distribution(t=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
     """The definition, written out: softmax(l / T); top-k; top-p over the top-k renormalised
     distribution (the smallest most-likely set reaching top_p); min-p against the largest."""
     p = torch.softmax(LOGITS / t, dim=0)
@@ -78,7 +78,7 @@ def test_sample_frequencies_follow_the_definition(kw):
         min_p=kw.get("min_p", 0.0),
         max_tokens=1,
     )
-    got, want = frequencies(params), reference(**kw)
+    got, want = frequencies(params), defined_distribution(**kw)
     assert torch.allclose(got, want, atol=0.015), (got, want)
     assert bool((got[want == 0] == 0).all())  # never outside the set
 

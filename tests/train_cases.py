@@ -31,7 +31,7 @@ def step_kwargs(ids, labels, form, position_ids=None, num_items=None):
     return kw
 
 
-def reference(
+def unpatched_step(
     arch,
     seed,
     ids,

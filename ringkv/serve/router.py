@@ -38,6 +38,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,35 +47,55 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from enum import StrEnum
+from typing import AsyncIterator, Dict, List, Optional, Union
 from urllib.parse import urlparse
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..cache.block_manager import STORED, block_hash
-from .app import (
-    ADMIN_HEADER,
-    BadRequest,
-    check_admin,
-    completion_prompts,
-    error_body,
-    read_body,
-    refused_key,
-)
+from .app import ADMIN_HEADER, admin_posts, check_admin, openai_app
+from .openai import DONE, MAX_REQUEST_BYTES, BadRequest, Collected, Encoder, RoutedRequest
+from .openai import error_event, merge, parse_json, read_body, response, unless_disconnected, usage
 
 ROUTINGS = ("kv", "round-robin", "least-loaded")
 POLL_S = 0.5  # how often each instance is asked for its state
 DOWN_AFTER = 3  # failed polls in a row that mark an instance down
-PENDING_S = (
-    30.0  # seconds a routed prompt's blocks count as cached where it went, before its events arrive
-)
-MIN_LEFT = (
-    16  # the load policy moves only requests with at least this many tokens still to generate
-)
+# seconds a routed prompt's blocks count as cached where it went, before its events arrive
+PENDING_S = 30.0
+MIN_LEFT = 16  # the load policy moves only requests with this many tokens or more left
 MOVE_EVERY = 10.0  # ... and each at most once in this many seconds
 RESTART_AFTER = 5.0  # seconds a replica that exited has run at least before it is started again
 MAX_CRASHES = 3  # a replica that exits this often in a row before it answers is not started again
+
+
+# the router's per-instance metrics: name (a counter's ends in _total), type, what its value is
+# (Router._value), help
+PER_INSTANCE = """
+instance_up gauge up 1 if the instance is up.
+requests_running gauge running Requests the instance computes.
+requests_waiting gauge waiting Requests waiting in the instance.
+requests_inflight gauge inflight Sub-requests the router streams from the instance.
+kv_cache_usage_ratio gauge kv_usage Fraction of the instance's KV blocks in use.
+cached_blocks gauge blocks Prefix blocks the router's index holds for the instance.
+requests counter requests Sub-requests sent to the instance.
+prompt_tokens counter prompt_tokens Prompt tokens of requests the instance finished.
+prefix_hit_tokens counter cached_tokens Prompt tokens the instance served from its prefix cache.
+migrations_in counter migrations_in Requests migrated to the instance.
+migrations_out counter migrations_out Requests migrated off the instance.
+failovers counter failovers Streams of the instance that broke and went on elsewhere.
+"""
+
+
+class InstanceState(StrEnum):
+    """Where an instance stands (its wire name in ``/admin/instances`` is the value)."""
+
+    STARTING = "starting"  # added or (re)started; not answered yet
+    UP = "up"  # answers its polls: requests go there
+    DOWN = "down"  # unreachable, its process exited or its engine failed (polled again)
+    DRAINING = "draining"  # takes no new requests; removed once its streams end
+    FAILED = "failed"  # a replica that exited MAX_CRASHES times before it answered: not restarted
 
 
 @dataclass
@@ -83,14 +104,13 @@ class Instance:
     url: str
     proc: Optional[subprocess.Popen] = None  # a replica this front started
     argv: Optional[List[str]] = None  # how to start it again
-    state: str = "starting"  # starting | up | down | draining
+    state: InstanceState = InstanceState.STARTING
     error: Optional[str] = None
     epoch: str = ""
     last: int = 0  # the last block event read
     blocks: set = field(default_factory=set)  # hashes (hex) of the blocks its prefix cache holds
-    pending: Dict[str, float] = field(
-        default_factory=dict
-    )  # hashes of prompts routed there: until when they count
+    # hashes of the blocks of prompts routed there: until when they count as cached
+    pending: Dict[str, float] = field(default_factory=dict)
     tokens_per_block: int = 0
     model: str = ""  # model digest: migration needs the same on both sides
     kv_cache_dtype: str = ""
@@ -100,13 +120,8 @@ class Instance:
     failed_polls: int = 0
     crashes: int = 0  # times in a row its process exited before it answered
     counters: Dict[str, int] = field(
-        default_factory=lambda: dict(
-            requests=0,
-            prompt_tokens=0,
-            cached_tokens=0,
-            migrations_in=0,
-            migrations_out=0,
-            failovers=0,
+        default_factory=lambda: dict.fromkeys(
+            "requests prompt_tokens cached_tokens migrations_in migrations_out failovers".split(), 0
         )
     )
 
@@ -118,13 +133,14 @@ class Instance:
         return max(float(self.load.get("kv_usage", 0.0)), self.inflight / max(self.max_num_seqs, 1))
 
     def view(self) -> dict:
+        load = dict(self.load, inflight=self.inflight, score=round(self.score(), 4))
         return dict(
             id=self.id,
             url=self.url,
             pid=self.pid,
             state=self.state,
             error=self.error,
-            load=dict(self.load, inflight=self.inflight, score=round(self.score(), 4)),
+            load=load,
             cached_blocks=len(self.blocks),
             tokens_per_block=self.tokens_per_block,
             counters=dict(self.counters),
@@ -147,8 +163,26 @@ class Full(Exception):
 class ChoiceState:
     tokens: List[int] = field(default_factory=list)  # token ids delivered to the client
     finish_reason: Optional[str] = None
-    text: str = ""  # (non-streamed answers) text, log-probs
-    logprobs: Optional[object] = None
+
+
+@dataclass
+class Delta:
+    """A sub-request's event: the chunk ``data`` of its choice ``choice`` (one choice each)."""
+
+    choice: int
+    data: dict
+
+
+@dataclass
+class Failure:
+    """A sub-request's last event: ``error`` ends the client's answer; ``reject``: an instance
+    refused the request (a 4xx), else none could serve it."""
+
+    error: Exception
+    reject: bool
+
+
+END = None  # a sub-request's queue after its last stream ended
 
 
 @dataclass
@@ -164,32 +198,28 @@ class Attempt:
 
 
 class Sub:
-    """A client request's prompt ``index``: sent to instances, followed across moves and failures."""
+    """A client request's prompt ``index``: sent to instances, followed across moves and
+    failures."""
 
     def __init__(
         self, router: "Router", rid: str, index: int, path: str, body: dict, ids: List[int], n: int
     ):
-        self.router, self.rid, self.index, self.path, self.body, self.ids = (
-            router,
-            rid,
-            index,
-            path,
-            body,
-            ids,
-        )
+        self.router, self.rid, self.index, self.path = router, rid, index, path
+        self.body, self.ids = body, ids
         self.n, self.choices = n, [ChoiceState() for _ in range(n)]
         self.prompt_tokens, self.cached = len(ids), None
         self.attempts: List[Attempt] = []
-        self.queue: asyncio.Queue = (
-            asyncio.Queue()
-        )  # ("chunk", choice, data) | ("reject" | "error", status, error)
-        self.accepted: asyncio.Future = (
-            asyncio.get_running_loop().create_future()
-        )  # the instance took it
+        self.queue: asyncio.Queue = asyncio.Queue()  # Delta | Failure | END
+        self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()  # taken
         self.tasks: List[asyncio.Task] = []
         self.running = 0  # its tasks still streaming
         self.finished_on: Optional[str] = None
         self.ids_seq = itertools.count()
+
+    async def events(self) -> AsyncIterator[Union[Delta, Failure]]:
+        """What the client gets of this prompt, until every stream of it ended."""
+        while (item := await self.queue.get()) is not END:
+            yield item
 
     @property
     def done(self) -> bool:
@@ -216,12 +246,8 @@ class Sub:
                 b[name] = max(1, b[name] - len(self.choices[c].tokens))
         if "messages" not in b and b.get("max_tokens") is None:
             b["max_tokens"] = max(1, 16 - len(self.choices[c].tokens))  # /v1/completions' default
-        if (
-            b.get("seed") is not None
-        ):  # the random stream cannot be recovered: a reproducible new one
-            b["seed"] = random.Random(f"{b['seed']}/{c}/{len(self.choices[c].tokens)}").getrandbits(
-                63
-            )
+        if b.get("seed") is not None:  # its random stream is lost: a reproducible new one
+            b["seed"] = random.Random(f"{b['seed']}/{c}/{len(ids) - len(self.ids)}").getrandbits(63)
         return b
 
     def start(self, choices: List[int], exclude: frozenset = frozenset()) -> None:
@@ -232,11 +258,11 @@ class Sub:
         try:
             await self._run(choices, exclude)
         except Exception as e:  # noqa: BLE001 - never leave the client waiting
-            self.fail("error", 500, e)
+            self.fail(e)
         finally:
             self.running -= 1
             if not self.running:  # every stream of it ended (its usage read): the last event
-                self.queue.put_nowait(("end", None, None))
+                self.queue.put_nowait(END)
 
     async def _run(self, choices: List[int], exclude: frozenset) -> None:
         """Stream ``choices`` from an instance, across moves; on a failure, go on elsewhere."""
@@ -246,7 +272,7 @@ class Sub:
             try:
                 inst = await r.pick_waiting(self.ids, self.body.get("cache_salt"), frozenset(tried))
             except NoInstance as e:
-                self.fail("error", 503, e)
+                self.fail(e)
                 return
             attempt = Attempt(
                 inst, f"{self.rid}.{next(self.ids_seq)}" if self.attempts else self.rid, choices
@@ -256,19 +282,14 @@ class Sub:
                 await self.follow(attempt, self.body_for(choices))
                 return
             except BadRequest as e:
-                self.fail("reject", e.status, e)
+                self.fail(e, reject=True)
                 return
             except Full as e:
                 tried.add(attempt.instance.id)
-                if all(
-                    i.id in tried for i in r.instances if i.state == "up"
-                ):  # every instance is full
+                if all(i.id in tried for i in r.up()):  # every instance is full
+                    retry = {"Retry-After": "1"}
                     self.fail(
-                        "reject",
-                        429,
-                        BadRequest(
-                            str(e), 429, code="too_many_requests", headers={"Retry-After": "1"}
-                        ),
+                        BadRequest(str(e), 429, code="too_many_requests", headers=retry), True
                     )
                     return
             except Failed as e:
@@ -288,13 +309,13 @@ class Sub:
                 if len(tried) >= len(r.instances):
                     tried = {inst.id}  # a restarted instance may take it again
 
-    def fail(self, kind: str, status: int, e: Exception) -> None:
+    def fail(self, e: Exception, reject: bool = False) -> None:
         """Before the instance took the request: the client's answer is this error; after: an
         error event ends its stream."""
         if not self.accepted.done():
             self.accepted.set_exception(e)
         else:
-            self.queue.put_nowait((kind, status, e))
+            self.queue.put_nowait(Failure(e, reject))
 
     async def follow(self, attempt: Attempt, body: dict) -> None:
         r = self.router
@@ -310,9 +331,9 @@ class Sub:
                     if resp.status_code >= 400:
                         text = (await resp.aread()).decode(errors="replace")
                         if resp.status_code == 429:
-                            raise Full(_rejected(429, text))
+                            raise Full(BadRequest.relayed(429, text))
                         if resp.status_code < 500:
-                            raise _rejected(resp.status_code, text)
+                            raise BadRequest.relayed(resp.status_code, text)
                         raise Failed(
                             f"instance {inst.id} answered {resp.status_code}: {text[:200]}"
                         )
@@ -374,19 +395,11 @@ class Sub:
                 if c.get("finish_reason") is not None:
                     state.finish_reason = c["finish_reason"]
                     self.finished_on = attempt.instance.id
-                await self.queue.put(("chunk", index, ev | {"choices": [c]}))
+                await self.queue.put(Delta(index, ev | {"choices": [c]}))
         if attempt.moved_to is None and (
             not done or any(self.choices[c].finish_reason is None for c in attempt.choices)
         ):
             raise Failed(f"instance {attempt.instance.id}: the stream ended early")
-
-
-def _rejected(status: int, text: str) -> BadRequest:
-    try:
-        err = json.loads(text)["error"]
-        return BadRequest(err.get("message", text), status, err.get("param"), err.get("code"))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return BadRequest(text[:500], status)
 
 
 def _httpx():
@@ -416,23 +429,15 @@ class Router:
             raise ValueError(f"the migration threshold must be > 0, got {threshold!r}")
         if balance < 0:
             raise ValueError(f"balance must be >= 0, got {balance!r}")
-        self.routing, self.migration, self.threshold, self.balance = (
-            routing,
-            migration,
-            threshold,
-            balance,
-        )
+        self.routing, self.migration = routing, migration
+        self.threshold, self.balance = threshold, balance
         self.admin, self.admin_key = admin or admin_key is not None, admin_key
         self.upstream_key, self.restart = upstream_key, restart
-        self.api_key, self.protect_metrics = (
-            api_key,
-            protect_metrics,
-        )  # the clients', also sent to the instances
+        # the clients' key, also sent to the instances
+        self.api_key, self.protect_metrics = api_key, protect_metrics
         self.instances: List[Instance] = []
         self.by_id: Dict[str, Instance] = {}
-        self.subs: Dict[
-            str, List[Sub]
-        ] = {}  # client request id -> its sub-requests (while running)
+        self.subs: Dict[str, List[Sub]] = {}  # client request id -> its sub-requests (running)
         self.rr = itertools.count()
         self.client = None
         self.counters = dict(
@@ -460,6 +465,10 @@ class Router:
         self.by_id[id] = inst
         return inst
 
+    def up(self) -> List[Instance]:
+        """The instances requests may go to."""
+        return [i for i in self.instances if i.state == InstanceState.UP]
+
     def remove(self, inst: Instance) -> None:
         self.instances.remove(inst)
         del self.by_id[inst.id]
@@ -471,14 +480,12 @@ class Router:
         if inst.proc is not None and inst.proc.poll() is not None:
             self.down(inst, f"its process exited ({inst.proc.returncode})")
         else:
-            inst.failed_polls = max(
-                inst.failed_polls, DOWN_AFTER - 1
-            )  # the next failed poll marks it down
+            inst.failed_polls = max(inst.failed_polls, DOWN_AFTER - 1)  # the next one: down
             inst.error = why
 
     def down(self, inst: Instance, why: str) -> None:
-        if inst.state != "draining":
-            inst.state = "down"
+        if inst.state != InstanceState.DRAINING:
+            inst.state = InstanceState.DOWN
         inst.error, inst.blocks, inst.epoch, inst.last = why, set(), "", 0
 
     def headers(self) -> dict:
@@ -496,27 +503,29 @@ class Router:
 
     async def poll(self, inst: Instance) -> None:
         if inst.proc is not None and inst.proc.poll() is not None:
-            if inst.state not in ("down", "failed"):
-                if inst.state == "starting":
+            if inst.state not in (InstanceState.DOWN, InstanceState.FAILED):
+                if inst.state == InstanceState.STARTING:
                     inst.crashes += 1  # exited before it ever answered
                 self.down(
                     inst, f"its process exited ({inst.proc.returncode}): {log_tail(inst.proc)}"
                 )
                 if inst.crashes >= MAX_CRASHES:
-                    inst.state = "failed"  # e.g. a bad model path: starting it again would not help
+                    # e.g. a bad model path: starting it again would not help
+                    inst.state = InstanceState.FAILED
                     print(
-                        f"ringkv: instance {inst.id} failed to start {inst.crashes} times; last: {inst.error}",
+                        f"ringkv: instance {inst.id} failed to start {inst.crashes} times;"
+                        f" last: {inst.error}",
                         file=sys.stderr,
                         flush=True,
                     )
             if (
                 self.restart
-                and inst.state == "down"
+                and inst.state == InstanceState.DOWN
                 and inst.argv is not None
                 and time.monotonic() - inst.proc.started > RESTART_AFTER
             ):
                 inst.proc = start_process(inst.argv, inst.proc.log)
-                inst.state = "starting"
+                inst.state = InstanceState.STARTING
             return
         try:
             r = await self.client.get(
@@ -526,9 +535,7 @@ class Router:
                 timeout=2.0,
             )
             state = r.json()
-            if r.status_code == 503 or state.get(
-                "dead"
-            ):  # its engine failed (a rank died): it stays so
+            if r.status_code == 503 or state.get("dead"):  # its engine failed: it stays so
                 self.down(
                     inst, f"its engine failed: {state.get('dead') or state.get('error')}"[:300]
                 )
@@ -540,7 +547,10 @@ class Router:
         except Exception as e:  # noqa: BLE001 - unreachable, refused, or not an instance
             inst.failed_polls += 1
             why = f"{type(e).__name__}: {e}"[:300]
-            if inst.state in ("up", "draining") and inst.failed_polls >= DOWN_AFTER:
+            if (
+                inst.state in (InstanceState.UP, InstanceState.DRAINING)
+                and inst.failed_polls >= DOWN_AFTER
+            ):
                 self.down(inst, why)
             inst.error = why
             return
@@ -554,23 +564,21 @@ class Router:
         inst.epoch, inst.last, inst.load = state["epoch"], state["last"], state["load"]
         inst.tokens_per_block, inst.model = state["tokens_per_block"], state["model"]
         inst.kv_cache_dtype, inst.max_num_seqs = state["kv_cache_dtype"], state["max_num_seqs"]
-        if inst.state in ("starting", "down"):
-            inst.state, inst.error, inst.crashes = "up", None, 0
+        if inst.state in (InstanceState.STARTING, InstanceState.DOWN):
+            inst.state, inst.error, inst.crashes = InstanceState.UP, None, 0
 
     async def poll_forever(self) -> None:
         while True:
             await asyncio.gather(
                 *(self.poll(i) for i in list(self.instances)), return_exceptions=True
             )
-            if self.instances and all(i.state == "failed" for i in self.instances):
+            if self.instances and all(i.state == InstanceState.FAILED for i in self.instances):
                 self.fatal = "every instance failed to start"
                 if self.server is not None:
                     self.server.should_exit = True  # the front stops
                 return
             if self.migration and (self.rebalancing is None or self.rebalancing.done()):
-                self.rebalancing = asyncio.create_task(
-                    self.rebalance()
-                )  # polls go on while it moves
+                self.rebalancing = asyncio.create_task(self.rebalance())  # polls go on meanwhile
             await asyncio.sleep(POLL_S)
 
     # -- routing ---------------------------------------------------------------------------
@@ -600,7 +608,7 @@ class Router:
                 inst.pending[h] = until
 
     def pick(self, ids: List[int], salt=None, exclude: frozenset = frozenset()) -> Instance:
-        up = [i for i in self.instances if i.state == "up" and i.id not in exclude]
+        up = [i for i in self.up() if i.id not in exclude]
         if not up:
             raise NoInstance("no instance is up to serve the request")
         if self.routing == "round-robin":
@@ -625,7 +633,8 @@ class Router:
                 return choose()
             except NoInstance:
                 coming = self.restart and any(
-                    i.proc is not None and i.state in ("starting", "down") for i in self.instances
+                    i.proc is not None and i.state in (InstanceState.STARTING, InstanceState.DOWN)
+                    for i in self.instances
                 )
                 if time.monotonic() > deadline or not coming:
                     raise
@@ -641,7 +650,9 @@ class Router:
                 return self.pick(ids, salt, exclude)
             except NoInstance:
                 relaxed = frozenset(
-                    i for i in exclude if self.by_id.get(i) and self.by_id[i].state != "up"
+                    i
+                    for i in exclude
+                    if self.by_id.get(i) and self.by_id[i].state != InstanceState.UP
                 )
                 if relaxed == exclude:
                     raise
@@ -664,12 +675,12 @@ class Router:
                 self.lost(inst, f"{type(e).__name__}: {e}")
                 continue
             if r.status_code != 200:
-                raise _rejected(r.status_code, r.text)
+                raise BadRequest.relayed(r.status_code, r.text)
             return r.json()["tokens"]
         raise NoInstance("no instance could tokenize the prompt")
 
     def pick_tokenizer(self) -> Instance:
-        up = [i for i in self.instances if i.state == "up"]
+        up = self.up()
         if not up:
             raise NoInstance("no instance is up to serve the request")
         return min(up, key=lambda i: i.inflight)
@@ -688,7 +699,7 @@ class Router:
         src = attempt.instance
         if target is src:
             raise BadRequest(f"the request already runs on {target.id}", 409, "to")
-        if target.state != "up":
+        if target.state != InstanceState.UP:
             raise BadRequest(f"instance {target.id} is {target.state}", 409, "to")
         if (target.model, target.kv_cache_dtype) != (src.model, src.kv_cache_dtype):
             raise BadRequest(
@@ -704,7 +715,7 @@ class Router:
                 timeout=30.0,
             )
             if r.status_code != 200:
-                raise _rejected(r.status_code, r.text)
+                raise BadRequest.relayed(r.status_code, r.text)
             r = await self.client.post(
                 f"{src.url}/internal/migrate",
                 headers=self.headers(),
@@ -718,7 +729,7 @@ class Router:
             )
             if r.status_code != 200:
                 self.counters["migration_failures"] += 1
-                raise _rejected(r.status_code, r.text)
+                raise BadRequest.relayed(r.status_code, r.text)
         finally:
             self.moving.discard(src.id)
         self.counters["migrations"] += 1
@@ -729,7 +740,7 @@ class Router:
     async def rebalance(self) -> None:
         """Move one running request from the busiest instance to the least busy one when
         their loads differ by more than ``threshold``."""
-        up = [i for i in self.instances if i.state == "up" and i.id not in self.moving]
+        up = [i for i in self.up() if i.id not in self.moving]
         if len(up) < 2:
             return
         src = max(up, key=Instance.score)
@@ -769,85 +780,23 @@ class Router:
             self.counters["auto_migrations"] += 1
 
     # -- metrics ---------------------------------------------------------------------------
+    @staticmethod
+    def _value(inst: Instance, key: str):
+        if key == "up":
+            return int(inst.state == InstanceState.UP)
+        if key == "kv_usage":
+            return f"{float(inst.load.get('kv_usage', 0.0)):.6f}"
+        if key in ("inflight", "blocks"):
+            return inst.inflight if key == "inflight" else len(inst.blocks)
+        return inst.counters[key] if key in inst.counters else inst.load.get(key, 0)
+
     def prometheus(self) -> str:
         lines = []
-
-        def family(name, kind, help, values):
-            lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
-            lines.extend(f'{name}{{instance="{i.id}"}} {values(i)}' for i in self.instances)
-
-        family(
-            "ringkv_router_instance_up",
-            "gauge",
-            "1 if the instance is up.",
-            lambda i: int(i.state == "up"),
-        )
-        family(
-            "ringkv_router_requests_running",
-            "gauge",
-            "Requests the instance computes.",
-            lambda i: i.load.get("running", 0),
-        )
-        family(
-            "ringkv_router_requests_waiting",
-            "gauge",
-            "Requests waiting in the instance.",
-            lambda i: i.load.get("waiting", 0),
-        )
-        family(
-            "ringkv_router_requests_inflight",
-            "gauge",
-            "Sub-requests the router streams from the instance.",
-            lambda i: i.inflight,
-        )
-        family(
-            "ringkv_router_kv_cache_usage_ratio",
-            "gauge",
-            "Fraction of the instance's KV blocks in use.",
-            lambda i: f"{float(i.load.get('kv_usage', 0.0)):.6f}",
-        )
-        family(
-            "ringkv_router_cached_blocks",
-            "gauge",
-            "Prefix blocks the router's index holds for the instance.",
-            lambda i: len(i.blocks),
-        )
-        family(
-            "ringkv_router_requests_total",
-            "counter",
-            "Sub-requests sent to the instance.",
-            lambda i: i.counters["requests"],
-        )
-        family(
-            "ringkv_router_prompt_tokens_total",
-            "counter",
-            "Prompt tokens of requests the instance finished.",
-            lambda i: i.counters["prompt_tokens"],
-        )
-        family(
-            "ringkv_router_prefix_hit_tokens_total",
-            "counter",
-            "Prompt tokens the instance served from its prefix cache.",
-            lambda i: i.counters["cached_tokens"],
-        )
-        family(
-            "ringkv_router_migrations_in_total",
-            "counter",
-            "Requests migrated to the instance.",
-            lambda i: i.counters["migrations_in"],
-        )
-        family(
-            "ringkv_router_migrations_out_total",
-            "counter",
-            "Requests migrated off the instance.",
-            lambda i: i.counters["migrations_out"],
-        )
-        family(
-            "ringkv_router_failovers_total",
-            "counter",
-            "Streams of the instance that broke and went on elsewhere.",
-            lambda i: i.counters["failovers"],
-        )
+        for row in PER_INSTANCE.strip().splitlines():  # name, type, its value's key, help
+            name, kind, key, help = row.split(maxsplit=3)
+            name = f"ringkv_router_{name}" + ("_total" if kind == "counter" else "")
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+            lines += [f'{name}{{instance="{i.id}"}} {self._value(i, key)}' for i in self.instances]
         lines += [
             "# HELP ringkv_router_auto_migration 1 if load-balancing migration is on.",
             "# TYPE ringkv_router_auto_migration gauge",
@@ -855,301 +804,151 @@ class Router:
             "# TYPE ringkv_router_migration_threshold gauge",
             f"ringkv_router_migration_threshold {self.threshold}",
         ]
-        for k in (
-            "migrations",
-            "migration_failures",
-            "auto_migrations",
-            "requests",
-            "failed_requests",
-        ):
-            lines += [
-                f"# TYPE ringkv_router_{k}_total counter",
-                f"ringkv_router_{k}_total {self.counters[k]}",
-            ]
+        for k, v in self.counters.items():
+            lines += [f"# TYPE ringkv_router_{k}_total counter", f"ringkv_router_{k}_total {v}"]
         return "\n".join(lines) + "\n"
 
 
 # -- the front's app ----------------------------------------------------------------------
-def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
-    httpx = _httpx()
+class ServingRouter:
+    """What the front's routes do, over a ``Router``: a client request is split into one
+    ``Sub`` per prompt, whose instances' choice chunks are streamed on or folded into the
+    answer with the protocol of ``serve/openai.py``."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_):
-        router.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(30.0, read=None),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
-        )
-        router.tasks.append(asyncio.create_task(router.poll_forever()))
+    def __init__(self, router: Router, max_request_bytes: int = MAX_REQUEST_BYTES):
+        self.router, self.max_request_bytes = router, max_request_bytes
+
+    async def body(self, request: Request) -> dict:
+        return parse_json(await read_body(request, self.max_request_bytes))
+
+    def check_admin(self, request: Request) -> None:
+        check_admin(request, self.router.admin, self.router.admin_key)
+
+    async def complete(self, request: Request, chat: bool):
+        """``/v1/completions`` or ``/v1/chat/completions``: answered once every prompt was
+        taken by an instance (or with the first refusal)."""
+        body = await self.body(request)
+        req = RoutedRequest.parse(body, chat)
+        rid, subs = await self.start(req, body)
         try:
-            yield
+            first = [await s.accepted for s in subs]
+        except BaseException:
+            self.finish(rid)
+            raise
+        headers = {"x-ringkv-instance": first[0]}
+        model = body.get("model")
+        if req.stream:
+            events = self.events(rid, req, subs, model)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        try:  # its client going away aborts it on the instances
+            answer = await unless_disconnected(self.collect(rid, req, subs, model), request)
         finally:
-            for t in router.tasks:
+            self.finish(rid)
+        headers["x-ringkv-instance"] = subs[-1].finished_on or headers["x-ringkv-instance"]
+        return JSONResponse(answer, headers=headers)
+
+    async def start(self, req: RoutedRequest, body: dict):
+        """The request's id and its ``Sub``s (each prompt tokenized once), started."""
+        router = self.router
+        path = "/v1/chat/completions" if req.chat else "/v1/completions"
+        rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        ids = [await router.tokenize(p, req.chat) for p in req.prompts]
+        subs = []
+        for i, t in enumerate(ids):
+            b = dict(body, prompt_token_ids=t) if req.chat else dict(body, prompt=t)
+            name = rid if len(ids) == 1 else f"{rid}/{i}"
+            subs.append(Sub(router, name, i, path, b, t, req.n))
+        router.subs[rid] = subs
+        router.counters["requests"] += 1
+        for s in subs:
+            s.start(list(range(req.n)))
+        return rid, subs
+
+    def finish(self, rid: str) -> None:
+        for s in self.router.subs.pop(rid, []):
+            for t in s.tasks:
                 t.cancel()
-            await router.client.aclose()
 
-    app = FastAPI(title="ringkv router", lifespan=lifespan)
-
-    @app.middleware("http")
-    async def keyed(request: Request, call_next):
-        return refused_key(request, router.api_key, router.protect_metrics) or await call_next(
-            request
+    def account(self, subs: List[Sub]) -> dict:
+        """The usage of ``subs`` (counted on the instances that finished them)."""
+        for s in subs:
+            inst = self.router.by_id.get(s.finished_on or "")
+            if inst is not None:
+                inst.counters["prompt_tokens"] += s.prompt_tokens
+                inst.counters["cached_tokens"] += s.cached or 0
+        return usage(
+            sum(s.prompt_tokens for s in subs),
+            sum(len(ch.tokens) for s in subs for ch in s.choices),
+            sum(s.cached or 0 for s in subs),
         )
 
-    @app.exception_handler(BadRequest)
-    async def bad_request(_, e: BadRequest):
-        return JSONResponse(
-            error_body(str(e), e.status, e.param, e.code), status_code=e.status, headers=e.headers
-        )
+    async def deltas(self, subs: List[Sub]) -> AsyncIterator:
+        """``(sub, Delta)`` of every sub as they come, until each ended or one failed (the
+        last item then: ``(sub, Failure)``, counted)."""
+        async with contextlib.aclosing(merge([s.events() for s in subs])) as merged:
+            async for item in merged:
+                yield subs[item.index], item.value
+                if isinstance(item.value, Failure):
+                    self.router.counters["failed_requests"] += 1
+                    return
 
-    @app.exception_handler(NoInstance)
-    async def no_instance(_, e: NoInstance):
-        return JSONResponse(error_body(str(e), 503), status_code=503)
+    async def events(self, rid: str, req: RoutedRequest, subs: List[Sub], model):
+        """The client's event stream: each instance chunk under its client-side choice index;
+        a failure is an error event, then ``[DONE]``."""
+        encode = Encoder(rid, req.chat, model)
+        try:
+            if req.chat:
+                yield encode.opening(len(subs) * req.n)
+            async for s, d in self.deltas(subs):
+                if isinstance(d, Failure):
+                    yield error_event(str(d.error), getattr(d.error, "status", 503))
+                    break
+                encode.model = encode.model or d.data.get("model")
+                c = dict(d.data["choices"][0], index=s.index * req.n + d.choice)
+                if not req.token_ids:
+                    c.pop("token_ids", None)
+                first = req.token_ids and "prompt_token_ids" in d.data and d.choice == 0
+                extra = {"prompt_token_ids": d.data["prompt_token_ids"]} if first else {}
+                yield encode.chunk([c], **extra)
+            else:
+                use = self.account(subs)
+                if req.include_usage:
+                    yield encode.usage(use)
+            yield DONE
+        finally:
+            self.finish(rid)
 
-    @app.get("/health")
-    async def health():
-        up = sum(i.state == "up" for i in router.instances)
-        body = {"status": "ok" if up else "error", "instances": len(router.instances), "up": up}
+    async def collect(self, rid: str, req: RoutedRequest, subs: List[Sub], model) -> dict:
+        """The non-streamed answer: every choice's chunks folded."""
+        choices = [Collected(i) for i in range(len(subs) * req.n)]
+        async for s, d in self.deltas(subs):
+            if isinstance(d, Failure):
+                raise d.error if d.reject else NoInstance(str(d.error))
+            model = model or d.data.get("model")
+            choices[s.index * req.n + d.choice].add(d.data["choices"][0])
+        return response(rid, req.chat, model, choices, req.token_ids, self.account(subs))
+
+    def health(self) -> JSONResponse:
+        up = len(self.router.up())
+        body = {
+            "status": "ok" if up else "error",
+            "instances": len(self.router.instances),
+            "up": up,
+        }
         return JSONResponse(body, status_code=200 if up else 503)
 
-    @app.get("/v1/models")
-    async def models():
+    async def models(self) -> JSONResponse:
+        router = self.router
         inst = router.pick_tokenizer()
         r = await router.client.get(inst.url + "/v1/models", headers=router.headers(), timeout=10.0)
         return JSONResponse(r.json(), status_code=r.status_code)
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(router.prometheus(), media_type="text/plain; version=0.0.4")
+    def metrics(self) -> str:
+        return self.router.prometheus()
 
-    async def body_of(request: Request) -> dict:
-        try:
-            body = json.loads(await read_body(request, max_request_bytes))
-        except (ValueError, RecursionError) as e:
-            raise BadRequest(f"the request body is not valid JSON: {e}")
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        return body
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await proxy(request, await body_of(request), chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await proxy(request, await body_of(request), chat=True)
-
-    async def proxy(request: Request, body: dict, chat: bool):
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        stream = body.get("stream")
-        if stream not in (None, True, False):
-            raise BadRequest(f"stream must be a bool, got {stream!r:.80}", param="stream")
-        n = body.get("n", 1)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
-            raise BadRequest(f"n must be an int in [1, 128], got {n!r:.80}", param="n")
-        if chat:
-            if not isinstance(body.get("messages"), list):
-                raise BadRequest(
-                    "messages must be a non-empty list of {role, content} objects", param="messages"
-                )
-            prompts = [body["messages"]]
-        else:
-            prompts = completion_prompts(body.get("prompt"))
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-        want_ids = body.get("return_token_ids") is True
-        ids = [await router.tokenize(p, chat) for p in prompts]
-        subs = []
-        for i, (p, t) in enumerate(zip(prompts, ids)):
-            b = dict(body, prompt_token_ids=t) if chat else dict(body, prompt=t)
-            subs.append(Sub(router, rid if len(prompts) == 1 else f"{rid}/{i}", i, path, b, t, n))
-        router.subs[rid] = subs
-        router.counters["requests"] += 1
-        for s in subs:
-            s.start(list(range(n)))
-        try:  # every prompt taken by an instance (or the first refusal) before the answer starts
-            first = [await s.accepted for s in subs]
-        except BaseException:
-            finish(rid)
-            raise
-        headers = {"x-ringkv-instance": first[0]}
-        model = body.get("model")
-        if stream:
-            return StreamingResponse(
-                events(rid, subs, chat, n, model, bool(options.get("include_usage")), want_ids),
-                media_type="text/event-stream",
-                headers=headers,
-            )
-        work = asyncio.ensure_future(collect(rid, subs, chat, n, model, want_ids))
-        try:
-            while not (await asyncio.wait({work}, timeout=0.5))[0]:
-                if await request.is_disconnected():  # its client went away: the instances abort it
-                    raise asyncio.CancelledError("client disconnected")
-            answer = work.result()
-        finally:
-            work.cancel()
-            finish(rid)
-        headers["x-ringkv-instance"] = subs[-1].finished_on or headers["x-ringkv-instance"]
-        return JSONResponse(answer, headers=headers)
-
-    def finish(rid: str) -> None:
-        for s in router.subs.pop(rid, []):
-            for t in s.tasks:
-                t.cancel()
-
-    def account(subs: List[Sub]) -> dict:
-        p = sum(s.prompt_tokens for s in subs)
-        c = sum(len(ch.tokens) for s in subs for ch in s.choices)
-        cached = sum(s.cached or 0 for s in subs)
-        for s in subs:
-            inst = router.by_id.get(s.finished_on or "")
-            if inst is not None:
-                inst.counters["prompt_tokens"] += s.prompt_tokens
-                inst.counters["cached_tokens"] += s.cached or 0
-        return {
-            "prompt_tokens": p,
-            "completion_tokens": c,
-            "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    async def merged(subs: List[Sub]):
-        """``(sub, kind, choice, data)`` from every sub until each has ended."""
-        pending = {asyncio.ensure_future(s.queue.get()): s for s in subs}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for f in done:
-                    s = pending.pop(f)
-                    kind, choice, data = f.result()
-                    if kind == "end":
-                        continue
-                    yield s, kind, choice, data
-                    if kind in ("reject", "error"):
-                        return
-                    pending[asyncio.ensure_future(s.queue.get())] = s
-        finally:
-            for f in pending:
-                f.cancel()
-
-    def visible(c: dict, want_ids: bool) -> dict:
-        return c if want_ids else {k: v for k, v in c.items() if k != "token_ids"}
-
-    async def events(rid, subs, chat, n, model, include_usage, want_ids):
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choices, **extra) -> str:
-            return (
-                "data: "
-                + json.dumps(
-                    {
-                        "id": rid,
-                        "object": kind,
-                        "created": created,
-                        "model": model,
-                        "choices": choices,
-                        **extra,
-                    }
-                )
-                + "\n\n"
-            )
-
-        try:
-            if chat:
-                yield chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                        for i in range(len(subs) * n)
-                    ]
-                )
-            async for s, what, choice, data in merged(subs):
-                if what != "chunk":
-                    router.counters["failed_requests"] += 1
-                    msg = str(data)
-                    yield (
-                        "data: "
-                        + json.dumps(error_body(msg, getattr(data, "status", 503)))
-                        + "\n\n"
-                    )
-                    break
-                model = model or data.get("model")
-                c = visible(dict(data["choices"][0], index=s.index * n + choice), want_ids)
-                extra = (
-                    {"prompt_token_ids": data["prompt_token_ids"]}
-                    if want_ids and "prompt_token_ids" in data and choice == 0
-                    else {}
-                )
-                yield chunk([c], **extra)
-            else:
-                if include_usage:
-                    yield chunk([], usage=account(subs))
-                else:
-                    account(subs)
-            yield "data: [DONE]\n\n"
-        finally:
-            finish(rid)
-
-    async def collect(rid, subs, chat, n, model, want_ids) -> dict:
-        async for s, what, choice, data in merged(subs):
-            if what != "chunk":
-                router.counters["failed_requests"] += 1
-                if what == "reject":
-                    raise data
-                raise NoInstance(str(data))
-            model = model or data.get("model")
-            c, state = data["choices"][0], s.choices[choice]
-            state.text += (
-                (c.get("delta") or {}).get("content") or "" if chat else c.get("text") or ""
-            )
-            lp = c.get("logprobs")
-            if lp:
-                if state.logprobs is None:
-                    state.logprobs = (
-                        {"content": []}
-                        if chat
-                        else {
-                            "tokens": [],
-                            "token_logprobs": [],
-                            "top_logprobs": [],
-                            "text_offset": [],
-                        }
-                    )
-                for k, v in lp.items():
-                    if isinstance(v, list):
-                        state.logprobs.setdefault(k, []).extend(v)
-        out = []
-        for s in subs:
-            for i, ch in enumerate(s.choices):
-                c = {
-                    "index": s.index * n + i,
-                    "logprobs": ch.logprobs,
-                    "finish_reason": ch.finish_reason,
-                }
-                if chat:
-                    c["message"] = {"role": "assistant", "content": ch.text}
-                else:
-                    c["text"] = ch.text
-                if want_ids:
-                    c["token_ids"] = ch.tokens
-                out.append(c)
-        return {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": out,
-            "usage": account(subs),
-        }
-
-    # -- admin -----------------------------------------------------------------------------
-    @app.get("/admin/instances")
-    async def instances(request: Request):
-        check_admin(request, router.admin, router.admin_key)
+    # -- admin -------------------------------------------------------------------------------
+    def instances(self) -> dict:
+        router = self.router
         return {
             "instances": [i.view() for i in router.instances],
             "routing": router.routing,
@@ -1157,11 +956,8 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
             "threshold": router.threshold,
         }
 
-    @app.post("/admin/instances")
-    async def join(request: Request):
+    async def join(self, body: dict) -> dict:
         """``{"url", "id"?}``: a ``ringkv serve`` instance joins (routed to once it answers)."""
-        check_admin(request, router.admin, router.admin_key)
-        body = await body_of(request)
         url, id = body.get("url"), body.get("id")
         if not isinstance(url, str) or (
             id is not None and not (isinstance(id, str) and 0 < len(id) <= 64)
@@ -1170,34 +966,30 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
                 "join takes url (http://host:port) and an optional id (a string)", param="url"
             )
         try:
-            inst = router.add(url, id)
+            inst = self.router.add(url, id)
         except ValueError as e:
             raise BadRequest(str(e), 409 if "already" in str(e) else 400, "url")
-        await router.poll(inst)
+        await self.router.poll(inst)
         return inst.view()
 
-    @app.delete("/admin/instances/{id}")
-    async def drain(request: Request, id: str, timeout: float = 600.0):
+    async def drain(self, id: str, timeout: float = 600.0) -> dict:
         """Take no new requests there, wait for its streams to end, remove it (a replica stops)."""
-        check_admin(request, router.admin, router.admin_key)
-        inst = router.by_id.get(id)
+        inst = self.router.by_id.get(id)
         if inst is None:
             raise BadRequest(f"no instance {id!r}", 404, "id")
-        inst.state = "draining"
+        inst.state = InstanceState.DRAINING
         deadline = time.monotonic() + timeout
         while inst.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         if inst.inflight:
             raise BadRequest(f"instance {id} still streams {inst.inflight} requests", 409, "id")
-        router.remove(inst)
+        self.router.remove(inst)
         return {"id": id, "removed": True}
 
-    @app.post("/admin/migrate")
-    async def migrate(request: Request):
+    async def migrate(self, body: dict) -> dict:
         """``{"request_id", "to"}``: move a running request (the ``id`` its client got) to
         instance ``to``; returns when it has moved."""
-        check_admin(request, router.admin, router.admin_key)
-        body = await body_of(request)
+        router = self.router
         rid, to = body.get("request_id"), body.get("to")
         if not isinstance(rid, str) or not isinstance(to, str):
             raise BadRequest("migrate takes request_id (a completion's id) and to (an instance id)")
@@ -1223,6 +1015,46 @@ def build_router_app(router: Router, max_request_bytes: int = 16 << 20):
             raise BadRequest(f"request {rid!r} has nothing left to move to {to}", 409, "request_id")
         return {"request_id": rid, "to": to, "moved": moved}
 
+
+def build_router_app(router: Router, max_request_bytes: int = MAX_REQUEST_BYTES):
+    """The front's app over ``router`` (its HTTP client and polls live as long as the app)."""
+    httpx = _httpx()
+    serving = ServingRouter(router, max_request_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        router.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(30.0, read=None),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
+        )
+        router.tasks.append(asyncio.create_task(router.poll_forever()))
+        try:
+            yield
+        finally:
+            for t in router.tasks:
+                t.cancel()
+            await router.client.aclose()
+
+    app = openai_app(
+        serving,
+        {NoInstance: lambda e: BadRequest(str(e), 503)},
+        api_key=router.api_key,
+        protect_metrics=router.protect_metrics,
+        title="ringkv router",
+        lifespan=lifespan,
+    )
+
+    @app.get("/admin/instances")
+    async def instances(request: Request):
+        serving.check_admin(request)
+        return serving.instances()
+
+    @app.delete("/admin/instances/{id}")
+    async def drain(request: Request, id: str, timeout: float = 600.0):
+        serving.check_admin(request)
+        return await serving.drain(id, timeout)
+
+    admin_posts(app, serving, {"/admin/instances": serving.join, "/admin/migrate": serving.migrate})
     return app
 
 
@@ -1234,9 +1066,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _die_with_parent() -> None:
-    with contextlib.suppress(
-        Exception
-    ):  # Linux: a replica goes when the front goes, even on SIGKILL
+    # Linux: a replica goes when the front goes, even on SIGKILL
+    with contextlib.suppress(Exception):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -1279,19 +1110,8 @@ def run(
     try:
         for i, extra in enumerate(replicas or []):
             p = free_port()
-            argv = [
-                sys.executable,
-                "-m",
-                "ringkv",
-                "serve",
-                *extra,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(p),
-                "--instance-id",
-                f"r{i}",
-            ]
+            argv = [sys.executable, "-m", "ringkv", "serve", *extra]
+            argv += ["--host", "127.0.0.1", "--port", str(p), "--instance-id", f"r{i}"]
             log = open(os.path.join(logs, f"r{i}.log"), "ab")
             os.environ["RINGKV_ADMIN_KEY"] = key  # the replicas read it (not on their command line)
             if router.api_key is not None:
@@ -1300,12 +1120,9 @@ def run(
             procs.append(proc)
             router.add(f"http://127.0.0.1:{p}", f"r{i}", proc=proc, argv=argv)
         if replicas:
-            print(
-                f"ringkv: {len(replicas)} replicas starting (logs in {logs})",
-                file=sys.stderr,
-                flush=True,
-            )
-        app = build_router_app(router, max_request_bytes or 16 << 20)
+            msg = f"ringkv: {len(replicas)} replicas starting (logs in {logs})"
+            print(msg, file=sys.stderr, flush=True)
+        app = build_router_app(router, max_request_bytes or MAX_REQUEST_BYTES)
         router.server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level=log_level)
         )
@@ -1320,6 +1137,9 @@ def run(
                     inst.proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     inst.proc.kill()
+        for proc in procs:
+            proc.log.close()
+        shutil.rmtree(logs, ignore_errors=True)  # the replicas' logs went with them
 
 
 def new_key() -> str:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dataclasses import fields, replace
-
+from ..engine.core import with_settings
 from .config import ServeConfig
 from .engine import AsyncEngine, EngineDead
 
@@ -32,16 +31,7 @@ def serve(llm, config: Optional[ServeConfig] = None, **settings) -> None:
     both)."""
     import uvicorn
 
-    if config is not None and not isinstance(config, ServeConfig):
-        raise TypeError(f"config must be a ServeConfig, got {type(config).__name__}")
-    names = {f.name for f in fields(ServeConfig)}
-    unknown = sorted(set(settings) - names)
-    if unknown:
-        raise TypeError(
-            f"serve() got unexpected keyword argument(s) {unknown}; the settings are "
-            f"{sorted(names)}"
-        )
-    c = replace(config or ServeConfig(), **settings)
+    c = with_settings(ServeConfig, config, settings, "serve")
     admin = c.admin or c.admin_key is not None
     engine = AsyncEngine(
         llm, kv_events=admin, max_waiting=c.max_waiting, request_timeout=c.request_timeout

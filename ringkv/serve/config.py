@@ -44,7 +44,7 @@ def _knob(
     return dataclasses.field(default=default, metadata=meta)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ServeConfig:
     """How ``ringkv serve`` serves an engine (and how a front routes): see the module docstring.
     ``serve(llm, ServeConfig(port=8001, api_key=KEY))``."""

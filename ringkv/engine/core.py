@@ -99,9 +99,9 @@ class EngineConfig:
 
 
 class EngineCore:
-    """The engine without its calling conventions (see the module docstring): built from a
-    model and a checked ``EngineConfig``. ``digest(config, weights)`` names the model in KV
-    snapshots (``snapshot.model_digest``)."""
+    """The engine without its calling conventions (see the module docstring), built from a
+    model and an ``EngineConfig`` (checked here). ``digest(config, weights)`` names the model
+    in KV snapshots (``snapshot.model_digest``)."""
 
     def __init__(self, model, config: EngineConfig, *, digest: Callable = model_digest):
         c = self.engine_config = config

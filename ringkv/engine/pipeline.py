@@ -183,18 +183,15 @@ class StepPipeline:
 
     def known(self, rid) -> bool:
         """The id is in use: active, paused by an export or staged by an import."""
-        return rid in self.active or rid in self.paused or rid in self.staged
+        return self.state(rid) is not None
 
     def state(self, rid) -> Optional[RequestState]:
         """Which part of the book the request is in; None if unknown (or reported finished)."""
-        for state, book in self._books():
-            if rid in book:
-                return state
-        return None
+        return next((state for state, book in self._books().items() if rid in book), None)
 
     def ids(self, state: RequestState) -> list:
         """The ids of the requests in ``state``, oldest first."""
-        return list(dict(self._books())[state])
+        return list(self._books()[state])
 
     def samples(self, rid) -> Optional[List[Sequence]]:
         """The samples of a request in any state (a staged import has one), or None."""
@@ -202,12 +199,12 @@ class StepPipeline:
         staged = self.staged.get(rid) if seqs is None else None
         return [staged.seq] if staged is not None else seqs
 
-    def _books(self):
-        return (
-            (RequestState.ACTIVE, self.active),
-            (RequestState.PAUSED, self.paused),
-            (RequestState.STAGED, self.staged),
-        )
+    def _books(self) -> Dict[RequestState, dict]:
+        return {
+            RequestState.ACTIVE: self.active,
+            RequestState.PAUSED: self.paused,
+            RequestState.STAGED: self.staged,
+        }
 
     def finish(
         self, seqs: List[Sequence], reason: str, error: Optional[str] = None

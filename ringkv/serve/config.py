@@ -1,6 +1,6 @@
 """``ServeConfig``: every ``ringkv serve`` / ``ringkv router`` setting that is not the engine's.
 
-The engine's settings are ``EngineConfig`` (``engine/llm.py``). This dataclass is the one
+The engine's settings are ``EngineConfig``'s (``ringkv.engine``). This dataclass is the one
 place the serving knobs are written down: each field carries its default and its help, and
 from the fields come, once,
 
@@ -64,9 +64,7 @@ class ServeConfig:
         router=True,
         replica=True,
     )
-    instance_id: Optional[str] = _knob(
-        None, "this instance's name in x-ringkv-instance (default host:port)"
-    )
+    instance_id: Optional[str] = _knob(None, "its name in x-ringkv-instance (default: host:port)")
     max_waiting: Optional[int] = _knob(
         None,
         "requests past this many waiting get a 429 with Retry-After (default: no limit)",

@@ -79,13 +79,12 @@ def refused_key(
     token = given[7:] if given[:7].lower() == "bearer " else ""
     if hmac.compare_digest(token.encode(), api_key.encode()):
         return None
-    return JSONResponse(
-        error_body(
+    return refusal(
+        BadRequest(
             "invalid or missing API key: send it as Authorization: Bearer <key>",
             401,
             code="invalid_api_key",
-        ),
-        status_code=401,
+        )
     )
 
 
@@ -318,14 +317,8 @@ class ServingInstance:
         """``{"request_id", "host", "port", "to"}``: move a running request to the instance
         ``to`` listening on ``host:port``; returns when it has moved (409 if it did not)."""
         rid, host, port, to = (body.get(k) for k in ("request_id", "host", "port", "to"))
-        if (
-            not isinstance(rid, str)
-            or not isinstance(host, str)
-            or not isinstance(to, str)
-            or not isinstance(port, int)
-            or isinstance(port, bool)
-            or not 0 < port < 65536
-        ):
+        port_ok = isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
+        if not (port_ok and all(isinstance(x, str) for x in (rid, host, to))):
             raise BadRequest(
                 "migrate takes request_id, host, port (1-65535) and to (an instance id)"
             )

@@ -24,21 +24,9 @@ from ..engine import SamplingParams
 from ..engine.params import Logprob
 
 MAX_REQUEST_BYTES = 16 << 20  # default request body limit (ringkv serve --max-request-bytes)
-# request fields -> SamplingParams fields (OpenAI names, and vLLM's extensions)
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "n",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "ignore_eos",
-    "stop_token_ids",
-)
+# the request fields SamplingParams takes as they are (OpenAI's names, and vLLM's extensions)
+SAMPLING_FIELDS = """temperature top_p top_k min_p n seed stop presence_penalty frequency_penalty
+repetition_penalty ignore_eos stop_token_ids""".split()
 DONE = "data: [DONE]\n\n"
 
 
@@ -503,23 +491,18 @@ class Collected:
             self.finish_reason = c["finish_reason"]
 
     def view(self, chat: bool, token_ids: bool) -> dict:
+        """The choice in a non-streamed answer (the fields in the order of a stream's chunks)."""
+        c: Dict[str, Any] = {"index": self.index}
         if chat:
-            c = {
-                "index": self.index,
-                "message": {"role": "assistant", "content": self.text},
-                "logprobs": self.logprobs,
-                "finish_reason": self.finish_reason,
-            }
+            c["message"] = {"role": "assistant", "content": self.text}
+            c["logprobs"], c["finish_reason"] = self.logprobs, self.finish_reason
         else:
-            c = {
-                "index": self.index,
-                "text": self.text,
-                "finish_reason": self.finish_reason,
-                "logprobs": self.logprobs,
-            }
-        if token_ids:
-            c["token_ids"] = self.token_ids
-        return c
+            c["text"], c["finish_reason"], c["logprobs"] = (
+                self.text,
+                self.finish_reason,
+                self.logprobs,
+            )
+        return c | {"token_ids": self.token_ids} if token_ids else c
 
 
 def response(rid: str, chat: bool, model, choices: List[Collected], token_ids: bool, use) -> dict:

@@ -44,6 +44,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -1107,6 +1108,10 @@ def run(
     procs = []
     logs = tempfile.mkdtemp(prefix="ringkv-replicas-")
     key = router.upstream_key
+    # uvicorn re-raises the SIGTERM that stopped it: let it end this function, not the process
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    terminated = False
     try:
         for i, extra in enumerate(replicas or []):
             p = free_port()
@@ -1127,6 +1132,8 @@ def run(
             uvicorn.Config(app, host=host, port=port, log_level=log_level)
         )
         router.server.run()
+    except Terminated:
+        terminated = True
     finally:
         for inst in router.instances:
             if inst.proc is not None and inst.proc.poll() is None:
@@ -1140,6 +1147,18 @@ def run(
         for proc in procs:
             proc.log.close()
         shutil.rmtree(logs, ignore_errors=True)  # the replicas' logs went with them
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        signal.raise_signal(signal.SIGTERM)  # the process ends of it, as it would have
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in ``run`` so that its replicas and their logs go first."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
 
 
 def new_key() -> str:

@@ -576,3 +576,56 @@ def test_a_serving_router_answers_its_admin_calls():
         "migrate takes request_id (a completion's id) and to (an instance id)",
     )
     assert (unknown.status, unknown.param) == (404, "request_id")
+
+
+def test_a_router_stream_re_indexes_its_sub_streams_and_ends_at_a_failure():
+    """``ServingRouter.events`` over two real ``Sub``s fed as their instance streams would:
+    each chunk under its client-side index, usage, ``[DONE]``; a sub-request that fails ends the
+    stream with its error event (counted) and no usage; ``collect`` raises it."""
+    from ringkv.serve.router import Delta, Failure, NoInstance, Router, ServingRouter, Sub
+
+    router = Router()
+    serving = ServingRouter(router)
+    body = {"prompt": ["a", "b"], "stream": True, "stream_options": {"include_usage": True}}
+    req = RoutedRequest.parse(body, chat=False)
+
+    def chunk(text: str, token: int) -> dict:
+        c = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+        return {"id": "i", "object": "text_completion", "created": 0, "model": "m"} | {
+            "choices": [c | {"token_ids": [token]}]
+        }
+
+    async def run(fail: bool, stream: bool = True):
+        subs = [Sub(router, f"cmpl-x/{i}", i, "/v1/completions", {}, [1, 2, 3], 1) for i in (0, 1)]
+        router.subs["cmpl-x"] = subs
+        for i, s in enumerate(subs):
+            s.choices[0].tokens, s.choices[0].finish_reason = [7 + i], "length"  # as read() does
+            s.queue.put_nowait(Delta(0, chunk("ab"[i], 7 + i)))
+        if fail:
+            subs[1].queue.put_nowait(Failure(NoInstance("no instance is up"), reject=False))
+        for s in subs:
+            s.queue.put_nowait(None)
+        if not stream:
+            return await serving.collect("cmpl-x", req, subs, None)
+        return [e async for e in serving.events("cmpl-x", req, subs, None)]
+
+    events = asyncio.run(run(fail=False))
+    assert events[-1] == DONE and "cmpl-x" not in router.subs
+    chunks = [frame(e) for e in events[:-1]]
+    texts = {c["choices"][0]["index"]: c["choices"][0]["text"] for c in chunks[:2]}
+    assert texts == {0: "a", 1: "b"} and all(c["model"] == "m" for c in chunks)
+    assert all("token_ids" not in c["choices"][0] for c in chunks[:2])  # not asked for
+    assert chunks[2]["usage"]["prompt_tokens"] == 6 and chunks[2]["usage"]["completion_tokens"] == 2
+    assert router.counters["failed_requests"] == 0
+
+    events = asyncio.run(run(fail=True))
+    assert events[-1] == DONE and frame(events[-2])["error"]["message"] == "no instance is up"
+    assert frame(events[-2])["error"]["type"] == "service_unavailable"
+    assert not any("usage" in frame(e) for e in events[:-2])
+    assert router.counters["failed_requests"] == 1
+
+    answer = asyncio.run(run(fail=False, stream=False))
+    assert [c["text"] for c in answer["choices"]] == ["a", "b"] and answer["model"] == "m"
+    with pytest.raises(NoInstance):
+        asyncio.run(run(fail=True, stream=False))
+    assert router.counters["failed_requests"] == 2

@@ -888,9 +888,10 @@ class ServingRouter:
         last item then: ``(sub, Failure)``, counted)."""
         async with contextlib.aclosing(merge([s.events() for s in subs])) as merged:
             async for item in merged:
+                failed = isinstance(item.value, Failure)
+                self.router.counters["failed_requests"] += failed
                 yield subs[item.index], item.value
-                if isinstance(item.value, Failure):
-                    self.router.counters["failed_requests"] += 1
+                if failed:
                     return
 
     async def events(self, rid: str, req: RoutedRequest, subs: List[Sub], model):

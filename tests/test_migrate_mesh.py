@@ -13,7 +13,7 @@ from hypothesis.stateful import precondition, rule
 
 pytest.importorskip("transformers")
 
-from ringkv.engine import LLM, SamplingParams  # noqa: E402
+from ringkv.engine import LLM, RequestState, SamplingParams  # noqa: E402
 from tests import test_migrate  # noqa: E402
 from tests.models import tiny_model  # noqa: E402
 
@@ -119,13 +119,13 @@ def test_requests_move_between_meshes_and_finish_as_if_never_moved(engines, mode
         _steps(a, outs)
     moved = 0
     for i, rid in enumerate(rids):
-        if rid not in a.pipeline.active:
+        if a.request_state(rid) is not RequestState.ACTIVE:
             continue  # finished here already
         if i % 2:  # incremental: pre-copy while it runs, one more step, then only what is new
             first = a.export_request(rid, stop=False)
             b.import_request(first)
             _steps(a, outs)
-            if rid not in a.pipeline.active:
+            if a.request_state(rid) is not RequestState.ACTIVE:
                 assert b.abort_request(rid)
                 continue
             last = a.export_request(rid, since=first)
@@ -150,8 +150,8 @@ def test_requests_move_between_meshes_and_finish_as_if_never_moved(engines, mode
     for e in (a, b):
         assert (
             e.blocks.num_free == e.blocks.num_blocks
-            and not e.pipeline.staged
-            and not e.pipeline.paused
+            and not e.request_ids(RequestState.STAGED)
+            and not e.request_ids(RequestState.PAUSED)
         )
 
 
@@ -228,14 +228,14 @@ def test_an_export_completes_the_steps_in_flight_first(engines, model):
     while True:
         _steps(e, outs)
         flying = {s.seq.request_id for batch in e.pipeline.inflight for s in batch}
-        last = [r for r in rids if r in flying and len(e.pipeline.get(r)[0].output_token_ids) == 2]
+        last = [r for r in rids if r in flying and len(e.sequences(r)[0].output_token_ids) == 2]
         if last:
             break
     with pytest.raises(ValueError, match="is finished; nothing to export"):
         e.export_request(last[0])
     other = next(r for r in rids if r != last[0])
     snap = e.export_request(other)
-    assert len(snap.token_ids) == len(e.pipeline.paused[other][0].token_ids)
+    assert len(snap.token_ids) == len(e.sequences(other)[0].token_ids)
     e.resume_request(other)
     _finish(e, outs)
     want = LLM(model, block_size=4, num_blocks=64).generate(
@@ -253,7 +253,7 @@ def test_a_snapshot_holds_the_same_kv_whatever_the_mesh(engines, model):
     for name in ("1", "tp2", "pp2", "sp2", "pp2sp2"):
         e = engines(name)
         rid = e.add_request(p, GREEDY, request_id=f"same-{name}")
-        while e.pipeline.get(rid)[0].num_computed < len(p):
+        while e.sequences(rid)[0].num_computed < len(p):
             e.step()
         snaps[name] = e.export_request(rid)
         assert e.abort_request(rid)

@@ -1,13 +1,13 @@
 """``EngineCore``: what runs requests, under the ``LLM`` facade.
 
 It owns the model's ranks (``parallel.Cluster``), the block manager, the scheduler and the step
-pipeline (``pipeline.py``), with the executor that sends each step to the ranks and samples on
-the driver; the ``OutputProcessor`` (``output.py``) turns the sampled tokens into text, stop
-decisions and ``RequestOutput``\\ s; ``Migration`` (``migrate.py``) exports and imports running
-requests. It checks requests (``encode``, ``make_request``), admits them (``add_request``),
-advances the pipeline one step (``advance``) and says where a request is
-(``request_state``). Calls that every torchrun rank makes together (``generate``, ``stream``,
-the migration calls) are the facade's.
+pipeline (``pipeline.py``, whose book says where each request is), with the executor that sends
+each step to the ranks and samples on the driver; its ``OutputProcessor`` (``output.py``) turns
+the sampled tokens into text, stop decisions and ``RequestOutput`` objects; its ``Migration``
+(``migrate.py``) exports and imports running requests. The core checks requests (``encode``,
+``make_request``), admits them (``add_request``) and advances the pipeline one step
+(``advance``). Calls that every torchrun rank makes together (``generate``, ``stream``, the
+migration calls) are the facade's.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class LLM:
 
     A facade: ``core`` (an ``EngineCore``) owns the ranks, the block manager, the scheduler,
     the step pipeline and the migration calls; ``output`` (its ``OutputProcessor``) turns tokens
-    into text and ``RequestOutput``\\ s. ``LLM`` adds the calls (``generate``, ``stream``,
+    into text and ``RequestOutput`` objects. ``LLM`` adds the calls (``generate``, ``stream``,
     ``step``; under torchrun every rank makes them together)."""
 
     def __init__(self, model, config: Optional[EngineConfig] = None, **settings):

@@ -5,8 +5,8 @@ The step pipeline hands it each sampled token (``append``) and each step's promp
 far, decoded incrementally (``detok.py``: a short window per token, never the whole output),
 cut before a stop string, and the text each token released (``deltas``), holding back what
 could still turn out to start a stop string. It decides when a sample is done (a stop string,
-an EOS or stop token, ``max_tokens``, ``max_model_len``) and builds ``RequestOutput``\\ s, whole
-or as deltas (only what is new since the request's previous delta output).
+an EOS or stop token, ``max_tokens``, ``max_model_len``) and builds ``RequestOutput`` objects,
+whole or as deltas (only what is new since the request's previous delta output).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class OutputState:
 
 
 class OutputProcessor:
-    """Tokens to text, stop checks and ``RequestOutput``\\ s for one engine. ``tokenizer`` may be
-    None (token ids only, no text); ``eos_ids`` end a sample unless it ignores EOS."""
+    """Tokens to text, stop checks and ``RequestOutput`` objects for one engine. ``tokenizer``
+    may be None (token ids only, no text); ``eos_ids`` end a sample unless it ignores EOS."""
 
     def __init__(self, tokenizer, eos_ids: Iterable[int], max_model_len: int):
         self.tokenizer, self.eos_ids, self.max_model_len = tokenizer, set(eos_ids), max_model_len

@@ -47,8 +47,7 @@ sys.path[:] = (
     [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 )  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
 import ringkv  # noqa: E402
-from ringkv.sp import LocalComm  # noqa: E402
-from ringkv.sp import ring as ring_mod  # noqa: E402
+from ringkv.sp import CommStats, LocalComm, RingStats  # noqa: E402
 
 from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402  (benchmarks/: this folder)
 from benchmarks import torch_ring_peer  # noqa: E402
@@ -237,9 +236,10 @@ def flops(pairs: int, args) -> float:
 METHODS = ("ring", "ulysses", "usp", "allgather")
 
 
-def attend(method, args, layout, causal, comm=None):
-    """``f(q, k, v) -> out``: one method's attention on this rank's shards."""
-    kw = dict(causal=causal, layout=layout, backend=args.backend)
+def attend(method, args, layout, causal, comm=None, stats=None):
+    """``f(q, k, v) -> out``: one method's attention on this rank's shards. Every call fills
+    ``stats`` (a ``RingStats`` for the ring, else a ``CommStats``) when given."""
+    kw = dict(causal=causal, layout=layout, backend=args.backend, stats=stats)
     if method == "ring":
         return lambda q, k, v: ringkv.ring_attention(q, k, v, comm=comm, **kw)
     if method == "ulysses":
@@ -248,17 +248,6 @@ def attend(method, args, layout, causal, comm=None):
         ug, rg = ringkv.sp_groups(ulysses=args.ulysses, ring=dist.get_world_size() // args.ulysses)
         return lambda q, k, v: ringkv.usp_attention(q, k, v, ulysses_group=ug, ring_group=rg, **kw)
     return lambda q, k, v: ringkv.allgather_attention(q, k, v, chunks=args.chunks, **kw)
-
-
-def bytes_sent(method) -> int:
-    """Bytes this rank sent in the method's last forward."""
-    mod = {
-        "ring": ring_mod,
-        "ulysses": ringkv.sp.ulysses,
-        "usp": ringkv.sp.usp,
-        "allgather": ringkv.sp.allgather,
-    }
-    return mod[method].last_stats.bytes_sent
 
 
 def run(fn, q, k, v, args):
@@ -273,8 +262,8 @@ def run(fn, q, k, v, args):
     return step
 
 
-def run_ring(q, k, v, args, env, layout, causal, comm=None):
-    return run(attend("ring", args, layout, causal, comm), q, k, v, args)
+def run_ring(q, k, v, args, env, layout, causal, comm=None, stats=None):
+    return run(attend("ring", args, layout, causal, comm, stats), q, k, v, args)
 
 
 def compute_only(method, args, env, layout, causal):
@@ -364,26 +353,26 @@ def bench_config(args, env, method, layout, causal):
     row = dict(method=method, layout=layout, causal=causal, kv_heads=args.kv_heads)
     if args.virtual:  # N virtual ranks in turn on one device: compute efficiency of the blocks
         shards = [local_shards(args, env, layout, r) for r in range(env.world)]
+        stats = [RingStats() for _ in shards]  # each virtual rank's last forward
         steps = [
-            run_ring(*s, args, env, layout, causal, comm=LocalComm(r, env.world))
+            run_ring(*s, args, env, layout, causal, LocalComm(r, env.world), stats[r])
             for r, s in enumerate(shards)
         ]
-        pairs = []
 
         def all_ranks():
-            pairs.clear()
             for f in steps:
                 f()
-                pairs.append(ring_mod.last_stats.pairs)
 
         row["time_s"] = timed(
             all_ranks, env, args.iters, args.warmup, label + " virtual ring", args.quiet
         )
+        pairs = [s.pairs for s in stats]
         row["pairs_per_rank"] = max(pairs)
         row["tflops_per_rank"] = flops(sum(pairs), args) / row["time_s"] / 1e12
     else:
         q, k, v = local_shards(args, env, layout, env.rank)
-        mine = run(attend(method, args, layout, causal), q, k, v, args)
+        stats = RingStats() if method == "ring" else CommStats()  # of this rank's last forward
+        mine = run(attend(method, args, layout, causal, stats=stats), q, k, v, args)
         why = args.peer and (
             f"--peer runs next to the ring only, not {method}"
             if method != "ring"
@@ -407,10 +396,10 @@ def bench_config(args, env, method, layout, causal):
                 env.log(f"  peer {args.peer} not run: {why}")
         visible = args.seq * (args.seq + 1) // 2 if causal else args.seq**2
         row["pairs_per_rank"] = (
-            int(env.max(ring_mod.last_stats.pairs)) if method == "ring" else visible // env.world
+            int(env.max(stats.pairs)) if method == "ring" else visible // env.world
         )
         row["tflops_per_rank"] = flops(row["pairs_per_rank"], args) / row["time_s"] / 1e12
-        row["bytes_sent"] = int(env.max(bytes_sent(method)))
+        row["bytes_sent"] = int(env.max(stats.bytes_sent))
         if not args.no_overlap:
             row["time_nocomm_s"] = timed(
                 compute_only(method, args, env, layout, causal),

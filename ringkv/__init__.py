@@ -1,13 +1,12 @@
 """ringkv: exact attention over sequences longer than one device holds."""
 
 from .kernels import attention, attention_backward
+from .kernels.merge import merge, merge_
 from .sp import (
     LAYOUTS,
     RingAttention,
     RingTimeoutError,
     allgather_attention,
-    merge,
-    merge_,
     positions,
     ring_attention,
     shard,

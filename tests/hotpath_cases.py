@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import ringkv
-from ringkv.sp import collectives, ring as ring_mod
+from ringkv.sp import RingStats, collectives
 
 
 def agreement_counts(ctx, method):
@@ -55,8 +55,16 @@ def grad_comm(ctx, q, k, v, dout, causal, layout, grad_comm_dtype):
         ringkv.shard(t, 1, layout, rank=ctx.rank, world=ctx.world).clone().requires_grad_()
         for t in (q, k, v)
     )
+    stats = RingStats()
     out = ringkv.ring_attention(
-        ql, kl, vl, causal=causal, group=ctx.group, layout=layout, grad_comm_dtype=grad_comm_dtype
+        ql,
+        kl,
+        vl,
+        causal=causal,
+        group=ctx.group,
+        layout=layout,
+        grad_comm_dtype=grad_comm_dtype,
+        stats=stats,
     )
     (out.float() * ringkv.shard(dout, 1, layout, rank=ctx.rank, world=ctx.world)).sum().backward()
-    return ql.grad, kl.grad, vl.grad, ring_mod.last_backward_stats.bytes_sent
+    return ql.grad, kl.grad, vl.grad, stats.backward.bytes_sent

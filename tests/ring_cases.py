@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch
 
 import ringkv
-from ringkv.sp import ring as ring_mod
+from ringkv.sp import RingStats, ring as ring_mod
 
 
 def _shard(x, layout, ctx, dim=1):
@@ -18,6 +18,7 @@ def _shard(x, layout, ctx, dim=1):
 def forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, backend):
     """Ring forward + backward on this rank's shard; returns out, lse, dq, dk, dv, stats."""
     ql, kl, vl = (_shard(t, layout, ctx).clone().requires_grad_() for t in (q, k, v))
+    stats = RingStats()
     out, lse = ringkv.ring_attention(
         ql,
         kl,
@@ -28,8 +29,8 @@ def forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, backend):
         softmax_scale=scale,
         return_lse=True,
         backend=backend,
+        stats=stats,
     )
-    stats = ring_mod.last_stats
     loss = (out.float() * _shard(dout, layout, ctx)).sum()
     if dlse is not None:
         loss = loss + (lse.nan_to_num(0, 0, 0) * _shard(dlse, layout, ctx, dim=2)).sum()

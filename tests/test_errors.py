@@ -7,7 +7,7 @@ import torch
 
 from ringkv.kernels import attention, attention_backward
 from ringkv.kernels.paged import paged_attention, paged_attention_reference
-from ringkv.sp.merge import merge
+from ringkv.kernels.merge import merge
 
 
 B, SQ, SK, H, HKV, D = 2, 4, 6, 4, 2, 16

@@ -41,9 +41,7 @@ def test_kernels_import_nothing_from_sp():
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert int(r.stdout.split()[-1]) >= 8  # the modules were really imported
-    from ringkv.sp.merge import merge, merge_  # the old path still works
-
-    assert merge_ is merge_mod.merge_ and merge is merge_mod.merge
+    assert ringkv.merge_ is merge_mod.merge_ and ringkv.merge is merge_mod.merge  # the public names
 
 
 def _partials(seed, dtype):

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 
 import ringkv
-from ringkv.sp import allgather, ring, ulysses, usp
+from ringkv.sp import CommStats, RingStats
 
 METHODS = {"ulysses": ringkv.ulysses_attention, "allgather": ringkv.allgather_attention}
 
@@ -78,27 +78,21 @@ def shard_roundtrip(ctx, dims, x, layout, dim):
 
 def bytes_sent(ctx, q, k, v):
     """Forward bytes this rank sent, per method (contiguous layout, non-causal)."""
-    out = {}
+    stats = dict(ring=RingStats(), ulysses=CommStats(), allgather=CommStats(), usp=CommStats())
     args = dict(layout="contiguous", group=ctx.group)
-    ringkv.ring_attention(*(ringkv.shard(t, 1, "contiguous", ctx.group) for t in (q, k, v)), **args)
-    out["ring"] = ring.last_stats.bytes_sent
-    ringkv.ulysses_attention(
-        *(ringkv.shard(t, 1, "contiguous", ctx.group) for t in (q, k, v)), **args
-    )
-    out["ulysses"] = ulysses.last_stats.bytes_sent
-    ringkv.allgather_attention(
-        *(ringkv.shard(t, 1, "contiguous", ctx.group) for t in (q, k, v)), **args
-    )
-    out["allgather"] = allgather.last_stats.bytes_sent
+    shards = [ringkv.shard(t, 1, "contiguous", ctx.group) for t in (q, k, v)]
+    ringkv.ring_attention(*shards, **args, stats=stats["ring"])
+    ringkv.ulysses_attention(*shards, **args, stats=stats["ulysses"])
+    ringkv.allgather_attention(*shards, **args, stats=stats["allgather"])
     ug, rg = _groups((2, 2))
     ringkv.usp_attention(
         *(ringkv.shard(t, 1, "contiguous", ulysses_group=ug, ring_group=rg) for t in (q, k, v)),
         layout="contiguous",
         ulysses_group=ug,
         ring_group=rg,
+        stats=stats["usp"],
     )
-    out["usp"] = usp.last_stats.bytes_sent
-    return out
+    return {method: s.bytes_sent for method, s in stats.items()}
 
 
 def call(ctx, method, per_rank_kwargs, timeout_s=10.0):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import ringkv
-from ringkv.sp import ring as ring_mod
+from ringkv.sp import RingStats
 from ringkv.sp.layout import varlen_index, varlen_local_len
 
 
@@ -16,6 +16,7 @@ def window_forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, win
         return ringkv.shard(x, dim, layout, rank=ctx.rank, world=ctx.world)
 
     ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
+    stats = RingStats()
     out, lse = ringkv.ring_attention(
         ql,
         kl,
@@ -26,8 +27,8 @@ def window_forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, win
         softmax_scale=scale,
         return_lse=True,
         window=window,
+        stats=stats,
     )
-    hops = ring_mod.last_stats.hops
     loss = (out.float() * shard(dout)).sum()
     if dlse is not None:
         loss = loss + (lse.nan_to_num(0, 0, 0) * shard(dlse, 2)).sum()
@@ -38,7 +39,7 @@ def window_forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, win
         ql.grad,
         kl.grad,
         vl.grad,
-        (hops, ring_mod.last_backward_stats.hops),
+        (stats.hops, stats.backward.hops),
     )
 
 
@@ -51,6 +52,7 @@ def varlen_forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, win
 
     ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
     assert ql.shape[1] == varlen_local_len(cu, layout, ctx.world)
+    stats = RingStats()
     out, lse = ringkv.ring_attention(
         ql,
         kl,
@@ -62,8 +64,8 @@ def varlen_forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, win
         return_lse=True,
         window=window,
         cu_seqlens=cu,
+        stats=stats,
     )
-    stats = ring_mod.last_stats
     loss = (out.float() * shard(dout)).sum()
     if dlse is not None:
         loss = loss + (lse.nan_to_num(0, 0, 0) * shard(dlse, 2)).sum()

@@ -4,7 +4,6 @@ from .allgather import allgather_attention
 from .collectives import CommStats
 from .comm import LocalComm, RingComm, RingTimeoutError
 from .layout import LAYOUTS, chunks, positions, shard, unshard, usp_chunks
-from ..kernels.merge import merge, merge_
 from .ring import RingAttention, RingStats, ring_attention
 from .ulysses import ulysses_attention
 from .usp import sp_groups, usp_attention
@@ -19,8 +18,6 @@ __all__ = [
     "shard",
     "unshard",
     "usp_chunks",
-    "merge",
-    "merge_",
     "RingAttention",
     "RingStats",
     "ring_attention",

@@ -28,9 +28,7 @@ from ..kernels.merge import empty_partial
 from ..kernels.mask import NO_WINDOW, check_window
 from .ring import call_values, check_inputs, plan
 
-__all__ = ["allgather_attention", "last_stats"]
-
-last_stats = CommStats("allgather")
+__all__ = ["allgather_attention"]
 
 
 class _Plan:
@@ -75,7 +73,8 @@ def _blocks(kv, p: _Plan, c: int, pending):
             yield src, gathered[src]
 
 
-def _forward(q, k, v, scale, causal, p: _Plan, group, timeout, backend, softcap=None):
+def _forward(q, k, v, scale, causal, p: _Plan, group, timeout, backend, softcap=None, into=None):
+    """``into``: a ``CommStats`` to fill with the bytes this rank sent, or None."""
     b, s, h, d = q.shape
     dv = v.shape[-1]
     out, lse = empty_partial(b, s, h, dv, q.device)
@@ -98,8 +97,8 @@ def _forward(q, k, v, scale, causal, p: _Plan, group, timeout, backend, softcap=
                     backend=backend,
                     softcap=softcap,
                 )
-    global last_stats
-    last_stats = CommStats("allgather", sent)
+    if into is not None:
+        into.method, into.bytes_sent = "allgather", sent
     return out.to(q.dtype), lse
 
 
@@ -162,6 +161,7 @@ def allgather_attention(
     window=NO_WINDOW,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    stats: Optional[CommStats] = None,
 ):
     """Exact attention of this rank's query shard over the whole sequence, by all-gathering K/V.
 
@@ -175,6 +175,7 @@ def allgather_attention(
             piece's compute (at most ``S_local``).
         window: ``(left, right)`` as in ``ring_attention``: blocks outside it are not computed
             (the all-gather still moves every K/V piece).
+        stats: a ``CommStats`` this call fills with the bytes this rank sent in the forward.
 
     Returns:
         ``out`` ``(B, S_local, H, Dv)`` in ``q.dtype`` (and float32 ``lse`` ``(B, H, S_local)``).
@@ -196,13 +197,8 @@ def allgather_attention(
             values + [n_chunks], names + ["chunks"], group, timeout, "allgather_attention", q.device
         )
     p = _Plan(q.shape[1], layout, rank, n, n_chunks, window)
+    args = (scale, causal, p, group, timeout, backend, softcap)
     out, lse = kernels.run_differentiable(
-        _forward,
-        _backward,
-        q,
-        k,
-        v,
-        (scale, causal, p, group, timeout, backend, softcap),
-        sinks=sinks,
+        _forward, _backward, q, k, v, args + (stats,), args, sinks=sinks
     )
     return (out, lse) if return_lse else out

@@ -160,7 +160,9 @@ def agree_once(
 
 @dataclass
 class CommStats:
-    """What this rank sent to other ranks in its last forward of ``method`` (for benchmarks)."""
+    """What this rank sent to other ranks in one forward of ``method`` (for tests and benchmarks):
+    pass a ``CommStats()`` as ``stats=`` to ``ulysses_attention``, ``allgather_attention`` or
+    ``usp_attention`` and the call fills it."""
 
     method: str = ""
     bytes_sent: int = 0

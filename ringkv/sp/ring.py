@@ -50,14 +50,14 @@ __all__ = [
     "Shards",
     "RingAttention",
     "RingStats",
-    "last_stats",
-    "last_backward_stats",
 ]
 
 
 @dataclass
 class RingStats:
-    """What this rank computed in its last ring forward / backward (for tests and benchmarks)."""
+    """What this rank computed in one ring forward (for tests and benchmarks): pass a
+    ``RingStats()`` as ``stats=`` and the forward fills it; the backward of that call then fills
+    ``backward`` (a ``RingStats`` of its own)."""
 
     steps: int = 0
     calls: int = 0  # kernel calls
@@ -66,10 +66,7 @@ class RingStats:
     per_step: List[int] = field(default_factory=list)
     hops: int = 0  # messages this rank sent (K and V together are one)
     bytes_sent: int = 0  # K/V bytes sent to the next rank: bytes per hop x hops
-
-
-last_stats = RingStats()  # of the last forward
-last_backward_stats = RingStats()  # of the last backward
+    backward: Optional["RingStats"] = None  # of the backward (dK/dV travel too), once it ran
 
 
 def _slices(ranges: List[range]) -> List[slice]:
@@ -308,7 +305,10 @@ def _last_step(shards: Shards, causal: bool, window: Tuple[int, int]) -> int:
     )
 
 
-def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, backend, softcap=None):
+def _forward(
+    q, k, v, scale, causal, window, shards: Shards, comm: RingComm, backend, softcap=None, into=None
+):
+    """``into``: a ``RingStats`` to fill with this forward's counts, or None."""
     b, s, h, d = q.shape
     n, r = comm.world, comm.rank
     last = _last_step(shards, causal, window)
@@ -357,8 +357,8 @@ def _forward(q, k, v, scale, causal, window, shards: Shards, comm: RingComm, bac
             comm.wait()
     if out is None:  # no query of this rank sees any key (e.g. only pad rows)
         out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
-    global last_stats
-    last_stats = stats
+    if into is not None:
+        vars(into).update(vars(stats))  # backward: None until this call's backward runs
     return out.to(q.dtype), lse
 
 
@@ -378,11 +378,13 @@ def _backward(
     backend,
     grad_comm_dtype=None,
     softcap=None,
+    into=None,
 ):
     """dK/dV of the block held at step ``t >= 1`` travel on with it (one ring hop per step); after
     the last step they go straight back to their owner (``last`` hops behind) in one message,
     where they join the owner's own share (step 0). They travel in ``grad_comm_dtype`` (default
-    float32) and are summed in float32 at every hop. Every buffer is allocated once per call."""
+    float32) and are summed in float32 at every hop. Every buffer is allocated once per call.
+    ``into``: the forward's ``RingStats`` (or None), whose ``backward`` this fills."""
     kv_comm, dkv_comm = comm, comm.with_tag(1)
     n, r = kv_comm.world, kv_comm.rank
     last = _last_step(shards, causal, window)
@@ -448,8 +450,8 @@ def _backward(
     if last > 0:
         dkv_comm.wait()  # every rank's block came back from the rank that held it last
         mine += dkv[(last + 1) % 2]
-    global last_backward_stats
-    last_backward_stats = stats
+    if into is not None:
+        into.backward = stats
     dk, dv = _unpack(mine, k.shape, v.shape)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -473,6 +475,7 @@ def ring_attention(
     grad_comm_dtype: Optional[torch.dtype] = None,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    stats: Optional[RingStats] = None,
 ):
     """Exact attention of this rank's query shard over the whole sharded sequence.
 
@@ -507,6 +510,8 @@ def ring_attention(
         sinks: ``(H,)`` sink logits (gpt-oss), applied once to the merged result; the returned
             lse stays over the real keys. Their gradient covers this rank's rows: sum it over the
             group like any replicated weight's.
+        stats: a ``RingStats`` this call fills with what this rank computed and sent (forward,
+            and ``stats.backward`` once the backward ran); for tests and benchmarks.
 
     Returns:
         ``out`` ``(B, S_local, H, Dv)`` in ``q.dtype`` (and ``lse``). Differentiable w.r.t. q, k, v
@@ -551,7 +556,19 @@ def ring_attention(
         else Shards.of_varlen(cu, layout, comm.world)
     )
     out, lse = _run(
-        q, k, v, scale, causal, window, shards, comm, backend, grad_comm_dtype, softcap, sinks
+        q,
+        k,
+        v,
+        scale,
+        causal,
+        window,
+        shards,
+        comm,
+        backend,
+        grad_comm_dtype,
+        softcap,
+        sinks,
+        stats,
     )
     return (out, lse) if return_lse else out
 
@@ -629,6 +646,7 @@ def _run(
     grad_comm_dtype=None,
     softcap=None,
     sinks=None,
+    stats=None,
 ):
     args = (scale, causal, window, shards, comm, backend)
     return kernels.run_differentiable(
@@ -637,8 +655,8 @@ def _run(
         q,
         k,
         v,
-        args + (softcap,),
-        args + (grad_comm_dtype, softcap),
+        args + (softcap, stats),
+        args + (grad_comm_dtype, softcap, stats),
         sinks=sinks,
     )
 
@@ -656,11 +674,12 @@ def ring_attention_shards(
     window: Tuple[int, int] = NO_WINDOW,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    stats: Optional[RingStats] = None,
 ):
     """Ring attention over shards of any positions (``Shards``: e.g. the engine's
     prompt chunks, where queries and keys differ in length). No cross-rank argument check: the
     caller guarantees that every rank passes the same ``shards``. Returns ``(out, lse)``.
-    ``softcap``, ``sinks``: as in ``ring_attention``.
+    ``softcap``, ``sinks``, ``stats``: as in ``ring_attention``.
 
     ``q`` ``(B, Sq, H, D)`` with ``Sq = sum(len(r) for r in shards.q[rank])``; ``k``/``v``
     ``(B, Sk, Hkv, D)`` likewise for ``shards.k``; ``Sk`` is the same on every rank.
@@ -669,13 +688,26 @@ def ring_attention_shards(
     scale = kernels.validate(q, k, v, softmax_scale)
     softcap, sinks = kernels.check_softcap(softcap), kernels.check_sinks(sinks, q)
     return _run(
-        q, k, v, scale, causal, check_window(window), shards, comm, backend, None, softcap, sinks
+        q,
+        k,
+        v,
+        scale,
+        causal,
+        check_window(window),
+        shards,
+        comm,
+        backend,
+        None,
+        softcap,
+        sinks,
+        stats,
     )
 
 
 class RingAttention(nn.Module):
     """``ring_attention`` as a module, with the same arguments and defaults:
-    ``forward(q, k, v) -> out`` (and lse with ``return_lse``)."""
+    ``forward(q, k, v) -> out`` (and lse with ``return_lse``). ``stats``: the ``RingStats`` of
+    the last call on this rank (its forward, and ``stats.backward`` once the backward ran)."""
 
     def __init__(
         self,
@@ -707,11 +739,14 @@ class RingAttention(nn.Module):
             grad_comm_dtype=check_grad_comm_dtype(grad_comm_dtype),
             softcap=kernels.check_softcap(softcap),
         )
+        self.stats = RingStats()
 
     def forward(
         self, q, k, v, cu_seqlens: Optional[CuSeqlens] = None, sinks: Optional[torch.Tensor] = None
     ):
-        return ring_attention(q, k, v, cu_seqlens=cu_seqlens, sinks=sinks, **self.kw)
+        return ring_attention(
+            q, k, v, cu_seqlens=cu_seqlens, sinks=sinks, stats=self.stats, **self.kw
+        )
 
     def extra_repr(self) -> str:
         return ", ".join(f"{n}={self.kw[n]!r}" for n in ("layout", "causal", "window", "backend"))

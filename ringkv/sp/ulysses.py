@@ -24,9 +24,7 @@ from .collectives import CommStats, agree_once, all_to_all, rank_world
 from .layout import gather_order
 from .ring import call_values, check_inputs
 
-__all__ = ["ulysses_attention", "head_plan", "last_stats"]
-
-last_stats = CommStats("ulysses")
+__all__ = ["ulysses_attention", "head_plan"]
 
 
 def _valid_worlds(h: int, hkv: int) -> List[int]:
@@ -125,6 +123,7 @@ def ulysses_attention(
     window=NO_WINDOW,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    stats: Optional[CommStats] = None,
 ):
     """Exact attention of this rank's query shard over the whole sharded sequence, by head shards.
 
@@ -139,6 +138,7 @@ def ulysses_attention(
         sinks: ``(H,)``; each rank applies its heads' sinks (their gradient lands on this rank's
             heads for every row: the sum over the group is the whole gradient).
         return_lse: also return the float32 LSE ``(B, H, S_local)``.
+        stats: a ``CommStats`` this call fills with the bytes this rank sent (both all-to-alls).
 
     Returns:
         ``out`` ``(B, S_local, H, Dv)`` in ``q.dtype`` (and ``lse``). Differentiable w.r.t. q, k, v
@@ -183,6 +183,6 @@ def ulysses_attention(
     out, lse, sent_back = gather_heads(
         out, lse if return_lse else None, group, timeout, "ulysses_attention"
     )
-    global last_stats
-    last_stats = CommStats("ulysses", sent + sent_back)
+    if stats is not None:
+        stats.method, stats.bytes_sent = "ulysses", sent + sent_back
     return (out, lse) if return_lse else out

@@ -18,15 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.mask import NO_WINDOW, check_window
-from . import ring as ring_mod
 from .collectives import CommStats, agree_once, rank_world
 from .comm import RingComm
-from .ring import Shards, call_values, check_inputs, ring_attention_shards
+from .ring import RingStats, Shards, call_values, check_inputs, ring_attention_shards
 from .ulysses import gather_heads, head_plan, scatter_heads
 
-__all__ = ["sp_groups", "usp_attention", "last_stats"]
+__all__ = ["sp_groups", "usp_attention"]
 
-last_stats = CommStats("usp")
 _GROUPS: Dict[tuple, tuple] = {}
 
 
@@ -78,6 +76,7 @@ def usp_attention(
     window=NO_WINDOW,
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    stats: Optional[CommStats] = None,
 ):
     """Exact attention over a sequence sharded on a ``(ring, ulysses)`` mesh (``sp_groups``).
 
@@ -89,6 +88,8 @@ def usp_attention(
         causal, layout, softmax_scale, return_lse, backend, timeout, check, window, softcap: as in
             ``ring_attention`` (``layout`` is the ring's; ``check`` compares arguments over both groups).
         sinks: ``(H,)``, applied by the ring of each Ulysses rank's heads (as in ``ulysses_attention``).
+        stats: a ``CommStats`` this call fills with the bytes this rank sent in the forward (both
+            all-to-alls and the ring's K/V).
 
     Returns:
         ``out`` ``(B, S_local, H, D)`` in ``q.dtype`` (and float32 ``lse`` ``(B, H, S_local)``).
@@ -133,6 +134,7 @@ def usp_attention(
     local_sinks = (
         None if sinks is None else sinks.view(n_u, -1)[u_rank]
     )  # (H/U,): this Ulysses rank's heads
+    ring_stats = RingStats()
     out, lse = ring_attention_shards(
         qh,
         kh,
@@ -145,11 +147,12 @@ def usp_attention(
         window=window,
         softcap=softcap,
         sinks=local_sinks,
+        stats=ring_stats,
     )
-    sent += ring_mod.last_stats.bytes_sent
+    sent += ring_stats.bytes_sent
     out, lse, sent_back = gather_heads(
         out, lse if return_lse else None, ulysses_group, timeout, "usp_attention"
     )
-    global last_stats
-    last_stats = CommStats("usp", sent + sent_back)
+    if stats is not None:
+        stats.method, stats.bytes_sent = "usp", sent + sent_back
     return (out, lse) if return_lse else out

@@ -15,6 +15,7 @@ import json
 import os
 import random
 import sys
+from dataclasses import asdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = (
@@ -23,6 +24,13 @@ sys.path[:] = (
 
 from benchmarks.models import write_json  # noqa: E402  (benchmarks/, the script's folder)
 from ringkv import planner  # noqa: E402
+from ringkv.planner.calibration import (  # noqa: E402
+    _fit_attention,
+    _parse_config,
+    _single_process_runs,
+)
+from ringkv.planner.catalogue import _model_of  # noqa: E402
+from ringkv.planner.hardware import _threads  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plan")
 TOLERANCE = 0.15
@@ -59,7 +67,7 @@ def attention_rate() -> float:
     """One rank's attention FLOP/s: the 16K zigzag causal row of long_ctx_16k.json (its striped
     row is a prediction)."""
     d = load("long_ctx_16k.json")
-    return planner._fit_attention(dict(d, rows=[x for x in d["rows"] if x["layout"] == "zigzag"]))
+    return _fit_attention(dict(d, rows=[x for x in d["rows"] if x["layout"] == "zigzag"]))
 
 
 def ring_cpu_rows():
@@ -133,7 +141,7 @@ def single_process_runs() -> list:
     runs = []
     for name in ENGINE_FILES:
         d = load(name)
-        cfg = planner._model_of(d["model"])
+        cfg = _model_of(d["model"])
         for x in d["rows"]:
             runs.append(
                 planner.EngineRun(
@@ -148,7 +156,7 @@ def single_process_runs() -> list:
                 )
             )
     for name in SINGLE_FILES:
-        runs += planner._single_process_runs(load(name))
+        runs += _single_process_runs(load(name))
     return runs
 
 
@@ -210,9 +218,9 @@ def engine_rows(rank):
     out = []
     for name in ENGINE_FILES:
         d = load(name)
-        cfg = planner._model_of(d["model"])
+        cfg = _model_of(d["model"])
         for x in d["rows"]:
-            c = planner._parse_config(x["config"])
+            c = _parse_config(x["config"])
             run = planner.EngineRun(
                 cfg=cfg,
                 prompts=bench_prompts(d["model"], x["requests"]),
@@ -321,7 +329,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     fit = single_process_runs()
     rank = cpu_fit(fit)
-    proc = planner._threads(rank, 2)
+    proc = _threads(rank, 2)
     rows = (
         ring_cpu_rows()
         + prefill_rows(rank)
@@ -354,8 +362,8 @@ def main(argv=None) -> int:
             args.json,
             dict(
                 rows=rows,
-                cpu_process_rates=planner.asdict(proc),
-                cpu_rank_rates=planner.asdict(rank),
+                cpu_process_rates=asdict(proc),
+                cpu_rank_rates=asdict(rank),
                 machine=None,
             ),
         )  # nothing is timed here: the saved runs' machines are in their JSON

@@ -382,6 +382,7 @@ def test_decode_gemm_benchmark(bench):
     """The decode-matmul table: one row per threads x rows, and its JSON is a rates file whose
     ``gemm`` table the planner's calibration path reads."""
     from ringkv import planner
+    from ringkv.planner.hardware import _threads
 
     (table,), folder = bench("gemm")
     out = folder / "gemm.json"
@@ -394,7 +395,7 @@ def test_decode_gemm_benchmark(bench):
     )
     assert (
         r.weight_rate(4) == d["rows"][1]["bytes_per_s"] > 0
-        and planner._threads(r, 2).weight_rate(4) is None
+        and _threads(r, 2).weight_rate(4) is None
     )
 
 

@@ -12,6 +12,9 @@ import pytest
 import ringkv
 from ringkv import planner
 from ringkv.planner import load_model, plan
+from ringkv.planner.hardware import _threads
+from ringkv.planner.report import _svg
+from ringkv.planner.simulation import _step_cost, _step_terms
 
 
 def by_config(opts):
@@ -229,9 +232,7 @@ def test_cli(tmp_path, capsys):
         assert key in data["options"][0]
     assert main(["plan", "--model", "llama-3-70b", "--seq", "0", "--gpus", "2"]) == 2
     assert "seq must be a positive integer" in capsys.readouterr().err
-    planner._svg(
-        [(1.0, 2.0, "a", planner.plan("tiny-long", 64, gpus=1)[0])], str(tmp_path / "p.svg"), ""
-    )
+    _svg([(1.0, 2.0, "a", planner.plan("tiny-long", 64, gpus=1)[0])], str(tmp_path / "p.svg"), "")
     assert (tmp_path / "p.svg").read_text().startswith("<svg")
     assert ringkv.plan is plan
 
@@ -297,12 +298,12 @@ def test_gemm_table_prices_the_weights_of_a_step():
     b0, b1 = 5331296899.170833, 3853426785.168609
     exact = planner.apply_calibration(r, {"gemm": {"1": {"1": b0, "4": b1}}})
     assert (exact.weight_rate(1), exact.weight_rate(4)) == (b0, b1)
-    two = planner._threads(r, 2)
+    two = _threads(r, 2)
     assert two.threads == 2 and two.weight_rate(8) is None
     cfg = load_model("llama-120m")
     steps, _ = planner.engine_workload([16] * 12, 2, 64)
     (decode,) = [w for w in steps if w.tokens == 12]
-    terms = planner._step_terms(
+    terms = _step_terms(
         cfg, decode, tp=1, pp=1, sp=1, stage=0, dtype="float32", sp_prefill_min_tokens=64
     )
     n, nbytes, flops, attn, ring, msgs, wbytes, rows = terms
@@ -310,8 +311,8 @@ def test_gemm_table_prices_the_weights_of_a_step():
     expect = (
         max((nbytes - wbytes) / r.memory + wbytes / 1.5e9, flops / r.matmul) + attn / r.attention
     )
-    assert planner._step_cost(terms, r, "loopback") == pytest.approx(expect)
-    plain = planner._step_cost(terms, two, "loopback")  # no table for 2 threads: the roofline
+    assert _step_cost(terms, r, "loopback") == pytest.approx(expect)
+    plain = _step_cost(terms, two, "loopback")  # no table for 2 threads: the roofline
     assert plain == pytest.approx(
         max(nbytes / two.memory, flops / two.matmul) + attn / two.attention
     )

@@ -42,32 +42,25 @@ The modules, each importing only those above it in this list:
   ``WEAK_LINK_MAX_TP``);
 - ``report``: ``format_table``, ``plot``, ``_svg``.
 
-Every name is re-exported here (``ringkv.planner.X``). The formulas, the hardware table with its
-sources and the validation are in docs/plan.md.
+The public names are re-exported here (``ringkv.planner.X``); the private helpers (a leading
+underscore) stay in their module. The formulas, the hardware table with its sources and the
+validation are in docs/plan.md.
 """
 
-from dataclasses import asdict  # noqa: F401  (planner.asdict: benchmarks/plan_validate.py)
-
-from .catalogue import ALIASES, PRESETS, _llama, _model_of, _read_json, load_model  # noqa: F401
+from .catalogue import ALIASES, PRESETS, load_model
 from .memory import (
     DTYPES,
-    _gb,
     layer_params,
     stage_kv_bytes_per_token,
     stage_sizes,
     stage_weight_bytes,
-)  # noqa: F401
-from .hardware import HARDWARE_PATH, Rates, _merge, _threads, load_hardware, rates  # noqa: F401
+)
+from .hardware import HARDWARE_PATH, Rates, load_hardware, rates
 from .simulation import (
     EngineRun,
     RingTerms,
     StepTerms,
     StepWork,
-    _run_terms,
-    _simulate,
-    _step_cost,  # noqa: F401
-    _step_terms,
-    _xfer,
     engine_run_seconds,
     engine_workload,
     ring_attention_seconds,
@@ -75,30 +68,47 @@ from .simulation import (
 from .calibration import (
     FIT_KEYS,
     RATE_KEYS,
-    _fit_attention,
-    _kind,
-    _nelder_mead,
-    _parse_config,  # noqa: F401
-    _single_process_runs,
-    _with,
     apply_calibration,
     fit_engine,
     fit_keys,
     fit_rates,
     one_process_seconds,
 )
-from .options import (
-    SEED_MAX_PP,
-    SEED_SP_TOKENS,
-    WEAK_LINK_MAX_TP,
-    Option,
-    _divisors,
-    _link,  # noqa: F401
-    _needs_sp,
-    _option,
-    _positive_int,
-    _rank,
-    _why,
-    plan,
-)
-from .report import _svg, format_table, plot  # noqa: F401
+from .options import SEED_MAX_PP, SEED_SP_TOKENS, WEAK_LINK_MAX_TP, Option, plan
+from .report import format_table, plot
+
+__all__ = [
+    "ALIASES",
+    "PRESETS",
+    "load_model",
+    "DTYPES",
+    "layer_params",
+    "stage_kv_bytes_per_token",
+    "stage_sizes",
+    "stage_weight_bytes",
+    "HARDWARE_PATH",
+    "Rates",
+    "load_hardware",
+    "rates",
+    "EngineRun",
+    "RingTerms",
+    "StepTerms",
+    "StepWork",
+    "engine_run_seconds",
+    "engine_workload",
+    "ring_attention_seconds",
+    "FIT_KEYS",
+    "RATE_KEYS",
+    "apply_calibration",
+    "fit_engine",
+    "fit_keys",
+    "fit_rates",
+    "one_process_seconds",
+    "SEED_MAX_PP",
+    "SEED_SP_TOKENS",
+    "WEAK_LINK_MAX_TP",
+    "Option",
+    "plan",
+    "format_table",
+    "plot",
+]

@@ -57,9 +57,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 ROOT = os.path.dirname(HERE)
 
 from benchmarks.models import describe, machine, machine_line, model_path, write_json  # noqa: E402
@@ -67,13 +67,20 @@ from ringkv.serve.router import free_port  # noqa: E402
 
 NAME = "bench"  # --served-model-name
 WORDS = (
-    "river valley farming village trader coast salt cloth writing number town wall border kingdom scholar "
-    "record clay market harbour ship merchant festival season harvest bridge road temple garden library "
-    "school teacher student lesson question answer reason history science music painting poem story "
-    "mountain forest desert island weather winter summer autumn spring morning evening night light shadow "
-    "stone iron copper silver gold bread cheese apple orange water fire earth wind cloud rain snow storm "
-    "careful polite helpful precise friendly brief detailed formal honest patient curious calm clear simple "
-    "always never often explain describe compare summarise translate check answer list count measure"
+    "river valley farming village trader coast salt cloth writing number town wall border kingdom "
+    "scholar "
+    "record clay market harbour ship merchant festival season harvest bridge road temple garden "
+    "library "
+    "school teacher student lesson question answer reason history science music painting poem "
+    "story "
+    "mountain forest desert island weather winter summer autumn spring morning evening night light "
+    "shadow "
+    "stone iron copper silver gold bread cheese apple orange water fire earth wind cloud rain snow "
+    "storm "
+    "careful polite helpful precise friendly brief detailed formal honest patient curious calm "
+    "clear simple "
+    "always never often explain describe compare summarise translate check answer list count "
+    "measure"
 ).split()
 
 
@@ -392,7 +399,8 @@ async def one(client, url: str, req: dict, t0: float, chat: bool, bar, live: dic
                     for c in choices:
                         if c.get("finish_reason"):
                             rec["finish_reason"] = c["finish_reason"]
-                    # a content chunk: not the usage chunk, not chat's opening {"role": "assistant", "content": ""}
+                    # a content chunk: not the usage chunk, not chat's opening {"role": "assistant",
+                    # "content": ""}
                     if choices and not (
                         chat
                         and all(
@@ -907,41 +915,56 @@ def report(results: dict, args, mach: dict) -> None:
     if "prefix" in results:
         s = results["prefix"]["sizes"]
         print(
-            f"\nprefix: {s['prefixes']} prefixes x {s['per_prefix']} requests, prefix {s['prefix_tokens']} + "
-            f"suffix {s['suffix_tokens']} tokens, {s['max_tokens']} output tokens, Poisson {s['rate']:g} req/s; "
+            f"\nprefix: {s['prefixes']} prefixes x {s['per_prefix']} requests, prefix "
+            f"{s['prefix_tokens']} + "
+            f"suffix {s['suffix_tokens']} tokens, {s['max_tokens']} output tokens, Poisson "
+            f"{s['rate']:g} req/s; "
             + (
-                f"an instance's KV cache: {s['blocks_per_instance']} blocks of {args.block_size} tokens "
-                f"({s['cache_prefixes']:g} prefixes + {s['cache_running']} running requests; one instance: "
+                f"an instance's KV cache: {s['blocks_per_instance']} blocks of {args.block_size} "
+                "tokens "
+                f"({s['cache_prefixes']:g} prefixes + {s['cache_running']} running requests; one "
+                "instance: "
                 f"{args.replicas}x that)"
                 if s["kv_cache_memory"] is None
-                else f"--kv-cache-memory {s['kv_cache_memory']:g} GiB per instance ({args.replicas}x for one instance)"
+                else f"--kv-cache-memory {s['kv_cache_memory']:g} GiB per instance "
+                f"({args.replicas}x for one instance)"
             )
         )
         print(
-            "| setup | instances | ok / sent | prefix hit rate | prefix misses | instances per prefix | req/s | "
-            "output tok/s | TTFT p50 / p99 (s) | E2E p50 / p99 (s) | requests per instance | migrations | "
+            "| setup | instances | ok / sent | prefix hit rate | prefix misses | instances per "
+            "prefix | req/s | "
+            "output tok/s | TTFT p50 / p99 (s) | E2E p50 / p99 (s) | requests per instance | "
+            "migrations | "
             "load 1/5/15 min |"
         )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|")
         for r in results["prefix"]["rows"]:
             print(
-                f"| {r['name']} | {r['replicas']} | {r['completed']} / {r['sent']} | {f2(r['hit_rate'], '{:.3f}')} | "
+                f"| {r['name']} | {r['replicas']} | {r['completed']} / {r['sent']} | "
+                f"{f2(r['hit_rate'], '{:.3f}')} | "
                 f"{r['prefix_misses']} | {r['instances_per_prefix']:.2f} | "
-                f"{r['req_s']:.2f} | {r['tok_s']:.1f} | {f2(r['ttft_p50'])} / {f2(r['ttft_p99'])} | "
-                f"{f2(r['e2e_p50'])} / {f2(r['e2e_p99'])} | {counts(r['per_instance'])} | {r['migrations']:g} | "
+                f"{r['req_s']:.2f} | {r['tok_s']:.1f} | {f2(r['ttft_p50'])} / {f2(r['ttft_p99'])} "
+                "| "
+                f"{f2(r['e2e_p50'])} / {f2(r['e2e_p99'])} | {counts(r['per_instance'])} | "
+                f"{r['migrations']:g} | "
                 f"{' '.join(map(str, r['load_after']))} |"
             )
     if "skew" in results:
         s = results["skew"]["sizes"]
         print(
-            f"\nskew: {s['bursts']} bursts x {s['burst_size']} requests sharing one {s['prefix_tokens']}-token prefix, "
-            f"Poisson {s['burst_rate']:g} req/s within a burst, a burst every {s['burst_gap']:g} s, "
-            f"{s['max_tokens']} output tokens, --max-num-seqs {s['max_num_seqs']}, {args.replicas} instances, "
+            f"\nskew: {s['bursts']} bursts x {s['burst_size']} requests sharing one "
+            f"{s['prefix_tokens']}-token prefix, "
+            f"Poisson {s['burst_rate']:g} req/s within a burst, a burst every {s['burst_gap']:g} "
+            "s, "
+            f"{s['max_tokens']} output tokens, --max-num-seqs {s['max_num_seqs']}, {args.replicas} "
+            "instances, "
             f"--routing {args.routing}; the prefix cached on one instance (hot) first"
         )
         print(
-            "| setup | hot | ok / sent | req/s | output tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | "
-            "largest gap (s) | E2E p50 / p99 (s) | requests per instance | migrations out | load 1/5/15 min |"
+            "| setup | hot | ok / sent | req/s | output tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 "
+            "(ms) | "
+            "largest gap (s) | E2E p50 / p99 (s) | requests per instance | migrations out | load "
+            "1/5/15 min |"
         )
         print("|---|---|---:|---:|---:|---|---|---:|---|---|---|---|")
         for r in results["skew"]["rows"]:
@@ -949,24 +972,31 @@ def report(results: dict, args, mach: dict) -> None:
             if (r["primed"] or {}).get("index_s") is None:
                 hot += " (not in the router's index)"
             print(
-                f"| {r['name']} | {hot} | {r['completed']} / {r['sent']} | {r['req_s']:.2f} | {r['tok_s']:.1f} | "
-                f"{f2(r['ttft_p50'])} / {f2(r['ttft_p99'])} | {ms(r['itl_p50'])} / {ms(r['itl_p99'])} | "
+                f"| {r['name']} | {hot} | {r['completed']} / {r['sent']} | {r['req_s']:.2f} | "
+                f"{r['tok_s']:.1f} | "
+                f"{f2(r['ttft_p50'])} / {f2(r['ttft_p99'])} | {ms(r['itl_p50'])} / "
+                f"{ms(r['itl_p99'])} | "
                 f"{f2(r['itl_max'])} | "
                 f"{f2(r['e2e_p50'])} / {f2(r['e2e_p99'])} | {counts(r['per_instance'])} | "
-                f"{r['migrations']:g} ({counts(r['migrations_out'])}) | {' '.join(map(str, r['load_after']))} |"
+                f"{r['migrations']:g} ({counts(r['migrations_out'])}) | "
+                f"{' '.join(map(str, r['load_after']))} |"
             )
     if "failover" in results:
         s = results["failover"]["sizes"]
         r = results["failover"]["rows"][0]
         k = r["killed"] or {}
         print(
-            f"\nfailover: {s['requests']} requests, Poisson {s['rate']:g} req/s, {s['max_tokens']} output tokens, "
-            f"{args.replicas} instances, --routing {args.routing}; SIGKILL of the busiest instance at "
+            f"\nfailover: {s['requests']} requests, Poisson {s['rate']:g} req/s, {s['max_tokens']} "
+            "output tokens, "
+            f"{args.replicas} instances, --routing {args.routing}; SIGKILL of the busiest instance "
+            "at "
             f"{s['kill_after']:g} s"
         )
         print(
-            "| sent | completed | lost | killed | at (s) | moved (header) / ok | router failovers | E2E p50 of the others (s) | "
-            "added E2E of the moved: p50 / max (s) | largest gap in a moved stream (s) | TTFT p50 / p99 (s) | "
+            "| sent | completed | lost | killed | at (s) | moved (header) / ok | router failovers "
+            "| E2E p50 of the others (s) | "
+            "added E2E of the moved: p50 / max (s) | largest gap in a moved stream (s) | TTFT p50 "
+            "/ p99 (s) | "
             "requests per instance | after | load 1/5/15 min |"
         )
         print("|---:|---:|---:|---|---:|---:|---|---:|---|---:|---|---|---|---|")
@@ -977,7 +1007,8 @@ def report(results: dict, args, mach: dict) -> None:
             else str(after)
         )
         print(
-            f"| {r['sent']} | {r['completed']} | {r['lost']} | {k.get('instance', k.get('error', '-'))} "
+            f"| {r['sent']} | {r['completed']} | {r['lost']} | "
+            f"{k.get('instance', k.get('error', '-'))} "
             f"(pid {k.get('pid', '-')}) | {f2(k.get('at'))} | {r['moved']} / {r['moved_ok']} | "
             f"{r['failovers_total']:g} ({counts(r['failovers'])}) | {f2(r['others_e2e_p50'])} | "
             f"{f2(r['added_p50'])} / {f2(r['added_max'])} | {f2(r['moved_itl_max'])} | "
@@ -988,7 +1019,8 @@ def report(results: dict, args, mach: dict) -> None:
     for name, res in results.items():
         for goal, g in res["goals"].items():
             print(
-                f"goal ({name}): {goal}: {f2(g['value'], '{:.2f}') if not isinstance(g['value'], int) else g['value']}"
+                f"goal ({name}): {goal}: "
+                f"{f2(g['value'], '{:.2f}') if not isinstance(g['value'], int) else g['value']}"
                 f" -> {'met' if g['met'] else 'NOT met'}"
             )
         for r in res["rows"]:
@@ -1131,7 +1163,8 @@ def main(argv=None):
         "--cache-running",
         type=int,
         default=None,
-        help="running requests whose own blocks (prefix tail, suffix, output) an instance's cache holds "
+        help="running requests whose own blocks (prefix tail, suffix, output) an instance's cache "
+        "holds "
         "besides the prefixes (default --max-num-seqs)",
     )
     g = ap.add_argument_group("skew")

@@ -31,9 +31,9 @@ import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -189,19 +189,23 @@ def main(argv=None) -> int:
         f"load average {load_before} -> {load_after}"
     )
     print(
-        "| rows | all-reduce bytes | step compute | step with all-reduces | all-reduce busy | busy (fastest steps) "
+        "| rows | all-reduce bytes | step compute | step with all-reduces | all-reduce busy | busy "
+        "(fastest steps) "
         "| all-reduce idle |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['rows']} | {r['bytes']} | {r['compute_step_s'] * 1e3:.1f} ms | {r['both_step_s'] * 1e3:.1f} ms | "
-            f"{r['allreduce_busy_s'] * 1e3:.2f} ms | {r['allreduce_busy_fastest_s'] * 1e3:.2f} ms | "
+            f"| {r['rows']} | {r['bytes']} | {r['compute_step_s'] * 1e3:.1f} ms | "
+            f"{r['both_step_s'] * 1e3:.1f} ms | "
+            f"{r['allreduce_busy_s'] * 1e3:.2f} ms | {r['allreduce_busy_fastest_s'] * 1e3:.2f} ms "
+            "| "
             f"{r['allreduce_idle_s'] * 1e3:.2f} ms |"
         )
     print(
         f"fit (planner link model, busy): latency {latency * 1e6:.0f} us per message, bandwidth "
-        f"{'-' if bw is None else f'{bw / 1e9:.2f} GB/s'}; idle latency {idle_latency * 1e6:.0f} us per message"
+        f"{'-' if bw is None else f'{bw / 1e9:.2f} GB/s'}; idle latency {idle_latency * 1e6:.0f} "
+        "us per message"
     )
     if args.json:
         write_json(

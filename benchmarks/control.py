@@ -46,9 +46,9 @@ from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:] = [
-    p for p in sys.path if os.path.abspath(p or ".") != HERE
-]  # benchmarks/ never (its modules would shadow installed packages); the ringkv measured comes from PYTHONPATH
+# benchmarks/ never (its modules would shadow installed packages); the ringkv measured comes from
+# PYTHONPATH
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 BEFORE_COMMIT = (
     "b68c5a5"  # the commit issue #25 started from: the whole StepPlan as JSON on the store
 )
@@ -182,7 +182,8 @@ def _follow(control, new: bool) -> None:
 
 
 def _engine_rows(args) -> list:
-    """Per decode step of real engines: the driver's and the other ranks' control bytes and seconds."""
+    """Per decode step of real engines: the driver's and the other ranks' control bytes and
+    seconds."""
     import torch
 
     from benchmarks.models import model_path
@@ -248,7 +249,8 @@ def _engine_rows(args) -> list:
                 )
                 r = rows[-1]
                 print(
-                    f"{mesh:>10} {context:>8} {batch:>5} | {r['driver_bytes']:>12.0f} {r['driver_ms']:>9.3f} | "
+                    f"{mesh:>10} {context:>8} {batch:>5} | {r['driver_bytes']:>12.0f} "
+                    f"{r['driver_ms']:>9.3f} | "
                     f"{r['rank_bytes']:>10.0f} {r['rank_ms']:>7.3f}",
                     flush=True,
                 )
@@ -262,7 +264,8 @@ def _port() -> int:
 
 
 def _worker_main(args) -> None:
-    """``--run-world N``: measure every case in one world of this interpreter's ringkv; JSON to stdout."""
+    """``--run-world N``: measure every case in one world of this interpreter's ringkv; JSON to
+    stdout."""
     import torch.multiprocessing as mp
 
     cases = json.loads(args.cases)
@@ -421,7 +424,8 @@ def main() -> None:
             )
     mach = machine(threads=1)  # every rank: torch.set_num_threads(1)
     print(
-        f"\ncontrol plane per decode step ({args.steps} steps, median of {args.rounds} rounds; load {loads[0]} .. "
+        f"\ncontrol plane per decode step ({args.steps} steps, median of {args.rounds} rounds; "
+        f"load {loads[0]} .. "
         f"{loads[-1]})"
     )
     print(machine_line(mach) + " per rank")
@@ -434,7 +438,8 @@ def main() -> None:
         for context, batch in cases:
             a, b = get[("after", world, context, batch)], get.get(("before", world, context, batch))
             print(
-                f"{world:>5} {context:>8} {batch:>5} | {b['bytes'] if b else float('nan'):>12.0f} {a['bytes']:>11.0f} | "
+                f"{world:>5} {context:>8} {batch:>5} | {b['bytes'] if b else float('nan'):>12.0f} "
+                f"{a['bytes']:>11.0f} | "
                 f"{b['control_ms'] if b else float('nan'):>9.3f} {a['control_ms']:>8.3f} | "
                 f"{a['driver_ms']:>9.3f} {a['rank_ms']:>7.3f}"
             )

@@ -20,9 +20,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 from benchmarks.models import machine, machine_line, write_json  # noqa: E402
 from ringkv.kernels import cpu_flash, sdpa  # noqa: E402
 from ringkv.kernels.mask import FULL, OFFSET, Mask  # noqa: E402
@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     rows, load0, mach = [], os.getloadavg()[0], machine()
     print(machine_line(mach))
     print(
-        f"{'S':>6} {'H/Hkv':>6} {'D':>4} {'mask':6} {'pass':4} {'torch':>9} {'ours':>9} {'ours/torch':>10}"
+        f"{'S':>6} {'H/Hkv':>6} {'D':>4} {'mask':6} {'pass':4} {'torch':>9} {'ours':>9} "
+        f"{'ours/torch':>10}"
     )
     for s, h, hkv, d in shapes:
         g = torch.Generator().manual_seed(0)
@@ -93,7 +94,8 @@ def main(argv=None) -> int:
                     )
                 )
                 print(
-                    f"{s:>6} {f'{h}/{hkv}':>6} {d:>4} {rows[-1]['mask']:6} {pass_:4} {t_torch:8.3f}s {t_ours:8.3f}s "
+                    f"{s:>6} {f'{h}/{hkv}':>6} {d:>4} {rows[-1]['mask']:6} {pass_:4} "
+                    f"{t_torch:8.3f}s {t_ours:8.3f}s "
                     f"{t_ours / t_torch:10.3f}",
                     flush=True,
                 )

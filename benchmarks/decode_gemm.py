@@ -22,9 +22,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402
 
 import torch  # noqa: E402
@@ -33,7 +33,8 @@ from ringkv.planner import load_model  # noqa: E402
 
 
 def weights(cfg) -> list:
-    """The model's linear weights in decode order, fused as the engine fuses them: (out, in) each."""
+    """The model's linear weights in decode order, fused as the engine fuses them: (out, in)
+    each."""
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     q = cfg.num_heads * cfg.head_dim
     layer = [(q + 2 * kv, h), (h, q), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
@@ -96,7 +97,8 @@ def main(argv=None) -> int:
             )
         )
         print(
-            f"| {t} | {r} | {s * 1e3:.1f} ms | {nbytes / s / 1e9:.2f} | {2 * params * r / s / 1e9:.1f} |"
+            f"| {t} | {r} | {s * 1e3:.1f} ms | {nbytes / s / 1e9:.2f} | "
+            f"{2 * params * r / s / 1e9:.1f} |"
         )
     if args.json:
         load = load_average()

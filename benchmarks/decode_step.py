@@ -29,9 +29,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import torch  # noqa: E402
 
@@ -189,17 +189,21 @@ def main(argv=None):
     load, mach = load_average(), machine()
     print(machine_line(mach))
     print(
-        f"SmolLM2-135M-Instruct fp32, {'sampled' if args.sampled else 'greedy'}, {args.agg} of {args.steps} "
+        f"SmolLM2-135M-Instruct fp32, {'sampled' if args.sampled else 'greedy'}, {args.agg} of "
+        f"{args.steps} "
         f"decode steps, load average {load}"
     )
     print(
-        "| engine | rows | ms/step | dense ms | attention ms | LM head ms | host ms (share) | of which sample ms |"
+        "| engine | rows | ms/step | dense ms | attention ms | LM head ms | host ms (share) | of "
+        "which sample ms |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['engine']} | {r['rows']} | {r['step_ms']:.1f} | {r['dense_ms']:.1f} | {r['attention_ms']:.1f} | "
-            f"{r['lm_head_ms']:.1f} | {r['host_ms']:.1f} ({100 * r['host_share']:.1f}%) | {r['sample_ms']:.1f} |"
+            f"| {r['engine']} | {r['rows']} | {r['step_ms']:.1f} | {r['dense_ms']:.1f} | "
+            f"{r['attention_ms']:.1f} | "
+            f"{r['lm_head_ms']:.1f} | {r['host_ms']:.1f} ({100 * r['host_share']:.1f}%) | "
+            f"{r['sample_ms']:.1f} |"
         )
     if len(engines) == 2:
         for n in args.rows:

@@ -1,4 +1,5 @@
-"""Output tokens/s: ringkv.LLM vs transformers ``generate`` on SmolLM2-135M-Instruct (greedy; fp32 on CPU,
+"""Output tokens/s: ringkv.LLM vs transformers ``generate`` on SmolLM2-135M-Instruct (greedy; fp32
+on CPU,
 ``--device cuda --dtype bf16`` on a GPU),
 or (``--tp/--pp/--sp``) a parallel engine against ``tp = pp = sp = 1`` in the same run.
 
@@ -39,9 +40,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import torch  # noqa: E402
 
@@ -120,7 +121,8 @@ def agreement(a, b) -> float:
 
 
 def prefix_agreement(a, b) -> float:
-    """Mean over requests of the fraction of ``a``'s tokens before the first difference from ``b``."""
+    """Mean over requests of the fraction of ``a``'s tokens before the first difference from
+    ``b``."""
 
     def common(x, y):
         return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
@@ -171,7 +173,8 @@ def main(argv=None):
         "--threads",
         type=int,
         default=None,
-        help="torch threads (default: torch's default; parallel mode: of the tp = pp = sp = 1 engine, "
+        help="torch threads (default: torch's default; parallel mode: of the tp = pp = sp = 1 "
+        "engine, "
         "default all cores)",
     )
     ap.add_argument(
@@ -184,7 +187,8 @@ def main(argv=None):
         "--repeats",
         type=int,
         default=1,
-        help="time each side this many times, interleaved, and keep the fastest (a shared CPU is noisy)",
+        help="time each side this many times, interleaved, and keep the fastest (a shared CPU is "
+        "noisy)",
     )
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--device", default="cpu", help="single mode: cpu or cuda (both engines)")
@@ -209,7 +213,8 @@ def main(argv=None):
     ap.add_argument(
         "--compile-decode",
         action="store_true",
-        help="single mode: also time a ringkv engine with compile_decode=True (row 'ringkv compiled')",
+        help="single mode: also time a ringkv engine with compile_decode=True (row 'ringkv "
+        "compiled')",
     )
     ap.add_argument(
         "--peer",
@@ -220,7 +225,8 @@ def main(argv=None):
     ap.add_argument(
         "--peer-python",
         default=os.environ.get("RINGKV_VLLM_PYTHON", "/tmp/vllm-venv/bin/python"),
-        help="the python of the venv with vLLM (default: $RINGKV_VLLM_PYTHON or /tmp/vllm-venv/bin/python)",
+        help="the python of the venv with vLLM (default: $RINGKV_VLLM_PYTHON or "
+        "/tmp/vllm-venv/bin/python)",
     )
     ap.add_argument(
         "--peer-timeout", type=float, default=1800, help="seconds the peer may take per run"
@@ -376,7 +382,8 @@ def main(argv=None):
     mach = machine()
     print(machine_line(mach))
     print(
-        f"SmolLM2-135M-Instruct {args.dtype} on {args.device}, greedy, {args.max_tokens} output tokens/request, "
+        f"SmolLM2-135M-Instruct {args.dtype} on {args.device}, greedy, {args.max_tokens} output "
+        "tokens/request, "
         f"prompts {args.min_prompt}-{args.max_prompt} tokens"
     )
     widths = [max(22, len(c)) for c in cols]
@@ -394,7 +401,8 @@ def main(argv=None):
         print(f"vllm: not run: {error}")
     if compiled is not None:
         print(
-            f"ringkv compiled: compile (at engine start, not in tok/s) {compile_info['compile_s']:.1f} s, "
+            "ringkv compiled: compile (at engine start, not in tok/s) "
+            f"{compile_info['compile_s']:.1f} s, "
             f"engine built in {compile_info['compiled_build_s']:.1f} s"
         )
     if args.json:
@@ -533,11 +541,13 @@ def main_parallel(args):
     for r in rows:
         mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
         print(
-            f"| {r['requests']} | {r['base_tok_s']:.1f} | {r['parallel_tok_s']:.1f} | {r['speedup']:.2f}x | "
+            f"| {r['requests']} | {r['base_tok_s']:.1f} | {r['parallel_tok_s']:.1f} | "
+            f"{r['speedup']:.2f}x | "
             f"{r['base_capacity_tokens']} -> {r['parallel_capacity_tokens']} | "
             f"{mib(r['base_rank']['weights'] + r['base_rank']['kv'])} -> "
             f"{', '.join(mib(x['weights'] + x['kv']) for x in r['parallel_ranks'])} | "
-            f"{mib(r['base_rank']['peak_rss'])} -> {', '.join(mib(x['peak_rss']) for x in r['parallel_ranks'])} | "
+            f"{mib(r['base_rank']['peak_rss'])} -> "
+            f"{', '.join(mib(x['peak_rss']) for x in r['parallel_ranks'])} | "
             f"{', '.join(f'{x:.2f}' for x in r['idle_fraction'])} |"
         )
     if args.json:

@@ -18,9 +18,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 from benchmarks.models import load_average, machine, machine_line, shape, write_json  # noqa: E402
 
@@ -28,7 +28,8 @@ MIB = 1 << 20
 
 
 def wide_vocab_model():
-    """A tiny random Llama with a 49152-token vocabulary (as SmolLM2): the catalogue's ``tiny-wide-vocab``."""
+    """A tiny random Llama with a 49152-token vocabulary (as SmolLM2): the catalogue's
+    ``tiny-wide-vocab``."""
     import torch
     import transformers
 
@@ -118,16 +119,19 @@ def main(argv=None) -> int:
     mach = machine(threads=max(1, (os.cpu_count() or 1) // world) if world > 1 else None)
     print(machine_line(mach) + (" per rank" if world > 1 else ""))
     print(
-        f"{args.steps} sampled decode steps, {args.seqs} requests, pp={args.pp} tp={args.tp} sp={args.sp}, "
+        f"{args.steps} sampled decode steps, {args.seqs} requests, pp={args.pp} tp={args.tp} "
+        f"sp={args.sp}, "
         f"vocab 49152, {seconds:.0f} s, load {load}"
     )
     print(
-        f"{'rank':>4} {'RSS first':>10} {'RSS last':>9} {'growth':>8} {'peak growth':>12} {'max pending':>12}"
+        f"{'rank':>4} {'RSS first':>10} {'RSS last':>9} {'growth':>8} {'peak growth':>12} "
+        f"{'max pending':>12}"
     )
     for rank, g in result.items():
         mine = [r for r in records if r["rank"] == rank]
         print(
-            f"{rank:>4} {mine[0]['rss_mib']:>8.1f}Mi {mine[-1]['rss_mib']:>7.1f}Mi {g['rss_growth_mib']:>6.1f}Mi "
+            f"{rank:>4} {mine[0]['rss_mib']:>8.1f}Mi {mine[-1]['rss_mib']:>7.1f}Mi "
+            f"{g['rss_growth_mib']:>6.1f}Mi "
             f"{g['peak_growth_mib']:>10.1f}Mi {g['max_pending_sends']:>12}"
         )
     if args.json:

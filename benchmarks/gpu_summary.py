@@ -13,9 +13,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 
 def load(path: Path):
@@ -151,7 +151,8 @@ def main(out_dir: str) -> int:
     if e:
         md += (
             [
-                f"## engine: {e.get('model')} {e.get('dtype')} on {e.get('device')}, output tokens/s",
+                f"## engine: {e.get('model')} {e.get('dtype')} on {e.get('device')}, output "
+                "tokens/s",
                 "",
             ]
             + table(

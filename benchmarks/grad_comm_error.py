@@ -1,5 +1,5 @@
-"""Error budget of ``grad_comm_dtype``: ring gradients with dK/dV on the wire in float32 vs bfloat16,
-both against a float64 single-device reference.
+"""Error budget of ``grad_comm_dtype``: ring gradients with dK/dV on the wire in float32 vs
+bfloat16, both against a float64 single-device reference.
 
     python benchmarks/grad_comm_error.py                       # worlds 2, 4; S 512, 2048; fp32 and bf16 inputs
     python benchmarks/grad_comm_error.py --worlds 8 --seqs 4096 --json out.json
@@ -22,9 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import ringkv  # noqa: E402
 from benchmarks.models import machine, machine_line, write_json  # noqa: E402
@@ -112,7 +112,8 @@ def main():
     mach = machine(threads=1)  # every rank: torch.set_num_threads(1)
     print(machine_line(mach) + " per rank")
     print(
-        "| world | seq | inputs | grad | fp32 wire: max / mean rel. error | bf16 wire: max / mean rel. error |"
+        "| world | seq | inputs | grad | fp32 wire: max / mean rel. error | bf16 wire: max / mean "
+        "rel. error |"
     )
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -1,4 +1,5 @@
-"""guidellm (an external OpenAI-API benchmark client) and ``benchmarks/serve.py`` against one ``ringkv serve``.
+"""guidellm (an external OpenAI-API benchmark client) and ``benchmarks/serve.py`` against one
+``ringkv serve``.
 
     python benchmarks/guidellm_vs_ours.py --json results/guidellm_vs_ours.json
 
@@ -13,10 +14,12 @@ Starts one server (``OMP_NUM_THREADS=1``, SmolLM2-135M-Instruct, served as ``smo
 warm-up request, then for each setting runs guidellm and, right after it, ``benchmarks/serve.py
 --url`` with the same prompt/output lengths, request count and offered load:
 
-* ``sync``: guidellm ``synchronous`` (one request at a time); serve.py has no such mode (guidellm only).
+* ``sync``: guidellm ``synchronous`` (one request at a time); serve.py has no such mode (guidellm
+  only).
 * ``poisson R``: Poisson arrivals at R req/s (guidellm ``poisson``, serve.py ``--rates R``). The two
   draw different arrival sequences (their own seeds): at R = 1 and 24 requests, guidellm's 24
-  arrivals span 15.2 s, serve.py's 29.3 s, so their throughput columns are not the same offered load.
+  arrivals span 15.2 s, serve.py's 29.3 s, so their throughput columns are not the same offered
+  load.
 * ``burst N``: N requests at once (guidellm ``concurrent`` with N streams and N requests, serve.py
   ``--rates inf --requests N``).
 
@@ -48,9 +51,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 ROOT = os.path.dirname(HERE)
 
 from ringkv.serve.router import free_port  # noqa: E402
@@ -253,7 +256,8 @@ def main(argv=None):
         type=int,
         nargs="+",
         default=[0, 64],
-        help="guidellm runs per setting, one per data-loader prefetch_factor (0: guidellm's default, "
+        help="guidellm runs per setting, one per data-loader prefetch_factor (0: guidellm's "
+        "default, "
         "4096 synthetic prompts generated ahead by a loader process)",
     )
     ap.add_argument(
@@ -344,19 +348,24 @@ def main(argv=None):
     mach = machine(threads=1)  # the server's (OMP_NUM_THREADS=1)
     print("\n" + machine_line(mach) + " (the server)")
     print(
-        f"SmolLM2-135M-Instruct, ringkv serve (OMP_NUM_THREADS=1), prompts {args.prompt_tokens} tokens, "
-        f"outputs {args.output_tokens} tokens (ignore_eos, greedy), streamed /v1/completions, {version}, "
+        f"SmolLM2-135M-Instruct, ringkv serve (OMP_NUM_THREADS=1), prompts {args.prompt_tokens} "
+        "tokens, "
+        f"outputs {args.output_tokens} tokens (ignore_eos, greedy), streamed /v1/completions, "
+        f"{version}, "
         f"load average (1/5/15 min) {loads[0]} at start, {loads[-1]} at end; "
         f"raw outputs in {out}"
     )
     print(
-        "| client | setting | requests (errors) | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | output tok/s | req/s |"
+        "| client | setting | requests (errors) | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | output "
+        "tok/s | req/s |"
     )
     print("|---|---|---:|---|---|---:|---:|")
     for r in rows:
         print(
-            f"| {r['client']} | {r['setting']} | {r['requests']} ({r['errored']}) | {r['ttft_p50']:.2f} / "
-            f"{r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p99']:.0f} | {r['tok_s']:.1f} | "
+            f"| {r['client']} | {r['setting']} | {r['requests']} ({r['errored']}) | "
+            f"{r['ttft_p50']:.2f} / "
+            f"{r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p99']:.0f} | "
+            f"{r['tok_s']:.1f} | "
             f"{r['req_s']:.2f} |"
         )
     if args.json:

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 from benchmarks.models import machine, machine_line, write_json  # noqa: E402
 from ringkv.kernels import BACKENDS, block_backward, block_forward, make_mask  # noqa: E402
@@ -122,7 +122,8 @@ def registry_impls(q, k, v, mask, scale):
 
 
 def baseline_impls(q, k, v, causal, scale):
-    """torch SDPA backends and the flash-attn package on CUDA (Sq == Sk: causal conventions agree)."""
+    """torch SDPA backends and the flash-attn package on CUDA (Sq == Sk: causal conventions
+    agree)."""
     if q.device.type != "cuda":
         return
     import torch.nn.functional as F
@@ -302,8 +303,10 @@ def print_row(r):
 def print_paged_row(r):
     print(
         f"{r['impl']:22s} N={r['seqs']} L={r['cache_len']:<7d} H={r['heads']}/{r['kv_heads']} "
-        f"D={r['head_dim']} bs={r['block_size']} {fmt(r['ms'], '10.3f')} ms {fmt(r['gbps'], '8.2f')} GB/s "
-        f"({fmt(r['fraction_of_copy'] and 100 * r['fraction_of_copy'], '.1f')}% of copy) {r.get('error', '')}",
+        f"D={r['head_dim']} bs={r['block_size']} {fmt(r['ms'], '10.3f')} ms "
+        f"{fmt(r['gbps'], '8.2f')} GB/s "
+        f"({fmt(r['fraction_of_copy'] and 100 * r['fraction_of_copy'], '.1f')}% of copy) "
+        f"{r.get('error', '')}",
         flush=True,
     )
 
@@ -358,7 +361,8 @@ def main(argv=None):
     attention_rows = bench_attention(args, device, dtype)
     copy_gbps = copy_bandwidth(device, args.copy_mib, args.iters, args.warmup)
     print(
-        f"## paged decode (copy baseline: {copy_gbps:.1f} GB/s, {args.copy_mib} MiB read + written)",
+        f"## paged decode (copy baseline: {copy_gbps:.1f} GB/s, {args.copy_mib} MiB read + "
+        "written)",
         flush=True,
     )
     paged_rows = bench_paged(args, device, dtype, copy_gbps)

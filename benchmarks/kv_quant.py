@@ -26,9 +26,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import torch  # noqa: E402
 
@@ -135,18 +135,21 @@ def main(argv=None):
     mach = machine()
     print(machine_line(mach))
     print(
-        f"{describe(args.model)} (fp32 model), {args.tokens} tokens of {os.path.relpath(TEXT)} in chunks of "
+        f"{describe(args.model)} (fp32 model), {args.tokens} tokens of {os.path.relpath(TEXT)} in "
+        "chunks of "
         f"{args.chunk}, {args.kv_gib} GiB KV budget"
     )
     print(
-        "| kv_cache_dtype | bytes/token | vs fp32 | vs bf16 | capacity (tokens) | perplexity | delta | "
+        "| kv_cache_dtype | bytes/token | vs fp32 | vs bf16 | capacity (tokens) | perplexity | "
+        "delta | "
         "mean abs d-logprob | greedy agreement | decode tok/s |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['dtype']} | {r['bytes_per_token']} | {r['vs_fp32']:.3f} | {r['vs_bf16']:.3f} | "
-            f"{r['capacity_tokens']} | {r['ppl']:.4f} | {r['ppl_delta_pct']:+.3f}% | {r['mean_abs_dlogprob']:.5f} | "
+            f"{r['capacity_tokens']} | {r['ppl']:.4f} | {r['ppl_delta_pct']:+.3f}% | "
+            f"{r['mean_abs_dlogprob']:.5f} | "
             f"{r['greedy_agreement']:.3f} | {r['decode_tok_s']:.1f} |"
         )
     if args.json:

@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 import ringkv  # noqa: E402
 from ringkv.sp import CommStats, LocalComm, RingStats  # noqa: E402
 
@@ -222,7 +222,8 @@ def timed_rounds(fns, env, iters, warmup, labels, quiet):
                 times[j].append(dt)
             if not quiet:
                 env.log(
-                    f"  {labels[j]}: iter {i + 1}/{warmup + iters} {'(warmup) ' if i < warmup else ''}{dt:8.3f}s"
+                    f"  {labels[j]}: iter {i + 1}/{warmup + iters} "
+                    f"{'(warmup) ' if i < warmup else ''}{dt:8.3f}s"
                 )
     return [statistics.median(t) for t in times]
 
@@ -534,16 +535,20 @@ def main(argv=None) -> int:
         args.seq, "zigzag" if "zigzag" in layouts else layouts[0], env.world
     )
     env.log(
-        f"ringkv long-context benchmark: {env.world} {'virtual ' if args.virtual else ''}rank(s) on "
-        f"{env.device.type} ({'NCCL' if gpu and env.distributed else 'gloo' if env.distributed else 'no comm'}), "
+        f"ringkv long-context benchmark: {env.world} {'virtual ' if args.virtual else ''}rank(s) "
+        "on "
+        f"{env.device.type} "
+        f"({'NCCL' if gpu and env.distributed else 'gloo' if env.distributed else 'no comm'}), "
         f"{env.threads} thread(s)/rank; seq={args.seq} batch={args.batch} heads={args.heads} "
         f"kv_heads={','.join(map(str, kv_list))} head_dim={args.head_dim} {args.dtype}"
-        f"{' fwd+bwd' if args.backward else ' fwd'} backend={args.backend} methods={','.join(methods)}"
+        f"{' fwd+bwd' if args.backward else ' fwd'} backend={args.backend} "
+        f"methods={','.join(methods)}"
         f"{f' (usp: ulysses {args.ulysses} x ring {env.world // args.ulysses})' if 'usp' in methods else ''}"
     )
     if not gpu:
         env.log(
-            "  (CPU defaults: 1 head of dim 64, zigzag, causal, 2 iterations, so 128K tokens finish in a few "
+            "  (CPU defaults: 1 head of dim 64, zigzag, causal, 2 iterations, so 128K tokens "
+            "finish in a few "
             "minutes; --heads, --layout all, --no-causal, --iters change that)"
         )
     load_start = load_average()
@@ -561,7 +566,8 @@ def main(argv=None) -> int:
                     if (kv, causal) in baselines and baselines[kv, causal][0] > 0:
                         t1, how = baselines[kv, causal]
                         row["baseline_s"], row["baseline"] = t1, f"{args.baseline_impl}, {how}"
-                        # virtual ranks run one after another: their total time against the single worker
+                        # virtual ranks run one after another: their total time against the single
+                        # worker
                         workers = 1 if env.device.type == "cpu" or args.virtual else env.world
                         row["efficiency"] = t1 / (workers * row["time_s"])
                     rows.append(row)
@@ -570,24 +576,27 @@ def main(argv=None) -> int:
     env.log(machine_line(mach) + " per rank")
     # `+` before the peer columns: adjacent literals join first, and `* False` would blank them all
     header = (
-        f"{'method':9s} {'kv':>3s} {'layout':10s} {'mask':6s} {'time/it':>9s} {'TFLOP/s/rank':>12s} "
-        f"{'efficiency':>10s} {'no-comm':>9s} {'overlap':>8s} {'sent/fwd':>10s} {'peak mem':>10s} {'check':>8s}"
-        + f"{'  peer':9s} {'vs peer':>8s} {'peer chk':>8s}"
-        * bool(args.peer)
+        f"{'method':9s} {'kv':>3s} {'layout':10s} {'mask':6s} {'time/it':>9s} "
+        f"{'TFLOP/s/rank':>12s} "
+        f"{'efficiency':>10s} {'no-comm':>9s} {'overlap':>8s} {'sent/fwd':>10s} {'peak mem':>10s} "
+        f"{'check':>8s}" + f"{'  peer':9s} {'vs peer':>8s} {'peer chk':>8s}" * bool(args.peer)
     )
     env.log(header)
     env.log("-" * len(header))
     for r in rows:
         env.log(
-            f"{r['method']:9s} {r['kv_heads']:3d} {r['layout']:10s} {'causal' if r['causal'] else 'full':6s} "
+            f"{r['method']:9s} {r['kv_heads']:3d} {r['layout']:10s} "
+            f"{'causal' if r['causal'] else 'full':6s} "
             f"{r['time_s']:8.3f}s "
             f"{r['tflops_per_rank']:12.4f} {r.get('efficiency', float('nan')):10.3f} "
-            f"{r.get('time_nocomm_s', float('nan')):8.3f}s {r.get('overlap_ratio', float('nan')):8.3f} "
+            f"{r.get('time_nocomm_s', float('nan')):8.3f}s "
+            f"{r.get('overlap_ratio', float('nan')):8.3f} "
             f"{fmt_bytes(r.get('bytes_sent', r['bytes_per_step'] * (env.world - 1))):>10s} "
             f"{fmt_bytes(r['peak_mem_bytes']):>10s} "
             f"{r['check_max_err'] if 'check_max_err' in r else float('nan'):8.1e}"
             + (
-                f" {r.get('peer_time_s', float('nan')):7.3f}s {r.get('vs_peer', float('nan')):8.3f} "
+                f" {r.get('peer_time_s', float('nan')):7.3f}s "
+                f"{r.get('vs_peer', float('nan')):8.3f} "
                 f"{r.get('peer_check_max_err', float('nan')):8.1e}"
                 if args.peer
                 else ""
@@ -595,7 +604,8 @@ def main(argv=None) -> int:
         )
     for (kv, causal), (t1, how) in baselines.items():
         env.log(
-            f"baseline (kv_heads {kv}, {'causal' if causal else 'full'}): single worker, whole sequence: "
+            f"baseline (kv_heads {kv}, {'causal' if causal else 'full'}): single worker, whole "
+            "sequence: "
             f"{t1:.3f}s ({how}); "
             f"efficiency = T_single / ({'N x ' if gpu and not args.virtual else ''}T_ring"
             f"{', all virtual ranks in turn' if args.virtual else ''})"

@@ -30,9 +30,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 
 def one(args) -> dict:
@@ -166,14 +166,16 @@ def main(argv=None):
         )
         print(machine_line(mach))
         print(
-            f"{args.model}: TTFT at sp=2, ring vs replicated (threads per rank: sp=1 {rows[0]['sp1_threads']}, "
+            f"{args.model}: TTFT at sp=2, ring vs replicated (threads per rank: sp=1 "
+            f"{rows[0]['sp1_threads']}, "
             f"sp=2 {rows[0]['sp2_threads']})"
         )
         print("| prompt tokens | sp=1 | sp=2 ring | sp=2 replicated | faster at sp=2 |")
         print("|---:|---:|---:|---:|---|")
         for r in rows:
             print(
-                f"| {r['seq']} | {r['sp1_s']:.3f} s | {r['ring_s']:.3f} s | {r['replicated_s']:.3f} s | {r['faster']} |"
+                f"| {r['seq']} | {r['sp1_s']:.3f} s | {r['ring_s']:.3f} s | "
+                f"{r['replicated_s']:.3f} s | {r['faster']} |"
             )
         out = dict(kind="sweep", model=args.model, cores=mach["cores"], rows=rows, machine=mach)
     else:
@@ -196,7 +198,8 @@ def main(argv=None):
         print(machine_line(mach))
         print(f"{args.model}: TTFT of a {args.seq}-token prompt (chunk {rows[0]['chunk']} tokens)")
         print(
-            "| sp | threads per rank | TTFT | efficiency | peak RSS per rank (MiB) | KV cache per rank (MiB) | "
+            "| sp | threads per rank | TTFT | efficiency | peak RSS per rank (MiB) | KV cache per "
+            "rank (MiB) | "
             "same first token |"
         )
         print("|---:|---:|---:|---:|---|---|---|")

@@ -19,9 +19,9 @@ the serialisation a file or a process group carries:
 
 Downtime runs from the stop (the final export) to the request's first token on B; it holds
 one decode step of B, whose attention reads the whole context (a request pays that step on B
-anyway: "B's decode step" is the median of its later steps there). "stop -> imported" is the migration's
-own part (export, transfer, import). Both migrated requests then finish on B and must produce
-A's unmigrated tokens (checked). Medians of ``--repeats``. Goal: incremental downtime at the
+anyway: "B's decode step" is the median of its later steps there). "stop -> imported" is the
+migration's own part (export, transfer, import). Both migrated requests then finish on B and must
+produce A's unmigrated tokens (checked). Medians of ``--repeats``. Goal: incremental downtime at the
 longest context <= 1.2x the shortest, on every pair; the last column gives the ratio of
 "stop -> imported" and of the whole downtime.
 """
@@ -39,9 +39,9 @@ import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import torch  # noqa: E402
 
@@ -186,7 +186,9 @@ def one_context(a, b, n, args, rep):
         pre_bytes, nbytes, moved, down, step, got = b.move(a, rid, mode, args.decoded)
         if mode == "full":
             row.update(full_bytes=nbytes, full_move_s=moved, full_downtime_s=down)
-        else:  # step: B's decode step at this context, the inter-token time the request has there anyway
+        else:
+            # step: B's decode step at this context, the inter-token time the request has there
+            # anyway
             row.update(
                 pre_copy_bytes=pre_bytes,
                 final_bytes=nbytes,
@@ -279,10 +281,12 @@ def main(argv=None):
     mach = machine()
     print(machine_line(mach) + " in this process; each rank of a mesh of N > 1: cores / N threads")
     print(
-        f"{describe(args.model)}; {how}; downtime: stop -> first token on the target; median of {args.repeats}"
+        f"{describe(args.model)}; {how}; downtime: stop -> first token on the target; median of "
+        f"{args.repeats}"
     )
     print(
-        "| pair | context | B's decode step | full: bytes | full: downtime | incremental: pre-copy bytes | "
+        "| pair | context | B's decode step | full: bytes | full: downtime | incremental: pre-copy "
+        "bytes | "
         "final bytes | stop -> imported | downtime | downtime - B's step | vs shortest context |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -290,7 +294,8 @@ def main(argv=None):
         base = next(x for x in rows if x["pair"] == r["pair"])
         added = r["incremental_downtime_s"] - r["step_s"]
         print(
-            f"| {r['pair']} | {r['context']} | {1e3 * r['step_s']:.1f} ms | {r['full_bytes'] / 2**20:.2f} MiB | "
+            f"| {r['pair']} | {r['context']} | {1e3 * r['step_s']:.1f} ms | "
+            f"{r['full_bytes'] / 2**20:.2f} MiB | "
             f"{1e3 * r['full_downtime_s']:.1f} ms | {r['pre_copy_bytes'] / 2**20:.2f} MiB | "
             f"{r['final_bytes'] / 2**10:.1f} KiB | {1e3 * r['incremental_move_s']:.2f} ms | "
             f"{1e3 * r['incremental_downtime_s']:.2f} ms | {1e3 * added:.2f} ms | "

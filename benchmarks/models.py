@@ -9,9 +9,9 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 from ringkv.planner import catalogue  # noqa: E402
 
@@ -37,7 +37,8 @@ def shape(name: str) -> dict:
 # name -> Llama config (random weights): throughput and memory only, never text quality
 PRESETS = {name: shape(name) for name in ("tiny-test", "llama-120m", "tiny-long")}
 # SmolLM2-135M's shapes (vocabulary 49152, hidden 576, 9 heads, 3 KV heads, intermediate 1536, tied
-# embeddings, rope_theta 1e5) with random weights, at full depth (30 layers) and at 2 layers, and the
+# embeddings, rope_theta 1e5) with random weights, at full depth (30 layers) and at 2 layers, and
+# the
 # 2-layer one at another vocabulary (what the training-memory benchmark's vocabulary check varies);
 # positions up to 256K so that long training sequences are within the config
 _SMOL = dict(
@@ -102,7 +103,8 @@ def describe(name: str) -> str:
 
 
 def load_average() -> str:
-    """``uptime``'s load averages (1, 5, 15 min): other processes on the cores change every timing."""
+    """``uptime``'s load averages (1, 5, 15 min): other processes on the cores change every
+    timing."""
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
 

@@ -3,7 +3,8 @@ calibration on *other* runs) and vs published figures (with the hardware table's
 
     python benchmarks/plan_validate.py [--json results/plan_validate.json]
 
-Inputs: the JSON of the CPU benchmark runs in benchmarks/data/plan/ (all re-measured on one commit by
+Inputs: the JSON of the CPU benchmark runs in benchmarks/data/plan/ (all re-measured on one commit
+by
 ``bash benchmarks/plan_data.sh``), and published numbers cited in
 docs/plan.md. Each row says what was calibrated on what; a row passes within 15%.
 """
@@ -18,9 +19,9 @@ import sys
 from dataclasses import asdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 from benchmarks.models import write_json  # noqa: E402  (benchmarks/, the script's folder)
 from ringkv import planner  # noqa: E402
@@ -232,7 +233,8 @@ def engine_rows(rank):
             )
             out.append(
                 row(
-                    f"engine {x['config']}, {d['model'].split(' (')[0]}, {x['requests']} requests: tok/s",
+                    f"engine {x['config']}, {d['model'].split(' (')[0]}, {x['requests']} requests: "
+                    "tok/s",
                     x["output_tokens"] / run.seconds(rank),
                     x["parallel_tok_s"],
                     "tok/s",
@@ -270,13 +272,13 @@ def ring_flash_attn_rows():
 
 
 def meta_rows():
-    """Meta, 'Context Parallelism for Scalable Million-Token Inference' (arXiv 2411.01783, abstract):
-    Llama 3 405B on 128 H100 (16 nodes of 8: TP 8 in a node, CP 16 across), "1M context prefill
-    ... in 77s (93% parallelization efficiency, 63% FLOPS utilization) and 128K context prefill in
-    3.8s". One reading: FP8 linear layers (bf16 weights do not fit 8 x 80 GB; Meta's published
-    405B inference recipe is FP8 row-wise), 1M = 2^20 and 128K = 2^17 tokens, the 128K run on the
-    same 128 GPUs (the abstract names no other count). FLOPs counted: linear 2 x 401.6e9 linear
-    parameters x S, attention 4 x head_dim x heads x S^2 / 2 x layers (causal); utilization =
+    """Meta, 'Context Parallelism for Scalable Million-Token Inference' (arXiv 2411.01783,
+    abstract): Llama 3 405B on 128 H100 (16 nodes of 8: TP 8 in a node, CP 16 across), "1M context
+    prefill ... in 77s (93% parallelization efficiency, 63% FLOPS utilization) and 128K context
+    prefill in 3.8s". One reading: FP8 linear layers (bf16 weights do not fit 8 x 80 GB; Meta's
+    published 405B inference recipe is FP8 row-wise), 1M = 2^20 and 128K = 2^17 tokens, the 128K run
+    on the same 128 GPUs (the abstract names no other count). FLOPs counted: linear 2 x 401.6e9
+    linear parameters x S, attention 4 x head_dim x heads x S^2 / 2 x layers (causal); utilization =
     FLOPs / (128 x seconds x 989.4e12, the H100's dense bf16 peak)."""
     cfg = planner.load_model("llama-3.1-405b")
     lin = planner.layer_params(cfg, 1)["linear"] * cfg.num_layers
@@ -339,11 +341,15 @@ def main(argv=None) -> int:
     )
     res = [x.seconds(rank) / x.measured_s - 1 for x in fit]
     print(
-        f"CPU, one thread (a rank), fitted on {len(fit)} one-process runs: matmul {rank.matmul / 1e9:.1f} GFLOP/s, "
-        f"memory {rank.memory / 1e9:.2f} GB/s, attention {rank.attention / 1e9:.1f} GFLOP/s (long_ctx 16K), "
-        f"2 threads: x{2**rank.thread_scaling:.2f} (thread_scaling {rank.thread_scaling:.2f}); host "
+        f"CPU, one thread (a rank), fitted on {len(fit)} one-process runs: matmul "
+        f"{rank.matmul / 1e9:.1f} GFLOP/s, "
+        f"memory {rank.memory / 1e9:.2f} GB/s, attention {rank.attention / 1e9:.1f} GFLOP/s "
+        "(long_ctx 16K), "
+        f"2 threads: x{2**rank.thread_scaling:.2f} (thread_scaling {rank.thread_scaling:.2f}); "
+        "host "
         + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in rank.host.items())
-        + f"; loopback {rank.latency['loopback'] * 1e6:.0f} us + {rank.links['loopback'] / 1e9:.2f} GB/s per message"
+        + f"; loopback {rank.latency['loopback'] * 1e6:.0f} us + "
+        f"{rank.links['loopback'] / 1e9:.2f} GB/s per message"
         + f"; fit residuals {min(res):+.0%} .. {max(res):+.0%}, engine baselines "
         + ", ".join(f"{e:+.0%}" for e, x in zip(res, fit) if x.max_tokens > 1)
         + "\n"

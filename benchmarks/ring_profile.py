@@ -16,7 +16,8 @@ prints, per ring step and in total, the seconds per call of this rank split into
 
 The timers wrap module functions (``ringkv.kernels.cpu_flash`` and ``sdpa``, ``ringkv.sp.ring``,
 ``RingComm``) from
-the outside: nothing in the library changes. The steps are rank 0's, the totals every rank's; ``--json`` has every rank's steps.
+the outside: nothing in the library changes. The steps are rank 0's, the totals every rank's;
+``--json`` has every rank's steps.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 import ringkv  # noqa: E402
 from ringkv import kernels  # noqa: E402
 from ringkv.kernels import cpu_flash, merge as merge_mod, sdpa  # noqa: E402
@@ -47,7 +48,8 @@ CATEGORIES = ("kernel", "merge", "copies", "post", "wait", "other")
 
 
 class Clock:
-    """Seconds per (step, category); the step advances at each ``Shards.plan`` call (one per ring step)."""
+    """Seconds per (step, category); the step advances at each ``Shards.plan`` call (one per ring
+    step)."""
 
     def __init__(self):
         self.table = defaultdict(float)
@@ -156,8 +158,10 @@ def main(argv=None) -> int:
         print(machine_line(mach) + " per rank")
         what = "forward + backward's backward" if args.backward else "forward"
         print(
-            f"ring {what}: seq={args.seq} heads={args.heads} kv_heads={args.kv_heads or args.heads} "
-            f"head_dim={args.head_dim} {args.layout} {'causal' if args.causal else 'full'}, {world} rank(s); "
+            f"ring {what}: seq={args.seq} heads={args.heads} "
+            f"kv_heads={args.kv_heads or args.heads} "
+            f"head_dim={args.head_dim} {args.layout} {'causal' if args.causal else 'full'}, "
+            f"{world} rank(s); "
             f"seconds per call, by step on rank 0, in all on every rank (load {load_average()})"
         )
         print(f"{'step':>5s} " + " ".join(f"{c:>8s}" for c in CATEGORIES))

@@ -25,14 +25,16 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 TEXT = (
     "The history of the river valley begins with small farming villages that grew along its banks. "
-    "Over centuries, traders arrived from the coast, bringing salt, cloth and new ideas about writing and "
-    "numbers. The villages became towns, the towns built walls, and the walls became the borders of the "
+    "Over centuries, traders arrived from the coast, bringing salt, cloth and new ideas about "
+    "writing and "
+    "numbers. The villages became towns, the towns built walls, and the walls became the borders "
+    "of the "
     "first small kingdoms. Scholars still argue about which of these kingdoms was the oldest. "
 )
 
@@ -221,17 +223,22 @@ def main(argv=None):
         + ("" if args.url is None else f" (this client's; the server at {args.url} may differ)")
     )
     print(
-        f"{describe(args.model)}, ringkv serve {args.server_args}, {args.requests} requests per rate, prompts "
-        f"{args.min_prompt}-{args.max_prompt} tokens, outputs {args.min_tokens}-{args.max_tokens} tokens"
+        f"{describe(args.model)}, ringkv serve {args.server_args}, {args.requests} requests per "
+        "rate, prompts "
+        f"{args.min_prompt}-{args.max_prompt} tokens, outputs {args.min_tokens}-{args.max_tokens} "
+        "tokens"
     )
     print(
-        "| rate (req/s) | output tok/s | req/s | TTFT p50 / p90 / p99 (s) | ITL p50 / p90 / p99 (ms) | E2E p50 / p99 (s) |"
+        "| rate (req/s) | output tok/s | req/s | TTFT p50 / p90 / p99 (s) | ITL p50 / p90 / p99 "
+        "(ms) | E2E p50 / p99 (s) |"
     )
     print("|---:|---:|---:|---|---|---|")
     for r in rows:
         print(
-            f"| {r['rate']:g} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p90']:.2f} / "
-            f"{r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p90']:.0f} / {1e3 * r['itl_p99']:.0f} | "
+            f"| {r['rate']:g} | {r['tok_s']:.1f} | {r['req_s']:.2f} | {r['ttft_p50']:.2f} / "
+            f"{r['ttft_p90']:.2f} / "
+            f"{r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p90']:.0f} / "
+            f"{1e3 * r['itl_p99']:.0f} | "
             f"{r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} |"
         )
     if args.json:

@@ -1,7 +1,8 @@
 """PyTorch's own ring attention as a peer for ``long_ctx.py --peer torch``.
 
 ``torch.distributed.tensor.experimental`` ships ``context_parallel``, which rewrites SDPA calls
-on DTensors; on CPU it has no sharding rule for ``aten._scaled_dot_product_flash_attention_for_cpu``.
+on DTensors; on CPU it has no sharding rule for
+``aten._scaled_dot_product_flash_attention_for_cpu``.
 Its ring itself, the private ``_templated_ring_attention`` (and ``..._backward``), takes the
 attention op as an argument, so here it is given the CPU flash op (or, on CUDA, the flash op)
 and wrapped in an autograd function. torch's options are left at their defaults
@@ -26,9 +27,9 @@ import sys
 from typing import Callable, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,10 @@ def unavailable(
     if heads != kv_heads:
         return "torch's ring has no GQA (its SDPA ops need kv_heads == heads)"
     if causal and layout not in ("zigzag", "contiguous"):
-        return f"torch's ring balances causal work head-tail (zigzag) or not at all (contiguous), not {layout}"
+        return (
+            "torch's ring balances causal work head-tail (zigzag) or not at all (contiguous), not "
+            f"{layout}"
+        )
     if device.type == "cuda" and not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention"):
         return "this torch has no CUDA flash SDPA op"
     return None
@@ -82,7 +86,8 @@ def unavailable(
 def torch_ring(
     group: dist.ProcessGroup, causal: bool, layout: str, device: torch.device
 ) -> Callable:
-    """``peer(q, k, v) -> out`` over ``(B, H, S_local, D)`` shards of ``layout`` (see ``unavailable``)."""
+    """``peer(q, k, v) -> out`` over ``(B, H, S_local, D)`` shards of ``layout`` (see
+    ``unavailable``)."""
     mod, aten = _module(), torch.ops.aten
     balance = causal and layout == "zigzag"
     if device.type == "cpu":  # (out, lse)

@@ -63,8 +63,9 @@ the fit: the longest S/N whose weights + step peak fit in ``--fit-budget`` GiB p
 ``--throughput``: each configuration runs one warm-up step at each S and then ``--iters`` timed
 steps (no profiler); tokens/s = S / median step time. Patched ranks run 1 thread each;
 ``unpatched*`` runs in rank 0 alone with ``--baseline-threads`` threads (default: the world
-size, the cores the N ranks use; memory runs use them too, which changes only their time). The time is forward + backward only (no optimizer step: its
-cost is per parameter, the same in every configuration).
+size, the cores the N ranks use; memory runs use them too, which changes only their time). The time
+is forward + backward only (no optimizer step: its cost is per parameter, the same in every
+configuration).
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 from benchmarks.models import describe, load_average, machine, machine_line, model_path, write_json  # noqa: E402
 
@@ -102,7 +103,8 @@ def _libc():
 
 
 def _fix_malloc() -> bool:
-    """Large frees go back to the OS at once (a fixed mmap threshold stops glibc from raising it)."""
+    """Large frees go back to the OS at once (a fixed mmap threshold stops glibc from raising
+    it)."""
     libc = _libc()
     return bool(libc and libc.mallopt(-3, 128 * 1024))  # M_MMAP_THRESHOLD
 
@@ -140,7 +142,8 @@ def _reset_hwm() -> bool:
 
 
 def _profiled_peak(prof) -> int:
-    """Peak CPU bytes allocated through torch during a profile, above what was allocated when it began."""
+    """Peak CPU bytes allocated through torch during a profile, above what was allocated when it
+    began."""
     from torch._C._profiler import _EventType
 
     start, peak, first = 0, 0, True
@@ -223,10 +226,10 @@ def fit(xs, ys):
 
 
 def longest(f: dict, weights: int, budget: float, pts) -> dict:
-    """The longest S/N whose weights + step peak fit in ``budget`` bytes (also with AdamW's state, 3 x
-    weights): on the fit ``a + b x``, and on the line through the two largest points (``b_last``: the
-    marginal bytes per token there, which a step whose constant part is amortised over S/N has above
-    the fit's ``b``)."""
+    """The longest S/N whose weights + step peak fit in ``budget`` bytes (also with AdamW's state, 3
+    x weights): on the fit ``a + b x``, and on the line through the two largest points (``b_last``:
+    the marginal bytes per token there, which a step whose constant part is amortised over S/N has
+    above the fit's ``b``)."""
 
     def x(held):
         return max(0, int((budget - held - f["a"]) / f["b"])) if f["b"] > 0 else None
@@ -246,7 +249,8 @@ def _two(points):
 
 
 def estimate_alloc(points, x):
-    """The step peak at ``x`` on the line through the two largest measured (x, alloc); None when unknown."""
+    """The step peak at ``x`` on the line through the two largest measured (x, alloc); None when
+    unknown."""
     pts = _two(points)
     if pts is None:
         return None
@@ -255,7 +259,8 @@ def estimate_alloc(points, x):
 
 
 def estimate_seconds(points, x):
-    """The step time at ``x`` from the two largest measured (x, seconds) as ``p x + q x^2`` (p, q >= 0)."""
+    """The step time at ``x`` from the two largest measured (x, seconds) as ``p x + q x^2`` (p, q >=
+    0)."""
     pts = _two(points)
     if pts is None:
         return None
@@ -278,6 +283,9 @@ def main(argv=None) -> int:
         nargs="+",
         default=[2048, 4096, 8192, 16384, 32768],
         help="memory: the tokens per rank (S/N) of the points; patched runs get S = N x S/N tokens, "
+        ""
+        ""
+        ""
         "unpatched ones S/N tokens in one process",
     )
     ap.add_argument(
@@ -295,7 +303,8 @@ def main(argv=None) -> int:
         nargs="+",
         default=None,
         choices=CONFIGS,
-        help=f"default: {' '.join(MEMORY_CONFIGS)} (memory), {' '.join(THROUGHPUT_CONFIGS)} (throughput)",
+        help=f"default: {' '.join(MEMORY_CONFIGS)} (memory), {' '.join(THROUGHPUT_CONFIGS)} "
+        "(throughput)",
     )
     ap.add_argument(
         "--limit",
@@ -312,7 +321,8 @@ def main(argv=None) -> int:
         "--mem-limit",
         type=float,
         default=10.0,
-        help="GiB: skip a point whose estimated resident memory of all processes together exceeds it",
+        help="GiB: skip a point whose estimated resident memory of all processes together exceeds "
+        "it",
     )
     ap.add_argument(
         "--max-step-seconds",
@@ -342,7 +352,8 @@ def main(argv=None) -> int:
         nargs="+",
         default=[],
         metavar="JSON",
-        help="memory runs of this model whose points also estimate each step's peak (the calibration "
+        help="memory runs of this model whose points also estimate each step's peak (the "
+        "calibration "
         "steps alone underestimate it: at a few hundred tokens a constant dominates the peak)",
     )
     ap.add_argument(
@@ -501,11 +512,15 @@ def main(argv=None) -> int:
             reason = None
             if need is not None and need > mem_limit:
                 reason = (
-                    f"estimated {need / GIB:.1f} GiB in all processes (step peak {est / GIB:.2f} GiB per active "
+                    f"estimated {need / GIB:.1f} GiB in all processes (step peak {est / GIB:.2f} "
+                    "GiB per active "
                     f"rank) > --mem-limit {args.mem_limit:g} GiB"
                 )
             elif need is not None and need - resident > 0.9 * min(g["avail"] for g in state):
-                reason = f"estimated step peak {est / GIB:.2f} GiB > 90% of the machine's available memory"
+                reason = (
+                    f"estimated step peak {est / GIB:.2f} GiB > 90% of the machine's available "
+                    "memory"
+                )
             elif args.max_step_seconds and est_s is not None and est_s > args.max_step_seconds:
                 reason = (
                     f"estimated step {est_s:.0f} s > --max-step-seconds {args.max_step_seconds:g}"
@@ -596,8 +611,10 @@ def main(argv=None) -> int:
         )
         dev = torch.cuda.get_device_name(device) if cuda else "CPU (gloo)"
         head = (
-            f"{'train-step time' if args.throughput else 'train-step memory'}: {describe(args.model)}, fp32, "
-            f"layout {args.layout}, N={world} ranks on {dev}; load {load} at the start, {load_end} at the end; "
+            f"{'train-step time' if args.throughput else 'train-step memory'}: "
+            f"{describe(args.model)}, fp32, "
+            f"layout {args.layout}, N={world} ranks on {dev}; load {load} at the start, {load_end} "
+            "at the end; "
             f"weights {weights / MIB:.1f} MiB per rank (held before the step)"
         )
         if not args.throughput:
@@ -642,7 +659,8 @@ def main(argv=None) -> int:
         )
         for s in skipped:
             print(
-                f"skipped: {s['config']} at S/N {s['tokens_per_rank']} (S {s['seq']}): {s['reason']}"
+                f"skipped: {s['config']} at S/N {s['tokens_per_rank']} (S {s['seq']}): "
+                f"{s['reason']}"
             )
         for cfg, why in notes.items():
             print(f"not available: {cfg}: {why}")
@@ -654,13 +672,15 @@ def main(argv=None) -> int:
 
 def print_memory(rows, configs, weights, budget, budget_gib):
     print(
-        "| config | N | S | S/N | alloc per rank (MiB) | rss per rank (MiB) | KiB per token | step s |"
+        "| config | N | S | S/N | alloc per rank (MiB) | rss per rank (MiB) | KiB per token | step "
+        "s |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         rss = "-" if r["rss"] is None else f"{r['rss'] / MIB:.0f}"
         print(
-            f"| {r['config']} | {r['ranks']} | {r['seq']} | {r['tokens_per_rank']} | {r['alloc'] / MIB:.1f} | "
+            f"| {r['config']} | {r['ranks']} | {r['seq']} | {r['tokens_per_rank']} | "
+            f"{r['alloc'] / MIB:.1f} | "
             f"{rss} | {r['alloc'] / r['tokens_per_rank'] / 1024:.1f} | {r['seconds']:.1f} |"
         )
     fits = {}
@@ -669,8 +689,10 @@ def print_memory(rows, configs, weights, budget, budget_gib):
         f"{budget_gib:g} GiB per rank (and with AdamW state, 3 x weights):"
     )
     print(
-        f"| config | points | a (MiB) | b (KiB per token per rank) | worst residual | longest S/N in {budget_gib:g} GiB "
-        f"| with AdamW | b of the two largest points (KiB) | longest S/N on their line | with AdamW |"
+        "| config | points | a (MiB) | b (KiB per token per rank) | worst residual | longest S/N "
+        f"in {budget_gib:g} GiB "
+        "| with AdamW | b of the two largest points (KiB) | longest S/N on their line | with "
+        "AdamW |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for cfg in configs:
@@ -681,8 +703,10 @@ def print_memory(rows, configs, weights, budget, budget_gib):
         f.update(longest(f, weights, budget, [(r["tokens_per_rank"], r["alloc"]) for r in pts]))
         fits[cfg] = f
         print(
-            f"| {cfg} | {f['points']} | {f['a'] / MIB:.1f} | {f['b'] / 1024:.2f} | {100 * f['worst']:.1f}% | "
-            f"{f['per_rank']} | {f['per_rank_adamw']} | {f['b_last'] / 1024:.2f} | {f['per_rank_last']} | "
+            f"| {cfg} | {f['points']} | {f['a'] / MIB:.1f} | {f['b'] / 1024:.2f} | "
+            f"{100 * f['worst']:.1f}% | "
+            f"{f['per_rank']} | {f['per_rank_adamw']} | {f['b_last'] / 1024:.2f} | "
+            f"{f['per_rank_last']} | "
             f"{f['per_rank_adamw_last']} |"
         )
     return fits
@@ -690,14 +714,16 @@ def print_memory(rows, configs, weights, budget, budget_gib):
 
 def print_throughput(rows):
     print(
-        "| config | ranks x threads | S | S/N | step s (median) | tokens/s | time per token vs unpatched |"
+        "| config | ranks x threads | S | S/N | step s (median) | tokens/s | time per token vs "
+        "unpatched |"
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         base = [b for b in rows if b["config"] == "unpatched" and b["seq"] == r["seq"]]
         ratio = f"{r['seconds'] / base[0]['seconds']:.3f}" if base else "-"
         print(
-            f"| {r['config']} | {r['ranks']} x {r['threads']} | {r['seq']} | {r['tokens_per_rank']} | "
+            f"| {r['config']} | {r['ranks']} x {r['threads']} | {r['seq']} | "
+            f"{r['tokens_per_rank']} | "
             f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {ratio} |"
         )
 
@@ -736,7 +762,8 @@ def summarize(paths) -> int:
     for d in runs:
         m = d.get("machine", {})
         print(
-            f"{d['path']}: {d.get('mode')} {d['model']} (vocab {d.get('vocab')}), N={d['world']}, load "
+            f"{d['path']}: {d.get('mode')} {d['model']} (vocab {d.get('vocab')}), N={d['world']}, "
+            "load "
             f"{d['load']} -> {d.get('load_end')}, {m.get('cpu')} {m.get('isa')}"
         )
 
@@ -751,15 +778,19 @@ def summarize(paths) -> int:
         )
 
     print(
-        "\nfits of every model's merged points: a (MiB) + b (KiB per token per rank) x, worst residual; longest S/N "
+        "\nfits of every model's merged points: a (MiB) + b (KiB per token per rank) x, worst "
+        "residual; longest S/N "
         "in the fit budget on the fit and on the two largest points' line:"
     )
     for d in mem:
         for c, f in d["fits"].items():
             print(
-                f"  {d['model']} N={d['world']} {c}: points {sorted(r['tokens_per_rank'] for r in d['rows'] if r['config'] == c)}"
-                f", a {f['a'] / MIB:.1f}, b {f['b'] / 1024:.2f}, worst {100 * f['worst']:.1f}%, longest "
-                f"{f['per_rank']} (AdamW {f['per_rank_adamw']}); b of the two largest {f['b_last'] / 1024:.2f}, "
+                f"  {d['model']} N={d['world']} {c}: points "
+                f"{sorted(r['tokens_per_rank'] for r in d['rows'] if r['config'] == c)}"
+                f", a {f['a'] / MIB:.1f}, b {f['b'] / 1024:.2f}, worst {100 * f['worst']:.1f}%, "
+                "longest "
+                f"{f['per_rank']} (AdamW {f['per_rank_adamw']}); b of the two largest "
+                f"{f['b_last'] / 1024:.2f}, "
                 f"longest {f['per_rank_last']} (AdamW {f['per_rank_adamw_last']})"
             )
     print("\nslope b (KiB per token per rank) per configuration and model:")
@@ -773,7 +804,8 @@ def summarize(paths) -> int:
             + " |"
         )
     out = {}
-    # the part of b that does not scale with depth: b(L) = b0 + L * per_layer, from two depths at one vocabulary
+    # the part of b that does not scale with depth: b(L) = b0 + L * per_layer, from two depths at
+    # one vocabulary
     by_vocab = {}
     for d in mem:
         by_vocab.setdefault(d["vocab"], []).append(d)
@@ -788,7 +820,8 @@ def summarize(paths) -> int:
                 out.setdefault(c, {})["per_layer"] = per_layer
                 out[c].setdefault("b0", {})[v] = b0
                 print(
-                    f"{c}: per layer {per_layer / 1024:.2f} KiB per token; not scaling with depth (vocab {v}): "
+                    f"{c}: per layer {per_layer / 1024:.2f} KiB per token; not scaling with depth "
+                    f"(vocab {v}): "
                     f"{b0 / 1024:.2f} KiB per token"
                 )
         if per_layer is not None:  # the other vocabularies' b0 with the same per-layer part
@@ -798,7 +831,8 @@ def summarize(paths) -> int:
                         b0 = fit_of(d, c)["b"] - layers(d) * per_layer
                         out[c]["b0"][v] = b0
                         print(
-                            f"{c}: not scaling with depth (vocab {v}, from {d['model']}): {b0 / 1024:.2f} KiB per token"
+                            f"{c}: not scaling with depth (vocab {v}, from {d['model']}): "
+                            f"{b0 / 1024:.2f} KiB per token"
                         )
         same = [
             (d, e)
@@ -812,9 +846,11 @@ def summarize(paths) -> int:
         for d, e in same:
             diff = fit_of(e, c)["b"] - fit_of(d, c)["b"]
             print(
-                f"{c}: {layers(d)} layers, vocab {d['vocab']} -> {e['vocab']}: b {fit_of(d, c)['b'] / 1024:.2f} -> "
+                f"{c}: {layers(d)} layers, vocab {d['vocab']} -> {e['vocab']}: b "
+                f"{fit_of(d, c)['b'] / 1024:.2f} -> "
                 f"{fit_of(e, c)['b'] / 1024:.2f} KiB per token ({diff / 1024:+.2f} KiB, "
-                f"{4 * (e['vocab'] - d['vocab']) / 1024:.0f} KiB is one fp32 logits row's difference)"
+                f"{4 * (e['vocab'] - d['vocab']) / 1024:.0f} KiB is one fp32 logits row's "
+                "difference)"
             )
             out.setdefault(c, {}).setdefault("vocab_pairs", []).append(
                 dict(
@@ -838,7 +874,8 @@ def summarize(paths) -> int:
                 (num, how_n), (den, how_d) = at(d, c, 8192), at(d, base, 8192)
                 if num and den:
                     print(
-                        f"{d['model']}: peak at S/N 8192: {c} {num / MIB:.1f} MiB ({how_n}) / {base} "
+                        f"{d['model']}: peak at S/N 8192: {c} {num / MIB:.1f} MiB ({how_n}) / "
+                        f"{base} "
                         f"{den / MIB:.1f} MiB ({how_d}) = {num / den:.3f}"
                     )
                     out.setdefault("ratio_8k", []).append(
@@ -860,8 +897,10 @@ def summarize(paths) -> int:
                 last = fc.get("per_rank_last"), fl.get("per_rank_last")
                 r_last = last[0] / last[1] if all(last) else None
                 print(
-                    f"{d['model']}: longest S/N in {d['args']['fit_budget']:g} GiB per rank: {c} {fc['per_rank']} / "
-                    f"logits {fl['per_rank']} = {r:.1f}x on the fits (with AdamW: {fc['per_rank_adamw']} / "
+                    f"{d['model']}: longest S/N in {d['args']['fit_budget']:g} GiB per rank: {c} "
+                    f"{fc['per_rank']} / "
+                    f"logits {fl['per_rank']} = {r:.1f}x on the fits (with AdamW: "
+                    f"{fc['per_rank_adamw']} / "
                     f"{fl['per_rank_adamw']})"
                     + (
                         ""

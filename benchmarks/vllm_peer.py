@@ -37,9 +37,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = (
-    [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-)  # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
+# `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -63,7 +63,8 @@ def bind_threads(threads: int) -> None:
 
 
 def run(job: dict) -> dict:
-    """Build vLLM's engine on ``job["model"]``, warm it up, time ``generate`` on the job's prompts."""
+    """Build vLLM's engine on ``job["model"]``, warm it up, time ``generate`` on the job's
+    prompts."""
     if job.get("threads"):
         bind_threads(job["threads"])
     import vllm
@@ -81,7 +82,8 @@ def run(job: dict) -> dict:
     generate(llm, [p[:8] for p in prompts[:2]], [2] * min(2, len(prompts)))
     best = None
     for _ in range(job.get("repeats", 1)):
-        llm.reset_prefix_cache()  # like ringkv's side: no prefix hits from the warm-up or an earlier repeat
+        # like ringkv's side: no prefix hits from the warm-up or an earlier repeat
+        llm.reset_prefix_cache()
         tokens, dt = generate(llm, prompts, max_tokens)
         if best is None or dt < best[1]:
             best = tokens, dt

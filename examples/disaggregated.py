@@ -29,7 +29,8 @@ from ringkv.parallel.transfer import recv_bytes, send_bytes  # noqa: E402
 
 TEXT = (
     "The history of the river valley begins with small farming villages that grew along its banks. "
-    "Traders arrived from the coast with salt and cloth, the villages became towns, the towns built "
+    "Traders arrived from the coast with salt and cloth, the villages became towns, the towns "
+    "built "
     "walls, and the walls became the borders of the first kingdoms. "
 )
 
@@ -115,10 +116,12 @@ def main(argv=None) -> int:
     same = got == ref["tokens"]
     tokens = sum(map(len, got))
     print(
-        f"disaggregated (prefill rank 0 -> decode rank 1): {tokens / split_s:.1f} output tok/s over {split_s:.2f} s"
+        f"disaggregated (prefill rank 0 -> decode rank 1): {tokens / split_s:.1f} output tok/s "
+        f"over {split_s:.2f} s"
     )
     print(
-        f"one engine:                                      {tokens / ref['seconds']:.1f} output tok/s over "
+        f"one engine:                                      {tokens / ref['seconds']:.1f} output "
+        "tok/s over "
         f"{ref['seconds']:.2f} s"
     )
     print(f"outputs identical to one engine: {same} ({len(got)} requests, {tokens} tokens)")

@@ -128,7 +128,8 @@ def main():
     if rank == 0:
         mem = "cuda max allocated" if cuda else "peak RSS"
         print(
-            f"ringkv sp={world} layout={args.layout} prompt={args.seq} tokens, {args.new_tokens} new, "
+            f"ringkv sp={world} layout={args.layout} prompt={args.seq} tokens, {args.new_tokens} "
+            "new, "
             f"model={args.model or 'tiny random Llama'}, {dtype}"
         )
         for r, s, (m, rise) in report:
@@ -144,12 +145,15 @@ def main():
             + (
                 ""
                 if cuda
-                else f" (+{ref_peak[1]:.1f} MiB in the run; the peak includes the patched run before it)"
+                else f" (+{ref_peak[1]:.1f} MiB in the run; the peak includes the patched run "
+                "before it)"
             )
         )
         print(
-            f"  max |logits - unpatched| (first new token) = {(first - ref_first).abs().max().item():.3e}; "
-            f"tokens {'identical' if torch.equal(tokens, ref_tokens) else 'DIFFER'}: {tokens[0].tolist()}"
+            "  max |logits - unpatched| (first new token) = "
+            f"{(first - ref_first).abs().max().item():.3e}; "
+            f"tokens {'identical' if torch.equal(tokens, ref_tokens) else 'DIFFER'}: "
+            f"{tokens[0].tolist()}"
         )
     dist.barrier()
     dist.destroy_process_group()

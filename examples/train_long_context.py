@@ -38,8 +38,8 @@ fresh process; or --single alone): the unpatched model, freshly loaded, trained 
 in one process on the same rows with dp * batch rows per micro-batch (the union of the replicas'
 micro-batches) and the same --ga: the same optimizer steps. transformers' own attention keeps packed
 documents apart from the position_ids. Both runs' logged per-step losses and gradient norms (before
-clipping: Adam's update hides a wrong gradient scale, the norm does not) are printed side by side with
-the largest differences; the exit code is 1 when a step differs by more than --tol (relative). fp32.
+clipping: Adam's update hides a wrong gradient scale, the norm does not) are printed side by side
+with the largest differences; the exit code is 1 when a step differs by more than --tol (relative). fp32.
 Gloo on CPU, NCCL on GPU.
 """
 
@@ -126,7 +126,8 @@ def pack_rows(docs, seq, n_rows):
 
 
 def collate(rows):
-    """``DataCollatorWithFlattening`` over each row's pieces; rows stacked to ``(len(rows), seq)``."""
+    """``DataCollatorWithFlattening`` over each row's pieces; rows stacked to
+    ``(len(rows), seq)``."""
     from transformers import DataCollatorWithFlattening
 
     flatten = DataCollatorWithFlattening()  # input_ids, labels, position_ids: (1, seq) per row
@@ -143,7 +144,8 @@ def replica_batch(rows, step, replica, dp, batch, device):
 
 
 def rows_dataset(rows):
-    """The Trainer's dataset: one item per packed row, its document pieces (collate() flattens them)."""
+    """The Trainer's dataset: one item per packed row, its document pieces (collate() flattens
+    them)."""
     return [{"pieces": row} for row in rows]
 
 
@@ -216,8 +218,10 @@ def distributed_run(args, rows, device, out_dir):
     )
     if dist.get_rank() == 0:
         print(
-            f"ringkv: dp={args.dp} x sp={args.sp} ({args.layout}), rows of {args.seq} tokens, {args.batch} per "
-            f"replica per micro-batch, {args.ga} micro-batch(es) per step, lr {args.lr}, {device}, fp32, "
+            f"ringkv: dp={args.dp} x sp={args.sp} ({args.layout}), rows of {args.seq} tokens, "
+            f"{args.batch} per "
+            f"replica per micro-batch, {args.ga} micro-batch(es) per step, lr {args.lr}, {device}, "
+            "fp32, "
             f"model {args.model}",
             flush=True,
         )
@@ -226,7 +230,8 @@ def distributed_run(args, rows, device, out_dir):
 
 
 def reference_run(args, rows, device, out_dir):
-    """One process, the unpatched model, a plain Trainer on the same rows (dp * batch per micro-batch)."""
+    """One process, the unpatched model, a plain Trainer on the same rows (dp * batch per
+    micro-batch)."""
     from transformers import Trainer
 
     model = load_model(args, device)
@@ -277,7 +282,8 @@ def reference_subprocess(args):
 
 
 def compare(ring, ref, tol) -> bool:
-    """Print both runs' losses and gradient norms side by side; True when every step is within ``tol``."""
+    """Print both runs' losses and gradient norms side by side; True when every step is within
+    ``tol``."""
     print(
         f"{'step':>4}  {'ringkv loss':>12}  {'reference':>12}  {'|diff|':>9}  {'relative':>9}   "
         f"{'grad norm':>10}  {'reference':>10}  {'relative':>9}"
@@ -292,12 +298,15 @@ def compare(ring, ref, tol) -> bool:
             max(worst_norm, rel_norm),
         )
         print(
-            f"{i + 1:>4}  {a:12.6f}  {b:12.6f}  {diff:9.2e}  {rel:9.2e}   {na:10.6f}  {nb:10.6f}  {rel_norm:9.2e}"
+            f"{i + 1:>4}  {a:12.6f}  {b:12.6f}  {diff:9.2e}  {rel:9.2e}   {na:10.6f}  {nb:10.6f}  "
+            f"{rel_norm:9.2e}"
         )
     ok = len(ring) == len(ref) and worst_rel <= tol and worst_norm <= tol
     print(
-        f"max |loss difference| = {worst_abs:.3e} (relative {worst_rel:.3e}); max relative grad norm "
-        f"difference = {worst_norm:.3e}; tolerance {tol:.0e} relative: {'OK' if ok else 'EXCEEDED'}",
+        f"max |loss difference| = {worst_abs:.3e} (relative {worst_rel:.3e}); max relative grad "
+        "norm "
+        f"difference = {worst_norm:.3e}; tolerance {tol:.0e} relative: "
+        f"{'OK' if ok else 'EXCEEDED'}",
         flush=True,
     )
     return ok
@@ -343,7 +352,8 @@ def main():
     p.add_argument(
         "--reference",
         action="store_true",
-        help="after the run, rank 0 runs the unpatched model on the same batches and compares losses",
+        help="after the run, rank 0 runs the unpatched model on the same batches and compares "
+        "losses",
     )
     p.add_argument(
         "--single",
@@ -390,7 +400,8 @@ def main():
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
             p.error("--single runs in one process: start it with python, not torchrun")
         print(
-            f"{len(docs)} documents from {os.path.basename(args.data)}; {len(rows)} rows of {args.seq} tokens"
+            f"{len(docs)} documents from {os.path.basename(args.data)}; {len(rows)} rows of "
+            f"{args.seq} tokens"
         )
         t0 = time.perf_counter()
         ref = reference_run(args, rows, device, os.path.join(args.output_dir, "reference"))
@@ -405,7 +416,8 @@ def main():
 
     if "WORLD_SIZE" not in os.environ:
         p.error(
-            "start the distributed run with torchrun --nproc-per-node DP*SP (or pass --single for the "
+            "start the distributed run with torchrun --nproc-per-node DP*SP (or pass --single for "
+            "the "
             "reference alone)"
         )
     world = int(os.environ["WORLD_SIZE"])
@@ -414,7 +426,8 @@ def main():
     args.sp = args.sp or world // args.dp
     if args.sp < 1 or args.dp * args.sp != world:
         p.error(
-            f"--dp {args.dp} x --sp {args.sp} = {args.dp * args.sp} ranks, but the world has {world} "
+            f"--dp {args.dp} x --sp {args.sp} = {args.dp * args.sp} ranks, but the world has "
+            f"{world} "
             f"(start torchrun --nproc-per-node {max(1, args.dp * args.sp)})"
         )
     if (
@@ -424,7 +437,8 @@ def main():
     rank = dist.get_rank()
     if rank == 0:
         print(
-            f"{len(docs)} documents from {os.path.basename(args.data)}; {len(rows)} rows of {args.seq} tokens "
+            f"{len(docs)} documents from {os.path.basename(args.data)}; {len(rows)} rows of "
+            f"{args.seq} tokens "
             f"({sum(len(r) for r in rows)} pieces); load average {load_average()}",
             flush=True,
         )
@@ -436,7 +450,8 @@ def main():
     if rank != 0:
         return 0
     print(
-        f"ringkv: {seconds:.1f} s for {args.steps} steps with loading; load average {load_average()}",
+        f"ringkv: {seconds:.1f} s for {args.steps} steps with loading; load average "
+        f"{load_average()}",
         flush=True,
     )
     if not args.reference:

@@ -121,15 +121,19 @@ __all__ = [
 ATTN_NAME = "ringkv"
 IGNORE_INDEX = -100
 PADDING_HELP = (
-    "ringkv: attention_mask contains padding (zeros) in a decode step, but the prompt in the KV cache had "
-    "none: a batch's pad pattern cannot change between steps. Left-pad the prompts (zeros as a prefix "
+    "ringkv: attention_mask contains padding (zeros) in a decode step, but the prompt in the KV "
+    "cache had "
+    "none: a batch's pad pattern cannot change between steps. Left-pad the prompts (zeros as a "
+    "prefix "
     "of each row, as generate does) and pass the attention_mask that generate grows"
 )
 LEFT_PAD_HELP = (
-    "each row of attention_mask must be zeros followed by ones (left padding, as batched generate pads), "
+    "each row of attention_mask must be zeros followed by ones (left padding, as batched generate "
+    "pads), "
     "with at least one real token"
 )
-# keyword arguments that describe packed documents (what DataCollatorWithFlattening adds besides position_ids)
+# keyword arguments that describe packed documents (what DataCollatorWithFlattening adds besides
+# position_ids)
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
@@ -160,7 +164,8 @@ class ShardedKVCache(_dynamic_cache()):
         self.decode_steps = 0  # forwards after the prefill: the owner of step i is rank i % N
         self._keep: Optional[torch.Tensor] = None  # rows of the current forward to cache
         self._prefill = False
-        # a left-padded batch (``lengths`` set): pads are never cached; the real tokens of all rows are packed into
+        # a left-padded batch (``lengths`` set): pads are never cached; the real tokens of all rows
+        # are packed into
         # one cache row (keys (1, Hkv, S_local, D)), ``rows`` (S_local,) says whose each is
         self.rows: Optional[torch.Tensor] = None  # host: the batch row of each cached token
         self.lengths: Optional[torch.Tensor] = (
@@ -242,12 +247,13 @@ class _Step:
 
 @dataclass
 class _PadStep:
-    """A forward of a left-padded batch with a KV cache. Prefill: the rows' real tokens packed as one
-    document each (the varlen ring; pads are dropped, never computed or cached); the last ``keep``
-    logits of each row are assembled as ``(B, keep, V)`` from the flat slots ``keep_at``. Decode: the
+    """A forward of a left-padded batch with a KV cache. Prefill: the rows' real tokens packed as
+    one document each (the varlen ring; pads are dropped, never computed or cached); the last
+    ``keep`` logits of each row are assembled as ``(B, keep, V)`` from the flat slots ``keep_at``.
+    Decode: the
     ``B * T`` new queries and this rank's packed cache in one kernel call on *virtual* positions
-    ``row * span + position`` (a key of another row is never within ``left`` before a query, nor after
-    it), then one merge across the group, as for any decode step."""
+    ``row * span + position`` (a key of another row is never within ``left`` before a query, nor
+    after it), then one merge across the group, as for any decode step."""
 
     rows_kept: torch.Tensor  # (n,) host: the batch row of each token this rank caches
     lengths: torch.Tensor  # (B,) host: real tokens of each row after this forward
@@ -320,7 +326,8 @@ def ringkv_attention(
     **kwargs,
 ):
     """``AttentionInterface`` function: query ``(B, H, S, D)``, key ``(B, Hkv, S_kv, D)``, value
-    ``(B, Hkv, S_kv, Dv)`` -> ``(attn_output (B, S, H, Dv), None)``. ``softcap`` and sinks (``s_aux``
+    ``(B, Hkv, S_kv, Dv)`` -> ``(attn_output (B, S, H, Dv), None)``. ``softcap`` and sinks
+    (``s_aux``
     ``(H,)``) are applied as the model's eager attention does."""
     state = getattr(module, "_ringkv_state", None)
     step = (
@@ -335,7 +342,8 @@ def ringkv_attention(
         )
     if dropout:
         raise ValueError(
-            f"ringkv: attention dropout ({dropout}) is not supported; set config.attention_dropout=0 "
+            f"ringkv: attention dropout ({dropout}) is not supported; set "
+            "config.attention_dropout=0 "
             f"or call model.eval()"
         )
     # transformers' sliding window of W tokens: a query sees itself and the W - 1 keys before it
@@ -396,7 +404,8 @@ def ringkv_attention(
         out = usp_attention(
             q, k, v, ulysses_group=state.groups[0], ring_group=state.groups[1], **kw
         )
-    else:  # packed documents (step.cu): the varlen ring, each document split by the layout on its own
+    else:
+        # packed documents (step.cu): the varlen ring, each document split by the layout on its own
         out = ring_attention(q, k, v, group=state.group, cu_seqlens=step.cu, **kw)
     return out, None  # (B, S_local, H, D)
 
@@ -441,7 +450,8 @@ def _check_positions(given, want: torch.Tensor, what: str) -> None:
 
 
 def _as_rows(x, b: int, t: int, name: str) -> torch.Tensor:
-    """``x`` as a ``(B, S)`` integer tensor on the host (``(S,)`` and ``(1, S)`` broadcast over rows)."""
+    """``x`` as a ``(B, S)`` integer tensor on the host (``(S,)`` and ``(1, S)`` broadcast over
+    rows)."""
     if not isinstance(x, torch.Tensor):
         x = torch.as_tensor(x)
     if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
@@ -469,7 +479,8 @@ def _starts_from_positions(pos: torch.Tensor) -> torch.Tensor:
             else f"{int(prev[r, i])} then {int(pos[r, i])} at index {i}"
         )
         raise ValueError(
-            f"ringkv: position_ids must restart at 0 for each packed document and increase by 1 inside "
+            "ringkv: position_ids must restart at 0 for each packed document and increase by 1 "
+            "inside "
             f"it (as DataCollatorWithFlattening makes them); row {r} has {got}. Omit position_ids "
             f"for one unpacked sequence per row (other offsets are not supported)"
         )
@@ -481,7 +492,8 @@ def _starts_from_seq_idx(idx: torch.Tensor) -> torch.Tensor:
     if bool((step < 0).any()):
         r, i = (step < 0).nonzero()[0].tolist()
         raise ValueError(
-            f"ringkv: seq_idx must number the packed documents of a row in order (never decreasing: a "
+            "ringkv: seq_idx must number the packed documents of a row in order (never "
+            "decreasing: a "
             f"document's tokens are contiguous); row {r} goes from {int(idx[r, i])} to "
             f"{int(idx[r, i + 1])} at index {i + 1}"
         )
@@ -508,7 +520,8 @@ def _starts_from_cu(cu, b: int, t: int, name: str) -> torch.Tensor:
     if not bool(starts[:, 0].all()):
         r = int((~starts[:, 0]).nonzero()[0])
         raise ValueError(
-            f"ringkv: {name} puts a document across batch rows {r - 1} and {r}; every row must start a "
+            f"ringkv: {name} puts a document across batch rows {r - 1} and {r}; every row must "
+            "start a "
             f"document (the multiples of the row length {t} must be in {name})"
         )
     return starts
@@ -561,8 +574,10 @@ def _packing(
         if not torch.equal(other, starts):
             r, i = (other != starts).nonzero()[0].tolist()
             raise ValueError(
-                f"ringkv: {first} and {name} describe different packed documents: at row {r}, token {i} "
-                f"{first} {'starts' if starts[r, i] else 'continues'} a document and {name} does not; "
+                f"ringkv: {first} and {name} describe different packed documents: at row {r}, "
+                f"token {i} "
+                f"{first} {'starts' if starts[r, i] else 'continues'} a document and {name} does "
+                "not; "
                 f"pass arguments that agree, or only one of them"
             )
     cu = starts.reshape(-1).nonzero().squeeze(1).tolist() + [b * t]
@@ -631,7 +646,8 @@ def _batch_shape(shape, position_ids, seq_idx, cu) -> Tuple[int, int]:
 def _helper_packing(
     shape, cu_seqlens, position_ids, seq_idx, logits_rows: int
 ) -> Optional[_Packing]:
-    """The packing that ``gather_logits`` / ``causal_lm_loss`` were told about, as the model decides it.
+    """The packing that ``gather_logits`` / ``causal_lm_loss`` were told about, as the model decides
+    it.
     ``position_ids`` of one document per row alone do not say it: the model packs such rows into
     one (logits ``(1, L_local, V)``) when it was also given ``cu_seq_lens_q/k`` or ``seq_idx``
     (``DataCollatorWithFlattening`` gives all of them), and runs them as an ordinary batch when
@@ -656,7 +672,8 @@ def _shard_packing(pk_kw: dict, pos, b: int, t: int, layout: str, rank: int, wor
     if not cus:
         if pk_kw:
             raise ValueError(
-                f"ringkv: with inputs='shard', packed documents are given by cu_seq_lens_q (the whole "
+                "ringkv: with inputs='shard', packed documents are given by cu_seq_lens_q (the "
+                "whole "
                 f"packed row's [0, l0, l0+l1, ..., S], the same on every rank); got only "
                 f"{', '.join(sorted(pk_kw))}"
             )
@@ -678,14 +695,16 @@ def _shard_packing(pk_kw: dict, pos, b: int, t: int, layout: str, rank: int, wor
             )
     if b != 1:
         raise ValueError(
-            f"ringkv: inputs='shard' with packed documents takes one packed row (1, S_local), got batch "
+            "ringkv: inputs='shard' with packed documents takes one packed row (1, S_local), got "
+            "batch "
             f"{b}; flatten the batch into one row (documents of all rows, cu_seq_lens_q over them)"
         )
     want = varlen_local_len(cu, layout, world)
     if t != want:
         raise ValueError(
             f"ringkv: cu_seq_lens_q gives every rank's shard of the packed row {want} tokens (each "
-            f"document padded on its own) in layout {layout!r} over {world} rank(s), got {t}; shard "
+            f"document padded on its own) in layout {layout!r} over {world} rank(s), got {t}; "
+            "shard "
             f"with ringkv.shard(ids, 1, layout, group, cu_seqlens=cu_seq_lens_q)"
         )
     q_pos = positions(cu[-1], layout, rank, world, cu_seqlens=cu)  # (t,) host
@@ -697,7 +716,8 @@ def _shard_packing(pk_kw: dict, pos, b: int, t: int, layout: str, rank: int, wor
             or not torch.equal(pos.detach().cpu().reshape(-1, t)[0], q_pos)
         ):
             raise ValueError(
-                f"ringkv: position_ids of a packed shard must be this rank's positions within their "
+                "ringkv: position_ids of a packed shard must be this rank's positions within "
+                "their "
                 f"documents, ringkv.positions(S, layout, rank, N, cu_seqlens=cu) (shape (1, {t})), "
                 f"or omitted (ringkv supplies them)"
             )
@@ -717,7 +737,8 @@ def _shard_packing(pk_kw: dict, pos, b: int, t: int, layout: str, rank: int, wor
 
 
 def _starts(pk: Optional[_Packing], b: int, t: int) -> torch.Tensor:
-    """``(b, t)`` bool: where a segment starts (a row, or each packed document of the flattened rows)."""
+    """``(b, t)`` bool: where a segment starts (a row, or each packed document of the flattened
+    rows)."""
     starts = torch.zeros(b * t, dtype=torch.bool)
     starts[list(pk.cu[:-1]) if pk is not None else list(range(0, b * t, t))] = True
     return starts.view(b, t)
@@ -731,8 +752,8 @@ def _check_padding(
 ) -> None:
     """Zeros of ``attention_mask`` ``(R, L)`` must end their row or packed document (right padding:
     causal attention never lets a real token see a later pad, so ignoring them is exact), and a
-    padded token must predict nothing (``labels[:, i + 1] == -100``, or ``shift_labels[:, i] == -100``,
-    where ``mask[:, i] == 0``)."""
+    padded token must predict nothing (``labels[:, i + 1] == -100``, or
+    ``shift_labels[:, i] == -100``, where ``mask[:, i] == 0``)."""
     m = mask.detach().bool().cpu()
     bad = ~m[:, :-1] & m[:, 1:] & ~starts[:, 1:]  # a zero followed by a one in the same segment
     if bool(bad.any()):
@@ -750,11 +771,14 @@ def _check_padding(
             raise ValueError(
                 f"ringkv: attention_mask has left padding (zeros before the tokens) in {where}; "
                 f"patch_model honours right padding only (zeros at the end of each row or packed "
-                f"document). Pad on the right (labels -100 at the pads), or pass rows of equal length"
+                "document). Pad on the right (labels -100 at the pads), or pass rows of equal "
+                "length"
             )
         raise ValueError(
-            f"ringkv: attention_mask has zeros between real tokens (a hole) in {where}; patch_model "
-            f"honours only zeros at the end of each row or packed document (right padding). Pack the "
+            f"ringkv: attention_mask has zeros between real tokens (a hole) in {where}; "
+            "patch_model "
+            "honours only zeros at the end of each row or packed document (right padding). Pack "
+            "the "
             f"pieces as separate documents (position_ids that restart at 0), or drop the hole"
         )
     if labels is None and shift_labels is not None:  # shift_labels[:, i] is labels[:, i + 1]
@@ -772,15 +796,17 @@ def _check_padding(
 
 
 def _check_shift_labels(labels: torch.Tensor, shift_labels: torch.Tensor) -> None:
-    """``shift_labels`` ``(B, S)`` given with ``labels`` must be them shifted: ``shift_labels[:, i] ==
-    labels[:, i + 1]``, -100 at the end of each row."""
+    """``shift_labels`` ``(B, S)`` given with ``labels`` must be them shifted:
+    ``shift_labels[:, i] == labels[:, i + 1]``, -100 at the end of each row."""
     want = F.pad(labels.detach()[:, 1:], (0, 1), value=IGNORE_INDEX)
     got = shift_labels.detach().to(want.device)
     if not torch.equal(got.long(), want.long()):
         r, i = (got != want).nonzero()[0].tolist()
         raise ValueError(
-            f"ringkv: shift_labels and labels disagree: shift_labels[{r}, {i}] is {int(got[r, i])} but "
-            f"labels shifted by one give {int(want[r, i])} (shift_labels[:, i] must be labels[:, i + 1], "
+            f"ringkv: shift_labels and labels disagree: shift_labels[{r}, {i}] is {int(got[r, i])} "
+            "but "
+            f"labels shifted by one give {int(want[r, i])} (shift_labels[:, i] must be labels[:, i "
+            "+ 1], "
             f"-100 at the end of each row); pass one of them"
         )
 
@@ -792,12 +818,14 @@ def _num_items(n) -> Optional[float]:
     if isinstance(n, torch.Tensor):
         if n.numel() != 1:
             raise ValueError(
-                f"ringkv: num_items_in_batch must be one number, got a tensor of shape {tuple(n.shape)}"
+                "ringkv: num_items_in_batch must be one number, got a tensor of shape "
+                f"{tuple(n.shape)}"
             )
         n = n.item()
     if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
         raise ValueError(
-            f"ringkv: num_items_in_batch must be a number > 0 (the counted labels the loss is divided "
+            "ringkv: num_items_in_batch must be a number > 0 (the counted labels the loss is "
+            "divided "
             f"by), got {n!r}"
         )
     return float(n)
@@ -805,8 +833,9 @@ def _num_items(n) -> Optional[float]:
 
 @dataclass
 class _Head:
-    """A causal LM's output head as the chunked loss applies it: ``weight`` ``(V, H)``, ``bias``, and the
-    model's own transform of its logits (``softcap``: ``cap * tanh(z / cap)``; ``scale``: ``z * scale``)."""
+    """A causal LM's output head as the chunked loss applies it: ``weight`` ``(V, H)``, ``bias``,
+    and the model's own transform of its logits (``softcap``: ``cap * tanh(z / cap)``; ``scale``:
+    ``z * scale``)."""
 
     weight: torch.Tensor
     bias: Optional[torch.Tensor]
@@ -820,7 +849,8 @@ class _Head:
         if type(self.weight).__name__ == "DTensor":
             raise ValueError(
                 f"ringkv: the chunked loss needs the output head's weight as a plain tensor, got "
-                f"{type(self.weight).__name__} (e.g. FSDP2 sharding the head in its own unit: keep it in "
+                f"{type(self.weight).__name__} (e.g. FSDP2 sharding the head in its own unit: keep "
+                "it in "
                 f"the root unit), or patch with keep_logits=True"
             )
         if hidden.is_cuda and self.scale is None and chunk is None:
@@ -840,7 +870,8 @@ class _Head:
 
 
 def _liger_loss_sum(hidden, head: _Head, targets, ignore_index):
-    """Liger's fused linear cross-entropy (CUDA, when ``liger-kernel`` is installed), summed; else None."""
+    """Liger's fused linear cross-entropy (CUDA, when ``liger-kernel`` is installed), summed; else
+    None."""
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except ImportError:
@@ -872,7 +903,8 @@ def _head(model) -> Optional[_Head]:
 def _gather_packed(
     x: torch.Tensor, cu: Tuple[int, ...], layout: str, group, timeout
 ) -> torch.Tensor:
-    """Every rank's shard ``(1, L_local, ...)`` of a packed row, as the packed row ``(1, S, ...)`` (pad rows dropped)."""
+    """Every rank's shard ``(1, L_local, ...)`` of a packed row, as the packed row ``(1, S, ...)``
+    (pad rows dropped)."""
     _, world = rank_world(group)
     parts = all_gather(x.contiguous(), group, timeout, "ringkv gather")
     index = torch.cat([varlen_index(cu, layout, r, world) for r in range(world)])
@@ -885,7 +917,8 @@ def _gather_packed(
 # ---------------------------------------------------------------------------------------------
 # the forward's hooks
 
-# what every rank must agree on before a forward; the last entry is 1 on a rank whose own inputs broke a rule
+# what every rank must agree on before a forward; the last entry is 1 on a rank whose own inputs
+# broke a rule
 AGREE_NAMES = [
     "phase",
     "batch",
@@ -928,7 +961,8 @@ class _Plan:
 
 
 def _prepare(state: _State, model, kw: dict) -> _Plan:
-    """Every check of a forward's inputs that needs no communication; ``kw`` loses what ringkv handles."""
+    """Every check of a forward's inputs that needs no communication; ``kw`` loses what ringkv
+    handles."""
     ids, emb = kw.get("input_ids"), kw.get("inputs_embeds")
     x = ids if ids is not None else emb
     if x is None:
@@ -941,7 +975,8 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
     mask = kw.pop("attention_mask", None)
     if mask is not None and mask.dim() != 2:
         raise ValueError(
-            f"ringkv: only 2-D attention masks (B, S) are supported (no 4-D masks), got {mask.dim()}-D"
+            "ringkv: only 2-D attention masks (B, S) are supported (no 4-D masks), got "
+            f"{mask.dim()}-D"
         )
     cache = kw.get("cache")
     use_cache = kw.get("use_cache")
@@ -951,8 +986,10 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
     if cache is not None and not isinstance(cache, ShardedKVCache):
         if cache.get_seq_length() > 0:
             raise ValueError(
-                f"ringkv: got a {type(cache).__name__} that already holds tokens; a patched model keeps "
-                f"its KV cache sharded: pass no cache, an empty one, or the ShardedKVCache it returned"
+                f"ringkv: got a {type(cache).__name__} that already holds tokens; a patched model "
+                "keeps "
+                "its KV cache sharded: pass no cache, an empty one, or the ShardedKVCache it "
+                "returned"
             )
         cache = ShardedKVCache()
     elif cache is None and use_cache:
@@ -962,7 +999,8 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
     keep = kw.get("logits_to_keep", 0)
     if isinstance(keep, torch.Tensor) or not isinstance(keep, int) or keep < 0:
         raise ValueError(
-            "ringkv: logits_to_keep must be a non-negative int (the last tokens of the global sequence)"
+            "ringkv: logits_to_keep must be a non-negative int (the last tokens of the global "
+            "sequence)"
         )
     if keep and state.keep_logits is False and not model.training:
         raise ValueError(
@@ -974,7 +1012,8 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
         if lab is not None and tuple(lab.shape) != (b, t):
             raise ValueError(
                 f"ringkv: {name} must have the shape of the inputs ({b}, {t})"
-                f"{' (this rank shard, like the inputs)' if shard_mode else ''}, got {tuple(lab.shape)}"
+                f"{' (this rank shard, like the inputs)' if shard_mode else ''}, got "
+                f"{tuple(lab.shape)}"
             )
     if labels is not None and shift_labels is not None and not shard_mode:
         _check_shift_labels(labels, shift_labels)
@@ -1000,12 +1039,14 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
     if decode:
         if targets is not None:
             raise ValueError(
-                "ringkv: labels (and shift_labels) are supported for the prefill (no cache, or an empty "
+                "ringkv: labels (and shift_labels) are supported for the prefill (no cache, or an "
+                "empty "
                 "one) only"
             )
         if pk_kw:
             raise ValueError(
-                f"ringkv: {', '.join(sorted(pk_kw))} (packed documents) are for the prefill only, not "
+                f"ringkv: {', '.join(sorted(pk_kw))} (packed documents) are for the prefill only, "
+                "not "
                 f"for a decode step (the KV cache holds tokens)"
             )
         owner = cache.decode_steps % world  # the new tokens are cached on one rank, round-robin
@@ -1025,7 +1066,8 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
         if mask is not None and tuple(mask.shape) != (b, t):
             raise ValueError(
                 f"ringkv: attention_mask must have the shape of the inputs ({b}, {t})"
-                f"{' (this rank shard, like the inputs)' if shard_mode else ''}, got {tuple(mask.shape)}"
+                f"{' (this rank shard, like the inputs)' if shard_mode else ''}, got "
+                f"{tuple(mask.shape)}"
             )
         if (
             not shard_mode
@@ -1070,7 +1112,8 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
                 )
             if keep:
                 raise ValueError(
-                    "ringkv: logits_to_keep is not supported with packed documents; gather the logits "
+                    "ringkv: logits_to_keep is not supported with packed documents; gather the "
+                    "logits "
                     "with gather_logits(..., cu_seqlens=...) instead"
                 )
         if pk is not None:
@@ -1127,7 +1170,8 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
                     1
                 )  # local rows among the last `keep` global tokens
 
-    # the loss from the hidden states, never the logits (training forwards with labels, unless keep_logits)
+    # the loss from the hidden states, never the logits (training forwards with labels, unless
+    # keep_logits)
     chunked = (
         targets is not None
         and not decode
@@ -1190,13 +1234,15 @@ def _left_padded_prefill(
         )
     if state.method != "ring":
         raise ValueError(
-            f"ringkv: a left-padded batch with a KV cache (batched generate) needs method='ring' (the "
+            "ringkv: a left-padded batch with a KV cache (batched generate) needs method='ring' "
+            "(the "
             f"varlen ring keeps the rows apart); method={state.method!r}. Patch with method='ring'"
         )
     want = m.long().cumsum(1) - 1
     if pos is None or not torch.equal(_as_rows(pos, b, t, "position_ids")[m], want[m]):
         raise ValueError(
-            "ringkv: a left-padded batch with a KV cache needs position_ids = attention_mask.cumsum(-1) "
+            "ringkv: a left-padded batch with a KV cache needs position_ids = "
+            "attention_mask.cumsum(-1) "
             "- 1 at the real tokens (as generate makes them; the pads' values are ignored)"
         )
     rank, world, layout = state.rank, state.world, state.layout
@@ -1259,29 +1305,34 @@ def _check_left_padding(m: torch.Tensor) -> None:
             "a hole (zeros between real tokens)" if bool(m[r, i + 1 :].any()) else "right padding"
         )
         raise ValueError(
-            f"ringkv: a padded batch with a KV cache (batched generate): {LEFT_PAD_HELP}; row {r} has "
+            f"ringkv: a padded batch with a KV cache (batched generate): {LEFT_PAD_HELP}; row {r} "
+            "has "
             f"{what} at index {i + 1}. Left-pad the prompts (tokenizer padding_side='left')"
         )
     if not bool(m.any(1).all()):
         r = int((~m.any(1)).nonzero()[0])
         raise ValueError(
-            f"ringkv: a padded batch with a KV cache (batched generate): {LEFT_PAD_HELP}; row {r} is "
+            f"ringkv: a padded batch with a KV cache (batched generate): {LEFT_PAD_HELP}; row {r} "
+            "is "
             f"all padding"
         )
 
 
 def _left_padded_decode(cache: ShardedKVCache, mask, pos, b: int, t: int, owner: bool):
     """A decode step of a left-padded batch: ``(q_pos (B, T) host, _PadStep)`` after checking that
-    ``mask`` is the prompt's followed by ones and ``position_ids`` (if given) each row's next positions."""
+    ``mask`` is the prompt's followed by ones and ``position_ids`` (if given) each row's next
+    positions."""
     rows = cache.lengths.numel()
     if b != rows:
         raise ValueError(
-            f"ringkv: this decode step has {b} rows but the KV cache holds a left-padded batch of {rows}"
+            f"ringkv: this decode step has {b} rows but the KV cache holds a left-padded batch of "
+            f"{rows}"
         )
     seen, s0 = cache.seen, cache.pad_mask.shape[1]
     if mask is None:
         raise ValueError(
-            f"ringkv: a decode step of a left-padded batch needs its attention_mask ({b}, {seen + t}): "
+            f"ringkv: a decode step of a left-padded batch needs its attention_mask ({b}, "
+            f"{seen + t}): "
             f"the prompt's mask followed by ones, as generate grows it"
         )
     m = mask.detach().bool().cpu()
@@ -1291,8 +1342,10 @@ def _left_padded_decode(cache: ShardedKVCache, mask, pos, b: int, t: int, owner:
         or not bool(m[:, s0:].all())
     ):
         raise ValueError(
-            f"ringkv: a decode step of a left-padded batch must pass attention_mask ({b}, {seen + t}) = "
-            f"the prompt's mask followed by ones (as generate grows it): the pad pattern cannot change "
+            f"ringkv: a decode step of a left-padded batch must pass attention_mask ({b}, "
+            f"{seen + t}) = "
+            "the prompt's mask followed by ones (as generate grows it): the pad pattern cannot "
+            "change "
             f"between steps and new tokens are never pads; got shape {tuple(m.shape)}"
             + ("" if tuple(m.shape) != (b, seen + t) else " with another pattern")
         )
@@ -1301,7 +1354,8 @@ def _left_padded_decode(cache: ShardedKVCache, mask, pos, b: int, t: int, owner:
         given = torch.as_tensor(pos).detach().cpu()
         if tuple(given.shape) != (b, t) or not torch.equal(given.long(), q_pos):
             raise ValueError(
-                f"ringkv: position_ids of a left-padded batch's decode step must be each row's next "
+                "ringkv: position_ids of a left-padded batch's decode step must be each row's "
+                "next "
                 f"positions, attention_mask.cumsum(-1) - 1 (as generate makes them): "
                 f"{q_pos.tolist()}, got {given.tolist()}"
             )
@@ -1522,7 +1576,8 @@ def patch_model(
     tile_mlp=False,
     offload_checkpoints=False,
 ):
-    """Make ``model`` (a transformers causal LM) run exact sequence-parallel attention over the SP ``group``.
+    """Make ``model`` (a transformers causal LM) run exact sequence-parallel attention over the SP
+    ``group``.
 
     Call it on every rank of ``group`` (default: the world; no process group = one rank) with
     identical weights. ``group`` may also be a ``torch.distributed.device_mesh.DeviceMesh``: a
@@ -1582,7 +1637,8 @@ def patch_model(
     modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
     if not modules:
         raise TypeError(
-            f"ringkv.patch_model found no attention layers (modules with layer_idx and is_causal) in {name}"
+            "ringkv.patch_model found no attention layers (modules with layer_idx and is_causal) "
+            f"in {name}"
         )
     if not all(m.is_causal for m in modules):
         raise TypeError(
@@ -1592,7 +1648,8 @@ def patch_model(
     rank, world = rank_world(group)
     if sp is not None and sp != world:
         raise ValueError(
-            f"sp={sp} but the SP group has {world} rank(s); pass the process group of {sp} ranks as "
+            f"sp={sp} but the SP group has {world} rank(s); pass the process group of {sp} ranks "
+            "as "
             f"group= (or omit sp)"
             + ("" if world > 1 else "; call torch.distributed.init_process_group first for sp > 1")
         )
@@ -1693,7 +1750,8 @@ def _checkpoint_store(model, offload):
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise ValueError(
-            f"offload_checkpoints=True moves checkpoints from CUDA memory to pinned host memory, but the "
+            "offload_checkpoints=True moves checkpoints from CUDA memory to pinned host memory, "
+            "but the "
             f"model is on {device}; on a CPU there is nothing to offload to (pass False, or a "
             f"ringkv.memory.CheckpointStore such as FileStore to store them elsewhere)"
         )
@@ -1719,7 +1777,8 @@ def _sp_group(group, mesh_dim):
         if group.ndim == 1:
             return group.get_group()
         raise ValueError(
-            f"group= is a {group.ndim}-D DeviceMesh (dims {names or tuple(range(group.ndim))}); name its "
+            f"group= is a {group.ndim}-D DeviceMesh (dims {names or tuple(range(group.ndim))}); "
+            "name its "
             f"sequence-parallel dimension: patch_model(model, group=mesh, mesh_dim='sp') "
             f"(or pass group=mesh['sp'])"
         )
@@ -1740,8 +1799,10 @@ def _sp_group(group, mesh_dim):
     return group.get_group(mesh_dim)
 
 
-# torch.compile: the hooks and the attention run eagerly (one graph break each: they communicate and make
-# per-call Python decisions that would otherwise be traced and guarded on); the layers between them compile
+# torch.compile: the hooks and the attention run eagerly (one graph break each: they communicate and
+# make
+# per-call Python decisions that would otherwise be traced and guarded on); the layers between them
+# compile
 @torch.compiler.disable
 def _run_eager(fn, *args):
     return fn(*args)
@@ -1842,9 +1903,9 @@ def causal_lm_loss(
     """Mean next-token cross-entropy of the whole sequence, from this rank's logits shard.
 
     Without logits: pass ``hidden`` ``(B, S_pad / N, H)`` (the base model's last
-    hidden states, this rank's shard) and the head's ``weight`` ``(V, H)`` (and ``bias``; ``softcap``
-    and ``scale`` for heads that transform their logits; the hidden states may also come as the
-    first argument when ``weight`` is given): the loss goes through the head in
+    hidden states, this rank's shard) and the head's ``weight`` ``(V, H)`` (and ``bias``;
+    ``softcap`` and ``scale`` for heads that transform their logits; the hidden states may also come
+    as the first argument when ``weight`` is given): the loss goes through the head in
     chunks of ``chunk`` tokens (``ringkv.kernels.linear_ce``) and the ``(B, S_pad / N, V)`` logits
     are never built. ``shift_labels`` (HF's: the target of each token, already shifted) may stand
     in for ``labels``; ``num_items_in_batch`` (> 0) divides the summed loss instead of the number
@@ -1872,7 +1933,8 @@ def causal_lm_loss(
         logits, hidden = None, logits
     if (logits is None) == (hidden is None) or (hidden is None) != (weight is None):
         raise ValueError(
-            "causal_lm_loss: pass logits, or hidden states with the head's weight (hidden=, weight=)"
+            "causal_lm_loss: pass logits, or hidden states with the head's weight (hidden=, "
+            "weight=)"
         )
     if (labels is None) == (shift_labels is None):
         raise ValueError("causal_lm_loss: pass labels or shift_labels (one of them)")
@@ -1928,7 +1990,8 @@ def _lm_loss(
     num_items: Optional[float] = None,
     chunk: Optional[int] = None,
 ):
-    """The loss of ``causal_lm_loss``. ``head`` given: ``logits`` are the hidden states ``(B, S_local, H)``
+    """The loss of ``causal_lm_loss``. ``head`` given: ``logits`` are the hidden states
+    ``(B, S_local, H)``
     and the loss is computed through the head in chunks (``linear_cross_entropy``). ``shifted``:
     ``labels`` are the targets of each token already (HF's ``shift_labels``). ``num_items``: the
     divisor (HF's ``num_items_in_batch``) instead of the number of counted targets."""
@@ -1942,7 +2005,8 @@ def _lm_loss(
         want = varlen_local_len(pk.cu, layout, world)
         if (b, s_local) != (1, want):
             raise ValueError(
-                f"causal_lm_loss: the packed documents give logits shards of shape (1, {want}, V) on "
+                f"causal_lm_loss: the packed documents give logits shards of shape (1, {want}, V) "
+                "on "
                 f"{world} rank(s) in layout {layout!r}, got {tuple(logits.shape)}"
             )
         if sharded:
@@ -1980,8 +2044,10 @@ def _lm_loss(
             )  # (B, S_pad)
         elif not s_pad - granule(layout, world, ulysses) < labels.shape[1] <= s_pad:
             raise ValueError(
-                f"labels of length {labels.shape[1]} do not match logits shards of {s_local} tokens "
-                f"on {world} rank(s) (a sequence of {s_pad} tokens, padding included); pass the whole "
+                f"labels of length {labels.shape[1]} do not match logits shards of {s_local} "
+                "tokens "
+                f"on {world} rank(s) (a sequence of {s_pad} tokens, padding included); pass the "
+                "whole "
                 f"sequence's labels, or this rank's shard with sharded=True"
             )
         labels = labels.to(logits.device)
@@ -2003,6 +2069,7 @@ def _lm_loss(
     totals = all_sum(
         torch.stack([loss_sum.detach().double(), count.double()]), group, timeout, "causal_lm_loss"
     )
-    # value: the global sum on every rank, over the global count (or num_items); gradient: this rank's tokens only
+    # value: the global sum on every rank, over the global count (or num_items); gradient: this
+    # rank's tokens only
     total = loss_sum + (totals[0] - loss_sum.detach()).float()
     return total / (totals[1].float() if num_items is None else num_items)

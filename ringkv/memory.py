@@ -28,7 +28,8 @@ import torch
 
 __all__ = ["tile_mlp", "offload_checkpoints", "CheckpointStore", "HostStore", "FileStore", "mlps"]
 
-# child modules by which an MLP is recognised as a token-wise feed-forward block (Llama, Qwen, Mistral, Gemma,
+# child modules by which an MLP is recognised as a token-wise feed-forward block (Llama, Qwen,
+# Mistral, Gemma,
 # Phi, GPT-style); routed experts (MoE) are not tiled
 MLP_FORMS = (
     ("gate_proj", "up_proj", "down_proj"),
@@ -61,13 +62,15 @@ def mlps(model) -> List[torch.nn.Module]:
             raise ValueError(
                 f"tile_mlp: {type(model).__name__}'s MLP {type(mlp).__name__} (children "
                 f"{sorted(names)}) is not a recognised token-wise MLP (one of "
-                f"{[list(f) for f in MLP_FORMS]}; mixtures of experts are not tiled); pass tile_mlp=False"
+                f"{[list(f) for f in MLP_FORMS]}; mixtures of experts are not tiled); pass "
+                "tile_mlp=False"
             )
     return found
 
 
 class _TiledMLP(torch.autograd.Function):
-    """``y = fn(x)`` over tiles of ``x`` ``(B, S, H)`` along ``S``; backward recomputes each tile."""
+    """``y = fn(x)`` over tiles of ``x`` ``(B, S, H)`` along ``S``; backward recomputes each
+    tile."""
 
     @staticmethod
     def forward(ctx, fn, tile, x, *params):

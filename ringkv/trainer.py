@@ -1,4 +1,5 @@
-"""transformers' ``Trainer`` (and TRL's ``SFTTrainer``) on a ``(dp, sp)`` layout of a ringkv-patched model.
+"""transformers' ``Trainer`` (and TRL's ``SFTTrainer``) on a ``(dp, sp)`` layout of a ringkv-patched
+model.
 
     from ringkv.hf import patch_model
     from ringkv.trainer import sp_trainer
@@ -51,7 +52,8 @@ __all__ = ["SPTrainerMixin", "sp_trainer", "sp_layout"]
 
 
 def _ringkv_state(model):
-    """The ringkv patch state of ``model`` (a patched model, possibly wrapped: PEFT, DDP), or None."""
+    """The ringkv patch state of ``model`` (a patched model, possibly wrapped: PEFT, DDP), or
+    None."""
     for m in model.modules():
         state = getattr(m, "_ringkv_state", None)
         if state is not None:
@@ -70,12 +72,14 @@ def sp_layout(model, mesh=None, mesh_dim: str = "sp"):
     state = _ringkv_state(model)
     if state is None:
         raise ValueError(
-            "ringkv.trainer: the model is not patched; call ringkv.hf.patch_model(model, group=...) "
+            "ringkv.trainer: the model is not patched; call ringkv.hf.patch_model(model, "
+            "group=...) "
             "on every rank before building the Trainer"
         )
     if state.inputs != "full":
         raise ValueError(
-            f"ringkv.trainer: the model was patched with inputs={state.inputs!r}; Trainer passes each "
+            f"ringkv.trainer: the model was patched with inputs={state.inputs!r}; Trainer passes "
+            "each "
             f"replica's whole batch to every rank of its SP group: patch with inputs='full'"
         )
     if not dist.is_initialized():
@@ -108,7 +112,8 @@ def sp_layout(model, mesh=None, mesh_dim: str = "sp"):
             )
         if len(g) != sp or r not in g or any(set(g) & set(h) and g != h for h, _ in everyone):
             raise ValueError(
-                f"ringkv.trainer: the ranks' SP groups must split the world into equal, disjoint groups "
+                "ringkv.trainer: the ranks' SP groups must split the world into equal, disjoint "
+                "groups "
                 f"(a (dp, sp) layout); rank {r} is patched over ranks {list(g)}, rank {rank} over "
                 f"{list(group_ranks)}"
             )
@@ -136,7 +141,8 @@ class SPTrainerMixin:
                 or self.label_smoother is not None
             ):
                 raise ValueError(
-                    "ringkv.trainer: with SFTTrainer only loss_type='nll' without compute_loss_func or "
+                    "ringkv.trainer: with SFTTrainer only loss_type='nll' without "
+                    "compute_loss_func or "
                     "label smoothing is supported (the loss is the patched model's own)"
                 )
 
@@ -162,7 +168,8 @@ class SPTrainerMixin:
                 shard.num_processes, shard.process_index = self.dp_size, self.dp_rank
                 return loader
         raise ValueError(
-            f"ringkv.trainer: the {what} dataloader is not sharded by accelerate's BatchSamplerShard "
+            f"ringkv.trainer: the {what} dataloader is not sharded by accelerate's "
+            "BatchSamplerShard "
             f"over the {world} processes ({type(loader).__name__}); use a map-style dataset (with "
             f"__len__) and the default sampler, so that each SP group gets one replica's batches"
         )
@@ -180,7 +187,8 @@ class SPTrainerMixin:
         return self._train_batch_size * args.gradient_accumulation_steps * self.dp_size
 
     def _track_num_input_tokens(self, inputs):
-        # Trainer sums every process's batch (include_num_input_tokens_seen): sp ranks share one replica's batch
+        # Trainer sums every process's batch (include_num_input_tokens_seen): sp ranks share one
+        # replica's batch
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)
         self.state.num_input_tokens_seen = (
@@ -225,8 +233,9 @@ class SPTrainerMixin:
 
 
 def sp_trainer(cls):
-    """A subclass of the Trainer class ``cls`` with ``SPTrainerMixin`` first: ``sp_trainer(Trainer)(...)``
-    or ``sp_trainer(SFTTrainer)(...)`` take the same arguments as ``cls`` (plus ``sp_mesh=``)."""
+    """A subclass of the Trainer class ``cls`` with ``SPTrainerMixin`` first:
+    ``sp_trainer(Trainer)(...)`` or ``sp_trainer(SFTTrainer)(...)`` take the same arguments as
+    ``cls`` (plus ``sp_mesh=``)."""
     from transformers import Trainer
 
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):

@@ -4,7 +4,8 @@
 
 def assert_names_machine(result: dict, stdout: str, threads=None) -> dict:
     """``result["machine"]`` names the CPU and the kernels' ISA (non-empty), the cores and the
-    threads (integers, or the list of a sweep's; ``threads``: what is expected), and ``stdout`` has the table header's
+    threads (integers, or the list of a sweep's; ``threads``: what is expected), and ``stdout`` has
+    the table header's
     ``machine: `` line with the same CPU."""
     m = result["machine"]
     assert isinstance(m["cpu"], str) and m["cpu"].strip(), m

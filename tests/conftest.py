@@ -1,4 +1,5 @@
-"""Test-session settings: hypothesis without deadlines (CPU timing is noisy), gloo worlds started once."""
+"""Test-session settings: hypothesis without deadlines (CPU timing is noisy), gloo worlds started
+once."""
 
 import os
 
@@ -17,7 +18,8 @@ torch.set_num_threads(1)  # small test matmuls run fastest on one thread, above 
 # ringkv's C kernels on wherever they build, here and in the processes tests start: without a
 # switch each kernel times itself against its torch path on first use and keeps the faster
 # (ringkv/kernels/native.py), and no test may depend on such a timing verdict. Tests of the
-# self-check itself unset these (tests/test_kernel_isa.py); RINGKV_NATIVE_*=0 from outside still wins.
+# self-check itself unset these (tests/test_kernel_isa.py); RINGKV_NATIVE_*=0 from outside still
+# wins.
 for _switch in ("RINGKV_NATIVE_LINEAR", "RINGKV_NATIVE_FLASH", "RINGKV_NATIVE_PAGED"):
     os.environ.setdefault(_switch, "1")
 

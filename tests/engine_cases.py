@@ -13,7 +13,8 @@ from tests.models import tiny_model
 
 
 def model_from(spec):
-    """``("tiny", arch, seed, overrides)`` -> the same random model on every rank; a str -> a path."""
+    """``("tiny", arch, seed, overrides)`` -> the same random model on every rank; a str -> a
+    path."""
     if isinstance(spec, str):
         return spec
     _, arch, seed, overrides = spec

@@ -1,7 +1,7 @@
-"""World cases for tests/test_hf_families.py: ``ringkv.patch_model`` on tiny random gpt-oss (attention
-sinks, alternating sliding and full layers, MoE), Gemma 2 (attention and final logit soft-capping,
-sliding window) and DeepSeek-V3 (MLA: a V head size of its own, a cache of compressed latents, MoE),
-run on every rank of the case's group.
+"""World cases for tests/test_hf_families.py: ``ringkv.patch_model`` on tiny random gpt-oss
+(attention sinks, alternating sliding and full layers, MoE), Gemma 2 (attention and final logit
+soft-capping, sliding window) and DeepSeek-V3 (MLA: a V head size of its own, a cache of compressed
+latents, MoE), run on every rank of the case's group.
 
 Models are built from ``(family, seed)`` in every process (the same weights everywhere); the test
 process builds the same model unpatched as the reference. Their MoE routers pick every expert
@@ -203,8 +203,9 @@ def train_step(ctx, family, seed, ids, layout, method="ring", ulysses=None):
 
 
 def packed_train_step(ctx, family, seed, batch, layout, form):
-    """Patched forward + backward of a packed batch (``tests.test_hf_packed._batch``; documents given
-    in ``form``, see ``tests.hf_cases.packed_kwargs``): gathered logits ``(B, S, V)``, the loss,
+    """Patched forward + backward of a packed batch (``tests.test_hf_packed._batch``; documents
+    given in ``form``, see ``tests.hf_cases.packed_kwargs``): gathered logits ``(B, S, V)``, the
+    loss,
     ``causal_lm_loss``'s, this rank's gradients and whether a cache came back."""
     model = hf.patch_model(
         build(family, seed), sp=ctx.world, group=ctx.group, layout=layout, keep_logits=True
@@ -231,7 +232,8 @@ def packed_train_step(ctx, family, seed, batch, layout, form):
 def padded_generate(ctx, family, seed, ids, mask, layout, new_tokens):
     """Greedy generate of a left-padded batch (``mask`` with zeros; or of ones: rows of equal
     length, the ordinary decode path) on the patched model: tokens, per-step scores, the batch
-    row and position of every token this rank's sharded cache holds, and each layer's cached width."""
+    row and position of every token this rank's sharded cache holds, and each layer's cached
+    width."""
     model = hf.patch_model(build(family, seed), group=ctx.group, layout=layout)
     with torch.no_grad():
         out = model.generate(

@@ -17,7 +17,8 @@ from ringkv import hf  # noqa: E402
 
 
 def build(arch: str, seed: int, **overrides):
-    """A tiny random fp32 model (``arch`` in llama/qwen2/mistral) or SmolLM2 (``arch="smollm2"``)."""
+    """A tiny random fp32 model (``arch`` in llama/qwen2/mistral) or SmolLM2
+    (``arch="smollm2"``)."""
     import transformers
 
     from tests.models import smollm2_path, tiny_config
@@ -181,7 +182,8 @@ def decode(ctx, q, k, v, q_pos, owner):
 def packed_kwargs(ctx, batch, form, layout, inputs):
     """The model's keyword arguments that describe ``batch``'s packed documents in ``form``:
     ``"position_ids"``, ``"flash"`` (cu_seq_lens_q/k, max_length_q/k), ``"seq_idx"`` or ``"all"``.
-    ``inputs="shard"``: cu_seq_lens_q always (the whole packed row's), the rest as this rank's shard."""
+    ``inputs="shard"``: cu_seq_lens_q always (the whole packed row's), the rest as this rank's
+    shard."""
     cu = torch.tensor(batch["cu"], dtype=torch.int32)
     flash = dict(
         cu_seq_lens_q=cu,
@@ -329,7 +331,8 @@ _MESHES: dict = {}
 
 
 def dp_sp_mesh(dp: int, sp: int):
-    """A ``("dp", "sp")`` DeviceMesh over the world (built once per process: its groups are reused)."""
+    """A ``("dp", "sp")`` DeviceMesh over the world (built once per process: its groups are
+    reused)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if (dp, sp) not in _MESHES:
@@ -360,7 +363,8 @@ def dp_sp_train(ctx, arch, seed, batches, layout, recipe, sp_arg="mesh_dim", wei
     ``weighted``: scale each replica's loss by ``dp * n_d / sum(n)`` (``n_d`` its label tokens), so
     that replicas with different token counts give the union's token mean. ``sp_arg``: how the SP
     group is passed (``mesh_dim``: ``group=mesh, mesh_dim="sp"``; ``submesh``: ``group=mesh["sp"]``;
-    ``group``: the process group). Returns this rank's loss, coordinates and reduced gradients (full).
+    ``group``: the process group). Returns this rank's loss, coordinates and reduced gradients
+    (full).
     """
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP

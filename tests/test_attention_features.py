@@ -44,7 +44,8 @@ def naive(
     k_pos=None,
     docs=None,
 ):
-    """float64 attention written out: q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), sinks (H,)
+    """float64 attention written out: q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), sinks
+    (H,)
     -> out (B, Sq, H, Dv), lse (B, H, Sq) over the real keys (-inf where none is visible)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -302,7 +303,8 @@ def test_sp_methods_match_float64(world, method, data):
 
 
 def _fixed(method, n, dims=None, layout="zigzag", window=(-1, -1)):
-    """A case that always runs: causal, GQA, Dv < D, cap and sinks of both signs, a gradient through lse."""
+    """A case that always runs: causal, GQA, Dv < D, cap and sinks of both signs, a gradient through
+    lse."""
     return dict(
         method=method,
         n=n,

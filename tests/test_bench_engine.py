@@ -1,4 +1,5 @@
-"""Smoke tests: the parallel-engine benchmarks run (tiny random model) and write the JSON they promise."""
+"""Smoke tests: the parallel-engine benchmarks run (tiny random model) and write the JSON they
+promise."""
 
 import json
 import os
@@ -316,7 +317,8 @@ def test_engine_benchmark_parallel_mode(bench):
 
 @needs_smollm2
 def test_engine_benchmark_peer_not_run(bench):
-    """``--peer vllm`` without a vLLM venv: the table says why the peer did not run, the rest stands."""
+    """``--peer vllm`` without a vLLM venv: the table says why the peer did not run, the rest
+    stands."""
     (table,), d = bench("peer")
     assert "vllm: not run: no python at /nonexistent/python" in table
     lines = table.splitlines()

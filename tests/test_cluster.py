@@ -42,7 +42,8 @@ KEY = "test-admin-key"
 
 class Proc:
     """``python -m ringkv <args> --port P``, waited for until ``/health`` answers 200 (with
-    ``wait=False``: started, and waited for by ``wait_up()``, so that several start side by side)."""
+    ``wait=False``: started, and waited for by ``wait_up()``, so that several start side by
+    side)."""
 
     def __init__(self, *args: str, up: int = 1, key: str = None, wait: bool = True):
         self.port = free_port()
@@ -570,7 +571,8 @@ def test_admin_is_off_by_default(meshes, tiny):
             ).status_code
             == 503
         )
-        # a request naming itself (x-ringkv-request-id) is an ordinary request on an instance without admin
+        # a request naming itself (x-ringkv-request-id) is an ordinary request on an instance
+        # without admin
         r = httpx.post(
             plain.url + "/v1/completions",
             json={"prompt": [5, 6, 7], "max_tokens": 2},

@@ -209,7 +209,8 @@ def test_mesh_greedy_equals_transformers(worlds, mesh):
         for n in (3, 17, 9, 1, 30, 12, 5, 22, 8, 14)
     ]
     want = hf_greedy(tiny_model("llama", 0, num_hidden_layers=3), prompts, 6)
-    # pp=2 keeps two steps in flight, each with half the sequences: 5 rows, compiled (>= CPU_MIN_ROWS)
+    # pp=2 keeps two steps in flight, each with half the sequences: 5 rows, compiled (>=
+    # CPU_MIN_ROWS)
     kw = dict(mesh, block_size=4, num_blocks=128, max_num_seqs=10, compile_decode=True)
     res = worlds(2).check(
         "tests.engine_cases:generate",

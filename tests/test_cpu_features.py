@@ -1,4 +1,5 @@
-"""ringkv's own CPU C kernels with issue #42's attention features, against float64 math written here.
+"""ringkv's own CPU C kernels with issue #42's attention features, against float64 math written
+here.
 
 Dense (``cpu_flash``, ``csrc/flash_attention.c``): V with its own head size ``Dv`` (smaller and
 larger than ``D``; one that is not a multiple of 16 is zero-padded by the wrapper) and logit
@@ -188,8 +189,8 @@ def test_dense_features_on_each_target(isa, p):
 
 @pytest.mark.parametrize("dv", [32, 40])
 def test_backward_into_adds_capped_gradients_to_strided_accumulators(dv):
-    """The ring's path: dq, dk, dv (``Dv != D``; 40 goes through the padded copy) added in place into
-    views of bigger float32 buffers, with a cap and a gradient through lse."""
+    """The ring's path: dq, dk, dv (``Dv != D``; 40 goes through the padded copy) added in place
+    into views of bigger float32 buffers, with a cap and a gradient through lse."""
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 150, 4, 64, generator=g)
     k, v = torch.randn(1, 300, 2, 64, generator=g), torch.randn(1, 300, 2, dv, generator=g)
@@ -248,7 +249,8 @@ WINDOWS = st.one_of(st.just(-1), st.sampled_from([0, 1, 5, 17]), st.integers(0, 
 
 
 def paged_oracle(q, keys, values, q_pos, k_pos, scale, causal, window, softcap):
-    """float64 attention of one sequence's queries ``q (Q, H, D)`` over its keys ``keys (L, Hkv, D)``,
+    """float64 attention of one sequence's queries ``q (Q, H, D)`` over its keys
+    ``keys (L, Hkv, D)``,
     ``values (L, Hkv, Dv)``: query ``i`` (global position ``q_pos[i]``) sees key ``j`` (at
     ``k_pos[j]``) iff ``k_pos <= q_pos`` (causal) and ``k_pos >= q_pos - window`` (``window >= 0``).
     Returns out ``(Q, H, Dv)``, lse ``(H, Q)``."""

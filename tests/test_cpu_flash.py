@@ -27,7 +27,8 @@ from ringkv.kernels import cpu_flash, native, reference
 from ringkv.kernels.mask import BAND, DENSE, FULL, OFFSET, Mask
 from tests.checks import assert_close
 
-# only where there is no compiler, or the kernel is switched off: where one is, a kernel that fails to
+# only where there is no compiler, or the kernel is switched off: where one is, a kernel that fails
+# to
 # build fails these tests (tests/conftest.py turns the kernel on without its timing self-check)
 pytestmark = pytest.mark.skipif(
     native.compiler() is None or os.environ.get("RINGKV_NATIVE_FLASH") == "0",
@@ -124,8 +125,8 @@ def make(p):
 
 def sharpness(q, k, scale) -> float:
     """How much more than 1 out's error may be: a score ``s`` is computed with an error of about
-    ``eps * |s|``, which ``p = exp(s - lse)`` carries into out as a relative error of that size. With
-    scores up to ~50 (scale 1, head dim 128) torch's own op is 2.2e-5 off (48 x 170 keys), past
+    ``eps * |s|``, which ``p = exp(s - lse)`` carries into out as a relative error of that size.
+    With scores up to ~50 (scale 1, head dim 128) torch's own op is 2.2e-5 off (48 x 170 keys), past
     ``32 eps`` of out's magnitude; so scores beyond 16 widen out's tolerance in proportion."""
     kr = k.double().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kr)
@@ -217,7 +218,8 @@ def test_turned_off_by_its_environment_variable():
     script = (
         "import torch, ringkv.kernels as K\n"
         "from ringkv.kernels.mask import Mask, FULL\n"
-        "print(K.pick('auto', torch.zeros(1, 4, 1, 64), Mask(FULL)).__name__, K.BACKENDS['cpu_flash'].unavailable)\n"
+        "print(K.pick('auto', torch.zeros(1, 4, 1, 64), Mask(FULL)).__name__, "
+        "K.BACKENDS['cpu_flash'].unavailable)\n"
     )
     r = subprocess.run(
         [sys.executable, "-c", script],

@@ -97,7 +97,8 @@ def drive(llm, until=None) -> dict:
     return outs
 
 
-KEY_SLACK = 3  # keys of the last exchange (a value per rank and its counter) a slower rank has yet to delete
+# keys of the last exchange (a value per rank and its counter) a slower rank has yet to delete
+KEY_SLACK = 3
 
 
 def clean(llm) -> None:

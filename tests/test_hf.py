@@ -1,4 +1,5 @@
-"""ringkv.patch_model on tiny random Llama / Qwen2 / Mistral (and SmolLM2) against the unpatched model."""
+"""ringkv.patch_model on tiny random Llama / Qwen2 / Mistral (and SmolLM2) against the unpatched
+model."""
 
 from __future__ import annotations
 
@@ -407,7 +408,8 @@ def test_smollm2_sp2_zigzag(world):
     tok = AutoTokenizer.from_pretrained(smollm2_path())
     text = (
         "Ring attention splits a long sequence across devices. Each device keeps its own queries, "
-        "passes keys and values around a ring, and merges partial softmax results. Explain why this is exact:"
+        "passes keys and values around a ring, and merges partial softmax results. Explain why "
+        "this is exact:"
     )
     ids = tok(text, return_tensors="pt").input_ids[:, :64]
     model = build("smollm2", 0)

@@ -22,7 +22,8 @@ def _ids(b, s, seed, vocab=128):
 
 
 def _union_reference(arch, seed, batches):
-    """One process, the unpatched model, the union of the batches (rows concatenated): loss and grads."""
+    """One process, the unpatched model, the union of the batches (rows concatenated): loss and
+    grads."""
     pairs = [b if isinstance(b, (tuple, list)) else (b, b) for b in batches]
     ids, labels = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
     model = build(arch, seed).train()

@@ -1,11 +1,12 @@
-"""ringkv.patch_model on the families whose attention goes past plain softmax (issue #42 item 3): gpt-oss
-(attention sinks, sliding and full layers alternating, MoE), Gemma 2 (attention soft-capping at 2.0, a
-final logit cap, a sliding window) and DeepSeek-V3 (MLA: queries and keys of 24 dims, values of 16, a
-KV cache of compressed latents, MoE). Tiny random models (``tests/family_cases.py``) against the
-unpatched model on the same weights: training loss, logits and every gradient (sinks included), summed
-over the SP group (ring, Ulysses, USP); packed documents against each document alone; greedy generate
-of left-padded and unpadded batches (tokens and scores); torch.compile against eager; and StableLM,
-whose attention does not go through AttentionInterface, refused."""
+"""ringkv.patch_model on the families whose attention goes past plain softmax (issue #42 item 3):
+gpt-oss (attention sinks, sliding and full layers alternating, MoE), Gemma 2 (attention soft-capping
+at 2.0, a final logit cap, a sliding window) and DeepSeek-V3 (MLA: queries and keys of 24 dims,
+values of 16, a KV cache of compressed latents, MoE). Tiny random models (``tests/family_cases.py``)
+against the
+unpatched model on the same weights: training loss, logits and every gradient (sinks included),
+summed over the SP group (ring, Ulysses, USP); packed documents against each document alone; greedy
+generate of left-padded and unpadded batches (tokens and scores); torch.compile against eager; and
+StableLM, whose attention does not go through AttentionInterface, refused."""
 
 from __future__ import annotations
 
@@ -134,8 +135,9 @@ def test_train_any_shape(world, family, sp, ulysses, layout, s, b, seed):
     ],
 )
 def test_more_families_and_methods_train_like_unpatched(world, family, sp, method, ulysses, layout):
-    """Gemma 3 (q/k norms, sliding and full layers), Qwen3-MoE, MLA of other widths with a q LoRA, and
-    USP for Gemma 2's cap and DeepSeek-V3's MLA: loss, logits and every gradient as unpatched."""
+    """Gemma 3 (q/k norms, sliding and full layers), Qwen3-MoE, MLA of other widths with a q LoRA,
+    and USP for Gemma 2's cap and DeepSeek-V3's MLA: loss, logits and every gradient as
+    unpatched."""
     assert family in FAMILIES + MORE
     ids = _ids(2, 20, 3)
     _assert_matches(
@@ -162,7 +164,8 @@ def test_packed_documents_match_each_document_alone(world, family, layout, form,
     _assert_matches(res, *want)
 
 
-# ---- left-padded batched generate --------------------------------------------------------------------
+# ---- left-padded batched generate
+# --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -208,7 +211,8 @@ def test_generate_matches_unpatched(world, family, layout, lengths):
         assert cached == list(range(n + new - 1)), (row, cached)
 
 
-# ---- torch.compile -----------------------------------------------------------------------------------
+# ---- torch.compile
+# -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -259,7 +263,8 @@ def test_compile_matches_eager_without_recompiles(world, family):
 
 
 def test_stablelm_is_refused_at_patch_time():
-    """StableLM's attention does not go through AttentionInterface: a TypeError that says so, nothing patched."""
+    """StableLM's attention does not go through AttentionInterface: a TypeError that says so,
+    nothing patched."""
     import transformers
 
     config = transformers.StableLmConfig(

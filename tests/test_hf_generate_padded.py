@@ -20,7 +20,8 @@ WORLD_SETTINGS = dict(
 
 
 def _left_padded(lengths, seed, vocab=128):
-    """``ids`` (pads 0) and ``attention_mask`` ``(B, max(lengths))``, zeros as a prefix of each row."""
+    """``ids`` (pads 0) and ``attention_mask`` ``(B, max(lengths))``, zeros as a prefix of each
+    row."""
     b, s = len(lengths), max(lengths)
     ids = torch.randint(3, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
     mask = torch.zeros(b, s, dtype=torch.long)
@@ -55,7 +56,8 @@ def _check(world, arch, sp, layout, lengths, new=5, seed=0, config=None):
         assert len(set(got["local_keys"])) == 1 and got["local_keys"][0] == len(
             got["positions"]
         ) == len(got["rows"])
-    # the cache is sharded and holds no pad: each row's cached positions, over all ranks, are exactly
+    # the cache is sharded and holds no pad: each row's cached positions, over all ranks, are
+    # exactly
     # 0..n+new-2 (its real tokens and the generated ones before the last), each on one rank
     for row, n in enumerate(lengths):
         cached = sorted(p for got in res for q, p in zip(got["rows"], got["positions"]) if q == row)

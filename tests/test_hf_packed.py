@@ -157,8 +157,10 @@ def packed_case(draw):
 
 @settings(max_examples=12, **WORLD_SETTINGS)
 @given(case=packed_case())
-# one document per row, given as DataCollatorWithFlattening gives it (form "all"): the model packs the
-# rows into one, and the helpers told only position_ids must see that (drawn once in CI, then failing)
+# one document per row, given as DataCollatorWithFlattening gives it (form "all"): the model packs
+# the
+# rows into one, and the helpers told only position_ids must see that (drawn once in CI, then
+# failing)
 @example(
     case=dict(
         arch="llama", sp=1, layout="contiguous", inputs="full", form="all", rows=[[2], [2]], seed=0
@@ -284,7 +286,8 @@ def test_right_padding_matches_the_unpatched_model_with_the_mask(
 
 
 def test_packed_rows_with_right_padding(world):
-    """B = 2 packed rows, row 0 padded at the end (the pads are 1-token documents: position_ids 0)."""
+    """B = 2 packed rows, row 0 padded at the end (the pads are 1-token documents: position_ids
+    0)."""
     batch = _batch([[4, 6, 1, 1, 1], [9, 1, 3]], 2)
     mask = torch.ones_like(batch["ids"])
     mask[0, 10:] = 0
@@ -469,7 +472,8 @@ def test_shard_inputs_bad_packed_input(world):
     assert "positions within their documents" in messages[1] and "input checks" in messages[0], (
         messages
     )
-    # a shard-mode mask with a hole in the global row (each rank's own part looks fine): gathered, then raised
+    # a shard-mode mask with a hole in the global row (each rank's own part looks fine): gathered,
+    # then raised
     mask = torch.ones(1, 8, dtype=torch.long)
     mask[0, 3] = 0  # the end of rank 0's contiguous shard
     per_rank = [

@@ -1,5 +1,6 @@
 """Training at any length: the chunked loss (no logits), the tiled MLP and offloaded checkpoints of
-``ringkv.patch_model``, against the unpatched model (loss and gradients, summed over the SP group)."""
+``ringkv.patch_model``, against the unpatched model (loss and gradients, summed over the SP
+group)."""
 
 from __future__ import annotations
 
@@ -96,9 +97,9 @@ def test_linear_cross_entropy_equals_the_head_then_cross_entropy(
 
 
 def test_linear_cross_entropy_bf16_accumulates_in_float32():
-    """bf16 head and hidden states: the sum equals the float32 loss of the bf16 logits (what HF computes:
-    the head in bf16, then .float()), and d weight is accumulated in float32 over 64 chunks: closer to
-    the float32 gradient than the unfused bf16 gradient is."""
+    """bf16 head and hidden states: the sum equals the float32 loss of the bf16 logits (what HF
+    computes: the head in bf16, then .float()), and d weight is accumulated in float32 over 64
+    chunks: closer to the float32 gradient than the unfused bf16 gradient is."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(512, 32, generator=g).bfloat16().requires_grad_()
     weight = (torch.randn(300, 32, generator=g) / 4).bfloat16().requires_grad_()
@@ -170,9 +171,9 @@ def test_linear_cross_entropy_keeps_at_most_one_chunk_of_logits():
 def test_chunked_loss_equals_the_unpatched_model(
     world, arch, sp, layout, s, b, chunk, tie, density, packed, form, num_items, seed
 ):
-    """Training mode with labels (or shift_labels, or both): no logits come back, and the loss and the
-    SP-summed gradients equal the unpatched model's, over lengths, loss chunks, packed documents,
-    ignore-index density, tied or untied heads and HF's num_items_in_batch."""
+    """Training mode with labels (or shift_labels, or both): no logits come back, and the loss and
+    the SP-summed gradients equal the unpatched model's, over lengths, loss chunks, packed
+    documents, ignore-index density, tied or untied heads and HF's num_items_in_batch."""
     ids = torch.randint(3, 128, (b, s), generator=torch.Generator().manual_seed(seed))
     labels = _labels(ids, density, seed)
     pos = _packed_positions(b, s, seed) if packed else None
@@ -249,7 +250,8 @@ def test_tiled_mlp_is_exact(world, tile, ckpt, sp, s, seed):
 
 
 def test_tiled_mlp_runs_tiles_and_undoes():
-    """The MLP is called once per tile in forward and again per tile in backward; unpatch_model restores it."""
+    """The MLP is called once per tile in forward and again per tile in backward; unpatch_model
+    restores it."""
     model = build("llama", 0).train()
     calls = []
     mlp = model.model.layers[0].mlp
@@ -311,9 +313,9 @@ FAMILIES = {  # transformers class prefix: config overrides (tiny)
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_other_families_train_like_unpatched(family):
-    """Heads that transform their logits (Gemma 2's soft-cap, Cohere's and Granite's scales), fused MLPs
-    (Phi-3), q/k norms (Qwen3), attention soft-capping (Gemma 2): the chunked loss and the tiled MLP
-    equal the unpatched model."""
+    """Heads that transform their logits (Gemma 2's soft-cap, Cohere's and Granite's scales), fused
+    MLPs (Phi-3), q/k norms (Qwen3), attention soft-capping (Gemma 2): the chunked loss and the
+    tiled MLP equal the unpatched model."""
     import transformers
 
     torch.manual_seed(0)
@@ -371,7 +373,8 @@ def test_bf16_weights_train_like_unpatched():
 
 
 def test_keep_logits_modes():
-    """None: logits in eval, none in training with labels; True: always; False: never with labels."""
+    """None: logits in eval, none in training with labels; True: always; False: never with
+    labels."""
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(2))
     want = build("llama", 0)(ids, labels=ids, use_cache=False)
     for keep, train, has in [
@@ -395,8 +398,8 @@ def test_keep_logits_modes():
 
 
 def test_causal_lm_loss_from_hidden_states(world):
-    """causal_lm_loss(None, labels, hidden=, weight=) on the base model's shards equals the loss of the
-    logits, with shift_labels and num_items_in_batch."""
+    """causal_lm_loss(None, labels, hidden=, weight=) on the base model's shards equals the loss of
+    the logits, with shift_labels and num_items_in_batch."""
     res = world.check("tests.train_cases:helper_from_hidden", 2)
     for r in res:
         assert r["hidden"] == pytest.approx(r["logits"], rel=1e-6)
@@ -516,8 +519,8 @@ def test_tile_mlp_on_an_unrecognised_mlp_is_a_value_error():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_offload_to_pinned_host_memory_on_cuda():
-    """offload_checkpoints=True on CUDA: the same loss and gradients as without offload, and the layer
-    inputs leave the device between forward and backward."""
+    """offload_checkpoints=True on CUDA: the same loss and gradients as without offload, and the
+    layer inputs leave the device between forward and backward."""
     model = build("llama", 0).cuda().train()
     ref = copy.deepcopy(model)
     ids = torch.randint(3, 128, (2, 256), device="cuda")

@@ -29,7 +29,8 @@ def _record(kind, args):
 
 
 def _result(q):
-    """(out, lse) a fake forward returns: out (B, S, H, D) like q, lse (B, H, S) fp32, both recognisable."""
+    """(out, lse) a fake forward returns: out (B, S, H, D) like q, lse (B, H, S) fp32, both
+    recognisable."""
     return q * 2, q.float().sum(-1).transpose(1, 2).contiguous() + 100
 
 
@@ -81,8 +82,10 @@ def fa26_backward(
     return dq, dk, dv, softmax_lse + 1  # dq, dk, dv, softmax_d
 
 
-# ---- flash-attn v2.8.3, flash_attn/flash_attn_interface.py (same parameters since v2.7.0): torch custom
-# ops (``torch.library.custom_op``, as there), forward returns (out, softmax_lse, S_dmask, rng_state),
+# ---- flash-attn v2.8.3, flash_attn/flash_attn_interface.py (same parameters since v2.7.0): torch
+# custom
+# ops (``torch.library.custom_op``, as there), forward returns (out, softmax_lse, S_dmask,
+# rng_state),
 # the backward fills dq, dk, dv and returns softmax_d
 
 
@@ -131,7 +134,8 @@ def fa27_backward(
     return softmax_lse + 1
 
 
-# ---- FlashAttention-3 at tag v2.8.3, hopper/flash_attn_interface.py (same parameters v2.8.0-v2.8.3)
+# ---- FlashAttention-3 at tag v2.8.3, hopper/flash_attn_interface.py (same parameters
+# v2.8.0-v2.8.3)
 
 
 def fa3_28_forward(
@@ -201,8 +205,10 @@ def fa3_28_backward(
     return dq, dk, dv, softmax_lse + 1
 
 
-# ---- FlashAttention-3 after v2.8.3 (main, 2025), hopper/flash_attn_interface.py: window split in two,
-# ``out_``, the backward's ``is_causal``; forward returns (out, softmax_lse, out_accum, softmax_lse_accum)
+# ---- FlashAttention-3 after v2.8.3 (main, 2025), hopper/flash_attn_interface.py: window split in
+# two,
+# ``out_``, the backward's ``is_causal``; forward returns (out, softmax_lse, out_accum,
+# softmax_lse_accum)
 
 
 def fa3_main_forward(
@@ -366,7 +372,8 @@ def test_adapter_calls_each_release_with_its_own_arguments(table, version, fwd, 
 
 @pytest.mark.parametrize("table,version,fwd,bwd,name", RELEASES, ids=[r[4] for r in RELEASES])
 def test_adapter_passes_tiles_causal_flag_and_window(table, version, fwd, bwd, name):
-    """OFFSET masks: one call per tile of ``_tiles`` (causal only on the square one); BAND: the window."""
+    """OFFSET masks: one call per tile of ``_tiles`` (causal only on the square one); BAND: the
+    window."""
     be = _backend(table, version, fwd, bwd)
     q, k, v = _inputs()
     for mask in (Mask(OFFSET, offset=4), Mask(BAND, offset=2, lo=-3)):
@@ -433,7 +440,8 @@ def test_adapter_selection_by_version_and_signature():
 
 
 def test_cudnn_op_schema_and_call_shapes():
-    """The aten op's argument lists as ``cudnn.py`` passes them, and one call of each on meta tensors."""
+    """The aten op's argument lists as ``cudnn.py`` passes them, and one call of each on meta
+    tensors."""
     fwd = torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema
     bwd = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default._schema
     assert [a.name for a in fwd.arguments] == [
@@ -481,7 +489,8 @@ def test_cudnn_op_schema_and_call_shapes():
 
 
 class Fake:
-    """A CPU backend: the reference's results, optionally wrong in one need, optionally taking dlse."""
+    """A CPU backend: the reference's results, optionally wrong in one need, optionally taking
+    dlse."""
 
     def __init__(self, broken="", dlse=False):
         self.broken, self.dlse, self.calls = broken, dlse, []
@@ -601,7 +610,9 @@ def test_describe_on_this_machine():
         assert set(d["auto"]["forward"].values()) == {"sdpa"} == set(d["auto"]["backward"].values())
         assert set(d["auto"]["lse_grad"].values()) == {"reference"}
         assert d["skipped"]["sdpa"] == "unsupported (takes no gradient through lse)"
-    else:  # our C kernel for everything but dense masks, which go to torch's op (lse_grad: the reference)
+    else:
+        # our C kernel for everything but dense masks, which go to torch's op (lse_grad: the
+        # reference)
         for need in ("forward", "backward", "lse_grad"):
             assert d["auto"][need] == {
                 "full": "cpu_flash",

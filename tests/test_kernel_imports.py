@@ -31,7 +31,8 @@ def _top_level(tree):
 
 
 def imports_of(name: str, modules) -> set:
-    """Modules of the package that ``name`` imports at top level (``PACKAGE``: the package itself)."""
+    """Modules of the package that ``name`` imports at top level (``PACKAGE``: the package
+    itself)."""
     out = set()
     for node in _top_level(ast.parse((KERNELS / f"{name}.py").read_text())):
         if isinstance(node, ast.Import):

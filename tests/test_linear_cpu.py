@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 from ringkv.kernels import linear_cpu, native
 
-# only where there is no compiler: where there is one, a kernel that fails to build fails these tests
+# only where there is no compiler: where there is one, a kernel that fails to build fails these
+# tests
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler here")
 
 

@@ -114,7 +114,8 @@ def test_gguf_and_cli():
     from ringkv.model.smollm2 import gguf_path
     from tests.models import smollm2_path
 
-    # the CLI runs (one thread each) start first and run while this process de-quantizes the GGUF file
+    # the CLI runs (one thread each) start first and run while this process de-quantizes the GGUF
+    # file
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     cli = subprocess.Popen(
         [

@@ -179,7 +179,8 @@ def test_virtual_ranks_single_process(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
-    # zigzag, 4 ranks of 64 tokens: a causal 64x64 block, then 3 steps of two full 32x32 chunk pairs;
+    # zigzag, 4 ranks of 64 tokens: a causal 64x64 block, then 3 steps of two full 32x32 chunk
+    # pairs;
     # every rank does the same work and the ranks together cover all 256*257/2 visible pairs
     assert row["pairs_per_rank"] == 64 * 65 // 2 + 3 * 2 * 32 * 32 == 256 * 257 // 2 // 4
     assert row["efficiency"] > 0
@@ -187,7 +188,8 @@ def test_virtual_ranks_single_process(tmp_path):
 
 @pytest.mark.slow
 def test_methods_side_by_side_under_torchrun(tmp_path):
-    """--method all: every method on the same inputs, checked against the reference, per KV head count."""
+    """--method all: every method on the same inputs, checked against the reference, per KV head
+    count."""
     out = tmp_path / "m.json"
     cmd = [
         sys.executable,

@@ -1,4 +1,5 @@
-"""LSE merge of partial attention results (``ringkv.kernels.merge``) against attention over all keys."""
+"""LSE merge of partial attention results (``ringkv.kernels.merge``) against attention over all
+keys."""
 
 from __future__ import annotations
 

@@ -375,7 +375,8 @@ def test_cpu_kernel_checks_blocks_and_ignores_the_thread_count():
 
 def spread_problem(d, nq, g, spread, lens, seed):
     """Sequences of ``lens`` keys in a shuffled paged cache (block size 16, 2 K/V heads, GQA ``g``),
-    ``nq`` queries each with scores scaled by ``spread``: ``q, k_cache, v_cache, table, seq_lens``."""
+    ``nq`` queries each with scores scaled by ``spread``:
+    ``q, k_cache, v_cache, table, seq_lens``."""
     gen = torch.Generator().manual_seed(seed)
     bs, hkv = 16, 2
     blocks = max(1, -(-max(lens) // bs))

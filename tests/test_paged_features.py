@@ -97,8 +97,8 @@ class Problem:
         )
 
     def keys(self, i):
-        """Sequence ``i``'s K ``(L, Hkv, D)``, V ``(L, Hkv, Dv)`` float64 and their global positions ``(L,)``,
-        read from the cache slot by slot."""
+        """Sequence ``i``'s K ``(L, Hkv, D)``, V ``(L, Hkv, Dv)`` float64 and their global positions
+        ``(L,)``, read from the cache slot by slot."""
         t = torch.arange(self.local[i])
         blocks = self.table[i, t // self.p["bs"]].long()
         slots = t % self.p["bs"]
@@ -110,8 +110,10 @@ class Problem:
 
 
 def oracle(q, k, v, q_pos, k_pos, *, causal, window, scale, softcap, sinks=None):
-    """float64 attention of ``q (S, H, D)`` over ``k (L, Hkv, D)``, ``v (L, Hkv, Dv)``: ``out (S, H, Dv)``,
-    ``lse (H, S)`` over the real keys; with ``sinks`` ``(H,)`` the output has them in its denominator."""
+    """float64 attention of ``q (S, H, D)`` over ``k (L, Hkv, D)``, ``v (L, Hkv, Dv)``:
+    ``out (S, H, Dv)``,
+    ``lse (H, S)`` over the real keys; with ``sinks`` ``(H,)`` the output has them in its
+    denominator."""
     h, hkv = q.shape[1], k.shape[1]
     kk, vv = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)  # (L, H, .)
     s = torch.einsum("shd,lhd->hsl", q.double(), kk) * scale
@@ -325,9 +327,9 @@ def step_backends():
     with_lse=False,
 )  # no key on this rank
 def test_plan_step_attend_features(p, softcap, window, scale, with_lse):
-    """``plan_step(...).attend(q, cache, lse=..., scale=, softcap=, window=)``: decode rows and chunks
-    of one step, over one SP rank's striped share, on every backend, row by row against the oracle
-    (causal on global positions: a row that sees no key here has out 0, lse -inf)."""
+    """``plan_step(...).attend(q, cache, lse=..., scale=, softcap=, window=)``: decode rows and
+    chunks of one step, over one SP rank's striped share, on every backend, row by row against the
+    oracle (causal on global positions: a row that sees no key here has out 0, lse -inf)."""
     prob = Problem(p, DEVICE)
     seqs = [
         PagedSeq(row=a, start=t - (b - a), n=b - a, block_table=prob.table[i].tolist())
@@ -371,8 +373,8 @@ def test_plan_step_attend_features(p, softcap, window, scale, with_lse):
     sink=st.sampled_from([-30.0, -1.0, 0.0, 2.0, 30.0]),
 )
 def test_sinks_on_the_entry_points(p, softcap, window, sink):
-    """``sinks`` ``(H,)`` (large negatives and positives): ``out`` has one more logit per head in its
-    denominator, ``lse`` stays over the real keys; decode layout and varlen prefill."""
+    """``sinks`` ``(H,)`` (large negatives and positives): ``out`` has one more logit per head in
+    its denominator, ``lse`` stays over the real keys; decode layout and varlen prefill."""
     prob = Problem(p, DEVICE)
     n, nq, h = p["n"], p["new"][0], p["h"]
     sinks = (torch.linspace(-1.0, 1.0, h) + sink).to(DEVICE)
@@ -536,8 +538,10 @@ for cap, win, start in ((True, True, True), (False, True, False), (True, False, 
     reason="needs triton; a GPU runs them instead",
 )
 def test_feature_kernels_compile_for_sm90(tmp_path):
-    """The feature variants (softcap, window, positions, Dv's own tile) through the real compiler path
-    for sm_90 (TTIR -> PTX -> cubin): catches what the interpreter accepts but the compiler rejects."""
+    """The feature variants (softcap, window, positions, Dv's own tile) through the real compiler
+    path
+    for sm_90 (TTIR -> PTX -> cubin): catches what the interpreter accepts but the compiler
+    rejects."""
     from tests.test_triton import (
         compile_for_sm90,
     )  # sets TRITON_INTERPRET for this process on import

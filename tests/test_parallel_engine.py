@@ -101,10 +101,14 @@ def got_logprobs(got):
     return torch.tensor([x for x in got if x is not None], dtype=torch.float32)
 
 
-# what each family adds (tests.models): Qwen3 q/k norms; Gemma 2 soft-caps (attention 1.5, logits 3),
-# windows of 6 on every other layer, query_pre_attn_scalar 24, sandwich norms, 1 + weight, GELU, scaled
-# embeddings; Gemma 3 q/k norms, windows of 5 with their own RoPE base, logits capped at 4; Phi-3 fused
-# q/k/v and gate/up (split by heads / halves under TP), RoPE on half of each head, windows of 7 everywhere
+# what each family adds (tests.models): Qwen3 q/k norms; Gemma 2 soft-caps (attention 1.5, logits
+# 3),
+# windows of 6 on every other layer, query_pre_attn_scalar 24, sandwich norms, 1 + weight, GELU,
+# scaled
+# embeddings; Gemma 3 q/k norms, windows of 5 with their own RoPE base, logits capped at 4; Phi-3
+# fused
+# q/k/v and gate/up (split by heads / halves under TP), RoPE on half of each head, windows of 7
+# everywhere
 FAMILIES = ["qwen3", "gemma2", "gemma3_text", "phi3"]
 
 
@@ -133,7 +137,8 @@ def test_families_greedy_and_logprobs_equal_transformers_on_a_mesh(worlds, arch,
     for r in res:
         assert r["tokens"] == [want, want]
     assert res[0]["hits"] > 0
-    # the prompt's log-probs against transformers' (sensitive where 8 greedy tokens of a tiny model are not)
+    # the prompt's log-probs against transformers' (sensitive where 8 greedy tokens of a tiny model
+    # are not)
     prompt = prompts[4]
     got = worlds(n).check("tests.engine_cases:prompt_logprobs", n, s, kw, prompt, timeout=300)[0]
     torch.testing.assert_close(
@@ -446,7 +451,8 @@ def test_any_mesh_gives_single_process_tokens(worlds, case):
 
 def test_sp_triton_paged_kernels_equal_the_single_process_engine(worlds):
     """SP ranks on the CUDA path (here the Triton interpreter): chunks over each rank's striped
-    keys through the varlen prefill kernel, decode through the decode kernel, merged across ranks."""
+    keys through the varlen prefill kernel, decode through the decode kernel, merged across
+    ranks."""
     pytest.importorskip("ringkv.kernels.triton_paged")
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py) or a GPU")

@@ -87,7 +87,8 @@ def all_free(llm) -> bool:
 
 
 class Peer:
-    """``tests/remote_peer.py ROLE`` in its own process (killed on exit; its output shown on failure)."""
+    """``tests/remote_peer.py ROLE`` in its own process (killed on exit; its output shown on
+    failure)."""
 
     def __init__(self, role, model_dir, port, **cfg):
         self.log = tempfile.TemporaryFile()
@@ -355,7 +356,8 @@ def test_tensors_cross_bit_for_bit_allocated_once_and_sent_without_a_copy(dtype)
     assert len(sent[0]) > 12 and all(
         c.untyped_storage().data_ptr() in theirs for c in sent[0][2:-1]
     )
-    # the receiver's chunks are slices of the tensors it returns (streams: length, header, bytes, checksum)
+    # the receiver's chunks are slices of the tensors it returns (streams: length, header, bytes,
+    # checksum)
     ours = {getattr(got, n).untyped_storage().data_ptr() for n in names}
     assert {c.untyped_storage().data_ptr() for c in received[2]} == ours and len(
         received[2]

@@ -40,7 +40,8 @@ def ring_case(draw):
 
 
 def _inputs(case):
-    """q, k, v ``(B, S, H|Hkv, D)`` in the case's dtype, dout and (with ``lse_grad``) dlse in fp32."""
+    """q, k, v ``(B, S, H|Hkv, D)`` in the case's dtype, dout and (with ``lse_grad``) dlse in
+    fp32."""
     g = torch.Generator().manual_seed(case["seed"])
     b, s, h, hkv, d, dt = case["b"], case["s"], case["h"], case["hkv"], case["d"], case["dtype"]
     q = torch.randn(b, s, h, d, generator=g).to(dt)

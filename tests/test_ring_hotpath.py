@@ -34,9 +34,11 @@ def test_kernels_import_nothing_from_sp():
         f"for m in pkgutil.iter_modules(k.__path__):\n"
         f"    try: importlib.import_module('ringkv.kernels.' + m.name)\n"
         f"    except ImportError: pass\n"
-        f"bad = sorted(m for m in sys.modules if m.startswith('ringkv.') and not m.startswith('ringkv.kernels'))\n"
+        "bad = sorted(m for m in sys.modules if m.startswith('ringkv.') and not "
+        "m.startswith('ringkv.kernels'))\n"
         f"assert not bad, bad\n"
-        f"print('merge' in dir(k), len([m for m in sys.modules if m.startswith('ringkv.kernels.')]))\n"
+        "print('merge' in dir(k), len([m for m in sys.modules if "
+        "m.startswith('ringkv.kernels.')]))\n"
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -327,7 +327,8 @@ def test_a_huge_prompt_does_not_stall_a_running_stream(server, llm, case):
         results = [f.result() for f in sent]
     gaps = [b - a for a, b in zip(times, times[1:])]
     print(
-        f"{case}: 400 after {[round(x[2], 2) for x in results]} s; stream's largest gap {max(gaps):.3f} s"
+        f"{case}: 400 after {[round(x[2], 2) for x in results]} s; stream's largest gap "
+        f"{max(gaps):.3f} s"
     )
     assert len(times) == n
     assert all(status == 400 and "max_model_len" in text for status, text, _, _ in results), results

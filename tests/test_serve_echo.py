@@ -1,7 +1,8 @@
 """``/v1/completions`` with ``echo`` and ``logprobs`` (what eval harnesses send), against a real
 ``ringkv serve`` of SmolLM2: the prompt's log-probs and top alternatives equal transformers'
 log-softmax, streamed and not, ``max_tokens: 0`` included; lm-evaluation-harness itself scores a
-small task shipped in ``tests/data/lm_eval`` through it; bad input gets a 4xx and changes nothing."""
+small task shipped in ``tests/data/lm_eval`` through it; bad input gets a 4xx and changes
+nothing."""
 
 from __future__ import annotations
 

@@ -96,7 +96,8 @@ def _run_case(world, method, c):
         f"{'split' if c['hkv'] % split == 0 else 'replicated'}"
     )
     event(
-        f"{c['dtype']}, causal={c['causal']}, lse grad={c['lse_grad']}, window={c['window'] != (-1, -1)}"
+        f"{c['dtype']}, causal={c['causal']}, lse grad={c['lse_grad']}, "
+        f"window={c['window'] != (-1, -1)}"
     )
     q, k, v, dout, dlse = _inputs(c)
     b, s, h, dt = c["b"], c["s"], c["h"], c["dtype"]
@@ -200,7 +201,8 @@ def test_bytes_sent_per_method(world):
             got["ulysses"]
             == (b * sl * (h + 2 * hkv) * d * f32 + b * sl * h * d * f32) * (n - 1) // n
         )
-        # 2x2: all-to-alls over 2 Ulysses ranks, then a ring of 2 over S/2 tokens and H/2 heads, KV heads 1
+        # 2x2: all-to-alls over 2 Ulysses ranks, then a ring of 2 over S/2 tokens and H/2 heads, KV
+        # heads 1
         a2a = (b * sl * (h + 2 * hkv) * d * f32 + b * sl * h * d * f32) // 2
         assert got["usp"] == a2a + 2 * b * (2 * sl) * (hkv // 2) * d * f32
 

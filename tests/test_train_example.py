@@ -1,7 +1,8 @@
-"""examples/train_long_context.py under real torchrun: dp=2 x sp=2 training with transformers' Trainer
-(ringkv.trainer.sp_trainer) on packed rows of the shipped text, 2 micro-batches per step, against a plain
-Trainer on the unpatched model in one process (--reference): per-step losses and gradient norms within
-the example's tolerance. A tiny random Llama (UTF-8 byte tokens) stands in
+"""examples/train_long_context.py under real torchrun: dp=2 x sp=2 training with transformers'
+Trainer (ringkv.trainer.sp_trainer) on packed rows of the shipped text, 2 micro-batches per step,
+against a plain
+Trainer on the unpatched model in one process (--reference): per-step losses and gradient norms
+within the example's tolerance. A tiny random Llama (UTF-8 byte tokens) stands in
 for SmolLM2 so that the test stays short; docs/hf.md has the SmolLM2 run."""
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def _table(stdout):
-    """The comparison table's rows: (step, ring loss, reference loss, |diff|, rel, norm, ref norm, rel)."""
+    """The comparison table's rows: (step, ring loss, reference loss, |diff|, rel, norm, ref norm,
+    rel)."""
     return [
         tuple(float(x) for x in m.groups())
         for m in re.finditer(

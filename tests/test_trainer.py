@@ -111,8 +111,9 @@ def _check(ring, ref):
 
 @pytest.mark.slow
 def test_trainer_dp2_sp2_matches_one_unpatched_process(runs):
-    """Rows of 22 tokens (zigzag pads to 24) with -100 on random prefixes (unequal label counts over rows,
-    replicas and micro-batches: num_items_in_batch decides the weighting), one epoch of 3 steps."""
+    """Rows of 22 tokens (zigzag pads to 24) with -100 on random prefixes (unequal label counts over
+    rows, replicas and micro-batches: num_items_in_batch decides the weighting), one epoch of 3
+    steps."""
     ring, ref = runs
     _check(ring["trainer"], ref["trainer"])
     assert ring["trainer"]["epoch"] == 1.0 and ring["trainer"]["batches_per_epoch"] == 6
@@ -120,7 +121,8 @@ def test_trainer_dp2_sp2_matches_one_unpatched_process(runs):
 
 @pytest.mark.slow
 def test_sft_trainer_packing_dp2_sp2_matches_one_unpatched_process(runs):
-    """SFTTrainer, packing=True (best-fit packing, padding-free: position_ids, cu_seq_lens, seq_idx), max_steps 3."""
+    """SFTTrainer, packing=True (best-fit packing, padding-free: position_ids, cu_seq_lens,
+    seq_idx), max_steps 3."""
     ring, ref = runs
     if "sft" not in ring:
         pytest.skip("needs trl and datasets")
@@ -128,8 +130,8 @@ def test_sft_trainer_packing_dp2_sp2_matches_one_unpatched_process(runs):
 
 
 def test_layout_errors(world):
-    """sp_layout: a patch over the mesh's sp dim, over another dim (with the mesh: ValueError on every
-    rank; alone: a valid (dp, sp) tiling), and unequal groups (ValueError on every rank)."""
+    """sp_layout: a patch over the mesh's sp dim, over another dim (with the mesh: ValueError on
+    every rank; alone: a valid (dp, sp) tiling), and unequal groups (ValueError on every rank)."""
     res = world.check("tests.trainer_cases:layout_errors", 4)
     for rank, r in enumerate(res):
         assert tuple(r["sp"]) == (2, 2, rank // 2)

@@ -320,8 +320,9 @@ build("_paged_prefill_kernel", "fp32", dict(PREFILL, QUANT=False, CAUSAL=False, 
 
 
 def compile_for_sm90(script: str, tmp_path, timeout: int = 300) -> str:
-    """Run a compile script in a fresh interpreter (no TRITON_INTERPRET; a crash fails only the test),
-    with triton's PTX/cubin scratch files in ``tmp_path`` (it leaves them behind); its stdout."""
+    """Run a compile script in a fresh interpreter (no TRITON_INTERPRET; a crash fails only the
+    test), with triton's PTX/cubin scratch files in ``tmp_path`` (it leaves them behind); its
+    stdout."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]

@@ -19,7 +19,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-# test_triton sets TRITON_INTERPRET on a machine without CUDA before triton imports, and skips without triton
+# test_triton sets TRITON_INTERPRET on a machine without CUDA before triton imports, and skips
+# without triton
 from tests.checks import assert_close  # noqa: E402
 from tests.test_triton import DEVICES, _device_ok, compile_for_sm90, tk  # noqa: E402
 from ringkv.kernels.mask import BAND, EMPTY, FULL, OFFSET, Mask  # noqa: E402
@@ -35,8 +36,8 @@ HYP = settings(max_examples=15, deadline=None, suppress_health_check=list(Health
 
 
 def oracle(q, k, v, scale, mask, softcap):
-    """float64 attention: q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv),
-    lse (B, H, Sq) (-inf and out 0 for rows that see no key), differentiable by autograd."""
+    """float64 attention: q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H,
+    Dv), lse (B, H, Sq) (-inf and out 0 for rows that see no key), differentiable by autograd."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     kr = k.repeat_interleave(h // hkv, dim=2)  # (B, Sk, H, D): query head h reads kv head h // G
@@ -55,7 +56,8 @@ def oracle(q, k, v, scale, mask, softcap):
 
 
 def oracle_grads(q, k, v, scale, mask, softcap, dout, dlse):
-    """float64 ``out, lse`` and the gradients of ``sum(out * dout) + sum(lse * dlse)`` (finite lse only)."""
+    """float64 ``out, lse`` and the gradients of ``sum(out * dout) + sum(lse * dlse)`` (finite lse
+    only)."""
     q, k, v = (t.detach().double().cpu().requires_grad_(True) for t in (q, k, v))
     out, lse = oracle(q, k, v, scale, mask, softcap)
     loss = (out * dout.double().cpu()).sum()
@@ -138,7 +140,8 @@ PINNED = [
 
 
 def make_inputs(p, device):
-    """q, k, v in ``p["dtype"]`` on ``device``, and float64 dout / dlse (``amp`` widens the scores)."""
+    """q, k, v in ``p["dtype"]`` on ``device``, and float64 dout / dlse (``amp`` widens the
+    scores)."""
     g = torch.Generator().manual_seed(p["seed"])
     q = torch.randn(p["b"], p["sq"], p["h"], p["d"], generator=g) * p["amp"]
     k = torch.randn(p["b"], p["sk"], p["hkv"], p["d"], generator=g)
@@ -258,7 +261,8 @@ def test_split_keys_merged_by_lse(device, p, frac, with_dlse):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("d,dv,dtype", [(192, 128, torch.bfloat16), (64, 96, torch.float32)])
 def test_wide_head_dims(device, d, dv, dtype):
-    """MLA's shape (qk 192, v 128: padded to 256 and 128 wide tiles) and a non-power-of-two Dv > D."""
+    """MLA's shape (qk 192, v 128: padded to 256 and 128 wide tiles) and a non-power-of-two Dv >
+    D."""
     _device_ok(device)
     p = dict(
         b=1,
@@ -319,5 +323,6 @@ for dt, prec, bd, bdv in [("bf16", "tf32", 256, 128), ("fp16", "tf32", 32, 64), 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels for real instead")
 def test_feature_kernels_compile_for_sm90(tmp_path):
     """The softcap, BAND and Dv != D variants through the real compiler for sm_90 (what the
-    interpreter accepts but the compiler rejects: names bound under a constexpr ``if``, tile shapes)."""
+    interpreter accepts but the compiler rejects: names bound under a constexpr ``if``, tile
+    shapes)."""
     assert compile_for_sm90(_COMPILE_SCRIPT, tmp_path).count("compiled") == 12

@@ -163,7 +163,8 @@ def test_make_mask_window_matches_explicit_matrix(sq, sk, causal, window, data):
 @given(st.integers(1, 16), st.integers(1, 16), st.integers(-20, 20), st.integers(0, 20))
 def test_flash_attn_window_calls_cover_the_band(sq, sk, lo, width):
     """flash_attn runs a band as one call with window_size (flash-attn's bottom-right convention,
-    -1 unbounded): emulated here, the call must cover the band exactly and no row is fully masked."""
+    -1 unbounded): emulated here, the call must cover the band exactly and no row is fully
+    masked."""
     mask = Mask(BAND, offset=lo + width, lo=lo)  # any band, also ones make_mask would simplify
     want = mask.visible(sq, sk)
     got = torch.zeros(sq, sk, dtype=torch.long)

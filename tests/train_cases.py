@@ -13,7 +13,8 @@ from tests.hf_cases import build
 
 
 def targets(labels: torch.Tensor) -> torch.Tensor:
-    """HF's ``shift_labels`` of ``labels`` ``(B, S)``: the target of each token, -100 at each row's end."""
+    """HF's ``shift_labels`` of ``labels`` ``(B, S)``: the target of each token, -100 at each row's
+    end."""
     return F.pad(labels[:, 1:], (0, 1), value=-100)
 
 
@@ -44,7 +45,8 @@ def unpatched_step(
 ):
     """The unpatched model, one process: loss and gradients of the same step."""
     model = build(arch, seed, **(config or {})).to(dtype).train()
-    # HF computes a loss only when labels come (shift_labels then replace their shift); ringkv takes either alone
+    # HF computes a loss only when labels come (shift_labels then replace their shift); ringkv takes
+    # either alone
     out = model(
         **step_kwargs(ids, labels, "both" if form == "shift" else form, position_ids, num_items)
     )
@@ -54,8 +56,9 @@ def unpatched_step(
 
 def chunked_step(ctx, arch, seed, ids, labels, layout, inputs, opts):
     """A patched training step. ``opts``: ``form`` (labels / shift / both), ``position_ids`` (packed
-    rows, inputs="full"), ``num_items``, ``patch`` (patch_model's keyword arguments), ``checkpointing``
-    (None, "reentrant" or "plain"), ``store`` (offload to a FileStore), ``config`` (model overrides).
+    rows, inputs="full"), ``num_items``, ``patch`` (patch_model's keyword arguments),
+    ``checkpointing`` (None, "reentrant" or "plain"), ``store`` (offload to a FileStore), ``config``
+    (model overrides).
     Returns the loss, whether logits came back, this rank's gradients and what the store saw."""
     model = build(arch, seed, **opts.get("config", {})).train()
     store = FileStore() if opts.get("store") else False
@@ -133,7 +136,8 @@ def train_error(
 
 def helper_from_hidden(ctx):
     """``causal_lm_loss`` from this rank's logits and from its hidden states with the head's weight
-    (the base model's output, taken by a hook): both losses, and both forms' gradients of the head."""
+    (the base model's output, taken by a hook): both losses, and both forms' gradients of the
+    head."""
     model = hf.patch_model(build("llama", 0), group=ctx.group, keep_logits=True)
     seen = []
     model.model.register_forward_hook(lambda m, a, o: seen.append(o.last_hidden_state))

@@ -5,10 +5,10 @@
 
 Both build the same tiny random model and the same data. The distributed run gives each replica
 ``--batch`` rows per micro-batch; the reference emulates the ``dp`` replicas with ``dp * batch``
-rows per micro-batch (accelerate's BatchSamplerShard hands replica ``d`` the ``d``-th of every ``dp``
-consecutive batches of the same sampler order, so the union of a micro-batch is the same rows),
-with the same ``gradient_accumulation_steps``. Rank 0 (or the reference) writes, per kind, the
-logged ``loss`` and ``grad_norm`` of every step and the step/epoch accounting.
+rows per micro-batch (accelerate's BatchSamplerShard hands replica ``d`` the ``d``-th of every
+``dp`` consecutive batches of the same sampler order, so the union of a micro-batch is the same
+rows), with the same ``gradient_accumulation_steps``. Rank 0 (or the reference) writes, per kind,
+the logged ``loss`` and ``grad_norm`` of every step and the step/epoch accounting.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def trainer_rows(n: int, length: int, seed: int = 1):
-    """``n`` rows of ``length`` tokens; labels -100 on a random prefix (0..length/2), so that the label
-    counts differ between rows, replicas and micro-batches (num_items_in_batch matters)."""
+    """``n`` rows of ``length`` tokens; labels -100 on a random prefix (0..length/2), so that the
+    label counts differ between rows, replicas and micro-batches (num_items_in_batch matters)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):

@@ -10,7 +10,8 @@ from ringkv.sp.layout import varlen_index, varlen_local_len
 
 
 def window_forward_backward(ctx, q, k, v, dout, dlse, causal, layout, scale, window):
-    """Windowed ring forward + backward on this rank's shard: out, lse, dq, dk, dv, (fwd hops, bwd hops)."""
+    """Windowed ring forward + backward on this rank's shard: out, lse, dq, dk, dv, (fwd hops, bwd
+    hops)."""
 
     def shard(x, dim=1):
         return ringkv.shard(x, dim, layout, rank=ctx.rank, world=ctx.world)

@@ -6,8 +6,8 @@ lets go.
 
 Prefix caching: once a block is FULL of computed tokens it is registered under the chained
 hash ``hash_fn((parent_hash, tokens, cache_salt))`` (default ``block_hash``: SHA-256, the same
-in every process and run, unlike Python's ``hash`` of a string), once (a ``PrefixCursor`` per sequence
-remembers how far its chain is registered, so a step costs no work that grows with the
+in every process and run, unlike Python's ``hash`` of a string), once (a ``PrefixCursor`` per
+sequence remembers how far its chain is registered, so a step costs no work that grows with the
 context). A later prompt walks its own full blocks from the start and reuses every block
 whose hash is registered AND whose content matches exactly: the same tokens, the same salt
 and the same parent *content*. Contents are interned (``content id``): equal contents get

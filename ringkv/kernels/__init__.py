@@ -3,10 +3,13 @@
     out, lse = attention(q, k, v, scale=None, causal=False, q_positions=None,
                          k_positions=None, window=(-1, -1), backend="auto", softcap=None, sinks=None)
 
-- ``q`` ``(B, Sq, H, D)``, ``k`` ``(B, Sk, Hkv, D)``, ``v`` ``(B, Sk, Hkv, Dv)`` with ``H % Hkv == 0``
+- ``q`` ``(B, Sq, H, D)``, ``k`` ``(B, Sk, Hkv, D)``, ``v`` ``(B, Sk, Hkv, Dv)`` with
+  ``H % Hkv == 0``
   (GQA/MQA); ``Dv`` may differ from ``D`` (MLA);
-- ``out`` ``(B, Sq, H, Dv)`` in ``q.dtype``; ``lse`` float32 natural-log ``(B, H, Sq)`` over the real keys;
-- ``softcap``: scores ``softcap * tanh(scale * q.k / softcap)`` (in the kernel, forward and backward);
+- ``out`` ``(B, Sq, H, Dv)`` in ``q.dtype``; ``lse`` float32 natural-log ``(B, H, Sq)`` over the
+  real keys;
+- ``softcap``: scores ``softcap * tanh(scale * q.k / softcap)`` (in the kernel, forward and
+  backward);
   ``sinks`` ``(H,)``: one extra logit per head in the softmax's denominator, applied once to the
   final result (``merge.apply_sinks``; partials merge without it);
 - causal means ``q_pos >= k_pos`` on global positions (see ``mask.py``); ``window=(left,
@@ -19,7 +22,8 @@ installed, ``triton`` (our kernels, when triton imports). Which one runs a call 
 ``dispatch.py`` (the registry, the one-time probes, ``pick`` and ``describe``, re-exported here);
 this package holds the entry points. Paged attention over a KV cache: ``paged.py``.
 
-Modules of the package import each other, never the package itself (``tests/test_kernel_imports.py``).
+Modules of the package import each other, never the package itself
+(``tests/test_kernel_imports.py``).
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ def _pick(backend, q, v, mask, softcap, dlse=False, backward=False):
 
 
 def _padded(module, q, v) -> bool:
-    """Whether ``module`` runs this call zero-padded: V's head size differs from q's and it takes only one."""
+    """Whether ``module`` runs this call zero-padded: V's head size differs from q's and it takes
+    only one."""
     return q.shape[-1] != v.shape[-1] and "dv" not in features(module)
 
 
@@ -238,11 +243,12 @@ def run_differentiable(
     sinks: Optional[torch.Tensor] = None,
 ):
     """``fwd(q, k, v, *fwd_args) -> (out, lse)``, through autograd when q, k, v or sinks need a
-    gradient: ``bwd(dout, dlse, q, k, v, out, lse, *bwd_args) -> (dq, dk, dv)`` (``dlse`` is ``None``
-    when lse is unused; ``bwd_args`` default to ``fwd_args``). Every attention here (the kernels, the
-    ring, all-gather) is differentiated this way: through ``out`` and ``lse``. ``sinks`` ``(H,)``
-    are applied to the final ``out`` (``apply_sinks``; the returned lse stays over the real keys);
-    their gradient covers this rank's rows (summed over the SP group like any replicated weight)."""
+    gradient: ``bwd(dout, dlse, q, k, v, out, lse, *bwd_args) -> (dq, dk, dv)`` (``dlse`` is
+    ``None`` when lse is unused; ``bwd_args`` default to ``fwd_args``). Every attention here (the
+    kernels, the ring, all-gather) is differentiated this way: through ``out`` and ``lse``.
+    ``sinks`` ``(H,)`` are applied to the final ``out`` (``apply_sinks``; the returned lse stays
+    over the real keys); their gradient covers this rank's rows (summed over the SP group like any
+    replicated weight)."""
     grads = any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     if torch.is_grad_enabled() and grads:
         return _Differentiable.apply(
@@ -329,7 +335,8 @@ def attention_backward(
     sinks: Optional[torch.Tensor] = None,
 ):
     """dq, dk, dv (in the inputs' dtypes) of ``attention`` given ``dout`` (and ``dlse``), with
-    ``out``/``lse`` as ``attention`` returned them; with ``sinks`` also ``dsinks`` (in sinks' dtype)."""
+    ``out``/``lse`` as ``attention`` returned them; with ``sinks`` also ``dsinks`` (in sinks'
+    dtype)."""
     scale = validate(q, k, v, scale)
     softcap, sinks = check_softcap(softcap), check_sinks(sinks, q)
     check_grad_inputs(q, v, dout, out, lse, dlse)

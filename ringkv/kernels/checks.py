@@ -28,7 +28,8 @@ def validate(q, k, v, scale=None) -> float:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"k and v must have the same shape but for the head_dim (batch, seq, kv_heads; v may have "
+            "k and v must have the same shape but for the head_dim (batch, seq, kv_heads; v may "
+            "have "
             f"its own head_dim), "
             f"got {tuple(k.shape)} and {tuple(v.shape)}"
         )
@@ -67,8 +68,9 @@ def check_softcap(softcap) -> "float | None":
 
 
 def check_sinks(sinks, q):
-    """``sinks``: None, or a floating tensor ``(H,)`` (one logit per query head: ``H = q.shape[-2]``,
-    for ``(B, S, H, D)`` and the paged ``(N, Q, H, D)`` / ``(T, H, D)`` alike) on q's device."""
+    """``sinks``: None, or a floating tensor ``(H,)`` (one logit per query head:
+    ``H = q.shape[-2]``, for ``(B, S, H, D)`` and the paged ``(N, Q, H, D)`` / ``(T, H, D)`` alike)
+    on q's device."""
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:

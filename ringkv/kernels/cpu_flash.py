@@ -9,13 +9,13 @@ register tiles. Against torch's fused CPU op (backend ``"sdpa"``) it takes any `
 through lse natively; it skips the masked part of a causal block a panel of keys at a time (32
 keys with AVX-512, 16 with AVX2, 8 generic; torch's op computes the masked half of each diagonal
 256 x 512 block). docs/kernels.md has the measurements. Its register tiles are chosen per target
-ISA when it is built (AVX-512, AVX2 or generic: ``native.py``). It becomes ``"auto"``'s choice once its
-self-check (``status()``: a 512 x 512 causal block forward and backward, against ``"sdpa"``, cached
-beside the build) found it faster on this machine, and takes full-mask blocks too where a second
-self-check on a full block did (``status("full")``, ``declines``); ``RINGKV_NATIVE_FLASH=1`` turns
-it on without the self-checks, ``=0`` off (``"sdpa"`` then runs these calls). ``library(isa)``, and
-the ``isa=`` keyword of ``forward``/``backward``/``backward_into``, run the build for another target
-in this process (tests).
+ISA when it is built (AVX-512, AVX2 or generic: ``native.py``). It becomes ``"auto"``'s choice once
+its self-check (``status()``: a 512 x 512 causal block forward and backward, against ``"sdpa"``,
+cached beside the build) found it faster on this machine, and takes full-mask blocks too where a
+second self-check on a full block did (``status("full")``, ``declines``); ``RINGKV_NATIVE_FLASH=1``
+turns it on without the self-checks, ``=0`` off (``"sdpa"`` then runs these calls).
+``library(isa)``, and the ``isa=`` keyword of ``forward``/``backward``/``backward_into``, run the
+build for another target in this process (tests).
 
 Takes float32 on the CPU with ``head_dim`` a multiple of 16 up to 256 and any mask but
 ``DENSE``; everything else is left to the next backend. Results do not depend on the number of
@@ -148,7 +148,8 @@ def _check_dims(q, k, v) -> int:
     d, dv = q.shape[-1], v.shape[-1]
     if k.shape[-1] != d or d % 16 or not 0 < d <= 256 or dv <= 0:
         raise ValueError(
-            f"cpu_flash takes q/k of one head size D (a multiple of 16 up to 256) and v of head size "
+            "cpu_flash takes q/k of one head size D (a multiple of 16 up to 256) and v of head "
+            "size "
             f"Dv > 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     return dv
@@ -257,7 +258,8 @@ def backward_into(
     *,
     isa: Optional[str] = None,
 ) -> None:
-    """``backward`` added in place into float32 ``dq`` ``(B, Sq, H, D)``, ``dk`` ``(B, Sk, Hkv, D)``,
+    """``backward`` added in place into float32 ``dq`` ``(B, Sq, H, D)``, ``dk``
+    ``(B, Sk, Hkv, D)``,
     ``dv`` ``(B, Sk, Hkv, Dv)`` (views with a contiguous last dimension; others are added through a
     copy)."""
     if mask.kind == EMPTY or q.shape[1] == 0 or k.shape[1] == 0:
@@ -289,7 +291,8 @@ def backward(
     isa: Optional[str] = None,
 ):
     """Same contract as ``reference.backward``, ``dlse`` and ``softcap`` included: float32 dq
-    ``(B, Sq, H, D)``, dk ``(B, Sk, Hkv, D)``, dv ``(B, Sk, Hkv, Dv)`` (dout/out ``(B, Sq, H, Dv)``)."""
+    ``(B, Sq, H, D)``, dk ``(B, Sk, Hkv, D)``, dv ``(B, Sk, Hkv, Dv)`` (dout/out
+    ``(B, Sq, H, Dv)``)."""
     vd = v.shape[-1]
     dq = torch.zeros(q.shape, dtype=torch.float32)
     dk, dv = (

@@ -1,4 +1,5 @@
-"""cuDNN attention through torch (``aten._scaled_dot_product_cudnn_attention``), which returns the LSE.
+"""cuDNN attention through torch (``aten._scaled_dot_product_cudnn_attention``), which returns the
+LSE.
 
 CUDA only (``supports`` is False elsewhere), fp16/bf16, head_dim <= 128 and a multiple of 8,
 masks FULL and OFFSET (the same tiles as ``sdpa``: full tiles plus one square causal tile, on

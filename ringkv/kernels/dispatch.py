@@ -12,7 +12,8 @@
   takes the first backend in the device's ``PREFERENCE`` order that supports the inputs and passed
   its one-time check against the reference (``_probe``: forward, backward and the gradient through
   lse, each on its own). A gradient through lse runs only on a backend that takes ``dlse``
-  natively (``cpu_flash``, ``triton``, ``reference``): with no such backend usable, the reference runs it, by design.
+  natively (``cpu_flash``, ``triton``, ``reference``): with no such backend usable, the reference
+      runs it, by design.
 - ``describe()``: which backend ``"auto"`` runs for each call, and why the others do not; on the
   CPU also each C kernel's build and self-check verdict (``native``).
 
@@ -38,9 +39,12 @@ BACKENDS: Dict[str, object] = {
     "flash_attn": flash_attn.FA2,
     "flash_attn3": flash_attn.FA3,
 }
-# expected fastest first (published H100/A100 results, not measured by us): FlashAttention-3 (Hopper),
-# flash-attn 2, cuDNN, torch's flash SDPA, then our Triton kernels (never run on a GPU yet; registered
-# after sdpa at the end of this file); each call takes the first that supports it and passed its probe.
+# expected fastest first (published H100/A100 results, not measured by us): FlashAttention-3
+# (Hopper),
+# flash-attn 2, cuDNN, torch's flash SDPA, then our Triton kernels (never run on a GPU yet;
+# registered
+# after sdpa at the end of this file); each call takes the first that supports it and passed its
+# probe.
 # CPU: our C kernel (float32, faster than torch's fused op: docs/kernels.md), then torch's op
 PREFERENCE = {
     "cuda": ["flash_attn3", "flash_attn", "cudnn", "sdpa", "reference"],
@@ -148,7 +152,8 @@ def _check(name: str, need: str, q: torch.Tensor, softcap: bool = False, dv: boo
 def _probe(
     name: str, q: torch.Tensor, need: str = "forward", softcap: bool = False, dv: bool = False
 ) -> str:
-    """Check a backend once per (device, dtype, need, native feature) against the reference: "" or why not."""
+    """Check a backend once per (device, dtype, need, native feature) against the reference: "" or
+    why not."""
     key = (name, q.device.type, q.dtype)
     results = _verified.setdefault(key, {})
     need = need + ("+softcap" if softcap else "") + ("+dv" if dv else "")
@@ -222,7 +227,8 @@ def pick(
         module = BACKENDS[backend]
         if softcap and "softcap" not in features(module):
             raise ValueError(
-                f"softcap: backend {backend!r} has no logit soft-capping; use backend='auto' or one of "
+                f"softcap: backend {backend!r} has no logit soft-capping; use backend='auto' or "
+                "one of "
                 f"{sorted(n for n, m in BACKENDS.items() if 'softcap' in features(m))}"
             )
         if module.supports(q, mask, dlse):
@@ -231,7 +237,8 @@ def pick(
             chosen = pick("auto", q, mask, dlse=True, backward=True, softcap=softcap, dv=dv)
             _warn_once(
                 ("dlse", backend, _name(chosen)),
-                f"ringkv: backend {backend!r} takes no gradient through lse; backward calls with one run "
+                f"ringkv: backend {backend!r} takes no gradient through lse; backward calls with "
+                "one run "
                 f"on {_name(chosen)!r}",
             )
             return chosen
@@ -262,12 +269,13 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
     Runs the one-time probes it needs. Returns ``{"device", "dtype", "order", "auto", "skipped",
     "notes"}`` (and ``"native"`` on the CPU): ``auto[need][mask kind]`` is a backend name for each
     need in ``NEEDS`` (forward, backward, lse_grad) and mask kind (full, offset, band, dense; EMPTY
-    blocks never reach a backend); ``skipped[name]`` is why another backend is not used: one string when the reason
-    is the same for every call, else ``{"need/kind": reason}`` for the calls it does not run.
+    blocks never reach a backend); ``skipped[name]`` is why another backend is not used: one string
+    when the reason is the same for every call, else ``{"need/kind": reason}`` for the calls it does
+    not run.
     ``auto_softcap``: like ``auto`` for calls with a soft-cap; ``features[name]``: how each backend
     takes a soft-cap (native or not at all) and V with its own head size (native or zero-padded).
-    On the CPU, ``native[kernel]`` (``flash_attention``, ``flash_attention (full)``: its verdict on full
-    blocks, ``linear``, ``paged_attention``) is each C
+    On the CPU, ``native[kernel]`` (``flash_attention``, ``flash_attention (full)``: its verdict on
+    full blocks, ``linear``, ``paged_attention``) is each C
     kernel's verdict (``native.self_check``: its ISA and tiles, ``on``, ``by`` what, ``why`` not,
     ``kernel_us`` and ``torch_us`` from its self-check); running it may run the self-checks.
     """
@@ -327,7 +335,8 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
     if "reference" in auto["lse_grad"].values():
         notes.append(
             "lse_grad on 'reference': no backend usable here takes a gradient through lse natively "
-            "(only 'cpu_flash' does, float32 on CPU, and 'triton', for full/offset masks on CUDA), so the "
+            "(only 'cpu_flash' does, float32 on CPU, and 'triton', for full/offset masks on CUDA), "
+            "so the "
             "reference runs those backward calls, by design"
         )
     out = dict(

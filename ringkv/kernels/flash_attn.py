@@ -1,4 +1,5 @@
-"""flash-attn 2 (``flash_attn``, 2.6-2.8) and FlashAttention-3 (``flash_attn_interface``). Never required.
+"""flash-attn 2 (``flash_attn``, 2.6-2.8) and FlashAttention-3 (``flash_attn_interface``). Never
+required.
 
 Two backends, ``FA2`` (registered as ``"flash_attn"``) and ``FA3`` (``"flash_attn3"``), each usable
 when its package imports: CUDA, fp16/bf16, head_dim <= 256 and a multiple of 8, ``(B, S, H, D)``
@@ -36,7 +37,8 @@ class Adapter:
     """How one release spells our two calls.
 
     ``fwd(fn, q, k, v, scale, causal, window, softcap) -> (out, lse)``;
-    ``bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap)`` fills dq, dk, dv.
+    ``bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap)`` fills dq, dk,
+    dv.
     ``fwd_params``/``bwd_params``: the release's leading parameter names, the ones we pass
     positionally (any later parameter must have a default). ``softcap``: the release caps scores
     in its forward and backward (``softcap`` 0 = off), and the adapter passes ours.
@@ -186,7 +188,8 @@ FA2_ADAPTERS = (
 )
 
 # FlashAttention-3, hopper/flash_attn_interface.py: 20 optional inputs (new KV, paging, rotary,
-# fp8 descales, varlen) between v and the scale, which we pass as None; 6 varlen ones in the backward
+# fp8 descales, varlen) between v and the scale, which we pass as None; 6 varlen ones in the
+# backward
 _FA3_FWD_NONE = (
     "k_new",
     "v_new",
@@ -244,7 +247,8 @@ def _fa3_tuple_bwd(fn, dout, q, k, v, out, lse, dq, dk, dv, scale, causal, windo
 
 
 # after v2.8.3 (torch custom ops): window as left, right; the output buffer renamed ``out_``, the
-# backward's flag ``is_causal``; forward returns (out, lse, out_accum, lse_accum), backward softmax_d
+# backward's flag ``is_causal``; forward returns (out, lse, out_accum, lse_accum), backward
+# softmax_d
 def _fa3_split_fwd(fn, q, k, v, scale, causal, window, softcap=0.0):
     out, lse, *_ = fn(q, k, v, *(None,) * len(_FA3_FWD_NONE), scale, causal, window[0], window[1])
     return out, lse
@@ -338,7 +342,8 @@ def _tiles(mask: Mask, sq: int, sk: int):
         lo, hi = mask.lo, mask.offset
         r0, r1 = max(0, -hi), min(sq - 1, sk - 1 - lo)  # the rows that see at least one key
         c0, c1 = max(0, r0 + lo), min(sk - 1, r1 + hi)  # the keys those rows see
-        # flash-attn aligns bottom-right: j' visible iff i' + shift - left <= j' <= i' + shift + right
+        # flash-attn aligns bottom-right: j' visible iff i' + shift - left <= j' <= i' + shift +
+        # right
         shift = (c1 - c0) - (r1 - r0)
         left, right = shift - (lo + r0 - c0), (hi + r0 - c0) - shift  # both >= 0 after the trim
         return [(slice(r0, r1 + 1), slice(c0, c1 + 1), False, (left, right))]
@@ -399,7 +404,8 @@ class FlashBackend:
 
     @torch.no_grad()
     def forward_into(self, q, k, v, scale: float, mask: Mask, out, lse, softcap=None) -> None:
-        """Each call's partial merged once, straight into the float32 accumulator ``out``/``lse``."""
+        """Each call's partial merged once, straight into the float32 accumulator
+        ``out``/``lse``."""
         if mask.kind == EMPTY:
             return
         for r, c, causal, window in _tiles(mask, q.shape[1], k.shape[1]):
@@ -420,7 +426,8 @@ class FlashBackend:
     def backward_into(
         self, dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, softcap=None
     ) -> None:
-        """``backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed), call by call."""
+        """``backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed), call by
+        call."""
         assert dlse is None
         if mask.kind == EMPTY:
             return

@@ -38,7 +38,8 @@ def default_chunk(vocab: int) -> int:
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], softcap, scale):
-    """``(n, V)`` float32 logits of the chunk ``h`` ``(n, H)`` and ``tanh(z / cap)`` (None without softcap)."""
+    """``(n, V)`` float32 logits of the chunk ``h`` ``(n, H)`` and ``tanh(z / cap)`` (None without
+    softcap)."""
     z = torch.nn.functional.linear(h, weight, bias).float()
     if scale is not None:
         z = z * scale
@@ -132,7 +133,8 @@ def linear_cross_entropy(
         )
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(
-            f"linear_cross_entropy: bias must be (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}"
+            f"linear_cross_entropy: bias must be (V,) = ({weight.shape[0]},), got "
+            f"{tuple(bias.shape)}"
         )
     if chunk is None:
         chunk = default_chunk(weight.shape[0])

@@ -14,8 +14,8 @@ self-check, ``=0`` off.
 
 The panel width ``NR`` and the register tile are the build's (32 columns with AVX-512, 16 with
 AVX2, 8 on a generic target: ``csrc/linear.c``), so a packed weight belongs to the build that packed
-it. ``library(isa)``, and the ``isa=`` keyword of ``pack``/``packed_floats``/``packed_linear``, run the
-build for another target in this process (tests).
+it. ``library(isa)``, and the ``isa=`` keyword of ``pack``/``packed_floats``/``packed_linear``, run
+the build for another target in this process (tests).
 
 The packed copy is a second copy of the weight (as oneDNN's packing was). Sums run in ``k``
 order on one thread per output: the result does not depend on the thread count; it differs from
@@ -124,7 +124,8 @@ def status() -> dict:
 
 
 def available() -> bool:
-    """The kernel is on here: it builds, and ``RINGKV_NATIVE_LINEAR=1`` or its self-check says so."""
+    """The kernel is on here: it builds, and ``RINGKV_NATIVE_LINEAR=1`` or its self-check says
+    so."""
     return status()["on"]
 
 
@@ -163,7 +164,8 @@ def _linear(lib, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         or packed.dtype != torch.float32
     ):
         raise ValueError(
-            f"packed_linear: {packed.numel()} packed {packed.dtype} do not hold a ({n}, {k}) float32 "
+            f"packed_linear: {packed.numel()} packed {packed.dtype} do not hold a ({n}, {k}) "
+            "float32 "
             f"weight for x of {x.dtype}"
         )
     x2 = x.reshape(-1, k).contiguous()  # (M, K)

@@ -158,7 +158,8 @@ def make_mask(
     device=None,
     window: Tuple[int, int] = NO_WINDOW,
 ) -> Mask:
-    """Reduce ``causal`` + ``window`` + global positions to a :class:`Mask` for a ``(Sq, Sk)`` block.
+    """Reduce ``causal`` + ``window`` + global positions to a :class:`Mask` for a ``(Sq, Sk)``
+    block.
 
     With ``None`` positions, keys sit at ``0..Sk-1`` and queries are aligned to the end of
     the keys (``Sk - Sq + i``), as in flash-attn: a query block that continues a cache.

@@ -34,7 +34,8 @@ _fused = None  # triton_merge.merge_ once imported; False when triton is not ins
 
 
 def empty_partial(b: int, s: int, h: int, d: int, device=None):
-    """The identity of ``merge_``: ``out = 0`` float32 ``(B, S, H, D)``, ``lse = -inf`` ``(B, H, S)``."""
+    """The identity of ``merge_``: ``out = 0`` float32 ``(B, S, H, D)``, ``lse = -inf``
+    ``(B, H, S)``."""
     return (
         torch.zeros(b, s, h, d, dtype=torch.float32, device=device),
         torch.full((b, h, s), float("-inf"), device=device),
@@ -90,7 +91,8 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
     """
     if len(outs) != len(lses) or not outs:
         raise ValueError(
-            f"merge needs the same, non-zero number of outs and lses, got {len(outs)} and {len(lses)}"
+            f"merge needs the same, non-zero number of outs and lses, got {len(outs)} and "
+            f"{len(lses)}"
         )
     lse_all = torch.stack([l.float() for l in lses])  # (N, B, H, S)
     total = torch.logsumexp(lse_all, dim=0)
@@ -103,9 +105,10 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
     """Attention sinks on a *final* result: one more logit ``sinks[h]`` per head in the softmax's
     denominator, with no value (gpt-oss). ``out`` ``(B, S, H, Dv)``, ``lse`` ``(B, H, S)`` over the
-    real keys, ``sinks`` ``(H,)`` -> ``out_f`` in ``out``'s dtype and ``lse_f = logaddexp(lse, sink)``
-    float32. Applied once, after every merge (partials over disjoint keys merge without it). A
-    backward given ``(dout_f, out_f, lse_f)`` is exact for q, k, v (the sink is a key with value 0)."""
+    real keys, ``sinks`` ``(H,)`` -> ``out_f`` in ``out``'s dtype and
+    ``lse_f = logaddexp(lse, sink)`` float32. Applied once, after every merge (partials over
+    disjoint keys merge without it). A backward given ``(dout_f, out_f, lse_f)`` is exact for q, k,
+    v (the sink is a key with value 0)."""
     lse_f = torch.logaddexp(lse.float(), sinks.float().view(1, -1, 1))  # (B, H, S)
     w = torch.exp(lse.float() - lse_f)  # the real keys' share; 0 where no key was seen
     return (out.float() * w.transpose(1, 2).unsqueeze(-1)).to(out.dtype), lse_f
@@ -121,7 +124,8 @@ def sinks_dlse(dlse: torch.Tensor, lse: torch.Tensor, lse_f: torch.Tensor) -> to
 def sinks_grad(
     dout: torch.Tensor, out: torch.Tensor, lse_f: torch.Tensor, sinks: torch.Tensor
 ) -> torch.Tensor:
-    """d loss / d sinks ``(H,)`` float32 from the rows held here: ``-sum p_sink * rowsum(dout * out)``
-    over batch and rows, with ``out``/``lse_f`` the sinked results of ``apply_sinks``."""
+    """d loss / d sinks ``(H,)`` float32 from the rows held here:
+    ``-sum p_sink * rowsum(dout * out)`` over batch and rows, with ``out``/``lse_f`` the sinked
+    results of ``apply_sinks``."""
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (B, H, S)
     return -(torch.exp(sinks.float().view(1, -1, 1) - lse_f) * delta).sum((0, 2))

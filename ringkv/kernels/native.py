@@ -90,7 +90,8 @@ def supported_isas() -> Tuple[str, ...]:
 
 
 def default_isa() -> str:
-    """The target the kernels are built for in this process: ``$RINGKV_KERNEL_ISA``, else ``"native"``."""
+    """The target the kernels are built for in this process: ``$RINGKV_KERNEL_ISA``, else
+    ``"native"``."""
     isa = os.environ.get("RINGKV_KERNEL_ISA") or "native"
     if isa not in ISAS:
         raise ValueError(f"RINGKV_KERNEL_ISA={isa!r}: choose one of {', '.join(ISAS)}")
@@ -133,14 +134,15 @@ class Build:
 
 
 def build(name: str, isa: Optional[str] = None) -> Optional[Build]:
-    """``csrc/<name>.c`` compiled for ``isa`` (default: ``default_isa()``) and loaded, built on first
-    use (once per process); None off Linux, for a target this CPU cannot run, or when no compiler
-    builds it (each with a warning saying why: the caller's torch path takes over)."""
+    """``csrc/<name>.c`` compiled for ``isa`` (default: ``default_isa()``) and loaded, built on
+    first use (once per process); None off Linux, for a target this CPU cannot run, or when no
+    compiler builds it (each with a warning saying why: the caller's torch path takes over)."""
     isa = isa or default_isa()
     flags(isa)  # a known name
     if isa != "native" and isa not in supported_isas():
         warnings.warn(
-            f"ringkv: this CPU cannot run {isa} code (supported: {', '.join(supported_isas())}); the {name} "
+            f"ringkv: this CPU cannot run {isa} code (supported: {', '.join(supported_isas())}); "
+            f"the {name} "
             f"kernel for it is off (the torch path runs)"
         )
         return None

@@ -2,8 +2,8 @@
 and the calls that take a ``backend=`` name. The contract (shapes, causality, SP striping, the
 records) and the plain-torch reference are in ``paged_base.py``; the backends in
 ``paged_cpu.py`` (``"cpu"``: a compiled C kernel reading the cache in place, the CPU default when
-it builds), ``paged_torch.py`` (``"torch"``: gather + SDPA, the CPU fallback) and ``triton_paged.py``
-(``"triton"``, CUDA).
+it builds), ``paged_torch.py`` (``"torch"``: gather + SDPA, the CPU fallback) and
+``triton_paged.py`` (``"triton"``, CUDA).
 
     out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, backend="auto",
                                softcap=None, window=-1, sinks=None)
@@ -84,8 +84,10 @@ def paged_attention(
     window: int = -1,
     sinks: Optional[torch.Tensor] = None,
 ):
-    """See ``paged_base``. ``backend``: ``"reference"``, ``"cpu"``, ``"torch"``, ``"triton"`` or ``"auto"``.
-    ``sinks`` ``(H,)``: one more logit per head in the softmax's denominator, applied to ``out``; the
+    """See ``paged_base``. ``backend``: ``"reference"``, ``"cpu"``, ``"torch"``, ``"triton"`` or
+    ``"auto"``.
+    ``sinks`` ``(H,)``: one more logit per head in the softmax's denominator, applied to ``out``;
+    the
     ``lse`` returned is over the real keys."""
     want = _wanted(softcap, window, v_cache, k_cache, sinks, q)
     name = backend if backend != "auto" else auto_backend(q.device, want=want)
@@ -131,7 +133,8 @@ def paged_prefill(
     window: int = -1,
     sinks: Optional[torch.Tensor] = None,
 ):
-    """See ``paged_base``. ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on CUDA).
+    """See ``paged_base``. ``backend``: ``"reference"``, ``"triton"`` or ``"auto"`` (Triton on
+    CUDA).
     ``sinks`` ``(H,)`` as in ``paged_attention`` (``out (T, H, Dv)``, ``lse (H, T)``)."""
     want = _wanted(softcap, window, v_cache, k_cache, sinks, q)
     name = backend if backend != "auto" else auto_backend(q.device, prefill=True, want=want)
@@ -315,7 +318,8 @@ def _used(*, scale=None, softcap=None, window: int = -1, dv: bool = False) -> fr
 
 
 def _wanted(softcap, window, v_cache, k_cache, sinks, q) -> frozenset:
-    """Check the feature arguments of a call (ValueError naming the argument) -> the features it uses."""
+    """Check the feature arguments of a call (ValueError naming the argument) -> the features it
+    uses."""
     softcap, window = check_features(softcap, window)
     check_sinks(sinks, q)
     dv = (

@@ -7,7 +7,8 @@ describes and imports it; ``paged.py`` holds the registry and the public calls, 
     out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None)
 
 - ``q`` ``(N, Q, H, D)``: ``Q`` newest tokens of each of ``N`` sequences (decode: ``Q = 1``);
-- ``k_cache`` ``(num_blocks, block_size, Hkv, D)``, ``v_cache`` ``(num_blocks, block_size, Hkv, Dv)``
+- ``k_cache`` ``(num_blocks, block_size, Hkv, D)``, ``v_cache``
+  ``(num_blocks, block_size, Hkv, Dv)``
   (``Dv`` may differ from ``D``: MLA); token ``t`` of sequence ``n`` lives in block
   ``block_table[n, t // block_size]`` at slot ``t % block_size``;
 - ``block_table`` ``(N, max_blocks)`` int; ``seq_lens`` ``(N,)`` int: tokens in the cache for
@@ -58,7 +59,8 @@ A step of the engine (the same every layer), built once per step by a backend's 
   K/V and, quantized, scales);
 - ``parts``: ``RowsOut(rows (R,), out (R, H, Dv), lse (H, R) float32 or None)`` covering every
   row of ``seqs`` once; with ``lse=False`` a backend may take a faster path without it;
-  ``scale``/``softcap``/``window`` per layer as above (a model may alternate windowed and full layers).
+  ``scale``/``softcap``/``window`` per layer as above (a model may alternate windowed and full
+  layers).
 
 Attention sinks are not a kernel feature: ``paged.paged_attention``/``paged_prefill`` apply them
 to the final output (``kernels.merge.apply_sinks``); the backends never see them.
@@ -114,14 +116,16 @@ class LayerCache:
     v_scale: Optional[torch.Tensor] = None
 
     def read(self, slots: torch.Tensor, dtype=None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """K ``(S, Hkv, D)`` and V ``(S, Hkv, Dv)`` at flat ``slots (S,)`` (``block * block_size + offset``); a
-        quantized cache is dequantized to ``dtype`` (default float32)."""
+        """K ``(S, Hkv, D)`` and V ``(S, Hkv, Dv)`` at flat ``slots (S,)``
+        (``block * block_size + offset``); a quantized cache is dequantized to ``dtype`` (default
+        float32)."""
         return read_slots(self.k, self.k_scale, slots, dtype), read_slots(
             self.v, self.v_scale, slots, dtype
         )
 
     def read_blocks(self, blocks: torch.Tensor, dtype=None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """K ``(n, block_size, Hkv, D)`` and V ``(.., Dv)`` of ``blocks (n,)``, dequantized like ``read``."""
+        """K ``(n, block_size, Hkv, D)`` and V ``(.., Dv)`` of ``blocks (n,)``, dequantized like
+        ``read``."""
         return (
             read_blocks(self.k, self.k_scale, blocks, dtype or torch.float32),
             read_blocks(self.v, self.v_scale, blocks, dtype or torch.float32),
@@ -133,7 +137,8 @@ class PagedSeq:
     """One sequence of a step attended over the cache: ``n`` queries at local rows ``row ..
     row + n - 1`` and positions ``start .. start + n - 1``; its K/V, the new tokens' included, in
     the blocks of ``block_table`` (under SP striping, this rank's positions ``sp_rank, sp_rank +
-    sp, ...`` of them: local key ``i`` at ``block_table[i // block_size]``, offset ``i % block_size``)."""
+    sp, ...`` of them: local key ``i`` at ``block_table[i // block_size]``, offset ``i %
+    block_size``)."""
 
     row: int
     start: int
@@ -220,7 +225,8 @@ def striped_limits(
     seqs: Sequence[PagedSeq], n: int, sp: int, sp_rank: int, device=None
 ) -> torch.Tensor:
     """``(N, n)`` int64: how many of the keys SP rank ``sp_rank`` stores (positions ``sp_rank,
-    sp_rank + sp, ...``) each of the ``n`` queries of ``seqs`` sees (those at positions <= its own)."""
+    sp_rank + sp,
+    ...``) each of the ``n`` queries of ``seqs`` sees (those at positions <= its own)."""
     p = torch.tensor([s.start for s in seqs], device=device)[:, None] + torch.arange(
         n, device=device
     )  # (N, n)
@@ -273,7 +279,8 @@ def _validate_cache(q, k_cache, v_cache, k_scale, v_scale, tensors, q_layout: st
             v_cache.shape[:3]
         ):
             raise ValueError(
-                f"k_scale/v_scale must be (num_blocks, block_size, Hkv) = {tuple(k_cache.shape[:3])}, "
+                "k_scale/v_scale must be (num_blocks, block_size, Hkv) = "
+                f"{tuple(k_cache.shape[:3])}, "
                 f"got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
             )
     if q.dim() != q_layout.count(",") + 1:
@@ -293,7 +300,8 @@ def _validate_cache(q, k_cache, v_cache, k_scale, v_scale, tensors, q_layout: st
         or q.shape[-2] % k_cache.shape[2] != 0
     ):
         raise ValueError(
-            f"q heads/head_dim {tuple(q.shape[-2:])} do not fit the cache's {tuple(k_cache.shape[2:])}: "
+            f"q heads/head_dim {tuple(q.shape[-2:])} do not fit the cache's "
+            f"{tuple(k_cache.shape[2:])}: "
             f"need the same head_dim and heads % kv_heads == 0"
         )
     for name, t in tensors:
@@ -385,7 +393,8 @@ def validate_prefill(
         or (q_start is not None and q_start.shape != (n,))
     ):
         raise ValueError(
-            f"need seq_lens (N,), block_table (N, max_blocks), cu_seqlens_q (N + 1,) and q_start (N,) "
+            "need seq_lens (N,), block_table (N, max_blocks), cu_seqlens_q (N + 1,) and q_start "
+            "(N,) "
             f"or None; got {tuple(seq_lens.shape)}, {tuple(block_table.shape)}, "
             f"{tuple(cu_seqlens_q.shape)}, {None if q_start is None else tuple(q_start.shape)}"
         )
@@ -437,7 +446,8 @@ def visible_keys(
     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool = True, window: int = -1
 ) -> torch.Tensor:
     """Bool ``(Sq, L)``: key ``j`` (global position ``k_pos[j]``) is visible to query ``i`` (at
-    ``q_pos[i]``): ``k_pos <= q_pos`` when causal, ``k_pos >= q_pos - window`` when ``window >= 0``."""
+    ``q_pos[i]``): ``k_pos <= q_pos`` when causal, ``k_pos >= q_pos - window`` when
+    ``window >= 0``."""
     visible = torch.ones(q_pos.shape[0], k_pos.shape[0], dtype=torch.bool, device=q_pos.device)
     if causal:
         visible &= k_pos[None, :] <= q_pos[:, None]
@@ -449,8 +459,8 @@ def visible_keys(
 def attend_dense(q, k, v, scale: float, visible: torch.Tensor, softcap: Optional[float] = None):
     """The reference's attention of one sequence: ``q (Sq, H, D)`` over ``k (L, Hkv, D)``, ``v (L,
     Hkv, Dv)`` where ``visible (Sq, L)``, scores capped (``softcap``) before the mask. Computed in
-    float32 (float64 for float64 ``q``) -> ``out (Sq, H, Dv)`` in ``q.dtype``, ``lse (H, Sq)`` float32;
-    a row that sees no key gives 0 / -inf."""
+    float32 (float64 for float64 ``q``) -> ``out (Sq, H, Dv)`` in ``q.dtype``, ``lse (H, Sq)``
+    float32; a row that sees no key gives 0 / -inf."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     sq, h, d = q.shape
     hkv = k.shape[1]

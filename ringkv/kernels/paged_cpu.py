@@ -2,7 +2,8 @@
 where a C compiler builds it and it beats the ``"torch"`` backend (its self-check, below).
 
 ``csrc/paged_attention.c`` (plain C and OpenMP, no torch headers) is compiled on first use for the
-process's target ISA and loaded by ``native.load`` (it shares torch's threads). ``available()`` (what
+process's target ISA and loaded by ``native.load`` (it shares torch's threads). ``available()``
+(what
 ``paged.auto_backend`` asks) is its self-check's verdict (``status()``: a decode step of 16
 sequences of 200-312 keys, SmolLM2's 9 / 3 heads x 64, against the ``"torch"`` plan, cached beside
 the build); ``RINGKV_NATIVE_PAGED=1`` turns it on without the self-check, ``=0`` off. Asked for by
@@ -120,7 +121,8 @@ def _takes(q: torch.Tensor, cache: LayerCache) -> bool:
 
 
 def supports(q: torch.Tensor, cache: LayerCache) -> bool:
-    """The kernel takes these: float32 on the CPU, an unquantized contiguous cache (and it builds)."""
+    """The kernel takes these: float32 on the CPU, an unquantized contiguous cache (and it
+    builds)."""
     return _takes(q, cache) and library() is not None
 
 
@@ -211,7 +213,8 @@ def window_starts(
 
 
 def _features(softcap=None, window: int = -1):
-    """The keywords of the torch backend's call for the features in use (only those, as it takes them)."""
+    """The keywords of the torch backend's call for the features in use (only those, as it takes
+    them)."""
     return {
         **({} if softcap is None else {"softcap": softcap}),
         **({} if window == -1 else {"window": window}),
@@ -309,7 +312,8 @@ class CpuStep:
             )  # (N, n) each
         self._long = self._torch(long) if long else None
         self._fallback = None
-        self._starts = {}  # window -> per group its queries' first local keys (N, n), made once per step
+        # window -> per group its queries' first local keys (N, n), made once per step
+        self._starts = {}
 
     def _torch(self, seqs):
         return paged_torch.TorchStep(

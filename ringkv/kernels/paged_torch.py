@@ -81,7 +81,8 @@ class PagedPlan:
         self._windowed = {}
 
     def _mask(self, visible: torch.Tensor, sees: torch.Tensor) -> None:
-        """Set ``visible (N, Q, L)``, ``sees (N, Q)`` (the query sees a key) and what follows: ``bias``, ..."""
+        """Set ``visible (N, Q, L)``, ``sees (N, Q)`` (the query sees a key) and what follows:
+        ``bias``, ..."""
         self.visible, self.sees = visible, sees
         self.all_see_a_key = bool(self.sees.all())
         self.bias = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill(
@@ -90,8 +91,8 @@ class PagedPlan:
         self._folded_bias = {}
 
     def windowed(self, window: int) -> "PagedPlan":
-        """This plan with a window: a query at global position ``p`` also hides keys before ``p - window``;
-        built once per window (``-1``: this plan itself)."""
+        """This plan with a window: a query at global position ``p`` also hides keys before
+        ``p - window``; built once per window (``-1``: this plan itself)."""
         if window < 0:
             return self
         if window not in self._windowed:
@@ -180,8 +181,9 @@ def _unfolded(out, n: int, nq: int, hkv: int):
 
 
 def _one_head_size(qg, k, v):
-    """``qg (.., D)``, ``k (.., D)``, ``v (.., Dv)`` with the smaller of ``D``/``Dv`` zero-padded to the
-    larger (the fused CPU kernel takes one head size; the padded products are exactly 0), and ``Dv``."""
+    """``qg (.., D)``, ``k (.., D)``, ``v (.., Dv)`` with the smaller of ``D``/``Dv`` zero-padded to
+    the larger (the fused CPU kernel takes one head size; the padded products are exactly 0), and
+    ``Dv``."""
     d, dv = k.shape[-1], v.shape[-1]
     if d < dv:
         qg, k = (torch.nn.functional.pad(t, (0, dv - d)) for t in (qg, k))
@@ -201,7 +203,8 @@ def paged_attention_lse(
     """``(out (N, Q, H, Dv), lse float32 (N, H, Q))`` of ``q`` over the cache as ``plan`` describes
     (``plan.windowed(W)`` for a window); a query that sees no key gives ``out = 0``, ``lse = -inf``.
     On CPU: the fused flash op, which returns the lse (the matmul path below copies the gathered
-    K/V twice more for its strides); with a ``softcap`` the matmul path, scores capped before the mask."""
+    K/V twice more for its strides); with a ``softcap`` the matmul path, scores capped before the
+    mask."""
     n, nq, h, d = q.shape
     hkv = cache.k.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -239,7 +242,8 @@ def paged_attention_planned(
     q, cache: LayerCache, plan: PagedPlan, *, scale: Optional[float] = None
 ):
     """``out (N, Q, H, Dv)`` of ``q (N, Q, H, D)`` over the cache as ``plan`` describes (no lse:
-    the engine's fast path; use ``paged_attention_lse`` when partials must be merged, or for a softcap)."""
+    the engine's fast path; use ``paged_attention_lse`` when partials must be merged, or for a
+    softcap)."""
     if (
         not plan.all_see_a_key
     ):  # a fully masked row would be NaN in SDPA; the general path handles it

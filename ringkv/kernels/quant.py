@@ -113,7 +113,8 @@ def quantize(x: torch.Tensor, fmt: QuantFormat, rot: Optional[torch.Tensor] = No
 
 
 def _fp16_at_least(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in fp16, rounded up: ``max|x| / scale`` never exceeds ``qmax`` (no clipping at m = 1)."""
+    """``x`` in fp16, rounded up: ``max|x| / scale`` never exceeds ``qmax`` (no clipping at m =
+    1)."""
     s = x.to(SCALE_DTYPE)
     up = torch.nextafter(s, torch.full_like(s, _HUGE))
     return torch.where(s.float() < x, up, s)

@@ -182,7 +182,8 @@ def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):
 
 
 def backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None) -> None:
-    """``backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed), tile by tile."""
+    """``backward`` added in place into float32 ``dq``, ``dk``, ``dv`` (views allowed), tile by
+    tile."""
     assert dlse is None
     if mask.kind == OFFSET:
         tiled_backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale, mask, _fused_backward)
@@ -192,8 +193,8 @@ def backward_into(dq, dk, dv, dout, q, k, v, out, lse, scale: float, mask: Mask,
 
 
 def tiled_backward(dout, q, k, v, out, lse, scale: float, mask: Mask, fused_backward):
-    """FULL/OFFSET masks as ``fused_backward(dout, q, k, v, out, lse, scale, causal)`` calls on tiles
-    (one call when the ``OFFSET`` block is one tile)."""
+    """FULL/OFFSET masks as ``fused_backward(dout, q, k, v, out, lse, scale, causal)`` calls on
+    tiles (one call when the ``OFFSET`` block is one tile)."""
     if mask.kind == FULL:
         return fused_backward(dout, q, k, v, out, lse, scale, False)
     tiles = offset_tiles(mask.offset, q.shape[1], k.shape[1])

@@ -1,9 +1,9 @@
 """Own Triton attention with LSE: forward, and backward from the rows' final out/lse.
 
-Same contract as ``reference.py``: q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``, v ``(B, Sk, Hkv, Dv)``
-(``Dv`` may differ from ``D``, as in MLA), out ``(B, Sq, H, Dv)`` in q's dtype, lse float32 natural
-log ``(B, H, Sq)``; rows that see no key give out = 0 and lse = -inf; backward returns fp32 dq,
-dk, dv and takes an optional ``dlse``.
+Same contract as ``reference.py``: q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``, v
+``(B, Sk, Hkv, Dv)`` (``Dv`` may differ from ``D``, as in MLA), out ``(B, Sq, H, Dv)`` in q's dtype,
+lse float32 natural log ``(B, H, Sq)``; rows that see no key give out = 0 and lse = -inf; backward
+returns fp32 dq, dk, dv and takes an optional ``dlse``.
 
 - GQA: program for query head ``h`` reads kv head ``h // (H // Hkv)``; K/V never repeated.
   The dk/dv program owns one kv head's key tile and loops over the group's query heads,
@@ -196,9 +196,9 @@ def _load_v(
     KV_SAME: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """V's key tile ``(BN, BDV)`` from ``v_base`` (this head's V). ``KV_SAME`` (``Dv == D``, v's strides
-    k's): ``v_at_k + k_off`` with the K tile's own offsets and mask, as before V had its own head size
-    (no second set of addresses per tile)."""
+    """V's key tile ``(BN, BDV)`` from ``v_base`` (this head's V). ``KV_SAME`` (``Dv == D``, v's
+    strides k's): ``v_at_k + k_off`` with the K tile's own offsets and mask, as before V had its own
+    head size (no second set of addresses per tile)."""
     if KV_SAME:
         return tl.load(v_at_k + k_off, mask=k_mask, other=0.0)
     return tl.load(
@@ -238,7 +238,8 @@ def _fwd_tile(
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Online softmax (base 2) of one query tile over key tiles ``[n_lo, n_hi)``; acc ``(BM, BDV)``."""
+    """Online softmax (base 2) of one query tile over key tiles ``[n_lo, n_hi)``; acc
+    ``(BM, BDV)``."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_mask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
@@ -341,7 +342,8 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     n_lo = 0
     if IS_BAND:
-        # keys below the first row's window are skipped; [n_lo, n_mid) (below the last row's) is masked,
+        # keys below the first row's window are skipped; [n_lo, n_mid) (below the last row's) is
+        # masked,
         # then [n_mid, n_full) is seen by every row and [n_full, n_hi) masked again
         n_lo = tl.minimum(tl.maximum(m0 + lo, 0) // BLOCK_N * BLOCK_N, n_hi)
         n_mid = tl.minimum(
@@ -470,7 +472,8 @@ def _bwd_preprocess(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # grid (cdiv(Sq, BLOCK_M), B * H): delta = rowsum(dout * out) - dlse; lse in base 2 (D here: V's Dv)
+    # grid (cdiv(Sq, BLOCK_M), B * H): delta = rowsum(dout * out) - dlse; lse in base 2 (D here: V's
+    # Dv)
     m0 = tl.program_id(0) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     b = (tl.program_id(1) // H).to(tl.int64)  # int64: batch/head offsets may pass 2**31
@@ -832,14 +835,16 @@ def _block_d(d: int) -> int:
 
 
 def _prec(dtype) -> str:
-    """How ``_dot`` multiplies: fp32 inputs without tf32 rounding; bf16 upcast in the interpreter."""
+    """How ``_dot`` multiplies: fp32 inputs without tf32 rounding; bf16 upcast in the
+    interpreter."""
     if dtype == torch.float32:
         return "ieee"
     return "upcast" if dtype == torch.bfloat16 and _interpret() else "tf32"
 
 
 def _mask_args(mask: Mask) -> dict:
-    """The kernels' mask: ``offset`` (OFFSET and BAND: ``j <= i + offset``), ``lo`` (BAND: ``j >= i + lo``)."""
+    """The kernels' mask: ``offset`` (OFFSET and BAND: ``j <= i + offset``), ``lo`` (BAND:
+    ``j >= i + lo``)."""
     diag = mask.kind in (OFFSET, BAND)
     return dict(
         offset=mask.offset if diag else 0,
@@ -884,8 +889,8 @@ def forward(q, k, v, scale: float, mask: Mask, softcap=None):
 
 
 def _forward(q, k, v, out, lse, scale: float, mask: Mask, softcap=None) -> None:
-    """Write ``out`` (B, Sq, H, Dv) / ``lse`` (B, H, Sq) (zeros / -inf beforehand); any strides with a unit
-    last one."""
+    """Write ``out`` (B, Sq, H, Dv) / ``lse`` (B, H, Sq) (zeros / -inf beforehand); any strides with
+    a unit last one."""
     _build()
     _check_dims(q, k, v)
     softcap = check_softcap(softcap)
@@ -935,8 +940,9 @@ def _buckets(sq, sk):
 
 
 def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, softcap=None):
-    """Same contract as ``reference.backward``: fp32 dq (B, Sq, H, D), dk (B, Sk, Hkv, D), dv (B, Sk, Hkv, Dv)
-    from the rows' final out/lse (dout/out (B, Sq, H, Dv), lse and dlse (B, H, Sq)); ``softcap`` as in forward."""
+    """Same contract as ``reference.backward``: fp32 dq (B, Sq, H, D), dk (B, Sk, Hkv, D), dv (B,
+    Sk, Hkv, Dv) from the rows' final out/lse (dout/out (B, Sq, H, Dv), lse and dlse (B, H, Sq));
+    ``softcap`` as in forward."""
     _build()
     q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout, out))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

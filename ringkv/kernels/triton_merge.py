@@ -71,7 +71,8 @@ def _merge_kernel(
 def merge_(
     out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> None:
-    """Same contract as ``merge.merge_`` (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``)."""
+    """Same contract as ``merge.merge_`` (CUDA tensors, or CPU ones under
+    ``TRITON_INTERPRET=1``)."""
     _build()
     b, s, h, d = out.shape
     n_rows = b * s * h

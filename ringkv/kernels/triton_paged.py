@@ -113,8 +113,9 @@ def _gather_kv(
 
 @_jit
 def _paged_scores(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, PREC: tl.constexpr):
-    """Base-2 scores ``(BR, BN)`` of ``q (BR, BD)`` and ``k (BN, BD)``: ``q.k * qk_scale`` (``scale *
-    log2(e)``), or with ``SOFTCAP`` ``cap2 * tanh(q.k * qk_scale)`` (``qk_scale = scale / softcap``,
+    """Base-2 scores ``(BR, BN)`` of ``q (BR, BD)`` and ``k (BN, BD)``: ``q.k * qk_scale``
+    (``scale * log2(e)``), or with ``SOFTCAP`` ``cap2 * tanh(q.k * qk_scale)``
+    (``qk_scale = scale / softcap``,
     ``cap2 = softcap * log2(e)``); tanh from one exp2 of ``-2|x|`` (no overflow at any ``x``)."""
     s = _dot(q, tl.trans(k), PREC) * qk_scale
     if SOFTCAP:
@@ -126,7 +127,8 @@ def _paged_scores(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, PREC: tl.constexp
 
 @_jit
 def _paged_first_key(first_pos, window, sp, sp_rank):
-    """The first local key (at global position ``sp_rank + j * sp``) at or after ``first_pos - window``."""
+    """The first local key (at global position ``sp_rank + j * sp``) at or after
+    ``first_pos - window``."""
     return (tl.maximum(first_pos - window - sp_rank, 0) + sp - 1) // sp
 
 
@@ -371,7 +373,8 @@ def _paged_prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    # grid (cdiv(max_seqlen_q, BLOCK_M), N, H): query tokens [m0, m0 + BLOCK_M) of sequence n, head h
+    # grid (cdiv(max_seqlen_q, BLOCK_M), N, H): query tokens [m0, m0 + BLOCK_M) of sequence n, head
+    # h
     m0 = tl.program_id(0) * BLOCK_M
     n = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
@@ -481,7 +484,8 @@ def paged_attention_triton(
     window: int = -1,
 ):
     """Same contract as ``paged_base.paged_attention_reference`` (the ``"triton"`` backend): one new
-    token per sequence (or ``num_splits`` given) runs the decode kernel, several the prefill kernel."""
+    token per sequence (or ``num_splits`` given) runs the decode kernel, several the prefill
+    kernel."""
     kw = dict(
         scale=scale, causal=causal, k_scale=k_scale, v_scale=v_scale, softcap=softcap, window=window
     )
@@ -501,7 +505,8 @@ def paged_attention_triton(
 
 
 def _score_args(scale: float, softcap: Optional[float]):
-    """``(qk_scale, cap2)`` of ``_scores``: base-2 scores without a cap, ``tanh``'s argument with one."""
+    """``(qk_scale, cap2)`` of ``_scores``: base-2 scores without a cap, ``tanh``'s argument with
+    one."""
     if softcap is None:
         return scale * LOG2E, 0.0
     return scale / softcap, softcap * LOG2E
@@ -750,7 +755,8 @@ def _prefill_config(elem_bytes: int, block_d: int) -> dict:
 
 @dataclass(frozen=True)
 class VarlenBatch:
-    """Sequences of a step with several queries each, packed for one ``paged_prefill_triton`` call."""
+    """Sequences of a step with several queries each, packed for one ``paged_prefill_triton``
+    call."""
 
     rows: torch.Tensor  # (R,) local query rows, sequence after sequence
     block_table: torch.Tensor  # (M, width) int32

@@ -99,14 +99,18 @@ class ModelConfig:
         act = act or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
         if act not in ACTIVATIONS:
             raise ValueError(
-                f"hidden activation {act!r} is not supported; ringkv.model runs {sorted(ACTIVATIONS)}"
+                f"hidden activation {act!r} is not supported; ringkv.model runs "
+                f"{sorted(ACTIVATIONS)}"
             )
         if cfg.get("use_bidirectional_attention"):
             raise ValueError(
-                "use_bidirectional_attention=True (an encoder) is not supported: the engine is causal"
+                "use_bidirectional_attention=True (an encoder) is not supported: the engine is "
+                "causal"
             )
-        # transformers >= 5 keeps theta and scaling in "rope_parameters" (Gemma 3: one dict per layer
-        # type); older configs at top level (Gemma 3: rope_theta, rope_local_base_freq, rope_scaling)
+        # transformers >= 5 keeps theta and scaling in "rope_parameters" (Gemma 3: one dict per
+        # layer
+        # type); older configs at top level (Gemma 3: rope_theta, rope_local_base_freq,
+        # rope_scaling)
         params = dict(cfg.get("rope_parameters") or {})
         nested = isinstance(params.get("full_attention"), dict) or isinstance(
             params.get("sliding_attention"), dict
@@ -128,7 +132,8 @@ class ModelConfig:
             )
         if mt == "phi3" and (scaling or {}).get("rope_type") in ("longrope", "su", "yarn"):
             raise ValueError(
-                "Phi-3's longrope RoPE scaling (the 128k and Phi-3.5 / Phi-4-mini checkpoints) is not "
+                "Phi-3's longrope RoPE scaling (the 128k and Phi-3.5 / Phi-4-mini checkpoints) is "
+                "not "
                 "supported; use a checkpoint with rope_scaling null (e.g. Phi-3-mini-4k-instruct)"
             )
         partial = float(
@@ -140,7 +145,9 @@ class ModelConfig:
             256 if gemma and "head_dim" not in cfg else hidden // heads
         )
         softcap = final = scalar = None
-        if gemma:  # missing keys take transformers' defaults; its Gemma 3 attention takes no cap: nor do we
+        if gemma:
+            # missing keys take transformers' defaults; its Gemma 3 attention takes no cap: nor do
+            # we
             softcap = cfg.get("attn_logit_softcapping", 50.0) if mt == "gemma2" else None
             final = cfg.get("final_logit_softcapping", 30.0 if mt == "gemma2" else None)
             scalar = cfg.get("query_pre_attn_scalar", 256)
@@ -198,7 +205,8 @@ class ModelConfig:
 
 
 def _scaling(s: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    """A RoPE scaling dict with its ``rope_type`` (``type`` in old configs), None for the default."""
+    """A RoPE scaling dict with its ``rope_type`` (``type`` in old configs), None for the
+    default."""
     if s is None:
         return None
     s = dict(s)
@@ -207,8 +215,8 @@ def _scaling(s: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 
 
 def _windows(mt: str, cfg: Dict[str, Any], layers: int):
-    """``(sliding_window, layer_types)`` as transformers 5.25 builds them: Mistral and Phi-3 slide on
-    every layer when ``sliding_window`` is set; Qwen2/3 from layer ``max_window_layers`` on with
+    """``(sliding_window, layer_types)`` as transformers 5.25 builds them: Mistral and Phi-3 slide
+    on every layer when ``sliding_window`` is set; Qwen2/3 from layer ``max_window_layers`` on with
     ``use_sliding_window``; Gemma 2 on every other layer, Gemma 3 on five of six
     (``sliding_window_pattern``), unless ``layer_types`` says otherwise."""
     window = cfg.get("sliding_window", 4096 if mt in GEMMA else None)  # transformers' defaults

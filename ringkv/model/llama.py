@@ -102,7 +102,8 @@ class Attention(nn.Module):
         }  # only what is not the default
 
     def forward(self, x, cos, sin, ctx):
-        # x (T, hidden); cos/sin (R, T, 1, rotary_dim): the model's RoPEs, this layer's is [self.rope]
+        # x (T, hidden); cos/sin (R, T, 1, rotary_dim): the model's RoPEs, this layer's is
+        # [self.rope]
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.h, self.d)  # (T, H, D)
         k = self.k_proj(x).view(t, self.hkv, self.d)  # (T, Hkv, D)
@@ -195,8 +196,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, hidden) -> logits (N, vocab) in float32 (a vocabulary shard's columns under TP:
-        the soft-cap is elementwise, so it commutes with the gather)."""
+        """hidden (N, hidden) -> logits (N, vocab) in float32 (a vocabulary shard's columns under
+        TP: the soft-cap is elementwise, so it commutes with the gather)."""
         x = self.lm_head(hidden)
         c = self.config.final_softcap
         if c is not None:  # Gemma: c * tanh(logits / c), in the head's dtype like HF

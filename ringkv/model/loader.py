@@ -107,7 +107,8 @@ class SafetensorsSource:
 
 
 def read_safetensors(directory: str) -> Dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or the shards named by ``model.safetensors.index.json``."""
+    """All tensors of ``model.safetensors`` or the shards named by
+    ``model.safetensors.index.json``."""
     src = SafetensorsSource(directory)
     return {name: src.get(name) for name in sorted(src.names())}
 
@@ -236,7 +237,8 @@ def materialize(
                 t = weights.get(*key).to(device=device, dtype=dtype)
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(
-                        f"checkpoint slice {key} has shape {tuple(t.shape)}, {full} expects {tuple(p.shape)}"
+                        f"checkpoint slice {key} has shape {tuple(t.shape)}, {full} expects "
+                        f"{tuple(p.shape)}"
                     )
                 loaded[key] = torch.nn.Parameter(t, requires_grad=False)
             module._parameters[pname] = loaded[key]
@@ -348,7 +350,8 @@ def open_model(source):
 
 
 def load_model(source, dtype: Optional[torch.dtype] = None, device="cpu"):
-    """``(model, config, tokenizer_or_None)`` from a directory, a ``.gguf`` file or a transformers model."""
+    """``(model, config, tokenizer_or_None)`` from a directory, a ``.gguf`` file or a transformers
+    model."""
     dtype = dtype or torch.float32
     if isinstance(source, LlamaForCausalLM):  # already ours (tests, parallel runners)
         p = next(source.parameters())

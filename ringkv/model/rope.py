@@ -68,7 +68,8 @@ class Rotary(torch.nn.Module):
         )  # (R, rotary_dim // 2)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        # positions (T,) int -> cos, sin (R, T, 1, rotary_dim), computed in fp32; R: the model's RoPEs
+        # positions (T,) int -> cos, sin (R, T, 1, rotary_dim), computed in fp32; R: the model's
+        # RoPEs
         freqs = (
             positions.to(self.inv_freq.device).float()[None, :, None] * self.inv_freq[:, None, :]
         )

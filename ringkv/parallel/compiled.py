@@ -23,9 +23,10 @@ rows 118-121 -> 105-108 ms against oneDNN's packed GEMM, docs/performance.md). W
 kernel (no compiler, ``RINGKV_NATIVE_LINEAR=0``, other dtypes) freezing packs the weights for
 oneDNN instead (unpacked, the compiled graph measured no faster than eager for decode, its
 GEMMs being the same MKL calls); ``linear_kernel`` says which runs. Both compile once, when
-the worker starts (``warm_up``; ``compile_s`` in ``Worker.report()``). Measured there (docs/engine.md, one
-thread): decode steps of 4 to 64 rows 1.1-1.5x faster, of 1 to 3 rows 0.84-0.97x (MKL's
-small-``M`` GEMM beats the packed oneDNN one), so steps of fewer than ``CPU_MIN_ROWS = 4`` rows
+the worker starts (``warm_up``; ``compile_s`` in ``Worker.report()``). Measured there
+(docs/engine.md, one thread): decode steps of 4 to 64 rows 1.1-1.5x faster, of 1 to 3 rows
+0.84-0.97x (MKL's small-``M`` GEMM beats the packed oneDNN one), so steps of fewer than
+``CPU_MIN_ROWS = 4`` rows
 stay eager. Why no buckets on CPU: a frozen graph per static bucket gets MKL's packing
 instead, which holds its own copy of every weight per bucket (4x the weights' bytes each)
 and costs another half minute of compiling per bucket; the one dynamic graph compiles once.

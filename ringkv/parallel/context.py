@@ -76,7 +76,8 @@ class FreshSeq:
 
 @dataclass(frozen=True)
 class RingSeq:
-    """A long chunk split over the SP group (ring mode): this rank's ``m`` query rows from ``row``."""
+    """A long chunk split over the SP group (ring mode): this rank's ``m`` query rows from
+    ``row``."""
 
     row: int
     m: int  # rows here: ceil(n / sp), padded past the end
@@ -305,7 +306,8 @@ class StepContext:
         return (x.float() @ (rot.T if back else rot)).to(x.dtype)
 
     def _merged(self, parts: List[RowsOut], out) -> None:
-        """Every replicated row's partial over this rank's keys, merged across the SP group in one round."""
+        """Every replicated row's partial over this rank's keys, merged across the SP group in one
+        round."""
         rows = torch.cat([p.rows for p in parts])  # (R,)
         o = torch.cat([p.out for p in parts])[None]  # (1, R, H, D)
         lse = torch.cat([p.lse for p in parts], dim=1)[None]  # (1, H, R)

@@ -155,12 +155,14 @@ class ControlPlane:
         self.channel = Channel(group, self.rank, depth)
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        """A CPU tensor to control rank ``dst`` (step results, K/V boxes); waits only on old sends."""
+        """A CPU tensor to control rank ``dst`` (step results, K/V boxes); waits only on old
+        sends."""
         self.channel.pending.append((self.channel.group.send([t], dst, tag), t))
         self.channel.reap()
 
     def recv_from(self, rank: int, t: torch.Tensor, tag: int, what: str) -> torch.Tensor:
-        """Fill ``t`` (CPU) with what control rank ``rank`` sends under ``tag``, within the timeout."""
+        """Fill ``t`` (CPU) with what control rank ``rank`` sends under ``tag``, within the
+        timeout."""
         wait(self.channel.group.recv([t], rank, tag), t, self.timeout, what)
         return t
 

@@ -57,7 +57,8 @@ class SeqStep:
 class StepPlan:
     seqs: List[SeqStep] = field(default_factory=list)
     want: str = "logits"
-    top: int = 0  # prompt log-probs: the top alternatives each target row returns too (the step's largest ask)
+    # prompt log-probs: the top alternatives each target row returns too (the step's largest ask)
+    top: int = 0
 
     @property
     def num_completing(self) -> int:
@@ -226,7 +227,8 @@ class Mirror:
         if held != (count, tokens, blocks):
             self._drift(
                 step,
-                f"it holds (sequences, tokens, blocks) = {held}, the driver sent {(count, tokens, blocks)}",
+                f"it holds (sequences, tokens, blocks) = {held}, the driver sent "
+                f"{(count, tokens, blocks)}",
             )
         self.steps += 1
         return StepPlan(seqs, WANT[want % len(WANT)], want // len(WANT))

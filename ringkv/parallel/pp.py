@@ -38,7 +38,8 @@ def stage_sizes(
             or sum(layers) != num_layers
         ):
             raise ValueError(
-                f"pp_layers must list {pp} positive layer counts summing to {num_layers}, got {layers}"
+                f"pp_layers must list {pp} positive layer counts summing to {num_layers}, got "
+                f"{layers}"
             )
         return layers
     if pp == 1:

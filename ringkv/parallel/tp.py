@@ -154,7 +154,8 @@ def _layers(model):
 def gather_vocab(
     logits: torch.Tensor, cfg: ModelConfig, tp: int, group, timeout=None
 ) -> torch.Tensor:
-    """Full logits ``(M, vocab)`` from each TP rank's ``(M, vocab_rank)`` columns (every rank gets them)."""
+    """Full logits ``(M, vocab)`` from each TP rank's ``(M, vocab_rank)`` columns (every rank gets
+    them)."""
     if tp == 1:
         return logits
     width = -(-cfg.vocab_size // tp)

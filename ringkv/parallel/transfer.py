@@ -89,7 +89,8 @@ class Link:
     read ``.port``); the peer calls ``Link.connect(host, port)`` (rank 1); the listener's group
     is built by ``accept()``, or by its first message. Messages go in order, each side taking turns
     as its protocol says: ``send``/``recv`` (a JSON head, then each tensor's bytes in
-    ``chunk_bytes`` chunks, then a SHA-256 over both) and ``send_json``/``recv_json``. Every wait is bounded by
+    ``chunk_bytes`` chunks, then a SHA-256 over both) and ``send_json``/``recv_json``. Every wait is
+    bounded by
     ``timeout``: a dead peer is a ``LinkError`` as soon as gloo sees the closed connection, a
     silent one a ``LinkTimeout`` after ``timeout``; either closes the link. A damaged message
     (checksum) is a ``ValueError`` and leaves the link usable."""
@@ -261,7 +262,8 @@ class Link:
             if min(shape, default=0) < 0 or parts < 1 or nbytes % parts or chunk < 1:
                 self._fail(
                     LinkError,
-                    f"{self}: the peer sent a damaged message header ({name}: {shape}, {parts} parts)",
+                    f"{self}: the peer sent a damaged message header ({name}: {shape}, {parts} "
+                    "parts)",
                 )
             buf = torch.empty(
                 nbytes, dtype=torch.uint8
@@ -286,7 +288,8 @@ class Link:
         return head, tensors
 
     def _stream(self, op: str, chunks, what: str, done=None) -> None:
-        """``op`` ("send"/"recv") of each chunk, ``WINDOW`` posted ahead; ``done(chunk)`` in order."""
+        """``op`` ("send"/"recv") of each chunk, ``WINDOW`` posted ahead; ``done(chunk)`` in
+        order."""
         group = self.accept()._group
         pending = deque()
         for c in chunks:

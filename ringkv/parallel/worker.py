@@ -181,7 +181,8 @@ class Worker:
         other processes' memory and the activations of one ``tokens``-token forward (profiled)."""
         if self.device.type != "cuda":
             raise ValueError(
-                "gpu_memory_utilization needs a CUDA device; on CPU give kv_cache_memory (bytes per rank)"
+                "gpu_memory_utilization needs a CUDA device; on CPU give kv_cache_memory (bytes "
+                "per rank)"
             )
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -297,7 +298,8 @@ class Worker:
         return result
 
     def _decode_bucket(self, plan: StepPlan, step: LocalStep) -> Optional[int]:
-        """compile_decode: the bucket of a step whose every sequence computes one token, else None."""
+        """compile_decode: the bucket of a step whose every sequence computes one token, else
+        None."""
         if self.compiled is None or not plan.seqs or step.rings or any(s.n != 1 for s in plan.seqs):
             return None
         return self.compiled.bucket(step.positions.numel())

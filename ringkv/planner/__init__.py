@@ -26,16 +26,20 @@ by ringkv's benchmarks via ``calibrate``):
 
 The modules, each importing only those above it in this list:
 
-- ``catalogue``: model presets (``PRESETS``, ``ALIASES``), ``load_model``, ``_model_of``, ``_read_json``;
+- ``catalogue``: model presets (``PRESETS``, ``ALIASES``), ``load_model``, ``_model_of``,
+  ``_read_json``;
 - ``memory``: ``DTYPES``, ``stage_sizes``, ``layer_params``, ``stage_weight_bytes``,
   ``stage_kv_bytes_per_token``, ``_gb``;
 - ``hardware``: the hardware table (``HARDWARE_PATH`` = ``ringkv/hardware.json``, ``load_hardware``,
   ``_merge``) and the rates the model prices with (``Rates``, ``rates``, ``_threads``);
 - ``simulation``: ``ring_attention_seconds``, ``_xfer``, ``StepWork``, ``engine_workload``,
-  ``StepTerms``, ``RingTerms``, ``_step_terms``, ``_step_cost``, ``engine_run_seconds``, ``_run_terms``,
+  ``StepTerms``, ``RingTerms``, ``_step_terms``, ``_step_cost``, ``engine_run_seconds``,
+  ``_run_terms``,
   ``_simulate``, ``EngineRun``;
-- ``calibration``: ``FIT_KEYS``, ``fit_engine``, ``_nelder_mead``, ``RATE_KEYS``, ``apply_calibration``,
-  ``_with``, ``fit_rates``, ``fit_keys``, ``_single_process_runs``, ``one_process_seconds``, ``_kind``,
+- ``calibration``: ``FIT_KEYS``, ``fit_engine``, ``_nelder_mead``, ``RATE_KEYS``,
+  ``apply_calibration``,
+  ``_with``, ``fit_rates``, ``fit_keys``, ``_single_process_runs``, ``one_process_seconds``,
+  ``_kind``,
   ``_fit_attention``, ``_parse_config``;
 - ``options``: ``Option``, ``plan``, ``_option``, ``_rank``, ``_needs_sp``, ``_why``, ``_divisors``,
   ``_positive_int``, ``_link``, the seed constants (``SEED_SP_TOKENS``, ``SEED_MAX_PP``,

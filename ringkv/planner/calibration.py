@@ -18,7 +18,8 @@ from .hardware import Rates
 from .simulation import EngineRun
 
 
-# -- fitting the time model to measured engine runs ----------------------------------------------------
+# -- fitting the time model to measured engine runs
+# ----------------------------------------------------
 FIT_KEYS = ("matmul", "memory", "attention", "step", "seq", "layer", "thread_scaling")
 
 
@@ -94,7 +95,8 @@ def _nelder_mead(
     return pts[min(range(n + 1), key=vals.__getitem__)]
 
 
-# -- calibration: rates measured by ringkv's benchmarks ---------------------------------------------
+# -- calibration: rates measured by ringkv's benchmarks
+# ---------------------------------------------
 RATE_KEYS = ("matmul", "attention", "memory", "thread_scaling", "links", "latency", "host", "gemm")
 
 
@@ -247,5 +249,6 @@ def _fit_attention(d: dict) -> float:
 
 
 def _parse_config(s: str) -> Dict[str, int]:
-    """The mesh of an ``engine.py`` row's ``config`` ("tp=2 pp=2 sp=1") as ``EngineRun`` keywords."""
+    """The mesh of an ``engine.py`` row's ``config`` ("tp=2 pp=2 sp=1") as ``EngineRun``
+    keywords."""
     return {k: int(v) for k, v in (kv.split("=") for kv in s.split())}

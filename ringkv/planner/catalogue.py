@@ -1,7 +1,8 @@
 """Model presets and loading: ``PRESETS`` (the fields of each model's HF ``config.json`` that the
 planner reads), ``ALIASES`` and ``load_model``, which turns a preset name, an HF directory or
 ``config.json``, a config dict or a transformers config/model into a ``ModelConfig``. The random
-models of ringkv's own benchmarks are presets too: ``benchmarks/models.py`` builds them from here."""
+models of ringkv's own benchmarks are presets too: ``benchmarks/models.py`` builds them from
+here."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         32, 4096, 32, 8, 14336, 32000, False, model_type="mistral"
     ),  # Mistral-7B-v0.1
     "smollm2-135m": _llama(30, 576, 9, 3, 1536, 49152, True),  # HuggingFaceTB/SmolLM2-135M
-    # random models of ringkv's own benchmarks (random weights, benchmarks/models.py), for calibration
+    # random models of ringkv's own benchmarks (random weights, benchmarks/models.py), for
+    # calibration
     # and validation: throughput and memory only, never text quality
     # ~120M parameters like SmolLM2, but 12 heads / 4 KV heads split over tp = 2 or 4
     "llama-120m": _llama(12, 768, 12, 4, 2048, 32000, False, max_position_embeddings=8192),

@@ -20,7 +20,8 @@ HARDWARE_PATH = os.path.join(
 
 
 def load_hardware(path: Optional[str] = None) -> dict:
-    """The hardware table (``ringkv/hardware.json``), with the entries of ``path`` merged over it."""
+    """The hardware table (``ringkv/hardware.json``), with the entries of ``path`` merged over
+    it."""
     table = _read_json(HARDWARE_PATH, "hardware table")
     if path is None:
         return table
@@ -46,9 +47,10 @@ class Rates:
     per engine step (``step``, ``seq``: per sequence, ``layer``: per layer). A process with
     ``t`` threads computes and reads memory at ``t ** thread_scaling`` times these rates.
     ``gemm``: measured bytes/s at which a process of ``threads`` streams the weights through
-    decode matmuls of ``rows`` tokens, ``{threads: {rows: bytes/s}}`` (``benchmarks/decode_gemm.py``);
-    where it has the process's thread count, a step's weights are read at that rate (linear in
-    rows between the measured ones, the nearest outside) instead of ``memory``."""
+    decode matmuls of ``rows`` tokens, ``{threads: {rows: bytes/s}}``
+    (``benchmarks/decode_gemm.py``); where it has the process's thread count, a step's weights are
+    read at that rate (linear in rows between the measured ones, the nearest outside) instead of
+    ``memory``."""
 
     matmul: float
     attention: float

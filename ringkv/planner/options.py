@@ -98,7 +98,8 @@ def plan(
     ulysses: bool = True,
 ) -> List[Option]:
     """Every valid ``(tp, pp, sp[, ulysses])`` for ``gpus`` GPUs, best first; exactly one
-    ``recommended`` among those that fit (none when nothing fits; each option's ``reason`` says why).
+    ``recommended`` among those that fit (none when nothing fits; each option's ``reason`` says
+    why).
 
     ``model``: preset name (``PRESETS``), HF directory / config.json, config dict or ModelConfig.
     ``seq``: tokens per sequence (prompt + output), ``batch``: sequences held and decoded together.
@@ -122,7 +123,8 @@ def plan(
     )
     if gpu not in hw["gpus"]:
         raise ValueError(
-            f"unknown gpu {gpu!r}; choose one of {', '.join(hw['gpus'])} (or add it with --hardware)"
+            f"unknown gpu {gpu!r}; choose one of {', '.join(hw['gpus'])} (or add it with "
+            "--hardware)"
         )
     g = hw["gpus"][gpu]
     if dtype not in DTYPES:
@@ -130,7 +132,8 @@ def plan(
     have = list(g["links"])
     if interconnect not in have:
         raise ValueError(
-            f"{gpu} has no {interconnect!r} link in the hardware table; choose interconnect in {have}"
+            f"{gpu} has no {interconnect!r} link in the hardware table; choose interconnect in "
+            f"{have}"
         )
     if nodes is None:
         nodes = gpus if interconnect == "ib" else max(1, -(-gpus // g["gpus_per_node"]))
@@ -141,7 +144,8 @@ def plan(
         )
     if nodes > 1 and "ib" not in have:
         raise ValueError(
-            f"{gpu} has no 'ib' link for {nodes} nodes in the hardware table; add it with --hardware"
+            f"{gpu} has no 'ib' link for {nodes} nodes in the hardware table; add it with "
+            "--hardware"
         )
     gpn = gpus // nodes
     if gpn > g["gpus_per_node"]:
@@ -288,7 +292,8 @@ def _option(
 
 
 def _rank(options: List[Option], cfg, seq, gpn, interconnect, output_tokens, g) -> List[Option]:
-    """Seed rules as penalties, then predicted request time; one recommendation among those that fit."""
+    """Seed rules as penalties, then predicted request time; one recommendation among those that
+    fit."""
     weak = "nvlink" not in g["links"] or interconnect != "nvlink"
 
     def penalties(o: Option) -> List[str]:
@@ -297,7 +302,8 @@ def _rank(options: List[Option], cfg, seq, gpn, interconnect, output_tokens, g) 
             out.append(f"TP {o.tp} crosses nodes (keep TP inside a node's fast link)")
         if weak and o.tp > WEAK_LINK_MAX_TP:
             out.append(
-                f"TP {o.tp} over {interconnect} (without NVLink TP > {WEAK_LINK_MAX_TP} stops paying)"
+                f"TP {o.tp} over {interconnect} (without NVLink TP > {WEAK_LINK_MAX_TP} stops "
+                "paying)"
             )
         if o.pp > SEED_MAX_PP:
             out.append(f"PP {o.pp} > {SEED_MAX_PP} (deep pipelines add bubbles)")

@@ -14,16 +14,20 @@ def format_table(options: List[Option]) -> str:
     """One row per option, the recommended one marked ``*``."""
     head = (
         f"{'':1s} {'tp':>3s} {'pp':>3s} {'sp':>4s} {'uly':>3s} {'kv':>8s} {'weights/GPU':>11s} "
-        f"{'KV B/tok/GPU':>12s} {'KV/GPU':>9s} {'fits':>4s} {'ring B/step':>11s} {'TP AR B/layer':>13s} "
+        f"{'KV B/tok/GPU':>12s} {'KV/GPU':>9s} {'fits':>4s} {'ring B/step':>11s} "
+        f"{'TP AR B/layer':>13s} "
         f"{'prefill':>9s} {'decode tok/s':>12s}  reason"
     )
     lines = [head]
     for o in options:
         lines.append(
             f"{'*' if o.recommended else ' '} {o.tp:3d} {o.pp:3d} {o.sp:4d} {o.ulysses:3d} "
-            f"{o.kv_cache_dtype:>8s} {_gb(o.weight_bytes_per_gpu):>11s} {o.kv_bytes_per_token_per_gpu:12,d} "
-            f"{_gb(o.kv_bytes_per_gpu):>9s} {'yes' if o.fits else 'no':>4s} {o.ring_bytes_per_step:11.3g} "
-            f"{o.tp_allreduce_bytes_per_layer:13.3g} {o.prefill_s:8.3g}s {o.decode_tokens_per_s:12.3g}  "
+            f"{o.kv_cache_dtype:>8s} {_gb(o.weight_bytes_per_gpu):>11s} "
+            f"{o.kv_bytes_per_token_per_gpu:12,d} "
+            f"{_gb(o.kv_bytes_per_gpu):>9s} {'yes' if o.fits else 'no':>4s} "
+            f"{o.ring_bytes_per_step:11.3g} "
+            f"{o.tp_allreduce_bytes_per_layer:13.3g} {o.prefill_s:8.3g}s "
+            f"{o.decode_tokens_per_s:12.3g}  "
             f"{o.reason}"
         )
     return "\n".join(lines)
@@ -75,7 +79,8 @@ def _svg(pts, path: str, title: str) -> None:
     x0, x1, y0, y1 = min(xs), max(xs) + 1e-9, min(ys), max(ys) + 1e-9
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-size="9">',
-        f'<text x="{m}" y="20">{title or "ringkv plan (log-log): prefill s (x) vs decode tok/s (y)"}</text>',
+        f'<text x="{m}" '
+        f'y="20">{title or "ringkv plan (log-log): prefill s (x) vs decode tok/s (y)"}</text>',
     ]
     for (px, py, label, o), lx, ly in zip(pts, xs, ys):
         cx = m + (lx - x0) / (x1 - x0) * (w - 2 * m)

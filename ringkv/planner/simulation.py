@@ -4,7 +4,8 @@
 (``engine_workload``: a ``StepWork`` per step), each step's demands on a rank of each stage
 (``_step_terms``: ``StepTerms``, ``RingTerms``) are priced with ``Rates`` (``_step_cost``), and an
 event simulation of the driver and the stages gives the wall time (``engine_run_seconds``,
-``_simulate``); ``EngineRun`` is a measured run with its modelled time (what ``fit_engine`` fits)."""
+``_simulate``); ``EngineRun`` is a measured run with its modelled time (what ``fit_engine``
+fits)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from .hardware import Rates, _threads
 from .memory import DTYPES, layer_params, stage_sizes
 
 
-# -- ring attention and messages ---------------------------------------------------------------------
+# -- ring attention and messages
+# ---------------------------------------------------------------------
 def ring_attention_seconds(
     seq: int,
     heads: int,
@@ -49,7 +51,8 @@ def _xfer(nbytes: float, link: str, r: Rates, messages: int = 1) -> float:
     return messages * r.latency.get(link, 0.0) + nbytes / r.links[link]
 
 
-# -- the engine's workload: what a benchmark run schedules, step by step ------------------------------
+# -- the engine's workload: what a benchmark run schedules, step by step
+# ------------------------------
 @dataclass(kw_only=True)
 class StepWork:
     """One engine step as the scheduler built it (what its cost depends on)."""
@@ -184,7 +187,8 @@ class StepTerms:
     weight_bytes: (
         float  # the weights' share of ``read_bytes`` (read at ``Rates.gemm`` when measured)
     )
-    rows: float  # tokens a matmul multiplies on this rank (tokens / sp in ring mode): selects ``gemm``
+    # tokens a matmul multiplies on this rank (tokens / sp in ring mode): selects ``gemm``
+    rows: float
 
     def __iter__(self):
         return iter(

@@ -58,7 +58,8 @@ def _gather(kv, p: _Plan, c: int, group, timeout):
 
 
 def _message(k, v) -> torch.Tensor:
-    """K and V as one message ``(2, B, S_l, Hkv, max(D, Dv))``: the narrower one zero-padded (MLA)."""
+    """K and V as one message ``(2, B, S_l, Hkv, max(D, Dv))``: the narrower one zero-padded
+    (MLA)."""
     d = max(k.shape[-1], v.shape[-1])
     return torch.stack([torch.nn.functional.pad(t, (0, d - t.shape[-1])) for t in (k, v)])
 
@@ -169,7 +170,8 @@ def allgather_attention(
         q: ``(B, S_local, H, D)``, this rank's shard in ``layout``.
         k, v: ``(B, S_local, Hkv, D)``, ``(B, S_local, Hkv, Dv)`` with ``H % Hkv == 0``; only the
             ``Hkv`` heads travel (with ``Dv != D`` the narrower one padded in the message).
-        causal, group, layout, softmax_scale, return_lse, backend, timeout, check, softcap, sinks: as
+        causal, group, layout, softmax_scale, return_lse, backend, timeout, check, softcap, sinks:
+            as
             in ``ring_attention``.
         chunks: K/V pieces gathered one after another, each overlapped with the previous
             piece's compute (at most ``S_local``).

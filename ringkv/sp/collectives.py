@@ -90,7 +90,8 @@ def agree(
     what: str = "ringkv",
     device=None,
 ) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks pass the same ``values`` (one tiny all-gather).
+    """Raise ``ValueError`` on every rank unless all ranks pass the same ``values`` (one tiny
+    all-gather).
 
     ``group`` may be a list of groups that together connect the ranks (the two axes of a 2D
     mesh): one all-gather per group, each carrying whether an earlier one found a difference,
@@ -173,7 +174,8 @@ def _nbytes(x: torch.Tensor) -> int:
 
 
 class Pending:
-    """An asynchronous collective: ``wait()`` waits (bounded like ``wait``) and returns its result."""
+    """An asynchronous collective: ``wait()`` waits (bounded like ``wait``) and returns its
+    result."""
 
     def __init__(
         self,
@@ -199,7 +201,8 @@ def _start_all_to_all(x: torch.Tensor, group, timeout, what, finish=lambda t: t)
     rank, world = rank_world(group)
     if x.shape[0] != world:
         raise ValueError(
-            f"{what}: all_to_all needs a leading dim of the group size {world}, got {tuple(x.shape)}"
+            f"{what}: all_to_all needs a leading dim of the group size {world}, got "
+            f"{tuple(x.shape)}"
         )
     if world == 1:
         return Pending(None, x, timeout, what, finish)
@@ -212,7 +215,8 @@ def _start_all_to_all(x: torch.Tensor, group, timeout, what, finish=lambda t: t)
 def start_all_gather(
     x: torch.Tensor, group=None, timeout: Optional[timedelta] = None, what: str = "all_gather"
 ) -> Pending:
-    """Post an all-gather of ``x`` (same shape on every rank); ``wait()`` gives ``(N, *x.shape)``."""
+    """Post an all-gather of ``x`` (same shape on every rank); ``wait()`` gives
+    ``(N, *x.shape)``."""
     rank, world = rank_world(group)
     if world == 1:
         return Pending(None, x.unsqueeze(0), timeout, what)

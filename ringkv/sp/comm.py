@@ -78,7 +78,8 @@ class RingComm:
             except RuntimeError as e:
                 raise RingTimeoutError(
                     f"ring hop on rank {self.rank}/{self.world} failed or timed out after "
-                    f"{self.timeout.total_seconds():.0f}s (a peer died, hangs, or called with other arguments): {e}"
+                    f"{self.timeout.total_seconds():.0f}s (a peer died, hangs, or called with "
+                    f"other arguments): {e}"
                 ) from e
 
 

@@ -39,7 +39,8 @@ def decode_attention(
     """Exact causal attention of replicated new queries over the sharded cache.
 
     Args:
-        q: ``(B, T, H, D)``, the same on every rank; ``q_positions`` ``(T,)`` their global positions.
+        q: ``(B, T, H, D)``, the same on every rank; ``q_positions`` ``(T,)`` their global
+            positions.
         k_local, v_local: ``(B, S_local, Hkv, D)``, ``(B, S_local, Hkv, Dv)``, this rank's cached
             keys/values (``S_local`` may be 0 and may differ between ranks); ``k_positions``
             ``(S_local,)`` global positions.

@@ -106,7 +106,8 @@ def usp_chunks(
         g = granule(layout, ring_world) * ulysses_world
         raise ValueError(
             f"layout {layout!r} over {ulysses_world} (ulysses) x {ring_world} (ring) ranks needs a "
-            f"sequence length divisible by {g}, got {seq_len}; pad the sequence by {-seq_len % g} tokens"
+            f"sequence length divisible by {g}, got {seq_len}; pad the sequence by {-seq_len % g} "
+            "tokens"
         )
     part = n // ulysses_world
     return cut(ranges, ulysses_rank * part, (ulysses_rank + 1) * part)

@@ -152,7 +152,8 @@ def call_values(
     softcap=None,
     sinks=None,
 ) -> Tuple[List[str], List[int]]:
-    """Names and integer values of the shapes and settings every rank must agree on (for ``agree``)."""
+    """Names and integer values of the shapes and settings every rank must agree on (for
+    ``agree``)."""
     names = [
         "batch",
         "seq_local",
@@ -399,7 +400,8 @@ def _backward(
     )  # own dK then dV, flat (_unpack)
     # the travelling dK/dV, double-buffered: receive into one while the other is sent
     dkv = [torch.empty(mine.shape, dtype=wire, device=q.device) for _ in range(2)] if last else []
-    # this step's share of the block held (float32); with a float32 wire step 1 computes into its send buffer
+    # this step's share of the block held (float32); with a float32 wire step 1 computes into its
+    # send buffer
     blk = torch.empty_like(mine) if last > 1 or (last and wire != torch.float32) else None
     for step in range(last + 1):
         if step < last:
@@ -624,7 +626,8 @@ def check_inputs(
         if q.shape[1] == 0 or q.shape[1] % unit:
             raise ValueError(
                 f"layout {layout!r} needs a positive local length divisible by {unit}, got "
-                f"{q.shape[1]}; pad the global sequence to a multiple of {granule(layout, world) * parts}"
+                f"{q.shape[1]}; pad the global sequence to a multiple of "
+                f"{granule(layout, world) * parts}"
             )
     softcap = kernels.check_softcap(softcap)
     kernels.check_sinks(sinks, q)

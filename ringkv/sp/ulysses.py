@@ -37,8 +37,10 @@ def head_plan(h: int, hkv: int, world: int, what: str = "ulysses_attention") -> 
     valid world sizes when ``H % N`` or (``Hkv % N`` and ``N % Hkv``) are not zero."""
     if h % world or (hkv % world and world % hkv):
         raise ValueError(
-            f"{what} over {world} ranks splits heads: it needs heads ({h}) divisible by {world}, and "
-            f"kv heads ({hkv}) divisible by {world} (split) or dividing it (replicated); valid world "
+            f"{what} over {world} ranks splits heads: it needs heads ({h}) divisible by {world}, "
+            "and "
+            f"kv heads ({hkv}) divisible by {world} (split) or dividing it (replicated); valid "
+            "world "
             f"sizes for heads={h}, kv_heads={hkv}: {_valid_worlds(h, hkv)}"
         )
     if hkv % world == 0:
@@ -55,8 +57,9 @@ def _bytes(x: torch.Tensor, world: int) -> int:
 def scatter_heads(q, k, v, group, timeout, what):
     """Sequence shards -> head shards over ``group`` (N ranks), differentiable.
 
-    q ``(B, S_l, H, D)``, k ``(B, S_l, Hkv, D)``, v ``(B, S_l, Hkv, Dv)`` -> q ``(B, N*S_l, H/N, D)``,
-    k/v ``(B, N*S_l, Hkv_l, D or Dv)``: every rank's tokens in rank order. Also returns the bytes sent.
+    q ``(B, S_l, H, D)``, k ``(B, S_l, Hkv, D)``, v ``(B, S_l, Hkv, Dv)`` -> q
+    ``(B, N*S_l, H/N, D)``, k/v ``(B, N*S_l, Hkv_l, D or Dv)``: every rank's tokens in rank order.
+    Also returns the bytes sent.
     """
     b, s, h, d = q.shape
     dv = v.shape[-1]

@@ -31,7 +31,8 @@ _GROUPS: Dict[tuple, tuple] = {}
 def sp_groups(
     ulysses: int, ring: int
 ) -> Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
-    """``(ulysses_group, ring_group)`` of this rank in a ``(ring, ulysses)`` mesh over the default world.
+    """``(ulysses_group, ring_group)`` of this rank in a ``(ring, ulysses)`` mesh over the default
+    world.
 
     Global rank ``= ring_rank * ulysses + ulysses_rank``: a Ulysses group is ``ulysses``
     consecutive ranks. ``ulysses * ring`` must be the world size. Built once per
@@ -44,7 +45,8 @@ def sp_groups(
     rank, world = rank_world()
     if ulysses * ring != world:
         raise ValueError(
-            f"sp_groups(ulysses={ulysses}, ring={ring}) needs ulysses * ring == the world size {world}, "
+            f"sp_groups(ulysses={ulysses}, ring={ring}) needs ulysses * ring == the world size "
+            f"{world}, "
             f"got {ulysses * ring}"
         )
     if not dist.is_initialized():
@@ -81,13 +83,16 @@ def usp_attention(
     """Exact attention over a sequence sharded on a ``(ring, ulysses)`` mesh (``sp_groups``).
 
     Args:
-        q: ``(B, S_local, H, D)``, this rank's part (``ringkv.shard(..., ulysses_group=, ring_group=)``);
+        q: ``(B, S_local, H, D)``, this rank's part
+            (``ringkv.shard(..., ulysses_group=, ring_group=)``);
             ``S = S_local * U * R``; ``H % U == 0``.
         k, v: ``(B, S_local, Hkv, D)``; ``Hkv % U == 0`` (split) or ``U % Hkv == 0`` (replicated).
         ulysses_group, ring_group: from ``ringkv.sp_groups(ulysses=U, ring=R)``.
         causal, layout, softmax_scale, return_lse, backend, timeout, check, window, softcap: as in
-            ``ring_attention`` (``layout`` is the ring's; ``check`` compares arguments over both groups).
-        sinks: ``(H,)``, applied by the ring of each Ulysses rank's heads (as in ``ulysses_attention``).
+            ``ring_attention`` (``layout`` is the ring's; ``check`` compares arguments over both
+            groups).
+        sinks: ``(H,)``, applied by the ring of each Ulysses rank's heads (as in
+            ``ulysses_attention``).
         stats: a ``CommStats`` this call fills with the bytes this rank sent in the forward (both
             all-to-alls and the ring's K/V).
 

@@ -461,24 +461,11 @@ def test_merge_reads_every_sub_stream_as_named_records():
 
 # -- the serving classes, called directly -----------------------------------------------------
 def tiny_llm():
-    import torch
-
     from ringkv.engine import LLM
-    from ringkv.model import LlamaForCausalLM, ModelConfig
+    from tests.models import tiny_model
 
-    torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=61,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        eos_token_id=None,
-    )
-    return LLM(LlamaForCausalLM(config).eval(), block_size=4, num_blocks=64)
+    model = tiny_model("llama", max_position_embeddings=64, eos_token_id=None)
+    return LLM(model, block_size=4, num_blocks=64)
 
 
 def rounded(x):

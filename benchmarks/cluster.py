@@ -2,7 +2,8 @@
 instances on this host, driven through its OpenAI API by streamed requests arriving as a
 Poisson process.
 
-    python benchmarks/cluster.py --scenario all --json results/cluster.json --plot results/cluster.png
+    python benchmarks/cluster.py --scenario all --json results/cluster.json \\
+        --plot results/cluster.png
 
 Each setup starts its own front (``python -m ringkv serve --replicas N --admin ...``, one
 thread per process), waits until all N instances are ``up`` (``GET /admin/instances``), sends

@@ -2,7 +2,8 @@
 seconds it costs, at contexts, batches and world sizes, for this tree and an earlier commit
 (``--before``), measured in one run, alternating round by round.
 
-    python benchmarks/control.py --json results/control.json           # 1K/8K/64K x 1/16/64 x worlds 2, 4
+    # 1K/8K/64K x 1/16/64 x worlds 2, 4
+    python benchmarks/control.py --json results/control.json
     python benchmarks/control.py --contexts 8192 --batches 64 --worlds 4 --steps 40
 
 What runs: a gloo world of N processes (one thread each) on loopback, the engine's own control
@@ -307,7 +308,9 @@ def _measure(tree: str, world: int, cases, steps: int, block_size: int) -> list:
         timeout=3600,
         cwd=tempfile.gettempdir(),
     )
-    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next(
+        (out_line for out_line in r.stdout.splitlines() if out_line.startswith("RESULT ")), None
+    )
     if r.returncode or line is None:
         raise RuntimeError(
             f"measuring {tree} (world {world}) failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"

@@ -1,6 +1,7 @@
 """ringkv's CPU flash kernel against torch's fused CPU op, one call at a time, interleaved.
 
-    python benchmarks/cpu_flash_ab.py [--threads 1] [--rounds 7] [--shapes S,H,HKV,D ...] [--json out.json]
+    python benchmarks/cpu_flash_ab.py [--threads 1] [--rounds 7] [--shapes S,H,HKV,D ...] \\
+        [--json out.json]
 
 Both backends get the same inputs: q and K/V as (B, S, H, D) views of heads-first memory (what
 the ring hands the kernels on CPU), float32; ``sdpa`` repeats K/V heads for GQA as it does in the

@@ -1,6 +1,7 @@
 """How fast one process streams a model's weights through its decode matmuls, by rows and threads.
 
-    python benchmarks/decode_gemm.py --model llama-120m --rows 8 16 64 --threads 1 2 --json results/decode_gemm.json
+    python benchmarks/decode_gemm.py --model llama-120m --rows 8 16 64 --threads 1 2 \\
+        --json results/decode_gemm.json
 
 A decode step multiplies ``rows`` tokens (the step's sequences) by every linear weight of the
 model: per layer q/k/v, o, gate/up and down, then the LM head (random fp32 weights of the

@@ -13,7 +13,8 @@ wrapped around the library's functions from outside split each step into:
   and detokenizing (``append``), building the outputs (``output``).
 
     python benchmarks/decode_step.py --rows 1 4 16 64 --steps 12 --json results/decode_step.json
-    python benchmarks/decode_step.py --rows 16 64 --engines eager --sampled --agg mean   # host share
+    # host share
+    python benchmarks/decode_step.py --rows 16 64 --engines eager --sampled --agg mean
     python benchmarks/decode_step.py --rows 1 2 3 4 --all-rows-compiled    # why CPU_MIN_ROWS is 4
 """
 

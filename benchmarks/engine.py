@@ -17,10 +17,13 @@ request (EOS ignored on both sides), measured in the same process one after the 
   threads. When it cannot run, the table says why and the other rows stand.
 
     python benchmarks/engine.py --requests 16 64 --max-tokens 64 --json results/engine.json
-    python benchmarks/engine.py --device cuda --dtype bf16 --requests 16 64 --json results/engine_gpu.json
+    python benchmarks/engine.py --device cuda --dtype bf16 --requests 16 64 \\
+        --json results/engine_gpu.json
     python benchmarks/engine.py --requests 16 --peer vllm --json results/engine_vllm.json
-    python benchmarks/engine.py --requests 16 64 --max-tokens 64 --compile-decode --json results/engine_compile.json
-    python benchmarks/engine.py --pp 2 --model llama-120m --requests 16 64 --json results/engine_pp2.json
+    python benchmarks/engine.py --requests 16 64 --max-tokens 64 --compile-decode \\
+        --json results/engine_compile.json
+    python benchmarks/engine.py --pp 2 --model llama-120m --requests 16 64 \\
+        --json results/engine_pp2.json
 
 Parallel mode: both engines get the same ``--kv-cache-memory`` per rank and the same
 requests; the table gives output tokens/s, KV capacity in tokens, per-rank memory (weights,

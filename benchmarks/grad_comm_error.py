@@ -1,7 +1,8 @@
 """Error budget of ``grad_comm_dtype``: ring gradients with dK/dV on the wire in float32 vs
 bfloat16, both against a float64 single-device reference.
 
-    python benchmarks/grad_comm_error.py                       # worlds 2, 4; S 512, 2048; fp32 and bf16 inputs
+    # worlds 2, 4; S 512, 2048; fp32 and bf16 inputs
+    python benchmarks/grad_comm_error.py
     python benchmarks/grad_comm_error.py --worlds 8 --seqs 4096 --json out.json
 
 Spawns a gloo world per world size on this machine (CPU). For each configuration (causal, zigzag,

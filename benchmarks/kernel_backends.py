@@ -3,7 +3,8 @@ and GB/s of paged decode against the device's copy bandwidth.
 
     python benchmarks/kernel_backends.py                       # CPU: fp32, S in {1024, 4096}
     python benchmarks/kernel_backends.py --quick --json out.json
-    python benchmarks/kernel_backends.py --device cuda         # bf16, D in {64, 128}, S in {4096, 16384}
+    # bf16, D in {64, 128}, S in {4096, 16384}
+    python benchmarks/kernel_backends.py --device cuda
 
 Backends come from the registry (``ringkv.kernels.BACKENDS``: every one whose ``supports()``
 accepts the inputs) and run through ``block_forward``/``block_backward`` with a ``make_mask``

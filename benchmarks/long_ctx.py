@@ -2,9 +2,11 @@
 
     torchrun --nproc-per-node 2 benchmarks/long_ctx.py --seq 131072          # CPU (gloo)
     torchrun --nproc-per-node 8 benchmarks/long_ctx.py --seq 1048576         # GPUs (NCCL)
-    python benchmarks/long_ctx.py --virtual 8 --seq 65536                    # one device, 8 virtual ranks
-    torchrun --nproc-per-node 4 benchmarks/long_ctx.py --method ring,ulysses,usp,allgather \
-        --seq 16384 --heads 8 --kv-heads 8,2,1                              # the methods side by side
+    # one device, 8 virtual ranks
+    python benchmarks/long_ctx.py --virtual 8 --seq 65536
+    # the methods side by side
+    torchrun --nproc-per-node 4 benchmarks/long_ctx.py --method ring,ulysses,usp,allgather \\
+        --seq 16384 --heads 8 --kv-heads 8,2,1
 
 For each layout x causal configuration it reports the median time per iteration, achieved
 TFLOP/s per rank (unmasked work only), parallel efficiency against a single worker running
@@ -92,7 +94,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--layout",
         default=None,
-        help="contiguous, zigzag, striped, a comma list or all (default: zigzag on CPU, all on GPU)",
+        help="contiguous, zigzag, striped, a comma list or all "
+        "(default: zigzag on CPU, all on GPU)",
     )
     p.add_argument("--backward", action="store_true", help="time forward+backward")
     p.add_argument(
@@ -536,14 +539,17 @@ def main(argv=None) -> int:
     )
     env.log(
         f"ringkv long-context benchmark: {env.world} {'virtual ' if args.virtual else ''}rank(s) "
-        "on "
-        f"{env.device.type} "
+        f"on {env.device.type} "
         f"({'NCCL' if gpu and env.distributed else 'gloo' if env.distributed else 'no comm'}), "
         f"{env.threads} thread(s)/rank; seq={args.seq} batch={args.batch} heads={args.heads} "
         f"kv_heads={','.join(map(str, kv_list))} head_dim={args.head_dim} {args.dtype}"
         f"{' fwd+bwd' if args.backward else ' fwd'} backend={args.backend} "
         f"methods={','.join(methods)}"
-        f"{f' (usp: ulysses {args.ulysses} x ring {env.world // args.ulysses})' if 'usp' in methods else ''}"
+        + (
+            f" (usp: ulysses {args.ulysses} x ring {env.world // args.ulysses})"
+            if "usp" in methods
+            else ""
+        )
     )
     if not gpu:
         env.log(

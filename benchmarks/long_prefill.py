@@ -1,8 +1,11 @@
 """Time to first token of one long prompt on the engine with sequence parallelism.
 
-    python benchmarks/long_prefill.py --model tiny-long --seq 32768 --sp 1 2 --json results/prefill_32k.json
-    python benchmarks/long_prefill.py --model smollm2 --seq 8192 --sp 1 2 --json results/prefill_8k.json
-    python benchmarks/long_prefill.py --model smollm2 --sweep 64 256 1024 4096 --json results/threshold.json
+    python benchmarks/long_prefill.py --model tiny-long --seq 32768 --sp 1 2 \\
+        --json results/prefill_32k.json
+    python benchmarks/long_prefill.py --model smollm2 --seq 8192 --sp 1 2 \\
+        --json results/prefill_8k.json
+    python benchmarks/long_prefill.py --model smollm2 --sweep 64 256 1024 4096 \\
+        --json results/threshold.json
 
 Each configuration runs in a fresh process (peak memory per rank is that process's own):
 ``LLM(model, sp=N)`` prefills a warm-up prompt, then the timed prompt with ``max_tokens=1``

@@ -1,7 +1,8 @@
 """KV migration: bytes moved and the time a request is stopped, full vs incremental, between
 engines of any two meshes.
 
-    python benchmarks/migration.py --pairs 1:1 tp2:pp2 sp2:1 --contexts 1024 8192 32768 --json results/migration.json
+    python benchmarks/migration.py --pairs 1:1 tp2:pp2 sp2:1 --contexts 1024 8192 32768 \\
+        --json results/migration.json
 
 For each mesh pair ``SRC:DST`` (``1``, ``tp2``, ``pp2``, ``sp2``, ``tp2pp2``, ... : the product of
 ``tpN``/``ppN``/``spN``) and each context length, a request with that many prompt tokens runs

@@ -1,6 +1,7 @@
 """Request-rate sweep against a running ``ringkv serve`` (started here unless ``--url``).
 
-    python benchmarks/serve.py --model smollm2 --rates 0.5 1 2 4 --requests 32 --json results/serve.json \\
+    python benchmarks/serve.py --model smollm2 --rates 0.5 1 2 4 --requests 32 \\
+        --json results/serve.json \\
         --plot results/serve.png
 
 For each rate: ``--requests`` streamed completions arrive as a Poisson process (exponential

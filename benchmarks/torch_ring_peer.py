@@ -26,13 +26,13 @@ import os
 import sys
 from typing import Callable, Optional
 
+import torch
+import torch.distributed as dist
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
 # `kernels`)
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-
-import torch
-import torch.distributed as dist
 
 _MODULES = (
     "torch.distributed.tensor.experimental._context_parallel._attention",  # torch >= 2.9

@@ -1,7 +1,8 @@
 """Peak memory per rank, and time, of one training step (forward + backward) of a causal LM patched
 by ``ringkv.patch_model``, per configuration, against the tokens per rank (S/N).
 
-    # memory: every configuration at S/N = 2K..32K (points that would not fit are skipped and said so)
+    # memory: every configuration at S/N = 2K..32K (points that would not fit are skipped and said
+    # so)
     torchrun --standalone --nproc-per-node 2 benchmarks/train_memory.py --model smollm2-shape-2l \\
         --per-rank 2048 4096 8192 16384 32768 --json results/train_memory_2l.json
     # throughput: patched at sp=N (N ranks x 1 thread) against the unpatched model in one process
@@ -9,7 +10,8 @@ by ``ringkv.patch_model``, per configuration, against the tokens per rank (S/N).
     torchrun --standalone --nproc-per-node 2 benchmarks/train_memory.py --model smollm2-shape-2l \\
         --throughput --seq 8192 16384 --json results/train_tput_2l.json
     # the goals, across runs (vocabulary, depth, 8 GiB, speed): no torchrun
-    python benchmarks/train_memory.py --summarize results/train_memory_*.json results/train_tput_*.json
+    python benchmarks/train_memory.py \\
+        --summarize results/train_memory_*.json results/train_tput_*.json
 
 Configurations (``--configs``; each builds a fresh model, the same random weights on every rank):
 
@@ -282,11 +284,8 @@ def main(argv=None) -> int:
         type=int,
         nargs="+",
         default=[2048, 4096, 8192, 16384, 32768],
-        help="memory: the tokens per rank (S/N) of the points; patched runs get S = N x S/N tokens, "
-        ""
-        ""
-        ""
-        "unpatched ones S/N tokens in one process",
+        help="memory: the tokens per rank (S/N) of the points; patched runs get S = N x S/N "
+        "tokens, unpatched ones S/N tokens in one process",
     )
     ap.add_argument(
         "--seq",

@@ -1,6 +1,7 @@
 """Disaggregated prefill: one engine prefills, another decodes, the KV moves between them.
 
-    torchrun --standalone --nproc-per-node 2 examples/disaggregated.py [--model PATH] [--requests 16]
+    torchrun --standalone --nproc-per-node 2 examples/disaggregated.py \\
+        [--model PATH] [--requests 16]
 
 Rank 0 (prefill) admits every prompt and, as soon as a request has its first token, exports
 it (``LLM.export_request``: tokens, sampler state, the prompt's K/V) and sends the snapshot

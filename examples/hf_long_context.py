@@ -1,8 +1,10 @@
 """A long prompt through a HuggingFace model patched with ringkv, against the unpatched model.
 
-    torchrun --nproc-per-node 2 examples/hf_long_context.py                       # tiny random Llama
+    # tiny random Llama
+    torchrun --nproc-per-node 2 examples/hf_long_context.py
     torchrun --nproc-per-node 4 examples/hf_long_context.py --model DIR --seq 16384
-    (DIR: an HF-format directory, e.g. SmolLM2: python -c "from tests.models import smollm2_path; print(smollm2_path())")
+    (DIR: an HF-format directory, e.g. SmolLM2:
+     python -c "from tests.models import smollm2_path; print(smollm2_path())")
 
 Every rank loads the model and passes the whole prompt; ringkv shards it (zigzag), runs ring
 attention for the prefill and keeps the KV cache sharded for the generated tokens. Each rank

@@ -1,10 +1,12 @@
 """Fine-tune a HuggingFace causal LM on packed documents with transformers' Trainer, data x sequence
 parallel (ringkv.patch_model + ringkv.trainer.sp_trainer).
 
-    torchrun --standalone --nproc-per-node 4 examples/train_long_context.py --dp 2 --sp 2 --seq 512 --steps 5 \
-        --reference
-    python examples/train_long_context.py --single --dp 2 --seq 512 --steps 5   # the reference alone, one process
-    (default model: SmolLM2-135M-Instruct from ringkv.model.smollm2.smollm2_path(); --model DIR for another)
+    torchrun --standalone --nproc-per-node 4 examples/train_long_context.py --dp 2 --sp 2 \\
+        --seq 512 --steps 5 --reference
+    # the reference alone, one process
+    python examples/train_long_context.py --single --dp 2 --seq 512 --steps 5
+    (default model: SmolLM2-135M-Instruct from ringkv.model.smollm2.smollm2_path(); --model DIR
+    for another)
 
 Data. The text (default examples/data/coriolanus.txt, public domain; lines starting with '#'
 at its top are a header) is cut at blank lines into documents (one speech each), each tokenized
@@ -39,7 +41,8 @@ in one process on the same rows with dp * batch rows per micro-batch (the union 
 micro-batches) and the same --ga: the same optimizer steps. transformers' own attention keeps packed
 documents apart from the position_ids. Both runs' logged per-step losses and gradient norms (before
 clipping: Adam's update hides a wrong gradient scale, the norm does not) are printed side by side
-with the largest differences; the exit code is 1 when a step differs by more than --tol (relative). fp32.
+with the largest differences; the exit code is 1 when a step differs by more than --tol (relative).
+fp32.
 Gloo on CPU, NCCL on GPU.
 """
 
@@ -251,8 +254,8 @@ def reference_run(args, rows, device, out_dir):
 
 
 def reference_subprocess(args):
-    """Run this script with --single in a fresh process (accelerate's state of the distributed run is
-    per process): its steps, read back from a JSON file."""
+    """Run this script with --single in a fresh process (accelerate's state of the distributed run
+    is per process): its steps, read back from a JSON file."""
     out = os.path.join(args.output_dir, "reference.json")
     argv = [sys.executable, os.path.abspath(__file__), "--single", "--json", out]
     for name in (

@@ -1,11 +1,13 @@
 """Sequence-parallel (ring) attention for HuggingFace causal LMs in one call.
 
     model = ringkv.patch_model(model, group=sp_group, layout="zigzag")   # every rank of the group
-    out = model(input_ids=ids)                  # ids: the FULL sequence on every rank (inputs="full")
+    # ids: the FULL sequence on every rank (inputs="full")
+    out = model(input_ids=ids)
     logits = out.logits                         # (B, S_pad / N, V): this rank's shard, in `layout`
     full = ringkv.gather_logits(logits, "zigzag", sp_group, seq_len=ids.shape[1])  # (B, S, V)
     loss = ringkv.causal_lm_loss(logits, labels, layout="zigzag", group=sp_group)  # global mean
-    loss = model.train()(input_ids=ids, labels=ids, use_cache=False).loss   # no logits built (keep_logits)
+    # no logits built (keep_logits)
+    loss = model.train()(input_ids=ids, labels=ids, use_cache=False).loss
     tokens = model.generate(ids, max_new_tokens=32, do_sample=False)   # sharded KV cache
 
 How it works: ``patch_model`` registers the attention function ``"ringkv"`` with transformers'
@@ -1376,7 +1378,7 @@ def _pre_hook(state: _State, model, args, kwargs):
     state.step = None
     try:
         p = _prepare(state, model, kw)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError):
         if (
             state.inputs == "shard" and state.world > 1
         ):  # per-rank inputs: the peers must raise too, not wait

@@ -4,7 +4,8 @@ model.
     from ringkv.hf import patch_model
     from ringkv.trainer import sp_trainer
 
-    model = patch_model(model, group=mesh, mesh_dim="sp")        # every rank: the SP group of its replica
+    # every rank: the SP group of its replica
+    model = patch_model(model, group=mesh, mesh_dim="sp")
     trainer = sp_trainer(Trainer)(model=model, args=args, train_dataset=ds, data_collator=collate)
     trainer.train()                                              # under torchrun, dp * sp processes
 
@@ -43,9 +44,7 @@ refused with a ``ValueError``.
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["SPTrainerMixin", "sp_trainer", "sp_layout"]

@@ -19,6 +19,7 @@ HERE = Path(__file__).resolve().parents[1] / "benchmarks"
 
 CHECK = r"""
 import importlib.util, os, runpy, sys
+
 here = sys.argv[1]
 scripts = sorted(f for f in os.listdir(here) if f.endswith(".py") and f != "__init__.py")
 names = [f[:-3] for f in scripts]
@@ -26,10 +27,16 @@ clean = list(sys.path)
 bad = []
 for f in scripts:
     sys.path[:] = [here] + clean  # what `python benchmarks/<f>` starts with
-    runpy.run_path(os.path.join(here, f), run_name="bench_import_context")  # module level only: no main()
+    runpy.run_path(
+        os.path.join(here, f), run_name="bench_import_context"
+    )  # module level only: no main()
     for n in names:
         spec = importlib.util.find_spec(n) if n not in sys.modules else sys.modules[n].__spec__
-        if spec is not None and spec.origin and os.path.dirname(os.path.abspath(spec.origin)) == here:
+        if (
+            spec is not None
+            and spec.origin
+            and os.path.dirname(os.path.abspath(spec.origin)) == here
+        ):
             bad.append(f"{f}: `import {n}` finds benchmarks/{n}.py")
     if f == "engine.py":
         kept = list(sys.path)  # a context that loads models: transformers is imported in it below
@@ -37,8 +44,17 @@ assert not bad, "\n".join(bad)
 sys.path[:] = kept
 import kernels  # HF's kernel hub, a dependency of transformers >= 5.25
 from transformers import LlamaConfig, LlamaForCausalLM
-model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=1))
+
+model = LlamaForCausalLM(
+    LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+)
 print("OK", os.path.dirname(kernels.__file__), sum(p.numel() for p in model.parameters()))
 """
 

@@ -15,8 +15,8 @@ from ringkv.model import LlamaForCausalLM, ModelConfig
 V = 61
 
 
-@pytest.fixture(scope="module")
-def model():
+def tiny_engine_model():
+    """A 2-layer Llama of vocabulary ``V`` with random weights (seed 0) and sharpened logits."""
     torch.manual_seed(0)
     cfg = ModelConfig(
         vocab_size=V,
@@ -33,6 +33,11 @@ def model():
     with torch.no_grad():  # sharper logits: fewer near-ties, so greedy is a strong check
         m.lm_head.weight.mul_(8)
     return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_engine_model()
 
 
 _ref_cache = {}

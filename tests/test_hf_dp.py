@@ -30,9 +30,9 @@ def _union_reference(arch, seed, batches):
     out = model(ids, labels=labels, use_cache=False)
     out.loss.backward()
     losses = []
-    for i, l in pairs:  # each replica's own loss (unpatched, alone)
+    for i, lab in pairs:  # each replica's own loss (unpatched, alone)
         with torch.no_grad():
-            losses.append(build(arch, seed)(i, labels=l, use_cache=False).loss.item())
+            losses.append(build(arch, seed)(i, labels=lab, use_cache=False).loss.item())
     return out.loss.item(), losses, {n: p.grad for n, p in model.named_parameters()}
 
 

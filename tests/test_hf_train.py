@@ -17,7 +17,7 @@ from ringkv import hf
 from ringkv.kernels.linear_ce import default_chunk, linear_cross_entropy
 from ringkv.memory import FileStore
 from tests.hf_cases import build
-from tests.train_cases import step_kwargs, targets, unpatched_step
+from tests.train_cases import targets, unpatched_step
 
 _SETTINGS = dict(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow], deadline=None

@@ -106,7 +106,8 @@ for m in sys.argv[2:]:
         importlib.import_module("ringkv.kernels" + ("" if m == "__init__" else "." + m))
         result[m] = "ok"
     except ImportError as e:
-        result[m] = "ok" if m.startswith("triton") and importlib.util.find_spec("triton") is None else repr(e)
+        no_triton = m.startswith("triton") and importlib.util.find_spec("triton") is None
+        result[m] = "ok" if no_triton else repr(e)
     except Exception as e:
         result[m] = repr(e)
 print(json.dumps(result))

@@ -119,7 +119,7 @@ def test_program_exit_stops_its_workers(tmp_path):
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert res.returncode == 0, res.stderr
-    line = next(l for l in res.stdout.splitlines() if l.startswith("PIDS"))
+    line = next(out_line for out_line in res.stdout.splitlines() if out_line.startswith("PIDS"))
     pids = [int(x) for x in line.split()[1 : line.split().index("TOKENS")]]
     assert len(pids) == 2  # both model ranks are workers; the script drives
     deadline = time.time() + 10

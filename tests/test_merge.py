@@ -78,10 +78,10 @@ def test_merged_pieces_equal_attention_over_all_keys(p):
     acc, lse = start(p["b"], p["sq"], p["h"], p["d"])
     outs, lses = [], []
     for lo, hi in p["pieces"]:  # in a random order: merging is order-independent
-        o, l = attention(q, k[:, lo:hi], v[:, lo:hi], k_positions=p["k_pos"][lo:hi], **kw)
-        merge_(acc, lse, o, l)
+        o, ls = attention(q, k[:, lo:hi], v[:, lo:hi], k_positions=p["k_pos"][lo:hi], **kw)
+        merge_(acc, lse, o, ls)
         outs.append(o)
-        lses.append(l)
+        lses.append(ls)
     assert_same(acc, lse, want_out, want_lse)
     assert_same(*merge(outs, lses), want_out, want_lse)
 
@@ -110,8 +110,8 @@ def test_rows_without_keys_stay_zero_and_minus_inf():
     half = blind.clone()
     half[..., :2] = torch.randn(1, 2, 2, generator=g)  # rows 0, 1 see keys, rows 2, 3 do not
     acc, lse = start(1, 4, 2, 8)
-    for o, l in [(junk, blind), (junk, half), (junk * 3, blind)]:
-        merge_(acc, lse, o, l)
+    for o, ls in [(junk, blind), (junk, half), (junk * 3, blind)]:
+        merge_(acc, lse, o, ls)
     want_out = torch.cat([junk[:, :2], torch.zeros(1, 2, 2, 8)], dim=1)
     assert_same(acc, lse, want_out, half)
     assert torch.equal(acc[:, 2:], torch.zeros(1, 2, 2, 8))
@@ -133,12 +133,12 @@ def test_bf16_block_outs_merge_in_fp32(n, seed):
     # float64 formula on the same (bf16-rounded) values
     lse64 = torch.logsumexp(torch.stack(lses).double(), 0)  # (B, H, S)
     out64 = sum(
-        o.double() * torch.exp(l.double() - lse64).transpose(1, 2)[..., None]
-        for o, l in zip(outs, lses)
+        o.double() * torch.exp(ls.double() - lse64).transpose(1, 2)[..., None]
+        for o, ls in zip(outs, lses)
     )
     acc, lse = start(2, 5, 3, 16)
-    for o, l in zip(outs, lses):
-        merge_(acc, lse, o, l)
+    for o, ls in zip(outs, lses):
+        merge_(acc, lse, o, ls)
     assert_same(acc, lse, out64, lse64, atol=1e-5)
     assert_same(*merge(outs, lses), out64, lse64, atol=1e-5)
 
@@ -157,7 +157,7 @@ def test_merge_into_strided_views():
     for rows in (slice(0, 8, 2), slice(1, 8, 2)):  # even rows, odd rows
         qpos = torch.arange(1, 9)[rows]
         for lo, hi in ((0, 4), (4, 10)):
-            o, l = attention(
+            o, ls = attention(
                 q[:, rows],
                 k[:, lo:hi],
                 v[:, lo:hi],
@@ -166,5 +166,5 @@ def test_merge_into_strided_views():
                 k_positions=range(lo, hi),
                 backend="reference",
             )
-            merge_(acc[:, rows], lse[:, :, rows], o, l)
+            merge_(acc[:, rows], lse[:, :, rows], o, ls)
     assert_same(acc, lse, want_out, want_lse)

@@ -101,9 +101,9 @@ def test_reference_matches_direct_attention(p):
         k = torch.stack([kc[b, s] for b, s in slots])[None] if slots else kc[:0, 0][None]
         v = torch.stack([vc[b, s] for b, s in slots])[None] if slots else vc[:0, 0][None]
         # default positions: keys 0..L-1, the Q queries aligned to the end (L - Q + i)
-        o, l = attention(q[i : i + 1], k, v, causal=p["causal"])  # "auto": sdpa on CPU
+        o, ls = attention(q[i : i + 1], k, v, causal=p["causal"])  # "auto": sdpa on CPU
         assert_close(f"out of sequence {i}", out[i], o[0], TOL[p["dtype"]][0])
-        assert_close(f"lse of sequence {i}", lse[i], l[0], TOL[p["dtype"]][1])
+        assert_close(f"lse of sequence {i}", lse[i], ls[0], TOL[p["dtype"]][1])
 
 
 @HYP
@@ -255,10 +255,10 @@ def direct_prefill(q, keys, p):
         kk, vv = (t.double().repeat_interleave(g, dim=1) for t in (k, v))  # (L, H, D)
         s = torch.einsum("thd,lhd->htl", q[a : a + new].double(), kk) * p["d"] ** -0.5
         s = s.masked_fill(~visible, float("-inf"))
-        l = torch.logsumexp(s, -1)  # (H, T)
-        w = torch.exp(s - torch.where(torch.isinf(l), 0, l)[..., None]).nan_to_num()
+        ls = torch.logsumexp(s, -1)  # (H, T)
+        w = torch.exp(s - torch.where(torch.isinf(ls), 0, ls)[..., None]).nan_to_num()
         out[a : a + new] = torch.einsum("htl,lhd->thd", w, vv)
-        lse[:, a : a + new] = l
+        lse[:, a : a + new] = ls
         a += new
     return out, lse
 

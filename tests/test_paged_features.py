@@ -508,28 +508,70 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ringkv.kernels import triton_attn as tk, triton_paged as tp
+
 tk._build()
+
 
 def build(name, dt, consts, types=None):
     fn = getattr(tp, name)
     sig = {}
     for a in fn.arg_names:
-        if a in consts: sig[a] = "constexpr"
-        elif a in (types or {}): sig[a] = types[a]
-        elif a in ("KScale", "VScale"): sig[a] = "*fp16"
-        elif a in ("Q", "K", "V", "Out"): sig[a] = "*" + dt
-        elif a in ("OutP", "LseP", "Lse"): sig[a] = "*fp32"
-        elif a in ("BlockTable", "SeqLens", "CuSeqlensQ", "QStart"): sig[a] = "*i32"
-        elif a in ("qk_scale", "cap2"): sig[a] = "fp32"
-        else: sig[a] = "i32"
-    triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a in (types or {}):
+            sig[a] = types[a]
+        elif a in ("KScale", "VScale"):
+            sig[a] = "*fp16"
+        elif a in ("Q", "K", "V", "Out"):
+            sig[a] = "*" + dt
+        elif a in ("OutP", "LseP", "Lse"):
+            sig[a] = "*fp32"
+        elif a in ("BlockTable", "SeqLens", "CuSeqlensQ", "QStart"):
+            sig[a] = "*i32"
+        elif a in ("qk_scale", "cap2"):
+            sig[a] = "fp32"
+        else:
+            sig[a] = "i32"
+    triton.compile(
+        ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)
+    )
     print("compiled", name, dt, consts, flush=True)
 
+
 for cap, win, start in ((True, True, True), (False, True, False), (True, False, False)):
-    build("_paged_split_kernel", "bf16", dict(CAUSAL=False, QUANT=True, SOFTCAP=cap, HAS_WINDOW=win, HAS_START=start,
-          PREC="tf32", BLOCK_R=16, BLOCK_N=32, BLOCK_D=128, BLOCK_DV=64), types={"K": "*i8", "V": "*i8"})
-    build("_paged_prefill_kernel", "fp16", dict(CAUSAL=True, QUANT=False, HAS_START=start, SOFTCAP=cap,
-          HAS_WINDOW=win, PREC="tf32", BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=128))
+    build(
+        "_paged_split_kernel",
+        "bf16",
+        dict(
+            CAUSAL=False,
+            QUANT=True,
+            SOFTCAP=cap,
+            HAS_WINDOW=win,
+            HAS_START=start,
+            PREC="tf32",
+            BLOCK_R=16,
+            BLOCK_N=32,
+            BLOCK_D=128,
+            BLOCK_DV=64,
+        ),
+        types={"K": "*i8", "V": "*i8"},
+    )
+    build(
+        "_paged_prefill_kernel",
+        "fp16",
+        dict(
+            CAUSAL=True,
+            QUANT=False,
+            HAS_START=start,
+            SOFTCAP=cap,
+            HAS_WINDOW=win,
+            PREC="tf32",
+            BLOCK_M=64,
+            BLOCK_N=32,
+            BLOCK_D=64,
+            BLOCK_DV=128,
+        ),
+    )
 """
 
 

@@ -206,7 +206,7 @@ def test_a_target_killed_mid_import_leaves_the_request_running_on_the_source(mod
     assert finish(src)[rid] == unmoved_tokens(model_dir, [SEEDED] * 4)[2] and all_free(src)
 
 
-def test_a_damaged_transfer_is_refused_and_a_source_killed_after_the_final_ack_leaves_it_to_the_target(
+def test_a_damaged_transfer_is_refused_and_a_source_killed_after_the_final_ack_leaves_it_to_target(
     model_dir,
 ):
     link = Link.listen(timeout=TIMEOUT)

@@ -221,7 +221,12 @@ def test_bounds_are_inclusive():
 
 # ---- on the engine ----
 
-from tests.test_engine import model  # noqa: E402,F401  the tiny ringkv model (a module-scoped fixture)
+from tests.test_engine import tiny_engine_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_engine_model()
 
 
 def test_engine_logprobs_match_the_models_log_softmax(model):
@@ -264,7 +269,8 @@ def test_step_api_and_abort_free_blocks(model):
     params = SamplingParams(temperature=0, max_tokens=6)
     prompts = [[5, 6, 7], list(range(10, 40)), [1] * 9]
     want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    ids = [llm.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        llm.add_request(p, params, request_id=f"r{i}")
     with pytest.raises(ValueError, match="already in use"):
         llm.add_request([1, 2], params, request_id="r0")
     with pytest.raises(ValueError, match="empty prompt"):

@@ -6,7 +6,6 @@ keeps serving."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +13,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -229,15 +227,17 @@ def test_disconnect_mid_stream_frees_the_request(server):
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, llm):
-    post = lambda body, **kw: httpx.post(
-        server.url + "/v1/completions",
-        **kw,
-        **(  # noqa: E731
-            {"content": body, "headers": {"content-type": "application/json"}}
-            if isinstance(body, bytes)
-            else {"json": body}
-        ),
-    )
+    def post(body, **kw):
+        return httpx.post(
+            server.url + "/v1/completions",
+            **kw,
+            **(
+                {"content": body, "headers": {"content-type": "application/json"}}
+                if isinstance(body, bytes)
+                else {"json": body}
+            ),
+        )
+
     r = post(b'{"model": "smol", "prompt": ')
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(NotFoundError):

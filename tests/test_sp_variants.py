@@ -100,7 +100,7 @@ def _run_case(world, method, c):
         f"window={c['window'] != (-1, -1)}"
     )
     q, k, v, dout, dlse = _inputs(c)
-    b, s, h, dt = c["b"], c["s"], c["h"], c["dtype"]
+    s, dt = c["s"], c["dtype"]
     want = _reference(q, k, v, dout, dlse, c["causal"], c["scale"], window=c["window"])
     kw = dict(window=c["window"], **(dict(chunks=c["chunks"]) if method == "allgather" else {}))
     results = world.check(

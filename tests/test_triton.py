@@ -274,48 +274,141 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ringkv.kernels import triton_attn as tk, triton_merge as tm, triton_paged as tp
+
 tk._build()
-PTRS = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ", "Lse", "DLse", "Delta", "Lse2", "OutP", "LseP"}
+PTRS = {
+    "Q",
+    "K",
+    "V",
+    "Out",
+    "DO",
+    "DK",
+    "DV",
+    "DQ",
+    "Lse",
+    "DLse",
+    "Delta",
+    "Lse2",
+    "OutP",
+    "LseP",
+}
 FP32 = {"Lse", "DLse", "Delta", "Lse2", "DK", "DV", "DQ", "OutP", "LseP"}
+
 
 def build(name, dt, consts, warps=4, stages=2, types=None):
     fn = getattr(tk, name, None) or getattr(tp, name, None) or getattr(tm, name)
     sig = {}
     for a in fn.arg_names:
-        if a in consts: sig[a] = "constexpr"
-        elif a in (types or {}): sig[a] = types[a]
-        elif a in ("KScale", "VScale"): sig[a] = "*fp16"
-        elif a in PTRS: sig[a] = "*fp32" if a in FP32 else "*" + dt
-        elif a in ("BlockTable", "SeqLens", "CuSeqlensQ", "QStart"): sig[a] = "*i32"
-        elif a in ("qk_scale", "scale", "cap2"): sig[a] = "fp32"
-        else: sig[a] = "i32"
-    triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=warps, num_stages=stages))
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a in (types or {}):
+            sig[a] = types[a]
+        elif a in ("KScale", "VScale"):
+            sig[a] = "*fp16"
+        elif a in PTRS:
+            sig[a] = "*fp32" if a in FP32 else "*" + dt
+        elif a in ("BlockTable", "SeqLens", "CuSeqlensQ", "QStart"):
+            sig[a] = "*i32"
+        elif a in ("qk_scale", "scale", "cap2"):
+            sig[a] = "fp32"
+        else:
+            sig[a] = "i32"
+    triton.compile(
+        ASTSource(fn, sig, consts),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=warps, num_stages=stages),
+    )
     print("compiled", name, dt, consts, flush=True)
 
-for dt, prec, bd, bm, bn, w, st in [("fp16", "tf32", 128, 128, 64, 8, 3), ("bf16", "tf32", 64, 64, 32, 4, 2),
-                                    ("fp32", "ieee", 32, 64, 32, 4, 2)]:
+
+for dt, prec, bd, bm, bn, w, st in [
+    ("fp16", "tf32", 128, 128, 64, 8, 3),
+    ("bf16", "tf32", 64, 64, 32, 4, 2),
+    ("fp32", "ieee", 32, 64, 32, 4, 2),
+]:
     for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
-        build(name, dt, dict(IS_OFFSET=dt != "bf16", IS_BAND=False, SOFTCAP=False, KV_SAME=True, PREC=prec,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bd), w, st)
+        build(
+            name,
+            dt,
+            dict(
+                IS_OFFSET=dt != "bf16",
+                IS_BAND=False,
+                SOFTCAP=False,
+                KV_SAME=True,
+                PREC=prec,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                BLOCK_D=bd,
+                BLOCK_DV=bd,
+            ),
+            w,
+            st,
+        )
 build("_bwd_preprocess", "bf16", dict(HAS_DLSE=True, BLOCK_M=32, BLOCK_D=128))
-PAGED = dict(CAUSAL=True, SOFTCAP=False, HAS_WINDOW=False, HAS_START=False, PREC="tf32", BLOCK_R=16, BLOCK_N=32,
-             BLOCK_D=128, BLOCK_DV=128)
+PAGED = dict(
+    CAUSAL=True,
+    SOFTCAP=False,
+    HAS_WINDOW=False,
+    HAS_START=False,
+    PREC="tf32",
+    BLOCK_R=16,
+    BLOCK_N=32,
+    BLOCK_D=128,
+    BLOCK_DV=128,
+)
 build("_paged_split_kernel", "fp16", dict(PAGED, QUANT=False))
-for kv in ("*i8", "*fp8e4nv"):  # a quantized cache: one-byte values and fp16 scales (and every feature, Dv < D)
-    build("_paged_split_kernel", "bf16", dict(PAGED, QUANT=True, SOFTCAP=True, HAS_WINDOW=True, HAS_START=True,
-                                              BLOCK_DV=64), types={"K": kv, "V": kv})
+for kv in (
+    "*i8",
+    "*fp8e4nv",
+):  # a quantized cache: one-byte values and fp16 scales (and every feature, Dv < D)
+    build(
+        "_paged_split_kernel",
+        "bf16",
+        dict(PAGED, QUANT=True, SOFTCAP=True, HAS_WINDOW=True, HAS_START=True, BLOCK_DV=64),
+        types={"K": kv, "V": kv},
+    )
 build("_paged_reduce_kernel", "fp16", dict(BLOCK_S=64, BLOCK_D=128))
 for dt in ("bf16", "fp32"):  # the fused LSE merge: fp32 accumulator, block out in the inputs' dtype
-    build("_merge_kernel", "fp32", dict(BLOCK_R=32, BLOCK_D=128), types={"BOut": "*" + dt, "BLse": "*fp32"})
-PREFILL = dict(CAUSAL=True, HAS_START=True, SOFTCAP=False, HAS_WINDOW=False, PREC="tf32", BLOCK_M=64, BLOCK_N=32,
-               BLOCK_D=128, BLOCK_DV=128)
+    build(
+        "_merge_kernel",
+        "fp32",
+        dict(BLOCK_R=32, BLOCK_D=128),
+        types={"BOut": "*" + dt, "BLse": "*fp32"},
+    )
+PREFILL = dict(
+    CAUSAL=True,
+    HAS_START=True,
+    SOFTCAP=False,
+    HAS_WINDOW=False,
+    PREC="tf32",
+    BLOCK_M=64,
+    BLOCK_N=32,
+    BLOCK_D=128,
+    BLOCK_DV=128,
+)
 build("_paged_prefill_kernel", "bf16", dict(PREFILL, QUANT=False))
 for kv in ("*i8", "*fp8e4nv"):
-    build("_paged_prefill_kernel", "bf16", dict(PREFILL, QUANT=True, SOFTCAP=True, HAS_WINDOW=True, BLOCK_DV=64),
-          types={"K": kv, "V": kv})
-build("_paged_prefill_kernel", "fp32", dict(PREFILL, QUANT=False, CAUSAL=False, HAS_START=False, PREC="ieee",
-                                            BLOCK_M=32, BLOCK_D=64, BLOCK_DV=32), stages=1)
+    build(
+        "_paged_prefill_kernel",
+        "bf16",
+        dict(PREFILL, QUANT=True, SOFTCAP=True, HAS_WINDOW=True, BLOCK_DV=64),
+        types={"K": kv, "V": kv},
+    )
+build(
+    "_paged_prefill_kernel",
+    "fp32",
+    dict(
+        PREFILL,
+        QUANT=False,
+        CAUSAL=False,
+        HAS_START=False,
+        PREC="ieee",
+        BLOCK_M=32,
+        BLOCK_D=64,
+        BLOCK_DV=32,
+    ),
+    stages=1,
+)
 """
 
 
@@ -373,8 +466,12 @@ S, H, HKV, D = 40, 2, 1, 16  # the interpreter's BLOCK_M = 32, BLOCK_N = 16: til
 mm = mmap.mmap(-1, S * R * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000)
 buf = torch.frombuffer(mm, dtype=torch.float32)
 views, col = {}, 0
-for name, heads in dict(q=H, k=HKV, v=HKV, out=H, dout=H, dq=H, dk=HKV, dv=HKV, kc=2 * HKV, vc=2 * HKV).items():
-    views[name] = buf.as_strided((1, S, heads, D), (S * R, R, D, 1), col)  # (B, S, heads, D), rows R apart
+for name, heads in dict(
+    q=H, k=HKV, v=HKV, out=H, dout=H, dq=H, dk=HKV, dv=HKV, kc=2 * HKV, vc=2 * HKV
+).items():
+    views[name] = buf.as_strided(
+        (1, S, heads, D), (S * R, R, D, 1), col
+    )  # (B, S, heads, D), rows R apart
     col += heads * D
 g = torch.Generator().manual_seed(0)
 small = {n: torch.randn(views[n].shape, generator=g) for n in ("q", "k", "v", "dout", "kc", "vc")}
@@ -382,9 +479,11 @@ for n, t in small.items():
     views[n].copy_(t)
 q, k, v, dout = (views[n] for n in ("q", "k", "v", "dout"))
 
+
 def close(a, b, what):
     err = (a - b).abs().max().item()
     assert err < 1e-4, (what, err)
+
 
 mask = Mask(OFFSET, offset=3)
 lse = torch.full((1, H, S), float("-inf"))
@@ -393,8 +492,12 @@ ref_out, ref_lse = reference.forward(small["q"], small["k"], small["v"], 0.25, m
 close(views["out"], ref_out, "out")
 close(lse, ref_lse, "lse")
 dlse = torch.randn(1, H, S, generator=g)
-tk._backward(dout, q, k, v, views["out"], lse, views["dq"], views["dk"], views["dv"], 0.25, mask, dlse)
-want = reference.backward(small["dout"], small["q"], small["k"], small["v"], ref_out, ref_lse, 0.25, mask, dlse)
+tk._backward(
+    dout, q, k, v, views["out"], lse, views["dq"], views["dk"], views["dv"], 0.25, mask, dlse
+)
+want = reference.backward(
+    small["dout"], small["q"], small["k"], small["v"], ref_out, ref_lse, 0.25, mask, dlse
+)
 for name, w in zip(("dq", "dk", "dv"), want):
     close(views[name], w, name)
 

@@ -303,19 +303,44 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ringkv.kernels import triton_attn as tk
+
 tk._build()
 PTRS = {"Q", "K", "V", "Out", "Lse", "DO", "DK", "DV", "DQ", "Delta", "Lse2"}
 FP32 = {"Lse", "Delta", "Lse2", "DK", "DV", "DQ"}
-for dt, prec, bd, bdv in [("bf16", "tf32", 256, 128), ("fp16", "tf32", 32, 64), ("fp32", "ieee", 32, 16),
-                          ("fp16", "tf32", 64, 64)]:
+for dt, prec, bd, bdv in [
+    ("bf16", "tf32", 256, 128),
+    ("fp16", "tf32", 32, 64),
+    ("fp32", "ieee", 32, 16),
+    ("fp16", "tf32", 64, 64),
+]:
     for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
         fn = getattr(tk, name)
-        consts = dict(IS_OFFSET=True, IS_BAND=dt != "fp16" or bd == bdv, SOFTCAP=dt != "fp32", KV_SAME=bd == bdv,
-                      PREC=prec, BLOCK_M=64, BLOCK_N=32, BLOCK_D=bd, BLOCK_DV=bdv)
-        sig = {a: "constexpr" if a in consts else ("*fp32" if a in FP32 else "*" + dt) if a in PTRS
-               else "fp32" if a in ("qk_scale", "cap2", "scale") else "i32" for a in fn.arg_names}
-        triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, num_stages=1 if bd > 128 else 2))
+        consts = dict(
+            IS_OFFSET=True,
+            IS_BAND=dt != "fp16" or bd == bdv,
+            SOFTCAP=dt != "fp32",
+            KV_SAME=bd == bdv,
+            PREC=prec,
+            BLOCK_M=64,
+            BLOCK_N=32,
+            BLOCK_D=bd,
+            BLOCK_DV=bdv,
+        )
+        sig = {
+            a: "constexpr"
+            if a in consts
+            else ("*fp32" if a in FP32 else "*" + dt)
+            if a in PTRS
+            else "fp32"
+            if a in ("qk_scale", "cap2", "scale")
+            else "i32"
+            for a in fn.arg_names
+        }
+        triton.compile(
+            ASTSource(fn, sig, consts),
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=4, num_stages=1 if bd > 128 else 2),
+        )
         print("compiled", name, dt, flush=True)
 """
 

@@ -1,7 +1,9 @@
 """Trainer / SFTTrainer runs for tests/test_trainer.py, one script for both sides of the comparison.
 
-    torchrun --nproc-per-node 4 tests/trainer_cases.py --dp 2 --sp 2 --out ring.json   # sp_trainer, patched model
-    python tests/trainer_cases.py --dp 2 --out ref.json                                # one unpatched process
+    # sp_trainer, patched model
+    torchrun --nproc-per-node 4 tests/trainer_cases.py --dp 2 --sp 2 --out ring.json
+    # one unpatched process
+    python tests/trainer_cases.py --dp 2 --out ref.json
 
 Both build the same tiny random model and the same data. The distributed run gives each replica
 ``--batch`` rows per micro-batch; the reference emulates the ``dp`` replicas with ``dp * batch``

@@ -1,11 +1,10 @@
 """Single-device attention kernels with LSE behind one signature (no communication here).
 
-    out, lse = attention(q, k, v, scale=None, causal=False, q_positions=None,
-                         k_positions=None, window=(-1, -1), backend="auto", softcap=None, sinks=None)
+    out, lse = attention(q, k, v, scale=None, causal=False, q_positions=None, k_positions=None,
+                         window=(-1, -1), backend="auto", softcap=None, sinks=None)
 
 - ``q`` ``(B, Sq, H, D)``, ``k`` ``(B, Sk, Hkv, D)``, ``v`` ``(B, Sk, Hkv, Dv)`` with
-  ``H % Hkv == 0``
-  (GQA/MQA); ``Dv`` may differ from ``D`` (MLA);
+  ``H % Hkv == 0`` (GQA/MQA); ``Dv`` may differ from ``D`` (MLA);
 - ``out`` ``(B, Sq, H, Dv)`` in ``q.dtype``; ``lse`` float32 natural-log ``(B, H, Sq)`` over the
   real keys;
 - ``softcap``: scores ``softcap * tanh(scale * q.k / softcap)`` (in the kernel, forward and
@@ -43,14 +42,12 @@ from .checks import (
 )
 from .dispatch import (
     BACKENDS,
-    MISSING,
-    NEEDS,
     PREFERENCE,
     describe,
     features,
     pick,
     register_backend,
-)  # noqa: F401
+)
 from .mask import EMPTY, NO_WINDOW, Mask, Positions, check_positions, check_window, make_mask
 from .merge import apply_sinks, merge_, sinks_dlse, sinks_grad
 

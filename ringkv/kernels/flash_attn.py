@@ -386,10 +386,10 @@ class FlashBackend:
         )
 
     def _fwd(self, q, k, v, scale: float, causal: bool, window, softcap=None):
-        o, l = self.adapter.fwd(
+        o, ls = self.adapter.fwd(
             self.module._flash_attn_forward, q, k, v, scale, causal, window, softcap or 0.0
         )
-        return o, l.float()
+        return o, ls.float()
 
     @torch.no_grad()
     def forward(self, q, k, v, scale: float, mask: Mask, softcap=None):

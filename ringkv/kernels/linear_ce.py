@@ -1,6 +1,7 @@
 """Cross-entropy of a linear head that never builds the whole logits tensor.
 
-    loss_sum = linear_cross_entropy(hidden, weight, targets)   # hidden (N, H), weight (V, H), targets (N,)
+    # hidden (N, H), weight (V, H), targets (N,)
+    loss_sum = linear_cross_entropy(hidden, weight, targets)
 
 The language-model loss at long context is dominated by its logits: ``(N, V)`` in float32 for
 ``N`` tokens and a vocabulary of ``V`` (49K-256K), kept alive several times over by autograd.

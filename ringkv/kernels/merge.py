@@ -94,11 +94,11 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]):
             f"merge needs the same, non-zero number of outs and lses, got {len(outs)} and "
             f"{len(lses)}"
         )
-    lse_all = torch.stack([l.float() for l in lses])  # (N, B, H, S)
+    lse_all = torch.stack([ls.float() for ls in lses])  # (N, B, H, S)
     total = torch.logsumexp(lse_all, dim=0)
     out = torch.zeros(outs[0].shape, dtype=torch.float32, device=outs[0].device)
-    for o, l in zip(outs, lse_all):
-        out.add_(o.float() * _weight(l, total))
+    for o, ls in zip(outs, lse_all):
+        out.add_(o.float() * _weight(ls, total))
     return out, total
 
 

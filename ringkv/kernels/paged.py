@@ -7,9 +7,11 @@ it builds), ``paged_torch.py`` (``"torch"``: gather + SDPA, the CPU fallback) an
 
     out, lse = paged_attention(q, k_cache, v_cache, block_table, seq_lens, backend="auto",
                                softcap=None, window=-1, sinks=None)
-    out, lse = paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=...)
+    out, lse = paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
+                             max_seqlen_q=...)
     attn = plan_step(seqs, block_size=..., sp=1, sp_rank=0, device=None, backend="auto")
-    parts = attn.attend(q, cache, lse=True, scale=None, softcap=None, window=-1)    # every layer of the step
+    # every layer of the step
+    parts = attn.attend(q, cache, lse=True, scale=None, softcap=None, window=-1)
 
 ``plan_step`` is how the engine reads its cache: each backend builds its own per-step metadata
 once (``"cpu"``: block tables and visible-key counts per group; ``"torch"``: gather indices and
@@ -238,7 +240,7 @@ class ReferenceStep:
         # q (T, H, D) -> rows (R,), out (R, H, Dv), lse (H, R) or None
         if not self.any:
             return []
-        o, l = paged_prefill_reference(
+        o, ls = paged_prefill_reference(
             q.index_select(0, self.rows),
             cache.k,
             cache.v,
@@ -255,7 +257,7 @@ class ReferenceStep:
             softcap=softcap,
             window=window,
         )
-        return [RowsOut(self.rows, o, l if lse else None)]
+        return [RowsOut(self.rows, o, ls if lse else None)]
 
 
 class _GuardedStep:

@@ -32,7 +32,8 @@ the prefill kernel for several.
 
 Varlen (prefill chunks, prefix-continued prompts; the engine's call on CUDA)::
 
-    out, lse = paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, max_seqlen_q=...)
+    out, lse = paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens,
+                             max_seqlen_q=...)
 
 - ``q`` ``(T, H, D)``: the new tokens of ``N`` sequences packed, sequence ``n``'s ``T_n`` tokens
   at rows ``cu_seqlens_q[n]:cu_seqlens_q[n + 1]`` (``cu_seqlens_q`` ``(N + 1,)`` int, from 0);
@@ -516,8 +517,8 @@ def paged_attention_reference(
             causal,
             window,
         )
-        o, l = attend_dense(q[i], k, v, scale, visible, softcap)
-        out[i], lse[i] = o, l
+        o, ls = attend_dense(q[i], k, v, scale, visible, softcap)
+        out[i], lse[i] = o, ls
     return out, lse
 
 

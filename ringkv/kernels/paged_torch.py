@@ -347,10 +347,10 @@ class TorchStep:
             if (
                 lse or softcap is not None or not plan.all_see_a_key
             ):  # SDPA: no cap, NaN for a row with no key
-                o, l = paged_attention_lse(
+                o, ls = paged_attention_lse(
                     p.group.queries(q), cache, plan, scale=scale, softcap=softcap
                 )
-                parts.append(p.group.result(o, l if lse else None))
+                parts.append(p.group.result(o, ls if lse else None))
             else:
                 parts.append(
                     p.group.result(

@@ -166,8 +166,8 @@ def tiled_forward(q, k, v, scale: float, mask: Mask, fused):
 def tiled_forward_into(q, k, v, scale: float, mask: Mask, out, lse, fused) -> None:
     """The ``OFFSET`` tiles' partials merged one by one into ``out``/``lse`` (float32)."""
     for t in offset_tiles(mask.offset, q.shape[1], k.shape[1]):
-        o, l = fused(q[:, t.q0 : t.q1], k[:, t.k0 : t.k1], v[:, t.k0 : t.k1], scale, t.causal)
-        merge_(out[:, t.q0 : t.q1], lse[:, :, t.q0 : t.q1], o, l)
+        o, ls = fused(q[:, t.q0 : t.q1], k[:, t.k0 : t.k1], v[:, t.k0 : t.k1], scale, t.causal)
+        merge_(out[:, t.q0 : t.q1], lse[:, :, t.q0 : t.q1], o, ls)
 
 
 def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None):

@@ -50,6 +50,7 @@ from .triton_attn import (
     _build,
     _finish,
     _interpret,
+    _dot,
     _jit,
     _online_step,  # ImportError
     _prec,
@@ -820,7 +821,7 @@ class TritonStep:
         if (
             self.decode is not None
         ):  # one token at the end sees every key stored here (its window's)
-            o, l = paged_decode_triton(
+            o, ls = paged_decode_triton(
                 self.decode.queries(q),
                 cache.k,
                 cache.v,
@@ -836,10 +837,10 @@ class TritonStep:
                 sp=self.sp,
                 sp_rank=self.sp_rank,
             )
-            parts.append(self.decode.result(o, l if lse else None))
+            parts.append(self.decode.result(o, ls if lse else None))
         if self.varlen is not None:
             b = self.varlen
-            o, l = paged_prefill_triton(
+            o, ls = paged_prefill_triton(
                 q.index_select(0, b.rows),
                 cache.k,
                 cache.v,
@@ -856,7 +857,7 @@ class TritonStep:
                 softcap=softcap,
                 window=window,
             )
-            parts.append(RowsOut(b.rows, o, l if lse else None))
+            parts.append(RowsOut(b.rows, o, ls if lse else None))
         return parts
 
 

@@ -147,7 +147,7 @@ def _layers(model):
     return (
         layers.items()
         if isinstance(layers, nn.ModuleDict)
-        else ((str(i), l) for i, l in enumerate(layers))
+        else ((str(i), layer) for i, layer in enumerate(layers))
     )
 
 

@@ -81,7 +81,7 @@ def peak_rss() -> int:
     carry the parent's peak into a spawned child)."""
     try:
         with open("/proc/self/status") as f:
-            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+            return next(int(text.split()[1]) * 1024 for text in f if text.startswith("VmHWM:"))
     except (OSError, StopIteration):
         import resource
 

@@ -69,19 +69,13 @@ from ringkv.serve.router import free_port  # noqa: E402
 NAME = "bench"  # --served-model-name
 WORDS = (
     "river valley farming village trader coast salt cloth writing number town wall border kingdom "
-    "scholar "
-    "record clay market harbour ship merchant festival season harvest bridge road temple garden "
-    "library "
-    "school teacher student lesson question answer reason history science music painting poem "
-    "story "
-    "mountain forest desert island weather winter summer autumn spring morning evening night light "
-    "shadow "
-    "stone iron copper silver gold bread cheese apple orange water fire earth wind cloud rain snow "
-    "storm "
-    "careful polite helpful precise friendly brief detailed formal honest patient curious calm "
-    "clear simple "
-    "always never often explain describe compare summarise translate check answer list count "
-    "measure"
+    "scholar record clay market harbour ship merchant festival season harvest bridge road temple "
+    "garden library school teacher student lesson question answer reason history science music "
+    "painting poem story mountain forest desert island weather winter summer autumn spring morning "
+    "evening night light shadow stone iron copper silver gold bread cheese apple orange water fire "
+    "earth wind cloud rain snow storm careful polite helpful precise friendly brief detailed "
+    "formal honest patient curious calm clear simple always never often explain describe compare "
+    "summarise translate check answer list count measure"
 ).split()
 
 
@@ -323,7 +317,7 @@ class Front:
                 self.problems.append(
                     f"instance pid {p} ({_describe(p)}) still ran 15 s after the front exited "
                     f"({self.stop_s:.1f} s after its SIGTERM, exit code {self.proc.returncode}); "
-                    f"killed"
+                    "killed"
                 )
                 try:
                     os.kill(p, signal.SIGKILL)
@@ -922,10 +916,8 @@ def report(results: dict, args, mach: dict) -> None:
             f"{s['rate']:g} req/s; "
             + (
                 f"an instance's KV cache: {s['blocks_per_instance']} blocks of {args.block_size} "
-                "tokens "
-                f"({s['cache_prefixes']:g} prefixes + {s['cache_running']} running requests; one "
-                "instance: "
-                f"{args.replicas}x that)"
+                f"tokens ({s['cache_prefixes']:g} prefixes + {s['cache_running']} running "
+                f"requests; one instance: {args.replicas}x that)"
                 if s["kv_cache_memory"] is None
                 else f"--kv-cache-memory {s['kv_cache_memory']:g} GiB per instance "
                 f"({args.replicas}x for one instance)"
@@ -933,39 +925,32 @@ def report(results: dict, args, mach: dict) -> None:
         )
         print(
             "| setup | instances | ok / sent | prefix hit rate | prefix misses | instances per "
-            "prefix | req/s | "
-            "output tok/s | TTFT p50 / p99 (s) | E2E p50 / p99 (s) | requests per instance | "
-            "migrations | "
-            "load 1/5/15 min |"
+            "prefix | req/s | output tok/s | TTFT p50 / p99 (s) | E2E p50 / p99 (s) | requests per "
+            "instance | migrations | load 1/5/15 min |"
         )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|")
         for r in results["prefix"]["rows"]:
             print(
                 f"| {r['name']} | {r['replicas']} | {r['completed']} / {r['sent']} | "
-                f"{f2(r['hit_rate'], '{:.3f}')} | "
-                f"{r['prefix_misses']} | {r['instances_per_prefix']:.2f} | "
-                f"{r['req_s']:.2f} | {r['tok_s']:.1f} | {f2(r['ttft_p50'])} / {f2(r['ttft_p99'])} "
-                "| "
-                f"{f2(r['e2e_p50'])} / {f2(r['e2e_p99'])} | {counts(r['per_instance'])} | "
-                f"{r['migrations']:g} | "
+                f"{f2(r['hit_rate'], '{:.3f}')} | {r['prefix_misses']} | "
+                f"{r['instances_per_prefix']:.2f} | {r['req_s']:.2f} | {r['tok_s']:.1f} | "
+                f"{f2(r['ttft_p50'])} / {f2(r['ttft_p99'])} | {f2(r['e2e_p50'])} / "
+                f"{f2(r['e2e_p99'])} | {counts(r['per_instance'])} | {r['migrations']:g} | "
                 f"{' '.join(map(str, r['load_after']))} |"
             )
     if "skew" in results:
         s = results["skew"]["sizes"]
         print(
             f"\nskew: {s['bursts']} bursts x {s['burst_size']} requests sharing one "
-            f"{s['prefix_tokens']}-token prefix, "
-            f"Poisson {s['burst_rate']:g} req/s within a burst, a burst every {s['burst_gap']:g} "
-            "s, "
-            f"{s['max_tokens']} output tokens, --max-num-seqs {s['max_num_seqs']}, {args.replicas} "
-            "instances, "
-            f"--routing {args.routing}; the prefix cached on one instance (hot) first"
+            f"{s['prefix_tokens']}-token prefix, Poisson {s['burst_rate']:g} req/s within a burst, "
+            f"a burst every {s['burst_gap']:g} s, {s['max_tokens']} output tokens, --max-num-seqs "
+            f"{s['max_num_seqs']}, {args.replicas} instances, --routing {args.routing}; the prefix "
+            "cached on one instance (hot) first"
         )
         print(
             "| setup | hot | ok / sent | req/s | output tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 "
-            "(ms) | "
-            "largest gap (s) | E2E p50 / p99 (s) | requests per instance | migrations out | load "
-            "1/5/15 min |"
+            "(ms) | largest gap (s) | E2E p50 / p99 (s) | requests per instance | migrations out | "
+            "load 1/5/15 min |"
         )
         print("|---|---|---:|---:|---:|---|---|---:|---|---|---|---|")
         for r in results["skew"]["rows"]:
@@ -974,10 +959,8 @@ def report(results: dict, args, mach: dict) -> None:
                 hot += " (not in the router's index)"
             print(
                 f"| {r['name']} | {hot} | {r['completed']} / {r['sent']} | {r['req_s']:.2f} | "
-                f"{r['tok_s']:.1f} | "
-                f"{f2(r['ttft_p50'])} / {f2(r['ttft_p99'])} | {ms(r['itl_p50'])} / "
-                f"{ms(r['itl_p99'])} | "
-                f"{f2(r['itl_max'])} | "
+                f"{r['tok_s']:.1f} | {f2(r['ttft_p50'])} / {f2(r['ttft_p99'])} | "
+                f"{ms(r['itl_p50'])} / {ms(r['itl_p99'])} | {f2(r['itl_max'])} | "
                 f"{f2(r['e2e_p50'])} / {f2(r['e2e_p99'])} | {counts(r['per_instance'])} | "
                 f"{r['migrations']:g} ({counts(r['migrations_out'])}) | "
                 f"{' '.join(map(str, r['load_after']))} |"
@@ -988,17 +971,14 @@ def report(results: dict, args, mach: dict) -> None:
         k = r["killed"] or {}
         print(
             f"\nfailover: {s['requests']} requests, Poisson {s['rate']:g} req/s, {s['max_tokens']} "
-            "output tokens, "
-            f"{args.replicas} instances, --routing {args.routing}; SIGKILL of the busiest instance "
-            "at "
-            f"{s['kill_after']:g} s"
+            f"output tokens, {args.replicas} instances, --routing {args.routing}; SIGKILL of the "
+            f"busiest instance at {s['kill_after']:g} s"
         )
         print(
             "| sent | completed | lost | killed | at (s) | moved (header) / ok | router failovers "
-            "| E2E p50 of the others (s) | "
-            "added E2E of the moved: p50 / max (s) | largest gap in a moved stream (s) | TTFT p50 "
-            "/ p99 (s) | "
-            "requests per instance | after | load 1/5/15 min |"
+            "| E2E p50 of the others (s) | added E2E of the moved: p50 / max (s) | largest gap in "
+            "a moved stream (s) | TTFT p50 / p99 (s) | requests per instance | after | load 1/5/15 "
+            "min |"
         )
         print("|---:|---:|---:|---|---:|---:|---|---:|---|---:|---|---|---|---|")
         after = r["instances_after"]
@@ -1165,8 +1145,7 @@ def main(argv=None):
         type=int,
         default=None,
         help="running requests whose own blocks (prefix tail, suffix, output) an instance's cache "
-        "holds "
-        "besides the prefixes (default --max-num-seqs)",
+        "holds besides the prefixes (default --max-num-seqs)",
     )
     g = ap.add_argument_group("skew")
     g.add_argument("--bursts", type=int, default=2)

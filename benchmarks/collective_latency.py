@@ -190,17 +190,14 @@ def main(argv=None) -> int:
     )
     print(
         "| rows | all-reduce bytes | step compute | step with all-reduces | all-reduce busy | busy "
-        "(fastest steps) "
-        "| all-reduce idle |"
+        "(fastest steps) | all-reduce idle |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['rows']} | {r['bytes']} | {r['compute_step_s'] * 1e3:.1f} ms | "
-            f"{r['both_step_s'] * 1e3:.1f} ms | "
-            f"{r['allreduce_busy_s'] * 1e3:.2f} ms | {r['allreduce_busy_fastest_s'] * 1e3:.2f} ms "
-            "| "
-            f"{r['allreduce_idle_s'] * 1e3:.2f} ms |"
+            f"{r['both_step_s'] * 1e3:.1f} ms | {r['allreduce_busy_s'] * 1e3:.2f} ms | "
+            f"{r['allreduce_busy_fastest_s'] * 1e3:.2f} ms | {r['allreduce_idle_s'] * 1e3:.2f} ms |"
         )
     print(
         f"fit (planner link model, busy): latency {latency * 1e6:.0f} us per message, bandwidth "

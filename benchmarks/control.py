@@ -428,8 +428,7 @@ def main() -> None:
     mach = machine(threads=1)  # every rank: torch.set_num_threads(1)
     print(
         f"\ncontrol plane per decode step ({args.steps} steps, median of {args.rounds} rounds; "
-        f"load {loads[0]} .. "
-        f"{loads[-1]})"
+        f"load {loads[0]} .. {loads[-1]})"
     )
     print(machine_line(mach) + " per rank")
     print(

@@ -191,8 +191,7 @@ def main(argv=None):
     print(machine_line(mach))
     print(
         f"SmolLM2-135M-Instruct fp32, {'sampled' if args.sampled else 'greedy'}, {args.agg} of "
-        f"{args.steps} "
-        f"decode steps, load average {load}"
+        f"{args.steps} decode steps, load average {load}"
     )
     print(
         "| engine | rows | ms/step | dense ms | attention ms | LM head ms | host ms (share) | of "

@@ -177,8 +177,7 @@ def main(argv=None):
         type=int,
         default=None,
         help="torch threads (default: torch's default; parallel mode: of the tp = pp = sp = 1 "
-        "engine, "
-        "default all cores)",
+        "engine, default all cores)",
     )
     ap.add_argument(
         "--hf-single-max",
@@ -386,8 +385,7 @@ def main(argv=None):
     print(machine_line(mach))
     print(
         f"SmolLM2-135M-Instruct {args.dtype} on {args.device}, greedy, {args.max_tokens} output "
-        "tokens/request, "
-        f"prompts {args.min_prompt}-{args.max_prompt} tokens"
+        f"tokens/request, prompts {args.min_prompt}-{args.max_prompt} tokens"
     )
     widths = [max(22, len(c)) for c in cols]
     print(" | ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))

@@ -120,8 +120,7 @@ def main(argv=None) -> int:
     print(machine_line(mach) + (" per rank" if world > 1 else ""))
     print(
         f"{args.steps} sampled decode steps, {args.seqs} requests, pp={args.pp} tp={args.tp} "
-        f"sp={args.sp}, "
-        f"vocab 49152, {seconds:.0f} s, load {load}"
+        f"sp={args.sp}, vocab 49152, {seconds:.0f} s, load {load}"
     )
     print(
         f"{'rank':>4} {'RSS first':>10} {'RSS last':>9} {'growth':>8} {'peak growth':>12} "

@@ -257,8 +257,7 @@ def main(argv=None):
         nargs="+",
         default=[0, 64],
         help="guidellm runs per setting, one per data-loader prefetch_factor (0: guidellm's "
-        "default, "
-        "4096 synthetic prompts generated ahead by a loader process)",
+        "default, 4096 synthetic prompts generated ahead by a loader process)",
     )
     ap.add_argument(
         "--guidellm-workers",
@@ -349,11 +348,9 @@ def main(argv=None):
     print("\n" + machine_line(mach) + " (the server)")
     print(
         f"SmolLM2-135M-Instruct, ringkv serve (OMP_NUM_THREADS=1), prompts {args.prompt_tokens} "
-        "tokens, "
-        f"outputs {args.output_tokens} tokens (ignore_eos, greedy), streamed /v1/completions, "
-        f"{version}, "
-        f"load average (1/5/15 min) {loads[0]} at start, {loads[-1]} at end; "
-        f"raw outputs in {out}"
+        f"tokens, outputs {args.output_tokens} tokens (ignore_eos, greedy), streamed "
+        f"/v1/completions, {version}, load average (1/5/15 min) {loads[0]} at start, {loads[-1]} "
+        f"at end; raw outputs in {out}"
     )
     print(
         "| client | setting | requests (errors) | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | output "
@@ -363,10 +360,8 @@ def main(argv=None):
     for r in rows:
         print(
             f"| {r['client']} | {r['setting']} | {r['requests']} ({r['errored']}) | "
-            f"{r['ttft_p50']:.2f} / "
-            f"{r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p99']:.0f} | "
-            f"{r['tok_s']:.1f} | "
-            f"{r['req_s']:.2f} |"
+            f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {1e3 * r['itl_p50']:.0f} / "
+            f"{1e3 * r['itl_p99']:.0f} | {r['tok_s']:.1f} | {r['req_s']:.2f} |"
         )
     if args.json:
         write_json(

@@ -136,13 +136,11 @@ def main(argv=None):
     print(machine_line(mach))
     print(
         f"{describe(args.model)} (fp32 model), {args.tokens} tokens of {os.path.relpath(TEXT)} in "
-        "chunks of "
-        f"{args.chunk}, {args.kv_gib} GiB KV budget"
+        f"chunks of {args.chunk}, {args.kv_gib} GiB KV budget"
     )
     print(
         "| kv_cache_dtype | bytes/token | vs fp32 | vs bf16 | capacity (tokens) | perplexity | "
-        "delta | "
-        "mean abs d-logprob | greedy agreement | decode tok/s |"
+        "delta | mean abs d-logprob | greedy agreement | decode tok/s |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

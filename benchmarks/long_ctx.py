@@ -554,8 +554,7 @@ def main(argv=None) -> int:
     if not gpu:
         env.log(
             "  (CPU defaults: 1 head of dim 64, zigzag, causal, 2 iterations, so 128K tokens "
-            "finish in a few "
-            "minutes; --heads, --layout all, --no-causal, --iters change that)"
+            "finish in a few minutes; --heads, --layout all, --no-causal, --iters change that)"
         )
     load_start = load_average()
     env.log(f"  load average at the start: {load_start}")
@@ -611,9 +610,8 @@ def main(argv=None) -> int:
     for (kv, causal), (t1, how) in baselines.items():
         env.log(
             f"baseline (kv_heads {kv}, {'causal' if causal else 'full'}): single worker, whole "
-            "sequence: "
-            f"{t1:.3f}s ({how}); "
-            f"efficiency = T_single / ({'N x ' if gpu and not args.virtual else ''}T_ring"
+            f"sequence: {t1:.3f}s ({how}); efficiency = T_single / "
+            f"({'N x ' if gpu and not args.virtual else ''}T_ring"
             f"{', all virtual ranks in turn' if args.virtual else ''})"
         )
     load_end = load_average()

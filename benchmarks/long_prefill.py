@@ -202,8 +202,7 @@ def main(argv=None):
         print(f"{args.model}: TTFT of a {args.seq}-token prompt (chunk {rows[0]['chunk']} tokens)")
         print(
             "| sp | threads per rank | TTFT | efficiency | peak RSS per rank (MiB) | KV cache per "
-            "rank (MiB) | "
-            "same first token |"
+            "rank (MiB) | same first token |"
         )
         print("|---:|---:|---:|---:|---|---|---|")
         for r in rows:

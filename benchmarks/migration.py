@@ -287,8 +287,8 @@ def main(argv=None):
     )
     print(
         "| pair | context | B's decode step | full: bytes | full: downtime | incremental: pre-copy "
-        "bytes | "
-        "final bytes | stop -> imported | downtime | downtime - B's step | vs shortest context |"
+        "bytes | final bytes | stop -> imported | downtime | downtime - B's step | vs shortest "
+        "context |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -342,11 +342,9 @@ def main(argv=None) -> int:
     res = [x.seconds(rank) / x.measured_s - 1 for x in fit]
     print(
         f"CPU, one thread (a rank), fitted on {len(fit)} one-process runs: matmul "
-        f"{rank.matmul / 1e9:.1f} GFLOP/s, "
-        f"memory {rank.memory / 1e9:.2f} GB/s, attention {rank.attention / 1e9:.1f} GFLOP/s "
-        "(long_ctx 16K), "
-        f"2 threads: x{2**rank.thread_scaling:.2f} (thread_scaling {rank.thread_scaling:.2f}); "
-        "host "
+        f"{rank.matmul / 1e9:.1f} GFLOP/s, memory {rank.memory / 1e9:.2f} GB/s, attention "
+        f"{rank.attention / 1e9:.1f} GFLOP/s (long_ctx 16K), 2 threads: "
+        f"x{2**rank.thread_scaling:.2f} (thread_scaling {rank.thread_scaling:.2f}); host "
         + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in rank.host.items())
         + f"; loopback {rank.latency['loopback'] * 1e6:.0f} us + "
         f"{rank.links['loopback'] / 1e9:.2f} GB/s per message"

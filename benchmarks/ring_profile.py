@@ -159,10 +159,9 @@ def main(argv=None) -> int:
         what = "forward + backward's backward" if args.backward else "forward"
         print(
             f"ring {what}: seq={args.seq} heads={args.heads} "
-            f"kv_heads={args.kv_heads or args.heads} "
-            f"head_dim={args.head_dim} {args.layout} {'causal' if args.causal else 'full'}, "
-            f"{world} rank(s); "
-            f"seconds per call, by step on rank 0, in all on every rank (load {load_average()})"
+            f"kv_heads={args.kv_heads or args.heads} head_dim={args.head_dim} {args.layout} "
+            f"{'causal' if args.causal else 'full'}, {world} rank(s); seconds per call, by step on "
+            f"rank 0, in all on every rank (load {load_average()})"
         )
         print(f"{'step':>5s} " + " ".join(f"{c:>8s}" for c in CATEGORIES))
         for r in rows:

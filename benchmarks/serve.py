@@ -33,10 +33,9 @@ sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(
 TEXT = (
     "The history of the river valley begins with small farming villages that grew along its banks. "
     "Over centuries, traders arrived from the coast, bringing salt, cloth and new ideas about "
-    "writing and "
-    "numbers. The villages became towns, the towns built walls, and the walls became the borders "
-    "of the "
-    "first small kingdoms. Scholars still argue about which of these kingdoms was the oldest. "
+    "writing and numbers. The villages became towns, the towns built walls, and the walls became "
+    "the borders of the first small kingdoms. Scholars still argue about which of these kingdoms "
+    "was the oldest. "
 )
 
 
@@ -225,9 +224,8 @@ def main(argv=None):
     )
     print(
         f"{describe(args.model)}, ringkv serve {args.server_args}, {args.requests} requests per "
-        "rate, prompts "
-        f"{args.min_prompt}-{args.max_prompt} tokens, outputs {args.min_tokens}-{args.max_tokens} "
-        "tokens"
+        f"rate, prompts {args.min_prompt}-{args.max_prompt} tokens, outputs "
+        f"{args.min_tokens}-{args.max_tokens} tokens"
     )
     print(
         "| rate (req/s) | output tok/s | req/s | TTFT p50 / p90 / p99 (s) | ITL p50 / p90 / p99 "

@@ -352,8 +352,8 @@ def main(argv=None) -> int:
         default=[],
         metavar="JSON",
         help="memory runs of this model whose points also estimate each step's peak (the "
-        "calibration "
-        "steps alone underestimate it: at a few hundred tokens a constant dominates the peak)",
+        "calibration steps alone underestimate it: at a few hundred tokens a constant dominates "
+        "the peak)",
     )
     ap.add_argument(
         "--summarize",
@@ -512,8 +512,7 @@ def main(argv=None) -> int:
             if need is not None and need > mem_limit:
                 reason = (
                     f"estimated {need / GIB:.1f} GiB in all processes (step peak {est / GIB:.2f} "
-                    "GiB per active "
-                    f"rank) > --mem-limit {args.mem_limit:g} GiB"
+                    f"GiB per active rank) > --mem-limit {args.mem_limit:g} GiB"
                 )
             elif need is not None and need - resident > 0.9 * min(g["avail"] for g in state):
                 reason = (
@@ -611,10 +610,9 @@ def main(argv=None) -> int:
         dev = torch.cuda.get_device_name(device) if cuda else "CPU (gloo)"
         head = (
             f"{'train-step time' if args.throughput else 'train-step memory'}: "
-            f"{describe(args.model)}, fp32, "
-            f"layout {args.layout}, N={world} ranks on {dev}; load {load} at the start, {load_end} "
-            "at the end; "
-            f"weights {weights / MIB:.1f} MiB per rank (held before the step)"
+            f"{describe(args.model)}, fp32, layout {args.layout}, N={world} ranks on {dev}; load "
+            f"{load} at the start, {load_end} at the end; weights {weights / MIB:.1f} MiB per rank "
+            "(held before the step)"
         )
         if not args.throughput:
             head += "; alloc = torch allocator peak above the step's start" + (
@@ -689,9 +687,8 @@ def print_memory(rows, configs, weights, budget, budget_gib):
     )
     print(
         "| config | points | a (MiB) | b (KiB per token per rank) | worst residual | longest S/N "
-        f"in {budget_gib:g} GiB "
-        "| with AdamW | b of the two largest points (KiB) | longest S/N on their line | with "
-        "AdamW |"
+        f"in {budget_gib:g} GiB | with AdamW | b of the two largest points (KiB) | longest S/N on "
+        "their line | with AdamW |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for cfg in configs:
@@ -762,8 +759,7 @@ def summarize(paths) -> int:
         m = d.get("machine", {})
         print(
             f"{d['path']}: {d.get('mode')} {d['model']} (vocab {d.get('vocab')}), N={d['world']}, "
-            "load "
-            f"{d['load']} -> {d.get('load_end')}, {m.get('cpu')} {m.get('isa')}"
+            f"load {d['load']} -> {d.get('load_end')}, {m.get('cpu')} {m.get('isa')}"
         )
 
     def fit_of(d, cfg):
@@ -785,12 +781,11 @@ def summarize(paths) -> int:
         for c, f in d["fits"].items():
             print(
                 f"  {d['model']} N={d['world']} {c}: points "
-                f"{sorted(r['tokens_per_rank'] for r in d['rows'] if r['config'] == c)}"
-                f", a {f['a'] / MIB:.1f}, b {f['b'] / 1024:.2f}, worst {100 * f['worst']:.1f}%, "
-                "longest "
-                f"{f['per_rank']} (AdamW {f['per_rank_adamw']}); b of the two largest "
-                f"{f['b_last'] / 1024:.2f}, "
-                f"longest {f['per_rank_last']} (AdamW {f['per_rank_adamw_last']})"
+                f"{sorted(r['tokens_per_rank'] for r in d['rows'] if r['config'] == c)}, a "
+                f"{f['a'] / MIB:.1f}, b {f['b'] / 1024:.2f}, worst {100 * f['worst']:.1f}%, "
+                f"longest {f['per_rank']} (AdamW {f['per_rank_adamw']}); b of the two largest "
+                f"{f['b_last'] / 1024:.2f}, longest {f['per_rank_last']} (AdamW "
+                f"{f['per_rank_adamw_last']})"
             )
     print("\nslope b (KiB per token per rank) per configuration and model:")
     cfgs = [c for c in CONFIGS if any(fit_of(d, c) for d in mem)]
@@ -820,8 +815,7 @@ def summarize(paths) -> int:
                 out[c].setdefault("b0", {})[v] = b0
                 print(
                     f"{c}: per layer {per_layer / 1024:.2f} KiB per token; not scaling with depth "
-                    f"(vocab {v}): "
-                    f"{b0 / 1024:.2f} KiB per token"
+                    f"(vocab {v}): {b0 / 1024:.2f} KiB per token"
                 )
         if per_layer is not None:  # the other vocabularies' b0 with the same per-layer part
             for v, ds in by_vocab.items():
@@ -874,8 +868,7 @@ def summarize(paths) -> int:
                 if num and den:
                     print(
                         f"{d['model']}: peak at S/N 8192: {c} {num / MIB:.1f} MiB ({how_n}) / "
-                        f"{base} "
-                        f"{den / MIB:.1f} MiB ({how_d}) = {num / den:.3f}"
+                        f"{base} {den / MIB:.1f} MiB ({how_d}) = {num / den:.3f}"
                     )
                     out.setdefault("ratio_8k", []).append(
                         dict(
@@ -897,10 +890,8 @@ def summarize(paths) -> int:
                 r_last = last[0] / last[1] if all(last) else None
                 print(
                     f"{d['model']}: longest S/N in {d['args']['fit_budget']:g} GiB per rank: {c} "
-                    f"{fc['per_rank']} / "
-                    f"logits {fl['per_rank']} = {r:.1f}x on the fits (with AdamW: "
-                    f"{fc['per_rank_adamw']} / "
-                    f"{fl['per_rank_adamw']})"
+                    f"{fc['per_rank']} / logits {fl['per_rank']} = {r:.1f}x on the fits (with "
+                    f"AdamW: {fc['per_rank_adamw']} / {fl['per_rank_adamw']})"
                     + (
                         ""
                         if r_last is None

@@ -31,8 +31,7 @@ from ringkv.parallel.transfer import recv_bytes, send_bytes  # noqa: E402
 TEXT = (
     "The history of the river valley begins with small farming villages that grew along its banks. "
     "Traders arrived from the coast with salt and cloth, the villages became towns, the towns "
-    "built "
-    "walls, and the walls became the borders of the first kingdoms. "
+    "built walls, and the walls became the borders of the first kingdoms. "
 )
 
 
@@ -122,8 +121,7 @@ def main(argv=None) -> int:
     )
     print(
         f"one engine:                                      {tokens / ref['seconds']:.1f} output "
-        "tok/s over "
-        f"{ref['seconds']:.2f} s"
+        f"tok/s over {ref['seconds']:.2f} s"
     )
     print(f"outputs identical to one engine: {same} ({len(got)} requests, {tokens} tokens)")
     dist.destroy_process_group()

@@ -131,8 +131,7 @@ def main():
         mem = "cuda max allocated" if cuda else "peak RSS"
         print(
             f"ringkv sp={world} layout={args.layout} prompt={args.seq} tokens, {args.new_tokens} "
-            "new, "
-            f"model={args.model or 'tiny random Llama'}, {dtype}"
+            f"new, model={args.model or 'tiny random Llama'}, {dtype}"
         )
         for r, s, (m, rise) in report:
             print(

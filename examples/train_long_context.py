@@ -222,10 +222,8 @@ def distributed_run(args, rows, device, out_dir):
     if dist.get_rank() == 0:
         print(
             f"ringkv: dp={args.dp} x sp={args.sp} ({args.layout}), rows of {args.seq} tokens, "
-            f"{args.batch} per "
-            f"replica per micro-batch, {args.ga} micro-batch(es) per step, lr {args.lr}, {device}, "
-            "fp32, "
-            f"model {args.model}",
+            f"{args.batch} per replica per micro-batch, {args.ga} micro-batch(es) per step, lr "
+            f"{args.lr}, {device}, fp32, model {args.model}",
             flush=True,
         )
     trainer.train()
@@ -307,8 +305,7 @@ def compare(ring, ref, tol) -> bool:
     ok = len(ring) == len(ref) and worst_rel <= tol and worst_norm <= tol
     print(
         f"max |loss difference| = {worst_abs:.3e} (relative {worst_rel:.3e}); max relative grad "
-        "norm "
-        f"difference = {worst_norm:.3e}; tolerance {tol:.0e} relative: "
+        f"norm difference = {worst_norm:.3e}; tolerance {tol:.0e} relative: "
         f"{'OK' if ok else 'EXCEEDED'}",
         flush=True,
     )
@@ -420,8 +417,7 @@ def main():
     if "WORLD_SIZE" not in os.environ:
         p.error(
             "start the distributed run with torchrun --nproc-per-node DP*SP (or pass --single for "
-            "the "
-            "reference alone)"
+            "the reference alone)"
         )
     world = int(os.environ["WORLD_SIZE"])
     if args.sp is None and world % args.dp:
@@ -430,8 +426,7 @@ def main():
     if args.sp < 1 or args.dp * args.sp != world:
         p.error(
             f"--dp {args.dp} x --sp {args.sp} = {args.dp * args.sp} ranks, but the world has "
-            f"{world} "
-            f"(start torchrun --nproc-per-node {max(1, args.dp * args.sp)})"
+            f"{world} (start torchrun --nproc-per-node {max(1, args.dp * args.sp)})"
         )
     if (
         not dist.is_initialized()
@@ -441,8 +436,8 @@ def main():
     if rank == 0:
         print(
             f"{len(docs)} documents from {os.path.basename(args.data)}; {len(rows)} rows of "
-            f"{args.seq} tokens "
-            f"({sum(len(r) for r in rows)} pieces); load average {load_average()}",
+            f"{args.seq} tokens ({sum(len(r) for r in rows)} pieces); load average "
+            f"{load_average()}",
             flush=True,
         )
     t0 = time.perf_counter()

@@ -124,15 +124,13 @@ ATTN_NAME = "ringkv"
 IGNORE_INDEX = -100
 PADDING_HELP = (
     "ringkv: attention_mask contains padding (zeros) in a decode step, but the prompt in the KV "
-    "cache had "
-    "none: a batch's pad pattern cannot change between steps. Left-pad the prompts (zeros as a "
-    "prefix "
-    "of each row, as generate does) and pass the attention_mask that generate grows"
+    "cache had none: a batch's pad pattern cannot change between steps. Left-pad the prompts "
+    "(zeros as a prefix of each row, as generate does) and pass the attention_mask that generate "
+    "grows"
 )
 LEFT_PAD_HELP = (
     "each row of attention_mask must be zeros followed by ones (left padding, as batched generate "
-    "pads), "
-    "with at least one real token"
+    "pads), with at least one real token"
 )
 # keyword arguments that describe packed documents (what DataCollatorWithFlattening adds besides
 # position_ids)
@@ -482,9 +480,8 @@ def _starts_from_positions(pos: torch.Tensor) -> torch.Tensor:
         )
         raise ValueError(
             "ringkv: position_ids must restart at 0 for each packed document and increase by 1 "
-            "inside "
-            f"it (as DataCollatorWithFlattening makes them); row {r} has {got}. Omit position_ids "
-            f"for one unpacked sequence per row (other offsets are not supported)"
+            f"inside it (as DataCollatorWithFlattening makes them); row {r} has {got}. Omit "
+            "position_ids for one unpacked sequence per row (other offsets are not supported)"
         )
     return pos == 0
 
@@ -494,9 +491,8 @@ def _starts_from_seq_idx(idx: torch.Tensor) -> torch.Tensor:
     if bool((step < 0).any()):
         r, i = (step < 0).nonzero()[0].tolist()
         raise ValueError(
-            "ringkv: seq_idx must number the packed documents of a row in order (never "
-            "decreasing: a "
-            f"document's tokens are contiguous); row {r} goes from {int(idx[r, i])} to "
+            "ringkv: seq_idx must number the packed documents of a row in order (never decreasing: "
+            f"a document's tokens are contiguous); row {r} goes from {int(idx[r, i])} to "
             f"{int(idx[r, i + 1])} at index {i + 1}"
         )
     return torch.cat([torch.ones(idx.shape[0], 1, dtype=torch.bool), step != 0], 1)
@@ -523,8 +519,7 @@ def _starts_from_cu(cu, b: int, t: int, name: str) -> torch.Tensor:
         r = int((~starts[:, 0]).nonzero()[0])
         raise ValueError(
             f"ringkv: {name} puts a document across batch rows {r - 1} and {r}; every row must "
-            "start a "
-            f"document (the multiples of the row length {t} must be in {name})"
+            f"start a document (the multiples of the row length {t} must be in {name})"
         )
     return starts
 
@@ -577,10 +572,8 @@ def _packing(
             r, i = (other != starts).nonzero()[0].tolist()
             raise ValueError(
                 f"ringkv: {first} and {name} describe different packed documents: at row {r}, "
-                f"token {i} "
-                f"{first} {'starts' if starts[r, i] else 'continues'} a document and {name} does "
-                "not; "
-                f"pass arguments that agree, or only one of them"
+                f"token {i} {first} {'starts' if starts[r, i] else 'continues'} a document and "
+                f"{name} does not; pass arguments that agree, or only one of them"
             )
     cu = starts.reshape(-1).nonzero().squeeze(1).tolist() + [b * t]
     longest = max(hi - lo for lo, hi in zip(cu, cu[1:]))
@@ -675,8 +668,7 @@ def _shard_packing(pk_kw: dict, pos, b: int, t: int, layout: str, rank: int, wor
         if pk_kw:
             raise ValueError(
                 "ringkv: with inputs='shard', packed documents are given by cu_seq_lens_q (the "
-                "whole "
-                f"packed row's [0, l0, l0+l1, ..., S], the same on every rank); got only "
+                "whole packed row's [0, l0, l0+l1, ..., S], the same on every rank); got only "
                 f"{', '.join(sorted(pk_kw))}"
             )
         return None, None
@@ -698,16 +690,15 @@ def _shard_packing(pk_kw: dict, pos, b: int, t: int, layout: str, rank: int, wor
     if b != 1:
         raise ValueError(
             "ringkv: inputs='shard' with packed documents takes one packed row (1, S_local), got "
-            "batch "
-            f"{b}; flatten the batch into one row (documents of all rows, cu_seq_lens_q over them)"
+            f"batch {b}; flatten the batch into one row (documents of all rows, cu_seq_lens_q over "
+            "them)"
         )
     want = varlen_local_len(cu, layout, world)
     if t != want:
         raise ValueError(
             f"ringkv: cu_seq_lens_q gives every rank's shard of the packed row {want} tokens (each "
             f"document padded on its own) in layout {layout!r} over {world} rank(s), got {t}; "
-            "shard "
-            f"with ringkv.shard(ids, 1, layout, group, cu_seqlens=cu_seq_lens_q)"
+            "shard with ringkv.shard(ids, 1, layout, group, cu_seqlens=cu_seq_lens_q)"
         )
     q_pos = positions(cu[-1], layout, rank, world, cu_seqlens=cu)  # (t,) host
     if pos is not None:
@@ -718,10 +709,9 @@ def _shard_packing(pk_kw: dict, pos, b: int, t: int, layout: str, rank: int, wor
             or not torch.equal(pos.detach().cpu().reshape(-1, t)[0], q_pos)
         ):
             raise ValueError(
-                "ringkv: position_ids of a packed shard must be this rank's positions within "
-                "their "
+                "ringkv: position_ids of a packed shard must be this rank's positions within their "
                 f"documents, ringkv.positions(S, layout, rank, N, cu_seqlens=cu) (shape (1, {t})), "
-                f"or omitted (ringkv supplies them)"
+                "or omitted (ringkv supplies them)"
             )
     if "seq_idx" in pk_kw:
         idx = _as_rows(pk_kw["seq_idx"], 1, t, "seq_idx")[0]
@@ -772,16 +762,15 @@ def _check_padding(
         if int((~seg).nonzero().max()) < int(seg.nonzero().min()):
             raise ValueError(
                 f"ringkv: attention_mask has left padding (zeros before the tokens) in {where}; "
-                f"patch_model honours right padding only (zeros at the end of each row or packed "
+                "patch_model honours right padding only (zeros at the end of each row or packed "
                 "document). Pad on the right (labels -100 at the pads), or pass rows of equal "
                 "length"
             )
         raise ValueError(
             f"ringkv: attention_mask has zeros between real tokens (a hole) in {where}; "
-            "patch_model "
-            "honours only zeros at the end of each row or packed document (right padding). Pack "
-            "the "
-            f"pieces as separate documents (position_ids that restart at 0), or drop the hole"
+            "patch_model honours only zeros at the end of each row or packed document (right "
+            "padding). Pack the pieces as separate documents (position_ids that restart at 0), or "
+            "drop the hole"
         )
     if labels is None and shift_labels is not None:  # shift_labels[:, i] is labels[:, i + 1]
         labels = F.pad(shift_labels.detach().cpu()[:, :-1], (1, 0), value=IGNORE_INDEX)
@@ -806,10 +795,8 @@ def _check_shift_labels(labels: torch.Tensor, shift_labels: torch.Tensor) -> Non
         r, i = (got != want).nonzero()[0].tolist()
         raise ValueError(
             f"ringkv: shift_labels and labels disagree: shift_labels[{r}, {i}] is {int(got[r, i])} "
-            "but "
-            f"labels shifted by one give {int(want[r, i])} (shift_labels[:, i] must be labels[:, i "
-            "+ 1], "
-            f"-100 at the end of each row); pass one of them"
+            f"but labels shifted by one give {int(want[r, i])} (shift_labels[:, i] must be "
+            "labels[:, i + 1], -100 at the end of each row); pass one of them"
         )
 
 
@@ -827,8 +814,7 @@ def _num_items(n) -> Optional[float]:
     if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
         raise ValueError(
             "ringkv: num_items_in_batch must be a number > 0 (the counted labels the loss is "
-            "divided "
-            f"by), got {n!r}"
+            f"divided by), got {n!r}"
         )
     return float(n)
 
@@ -850,10 +836,9 @@ class _Head:
         """Summed cross-entropy (float32) of ``hidden`` ``(N, H)`` against ``targets`` ``(N,)``."""
         if type(self.weight).__name__ == "DTensor":
             raise ValueError(
-                f"ringkv: the chunked loss needs the output head's weight as a plain tensor, got "
+                "ringkv: the chunked loss needs the output head's weight as a plain tensor, got "
                 f"{type(self.weight).__name__} (e.g. FSDP2 sharding the head in its own unit: keep "
-                "it in "
-                f"the root unit), or patch with keep_logits=True"
+                "it in the root unit), or patch with keep_logits=True"
             )
         if hidden.is_cuda and self.scale is None and chunk is None:
             fused = _liger_loss_sum(hidden, self, targets, ignore_index)
@@ -989,8 +974,7 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
         if cache.get_seq_length() > 0:
             raise ValueError(
                 f"ringkv: got a {type(cache).__name__} that already holds tokens; a patched model "
-                "keeps "
-                "its KV cache sharded: pass no cache, an empty one, or the ShardedKVCache it "
+                "keeps its KV cache sharded: pass no cache, an empty one, or the ShardedKVCache it "
                 "returned"
             )
         cache = ShardedKVCache()
@@ -1042,14 +1026,12 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
         if targets is not None:
             raise ValueError(
                 "ringkv: labels (and shift_labels) are supported for the prefill (no cache, or an "
-                "empty "
-                "one) only"
+                "empty one) only"
             )
         if pk_kw:
             raise ValueError(
                 f"ringkv: {', '.join(sorted(pk_kw))} (packed documents) are for the prefill only, "
-                "not "
-                f"for a decode step (the KV cache holds tokens)"
+                "not for a decode step (the KV cache holds tokens)"
             )
         owner = cache.decode_steps % world  # the new tokens are cached on one rank, round-robin
         if (
@@ -1115,8 +1097,7 @@ def _prepare(state: _State, model, kw: dict) -> _Plan:
             if keep:
                 raise ValueError(
                     "ringkv: logits_to_keep is not supported with packed documents; gather the "
-                    "logits "
-                    "with gather_logits(..., cu_seqlens=...) instead"
+                    "logits with gather_logits(..., cu_seqlens=...) instead"
                 )
         if pk is not None:
             seq = pk.cu[-1]
@@ -1237,8 +1218,8 @@ def _left_padded_prefill(
     if state.method != "ring":
         raise ValueError(
             "ringkv: a left-padded batch with a KV cache (batched generate) needs method='ring' "
-            "(the "
-            f"varlen ring keeps the rows apart); method={state.method!r}. Patch with method='ring'"
+            f"(the varlen ring keeps the rows apart); method={state.method!r}. Patch with "
+            "method='ring'"
         )
     want = m.long().cumsum(1) - 1
     if pos is None or not torch.equal(_as_rows(pos, b, t, "position_ids")[m], want[m]):
@@ -1308,15 +1289,13 @@ def _check_left_padding(m: torch.Tensor) -> None:
         )
         raise ValueError(
             f"ringkv: a padded batch with a KV cache (batched generate): {LEFT_PAD_HELP}; row {r} "
-            "has "
-            f"{what} at index {i + 1}. Left-pad the prompts (tokenizer padding_side='left')"
+            f"has {what} at index {i + 1}. Left-pad the prompts (tokenizer padding_side='left')"
         )
     if not bool(m.any(1).all()):
         r = int((~m.any(1)).nonzero()[0])
         raise ValueError(
             f"ringkv: a padded batch with a KV cache (batched generate): {LEFT_PAD_HELP}; row {r} "
-            "is "
-            f"all padding"
+            "is all padding"
         )
 
 
@@ -1334,8 +1313,7 @@ def _left_padded_decode(cache: ShardedKVCache, mask, pos, b: int, t: int, owner:
     if mask is None:
         raise ValueError(
             f"ringkv: a decode step of a left-padded batch needs its attention_mask ({b}, "
-            f"{seen + t}): "
-            f"the prompt's mask followed by ones, as generate grows it"
+            f"{seen + t}): the prompt's mask followed by ones, as generate grows it"
         )
     m = mask.detach().bool().cpu()
     if (
@@ -1345,10 +1323,9 @@ def _left_padded_decode(cache: ShardedKVCache, mask, pos, b: int, t: int, owner:
     ):
         raise ValueError(
             f"ringkv: a decode step of a left-padded batch must pass attention_mask ({b}, "
-            f"{seen + t}) = "
-            "the prompt's mask followed by ones (as generate grows it): the pad pattern cannot "
-            "change "
-            f"between steps and new tokens are never pads; got shape {tuple(m.shape)}"
+            f"{seen + t}) = the prompt's mask followed by ones (as generate grows it): the pad "
+            "pattern cannot change between steps and new tokens are never pads; got shape "
+            f"{tuple(m.shape)}"
             + ("" if tuple(m.shape) != (b, seen + t) else " with another pattern")
         )
     q_pos = cache.lengths[:, None] + torch.arange(t)  # (B, T)
@@ -1356,9 +1333,8 @@ def _left_padded_decode(cache: ShardedKVCache, mask, pos, b: int, t: int, owner:
         given = torch.as_tensor(pos).detach().cpu()
         if tuple(given.shape) != (b, t) or not torch.equal(given.long(), q_pos):
             raise ValueError(
-                "ringkv: position_ids of a left-padded batch's decode step must be each row's "
-                "next "
-                f"positions, attention_mask.cumsum(-1) - 1 (as generate makes them): "
+                "ringkv: position_ids of a left-padded batch's decode step must be each row's next "
+                "positions, attention_mask.cumsum(-1) - 1 (as generate makes them): "
                 f"{q_pos.tolist()}, got {given.tolist()}"
             )
     reach = int(q_pos.max()) + 1  # > every position; 2 * reach apart, rows never see each other
@@ -1651,8 +1627,7 @@ def patch_model(
     if sp is not None and sp != world:
         raise ValueError(
             f"sp={sp} but the SP group has {world} rank(s); pass the process group of {sp} ranks "
-            "as "
-            f"group= (or omit sp)"
+            "as group= (or omit sp)"
             + ("" if world > 1 else "; call torch.distributed.init_process_group first for sp > 1")
         )
     u, groups = _method_groups(model.config, method, ulysses, group, world)
@@ -1753,9 +1728,8 @@ def _checkpoint_store(model, offload):
     if device.type != "cuda":
         raise ValueError(
             "offload_checkpoints=True moves checkpoints from CUDA memory to pinned host memory, "
-            "but the "
-            f"model is on {device}; on a CPU there is nothing to offload to (pass False, or a "
-            f"ringkv.memory.CheckpointStore such as FileStore to store them elsewhere)"
+            f"but the model is on {device}; on a CPU there is nothing to offload to (pass False, "
+            "or a ringkv.memory.CheckpointStore such as FileStore to store them elsewhere)"
         )
     return memory.HostStore(device)
 
@@ -1780,9 +1754,8 @@ def _sp_group(group, mesh_dim):
             return group.get_group()
         raise ValueError(
             f"group= is a {group.ndim}-D DeviceMesh (dims {names or tuple(range(group.ndim))}); "
-            "name its "
-            f"sequence-parallel dimension: patch_model(model, group=mesh, mesh_dim='sp') "
-            f"(or pass group=mesh['sp'])"
+            "name its sequence-parallel dimension: patch_model(model, group=mesh, mesh_dim='sp') "
+            "(or pass group=mesh['sp'])"
         )
     if isinstance(mesh_dim, str):
         if mesh_dim not in names:
@@ -2008,8 +1981,7 @@ def _lm_loss(
         if (b, s_local) != (1, want):
             raise ValueError(
                 f"causal_lm_loss: the packed documents give logits shards of shape (1, {want}, V) "
-                "on "
-                f"{world} rank(s) in layout {layout!r}, got {tuple(logits.shape)}"
+                f"on {world} rank(s) in layout {layout!r}, got {tuple(logits.shape)}"
             )
         if sharded:
             if tuple(labels.shape) != (1, want):
@@ -2047,10 +2019,8 @@ def _lm_loss(
         elif not s_pad - granule(layout, world, ulysses) < labels.shape[1] <= s_pad:
             raise ValueError(
                 f"labels of length {labels.shape[1]} do not match logits shards of {s_local} "
-                "tokens "
-                f"on {world} rank(s) (a sequence of {s_pad} tokens, padding included); pass the "
-                "whole "
-                f"sequence's labels, or this rank's shard with sharded=True"
+                f"tokens on {world} rank(s) (a sequence of {s_pad} tokens, padding included); pass "
+                "the whole sequence's labels, or this rank's shard with sharded=True"
             )
         labels = labels.to(logits.device)
         targets = labels if shifted else labels[:, 1:]

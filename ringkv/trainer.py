@@ -72,14 +72,12 @@ def sp_layout(model, mesh=None, mesh_dim: str = "sp"):
     if state is None:
         raise ValueError(
             "ringkv.trainer: the model is not patched; call ringkv.hf.patch_model(model, "
-            "group=...) "
-            "on every rank before building the Trainer"
+            "group=...) on every rank before building the Trainer"
         )
     if state.inputs != "full":
         raise ValueError(
             f"ringkv.trainer: the model was patched with inputs={state.inputs!r}; Trainer passes "
-            "each "
-            f"replica's whole batch to every rank of its SP group: patch with inputs='full'"
+            "each replica's whole batch to every rank of its SP group: patch with inputs='full'"
         )
     if not dist.is_initialized():
         return 1, 1, 0
@@ -112,9 +110,8 @@ def sp_layout(model, mesh=None, mesh_dim: str = "sp"):
         if len(g) != sp or r not in g or any(set(g) & set(h) and g != h for h, _ in everyone):
             raise ValueError(
                 "ringkv.trainer: the ranks' SP groups must split the world into equal, disjoint "
-                "groups "
-                f"(a (dp, sp) layout); rank {r} is patched over ranks {list(g)}, rank {rank} over "
-                f"{list(group_ranks)}"
+                f"groups (a (dp, sp) layout); rank {r} is patched over ranks {list(g)}, rank "
+                f"{rank} over {list(group_ranks)}"
             )
     if world % sp:
         raise ValueError(
@@ -168,9 +165,9 @@ class SPTrainerMixin:
                 return loader
         raise ValueError(
             f"ringkv.trainer: the {what} dataloader is not sharded by accelerate's "
-            "BatchSamplerShard "
-            f"over the {world} processes ({type(loader).__name__}); use a map-style dataset (with "
-            f"__len__) and the default sampler, so that each SP group gets one replica's batches"
+            f"BatchSamplerShard over the {world} processes ({type(loader).__name__}); use a "
+            "map-style dataset (with __len__) and the default sampler, so that each SP group gets "
+            "one replica's batches"
         )
 
     def get_train_dataloader(self):

@@ -264,8 +264,7 @@ def test_block_hashes_agree_across_processes():
 
     code = (
         "from ringkv.cache.block_manager import block_hash as h; a = h((None, (1, 2, 3, 4), "
-        "'tenant-a')); "
-        "print(h((a, (5, 6, 7, 8), 'tenant-a')).hex(), hash('tenant-a'))"
+        "'tenant-a')); print(h((a, (5, 6, 7, 8), 'tenant-a')).hex(), hash('tenant-a'))"
     )
     outs = [
         subprocess.run(

@@ -29,9 +29,7 @@ def validate(q, k, v, scale=None) -> float:
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(
             "k and v must have the same shape but for the head_dim (batch, seq, kv_heads; v may "
-            "have "
-            f"its own head_dim), "
-            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+            f"have its own head_dim), got {tuple(k.shape)} and {tuple(v.shape)}"
         )
     if v.shape[3] == 0:
         raise ValueError(f"v's head_dim must be at least 1, got shape {tuple(v.shape)}")

@@ -149,8 +149,7 @@ def _check_dims(q, k, v) -> int:
     if k.shape[-1] != d or d % 16 or not 0 < d <= 256 or dv <= 0:
         raise ValueError(
             "cpu_flash takes q/k of one head size D (a multiple of 16 up to 256) and v of head "
-            "size "
-            f"Dv > 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"size Dv > 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     return dv
 

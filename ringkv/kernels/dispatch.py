@@ -228,8 +228,7 @@ def pick(
         if softcap and "softcap" not in features(module):
             raise ValueError(
                 f"softcap: backend {backend!r} has no logit soft-capping; use backend='auto' or "
-                "one of "
-                f"{sorted(n for n, m in BACKENDS.items() if 'softcap' in features(m))}"
+                f"one of {sorted(n for n, m in BACKENDS.items() if 'softcap' in features(m))}"
             )
         if module.supports(q, mask, dlse):
             return module
@@ -238,8 +237,7 @@ def pick(
             _warn_once(
                 ("dlse", backend, _name(chosen)),
                 f"ringkv: backend {backend!r} takes no gradient through lse; backward calls with "
-                "one run "
-                f"on {_name(chosen)!r}",
+                f"one run on {_name(chosen)!r}",
             )
             return chosen
         raise ValueError(
@@ -336,8 +334,7 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
         notes.append(
             "lse_grad on 'reference': no backend usable here takes a gradient through lse natively "
             "(only 'cpu_flash' does, float32 on CPU, and 'triton', for full/offset masks on CUDA), "
-            "so the "
-            "reference runs those backward calls, by design"
+            "so the reference runs those backward calls, by design"
         )
     out = dict(
         device=str(device),

@@ -165,8 +165,7 @@ def _linear(lib, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     ):
         raise ValueError(
             f"packed_linear: {packed.numel()} packed {packed.dtype} do not hold a ({n}, {k}) "
-            "float32 "
-            f"weight for x of {x.dtype}"
+            f"float32 weight for x of {x.dtype}"
         )
     x2 = x.reshape(-1, k).contiguous()  # (M, K)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)  # (M, n)

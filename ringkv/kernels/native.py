@@ -142,8 +142,7 @@ def build(name: str, isa: Optional[str] = None) -> Optional[Build]:
     if isa != "native" and isa not in supported_isas():
         warnings.warn(
             f"ringkv: this CPU cannot run {isa} code (supported: {', '.join(supported_isas())}); "
-            f"the {name} "
-            f"kernel for it is off (the torch path runs)"
+            f"the {name} kernel for it is off (the torch path runs)"
         )
         return None
     return _build(name, isa)

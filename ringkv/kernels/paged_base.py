@@ -395,8 +395,7 @@ def validate_prefill(
     ):
         raise ValueError(
             "need seq_lens (N,), block_table (N, max_blocks), cu_seqlens_q (N + 1,) and q_start "
-            "(N,) "
-            f"or None; got {tuple(seq_lens.shape)}, {tuple(block_table.shape)}, "
+            f"(N,) or None; got {tuple(seq_lens.shape)}, {tuple(block_table.shape)}, "
             f"{tuple(cu_seqlens_q.shape)}, {None if q_start is None else tuple(q_start.shape)}"
         )
     check_striping(sp, sp_rank)

@@ -133,8 +133,8 @@ class ModelConfig:
         if mt == "phi3" and (scaling or {}).get("rope_type") in ("longrope", "su", "yarn"):
             raise ValueError(
                 "Phi-3's longrope RoPE scaling (the 128k and Phi-3.5 / Phi-4-mini checkpoints) is "
-                "not "
-                "supported; use a checkpoint with rope_scaling null (e.g. Phi-3-mini-4k-instruct)"
+                "not supported; use a checkpoint with rope_scaling null (e.g. "
+                "Phi-3-mini-4k-instruct)"
             )
         partial = float(
             rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0

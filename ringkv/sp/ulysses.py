@@ -38,10 +38,8 @@ def head_plan(h: int, hkv: int, world: int, what: str = "ulysses_attention") -> 
     if h % world or (hkv % world and world % hkv):
         raise ValueError(
             f"{what} over {world} ranks splits heads: it needs heads ({h}) divisible by {world}, "
-            "and "
-            f"kv heads ({hkv}) divisible by {world} (split) or dividing it (replicated); valid "
-            "world "
-            f"sizes for heads={h}, kv_heads={hkv}: {_valid_worlds(h, hkv)}"
+            f"and kv heads ({hkv}) divisible by {world} (split) or dividing it (replicated); valid "
+            f"world sizes for heads={h}, kv_heads={hkv}: {_valid_worlds(h, hkv)}"
         )
     if hkv % world == 0:
         return torch.arange(hkv)

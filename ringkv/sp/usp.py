@@ -46,8 +46,7 @@ def sp_groups(
     if ulysses * ring != world:
         raise ValueError(
             f"sp_groups(ulysses={ulysses}, ring={ring}) needs ulysses * ring == the world size "
-            f"{world}, "
-            f"got {ulysses * ring}"
+            f"{world}, got {ulysses * ring}"
         )
     if not dist.is_initialized():
         return None, None

@@ -58,8 +58,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
-# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
-# `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF `kernels`)
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 ROOT = os.path.dirname(HERE)
 

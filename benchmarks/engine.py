@@ -1,7 +1,6 @@
 """Output tokens/s: ringkv.LLM vs transformers ``generate`` on SmolLM2-135M-Instruct (greedy; fp32
-on CPU,
-``--device cuda --dtype bf16`` on a GPU),
-or (``--tp/--pp/--sp``) a parallel engine against ``tp = pp = sp = 1`` in the same run.
+on CPU, ``--device cuda --dtype bf16`` on a GPU), or (``--tp/--pp/--sp``) a parallel engine
+against ``tp = pp = sp = 1`` in the same run.
 
 Same prompts (mixed lengths), same greedy settings, the same number of output tokens per
 request (EOS ignored on both sides), measured in the same process one after the other:
@@ -43,8 +42,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
-# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
-# `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF `kernels`)
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import torch  # noqa: E402

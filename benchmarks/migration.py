@@ -40,8 +40,7 @@ import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
-# `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF `kernels`)
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import torch  # noqa: E402

@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
-# `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF `kernels`)
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 import ringkv  # noqa: E402
 from ringkv import kernels  # noqa: E402

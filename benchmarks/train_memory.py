@@ -84,8 +84,7 @@ import time
 from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF's
-# `kernels`)
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF `kernels`)
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 from benchmarks.models import describe, load_average, machine, machine_line, model_path, write_json  # noqa: E402

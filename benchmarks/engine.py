@@ -537,8 +537,11 @@ def main_parallel(args):
         "weights+KV per rank MiB 1 -> N | peak RSS per rank MiB | idle fraction per rank (bubble) |"
     )
     print("|---:|---:|---:|---:|---|---|---|---|")
+
+    def mib(b):
+        return f"{b / 2**20:.0f}"
+
     for r in rows:
-        mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
         print(
             f"| {r['requests']} | {r['base_tok_s']:.1f} | {r['parallel_tok_s']:.1f} | "
             f"{r['speedup']:.2f}x | "

@@ -46,8 +46,11 @@ def measure(
 
     params = SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True)
     records = []
+
+    def prompt(i):
+        return [3 + (i * 7 + j) % 100 for j in range(8)]
+
     with LLM(model, block_size=16, num_blocks=seqs * (max_tokens // 16 + 4), **engine) as llm:
-        prompt = lambda i: [3 + (i * 7 + j) % 100 for j in range(8)]  # noqa: E731
         live = {llm.add_request(prompt(i), params) for i in range(seqs)}
         added = seqs
         for step in range(1, steps + 1):

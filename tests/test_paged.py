@@ -225,7 +225,10 @@ def make_prefill(p, device):
     cu = torch.tensor([0] + torch.tensor(p["new"]).cumsum(0).tolist(), dtype=torch.int32)
     lens = torch.tensor(local, dtype=torch.int32)
     start = torch.tensor(p["prefix"], dtype=torch.int32)
-    to = lambda t: t.to(device)  # noqa: E731
+
+    def to(t):
+        return t.to(device)
+
     args = (to(q), to(kc), to(vc), to(table), to(cu), to(lens))
     kw = dict(
         max_seqlen_q=max(p["new"]) + p["extra_tiles"],

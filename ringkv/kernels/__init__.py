@@ -37,7 +37,6 @@ from .checks import (
     check_grad_inputs,
     check_sinks,
     check_softcap,
-    resolve_scale,  # noqa: F401
     validate,
 )
 from .dispatch import (

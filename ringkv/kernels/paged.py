@@ -43,7 +43,7 @@ from .paged_base import (
     PagedSeq,
     RowsOut,
     StepAttention,
-    check_features,  # noqa: F401
+    check_features,
     check_striping,
     padded_table,
     paged_attention_reference,

@@ -521,7 +521,7 @@ class _Steps:
         )
         self.cluster.submit(batch, want)
 
-    def result(self, batch: List[Scheduled]):
+    def result(self):
         return self.cluster.result()
 
     def tokens(self, batch: List[Scheduled], result) -> list:

@@ -12,9 +12,9 @@ later step runs, so a later chunk may follow at once). Preemption (free and reco
 the front of the waiting queue) happens inside ``Scheduler.schedule``; sequences in flight are
 never its victims.
 
-What a step *computes* belongs to the executor: ``LLM`` sends it to the ranks and samples,
-``planner.engine_workload`` prices it with a timing model. An executor provides
-``submit(batch)``, ``result(batch)`` (wait for the oldest step's result),
+What a step *computes* belongs to the executor: the engine core's ``_Steps`` sends it to the
+ranks and samples, ``planner.engine_workload`` prices it with a timing model. An executor provides
+``submit(batch)``, ``result()`` (wait for the oldest step's result),
 ``tokens(batch, result)`` (``(sequence, (token, logprob) or the exception taking it raised)``
 per completing sequence), ``append(seq, picked)`` (add the token, decide whether the
 sequence is done) and ``idle()`` (nothing is in flight or waiting).
@@ -106,7 +106,7 @@ class StepPipeline:
                 "KV cache, or a bug)"
             )
         batch = self.inflight.popleft()
-        return self.complete(batch, self.executor.result(batch))
+        return self.complete(batch, self.executor.result())
 
     def complete(self, batch: List[Scheduled], result) -> List[Sequence]:
         """Apply a finished step: register the blocks it filled, append each completing
@@ -149,7 +149,7 @@ class StepPipeline:
         while self.inflight and usable():
             batch = self.inflight.popleft()
             try:
-                self.complete(batch, self.executor.result(batch))
+                self.complete(batch, self.executor.result())
             except Exception:  # noqa: BLE001 - the caller reports the failure
                 break
         if not usable():

@@ -136,7 +136,7 @@ class _Timed:
         self.events.append(("submit", len(self.steps) - 1))
         self.inflight.append(len(self.steps) - 1)
 
-    def result(self, batch):
+    def result(self):
         self.events.append(("complete", self.inflight.popleft()))
 
     def tokens(self, batch, result) -> list:

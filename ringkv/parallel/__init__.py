@@ -2,7 +2,7 @@
 and pipeline sharding, the per-rank step executor and how ranks start. With ``ringkv.sp``
 the only package that communicates."""
 
-from .launch import CacheBudget, Cluster, EngineError
+from .launch import CacheBudget, Cluster, ClusterMode, EngineError
 from .mesh import Mesh, MeshShape, build_mesh
 from .plan import SeqStep, StepPlan
 from .worker import EngineShape, Worker
@@ -10,6 +10,7 @@ from .worker import EngineShape, Worker
 __all__ = [
     "CacheBudget",
     "Cluster",
+    "ClusterMode",
     "EngineError",
     "Mesh",
     "MeshShape",

@@ -21,6 +21,7 @@ wrapped around the library's functions from outside split each step into:
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import random
@@ -36,7 +37,8 @@ sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(
 import torch  # noqa: E402
 
 from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402
-import ringkv.engine.llm as llm_mod  # noqa: E402
+import ringkv.engine.core as core_mod  # noqa: E402
+import ringkv.engine.output as output_mod  # noqa: E402
 import ringkv.engine.scheduler as scheduler_mod  # noqa: E402
 import ringkv.parallel.compiled as compiled_mod  # noqa: E402
 import ringkv.parallel.context as context_mod  # noqa: E402
@@ -49,6 +51,7 @@ SPENT: dict = {}  # seconds per timer in the current step
 
 def timed(owner, name: str, key: str) -> None:
     f = getattr(owner, name)
+    static = isinstance(inspect.getattr_static(owner, name), staticmethod)
 
     def wrapper(*a, **k):
         t = time.perf_counter()
@@ -57,7 +60,7 @@ def timed(owner, name: str, key: str) -> None:
         finally:
             SPENT[key] = SPENT.get(key, 0.0) + time.perf_counter() - t
 
-    setattr(owner, name, wrapper)
+    setattr(owner, name, staticmethod(wrapper) if static else wrapper)
 
 
 def install_timers() -> None:
@@ -67,9 +70,9 @@ def install_timers() -> None:
     timed(worker_mod.Worker, "_sample_input", "lm_head")
     timed(worker_mod, "LocalStep", "localstep")
     timed(scheduler_mod.Scheduler, "schedule", "schedule")
-    timed(llm_mod, "sample", "sample")
-    timed(llm_mod.LLM, "_append", "append")
-    timed(llm_mod.LLM, "_output", "output")
+    timed(core_mod, "sample", "sample")
+    timed(core_mod._Steps, "append", "append")
+    timed(output_mod.OutputProcessor, "request_output", "output")
 
 
 def main(argv=None):

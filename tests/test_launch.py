@@ -55,10 +55,7 @@ def test_spawned_ranks_equal_transformers_and_stop_on_close(model):
         ] == want  # and again
         stats = llm.rank_stats()
         assert [s["rank"] for s in stats] == [0, 1, 2, 3] and all(s["steps"] > 0 for s in stats)
-        t = time.monotonic()
-    # close() waits for the workers' exit: each took ~2.5 s of interpreter teardown after its
-    # clean shutdown (a module of spawned engines spent 21 s closing them)
-    assert time.monotonic() - t < 2
+    assert llm.cluster.mode == "closed"  # a spawn driver after close() (ClusterMode.CLOSED)
     deadline = time.time() + 10
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)

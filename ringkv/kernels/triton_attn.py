@@ -94,7 +94,10 @@ def _build() -> None:
             "set it before anything imports triton (e.g. at the top of tests/conftest.py)"
         )
     triton, tl = _triton, _tl
-    wrap = _Interpreted if _interpret() else (lambda kernel: kernel)
+
+    def wrap(kernel):  # the shortcut needs the interpreter's rewrite() (triton 3.x has it)
+        return _Interpreted(kernel) if _interpret() and hasattr(kernel, "rewrite") else kernel
+
     _KERNELS.update({fn.__name__: wrap(_triton.jit(**options)(fn)) for fn, options in _PENDING})
     for fn, _ in _PENDING:  # kernels call each other across modules by name (e.g. ``_dot``)
         fn.__globals__.update(_KERNELS, triton=_triton, tl=_tl)

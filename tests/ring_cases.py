@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 
 import ringkv
+from ringkv.sp.collectives import forget_agreed
 from ringkv.sp import RingStats, ring as ring_mod
 
 
@@ -56,6 +57,10 @@ def twice_bitwise(ctx, q, k, v, causal, layout):
 
 def call(ctx, per_rank_kwargs, timeout_s=5.0):
     """Call ring_attention with this rank's kwargs (q/k/v given as shapes or tensors)."""
+    # a first call on every rank, whatever configurations earlier cases agreed on (else a rank
+    # whose arguments were agreed before skips the check its peers make: a timeout, not the
+    # ValueError these cases look for)
+    forget_agreed(ctx.group)
     kw = dict(per_rank_kwargs[ctx.rank] if isinstance(per_rank_kwargs, list) else per_rank_kwargs)
     if kw.pop("skip", False):
         return "skipped"

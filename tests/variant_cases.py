@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 
 import ringkv
+from ringkv.sp.collectives import forget_agreed
 from ringkv.sp import CommStats, RingStats
 
 METHODS = {"ulysses": ringkv.ulysses_attention, "allgather": ringkv.allgather_attention}
@@ -98,6 +99,10 @@ def bytes_sent(ctx, q, k, v):
 def call(ctx, method, per_rank_kwargs, timeout_s=10.0):
     """Call a method with this rank's kwargs (q/k/v given as shapes); ``dims`` in the kwargs
     selects usp on that 2D mesh, ``groups`` only builds the mesh."""
+    # a first call on every rank, whatever configurations earlier cases agreed on (else a rank
+    # whose arguments were agreed before skips the check its peers make: a timeout, not the
+    # ValueError these cases look for)
+    forget_agreed(ctx.group)
     kw = dict(per_rank_kwargs[ctx.rank] if isinstance(per_rank_kwargs, list) else per_rank_kwargs)
     if kw.pop("skip", False):
         return "skipped"

@@ -26,6 +26,7 @@ __all__ = [
     "wait",
     "agree",
     "agree_once",
+    "forget_agreed",
     "all_to_all",
     "Pending",
     "start_all_gather",
@@ -122,6 +123,18 @@ _AGREED: Dict[
     tuple, "OrderedDict[tuple, None]"
 ] = {}  # groups -> (what, values) that all ranks agreed on
 AGREED_PER_GROUP = 1024  # remembered configurations per group (least recently used dropped first)
+
+
+def forget_agreed(group=None) -> None:
+    """Drop what ``agree_once`` remembers for ``group`` (default: the world) and the groups
+    inside it, on this rank: the next call on them checks again. Every rank of ``group`` must
+    call it (a rank that remembers and one that does not make different collectives); tests
+    whose case needs a first call use it."""
+    members = set(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
+    for key in [
+        k for k in _AGREED if all(set(dist.get_process_group_ranks(g)) <= members for g in k)
+    ]:
+        del _AGREED[key]
 
 
 def agree_once(

@@ -42,7 +42,7 @@ def prompts(seed=3):
 _refs = {}
 
 
-def reference(model, params):
+def unmoved_tokens(model, params):
     key = (id(model), repr(params))
     if key not in _refs:
         _refs[key] = [
@@ -116,7 +116,7 @@ def test_migrated_requests_finish_as_if_never_moved(model, params, mode, tmp_pat
         moved += 1
     assert moved >= 2
     r.finish()
-    assert [r.outs[rid].token_ids for rid in rids] == reference(model, params)
+    assert [r.outs[rid].token_ids for rid in rids] == unmoved_tokens(model, params)
     assert (
         r.a.blocks.num_free == r.a.blocks.num_blocks
         and r.b.blocks.num_free == r.b.blocks.num_blocks
@@ -136,7 +136,7 @@ def test_a_preempted_request_moves_and_imported_blocks_serve_hits(model):
     r.b.import_request(snap)
     r.a.abort_request(victim.request_id)
     r.finish()
-    assert [r.outs[rid].token_ids for rid in rids] == reference(model, GREEDY)
+    assert [r.outs[rid].token_ids for rid in rids] == unmoved_tokens(model, GREEDY)
     # a request moved after its prefill leaves its full blocks in the receiver's prefix cache
     c = Run(model)
     rid = c.a.add_request(prompts()[3], GREEDY)
@@ -186,7 +186,7 @@ def test_wrong_snapshots_are_refused_and_the_source_keeps_the_request(model, tmp
         and r.b.blocks.num_free == r.b.blocks.num_blocks
     )  # nothing changed
     r.finish()  # nothing lost: the source still finishes it
-    assert r.outs[rid].token_ids == reference(model, GREEDY)[2]
+    assert r.outs[rid].token_ids == unmoved_tokens(model, GREEDY)[2]
 
 
 def test_migration_across_two_processes(worlds):
@@ -319,7 +319,7 @@ class Migrations(RuleBasedStateMachine):
             other = self.engines["b" if self.where[rid] == "a" else "a"]
             other.abort_request(rid)
         self.run.finish()
-        ref = reference(MODEL, GREEDY)
+        ref = unmoved_tokens(MODEL, GREEDY)
         for rid, i in self.prompt_of.items():
             if rid not in self.aborted:
                 assert self.run.outs[rid].token_ids == ref[i], rid
@@ -641,7 +641,7 @@ def test_each_corrupted_field_is_refused_by_name_and_changes_nothing(model):
         refused(r.b, mutate(full if kind == "f" else inc), match, what=what)
     assert (
         r.b.generate(prompts()[0], GREEDY, use_tqdm=False)[0].token_ids
-        == reference(model, GREEDY)[0]
+        == unmoved_tokens(model, GREEDY)[0]
     )
     for snap in (full, inc):  # the snapshots themselves are fine
         r.b.import_request(KVSnapshot.from_bytes(snap.to_bytes()))
@@ -649,7 +649,7 @@ def test_each_corrupted_field_is_refused_by_name_and_changes_nothing(model):
         r.a.abort_request(rid)
     r.finish()
     assert [r.outs[rid].token_ids for rid in ("f", "s")] == [
-        reference(model, GREEDY)[i] for i in (1, 3)
+        unmoved_tokens(model, GREEDY)[i] for i in (1, 3)
     ]
     assert r.outs["s"].prompt_logprobs == pytest.approx(
         LLM(model, block_size=4, num_blocks=64)
@@ -674,7 +674,7 @@ def test_any_corrupted_snapshot_is_refused_and_the_engine_serves_on(held_engine,
     refused(r.b, mutate(full if kind == "f" else inc), what=what)
     assert (
         r.b.generate(prompts()[0], GREEDY, use_tqdm=False)[0].token_ids
-        == reference(model, GREEDY)[0]
+        == unmoved_tokens(model, GREEDY)[0]
     ), what
 
 
@@ -716,7 +716,7 @@ def test_a_refused_import_takes_no_blocks_and_a_failed_write_gives_them_back(mod
     r.b.import_request(snap)
     r.a.abort_request(rid)
     r.finish()
-    assert r.outs[rid].token_ids == reference(model, GREEDY)[3]
+    assert r.outs[rid].token_ids == unmoved_tokens(model, GREEDY)[3]
 
 
 def _edit_meta(data: bytes, edit) -> bytes:
@@ -794,7 +794,7 @@ def test_imported_kv_stay_out_of_the_prefix_cache_by_default(model):
     r.b.import_request(forged)
     r.b.abort_request(rid)
     out = r.b.generate(p, GREEDY, use_tqdm=False)[0]
-    assert out.token_ids == reference(model, GREEDY)[3] and out.num_cached_tokens == 0
+    assert out.token_ids == unmoved_tokens(model, GREEDY)[3] and out.num_cached_tokens == 0
     # nor does what is computed on top of honest imported K/V enter it
     c = Run(model)
     rid = c.a.add_request(p, GREEDY)
@@ -803,7 +803,7 @@ def test_imported_kv_stay_out_of_the_prefix_cache_by_default(model):
     c.b.import_request(c.a.export_request(rid))
     c.a.abort_request(rid)
     c.finish()
-    assert c.outs[rid].token_ids == reference(model, GREEDY)[3]
+    assert c.outs[rid].token_ids == unmoved_tokens(model, GREEDY)[3]
     assert c.b.generate(p, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
 
 
@@ -837,7 +837,7 @@ def test_reclaim_frees_held_blocks_and_loses_nothing(model):
     r.a.abort_request(staged)
     r.finish()
     assert [r.outs[rid].token_ids for rid in (paused, staged)] == [
-        reference(model, GREEDY)[i] for i in (1, 3)
+        unmoved_tokens(model, GREEDY)[i] for i in (1, 3)
     ]
     for e in (r.a, r.b):
         assert e.blocks.num_free == e.blocks.num_blocks

@@ -74,7 +74,7 @@ def prompts():
 _refs = {}
 
 
-def reference(model, kv_cache_dtype):
+def unmoved_tokens(model, kv_cache_dtype):
     """Unmigrated outputs of every (prompt, params) request, on one rank with the same cache format
     (a quantized cache rounds K/V: its outputs are its own)."""
     if kv_cache_dtype not in _refs:
@@ -144,7 +144,7 @@ def test_requests_move_between_meshes_and_finish_as_if_never_moved(engines, mode
     assert moved >= 4
     _finish(a, outs)
     _finish(b, outs)
-    assert [outs[rid].token_ids for rid in rids] == reference(
+    assert [outs[rid].token_ids for rid in rids] == unmoved_tokens(
         model, MESHES[src].get("kv_cache_dtype", "auto")
     )
     for e in (a, b):

@@ -126,15 +126,11 @@ AGREED_PER_GROUP = 1024  # remembered configurations per group (least recently u
 
 
 def forget_agreed(group=None) -> None:
-    """Drop what ``agree_once`` remembers for ``group`` (default: the world) and the groups
-    inside it, on this rank: the next call on them checks again. Every rank of ``group`` must
-    call it (a rank that remembers and one that does not make different collectives); tests
-    whose case needs a first call use it."""
-    members = set(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
-    for key in [
-        k for k in _AGREED if all(set(dist.get_process_group_ranks(g)) <= members for g in k)
-    ]:
-        del _AGREED[key]
+    """Drop what ``agree_once`` remembers for calls on exactly ``group`` (default: the world),
+    on this rank: the next call on it checks again. Every rank of ``group`` must call it (a rank
+    that remembers and one that does not make different collectives); calls over several groups
+    (USP's) keep theirs. Tests whose case needs a first call use it."""
+    _AGREED.pop((dist.group.WORLD if group is None else group,), None)
 
 
 def agree_once(

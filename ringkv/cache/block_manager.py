@@ -17,9 +17,17 @@ collision (different content, same hash) costs a miss, never wrong KV. Unreferen
 registered blocks stay cached and are evicted least-recently-used first, after the
 never-used blocks.
 
-``KVEvents`` (``BlockManager.events``, off unless set): every hash entering the prefix cache
-(``STORED``) and leaving it (``REMOVED``, an eviction), numbered in order, so a router can keep
-an index of which engine holds which prefix blocks (``serve/router.py``).
+Tiers (``attach_tiers``: a ``tiers.TierStore``): a registered block the pool evicts is copied to
+the host tier (and from there to disk) before its block is reused, and a prompt's chain that
+reaches a block the device lost but a tier holds gets it back (``match_prefix`` allocates a
+block, the store copies the K/V in, the block is registered again: a *promotion*). Tier entries
+are keyed by the block's chained SHA-256 (``block_hash``, whatever ``hash_fn`` is), so a tier
+hit is exact even where ``hash_fn`` collides.
+
+``KVEvents`` (``BlockManager.events``, off unless set): where each hash of the prefix cache is
+best held, numbered in order: ``STORED`` (on the device), ``HOST`` or ``DISK`` (evicted from the
+device, kept by that tier) and ``REMOVED`` (held nowhere), so a router can keep an index of which
+engine holds which prefix blocks where (``serve/router.py``).
 """
 
 from __future__ import annotations
@@ -43,11 +51,13 @@ def block_hash(key: tuple) -> bytes:
     return h.digest()
 
 
-STORED, REMOVED = 1, 0
+REMOVED, STORED, HOST, DISK = 0, 1, 2, 3  # KVEvents kinds: held nowhere, device, host, disk
+_UNKNOWN = -1  # a parent content id no registered block holds (never equal to a real one)
 
 
 class KVEvents:
-    """The prefix cache's changes, numbered from 1: ``(number, STORED | REMOVED, hash)``. Written
+    """The prefix cache's changes, numbered from 1: ``(number, kind, hash)``, kind one of
+    ``STORED``, ``HOST``, ``DISK``, ``REMOVED``. Written
     by the engine's thread, read by any (a lock). Only the last ``limit`` are kept; a reader that
     fell further behind (``since`` returns None) reads the whole index instead."""
 
@@ -91,6 +101,7 @@ class PrefixCursor:
     blocks: int = 0  # full blocks already processed
     hash: Hashable = None  # chained hash of the last processed block
     cid: Optional[int] = None  # content id of the last processed block
+    key: Optional[bytes] = None  # tier key (chained SHA-256) of the last processed block
     stopped: bool = False  # a hash collision cut the chain: register nothing further
 
 
@@ -122,8 +133,26 @@ class BlockManager:
             int, int
         ] = {}  # registered blocks holding it + contents whose parent it is
         self._next_cid = itertools.count()
-        self.hits = self.queries = self.evictions = 0  # counters, in blocks
+        self.hits = self.queries = self.evictions = self.promotions = 0  # counters, in blocks
         self.events: Optional[KVEvents] = None  # set to publish the prefix cache's changes
+        self.tiers = None  # a TierStore (attach_tiers): evicted blocks kept off the device
+        self.key_of: Dict[int, bytes] = {}  # registered block -> its tier key (with tiers)
+
+    def attach_tiers(self, tiers) -> None:
+        """Keep evicted blocks in ``tiers`` (a ``tiers.TierStore``) and promote them back."""
+        self.tiers = tiers
+        tiers.on_change = self._tier_changed
+
+    def _tier_changed(self, h, tier: int) -> None:
+        """A tier took or lost ``h``: an event unless the device holds it (its best tier)."""
+        if self.events is not None and h not in self.by_hash:
+            self.events.add(tier, h)
+
+    def _key(self, parent: Optional[bytes], tokens: tuple, salt, h) -> Optional[bytes]:
+        """A block's tier key: its chained SHA-256 (``h`` itself with the default hash)."""
+        if self.tiers is None:
+            return None
+        return h if self.hash_fn is block_hash else block_hash((parent, tokens, salt))
 
     # -- capacity ------------------------------------------------------------------------
     @property
@@ -144,24 +173,79 @@ class BlockManager:
             yield i, h, tokens
             parent = h
 
+    def _walk(self, token_ids: Sequence[int], num_blocks: int, salt):
+        """Yield ``(device block or None, tier key)`` for the first ``num_blocks`` full blocks of
+        ``token_ids`` while some tier holds each: the device (the same tokens, salt and parent
+        *content*: a hash collision is a miss) or else the host or disk tier (by the exact
+        key). The consumer takes a device block before asking for the next one."""
+        parent, pkey = None, None  # content id and tier key of the previous block
+        for _, h, tokens in self._chain(token_ids, num_blocks, salt):
+            key = self._key(pkey, tokens, salt, h)
+            b = self.by_hash.get(h)
+            if (
+                b is not None
+                and parent != _UNKNOWN
+                and self.contents[self.cid_of[b]] == _Content(parent, tokens, salt)
+            ):
+                parent = self.cid_of[b]
+            elif key is not None and self.tiers.where(key) is not None:
+                b = None
+                cid = None if parent == _UNKNOWN else self.cids.get(_Content(parent, tokens, salt))
+                parent = _UNKNOWN if cid is None else cid
+            else:
+                return  # miss, or a hash collision: stop, never reuse unconfirmed KV
+            pkey = key
+            yield b, key
+
     def match_prefix(self, token_ids: Sequence[int], salt: Optional[str] = None) -> List[int]:
         """Registered blocks holding a prefix of ``token_ids``; never covers the last token
-        (its logits are needed, so it is always recomputed). Takes a reference on each.
-        Hits are not counted here (``count`` does, once a request is admitted)."""
+        (its logits are needed, so it is always recomputed). Takes a reference on each. Blocks
+        a tier holds are promoted: a fresh block each (while any is free), their K/V copied in,
+        registered again. Hits are not counted here (``count`` does, once a request is
+        admitted)."""
         if not self.prefix_caching:
             return []
-        full = (len(token_ids) - 1) // self.block_size
         blocks: List[int] = []
-        parent = None
-        for _, h, tokens in self._chain(token_ids, full, salt):
-            b = self.by_hash.get(h)
-            if b is None or self.contents[self.cid_of[b]] != _Content(parent, tokens, salt):
-                break  # miss, or a hash collision: stop, never reuse unconfirmed KV
+        promote: List[Tuple[int, bytes]] = []  # (fresh block, tier key)
+        for b, key in self._walk(token_ids, (len(token_ids) - 1) // self.block_size, salt):
+            if b is None:
+                if not self.num_free:
+                    break
+                (b,) = self.allocate(1)
+                promote.append((b, key))
+            else:
+                self._take(b)
             blocks.append(b)
-            parent = self.cid_of[b]
-        for b in blocks:
-            self._take(b)
+        if promote:
+            loaded = self.tiers.load(promote)
+            if loaded < len(promote):  # a disk entry failed its checks: recompute from there
+                cut = blocks.index(promote[loaded][0])
+                self.free(blocks[cut:])
+                del blocks[cut:]
+            self.promotions += loaded
+            self.register(blocks, token_ids, len(blocks) * self.block_size, salt)
         return blocks
+
+    def locate(
+        self, token_ids: Sequence[int], salt: Optional[str] = None, take: bool = False
+    ) -> List[Tuple[Optional[int], Optional[bytes]]]:
+        """The longest prefix of whole blocks of ``token_ids`` held in any tier, per block
+        ``(device block, key)`` or ``(None, key)`` (a tier holds it). ``take``: a reference
+        on each device block (pinned: ``free`` them when done)."""
+        if not self.prefix_caching:
+            return []
+        out = []
+        for b, key in self._walk(token_ids, len(token_ids) // self.block_size, salt):
+            if b is not None and take:
+                self._take(b)
+            out.append((b, key))
+        return out
+
+    def prefetch(self, token_ids: Sequence[int], salt: Optional[str] = None) -> None:
+        """Start reading the disk-tier blocks of a queued prompt's prefix (``TierStore.prefetch``)
+        off the engine's thread."""
+        if self.tiers is not None and self.tiers.disk is not None:
+            self.tiers.prefetch([k for b, k in self.locate(token_ids, salt) if b is None])
 
     def count(self, token_ids: Sequence[int], hits: int) -> None:
         """Record one admitted request: ``hits`` of its full prompt blocks came from the cache."""
@@ -175,17 +259,22 @@ class BlockManager:
             self.evictable.pop(b, None)
         self.ref[b] += 1
 
-    def _evict(self, b: int) -> None:
-        h, cid = self.hash_of.pop(b), self.cid_of.pop(b)
+    def _evict(self, b: int) -> Optional[Tuple[int, Optional[bytes], Hashable]]:
+        """Unregister ``b``; ``(b, tier key, hash)`` if the device cache lost the hash."""
+        h, cid, key = self.hash_of.pop(b), self.cid_of.pop(b), self.key_of.pop(b, None)
         del self.by_hash[h]
         twins = self.twins.get(cid)
+        lost = None
         if twins:  # a block in use holds the same KV: it takes over the cache entry
             d = twins.pop()
             self.by_hash[h], self.hash_of[d] = d, h
-        elif self.events is not None:
-            self.events.add(REMOVED, h)
+            if key is not None:
+                self.key_of[d] = key
+        else:
+            lost = (b, key, h)
         self._unref(cid)
         self.evictions += 1
+        return lost
 
     def _intern(self, content: _Content) -> int:
         cid = self.cids.get(content)
@@ -210,15 +299,22 @@ class BlockManager:
         """``n`` fresh blocks (ref 1 each), evicting LRU cached blocks if needed."""
         if n > self.num_free:
             raise MemoryError(f"need {n} KV blocks, only {self.num_free} free")
-        out = []
+        out, lost = [], []
         for _ in range(n):
             if self.empty:
                 b = self.empty.popleft()
             else:
                 b, _ = self.evictable.popitem(last=False)
-                self._evict(b)
+                gone = self._evict(b)
+                if gone is not None:
+                    lost.append(gone)
             self.ref[b] = 1
             out.append(b)
+        if lost and self.tiers is not None:  # their K/V to a tier before anyone writes the blocks
+            self.tiers.save(lost)  # (its events through _tier_changed)
+        elif self.events is not None:
+            for _, _, h in lost:
+                self.events.add(REMOVED, h)
         return out
 
     def grow(self, table: List[int], num_tokens: int) -> bool:
@@ -267,6 +363,7 @@ class BlockManager:
             i = cur.blocks
             tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = self.hash_fn((cur.hash, tokens, salt))
+            key = self._key(cur.key, tokens, salt, h)
             content = _Content(cur.cid, tokens, salt)
             b = table[i]
             if b in self.hash_of:
@@ -275,6 +372,8 @@ class BlockManager:
                 cid = self._intern(content)
                 self.cid_refs[cid] += 1
                 self.by_hash[h], self.hash_of[b], self.cid_of[b] = b, h, cid
+                if key is not None:
+                    self.key_of[b] = key
                 if self.events is not None:
                     self.events.add(STORED, h)
             else:
@@ -292,7 +391,7 @@ class BlockManager:
                     self.cid_refs[self.cid_of[own]] += 1
                     self.twins.setdefault(self.cid_of[own], set()).add(own)
                 b = twin  # a twin holds the same KV (computed concurrently): chain on through it
-            cur.blocks, cur.hash, cur.cid = i + 1, h, self.cid_of[b]
+            cur.blocks, cur.hash, cur.cid, cur.key = i + 1, h, self.cid_of[b], key
 
     def check(self) -> None:
         """Invariants (for tests): no negative refs, every block in exactly one state."""

@@ -19,7 +19,9 @@ from typing import Callable, List, Optional, Sequence as Seq
 
 import torch
 
-from ..cache.block_manager import BlockManager, KVEvents, block_hash
+from ..cache.block_manager import STORED, BlockManager, KVEvents, block_hash
+from ..cache.disk_tier import DiskTier
+from ..cache.tiers import EntryLayout, TierStore
 from ..kernels import quant
 from ..model.loader import open_model
 from ..parallel.compiled import decode_buckets
@@ -35,6 +37,7 @@ from .scheduler import Scheduled, Scheduler
 from .sequence import Sequence
 from .snapshot import model_digest
 
+DEFAULT_KV_DISK_SIZE = 16 << 30  # bytes of the disk tier when kv_disk is given alone
 SP_PREFILL_MIN_TOKENS = 64  # a sequence computing at least this many tokens in a step uses the
 # ring (sp > 1); measured: docs/performance.md
 
@@ -55,6 +58,17 @@ def with_settings(cls, config, settings: dict, caller: str):
             f"{sorted(names)}"
         )
     return replace(config or cls(), **settings)
+
+
+def _check_tiers(c: "EngineConfig") -> None:
+    for name, v in (("kv_host_memory", c.kv_host_memory), ("kv_disk_size", c.kv_disk_size)):
+        least = 0 if name == "kv_host_memory" else 1
+        if v is not None and (not is_int(v) or v < least):
+            raise ValueError(f"{name} must be an int number of bytes >= {least}, got {v!r}")
+    if c.kv_disk is not None and (not isinstance(c.kv_disk, str) or not c.kv_disk):
+        raise ValueError(f"kv_disk must be a directory path, got {c.kv_disk!r}")
+    if c.kv_disk_size is not None and c.kv_disk is None:
+        raise ValueError("kv_disk_size needs kv_disk (the directory of the disk tier)")
 
 
 def _positive_int(name: str, value) -> None:
@@ -96,6 +110,11 @@ class EngineConfig:
     compile_decode: bool = (
         False  # decode (CPU: also prefill) steps' dense parts through torch.compile
     )
+    # the prefix cache's tiers off the device (cache/tiers.py): host bytes (None: as large as the
+    # device pool; 0: off), a disk directory (None: off) and its bound in bytes
+    kv_host_memory: Optional[int] = None
+    kv_disk: Optional[str] = None
+    kv_disk_size: Optional[int] = None
 
 
 class EngineCore:
@@ -114,6 +133,7 @@ class EngineCore:
         max_model_len, dtype = c.max_model_len, c.dtype
         for name in ("tp", "pp", "sp", "block_size", "sp_prefill_min_tokens", "max_num_seqs"):
             _positive_int(name, getattr(c, name))
+        _check_tiers(c)
         if sum(x is not None for x in (kv_cache_memory, num_blocks, gpu_memory_utilization)) > 1:
             raise ValueError(
                 "give one of kv_cache_memory (bytes per rank), gpu_memory_utilization or num_blocks"
@@ -207,7 +227,10 @@ class EngineCore:
             enable_prefix_caching=c.enable_prefix_caching,
             hash_fn=c.hash_fn,
         )
-        self.migration = Migration(self)  # export / import of running requests
+        self.tiers = self._make_tiers(c)  # evicted prefix blocks kept in host memory / on disk
+        if self.tiers is not None:
+            self.blocks.attach_tiers(self.tiers)
+        self.migration = Migration(self)  # export / import of running requests and prefixes
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=c.max_num_seqs,
@@ -220,6 +243,35 @@ class EngineCore:
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)
         self.pipeline = StepPipeline(self.scheduler, _Steps(self.cluster, self.output), depth=pp)
         self._max_prompt_chars: Optional[int] = None
+
+    def _make_tiers(self, c: EngineConfig) -> Optional[TierStore]:
+        """The host and disk tiers of the prefix cache (None if both are off): on the driver,
+        whose block manager decides; every rank's K/V move through ``read_kv``/``write_kv``."""
+        host, disk, disk_size = c.kv_host_memory, c.kv_disk, c.kv_disk_size
+        if not c.enable_prefix_caching or not self.cluster.is_driver:
+            return None
+        mover, tpb = self.cluster.mover, self.shape.block_size * self.shape.sp
+        layout = EntryLayout(mover.shape, tpb, mover.dtype, mover.scale_dtype)
+        host_blocks = self.num_blocks if host is None else host // layout.nbytes
+        if not host_blocks and disk is None:
+            return None
+        return TierStore(
+            host_blocks=host_blocks,
+            layout=layout,
+            read=lambda blocks: self.cluster.read_kv(blocks, 0, len(blocks) * tpb),
+            write=lambda blocks, kv: self.cluster.write_kv(blocks, 0, kv),
+            disk=None
+            if disk is None
+            else DiskTier(
+                disk,
+                disk_size or DEFAULT_KV_DISK_SIZE,
+                model=self.digest,
+                kv_cache_dtype=self.kv_storage,
+                tokens_per_block=tpb,
+                shape=mover.shape,
+            ),
+            pinned=self.device.type == "cuda",
+        )
 
     @staticmethod
     def _check_capacity(
@@ -242,6 +294,8 @@ class EngineCore:
     # -- lifecycle and stats ---------------------------------------------------------------
     def close(self) -> None:
         """Stop the worker processes this engine started (spawn mode); idempotent."""
+        if self.tiers is not None:
+            self.tiers.close()
         self._finalizer()
 
     @property
@@ -253,8 +307,21 @@ class EngineCore:
         (a block-table entry: ``block_size * sp`` tokens, striped over the SP ranks),
         ``num_blocks``, ``bytes_per_token`` (K and V of one token on this rank:
         ``2 x layers_on_stage x kv_heads_on_rank x head_dim x bytes``), ``capacity_tokens``
-        (tokens the whole engine holds) and ``per_rank`` (each rank's layers, KV heads,
-        bytes per token and allocated cache bytes)."""
+        (tokens the whole engine holds), ``per_rank`` (each rank's layers, KV heads,
+        bytes per token and allocated cache bytes) and ``tiers``: the prefix cache's blocks per
+        tier, ``device`` (``blocks`` in use, ``cached`` registered, ``capacity``, ``promotions``
+        from the tiers below), ``host`` and ``disk`` (``blocks``, ``bytes``,
+        ``capacity_bytes``; the disk's ``enabled`` and ``error``), None where a tier is off."""
+        b = self.blocks
+        tiers = dict(
+            device=dict(
+                blocks=b.num_blocks - b.num_free,
+                cached=len(b.by_hash),
+                capacity=b.num_blocks,
+                promotions=b.promotions,
+            ),
+            **(self.tiers.usage() if self.tiers is not None else dict(host=None, disk=None)),
+        )
         sh = self.shape
         return dict(
             block_size=sh.block_size,
@@ -271,6 +338,7 @@ class EngineCore:
             pp=sh.pp,
             sp=sh.sp,
             per_rank=self.cluster.infos,
+            tiers=tiers,
         )
 
     def rank_stats(self) -> List[dict]:
@@ -302,9 +370,18 @@ class EngineCore:
         published."""
         return self.blocks.events
 
-    def cached_blocks(self) -> List[bytes]:
-        """The hashes of every block in the prefix cache (read it on the engine's thread)."""
-        return list(self.blocks.by_hash)
+    def cached_blocks(self) -> List[tuple]:
+        """``(hash, tier)`` of every block in the prefix cache, each once at its best tier
+        (``STORED``: the device, ``HOST``, ``DISK``); read it on the engine's thread."""
+        out = [(h, STORED) for h in self.blocks.by_hash]
+        if self.tiers is not None:
+            out += [(h, t) for h, t in self.tiers.keys() if h not in self.blocks.by_hash]
+        return out
+
+    def cached_tokens(self, token_ids: Seq[int], cache_salt: Optional[str] = None) -> int:
+        """Tokens of a prompt's prefix this engine holds in any tier (whole blocks, never the
+        last token: what admitting it now would not compute)."""
+        return len(self.blocks.locate(token_ids[:-1], cache_salt)) * self.blocks.block_size
 
     # -- requests --------------------------------------------------------------------------
     def encode(self, prompt, apply_chat_template: bool = False) -> List[int]:
@@ -468,6 +545,7 @@ class EngineCore:
         if seqs[0].finished:
             raise ValueError(seqs[0].error)
         self.pipeline.add(seqs)
+        self.blocks.prefetch(seqs[0].token_ids[:-1], cache_salt)  # disk-tier blocks, off-thread
         return seqs[0].request_id
 
     def has_unfinished_requests(self) -> bool:

@@ -1,0 +1,244 @@
+"""Prefix-cache blocks off the device: a bounded host-memory tier and an optional disk tier.
+
+When the device pool evicts a registered block (``BlockManager.allocate``), its K/V are copied
+here before the block is reused; when a later prompt's chain reaches a block the device lost
+but a tier holds, ``BlockManager.match_prefix`` allocates a device block and copies them back
+(a *promotion*): a hit costs a copy, a miss costs a prefill.
+
+An entry is one *logical block* (``tokens_per_block = block_size * sp`` tokens) over all layers
+and KV heads, token-major as a KV snapshot holds them: ``k``/``v`` ``(layers, tokens_per_block,
+Hkv, D)`` in the cache's storage dtype, ``k_scale``/``v_scale`` ``(layers, tokens_per_block,
+Hkv)`` on a quantized cache. The driver gathers them from every rank and scatters them back
+(``read``/``write``: the cluster's ``read_kv``/``write_kv``), so the tiers work on every mesh.
+An entry's ``key`` is the block's chained SHA-256 (``block_hash`` of parent key, tokens, salt):
+it names the content, the tenant's salt included, so a tier never serves another's K/V.
+
+- **Host**: ``host_blocks`` slots in one byte pool. On a CPU engine the pool is a memory-mapped
+  file of its own (pages are taken when written: an unused tier costs nothing); on CUDA it is
+  pinned host memory. Least recently used first out: to the disk tier if there is one.
+- **Disk** (``disk_tier.DiskTier``): safetensors files with checksums, bounded, least recently
+  used first out; a file that fails its checks is refused and the block recomputed; a full disk
+  turns the tier off and serving goes on.
+
+Both tiers are *inclusive* of the device: a promoted block keeps its host or disk copy, so its
+next eviction costs no copy. ``on_change(hash, tier)`` reports where an entry is best held off the
+device (``HOST``, ``DISK``, or ``REMOVED`` once no tier holds it): the block manager turns it into
+the ``KVEvents`` a router indexes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import OrderedDict
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .block_manager import DISK, HOST, REMOVED
+
+
+KV = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]
+
+
+class EntryLayout:
+    """Where each tensor of an entry sits in its slot of bytes."""
+
+    def __init__(self, shape: Tuple[int, int, int], tokens_per_block: int, dtype, scale_dtype):
+        layers, hkv, d = shape
+        self.shapes = [(layers, tokens_per_block, hkv, d)] * 2
+        self.dtypes = [dtype, dtype]
+        if scale_dtype is not None:
+            self.shapes += [(layers, tokens_per_block, hkv)] * 2
+            self.dtypes += [scale_dtype, scale_dtype]
+        self.sizes = [torch.Size(s).numel() * t.itemsize for s, t in zip(self.shapes, self.dtypes)]
+        self.nbytes = sum(self.sizes)
+
+    def pack(self, slot: torch.Tensor, kv: KV) -> None:
+        """``kv`` (one entry) into ``slot`` (``nbytes`` uint8)."""
+        at = 0
+        for t, n in zip(kv, self.sizes):
+            slot[at : at + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+            at += n
+
+    def unpack(self, slot: torch.Tensor) -> KV:
+        """A copy of the entry in ``slot``."""
+        out, at = [], 0
+        for shape, dtype, n in zip(self.shapes, self.dtypes, self.sizes):
+            out.append(slot[at : at + n].clone().view(dtype).view(shape))
+            at += n
+        return (*out, *(None,) * (4 - len(out)))
+
+
+def _pool(nbytes: int, pinned: bool) -> torch.Tensor:
+    """``nbytes`` of uint8: pinned memory, or a memory-mapped file of its own (unlinked at once:
+    it lives as long as the mapping)."""
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    fd, path = tempfile.mkstemp(prefix="ringkv-host-kv-")
+    try:
+        os.ftruncate(fd, nbytes)
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+class TierStore:
+    """The host tier (and the disk tier behind it) of one engine's prefix cache.
+
+    ``read(blocks) -> KV`` gathers device blocks (in order, ``len(blocks) * tokens_per_block``
+    tokens) and ``write(blocks, kv)`` scatters K/V into them; ``disk``: a ``DiskTier`` or None;
+    ``on_change(hash, tier)``: see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        host_blocks: int,
+        layout: EntryLayout,
+        read: Callable[[List[int]], KV],
+        write: Callable[[List[int], KV], None],
+        disk=None,
+        pinned: bool = False,
+        on_change: Callable[[Hashable, int], None] = lambda h, tier: None,
+    ):
+        if host_blocks < 0:
+            raise ValueError(f"host_blocks must be >= 0, got {host_blocks}")
+        self.host_blocks, self.layout, self.disk = host_blocks, layout, disk
+        self.read, self.write, self.on_change = read, write, on_change
+        self.pinned = pinned
+        self.pool: Optional[torch.Tensor] = None  # host_blocks * nbytes uint8, made when first used
+        self.slot_of: "OrderedDict[bytes, int]" = OrderedDict()  # key -> host slot, LRU first
+        self.free_slots = list(range(host_blocks - 1, -1, -1))
+        self.hash_of: Dict[bytes, Hashable] = {}  # key -> the prefix cache's hash of the block
+        self.saves = self.loads = self.load_failures = 0  # counters, in blocks
+
+    # -- lookups ---------------------------------------------------------------------------
+    def where(self, key: bytes) -> Optional[int]:
+        """``HOST`` or ``DISK`` if a tier holds the entry, else None."""
+        if key in self.slot_of:
+            return HOST
+        if self.disk is not None and key in self.disk:
+            return DISK
+        return None
+
+    def keys(self) -> List[Tuple[Hashable, int]]:
+        """``(hash, tier)`` of every entry, each once (its best tier)."""
+        out = [(self.hash_of.get(k, k), HOST) for k in self.slot_of]
+        if self.disk is not None:
+            on_disk = [k for k in self.disk.keys() if k not in self.slot_of]
+            out += [(self.hash_of.get(k, k), DISK) for k in on_disk]
+        return out
+
+    def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Start reading the disk entries among ``keys`` (a queued request's chain) off the
+        engine's thread, so its promotion finds them in memory."""
+        if self.disk is not None:
+            wanted = [k for k in keys if k not in self.slot_of and k in self.disk]
+            if wanted:
+                self.disk.prefetch(wanted)
+
+    def get(self, key: bytes) -> Optional[KV]:
+        """The entry's K/V (a copy, on the CPU), or None if no tier holds it (or its disk file
+        failed its checks: then it is gone)."""
+        slot = self.slot_of.get(key)
+        if slot is not None:
+            self.slot_of.move_to_end(key)
+            return self.layout.unpack(self._slot(slot))
+        if self.disk is None or key not in self.disk:
+            return None
+        kv = self.disk.get(key)
+        if kv is None:  # refused (corrupt, truncated, another model's): recomputed instead
+            self._forget(key)
+        return kv
+
+    # -- the device's evictions and promotions ---------------------------------------------
+    def save(self, evicted: Sequence[Tuple[int, bytes, Hashable]]) -> None:
+        """Device blocks ``(block, key, hash)`` about to be reused: copy the K/V of those no tier
+        holds yet into the host tier (one gather for all), and report each one's tier."""
+        new = [(b, k, h) for b, k, h in evicted if self.where(k) is None]
+        for _, k, h in evicted:
+            self.hash_of[k] = h
+        if new and (self.host_blocks or self.disk is not None):
+            kv = self.read([b for b, _, _ in new])
+            tpb = self.layout.shapes[0][1]
+            put = self._put_host if self.host_blocks else self._put_disk  # no host tier: to disk
+            for i, (_, key, _) in enumerate(new):
+                put(key, tuple(None if t is None else t[:, i * tpb : (i + 1) * tpb] for t in kv))
+            self.saves += len(new)
+        for _, k, h in evicted:
+            tier = self.where(k)
+            if tier is None:
+                self.hash_of.pop(k, None)
+            self.on_change(h, tier or REMOVED)
+
+    def load(self, pairs: Sequence[Tuple[int, bytes]]) -> int:
+        """Copy entries into device blocks ``(block, key)``, in order; stops at the first entry
+        no tier can give (a disk file refused). Returns how many were loaded."""
+        parts = []
+        for _, key in pairs:
+            kv = self.get(key)
+            if kv is None:
+                self.load_failures += 1
+                break
+            parts.append(kv)
+        if parts:
+            kv = tuple(
+                None if parts[0][i] is None else torch.cat([p[i] for p in parts], 1)
+                for i in range(4)
+            )
+            self.write([b for b, _ in pairs[: len(parts)]], kv)
+            self.loads += len(parts)
+        return len(parts)
+
+    # -- the tiers' own bounds -------------------------------------------------------------
+    def _slot(self, slot: int) -> torch.Tensor:
+        n = self.layout.nbytes
+        return self.pool[slot * n : (slot + 1) * n]
+
+    def _put_host(self, key: bytes, kv: KV) -> None:
+        if self.pool is None:
+            self.pool = _pool(self.host_blocks * self.layout.nbytes, self.pinned)
+        if not self.free_slots:  # the least recently used entry goes to disk, or is dropped
+            old, slot = self.slot_of.popitem(last=False)
+            if self.disk is not None and old not in self.disk:
+                self._put_disk(old, self.layout.unpack(self._slot(slot)))
+            self.free_slots.append(slot)
+            tier = self.where(old)
+            if tier is None:
+                self._forget(old)
+            elif tier == DISK:
+                self.on_change(self.hash_of.get(old, old), DISK)
+        slot = self.free_slots.pop()
+        self.layout.pack(self._slot(slot), kv)
+        self.slot_of[key] = slot
+
+    def _put_disk(self, key: bytes, kv: KV) -> None:
+        for gone in self.disk.put(key, kv):
+            if gone not in self.slot_of:
+                self._forget(gone)
+
+    def _forget(self, key: bytes) -> None:
+        """No tier holds ``key`` any more."""
+        self.on_change(self.hash_of.pop(key, key), REMOVED)
+
+    # -- what it holds ---------------------------------------------------------------------
+    def usage(self) -> dict:
+        """``{"host": {...}, "disk": {...}}``: blocks and bytes each tier holds (None: off)."""
+        n = self.layout.nbytes
+        host = (
+            dict(
+                blocks=len(self.slot_of),
+                bytes=len(self.slot_of) * n,
+                capacity_blocks=self.host_blocks,
+                capacity_bytes=self.host_blocks * n,
+            )
+            if self.host_blocks
+            else None
+        )
+        return dict(host=host, disk=None if self.disk is None else self.disk.usage())
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+        self.pool = None

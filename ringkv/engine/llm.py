@@ -83,6 +83,8 @@ class LLM:
     publish_kv_events = _core("publish_kv_events")
     kv_events = _core("kv_events")
     cached_blocks = _core("cached_blocks")
+    cached_tokens = _core("cached_tokens")
+    tiers = _core("tiers")
     encode = _core("encode")
     add_request = _core("add_request")
     has_unfinished_requests = _core("has_unfinished_requests")
@@ -182,6 +184,23 @@ class LLM:
             raise
         self.cluster.end({})
         return out
+
+    def export_prefix(self, token_ids, cache_salt: Optional[str] = None):
+        """The ``PrefixKV`` of the longest prefix of ``token_ids`` this engine holds in any tier
+        (whole blocks of ``block_size * sp`` tokens; the device blocks pinned while their K/V are
+        gathered from every rank), or None if it holds none. For another engine's
+        ``import_prefix`` (``remote.send_prefix`` carries it between processes)."""
+        return self._migration(self.core.migration.export_prefix, token_ids, cache_salt)
+
+    def import_prefix(self, prefix) -> int:
+        """Put another engine's cached prefix (``export_prefix``; same model and KV dtype, any
+        mesh and block size) into this engine's prefix cache, under the same salted hash chain:
+        every field is checked first (a ``ValueError`` naming it, nothing allocated); then the
+        whole blocks of this engine's size that the free blocks hold are written to every rank
+        and registered. The K/V are trusted (only import from engines you trust, as with
+        ``import_request(cache_prefix=True)``). Returns the prefix tokens now cached (0 if none
+        fit); a request with that prefix then hits them."""
+        return self._migration(self.core.migration.import_prefix, prefix)
 
     def resume_request(self, request_id) -> None:
         """Run a request stopped by ``export_request`` here again (its import failed)."""

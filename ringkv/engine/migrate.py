@@ -32,7 +32,7 @@ import torch
 from .params import Logprob, SamplingParams, is_int
 from .pipeline import RequestState, Staged
 from .sequence import Sequence
-from .snapshot import VERSION, KVSnapshot
+from .snapshot import VERSION, KVSnapshot, PrefixKV
 
 if TYPE_CHECKING:
     from .core import EngineCore
@@ -63,12 +63,16 @@ def _bad(name: str, why: str) -> ValueError:
     return ValueError(f"snapshot field {name!r}: {why}; nothing was imported")
 
 
-def _check_ids(name: str, ids, vocab: int) -> None:
+def _prefix_bad(name: str, why: str) -> ValueError:
+    return ValueError(f"prefix field {name!r}: {why}; nothing was imported")
+
+
+def _check_ids(name: str, ids, vocab: int, bad=_bad) -> None:
     if not isinstance(ids, (list, tuple)):
-        raise _bad(name, f"must be a list of token ids, got {type(ids).__name__}")
+        raise bad(name, f"must be a list of token ids, got {type(ids).__name__}")
     for t in ids:
         if not is_int(t) or not 0 <= t < vocab:
-            raise _bad(name, f"holds {t!r}: token ids are ints in [0, {vocab})")
+            raise bad(name, f"holds {t!r}: token ids are ints in [0, {vocab})")
 
 
 def _check_params(p) -> SamplingParams:
@@ -151,13 +155,13 @@ def _check_prompt_logprobs(plp, top, params: SamplingParams, prompt_len: int, vo
         )
 
 
-def _check_tensors(mover, snap: KVSnapshot) -> None:
-    """K/V ``(layers, end - start, Hkv, D)`` in the cache's dtype, finite (they may land in blocks
-    other requests reuse); scales ``(layers, end - start, Hkv)`` iff the cache is quantized; a
-    generator state a fresh ``torch.Generator`` accepts. ``mover``: the cluster's
-    ``parallel.kvmove`` placement (``shape``, ``dtype``, ``scale_dtype``)."""
+def _check_kv(mover, n: int, x, bad=_bad) -> None:
+    """K/V ``(layers, n, Hkv, D)`` in the cache's dtype, finite (they may land in blocks other
+    requests reuse); scales ``(layers, n, Hkv)`` iff the cache is quantized. ``x``: what has
+    ``k``, ``v``, ``k_scale``, ``v_scale``; ``mover``: the cluster's ``parallel.kvmove``
+    placement (``shape``, ``dtype``, ``scale_dtype``)."""
     layers, hkv, d = mover.shape
-    want = (layers, snap.end - snap.start, hkv, d)
+    want = (layers, n, hkv, d)
     scale = mover.scale_dtype
     for name, shape, dtype in (
         ("k", want, mover.dtype),
@@ -165,18 +169,24 @@ def _check_tensors(mover, snap: KVSnapshot) -> None:
         ("k_scale", want[:3], scale),
         ("v_scale", want[:3], scale),
     ):
-        x = getattr(snap, name)
+        t = getattr(x, name)
         if dtype is None:
-            if x is not None:
-                raise _bad(name, "must be None: this engine's KV cache is not quantized")
+            if t is not None:
+                raise bad(name, "must be None: this engine's KV cache is not quantized")
             continue
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape or x.dtype != dtype:
-            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise _bad(name, f"must be a {shape} {dtype} tensor, got {got}")
-        if x.is_floating_point() and not all(
-            bool(torch.isfinite(t.float()).all()) for t in x
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise bad(name, f"must be a {shape} {dtype} tensor, got {got}")
+        if t.is_floating_point() and not all(
+            bool(torch.isfinite(layer.float()).all()) for layer in t
         ):  # per layer
-            raise _bad(name, "holds inf or NaN")
+            raise bad(name, "holds inf or NaN")
+
+
+def _check_tensors(mover, snap: KVSnapshot) -> None:
+    """``_check_kv`` of its ``end - start`` tokens, and a generator state a fresh
+    ``torch.Generator`` accepts."""
+    _check_kv(mover, snap.end - snap.start, snap)
     g = snap.generator_state
     if not isinstance(g, torch.Tensor) or g.dtype != torch.uint8:
         got = g.dtype if isinstance(g, torch.Tensor) else type(g).__name__
@@ -457,6 +467,79 @@ class Migration:
         core.output.restore(seq, text)  # its text so far, the detokenizer past it
         book.start(snap.request_id, seq)
         return snap.request_id
+
+    # -- prefixes: cached K/V of a prompt's prefix, between engines ---------------------------
+    def export_prefix(self, token_ids, cache_salt: Optional[str] = None) -> Optional[PrefixKV]:
+        """See ``LLM.export_prefix``."""
+        core = self.core
+        blocks, tpb = core.blocks, core.blocks.block_size
+        _check_ids("token_ids", token_ids, core.config.vocab_size, _prefix_bad)
+        chain = blocks.locate(token_ids, cache_salt, take=True)  # device blocks pinned meanwhile
+        parts, run, n = [], [], 0
+        try:
+            for b, key in chain:  # device runs in one gather each, tier entries one by one
+                if b is None:
+                    if run:
+                        parts.append(core.cluster.read_kv(run, 0, len(run) * tpb))
+                        run = []
+                    kv = core.tiers.get(key)
+                    if kv is None:  # a disk file refused: the prefix ends before it
+                        break
+                    parts.append(kv)
+                else:
+                    run.append(b)
+                n += 1
+            if run:
+                parts.append(core.cluster.read_kv(run, 0, len(run) * tpb))
+        finally:
+            blocks.free([b for b, _ in chain if b is not None])
+        if not n:
+            return None
+        k, v, ks, vs = (
+            None if parts[0][i] is None else torch.cat([p[i] for p in parts], 1) for i in range(4)
+        )
+        ids = [int(t) for t in token_ids[: n * tpb]]
+        return PrefixKV(core.digest, core.kv_storage, ids, cache_salt, k, v, ks, vs)
+
+    def import_prefix(self, prefix: PrefixKV) -> int:
+        """See ``LLM.import_prefix``."""
+        core = self.core
+        blocks, tpb = core.blocks, core.blocks.block_size
+        if not isinstance(prefix, PrefixKV):
+            raise TypeError(f"import_prefix takes a PrefixKV, got {type(prefix).__name__}")
+        if prefix.model != core.digest:
+            raise ValueError(
+                "the prefix's K/V are of another model (its config or weights differ from this "
+                "engine's); nothing was imported"
+            )
+        if prefix.kv_cache_dtype != core.kv_storage:
+            raise ValueError(
+                f"the prefix's K/V are {prefix.kv_cache_dtype!r}, this engine stores "
+                f"{core.kv_storage!r}; nothing was imported"
+            )
+        if prefix.cache_salt is not None and not isinstance(prefix.cache_salt, str):
+            raise _prefix_bad("cache_salt", f"must be None or a str, got {prefix.cache_salt!r}")
+        _check_ids("token_ids", prefix.token_ids, core.config.vocab_size, _prefix_bad)
+        _check_kv(core.cluster.mover, len(prefix.token_ids), prefix, _prefix_bad)
+        m = len(prefix.token_ids) // tpb  # whole blocks of this engine's size
+        if not blocks.prefix_caching or not m:
+            return 0
+        ids, salt = [int(t) for t in prefix.token_ids[: m * tpb]], prefix.cache_salt
+        table = blocks.match_prefix(ids + [0], salt)  # what it holds already (tiers promoted)
+        have = len(table)
+        new = min(m - have, blocks.num_free)
+        try:
+            if new > 0:
+                table += blocks.allocate(new)
+                start, end = have * tpb, (have + new) * tpb
+                kv = (prefix.k, prefix.v, prefix.k_scale, prefix.v_scale)
+                core.cluster.write_kv(
+                    table, start, tuple(None if t is None else t[:, start:end] for t in kv)
+                )
+                blocks.register(table, ids, end, salt)
+            return len(table) * tpb
+        finally:
+            blocks.free(table)  # cached (evictable) now: the request that follows takes them
 
     # -- held blocks -----------------------------------------------------------------------
     def reclaim(self) -> bool:

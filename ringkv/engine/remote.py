@@ -20,7 +20,7 @@ from dataclasses import fields
 import torch
 
 from ..parallel.transfer import Link, LinkError
-from .snapshot import KVSnapshot
+from .snapshot import KVSnapshot, PrefixKV
 
 
 class MigrationError(RuntimeError):
@@ -54,6 +54,36 @@ def recv_snapshot(link: Link, what: str = "a snapshot"):
         )
     except TypeError as e:
         raise ValueError(f"{link}: the peer sent an incomplete snapshot: {e}") from None
+
+
+def send_prefix(link: Link, prefix: PrefixKV) -> int:
+    """A cached prefix (``LLM.export_prefix``) over ``link``: its fields as the head, its K/V in
+    place (the link checksums both); the bytes sent. The peer reads it with ``recv_prefix``."""
+    tensors = {n: getattr(prefix, n) for n in PrefixKV.TENSORS if getattr(prefix, n) is not None}
+    head = {f.name: getattr(prefix, f.name) for f in fields(prefix) if f.name not in tensors}
+    return link.send({"prefix": head}, tensors, "sending a cached prefix")
+
+
+def recv_prefix(link: Link, what: str = "a cached prefix") -> PrefixKV:
+    """The ``PrefixKV`` the peer sent with ``send_prefix``. ``MigrationError`` if it sent an
+    error instead (``{"ok": false, "error": ...}``: it holds none, or failed), ``ValueError`` if
+    the message is not a complete prefix (damaged: the link stays in step)."""
+    head, tensors = link.recv(what)
+    if "json" in head:
+        reply = head["json"]
+        error = reply.get("error") if isinstance(reply, dict) else reply
+        raise MigrationError(f"{link}: the peer sent no prefix: {error}")
+    meta = head.get("prefix")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{link}: the peer sent neither a prefix nor a JSON message")
+    names = {f.name for f in fields(PrefixKV)}
+    try:
+        return PrefixKV(
+            **{k: v for k, v in meta.items() if k in names and k not in PrefixKV.TENSORS},
+            **{k: v for k, v in tensors.items() if k in PrefixKV.TENSORS},
+        )
+    except TypeError as e:
+        raise ValueError(f"{link}: the peer sent an incomplete prefix: {e}") from None
 
 
 def send_request(llm, request_id, link: Link, *, incremental: bool = True, between=None) -> dict:

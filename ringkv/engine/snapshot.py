@@ -152,6 +152,35 @@ def _checksum(meta: dict, tensors: Dict[str, torch.Tensor], data: bytes) -> str:
     return h.hexdigest()
 
 
+@dataclass
+class PrefixKV:
+    """A cached prompt prefix moving between engines (``LLM.export_prefix`` /
+    ``import_prefix``; ``remote.send_prefix`` / ``recv_prefix``): its ``token_ids`` and
+    ``cache_salt`` (the receiver hashes them itself, so the blocks land under the same salted
+    chain) and their K/V token-major, ``k``/``v`` ``(layers, len(token_ids), Hkv, D)`` in the
+    cache's storage dtype, ``k_scale``/``v_scale`` ``(layers, len(token_ids), Hkv)`` on a
+    quantized cache. ``model`` and ``kv_cache_dtype`` as in ``KVSnapshot``."""
+
+    model: str
+    kv_cache_dtype: str
+    token_ids: List[int]
+    cache_salt: Optional[str]
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
+
+    TENSORS = ("k", "v", "k_scale", "v_scale")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.k, self.v, self.k_scale, self.v_scale)
+            if t is not None
+        )
+
+
 DIGEST_ROWS = 8  # rows sampled per weight tensor by model_digest
 
 

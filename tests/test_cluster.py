@@ -120,7 +120,7 @@ def test_the_index_matches_the_engines_prefix_cache(block_size, sp):
     that logical block size (``block_size * sp``) would reuse, salted or not."""
     import random
 
-    from ringkv.cache.block_manager import STORED, KVEvents
+    from ringkv.cache.block_manager import REMOVED, KVEvents
 
     rng = random.Random(block_size * 10 + sp)
     bm = BlockManager(64, block_size * sp)
@@ -132,7 +132,10 @@ def test_the_index_matches_the_engines_prefix_cache(block_size, sp):
         bm.register(table, base, len(base), salt)
     inst = Instance("x", "http://127.0.0.1:1", tokens_per_block=block_size * sp)
     for _, kind, h in bm.events.since(0)[1]:
-        (inst.blocks.add if kind == STORED else inst.blocks.discard)(h.hex())
+        if kind == REMOVED:
+            inst.blocks.pop(h.hex(), None)
+        else:
+            inst.blocks[h.hex()] = kind
     router = Router()
     for cut in (0, 5, 17, 39, 40):
         prompt = base[:cut] + [rng.randrange(50, 60) for _ in range(7)]
@@ -186,7 +189,7 @@ def test_router_poll_drops_the_blocks_an_instance_evicted():
 
     import torch
 
-    from ringkv.cache.block_manager import block_hash
+    from ringkv.cache.block_manager import STORED, block_hash
     from ringkv.model import LlamaForCausalLM, ModelConfig
 
     torch.manual_seed(0)
@@ -232,17 +235,17 @@ def test_router_poll_drops_the_blocks_an_instance_evicted():
 
             for inst in (a, b):
                 await router.poll(inst)  # the whole (empty) index; from now on, events
-                assert inst.state == "up" and inst.tokens_per_block == bs and inst.blocks == set()
+                assert inst.state == "up" and inst.tokens_per_block == bs and inst.blocks == {}
             a.inflight = 1  # a is the busier one: the load alone would pick b
             await complete(held)
             await router.poll(a)
-            assert set(chain(held)) <= a.blocks
+            assert set(chain(held)) <= a.blocks.keys()
             assert router.cached_tokens(a, held, None, {}) == len(held)
             assert router.pick(held).id == "a"
             await complete(evicting)  # evicts every block of `held`: REMOVED events
             await router.poll(a)
-            assert set(chain(evicting)) <= a.blocks
-            stale = set(chain(held)) & a.blocks
+            assert set(chain(evicting)) <= a.blocks.keys()
+            stale = {h for h in chain(held) if a.blocks.get(h) == STORED}
             assert not stale, (
                 f"{len(stale)} of the {len(held) // bs} evicted blocks stayed in the router's index"
             )
@@ -251,7 +254,8 @@ def test_router_poll_drops_the_blocks_an_instance_evicted():
         finally:
             await router.client.aclose()
 
-    llms = [LLM(model, block_size=bs, num_blocks=nb) for _ in range(2)]
+    # no host tier: an eviction from the device is a REMOVED event (test_kv_pull has the tiers)
+    llms = [LLM(model, block_size=bs, num_blocks=nb, kv_host_memory=0) for _ in range(2)]
     with instance_in_thread(llms[0], "a") as url_a, instance_in_thread(llms[1], "b") as url_b:
         asyncio.run(scenario(url_a, url_b))
     assert llms[0].blocks.evictions >= len(held) // bs
@@ -266,12 +270,12 @@ def test_routing_policy():
         i.state, i.tokens_per_block = "up", 4
     ids = list(range(12))
     chain, parent = [], None
-    from ringkv.cache.block_manager import block_hash
+    from ringkv.cache.block_manager import STORED, block_hash
 
     for k in range(3):
         parent = block_hash((parent, tuple(ids[k * 4 : (k + 1) * 4]), None))
         chain.append(parent.hex())
-    b.blocks, c.blocks = set(chain[:1]), set(chain[:2])
+    b.blocks, c.blocks = dict.fromkeys(chain[:1], STORED), dict.fromkeys(chain[:2], STORED)
     assert r.pick(ids).id == "c"
     c.inflight = 2
     assert r.pick(ids).id == "c"  # 2 more than the least busy: still fair

@@ -5,7 +5,8 @@ place the serving knobs are written down: each field carries its default and its
 from the fields come, once,
 
 - the command line flags (``add_arguments``: ``--served-model-name`` for ``model_name``,
-  ``--no-migration`` for ``migration``, ``--`` and the name with dashes for the rest);
+  ``--no-migration`` for ``migration``, ``--no-kv-pull`` for ``kv_pull``, ``--`` and the
+  name with dashes for the rest);
 - the environment fallbacks (``from_args``: a field's ``env`` variable, read when its flag
   is not given or empty: ``RINGKV_API_KEY``, ``RINGKV_ADMIN_KEY``);
 - the replicas' command lines (``replica_argv``): a front started by
@@ -15,7 +16,7 @@ from the fields come, once,
 
 Fields marked ``router`` are flags of ``ringkv router`` too (a front's settings).
 ``serve(llm, config)`` reads the instance's fields; ``replicas``, ``routing``, ``balance``,
-``migration`` and ``migration_threshold`` configure a front only.
+``kv_pull``, ``migration`` and ``migration_threshold`` configure a front only.
 """
 
 from __future__ import annotations
@@ -113,6 +114,12 @@ class ServeConfig:
         True,
         "a front never moves running requests by itself",
         flag="--no-migration",
+        router=True,
+    )
+    kv_pull: bool = _knob(
+        True,
+        "a front never asks an instance to pull a cached prefix from another (it recomputes)",
+        flag="--no-kv-pull",
         router=True,
     )
     migration_threshold: float = _knob(

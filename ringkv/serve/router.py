@@ -11,9 +11,17 @@ or the same ``--admin-key``). Clients see the OpenAI API of one ``ringkv serve``
   instances can tell again.
 - **Routing** (``kv``). A prompt is tokenized once (an instance's ``/tokenize``), its chain of
   block hashes computed for each instance's logical block (``block_size * sp`` tokens), and it
-  goes to the instance holding the longest cached prefix, unless that instance holds
+  goes to the instance where its cached prefix is worth most, unless that instance holds
   ``balance`` more requests in flight than the least busy one: then to the best of the rest.
-  ``round-robin`` and ``least-loaded`` are there to compare with.
+  Each prompt block an instance can get counts by where it comes from (``TIER_WEIGHT``): its
+  device pool, its host-memory tier, its disk tier, a peer it can pull it from (with
+  ``kv_pull``), or a recompute (0). ``round-robin`` and ``least-loaded`` are there to compare
+  with.
+- **Pull hint.** When the chosen instance holds fewer prefix tokens (any tier) than the best
+  holder by at least one of its logical blocks, the sub-request carries
+  ``x-ringkv-pull: <holder URL> <tokens>``; the instance (which honours it from an admin only)
+  decides by its cost model whether to pull those blocks from the holder before it adds the
+  request (``AsyncEngine.pull_prefix``). ``--no-kv-pull`` sends no hints.
 - **Requests.** A client request is split into one sub-request per prompt, always streamed
   from the instance (``return_token_ids``), so the front knows every token each choice got.
 - **Migration** (Llumnix-style, ``POST /admin/migrate`` or automatic when the instances' load,
@@ -55,7 +63,7 @@ from urllib.parse import urlparse
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..cache.block_manager import STORED, block_hash
+from ..cache.block_manager import DISK, HOST, REMOVED, STORED, block_hash
 from .app import ADMIN_HEADER, admin_posts, check_admin, openai_app
 from .openai import DONE, MAX_REQUEST_BYTES, BadRequest, Collected, Encoder, RoutedRequest
 from .openai import error_event, merge, parse_json, read_body, response, unless_disconnected, usage
@@ -69,6 +77,12 @@ MIN_LEFT = 16  # the load policy moves only requests with this many tokens or mo
 MOVE_EVERY = 10.0  # ... and each at most once in this many seconds
 RESTART_AFTER = 5.0  # seconds a replica that exited has run at least before it is started again
 MAX_CRASHES = 3  # a replica that exits this often in a row before it answers is not started again
+# what one prompt token is worth where its K/V comes from (routing "kv"): an instance's device
+# pool, its host-memory tier, its disk tier, a peer it pulls it from, or a recompute (0)
+TIER_WEIGHT = {STORED: 1.0, HOST: 0.75, DISK: 0.5}
+PEER_WEIGHT = 0.25
+TIERS = {STORED: "device", HOST: "host", DISK: "disk"}  # their names in metrics and views
+PULL_HEADER = "x-ringkv-pull"  # "<holder URL> <tokens>": see the module docstring
 
 
 # the router's per-instance metrics: name (a counter's ends in _total), type, what its value is
@@ -79,13 +93,14 @@ requests_running gauge running Requests the instance computes.
 requests_waiting gauge waiting Requests waiting in the instance.
 requests_inflight gauge inflight Sub-requests the router streams from the instance.
 kv_cache_usage_ratio gauge kv_usage Fraction of the instance's KV blocks in use.
-cached_blocks gauge blocks Prefix blocks the router's index holds for the instance.
+cached_blocks gauge blocks Prefix blocks (any tier) the router's index holds for the instance.
 requests counter requests Sub-requests sent to the instance.
 prompt_tokens counter prompt_tokens Prompt tokens of requests the instance finished.
 prefix_hit_tokens counter cached_tokens Prompt tokens the instance served from its prefix cache.
 migrations_in counter migrations_in Requests migrated to the instance.
 migrations_out counter migrations_out Requests migrated off the instance.
 failovers counter failovers Streams of the instance that broke and went on elsewhere.
+pull_hints counter pull_hints Sub-requests sent there with a pull hint (a peer holds more).
 """
 
 
@@ -109,7 +124,8 @@ class Instance:
     error: Optional[str] = None
     epoch: str = ""
     last: int = 0  # the last block event read
-    blocks: set = field(default_factory=set)  # hashes (hex) of the blocks its prefix cache holds
+    # the blocks its prefix cache holds: hash (hex) -> tier (STORED: device, HOST, DISK)
+    blocks: Dict[str, int] = field(default_factory=dict)
     # hashes of the blocks of prompts routed there: until when they count as cached
     pending: Dict[str, float] = field(default_factory=dict)
     tokens_per_block: int = 0
@@ -122,7 +138,9 @@ class Instance:
     crashes: int = 0  # times in a row its process exited before it answered
     counters: Dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
-            "requests prompt_tokens cached_tokens migrations_in migrations_out failovers".split(), 0
+            "requests prompt_tokens cached_tokens migrations_in migrations_out failovers "
+            "pull_hints".split(),
+            0,
         )
     )
 
@@ -132,6 +150,13 @@ class Instance:
 
     def score(self) -> float:
         return max(float(self.load.get("kv_usage", 0.0)), self.inflight / max(self.max_num_seqs, 1))
+
+    def tier_blocks(self) -> Dict[str, int]:
+        """Blocks of its index per tier: ``{"device": n, "host": n, "disk": n}``."""
+        out = dict.fromkeys(TIERS.values(), 0)
+        for tier in self.blocks.values():
+            out[TIERS.get(tier, "device")] += 1
+        return out
 
     def view(self) -> dict:
         load = dict(self.load, inflight=self.inflight, score=round(self.score(), 4))
@@ -143,6 +168,7 @@ class Instance:
             error=self.error,
             load=load,
             cached_blocks=len(self.blocks),
+            tier_blocks=self.tier_blocks(),
             tokens_per_block=self.tokens_per_block,
             counters=dict(self.counters),
         )
@@ -193,6 +219,7 @@ class Attempt:
     instance: Instance
     rid: str  # the engine's request id there
     choices: List[int]  # its choice i -> the sub-request's choice choices[i]
+    pull: Optional[tuple] = None  # (holder URL, tokens): the pull hint sent with it
     moved_to: Optional[str] = None
     live: bool = True  # its stream is being read
     moved_at: float = float("-inf")  # when the load policy last moved it (monotonic)
@@ -278,6 +305,7 @@ class Sub:
             attempt = Attempt(
                 inst, f"{self.rid}.{next(self.ids_seq)}" if self.attempts else self.rid, choices
             )
+            attempt.pull = r.pull_hint(inst, self.ids, self.body.get("cache_salt"))
             self.attempts.append(attempt)
             try:
                 await self.follow(attempt, self.body_for(choices))
@@ -325,10 +353,12 @@ class Sub:
         inst.counters["requests"] += 1
         try:
             url, method, payload = inst.url + self.path, "POST", body
+            extra = {"x-ringkv-request-id": attempt.rid}
+            if attempt.pull is not None:
+                extra[PULL_HEADER] = "%s %d" % attempt.pull
+                inst.counters["pull_hints"] += 1
             while True:
-                async with r.open(
-                    method, url, payload, {"x-ringkv-request-id": attempt.rid}
-                ) as resp:
+                async with r.open(method, url, payload, extra) as resp:
                     if resp.status_code >= 400:
                         text = (await resp.aread()).decode(errors="replace")
                         if resp.status_code == 429:
@@ -351,6 +381,7 @@ class Sub:
                 inst.inflight += 1
                 attempt.moved_to = None
                 url, method, payload = f"{inst.url}/internal/attach/{attempt.rid}", "GET", None
+                extra = {"x-ringkv-request-id": attempt.rid}
                 if "messages" in self.body:
                     url += "?chat=true"
         except (OSError, _httpx().HTTPError, asyncio.TimeoutError, json.JSONDecodeError) as e:
@@ -417,6 +448,7 @@ class Router:
         migration: bool = True,
         threshold: float = 0.1,
         balance: int = 16,
+        kv_pull: bool = True,
         admin: bool = False,
         admin_key: Optional[str] = None,
         upstream_key: Optional[str] = None,
@@ -431,7 +463,7 @@ class Router:
         if balance < 0:
             raise ValueError(f"balance must be >= 0, got {balance!r}")
         self.routing, self.migration = routing, migration
-        self.threshold, self.balance = threshold, balance
+        self.threshold, self.balance, self.kv_pull = threshold, balance, kv_pull
         self.admin, self.admin_key = admin or admin_key is not None, admin_key
         self.upstream_key, self.restart = upstream_key, restart
         # the clients' key, also sent to the instances
@@ -487,7 +519,7 @@ class Router:
     def down(self, inst: Instance, why: str) -> None:
         if inst.state != InstanceState.DRAINING:
             inst.state = InstanceState.DOWN
-        inst.error, inst.blocks, inst.epoch, inst.last = why, set(), "", 0
+        inst.error, inst.blocks, inst.epoch, inst.last = why, {}, "", 0
 
     def headers(self) -> dict:
         h = {} if self.upstream_key is None else {ADMIN_HEADER: self.upstream_key}
@@ -557,9 +589,15 @@ class Router:
             return
         inst.failed_polls = 0
         if state["epoch"] != inst.epoch or state["full"] is not None:
-            inst.blocks = set(state["full"] or [])
+            # [[hex, tier], ...] (an instance before the tiers: hex strings, on its device)
+            inst.blocks = dict(
+                (e, STORED) if isinstance(e, str) else e for e in state["full"] or []
+            )
         for kind, h in state["events"]:
-            (inst.blocks.add if kind == STORED else inst.blocks.discard)(h)
+            if kind == REMOVED:
+                inst.blocks.pop(h, None)
+            else:  # STORED, HOST or DISK: where it is now best held
+                inst.blocks[h] = kind
         now = time.monotonic()
         inst.pending = {h: t for h, t in inst.pending.items() if t > now and h not in inst.blocks}
         inst.epoch, inst.last, inst.load = state["epoch"], state["last"], state["load"]
@@ -583,22 +621,65 @@ class Router:
             await asyncio.sleep(POLL_S)
 
     # -- routing ---------------------------------------------------------------------------
-    def cached_tokens(self, inst: Instance, ids: List[int], salt, chains: dict) -> int:
+    @staticmethod
+    def chain(inst: Instance, ids: List[int], salt, chains: dict) -> List[str]:
+        """The prompt's chain of block hashes (hex) at ``inst``'s logical block size, computed
+        once per size into ``chains``."""
         tpb = inst.tokens_per_block
-        if tpb <= 0:
-            return 0
-        if tpb not in chains:  # the prompt's chain of block hashes at this block size
+        if tpb not in chains:
             out, parent = [], None
             for i in range(len(ids) // tpb):
                 parent = block_hash((parent, tuple(ids[i * tpb : (i + 1) * tpb]), salt))
                 out.append(parent.hex())
             chains[tpb] = out
-        n, now = 0, time.monotonic()
-        for h in chains[tpb]:
-            if h not in inst.blocks and inst.pending.get(h, 0.0) < now:
-                break
-            n += 1
-        return n * tpb
+        return chains[tpb]
+
+    def held(
+        self, inst: Instance, ids: List[int], salt, chains: dict, pending: bool = True
+    ) -> List[int]:
+        """The tier of each block of the longest prefix of the prompt ``inst`` holds (a block
+        claimed by a prompt routed there counts as on its device while ``pending``)."""
+        if inst.tokens_per_block <= 0:
+            return []
+        out, now = [], time.monotonic()
+        for h in self.chain(inst, ids, salt, chains):
+            tier = inst.blocks.get(h)
+            if tier is None:
+                if not pending or inst.pending.get(h, 0.0) < now:
+                    break
+                tier = STORED
+            out.append(tier)
+        return out
+
+    def cached_tokens(self, inst: Instance, ids: List[int], salt, chains: dict) -> int:
+        """Prompt tokens of the longest prefix ``inst`` holds, in any tier."""
+        return len(self.held(inst, ids, salt, chains)) * inst.tokens_per_block
+
+    def holder(
+        self, inst: Instance, ids: List[int], salt, chains: dict
+    ) -> tuple[Optional[Instance], int]:
+        """The up instance ``inst`` could pull the longest prefix of the prompt from (same model
+        and KV cache dtype; blocks its events reported, not claims), and that prefix's tokens."""
+        best, most = None, 0
+        for h in self.up():
+            if h is inst or (h.model, h.kv_cache_dtype) != (inst.model, inst.kv_cache_dtype):
+                continue
+            n = len(self.held(h, ids, salt, chains, pending=False)) * h.tokens_per_block
+            if n > most:
+                best, most = h, n
+        return best, most
+
+    def worth(self, inst: Instance, ids: List[int], salt, chains: dict) -> float:
+        """What the prompt's cached K/V is worth on ``inst``: each token of its longest held
+        prefix weighted by its tier, and (with ``kv_pull``) each further token a peer holds (in
+        ``inst``'s whole blocks) by ``PEER_WEIGHT``."""
+        tiers = self.held(inst, ids, salt, chains)
+        tpb = inst.tokens_per_block
+        value = sum(TIER_WEIGHT.get(t, 0.0) for t in tiers) * tpb
+        if self.kv_pull and tpb > 0:
+            _, most = self.holder(inst, ids, salt, chains)
+            value += PEER_WEIGHT * max(0, most // tpb - len(tiers)) * tpb
+        return value
 
     def claim(self, inst: Instance, chains: dict) -> None:
         """The prompt just routed to ``inst`` will be cached there: until its events say so (or
@@ -619,11 +700,22 @@ class Router:
         chains: dict = {}
         least = min(i.inflight for i in up)
         fair = [i for i in up if i.inflight <= least + self.balance] or up
-        best = max(
-            fair, key=lambda i: (self.cached_tokens(i, ids, salt, chains), -i.score(), -i.inflight)
-        )
+        best = max(fair, key=lambda i: (self.worth(i, ids, salt, chains), -i.score(), -i.inflight))
         self.claim(best, chains)
         return best
+
+    def pull_hint(self, inst: Instance, ids: List[int], salt=None) -> Optional[tuple]:
+        """``(holder URL, tokens)`` when, with ``kv_pull``, another up instance holds at least
+        one of ``inst``'s logical blocks more of the prompt's prefix (any tier) than ``inst``
+        does (claims included: what it computes now it will hold); else None."""
+        tpb = inst.tokens_per_block
+        if not self.kv_pull or tpb <= 0:
+            return None
+        chains: dict = {}
+        best, most = self.holder(inst, ids, salt, chains)
+        if best is None or most < self.cached_tokens(inst, ids, salt, chains) + tpb:
+            return None
+        return best.url, most
 
     async def when_up(self, choose, wait: float = 30.0) -> Instance:
         """``choose()``, waiting up to ``wait`` seconds while no instance is up but a replica of
@@ -798,7 +890,19 @@ class Router:
             name = f"ringkv_router_{name}" + ("_total" if kind == "counter" else "")
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
             lines += [f'{name}{{instance="{i.id}"}} {self._value(i, key)}' for i in self.instances]
+        name = "ringkv_router_tier_blocks"
         lines += [
+            f"# HELP {name} Prefix blocks the router's index holds for the instance, per tier.",
+            f"# TYPE {name} gauge",
+        ]
+        for i in self.instances:
+            lines += [
+                f'{name}{{instance="{i.id}",tier="{t}"}} {n}' for t, n in i.tier_blocks().items()
+            ]
+        lines += [
+            "# HELP ringkv_router_kv_pull 1 if instances are told where to pull cached prefixes.",
+            "# TYPE ringkv_router_kv_pull gauge",
+            f"ringkv_router_kv_pull {int(self.kv_pull)}",
             "# HELP ringkv_router_auto_migration 1 if load-balancing migration is on.",
             "# TYPE ringkv_router_auto_migration gauge",
             f"ringkv_router_auto_migration {int(self.migration)}",

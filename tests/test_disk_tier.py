@@ -80,7 +80,9 @@ def entry_size(path, **kw) -> int:
     return t.nbytes
 
 
-@pytest.mark.parametrize("dt", ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8"])
+@pytest.mark.parametrize(
+    "dt", ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8", "fp8_e5m2", "uint8"]
+)
 def test_round_trip_bit_exact(tmp_path, dt):
     t = tier(tmp_path, kv_cache_dtype=dt)
     kvs = {i: entry(i, dt) for i in range(3)}
@@ -398,3 +400,27 @@ def test_matches_a_dict_model(ops, blocks, extra):
             assert t.nbytes == len(model) * size <= capacity
             assert files(path) == sorted(x.hex() + ".safetensors" for x in model)
         assert tier(path, capacity).keys() == list(model)  # the order survives a restart
+
+
+def test_reads_a_dtype_stored_as_bytes(tmp_path):
+    """A dtype this safetensors could not store travels as uint8 with its real dtype in the
+    metadata: a file written that way (by hand here) reads back as the real dtype."""
+    from safetensors.torch import save
+
+    from ringkv.engine.snapshot import _checksum
+
+    t = tier(tmp_path, kv_cache_dtype="fp8_e4m3")
+    kv = entry(3, "fp8_e4m3")
+    tensors = {"k": kv[0].view(torch.uint8), "v": kv[1].view(torch.uint8)}
+    tensors.update(k_scale=kv[2], v_scale=kv[3])
+    meta = dict(t._identity, key=key(3).hex())
+    meta["dtypes"] = dict(
+        k="float8_e4m3fn", v="float8_e4m3fn", k_scale="float16", v_scale="float16"
+    )
+    meta["sha256"] = _checksum(meta, tensors, save(tensors))
+    data = save(tensors, metadata={"ringkv_disk_tier": json.dumps(meta)})
+    (tmp_path / (key(3).hex() + ".safetensors")).write_bytes(data)
+    again = tier(tmp_path, kv_cache_dtype="fp8_e4m3")
+    assert again.keys() == [key(3)]
+    got = again.get(key(3))
+    assert got[0].dtype == torch.float8_e4m3fn and same(got, kv)

@@ -219,7 +219,9 @@ class DiskTier:
         beyond the capacity, and our own files that are broken or crash leftovers."""
         found = []
         now = time.time()
-        for entry in os.scandir(self.path):
+        with os.scandir(self.path) as entries:
+            entries = list(entries)
+        for entry in entries:
             key = _key_of(entry.name)
             if key is None:
                 if entry.name.startswith(".") and entry.name.endswith(self._tmp_tag):

@@ -16,8 +16,14 @@ chunk the ``prompt_token_ids``), ``prompt_token_ids`` in place of a chat's messa
 already applied), and ``POST /tokenize``. With ``admin`` on (``ringkv serve --admin`` or
 ``--admin-key``), the endpoints a router (``serve/router.py``) drives: ``GET /internal/state``
 (load and the prefix cache's block events), ``POST /internal/accept``, ``POST /internal/migrate``
-and ``GET /internal/attach/{id}`` (live migration), and the ``x-ringkv-request-id`` header (the
-router's id for a request: it may migrate, and its stream then ends with a ``ringkv_moved`` event).
+and ``GET /internal/attach/{id}`` (live migration), ``POST /internal/share`` (a peer pulls a cached
+prefix: ``{"host", "port", "token_ids", "cache_salt"}`` -> ``{"tokens"}``, then this instance
+connects to the peer's link there and sends the prefix's K/V), the ``x-ringkv-request-id`` header
+(the router's id for a request: it may migrate, and its stream then ends with a ``ringkv_moved``
+event) and the ``x-ringkv-pull`` header (``<holder URL> <tokens>``: the holder has a longer
+prefix of the prompt; this instance may pull it before it adds the request, see
+``AsyncEngine.pull_prefix``). Both headers are honoured from an admin only; a hint from anyone
+else is ignored (it would let a client make the instance connect anywhere).
 
 The routes are short: ``ServingInstance`` holds what they do, over the protocol of
 ``serve/openai.py`` (requests, choices, the event stream).
@@ -29,22 +35,24 @@ import asyncio
 import contextlib
 import hmac
 import re
-import threading
 import time
 import uuid
 from typing import AsyncIterator, Optional
+from urllib.parse import urlparse
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..engine import SamplingParams
-from .engine import TTFT_BUCKETS, AsyncEngine, Busy, EngineDead, Moved, RequestTimeout
+from .engine import PULL_OUTCOMES, TTFT_BUCKETS, AsyncEngine, Busy, EngineDead, Moved, Pull
+from .engine import RequestTimeout, in_thread
 from .openai import DONE, MAX_REQUEST_BYTES, BadRequest, ChatRequest, Collected, CompletionRequest
 from .openai import Encoder, OpenAIRequest, Raised, Renderer, chat_messages, completion_prompts
 from .openai import error_body, error_event, event, merge, parse_json, read_body, response
 from .openai import unless_disconnected
 
 ADMIN_HEADER = "x-ringkv-admin-key"
+PULL_HEADER = "x-ringkv-pull"  # a router's pull hint: "<holder URL> <tokens>"
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 
 
@@ -146,8 +154,29 @@ class ServingInstance:
             )
         return rid
 
-    async def start(self, req: OpenAIRequest, routed: Optional[str] = None) -> list:
-        """One engine stream per prompt, all or none (a prompt the engine refuses is a 400)."""
+    def pull_hint(self, request: Request) -> Optional[Pull]:
+        """A router's pull hint (the ``x-ringkv-pull`` header), from an admin only: anyone else's
+        is ignored. A malformed one from an admin is a 400."""
+        value = request.headers.get(PULL_HEADER)
+        if value is None or not self.admin:
+            return None
+        try:
+            self.check_admin(request)
+        except BadRequest:
+            return None
+        holder, _, tokens = value.strip().rpartition(" ")
+        url = urlparse(holder)
+        if url.scheme not in ("http", "https") or not url.hostname or not tokens.isdigit():
+            raise BadRequest(f"{PULL_HEADER} must be '<holder URL> <tokens>', got {value!r:.200}")
+        headers = {} if self.admin_key is None else {ADMIN_HEADER: self.admin_key}
+        host = request.url.hostname or "127.0.0.1"  # this instance, as its router reaches it
+        return Pull(holder, int(tokens), host, headers)
+
+    async def start(
+        self, req: OpenAIRequest, routed: Optional[str] = None, pull: Optional[Pull] = None
+    ) -> list:
+        """One engine stream per prompt, all or none (a prompt the engine refuses is a 400);
+        ``pull``: a router's pull hint for each prompt."""
         streams = []
         try:
             for i, p in enumerate(req.prompts):
@@ -155,7 +184,9 @@ class ServingInstance:
                     None if routed is None else routed if len(req.prompts) == 1 else f"{routed}/{i}"
                 )
                 streams.append(
-                    await self.engine.add(p, req.params, request_id=name, cache_salt=req.cache_salt)
+                    await self.engine.add(
+                        p, req.params, request_id=name, pull=pull, cache_salt=req.cache_salt
+                    )
                 )
         except BaseException as e:  # the prompts taken so far are aborted
             for st in streams:
@@ -171,7 +202,7 @@ class ServingInstance:
         req = self.parse(await self.body(request), chat)
         routed = self.routed_id(request)
         rid = routed or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        streams = await self.start(req, routed)
+        streams = await self.start(req, routed, self.pull_hint(request))
         if req.stream:
             return StreamingResponse(self.events(rid, req, streams), media_type="text/event-stream")
         return JSONResponse(await self.answer(rid, req, streams, request))
@@ -332,6 +363,34 @@ class ServingInstance:
                 f"{type(e).__name__}: {e}", 409, param="request_id", code="not_migrated"
             )
 
+    async def share(self, body: dict) -> dict:
+        """``{"host", "port", "token_ids", "cache_salt"?}``: a peer pulls the cached prefix of
+        ``token_ids``; answers ``{"tokens": prefix tokens held here}`` (409 if none), then
+        connects to the peer's link on ``host:port`` and sends the prefix's K/V."""
+        host, port, ids, salt = (body.get(k) for k in ("host", "port", "token_ids", "cache_salt"))
+        port_ok = isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
+        ids_ok = (
+            isinstance(ids, list)
+            and 0 < len(ids) <= self.llm.max_model_len
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+        )
+        if not (
+            port_ok
+            and ids_ok
+            and isinstance(host, str)
+            and 0 < len(host) <= 255
+            and (salt is None or isinstance(salt, str))
+        ):
+            raise BadRequest(
+                "share takes host, port (1-65535), token_ids (1 to max_model_len ints >= 0) "
+                "and an optional cache_salt (a string)"
+            )
+        try:
+            held = await in_thread(self.engine.share, host, port, ids, salt)
+        except ValueError as e:
+            raise BadRequest(str(e), 409, param="token_ids", code="not_cached")
+        return {"tokens": held}
+
     async def attach(self, rid: str, chat: bool = False) -> AsyncIterator[str]:
         """The rest of a request that moved in, as the stream it came from (n = 1)."""
         engine = self.engine
@@ -469,7 +528,13 @@ def build_app(
         return await serving.state(after, epoch)
 
     admin_posts(
-        app, serving, {"/internal/accept": serving.accept, "/internal/migrate": serving.migrate}
+        app,
+        serving,
+        {
+            "/internal/accept": serving.accept,
+            "/internal/migrate": serving.migrate,
+            "/internal/share": serving.share,
+        },
     )
 
     @app.get("/internal/attach/{rid:path}")
@@ -479,28 +544,6 @@ def build_app(
         return StreamingResponse(events, media_type="text/event-stream")
 
     return app
-
-
-async def in_thread(fn, *args):
-    """``fn(*args)`` on a daemon thread of its own (a migration's waits never hold the process
-    open at exit, as the default executor's threads would)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(ok: bool, value) -> None:
-        if not future.done():
-            (future.set_result if ok else future.set_exception)(value)
-
-    def run() -> None:
-        try:
-            value = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
-            loop.call_soon_threadsafe(settle, False, e)
-        else:
-            loop.call_soon_threadsafe(settle, True, value)
-
-    threading.Thread(target=run, name="ringkv-migrate", daemon=True).start()
-    return await future
 
 
 def prometheus(engine: AsyncEngine) -> str:
@@ -551,5 +594,67 @@ def prometheus(engine: AsyncEngine) -> str:
         f'ringkv_time_to_first_token_seconds_bucket{{le="+Inf"}} {m.ttft_count}',
         f"ringkv_time_to_first_token_seconds_sum {m.ttft_sum:.6f}",
         f"ringkv_time_to_first_token_seconds_count {m.ttft_count}",
+        "# HELP ringkv_kv_pull_decisions_total Pull hints by outcome: pull, recompute (nothing"
+        " to gain, or prefilling is faster), failed (the pull failed; the request recomputed).",
+        "# TYPE ringkv_kv_pull_decisions_total counter",
     ]
-    return "\n".join(lines) + "\n"
+    lines += [
+        f'ringkv_kv_pull_decisions_total{{outcome="{o}"}} {m.pulls[o]}' for o in PULL_OUTCOMES
+    ]
+    link, prefill = m.link_rate or 0.0, m.prefill_rate or 0.0
+    lines += [
+        "# HELP ringkv_kv_pulled_tokens_total Prompt tokens held more thanks to peer pulls.",
+        "# TYPE ringkv_kv_pulled_tokens_total counter",
+        f"ringkv_kv_pulled_tokens_total {m.pulled_tokens}",
+        "# HELP ringkv_kv_pulled_bytes_total K/V bytes received from peers.",
+        "# TYPE ringkv_kv_pulled_bytes_total counter",
+        f"ringkv_kv_pulled_bytes_total {m.pulled_bytes}",
+        "# HELP ringkv_kv_shared_total Cached prefixes sent to pulling peers.",
+        "# TYPE ringkv_kv_shared_total counter",
+        f"ringkv_kv_shared_total {m.shared}",
+        "# TYPE ringkv_kv_shared_bytes_total counter",
+        f"ringkv_kv_shared_bytes_total {m.shared_bytes}",
+        "# HELP ringkv_kv_link_bytes_per_second Measured link rate of pulls and migrations"
+        " (EWMA; 0: unmeasured).",
+        "# TYPE ringkv_kv_link_bytes_per_second gauge",
+        f"ringkv_kv_link_bytes_per_second {link:.1f}",
+        "# HELP ringkv_kv_prefill_tokens_per_second Measured prefill rate: uncached prompt"
+        " tokens / TTFT (EWMA; 0: unmeasured).",
+        "# TYPE ringkv_kv_prefill_tokens_per_second gauge",
+        f"ringkv_kv_prefill_tokens_per_second {prefill:.1f}",
+    ]
+    return "\n".join(lines + tier_lines(engine.info)) + "\n"
+
+
+def tier_lines(info: dict) -> list:
+    """The prefix cache's tiers (``kv_cache_info()["tiers"]``): blocks, bytes and capacity of
+    the device pool, the host-memory tier and the disk tier (a tier that is off: absent)."""
+    tiers = info.get("tiers") or {}
+    device = tiers.get("device")
+    rows = {}  # tier -> (blocks, bytes, capacity bytes)
+    if device is not None:
+        # a logical block: block_size tokens on each rank (every rank's layers and KV heads)
+        ranks = info.get("per_rank") or []
+        per_block = sum(r.get("bytes_per_token", 0) for r in ranks) * info.get("block_size", 0)
+        per_block = per_block or info.get("bytes_per_token", 0) * info.get("tokens_per_block", 0)
+        rows["device"] = (
+            device.get("blocks", 0),
+            device.get("blocks", 0) * per_block,
+            device.get("capacity", 0) * per_block,
+        )
+    for name in ("host", "disk"):
+        t = tiers.get(name)
+        if t is not None:
+            rows[name] = (t.get("blocks", 0), t.get("bytes", 0), t.get("capacity_bytes", 0))
+    lines = []
+    for i, (metric, help) in enumerate(
+        (
+            ("blocks", "KV blocks held in each tier of the prefix cache."),
+            ("bytes", "KV bytes held in each tier of the prefix cache."),
+            ("capacity_bytes", "KV bytes each tier of the prefix cache can hold."),
+        )
+    ):
+        name = f"ringkv_kv_tier_{metric}"
+        lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge"]
+        lines += [f'{name}{{tier="{t}"}} {row[i]}' for t, row in rows.items()]
+    return lines

@@ -12,6 +12,15 @@ Other threads run engine calls on its thread with ``call``. Live migration betwe
 (the link's waits) while the engine's thread keeps stepping: only the exports and imports run
 there. A request that moved out ends its stream with a ``Moved`` item; one that moved in waits
 (its outputs buffered) for ``attach`` to take its stream, and is aborted if nobody does.
+
+Peer pull (issue #44): a request added with a ``Pull`` hint (a router's: another instance holds a
+longer prefix of its prompt) may first fetch that prefix's K/V from the holder (``pull_prefix``,
+after encoding, before the request is added): the cost model weighs the bytes to move over the
+link rate measured on earlier pulls and migrations against the prefill time of those tokens at
+the prefill rate measured on earlier requests (uncached prompt tokens / TTFT, EWMAs); unmeasured,
+it pulls. This instance listens on a ``Link``, asks the holder (``POST /internal/share``, which
+runs ``share`` there) to connect and send ``export_prefix`` over it, and imports what came
+(``import_prefix``). Any failure falls back to recomputing: the request is added as usual.
 """
 
 from __future__ import annotations
@@ -26,11 +35,16 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Callable, Dict, List, Optional
 
 from ..engine import LLM, RequestOutput, SamplingParams
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PULL_TIMEOUT = 30.0  # seconds a peer pull may take in all (the link's waits, the holder's answer)
+CALL_TIMEOUT = 60.0  # seconds an engine call made for a pull or a share may wait for its thread
+EWMA = 0.3  # weight of the newest measurement of the link and prefill rates
+PULL_OUTCOMES = ("pull", "recompute", "failed")
 
 
 @dataclass
@@ -45,6 +59,16 @@ class Metrics:
     migrations_out: int = 0
     rejected: int = 0  # 429s (max_waiting)
     recent: deque = field(default_factory=deque)  # (time, tokens) of the last steps, for tokens/s
+    # peer pull: hints by outcome (PULL_OUTCOMES), what came in, what went out to pullers
+    pulls: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(PULL_OUTCOMES, 0))
+    pulled_tokens: int = 0  # prompt tokens this instance holds more thanks to pulls
+    pulled_bytes: int = 0
+    shared: int = 0  # prefixes sent to pulling peers
+    shared_bytes: int = 0
+    pull_error: Optional[str] = None  # why the last failed pull failed
+    link_rate: Optional[float] = None  # bytes/s of pulls and migrations (EWMA); None: unmeasured
+    prefill_rate: Optional[float] = None  # uncached prompt tokens / TTFT (EWMA), tokens/s
+    kv_bytes_per_token: Optional[float] = None  # of a pulled prefix (measured)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft_sum += seconds
@@ -52,6 +76,32 @@ class Metrics:
         for i, b in enumerate(TTFT_BUCKETS):
             if seconds <= b:
                 self.ttft_buckets[i] += 1
+
+    def observe_link(self, nbytes: int, seconds: float) -> None:
+        """A transfer of ``nbytes`` took ``seconds``: the link rate's EWMA."""
+        if nbytes > 0 and seconds > 0:
+            self.link_rate = _ewma(self.link_rate, nbytes / seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A request's ``tokens`` uncached prompt tokens gave its first token after ``seconds``."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_rate = _ewma(self.prefill_rate, tokens / seconds)
+
+
+def _ewma(old: Optional[float], new: float) -> float:
+    return new if old is None else (1 - EWMA) * old + EWMA * new
+
+
+@dataclass
+class Pull:
+    """A router's pull hint: the instance at URL ``holder`` holds ``tokens`` of the prompt's
+    prefix. This instance listens on ``host`` (its address as the holder reaches it) and asks the
+    holder with ``headers`` (its admin key)."""
+
+    holder: str
+    tokens: int
+    host: str
+    headers: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -174,6 +224,8 @@ class AsyncEngine:
         self.requests: Dict[str, Running] = {}
         self.metrics = Metrics()
         self.gauges = dict(running=0, waiting=0, kv_usage=0.0, hits=0, queries=0)
+        self.info = llm.kv_cache_info()  # refreshed on the engine's thread (its tiers' usage)
+        self._info_at = time.monotonic()
         self.dead: Optional[str] = None
         self._ids = itertools.count()
         self._stop = False
@@ -190,6 +242,7 @@ class AsyncEngine:
         *,
         apply_chat_template: bool = False,
         request_id: Optional[str] = None,
+        pull: Optional[Pull] = None,
         **kw,
     ) -> "RequestStream":
         """Queue a request (a string, token ids or chat messages); raises ``ValueError`` if it
@@ -197,7 +250,8 @@ class AsyncEngine:
         engine's thread gets token ids. The returned stream yields a *delta*
         ``RequestOutput`` (the new token of each sample) after every step that advanced the
         request; ``aclose()`` aborts it and frees its blocks. ``request_id`` names it (a router's
-        id; it may then migrate), else it gets one."""
+        id; it may then migrate), else it gets one. ``pull``: a peer holds a longer prefix of the
+        prompt (``pull_prefix`` runs before the request is added; it never fails the request)."""
         if self.dead:
             raise EngineDead(self.dead)
         if self.max_waiting is not None and self.queued() >= self.max_waiting:
@@ -209,7 +263,7 @@ class AsyncEngine:
             )
         self.pending += 1
         try:
-            return await self._enqueue(prompt, params, apply_chat_template, request_id, kw)
+            return await self._enqueue(prompt, params, apply_chat_template, request_id, kw, pull)
         finally:
             self.pending -= 1
 
@@ -220,7 +274,7 @@ class AsyncEngine:
         return g["waiting"] + self.pending - max(0, slots - g["running"])
 
     async def _enqueue(
-        self, prompt, params, apply_chat_template, request_id, kw
+        self, prompt, params, apply_chat_template, request_id, kw, pull=None
     ) -> "RequestStream":
         loop = asyncio.get_running_loop()
         try:
@@ -231,6 +285,8 @@ class AsyncEngine:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the messages
             raise ValueError(f"the prompt could not be encoded: {type(e).__name__}: {e}") from e
+        if pull is not None:
+            await self.pull_prefix(ids, kw.get("cache_salt"), pull)
         added: asyncio.Future = loop.create_future()
         stream = RequestStream(self, request_id or f"req-{next(self._ids)}")
         self.loop = loop
@@ -279,6 +335,7 @@ class AsyncEngine:
         self.call(check)
         with Link.connect(host, port, timeout=timedelta(seconds=timeout)) as link:
             stats = send_request(_Source(self, to), rid, link, incremental=True)
+        self.metrics.observe_link(stats["bytes"], stats["seconds"])
         return stats
 
     def accept(
@@ -310,13 +367,130 @@ class AsyncEngine:
         threading.Thread(target=run, name="ringkv-migrate-in", daemon=True).start()
         return link.port
 
+    # -- peer pull (each side's waits off the engine's thread) ----------------------------
+    def kv_bytes_per_token(self) -> float:
+        """K/V bytes one prompt token moves: measured on the last pulled prefix, else this
+        engine's (every rank's bytes per token, each token held by one of the ``sp`` ranks)."""
+        if self.metrics.kv_bytes_per_token:
+            return self.metrics.kv_bytes_per_token
+        info = self.info
+        ranks = info.get("per_rank") or []
+        total = sum(r.get("bytes_per_token", 0) for r in ranks) / max(info.get("sp", 1), 1)
+        return total or float(info.get("bytes_per_token", 0))
+
+    def worth_pulling(self, tokens: int) -> bool:
+        """The cost model: moving ``tokens`` tokens' K/V at the measured link rate takes less
+        time than prefilling them at the measured prefill rate (either unmeasured: pull)."""
+        m = self.metrics
+        if m.link_rate is None or m.prefill_rate is None:
+            return True
+        return tokens * self.kv_bytes_per_token() / m.link_rate < tokens / m.prefill_rate
+
+    async def _engine_call(self, fn: Callable, *args):
+        """``fn(*args)`` on the engine's thread, awaited from the event loop (bounded)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, partial(self.call, fn, *args, timeout=CALL_TIMEOUT))
+
+    async def pull_prefix(self, ids: List[int], salt, pull: Pull) -> str:
+        """Decide and (maybe) pull the prefix of prompt ``ids`` (``cache_salt`` ``salt``) that
+        ``pull.holder`` holds; returns the outcome counted in ``metrics.pulls``: ``"pull"`` (this
+        instance now holds more of it), ``"recompute"`` (nothing to gain, or the cost model says
+        prefilling is faster) or ``"failed"`` (the pull failed: the request recomputes). Never
+        raises (but ``CancelledError``); every wait is bounded by ``PULL_TIMEOUT``."""
+        try:
+            outcome = await asyncio.wait_for(self._pull(ids, salt, pull), PULL_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - any failure: the request recomputes the prefix
+            outcome = "failed"
+            self.metrics.pull_error = f"{type(e).__name__}: {e}"[:300]
+        self.metrics.pulls[outcome] += 1
+        return outcome
+
+    async def _pull(self, ids: List[int], salt, pull: Pull) -> str:
+        import httpx
+
+        from ..parallel.transfer import Link
+
+        held = await self._engine_call(self.llm.cached_tokens, ids, salt)
+        lacking = min(pull.tokens, len(ids)) - held
+        if lacking < self.info["tokens_per_block"] or not self.worth_pulling(lacking):
+            return "recompute"
+        link = Link.listen(pull.host, 0, timeout=timedelta(seconds=PULL_TIMEOUT))
+        receiving = False
+        try:
+            body = {"host": pull.host, "port": link.port, "token_ids": ids, "cache_salt": salt}
+            t0 = time.perf_counter()
+            async with httpx.AsyncClient(timeout=PULL_TIMEOUT) as client:
+                r = await client.post(
+                    pull.holder.rstrip("/") + "/internal/share", json=body, headers=pull.headers
+                )
+            if r.status_code != 200:
+                raise RuntimeError(f"the holder refused ({r.status_code}): {r.text[:200]}")
+            receiving = True  # the receiving thread closes the link
+            prefix = await in_thread(self._receive, link)
+            seconds = time.perf_counter() - t0
+        finally:
+            if not receiving:
+                link.close()
+        now = await self._engine_call(self.llm.import_prefix, prefix)
+        m = self.metrics
+        m.observe_link(prefix.nbytes, seconds)
+        if prefix.token_ids:
+            m.kv_bytes_per_token = prefix.nbytes / len(prefix.token_ids)
+        m.pulled_bytes += prefix.nbytes
+        if now <= held:
+            raise RuntimeError(f"no block of the pulled prefix fit ({held} tokens held before)")
+        m.pulled_tokens += now - held
+        return "pull"
+
+    @staticmethod
+    def _receive(link):
+        """Wait for the holder on ``link`` and receive its prefix; the link is closed after."""
+        from ..engine.remote import recv_prefix
+
+        with link:
+            link.accept()
+            return recv_prefix(link, "a cached prefix from the holder")
+
+    def share(self, host: str, port: int, ids: List[int], salt=None) -> int:
+        """A peer pulls: connect to its link on ``host:port`` and send the K/V of the longest
+        prefix of ``ids`` (salt ``salt``) this engine holds (``export_prefix``), on a thread of
+        its own; returns the prefix tokens it holds at once. Raises ``ValueError`` if it holds
+        none. Blocking: call it off the event loop."""
+        from ..engine.remote import send_prefix
+        from ..parallel.transfer import Link
+
+        held = self.call(self.llm.cached_tokens, ids, salt, timeout=CALL_TIMEOUT)
+        if held <= 0:
+            raise ValueError("this instance holds no cached prefix of the prompt")
+
+        def run():
+            try:
+                with Link.connect(host, port, timeout=timedelta(seconds=PULL_TIMEOUT)) as link:
+                    try:
+                        prefix = self.call(self.llm.export_prefix, ids, salt, timeout=CALL_TIMEOUT)
+                    except Exception as e:  # noqa: BLE001 - told to the puller
+                        prefix, error = None, f"{type(e).__name__}: {e}"
+                    else:
+                        error = "the prefix is no longer held here"
+                    if prefix is None:
+                        link.send_json({"ok": False, "error": error})
+                        return
+                    self.metrics.shared_bytes += send_prefix(link, prefix)
+                    self.metrics.shared += 1
+            except Exception:  # noqa: BLE001 - the puller's side fails too and recomputes
+                pass
+
+        threading.Thread(target=run, name="ringkv-share", daemon=True).start()
+        return held
+
     def kv_changes(self, after: int, epoch: str) -> Optional[dict]:
         """The prefix cache's changes for a router, or None if this engine does not publish them
-        (``kv_events=False``): ``{"last": number of the last event, "events": [[STORED | REMOVED,
-        hex hash], ...] after event ``after``, "full": None}``, or, when those events are gone or
-        ``epoch`` is not this engine's (it restarted), ``"events": []`` and ``"full"``: the hex
-        hashes of the whole index. Blocking (the index is read on the engine's thread): call it
-        off the event loop."""
+        (``kv_events=False``): ``{"last": number of the last event, "events": [[kind, hex hash],
+        ...] after event ``after``, "full": None}`` (kind: ``STORED`` on the device, ``HOST`` or
+        ``DISK``: best held in that tier now, ``REMOVED``: held nowhere), or, when those events
+        are gone or ``epoch`` is not this engine's (it restarted), ``"events": []`` and
+        ``"full"``: the whole index, ``[[hex hash, tier], ...]``. Blocking (the index is read on
+        the engine's thread): call it off the event loop."""
         events = self.llm.kv_events
         if events is None:
             return None
@@ -324,7 +498,7 @@ class AsyncEngine:
         last, new = events.since(after) if epoch == self.epoch else (events.last, None)
         if new is None:  # the whole index, read on the engine's thread (where it changes)
             last, full = self.call(
-                lambda: (events.last, [h.hex() for h in self.llm.cached_blocks()])
+                lambda: (events.last, [[h.hex(), t] for h, t in self.llm.cached_blocks()])
             )
             new = []
         return {"last": last, "events": [[kind, h.hex()] for _, kind, h in new], "full": full}
@@ -459,6 +633,8 @@ class AsyncEngine:
             added = sum(len(o.token_ids) for o in out.outputs)
             if r.tokens == 0 and added:
                 self.metrics.observe_ttft(now - r.start)
+                uncached = len(out.prompt_token_ids) - out.num_cached_tokens
+                self.metrics.observe_prefill(uncached, now - r.start)
             new += added
             r.tokens += added
             if out.finished:
@@ -473,6 +649,8 @@ class AsyncEngine:
 
     def _update_gauges(self) -> None:
         self.gauges = self.llm.pipeline.load()
+        if time.monotonic() - self._info_at > 0.5:  # its tiers' usage, for /metrics
+            self.info, self._info_at = self.llm.kv_cache_info(), time.monotonic()
 
     def tokens_per_second(self) -> float:
         recent = list(self.metrics.recent)
@@ -549,3 +727,25 @@ def _set(fut: asyncio.Future, error: Optional[BaseException]) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(error)
+
+
+async def in_thread(fn, *args):
+    """``fn(*args)`` on a daemon thread of its own, awaited (a migration's or a pull's waits
+    never hold the process open at exit, as the default executor's threads would)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not future.done():
+            (future.set_result if ok else future.set_exception)(value)
+
+    def run() -> None:
+        try:
+            value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, False, e)
+        else:
+            loop.call_soon_threadsafe(settle, True, value)
+
+    threading.Thread(target=run, name="ringkv-link", daemon=True).start()
+    return await future

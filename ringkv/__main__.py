@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional
 
 from .serve.config import ServeConfig
 
@@ -31,6 +32,23 @@ def _engine_options(g: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--kv-cache-memory", type=float, default=None, help="KV cache size in GiB per rank"
+    )
+    g.add_argument(
+        "--kv-host-memory",
+        type=float,
+        default=None,
+        help="GiB of host memory for prefix-cache blocks evicted from the KV cache (default: as "
+        "large as the KV cache; 0: off)",
+    )
+    g.add_argument(
+        "--kv-disk",
+        default=None,
+        metavar="DIR",
+        help="keep blocks evicted from the host tier in files under DIR (an instance with an "
+        "--instance-id, as each replica of --replicas, uses DIR/<id>; default: off)",
+    )
+    g.add_argument(
+        "--kv-disk-size", type=float, default=None, help="GiB bound of the disk tier (default 16)"
     )
     g.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks (attention heads split)"
@@ -212,10 +230,19 @@ def _plan(args) -> int:
     return 0
 
 
-def _build(args):
+def _gib(x: Optional[float]) -> Optional[int]:
+    return None if x is None else int(x * (1 << 30))
+
+
+def _build(args, instance_id: Optional[str] = None):
+    import os
+
     from .engine import LLM
 
-    mem = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
+    mem = _gib(args.kv_cache_memory)
+    disk = args.kv_disk
+    if disk is not None and instance_id:  # replicas never share one directory
+        disk = os.path.join(disk, instance_id)
     extra = (
         {}
         if args.sp_prefill_min_tokens is None
@@ -235,6 +262,9 @@ def _build(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
         compile_decode=args.compile_decode,
+        kv_host_memory=_gib(args.kv_host_memory),
+        kv_disk=disk,
+        kv_disk_size=_gib(args.kv_disk_size),
         **extra,
     )
 
@@ -324,7 +354,7 @@ def main(argv=None) -> int:
             print(f"ringkv: {problem}", file=sys.stderr)
             return 2
     try:
-        llm = _build(args)
+        llm = _build(args, config.instance_id if args.command == "serve" else None)
     except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"ringkv: {e}", file=sys.stderr)
         return 2

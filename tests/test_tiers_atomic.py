@@ -1,0 +1,499 @@
+"""Atomicity of the tiered prefix cache (issue #44, part 4): a hypothesis state machine drives two
+engines of different block sizes, each with a small device pool, a small host tier and a disk
+tier, through requests of three tenants, steps, aborts, eviction pressure, prefix pulls between
+them (directly and over a real ``Link``), corrupted disk-tier files and failed pulls (a link that
+breaks mid-message, a holder that refuses, a prefix with wrong shapes, dtypes, model or NaN K/V).
+
+After every rule: the block invariants hold on both engines, every block a live sequence holds is
+referenced at least as often as it is held, the tiers agree with ``kv_cache_info()`` (each key
+once, no more entries than slots), every pin an export took is released, and no tenant's request
+or export reaches further than what was computed or pulled for its own salt. Every exported
+prefix's K/V equal a cold engine's (no pull reads a block that was evicted and reused), and at
+the end every request's tokens equal an uncached greedy run of its prompt."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from ringkv.engine import LLM, SamplingParams
+from ringkv.engine.remote import recv_prefix, send_prefix
+from ringkv.engine.snapshot import PrefixKV
+from ringkv.parallel.transfer import Link, LinkError
+from tests.test_engine import tiny_engine_model, uncached_greedy
+
+V = 61  # the tiny model's vocabulary
+_P0 = [(i * 13 + 5) % V for i in range(20)]
+PREFIXES = [  # shared prompt prefixes; the third branches off the first after 12 tokens
+    _P0,
+    [(i * 7 + 3) % V for i in range(16)],
+    _P0[:12] + [(i * 5 + 1) % V for i in range(12)],
+]
+SUFFIXES = [[1], [2, 3], [4, 5, 6, 7, 8], [9, 10, 11]]
+SALTS = [None, "t1", "t2"]
+FILE_OVERHEAD = 1024  # bytes of a disk-tier file besides its K/V (its header: ~520 here)
+LINK_TIMEOUT = timedelta(seconds=20)
+
+MODEL = None
+_REF = None  # a cold engine with a large pool and no tiers: the K/V every export must equal
+_REF_KV = {}
+
+
+def model():
+    global MODEL
+    if MODEL is None:
+        MODEL = tiny_engine_model()
+    return MODEL
+
+
+def reference_kv(tokens):
+    """K/V ``(layers, len(tokens), Hkv, D)`` of ``tokens`` computed cold (prefill of
+    ``tokens + [0]`` on a fresh-enough engine)."""
+    global _REF
+    key = tuple(tokens)
+    if key not in _REF_KV:
+        if _REF is None:
+            _REF = LLM(model(), block_size=4, num_blocks=512, kv_host_memory=0)
+        ids = list(tokens) + [0]
+        _REF.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        pre = _REF.export_prefix(ids)
+        assert pre is not None and len(pre.token_ids) >= len(tokens)
+        n = len(tokens)
+        _REF_KV[key] = (pre.k[:, :n].clone(), pre.v[:, :n].clone())
+    return _REF_KV[key]
+
+
+def lcp(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def unique_prompt(seed: int, length: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (length,), generator=g).tolist()
+
+
+def state(e):
+    """What a refused pull must leave exactly as it was."""
+    b, t = e.blocks, e.tiers
+    return (
+        b.num_free,
+        list(b.ref),
+        dict(b.by_hash),
+        list(b.evictable),
+        b.promotions,
+        None if t is None else (list(t.slot_of), None if t.disk is None else t.disk.keys()),
+    )
+
+
+def partial_send(port: int, prefix: PrefixKV) -> None:
+    """A holder that dies mid-pull: the length and header of a real ``send_prefix`` message and
+    the first half of its K bytes (in the header's chunks), then the link closes, and its
+    connection with it."""
+    chunk = 256
+    link = Link.connect("127.0.0.1", port, timeout=LINK_TIMEOUT)
+    try:
+        tensors = {"k": prefix.k, "v": prefix.v}
+        head = {
+            "prefix": dict(
+                model=prefix.model,
+                kv_cache_dtype=prefix.kv_cache_dtype,
+                token_ids=prefix.token_ids,
+                cache_salt=prefix.cache_salt,
+            ),
+            "tensors": [[n, str(t.dtype)[6:], list(t.shape), 1] for n, t in tensors.items()],
+            "chunk": chunk,
+        }
+        data = json.dumps(head).encode()
+        k = prefix.k.contiguous().reshape(-1).view(torch.uint8)
+        half = [k[i : i + chunk].clone() for i in range(0, k.numel() // 2, chunk)]
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        link._stream("send", [length, body, *half], "half a prefix")
+    finally:
+        link.close()
+
+
+class TieredCache(RuleBasedStateMachine):
+    """Engines ``a`` (block size 4) and ``b`` (block size 8), tiers on both (b's host tier may be
+    off: then its evictions go straight to disk)."""
+
+    def __init__(self):
+        super().__init__()
+        self.engines = {}
+
+    @initialize(
+        host_a=st.sampled_from([2, 6]),
+        host_b=st.sampled_from([0, 3]),
+        disk_a=st.sampled_from([3, 12]),
+        disk_b=st.sampled_from([4, 10]),
+    )
+    def setup(self, host_a, host_b, disk_a, disk_b):
+        self.dir = tempfile.mkdtemp(prefix="ringkv-atomic-")
+        # entry bytes: 2 layers x tokens x 2 KV heads x head_dim 8 x 4 bytes x (K and V)
+        entry = {"a": 2 * 4 * 2 * 8 * 4 * 2, "b": 2 * 8 * 2 * 8 * 4 * 2}
+        for name, bs, blocks, host, disk in (
+            ("a", 4, 16, host_a, disk_a),
+            ("b", 8, 10, host_b, disk_b),
+        ):
+            self.engines[name] = LLM(
+                model(),
+                block_size=bs,
+                num_blocks=blocks,
+                max_num_batched_tokens=24,
+                kv_host_memory=host * entry[name],
+                kv_disk=os.path.join(self.dir, name),
+                kv_disk_size=disk * (entry[name] + FILE_OVERHEAD),
+            )
+        self.reqs = {}  # request id -> (engine, prompt, salt, max_tokens)
+        self.outs = {}  # request id -> its last output
+        self.aborted = set()
+        # (engine, salt) -> [(request id or None, tokens)]: what was computed or pulled there
+        self.known = {}
+        self.checked = set()  # finished requests whose cached tokens were checked
+
+    # -- helpers --------------------------------------------------------------------------
+    def full(self, prompt, n):
+        """The sequence a request computes: its prompt and its (greedy) output."""
+        return list(prompt) + uncached_greedy(model(), prompt, n)
+
+    def bound(self, e, salt, tokens, rid=None) -> int:
+        """The longest prefix of ``tokens`` anything of tenant ``salt`` put into engine ``e``
+        (other than request ``rid`` itself)."""
+        return max(
+            (lcp(tokens, t) for r, t in self.known.get((e, salt), []) if r != rid), default=0
+        )
+
+    def collect(self, name):
+        for o in self.engines[name].step():
+            self.outs[o.request_id] = o
+
+    def live(self, name):
+        e = self.engines[name]
+        return [rid for rid, r in self.reqs.items() if r[0] == name and e.request_state(rid)]
+
+    def add(self, name, prompt, salt, n):
+        rid = f"r{len(self.reqs)}"
+        self.engines[name].add_request(
+            prompt, SamplingParams(temperature=0, max_tokens=n), request_id=rid, cache_salt=salt
+        )
+        self.reqs[rid] = (name, prompt, salt, n)
+        self.known.setdefault((name, salt), []).append((rid, self.full(prompt, n)))
+        return rid
+
+    def export(self, src, prompt, salt):
+        """``src.export_prefix``, checked: its pins released, its tokens within the tenant's,
+        its K/V those of a cold run."""
+        e = self.engines[src]
+        refs = list(e.blocks.ref)
+        pre = e.export_prefix(prompt, salt)
+        assert e.blocks.ref == refs, "an export left blocks pinned"
+        if pre is None:
+            return None
+        n = len(pre.token_ids)
+        assert n % e.blocks.block_size == 0 and pre.token_ids == prompt[:n]
+        assert pre.cache_salt == salt
+        assert n <= self.bound(src, salt, prompt), "an export reached another tenant's blocks"
+        k, v = reference_kv(pre.token_ids)
+        torch.testing.assert_close(pre.k, k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(pre.v, v, atol=1e-4, rtol=1e-4)
+        return pre
+
+    def imported(self, dst, pre, n):
+        """``n`` tokens of ``pre`` went into ``dst``'s cache."""
+        e = self.engines[dst]
+        assert 0 <= n <= len(pre.token_ids) and n % e.blocks.block_size == 0
+        if n:
+            self.known.setdefault((dst, pre.cache_salt), []).append((None, pre.token_ids[:n]))
+            probe = pre.token_ids[:n] + [0]
+            assert e.cached_tokens(probe, pre.cache_salt) >= n
+
+    # -- rules ----------------------------------------------------------------------------
+    @precondition(lambda self: self.engines)
+    @rule(
+        name=st.sampled_from("ab"),
+        i=st.integers(0, len(PREFIXES) - 1),
+        j=st.integers(0, len(SUFFIXES) - 1),
+        salt=st.sampled_from(SALTS),
+        n=st.integers(1, 4),
+    )
+    def request(self, name, i, j, salt, n):
+        self.add(name, PREFIXES[i] + SUFFIXES[j], salt, n)
+
+    @precondition(lambda self: self.engines)
+    @rule(name=st.sampled_from("ab"), steps=st.integers(1, 8))
+    def step(self, name, steps):
+        for _ in range(steps):
+            self.collect(name)
+
+    @precondition(lambda self: self.engines)
+    @rule(name=st.sampled_from("ab"), k=st.integers(0, 50))
+    def abort(self, name, k):
+        live = self.live(name)
+        if live:
+            rid = live[k % len(live)]
+            if self.engines[name].abort_request(rid):
+                self.aborted.add(rid)
+
+    @precondition(lambda self: self.engines)
+    @rule(
+        name=st.sampled_from("ab"),
+        seed=st.integers(0, 10**6),
+        length=st.integers(30, 52),
+        salt=st.sampled_from(SALTS),
+    )
+    def pressure(self, name, seed, length, salt):
+        """A long unique prompt, run until it is done: its blocks evict the pool's cached ones
+        to the tiers (and may preempt the requests running beside it)."""
+        rid = self.add(name, unique_prompt(seed, length), salt, 2)
+        for _ in range(200):
+            if not self.engines[name].request_state(rid):
+                break
+            self.collect(name)
+
+    @precondition(lambda self: self.reqs)
+    @rule(k=st.integers(0, 1000), other=st.booleans(), n=st.integers(1, 4))
+    def again(self, k, other, n):
+        """An earlier request's prompt and tenant again, on its engine or the other: a hit on
+        the device, a promotion from a tier, or a miss."""
+        name, prompt, salt, _ = list(self.reqs.values())[k % len(self.reqs)]
+        self.add({"a": "b", "b": "a"}[name] if other else name, prompt, salt, n)
+
+    @precondition(lambda self: self.reqs)
+    @rule(k=st.integers(0, 1000), wire=st.booleans(), then=st.booleans(), tenant=st.booleans())
+    def pull(self, k, wire, then, tenant):
+        """The other engine pulls the cached prefix of an earlier request's prompt from the
+        engine that ran it (over a real link or directly; ``tenant``: under another tenant's
+        salt, which must find nothing of it) and, ``then``, gets the request."""
+        src, prompt, salt, _ = list(self.reqs.values())[k % len(self.reqs)]
+        if tenant:
+            salt = SALTS[(SALTS.index(salt) + 1 + k % 2) % len(SALTS)]
+        dst = "b" if src == "a" else "a"
+        pre = self.export(src, prompt, salt)
+        if pre is not None:
+            if wire:
+                got = {}
+                with Link.listen("127.0.0.1", 0, timeout=LINK_TIMEOUT) as lst:
+                    t = threading.Thread(target=self._send, args=(lst.port, pre, got))
+                    t.start()
+                    try:
+                        lst.accept()
+                        moved = recv_prefix(lst)
+                    finally:
+                        t.join(timeout=60)
+                assert not t.is_alive() and got.get("sent", 0) > 0, got
+                assert moved.token_ids == pre.token_ids and moved.cache_salt == pre.cache_salt
+                assert torch.equal(moved.k, pre.k) and torch.equal(moved.v, pre.v)
+                pre = moved
+            self.imported(dst, pre, self.engines[dst].import_prefix(pre))
+        if then:
+            self.add(dst, prompt, salt, 2)
+
+    @staticmethod
+    def _send(port, pre, got):
+        try:
+            with Link.connect("127.0.0.1", port, timeout=LINK_TIMEOUT) as link:
+                got["sent"] = send_prefix(link, pre)
+        except Exception as e:  # noqa: BLE001 - reported by the receiving side's assertion
+            got["error"] = repr(e)
+
+    @precondition(lambda self: self.engines)
+    @rule(
+        dst=st.sampled_from("ab"),
+        i=st.integers(0, len(PREFIXES) - 1),
+        salt=st.sampled_from(SALTS),
+    )
+    def pull_link_breaks(self, dst, i, salt):
+        """The holder dies mid-message: the receiver gets a ``LinkError``, the target is
+        unchanged and recomputes the request instead."""
+        e = self.engines[dst]
+        prompt = PREFIXES[i] + SUFFIXES[0]
+        n = len(prompt) // 8 * 8
+        k, v = reference_kv(prompt[:n])
+        pre = PrefixKV(e.digest, "float32", prompt[:n], salt, k, v)
+        before = state(e)
+        with Link.listen("127.0.0.1", 0, timeout=LINK_TIMEOUT) as lst:
+            t = threading.Thread(target=partial_send, args=(lst.port, pre))
+            t.start()
+            try:
+                with pytest.raises(LinkError):
+                    lst.accept()
+                    recv_prefix(lst)
+            finally:
+                t.join(timeout=60)
+        assert not t.is_alive()
+        assert state(e) == before
+        self.add(dst, prompt, salt, 2)
+
+    BAD = ["short", "heads", "model", "kv_dtype", "dtype", "nan", "inf", "ids", "salt", "scale"]
+
+    @precondition(lambda self: self.engines)
+    @rule(
+        dst=st.sampled_from("ab"),
+        i=st.integers(0, len(PREFIXES) - 1),
+        salt=st.sampled_from(SALTS),
+        bad=st.sampled_from(BAD),
+    )
+    def pull_refused(self, dst, i, salt, bad):
+        """A prefix a broken or foreign holder sent: refused with ``ValueError``/``TypeError``
+        before anything is allocated, promoted or registered; and a holder asked to export an
+        invalid prompt refuses and keeps nothing pinned."""
+        e = self.engines[dst]
+        prompt = PREFIXES[i]
+        n = len(prompt) // 8 * 8
+        k, v = (t.clone() for t in reference_kv(prompt[:n]))
+        f = dict(
+            model=e.digest,
+            kv_cache_dtype="float32",
+            token_ids=prompt[:n],
+            cache_salt=salt,
+            k=k,
+            v=v,
+        )
+        if bad == "short":
+            f["k"], f["v"] = k[:, :-1], v[:, :-1]
+        elif bad == "heads":
+            f["k"] = torch.cat([k, k[:, :, :1]], 2)
+        elif bad == "model":
+            f["model"] = "0" * 64
+        elif bad == "kv_dtype":
+            f["kv_cache_dtype"] = "int8"
+        elif bad == "dtype":
+            f["k"], f["v"] = k.double(), v.double()
+        elif bad == "nan":
+            k[1, n // 2, 0, 3] = float("nan")
+        elif bad == "inf":
+            v[0, n - 1, 1, 0] = float("-inf")
+        elif bad == "ids":
+            f["token_ids"] = prompt[: n - 1] + [V]
+        elif bad == "salt":
+            f["cache_salt"] = 7
+        elif bad == "scale":
+            f["k_scale"] = torch.ones(k.shape[:3], dtype=torch.float16)
+            f["v_scale"] = torch.ones(k.shape[:3], dtype=torch.float16)
+        before = state(e)
+        with pytest.raises((ValueError, TypeError)):
+            e.import_prefix(PrefixKV(**f))
+        assert state(e) == before, f"a refused import ({bad}) changed the engine"
+        with pytest.raises(ValueError):
+            e.export_prefix(prompt[:5] + [V] + prompt[6:], salt)
+        assert state(e) == before, "a refused export changed the engine"
+
+    @precondition(lambda self: self.engines)
+    @rule(name=st.sampled_from("ab"), k=st.integers(0, 1000), cut=st.floats(0.0, 0.99))
+    def corrupt(self, name, k, cut):
+        """Damage a disk-tier file: a flipped byte, or truncation. A promotion or export that
+        reaches it must refuse it and recompute (the K/V and token checks see the rest)."""
+        d = self.engines[name].tiers.disk.path
+        files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+        if not files:
+            return
+        path = os.path.join(d, files[k % len(files)])
+        with open(path, "r+b") as fh:
+            data = fh.read()
+            at = int(cut * len(data))
+            if k % 2:
+                fh.seek(at)
+                fh.write(bytes([data[at] ^ 0xFF]))
+            else:
+                fh.truncate(at)
+
+    # -- invariants -----------------------------------------------------------------------
+    @invariant()
+    def blocks_consistent(self):
+        for e in self.engines.values():
+            b = e.blocks
+            b.check()
+            held = [0] * b.num_blocks
+            for seqs in e.pipeline.active.values():
+                for s in seqs:
+                    if not s.finished:
+                        for blk in s.block_table:
+                            held[blk] += 1
+            bad = [(blk, h, b.ref[blk]) for blk, h in enumerate(held) if h > b.ref[blk]]
+            assert not bad, f"blocks held by live sequences beyond their references: {bad}"
+
+    @invariant()
+    def tiers_consistent(self):
+        for name, e in self.engines.items():
+            info, t = e.kv_cache_info()["tiers"], e.tiers
+            b = e.blocks
+            assert info["device"]["cached"] == len(b.by_hash)
+            assert info["device"]["blocks"] == b.num_blocks - b.num_free
+            assert info["device"]["promotions"] == b.promotions
+            slots = list(t.slot_of.values())
+            assert len(set(slots)) == len(slots) <= t.host_blocks
+            assert sorted(slots + t.free_slots) == list(range(t.host_blocks))
+            if t.host_blocks:
+                assert info["host"]["blocks"] == len(t.slot_of) <= info["host"]["capacity_blocks"]
+            else:
+                assert info["host"] is None and not t.slot_of
+            hashes = [h for h, _ in t.keys()]
+            assert len(set(hashes)) == len(hashes), "a tier entry listed twice"
+            disk = t.disk.keys()
+            assert len(set(disk)) == len(disk) == info["disk"]["blocks"]
+            assert info["disk"]["bytes"] <= info["disk"]["capacity_bytes"]
+            assert info["disk"]["enabled"], info["disk"]["error"]
+            files = set(os.listdir(t.disk.path))
+            assert {key.hex() + ".safetensors" for key in disk} <= files
+            cached = e.cached_blocks()
+            assert len({h for h, _ in cached}) == len(cached), "a block listed in two tiers"
+
+    @invariant()
+    def tenants_apart(self):
+        for rid, o in self.outs.items():
+            if rid in self.checked or not o.finished or rid in self.aborted:
+                continue
+            name, prompt, salt, _ = self.reqs[rid]
+            self.checked.add(rid)
+            limit = self.bound(name, salt, prompt, rid)
+            assert o.num_cached_tokens <= limit, (
+                f"request {rid} (salt {salt!r}) got {o.num_cached_tokens} cached tokens, but its "
+                f"tenant computed or pulled only {limit} of its prompt there"
+            )
+
+    def teardown(self):
+        try:
+            if not self.engines:
+                return
+            for name, e in self.engines.items():
+                for _ in range(2000):
+                    if not e.has_unfinished_requests():
+                        break
+                    self.collect(name)
+                assert not e.has_unfinished_requests(), f"engine {name} never went idle"
+            self.tenants_apart()
+            for rid, (name, prompt, salt, n) in self.reqs.items():
+                if rid in self.aborted:
+                    continue
+                o = self.outs[rid]
+                assert o.finish_reason == "length", (rid, o.finish_reason, o.error)
+                assert o.token_ids == uncached_greedy(model(), prompt, n), (
+                    f"request {rid} on {name} (salt {salt!r}, {len(prompt)} tokens, "
+                    f"{o.num_cached_tokens} cached) differs from a cold run"
+                )
+            for e in self.engines.values():
+                e.blocks.check()
+                assert e.blocks.num_free == e.blocks.num_blocks, "blocks leaked"
+        finally:
+            for e in self.engines.values():
+                e.close()
+            if self.engines:
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+
+TestTieredCache = TieredCache.TestCase
+TestTieredCache.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)

@@ -8,7 +8,7 @@ from the fields come, once,
   ``--no-migration`` for ``migration``, ``--no-kv-pull`` for ``kv_pull``, ``--`` and the
   name with dashes for the rest);
 - the environment fallbacks (``from_args``: a field's ``env`` variable, read when its flag
-  is not given or empty: ``RINGKV_API_KEY``, ``RINGKV_ADMIN_KEY``);
+  is not given or empty: ``RINGKV_API_KEY``, ``RINGKV_ADMIN_KEY``, ``RINGKV_KV_PULL_POLICY``);
 - the replicas' command lines (``replica_argv``): a front started by
   ``ringkv serve --replicas N`` passes each replica its own command line less the flags of
   the fields not marked ``replica`` (the front's own: a replica gets its host, port and
@@ -121,6 +121,14 @@ class ServeConfig:
         "a front never asks an instance to pull a cached prefix from another (it recomputes)",
         flag="--no-kv-pull",
         router=True,
+    )
+    kv_pull_policy: Optional[str] = _knob(
+        None,
+        "how an instance answers a front's pull hint: by its cost model (measured link and "
+        "prefill rates: cost) or always pulling (default $RINGKV_KV_PULL_POLICY, else cost)",
+        choices=("cost", "always"),
+        env="RINGKV_KV_PULL_POLICY",
+        replica=True,
     )
     migration_threshold: float = _knob(
         0.1,

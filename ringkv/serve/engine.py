@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import os
 import queue
 import threading
 import time
@@ -40,11 +42,13 @@ from typing import Callable, Dict, List, Optional
 
 from ..engine import LLM, RequestOutput, SamplingParams
 
+log = logging.getLogger("ringkv.serve")
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PULL_TIMEOUT = 30.0  # seconds a peer pull may take in all (the link's waits, the holder's answer)
 CALL_TIMEOUT = 60.0  # seconds an engine call made for a pull or a share may wait for its thread
 EWMA = 0.3  # weight of the newest measurement of the link and prefill rates
 PULL_OUTCOMES = ("pull", "recompute", "failed")
+PULL_POLICIES = ("cost", "always")
 
 
 @dataclass
@@ -194,10 +198,17 @@ class AsyncEngine:
         kv_events: bool = False,
         max_waiting: Optional[int] = None,
         request_timeout: Optional[float] = None,
+        pull_policy: Optional[str] = None,
     ):
         """``kv_events``: publish the prefix cache's changes (``kv_changes``) for a router.
         ``max_waiting``: requests past that many waiting get ``Busy``; ``request_timeout``:
-        seconds after which a request is aborted (its stream ends with ``RequestTimeout``)."""
+        seconds after which a request is aborted (its stream ends with ``RequestTimeout``).
+        ``pull_policy``: how a pull hint is answered, ``"cost"`` (the cost model) or
+        ``"always"`` (default: ``$RINGKV_KV_PULL_POLICY``, else ``"cost"``)."""
+        pull_policy = pull_policy or os.environ.get("RINGKV_KV_PULL_POLICY") or "cost"
+        if pull_policy not in PULL_POLICIES:
+            raise ValueError(f"pull_policy must be one of {PULL_POLICIES}, got {pull_policy!r}")
+        self.pull_policy = pull_policy
         for name, v in (("max_waiting", max_waiting), ("request_timeout", request_timeout)):
             if v is not None and (
                 isinstance(v, bool)
@@ -380,9 +391,10 @@ class AsyncEngine:
 
     def worth_pulling(self, tokens: int) -> bool:
         """The cost model: moving ``tokens`` tokens' K/V at the measured link rate takes less
-        time than prefilling them at the measured prefill rate (either unmeasured: pull)."""
+        time than prefilling them at the measured prefill rate (either unmeasured, or the
+        ``"always"`` policy: pull)."""
         m = self.metrics
-        if m.link_rate is None or m.prefill_rate is None:
+        if self.pull_policy == "always" or m.link_rate is None or m.prefill_rate is None:
             return True
         return tokens * self.kv_bytes_per_token() / m.link_rate < tokens / m.prefill_rate
 
@@ -402,6 +414,7 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - any failure: the request recomputes the prefix
             outcome = "failed"
             self.metrics.pull_error = f"{type(e).__name__}: {e}"[:300]
+            log.warning("ringkv: pulling a prefix from %s failed: %s", pull.holder, e)
         self.metrics.pulls[outcome] += 1
         return outcome
 

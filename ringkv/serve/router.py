@@ -298,14 +298,16 @@ class Sub:
         tried = set(exclude)
         while True:
             try:
-                inst = await r.pick_waiting(self.ids, self.body.get("cache_salt"), frozenset(tried))
+                inst, hint = await r.pick_waiting(
+                    self.ids, self.body.get("cache_salt"), frozenset(tried)
+                )
             except NoInstance as e:
                 self.fail(e)
                 return
             attempt = Attempt(
                 inst, f"{self.rid}.{next(self.ids_seq)}" if self.attempts else self.rid, choices
             )
-            attempt.pull = r.pull_hint(inst, self.ids, self.body.get("cache_salt"))
+            attempt.pull = hint
             self.attempts.append(attempt)
             try:
                 await self.follow(attempt, self.body_for(choices))
@@ -690,19 +692,30 @@ class Router:
                 inst.pending[h] = until
 
     def pick(self, ids: List[int], salt=None, exclude: frozenset = frozenset()) -> Instance:
+        """The instance the prompt ``ids`` goes to (``route``)."""
+        return self.route(ids, salt, exclude)[0]
+
+    def route(
+        self, ids: List[int], salt=None, exclude: frozenset = frozenset()
+    ) -> tuple[Instance, Optional[tuple]]:
+        """The instance the prompt goes to, and its ``pull_hint`` there (before the prompt is
+        claimed there)."""
         up = [i for i in self.up() if i.id not in exclude]
         if not up:
             raise NoInstance("no instance is up to serve the request")
         if self.routing == "round-robin":
-            return up[next(self.rr) % len(up)]
+            best = up[next(self.rr) % len(up)]
+            return best, self.pull_hint(best, ids, salt)
         if self.routing == "least-loaded":
-            return min(up, key=lambda i: (i.inflight, i.score()))
+            best = min(up, key=lambda i: (i.inflight, i.score()))
+            return best, self.pull_hint(best, ids, salt)
         chains: dict = {}
         least = min(i.inflight for i in up)
         fair = [i for i in up if i.inflight <= least + self.balance] or up
         best = max(fair, key=lambda i: (self.worth(i, ids, salt, chains), -i.score(), -i.inflight))
+        hint = self.pull_hint(best, ids, salt)
         self.claim(best, chains)
-        return best
+        return best, hint
 
     def pull_hint(self, inst: Instance, ids: List[int], salt=None) -> Optional[tuple]:
         """``(holder URL, tokens)`` when, with ``kv_pull``, another up instance holds at least
@@ -733,14 +746,14 @@ class Router:
                     raise
                 await asyncio.sleep(0.2)
 
-    async def pick_waiting(self, ids, salt, exclude: frozenset) -> Instance:
-        """``pick`` avoiding ``exclude`` (where the request failed), waiting for an instance
+    async def pick_waiting(self, ids, salt, exclude: frozenset) -> tuple[Instance, Optional[tuple]]:
+        """``route`` avoiding ``exclude`` (where the request failed), waiting for an instance
         (``when_up``); an excluded one that is up again may take it then."""
 
         def choose():
             nonlocal exclude
             try:
-                return self.pick(ids, salt, exclude)
+                return self.route(ids, salt, exclude)
             except NoInstance:
                 relaxed = frozenset(
                     i
@@ -750,7 +763,7 @@ class Router:
                 if relaxed == exclude:
                     raise
                 exclude = relaxed
-                return self.pick(ids, salt, exclude)
+                return self.route(ids, salt, exclude)
 
         return await self.when_up(choose)
 

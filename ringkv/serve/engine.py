@@ -44,7 +44,7 @@ from ..engine import LLM, RequestOutput, SamplingParams
 
 log = logging.getLogger("ringkv.serve")
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-PULL_TIMEOUT = 30.0  # seconds a peer pull may take in all (the link's waits, the holder's answer)
+PULL_TIMEOUT = 10.0  # seconds a peer pull may take in all (the link's waits, the holder's answer)
 CALL_TIMEOUT = 60.0  # seconds an engine call made for a pull or a share may wait for its thread
 EWMA = 0.3  # weight of the newest measurement of the link and prefill rates
 PULL_OUTCOMES = ("pull", "recompute", "failed")

@@ -666,7 +666,10 @@ class Router:
         for h in self.up():
             if h is inst or (h.model, h.kv_cache_dtype) != (inst.model, inst.kv_cache_dtype):
                 continue
-            n = len(self.held(h, ids, salt, chains, pending=False)) * h.tokens_per_block
+            if ("held", h.id) not in chains:  # (once per prompt routed)
+                held = self.held(h, ids, salt, chains, pending=False)
+                chains["held", h.id] = len(held) * h.tokens_per_block
+            n = chains["held", h.id]
             if n > most:
                 best, most = h, n
         return best, most

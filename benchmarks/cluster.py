@@ -16,13 +16,29 @@ instance that served it (``x-ringkv-instance``). Router counters come from ``/me
 
 - ``--scenario prefix``: ``--prefixes`` K shared prefixes (system prompts of
   ``--prefix-tokens``) x ``--per-prefix`` M requests each, a short unique suffix, a few output
-  tokens, in random order. Setups: one instance, N instances routed ``kv``, N instances routed
-  ``round-robin``. An instance's KV cache holds ``--cache-prefixes`` prefixes (default K/N)
-  plus the own blocks of ``--cache-running`` running requests (default ``--max-num-seqs``): the
-  working set fits the cluster, not one instance (the one-instance setup gets N x that memory:
-  the same total). Prefix hit rate = sum(cached_tokens) / sum(prompt_tokens); also given: the
-  requests that did not reuse their prefix's full blocks (misses) and on how many instances
-  each prefix was computed. Goals: kv >= 0.9x one instance, kv >= 2x round-robin.
+  tokens, in random order. An instance's KV cache (its device pool) holds ``--cache-prefixes``
+  prefixes (default K/N; ``--cache-fraction F``: F x K, e.g. 0.25: a quarter of the working set)
+  plus the own blocks of ``--cache-running`` running requests (default ``--max-num-seqs``).
+  Setups (``--setups``, default: unbounded, kv, kv-old, round-robin):
+
+  - ``unbounded``: one instance whose cache holds every prefix (the reference hit rate);
+  - ``one instance``: one instance with N x an instance's memory (the same total);
+  - ``kv``: N instances routed ``kv`` with today's defaults: the host tier of the prefix cache
+    (as large as the device pool) and peer pull (the front's hint; the instance pulls or
+    recomputes by its cost model);
+  - ``kv-old``: ``kv`` with ``--kv-host-memory 0 --no-kv-pull``: KV routing without the tiers
+    and pull (issue #44's baseline);
+  - ``round-robin``: N instances routed ``round-robin``, today's defaults.
+
+  Prefix hit rate = sum(cached_tokens) / sum(prompt_tokens) (cached: from the device, promoted
+  from a tier or pulled from a peer); also given: the requests that did not reuse their prefix's
+  full blocks (misses), on how many instances each prefix was computed, and from the instances'
+  ``/metrics`` (differences over the load): pull decisions (pull / recompute / failed), pulled
+  tokens and bytes, the router's pull hints, and after the load the blocks each tier holds and
+  the measured link and prefill rates the pull cost model uses. Goals: kv >= 0.95x unbounded,
+  kv >= 2x round-robin, kv's throughput (req/s) >= 1.3x kv-old's (a rate the instances cannot
+  keep up with measures throughput; a lower one measures the arrival rate), and kv >= 0.9x one
+  instance where that setup runs.
 - ``--scenario skew``: ``--bursts`` bursts of ``--burst-size`` requests that all share one prefix,
   longer outputs, few sequences per instance (``--skew-max-num-seqs``), with migration on and
   with ``--no-migration``. Before the bursts one request caches the prefix on one instance (the
@@ -167,6 +183,54 @@ def delta(m1: dict, m0: dict, name: str) -> dict:
     return {
         k: a.get(k, 0) - b.get(k, 0) for k in sorted(set(a) | set(b)) if a.get(k, 0) - b.get(k, 0)
     }
+
+
+def instance_metrics(front) -> dict:
+    """Each instance's own ``/metrics`` (parsed), by instance id; an instance that does not
+    answer: absent."""
+    out = {}
+    for inst in front.instances():
+        try:
+            out[inst["id"]] = parse_metrics(front.http.get(inst["url"] + "/metrics").text)
+        except Exception:  # noqa: BLE001 - a down instance: its numbers are missing
+            pass
+    return out
+
+
+def pull_summary(after: dict, before: dict) -> dict:
+    """The instances' pull and tier numbers over a load: decisions per outcome, pulled tokens and
+    bytes and prefixes shared (differences, summed over instances), and per instance after the
+    load the blocks each tier holds and the measured link (bytes/s) and prefill (tokens/s)
+    rates."""
+
+    def total(m: dict, name: str, **labels) -> float:
+        want = set(labels.items())
+        return sum(v for (n, ls), v in m.items() if n == name and want <= set(ls))
+
+    def diff(name: str, **labels) -> float:
+        return sum(
+            total(after[i], name, **labels) - total(before.get(i, {}), name, **labels)
+            for i in after
+        )
+
+    tiers = {
+        i: {dict(ls)["tier"]: v for (n, ls), v in m.items() if n == "ringkv_kv_tier_blocks"}
+        for i, m in after.items()
+    }
+    return dict(
+        pull_decisions={
+            o: diff("ringkv_kv_pull_decisions_total", outcome=o)
+            for o in ("pull", "recompute", "failed")
+        },
+        pulled_tokens=diff("ringkv_kv_pulled_tokens_total"),
+        pulled_bytes=diff("ringkv_kv_pulled_bytes_total"),
+        shared=diff("ringkv_kv_shared_total"),
+        tier_blocks=tiers,
+        link_bytes_s={i: total(m, "ringkv_kv_link_bytes_per_second") for i, m in after.items()},
+        prefill_tokens_s={
+            i: total(m, "ringkv_kv_prefill_tokens_per_second") for i, m in after.items()
+        },
+    )
 
 
 def alive(pid: int) -> bool:
@@ -525,7 +589,7 @@ def run_setup(
         warm_up(front, prompts, args.chat, random.Random(args.seed + 99))
         primed = prime(front, primer[0], args.chat, primer[1]) if primer else None
         bar.set_description(label)
-        m0, load0 = front.metrics(), load()
+        m0, im0, load0 = front.metrics(), instance_metrics(front), load()
         records, wall, killed = asyncio.run(
             drive(
                 front.url,
@@ -537,10 +601,10 @@ def run_setup(
         )
         load1 = load()
         try:
-            m1, after = front.metrics(), front.instances()
+            m1, after, im1 = front.metrics(), front.instances(), instance_metrics(front)
         except Exception as e:  # noqa: BLE001 - the front is gone: the client-side numbers still hold
             time.sleep(1)
-            m1, after = m0, f"{type(e).__name__}: {e}"
+            m1, after, im1 = m0, f"{type(e).__name__}: {e}", im0
             front.problems.append(
                 f"the front did not answer after the load ({after}); it "
                 f"{'runs' if front.proc.poll() is None else f'exited with {front.proc.returncode}'}"
@@ -599,6 +663,8 @@ def run_setup(
         migrations_out=delta(m1, m0, "ringkv_router_migrations_out_total"),
         migrations_in=delta(m1, m0, "ringkv_router_migrations_in_total"),
         failovers=delta(m1, m0, "ringkv_router_failovers_total"),
+        pull_hints=delta(m1, m0, "ringkv_router_pull_hints_total"),
+        **pull_summary(im1, im0),
         load_before=load0,
         load_after=load1,
         router_problems=front.problems,
@@ -655,6 +721,8 @@ def scenario_prefix(args, path, prompts, bar) -> dict:
         for i, (k, at) in enumerate(zip(order, times))
     ]
     fit = args.cache_prefixes if args.cache_prefixes is not None else K / N
+    if args.cache_fraction is not None:
+        fit = args.cache_fraction * K
     # a running request's own blocks: the prefix's last partial block, its suffix and output
     own = (
         blocks(args, args.prefix_tokens + args.suffix_tokens + args.prefix_max_tokens + 8)
@@ -663,20 +731,22 @@ def scenario_prefix(args, path, prompts, bar) -> dict:
     running = args.cache_running if args.cache_running is not None else args.max_num_seqs
     per = int(fit * blocks(args, args.prefix_tokens)) + running * own + 2
     mml = args.prefix_tokens + args.suffix_tokens + args.prefix_max_tokens + 64
+    # every prefix besides the running requests' own blocks: no prefix is ever evicted
+    every = K * blocks(args, args.prefix_tokens) + running * own + 2
+    one = engine_args(args, args.max_num_seqs, per, mml)
     setups = {
+        "unbounded": (1, engine_args(args, args.max_num_seqs, max(every, N * per), mml)),
         "one instance": (1, engine_args(args, args.max_num_seqs, N * per, mml)),
-        "kv": (N, engine_args(args, args.max_num_seqs, per, mml) + ["--routing", "kv"]),
-        "round-robin": (
-            N,
-            engine_args(args, args.max_num_seqs, per, mml) + ["--routing", "round-robin"],
-        ),
+        "kv": (N, one + ["--routing", "kv"]),
+        "kv-old": (N, one + ["--routing", "kv", "--kv-host-memory", "0", "--no-kv-pull"]),
+        "round-robin": (N, one + ["--routing", "round-robin"]),
     }
     if args.kv_cache_memory is not None:  # the same total memory for one instance
-        setups["one instance"][1][setups["one instance"][1].index("--kv-cache-memory") + 1] = (
-            f"{N * args.kv_cache_memory:.6f}"
-        )
+        for name, n in (("one instance", N), ("unbounded", max(N, K))):
+            extra = setups[name][1]
+            extra[extra.index("--kv-cache-memory") + 1] = f"{n * args.kv_cache_memory:.6f}"
     rows, records = [], {}
-    for name in args.setups or list(setups):
+    for name in args.setups or ["unbounded", "kv", "kv-old", "round-robin"]:
         if name not in setups:
             raise SystemExit(f"--setups: {name!r} is not one of {list(setups)}")
         replicas, extra = setups[name]
@@ -692,7 +762,9 @@ def scenario_prefix(args, path, prompts, bar) -> dict:
             dict(
                 res["row"],
                 name=name,
-                blocks_per_instance=N * per if replicas == 1 else per,
+                blocks_per_instance=(
+                    per if replicas > 1 else max(every, N * per) if name == "unbounded" else N * per
+                ),
                 prefix_misses=sum((r["cached_tokens"] or 0) < full for r in recs),
                 instances_per_prefix=statistics.fmean(len(v) for v in where.values()),
             )
@@ -701,6 +773,11 @@ def scenario_prefix(args, path, prompts, bar) -> dict:
     by = {r["name"]: r for r in rows}
     goals = {}
     kv = by.get("kv", {}).get("hit_rate")
+    if kv is not None and by.get("unbounded", {}).get("hit_rate") is not None:
+        ref = by["unbounded"]["hit_rate"]
+        goals["kv >= 0.95x unbounded"] = dict(
+            value=kv / ref if ref else float("inf"), met=kv >= 0.95 * ref
+        )
     if kv is not None and by.get("one instance", {}).get("hit_rate") is not None:
         one_rate = by["one instance"]["hit_rate"]
         goals["kv >= 0.9x one instance"] = dict(
@@ -710,6 +787,12 @@ def scenario_prefix(args, path, prompts, bar) -> dict:
         rr = by["round-robin"]["hit_rate"]
         goals["kv >= 2x round-robin"] = dict(
             value=kv / rr if rr else float("inf"), met=kv >= 2 * rr
+        )
+    if "kv" in by and "kv-old" in by:
+        old = by["kv-old"]["req_s"]
+        goals["kv throughput >= 1.3x kv-old"] = dict(
+            value=by["kv"]["req_s"] / old if old else float("inf"),
+            met=by["kv"]["req_s"] >= 1.3 * old,
         )
     return dict(
         rows=rows,
@@ -723,6 +806,7 @@ def scenario_prefix(args, path, prompts, bar) -> dict:
             max_tokens=args.prefix_max_tokens,
             rate=args.prefix_rate,
             cache_prefixes=fit,
+            cache_fraction=args.cache_fraction,
             cache_running=running,
             blocks_per_instance=per,
             kv_cache_memory=args.kv_cache_memory,
@@ -896,6 +980,17 @@ def ms(x) -> str:
     return f2(None if x is None or x != x else 1e3 * x, "{:.0f}")
 
 
+def tiers_after(t: dict) -> str:
+    """``{instance: {tier: blocks}}`` as ``r0: 40 12 0, r1: ...`` (``-``: a tier that is off)."""
+    return (
+        ", ".join(
+            f"{i}: " + " ".join(f"{b[k]:g}" if k in b else "-" for k in ("device", "host", "disk"))
+            for i, b in sorted(t.items())
+        )
+        or "-"
+    )
+
+
 def counts(d: dict) -> str:
     return " ".join(f"{k}:{v:g}" for k, v in d.items()) or "-"
 
@@ -915,8 +1010,14 @@ def report(results: dict, args, mach: dict) -> None:
             f"{s['rate']:g} req/s; "
             + (
                 f"an instance's KV cache: {s['blocks_per_instance']} blocks of {args.block_size} "
-                f"tokens ({s['cache_prefixes']:g} prefixes + {s['cache_running']} running "
-                f"requests; one instance: {args.replicas}x that)"
+                f"tokens ({s['cache_prefixes']:g} prefixes"
+                + (
+                    f" = {s['cache_fraction']:g} of the working set"
+                    if s.get("cache_fraction") is not None
+                    else ""
+                )
+                + f" + {s['cache_running']} running requests; one instance: {args.replicas}x "
+                "that; unbounded: every prefix)"
                 if s["kv_cache_memory"] is None
                 else f"--kv-cache-memory {s['kv_cache_memory']:g} GiB per instance "
                 f"({args.replicas}x for one instance)"
@@ -925,9 +1026,10 @@ def report(results: dict, args, mach: dict) -> None:
         print(
             "| setup | instances | ok / sent | prefix hit rate | prefix misses | instances per "
             "prefix | req/s | output tok/s | TTFT p50 / p99 (s) | E2E p50 / p99 (s) | requests per "
-            "instance | migrations | load 1/5/15 min |"
+            "instance | migrations | pull hints | pull / recompute / failed | pulled tokens | "
+            "tier blocks after (device host disk) | load 1/5/15 min |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|---|---:|---|---|")
         for r in results["prefix"]["rows"]:
             print(
                 f"| {r['name']} | {r['replicas']} | {r['completed']} / {r['sent']} | "
@@ -935,6 +1037,9 @@ def report(results: dict, args, mach: dict) -> None:
                 f"{r['instances_per_prefix']:.2f} | {r['req_s']:.2f} | {r['tok_s']:.1f} | "
                 f"{f2(r['ttft_p50'])} / {f2(r['ttft_p99'])} | {f2(r['e2e_p50'])} / "
                 f"{f2(r['e2e_p99'])} | {counts(r['per_instance'])} | {r['migrations']:g} | "
+                f"{sum(r['pull_hints'].values()):g} | "
+                f"{'/'.join(f'{v:g}' for v in r['pull_decisions'].values())} | "
+                f"{r['pulled_tokens']:g} | {tiers_after(r['tier_blocks'])} | "
                 f"{' '.join(map(str, r['load_after']))} |"
             )
     if "skew" in results:
@@ -1125,7 +1230,8 @@ def main(argv=None):
         "--setups",
         nargs="+",
         default=None,
-        help="of 'one instance', kv, round-robin (default: all)",
+        help="of unbounded, 'one instance', kv, kv-old, round-robin (default: unbounded kv kv-old "
+        "round-robin)",
     )
     g.add_argument("--prefixes", type=int, default=4, help="K shared prefixes")
     g.add_argument("--per-prefix", type=int, default=8, help="M requests per prefix")
@@ -1138,6 +1244,13 @@ def main(argv=None):
         type=float,
         default=None,
         help="prefixes an instance's KV cache holds besides its running requests (default K/N)",
+    )
+    g.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=None,
+        help="an instance's KV cache holds this fraction of the K prefixes (0.25: a quarter of "
+        "the working set) besides its running requests; instead of --cache-prefixes",
     )
     g.add_argument(
         "--cache-running",
@@ -1168,6 +1281,11 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
+    if args.cache_fraction is not None:
+        if args.cache_prefixes is not None:
+            ap.error("give --cache-fraction or --cache-prefixes, not both")
+        if not 0 < args.cache_fraction <= 1:
+            ap.error(f"--cache-fraction must be in (0, 1], got {args.cache_fraction}")
     from tqdm import tqdm
 
     signal.signal(
@@ -1184,7 +1302,7 @@ def main(argv=None):
     prompts = Prompts(path)
     scenarios = ["prefix", "skew", "failover"] if args.scenario == "all" else [args.scenario]
     total = {
-        "prefix": args.prefixes * args.per_prefix * len(args.setups or [1, 2, 3]),
+        "prefix": args.prefixes * args.per_prefix * len(args.setups or [1, 2, 3, 4]),
         "skew": 2 * args.bursts * args.burst_size,
         "failover": args.failover_requests,
     }

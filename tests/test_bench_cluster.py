@@ -1,6 +1,7 @@
 """Smoke test: benchmarks/cluster.py starts a front with two instances of a tiny random model,
 drives it and writes the JSON and the plot it promises; the front and its instances are gone
-afterwards."""
+afterwards. The kv setup runs with the host tier and peer pull (today's defaults), kv-old
+without them (--kv-host-memory 0 --no-kv-pull): the instances' /metrics show the difference."""
 
 import json
 import os
@@ -30,6 +31,9 @@ def test_cluster_benchmark_prefix(tmp_path, bench_cache):
             "prefix",
             "--setups",
             "kv",
+            "kv-old",
+            "--cache-fraction",
+            "0.5",
             "--model",
             "tiny-test",
             "--prefixes",
@@ -57,11 +61,22 @@ def test_cluster_benchmark_prefix(tmp_path, bench_cache):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "| kv | 2 | 6 / 6 |" in proc.stdout and "load averages" in proc.stdout
+    assert "| kv-old | 2 | 6 / 6 |" in proc.stdout
     assert plot.stat().st_size > 0
     res = json.loads(out.read_text())
     assert_names_machine(res, proc.stdout, threads=1)  # every instance: OMP_NUM_THREADS=1
     d = res["scenarios"]["prefix"]
-    (row,) = d["rows"]
+    row, old = d["rows"]
+    assert (row["name"], old["name"]) == ("kv", "kv-old") and d["sizes"]["cache_fraction"] == 0.5
+    assert d["sizes"]["cache_prefixes"] == 1  # half of the 2 prefixes
+    assert "kv throughput >= 1.3x kv-old" in d["goals"]
+    for r in (row, old):  # each instance's own /metrics were read
+        assert sorted(r["tier_blocks"]) == ["r0", "r1"], r["tier_blocks"]
+        assert set(r["pull_decisions"]) == {"pull", "recompute", "failed"}
+        assert r["pulled_tokens"] >= 0 and r["lost"] == 0
+    assert all("host" in t for t in row["tier_blocks"].values())  # the host tier: on by default
+    assert not any("host" in t for t in old["tier_blocks"].values())  # --kv-host-memory 0
+    assert old["pull_hints"] == {} and sum(old["pull_decisions"].values()) == 0  # --no-kv-pull
     assert row["lost"] == 0 and row["replicas"] == 2 and len(row["instances"]) == 2
     assert (
         row["prompt_tokens"] > 0

@@ -127,6 +127,9 @@ def test_the_cost_model_and_a_pull_from_nowhere(tiny):
         assert e.worth_pulling(64)
         m.link_rate = per_token * 500  # 2 ms a token: recompute
         assert not e.worth_pulling(64)
+        # a fast link whose set-up takes 0.1 s: a pull pays off past 100 tokens
+        m.link_rate, m.link_setup = per_token * 1e6, 0.1
+        assert not e.worth_pulling(64) and e.worth_pulling(256)
         e.pull_policy = "always"
         assert e.worth_pulling(64)
         # a holder that is not there: "failed" at once, the link closed, nothing imported
@@ -278,6 +281,7 @@ def test_a_request_routed_off_the_holder_pulls_its_prefix(front, instances, cold
     m = t.metrics()
     assert m["ringkv_kv_pulled_tokens_total"] >= PREFIX
     assert m["ringkv_kv_pulled_bytes_total"] > 0 and m["ringkv_kv_link_bytes_per_second"] > 0
+    assert m["ringkv_kv_link_setup_seconds"] > 0
     assert by_url[urls[holder]].metrics()["ringkv_kv_shared_total"] >= 1
     rm = front.metrics()
     assert rm[f'ringkv_router_pull_hints_total{{instance="{target}"}}'] >= 1

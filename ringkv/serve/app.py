@@ -618,6 +618,10 @@ def prometheus(engine: AsyncEngine) -> str:
         " (EWMA; 0: unmeasured).",
         "# TYPE ringkv_kv_link_bytes_per_second gauge",
         f"ringkv_kv_link_bytes_per_second {link:.1f}",
+        "# HELP ringkv_kv_link_setup_seconds Measured time a pull takes before its first byte"
+        " (asking the holder, joining its link; EWMA; 0: unmeasured).",
+        "# TYPE ringkv_kv_link_setup_seconds gauge",
+        f"ringkv_kv_link_setup_seconds {m.link_setup or 0.0:.6f}",
         "# HELP ringkv_kv_prefill_tokens_per_second Measured prefill rate: uncached prompt"
         " tokens / TTFT (EWMA; 0: unmeasured).",
         "# TYPE ringkv_kv_prefill_tokens_per_second gauge",

@@ -71,6 +71,7 @@ class Metrics:
     shared_bytes: int = 0
     pull_error: Optional[str] = None  # why the last failed pull failed
     link_rate: Optional[float] = None  # bytes/s of pulls and migrations (EWMA); None: unmeasured
+    link_setup: Optional[float] = None  # seconds before a pull's first byte (EWMA): ask, join
     prefill_rate: Optional[float] = None  # uncached prompt tokens / TTFT (EWMA), tokens/s
     kv_bytes_per_token: Optional[float] = None  # of a pulled prefix (measured)
 
@@ -85,6 +86,10 @@ class Metrics:
         """A transfer of ``nbytes`` took ``seconds``: the link rate's EWMA."""
         if nbytes > 0 and seconds > 0:
             self.link_rate = _ewma(self.link_rate, nbytes / seconds)
+
+    def observe_setup(self, seconds: float) -> None:
+        """A pull's holder was asked and its link joined after ``seconds``."""
+        self.link_setup = _ewma(self.link_setup, seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A request's ``tokens`` uncached prompt tokens gave its first token after ``seconds``."""
@@ -390,13 +395,16 @@ class AsyncEngine:
         return total or float(info.get("bytes_per_token", 0))
 
     def worth_pulling(self, tokens: int) -> bool:
-        """The cost model: moving ``tokens`` tokens' K/V at the measured link rate takes less
-        time than prefilling them at the measured prefill rate (either unmeasured, or the
-        ``"always"`` policy: pull)."""
+        """The cost model: a pull's set-up (asking the holder, joining its link) plus moving
+        ``tokens`` tokens' K/V at the measured link rate takes less time than prefilling them at
+        the measured prefill rate (either unmeasured, or the ``"always"`` policy: pull). The
+        set-up and the rate are measured apart, so that a first small pull (mostly set-up) does
+        not make every larger one look slow."""
         m = self.metrics
         if self.pull_policy == "always" or m.link_rate is None or m.prefill_rate is None:
             return True
-        return tokens * self.kv_bytes_per_token() / m.link_rate < tokens / m.prefill_rate
+        move = (m.link_setup or 0.0) + tokens * self.kv_bytes_per_token() / m.link_rate
+        return move < tokens / m.prefill_rate
 
     async def _engine_call(self, fn: Callable, *args):
         """``fn(*args)`` on the engine's thread, awaited from the event loop (bounded)."""
@@ -439,14 +447,15 @@ class AsyncEngine:
             if r.status_code != 200:
                 raise RuntimeError(f"the holder refused ({r.status_code}): {r.text[:200]}")
             receiving = True  # the receiving thread closes the link
-            prefix = await in_thread(self._receive, link)
-            seconds = time.perf_counter() - t0
+            prefix, joined = await in_thread(self._receive, link)
+            end = time.perf_counter()
         finally:
             if not receiving:
                 link.close()
         now = await self._engine_call(self.llm.import_prefix, prefix)
         m = self.metrics
-        m.observe_link(prefix.nbytes, seconds)
+        m.observe_setup(joined - t0)
+        m.observe_link(prefix.nbytes, end - joined)
         if prefix.token_ids:
             m.kv_bytes_per_token = prefix.nbytes / len(prefix.token_ids)
         m.pulled_bytes += prefix.nbytes
@@ -457,12 +466,14 @@ class AsyncEngine:
 
     @staticmethod
     def _receive(link):
-        """Wait for the holder on ``link`` and receive its prefix; the link is closed after."""
+        """Wait for the holder on ``link`` and receive its prefix; the link is closed after.
+        Returns the prefix and ``perf_counter()`` when the holder joined."""
         from ..engine.remote import recv_prefix
 
         with link:
             link.accept()
-            return recv_prefix(link, "a cached prefix from the holder")
+            joined = time.perf_counter()
+            return recv_prefix(link, "a cached prefix from the holder"), joined
 
     def share(self, host: str, port: int, ids: List[int], salt=None) -> int:
         """A peer pulls: connect to its link on ``host:port`` and send the K/V of the longest

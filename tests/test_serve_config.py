@@ -28,6 +28,8 @@ DEFAULTS = dict(
     routing="kv",
     balance=16,
     migration=True,
+    kv_pull=True,
+    kv_pull_policy=None,
     migration_threshold=0.1,
 )
 
@@ -36,7 +38,7 @@ EVERY_FLAG = [
     "--max-request-bytes", "1000", "--instance-id", "a", "--max-waiting", "3",
     "--request-timeout", "1.5", "--replicas", "2", "--api-key", "k", "--protect-metrics",
     "--admin", "--admin-key", "ak", "--routing", "round-robin", "--balance", "4",
-    "--no-migration", "--migration-threshold", "0.25",
+    "--no-migration", "--migration-threshold", "0.25", "--no-kv-pull", "--kv-pull-policy", "always",
 ]  # fmt: skip
 
 # The old _FRONT_ONLY table: the flags a replica's command line drops, and their arities.
@@ -49,6 +51,7 @@ FRONT_ONLY = {
     "--routing": 1,
     "--balance": 1,
     "--no-migration": 0,
+    "--no-kv-pull": 0,  # (a flag of the front since issue #44)
     "--migration-threshold": 1,
     "--instance-id": 1,
     "--api-key": 1,
@@ -60,6 +63,7 @@ KEPT = {
     "--max-request-bytes": "10",
     "--max-waiting": "4",
     "--request-timeout": "5",
+    "--kv-pull-policy": "always",  # (an instance's, since issue #44)
 }
 
 
@@ -67,6 +71,7 @@ KEPT = {
 def no_env_keys(monkeypatch):
     monkeypatch.delenv("RINGKV_API_KEY", raising=False)
     monkeypatch.delenv("RINGKV_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("RINGKV_KV_PULL_POLICY", raising=False)
 
 
 def config(*argv: str) -> ServeConfig:
@@ -98,6 +103,8 @@ def test_every_serve_flag_parses_to_its_field():
         routing="round-robin",
         balance=4,
         migration=False,
+        kv_pull=False,
+        kv_pull_policy="always",
         migration_threshold=0.25,
     )
     assert config("serve", "--model", "m", "--port=7", "--balance=2").port == 7
@@ -124,11 +131,11 @@ def test_the_command_lines_list_the_same_flags():
         "--help", "--model", "--dtype", "--kv-cache-memory", "--tp", "--pp", "--sp",
         "--pp-layers", "--block-size", "--max-model-len", "--max-num-seqs",
         "--max-num-batched-tokens", "--kv-cache-dtype", "--sp-prefill-min-tokens",
-        "--compile-decode",
+        "--compile-decode", "--kv-host-memory", "--kv-disk", "--kv-disk-size",
     }  # fmt: skip
     front = set(FRONT_ONLY) - {"--replicas", "--instance-id"}
     serve_flags = engine | set(FRONT_ONLY) | set(KEPT)
-    assert len(serve_flags) == 32  # 31 and --help
+    assert len(serve_flags) == 37  # 36 and --help
     assert flags("serve") == serve_flags
     shared = {"--help", "--host", "--port", "--log-level", "--max-request-bytes", "--upstream"}
     assert flags("router") == front | shared
@@ -148,6 +155,9 @@ def test_environment_fallbacks(monkeypatch):
     monkeypatch.delenv("RINGKV_ADMIN_KEY")
     c = config("serve", "--model", "m")
     assert (c.api_key, c.admin_key) == ("", None)
+    monkeypatch.setenv("RINGKV_KV_PULL_POLICY", "always")
+    assert config("serve", "--model", "m").kv_pull_policy == "always"
+    assert config("serve", "--model", "m", "--kv-pull-policy", "cost").kv_pull_policy == "cost"
 
 
 @pytest.mark.parametrize(

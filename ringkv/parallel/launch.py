@@ -410,9 +410,19 @@ class Cluster:
         if self.world == 1:
             return fn(*args)
         try:
+            self._receive_pending()
             return fn(*args)
         except BaseException as e:
             self._fail(e)
+
+    def _receive_pending(self) -> None:
+        """Receive now the results of the steps still in flight (``result`` returns them later):
+        the sampler rank waits for its result sends to complete before it sends or takes K/V,
+        so a K/V move between steps (a tier's copy with pipeline parallelism) would otherwise
+        wait on the driver while the driver waits on it."""
+        for i, (plan, res) in enumerate(self.pending):
+            if res is None and (plan.num_completing or plan.num_targets):
+                self.pending[i] = (plan, self._receive_result(plan))
 
     def exchange(self, key: str, value) -> list:
         """Torchrun: every rank's ``value`` for ``key`` (``LLM``'s per-call handshake). A rank that

@@ -14,8 +14,9 @@ An entry's ``key`` is the block's chained SHA-256 (``block_hash`` of parent key,
 it names the content, the tenant's salt included, so a tier never serves another's K/V.
 
 - **Host**: ``host_blocks`` slots in one byte pool. On a CPU engine the pool is a memory-mapped
-  file of its own (pages are taken when written: an unused tier costs nothing); on CUDA it is
-  pinned host memory. Least recently used first out: to the disk tier if there is one.
+  anonymous file of its own (a memfd: pages are taken when written, so an unused tier costs
+  nothing); on CUDA it is pinned host memory. Least recently used first out: to the disk tier
+  if there is one.
 - **Disk** (``disk_tier.DiskTier``): safetensors files with checksums, bounded, least recently
   used first out; a file that fails its checks is refused and the block recomputed; a full disk
   turns the tier off and serving goes on.
@@ -29,7 +30,6 @@ the ``KVEvents`` a router indexes.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections import OrderedDict
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -71,17 +71,16 @@ class EntryLayout:
 
 
 def _pool(nbytes: int, pinned: bool) -> torch.Tensor:
-    """``nbytes`` of uint8: pinned memory, or a memory-mapped file of its own (unlinked at once:
-    it lives as long as the mapping)."""
+    """``nbytes`` of uint8: pinned memory, or a memory-mapped anonymous file of its own (memfd:
+    RAM, never written back to a disk; pages are taken when first written)."""
     if pinned:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    fd, path = tempfile.mkstemp(prefix="ringkv-host-kv-")
+    fd = os.memfd_create("ringkv-host-kv")
     try:
         os.ftruncate(fd, nbytes)
-        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
     finally:
-        os.close(fd)
-        os.unlink(path)
+        os.close(fd)  # the mapping keeps the memory
 
 
 class TierStore:

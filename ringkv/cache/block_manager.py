@@ -405,6 +405,7 @@ class BlockManager:
             assert (b in empty) <= (b not in self.hash_of), f"empty block {b} is still registered"
         for h, b in self.by_hash.items():
             assert self.hash_of[b] == h
+        assert set(self.key_of) <= set(self.hash_of), "a tier key of an unregistered block"
         for cid, blocks in self.twins.items():
             assert all(
                 self.cid_of.get(b) == cid and b not in self.hash_of and self.ref[b] > 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -139,6 +140,7 @@ def test_the_cost_model_and_a_pull_from_nowhere(tiny):
         assert asyncio.run(e.pull_prefix(ids, None, hint)) == "failed"
         assert time.monotonic() - t0 < 10
         assert m.pulls == {"pull": 0, "recompute": 0, "failed": 1} and m.pull_error
+        assert not [t for t in threading.enumerate() if t.name == "ringkv-link"]  # none waits
         assert e.llm.cached_tokens(ids) == 0
         # nothing to gain (the hint's prefix is shorter than a block more): recompute
         hint.tokens = BS - 1

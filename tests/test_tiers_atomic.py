@@ -145,12 +145,12 @@ class TieredCache(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp(prefix="ringkv-atomic-")
         # entry bytes: 2 layers x tokens x 2 KV heads x head_dim 8 x 4 bytes x (K and V)
         entry = {"a": 2 * 4 * 2 * 8 * 4 * 2, "b": 2 * 8 * 2 * 8 * 4 * 2}
+        self.config = {}
         for name, bs, blocks, host, disk in (
-            ("a", 4, 16, host_a, disk_a),
-            ("b", 8, 10, host_b, disk_b),
+            ("a", 4, 12, host_a, disk_a),
+            ("b", 8, 8, host_b, disk_b),
         ):
-            self.engines[name] = LLM(
-                model(),
+            self.config[name] = dict(
                 block_size=bs,
                 num_blocks=blocks,
                 max_num_batched_tokens=24,
@@ -158,10 +158,11 @@ class TieredCache(RuleBasedStateMachine):
                 kv_disk=os.path.join(self.dir, name),
                 kv_disk_size=disk * (entry[name] + FILE_OVERHEAD),
             )
+            self.engines[name] = LLM(model(), **self.config[name])
         self.reqs = {}  # request id -> (engine, prompt, salt, max_tokens)
         self.outs = {}  # request id -> its last output
         self.aborted = set()
-        # (engine, salt) -> [(request id or None, tokens)]: what was computed or pulled there
+        # (engine, salt) -> [(request id or "pulled", tokens)]: what was computed or pulled there
         self.known = {}
         self.checked = set()  # finished requests whose cached tokens were checked
 
@@ -217,7 +218,7 @@ class TieredCache(RuleBasedStateMachine):
         e = self.engines[dst]
         assert 0 <= n <= len(pre.token_ids) and n % e.blocks.block_size == 0
         if n:
-            self.known.setdefault((dst, pre.cache_salt), []).append((None, pre.token_ids[:n]))
+            self.known.setdefault((dst, pre.cache_salt), []).append(("pulled", pre.token_ids[:n]))
             probe = pre.token_ids[:n] + [0]
             assert e.cached_tokens(probe, pre.cache_salt) >= n
 
@@ -252,7 +253,7 @@ class TieredCache(RuleBasedStateMachine):
     @rule(
         name=st.sampled_from("ab"),
         seed=st.integers(0, 10**6),
-        length=st.integers(30, 52),
+        length=st.integers(24, 44),
         salt=st.sampled_from(SALTS),
     )
     def pressure(self, name, seed, length, salt):
@@ -273,12 +274,24 @@ class TieredCache(RuleBasedStateMachine):
         self.add({"a": "b", "b": "a"}[name] if other else name, prompt, salt, n)
 
     @precondition(lambda self: self.reqs)
-    @rule(k=st.integers(0, 1000), wire=st.booleans(), then=st.booleans(), tenant=st.booleans())
-    def pull(self, k, wire, then, tenant):
+    @rule(
+        k=st.integers(0, 1000),
+        wire=st.booleans(),
+        then=st.booleans(),
+        tenant=st.booleans(),
+        settle=st.booleans(),
+    )
+    def pull(self, k, wire, then, tenant, settle):
         """The other engine pulls the cached prefix of an earlier request's prompt from the
-        engine that ran it (over a real link or directly; ``tenant``: under another tenant's
-        salt, which must find nothing of it) and, ``then``, gets the request."""
-        src, prompt, salt, _ = list(self.reqs.values())[k % len(self.reqs)]
+        engine that ran it (``settle``: once that request is done there; else whatever it holds
+        so far, its other requests running), over a real link or directly, and ``then`` gets the
+        request. ``tenant``: under another tenant's salt, which may reach only what that tenant
+        computed."""
+        rid, (src, prompt, salt, _) = list(self.reqs.items())[k % len(self.reqs)]
+        for _ in range(200 if settle else 0):
+            if not self.engines[src].request_state(rid):
+                break
+            self.collect(src)
         if tenant:
             salt = SALTS[(SALTS.index(salt) + 1 + k % 2) % len(SALTS)]
         dst = "b" if src == "a" else "a"
@@ -393,6 +406,17 @@ class TieredCache(RuleBasedStateMachine):
         assert state(e) == before, "a refused export changed the engine"
 
     @precondition(lambda self: self.engines)
+    @rule(name=st.sampled_from("ab"))
+    def restart(self, name):
+        """The instance goes down (its requests are lost) and a new one starts on the same disk
+        directory: it indexes the files its predecessor wrote and promotes from them."""
+        self.engines[name].close()
+        for rid, r in self.reqs.items():
+            if r[0] == name and (rid not in self.outs or not self.outs[rid].finished):
+                self.aborted.add(rid)
+        self.engines[name] = LLM(model(), **self.config[name])
+
+    @precondition(lambda self: self.engines)
     @rule(name=st.sampled_from("ab"), k=st.integers(0, 1000), cut=st.floats(0.0, 0.99))
     def corrupt(self, name, k, cut):
         """Damage a disk-tier file: a flipped byte, or truncation. A promotion or export that
@@ -404,6 +428,8 @@ class TieredCache(RuleBasedStateMachine):
         path = os.path.join(d, files[k % len(files)])
         with open(path, "r+b") as fh:
             data = fh.read()
+            if not data:  # truncated to nothing already
+                return
             at = int(cut * len(data))
             if k % 2:
                 fh.seek(at)

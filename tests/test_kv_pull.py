@@ -8,6 +8,7 @@ instances of a tiny model behind a real ``ringkv router``, driven by the real ``
   decision, then a recompute);
 - ``--no-kv-pull``: no hint, no pull, a recompute;
 - the pull hint from a plain client (no admin key) is ignored; from an admin it is honoured;
+  requests hinted the same prefix at once pull it once;
 - the router's score prefers device > host > disk > peer > recompute (hand-filled indexes).
 """
 
@@ -338,6 +339,29 @@ def test_a_pull_hint_from_a_plain_client_is_ignored(instances, cold):
         timeout=60,
     )
     assert r.status_code == 400 and PULL_HEADER in r.text
+
+
+def test_requests_hinted_the_same_prefix_at_once_pull_it_once(instances, cold):
+    a, b = instances["a"], instances["b"]
+    prefix = [(19 * i + 6) % 120 + 3 for i in range(PREFIX)]
+    complete(a.client, prefix + [90, 91, 92], 2)  # cached on a
+    prompts = [prefix + [96 + k, 97, 98] for k in range(3)]
+    headers = {PULL_HEADER: f"{a.url} {PREFIX}", "x-ringkv-admin-key": KEY}
+    before, got = decisions(b), {}
+
+    def one(k):
+        got[k] = complete(b.client, prompts[k], extra_headers=headers)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for k, prompt in enumerate(prompts):
+        assert got[k][:2] == (cold(prompt, 8), PREFIX)
+    after = decisions(b)
+    # one pull; the others waited for it and found the prefix held (nothing left to gain)
+    assert after == dict(before, pull=before["pull"] + 1, recompute=before["recompute"] + 2)
 
 
 def test_a_holder_killed_before_the_pull_costs_a_recompute(front, instances, cold):

@@ -241,6 +241,7 @@ class AsyncEngine:
         self.metrics = Metrics()
         self.gauges = dict(running=0, waiting=0, kv_usage=0.0, hits=0, queries=0)
         self.info = llm.kv_cache_info()  # refreshed on the engine's thread (its tiers' usage)
+        self.pulling: Dict[tuple, asyncio.Future] = {}  # (salt, prefix ids) -> its pull's end
         self._info_at = time.monotonic()
         self.dead: Optional[str] = None
         self._ids = itertools.count()
@@ -416,13 +417,25 @@ class AsyncEngine:
         ``pull.holder`` holds; returns the outcome counted in ``metrics.pulls``: ``"pull"`` (this
         instance now holds more of it), ``"recompute"`` (nothing to gain, or the cost model says
         prefilling is faster) or ``"failed"`` (the pull failed: the request recomputes). Never
-        raises (but ``CancelledError``); every wait is bounded by ``PULL_TIMEOUT``."""
+        raises (but ``CancelledError``); every wait is bounded by ``PULL_TIMEOUT``. Requests
+        hinted the same prefix at once wait for the first one's pull, then decide (it is held:
+        nothing to gain)."""
+        key = (salt, tuple(ids[: pull.tokens]))
+        first = self.pulling.get(key)
+        if first is not None:  # the same prefix is on its way
+            await asyncio.wait({first}, timeout=PULL_TIMEOUT)
+        mine = first is None
+        if mine:
+            self.pulling[key] = asyncio.get_running_loop().create_future()
         try:
             outcome = await asyncio.wait_for(self._pull(ids, salt, pull), PULL_TIMEOUT)
         except Exception as e:  # noqa: BLE001 - any failure: the request recomputes the prefix
             outcome = "failed"
             self.metrics.pull_error = f"{type(e).__name__}: {e}"[:300]
             log.warning("ringkv: pulling a prefix from %s failed: %s", pull.holder, e)
+        finally:
+            if mine:
+                self.pulling.pop(key).set_result(None)
         self.metrics.pulls[outcome] += 1
         return outcome
 

@@ -281,6 +281,7 @@ def _router(config: ServeConfig, upstream=(), replicas=None) -> int:
             migration=c.migration,
             threshold=c.migration_threshold,
             balance=c.balance,
+            kv_pull=c.kv_pull,
             admin=c.admin,
             admin_key=c.admin_key,
             upstream_key=c.admin_key or (new_key() if replicas else None),

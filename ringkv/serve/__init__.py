@@ -34,7 +34,11 @@ def serve(llm, config: Optional[ServeConfig] = None, **settings) -> None:
     c = with_settings(ServeConfig, config, settings, "serve")
     admin = c.admin or c.admin_key is not None
     engine = AsyncEngine(
-        llm, kv_events=admin, max_waiting=c.max_waiting, request_timeout=c.request_timeout
+        llm,
+        kv_events=admin,
+        max_waiting=c.max_waiting,
+        request_timeout=c.request_timeout,
+        pull_policy=c.kv_pull_policy,
     )
     app = build_app(
         engine,

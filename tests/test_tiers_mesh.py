@@ -19,6 +19,7 @@ import torch
 
 from ringkv.engine import LLM, SamplingParams
 from ringkv.engine.remote import recv_prefix, send_prefix
+from ringkv.parallel.control import EngineError
 from ringkv.parallel.transfer import Link
 from tests.test_engine import tiny_engine_model, uncached_greedy
 
@@ -51,7 +52,6 @@ def one_by_one(llm, ps, params=GREEDY):
     return [llm.generate([p], params, use_tqdm=False)[0] for p in ps]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh, tier", [("tp2", "host"), ("pp2", "disk"), ("sp2", "host")], ids=lambda x: x
 )
@@ -103,7 +103,6 @@ def _over_link(pre):
     return got
 
 
-@pytest.mark.slow
 def test_prefix_moves_from_pp2_into_sp2_out_of_the_tiers(model):
     """A pp=2 engine (block size 4) whose small pool pushed most prompts to its host tier
     exports each prompt's prefix (tier entries and device blocks in one chain) into an sp=2
@@ -135,7 +134,6 @@ def test_prefix_moves_from_pp2_into_sp2_out_of_the_tiers(model):
         assert a.kv_cache_info()["tiers"]["device"]["promotions"] == 0  # exports promote nothing
 
 
-@pytest.mark.slow
 def test_a_dead_holder_fails_the_pull_and_the_target_recomputes(model):
     """The holder's worker dies (SIGKILL) before a pull: its export raises within the timeout,
     and the target, unchanged, computes the request itself."""
@@ -149,11 +147,13 @@ def test_a_dead_holder_fails_the_pull_and_the_target_recomputes(model):
         os.kill(a.cluster.procs[0].pid, signal.SIGKILL)
         a.cluster.procs[0].join(timeout=10)
         before = (b.blocks.num_free, list(b.blocks.ref), dict(b.blocks.by_hash))
+        pins = list(a.blocks.ref)
         t = time.monotonic()
-        with pytest.raises(Exception) as err:
-            a.export_prefix(p)
+        with pytest.raises(EngineError, match="exited"):
+            a.export_prefix(p)  # its device blocks pinned, then the gather fails
         assert time.monotonic() - t < 20, "the failed pull waited for longer than the timeout"
-        assert not isinstance(err.value, (AssertionError, TypeError)), err.value
+        assert a.blocks.ref == pins, "a failed export left its blocks pinned"
+        a.blocks.check()
         assert (b.blocks.num_free, list(b.blocks.ref), dict(b.blocks.by_hash)) == before
         (o,) = b.generate([p], GREEDY, use_tqdm=False)
         assert o.token_ids == uncached_greedy(model, p, N) and o.num_cached_tokens == 0

@@ -77,6 +77,9 @@ def test_cluster_benchmark_prefix(tmp_path, bench_cache):
     assert all("host" in t for t in row["tier_blocks"].values())  # the host tier: on by default
     assert not any("host" in t for t in old["tier_blocks"].values())  # --kv-host-memory 0
     assert old["pull_hints"] == {} and sum(old["pull_decisions"].values()) == 0  # --no-kv-pull
+    for r in (row, old):  # the router's index: cached blocks per instance and tier
+        assert sorted(r["index_tier_blocks"]) == ["r0", "r1"], r["index_tier_blocks"]
+        assert sum(t.get("device", 0) for t in r["index_tier_blocks"].values()) > 0
     assert row["lost"] == 0 and row["replicas"] == 2 and len(row["instances"]) == 2
     assert (
         row["prompt_tokens"] > 0

@@ -62,7 +62,7 @@ def reference_kv(tokens):
     key = tuple(tokens)
     if key not in _REF_KV:
         if _REF is None:
-            _REF = LLM(model(), block_size=4, num_blocks=512, kv_host_memory=0)
+            _REF = LLM(model(), block_size=2, num_blocks=1024, kv_host_memory=0)
         ids = list(tokens) + [0]
         _REF.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         pre = _REF.export_prefix(ids)
@@ -128,8 +128,9 @@ def partial_send(port: int, prefix: PrefixKV) -> None:
 
 
 class TieredCache(RuleBasedStateMachine):
-    """Engines ``a`` (block size 4) and ``b`` (block size 8), tiers on both (b's host tier may be
-    off: then its evictions go straight to disk)."""
+    """Engines ``a`` (block size 2 or 4, 48 tokens of pool) and ``b`` (block size 8 or 16, 64
+    tokens), a host and a disk tier on both (b's host tier may be off: then its evictions go
+    straight to disk); tier sizes in blocks."""
 
     def __init__(self):
         super().__init__()
@@ -140,23 +141,25 @@ class TieredCache(RuleBasedStateMachine):
         host_b=st.sampled_from([0, 3]),
         disk_a=st.sampled_from([3, 12]),
         disk_b=st.sampled_from([4, 10]),
+        bs_a=st.sampled_from([2, 4]),
+        bs_b=st.sampled_from([8, 16]),
     )
-    def setup(self, host_a, host_b, disk_a, disk_b):
+    def setup(self, host_a, host_b, disk_a, disk_b, bs_a, bs_b):
         self.dir = tempfile.mkdtemp(prefix="ringkv-atomic-")
-        # entry bytes: 2 layers x tokens x 2 KV heads x head_dim 8 x 4 bytes x (K and V)
-        entry = {"a": 2 * 4 * 2 * 8 * 4 * 2, "b": 2 * 8 * 2 * 8 * 4 * 2}
         self.config = {}
-        for name, bs, blocks, host, disk in (
-            ("a", 4, 12, host_a, disk_a),
-            ("b", 8, 8, host_b, disk_b),
+        for name, bs, tokens, host, disk in (
+            ("a", bs_a, 48, host_a, disk_a),
+            ("b", bs_b, 64, host_b, disk_b),
         ):
+            # a block's bytes: 2 layers x bs tokens x 2 KV heads x head_dim 8 x 4 bytes x K and V
+            entry = 2 * bs * 2 * 8 * 4 * 2
             self.config[name] = dict(
                 block_size=bs,
-                num_blocks=blocks,
+                num_blocks=tokens // bs,
                 max_num_batched_tokens=24,
-                kv_host_memory=host * entry[name],
+                kv_host_memory=host * entry,
                 kv_disk=os.path.join(self.dir, name),
-                kv_disk_size=disk * (entry[name] + FILE_OVERHEAD),
+                kv_disk_size=disk * (entry + FILE_OVERHEAD),
             )
             self.engines[name] = LLM(model(), **self.config[name])
         self.reqs = {}  # request id -> (engine, prompt, salt, max_tokens)
@@ -230,9 +233,12 @@ class TieredCache(RuleBasedStateMachine):
         j=st.integers(0, len(SUFFIXES) - 1),
         salt=st.sampled_from(SALTS),
         n=st.integers(1, 4),
+        steps=st.integers(0, 3),
     )
-    def request(self, name, i, j, salt, n):
+    def request(self, name, i, j, salt, n, steps):
+        """A request of a shared prefix, and ``steps`` steps of its engine."""
         self.add(name, PREFIXES[i] + SUFFIXES[j], salt, n)
+        self.step(name, steps)
 
     @precondition(lambda self: self.engines)
     @rule(name=st.sampled_from("ab"), steps=st.integers(1, 8))
@@ -266,12 +272,14 @@ class TieredCache(RuleBasedStateMachine):
             self.collect(name)
 
     @precondition(lambda self: self.reqs)
-    @rule(k=st.integers(0, 1000), other=st.booleans(), n=st.integers(1, 4))
-    def again(self, k, other, n):
-        """An earlier request's prompt and tenant again, on its engine or the other: a hit on
-        the device, a promotion from a tier, or a miss."""
+    @rule(k=st.integers(0, 1000), other=st.booleans(), n=st.integers(1, 4), steps=st.integers(0, 3))
+    def again(self, k, other, n, steps):
+        """An earlier request's prompt and tenant again, on its engine or the other (a hit on
+        the device, a promotion from a tier, or a miss), and ``steps`` steps there."""
         name, prompt, salt, _ = list(self.reqs.values())[k % len(self.reqs)]
-        self.add({"a": "b", "b": "a"}[name] if other else name, prompt, salt, n)
+        name = {"a": "b", "b": "a"}[name] if other else name
+        self.add(name, prompt, salt, n)
+        self.step(name, steps)
 
     @precondition(lambda self: self.reqs)
     @rule(

@@ -146,22 +146,8 @@ class TieredCache(RuleBasedStateMachine):
     )
     def setup(self, host_a, host_b, disk_a, disk_b, bs_a, bs_b):
         self.dir = tempfile.mkdtemp(prefix="ringkv-atomic-")
-        self.config = {}
-        for name, bs, tokens, host, disk in (
-            ("a", bs_a, 48, host_a, disk_a),
-            ("b", bs_b, 64, host_b, disk_b),
-        ):
-            # a block's bytes: 2 layers x bs tokens x 2 KV heads x head_dim 8 x 4 bytes x K and V
-            entry = 2 * bs * 2 * 8 * 4 * 2
-            self.config[name] = dict(
-                block_size=bs,
-                num_blocks=tokens // bs,
-                max_num_batched_tokens=24,
-                kv_host_memory=host * entry,
-                kv_disk=os.path.join(self.dir, name),
-                kv_disk_size=disk * (entry + FILE_OVERHEAD),
-            )
-            self.engines[name] = LLM(model(), **self.config[name])
+        self.engines["a"] = self.start("a", bs_a, host_a, disk_a)
+        self.engines["b"] = self.start("b", bs_b, host_b, disk_b)
         self.reqs = {}  # request id -> (engine, prompt, salt, max_tokens)
         self.outs = {}  # request id -> its last output
         self.aborted = set()
@@ -170,6 +156,22 @@ class TieredCache(RuleBasedStateMachine):
         self.checked = set()  # finished requests whose cached tokens were checked
 
     # -- helpers --------------------------------------------------------------------------
+    POOL = {"a": 48, "b": 64}  # tokens of each engine's device pool, whatever its block size
+
+    def start(self, name, bs, host, disk):
+        """Engine ``name`` of block size ``bs``, host and disk tiers of ``host`` and ``disk``
+        blocks (its disk tier in the same directory whatever the rest)."""
+        entry = 2 * bs * 2 * 8 * 4 * 2  # 2 layers x bs tokens x 2 KV heads of 8 x fp32 x K, V
+        return LLM(
+            model(),
+            block_size=bs,
+            num_blocks=self.POOL[name] // bs,
+            max_num_batched_tokens=24,
+            kv_host_memory=host * entry,
+            kv_disk=os.path.join(self.dir, name),
+            kv_disk_size=disk * (entry + FILE_OVERHEAD),
+        )
+
     def full(self, prompt, n):
         """The sequence a request computes: its prompt and its (greedy) output."""
         return list(prompt) + uncached_greedy(model(), prompt, n)
@@ -414,15 +416,23 @@ class TieredCache(RuleBasedStateMachine):
         assert state(e) == before, "a refused export changed the engine"
 
     @precondition(lambda self: self.engines)
-    @rule(name=st.sampled_from("ab"))
-    def restart(self, name):
+    @rule(
+        name=st.sampled_from("ab"),
+        small=st.booleans(),
+        host=st.sampled_from([0, 2, 6]),
+        disk=st.sampled_from([2, 4, 12]),
+    )
+    def restart(self, name, small, host, disk):
         """The instance goes down (its requests are lost) and a new one starts on the same disk
-        directory: it indexes the files its predecessor wrote and promotes from them."""
+        directory, with the smaller or larger of its block sizes and other tier sizes: it
+        indexes the files its predecessors wrote for its own block size (deleting the oldest
+        beyond its bound) and promotes from them; files of the other size are not its own."""
         self.engines[name].close()
         for rid, r in self.reqs.items():
             if r[0] == name and (rid not in self.outs or not self.outs[rid].finished):
                 self.aborted.add(rid)
-        self.engines[name] = LLM(model(), **self.config[name])
+        bs = {"a": (2, 4), "b": (8, 16)}[name][0 if small else 1]
+        self.engines[name] = self.start(name, bs, host, disk)
 
     @precondition(lambda self: self.engines)
     @rule(name=st.sampled_from("ab"), k=st.integers(0, 1000), cut=st.floats(0.0, 0.99))
@@ -530,4 +540,4 @@ class TieredCache(RuleBasedStateMachine):
 
 
 TestTieredCache = TieredCache.TestCase
-TestTieredCache.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
+TestTieredCache.settings = settings(max_examples=15, stateful_step_count=30, deadline=None)

@@ -541,3 +541,38 @@ class TieredCache(RuleBasedStateMachine):
 
 TestTieredCache = TieredCache.TestCase
 TestTieredCache.settings = settings(max_examples=15, stateful_step_count=30, deadline=None)
+
+
+def test_an_import_into_a_busy_pool_takes_only_free_blocks():
+    """A pull into an engine whose running request holds most of its pool imports the whole
+    blocks its free blocks hold, never one of the running request's; both requests' tokens
+    then equal a cold run."""
+    m = model()
+    long, prompt = unique_prompt(7, 44), PREFIXES[2] + SUFFIXES[1]
+    a = LLM(m, block_size=4, num_blocks=32, kv_host_memory=0)
+    b = LLM(m, block_size=8, num_blocks=8, kv_host_memory=0, max_num_batched_tokens=64)
+    try:
+        a.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        pre = a.export_prefix(prompt)
+        assert len(pre.token_ids) == 24
+        rid = b.add_request(long, SamplingParams(temperature=0, max_tokens=4))
+        b.step()
+        (seq,) = b.sequences(rid)
+        held, refs = list(seq.block_table), list(b.blocks.ref)
+        assert len(held) == 6 and b.blocks.num_free == 2
+        assert b.import_prefix(pre) == 16  # two of its three blocks fit
+        assert seq.block_table == held and [b.blocks.ref[x] for x in held] == [
+            refs[x] for x in held
+        ]
+        b.blocks.check()
+        outs = {}
+        while b.has_unfinished_requests():
+            for o in b.step():
+                outs[o.request_id] = o
+        assert outs[rid].token_ids == uncached_greedy(m, long, 4)
+        (o,) = b.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert o.token_ids == uncached_greedy(m, prompt, 4) and o.num_cached_tokens == 16
+        assert b.blocks.num_free == b.blocks.num_blocks
+    finally:
+        a.close()
+        b.close()

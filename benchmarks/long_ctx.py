@@ -152,6 +152,9 @@ class Env:
             local = int(os.environ.get("LOCAL_RANK", 0))
             if cuda:
                 torch.cuda.set_device(local)
+            from ringkv.parallel.net import pick_interface
+
+            pick_interface()  # a world across hosts: the interface that reaches the master
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         else:

@@ -111,6 +111,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if "RANK" in os.environ:
+        from ringkv.parallel.net import pick_interface
+
+        pick_interface()  # a world across hosts: the interface that reaches the master
         dist.init_process_group("gloo", timeout=timedelta(minutes=30))
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     torch.set_num_threads(

@@ -382,6 +382,9 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cuda = torch.cuda.is_available()
+    from ringkv.parallel.net import pick_interface
+
+    pick_interface()  # a world across hosts: the interface that reaches the master
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=3))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (

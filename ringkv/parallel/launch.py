@@ -53,7 +53,7 @@ from ..sp.comm import DEFAULT_TIMEOUT
 from .control import ControlPlane, EngineError, parent_alive
 from .mesh import MeshShape, build_mesh
 from .plan import Publisher, StepPlan, local_plan
-from . import faults, kvmove
+from . import faults, kvmove, net
 from .worker import RESULT_TAG, EngineShape, StepResult, Worker, WorkerStats
 
 DEFAULT_KV_MEMORY = 1 << 30  # bytes per rank when neither kv_cache_memory nor num_blocks is given
@@ -150,6 +150,7 @@ class Cluster:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # NCCL communicators use the current device
             if not dist.is_initialized():
+                net.pick_interface()  # a world across hosts: the interface to the master
                 dist.init_process_group(_backend(device), timeout=self.timeout)
             self.control = ControlPlane(
                 dist.distributed_c10d._get_default_store(),

@@ -576,3 +576,31 @@ def test_an_import_into_a_busy_pool_takes_only_free_blocks():
     finally:
         a.close()
         b.close()
+
+
+def test_a_promotion_does_not_push_its_own_chain_out_of_the_host_tier():
+    """A prompt whose two blocks the host tier (2 blocks, no disk) holds, in a pool of 6 blocks
+    with 1 empty and 5 evictable: both blocks fit, so both must be promoted. (Found by this
+    file: ``match_prefix`` allocates each promoted block while it walks the chain, before any
+    entry is loaded; the second allocation evicts a device block into the full host tier, whose
+    least recently used entry is the chain's own second block, still to be loaded: it is
+    dropped, counted as a load failure, and recomputed.)"""
+    m = model()
+    entry = 2 * 4 * 2 * 8 * 4 * 2  # one 4-token block: 2 layers x 2 KV heads of 8 x fp32 x K, V
+    e = LLM(m, block_size=4, num_blocks=6, kv_host_memory=2 * entry)
+    try:
+        one = SamplingParams(temperature=0, max_tokens=1)
+        q = [30] + list(range(40, 48))  # 2 full blocks and 1 token
+        x = [50] + list(range(1, 23))  # 23 tokens: its 6 blocks evict q's 2 to the host tier
+        e.generate([q], one, use_tqdm=False)
+        e.generate([x], one, use_tqdm=False)
+        assert [blk for blk, _ in e.blocks.locate(q[:-1])] == [None, None]  # both in the tier
+        assert len(e.blocks.empty) == 1 and len(e.blocks.evictable) == 5
+        (o,) = e.generate([q], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        assert o.token_ids == uncached_greedy(m, q, 3)
+        assert (o.num_cached_tokens, e.tiers.load_failures) == (8, 0), (
+            f"{o.num_cached_tokens} of 8 tokens promoted, {e.tiers.load_failures} load failures"
+        )
+        e.blocks.check()
+    finally:
+        e.close()

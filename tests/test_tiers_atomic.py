@@ -578,16 +578,20 @@ def test_an_import_into_a_busy_pool_takes_only_free_blocks():
         b.close()
 
 
-def test_a_promotion_does_not_push_its_own_chain_out_of_the_host_tier():
-    """A prompt whose two blocks the host tier (2 blocks, no disk) holds, in a pool of 6 blocks
-    with 1 empty and 5 evictable: both blocks fit, so both must be promoted. (Found by this
-    file: ``match_prefix`` allocates each promoted block while it walks the chain, before any
-    entry is loaded; the second allocation evicts a device block into the full host tier, whose
-    least recently used entry is the chain's own second block, still to be loaded: it is
-    dropped, counted as a load failure, and recomputed.)"""
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_promotion_does_not_push_its_own_chain_out_of_the_tiers(tier, tmp_path):
+    """A prompt whose two blocks a tier of 2 blocks holds (the host tier, or a disk tier behind
+    none), in a pool of 6 blocks with 1 empty and 5 evictable: both blocks fit, so both must be
+    promoted. (Found by this file: ``match_prefix`` allocates each promoted block while it walks
+    the chain, before any entry is loaded; the second allocation evicts a device block into the
+    full tier, whose least recently used entry is the chain's own second block, still to be
+    loaded: it is dropped, counted as a load failure, and recomputed.)"""
     m = model()
     entry = 2 * 4 * 2 * 8 * 4 * 2  # one 4-token block: 2 layers x 2 KV heads of 8 x fp32 x K, V
-    e = LLM(m, block_size=4, num_blocks=6, kv_host_memory=2 * entry)
+    kw = dict(kv_host_memory=2 * entry)
+    if tier == "disk":
+        kw = dict(kv_host_memory=0, kv_disk=str(tmp_path), kv_disk_size=2 * (entry + FILE_OVERHEAD))
+    e = LLM(m, block_size=4, num_blocks=6, **kw)
     try:
         one = SamplingParams(temperature=0, max_tokens=1)
         q = [30] + list(range(40, 48))  # 2 full blocks and 1 token

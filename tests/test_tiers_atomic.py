@@ -595,7 +595,7 @@ def test_a_promotion_does_not_push_its_own_chain_out_of_the_tiers(tier, tmp_path
     try:
         one = SamplingParams(temperature=0, max_tokens=1)
         q = [30] + list(range(40, 48))  # 2 full blocks and 1 token
-        x = [50] + list(range(1, 23))  # 23 tokens: its 6 blocks evict q's 2 to the host tier
+        x = [50] + list(range(1, 23))  # 23 tokens: its 6 blocks evict q's 2 to the tier
         e.generate([q], one, use_tqdm=False)
         e.generate([x], one, use_tqdm=False)
         assert [blk for blk, _ in e.blocks.locate(q[:-1])] == [None, None]  # both in the tier

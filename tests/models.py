@@ -106,6 +106,14 @@ def tiny_config(arch: str, **overrides):
     return cls(**common)
 
 
+def saved_tiny_llama(tmp_path_factory, seed: int, **overrides) -> str:
+    """A directory holding ``tiny_model("llama", seed, **overrides)`` (safetensors), for
+    servers and engines started from a path."""
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama", seed, **overrides).save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
 def tiny_model(arch: str, seed: int = 0, **overrides):
     """A tiny random transformers model, built the same in every process for a seed; Qwen2's
     biases made non-zero and the LM head scaled up (clear greedy choices: a parallel engine's

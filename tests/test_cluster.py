@@ -35,7 +35,7 @@ from openai import OpenAI  # noqa: E402
 from ringkv.cache import BlockManager  # noqa: E402
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.serve.router import Instance, Router, free_port  # noqa: E402
-from tests.models import needs_smollm2, tiny_model  # noqa: E402
+from tests.models import needs_smollm2, saved_tiny_llama  # noqa: E402
 
 KEY = "test-admin-key"
 
@@ -527,11 +527,7 @@ def test_a_killed_instance_loses_no_request_and_rejoins(front, smol):
 # -- instances of different meshes under `ringkv router` ------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama", 3, num_hidden_layers=4, max_position_embeddings=512).save_pretrained(
-        path, safe_serialization=True
-    )
-    return str(path)
+    return saved_tiny_llama(tmp_path_factory, 3, num_hidden_layers=4, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
@@ -624,16 +620,22 @@ def test_instances_of_different_meshes_join_route_and_migrate(meshes, tiny):
         inst = router.wait_all_up(60)
         assert set(inst) == {"u0", "pp2"}
         prompts = [[5 + i, 6, 7, 8, 9] * 3 for i in range(3)]
-        want = tiny_reference(tiny, prompts, 40)
+        # long enough that a loaded machine's client still reads the stream while it runs
+        want = tiny_reference(tiny, prompts, 96)
         r = router.client.completions.create(
-            model=tiny, prompt=prompts, max_tokens=40, temperature=0, logprobs=0
+            model=tiny, prompt=prompts, max_tokens=96, temperature=0, logprobs=0
         )
         assert [
             [int(t) for t in c.logprobs.tokens] for c in sorted(r.choices, key=lambda c: c.index)
         ] == want
         for src_to in ("pp2", "u0"):  # there and back, mid-stream
             raw = router.client.completions.with_raw_response.create(
-                model=tiny, prompt=prompts[1], max_tokens=40, temperature=0, logprobs=0, stream=True
+                model=tiny,
+                prompt=prompts[1],
+                max_tokens=96,
+                temperature=0,
+                logprobs=0,
+                stream=True,
             )
             src = raw.headers["x-ringkv-instance"]
             dst = "pp2" if src == "u0" else "u0"
@@ -642,7 +644,7 @@ def test_instances_of_different_meshes_join_route_and_migrate(meshes, tiny):
                 got += [
                     int(t) for c in ch.choices for t in (c.logprobs.tokens if c.logprobs else [])
                 ]
-                if i == 3:
+                if i == 1:
                     m = router.post("/admin/migrate", {"request_id": ch.id, "to": dst})
                     assert m.status_code == 200, m.text
             assert got == want[1], src_to
@@ -655,7 +657,7 @@ def test_instances_of_different_meshes_join_route_and_migrate(meshes, tiny):
         )
         assert set(router.instances()) == {"u0"}
         r = router.client.completions.create(
-            model=tiny, prompt=prompts[2], max_tokens=40, temperature=0, logprobs=0
+            model=tiny, prompt=prompts[2], max_tokens=96, temperature=0, logprobs=0
         )
         assert [int(t) for t in r.choices[0].logprobs.tokens] == want[2]
     finally:

@@ -29,7 +29,7 @@ import httpx  # noqa: E402
 from ringkv.cache.block_manager import DISK, HOST, STORED, block_hash  # noqa: E402
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.serve.router import PULL_HEADER, Router, free_port  # noqa: E402
-from tests.models import tiny_model  # noqa: E402
+from tests.models import saved_tiny_llama  # noqa: E402
 from tests.test_cluster import KEY, Proc  # noqa: E402
 
 BS = 4  # tokens per block of every instance here
@@ -153,11 +153,7 @@ def test_the_cost_model_and_a_pull_from_nowhere(tiny):
 # -- real instances -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama", 3, num_hidden_layers=4, max_position_embeddings=512).save_pretrained(
-        path, safe_serialization=True
-    )
-    return str(path)
+    return saved_tiny_llama(tmp_path_factory, 3, num_hidden_layers=4, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
-from tests.models import tiny_model  # noqa: E402
+from tests.models import saved_tiny_llama  # noqa: E402
 from tests.test_cluster import Proc  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -25,11 +25,7 @@ KEY = "sk-test-123"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama", 5, num_hidden_layers=2, max_position_embeddings=4096).save_pretrained(
-        path, safe_serialization=True
-    )
-    return str(path)
+    return saved_tiny_llama(tmp_path_factory, 5, num_hidden_layers=2, max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")

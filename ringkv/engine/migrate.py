@@ -67,6 +67,20 @@ def _prefix_bad(name: str, why: str) -> ValueError:
     return ValueError(f"prefix field {name!r}: {why}; nothing was imported")
 
 
+def _check_origin(core, what: str, model: str, kv_cache_dtype: str) -> None:
+    """The K/V of a ``what`` (snapshot, prefix) fit only an engine of its model and storage."""
+    if model != core.digest:
+        raise ValueError(
+            f"the {what} is of another model (its config or weights differ from this "
+            "engine's); it cannot be imported here"
+        )
+    if kv_cache_dtype != core.kv_storage:
+        raise ValueError(
+            f"the {what}'s KV are {kv_cache_dtype}, this engine stores "
+            f"{core.kv_storage}; both engines need the same kv_cache_dtype (and model dtype)"
+        )
+
+
 def _check_ids(name: str, ids, vocab: int, bad=_bad) -> None:
     if not isinstance(ids, (list, tuple)):
         raise bad(name, f"must be a list of token ids, got {type(ids).__name__}")
@@ -298,16 +312,7 @@ class Migration:
                 "version",
                 f"snapshot format version {snap.version!r}, this ringkv reads {VERSION}",
             )
-        if snap.model != core.digest:
-            raise ValueError(
-                "the snapshot is of another model (its config or weights differ from this "
-                "engine's); it cannot be imported here"
-            )
-        if snap.kv_cache_dtype != core.kv_storage:
-            raise ValueError(
-                f"the snapshot's KV are {snap.kv_cache_dtype}, this engine stores "
-                f"{core.kv_storage}; both engines need the same kv_cache_dtype (and model dtype)"
-            )
+        _check_origin(core, "snapshot", snap.model, snap.kv_cache_dtype)
         rid = snap.request_id
         if not isinstance(rid, str) and not is_int(rid):
             raise _bad("request_id", f"must be a str or an int, got {rid!r}")
@@ -507,16 +512,7 @@ class Migration:
         blocks, tpb = core.blocks, core.blocks.block_size
         if not isinstance(prefix, PrefixKV):
             raise TypeError(f"import_prefix takes a PrefixKV, got {type(prefix).__name__}")
-        if prefix.model != core.digest:
-            raise ValueError(
-                "the prefix's K/V are of another model (its config or weights differ from this "
-                "engine's); nothing was imported"
-            )
-        if prefix.kv_cache_dtype != core.kv_storage:
-            raise ValueError(
-                f"the prefix's K/V are {prefix.kv_cache_dtype!r}, this engine stores "
-                f"{core.kv_storage!r}; nothing was imported"
-            )
+        _check_origin(core, "prefix", prefix.model, prefix.kv_cache_dtype)
         if prefix.cache_salt is not None and not isinstance(prefix.cache_salt, str):
             raise _prefix_bad("cache_salt", f"must be None or a str, got {prefix.cache_salt!r}")
         _check_ids("token_ids", prefix.token_ids, core.config.vocab_size, _prefix_bad)

@@ -27,63 +27,58 @@ class MigrationError(RuntimeError):
     """A request did not move; it is where it was (running on the source)."""
 
 
+def _send(link: Link, kind: str, obj, what: str) -> int:
+    """A dataclass ``obj`` over ``link`` under head key ``kind``: its fields as the head, its
+    tensors in place (the link checksums both); the bytes sent."""
+    values = {f.name: getattr(obj, f.name) for f in fields(obj)}
+    tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+    return link.send({kind: {k: v for k, v in values.items() if k not in tensors}}, tensors, what)
+
+
+def _recv(link: Link, kind: str, cls, what: str):
+    """The next message: a ``cls`` sent by ``_send`` under ``kind``, or the peer's JSON value
+    (``send_json``) as a dict ``{"json": value}``. A message missing a field is a
+    ``ValueError`` (the link stays in step)."""
+    head, tensors = link.recv(what)
+    if "json" in head:
+        return head
+    meta = head.get(kind)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{link}: the peer sent neither a {kind} nor a JSON message")
+    known = {f.name for f in fields(cls)}
+    try:
+        return cls(**{k: v for k, v in meta.items() if k in known and k not in tensors}, **tensors)
+    except TypeError as e:
+        raise ValueError(f"{link}: the peer sent an incomplete {kind}: {e}") from None
+
+
 def send_snapshot(link: Link, snap: KVSnapshot) -> int:
     """A snapshot over ``link``: its fields as the head, its tensors in place; the bytes sent."""
-    values = {f.name: getattr(snap, f.name) for f in fields(snap)}
-    tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
-    return link.send(
-        {"snapshot": {k: v for k, v in values.items() if k not in tensors}},
-        tensors,
-        f"sending a snapshot of request {snap.request_id!r}",
-    )
+    return _send(link, "snapshot", snap, f"sending a snapshot of request {snap.request_id!r}")
 
 
 def recv_snapshot(link: Link, what: str = "a snapshot"):
     """The next message: a ``KVSnapshot``, or the peer's JSON value (``send_json``) as a dict
     ``{"json": value}``. A snapshot missing a field is a ``ValueError``."""
-    head, tensors = link.recv(what)
-    if "json" in head:
-        return head
-    meta = head.get("snapshot")
-    if not isinstance(meta, dict):
-        raise ValueError(f"{link}: the peer sent neither a snapshot nor a JSON message")
-    known = {f.name for f in fields(KVSnapshot)}
-    try:
-        return KVSnapshot(
-            **{k: v for k, v in meta.items() if k in known and k not in tensors}, **tensors
-        )
-    except TypeError as e:
-        raise ValueError(f"{link}: the peer sent an incomplete snapshot: {e}") from None
+    return _recv(link, "snapshot", KVSnapshot, what)
 
 
 def send_prefix(link: Link, prefix: PrefixKV) -> int:
-    """A cached prefix (``LLM.export_prefix``) over ``link``: its fields as the head, its K/V in
-    place (the link checksums both); the bytes sent. The peer reads it with ``recv_prefix``."""
-    tensors = {n: getattr(prefix, n) for n in PrefixKV.TENSORS if getattr(prefix, n) is not None}
-    head = {f.name: getattr(prefix, f.name) for f in fields(prefix) if f.name not in tensors}
-    return link.send({"prefix": head}, tensors, "sending a cached prefix")
+    """A cached prefix (``LLM.export_prefix``) over ``link``; the bytes sent. The peer reads it
+    with ``recv_prefix``."""
+    return _send(link, "prefix", prefix, "sending a cached prefix")
 
 
 def recv_prefix(link: Link, what: str = "a cached prefix") -> PrefixKV:
     """The ``PrefixKV`` the peer sent with ``send_prefix``. ``MigrationError`` if it sent an
     error instead (``{"ok": false, "error": ...}``: it holds none, or failed), ``ValueError`` if
     the message is not a complete prefix (damaged: the link stays in step)."""
-    head, tensors = link.recv(what)
-    if "json" in head:
-        reply = head["json"]
+    got = _recv(link, "prefix", PrefixKV, what)
+    if isinstance(got, dict):
+        reply = got["json"]
         error = reply.get("error") if isinstance(reply, dict) else reply
         raise MigrationError(f"{link}: the peer sent no prefix: {error}")
-    meta = head.get("prefix")
-    if not isinstance(meta, dict):
-        raise ValueError(f"{link}: the peer sent neither a prefix nor a JSON message")
-    names = {f.name for f in fields(PrefixKV)}
-    try:
-        return PrefixKV(
-            **{k: v for k, v in meta.items() if k in names and k not in PrefixKV.TENSORS},
-            **{k: v for k, v in tensors.items() if k in PrefixKV.TENSORS},
-        )
-    except TypeError as e:
-        raise ValueError(f"{link}: the peer sent an incomplete prefix: {e}") from None
+    return got
 
 
 def send_request(llm, request_id, link: Link, *, incremental: bool = True, between=None) -> dict:

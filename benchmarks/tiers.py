@@ -253,7 +253,8 @@ def report(results: dict, args) -> None:
     )
     print(
         "| prefix tokens | path | TTFT p50 (s) | min - max (s) | vs recompute | cached tokens "
-        "(expected) | same token | MB moved | MB/s | load 1/5/15 min |"
+        "(expected) | same token | MB moved | MB/s (pull: link; host, disk: moved / TTFT) | "
+        "load 1/5/15 min |"
     )
     print("|---:|---|---:|---|---:|---|---|---:|---:|---|")
     for size in results["sizes"]:

@@ -200,29 +200,31 @@ class BlockManager:
     def match_prefix(self, token_ids: Sequence[int], salt: Optional[str] = None) -> List[int]:
         """Registered blocks holding a prefix of ``token_ids``; never covers the last token
         (its logits are needed, so it is always recomputed). Takes a reference on each. Blocks
-        a tier holds are promoted: a fresh block each (while any is free), their K/V copied in,
-        registered again. Hits are not counted here (``count`` does, once a request is
-        admitted)."""
+        a tier holds are promoted: their K/V read from the tier first, then a fresh block each
+        (while any is free: an eviction then may push tier entries out, never these), the K/V
+        written, the blocks registered again. Hits are not counted here (``count`` does, once a
+        request is admitted)."""
         if not self.prefix_caching:
             return []
-        blocks: List[int] = []
-        promote: List[Tuple[int, bytes]] = []  # (fresh block, tier key)
+        chain = []  # (device block or None, tier key)
         for b, key in self._walk(token_ids, (len(token_ids) - 1) // self.block_size, salt):
-            if b is None:
-                if not self.num_free:
-                    break
-                (b,) = self.allocate(1)
-                promote.append((b, key))
-            else:
-                self._take(b)
-            blocks.append(b)
-        if promote:
-            loaded = self.tiers.load(promote)
-            if loaded < len(promote):  # a disk entry failed its checks: recompute from there
-                cut = blocks.index(promote[loaded][0])
-                self.free(blocks[cut:])
-                del blocks[cut:]
-            self.promotions += loaded
+            if b is not None:
+                self._take(b)  # before the next allocation could evict it
+            chain.append((b, key))
+        wanted = [key for b, key in chain if b is None][: self.num_free]
+        kvs = self.tiers.take(wanted) if wanted else []
+        cut = len(chain)  # the chain ends before the first tier block not taken
+        tiered = [i for i, (b, _) in enumerate(chain) if b is None]
+        if len(kvs) < len(tiered):
+            cut = tiered[len(kvs)]
+            self.free([b for b, _ in chain[cut:] if b is not None])
+        fresh = self.allocate(len(kvs))  # evictions may fill the tiers now: the K/V are read
+        blocks, it = [], iter(fresh)
+        for b, _ in chain[:cut]:
+            blocks.append(next(it) if b is None else b)
+        if kvs:
+            self.tiers.promote(fresh, kvs)
+            self.promotions += len(kvs)
             self.register(blocks, token_ids, len(blocks) * self.block_size, salt)
         return blocks
 

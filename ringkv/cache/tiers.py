@@ -21,10 +21,14 @@ it names the content, the tenant's salt included, so a tier never serves another
   used first out; a file that fails its checks is refused and the block recomputed; a full disk
   turns the tier off and serving goes on.
 
-Both tiers are *inclusive* of the device: a promoted block keeps its host or disk copy, so its
-next eviction costs no copy. ``on_change(hash, tier)`` reports where an entry is best held off the
-device (``HOST``, ``DISK``, or ``REMOVED`` once no tier holds it): the block manager turns it into
-the ``KVEvents`` a router indexes.
+The host tier is *exclusive* of the device: a block promoted from it leaves it (device and host
+then hold twice the device pool's blocks; its next eviction copies it again). The disk tier is
+*inclusive*: a promoted block keeps its file (a disk holds much more, and a write costs more),
+so its next eviction costs no write.
+
+``on_change(hash, tier)`` reports where an entry is best held off the device (``HOST``, ``DISK``,
+or ``REMOVED`` once no tier holds it): the block manager turns it into the ``KVEvents`` a router
+indexes.
 """
 
 from __future__ import annotations
@@ -171,24 +175,34 @@ class TierStore:
                 self.hash_of.pop(k, None)
             self.on_change(h, tier or REMOVED)
 
-    def load(self, pairs: Sequence[Tuple[int, bytes]]) -> int:
-        """Copy entries into device blocks ``(block, key)``, in order; stops at the first entry
-        no tier can give (a disk file refused). Returns how many were loaded."""
-        parts = []
-        for _, key in pairs:
+    def take(self, keys: Sequence[bytes]) -> List[KV]:
+        """Copies of the entries ``keys`` (a prompt's chain, in order) for a promotion, read
+        before any device block is allocated for them (an allocation may evict into a full tier
+        and push the chain's own entries out); stops at the first entry no tier can give (a disk
+        file refused). Those taken from the host tier leave it (exclusive: the caller registers
+        them on the device, whose events say so)."""
+        out = []
+        for key in keys:
             kv = self.get(key)
             if kv is None:
                 self.load_failures += 1
                 break
-            parts.append(kv)
-        if parts:
+            out.append(kv)
+            slot = self.slot_of.pop(key, None)
+            if slot is not None:
+                self.free_slots.append(slot)
+                if self.where(key) is None:
+                    self.hash_of.pop(key, None)
+        return out
+
+    def promote(self, blocks: Sequence[int], kvs: Sequence[KV]) -> None:
+        """Write entries (``take``'s) into device ``blocks``, in order, with one scatter."""
+        if blocks:
             kv = tuple(
-                None if parts[0][i] is None else torch.cat([p[i] for p in parts], 1)
-                for i in range(4)
+                None if kvs[0][i] is None else torch.cat([p[i] for p in kvs], 1) for i in range(4)
             )
-            self.write([b for b, _ in pairs[: len(parts)]], kv)
-            self.loads += len(parts)
-        return len(parts)
+            self.write(list(blocks), kv)
+            self.loads += len(blocks)
 
     # -- the tiers' own bounds -------------------------------------------------------------
     def _slot(self, slot: int) -> torch.Tensor:

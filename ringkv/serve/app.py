@@ -661,4 +661,13 @@ def tier_lines(info: dict) -> list:
         name = f"ringkv_kv_tier_{metric}"
         lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge"]
         lines += [f'{name}{{tier="{t}"}} {row[i]}' for t, row in rows.items()]
+    if device is not None:
+        lines += [
+            "# HELP ringkv_kv_device_cached_blocks Prefix-cache blocks registered on the device.",
+            "# TYPE ringkv_kv_device_cached_blocks gauge",
+            f"ringkv_kv_device_cached_blocks {device.get('cached', 0)}",
+            "# HELP ringkv_kv_promotions_total Blocks brought back to the device from the tiers.",
+            "# TYPE ringkv_kv_promotions_total counter",
+            f"ringkv_kv_promotions_total {device.get('promotions', 0)}",
+        ]
     return lines

@@ -1,8 +1,9 @@
 """One rank of a torchrun world across hosts (tests/test_hosts.py).
 
-``python tests/hosts_worker.py OUT CHECKS [MODEL]``: CHECKS is a comma list of ``engine``
-(``LLM(MODEL, tp=2, pp=2)`` greedy tokens; the engine makes the process group, choosing the
-socket interface itself) and ``ring`` (ring attention forward and backward against single-device
+``python tests/hosts_worker.py OUT CHECKS [MODEL]``: CHECKS is a comma list of ``pp`` or ``sp``
+(``LLM(MODEL, tp=2, pp=2)`` or ``LLM(MODEL, tp=2, sp=2)`` greedy tokens, the sp one ringing
+prompts of 16 tokens or more; the engine makes the process group, choosing the socket interface
+itself) and ``ring`` (ring attention forward and backward against single-device
 attention, every layout). Writes what this rank saw to ``OUT/rank<R>.json``. An interface that
 cannot be chosen ends the process with ringkv's error before any group is made.
 """
@@ -28,11 +29,14 @@ PROMPTS = [[5, 9, 17, 3, 44, 90, 7], [11, 12, 13], list(range(20, 60)), [100, 4,
 MAX_TOKENS = 8
 
 
-def engine(model: str) -> list:
+def engine(model: str, across: str) -> list:
+    """Greedy tokens of ``PROMPTS`` on ``LLM(model, tp=2, <across>=2)``."""
     from ringkv.engine import LLM, SamplingParams
 
-    kw = dict(tp=2, pp=2, block_size=4, num_blocks=32, max_num_batched_tokens=16, max_num_seqs=4)
-    with LLM(model, timeout=60, **kw) as llm:
+    kw = dict(tp=2, block_size=4, num_blocks=48, max_num_batched_tokens=16, max_num_seqs=4)
+    if across == "sp":
+        kw.update(max_num_batched_tokens=64, sp_prefill_min_tokens=16)
+    with LLM(model, timeout=60, **{across: 2}, **kw) as llm:
         outs = llm.generate(
             PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
         )
@@ -69,8 +73,9 @@ def main(out: str, checks: str, model: str = "") -> None:
     t0 = time.monotonic()
     checks = checks.split(",")
     seen = dict(local_rank=int(os.environ["LOCAL_RANK"]), master=os.environ.get("MASTER_ADDR"))
-    if "engine" in checks:
-        seen["tokens"] = engine(model)  # the engine picks the interface and makes the group
+    across = [c for c in checks if c in ("pp", "sp")]
+    if across:  # the engine picks the interface and makes the group
+        seen["tokens"] = engine(model, across[0])
     else:
         net.pick_interface()
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))

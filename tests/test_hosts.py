@@ -45,6 +45,19 @@ def model(tmp_path_factory):
     return str(d)
 
 
+@pytest.fixture(scope="module")
+def want(model):
+    """The single-process engine's greedy tokens of the worker's prompts."""
+    from ringkv.engine import LLM, SamplingParams
+    from tests.hosts_worker import MAX_TOKENS, PROMPTS
+
+    with LLM(model, block_size=4, num_blocks=48) as llm:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    return tokens
+
+
 def launch(hosts, out, rdzv, checks, model="", timeout=120):
     """torchrun on both hosts; ``rdzv(i)``: host i's rendezvous flags. Returns the exit codes,
     each host's output and the ranks' reports."""
@@ -76,7 +89,7 @@ def check_world(hosts, codes, logs, reports):
     assert {r["gloo"] for r in reports.values()} == {hosts.ifname(0), hosts.ifname(1)}
 
 
-def test_master_addr_engine_tp_inside_pp_across_and_the_ring(hosts, model, tmp_path):
+def test_master_addr_engine_tp_inside_pp_across_and_the_ring(hosts, model, want, tmp_path):
     """--master-addr with --node-rank: LLM(tp=2, pp=2) (tp inside a host, pp across) gives the
     single-process greedy tokens; the ring at world 4 is exact against one process."""
     port = 29611
@@ -84,15 +97,8 @@ def test_master_addr_engine_tp_inside_pp_across_and_the_ring(hosts, model, tmp_p
     def rdzv(i):
         return ["--node-rank", str(i), "--master-addr", hosts.addr(0), "--master-port", str(port)]
 
-    codes, logs, reports = launch(hosts, tmp_path, rdzv, "engine,ring", model)
+    codes, logs, reports = launch(hosts, tmp_path, rdzv, "pp,ring", model)
     check_world(hosts, codes, logs, reports)
-    from ringkv.engine import LLM, SamplingParams
-    from tests.hosts_worker import MAX_TOKENS, PROMPTS
-
-    with LLM(model, block_size=4, num_blocks=32) as llm:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-        want = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    assert all(len(t) == MAX_TOKENS for t in want)
     for r in reports.values():
         assert r["tokens"] == want
         assert r["ring"] == []
@@ -100,9 +106,11 @@ def test_master_addr_engine_tp_inside_pp_across_and_the_ring(hosts, model, tmp_p
     assert reports[0]["gloo"] == reports[1]["gloo"] != reports[2]["gloo"] == reports[3]["gloo"]
 
 
-def test_c10d_rendezvous_with_is_host_and_local_addr(hosts, tmp_path):
+def test_c10d_rendezvous_engine_tp_inside_sp_across(hosts, model, want, tmp_path):
     """--rdzv-backend c10d --rdzv-endpoint HOST0:PORT: the endpoint is not the hostname's address,
-    so node 0 says is_host=1; --local-addr makes the workers' MASTER_ADDR routable."""
+    so node 0 says is_host=1; --local-addr makes the workers' MASTER_ADDR routable.
+    LLM(tp=2, sp=2) (prompts of 16 tokens or more ring across the hosts) gives the
+    single-process greedy tokens; the ring is exact."""
     port = 29612
 
     def rdzv(i):
@@ -110,11 +118,14 @@ def test_c10d_rendezvous_with_is_host_and_local_addr(hosts, tmp_path):
         flags += ["--rdzv-id", "hosts-c10d", "--local-addr", hosts.addr(i)]
         return flags + (["--rdzv-conf", "is_host=1"] if i == 0 else [])
 
-    codes, logs, reports = launch(hosts, tmp_path, rdzv, "ring")
+    codes, logs, reports = launch(hosts, tmp_path, rdzv, "sp,ring", model)
     check_world(hosts, codes, logs, reports)
     for r in reports.values():
+        assert r["tokens"] == want
         assert r["ring"] == []
         assert r["master"] in (hosts.addr(0), hosts.addr(1))
+    # tp inside a host (ranks 0, 1 and 2, 3), sp across
+    assert reports[0]["gloo"] == reports[1]["gloo"] != reports[2]["gloo"] == reports[3]["gloo"]
 
 
 def test_a_loopback_master_fails_at_once_naming_the_variables(hosts, tmp_path):

@@ -14,6 +14,7 @@ process is gone are removed at set-up. Needs CAP_NET_ADMIN: :func:`missing` says
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import signal
@@ -136,6 +137,7 @@ class Hosts:
         if why:
             raise PermissionError(f"Hosts: {why}")
         clean_leftovers()
+        atexit.register(self.down)  # an interpreter that exits without the fixture's teardown
         try:
             self._up()
         except BaseException:
@@ -170,6 +172,7 @@ class Hosts:
 
     def down(self) -> None:
         """Stop our commands and remove every namespace (with its veths and bridge)."""
+        atexit.unregister(self.down)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()

@@ -4,13 +4,17 @@ is, and bad tier files or bad prefixes are refused without changing the engine."
 
 import glob
 import os
+import threading
+from datetime import timedelta
 
 import pytest
 import torch
 
 from ringkv.cache.block_manager import DISK, HOST, REMOVED, STORED
 from ringkv.engine import LLM, SamplingParams
+from ringkv.engine.remote import recv_prefix, send_prefix
 from ringkv.engine.snapshot import PrefixKV
+from ringkv.parallel.transfer import Link
 from tests.test_engine import V, tiny_engine_model, uncached_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -155,6 +159,30 @@ def test_salted_prefixes_stay_apart_in_the_tiers(model):
 
 
 # -- prefixes between engines ------------------------------------------------------------------
+def over_link(pre):
+    """``pre`` sent over a real ``Link`` (a thread sends) and received."""
+    timeout = timedelta(seconds=30)
+    errors = []
+
+    def send(port):
+        try:
+            with Link.connect("127.0.0.1", port, timeout=timeout) as link:
+                send_prefix(link, pre)
+        except Exception as e:  # noqa: BLE001 - the receiver's assertion reports it
+            errors.append(e)
+
+    with Link.listen("127.0.0.1", 0, timeout=timeout) as lst:
+        t = threading.Thread(target=send, args=(lst.port,))
+        t.start()
+        try:
+            lst.accept()
+            got = recv_prefix(lst)
+        finally:
+            t.join(timeout=60)
+    assert not errors and not t.is_alive(), errors
+    return got
+
+
 def test_a_prefix_moves_between_engines_of_other_block_sizes(model):
     src = LLM(model, block_size=4, num_blocks=64)
     dst = LLM(model, block_size=8, num_blocks=64)

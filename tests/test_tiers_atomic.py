@@ -26,10 +26,11 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ringkv.engine import LLM, SamplingParams
-from ringkv.engine.remote import recv_prefix, send_prefix
+from ringkv.engine.remote import recv_prefix
 from ringkv.engine.snapshot import PrefixKV
 from ringkv.parallel.transfer import Link, LinkError
 from tests.test_engine import tiny_engine_model, uncached_greedy
+from tests.test_tiers import over_link
 
 V = 61  # the tiny model's vocabulary
 _P0 = [(i * 13 + 5) % V for i in range(20)]
@@ -308,30 +309,13 @@ class TieredCache(RuleBasedStateMachine):
         pre = self.export(src, prompt, salt)
         if pre is not None:
             if wire:
-                got = {}
-                with Link.listen("127.0.0.1", 0, timeout=LINK_TIMEOUT) as lst:
-                    t = threading.Thread(target=self._send, args=(lst.port, pre, got))
-                    t.start()
-                    try:
-                        lst.accept()
-                        moved = recv_prefix(lst)
-                    finally:
-                        t.join(timeout=60)
-                assert not t.is_alive() and got.get("sent", 0) > 0, got
+                moved = over_link(pre)
                 assert moved.token_ids == pre.token_ids and moved.cache_salt == pre.cache_salt
                 assert torch.equal(moved.k, pre.k) and torch.equal(moved.v, pre.v)
                 pre = moved
             self.imported(dst, pre, self.engines[dst].import_prefix(pre))
         if then:
             self.add(dst, prompt, salt, 2)
-
-    @staticmethod
-    def _send(port, pre, got):
-        try:
-            with Link.connect("127.0.0.1", port, timeout=LINK_TIMEOUT) as link:
-                got["sent"] = send_prefix(link, pre)
-        except Exception as e:  # noqa: BLE001 - reported by the receiving side's assertion
-            got["error"] = repr(e)
 
     @precondition(lambda self: self.engines)
     @rule(

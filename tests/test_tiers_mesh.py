@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 
 from ringkv.engine import LLM, SamplingParams
-from ringkv.engine.remote import recv_prefix, send_prefix
 from ringkv.parallel.control import EngineError
-from ringkv.parallel.transfer import Link
 from tests.test_engine import tiny_engine_model, uncached_greedy
+from tests.test_tiers import over_link
 
 V = 61
 N = 4
@@ -79,30 +76,6 @@ def test_evicted_prefixes_come_back_from_the_tiers(model, mesh, tier, tmp_path):
         assert llm.blocks.num_free == llm.blocks.num_blocks
 
 
-def _over_link(pre):
-    """``pre`` sent over a real ``Link`` (a thread sends) and received."""
-    timeout = timedelta(seconds=30)
-    errors = []
-
-    def send(port):
-        try:
-            with Link.connect("127.0.0.1", port, timeout=timeout) as link:
-                send_prefix(link, pre)
-        except Exception as e:  # noqa: BLE001 - the receiver's assertion reports it
-            errors.append(e)
-
-    with Link.listen("127.0.0.1", 0, timeout=timeout) as lst:
-        t = threading.Thread(target=send, args=(lst.port,))
-        t.start()
-        try:
-            lst.accept()
-            got = recv_prefix(lst)
-        finally:
-            t.join(timeout=60)
-    assert not errors and not t.is_alive(), errors
-    return got
-
-
 def test_prefix_moves_from_pp2_into_sp2_out_of_the_tiers(model):
     """A pp=2 engine (block size 4) whose small pool pushed most prompts to its host tier
     exports each prompt's prefix (tier entries and device blocks in one chain) into an sp=2
@@ -126,7 +99,7 @@ def test_prefix_moves_from_pp2_into_sp2_out_of_the_tiers(model):
             assert a.blocks.ref == free  # its pins released
             assert pre is not None and len(pre.token_ids) == 24, pre and len(pre.token_ids)
             if i % 2:
-                pre = _over_link(pre)
+                pre = over_link(pre)
             moved.append(b.import_prefix(pre))
         assert moved == [24] * len(ps)  # whole blocks of 8 tokens
         b.blocks.check()

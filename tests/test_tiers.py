@@ -260,3 +260,22 @@ def test_a_prefix_larger_than_the_free_blocks_is_imported_in_part(model):
     assert out.num_cached_tokens == 12 * 4
     assert out.outputs[0].token_ids == uncached_greedy(model, p, 4)
     dst.blocks.check()
+
+
+def test_a_host_tier_the_host_cannot_hold_turns_itself_off(model):
+    llm = LLM(model, block_size=4, num_blocks=24, max_num_seqs=2, kv_host_memory=1 << 62)
+    again = first_pass_then_again(llm)  # the first eviction tries to map 4 EiB: refused
+    for p, o in zip(PREFIXES, again):
+        assert o.outputs[0].token_ids == uncached_greedy(model, p + [3], 4)
+    host = llm.kv_cache_info()["tiers"]["host"]
+    assert host["capacity_blocks"] == 0 and host["error"]
+    llm.blocks.check()
+
+
+def test_the_default_host_tier_leaves_the_host_half_its_memory():
+    from ringkv.cache.tiers import default_host_bytes
+
+    with open("/proc/meminfo") as f:
+        avail = next(int(x.split()[1]) for x in f if x.startswith("MemAvailable:")) * 1024
+    assert default_host_bytes(1 << 20) == 1 << 20
+    assert avail // 4 <= default_host_bytes(1 << 60) <= avail // 2 + (1 << 30)

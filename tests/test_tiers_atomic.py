@@ -464,7 +464,8 @@ class TieredCache(RuleBasedStateMachine):
             assert info["device"]["promotions"] == b.promotions
             slots = list(t.slot_of.values())
             assert len(set(slots)) == len(slots) <= t.host_blocks
-            assert sorted(slots + t.free_slots) == list(range(t.host_blocks))
+            assert t.fresh <= t.host_blocks  # slots handed out so far: in use or given back
+            assert sorted(slots + t.free_slots) == list(range(t.fresh))
             if t.host_blocks:
                 assert info["host"]["blocks"] == len(t.slot_of) <= info["host"]["capacity_blocks"]
             else:

@@ -74,6 +74,18 @@ class EntryLayout:
         return (*out, *(None,) * (4 - len(out)))
 
 
+def default_host_bytes(pool_bytes: int) -> int:
+    """The host tier's default size: as large as the device pool (``pool_bytes``), but at most
+    half the host memory available now, so that a large accelerator's pool (or a CPU engine's
+    own cache, which is host memory too) never makes the tier take what the host needs."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return pool_bytes
+    return min(pool_bytes, kib * 1024 // 2)
+
+
 def _pool(nbytes: int, pinned: bool) -> torch.Tensor:
     """``nbytes`` of uint8: pinned memory, or a memory-mapped anonymous file of its own (memfd:
     RAM, never written back to a disk; pages are taken when first written)."""
@@ -112,9 +124,11 @@ class TierStore:
         self.pinned = pinned
         self.pool: Optional[torch.Tensor] = None  # host_blocks * nbytes uint8, made when first used
         self.slot_of: "OrderedDict[bytes, int]" = OrderedDict()  # key -> host slot, LRU first
-        self.free_slots = list(range(host_blocks - 1, -1, -1))
+        self.free_slots: List[int] = []  # slots given back; never-used ones from ``fresh`` on
+        self.fresh = 0
         self.hash_of: Dict[bytes, Hashable] = {}  # key -> the prefix cache's hash of the block
         self.saves = self.loads = self.load_failures = 0  # counters, in blocks
+        self.host_error: Optional[str] = None  # why the host tier turned itself off
 
     # -- lookups ---------------------------------------------------------------------------
     def where(self, key: bytes) -> Optional[int]:
@@ -210,8 +224,18 @@ class TierStore:
         return self.pool[slot * n : (slot + 1) * n]
 
     def _put_host(self, key: bytes, kv: KV) -> None:
-        if self.pool is None:
-            self.pool = _pool(self.host_blocks * self.layout.nbytes, self.pinned)
+        if self.pool is None and self.host_blocks:
+            try:
+                self.pool = _pool(self.host_blocks * self.layout.nbytes, self.pinned)
+            except (RuntimeError, OSError) as e:  # no memory for it: the engine goes on without
+                self.host_blocks, self.free_slots, self.host_error = 0, [], f"{e}"[:300]
+        if not self.host_blocks:
+            if self.disk is not None:
+                self._put_disk(key, kv)
+            return
+        if not self.free_slots and self.fresh < self.host_blocks:
+            self.free_slots.append(self.fresh)
+            self.fresh += 1
         if not self.free_slots:  # the least recently used entry goes to disk, or is dropped
             old, slot = self.slot_of.popitem(last=False)
             if self.disk is not None and old not in self.disk:
@@ -245,8 +269,9 @@ class TierStore:
                 bytes=len(self.slot_of) * n,
                 capacity_blocks=self.host_blocks,
                 capacity_bytes=self.host_blocks * n,
+                error=self.host_error,
             )
-            if self.host_blocks
+            if self.host_blocks or self.host_error
             else None
         )
         return dict(host=host, disk=None if self.disk is None else self.disk.usage())

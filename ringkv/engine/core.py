@@ -21,7 +21,7 @@ import torch
 
 from ..cache.block_manager import STORED, BlockManager, KVEvents, block_hash
 from ..cache.disk_tier import DiskTier
-from ..cache.tiers import EntryLayout, TierStore
+from ..cache.tiers import EntryLayout, TierStore, default_host_bytes
 from ..kernels import quant
 from ..model.loader import open_model
 from ..parallel.compiled import decode_buckets
@@ -252,7 +252,9 @@ class EngineCore:
             return None
         mover, tpb = self.cluster.mover, self.shape.block_size * self.shape.sp
         layout = EntryLayout(mover.shape, tpb, mover.dtype, mover.scale_dtype)
-        host_blocks = self.num_blocks if host is None else host // layout.nbytes
+        if host is None:  # as large as the device pool, within the host's memory
+            host = default_host_bytes(self.num_blocks * layout.nbytes)
+        host_blocks = host // layout.nbytes
         if not host_blocks and disk is None:
             return None
         return TierStore(

@@ -211,6 +211,31 @@ class Hosts:
         self.procs.append(p)
         return p
 
+    def link(self, i: int, up: bool) -> None:
+        """Take host ``i``'s link down (both ends of its veth: packets in flight are lost, the
+        host's sockets see nothing until their own timeouts) or bring it back up."""
+        state = "up" if up else "down"
+        _ip("-n", self.names[i], "link", "set", self.ifname(i), state)
+        _ip("-n", self.switch, "link", "set", f"{self.tag}s{i}", state)
+
+    def shape(self, rate: Optional[str], hosts: Optional[Sequence[int]] = None) -> None:
+        """Re-shape the links of ``hosts`` (default all) to ``rate`` (``None``: unshaped), both
+        directions, while the hosts run."""
+        if rate is not None:
+            _rate_bits(rate)
+        for i in range(self.n) if hosts is None else hosts:
+            for where, dev in ((self.names[i], self.ifname(i)), (self.switch, f"{self.tag}s{i}")):
+                tc = ["ip", "netns", "exec", where, "tc", "qdisc"]
+                subprocess.run([*tc, "del", "dev", dev, "root"], capture_output=True, timeout=30)
+                if rate is not None:
+                    _tbf(where, dev, rate)
+        if hosts is None:
+            self.rate = rate
+
+    def kill(self, i: int) -> None:
+        """SIGKILL every process on host ``i`` (a host that dies: its link stays up)."""
+        _kill_namespace(self.names[i])
+
     def wait_reachable(self, i: int, j: int, port: int, timeout: float = 10.0) -> None:
         """Wait until host ``i`` connects to ``port`` on host ``j`` (something listening)."""
         code = (

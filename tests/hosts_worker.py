@@ -3,9 +3,11 @@
 ``python tests/hosts_worker.py OUT CHECKS [MODEL]``: CHECKS is a comma list of ``pp`` or ``sp``
 (``LLM(MODEL, tp=2, pp=2)`` or ``LLM(MODEL, tp=2, sp=2)`` greedy tokens, the sp one ringing
 prompts of 16 tokens or more; the engine makes the process group, choosing the socket interface
-itself) and ``ring`` (ring attention forward and backward against single-device
-attention, every layout). Writes what this rank saw to ``OUT/rank<R>.json``. An interface that
-cannot be chosen ends the process with ringkv's error before any group is made.
+itself), ``ring`` (ring attention forward and backward against single-device
+attention, every layout) and ``train`` (a tiny HF Llama patched with ``ringkv.patch_model`` over
+the world: loss and every parameter's gradient against the unpatched model in this process).
+Writes what this rank saw to ``OUT/rank<R>.json``. An interface that cannot be chosen ends the
+process with ringkv's error before any group is made.
 """
 
 from __future__ import annotations
@@ -69,6 +71,33 @@ def ring(rank: int, world: int) -> list:
     return bad
 
 
+def train(rank: int, world: int) -> dict:
+    """A forward with labels and a backward of one 32-token sequence through a tiny HF Llama
+    patched over the world (``patch_model(model, sp=world)``, zigzag, every rank passing the
+    whole sequence), the gradients summed over the world as a data-parallel all-reduce would;
+    against the unpatched model in this process. Returns the loss and the mismatches (empty:
+    equal to fp32 rounding)."""
+    from tests.hf_cases import build, train_step
+
+    ctx = types.SimpleNamespace(rank=rank, world=world, group=None)
+    ids = torch.randint(3, 128, (1, 32), generator=torch.Generator().manual_seed(11))
+    got = train_step(ctx, "llama", 0, ids, "zigzag", "full")
+    model = build("llama", 0).train()
+    want = model(ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    bad = []
+    if abs(got["loss"] - want.loss.item()) > 1e-5 * max(1.0, abs(want.loss.item())):
+        bad.append(f"loss {got['loss']} != {want.loss.item()}")
+    for name, p in model.named_parameters():
+        g = got["grads"][name].contiguous()
+        dist.all_reduce(g)  # the patched model's gradient: the sum of the ranks' parts
+        scale = max(1.0, p.grad.abs().max().item())
+        err = (g - p.grad).abs().max().item()
+        if not err <= 2e-5 * scale + 1e-4 * p.grad.abs().max().item():
+            bad.append(f"grad {name}: max error {err:.3g}")
+    return dict(loss=got["loss"], bad=bad, params=len(got["grads"]))
+
+
 def main(out: str, checks: str, model: str = "") -> None:
     t0 = time.monotonic()
     checks = checks.split(",")
@@ -84,6 +113,8 @@ def main(out: str, checks: str, model: str = "") -> None:
     seen["nccl"] = os.environ.get("NCCL_SOCKET_IFNAME")
     if "ring" in checks:
         seen["ring"] = ring(rank, world)
+    if "train" in checks:
+        seen["train"] = train(rank, world)
     dist.barrier()
     seen["seconds"] = time.monotonic() - t0
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

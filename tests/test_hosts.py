@@ -91,17 +91,19 @@ def check_world(hosts, codes, logs, reports):
 
 def test_master_addr_engine_tp_inside_pp_across_and_the_ring(hosts, model, want, tmp_path):
     """--master-addr with --node-rank: LLM(tp=2, pp=2) (tp inside a host, pp across) gives the
-    single-process greedy tokens; the ring at world 4 is exact against one process."""
+    single-process greedy tokens; the ring at world 4 is exact against one process; a tiny HF
+    Llama patched over the 4 ranks (patch_model) trains exactly: loss and every gradient."""
     port = 29611
 
     def rdzv(i):
         return ["--node-rank", str(i), "--master-addr", hosts.addr(0), "--master-port", str(port)]
 
-    codes, logs, reports = launch(hosts, tmp_path, rdzv, "pp,ring", model)
+    codes, logs, reports = launch(hosts, tmp_path, rdzv, "pp,ring,train", model)
     check_world(hosts, codes, logs, reports)
     for r in reports.values():
         assert r["tokens"] == want
         assert r["ring"] == []
+        assert r["train"]["bad"] == [] and r["train"]["params"] > 0, r["train"]
     # tp is inside a host: ranks 0, 1 (stage 0) on one host, ranks 2, 3 (stage 1) on the other
     assert reports[0]["gloo"] == reports[1]["gloo"] != reports[2]["gloo"] == reports[3]["gloo"]
 

@@ -170,6 +170,23 @@ def _parser() -> argparse.ArgumentParser:
         "--output-tokens", type=int, default=256, help="decode length used to rank the options"
     )
     q.add_argument("--no-ulysses", action="store_true", help="plain ring only for SP")
+    q.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="LEVEL=RATE[,LATENCY]",
+        help="a link's bandwidth and per-message latency, overriding the hardware table: "
+        "intra (inside a node) or inter (between nodes), e.g. --link intra=10gbit,20us "
+        "--link inter=1gbit,100us (tc units: 100mbit, 1gbit; or bytes/s)",
+    )
+    q.add_argument(
+        "--migrate-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also predict moving the K/V of a request of N tokens over the inter link "
+        "(the intra link on one node)",
+    )
     q.add_argument("--json", default=None, metavar="PATH", help="write the options as JSON")
     q.add_argument(
         "--plot", default=None, metavar="PATH", help="prefill vs decode plot of the options"
@@ -198,7 +215,29 @@ def _plan(args) -> int:
             calibrate=args.calibrate,
             output_tokens=args.output_tokens,
             ulysses=not args.no_ulysses,
+            links=args.link,
         )
+        migration = None
+        if args.migrate_tokens is not None:
+            given = planner.parse_links(args.link)
+            level = "inter" if (args.nodes or 1) > 1 or args.interconnect == "ib" else "intra"
+            if level not in given:
+                raise ValueError(
+                    f"--migrate-tokens needs the {level} link's rate: give "
+                    f"--link {level}=RATE,LATENCY"
+                )
+            kv_dtype = args.kv_cache_dtype[0]
+            migration = (
+                level,
+                planner.request_kv_bytes(args.model, args.migrate_tokens, kv_dtype, args.dtype),
+                planner.migration_time(
+                    args.model,
+                    args.migrate_tokens,
+                    given[level],
+                    kv_cache_dtype=kv_dtype,
+                    dtype=args.dtype,
+                ),
+            )
     except (ValueError, TypeError) as e:
         print(f"ringkv: {e}", file=sys.stderr)
         return 2
@@ -213,6 +252,12 @@ def _plan(args) -> int:
             f"\nnothing fits (closest: {opts[0].reason}); use more GPUs, a quantized KV cache or "
             f"a shorter sequence"
         )
+    if migration is not None:
+        level, nbytes, seconds = migration
+        print(
+            f"migration of {args.migrate_tokens} tokens' K/V ({nbytes / 1e6:.3g} MB) over the "
+            f"{level} link: {seconds:.3g} s"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -221,6 +266,18 @@ def _plan(args) -> int:
                         k: v for k, v in vars(args).items() if k not in ("json", "plot", "command")
                     },
                     options=[o.asdict() for o in opts],
+                    **(
+                        {}
+                        if migration is None
+                        else {
+                            "migration": dict(
+                                tokens=args.migrate_tokens,
+                                link=migration[0],
+                                bytes=migration[1],
+                                seconds=migration[2],
+                            )
+                        }
+                    ),
                 ),
                 f,
                 indent=2,

@@ -31,8 +31,11 @@ The modules, each importing only those above it in this list:
 - ``memory``: ``DTYPES``, ``stage_sizes``, ``layer_params``, ``stage_weight_bytes``,
   ``stage_kv_bytes_per_token``, ``_gb``;
 - ``hardware``: the hardware table (``HARDWARE_PATH`` = ``ringkv/hardware.json``, ``load_hardware``,
-  ``_merge``) and the rates the model prices with (``Rates``, ``rates``, ``_threads``);
-- ``simulation``: ``ring_attention_seconds``, ``_xfer``, ``StepWork``, ``engine_workload``,
+  ``_merge``), the rates the model prices with (``Rates``, ``rates``, ``_threads``) and links
+  given by the user (``LINK_LEVELS``, ``parse_rate``, ``parse_latency``, ``parse_link``,
+  ``parse_links``);
+- ``simulation``: ``ring_attention_seconds``, ``ring_backward_seconds``, ``_xfer``,
+  ``migration_seconds``, ``StepWork``, ``engine_workload``,
   ``StepTerms``, ``RingTerms``, ``_step_terms``, ``_step_cost``, ``engine_run_seconds``,
   ``_run_terms``,
   ``_simulate``, ``EngineRun``;
@@ -41,8 +44,9 @@ The modules, each importing only those above it in this list:
   ``_with``, ``fit_rates``, ``fit_keys``, ``_single_process_runs``, ``one_process_seconds``,
   ``_kind``,
   ``_fit_attention``, ``_parse_config``;
-- ``options``: ``Option``, ``plan``, ``_option``, ``_rank``, ``_needs_sp``, ``_why``, ``_divisors``,
-  ``_positive_int``, ``_link``, the seed constants (``SEED_SP_TOKENS``, ``SEED_MAX_PP``,
+- ``options``: ``Option``, ``plan``, ``request_kv_bytes``, ``migration_time``, ``_option``,
+  ``_rank``, ``_needs_sp``, ``_why``, ``_divisors``, ``_positive_int``, ``_link``, the seed
+  constants (``SEED_SP_TOKENS``, ``SEED_MAX_PP``,
   ``WEAK_LINK_MAX_TP``);
 - ``report``: ``format_table``, ``plot``, ``_svg``.
 
@@ -59,7 +63,17 @@ from .memory import (
     stage_sizes,
     stage_weight_bytes,
 )
-from .hardware import HARDWARE_PATH, Rates, load_hardware, rates
+from .hardware import (
+    HARDWARE_PATH,
+    LINK_LEVELS,
+    Rates,
+    load_hardware,
+    parse_latency,
+    parse_link,
+    parse_links,
+    parse_rate,
+    rates,
+)
 from .simulation import (
     EngineRun,
     RingTerms,
@@ -67,7 +81,9 @@ from .simulation import (
     StepWork,
     engine_run_seconds,
     engine_workload,
+    migration_seconds,
     ring_attention_seconds,
+    ring_backward_seconds,
 )
 from .calibration import (
     FIT_KEYS,
@@ -78,7 +94,15 @@ from .calibration import (
     fit_rates,
     one_process_seconds,
 )
-from .options import SEED_MAX_PP, SEED_SP_TOKENS, WEAK_LINK_MAX_TP, Option, plan
+from .options import (
+    SEED_MAX_PP,
+    SEED_SP_TOKENS,
+    WEAK_LINK_MAX_TP,
+    Option,
+    migration_time,
+    plan,
+    request_kv_bytes,
+)
 from .report import format_table, plot
 
 __all__ = [
@@ -91,8 +115,13 @@ __all__ = [
     "stage_sizes",
     "stage_weight_bytes",
     "HARDWARE_PATH",
+    "LINK_LEVELS",
     "Rates",
     "load_hardware",
+    "parse_latency",
+    "parse_link",
+    "parse_links",
+    "parse_rate",
     "rates",
     "EngineRun",
     "RingTerms",
@@ -100,7 +129,9 @@ __all__ = [
     "StepWork",
     "engine_run_seconds",
     "engine_workload",
+    "migration_seconds",
     "ring_attention_seconds",
+    "ring_backward_seconds",
     "FIT_KEYS",
     "RATE_KEYS",
     "apply_calibration",
@@ -112,7 +143,9 @@ __all__ = [
     "SEED_SP_TOKENS",
     "WEAK_LINK_MAX_TP",
     "Option",
+    "migration_time",
     "plan",
+    "request_kv_bytes",
     "format_table",
     "plot",
 ]

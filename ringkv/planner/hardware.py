@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 from .catalogue import _read_json
 
@@ -109,3 +111,87 @@ def _threads(r: Rates, t: int) -> Rates:
     return dataclasses.replace(
         r, matmul=r.matmul * k, memory=r.memory * k, attention=r.attention * k, threads=t
     )
+
+
+# -- links given by the user: --link intra=10gbit,20us --link inter=1gbit,100us
+# --------------------------
+LINK_LEVELS = ("intra", "inter")  # inside a node (host), between nodes
+_RATE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_rate(s: Union[str, float, int]) -> float:
+    """Bytes/s of a link rate: tc's units (``100mbit``, ``1gbit``, ``10gbit``: bits/s; ``mbps``:
+    megabytes/s, as tc reads it) or a plain number of bytes/s. ``ValueError`` unless > 0."""
+    if isinstance(s, (int, float)) and not isinstance(s, bool):
+        v = float(s)
+    else:
+        m = re.fullmatch(
+            r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*(?:([kmgt]?)(bit|bps))?", str(s).strip().lower()
+        )
+        if not m:
+            raise ValueError(
+                f"link rate {s!r}: use tc's units (100mbit, 1gbit, 10gbit; mbps = megabytes/s) or "
+                "bytes/s (1.25e9)"
+            )
+        v = float(m.group(1))
+        if m.group(3):
+            v *= _RATE_UNITS[m.group(2)] / (8 if m.group(3) == "bit" else 1)
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"link rate {s!r} must be > 0")
+    return v
+
+
+def parse_latency(s: Union[str, float, int]) -> float:
+    """Seconds of a per-message latency with its unit (``20us``, ``0.1ms``, ``1e-4s``); a plain
+    number is seconds. ``ValueError`` if negative or not a time."""
+    if isinstance(s, (int, float)) and not isinstance(s, bool):
+        v = float(s)
+    else:
+        m = re.fullmatch(
+            r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*(s|ms|us|µs|ns)?", str(s).strip().lower()
+        )
+        if not m:
+            raise ValueError(f"link latency {s!r}: give a time with its unit (20us, 0.1ms, 1s)")
+        v = float(m.group(1)) * _TIME_UNITS[m.group(2) or "s"]
+    if not (v >= 0 and math.isfinite(v)):
+        raise ValueError(f"link latency {s!r} must be >= 0")
+    return v
+
+
+def parse_link(spec) -> Tuple[float, float]:
+    """``(bytes/s, latency s)`` of a link: ``"10gbit,20us"``, ``"1gbit"`` (latency 0), or a
+    ``(rate, latency)`` pair of numbers or strings."""
+    if isinstance(spec, str):
+        parts = [p.strip() for p in spec.split(",")]
+        if len(parts) > 2 or not parts[0]:
+            raise ValueError(f"link {spec!r}: give RATE[,LATENCY], e.g. 10gbit,20us")
+        return parse_rate(parts[0]), parse_latency(parts[1] if len(parts) > 1 else 0.0)
+    if isinstance(spec, (tuple, list)) and len(spec) == 2:
+        return parse_rate(spec[0]), parse_latency(spec[1])
+    raise ValueError(f"link {spec!r}: give (bytes_per_s, latency_s) or 'RATE,LATENCY'")
+
+
+def parse_links(links) -> Dict[str, Tuple[float, float]]:
+    """``{"intra": (bytes/s, s), "inter": ...}`` from a dict of levels (values as ``parse_link``
+    takes them) or the CLI's ``["intra=10gbit,20us", "inter=1gbit,100us"]``."""
+    if isinstance(links, Mapping):
+        items = list(links.items())
+    else:
+        items = []
+        for s in links:
+            level, eq, spec = str(s).partition("=")
+            if not eq:
+                raise ValueError(f"--link {s!r}: give LEVEL=RATE[,LATENCY], e.g. inter=1gbit,100us")
+            items.append((level.strip(), spec))
+    out = {}
+    for level, spec in items:
+        if level not in LINK_LEVELS:
+            raise ValueError(
+                f"unknown link level {level!r}; choose {' or '.join(LINK_LEVELS)} (inside a "
+                "node / between nodes)"
+            )
+        if level in out:
+            raise ValueError(f"link level {level!r} given twice")
+        out[level] = parse_link(spec)
+    return out

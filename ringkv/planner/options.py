@@ -14,7 +14,7 @@ from ..kernels import quant
 from ..parallel.tp import check_tp, kv_heads_per_rank
 from .calibration import apply_calibration
 from .catalogue import load_model
-from .hardware import Rates, _merge, load_hardware, rates
+from .hardware import Rates, _merge, load_hardware, parse_link, parse_links, rates
 from .memory import (
     DTYPES,
     _gb,
@@ -23,7 +23,7 @@ from .memory import (
     stage_sizes,
     stage_weight_bytes,
 )
-from .simulation import _xfer, ring_attention_seconds
+from .simulation import _xfer, migration_seconds, ring_attention_seconds
 
 SEED_SP_TOKENS = 32768  # seed rule 4: consider SP beyond 32K tokens
 SEED_MAX_PP = 4  # seed rule 2: PP depth usually <= 4
@@ -96,6 +96,7 @@ def plan(
     gpu_memory_utilization: float = 0.9,
     output_tokens: int = 256,
     ulysses: bool = True,
+    links=None,
 ) -> List[Option]:
     """Every valid ``(tp, pp, sp[, ulysses])`` for ``gpus`` GPUs, best first; exactly one
     ``recommended`` among those that fit (none when nothing fits; each option's ``reason`` says
@@ -109,8 +110,13 @@ def plan(
     ``dtype``: weights/activations (``fp8``: FP8 weights and matmuls, bf16 K/V).
     ``hardware``: a file or dict merged over the table; ``calibrate``: benchmark JSON paths or a
     rates dict (see ``calibrate``) replacing the table's rates. ``output_tokens``: decode length
-    used to rank options (prefill + that many decode steps)."""
+    used to rank options (prefill + that many decode steps). ``links``: the links' bandwidth
+    (bytes/s) and per-message latency (s) per level, overriding the table's (and a
+    calibration's): ``{"intra": (bytes_per_s, latency_s), "inter": ...}`` (values may be strings,
+    ``"10gbit,20us"``; ``parse_links``); ``intra`` is the link inside a node (``interconnect``),
+    ``inter`` the link between nodes (``ib``)."""
     cfg = load_model(model)
+    given = parse_links(links) if links is not None else {}
     seq, batch, gpus = (
         _positive_int("seq", seq),
         _positive_int("batch", batch),
@@ -129,7 +135,9 @@ def plan(
     g = hw["gpus"][gpu]
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    have = list(g["links"])
+    have = list(g["links"]) + [
+        name for level, name in (("intra", interconnect), ("inter", "ib")) if level in given
+    ]
     if interconnect not in have:
         raise ValueError(
             f"{gpu} has no {interconnect!r} link in the hardware table; choose interconnect in "
@@ -144,8 +152,8 @@ def plan(
         )
     if nodes > 1 and "ib" not in have:
         raise ValueError(
-            f"{gpu} has no 'ib' link for {nodes} nodes in the hardware table; add it with "
-            "--hardware"
+            f"{gpu} has no 'ib' link for {nodes} nodes in the hardware table; give it with "
+            "--link inter=RATE,LATENCY (or --hardware)"
         )
     gpn = gpus // nodes
     if gpn > g["gpus_per_node"]:
@@ -162,6 +170,9 @@ def plan(
     r = rates(hw, gpu, dtype)
     if calibrate is not None:
         r = apply_calibration(r, calibrate)
+    for level, (bw, lat) in given.items():
+        name = interconnect if level == "intra" else "ib"
+        r.links[name], r.latency[name] = bw, lat
     intra = interconnect
     usable = int(g["memory"] * gpu_memory_utilization)
 
@@ -207,6 +218,37 @@ def plan(
             f"({cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, {cfg.num_layers} layers)"
         )
     return _rank(options, cfg, seq, gpn, interconnect, output_tokens, g)
+
+
+def request_kv_bytes(
+    model, tokens: int, kv_cache_dtype: str = "auto", dtype: str = "bfloat16"
+) -> int:
+    """Bytes of the K/V cache of one request of ``tokens`` tokens, all layers and KV heads (what
+    a migration moves; a TP/PP/SP engine holds it in pieces, the same total)."""
+    cfg = load_model(model)
+    tokens = _positive_int("tokens", tokens)
+    quant.resolve(kv_cache_dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return tokens * stage_kv_bytes_per_token(cfg, 1, 1, kv_cache_dtype, dtype)[0]
+
+
+def migration_time(
+    model,
+    tokens: int,
+    link,
+    *,
+    kv_cache_dtype: str = "auto",
+    dtype: str = "bfloat16",
+    host_rate: Optional[float] = None,
+) -> float:
+    """Predicted seconds to move the K/V of a request of ``tokens`` tokens
+    (``request_kv_bytes``) over ``link``: ``(bytes_per_s, latency_s)`` or ``"1gbit,100us"``
+    (``parse_link``). ``host_rate``: bytes/s the two ends process (copies, checksum), pipelined
+    with the wire (``simulation.migration_seconds``); None: the wire alone."""
+    bw, lat = parse_link(link)
+    nbytes = request_kv_bytes(model, tokens, kv_cache_dtype, dtype)
+    return migration_seconds(nbytes, bw, lat, host_rate)
 
 
 def _option(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from ..model.config import ModelConfig
 from ..parallel.tp import kv_heads_per_rank
@@ -49,6 +49,62 @@ def ring_attention_seconds(
 
 def _xfer(nbytes: float, link: str, r: Rates, messages: int = 1) -> float:
     return messages * r.latency.get(link, 0.0) + nbytes / r.links[link]
+
+
+Links = Union[str, Mapping[str, str]]  # one link for every axis, or {"tp": .., "sp": .., "pp": ..}
+
+
+def _axis_link(link: Links, axis: str) -> str:
+    """The link ``axis`` ("tp", "sp", "pp") uses: ``link`` itself when it is one name."""
+    return link if isinstance(link, str) else link[axis]
+
+
+def ring_backward_seconds(
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    ring: int,
+    act_bytes: int,
+    r: Rates,
+    link: str,
+    step_s: float,
+    grad_bytes: int = 4,
+) -> float:
+    """One rank's backward of ring attention over ``ring`` ranks (``ring.py: _backward``), given
+    the seconds ``step_s`` of one step's block backward: each of the ``ring - 1`` hops carries the
+    K/V block (``act_bytes``) and, concurrently on the same link, the dK/dV travelling with the
+    block before it (``grad_bytes``, float32 by default), while a block computes; after the last
+    step the dK/dV go back to their owner in one more message, which nothing hides:
+    ``step + (ring - 1) x max(step, kv + dkv transfer) + dkv transfer``."""
+    if ring == 1:
+        return step_s
+    block = -(-seq // ring) * kv_heads * head_dim * 2
+    kv = _xfer(block * act_bytes, link, r)
+    dkv = _xfer(block * grad_bytes, link, r)
+    both = kv + dkv - r.latency.get(link, 0.0)  # two messages in flight together
+    return step_s + (ring - 1) * max(step_s, both) + dkv
+
+
+def migration_seconds(
+    kv_bytes: float,
+    bandwidth: float,
+    latency: float = 0.0,
+    host_rate: Optional[float] = None,
+    chunk_bytes: int = 4 << 20,
+) -> float:
+    """Seconds to move ``kv_bytes`` of K/V over one link of ``bandwidth`` bytes/s and
+    ``latency`` s per message (``parallel.transfer.Link``: ``chunk_bytes`` chunks, several in
+    flight, so a chunk's latency is paid once): ``latency + max(bytes / bandwidth, bytes /
+    host_rate)``; ``host_rate`` is the bytes/s the two ends process (copies and the SHA-256
+    checksum, pipelined with the wire), None: not limiting."""
+    if kv_bytes < 0 or bandwidth <= 0 or latency < 0 or (host_rate is not None and host_rate <= 0):
+        raise ValueError(
+            f"migration_seconds needs bytes >= 0, bandwidth > 0, latency >= 0, host_rate > 0; "
+            f"got {kv_bytes}, {bandwidth}, {latency}, {host_rate}"
+        )
+    wire = kv_bytes / bandwidth
+    return latency + max(wire, kv_bytes / host_rate if host_rate else 0.0)
 
 
 # -- the engine's workload: what a benchmark run schedules, step by step
@@ -189,6 +245,7 @@ class StepTerms:
     )
     # tokens a matmul multiplies on this rank (tokens / sp in ring mode): selects ``gemm``
     rows: float
+    axes: Tuple[str, ...] = ()  # the axis ("tp", "sp", "pp") of each of ``messages``
 
     def __iter__(self):
         return iter(
@@ -235,7 +292,7 @@ def _step_terms(
     nbytes = (
         wbytes + n * w.kv_tokens / sp * 2 * hkv * d * act
     )  # + the K/V a rank stores, read by the paged kernel
-    msgs = []
+    msgs, axes = [], []
     if ring:
         ring_terms = RingTerms(
             tokens=w.tokens,
@@ -251,15 +308,19 @@ def _step_terms(
         ring_terms, attn = None, n * 4 * hq * d * w.pairs / sp
         if sp > 1:  # (out, lse) partials merged over the SP group each layer
             msgs.append((n * w.tokens * hq * (d + 1) * 4, n * math.ceil(math.log2(sp))))
+            axes.append("sp")
     if tp > 1:  # two all-reduces per layer (+ the vocab-parallel embedding), the vocabulary gather
         count = (
             2 * n + first
         )  # ring all-reduces: 2 (tp - 1) messages, 2 (tp - 1) / tp of the tensor sent
         msgs.append((count * 2 * (tp - 1) / tp * rows * h * act, count * 2 * (tp - 1)))
+        axes.append("tp")
         if last and w.completing:
             msgs.append(((tp - 1) * vocab * w.completing * act, tp - 1))
+            axes.append("tp")
     if pp > 1 and not last:
         msgs.append((rows * h * act, 1))
+        axes.append("pp")
     return StepTerms(
         layers=n,
         read_bytes=nbytes,
@@ -269,13 +330,16 @@ def _step_terms(
         messages=tuple(msgs),
         weight_bytes=wbytes,
         rows=rows,
+        axes=tuple(axes),
     )
 
 
-def _step_cost(terms: StepTerms, r: Rates, link: str) -> float:
+def _step_cost(terms: StepTerms, r: Rates, link: Links) -> float:
     """Seconds of one rank's share of a step: ``layers x host["layer"] + max(bytes / memory,
     linear FLOPs / matmul) + attention FLOPs / attention`` (or the ring), plus its messages; with
-    a measured ``gemm`` rate the weights' share of ``bytes`` is read at it."""
+    a measured ``gemm`` rate the weights' share of ``bytes`` is read at it. ``link``: one link
+    name for every message, or the link of each axis (``{"tp": .., "sp": .., "pp": ..}``; the
+    SP ring uses "sp")."""
     bw = r.weight_rate(terms.rows)
     read = (
         terms.read_bytes / r.memory
@@ -299,11 +363,12 @@ def _step_cost(terms: StepTerms, r: Rates, link: str) -> float:
                 ring.ranks,
                 ring.act_bytes,
                 r,
-                link,
+                _axis_link(link, "sp"),
             )[0]
         )
-    for nb, count in terms.messages:
-        t += _xfer(nb, link, r, count)
+    axes = terms.axes or ("tp",) * len(terms.messages)
+    for (nb, count), axis in zip(terms.messages, axes):
+        t += _xfer(nb, _axis_link(link, axis), r, count)
     return t
 
 
@@ -318,7 +383,7 @@ def engine_run_seconds(
     sp: int = 1,
     dtype: str = "float32",
     sp_prefill_min_tokens: int = 64,
-    link: Optional[str] = None,
+    link: Optional[Links] = None,
 ) -> float:
     """Wall time of the steps of ``engine_workload`` run by a ``tp x pp x sp`` engine whose ranks
     have rates ``r``. The driver (rank 0, also stage 0) spends ``host["step"] + host["seq"] x
@@ -326,7 +391,9 @@ def engine_run_seconds(
     starts a step once it is free and stage ``i - 1`` has handed it over (``_step_cost``); a
     step completes when its last stage is done; the driver plans the next steps after
     completing the oldest one in flight (``pp`` in flight). TP and SP ranks of a stage run in
-    lockstep (their collectives are in the step cost)."""
+    lockstep (their collectives are in the step cost). ``link``: the link name of every
+    message, or one per axis (``{"tp": "loopback", "sp": "ib", "pp": "ib"}``); default the
+    first of ``r.links``."""
     terms = _run_terms(cfg, steps, tp, pp, sp, dtype, sp_prefill_min_tokens)
     return _simulate(steps, events, terms, r, link or next(iter(r.links)))
 
@@ -351,7 +418,7 @@ def _run_terms(cfg, steps, tp, pp, sp, dtype="float32", sp_prefill_min_tokens=64
     ]
 
 
-def _simulate(steps, events, terms, r: Rates, link: str) -> float:
+def _simulate(steps, events, terms, r: Rates, link: Links) -> float:
     """The event simulation of ``engine_run_seconds`` over precomputed ``_step_terms``."""
     step_s, seq_s = r.host.get("step", 0.0), r.host.get("seq", 0.0)
     pp = len(terms[0]) if terms else 1
@@ -372,9 +439,10 @@ def _simulate(steps, events, terms, r: Rates, link: str) -> float:
 @dataclass(kw_only=True)
 class EngineRun:
     """A measured engine run: its model, requests (token-id lists or prompt lengths), output
-    tokens per request, cache blocks, wall seconds, mesh, torch threads per rank and scheduler
-    limits; ``seconds(r)`` is the model's time for it with one thread's rates ``r`` (the
-    workload and step terms are computed once)."""
+    tokens per request, cache blocks, wall seconds, mesh, torch threads per rank, scheduler
+    limits and the link of each axis (``links``: ``{"tp": .., "sp": .., "pp": ..}``, default the
+    first of the rates' links for all); ``seconds(r)`` is the model's time for it with one
+    thread's rates ``r`` (the workload and step terms are computed once)."""
 
     cfg: ModelConfig
     prompts: list
@@ -388,6 +456,8 @@ class EngineRun:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     label: str = ""
+    links: Optional[Dict[str, str]] = None
+    sp_prefill_min_tokens: int = 64
     _cache: Any = field(default=None, repr=False)
 
     def seconds(self, r: Rates) -> float:
@@ -401,6 +471,15 @@ class EngineRun:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
             )
-            self._cache = steps, events, _run_terms(self.cfg, steps, self.tp, self.pp, self.sp)
+            terms = _run_terms(
+                self.cfg,
+                steps,
+                self.tp,
+                self.pp,
+                self.sp,
+                sp_prefill_min_tokens=self.sp_prefill_min_tokens,
+            )
+            self._cache = steps, events, terms
         steps, events, terms = self._cache
-        return _simulate(steps, events, terms, _threads(r, self.threads), next(iter(r.links)))
+        link = self.links or next(iter(r.links))
+        return _simulate(steps, events, terms, _threads(r, self.threads), link)

@@ -54,6 +54,7 @@ from benchmarks.models import load_average, machine, machine_line, write_json  #
 from benchmarks import torch_ring_peer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GRAD_COMM = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": "auto"}
 
 
 def parse_args(argv=None):
@@ -97,6 +98,12 @@ def parse_args(argv=None):
         "(default: zigzag on CPU, all on GPU)",
     )
     p.add_argument("--backward", action="store_true", help="time forward+backward")
+    p.add_argument(
+        "--grad-comm-dtype",
+        default="fp32",
+        help="the ring's dK/dV message dtype: fp32, bf16, auto, or a comma list timed in "
+        "interleaved rounds (ring only; the table's time is the first's)",
+    )
     p.add_argument(
         "--iters", type=int, default=None, help="timed iterations (default: 2 on CPU, 10 on GPU)"
     )
@@ -242,12 +249,14 @@ def flops(pairs: int, args) -> float:
 METHODS = ("ring", "ulysses", "usp", "allgather")
 
 
-def attend(method, args, layout, causal, comm=None, stats=None):
+def attend(method, args, layout, causal, comm=None, stats=None, grad_comm="fp32"):
     """``f(q, k, v) -> out``: one method's attention on this rank's shards. Every call fills
-    ``stats`` (a ``RingStats`` for the ring, else a ``CommStats``) when given."""
+    ``stats`` (a ``RingStats`` for the ring, else a ``CommStats``) when given. ``grad_comm``: the
+    ring's ``grad_comm_dtype`` (a ``GRAD_COMM`` name)."""
     kw = dict(causal=causal, layout=layout, backend=args.backend, stats=stats)
     if method == "ring":
-        return lambda q, k, v: ringkv.ring_attention(q, k, v, comm=comm, **kw)
+        gcd = GRAD_COMM[grad_comm]
+        return lambda q, k, v: ringkv.ring_attention(q, k, v, comm=comm, grad_comm_dtype=gcd, **kw)
     if method == "ulysses":
         return lambda q, k, v: ringkv.ulysses_attention(q, k, v, **kw)
     if method == "usp":
@@ -378,7 +387,8 @@ def bench_config(args, env, method, layout, causal):
     else:
         q, k, v = local_shards(args, env, layout, env.rank)
         stats = RingStats() if method == "ring" else CommStats()  # of this rank's last forward
-        mine = run(attend(method, args, layout, causal, stats=stats), q, k, v, args)
+        gcd = args.grad_comm[0]
+        mine = run(attend(method, args, layout, causal, stats=stats, grad_comm=gcd), q, k, v, args)
         why = args.peer and (
             f"--peer runs next to the ring only, not {method}"
             if method != "ring"
@@ -395,8 +405,35 @@ def bench_config(args, env, method, layout, causal):
                 args.quiet,
             )
             row["vs_peer"] = row["time_s"] / row["peer_time_s"]
+        elif method == "ring" and len(args.grad_comm) > 1:  # the wire dtypes, interleaved
+            stats_of = {g: (stats if i == 0 else RingStats()) for i, g in enumerate(args.grad_comm)}
+            fns = [
+                run(
+                    attend(method, args, layout, causal, stats=stats_of[g], grad_comm=g),
+                    q,
+                    k,
+                    v,
+                    args,
+                )
+                for g in args.grad_comm
+            ]
+            times = timed_rounds(
+                fns,
+                env,
+                args.iters,
+                args.warmup,
+                [f"{label} {g}" for g in args.grad_comm],
+                args.quiet,
+            )
+            row["time_s"] = times[0]
+            row["by_grad_comm"] = {g: dict(time_s=t) for g, t in zip(args.grad_comm, times)}
+            for g in args.grad_comm:
+                row["by_grad_comm"][g].update(wire(stats_of[g], env))
         else:
             row["time_s"] = timed(mine, env, args.iters, args.warmup, label, args.quiet)
+            if method == "ring" and args.backward:
+                row["by_grad_comm"] = {args.grad_comm[0]: dict(time_s=row["time_s"])}
+                row["by_grad_comm"][args.grad_comm[0]].update(wire(stats, env))
             if args.peer:
                 row["peer_unavailable"] = why
                 env.log(f"  peer {args.peer} not run: {why}")
@@ -432,6 +469,29 @@ def bench_config(args, env, method, layout, causal):
             if args.backward:
                 row["peer_grad_max_diff"] = peer_grad_diff(args, env, layout, causal)
     return row
+
+
+WIRE_CODES = {"None": 0, "torch.float32": 0, "torch.bfloat16": 1, "torch.float16": 2}
+
+
+def wire(stats, env) -> dict:
+    """What the ring's last backward put on the wire (``RingStats.backward``: the dK/dV dtype it
+    used and, with ``"auto"``, the measured transfer / compute ratio that chose it), with whether
+    every rank used the same (one all-gather of two numbers)."""
+    b = stats.backward
+    if b is None:
+        return {}
+    got = dict(dkv_dtype=str(b.grad_comm_dtype or torch.float32)[6:], ratio=b.comm_ratio)
+    if env.distributed:
+        mine = torch.tensor(
+            [WIRE_CODES[str(b.grad_comm_dtype)], -1.0 if b.comm_ratio is None else b.comm_ratio],
+            dtype=torch.float64,
+            device=env.device,
+        )
+        every = [torch.empty_like(mine) for _ in range(env.world)]
+        dist.all_gather(every, mine)
+        got["same_on_every_rank"] = all(torch.equal(e, mine) for e in every)
+    return got
 
 
 def peer_inputs(q, k, v, args):
@@ -527,6 +587,11 @@ def main(argv=None) -> int:
         if getattr(args, key) is None:
             setattr(args, key, val)
     kv_list = [int(x) for x in str(args.kv_heads).split(",")]
+    args.grad_comm = args.grad_comm_dtype.split(",")
+    if any(g not in GRAD_COMM for g in args.grad_comm):
+        raise SystemExit(
+            f"--grad-comm-dtype: choose from {sorted(GRAD_COMM)}, got {args.grad_comm_dtype}"
+        )
     bad = [m for m in methods if m not in METHODS]
     if bad or (args.virtual and methods != ["ring"]):
         raise SystemExit(
@@ -666,7 +731,6 @@ def main(argv=None) -> int:
         plot(rows, args.plot, result["environment"])
     if env.distributed:
         dist.barrier()  # rank 0 may still be writing: a peer tearing gloo down under it aborts it
-        dist.destroy_process_group()
     return 1 if failed else 0
 
 
@@ -701,4 +765,10 @@ def plot(rows, path, environment):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # No gloo teardown at exit (as in ring_profile.py): across hosts a rank aborted in it
+    # ("terminate called without an active exception") in most runs, after all its output was
+    # written; the results are complete by now, so the process ends here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

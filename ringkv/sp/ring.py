@@ -16,8 +16,11 @@ they need, and the dK/dV of the last step take one direct message back to their 
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import os
 import struct
+import time
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,7 +33,7 @@ from torch import nn
 
 from .. import kernels
 from ..kernels.mask import EMPTY, FULL, NO_WINDOW, OFFSET, Mask, check_window, make_mask
-from .collectives import agree_once
+from .collectives import agree_once, wait as _bounded_wait
 from .comm import LocalComm, RingComm
 from .layout import (
     LAYOUTS,
@@ -50,7 +53,12 @@ __all__ = [
     "Shards",
     "RingAttention",
     "RingStats",
+    "AutoWire",
+    "auto_decisions",
+    "forget_auto",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,6 +75,11 @@ class RingStats:
     hops: int = 0  # messages this rank sent (K and V together are one)
     bytes_sent: int = 0  # K/V bytes sent to the next rank: bytes per hop x hops
     backward: Optional["RingStats"] = None  # of the backward (dK/dV travel too), once it ran
+    # the backward's: the dK/dV message dtype it used (None: float32), and with
+    # grad_comm_dtype="auto" the measured transfer / compute ratio that chose it (None while the
+    # first call of the configuration measures it; that call sends float32)
+    grad_comm_dtype: Optional[torch.dtype] = None
+    comm_ratio: Optional[float] = None
 
 
 def _slices(ranges: List[range]) -> List[slice]:
@@ -213,16 +226,104 @@ def _check_across_ranks(
     )
 
 
-GRAD_COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+GRAD_COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, "auto")
 
 
 def check_grad_comm_dtype(grad_comm_dtype):
-    if grad_comm_dtype not in GRAD_COMM_DTYPES:
+    if isinstance(grad_comm_dtype, str) and grad_comm_dtype == "auto":
+        return "auto"
+    if isinstance(grad_comm_dtype, str) or grad_comm_dtype not in GRAD_COMM_DTYPES:
         raise ValueError(
-            f"grad_comm_dtype must be None (float32), torch.float32, torch.bfloat16 or "
-            f"torch.float16, got {grad_comm_dtype!r}"
+            f"grad_comm_dtype must be None (float32), torch.float32, torch.bfloat16, "
+            f"torch.float16 or 'auto', got {grad_comm_dtype!r}"
         )
     return None if grad_comm_dtype == torch.float32 else grad_comm_dtype
+
+
+AUTO_RATIO = 1.0  # "auto" sends bf16 dK/dV when transfer / compute per backward step exceeds it
+
+
+@dataclass(frozen=True)
+class AutoWire:
+    """What ``grad_comm_dtype="auto"`` chose for one configuration on one group, the same on
+    every rank (``auto_decisions()``).
+
+    ``transfer_s``: seconds of one K/V hop alone (measured in the first call's forward: its first
+    hop is waited for before any compute), max over the group; ``step_transfer_s``: that scaled
+    to one backward step's float32 traffic (K/V plus dK/dV); ``compute_s``: the first call's
+    backward compute per ring step (steps >= 1), max over the group; ``ratio`` =
+    ``step_transfer_s / compute_s``; ``threshold``: the ``AUTO_RATIO`` (or
+    ``RINGKV_GRAD_COMM_AUTO_RATIO``) in force, max over the group; ``dtype``: ``torch.bfloat16``
+    when ``ratio > threshold`` (float32 dK/dV would not hide behind the compute), else None
+    (float32, exact)."""
+
+    transfer_s: float
+    step_transfer_s: float
+    compute_s: float
+    ratio: float
+    threshold: float
+    dtype: Optional[torch.dtype]
+
+
+_AUTO: dict = {}  # (group, configuration) -> AutoWire
+
+
+def auto_decisions() -> dict:
+    """This rank's ``grad_comm_dtype="auto"`` decisions: ``{(group, configuration): AutoWire}``
+    (the configuration: ``call_values`` of the call). Every rank of a group holds the same."""
+    return dict(_AUTO)
+
+
+def forget_auto(group=None) -> None:
+    """Drop the ``"auto"`` decisions on ``group`` (default: the world) on this rank: the next call
+    measures again. Every rank of the group must call it (one that remembers and one that does not
+    make different collectives)."""
+    g = dist.group.WORLD if group is None else group
+    for key in [key for key in _AUTO if key[0] is g]:
+        del _AUTO[key]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Auto:
+    """One ``"auto"`` call: its configuration's key, the decision when there is one, else what its
+    forward (``transfer_s``) and backward measure."""
+
+    def __init__(self, key, comm: RingComm):
+        self.key, self.comm = key, comm
+        self.probe = key not in _AUTO  # the first call of a configuration measures
+        self.transfer_s: Optional[float] = None
+
+    def decide(self, step_transfer_s: float, compute_s: float, device) -> AutoWire:
+        """The decision from this rank's measurements, agreed over the group (max of each, one
+        bounded all-reduce): every rank gets the same floats, so the same dtype."""
+        threshold = float(os.environ.get("RINGKV_GRAD_COMM_AUTO_RATIO", AUTO_RATIO))
+        x = torch.tensor(
+            [self.transfer_s, step_transfer_s, compute_s, threshold],
+            dtype=torch.float64,
+            device=device,
+        )
+        work = dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.comm.group, async_op=True)
+        _bounded_wait(work, x, self.comm.timeout, "ring_attention grad_comm_dtype='auto'")
+        t, st, c, thr = x.tolist()
+        ratio = st / c if c > 0 else math.inf
+        wire = AutoWire(t, st, c, ratio, thr, torch.bfloat16 if ratio > thr else None)
+        _AUTO[self.key] = wire
+        log.info(
+            "ring_attention grad_comm_dtype='auto' on rank %d/%d: transfer %.4fs/step vs backward "
+            "compute %.4fs/step (ratio %.3f, threshold %.3f): dK/dV in %s",
+            self.comm.rank,
+            self.comm.world,
+            st,
+            c,
+            ratio,
+            thr,
+            "bfloat16" if wire.dtype else "float32",
+        )
+        return wire
 
 
 @dataclass(frozen=True)
@@ -307,9 +408,22 @@ def _last_step(shards: Shards, causal: bool, window: Tuple[int, int]) -> int:
 
 
 def _forward(
-    q, k, v, scale, causal, window, shards: Shards, comm: RingComm, backend, softcap=None, into=None
+    q,
+    k,
+    v,
+    scale,
+    causal,
+    window,
+    shards: Shards,
+    comm: RingComm,
+    backend,
+    softcap=None,
+    into=None,
+    auto: Optional[_Auto] = None,
 ):
-    """``into``: a ``RingStats`` to fill with this forward's counts, or None."""
+    """``into``: a ``RingStats`` to fill with this forward's counts, or None. ``auto``: an
+    ``"auto"`` call; when it measures, the first hop is timed alone (after a barrier, before any
+    compute)."""
     b, s, h, d = q.shape
     n, r = comm.world, comm.rank
     last = _last_step(shards, causal, window)
@@ -318,11 +432,22 @@ def _forward(
     bufs = [_pack(k, v, hf), None]  # K and V travel as one message
     bufs[1] = torch.empty_like(bufs[0])
     stats = RingStats(steps=last + 1)
+    probe = auto is not None and auto.probe and last > 0
+    if probe:  # every rank at the start line: the hop's time is the link's, not a late peer's
+        x = torch.zeros(1, device=q.device)
+        work = dist.all_reduce(x, group=comm.group, async_op=True)
+        _bounded_wait(work, x, comm.timeout, "ring_attention grad_comm_dtype='auto'")
+        _sync(q.device)
     for step in range(last + 1):
         if step < last:
+            t0 = time.perf_counter()
             comm.send_recv([bufs[step % 2]], [bufs[(step + 1) % 2]])
             stats.hops += 1
             stats.bytes_sent += bufs[0].numel() * bufs[0].element_size()
+            if probe and step == 0:
+                comm.wait()
+                _sync(q.device)
+                auto.transfer_s = time.perf_counter() - t0
         cur = _unpack(bufs[step % 2], k.shape, v.shape, hf)  # K (B, S, Hkv, D), V (B, S, Hkv, Dv)
         src = (r - step) % n
         calls = shards.plan(r, src, causal, window)
@@ -354,7 +479,7 @@ def _forward(
         stats.skipped += len(shards.q[r]) * len(shards.k[src]) - len(calls)
         stats.pairs += work
         stats.per_step.append(work)
-        if step < last:
+        if step < last and not (probe and step == 0):
             comm.wait()
     if out is None:  # no query of this rank sees any key (e.g. only pad rows)
         out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
@@ -385,11 +510,21 @@ def _backward(
     the last step they go straight back to their owner (``last`` hops behind) in one message,
     where they join the owner's own share (step 0). They travel in ``grad_comm_dtype`` (default
     float32) and are summed in float32 at every hop. Every buffer is allocated once per call.
-    ``into``: the forward's ``RingStats`` (or None), whose ``backward`` this fills."""
+    ``into``: the forward's ``RingStats`` (or None), whose ``backward`` this fills.
+    ``grad_comm_dtype`` may be an ``_Auto``: the dtype its configuration's decision chose, else
+    float32 while this call measures its compute per step and then decides (``_Auto.decide``)."""
     kv_comm, dkv_comm = comm, comm.with_tag(1)
     n, r = kv_comm.world, kv_comm.rank
     last = _last_step(shards, causal, window)
     stats = RingStats(steps=last + 1)
+    auto, measure = None, False
+    if isinstance(grad_comm_dtype, _Auto):
+        auto, decided = grad_comm_dtype, _AUTO.get(grad_comm_dtype.key)
+        grad_comm_dtype = decided.dtype if decided else None
+        stats.comm_ratio = decided.ratio if decided else None
+        measure = decided is None and auto.transfer_s is not None and last > 0
+    stats.grad_comm_dtype = grad_comm_dtype
+    compute_s = 0.0
     wire = grad_comm_dtype or torch.float32
     hf = _heads_first(q.device)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -415,6 +550,9 @@ def _backward(
             acc.zero_()  # a sum of the calls' shares (mine is zeros already)
         dk_acc, dv_acc = _unpack(acc, k.shape, v.shape)
         calls = shards.plan(r, src, causal, window)
+        if measure and step >= 1:
+            _sync(q.device)
+            t0 = time.perf_counter()
         for qs, ks, mask in calls:
             kernels.block_backward_into(
                 dq[:, qs],
@@ -432,6 +570,9 @@ def _backward(
                 backend=backend,
                 softcap=softcap,
             )
+        if measure and step >= 1:
+            _sync(q.device)
+            compute_s += time.perf_counter() - t0
         stats.calls += len(calls)
         if step >= 1:
             send = dkv[step % 2]
@@ -452,6 +593,10 @@ def _backward(
     if last > 0:
         dkv_comm.wait()  # every rank's block came back from the rank that held it last
         mine += dkv[(last + 1) % 2]
+    if measure:  # float32 dK/dV travel with their K/V at every step: scale the hop's time
+        kv_bytes = kv[0].numel() * kv[0].element_size()
+        step_transfer = auto.transfer_s * (kv_bytes + mine.numel() * 4) / kv_bytes
+        stats.comm_ratio = auto.decide(step_transfer, compute_s / last, q.device).ratio
     if into is not None:
         into.backward = stats
     dk, dv = _unpack(mine, k.shape, v.shape)
@@ -504,8 +649,14 @@ def ring_attention(
         timeout: bound on every wait (gloo); default ``RINGKV_TIMEOUT_S`` or 300 s.
         check: verify that every rank passes the same shapes and settings: one tiny all-gather
             the first time this configuration is used on the group, nothing afterwards.
-        grad_comm_dtype: dtype of the dK/dV messages of the backward (default ``None``: float32);
-            ``torch.bfloat16`` halves their bytes. They are summed in float32 at every hop.
+        grad_comm_dtype: dtype of the dK/dV messages of the backward (default ``None``: float32,
+            exact); ``torch.bfloat16`` halves their bytes. They are summed in float32 at every
+            hop. ``"auto"`` (opt-in, lossy when it picks bf16): the first call of a configuration
+            on the group sends float32 and measures one K/V hop alone and its backward's compute
+            per step; where float32 dK/dV plus K/V would take longer per step than that compute
+            (ratio > ``AUTO_RATIO``, env ``RINGKV_GRAD_COMM_AUTO_RATIO``), later calls send bf16.
+            The measurements are agreed as the max over the group, so every rank picks the same
+            (``auto_decisions()``, ``stats.backward.grad_comm_dtype``, a log line).
         comm: the ring to use instead of one over ``group`` (e.g. ``LocalComm`` to time the
             schedule without communication).
         softcap: scores ``softcap * tanh(s / softcap)`` in every block (Gemma 2).
@@ -536,6 +687,8 @@ def ring_attention(
         sinks=sinks,
     )
     grad_comm_dtype = check_grad_comm_dtype(grad_comm_dtype)
+    if grad_comm_dtype == "auto" and (comm.world == 1 or isinstance(comm, LocalComm)):
+        grad_comm_dtype = None  # no link to measure: float32
     if check and comm.world > 1 and not isinstance(comm, LocalComm):
         _check_across_ranks(
             comm,
@@ -557,6 +710,14 @@ def ring_attention(
         if cu is None
         else Shards.of_varlen(cu, layout, comm.world)
     )
+    if grad_comm_dtype == "auto" and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    ):
+        grad_comm_dtype = None  # no backward: nothing to choose (and nothing to measure)
+    if grad_comm_dtype == "auto":
+        names, values = call_values(q, k, causal, layout, scale, backend, window, cu, v, softcap)
+        group = dist.group.WORLD if comm.group is None else comm.group
+        grad_comm_dtype = _Auto((group, tuple(values)), comm)
     out, lse = _run(
         q,
         k,
@@ -652,13 +813,14 @@ def _run(
     stats=None,
 ):
     args = (scale, causal, window, shards, comm, backend)
+    auto = grad_comm_dtype if isinstance(grad_comm_dtype, _Auto) else None
     return kernels.run_differentiable(
         _forward,
         _backward,
         q,
         k,
         v,
-        args + (softcap, stats),
+        args + (softcap, stats, auto),
         args + (grad_comm_dtype, softcap, stats),
         sinks=sinks,
     )

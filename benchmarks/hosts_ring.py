@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 
@@ -115,6 +116,10 @@ def main(argv=None) -> int:
     order = [None]
     for rate in rates:
         order += [rate, None]
+    # a stop from outside (kill, or Ctrl-C of a background job, where SIGINT starts ignored)
+    # still takes the hosts down
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     runs = []  # (rate, pass, summary)
     port = args.port
     hosts = Hosts(2, rate=None)

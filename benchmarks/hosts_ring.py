@@ -59,6 +59,9 @@ def parse_args(argv=None):
         default="fp32",
         help="long_ctx.py's --grad-comm-dtype for the bwd pass (e.g. fp32,auto: interleaved)",
     )
+    p.add_argument(
+        "--no-baseline", action="store_true", help="the shaped rates only (no unshaped runs)"
+    )
     p.add_argument("--iters", type=int, default=1)
     p.add_argument("--warmup", type=int, default=None, help="default: 1 with auto, else 0")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per torchrun launch")
@@ -113,9 +116,9 @@ def main(argv=None) -> int:
     out = args.out or tempfile.mkdtemp(prefix="hosts_ring-")
     os.makedirs(out, exist_ok=True)
     # the baseline before each rate and after the last: each rate sits between two of them
-    order = [None]
+    order = [] if args.no_baseline else [None]
     for rate in rates:
-        order += [rate, None]
+        order += [rate] if args.no_baseline else [rate, None]
     # a stop from outside (kill, or Ctrl-C of a background job, where SIGINT starts ignored)
     # still takes the hosts down
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -146,8 +149,9 @@ def main(argv=None) -> int:
         base = [g for r, p, g in runs if r is None and p == pas]
         k = [i for i, (r, p, _) in enumerate(runs) if r is None and p == pas]
         near = [base[n] for n, i in enumerate(k) if abs(i - j) <= len(passes)]  # both neighbours
-        b_overlap = sum(g["overlap"] for g in near) / len(near)
-        b_time = sum(g["time_s"] for g in near) / len(near)
+        nan = float("nan")
+        b_overlap = sum(g["overlap"] for g in near) / len(near) if near else nan
+        b_time = sum(g["time_s"] for g in near) / len(near) if near else nan
         rows.append(dict(rate=rate, pass_=pas, **got, base_overlap=b_overlap, base_time_s=b_time))
         rows[-1]["overlap_vs_base"] = got["overlap"] / b_overlap
     mach = machine(threads=1)
@@ -182,7 +186,12 @@ def main(argv=None) -> int:
     if args.json:
         write_json(
             args.json,
-            dict(args=vars(args), rows=rows, runs=[dict(rate=r, pass_=p, **g) for r, p, g in runs]),
+            dict(
+                args=vars(args),
+                rows=rows,
+                runs=[dict(rate=r, pass_=p, **g) for r, p, g in runs],
+                machine=mach,
+            ),
         )
     return 0
 

@@ -56,6 +56,17 @@ PULL_HEADER = "x-ringkv-pull"  # a router's pull hint: "<holder URL> <tokens>"
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 
 
+MIGRATION_TIMEOUT = 30.0  # seconds any wait of a move between instances takes at most
+
+
+def migration_timeout(body: dict) -> float:
+    """A move's ``timeout`` (seconds, 0 < t <= 600; absent: ``MIGRATION_TIMEOUT``)."""
+    t = body.get("timeout", MIGRATION_TIMEOUT)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 600:
+        raise BadRequest("timeout must be seconds, more than 0 and at most 600", param="timeout")
+    return float(t)
+
+
 def check_admin(request: Request, admin: bool, admin_key: Optional[str]) -> None:
     """Admin endpoints: a 404 unless ``admin``; with ``admin_key``, a 401 without it in the
     ``x-ringkv-admin-key`` header (compared in constant time)."""
@@ -331,23 +342,26 @@ class ServingInstance:
         }
 
     async def accept(self, body: dict) -> dict:
-        """``{"host"}``: listen there for one request moving in; ``{"host", "port"}``."""
-        host = body.get("host")
+        """``{"host", "timeout"?}``: listen there for one request moving in (every wait of the
+        move bounded by ``timeout`` seconds, default 30); ``{"host", "port"}``."""
+        host, timeout = body.get("host"), migration_timeout(body)
         if not isinstance(host, str) or not host or len(host) > 255:
             raise BadRequest(
                 "host must be this instance's address as the source reaches it", param="host"
             )
         loop = asyncio.get_running_loop()
         try:
-            port = await in_thread(lambda: self.engine.accept(host, loop=loop))
+            port = await in_thread(lambda: self.engine.accept(host, timeout, loop=loop))
         except Exception as e:  # noqa: BLE001 - e.g. an address this host does not have
             raise BadRequest(f"cannot listen on {host!r}: {type(e).__name__}: {e}", param="host")
         return {"host": host, "port": port}
 
     async def migrate(self, body: dict) -> dict:
-        """``{"request_id", "host", "port", "to"}``: move a running request to the instance
-        ``to`` listening on ``host:port``; returns when it has moved (409 if it did not)."""
+        """``{"request_id", "host", "port", "to", "timeout"?}``: move a running request to the
+        instance ``to`` listening on ``host:port`` (every wait bounded by ``timeout`` seconds,
+        default 30); returns when it has moved (409 if it did not)."""
         rid, host, port, to = (body.get(k) for k in ("request_id", "host", "port", "to"))
+        timeout = migration_timeout(body)
         port_ok = isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
         if not (port_ok and all(isinstance(x, str) for x in (rid, host, to))):
             raise BadRequest(
@@ -357,7 +371,7 @@ class ServingInstance:
         from ..parallel.transfer import LinkError
 
         try:
-            return await in_thread(self.engine.migrate_out, rid, host, port, to)
+            return await in_thread(self.engine.migrate_out, rid, host, port, to, timeout)
         except (ValueError, MigrationError, LinkError) as e:
             raise BadRequest(
                 f"{type(e).__name__}: {e}", 409, param="request_id", code="not_migrated"

@@ -64,7 +64,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..cache.block_manager import DISK, HOST, REMOVED, STORED, block_hash
-from .app import ADMIN_HEADER, admin_posts, check_admin, openai_app
+from .app import ADMIN_HEADER, MIGRATION_TIMEOUT, admin_posts, check_admin, migration_timeout
+from .app import openai_app
 from .openai import DONE, MAX_REQUEST_BYTES, BadRequest, Collected, Encoder, RoutedRequest
 from .openai import error_event, merge, parse_json, read_body, response, unless_disconnected, usage
 
@@ -804,7 +805,12 @@ class Router:
             if a.live and a.instance is inst and len(a.choices) == 1 and a.moved_to is None
         ]
 
-    async def migrate(self, sub: Sub, attempt: Attempt, target: Instance) -> dict:
+    async def migrate(
+        self, sub: Sub, attempt: Attempt, target: Instance, timeout: float = MIGRATION_TIMEOUT
+    ) -> dict:
+        """Move ``attempt`` to ``target``; each wait of the move (on either instance) is
+        bounded by ``timeout`` seconds. ``BadRequest`` if it did not move (it runs where it
+        was)."""
         src = attempt.instance
         if target is src:
             raise BadRequest(f"the request already runs on {target.id}", 409, "to")
@@ -815,30 +821,42 @@ class Router:
                 f"instances {src.id} and {target.id} run another model or KV cache dtype", 409, "to"
             )
         self.moving.add(src.id)
+        inst = target
         try:
             host = urlparse(target.url).hostname
             r = await self.client.post(
                 f"{target.url}/internal/accept",
-                json={"host": host},
+                json={"host": host, "timeout": timeout},
                 headers=self.headers(),
-                timeout=30.0,
+                timeout=timeout,
             )
             if r.status_code != 200:
                 raise BadRequest.relayed(r.status_code, r.text)
+            inst = src
             r = await self.client.post(
                 f"{src.url}/internal/migrate",
                 headers=self.headers(),
-                timeout=120.0,
+                timeout=4 * timeout + 30.0,  # connect, the two snapshots, their acks
                 json={
                     "request_id": attempt.rid,
                     "host": host,
                     "port": r.json()["port"],
                     "to": target.id,
+                    "timeout": timeout,
                 },
             )
             if r.status_code != 200:
                 self.counters["migration_failures"] += 1
                 raise BadRequest.relayed(r.status_code, r.text)
+        except _httpx().HTTPError as e:  # unreachable (its link is down), or no answer in time
+            self.counters["migration_failures"] += 1
+            raise BadRequest(
+                f"request {attempt.rid!r} did not move from {src.id} to {target.id}: instance "
+                f"{inst.id} ({inst.url}) did not answer: {type(e).__name__}: {e}"[:1000],
+                409,
+                "to" if inst is target else "request_id",
+                code="not_migrated",
+            ) from None
         finally:
             self.moving.discard(src.id)
         self.counters["migrations"] += 1
@@ -1109,10 +1127,12 @@ class ServingRouter:
         return {"id": id, "removed": True}
 
     async def migrate(self, body: dict) -> dict:
-        """``{"request_id", "to"}``: move a running request (the ``id`` its client got) to
-        instance ``to``; returns when it has moved."""
+        """``{"request_id", "to", "timeout"?}``: move a running request (the ``id`` its client
+        got) to instance ``to``; returns when it has moved. ``timeout`` (seconds, default 30)
+        bounds each wait of the move: a link that stops carrying fails it (409) that soon."""
         router = self.router
         rid, to = body.get("request_id"), body.get("to")
+        timeout = migration_timeout(body)
         if not isinstance(rid, str) or not isinstance(to, str):
             raise BadRequest("migrate takes request_id (a completion's id) and to (an instance id)")
         subs = router.subs.get(rid)
@@ -1132,7 +1152,7 @@ class ServingRouter:
                 if len(a.choices) != 1:
                     raise BadRequest("only requests with n = 1 can migrate", 409, "request_id")
                 if s.choices[a.choices[0]].finish_reason is None:
-                    moved.append(await router.migrate(s, a, target))
+                    moved.append(await router.migrate(s, a, target, timeout))
         if not moved:
             raise BadRequest(f"request {rid!r} has nothing left to move to {to}", 409, "request_id")
         return {"request_id": rid, "to": to, "moved": moved}

@@ -64,6 +64,10 @@ class Rates:
     thread_scaling: float = 1.0
     gemm: Dict[str, Dict[str, float]] = field(default_factory=dict)
     threads: int = 1  # the process's threads (``_threads``): selects the ``gemm`` row
+    # links that are one per node (a host's network link, ``plan(links={"inter": ...})``): the
+    # node's ranks whose messages cross it at the same time share its bandwidth; the others
+    # (the table's ``ib``: one NIC per GPU; NVLink) are per device
+    shared: Dict[str, bool] = field(default_factory=dict)
 
     def weight_rate(self, rows: float) -> Optional[float]:
         """Measured weight bytes/s at ``rows`` for this process's threads, or None."""

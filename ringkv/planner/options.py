@@ -23,7 +23,7 @@ from .memory import (
     stage_sizes,
     stage_weight_bytes,
 )
-from .simulation import _xfer, migration_seconds, ring_attention_seconds
+from .simulation import _shared, _xfer, migration_seconds, ring_attention_seconds
 
 SEED_SP_TOKENS = 32768  # seed rule 4: consider SP beyond 32K tokens
 SEED_MAX_PP = 4  # seed rule 2: PP depth usually <= 4
@@ -173,6 +173,7 @@ def plan(
     for level, (bw, lat) in given.items():
         name = interconnect if level == "intra" else "ib"
         r.links[name], r.latency[name] = bw, lat
+        r.shared[name] = level == "inter"  # a node's link, shared by its ranks that cross at once
     intra = interconnect
     usable = int(g["memory"] * gpu_memory_utilization)
 
@@ -195,6 +196,9 @@ def plan(
                         ring=_link(sp // u, tp * sp, gpn, intra),
                         pp=_link(pp, gpus, gpn, intra),
                     )
+                    # ranks of one node sending over an axis's link at once: a stage's TP x SP
+                    # ranks hand off together, each TP rank rings its own heads
+                    share = dict(tp=1, ulysses=min(gpn, tp * u), ring=tp, pp=min(gpn, tp * sp))
                     options.append(
                         _option(
                             cfg,
@@ -210,6 +214,7 @@ def plan(
                             links,
                             usable,
                             output_tokens,
+                            share,
                         )
                     )
     if not options:
@@ -252,9 +257,14 @@ def migration_time(
 
 
 def _option(
-    cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable, output_tokens
+    cfg, seq, batch, tp, pp, sp, u, kvd, dtype, r: Rates, links, usable, output_tokens, share=None
 ) -> Option:
     act = 4 if dtype == "float32" else 2  # activation / ring K/V bytes
+    share = share or {}
+
+    def on(axis: str) -> Rates:  # the rates with a per-node link of ``axis`` shared
+        return _shared(r, links[axis], share.get(axis, 1))
+
     sizes = stage_sizes(cfg, pp)
     wb = stage_weight_bytes(cfg, tp, pp, dtype)
     kvt = stage_kv_bytes_per_token(cfg, tp, pp, kvd, dtype)
@@ -271,14 +281,14 @@ def _option(
     tok = -(-seq // sp)
     t_lin = 2 * lin * tok / r.matmul
     t_attn, step, xfer, ring_bytes = ring_attention_seconds(
-        seq, heads_att, kv_att, d, ring, act, r, links["ring"]
+        seq, heads_att, kv_att, d, ring, act, on("ring"), links["ring"]
     )
     u_bytes = int((u - 1) / u * tok * d * act * (2 * hq + 2 * max(hkv, u))) if u > 1 else 0
-    t_u = _xfer(u_bytes, links["ulysses"], r, 4) if u > 1 else 0.0
+    t_u = _xfer(u_bytes, links["ulysses"], on("ulysses"), 4) if u > 1 else 0.0
     tp_bytes = int(2 * 2 * (tp - 1) / tp * tok * h * act) if tp > 1 else 0
     t_tp = _xfer(tp_bytes, links["tp"], r, 2 * 2 * (tp - 1)) if tp > 1 else 0.0
     t_layer = t_lin + t_attn + t_u + t_tp
-    handoff = _xfer(tok * h * act, links["pp"], r) if pp > 1 else 0.0
+    handoff = _xfer(tok * h * act, links["pp"], on("pp")) if pp > 1 else 0.0
     host = r.host.get("step", 0.0) + r.host.get(
         "seq", 0.0
     )  # per step: the driver's scheduling and sampling
@@ -302,9 +312,10 @@ def _option(
                 * _xfer(int(2 * (tp - 1) / tp * micro * h * act), links["tp"], r, 2 * (tp - 1))
             )
         if sp > 1:  # (out, lse) partials merged across the SP group each layer
-            t += n * _xfer(micro * hq * (d + 1) * 4, links["ring"], r, math.ceil(math.log2(sp)))
+            merge = micro * hq * (d + 1) * 4
+            t += n * _xfer(merge, links["ring"], on("ring"), math.ceil(math.log2(sp)))
         if pp > 1:
-            t += _xfer(micro * h * act, links["pp"], r)
+            t += _xfer(micro * h * act, links["pp"], on("pp"))
         steps.append(t)
     step_t = pp * (max(steps) + r.host.get("step", 0.0) + r.host.get("seq", 0.0) * micro)
     decode = batch / step_t

@@ -9,6 +9,7 @@ fits)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,6 +53,14 @@ def _xfer(nbytes: float, link: str, r: Rates, messages: int = 1) -> float:
 
 
 Links = Union[str, Mapping[str, str]]  # one link for every axis, or {"tp": .., "sp": .., "pp": ..}
+
+
+def _shared(r: Rates, link: str, senders: int) -> Rates:
+    """``r`` with ``link``'s bandwidth divided among ``senders`` ranks of a node sending over it
+    at once, when it is one link per node (``Rates.shared``); else ``r``."""
+    if senders <= 1 or not r.shared.get(link):
+        return r
+    return dataclasses.replace(r, links={**r.links, link: r.links[link] / senders})
 
 
 def _axis_link(link: Links, axis: str) -> str:
@@ -246,6 +255,9 @@ class StepTerms:
     # tokens a matmul multiplies on this rank (tokens / sp in ring mode): selects ``gemm``
     rows: float
     axes: Tuple[str, ...] = ()  # the axis ("tp", "sp", "pp") of each of ``messages``
+    # ranks of the stage that send their PP / SP messages at once (its TP ranks: each sends
+    # its own hidden states, its own heads' K/V); they share a per-node link (``_shared``)
+    senders: int = 1
 
     def __iter__(self):
         return iter(
@@ -331,6 +343,7 @@ def _step_terms(
         weight_bytes=wbytes,
         rows=rows,
         axes=tuple(axes),
+        senders=tp,
     )
 
 
@@ -339,7 +352,7 @@ def _step_cost(terms: StepTerms, r: Rates, link: Links) -> float:
     linear FLOPs / matmul) + attention FLOPs / attention`` (or the ring), plus its messages; with
     a measured ``gemm`` rate the weights' share of ``bytes`` is read at it. ``link``: one link
     name for every message, or the link of each axis (``{"tp": .., "sp": .., "pp": ..}``; the
-    SP ring uses "sp")."""
+    SP ring uses "sp"); PP and SP messages of the stage's ``senders`` share a per-node link."""
     bw = r.weight_rate(terms.rows)
     read = (
         terms.read_bytes / r.memory
@@ -353,6 +366,7 @@ def _step_cost(terms: StepTerms, r: Rates, link: Links) -> float:
     )
     ring = terms.ring
     if ring is not None:  # one ring per layer over the step's tokens (scaled to its causal pairs)
+        sp_link = _axis_link(link, "sp")
         t += (
             ring.scale
             * ring_attention_seconds(
@@ -362,13 +376,14 @@ def _step_cost(terms: StepTerms, r: Rates, link: Links) -> float:
                 ring.head_dim,
                 ring.ranks,
                 ring.act_bytes,
-                r,
-                _axis_link(link, "sp"),
+                _shared(r, sp_link, terms.senders),
+                sp_link,
             )[0]
         )
     axes = terms.axes or ("tp",) * len(terms.messages)
     for (nb, count), axis in zip(terms.messages, axes):
-        t += _xfer(nb, _axis_link(link, axis), r, count)
+        name = _axis_link(link, axis)
+        t += _xfer(nb, name, _shared(r, name, 1 if axis == "tp" else terms.senders), count)
     return t
 
 

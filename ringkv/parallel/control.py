@@ -21,8 +21,10 @@ process can hold several spawned engines. The step results come back on the same
 The driver opens a burst of steps with a ``"steps"`` message on the store; the other ranks
 then read steps from the channel until a ``PARK`` word sends them back to the store. The
 driver parks them whenever the engine goes idle and before any store message, so a rank waits
-inside a broadcast only while the driver is stepping (and a dead driver closes the
-connection: the wait fails at once).
+inside a broadcast only while the driver is stepping. A dead driver closes the connection (the
+wait fails at once); a driver on a host whose link went down closes nothing, so every broadcast
+of a burst is bounded by the engine's timeout: the next step must come within it (a gloo
+collective cannot be cancelled, and one without a bound would also hold the process at exit).
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ class Channel:
 
     MIN_CAP, MAX_CAP = 256, 1 << 20
 
-    def __init__(self, group, rank: int, depth: int = 4):
+    def __init__(self, group, rank: int, depth: int = 4, timeout: Optional[timedelta] = None):
         self.group, self.rank, self.depth = group, rank, depth
+        self.timeout = timeout or DEFAULT_TIMEOUT  # every broadcast's own bound
         self.cap = 1024
         self.pending: "deque" = deque()  # (work, buffer) of the driver's broadcasts in flight
         self.last_bytes = 0  # bytes the last message received took
@@ -73,8 +76,33 @@ class Channel:
         """An asynchronous broadcast from control rank 0 on the group itself (it may be a group
         built without a default process group, which ``dist.broadcast`` cannot take)."""
         opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, self.timeout
         return self.group.broadcast([buf], opts)
+
+    def _wait(self, work, sent: bool = False) -> None:
+        """Wait for a broadcast (bounded by its own timeout) or, ``sent``, one of this rank's
+        sends (``pending``); a failure names the driver or the peers it waited for."""
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            t = f"{self.timeout.total_seconds():.0f}s"
+            if sent or self.rank == 0:
+                why = (
+                    f"rank {self.rank}: a message it sent (a step or a result) did not reach "
+                    f"its peers within {t} (a rank died or hangs, or the link to its host is "
+                    f"down)"
+                )
+            elif "timed out" in str(e).lower():
+                why = (
+                    f"rank {self.rank}: no step from the driver (rank 0) within {t} (it hangs, "
+                    f"or the link between this host and the driver's is down)"
+                )
+            else:
+                why = (
+                    f"rank {self.rank}: lost the driver (rank 0): it closed its connection (it "
+                    f"failed, its own error names the cause, or it died)"
+                )
+            raise RingTimeoutError(f"{why}: {e}") from e
 
     def _next_cap(self, words: int) -> int:
         """This message's size plus 1/8, in steps of ``MIN_CAP`` bytes (the next step is alike)."""
@@ -104,7 +132,7 @@ class Channel:
         """The next message's payload (1-D int64)."""
         self.prefetch()
         (work, first), self.posted = self.posted, None
-        work.wait()
+        self._wait(work)
         words, nxt = int(first[0]), int(first[1])
         if not 0 <= words <= (1 << 40) or not self.MIN_CAP <= nxt <= self.MAX_CAP:
             raise EngineError(
@@ -113,7 +141,7 @@ class Channel:
         head, self.last_bytes = self.cap // 8 - 2, self.cap
         if words > head:
             rest = torch.empty(words - head, dtype=torch.int64)
-            self._broadcast(rest).wait()
+            self._wait(self._broadcast(rest))
             self.last_bytes += rest.numel() * 8
             payload = torch.cat([first[2:], rest])
         else:
@@ -127,7 +155,7 @@ class Channel:
         (before the group goes away)."""
         keep = self.depth if keep is None else keep
         while len(self.pending) > keep:
-            self.pending.popleft()[0].wait()
+            self._wait(self.pending.popleft()[0], sent=True)
 
 
 class ControlPlane:
@@ -152,7 +180,7 @@ class ControlPlane:
             )
         else:
             group = dist.new_group(list(range(self.world)), backend="gloo", timeout=timeout)
-        self.channel = Channel(group, self.rank, depth)
+        self.channel = Channel(group, self.rank, depth, self.timeout)
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
         """A CPU tensor to control rank ``dst`` (step results, K/V boxes); waits only on old
@@ -163,7 +191,14 @@ class ControlPlane:
     def recv_from(self, rank: int, t: torch.Tensor, tag: int, what: str) -> torch.Tensor:
         """Fill ``t`` (CPU) with what control rank ``rank`` sends under ``tag``, within the
         timeout."""
-        wait(self.channel.group.recv([t], rank, tag), t, self.timeout, what)
+        try:
+            work = self.channel.group.recv([t], rank, tag)
+        except RuntimeError as e:  # posting to a peer whose connection is closed fails at once
+            raise RingTimeoutError(
+                f"rank {self.rank}: {what}: rank {rank} closed its connection (it died, or "
+                f"failed: its own error names the cause) or the link to its host is down: {e}"
+            ) from e
+        wait(work, t, self.timeout, what)
         return t
 
     # -- driver -> every rank ------------------------------------------------------------

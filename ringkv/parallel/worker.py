@@ -21,7 +21,7 @@ from ..model.config import ModelConfig
 from ..model.llama import DenseContext, LlamaForCausalLM
 from ..model.loader import check_checkpoint, materialize
 from ..sp.collectives import all_sum
-from ..sp.comm import RingComm
+from ..sp.comm import RingComm, RingTimeoutError
 from . import faults
 from .compiled import CompiledDecode
 from .context import LocalStep, StepContext
@@ -31,6 +31,21 @@ from .pp import StageLink, apply_pp, stage_forward, stage_range, stage_sizes
 from .tp import apply_tp, gather_vocab, kv_heads_per_rank
 
 RESULT_TAG = 11
+
+
+def with_peer(what: str, fn, *args):
+    """``fn(*args)``, a message to or from a peer rank; gloo's own error when the peer's
+    connection is closed (posting to a dead peer fails at once: "Connection closed by peer
+    [ADDRESS]") becomes one that names ``what`` (which rank) and the causes."""
+    try:
+        return fn(*args)
+    except RingTimeoutError:
+        raise
+    except RuntimeError as e:
+        raise RingTimeoutError(
+            f"{what} failed: the peer closed its connection (it died, or failed: its own error "
+            f"names the cause) or the link to its host is down: {e}"
+        ) from e
 
 
 @dataclass(frozen=True)
@@ -265,7 +280,9 @@ class Worker:
             x = step.input_ids
         else:
             w = time.perf_counter()
-            x = self.link.recv(
+            x = with_peer(
+                f"rank {m.rank}: hidden states from pipeline rank {m.neighbour(-1)}",
+                self.link.recv,
                 (step.input_ids.numel(), self.cfg.hidden_size),
                 self.dtype,
                 self.device,
@@ -290,7 +307,10 @@ class Worker:
             x = stage_forward(self.model, x, step.positions, ctx)  # (T, hidden)
         result = None
         if not m.last_stage:
-            self.link.send(x, m.neighbour(1))
+            dst = m.neighbour(1)
+            with_peer(
+                f"rank {m.rank}: hidden states to pipeline rank {dst}", self.link.send, x, dst
+            )
         elif plan.num_completing or plan.num_targets:
             result = self._sample_input(x, step, plan, compiled=bucket is not None)
         self.stats.steps += 1
@@ -337,7 +357,13 @@ class Worker:
         if not self.driver:  # to the driver (CPU tensors over the control plane's gloo group)
             for t in (main, prompt_lp):
                 if t is not None:
-                    self.control.send(t.cpu(), 0, RESULT_TAG)
+                    with_peer(
+                        f"rank {m.rank}: the step's result to the driver (rank 0)",
+                        self.control.send,
+                        t.cpu(),
+                        0,
+                        RESULT_TAG,
+                    )
             return None
         return StepResult(main, prompt_lp)
 

@@ -66,21 +66,38 @@ class RingComm:
         )
         ops = [dist.P2POp(dist.isend, t, dst, self.group, self.tag) for t in send]
         ops += [dist.P2POp(dist.irecv, t, src, self.group, self.tag) for t in recv]
-        self._reqs = dist.batch_isend_irecv(ops)
+        self._hop = (len(send), len(ops), dst, src)  # for an error that names the peer
+        try:
+            self._reqs = dist.batch_isend_irecv(ops)
+        except RuntimeError as e:  # posting to a peer whose connection is closed fails at once
+            raise RingTimeoutError(
+                f"ring hop on rank {self.rank}/{self.world}: {self._peer(0, 1)} failed: a peer "
+                f"closed its connection (it died, or failed: its own error names the cause) or "
+                f"the link to its host is down: {e}"
+            ) from e
         self._bounded = not send[0].is_cuda  # NCCL: stream-ordered waits, the watchdog bounds them
         return self
 
     def wait(self) -> None:
         reqs, self._reqs = self._reqs, []
-        for req in reqs:
+        for i, req in enumerate(reqs):
             try:
                 req.wait(self.timeout) if self._bounded else req.wait()
             except RuntimeError as e:
                 raise RingTimeoutError(
-                    f"ring hop on rank {self.rank}/{self.world} failed or timed out after "
-                    f"{self.timeout.total_seconds():.0f}s (a peer died, hangs, or called with "
-                    f"other arguments): {e}"
+                    f"ring hop on rank {self.rank}/{self.world}: {self._peer(i, len(reqs))} "
+                    f"failed or timed out after {self.timeout.total_seconds():.0f}s (a peer "
+                    f"died, hangs, or called with other arguments, or the link to its host is "
+                    f"down): {e}"
                 ) from e
+
+    def _peer(self, i: int, n: int) -> str:
+        """What request ``i`` of a hop's ``n`` is: the sends come first, then the receives
+        (one request per message; a backend that coalesces them returns one for all)."""
+        sends, total, dst, src = self._hop
+        if n != total:
+            return f"the exchange with ranks {dst} and {src}"
+        return f"the send to rank {dst}" if i < sends else f"the receive from rank {src}"
 
 
 class LocalComm(RingComm):

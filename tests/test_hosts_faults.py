@@ -1,0 +1,183 @@
+"""Faults of a torchrun world across two hosts (network namespaces, tests/hosts.py): a host's
+link taken down in the middle of an engine step and of a ring attention, a host whose processes
+are all killed mid-step, and a link that comes back. Each fault ends in a clear error on every
+surviving rank within its timeout (the engine's ``timeout``, ``ring_attention``'s ``timeout``),
+and nothing hangs. Ranks 0, 1 run on host 0 (the master), ranks 2, 3 on host 1; the worker is
+tests/hosts_fault_worker.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+import pytest
+
+from tests.hosts import Hosts, missing, wait_all
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(missing() is not None, reason=str(missing())),
+]
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts_fault_worker.py")
+RUN = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"}
+TIMEOUT = 10  # the engine's and the ring's timeout (seconds): every error must come within it
+SLACK = 8  # what a loaded machine adds to a rank's timeout before it reports (measured: < 2 s)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    h = Hosts(2, rate="1gbit")
+    try:
+        yield h.up()
+    finally:
+        h.down()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny Llama (4 heads, 2 KV heads, 4 layers) saved as safetensors."""
+    from tests.models import tiny_model
+
+    d = tmp_path_factory.mktemp("hosts_faults_model")
+    m = tiny_model("llama", 3, num_hidden_layers=4, hidden_size=64)
+    m.save_pretrained(d, safe_serialization=True)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def want(model):
+    """The single-process engine's greedy tokens of the worker's prompts."""
+    from ringkv.engine import LLM, SamplingParams
+    from tests.hosts_worker import MAX_TOKENS, PROMPTS
+
+    with LLM(model, block_size=4, num_blocks=48) as llm:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+class Launch:
+    """torchrun (``--master-addr`` form) on both hosts running the fault worker in ``mode``."""
+
+    def __init__(self, hosts, out, mode: str, model: str, port: int):
+        self.hosts, self.out = hosts, str(out)
+        os.makedirs(self.out, exist_ok=True)
+        self.procs = []
+        for i in range(2):
+            flags = ["--node-rank", str(i), "--master-addr", hosts.addr(0)]
+            cmd = [*RUN, *flags, "--master-port", str(port), WORKER, self.out, mode, model]
+            with open(os.path.join(self.out, f"host{i}.log"), "w") as log:
+                self.procs.append(
+                    hosts.run(i, [*cmd, str(TIMEOUT)], env=ENV, stdout=log, stderr=log)
+                )
+
+    def logs(self) -> str:
+        return "\n".join(open(os.path.join(self.out, f"host{i}.log")).read() for i in range(2))
+
+    def wait_running(self, timeout: float = 120) -> None:
+        """Until every rank is inside the work the fault must hit."""
+        end = time.monotonic() + timeout
+        while not all(os.path.exists(os.path.join(self.out, f"running{r}")) for r in range(4)):
+            assert time.monotonic() < end, self.logs()
+            assert all(p.poll() is None for p in self.procs), self.logs()
+            time.sleep(0.1)
+        time.sleep(0.5)  # steps (or ring hops) are under way
+
+    def wait(self, timeout: float) -> list:
+        """The hosts' torchrun exit codes (-9: still running after ``timeout``, killed)."""
+        return wait_all(self.procs, timeout)
+
+    def reports(self) -> dict:
+        got = {}
+        for r in range(4):
+            path = os.path.join(self.out, f"rank{r}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    got[r] = json.load(f)
+        return got
+
+
+def check_errors(run: Launch, fault_at: float, ranks, patterns: dict) -> dict:
+    """Every rank of ``ranks`` reported an error within the timeout of the fault that matches
+    its pattern in ``patterns`` (by rank); returns the reports."""
+    reports, logs = run.reports(), run.logs()
+    for r in ranks:
+        assert r in reports, (r, logs[-4000:])
+        got = reports[r]
+        assert got["error"], (r, got)
+        took = got["error_at"] - fault_at
+        assert 0 < took < TIMEOUT + SLACK, (r, took, got["error"])
+        assert re.search(patterns[r], got["error"]), (r, got["error"])
+    return reports
+
+
+# what each rank says when the link between the hosts goes down mid-step: the peer or the driver
+# it lost, and the timeout that bounded the wait
+ENGINE_LINK = {
+    0: r"EngineError: .*rank 2.*within 10s",
+    1: r"EngineError: .*(driver \(rank 0\)|rank 3\b).*10s",
+    2: r"EngineError: .*rank 0.*within 10s",
+    3: r"EngineError: .*rank [01].*within 10s",
+}
+
+
+def test_link_down_mid_engine_step_then_a_new_engine_and_a_killed_host(
+    hosts, model, want, tmp_path
+):
+    """LLM(tp=2, pp=2) under torchrun, generating: host 1's link goes down mid-step. Every rank
+    (host 0's and host 1's) ends in an EngineError naming the rank or driver it lost and the
+    10 s timeout, within it, and torchrun exits on both hosts (nothing waits on a dead link).
+    The link comes back: a new torchrun world's engine gives the single-process greedy tokens;
+    then every process of host 1 is killed mid-step: host 0's ranks end in an error within the
+    timeout."""
+    run = Launch(hosts, tmp_path / "link", "engine", model, 29621)
+    try:
+        run.wait_running()
+        fault_at = time.monotonic()
+        hosts.link(1, False)
+        codes = run.wait(TIMEOUT + 2 * SLACK + 20)
+        exited = time.monotonic() - fault_at
+        reports = check_errors(run, fault_at, range(4), ENGINE_LINK)
+        assert all(r["tokens"] == want for r in reports.values())  # before the fault
+        assert codes[0] == codes[1] == 1, (codes, run.logs()[-4000:])
+        assert exited < TIMEOUT + 2 * SLACK + 10, exited  # torchrun ended on both hosts
+    finally:
+        hosts.link(1, True)
+
+    run = Launch(hosts, tmp_path / "kill", "engine", model, 29622)
+    run.wait_running()
+    fault_at = time.monotonic()
+    hosts.kill(1)
+    codes = run.wait(TIMEOUT + SLACK + 20)
+    reports = check_errors(
+        run,
+        fault_at,
+        [0, 1],
+        {
+            0: r"EngineError: .*rank [23]\b.*(closed its connection|within 10s)",
+            1: r"EngineError: .*(rank [23]\b|driver \(rank 0\)).*(closed its connection|10s)",
+        },
+    )
+    assert reports[0]["tokens"] == reports[1]["tokens"] == want  # the new world, before the kill
+    assert codes[0] == 1 and codes[1] != 0, codes
+
+
+def test_link_down_mid_ring_attention(hosts, tmp_path):
+    """Ring attention forward and backward at world 4 (a hop crosses the link each way): host
+    1's link goes down mid-ring; every rank ends in a RingTimeoutError naming its peer and the
+    10 s timeout, within it."""
+    run = Launch(hosts, tmp_path, "ring", "-", 29623)
+    try:
+        run.wait_running()
+        fault_at = time.monotonic()
+        hosts.link(1, False)
+        codes = run.wait(TIMEOUT + 2 * SLACK + 20)
+        pattern = r"RingTimeoutError: ring hop on rank \d/4: .*rank \d.*10s"
+        check_errors(run, fault_at, range(4), dict.fromkeys(range(4), pattern))
+        assert codes == [1, 1], (codes, run.logs()[-4000:])
+    finally:
+        hosts.link(1, True)

@@ -208,6 +208,34 @@ def size(n: float) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
+def table(rows: list, max_transfer_s: float) -> str:
+    """The rows as a markdown table; adds each row's ``expected_s`` (the full snapshot's bytes
+    at the shaped rate; None unshaped) and ``moved_bits_per_s`` (the full move's rate)."""
+    out = [
+        "| rate | context | K/V bytes | full: stop -> imported | bytes / rate | moved at | full: "
+        "downtime | incremental: pre-copy | final | downtime | B's decode step | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if r.get("skipped"):
+            out.append(
+                f"| {r['rate']} | {r['context']} | | skipped (> {max_transfer_s:g} s) ||||||||"
+            )
+            continue
+        bits = rate_bits(r["rate"])
+        r["expected_s"] = r["full_bytes"] * 8 / bits if bits else None
+        r["moved_bits_per_s"] = r["full_bytes"] * 8 / r["full_move_s"]
+        expected = ms(r["expected_s"]) if bits else "-"
+        out.append(
+            f"| {r['rate']} | {r['context']} | {size(r['full_bytes'])} | "
+            f"{ms(r['full_move_s'])} | {expected} | {r['moved_bits_per_s'] / 1e6:,.0f} Mbit/s | "
+            f"{ms(r['full_downtime_s'])} | {size(r['pre_copy_bytes'])} | "
+            f"{size(r['final_bytes'])} | {ms(r['incremental_downtime_s'])} | {ms(r['step_s'])} | "
+            f"{r['load']} |"
+        )
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.role == "source":
@@ -222,26 +250,7 @@ def main(argv=None) -> int:
         f"a tbf-shaped veth pair; downtime: stop -> first token on B; {args.decoded} tokens "
         "decoded before the move"
     )
-    print(
-        "| rate | context | K/V bytes | full: stop -> imported | bytes / rate | full: downtime "
-        "| incremental: pre-copy | final | downtime | B's decode step | load |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for r in rows:
-        if r.get("skipped"):
-            print(
-                f"| {r['rate']} | {r['context']} | | skipped (> {args.max_transfer_s:g} s) |||||||"
-            )
-            continue
-        bits = rate_bits(r["rate"])
-        r["expected_s"] = r["full_bytes"] * 8 / bits if bits else None
-        expected = ms(r["expected_s"]) if bits else "-"
-        print(
-            f"| {r['rate']} | {r['context']} | {size(r['full_bytes'])} | "
-            f"{ms(r['full_move_s'])} | {expected} | {ms(r['full_downtime_s'])} | "
-            f"{size(r['pre_copy_bytes'])} | {size(r['final_bytes'])} | "
-            f"{ms(r['incremental_downtime_s'])} | {ms(r['step_s'])} | {r['load']} |"
-        )
+    print(table(rows, args.max_transfer_s))
     if args.json:
         write_json(
             args.json,

@@ -61,6 +61,7 @@ def test_hosts_serve_benchmark(tmp_path, bench_cache):
         if key[1] == "2mbit":  # the link sets the pace (less tbf's 64 KiB bucket: 0.26 s)
             assert r["expected_s"] == pytest.approx(r["full_bytes"] * 8 / 2e6)
             assert r["full_move_s"] >= 0.8 * r["expected_s"] - 0.3, r
+            assert 0 < r["moved_bits_per_s"] <= 1.4 * 2e6, r
         else:
             assert r["expected_s"] is None
-    assert "| 2mbit | 512 |" in proc.stdout and "skipped" in proc.stdout
+    assert "| 2mbit | 512 |" in proc.stdout and "skipped" in proc.stdout and "Mbit/s" in proc.stdout

@@ -153,6 +153,9 @@ def test_migration_time_is_the_request_kv_over_the_link():
     assert t == pytest.approx(1e-4 + nbytes / 125e6)
     # the ends' processing bounds it when the wire is faster; int8 K/V is smaller
     assert planner.migration_seconds(nbytes, 1e12, 0.0, host_rate=1e9) == nbytes / 1e9
+    # on busy cores the ends' work adds to the wire instead of hiding behind it
+    got = planner.migration_seconds(nbytes, 125e6, 1e-4, host_rate=1e9, overlap=False)
+    assert got == pytest.approx(1e-4 + nbytes / 125e6 + nbytes / 1e9)
     assert planner.request_kv_bytes(HOSTS_MODEL, 2048, "int8", "float32") < nbytes
     with pytest.raises(ValueError, match="tokens must be a positive integer"):
         planner.migration_time(HOSTS_MODEL, 0, "1gbit")

@@ -100,20 +100,22 @@ def migration_seconds(
     bandwidth: float,
     latency: float = 0.0,
     host_rate: Optional[float] = None,
-    chunk_bytes: int = 4 << 20,
+    overlap: bool = True,
 ) -> float:
     """Seconds to move ``kv_bytes`` of K/V over one link of ``bandwidth`` bytes/s and
-    ``latency`` s per message (``parallel.transfer.Link``: ``chunk_bytes`` chunks, several in
-    flight, so a chunk's latency is paid once): ``latency + max(bytes / bandwidth, bytes /
-    host_rate)``; ``host_rate`` is the bytes/s the two ends process (copies and the SHA-256
-    checksum, pipelined with the wire), None: not limiting."""
+    ``latency`` s per message (``parallel.transfer.Link`` keeps several 4 MiB chunks in flight,
+    so one latency). ``host_rate``: bytes/s the two ends process (copies and the SHA-256
+    checksum; None: not limiting). ``overlap``: that work runs while the wire is busy, ``latency
+    + max(bytes / bandwidth, bytes / host_rate)``, as it does on free cores; else it adds,
+    ``latency + bytes / bandwidth + bytes / host_rate`` (CPUs busy with other work: measured on
+    2 loaded cores, docs/plan.md)."""
     if kv_bytes < 0 or bandwidth <= 0 or latency < 0 or (host_rate is not None and host_rate <= 0):
         raise ValueError(
             f"migration_seconds needs bytes >= 0, bandwidth > 0, latency >= 0, host_rate > 0; "
             f"got {kv_bytes}, {bandwidth}, {latency}, {host_rate}"
         )
-    wire = kv_bytes / bandwidth
-    return latency + max(wire, kv_bytes / host_rate if host_rate else 0.0)
+    wire, host = kv_bytes / bandwidth, kv_bytes / host_rate if host_rate else 0.0
+    return latency + (max(wire, host) if overlap else wire + host)
 
 
 # -- the engine's workload: what a benchmark run schedules, step by step

@@ -49,6 +49,7 @@ PROMPTS = {
     "down": LONG,
     "unreach": LONG[:100] + [9],
     "back": LONG[:150] + [7],
+    "cut": P2 + [120, 121],
 }
 SHORT, MANY = 4, 1500  # tokens of a routed completion, of a stream
 # a stream outlives (on a loaded machine too) the steps taken while it runs: 1500 tokens take
@@ -293,6 +294,24 @@ def test_a_link_down_mid_migration_loses_nothing_and_comes_back(cluster):
         assert m["status"] == 200, (m, logs_of(logs))
     done = client("join", name="back")
     assert done["error"] is None and done["tokens"] == want["back"], done
+
+
+def test_a_source_whose_link_goes_down_mid_stream_loses_no_request(cluster):
+    """The link of the host a stream runs on goes down (its process lives on, silent: no
+    reset reaches the router): the router marks it down and continues the stream on the other
+    host with the unmigrated tokens, within seconds, not a read that waits forever."""
+    h, client, urls, want, logs = cluster
+    s = client("stream", name="cut", prompt=PROMPTS["cut"], max_tokens=MANY, after=3)
+    assert s.get("error") is None, s
+    src, t = s["instance"], int(s["instance"][1])
+    h.link(t, False)
+    try:
+        done = client("join", name="cut", timeout=90, wait=100)
+    finally:
+        h.link(t, True)
+    assert done["error"] is None and done["tokens"] == want["cut"], (done, logs_of(logs))
+    assert done["seconds"] < 60, done
+    client.wait_state([src], "up", timeout=60)
 
 
 def test_a_host_killed_mid_stream_loses_no_request(cluster):

@@ -373,7 +373,7 @@ class Sub:
                         )
                     if not self.accepted.done():
                         self.accepted.set_result(inst.id)
-                    await self.read(attempt, resp)
+                    await self.read_while_up(attempt, resp)
                 if attempt.moved_to is None:
                     return
                 target = r.by_id.get(attempt.moved_to)
@@ -392,6 +392,27 @@ class Sub:
         finally:
             inst.inflight -= 1
             attempt.live = False
+
+    async def read_while_up(self, attempt: Attempt, resp) -> None:
+        """``read``, given up (``Failed``) once the polls find its instance down: a host whose
+        link went down sends nothing, not even a reset, and a read without a timeout (a stream
+        may rightly be silent for long) would wait for it forever."""
+        inst = attempt.instance
+        reading = asyncio.ensure_future(self.read(attempt, resp))
+        try:
+            while True:
+                done, _ = await asyncio.wait({reading}, timeout=POLL_S)
+                if done:
+                    return reading.result()
+                if inst.state == InstanceState.DOWN or inst.failed_polls >= DOWN_AFTER:
+                    raise Failed(
+                        f"instance {inst.id} is down ({inst.error}); its stream went silent"
+                    )
+        finally:
+            if not reading.done():
+                reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reading
 
     async def read(self, attempt: Attempt, resp) -> None:
         done = False

@@ -31,8 +31,8 @@ payload of a 1514-byte Ethernet frame, which tbf counts), no faster than the pro
 bandwidth, one per host (``Rates.shared``), with the probed latency; nothing else is fitted.
 Prints one table (case, rate, predicted, measured, error: medians over a rate's measurements;
 each unshaped one predicted from the unshaped ones around it) and writes JSON (every
-measurement, with the load average and the TCP retransmissions of host 0). docs/plan.md has a
-run and what it shows.
+measurement, with the load average and host 0's TCP retransmissions and timeouts).
+docs/plan.md has a run and what it shows.
 """
 
 from __future__ import annotations
@@ -106,6 +106,13 @@ def _retransmits() -> int:
     return int(rows[1][rows[0].index("RetransSegs")])
 
 
+def _timeouts() -> int:
+    """TCP retransmission timeouts on this host (/proc/net/netstat TCPTimeouts)."""
+    with open("/proc/net/netstat") as f:
+        rows = [line.split() for line in f if line.startswith("TcpExt:")]
+    return int(rows[1][rows[0].index("TCPTimeouts")])
+
+
 def _sync(out: str, i: int, rank: int, timeout: float = 120.0) -> None:
     """Rank 0 asks the driver for schedule entry ``i``'s shaping and waits until it is done."""
     if rank != 0:
@@ -177,7 +184,7 @@ def _ring_world(args, out: str, sched) -> None:
         _sync(out, i, rank)
         dist.barrier()
         row = dict(rate=rate, loadavg=open("/proc/loadavg").read().split()[:3])
-        before = _retransmits()
+        before, timeouts = _retransmits(), _timeouts()
         row.update(_probe(rank, dist, torch, rate))
         row["ring_fwd_s"] = timed(fwd())
         row["ring_fwd_nocomm_s"] = timed(fwd(local))
@@ -196,6 +203,7 @@ def _ring_world(args, out: str, sched) -> None:
         row["migration_s"] = x.item()
         row["migration_bytes"] = layers * 2 * args.migrate * kvh_m * dm * 4
         row["retransmits_host0"] = _retransmits() - before
+        row["rto_host0"] = _timeouts() - timeouts
         rows.append(row)
     if rank == 0:
         with open(os.path.join(out, "ring.json"), "w") as f:
@@ -239,13 +247,20 @@ def _probe(rank, dist, torch, rate) -> dict:
     return out
 
 
+def _blocks(args, entries: int) -> int:
+    """KV blocks for every request of the run (one per entry and the warm-up) to stay cached:
+    no request evicts another's blocks (eviction, with the host tier behind it, is work the
+    model does not price)."""
+    return (entries + 2) * (-(-(args.prompt + args.decode) // 16) + 1) + 64
+
+
 def _engine_world(args, kind: str, out: str, sched) -> None:
     import torch
 
     from ringkv.engine import LLM, SamplingParams
 
     model = os.path.join(out, "..", "model")
-    kw = dict(tp=2, block_size=16, num_blocks=4 * (args.prompt + args.decode) // 16 + 64)
+    kw = dict(tp=2, block_size=16, num_blocks=_blocks(args, len(sched)))
     kw.update(max_num_batched_tokens=args.prompt, max_num_seqs=4, timeout=120)
     kw.update({kind: 2}, **({"sp_prefill_min_tokens": 64} if kind == "sp" else {}))
     rows, salt = [], [0]
@@ -269,9 +284,10 @@ def _engine_world(args, kind: str, out: str, sched) -> None:
         for i, rate in enumerate(sched):
             _sync(out, i, rank)
             row = dict(rate=rate, loadavg=open("/proc/loadavg").read().split()[:3])
-            before = _retransmits()
+            before, timeouts = _retransmits(), _timeouts()
             row["prefill_s"], row["decode_step_s"] = run()
             row["retransmits_host0"] = _retransmits() - before
+            row["rto_host0"] = _timeouts() - timeouts
             rows.append(row)
     if rank == 0:
         with open(os.path.join(out, f"{kind}.json"), "w") as f:
@@ -435,7 +451,7 @@ def predict(args, got: dict) -> list:
                 cfg=cfg,
                 prompts=[args.prompt],
                 max_tokens=n_out,
-                num_blocks=4 * (args.prompt + args.decode) // 16 + 64,
+                num_blocks=_blocks(args, len(schedule(args.rates, args.iters))),
                 measured_s=measured,
                 max_num_seqs=4,
                 max_num_batched_tokens=args.prompt,

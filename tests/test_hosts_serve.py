@@ -8,6 +8,8 @@ that this process acts on the hosts between its steps). One set-up for the modul
 - a link taken down before or mid-migration: the migration fails within its timeout naming
   its cause, the stream goes on, nothing hangs; once the link is back the instance serves and
   takes migrations again;
+- the link of a stream's host taken down (the host silent, not dead): the stream completes on
+  the other host;
 - a host whose processes are all killed mid-stream: every stream completes on the survivor.
 
 Every stream's tokens equal the single-process engine's greedy tokens (the router's

@@ -5,7 +5,9 @@ one message per hop; the hop for step ``i+1`` is posted before step ``i``'s bloc
 and waited for after it. Each step's block is computed by a kernel (``ringkv.kernels``) with
 the mask of the two shards' *global* positions, and merged into a float32 accumulator by LSE.
 Blocks whose mask is empty are skipped. Backward: dQ accumulates locally; dK/dV (float32)
-travel the ring with their K/V and go back to their owner after the last step.
+travel the ring with their K/V and go back to their owner after the last step, in float32,
+in ``grad_comm_dtype``, or with ``"auto"`` in bf16 where the first call of a configuration
+measured that float32 would not hide behind the backward's compute (``AutoWire``).
 
 Sliding windows (``window=(left, right)``) and packed documents (``cu_seqlens``) make many
 blocks empty: the ring stops after the last step at which any rank's queries see the keys

@@ -44,6 +44,7 @@ def fork_context():
             "transformers.models.llama.modeling_llama",
             "tests.engine_cases",
             "tests.ring_cases",
+            "tests.ring_auto_cases",
             "tests.hf_cases",
             "tests.variant_cases",
             "tests.varlen_cases",

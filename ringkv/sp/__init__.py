@@ -4,7 +4,7 @@ from .allgather import allgather_attention
 from .collectives import CommStats
 from .comm import LocalComm, RingComm, RingTimeoutError
 from .layout import LAYOUTS, chunks, positions, shard, unshard, usp_chunks
-from .ring import RingAttention, RingStats, ring_attention
+from .ring import AutoWire, RingAttention, RingStats, auto_decisions, forget_auto, ring_attention
 from .ulysses import ulysses_attention
 from .usp import sp_groups, usp_attention
 
@@ -20,6 +20,9 @@ __all__ = [
     "usp_chunks",
     "RingAttention",
     "RingStats",
+    "AutoWire",
+    "auto_decisions",
+    "forget_auto",
     "ring_attention",
     "ulysses_attention",
     "usp_attention",

@@ -120,27 +120,16 @@ def source(args) -> None:
 def target(args) -> None:
     """Engine B on host 1: connects to A's link; imports each request, steps it to its first
     token there (the time sent back), finishes it and sends its tokens."""
-    import time
 
     import torch
 
-    from benchmarks.migration import engine_b, finish, first_token
-    from ringkv.engine.remote import receive_request
+    from benchmarks.migration import engine_b, serve_moves
     from ringkv.parallel.transfer import Link
 
     torch.set_num_threads(args.threads)
     b = engine_b(model_path(args.model), "1", args.top)
     host, port = args.peer.rsplit(":", 1)
-    link = Link.connect(host, int(port), timedelta(seconds=args.timeout))
-    for _ in range(link.recv_json()["requests"]):
-        rid = receive_request(b, link)
-        outs = {}
-        first_token(b, rid, outs)
-        first = time.time()
-        step = finish(b, outs)
-        link.send_json({"first": first, "step": step, "tokens": outs[rid].token_ids})
-    link.close()
-    b.close()
+    serve_moves(b, Link.connect(host, int(port), timedelta(seconds=args.timeout)))
 
 
 def say(obj) -> None:

@@ -158,7 +158,11 @@ def target(args):
     """``--target PORT``: engine B of ``There``; for each request: import it, step to its first
     token (its time reported), finish it, send back its tokens."""
     b = engine_b(model_path(args.model), args.target_mesh, args.top)
-    link = Link.connect("127.0.0.1", args.target, timedelta(seconds=600))
+    serve_moves(b, Link.connect("127.0.0.1", args.target, timedelta(seconds=600)))
+
+
+def serve_moves(b, link):
+    """Engine ``b``'s side of ``There`` over ``link`` (closed, and ``b`` with it, at the end)."""
     for _ in range(link.recv_json()["requests"]):
         rid = receive_request(b, link)
         outs = {}

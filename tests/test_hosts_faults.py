@@ -10,54 +10,24 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 
 import pytest
 
-from tests.hosts import Hosts, missing, wait_all
+from tests.hosts import missing, wait_all
+from tests import test_hosts
+from tests.test_hosts import ENV, RUN
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(missing() is not None, reason=str(missing())),
 ]
 
+# test_hosts.py's fixtures (module-scoped: made again for this module)
+hosts, model, want = test_hosts.hosts, test_hosts.model, test_hosts.want
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts_fault_worker.py")
-RUN = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
-ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"}
 TIMEOUT = 10  # the engine's and the ring's timeout (seconds): every error must come within it
 SLACK = 8  # what a loaded machine adds to a rank's timeout before it reports (measured: < 2 s)
-
-
-@pytest.fixture(scope="module")
-def hosts():
-    h = Hosts(2, rate="1gbit")
-    try:
-        yield h.up()
-    finally:
-        h.down()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A tiny Llama (4 heads, 2 KV heads, 4 layers) saved as safetensors."""
-    from tests.models import tiny_model
-
-    d = tmp_path_factory.mktemp("hosts_faults_model")
-    m = tiny_model("llama", 3, num_hidden_layers=4, hidden_size=64)
-    m.save_pretrained(d, safe_serialization=True)
-    return str(d)
-
-
-@pytest.fixture(scope="module")
-def want(model):
-    """The single-process engine's greedy tokens of the worker's prompts."""
-    from ringkv.engine import LLM, SamplingParams
-    from tests.hosts_worker import MAX_TOKENS, PROMPTS
-
-    with LLM(model, block_size=4, num_blocks=48) as llm:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-        return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
 class Launch:

@@ -17,19 +17,9 @@ from ringkv import planner
 from ringkv.__main__ import main
 from ringkv.planner import SEED_MAX_PP, SEED_SP_TOKENS, plan
 
-# the engine model of benchmarks/hosts_plan.py (kept here so the test imports no benchmark)
-HOSTS_MODEL = dict(
-    model_type="llama",
-    hidden_size=512,
-    intermediate_size=1024,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    num_hidden_layers=8,
-    vocab_size=4096,
-    max_position_embeddings=16384,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+from benchmarks.hosts_plan import MODEL  # the engine model the benchmark measures
+
+HOSTS_MODEL = dict(MODEL, model_type="llama", rms_norm_eps=1e-6, tie_word_embeddings=False)
 CPU = dict(gpus=4, nodes=2, gpu="cpu", interconnect="loopback", dtype="float32")
 INTRA = "intra=17.9gbit,30us"
 

@@ -31,8 +31,12 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two pytest workers (pytest-xdist), each module on one worker (its module-scoped servers and
+# worlds stay whole): on 2 cores the serial suite used ~1.2 of them, much of it waiting on
+# processes, timeouts and sockets (TEST_WORKERS=0: one process).
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) benchmarks/long_ctx.py --seq $(SEQ) --check --json results/long_ctx.json

@@ -40,7 +40,14 @@ def cache_dir() -> str:
 def smollm2_path() -> str:
     """Path of the converted HF-format SmolLM2-135M-Instruct directory (converted on first use)."""
     out = cache_dir()
-    if not os.path.isfile(os.path.join(out, "model.safetensors")):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        convert_gguf(gguf_path(), out)
+    done = os.path.join(out, "model.safetensors")
+    if not os.path.isfile(done):
+        import fcntl
+
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out + ".lock", "w") as lock:  # processes that start at once convert it once
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.isfile(done):
+                os.environ.setdefault("HF_HUB_OFFLINE", "1")
+                convert_gguf(gguf_path(), out)
     return out

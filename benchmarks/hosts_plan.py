@@ -106,6 +106,18 @@ def _retransmits() -> int:
     return int(rows[1][rows[0].index("RetransSegs")])
 
 
+def _link_bytes() -> int:
+    """Bytes this host (network namespace) has sent and received over its links (not loopback):
+    ``ip netns exec`` mounts the namespace's own /sys."""
+    total = 0
+    for dev in os.listdir("/sys/class/net"):
+        if dev != "lo":
+            for way in ("tx_bytes", "rx_bytes"):
+                with open(f"/sys/class/net/{dev}/statistics/{way}") as f:
+                    total += int(f.read())
+    return total
+
+
 def _timeouts() -> int:
     """TCP retransmission timeouts on this host (/proc/net/netstat TCPTimeouts)."""
     with open("/proc/net/netstat") as f:
@@ -275,9 +287,12 @@ def _engine_world(args, kind: str, out: str, sched) -> None:
     def run():
         """(seconds to the first token, seconds per later token) of one request."""
         params = SamplingParams(temperature=0, max_tokens=1 + args.decode, ignore_eos=True)
-        t = [time.perf_counter()]
+        t, nbytes = [time.perf_counter()], [_link_bytes()]
         for _ in llm.stream(prompt(), params):
             t.append(time.perf_counter())
+            nbytes.append(_link_bytes())
+        if rows:  # (not the warm-up's)
+            rows[-1]["prefill_link_bytes_host0"] = nbytes[1] - nbytes[0]
         return t[1] - t[0], (t[-1] - t[1]) / args.decode
 
     with LLM(model, **kw) as llm:
@@ -286,11 +301,12 @@ def _engine_world(args, kind: str, out: str, sched) -> None:
         for i, rate in enumerate(sched):
             _sync(out, i, rank)
             row = dict(rate=rate, loadavg=open("/proc/loadavg").read().split()[:3])
-            before, timeouts = _retransmits(), _timeouts()
+            rows.append(row)
+            before, timeouts, nbytes = _retransmits(), _timeouts(), _link_bytes()
             row["prefill_s"], row["decode_step_s"] = run()
+            row["link_bytes_host0"] = _link_bytes() - nbytes  # both ways, the whole request
             row["retransmits_host0"] = _retransmits() - before
             row["rto_host0"] = _timeouts() - timeouts
-            rows.append(row)
     if rank == 0:
         with open(os.path.join(out, f"{kind}.json"), "w") as f:
             json.dump(rows, f)

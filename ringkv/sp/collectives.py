@@ -49,7 +49,8 @@ def wait(work, x: torch.Tensor, timeout: Optional[timedelta], what: str) -> None
         rank, world = rank_world()
         raise RingTimeoutError(
             f"{what}: rank {rank} got no answer from its peers within "
-            f"{timeout.total_seconds():.0f}s (a peer died, hangs or called something else): {e}"
+            f"{timeout.total_seconds():.0f}s (a peer died, hangs or called something else, or "
+            f"the link to its host is down): {e}"
         ) from e
 
 

@@ -86,12 +86,15 @@ def check_errors(run: Launch, fault_at: float, ranks, patterns: dict) -> dict:
 
 
 # what each rank says when the link between the hosts goes down mid-step: the peer or the driver
-# it lost, and the timeout that bounded the wait
+# it lost, and the timeout that bounded the wait; or, when its TP partner on the same host is the
+# one left waiting on the link (one of the two hidden-state hand-offs crossed before the link went
+# down), the TP all-reduce that partner never joined, with the link among the causes
+TP_WAIT = r"|.*tensor-parallel all-reduce: rank {} got no answer .*within 10s .*link to its host"
 ENGINE_LINK = {
-    0: r"EngineError: .*rank 2.*within 10s",
-    1: r"EngineError: .*(driver \(rank 0\)|rank 3\b).*10s",
-    2: r"EngineError: .*rank 0.*within 10s",
-    3: r"EngineError: .*rank [01].*within 10s",
+    0: r"EngineError: (.*rank 2.*within 10s" + TP_WAIT.format(0) + ")",
+    1: r"EngineError: (.*(driver \(rank 0\)|rank 3\b).*10s" + TP_WAIT.format(1) + ")",
+    2: r"EngineError: (.*rank 0.*within 10s" + TP_WAIT.format(2) + ")",
+    3: r"EngineError: (.*rank [01].*within 10s" + TP_WAIT.format(3) + ")",
 }
 
 

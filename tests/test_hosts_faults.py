@@ -90,6 +90,8 @@ def check_errors(run: Launch, fault_at: float, ranks, patterns: dict) -> dict:
 # one left waiting on the link (one of the two hidden-state hand-offs crossed before the link went
 # down), the TP all-reduce that partner never joined, with the link among the causes
 TP_WAIT = r"|.*tensor-parallel all-reduce: rank {} got no answer .*within 10s .*link to its host"
+# a host killed: the same, or the TP all-reduce whose partner failed first (its error, at once)
+KILL_TP = r"|.*tensor-parallel all-reduce: rank {} got no answer .*(10s|[Cc]onnection)"
 ENGINE_LINK = {
     0: r"EngineError: (.*rank 2.*within 10s" + TP_WAIT.format(0) + ")",
     1: r"EngineError: (.*(driver \(rank 0\)|rank 3\b).*10s" + TP_WAIT.format(1) + ")",
@@ -131,8 +133,12 @@ def test_link_down_mid_engine_step_then_a_new_engine_and_a_killed_host(
         fault_at,
         [0, 1],
         {
-            0: r"EngineError: .*rank [23]\b.*(closed its connection|within 10s)",
-            1: r"EngineError: .*(rank [23]\b|driver \(rank 0\)).*(closed its connection|10s)",
+            0: r"EngineError: (.*rank [23]\b.*(closed its connection|within 10s)"
+            + KILL_TP.format(0)
+            + ")",
+            1: r"EngineError: (.*(rank [23]\b|driver \(rank 0\)).*(closed its connection|10s)"
+            + KILL_TP.format(1)
+            + ")",
         },
     )
     assert reports[0]["tokens"] == reports[1]["tokens"] == want  # the new world, before the kill

@@ -101,11 +101,12 @@ def _tbf(ns: str, dev: str, rate: str) -> None:
 
 
 def _rate_bits(rate: str) -> int:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)", rate.strip().lower())
-    if not m:
+    """Bits/s of a tc rate (``ringkv.planner.parse_rate``'s units; tc needs the unit)."""
+    from ringkv.planner import parse_rate
+
+    if not re.search(r"(bit|bps)$", rate.strip().lower()):
         raise ValueError(f"rate {rate!r}: use tc's units, e.g. 100mbit, 1gbit, 10gbit")
-    n = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    return int(n * (8 if m.group(3) == "bps" else 1))
+    return int(8 * parse_rate(rate))
 
 
 class Hosts:

@@ -10,7 +10,10 @@ MODE is
   greedy tokens of ``tests.hosts_worker.PROMPTS``, then one call of thousands of steps that
   the fault ends;
 - ``ring``: ring attention forward and backward at world 4 (``ring_attention(...,
-  timeout=TIMEOUT)``) in a loop until something fails.
+  timeout=TIMEOUT)``) in a loop until something fails;
+- ``idle``: that engine served as ``ringkv serve`` serves it, idle: ranks > 0 in
+  ``follow_forever`` (they wait for the driver's next request), rank 0 idle until the file
+  ``OUT/go`` appears, then it shuts the followers it reaches down.
 """
 
 from __future__ import annotations
@@ -56,6 +59,24 @@ def engine(out: str, model: str, timeout: float, seen: dict) -> None:
         seen.update(error="the long call ended before the fault", error_at=time.monotonic())
 
 
+def idle(out: str, model: str, timeout: float, seen: dict) -> None:
+    from ringkv.engine import LLM
+    from ringkv.serve import follow_forever
+
+    kw = dict(tp=2, pp=2, block_size=4, num_blocks=64, max_num_seqs=4)
+    with LLM(model, timeout=timeout, **kw) as llm:
+        seen["rank"] = rank = dist.get_rank()
+        running(out, rank)
+        if rank:
+            follow_forever(llm)
+        else:
+            end = time.monotonic() + 600  # bounded: the test writes ``go`` long before
+            while not os.path.exists(os.path.join(out, "go")) and time.monotonic() < end:
+                time.sleep(0.1)
+            llm.cluster.shutdown_followers()
+        seen["idle_until"] = time.monotonic()
+
+
 def ring(out: str, timeout: float, seen: dict) -> None:
     net.pick_interface()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -73,14 +94,16 @@ def ring(out: str, timeout: float, seen: dict) -> None:
 
 
 def main(out: str, mode: str, model: str, timeout: str) -> None:
-    seen = dict(rank=int(os.environ["RANK"]), mode=mode, error=None)
+    seen = dict(rank=int(os.environ["RANK"]), mode=mode, error=None, pid=os.getpid())
     try:
         if mode == "engine":
             engine(out, model, float(timeout), seen)
         elif mode == "ring":
             ring(out, float(timeout), seen)
+        elif mode == "idle":
+            idle(out, model, float(timeout), seen)
         else:
-            raise ValueError(f"mode {mode!r}: engine or ring")
+            raise ValueError(f"mode {mode!r}: engine, ring or idle")
     except Exception as e:  # the fault's error, as the user sees it
         seen["error_at"] = time.monotonic()
         seen["error"] = f"{type(e).__name__}: {e}"

@@ -160,3 +160,39 @@ def test_link_down_mid_ring_attention(hosts, tmp_path):
         assert codes == [1, 1], (codes, run.logs()[-4000:])
     finally:
         hosts.link(1, True)
+
+
+def test_link_down_while_the_engine_idles(hosts, model, tmp_path):
+    """A served LLM(tp=2, pp=2) under torchrun with no request: ranks > 0 wait for the driver's
+    next message (``follow_forever``, as ``ringkv serve`` runs them) for longer than the 10 s
+    timeout without an error (idle is not a fault); then host 1's link goes down: its ranks end
+    in an EngineError naming the control store and the link within the timeout (before, they
+    waited for the link to come back, for ever), while rank 1, on the driver's host, waits on
+    until the driver shuts it down, and both exit."""
+    run = Launch(hosts, tmp_path, "idle", model, 29624)
+    try:
+        run.wait_running()
+        time.sleep(TIMEOUT + 3)  # idle for longer than the timeout: no rank gives up
+        assert run.reports() == {} and all(p.poll() is None for p in run.procs), run.logs()
+        fault_at = time.monotonic()
+        hosts.link(1, False)
+        codes = [run.procs[1].wait(TIMEOUT + 2 * SLACK + 20)]
+        pattern = r"EngineError: .*rank {}: the control store .*did not answer .*link .*down"
+        check_errors(run, fault_at, [2, 3], {r: pattern.format(r) for r in (2, 3)})
+        assert codes == [1], (codes, run.logs()[-4000:])
+        open(os.path.join(str(tmp_path), "go"), "w").close()
+        end = time.monotonic() + 60
+        while not all(r in run.reports() for r in (0, 1)):
+            assert time.monotonic() < end and run.procs[0].poll() is None, run.logs()[-4000:]
+            time.sleep(0.2)
+        reports = run.reports()
+        assert reports[0]["error"] is None and reports[1]["error"] is None, reports
+        assert reports[1]["idle_until"] - fault_at > TIMEOUT  # waited on past the timeout
+        # the ranks exit (host 0's torchrun agent then waits in its own exit barrier, 300 s,
+        # for host 1's agent, which failed and never joins it: torchrun's, not waited for here)
+        while any(os.path.exists(f"/proc/{reports[r]['pid']}") for r in (0, 1)):
+            assert time.monotonic() < end, run.logs()[-4000:]
+            time.sleep(0.2)
+    finally:
+        hosts.link(1, True)
+        run.wait(10)

@@ -9,8 +9,11 @@ Two transports, each for what it does well:
   step carries is ``plan.py``'s delta, whose size does not grow with the context.
 - **Everything else goes through the process group's key-value store**: setup, agreement
   checks, per-call messages (a call's end, reports, errors, shutdown) as JSON (never
-  pickles), and the waits of idle ranks. A store wait is bounded and can be retried, unlike a
-  gloo receive, which closes its connection when it times out; so ranks idle on the store.
+  pickles), and the waits of idle ranks. A store wait can be retried, unlike a gloo receive,
+  which closes its connection when it times out; so ranks idle on the store. A rank waits on
+  its own connection in a thread and gives up when the store (on the driver's host) has not
+  answered for the engine's timeout: an idle rank across a link that went down ends in an
+  error, as a rank inside a step does.
 
 The participants are *control ranks*: under torchrun, every rank (rank 0 drives); in spawn
 mode, the driver (control rank 0, which computes nothing) and the spawned model ranks (model
@@ -31,6 +34,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections import deque
 from datetime import timedelta
 from typing import Callable, List, Optional
@@ -168,6 +173,7 @@ class ControlPlane:
         self.sent = self.received = 0
         self.channel: Optional[Channel] = None
         self.parked = True  # the other ranks read the store (not the channel)
+        self._waiter: Optional[_StoreWaiter] = None  # ``_wait``'s thread and connection
 
     def open_channel(self, depth: int, direct: bool = False) -> None:
         """Create the step channel: a gloo group of every control rank. ``direct`` (spawn mode):
@@ -287,24 +293,70 @@ class ControlPlane:
     def _wait(
         self, key: str, timeout: Optional[timedelta], alive: Callable[[], bool], what: str
     ) -> None:
-        while True:  # with no timeout: wait in rounds of POLL while ``alive()``
-            try:
-                self.store.wait([key], timeout or POLL)
-                return
-            except Exception as e:  # the store's wait raises on its timeout; the store stays usable
-                if "timeout" not in str(e).lower():
-                    raise RingTimeoutError(
-                        f"rank {self.rank}: the control store failed waiting for {what}: {e}"
-                    ) from e
-                if timeout is not None:
-                    raise RingTimeoutError(
-                        f"rank {self.rank}: no {what} within {timeout.total_seconds():.0f}s "
-                        f"(a rank died, hangs, or called something else)"
-                    ) from None
+        """Until ``key`` is on the store: within ``timeout`` (None: as long as ``alive()`` holds),
+        and while the store answers. The store's own wait cannot be bounded when the link to its
+        host (the driver's) goes down: its wait's cancel then blocks until the link comes back.
+        So a thread with its own connection (``Store.clone``) waits, in rounds of ``POLL``, and
+        this one gives up once no round has come back for the engine's timeout."""
+        start = time.monotonic()
+        waiter = self._waiter
+        if waiter is None or waiter.thread.is_alive():  # a connection no other wait uses
+            waiter = self._waiter = _StoreWaiter(self.store.clone())
+        waiter.start(key)
+        end = start + timeout.total_seconds() if timeout is not None else float("inf")
+        while not waiter.done.wait(max(0.0, min(POLL.total_seconds(), end - time.monotonic()))):
+            now = time.monotonic()
+            quiet = now - waiter.answered
+            if quiet > self.timeout.total_seconds():
+                waiter.stop = True
+                raise RingTimeoutError(
+                    f"rank {self.rank}: the control store (on the driver's host) did not answer "
+                    f"for {quiet:.0f}s while this rank waited for {what}: the link to that "
+                    f"host is down, or the host is gone"
+                )
+            if now >= end:
+                waiter.stop = True
+                raise RingTimeoutError(
+                    f"rank {self.rank}: no {what} within {timeout.total_seconds():.0f}s "
+                    f"(a rank died, hangs, or called something else)"
+                )
             if not alive():
+                waiter.stop = True
                 raise RingTimeoutError(
                     f"rank {self.rank}: gave up waiting for {what}: the driver is gone"
                 )
+        if waiter.error is not None:
+            raise RingTimeoutError(
+                f"rank {self.rank}: the control store failed waiting for {what}: {waiter.error}"
+            ) from waiter.error
+
+
+class _StoreWaiter:
+    """A thread that waits for one key at a time on its own store connection, in rounds of
+    ``POLL``; ``answered``: when the store last answered (a round ended)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.thread: Optional[threading.Thread] = None
+
+    def start(self, key: str) -> None:
+        self.done, self.error, self.stop = threading.Event(), None, False
+        self.answered = time.monotonic()
+        self.thread = threading.Thread(target=self._run, args=(key,), daemon=True)
+        self.thread.name = "ringkv-store-wait"
+        self.thread.start()
+
+    def _run(self, key: str) -> None:
+        while not self.stop:
+            try:
+                self.store.wait([key], POLL)
+                break
+            except Exception as e:  # the wait's timeout (the store answered) or a failure
+                if "timeout" not in str(e).lower():
+                    self.error = e
+                    break
+            self.answered = time.monotonic()
+        self.done.set()
 
 
 def parent_alive(parent_pid: int) -> Callable[[], bool]:

@@ -74,3 +74,42 @@ def decide(ctx, transfer_s, step_transfer_s, compute_s, threshold):
         os.environ.pop(THRESHOLD, None)
         if before is not None:
             os.environ[THRESHOLD] = before
+
+
+def packed_and_shapes(ctx, cap: int):
+    """``"auto"`` over packed batches of one length whose boundaries change every call, then over
+    ``cap + 2`` lengths with ``AUTO_PER_GROUP = cap``: returns the group's decision count after
+    each phase (one decision for the packed calls; at most ``cap`` after the lengths)."""
+    forget_agreed(ctx.group)
+    ring_mod.forget_auto(ctx.group)
+    keep = ring_mod.AUTO_PER_GROUP
+    ring_mod.AUTO_PER_GROUP = cap
+
+    def call(s_total, cu=None):
+        g = torch.Generator().manual_seed(s_total)
+        q, k, v = (torch.randn(1, s_total, 2, 8, generator=g) for _ in range(3))
+        kw = dict(layout="zigzag", rank=ctx.rank, world=ctx.world)
+        if cu is not None:
+            kw["cu_seqlens"] = cu
+        ql, kl, vl = (ringkv.shard(t, 1, **kw).requires_grad_() for t in (q, k, v))
+        ringkv.ring_attention(
+            ql,
+            kl,
+            vl,
+            causal=True,
+            group=ctx.group,
+            layout="zigzag",
+            cu_seqlens=cu,
+            grad_comm_dtype="auto",
+            timeout=timedelta(seconds=60),
+        ).sum().backward()
+        return sum(1 for g, _ in ring_mod.auto_decisions() if g is ctx.group)
+
+    try:
+        step = 2 * ctx.world  # zigzag splits each document into 2 x world chunks
+        packed = [call(8 * step, [0, step * a, 8 * step]) for a in range(1, 5)]
+        shapes = [call(step * (9 + i)) for i in range(cap + 2)]
+        return packed, shapes
+    finally:
+        ring_mod.AUTO_PER_GROUP = keep
+        ring_mod.forget_auto(ctx.group)

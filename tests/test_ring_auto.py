@@ -125,3 +125,15 @@ def test_auto_end_to_end_agrees_and_is_recorded(world):
         ringkv.RingAttention(grad_comm_dtype="automatic")
     # one rank, or no backward: nothing to measure, float32, no collective
     assert ringkv.ring_attention(q, k, v, causal=True, grad_comm_dtype="auto").shape == q.shape
+
+
+def test_auto_decides_once_per_shape_and_keeps_a_bounded_table(world):
+    """Packed batches whose documents' boundaries change every call share one decision (before,
+    each new packing measured again, losing a hop's overlap each step, and the table grew every
+    step); across many shapes the group keeps at most ``AUTO_PER_GROUP`` decisions, the same on
+    every rank."""
+    res = world.check(f"{CASES}:packed_and_shapes", 2, 3)
+    for packed, shapes in res:
+        assert packed == [1, 1, 1, 1], packed
+        assert shapes == [2, 3, 3, 3, 3], shapes
+    assert len({tuple(map(tuple, r)) for r in res}) == 1

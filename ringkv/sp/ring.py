@@ -268,11 +268,14 @@ class AutoWire:
 
 
 _AUTO: dict = {}  # (group, configuration) -> AutoWire
+AUTO_PER_GROUP = 64  # decisions kept per group (the oldest dropped first: the same on every rank)
 
 
 def auto_decisions() -> dict:
     """This rank's ``grad_comm_dtype="auto"`` decisions: ``{(group, configuration): AutoWire}``
-    (the configuration: ``call_values`` of the call). Every rank of a group holds the same."""
+    (the configuration: ``call_values`` of the call, packed or not in place of the documents'
+    boundaries, so packed batches of one shape share a decision). Every rank of a group holds the
+    same; at most ``AUTO_PER_GROUP`` per group, the oldest dropped first."""
     return dict(_AUTO)
 
 
@@ -314,6 +317,9 @@ class _Auto:
         ratio = st / c if c > 0 else math.inf
         wire = AutoWire(t, st, c, ratio, thr, torch.bfloat16 if ratio > thr else None)
         _AUTO[self.key] = wire
+        mine = [key for key in _AUTO if key[0] is self.key[0]]
+        for key in mine[: max(0, len(mine) - AUTO_PER_GROUP)]:
+            del _AUTO[key]
         log.info(
             "ring_attention grad_comm_dtype='auto' on rank %d/%d: transfer %.4fs/step vs backward "
             "compute %.4fs/step (ratio %.3f, threshold %.3f): dK/dV in %s",
@@ -716,8 +722,9 @@ def ring_attention(
         torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     ):
         grad_comm_dtype = None  # no backward: nothing to choose (and nothing to measure)
-    if grad_comm_dtype == "auto":
+    if grad_comm_dtype == "auto":  # one decision per shape: packed batches' boundaries share it
         names, values = call_values(q, k, causal, layout, scale, backend, window, cu, v, softcap)
+        values[names.index("cu_seqlens")] = int(cu is not None)
         group = dist.group.WORLD if comm.group is None else comm.group
         grad_comm_dtype = _Auto((group, tuple(values)), comm)
     out, lse = _run(

@@ -273,12 +273,13 @@ class ControlPlane:
         self._wait(key, timeout or self.timeout, lambda: True, f"{name!r} from rank {rank}")
         return json.loads(self.store.get(key))
 
-    def exchange(self, name: str, value) -> List:
+    def exchange(self, name: str, value, timeout: Optional[timedelta] = None) -> List:
         """Every rank posts ``value``; returns all ranks' values in rank order (a spawn-mode
-        driver posts None). The last rank to have read them all deletes the keys, so repeated
-        exchanges (one per call) leave the store as it was."""
+        driver posts None), each waited for within ``timeout`` (default the plane's). The last
+        rank to have read them all deletes the keys, so repeated exchanges (one per call) leave
+        the store as it was."""
         self.post(name, value)
-        values = [self.read(name, r) for r in range(self.world)]
+        values = [self.read(name, r, timeout) for r in range(self.world)]
         if self.store.add(f"x/{name}", 1) == self.world:
             for r in range(self.world):
                 self.store.delete_key(f"v/{name}/{r}")

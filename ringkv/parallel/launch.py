@@ -57,6 +57,7 @@ from . import faults, kvmove, net
 from .worker import RESULT_TAG, EngineShape, StepResult, Worker, WorkerStats
 
 DEFAULT_KV_MEMORY = 1 << 30  # bytes per rank when neither kv_cache_memory nor num_blocks is given
+START_TIMEOUT = timedelta(seconds=120)  # spawned workers start within max(timeout, this)
 _ENGINE_IDS = itertools.count()  # torchrun ranks create engines in the same order: same ids
 
 
@@ -270,25 +271,28 @@ class Cluster:
                 p.start()
                 self.procs.append(p)
         self.control = ControlPlane(store, "ringkv/engine", 0, self.world + 1, self.timeout)
-        deadline = time.monotonic() + self.timeout.total_seconds()
+        # start-up (spawn, imports, weights) is bounded by at least START_TIMEOUT: a short
+        # ``timeout`` is for faults, and a loaded machine starts processes slowly; a worker that
+        # dies meanwhile is noticed at once
+        start = max(self.timeout, START_TIMEOUT)
+        deadline = time.monotonic() + start.total_seconds()
         for r in range(self.world):  # every worker started (imports done) or died
             while self.control.poll("hello", r + 1) is None:
                 self._check_procs("starting")
                 if time.monotonic() > deadline:
                     raise EngineError(
-                        f"worker rank {r} did not start within {self.timeout.total_seconds():.0f}s"
+                        f"worker rank {r} did not start within {start.total_seconds():.0f}s"
                     )
                 time.sleep(0.05)
         self._while_alive(
             "connecting", lambda: self.control.open_channel(depth=_depth(self.shape), direct=True)
         )
-        blocks = self._while_alive("loading", lambda: self.control.exchange("num_blocks", None))
+        blocks = self._while_alive(
+            "loading", lambda: self.control.exchange("num_blocks", None, start)
+        )
         self.num_blocks = min(b for b in blocks if b is not None)
-        self.infos = [
-            i
-            for i in self._while_alive("loading", lambda: self.control.exchange("info", None))
-            if i is not None
-        ]
+        infos = self._while_alive("loading", lambda: self.control.exchange("info", None, start))
+        self.infos = [i for i in infos if i is not None]
 
     def _while_alive(self, doing: str, fn):
         """``fn()`` (which waits for every worker) in a thread, while the workers are checked: a

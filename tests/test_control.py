@@ -271,3 +271,51 @@ def test_a_drifted_mirror_is_an_engine_error_naming_the_step(model, rank):
             llm.generate([[5, 6, 7, 8, 9]], GREEDY, use_tqdm=False)
         with pytest.raises(EngineError, match="broken"):
             llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+
+
+_STORE_SERVER = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=60), wait_for_workers=False)
+print(s.port, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_store_wait_gives_up_when_the_store_stops_answering():
+    """A rank idle on the control store (no timeout: it waits as long as the driver lives): a
+    store that answers keeps it waiting past the engine's timeout, even one shorter than the
+    store's polling; a store that stops answering (its process stopped, as a host behind a link
+    that went down) ends the wait within the timeout with an error naming the store. Before,
+    the store's own wait blocked until the store answered again."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ringkv.parallel.control import ControlPlane
+    from ringkv.sp.comm import RingTimeoutError
+
+    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE)
+    try:
+        port = int(server.stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=60))
+        plane = ControlPlane(store, "t", 1, 2, timeout=timedelta(seconds=1))
+        threading.Timer(2.5, lambda: store.clone().set("t/m0", json.dumps({"kind": "x"}))).start()
+        t = time.monotonic()
+        assert plane.receive() == {"kind": "x"}  # 2.5 s idle on a 1 s timeout: no error
+        assert time.monotonic() - t > 2
+        server.send_signal(signal.SIGSTOP)
+        threading.Timer(15, server.kill).start()  # a wait that never gives up fails, not hangs
+        t = time.monotonic()
+        with pytest.raises(RingTimeoutError, match="control store .*did not answer"):
+            plane.receive()
+        assert 0.9 < time.monotonic() - t < 5
+    finally:
+        server.kill()
+        server.wait()

@@ -297,15 +297,18 @@ class ControlPlane:
         """Until ``key`` is on the store: within ``timeout`` (None: as long as ``alive()`` holds),
         and while the store answers. The store's own wait cannot be bounded when the link to its
         host (the driver's) goes down: its wait's cancel then blocks until the link comes back.
-        So a thread with its own connection (``Store.clone``) waits, in rounds of ``POLL``, and
-        this one gives up once no round has come back for the engine's timeout."""
+        So a thread with its own connection (``Store.clone``) waits, in rounds of at most a
+        quarter of the engine's timeout, and this one gives up once no round has come back for
+        that timeout."""
         start = time.monotonic()
         waiter = self._waiter
         if waiter is None or waiter.thread.is_alive():  # a connection no other wait uses
-            waiter = self._waiter = _StoreWaiter(self.store.clone())
+            rounds = min(POLL, self.timeout / 4)  # a healthy store answers well within it
+            waiter = self._waiter = _StoreWaiter(self.store.clone(), rounds)
         waiter.start(key)
         end = start + timeout.total_seconds() if timeout is not None else float("inf")
-        while not waiter.done.wait(max(0.0, min(POLL.total_seconds(), end - time.monotonic()))):
+        step = waiter.rounds.total_seconds()
+        while not waiter.done.wait(max(0.0, min(step, end - time.monotonic()))):
             now = time.monotonic()
             quiet = now - waiter.answered
             if quiet > self.timeout.total_seconds():
@@ -334,10 +337,10 @@ class ControlPlane:
 
 class _StoreWaiter:
     """A thread that waits for one key at a time on its own store connection, in rounds of
-    ``POLL``; ``answered``: when the store last answered (a round ended)."""
+    ``rounds``; ``answered``: when the store last answered (a round ended)."""
 
-    def __init__(self, store):
-        self.store = store
+    def __init__(self, store, rounds: timedelta):
+        self.store, self.rounds = store, rounds
         self.thread: Optional[threading.Thread] = None
 
     def start(self, key: str) -> None:
@@ -350,7 +353,7 @@ class _StoreWaiter:
     def _run(self, key: str) -> None:
         while not self.stop:
             try:
-                self.store.wait([key], POLL)
+                self.store.wait([key], self.rounds)
                 break
             except Exception as e:  # the wait's timeout (the store answered) or a failure
                 if "timeout" not in str(e).lower():

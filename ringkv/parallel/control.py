@@ -304,7 +304,10 @@ class ControlPlane:
         waiter = self._waiter
         if waiter is None or waiter.thread.is_alive():  # a connection no other wait uses
             rounds = min(POLL, self.timeout / 4)  # a healthy store answers well within it
-            waiter = self._waiter = _StoreWaiter(self.store.clone(), rounds)
+            # torch < 2.8 has no Store.clone: the thread shares this rank's connection (a wait
+            # on a dead link is still given up, but the connection stays blocked until it ends)
+            own = self.store.clone() if hasattr(self.store, "clone") else self.store
+            waiter = self._waiter = _StoreWaiter(own, rounds)
         waiter.start(key)
         end = start + timeout.total_seconds() if timeout is not None else float("inf")
         step = waiter.rounds.total_seconds()

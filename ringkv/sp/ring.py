@@ -24,10 +24,10 @@ import os
 import struct
 import time
 import zlib
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -267,7 +267,7 @@ class AutoWire:
     dtype: Optional[torch.dtype]
 
 
-_AUTO: dict = {}  # (group, configuration) -> AutoWire
+_AUTO: Dict[object, "OrderedDict[tuple, AutoWire]"] = {}  # group -> configuration -> AutoWire
 AUTO_PER_GROUP = 64  # decisions kept per group (the oldest dropped first: the same on every rank)
 
 
@@ -276,16 +276,14 @@ def auto_decisions() -> dict:
     (the configuration: ``call_values`` of the call, packed or not in place of the documents'
     boundaries, so packed batches of one shape share a decision). Every rank of a group holds the
     same; at most ``AUTO_PER_GROUP`` per group, the oldest dropped first."""
-    return dict(_AUTO)
+    return {(g, config): wire for g, mine in _AUTO.items() for config, wire in mine.items()}
 
 
 def forget_auto(group=None) -> None:
     """Drop the ``"auto"`` decisions on ``group`` (default: the world) on this rank: the next call
     measures again. Every rank of the group must call it (one that remembers and one that does not
     make different collectives)."""
-    g = dist.group.WORLD if group is None else group
-    for key in [key for key in _AUTO if key[0] is g]:
-        del _AUTO[key]
+    _AUTO.pop(dist.group.WORLD if group is None else group, None)
 
 
 def _sync(device: torch.device) -> None:
@@ -294,13 +292,16 @@ def _sync(device: torch.device) -> None:
 
 
 class _Auto:
-    """One ``"auto"`` call: its configuration's key, the decision when there is one, else what its
-    forward (``transfer_s``) and backward measure."""
+    """One ``"auto"`` call: its ``(group, configuration)`` key, the decision when there is one
+    (``decision()``), else what its forward (``transfer_s``) and backward measure."""
 
     def __init__(self, key, comm: RingComm):
-        self.key, self.comm = key, comm
-        self.probe = key not in _AUTO  # the first call of a configuration measures
+        (self.group, self.config), self.comm = key, comm
+        self.probe = self.decision() is None  # the first call of a configuration measures
         self.transfer_s: Optional[float] = None
+
+    def decision(self) -> Optional[AutoWire]:
+        return _AUTO.get(self.group, {}).get(self.config)
 
     def decide(self, step_transfer_s: float, compute_s: float, device) -> AutoWire:
         """The decision from this rank's measurements, agreed over the group (max of each, one
@@ -316,10 +317,10 @@ class _Auto:
         t, st, c, thr = x.tolist()
         ratio = st / c if c > 0 else math.inf
         wire = AutoWire(t, st, c, ratio, thr, torch.bfloat16 if ratio > thr else None)
-        _AUTO[self.key] = wire
-        mine = [key for key in _AUTO if key[0] is self.key[0]]
-        for key in mine[: max(0, len(mine) - AUTO_PER_GROUP)]:
-            del _AUTO[key]
+        mine = _AUTO.setdefault(self.group, OrderedDict())
+        mine[self.config] = wire
+        if len(mine) > AUTO_PER_GROUP:
+            mine.popitem(last=False)
         log.info(
             "ring_attention grad_comm_dtype='auto' on rank %d/%d: transfer %.4fs/step vs backward "
             "compute %.4fs/step (ratio %.3f, threshold %.3f): dK/dV in %s",
@@ -527,7 +528,7 @@ def _backward(
     stats = RingStats(steps=last + 1)
     auto, measure = None, False
     if isinstance(grad_comm_dtype, _Auto):
-        auto, decided = grad_comm_dtype, _AUTO.get(grad_comm_dtype.key)
+        auto, decided = grad_comm_dtype, grad_comm_dtype.decision()
         grad_comm_dtype = decided.dtype if decided else None
         stats.comm_ratio = decided.ratio if decided else None
         measure = decided is None and auto.transfer_s is not None and last > 0

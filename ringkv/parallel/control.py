@@ -300,7 +300,6 @@ class ControlPlane:
         So a thread with its own connection (``Store.clone``) waits, in rounds of at most a
         quarter of the engine's timeout, and this one gives up once no round has come back for
         that timeout."""
-        start = time.monotonic()
         waiter = self._waiter
         if waiter is None or waiter.thread.is_alive():  # a connection no other wait uses
             rounds = min(POLL, self.timeout / 4)  # a healthy store answers well within it
@@ -308,30 +307,28 @@ class ControlPlane:
             # on a dead link is still given up, but the connection stays blocked until it ends)
             own = self.store.clone() if hasattr(self.store, "clone") else self.store
             waiter = self._waiter = _StoreWaiter(own, rounds)
+        end = time.monotonic() + timeout.total_seconds() if timeout is not None else float("inf")
         waiter.start(key)
-        end = start + timeout.total_seconds() if timeout is not None else float("inf")
         step = waiter.rounds.total_seconds()
         while not waiter.done.wait(max(0.0, min(step, end - time.monotonic()))):
-            now = time.monotonic()
+            now, why = time.monotonic(), None
             quiet = now - waiter.answered
             if quiet > self.timeout.total_seconds():
-                waiter.stop = True
-                raise RingTimeoutError(
-                    f"rank {self.rank}: the control store (on the driver's host) did not answer "
-                    f"for {quiet:.0f}s while this rank waited for {what}: the link to that "
-                    f"host is down, or the host is gone"
+                why = (
+                    f"the control store (on the driver's host) did not answer for {quiet:.0f}s "
+                    f"while this rank waited for {what}: the link to that host is down, or the "
+                    f"host is gone"
                 )
-            if now >= end:
-                waiter.stop = True
-                raise RingTimeoutError(
-                    f"rank {self.rank}: no {what} within {timeout.total_seconds():.0f}s "
-                    f"(a rank died, hangs, or called something else)"
+            elif now >= end:
+                why = (
+                    f"no {what} within {timeout.total_seconds():.0f}s (a rank died, hangs, or "
+                    f"called something else)"
                 )
-            if not alive():
+            elif not alive():
+                why = f"gave up waiting for {what}: the driver is gone"
+            if why:
                 waiter.stop = True
-                raise RingTimeoutError(
-                    f"rank {self.rank}: gave up waiting for {what}: the driver is gone"
-                )
+                raise RingTimeoutError(f"rank {self.rank}: {why}")
         if waiter.error is not None:
             raise RingTimeoutError(
                 f"rank {self.rank}: the control store failed waiting for {what}: {waiter.error}"

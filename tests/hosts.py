@@ -88,16 +88,19 @@ def clean_leftovers() -> List[str]:
 def _tbf(ns: str, dev: str, rate: str) -> None:
     """A tbf root qdisc at ``rate`` (tc's units: 100mbit, 1gbit): a 10 ms bucket (at least
     64 KiB, so a 10 Gbit/s link is not limited by the timer tick) and 50 ms of queue."""
-    bits = _rate_bits(rate)
-    burst = max(65536, bits // 8 // 100)
     _ip("-n", ns, "link", "set", dev, "up")
     subprocess.run(
         ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf"]
-        + ["rate", rate, "burst", str(burst), "latency", "50ms"],
+        + ["rate", rate, "burst", str(tbf_burst(rate)), "latency", "50ms"],
         check=True,
         capture_output=True,
         timeout=30,
     )
+
+
+def tbf_burst(rate: str) -> int:
+    """Bytes of ``_tbf``'s bucket at ``rate``: what a link idle for 10 ms passes at once."""
+    return max(65536, _rate_bits(rate) // 8 // 100)
 
 
 def _rate_bits(rate: str) -> int:

@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from tests.hosts import Hosts, missing, wait_all
+from ringkv.planner import parse_rate
+from tests.hosts import Hosts, missing, tbf_burst, wait_all
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,14 +30,11 @@ pytestmark = [
 NBYTES = 512 << 10  # each way: one TP rank's K/V of a layer in the hosts_plan SP prefill
 LATE_S = 0.04  # the late rank posts this long after the other
 ROUNDS = 8  # the late rank alternates
-RATE, RATE_BYTES = "100mbit", 12.5e6
-BUCKET = 125000  # tests/hosts.py's tbf bucket at 100mbit: 10 ms of the rate
+RATE = "100mbit"
 
 
 def test_a_late_ranks_hop_sends_both_ways_at_once(tmp_path):
-    h = Hosts(2, rate=RATE)
-    try:
-        h.up()
+    with Hosts(2, rate=RATE) as h:
         procs = []
         for i in range(2):
             env = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -47,14 +45,12 @@ def test_a_late_ranks_hop_sends_both_ways_at_once(tmp_path):
             procs.append(h.run(i, cmd, env=env, stdout=log, stderr=log))
             log.close()
         codes = wait_all(procs, 120)
-    finally:
-        h.down()
     logs = [(tmp_path / f"host{i}.log").read_text()[-2000:] for i in range(2)]
     assert codes == [0, 0], logs
     times = json.loads((tmp_path / "times.json").read_text())
     # one payload's time on the link: its TCP/IP frames (1514 bytes per 1448 of payload) less
     # the bucket tbf passes at once, at the rate: ~34 ms; one direction after the other: ~68 ms
-    one = (NBYTES * 1514 / 1448 - BUCKET) / RATE_BYTES
+    one = (NBYTES * 1514 / 1448 - tbf_burst(RATE)) / parse_rate(RATE)
     got = statistics.median(times)
     assert 0.6 * one < got < 1.5 * one, (got, one, times)
 

@@ -14,9 +14,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -25,7 +32,9 @@ from ringkv.engine.params import SamplingParams
 from ringkv.engine.scheduler import Scheduler
 from ringkv.engine.sequence import Sequence
 from ringkv.parallel import EngineError
+from ringkv.parallel.control import ControlPlane
 from ringkv.parallel.plan import ENTRY, HEADER, NEW, Mirror, Publisher, local_plan
+from ringkv.sp.comm import RingTimeoutError
 
 
 class Deltas(RuleBasedStateMachine):
@@ -289,18 +298,6 @@ def test_a_store_wait_gives_up_when_the_store_stops_answering():
     store's polling; a store that stops answering (its process stopped, as a host behind a link
     that went down) ends the wait within the timeout with an error naming the store. Before,
     the store's own wait blocked until the store answered again."""
-    import signal
-    import subprocess
-    import sys
-    import threading
-    import time
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from ringkv.parallel.control import ControlPlane
-    from ringkv.sp.comm import RingTimeoutError
-
     server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE)
     try:
         port = int(server.stdout.readline())

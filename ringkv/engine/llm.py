@@ -100,6 +100,18 @@ class LLM:
     def eos_ids(self, ids) -> None:
         self.output.eos_ids = set(ids)
 
+    def load(self) -> dict:
+        """The load now: ``running``, ``waiting``, ``kv_usage``, prefix ``hits``, ``queries``."""
+        return self.core.pipeline.load()
+
+    def follow(self, idle: bool = False) -> dict:
+        """Torchrun ranks > 0: run rank 0's steps until it ends the call (``idle``: no bound)."""
+        return self.core.cluster.follow(idle)
+
+    def shutdown_followers(self) -> None:
+        """Torchrun rank 0: release ranks > 0 from ``follow(idle=True)`` (a server stopping)."""
+        self.core.cluster.shutdown_followers()
+
     def __enter__(self) -> "LLM":
         return self
 

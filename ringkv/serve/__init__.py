@@ -54,10 +54,10 @@ def serve(llm, config: Optional[ServeConfig] = None, **settings) -> None:
         uvicorn.run(app, host=c.host, port=c.port, log_level=c.log_level)
     finally:
         engine.shutdown()
-        llm.cluster.shutdown_followers()
+        llm.shutdown_followers()
 
 
 def follow_forever(llm) -> None:
     """Torchrun ranks > 0 of a served engine: run rank 0's steps until it shuts down."""
-    while llm.cluster.follow(idle=True)["kind"] != "shutdown":
+    while llm.follow(idle=True)["kind"] != "shutdown":
         pass

@@ -685,7 +685,7 @@ class AsyncEngine:
             self.metrics.recent.popleft()
 
     def _update_gauges(self) -> None:
-        self.gauges = self.llm.pipeline.load()
+        self.gauges = self.llm.load()
         if time.monotonic() - self._info_at > 0.5:  # its tiers' usage, for /metrics
             self.info, self._info_at = self.llm.kv_cache_info(), time.monotonic()
 

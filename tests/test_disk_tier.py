@@ -407,7 +407,7 @@ def test_reads_a_dtype_stored_as_bytes(tmp_path):
     metadata: a file written that way (by hand here) reads back as the real dtype."""
     from safetensors.torch import save
 
-    from ringkv.engine.snapshot import _checksum
+    from ringkv.cache.disk_tier import checksum
 
     t = tier(tmp_path, kv_cache_dtype="fp8_e4m3")
     kv = entry(3, "fp8_e4m3")
@@ -417,7 +417,7 @@ def test_reads_a_dtype_stored_as_bytes(tmp_path):
     meta["dtypes"] = dict(
         k="float8_e4m3fn", v="float8_e4m3fn", k_scale="float16", v_scale="float16"
     )
-    meta["sha256"] = _checksum(meta, tensors, save(tensors))
+    meta["sha256"] = checksum(meta, tensors, save(tensors))
     data = save(tensors, metadata={"ringkv_disk_tier": json.dumps(meta)})
     (tmp_path / (key(3).hex() + ".safetensors")).write_bytes(data)
     again = tier(tmp_path, kv_cache_dtype="fp8_e4m3")

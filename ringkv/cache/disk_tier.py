@@ -16,7 +16,7 @@ One file per entry, ``<key hex>.safetensors`` (never pickle): tensors ``k``, ``v
 ``v_scale``) and, as JSON in the safetensors metadata, the format version, the model digest,
 ``kv_cache_dtype``, ``tokens_per_block``, ``(layers, Hkv, D)``, the key and each tensor's real
 dtype (a dtype safetensors cannot store travels as its bytes, uint8), with a SHA-256 over that
-metadata, the tensors' names, dtypes and shapes and their bytes (``engine.snapshot._checksum``).
+metadata, the tensors' names, dtypes and shapes and their bytes (``checksum``).
 A file is written to a temporary name and renamed, so a crash never leaves half a file under a
 real name; a file that is truncated, damaged, edited or renamed is refused by ``get``. Files of
 another model or format in the same directory are never read as ours, nor deleted.
@@ -31,6 +31,7 @@ lock guards the index and the prefetched entries.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -54,20 +55,29 @@ TMP_AGE_S = 600.0  # our temporary files older than this are leftovers of a cras
 
 KVEntry = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]
 
-_SAFE: Dict[torch.dtype, bool] = {}
 
-
+@functools.cache
 def _safetensors_has(dtype: torch.dtype) -> bool:
-    """Whether this safetensors stores ``dtype`` (asked once per dtype)."""
-    if dtype not in _SAFE:
-        from safetensors.torch import save
+    """Whether this safetensors stores ``dtype`` (asked once per dtype; ``cache_info`` and
+    ``cache_clear`` inspect and reset the answers)."""
+    from safetensors.torch import save
 
-        try:
-            save({"x": torch.empty(0, dtype=dtype)})
-            _SAFE[dtype] = True
-        except Exception:  # noqa: BLE001 - any refusal means "store the bytes"
-            _SAFE[dtype] = False
-    return _SAFE[dtype]
+    try:
+        save({"x": torch.empty(0, dtype=dtype)})
+        return True
+    except Exception:  # noqa: BLE001 - any refusal means "store the bytes"
+        return False
+
+
+def checksum(meta: dict, tensors: Dict[str, torch.Tensor], data: bytes) -> str:
+    """SHA-256 of the metadata (canonical JSON, without the checksum), each tensor's name, dtype
+    and shape, and the data section of the safetensors buffer ``data`` (the same with or
+    without metadata in the header): what a disk-tier file and a KV snapshot carry."""
+    (n,) = struct.unpack("<Q", data[:8])
+    layout = {k: [str(t.dtype), list(t.shape)] for k, t in tensors.items()}
+    h = hashlib.sha256(json.dumps([meta, layout], sort_keys=True).encode())
+    h.update(memoryview(data)[8 + n :])
+    return h.hexdigest()
 
 
 def storage_dtype(kv_cache_dtype: str) -> torch.dtype:
@@ -326,8 +336,6 @@ class DiskTier:
     def _encode(self, key: bytes, kv: KVEntry) -> bytes:
         from safetensors.torch import save
 
-        from ..engine.snapshot import _checksum  # here: the engine imports the cache
-
         tensors, dtypes = {}, {}
         for name, t in zip(("k", "v", "k_scale", "v_scale"), kv):
             if t is None:
@@ -336,15 +344,13 @@ class DiskTier:
             dtypes[name] = str(t.dtype).replace("torch.", "")
             tensors[name] = t if _safetensors_has(t.dtype) else t.view(torch.uint8)
         meta = dict(self._identity, key=key.hex(), dtypes=dtypes)
-        meta["sha256"] = _checksum(meta, tensors, save(tensors))
+        meta["sha256"] = checksum(meta, tensors, save(tensors))
         return save(tensors, metadata={META: json.dumps(meta)})
 
     def _decode(self, key: bytes, data: bytes) -> Tuple[Optional[KVEntry], bool]:
         """``(entry, ours)``: the verified entry or None, and whether the file claims to be ours
         (this model and format), so a refused file of ours is deleted."""
         from safetensors.torch import load
-
-        from ..engine.snapshot import _checksum
 
         try:
             meta = _read_meta(data)
@@ -357,7 +363,7 @@ class DiskTier:
         except Exception:  # noqa: BLE001 - truncated or damaged: refused like any other
             return None, True
         want = meta.pop("sha256", None)
-        if meta.get("key") != key.hex() or want != _checksum(meta, tensors, data):
+        if meta.get("key") != key.hex() or want != checksum(meta, tensors, data):
             return None, True
         names = ["k", "v", "k_scale", "v_scale"] if self.quantized else ["k", "v"]
         dtypes = meta.get("dtypes")

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..cache.disk_tier import checksum
 from ..model.loader import model_tensors
 
 VERSION = 2  # 2: the checksum covers the metadata too
@@ -83,7 +84,7 @@ class KVSnapshot:
 
         tensors = {n: t.cpu() for n, t in self._tensors().items()}
         meta = json.loads(json.dumps(self._meta()))  # as the reader will see it (tuples are lists)
-        meta["sha256"] = _checksum(meta, tensors, save(tensors))
+        meta["sha256"] = checksum(meta, tensors, save(tensors))
         return save(tensors, metadata={"ringkv_snapshot": json.dumps(meta)})
 
     @classmethod
@@ -105,7 +106,7 @@ class KVSnapshot:
                 f"{what} has snapshot format version {version}, this ringkv reads {VERSION}; "
                 f"export it again with this ringkv"
             )
-        if meta.pop("sha256", None) != _checksum(meta, tensors, data):
+        if meta.pop("sha256", None) != checksum(meta, tensors, data):
             raise ValueError(
                 f"{what} is corrupt or edited: its contents do not match their checksum"
             )
@@ -139,17 +140,6 @@ class KVSnapshot:
         from ..parallel.transfer import recv_bytes
 
         return cls.from_bytes(recv_bytes(src, group, timeout), f"snapshot from rank {src}")
-
-
-def _checksum(meta: dict, tensors: Dict[str, torch.Tensor], data: bytes) -> str:
-    """SHA-256 of the metadata (canonical JSON, without the checksum), each tensor's name, dtype
-    and shape, and the data section of the safetensors buffer ``data`` (the same with or
-    without metadata in the header)."""
-    (n,) = struct.unpack("<Q", data[:8])
-    layout = {k: [str(t.dtype), list(t.shape)] for k, t in tensors.items()}
-    h = hashlib.sha256(json.dumps([meta, layout], sort_keys=True).encode())
-    h.update(memoryview(data)[8 + n :])
-    return h.hexdigest()
 
 
 @dataclass

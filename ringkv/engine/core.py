@@ -230,18 +230,28 @@ class EngineCore:
         self.tiers = self._make_tiers(c)  # evicted prefix blocks kept in host memory / on disk
         if self.tiers is not None:
             self.blocks.attach_tiers(self.tiers)
-        self.migration = Migration(self)  # export / import of running requests and prefixes
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
-            reclaim=self.migration.reclaim,
         )
         eos_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos_ids.add(self.tokenizer.eos_token_id)
         self.output = OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)
         self.pipeline = StepPipeline(self.scheduler, _Steps(self.cluster, self.output), depth=pp)
+        self.migration = Migration(  # export / import of running requests and prefixes
+            self.pipeline,
+            self.cluster,
+            self.output,
+            self.tiers,
+            drain=self.drain,
+            digest=self.digest,
+            kv_storage=self.kv_storage,
+            vocab_size=cfg.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+        self.scheduler.reclaim = self.migration.reclaim  # held requests' blocks, when short
         self._max_prompt_chars: Optional[int] = None
 
     def _make_tiers(self, c: EngineConfig) -> Optional[TierStore]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -33,9 +33,6 @@ from .params import Logprob, SamplingParams, is_int
 from .pipeline import RequestState, Staged
 from .sequence import Sequence
 from .snapshot import VERSION, KVSnapshot, PrefixKV
-
-if TYPE_CHECKING:
-    from .core import EngineCore
 
 
 # -- import: check everything, then change the engine ----------------------------------------
@@ -67,17 +64,18 @@ def _prefix_bad(name: str, why: str) -> ValueError:
     return ValueError(f"prefix field {name!r}: {why}; nothing was imported")
 
 
-def _check_origin(core, what: str, model: str, kv_cache_dtype: str) -> None:
-    """The K/V of a ``what`` (snapshot, prefix) fit only an engine of its model and storage."""
-    if model != core.digest:
+def _check_origin(engine, what: str, model: str, kv_cache_dtype: str) -> None:
+    """The K/V of a ``what`` (snapshot, prefix) fit only an engine of its model and storage
+    (``engine``'s ``digest`` and ``kv_storage``)."""
+    if model != engine.digest:
         raise ValueError(
             f"the {what} is of another model (its config or weights differ from this "
             "engine's); it cannot be imported here"
         )
-    if kv_cache_dtype != core.kv_storage:
+    if kv_cache_dtype != engine.kv_storage:
         raise ValueError(
             f"the {what}'s KV are {kv_cache_dtype}, this engine stores "
-            f"{core.kv_storage}; both engines need the same kv_cache_dtype (and model dtype)"
+            f"{engine.kv_storage}; both engines need the same kv_cache_dtype (and model dtype)"
         )
 
 
@@ -215,23 +213,61 @@ def _check_tensors(mover, snap: KVSnapshot) -> None:
         raise _bad("generator_state", f"not a CPU generator's state ({e})") from None
 
 
-class Migration:
-    """The migration calls of one ``EngineCore``: it reads the core's public parts (its
-    pipeline's book, block manager, cluster, output processor, model digest and KV storage)
-    and drains the core's steps in flight before an export."""
+def _check_fields(snap: KVSnapshot) -> None:
+    """The types of a snapshot's ids, flags and counts."""
+    rid = snap.request_id
+    if not isinstance(rid, str) and not is_int(rid):
+        raise _bad("request_id", f"must be a str or an int, got {rid!r}")
+    for name, ok, want in (
+        ("snapshot_id", isinstance(snap.snapshot_id, str), "a str"),
+        ("base_id", snap.base_id is None or isinstance(snap.base_id, str), "None or a str"),
+        ("final", isinstance(snap.final, bool), "a bool"),
+        (
+            "cache_salt",
+            snap.cache_salt is None or isinstance(snap.cache_salt, str),
+            "None or a str",
+        ),
+    ):
+        if not ok:
+            raise _bad(name, f"must be {want}, got {getattr(snap, name)!r}")
+    for name in ("start", "end", "tokens_from", "logprobs_from", "num_cached_tokens"):
+        if not is_int(getattr(snap, name)) or getattr(snap, name) < 0:
+            raise _bad(name, f"must be an int >= 0, got {getattr(snap, name)!r}")
 
-    def __init__(self, core: "EngineCore"):
-        self.core = core
+
+class Migration:
+    """The migration calls of one ``EngineCore``, which hands it its parts: the ``pipeline``
+    (the book of requests; its scheduler's block manager), the ``cluster`` whose ranks hold the
+    K/V, the ``output`` processor, the prefix cache's ``tiers`` (or None), ``drain()`` (finish
+    the steps in flight, before an export), and what an import must match: the model
+    ``digest``, the ``kv_storage`` format, ``vocab_size`` and ``max_model_len``."""
+
+    def __init__(
+        self,
+        pipeline,
+        cluster,
+        output,
+        tiers,
+        *,
+        drain: Callable[[], None],
+        digest: Optional[str],
+        kv_storage: str,
+        vocab_size: int,
+        max_model_len: int,
+    ):
+        self.pipeline, self.blocks, self.cluster = pipeline, pipeline.blocks, cluster
+        self.output, self.tiers, self.drain = output, tiers, drain
+        self.digest, self.kv_storage = digest, kv_storage
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
 
     # -- export ----------------------------------------------------------------------------
     def export_request(
         self, rid, since: Optional[KVSnapshot] = None, stop: bool = True
     ) -> KVSnapshot:
         """See ``LLM.export_request``."""
-        core = self.core
-        book, cluster = core.pipeline, core.cluster
+        book, cluster = self.pipeline, self.cluster
         if book.inflight:  # pipeline parallel keeps steps in flight: finish them (the next
-            core.drain()  # step() reports them)
+            self.drain()  # step() reports them)
             cluster.ensure_usable()
         seqs = book.get(rid)
         if seqs is None:
@@ -259,8 +295,8 @@ class Migration:
         k, v, ks, vs = cluster.read_kv(seq.block_table, start, seq.num_computed)
         first = since is None
         snap = KVSnapshot(
-            model=core.digest,
-            kv_cache_dtype=core.kv_storage,
+            model=self.digest,
+            kv_cache_dtype=self.kv_storage,
             request_id=rid,
             snapshot_id=uuid.uuid4().hex,
             base_id=None if first else since.snapshot_id,
@@ -295,7 +331,7 @@ class Migration:
 
     def resume_request(self, rid) -> None:
         """See ``LLM.resume_request``."""
-        book = self.core.pipeline
+        book = self.pipeline
         if book.state(rid) is not RequestState.PAUSED:
             raise ValueError(f"request {rid!r} is not stopped by an export")
         book.resume(rid)
@@ -304,7 +340,6 @@ class Migration:
     def _validate(self, snap: KVSnapshot) -> Tuple[Optional[Staged], SamplingParams]:
         """Every check of an import, changing nothing. Returns the staged import the snapshot
         continues (None for a first snapshot) and its sampling parameters."""
-        core = self.core
         if not isinstance(snap, KVSnapshot):
             raise TypeError(f"import_request takes a KVSnapshot, got {type(snap).__name__}")
         if snap.version != VERSION:
@@ -312,61 +347,14 @@ class Migration:
                 "version",
                 f"snapshot format version {snap.version!r}, this ringkv reads {VERSION}",
             )
-        _check_origin(core, "snapshot", snap.model, snap.kv_cache_dtype)
-        rid = snap.request_id
-        if not isinstance(rid, str) and not is_int(rid):
-            raise _bad("request_id", f"must be a str or an int, got {rid!r}")
-        for name, ok, want in (
-            ("snapshot_id", isinstance(snap.snapshot_id, str), "a str"),
-            ("base_id", snap.base_id is None or isinstance(snap.base_id, str), "None or a str"),
-            ("final", isinstance(snap.final, bool), "a bool"),
-            (
-                "cache_salt",
-                snap.cache_salt is None or isinstance(snap.cache_salt, str),
-                "None or a str",
-            ),
-        ):
-            if not ok:
-                raise _bad(name, f"must be {want}, got {getattr(snap, name)!r}")
-        for name in ("start", "end", "tokens_from", "logprobs_from", "num_cached_tokens"):
-            if not is_int(getattr(snap, name)) or getattr(snap, name) < 0:
-                raise _bad(name, f"must be an int >= 0, got {getattr(snap, name)!r}")
-        vocab = core.config.vocab_size
+        _check_origin(self, "snapshot", snap.model, snap.kv_cache_dtype)
+        _check_fields(snap)
+        vocab = self.vocab_size
         _check_ids("token_ids", snap.token_ids, vocab)
         _check_ids("prompt_token_ids", snap.prompt_token_ids, vocab)
         params = _check_params(snap.params)
-        staged = core.pipeline.staged.get(rid)
-        if snap.base_id is None:
-            if core.pipeline.known(rid):
-                raise ValueError(f"request {rid!r} already exists in this engine")
-            prompt, req = snap.prompt_token_ids, params
-            if not prompt:
-                raise _bad("prompt_token_ids", "empty: a first snapshot carries the prompt")
-            if (snap.start, snap.tokens_from, snap.logprobs_from) != (0, 0, 0):
-                raise ValueError(
-                    "a first snapshot must hold everything from the first token "
-                    "(start = tokens_from = logprobs_from = 0)"
-                )
-            if list(snap.token_ids[: len(prompt)]) != list(prompt):
-                raise _bad("token_ids", "must start with prompt_token_ids")
-        else:
-            if staged is None or staged.last_id != snap.base_id:
-                raise ValueError(
-                    f"the snapshot extends {snap.base_id!r}, but this engine holds "
-                    f"{staged.last_id if staged else None!r} for request {rid!r}: import the "
-                    f"snapshots in order"
-                )
-            seq = staged.seq
-            prompt, req = seq.prompt_token_ids, seq.params  # the first snapshot's: the request's
-            if (snap.start, snap.tokens_from, snap.logprobs_from) != (
-                staged.kv_end,
-                seq.num_tokens,
-                len(seq.logprobs),
-            ):
-                raise ValueError(
-                    "the snapshot does not continue the imported request (tokens or K/V "
-                    "positions differ)"
-                )
+        staged = self.pipeline.staged.get(snap.request_id)
+        prompt, req = self._continued(snap, staged, params)
         total = snap.tokens_from + len(snap.token_ids)
         if not snap.start <= snap.end < total:
             raise _bad(
@@ -374,10 +362,10 @@ class Migration:
                 f"K/V of tokens [{snap.start}, {snap.end}) must lie within the request's {total} "
                 f"tokens and leave the last one to compute",
             )
-        if total >= core.max_model_len:
+        if total >= self.max_model_len:
             raise ValueError(
                 f"the request has {total} tokens; this engine's max_model_len is "
-                f"{core.max_model_len}"
+                f"{self.max_model_len}"
             )
         generated = total - len(prompt)
         if generated >= req.max_tokens:
@@ -395,8 +383,45 @@ class Migration:
         _check_prompt_logprobs(
             snap.prompt_logprobs, snap.prompt_top_logprobs, req, len(prompt), vocab
         )
-        _check_tensors(core.cluster.mover, snap)
+        _check_tensors(self.cluster.mover, snap)
         return staged, params
+
+    def _continued(self, snap: KVSnapshot, staged: Optional[Staged], params: SamplingParams):
+        """``(prompt token ids, sampling params)`` of the request ``snap`` starts (a first
+        snapshot: its own) or continues (the staged import's), once it is checked to start or
+        continue it."""
+        rid = snap.request_id
+        if snap.base_id is None:
+            if self.pipeline.known(rid):
+                raise ValueError(f"request {rid!r} already exists in this engine")
+            prompt = snap.prompt_token_ids
+            if not prompt:
+                raise _bad("prompt_token_ids", "empty: a first snapshot carries the prompt")
+            if (snap.start, snap.tokens_from, snap.logprobs_from) != (0, 0, 0):
+                raise ValueError(
+                    "a first snapshot must hold everything from the first token "
+                    "(start = tokens_from = logprobs_from = 0)"
+                )
+            if list(snap.token_ids[: len(prompt)]) != list(prompt):
+                raise _bad("token_ids", "must start with prompt_token_ids")
+            return prompt, params
+        if staged is None or staged.last_id != snap.base_id:
+            raise ValueError(
+                f"the snapshot extends {snap.base_id!r}, but this engine holds "
+                f"{staged.last_id if staged else None!r} for request {rid!r}: import the "
+                f"snapshots in order"
+            )
+        seq = staged.seq
+        if (snap.start, snap.tokens_from, snap.logprobs_from) != (
+            staged.kv_end,
+            seq.num_tokens,
+            len(seq.logprobs),
+        ):
+            raise ValueError(
+                "the snapshot does not continue the imported request (tokens or K/V "
+                "positions differ)"
+            )
+        return seq.prompt_token_ids, seq.params  # the first snapshot's: the request's
 
     def import_request(self, snap: KVSnapshot, cache_prefix: bool = False):
         """Continue (or stage) an exported request. Everything is checked before anything
@@ -404,8 +429,7 @@ class Migration:
         ``cache_prefix``: register the imported full blocks in the prefix cache (under the
         snapshot's salt); by default they, and every block computed on top of them, stay out
         of it."""
-        core = self.core
-        blocks, book = core.blocks, core.pipeline
+        blocks, book = self.blocks, self.pipeline
         staged, params = self._validate(snap)
         seq = None if staged is None else staged.seq
         with_kv = staged is None or not staged.dropped  # a reclaimed staged import ignores K/V
@@ -418,12 +442,12 @@ class Migration:
             )
         tokens = ([] if seq is None else seq.token_ids) + list(snap.token_ids)
         prompt_len = len(snap.prompt_token_ids if seq is None else seq.prompt_token_ids)
-        text = core.output.decode(tokens[prompt_len:]) if snap.final else None
+        text = self.output.decode(tokens[prompt_len:]) if snap.final else None
         if with_kv:  # all checked: allocate and write, and give the blocks back if that fails
             old = len(table)
             blocks.grow(table, snap.end)
             try:
-                core.cluster.write_kv(
+                self.cluster.write_kv(
                     table, snap.start, (snap.k, snap.v, snap.k_scale, snap.v_scale)
                 )
             except BaseException:
@@ -469,25 +493,24 @@ class Migration:
             else:
                 staged.last_id, staged.kv_end = snap.snapshot_id, snap.end
             return snap.request_id
-        core.output.restore(seq, text)  # its text so far, the detokenizer past it
+        self.output.restore(seq, text)  # its text so far, the detokenizer past it
         book.start(snap.request_id, seq)
         return snap.request_id
 
     # -- prefixes: cached K/V of a prompt's prefix, between engines ---------------------------
     def export_prefix(self, token_ids, cache_salt: Optional[str] = None) -> Optional[PrefixKV]:
         """See ``LLM.export_prefix``."""
-        core = self.core
-        blocks, tpb = core.blocks, core.blocks.block_size
-        _check_ids("token_ids", token_ids, core.config.vocab_size, _prefix_bad)
+        blocks, tpb = self.blocks, self.blocks.block_size
+        _check_ids("token_ids", token_ids, self.vocab_size, _prefix_bad)
         chain = blocks.locate(token_ids, cache_salt, take=True)  # device blocks pinned meanwhile
         parts, run, n = [], [], 0
         try:
             for b, key in chain:  # device runs in one gather each, tier entries one by one
                 if b is None:
                     if run:
-                        parts.append(core.cluster.read_kv(run, 0, len(run) * tpb))
+                        parts.append(self.cluster.read_kv(run, 0, len(run) * tpb))
                         run = []
-                    kv = core.tiers.get(key)
+                    kv = self.tiers.get(key)
                     if kv is None:  # a disk file refused: the prefix ends before it
                         break
                     parts.append(kv)
@@ -495,7 +518,7 @@ class Migration:
                     run.append(b)
                 n += 1
             if run:
-                parts.append(core.cluster.read_kv(run, 0, len(run) * tpb))
+                parts.append(self.cluster.read_kv(run, 0, len(run) * tpb))
         finally:
             blocks.free([b for b, _ in chain if b is not None])
         if not n:
@@ -504,19 +527,18 @@ class Migration:
             None if parts[0][i] is None else torch.cat([p[i] for p in parts], 1) for i in range(4)
         )
         ids = [int(t) for t in token_ids[: n * tpb]]
-        return PrefixKV(core.digest, core.kv_storage, ids, cache_salt, k, v, ks, vs)
+        return PrefixKV(self.digest, self.kv_storage, ids, cache_salt, k, v, ks, vs)
 
     def import_prefix(self, prefix: PrefixKV) -> int:
         """See ``LLM.import_prefix``."""
-        core = self.core
-        blocks, tpb = core.blocks, core.blocks.block_size
+        blocks, tpb = self.blocks, self.blocks.block_size
         if not isinstance(prefix, PrefixKV):
             raise TypeError(f"import_prefix takes a PrefixKV, got {type(prefix).__name__}")
-        _check_origin(core, "prefix", prefix.model, prefix.kv_cache_dtype)
+        _check_origin(self, "prefix", prefix.model, prefix.kv_cache_dtype)
         if prefix.cache_salt is not None and not isinstance(prefix.cache_salt, str):
             raise _prefix_bad("cache_salt", f"must be None or a str, got {prefix.cache_salt!r}")
-        _check_ids("token_ids", prefix.token_ids, core.config.vocab_size, _prefix_bad)
-        _check_kv(core.cluster.mover, len(prefix.token_ids), prefix, _prefix_bad)
+        _check_ids("token_ids", prefix.token_ids, self.vocab_size, _prefix_bad)
+        _check_kv(self.cluster.mover, len(prefix.token_ids), prefix, _prefix_bad)
         m = len(prefix.token_ids) // tpb  # whole blocks of this engine's size
         if not blocks.prefix_caching or not m:
             return 0
@@ -529,7 +551,7 @@ class Migration:
                 table += blocks.allocate(new)
                 start, end = have * tpb, (have + new) * tpb
                 kv = (prefix.k, prefix.v, prefix.k_scale, prefix.v_scale)
-                core.cluster.write_kv(
+                self.cluster.write_kv(
                     table, start, tuple(None if t is None else t[:, start:end] for t in kv)
                 )
                 blocks.register(table, ids, end, salt)
@@ -544,9 +566,9 @@ class Migration:
         before a staged import (its later snapshots add their tokens and log-probs but not
         their K/V, and the final one starts it from scratch). Only compute is lost, never a
         token. True if it freed blocks, False if no held request holds any."""
-        for seq, staged in self.core.pipeline.held():
+        for seq, staged in self.pipeline.held():
             if seq.block_table:
-                seq.free_kv(self.core.blocks)
+                seq.free_kv(self.blocks)
                 if staged is not None:
                     staged.dropped = True
                 return True

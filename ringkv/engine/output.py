@@ -1,17 +1,17 @@
 """``OutputProcessor``: what a request's tokens become for its caller.
 
 The step pipeline hands it each sampled token (``append``) and each step's prompt log-probs
-(``prompt_logprobs``); it keeps per sample an ``OutputState`` (``Sequence.out``): the text so
-far, decoded incrementally (``detok.py``: a short window per token, never the whole output),
-cut before a stop string, and the text each token released (``deltas``), holding back what
-could still turn out to start a stop string. It decides when a sample is done (a stop string,
-an EOS or stop token, ``max_tokens``, ``max_model_len``) and builds ``RequestOutput`` objects,
-whole or as deltas (only what is new since the request's previous delta output).
+(``prompt_logprobs``); it keeps per sample an ``OutputState`` (``Sequence.out``, defined in
+``sequence.py``): the text so far, decoded incrementally (``detok.py``: a short window per
+token, never the whole output), cut before a stop string, and the text each token released
+(``deltas``), holding back what could still turn out to start a stop string. It decides when a
+sample is done (a stop string, an EOS or stop token, ``max_tokens``, ``max_model_len``) and
+builds ``RequestOutput`` objects, whole or as deltas (only what is new since the request's
+previous delta output).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Iterator, List, Optional
 
 from .detok import IncrementalDetokenizer
@@ -20,18 +20,6 @@ from .params import CompletionOutput, Logprob, RequestOutput, TokenDelta
 if TYPE_CHECKING:
     from .scheduler import Scheduled
     from .sequence import Sequence
-
-
-@dataclass
-class OutputState:
-    """One sample's output text and how much of it (and of its tokens) was reported."""
-
-    text: str = ""  # the output text (cut before a stop string)
-    deltas: List[str] = field(default_factory=list)  # the text each output token released
-    emitted: int = 0  # characters of ``text`` released so far
-    reported: int = 0  # output tokens already in a delta output
-    reported_prompt: bool = False  # its prompt log-probs were in a delta output (once)
-    detok: Optional[IncrementalDetokenizer] = None  # once its first token is decoded
 
 
 class OutputProcessor:

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import enum
 import random
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
 
 from ..cache.block_manager import PrefixCursor
-from .output import OutputState
+from .detok import IncrementalDetokenizer
 from .params import SamplingParams
+
+
+@dataclass
+class OutputState:
+    """One sample's output text and how much of it (and of its tokens) was reported."""
+
+    text: str = ""  # the output text (cut before a stop string)
+    deltas: List[str] = field(default_factory=list)  # the text each output token released
+    emitted: int = 0  # characters of ``text`` released so far
+    reported: int = 0  # output tokens already in a delta output
+    reported_prompt: bool = False  # its prompt log-probs were in a delta output (once)
+    detok: Optional[IncrementalDetokenizer] = None  # once its first token is decoded
 
 
 class Status(enum.Enum):

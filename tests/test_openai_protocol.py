@@ -14,7 +14,7 @@ pytest.importorskip("fastapi")
 
 from starlette.requests import Request  # noqa: E402
 
-from ringkv.engine.params import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from ringkv.engine.params import MAX_N, CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from ringkv.serve.openai import (  # noqa: E402
     DONE,
     BadRequest,
@@ -238,20 +238,25 @@ def test_a_router_checks_only_what_it_needs_to_split_the_request():
         False,
         False,
     )
-    for n in (0, 129, True, "2"):
+    for n in (0, 129, True, "2"):  # (the instance's bound, MAX_N, since #55: one parser)
         e = refused(RoutedRequest.parse, {"prompt": "a", "n": n}, False)
-        assert (e.param, str(e)) == ("n", f"n must be an int in [1, 128], got {n!r}")
+        assert (e.param, str(e)) == ("n", f"n must be an int in [1, {MAX_N}], got {n!r}")
     e = refused(RoutedRequest.parse, {"prompt": "a", "stream": "no"}, False)
     assert (e.param, str(e)) == ("stream", "stream must be a bool, got 'no'")
     e = refused(RoutedRequest.parse, {"messages": {}}, True)
     assert e.param == "messages"
-    # what the router overwrites when it streams from the instances is the client's choice
-    r = RoutedRequest.parse(
-        {"messages": [], "stream_options": "x", "return_token_ids": "yes"}, chat=True
-    )
-    assert (r.prompts, r.include_usage, r.token_ids) == ([[]], False, False)
-    r = RoutedRequest.parse({"prompt": "a", "stream_options": {"include_usage": 1}}, False)
-    assert r.include_usage
+    # the same parser as an instance's (#55): what an instance refuses, the router refuses alike
+    for body in (
+        {"prompt": "a", "stream_options": {"include_usage": "yes"}},
+        {"prompt": "a", "stream_options": "x"},
+        {"prompt": "a", "return_token_ids": "yes"},
+        {"prompt": "a", "temperature": -1},
+    ):
+        e = refused(RoutedRequest.parse, body, False)
+        i = refused(CompletionRequest.parse, body, MAX_LEN)
+        assert (e.status, e.param, str(e)) == (i.status, i.param, str(i))
+    r = RoutedRequest.parse({"messages": [{"role": "user", "content": "x"}]}, chat=True)
+    assert (r.prompts, r.include_usage, r.token_ids) == ([[{"role": "user", "content": "x"}]], 0, 0)
 
 
 def test_an_instance_refusal_is_relayed_as_it_was():

@@ -36,7 +36,6 @@ import contextlib
 import hmac
 import re
 import time
-import uuid
 from typing import AsyncIterator, Optional
 from urllib.parse import urlparse
 
@@ -46,13 +45,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ..engine import SamplingParams
 from .engine import PULL_OUTCOMES, TTFT_BUCKETS, AsyncEngine, Busy, EngineDead, Moved, Pull
 from .engine import RequestTimeout, in_thread
-from .openai import DONE, MAX_REQUEST_BYTES, BadRequest, ChatRequest, Collected, CompletionRequest
-from .openai import Encoder, OpenAIRequest, Raised, Renderer, chat_messages, completion_prompts
-from .openai import error_body, error_event, event, merge, parse_json, read_body, response
-from .openai import unless_disconnected
+from .openai import ADMIN_HEADER, INSTANCE_HEADER, MAX_REQUEST_BYTES, PULL_HEADER, REQUEST_ID_HEADER
+from .openai import BadRequest, ChatRequest, CompletionRequest, Encoder, OpenAIRequest, Raised
+from .openai import Renderer, chat_messages, completion_id, completion_prompts, error_body
+from .openai import error_event, event, fold, merge, parse_json, parse_request, read_body, response
+from .openai import stream_frame, unless_disconnected
 
-ADMIN_HEADER = "x-ringkv-admin-key"
-PULL_HEADER = "x-ringkv-pull"  # a router's pull hint: "<holder URL> <tokens>"
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 
 
@@ -144,9 +142,7 @@ class ServingInstance:
         check_admin(request, self.admin, self.admin_key)
 
     def parse(self, body: dict, chat: bool) -> OpenAIRequest:
-        if not chat:
-            return CompletionRequest.parse(body, self.llm.max_model_len)
-        return ChatRequest.parse(body, self.llm.max_model_len, self.has_template)
+        return parse_request(body, chat, self.llm.max_model_len, self.has_template)
 
     @property
     def has_template(self) -> bool:
@@ -155,13 +151,13 @@ class ServingInstance:
 
     def routed_id(self, request: Request) -> Optional[str]:
         """A router's id for the request (``x-ringkv-request-id``), honoured from an admin only."""
-        rid = request.headers.get("x-ringkv-request-id")
+        rid = request.headers.get(REQUEST_ID_HEADER)
         if rid is None or not self.admin:
             return None
         self.check_admin(request)
         if not REQUEST_ID.fullmatch(rid):
             raise BadRequest(
-                "x-ringkv-request-id must be 1-128 characters of A-Z a-z 0-9 . _ : / -"
+                f"{REQUEST_ID_HEADER} must be 1-128 characters of A-Z a-z 0-9 . _ : / -"
             )
         return rid
 
@@ -212,7 +208,7 @@ class ServingInstance:
         the engine before anything is answered."""
         req = self.parse(await self.body(request), chat)
         routed = self.routed_id(request)
-        rid = routed or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        rid = routed or completion_id(chat)
         streams = await self.start(req, routed, self.pull_hint(request))
         if req.stream:
             return StreamingResponse(self.events(rid, req, streams), media_type="text/event-stream")
@@ -230,49 +226,54 @@ class ServingInstance:
 
     async def _collect(self, rid: str, req: OpenAIRequest, streams) -> dict:
         render = Renderer(req, self.llm.tokenizer)
-        choices = [Collected(i) for i in range(len(streams) * req.params.n)]
-        async with contextlib.aclosing(merge(streams)) as merged:
-            async for item in merged:
-                if isinstance(item, Raised):
-                    raise item.error
-                out = item.value
-                if isinstance(out, Moved):  # a non-streamed answer cannot follow it
-                    raise EngineDead(f"the request moved to instance {out.to!r}")
-                render.opens(item.index, out)
-                for c in render.choices(item.index, out, every=True):
-                    choices[c["index"]].add(c)
-        return response(rid, req.chat, self.model_name, choices, req.token_ids, render.usage())
 
-    async def events(self, rid: str, req: OpenAIRequest, streams) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per new token of each choice, ``[DONE]`` at the end. The
-        status line went out with the headers, so a failure after them is an error event, still
-        followed by ``[DONE]``. If the client goes away, the response is cancelled here and the
-        requests are aborted."""
-        encode, render = Encoder(rid, req.chat, self.model_name), Renderer(req, self.llm.tokenizer)
-        merged = merge(streams)
-        try:
-            try:
-                if req.chat:
-                    yield encode.opening(len(streams) * req.params.n)
+        async def chunks():
+            async with contextlib.aclosing(merge(streams)) as merged:
                 async for item in merged:
                     if isinstance(item, Raised):
-                        yield failure_event(item.error)
-                        continue
+                        raise item.error
                     out = item.value
-                    if isinstance(out, Moved):  # a router attaches to it there
-                        moved = {"index": item.index, "to": out.to, "request_id": out.request_id}
-                        yield event({"ringkv_moved": moved})
-                        continue
-                    opens = render.opens(item.index, out) and req.token_ids
-                    first = {"prompt_token_ids": out.prompt_token_ids} if opens else {}
-                    for c in render.choices(item.index, out):
-                        yield encode.chunk([c], **first)
-                        first = {}
-                if req.include_usage:
-                    yield encode.usage(render.usage())
-            except Exception as e:  # noqa: BLE001 - the stream still ends with the error and [DONE]
-                yield failure_event(e)
-            yield DONE
+                    if isinstance(out, Moved):  # a non-streamed answer cannot follow it
+                        raise EngineDead(f"the request moved to instance {out.to!r}")
+                    render.opens(item.index, out)
+                    for c in render.choices(item.index, out, every=True):
+                        yield c
+
+        choices = await fold(chunks(), len(streams) * req.params.n)
+        return response(rid, req.chat, self.model_name, choices, req.token_ids, render.usage())
+
+    def events(self, rid: str, req: OpenAIRequest, streams) -> AsyncIterator[str]:
+        """Server-sent events (``stream_frame``): a chunk per new token of each choice. If the
+        client goes away, the response is closed here and the requests are aborted."""
+        encode, render = Encoder(rid, req.chat, self.model_name), Renderer(req, self.llm.tokenizer)
+        return stream_frame(
+            encode,
+            len(streams) * req.params.n,
+            self._chunks(encode, render, req, streams),
+            render.usage,
+            req.include_usage,
+            failure_event,
+        )
+
+    async def _chunks(self, encode: Encoder, render: Renderer, req, streams) -> AsyncIterator[str]:
+        """The chunks of ``streams`` (a failed one: its error event; a moved one: the
+        ``ringkv_moved`` event a router follows); they are all closed at the end."""
+        merged = merge(streams)
+        try:
+            async for item in merged:
+                if isinstance(item, Raised):
+                    yield failure_event(item.error)
+                    continue
+                out = item.value
+                if isinstance(out, Moved):  # a router attaches to it there
+                    moved = {"index": item.index, "to": out.to, "request_id": out.request_id}
+                    yield event({"ringkv_moved": moved})
+                    continue
+                opens = render.opens(item.index, out) and req.token_ids
+                first = {"prompt_token_ids": out.prompt_token_ids} if opens else {}
+                for c in render.choices(item.index, out):
+                    yield encode.chunk([c], **first)
+                    first = {}
         finally:
             await merged.aclose()
             for st in streams:
@@ -445,7 +446,7 @@ def openai_app(
     async def keyed(request: Request, call_next):
         response = refused_key(request, api_key, protect_metrics) or await call_next(request)
         if instance_id is not None:
-            response.headers["x-ringkv-instance"] = instance_id
+            response.headers[INSTANCE_HEADER] = instance_id
         return response
 
     def handler(as_bad_request):

@@ -1,24 +1,31 @@
 """The OpenAI protocol, written once for the instance (``app.py``) and the router (``router.py``).
 
+- **Headers and ids.** ringkv's own headers between a router and its instances (``*_HEADER``)
+  and a completion's id (``completion_id``).
 - **Requests.** ``parse_json`` reads a body; ``CompletionRequest`` / ``ChatRequest`` check every
   field an instance takes (a ``BadRequest``: status, message and ``param`` as OpenAI names them)
-  and build its ``SamplingParams``; ``RoutedRequest`` is what a router checks before it splits a
-  request over instances (the rest is the instances' to check).
+  and build its ``SamplingParams`` (``parse_request``); ``RoutedRequest`` is what a router takes
+  of a request it splits over instances, checked by the same parser, so that a router and an
+  instance refuse the same body alike.
 - **Choices.** ``Renderer`` turns an engine's ``RequestOutput`` deltas into OpenAI choice dicts
   (text, log-probs in the completion or chat form, echo, ``text_offset``, finish reason, usage);
   ``Collected`` folds a choice's dicts into its non-streamed answer (log-probs spliced). A router
   folds the choice dicts its instances stream the same way.
+  ``fold`` folds a whole answer's choices.
 - **Streams.** ``Encoder`` writes the server-sent events (chunks, the chat opening, usage, errors,
-  ``[DONE]``); ``merge`` reads many sub-streams as one, as named records.
+  ``[DONE]``); ``stream_frame`` puts them in their order around a front's chunks; ``merge`` reads
+  many sub-streams as one, as named records.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, ClassVar, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, ClassVar, Dict, List, Optional
 
 from ..engine import SamplingParams
 from ..engine.params import Logprob
@@ -28,6 +35,17 @@ MAX_REQUEST_BYTES = 16 << 20  # default request body limit (ringkv serve --max-r
 SAMPLING_FIELDS = """temperature top_p top_k min_p n seed stop presence_penalty frequency_penalty
 repetition_penalty ignore_eos stop_token_ids""".split()
 DONE = "data: [DONE]\n\n"
+# ringkv's own headers, between a router and its instances
+ADMIN_HEADER = "x-ringkv-admin-key"  # the admin key (the endpoints a router drives)
+PULL_HEADER = "x-ringkv-pull"  # a router's pull hint: "<holder URL> <tokens>"
+REQUEST_ID_HEADER = "x-ringkv-request-id"  # a router's id for a request (it may migrate)
+INSTANCE_HEADER = "x-ringkv-instance"  # the instance that served the request
+UNCAPPED = 1 << 62  # a router's max_model_len: the instances cap max_tokens at their own
+
+
+def completion_id(chat: bool) -> str:
+    """A new completion's id: ``chatcmpl-`` (chat) or ``cmpl-``, then 24 hex digits."""
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
 class BadRequest(Exception):
@@ -290,10 +308,21 @@ class ChatRequest(OpenAIRequest):
         return cls(prompts, params, **cls._options(body))
 
 
+def parse_request(
+    body: dict, chat: bool, max_model_len: int, template: bool = True
+) -> "OpenAIRequest":
+    """The one parser of a completion (``chat=False``) or chat request, for an instance and a
+    router alike (a router passes ``UNCAPPED``: the instances cap ``max_tokens``)."""
+    if chat:
+        return ChatRequest.parse(body, max_model_len, template)
+    return CompletionRequest.parse(body, max_model_len)
+
+
 @dataclass
 class RoutedRequest:
-    """What a router checks before it splits a request into one sub-request per prompt (the
-    instances check the rest: the router streams from them with its own stream options)."""
+    """What a router takes of a request before it splits it into one sub-request per prompt,
+    checked by ``parse_request`` as an instance checks it (a router streams from the instances
+    with its own stream options; the client's are these)."""
 
     chat: bool
     prompts: List  # completions: each prompt; chat: the messages
@@ -304,21 +333,9 @@ class RoutedRequest:
 
     @classmethod
     def parse(cls, body: dict, chat: bool) -> "RoutedRequest":
-        stream = stream_flag(body)
-        n = body.get("n", 1)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
-            raise BadRequest(f"n must be an int in [1, 128], got {n!r:.80}", param="n")
-        if chat:
-            if not isinstance(body.get("messages"), list):
-                raise BadRequest(
-                    "messages must be a non-empty list of {role, content} objects", param="messages"
-                )
-            prompts = [body["messages"]]
-        else:
-            prompts = completion_prompts(body.get("prompt"))
-        options = body.get("stream_options")
-        usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        return cls(chat, prompts, n, stream, usage, body.get("return_token_ids") is True)
+        req = parse_request(body, chat, UNCAPPED)
+        prompts = [body["messages"]] if chat else req.prompts
+        return cls(chat, prompts, req.params.n, req.stream, req.include_usage, req.token_ids)
 
 
 # -- choices ----------------------------------------------------------------------------------
@@ -505,6 +522,15 @@ class Collected:
         return c | {"token_ids": self.token_ids} if token_ids else c
 
 
+async def fold(chunks: AsyncIterator[dict], count: int) -> List[Collected]:
+    """A non-streamed answer's ``count`` choices, each folded from its choice dicts in
+    ``chunks`` (their ``index``: the client's)."""
+    choices = [Collected(i) for i in range(count)]
+    async for c in chunks:
+        choices[c["index"]].add(c)
+    return choices
+
+
 def response(rid: str, chat: bool, model, choices: List[Collected], token_ids: bool, use) -> dict:
     """A non-streamed answer."""
     return {
@@ -552,6 +578,33 @@ class Encoder:
 
     def usage(self, use: dict) -> str:
         return self.chunk([], usage=use)
+
+
+async def stream_frame(
+    encode: Encoder,
+    count: int,
+    body: AsyncIterator[str],
+    usage: Callable[[], dict],
+    include_usage: bool,
+    failure: Callable[[Exception], str],
+) -> AsyncIterator[str]:
+    """A streamed answer's events in their order: (chat) the opening chunk of its ``count``
+    choices, the events of ``body``, the usage chunk (``usage()``, read once ``body`` ended; sent
+    with ``include_usage``), ``[DONE]``. The status line went out with the headers, so a failure
+    of ``body`` is an error event (``failure(e)``), still followed by ``[DONE]``. Closing the
+    frame closes ``body`` (a client that went away)."""
+    async with contextlib.aclosing(body):
+        try:
+            if encode.chat:
+                yield encode.opening(count)
+            async for text in body:
+                yield text
+            use = usage()
+            if include_usage:
+                yield encode.usage(use)
+        except Exception as e:  # noqa: BLE001 - the stream still ends with the error and [DONE]
+            yield failure(e)
+        yield DONE
 
 
 @dataclass

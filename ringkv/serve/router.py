@@ -54,7 +54,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import AsyncIterator, Dict, List, Optional, Union
@@ -64,10 +63,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..cache.block_manager import DISK, HOST, REMOVED, STORED, block_hash
-from .app import ADMIN_HEADER, MIGRATION_TIMEOUT, admin_posts, check_admin, migration_timeout
-from .app import openai_app
-from .openai import DONE, MAX_REQUEST_BYTES, BadRequest, Collected, Encoder, RoutedRequest
-from .openai import error_event, merge, parse_json, read_body, response, unless_disconnected, usage
+from .app import MIGRATION_TIMEOUT, admin_posts, check_admin, migration_timeout, openai_app
+from .openai import ADMIN_HEADER, INSTANCE_HEADER, MAX_REQUEST_BYTES, PULL_HEADER, REQUEST_ID_HEADER
+from .openai import BadRequest, Encoder, RoutedRequest, completion_id, error_event, fold, merge
+from .openai import parse_json, read_body, response, stream_frame, unless_disconnected, usage
 
 ROUTINGS = ("kv", "round-robin", "least-loaded")
 POLL_S = 0.5  # how often each instance is asked for its state
@@ -83,7 +82,6 @@ MAX_CRASHES = 3  # a replica that exits this often in a row before it answers is
 TIER_WEIGHT = {STORED: 1.0, HOST: 0.75, DISK: 0.5}
 PEER_WEIGHT = 0.25
 TIERS = {STORED: "device", HOST: "host", DISK: "disk"}  # their names in metrics and views
-PULL_HEADER = "x-ringkv-pull"  # "<holder URL> <tokens>": see the module docstring
 
 
 # the router's per-instance metrics: name (a counter's ends in _total), type, what its value is
@@ -356,7 +354,7 @@ class Sub:
         inst.counters["requests"] += 1
         try:
             url, method, payload = inst.url + self.path, "POST", body
-            extra = {"x-ringkv-request-id": attempt.rid}
+            extra = {REQUEST_ID_HEADER: attempt.rid}
             if attempt.pull is not None:
                 extra[PULL_HEADER] = "%s %d" % attempt.pull
                 inst.counters["pull_hints"] += 1
@@ -384,7 +382,7 @@ class Sub:
                 inst.inflight += 1
                 attempt.moved_to = None
                 url, method, payload = f"{inst.url}/internal/attach/{attempt.rid}", "GET", None
-                extra = {"x-ringkv-request-id": attempt.rid}
+                extra = {REQUEST_ID_HEADER: attempt.rid}
                 if "messages" in self.body:
                     url += "?chat=true"
         except (OSError, _httpx().HTTPError, asyncio.TimeoutError, json.JSONDecodeError) as e:
@@ -995,7 +993,7 @@ class ServingRouter:
         except BaseException:
             self.finish(rid)
             raise
-        headers = {"x-ringkv-instance": first[0]}
+        headers = {INSTANCE_HEADER: first[0]}
         model = body.get("model")
         if req.stream:
             events = self.events(rid, req, subs, model)
@@ -1004,14 +1002,14 @@ class ServingRouter:
             answer = await unless_disconnected(self.collect(rid, req, subs, model), request)
         finally:
             self.finish(rid)
-        headers["x-ringkv-instance"] = subs[-1].finished_on or headers["x-ringkv-instance"]
+        headers[INSTANCE_HEADER] = subs[-1].finished_on or headers[INSTANCE_HEADER]
         return JSONResponse(answer, headers=headers)
 
     async def start(self, req: RoutedRequest, body: dict):
         """The request's id and its ``Sub``s (each prompt tokenized once), started."""
         router = self.router
         path = "/v1/chat/completions" if req.chat else "/v1/completions"
-        rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        rid = completion_id(req.chat)
         ids = [await router.tokenize(p, req.chat) for p in req.prompts]
         subs = []
         for i, t in enumerate(ids):
@@ -1053,17 +1051,26 @@ class ServingRouter:
                 if failed:
                     return
 
-    async def events(self, rid: str, req: RoutedRequest, subs: List[Sub], model):
-        """The client's event stream: each instance chunk under its client-side choice index;
-        a failure is an error event, then ``[DONE]``."""
+    def events(self, rid: str, req: RoutedRequest, subs: List[Sub], model) -> AsyncIterator[str]:
+        """The client's event stream (``stream_frame``): each instance chunk under its
+        client-side choice index; a failure is an error event, then ``[DONE]``."""
         encode = Encoder(rid, req.chat, model)
+        return stream_frame(
+            encode,
+            len(subs) * req.n,
+            self._chunks(encode, rid, req, subs),
+            lambda: self.account(subs),
+            req.include_usage,
+            lambda e: error_event(str(e), getattr(e, "status", 503)),
+        )
+
+    async def _chunks(self, encode: Encoder, rid: str, req: RoutedRequest, subs: List[Sub]):
+        """The chunks of ``subs``' choices; a failure raises its error. The request is over at
+        the end."""
         try:
-            if req.chat:
-                yield encode.opening(len(subs) * req.n)
             async for s, d in self.deltas(subs):
                 if isinstance(d, Failure):
-                    yield error_event(str(d.error), getattr(d.error, "status", 503))
-                    break
+                    raise d.error
                 encode.model = encode.model or d.data.get("model")
                 c = dict(d.data["choices"][0], index=s.index * req.n + d.choice)
                 if not req.token_ids:
@@ -1071,23 +1078,22 @@ class ServingRouter:
                 first = req.token_ids and "prompt_token_ids" in d.data and d.choice == 0
                 extra = {"prompt_token_ids": d.data["prompt_token_ids"]} if first else {}
                 yield encode.chunk([c], **extra)
-            else:
-                use = self.account(subs)
-                if req.include_usage:
-                    yield encode.usage(use)
-            yield DONE
         finally:
             self.finish(rid)
 
     async def collect(self, rid: str, req: RoutedRequest, subs: List[Sub], model) -> dict:
-        """The non-streamed answer: every choice's chunks folded."""
-        choices = [Collected(i) for i in range(len(subs) * req.n)]
-        async for s, d in self.deltas(subs):
-            if isinstance(d, Failure):
-                raise d.error if d.reject else NoInstance(str(d.error))
-            model = model or d.data.get("model")
-            choices[s.index * req.n + d.choice].add(d.data["choices"][0])
-        return response(rid, req.chat, model, choices, req.token_ids, self.account(subs))
+        """The non-streamed answer: every choice's chunks folded (``fold``)."""
+        learnt = [model]  # the model's name, from the instances' chunks if the client named none
+
+        async def chunks():
+            async for s, d in self.deltas(subs):
+                if isinstance(d, Failure):
+                    raise d.error if d.reject else NoInstance(str(d.error))
+                learnt[0] = learnt[0] or d.data.get("model")
+                yield dict(d.data["choices"][0], index=s.index * req.n + d.choice)
+
+        choices = await fold(chunks(), len(subs) * req.n)
+        return response(rid, req.chat, learnt[0], choices, req.token_ids, self.account(subs))
 
     def health(self) -> JSONResponse:
         up = len(self.router.up())

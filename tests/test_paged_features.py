@@ -509,7 +509,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ringkv.kernels import triton_attn as tk, triton_paged as tp
 
-tk._build()
+tk.build()
 
 
 def build(name, dt, consts, types=None):

@@ -275,7 +275,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ringkv.kernels import triton_attn as tk, triton_merge as tm, triton_paged as tp
 
-tk._build()
+tk.build()
 PTRS = {
     "Q",
     "K",

@@ -304,7 +304,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ringkv.kernels import triton_attn as tk
 
-tk._build()
+tk.build()
 PTRS = {"Q", "K", "V", "Out", "Lse", "DO", "DK", "DV", "DQ", "Delta", "Lse2"}
 FP32 = {"Lse", "Delta", "Lse2", "DK", "DV", "DQ"}
 for dt, prec, bd, bdv in [

@@ -25,24 +25,32 @@ returns fp32 dq, dk, dv and takes an optional ``dlse``.
 - On CUDA the tile sizes are autotuned (configs pruned for small problems); under the
   CPU interpreter (``TRITON_INTERPRET=1``) one small fixed config keeps tests fast.
 - Importing this module does not import triton (only checks it is installed): the kernels
-  are decorated on first use (``_build``), because triton fixes "compile for a GPU" vs
-  "interpret on CPU" when *it* is imported, and ``TRITON_INTERPRET`` may be set later.
+  are decorated on first use (``triton_common.build``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
 
-if (
-    importlib.util.find_spec("triton") is None
-):  # the registry imports us inside ``except ImportError``
-    raise ImportError("triton is not installed (pip install 'ringkv[triton]')")
-
 from .checks import check_softcap
 from .mask import BAND, EMPTY, FULL, OFFSET, Mask
+from .triton_common import (  # raises ImportError when triton is not installed
+    KERNELS,
+    big_rows,
+    build,
+    cast,
+    dot,
+    dot_prec,
+    finish,
+    head_block,
+    interpret,
+    jit,
+    online_step,
+)
+
+triton = tl = None  # bound by build() (see triton_common: kernels are decorated on first use)
 
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -50,12 +58,8 @@ FEATURES = frozenset({"softcap", "dv"})  # native: logit soft-capping, V's own h
 MAX_HEAD = 256
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
-    on_device = q.device.type == "cuda" or (q.device.type == "cpu" and _interpret())
+    on_device = q.device.type == "cuda" or (q.device.type == "cpu" and interpret())
     # EMPTY: answered without a launch (the registry also routes it to the reference first)
     return (
         on_device
@@ -65,88 +69,10 @@ def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
     )
 
 
-# ----------------------------------------------------------------------------- lazy jit
-
-triton = tl = None  # bound by _build(); kernel bodies resolve ``tl`` through module globals
-_PENDING = []  # (python function, triton.jit options) of kernels not built yet, from any module
-_KERNELS = {}  # name -> built kernel, all modules (names are unique)
-
-
-def _jit(fn=None, **options):
-    """Mark a kernel for ``triton.jit``; ``_build`` decorates it in place on first use."""
-    if fn is None:
-        return lambda f: _jit(f, **options)
-    _PENDING.append((fn, options))
-    return fn
-
-
-def _build() -> None:
-    """Import triton and turn every marked function into a kernel (once per process)."""
-    global triton, tl
-    if triton is not None and not _PENDING:
-        return
-    import triton as _triton
-    import triton.language as _tl
-
-    if _interpret() and isinstance(getattr(_tl, "zeros", None), _triton.runtime.JITFunction):
-        raise RuntimeError(
-            "TRITON_INTERPRET=1 was set after triton was imported in this process; "
-            "set it before anything imports triton (e.g. at the top of tests/conftest.py)"
-        )
-    triton, tl = _triton, _tl
-
-    def wrap(kernel):  # the shortcut needs the interpreter's rewrite() (triton 3.x has it)
-        return _Interpreted(kernel) if _interpret() and hasattr(kernel, "rewrite") else kernel
-
-    _KERNELS.update({fn.__name__: wrap(_triton.jit(**options)(fn)) for fn, options in _PENDING})
-    for fn, _ in _PENDING:  # kernels call each other across modules by name (e.g. ``_dot``)
-        fn.__globals__.update(_KERNELS, triton=_triton, tl=_tl)
-    _PENDING.clear()
-
-
-class _Interpreted:
-    """A kernel under the interpreter: launched as ``kernel[grid](...)`` like triton's own, and
-    called from another kernel as the interpreter's rewritten Python function directly. Triton's
-    device-function call re-patches ``triton.language`` first (``inspect.getmembers`` of it, on
-    every call), which the launch around it has already done: a quarter to a third of the time of
-    a small launch, where kernels call ``_dot``, ``_cast`` and ``_online_step`` per key tile."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.arg_names = kernel.arg_names
-
-    def __getitem__(self, grid):
-        return self.kernel[grid]
-
-    def __call__(self, *args, **kwargs):
-        return self.kernel.rewrite()(*args, **kwargs)
-
-
 # ----------------------------------------------------------------------------- kernels
 
 
-@_jit
-def _dot(a, b, PREC: tl.constexpr):
-    """``a @ b`` accumulated in fp32. PREC: "ieee" (fp32 inputs), "tf32", or "upcast": the
-    CPU interpreter multiplies bf16 bit patterns as integers, so there both sides go to
-    fp32 first (exact for bf16 values; the GPU's bf16 dot also accumulates in fp32)."""
-    if PREC == "upcast":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PREC)
-
-
-@_jit
-def _cast(x, DT: tl.constexpr, PREC: tl.constexpr):
-    """fp32 ``x`` as ``DT``, rounded to nearest even as the GPU does. Triton's CPU interpreter
-    truncates fp32 to bf16 (one ulp low, always the same way: an output just under a bf16
-    value lands a whole ulp under it), so there ("upcast") the bits are rounded first."""
-    if PREC == "upcast":
-        bits = x.to(tl.uint32, bitcast=True)
-        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return x.to(DT)
-
-
-@_jit
+@jit
 def _tanh(x):
     """fp32 ``tanh(x)`` from ``exp2`` (the interpreter has no libdevice, and the GPU then computes
     the same): ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)``; below ``|x| = 1/4``, where ``1 - e``
@@ -166,7 +92,7 @@ def _tanh(x):
     return tl.where(x < 0.0, -r, r)
 
 
-@_jit
+@jit
 def _tile_start(IS_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr):
     """First row of this program's query tile; with an OFFSET mask the last (heaviest)
     tiles are launched first, so the short ones fill in at the end."""
@@ -176,34 +102,14 @@ def _tile_start(IS_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr):
     return pid * BLOCK_M
 
 
-@_jit
+@jit
 def _rows_off(r0, stride, BLOCK: tl.constexpr):
     """Element offsets ``(BLOCK, 1)`` of rows ``r0 .. r0 + BLOCK - 1``: ``r0 * stride`` in int64
     (``S * H * D`` passes 2**31 at 512K tokens with H=32, D=128), the rest within the tile."""
     return tl.cast(r0, tl.int64) * stride + (tl.arange(0, BLOCK) * stride)[:, None]
 
 
-@_jit
-def _online_step(acc, m_i, l_i, s, v, PREC: tl.constexpr):
-    """One key tile of the online softmax (base 2): ``s (BR, BN)`` masked scores (-inf: hidden)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-    p = tl.math.exp2(s - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(_cast(p, v.dtype, PREC), v, PREC)
-    return acc, m_new, l_i
-
-
-@_jit
-def _finish(acc, m_i, l_i):
-    """``(out fp32 (BR, BD), base-2 lse (BR,))``; rows that saw no key: 0 and -inf."""
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    return out, tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-
-
-@_jit
+@jit
 def _load_v(
     v_at_k,
     v_base,
@@ -230,7 +136,7 @@ def _load_v(
     )
 
 
-@_jit
+@jit
 def _fwd_tile(
     acc,
     m_i,
@@ -270,7 +176,7 @@ def _fwd_tile(
         v = _load_v(
             v_base, v_base, k_off, k_mask, n0, offs_n, offs_dv, stride_vn, Sk, Dv, KV_SAME, BLOCK_N
         )  # (BN, BDV)
-        s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN) base-2 scores
+        s = dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN) base-2 scores
         if SOFTCAP:  # qk_scale = scale / cap, cap2 = cap * log2(e)
             s = _tanh(s) * cap2
         if MASKED:
@@ -280,7 +186,7 @@ def _fwd_tile(
             if IS_BAND:
                 visible = visible & (offs_n[None, :] >= offs_m[:, None] + lo)
             s = tl.where(visible, s, float("-inf"))
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, s, v, PREC)
+        acc, m_i, l_i = online_step(acc, m_i, l_i, s, v, PREC)
     return acc, m_i, l_i
 
 
@@ -288,7 +194,7 @@ def _fwd_tile(
 _NO_SPEC = ["H", "G", "Sq", "Sk", "D", "Dv", "offset", "lo", "SQ_B", "SK_B"]
 
 
-@_jit(do_not_specialize=_NO_SPEC)
+@jit(do_not_specialize=_NO_SPEC)
 def _fwd_kernel(
     Q,
     K,
@@ -461,19 +367,19 @@ def _fwd_kernel(
         PREC,
     )
 
-    out, lse2 = _finish(acc, m_i, l_i)  # rows that saw no key: out 0, lse -inf
+    out, lse2 = finish(acc, m_i, l_i)  # rows that saw no key: out 0, lse -inf
     lse = lse2 * 0.6931471805599453  # natural log
     if not KV_SAME:
         q_mask = (offs_m[:, None] < Sq) & (offs_dv[None, :] < Dv)  # now out's
     tl.store(
         Out + b * stride_ob + h * stride_oh + _rows_off(m0, stride_om, BLOCK_M) + offs_dv[None, :],
-        _cast(out, Out.dtype.element_ty, PREC),
+        cast(out, Out.dtype.element_ty, PREC),
         mask=q_mask,
     )
     tl.store(Lse + (b * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)
 
 
-@_jit(do_not_specialize=["H", "Sq", "D"])
+@jit(do_not_specialize=["H", "Sq", "D"])
 def _bwd_preprocess(
     Out,
     DO,
@@ -523,7 +429,7 @@ def _bwd_preprocess(
     tl.store(Lse2 + row, lse2, mask=offs_m < Sq)
 
 
-@_jit(do_not_specialize=_NO_SPEC + ["Hkv"])
+@jit(do_not_specialize=_NO_SPEC + ["Hkv"])
 def _bwd_dkdv_kernel(
     Q,
     K,
@@ -638,7 +544,7 @@ def _bwd_dkdv_kernel(
             row = (b * H + h) * Sq + offs_m
             lse2 = tl.load(Lse2 + row, mask=offs_m < Sq, other=float("inf"))  # (BM,)
             delta = tl.load(Delta + row, mask=offs_m < Sq, other=0.0)
-            s_t = _dot(k, tl.trans(q), PREC) * qk_scale  # (BN, BM)
+            s_t = dot(k, tl.trans(q), PREC) * qk_scale  # (BN, BM)
             if SOFTCAP:
                 t_t = _tanh(s_t)
                 s_t = t_t * cap2
@@ -648,23 +554,23 @@ def _bwd_dkdv_kernel(
             if IS_BAND:
                 visible = visible & (offs_n[:, None] >= offs_m[None, :] + lo)
             p_t = tl.where(visible, tl.math.exp2(s_t - lse2[None, :]), 0.0)
-            dv += _dot(_cast(p_t, do.dtype, PREC), do, PREC)
-            dp_t = _dot(v, tl.trans(do), PREC)  # (BN, BM)
+            dv += dot(cast(p_t, do.dtype, PREC), do, PREC)
+            dp_t = dot(v, tl.trans(do), PREC)  # (BN, BM)
             ds_t = p_t * (dp_t - delta[None, :])
             if SOFTCAP:  # through cap * tanh(x / cap): d/dx = 1 - tanh**2
                 ds_t = ds_t * (1.0 - t_t * t_t)
-            dk += _dot(_cast(ds_t, q.dtype, PREC), q, PREC)
+            dk += dot(cast(ds_t, q.dtype, PREC), q, PREC)
     g_off = b * stride_gb + hk * stride_gh + _rows_off(n0, stride_gn, BLOCK_N) + offs_d[None, :]
-    tl.store(DK + g_off, _cast(dk * scale, DK.dtype.element_ty, PREC), mask=k_mask)
+    tl.store(DK + g_off, cast(dk * scale, DK.dtype.element_ty, PREC), mask=k_mask)
     if not KV_SAME:  # dv's own offsets and mask
         g_off = (
             b * stride_gvb + hk * stride_gvh + _rows_off(n0, stride_gvn, BLOCK_N) + offs_dv[None, :]
         )
         k_mask = (offs_n[:, None] < Sk) & (offs_dv[None, :] < Dv)
-    tl.store(DV + g_off, _cast(dv, DV.dtype.element_ty, PREC), mask=k_mask)
+    tl.store(DV + g_off, cast(dv, DV.dtype.element_ty, PREC), mask=k_mask)
 
 
-@_jit(do_not_specialize=_NO_SPEC)
+@jit(do_not_specialize=_NO_SPEC)
 def _bwd_dq_kernel(
     Q,
     K,
@@ -758,7 +664,7 @@ def _bwd_dq_kernel(
         v = _load_v(
             v_base, v_base, k_off, k_mask, n0, offs_n, offs_dv, stride_vn, Sk, Dv, KV_SAME, BLOCK_N
         )  # (BN, BDV)
-        s = _dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN)
+        s = dot(q, tl.trans(k), PREC) * qk_scale  # (BM, BN)
         if SOFTCAP:
             t = _tanh(s)
             s = t * cap2
@@ -768,14 +674,14 @@ def _bwd_dq_kernel(
         if IS_BAND:
             visible = visible & (offs_n[None, :] >= offs_m[:, None] + lo)
         p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = _dot(do, tl.trans(v), PREC)  # (BM, BN)
+        dp = dot(do, tl.trans(v), PREC)  # (BM, BN)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq += _dot(_cast(ds, k.dtype, PREC), k, PREC)
+        dq += dot(cast(ds, k.dtype, PREC), k, PREC)
     tl.store(
         DQ + b * stride_gb + h * stride_gh + _rows_off(m0, stride_gm, BLOCK_M) + offs_d[None, :],
-        _cast(dq * scale, DQ.dtype.element_ty, PREC),
+        cast(dq * scale, DQ.dtype.element_ty, PREC),
         mask=q_mask,
     )
 
@@ -800,11 +706,6 @@ def _configs():
     ]
 
 
-def _big_rows(elem_bytes: int, block_d: int) -> bool:
-    """fp32 with D > 64 or fp16/bf16 with D > 128: large tiles overflow shared memory."""
-    return elem_bytes * block_d > 256
-
-
 def _widest(meta) -> int:
     """The wider of q/k's and v's padded head dims (``BLOCK_DV`` absent: kernels with one)."""
     return max(meta["BLOCK_D"], meta.get("BLOCK_DV", 0))
@@ -816,7 +717,7 @@ def _prune(configs, named_args, **kwargs):
     sq, sk = named_args["Sq"], named_args["Sk"]
     bm_cap = max(16, triton.next_power_of_2(sq))
     bn_cap = max(16, triton.next_power_of_2(sk))
-    if _big_rows(named_args["Q"].element_size(), _widest(kwargs)):
+    if big_rows(named_args["Q"].element_size(), _widest(kwargs)):
         bm_cap, bn_cap = min(bm_cap, 64), min(bn_cap, 32)
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= bm_cap and c.kwargs["BLOCK_N"] <= bn_cap]
     return kept or configs[-1:]
@@ -831,37 +732,20 @@ def _tuned(kernel):
     )(kernel)
 
 
-_TUNED = {}
-
-
 def _launch(kernel, grid_fn, *args, **meta):
     """Run ``kernel``: autotuned on CUDA, one fixed small config under the interpreter.
 
     ``RINGKV_TRITON_AUTOTUNE=0`` takes one fixed config on CUDA too (test runs on a fresh GPU,
     where tuning every drawn shape would mostly measure compile time).
     """
-    if _interpret():
+    if interpret():
         kernel[grid_fn(_CPU_CONFIG)](*args, **meta, **_CPU_CONFIG)
         return
     if os.environ.get("RINGKV_TRITON_AUTOTUNE", "1") == "0":
-        cfg = _FIXED_BIG if _big_rows(args[0].element_size(), _widest(meta)) else _FIXED_CONFIG
+        cfg = _FIXED_BIG if big_rows(args[0].element_size(), _widest(meta)) else _FIXED_CONFIG
         kernel[grid_fn(cfg)](*args, **meta, **cfg)
         return
-    if kernel not in _TUNED:
-        _TUNED[kernel] = _tuned(kernel)
-    _TUNED[kernel][grid_fn](*args, **meta)
-
-
-def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
-
-
-def _prec(dtype) -> str:
-    """How ``_dot`` multiplies: fp32 inputs without tf32 rounding; bf16 upcast in the
-    interpreter."""
-    if dtype == torch.float32:
-        return "ieee"
-    return "upcast" if dtype == torch.bfloat16 and _interpret() else "tf32"
+    KERNELS.tuned(kernel, _tuned)[grid_fn](*args, **meta)
 
 
 def _mask_args(mask: Mask) -> dict:
@@ -901,7 +785,7 @@ def _check_dims(q, k, v) -> None:
 def forward(q, k, v, scale: float, mask: Mask, softcap=None):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv) in q.dtype,
     lse (B, H, Sq) fp32. ``softcap``: scores ``cap * tanh(scale * q.k / cap)`` (None: plain)."""
-    _build()
+    build()
     b, sq, h, d = q.shape
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.zeros(b, sq, h, v.shape[-1], dtype=q.dtype, device=q.device)
@@ -913,7 +797,7 @@ def forward(q, k, v, scale: float, mask: Mask, softcap=None):
 def _forward(q, k, v, out, lse, scale: float, mask: Mask, softcap=None) -> None:
     """Write ``out`` (B, Sq, H, Dv) / ``lse`` (B, H, Sq) (zeros / -inf beforehand); any strides with
     a unit last one."""
-    _build()
+    build()
     _check_dims(q, k, v)
     softcap = check_softcap(softcap)
     b, sq, h, d = q.shape
@@ -949,9 +833,9 @@ def _forward(q, k, v, out, lse, scale: float, mask: Mask, softcap=None) -> None:
         **_mask_args(mask),
         **_score_args(scale, softcap),
         KV_SAME=_kv_same(k, v),
-        PREC=_prec(q.dtype),
-        BLOCK_D=_block_d(d),
-        BLOCK_DV=_block_d(dv),
+        PREC=dot_prec(q.dtype),
+        BLOCK_D=head_block(d),
+        BLOCK_DV=head_block(dv),
         **_buckets(sq, sk),
     )
 
@@ -965,7 +849,7 @@ def backward(dout, q, k, v, out, lse, scale: float, mask: Mask, dlse=None, softc
     """Same contract as ``reference.backward``: fp32 dq (B, Sq, H, D), dk (B, Sk, Hkv, D), dv (B,
     Sk, Hkv, Dv) from the rows' final out/lse (dout/out (B, Sq, H, Dv), lse and dlse (B, H, Sq));
     ``softcap`` as in forward."""
-    _build()
+    build()
     q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout, out))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
@@ -992,7 +876,7 @@ def _backward(
     dout, q, k, v, out, lse, dq, dk, dv, scale: float, mask: Mask, dlse=None, softcap=None
 ) -> None:
     """Write fp32 ``dq, dk, dv`` (zeros beforehand); strides as in ``_forward``."""
-    _build()
+    build()
     _check_dims(q, k, v)
     softcap = check_softcap(softcap)
     b, sq, h, d = q.shape
@@ -1002,7 +886,7 @@ def _backward(
     delta = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)  # base-2 lse, +inf for rows that see no key
     dlse_t = dlse.float().contiguous() if dlse is not None else delta
-    bd, bdv = _block_d(d), _block_d(dvh)
+    bd, bdv = head_block(d), head_block(dvh)
     bm = 32
     _bwd_preprocess[(triton.cdiv(sq, bm), b * h)](
         out,
@@ -1028,7 +912,7 @@ def _backward(
         **_mask_args(mask),
         **_score_args(scale, softcap),
         scale=scale,
-        PREC=_prec(q.dtype),
+        PREC=dot_prec(q.dtype),
         KV_SAME=_kv_same(k, v) and _kv_same(dk, dv),
         BLOCK_D=bd,
         BLOCK_DV=bdv,

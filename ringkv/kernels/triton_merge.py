@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from .triton_attn import _build, _interpret, _jit  # raises ImportError when triton is not installed
+from .triton_common import (  # raises ImportError when triton is not installed
+    build,
+    interpret,
+    jit,
+)
 
-triton = tl = None  # bound by _build() (see triton_attn: kernels are decorated on first use)
+triton = tl = None  # bound by build() (see triton_common: kernels are decorated on first use)
 
 
-@_jit
+@jit
 def _merge_kernel(
     Out,
     Lse,
@@ -73,13 +77,13 @@ def merge_(
 ) -> None:
     """Same contract as ``merge.merge_`` (CUDA tensors, or CPU ones under
     ``TRITON_INTERPRET=1``)."""
-    _build()
+    build()
     b, s, h, d = out.shape
     n_rows = b * s * h
     if n_rows == 0 or d == 0:
         return
     block_d = triton.next_power_of_2(d)
-    block_r = 16 if _interpret() else max(1, min(64, 4096 // block_d))
+    block_r = 16 if interpret() else max(1, min(64, 4096 // block_d))
     _merge_kernel[(triton.cdiv(n_rows, block_r),)](
         out,
         lse,

@@ -44,26 +44,26 @@ from .paged_base import (
     validate_paged,
     validate_prefill,
 )
-from .triton_attn import (
-    _big_rows,
-    _block_d,
-    _build,
-    _finish,
-    _interpret,
-    _dot,
-    _jit,
-    _online_step,  # ImportError
-    _prec,
-)  # without triton
+from .triton_common import (  # raises ImportError when triton is not installed
+    big_rows,
+    build,
+    dot,
+    dot_prec,
+    finish,
+    head_block,
+    interpret,
+    jit,
+    online_step,
+)
 
-triton = tl = None  # bound by _build() (see triton_attn: kernels are decorated on first use)
+triton = tl = None  # bound by build() (see triton_common: kernels are decorated on first use)
 
 LOG2E = 1.4426950408889634
 MIN_CHUNK = 256  # tokens per split at least (less: the reduce costs more than it saves)
 MAX_SPLITS = 256
 
 
-@_jit
+@jit
 def _gather_kv(
     Q,
     K,
@@ -112,13 +112,13 @@ def _gather_kv(
     return k, v
 
 
-@_jit
+@jit
 def _paged_scores(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, PREC: tl.constexpr):
     """Base-2 scores ``(BR, BN)`` of ``q (BR, BD)`` and ``k (BN, BD)``: ``q.k * qk_scale``
     (``scale * log2(e)``), or with ``SOFTCAP`` ``cap2 * tanh(q.k * qk_scale)``
     (``qk_scale = scale / softcap``,
     ``cap2 = softcap * log2(e)``); tanh from one exp2 of ``-2|x|`` (no overflow at any ``x``)."""
-    s = _dot(q, tl.trans(k), PREC) * qk_scale
+    s = dot(q, tl.trans(k), PREC) * qk_scale
     if SOFTCAP:
         e = tl.math.exp2(-2.8853900817779268 * tl.abs(s))  # exp(-2|x|)
         t = (1.0 - e) / (1.0 + e)
@@ -126,14 +126,14 @@ def _paged_scores(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, PREC: tl.constexp
     return s
 
 
-@_jit
+@jit
 def _paged_first_key(first_pos, window, sp, sp_rank):
     """The first local key (at global position ``sp_rank + j * sp``) at or after
     ``first_pos - window``."""
     return (tl.maximum(first_pos - window - sp_rank, 0) + sp - 1) // sp
 
 
-@_jit(do_not_specialize=["capacity", "chunk", "num_splits", "sp", "sp_rank", "window"])
+@jit(do_not_specialize=["capacity", "chunk", "num_splits", "sp", "sp_rank", "window"])
 def _paged_split_kernel(
     Q,
     K,
@@ -251,9 +251,9 @@ def _paged_split_kernel(
         visible = t_ok[None, :] & (offs_t[None, :] <= last_key[:, None])
         if HAS_WINDOW:
             visible = visible & (offs_t[None, :] * sp + sp_rank >= pos[:, None] - window)
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, tl.where(visible, s, float("-inf")), v, PREC)
+        acc, m_i, l_i = online_step(acc, m_i, l_i, tl.where(visible, s, float("-inf")), v, PREC)
 
-    out, lse2 = _finish(acc, m_i, l_i)
+    out, lse2 = finish(acc, m_i, l_i)
     # partials: OutP (N, H, NQ, splits, D_V), LseP (N, H, NQ, splits), both fp32 contiguous
     part = ((n * H + h) * NQ + qi) * num_splits + split
     tl.store(
@@ -264,7 +264,7 @@ def _paged_split_kernel(
     tl.store(LseP + part, lse2, mask=row_ok)
 
 
-@_jit(do_not_specialize=["num_splits"])
+@jit(do_not_specialize=["num_splits"])
 def _paged_reduce_kernel(
     OutP,
     LseP,
@@ -312,7 +312,7 @@ def _paged_reduce_kernel(
     tl.store(Lse + nh * NQ + qi, lse)
 
 
-@_jit(
+@jit(
     do_not_specialize=[
         "total_q",
         "H",
@@ -444,9 +444,9 @@ def _paged_prefill_kernel(
             visible = visible & (offs_t[None, :] * sp + sp_rank <= pos[:, None])
         if HAS_WINDOW:
             visible = visible & (offs_t[None, :] * sp + sp_rank >= pos[:, None] - window)
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, tl.where(visible, s, float("-inf")), v, PREC)
+        acc, m_i, l_i = online_step(acc, m_i, l_i, tl.where(visible, s, float("-inf")), v, PREC)
 
-    out, lse2 = _finish(acc, m_i, l_i)
+    out, lse2 = finish(acc, m_i, l_i)
     tl.store(
         Out + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
         out.to(Out.dtype.element_ty),
@@ -538,7 +538,7 @@ def paged_decode_triton(
     validate_paged(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, softcap, window)
     softcap, window = check_features(softcap, window)
     check_striping(sp, sp_rank)
-    _build()
+    build()
     n, nq, h, d = q.shape
     hkv, bs, dv = k_cache.shape[2], k_cache.shape[1], v_cache.shape[-1]
     scale = d**-0.5 if scale is None else scale
@@ -609,7 +609,7 @@ def paged_decode_triton(
         SOFTCAP=softcap is not None,
         HAS_WINDOW=window >= 0,
         HAS_START=has_start,
-        PREC=_prec(q.dtype),
+        PREC=dot_prec(q.dtype),
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -671,10 +671,10 @@ def paged_prefill_triton(
         window,
     )
     softcap, window = check_features(softcap, window)
-    _build()
+    build()
     t, h, d = q.shape
     n, hkv, bs, dv = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1], v_cache.shape[-1]
-    scale, block_d, block_dv = resolve_scale(scale, d), _block_d(d), _block_d(dv)
+    scale, block_d, block_dv = resolve_scale(scale, d), head_block(d), head_block(dv)
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     block_table, cu_seqlens_q, seq_lens = (
         block_table.contiguous(),
@@ -736,7 +736,7 @@ def paged_prefill_triton(
         HAS_START=q_start is not None,
         SOFTCAP=softcap is not None,
         HAS_WINDOW=window >= 0,
-        PREC=_prec(q.dtype),
+        PREC=dot_prec(q.dtype),
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
         **cfg,
@@ -747,9 +747,9 @@ def paged_prefill_triton(
 def _prefill_config(elem_bytes: int, block_d: int) -> dict:
     """Fixed tiles: 64 query rows x 64 keys (32 for D > 64; 32 x 32 for wide fp32 rows, whose
     buffers would not fit in shared memory); small ones under the interpreter."""
-    if _interpret():
+    if interpret():
         return dict(BLOCK_M=16, BLOCK_N=16)
-    if _big_rows(elem_bytes, block_d):
+    if big_rows(elem_bytes, block_d):
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     return dict(BLOCK_M=64, BLOCK_N=64 if block_d <= 64 else 32, num_warps=4, num_stages=2)
 

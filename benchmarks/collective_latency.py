@@ -13,7 +13,7 @@ all-reduce after o and after down, one more per step (the vocab-parallel embeddi
 step) and ``comm`` (the all-reduces alone, idle ranks). The cost of an all-reduce under load
 is the median over steps of ``(both - compute) / all-reduces`` (pairs of neighbouring steps,
 so load from other processes hits both sides alike; the difference of the fastest steps is
-reported too); a least-squares fit of the planner's model of it (``_xfer``: ``2 (tp - 1)``
+reported too); a least-squares fit of the planner's model of it (``message_seconds``: ``2 (tp - 1)``
 messages x latency + ``2 (tp - 1) / tp x bytes / bandwidth``) over the ``rows`` gives the
 ``latency`` and ``links`` of the ``loopback`` link, written under ``"rates"`` in the JSON
 (a rates file for ``--calibrate``). ``uptime``'s load average is recorded before and after:
@@ -135,8 +135,9 @@ def _rank(rank: int, args, port: int, out) -> None:
 
 
 def fit_link(rows, tp: int, key: str = "allreduce_busy_s"):
-    """(latency s per message, bytes/s) of ``_xfer`` for an all-reduce over ``tp`` ranks, least
-    squares over the rows' ``key`` seconds; bandwidth None when the fit gives no positive slope."""
+    """(latency s per message, bytes/s) of ``message_seconds`` for an all-reduce over ``tp``
+    ranks, least squares over the rows' ``key`` seconds; bandwidth None when the fit gives no
+    positive slope."""
     m = 2 * (tp - 1)
     xs = [2 * (tp - 1) / tp * r["bytes"] for r in rows]
     ys = [r[key] for r in rows]

@@ -15,7 +15,7 @@ sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(
 from ringkv.planner import catalogue  # noqa: E402
 
 # the HF config fields of a random model that describe() writes (in this order, which the saved
-# JSON keeps: ringkv.planner's _model_of reads it back)
+# JSON keeps: ringkv.planner's model_of reads it back)
 FIELDS = (
     "hidden_size",
     "intermediate_size",

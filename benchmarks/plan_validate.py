@@ -29,8 +29,8 @@ from ringkv.planner.calibration import (  # noqa: E402
     _parse_config,
     _single_process_runs,
 )
-from ringkv.planner.catalogue import _model_of  # noqa: E402
-from ringkv.planner.hardware import _threads  # noqa: E402
+from ringkv.planner.catalogue import model_of as _model_of  # noqa: E402
+from ringkv.planner.hardware import with_threads as _threads  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "plan")
 TOLERANCE = 0.15

@@ -340,7 +340,7 @@ def test_decode_gemm_benchmark(bench):
     """The decode-matmul table: one row per threads x rows, and its JSON is a rates file whose
     ``gemm`` table the planner's calibration path reads."""
     from ringkv import planner
-    from ringkv.planner.hardware import _threads
+    from ringkv.planner.hardware import with_threads as _threads
 
     (table,), folder = bench("gemm")
     out = folder / "gemm.json"

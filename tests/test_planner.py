@@ -12,7 +12,7 @@ import pytest
 import ringkv
 from ringkv import planner
 from ringkv.planner import load_model, plan
-from ringkv.planner.hardware import _threads
+from ringkv.planner.hardware import with_threads as _threads
 from ringkv.planner.report import _svg
 from ringkv.planner.simulation import _step_cost, _step_terms
 

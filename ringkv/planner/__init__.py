@@ -26,15 +26,15 @@ by ringkv's benchmarks via ``calibrate``):
 
 The modules, each importing only those above it in this list:
 
-- ``catalogue``: model presets (``PRESETS``, ``ALIASES``), ``load_model``, ``_model_of``,
-  ``_read_json``;
+- ``catalogue``: model presets (``PRESETS``, ``ALIASES``), ``load_model``, ``model_of``,
+  ``read_json``;
 - ``memory``: ``DTYPES``, ``stage_sizes``, ``layer_params``, ``stage_weight_bytes``,
-  ``stage_kv_bytes_per_token``, ``_gb``;
+  ``stage_kv_bytes_per_token``, ``gb``;
 - ``hardware``: the hardware table (``HARDWARE_PATH`` = ``ringkv/hardware.json``, ``load_hardware``,
-  ``_merge``), the rates the model prices with (``Rates``, ``rates``, ``_threads``) and links
-  given by the user (``LINK_LEVELS``, ``parse_rate``, ``parse_latency``, ``parse_link``,
+  ``merge_hardware``), the rates the model prices with (``Rates``, ``rates``, ``with_threads``) and
+  links given by the user (``LINK_LEVELS``, ``parse_rate``, ``parse_latency``, ``parse_link``,
   ``parse_links``);
-- ``simulation``: ``ring_attention_seconds``, ``ring_backward_seconds``, ``_xfer``,
+- ``simulation``: ``ring_attention_seconds``, ``ring_backward_seconds``, ``message_seconds``,
   ``migration_seconds``, ``StepWork``, ``engine_workload``,
   ``StepTerms``, ``RingTerms``, ``_step_terms``, ``_step_cost``, ``engine_run_seconds``,
   ``_run_terms``,

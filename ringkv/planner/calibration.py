@@ -13,7 +13,7 @@ import math
 import os
 from typing import Dict, Iterable, List, Sequence
 
-from .catalogue import _model_of, _read_json
+from .catalogue import model_of, read_json
 from .hardware import Rates
 from .simulation import EngineRun
 
@@ -138,7 +138,7 @@ def fit_rates(paths: Iterable, r: Rates) -> Rates:
     different thread counts, ``thread_scaling``; else a rank's rates are the process's divided by
     its threads, the 16K ring run having measured 1.91x for attention at 2 threads)."""
     order = {"rates": 0, "long_ctx": 1, "prefill": 2, "engine": 2}
-    docs = [(p, d, _kind(p, d)) for p, d in ((p, _read_json(p)) for p in paths)]
+    docs = [(p, d, _kind(p, d)) for p, d in ((p, read_json(p)) for p in paths)]
     out, used, runs = copy.deepcopy(r), [], []
     for p, d, kind in sorted(
         docs, key=lambda t: order[t[2]]
@@ -177,7 +177,7 @@ def _single_process_runs(d: dict) -> List[EngineRun]:
                 seq = row["seq"]
                 out.append(
                     EngineRun(
-                        cfg=_model_of(row.get("model", d.get("model"))),
+                        cfg=model_of(row.get("model", d.get("model"))),
                         prompts=[seq],
                         max_tokens=1,
                         num_blocks=seq // 16 + 8,
@@ -189,7 +189,7 @@ def _single_process_runs(d: dict) -> List[EngineRun]:
                     )
                 )
         return out
-    cfg = _model_of(d["model"])
+    cfg = model_of(d["model"])
     for row in d["rows"]:
         n, total = row["requests"], row["prompt_tokens"]
         prompts = [total // n + (i < total % n) for i in range(n)]

@@ -60,7 +60,7 @@ ALIASES = {
 }
 
 
-def _read_json(path, what: str = "calibration file"):
+def read_json(path, what: str = "calibration file"):
     try:
         with open(path) as f:
             return json.load(f)
@@ -92,10 +92,10 @@ def load_model(model) -> ModelConfig:
             f"unknown model {str(model)!r}: not a preset ({', '.join(PRESETS)}) nor a directory "
             f"or config.json file"
         )
-    return ModelConfig.from_hf(_read_json(path, "model config"))
+    return ModelConfig.from_hf(read_json(path, "model config"))
 
 
-def _model_of(name: str) -> ModelConfig:
+def model_of(name: str) -> ModelConfig:
     """The model a benchmark JSON names: a preset, or ``engine.py``'s "random NAME ({config})"."""
     name = str(name)
     if "{" in name:  # engine.py writes "random llama-120m ({config})"

@@ -1,7 +1,7 @@
 """The hardware table and the rates the time model prices with: ``load_hardware`` reads
 ``ringkv/hardware.json`` (``HARDWARE_PATH``, package data beside the package) with a user's file
 merged over it; ``Rates`` are one device's (one CPU thread's) achievable rates, ``rates`` takes
-them from the table (peak x efficiency), ``_threads`` scales them to a process's threads.
+them from the table (peak x efficiency), ``with_threads`` scales them to a process's threads.
 Calibration (``calibration.py``) replaces them with measured ones."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple, Union
 
-from .catalogue import _read_json
+from .catalogue import read_json
 
 HARDWARE_PATH = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hardware.json"
@@ -24,21 +24,23 @@ HARDWARE_PATH = os.path.join(
 def load_hardware(path: Optional[str] = None) -> dict:
     """The hardware table (``ringkv/hardware.json``), with the entries of ``path`` merged over
     it."""
-    table = _read_json(HARDWARE_PATH, "hardware table")
+    table = read_json(HARDWARE_PATH, "hardware table")
     if path is None:
         return table
-    extra = _read_json(path, "hardware file")
+    extra = read_json(path, "hardware file")
     if not isinstance(extra, dict):
         raise ValueError(
             f"hardware file {path!r} must hold a JSON object like ringkv/hardware.json"
         )
-    return _merge(table, extra)
+    return merge_hardware(table, extra)
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge_hardware(base: dict, extra: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            merge_hardware(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out
 
 
@@ -63,7 +65,7 @@ class Rates:
     host: Dict[str, float] = field(default_factory=dict)
     thread_scaling: float = 1.0
     gemm: Dict[str, Dict[str, float]] = field(default_factory=dict)
-    threads: int = 1  # the process's threads (``_threads``): selects the ``gemm`` row
+    threads: int = 1  # the process's threads (``with_threads``): selects the ``gemm`` row
     # links that are one per node (a host's network link, ``plan(links={"inter": ...})``): the
     # node's ranks whose messages cross it at the same time share its bandwidth; the others
     # (the table's ``ib``: one NIC per GPU; NVLink) are per device
@@ -108,7 +110,7 @@ def rates(hw: dict, gpu: str, dtype: str = "bfloat16") -> Rates:
     )
 
 
-def _threads(r: Rates, t: int) -> Rates:
+def with_threads(r: Rates, t: int) -> Rates:
     """The rates of a process with ``t`` threads from one thread's ``r``: compute and memory times
     ``t ** thread_scaling``; the ``gemm`` row of ``t`` threads."""
     k = t**r.thread_scaling

@@ -71,5 +71,5 @@ def stage_kv_bytes_per_token(
     return [shape.bytes_per_token(cfg, s, DTYPES[dtype][0]) for s in range(pp)]
 
 
-def _gb(n: float) -> str:
+def gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"

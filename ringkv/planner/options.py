@@ -1,8 +1,8 @@
 """The planner's options: ``plan()`` enumerates every ``(tp, pp, sp[, ulysses])`` the engine
 accepts for a number of GPUs, prices each (``_option``: memory from ``memory.py``, prefill and
-decode from the roofline with ``ring_attention_seconds`` and ``_xfer``) into an ``Option``, and
-ranks them by the seed's rules (``_rank``, ``_why``, ``_needs_sp``; ``SEED_SP_TOKENS``,
-``SEED_MAX_PP``, ``WEAK_LINK_MAX_TP``), recommending exactly one that fits."""
+decode from the roofline with ``ring_attention_seconds`` and ``message_seconds``) into an
+``Option``, and ranks them by the seed's rules (``_rank``, ``_why``, ``_needs_sp``;
+``SEED_SP_TOKENS``, ``SEED_MAX_PP``, ``WEAK_LINK_MAX_TP``), recommending exactly one that fits."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ from ..kernels import quant
 from ..parallel.tp import check_tp, kv_heads_per_rank
 from .calibration import apply_calibration
 from .catalogue import load_model
-from .hardware import Rates, _merge, load_hardware, parse_link, parse_links, rates
+from .hardware import Rates, merge_hardware, load_hardware, parse_link, parse_links, rates
 from .memory import (
     DTYPES,
-    _gb,
+    gb,
     layer_params,
     stage_kv_bytes_per_token,
     stage_sizes,
     stage_weight_bytes,
 )
-from .simulation import _shared, _xfer, migration_seconds, ring_attention_seconds
+from .simulation import shared_link, message_seconds, migration_seconds, ring_attention_seconds
 
 SEED_SP_TOKENS = 32768  # seed rule 4: consider SP beyond 32K tokens
 SEED_MAX_PP = 4  # seed rule 2: PP depth usually <= 4
@@ -125,7 +125,7 @@ def plan(
     hw = (
         load_hardware(hardware)
         if not isinstance(hardware, dict)
-        else _merge(load_hardware(), hardware)
+        else merge_hardware(load_hardware(), hardware)
     )
     if gpu not in hw["gpus"]:
         raise ValueError(
@@ -263,7 +263,7 @@ def _option(
     share = share or {}
 
     def on(axis: str) -> Rates:  # the rates with a per-node link of ``axis`` shared
-        return _shared(r, links[axis], share.get(axis, 1))
+        return shared_link(r, links[axis], share.get(axis, 1))
 
     sizes = stage_sizes(cfg, pp)
     wb = stage_weight_bytes(cfg, tp, pp, dtype)
@@ -284,11 +284,11 @@ def _option(
         seq, heads_att, kv_att, d, ring, act, on("ring"), links["ring"]
     )
     u_bytes = int((u - 1) / u * tok * d * act * (2 * hq + 2 * max(hkv, u))) if u > 1 else 0
-    t_u = _xfer(u_bytes, links["ulysses"], on("ulysses"), 4) if u > 1 else 0.0
+    t_u = message_seconds(u_bytes, links["ulysses"], on("ulysses"), 4) if u > 1 else 0.0
     tp_bytes = int(2 * 2 * (tp - 1) / tp * tok * h * act) if tp > 1 else 0
-    t_tp = _xfer(tp_bytes, links["tp"], r, 2 * 2 * (tp - 1)) if tp > 1 else 0.0
+    t_tp = message_seconds(tp_bytes, links["tp"], r, 2 * 2 * (tp - 1)) if tp > 1 else 0.0
     t_layer = t_lin + t_attn + t_u + t_tp
-    handoff = _xfer(tok * h * act, links["pp"], on("pp")) if pp > 1 else 0.0
+    handoff = message_seconds(tok * h * act, links["pp"], on("pp")) if pp > 1 else 0.0
     host = r.host.get("step", 0.0) + r.host.get(
         "seq", 0.0
     )  # per step: the driver's scheduling and sampling
@@ -309,13 +309,15 @@ def _option(
             t += (
                 n
                 * 2
-                * _xfer(int(2 * (tp - 1) / tp * micro * h * act), links["tp"], r, 2 * (tp - 1))
+                * message_seconds(
+                    int(2 * (tp - 1) / tp * micro * h * act), links["tp"], r, 2 * (tp - 1)
+                )
             )
         if sp > 1:  # (out, lse) partials merged across the SP group each layer
             merge = micro * hq * (d + 1) * 4
-            t += n * _xfer(merge, links["ring"], on("ring"), math.ceil(math.log2(sp)))
+            t += n * message_seconds(merge, links["ring"], on("ring"), math.ceil(math.log2(sp)))
         if pp > 1:
-            t += _xfer(micro * h * act, links["pp"], on("pp"))
+            t += message_seconds(micro * h * act, links["pp"], on("pp"))
         steps.append(t)
     step_t = pp * (max(steps) + r.host.get("step", 0.0) + r.host.get("seq", 0.0) * micro)
     decode = batch / step_t
@@ -394,8 +396,8 @@ def _rank(options: List[Option], cfg, seq, gpn, interconnect, output_tokens, g) 
             )
     for o in nofit:
         o.reason = (
-            f"does not fit: weights {_gb(o.weight_bytes_per_gpu)} + KV {_gb(o.kv_bytes_per_gpu)} "
-            f"> {_gb(o.memory_per_gpu)} usable per GPU"
+            f"does not fit: weights {gb(o.weight_bytes_per_gpu)} + KV {gb(o.kv_bytes_per_gpu)} "
+            f"> {gb(o.memory_per_gpu)} usable per GPU"
         )
     return fit + nofit
 
@@ -406,9 +408,7 @@ def _needs_sp(o: Option, options: List[Option]) -> bool:
 
 
 def _why(o: Option, seq: int, cfg) -> str:
-    parts = [
-        f"fits ({_gb(o.weight_bytes_per_gpu + o.kv_bytes_per_gpu)} of {_gb(o.memory_per_gpu)})"
-    ]
+    parts = [f"fits ({gb(o.weight_bytes_per_gpu + o.kv_bytes_per_gpu)} of {gb(o.memory_per_gpu)})"]
     if o.tp > 1:
         parts.append(f"TP {o.tp} over {o.links['tp']}")
     if o.pp > 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import List
 
-from .memory import _gb
+from .memory import gb
 from .options import Option
 
 
@@ -22,9 +22,9 @@ def format_table(options: List[Option]) -> str:
     for o in options:
         lines.append(
             f"{'*' if o.recommended else ' '} {o.tp:3d} {o.pp:3d} {o.sp:4d} {o.ulysses:3d} "
-            f"{o.kv_cache_dtype:>8s} {_gb(o.weight_bytes_per_gpu):>11s} "
+            f"{o.kv_cache_dtype:>8s} {gb(o.weight_bytes_per_gpu):>11s} "
             f"{o.kv_bytes_per_token_per_gpu:12,d} "
-            f"{_gb(o.kv_bytes_per_gpu):>9s} {'yes' if o.fits else 'no':>4s} "
+            f"{gb(o.kv_bytes_per_gpu):>9s} {'yes' if o.fits else 'no':>4s} "
             f"{o.ring_bytes_per_step:11.3g} "
             f"{o.tp_allreduce_bytes_per_layer:13.3g} {o.prefill_s:8.3g}s "
             f"{o.decode_tokens_per_s:12.3g}  "

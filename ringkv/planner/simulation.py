@@ -1,5 +1,5 @@
 """The time model's pieces below the planner's options: one rank's forward ring attention
-(``ring_attention_seconds``) and a message's cost (``_xfer``); a whole engine run as
+(``ring_attention_seconds``) and a message's cost (``message_seconds``); a whole engine run as
 ``benchmarks/engine.py`` measures it: the engine's own scheduler replays the requests
 (``engine_workload``: a ``StepWork`` per step), each step's demands on a rank of each stage
 (``_step_terms``: ``StepTerms``, ``RingTerms``) are priced with ``Rates`` (``_step_cost``), and an
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from ..model.config import ModelConfig
 from ..parallel.tp import kv_heads_per_rank
-from .hardware import Rates, _threads
+from .hardware import Rates, with_threads
 from .memory import DTYPES, layer_params, stage_sizes
 
 
@@ -43,19 +43,19 @@ def ring_attention_seconds(
     )  # this rank's pairs x 4 D
     step = flops / ring / r.attention
     nbytes = 2 * -(-seq // ring) * kv_heads * head_dim * act_bytes if ring > 1 else 0
-    xfer = _xfer(nbytes, link, r) if ring > 1 else 0.0
+    xfer = message_seconds(nbytes, link, r) if ring > 1 else 0.0
     merge = -(-seq // ring) * heads * (head_dim + 1) * (8 + act_bytes) / r.memory
     return step + (ring - 1) * (max(step, xfer) + merge), (step if ring > 1 else 0.0), xfer, nbytes
 
 
-def _xfer(nbytes: float, link: str, r: Rates, messages: int = 1) -> float:
+def message_seconds(nbytes: float, link: str, r: Rates, messages: int = 1) -> float:
     return messages * r.latency.get(link, 0.0) + nbytes / r.links[link]
 
 
 Links = Union[str, Mapping[str, str]]  # one link for every axis, or {"tp": .., "sp": .., "pp": ..}
 
 
-def _shared(r: Rates, link: str, senders: int) -> Rates:
+def shared_link(r: Rates, link: str, senders: int) -> Rates:
     """``r`` with ``link``'s bandwidth divided among ``senders`` ranks of a node sending over it
     at once, when it is one link per node (``Rates.shared``); else ``r``."""
     if senders <= 1 or not r.shared.get(link):
@@ -89,8 +89,8 @@ def ring_backward_seconds(
     if ring == 1:
         return step_s
     block = -(-seq // ring) * kv_heads * head_dim * 2
-    kv = _xfer(block * act_bytes, link, r)
-    dkv = _xfer(block * grad_bytes, link, r)
+    kv = message_seconds(block * act_bytes, link, r)
+    dkv = message_seconds(block * grad_bytes, link, r)
     both = kv + dkv - r.latency.get(link, 0.0)  # two messages in flight together
     return step_s + (ring - 1) * max(step_s, both) + dkv
 
@@ -258,7 +258,7 @@ class StepTerms:
     rows: float
     axes: Tuple[str, ...] = ()  # the axis ("tp", "sp", "pp") of each of ``messages``
     # ranks of the stage that send their PP / SP messages at once (its TP ranks: each sends
-    # its own hidden states, its own heads' K/V); they share a per-node link (``_shared``)
+    # its own hidden states, its own heads' K/V); they share a per-node link (``shared_link``)
     senders: int = 1
 
     def __iter__(self):
@@ -378,14 +378,16 @@ def _step_cost(terms: StepTerms, r: Rates, link: Links) -> float:
                 ring.head_dim,
                 ring.ranks,
                 ring.act_bytes,
-                _shared(r, sp_link, terms.senders),
+                shared_link(r, sp_link, terms.senders),
                 sp_link,
             )[0]
         )
     axes = terms.axes or ("tp",) * len(terms.messages)
     for (nb, count), axis in zip(terms.messages, axes):
         name = _axis_link(link, axis)
-        t += _xfer(nb, name, _shared(r, name, 1 if axis == "tp" else terms.senders), count)
+        t += message_seconds(
+            nb, name, shared_link(r, name, 1 if axis == "tp" else terms.senders), count
+        )
     return t
 
 
@@ -499,4 +501,4 @@ class EngineRun:
             self._cache = steps, events, terms
         steps, events, terms = self._cache
         link = self.links or next(iter(r.links))
-        return _simulate(steps, events, terms, _threads(r, self.threads), link)
+        return _simulate(steps, events, terms, with_threads(r, self.threads), link)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .mask import EMPTY, FULL, OFFSET, Mask
-from .sdpa import _bhsd, grad_args, grads_bshd, tiled_backward, tiled_forward
+from .sdpa import heads_first, grad_args, grads_bshd, tiled_backward, tiled_forward
 
 OP = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
 OP_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward", None)
@@ -42,7 +42,7 @@ def _fused(q, k, v, scale, causal):
     """One call: q (B,Sq,H,D), k/v (B,Sk,Hkv,D) -> out (B,Sq,H,D), lse (B,H,Sq) fp32."""
     b, sq, h, _ = q.shape
     qt, kt, vt = (
-        t.contiguous() for t in (q.transpose(1, 2), _bhsd(k, h), _bhsd(v, h))
+        t.contiguous() for t in (q.transpose(1, 2), heads_first(k, h), heads_first(v, h))
     )  # (B, H, S, D)
     out, lse = OP(qt, kt, vt, None, True, 0.0, causal, False, scale=scale)[:2]  # lse (B, H, Sq, 1)
     return out.transpose(1, 2), lse.reshape(b, h, sq).float()

@@ -36,9 +36,9 @@ def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
     return False
 
 
-def _bhsd(x: torch.Tensor, heads: int) -> torch.Tensor:
-    # (B, S, Hkv, D) -> (B, H, S, D), repeating KV heads for GQA (into heads-first memory, which
-    # the CPU op reads faster)
+def heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(B, S, Hkv, D) -> (B, H, S, D)``, repeating KV heads for GQA (into heads-first memory,
+    which the CPU op reads faster)."""
     b, s, hkv, d = x.shape
     x = x.transpose(1, 2)
     if heads != hkv:
@@ -49,7 +49,7 @@ def _bhsd(x: torch.Tensor, heads: int) -> torch.Tensor:
 def _fused(q, k, v, scale, causal, attn_mask=None):
     """One fused call: q (B,Sq,H,D), k/v (B,Sk,Hkv,D) -> out (B,Sq,H,D), lse (B,H,Sq) fp32."""
     h = q.shape[2]
-    qt, kt, vt = q.transpose(1, 2), _bhsd(k, h), _bhsd(v, h)
+    qt, kt, vt = q.transpose(1, 2), heads_first(k, h), heads_first(v, h)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qt, kt, vt, 0.0, causal, attn_mask=attn_mask, scale=scale
@@ -67,8 +67,8 @@ def grad_args(dout, q, k, v, out, lse):
     h = q.shape[2]
     lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     return [t.transpose(1, 2) for t in (dout, q)] + [
-        _bhsd(k, h),
-        _bhsd(v, h),
+        heads_first(k, h),
+        heads_first(v, h),
         out.transpose(1, 2),
     ], lse
 

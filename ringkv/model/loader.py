@@ -20,7 +20,7 @@ import torch
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # checkpoint names that are not weights
 
 
 def read_config(directory: str) -> dict:
@@ -178,7 +178,7 @@ def source_key(cfg: ModelConfig, param: str, sl: Optional["Slice"] = None) -> tu
 def model_tensors(cfg: ModelConfig, weights) -> set:
     """The names in ``weights`` that the model reads: not the ignored buffers, and not a tied
     LM head (it reads the embedding), so a directory and an in-memory model give the same set."""
-    have = {k for k in weights.names() if not k.endswith(_IGNORED_SUFFIXES)}
+    have = {k for k in weights.names() if not k.endswith(IGNORED_SUFFIXES)}
     if cfg.tie_word_embeddings:
         have.discard("lm_head.weight")
     return have

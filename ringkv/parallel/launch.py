@@ -672,12 +672,12 @@ def _config_dict(cfg: ModelConfig) -> dict:
 def _save_weights(cfg: ModelConfig, weights, path: str) -> None:
     from safetensors.torch import save_file
 
-    from ..model.loader import _IGNORED_SUFFIXES
+    from ..model.loader import IGNORED_SUFFIXES
 
     names = [
         n
         for n in sorted(weights.names())
-        if not n.endswith(_IGNORED_SUFFIXES)
+        if not n.endswith(IGNORED_SUFFIXES)
         and not (cfg.tie_word_embeddings and n == "lm_head.weight")
     ]
     save_file(

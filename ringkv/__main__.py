@@ -20,78 +20,21 @@ import argparse
 import sys
 from typing import Optional
 
+from .engine import flags
+from .engine.core import EngineConfig
 from .serve.config import ServeConfig
 
 
 def _engine_options(g: argparse.ArgumentParser) -> None:
+    """``--model`` and ``EngineConfig``'s flags (each field's own, ``engine/flags.py``)."""
     g.add_argument(
         "--model", required=True, help="HF directory (config.json + *.safetensors) or a .gguf file"
     )
-    g.add_argument(
-        "--dtype", default=None, help="float32 / bfloat16 / float16 (default: float32 on CPU)"
-    )
-    g.add_argument(
-        "--kv-cache-memory", type=float, default=None, help="KV cache size in GiB per rank"
-    )
-    g.add_argument(
-        "--kv-host-memory",
-        type=float,
-        default=None,
-        help="GiB of host memory for prefix-cache blocks evicted from the KV cache (default: as "
-        "large as the KV cache; 0: off)",
-    )
-    g.add_argument(
-        "--kv-disk",
-        default=None,
-        metavar="DIR",
-        help="keep blocks evicted from the host tier in files under DIR (an instance with an "
-        "--instance-id, as each replica of --replicas, uses DIR/<id>; default: off)",
-    )
-    g.add_argument(
-        "--kv-disk-size", type=float, default=None, help="GiB bound of the disk tier (default 16)"
-    )
-    g.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel ranks (attention heads split)"
-    )
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (layers split)")
-    g.add_argument(
-        "--sp", type=int, default=1, help="sequence-parallel ranks (ring prefill, KV striped)"
-    )
-    g.add_argument(
-        "--pp-layers", type=int, nargs="+", default=None, help="layers per pipeline stage"
-    )
-    g.add_argument("--block-size", type=int, default=16, help="KV cache tokens per block on a rank")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64, help="requests computed at once")
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)"
-    )
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="auto (the model's), fp8 (= fp8_e4m3), fp8_e5m2 or int8",
-    )
-    g.add_argument(
-        "--sp-prefill-min-tokens",
-        type=int,
-        default=None,
-        help="tokens a sequence computes in a step before the ring splits them over the SP ranks",
-    )
-    g.add_argument(
-        "--compile-decode",
-        action="store_true",
-        help="run decode steps' dense parts (on CPU, prefill steps' too) through torch.compile "
-        "(compiled at start-up; tp=1 only)",
-    )
+    flags.add_arguments(EngineConfig, g)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ringkv", description="ringkv: exact ring attention and an inference engine"
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text with the ringkv engine")
-    _engine_options(g)
+def _generate_options(g: argparse.ArgumentParser) -> None:
+    """``ringkv generate``'s own flags: the prompts and the sampling parameters."""
     g.add_argument(
         "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
     )
@@ -107,27 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--stream", action="store_true", help="print tokens as they are generated (one prompt)"
     )
-    s = sub.add_parser(
-        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"
-    )
-    _engine_options(s)
-    ServeConfig.add_arguments(s, "serve")
-    r = sub.add_parser(
-        "router",
-        help="an OpenAI-compatible front over ringkv serve instances (KV-aware routing, "
-        "live migration, failover)",
-    )
-    r.add_argument(
-        "--upstream",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a ringkv serve instance started with --admin or the same --admin-key (repeat)",
-    )
-    ServeConfig.add_arguments(r, "router")
-    q = sub.add_parser(
-        "plan", help="choose TP/PP/SP (and KV dtype) for a model, a context length and a cluster"
-    )
+
+
+def _plan_options(q: argparse.ArgumentParser) -> None:
+    """``ringkv plan``'s flags."""
     q.add_argument(
         "--model", required=True, help="preset name (e.g. llama-3-70b), HF directory or config.json"
     )
@@ -192,12 +118,91 @@ def _parser() -> argparse.ArgumentParser:
         "--plot", default=None, metavar="PATH", help="prefill vs decode plot of the options"
     )
     q.add_argument("--top", type=int, default=None, help="print only the best N options")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ringkv", description="ringkv: exact ring attention and an inference engine"
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text with the ringkv engine")
+    _engine_options(g)
+    _generate_options(g)
+    s = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"
+    )
+    _engine_options(s)
+    ServeConfig.add_arguments(s, "serve")
+    r = sub.add_parser(
+        "router",
+        help="an OpenAI-compatible front over ringkv serve instances (KV-aware routing, "
+        "live migration, failover)",
+    )
+    r.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a ringkv serve instance started with --admin or the same --admin-key (repeat)",
+    )
+    ServeConfig.add_arguments(r, "router")
+    q = sub.add_parser(
+        "plan", help="choose TP/PP/SP (and KV dtype) for a model, a context length and a cluster"
+    )
+    _plan_options(q)
     return p
 
 
-def _plan(args) -> int:
+def _plan_migration(args) -> tuple:
+    """``(link level, bytes, seconds)`` of moving ``--migrate-tokens`` tokens' K/V."""
+    from . import planner
+
+    given = planner.parse_links(args.link)
+    level = "inter" if (args.nodes or 1) > 1 or args.interconnect == "ib" else "intra"
+    if level not in given:
+        raise ValueError(
+            f"--migrate-tokens needs the {level} link's rate: give --link {level}=RATE,LATENCY"
+        )
+    kv_dtype = args.kv_cache_dtype[0]
+    return (
+        level,
+        planner.request_kv_bytes(args.model, args.migrate_tokens, kv_dtype, args.dtype),
+        planner.migration_time(
+            args.model, args.migrate_tokens, given[level], kv_cache_dtype=kv_dtype, dtype=args.dtype
+        ),
+    )
+
+
+def _plan_json(args, opts, migration) -> None:
+    """``--json``: the inputs, the options and the migration estimate."""
     import json
 
+    with open(args.json, "w") as f:
+        json.dump(
+            dict(
+                inputs={
+                    k: v for k, v in vars(args).items() if k not in ("json", "plot", "command")
+                },
+                options=[o.asdict() for o in opts],
+                **(
+                    {}
+                    if migration is None
+                    else {
+                        "migration": dict(
+                            tokens=args.migrate_tokens,
+                            link=migration[0],
+                            bytes=migration[1],
+                            seconds=migration[2],
+                        )
+                    }
+                ),
+            ),
+            f,
+            indent=2,
+        )
+
+
+def _plan(args) -> int:
     from . import planner
 
     try:
@@ -217,27 +222,7 @@ def _plan(args) -> int:
             ulysses=not args.no_ulysses,
             links=args.link,
         )
-        migration = None
-        if args.migrate_tokens is not None:
-            given = planner.parse_links(args.link)
-            level = "inter" if (args.nodes or 1) > 1 or args.interconnect == "ib" else "intra"
-            if level not in given:
-                raise ValueError(
-                    f"--migrate-tokens needs the {level} link's rate: give "
-                    f"--link {level}=RATE,LATENCY"
-                )
-            kv_dtype = args.kv_cache_dtype[0]
-            migration = (
-                level,
-                planner.request_kv_bytes(args.model, args.migrate_tokens, kv_dtype, args.dtype),
-                planner.migration_time(
-                    args.model,
-                    args.migrate_tokens,
-                    given[level],
-                    kv_cache_dtype=kv_dtype,
-                    dtype=args.dtype,
-                ),
-            )
+        migration = None if args.migrate_tokens is None else _plan_migration(args)
     except (ValueError, TypeError) as e:
         print(f"ringkv: {e}", file=sys.stderr)
         return 2
@@ -259,71 +244,24 @@ def _plan(args) -> int:
             f"{level} link: {seconds:.3g} s"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                dict(
-                    inputs={
-                        k: v for k, v in vars(args).items() if k not in ("json", "plot", "command")
-                    },
-                    options=[o.asdict() for o in opts],
-                    **(
-                        {}
-                        if migration is None
-                        else {
-                            "migration": dict(
-                                tokens=args.migrate_tokens,
-                                link=migration[0],
-                                bytes=migration[1],
-                                seconds=migration[2],
-                            )
-                        }
-                    ),
-                ),
-                f,
-                indent=2,
-            )
+        _plan_json(args, opts, migration)
     if args.plot:
         planner.plot(opts, args.plot, f"{args.model}, {args.seq} tokens, {args.gpus} x {args.gpu}")
     return 0
 
 
-def _gib(x: Optional[float]) -> Optional[int]:
-    return None if x is None else int(x * (1 << 30))
-
-
 def _build(args, instance_id: Optional[str] = None):
+    """The engine of a parsed command line: its ``EngineConfig`` from the flags; ``instance_id``:
+    a serving instance's name, under which it keeps its disk tier (replicas never share one
+    directory)."""
     import os
 
     from .engine import LLM
 
-    mem = _gib(args.kv_cache_memory)
     disk = args.kv_disk
-    if disk is not None and instance_id:  # replicas never share one directory
+    if disk is not None and instance_id:
         disk = os.path.join(disk, instance_id)
-    extra = (
-        {}
-        if args.sp_prefill_min_tokens is None
-        else {"sp_prefill_min_tokens": args.sp_prefill_min_tokens}
-    )
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        kv_cache_memory=mem,
-        tp=args.tp,
-        pp=args.pp,
-        sp=args.sp,
-        pp_layers=args.pp_layers,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
-        compile_decode=args.compile_decode,
-        kv_host_memory=_gib(args.kv_host_memory),
-        kv_disk=disk,
-        kv_disk_size=_gib(args.kv_disk_size),
-        **extra,
-    )
+    return LLM(args.model, flags.from_args(EngineConfig, args, kv_disk=disk))
 
 
 def _router(config: ServeConfig, upstream=(), replicas=None) -> int:

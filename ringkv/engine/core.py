@@ -28,6 +28,7 @@ from ..parallel.compiled import decode_buckets
 from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster, deferred_interrupt
 from ..parallel.tp import check_tp
 from ..parallel.worker import EngineShape
+from .flags import GIB, knob
 from .migrate import Migration
 from .output import OutputProcessor
 from .params import SamplingParams, is_int
@@ -85,36 +86,66 @@ class EngineConfig:
     minimum over ranks. ``timeout``: seconds a rank waits for its peers before it fails.
     ``compile_decode``: decode steps (on CPU, every step of 4 rows or more but ring-mode
     prefills) run through ``torch.compile`` (compiled when the engine starts; tp=1;
-    ``parallel/compiled.py``, docs/engine.md)."""
+    ``parallel/compiled.py``, docs/engine.md).
 
-    tp: int = 1
-    pp: int = 1
-    sp: int = 1
-    pp_layers: Optional[Seq[int]] = None  # layers per pipeline stage (default: balanced)
-    sp_prefill_min_tokens: int = SP_PREFILL_MIN_TOKENS
-    block_size: int = 16  # tokens per block on one rank (a block-table entry holds block_size * sp)
-    max_model_len: Optional[int] = None
-    kv_cache_memory: Optional[int] = None
-    gpu_memory_utilization: Optional[float] = None
-    num_blocks: Optional[int] = None
-    dtype: Optional[torch.dtype] = None  # or its name; default float32 on CPU, bfloat16 on CUDA
-    tokenizer: object = None  # default: the model's own
-    device: object = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    hash_fn: object = block_hash
-    paged_backend: str = "auto"
-    kv_cache_dtype: str = "auto"
-    timeout: Optional[float] = None
-    compile_decode: bool = (
-        False  # decode (CPU: also prefill) steps' dense parts through torch.compile
+    Each field carries its default, its help and its ``ringkv generate`` / ``ringkv serve``
+    flag (``flags.knob``; ``cli=False``: a Python-only setting); sizes are bytes here, GiB on
+    the command line. Fields are in the order of the flags in ``--help``."""
+
+    # a torch.dtype or its name; default float32 on CPU, bfloat16 on CUDA
+    dtype: Optional[torch.dtype] = knob(
+        None, "float32 / bfloat16 / float16 (default: float32 on CPU)"
     )
+    tokenizer: object = knob(None, "default: the model's own", cli=False)
+    device: object = knob(None, "default: cuda if available, else cpu", cli=False)
+    kv_cache_memory: Optional[int] = knob(None, "KV cache size in GiB per rank", unit=GIB)
+    gpu_memory_utilization: Optional[float] = knob(
+        None,
+        "CUDA: the fraction of the device the process may use, measured after the weights and "
+        "one profiling forward; sizes the KV cache",
+        cli=False,
+    )
+    num_blocks: Optional[int] = knob(None, "KV cache blocks (instead of a size)", cli=False)
     # the prefix cache's tiers off the device (cache/tiers.py): host bytes (None: as large as the
     # device pool; 0: off), a disk directory (None: off) and its bound in bytes
-    kv_host_memory: Optional[int] = None
-    kv_disk: Optional[str] = None
-    kv_disk_size: Optional[int] = None
+    kv_host_memory: Optional[int] = knob(
+        None,
+        "GiB of host memory for prefix-cache blocks evicted from the KV cache (default: as "
+        "large as the KV cache; 0: off)",
+        unit=GIB,
+    )
+    kv_disk: Optional[str] = knob(
+        None,
+        "keep blocks evicted from the host tier in files under DIR (an instance with an "
+        "--instance-id, as each replica of --replicas, uses DIR/<id>; default: off)",
+        metavar="DIR",
+    )
+    kv_disk_size: Optional[int] = knob(None, "GiB bound of the disk tier (default 16)", unit=GIB)
+    tp: int = knob(1, "tensor-parallel ranks (attention heads split)")
+    pp: int = knob(1, "pipeline-parallel ranks (layers split)")
+    sp: int = knob(1, "sequence-parallel ranks (ring prefill, KV striped)")
+    pp_layers: Optional[Seq[int]] = knob(None, "layers per pipeline stage", nargs="+")  # balanced
+    # a block-table entry holds block_size * sp tokens
+    block_size: int = knob(16, "KV cache tokens per block on a rank")
+    max_model_len: Optional[int] = knob(None, None)
+    max_num_seqs: int = knob(64, "requests computed at once")
+    max_num_batched_tokens: int = knob(2048, "tokens per step (chunked prefill)")
+    enable_prefix_caching: bool = knob(True, "reuse the K/V of cached prompt prefixes", cli=False)
+    hash_fn: object = knob(block_hash, "the prefix cache's block hash", cli=False)
+    kv_cache_dtype: str = knob("auto", "auto (the model's), fp8 (= fp8_e4m3), fp8_e5m2 or int8")
+    paged_backend: str = knob("auto", "the paged attention backend", cli=False)
+    sp_prefill_min_tokens: int = knob(
+        SP_PREFILL_MIN_TOKENS,
+        "tokens a sequence computes in a step before the ring splits them over the SP ranks",
+    )
+    compile_decode: bool = knob(
+        False,
+        "run decode steps' dense parts (on CPU, prefill steps' too) through torch.compile "
+        "(compiled at start-up; tp=1 only)",
+    )
+    timeout: Optional[float] = knob(
+        None, "seconds a rank waits for its peers before it fails", cli=False
+    )
 
 
 class EngineCore:

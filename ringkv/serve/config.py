@@ -1,8 +1,8 @@
 """``ServeConfig``: every ``ringkv serve`` / ``ringkv router`` setting that is not the engine's.
 
 The engine's settings are ``EngineConfig``'s (``ringkv.engine``). This dataclass is the one
-place the serving knobs are written down: each field carries its default and its help, and
-from the fields come, once,
+place the serving knobs are written down: each field carries its default and its help
+(``engine/flags.py``'s ``knob``, as ``EngineConfig``'s do), and from the fields come, once,
 
 - the command line flags (``add_arguments``: ``--served-model-name`` for ``model_name``,
   ``--no-migration`` for ``migration``, ``--no-kv-pull`` for ``kv_pull``, ``--`` and the
@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import typing
 from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence
+
+from ..engine import flags
 
 
 def _knob(
@@ -41,8 +42,9 @@ def _knob(
 ):
     """A field of ``ServeConfig``: its default, its ``--help`` text, and where it applies
     (``router``: a ``ringkv router`` flag too; ``replica``: passed on to each replica)."""
-    meta = dict(help=help, flag=flag, choices=choices, env=env, router=router, replica=replica)
-    return dataclasses.field(default=default, metadata=meta)
+    return flags.knob(
+        default, help, flag=flag, choices=choices, env=env, router=router, replica=replica
+    )
 
 
 @dataclass(kw_only=True)
@@ -140,35 +142,20 @@ class ServeConfig:
     @staticmethod
     def flag(f: dataclasses.Field) -> str:
         """The command line flag of field ``f``."""
-        return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        return flags.flag(f)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, command: str = "serve") -> None:
         """Add the flags of ``ringkv <command>`` (``serve``: every field; ``router``: the fields
         marked ``router``) to ``parser``; each one's ``dest`` is its field's name."""
-        hints = typing.get_type_hints(cls)
-        for f in fields(cls):
-            if command == "router" and not f.metadata["router"]:
-                continue
-            kw = dict(dest=f.name, default=f.default, help=f.metadata["help"])
-            kind = (typing.get_args(hints[f.name]) or (hints[f.name],))[0]  # Optional[X]: X
-            if isinstance(f.default, bool):
-                kw["action"] = "store_false" if f.default else "store_true"
-            else:
-                kw["metavar"] = cls.flag(f)[2:].upper().replace("-", "_")  # not the field's
-                if kind in (int, float):
-                    kw["type"] = kind
-                if f.metadata["choices"]:
-                    kw["choices"] = list(f.metadata["choices"])
-                    del kw["metavar"]  # argparse shows the choices
-            parser.add_argument(cls.flag(f), **kw)
+        flags.add_arguments(cls, parser, lambda f: command != "router" or f.metadata["router"])
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServeConfig":
         """The config of a parsed ``ringkv serve`` / ``ringkv router`` command line (fields it
         has no flag for keep their defaults), each field with an ``env`` variable falling back
         to it when the flag is not given or empty."""
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values = flags.values(cls, args)
         for f in fields(cls):
             if f.metadata["env"]:
                 values[f.name] = values.get(f.name) or os.environ.get(f.metadata["env"])

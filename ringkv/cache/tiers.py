@@ -9,14 +9,14 @@ An entry is one *logical block* (``tokens_per_block = block_size * sp`` tokens) 
 and KV heads, token-major as a KV snapshot holds them: ``k``/``v`` ``(layers, tokens_per_block,
 Hkv, D)`` in the cache's storage dtype, ``k_scale``/``v_scale`` ``(layers, tokens_per_block,
 Hkv)`` on a quantized cache. The driver gathers them from every rank and scatters them back
-(``read``/``write``: the cluster's ``read_kv``/``write_kv``), so the tiers work on every mesh.
+(the cluster's ``read_kv``/``write_kv``), so the tiers work on every mesh.
 An entry's ``key`` is the block's chained SHA-256 (``block_hash`` of parent key, tokens, salt):
 it names the content, the tenant's salt included, so a tier never serves another's K/V.
 
-- **Host**: ``host_blocks`` slots in one byte pool. On a CPU engine the pool is a memory-mapped
-  anonymous file of its own (a memfd: pages are taken when written, so an unused tier costs
-  nothing); on CUDA it is pinned host memory. Least recently used first out: to the disk tier
-  if there is one.
+- **Host**: ``host_bytes`` of memory, as whole entries (``host_blocks`` slots) in one byte pool.
+  On a CPU engine the pool is a memory-mapped anonymous file of its own (a memfd: pages are
+  taken when written, so an unused tier costs nothing); on CUDA it is pinned host memory. Least
+  recently used first out: to the disk tier if there is one.
 - **Disk** (``disk_tier.DiskTier``): safetensors files with checksums, bounded, least recently
   used first out; a file that fails its checks is refused and the block recomputed; a full disk
   turns the tier off and serving goes on.
@@ -102,25 +102,27 @@ def _pool(nbytes: int, pinned: bool) -> torch.Tensor:
 class TierStore:
     """The host tier (and the disk tier behind it) of one engine's prefix cache.
 
-    ``read(blocks) -> KV`` gathers device blocks (in order, ``len(blocks) * tokens_per_block``
-    tokens) and ``write(blocks, kv)`` scatters K/V into them; ``disk``: a ``DiskTier`` or None;
+    ``host_bytes``: the host tier's size (whole entries of ``layout.nbytes``: ``host_blocks``
+    slots; 0: off). ``read_kv(blocks, start, end) -> KV`` gathers tokens ``[start, end)`` of
+    device blocks and ``write_kv(blocks, start, kv)`` scatters K/V into them from token
+    ``start`` on (the cluster's methods of those names); ``disk``: a ``DiskTier`` or None;
     ``on_change(hash, tier)``: see the module docstring."""
 
     def __init__(
         self,
         *,
-        host_blocks: int,
+        host_bytes: int,
         layout: EntryLayout,
-        read: Callable[[List[int]], KV],
-        write: Callable[[List[int], KV], None],
+        read_kv: Callable[[List[int], int, int], KV],
+        write_kv: Callable[[List[int], int, KV], None],
         disk=None,
         pinned: bool = False,
         on_change: Callable[[Hashable, int], None] = lambda h, tier: None,
     ):
-        if host_blocks < 0:
-            raise ValueError(f"host_blocks must be >= 0, got {host_blocks}")
-        self.host_blocks, self.layout, self.disk = host_blocks, layout, disk
-        self.read, self.write, self.on_change = read, write, on_change
+        if host_bytes < 0:
+            raise ValueError(f"host_bytes must be >= 0, got {host_bytes}")
+        self.host_blocks, self.layout, self.disk = host_bytes // layout.nbytes, layout, disk
+        self.read_kv, self.write_kv, self.on_change = read_kv, write_kv, on_change
         self.pinned = pinned
         self.pool: Optional[torch.Tensor] = None  # host_blocks * nbytes uint8, made when first used
         self.slot_of: "OrderedDict[bytes, int]" = OrderedDict()  # key -> host slot, LRU first
@@ -177,8 +179,8 @@ class TierStore:
         for _, k, h in evicted:
             self.hash_of[k] = h
         if new and (self.host_blocks or self.disk is not None):
-            kv = self.read([b for b, _, _ in new])
             tpb = self.layout.shapes[0][1]
+            kv = self.read_kv([b for b, _, _ in new], 0, len(new) * tpb)
             put = self._put_host if self.host_blocks else self._put_disk  # no host tier: to disk
             for i, (_, key, _) in enumerate(new):
                 put(key, tuple(None if t is None else t[:, i * tpb : (i + 1) * tpb] for t in kv))
@@ -215,7 +217,7 @@ class TierStore:
             kv = tuple(
                 None if kvs[0][i] is None else torch.cat([p[i] for p in kvs], 1) for i in range(4)
             )
-            self.write(list(blocks), kv)
+            self.write_kv(list(blocks), 0, kv)
             self.loads += len(blocks)
 
     # -- the tiers' own bounds -------------------------------------------------------------

@@ -77,6 +77,32 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+def _check_config(c: "EngineConfig") -> None:
+    """The checks of a config that need no model: counts, tiers, one KV cache size."""
+    for name in ("tp", "pp", "sp", "block_size", "sp_prefill_min_tokens", "max_num_seqs"):
+        _positive_int(name, getattr(c, name))
+    _check_tiers(c)
+    sizes = (c.kv_cache_memory, c.num_blocks, c.gpu_memory_utilization)
+    if sum(x is not None for x in sizes) > 1:
+        raise ValueError(
+            "give one of kv_cache_memory (bytes per rank), gpu_memory_utilization or num_blocks"
+        )
+    g = c.gpu_memory_utilization
+    if g is not None and not 0 < g <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
+
+
+def _model_dtype(dtype, device: torch.device) -> torch.dtype:
+    """``dtype`` (a torch.dtype, its name, or None: float32 on CPU, bfloat16 elsewhere)."""
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+        return getattr(torch, dtype)
+    return dtype
+
+
 @dataclass(kw_only=True)
 class EngineConfig:
     """Everything ``LLM`` is built with besides the model. ``tp``/``pp``/``sp``: tensor-,
@@ -155,95 +181,24 @@ class EngineCore:
 
     def __init__(self, model, config: EngineConfig, *, digest: Callable = model_digest):
         c = self.engine_config = config
-        tp, pp, sp, block_size = c.tp, c.pp, c.sp, c.block_size
-        kv_cache_memory, num_blocks, gpu_memory_utilization = (
-            c.kv_cache_memory,
-            c.num_blocks,
-            c.gpu_memory_utilization,
-        )
-        max_model_len, dtype = c.max_model_len, c.dtype
-        for name in ("tp", "pp", "sp", "block_size", "sp_prefill_min_tokens", "max_num_seqs"):
-            _positive_int(name, getattr(c, name))
-        _check_tiers(c)
-        if sum(x is not None for x in (kv_cache_memory, num_blocks, gpu_memory_utilization)) > 1:
-            raise ValueError(
-                "give one of kv_cache_memory (bytes per rank), gpu_memory_utilization or num_blocks"
-            )
-        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
-            )
+        _check_config(c)
         self.device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype is None:
-            dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
-        if isinstance(dtype, str):
-            if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-            dtype = getattr(torch, dtype)
-        self.dtype = dtype
+        self.dtype = _model_dtype(c.dtype, self.device)
         cfg, weights, tok = open_model(model)
         self.config, self.tokenizer = cfg, c.tokenizer if c.tokenizer is not None else tok
-        # -- everything that can be wrong with the configuration, before any weight or cache
-        check_tp(cfg, tp)
-        quant.resolve(c.kv_cache_dtype)  # an unsupported kv_cache_dtype names the supported ones
-        if not isinstance(c.compile_decode, bool):
-            raise ValueError(f"compile_decode must be True or False, got {c.compile_decode!r}")
-        if c.compile_decode and tp > 1:
-            raise ValueError(
-                f"compile_decode does not support tp={tp} (the tensor-parallel all-reduces sit "
-                f"inside the layers' dense parts it compiles); use tp=1 (any pp and sp) or "
-                f"compile_decode=False"
-            )
-        shape = EngineShape(
-            pp,
-            sp,
-            tp,
-            tuple(c.pp_layers) if c.pp_layers is not None else None,
-            block_size,
-            c.sp_prefill_min_tokens,
-            c.paged_backend,
-            c.kv_cache_dtype,
-            decode_buckets(c.max_num_seqs) if c.compile_decode else None,
-        )
-        self.stage_layers = shape.stage_sizes(cfg)  # also validates pp and pp_layers
-        Cluster.mode_for(tp * pp * sp)  # a torch.distributed world of the wrong size
-        budget = CacheBudget(
-            num_blocks, kv_cache_memory, gpu_memory_utilization, c.max_num_batched_tokens
-        )
-        if (
-            gpu_memory_utilization is None
-        ):  # the cache size is known now: check it before loading anything
-            self._check_capacity(
-                num_blocks
-                if num_blocks is not None
-                else min(
-                    int(kv_cache_memory or DEFAULT_KV_MEMORY)
-                    // (shape.bytes_per_token(cfg, s, dtype) * block_size)
-                    for s in range(pp)
-                ),
-                shape,
-                max_model_len,
-                kv_cache_memory,
-            )
-        self.shape = shape
-        self.cluster = Cluster(
-            shape,
-            cfg,
-            weights,
-            model_arg=model,
-            dtype=dtype,
-            device=self.device,
-            budget=budget,
-            timeout=None if c.timeout is None else timedelta(seconds=c.timeout),
-        )
+        self.shape = self._make_shape(c)  # every check of the configuration, before any load
+        self.stage_layers = self.shape.stage_sizes(cfg)
+        self.cluster = self._make_cluster(model, c, weights)
         self._finalizer = weakref.finalize(self, self.cluster.close)
         self.num_blocks = self.cluster.num_blocks
         try:
-            capacity = self._check_capacity(self.num_blocks, shape, max_model_len, kv_cache_memory)
+            capacity = self._check_capacity(
+                self.num_blocks, self.shape, c.max_model_len, c.kv_cache_memory
+            )
         except ValueError:
             self.close()
             raise
-        self.max_model_len = max_model_len or int(min(cfg.max_position_embeddings, capacity))
+        self.max_model_len = c.max_model_len or int(min(cfg.max_position_embeddings, capacity))
         # this process's share of the cache (None on a spawn-mode driver: every model rank is a
         # worker)
         self.kv = self.cluster.worker.kv if self.cluster.worker is not None else None
@@ -251,10 +206,12 @@ class EngineCore:
         # takes snapshots
         self.digest = digest(cfg, weights) if self.cluster.is_driver else None
         # the K/V as a snapshot carries them: the quantized format, else the model dtype's name
-        self.kv_storage = shape.kv_cache_dtype if shape.quant else str(dtype).replace("torch.", "")
+        self.kv_storage = (
+            self.shape.kv_cache_dtype if self.shape.quant else str(self.dtype).replace("torch.", "")
+        )
         self.blocks = BlockManager(
             self.num_blocks,
-            block_size * sp,
+            c.block_size * c.sp,
             enable_prefix_caching=c.enable_prefix_caching,
             hash_fn=c.hash_fn,
         )
@@ -266,12 +223,81 @@ class EngineCore:
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
         )
-        eos_ids = set(cfg.eos_token_ids)
+        self.output = self._make_output()
+        self.pipeline = StepPipeline(self.scheduler, _Steps(self.cluster, self.output), depth=c.pp)
+        self.migration = self._make_migration()  # export / import of requests and prefixes
+        self.scheduler.reclaim = self.migration.reclaim  # held requests' blocks, when short
+        self._max_prompt_chars: Optional[int] = None
+
+    # -- the parts, built in order -----------------------------------------------------------
+    def _make_shape(self, c: EngineConfig) -> EngineShape:
+        """The mesh and cache layout of every rank, once everything that can be wrong with the
+        configuration is checked against the model (tp, the KV dtype, compile_decode, the
+        stages, the world size, the cache capacity when it is known before loading)."""
+        cfg, tp = self.config, c.tp
+        check_tp(cfg, tp)
+        quant.resolve(c.kv_cache_dtype)  # an unsupported kv_cache_dtype names the supported ones
+        if not isinstance(c.compile_decode, bool):
+            raise ValueError(f"compile_decode must be True or False, got {c.compile_decode!r}")
+        if c.compile_decode and tp > 1:
+            raise ValueError(
+                f"compile_decode does not support tp={tp} (the tensor-parallel all-reduces sit "
+                f"inside the layers' dense parts it compiles); use tp=1 (any pp and sp) or "
+                f"compile_decode=False"
+            )
+        shape = EngineShape(
+            c.pp,
+            c.sp,
+            tp,
+            tuple(c.pp_layers) if c.pp_layers is not None else None,
+            c.block_size,
+            c.sp_prefill_min_tokens,
+            c.paged_backend,
+            c.kv_cache_dtype,
+            decode_buckets(c.max_num_seqs) if c.compile_decode else None,
+        )
+        shape.stage_sizes(cfg)  # validates pp and pp_layers
+        Cluster.mode_for(tp * c.pp * c.sp)  # a torch.distributed world of the wrong size
+        if c.gpu_memory_utilization is None:  # the cache size is known: check it before loading
+            self._check_capacity(
+                c.num_blocks
+                if c.num_blocks is not None
+                else min(
+                    int(c.kv_cache_memory or DEFAULT_KV_MEMORY)
+                    // (shape.bytes_per_token(cfg, s, self.dtype) * c.block_size)
+                    for s in range(c.pp)
+                ),
+                shape,
+                c.max_model_len,
+                c.kv_cache_memory,
+            )
+        return shape
+
+    def _make_cluster(self, model, c: EngineConfig, weights) -> Cluster:
+        """The model's ranks, loaded, with their KV caches."""
+        return Cluster(
+            self.shape,
+            self.config,
+            weights,
+            model_arg=model,
+            dtype=self.dtype,
+            device=self.device,
+            budget=CacheBudget(
+                c.num_blocks, c.kv_cache_memory, c.gpu_memory_utilization, c.max_num_batched_tokens
+            ),
+            timeout=None if c.timeout is None else timedelta(seconds=c.timeout),
+        )
+
+    def _make_output(self) -> OutputProcessor:
+        """The output processor, with the model's and the tokenizer's EOS ids."""
+        eos_ids = set(self.config.eos_token_ids)
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos_ids.add(self.tokenizer.eos_token_id)
-        self.output = OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)
-        self.pipeline = StepPipeline(self.scheduler, _Steps(self.cluster, self.output), depth=pp)
-        self.migration = Migration(  # export / import of running requests and prefixes
+        return OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)
+
+    def _make_migration(self) -> Migration:
+        """The migration calls, handed the parts they use."""
+        return Migration(
             self.pipeline,
             self.cluster,
             self.output,
@@ -279,35 +305,33 @@ class EngineCore:
             drain=self.drain,
             digest=self.digest,
             kv_storage=self.kv_storage,
-            vocab_size=cfg.vocab_size,
+            vocab_size=self.config.vocab_size,
             max_model_len=self.max_model_len,
         )
-        self.scheduler.reclaim = self.migration.reclaim  # held requests' blocks, when short
-        self._max_prompt_chars: Optional[int] = None
 
     def _make_tiers(self, c: EngineConfig) -> Optional[TierStore]:
         """The host and disk tiers of the prefix cache (None if both are off): on the driver,
-        whose block manager decides; every rank's K/V move through ``read_kv``/``write_kv``."""
-        host, disk, disk_size = c.kv_host_memory, c.kv_disk, c.kv_disk_size
+        whose block manager decides; every rank's K/V move through the cluster's
+        ``read_kv``/``write_kv``."""
+        host, disk = c.kv_host_memory, c.kv_disk
         if not c.enable_prefix_caching or not self.cluster.is_driver:
             return None
         mover, tpb = self.cluster.mover, self.shape.block_size * self.shape.sp
         layout = EntryLayout(mover.shape, tpb, mover.dtype, mover.scale_dtype)
         if host is None:  # as large as the device pool, within the host's memory
             host = default_host_bytes(self.num_blocks * layout.nbytes)
-        host_blocks = host // layout.nbytes
-        if not host_blocks and disk is None:
+        if host < layout.nbytes and disk is None:  # not one entry
             return None
         return TierStore(
-            host_blocks=host_blocks,
+            host_bytes=host,
             layout=layout,
-            read=lambda blocks: self.cluster.read_kv(blocks, 0, len(blocks) * tpb),
-            write=lambda blocks, kv: self.cluster.write_kv(blocks, 0, kv),
+            read_kv=self.cluster.read_kv,
+            write_kv=self.cluster.write_kv,
             disk=None
             if disk is None
             else DiskTier(
                 disk,
-                disk_size or DEFAULT_KV_DISK_SIZE,
+                c.kv_disk_size or DEFAULT_KV_DISK_SIZE,
                 model=self.digest,
                 kv_cache_dtype=self.kv_storage,
                 tokens_per_block=tpb,

@@ -4,84 +4,74 @@
 --upstream URL ...`` puts the same front before instances started anywhere (with ``--admin``
 or the same ``--admin-key``). Clients see the OpenAI API of one ``ringkv serve``.
 
-- **Index.** Each instance publishes its prefix cache's block events (``GET /internal/state``:
-  blocks stored and evicted, keyed by the portable block hash, salted per request's
-  ``cache_salt``). The front polls them into one index; a new ``epoch`` (the instance
-  restarted) or a gap re-reads the instance's whole index. Nothing in it outlives what the
-  instances can tell again.
-- **Routing** (``kv``). A prompt is tokenized once (an instance's ``/tokenize``), its chain of
-  block hashes computed for each instance's logical block (``block_size * sp`` tokens), and it
-  goes to the instance where its cached prefix is worth most, unless that instance holds
-  ``balance`` more requests in flight than the least busy one: then to the best of the rest.
-  Each prompt block an instance can get counts by where it comes from (``TIER_WEIGHT``): its
-  device pool, its host-memory tier, its disk tier, a peer it can pull it from (with
-  ``kv_pull``), or a recompute (0). ``round-robin`` and ``least-loaded`` are there to compare
-  with.
+- **Index and routing** (``serve/policy.py``). Each instance publishes its prefix cache's block
+  events (``GET /internal/state``); the front polls them into one index (a new ``epoch``, the
+  instance restarted, or a gap re-reads the instance's whole index) and sends each prompt
+  (tokenized once, by an instance's ``/tokenize``) where its cached prefix is worth most.
 - **Pull hint.** When the chosen instance holds fewer prefix tokens (any tier) than the best
   holder by at least one of its logical blocks, the sub-request carries
   ``x-ringkv-pull: <holder URL> <tokens>``; the instance (which honours it from an admin only)
   decides by its cost model whether to pull those blocks from the holder before it adds the
   request (``AsyncEngine.pull_prefix``). ``--no-kv-pull`` sends no hints.
-- **Requests.** A client request is split into one sub-request per prompt, always streamed
-  from the instance (``return_token_ids``), so the front knows every token each choice got.
+- **Requests** (``serve/upstream.py``). A client request is split into one sub-request (``Sub``)
+  per prompt, always streamed from the instance (``return_token_ids``), so the front knows every
+  token each choice got; a broken stream's choices go on elsewhere (failover).
 - **Migration** (Llumnix-style, ``POST /admin/migrate`` or automatic when the instances' load,
   ``max(kv usage, requests in flight / max_num_seqs)``, differs by more than ``threshold``):
   the target listens, the source sends a pre-copy while the request keeps decoding and then
   the final snapshot; the source's stream ends with ``ringkv_moved`` and the front attaches to
   the target's stream. The client's stream goes on with no gap and no duplicate.
-- **Failover.** When an instance's stream breaks (the process died, its engine failed), the
-  unfinished choices continue on a survivor: a choice that got no token yet is sent again as
-  it was; one that did continues from its prompt plus the tokens it got (recomputed there),
-  asking for the tokens it still may generate. Greedy text is the same as without the
-  failure; a sampled choice continues with a fresh random stream.
+- **Replicas** (``serve/replicas.py``): the instances ``--replicas`` starts here, restarted
+  when they exit.
+
+This module holds the ``Router`` (the instances, their polls, migrations) and the front's app
+(``ServingRouter``, ``build_router_app``, ``run``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import itertools
-import json
-import os
-import random
-import secrets
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import AsyncIterator, Dict, List, Optional, Union
+from typing import AsyncIterator, Dict, List, Optional
 from urllib.parse import urlparse
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..cache.block_manager import DISK, HOST, REMOVED, STORED, block_hash
+from ..cache.block_manager import REMOVED, STORED
 from .app import MIGRATION_TIMEOUT, admin_posts, check_admin, migration_timeout, openai_app
-from .openai import ADMIN_HEADER, INSTANCE_HEADER, MAX_REQUEST_BYTES, PULL_HEADER, REQUEST_ID_HEADER
-from .openai import BadRequest, Encoder, RoutedRequest, completion_id, error_event, fold, merge
-from .openai import parse_json, read_body, response, stream_frame, unless_disconnected, usage
+from .openai import ADMIN_HEADER, INSTANCE_HEADER, MAX_REQUEST_BYTES, PULL_HEADER, BadRequest
+from .openai import Encoder, RoutedRequest, completion_id, error_event, fold, merge, parse_json
+from .openai import read_body, response, stream_frame, unless_disconnected, usage
+from .policy import DOWN_AFTER, POLL_S, ROUTINGS, Instance, InstanceState, NoInstance
+from .policy import RoutingPolicy
+from .replicas import Terminated, free_port, new_key, on_sigterm, start_replicas, stop_replicas
+from .replicas import supervise
+from .upstream import Attempt, Delta, Failure, Sub, httpx_module
 
-ROUTINGS = ("kv", "round-robin", "least-loaded")
-POLL_S = 0.5  # how often each instance is asked for its state
-DOWN_AFTER = 3  # failed polls in a row that mark an instance down
-# seconds a routed prompt's blocks count as cached where it went, before its events arrive
-PENDING_S = 30.0
+# names imported from here before serve/ was split by concern (tests, benchmarks, the CLI)
+__all__ = [
+    "PULL_HEADER",
+    "Delta",
+    "Failure",
+    "Instance",
+    "NoInstance",
+    "Router",
+    "ServingRouter",
+    "Sub",
+    "build_router_app",
+    "free_port",
+    "new_key",
+    "run",
+]
+
 MIN_LEFT = 16  # the load policy moves only requests with this many tokens or more left
 MOVE_EVERY = 10.0  # ... and each at most once in this many seconds
-RESTART_AFTER = 5.0  # seconds a replica that exited has run at least before it is started again
-MAX_CRASHES = 3  # a replica that exits this often in a row before it answers is not started again
-# what one prompt token is worth where its K/V comes from (routing "kv"): an instance's device
-# pool, its host-memory tier, its disk tier, a peer it pulls it from, or a recompute (0)
-TIER_WEIGHT = {STORED: 1.0, HOST: 0.75, DISK: 0.5}
-PEER_WEIGHT = 0.25
-TIERS = {STORED: "device", HOST: "host", DISK: "disk"}  # their names in metrics and views
 
 
 # the router's per-instance metrics: name (a counter's ends in _total), type, what its value is
@@ -103,366 +93,10 @@ pull_hints counter pull_hints Sub-requests sent there with a pull hint (a peer h
 """
 
 
-class InstanceState(StrEnum):
-    """Where an instance stands (its wire name in ``/admin/instances`` is the value)."""
+class Router(RoutingPolicy):
+    """The front's state: the instances (``Instance``), their polls, the routing policy
+    (``RoutingPolicy``), the sub-requests streaming now (``Sub``) and migrations."""
 
-    STARTING = "starting"  # added or (re)started; not answered yet
-    UP = "up"  # answers its polls: requests go there
-    DOWN = "down"  # unreachable, its process exited or its engine failed (polled again)
-    DRAINING = "draining"  # takes no new requests; removed once its streams end
-    FAILED = "failed"  # a replica that exited MAX_CRASHES times before it answered: not restarted
-
-
-@dataclass
-class Instance:
-    id: str
-    url: str
-    proc: Optional[subprocess.Popen] = None  # a replica this front started
-    argv: Optional[List[str]] = None  # how to start it again
-    state: InstanceState = InstanceState.STARTING
-    error: Optional[str] = None
-    epoch: str = ""
-    last: int = 0  # the last block event read
-    # the blocks its prefix cache holds: hash (hex) -> tier (STORED: device, HOST, DISK)
-    blocks: Dict[str, int] = field(default_factory=dict)
-    # hashes of the blocks of prompts routed there: until when they count as cached
-    pending: Dict[str, float] = field(default_factory=dict)
-    tokens_per_block: int = 0
-    model: str = ""  # model digest: migration needs the same on both sides
-    kv_cache_dtype: str = ""
-    max_num_seqs: int = 64
-    load: dict = field(default_factory=dict)  # its own gauges: running, waiting, kv_usage, ...
-    inflight: int = 0  # sub-requests this front streams from it now
-    failed_polls: int = 0
-    crashes: int = 0  # times in a row its process exited before it answered
-    counters: Dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(
-            "requests prompt_tokens cached_tokens migrations_in migrations_out failovers "
-            "pull_hints".split(),
-            0,
-        )
-    )
-
-    @property
-    def pid(self) -> Optional[int]:
-        return None if self.proc is None else self.proc.pid
-
-    def score(self) -> float:
-        return max(float(self.load.get("kv_usage", 0.0)), self.inflight / max(self.max_num_seqs, 1))
-
-    def tier_blocks(self) -> Dict[str, int]:
-        """Blocks of its index per tier: ``{"device": n, "host": n, "disk": n}``."""
-        out = dict.fromkeys(TIERS.values(), 0)
-        for tier in self.blocks.values():
-            out[TIERS.get(tier, "device")] += 1
-        return out
-
-    def view(self) -> dict:
-        load = dict(self.load, inflight=self.inflight, score=round(self.score(), 4))
-        return dict(
-            id=self.id,
-            url=self.url,
-            pid=self.pid,
-            state=self.state,
-            error=self.error,
-            load=load,
-            cached_blocks=len(self.blocks),
-            tier_blocks=self.tier_blocks(),
-            tokens_per_block=self.tokens_per_block,
-            counters=dict(self.counters),
-        )
-
-
-class NoInstance(RuntimeError):
-    """No instance is up to take a request."""
-
-
-class Failed(Exception):
-    """An instance's stream broke: the choices go on elsewhere."""
-
-
-class Full(Exception):
-    """An instance's waiting queue is full (its 429): another may take the request."""
-
-
-@dataclass
-class ChoiceState:
-    tokens: List[int] = field(default_factory=list)  # token ids delivered to the client
-    finish_reason: Optional[str] = None
-
-
-@dataclass
-class Delta:
-    """A sub-request's event: the chunk ``data`` of its choice ``choice`` (one choice each)."""
-
-    choice: int
-    data: dict
-
-
-@dataclass
-class Failure:
-    """A sub-request's last event: ``error`` ends the client's answer; ``reject``: an instance
-    refused the request (a 4xx), else none could serve it."""
-
-    error: Exception
-    reject: bool
-
-
-END = None  # a sub-request's queue after its last stream ended
-
-
-@dataclass
-class Attempt:
-    """One stream from one instance: the choices (indexes of its sub-request) it carries."""
-
-    instance: Instance
-    rid: str  # the engine's request id there
-    choices: List[int]  # its choice i -> the sub-request's choice choices[i]
-    pull: Optional[tuple] = None  # (holder URL, tokens): the pull hint sent with it
-    moved_to: Optional[str] = None
-    live: bool = True  # its stream is being read
-    moved_at: float = float("-inf")  # when the load policy last moved it (monotonic)
-
-
-class Sub:
-    """A client request's prompt ``index``: sent to instances, followed across moves and
-    failures."""
-
-    def __init__(
-        self, router: "Router", rid: str, index: int, path: str, body: dict, ids: List[int], n: int
-    ):
-        self.router, self.rid, self.index, self.path = router, rid, index, path
-        self.body, self.ids = body, ids
-        self.n, self.choices = n, [ChoiceState() for _ in range(n)]
-        self.prompt_tokens, self.cached = len(ids), None
-        self.attempts: List[Attempt] = []
-        self.queue: asyncio.Queue = asyncio.Queue()  # Delta | Failure | END
-        self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()  # taken
-        self.tasks: List[asyncio.Task] = []
-        self.running = 0  # its tasks still streaming
-        self.finished_on: Optional[str] = None
-        self.ids_seq = itertools.count()
-
-    async def events(self) -> AsyncIterator[Union[Delta, Failure]]:
-        """What the client gets of this prompt, until every stream of it ended."""
-        while (item := await self.queue.get()) is not END:
-            yield item
-
-    @property
-    def done(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
-
-    def body_for(self, choices: List[int]) -> dict:
-        """The request that continues ``choices``: as sent, if none got a token yet; else one
-        choice from its prompt plus the tokens it got, for the tokens it may still generate."""
-        b = dict(
-            self.body, stream=True, stream_options={"include_usage": True}, return_token_ids=True
-        )
-        got = [self.choices[c].tokens for c in choices]
-        if len(choices) == self.n and not any(got):
-            return b
-        (c,) = choices
-        ids = self.ids + self.choices[c].tokens
-        b["n"], b["echo"] = 1, False  # (echo: the client has the prompt already)
-        if "messages" in b:
-            b["prompt_token_ids"] = ids
-        else:
-            b["prompt"] = ids
-        for name in ("max_tokens", "max_completion_tokens"):
-            if isinstance(b.get(name), int):
-                b[name] = max(1, b[name] - len(self.choices[c].tokens))
-        if "messages" not in b and b.get("max_tokens") is None:
-            b["max_tokens"] = max(1, 16 - len(self.choices[c].tokens))  # /v1/completions' default
-        if b.get("seed") is not None:  # its random stream is lost: a reproducible new one
-            b["seed"] = random.Random(f"{b['seed']}/{c}/{len(ids) - len(self.ids)}").getrandbits(63)
-        return b
-
-    def start(self, choices: List[int], exclude: frozenset = frozenset()) -> None:
-        self.running += 1
-        self.tasks.append(asyncio.create_task(self.run(choices, exclude)))
-
-    async def run(self, choices: List[int], exclude: frozenset) -> None:
-        try:
-            await self._run(choices, exclude)
-        except Exception as e:  # noqa: BLE001 - never leave the client waiting
-            self.fail(e)
-        finally:
-            self.running -= 1
-            if not self.running:  # every stream of it ended (its usage read): the last event
-                self.queue.put_nowait(END)
-
-    async def _run(self, choices: List[int], exclude: frozenset) -> None:
-        """Stream ``choices`` from an instance, across moves; on a failure, go on elsewhere."""
-        r = self.router
-        tried = set(exclude)
-        while True:
-            try:
-                inst, hint = await r.pick_waiting(
-                    self.ids, self.body.get("cache_salt"), frozenset(tried)
-                )
-            except NoInstance as e:
-                self.fail(e)
-                return
-            attempt = Attempt(
-                inst, f"{self.rid}.{next(self.ids_seq)}" if self.attempts else self.rid, choices
-            )
-            attempt.pull = hint
-            self.attempts.append(attempt)
-            try:
-                await self.follow(attempt, self.body_for(choices))
-                return
-            except BadRequest as e:
-                self.fail(e, reject=True)
-                return
-            except Full as e:
-                tried.add(attempt.instance.id)
-                if all(i.id in tried for i in r.up()):  # every instance is full
-                    retry = {"Retry-After": "1"}
-                    self.fail(
-                        BadRequest(str(e), 429, code="too_many_requests", headers=retry), True
-                    )
-                    return
-            except Failed as e:
-                inst = attempt.instance
-                r.lost(inst, str(e))
-                inst.counters["failovers"] += 1
-                tried.add(inst.id)
-                left = [c for c in choices if self.choices[c].finish_reason is None]
-                if not left:
-                    return
-                whole = len(left) == self.n and not any(self.choices[c].tokens for c in left)
-                if len(left) > 1 and not whole:  # each choice continues from its own tokens
-                    for c in left[1:]:
-                        self.start([c], frozenset(tried))
-                    left = left[:1]
-                choices = left
-                if len(tried) >= len(r.instances):
-                    tried = {inst.id}  # a restarted instance may take it again
-
-    def fail(self, e: Exception, reject: bool = False) -> None:
-        """Before the instance took the request: the client's answer is this error; after: an
-        error event ends its stream."""
-        if not self.accepted.done():
-            self.accepted.set_exception(e)
-        else:
-            self.queue.put_nowait(Failure(e, reject))
-
-    async def follow(self, attempt: Attempt, body: dict) -> None:
-        r = self.router
-        inst = attempt.instance
-        inst.inflight += 1
-        inst.counters["requests"] += 1
-        try:
-            url, method, payload = inst.url + self.path, "POST", body
-            extra = {REQUEST_ID_HEADER: attempt.rid}
-            if attempt.pull is not None:
-                extra[PULL_HEADER] = "%s %d" % attempt.pull
-                inst.counters["pull_hints"] += 1
-            while True:
-                async with r.open(method, url, payload, extra) as resp:
-                    if resp.status_code >= 400:
-                        text = (await resp.aread()).decode(errors="replace")
-                        if resp.status_code == 429:
-                            raise Full(BadRequest.relayed(429, text))
-                        if resp.status_code < 500:
-                            raise BadRequest.relayed(resp.status_code, text)
-                        raise Failed(
-                            f"instance {inst.id} answered {resp.status_code}: {text[:200]}"
-                        )
-                    if not self.accepted.done():
-                        self.accepted.set_result(inst.id)
-                    await self.read_while_up(attempt, resp)
-                if attempt.moved_to is None:
-                    return
-                target = r.by_id.get(attempt.moved_to)
-                if target is None:
-                    raise Failed(f"request moved to unknown instance {attempt.moved_to!r}")
-                inst.inflight -= 1
-                inst = attempt.instance = target
-                inst.inflight += 1
-                attempt.moved_to = None
-                url, method, payload = f"{inst.url}/internal/attach/{attempt.rid}", "GET", None
-                extra = {REQUEST_ID_HEADER: attempt.rid}
-                if "messages" in self.body:
-                    url += "?chat=true"
-        except (OSError, _httpx().HTTPError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-            raise Failed(f"instance {inst.id}: {type(e).__name__}: {e}") from None
-        finally:
-            inst.inflight -= 1
-            attempt.live = False
-
-    async def read_while_up(self, attempt: Attempt, resp) -> None:
-        """``read``, given up (``Failed``) once the polls find its instance down: a host whose
-        link went down sends nothing, not even a reset, and a read without a timeout (a stream
-        may rightly be silent for long) would wait for it forever."""
-        inst = attempt.instance
-        reading = asyncio.ensure_future(self.read(attempt, resp))
-        try:
-            while True:
-                done, _ = await asyncio.wait({reading}, timeout=POLL_S)
-                if done:
-                    return reading.result()
-                if inst.state == InstanceState.DOWN or inst.failed_polls >= DOWN_AFTER:
-                    raise Failed(
-                        f"instance {inst.id} is down ({inst.error}); its stream went silent"
-                    )
-        finally:
-            if not reading.done():
-                reading.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await reading
-
-    async def read(self, attempt: Attempt, resp) -> None:
-        done = False
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                done = True
-                break
-            ev = json.loads(data)
-            if "error" in ev:  # the engine failed mid-stream: the choices go on elsewhere
-                raise Failed(f"instance {attempt.instance.id}: {ev['error'].get('message')}")
-            if "ringkv_moved" in ev:
-                attempt.moved_to = ev["ringkv_moved"]["to"]
-                continue
-            if ev.get("usage") and not ev.get("choices"):
-                if self.cached is None or attempt.rid != self.rid:  # the latest stream's count
-                    cached = (ev["usage"].get("prompt_tokens_details") or {}).get(
-                        "cached_tokens", 0
-                    )
-                    self.cached = min(cached, self.prompt_tokens)
-                continue
-            for c in ev.get("choices", []):
-                if "delta" in c and "role" in c["delta"] and not c["delta"].get("content"):
-                    continue  # a chat stream's opening chunk: the front sends its own
-                index = attempt.choices[c["index"]] if c["index"] < len(attempt.choices) else None
-                if index is None:
-                    raise Failed(
-                        f"instance {attempt.instance.id} streamed an unknown choice {c['index']}"
-                    )
-                state = self.choices[index]
-                if state.finish_reason is not None:
-                    continue
-                state.tokens += c.get("token_ids") or []
-                if c.get("finish_reason") is not None:
-                    state.finish_reason = c["finish_reason"]
-                    self.finished_on = attempt.instance.id
-                await self.queue.put(Delta(index, ev | {"choices": [c]}))
-        if attempt.moved_to is None and (
-            not done or any(self.choices[c].finish_reason is None for c in attempt.choices)
-        ):
-            raise Failed(f"instance {attempt.instance.id}: the stream ended early")
-
-
-def _httpx():
-    import httpx
-
-    return httpx
-
-
-class Router:
     def __init__(
         self,
         *,
@@ -557,30 +191,7 @@ class Router:
             await resp.aclose()
 
     async def poll(self, inst: Instance) -> None:
-        if inst.proc is not None and inst.proc.poll() is not None:
-            if inst.state not in (InstanceState.DOWN, InstanceState.FAILED):
-                if inst.state == InstanceState.STARTING:
-                    inst.crashes += 1  # exited before it ever answered
-                self.down(
-                    inst, f"its process exited ({inst.proc.returncode}): {log_tail(inst.proc)}"
-                )
-                if inst.crashes >= MAX_CRASHES:
-                    # e.g. a bad model path: starting it again would not help
-                    inst.state = InstanceState.FAILED
-                    print(
-                        f"ringkv: instance {inst.id} failed to start {inst.crashes} times;"
-                        f" last: {inst.error}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            if (
-                self.restart
-                and inst.state == InstanceState.DOWN
-                and inst.argv is not None
-                and time.monotonic() - inst.proc.started > RESTART_AFTER
-            ):
-                inst.proc = start_process(inst.argv, inst.proc.log)
-                inst.state = InstanceState.STARTING
+        if supervise(self, inst):  # a replica whose process exited
             return
         try:
             r = await self.client.get(
@@ -642,117 +253,6 @@ class Router:
                 self.rebalancing = asyncio.create_task(self.rebalance())  # polls go on meanwhile
             await asyncio.sleep(POLL_S)
 
-    # -- routing ---------------------------------------------------------------------------
-    @staticmethod
-    def chain(inst: Instance, ids: List[int], salt, chains: dict) -> List[str]:
-        """The prompt's chain of block hashes (hex) at ``inst``'s logical block size, computed
-        once per size into ``chains``."""
-        tpb = inst.tokens_per_block
-        if tpb not in chains:
-            out, parent = [], None
-            for i in range(len(ids) // tpb):
-                parent = block_hash((parent, tuple(ids[i * tpb : (i + 1) * tpb]), salt))
-                out.append(parent.hex())
-            chains[tpb] = out
-        return chains[tpb]
-
-    def held(
-        self, inst: Instance, ids: List[int], salt, chains: dict, pending: bool = True
-    ) -> List[int]:
-        """The tier of each block of the longest prefix of the prompt ``inst`` holds (a block
-        claimed by a prompt routed there counts as on its device while ``pending``)."""
-        if inst.tokens_per_block <= 0:
-            return []
-        out, now = [], time.monotonic()
-        for h in self.chain(inst, ids, salt, chains):
-            tier = inst.blocks.get(h)
-            if tier is None:
-                if not pending or inst.pending.get(h, 0.0) < now:
-                    break
-                tier = STORED
-            out.append(tier)
-        return out
-
-    def cached_tokens(self, inst: Instance, ids: List[int], salt, chains: dict) -> int:
-        """Prompt tokens of the longest prefix ``inst`` holds, in any tier."""
-        return len(self.held(inst, ids, salt, chains)) * inst.tokens_per_block
-
-    def holder(
-        self, inst: Instance, ids: List[int], salt, chains: dict
-    ) -> tuple[Optional[Instance], int]:
-        """The up instance ``inst`` could pull the longest prefix of the prompt from (same model
-        and KV cache dtype; blocks its events reported, not claims), and that prefix's tokens."""
-        best, most = None, 0
-        for h in self.up():
-            if h is inst or (h.model, h.kv_cache_dtype) != (inst.model, inst.kv_cache_dtype):
-                continue
-            if ("held", h.id) not in chains:  # (once per prompt routed)
-                held = self.held(h, ids, salt, chains, pending=False)
-                chains["held", h.id] = len(held) * h.tokens_per_block
-            n = chains["held", h.id]
-            if n > most:
-                best, most = h, n
-        return best, most
-
-    def worth(self, inst: Instance, ids: List[int], salt, chains: dict) -> float:
-        """What the prompt's cached K/V is worth on ``inst``: each token of its longest held
-        prefix weighted by its tier, and (with ``kv_pull``) each further token a peer holds (in
-        ``inst``'s whole blocks) by ``PEER_WEIGHT``."""
-        tiers = self.held(inst, ids, salt, chains)
-        tpb = inst.tokens_per_block
-        value = sum(TIER_WEIGHT.get(t, 0.0) for t in tiers) * tpb
-        if self.kv_pull and tpb > 0:
-            _, most = self.holder(inst, ids, salt, chains)
-            value += PEER_WEIGHT * max(0, most // tpb - len(tiers)) * tpb
-        return value
-
-    def claim(self, inst: Instance, chains: dict) -> None:
-        """The prompt just routed to ``inst`` will be cached there: until its events say so (or
-        ``PENDING_S`` pass), requests sharing its prefix go there too."""
-        until = time.monotonic() + PENDING_S
-        for h in chains.get(inst.tokens_per_block, ()):
-            if h not in inst.blocks:
-                inst.pending[h] = until
-
-    def pick(self, ids: List[int], salt=None, exclude: frozenset = frozenset()) -> Instance:
-        """The instance the prompt ``ids`` goes to (``route``)."""
-        return self.route(ids, salt, exclude)[0]
-
-    def route(
-        self, ids: List[int], salt=None, exclude: frozenset = frozenset()
-    ) -> tuple[Instance, Optional[tuple]]:
-        """The instance the prompt goes to, and its ``pull_hint`` there (before the prompt is
-        claimed there)."""
-        up = [i for i in self.up() if i.id not in exclude]
-        if not up:
-            raise NoInstance("no instance is up to serve the request")
-        if self.routing == "round-robin":
-            best = up[next(self.rr) % len(up)]
-            return best, self.pull_hint(best, ids, salt)
-        if self.routing == "least-loaded":
-            best = min(up, key=lambda i: (i.inflight, i.score()))
-            return best, self.pull_hint(best, ids, salt)
-        chains: dict = {}
-        least = min(i.inflight for i in up)
-        fair = [i for i in up if i.inflight <= least + self.balance] or up
-        best = max(fair, key=lambda i: (self.worth(i, ids, salt, chains), -i.score(), -i.inflight))
-        hint = self.pull_hint(best, ids, salt)
-        self.claim(best, chains)
-        return best, hint
-
-    def pull_hint(self, inst: Instance, ids: List[int], salt=None) -> Optional[tuple]:
-        """``(holder URL, tokens)`` when, with ``kv_pull``, another up instance holds at least
-        one of ``inst``'s logical blocks more of the prompt's prefix (any tier) than ``inst``
-        does (claims included: what it computes now it will hold); else None."""
-        tpb = inst.tokens_per_block
-        if not self.kv_pull or tpb <= 0:
-            return None
-        chains: dict = {}
-        best, most = self.holder(inst, ids, salt, chains)
-        if best is None or most < self.cached_tokens(inst, ids, salt, chains) + tpb:
-            return None
-        return best.url, most
-
     async def when_up(self, choose, wait: float = 30.0) -> Instance:
         """``choose()``, waiting up to ``wait`` seconds while no instance is up but a replica of
         this front is (re)starting; with none coming, its ``NoInstance`` at once."""
@@ -800,7 +300,7 @@ class Router:
                 r = await self.client.post(
                     inst.url + "/tokenize", json=payload, headers=self.headers(), timeout=30.0
                 )
-            except _httpx().HTTPError as e:
+            except httpx_module().HTTPError as e:
                 self.lost(inst, f"{type(e).__name__}: {e}")
                 continue
             if r.status_code != 200:
@@ -867,7 +367,9 @@ class Router:
             if r.status_code != 200:
                 self.counters["migration_failures"] += 1
                 raise BadRequest.relayed(r.status_code, r.text)
-        except _httpx().HTTPError as e:  # unreachable (its link is down), or no answer in time
+        except (
+            httpx_module().HTTPError
+        ) as e:  # unreachable (its link is down), or no answer in time
             self.counters["migration_failures"] += 1
             raise BadRequest(
                 f"request {attempt.rid!r} did not move from {src.id} to {target.id}: instance "
@@ -921,7 +423,7 @@ class Router:
             return
         sub, a = max(movable, key=left)  # the one with the most left to generate moves
         a.moved_at = now
-        with contextlib.suppress(BadRequest, _httpx().HTTPError):
+        with contextlib.suppress(BadRequest, httpx_module().HTTPError):
             await self.migrate(sub, a, dst)
             self.counters["auto_migrations"] += 1
 
@@ -1187,7 +689,7 @@ class ServingRouter:
 
 def build_router_app(router: Router, max_request_bytes: int = MAX_REQUEST_BYTES):
     """The front's app over ``router`` (its HTTP client and polls live as long as the app)."""
-    httpx = _httpx()
+    httpx = httpx_module()
     serving = ServingRouter(router, max_request_bytes)
 
     @contextlib.asynccontextmanager
@@ -1227,39 +729,6 @@ def build_router_app(router: Router, max_request_bytes: int = MAX_REQUEST_BYTES)
     return app
 
 
-# -- replicas on this host ----------------------------------------------------------------
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    # Linux: a replica goes when the front goes, even on SIGKILL
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def log_tail(proc, n: int = 400) -> str:
-    """The end of a replica's log: why it exited."""
-    try:
-        with open(proc.log.name, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - n))
-            return f.read().decode(errors="replace").strip().splitlines()[-1][-n:]
-    except (OSError, IndexError, AttributeError):
-        return ""
-
-
-def start_process(argv: List[str], log) -> subprocess.Popen:
-    env = dict(os.environ)
-    proc = subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
-    )
-    proc.log, proc.started = log, time.monotonic()
-    return proc
-
-
 def run(
     router: Router,
     *,
@@ -1275,26 +744,12 @@ def run(
 
     procs = []
     logs = tempfile.mkdtemp(prefix="ringkv-replicas-")
-    key = router.upstream_key
     # uvicorn re-raises the SIGTERM that stopped it: let it end this function, not the process
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
     terminated = False
     try:
-        for i, extra in enumerate(replicas or []):
-            p = free_port()
-            argv = [sys.executable, "-m", "ringkv", "serve", *extra]
-            argv += ["--host", "127.0.0.1", "--port", str(p), "--instance-id", f"r{i}"]
-            log = open(os.path.join(logs, f"r{i}.log"), "ab")
-            os.environ["RINGKV_ADMIN_KEY"] = key  # the replicas read it (not on their command line)
-            if router.api_key is not None:
-                os.environ["RINGKV_API_KEY"] = router.api_key
-            proc = start_process(argv, log)
-            procs.append(proc)
-            router.add(f"http://127.0.0.1:{p}", f"r{i}", proc=proc, argv=argv)
-        if replicas:
-            msg = f"ringkv: {len(replicas)} replicas starting (logs in {logs})"
-            print(msg, file=sys.stderr, flush=True)
+        procs = start_replicas(router, replicas or [], logs)
         app = build_router_app(router, max_request_bytes or MAX_REQUEST_BYTES)
         router.server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level=log_level)
@@ -1303,31 +758,8 @@ def run(
     except Terminated:
         terminated = True
     finally:
-        for inst in router.instances:
-            if inst.proc is not None and inst.proc.poll() is None:
-                inst.proc.terminate()
-        for inst in router.instances:
-            if inst.proc is not None:
-                try:
-                    inst.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    inst.proc.kill()
-        for proc in procs:
-            proc.log.close()
-        shutil.rmtree(logs, ignore_errors=True)  # the replicas' logs went with them
+        stop_replicas(router.instances, procs, logs)
         if main:
             signal.signal(signal.SIGTERM, previous)
     if terminated:
         signal.raise_signal(signal.SIGTERM)  # the process ends of it, as it would have
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised in ``run`` so that its replicas and their logs go first."""
-
-
-def _terminated(signum, frame) -> None:
-    raise Terminated()
-
-
-def new_key() -> str:
-    return secrets.token_urlsafe(24)

@@ -12,6 +12,8 @@ from typing import Dict, Optional
 
 import torch.distributed as dist
 
+from ..sp.collectives import Memo
+
 AXES = ("pp", "sp", "tp")
 
 
@@ -73,7 +75,7 @@ class Mesh:
         return f"Mesh(pp={self.pp}, sp={self.sp}, tp={self.tp}, rank={self.rank})"
 
 
-_MESHES: Dict[tuple, Dict[str, object]] = {}
+MESHES = Memo()  # (world, device type, shape) -> axis -> process group
 
 
 def build_mesh(shape: MeshShape, device_type: str) -> Mesh:
@@ -82,17 +84,17 @@ def build_mesh(shape: MeshShape, device_type: str) -> Mesh:
     if shape.world == 1:
         return Mesh(shape)
     world = dist.group.WORLD
-    key = (id(world), device_type, shape)
-    if key not in _MESHES:
-        from torch.distributed.device_mesh import init_device_mesh
+    groups = MESHES.get((id(world), device_type, shape), lambda: _groups(shape, device_type))
+    return Mesh(shape, dist.get_rank(), groups)
 
-        dm = init_device_mesh(device_type, (shape.pp, shape.sp, shape.tp), mesh_dim_names=AXES)
-        _MESHES[key] = {
-            a: dm.get_group(a) for a, n in zip(AXES, (shape.pp, shape.sp, shape.tp)) if n > 1
-        }
-    return Mesh(shape, dist.get_rank(), _MESHES[key])
+
+def _groups(shape: MeshShape, device_type: str) -> Dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh(device_type, (shape.pp, shape.sp, shape.tp), mesh_dim_names=AXES)
+    return {a: dm.get_group(a) for a, n in zip(AXES, (shape.pp, shape.sp, shape.tp)) if n > 1}
 
 
 def forget_meshes() -> None:
     """Drop cached groups (their process group was destroyed)."""
-    _MESHES.clear()
+    MESHES.reset()

@@ -27,6 +27,9 @@ __all__ = [
     "agree",
     "agree_once",
     "forget_agreed",
+    "AGREED",
+    "GroupMemory",
+    "Memo",
     "all_to_all",
     "Pending",
     "start_all_gather",
@@ -120,9 +123,64 @@ def agree(
         )
 
 
-_AGREED: Dict[
-    tuple, "OrderedDict[tuple, None]"
-] = {}  # groups -> (what, values) that all ranks agreed on
+class GroupMemory:
+    """Per group, an ordered memory (key -> value, the least recently used dropped first past a
+    limit): what every rank of a group must hold alike (agreements, ``"auto"`` decisions), so that
+    all drop the same entries. ``snapshot()`` shows it, ``forget(group)`` drops one group's,
+    ``reset()`` all of it (on every rank of the groups)."""
+
+    def __init__(self):
+        self._groups: Dict[object, "OrderedDict[object, object]"] = {}
+
+    def get(self, group, key, default=None):
+        return self._groups.get(group, {}).get(key, default)
+
+    def touch(self, group, key) -> bool:
+        """Whether ``key`` is remembered for ``group``; if so it becomes the most recent."""
+        seen = self._groups.get(group)
+        if seen is None or key not in seen:
+            return False
+        seen.move_to_end(key)
+        return True
+
+    def put(self, group, key, value, limit: int) -> None:
+        """Remember ``key -> value`` for ``group``, keeping at most ``limit`` entries."""
+        seen = self._groups.setdefault(group, OrderedDict())
+        seen[key] = value
+        if len(seen) > limit:
+            seen.popitem(last=False)
+
+    def forget(self, group) -> None:
+        self._groups.pop(group, None)
+
+    def snapshot(self) -> dict:
+        """``{(group, key): value}``, oldest first within a group."""
+        return {(g, k): v for g, seen in self._groups.items() for k, v in seen.items()}
+
+    def reset(self) -> None:
+        self._groups.clear()
+
+
+class Memo:
+    """Values built once per key (process groups of a device mesh): ``get(key, make)``;
+    ``snapshot()`` lists the keys, ``reset()`` drops them all (their process group destroyed)."""
+
+    def __init__(self):
+        self._values: dict = {}
+
+    def get(self, key, make: Callable[[], object]):
+        if key not in self._values:
+            self._values[key] = make()
+        return self._values[key]
+
+    def snapshot(self) -> list:
+        return list(self._values)
+
+    def reset(self) -> None:
+        self._values.clear()
+
+
+AGREED = GroupMemory()  # groups -> (what, values) that all ranks agreed on
 AGREED_PER_GROUP = 1024  # remembered configurations per group (least recently used dropped first)
 
 
@@ -131,7 +189,7 @@ def forget_agreed(group=None) -> None:
     on this rank: the next call on it checks again. Every rank of ``group`` must call it (a rank
     that remembers and one that does not make different collectives); calls over several groups
     (USP's) keep theirs. Tests whose case needs a first call use it."""
-    _AGREED.pop((dist.group.WORLD if group is None else group,), None)
+    AGREED.forget((dist.group.WORLD if group is None else group,))
 
 
 def agree_once(
@@ -157,15 +215,11 @@ def agree_once(
     if all(rank_world(g)[1] == 1 for g in groups):
         return False
     gkey = tuple(dist.group.WORLD if g is None else g for g in groups)
-    seen = _AGREED.setdefault(gkey, OrderedDict())
     key = (what, tuple(int(v) for v in values))
-    if key in seen:
-        seen.move_to_end(key)
+    if AGREED.touch(gkey, key):
         return False
     agree(values, names, group, timeout, what, device)
-    seen[key] = None
-    if len(seen) > AGREED_PER_GROUP:
-        seen.popitem(last=False)
+    AGREED.put(gkey, key, None, AGREED_PER_GROUP)
     return True
 
 

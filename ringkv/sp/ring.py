@@ -24,10 +24,10 @@ import os
 import struct
 import time
 import zlib
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from torch import nn
 
 from .. import kernels
 from ..kernels.mask import EMPTY, FULL, NO_WINDOW, OFFSET, Mask, check_window, make_mask
-from .collectives import agree_once, wait as _bounded_wait
+from .collectives import GroupMemory, agree_once, wait as _bounded_wait
 from .comm import LocalComm, RingComm
 from .layout import (
     LAYOUTS,
@@ -267,7 +267,7 @@ class AutoWire:
     dtype: Optional[torch.dtype]
 
 
-_AUTO: Dict[object, "OrderedDict[tuple, AutoWire]"] = {}  # group -> configuration -> AutoWire
+AUTO = GroupMemory()  # group -> configuration -> AutoWire
 AUTO_PER_GROUP = 64  # decisions kept per group (the oldest dropped first: the same on every rank)
 
 
@@ -276,14 +276,14 @@ def auto_decisions() -> dict:
     (the configuration: ``call_values`` of the call, packed or not in place of the documents'
     boundaries, so packed batches of one shape share a decision). Every rank of a group holds the
     same; at most ``AUTO_PER_GROUP`` per group, the oldest dropped first."""
-    return {(g, config): wire for g, mine in _AUTO.items() for config, wire in mine.items()}
+    return AUTO.snapshot()
 
 
 def forget_auto(group=None) -> None:
     """Drop the ``"auto"`` decisions on ``group`` (default: the world) on this rank: the next call
     measures again. Every rank of the group must call it (one that remembers and one that does not
     make different collectives)."""
-    _AUTO.pop(dist.group.WORLD if group is None else group, None)
+    AUTO.forget(dist.group.WORLD if group is None else group)
 
 
 def _sync(device: torch.device) -> None:
@@ -301,7 +301,7 @@ class _Auto:
         self.transfer_s: Optional[float] = None
 
     def decision(self) -> Optional[AutoWire]:
-        return _AUTO.get(self.group, {}).get(self.config)
+        return AUTO.get(self.group, self.config)
 
     def decide(self, step_transfer_s: float, compute_s: float, device) -> AutoWire:
         """The decision from this rank's measurements, agreed over the group (max of each, one
@@ -317,10 +317,7 @@ class _Auto:
         t, st, c, thr = x.tolist()
         ratio = st / c if c > 0 else math.inf
         wire = AutoWire(t, st, c, ratio, thr, torch.bfloat16 if ratio > thr else None)
-        mine = _AUTO.setdefault(self.group, OrderedDict())
-        mine[self.config] = wire
-        if len(mine) > AUTO_PER_GROUP:
-            mine.popitem(last=False)
+        AUTO.put(self.group, self.config, wire, AUTO_PER_GROUP)
         log.info(
             "ring_attention grad_comm_dtype='auto' on rank %d/%d: transfer %.4fs/step vs backward "
             "compute %.4fs/step (ratio %.3f, threshold %.3f): dK/dV in %s",
@@ -526,27 +523,11 @@ def _backward(
     n, r = kv_comm.world, kv_comm.rank
     last = _last_step(shards, causal, window)
     stats = RingStats(steps=last + 1)
-    auto, measure = None, False
-    if isinstance(grad_comm_dtype, _Auto):
-        auto, decided = grad_comm_dtype, grad_comm_dtype.decision()
-        grad_comm_dtype = decided.dtype if decided else None
-        stats.comm_ratio = decided.ratio if decided else None
-        measure = decided is None and auto.transfer_s is not None and last > 0
-    stats.grad_comm_dtype = grad_comm_dtype
+    auto, measure = _auto_backward(grad_comm_dtype, stats, last)
     compute_s = 0.0
-    wire = grad_comm_dtype or torch.float32
+    wire = stats.grad_comm_dtype or torch.float32
     hf = _heads_first(q.device)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = [_pack(k, v, hf), None]
-    kv[1] = torch.empty_like(kv[0])
-    mine = torch.zeros(
-        kv[0].shape, dtype=torch.float32, device=q.device
-    )  # own dK then dV, flat (_unpack)
-    # the travelling dK/dV, double-buffered: receive into one while the other is sent
-    dkv = [torch.empty(mine.shape, dtype=wire, device=q.device) for _ in range(2)] if last else []
-    # this step's share of the block held (float32); with a float32 wire step 1 computes into its
-    # send buffer
-    blk = torch.empty_like(mine) if last > 1 or (last and wire != torch.float32) else None
+    dq, kv, mine, dkv, blk = _grad_buffers(q, k, v, hf, last, wire)
     for step in range(last + 1):
         if step < last:
             kv_comm.send_recv([kv[step % 2]], [kv[(step + 1) % 2]])
@@ -610,6 +591,36 @@ def _backward(
         into.backward = stats
     dk, dv = _unpack(mine, k.shape, v.shape)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _auto_backward(grad_comm_dtype, stats: RingStats, last: int):
+    """``(auto, measure)`` of a backward: the ``_Auto`` (or None) and whether this call measures
+    its compute per step; sets ``stats.grad_comm_dtype`` (the dK/dV dtype, None: float32) and,
+    from a decision, ``stats.comm_ratio``."""
+    auto, measure = None, False
+    if isinstance(grad_comm_dtype, _Auto):
+        auto, decided = grad_comm_dtype, grad_comm_dtype.decision()
+        grad_comm_dtype = decided.dtype if decided else None
+        stats.comm_ratio = decided.ratio if decided else None
+        measure = decided is None and auto.transfer_s is not None and last > 0
+    stats.grad_comm_dtype = grad_comm_dtype
+    return auto, measure
+
+
+def _grad_buffers(q, k, v, hf: bool, last: int, wire: torch.dtype):
+    """Every buffer of a backward, allocated once: ``dq`` (float32), ``kv`` (the packed K/V and
+    the buffer receiving the next), ``mine`` (own dK then dV, flat float32: ``_unpack``), ``dkv``
+    (the travelling dK/dV in ``wire``) and ``blk`` (one step's share, float32, or None)."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = [_pack(k, v, hf), None]
+    kv[1] = torch.empty_like(kv[0])
+    mine = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
+    # the travelling dK/dV, double-buffered: receive into one while the other is sent
+    dkv = [torch.empty(mine.shape, dtype=wire, device=q.device) for _ in range(2)] if last else []
+    # this step's share of the block held (float32); with a float32 wire step 1 computes into its
+    # send buffer
+    blk = torch.empty_like(mine) if last > 1 or (last and wire != torch.float32) else None
+    return dq, kv, mine, dkv, blk
 
 
 def ring_attention(
@@ -680,6 +691,45 @@ def ring_attention(
         (and sinks).
     """
     comm = comm or RingComm(group, timeout)
+    out, lse = _attend(
+        comm,
+        q,
+        k,
+        v,
+        causal,
+        layout,
+        softmax_scale,
+        backend,
+        check,
+        window,
+        cu_seqlens,
+        grad_comm_dtype,
+        softcap,
+        sinks,
+        stats,
+    )
+    return (out, lse) if return_lse else out
+
+
+def _attend(
+    comm: RingComm,
+    q,
+    k,
+    v,
+    causal,
+    layout,
+    softmax_scale,
+    backend,
+    check,
+    window,
+    cu_seqlens,
+    grad_comm_dtype,
+    softcap,
+    sinks,
+    stats,
+):
+    """``ring_attention`` on ``comm``: the checks, the shards and the ``"auto"`` wire, then the
+    ring; ``(out, lse)``."""
     window = check_window(window)
     cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens)
     scale, softcap = check_inputs(
@@ -743,7 +793,7 @@ def ring_attention(
         sinks,
         stats,
     )
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def check_inputs(

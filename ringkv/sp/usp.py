@@ -12,20 +12,20 @@ all-to-all in the Ulysses group hands every rank its ring shard's tokens (in loc
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..kernels.mask import NO_WINDOW, check_window
-from .collectives import CommStats, agree_once, rank_world
+from .collectives import CommStats, Memo, agree_once, rank_world
 from .comm import RingComm
 from .ring import RingStats, Shards, call_values, check_inputs, ring_attention_shards
 from .ulysses import gather_heads, head_plan, scatter_heads
 
 __all__ = ["sp_groups", "usp_attention"]
 
-_GROUPS: Dict[tuple, tuple] = {}
+GROUPS = Memo()  # (world, ulysses, ring) -> (ulysses_group, ring_group)
 
 
 def sp_groups(
@@ -50,14 +50,15 @@ def sp_groups(
         )
     if not dist.is_initialized():
         return None, None
-    key = (id(dist.group.WORLD), ulysses, ring)
-    if key not in _GROUPS:
-        from torch.distributed.device_mesh import init_device_mesh
+    return GROUPS.get((id(dist.group.WORLD), ulysses, ring), lambda: _build_groups(ulysses, ring))
 
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device_type, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
-        _GROUPS[key] = (mesh.get_group("ulysses"), mesh.get_group("ring"))
-    return _GROUPS[key]
+
+def _build_groups(ulysses: int, ring: int) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+    return mesh.get_group("ulysses"), mesh.get_group("ring")
 
 
 def usp_attention(

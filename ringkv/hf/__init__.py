@@ -91,12 +91,12 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .sp.collectives import agree, all_gather, all_sum, rank_world
-from .sp.decode import decode_attention
-from . import memory
-from .kernels.linear_ce import linear_cross_entropy
-from .kernels.mask import NO_WINDOW
-from .sp.layout import (
+from ..sp.collectives import agree, all_gather, all_sum, rank_world
+from ..sp.decode import decode_attention
+from .. import memory
+from ..kernels.linear_ce import linear_cross_entropy
+from ..kernels.mask import NO_WINDOW
+from ..sp.layout import (
     check_cu_seqlens,
     check_layout,
     check_seq_len,
@@ -106,9 +106,9 @@ from .sp.layout import (
     varlen_index,
     varlen_local_len,
 )
-from .sp.ring import ring_attention
-from .sp.ulysses import head_plan, ulysses_attention
-from .sp.usp import sp_groups, usp_attention
+from ..sp.ring import ring_attention
+from ..sp.ulysses import head_plan, ulysses_attention
+from ..sp.usp import sp_groups, usp_attention
 
 __all__ = [
     "patch_model",

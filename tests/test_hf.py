@@ -386,7 +386,7 @@ def test_model_level_limits():
     with pytest.raises(
         ValueError, match="valid world sizes"
     ):  # 4 heads, 2 KV heads cannot split over 3 ranks
-        hf._method_groups(build("llama", 0).config, "ulysses", None, None, 3)
+        hf.patch.method_groups(build("llama", 0).config, "ulysses", None, None, 3)
     with pytest.raises(ValueError, match="ulysses=U"):
         hf.patch_model(build("llama", 0), method="usp")
     with pytest.raises(ValueError, match="method must be"):

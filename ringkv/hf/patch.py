@@ -1,0 +1,406 @@
+"""``patch_model`` / ``unpatch_model``: a transformers causal LM switched to ringkv's attention,
+with the forward hooks that plan each forward (``_pre_hook``), keep the base model's output for the
+chunked loss (``_capture_hidden``) and finish its output (``_post_hook``); ``patch_state`` reads a
+model's patch."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from .. import memory
+from ..sp.collectives import agree, rank_world
+from ..sp.layout import check_layout
+from ..sp.ulysses import head_plan
+from ..sp.usp import sp_groups
+from .attention import begin_cache, eager_attention, resolve_cache
+from .loss import kept_logits, step_loss
+from .plan import AGREE_NAMES, as_kwargs, check_shards, prepare
+from .state import ATTN_NAME, METHODS, State, Step, checkpointing
+
+STATE_ATTR = "_ringkv_state"  # the patch, on the model and on each of its patched layers
+
+
+def patch_state(model) -> Optional[State]:
+    """The ringkv patch of ``model`` (a patched model, or one that wraps it: PEFT, DDP), or None."""
+    for m in model.modules():
+        state = getattr(m, STATE_ATTR, None)
+        if state is not None:
+            return state
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the forward's hooks
+
+
+def _plan(state: State, model, kw: dict):
+    """``prepare``'s plan; when this rank's own inputs break a rule with ``inputs="shard"``, the
+    peers are told (they raise too instead of waiting) before the error is raised here."""
+    try:
+        cache, explicit = resolve_cache(model, kw)
+        return prepare(state, model, kw, cache, explicit)
+    except (ValueError, TypeError):
+        if state.inputs == "shard" and state.world > 1:  # per-rank inputs: the peers must raise
+            x = kw.get("input_ids") if kw.get("input_ids") is not None else kw.get("inputs_embeds")
+            try:
+                agree(
+                    [-1] * (len(AGREE_NAMES) - 1) + [1],
+                    AGREE_NAMES,
+                    state.group,
+                    state.timeout,
+                    "ringkv.patch_model",
+                    device=None if x is None else x.device,
+                )
+            except Exception:  # noqa: BLE001 - this rank's own error is the one to report
+                pass
+        raise
+
+
+def _pre_hook(state: State, model, args, kwargs):
+    kw = as_kwargs(model, args, kwargs)
+    state.step, state.hidden = None, None
+    p = _plan(state, model, kw)
+    device = p.x_local.device
+    # every rank must make the same call: one tiny all-gather
+    agree(
+        p.values + [0], AGREE_NAMES, state.group, state.timeout, "ringkv.patch_model", device=device
+    )
+    step = p.step if p.shards is None else check_shards(state, p)
+    # commit
+    if state.store is not None and not step.decode and model.training and torch.is_grad_enabled():
+        state.offload = memory.offload_checkpoints(
+            state.store, model.config.get_text_config().hidden_size
+        )
+        state.offload.__enter__()
+    kw[p.name] = p.x_local
+    q_pos = step.q_positions.to(device)
+    kw["position_ids"] = (
+        q_pos if q_pos.dim() == 2 else q_pos.unsqueeze(0).expand(p.x_local.shape[0], -1)
+    )  # global positions
+    kw["cache"] = step.cache
+    if step.cache is None:
+        kw["use_cache"] = False
+    state.step = begin_cache(step, p.rows, device)
+    return (), kw
+
+
+def _post_hook(state: State, model, args, kwargs, output):
+    step, state.step = state.step, None
+    hidden, state.hidden = state.hidden, None
+    offload, state.offload = state.offload, None
+    if offload is not None:  # the layers' inputs are saved; the loss's tensors stay where they are
+        offload.__exit__(None, None, None)
+    if step is None or output is None:  # the forward raised
+        return None
+    # activation checkpointing replays the layers' forwards during backward, after this hook
+    replay = not step.decode and torch.is_grad_enabled() and checkpointing(model)
+    state.recompute = (
+        Step(decode=False, q_positions=step.q_positions, total=step.total, packing=step.packing)
+        if replay
+        else None
+    )
+    if step.keep:  # assemble the last `keep` global logits on every rank
+        output.logits = kept_logits(output.logits, step, state.group, state.timeout)
+    if step.targets is not None:
+        output.loss = step_loss(state, step, model, output, hidden)
+    return output
+
+
+def _capture_hidden(state: State, output) -> None:
+    """Forward hook of the base model: keep its last hidden states for the chunked loss."""
+    if state.step is not None and state.step.chunked:
+        state.hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+
+# torch.compile: the hooks run eagerly (one graph break each: they communicate and make per-call
+# Python decisions that would otherwise be traced and guarded on); the layers between them compile
+@torch.compiler.disable
+def _run_eager(fn, *args):
+    return fn(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+
+def patch_model(
+    model,
+    sp: Optional[int] = None,
+    group=None,
+    layout: str = "zigzag",
+    *,
+    method: str = "ring",
+    ulysses: Optional[int] = None,
+    inputs: str = "full",
+    timeout: Optional[float] = None,
+    mesh_dim=None,
+    keep_logits: Optional[bool] = None,
+    loss_chunk: Optional[int] = None,
+    tile_mlp=False,
+    offload_checkpoints=False,
+):
+    """Make ``model`` (a transformers causal LM) run exact sequence-parallel attention over the SP
+    ``group``.
+
+    Call it on every rank of ``group`` (default: the world; no process group = one rank) with
+    identical weights. ``group`` may also be a ``torch.distributed.device_mesh.DeviceMesh``: a
+    1-D mesh is its group; an n-D mesh needs ``mesh_dim`` (the name or index of its
+    sequence-parallel dimension, e.g. ``patch_model(model, group=mesh, mesh_dim="sp")`` on a
+    ``("dp", "sp")`` mesh, the same as ``group=mesh["sp"]``). ``sp`` (optional) must equal the
+    group size. ``layout`` is how the
+    sequence is split (``"zigzag"`` balances causal work; ``"contiguous"``, ``"striped"``).
+    ``method``: ``"ring"`` (``ring_attention``), ``"ulysses"`` (``ulysses_attention``: the
+    attention heads must split over the group) or ``"usp"`` (``usp_attention`` on
+    ``sp_groups(ulysses=U, ring=N/U)`` of the default world: pass ``ulysses=U``). Layers with
+    a sliding window (Mistral, Qwen2) attend within it, at any length.
+    ``inputs`` is ``"full"`` (every rank passes the whole sequence) or ``"shard"`` (every rank
+    passes its own shard); see the module docstring. ``timeout`` (seconds) bounds every wait
+    on a peer. Returns the same model, patched in place; ``unpatch_model`` restores it.
+
+    Training memory (docs/hf.md, "Training at any length"):
+
+    - ``keep_logits``: ``None`` (default) computes the loss of a **training-mode** forward with
+      ``labels`` (or ``shift_labels``) from the final hidden states through the head in chunks
+      of ``loss_chunk`` tokens, never building the ``(B, S/N, V)`` logits: ``output.logits`` is
+      ``None`` then (eval-mode forwards return logits as before). ``True``: logits always (the
+      loss from them). ``False``: never for a forward with labels, in eval too (``logits_to_keep``
+      in eval is then a ``ValueError``). HF's ``num_items_in_batch`` divides the loss instead of the
+      global count of targets.
+    - ``tile_mlp``: ``True`` (or tokens per tile) runs every decoder layer's MLP over sequence
+      tiles and recomputes them in backward (``ringkv.memory.tile_mlp``).
+    - ``offload_checkpoints``: ``True`` moves the layer inputs that gradient checkpointing saves
+      to pinned host memory (CUDA) and back for backward; or a ``ringkv.memory.CheckpointStore``.
+    """
+    _check_options(model, layout, method, inputs)
+    layers = _patched_layers(model)
+    group = _sp_group(group, mesh_dim)
+    rank, world = rank_world(group)
+    _check_sp(sp, world)
+    u, groups = method_groups(model.config, method, ulysses, group, world)
+    _check_loss_options(keep_logits, loss_chunk)
+    store = _checkpoint_store(model, offload_checkpoints)
+    tile = None if tile_mlp is True else tile_mlp  # True: memory.tile_mlp's default tile
+    restore = [] if tile_mlp is False or tile_mlp is None else [memory.tile_mlp(model, tile)]
+    state = State(
+        group=group,
+        layout=layout,
+        rank=rank,
+        world=world,
+        method=method,
+        ulysses=u,
+        groups=groups,
+        inputs=inputs,
+        timeout=None if timeout is None else timedelta(seconds=timeout),
+        keep_logits=keep_logits,
+        loss_chunk=loss_chunk,
+        store=store,
+        prev_impl=model.config._attn_implementation,
+        modules=layers,
+        restore=restore,
+    )
+    _install(model, state)
+    return model
+
+
+def _check_options(model, layout: str, method: str, inputs: str) -> None:
+    check_layout(layout)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if inputs not in ("full", "shard"):
+        raise ValueError(f"inputs must be 'full' or 'shard', got {inputs!r}")
+    if getattr(model, STATE_ATTR, None) is not None:
+        raise ValueError(
+            "this model is already patched by ringkv; call ringkv.unpatch_model(model) first"
+        )
+
+
+def _check_sp(sp: Optional[int], world: int) -> None:
+    if sp is not None and sp != world:
+        raise ValueError(
+            f"sp={sp} but the SP group has {world} rank(s); pass the process group of {sp} ranks "
+            "as group= (or omit sp)"
+            + ("" if world > 1 else "; call torch.distributed.init_process_group first for sp > 1")
+        )
+
+
+def _check_loss_options(keep_logits, loss_chunk) -> None:
+    if keep_logits not in (None, True, False):
+        raise ValueError(
+            f"keep_logits must be None (logits in eval only), True or False, got {keep_logits!r}"
+        )
+    if loss_chunk is not None and (
+        isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int) or loss_chunk < 1
+    ):
+        raise ValueError(
+            f"loss_chunk must be a positive int (tokens per chunk of the loss), got {loss_chunk!r}"
+        )
+
+
+def _patched_layers(model) -> list:
+    """The layers the patch reaches (each gets the patch's state): the causal self-attention
+    layers (modules with ``layer_idx`` and ``is_causal``) of a model whose attention goes through
+    ``AttentionInterface``; ``TypeError`` for any other model."""
+    from transformers import PreTrainedModel
+
+    name = type(model).__name__
+    if (
+        not isinstance(model, PreTrainedModel)
+        or not getattr(model, "_supports_attention_backend", False)
+        or not model._can_set_attn_implementation()
+    ):
+        raise TypeError(
+            f"ringkv.patch_model needs a transformers model whose attention goes through "
+            f"AttentionInterface (model._supports_attention_backend and set_attn_implementation), "
+            f"e.g. Llama, Qwen2, Mistral; {name} does not"
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise TypeError(
+            f"ringkv.patch_model supports decoder-only causal LMs, not the encoder-decoder {name}"
+        )
+    layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+    if not layers:
+        raise TypeError(
+            "ringkv.patch_model found no attention layers (modules with layer_idx and is_causal) "
+            f"in {name}"
+        )
+    if not all(m.is_causal for m in layers):
+        raise TypeError(
+            f"ringkv.patch_model supports causal self-attention only; {name} has non-causal layers"
+        )
+    return layers
+
+
+def _install(model, state: State) -> None:
+    """Switch ``model`` to the ``"ringkv"`` attention, give its layers the state and add the
+    forward hooks."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, eager_attention)
+    model.set_attn_implementation(ATTN_NAME)
+    for m in state.modules:
+        setattr(m, STATE_ATTR, state)
+    state.handles = [
+        model.register_forward_pre_hook(
+            lambda mod, a, k: _run_eager(_pre_hook, state, mod, a, k), with_kwargs=True
+        ),
+        model.register_forward_hook(
+            lambda mod, a, k, o: _run_eager(_post_hook, state, mod, a, k, o),
+            with_kwargs=True,
+            always_call=True,
+        ),
+    ]
+    if getattr(model, "base_model", model) is not model:  # its output feeds the chunked loss
+        state.handles.append(
+            model.base_model.register_forward_hook(
+                lambda mod, a, o: _run_eager(_capture_hidden, state, o)
+            )
+        )
+    setattr(model, STATE_ATTR, state)
+
+
+def unpatch_model(model):
+    """Undo ``patch_model``: remove the hooks and restore the previous attention implementation."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise ValueError("this model is not patched by ringkv")
+    for h in state.handles:
+        h.remove()
+    for undo in state.restore:
+        undo()
+    for m in state.modules:
+        delattr(m, STATE_ATTR)
+    delattr(model, STATE_ATTR)
+    model.set_attn_implementation(state.prev_impl)
+    return model
+
+
+def method_groups(config, method: str, ulysses: Optional[int], group, world: int):
+    """``(U, (ulysses_group, ring_group))`` for ``method``, after checking that the model's heads
+    split (before any collective; building the USP groups is the first one)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if method != "usp":
+        if ulysses is not None:
+            raise ValueError(f"ulysses={ulysses} is for method='usp' (method={method!r})")
+        if method == "ulysses":
+            head_plan(heads, kv_heads, world, "patch_model(method='ulysses')")
+        return 1, ()
+    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world % ulysses:
+        raise ValueError(
+            f"method='usp' needs ulysses=U, a positive divisor of the SP world size {world} "
+            f"(ring = {world} / U), got {ulysses!r}"
+        )
+    if group is not None and rank_world(group)[1] != rank_world()[1]:
+        raise ValueError(
+            "method='usp' runs on sp_groups(ulysses=U, ring=N/U) of the whole default world; "
+            "leave group=None"
+        )
+    head_plan(heads, kv_heads, ulysses, "patch_model(method='usp')")
+    return ulysses, sp_groups(ulysses=ulysses, ring=world // ulysses)
+
+
+def _checkpoint_store(model, offload):
+    """The ``CheckpointStore`` that ``offload_checkpoints=`` names (None: no offload)."""
+    if offload is None or offload is False:
+        return None
+    if isinstance(offload, memory.CheckpointStore):
+        return offload
+    if offload is not True:
+        raise ValueError(
+            f"offload_checkpoints must be True, False or a ringkv.memory.CheckpointStore, got "
+            f"{offload!r}"
+        )
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(
+            "offload_checkpoints=True moves checkpoints from CUDA memory to pinned host memory, "
+            f"but the model is on {device}; on a CPU there is nothing to offload to (pass False, "
+            "or a ringkv.memory.CheckpointStore such as FileStore to store them elsewhere)"
+        )
+    return memory.HostStore(device)
+
+
+def _mesh_group(mesh, mesh_dim):
+    """The process group of ``mesh`` (a ``DeviceMesh``): itself (1-D) or its ``mesh_dim``."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh_dim is None:
+        if mesh.ndim == 1:
+            return mesh.get_group()
+        raise ValueError(
+            f"group= is a {mesh.ndim}-D DeviceMesh (dims {names or tuple(range(mesh.ndim))}); "
+            "name its sequence-parallel dimension: patch_model(model, group=mesh, mesh_dim='sp') "
+            "(or pass group=mesh['sp'])"
+        )
+    if isinstance(mesh_dim, str):
+        if mesh_dim not in names:
+            raise ValueError(
+                f"mesh_dim={mesh_dim!r} is not a dimension of the DeviceMesh; its dims are {names}"
+            )
+    elif (
+        isinstance(mesh_dim, bool) or not isinstance(mesh_dim, int) or not 0 <= mesh_dim < mesh.ndim
+    ):
+        raise ValueError(
+            f"mesh_dim must be a dimension name in {names} or an index 0..{mesh.ndim - 1}, "
+            f"got {mesh_dim!r}"
+        )
+    return mesh.get_group(mesh_dim)
+
+
+def _sp_group(group, mesh_dim):
+    """The SP process group that ``patch_model(group=, mesh_dim=)`` names: ``group`` itself (a
+    process group or None), or a ``DeviceMesh``'s group (1-D), or its ``mesh_dim`` dimension's."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # a torch without device meshes: only process groups
+        DeviceMesh = ()
+    if isinstance(group, DeviceMesh):
+        return _mesh_group(group, mesh_dim)
+    if mesh_dim is not None:
+        raise ValueError(
+            f"mesh_dim={mesh_dim!r} picks a dimension of a DeviceMesh, but group= is "
+            f"{type(group).__name__}; pass the mesh as group= (or drop mesh_dim)"
+        )
+    return group

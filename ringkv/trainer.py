@@ -50,16 +50,6 @@ import torch.distributed as dist
 __all__ = ["SPTrainerMixin", "sp_trainer", "sp_layout"]
 
 
-def _ringkv_state(model):
-    """The ringkv patch state of ``model`` (a patched model, possibly wrapped: PEFT, DDP), or
-    None."""
-    for m in model.modules():
-        state = getattr(m, "_ringkv_state", None)
-        if state is not None:
-            return state
-    return None
-
-
 def sp_layout(model, mesh=None, mesh_dim: str = "sp"):
     """``(sp, dp, dp_rank)`` of this process for a model patched by ``ringkv.patch_model``.
 
@@ -68,7 +58,9 @@ def sp_layout(model, mesh=None, mesh_dim: str = "sp"):
     dimension must be the patched group. One ``all_gather_object`` over the world; every rank
     must call it. Raises ``ValueError`` (the same on every rank) for a model that is not patched,
     a patch over other ranks than the mesh's, or groups that do not tile the world."""
-    state = _ringkv_state(model)
+    from .hf.patch import patch_state  # ringkv.hf needs transformers, as the Trainer does
+
+    state = patch_state(model)
     if state is None:
         raise ValueError(
             "ringkv.trainer: the model is not patched; call ringkv.hf.patch_model(model, "

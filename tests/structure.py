@@ -150,9 +150,12 @@ def private_imports(mods: dict[str, Module], across: str = "package") -> list[st
 
 
 def _is_triton_kernel(fn: ast.AST) -> bool:
+    """Decorated `@triton.jit` (or autotune/heuristics), or with kernels/triton_common's lazy
+    `@jit`: a kernel is one body the compiler sees whole, so it is not held to the length rule."""
     for dec in getattr(fn, "decorator_list", []):
-        text = ast.unparse(dec)
-        if text.startswith(("triton.jit", "triton.autotune", "triton.heuristics")):
+        call = dec.func if isinstance(dec, ast.Call) else dec
+        name = call.attr if isinstance(call, ast.Attribute) else getattr(call, "id", "")
+        if name in ("jit", "_jit", "autotune", "heuristics"):
             return True
     return False
 

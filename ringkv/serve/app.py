@@ -43,8 +43,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..engine import SamplingParams
-from .engine import PULL_OUTCOMES, TTFT_BUCKETS, AsyncEngine, Busy, EngineDead, Moved, Pull
-from .engine import RequestTimeout, in_thread
+from .engine import AsyncEngine, Busy, EngineDead, Moved, Pull, RequestTimeout, in_thread
+from .metrics import EngineCollector, exposition, registry
 from .openai import ADMIN_HEADER, INSTANCE_HEADER, MAX_REQUEST_BYTES, PULL_HEADER, REQUEST_ID_HEADER
 from .openai import BadRequest, ChatRequest, CompletionRequest, Encoder, OpenAIRequest, Raised
 from .openai import Renderer, chat_messages, completion_id, completion_prompts, error_body
@@ -132,6 +132,7 @@ class ServingInstance:
         self.instance_id, self.max_request_bytes = instance_id, limit
         self.admin, self.admin_key = admin or admin_key is not None, admin_key
         self.created = int(time.time())
+        self.registry = registry(EngineCollector(engine))  # /metrics
 
     # -- requests ------------------------------------------------------------------------------
     async def body(self, request: Request) -> dict:
@@ -311,7 +312,7 @@ class ServingInstance:
         return {"object": "list", "data": [model]}
 
     def metrics(self) -> str:
-        return prometheus(self.engine)
+        return exposition(self.registry)
 
     # -- what a router drives (admin) ----------------------------------------------------------
     async def state(self, after: int = 0, epoch: str = "") -> dict:
@@ -559,130 +560,3 @@ def build_app(
         return StreamingResponse(events, media_type="text/event-stream")
 
     return app
-
-
-def prometheus(engine: AsyncEngine) -> str:
-    m, g = engine.metrics, engine.gauges
-    lines = [
-        "# HELP ringkv_requests_running Requests being computed.",
-        "# TYPE ringkv_requests_running gauge",
-        f"ringkv_requests_running {g['running']}",
-        "# HELP ringkv_requests_waiting Requests waiting to be admitted.",
-        "# TYPE ringkv_requests_waiting gauge",
-        f"ringkv_requests_waiting {g['waiting']}",
-        "# HELP ringkv_kv_cache_usage_ratio Fraction of KV cache blocks held by requests.",
-        "# TYPE ringkv_kv_cache_usage_ratio gauge",
-        f"ringkv_kv_cache_usage_ratio {g['kv_usage']:.6f}",
-        "# HELP ringkv_prefix_cache_hit_rate"
-        " Prompt blocks served from the prefix cache / blocks looked up.",
-        "# TYPE ringkv_prefix_cache_hit_rate gauge",
-        f"ringkv_prefix_cache_hit_rate {g['hits'] / g['queries'] if g['queries'] else 0.0:.6f}",
-        "# TYPE ringkv_prefix_cache_hits_total counter",
-        f"ringkv_prefix_cache_hits_total {g['hits']}",
-        "# TYPE ringkv_prefix_cache_queries_total counter",
-        f"ringkv_prefix_cache_queries_total {g['queries']}",
-        "# HELP ringkv_prompt_tokens_total Prompt tokens of admitted requests.",
-        "# TYPE ringkv_prompt_tokens_total counter",
-        f"ringkv_prompt_tokens_total {m.prompt_tokens}",
-        "# HELP ringkv_generation_tokens_total Tokens generated.",
-        "# TYPE ringkv_generation_tokens_total counter",
-        f"ringkv_generation_tokens_total {m.generation_tokens}",
-        "# HELP ringkv_generation_tokens_per_second"
-        " Tokens generated per second over the last 10 s.",
-        "# TYPE ringkv_generation_tokens_per_second gauge",
-        f"ringkv_generation_tokens_per_second {engine.tokens_per_second():.3f}",
-        "# HELP ringkv_requests_finished_total Finished requests by reason.",
-        "# TYPE ringkv_requests_finished_total counter",
-    ]
-    lines += [
-        f'ringkv_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(m.finished.items())
-    ]
-    lines += [
-        "# HELP ringkv_time_to_first_token_seconds Time from admission to the first token.",
-        "# TYPE ringkv_time_to_first_token_seconds histogram",
-    ]
-    lines += [
-        f'ringkv_time_to_first_token_seconds_bucket{{le="{b}"}} {n}'
-        for b, n in zip(TTFT_BUCKETS, m.ttft_buckets)
-    ]
-    lines += [
-        f'ringkv_time_to_first_token_seconds_bucket{{le="+Inf"}} {m.ttft_count}',
-        f"ringkv_time_to_first_token_seconds_sum {m.ttft_sum:.6f}",
-        f"ringkv_time_to_first_token_seconds_count {m.ttft_count}",
-        "# HELP ringkv_kv_pull_decisions_total Pull hints by outcome: pull, recompute (nothing"
-        " to gain, or prefilling is faster), failed (the pull failed; the request recomputed).",
-        "# TYPE ringkv_kv_pull_decisions_total counter",
-    ]
-    lines += [
-        f'ringkv_kv_pull_decisions_total{{outcome="{o}"}} {m.pulls[o]}' for o in PULL_OUTCOMES
-    ]
-    link, prefill = m.link_rate or 0.0, m.prefill_rate or 0.0
-    lines += [
-        "# HELP ringkv_kv_pulled_tokens_total Prompt tokens held more thanks to peer pulls.",
-        "# TYPE ringkv_kv_pulled_tokens_total counter",
-        f"ringkv_kv_pulled_tokens_total {m.pulled_tokens}",
-        "# HELP ringkv_kv_pulled_bytes_total K/V bytes received from peers.",
-        "# TYPE ringkv_kv_pulled_bytes_total counter",
-        f"ringkv_kv_pulled_bytes_total {m.pulled_bytes}",
-        "# HELP ringkv_kv_shared_total Cached prefixes sent to pulling peers.",
-        "# TYPE ringkv_kv_shared_total counter",
-        f"ringkv_kv_shared_total {m.shared}",
-        "# TYPE ringkv_kv_shared_bytes_total counter",
-        f"ringkv_kv_shared_bytes_total {m.shared_bytes}",
-        "# HELP ringkv_kv_link_bytes_per_second Measured link rate of pulls and migrations"
-        " (EWMA; 0: unmeasured).",
-        "# TYPE ringkv_kv_link_bytes_per_second gauge",
-        f"ringkv_kv_link_bytes_per_second {link:.1f}",
-        "# HELP ringkv_kv_link_setup_seconds Measured time a pull takes before its first byte"
-        " (asking the holder, joining its link; EWMA; 0: unmeasured).",
-        "# TYPE ringkv_kv_link_setup_seconds gauge",
-        f"ringkv_kv_link_setup_seconds {m.link_setup or 0.0:.6f}",
-        "# HELP ringkv_kv_prefill_tokens_per_second Measured prefill rate: uncached prompt"
-        " tokens / TTFT (EWMA; 0: unmeasured).",
-        "# TYPE ringkv_kv_prefill_tokens_per_second gauge",
-        f"ringkv_kv_prefill_tokens_per_second {prefill:.1f}",
-    ]
-    return "\n".join(lines + tier_lines(engine.info)) + "\n"
-
-
-def tier_lines(info: dict) -> list:
-    """The prefix cache's tiers (``kv_cache_info()["tiers"]``): blocks, bytes and capacity of
-    the device pool, the host-memory tier and the disk tier (a tier that is off: absent)."""
-    tiers = info.get("tiers") or {}
-    device = tiers.get("device")
-    rows = {}  # tier -> (blocks, bytes, capacity bytes)
-    if device is not None:
-        # a logical block: block_size tokens on each rank (every rank's layers and KV heads)
-        ranks = info.get("per_rank") or []
-        per_block = sum(r.get("bytes_per_token", 0) for r in ranks) * info.get("block_size", 0)
-        per_block = per_block or info.get("bytes_per_token", 0) * info.get("tokens_per_block", 0)
-        rows["device"] = (
-            device.get("blocks", 0),
-            device.get("blocks", 0) * per_block,
-            device.get("capacity", 0) * per_block,
-        )
-    for name in ("host", "disk"):
-        t = tiers.get(name)
-        if t is not None:
-            rows[name] = (t.get("blocks", 0), t.get("bytes", 0), t.get("capacity_bytes", 0))
-    lines = []
-    for i, (metric, help) in enumerate(
-        (
-            ("blocks", "KV blocks held in each tier of the prefix cache."),
-            ("bytes", "KV bytes held in each tier of the prefix cache."),
-            ("capacity_bytes", "KV bytes each tier of the prefix cache can hold."),
-        )
-    ):
-        name = f"ringkv_kv_tier_{metric}"
-        lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge"]
-        lines += [f'{name}{{tier="{t}"}} {row[i]}' for t, row in rows.items()]
-    if device is not None:
-        lines += [
-            "# HELP ringkv_kv_device_cached_blocks Prefix-cache blocks registered on the device.",
-            "# TYPE ringkv_kv_device_cached_blocks gauge",
-            f"ringkv_kv_device_cached_blocks {device.get('cached', 0)}",
-            "# HELP ringkv_kv_promotions_total Blocks brought back to the device from the tiers.",
-            "# TYPE ringkv_kv_promotions_total counter",
-            f"ringkv_kv_promotions_total {device.get('promotions', 0)}",
-        ]
-    return lines

@@ -290,10 +290,8 @@ class AsyncEngine(KVConnector):
             if r is None:
                 continue
             added = sum(len(o.token_ids) for o in out.outputs)
-            if r.tokens == 0 and added:
-                self.metrics.observe_ttft(now - r.start)
-                uncached = len(out.prompt_token_ids) - out.num_cached_tokens
-                self.metrics.observe_prefill(uncached, now - r.start)
+            if added:
+                self.observe(r, out, now)
             new += added
             r.tokens += added
             if out.finished:
@@ -305,6 +303,17 @@ class AsyncEngine(KVConnector):
         self.metrics.recent.append((now, new))
         while self.metrics.recent and now - self.metrics.recent[0][0] > 10:
             self.metrics.recent.popleft()
+
+    def observe(self, r: Running, out: RequestOutput, now: float) -> None:
+        """``r`` got tokens at ``now``: its first (TTFT, and the prefill rate of its uncached
+        prompt tokens) or its next (the inter-token latency since its last)."""
+        if r.tokens == 0:
+            self.metrics.observe_ttft(now - r.start)
+            uncached = len(out.prompt_token_ids) - out.num_cached_tokens
+            self.metrics.observe_prefill(uncached, now - r.start)
+        elif r.last:
+            self.metrics.itl.observe(now - r.last)
+        r.last = now
 
     def _update_gauges(self) -> None:
         self.gauges = self.llm.load()

@@ -18,6 +18,7 @@ class Running:
     queue: asyncio.Queue
     start: float  # perf_counter() when it was added
     tokens: int = 0  # output tokens delivered so far
+    last: float = 0.0  # perf_counter() when its last tokens were delivered (0: none yet here)
     movable: bool = False  # its client follows a move (a router): it may migrate
 
 

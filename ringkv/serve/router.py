@@ -48,6 +48,7 @@ from .app import MIGRATION_TIMEOUT, admin_posts, check_admin, migration_timeout,
 from .openai import ADMIN_HEADER, INSTANCE_HEADER, MAX_REQUEST_BYTES, PULL_HEADER, BadRequest
 from .openai import Encoder, RoutedRequest, completion_id, error_event, fold, merge, parse_json
 from .openai import read_body, response, stream_frame, unless_disconnected, usage
+from .metrics import RouterCollector, exposition, registry
 from .policy import DOWN_AFTER, POLL_S, ROUTINGS, Instance, InstanceState, NoInstance
 from .policy import RoutingPolicy
 from .replicas import Terminated, free_port, new_key, on_sigterm, start_replicas, stop_replicas
@@ -72,25 +73,6 @@ __all__ = [
 
 MIN_LEFT = 16  # the load policy moves only requests with this many tokens or more left
 MOVE_EVERY = 10.0  # ... and each at most once in this many seconds
-
-
-# the router's per-instance metrics: name (a counter's ends in _total), type, what its value is
-# (Router._value), help
-PER_INSTANCE = """
-instance_up gauge up 1 if the instance is up.
-requests_running gauge running Requests the instance computes.
-requests_waiting gauge waiting Requests waiting in the instance.
-requests_inflight gauge inflight Sub-requests the router streams from the instance.
-kv_cache_usage_ratio gauge kv_usage Fraction of the instance's KV blocks in use.
-cached_blocks gauge blocks Prefix blocks (any tier) the router's index holds for the instance.
-requests counter requests Sub-requests sent to the instance.
-prompt_tokens counter prompt_tokens Prompt tokens of requests the instance finished.
-prefix_hit_tokens counter cached_tokens Prompt tokens the instance served from its prefix cache.
-migrations_in counter migrations_in Requests migrated to the instance.
-migrations_out counter migrations_out Requests migrated off the instance.
-failovers counter failovers Streams of the instance that broke and went on elsewhere.
-pull_hints counter pull_hints Sub-requests sent there with a pull hint (a peer holds more).
-"""
 
 
 class Router(RoutingPolicy):
@@ -427,47 +409,6 @@ class Router(RoutingPolicy):
             await self.migrate(sub, a, dst)
             self.counters["auto_migrations"] += 1
 
-    # -- metrics ---------------------------------------------------------------------------
-    @staticmethod
-    def _value(inst: Instance, key: str):
-        if key == "up":
-            return int(inst.state == InstanceState.UP)
-        if key == "kv_usage":
-            return f"{float(inst.load.get('kv_usage', 0.0)):.6f}"
-        if key in ("inflight", "blocks"):
-            return inst.inflight if key == "inflight" else len(inst.blocks)
-        return inst.counters[key] if key in inst.counters else inst.load.get(key, 0)
-
-    def prometheus(self) -> str:
-        lines = []
-        for row in PER_INSTANCE.strip().splitlines():  # name, type, its value's key, help
-            name, kind, key, help = row.split(maxsplit=3)
-            name = f"ringkv_router_{name}" + ("_total" if kind == "counter" else "")
-            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
-            lines += [f'{name}{{instance="{i.id}"}} {self._value(i, key)}' for i in self.instances]
-        name = "ringkv_router_tier_blocks"
-        lines += [
-            f"# HELP {name} Prefix blocks the router's index holds for the instance, per tier.",
-            f"# TYPE {name} gauge",
-        ]
-        for i in self.instances:
-            lines += [
-                f'{name}{{instance="{i.id}",tier="{t}"}} {n}' for t, n in i.tier_blocks().items()
-            ]
-        lines += [
-            "# HELP ringkv_router_kv_pull 1 if instances are told where to pull cached prefixes.",
-            "# TYPE ringkv_router_kv_pull gauge",
-            f"ringkv_router_kv_pull {int(self.kv_pull)}",
-            "# HELP ringkv_router_auto_migration 1 if load-balancing migration is on.",
-            "# TYPE ringkv_router_auto_migration gauge",
-            f"ringkv_router_auto_migration {int(self.migration)}",
-            "# TYPE ringkv_router_migration_threshold gauge",
-            f"ringkv_router_migration_threshold {self.threshold}",
-        ]
-        for k, v in self.counters.items():
-            lines += [f"# TYPE ringkv_router_{k}_total counter", f"ringkv_router_{k}_total {v}"]
-        return "\n".join(lines) + "\n"
-
 
 # -- the front's app ----------------------------------------------------------------------
 class ServingRouter:
@@ -477,6 +418,7 @@ class ServingRouter:
 
     def __init__(self, router: Router, max_request_bytes: int = MAX_REQUEST_BYTES):
         self.router, self.max_request_bytes = router, max_request_bytes
+        self.registry = registry(RouterCollector(router))  # /metrics
 
     async def body(self, request: Request) -> dict:
         return parse_json(await read_body(request, self.max_request_bytes))
@@ -613,7 +555,7 @@ class ServingRouter:
         return JSONResponse(r.json(), status_code=r.status_code)
 
     def metrics(self) -> str:
-        return self.router.prometheus()
+        return exposition(self.registry)
 
     # -- admin -------------------------------------------------------------------------------
     def instances(self) -> dict:

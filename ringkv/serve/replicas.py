@@ -69,11 +69,10 @@ def new_key() -> str:
     return secrets.token_urlsafe(24)
 
 
-def start_replicas(router, replicas: List[List[str]], logs: str) -> List[subprocess.Popen]:
+def start_replicas(router, replicas: List[List[str]], logs: str, procs: list) -> None:
     """Start a ``ringkv serve`` instance per argument list of ``replicas`` on a free port of
     this host (logs in ``logs``), each added to ``router`` (``--instance-id r<i>``; the admin
-    and API keys in its environment, not on its command line)."""
-    procs = []
+    and API keys in its environment, not on its command line) and to ``procs``."""
     for i, extra in enumerate(replicas):
         p = free_port()
         argv = [sys.executable, "-m", "ringkv", "serve", *extra]
@@ -88,7 +87,6 @@ def start_replicas(router, replicas: List[List[str]], logs: str) -> List[subproc
     if replicas:
         msg = f"ringkv: {len(replicas)} replicas starting (logs in {logs})"
         print(msg, file=sys.stderr, flush=True)
-    return procs
 
 
 def stop_replicas(instances: List[Instance], procs: List[subprocess.Popen], logs: str) -> None:

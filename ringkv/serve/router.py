@@ -691,7 +691,7 @@ def run(
     previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
     terminated = False
     try:
-        procs = start_replicas(router, replicas or [], logs)
+        start_replicas(router, replicas or [], logs, procs)
         app = build_router_app(router, max_request_bytes or MAX_REQUEST_BYTES)
         router.server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level=log_level)

@@ -45,10 +45,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..cache.block_manager import REMOVED, STORED
 from .app import MIGRATION_TIMEOUT, admin_posts, check_admin, migration_timeout, openai_app
+from .metrics import RouterCollector, exposition, registry
 from .openai import ADMIN_HEADER, INSTANCE_HEADER, MAX_REQUEST_BYTES, PULL_HEADER, BadRequest
 from .openai import Encoder, RoutedRequest, completion_id, error_event, fold, merge, parse_json
 from .openai import read_body, response, stream_frame, unless_disconnected, usage
-from .metrics import RouterCollector, exposition, registry
 from .policy import DOWN_AFTER, POLL_S, ROUTINGS, Instance, InstanceState, NoInstance
 from .policy import RoutingPolicy
 from .replicas import Terminated, free_port, new_key, on_sigterm, start_replicas, stop_replicas

@@ -324,7 +324,7 @@ def test_stop_string_across_tokens_is_never_streamed(model):
     )
 
 
-def test_triton_paged_kernels_give_reference_results(model, monkeypatch):
+def test_triton_paged_kernels_give_reference_results(model, monkeypatch, request):
     """The engine's CUDA path, here under the Triton interpreter: one-token rows through the
     decode kernel, later prefill chunks and prefix-continued prompts through the varlen prefill
     kernel. Prompt log-probs of a chunked prompt equal a plain forward's (and, over an int8
@@ -338,7 +338,8 @@ def test_triton_paged_kernels_give_reference_results(model, monkeypatch):
         monkeypatch.setattr(
             tp, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
         )
-    monkeypatch.setitem(paged._PREFILL_BACKENDS, "triton", tp.paged_prefill_triton)
+    request.addfinalizer(paged.PAGED.reset)
+    paged.PAGED.register("prefill", "triton", tp.paged_prefill_triton)
     prompt, cont = PROMPTS[-3], PROMPTS[-2]  # 38 tokens; 41 sharing the first 36
     with torch.no_grad():
         want = torch.log_softmax(model.logits(model(torch.tensor(prompt))).float(), -1)[:-1]

@@ -511,19 +511,20 @@ class Fake:
 
 
 @pytest.fixture
-def registry(monkeypatch):
+def registry():
     """Fresh probe cache and warnings; ``add(name, backend)`` puts a backend first on the CPU."""
-    monkeypatch.setattr(K.dispatch, "_verified", {})
-    monkeypatch.setattr(K.dispatch, "_warned", set())
+    K.REGISTRY.reset()
+    added = []
 
     def add(name, backend):
-        monkeypatch.setitem(K.BACKENDS, name, backend)
-        monkeypatch.setitem(
-            K.PREFERENCE, "cpu", [name] + [n for n in K.PREFERENCE["cpu"] if n != name]
-        )
+        K.register_backend(name, backend, preference={"cpu": 0})
+        added.append(name)
         return backend
 
-    return add
+    yield add
+    for name in added:
+        K.REGISTRY.remove(name)
+    K.REGISTRY.reset()
 
 
 def _next_cpu(name):
@@ -593,7 +594,7 @@ def test_lse_gradient_runs_on_a_native_backend_and_never_silently_on_the_referen
     # a native one that fails its lse-gradient probe is passed over (to our C kernel where it
     # builds, the other backend here that takes dlse, else to the reference)
     registry("native2", Fake(dlse=True, broken="lse_grad"))
-    K.PREFERENCE["cpu"].remove("native")
+    K.REGISTRY.remove("native")
     with pytest.warns(UserWarning, match="lse_grad differs"):
         assert pick("auto", q, mask, dlse=True, backward=True) is (
             reference if K.BACKENDS["cpu_flash"].unavailable else K.BACKENDS["cpu_flash"]

@@ -42,6 +42,7 @@ from .checks import (
 from .dispatch import (
     BACKENDS,
     PREFERENCE,
+    REGISTRY,
     describe,
     features,
     pick,
@@ -62,6 +63,7 @@ __all__ = [
     "Mask",
     "BACKENDS",
     "PREFERENCE",
+    "REGISTRY",
     "register_backend",
     "pick",
     "validate",

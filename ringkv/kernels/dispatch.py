@@ -7,7 +7,9 @@
   does natively among ``"softcap"`` (then ``forward``/``backward`` take ``softcap=``) and ``"dv"``
   (V with its own head size). A call with a soft-cap never goes to a backend without it; a call
   with ``Dv != D`` runs on a backend without ``"dv"`` with the smaller side zero-padded (exact).
-- ``PREFERENCE``: per device type, expected fastest first.
+- ``PREFERENCE``: per device type, expected fastest first. The three tables are read-only views
+  of ``REGISTRY`` (a ``BackendRegistry``), which also keeps the probe results: ``snapshot()``
+  shows it, ``reset()`` forgets the probes and warnings, ``remove(name)`` a backend.
 - ``pick(backend, q, mask, dlse=False, backward=False)``: the module for one call. ``"auto"``
   takes the first backend in the device's ``PREFERENCE`` order that supports the inputs and passed
   its one-time check against the reference (``_probe``: forward, backward and the gradient through
@@ -24,14 +26,20 @@ The entry points that use this (``attention``, ``block_forward``, ...) are in th
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Optional
+from types import MappingProxyType
+from typing import Dict, List, Optional
 
 import torch
 
 from . import cpu_flash, cudnn, flash_attn, reference, sdpa
 from .mask import BAND, DENSE, FULL, OFFSET, Mask
 
-BACKENDS: Dict[str, object] = {
+# expected fastest first (published H100/A100 results, not measured by us): FlashAttention-3
+# (Hopper), flash-attn 2, cuDNN, torch's flash SDPA, then our Triton kernels (never run on a GPU
+# yet; registered after sdpa at the end of this file); each call takes the first that supports it
+# and passed its probe.
+# CPU: our C kernel (float32, faster than torch's fused op: docs/kernels.md), then torch's op
+_BUILT_IN = {
     "reference": reference,
     "sdpa": sdpa,
     "cudnn": cudnn,
@@ -39,29 +47,89 @@ BACKENDS: Dict[str, object] = {
     "flash_attn": flash_attn.FA2,
     "flash_attn3": flash_attn.FA3,
 }
-# expected fastest first (published H100/A100 results, not measured by us): FlashAttention-3
-# (Hopper),
-# flash-attn 2, cuDNN, torch's flash SDPA, then our Triton kernels (never run on a GPU yet;
-# registered
-# after sdpa at the end of this file); each call takes the first that supports it and passed its
-# probe.
-# CPU: our C kernel (float32, faster than torch's fused op: docs/kernels.md), then torch's op
-PREFERENCE = {
+_ORDER = {
     "cuda": ["flash_attn3", "flash_attn", "cudnn", "sdpa", "reference"],
     "cpu": ["cpu_flash", "sdpa", "reference"],
 }
 NEEDS = ("forward", "backward", "lse_grad")
-MISSING: Dict[str, str] = {}  # backends that could not even be imported: name -> why
-_verified: Dict[
-    tuple, Dict[str, str]
-] = {}  # (name, device type, dtype) -> need -> "" (passed) or why not
-_warned: set = set()
+
+
+class BackendRegistry:
+    """The attention backends of this process and what was learned about them: ``backends``
+    (name -> module), ``preference`` (device type -> names, expected fastest first), ``missing``
+    (name -> why it could not be imported), the one-time probe results and the warnings given.
+    The three tables are read-only views; ``register``/``remove`` change them, ``reset`` forgets
+    the probes and warnings, ``snapshot`` shows it all as plain data."""
+
+    def __init__(self, backends: Dict[str, object], preference: Dict[str, List[str]]):
+        self._backends = dict(backends)
+        self._preference = {device: list(order) for device, order in preference.items()}
+        self._missing: Dict[str, str] = {}
+        self._verified: Dict[tuple, Dict[str, str]] = {}  # (name, device, dtype) -> need -> why
+        self._warned: set = set()
+        self.backends = MappingProxyType(self._backends)
+        self.preference = MappingProxyType(self._preference)
+        self.missing = MappingProxyType(self._missing)
+
+    def register(self, name: str, module, preference: Optional[Dict[str, int]] = None) -> None:
+        """Add backend ``name``; ``preference``: device type -> its index in that device's order
+        (a name already in an order keeps its place)."""
+        self._backends[name] = module
+        for device, index in (preference or {}).items():
+            order = self._preference.setdefault(device, ["reference"])
+            if name not in order:
+                order.insert(index, name)
+
+    def mark_missing(self, name: str, why: str) -> None:
+        """Record that backend ``name`` could not be imported, and why."""
+        self._missing[name] = why
+
+    def remove(self, name: str) -> None:
+        """Forget backend ``name``: its module, its places in the orders and its probes."""
+        self._backends.pop(name, None)
+        self._missing.pop(name, None)
+        for order in self._preference.values():
+            if name in order:
+                order.remove(name)
+        for key in [k for k in self._verified if k[0] == name]:
+            del self._verified[key]
+
+    def probes(self, key: tuple) -> Dict[str, str]:
+        """The probe results of ``(name, device type, dtype)``: need -> "" (passed) or why not."""
+        return self._verified.setdefault(key, {})
+
+    def warn_once(self, key, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+    def snapshot(self) -> dict:
+        """Plain data: the backends' names, the orders, the missing ones, the probe results."""
+        return dict(
+            backends=sorted(self._backends),
+            preference={device: list(order) for device, order in self._preference.items()},
+            missing=dict(self._missing),
+            probes={"/".join(map(str, k)): dict(v) for k, v in self._verified.items()},
+        )
+
+    def reset(self) -> None:
+        """Forget the probe results and the warnings given (the next call probes again)."""
+        self._verified.clear()
+        self._warned.clear()
+
+
+REGISTRY = BackendRegistry(_BUILT_IN, _ORDER)
+BACKENDS = REGISTRY.backends  # read-only views (``register_backend`` adds a backend)
+PREFERENCE = REGISTRY.preference
+MISSING = REGISTRY.missing  # backends that could not even be imported: name -> why
 
 __all__ = [
     "BACKENDS",
     "PREFERENCE",
     "NEEDS",
     "MISSING",
+    "REGISTRY",
+    "BackendRegistry",
     "register_backend",
     "pick",
     "describe",
@@ -76,17 +144,7 @@ def features(module) -> frozenset:
 
 def register_backend(name: str, module, preference: Optional[Dict[str, int]] = None) -> None:
     """Add a backend module with ``supports/forward/backward`` (same contract as ``reference``)."""
-    BACKENDS[name] = module
-    for device, index in (preference or {}).items():
-        order = PREFERENCE.setdefault(device, ["reference"])
-        if name not in order:
-            order.insert(index, name)
-
-
-def _warn_once(key, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
+    REGISTRY.register(name, module, preference)
 
 
 def _name(module) -> str:
@@ -155,12 +213,12 @@ def _probe(
     """Check a backend once per (device, dtype, need, native feature) against the reference: "" or
     why not."""
     key = (name, q.device.type, q.dtype)
-    results = _verified.setdefault(key, {})
+    results = REGISTRY.probes(key)
     need = need + ("+softcap" if softcap else "") + ("+dv" if dv else "")
     if need not in results:
         results[need] = _check(name, need.split("+")[0], q, softcap, dv)
         if results[need].startswith("failed"):
-            _warn_once(
+            REGISTRY.warn_once(
                 (key, need),
                 f"ringkv: backend {name!r} {results[need]} on {q.device.type} {q.dtype}; "
                 f"'auto' runs the {need} elsewhere (ringkv.kernels.describe() says where)",
@@ -234,7 +292,7 @@ def pick(
             return module
         if dlse and module.supports(q, mask):
             chosen = pick("auto", q, mask, dlse=True, backward=True, softcap=softcap, dv=dv)
-            _warn_once(
+            REGISTRY.warn_once(
                 ("dlse", backend, _name(chosen)),
                 f"ringkv: backend {backend!r} takes no gradient through lse; backward calls with "
                 f"one run on {_name(chosen)!r}",
@@ -283,29 +341,7 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     q = torch.zeros(1, 64, 2, head_dim, device=device, dtype=dtype)
     order = PREFERENCE.get(device.type, ["reference"])
-    auto, cells = {}, {}
-    for need in NEEDS:
-        auto[need] = {}
-        for kind, make in _SAMPLE_MASKS.items():
-            mask = make(q.shape[1])
-            chosen = _name(
-                pick("auto", q, mask, dlse=need == "lse_grad", backward=need != "forward")
-            )
-            auto[need][kind] = chosen
-            for name in sorted(set(BACKENDS) | set(MISSING)):
-                if name == chosen:
-                    continue
-                why = MISSING.get(name) or getattr(BACKENDS[name], "unavailable", "")
-                if not why and name not in order:
-                    why = f"not in the {device.type} preference order"
-                elif not why and order.index(name) > order.index(chosen):
-                    why = f"after {chosen!r} in the preference order"
-                cells.setdefault(name, {})[f"{need}/{kind}"] = why or _skip_reason(
-                    name, q, mask, need
-                )
-    skipped = {
-        n: (next(iter(c.values())) if len(set(c.values())) == 1 else c) for n, c in cells.items()
-    }
+    auto, skipped = _auto_table(q, order)
     auto_softcap = {
         need: {
             kind: _name(
@@ -347,23 +383,56 @@ def describe(device=None, dtype=None, head_dim: int = 128) -> dict:
         features=feats,
     )
     if device.type == "cpu":
-        from . import linear_cpu, paged_cpu
-
-        out["native"] = {
-            s["kernel"]: s
-            for s in (
-                cpu_flash.status(),
-                cpu_flash.status("full"),
-                linear_cpu.status(),
-                paged_cpu.status(),
-            )
-        }
+        out["native"] = _native()
     return out
+
+
+def _auto_table(q: torch.Tensor, order) -> tuple:
+    """``(auto, skipped)`` of ``describe`` for ``q``'s device and dtype."""
+    auto, cells = {}, {}
+    for need in NEEDS:
+        auto[need] = {}
+        for kind, make in _SAMPLE_MASKS.items():
+            mask = make(q.shape[1])
+            chosen = _name(
+                pick("auto", q, mask, dlse=need == "lse_grad", backward=need != "forward")
+            )
+            auto[need][kind] = chosen
+            for name in sorted(set(BACKENDS) | set(MISSING)):
+                if name == chosen:
+                    continue
+                why = MISSING.get(name) or getattr(BACKENDS[name], "unavailable", "")
+                if not why and name not in order:
+                    why = f"not in the {q.device.type} preference order"
+                elif not why and order.index(name) > order.index(chosen):
+                    why = f"after {chosen!r} in the preference order"
+                cells.setdefault(name, {})[f"{need}/{kind}"] = why or _skip_reason(
+                    name, q, mask, need
+                )
+    skipped = {
+        n: (next(iter(c.values())) if len(set(c.values())) == 1 else c) for n, c in cells.items()
+    }
+    return auto, skipped
+
+
+def _native() -> dict:
+    """Each C kernel's verdict (``native.self_check``), by kernel name."""
+    from . import linear_cpu, paged_cpu
+
+    return {
+        s["kernel"]: s
+        for s in (
+            cpu_flash.status(),
+            cpu_flash.status("full"),
+            linear_cpu.status(),
+            paged_cpu.status(),
+        )
+    }
 
 
 try:  # own Triton kernels (after sdpa, before reference on CUDA) when triton is installed
     from . import triton_attn
 except ImportError as e:
-    MISSING["triton"] = f"not installed ({e})"
+    REGISTRY.mark_missing("triton", f"not installed ({e})")
 else:
     register_backend("triton", triton_attn, preference={"cuda": 4})

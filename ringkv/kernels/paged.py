@@ -31,7 +31,8 @@ This module imports the backends; they import ``paged_base``, never this module.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Optional, Sequence
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -54,6 +55,8 @@ from .paged_base import (
 )
 
 __all__ = [
+    "PAGED",
+    "PagedBackends",
     "paged_attention",
     "paged_attention_reference",
     "paged_prefill",
@@ -346,10 +349,9 @@ def features(name: str, kind: str = "decode") -> frozenset:
     ``"dv"`` (a V head size other than K's); none for a kind it has no function for."""
     if name in ("reference", "torch", "triton"):
         return ALL_FEATURES
-    table = {"decode": _BACKENDS, "prefill": _PREFILL_BACKENDS, "step": _STEP_BACKENDS}[kind]
-    if name not in table:
+    if name not in PAGED.table(kind):
         return frozenset()
-    return frozenset({"scale"} | (set(getattr(_MODULES.get(name), "FEATURES", ())) & ALL_FEATURES))
+    return frozenset({"scale"} | (set(getattr(PAGED.module(name), "FEATURES", ())) & ALL_FEATURES))
 
 
 def _refuse(name: str, missing) -> None:
@@ -381,28 +383,79 @@ def _keywords(name: str, have: frozenset, softcap, window, scale=None) -> dict:
     return kw
 
 
-_BACKENDS = {
-    "reference": paged_attention_reference,
-    "torch": paged_torch.paged_attention_torch,
-    "cpu": paged_cpu.paged_attention_cpu,
-}
-_PREFILL_BACKENDS = {"reference": paged_prefill_reference}
-_STEP_BACKENDS = {
-    "reference": ReferenceStep,
-    "torch": paged_torch.plan_step,
-    "cpu": paged_cpu.plan_step,
-}
-_MODULES = {"cpu": paged_cpu}
+class PagedBackends:
+    """The paged backends of this process: per kind (``"decode"``: ``paged_attention``,
+    ``"prefill"``, ``"step"``: ``plan_step``) name -> function, and name -> module (whose
+    ``FEATURES`` say what it does). ``table(kind)`` is a read-only view; ``register`` adds or
+    replaces a function, ``reset`` returns to the built-in backends, ``snapshot`` lists them."""
+
+    KINDS = ("decode", "prefill", "step")
+
+    def __init__(self, tables: dict, modules: dict):
+        self._built_in = ({k: dict(tables[k]) for k in self.KINDS}, dict(modules))
+        self._tables = {kind: {} for kind in self.KINDS}
+        self._views = {kind: MappingProxyType(t) for kind, t in self._tables.items()}
+        self._modules: dict = {}
+        self.reset()
+
+    def table(self, kind: str) -> Mapping:
+        return self._views[kind]
+
+    def module(self, name: str):
+        return self._modules.get(name)
+
+    def register(self, kind: str, name: str, fn, module=None) -> None:
+        """Run calls of ``kind`` for backend ``name`` with ``fn`` (``module``: its ``FEATURES``)."""
+        self._tables[kind][name] = fn
+        if module is not None:
+            self._modules[name] = module
+
+    def snapshot(self) -> dict:
+        """Plain data: the backends' names per kind, and those with a module."""
+        return dict(
+            {kind: sorted(t) for kind, t in self._tables.items()}, modules=sorted(self._modules)
+        )
+
+    def reset(self) -> None:
+        """Forget registrations: the built-in backends (and Triton's when it imported) only."""
+        tables, modules = self._built_in
+        for kind, t in self._tables.items():
+            t.clear()
+            t.update(tables[kind])
+        self._modules.clear()
+        self._modules.update(modules)
+
 
 try:  # the Triton kernels when triton imports
     from . import triton_paged
 except ImportError:
-    pass
-else:
-    _BACKENDS["triton"] = triton_paged.paged_attention_triton
-    _PREFILL_BACKENDS["triton"] = triton_paged.paged_prefill_triton
-    _STEP_BACKENDS["triton"] = triton_paged.plan_step
-    _MODULES["triton"] = triton_paged
+    triton_paged = None
+_TRITON = triton_paged is not None
+
+PAGED = PagedBackends(
+    {
+        "decode": {
+            "reference": paged_attention_reference,
+            "torch": paged_torch.paged_attention_torch,
+            "cpu": paged_cpu.paged_attention_cpu,
+            **({"triton": triton_paged.paged_attention_triton} if _TRITON else {}),
+        },
+        "prefill": {
+            "reference": paged_prefill_reference,
+            **({"triton": triton_paged.paged_prefill_triton} if _TRITON else {}),
+        },
+        "step": {
+            "reference": ReferenceStep,
+            "torch": paged_torch.plan_step,
+            "cpu": paged_cpu.plan_step,
+            **({"triton": triton_paged.plan_step} if _TRITON else {}),
+        },
+    },
+    {"cpu": paged_cpu, **({"triton": triton_paged} if _TRITON else {})},
+)
+_BACKENDS = PAGED.table("decode")  # read-only views
+_PREFILL_BACKENDS = PAGED.table("prefill")
+_STEP_BACKENDS = PAGED.table("step")
 
 
 def auto_backend(device, prefill: bool = False, want: frozenset = frozenset()) -> str:

@@ -28,6 +28,7 @@ tiny values quantize to (near) zero; nothing becomes NaN or inf. Bytes per token
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -123,16 +124,18 @@ def _fp16_at_least(x: torch.Tensor) -> torch.Tensor:
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """Rotated-space values ``(..., D)`` (``rot`` is not undone: see the module docstring)."""
     if q.dtype != torch.int8 and q.device.type == "cpu":  # fp8 -> float through a 256-entry table:
-        lut = _LUTS.get(q.dtype)  # about 2x faster than torch's conversion on CPU
-        if lut is None:
-            lut = _LUTS[q.dtype] = torch.arange(256, dtype=torch.uint8).view(q.dtype).float()
+        lut = byte_values(q.dtype)  # about 2x faster than torch's conversion on CPU
         x = lut.index_select(0, q.reshape(-1).view(torch.uint8).int()).view(q.shape)
     else:
         x = q.float()
     return (x * scale.float()[..., None]).to(dtype)
 
 
-_LUTS = {}
+@functools.lru_cache(maxsize=None)
+def byte_values(dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``(256,)``: the value of each byte read as the 1-byte float ``dtype`` (CPU; cached,
+    ``byte_values.cache_clear()`` forgets)."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
 
 
 def bytes_per_head(fmt: Optional[QuantFormat], head_dim: int, dtype: torch.dtype) -> int:

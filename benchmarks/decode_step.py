@@ -142,8 +142,8 @@ def main(argv=None):
             else SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
         )
         for llm in engines.values():
-            llm.blocks.__init__(
-                llm.blocks.num_blocks, llm.blocks.block_size
+            llm.core.blocks.__init__(
+                llm.core.blocks.num_blocks, llm.core.blocks.block_size
             )  # no prefix hits across sizes
             for p in prompts:
                 llm.add_request(p, params)

@@ -302,13 +302,15 @@ def main(argv=None):
         ]
         r_dt = h_dt = c_dt = float("inf")
         for _ in range(args.repeats):
-            llm.blocks.__init__(
-                llm.blocks.num_blocks, llm.blocks.block_size
+            llm.core.blocks.__init__(
+                llm.core.blocks.num_blocks, llm.core.blocks.block_size
             )  # no prefix hits from earlier runs
             r_out, dt = bench_ringkv(llm, prompts, lengths)
             r_dt = min(r_dt, dt)
             if compiled is not None:
-                compiled.blocks.__init__(compiled.blocks.num_blocks, compiled.blocks.block_size)
+                compiled.core.blocks.__init__(
+                    compiled.core.blocks.num_blocks, compiled.core.blocks.block_size
+                )
                 before = compiled.rank_stats()[0]
                 c_out, dt = bench_ringkv(compiled, prompts, lengths)
                 after = compiled.rank_stats()[0]
@@ -424,7 +426,7 @@ def run_engine(path, prompts, lengths, kw, threads):
     torch.set_num_threads(threads)
     with LLM(path, **kw) as llm:
         bench_ringkv(llm, [p[:8] for p in prompts[:2]], [2, 2])  # warm up (first-call overheads)
-        llm.blocks.__init__(llm.blocks.num_blocks, llm.blocks.block_size)
+        llm.core.blocks.__init__(llm.core.blocks.num_blocks, llm.core.blocks.block_size)
         before = llm.rank_stats()
         out, dt = bench_ringkv(llm, prompts, lengths)
         after = llm.rank_stats()

@@ -296,7 +296,7 @@ def _engine_world(args, kind: str, out: str, sched) -> None:
         return t[1] - t[0], (t[-1] - t[1]) / args.decode
 
     with LLM(model, **kw) as llm:
-        rank = llm.cluster.rank
+        rank = llm.core.cluster.rank
         run()  # warm-up
         for i, rate in enumerate(sched):
             _sync(out, i, rank)

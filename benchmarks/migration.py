@@ -185,7 +185,7 @@ def one_context(a, b, n, args, rep):
         rid = a.add_request(
             prompt, params
         )  # the prompt's full blocks come from the prefix cache (computed once)
-        while len(a.pipeline.get(rid)[0].output_token_ids) < args.decoded:
+        while len(a.core.pipeline.get(rid)[0].output_token_ids) < args.decoded:
             a.step()
         pre_bytes, nbytes, moved, down, step, got = b.move(a, rid, mode, args.decoded)
         if mode == "full":

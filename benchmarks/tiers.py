@@ -69,8 +69,8 @@ def flush(llm) -> float:
     blocks and giving them back, as a burst of other requests would; returns the seconds it took
     (the tiers' copies). Only between requests: the engine is idle."""
     t0 = time.perf_counter()
-    taken = llm.blocks.allocate(llm.blocks.num_free)
-    llm.blocks.free(taken)
+    taken = llm.core.blocks.allocate(llm.core.blocks.num_free)
+    llm.core.blocks.free(taken)
     return time.perf_counter() - t0
 
 

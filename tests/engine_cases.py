@@ -23,7 +23,7 @@ def model_from(spec):
 
 def written_slots(llm) -> int:
     """Cache slots of layer 0 on this rank holding a key (a new cache is all zeros)."""
-    k = llm.kv.k(0)
+    k = llm.core.kv.k(0)
     return int((k.abs().flatten(2).sum(-1) != 0).sum())
 
 
@@ -36,16 +36,16 @@ def generate(ctx, spec, llm_kwargs, prompts, params, rounds=1):
             tokens.append([o.token_ids for o in outs])
             cached.append([o.num_cached_tokens for o in outs])
             if llm.rank == 0:
-                llm.blocks.check()
+                llm.core.blocks.check()
         return dict(
             tokens=tokens,
             cached=cached,
             info=llm.kv_cache_info(),
             hits=llm.prefix_cache_hits,
-            preemptions=llm.scheduler.num_preemptions,
+            preemptions=llm.num_preemptions,
             peak_in_flight=llm.peak_in_flight,
             written=written_slots(llm),
-            free=llm.blocks.num_free,
+            free=llm.core.blocks.num_free,
             stats=llm.rank_stats(),
         )
 
@@ -214,12 +214,12 @@ def fault_run(ctx, spec, llm_kwargs, fault, close_after, prompts, params):
                     out["errors"].append(f"{call}: {type(e).__name__}: {e}")
                 out[f"{call}_s"] = time.monotonic() - t
                 t = time.monotonic()
-            out["broken"] = llm.cluster.broken
-            if not llm.cluster.broken:
+            out["broken"] = llm.core.cluster.broken
+            if not llm.core.cluster.broken:
                 out["key_growth"] = settled_keys(store) - keys
                 if llm.rank == 0:
-                    llm.blocks.check()
-                    out["free"], out["num_blocks"] = llm.blocks.num_free, llm.num_blocks
+                    llm.core.blocks.check()
+                    out["free"], out["num_blocks"] = llm.core.blocks.num_free, llm.num_blocks
     finally:
         os.environ.pop("RINGKV_FAULT", None)
     return out
@@ -235,7 +235,7 @@ def migrate_mesh_torchrun(ctx, spec, prompts, params):
     params = SamplingParams(**params)
     if ctx.rank == 1:
         assert a.export_request("r0") is None  # the call-style: rank 0 exports r0 meanwhile
-        while a.cluster.follow(idle=True)["kind"] != "shutdown":
+        while a.follow(idle=True)["kind"] != "shutdown":
             pass
         return "followed"
     b = LLM(model, block_size=8, num_blocks=128)
@@ -251,26 +251,29 @@ def migrate_mesh_torchrun(ctx, spec, prompts, params):
     b.import_request(a.export_request("r0"))
     a.abort_request("r0")
     for rid in rids[1:]:
-        if rid not in a.pipeline.active:
+        if rid not in a.core.pipeline.active:
             continue
         first = a.export_request(rid, stop=False)
         b.import_request(first)
         steps(a)
-        if rid not in a.pipeline.active:
+        if rid not in a.core.pipeline.active:
             b.abort_request(rid)
             continue
         b.import_request(a.export_request(rid, since=first))
         a.abort_request(rid)
         if int(rid[1:]) % 2:  # and back, after a step there
             steps(b)
-            if rid in b.pipeline.active:
+            if rid in b.core.pipeline.active:
                 a.import_request(b.export_request(rid))
                 b.abort_request(rid)
     for e in (a, b):
         while e.has_unfinished_requests():
             steps(e)
-    assert a.blocks.num_free == a.blocks.num_blocks and b.blocks.num_free == b.blocks.num_blocks
-    a.cluster.shutdown_followers()
+    assert (
+        a.core.blocks.num_free == a.core.blocks.num_blocks
+        and b.core.blocks.num_free == b.core.blocks.num_blocks
+    )
+    a.shutdown_followers()
     a.close()
     b.close()
     return [outs[rid] for rid in rids]
@@ -300,7 +303,7 @@ def kv_size_mismatch(ctx, spec, prompt, move, timeout):
             if move == "export":
                 a.export_request("r0")
             else:
-                while a.cluster.follow(idle=True)["kind"] != "shutdown":
+                while a.follow(idle=True)["kind"] != "shutdown":
                     pass
         elif move == "export":
             a.add_request(prompt, params, request_id="r0")

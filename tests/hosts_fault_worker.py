@@ -73,7 +73,7 @@ def idle(out: str, model: str, timeout: float, seen: dict) -> None:
             end = time.monotonic() + 600  # bounded: the test writes ``go`` long before
             while not os.path.exists(os.path.join(out, "go")) and time.monotonic() < end:
                 time.sleep(0.1)
-            llm.cluster.shutdown_followers()
+            llm.shutdown_followers()
         seen["idle_until"] = time.monotonic()
 
 

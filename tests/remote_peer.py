@@ -65,7 +65,8 @@ def target(llm: LLM, link: Link, cfg: dict) -> None:
         dict(
             outputs=outs,
             errors=errors,
-            all_free=llm.blocks.num_free == llm.blocks.num_blocks and not llm.pipeline.staged,
+            all_free=llm.core.blocks.num_free == llm.core.blocks.num_blocks
+            and not llm.core.pipeline.staged,
         )
     )
 
@@ -107,7 +108,9 @@ def source(llm: LLM, link: Link, cfg: dict) -> None:
         send_request(llm, rid, link, incremental=cfg.get("incremental", True))
     if cfg.get("die") == "after-final-ack":
         die()
-    link.send_json(dict(outputs=finish(llm), all_free=llm.blocks.num_free == llm.blocks.num_blocks))
+    link.send_json(
+        dict(outputs=finish(llm), all_free=llm.core.blocks.num_free == llm.core.blocks.num_blocks)
+    )
 
 
 def main() -> None:

@@ -258,7 +258,7 @@ def test_router_poll_drops_the_blocks_an_instance_evicted():
     llms = [LLM(model, block_size=bs, num_blocks=nb, kv_host_memory=0) for _ in range(2)]
     with instance_in_thread(llms[0], "a") as url_a, instance_in_thread(llms[1], "b") as url_b:
         asyncio.run(scenario(url_a, url_b))
-    assert llms[0].blocks.evictions >= len(held) // bs
+    assert llms[0].core.blocks.evictions >= len(held) // bs
 
 
 def test_routing_policy():

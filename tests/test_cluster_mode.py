@@ -32,5 +32,5 @@ def test_a_local_cluster_keeps_its_mode_when_closed():
     """(A spawn driver's ``CLOSED`` after ``close()``: ``tests/test_launch.py``, which already
     pays for spawning workers.)"""
     with LLM(tiny_model("llama", 0, num_hidden_layers=2), block_size=4, num_blocks=16) as llm:
-        assert llm.cluster.mode is ClusterMode.LOCAL
-    assert llm.cluster.mode is ClusterMode.LOCAL
+        assert llm.core.cluster.mode is ClusterMode.LOCAL
+    assert llm.core.cluster.mode is ClusterMode.LOCAL

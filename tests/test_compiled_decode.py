@@ -123,7 +123,7 @@ def test_chunked_prefill_and_mixed_steps(engines):
     the unfrozen graph (CPU) and give eager's tokens."""
     eager, compiled, prompts = engines
     for llm in (eager, compiled):
-        llm.pipeline.scheduler.max_num_batched_tokens = 24
+        llm.core.pipeline.scheduler.max_num_batched_tokens = 24
     try:
         before = compiled.rank_stats()[0]
         want = eager.generate(prompts, greedy(7), use_tqdm=False)
@@ -131,7 +131,7 @@ def test_chunked_prefill_and_mixed_steps(engines):
         after = compiled.rank_stats()[0]
     finally:
         for llm in (eager, compiled):
-            llm.pipeline.scheduler.max_num_batched_tokens = 2048
+            llm.core.pipeline.scheduler.max_num_batched_tokens = 2048
     check_same(want, got)
     compiled_steps, steps = (
         after["compiled_steps"] - before["compiled_steps"],

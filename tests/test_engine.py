@@ -91,7 +91,7 @@ def test_greedy_matches_no_cache_loop_batched_and_one_by_one(model):
     assert all(o.finish_reason == "length" for o in outs)
     singles = [llm.generate(p, GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
     assert singles == expected
-    llm.blocks.check()
+    llm.core.blocks.check()
 
 
 def test_prefix_cache_hits_do_not_change_output(model):
@@ -114,10 +114,10 @@ def test_preemption_and_chunked_prefill_keep_output(model):
     expected = [uncached_greedy(model, p, 10) for p in PROMPTS]
     # 16 blocks of 4 = 64 tokens: the batch cannot fit, sequences get preempted and recomputed
     llm, outs = run(model, block_size=4, num_blocks=16, max_num_batched_tokens=12)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.num_preemptions > 0
     assert [o.token_ids for o in outs] == expected
-    llm.blocks.check()
-    assert llm.blocks.num_free == llm.blocks.num_blocks  # nothing leaked
+    llm.core.blocks.check()
+    assert llm.core.blocks.num_free == llm.core.blocks.num_blocks  # nothing leaked
 
 
 @settings(max_examples=12, deadline=None)
@@ -145,8 +145,8 @@ def test_any_engine_shape_gives_reference_tokens(
     )
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert [o.token_ids for o in outs] == [uncached_greedy(model, p, 10)[:6] for p in prompts]
-    llm.blocks.check()
-    assert sum(llm.blocks.ref) == 0
+    llm.core.blocks.check()
+    assert sum(llm.core.blocks.ref) == 0
 
 
 def test_sampling_seed_top_k_and_stop_ids(model):
@@ -234,7 +234,7 @@ def test_kv_cache_sized_from_memory_budget(model):
 
     per = bytes_per_block(2, 4, 2, 8, torch.float32)
     llm = LLM(model, block_size=4, kv_cache_memory=per * 10 + 5)
-    assert llm.kv.num_blocks == 10 and llm.max_model_len == 40
+    assert llm.core.kv.num_blocks == 10 and llm.max_model_len == 40
 
 
 def test_cache_salt_per_request(model):
@@ -265,7 +265,7 @@ def test_request_finished_in_its_prefill_step_leaves_its_prompt_blocks_cached(mo
         again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
         assert again.num_cached_tokens == (length - 1) // 16 * 16, (length, again.num_cached_tokens)
         assert again.token_ids == out.token_ids
-    llm.blocks.check()
+    llm.core.blocks.check()
 
 
 @pytest.mark.parametrize("length", [60, 440])
@@ -309,7 +309,7 @@ def test_streams_interleaved_with_each_other_and_generate(model):
         assert [d.token_id for d in got] == ref
         assert "".join(d.text for d in got) == tok.decode(ref)
         assert got[-1].finish_reason == "length" and all(d.finish_reason is None for d in got[:-1])
-    assert llm.blocks.num_free == llm.blocks.num_blocks
+    assert llm.core.blocks.num_free == llm.core.blocks.num_blocks
 
 
 def test_stop_string_across_tokens_is_never_streamed(model):
@@ -355,7 +355,7 @@ def test_triton_paged_kernels_give_reference_results(model, monkeypatch, request
         and again[0].num_cached_tokens == 36
     )
     assert {"paged_decode_triton", "paged_prefill_triton"} <= set(calls)
-    llm.blocks.check()
+    llm.core.blocks.check()
     int8 = [
         run(model, [prompt], params, paged_backend=b, kv_cache_dtype="int8", **kw)[1][
             0

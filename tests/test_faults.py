@@ -104,9 +104,9 @@ KEY_SLACK = 3
 def clean(llm) -> None:
     """Nothing leaked: every block free and consistent, every rank's pending sends bounded."""
     assert not llm.has_unfinished_requests()
-    llm.blocks.check()
-    assert llm.blocks.num_free == llm.num_blocks
-    assert all(r["pending_sends"] <= 2 * llm.shape.pp for r in llm.rank_stats())
+    llm.core.blocks.check()
+    assert llm.core.blocks.num_free == llm.num_blocks
+    assert all(r["pending_sends"] <= 2 * llm.core.shape.pp for r in llm.rank_stats())
 
 
 # -- the reproductions -----------------------------------------------------------------------
@@ -170,7 +170,9 @@ def test_an_interrupted_generate_leaves_step_api_requests_running(model):
         rid = llm.add_request(ps[0], GREEDY)
         with pytest.raises(KeyboardInterrupt):
             llm.generate(ps[1:3], GREEDY, use_tqdm=False)
-        assert llm.cluster.broken is None  # the interrupt waited for the step's end on every rank
+        assert (
+            llm.core.cluster.broken is None
+        )  # the interrupt waited for the step's end on every rank
         assert drive(llm)[rid].token_ids == want[0]
         assert [o.token_ids for o in llm.generate(ps[1:3], GREEDY, use_tqdm=False)] == want[1:3]
         clean(llm)
@@ -195,14 +197,14 @@ def test_ctrl_c_mid_step_resynchronises_and_an_interrupt_inside_breaks_at_once(m
         with pytest.raises(EngineError, match="KeyboardInterrupt inside a step"):
             llm.generate(ps, GREEDY, use_tqdm=False)
         assert time.monotonic() - t < 2
-        assert not any(p.is_alive() for p in llm.cluster.procs)
+        assert not any(p.is_alive() for p in llm.core.cluster.procs)
 
 
 def test_workers_ignore_a_terminal_ctrl_c(model):
     """A terminal's Ctrl-C reaches the spawned workers too; it is the driver's to handle."""
     ps = prompts()[:2]
     with engine(model, tp=2) as llm:
-        os.kill(llm.cluster.procs[0].pid, signal.SIGINT)
+        os.kill(llm.core.cluster.procs[0].pid, signal.SIGINT)
         time.sleep(0.5)
         assert [o.token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)] == fault_free_tokens(
             model
@@ -268,11 +270,11 @@ def test_spawned_store_keys_stay_flat(model):
     with engine(model, pp=2) as llm:
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
         llm.rank_stats()
-        before = settled_keys(llm.cluster.store)
+        before = settled_keys(llm.core.cluster.store)
         for _ in range(10):
             llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
             llm.rank_stats()
-        assert abs(settled_keys(llm.cluster.store) - before) <= KEY_SLACK  # was +20
+        assert abs(settled_keys(llm.core.cluster.store) - before) <= KEY_SLACK  # was +20
 
 
 class BrokenDecode:
@@ -350,7 +352,7 @@ def test_fault_injection_spawned(model, mesh, kind, rank, step):
     errors = []
     with fault(rank, step, None if kind == "close" else kind), engine(model, **mesh) as llm:
         t0 = time.monotonic()  # the calls, not the start (a loaded machine spawns slowly)
-        keys = settled_keys(llm.cluster.store)
+        keys = settled_keys(llm.core.cluster.store)
         rid = llm.add_request(ps[3], GREEDY)
         try:
             it, got = llm.stream(ps[0], GREEDY), []
@@ -365,8 +367,8 @@ def test_fault_injection_spawned(model, mesh, kind, rank, step):
         except (EngineError, KeyboardInterrupt) as e:
             errors.append(f"{type(e).__name__}: {e}")
         assert time.monotonic() - t0 < TIMEOUT + 20
-        check_outcome(kind, rank, errors, llm.cluster.broken)
-        if llm.cluster.broken:
+        check_outcome(kind, rank, errors, llm.core.cluster.broken)
+        if llm.core.cluster.broken:
             t = time.monotonic()
             with pytest.raises(EngineError, match="broken"):
                 llm.step()
@@ -375,7 +377,7 @@ def test_fault_injection_spawned(model, mesh, kind, rank, step):
         assert drive(llm)[rid].token_ids == want[3]  # the step-API request never lost a token
         assert [o.token_ids for o in llm.generate(ps[1:3], GREEDY, use_tqdm=False)] == want[1:3]
         clean(llm)
-        assert abs(settled_keys(llm.cluster.store) - keys) <= KEY_SLACK
+        assert abs(settled_keys(llm.core.cluster.store) - keys) <= KEY_SLACK
 
 
 # Torchrun mode: a rank that fails leaves its peers waiting the engine's timeout (up to twice per

@@ -199,8 +199,8 @@ def test_quantized_cache_with_prefix_hits_and_preemption(hf_model, name):
         hf_model, block_size=4, num_blocks=24, max_num_batched_tokens=16, kv_cache_dtype=name
     )
     outs = small.generate(prompts, params, use_tqdm=False)
-    assert small.scheduler.num_preemptions > 0 and all(len(o.token_ids) == 8 for o in outs)
-    assert small.blocks.num_free == small.blocks.num_blocks
+    assert small.num_preemptions > 0 and all(len(o.token_ids) == 8 for o in outs)
+    assert small.core.blocks.num_free == small.core.blocks.num_blocks
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])

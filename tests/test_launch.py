@@ -45,7 +45,7 @@ def alive(pid: int) -> bool:
 def test_spawned_ranks_equal_transformers_and_stop_on_close(model):
     want = hf_greedy(model, prompts(), 6)
     with LLM(model, tp=2, pp=2, block_size=4, num_blocks=64) as llm:
-        pids = [p.pid for p in llm.cluster.procs]
+        pids = [p.pid for p in llm.core.cluster.procs]
         assert len(pids) == 4 and all(
             alive(p) for p in pids
         )  # every model rank is a worker; this process drives
@@ -55,7 +55,7 @@ def test_spawned_ranks_equal_transformers_and_stop_on_close(model):
         ] == want  # and again
         stats = llm.rank_stats()
         assert [s["rank"] for s in stats] == [0, 1, 2, 3] and all(s["steps"] > 0 for s in stats)
-    assert llm.cluster.mode == "closed"  # a spawn driver after close() (ClusterMode.CLOSED)
+    assert llm.core.cluster.mode == "closed"  # a spawn driver after close() (ClusterMode.CLOSED)
     deadline = time.time() + 10
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)
@@ -70,7 +70,9 @@ def test_killed_worker_is_an_error_within_the_timeout(model):
     llm = LLM(model, pp=2, block_size=4, num_blocks=64, timeout=5)
     try:
         llm.generate(prompts()[:1], GREEDY, use_tqdm=False)
-        os.kill(llm.cluster.procs[1].pid, signal.SIGKILL)  # model rank 1 (procs[r] is model rank r)
+        os.kill(
+            llm.core.cluster.procs[1].pid, signal.SIGKILL
+        )  # model rank 1 (procs[r] is model rank r)
         t = time.time()
         with pytest.raises(EngineError, match="rank 1"):
             llm.generate(prompts(), GREEDY, use_tqdm=False)
@@ -109,7 +111,8 @@ def test_program_exit_stops_its_workers(tmp_path):
         from tests.models import tiny_model
         llm = LLM(tiny_model("llama", 0, num_hidden_layers=2), tp=2, block_size=4, num_blocks=32)
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-        print("PIDS", *[p.pid for p in llm.cluster.procs], "TOKENS", *out[0].token_ids, flush=True)
+        pids = [p.pid for p in llm.core.cluster.procs]
+        print("PIDS", *pids, "TOKENS", *out[0].token_ids, flush=True)
     """)
     )
     res = subprocess.run(

@@ -118,8 +118,8 @@ def test_migrated_requests_finish_as_if_never_moved(model, params, mode, tmp_pat
     r.finish()
     assert [r.outs[rid].token_ids for rid in rids] == unmoved_tokens(model, params)
     assert (
-        r.a.blocks.num_free == r.a.blocks.num_blocks
-        and r.b.blocks.num_free == r.b.blocks.num_blocks
+        r.a.core.blocks.num_free == r.a.core.blocks.num_blocks
+        and r.b.core.blocks.num_free == r.b.core.blocks.num_blocks
     )
 
 
@@ -128,9 +128,9 @@ def test_a_preempted_request_moves_and_imported_blocks_serve_hits(model):
         model, dict(block_size=4, num_blocks=24, max_num_batched_tokens=32)
     )  # 96 tokens: preemption
     rids = [r.a.add_request(p, GREEDY) for p in prompts()]
-    while not r.a.scheduler.num_preemptions:
+    while not r.a.num_preemptions:
         r.step(r.a)
-    victim = next(s for s in r.a.scheduler.waiting if s.num_preemptions)
+    victim = next(s for s in r.a.core.scheduler.waiting if s.num_preemptions)
     snap = r.a.export_request(victim.request_id)
     assert snap.end == 0 and snap.k.shape[1] == 0  # its K/V were dropped: the receiver recomputes
     r.b.import_request(snap)
@@ -183,7 +183,7 @@ def test_wrong_snapshots_are_refused_and_the_source_keeps_the_request(model, tmp
         r.b.import_request(nxt)
     assert (
         r.b.request_state(rid) is not RequestState.STAGED
-        and r.b.blocks.num_free == r.b.blocks.num_blocks
+        and r.b.core.blocks.num_free == r.b.core.blocks.num_blocks
     )  # nothing changed
     r.finish()  # nothing lost: the source still finishes it
     assert r.outs[rid].token_ids == unmoved_tokens(model, GREEDY)[2]
@@ -285,7 +285,7 @@ class Migrations(RuleBasedStateMachine):
         try:
             return s.export_request(rid, **kw)
         except ValueError:
-            assert s.pipeline.get(rid)[0].finished
+            assert s.core.pipeline.get(rid)[0].finished
             return None
 
     @rule(k=st.integers(0, 50))
@@ -324,7 +324,7 @@ class Migrations(RuleBasedStateMachine):
             if rid not in self.aborted:
                 assert self.run.outs[rid].token_ids == ref[i], rid
         for eng in self.engines.values():
-            assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.request_ids(
+            assert eng.core.blocks.num_free == eng.core.blocks.num_blocks and not eng.request_ids(
                 RequestState.STAGED
             )
 
@@ -395,7 +395,7 @@ def test_quantized_blocks_move_with_their_scales(model):
 # -- an import trusts nothing ------------------------------------------------------------------
 def state(e):
     """What a refused import must leave exactly as it was (and the block invariants hold)."""
-    e.blocks.check()
+    e.core.blocks.check()
     staged = {
         rid: (
             st.last_id,
@@ -410,14 +410,14 @@ def state(e):
         for rid, st in ((rid, e.staged(rid)) for rid in e.request_ids(RequestState.STAGED))
     }
     return (
-        e.blocks.num_free,
-        list(e.blocks.ref),
-        dict(e.blocks.hash_of),
+        e.core.blocks.num_free,
+        list(e.core.blocks.ref),
+        dict(e.core.blocks.hash_of),
         e.request_ids(RequestState.ACTIVE),
         e.request_ids(RequestState.PAUSED),
         staged,
-        [s.seq_id for s in e.scheduler.waiting],
-        [s.seq_id for s in e.scheduler.running],
+        [s.seq_id for s in e.core.scheduler.waiting],
+        [s.seq_id for s in e.core.scheduler.running],
     )
 
 
@@ -657,8 +657,8 @@ def test_each_corrupted_field_is_refused_by_name_and_changes_nothing(model):
         .prompt_logprobs,
         abs=1e-4,
     )  # other chunks: rounding
-    assert r.b.blocks.num_free == r.b.blocks.num_blocks
-    r.b.blocks.check()
+    assert r.b.core.blocks.num_free == r.b.core.blocks.num_blocks
+    r.b.core.blocks.check()
 
 
 @pytest.fixture(scope="module")
@@ -702,15 +702,15 @@ def test_a_refused_import_takes_no_blocks_and_a_failed_write_gives_them_back(mod
     for _ in range(6):
         r.step(r.a)
     snap = r.a.export_request(rid)
-    free = r.b.blocks.num_free
+    free = r.b.core.blocks.num_free
     for _ in range(2):  # before the fix each bad generator state took 5 more free blocks
         refused(r.b, r_(snap, generator_state=snap.generator_state[:100]), "generator_state")
-    assert r.b.blocks.num_free == free
+    assert r.b.core.blocks.num_free == free
 
     def broken(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(r.b.cluster, "write_kv", broken)
+    monkeypatch.setattr(r.b.core.cluster, "write_kv", broken)
     refused(r.b, snap, "device lost", RuntimeError)
     monkeypatch.undo()
     r.b.import_request(snap)
@@ -815,21 +815,21 @@ def test_reclaim_frees_held_blocks_and_loses_nothing(model):
     r.a.export_request(paused)  # stopped here, blocks held
     pre = r.a.export_request(staged, stop=False)
     r.b.import_request(pre)  # staged there, blocks held
-    free = r.a.blocks.num_free
+    free = r.a.core.blocks.num_free
     assert (
         r.a.core.migration.reclaim()
-        and r.a.blocks.num_free > free
+        and r.a.core.blocks.num_free > free
         and not r.a.sequences(paused)[0].block_table
     )
     assert not r.a.core.migration.reclaim()  # nothing else held here
     r.a.resume_request(paused)  # recomputed from its tokens
-    assert r.b.core.migration.reclaim() and r.b.blocks.num_free == r.b.blocks.num_blocks
+    assert r.b.core.migration.reclaim() and r.b.core.blocks.num_free == r.b.core.blocks.num_blocks
     assert not r.b.core.migration.reclaim()
-    r.b.blocks.check()
+    r.b.core.blocks.check()
     r.step(r.a)
     nxt = r.a.export_request(staged, since=pre, stop=False)
     r.b.import_request(nxt)  # its tokens count, its K/V are dropped
-    assert r.b.blocks.num_free == r.b.blocks.num_blocks
+    assert r.b.core.blocks.num_free == r.b.core.blocks.num_blocks
     with pytest.raises(ValueError, match="in order"):
         r.b.import_request(nxt)
     r.step(r.a)
@@ -840,5 +840,5 @@ def test_reclaim_frees_held_blocks_and_loses_nothing(model):
         unmoved_tokens(model, GREEDY)[i] for i in (1, 3)
     ]
     for e in (r.a, r.b):
-        assert e.blocks.num_free == e.blocks.num_blocks
-        e.blocks.check()
+        assert e.core.blocks.num_free == e.core.blocks.num_blocks
+        e.core.blocks.check()

@@ -149,7 +149,7 @@ def test_requests_move_between_meshes_and_finish_as_if_never_moved(engines, mode
     )
     for e in (a, b):
         assert (
-            e.blocks.num_free == e.blocks.num_blocks
+            e.core.blocks.num_free == e.core.blocks.num_blocks
             and not e.request_ids(RequestState.STAGED)
             and not e.request_ids(RequestState.PAUSED)
         )
@@ -227,7 +227,7 @@ def test_an_export_completes_the_steps_in_flight_first(engines, model):
     outs = {}
     while True:
         _steps(e, outs)
-        flying = {s.seq.request_id for batch in e.pipeline.inflight for s in batch}
+        flying = {s.seq.request_id for batch in e.core.pipeline.inflight for s in batch}
         last = [r for r in rids if r in flying and len(e.sequences(r)[0].output_token_ids) == 2]
         if last:
             break
@@ -242,7 +242,7 @@ def test_an_export_completes_the_steps_in_flight_first(engines, model):
         [[5, 6, 7, 8], [9, 10, 11]], p, use_tqdm=False
     )
     assert [outs[r].token_ids for r in rids] == [o.token_ids for o in want]
-    assert e.blocks.num_free == e.blocks.num_blocks
+    assert e.core.blocks.num_free == e.core.blocks.num_blocks
 
 
 def test_a_snapshot_holds_the_same_kv_whatever_the_mesh(engines, model):

@@ -181,10 +181,10 @@ def test_paged_decode_logits_match(hf_model):
     llm = LLM(hf_model, block_size=4, num_blocks=64, max_num_batched_tokens=16)
     ids = torch.randint(3, 128, (37,), generator=torch.Generator().manual_seed(2)).tolist()
     (seq,) = llm.core.make_request(ids, SamplingParams(temperature=0))
-    llm.scheduler.add(seq)
+    llm.core.scheduler.add(seq)
     steps = 0
     while steps < 8:
-        batch = llm.scheduler.schedule()
+        batch = llm.core.scheduler.schedule()
         logits = llm.core.logits(batch)
         for s in batch:
             s.seq.num_computed = s.start + s.n
@@ -194,7 +194,7 @@ def test_paged_decode_logits_match(hf_model):
         torch.testing.assert_close(logits[0], ref, **TOL)
         seq.token_ids.append(int(ref.argmax()))
         steps += 1
-    llm.scheduler.finish(seq)
+    llm.core.scheduler.finish(seq)
 
 
 def test_engine_greedy_matches_hf_generate(hf_model):

@@ -80,9 +80,9 @@ def finish(llm):
 
 def all_free(llm) -> bool:
     return (
-        llm.blocks.num_free == llm.blocks.num_blocks
-        and not llm.pipeline.staged
-        and not llm.pipeline.paused
+        llm.core.blocks.num_free == llm.core.blocks.num_blocks
+        and not llm.core.pipeline.staged
+        and not llm.core.pipeline.paused
     )
 
 

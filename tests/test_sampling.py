@@ -254,14 +254,14 @@ def test_n_samples_are_distinct_reproducible_and_share_the_prompt(model):
     assert len(a.outputs) == 4 and [o.index for o in a.outputs] == [0, 1, 2, 3]
     assert len({tuple(o.token_ids) for o in a.outputs}) == 4  # distinct samples
     assert a.token_ids == a.outputs[0].token_ids
-    assert llm.blocks.hits - hits == 3 * 6  # samples 1..3 reused the prompt's 6 full blocks
+    assert llm.core.blocks.hits - hits == 3 * 6  # samples 1..3 reused the prompt's 6 full blocks
     b = llm.generate(prompt, params, use_tqdm=False)[0]
     assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]  # reproducible
     single = llm.generate(
         prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=11), use_tqdm=False
     )[0]
     assert single.token_ids == a.outputs[0].token_ids  # sample 0 uses the seed itself
-    assert llm.blocks.num_free == llm.blocks.num_blocks
+    assert llm.core.blocks.num_free == llm.core.blocks.num_blocks
 
 
 def test_step_api_and_abort_free_blocks(model):
@@ -287,7 +287,9 @@ def test_step_api_and_abort_free_blocks(model):
     assert (
         got["r1"].finish_reason is None and len(got["r1"].token_ids) < 6
     )  # stopped early, never finished
-    assert llm.blocks.num_free == llm.blocks.num_blocks and not llm.has_unfinished_requests()
+    assert (
+        llm.core.blocks.num_free == llm.core.blocks.num_blocks and not llm.has_unfinished_requests()
+    )
 
 
 def test_engine_tiny_temperatures_are_greedy_and_unbounded_stops_refused(model):

@@ -44,7 +44,7 @@ def test_host_tier_gives_evicted_prefixes_back_exactly(model):
         assert o.num_cached_tokens == 40  # all 10 blocks: from the device or promoted from host
     tiers = llm.kv_cache_info()["tiers"]
     assert tiers["device"]["promotions"] >= 40 and tiers["host"]["blocks"] > 0
-    llm.blocks.check()
+    llm.core.blocks.check()
     # the events tell a router where each block is: a block that went to host and came back
     _, log = events.since(0)
     kinds = {}
@@ -60,7 +60,7 @@ def test_host_tier_gives_evicted_prefixes_back_exactly(model):
 
 def test_without_tiers_the_same_prompts_miss(model):
     llm = LLM(model, block_size=4, num_blocks=24, max_num_seqs=2, kv_host_memory=0)
-    assert llm.tiers is None and llm.kv_cache_info()["tiers"]["host"] is None
+    assert llm.core.tiers is None and llm.kv_cache_info()["tiers"]["host"] is None
     again = first_pass_then_again(llm)
     assert [o.num_cached_tokens for o in again] == [0] * len(PREFIXES)
     for p, o in zip(PREFIXES, again):
@@ -93,7 +93,7 @@ def test_disk_tier_behind_a_small_host_tier(model, tmp_path):
     assert len(glob.glob(str(tmp_path / "*.safetensors"))) == tiers["disk"]["blocks"]
     _, log = events.since(0)
     assert any(kind == DISK for _, kind, _ in log)
-    llm.blocks.check()
+    llm.core.blocks.check()
 
 
 def llm_entry_bytes(model) -> int:
@@ -127,8 +127,8 @@ def test_a_corrupt_disk_file_is_recomputed(model, tmp_path):
     out = llm.generate([PREFIXES[0] + [3]], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == uncached_greedy(model, PREFIXES[0] + [3], 4)
     assert out.num_cached_tokens == 0  # its first block's file was refused: all recomputed
-    assert llm.tiers.load_failures >= 1
-    llm.blocks.check()
+    assert llm.core.tiers.load_failures >= 1
+    llm.core.blocks.check()
 
 
 def test_tier_settings_are_checked_before_anything_starts(model, tmp_path):
@@ -191,23 +191,23 @@ def test_a_prefix_moves_between_engines_of_other_block_sizes(model):
     assert src.export_prefix(p, "other") is None  # another tenant's chain: nothing to give
     prefix = src.export_prefix(p + [5], "t")
     assert len(prefix.token_ids) == 48 and prefix.k.shape[1] == 48  # whole source blocks
-    free = src.blocks.num_free
+    free = src.core.blocks.num_free
     assert dst.import_prefix(prefix) == 48  # 6 blocks of 8
-    assert src.blocks.num_free == free  # the holder's pins were let go
+    assert src.core.blocks.num_free == free  # the holder's pins were let go
     assert dst.cached_tokens(p + [5], "t") == 48 and dst.cached_tokens(p + [5]) == 0
     out = dst.generate([p + [5]], GREEDY, use_tqdm=False, cache_salt="t")[0]
     assert out.num_cached_tokens == 48
     assert out.outputs[0].token_ids == uncached_greedy(model, p + [5], 4)
     assert dst.import_prefix(prefix) == 48  # again: it holds them, nothing new is written
-    dst.blocks.check()
-    src.blocks.check()
+    dst.core.blocks.check()
+    src.core.blocks.check()
 
 
 def test_a_prefix_comes_from_the_holders_tiers_too(model):
     src = LLM(model, block_size=4, num_blocks=24, max_num_seqs=2, kv_host_memory=1 << 20)
     for p in PREFIXES:  # the first prefixes are in src's host tier now
         src.generate([p + [1]], GREEDY, use_tqdm=False)
-    assert src.blocks.locate(PREFIXES[0])[0][0] is None  # not on its device
+    assert src.core.blocks.locate(PREFIXES[0])[0][0] is None  # not on its device
     prefix = src.export_prefix(PREFIXES[0] + [3])
     assert len(prefix.token_ids) == 40
     dst = LLM(model, block_size=4, num_blocks=64)
@@ -242,10 +242,10 @@ def test_bad_prefixes_are_refused_before_any_block_is_taken(model):
     ):
         with pytest.raises(ValueError, match=match):
             dst.import_prefix(bad)
-        assert dst.blocks.num_free == 64 and not dst.blocks.by_hash
+        assert dst.core.blocks.num_free == 64 and not dst.core.blocks.by_hash
     with pytest.raises(TypeError):
         dst.import_prefix({"k": good.k})
-    dst.blocks.check()
+    dst.core.blocks.check()
 
 
 def test_a_prefix_larger_than_the_free_blocks_is_imported_in_part(model):
@@ -253,13 +253,13 @@ def test_a_prefix_larger_than_the_free_blocks_is_imported_in_part(model):
     dst = LLM(model, block_size=4, num_blocks=24)
     p = PREFIXES[0] + PREFIXES[1]  # 80 tokens: 20 blocks
     src.generate([p], GREEDY, use_tqdm=False)
-    held = dst.blocks.allocate(12)  # in use by others: 12 blocks free
+    held = dst.core.blocks.allocate(12)  # in use by others: 12 blocks free
     assert dst.import_prefix(src.export_prefix(p)) == 12 * 4
-    dst.blocks.free(held)
+    dst.core.blocks.free(held)
     out = dst.generate([p], GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 12 * 4
     assert out.outputs[0].token_ids == uncached_greedy(model, p, 4)
-    dst.blocks.check()
+    dst.core.blocks.check()
 
 
 def test_a_host_tier_the_host_cannot_hold_turns_itself_off(model):
@@ -269,7 +269,7 @@ def test_a_host_tier_the_host_cannot_hold_turns_itself_off(model):
         assert o.outputs[0].token_ids == uncached_greedy(model, p + [3], 4)
     host = llm.kv_cache_info()["tiers"]["host"]
     assert host["capacity_blocks"] == 0 and host["error"]
-    llm.blocks.check()
+    llm.core.blocks.check()
 
 
 def test_the_default_host_tier_leaves_the_host_half_its_memory():

@@ -89,7 +89,7 @@ def unique_prompt(seed: int, length: int):
 
 def state(e):
     """What a refused pull must leave exactly as it was."""
-    b, t = e.blocks, e.tiers
+    b, t = e.core.blocks, e.core.tiers
     return (
         b.num_free,
         list(b.ref),
@@ -205,13 +205,13 @@ class TieredCache(RuleBasedStateMachine):
         """``src.export_prefix``, checked: its pins released, its tokens within the tenant's,
         its K/V those of a cold run."""
         e = self.engines[src]
-        refs = list(e.blocks.ref)
+        refs = list(e.core.blocks.ref)
         pre = e.export_prefix(prompt, salt)
-        assert e.blocks.ref == refs, "an export left blocks pinned"
+        assert e.core.blocks.ref == refs, "an export left blocks pinned"
         if pre is None:
             return None
         n = len(pre.token_ids)
-        assert n % e.blocks.block_size == 0 and pre.token_ids == prompt[:n]
+        assert n % e.core.blocks.block_size == 0 and pre.token_ids == prompt[:n]
         assert pre.cache_salt == salt
         assert n <= self.bound(src, salt, prompt), "an export reached another tenant's blocks"
         k, v = reference_kv(pre.token_ids)
@@ -222,7 +222,7 @@ class TieredCache(RuleBasedStateMachine):
     def imported(self, dst, pre, n):
         """``n`` tokens of ``pre`` went into ``dst``'s cache."""
         e = self.engines[dst]
-        assert 0 <= n <= len(pre.token_ids) and n % e.blocks.block_size == 0
+        assert 0 <= n <= len(pre.token_ids) and n % e.core.blocks.block_size == 0
         if n:
             self.known.setdefault((dst, pre.cache_salt), []).append(("pulled", pre.token_ids[:n]))
             probe = pre.token_ids[:n] + [0]
@@ -423,7 +423,7 @@ class TieredCache(RuleBasedStateMachine):
     def corrupt(self, name, k, cut):
         """Damage a disk-tier file: a flipped byte, or truncation. A promotion or export that
         reaches it must refuse it and recompute (the K/V and token checks see the rest)."""
-        d = self.engines[name].tiers.disk.path
+        d = self.engines[name].core.tiers.disk.path
         files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
         if not files:
             return
@@ -443,10 +443,10 @@ class TieredCache(RuleBasedStateMachine):
     @invariant()
     def blocks_consistent(self):
         for e in self.engines.values():
-            b = e.blocks
+            b = e.core.blocks
             b.check()
             held = [0] * b.num_blocks
-            for seqs in e.pipeline.active.values():
+            for seqs in e.core.pipeline.active.values():
                 for s in seqs:
                     if not s.finished:
                         for blk in s.block_table:
@@ -457,8 +457,8 @@ class TieredCache(RuleBasedStateMachine):
     @invariant()
     def tiers_consistent(self):
         for name, e in self.engines.items():
-            info, t = e.kv_cache_info()["tiers"], e.tiers
-            b = e.blocks
+            info, t = e.kv_cache_info()["tiers"], e.core.tiers
+            b = e.core.blocks
             assert info["device"]["cached"] == len(b.by_hash)
             assert info["device"]["blocks"] == b.num_blocks - b.num_free
             assert info["device"]["promotions"] == b.promotions
@@ -515,8 +515,8 @@ class TieredCache(RuleBasedStateMachine):
                     f"{o.num_cached_tokens} cached) differs from a cold run"
                 )
             for e in self.engines.values():
-                e.blocks.check()
-                assert e.blocks.num_free == e.blocks.num_blocks, "blocks leaked"
+                e.core.blocks.check()
+                assert e.core.blocks.num_free == e.core.blocks.num_blocks, "blocks leaked"
         finally:
             for e in self.engines.values():
                 e.close()
@@ -543,13 +543,13 @@ def test_an_import_into_a_busy_pool_takes_only_free_blocks():
         rid = b.add_request(long, SamplingParams(temperature=0, max_tokens=4))
         b.step()
         (seq,) = b.sequences(rid)
-        held, refs = list(seq.block_table), list(b.blocks.ref)
-        assert len(held) == 6 and b.blocks.num_free == 2
+        held, refs = list(seq.block_table), list(b.core.blocks.ref)
+        assert len(held) == 6 and b.core.blocks.num_free == 2
         assert b.import_prefix(pre) == 16  # two of its three blocks fit
-        assert seq.block_table == held and [b.blocks.ref[x] for x in held] == [
+        assert seq.block_table == held and [b.core.blocks.ref[x] for x in held] == [
             refs[x] for x in held
         ]
-        b.blocks.check()
+        b.core.blocks.check()
         outs = {}
         while b.has_unfinished_requests():
             for o in b.step():
@@ -557,7 +557,7 @@ def test_an_import_into_a_busy_pool_takes_only_free_blocks():
         assert outs[rid].token_ids == uncached_greedy(m, long, 4)
         (o,) = b.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         assert o.token_ids == uncached_greedy(m, prompt, 4) and o.num_cached_tokens == 16
-        assert b.blocks.num_free == b.blocks.num_blocks
+        assert b.core.blocks.num_free == b.core.blocks.num_blocks
     finally:
         a.close()
         b.close()
@@ -583,13 +583,14 @@ def test_a_promotion_does_not_push_its_own_chain_out_of_the_tiers(tier, tmp_path
         x = [50] + list(range(1, 23))  # 23 tokens: its 6 blocks evict q's 2 to the tier
         e.generate([q], one, use_tqdm=False)
         e.generate([x], one, use_tqdm=False)
-        assert [blk for blk, _ in e.blocks.locate(q[:-1])] == [None, None]  # both in the tier
-        assert len(e.blocks.empty) == 1 and len(e.blocks.evictable) == 5
+        assert [blk for blk, _ in e.core.blocks.locate(q[:-1])] == [None, None]  # both in the tier
+        assert len(e.core.blocks.empty) == 1 and len(e.core.blocks.evictable) == 5
         (o,) = e.generate([q], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
         assert o.token_ids == uncached_greedy(m, q, 3)
-        assert (o.num_cached_tokens, e.tiers.load_failures) == (8, 0), (
-            f"{o.num_cached_tokens} of 8 tokens promoted, {e.tiers.load_failures} load failures"
+        assert (o.num_cached_tokens, e.core.tiers.load_failures) == (8, 0), (
+            f"{o.num_cached_tokens} of 8 tokens promoted, "
+            f"{e.core.tiers.load_failures} load failures"
         )
-        e.blocks.check()
+        e.core.blocks.check()
     finally:
         e.close()

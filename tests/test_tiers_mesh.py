@@ -72,8 +72,8 @@ def test_evicted_prefixes_come_back_from_the_tiers(model, mesh, tier, tmp_path):
         assert all(o.num_cached_tokens >= 16 for o in again), [o.num_cached_tokens for o in again]
         assert [o.token_ids for o in first] == want
         assert [o.token_ids for o in again] == want
-        llm.blocks.check()
-        assert llm.blocks.num_free == llm.blocks.num_blocks
+        llm.core.blocks.check()
+        assert llm.core.blocks.num_free == llm.core.blocks.num_blocks
 
 
 def test_prefix_moves_from_pp2_into_sp2_out_of_the_tiers(model):
@@ -88,21 +88,21 @@ def test_prefix_moves_from_pp2_into_sp2_out_of_the_tiers(model):
         LLM(model, sp=2, block_size=4, num_blocks=48, timeout=60) as b,
     ):
         assert [o.token_ids for o in one_by_one(a, ps)] == want
-        where = [a.blocks.locate(p[:-1]) for p in ps]
+        where = [a.core.blocks.locate(p[:-1]) for p in ps]
         assert all(blk is None for blk, _ in where[0]), "the first prompt should be in a tier"
         mixed = [{blk is None for blk, _ in w} == {True, False} for w in where]
         assert any(mixed), "some prompt's chain should be part device, part tier"
         moved = []
         for i, p in enumerate(ps):
-            free = list(a.blocks.ref)
+            free = list(a.core.blocks.ref)
             pre = a.export_prefix(p)
-            assert a.blocks.ref == free  # its pins released
+            assert a.core.blocks.ref == free  # its pins released
             assert pre is not None and len(pre.token_ids) == 24, pre and len(pre.token_ids)
             if i % 2:
                 pre = over_link(pre)
             moved.append(b.import_prefix(pre))
         assert moved == [24] * len(ps)  # whole blocks of 8 tokens
-        b.blocks.check()
+        b.core.blocks.check()
         outs = one_by_one(b, ps)
         assert [o.token_ids for o in outs] == want
         assert [o.num_cached_tokens for o in outs] == [24] * len(ps)
@@ -119,17 +119,21 @@ def test_a_dead_holder_fails_the_pull_and_the_target_recomputes(model):
     ):
         a.generate([p], GREEDY, use_tqdm=False)
         assert a.cached_tokens(p) >= 24
-        os.kill(a.cluster.procs[0].pid, signal.SIGKILL)
-        a.cluster.procs[0].join(timeout=10)
-        before = (b.blocks.num_free, list(b.blocks.ref), dict(b.blocks.by_hash))
-        pins = list(a.blocks.ref)
+        os.kill(a.core.cluster.procs[0].pid, signal.SIGKILL)
+        a.core.cluster.procs[0].join(timeout=10)
+        before = (b.core.blocks.num_free, list(b.core.blocks.ref), dict(b.core.blocks.by_hash))
+        pins = list(a.core.blocks.ref)
         t = time.monotonic()
         with pytest.raises(EngineError, match="exited"):
             a.export_prefix(p)  # its device blocks pinned, then the gather fails
         assert time.monotonic() - t < 20, "the failed pull waited for longer than the timeout"
-        assert a.blocks.ref == pins, "a failed export left its blocks pinned"
-        a.blocks.check()
-        assert (b.blocks.num_free, list(b.blocks.ref), dict(b.blocks.by_hash)) == before
+        assert a.core.blocks.ref == pins, "a failed export left its blocks pinned"
+        a.core.blocks.check()
+        assert (
+            b.core.blocks.num_free,
+            list(b.core.blocks.ref),
+            dict(b.core.blocks.by_hash),
+        ) == before
         (o,) = b.generate([p], GREEDY, use_tqdm=False)
         assert o.token_ids == uncached_greedy(model, p, N) and o.num_cached_tokens == 0
 
@@ -150,7 +154,7 @@ def test_quantized_blocks_go_through_the_tiers_with_their_scales(
     ps = prompts(k=5, seed=3)
     want, held = [], []
     with LLM(model, **dict(kw, kv_host_memory=0)) as cold:
-        assert cold.tiers is None
+        assert cold.core.tiers is None
         for p in ps:  # each prompt's K/V before the next prompt evicts them
             want.append(cold.generate([p], GREEDY, use_tqdm=False)[0].token_ids)
             held.append(cold.export_prefix(p))
@@ -159,8 +163,8 @@ def test_quantized_blocks_go_through_the_tiers_with_their_scales(
         first = one_by_one(llm, ps)
         tiers = llm.kv_cache_info()["tiers"]
         assert tiers["disk"]["blocks"] > 0, tiers
-        assert llm.tiers.layout.nbytes == QUANT_ENTRY
-        assert all(blk is None for blk, _ in llm.blocks.locate(ps[0]))  # all off the device
+        assert llm.core.tiers.layout.nbytes == QUANT_ENTRY
+        assert all(blk is None for blk, _ in llm.core.blocks.locate(ps[0]))  # all off the device
         for stage in ("in the tiers", "promoted"):
             for p, ref in zip(ps, held):
                 pre = llm.export_prefix(p)

@@ -47,34 +47,28 @@ class LLM:
     ``EngineConfig`` and the module docstring (how ranks start).
 
     A facade: ``core`` (an ``EngineCore``) owns the ranks, the block manager, the scheduler,
-    the step pipeline and the migration calls; ``output`` (its ``OutputProcessor``) turns tokens
-    into text and ``RequestOutput`` objects. ``LLM`` adds the calls (``generate``, ``stream``,
-    ``step``; under torchrun every rank makes them together)."""
+    the step pipeline and the migration calls; its ``output`` (an ``OutputProcessor``) turns
+    tokens into text and ``RequestOutput`` objects. ``LLM`` adds the calls (``generate``,
+    ``stream``, ``step``; under torchrun every rank makes them together) and forwards what users
+    read of the core (its parts, ``llm.core.scheduler`` and the like, are for tests and
+    benchmarks)."""
 
     def __init__(self, model, config: Optional[EngineConfig] = None, **settings):
         config = with_settings(EngineConfig, config, settings, "LLM")
         self.core = EngineCore(model, config, digest=model_digest)
         self._calls = itertools.count()
 
-    # the core's parts and calls, under the names callers use
+    # what users read and call on the core, under the same names (its parts: ``llm.core``)
     engine_config = _core("engine_config")
     config = _core("config")  # the model's ModelConfig
     tokenizer = _core("tokenizer")
     device = _core("device")
     dtype = _core("dtype")
-    shape = _core("shape")
-    stage_layers = _core("stage_layers")
-    cluster = _core("cluster")
+    rank = _core("rank")
     num_blocks = _core("num_blocks")
     max_model_len = _core("max_model_len")
     max_prompt_chars = _core("max_prompt_chars")
-    kv = _core("kv")
     digest = _core("digest")
-    blocks = _core("blocks")
-    scheduler = _core("scheduler")
-    pipeline = _core("pipeline")
-    output = _core("output")
-    rank = _core("rank")
     peak_in_flight = _core("peak_in_flight")
     prefix_cache_hits = _core("prefix_cache_hits")
     close = _core("close")
@@ -84,21 +78,25 @@ class LLM:
     kv_events = _core("kv_events")
     cached_blocks = _core("cached_blocks")
     cached_tokens = _core("cached_tokens")
-    tiers = _core("tiers")
     encode = _core("encode")
     add_request = _core("add_request")
     has_unfinished_requests = _core("has_unfinished_requests")
     abort_request = _core("abort_request")
 
     @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted so far (freed and recomputed when the KV cache ran short)."""
+        return self.core.scheduler.num_preemptions
+
+    @property
     def eos_ids(self) -> set:
         """Token ids that end a sample unless it ignores EOS (the model's and the tokenizer's;
         settable)."""
-        return self.output.eos_ids
+        return self.core.output.eos_ids
 
     @eos_ids.setter
     def eos_ids(self, ids) -> None:
-        self.output.eos_ids = set(ids)
+        self.core.output.eos_ids = set(ids)
 
     def load(self) -> dict:
         """The load now: ``running``, ``waiting``, ``kv_usage``, prefix ``hits``, ``queries``."""
@@ -123,27 +121,27 @@ class LLM:
         """Where a request is: ``ACTIVE`` (waiting, running, or finished and not yet returned by
         ``step``), ``PAUSED`` (stopped by ``export_request``), ``STAGED`` (imported without its
         final snapshot); None if unknown or done."""
-        return self.pipeline.state(request_id)
+        return self.core.pipeline.state(request_id)
 
     def request_ids(self, state: RequestState) -> list:
         """The ids of the requests in ``state``, oldest first."""
-        return self.pipeline.ids(state)
+        return self.core.pipeline.ids(state)
 
     def sequences(self, request_id) -> List[Sequence]:
         """The samples of a request in any state (``KeyError`` if there is none)."""
-        seqs = self.pipeline.samples(request_id)
+        seqs = self.core.pipeline.samples(request_id)
         if seqs is None:
             raise KeyError(f"request {request_id!r} is not in this engine")
         return seqs
 
     def staged(self, request_id) -> Staged:
         """The record of a staged import (``KeyError`` if the request is not staged)."""
-        return self.pipeline.staged[request_id]
+        return self.core.pipeline.staged[request_id]
 
     def request_output(self, request_id, *, delta: bool = False) -> RequestOutput:
         """The ``RequestOutput`` of a request in any state; ``delta``: only what is new since its
         previous delta output (e.g. what a drain computed before an export stopped it)."""
-        return self.output.request_output(self.sequences(request_id), delta)
+        return self.core.output.request_output(self.sequences(request_id), delta)
 
     # -- the step API (what generate, stream and the server use) -----------------------------
     def step(self, delta: bool = False) -> List[RequestOutput]:
@@ -152,11 +150,11 @@ class LLM:
         returned one last time and forgotten. ``delta=True``: each output holds only what is
         new since the request's previous output (token ids, text, log-probs): no per-step copy
         that grows with the output (what a serving loop wants)."""
-        if self.pipeline.busy:
+        if self.core.pipeline.busy:
             self.core.advance()
         # also what other calls (generate, a stream) advanced
-        out = self.output
-        return [out.request_output(seqs, delta) for _, seqs in self.pipeline.reports()]
+        out = self.core.output
+        return [out.request_output(seqs, delta) for _, seqs in self.core.pipeline.reports()]
 
     # -- migration (engine/migrate.py) -------------------------------------------------------
     def export_request(
@@ -183,18 +181,18 @@ class LLM:
     def _migration(self, fn, *args):
         """Torchrun: rank 0 runs ``fn`` (the other ranks store or send their K/V meanwhile) and
         then ends the call on every rank; a failure there is raised on every rank."""
-        if not self.cluster.is_driver:
-            end = self.cluster.follow()
+        if not self.core.cluster.is_driver:
+            end = self.core.cluster.follow()
             if end.get("error"):
                 raise RuntimeError(f"rank 0 failed to migrate the request: {end['error']}")
             return None
         try:
             out = fn(*args)
         except BaseException as e:
-            if not self.cluster.broken:
-                self.cluster.end({"error": f"{type(e).__name__}: {e}"})
+            if not self.core.cluster.broken:
+                self.core.cluster.end({"error": f"{type(e).__name__}: {e}"})
             raise
-        self.cluster.end({})
+        self.core.cluster.end({})
         return out
 
     def export_prefix(self, token_ids, cache_salt: Optional[str] = None):
@@ -221,11 +219,11 @@ class LLM:
     def _agree_call(self, *call) -> None:
         """Torchrun: every rank must make the same call (same prompts and parameters). A broken
         engine fails here at once, before any rank waits on it (``Cluster.exchange``)."""
-        self.cluster.ensure_usable()
-        if self.cluster.mode != ClusterMode.TORCHRUN:
+        self.core.cluster.ensure_usable()
+        if self.core.cluster.mode != ClusterMode.TORCHRUN:
             return
         mine = hashlib.sha256(json.dumps(call, sort_keys=True, default=repr).encode()).hexdigest()
-        for r, theirs in enumerate(self.cluster.exchange(f"call{next(self._calls)}", mine)):
+        for r, theirs in enumerate(self.core.cluster.exchange(f"call{next(self._calls)}", mine)):
             if theirs != mine:
                 raise ValueError(
                     f"rank {r} called the engine with other prompts or parameters than rank "
@@ -293,10 +291,10 @@ class LLM:
         the same outputs."""
         groups = self._requests(prompts, params, apply_chat_template, cache_salt)
         self._agree_call("generate", prompts, params, apply_chat_template, cache_salt)
-        if not self.cluster.is_driver:
-            return [output_from_json(o) for o in self.cluster.follow()["outputs"]]
+        if not self.core.cluster.is_driver:
+            return [output_from_json(o) for o in self.core.cluster.follow()["outputs"]]
         for g in groups:
-            self.pipeline.add(g)
+            self.core.pipeline.add(g)
         live = [s for g in groups for s in g if not s.finished]
         bar = None
         if use_tqdm and live:
@@ -318,19 +316,19 @@ class LLM:
             if bar is not None:
                 bar.close()
             for g in groups:
-                self.pipeline.forget(g[0].request_id)
-        outs = [self.output.request_output(g) for g in groups]
-        self.cluster.end({"outputs": [asdict(o) for o in outs]})
+                self.core.pipeline.forget(g[0].request_id)
+        outs = [self.core.output.request_output(g) for g in groups]
+        self.core.cluster.end({"outputs": [asdict(o) for o in outs]})
         return outs
 
     def _abort(self, live: List[Sequence], e: Optional[BaseException]) -> None:
         """Leave the engine clean for the next call after an interruption or failure: the call's
         own requests (``live``) are aborted, every other request goes on (``e``: torchrun
         followers are told, and raise too)."""
-        self.pipeline.finish(live, "error", "aborted")
+        self.core.pipeline.finish(live, "error", "aborted")
         self.core.drain()
         if e is not None:
-            self.cluster.abort(f"{type(e).__name__}: {e}")
+            self.core.cluster.abort(f"{type(e).__name__}: {e}")
 
     def stream(
         self,
@@ -350,18 +348,18 @@ class LLM:
         if seq.finished:
             raise ValueError(seq.error)
         self._agree_call("stream", prompt, params, apply_chat_template, cache_salt)
-        if not self.cluster.is_driver:
-            end = self.cluster.follow()
+        if not self.core.cluster.is_driver:
+            end = self.core.cluster.follow()
             yield from (TokenDelta(*d) for d in end["deltas"])
             if end.get("error"):
                 raise RuntimeError(end["error"])
             return
-        self.pipeline.add(group[0])
+        self.core.pipeline.add(group[0])
         sent = []
         try:
             while True:
                 # one delta per token, whoever advanced it
-                for d in self.output.token_deltas(seq, len(sent)):
+                for d in self.core.output.token_deltas(seq, len(sent)):
                     sent.append((d.token_id, d.text, d.finish_reason))
                     yield d
                 if seq.finished:
@@ -369,14 +367,14 @@ class LLM:
                 self.core.advance()
         except GeneratorExit:  # the consumer stopped early
             self._abort(group[0], None)
-            self.cluster.end({"deltas": sent})
+            self.core.cluster.end({"deltas": sent})
             raise
         except BaseException as e:
             self._abort(group[0], e)
             raise
         finally:
-            self.pipeline.forget(seq.request_id)
+            self.core.pipeline.forget(seq.request_id)
         failed = seq.error if seq.finish_reason == "error" else None
-        self.cluster.end({"deltas": sent, "error": failed})
+        self.core.cluster.end({"deltas": sent, "error": failed})
         if failed:
             raise RuntimeError(failed)

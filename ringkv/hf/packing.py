@@ -1,6 +1,6 @@
 """Packed documents and padded rows: found in a forward's arguments (``find_packing``,
-``shard_packing``; ``packed_cu_seqlens`` for users), checked on whole rows (``check_padding``,
-``check_shift_labels``, ``check_left_padding``), gathered from the shards (``gather_seq``,
+``shard_packing``; ``packed_cu_seqlens`` for users), checked on whole rows (``check_rows``,
+``check_left_padding``), gathered from the shards (``gather_seq``,
 ``gather_packed``), and labels shifted and sharded into a rank's targets (``local_targets``)."""
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ def shard_packing(pk_kw: dict, pos, b: int, t: int, layout: str, rank: int, worl
 # padding and labels, checked on whole rows
 
 
-def segment_starts(pk: Optional[Packing], b: int, t: int) -> torch.Tensor:
+def _segment_starts(pk: Optional[Packing], b: int, t: int) -> torch.Tensor:
     """``(b, t)`` bool: where a segment starts (a row, or each packed document of the flattened
     rows)."""
     starts = torch.zeros(b * t, dtype=torch.bool)
@@ -370,7 +370,7 @@ def _check_right_padding(m: torch.Tensor, starts: torch.Tensor) -> None:
     )
 
 
-def check_padding(
+def _check_padding(
     mask: torch.Tensor, starts: torch.Tensor, labels: Optional[torch.Tensor], shifted: bool
 ) -> None:
     """Zeros of ``attention_mask`` ``(R, L)`` must end their row or packed document (right padding:
@@ -394,7 +394,7 @@ def check_padding(
         )
 
 
-def check_shift_labels(labels: torch.Tensor, shift_labels: torch.Tensor) -> None:
+def _check_shift_labels(labels: torch.Tensor, shift_labels: torch.Tensor) -> None:
     """``shift_labels`` ``(B, S)`` given with ``labels`` must be them shifted:
     ``shift_labels[:, i] == labels[:, i + 1]``, -100 at the end of each row."""
     want = F.pad(labels.detach()[:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -406,6 +406,23 @@ def check_shift_labels(labels: torch.Tensor, shift_labels: torch.Tensor) -> None
             f"but labels shifted by one give {int(want[r, i])} (shift_labels[:, i] must be "
             "labels[:, i + 1], -100 at the end of each row); pass one of them"
         )
+
+
+def check_rows(
+    mask: Optional[torch.Tensor],
+    packing: Optional[Packing],
+    labels: Optional[torch.Tensor],
+    shifted: bool,
+    unshifted: Optional[torch.Tensor] = None,
+) -> None:
+    """Every check of whole rows ``(B, S)`` (packed: the packed row), in one place: ``labels``
+    (HF's ``shift_labels`` when ``shifted``) against ``unshifted`` (``labels`` given with them),
+    and a padded ``mask``: zeros only at the end of each row or ``packing``'s document, and no
+    target after a pad."""
+    if unshifted is not None:
+        _check_shift_labels(unshifted, labels)
+    if mask is not None and not bool(mask.bool().all()):
+        _check_padding(mask, _segment_starts(packing, *mask.shape), labels, shifted)
 
 
 def check_left_padding(m: torch.Tensor) -> None:

@@ -27,14 +27,12 @@ from ..sp.layout import (
 from .packing import (
     as_rows,
     check_left_padding,
-    check_padding,
-    check_shift_labels,
+    check_rows,
     find_packing,
     gather_packed,
     gather_seq,
     local_targets,
     num_items,
-    segment_starts,
     shard_packing,
 )
 from .state import Packing, PadStep, Step, checkpointing, model_head
@@ -131,8 +129,7 @@ class Call:
     pos: Optional[torch.Tensor]
     targets: Optional[torch.Tensor]
     shifted: bool
-    unshifted: Optional[torch.Tensor]  # inputs="shard": labels given with shift_labels, checked
-    # against them once gathered whole
+    unshifted: Optional[torch.Tensor]  # labels given with shift_labels, checked against them
     label_bits: int  # labels given: 1, shift_labels: 2
     num_items: Optional[float]
     keep: int  # logits_to_keep
@@ -190,7 +187,7 @@ def _read_keep(state, model, kw) -> int:
 
 
 def _read_labels(kw, b: int, t: int, shard_mode: bool):
-    """``(labels, shift_labels)`` taken out of ``kw``, shapes checked (and, whole, each other)."""
+    """``(labels, shift_labels)`` taken out of ``kw``, their shapes checked."""
     labels, shift_labels = kw.pop("labels", None), kw.pop("shift_labels", None)
     for name, lab in (("labels", labels), ("shift_labels", shift_labels)):
         if lab is not None and tuple(lab.shape) != (b, t):
@@ -199,8 +196,6 @@ def _read_labels(kw, b: int, t: int, shard_mode: bool):
                 f"{' (this rank shard, like the inputs)' if shard_mode else ''}, got "
                 f"{tuple(lab.shape)}"
             )
-    if labels is not None and shift_labels is not None and not shard_mode:
-        check_shift_labels(labels, shift_labels)
     return labels, shift_labels
 
 
@@ -232,7 +227,7 @@ def read_call(state, model, kw: dict, cache, explicit_cache: bool) -> Call:
         pos=kw.get("position_ids"),
         targets=targets,
         shifted=shift_labels is not None,
-        unshifted=labels if shard_mode and shift_labels is not None else None,
+        unshifted=labels if shift_labels is not None else None,
         label_bits=(labels is not None) + 2 * (shift_labels is not None),
         num_items=n,
         keep=keep,
@@ -348,7 +343,7 @@ def _plan_prefill(state, model, call: Call, kw: dict) -> Plan:
     padded = mask is not None and not bool(mask.bool().all())
     if not shard_mode and call.explicit_cache and padded and not call.pk_kw:
         return _plan_left_padded(state, model, call, kw)  # generate's padded batch
-    pk, q_pos = _prefill_packing(state, call, padded and not shard_mode)
+    pk, q_pos = _prefill_packing(state, call)
     cache = call.cache
     if pk is not None or (padded and not shard_mode):  # a KV cache of such rows is no use
         if call.explicit_cache:
@@ -374,20 +369,19 @@ def _plan_prefill(state, model, call: Call, kw: dict) -> Plan:
     return _plan_packed(state, model, call, kw, pk, q_pos)
 
 
-def _prefill_packing(state, call: Call, padded: bool):
-    """``(packing, positions)`` of a prefill (positions: with ``inputs="shard"`` only); a padded
-    ``inputs="full"`` mask checked with the rows' targets."""
-    (b, t), mask = call.x.shape[:2], call.mask
+def _prefill_packing(state, call: Call):
+    """``(packing, positions)`` of a prefill (positions: with ``inputs="shard"`` only); with
+    ``inputs="full"``, the whole rows checked (``check_rows``)."""
+    b, t = call.x.shape[:2]
     if state.inputs == "shard":
         return shard_packing(call.pk_kw, call.pos, b, t, state.layout, state.rank, state.world)
     try:
-        pk = find_packing(b, t, position_ids=call.pos, **call.pk_kw)
-    except ValueError:
-        if padded:  # e.g. generate's position ids of a left-padded prompt: the mask is the problem
-            check_padding(mask, segment_starts(None, b, t), call.targets, call.shifted)
-        raise
-    if padded:
-        check_padding(mask, segment_starts(pk, b, t), call.targets, call.shifted)
+        pk, error = find_packing(b, t, position_ids=call.pos, **call.pk_kw), None
+    except ValueError as e:  # e.g. generate's position ids of a left-padded prompt: the rows'
+        pk, error = None, e  # checks (the mask's) come first
+    check_rows(call.mask, pk, call.targets, call.shifted, call.unshifted)
+    if error is not None:
+        raise error
     return pk, None
 
 
@@ -601,12 +595,9 @@ def check_shards(state, plan: Plan) -> Step:
 
     unshifted = whole(sh.unshifted)  # labels first, then shift_labels, then the mask
     labels, mask = whole(sh.targets), whole(sh.mask)
-    if unshifted is not None:
-        check_shift_labels(unshifted, labels)
+    check_rows(mask, step.packing, labels, sh.shifted, unshifted)
     cache = step.cache
     if mask is not None and not bool(mask.bool().all()):
-        starts = segment_starts(step.packing, *mask.shape)
-        check_padding(mask.bool(), starts, labels, sh.shifted)
         if plan.explicit_cache:
             raise ValueError(
                 "ringkv: padding masks are for training and scoring without a KV cache: pass "

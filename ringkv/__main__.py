@@ -20,8 +20,7 @@ import argparse
 import sys
 from typing import Optional
 
-from .engine import flags
-from .engine.core import EngineConfig
+from .engine import EngineConfig, flags
 from .serve.config import ServeConfig
 
 

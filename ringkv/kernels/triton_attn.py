@@ -37,6 +37,7 @@ import torch
 from .checks import check_softcap
 from .mask import BAND, EMPTY, FULL, OFFSET, Mask
 from .triton_common import (  # raises ImportError when triton is not installed
+    LAZY,
     KERNELS,
     big_rows,
     build,
@@ -46,11 +47,10 @@ from .triton_common import (  # raises ImportError when triton is not installed
     finish,
     head_block,
     interpret,
-    jit,
     online_step,
 )
 
-triton = tl = None  # bound by build() (see triton_common: kernels are decorated on first use)
+triton, tl = LAZY, None  # build() binds the real modules (triton_common: kernels built on use)
 
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -72,7 +72,7 @@ def supports(q: torch.Tensor, mask: Mask, dlse=False) -> bool:
 # ----------------------------------------------------------------------------- kernels
 
 
-@jit
+@triton.jit
 def _tanh(x):
     """fp32 ``tanh(x)`` from ``exp2`` (the interpreter has no libdevice, and the GPU then computes
     the same): ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)``; below ``|x| = 1/4``, where ``1 - e``
@@ -92,7 +92,7 @@ def _tanh(x):
     return tl.where(x < 0.0, -r, r)
 
 
-@jit
+@triton.jit
 def _tile_start(IS_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr):
     """First row of this program's query tile; with an OFFSET mask the last (heaviest)
     tiles are launched first, so the short ones fill in at the end."""
@@ -102,14 +102,14 @@ def _tile_start(IS_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr):
     return pid * BLOCK_M
 
 
-@jit
+@triton.jit
 def _rows_off(r0, stride, BLOCK: tl.constexpr):
     """Element offsets ``(BLOCK, 1)`` of rows ``r0 .. r0 + BLOCK - 1``: ``r0 * stride`` in int64
     (``S * H * D`` passes 2**31 at 512K tokens with H=32, D=128), the rest within the tile."""
     return tl.cast(r0, tl.int64) * stride + (tl.arange(0, BLOCK) * stride)[:, None]
 
 
-@jit
+@triton.jit
 def _load_v(
     v_at_k,
     v_base,
@@ -136,7 +136,7 @@ def _load_v(
     )
 
 
-@jit
+@triton.jit
 def _fwd_tile(
     acc,
     m_i,
@@ -194,7 +194,7 @@ def _fwd_tile(
 _NO_SPEC = ["H", "G", "Sq", "Sk", "D", "Dv", "offset", "lo", "SQ_B", "SK_B"]
 
 
-@jit(do_not_specialize=_NO_SPEC)
+@triton.jit(do_not_specialize=_NO_SPEC)
 def _fwd_kernel(
     Q,
     K,
@@ -379,7 +379,7 @@ def _fwd_kernel(
     tl.store(Lse + (b * H + h) * Sq + offs_m, lse, mask=offs_m < Sq)
 
 
-@jit(do_not_specialize=["H", "Sq", "D"])
+@triton.jit(do_not_specialize=["H", "Sq", "D"])
 def _bwd_preprocess(
     Out,
     DO,
@@ -429,7 +429,7 @@ def _bwd_preprocess(
     tl.store(Lse2 + row, lse2, mask=offs_m < Sq)
 
 
-@jit(do_not_specialize=_NO_SPEC + ["Hkv"])
+@triton.jit(do_not_specialize=_NO_SPEC + ["Hkv"])
 def _bwd_dkdv_kernel(
     Q,
     K,
@@ -570,7 +570,7 @@ def _bwd_dkdv_kernel(
     tl.store(DV + g_off, cast(dv, DV.dtype.element_ty, PREC), mask=k_mask)
 
 
-@jit(do_not_specialize=_NO_SPEC)
+@triton.jit(do_not_specialize=_NO_SPEC)
 def _bwd_dq_kernel(
     Q,
     K,
@@ -883,31 +883,8 @@ def _backward(
     sk, hkv, dvh = k.shape[1], k.shape[2], v.shape[-1]
     if b * h * sq * sk == 0 or mask.kind == EMPTY:
         return
-    delta = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)  # base-2 lse, +inf for rows that see no key
-    dlse_t = dlse.float().contiguous() if dlse is not None else delta
     bd, bdv = head_block(d), head_block(dvh)
-    bm = 32
-    _bwd_preprocess[(triton.cdiv(sq, bm), b * h)](
-        out,
-        dout,
-        lse,
-        dlse_t,
-        delta,
-        lse2,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        dout.stride(0),
-        dout.stride(1),
-        dout.stride(2),
-        h,
-        sq,
-        dvh,
-        HAS_DLSE=dlse is not None,
-        BLOCK_M=bm,
-        BLOCK_D=bdv,
-    )
+    delta, lse2 = _preprocess(out, dout, lse, dlse, bdv)
     common = dict(
         **_mask_args(mask),
         **_score_args(scale, softcap),
@@ -918,20 +895,7 @@ def _backward(
         BLOCK_DV=bdv,
         **_buckets(sq, sk),
     )
-    strides = (
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        dout.stride(0),
-        dout.stride(1),
-        dout.stride(2),
-    )
+    strides = tuple(s for t in (q, k, v, dout) for s in t.stride()[:3])
     _launch(
         _bwd_dkdv_kernel,
         lambda c: (triton.cdiv(sk, c["BLOCK_N"]), b * hkv),
@@ -981,3 +945,34 @@ def _backward(
         dvh,
         **common,
     )
+
+
+def _preprocess(out, dout, lse, dlse, block_dv: int):
+    """``(delta, lse2)``, both ``(B, H, Sq)`` fp32: ``rowsum(dout * out) - dlse`` and the base-2
+    lse (+inf for rows that see no key)."""
+    b, sq, h, dvh = out.shape
+    delta = torch.empty(b, h, sq, dtype=torch.float32, device=out.device)
+    lse2 = torch.empty_like(delta)  # base-2 lse, +inf for rows that see no key
+    dlse_t = dlse.float().contiguous() if dlse is not None else delta
+    bm = 32
+    _bwd_preprocess[(triton.cdiv(sq, bm), b * h)](
+        out,
+        dout,
+        lse,
+        dlse_t,
+        delta,
+        lse2,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        dout.stride(0),
+        dout.stride(1),
+        dout.stride(2),
+        h,
+        sq,
+        dvh,
+        HAS_DLSE=dlse is not None,
+        BLOCK_M=bm,
+        BLOCK_D=block_dv,
+    )
+    return delta, lse2

@@ -1,12 +1,14 @@
 """What the Triton kernels of ``triton_attn``, ``triton_paged`` and ``triton_merge`` share: the lazy
-jit (``jit``, ``build``, the process's kernel registry ``KERNELS``), the device helpers ``dot``,
+jit (``LAZY``, ``build``, the process's kernel registry ``KERNELS``), the device helpers ``dot``,
 ``cast``, ``online_step`` and ``finish``, and the launch helpers ``interpret``, ``big_rows``,
 ``head_block`` and ``dot_prec``.
 
 Importing this module does not import triton (only checks it is installed): the kernels are
 decorated on first use (``build``), because triton fixes "compile for a GPU" vs "interpret on CPU"
-when *it* is imported, and ``TRITON_INTERPRET`` may be set later. Kernels call each other across
-modules by name: ``build`` puts every kernel into the globals of every kernel's module.
+when *it* is imported, and ``TRITON_INTERPRET`` may be set later. Until then ``triton`` in a kernel
+module is ``LAZY``, whose ``@triton.jit`` marks a kernel; ``build`` binds the real ``triton`` and
+``tl`` there. Kernels call each other across modules by name: ``build`` puts every kernel into the
+globals of every kernel's module.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ if (
     importlib.util.find_spec("triton") is None
 ):  # the registry imports us inside ``except ImportError``
     raise ImportError("triton is not installed (pip install 'ringkv[triton]')")
-
-triton = tl = None  # bound by build(); kernel bodies resolve ``tl`` through module globals
 
 
 def interpret() -> bool:
@@ -38,6 +38,7 @@ class TritonKernels:
         self._pending = []  # (python function, triton.jit options) of kernels not built yet
         self._built = {}  # name -> built kernel
         self._tuned = {}  # built kernel -> its autotuned wrapper
+        self._imported = False
 
     def jit(self, fn=None, **options):
         """Mark a kernel for ``triton.jit``; ``build`` decorates it in place on first use."""
@@ -49,7 +50,7 @@ class TritonKernels:
     def build(self) -> None:
         """Import triton and turn every marked function into a kernel (once per process)."""
         global triton, tl
-        if triton is not None and not self._pending:
+        if self._imported and not self._pending:
             return
         import triton as _triton
         import triton.language as _tl
@@ -59,7 +60,7 @@ class TritonKernels:
                 "TRITON_INTERPRET=1 was set after triton was imported in this process; "
                 "set it before anything imports triton (e.g. at the top of tests/conftest.py)"
             )
-        triton, tl = _triton, _tl
+        triton, tl, self._imported = _triton, _tl, True
 
         def wrap(kernel):  # the shortcut needs the interpreter's rewrite() (triton 3.x has it)
             return _Interpreted(kernel) if interpret() and hasattr(kernel, "rewrite") else kernel
@@ -107,15 +108,24 @@ class _Interpreted:
         return self.kernel.rewrite()(*args, **kwargs)
 
 
+class LazyTriton:
+    """``triton`` in a kernel module until ``build`` binds the real module there: its ``jit``
+    marks a kernel (``@triton.jit``, ``@triton.jit(do_not_specialize=...)``) for ``build``."""
+
+    def __init__(self, kernels: TritonKernels):
+        self.jit = kernels.jit
+
+
 KERNELS = TritonKernels()
-jit = KERNELS.jit
+LAZY = LazyTriton(KERNELS)
 build = KERNELS.build
+triton, tl = LAZY, None  # build() binds the real modules; kernel bodies read ``tl`` as a global
 
 
 # ----------------------------------------------------------------------------- device helpers
 
 
-@jit
+@triton.jit
 def dot(a, b, PREC: tl.constexpr):
     """``a @ b`` accumulated in fp32. PREC: "ieee" (fp32 inputs), "tf32", or "upcast": the
     CPU interpreter multiplies bf16 bit patterns as integers, so there both sides go to
@@ -125,7 +135,7 @@ def dot(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
-@jit
+@triton.jit
 def cast(x, DT: tl.constexpr, PREC: tl.constexpr):
     """fp32 ``x`` as ``DT``, rounded to nearest even as the GPU does. Triton's CPU interpreter
     truncates fp32 to bf16 (one ulp low, always the same way: an output just under a bf16
@@ -136,7 +146,7 @@ def cast(x, DT: tl.constexpr, PREC: tl.constexpr):
     return x.to(DT)
 
 
-@jit
+@triton.jit
 def online_step(acc, m_i, l_i, s, v, PREC: tl.constexpr):
     """One key tile of the online softmax (base 2): ``s (BR, BN)`` masked scores (-inf: hidden)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -148,7 +158,7 @@ def online_step(acc, m_i, l_i, s, v, PREC: tl.constexpr):
     return acc, m_new, l_i
 
 
-@jit
+@triton.jit
 def finish(acc, m_i, l_i):
     """``(out fp32 (BR, BD), base-2 lse (BR,))``; rows that saw no key: 0 and -inf."""
     seen = l_i > 0.0

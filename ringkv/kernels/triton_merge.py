@@ -13,15 +13,15 @@ from __future__ import annotations
 import torch
 
 from .triton_common import (  # raises ImportError when triton is not installed
+    LAZY,
     build,
     interpret,
-    jit,
 )
 
-triton = tl = None  # bound by build() (see triton_common: kernels are decorated on first use)
+triton, tl = LAZY, None  # build() binds the real modules (triton_common: kernels built on use)
 
 
-@jit
+@triton.jit
 def _merge_kernel(
     Out,
     Lse,

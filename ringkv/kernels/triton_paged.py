@@ -45,6 +45,7 @@ from .paged_base import (
     validate_prefill,
 )
 from .triton_common import (  # raises ImportError when triton is not installed
+    LAZY,
     big_rows,
     build,
     dot,
@@ -52,18 +53,17 @@ from .triton_common import (  # raises ImportError when triton is not installed
     finish,
     head_block,
     interpret,
-    jit,
     online_step,
 )
 
-triton = tl = None  # bound by build() (see triton_common: kernels are decorated on first use)
+triton, tl = LAZY, None  # build() binds the real modules (triton_common: kernels built on use)
 
 LOG2E = 1.4426950408889634
 MIN_CHUNK = 256  # tokens per split at least (less: the reduce costs more than it saves)
 MAX_SPLITS = 256
 
 
-@jit
+@triton.jit
 def _gather_kv(
     Q,
     K,
@@ -112,7 +112,7 @@ def _gather_kv(
     return k, v
 
 
-@jit
+@triton.jit
 def _paged_scores(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, PREC: tl.constexpr):
     """Base-2 scores ``(BR, BN)`` of ``q (BR, BD)`` and ``k (BN, BD)``: ``q.k * qk_scale``
     (``scale * log2(e)``), or with ``SOFTCAP`` ``cap2 * tanh(q.k * qk_scale)``
@@ -126,14 +126,14 @@ def _paged_scores(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, PREC: tl.constexp
     return s
 
 
-@jit
+@triton.jit
 def _paged_first_key(first_pos, window, sp, sp_rank):
     """The first local key (at global position ``sp_rank + j * sp``) at or after
     ``first_pos - window``."""
     return (tl.maximum(first_pos - window - sp_rank, 0) + sp - 1) // sp
 
 
-@jit(do_not_specialize=["capacity", "chunk", "num_splits", "sp", "sp_rank", "window"])
+@triton.jit(do_not_specialize=["capacity", "chunk", "num_splits", "sp", "sp_rank", "window"])
 def _paged_split_kernel(
     Q,
     K,
@@ -264,7 +264,7 @@ def _paged_split_kernel(
     tl.store(LseP + part, lse2, mask=row_ok)
 
 
-@jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_reduce_kernel(
     OutP,
     LseP,
@@ -312,7 +312,7 @@ def _paged_reduce_kernel(
     tl.store(Lse + nh * NQ + qi, lse)
 
 
-@jit(
+@triton.jit(
     do_not_specialize=[
         "total_q",
         "H",
@@ -561,10 +561,7 @@ def paged_decode_triton(
     block_n = 64 if max(block_d, block_dv) <= 64 else 32
     out_p = torch.empty(n, h, nq, splits, dv, dtype=torch.float32, device=q.device)
     lse_p = torch.empty(n, h, nq, splits, dtype=torch.float32, device=q.device)
-    quant = k_scale is not None
-    if quant:
-        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
-    k_s, v_s = (k_scale, v_scale) if quant else (q, q)  # unused pointers without QUANT
+    quant, k_s, v_s = _scales(q, k_scale, v_scale)
     qk_scale, cap2 = _score_args(scale, softcap)
     has_start = q_start is not None and window >= 0
     _paged_split_kernel[(n, hkv, splits)](
@@ -581,15 +578,7 @@ def paged_decode_triton(
         q.stride(0),
         q.stride(1),
         q.stride(2),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        k_s.stride(0) if quant else 0,
-        k_s.stride(1) if quant else 0,
-        block_table.stride(0),
+        *_cache_strides(k_cache, v_cache, k_s, quant, block_table),
         h,
         g,
         nq,
@@ -615,6 +604,14 @@ def paged_decode_triton(
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
     )
+    _reduce(out_p, lse_p, out, lse, splits, block_dv)
+    return out, lse
+
+
+def _reduce(out_p, lse_p, out, lse, splits: int, block_dv: int) -> None:
+    """Merge the splits' partials ``out_p (N, H, Q, S, Dv)``, ``lse_p (N, H, Q, S)`` into ``out
+    (N, Q, H, Dv)`` and ``lse (N, H, Q)``."""
+    n, nq, h, dv = out.shape
     _paged_reduce_kernel[(n * h, nq)](
         out_p,
         lse_p,
@@ -630,7 +627,27 @@ def paged_decode_triton(
         BLOCK_S=max(2, triton.next_power_of_2(splits)),
         BLOCK_D=block_dv,
     )
-    return out, lse
+
+
+def _scales(q, k_scale, v_scale):
+    """``(quant, k_s, v_s)``: the scales of a quantized cache, contiguous; q itself for both
+    (unused pointers) without QUANT."""
+    quant = k_scale is not None
+    if quant:
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+    return (quant, k_scale, v_scale) if quant else (quant, q, q)
+
+
+def _cache_strides(k_cache, v_cache, k_s, quant: bool, block_table) -> tuple:
+    """The kernels' cache strides: K's and V's (block, slot, head), the scales' (block, slot; 0
+    without QUANT), a block table row's."""
+    return (
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        k_s.stride(0) if quant else 0,
+        k_s.stride(1) if quant else 0,
+        block_table.stride(0),
+    )
 
 
 def paged_prefill_triton(
@@ -688,10 +705,7 @@ def paged_prefill_triton(
     capacity = block_table.shape[1] * bs
     if t * h == 0 or n == 0 or max_seqlen_q <= 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    quant = k_scale is not None
-    if quant:
-        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
-    k_s, v_s = (k_scale, v_scale) if quant else (q, q)  # unused pointers without QUANT
+    quant, k_s, v_s = _scales(q, k_scale, v_scale)
     cfg = _prefill_config(q.element_size(), max(block_d, block_dv))
     qk_scale, cap2 = _score_args(scale, softcap)
     _paged_prefill_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), n, h)](
@@ -708,15 +722,7 @@ def paged_prefill_triton(
         lse,
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        k_s.stride(0) if quant else 0,
-        k_s.stride(1) if quant else 0,
-        block_table.stride(0),
+        *_cache_strides(k_cache, v_cache, k_s, quant, block_table),
         out.stride(0),
         out.stride(1),
         t,

@@ -298,34 +298,9 @@ def self_check(
     if value == "1":
         return {**out, "on": True, "by": f"{switch}=1"}
     path, context = b.path.with_suffix(".json"), _context() + (f", {variant}" if variant else "")
-    found = _read(path).get(context)
-    by = "self-check (cached)"
+    found, by = _read(path).get(context), "self-check (cached)"
     if found is None:
-        import fcntl  # (Linux: there are no builds elsewhere)
-
-        with open(
-            b.path.with_suffix(".lock"), "w"
-        ) as lock:  # one process of several times it, the rest wait
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            table = _read(path)
-            found = table.get(context)
-            if found is None:
-                kernel, torch_path, call = setup(b.isa)
-                k_s, t_s = measure(kernel, torch_path)
-                found = dict(
-                    kernel_us=round(k_s * 1e6, 1),
-                    torch_us=round(t_s * 1e6, 1),
-                    call=call,
-                    on=k_s < t_s,
-                    measured=time.strftime("%Y-%m-%d %H:%M:%S"),
-                    load=round(os.getloadavg()[0], 2),
-                )  # a busy machine's verdict may be noise
-                table[context] = found
-                fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-                with os.fdopen(fd, "w") as f:
-                    json.dump(table, f, indent=1)
-                os.replace(tmp, path)
-                by = "self-check"
+        found, by = _self_check(b, path, context, setup)
     on = bool(found["on"])
     why = (
         ""
@@ -346,3 +321,34 @@ def self_check(
         "context": context,
         "file": str(path),
     }
+
+
+def _self_check(b: Build, path, context: str, setup) -> tuple:
+    """``(verdict, by)``: the verdict one process times under the build's lock (the others wait,
+    then read it), stored in ``path`` under ``context``."""
+    import fcntl  # (Linux: there are no builds elsewhere)
+
+    by = "self-check (cached)"
+    # one process of several times it, the rest wait
+    with open(b.path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        table = _read(path)
+        found = table.get(context)
+        if found is None:
+            kernel, torch_path, call = setup(b.isa)
+            k_s, t_s = measure(kernel, torch_path)
+            found = dict(
+                kernel_us=round(k_s * 1e6, 1),
+                torch_us=round(t_s * 1e6, 1),
+                call=call,
+                on=k_s < t_s,
+                measured=time.strftime("%Y-%m-%d %H:%M:%S"),
+                load=round(os.getloadavg()[0], 2),
+            )  # a busy machine's verdict may be noise
+            table[context] = found
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(table, f, indent=1)
+            os.replace(tmp, path)
+            by = "self-check"
+    return found, by

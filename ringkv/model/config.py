@@ -73,14 +73,7 @@ class ModelConfig:
             raise TypeError(
                 f"ModelConfig.from_hf takes the config.json dict, got {type(cfg).__name__}"
             )
-        mt = cfg.get("model_type", "llama")
-        if mt not in ARCHS:
-            hint = (
-                " (load the text model: model_type 'gemma3_text', Gemma3ForCausalLM)"
-                if mt == "gemma3"
-                else ""
-            )
-            raise ValueError(f"unsupported model_type {mt!r}; ringkv.model supports {ARCHS}{hint}")
+        mt = _model_type(cfg)
         try:
             heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
@@ -95,50 +88,13 @@ class ModelConfig:
         except KeyError as e:
             raise ValueError(f"config.json lacks required key {e.args[0]!r}") from None
         gemma = mt in GEMMA
-        act = cfg.get("hidden_activation") if gemma else None
-        act = act or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
-        if act not in ACTIVATIONS:
-            raise ValueError(
-                f"hidden activation {act!r} is not supported; ringkv.model runs "
-                f"{sorted(ACTIVATIONS)}"
-            )
+        act = _activation(cfg, gemma)
         if cfg.get("use_bidirectional_attention"):
             raise ValueError(
                 "use_bidirectional_attention=True (an encoder) is not supported: the engine is "
                 "causal"
             )
-        # transformers >= 5 keeps theta and scaling in "rope_parameters" (Gemma 3: one dict per
-        # layer
-        # type); older configs at top level (Gemma 3: rope_theta, rope_local_base_freq,
-        # rope_scaling)
-        params = dict(cfg.get("rope_parameters") or {})
-        nested = isinstance(params.get("full_attention"), dict) or isinstance(
-            params.get("sliding_attention"), dict
-        )
-        rope = dict(params.get("full_attention") or {}) if nested else params
-        local = dict(params.get("sliding_attention") or {}) if nested else {}
-        scaling = _scaling(
-            cfg.get("rope_scaling")
-            or (rope if rope.get("rope_type", "default") != "default" else None)
-        )
-        theta = float(
-            rope.get("rope_theta", cfg.get("rope_theta", 1e6 if mt == "gemma3_text" else 10000.0))
-        )
-        local_theta = local_scaling = None
-        if mt == "gemma3_text":
-            local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
-            local_scaling = _scaling(
-                local if local.get("rope_type", "default") != "default" else None
-            )
-        if mt == "phi3" and (scaling or {}).get("rope_type") in ("longrope", "su", "yarn"):
-            raise ValueError(
-                "Phi-3's longrope RoPE scaling (the 128k and Phi-3.5 / Phi-4-mini checkpoints) is "
-                "not supported; use a checkpoint with rope_scaling null (e.g. "
-                "Phi-3-mini-4k-instruct)"
-            )
-        partial = float(
-            rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0
-        )
+        rope = _rope_fields(cfg, mt)
         window, types = _windows(mt, cfg, layers)
         attention_bias = bool(cfg.get("attention_bias", False))
         head_dim = cfg.get("head_dim") or (
@@ -156,8 +112,6 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=mt == "qwen2" or (attention_bias and mt != "phi3"),
@@ -177,11 +131,9 @@ class ModelConfig:
             attn_scale=float(scalar) ** -0.5 if scalar else None,
             attn_softcap=float(softcap) if softcap else None,
             final_softcap=float(final) if final else None,
-            local_rope_theta=local_theta,
-            local_rope_scaling=local_scaling,
-            partial_rotary_factor=partial,
             fused_proj=mt == "phi3",
             extra=cfg,
+            **rope,
         )
 
     @property
@@ -212,6 +164,65 @@ def _scaling(s: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     s = dict(s)
     s["rope_type"] = s.get("rope_type", s.get("type", "default"))
     return None if s["rope_type"] == "default" else s
+
+
+def _model_type(cfg: Dict[str, Any]) -> str:
+    mt = cfg.get("model_type", "llama")
+    if mt not in ARCHS:
+        hint = (
+            " (load the text model: model_type 'gemma3_text', Gemma3ForCausalLM)"
+            if mt == "gemma3"
+            else ""
+        )
+        raise ValueError(f"unsupported model_type {mt!r}; ringkv.model supports {ARCHS}{hint}")
+    return mt
+
+
+def _activation(cfg: Dict[str, Any], gemma: bool) -> str:
+    act = cfg.get("hidden_activation") if gemma else None
+    act = act or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(
+            f"hidden activation {act!r} is not supported; ringkv.model runs {sorted(ACTIVATIONS)}"
+        )
+    return act
+
+
+def _rope_fields(cfg: Dict[str, Any], mt: str) -> Dict[str, Any]:
+    """The RoPE fields of ``ModelConfig`` (theta, scaling, Gemma 3's local ones, the partial
+    factor) from ``cfg``."""
+    # transformers >= 5 keeps theta and scaling in "rope_parameters" (Gemma 3: one dict per layer
+    # type); older configs at top level (Gemma 3: rope_theta, rope_local_base_freq, rope_scaling)
+    params = dict(cfg.get("rope_parameters") or {})
+    nested = isinstance(params.get("full_attention"), dict) or isinstance(
+        params.get("sliding_attention"), dict
+    )
+    rope = dict(params.get("full_attention") or {}) if nested else params
+    local = dict(params.get("sliding_attention") or {}) if nested else {}
+    scaling = _scaling(
+        cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    )
+    theta = float(
+        rope.get("rope_theta", cfg.get("rope_theta", 1e6 if mt == "gemma3_text" else 10000.0))
+    )
+    local_theta = local_scaling = None
+    if mt == "gemma3_text":
+        local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+        local_scaling = _scaling(local if local.get("rope_type", "default") != "default" else None)
+    if mt == "phi3" and (scaling or {}).get("rope_type") in ("longrope", "su", "yarn"):
+        raise ValueError(
+            "Phi-3's longrope RoPE scaling (the 128k and Phi-3.5 / Phi-4-mini checkpoints) is "
+            "not supported; use a checkpoint with rope_scaling null (e.g. "
+            "Phi-3-mini-4k-instruct)"
+        )
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    return dict(
+        rope_theta=theta,
+        rope_scaling=scaling,
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
+        partial_rotary_factor=partial,
+    )
 
 
 def _windows(mt: str, cfg: Dict[str, Any], layers: int):

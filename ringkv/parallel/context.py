@@ -116,15 +116,8 @@ class LocalStep:
         paged_backend: str = "torch",
     ):
         r, bs, lb = sp_rank, block_size, block_size * sp  # lb: tokens per logical block
-        ids, pos, rows, slots, self.last_rows, self.target_rows, self.targets = (
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
+        ids, pos, rows, slots = [], [], [], []
+        self.last_rows, self.target_rows, self.targets = [], [], []
         self.fresh: List[FreshSeq] = []
         self.rings: List[RingSeq] = []
         cached: List[PagedSeq] = []  # attended over the cache
@@ -156,24 +149,7 @@ class LocalStep:
                 self.target_rows.append(local_row(s.start + j))
                 self.targets.append(t)
             if ring:
-                keys = len(range(0, end, sp))  # keys per rank (rank 0 holds the most)
-                shards = Shards(
-                    tuple(
-                        (range(s.start + (j - s.start) % sp, s.start + m * sp, sp),)
-                        for j in range(sp)
-                    ),
-                    tuple((range(j, j + keys * sp, sp),) for j in range(sp)),
-                )
-                if (
-                    s.start == 0
-                ):  # a prompt from position 0: the keys are this step's own (rows off..off+m)
-                    self.rings.append(RingSeq(off, m, shards, None, keys))
-                else:  # the keys this rank stores, cached prefix included
-                    local = torch.arange(len(range(r, end, sp)), device=device)
-                    table = torch.tensor(s.block_table, dtype=torch.long, device=device)
-                    self.rings.append(
-                        RingSeq(off, m, shards, table[local // bs] * bs + local % bs, keys)
-                    )
+                self.rings.append(_ring_seq(s, off, m, sp, r, bs, device))
             elif s.start == 0:  # every rank computes the whole prompt: it attends to it directly
                 self.fresh.append(FreshSeq(off, s.n))
             else:
@@ -188,6 +164,23 @@ class LocalStep:
             if cached
             else None
         )
+
+
+def _ring_seq(s, off: int, m: int, sp: int, r: int, bs: int, device) -> RingSeq:
+    """The ring of sequence ``s`` whose ``m`` query rows per rank start at row ``off``: its shards
+    (queries and keys striped over the ``sp`` ranks) and, past position 0, the cache slots of the
+    keys this rank stores (cached prefix included)."""
+    end = s.start + s.n
+    keys = len(range(0, end, sp))  # keys per rank (rank 0 holds the most)
+    shards = Shards(
+        tuple((range(s.start + (j - s.start) % sp, s.start + m * sp, sp),) for j in range(sp)),
+        tuple((range(j, j + keys * sp, sp),) for j in range(sp)),
+    )
+    if s.start == 0:  # a prompt from position 0: the keys are this step's own (rows off..off+m)
+        return RingSeq(off, m, shards, None, keys)
+    local = torch.arange(len(range(r, end, sp)), device=device)
+    table = torch.tensor(s.block_table, dtype=torch.long, device=device)
+    return RingSeq(off, m, shards, table[local // bs] * bs + local % bs, keys)
 
 
 class StepContext:

@@ -122,6 +122,71 @@ def plan(
         _positive_int("batch", batch),
         _positive_int("gpus", gpus),
     )
+    hw, g = _gpu_of(hardware, gpu, dtype)
+    gpn = _gpus_per_node(gpus, nodes, gpu, g, interconnect, given)
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
+        )
+    kv_dtypes = [kv_cache_dtype] if isinstance(kv_cache_dtype, str) else list(kv_cache_dtype)
+    for k in kv_dtypes:
+        quant.resolve(k)  # ValueError naming the choices
+    r = _rates_for(hw, gpu, dtype, calibrate, given, interconnect)
+    intra = interconnect
+    usable = int(g["memory"] * gpu_memory_utilization)
+
+    options = []
+    for tp, pp, sp, u in _layouts(cfg, gpus, ulysses):
+        for kvd in kv_dtypes:
+            links = dict(
+                tp=_link(tp, tp, gpn, intra),
+                ulysses=_link(u, tp * u, gpn, intra),
+                ring=_link(sp // u, tp * sp, gpn, intra),
+                pp=_link(pp, gpus, gpn, intra),
+            )
+            # ranks of one node sending over an axis's link at once: a stage's TP x SP
+            # ranks hand off together, each TP rank rings its own heads
+            share = dict(tp=1, ulysses=min(gpn, tp * u), ring=tp, pp=min(gpn, tp * sp))
+            options.append(
+                _option(
+                    cfg,
+                    seq,
+                    batch,
+                    tp,
+                    pp,
+                    sp,
+                    u,
+                    kvd,
+                    dtype,
+                    r,
+                    links,
+                    usable,
+                    output_tokens,
+                    share,
+                )
+            )
+    if not options:
+        raise ValueError(
+            f"no (tp, pp, sp) with tp x pp x sp = {gpus} suits this model "
+            f"({cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, {cfg.num_layers} layers)"
+        )
+    return _rank(options, cfg, seq, gpn, interconnect, output_tokens, g)
+
+
+def _rates_for(hw: dict, gpu: str, dtype: str, calibrate, given: dict, interconnect: str) -> Rates:
+    """The table's rates for ``gpu``/``dtype``, calibrated, with the ``given`` links over them."""
+    r = rates(hw, gpu, dtype)
+    if calibrate is not None:
+        r = apply_calibration(r, calibrate)
+    for level, (bw, lat) in given.items():
+        name = interconnect if level == "intra" else "ib"
+        r.links[name], r.latency[name] = bw, lat
+        r.shared[name] = level == "inter"  # a node's link, shared by its ranks that cross at once
+    return r
+
+
+def _gpu_of(hardware, gpu: str, dtype: str):
+    """``(hardware table, its row for gpu)``; ValueError for an unknown gpu or dtype."""
     hw = (
         load_hardware(hardware)
         if not isinstance(hardware, dict)
@@ -132,9 +197,14 @@ def plan(
             f"unknown gpu {gpu!r}; choose one of {', '.join(hw['gpus'])} (or add it with "
             "--hardware)"
         )
-    g = hw["gpus"][gpu]
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return hw, hw["gpus"][gpu]
+
+
+def _gpus_per_node(gpus: int, nodes, gpu: str, g: dict, interconnect: str, given: dict) -> int:
+    """GPUs per node of ``gpus`` over ``nodes`` (None: as few as hold them), checked against the
+    links the table (or ``given``) has for ``gpu`` and the GPUs one of its nodes holds."""
     have = list(g["links"]) + [
         name for level, name in (("intra", interconnect), ("inter", "ib")) if level in given
     ]
@@ -160,24 +230,12 @@ def plan(
         raise ValueError(
             f"{gpn} GPUs per node exceed the {g['gpus_per_node']} a {gpu} node holds; give --nodes"
         )
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(
-            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
-        )
-    kv_dtypes = [kv_cache_dtype] if isinstance(kv_cache_dtype, str) else list(kv_cache_dtype)
-    for k in kv_dtypes:
-        quant.resolve(k)  # ValueError naming the choices
-    r = rates(hw, gpu, dtype)
-    if calibrate is not None:
-        r = apply_calibration(r, calibrate)
-    for level, (bw, lat) in given.items():
-        name = interconnect if level == "intra" else "ib"
-        r.links[name], r.latency[name] = bw, lat
-        r.shared[name] = level == "inter"  # a node's link, shared by its ranks that cross at once
-    intra = interconnect
-    usable = int(g["memory"] * gpu_memory_utilization)
+    return gpn
 
-    options = []
+
+def _layouts(cfg, gpus: int, ulysses: bool):
+    """Every ``(tp, pp, sp, u)`` with ``tp x pp x sp = gpus`` the model takes (``u``: the Ulysses
+    degree inside ``sp``, 1 unless ``ulysses``)."""
     for tp in _divisors(gpus):
         try:
             check_tp(cfg, tp)
@@ -189,40 +247,7 @@ def plan(
             sp = gpus // tp // pp
             hq = cfg.num_heads // tp
             for u in [d for d in _divisors(sp) if hq % d == 0 and (ulysses or d == 1)]:
-                for kvd in kv_dtypes:
-                    links = dict(
-                        tp=_link(tp, tp, gpn, intra),
-                        ulysses=_link(u, tp * u, gpn, intra),
-                        ring=_link(sp // u, tp * sp, gpn, intra),
-                        pp=_link(pp, gpus, gpn, intra),
-                    )
-                    # ranks of one node sending over an axis's link at once: a stage's TP x SP
-                    # ranks hand off together, each TP rank rings its own heads
-                    share = dict(tp=1, ulysses=min(gpn, tp * u), ring=tp, pp=min(gpn, tp * sp))
-                    options.append(
-                        _option(
-                            cfg,
-                            seq,
-                            batch,
-                            tp,
-                            pp,
-                            sp,
-                            u,
-                            kvd,
-                            dtype,
-                            r,
-                            links,
-                            usable,
-                            output_tokens,
-                            share,
-                        )
-                    )
-    if not options:
-        raise ValueError(
-            f"no (tp, pp, sp) with tp x pp x sp = {gpus} suits this model "
-            f"({cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, {cfg.num_layers} layers)"
-        )
-    return _rank(options, cfg, seq, gpn, interconnect, output_tokens, g)
+                yield tp, pp, sp, u
 
 
 def request_kv_bytes(

@@ -18,7 +18,7 @@ from ..sp.usp import sp_groups
 from .attention import begin_cache, eager_attention, resolve_cache
 from .loss import kept_logits, step_loss
 from .plan import AGREE_NAMES, as_kwargs, check_shards, prepare
-from .state import ATTN_NAME, METHODS, State, Step, checkpointing
+from .state import ATTN_NAME, METHODS, State, Step, Undo, checkpointing
 
 STATE_ATTR = "_ringkv_state"  # the patch, on the model and on each of its patched layers
 
@@ -197,11 +197,8 @@ def patch_model(
         keep_logits=keep_logits,
         loss_chunk=loss_chunk,
         store=store,
-        prev_impl=model.config._attn_implementation,
-        modules=layers,
-        restore=restore,
     )
-    _install(model, state)
+    _install(model, state, layers, restore)
     return model
 
 
@@ -273,16 +270,17 @@ def _patched_layers(model) -> list:
     return layers
 
 
-def _install(model, state: State) -> None:
-    """Switch ``model`` to the ``"ringkv"`` attention, give its layers the state and add the
-    forward hooks."""
+def _install(model, state: State, layers: list, restore: list) -> None:
+    """Switch ``model`` to the ``"ringkv"`` attention, give its ``layers`` the state and add the
+    forward hooks (``restore``: what else ``unpatch_model`` undoes)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, eager_attention)
+    prev_impl = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
-    for m in state.modules:
+    for m in layers:
         setattr(m, STATE_ATTR, state)
-    state.handles = [
+    handles = [
         model.register_forward_pre_hook(
             lambda mod, a, k: _run_eager(_pre_hook, state, mod, a, k), with_kwargs=True
         ),
@@ -293,11 +291,12 @@ def _install(model, state: State) -> None:
         ),
     ]
     if getattr(model, "base_model", model) is not model:  # its output feeds the chunked loss
-        state.handles.append(
+        handles.append(
             model.base_model.register_forward_hook(
                 lambda mod, a, o: _run_eager(_capture_hidden, state, o)
             )
         )
+    state.undo = Undo(prev_impl, tuple(layers), tuple(handles), tuple(restore))
     setattr(model, STATE_ATTR, state)
 
 
@@ -306,14 +305,15 @@ def unpatch_model(model):
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         raise ValueError("this model is not patched by ringkv")
-    for h in state.handles:
+    undo = state.undo
+    for h in undo.handles:
         h.remove()
-    for undo in state.restore:
-        undo()
-    for m in state.modules:
+    for restore in undo.restore:
+        restore()
+    for m in undo.layers:
         delattr(m, STATE_ATTR)
     delattr(model, STATE_ATTR)
-    model.set_attn_implementation(state.prev_impl)
+    model.set_attn_implementation(undo.prev_impl)
     return model
 
 

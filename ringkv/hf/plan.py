@@ -130,12 +130,18 @@ class Call:
     targets: Optional[torch.Tensor]
     shifted: bool
     unshifted: Optional[torch.Tensor]  # labels given with shift_labels, checked against them
-    label_bits: int  # labels given: 1, shift_labels: 2
     num_items: Optional[float]
     keep: int  # logits_to_keep
     pk_kw: dict  # the packing arguments given (PACKING_KEYS)
     cache: Optional[object]  # the ShardedKVCache, or None
     explicit_cache: bool  # a cache or use_cache=True was passed
+
+    @property
+    def label_bits(self) -> int:
+        """1: labels given, + 2: shift_labels given."""
+        if self.shifted:
+            return 2 + (self.unshifted is not None)
+        return int(self.targets is not None)
 
     @property
     def name(self) -> str:
@@ -228,7 +234,6 @@ def read_call(state, model, kw: dict, cache, explicit_cache: bool) -> Call:
         targets=targets,
         shifted=shift_labels is not None,
         unshifted=labels if shift_labels is not None else None,
-        label_bits=(labels is not None) + 2 * (shift_labels is not None),
         num_items=n,
         keep=keep,
         pk_kw=pk_kw,

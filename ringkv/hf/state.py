@@ -7,9 +7,9 @@ function reads it and the post-hook consumes it; only the patch's ``State`` chan
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -87,14 +87,22 @@ class State:
     keep_logits: Optional[bool]  # None: no logits in training forwards with labels; True/False
     loss_chunk: Optional[int]  # tokens per chunk of the chunked loss (None: the default)
     store: Optional[object]  # offload_checkpoints: the CheckpointStore
-    prev_impl: str
-    modules: List[torch.nn.Module]
-    handles: list = field(default_factory=list)
-    restore: list = field(default_factory=list)  # undo tile_mlp (unpatch_model)
+    undo: Optional["Undo"] = None  # what unpatch_model undoes
     step: Optional[Step] = None
     hidden: Optional[torch.Tensor] = None  # (B, S_local, H): the base model's output (chunked)
     offload: Optional[object] = None  # the offload context of the forward under way
     recompute: Optional[Step] = None  # the last training prefill, for checkpointing's replay
+
+
+@dataclass(frozen=True)
+class Undo:
+    """What ``unpatch_model`` undoes: the attention implementation before the patch, the layers
+    that hold the patch, the hooks, and the undo functions of ``tile_mlp``."""
+
+    prev_impl: str
+    layers: Tuple[torch.nn.Module, ...]
+    handles: tuple
+    restore: tuple
 
 
 @dataclass(frozen=True)

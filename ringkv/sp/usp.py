@@ -61,6 +61,19 @@ def _build_groups(ulysses: int, ring: int) -> tuple:
     return mesh.get_group("ulysses"), mesh.get_group("ring")
 
 
+def _agree(names, values, worlds, groups, timeout, device) -> None:
+    """Every rank of both groups (``worlds``: their sizes) makes the same call (checked once per
+    configuration)."""
+    agree_once(
+        values + list(worlds),
+        names + ["ulysses_world", "ring_world"],
+        list(groups),
+        timeout,
+        "usp_attention",
+        device,
+    )
+
+
 def usp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -125,20 +138,11 @@ def usp_attention(
         names, values = call_values(
             q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks
         )
-        agree_once(
-            values + [n_u, n_r],
-            names + ["ulysses_world", "ring_world"],
-            [ulysses_group, ring_group],
-            timeout,
-            "usp_attention",
-            q.device,
-        )
+        _agree(names, values, (n_u, n_r), (ulysses_group, ring_group), timeout, q.device)
     # (B, S/R, H/U, D): this ring rank's shard, in local order, for H/U heads
     qh, kh, vh, sent = scatter_heads(q, k, v, ulysses_group, timeout, "usp_attention")
     shards = Shards.of_layout(q.shape[1] * n_u * n_r, layout, n_r)
-    local_sinks = (
-        None if sinks is None else sinks.view(n_u, -1)[u_rank]
-    )  # (H/U,): this Ulysses rank's heads
+    local_sinks = None if sinks is None else sinks.view(n_u, -1)[u_rank]  # (H/U,): its heads
     ring_stats = RingStats()
     out, lse = ring_attention_shards(
         qh,

@@ -432,6 +432,19 @@ def test_bad_loss_arguments_fail_before_any_collective(world, kwargs, name):
     assert res[1] == ("skipped", "")
 
 
+@pytest.mark.parametrize("train,patch", [(False, None), (True, dict(keep_logits=True))])
+def test_labels_with_logits_to_keep_over_logits_fail_before_any_collective(world, train, patch):
+    """A loss from the logits needs every token's: with logits_to_keep only the kept ones are
+    built, so the call is refused by rank 0 alone (a clear error, not the cross-entropy's)."""
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    kw = dict(input_ids=ids, labels=ids, use_cache=False, logits_to_keep=3)
+    res = world.check(
+        "tests.train_cases:train_error", 2, "llama", "zigzag", "full", kw, patch, True, train
+    )
+    assert res[0][0] == "ValueError" and "logits_to_keep=3" in res[0][1], res[0]
+    assert res[1] == ("skipped", "")
+
+
 def test_shift_labels_that_disagree_in_shards_fail_on_every_rank(world):
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     kw = dict(

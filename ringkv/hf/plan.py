@@ -273,6 +273,12 @@ def _finish(state, model, call: Call, kw: dict, step: Step, x_local, rows, s_pad
         and (state.keep_logits is False or model.training)
         and model_head(model) is not None
     )
+    if call.targets is not None and not chunked and call.keep and not step.decode:
+        raise ValueError(
+            f"ringkv: labels with logits_to_keep={call.keep} need logits for every token, but only "
+            f"the kept ones are built; drop logits_to_keep, or take the loss from the hidden "
+            f"states (training, with keep_logits=None or False)"
+        )
     if chunked and not step.keep:  # the model's head computes (B, 0, V)
         kw["logits_to_keep"] = torch.zeros(0, dtype=torch.long)
     replicated = step.decode or state.inputs != "shard"

@@ -24,6 +24,28 @@ for _switch in ("RINGKV_NATIVE_LINEAR", "RINGKV_NATIVE_FLASH", "RINGKV_NATIVE_PA
     os.environ.setdefault(_switch, "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels():
+    """ringkv's C kernels (every ``csrc/*.c``, for the default ISA) built into the suite's kernel
+    cache once, before any test: on a cold machine (no ``~/.cache/ringkv/kernels``) every process
+    that needs a kernel builds it when it is missing (ranks, spawned engines, servers, benchmark
+    runs started side by side): 11 builds of the 3 kernels ran at once in ``test_bench_engine.py``
+    alone. One worker builds them (3 compilers at once, a few seconds) under a lock, the other
+    waits and finds them; every later process loads them."""
+    import fcntl
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ringkv.kernels import native
+
+    root = native.cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".tests-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with ThreadPoolExecutor(3) as pool:  # each build waits on its compiler process
+            list(pool.map(native.build, sorted(p.stem for p in native.CSRC.glob("*.c"))))
+    yield
+
+
 @pytest.fixture(scope="session")
 def fork_context():
     """The multiprocessing context the tests' gloo worlds (``tests.dist.World``) start their ranks

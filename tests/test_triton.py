@@ -413,19 +413,13 @@ build(
 
 
 def compile_for_sm90(script: str, tmp_path, timeout: int = 300) -> str:
-    """Run a compile script in a fresh interpreter (no TRITON_INTERPRET; a crash fails only the
-    test), with triton's PTX/cubin scratch files in ``tmp_path`` (it leaves them behind); its
-    stdout."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]
-    )
-    env["TMPDIR"] = str(tmp_path)
-    r = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return r.stdout
+    """Run a compile script in a fresh interpreter (no TRITON_INTERPRET; an error fails only its
+    test), with triton's PTX/cubin scratch files in a temporary folder (it leaves them behind);
+    its stdout. The scripts of this module, test_triton_features.py and test_paged_features.py
+    run in ONE interpreter, once per test session (``tests/sm90.py``)."""
+    from tests import sm90
+
+    return sm90.compile_for_sm90(script, tmp_path, timeout)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels for real instead")

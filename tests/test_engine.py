@@ -120,6 +120,18 @@ def test_preemption_and_chunked_prefill_keep_output(model):
     assert llm.core.blocks.num_free == llm.core.blocks.num_blocks  # nothing leaked
 
 
+def test_core_parts_moved_to_llm_core_still_read_with_a_warning(model):
+    """LLM forwards what users read; its old forwards of the core's parts (llm.scheduler, ...)
+    still read the same objects for a release, each with a DeprecationWarning; others fail."""
+    llm, _ = run(model, block_size=4, num_blocks=16)
+    for name in sorted(type(llm).MOVED):
+        with pytest.warns(DeprecationWarning, match=f"llm.core.{name}"):
+            assert getattr(llm, name) is getattr(llm.core, name)
+    assert llm.num_preemptions == llm.core.scheduler.num_preemptions
+    with pytest.raises(AttributeError, match="no_such_part"):
+        llm.no_such_part
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     block_size=st.sampled_from([1, 2, 4, 8]),

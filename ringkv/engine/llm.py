@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import warnings
 from dataclasses import asdict
 from typing import Iterator, List, Optional, Sequence as Seq, Union
 
@@ -82,6 +83,34 @@ class LLM:
     add_request = _core("add_request")
     has_unfinished_requests = _core("has_unfinished_requests")
     abort_request = _core("abort_request")
+
+    # the core's parts that LLM forwarded until 0.x; kept readable for a release, with a warning
+    MOVED = frozenset(
+        (
+            "shape",
+            "stage_layers",
+            "cluster",
+            "kv",
+            "blocks",
+            "scheduler",
+            "pipeline",
+            "output",
+            "tiers",
+        )
+    )
+
+    def __getattr__(self, name: str):
+        """``llm.scheduler`` and the core's other parts: ``llm.core.<name>``, with a
+        ``DeprecationWarning`` (only called for names the class does not define)."""
+        if name in LLM.MOVED and "core" in self.__dict__:
+            warnings.warn(
+                f"llm.{name} is deprecated: use llm.core.{name} (LLM forwards what users read; "
+                f"the core's parts are reached through llm.core)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(self.core, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def num_preemptions(self) -> int:

@@ -24,6 +24,41 @@ for _switch in ("RINGKV_NATIVE_LINEAR", "RINGKV_NATIVE_FLASH", "RINGKV_NATIVE_PA
     os.environ.setdefault(_switch, "1")
 
 
+# The modules that took a minute or more of a cold run (issue #55's table and the per-module runs in
+# docs/testing.md), longest first. `make test`'s workers (pytest-xdist, --dist loadfile) take
+# modules in the order below, two queued each: these start first and the many short modules fill
+# in at the end. xdist's own order (most tests first, ``--loadscope-reorder``, on by default) put
+# these modules of a few long tests LAST, where one worker ran them alone while the other had
+# nothing left.
+LONG_MODULES = (
+    "test_compiled_decode.py",
+    "test_smollm2.py",
+    "test_bench_engine.py",
+    "test_hf_dp.py",
+    "test_faults.py",
+    "test_train_example.py",
+    "test_trainer.py",
+    "test_hf_families.py",
+    "test_triton.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist: the order of the collection, below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """``LONG_MODULES`` first, then the other modules by their number of tests (most first, the
+    order xdist chose by itself); each module's tests stay together and in their order. The same
+    order in every worker."""
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    count = {}
+    for item in items:
+        count[item.path] = count.get(item.path, 0) + 1
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -count[item.path]))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def native_kernels():
     """ringkv's C kernels (every ``csrc/*.c``, for the default ISA) built into the suite's kernel

@@ -32,7 +32,8 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 
 # Two pytest workers (pytest-xdist), each module on one worker (its module-scoped servers and
-# worlds stay whole): 788 s for 1068 tests here, where one process had taken 1046 s for 1021;
+# worlds stay whole): 788 s for 1068 tests on an Intel Xeon, where one process had taken 1046 s
+# for 1021; 1136 s warm, 1193 s cold for 1096 on an AMD EPYC (docs/testing.md);
 # the suite waits much of its time on processes, timeouts and sockets (TEST_WORKERS=0: one process).
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed

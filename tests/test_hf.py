@@ -450,3 +450,13 @@ def test_example_runs_under_torchrun(tmp_path):
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "max |logits - unpatched|" in p.stdout and "rank 1" in p.stdout, p.stdout
+
+
+def test_the_single_module_names_still_import_from_ringkv_hf():
+    """ringkv.hf became a package (#55): every public name of the old module still imports."""
+    from ringkv.hf import AGREE_NAMES, ATTN_NAME, IGNORE_INDEX, LEFT_PAD_HELP, METHODS  # noqa: F401
+    from ringkv.hf import PACKING_KEYS, PADDING_HELP, ShardedKVCache  # noqa: F401
+    from ringkv.hf import causal_lm_loss, gather_logits, packed_cu_seqlens  # noqa: F401
+    from ringkv.hf import patch_model, ringkv_attention, unpatch_model  # noqa: F401
+
+    assert ShardedKVCache.__module__ == "ringkv.hf.attention" and IGNORE_INDEX == -100

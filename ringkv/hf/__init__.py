@@ -84,11 +84,13 @@ planned), ``loss.py`` (the loss, ``causal_lm_loss``, ``gather_logits``),
 and its hooks).
 """
 
-from .attention import ShardedKVCache
+# ringkv_attention and the constants: the other public names of the single-module ringkv.hf
+from .attention import ShardedKVCache, ringkv_attention  # noqa: F401
 from .loss import causal_lm_loss, gather_logits
+from .packing import LEFT_PAD_HELP, packed_cu_seqlens  # noqa: F401
 from .patch import patch_model, unpatch_model
-from .packing import packed_cu_seqlens
-from .state import ATTN_NAME
+from .plan import AGREE_NAMES, PACKING_KEYS, PADDING_HELP  # noqa: F401
+from .state import ATTN_NAME, IGNORE_INDEX, METHODS  # noqa: F401
 
 __all__ = [
     "patch_model",

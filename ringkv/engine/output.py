@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, List, Optional
 
 from .detok import IncrementalDetokenizer
 from .params import CompletionOutput, Logprob, RequestOutput, TokenDelta
+from .sequence import OutputState  # noqa: F401  (it lived here before #55; a sequence owns it)
 
 if TYPE_CHECKING:
     from .scheduler import Scheduled

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence
@@ -30,21 +31,9 @@ from typing import List, Optional, Sequence
 from ..engine import flags
 
 
-def _knob(
-    default,
-    help: str,
-    *,
-    flag: Optional[str] = None,
-    choices: Optional[Sequence[str]] = None,
-    env: Optional[str] = None,
-    router: bool = False,
-    replica: bool = False,
-):
-    """A field of ``ServeConfig``: its default, its ``--help`` text, and where it applies
-    (``router``: a ``ringkv router`` flag too; ``replica``: passed on to each replica)."""
-    return flags.knob(
-        default, help, flag=flag, choices=choices, env=env, router=router, replica=replica
-    )
+# a field of ServeConfig: flags.knob with the metadata this config reads (``router``: a
+# ``ringkv router`` flag too; ``replica``: passed on to each replica; ``env``: a fallback variable)
+_knob = functools.partial(flags.knob, env=None, router=False, replica=False)
 
 
 @dataclass(kw_only=True)

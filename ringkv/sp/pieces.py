@@ -1,0 +1,216 @@
+"""Where the sequence's pieces live, and the state passing that recurrent layers share.
+
+A recurrent layer (short convolution, Mamba2 SSD, Mamba selective scan, gated delta rule, KDA)
+needs, at each token, what every earlier token of its document left behind. With the sequence
+sharded by a ``layout``, a rank holds one or more *pieces*: runs of consecutive tokens of one
+document (contiguous: one; zigzag: two per document, chunks ``r`` and ``2N-1-r``; packed
+documents: each document is split by the layout on its own, see ``layout.varlen_chunks``).
+
+Every rank computes every piece of its own from a zero state: its final state ``F`` and its
+transition ``T`` (the map from the state entering the piece to the state leaving it, with the
+piece's own contribution left out). ``carry`` gathers all ``(T, F)`` of the group (a few states
+per rank: constant in the sequence length) and folds, for each local piece, the pieces of the
+same document that come before it **in sequence order** (not rank order):
+``h <- compose(T_q, h) + F_q``. The fold runs in float32 and is differentiable (the gather's
+backward sums every rank's gradient), so the state gradient flows back in reverse order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .collectives import all_reduce_, rank_world, start_all_gather
+from .layout import chunks, granule, varlen_chunks
+
+RECURRENT_LAYOUTS = ("contiguous", "zigzag")  # striped would make every token its own piece
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of consecutive tokens of one document held by one rank.
+
+    ``rows``: the rows of that rank's local shard; ``doc``: the document (0 for an unpacked
+    sequence; -1 for pad rows, which carry no state); ``start``: the position of its first token
+    within the document."""
+
+    rank: int
+    rows: range
+    doc: int
+    start: int
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """Every rank's pieces of one sharded sequence (the same on every rank)."""
+
+    world: int
+    by_rank: Tuple[Tuple[Piece, ...], ...]  # each rank's pieces, in local row order
+    doc_lens: Tuple[int, ...]  # real tokens of each document
+
+    def mine(self, rank: int) -> Tuple[Piece, ...]:
+        return self.by_rank[rank]
+
+    @functools.cached_property
+    def order(self) -> Dict[int, List[Piece]]:
+        """document -> its pieces in sequence order (pad pieces left out)."""
+        docs: Dict[int, List[Piece]] = {}
+        for p in (p for ps in self.by_rank for p in ps if p.doc >= 0):
+            docs.setdefault(p.doc, []).append(p)
+        return {d: sorted(ps, key=lambda p: p.start) for d, ps in docs.items()}
+
+    def before(self, piece: Piece) -> List[Piece]:
+        """The pieces of ``piece``'s document that precede it, in sequence order."""
+        if piece.doc < 0:
+            return []
+        return [p for p in self.order[piece.doc] if p.start < piece.start]
+
+    def last(self, doc: int) -> Piece:
+        """The piece holding ``doc``'s last token."""
+        return self.order[doc][-1]
+
+    def index(self, piece: Piece) -> int:
+        """``piece``'s slot in its rank's list (the row of the gathered states)."""
+        return self.by_rank[piece.rank].index(piece)
+
+    @property
+    def slots(self) -> int:
+        """The most pieces any rank holds (the gathered tensors' second dimension)."""
+        return max(len(ps) for ps in self.by_rank)
+
+
+def check_recurrent_layout(layout: str) -> None:
+    if layout not in RECURRENT_LAYOUTS:
+        raise ValueError(
+            f"recurrent layers (convolution, state-space, linear attention) run on layouts "
+            f"{RECURRENT_LAYOUTS}, not {layout!r}: striped makes every token its own piece"
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _pieces(seq_len: int, layout: str, world: int, cu: Optional[Tuple[int, ...]]) -> Pieces:
+    by_rank = []
+    for rank in range(world):
+        if cu is None:
+            g = granule(layout, world)
+            padded = -(-seq_len // g) * g
+            ranges = [(0, r) for r in chunks(padded, layout, rank, world)]
+            ranges = _split_pad(ranges, seq_len)
+        else:
+            ranges = varlen_chunks(cu, layout, rank, world)
+        ps, row = [], 0
+        for doc, r in ranges:
+            if len(r):
+                ps.append(Piece(rank, range(row, row + len(r)), doc, r.start))
+            row += len(r)
+        by_rank.append(tuple(ps))
+    lens = (seq_len,) if cu is None else tuple(b - a for a, b in zip(cu, cu[1:]))
+    return Pieces(world, tuple(by_rank), lens)
+
+
+def _split_pad(ranges, seq_len: int):
+    out = []
+    for doc, r in ranges:
+        real = range(r.start, min(r.stop, max(seq_len, r.start)))
+        out += [(doc, real)] if len(real) else []
+        out += [(-1, r[len(real) :])] if len(real) < len(r) else []
+    return out
+
+
+def seq_pieces(
+    seq_len: int, layout: str, world: int, cu_seqlens: Optional[Sequence[int]] = None
+) -> Pieces:
+    """The pieces of a sequence of ``seq_len`` real tokens (padded at the end to the layout's
+    granule, as ``patch_model`` pads), or of packed documents ``cu_seqlens`` (``seq_len`` is then
+    ignored), sharded by ``layout`` over ``world`` ranks."""
+    check_recurrent_layout(layout)
+    cu = None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens)
+    return _pieces(int(seq_len), layout, int(world), cu)
+
+
+# ---------------------------------------------------------------------------------------------
+# the gather and the fold
+
+
+class _GatherSlots(torch.autograd.Function):
+    """``(P, *s)`` on every rank -> ``(world, P, *s)``; backward: the sum over ranks of the
+    gradient of this rank's slot (an all-reduce: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group, timeout, what):
+        ctx.args = (group, timeout, what)
+        ctx.rank = rank_world(group)[0]
+        return start_all_gather(x, group, timeout, what).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, timeout, what = ctx.args
+        grad = all_reduce_(grad.contiguous().clone(), group, timeout, what + " (backward)")
+        return grad[ctx.rank], None, None, None
+
+
+def gather_slots(
+    x: torch.Tensor, group=None, timeout: Optional[timedelta] = None, what: str = "state passing"
+) -> torch.Tensor:
+    """Every rank's ``x`` ``(P, *s)`` as ``(world, P, *s)``, differentiable."""
+    if rank_world(group)[1] == 1:
+        return x.unsqueeze(0)
+    return _GatherSlots.apply(x, group, timeout, what)
+
+
+Compose = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (T, h) -> the state after T
+
+
+def carry(
+    finals: List[torch.Tensor],
+    transitions: List[torch.Tensor],
+    compose: Compose,
+    pieces: Pieces,
+    group=None,
+    timeout: Optional[timedelta] = None,
+) -> Tuple[List[Optional[torch.Tensor]], Dict[int, torch.Tensor]]:
+    """The state entering each of this rank's pieces, and each document's final state.
+
+    ``finals[i]`` / ``transitions[i]``: piece ``i`` of ``pieces.mine(rank)`` from a zero state
+    (pad pieces: anything of the right shape, never read); shapes are the same for every piece
+    and rank. Returns ``(incoming, doc_final)``: ``incoming[i]`` is None for a piece that starts
+    its document (nothing to add) and pad pieces; ``doc_final[d]`` is the state after document
+    ``d``'s last token, the same on every rank (float32)."""
+    rank, world = rank_world(group)
+    mine = pieces.mine(rank)
+    if len(mine) != len(finals) or len(mine) != len(transitions):
+        raise ValueError(f"carry: {len(mine)} pieces on rank {rank}, got {len(finals)} states")
+    slots = pieces.slots
+    f = _slots([t.float() for t in finals], slots)  # (P, *state)
+    t = _slots([t.float() for t in transitions], slots)  # (P, *transition)
+    both = torch.cat([f.flatten(1), t.flatten(1)], 1)  # one message: (P, |F| + |T|)
+    g = gather_slots(both, group, timeout)  # (world, P, |F| + |T|)
+    nf = f[0].numel()
+    g_f = g[..., :nf].reshape(world, slots, *f.shape[1:])
+    g_t = g[..., nf:].reshape(world, slots, *t.shape[1:])
+
+    def state_after(p: Piece, h: Optional[torch.Tensor]) -> torch.Tensor:
+        i = pieces.index(p)
+        own = g_f[p.rank, i]
+        return own if h is None else compose(g_t[p.rank, i], h) + own
+
+    def fold(ps: List[Piece]) -> Optional[torch.Tensor]:
+        h = None
+        for p in ps:
+            h = state_after(p, h)
+        return h
+
+    incoming = [fold(pieces.before(p)) for p in mine]
+    doc_final = {d: fold(ps) for d, ps in pieces.order.items()}
+    return incoming, doc_final
+
+
+def _slots(xs: List[torch.Tensor], slots: int) -> torch.Tensor:
+    x = torch.stack(xs)
+    if len(xs) < slots:
+        x = torch.cat([x, x.new_zeros((slots - len(xs), *x.shape[1:]))])
+    return x

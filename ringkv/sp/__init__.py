@@ -3,6 +3,7 @@
 from .allgather import allgather_attention
 from .collectives import CommStats
 from .comm import LocalComm, RingComm, RingTimeoutError
+from .delta import gated_delta_rule, kda
 from .layout import LAYOUTS, chunks, positions, shard, unshard, usp_chunks
 from .ring import AutoWire, RingAttention, RingStats, auto_decisions, forget_auto, ring_attention
 from .ulysses import ulysses_attention
@@ -29,4 +30,6 @@ __all__ = [
     "allgather_attention",
     "sp_groups",
     "CommStats",
+    "gated_delta_rule",
+    "kda",
 ]

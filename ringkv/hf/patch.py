@@ -15,6 +15,7 @@ from ..sp.collectives import agree, rank_world
 from ..sp.layout import check_layout
 from ..sp.ulysses import head_plan
 from ..sp.usp import sp_groups
+from . import recurrent
 from .attention import begin_cache, eager_attention, resolve_cache
 from .loss import kept_logits, step_loss
 from .plan import AGREE_NAMES, as_kwargs, check_shards, prepare
@@ -41,6 +42,8 @@ def _plan(state: State, model, kw: dict):
     peers are told (they raise too instead of waiting) before the error is raised here."""
     try:
         cache, explicit = resolve_cache(model, kw)
+        if state.hybrid is not None:
+            cache = _hybrid_cache(state, explicit)
         return prepare(state, model, kw, cache, explicit)
     except (ValueError, TypeError):
         if state.inputs == "shard" and state.world > 1:  # per-rank inputs: the peers must raise
@@ -57,6 +60,20 @@ def _plan(state: State, model, kw: dict):
             except Exception:  # noqa: BLE001 - this rank's own error is the one to report
                 pass
         raise
+
+
+def _hybrid_cache(state: State, explicit: bool):
+    """A hybrid model keeps no cache (None); asking for one (generate, ``use_cache=True``, a
+    ``cache``) is a ``ValueError``."""
+    if explicit:
+        raise ValueError(
+            f"ringkv: {state.hybrid} has recurrent layers (convolution, state-space or linear "
+            "attention), whose cache a patched model does not keep yet: generate and forwards "
+            "with use_cache=True or a cache are not supported for it. Pass use_cache=False "
+            "(training and scoring), or generate with the unpatched model "
+            "(ringkv.unpatch_model)"
+        )
+    return None
 
 
 def _pre_hook(state: State, model, args, kwargs):
@@ -98,7 +115,13 @@ def _post_hook(state: State, model, args, kwargs, output):
     # activation checkpointing replays the layers' forwards during backward, after this hook
     replay = not step.decode and torch.is_grad_enabled() and checkpointing(model)
     state.recompute = (
-        Step(decode=False, q_positions=step.q_positions, total=step.total, packing=step.packing)
+        Step(
+            decode=False,
+            q_positions=step.q_positions,
+            total=step.total,
+            packing=step.packing,
+            pieces=step.pieces,
+        )
         if replay
         else None
     )
@@ -175,7 +198,9 @@ def patch_model(
       to pinned host memory (CUDA) and back for backward; or a ``ringkv.memory.CheckpointStore``.
     """
     _check_options(model, layout, method, inputs)
-    layers = _patched_layers(model)
+    layers, mixers = _patched_layers(model)
+    if mixers:
+        recurrent.check_hybrid_options(model, layout, method)
     group = _sp_group(group, mesh_dim)
     rank, world = rank_world(group)
     _check_sp(sp, world)
@@ -197,8 +222,9 @@ def patch_model(
         keep_logits=keep_logits,
         loss_chunk=loss_chunk,
         store=store,
+        hybrid=type(model).__name__ if mixers else None,
     )
-    _install(model, state, layers, restore)
+    _install(model, state, layers, restore, mixers)
     return model
 
 
@@ -236,29 +262,33 @@ def _check_loss_options(keep_logits, loss_chunk) -> None:
         )
 
 
-def _patched_layers(model) -> list:
-    """The layers the patch reaches (each gets the patch's state): the causal self-attention
-    layers (modules with ``layer_idx`` and ``is_causal``) of a model whose attention goes through
-    ``AttentionInterface``; ``TypeError`` for any other model."""
+def _patched_layers(model):
+    """``(layers, mixers)``: the causal self-attention layers the patch reaches (modules with
+    ``layer_idx`` and ``is_causal``; each gets the patch's state) of a model whose attention goes
+    through ``AttentionInterface``, and its recurrent mixers (``recurrent.classify``); ``TypeError``
+    for any other model, naming the layer ringkv cannot split."""
     from transformers import PreTrainedModel
 
     name = type(model).__name__
-    if (
-        not isinstance(model, PreTrainedModel)
-        or not getattr(model, "_supports_attention_backend", False)
-        or not model._can_set_attn_implementation()
-    ):
-        raise TypeError(
-            f"ringkv.patch_model needs a transformers model whose attention goes through "
-            f"AttentionInterface (model._supports_attention_backend and set_attn_implementation), "
-            f"e.g. Llama, Qwen2, Mistral; {name} does not"
-        )
+    refused = TypeError(
+        f"ringkv.patch_model needs a transformers model whose attention goes through "
+        f"AttentionInterface (model._supports_attention_backend and set_attn_implementation), "
+        f"e.g. Llama, Qwen2, Mistral; {name} does not"
+    )
+    if not isinstance(model, PreTrainedModel) or not model._can_set_attn_implementation():
+        raise refused
     if getattr(model.config, "is_encoder_decoder", False):
         raise TypeError(
             f"ringkv.patch_model supports decoder-only causal LMs, not the encoder-decoder {name}"
         )
+    mixers = recurrent.classify(model)
     layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
-    if not layers:
+    if not getattr(model, "_supports_attention_backend", False):
+        # transformers marks hybrids False (their recurrent layers are no attention backend), their
+        # attention layers still call ALL_ATTENTION_FUNCTIONS, and ringkv splits the rest itself
+        if not mixers or not all(recurrent.calls_attention_interface(m) for m in layers):
+            raise refused
+    if not layers and not mixers:
         raise TypeError(
             "ringkv.patch_model found no attention layers (modules with layer_idx and is_causal) "
             f"in {name}"
@@ -267,20 +297,25 @@ def _patched_layers(model) -> list:
         raise TypeError(
             f"ringkv.patch_model supports causal self-attention only; {name} has non-causal layers"
         )
-    return layers
+    return layers, mixers
 
 
-def _install(model, state: State, layers: list, restore: list) -> None:
-    """Switch ``model`` to the ``"ringkv"`` attention, give its ``layers`` the state and add the
-    forward hooks (``restore``: what else ``unpatch_model`` undoes)."""
+def _install(model, state: State, layers: list, restore: list, mixers=()) -> None:
+    """Switch ``model`` to the ``"ringkv"`` attention, give its ``layers`` the state, wrap its
+    recurrent ``mixers`` (``recurrent.install``) and add the forward hooks (``restore``: what else
+    ``unpatch_model`` undoes)."""
     from transformers import AttentionInterface
 
+    handles = []
+    if mixers:
+        handles, held, undo_recurrent = recurrent.install(model, state, mixers)
+        layers, restore = list(layers) + list(held), list(restore) + [undo_recurrent]
     AttentionInterface.register(ATTN_NAME, eager_attention)
     prev_impl = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     for m in layers:
         setattr(m, STATE_ATTR, state)
-    handles = [
+    handles += [
         model.register_forward_pre_hook(
             lambda mod, a, k: _run_eager(_pre_hook, state, mod, a, k), with_kwargs=True
         ),
@@ -320,13 +355,14 @@ def unpatch_model(model):
 def method_groups(config, method: str, ulysses: Optional[int], group, world: int):
     """``(U, (ulysses_group, ring_group))`` for ``method``, after checking that the model's heads
     split (before any collective; building the USP groups is the first one)."""
+    if method != "usp" and ulysses is not None:
+        raise ValueError(f"ulysses={ulysses} is for method='usp' (method={method!r})")
+    if method == "ring":  # the heads never split
+        return 1, ()
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if method != "usp":
-        if ulysses is not None:
-            raise ValueError(f"ulysses={ulysses} is for method='usp' (method={method!r})")
-        if method == "ulysses":
-            head_plan(heads, kv_heads, world, "patch_model(method='ulysses')")
+        head_plan(heads, kv_heads, world, "patch_model(method='ulysses')")
         return 1, ()
     if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world % ulysses:
         raise ValueError(

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from ..sp.pieces import seq_pieces
 from ..sp.layout import (
     check_seq_len,
     granule,
@@ -303,6 +304,8 @@ def _finish(state, model, call: Call, kw: dict, step: Step, x_local, rows, s_pad
     ):
         shards = Shards(mask, call.targets, call.shifted, call.unshifted)
     step = replace(step, chunked=chunked)
+    if state.hybrid is not None and not step.decode:  # the recurrent layers' pieces, once
+        step = replace(step, pieces=seq_pieces(step.total, state.layout, state.world, step.cu))
     return Plan(values, call.name, x_local, rows, step, shards, call.explicit_cache)
 
 

@@ -64,6 +64,8 @@ class Step:
     chunked: bool = False  # the loss from the hidden states in chunks: no logits are built
     packing: Optional[Packing] = None  # packed documents: the varlen ring over packing.cu
     pad: Optional[PadStep] = None  # a left-padded batch with a KV cache (generate)
+    pieces: Optional[object] = None  # hybrid models' prefill: ringkv.sp.pieces.Pieces, which rows
+    # of each rank belong to which document (the recurrent layers' state passing)
 
     @property
     def cu(self) -> Optional[Tuple[int, ...]]:
@@ -92,6 +94,13 @@ class State:
     hidden: Optional[torch.Tensor] = None  # (B, S_local, H): the base model's output (chunked)
     offload: Optional[object] = None  # the offload context of the forward under way
     recompute: Optional[Step] = None  # the last training prefill, for checkpointing's replay
+    hybrid: Optional[str] = None  # the model's class name when it has recurrent layers
+
+
+def active_step(state: State) -> Optional[Step]:
+    """The step of the forward under way on a patched model, or during backward the training
+    prefill that activation checkpointing replays; None outside both."""
+    return state.step or (state.recompute if torch.is_grad_enabled() else None)
 
 
 @dataclass(frozen=True)

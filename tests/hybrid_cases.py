@@ -1,0 +1,349 @@
+"""World cases for tests/test_hf_hybrid.py: ``ringkv.patch_model`` on tiny random hybrid models of
+every family ringkv splits (Qwen3-Next, Qwen3.5, Falcon-H1, Bamba, Nemotron-H, Granite 4 hybrid,
+LFM2, Jamba, Zamba2, Kimi Linear), run on every rank of the case's group.
+
+Models are built from ``(family, seed)`` in every process (the same weights everywhere); the test
+process builds the same model unpatched as the reference. Each has a few layers mixing attention
+with the family's recurrent kind (short convolution, Mamba2 SSD, Mamba selective scan, gated delta
+rule, KDA), fp32, hidden 64, vocab 128; chunked scans use chunks of 4 tokens (so a rank's piece
+spans several); MoE routers pick every expert (routing stays smooth under SP rounding).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from ringkv import hf  # noqa: E402
+from tests.hf_cases import packed_kwargs  # noqa: E402
+
+FAMILIES = (
+    "qwen3_next",
+    "qwen3_5",
+    "falcon_h1",
+    "bamba",
+    "nemotron_h",
+    "granitemoehybrid",
+    "lfm2",
+    "jamba",
+    "zamba2",
+    "kimi_linear",
+)
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    attention_dropout=0.0,
+)
+_MAMBA2 = dict(
+    mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4
+)
+
+
+def _gdn(layers):
+    return dict(
+        intermediate_size=96,
+        num_hidden_layers=len(layers),
+        layer_types=layers,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    )
+
+
+def _configs():
+    """family -> (config class name, its arguments besides ``_COMMON``)."""
+    lin, full = "linear_attention", "full_attention"
+    return {
+        "qwen3_next": (
+            "Qwen3NextConfig",
+            dict(
+                _gdn([lin, full, lin]),
+                num_experts=2,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+                decoder_sparse_step=1,
+            ),
+        ),
+        "qwen3_5": ("Qwen3_5TextConfig", _gdn([lin, lin, full])),
+        "falcon_h1": (  # attention and Mamba2 side by side in every layer
+            "FalconH1Config",
+            dict(
+                intermediate_size=96,
+                num_hidden_layers=2,
+                mamba_d_ssm=64,
+                mamba_chunk_size=4,
+                mamba_expand=1,
+                **_MAMBA2,
+            ),
+        ),
+        "bamba": (
+            "BambaConfig",
+            dict(
+                intermediate_size=96,
+                num_hidden_layers=3,
+                attn_layer_indices=[1],
+                mamba_expand=1,
+                mamba_chunk_size=4,
+                **_MAMBA2,
+            ),
+        ),
+        "nemotron_h": (
+            "NemotronHConfig",
+            dict(
+                intermediate_size=96,
+                layers_block_type=["mamba", "attention", "mlp", "mamba"],
+                head_dim=16,
+                ssm_state_size=8,
+                mamba_num_heads=4,
+                mamba_head_dim=16,
+                n_groups=2,
+                conv_kernel=4,
+                expand=1,
+                chunk_size=4,
+            ),
+        ),
+        "granitemoehybrid": (
+            "GraniteMoeHybridConfig",
+            dict(
+                intermediate_size=32,
+                num_hidden_layers=3,
+                layer_types=["mamba", "attention", "mamba"],
+                num_local_experts=2,
+                num_experts_per_tok=2,
+                shared_intermediate_size=32,
+                mamba_expand=1,
+                mamba_chunk_size=4,
+                **_MAMBA2,
+            ),
+        ),
+        "lfm2": (
+            "Lfm2Config",
+            dict(
+                intermediate_size=96,
+                num_hidden_layers=3,
+                layer_types=["conv", "full_attention", "conv"],
+                conv_L_cache=3,
+            ),
+        ),
+        "jamba": (
+            "JambaConfig",
+            dict(
+                intermediate_size=96,
+                num_hidden_layers=3,
+                attn_layer_period=3,
+                attn_layer_offset=1,
+                num_experts=2,
+                num_experts_per_tok=2,
+                expert_layer_period=2,
+                expert_layer_offset=1,
+                mamba_d_state=8,
+                mamba_d_conv=4,
+                mamba_expand=1,
+                mamba_dt_rank=8,
+            ),
+        ),
+        "zamba2": (
+            "Zamba2Config",
+            dict(
+                intermediate_size=96,
+                num_hidden_layers=3,
+                layers_block_type=["mamba", "hybrid", "mamba"],
+                mamba_d_state=8,
+                mamba_d_conv=4,
+                mamba_expand=1,
+                mamba_ngroups=2,
+                n_mamba_heads=4,
+                chunk_size=4,
+                num_mem_blocks=1,
+                use_mem_rope=True,
+            ),
+        ),
+        "kimi_linear": (
+            "KimiLinearConfig",
+            dict(
+                intermediate_size=96,
+                moe_intermediate_size=32,
+                num_hidden_layers=3,
+                num_key_value_heads=4,
+                layer_types=["linear_attention", "full_attention", "linear_attention"],
+                linear_head_dim=16,
+                linear_num_heads=4,
+                linear_conv_kernel_dim=4,
+                kv_lora_rank=32,
+                q_lora_rank=None,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=16,
+                v_head_dim=16,
+                num_local_experts=2,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+            ),
+        ),
+    }
+
+
+def config(family: str, **overrides):
+    """The tiny transformers config of ``family``."""
+    import transformers
+
+    name, kw = _configs()[family]
+    args = dict(_COMMON)
+    args.update(kw)
+    args.update(overrides)
+    return getattr(transformers, name)(**args)
+
+
+def build(family: str, seed: int, **overrides):
+    """The tiny fp32 model of ``family`` (eval mode), the same for a seed in every process."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config(family, **overrides), dtype=torch.float32
+    )
+    return model.eval()
+
+
+def _grads(model) -> dict:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _patch(ctx, family, seed, layout, **kw):
+    return hf.patch_model(build(family, seed), sp=ctx.world, group=ctx.group, layout=layout, **kw)
+
+
+def train_step(ctx, family, seed, ids, layout, opts=None):
+    """A patched training forward (labels, the chunked loss: no logits) and backward, then an eval
+    forward of the same ids: the eval logits gathered ``(B, S, V)``, the loss and this rank's
+    gradients. ``opts``: ``patch_model`` arguments (``tile_mlp``, ``method``), and
+    ``checkpointing=True`` for HF gradient checkpointing."""
+    patch_kw = dict(opts or {})
+    ckpt = patch_kw.pop("checkpointing", False)
+    model = _patch(ctx, family, seed, layout, **patch_kw).train()
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    out = model(ids, labels=ids, use_cache=False)
+    assert out.logits is None  # the chunked loss
+    out.loss.backward()
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits  # (B, S_pad / N, V)
+    full = hf.gather_logits(logits, layout, ctx.group, seq_len=ids.shape[1])
+    return dict(logits=full, loss=out.loss.item(), grads=_grads(model), cached=False)
+
+
+def shard_step(ctx, family, seed, ids, layout):
+    """``inputs="shard"``: every rank passes its own shard of ids and labels."""
+    from ringkv.sp.layout import shard
+
+    model = _patch(ctx, family, seed, layout, inputs="shard", keep_logits=True).train()
+    local = shard(ids, 1, layout, rank=ctx.rank, world=ctx.world)
+    out = model(local, labels=local, use_cache=False)
+    out.loss.backward()
+    full = hf.gather_logits(out.logits.detach(), layout, ctx.group, seq_len=ids.shape[1])
+    return dict(logits=full, loss=out.loss.item(), grads=_grads(model), cached=False)
+
+
+def packed_train_step(ctx, family, seed, batch, layout):
+    """Packed documents as DataCollatorWithFlattening passes them (``position_ids`` restarting at
+    0): gathered logits ``(B, S, V)``, the loss and this rank's gradients."""
+    model = _patch(ctx, family, seed, layout, keep_logits=True).train()
+    kw = packed_kwargs(ctx, batch, "position_ids", layout, "full")
+    out = model(batch["ids"], labels=batch["labels"], use_cache=False, **kw)
+    out.loss.backward()
+    logits = hf.gather_logits(out.logits, layout, ctx.group, position_ids=batch["position_ids"])
+    return dict(
+        logits=logits.view(*batch["ids"].shape, -1),
+        loss=out.loss.item(),
+        grads=_grads(model),
+        cached=out.get("cache") is not None,
+    )
+
+
+def refused_generate(ctx, family, seed, ids, layout):
+    """``generate`` on a patched hybrid model: the error every rank raises (type, message)."""
+    model = _patch(ctx, family, seed, layout)
+    try:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def compile_train(ctx, family, seed, batches, layout, backend="aot_eager"):
+    """The patched model eager and under ``torch.compile`` (``family_cases.compile_train``'s
+    pattern): loss and grads of both per batch, frame counts and graph-break reasons."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _patch(ctx, family, seed, layout).train()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter)
+
+    def step(m, ids):
+        model.zero_grad(set_to_none=True)
+        out = m(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        return dict(loss=out.loss.item(), grads={n: g.clone() for n, g in _grads(model).items()})
+
+    steps, frames = [], []
+    try:
+        for i, ids in enumerate(batches):
+            eager = step(model, ids)
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                steps.append(dict(eager=eager, compiled=step(compiled, ids)))
+            frames.append(counter.frame_count)
+        breaks = sorted({k.splitlines()[0] for k in counters["graph_break"]})
+    finally:
+        torch._dynamo.reset()
+    return dict(steps=steps, frames=frames, breaks=breaks)
+
+
+def trainer_step(ctx, family, seed, rows, layout, out_dir):
+    """One optimizer step of ``sp_trainer(Trainer)`` (SGD, lr 1) on ``rows`` ``(n, S)``: the
+    weights after it (the same on every rank)."""
+    import transformers
+
+    from ringkv.trainer import sp_trainer
+
+    model = _patch(ctx, family, seed, layout).train()
+    data = [dict(input_ids=r, labels=r) for r in rows]
+    args = transformers.TrainingArguments(
+        output_dir=f"{out_dir}/{ctx.rank}",
+        per_device_train_batch_size=len(rows),
+        max_steps=1,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        max_grad_norm=None,
+        weight_decay=0.0,
+    )
+    trainer = sp_trainer(transformers.Trainer)(
+        model=model, args=args, train_dataset=data, sp_group=ctx.group
+    )
+    trainer.train()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -5,6 +5,7 @@ from .collectives import CommStats
 from .comm import LocalComm, RingComm, RingTimeoutError
 from .delta import gated_delta_rule, kda
 from .layout import LAYOUTS, chunks, positions, shard, unshard, usp_chunks
+from .recurrent import causal_conv1d, mamba2_scan, selective_scan
 from .ring import AutoWire, RingAttention, RingStats, auto_decisions, forget_auto, ring_attention
 from .ulysses import ulysses_attention
 from .usp import sp_groups, usp_attention
@@ -32,4 +33,7 @@ __all__ = [
     "CommStats",
     "gated_delta_rule",
     "kda",
+    "causal_conv1d",
+    "mamba2_scan",
+    "selective_scan",
 ]

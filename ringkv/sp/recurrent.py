@@ -1,0 +1,399 @@
+"""Sequence-parallel short convolution, Mamba2 SSD scan and Mamba selective scan: exact and
+differentiable over a sharded sequence (layouts contiguous and zigzag, packed documents).
+
+The local tensors hold this rank's rows in ``pieces.mine(rank)`` order (``seq_pieces`` builds
+``pieces``; pad rows included). Each piece (a run of one document's tokens) is computed from a
+zero state by the references of ``ringkv.kernels.scan_ref``; ``pieces.carry`` then gives the
+state entering it (every piece's transition and final state gathered, folded in sequence order,
+float32) and the output is corrected in closed form:
+
+- SSD: ``y_t += exp(G_t) (C_t . h_in)`` per head, ``G`` the inclusive cumsum of ``dt A``
+  within the piece; transition ``exp(G_last)`` per ``(B, H)``;
+- selective scan: ``y_t += sum_n C_t[n] exp(G_t[d, n]) h_in[d, n]``; transition per ``(B, D,
+  N)``;
+- convolution: every piece's last ``K`` inputs are all-gathered (posted first, overlapped with
+  the interior of the local convolution, whose outputs need no earlier input); each piece's
+  first ``K-1`` outputs are then computed from the ``K-1`` inputs before it in its document
+  (from several earlier pieces when they are short; zeros before the document's start).
+
+Gradients reach the inputs on the rank that owns them: the gathers' backward sums every rank's
+gradient. Every rank's output depends on the gathered tensor (``_Tie``), so every rank takes
+part in the backward's collective even where no piece of it needed another rank's state. Pad
+pieces (doc -1) output zeros and carry nothing.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.scan_ref import ACTIVATIONS, selective_scan_ref, ssd_scan_ref
+from .collectives import all_reduce_, rank_world, start_all_gather
+from .pieces import Piece, Pieces, carry
+
+__all__ = ["causal_conv1d", "mamba2_scan", "selective_scan"]
+
+
+# ---------------------------------------------------------------------------------------------
+# checks (local, before any collective: the same verdict on every rank for the same call)
+
+
+def _check_pieces(pieces, group, n_rows: int, what: str) -> Tuple[int, int]:
+    if not isinstance(pieces, Pieces):
+        raise TypeError(
+            f"{what}: pieces must be a ringkv.sp.pieces.Pieces (seq_pieces), got "
+            f"{type(pieces).__name__}"
+        )
+    rank, world = rank_world(group)
+    if pieces.world != world:
+        raise ValueError(
+            f"{what}: pieces were built for {pieces.world} ranks, the group has {world}"
+        )
+    rows = sum(len(p.rows) for p in pieces.mine(rank))
+    if n_rows != rows:
+        raise ValueError(
+            f"{what}: the local sequence has {n_rows} rows, pieces give rank {rank} "
+            f"{rows} (pad rows included)"
+        )
+    return rank, world
+
+
+def _check_shape(what: str, name: str, t: Optional[torch.Tensor], shape: Sequence) -> None:
+    """``shape``: ints, or None for any size."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
+    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+    if not ok:
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"{what}: {name} must have shape {want}, got {tuple(t.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# gathers whose backward sums every rank's gradient
+
+
+class _Arrived(torch.autograd.Function):
+    """The result of an all-gather posted earlier of ``x`` ``(P, *s)`` -> ``(world, P, *s)``;
+    backward: the sum over ranks of this rank's slot (an all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, pending, group, timeout, what):
+        ctx.args, ctx.rank = (group, timeout, what), rank_world(group)[0]
+        return pending.wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, timeout, what = ctx.args
+        grad = all_reduce_(grad.contiguous().clone(), group, timeout, what + " (backward)")
+        return grad[ctx.rank], None, None, None, None
+
+
+class _Tie(torch.autograd.Function):
+    """``out`` unchanged (a copy), made to depend on ``deps``: their backward runs on every rank
+    (with zero gradient where nothing here used them), so the collectives in it match."""
+
+    @staticmethod
+    def forward(ctx, out, *deps):
+        ctx.deps = [(d.shape, d.dtype, d.device) for d in deps]
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.deps))
+
+
+def _tie(out: torch.Tensor, deps: List[torch.Tensor], world: int, mine, params) -> torch.Tensor:
+    """``out`` tied to the gathered ``deps`` (world > 1) and, on a rank holding only pad rows, to
+    the ``params`` (a zero gradient rather than none, as on the other ranks)."""
+    deps = deps if world > 1 else []
+    deps += [] if any(p.doc >= 0 for p in mine) else [t for t in params if t is not None]
+    deps = [d for d in deps if d.requires_grad]
+    if not deps or not torch.is_grad_enabled():
+        return out
+    return _Tie.apply(out, *deps)
+
+
+def _zeros(shape, like: torch.Tensor) -> torch.Tensor:
+    """float32 zeros ``shape`` in ``like``'s graph (zero gradient): a pad piece's state, so that
+    every rank's gathered states require grad alike and every rank joins the backward."""
+    z = like.new_zeros(shape, dtype=torch.float32)
+    return _Tie.apply(z, like) if like.requires_grad and torch.is_grad_enabled() else z
+
+
+def _stack_slots(xs: List[torch.Tensor], slots: int) -> torch.Tensor:
+    x = torch.stack(xs)
+    if len(xs) < slots:
+        x = torch.cat([x, x.new_zeros((slots - len(xs), *x.shape[1:]))])
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# short convolution
+
+
+def _last(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The last ``k`` steps of ``x`` ``(..., L)``, zeros in front when ``L < k``."""
+    tail = x[..., -k:] if k else x[..., :0]
+    return F.pad(tail, (k - tail.shape[-1], 0))
+
+
+def _before(tails: torch.Tensor, pieces: Pieces, earlier: List[Piece], m: int) -> torch.Tensor:
+    """The last ``m`` inputs of the pieces ``earlier`` (one document, in sequence order) from the
+    gathered tails ``(world, slots, B, C, K)`` -> ``(B, C, m)``, zeros in front of the start."""
+    parts, got = [], 0
+    for q in reversed(earlier):
+        if got >= m:
+            break
+        n = min(len(q.rows), tails.shape[-1])
+        parts.insert(0, tails[q.rank, pieces.index(q), ..., tails.shape[-1] - n :])
+        got += n
+    ctx = torch.cat(parts, -1) if parts else tails[0, 0, ..., :0]
+    return _last(ctx, m)
+
+
+def _conv(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    # x (B, C, L) -> the max(L-K+1, 0) outputs that need no input before x (pre-activation)
+    if x.shape[-1] < weight.shape[-1]:
+        return x.new_zeros((*x.shape[:2], 0), dtype=weight.dtype)
+    return F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), bias, groups=x.shape[1])
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    activation: Optional[str] = None,
+    *,
+    pieces: Pieces,
+    group=None,
+    timeout: Optional[timedelta] = None,
+    return_tail: bool = False,
+):
+    """Depthwise causal convolution of a sharded sequence (transformers' ``causal_conv1d_fn``
+    per document): ``x`` ``(B, C, T_local)``, ``weight`` ``(C, K)``, ``bias`` ``(C,)`` or None,
+    ``activation`` None, ``"silu"`` or ``"swish"`` -> ``out`` ``(B, C, T_local)`` in
+    ``x.dtype``; with ``return_tail``: ``(out, {doc: tail (B, C, K)})``, the last ``K`` inputs
+    of each document (zeros before its start), the same on every rank (the conv state a cache
+    keeps)."""
+    what = "causal_conv1d"
+    _check_shape(what, "x", x, (None, None, None))
+    b, c, _ = x.shape
+    _check_shape(what, "weight", weight, (c, None))
+    _check_shape(what, "bias", bias, (c,))
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"{what}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}"
+        )
+    rank, world = _check_pieces(pieces, group, x.shape[-1], what)
+    k = weight.shape[-1]
+    mine = pieces.mine(rank)
+    wide = torch.promote_types(x.dtype, torch.float32)  # gathered exactly, summed in float32+
+    local = [x[..., p.rows.start : p.rows.stop] for p in mine]  # (B, C, L) each
+    tails = _stack_slots([_last(xp, k).to(wide) for xp in local], pieces.slots)  # (P, B, C, K)
+    pending = start_all_gather(tails.detach(), group, timeout, what + " halo")
+    interior = [_conv(xp, weight, bias) for xp in local]  # overlapped with the gather
+    if world == 1:
+        gathered = tails.unsqueeze(0)
+    else:
+        gathered = _Arrived.apply(tails, pending, group, timeout, what + " halo")
+    outs = []
+    for p, xp, inner in zip(mine, local, interior):
+        if p.doc < 0:
+            outs.append(torch.zeros_like(xp, dtype=weight.dtype))
+            continue
+        halo = _before(gathered, pieces, pieces.before(p), k - 1).to(x.dtype)  # (B, C, K-1)
+        head = _conv(torch.cat([halo, xp[..., : k - 1]], -1), weight, bias)  # first min(K-1, L)
+        outs.append(torch.cat([head, inner], -1))
+    out = torch.cat(outs, -1)  # (B, C, T_local)
+    if activation is not None:
+        out = ACTIVATIONS[activation](out)
+    out = _tie(out.to(x.dtype), [gathered], world, mine, [weight, bias])
+    if not return_tail:
+        return out
+    tails_out = {d: _before(gathered, pieces, ps, k).to(x.dtype) for d, ps in pieces.order.items()}
+    return out, tails_out
+
+
+# ---------------------------------------------------------------------------------------------
+# the scans
+
+
+def _process_dt(dt, bias, softplus: bool, limit=None):
+    if bias is not None:
+        dt = dt + bias.to(dt.dtype)
+    if softplus:
+        dt = F.softplus(dt)
+    if limit is not None:
+        dt = torch.clamp(dt, min=limit[0], max=limit[1])
+    return dt
+
+
+def _pass_states(ys, finals, transitions, compose, correct, pieces, group, timeout):
+    """Each piece's output from zero ``ys``, corrected by the state entering it:
+    ``correct(i, h_in)``; returns the corrected outputs and ``{doc: final state}``."""
+    incoming, doc_final = carry(finals, transitions, compose, pieces, group, timeout)
+    ys = [y if h is None else y + correct(i, h) for i, (y, h) in enumerate(zip(ys, incoming))]
+    return ys, doc_final
+
+
+def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group):
+    what = "mamba2_scan"
+    _check_shape(what, "x", x, (None, None, None, None))
+    b, t, h, p = x.shape
+    _check_shape(what, "dt", dt, (b, t, h))
+    _check_shape(what, "A", A, (h,))
+    _check_shape(what, "B", B, (b, t, None, None))
+    _check_shape(what, "C", C, tuple(B.shape))
+    _check_shape(what, "D", D, (h,))
+    _check_shape(what, "dt_bias", dt_bias, (h,))
+    if h % B.shape[2]:
+        raise ValueError(f"{what}: {h} heads do not split into {B.shape[2]} groups of B and C")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{what}: chunk_size must be a positive int, got {chunk_size!r}")
+    return _check_pieces(pieces, group, t, what)
+
+
+def mamba2_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    chunk_size: int,
+    D: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False,
+    dt_limit: Tuple[float, float] = (0.0, float("inf")),
+    pieces: Pieces,
+    group=None,
+    timeout: Optional[timedelta] = None,
+    return_final_state: bool = False,
+):
+    """Mamba2's SSD scan of a sharded sequence, the math of transformers' ``mamba2_chunk_scan``
+    (bamba) per document: ``x`` ``(B, T_local, H, P)``, ``dt`` ``(B, T_local, H)`` raw (then
+    ``+ dt_bias``, softplus, clamped to ``dt_limit``), ``A`` ``(H,)``, ``B``/``C`` ``(B,
+    T_local, G, N)``, ``D`` ``(H,)`` -> ``y`` ``(B, T_local, H, P)`` float32 (as transformers);
+    with ``return_final_state``: ``(y, {doc: (B, H, P, N) float32})``, the same on every
+    rank."""
+    rank, world = _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group)
+    h = x.shape[2]
+    dt = _process_dt(dt, dt_bias, dt_softplus, dt_limit).float()  # (B, T, H)
+    A = A.float()
+    B, C = (t.float().repeat_interleave(h // B.shape[2], dim=2) for t in (B, C))  # (B, T, H, N)
+    ys, finals, transitions, logs = [], [], [], []
+    for p in pieces.mine(rank):
+        rows = slice(p.rows.start, p.rows.stop)
+        if p.doc < 0:  # pad rows: zeros, no state
+            ys.append(x.new_zeros(x[:, rows].shape, dtype=torch.float32))
+            finals.append(_zeros((x.shape[0], h, x.shape[3], B.shape[3]), x))
+            transitions.append(_zeros((x.shape[0], h), x))
+            logs.append(None)
+            continue
+        y, final = ssd_scan_ref(x[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size)
+        g = (dt[:, rows] * A).cumsum(1)  # (B, L, H): log-decay from the piece's start
+        ys, finals, logs = ys + [y], finals + [final], logs + [g]
+        transitions.append(torch.exp(g[:, -1]))  # (B, H)
+
+    def correct(i, h_in):  # h_in (B, H, P, N) -> (B, L, H, P)
+        rows = pieces.mine(rank)[i].rows
+        c = C[:, rows.start : rows.stop]
+        return torch.einsum("blhn,bhpn->blhp", c, h_in) * torch.exp(logs[i])[..., None]
+
+    def compose(tr, state):  # tr (B, H), state (B, H, P, N)
+        return tr[..., None, None] * state
+
+    ys, doc_final = _pass_states(ys, finals, transitions, compose, correct, pieces, group, timeout)
+    mine = pieces.mine(rank)
+    if D is not None:  # the skip on real rows only (pad rows stay zeros, without gradient)
+        ys = [
+            y if p.doc < 0 else y + D[..., None] * x[:, p.rows.start : p.rows.stop].float()
+            for p, y in zip(mine, ys)
+        ]
+    y = torch.cat(ys, 1)  # (B, T_local, H, P)
+    y = _tie(y, list(doc_final.values()), world, mine, [A, D, dt_bias])
+    return (y, doc_final) if return_final_state else y
+
+
+def _skip_gate(y, x, D, z, rows: range):
+    """``(y + D x) * silu(z)`` on one piece's rows: y (B, D, L) float32."""
+    r = slice(rows.start, rows.stop)
+    if D is not None:
+        y = y + x[..., r].float() * D.float()[:, None]
+    return y if z is None else y * F.silu(z[..., r].float())
+
+
+def _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group):
+    what = "selective_scan"
+    _check_shape(what, "x", x, (None, None, None))
+    b, d, t = x.shape
+    _check_shape(what, "dt", dt, (b, d, t))
+    _check_shape(what, "A", A, (d, None))
+    _check_shape(what, "B", B, (b, A.shape[1], t))
+    _check_shape(what, "C", C, (b, A.shape[1], t))
+    _check_shape(what, "D", D, (d,))
+    _check_shape(what, "z", z, (b, d, t))
+    _check_shape(what, "delta_bias", delta_bias, (d,))
+    return _check_pieces(pieces, group, t, what)
+
+
+def selective_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: Optional[torch.Tensor] = None,
+    z: Optional[torch.Tensor] = None,
+    delta_bias: Optional[torch.Tensor] = None,
+    delta_softplus: bool = False,
+    *,
+    pieces: Pieces,
+    group=None,
+    timeout: Optional[timedelta] = None,
+    return_final_state: bool = False,
+):
+    """Mamba's selective scan of a sharded sequence, the math of transformers' jamba
+    ``mamba_selective_scan`` per document: ``x`` ``(B, D, T_local)``, ``dt`` ``(B, D, T_local)``
+    raw (then ``+ delta_bias``, softplus), ``A`` ``(D, N)``, ``B``/``C`` ``(B, N, T_local)``,
+    ``D`` ``(D,)``, ``z`` ``(B, D, T_local)`` (gate ``* silu(z)``) -> ``y`` ``(B, D, T_local)``
+    (dtype as transformers: ``x``'s promoted with ``D``'s and ``z``'s); with
+    ``return_final_state``: ``(y, {doc: (B, D, N) float32})``, the same on every rank."""
+    rank, world = _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group)
+    out_dtype = x.dtype
+    for t in (D, z):
+        out_dtype = out_dtype if t is None else torch.promote_types(out_dtype, t.dtype)
+    dt = _process_dt(dt, None if delta_bias is None else delta_bias[..., None], delta_softplus)
+    dt, A, Cf = dt.float(), A.float(), C.float()
+    ys, finals, transitions, logs = [], [], [], []
+    for p in pieces.mine(rank):
+        r = slice(p.rows.start, p.rows.stop)
+        if p.doc < 0:  # pad rows: zeros, no state
+            ys.append(x.new_zeros(x[..., r].shape, dtype=torch.float32))
+            finals.append(_zeros((x.shape[0], *A.shape), x))
+            transitions.append(finals[-1])
+            logs.append(None)
+            continue
+        y, final = selective_scan_ref(x[..., r], dt[..., r], A, B[..., r], Cf[..., r])
+        g = (dt[..., r, None] * A[:, None]).cumsum(2)  # (B, D, L, N) log-decay from the start
+        ys, finals, logs = ys + [y], finals + [final], logs + [g]
+        transitions.append(torch.exp(g[:, :, -1]))  # (B, D, N)
+
+    def correct(i, h_in):  # h_in (B, D, N) -> (B, D, L)
+        rows = pieces.mine(rank)[i].rows
+        c = Cf[..., rows.start : rows.stop]  # (B, N, L)
+        return torch.einsum("bdln,bdn,bnl->bdl", torch.exp(logs[i]), h_in, c)
+
+    ys, doc_final = _pass_states(
+        ys, finals, transitions, torch.mul, correct, pieces, group, timeout
+    )
+    mine = pieces.mine(rank)
+    ys = [y if p.doc < 0 else _skip_gate(y, x, D, z, p.rows) for p, y in zip(mine, ys)]
+    y = torch.cat(ys, -1)  # (B, D, T_local)
+    y = _tie(y.to(out_dtype), list(doc_final.values()), world, mine, [A, D, delta_bias])
+    return (y, doc_final) if return_final_state else y

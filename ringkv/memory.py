@@ -38,16 +38,22 @@ MLP_FORMS = (
     ("c_fc", "c_proj"),
     ("gate_up_proj", "down_proj"),
     ("dense_h_to_4h", "dense_4h_to_h"),
+    ("w1", "w2", "w3"),  # LFM2
 )
+# a decoder layer: one of these token mixers beside an MLP child named "mlp" or "feed_forward"
+# (hybrid models: gated DeltaNet, Mamba and short-convolution layers instead of attention)
+MIXER_NAMES = ("self_attn", "linear_attn", "mamba", "conv")
 
 
 def mlps(model) -> List[torch.nn.Module]:
-    """The MLPs of ``model``'s decoder layers (a layer: a module with ``self_attn`` and ``mlp``).
-    ``ValueError`` naming ``tile_mlp`` when there are none, or one is not a recognised form."""
+    """The MLPs of ``model``'s decoder layers (a layer: a module with a token mixer of
+    ``MIXER_NAMES`` and an ``mlp`` or ``feed_forward``). ``ValueError`` naming ``tile_mlp`` when
+    there are none, or one is not a recognised form."""
     found = [
-        m.mlp
+        mlp
         for m in model.modules()
-        if isinstance(getattr(m, "mlp", None), torch.nn.Module) and hasattr(m, "self_attn")
+        for mlp in (getattr(m, "mlp", None) or getattr(m, "feed_forward", None),)
+        if isinstance(mlp, torch.nn.Module) and any(hasattr(m, n) for n in MIXER_NAMES)
     ]
     if not found:
         raise ValueError(

@@ -11,6 +11,7 @@ spans several); MoE routers pick every expert (routing stays smooth under SP rou
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,9 +46,7 @@ _COMMON = dict(
     tie_word_embeddings=False,
     attention_dropout=0.0,
 )
-_MAMBA2 = dict(
-    mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4
-)
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4)
 
 
 def _gdn(layers):
@@ -234,17 +233,46 @@ def train_step(ctx, family, seed, ids, layout, opts=None):
     ``checkpointing=True`` for HF gradient checkpointing."""
     patch_kw = dict(opts or {})
     ckpt = patch_kw.pop("checkpointing", False)
+    plant = patch_kw.pop("plant", None)
     model = _patch(ctx, family, seed, layout, **patch_kw).train()
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    out = model(ids, labels=ids, use_cache=False)
-    assert out.logits is None  # the chunked loss
-    out.loss.backward()
-    model.eval()
-    with torch.no_grad():
-        logits = model(ids).logits  # (B, S_pad / N, V)
+    # a planted bug: the recurrent layers on this rank's rows alone
+    with _unwrapped(model) if plant == "local" else contextlib.nullcontext():
+        out = model(ids, labels=ids, use_cache=False)
+        assert out.logits is None  # the chunked loss
+        out.loss.backward()
+        model.eval()
+        with torch.no_grad():
+            logits = model(ids).logits  # (B, S_pad / N, V)
+    hf.unpatch_model(model)
     full = hf.gather_logits(logits, layout, ctx.group, seq_len=ids.shape[1])
     return dict(logits=full, loss=out.loss.item(), grads=_grads(model), cached=False)
+
+
+def _unwrapped(model):
+    """A context in which the modeling module's own functions are back under a patched model (its
+    recurrent layers then run on each rank's rows alone, as without ringkv's wrappers)."""
+    import contextlib
+    import importlib
+
+    from ringkv.hf import recurrent
+
+    @contextlib.contextmanager
+    def ctx():
+        saved = []
+        for m, kind in recurrent.classify(model):
+            mod = importlib.import_module(type(m).__module__)
+            for name in recurrent.WRAPPED[kind]:
+                saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, recurrent.original(type(m).__module__, name))
+        try:
+            yield
+        finally:
+            for mod, name, fn in saved:
+                setattr(mod, name, fn)
+
+    return ctx()
 
 
 def shard_step(ctx, family, seed, ids, layout):

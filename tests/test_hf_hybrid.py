@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.hybrid_cases import FAMILIES, build
-from tests.test_hf_packed import _assert_matches, _grads
+from tests.test_hf_packed import _assert_matches, _batch, _grads, _per_document_reference
 
 _TOL = dict(atol=5e-5, rtol=1e-4)
 
@@ -48,4 +48,75 @@ def test_family_matches_unpatched(world, family, sp, layout, s):
     ids = _ids(2, s, sp)
     want = _reference(family, 0, ids)
     res = world.check("tests.hybrid_cases:train_step", sp, family, 0, ids, layout)
+    _assert_matches(res, *want)
+
+
+def test_the_recurrent_layers_bite(world):
+    """A planted bug: the recurrent layers on each rank's rows alone (the modeling module's own
+    functions under the patch). Loss and logits move, so the comparisons above see the state
+    passing and the halo."""
+    ids = _ids(1, 16, 5)
+    logits, loss, _ = _reference("bamba", 0, ids)
+    res = world.check(
+        "tests.hybrid_cases:train_step", 2, "bamba", 0, ids, "zigzag", {"plant": "local"}
+    )
+    assert abs(res[0]["loss"] - loss) > 1e-3
+    assert (res[0]["logits"] - logits).abs().max() > 1e-2
+
+
+# ---- the features, on a representative subset ------------------------------------------------
+
+SUBSET = ("qwen3_next", "bamba", "lfm2", "jamba", "kimi_linear")
+
+
+@pytest.mark.parametrize(
+    "family,sp,layout,rows",
+    [
+        ("qwen3_next", 2, "zigzag", [[9, 2, 6]]),
+        ("bamba", 3, "contiguous", [[5, 7], [1, 11]]),
+        ("lfm2", 2, "contiguous", [[3, 8, 1]]),
+        ("jamba", 2, "zigzag", [[6, 6]]),
+        ("kimi_linear", 3, "zigzag", [[10, 4]]),
+    ],
+)
+def test_packed_documents_match_each_document_alone(world, family, sp, layout, rows):
+    """DataCollatorWithFlattening's packing: every recurrent state and convolution restarts at each
+    document (documents shorter than a convolution, than a rank's piece, of one token)."""
+    batch = _batch(rows, 3)
+    want = _per_document_reference(family, 0, batch, model=build(family, 0).train())
+    res = world.check("tests.hybrid_cases:packed_train_step", sp, family, 0, batch, layout)
+    _assert_matches(res, *want)
+
+
+@pytest.mark.parametrize(
+    "family,sp,layout",
+    [("qwen3_next", 2, "contiguous"), ("bamba", 2, "zigzag"), ("kimi_linear", 3, "zigzag")],
+)
+def test_shard_inputs(world, family, sp, layout):
+    """``inputs="shard"``: each rank passes its own shard of ids and labels."""
+    ids = _ids(2, 12 if sp == 2 else 18, 7)
+    want = _reference(family, 0, ids)
+    res = world.check("tests.hybrid_cases:shard_step", sp, family, 0, ids, layout)
+    for got in res:  # eval logits of the reference are the training ones here (no dropout)
+        got["cached"] = False
+    _assert_matches(res, *want)
+
+
+@pytest.mark.parametrize(
+    "family,sp,opts",
+    [
+        ("qwen3_next", 2, {"checkpointing": True}),
+        ("jamba", 3, {"checkpointing": True}),
+        ("lfm2", 2, {"tile_mlp": 4}),
+        ("bamba", 3, {"tile_mlp": 3, "checkpointing": True}),
+        ("kimi_linear", 2, {"method": "ulysses"}),
+        ("qwen3_next", 4, {}),
+    ],
+)
+def test_checkpointing_tile_mlp_and_ulysses(world, family, sp, opts):
+    """Gradient checkpointing (the recurrent layers replayed in backward with the step's pieces),
+    ``tile_mlp``, the Ulysses attention beside the recurrent layers' state passing, and sp=4."""
+    ids = _ids(2, 15, 11)
+    want = _reference(family, 0, ids)
+    res = world.check("tests.hybrid_cases:train_step", sp, family, 0, ids, "zigzag", opts)
     _assert_matches(res, *want)

@@ -5,6 +5,7 @@ model's patch."""
 
 from __future__ import annotations
 
+import inspect
 from datetime import timedelta
 from typing import Optional
 
@@ -22,6 +23,18 @@ from .plan import AGREE_NAMES, as_kwargs, check_shards, prepare
 from .state import ATTN_NAME, METHODS, State, Step, Undo, checkpointing
 
 STATE_ATTR = "_ringkv_state"  # the patch, on the model and on each of its patched layers
+# forward arguments of multimodal models (images, video, audio merged into the token sequence)
+MEDIA_INPUTS = {
+    "pixel_values",
+    "pixel_values_videos",
+    "image_patches",
+    "input_features",
+    "input_values",
+    "audio_values",
+    "input_audio_embeds",
+    "input_image_embeds",
+    "image_embeds",
+}
 
 
 def patch_state(model) -> Optional[State]:
@@ -280,6 +293,13 @@ def _patched_layers(model):
     if getattr(model.config, "is_encoder_decoder", False):
         raise TypeError(
             f"ringkv.patch_model supports decoder-only causal LMs, not the encoder-decoder {name}"
+        )
+    media = sorted(set(inspect.signature(model.forward).parameters) & MEDIA_INPUTS)
+    if media:
+        raise TypeError(
+            f"ringkv.patch_model splits the token sequence of text causal LMs; {name} also takes "
+            f"{', '.join(media)}, whose embeddings it merges into the sequence it would get "
+            f"sharded. Patch its text model's causal LM class instead"
         )
     mixers = recurrent.classify(model)
     layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]

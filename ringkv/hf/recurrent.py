@@ -209,6 +209,7 @@ def _wrap_module(modname: str, names) -> None:
         for n in names:
             if n not in entry[1]:
                 entry[1][n] = getattr(mod, n)
+            if not getattr(getattr(mod, n), "_ringkv_wrapper", False):  # (put back by someone)
                 setattr(mod, n, _wrapper(n, entry[1][n]))
         entry[0] += 1
 

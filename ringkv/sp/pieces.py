@@ -188,6 +188,10 @@ def carry(
     f = _slots([t.float() for t in finals], slots)  # (P, *state)
     t = _slots([t.float() for t in transitions], slots)  # (P, *transition)
     both = torch.cat([f.flatten(1), t.flatten(1)], 1)  # one message: (P, |F| + |T|)
+    if torch.is_grad_enabled() and not both.requires_grad:
+        # the gather's backward is a collective: every rank records it, also one whose states
+        # need no gradient (pad pieces alone: its zeros), or the others' backward would hang
+        both = both.detach().requires_grad_()
     g = gather_slots(both, group, timeout)  # (world, P, |F| + |T|)
     nf = f[0].numel()
     g_f = g[..., :nf].reshape(world, slots, *f.shape[1:])

@@ -20,7 +20,7 @@ from tests.recurrent_cases import local_index, pieces_of
 
 TOL = {torch.float32: 2e-4, torch.bfloat16: 4e-2}
 SETTINGS = settings(
-    max_examples=14,
+    max_examples=25,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -370,6 +370,48 @@ def _ssd_refs(case, t):
         limit=(0.0, float("inf")),
     )
 )
+@example(
+    case=dict(
+        n=2,
+        layout="contiguous",
+        cu=None,
+        seq=1,
+        b=1,
+        dtype=torch.float32,
+        state=False,
+        seed=5,
+        h=2,
+        groups=1,
+        p=3,
+        nstate=4,
+        chunk=8,
+        D=True,
+        dt_bias=True,
+        softplus=True,
+        limit=(0.0, float("inf")),
+    )
+)  # rank 1: pad only
+@example(
+    case=dict(
+        n=3,
+        layout="zigzag",
+        cu=None,
+        seq=17,
+        b=2,
+        dtype=torch.float32,
+        state=True,
+        seed=6,
+        h=2,
+        groups=2,
+        p=3,
+        nstate=4,
+        chunk=3,
+        D=False,
+        dt_bias=False,
+        softplus=False,
+        limit=(0.05, 1.5),
+    )
+)
 @given(case=ssd_case())
 def test_mamba2_scan(world, case):
     t = _ssd_tensors(case)
@@ -466,6 +508,24 @@ def _selective_refs(case, t):
         softplus=True,
     )
 )
+@example(
+    case=dict(
+        n=4,
+        layout="contiguous",
+        cu=None,
+        seq=3,
+        b=1,
+        dtype=torch.bfloat16,
+        state=True,
+        seed=7,
+        d=3,
+        nstate=4,
+        D=True,
+        z=False,
+        delta_bias=False,
+        softplus=True,
+    )
+)  # rank 3: pad only
 @given(case=selective_case())
 def test_selective_scan(world, case):
     t = _selective_tensors(case)

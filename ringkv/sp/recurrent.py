@@ -118,13 +118,6 @@ def _tie(out: torch.Tensor, deps: List[torch.Tensor], world: int, mine, params) 
     return _Tie.apply(out, *deps)
 
 
-def _zeros(shape, like: torch.Tensor) -> torch.Tensor:
-    """float32 zeros ``shape`` in ``like``'s graph (zero gradient): a pad piece's state, so that
-    every rank's gathered states require grad alike and every rank joins the backward."""
-    z = like.new_zeros(shape, dtype=torch.float32)
-    return _Tie.apply(z, like) if like.requires_grad and torch.is_grad_enabled() else z
-
-
 def _stack_slots(xs: List[torch.Tensor], slots: int) -> torch.Tensor:
     x = torch.stack(xs)
     if len(xs) < slots:
@@ -291,8 +284,8 @@ def mamba2_scan(
         rows = slice(p.rows.start, p.rows.stop)
         if p.doc < 0:  # pad rows: zeros, no state
             ys.append(x.new_zeros(x[:, rows].shape, dtype=torch.float32))
-            finals.append(_zeros((x.shape[0], h, x.shape[3], B.shape[3]), x))
-            transitions.append(_zeros((x.shape[0], h), x))
+            finals.append(x.new_zeros((x.shape[0], h, x.shape[3], B.shape[3]), dtype=torch.float32))
+            transitions.append(x.new_zeros((x.shape[0], h), dtype=torch.float32))
             logs.append(None)
             continue
         y, final = ssd_scan_ref(x[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size)
@@ -375,7 +368,7 @@ def selective_scan(
         r = slice(p.rows.start, p.rows.stop)
         if p.doc < 0:  # pad rows: zeros, no state
             ys.append(x.new_zeros(x[..., r].shape, dtype=torch.float32))
-            finals.append(_zeros((x.shape[0], *A.shape), x))
+            finals.append(x.new_zeros((x.shape[0], *A.shape), dtype=torch.float32))
             transitions.append(finals[-1])
             logs.append(None)
             continue

@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch
 
+from ringkv.sp.collectives import forget_agreed
 from ringkv.sp.pieces import seq_pieces
 from ringkv.sp.recurrent import causal_conv1d, mamba2_scan, selective_scan
 
@@ -173,6 +174,28 @@ def bad_call(ctx, what):
                 pieces=pieces,
                 group=ctx.group,
             )
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def disagree(ctx):
+    """Ranks calling with different batch sizes: the error every rank raises (agree)."""
+    forget_agreed(ctx.group)
+    b = 1 + ctx.rank
+    pieces = seq_pieces(8, "contiguous", ctx.world)
+    n = 8 // ctx.world
+    try:
+        selective_scan(
+            torch.randn(b, 3, n),
+            torch.rand(b, 3, n),
+            -torch.rand(3, 2),
+            torch.randn(b, 2, n),
+            torch.randn(b, 2, n),
+            pieces=pieces,
+            group=ctx.group,
+            timeout=TIMEOUT,
+        )
     except ValueError as e:
         return str(e)
     return None

@@ -588,3 +588,8 @@ def test_no_process_group_is_one_rank():
 def test_bad_shapes_raise_before_any_collective(world, what, words):
     for msg in world.check("tests.recurrent_cases:bad_call", 2, what):
         assert msg is not None and words in msg, msg
+
+
+def test_ranks_that_disagree_all_raise(world):
+    for msg in world.check("tests.recurrent_cases:disagree", 2):
+        assert msg is not None and "disagrees" in msg and "batch" in msg, msg

@@ -24,6 +24,8 @@ pieces (doc -1) output zeros and carry nothing.
 
 from __future__ import annotations
 
+import functools
+import zlib
 from datetime import timedelta
 from typing import List, Optional, Sequence, Tuple
 
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.scan_ref import ACTIVATIONS, selective_scan_ref, ssd_scan_ref
-from .collectives import all_reduce_, rank_world, start_all_gather
+from .collectives import agree_once, all_reduce_, rank_world, start_all_gather
 from .pieces import Piece, Pieces, carry
 
 __all__ = ["causal_conv1d", "mamba2_scan", "selective_scan"]
@@ -71,6 +73,20 @@ def _check_shape(what: str, name: str, t: Optional[torch.Tensor], shape: Sequenc
     if not ok:
         want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
         raise ValueError(f"{what}: {name} must have shape {want}, got {tuple(t.shape)}")
+
+
+@functools.lru_cache(maxsize=256)
+def _fingerprint(pieces: Pieces) -> int:
+    # the same number on every process (hash() of a tuple holding None is not, before 3.12)
+    return zlib.crc32(repr(pieces).encode())
+
+
+def _agree(what: str, dims: dict, pieces: Pieces, group, timeout, device) -> None:
+    """Every rank of the group makes the same call: the sizes of what is gathered and the same
+    pieces (one small all-gather the first time per configuration, then remembered)."""
+    names = [*dims, "pieces"]
+    values = [*dims.values(), _fingerprint(pieces)]
+    agree_once(values, names, group, timeout, what, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +200,8 @@ def causal_conv1d(
         )
     rank, world = _check_pieces(pieces, group, x.shape[-1], what)
     k = weight.shape[-1]
+    dims = dict(batch=b, channels=c, kernel=k, float64=x.dtype == torch.float64)
+    _agree(what, dims, pieces, group, timeout, x.device)
     mine = pieces.mine(rank)
     wide = torch.promote_types(x.dtype, torch.float32)  # gathered exactly, summed in float32+
     local = [x[..., p.rows.start : p.rows.stop] for p in mine]  # (B, C, L) each
@@ -234,7 +252,7 @@ def _pass_states(ys, finals, transitions, compose, correct, pieces, group, timeo
     return ys, doc_final
 
 
-def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group):
+def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group, timeout):
     what = "mamba2_scan"
     _check_shape(what, "x", x, (None, None, None, None))
     b, t, h, p = x.shape
@@ -248,7 +266,10 @@ def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group):
         raise ValueError(f"{what}: {h} heads do not split into {B.shape[2]} groups of B and C")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{what}: chunk_size must be a positive int, got {chunk_size!r}")
-    return _check_pieces(pieces, group, t, what)
+    rank_world_ = _check_pieces(pieces, group, t, what)
+    dims = dict(batch=b, heads=h, head_dim=p, state=B.shape[3])
+    _agree(what, dims, pieces, group, timeout, x.device)
+    return rank_world_
 
 
 def mamba2_scan(
@@ -274,7 +295,7 @@ def mamba2_scan(
     T_local, G, N)``, ``D`` ``(H,)`` -> ``y`` ``(B, T_local, H, P)`` float32 (as transformers);
     with ``return_final_state``: ``(y, {doc: (B, H, P, N) float32})``, the same on every
     rank."""
-    rank, world = _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group)
+    rank, world = _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group, timeout)
     h = x.shape[2]
     dt = _process_dt(dt, dt_bias, dt_softplus, dt_limit).float()  # (B, T, H)
     A = A.float()
@@ -321,7 +342,7 @@ def _skip_gate(y, x, D, z, rows: range):
     return y if z is None else y * F.silu(z[..., r].float())
 
 
-def _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group):
+def _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group, timeout):
     what = "selective_scan"
     _check_shape(what, "x", x, (None, None, None))
     b, d, t = x.shape
@@ -332,7 +353,10 @@ def _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group):
     _check_shape(what, "D", D, (d,))
     _check_shape(what, "z", z, (b, d, t))
     _check_shape(what, "delta_bias", delta_bias, (d,))
-    return _check_pieces(pieces, group, t, what)
+    rank_world_ = _check_pieces(pieces, group, t, what)
+    dims = dict(batch=b, channels=d, state=A.shape[1])
+    _agree(what, dims, pieces, group, timeout, x.device)
+    return rank_world_
 
 
 def selective_scan(
@@ -357,7 +381,7 @@ def selective_scan(
     ``D`` ``(D,)``, ``z`` ``(B, D, T_local)`` (gate ``* silu(z)``) -> ``y`` ``(B, D, T_local)``
     (dtype as transformers: ``x``'s promoted with ``D``'s and ``z``'s); with
     ``return_final_state``: ``(y, {doc: (B, D, N) float32})``, the same on every rank."""
-    rank, world = _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group)
+    rank, world = _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group, timeout)
     out_dtype = x.dtype
     for t in (D, z):
         out_dtype = out_dtype if t is None else torch.promote_types(out_dtype, t.dtype)

@@ -172,6 +172,7 @@ def carry(
     pieces: Pieces,
     group=None,
     timeout: Optional[timedelta] = None,
+    needs_grad: Optional[bool] = None,
 ) -> Tuple[List[Optional[torch.Tensor]], Dict[int, torch.Tensor]]:
     """The state entering each of this rank's pieces, and each document's final state.
 
@@ -179,7 +180,13 @@ def carry(
     (pad pieces: anything of the right shape, never read); shapes are the same for every piece
     and rank. Returns ``(incoming, doc_final)``: ``incoming[i]`` is None for a piece that starts
     its document (nothing to add) and pad pieces; ``doc_final[d]`` is the state after document
-    ``d``'s last token, the same on every rank (float32)."""
+    ``d``'s last token, the same on every rank (float32).
+
+    ``needs_grad``: whether the layer's inputs need a gradient, the same on every rank (None:
+    whenever grad mode is on). Then every rank records the gather, whose backward is a
+    collective, also a rank of pad pieces alone (its zero states need no gradient of their own).
+    The caller's output must depend on ``doc_final`` on every rank too (a rank whose pieces all
+    start their documents reads no gathered state)."""
     rank, world = rank_world(group)
     mine = pieces.mine(rank)
     if len(mine) != len(finals) or len(mine) != len(transitions):
@@ -188,10 +195,10 @@ def carry(
     f = _slots([t.float() for t in finals], slots)  # (P, *state)
     t = _slots([t.float() for t in transitions], slots)  # (P, *transition)
     both = torch.cat([f.flatten(1), t.flatten(1)], 1)  # one message: (P, |F| + |T|)
-    if torch.is_grad_enabled() and not both.requires_grad:
-        # the gather's backward is a collective: every rank records it, also one whose states
-        # need no gradient (pad pieces alone: its zeros), or the others' backward would hang
-        both = both.detach().requires_grad_()
+    if needs_grad is None:
+        needs_grad = torch.is_grad_enabled()
+    if needs_grad and torch.is_grad_enabled() and not both.requires_grad:
+        both = both.detach().requires_grad_()  # else the others' backward would wait for it
     g = gather_slots(both, group, timeout)  # (world, P, |F| + |T|)
     nf = f[0].numel()
     g_f = g[..., :nf].reshape(world, slots, *f.shape[1:])

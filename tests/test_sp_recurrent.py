@@ -14,7 +14,7 @@ from transformers.models.jamba.modeling_jamba import mamba_selective_scan
 
 from ringkv.kernels.scan_ref import causal_conv1d_ref, selective_scan_ref, ssd_scan_ref
 from ringkv.sp.pieces import seq_pieces
-from ringkv.sp.recurrent import causal_conv1d
+from ringkv.sp.recurrent import causal_conv1d, mamba2_scan, selective_scan
 from tests.dist import World
 from tests.recurrent_cases import local_index, pieces_of
 
@@ -593,3 +593,24 @@ def test_bad_shapes_raise_before_any_collective(world, what, words):
 def test_ranks_that_disagree_all_raise(world):
     for msg in world.check("tests.recurrent_cases:disagree", 2):
         assert msg is not None and "disagrees" in msg and "batch" in msg, msg
+
+
+def test_inputs_without_grad_build_no_graph():
+    """Nothing needs a gradient: no graph (a frozen model's inference keeps no activations)."""
+    pieces = seq_pieces(7, "zigzag", 1)
+    x, dt = torch.randn(1, 8, 2, 3), torch.rand(1, 8, 2)
+    y = mamba2_scan(
+        x,
+        dt,
+        -torch.rand(2),
+        torch.randn(1, 8, 1, 4),
+        torch.randn(1, 8, 1, 4),
+        chunk_size=4,
+        pieces=pieces,
+    )
+    assert not y.requires_grad
+    x, dt = torch.randn(1, 3, 8), torch.rand(1, 3, 8)
+    y = selective_scan(
+        x, dt, -torch.rand(3, 2), torch.randn(1, 2, 8), torch.randn(1, 2, 8), pieces=pieces
+    )
+    assert not y.requires_grad

@@ -14,7 +14,8 @@ Selective scan, per channel ``d`` (``a_t = dt_t A_d`` a vector over the state ``
 Within a chunk of ``L`` tokens with inclusive cumulative log-decay ``G`` every exponent is
 ``G_l - G_s`` with ``s <= l`` (masked to ``-inf`` before the ``exp`` elsewhere) or ``G_l``
 itself, never a positive ``-G``, so nothing overflows for ``A <= 0``. Between chunks the state
-is carried in a short loop (one step per chunk).
+is carried in a short loop (one step per chunk); the selective scan's chunks (``(B, D, L, L, N)``
+decays) are recomputed in the backward, so it keeps ``O(B D T)`` besides one state per chunk.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["causal_conv1d_ref", "ssd_scan_ref", "selective_scan_ref", "ACTIVATIONS"]
 
@@ -120,11 +122,34 @@ def ssd_scan_ref(
     return y.flatten(1, 2)[:, :t], final
 
 
+def _maybe_checkpoint(fn, *args):
+    """``fn(*args)``, recomputed in the backward instead of keeping its insides (when a gradient
+    is wanted)."""
+    if torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args
+    ):
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def _selective_chunk(dt, x, B, C, A, h):
+    """One chunk: ``dt`` ``(B, D, L)``, ``x`` ``(B, D, L)`` or None (no input), ``B``/``C``
+    ``(B, N, L)``, ``A`` ``(D, N)``, the entering state ``h`` ``(B, D, N)`` -> ``y`` ``(B, D,
+    L)`` and the state after the chunk."""
+    g = dt.cumsum(-1)[..., None] * A[:, None]  # (B, D, L, N) log-decay from the chunk start
+    states = torch.exp(g) * h[:, :, None]  # (B, D, L, N)
+    if x is not None:
+        a = dt[..., None] * A[:, None]  # (B, D, L, N)
+        u = (dt * x)[..., None] * B.transpose(1, 2)[:, None]  # (B, D, L, N)
+        states = states + torch.einsum("bdlsn,bdsn->bdln", decay_matrix(a, 2), u)
+    return torch.einsum("bdln,bnl->bdl", states, C), states[:, :, -1]
+
+
 def selective_scan_ref(
-    x: torch.Tensor,
+    x: Optional[torch.Tensor],
     dt: torch.Tensor,
     A: torch.Tensor,
-    B: torch.Tensor,
+    B: Optional[torch.Tensor],
     C: torch.Tensor,
     initial_state: Optional[torch.Tensor] = None,
     chunk_size: int = 16,
@@ -132,19 +157,18 @@ def selective_scan_ref(
     """Mamba's selective scan (no ``D`` skip, no ``z`` gate), channels first as mamba_ssm:
     ``x`` ``(B, D, T)``, ``dt`` ``(B, D, T)`` already processed (bias, softplus), ``A`` ``(D,
     N)``, ``B``/``C`` ``(B, N, T)``, ``initial_state`` ``(B, D, N)`` -> ``y`` ``(B, D, T)`` and
-    the final state ``(B, D, N)``, float32 (float64 when given). Chunks hold ``(B, D, L, L,
-    N)`` decays: keep ``chunk_size`` small."""
-    t = x.shape[-1]
-    dt, x, B, C = _float(dt), _float(x), _float(B), _float(C)
+    the final state ``(B, D, N)``, float32 (float64 when given). ``x`` and ``B`` None: no input
+    (what the initial state alone gives). One chunk at a time, each recomputed in the backward:
+    memory ``(B, D, L, L, N)`` for one chunk, ``(B, D, N)`` per chunk kept."""
+    dt, C = _float(dt), _float(C)
+    x, B = (None if t is None else _float(t) for t in (x, B))
     A = A.to(dt.dtype)
-    a = dt[..., None] * A[None, :, None, :]  # (B, D, T, N)
-    u = (dt * x)[..., None] * B.transpose(1, 2)[:, None]  # (B, D, T, N)
-    a, u = _chunked(a, 2, chunk_size), _chunked(u, 2, chunk_size)  # (B, D, c, L, N)
-    Cc = _chunked(C, 2, chunk_size)  # (B, N, c, L)
-    g = a.cumsum(3)  # (B, D, c, L, N)
-    within = torch.einsum("bdclsn,bdcsn->bdcln", decay_matrix(a, 3), u)  # states from zero
-    decays = torch.exp(g[:, :, :, -1]).transpose(1, 2)  # (B, c, D, N)
-    entering, final = _carry_chunks(within[:, :, :, -1].transpose(1, 2), decays, initial_state)
-    states = within + torch.exp(g) * entering.transpose(1, 2)[:, :, :, None]  # (B, D, c, L, N)
-    y = torch.einsum("bdcln,bncl->bdcl", states, Cc)
-    return y.flatten(2, 3)[..., :t], final
+    b, d, t = dt.shape
+    h = dt.new_zeros(b, d, A.shape[1]) if initial_state is None else initial_state.to(dt.dtype)
+    ys = []
+    for lo in range(0, t, chunk_size):
+        c = slice(lo, lo + chunk_size)
+        xc, bc = (None if v is None else v[..., c] for v in (x, B))
+        y, h = _maybe_checkpoint(_selective_chunk, dt[..., c], xc, bc, C[..., c], A, h)
+        ys.append(y)
+    return torch.cat(ys, -1), h

@@ -9,8 +9,9 @@ float32) and the output is corrected in closed form:
 
 - SSD: ``y_t += exp(G_t) (C_t . h_in)`` per head, ``G`` the inclusive cumsum of ``dt A``
   within the piece; transition ``exp(G_last)`` per ``(B, H)``;
-- selective scan: ``y_t += sum_n C_t[n] exp(G_t[d, n]) h_in[d, n]``; transition per ``(B, D,
-  N)``;
+- selective scan: ``y_t += sum_n C_t[n] exp(G_t[d, n]) h_in[d, n]`` (the reference with no
+  input from ``h_in``, chunk by chunk: no ``(B, D, L, N)`` decay kept); transition
+  ``exp(A sum dt)`` per ``(B, D, N)``;
 - convolution: every piece's last ``K`` inputs are all-gathered (posted first, overlapped with
   the interior of the local convolution, whose outputs need no earlier input); each piece's
   first ``K-1`` outputs are then computed from the ``K-1`` inputs before it in its document
@@ -244,10 +245,12 @@ def _process_dt(dt, bias, softplus: bool, limit=None):
     return dt
 
 
-def _pass_states(ys, finals, transitions, compose, correct, pieces, group, timeout):
+def _pass_states(ys, finals, transitions, compose, correct, pieces, group, timeout, inputs):
     """Each piece's output from zero ``ys``, corrected by the state entering it:
-    ``correct(i, h_in)``; returns the corrected outputs and ``{doc: final state}``."""
-    incoming, doc_final = carry(finals, transitions, compose, pieces, group, timeout)
+    ``correct(i, h_in)``; returns the corrected outputs and ``{doc: final state}``. ``inputs``:
+    the layer's tensors (whether any needs a gradient: the same on every rank)."""
+    grad = any(t is not None and t.requires_grad for t in inputs) and torch.is_grad_enabled()
+    incoming, doc_final = carry(finals, transitions, compose, pieces, group, timeout, grad)
     ys = [y if h is None else y + correct(i, h) for i, (y, h) in enumerate(zip(ys, incoming))]
     return ys, doc_final
 
@@ -322,7 +325,10 @@ def mamba2_scan(
     def compose(tr, state):  # tr (B, H), state (B, H, P, N)
         return tr[..., None, None] * state
 
-    ys, doc_final = _pass_states(ys, finals, transitions, compose, correct, pieces, group, timeout)
+    inputs = (x, dt, A, B, C)
+    ys, doc_final = _pass_states(
+        ys, finals, transitions, compose, correct, pieces, group, timeout, inputs
+    )
     mine = pieces.mine(rank)
     if D is not None:  # the skip on real rows only (pad rows stay zeros, without gradient)
         ys = [
@@ -387,27 +393,25 @@ def selective_scan(
         out_dtype = out_dtype if t is None else torch.promote_types(out_dtype, t.dtype)
     dt = _process_dt(dt, None if delta_bias is None else delta_bias[..., None], delta_softplus)
     dt, A, Cf = dt.float(), A.float(), C.float()
-    ys, finals, transitions, logs = [], [], [], []
+    ys, finals, transitions = [], [], []
     for p in pieces.mine(rank):
         r = slice(p.rows.start, p.rows.stop)
         if p.doc < 0:  # pad rows: zeros, no state
             ys.append(x.new_zeros(x[..., r].shape, dtype=torch.float32))
             finals.append(x.new_zeros((x.shape[0], *A.shape), dtype=torch.float32))
             transitions.append(finals[-1])
-            logs.append(None)
             continue
         y, final = selective_scan_ref(x[..., r], dt[..., r], A, B[..., r], Cf[..., r])
-        g = (dt[..., r, None] * A[:, None]).cumsum(2)  # (B, D, L, N) log-decay from the start
-        ys, finals, logs = ys + [y], finals + [final], logs + [g]
-        transitions.append(torch.exp(g[:, :, -1]))  # (B, D, N)
+        ys, finals = ys + [y], finals + [final]
+        transitions.append(torch.exp(dt[..., r].sum(-1)[..., None] * A))  # (B, D, N)
 
-    def correct(i, h_in):  # h_in (B, D, N) -> (B, D, L)
+    def correct(i, h_in):  # h_in (B, D, N) -> (B, D, L): what h_in alone gives, decayed
         rows = pieces.mine(rank)[i].rows
-        c = Cf[..., rows.start : rows.stop]  # (B, N, L)
-        return torch.einsum("bdln,bdn,bnl->bdl", torch.exp(logs[i]), h_in, c)
+        r = slice(rows.start, rows.stop)
+        return selective_scan_ref(None, dt[..., r], A, None, Cf[..., r], initial_state=h_in)[0]
 
     ys, doc_final = _pass_states(
-        ys, finals, transitions, torch.mul, correct, pieces, group, timeout
+        ys, finals, transitions, torch.mul, correct, pieces, group, timeout, (x, dt, A, B, C)
     )
     mine = pieces.mine(rank)
     ys = [y if p.doc < 0 else _skip_gate(y, x, D, z, p.rows) for p, y in zip(mine, ys)]

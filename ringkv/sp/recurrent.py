@@ -275,6 +275,27 @@ def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group, timeout):
     return rank_world_
 
 
+def _ssd_pieces(x, dt, A, B, C, chunk_size: int, mine):
+    """Each local piece from a zero state: outputs ``(B, L, H, P)``, final states ``(B, H, P,
+    N)``, transitions ``exp(sum dt A)`` ``(B, H)`` and log-decays from its start ``(B, L, H)``
+    (None for pad pieces, whose outputs and states are zeros)."""
+    b, _, h, p = x.shape
+    ys, finals, transitions, logs = [], [], [], []
+    for piece in mine:
+        rows = slice(piece.rows.start, piece.rows.stop)
+        if piece.doc < 0:
+            ys.append(x.new_zeros(x[:, rows].shape, dtype=torch.float32))
+            finals.append(x.new_zeros((b, h, p, B.shape[3]), dtype=torch.float32))
+            transitions.append(x.new_zeros((b, h), dtype=torch.float32))
+            logs.append(None)
+            continue
+        y, final = ssd_scan_ref(x[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size)
+        g = (dt[:, rows] * A).cumsum(1)  # (B, L, H)
+        ys, finals, logs = ys + [y], finals + [final], logs + [g]
+        transitions.append(torch.exp(g[:, -1]))  # (B, H)
+    return ys, finals, transitions, logs
+
+
 def mamba2_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -303,19 +324,7 @@ def mamba2_scan(
     dt = _process_dt(dt, dt_bias, dt_softplus, dt_limit).float()  # (B, T, H)
     A = A.float()
     B, C = (t.float().repeat_interleave(h // B.shape[2], dim=2) for t in (B, C))  # (B, T, H, N)
-    ys, finals, transitions, logs = [], [], [], []
-    for p in pieces.mine(rank):
-        rows = slice(p.rows.start, p.rows.stop)
-        if p.doc < 0:  # pad rows: zeros, no state
-            ys.append(x.new_zeros(x[:, rows].shape, dtype=torch.float32))
-            finals.append(x.new_zeros((x.shape[0], h, x.shape[3], B.shape[3]), dtype=torch.float32))
-            transitions.append(x.new_zeros((x.shape[0], h), dtype=torch.float32))
-            logs.append(None)
-            continue
-        y, final = ssd_scan_ref(x[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size)
-        g = (dt[:, rows] * A).cumsum(1)  # (B, L, H): log-decay from the piece's start
-        ys, finals, logs = ys + [y], finals + [final], logs + [g]
-        transitions.append(torch.exp(g[:, -1]))  # (B, H)
+    ys, finals, transitions, logs = _ssd_pieces(x, dt, A, B, C, chunk_size, pieces.mine(rank))
 
     def correct(i, h_in):  # h_in (B, H, P, N) -> (B, L, H, P)
         rows = pieces.mine(rank)[i].rows

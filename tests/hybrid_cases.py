@@ -347,31 +347,54 @@ def compile_train(ctx, family, seed, batches, layout, backend="aot_eager"):
 
 
 def trainer_step(ctx, family, seed, rows, layout, out_dir):
-    """One optimizer step of ``sp_trainer(Trainer)`` (SGD, lr 1) on ``rows`` ``(n, S)``: the
-    weights after it (the same on every rank)."""
+    """One SGD step (lr 1) of ``sp_trainer(Trainer)`` over ``rows`` ``(n, S)`` on a model patched
+    over the whole world (sp = world, dp = 1; accelerate wraps it in DDP over the world as under
+    torchrun, from the RANK/WORLD_SIZE this sets): the logged loss and the weights after the
+    step."""
     import transformers
 
     from ringkv.trainer import sp_trainer
 
-    model = _patch(ctx, family, seed, layout).train()
-    data = [dict(input_ids=r, labels=r) for r in rows]
-    args = transformers.TrainingArguments(
-        output_dir=f"{out_dir}/{ctx.rank}",
-        per_device_train_batch_size=len(rows),
+    env = dict(
+        RANK=str(ctx.rank),
+        WORLD_SIZE=str(ctx.world),
+        LOCAL_RANK=str(ctx.rank),
+        LOCAL_WORLD_SIZE=str(ctx.world),
+    )
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        model = _patch(ctx, family, seed, layout).train()
+        args = transformers.TrainingArguments(**trainer_args(out_dir, len(rows), ddp=True))
+        trainer = sp_trainer(transformers.Trainer)(
+            model=model, args=args, train_dataset=[dict(input_ids=r, labels=r) for r in rows]
+        )
+        out = trainer.train()
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return dict(
+        loss=out.training_loss, weights={n: p.detach().clone() for n, p in model.named_parameters()}
+    )
+
+
+def trainer_args(out_dir, batch: int, ddp: bool) -> dict:
+    return dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=batch,
         max_steps=1,
         learning_rate=1.0,
         optim="sgd",
         lr_scheduler_type="constant",
-        report_to=[],
+        report_to="none",
         save_strategy="no",
-        logging_strategy="no",
+        disable_tqdm=True,
         use_cpu=True,
         dataloader_num_workers=0,
-        max_grad_norm=None,
+        max_grad_norm=0.0,
         weight_decay=0.0,
+        ddp_backend="gloo" if ddp else None,
     )
-    trainer = sp_trainer(transformers.Trainer)(
-        model=model, args=args, train_dataset=data, sp_group=ctx.group
-    )
-    trainer.train()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ringkv import hf
 from tests.hybrid_cases import FAMILIES, build
 from tests.test_hf_packed import _assert_matches, _batch, _grads, _per_document_reference
 
@@ -120,3 +121,208 @@ def test_checkpointing_tile_mlp_and_ulysses(world, family, sp, opts):
     want = _reference(family, 0, ids)
     res = world.check("tests.hybrid_cases:train_step", sp, family, 0, ids, "zigzag", opts)
     _assert_matches(res, *want)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "jamba"])
+def test_compile_matches_eager_without_recompiles(world, family):
+    """torch.compile (aot_eager) of a patched hybrid model: forward + backward equal eager, new data
+    of the same shape never recompiles, the only graph breaks are ringkv's
+    (``torch.compiler.disable``: the hooks, the attention and the recurrent layers' SP forms)."""
+    batches = [_ids(1, 16, 30 + i) for i in range(2)]
+    res = world.check(
+        "tests.hybrid_cases:compile_train", 2, family, 0, batches, "zigzag", timeout=600
+    )
+    _, loss, grads = _reference(family, 0, batches[-1])
+    for got in res:
+        assert got["frames"][0] > 0 and got["frames"] == [got["frames"][0]] * 2, got["frames"]
+        assert got["breaks"] and all("torch.compiler.disable" in b for b in got["breaks"]), got[
+            "breaks"
+        ]
+        for i, step in enumerate(got["steps"]):
+            e, c = step["eager"], step["compiled"]
+            assert c["loss"] == pytest.approx(e["loss"], rel=1e-5, abs=1e-6), (i, c, e)
+            assert set(c["grads"]) == set(e["grads"])
+            for name, want in e["grads"].items():
+                torch.testing.assert_close(
+                    c["grads"][name], want, atol=2e-5 * max(1.0, want.abs().max().item()), rtol=1e-4
+                )
+    assert res[0]["steps"][-1]["eager"]["loss"] == pytest.approx(loss, rel=1e-5)
+    for name, want in grads.items():
+        total = sum(r["steps"][-1]["compiled"]["grads"][name] for r in res)
+        torch.testing.assert_close(
+            total, want, atol=2e-5 * max(1.0, want.abs().max().item()), rtol=1e-4
+        )
+
+
+@pytest.mark.parametrize("family", ["lfm2", "kimi_linear"])
+def test_generate_is_refused_at_the_call(world, family):
+    """generate (a cache) on a patched hybrid model: the same ValueError on every rank, naming the
+    model and why, before any collective."""
+    ids = _ids(2, 6, 1)
+    res = world.check("tests.hybrid_cases:refused_generate", 2, family, 0, ids, "zigzag")
+    name = type(build(family, 0)).__name__
+    for got in res:
+        assert got is not None and got[0] == "ValueError", got
+        assert name in got[1] and "recurrent layers" in got[1] and "use_cache=False" in got[1]
+    assert res[0] == res[1]
+
+
+# ---- patch time ----------------------------------------------------------------------------------
+
+
+def test_hybrid_options_are_refused_at_patch_time():
+    """layout="striped" and method="usp" on a hybrid model: ValueErrors naming the model and why;
+    nothing is patched (a later patch works)."""
+    model = build("bamba", 0)
+    with pytest.raises(ValueError, match="BambaForCausalLM.*striped"):
+        hf.patch_model(model, layout="striped")
+    with pytest.raises(ValueError, match="usp.*BambaForCausalLM"):
+        hf.patch_model(model, method="usp", ulysses=1)
+    assert getattr(model, "_ringkv_state", None) is None
+    hf.unpatch_model(hf.patch_model(model))
+
+
+def test_unpatch_restores_the_modeling_functions():
+    """The wrappers are counted per modeling module: they stay while one patched model of the
+    family is left, and the module's own functions are back after the last ``unpatch_model``; an
+    unpatched model of the family runs the originals meanwhile, and equals itself."""
+    import transformers.models.bamba.modeling_bamba as mb
+
+    own = {n: getattr(mb, n) for n in ("causal_conv1d_forward", "mamba2_scan_forward")}
+    ids = _ids(1, 10, 2)
+    plain = build("bamba", 0)
+    with torch.no_grad():
+        before = plain(ids, use_cache=False).logits
+    a, b = hf.patch_model(build("bamba", 0)), hf.patch_model(build("bamba", 0))
+    assert all(getattr(mb, n) is not f for n, f in own.items())
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids, use_cache=False).logits, before, rtol=0, atol=0)
+        torch.testing.assert_close(a(ids).logits, before, **_TOL)  # one rank: the same model
+    hf.unpatch_model(a)
+    assert all(getattr(mb, n) is not f for n, f in own.items())
+    hf.unpatch_model(b)
+    assert all(getattr(mb, n) is f for n, f in own.items())
+    assert not hasattr(b.model.layers[0].mamba, "_ringkv_state")
+    assert not hasattr(b.model.layers[0].mamba.conv1d, "_ringkv_state")
+
+
+def _tiny_recurrent_models():
+    """Tiny models of families whose layers ringkv cannot split: (model, the class the refusal
+    must name)."""
+    import transformers
+
+    small = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2)
+    return [
+        (transformers.MambaForCausalLM(transformers.MambaConfig(**small)), "MambaMixer"),
+        (
+            transformers.Mamba2ForCausalLM(
+                transformers.Mamba2Config(num_heads=8, head_dim=16, n_groups=1, **small)
+            ),
+            "Mamba2Mixer",
+        ),
+        (
+            transformers.RecurrentGemmaForCausalLM(
+                transformers.RecurrentGemmaConfig(
+                    num_attention_heads=4, lru_width=64, intermediate_size=96, **small
+                )
+            ),
+            "RecurrentGemmaRecurrentBlock",
+        ),
+        (transformers.RwkvForCausalLM(transformers.RwkvConfig(**small)), "RwkvForCausalLM"),
+    ]
+
+
+def test_unknown_recurrent_layers_are_refused_naming_the_class():
+    for model, cls in _tiny_recurrent_models():
+        with pytest.raises(TypeError, match=cls):
+            hf.patch_model(model)
+        assert getattr(model, "_ringkv_state", None) is None
+
+
+# ---- every causal LM of transformers' auto mapping -----------------------------------------------
+
+# families of the auto mapping whose default config cannot build a model (transformers' own
+# defaults are incomplete for them); every other one must build
+_NO_DEFAULT_MODEL = 25
+
+
+def _meta_model(key: str, cls_name: str):
+    """``key``'s causal LM from its default config (2 layers where the config takes that), built on
+    the meta device: the modules without weights, all that patch-time classification reads."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = getattr(transformers, cls_name)
+    for kw in (dict(num_hidden_layers=2), {}):
+        try:
+            with torch.device("meta"):
+                return cls(CONFIG_MAPPING[key](**kw))
+        except Exception:  # noqa: BLE001 - a config that cannot build this way
+            continue
+    return None
+
+
+def test_every_causal_lm_is_accepted_or_refused_at_patch_time():
+    """Each config class of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: ``patch_model`` (one rank)
+    accepts it, or raises TypeError/ValueError naming a class of the model; never another error.
+    The hybrid families are accepted with their recurrent layers (``state.hybrid``), and models
+    with recurrent layers ringkv does not split are refused naming that layer's class."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    transformers.logging.set_verbosity_error()
+    verdict, unbuilt = {}, []
+    for key, cls_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        model = _meta_model(key, cls_name)
+        if model is None:
+            unbuilt.append(key)
+            continue
+        classes = {type(m).__name__ for m in model.modules()}
+        try:
+            hf.patch_model(model)
+        except (TypeError, ValueError) as e:
+            named = [c for c in classes if c in str(e)]
+            assert named, (key, str(e))
+            verdict[key] = "refused: " + str(e)
+            continue
+        verdict[key] = "hybrid" if hf.patch.patch_state(model).hybrid else "accepted"
+        hf.unpatch_model(model)
+    assert len(unbuilt) <= _NO_DEFAULT_MODEL, unbuilt
+    for key in ("qwen3_next", "qwen3_5_text", "falcon_h1", "bamba", "nemotron_h", "jamba"):
+        assert verdict[key] == "hybrid", (key, verdict[key])
+    for key in ("granitemoehybrid", "zamba2", "kimi_linear"):
+        assert verdict[key] == "hybrid", (key, verdict[key])
+    for key, layer in (
+        ("mamba", "MambaMixer"),
+        ("mamba2", "Mamba2Mixer"),
+        ("falcon_mamba", "FalconMambaMixer"),
+        ("recurrent_gemma", "RecurrentGemmaRecurrentBlock"),
+        ("zamba", "ZambaMambaMixer"),
+        ("minimax", "MiniMaxLightningAttention"),
+        ("olmo_hybrid", "OlmoHybrid"),
+        ("xlstm", "xLSTM"),
+        ("rwkv", "Rwkv"),
+    ):
+        assert verdict[key].startswith("refused") and layer in verdict[key], (key, verdict[key])
+    assert verdict["llama"] == "accepted" and verdict["qwen2"] == "accepted"
+
+
+def test_sp_trainer_step_matches_one_unpatched_process(world, tmp_path):
+    """``sp_trainer(Trainer)``, sp=4 over the whole world (dp=1): one SGD step (lr 1) leaves the
+    weights the unpatched Trainer's step leaves, on every rank."""
+    import transformers
+
+    from tests.hybrid_cases import trainer_args
+
+    rows = _ids(2, 14, 9)
+    model = build("jamba", 0).train()
+    args = transformers.TrainingArguments(**trainer_args(str(tmp_path / "ref"), 2, ddp=False))
+    data = [dict(input_ids=r, labels=r) for r in rows]
+    ref = transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    res = world.check(
+        "tests.hybrid_cases:trainer_step", 4, "jamba", 0, rows, "zigzag", str(tmp_path), timeout=300
+    )
+    for got in res:
+        assert got["loss"] == pytest.approx(ref.training_loss, rel=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got["weights"][name], p.detach(), atol=2e-5, rtol=1e-4)

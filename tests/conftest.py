@@ -24,22 +24,41 @@ for _switch in ("RINGKV_NATIVE_LINEAR", "RINGKV_NATIVE_FLASH", "RINGKV_NATIVE_PA
     os.environ.setdefault(_switch, "1")
 
 
-# The modules that took a minute or more of a cold run (issue #55's table and the per-module runs in
-# docs/testing.md), longest first. `make test`'s workers (pytest-xdist, --dist loadfile) take
-# modules in the order below, two queued each: these start first and the many short modules fill
-# in at the end. xdist's own order (most tests first, ``--loadscope-reorder``, on by default) put
-# these modules of a few long tests LAST, where one worker ran them alone while the other had
-# nothing left.
+# The modules that took longest, longest first (longest-processing-time-first: the short modules
+# fill in at the end, where a long one would leave the other worker idle). `make test`'s workers
+# (pytest-xdist, --dist loadfile) take modules in the order below, two queued each; the other
+# modules follow by their number of tests (most first). Seconds: the sum of each module's tests of
+# 8 s or more in a whole-suite run on 2 workers (docs/testing.md; test_compiled_decode: cold).
+# xdist's own order (most tests first, ``--loadscope-reorder``, on by default) put the modules of
+# a few long tests LAST (test_hosts_faults 172 s, test_bench_cluster 76 s, test_train_memory_bench
+# 75 s, test_hosts 105 s were among the last ten), where one worker ran them alone.
 LONG_MODULES = (
-    "test_compiled_decode.py",
-    "test_smollm2.py",
-    "test_bench_engine.py",
-    "test_hf_dp.py",
-    "test_faults.py",
-    "test_train_example.py",
-    "test_trainer.py",
-    "test_hf_families.py",
-    "test_triton.py",
+    "test_compiled_decode.py",  # ~190 s cold (its compile: docs/testing.md)
+    "test_smollm2.py",  # 213
+    "test_cluster.py",  # 208
+    "test_hosts_faults.py",  # 172
+    "test_migrate_mesh.py",  # 108
+    "test_hosts.py",  # 105
+    "test_kernels.py",  # 85
+    "test_tiers_mesh.py",  # 84
+    "test_faults.py",  # 84
+    "test_hosts_serve.py",  # 83
+    "test_bench_cluster.py",  # 76
+    "test_train_memory_bench.py",  # 75
+    "test_bench_engine.py",  # 72
+    "test_triton.py",  # 72
+    "test_hf.py",  # 68
+    "test_hf_families.py",  # 62
+    "test_loader.py",  # 50
+    "test_train_example.py",  # 46
+    "test_long_ctx_bench.py",  # 45
+    "test_serve_echo.py",  # 42
+    "test_launch.py",  # 41
+    "test_trainer.py",  # 40
+    "test_migrate.py",  # 39
+    "test_remote.py",  # 34
+    "test_bench_hosts_plan.py",  # 22
+    "test_hf_dp.py",  # 14 (its compile cases: up to 105 s each on a loaded cold machine)
 )
 
 

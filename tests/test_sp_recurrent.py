@@ -13,6 +13,7 @@ from transformers.models.bamba.modeling_bamba import causal_conv1d_fn, mamba2_ch
 from transformers.models.jamba.modeling_jamba import mamba_selective_scan
 
 from ringkv.kernels.scan_ref import causal_conv1d_ref, selective_scan_ref, ssd_scan_ref
+from ringkv.sp.layout import granule, shard
 from ringkv.sp.pieces import seq_pieces
 from ringkv.sp.recurrent import causal_conv1d, mamba2_scan, selective_scan
 from tests.dist import World
@@ -614,3 +615,22 @@ def test_inputs_without_grad_build_no_graph():
         x, dt, -torch.rand(3, 2), torch.randn(1, 2, 8), torch.randn(1, 2, 8), pieces=pieces
     )
     assert not y.requires_grad
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=seq_case())
+def test_rows_by_pieces_are_the_layouts_shard(case):
+    """The cases' rows (chosen by the pieces) are ``layout.shard``'s, pad rows aside."""
+    s = case["seq"]
+    x = torch.arange(1, s + 1, dtype=torch.float32)[None, :, None]  # (1, S, 1), no zero
+    pieces = pieces_of(case, case["n"])
+    for r in range(case["n"]):
+        index = local_index(pieces, r, case["cu"])
+        if case["cu"] is None:
+            g = granule(case["layout"], case["n"])
+            padded = torch.cat([x, x.new_zeros(1, -(-s // g) * g - s, 1)], 1)
+            want = shard(padded, 1, case["layout"], rank=r, world=case["n"])
+        else:
+            want = shard(x, 1, case["layout"], rank=r, world=case["n"], cu_seqlens=case["cu"])
+        got = torch.where(index < 0, 0, index + 1).float()[None, :, None]
+        torch.testing.assert_close(got, want)

@@ -303,15 +303,34 @@ def packed_train_step(ctx, family, seed, batch, layout):
     )
 
 
-def refused_generate(ctx, family, seed, ids, layout):
-    """``generate`` on a patched hybrid model: the error every rank raises (type, message)."""
+def padded_generate(ctx, family, seed, ids, mask, layout, new_tokens):
+    """Greedy generate of a (left-padded) batch on the patched model: tokens and per-step scores,
+    and each recurrent layer's cached states (the same on every rank)."""
     model = _patch(ctx, family, seed, layout)
-    try:
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    except (ValueError, TypeError) as e:
-        return type(e).__name__, str(e)
-    return None
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    cache = out.cache if "cache" in out else out.past_key_values
+    states = [
+        [
+            t
+            for d in (layer.conv_states, layer.recurrent_states)
+            for t in d.values()
+            if t is not None
+        ]
+        for layer in cache.layers
+        if hasattr(layer, "conv_states")
+    ]  # each recurrent layer's conv tails (B, C, K) and recurrent states
+    hf.unpatch_model(model)
+    return dict(tokens=out.sequences, scores=torch.stack(out.scores, 1), states=states)
 
 
 def compile_train(ctx, family, seed, batches, layout, backend="aot_eager"):

@@ -17,6 +17,7 @@ import torch
 
 from ringkv import hf
 from tests.hybrid_cases import FAMILIES, build
+from tests.test_hf_generate_padded import _left_padded
 from tests.test_hf_packed import _assert_matches, _batch, _grads, _per_document_reference
 
 _TOL = dict(atol=5e-5, rtol=1e-4)
@@ -154,17 +155,46 @@ def test_compile_matches_eager_without_recompiles(world, family):
         )
 
 
-@pytest.mark.parametrize("family", ["lfm2", "kimi_linear"])
-def test_generate_is_refused_at_the_call(world, family):
-    """generate (a cache) on a patched hybrid model: the same ValueError on every rank, naming the
-    model and why, before any collective."""
-    ids = _ids(2, 6, 1)
-    res = world.check("tests.hybrid_cases:refused_generate", 2, family, 0, ids, "zigzag")
-    name = type(build(family, 0)).__name__
-    for got in res:
-        assert got is not None and got[0] == "ValueError", got
-        assert name in got[1] and "recurrent layers" in got[1] and "use_cache=False" in got[1]
-    assert res[0] == res[1]
+@pytest.mark.parametrize(
+    "family,sp,layout,lengths",
+    [
+        ("qwen3_next", 2, "zigzag", [9, 3]),
+        ("bamba", 3, "contiguous", [8, 8]),  # no padding: the ordinary decode path
+        ("lfm2", 2, "contiguous", [4, 10]),
+        ("jamba", 2, "zigzag", [11, 6]),
+        ("kimi_linear", 3, "zigzag", [7, 2, 5]),
+        ("zamba2", 2, "zigzag", [6, 9]),
+    ],
+)
+def test_generate_matches_unpatched(world, family, sp, layout, lengths):
+    """Greedy generate of a (left-padded) batch: tokens and scores equal the unpatched model's. The
+    prefill's SP forms leave each row's conv tail and recurrent state in transformers' cache, the
+    same on every rank, and every decode step runs the layers' own recurrent step on it."""
+    new = 4
+    ids, mask = _left_padded(lengths, 5)
+    with torch.no_grad():
+        ref = build(family, 0).generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    res = world.check(
+        "tests.hybrid_cases:padded_generate", sp, family, 0, ids, mask, layout, new, timeout=300
+    )
+    for r, got in enumerate(res):
+        assert torch.equal(got["tokens"], ref.sequences), (r, got["tokens"], ref.sequences)
+        torch.testing.assert_close(
+            got["scores"], torch.stack(ref.scores, 1), **_TOL, msg=lambda m: f"scores rank {r}: {m}"
+        )
+        assert got["states"] and all(got["states"])
+        for mine, first in zip(got["states"], res[0]["states"]):
+            for a, b in zip(mine, first):
+                assert torch.equal(a, b)
 
 
 # ---- patch time ----------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ class ShardedKVCache(_dynamic_cache()):
     values, and expands them into every head's K and V after reading them back).
     """
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, config=None):
+        super().__init__(config=config)  # a hybrid model's config: its layers' recurrent states
         self.positions = torch.zeros(0, dtype=torch.long)
         self.seen = 0  # global tokens in the sequence so far (same on every rank)
         self.decode_steps = 0  # forwards after the prefill: the owner of step i is rank i % N
@@ -91,10 +91,11 @@ class ShardedKVCache(_dynamic_cache()):
         )
 
 
-def resolve_cache(model, kw: dict):
+def resolve_cache(model, kw: dict, hybrid: bool = False):
     """``(cache, explicit)``: the ``ShardedKVCache`` a forward fills (an empty cache of another
     kind, or none with ``use_cache``, becomes a new one; None: no cache), and whether a cache or
-    ``use_cache=True`` was passed."""
+    ``use_cache=True`` was passed. ``hybrid``: the new cache has the model's recurrent layers'
+    states too (built from its config)."""
     cache = kw.get("cache")
     use_cache = kw.get("use_cache")
     explicit = cache is not None or use_cache is True
@@ -107,9 +108,9 @@ def resolve_cache(model, kw: dict):
                 "keeps its KV cache sharded: pass no cache, an empty one, or the ShardedKVCache it "
                 "returned"
             )
-        cache = ShardedKVCache()
+        cache = ShardedKVCache(model.config if hybrid else None)
     elif cache is None and use_cache:
-        cache = ShardedKVCache()
+        cache = ShardedKVCache(model.config if hybrid else None)
     return cache, explicit
 
 

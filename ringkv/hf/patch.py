@@ -54,9 +54,7 @@ def _plan(state: State, model, kw: dict):
     """``prepare``'s plan; when this rank's own inputs break a rule with ``inputs="shard"``, the
     peers are told (they raise too instead of waiting) before the error is raised here."""
     try:
-        cache, explicit = resolve_cache(model, kw)
-        if state.hybrid is not None:
-            cache = _hybrid_cache(state, explicit)
+        cache, explicit = resolve_cache(model, kw, hybrid=state.hybrid is not None)
         return prepare(state, model, kw, cache, explicit)
     except (ValueError, TypeError):
         if state.inputs == "shard" and state.world > 1:  # per-rank inputs: the peers must raise
@@ -73,20 +71,6 @@ def _plan(state: State, model, kw: dict):
             except Exception:  # noqa: BLE001 - this rank's own error is the one to report
                 pass
         raise
-
-
-def _hybrid_cache(state: State, explicit: bool):
-    """A hybrid model keeps no cache (None); asking for one (generate, ``use_cache=True``, a
-    ``cache``) is a ``ValueError``."""
-    if explicit:
-        raise ValueError(
-            f"ringkv: {state.hybrid} has recurrent layers (convolution, state-space or linear "
-            "attention), whose cache a patched model does not keep yet: generate and forwards "
-            "with use_cache=True or a cache are not supported for it. Pass use_cache=False "
-            "(training and scoring), or generate with the unpatched model "
-            "(ringkv.unpatch_model)"
-        )
-    return None
 
 
 def _pre_hook(state: State, model, args, kwargs):

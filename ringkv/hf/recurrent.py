@@ -259,39 +259,53 @@ def _sharded(name: str, orig, state, args, kwargs):
             "ringkv.patch_model: call the patched model itself (not a submodule), or "
             "ringkv.unpatch_model it"
         )
-    if step.decode or step.pieces is None:
-        raise RuntimeError(f"ringkv: {name} in a forward without a plan for recurrent layers")
+    if step.decode:  # new tokens, the same on every rank, over the cached state (the same too)
+        return orig(*args, **kwargs)
     if name == "mamba2_split_conv1d_scan_combined":
         return None  # the fused kernel would run the whole sequence alone: take the split path
     return _RUN[name](state, step, *args, **kwargs)
 
 
 def _sp(state, step) -> dict:
+    """The SP functions' common arguments."""
     return dict(pieces=step.pieces, group=state.group, timeout=state.timeout)
 
 
+def by_row(finals: dict, step) -> torch.Tensor:
+    """The cache's state of each batch row ``(B, ...)`` from the SP function's ``{doc: (b, ...)}``:
+    document 0 of an unpadded batch (``b = B``), or one document per row of a left-padded one."""
+    if step.pad is None:
+        return finals[0]
+    return torch.cat([finals[d] for d in range(len(finals))], 0)
+
+
 def _conv(state, step, conv1d, hidden_states, cache, layer_idx, activation=None, state_idx=0, **kw):
-    """``causal_conv1d_forward``: ``hidden_states`` ``(B, C, T_local)`` -> ``(B, C, T_local)``."""
+    """``causal_conv1d_forward``: ``hidden_states`` ``(B, C, T_local)`` -> ``(B, C, T_local)``; with
+    a cache, each row's last K inputs become its conv state."""
     from ..sp.recurrent import causal_conv1d
 
-    _no_cache(cache, "causal_conv1d_forward")
-    x = hidden_states
+    x, k = hidden_states, conv1d.kernel_size[0]
     out = causal_conv1d(
         x.to(conv1d.weight.dtype),
         conv1d.weight.squeeze(1),  # (C, K)
         conv1d.bias,
         activation,
+        return_tail=cache is not None,
         **_sp(state, step),
     )
+    if cache is not None:
+        out, tails = out
+        tail = by_row(tails, step).to(x.dtype)  # (B, C, K)
+        cache.update_conv_state(tail, layer_idx, state_idx=state_idx, conv_kernel_size=k)
     return out.to(x.dtype)
 
 
 def _mamba2(state, step, module, hidden_states, B, C, dt, cache, **kw):
     """``mamba2_scan_forward``: ``hidden_states`` ``(b, T, H*P)``, ``B``/``C`` ``(b, T, G*N)``,
-    ``dt`` ``(b, T, H)`` -> ``(b, T, H*P)`` (with the ``D`` skip)."""
+    ``dt`` ``(b, T, H)`` -> ``(b, T, H*P)`` (with the ``D`` skip); with a cache, each row's final
+    state ``(B, H, P, N)``."""
     from ..sp.recurrent import mamba2_scan
 
-    _no_cache(cache, "mamba2_scan_forward")
     b, t, _ = hidden_states.shape
     g, n = module.n_groups, module.ssm_state_size
     y = mamba2_scan(
@@ -305,19 +319,23 @@ def _mamba2(state, step, module, hidden_states, B, C, dt, cache, **kw):
         dt_bias=module.dt_bias,
         dt_softplus=True,
         dt_limit=module.time_step_limit,
+        return_final_state=cache is not None,
         **_sp(state, step),
     )  # (b, T, H, P)
+    if cache is not None:
+        y, finals = y
+        cache.update_recurrent_state(by_row(finals, step), module.layer_idx)
     return y.reshape(b, t, module.intermediate_size)
 
 
 def _mamba(state, step, module, hidden_states, time_step, B, C, gate, cache, **kw):
     """``mamba_scan_forward`` (Jamba): ``hidden_states``/``time_step``/``gate`` ``(b, I, T)``,
-    ``B``/``C`` ``(b, T, N)`` -> ``(b, I, T)`` (gated, with the ``D`` skip)."""
+    ``B``/``C`` ``(b, T, N)`` -> ``(b, I, T)`` (gated, with the ``D`` skip); with a cache, each
+    row's final state ``(B, I, N)``."""
     from ..sp.recurrent import selective_scan
 
-    _no_cache(cache, "mamba_scan_forward")
     bias = module.dt_proj.bias
-    return selective_scan(
+    y = selective_scan(
         hidden_states,
         time_step,
         -torch.exp(module.A_log.float()),
@@ -327,8 +345,13 @@ def _mamba(state, step, module, hidden_states, time_step, B, C, gate, cache, **k
         z=gate,
         delta_bias=None if bias is None else bias.float(),
         delta_softplus=True,
+        return_final_state=cache is not None,
         **_sp(state, step),
     )
+    if cache is not None:
+        y, finals = y
+        cache.update_recurrent_state(by_row(finals, step).to(hidden_states.dtype), module.layer_idx)
+    return y
 
 
 def _delta(fn_name: str):
@@ -347,11 +370,12 @@ def _delta(fn_name: str):
         **kw,
     ):
         """``torch_chunk_gated_delta_rule`` / ``chunk_kimi_delta_attention``: q, k ``(B, T, H_k,
-        D_k)``, v ``(B, T, H_v, D_v)`` -> ``(o (B, T, H_v, D_v), None)``."""
+        D_k)``, v ``(B, T, H_v, D_v)`` -> ``(o (B, T, H_v, D_v), final state (B, H_v, D_k, D_v)
+        float32 when output_final_state, else None)``."""
         from ..sp import delta
 
-        if initial_state is not None or output_final_state:
-            raise RuntimeError(f"ringkv: {fn_name} with a recurrent state in a sharded forward")
+        if initial_state is not None:
+            raise RuntimeError(f"ringkv: {fn_name} from a recurrent state in a sharded prefill")
         o = getattr(delta, fn_name)(
             query,
             key,
@@ -360,23 +384,22 @@ def _delta(fn_name: str):
             beta,
             use_qk_l2norm=use_qk_l2norm_in_kernel,
             chunk_size=chunk_size,
+            return_final_state=output_final_state,
             **_sp(state, step),
         )
-        return o.to(query.dtype), None
+        if not output_final_state:
+            return o, None
+        o, finals = o
+        return o, by_row(finals, step).float()
 
     return run
 
 
 def _recurrent_step(state, step, *args, **kwargs):
     raise RuntimeError(
-        "ringkv: a one-token recurrent step in a sharded forward (no cache is kept for hybrid "
-        "models)"
+        "ringkv: a one-token recurrent step inside a sharded prefill (recording past states for "
+        "a cache rollback is not supported)"
     )
-
-
-def _no_cache(cache, what: str) -> None:
-    if cache is not None:
-        raise RuntimeError(f"ringkv: {what} with a cache in a sharded forward")
 
 
 _RUN = {

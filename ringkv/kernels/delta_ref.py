@@ -50,9 +50,9 @@ def prepare_gdn(q, k, v, g, beta, scale=None, use_qk_l2norm=False):
     head serves ``H_v // H_k`` consecutive v heads), l2-normalised if asked, q scaled. Returns
     float32 ``(B, H_v, T, ...)`` tensors ``q, k, v, g, beta`` for ``chunk_delta_rule``."""
     hk, hv = k.shape[2], v.shape[2]
-    if hk != hv:
-        q, k = (x.repeat_interleave(hv // hk, dim=2) for x in (q, k))
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    if hk != hv:  # after the float32 cast: the backward sums the repeated heads in float32
+        q, k = (x.repeat_interleave(hv // hk, dim=1) for x in (q, k))
     if use_qk_l2norm:
         q, k = _l2norm_gdn(q), _l2norm_gdn(k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -190,14 +190,15 @@ def _sp(prepared, dtype, chunk_size, pieces, group, timeout, return_final_state)
         op = o[real.index(i), :, :, : len(p.rows)]  # (B, H, L_p, D_v + D_k)
         outs.append(_corrected(op, incoming[i], dv))
     out = torch.cat(outs, 2).transpose(1, 2).contiguous()  # (B, T, H, D_v)
-    out = _Tie.apply(out, *doc_final.values()).to(dtype)
+    out = _Tie.apply(out, *doc_final.values(), *prepared).to(dtype)
     return (out, doc_final) if return_final_state else out
 
 
 class _Tie(torch.autograd.Function):
-    """``out`` unchanged, tied to the gathered states: the gather's backward is a collective, so
-    every rank's backward must reach it, also a rank whose pieces all start their documents
-    (contiguous rank 0), whose outputs read no gathered state. Their gradient here is zero."""
+    """``out`` unchanged, tied to the gathered states and the inputs (their gradient here is
+    zero). The gather's backward is a collective, so every rank's backward must reach it, also
+    on a rank whose pieces all start their documents (contiguous rank 0: its outputs read no
+    gathered state); and a rank of pad rows only still gets (zero) input gradients, not None."""
 
     @staticmethod
     def forward(ctx, out, *states):

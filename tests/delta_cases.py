@@ -1,0 +1,57 @@
+"""Cases for tests/test_sp_delta.py, run on every rank of a gloo world (see tests/dist.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ringkv.sp.delta import gated_delta_rule, kda
+from ringkv.sp.layout import granule, shard, unshard
+from ringkv.sp.pieces import seq_pieces
+
+FNS = {"gdn": gated_delta_rule, "kda": kda}
+
+
+def _sharder(ctx, layout, seq_len, cu):
+    """This rank's rows of a global ``(B, S, ...)`` tensor (unpacked: zero-padded at the end to
+    the layout's granule first, as patch_model pads)."""
+    if cu is not None:
+        return lambda x: shard(x, 1, layout, rank=ctx.rank, world=ctx.world, cu_seqlens=cu)
+    pad = -seq_len % granule(layout, ctx.world)
+
+    def sh(x):
+        x = F.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])
+        return shard(x, 1, layout, rank=ctx.rank, world=ctx.world)
+
+    return sh
+
+
+def forward_backward(ctx, kind, tensors, layout, seq_len, cu, opts):
+    """The SP rule on this rank's shard, forward and backward of ``sum(o * dout)``.
+
+    Returns, on rank 0, ``(o, grads of q k v g beta, doc finals)`` in global order (pad rows
+    dropped); on the other ranks only the doc finals (every rank must hold the same)."""
+    q, k, v, g, beta, dout = tensors
+    pieces = seq_pieces(seq_len, layout, ctx.world, cu_seqlens=cu)
+    sh = _sharder(ctx, layout, seq_len, cu)
+    local = [sh(x).clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o, finals = FNS[kind](*local, pieces=pieces, group=ctx.group, return_final_state=True, **opts)
+    (o.float() * sh(dout)).sum().backward()
+
+    def un(x):
+        return unshard(x.detach(), 1, layout, ctx.group, cu_seqlens=cu)[:, :seq_len]
+
+    full = [un(o)] + [un(t.grad) for t in local]
+    finals = {d: f.detach() for d, f in finals.items()}
+    return (full, finals) if ctx.rank == 0 else (None, finals)
+
+
+def bad_shapes(ctx, kind, local_shapes, seq_len, layout):
+    """Call with (possibly wrong) local shapes; return the error's type and message, or 'ok'."""
+    pieces = seq_pieces(seq_len, layout, ctx.world)
+    xs = [torch.zeros(s) for s in local_shapes]
+    try:
+        FNS[kind](*xs, pieces=pieces, group=ctx.group)
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+    return "ok"

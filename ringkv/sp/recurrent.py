@@ -208,7 +208,8 @@ def causal_conv1d(
     local = [x[..., p.rows.start : p.rows.stop] for p in mine]  # (B, C, L) each
     tails = _stack_slots([_last(xp, k).to(wide) for xp in local], pieces.slots)  # (P, B, C, K)
     pending = start_all_gather(tails.detach(), group, timeout, what + " halo")
-    interior = [_conv(xp, weight, bias) for xp in local]  # overlapped with the gather
+    # the outputs that need no earlier input, while the gather is in flight (pad pieces: none)
+    interior = [_conv(xp, weight, bias) if p.doc >= 0 else None for p, xp in zip(mine, local)]
     if world == 1:
         gathered = tails.unsqueeze(0)
     else:

@@ -417,3 +417,14 @@ def trainer_args(out_dir, batch: int, ddp: bool) -> dict:
         weight_decay=0.0,
         ddp_backend="gloo" if ddp else None,
     )
+
+
+def mismatched_patch(ctx, family, seed, overrides):
+    """``patch_model`` where the last rank's model has another config (``overrides``): the error
+    every rank raises (type, message), or None."""
+    kw = overrides if ctx.rank == ctx.world - 1 else {}
+    try:
+        hf.patch_model(build(family, seed, **kw), group=ctx.group)
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+    return None

@@ -212,6 +212,15 @@ def test_hybrid_options_are_refused_at_patch_time():
     hf.unpatch_model(hf.patch_model(model))
 
 
+def test_ranks_with_other_layer_shapes_are_refused_alike(world):
+    """A rank whose hybrid model has another state size (Bamba's d_state 16 instead of 8): the
+    same ValueError on every rank at patch time, before any forward's collective."""
+    res = world.check("tests.hybrid_cases:mismatched_patch", 3, "bamba", 0, dict(mamba_d_state=16))
+    for got in res:
+        assert got is not None and got[0] == "ValueError", got
+        assert "BambaForCausalLM" in got[1] and "parameter shapes" in got[1], got
+
+
 def test_unpatch_restores_the_modeling_functions():
     """The wrappers are counted per modeling module: they stay while one patched model of the
     family is left, and the module's own functions are back after the last ``unpatch_model``; an

@@ -6,6 +6,7 @@ model's patch."""
 from __future__ import annotations
 
 import inspect
+import zlib
 from datetime import timedelta
 from typing import Optional
 
@@ -221,8 +222,27 @@ def patch_model(
         store=store,
         hybrid=type(model).__name__ if mixers else None,
     )
+    if mixers:
+        _agree_layers(model, state, mixers)
     _install(model, state, layers, restore, mixers)
     return model
+
+
+def _agree_layers(model, state: State, mixers) -> None:
+    """Every rank of the group patches the same hybrid model: its recurrent layers (class, kind)
+    and every parameter's shape agree (one tiny all-gather; ``ValueError`` on every rank
+    otherwise), so no rank meets a peer's other state size inside a layer's collectives."""
+    kinds = [(type(m).__name__, kind) for m, kind in mixers]
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    device = next(model.parameters()).device
+    agree(
+        [zlib.crc32(repr(kinds).encode()), zlib.crc32(repr(shapes).encode())],
+        ["its recurrent layers (classes and kinds)", "the model's parameter shapes"],
+        state.group,
+        state.timeout,
+        f"ringkv.patch_model({type(model).__name__})",
+        device=None if device.type == "meta" else device,
+    )
 
 
 def _check_options(model, layout: str, method: str, inputs: str) -> None:

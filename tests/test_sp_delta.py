@@ -14,6 +14,8 @@ from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delt
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 from ringkv.kernels.delta_ref import gated_delta_ref, kda_ref
+from ringkv.sp import gated_delta_rule, kda
+from ringkv.sp.pieces import seq_pieces
 from tests.dist import World
 
 TF = {"gdn": torch_chunk_gated_delta_rule, "kda": chunk_kimi_delta_attention}
@@ -151,12 +153,13 @@ def assert_close(name, got, want, dtype, loose=False):
     )
 
 
-def check_case(world, kind, n, layout, seq_len, cu, tensors, opts):
-    """Run on ``n`` ranks; compare o, the five gradients and the final states with both oracles."""
+def check_case(world, kind, n, layout, seq_len, cu, tensors, opts, junk=False):
+    """Run on ``n`` ranks; compare o, the five gradients and the final states with both oracles
+    (``junk``: pad rows hold large random values on the ranks)."""
     *inputs, dout = tensors
     dtype = inputs[0].dtype
     res = world.check(
-        "tests.delta_cases:forward_backward", n, kind, tensors, layout, seq_len, cu, opts
+        "tests.delta_cases:forward_backward", n, kind, tensors, layout, seq_len, cu, opts, junk
     )
     (full, finals), others = res[0], [r[1] for r in res[1:]]
     for r, f in enumerate(others, 1):
@@ -205,7 +208,7 @@ def sp_case(draw, kind):
         scale=None if l2 else draw(st.sampled_from([None, 0.4])),
     )
     tensors = _inputs(kind, b, seq_len, hk, hv, dk, dv, dtype, draw(st.integers(0, 2**16)), l2)
-    return n, layout, seq_len, cu, tensors, opts
+    return n, layout, seq_len, cu, tensors, opts, draw(st.booleans())
 
 
 SETTINGS = settings(
@@ -247,3 +250,136 @@ def test_fixed_cases(world, kind, n, layout, cu, dtype, chunk):
     tensors = _inputs(kind, b, seq_len, 2, hv, 8, 4, dtype, 7, True)
     opts = dict(use_qk_l2norm=True, chunk_size=chunk)
     check_case(world, kind, n, layout, seq_len, cu, tensors, opts)
+
+
+# ---------------------------------------------------------------------------------------------
+# the local references against transformers, with a state in and out
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("t, chunk", [(1, 64), (23, 8), (40, 64), (17, 5)])
+@pytest.mark.parametrize("l2", [False, True])
+def test_reference_matches_transformers(kind, t, chunk, l2):
+    """o, final state and the gradients of q, k, v, g, beta and the initial state."""
+    hv = 4 if kind == "gdn" else 2
+    *xs, dout = _inputs(kind, 2, t, 2, hv, 8, 5, torch.float32, t + chunk, l2)
+    s0 = torch.randn(2, hv, 8, 5, generator=torch.Generator().manual_seed(1))
+    leaves = lambda: [x.clone().requires_grad_() for x in (*xs, s0)]  # noqa: E731
+    results = []
+    for fn in (
+        lambda *a: REF[kind](*a[:5], initial_state=a[5], chunk_size=chunk, use_qk_l2norm=l2),
+        lambda *a: TF[kind](
+            *a[:5], initial_state=a[5], output_final_state=True, use_qk_l2norm_in_kernel=l2
+        ),
+    ):
+        ins = leaves()
+        o, final = fn(*ins)
+        ((o * dout).sum() + (final * 0.3).sum()).backward()
+        results.append([o, final] + [x.grad for x in ins])
+    names = ["o", "final", "dq", "dk", "dv", "dg", "dbeta", "dstate"]
+    for name, got, want in zip(names, *results):
+        assert_close(f"{kind} reference {name}", got.detach(), want.detach(), torch.float32)
+
+
+def test_reference_scale_and_bf16():
+    """``scale`` multiplies q after the l2norm; bf16 in, float32 inside, bf16 out."""
+    *xs, _ = _inputs("gdn", 1, 19, 1, 2, 4, 3, torch.bfloat16, 3, True)
+    o, final = gated_delta_ref(*xs, scale=0.7, use_qk_l2norm=True, chunk_size=4)
+    want, want_final = recurrence64("gdn", *xs, 0.7, True, [(0, 19)])
+    assert o.dtype == torch.bfloat16 and final.dtype == torch.float32
+    assert_close("o", o, want, torch.bfloat16)
+    assert_close("final", final, want_final[0], torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# world 1 without a process group, and bad input
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("cu", [None, [0, 6, 7, 20]])
+def test_world1_without_process_group(kind, cu):
+    """group None and no torch.distributed: no communication, same answers."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    t = 20
+    hv = 4 if kind == "gdn" else 2
+    *xs, dout = _inputs(kind, 1, t, 2, hv, 8, 4, torch.float32, 5, True)
+    pieces = seq_pieces(t, "zigzag" if cu is None else "contiguous", 1, cu_seqlens=cu)  # no pad
+    fn = gated_delta_rule if kind == "gdn" else kda
+    ins = [x.clone().requires_grad_() for x in xs]
+    o, finals = fn(*ins, use_qk_l2norm=True, chunk_size=4, pieces=pieces, return_final_state=True)
+    (o * dout).sum().backward()
+    o64, grads, finals64 = oracle64(kind, xs, dout, dict(use_qk_l2norm=True), _docs(t, cu))
+    for name, got, want in zip(
+        ["o", "dq", "dk", "dv", "dg", "dbeta"], [o] + [x.grad for x in ins], [o64] + grads
+    ):
+        assert_close(f"{kind} world 1 {name}", got.detach(), want, torch.float32)
+    assert sorted(finals) == list(range(len(finals64)))
+    for d, want in enumerate(finals64):
+        assert_close(f"{kind} world 1 final {d}", finals[d], want, torch.float32)
+
+
+def _bad(kind, t):
+    """(shapes, kwargs, words the message must hold) for calls that must be refused."""
+    hv = 4 if kind == "gdn" else 2
+    q, v = (1, t, 2, 8), (1, t, hv, 4)
+    g = (1, t, hv, 8) if kind == "kda" else (1, t, hv)
+    beta = (1, t, hv)
+    ok = [q, q, v, g, beta]
+    cases = [
+        ([q, (1, t, 2, 6), v, g, beta], {}, "k has shape"),
+        ([q, q, (1, t + 3, hv, 4), g, beta], {}, "v has shape"),
+        ([q, q, v, (1, t, hv, 3) if kind == "kda" else (1, t, hv + 1), beta], {}, "g has shape"),
+        ([q, q, v, g, (1, t)], {}, "beta must be a 3-D"),
+        ([q, q, v, g, beta], {"chunk_size": 0}, "chunk_size"),
+        (
+            [(1, t - 1, 2, 8), (1, t - 1, 2, 8), (1, t - 1, hv, 4)]
+            + [(1, t - 1) + s[2:] for s in (g, beta)],
+            {},
+            "T_local",
+        ),
+    ]
+    if kind == "gdn":
+        cases.append(([q, q, (1, t, 3, 4), (1, t, 3), (1, t, 3)], {}, "multiple"))
+    else:
+        cases.append(([q, q, (1, t, 4, 4), (1, t, 4, 8), (1, t, 4)], {}, "same head count"))
+    return ok, cases
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_bad_input_world1(kind):
+    ok, cases = _bad(kind, 12)
+    fn = gated_delta_rule if kind == "gdn" else kda
+    pieces = seq_pieces(12, "contiguous", 1)
+    for shapes, kwargs, words in cases:
+        with pytest.raises(ValueError, match=words):
+            fn(*(torch.zeros(s) for s in shapes), pieces=pieces, **kwargs)
+    with pytest.raises(ValueError, match="built for 2 ranks"):
+        fn(*(torch.zeros(s) for s in ok), pieces=seq_pieces(12, "contiguous", 2))
+    with pytest.raises(TypeError, match="Pieces"):
+        fn(*(torch.zeros(s) for s in ok), pieces=[(0, 12)])
+    with pytest.raises(ValueError, match="recurrent layers"):
+        seq_pieces(12, "striped", 1)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_bad_input_refused_on_every_rank(world, kind):
+    """A wrong shape is refused on every rank of a world of 3 with the same message, before any
+    collective (no rank waits for the others); a good call then still works."""
+    _, cases = _bad(kind, 12)  # 12 rows over 3 ranks, contiguous: 4 rows each
+    for shapes, kwargs, words in cases[:2] + cases[-2:]:
+        local = [(s[0], s[1] // 3) + tuple(s[2:]) for s in shapes]
+        res = world.check("tests.delta_cases:bad_input", 3, kind, local, 12, "contiguous", kwargs)
+        assert all(r != "ok" and r[0] == "ValueError" for r in res), res
+        assert len({r[1].replace(f"rank {i}", "rank") for i, r in enumerate(res)}) == 1, res
+    check_case(
+        world,
+        kind,
+        3,
+        "contiguous",
+        12,
+        None,
+        _inputs(kind, 1, 12, 2, 4 if kind == "gdn" else 2, 8, 4, torch.float32, 1, True),
+        dict(use_qk_l2norm=True),
+    )

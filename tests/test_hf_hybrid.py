@@ -42,11 +42,14 @@ def _reference(family, seed, ids):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("sp,layout,s", [(2, "zigzag", 13), (3, "contiguous", 14)])
+@pytest.mark.parametrize(
+    "sp,layout,s", [(2, "zigzag", 13), (3, "contiguous", 14), (4, "zigzag", 21)]
+)
 def test_family_matches_unpatched(world, family, sp, layout, s):
     """Loss, every gradient and the eval logits as unpatched: zigzag over 2 ranks (13 tokens padded
     to 16: a rank holds two pieces, the pad rows at the end), contiguous over 3 (14 tokens padded to
-    15); chunked scans of 4 tokens, convolutions of 3 or 4 taps."""
+    15), zigzag over 4 (21 padded to 24: pieces of 3, shorter than a convolution's 4 taps); chunked
+    scans of 4 tokens, convolutions of 3 or 4 taps."""
     ids = _ids(2, s, sp)
     want = _reference(family, 0, ids)
     res = world.check("tests.hybrid_cases:train_step", sp, family, 0, ids, layout)
@@ -92,7 +95,13 @@ def test_packed_documents_match_each_document_alone(world, family, sp, layout, r
 
 @pytest.mark.parametrize(
     "family,sp,layout",
-    [("qwen3_next", 2, "contiguous"), ("bamba", 2, "zigzag"), ("kimi_linear", 3, "zigzag")],
+    [
+        ("qwen3_next", 2, "contiguous"),
+        ("bamba", 2, "zigzag"),
+        ("lfm2", 3, "contiguous"),
+        ("jamba", 2, "zigzag"),
+        ("kimi_linear", 3, "zigzag"),
+    ],
 )
 def test_shard_inputs(world, family, sp, layout):
     """``inputs="shard"``: each rank passes its own shard of ids and labels."""
@@ -109,22 +118,25 @@ def test_shard_inputs(world, family, sp, layout):
     [
         ("qwen3_next", 2, {"checkpointing": True}),
         ("jamba", 3, {"checkpointing": True}),
-        ("lfm2", 2, {"tile_mlp": 4}),
+        ("kimi_linear", 3, {"checkpointing": True}),
+        ("lfm2", 2, {"tile_mlp": 4, "checkpointing": True}),
         ("bamba", 3, {"tile_mlp": 3, "checkpointing": True}),
+        ("qwen3_5", 2, {"tile_mlp": 5}),
         ("kimi_linear", 2, {"method": "ulysses"}),
-        ("qwen3_next", 4, {}),
+        ("bamba", 2, {"method": "ulysses"}),
     ],
 )
 def test_checkpointing_tile_mlp_and_ulysses(world, family, sp, opts):
     """Gradient checkpointing (the recurrent layers replayed in backward with the step's pieces),
-    ``tile_mlp``, the Ulysses attention beside the recurrent layers' state passing, and sp=4."""
+    ``tile_mlp`` (the MoE families' MLPs are not tiled), and the Ulysses attention beside the
+    recurrent layers' state passing."""
     ids = _ids(2, 15, 11)
     want = _reference(family, 0, ids)
     res = world.check("tests.hybrid_cases:train_step", sp, family, 0, ids, "zigzag", opts)
     _assert_matches(res, *want)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "jamba"])
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba", "lfm2", "jamba", "kimi_linear"])
 def test_compile_matches_eager_without_recompiles(world, family):
     """torch.compile (aot_eager) of a patched hybrid model: forward + backward equal eager, new data
     of the same shape never recompiles, the only graph breaks are ringkv's

@@ -239,6 +239,7 @@ FIXED = [
     ("kda", 2, "contiguous", [0, 13, 20], torch.float32, 8),
     ("gdn", 4, "contiguous", None, torch.bfloat16, 64),
     ("kda", 4, "zigzag", [0, 5, 40], torch.bfloat16, 4),
+    ("gdn", 1, "contiguous", [0, 20, 23, 30], torch.float32, 4),  # three batches of pieces
 ]
 
 

@@ -10,8 +10,9 @@ independently. So one local pass per piece gives everything: the chunked rule ru
 piece, ``h``, then adds ``a_t h`` to each of its outputs. One pass, one all-gather of
 ``O(H D_k (D_k + D_v))`` per piece, the state gradient back through the same gather.
 
-A rank's real pieces (of any documents) run as one batch, each padded at its end to the longest
-(zero k, g and beta leave the state unchanged); pad rows (doc -1) give zeros.
+A rank's real pieces (of any documents) run in a few batches of similar lengths, each piece
+padded at its end to its batch's longest (zero k, g and beta leave the state unchanged); pad rows
+(doc -1) give zeros.
 """
 
 from __future__ import annotations
@@ -153,18 +154,31 @@ def _stack_pieces(x: torch.Tensor, ps, length: int) -> torch.Tensor:
     return torch.cat(parts, 0)
 
 
-def _local_pass(prepared, real, chunk_size: int):
-    """Every real piece from its own start: outputs ``(P, B, H, L, D_v + D_k)`` and final states
-    ``(P, B, H, D_k, D_v + D_k)`` (``[o_local | a]`` and ``[S_local | M]``)."""
+def _buckets(ps) -> List[list]:
+    """Pieces by length, longest first, cut where a piece is under half its bucket's longest:
+    each bucket runs as one batch, padded to its longest (at most twice the work of its rows)."""
+    out: List[list] = []
+    for p in sorted(ps, key=lambda p: -len(p.rows)):
+        if out and 2 * len(p.rows) >= len(out[-1][0].rows):
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return out
+
+
+def _local_pass(prepared, ps, chunk_size: int):
+    """Pieces ``ps`` (one bucket) from their own starts: each piece's outputs
+    ``(B, H, L, D_v + D_k)`` (``[o_local | a]``, padded to the longest) and final state
+    ``(B, H, D_k, D_v + D_k)`` (``[S_local | M]``)."""
     q, k, v, g, beta = prepared
     b, h, _, dk = k.shape
-    length = max(len(p.rows) for p in real)
-    q, k, v, g, beta = (_stack_pieces(x, real, length) for x in (q, k, v, g, beta))
+    length = len(ps[0].rows)
+    q, k, v, g, beta = (_stack_pieces(x, ps, length) for x in (q, k, v, g, beta))
     v = torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], -1)  # (P*B, H, L, D_v + D_k)
     eye = torch.eye(dk, dtype=v.dtype, device=v.device)
     s0 = torch.cat([v.new_zeros(dk, v.shape[-1] - dk), eye], -1)  # [0 | I]
     o, final = chunk_delta_rule(q, k, v, g, beta, s0.expand(v.shape[0], h, -1, -1), chunk_size)
-    return o.unflatten(0, (len(real), b)), final.unflatten(0, (len(real), b))
+    return zip(o.unflatten(0, (len(ps), b)), final.unflatten(0, (len(ps), b)))
 
 
 def _sp(prepared, dtype, chunk_size, pieces, group, timeout, return_final_state):
@@ -173,22 +187,19 @@ def _sp(prepared, dtype, chunk_size, pieces, group, timeout, return_final_state)
     dv = v.shape[-1]
     rank, _ = rank_world(group)
     mine = pieces.mine(rank)
-    real = [i for i, p in enumerate(mine) if p.doc >= 0]
-    zero_f, zero_t = q.new_zeros(b, h, dk, dv), q.new_zeros(b, h, dk, dk)
-    finals: List[torch.Tensor] = [zero_f] * len(mine)
-    trans: List[torch.Tensor] = [zero_t] * len(mine)
-    if real:
-        o, final = _local_pass(prepared, [mine[i] for i in real], chunk_size)
-        for j, i in enumerate(real):
-            finals[i], trans[i] = final[j, ..., :dv], final[j, ..., dv:]
+    local = {}  # piece -> (its [o_local | a], its [S_local | M])
+    for bucket in _buckets([p for p in mine if p.doc >= 0]):
+        local.update(zip(bucket, _local_pass(prepared, bucket, chunk_size)))
+    zero = q.new_zeros(b, h, dk, dv + dk)  # pad pieces: never read by carry
+    finals = [local[p][1][..., :dv] if p in local else zero[..., :dv] for p in mine]
+    trans = [local[p][1][..., dv:] if p in local else zero[..., dv:] for p in mine]
     incoming, doc_final = carry(finals, trans, _compose, pieces, group, timeout)
     outs = []
-    for i, p in enumerate(mine):
+    for p, h_in in zip(mine, incoming):
         if p.doc < 0:
             outs.append(v.new_zeros(b, h, len(p.rows), dv))
-            continue
-        op = o[real.index(i), :, :, : len(p.rows)]  # (B, H, L_p, D_v + D_k)
-        outs.append(_corrected(op, incoming[i], dv))
+        else:
+            outs.append(_corrected(local[p][0][:, :, : len(p.rows)], h_in, dv))
     out = torch.cat(outs, 2).transpose(1, 2).contiguous()  # (B, T, H, D_v)
     out = _Tie.apply(out, *doc_final.values(), *prepared).to(dtype)
     return (out, doc_final) if return_final_state else out

@@ -80,8 +80,15 @@ run in every SP method and in decode, exactly.
 The package, bottom to top: ``state.py`` (the records), ``packing.py`` (packed documents and
 padded rows, checked whole; labels into a rank's targets), ``plan.py`` (one forward's inputs,
 planned), ``loss.py`` (the loss, ``causal_lm_loss``, ``gather_logits``),
-``attention.py`` (the attention function and ``ShardedKVCache``), ``patch.py`` (``patch_model``
-and its hooks).
+``attention.py`` (the attention function and ``ShardedKVCache``), ``recurrent.py`` (hybrid
+models' recurrent layers: short convolutions, Mamba2 and Mamba scans, gated DeltaNet and KDA, run
+by their SP forms from ``ringkv.sp``), ``patch.py`` (``patch_model`` and its hooks).
+
+Hybrid models (Qwen3-Next, Qwen3.5, Falcon-H1, Bamba, Nemotron-H, Granite 4 hybrid, LFM2, Jamba,
+Zamba2, Kimi Linear; layouts contiguous and zigzag): the recurrent layers pass their state across
+ranks in sequence order and restart it at each packed document; ``generate`` keeps each row's
+recurrent state in transformers' cache on every rank. Models with a recurrent, convolution or
+state-space layer ringkv does not know are refused at patch time, naming the layer's class.
 """
 
 # ringkv_attention and the constants: the other public names of the single-module ringkv.hf

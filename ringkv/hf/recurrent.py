@@ -30,7 +30,7 @@ import importlib
 import inspect
 import re
 import threading
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -164,7 +164,7 @@ _LOCK = threading.Lock()
 _INSTALLED: Dict[str, list] = {}  # modeling module -> [count, {name: original}]
 
 
-def install(model, state, mixers) -> Tuple[list, tuple, callable]:
+def install(model, state, mixers) -> Tuple[list, tuple, Callable[[], None]]:
     """Give ``mixers`` the patch ``state`` and wrap their modules' functions.
 
     Returns ``(handles, modules, undo)``: the pre-hooks, the modules that got ``_ringkv_state``

@@ -356,6 +356,11 @@ def test_every_causal_lm_is_accepted_or_refused_at_patch_time():
     ):
         assert verdict[key].startswith("refused") and layer in verdict[key], (key, verdict[key])
     assert verdict["llama"] == "accepted" and verdict["qwen2"] == "accepted"
+    # multimodal: images merged into the sequence ringkv would shard
+    assert (
+        "pixel_values" in verdict["gemma3"]
+        and "Gemma3ForConditionalGeneration" in verdict["gemma3"]
+    )
 
 
 def test_sp_trainer_step_matches_one_unpatched_process(world, tmp_path):

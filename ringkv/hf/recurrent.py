@@ -98,11 +98,15 @@ def classify(model) -> List[Tuple[torch.nn.Module, str]]:
     mixers = [(m, MIXERS[type(m).__name__]) for m in model.modules() if _is_mixer(m)]
     inside = {id(s) for m, _ in mixers for s in m.modules()}
     for name, m in model.named_modules():
-        if id(m) in inside or (_is_attention(m) and calls_attention_interface(m)):
+        if id(m) in inside:
             continue
         cls = type(m).__name__
         conv = any(isinstance(c, torch.nn.Conv1d) and c.kernel_size[0] > 1 for c in m.children())
-        if conv or (RECURRENT_NAMES.search(cls) and not NOT_LAYERS.search(cls)):
+        # an attention layer's class name may say "linear" (Kimi's MLA is KimiLinearAttention)
+        named = RECURRENT_NAMES.search(cls) and not NOT_LAYERS.search(cls)
+        if named and _is_attention(m) and calls_attention_interface(m):
+            named = False
+        if conv or named:
             what = "a 1-D convolution over the sequence" if conv else "a recurrent layer"
             raise TypeError(
                 f"ringkv.patch_model cannot split {type(model).__name__}: its layer {cls} "

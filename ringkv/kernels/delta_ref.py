@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 __all__ = ["gated_delta_ref", "kda_ref", "chunk_delta_rule", "prepare_gdn", "prepare_kda"]
 
@@ -134,9 +135,16 @@ def chunk_delta_rule(
     beta = beta.reshape(n, h, nc, c)
     G = (g.reshape(n, h, nc, c, dk) if g.dim() == 4 else g.reshape(n, h, nc, c)).cumsum(3)
     S = q.new_zeros(n, h, dk, dv) if initial_state is None else initial_state.float()
+    # KDA's per-channel factors are (C, C, D_k) per chunk and head: recomputed in the backward
+    # rather than kept for every chunk (that is C * D_k times the chunk's q in float32)
+    recompute = G.dim() == 5 and torch.is_grad_enabled()
     outs = []
     for i in range(nc):
-        o, S = _chunk_step(S, q[:, :, i], k[:, :, i], v[:, :, i], G[:, :, i], beta[:, :, i])
+        args = (S, q[:, :, i], k[:, :, i], v[:, :, i], G[:, :, i], beta[:, :, i])
+        if recompute:
+            o, S = torch.utils.checkpoint.checkpoint(_chunk_step, *args, use_reentrant=False)
+        else:
+            o, S = _chunk_step(*args)
         outs.append(o)
     o = torch.cat(outs, 2) if outs else v.new_zeros(n, h, 0, dv)  # (N, H, nc * C, D_v)
     return o[:, :, :t], S

@@ -6,6 +6,15 @@ from .comm import LocalComm, RingComm, RingTimeoutError
 from .delta import gated_delta_rule, kda
 from .layout import LAYOUTS, chunks, positions, shard, unshard, usp_chunks
 from .recurrent import causal_conv1d, mamba2_scan, selective_scan
+from .recurrent_heads import (
+    choose_form,
+    heads_divide,
+    heads_gated_delta_rule,
+    heads_kda,
+    heads_mamba2_scan,
+    heads_selective_scan,
+    layer_bytes,
+)
 from .ring import AutoWire, RingAttention, RingStats, auto_decisions, forget_auto, ring_attention
 from .ulysses import ulysses_attention
 from .usp import sp_groups, usp_attention
@@ -36,4 +45,11 @@ __all__ = [
     "causal_conv1d",
     "mamba2_scan",
     "selective_scan",
+    "heads_gated_delta_rule",
+    "heads_kda",
+    "heads_mamba2_scan",
+    "heads_selective_scan",
+    "heads_divide",
+    "layer_bytes",
+    "choose_form",
 ]

@@ -69,6 +69,17 @@ def forward_backward(ctx, kind, tensors, layout, seq_len, cu, opts, junk=False):
     return (full, finals) if ctx.rank == 0 else (None, finals)
 
 
+def forward_only(ctx, kind, tensors, layout, seq_len, cu, opts):
+    """Inputs that need no gradient, grad mode on (a frozen model's inference): the output in
+    global order (on rank 0) and, on every rank, whether it recorded a graph."""
+    q, k, v, g, beta, _ = tensors
+    pieces = seq_pieces(seq_len, layout, ctx.world, cu_seqlens=cu)
+    sh = _sharder(ctx, layout, seq_len, cu)
+    o = FNS[kind](*(sh(x) for x in (q, k, v, g, beta)), pieces=pieces, group=ctx.group, **opts)
+    full = unshard(o, 1, layout, ctx.group, cu_seqlens=cu)[:, :seq_len]
+    return (full if ctx.rank == 0 else None), o.requires_grad
+
+
 def bad_input(ctx, kind, shapes, seq_len, layout, kwargs):
     """Call with local tensors of ``shapes`` (the same on every rank) and ``kwargs``; return the
     error's type and message, or 'ok'. A bad call must raise on every rank before any

@@ -384,3 +384,19 @@ def test_bad_input_refused_on_every_rank(world, kind):
         _inputs(kind, 1, 12, 2, 4 if kind == "gdn" else 2, 8, 4, torch.float32, 1, True),
         dict(use_qk_l2norm=True),
     )
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("seq_len, cu", [(21, [0, 3, 21]), (3, None)])
+def test_inputs_without_grad_record_no_graph(world, kind, seq_len, cu):
+    """A frozen model's inference under grad mode: no rank records the gather (nothing to wait
+    for in a backward; 3 tokens at world 4 zigzag leave rank 3 pad rows alone); same output."""
+    hv = 4 if kind == "gdn" else 2
+    tensors = _inputs(kind, 1, seq_len, 2, hv, 8, 4, torch.float32, 11, True)
+    opts = dict(use_qk_l2norm=True, chunk_size=4)
+    res = world.check(
+        "tests.delta_cases:forward_only", 4, kind, tensors, "zigzag", seq_len, cu, opts
+    )
+    assert [r[1] for r in res] == [False] * 4
+    want, _ = recurrence64(kind, *tensors[:5], None, True, _docs(seq_len, cu))
+    assert_close(f"{kind} o without grad", res[0][0], want, torch.float32)

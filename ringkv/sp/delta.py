@@ -193,7 +193,8 @@ def _sp(prepared, dtype, chunk_size, pieces, group, timeout, return_final_state)
     zero = q.new_zeros(b, h, dk, dv + dk)  # pad pieces: never read by carry
     finals = [local[p][1][..., :dv] if p in local else zero[..., :dv] for p in mine]
     trans = [local[p][1][..., dv:] if p in local else zero[..., dv:] for p in mine]
-    incoming, doc_final = carry(finals, trans, _compose, pieces, group, timeout)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in prepared)
+    incoming, doc_final = carry(finals, trans, _compose, pieces, group, timeout, needs_grad)
     outs = []
     for p, h_in in zip(mine, incoming):
         if p.doc < 0:

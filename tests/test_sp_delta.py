@@ -282,6 +282,21 @@ def test_reference_matches_transformers(kind, t, chunk, l2):
         assert_close(f"{kind} reference {name}", got.detach(), want.detach(), torch.float32)
 
 
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_reference_strong_decay(kind):
+    """log decays down to -40 per token (exp(G) underflows within a chunk): finite, and equal to
+    the float64 recurrence, gradients finite."""
+    *xs, dout = _inputs(kind, 1, 150, 2, 2, 16, 8, torch.float32, 0, True)
+    xs[3] = xs[3] * 20
+    leaves = [x.clone().requires_grad_() for x in xs]
+    o, final = REF[kind](*leaves, use_qk_l2norm=True, chunk_size=64)
+    (o * dout).sum().backward()
+    want, want_final = recurrence64(kind, *xs, None, True, [(0, 150)])
+    assert_close(f"{kind} o", o.detach(), want, torch.float32)
+    assert_close(f"{kind} final", final.detach(), want_final[0], torch.float32)
+    assert all(torch.isfinite(x.grad).all() for x in leaves)
+
+
 def test_reference_scale_and_bf16():
     """``scale`` multiplies q after the l2norm; bf16 in, float32 inside, bf16 out."""
     *xs, _ = _inputs("gdn", 1, 19, 1, 2, 4, 3, torch.bfloat16, 3, True)

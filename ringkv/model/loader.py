@@ -11,16 +11,40 @@ fused tensor (``fused_part``), a rank's slice included: nothing is copied or con
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Dict, Optional, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # checkpoint names that are not weights
+
+
+class _NoInit(TorchFunctionMode):
+    """``torch.nn.init``'s functions return their tensor as it is (a module's
+    ``reset_parameters``): nothing else changes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_meta():
+    """Modules built inside have their parameters on the meta device, never initialised: their
+    values are never read (``materialize`` replaces every one). Initialising a meta tensor runs
+    torch's Python reference kernels, the first of which imports ``torch._dynamo``: 1.2 CPU-s
+    of the ~2.5 that building SmolLM2's engine took in a fresh process (each spawned rank,
+    server and benchmark run built it twice: ``check_checkpoint`` and the stage)."""
+    with torch.device("meta"), _NoInit():
+        yield
 
 
 def read_config(directory: str) -> dict:
@@ -187,7 +211,7 @@ def model_tensors(cfg: ModelConfig, weights) -> set:
 def check_checkpoint(cfg: ModelConfig, weights) -> None:
     """Every tensor the full model needs is in ``weights`` with the full model's shape, and
     nothing else is (so a sliced load can trust names and shapes)."""
-    with torch.device("meta"):
+    with on_meta():
         shapes = {}
         for k, v in LlamaForCausalLM(cfg).state_dict().items():
             name, _, _, stop = source_key(cfg, k)
@@ -258,7 +282,7 @@ def build(
 
 def build_from(cfg: ModelConfig, weights, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
     check_checkpoint(cfg, weights)
-    with torch.device("meta"):
+    with on_meta():
         model = LlamaForCausalLM(cfg)
     return materialize(model, weights, dtype, device)
 

@@ -25,7 +25,12 @@ def inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     ``local``: those of sliding layers (Gemma 3's ``local_rope_theta`` and its scaling)."""
     d = rotary_dim(cfg)
     theta = cfg.local_rope_theta if local and cfg.local_rope_theta is not None else cfg.rope_theta
-    freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    # a model built on the meta device computes it on the CPU (``materialize`` rebuilds the
+    # rotary anyway): meta arithmetic runs torch's Python reference kernels, whose first call
+    # imports torch._dynamo (loader.on_meta)
+    meta = torch.get_default_device().type == "meta"
+    pairs = torch.arange(0, d, 2, dtype=torch.int64, device="cpu" if meta else None)
+    freq = 1.0 / (theta ** (pairs.float() / d))
     s = cfg.local_rope_scaling if local else cfg.rope_scaling
     if s is None:
         return freq

@@ -19,7 +19,7 @@ from ..cache.kv_cache import KVCache, bytes_per_block
 from ..kernels import paged, quant
 from ..model.config import ModelConfig
 from ..model.llama import DenseContext, LlamaForCausalLM
-from ..model.loader import check_checkpoint, materialize
+from ..model.loader import check_checkpoint, materialize, on_meta
 from ..sp.collectives import all_sum
 from ..sp.comm import RingComm, RingTimeoutError
 from . import faults
@@ -145,10 +145,10 @@ class Worker:
         sizes = shape.stage_sizes(cfg)
         self.layers = stage_range(sizes, mesh.pp_rank)
         check_checkpoint(cfg, weights)
-        with torch.device("meta"):
+        with on_meta():  # the TP shards' new linears too: all replaced by materialize
             model = LlamaForCausalLM(cfg)
-        apply_pp(model, self.layers, mesh.first_stage, mesh.last_stage)
-        slices = apply_tp(model, cfg, mesh.tp_rank, mesh.tp, mesh.tp_group, timeout)
+            apply_pp(model, self.layers, mesh.first_stage, mesh.last_stage)
+            slices = apply_tp(model, cfg, mesh.tp_rank, mesh.tp, mesh.tp_group, timeout)
         self.model = materialize(model, weights, dtype, self.device, slices)
         self.kv_heads = kv_heads_per_rank(cfg, mesh.tp)
         self.kv: Optional[KVCache] = None

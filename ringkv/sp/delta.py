@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..kernels.delta_ref import chunk_delta_rule, prepare_gdn, prepare_kda
 from .collectives import rank_world
-from .pieces import Pieces, carry
+from .pieces import Pieces, carry, tie
 
 __all__ = ["gated_delta_rule", "kda"]
 
@@ -202,24 +202,8 @@ def _sp(prepared, dtype, chunk_size, pieces, group, timeout, return_final_state)
         else:
             outs.append(_corrected(local[p][0][:, :, : len(p.rows)], h_in, dv))
     out = torch.cat(outs, 2).transpose(1, 2).contiguous()  # (B, T, H, D_v)
-    out = _Tie.apply(out, *doc_final.values(), *prepared).to(dtype)
+    out = tie(out, [*doc_final.values(), *prepared]).to(dtype)  # see pieces.tie
     return (out, doc_final) if return_final_state else out
-
-
-class _Tie(torch.autograd.Function):
-    """``out`` unchanged, tied to the gathered states and the inputs (their gradient here is
-    zero). The gather's backward is a collective, so every rank's backward must reach it, also
-    on a rank whose pieces all start their documents (contiguous rank 0: its outputs read no
-    gathered state); and a rank of pad rows only still gets (zero) input gradients, not None."""
-
-    @staticmethod
-    def forward(ctx, out, *states):
-        ctx.shapes = [(s.shape, s.dtype, s.device) for s in states]
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
 
 
 def _compose(m: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -136,21 +136,27 @@ def seq_pieces(
 # the gather and the fold
 
 
-class _GatherSlots(torch.autograd.Function):
-    """``(P, *s)`` on every rank -> ``(world, P, *s)``; backward: the sum over ranks of the
-    gradient of this rank's slot (an all-reduce: gloo has no reduce-scatter)."""
+class _Arrived(torch.autograd.Function):
+    """The result of an all-gather of ``x`` ``(P, *s)`` posted earlier -> ``(world, P, *s)``;
+    backward: the sum over ranks of the gradient of this rank's slot (an all-reduce: gloo has no
+    reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x, group, timeout, what):
-        ctx.args = (group, timeout, what)
-        ctx.rank = rank_world(group)[0]
-        return start_all_gather(x, group, timeout, what).wait()
+    def forward(ctx, x, pending, group, timeout, what):
+        ctx.args, ctx.rank = (group, timeout, what), rank_world(group)[0]
+        return pending.wait()
 
     @staticmethod
     def backward(ctx, grad):
         group, timeout, what = ctx.args
         grad = all_reduce_(grad.contiguous().clone(), group, timeout, what + " (backward)")
-        return grad[ctx.rank], None, None, None
+        return grad[ctx.rank], None, None, None, None
+
+
+def arrived(x: torch.Tensor, pending, group=None, timeout=None, what="state passing"):
+    """``pending`` (``start_all_gather(x, ...)``, posted earlier so that local work overlaps it)
+    waited for: every rank's ``x`` ``(P, *s)`` as ``(world, P, *s)``, differentiable."""
+    return _Arrived.apply(x, pending, group, timeout, what)
 
 
 def gather_slots(
@@ -159,7 +165,7 @@ def gather_slots(
     """Every rank's ``x`` ``(P, *s)`` as ``(world, P, *s)``, differentiable."""
     if rank_world(group)[1] == 1:
         return x.unsqueeze(0)
-    return _GatherSlots.apply(x, group, timeout, what)
+    return arrived(x, start_all_gather(x, group, timeout, what), group, timeout, what)
 
 
 Compose = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (T, h) -> the state after T
@@ -218,6 +224,28 @@ def carry(
     incoming = [fold(pieces.before(p)) for p in mine]
     doc_final = {d: fold(ps) for d, ps in pieces.order.items()}
     return incoming, doc_final
+
+
+class _Tie(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, *deps):
+        ctx.deps = [(d.shape, d.dtype, d.device) for d in deps]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.deps))
+
+
+def tie(out: torch.Tensor, deps: List[Optional[torch.Tensor]]) -> torch.Tensor:
+    """``out`` unchanged, made to depend on ``deps`` (with a zero gradient). A gather's backward
+    is a collective, so every rank's backward must reach it: also a rank whose pieces all start
+    their documents (contiguous rank 0 reads no gathered state) or hold pad rows only (whose
+    inputs then get zero gradients rather than none, as on the other ranks)."""
+    deps = [d for d in deps if d is not None and d.requires_grad]
+    if not deps or not torch.is_grad_enabled():
+        return out
+    return _Tie.apply(out, *deps)
 
 
 def _slots(xs: List[torch.Tensor], slots: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ float32) and the output is corrected in closed form:
   (from several earlier pieces when they are short; zeros before the document's start).
 
 Gradients reach the inputs on the rank that owns them: the gathers' backward sums every rank's
-gradient. Every rank's output depends on the gathered tensor (``_Tie``), so every rank takes
+gradient. Every rank's output depends on the gathered tensor (``pieces.tie``), so every rank takes
 part in the backward's collective even where no piece of it needed another rank's state. Pad
 pieces (doc -1) output zeros and carry nothing.
 """
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.scan_ref import ACTIVATIONS, selective_scan_ref, ssd_scan_ref
-from .collectives import agree_once, all_reduce_, rank_world, start_all_gather
-from .pieces import Piece, Pieces, carry
+from .collectives import agree_once, rank_world, start_all_gather
+from .pieces import Piece, Pieces, arrived, carry, tie
 
 __all__ = ["causal_conv1d", "mamba2_scan", "selective_scan"]
 
@@ -94,45 +94,12 @@ def _agree(what: str, dims: dict, pieces: Pieces, group, timeout, device) -> Non
 # gathers whose backward sums every rank's gradient
 
 
-class _Arrived(torch.autograd.Function):
-    """The result of an all-gather posted earlier of ``x`` ``(P, *s)`` -> ``(world, P, *s)``;
-    backward: the sum over ranks of this rank's slot (an all-reduce)."""
-
-    @staticmethod
-    def forward(ctx, x, pending, group, timeout, what):
-        ctx.args, ctx.rank = (group, timeout, what), rank_world(group)[0]
-        return pending.wait()
-
-    @staticmethod
-    def backward(ctx, grad):
-        group, timeout, what = ctx.args
-        grad = all_reduce_(grad.contiguous().clone(), group, timeout, what + " (backward)")
-        return grad[ctx.rank], None, None, None, None
-
-
-class _Tie(torch.autograd.Function):
-    """``out`` unchanged (a copy), made to depend on ``deps``: their backward runs on every rank
-    (with zero gradient where nothing here used them), so the collectives in it match."""
-
-    @staticmethod
-    def forward(ctx, out, *deps):
-        ctx.deps = [(d.shape, d.dtype, d.device) for d in deps]
-        return out.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, *(torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.deps))
-
-
 def _tie(out: torch.Tensor, deps: List[torch.Tensor], world: int, mine, params) -> torch.Tensor:
     """``out`` tied to the gathered ``deps`` (world > 1) and, on a rank holding only pad rows, to
     the ``params`` (a zero gradient rather than none, as on the other ranks)."""
     deps = deps if world > 1 else []
     deps += [] if any(p.doc >= 0 for p in mine) else [t for t in params if t is not None]
-    deps = [d for d in deps if d.requires_grad]
-    if not deps or not torch.is_grad_enabled():
-        return out
-    return _Tie.apply(out, *deps)
+    return tie(out, deps)
 
 
 def _stack_slots(xs: List[torch.Tensor], slots: int) -> torch.Tensor:
@@ -213,7 +180,7 @@ def causal_conv1d(
     if world == 1:
         gathered = tails.unsqueeze(0)
     else:
-        gathered = _Arrived.apply(tails, pending, group, timeout, what + " halo")
+        gathered = arrived(tails, pending, group, timeout, what + " halo")
     outs = []
     for p, xp, inner in zip(mine, local, interior):
         if p.doc < 0:

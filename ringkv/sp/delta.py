@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..kernels.delta_ref import chunk_delta_rule, prepare_gdn, prepare_kda
 from .collectives import rank_world
-from .pieces import Pieces, carry, tie
+from .pieces import Pieces, carry, check_pieces, tie
 
 __all__ = ["gated_delta_rule", "kda"]
 
@@ -119,24 +119,9 @@ def _check(q, k, v, g, beta, chunk_size, pieces, group, per_channel: bool) -> No
 
 
 def _check_pieces(name: str, t: int, chunk_size, pieces, group) -> None:
-    if not isinstance(pieces, Pieces):
-        raise TypeError(
-            f"{name}: pieces must be a ringkv.sp.pieces.Pieces (seq_pieces), "
-            f"got {type(pieces).__name__}"
-        )
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{name}: chunk_size must be a positive int, got {chunk_size!r}")
-    rank, world = rank_world(group)
-    if pieces.world != world:
-        raise ValueError(
-            f"{name}: pieces were built for {pieces.world} ranks, the group has {world}"
-        )
-    rows = sum(len(p.rows) for p in pieces.mine(rank))
-    if rows != t:
-        raise ValueError(
-            f"{name}: rank {rank} holds {rows} rows by its pieces (pad rows included), "
-            f"got T_local={t}"
-        )
+    check_pieces(pieces, group, t, name)
 
 
 # ---------------------------------------------------------------------------------------------

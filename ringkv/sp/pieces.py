@@ -91,6 +91,28 @@ def check_recurrent_layout(layout: str) -> None:
         )
 
 
+def check_pieces(pieces, group, n_rows: int, what: str) -> Tuple[int, int]:
+    """``(rank, world)`` after checking that ``pieces`` describe this group and a local sequence
+    of ``n_rows`` rows (a local check: the same verdict on every rank for the same call)."""
+    if not isinstance(pieces, Pieces):
+        raise TypeError(
+            f"{what}: pieces must be a ringkv.sp.pieces.Pieces (seq_pieces), got "
+            f"{type(pieces).__name__}"
+        )
+    rank, world = rank_world(group)
+    if pieces.world != world:
+        raise ValueError(
+            f"{what}: pieces were built for {pieces.world} ranks, the group has {world}"
+        )
+    rows = sum(len(p.rows) for p in pieces.mine(rank))
+    if n_rows != rows:
+        raise ValueError(
+            f"{what}: the local sequence has T_local={n_rows} rows, pieces give rank {rank} "
+            f"{rows} (pad rows included)"
+        )
+    return rank, world
+
+
 @functools.lru_cache(maxsize=256)
 def _pieces(seq_len: int, layout: str, world: int, cu: Optional[Tuple[int, ...]]) -> Pieces:
     by_rank = []

@@ -34,34 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.scan_ref import ACTIVATIONS, selective_scan_ref, ssd_scan_ref
-from .collectives import agree_once, rank_world, start_all_gather
-from .pieces import Piece, Pieces, arrived, carry, tie
+from .collectives import agree_once, start_all_gather
+from .pieces import Piece, Pieces, arrived, carry, check_pieces, tie
 
 __all__ = ["causal_conv1d", "mamba2_scan", "selective_scan"]
 
 
 # ---------------------------------------------------------------------------------------------
 # checks (local, before any collective: the same verdict on every rank for the same call)
-
-
-def _check_pieces(pieces, group, n_rows: int, what: str) -> Tuple[int, int]:
-    if not isinstance(pieces, Pieces):
-        raise TypeError(
-            f"{what}: pieces must be a ringkv.sp.pieces.Pieces (seq_pieces), got "
-            f"{type(pieces).__name__}"
-        )
-    rank, world = rank_world(group)
-    if pieces.world != world:
-        raise ValueError(
-            f"{what}: pieces were built for {pieces.world} ranks, the group has {world}"
-        )
-    rows = sum(len(p.rows) for p in pieces.mine(rank))
-    if n_rows != rows:
-        raise ValueError(
-            f"{what}: the local sequence has {n_rows} rows, pieces give rank {rank} "
-            f"{rows} (pad rows included)"
-        )
-    return rank, world
 
 
 def _check_shape(what: str, name: str, t: Optional[torch.Tensor], shape: Sequence) -> None:
@@ -166,7 +146,7 @@ def causal_conv1d(
         raise ValueError(
             f"{what}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}"
         )
-    rank, world = _check_pieces(pieces, group, x.shape[-1], what)
+    rank, world = check_pieces(pieces, group, x.shape[-1], what)
     k = weight.shape[-1]
     dims = dict(batch=b, channels=c, kernel=k, float64=x.dtype == torch.float64)
     _agree(what, dims, pieces, group, timeout, x.device)
@@ -237,7 +217,7 @@ def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group, timeout):
         raise ValueError(f"{what}: {h} heads do not split into {B.shape[2]} groups of B and C")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{what}: chunk_size must be a positive int, got {chunk_size!r}")
-    rank_world_ = _check_pieces(pieces, group, t, what)
+    rank_world_ = check_pieces(pieces, group, t, what)
     dims = dict(batch=b, heads=h, head_dim=p, state=B.shape[3])
     _agree(what, dims, pieces, group, timeout, x.device)
     return rank_world_
@@ -336,7 +316,7 @@ def _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group, timeout):
     _check_shape(what, "D", D, (d,))
     _check_shape(what, "z", z, (b, d, t))
     _check_shape(what, "delta_bias", delta_bias, (d,))
-    rank_world_ = _check_pieces(pieces, group, t, what)
+    rank_world_ = check_pieces(pieces, group, t, what)
     dims = dict(batch=b, channels=d, state=A.shape[1])
     _agree(what, dims, pieces, group, timeout, x.device)
     return rank_world_

@@ -40,6 +40,18 @@ STATE_ATTR = "_ringkv_state"
 KW = "_ringkv"  # the keyword argument the mixers' pre-hooks add (the wrappers take it out)
 
 CONV, MAMBA2, MAMBA, GDN, KDA = "conv", "mamba2", "mamba", "gated delta rule", "kda"
+FAMILIES = (  # the hybrid families of MIXERS, as users name them
+    "Qwen3-Next",
+    "Qwen3.5",
+    "Falcon-H1",
+    "Bamba",
+    "Nemotron-H",
+    "Granite 4 hybrid",
+    "LFM2",
+    "Jamba",
+    "Zamba2",
+    "Kimi Linear",
+)
 # the mixers ringkv splits: class name -> layer kind (each is checked to come from transformers)
 MIXERS = {
     "Qwen3NextGatedDeltaNet": GDN,
@@ -111,25 +123,9 @@ def classify(model) -> List[Tuple[torch.nn.Module, str]]:
             raise TypeError(
                 f"ringkv.patch_model cannot split {type(model).__name__}: its layer {cls} "
                 f"({name or 'the model'}) is {what} that ringkv does not know how to split "
-                f"across ranks. Hybrid models ringkv splits: "
-                f"{', '.join(sorted(set(_families())))}"
+                f"across ranks. Hybrid models ringkv splits: {', '.join(FAMILIES)}"
             )
     return mixers
-
-
-def _families() -> List[str]:
-    return [
-        "Qwen3-Next",
-        "Qwen3.5",
-        "Falcon-H1",
-        "Bamba",
-        "Nemotron-H",
-        "Granite 4 hybrid",
-        "LFM2",
-        "Jamba",
-        "Zamba2",
-        "Kimi Linear",
-    ]
 
 
 def _is_attention(m: torch.nn.Module) -> bool:

@@ -125,3 +125,38 @@ def bad_heads(ctx, kind, hv):
     except ValueError as e:
         return str(e)
     return None
+
+
+def sent_bytes(ctx, case, t):
+    """Bytes this rank sends in one forward (no_grad) of each form, counted at
+    ``torch.distributed``'s all-to-all and all-gather (after a first call, whose shape agreement
+    is remembered): ``{"state": ..., "heads": ...}``."""
+    import torch.distributed as dist
+
+    pieces = seq_pieces(case["seq"], case["layout"], ctx.world, cu_seqlens=case["cu"])
+    index = local_index(pieces, ctx.rank, case["cu"])
+    kind = case["kind"]
+    loc = {k: None if t[k] is None else take(t[k], d, index, 0) for k, d in SEQ[kind].items()}
+    kw = dict(pieces=pieces, group=ctx.group, timeout=TIMEOUT)
+    count, a2a, gather = [0], dist.all_to_all_single, dist.all_gather
+
+    def counted_a2a(out, x, *a, **k):
+        count[0] += x.numel() * x.element_size() * (ctx.world - 1) // ctx.world
+        return a2a(out, x, *a, **k)
+
+    def counted_gather(outs, x, *a, **k):
+        count[0] += x.numel() * x.element_size() * (ctx.world - 1)
+        return gather(outs, x, *a, **k)
+
+    res = {}
+    for form in ("state", "heads"):
+        with torch.no_grad():
+            call(FNS[(form, kind)], kind, loc, t["params"], case["opts"], **kw)
+            count[0] = 0
+            dist.all_to_all_single, dist.all_gather = counted_a2a, counted_gather
+            try:
+                call(FNS[(form, kind)], kind, loc, t["params"], case["opts"], **kw)
+            finally:
+                dist.all_to_all_single, dist.all_gather = a2a, gather
+        res[form] = count[0]
+    return res

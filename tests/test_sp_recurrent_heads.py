@@ -374,12 +374,60 @@ def test_layer_bytes():
     assert m["heads"] == 1024 * ((128 * 65 + 2 * 8 * 128) * 2 + 128 * 64 * 4) * 3 // 4
 
 
+BYTES = [
+    _fixed("gdn", 2, "zigzag", None, torch.float32, dict(hk=2, dk=8, dv=4),
+           dict(use_qk_l2norm=True, chunk_size=4, scale=None), seq=24),
+    _fixed("gdn", 4, "zigzag", (0, 9, 21), torch.bfloat16, dict(hk=2, dk=8, dv=4),
+           dict(use_qk_l2norm=True, chunk_size=4, scale=None)),  # q/k repeated, float32
+    _fixed("kda", 3, "contiguous", None, torch.float32, dict(hk=3, dk=4, dv=3),
+           dict(use_qk_l2norm=False, chunk_size=8, scale=None), heads=3),
+    _fixed("mamba2", 2, "zigzag", None, torch.bfloat16, dict(groups=1, p=3, nstate=4),
+           dict(chunk_size=3, dt_softplus=True, dt_limit=(0.0, float("inf")))),  # B/C whole
+    _fixed("mamba2", 2, "zigzag", (0, 3, 15), torch.float32, dict(groups=2, p=3, nstate=4),
+           dict(chunk_size=3, dt_softplus=True, dt_limit=(0.0, float("inf")))),  # B/C split
+    _fixed("selective", 4, "zigzag", None, torch.float32, dict(z=True, nstate=4),
+           dict(softplus=True), seq=17),
+]  # fmt: skip
+
+
+def _dims(case):
+    c = case
+    if c["kind"] == "gdn":
+        return dict(k_heads=c["hk"], v_heads=c["heads"], d_k=c["dk"], d_v=c["dv"])
+    if c["kind"] == "kda":
+        return dict(heads=c["heads"], d_k=c["dk"], d_v=c["dv"])
+    if c["kind"] == "mamba2":
+        return dict(heads=c["heads"], head_dim=c["p"], state=c["nstate"], groups=c["groups"])
+    return dict(channels=case["heads"], state=case["nstate"], z=case["z"])
+
+
+@pytest.mark.parametrize("case", BYTES, ids=lambda c: f"{c['kind']}-{c['n']}-{c['dtype']}")
+def test_layer_bytes_are_what_is_sent(world, case):
+    """``layer_bytes`` against the bytes each rank hands to torch.distributed in a forward."""
+    dims = dict(_dims(case), batch=case["b"], itemsize=case["dtype"].itemsize)
+    pieces = seq_pieces(case["seq"], case["layout"], case["n"], cu_seqlens=case["cu"])
+    want = layer_bytes(case["kind"], dims, pieces, case["n"])
+    got = world.check("tests.recurrent_heads_cases:sent_bytes", case["n"], case, tensors(case))
+    assert all(g == want for g in got), (want, got)
+    assert want["state"] > 0 and want["heads"] > 0
+
+
 def test_choose_form():
     pieces = seq_pieces(4096, "zigzag", 2)
     assert choose_form("gdn", GDN, seq_pieces(4096, "zigzag", 1), 1) == "state"
     odd = dict(GDN, v_heads=6, k_heads=3)
     assert choose_form("gdn", odd, seq_pieces(4096, "zigzag", 4), 4) == "state"
     assert not heads_divide("gdn", dict(GDN, v_heads=6), 4) and heads_divide("gdn", GDN, 4)
-    assert choose_form("gdn", GDN, pieces, 2) in ("state", "heads")
+    # the benchmark's layers (docs/performance.md): GDN runs by heads, Mamba2 by state passing
+    bench_gdn = dict(k_heads=4, v_heads=8, d_k=128, d_v=128, itemsize=4)
+    bench_m2 = dict(heads=8, head_dim=64, state=128, groups=1, itemsize=4)
+    for s in (4096, 16384, 65536):  # both forms' costs grow as S/N: the choice keeps
+        p = seq_pieces(s, "zigzag", 2)
+        assert choose_form("gdn", bench_gdn, p, 2) == "heads"
+        assert choose_form("mamba2", bench_m2, p, 2) == "state"
+    assert choose_form("gdn", GDN, pieces, 2) == "heads"
+    # a slow link (or fast compute) turns GDN to state passing, a fast link Mamba2 to heads
+    assert choose_form("gdn", GDN, pieces, 2, link_bytes_per_s=1e7) == "state"
+    assert choose_form("mamba2", bench_m2, pieces, 2, link_bytes_per_s=1e11) == "heads"
     with pytest.raises(ValueError, match="kind"):
         choose_form("conv", GDN, pieces, 2)

@@ -496,15 +496,18 @@ def layer_bytes(kind: str, dims: dict, pieces: Pieces, world: int) -> Dict[str, 
     return dict(state=int(state), heads=int(heads))
 
 
-# measured on the benchmark's machine (see choose_form); override with the target's rates
-LINK_BYTES_PER_S = 1.0e9
-FLOPS_PER_S = 2.0e10
+# Rates measured on the benchmark's machine (benchmarks/recurrent_forms.py, docs/performance.md
+# "Hybrid models: the recurrent layers' two forms"): override with the target's.
+LINK_BYTES_PER_S = 5.0e8  # gloo all-to-all over loopback, 2 ranks: 0.2-1.1 GB/s, median ~0.5
+FLOPS_PER_S = 1.7e10  # the GDN torch reference, 1 thread: ~5.2 GFLOP in 0.30 s at S=4096
+HEADS_MARGIN = 1.5  # the heads form's unmodelled costs: row reorders, one call per document
 
 
 def _state_extra_flops(kind: str, dims: dict, chunk: int = 64) -> float:
-    """Per local token: the work state passing does that the heads form does not (the local
-    pass on ``D_k`` more value columns and the correction ``a_t h``; the scans: the
-    correction ``C_t h`` only)."""
+    """Per local token: the work state passing does that the heads form does not. GDN/KDA,
+    per head: the local pass carries ``D_k`` more value columns (the products with the state
+    and the triangular solve: ``6 D_k^2 + 4 C D_k``) and the correction ``a_t h``
+    (``2 D_k D_v``); the scans only their correction ``C_t h``."""
     if kind in ("gdn", "kda"):
         h, dk, dv = _dim(dims, "v_heads", "heads"), _dim(dims, "d_k"), _dim(dims, "d_v")
         return h * (6.0 * dk * dk + 2.0 * dk * dv + 4.0 * chunk * dk)
@@ -521,12 +524,33 @@ def choose_form(
     *,
     link_bytes_per_s: float = LINK_BYTES_PER_S,
     flops_per_s: float = FLOPS_PER_S,
+    margin: float = HEADS_MARGIN,
 ) -> str:
-    """``"state"`` or ``"heads"``: the form ``method="auto"`` runs ``kind`` in (``dims`` as in
-    ``layer_bytes``). ``"state"`` when the heads do not divide or on one rank; else the form
-    whose extra time is smaller: heads: ``layer_bytes(...)["heads"] / link``; state passing:
-    its extra local work (``_state_extra_flops`` per local token) ``/ flops`` plus its gather
-    ``layer_bytes(...)["state"] / link``."""
+    """``"state"`` or ``"heads"``: the form ``method="auto"`` runs layer ``kind`` in (``dims``
+    as in ``layer_bytes``), the same on every rank (shapes only, no communication).
+
+    ``"state"`` on one rank or when the heads do not divide the group. Otherwise each form's
+    time beyond the local work both do (the references on ``S/N`` tokens' worth of heads):
+
+    - heads: its all-to-alls, ``layer_bytes(...)["heads"] / link``, times ``margin``;
+    - state passing: its extra local work, ``T_local * _state_extra_flops / flops``, plus its
+      gather, ``layer_bytes(...)["state"] / link``.
+
+    Both grow as ``S/N`` (the state's gather is constant), so the choice is about the ratio of
+    the machine's compute to its link, not about ``S``; the backward doubles both sides.
+
+    The data (benchmarks/recurrent_forms.py, 2 ranks x 1 thread, gloo, 2-core AMD EPYC VM
+    shared with other jobs, load 3-14; float32, zigzag, S = 4K, 8K, 16K), heads/state time:
+
+    - GDN (d_k = d_v = 128, 8 v heads): forward 0.62-0.75; forward+backward 0.57-0.71 with the
+      references' chunk loops unbound (linear backward). As the references stand
+      (``chunk_delta_rule`` indexes ``q[:, :, i]`` per chunk: each index's backward writes a
+      full-size gradient, quadratic in the chunks of one call) 0.74 at 4K and 1.31-1.33 at
+      8K-16K: the heads form runs the whole sequence in one call. The rule picks "heads".
+    - Mamba2 (head_dim 64, state 128, 8 heads, 1 group): forward 0.99-1.15, forward+backward
+      0.93-1.29 (0.80-1.37 unbound): no form wins; state passing sends 0.5 MiB whatever
+      ``S`` and its extra work is a rank-1 correction. The rule picks "state" (``margin``
+      tips it)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if int(world) == 1 or not heads_divide(kind, dims, world):
@@ -535,4 +559,4 @@ def choose_form(
     tokens = sum(len(p.rows) for p in pieces.by_rank[0]) * int(dims.get("batch", 1))
     t_state = tokens * _state_extra_flops(kind, dims) / flops_per_s
     t_state += b["state"] / link_bytes_per_s
-    return "heads" if b["heads"] / link_bytes_per_s < t_state else "state"
+    return "heads" if margin * b["heads"] / link_bytes_per_s < t_state else "state"

@@ -325,8 +325,11 @@ def _ssd_refs(case, t):
     params = {k: t[k] for k in ("A", "D", "dt_bias")}
 
     def rec(doc, p):
-        dt = doc["dt"] + (0 if p["dt_bias"] is None else p["dt_bias"])
-        dt = (F.softplus(dt) if case["softplus"] else dt).clamp(*case["limit"])
+        # dt processed in the input dtype, as transformers does (dt + dt_bias.to(dt.dtype)): in
+        # bf16 a value rounded across the clamp's limit would otherwise flip its gradient
+        dt, bias = doc["dt"].to(case["dtype"]), p["dt_bias"]
+        dt = dt + (0 if bias is None else bias.to(dt.dtype))
+        dt = (F.softplus(dt) if case["softplus"] else dt).clamp(*case["limit"]).double()
         return ssd_recurrence(doc["x"], dt, p["A"], doc["B"], doc["C"], p["D"])
 
     def hf(doc, p):
@@ -413,6 +416,27 @@ def _ssd_refs(case, t):
         limit=(0.05, 1.5),
     )
 )
+@example(
+    case=dict(
+        n=1,
+        layout="contiguous",
+        cu=None,
+        seq=11,
+        b=1,
+        dtype=torch.bfloat16,
+        state=False,
+        seed=830,
+        h=2,
+        groups=1,
+        p=1,
+        nstate=4,
+        chunk=1,
+        D=True,
+        dt_bias=True,
+        softplus=False,
+        limit=(0.05, 1.5),
+    )
+)  # bf16 dt + dt_bias rounded across the clamp's limit (the oracle once added them in float64)
 @given(case=ssd_case())
 def test_mamba2_scan(world, case):
     t = _ssd_tensors(case)

@@ -271,15 +271,6 @@ def _sp(state, step) -> dict:
     return dict(pieces=step.pieces, group=state.group, timeout=state.timeout)
 
 
-def _joined(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-    """``out`` made to depend (with a zero gradient) on every input that needs a gradient: a rank
-    that holds only pad rows gets outputs the SP forms compute from nothing, and its backward must
-    still reach the layers before (a convolution's halo exchange waits in its backward for every
-    rank of the group)."""
-    ties = [t.reshape(-1)[:0].sum() for t in inputs if t is not None and t.requires_grad]
-    return out if not ties else out + sum(ties).to(out.dtype)
-
-
 def by_row(finals: dict, step) -> torch.Tensor:
     """The cache's state of each batch row ``(B, ...)`` from the SP function's ``{doc: (b, ...)}``:
     document 0 of an unpadded batch (``b = B``), or one document per row of a left-padded one."""
@@ -306,7 +297,7 @@ def _conv(state, step, conv1d, hidden_states, cache, layer_idx, activation=None,
         out, tails = out
         tail = by_row(tails, step).to(x.dtype)  # (B, C, K)
         cache.update_conv_state(tail, layer_idx, state_idx=state_idx, conv_kernel_size=k)
-    return _joined(out.to(x.dtype), x)
+    return out.to(x.dtype)
 
 
 def _mamba2(state, step, module, hidden_states, B, C, dt, cache, **kw):
@@ -334,7 +325,7 @@ def _mamba2(state, step, module, hidden_states, B, C, dt, cache, **kw):
     if cache is not None:
         y, finals = y
         cache.update_recurrent_state(by_row(finals, step), module.layer_idx)
-    return _joined(y.reshape(b, t, module.intermediate_size), hidden_states, B, C, dt)
+    return y.reshape(b, t, module.intermediate_size)
 
 
 def _mamba(state, step, module, hidden_states, time_step, B, C, gate, cache, **kw):
@@ -360,7 +351,7 @@ def _mamba(state, step, module, hidden_states, time_step, B, C, gate, cache, **k
     if cache is not None:
         y, finals = y
         cache.update_recurrent_state(by_row(finals, step).to(hidden_states.dtype), module.layer_idx)
-    return _joined(y, hidden_states, time_step, B, C, gate)
+    return y
 
 
 def _delta(fn_name: str):
@@ -398,7 +389,6 @@ def _delta(fn_name: str):
         )
         if output_final_state:
             o, finals = o
-        o = _joined(o, query, key, value, g, beta)
         return o, by_row(finals, step).float() if output_final_state else None
 
     return run

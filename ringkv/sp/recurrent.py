@@ -76,7 +76,9 @@ def _agree(what: str, dims: dict, pieces: Pieces, group, timeout, device) -> Non
 
 def _tie(out: torch.Tensor, deps: List[torch.Tensor], world: int, mine, params) -> torch.Tensor:
     """``out`` tied to the gathered ``deps`` (world > 1) and, on a rank holding only pad rows, to
-    the ``params`` (a zero gradient rather than none, as on the other ranks)."""
+    the ``params``: the layer's inputs and parameters (a zero gradient rather than none, as on
+    the other ranks; and that rank's backward reaches the layers before, e.g. the convolution
+    whose halo all-gather waits in its backward for every rank)."""
     deps = deps if world > 1 else []
     deps += [] if any(p.doc >= 0 for p in mine) else [t for t in params if t is not None]
     return tie(out, deps)
@@ -172,7 +174,7 @@ def causal_conv1d(
     out = torch.cat(outs, -1)  # (B, C, T_local)
     if activation is not None:
         out = ACTIVATIONS[activation](out)
-    out = _tie(out.to(x.dtype), [gathered], world, mine, [weight, bias])
+    out = _tie(out.to(x.dtype), [gathered], world, mine, [x, weight, bias])
     if not return_tail:
         return out
     tails_out = {d: _before(gathered, pieces, ps, k).to(x.dtype) for d, ps in pieces.order.items()}
@@ -293,7 +295,7 @@ def mamba2_scan(
             for p, y in zip(mine, ys)
         ]
     y = torch.cat(ys, 1)  # (B, T_local, H, P)
-    y = _tie(y, list(doc_final.values()), world, mine, [A, D, dt_bias])
+    y = _tie(y, list(doc_final.values()), world, mine, [x, dt, A, B, C, D, dt_bias])
     return (y, doc_final) if return_final_state else y
 
 
@@ -373,5 +375,7 @@ def selective_scan(
     mine = pieces.mine(rank)
     ys = [y if p.doc < 0 else _skip_gate(y, x, D, z, p.rows) for p, y in zip(mine, ys)]
     y = torch.cat(ys, -1)  # (B, D, T_local)
-    y = _tie(y.to(out_dtype), list(doc_final.values()), world, mine, [A, D, delta_bias])
+    y = _tie(
+        y.to(out_dtype), list(doc_final.values()), world, mine, [x, dt, A, B, C, D, z, delta_bias]
+    )
     return (y, doc_final) if return_final_state else y

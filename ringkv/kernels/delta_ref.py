@@ -139,8 +139,10 @@ def chunk_delta_rule(
     # rather than kept for every chunk (that is C * D_k times the chunk's q in float32)
     recompute = G.dim() == 5 and torch.is_grad_enabled()
     outs = []
-    for i in range(nc):
-        args = (S, q[:, :, i], k[:, :, i], v[:, :, i], G[:, :, i], beta[:, :, i])
+    # one unbind per tensor (its backward is one stack), not an index per chunk (each index's
+    # backward writes a full-size gradient: quadratic in the chunks)
+    for qc, kc, vc, Gc, bc in zip(*(x.unbind(2) for x in (q, k, v, G, beta))):
+        args = (S, qc, kc, vc, Gc, bc)
         if recompute:
             o, S = torch.utils.checkpoint.checkpoint(_chunk_step, *args, use_reentrant=False)
         else:

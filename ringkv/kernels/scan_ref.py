@@ -86,9 +86,9 @@ def _carry_chunks(states, decays, initial):
     against S) -> the state entering each chunk ``(B, nc, *S)`` and the final state."""
     h = torch.zeros_like(states[:, 0]) if initial is None else initial.to(states.dtype)
     entering = []
-    for c in range(states.shape[1]):
+    for state, decay in zip(states.unbind(1), decays.unbind(1)):  # (one backward each)
         entering.append(h)
-        h = decays[:, c] * h + states[:, c]
+        h = decay * h + state
     return torch.stack(entering, 1), h
 
 
@@ -166,9 +166,11 @@ def selective_scan_ref(
     b, d, t = dt.shape
     h = dt.new_zeros(b, d, A.shape[1]) if initial_state is None else initial_state.to(dt.dtype)
     ys = []
-    for lo in range(0, t, chunk_size):
-        c = slice(lo, lo + chunk_size)
-        xc, bc = (None if v is None else v[..., c] for v in (x, B))
-        y, h = _maybe_checkpoint(_selective_chunk, dt[..., c], xc, bc, C[..., c], A, h)
+    # each tensor split once (one backward for all its chunks), not sliced per chunk (each
+    # slice's backward allocates a full-size zero gradient: quadratic in the chunks)
+    n = -(-t // chunk_size)
+    xs, bs = ([None] * n if v is None else v.split(chunk_size, -1) for v in (x, B))
+    for dtc, xc, bc, cc in zip(dt.split(chunk_size, -1), xs, bs, C.split(chunk_size, -1)):
+        y, h = _maybe_checkpoint(_selective_chunk, dtc, xc, bc, cc, A, h)
         ys.append(y)
     return torch.cat(ys, -1), h

@@ -167,12 +167,16 @@ def test_shard_inputs(world, family, sp, layout):
         ("qwen3_5", 2, {"tile_mlp": 5}),
         ("kimi_linear", 2, {"method": "ulysses"}),
         ("bamba", 2, {"method": "ulysses"}),
+        ("jamba", 2, {"method": "ulysses", "checkpointing": True}),
+        ("qwen3_next", 2, {"method": "auto"}),
+        ("bamba", 3, {"method": "auto"}),
     ],
 )
 def test_checkpointing_tile_mlp_and_ulysses(world, family, sp, opts):
     """Gradient checkpointing (the recurrent layers replayed in backward with the step's pieces),
-    ``tile_mlp`` (the MoE families' MLPs are not tiled), and the Ulysses attention beside the
-    recurrent layers' state passing."""
+    ``tile_mlp`` (the MoE families' MLPs are not tiled), the Ulysses attention beside the
+    recurrent layers' head-parallel form (``method="ulysses"``) and ``method="auto"`` (the ring
+    beside the form ``choose_form`` picks; ``test_recurrent_form_follows_the_method``)."""
     ids = _ids(2, 15, 11)
     want = _reference(family, 0, ids)
     res = world.check("tests.hybrid_cases:train_step", sp, family, 0, ids, "zigzag", opts)
@@ -425,3 +429,30 @@ def test_sp_trainer_step_matches_one_unpatched_process(world, tmp_path):
         assert got["loss"] == pytest.approx(ref.training_loss, rel=1e-5)
         for name, p in model.named_parameters():
             torch.testing.assert_close(got["weights"][name], p.detach(), atol=2e-5, rtol=1e-4)
+
+
+def test_recurrent_form_follows_the_method():
+    """``hf.recurrent.form``: ring -> state passing; ulysses -> head-parallel where the heads
+    divide the group (else state passing); auto -> ``choose_form``'s pick (tested with the
+    forms in test_sp_recurrent_heads); one rank -> state passing."""
+    from types import SimpleNamespace
+
+    from ringkv.hf.recurrent import form
+    from ringkv.sp.pieces import seq_pieces
+    from ringkv.sp.recurrent_heads import choose_form
+
+    gdn = dict(k_heads=2, v_heads=4, heads=4, d_k=128, d_v=128)
+    mamba2 = dict(heads=4, head_dim=64, state=128, groups=1)
+
+    def run(method, world, kind, dims):
+        state = SimpleNamespace(method=method, world=world)
+        return form(state, kind, dims, seq_pieces(4096, "zigzag", world))
+
+    assert run("ring", 2, "gdn", gdn) == "state"
+    assert run("ulysses", 2, "gdn", gdn) == "heads"
+    assert run("ulysses", 3, "gdn", gdn) == "state"  # 4 heads over 3 ranks
+    assert run("ulysses", 2, "mamba2", mamba2) == "heads"
+    assert run("auto", 1, "gdn", gdn) == "state"
+    for kind, dims in (("gdn", gdn), ("mamba2", mamba2)):
+        want = choose_form(kind, dims, seq_pieces(4096, "zigzag", 2), 2)
+        assert run("auto", 2, kind, dims) == want

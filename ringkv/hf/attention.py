@@ -222,12 +222,12 @@ def _decode(state, step: Step, q, k, v, kw: dict) -> torch.Tensor:
 
 
 def _prefill(state, step: Step, q, k, v, kw: dict) -> torch.Tensor:
-    """This rank's shard of the sequence, in ``state.method`` (the pre-hook already checked that
+    """This rank's shard of the sequence, in ``state.attention`` (the pre-hook already checked that
     every rank makes the same call)."""
     kw.update(causal=True, layout=state.layout, check=False)
-    if state.method == "ulysses":
+    if state.attention == "ulysses":
         return ulysses_attention(q, k, v, group=state.group, **kw)
-    if state.method == "usp":
+    if state.attention == "usp":
         ulysses_group, ring_group = state.groups
         return usp_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, **kw)
     # packed documents (step.cu): the varlen ring, each document split by the layout on its own

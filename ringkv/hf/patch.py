@@ -174,8 +174,12 @@ def patch_model(
     group size. ``layout`` is how the
     sequence is split (``"zigzag"`` balances causal work; ``"contiguous"``, ``"striped"``).
     ``method``: ``"ring"`` (``ring_attention``), ``"ulysses"`` (``ulysses_attention``: the
-    attention heads must split over the group) or ``"usp"`` (``usp_attention`` on
-    ``sp_groups(ulysses=U, ring=N/U)`` of the default world: pass ``ulysses=U``). Layers with
+    attention heads must split over the group), ``"usp"`` (``usp_attention`` on
+    ``sp_groups(ulysses=U, ring=N/U)`` of the default world: pass ``ulysses=U``) or ``"auto"``
+    (the ring for attention; each recurrent layer of a hybrid model in the form
+    ``sp.recurrent_heads.choose_form`` picks for its shapes). A hybrid model's recurrent layers
+    pass their state along the sequence with ``"ring"``, run head-parallel (all-to-all) with
+    ``"ulysses"`` where their heads divide the group. Layers with
     a sliding window (Mistral, Qwen2) attend within it, at any length.
     ``inputs`` is ``"full"`` (every rank passes the whole sequence) or ``"shard"`` (every rank
     passes its own shard); see the module docstring. ``timeout`` (seconds) bounds every wait
@@ -381,7 +385,7 @@ def method_groups(config, method: str, ulysses: Optional[int], group, world: int
     split (before any collective; building the USP groups is the first one)."""
     if method != "usp" and ulysses is not None:
         raise ValueError(f"ulysses={ulysses} is for method='usp' (method={method!r})")
-    if method == "ring":  # the heads never split
+    if method in ("ring", "auto"):  # the attention heads never split
         return 1, ()
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -370,7 +370,7 @@ def _plan_prefill(state, model, call: Call, kw: dict) -> Plan:
         cache = None
     if pk is None:
         return _plan_rows(state, model, call, kw, cache)
-    if state.method != "ring":
+    if state.attention != "ring":
         raise ValueError(
             f"ringkv: packed documents need method='ring' (the varlen ring attention); "
             f"method={state.method!r} cannot keep documents apart. Patch with method='ring'"
@@ -496,7 +496,7 @@ def _check_left_padded_prefill(state, call: Call, m: torch.Tensor) -> None:
             "ringkv: labels with a left-padded batch and a KV cache are not supported; pass "
             "use_cache=False (training and scoring)"
         )
-    if state.method != "ring":
+    if state.attention != "ring":
         raise ValueError(
             "ringkv: a left-padded batch with a KV cache (batched generate) needs method='ring' "
             f"(the varlen ring keeps the rows apart); method={state.method!r}. Patch with "

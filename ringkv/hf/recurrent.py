@@ -300,15 +300,37 @@ def _conv(state, step, conv1d, hidden_states, cache, layer_idx, activation=None,
     return out.to(x.dtype)
 
 
+def form(state, kind: str, dims: dict, pieces) -> str:
+    """The form a recurrent layer runs in: ``"state"`` (state passing along the sequence) or
+    ``"heads"`` (head-parallel, all-to-all). ``method="ring"``: state; ``"ulysses"``: heads where
+    the layer's heads divide the group, else state; ``"auto"``:
+    ``sp.recurrent_heads.choose_form`` (shapes only: the same on every rank)."""
+    from ..sp.recurrent_heads import choose_form, heads_divide
+
+    if state.world == 1 or state.method == "ring":
+        return "state"
+    if state.method == "ulysses":
+        return "heads" if heads_divide(kind, dims, state.world) else "state"
+    return choose_form(kind, dims, pieces, state.world)
+
+
+def _pick(state, step, kind: str, dims: dict, by_state, by_heads):
+    return by_heads if form(state, kind, dims, step.pieces) == "heads" else by_state
+
+
 def _mamba2(state, step, module, hidden_states, B, C, dt, cache, **kw):
     """``mamba2_scan_forward``: ``hidden_states`` ``(b, T, H*P)``, ``B``/``C`` ``(b, T, G*N)``,
     ``dt`` ``(b, T, H)`` -> ``(b, T, H*P)`` (with the ``D`` skip); with a cache, each row's final
     state ``(B, H, P, N)``."""
     from ..sp.recurrent import mamba2_scan
+    from ..sp.recurrent_heads import heads_mamba2_scan
 
     b, t, _ = hidden_states.shape
     g, n = module.n_groups, module.ssm_state_size
-    y = mamba2_scan(
+    dims = dict(heads=module.num_heads, head_dim=module.head_dim, state=n, groups=g, batch=b)
+    dims.update(itemsize=hidden_states.element_size())
+    scan = _pick(state, step, "mamba2", dims, mamba2_scan, heads_mamba2_scan)
+    y = scan(
         hidden_states.view(b, t, module.num_heads, module.head_dim),
         dt,
         -torch.exp(module.A_log.float()),
@@ -333,9 +355,14 @@ def _mamba(state, step, module, hidden_states, time_step, B, C, gate, cache, **k
     ``B``/``C`` ``(b, T, N)`` -> ``(b, I, T)`` (gated, with the ``D`` skip); with a cache, each
     row's final state ``(B, I, N)``."""
     from ..sp.recurrent import selective_scan
+    from ..sp.recurrent_heads import heads_selective_scan
 
     bias = module.dt_proj.bias
-    y = selective_scan(
+    b, channels, _ = hidden_states.shape
+    dims = dict(channels=channels, state=B.shape[-1], z=gate is not None, batch=b)
+    dims.update(itemsize=hidden_states.element_size())
+    scan = _pick(state, step, "selective", dims, selective_scan, heads_selective_scan)
+    y = scan(
         hidden_states,
         time_step,
         -torch.exp(module.A_log.float()),
@@ -372,11 +399,17 @@ def _delta(fn_name: str):
         """``torch_chunk_gated_delta_rule`` / ``chunk_kimi_delta_attention``: q, k ``(B, T, H_k,
         D_k)``, v ``(B, T, H_v, D_v)`` -> ``(o (B, T, H_v, D_v), final state (B, H_v, D_k, D_v)
         float32 when output_final_state, else None)``."""
-        from ..sp import delta
+        from ..sp import delta, recurrent_heads
 
         if initial_state is not None:
             raise RuntimeError(f"ringkv: {fn_name} from a recurrent state in a sharded prefill")
-        o = getattr(delta, fn_name)(
+        (b, _, hk, dk), (hv, dv) = key.shape, value.shape[2:]
+        dims = dict(k_heads=hk, v_heads=hv, heads=hv, d_k=dk, d_v=dv, batch=b)
+        dims.update(itemsize=value.element_size())
+        kind = "gdn" if fn_name == "gated_delta_rule" else "kda"
+        by_heads = getattr(recurrent_heads, "heads_" + fn_name)
+        rule = _pick(state, step, kind, dims, getattr(delta, fn_name), by_heads)
+        o = rule(
             query,
             key,
             value,

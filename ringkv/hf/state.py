@@ -15,7 +15,7 @@ import torch
 
 ATTN_NAME = "ringkv"
 IGNORE_INDEX = -100
-METHODS = ("ring", "ulysses", "usp")
+METHODS = ("ring", "ulysses", "usp", "auto")
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,12 @@ class State:
     offload: Optional[object] = None  # the offload context of the forward under way
     recompute: Optional[Step] = None  # the last training prefill, for checkpointing's replay
     hybrid: Optional[str] = None  # the model's class name when it has recurrent layers
+
+    @property
+    def attention(self) -> str:
+        """The attention layers' method: ``"auto"`` runs them as the ring (it chooses the
+        recurrent layers' form, see ``hf.recurrent.form``)."""
+        return "ring" if self.method == "auto" else self.method
 
 
 def active_step(state: State) -> Optional[Step]:

@@ -14,7 +14,8 @@ under no_grad; ``fwdbwd``: forward and backward of ``sum(out * dout)``):
 - ``ref``: rank 0 alone, ``--ref-threads`` threads (default 1, as each rank), the reference on
   the whole sequence (the others wait);
 - ``state``, ``heads``: every rank with 1 thread, its shard; the time from a barrier to the
-  last rank's end (median of ``--iters`` after one warm-up);
+  last rank's end, median of ``--iters`` after one warm-up, the two forms interleaved (on
+  shared cores the load then falls on both alike); the reference: ``--ref-iters`` runs;
 - bytes one rank sends per layer and forward for each form (``layer_bytes``, from the shapes;
   the backward sends as much again), the rate of a plain all-to-all of the heads form's bytes
   on this group (``link``), and the form ``choose_form`` picks.
@@ -23,6 +24,7 @@ under no_grad; ``fwdbwd``: forward and backward of ``sum(out * dout)``):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -59,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--k-heads", type=int, default=4, help="GDN key heads")
     p.add_argument("--mamba-heads", type=int, default=8)
     p.add_argument("--groups", type=int, default=1, help="Mamba2 groups of B/C")
-    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--iters", type=int, default=3, help="timed runs of each form")
+    p.add_argument("--ref-iters", type=int, default=1, help="timed runs of the reference")
     p.add_argument(
         "--ref-threads",
         type=int,
@@ -120,18 +123,21 @@ def step(run, xs, mode: str) -> float:
     return time.perf_counter() - t
 
 
-def timed(run, xs, mode, iters, world) -> float:
-    """Median seconds from a barrier to the last rank's end, after one warm-up."""
-    times = []
-    for i in range(iters + 1):
-        if world > 1:
-            dist.barrier()
-        t = time.perf_counter()
-        step(run, xs, mode)
-        if world > 1:
-            dist.barrier()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
+def timed(runs: dict, xs, mode, iters, world, warmup=True) -> dict:
+    """Median seconds of each of ``runs`` from a barrier to the last rank's end, the runs
+    interleaved (iteration ``i`` runs them in turn, the order reversed every other
+    iteration), so load from other processes falls on each alike; one warm-up each first."""
+    times = {name: [] for name in runs}
+    for i in range(iters + int(warmup)):
+        for name in list(runs)[:: 1 if i % 2 else -1]:
+            if world > 1:
+                dist.barrier()
+            t = time.perf_counter()
+            step(runs[name], xs, mode)
+            if world > 1:
+                dist.barrier()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts[int(warmup) :]) for name, ts in times.items()}
 
 
 def link_rate(nbytes: int, world: int) -> float:
@@ -152,23 +158,18 @@ def one(kind, a, seq, mode, rank, world) -> dict:
     dims, whole, fn, ref = layer(kind, a, seq)
     t_ref = None
     torch.set_num_threads(a.ref_threads if rank == 0 else 1)
-    if rank == 0:
-        t_ref = timed(ref, whole, mode, a.iters, 1)
+    if rank == 0:  # one timed run, no warm-up: the slowest part of the benchmark
+        t_ref = timed({"ref": ref}, whole, mode, a.ref_iters, 1, warmup=False)["ref"]
     if world > 1:
         dist.barrier()
     torch.set_num_threads(1)
     pieces = seq_pieces(seq, "zigzag", world)
     local = [shard(x, 1, "zigzag", rank=rank, world=world) for x in whole]
     row = dict(kind=kind, mode=mode, seq=seq, world=world, ref_s=t_ref)
-    outs = {}
-    for form in ("state", "heads"):
-
-        def run(*xs, form=form):
-            return fn(form, *xs, pieces=pieces)
-
-        row[form + "_s"] = timed(run, local, mode, a.iters, world)
-        with torch.no_grad():
-            outs[form] = run(*local)
+    runs = {f: functools.partial(fn, f, pieces=pieces) for f in ("state", "heads")}
+    row.update({f + "_s": t for f, t in timed(runs, local, mode, a.iters, world).items()})
+    with torch.no_grad():
+        outs = {f: run(*local) for f, run in runs.items()}
     row["max_diff"] = (outs["state"].float() - outs["heads"].float()).abs().max().item()
     b = layer_bytes(kind, dims, pieces, world)
     row.update(state_bytes=b["state"], heads_bytes=b["heads"])

@@ -539,18 +539,22 @@ def choose_form(
     Both grow as ``S/N`` (the state's gather is constant), so the choice is about the ratio of
     the machine's compute to its link, not about ``S``; the backward doubles both sides.
 
-    The data (benchmarks/recurrent_forms.py, 2 ranks x 1 thread, gloo, 2-core AMD EPYC VM
-    shared with other jobs, load 3-14; float32, zigzag, S = 4K, 8K, 16K), heads/state time:
+    The data (benchmarks/recurrent_forms.py; docs/performance.md "Hybrid models: the
+    recurrent layers' two forms"; 2 ranks x 1 thread, gloo, 2-core AMD EPYC VM shared with
+    other jobs, load 5-14; float32, zigzag, S = 4K, 8K, 16K; the forms interleaved), heads
+    time / state-passing time:
 
-    - GDN (d_k = d_v = 128, 8 v heads): forward 0.62-0.75; forward+backward 0.57-0.71 with the
-      references' chunk loops unbound (linear backward). As the references stand
-      (``chunk_delta_rule`` indexes ``q[:, :, i]`` per chunk: each index's backward writes a
-      full-size gradient, quadratic in the chunks of one call) 0.74 at 4K and 1.31-1.33 at
-      8K-16K: the heads form runs the whole sequence in one call. The rule picks "heads".
-    - Mamba2 (head_dim 64, state 128, 8 heads, 1 group): forward 0.99-1.15, forward+backward
-      0.93-1.29 (0.80-1.37 unbound): no form wins; state passing sends 0.5 MiB whatever
-      ``S`` and its extra work is a rank-1 correction. The rule picks "state" (``margin``
-      tips it)."""
+    - GDN (d_k = d_v = 128, 8 v heads, 4 k heads): forward 0.64-0.79; forward+backward
+      0.87-0.99 at 4K-8K, 0.57-0.71 at 4K-16K with the references' chunk loops over
+      ``unbind``. As the references stand, 2.71 at 16K: ``chunk_delta_rule`` indexes one
+      chunk per step and each index's backward writes a full-size gradient (quadratic in the
+      chunks of one call, and the heads form runs the whole sequence in one call). The rule
+      picks "heads"; training at 16K+ wants the references fixed first.
+    - Mamba2 (head_dim 64, state 128, 8 heads, 1 group): forward 1.08-1.10, forward+backward
+      1.04-1.06 (1.52 at 16K, the same quadratic backward): state passing sends 0.5 MiB
+      whatever ``S`` and its extra work is a rank-1 correction. The rule picks "state"
+      (``margin`` tips it).
+    """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if int(world) == 1 or not heads_divide(kind, dims, world):

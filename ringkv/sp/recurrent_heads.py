@@ -541,19 +541,14 @@ def choose_form(
 
     The data (benchmarks/recurrent_forms.py; docs/performance.md "Hybrid models: the
     recurrent layers' two forms"; 2 ranks x 1 thread, gloo, 2-core AMD EPYC VM shared with
-    other jobs, load 5-14; float32, zigzag, S = 4K, 8K, 16K; the forms interleaved), heads
-    time / state-passing time:
+    other jobs, load 2.5-3.3; float32, zigzag, S = 4K, 8K, 16K; the forms interleaved),
+    heads time / state-passing time:
 
-    - GDN (d_k = d_v = 128, 8 v heads, 4 k heads): forward 0.64-0.79; forward+backward
-      0.87-0.99 at 4K-8K, 0.57-0.71 at 4K-16K with the references' chunk loops over
-      ``unbind``. As the references stand, 2.71 at 16K: ``chunk_delta_rule`` indexes one
-      chunk per step and each index's backward writes a full-size gradient (quadratic in the
-      chunks of one call, and the heads form runs the whole sequence in one call). The rule
-      picks "heads"; training at 16K+ wants the references fixed first.
-    - Mamba2 (head_dim 64, state 128, 8 heads, 1 group): forward 1.08-1.10, forward+backward
-      1.04-1.06 (1.52 at 16K, the same quadratic backward): state passing sends 0.5 MiB
-      whatever ``S`` and its extra work is a rank-1 correction. The rule picks "state"
-      (``margin`` tips it).
+    - GDN (d_k = d_v = 128, 8 v heads, 4 k heads): forward 0.61-0.89, forward+backward
+      0.48-0.70. The rule picks "heads".
+    - Mamba2 (head_dim 64, state 128, 8 heads, 1 group): forward 1.11-1.23, forward+backward
+      0.94-1.10: state passing sends 0.5 MiB whatever ``S`` and its extra work is a rank-1
+      correction. The rule picks "state" (``margin`` tips it).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")

@@ -174,3 +174,15 @@ def selective_scan_ref(
         y, h = _maybe_checkpoint(_selective_chunk, dtc, xc, bc, cc, A, h)
         ys.append(y)
     return torch.cat(ys, -1), h
+
+
+def process_dt(dt: torch.Tensor, bias=None, softplus: bool = False, limit=None) -> torch.Tensor:
+    """Raw ``dt`` -> ``softplus(dt + bias)`` clamped to ``limit``, in ``dt``'s dtype (the bias
+    cast to it first, as transformers does)."""
+    if bias is not None:
+        dt = dt + bias.to(dt.dtype)
+    if softplus:
+        dt = F.softplus(dt)
+    if limit is not None:
+        dt = torch.clamp(dt, min=limit[0], max=limit[1])
+    return dt

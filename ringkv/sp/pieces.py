@@ -18,13 +18,14 @@ backward sums every rank's gradient), so the state gradient flows back in revers
 from __future__ import annotations
 
 import functools
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .collectives import all_reduce_, rank_world, start_all_gather
+from .collectives import agree_once, all_reduce_, rank_world, start_all_gather
 from .layout import chunks, granule, varlen_chunks
 
 RECURRENT_LAYOUTS = ("contiguous", "zigzag")  # striped would make every token its own piece
@@ -77,6 +78,12 @@ class Pieces:
         """``piece``'s slot in its rank's list (the row of the gathered states)."""
         return self.by_rank[piece.rank].index(piece)
 
+    @functools.cached_property
+    def fingerprint(self) -> int:
+        """The same number on every process for the same pieces (``hash()`` of a tuple holding
+        None is not, before Python 3.12): what ranks compare before their collectives."""
+        return zlib.crc32(repr((self.world, self.by_rank, self.doc_lens)).encode())
+
     @property
     def slots(self) -> int:
         """The most pieces any rank holds (the gathered tensors' second dimension)."""
@@ -111,6 +118,26 @@ def check_pieces(pieces, group, n_rows: int, what: str) -> Tuple[int, int]:
             f"{rows} (pad rows included)"
         )
     return rank, world
+
+
+def check_shape(what: str, name: str, t: Optional[torch.Tensor], shape: Sequence) -> None:
+    """``t`` a tensor of ``shape`` (ints, None for any size); None passes."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
+    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+    if not ok:
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"{what}: {name} must have shape {want}, got {tuple(t.shape)}")
+
+
+def agree_call(what: str, dims: dict, pieces: Pieces, group, timeout, device) -> None:
+    """Every rank of the group makes the same call: the sizes ``dims`` of what it exchanges and
+    the same pieces (one small all-gather the first time per configuration, then remembered), so
+    a rank calling differently raises on every rank instead of a mismatched collective."""
+    values = [int(v) for v in dims.values()] + [pieces.fingerprint]
+    agree_once(values, [*dims, "pieces"], group, timeout, what, device)
 
 
 @functools.lru_cache(maxsize=256)

@@ -25,53 +25,21 @@ pieces (doc -1) output zeros and carry nothing.
 
 from __future__ import annotations
 
-import functools
-import zlib
 from datetime import timedelta
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels.scan_ref import ACTIVATIONS, selective_scan_ref, ssd_scan_ref
-from .collectives import agree_once, start_all_gather
-from .pieces import Piece, Pieces, arrived, carry, check_pieces, tie
+from ..kernels.scan_ref import ACTIVATIONS, process_dt, selective_scan_ref, ssd_scan_ref
+from .collectives import start_all_gather
+from .pieces import Piece, Pieces, agree_call, arrived, carry, check_pieces, check_shape, tie
 
 __all__ = ["causal_conv1d", "mamba2_scan", "selective_scan"]
 
 
 # ---------------------------------------------------------------------------------------------
 # checks (local, before any collective: the same verdict on every rank for the same call)
-
-
-def _check_shape(what: str, name: str, t: Optional[torch.Tensor], shape: Sequence) -> None:
-    """``shape``: ints, or None for any size."""
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
-    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
-    if not ok:
-        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-        raise ValueError(f"{what}: {name} must have shape {want}, got {tuple(t.shape)}")
-
-
-@functools.lru_cache(maxsize=256)
-def _fingerprint(pieces: Pieces) -> int:
-    # the same number on every process (hash() of a tuple holding None is not, before 3.12)
-    return zlib.crc32(repr(pieces).encode())
-
-
-def _agree(what: str, dims: dict, pieces: Pieces, group, timeout, device) -> None:
-    """Every rank of the group makes the same call: the sizes of what is gathered and the same
-    pieces (one small all-gather the first time per configuration, then remembered)."""
-    names = [*dims, "pieces"]
-    values = [*dims.values(), _fingerprint(pieces)]
-    agree_once(values, names, group, timeout, what, device)
-
-
-# ---------------------------------------------------------------------------------------------
-# gathers whose backward sums every rank's gradient
 
 
 def _tie(out: torch.Tensor, deps: List[torch.Tensor], world: int, mine, params) -> torch.Tensor:
@@ -140,10 +108,10 @@ def causal_conv1d(
     of each document (zeros before its start), the same on every rank (the conv state a cache
     keeps)."""
     what = "causal_conv1d"
-    _check_shape(what, "x", x, (None, None, None))
+    check_shape(what, "x", x, (None, None, None))
     b, c, _ = x.shape
-    _check_shape(what, "weight", weight, (c, None))
-    _check_shape(what, "bias", bias, (c,))
+    check_shape(what, "weight", weight, (c, None))
+    check_shape(what, "bias", bias, (c,))
     if activation not in ACTIVATIONS:
         raise ValueError(
             f"{what}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}"
@@ -151,7 +119,7 @@ def causal_conv1d(
     rank, world = check_pieces(pieces, group, x.shape[-1], what)
     k = weight.shape[-1]
     dims = dict(batch=b, channels=c, kernel=k, float64=x.dtype == torch.float64)
-    _agree(what, dims, pieces, group, timeout, x.device)
+    agree_call(what, dims, pieces, group, timeout, x.device)
     mine = pieces.mine(rank)
     wide = torch.promote_types(x.dtype, torch.float32)  # gathered exactly, summed in float32+
     local = [x[..., p.rows.start : p.rows.stop] for p in mine]  # (B, C, L) each
@@ -185,16 +153,6 @@ def causal_conv1d(
 # the scans
 
 
-def _process_dt(dt, bias, softplus: bool, limit=None):
-    if bias is not None:
-        dt = dt + bias.to(dt.dtype)
-    if softplus:
-        dt = F.softplus(dt)
-    if limit is not None:
-        dt = torch.clamp(dt, min=limit[0], max=limit[1])
-    return dt
-
-
 def _pass_states(ys, finals, transitions, compose, correct, pieces, group, timeout, inputs):
     """Each piece's output from zero ``ys``, corrected by the state entering it:
     ``correct(i, h_in)``; returns the corrected outputs and ``{doc: final state}``. ``inputs``:
@@ -207,21 +165,21 @@ def _pass_states(ys, finals, transitions, compose, correct, pieces, group, timeo
 
 def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group, timeout):
     what = "mamba2_scan"
-    _check_shape(what, "x", x, (None, None, None, None))
+    check_shape(what, "x", x, (None, None, None, None))
     b, t, h, p = x.shape
-    _check_shape(what, "dt", dt, (b, t, h))
-    _check_shape(what, "A", A, (h,))
-    _check_shape(what, "B", B, (b, t, None, None))
-    _check_shape(what, "C", C, tuple(B.shape))
-    _check_shape(what, "D", D, (h,))
-    _check_shape(what, "dt_bias", dt_bias, (h,))
+    check_shape(what, "dt", dt, (b, t, h))
+    check_shape(what, "A", A, (h,))
+    check_shape(what, "B", B, (b, t, None, None))
+    check_shape(what, "C", C, tuple(B.shape))
+    check_shape(what, "D", D, (h,))
+    check_shape(what, "dt_bias", dt_bias, (h,))
     if h % B.shape[2]:
         raise ValueError(f"{what}: {h} heads do not split into {B.shape[2]} groups of B and C")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{what}: chunk_size must be a positive int, got {chunk_size!r}")
     rank_world_ = check_pieces(pieces, group, t, what)
     dims = dict(batch=b, heads=h, head_dim=p, state=B.shape[3])
-    _agree(what, dims, pieces, group, timeout, x.device)
+    agree_call(what, dims, pieces, group, timeout, x.device)
     return rank_world_
 
 
@@ -271,7 +229,7 @@ def mamba2_scan(
     rank."""
     rank, world = _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group, timeout)
     h = x.shape[2]
-    dt = _process_dt(dt, dt_bias, dt_softplus, dt_limit).float()  # (B, T, H)
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit).float()  # (B, T, H)
     A = A.float()
     B, C = (t.float().repeat_interleave(h // B.shape[2], dim=2) for t in (B, C))  # (B, T, H, N)
     ys, finals, transitions, logs = _ssd_pieces(x, dt, A, B, C, chunk_size, pieces.mine(rank))
@@ -309,18 +267,18 @@ def _skip_gate(y, x, D, z, rows: range):
 
 def _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group, timeout):
     what = "selective_scan"
-    _check_shape(what, "x", x, (None, None, None))
+    check_shape(what, "x", x, (None, None, None))
     b, d, t = x.shape
-    _check_shape(what, "dt", dt, (b, d, t))
-    _check_shape(what, "A", A, (d, None))
-    _check_shape(what, "B", B, (b, A.shape[1], t))
-    _check_shape(what, "C", C, (b, A.shape[1], t))
-    _check_shape(what, "D", D, (d,))
-    _check_shape(what, "z", z, (b, d, t))
-    _check_shape(what, "delta_bias", delta_bias, (d,))
+    check_shape(what, "dt", dt, (b, d, t))
+    check_shape(what, "A", A, (d, None))
+    check_shape(what, "B", B, (b, A.shape[1], t))
+    check_shape(what, "C", C, (b, A.shape[1], t))
+    check_shape(what, "D", D, (d,))
+    check_shape(what, "z", z, (b, d, t))
+    check_shape(what, "delta_bias", delta_bias, (d,))
     rank_world_ = check_pieces(pieces, group, t, what)
     dims = dict(batch=b, channels=d, state=A.shape[1])
-    _agree(what, dims, pieces, group, timeout, x.device)
+    agree_call(what, dims, pieces, group, timeout, x.device)
     return rank_world_
 
 
@@ -350,7 +308,7 @@ def selective_scan(
     out_dtype = x.dtype
     for t in (D, z):
         out_dtype = out_dtype if t is None else torch.promote_types(out_dtype, t.dtype)
-    dt = _process_dt(dt, None if delta_bias is None else delta_bias[..., None], delta_softplus)
+    dt = process_dt(dt, None if delta_bias is None else delta_bias[..., None], delta_softplus)
     dt, A, Cf = dt.float(), A.float(), C.float()
     ys, finals, transitions = [], [], []
     for p in pieces.mine(rank):

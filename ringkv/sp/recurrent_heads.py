@@ -25,17 +25,16 @@ state passing sends every piece's state and transition, constant in ``S`` (``lay
 from __future__ import annotations
 
 import functools
-import zlib
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels.delta_ref import gated_delta_ref, kda_ref
-from ..kernels.scan_ref import selective_scan_ref, ssd_scan_ref
-from .collectives import agree_once, all_to_all, rank_world
-from .pieces import Pieces, gather_slots
+from ..kernels.scan_ref import process_dt, selective_scan_ref, ssd_scan_ref
+from .collectives import all_to_all, rank_world
+from .pieces import Pieces, agree_call, check_pieces, check_shape, gather_slots, tie
 
 __all__ = [
     "heads_gated_delta_rule",
@@ -55,35 +54,10 @@ KINDS = ("gdn", "kda", "mamba2", "selective")
 # checks (local, before any collective: the same verdict on every rank for the same call)
 
 
-def _expect(what: str, name: str, t, shape: Sequence) -> None:
-    """``t`` a tensor of ``shape`` (ints, None for any size); None passes."""
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
-    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
-        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-        raise ValueError(f"{what}: {name} must have shape {want}, got {tuple(t.shape)}")
-
-
 def _check_group(what: str, pieces, group, t_local: int, heads: int, label: str):
     """The pieces fit the group and the local rows, and ``heads`` split over the group."""
-    if not isinstance(pieces, Pieces):
-        raise TypeError(
-            f"{what}: pieces must be a ringkv.sp.pieces.Pieces (seq_pieces), got "
-            f"{type(pieces).__name__}"
-        )
-    rank, world = rank_world(group)
-    if pieces.world != world:
-        raise ValueError(
-            f"{what}: pieces were built for {pieces.world} ranks, the group has {world}"
-        )
+    rank, world = check_pieces(pieces, group, t_local, what)
     rows = [sum(len(p.rows) for p in ps) for ps in pieces.by_rank]
-    if rows[rank] != t_local:
-        raise ValueError(
-            f"{what}: the local sequence has {t_local} rows, pieces give rank {rank} "
-            f"{rows[rank]} (pad rows included)"
-        )
     if len(set(rows)) != 1:
         raise ValueError(f"{what}: the all-to-all needs the same rows on every rank, got {rows}")
     if heads % world:
@@ -93,16 +67,6 @@ def _check_group(what: str, pieces, group, t_local: int, heads: int, label: str)
             f"form ({what[len('heads_') :]})"
         )
     return rank, world
-
-
-@functools.lru_cache(maxsize=256)
-def _crc(pieces: Pieces) -> int:
-    return zlib.crc32(repr(pieces).encode())  # the same on every process
-
-
-def _agree(what, dims: dict, pieces, group, timeout, device) -> None:
-    values = [int(v) for v in dims.values()] + [_crc(pieces)]
-    agree_once(values, [*dims, "pieces"], group, timeout, what, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,9 +141,8 @@ def _finish(y, finals, world, group, timeout, what, return_final_state):
     stacked = torch.stack(finals)  # (docs, B, H/N, ...)
     g = gather_slots(stacked, group, timeout, what + " final states")  # (N, docs, B, H/N, ...)
     full = g.movedim(0, 2).flatten(2, 3)  # (docs, B, H, ...)
-    if world > 1 and torch.is_grad_enabled() and g.requires_grad:
-        # every rank's backward must reach the gather's (a collective), used here or not
-        y = y + (g.flatten()[:1].sum() * 0).to(y.dtype)
+    if world > 1:  # every rank's backward must reach the gather's (a collective), used or not
+        y = tie(y, [g])
     return _back(y, world, group, timeout, what), {d: full[d] for d in range(len(finals))}
 
 
@@ -189,13 +152,13 @@ def _finish(y, finals, world, group, timeout, what, return_final_state):
 
 def _delta_check(what, q, k, v, g, beta, chunk_size, per_channel: bool):
     for name, x, n in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("beta", beta, 3)):
-        _expect(what, name, x, (None,) * n)
+        check_shape(what, name, x, (None,) * n)
     b, t, hk, dk = q.shape
     hv = v.shape[2]
-    _expect(what, "k", k, (b, t, hk, dk))
-    _expect(what, "v", v, (b, t, hv, None))
-    _expect(what, "g", g, (b, t, hv, dk) if per_channel else (b, t, hv))
-    _expect(what, "beta", beta, (b, t, hv))
+    check_shape(what, "k", k, (b, t, hk, dk))
+    check_shape(what, "v", v, (b, t, hv, None))
+    check_shape(what, "g", g, (b, t, hv, dk) if per_channel else (b, t, hv))
+    check_shape(what, "beta", beta, (b, t, hv))
     if (per_channel and hv != hk) or hv % hk:
         rule = "the same head count" if per_channel else "v heads a multiple of the q/k heads"
         raise ValueError(f"{what}: q/k have {hk} heads and v {hv}: {rule} is needed")
@@ -208,7 +171,7 @@ def _delta(ref, what, q, k, v, g, beta, opts, pieces, group, timeout, return_fin
     b, t, hk, hv, dk = _delta_check(what, q, k, v, g, beta, opts["chunk_size"], ref is kda_ref)
     rank, world = _check_group(what, pieces, group, t, hv, "value heads")
     dims = dict(batch=b, k_heads=hk, v_heads=hv, d_k=dk, d_v=v.shape[3])
-    _agree(what, dims, pieces, group, timeout, q.device)
+    agree_call(what, dims, pieces, group, timeout, q.device)
     dtype = q.dtype
     if hk % world:  # q/k heads do not split: each v head's q/k head, float32 (grads sum there)
         rep = torch.arange(hv, device=q.device) // (hv // hk)
@@ -277,28 +240,16 @@ def heads_kda(
 # Mamba2 SSD
 
 
-def _dt(dt, bias, softplus: bool, limit=None) -> torch.Tensor:
-    """Raw ``dt`` -> ``softplus(dt + bias)`` clamped, float32 (the bias cast to dt's dtype, as
-    transformers and the state-passing form)."""
-    if bias is not None:
-        dt = dt + bias.to(dt.dtype)
-    if softplus:
-        dt = F.softplus(dt)
-    if limit is not None:
-        dt = torch.clamp(dt, min=limit[0], max=limit[1])
-    return dt.float()
-
-
 def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias):
     what = "heads_mamba2_scan"
-    _expect(what, "x", x, (None,) * 4)
+    check_shape(what, "x", x, (None,) * 4)
     b, t, h, p = x.shape
-    _expect(what, "dt", dt, (b, t, h))
-    _expect(what, "A", A, (h,))
-    _expect(what, "B", B, (b, t, None, None))
-    _expect(what, "C", C, tuple(B.shape))
-    _expect(what, "D", D, (h,))
-    _expect(what, "dt_bias", dt_bias, (h,))
+    check_shape(what, "dt", dt, (b, t, h))
+    check_shape(what, "A", A, (h,))
+    check_shape(what, "B", B, (b, t, None, None))
+    check_shape(what, "C", C, tuple(B.shape))
+    check_shape(what, "D", D, (h,))
+    check_shape(what, "dt_bias", dt_bias, (h,))
     if h % B.shape[2]:
         raise ValueError(f"{what}: {h} heads do not split into {B.shape[2]} groups of B and C")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -334,14 +285,14 @@ def heads_mamba2_scan(
     groups = B.shape[2]
     rank, world = _check_group(what, pieces, group, t, h, "heads")
     dims = dict(batch=b, heads=h, head_dim=p, groups=groups, state=B.shape[3])
-    _agree(what, dims, pieces, group, timeout, x.device)
+    agree_call(what, dims, pieces, group, timeout, x.device)
     split = groups % world == 0
     bc = [(_split if split else _whole)(m, world) for m in (B, C)]
     x, dt, B, C = _exchange([_split(x, world), _split(dt, world), *bc], group, timeout, what)
     hl = h // world
     mine = slice(rank * hl, (rank + 1) * hl)
     A, D, bias = (None if a is None else a[mine] for a in (A, D, dt_bias))
-    dt = _dt(dt, bias, dt_softplus, dt_limit)  # (B, S, H/N)
+    dt = process_dt(dt, bias, dt_softplus, dt_limit).float()  # (B, S, H/N)
     heads = torch.arange(rank * hl, (rank + 1) * hl, device=x.device) // (h // groups)
     heads = heads - rank * (groups // world) if split else heads  # local group of each head
     B, C = (m.float().index_select(2, heads) for m in (B, C))  # (B, S, H/N, N)
@@ -360,15 +311,15 @@ def heads_mamba2_scan(
 
 def _sel_check(x, dt, A, B, C, D, z, delta_bias):
     what = "heads_selective_scan"
-    _expect(what, "x", x, (None,) * 3)
+    check_shape(what, "x", x, (None,) * 3)
     b, d, t = x.shape
-    _expect(what, "dt", dt, (b, d, t))
-    _expect(what, "A", A, (d, None))
-    _expect(what, "B", B, (b, A.shape[1], t))
-    _expect(what, "C", C, (b, A.shape[1], t))
-    _expect(what, "D", D, (d,))
-    _expect(what, "z", z, (b, d, t))
-    _expect(what, "delta_bias", delta_bias, (d,))
+    check_shape(what, "dt", dt, (b, d, t))
+    check_shape(what, "A", A, (d, None))
+    check_shape(what, "B", B, (b, A.shape[1], t))
+    check_shape(what, "C", C, (b, A.shape[1], t))
+    check_shape(what, "D", D, (d,))
+    check_shape(what, "z", z, (b, d, t))
+    check_shape(what, "delta_bias", delta_bias, (d,))
     return b, d, t
 
 
@@ -396,7 +347,7 @@ def heads_selective_scan(
     what = "heads_selective_scan"
     b, d, t = _sel_check(x, dt, A, B, C, D, z, delta_bias)
     rank, world = _check_group(what, pieces, group, t, d, "channels")
-    _agree(what, dict(batch=b, channels=d, state=A.shape[1]), pieces, group, timeout, x.device)
+    agree_call(what, dict(batch=b, channels=d, state=A.shape[1]), pieces, group, timeout, x.device)
     out_dtype = x.dtype
     for extra in (D, z):
         out_dtype = out_dtype if extra is None else torch.promote_types(out_dtype, extra.dtype)
@@ -407,7 +358,7 @@ def heads_selective_scan(
     dl = d // world
     mine = slice(rank * dl, (rank + 1) * dl)
     A, D, bias = (None if a is None else a[mine] for a in (A, D, delta_bias))
-    dt = _dt(dt, bias, delta_softplus)  # (B, S, D/N)
+    dt = process_dt(dt, bias, delta_softplus).float()  # (B, S, D/N)
 
     def run(x, dt, B, C, z):  # (B, L, .) each; the reference is channels first
         x, dt, B, C, z = (None if m is None else m.transpose(1, 2) for m in (x, dt, B, C, z))

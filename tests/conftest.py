@@ -39,6 +39,7 @@ LONG_MODULES = (
     "test_hosts_faults.py",  # 172
     "test_migrate_mesh.py",  # 108
     "test_hosts.py",  # 105
+    "test_hf_hybrid.py",  # 97-120 (hybrid models, issue #56)
     "test_kernels.py",  # 85
     "test_tiers_mesh.py",  # 84
     "test_faults.py",  # 84
@@ -51,6 +52,9 @@ LONG_MODULES = (
     "test_hf_families.py",  # 62
     "test_loader.py",  # 50
     "test_train_example.py",  # 46
+    "test_sp_recurrent_heads.py",  # 17-45
+    "test_sp_delta.py",  # 31-37
+    "test_sp_recurrent.py",  # 19-42
     "test_long_ctx_bench.py",  # 45
     "test_serve_echo.py",  # 42
     "test_launch.py",  # 41

@@ -20,10 +20,11 @@ with labels through the chunked loss, and backward) it reports:
   <= 1.15);
 - ``peak``: the rise of each rank's resident-set high-water mark during the step (max over
   ranks), base and patched;
-- bytes per recurrent layer per rank, computed from the shapes: ``state``: what ringkv's state
-  passing sends (every piece's final state and transition, float32, all-gathered: constant in S),
-  ``halo``: the convolution's tails, and ``a2a``: what a head-parallel all-to-all form would send
-  for the same layer (its inputs there and its output back: grows with S/N).
+- bytes per linear-attention layer per rank and forward, from the shapes
+  (``sp.recurrent_heads.layer_bytes``): ``state``: state passing (every piece's final state and
+  transition, float32, all-gathered: constant in S), ``heads``: the head-parallel form's
+  all-to-alls (its inputs there, its output back: grows with S/N), ``halo``: the convolution's
+  tails. The patched rows run ``--method`` (default ``ring``: state passing).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4, help="attention query heads")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--method", default="ring", choices=["ring", "ulysses", "auto"])
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -122,18 +124,23 @@ def timed(model, ids, mode, iters) -> tuple:
 
 
 def layer_bytes(cfg, seq: int, world: int) -> dict:
-    """Bytes one rank sends per linear-attention layer (batch 1), from the shapes."""
+    """Bytes one rank sends per linear-attention layer (batch 1, float32 activations), from the
+    shapes: ringkv.sp.recurrent_heads.layer_bytes for the two forms (tested there against what
+    each rank hands to torch.distributed), and the convolution's halo."""
+    from ringkv.sp.pieces import seq_pieces
+    from ringkv.sp.recurrent_heads import layer_bytes as forms
+
     if world == 1:
-        return dict(state=0, halo=0, a2a=0)
-    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    conv = 2 * cfg.linear_num_key_heads * dk + hv * dv
-    slots = 2  # zigzag: two pieces per rank
-    state = slots * hv * (dk * dv + dk * dk) * 4 * (world - 1)  # final state + transition
-    halo = slots * conv * (cfg.linear_conv_kernel_dim - 1) * 4 * (world - 1)
-    # all-to-all form: the conv input (q, k, v) plus g and beta there, the output back
-    per_token = conv + 2 * hv + hv * dv
-    a2a = (seq // world) * per_token * 4 * (world - 1) // world
-    return dict(state=state, halo=halo, a2a=a2a)
+        return dict(state=0, heads=0, halo=0)
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    dims = dict(k_heads=cfg.linear_num_key_heads, v_heads=cfg.linear_num_value_heads, d_k=dk)
+    dims.update(d_v=dv, itemsize=4)
+    pieces = seq_pieces(seq, "zigzag", world)
+    out = forms("gdn", dims, pieces, world)
+    conv = 2 * cfg.linear_num_key_heads * dk + cfg.linear_num_value_heads * dv
+    # every piece's last K inputs, all-gathered (float32)
+    out["halo"] = pieces.slots * conv * cfg.linear_conv_kernel_dim * 4 * (world - 1)
+    return out
 
 
 def main(argv=None) -> int:
@@ -160,7 +167,7 @@ def main(argv=None) -> int:
                 dist.barrier()
             torch.set_num_threads(1 if world > 1 else cores)
             model, cfg = build(a)
-            ringkv.patch_model(model, layout="zigzag")
+            ringkv.patch_model(model, layout="zigzag", method=a.method)
             t, peak = timed(model, ids, mode, a.iters)
             peaks = [None] * world
             if world > 1:
@@ -169,7 +176,8 @@ def main(argv=None) -> int:
                 peaks = [peak]
             del model
             if rank == 0:
-                row = dict(mode=mode, seq=seq, world=world, base_s=base[0], sp1_s=sp1[0])
+                row = dict(mode=mode, seq=seq, world=world, method=a.method)
+                row.update(base_s=base[0], sp1_s=sp1[0])
                 row.update(patched_s=t, ratio=t / base[0], ratio_sp1=t / sp1[0])
                 row.update(base_peak=base[1], sp1_peak=sp1[1], patched_peak=max(peaks))
                 row.update(layer_bytes(cfg, seq, world))
@@ -190,8 +198,8 @@ def _line(r: dict) -> str:
         f"{r['mode']:6} S={r['seq']:6} N={r['world']}  base {r['base_s']:.2f}s  "
         f"sp1 {r['sp1_s']:.2f}s  patched {r['patched_s']:.2f}s  ratio {r['ratio']:.2f} / "
         f"{r['ratio_sp1']:.2f}  peak {r['base_peak'] / mib:.0f} / {r['sp1_peak'] / mib:.0f} -> "
-        f"{r['patched_peak'] / mib:.0f} MiB  bytes/layer state {r['state']} halo {r['halo']}"
-        f" a2a {r['a2a']}"
+        f"{r['patched_peak'] / mib:.0f} MiB  bytes/layer state {r['state']} heads {r['heads']} "
+        f"halo {r['halo']}"
     )
 
 

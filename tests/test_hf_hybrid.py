@@ -6,9 +6,9 @@ same weights: the training loss through the chunked loss, every parameter's grad
 the SP group) and the eval logits, at sp=2 and 3; then, on a representative subset, packed
 documents (each document alone as the oracle: the unpatched CPU path does not reset the state at a
 document boundary, ringkv does), ``inputs="shard"``, gradient checkpointing, ``tile_mlp``,
-``torch.compile``, ``sp_trainer(Trainer)`` and ``generate`` (refused at the call). Last, every
-causal-LM config class of transformers' auto mapping: accepted, or refused at patch time with a
-message naming a class."""
+``torch.compile``, ``sp_trainer(Trainer)`` and ``generate`` (left-padded, the recurrent cache kept
+exactly). Last, every causal-LM config class of transformers' auto mapping: accepted, or refused at
+patch time with a message naming a class."""
 
 from __future__ import annotations
 

@@ -35,7 +35,6 @@ for _switch in ("RINGKV_NATIVE_LINEAR", "RINGKV_NATIVE_FLASH", "RINGKV_NATIVE_PA
 LONG_MODULES = (
     "test_compiled_decode.py",  # ~190 s cold (its compile: docs/testing.md)
     "test_smollm2.py",  # 213
-    "test_cluster.py",  # 208
     "test_hosts_faults.py",  # 172
     "test_migrate_mesh.py",  # 108
     "test_hosts.py",  # 105
@@ -50,6 +49,8 @@ LONG_MODULES = (
     "test_triton.py",  # 72
     "test_hf.py",  # 68
     "test_hf_families.py",  # 62
+    "test_cluster.py",  # 208, not at the start: its `serve --replicas 2` beside the heaviest
+    # starts (compiled decode, SmolLM2) did not come up within 300 s in one warm run
     "test_loader.py",  # 50
     "test_train_example.py",  # 46
     "test_sp_recurrent_heads.py",  # 17-45

@@ -171,16 +171,13 @@ def patch_model(
     1-D mesh is its group; an n-D mesh needs ``mesh_dim`` (the name or index of its
     sequence-parallel dimension, e.g. ``patch_model(model, group=mesh, mesh_dim="sp")`` on a
     ``("dp", "sp")`` mesh, the same as ``group=mesh["sp"]``). ``sp`` (optional) must equal the
-    group size. ``layout`` is how the
-    sequence is split (``"zigzag"`` balances causal work; ``"contiguous"``, ``"striped"``).
+    group size. ``layout`` is how the sequence is split (``"zigzag"`` balances causal work;
+    ``"contiguous"``, ``"striped"``).
     ``method``: ``"ring"`` (``ring_attention``), ``"ulysses"`` (``ulysses_attention``: the
     attention heads must split over the group), ``"usp"`` (``usp_attention`` on
     ``sp_groups(ulysses=U, ring=N/U)`` of the default world: pass ``ulysses=U``) or ``"auto"``
-    (the ring for attention; each recurrent layer of a hybrid model in the form
-    ``sp.recurrent_heads.choose_form`` picks for its shapes). A hybrid model's recurrent layers
-    pass their state along the sequence with ``"ring"``, run head-parallel (all-to-all) with
-    ``"ulysses"`` where their heads divide the group. Layers with
-    a sliding window (Mistral, Qwen2) attend within it, at any length.
+    (the ring; a hybrid model's recurrent layers in the form ``hf.recurrent.form`` gives).
+    Layers with a sliding window (Mistral, Qwen2) attend within it, at any length.
     ``inputs`` is ``"full"`` (every rank passes the whole sequence) or ``"shard"`` (every rank
     passes its own shard); see the module docstring. ``timeout`` (seconds) bounds every wait
     on a peer. Returns the same model, patched in place; ``unpatch_model`` restores it.

@@ -33,8 +33,8 @@ lint: $(VENV)/.installed
 
 # Two pytest workers (pytest-xdist), each module on one worker (its module-scoped servers and
 # worlds stay whole): 788 s for 1068 tests on an Intel Xeon, where one process had taken 1046 s
-# for 1021; 1136 s warm, 1193 s cold for 1096 on an AMD EPYC (docs/testing.md);
-# the suite waits much of its time on processes, timeouts and sockets (TEST_WORKERS=0: one process).
+# for 1021; 1013 s cold for 1246 on a 2-vCPU AMD EPYC (docs/testing.md), where the two workers
+# keep ~1.8 cores busy: the suite is CPU-bound (TEST_WORKERS=0: one process).
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)

@@ -276,12 +276,19 @@ def compile_train(ctx, family, seed, batches, layout, backend="aot_eager"):
     (same shape, new data; a recompile after the first raises): loss and this rank's gradients of
     both, the compiled frame count after each step and the reasons of the graph breaks."""
     import torch._dynamo
+
+    torch._dynamo.reset()
+    model = hf.patch_model(build(family, seed), group=ctx.group, layout=layout).train()
+    return compiled_steps(model, batches, backend)
+
+
+def compiled_steps(model, batches, backend="aot_eager") -> dict:
+    """``model`` (patched) eager and compiled for each batch: see ``compile_train``."""
+    import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
     counters.clear()
-    model = hf.patch_model(build(family, seed), group=ctx.group, layout=layout).train()
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter)
 

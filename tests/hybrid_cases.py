@@ -334,35 +334,14 @@ def padded_generate(ctx, family, seed, ids, mask, layout, new_tokens):
 
 
 def compile_train(ctx, family, seed, batches, layout, backend="aot_eager"):
-    """The patched model eager and under ``torch.compile`` (``family_cases.compile_train``'s
-    pattern): loss and grads of both per batch, frame counts and graph-break reasons."""
+    """The patched model eager and under ``torch.compile`` (``family_cases.compiled_steps``): loss
+    and grads of both per batch, frame counts and graph-break reasons."""
     import torch._dynamo
-    from torch._dynamo.testing import CompileCounterWithBackend
-    from torch._dynamo.utils import counters
+
+    from tests.family_cases import compiled_steps
 
     torch._dynamo.reset()
-    counters.clear()
-    model = _patch(ctx, family, seed, layout).train()
-    counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(model, backend=counter)
-
-    def step(m, ids):
-        model.zero_grad(set_to_none=True)
-        out = m(ids, labels=ids, use_cache=False)
-        out.loss.backward()
-        return dict(loss=out.loss.item(), grads={n: g.clone() for n, g in _grads(model).items()})
-
-    steps, frames = [], []
-    try:
-        for i, ids in enumerate(batches):
-            eager = step(model, ids)
-            with torch._dynamo.config.patch(error_on_recompile=i > 0):
-                steps.append(dict(eager=eager, compiled=step(compiled, ids)))
-            frames.append(counter.frame_count)
-        breaks = sorted({k.splitlines()[0] for k in counters["graph_break"]})
-    finally:
-        torch._dynamo.reset()
-    return dict(steps=steps, frames=frames, breaks=breaks)
+    return compiled_steps(_patch(ctx, family, seed, layout).train(), batches, backend)
 
 
 def trainer_step(ctx, family, seed, rows, layout, out_dir):

@@ -42,15 +42,22 @@ KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 16 * 4  # K and V x 4 layers x 2 KV heads x hea
 # prompts (token ids): two long shared prefixes, and the streams' prompts
 P1 = [(7 * i + 3) % 90 + 5 for i in range(64)]
 P2 = [(11 * i + 5) % 90 + 5 for i in range(64)]
-LONG = [(13 * i + 1) % 90 + 5 for i in range(300)]
+
+
+def own(start: int, n: int) -> list[int]:
+    """A stream's own prompt: its first token (``start + 5``) differs from every other prompt's, so
+    no two streams share a cached prefix (see reference)."""
+    return [(13 * i + start) % 90 + 5 for i in range(n)]
+
+
 PROMPTS = {
     **{f"p1-{k}": P1 + [100 + k] for k in range(4)},
     **{f"p2-{k}": P2 + [100 + k] for k in range(4)},
     **{f"kill-{k}": P1 + [110 + k, 111] for k in range(3)},
-    "move": LONG[:200],
-    "down": LONG,
-    "unreach": LONG[:100] + [9],
-    "back": LONG[:150] + [7],
+    "move": own(1, 200),
+    "down": own(2, 300),
+    "unreach": own(4, 100) + [9],
+    "back": own(6, 150) + [7],
     "cut": P2 + [120, 121],
 }
 SHORT, MANY = 4, 1500  # tokens of a routed completion, of a stream
@@ -150,18 +157,22 @@ def cluster(tmp_path_factory):
 
 def reference(model) -> dict:
     """Each prompt's greedy tokens from one single-process engine, run as the instances run it:
-    blocks of 4, and batched as the tests send them (each migrated stream alone, the three
-    streams of the kill test together, the routed completions together). A decode step's
-    linear layers are BLAS calls whose last bits depend on how many rows they hold, so over 1500
-    tokens a near tie can fall either way with another batch or block size (on an AMD EPYC the
-    lone "back" stream's token 1200 did, against a reference batched with every prompt)."""
+    blocks of 4, and batched as the tests send them (the routed completions one at a time in
+    the tests' order, each migrated stream alone, the three streams of the kill test
+    together). A step's linear layers are BLAS calls whose last bits depend on how many rows
+    they hold, so over 1500 tokens a near tie can fall either way with another batch or block
+    size, or with a cached prefix computed in a prefill of another length: the streams share
+    no prefix (on an AMD EPYC the "back" stream's token 1199 differed when its first 148
+    tokens were cached from a 200- or 300-token prompt on one side and not the other), and
+    P1 and P2 are first computed alone, as the first test sends them."""
     from ringkv.engine import LLM, SamplingParams
 
+    routed = [f"p{j}-{k}" for k in range(4) for j in (1, 2)]
     solo = ["move", "down", "unreach", "back", "cut"]
-    batches = [[k for k in PROMPTS if k.startswith("p")], [f"kill-{k}" for k in range(3)]]
+    batches = [[k] for k in routed] + [[f"kill-{k}" for k in range(3)]] + [[k] for k in solo]
     want = {}
     with LLM(model, block_size=4, num_blocks=2048) as llm:
-        for names in batches + [[k] for k in solo]:
+        for names in batches:
             outs = llm.generate(
                 [PROMPTS[k] for k in names],
                 [

@@ -40,31 +40,48 @@ MLP_FORMS = (
     ("dense_h_to_4h", "dense_4h_to_h"),
     ("w1", "w2", "w3"),  # LFM2
 )
-# a decoder layer: one of these token mixers beside an MLP child named "mlp" or "feed_forward"
-# (hybrid models: gated DeltaNet, Mamba and short-convolution layers instead of attention)
+# a decoder layer: one of these token mixers beside an MLP child of MLP_NAMES (hybrid models:
+# gated DeltaNet, Mamba and short-convolution layers instead of attention), or a layer whose
+# ``mixer`` is itself the feed-forward block (Nemotron-H's MLP and MoE layers)
 MIXER_NAMES = ("self_attn", "linear_attn", "mamba", "conv")
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
+
+
+def _children(m: torch.nn.Module) -> set:
+    return {n for n, _ in m.named_children()}
+
+
+def _moe(names: set) -> bool:
+    return any(n in names for n in ("experts", "router", "gate"))
+
+
+def _layer_mlp(m: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The feed-forward block of decoder layer ``m``, or None when ``m`` is not one."""
+    if any(hasattr(m, n) for n in MIXER_NAMES):
+        for n in MLP_NAMES:
+            if isinstance(getattr(m, n, None), torch.nn.Module):
+                return getattr(m, n)
+    mixer = getattr(m, "mixer", None)
+    if isinstance(mixer, torch.nn.Module):
+        names = _children(mixer)
+        if _moe(names) or any(set(f) <= names for f in MLP_FORMS):
+            return mixer
+    return None
 
 
 def mlps(model) -> List[torch.nn.Module]:
-    """The MLPs of ``model``'s decoder layers (a layer: a module with a token mixer of
-    ``MIXER_NAMES`` and an ``mlp`` or ``feed_forward``). ``ValueError`` naming ``tile_mlp`` when
-    there are none, or one is not a recognised form."""
-    found = [
-        mlp
-        for m in model.modules()
-        for mlp in (getattr(m, "mlp", None) or getattr(m, "feed_forward", None),)
-        if isinstance(mlp, torch.nn.Module) and any(hasattr(m, n) for n in MIXER_NAMES)
-    ]
+    """The MLPs of ``model``'s decoder layers (``_layer_mlp``: a token mixer of ``MIXER_NAMES``
+    beside a child of ``MLP_NAMES``, or a feed-forward ``mixer``). ``ValueError`` naming
+    ``tile_mlp`` when there are none, or one is not a recognised form (mixtures of experts)."""
+    found = [mlp for m in model.modules() for mlp in (_layer_mlp(m),) if mlp is not None]
     if not found:
         raise ValueError(
             f"tile_mlp: found no decoder layers (modules with self_attn and mlp) in "
             f"{type(model).__name__}; tile_mlp recognises Llama-style layers"
         )
     for mlp in found:
-        names = {n for n, _ in mlp.named_children()}
-        if any(n in names for n in ("experts", "router", "gate")) or not any(
-            set(f) <= names for f in MLP_FORMS
-        ):
+        names = _children(mlp)
+        if _moe(names) or not any(set(f) <= names for f in MLP_FORMS):
             raise ValueError(
                 f"tile_mlp: {type(model).__name__}'s MLP {type(mlp).__name__} (children "
                 f"{sorted(names)}) is not a recognised token-wise MLP (one of "

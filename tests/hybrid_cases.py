@@ -33,6 +33,8 @@ FAMILIES = (
     "zamba2",
     "kimi_linear",
 )
+# families whose modeling modules carry the same mixers and functions as one above
+MORE = ("qwen3_5_moe", "lara_mini", "olmo_hybrid", "lfm2_moe", "lfm3", "bailing_hybrid")
 
 _COMMON = dict(
     vocab_size=128,
@@ -191,6 +193,77 @@ def _configs():
                 num_local_experts=2,
                 num_experts_per_tok=2,
                 n_shared_experts=1,
+            ),
+        ),
+        # the same mixers in other families' modeling modules
+        "qwen3_5_moe": (
+            "Qwen3_5MoeTextConfig",
+            dict(
+                _gdn([lin, full, lin]),
+                num_experts=2,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+            ),
+        ),
+        "lara_mini": (
+            "LaraMiniConfig",
+            dict(
+                _gdn([lin, full, lin]),
+                num_experts=2,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+            ),
+        ),
+        "olmo_hybrid": (
+            "OlmoHybridConfig",
+            dict(_gdn([lin, full, lin]), linear_allow_neg_eigval=True),
+        ),
+        "lfm2_moe": (
+            "Lfm2MoeConfig",
+            dict(
+                intermediate_size=96,
+                moe_intermediate_size=32,
+                num_hidden_layers=3,
+                layer_types=["conv", "full_attention", "conv"],
+                conv_L_cache=3,
+                num_dense_layers=1,
+                num_experts=2,
+                num_experts_per_tok=2,
+            ),
+        ),
+        "lfm3": (
+            "Lfm3Config",
+            dict(
+                intermediate_size=96,
+                num_hidden_layers=3,
+                layer_types=["conv", "full_attention", "conv"],
+                conv_L_cache=3,
+                head_dim=16,
+            ),
+        ),
+        "bailing_hybrid": (
+            "BailingHybridConfig",
+            dict(
+                intermediate_size=96,
+                moe_intermediate_size=32,
+                num_hidden_layers=3,
+                num_key_value_heads=4,
+                layer_types=["linear_attention", "full_attention", "linear_attention"],
+                head_dim=16,
+                short_conv_kernel_size=4,
+                kv_lora_rank=32,
+                q_lora_rank=None,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=16,
+                v_head_dim=16,
+                num_local_experts=2,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                n_group=1,
+                topk_group=1,
+                num_mtp_layers=0,
             ),
         ),
     }
@@ -407,3 +480,27 @@ def mismatched_patch(ctx, family, seed, overrides):
     except (ValueError, TypeError) as e:
         return type(e).__name__, str(e)
     return None
+
+
+def dead_in_mixer(ctx, family, seed, ids, timeout_s):
+    """Every rank but 0 dies on entering its first recurrent layer (after the step's checks
+    agreed); rank 0 runs on into that layer's halo and state passing and must fail within the
+    timeout: ``(error type, message, seconds)``."""
+    import time
+
+    from ringkv.hf import recurrent
+
+    model = _patch(ctx, family, seed, "zigzag", timeout=timeout_s)
+    if ctx.rank != 0:
+
+        def die(*_):
+            raise RuntimeError("this rank died")
+
+        recurrent.classify(model)[0][0].register_forward_pre_hook(die)
+    t0 = time.monotonic()
+    try:
+        with torch.no_grad():
+            model(ids)
+    except Exception as e:  # noqa: BLE001 - the type is what the test checks
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "finished", "", time.monotonic() - t0

@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ringkv import hf
-from tests.hybrid_cases import FAMILIES, build
+from tests.hybrid_cases import FAMILIES, MORE, build
 from tests.test_hf_generate_padded import _left_padded
 from tests.test_hf_packed import _assert_matches, _batch, _grads, _per_document_reference
 
@@ -55,6 +55,15 @@ def test_family_matches_unpatched(world, family, sp, layout, s):
     want = _reference(family, 0, ids)
     res = world.check("tests.hybrid_cases:train_step", sp, family, 0, ids, layout)
     _assert_matches(res, *want)
+
+
+@pytest.mark.parametrize("family", MORE)
+@pytest.mark.parametrize("sp,layout,s", [(2, "zigzag", 13), (3, "contiguous", 14)])
+def test_more_families_match_unpatched(world, family, sp, layout, s):
+    """Families whose modeling modules hold the same mixers as one above (Qwen3.5-MoE, Lara-Mini
+    and OLMo-hybrid's gated DeltaNet, LFM2-MoE and LFM3's short convolution, Bailing-hybrid's
+    KDA): the same comparisons."""
+    test_family_matches_unpatched(world, family, sp, layout, s)
 
 
 @settings(
@@ -148,7 +157,7 @@ def test_packed_documents_match_each_document_alone(world, family, sp, layout, r
 )
 def test_shard_inputs(world, family, sp, layout):
     """``inputs="shard"``: each rank passes its own shard of ids and labels."""
-    ids = _ids(2, 12 if sp == 2 else 18, 7)
+    ids = _ids(2, 6 * sp, 7)  # zigzag needs a multiple of 2 * sp
     want = _reference(family, 0, ids)
     res = world.check("tests.hybrid_cases:shard_step", sp, family, 0, ids, layout)
     for got in res:  # eval logits of the reference are the training ones here (no dropout)
@@ -165,6 +174,7 @@ def test_shard_inputs(world, family, sp, layout):
         ("lfm2", 2, {"tile_mlp": 4, "checkpointing": True}),
         ("bamba", 3, {"tile_mlp": 3, "checkpointing": True}),
         ("qwen3_5", 2, {"tile_mlp": 5}),
+        ("nemotron_h", 2, {"tile_mlp": 3}),  # its MLP layers: the layer's mixer is the MLP
         ("kimi_linear", 2, {"method": "ulysses"}),
         ("bamba", 2, {"method": "ulysses"}),
         ("jamba", 2, {"method": "ulysses", "checkpointing": True}),
@@ -280,6 +290,26 @@ def test_ranks_with_other_layer_shapes_are_refused_alike(world):
         assert "BambaForCausalLM" in got[1] and "parameter shapes" in got[1], got
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "jamba"])
+def test_a_rank_dying_in_a_recurrent_layer_gives_an_error_within_the_timeout(fork_context, family):
+    """The other rank dies as it enters its first recurrent layer: rank 0, inside that layer's
+    convolution halo and state passing, gets ringkv's timeout error naming the timeout, not a
+    hang."""
+    from tests.dist import World
+
+    w = World(2, context=fork_context)  # its own world: the dead rank leaves a collective open
+    try:
+        res = w.run(
+            "tests.hybrid_cases:dead_in_mixer", 2, family, 0, _ids(1, 12, 0), 3.0, timeout=90
+        )
+    finally:
+        w.close()
+    kind, message, seconds = res[0]
+    assert kind == "RingTimeoutError" and "3s" in message, res[0]
+    assert seconds < 30, seconds
+    assert "this rank died" in str(res[1]), res[1]
+
+
 def test_unpatch_restores_the_modeling_functions():
     """The wrappers are counted per modeling module: they stay while one patched model of the
     family is left, and the module's own functions are back after the last ``unpatch_model``; an
@@ -388,7 +418,9 @@ def test_every_causal_lm_is_accepted_or_refused_at_patch_time():
     assert len(unbuilt) <= _NO_DEFAULT_MODEL, unbuilt
     for key in ("qwen3_next", "qwen3_5_text", "falcon_h1", "bamba", "nemotron_h", "jamba"):
         assert verdict[key] == "hybrid", (key, verdict[key])
-    for key in ("granitemoehybrid", "zamba2", "kimi_linear"):
+    for key in ("granitemoehybrid", "zamba2", "kimi_linear", "qwen3_5_moe_text", "lara_mini"):
+        assert verdict[key] == "hybrid", (key, verdict[key])
+    for key in ("olmo_hybrid", "lfm3", "bailing_hybrid"):
         assert verdict[key] == "hybrid", (key, verdict[key])
     for key, layer in (
         ("mamba", "MambaMixer"),
@@ -397,8 +429,8 @@ def test_every_causal_lm_is_accepted_or_refused_at_patch_time():
         ("recurrent_gemma", "RecurrentGemmaRecurrentBlock"),
         ("zamba", "ZambaMambaMixer"),
         ("minimax", "MiniMaxLightningAttention"),
-        ("olmo_hybrid", "OlmoHybrid"),
         ("xlstm", "xLSTM"),
+        ("qwen4_exp_text", "Qwen4Exp"),
         ("rwkv", "Rwkv"),
     ):
         assert verdict[key].startswith("refused") and layer in verdict[key], (key, verdict[key])
@@ -413,17 +445,23 @@ def test_every_causal_lm_is_accepted_or_refused_at_patch_time():
 def test_sp_trainer_step_matches_one_unpatched_process(world, tmp_path):
     """``sp_trainer(Trainer)``, sp=4 over the whole world (dp=1): one SGD step (lr 1) leaves the
     weights the unpatched Trainer's step leaves, on every rank."""
+    trainer_matches(world, "jamba", 4, tmp_path)
+
+
+def trainer_matches(world, family, sp, tmp_path):
+    """One SGD step of ``sp_trainer(Trainer)`` at ``sp`` (a world of its own: dp = 1) against the
+    unpatched Trainer's: the logged loss and every weight after the step, on every rank."""
     import transformers
 
     from tests.hybrid_cases import trainer_args
 
     rows = _ids(2, 14, 9)
-    model = build("jamba", 0).train()
+    model = build(family, 0).train()
     args = transformers.TrainingArguments(**trainer_args(str(tmp_path / "ref"), 2, ddp=False))
     data = [dict(input_ids=r, labels=r) for r in rows]
     ref = transformers.Trainer(model=model, args=args, train_dataset=data).train()
     res = world.check(
-        "tests.hybrid_cases:trainer_step", 4, "jamba", 0, rows, "zigzag", str(tmp_path), timeout=300
+        "tests.hybrid_cases:trainer_step", sp, family, 0, rows, "zigzag", str(tmp_path), timeout=300
     )
     for got in res:
         assert got["loss"] == pytest.approx(ref.training_loss, rel=1e-5)

@@ -2,7 +2,8 @@
 (selective scan) mixers, gated DeltaNet and KDA, split over the SP group like the attention.
 
 transformers' hybrid modeling modules (Qwen3-Next, Qwen3.5, Falcon-H1, Bamba, Nemotron-H, Granite 4
-hybrid, LFM2, Jamba, Zamba2, Kimi Linear) run these layers through *module-level* functions that
+hybrid, LFM2, Jamba, Zamba2, Kimi Linear, and the same mixers in Qwen3.5-MoE, OLMo-hybrid, LFM2-MoE,
+LFM3, Lara-Mini and Bailing-hybrid) run these layers through *module-level* functions that
 each mixer looks up in its module's globals at call time (``causal_conv1d_forward``,
 ``mamba2_scan_forward``, ``mamba_scan_forward``, ``torch_chunk_gated_delta_rule``,
 ``chunk_kimi_delta_attention``, ...). ``install`` puts ringkv's wrappers in their place (reference
@@ -51,6 +52,12 @@ FAMILIES = (  # the hybrid families of MIXERS, as users name them
     "Jamba",
     "Zamba2",
     "Kimi Linear",
+    "Qwen3.5-MoE",
+    "OLMo-hybrid",
+    "LFM2-MoE",
+    "LFM3",
+    "Lara-Mini",
+    "Bailing-hybrid",
 )
 # the mixers ringkv splits: class name -> layer kind (each is checked to come from transformers)
 MIXERS = {
@@ -64,6 +71,13 @@ MIXERS = {
     "JambaMambaMixer": MAMBA,
     "Lfm2ShortConv": CONV,
     "KimiLinearDeltaAttention": KDA,
+    # the same mixers (and modeling functions) in other families' modules
+    "Qwen3_5MoeGatedDeltaNet": GDN,
+    "LaraMiniGatedDeltaNet": GDN,
+    "OlmoHybridGatedDeltaNet": GDN,
+    "Lfm2MoeShortConv": CONV,
+    "Lfm3ShortConv": CONV,
+    "BailingHybridDeltaAttention": KDA,
 }
 # the module-level functions of each kind's modeling module that ringkv wraps
 WRAPPED = {
@@ -107,10 +121,14 @@ def classify(model) -> List[Tuple[torch.nn.Module, str]]:
     attention nor one of ``MIXERS``: a module with a 1-D convolution over the sequence, or one
     whose class name says it is recurrent (RWKV, xLSTM, RG-LRU, linear or lightning attention,
     another Mamba or DeltaNet)."""
-    mixers = [(m, MIXERS[type(m).__name__]) for m in model.modules() if _is_mixer(m)]
-    inside = {id(s) for m, _ in mixers for s in m.modules()}
+    found = [(n, m) for n, m in model.named_modules() if _is_mixer(m)]
+    mixers = [(m, MIXERS[type(m).__name__]) for _, m in found]
+    inside = {id(s) for _, m in found for s in m.modules()}
+    # the layers holding a known mixer (OlmoHybridLinearAttentionDecoderLayer): their other
+    # children are classified on their own
+    holders = {".".join(n.split(".")[:i]) for n, _ in found for i in range(n.count(".") + 1)}
     for name, m in model.named_modules():
-        if id(m) in inside:
+        if id(m) in inside or name in holders:
             continue
         cls = type(m).__name__
         conv = any(isinstance(c, torch.nn.Conv1d) and c.kernel_size[0] > 1 for c in m.children())

@@ -3,9 +3,9 @@ same comparisons within tolerances):
 
     python -m tests.hybrid_report            # sp = 2 (zigzag) and 3 (contiguous), every family
 
-For each family of ``tests.hybrid_cases.FAMILIES`` (tiny random models, float32) and SP size it
-prints the training loss's absolute difference (patched - unpatched, chunked loss), the gradient
-differences (``compare``) and the largest eval-logit difference."""
+For each family of ``tests.hybrid_cases.FAMILIES`` and ``MORE`` (tiny random models, float32) and SP
+size it prints the training loss's absolute difference (patched - unpatched, chunked loss), the
+gradient differences (``compare``) and the largest eval-logit difference."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 import torch
 
 from tests.dist import World
-from tests.hybrid_cases import FAMILIES
+from tests.hybrid_cases import FAMILIES, MORE
 from tests.test_hf_hybrid import _ids, _reference
 
 CASES = ((2, "zigzag", 13), (3, "contiguous", 14))
@@ -58,7 +58,7 @@ def main() -> int:
     world = World(max(sp for sp, _, _ in CASES))
     try:
         print(HEADER)
-        for family in FAMILIES:
+        for family in FAMILIES + MORE:
             for sp, layout, s in CASES:
                 ids = _ids(2, s, sp)
                 want = _reference(family, 0, ids)

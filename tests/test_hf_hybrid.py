@@ -1,14 +1,16 @@
 """ringkv.patch_model on hybrid models (issue #56, part 2): tiny random models of every family whose
 recurrent layers ringkv splits (``tests/hybrid_cases.py``: Qwen3-Next and Qwen3.5 with gated
 DeltaNet, Falcon-H1, Bamba, Nemotron-H, Granite 4 hybrid and Zamba2 with Mamba2, Jamba with Mamba,
-LFM2 with short convolutions, Kimi Linear with KDA beside MLA) against the unpatched model on the
-same weights: the training loss through the chunked loss, every parameter's gradient (summed over
-the SP group) and the eval logits, at sp=2 and 3; then, on a representative subset, packed
-documents (each document alone as the oracle: the unpatched CPU path does not reset the state at a
-document boundary, ringkv does), ``inputs="shard"``, gradient checkpointing, ``tile_mlp``,
+LFM2 with short convolutions, Kimi Linear with KDA beside MLA; ``MORE``: Qwen3.5-MoE, Lara-Mini,
+OLMo-hybrid, LFM2-MoE, LFM3, Bailing-hybrid, the same mixers in other modules) against the unpatched
+model on the same weights: the training loss through the chunked loss, every parameter's gradient
+(summed over the SP group) and the eval logits, at sp=2 and 3; then, on a representative subset,
+packed documents (each document alone as the oracle: the unpatched CPU path does not reset the state
+at a document boundary, ringkv does), ``inputs="shard"``, gradient checkpointing, ``tile_mlp``,
 ``torch.compile``, ``sp_trainer(Trainer)`` and ``generate`` (left-padded, the recurrent cache kept
-exactly). Last, every causal-LM config class of transformers' auto mapping: accepted, or refused at
-patch time with a message naming a class."""
+exactly; ``tests/matrix_hybrid.py`` runs every feature on every family). Last, every causal-LM
+config class of transformers' auto mapping: accepted, or refused at patch time with a message naming
+a class."""
 
 from __future__ import annotations
 

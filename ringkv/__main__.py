@@ -223,6 +223,8 @@ def _plan(args) -> int:
         )
         migration = None if args.migrate_tokens is None else _plan_migration(args)
     except (ValueError, TypeError) as e:
+        if "unsupported model_type" in str(e):  # a hybrid model: patch_model's split, if one
+            return _plan_hybrid(args, e)
         print(f"ringkv: {e}", file=sys.stderr)
         return 2
     print(planner.format_table(opts[: args.top] if args.top else opts))
@@ -246,6 +248,45 @@ def _plan(args) -> int:
         _plan_json(args, opts, migration)
     if args.plot:
         planner.plot(opts, args.plot, f"{args.model}, {args.seq} tokens, {args.gpus} x {args.gpu}")
+    return 0
+
+
+def _plan_hybrid(args, refused: Exception) -> int:
+    """``ringkv plan`` of a model the engine refuses (``refused``): a hybrid model's recurrent
+    layers as ``patch_model`` splits them (``planner.hybrid``), or the engine's refusal."""
+    from . import planner
+    from .planner import hybrid
+
+    try:
+        layers = hybrid.recurrent_layers(args.model)
+    except TypeError as e:  # a recurrent layer ringkv cannot split, named
+        print(f"ringkv: {e}", file=sys.stderr)
+        return 2
+    if layers is None:
+        print(f"ringkv: {refused}", file=sys.stderr)
+        return 2
+    try:  # choose_form with the target's link and matmul rate
+        r = planner.rates(planner.load_hardware(args.hardware), args.gpu, args.dtype)
+    except (ValueError, KeyError) as e:
+        print(f"ringkv: {e}", file=sys.stderr)
+        return 2
+    link = r.links.get(args.interconnect, min(r.links.values()))
+    rates = dict(link_bytes_per_s=link, flops_per_s=r.matmul)
+    itemsize = 4 if args.dtype == "float32" else 2
+    rows = hybrid.hybrid_plan(layers, args.seq, args.gpus, itemsize, rates)
+    print(f"ringkv: {refused}: the engine does not serve hybrid models yet.")
+    print(
+        f"patch_model (training, prefill) splits its recurrent layers over an SP group as follows "
+        f"({args.seq} tokens, zigzag, batch 1, bytes one rank sends per layer and forward; "
+        f"auto: the form method='auto' picks at {link / 1e9:.3g} GB/s and "
+        f"{r.matmul / 1e12:.3g} TFLOP/s):\n"
+    )
+    print(hybrid.format_hybrid(rows))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(dict(model=str(args.model), seq=args.seq, hybrid=rows), f, indent=1)
     return 0
 
 

@@ -384,3 +384,62 @@ def test_fit_engine_recovers_the_rates_of_its_own_model():
     assert got.thread_scaling == pytest.approx(0.8, rel=0.02)
     for k, v in true.host.items():
         assert got.host[k] == pytest.approx(v, rel=0.05), k
+
+
+# ---- hybrid models: patch_model's split of their recurrent layers (planner.hybrid) ----------
+
+
+def test_hybrid_plan_bytes_follow_the_shapes(tmp_path, capsys):
+    """A hybrid config (tiny Qwen3-Next: 2 gated DeltaNet layers of 4 value / 2 key heads of 16;
+    the engine refuses it): ``ringkv plan`` prints the recurrent layers' split instead. State
+    passing sends every piece's state and transition (4 * 16 * (16 + 16) float32 per piece, two
+    zigzag pieces per rank, to the N - 1 others), constant in S; the head-parallel form grows
+    with S/N; ``method="auto"`` picks one with the target's rates."""
+    import json
+
+    from ringkv.__main__ import main
+    from ringkv.planner import hybrid
+    from tests.hybrid_cases import config
+
+    layers = hybrid.recurrent_layers(config("qwen3_next").to_dict())
+    assert [(g["layer"], g["kind"], g["count"]) for g in layers] == [
+        ("Qwen3NextGatedDeltaNet", "gdn", 2)
+    ]
+    assert layers[0]["dims"] == dict(k_heads=2, v_heads=4, d_k=16, d_v=16)
+    assert layers[0]["conv"] == (2 * 2 * 16 + 4 * 16, 4)
+    short, long = (hybrid.hybrid_plan(layers, s, 4) for s in (4096, 8192))
+    for a, b in zip(short, long):
+        assert a["state"] == b["state"] == 2 * (4 * 16 * 32) * 4 * (a["sp"] - 1)
+        assert b["heads"] > 1.9 * a["heads"] and a["auto"] in ("state", "heads")
+    assert [r["sp"] for r in short] == [2, 4]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config("qwen3_next").to_dict()))
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", str(path), "--seq", "8192", "--gpus", "4", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "does not serve hybrid models yet" in text and "Qwen3NextGatedDeltaNet" in text
+    saved = json.loads(out.read_text())["hybrid"]
+    assert [{k: v for k, v in r.items() if k != "auto"} for r in saved] == [
+        {k: v for k, v in r.items() if k != "auto"} for r in long
+    ]
+    assert all(r["auto"] == "state" for r in saved)  # NVLink and an H100's rates (the default)
+
+
+def test_hybrid_plan_refuses_what_patch_model_refuses(tmp_path, capsys):
+    """A recurrent model ringkv cannot split (Mamba): the refusal names its layer; a model that is
+    neither the engine's nor a hybrid: the engine's refusal."""
+    import json
+
+    import transformers
+
+    from ringkv.__main__ import main
+
+    for cfg, words in (
+        (transformers.MambaConfig(hidden_size=64, num_hidden_layers=2), "MambaMixer"),
+        (transformers.GPT2Config(n_layer=2), "unsupported model_type 'gpt2'"),
+    ):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(cfg.to_dict()))
+        assert main(["plan", "--model", str(path), "--seq", "4096", "--gpus", "2"]) == 2
+        assert words in capsys.readouterr().err

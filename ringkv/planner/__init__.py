@@ -48,7 +48,10 @@ The modules, each importing only those above it in this list:
   ``_rank``, ``_needs_sp``, ``_why``, ``_divisors``, ``_positive_int``, ``_link``, the seed
   constants (``SEED_SP_TOKENS``, ``SEED_MAX_PP``,
   ``WEAK_LINK_MAX_TP``);
-- ``report``: ``format_table``, ``plot``, ``_svg``.
+- ``report``: ``format_table``, ``plot``, ``_svg``;
+- ``hybrid`` (beside the others, importing ``sp`` and ``hf``): a hybrid model's recurrent layers as
+  ``patch_model`` splits them (``recurrent_layers``, ``hybrid_plan``, ``format_hybrid``), what
+  ``ringkv plan`` prints for a model the engine does not serve yet.
 
 The public names are re-exported here (``ringkv.planner.X``); the private helpers (a leading
 underscore) stay in their module. The formulas, the hardware table with its sources and the

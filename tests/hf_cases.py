@@ -152,11 +152,16 @@ def smollm2(ctx, ids, new_tokens, layout="zigzag"):
 
 def silent_peer(ctx, arch, seed, ids, timeout_s):
     """Rank 0 runs a forward; the other ranks never call. Rank 0 must fail within the timeout."""
-    import time
-
     model = hf.patch_model(build(arch, seed), group=ctx.group, timeout=timeout_s)
     if ctx.rank != 0:
         return "skipped"
+    return timed_forward(model, ids)
+
+
+def timed_forward(model, ids):
+    """A no-grad forward of ``ids``: ``(error type or "finished", message, seconds)``."""
+    import time
+
     t0 = time.monotonic()
     try:
         with torch.no_grad():

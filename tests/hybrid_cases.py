@@ -51,6 +51,24 @@ _COMMON = dict(
 _MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4)
 
 
+# KDA beside MLA, MoE MLPs (Kimi Linear, Bailing-hybrid)
+_KDA_MLA = dict(
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_local_experts=2,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+)
+
+
 def _gdn(layers):
     return dict(
         intermediate_size=96,
@@ -68,18 +86,21 @@ def _gdn(layers):
 def _configs():
     """family -> (config class name, its arguments besides ``_COMMON``)."""
     lin, full = "linear_attention", "full_attention"
+    gdn_moe = dict(
+        _gdn([lin, full, lin]),
+        num_experts=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    conv = dict(
+        intermediate_size=96,
+        num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+    )
     return {
-        "qwen3_next": (
-            "Qwen3NextConfig",
-            dict(
-                _gdn([lin, full, lin]),
-                num_experts=2,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                shared_expert_intermediate_size=32,
-                decoder_sparse_step=1,
-            ),
-        ),
+        "qwen3_next": ("Qwen3NextConfig", dict(gdn_moe, decoder_sparse_step=1)),
         "qwen3_5": ("Qwen3_5TextConfig", _gdn([lin, lin, full])),
         "falcon_h1": (  # attention and Mamba2 side by side in every layer
             "FalconH1Config",
@@ -132,15 +153,7 @@ def _configs():
                 **_MAMBA2,
             ),
         ),
-        "lfm2": (
-            "Lfm2Config",
-            dict(
-                intermediate_size=96,
-                num_hidden_layers=3,
-                layer_types=["conv", "full_attention", "conv"],
-                conv_L_cache=3,
-            ),
-        ),
+        "lfm2": ("Lfm2Config", conv),
         "jamba": (
             "JambaConfig",
             dict(
@@ -176,46 +189,11 @@ def _configs():
         ),
         "kimi_linear": (
             "KimiLinearConfig",
-            dict(
-                intermediate_size=96,
-                moe_intermediate_size=32,
-                num_hidden_layers=3,
-                num_key_value_heads=4,
-                layer_types=["linear_attention", "full_attention", "linear_attention"],
-                linear_head_dim=16,
-                linear_num_heads=4,
-                linear_conv_kernel_dim=4,
-                kv_lora_rank=32,
-                q_lora_rank=None,
-                qk_rope_head_dim=8,
-                qk_nope_head_dim=16,
-                v_head_dim=16,
-                num_local_experts=2,
-                num_experts_per_tok=2,
-                n_shared_experts=1,
-            ),
+            dict(_KDA_MLA, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4),
         ),
         # the same mixers in other families' modeling modules
-        "qwen3_5_moe": (
-            "Qwen3_5MoeTextConfig",
-            dict(
-                _gdn([lin, full, lin]),
-                num_experts=2,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                shared_expert_intermediate_size=32,
-            ),
-        ),
-        "lara_mini": (
-            "LaraMiniConfig",
-            dict(
-                _gdn([lin, full, lin]),
-                num_experts=2,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                shared_expert_intermediate_size=32,
-            ),
-        ),
+        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", gdn_moe),
+        "lara_mini": ("LaraMiniConfig", gdn_moe),
         "olmo_hybrid": (
             "OlmoHybridConfig",
             dict(_gdn([lin, full, lin]), linear_allow_neg_eigval=True),
@@ -223,11 +201,8 @@ def _configs():
         "lfm2_moe": (
             "Lfm2MoeConfig",
             dict(
-                intermediate_size=96,
+                conv,
                 moe_intermediate_size=32,
-                num_hidden_layers=3,
-                layer_types=["conv", "full_attention", "conv"],
-                conv_L_cache=3,
                 num_dense_layers=1,
                 num_experts=2,
                 num_experts_per_tok=2,
@@ -235,32 +210,14 @@ def _configs():
         ),
         "lfm3": (
             "Lfm3Config",
-            dict(
-                intermediate_size=96,
-                num_hidden_layers=3,
-                layer_types=["conv", "full_attention", "conv"],
-                conv_L_cache=3,
-                head_dim=16,
-            ),
+            dict(conv, head_dim=16),
         ),
         "bailing_hybrid": (
             "BailingHybridConfig",
             dict(
-                intermediate_size=96,
-                moe_intermediate_size=32,
-                num_hidden_layers=3,
-                num_key_value_heads=4,
-                layer_types=["linear_attention", "full_attention", "linear_attention"],
+                _KDA_MLA,
                 head_dim=16,
                 short_conv_kernel_size=4,
-                kv_lora_rank=32,
-                q_lora_rank=None,
-                qk_rope_head_dim=8,
-                qk_nope_head_dim=16,
-                v_head_dim=16,
-                num_local_experts=2,
-                num_experts_per_tok=2,
-                n_shared_experts=1,
                 n_group=1,
                 topk_group=1,
                 num_mtp_layers=0,
@@ -486,9 +443,8 @@ def dead_in_mixer(ctx, family, seed, ids, timeout_s):
     """Every rank but 0 dies on entering its first recurrent layer (after the step's checks
     agreed); rank 0 runs on into that layer's halo and state passing and must fail within the
     timeout: ``(error type, message, seconds)``."""
-    import time
-
     from ringkv.hf import recurrent
+    from tests.hf_cases import timed_forward
 
     model = _patch(ctx, family, seed, "zigzag", timeout=timeout_s)
     if ctx.rank != 0:
@@ -497,10 +453,4 @@ def dead_in_mixer(ctx, family, seed, ids, timeout_s):
             raise RuntimeError("this rank died")
 
         recurrent.classify(model)[0][0].register_forward_pre_hook(die)
-    t0 = time.monotonic()
-    try:
-        with torch.no_grad():
-            model(ids)
-    except Exception as e:  # noqa: BLE001 - the type is what the test checks
-        return type(e).__name__, str(e), time.monotonic() - t0
-    return "finished", "", time.monotonic() - t0
+    return timed_forward(model, ids)

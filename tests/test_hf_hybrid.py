@@ -362,6 +362,17 @@ def _tiny_recurrent_models():
     ]
 
 
+def test_a_convolution_beside_a_known_mixer_is_refused():
+    """A decoder layer holding a known mixer is not refused for its name
+    (``OlmoHybridLinearAttentionDecoderLayer``), but a convolution over the sequence of its own
+    still is, named."""
+    model = build("olmo_hybrid", 0)
+    hf.unpatch_model(hf.patch_model(model))  # accepted as it is
+    model.model.layers[0].extra = torch.nn.Conv1d(4, 4, 3)
+    with pytest.raises(TypeError, match="OlmoHybridLinearAttentionDecoderLayer"):
+        hf.patch_model(model)
+
+
 def test_unknown_recurrent_layers_are_refused_naming_the_class():
     for model, cls in _tiny_recurrent_models():
         with pytest.raises(TypeError, match=cls):

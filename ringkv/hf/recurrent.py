@@ -124,16 +124,16 @@ def classify(model) -> List[Tuple[torch.nn.Module, str]]:
     found = [(n, m) for n, m in model.named_modules() if _is_mixer(m)]
     mixers = [(m, MIXERS[type(m).__name__]) for _, m in found]
     inside = {id(s) for _, m in found for s in m.modules()}
-    # the layers holding a known mixer (OlmoHybridLinearAttentionDecoderLayer): their other
-    # children are classified on their own
+    # the layers holding a known mixer (OlmoHybridLinearAttentionDecoderLayer) are not judged by
+    # their name (their other children and own convolutions still are)
     holders = {".".join(n.split(".")[:i]) for n, _ in found for i in range(n.count(".") + 1)}
     for name, m in model.named_modules():
-        if id(m) in inside or name in holders:
+        if id(m) in inside:
             continue
         cls = type(m).__name__
         conv = any(isinstance(c, torch.nn.Conv1d) and c.kernel_size[0] > 1 for c in m.children())
         # an attention layer's class name may say "linear" (Kimi's MLA is KimiLinearAttention)
-        named = RECURRENT_NAMES.search(cls) and not NOT_LAYERS.search(cls)
+        named = name not in holders and RECURRENT_NAMES.search(cls) and not NOT_LAYERS.search(cls)
         if named and _is_attention(m) and calls_attention_interface(m):
             named = False
         if conv or named:

@@ -12,6 +12,7 @@ with labels through the chunked loss, and backward) it reports:
 
 - ``base``: one process (rank 0; the others wait) running the unpatched model on the whole
   sequence with N threads (the machine's cores, as DESIGN.md compares on CPU);
+  (``--skip-base`` leaves it out: its training step holds ~0.75 GiB per 1K tokens);
 - ``sp1``: the same process running the model patched on a group of its own (sp=1: ringkv's
   local kernels, no communication), N threads: the SP overhead without the kernel difference
   (transformers' CPU path and ringkv's torch references are different code);

@@ -88,6 +88,13 @@ def kda(
 
 def _check(q, k, v, g, beta, chunk_size, pieces, group, per_channel: bool) -> None:
     name = "kda" if per_channel else "gated_delta_rule"
+    t = delta_shapes(name, q, k, v, g, beta, chunk_size, per_channel)[1]
+    check_pieces(pieces, group, t, name)
+
+
+def delta_shapes(name: str, q, k, v, g, beta, chunk_size, per_channel: bool):
+    """The shapes of a delta rule's inputs (both forms; ``per_channel``: KDA):
+    ``(b, t, hk, hv, dk)``, or a ``ValueError`` naming ``name`` and the input."""
     for what, x, dims in (
         ("q", q, 4),
         ("k", k, 4),
@@ -115,13 +122,9 @@ def _check(q, k, v, g, beta, chunk_size, pieces, group, per_channel: bool) -> No
     if (per_channel and hv != hk) or hv % hk:
         rule = "the same head count" if per_channel else "v heads a multiple of the q/k heads"
         raise ValueError(f"{name}: q/k have {hk} heads and v {hv}: {rule} is needed")
-    _check_pieces(name, t, chunk_size, pieces, group)
-
-
-def _check_pieces(name: str, t: int, chunk_size, pieces, group) -> None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{name}: chunk_size must be a positive int, got {chunk_size!r}")
-    check_pieces(pieces, group, t, name)
+    return b, t, hk, hv, dk
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,6 +90,12 @@ def _conv(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     return F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), bias, groups=x.shape[1])
 
 
+def halo_bytes(channels: int, taps: int, pieces: Pieces, world: int, batch: int = 1) -> int:
+    """Bytes one rank sends in ``causal_conv1d``'s halo exchange: every piece's last ``taps``
+    inputs, float32, all-gathered to the ``world - 1`` others."""
+    return pieces.slots * batch * channels * taps * 4 * (world - 1)
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -163,9 +169,10 @@ def _pass_states(ys, finals, transitions, compose, correct, pieces, group, timeo
     return ys, doc_final
 
 
-def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group, timeout):
-    what = "mamba2_scan"
-    check_shape(what, "x", x, (None, None, None, None))
+def ssd_shapes(what: str, x, dt, A, B, C, chunk_size, D, dt_bias) -> Tuple[int, int, int, int]:
+    """The shapes of a Mamba2 scan's inputs (both forms): ``(b, t, h, p)`` of ``x``, or a
+    ``ValueError`` naming ``what`` and the input."""
+    check_shape(what, "x", x, (None,) * 4)
     b, t, h, p = x.shape
     check_shape(what, "dt", dt, (b, t, h))
     check_shape(what, "A", A, (h,))
@@ -175,8 +182,14 @@ def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group, timeout):
     check_shape(what, "dt_bias", dt_bias, (h,))
     if h % B.shape[2]:
         raise ValueError(f"{what}: {h} heads do not split into {B.shape[2]} groups of B and C")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{what}: chunk_size must be a positive int, got {chunk_size!r}")
+    return b, t, h, p
+
+
+def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group, timeout):
+    what = "mamba2_scan"
+    b, t, h, p = ssd_shapes(what, x, dt, A, B, C, chunk_size, D, dt_bias)
     rank_world_ = check_pieces(pieces, group, t, what)
     dims = dict(batch=b, heads=h, head_dim=p, state=B.shape[3])
     agree_call(what, dims, pieces, group, timeout, x.device)
@@ -265,9 +278,10 @@ def _skip_gate(y, x, D, z, rows: range):
     return y if z is None else y * F.silu(z[..., r].float())
 
 
-def _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group, timeout):
-    what = "selective_scan"
-    check_shape(what, "x", x, (None, None, None))
+def selective_shapes(what: str, x, dt, A, B, C, D, z, delta_bias) -> Tuple[int, int, int]:
+    """The shapes of a selective scan's inputs (both forms): ``(b, d, t)`` of ``x``, or a
+    ``ValueError`` naming ``what`` and the input."""
+    check_shape(what, "x", x, (None,) * 3)
     b, d, t = x.shape
     check_shape(what, "dt", dt, (b, d, t))
     check_shape(what, "A", A, (d, None))
@@ -276,6 +290,12 @@ def _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group, timeout):
     check_shape(what, "D", D, (d,))
     check_shape(what, "z", z, (b, d, t))
     check_shape(what, "delta_bias", delta_bias, (d,))
+    return b, d, t
+
+
+def _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group, timeout):
+    what = "selective_scan"
+    b, d, t = selective_shapes(what, x, dt, A, B, C, D, z, delta_bias)
     rank_world_ = check_pieces(pieces, group, t, what)
     dims = dict(batch=b, channels=d, state=A.shape[1])
     agree_call(what, dims, pieces, group, timeout, x.device)

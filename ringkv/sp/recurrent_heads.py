@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from ..kernels.delta_ref import gated_delta_ref, kda_ref
 from ..kernels.scan_ref import process_dt, selective_scan_ref, ssd_scan_ref
 from .collectives import all_to_all, rank_world
-from .pieces import Pieces, agree_call, check_pieces, check_shape, gather_slots, tie
+from .delta import delta_shapes
+from .pieces import Pieces, agree_call, check_pieces, gather_slots, tie
+from .recurrent import selective_shapes, ssd_shapes
 
 __all__ = [
     "heads_gated_delta_rule",
@@ -150,25 +152,8 @@ def _finish(y, finals, world, group, timeout, what, return_final_state):
 # gated delta rule and KDA
 
 
-def _delta_check(what, q, k, v, g, beta, chunk_size, per_channel: bool):
-    for name, x, n in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("beta", beta, 3)):
-        check_shape(what, name, x, (None,) * n)
-    b, t, hk, dk = q.shape
-    hv = v.shape[2]
-    check_shape(what, "k", k, (b, t, hk, dk))
-    check_shape(what, "v", v, (b, t, hv, None))
-    check_shape(what, "g", g, (b, t, hv, dk) if per_channel else (b, t, hv))
-    check_shape(what, "beta", beta, (b, t, hv))
-    if (per_channel and hv != hk) or hv % hk:
-        rule = "the same head count" if per_channel else "v heads a multiple of the q/k heads"
-        raise ValueError(f"{what}: q/k have {hk} heads and v {hv}: {rule} is needed")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"{what}: chunk_size must be a positive int, got {chunk_size!r}")
-    return b, t, hk, hv, dk
-
-
 def _delta(ref, what, q, k, v, g, beta, opts, pieces, group, timeout, return_final_state):
-    b, t, hk, hv, dk = _delta_check(what, q, k, v, g, beta, opts["chunk_size"], ref is kda_ref)
+    b, t, hk, hv, dk = delta_shapes(what, q, k, v, g, beta, opts["chunk_size"], ref is kda_ref)
     rank, world = _check_group(what, pieces, group, t, hv, "value heads")
     dims = dict(batch=b, k_heads=hk, v_heads=hv, d_k=dk, d_v=v.shape[3])
     agree_call(what, dims, pieces, group, timeout, q.device)
@@ -240,23 +225,6 @@ def heads_kda(
 # Mamba2 SSD
 
 
-def _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias):
-    what = "heads_mamba2_scan"
-    check_shape(what, "x", x, (None,) * 4)
-    b, t, h, p = x.shape
-    check_shape(what, "dt", dt, (b, t, h))
-    check_shape(what, "A", A, (h,))
-    check_shape(what, "B", B, (b, t, None, None))
-    check_shape(what, "C", C, tuple(B.shape))
-    check_shape(what, "D", D, (h,))
-    check_shape(what, "dt_bias", dt_bias, (h,))
-    if h % B.shape[2]:
-        raise ValueError(f"{what}: {h} heads do not split into {B.shape[2]} groups of B and C")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"{what}: chunk_size must be a positive int, got {chunk_size!r}")
-    return b, t, h, p
-
-
 def heads_mamba2_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -281,7 +249,7 @@ def heads_mamba2_scan(
     else sent whole to every rank. Parameter gradients: each rank's for its own heads (their
     sum over the group is the whole gradient, as with state passing)."""
     what = "heads_mamba2_scan"
-    b, t, h, p = _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias)
+    b, t, h, p = ssd_shapes(what, x, dt, A, B, C, chunk_size, D, dt_bias)
     groups = B.shape[2]
     rank, world = _check_group(what, pieces, group, t, h, "heads")
     dims = dict(batch=b, heads=h, head_dim=p, groups=groups, state=B.shape[3])
@@ -309,20 +277,6 @@ def heads_mamba2_scan(
 # Mamba selective scan (channels first: the sequence is the last dimension)
 
 
-def _sel_check(x, dt, A, B, C, D, z, delta_bias):
-    what = "heads_selective_scan"
-    check_shape(what, "x", x, (None,) * 3)
-    b, d, t = x.shape
-    check_shape(what, "dt", dt, (b, d, t))
-    check_shape(what, "A", A, (d, None))
-    check_shape(what, "B", B, (b, A.shape[1], t))
-    check_shape(what, "C", C, (b, A.shape[1], t))
-    check_shape(what, "D", D, (d,))
-    check_shape(what, "z", z, (b, d, t))
-    check_shape(what, "delta_bias", delta_bias, (d,))
-    return b, d, t
-
-
 def heads_selective_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -345,7 +299,7 @@ def heads_selective_scan(
     ``return_final_state``: ``(y, {doc: (B, D, N) float32})``. ``D`` (channels) must divide by
     the group size."""
     what = "heads_selective_scan"
-    b, d, t = _sel_check(x, dt, A, B, C, D, z, delta_bias)
+    b, d, t = selective_shapes(what, x, dt, A, B, C, D, z, delta_bias)
     rank, world = _check_group(what, pieces, group, t, d, "channels")
     agree_call(what, dict(batch=b, channels=d, state=A.shape[1]), pieces, group, timeout, x.device)
     out_dtype = x.dtype

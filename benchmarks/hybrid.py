@@ -134,6 +134,7 @@ def layer_bytes(cfg, seq: int, world: int) -> dict:
     shapes: ringkv.sp.recurrent_heads.layer_bytes for the two forms (tested there against what
     each rank hands to torch.distributed), and the convolution's halo."""
     from ringkv.sp.pieces import seq_pieces
+    from ringkv.sp.recurrent import halo_bytes
     from ringkv.sp.recurrent_heads import layer_bytes as forms
 
     if world == 1:
@@ -144,8 +145,7 @@ def layer_bytes(cfg, seq: int, world: int) -> dict:
     pieces = seq_pieces(seq, "zigzag", world)
     out = forms("gdn", dims, pieces, world)
     conv = 2 * cfg.linear_num_key_heads * dk + cfg.linear_num_value_heads * dv
-    # every piece's last K inputs, all-gathered (float32)
-    out["halo"] = pieces.slots * conv * cfg.linear_conv_kernel_dim * 4 * (world - 1)
+    out["halo"] = halo_bytes(conv, cfg.linear_conv_kernel_dim, pieces, world)
     return out
 
 

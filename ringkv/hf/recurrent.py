@@ -79,6 +79,8 @@ MIXERS = {
     "Lfm3ShortConv": CONV,
     "BailingHybridDeltaAttention": KDA,
 }
+# each kind's name in ringkv.sp.recurrent_heads (the convolution alone has no state to pass)
+SP_KINDS = {GDN: "gdn", KDA: "kda", MAMBA2: "mamba2", MAMBA: "selective"}
 # the module-level functions of each kind's modeling module that ringkv wraps
 WRAPPED = {
     CONV: ("causal_conv1d_forward",),
@@ -109,6 +111,27 @@ NOT_LAYERS = re.compile(r"Norm|Model$|ForCausalLM$|Config$")  # wrappers and nor
 # patch time: which layers a model has
 
 
+def seq_conv(m: torch.nn.Module) -> bool:
+    """Whether ``m`` is a convolution over the sequence (a ``Conv1d`` of more than one tap)."""
+    return isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] > 1
+
+
+def layer_dims(mixer: torch.nn.Module, kind: str) -> Dict[str, int]:
+    """``sp.recurrent_heads.layer_bytes``' dims of a transformers mixer of ``kind`` (a key of
+    ``SP_KINDS``), from the attribute names the families share."""
+    m = mixer
+    if kind == GDN:
+        return dict(
+            k_heads=m.num_k_heads, v_heads=m.num_v_heads, d_k=m.head_k_dim, d_v=m.head_v_dim
+        )
+    if kind == KDA:
+        return dict(heads=m.num_heads, d_k=m.head_dim, d_v=m.head_dim)
+    if kind == MAMBA2:
+        h, p = m.num_heads, m.head_dim
+        return dict(heads=h, head_dim=p, state=m.ssm_state_size, groups=m.n_groups)
+    return dict(channels=m.intermediate_size, state=m.ssm_state_size)
+
+
 def _is_mixer(m: torch.nn.Module) -> bool:
     cls = type(m)
     return cls.__name__ in MIXERS and cls.__module__.startswith("transformers.models.")
@@ -131,7 +154,7 @@ def classify(model) -> List[Tuple[torch.nn.Module, str]]:
         if id(m) in inside:
             continue
         cls = type(m).__name__
-        conv = any(isinstance(c, torch.nn.Conv1d) and c.kernel_size[0] > 1 for c in m.children())
+        conv = any(seq_conv(c) for c in m.children())
         # an attention layer's class name may say "linear" (Kimi's MLA is KimiLinearAttention)
         named = name not in holders and RECURRENT_NAMES.search(cls) and not NOT_LAYERS.search(cls)
         if named and _is_attention(m) and calls_attention_interface(m):
@@ -345,8 +368,7 @@ def _mamba2(state, step, module, hidden_states, B, C, dt, cache, **kw):
 
     b, t, _ = hidden_states.shape
     g, n = module.n_groups, module.ssm_state_size
-    dims = dict(heads=module.num_heads, head_dim=module.head_dim, state=n, groups=g, batch=b)
-    dims.update(itemsize=hidden_states.element_size())
+    dims = dict(layer_dims(module, MAMBA2), batch=b, itemsize=hidden_states.element_size())
     scan = _pick(state, step, "mamba2", dims, mamba2_scan, heads_mamba2_scan)
     y = scan(
         hidden_states.view(b, t, module.num_heads, module.head_dim),

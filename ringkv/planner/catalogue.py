@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from ..model.config import ModelConfig
 
@@ -68,6 +68,12 @@ def read_json(path, what: str = "calibration file"):
         raise ValueError(f"cannot read {what} {path!r}: {e}") from None
 
 
+def config_path(model) -> Optional[str]:
+    """The ``config.json`` an HF directory or a file path names, or None when there is none."""
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else str(model)
+    return path if os.path.isfile(path) else None
+
+
 def load_model(model) -> ModelConfig:
     """A ``ModelConfig`` from a preset name, an HF directory or ``config.json`` path, a config
     dict, a transformers config/model, or a ``ModelConfig``."""
@@ -86,8 +92,8 @@ def load_model(model) -> ModelConfig:
     name = ALIASES.get(str(model).lower(), str(model).lower())
     if name in PRESETS:
         return ModelConfig.from_hf(PRESETS[name])
-    path = os.path.join(model, "config.json") if os.path.isdir(model) else str(model)
-    if not os.path.isfile(path):
+    path = config_path(model)
+    if path is None:
         raise ValueError(
             f"unknown model {str(model)!r}: not a preset ({', '.join(PRESETS)}) nor a directory "
             f"or config.json file"

@@ -24,9 +24,6 @@ from typing import Dict, List, Optional
 
 __all__ = ["recurrent_layers", "hybrid_plan", "format_hybrid"]
 
-# ringkv's layer kinds (hf.recurrent) -> sp.recurrent_heads' names
-_KINDS = {"gated delta rule": "gdn", "kda": "kda", "mamba2": "mamba2", "mamba": "selective"}
-
 
 def _meta_model(model):
     """``model`` (an HF directory or config.json, a config dict or a transformers config) as a
@@ -36,11 +33,11 @@ def _meta_model(model):
         import transformers
     except ImportError:  # the planner works without the hf extra
         return None
-    from .catalogue import read_json
+    from .catalogue import config_path, read_json
 
     if isinstance(model, (str, os.PathLike)):
-        path = os.path.join(model, "config.json") if os.path.isdir(model) else str(model)
-        if not os.path.isfile(path):
+        path = config_path(model)
+        if path is None:
             return None
         model = read_json(path, "model config")
     if isinstance(model, dict):
@@ -59,29 +56,6 @@ def _meta_model(model):
         return None
 
 
-def _dims(mixer, kind: str) -> Dict[str, int]:
-    """``layer_bytes``' dims of a transformers mixer (attribute names shared by the families)."""
-    m = mixer
-    if kind == "gdn":
-        return dict(
-            k_heads=m.num_k_heads, v_heads=m.num_v_heads, d_k=m.head_k_dim, d_v=m.head_v_dim
-        )
-    if kind == "kda":
-        return dict(heads=m.num_heads, d_k=m.head_dim, d_v=m.head_dim)
-    if kind == "mamba2":
-        h, p = m.num_heads, m.head_dim
-        return dict(heads=h, head_dim=p, state=m.ssm_state_size, groups=m.n_groups)
-    return dict(channels=m.intermediate_size, state=m.ssm_state_size)
-
-
-def _conv(mixer):
-    """The mixer's causal convolution (``torch.nn.Conv1d`` over the sequence), or None."""
-    import torch
-
-    convs = [c for c in mixer.modules() if isinstance(c, torch.nn.Conv1d) and c.kernel_size[0] > 1]
-    return convs[0] if convs else None
-
-
 def recurrent_layers(model) -> Optional[List[dict]]:
     """The recurrent layers of ``model`` grouped by class: ``[{"layer", "kind", "count", "dims",
     "conv": (channels, taps) or None}]``; ``None`` when ``model`` is not a hybrid transformers
@@ -96,13 +70,12 @@ def recurrent_layers(model) -> Optional[List[dict]]:
     for mixer, kind in recurrent.classify(built):
         name = type(mixer).__name__
         if name not in groups:
-            sp_kind = _KINDS.get(kind)  # None: a convolution alone (LFM2)
-            conv = _conv(mixer)
+            conv = next((c for c in mixer.modules() if recurrent.seq_conv(c)), None)
             groups[name] = dict(
                 layer=name,
-                kind=sp_kind or "conv",
+                kind=recurrent.SP_KINDS.get(kind, "conv"),  # "conv": a convolution alone (LFM2)
                 count=0,
-                dims=_dims(mixer, sp_kind) if sp_kind else {},
+                dims=recurrent.layer_dims(mixer, kind) if kind in recurrent.SP_KINDS else {},
                 conv=(conv.in_channels, conv.kernel_size[0]) if conv is not None else None,
             )
         groups[name]["count"] += 1
@@ -119,6 +92,7 @@ def hybrid_plan(
     (``link_bytes_per_s``, ``flops_per_s``: the target's; default: ``choose_form``'s, measured
     on a CPU)."""
     from ..sp.pieces import seq_pieces
+    from ..sp.recurrent import halo_bytes
     from ..sp.recurrent_heads import choose_form, heads_divide, layer_bytes
 
     rows = []
@@ -133,8 +107,7 @@ def hybrid_plan(
                 state = b["state"]
                 heads = b["heads"] if heads_divide(g["kind"], dims, sp) else None
                 auto = choose_form(g["kind"], dims, pieces, sp, **(rates or {}))
-            channels, taps = g["conv"] or (0, 0)
-            halo = pieces.slots * channels * taps * 4 * (sp - 1)  # float32 tails
+            halo = halo_bytes(*(g["conv"] or (0, 0)), pieces, sp)
             rows.append(dict(row, state=state, heads=heads, halo=halo, auto=auto))
     return rows
 

@@ -1,15 +1,67 @@
 """``ModelConfig``: the few numbers a decoder of the supported families needs, read from an HF
-``config.json`` (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3)."""
+``config.json`` (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3, and the hybrid
+families LFM2, Qwen3.5 text, Qwen3-Next, Bamba, Granite 4 hybrid and Nemotron-H, whose recurrent
+mixers ``RecurrentConfig`` describes and whose mixture-of-experts MLPs (Qwen3-Next, Granite)
+``MoEConfig`` does).
+
+A hybrid model's layers each have a kind (``ModelConfig.layer_kind``): ``"attention"`` (holds KV),
+``"conv"`` (LFM2's gated short convolution), ``"mamba2"`` (Bamba, Granite 4 hybrid, Nemotron-H),
+``"gdn"`` (the gated DeltaNet of Qwen3.5 and Qwen3-Next) or ``"mlp"`` (a Nemotron-H block that is
+an MLP alone). A config option a family
+has that ringkv does not implement is refused here, with a ``ValueError`` naming it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
+HYBRID = ("lfm2", "qwen3_5_text", "qwen3_next", "bamba", "granitemoehybrid", "nemotron_h")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3") + HYBRID
+KINDS = ("attention", "conv", "mamba2", "gdn", "mlp")
+# our parameter-name prefix -> the checkpoint's, where a family names the engine-facing parts
+# (``model.embed_tokens``, ``model.norm``) otherwise
+CHECKPOINT_RENAMES = {
+    "lfm2": {"model.norm.": "model.embedding_norm."},
+    "bamba": {"model.norm.": "model.final_layernorm."},
+    "nemotron_h": {"model.norm.": "model.norm_f.", "model.embed_tokens.": "model.embeddings."},
+}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}
 GEMMA = ("gemma2", "gemma3_text")
+
+
+@dataclass
+class RecurrentConfig:
+    """The sizes of a hybrid model's recurrent mixers (one kind per family)."""
+
+    conv_kernel: int  # K: the short convolution's taps (its state holds the K - 1 inputs before)
+    conv_bias: bool = False
+    activation: Optional[str] = None  # after the convolution: None (LFM2) or "silu"
+    norm_eps: float = 1e-6  # the mixer's gated RMSNorm
+    proj_bias: bool = False  # Mamba2: bias on in_proj and out_proj
+    heads: int = 0  # Mamba2: SSD heads; GDN: value heads
+    head_dim: int = 0  # Mamba2: P; GDN: the value head dim
+    k_heads: int = 0  # GDN: query/key heads
+    k_head_dim: int = 0  # GDN: the query/key head dim
+    groups: int = 1  # Mamba2: B/C groups (n_groups), also the gated norm's groups
+    state: int = 0  # Mamba2: N (d_state)
+    chunk_size: int = 64  # the chunked scan's chunk (exact under any choice, up to rounding)
+    dt_limit: Optional[Tuple[float, float]] = None  # Mamba2: dt clamped to it after softplus
+
+
+@dataclass
+class MoEConfig:
+    """A sparse MLP: ``top_k`` of ``experts`` gated MLPs picked by a router, plus a shared expert
+    (Qwen3-Next: gated by ``sigmoid(shared_expert_gate x)``; Granite: its ``shared_mlp``, sized by
+    ``ModelConfig.intermediate_size``)."""
+
+    experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    shared_intermediate_size: int = 0  # Qwen3-Next's shared expert
+    norm_topk_prob: bool = False  # Qwen3-Next: the top-k router weights renormalised
+    # the layers whose MLP is this block (the others: the dense MLP)
+    layers: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -43,7 +95,8 @@ class ModelConfig:
     layer_types: Optional[List[str]] = (
         None  # per layer "full_attention" | "sliding_attention"; None: all full
     )
-    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh" (Gemma)
+    # the MLP's activation: "silu", "gelu_pytorch_tanh" (Gemma) or "relu2" (Nemotron-H, ungated)
+    hidden_act: str = "silu"
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight), all in float32
     sandwich_norms: bool = False  # Gemma 2/3: a norm after attention and before and after the MLP
     embed_scale: Optional[float] = (
@@ -62,6 +115,14 @@ class ModelConfig:
     fused_proj: bool = (
         False  # Phi-3: the checkpoint holds qkv_proj and gate_up_proj (split when loaded)
     )
+    # hybrid models: each layer's kind (KINDS; None: all attention) and their mixers' sizes
+    layer_kinds: Optional[List[str]] = None
+    recurrent: Optional[RecurrentConfig] = None
+    moe: Optional[MoEConfig] = None
+    attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate, out * sigmoid(gate)
+    use_rope: bool = True  # Nemotron-H's attention has no position embedding
+    residual_multiplier: float = 1.0  # Granite: each residual branch's output scaled by it
+    logits_scaling: float = 1.0  # Granite: logits divided by it
     extra: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -73,7 +134,13 @@ class ModelConfig:
             raise TypeError(
                 f"ModelConfig.from_hf takes the config.json dict, got {type(cfg).__name__}"
             )
+        if cfg.get("model_type") == "qwen3_5" and isinstance(cfg.get("text_config"), dict):
+            # Qwen3.5's image-text checkpoints: the text model (its weights under
+            # model.language_model; the vision tower's are not read)
+            cfg = {**cfg["text_config"], "model_type": "qwen3_5_text"}
         mt = _model_type(cfg)
+        if mt == "nemotron_h" and "num_hidden_layers" not in cfg:  # (a property of its config)
+            cfg = dict(cfg, num_hidden_layers=len(cfg.get("layers_block_type") or ()))
         try:
             heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
@@ -107,7 +174,7 @@ class ModelConfig:
             softcap = cfg.get("attn_logit_softcapping", 50.0) if mt == "gemma2" else None
             final = cfg.get("final_logit_softcapping", 30.0 if mt == "gemma2" else None)
             scalar = cfg.get("query_pre_attn_scalar", 256)
-        return cls(
+        fields = dict(
             **kw,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
@@ -135,6 +202,9 @@ class ModelConfig:
             extra=cfg,
             **rope,
         )
+        if mt in HYBRID:
+            fields.update(_HYBRID_FIELDS[mt](cfg, layers))
+        return cls(**fields)
 
     @property
     def eos_token_ids(self) -> set:
@@ -154,6 +224,14 @@ class ModelConfig:
             if self.sliding_window is not None and self.is_sliding(layer)
             else -1
         )
+
+    def layer_kind(self, layer: int) -> str:
+        """``layer``'s kind (global index): ``"attention"`` or a recurrent kind of ``KINDS``."""
+        return "attention" if self.layer_kinds is None else self.layer_kinds[layer]
+
+    def kv_layers(self) -> List[int]:
+        """Global indices of the layers that hold K/V (the attention layers)."""
+        return [i for i in range(self.num_layers) if self.layer_kind(i) == "attention"]
 
 
 def _scaling(s: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -179,11 +257,12 @@ def _model_type(cfg: Dict[str, Any]) -> str:
 
 
 def _activation(cfg: Dict[str, Any], gemma: bool) -> str:
-    act = cfg.get("hidden_activation") if gemma else None
-    act = act or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    key = "hidden_activation" if gemma and cfg.get("hidden_activation") else "hidden_act"
+    act = cfg.get(key) or ("gelu_pytorch_tanh" if gemma else "silu")
     if act not in ACTIVATIONS:
         raise ValueError(
-            f"hidden activation {act!r} is not supported; ringkv.model runs {sorted(ACTIVATIONS)}"
+            f"hidden activation {key}={act!r} is not supported; ringkv.model runs "
+            f"{sorted(ACTIVATIONS)}"
         )
     return act
 
@@ -203,7 +282,10 @@ def _rope_fields(cfg: Dict[str, Any], mt: str) -> Dict[str, Any]:
         cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     )
     theta = float(
-        rope.get("rope_theta", cfg.get("rope_theta", 1e6 if mt == "gemma3_text" else 10000.0))
+        rope.get(
+            "rope_theta",
+            cfg.get("rope_theta", 1e6 if mt in ("gemma3_text", "lfm2") else 10000.0),
+        )
     )
     local_theta = local_scaling = None
     if mt == "gemma3_text":
@@ -215,7 +297,12 @@ def _rope_fields(cfg: Dict[str, Any], mt: str) -> Dict[str, Any]:
             "not supported; use a checkpoint with rope_scaling null (e.g. "
             "Phi-3-mini-4k-instruct)"
         )
-    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    default = {"qwen3_5_text": 0.25, "qwen3_next": 0.25, "bamba": 0.5}.get(
+        mt, 1.0
+    )  # transformers' defaults
+    partial = float(
+        rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)) or default
+    )
     return dict(
         rope_theta=theta,
         rope_scaling=scaling,
@@ -262,3 +349,252 @@ def _windows(mt: str, cfg: Dict[str, Any], layers: int):
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding_window must be a positive int, got {window!r}")
     return window, types
+
+
+# ---------------------------------------------------------------------------------------------
+# hybrid families: their layer kinds and mixers (the fields that differ from the common parse)
+
+
+def _kinds(types, names: Dict[str, str], key: str, layers: int) -> List[str]:
+    """Layer kinds from a family's per-layer type names (``names``: its name -> our kind)."""
+    types = list(types or ())
+    bad = sorted({t for t in types if t not in names})
+    if len(types) != layers or bad:
+        hint = f" (not supported: {bad})" if bad else ""
+        raise ValueError(
+            f"{key} must list {layers} layer types of {sorted(names)}, got {types}{hint}"
+        )
+    return [names[t] for t in types]
+
+
+def _refuse(cfg: Dict[str, Any], mt: str, unsupported: Dict[str, Any]) -> None:
+    """``ValueError`` naming the first option of ``unsupported`` (key -> the only value ringkv
+    runs, transformers' default when absent) that ``cfg`` sets otherwise."""
+    for key, ok in unsupported.items():
+        if key in cfg and cfg[key] != ok:
+            raise ValueError(
+                f"{mt}: config option {key}={cfg[key]!r} is not supported by ringkv.model "
+                f"(only {ok!r})"
+            )
+
+
+def _lfm2(cfg: Dict[str, Any], layers: int) -> Dict[str, Any]:
+    types = cfg.get("layer_types")
+    if types is None:  # older configs: the attention layers' indices
+        full = cfg.get("full_attn_idxs")
+        full = range(layers) if full is None else full
+        types = ["full_attention" if i in full else "conv" for i in range(layers)]
+    inter = cfg.get("block_ff_dim", cfg["intermediate_size"])
+    if cfg.get("block_auto_adjust_ff_dim", True):  # as Lfm2MLP sizes its hidden units
+        inter = int(2 * inter / 3)
+        mult, of = cfg.get("block_ffn_dim_multiplier", 1.0), cfg.get("block_multiple_of", 256)
+        if mult is not None:
+            inter = of * ((int(mult * inter) + of - 1) // of)
+    eps = cfg.get("norm_eps", 1e-5)
+    bias = bool(cfg.get("conv_bias", False))
+    return dict(
+        layer_kinds=_kinds(
+            types, {"conv": "conv", "full_attention": "attention"}, "layer_types", layers
+        ),
+        intermediate_size=inter,
+        rms_norm_eps=eps,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))),
+        qk_norm=True,
+        qkv_bias=False,
+        o_bias=False,
+        recurrent=RecurrentConfig(conv_kernel=int(cfg.get("conv_L_cache", 3)), conv_bias=bias),
+    )
+
+
+def _qwen3_next(cfg: Dict[str, Any], layers: int) -> Dict[str, Any]:
+    """Qwen3.5's layers (its DeltaNet's projections fused) with MoE MLPs."""
+    out = _qwen3_5(cfg, layers, "qwen3_next")
+    experts, step = int(cfg.get("num_experts", 512)), int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
+    if sparse:
+        out["moe"] = MoEConfig(
+            experts=experts,
+            top_k=int(cfg.get("num_experts_per_tok", 10)),
+            intermediate_size=int(cfg.get("moe_intermediate_size", 512)),
+            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 512)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            layers=sparse,
+        )
+    return out
+
+
+def _qwen3_5(cfg: Dict[str, Any], layers: int, mt: str = "qwen3_5_text") -> Dict[str, Any]:
+    _refuse(cfg, mt, {"hidden_act": "silu"})  # also the convolution's activation
+    types = cfg.get("layer_types")
+    if types is None:
+        every = cfg.get("full_attention_interval", 4)
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)
+        ]
+    names = {"linear_attention": "gdn", "full_attention": "attention"}
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(
+        layer_kinds=_kinds(types, names, "layer_types", layers),
+        norm_plus_one=True,
+        qk_norm=True,
+        attn_output_gate=True,
+        qkv_bias=bias,
+        o_bias=bias,
+        recurrent=RecurrentConfig(
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+            activation="silu",
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            heads=int(cfg.get("linear_num_value_heads", 32)),
+            head_dim=int(cfg.get("linear_value_head_dim", 128)),
+            k_heads=int(cfg.get("linear_num_key_heads", 16)),
+            k_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        ),
+    )
+
+
+def _mamba2(mt: str, act: tuple, groups: tuple, limit, **sizes) -> RecurrentConfig:
+    """A Mamba2 mixer's sizes (``RecurrentConfig`` fields in ``sizes``); ``act``/``groups``: the
+    family's ``(key, value)`` of the mixer's activation and of its B/C groups."""
+    if act[1] not in ("silu", "swish"):
+        raise ValueError(
+            f"{mt}: config option {act[0]}={act[1]!r} is not supported by ringkv.model "
+            f"(only 'silu')"
+        )
+    if sizes["heads"] % groups[1]:
+        raise ValueError(f"{mt}: {groups[0]}={groups[1]} must divide the {sizes['heads']} heads")
+    limit = (0.0, float("inf")) if limit is None else (_json_float(limit[0]), _json_float(limit[1]))
+    return RecurrentConfig(activation="silu", groups=int(groups[1]), dt_limit=limit, **sizes)
+
+
+def _json_float(v) -> float:
+    """A float of a config.json; transformers writes infinities as ``{"__float__": "Infinity"}``."""
+    return float(v["__float__"] if isinstance(v, dict) else v)
+
+
+def _bamba_mamba(cfg: Dict[str, Any], mt: str) -> RecurrentConfig:
+    """The Mamba2 mixer of Bamba and Granite 4 hybrid (the same ``mamba_*`` keys)."""
+    heads = int(cfg.get("mamba_n_heads", 128))
+    d_head = cfg.get("mamba_d_head", "auto")
+    if d_head == "auto":
+        d_head = cfg.get("mamba_expand", 2) * cfg["hidden_size"] // heads
+    return _mamba2(
+        mt,
+        ("hidden_act", cfg.get("hidden_act", "silu")),
+        ("mamba_n_groups", cfg.get("mamba_n_groups", 1)),
+        cfg.get("time_step_limit"),
+        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        heads=heads,
+        head_dim=int(d_head),
+        state=int(cfg.get("mamba_d_state", 256)),
+        chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+    )
+
+
+def _bamba(cfg: Dict[str, Any], layers: int) -> Dict[str, Any]:
+    attn = set(cfg.get("attn_layer_indices") or ())
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(
+        layer_kinds=["attention" if i in attn else "mamba2" for i in range(layers)],
+        qkv_bias=bias,
+        o_bias=bias,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        recurrent=_bamba_mamba(cfg, "bamba"),
+    )
+
+
+def _granite(cfg: Dict[str, Any], layers: int) -> Dict[str, Any]:
+    """Granite 4 hybrid: Bamba's mixer, MoE plus a shared MLP, and Granite's multipliers."""
+    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    names = {"mamba": "mamba2", "linear_attention": "mamba2"}
+    names.update(attention="attention", full_attention="attention")
+    rope = cfg.get("position_embedding_type")
+    if rope not in (None, "rope"):
+        raise ValueError(
+            f"granitemoehybrid: config option position_embedding_type={rope!r} is not supported "
+            f"by ringkv.model (only 'rope' or None)"
+        )
+    experts, bias = int(cfg.get("num_local_experts", 0)), bool(cfg.get("attention_bias", False))
+    moe = None
+    if experts > 0:
+        top_k = int(cfg.get("num_experts_per_tok", 2))
+        moe = MoEConfig(experts, top_k, int(cfg["intermediate_size"]), layers=list(range(layers)))
+    embed = float(cfg.get("embedding_multiplier", 1.0))
+    return dict(
+        layer_kinds=_kinds(types, names, "layer_types", layers),
+        intermediate_size=int(cfg.get("shared_intermediate_size", 1024)),  # the shared MLP's
+        moe=moe,
+        qkv_bias=bias,
+        o_bias=bias,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        use_rope=rope == "rope",
+        attn_scale=float(cfg.get("attention_multiplier", 1.0)),
+        embed_scale=None if embed == 1.0 else embed,
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+        recurrent=_bamba_mamba(cfg, "granitemoehybrid"),
+    )
+
+
+_NEMOTRON_TYPES = {  # its layer type names, old ones included -> our kinds ("moe": refused)
+    "linear_attention": "mamba2",
+    "mamba": "mamba2",
+    "full_attention": "attention",
+    "attention": "attention",
+    "mlp": "mlp",
+}
+
+
+def _nemotron_h(cfg: Dict[str, Any], layers: int) -> Dict[str, Any]:
+    _refuse(
+        cfg,
+        "nemotron_h",
+        {
+            "mlp_hidden_act": "relu2",
+            "sliding_window": None,
+            "num_nextn_predict_layers": 0,
+            "residual_in_fp32": False,
+        },
+    )
+    types = cfg.get("layers_block_type")
+    if types is None and "hybrid_override_pattern" in cfg:
+        pattern = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
+        types = [pattern.get(c, c) for c in cfg["hybrid_override_pattern"]]
+    eps = cfg.get("layer_norm_epsilon", 1e-5)
+    rec = _mamba2(
+        "nemotron_h",
+        ("mamba_hidden_act", cfg.get("mamba_hidden_act", "silu")),
+        ("n_groups", cfg.get("n_groups", 8)),
+        cfg.get("time_step_limit"),
+        conv_kernel=int(cfg.get("conv_kernel", 4)),
+        conv_bias=bool(cfg.get("use_conv_bias", True)),
+        proj_bias=bool(cfg.get("use_bias", False)),
+        norm_eps=eps,
+        heads=int(cfg.get("mamba_num_heads", 128)),
+        head_dim=int(cfg.get("mamba_head_dim", 64)),
+        state=int(cfg.get("ssm_state_size", 128)),
+        chunk_size=int(cfg.get("chunk_size", 128)),
+    )
+    return dict(
+        layer_kinds=_kinds(types, _NEMOTRON_TYPES, "layers_block_type", layers),
+        rms_norm_eps=eps,
+        qkv_bias=False,
+        o_bias=False,
+        use_rope=False,
+        tie_word_embeddings=False,  # transformers never ties them (whatever the config says)
+        hidden_act="relu2",
+        recurrent=rec,
+    )
+
+
+_HYBRID_FIELDS = {
+    "lfm2": _lfm2,
+    "qwen3_5_text": _qwen3_5,
+    "qwen3_next": _qwen3_next,
+    "bamba": _bamba,
+    "granitemoehybrid": _granite,
+    "nemotron_h": _nemotron_h,
+}

@@ -66,6 +66,13 @@ class DenseContext:
         )
         return out[0]
 
+    def recur(self, layer: int, fn, u: torch.Tensor, shapes):
+        """A recurrent layer's sequential part over the sequence from the zero state: ``u (T, F)``
+        -> ``fn(u[None], zero states)``'s output ``(T, F')`` (``ringkv.model.hybrid``)."""
+        states = [torch.zeros((1, *s), dtype=torch.float32, device=u.device) for s in shapes]
+        y, _ = fn(u[None], states)
+        return y[0]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, plus_one: bool = False):
@@ -84,18 +91,24 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # the checkpoint's names of the output projection and the q/k norms (LFM2 names them otherwise)
+    OUT, QK_NORMS = "o_proj", ("q_norm", "k_norm")
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=cfg.qkv_bias)
+        self.gated = cfg.attn_output_gate  # Qwen3.5: each head's q rows, then its gate's
+        q_rows = self.h * self.d * (2 if self.gated else 1)
+        self.q_proj = nn.Linear(cfg.hidden_size, q_rows, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        setattr(self, self.OUT, nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias))
+        self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # Qwen3, Gemma 3: one (D,) norm shared by the heads, so TP leaves it whole
-            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one)
-            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one)
-        self.rope = rope_index(cfg, layer_idx)
+            for name in self.QK_NORMS:
+                setattr(self, name, RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one))
+        self.rope = rope_index(cfg, layer_idx) if cfg.use_rope else None
         kw = dict(scale=cfg.attn_scale, softcap=cfg.attn_softcap, window=cfg.window(layer_idx))
         self.attn_kw = {
             k: v for k, v in kw.items() if v not in (None, -1)
@@ -105,26 +118,32 @@ class Attention(nn.Module):
         # x (T, hidden); cos/sin (R, T, 1, rotary_dim): the model's RoPEs, this layer's is
         # [self.rope]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.h, self.d)  # (T, H, D)
+        q = self.q_proj(x).view(t, self.h, -1)  # (T, H, D), or (T, H, 2D) with the gate
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)  # (T, H, D) each
         k = self.k_proj(x).view(t, self.hkv, self.d)  # (T, Hkv, D)
         v = self.v_proj(x).view(t, self.hkv, self.d)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[self.rope], sin[self.rope]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.qk_norm:
+            q, k = (getattr(self, n)(y) for n, y in zip(self.QK_NORMS, (q, k)))
+        if self.rope is not None:
+            cos, sin = cos[self.rope], sin[self.rope]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attend(
             self.layer_idx, q, k, v, **self.attn_kw
         )  # (T, H, D): the one attention call site
-        return self.o_proj(out.reshape(t, self.h * self.d))  # (T, hidden)
+        out = out.reshape(t, self.h * self.d)
+        if self.gated:
+            out = out * torch.sigmoid(gate.reshape(t, self.h * self.d))
+        return getattr(self, self.OUT)(out)  # (T, hidden)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None):
         super().__init__()
-        b = cfg.mlp_bias
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
+        b, i = cfg.mlp_bias, intermediate_size or cfg.intermediate_size  # (an expert's own)
+        self.gate_proj = nn.Linear(cfg.hidden_size, i, bias=b)
+        self.up_proj = nn.Linear(cfg.hidden_size, i, bias=b)
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=b)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x):
@@ -164,10 +183,10 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, new_layer=DecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(new_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.rotary = Rotary(cfg)
 
@@ -178,10 +197,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = Decoder(cfg)
+        self.model = Decoder(cfg, self.new_layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def new_layer(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``, called as ``layer(x, cos, sin, ctx)`` (a subclass builds others)."""
+        return DecoderLayer(cfg, layer_idx)
 
     def forward(self, input_ids: torch.Tensor, positions: Optional[torch.Tensor] = None, ctx=None):
         """input_ids (T,), positions (T,) -> hidden states (T, hidden) after the final norm."""
@@ -199,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
         """hidden (N, hidden) -> logits (N, vocab) in float32 (a vocabulary shard's columns under
         TP: the soft-cap is elementwise, so it commutes with the gather)."""
         x = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite
+            x = x / self.config.logits_scaling
         c = self.config.final_softcap
         if c is not None:  # Gemma: c * tanh(logits / c), in the head's dtype like HF
             x = torch.tanh(x / c) * c

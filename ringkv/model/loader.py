@@ -1,5 +1,6 @@
-"""Build a ``LlamaForCausalLM`` from an HF directory (safetensors only), an in-memory
-transformers model, or a GGUF file (dequantized by transformers' GGUF loader).
+"""Build a ``LlamaForCausalLM`` (or a ``HybridForCausalLM``, its subclass, for the hybrid
+families: ``new_model``) from an HF directory (safetensors only), an in-memory transformers model,
+or a GGUF file (dequantized by transformers' GGUF loader).
 
 Never unpickles: ``*.bin``/``*.pt`` checkpoints are refused.
 
@@ -14,15 +15,33 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from typing import Dict, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .config import ModelConfig
+from .config import CHECKPOINT_RENAMES, ModelConfig
+from .hybrid import new_model
 from .llama import LlamaForCausalLM
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # checkpoint names that are not weights
+# checkpoint tensors a family's model does not read (multi-token prediction, a vision tower)
+IGNORED_PREFIXES = {
+    "qwen3_5_text": ("mtp.", "model.visual."),
+    "qwen3_next": ("mtp.",),
+    "nemotron_h": ("mtp.",),
+}
+# saved checkpoints' names -> transformers' in-memory ones (the model's), as regex substitutions
+SAVED_NAMES = {
+    "nemotron_h": [(r"^backbone\.", "model.")],
+    "qwen3_5_text": [(r"^model\.language_model\.", "model.")],  # an image-text checkpoint
+    "granitemoehybrid": [
+        (r"\.block_sparse_moe\.input_linear\.weight$", ".block_sparse_moe.experts.gate_up_proj"),
+        (r"\.block_sparse_moe\.output_linear\.weight$", ".block_sparse_moe.experts.down_proj"),
+        (r"\.block_sparse_moe\.router\.layer\.weight$", ".block_sparse_moe.router.weight"),
+    ],
+}
 
 
 class _NoInit(TorchFunctionMode):
@@ -130,6 +149,85 @@ class SafetensorsSource:
         return sl[start:stop] if dim == 0 else sl[(slice(None),) * dim + (slice(start, stop),)]
 
 
+class RenamedSource:
+    """``weights`` under other names: ``renames`` (``[(saved pattern, ours)]``, regex
+    substitutions) applied to each; ``get`` and ``shape`` read the saved tensor (views, as
+    ``weights``)."""
+
+    def __init__(self, weights, renames):
+        self.weights, self.saved = weights, {}
+        for name in weights.names():
+            ours = name
+            for pattern, repl in renames:
+                ours = re.sub(pattern, repl, ours)
+            self.saved[ours] = name
+
+    def names(self):
+        return set(self.saved)
+
+    def shape(self, name: str) -> tuple:
+        return self.weights.shape(self.saved[name])
+
+    def get(self, name: str, *args) -> torch.Tensor:
+        return self.weights.get(self.saved[name], *args)
+
+
+class ExpertsSource:
+    """``weights`` whose MoE experts are fused as transformers holds them in memory
+    (``experts.gate_up_proj (E, 2I, H)``, ``experts.down_proj (E, H, I)``) seen one expert at a
+    time as checkpoints save them (``experts.<e>.gate_proj.weight``, ...): views, no copies (an
+    in-memory model's state dict; a safetensors file holding them fused would be read whole)."""
+
+    def __init__(self, weights):
+        self.weights, self.parts = weights, {}  # name -> (fused name, expert, first row, rows)
+        for name in weights.names():
+            base, _, kind = name.rpartition(".experts.")
+            if kind not in ("gate_up_proj", "down_proj"):
+                self.parts[name] = None
+                continue
+            experts, rows, _ = weights.shape(name)
+            half = rows // 2
+            split = (
+                {"gate_proj": (0, half), "up_proj": (half, half)}
+                if kind == "gate_up_proj"
+                else {"down_proj": (0, rows)}
+            )  # part -> (first row, rows) of an expert's fused tensor
+            for e in range(experts):
+                for part, (first, n) in split.items():
+                    self.parts[f"{base}.experts.{e}.{part}.weight"] = (name, e, first, n)
+
+    def names(self):
+        return set(self.parts)
+
+    def shape(self, name: str) -> tuple:
+        part = self.parts[name]
+        return self.weights.shape(name) if part is None else self._get(name).shape
+
+    def get(self, name: str, dim: Optional[int] = None, start: int = 0, stop: int = 0):
+        if self.parts[name] is None:
+            return self.weights.get(name, dim, start, stop)
+        t = self._get(name)
+        return t if dim is None else t.narrow(dim, start, stop - start)
+
+    def _get(self, name: str) -> torch.Tensor:
+        fused, e, first, rows = self.parts[name]
+        return self.weights.get(fused)[e].narrow(0, first, rows)
+
+
+def in_memory_names(cfg: ModelConfig, weights):
+    """``weights`` named as the model's parameters: where a family's saved checkpoints name them
+    otherwise (``SAVED_NAMES``: Nemotron-H saves ``backbone.*`` for ``model.*``, Granite its
+    experts) and where transformers' in-memory model fuses what checkpoints keep apart (Qwen3-Next's
+    experts: ``ExpertsSource``)."""
+    renames = SAVED_NAMES.get(cfg.model_type)
+    if renames and not isinstance(weights, RenamedSource):
+        weights = RenamedSource(weights, renames)
+    fused = cfg.model_type == "qwen3_next" and not isinstance(weights, ExpertsSource)
+    if fused and any(n.endswith(".experts.gate_up_proj") for n in weights.names()):
+        weights = ExpertsSource(weights)
+    return weights
+
+
 def read_safetensors(directory: str) -> Dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors`` or the shards named by
     ``model.safetensors.index.json``."""
@@ -139,15 +237,16 @@ def read_safetensors(directory: str) -> Dict[str, torch.Tensor]:
 
 def checkpoint_name(cfg: ModelConfig, param: str) -> str:
     """The checkpoint tensor a parameter comes from (a tied LM head reads the embedding; a part of
-    a fused projection reads the fused tensor)."""
+    a fused projection reads the fused tensor; a family's own names: ``CHECKPOINT_RENAMES``)."""
     fused = fused_part(cfg, param)
     if fused is not None:
         return fused[0]
-    return (
-        "model.embed_tokens.weight"
-        if cfg.tie_word_embeddings and param == "lm_head.weight"
-        else param
-    )
+    if cfg.tie_word_embeddings and param == "lm_head.weight":
+        param = "model.embed_tokens.weight"
+    for ours, theirs in CHECKPOINT_RENAMES.get(cfg.model_type, {}).items():
+        if param.startswith(ours):
+            return theirs + param[len(ours) :]
+    return param
 
 
 _FUSED = {
@@ -202,7 +301,9 @@ def source_key(cfg: ModelConfig, param: str, sl: Optional["Slice"] = None) -> tu
 def model_tensors(cfg: ModelConfig, weights) -> set:
     """The names in ``weights`` that the model reads: not the ignored buffers, and not a tied
     LM head (it reads the embedding), so a directory and an in-memory model give the same set."""
+    skip = IGNORED_PREFIXES.get(cfg.model_type, ())
     have = {k for k in weights.names() if not k.endswith(IGNORED_SUFFIXES)}
+    have = {k for k in have if not k.startswith(skip)} if skip else have
     if cfg.tie_word_embeddings:
         have.discard("lm_head.weight")
     return have
@@ -211,9 +312,10 @@ def model_tensors(cfg: ModelConfig, weights) -> set:
 def check_checkpoint(cfg: ModelConfig, weights) -> None:
     """Every tensor the full model needs is in ``weights`` with the full model's shape, and
     nothing else is (so a sliced load can trust names and shapes)."""
+    weights = in_memory_names(cfg, weights)
     with on_meta():
         shapes = {}
-        for k, v in LlamaForCausalLM(cfg).state_dict().items():
+        for k, v in new_model(cfg).state_dict().items():
             name, _, _, stop = source_key(cfg, k)
             shape = tuple(v.shape)
             if fused_part(cfg, k) is not None:  # the fused tensor: the rows of all its parts
@@ -225,14 +327,26 @@ def check_checkpoint(cfg: ModelConfig, weights) -> None:
         raise ValueError(
             f"checkpoint does not match the {cfg.model_type} config: missing {missing[:5]}"
             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-            f"{'...' if len(unexpected) > 5 else ''}"
+            f"{'...' if len(unexpected) > 5 else ''}{_kinds_of(cfg, missing + unexpected)}"
         )
     for k, want in shapes.items():
         got = weights.shape(k)
         if got != tuple(want):
             raise ValueError(
                 f"checkpoint tensor {k!r} has shape {got}, config expects {tuple(want)}"
+                f"{_kinds_of(cfg, [k])}"
             )
+
+
+def _kinds_of(cfg: ModelConfig, names) -> str:
+    """For a hybrid config: what it says the layers of ``names`` are (``" (config: layer 3 is
+    conv)"``), to tell a layer pattern that disagrees with the weights."""
+    if cfg.layer_kinds is None:
+        return ""
+    parts = [n.split(".") for n in names if n.startswith("model.layers.")]
+    idx = sorted({int(p[2]) for p in parts if p[2].isdigit()})[:5]
+    kinds = ", ".join(f"layer {i} is {cfg.layer_kind(i)}" for i in idx if i < cfg.num_layers)
+    return f" (config: {kinds})" if kinds else ""
 
 
 Slice = Tuple[int, int, int]  # (dim, start, stop) of the checkpoint tensor
@@ -250,6 +364,7 @@ def materialize(
     that slice of it. Parameters that read the same tensor and slice share one tensor (a tied
     LM head stays tied). ``check_checkpoint`` must have passed."""
     cfg, slices = model.config, slices or {}
+    weights = in_memory_names(cfg, weights)
     loaded: Dict[tuple, torch.nn.Parameter] = {}
     for mod_name, module in model.named_modules():
         for pname, p in list(module._parameters.items()):
@@ -283,7 +398,7 @@ def build(
 def build_from(cfg: ModelConfig, weights, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
     check_checkpoint(cfg, weights)
     with on_meta():
-        model = LlamaForCausalLM(cfg)
+        model = new_model(cfg)
     return materialize(model, weights, dtype, device)
 
 

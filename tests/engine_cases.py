@@ -13,11 +13,16 @@ from tests.models import tiny_model
 
 
 def model_from(spec):
-    """``("tiny", arch, seed, overrides)`` -> the same random model on every rank; a str -> a
+    """``("tiny", arch, seed, overrides)`` or ``("hybrid", family, seed, overrides)``
+    (``tests.hybrid_cases.engine_model``) -> the same random model on every rank; a str -> a
     path."""
     if isinstance(spec, str):
         return spec
-    _, arch, seed, overrides = spec
+    kind, arch, seed, overrides = spec
+    if kind == "hybrid":
+        from tests.hybrid_cases import engine_model
+
+        return engine_model(arch, seed, **overrides)
     return tiny_model(arch, seed, **overrides)
 
 
@@ -323,3 +328,23 @@ def kv_size_mismatch(ctx, spec, prompt, move, timeout):
         return dict(error=str(e), s=time.monotonic() - t)
     finally:
         a.close()
+
+
+def hybrid_rounds(ctx, spec, llm_kwargs, prompts, params, logprob_prompt):
+    """Two rounds of ``prompts`` (the second hits the prefix cache), then ``logprob_prompt``'s
+    prompt log-probs, on one engine; what this rank saw, the driver's state slots included."""
+    with LLM(model_from(spec), **llm_kwargs) as llm:
+        rounds = [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]
+        lp = llm.generate(
+            [logprob_prompt],
+            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )[0].prompt_logprobs
+        states = llm.core.blocks.states
+        return dict(
+            tokens=[[o.token_ids for o in outs] for outs in rounds],
+            cached=[[o.num_cached_tokens for o in outs] for outs in rounds],
+            logprobs=lp,
+            info=llm.kv_cache_info(),
+            free_slots=None if llm.rank else len(states.free_running),
+        )

@@ -454,3 +454,13 @@ def dead_in_mixer(ctx, family, seed, ids, timeout_s):
 
         recurrent.classify(model)[0][0].register_forward_pre_hook(die)
     return timed_forward(model, ids)
+
+
+def engine_model(family: str, seed: int, **overrides):
+    """``build``'s model for the engine's tests: no EOS (every request runs to its length) and
+    the LM head scaled up, so greedy choices are clear (a parallel engine's summation order must
+    not decide a near tie)."""
+    model = build(family, seed, eos_token_id=None, **overrides)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)
+    return model

@@ -28,6 +28,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ringkv.cache.block_manager import BlockManager
+from ringkv.cache.state_pool import StateSlots
 from ringkv.engine.params import SamplingParams
 from ringkv.engine.scheduler import Scheduler
 from ringkv.engine.sequence import Sequence
@@ -85,6 +86,9 @@ class Deltas(RuleBasedStateMachine):
             self.blocks.register(
                 s.seq.block_table, s.seq.token_ids, s.start + s.n, None, s.seq.prefix_cursor
             )
+            for p, slot in s.saves:  # as the pipeline indexes a hybrid's snapshots
+                key = self.blocks.checkpoint_key(s.seq.block_table, p // self.blocks.block_size)
+                self.blocks.states.put(*key, slot)
             if s.completes:
                 s.seq.token_ids.append(1000 + s.seq.num_tokens)
                 if s.seq.num_tokens >= len(s.seq.prompt_token_ids) + tokens:
@@ -126,13 +130,38 @@ def _entries(words):
     w = words.tolist()
     i = HEADER + w[2]
     for _ in range(w[3]):
-        flags, ntok, nblk = w[i + 1], w[i + 5], w[i + 6]
+        flags, ntok, nblk, nsave = w[i + 1], w[i + 5], w[i + 6], w[i + 9]
         yield flags, ntok, nblk
-        i += ENTRY + ntok + nblk
+        i += ENTRY + ntok + nblk + 2 * nsave
 
 
 TestDeltas = Deltas.TestCase
 TestDeltas.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+class HybridDeltas(Deltas):
+    """The same with a hybrid model's state slots: every running sequence holds its own slot,
+    restores and saves travel to the mirrors, and snapshots stay with registered blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks.attach_states(StateSlots(running=4, snapshots=3, checkpoint_blocks=2))
+
+    @invariant()
+    def slots_are_held_once(self):
+        states = self.blocks.states
+        held = [s.state_slot for s in self.sched.running]
+        assert None not in held and len(set(held)) == len(held)
+        assert len(held) + len(states.free_running) == states.running
+        assert not states.pending  # every step here completes before the next
+        snaps = [slot for slot, _ in states.index.values()]
+        assert len(snaps) + len(states.free_snapshots) == states.snapshots
+        for h, (_, cid) in states.index.items():  # a snapshot's block is registered, same content
+            assert self.blocks.cid_of[self.blocks.by_hash[h]] == cid
+
+
+TestHybridDeltas = HybridDeltas.TestCase
+TestHybridDeltas.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 
 
 def _decode_words(context: int, batch: int, block_size: int = 16) -> int:

@@ -137,11 +137,51 @@ class BlockManager:
         self.events: Optional[KVEvents] = None  # set to publish the prefix cache's changes
         self.tiers = None  # a TierStore (attach_tiers): evicted blocks kept off the device
         self.key_of: Dict[int, bytes] = {}  # registered block -> its tier key (with tiers)
+        self.states = None  # a hybrid model's state slots (attach_states)
 
     def attach_tiers(self, tiers) -> None:
         """Keep evicted blocks in ``tiers`` (a ``tiers.TierStore``) and promote them back."""
         self.tiers = tiers
         tiers.on_change = self._tier_changed
+
+    def attach_states(self, states) -> None:
+        """A hybrid model: its recurrent-state slots and prefix snapshots (a
+        ``state_pool.StateSlots``), whose snapshots live and die with their blocks."""
+        self.states = states
+
+    def match_states(self, blocks: List[int]) -> Tuple[List[int], Optional[int]]:
+        """A hybrid model's usable part of a prefix match: the blocks up to the deepest one
+        with a snapshot and that snapshot's slot (the rest are freed), or no blocks and None.
+        Without states: ``blocks`` as they are."""
+        if self.states is None:
+            return blocks, None
+        k, slot = self.deepest_snapshot(blocks)
+        self.free(blocks[k:])
+        if slot is not None:
+            self.states.restored += 1
+        return blocks[:k], slot
+
+    def deepest_snapshot(self, blocks: List[int]) -> Tuple[int, Optional[int]]:
+        """``(k, slot)``: the first ``k`` of ``blocks`` (a registered prefix) reach the deepest
+        snapshot, held in ``slot``; ``(0, None)`` if none does. Any block may hold one (an
+        imported prefix's ends where its tokens do), so every one is looked at."""
+        for k in range(len(blocks), 0, -1):
+            b = blocks[k - 1]
+            h = self.hash_of.get(b)
+            slot = None if h is None else self.states.get(h, self.cid_of[b])
+            if slot is not None:
+                return k, slot
+        return 0, None
+
+    def checkpoint_key(self, table: List[int], k: int) -> Tuple[Optional[Hashable], Optional[int]]:
+        """``(hash, content id)`` of block ``k - 1`` of ``table`` if it is registered and no
+        snapshot of it is held yet (what a completed save is indexed under), else ``(None,
+        None)``."""
+        b = table[k - 1] if k <= len(table) else None
+        h = self.hash_of.get(b)
+        if h is None or self.states.has(h):
+            return None, None
+        return h, self.cid_of[b]
 
     def _tier_changed(self, h, tier: int) -> None:
         """A tier took or lost ``h``: an event unless the device holds it (its best tier)."""
@@ -274,6 +314,8 @@ class BlockManager:
                 self.key_of[d] = key
         else:
             lost = (b, key, h)
+            if self.states is not None:
+                self.states.drop(h)
         self._unref(cid)
         self.evictions += 1
         return lost

@@ -21,6 +21,7 @@ import torch
 
 from ..cache.block_manager import STORED, BlockManager, KVEvents, block_hash
 from ..cache.disk_tier import DiskTier
+from ..cache.state_pool import StateSlots
 from ..cache.tiers import EntryLayout, TierStore, default_host_bytes
 from ..kernels import quant
 from ..model.loader import open_model
@@ -29,6 +30,7 @@ from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster, deferred_
 from ..parallel.tp import check_tp
 from ..parallel.worker import EngineShape
 from .flags import GIB, knob
+from .hybrid import check_hybrid
 from .migrate import Migration
 from .output import OutputProcessor
 from .params import SamplingParams, is_int
@@ -164,6 +166,12 @@ class EngineConfig:
         SP_PREFILL_MIN_TOKENS,
         "tokens a sequence computes in a step before the ring splits them over the SP ranks",
     )
+    state_checkpoint_blocks: Optional[int] = knob(
+        None,
+        "hybrid models: snapshot the recurrent state for the prefix cache every N KV blocks "
+        "(default: the fewest blocks whose K/V weigh as much as one snapshot)",
+        metavar="N",
+    )
     compile_decode: bool = knob(
         False,
         "run decode steps' dense parts (on CPU, prefill steps' too) through torch.compile "
@@ -218,6 +226,10 @@ class EngineCore:
         self.tiers = self._make_tiers(c)  # evicted prefix blocks kept in host memory / on disk
         if self.tiers is not None:
             self.blocks.attach_tiers(self.tiers)
+        if self.shape.state_slots:  # a hybrid model: the recurrent states' slots and snapshots
+            every = self.shape.checkpoint_blocks
+            snapshots = self.num_blocks // every if every else 0
+            self.blocks.attach_states(StateSlots(c.max_num_seqs, snapshots, every or 1))
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=c.max_num_seqs,
@@ -245,6 +257,7 @@ class EngineCore:
                 f"inside the layers' dense parts it compiles); use tp=1 (any pp and sp) or "
                 f"compile_decode=False"
             )
+        hybrid = check_hybrid(cfg, c, self.dtype)
         shape = EngineShape(
             c.pp,
             c.sp,
@@ -255,10 +268,11 @@ class EngineCore:
             c.paged_backend,
             c.kv_cache_dtype,
             decode_buckets(c.max_num_seqs) if c.compile_decode else None,
+            **hybrid,
         )
         shape.stage_sizes(cfg)  # validates pp and pp_layers
         Cluster.mode_for(tp * c.pp * c.sp)  # a torch.distributed world of the wrong size
-        if c.gpu_memory_utilization is None:  # the cache size is known: check it before loading
+        if c.gpu_memory_utilization is None and not hybrid:  # the size is known: check it now
             self._check_capacity(
                 c.num_blocks
                 if c.num_blocks is not None
@@ -314,8 +328,8 @@ class EngineCore:
         whose block manager decides; every rank's K/V move through the cluster's
         ``read_kv``/``write_kv``."""
         host, disk = c.kv_host_memory, c.kv_disk
-        if not c.enable_prefix_caching or not self.cluster.is_driver:
-            return None
+        if not c.enable_prefix_caching or not self.cluster.is_driver or self.shape.state_slots:
+            return None  # (a hybrid's snapshots stay on the device: check_hybrid)
         mover, tpb = self.cluster.mover, self.shape.block_size * self.shape.sp
         layout = EntryLayout(mover.shape, tpb, mover.dtype, mover.scale_dtype)
         if host is None:  # as large as the device pool, within the host's memory
@@ -378,7 +392,9 @@ class EngineCore:
         bytes per token and allocated cache bytes) and ``tiers``: the prefix cache's blocks per
         tier, ``device`` (``blocks`` in use, ``cached`` registered, ``capacity``, ``promotions``
         from the tiers below), ``host`` and ``disk`` (``blocks``, ``bytes``,
-        ``capacity_bytes``; the disk's ``enabled`` and ``error``), None where a tier is off."""
+        ``capacity_bytes``; the disk's ``enabled`` and ``error``), None where a tier is off;
+        ``state``: a hybrid model's recurrent state (``_state_info``; None for a dense model).
+        A hybrid's ``bytes_per_token`` counts its attention layers only."""
         b = self.blocks
         tiers = dict(
             device=dict(
@@ -406,6 +422,23 @@ class EngineCore:
             sp=sh.sp,
             per_rank=self.cluster.infos,
             tiers=tiers,
+            state=self._state_info(),
+        )
+
+    def _state_info(self) -> Optional[dict]:
+        """A hybrid model's recurrent state (None for a dense model): slots for running
+        sequences and snapshots (``StateSlots.usage``), the bytes of one sequence's state and of
+        the pools over the pipeline stages (on each stage's first SP and TP rank: every SP rank
+        holds the same), float32."""
+        states = self.blocks.states
+        if states is None:
+            return None
+        stages = [i for i in self.cluster.infos if i["sp_rank"] == 0 and i["tp_rank"] == 0]
+        return dict(
+            states.usage(),
+            bytes_per_sequence=sum(i["state_bytes_per_slot"] for i in stages),
+            bytes=sum(i["state_cache_bytes"] for i in stages),
+            dtype="float32",
         )
 
     def rank_stats(self) -> List[dict]:

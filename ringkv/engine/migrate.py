@@ -32,6 +32,7 @@ import torch
 from .params import Logprob, SamplingParams, is_int
 from .pipeline import RequestState, Staged
 from .sequence import Sequence
+from ..cache.state_pool import flatten, unflatten
 from .snapshot import VERSION, KVSnapshot, PrefixKV
 
 
@@ -213,6 +214,27 @@ def _check_tensors(mover, snap: KVSnapshot) -> None:
         raise _bad("generator_state", f"not a CPU generator's state ({e})") from None
 
 
+def _check_state(mover, x, needed: bool, bad=_bad) -> None:
+    """A hybrid model's ``state``: float32 of exactly the model's state size and finite when
+    ``needed`` (K/V computed past the last state), None or such a tensor otherwise; always None
+    for a dense model."""
+    t = x.state
+    if not mover.state_shapes:
+        if t is not None:
+            raise bad("state", "must be None: this model has no recurrent layers")
+        return
+    if t is None:
+        if needed:
+            raise bad("state", "missing: a hybrid model's K/V are useless without the state")
+        return
+    try:
+        unflatten(t, mover.state_shapes)
+    except ValueError as e:
+        raise bad("state", str(e)) from None
+    if not bool(torch.isfinite(t).all()):
+        raise bad("state", "holds inf or NaN")
+
+
 def _check_fields(snap: KVSnapshot) -> None:
     """The types of a snapshot's ids, flags and counts."""
     rid = snap.request_id
@@ -293,6 +315,9 @@ class Migration:
         end = max(start, seq.num_computed)  # after a preemption the receiver keeps what it has
         # empty if nothing is new
         k, v, ks, vs = cluster.read_kv(seq.block_table, start, seq.num_computed)
+        state = None  # a hybrid: the state after ``end``, when that is what its slot holds
+        if seq.state_slot is not None and end == seq.num_computed > start:
+            state = flatten(cluster.read_state(seq.state_slot))
         first = since is None
         snap = KVSnapshot(
             model=self.digest,
@@ -314,6 +339,7 @@ class Migration:
             generator_state=seq.generator.get_state(),
             k_scale=ks,
             v_scale=vs,
+            state=state,
             logprobs=[
                 [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
                 for lp in seq.logprobs[logprobs_from:]
@@ -384,6 +410,7 @@ class Migration:
             snap.prompt_logprobs, snap.prompt_top_logprobs, req, len(prompt), vocab
         )
         _check_tensors(self.cluster.mover, snap)
+        _check_state(self.cluster.mover, snap, snap.end > snap.start)
         return staged, params
 
     def _continued(self, snap: KVSnapshot, staged: Optional[Staged], params: SamplingParams):
@@ -443,6 +470,7 @@ class Migration:
         tokens = ([] if seq is None else seq.token_ids) + list(snap.token_ids)
         prompt_len = len(snap.prompt_token_ids if seq is None else seq.prompt_token_ids)
         text = self.output.decode(tokens[prompt_len:]) if snap.final else None
+        slot = self._state_slot(seq, snap) if with_kv else None
         if with_kv:  # all checked: allocate and write, and give the blocks back if that fails
             old = len(table)
             blocks.grow(table, snap.end)
@@ -450,8 +478,14 @@ class Migration:
                 self.cluster.write_kv(
                     table, snap.start, (snap.k, snap.v, snap.k_scale, snap.v_scale)
                 )
+                if snap.state is not None:
+                    self.cluster.write_state(
+                        slot, unflatten(snap.state, self.cluster.mover.state_shapes)
+                    )
             except BaseException:
                 blocks.free(table[old:])
+                if slot is not None and (seq is None or seq.state_slot is None):
+                    blocks.states.release(slot)
                 raise
         if seq is None:
             seq = Sequence(
@@ -464,7 +498,7 @@ class Migration:
             )
         seq.token_ids, seq.block_table = tokens, table
         if with_kv:
-            seq.num_computed = snap.end
+            seq.num_computed, seq.state_slot = snap.end, slot
         seq.generator.set_state(snap.generator_state)
         seq.logprobs += [Logprob(t, lp, [tuple(x) for x in top]) for t, lp, top in snap.logprobs]
         seq.prompt_logprobs = None if snap.prompt_logprobs is None else list(snap.prompt_logprobs)
@@ -497,14 +531,35 @@ class Migration:
         book.start(snap.request_id, seq)
         return snap.request_id
 
+    def _state_slot(self, seq: Optional[Sequence], snap: KVSnapshot) -> Optional[int]:
+        """A hybrid model's import: the state slot its state goes to (the staged import's own,
+        or a free one: ``ValueError`` when none is), None for a dense model."""
+        states = self.blocks.states
+        if states is None:
+            return None
+        if seq is not None and seq.state_slot is not None:
+            return seq.state_slot
+        slot = states.take()
+        if slot is None:
+            raise ValueError(
+                f"no free state slot for request {snap.request_id!r}: every one of the "
+                f"{states.running} is held; nothing was imported"
+            )
+        return slot
+
     # -- prefixes: cached K/V of a prompt's prefix, between engines ---------------------------
     def export_prefix(self, token_ids, cache_salt: Optional[str] = None) -> Optional[PrefixKV]:
         """See ``LLM.export_prefix``."""
         blocks, tpb = self.blocks, self.blocks.block_size
         _check_ids("token_ids", token_ids, self.vocab_size, _prefix_bad)
         chain = blocks.locate(token_ids, cache_salt, take=True)  # device blocks pinned meanwhile
-        parts, run, n = [], [], 0
+        parts, run, n, state = [], [], 0, None
         try:
+            if blocks.states is not None:  # a hybrid: up to its deepest snapshot (tiers are off)
+                k, slot = blocks.deepest_snapshot([b for b, _ in chain])
+                blocks.free([b for b, _ in chain[k:]])
+                chain = chain[:k]
+                state = flatten(self.cluster.read_state(slot)) if k else None
             for b, key in chain:  # device runs in one gather each, tier entries one by one
                 if b is None:
                     if run:
@@ -527,7 +582,7 @@ class Migration:
             None if parts[0][i] is None else torch.cat([p[i] for p in parts], 1) for i in range(4)
         )
         ids = [int(t) for t in token_ids[: n * tpb]]
-        return PrefixKV(self.digest, self.kv_storage, ids, cache_salt, k, v, ks, vs)
+        return PrefixKV(self.digest, self.kv_storage, ids, cache_salt, k, v, ks, vs, state)
 
     def import_prefix(self, prefix: PrefixKV) -> int:
         """See ``LLM.import_prefix``."""
@@ -539,9 +594,12 @@ class Migration:
             raise _prefix_bad("cache_salt", f"must be None or a str, got {prefix.cache_salt!r}")
         _check_ids("token_ids", prefix.token_ids, self.vocab_size, _prefix_bad)
         _check_kv(self.cluster.mover, len(prefix.token_ids), prefix, _prefix_bad)
+        _check_state(self.cluster.mover, prefix, len(prefix.token_ids) > 0, _prefix_bad)
         m = len(prefix.token_ids) // tpb  # whole blocks of this engine's size
         if not blocks.prefix_caching or not m:
             return 0
+        if blocks.states is not None and m * tpb != len(prefix.token_ids):
+            return 0  # a hybrid's state is after the last token: it must end a block here
         ids, salt = [int(t) for t in prefix.token_ids[: m * tpb]], prefix.cache_salt
         table = blocks.match_prefix(ids + [0], salt)  # what it holds already (tiers promoted)
         have = len(table)
@@ -555,9 +613,23 @@ class Migration:
                     table, start, tuple(None if t is None else t[:, start:end] for t in kv)
                 )
                 blocks.register(table, ids, end, salt)
+            if blocks.states is not None:
+                return self._index_state(table, prefix.state, m) * tpb
             return len(table) * tpb
         finally:
             blocks.free(table)  # cached (evictable) now: the request that follows takes them
+
+    def _index_state(self, table, state: torch.Tensor, m: int) -> int:
+        """A hybrid's imported prefix of ``m`` blocks: its state as the snapshot of the last one
+        (if all ``m`` are held and it has none yet); the blocks a prompt may now resume from."""
+        blocks = self.blocks
+        key = blocks.checkpoint_key(table, m) if len(table) == m else (None, None)
+        if key[0] is not None:
+            slot = blocks.states.reserve()
+            if slot is not None:
+                self.cluster.write_state(slot, unflatten(state, self.cluster.mover.state_shapes))
+                blocks.states.put(*key, slot)
+        return blocks.deepest_snapshot(table)[0]
 
     # -- held blocks -----------------------------------------------------------------------
     def reclaim(self) -> bool:

@@ -120,6 +120,9 @@ class StepPipeline:
                 s.seq.cache_salt,
                 s.seq.prefix_cursor,
             )
+            for p, slot in s.saves:  # a hybrid's snapshots, indexed under their blocks
+                key = self.blocks.checkpoint_key(s.seq.block_table, p // self.blocks.block_size)
+                self.blocks.states.put(*key, slot)
         advanced = []
         for seq, picked in self.executor.tokens(batch, result):
             if seq.finished:  # aborted while its step was in flight

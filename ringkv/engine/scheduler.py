@@ -18,8 +18,8 @@ before a running sequence is preempted, and when nothing else could run.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Set
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Set, Tuple
 
 from ..cache.block_manager import BlockManager
 from .sequence import Sequence, Status
@@ -30,6 +30,10 @@ class Scheduled:
     seq: Sequence
     start: int  # first token computed this step (== seq.num_computed before the step)
     n: int  # tokens computed this step
+    # a hybrid model's states: the snapshot slot copied into the sequence's slot before the step
+    # (a prefix hit), and the ``(position, snapshot slot)`` checkpoints this step saves
+    restore: Optional[int] = None
+    saves: List[Tuple[int, int]] = field(default_factory=list)
 
     @property
     def completes(self) -> bool:
@@ -111,7 +115,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.append(Scheduled(seq, seq.num_computed, n))
+                out.append(self._entry(seq, n))
                 budget -= n
                 i += 1
                 continue
@@ -125,8 +129,15 @@ class Scheduler:
             and not preempted
         ):
             seq = self.waiting[0]
+            states = self.blocks.states
+            if states is not None and seq.state_slot is None:
+                seq.state_slot = states.take()
+                if seq.state_slot is None:  # every running slot is held (by paused requests)
+                    break
+            restore = None
             if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None:
-                seq.block_table = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
+                table = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
+                seq.block_table, restore = self.blocks.match_states(table)
                 seq.num_computed = len(seq.block_table) * self.blocks.block_size
             n = min(seq.num_tokens - seq.num_computed, budget)
             idle = not (
@@ -145,9 +156,25 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            out.append(Scheduled(seq, seq.num_computed, n))
+            out.append(self._entry(seq, n, restore))
             budget -= n
         return out
+
+    def _entry(self, seq: Sequence, n: int, restore: Optional[int] = None) -> Scheduled:
+        """The step's entry for ``seq``; a hybrid model's saves: a snapshot slot for each
+        checkpoint (the end of every ``checkpoint_blocks``-th block) the step reaches, unless its
+        block already has a snapshot or no slot is free (it is then not saved)."""
+        entry = Scheduled(seq, seq.num_computed, n, restore)
+        states = self.blocks.states
+        if states is None or not self.blocks.prefix_caching:
+            return entry
+        every = states.checkpoint_blocks * self.blocks.block_size
+        for p in range(entry.start // every * every + every, entry.start + n + 1, every):
+            slot = states.reserve()
+            if slot is None:
+                break
+            entry.saves.append((p, slot))
+        return entry
 
     def _grow(self, table: List[int], num_tokens: int) -> bool:
         """``blocks.grow``, reclaiming held blocks while it is short."""

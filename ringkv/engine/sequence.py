@@ -53,6 +53,7 @@ class Sequence:
         self.cache_salt = cache_salt
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_table: List[int] = []
+        self.state_slot: Optional[int] = None  # a hybrid model's recurrent-state slot (running)
         self.kv_epoch = (
             0  # counts the times its blocks were dropped (the ranks' step mirrors re-learn it)
         )
@@ -104,8 +105,12 @@ class Sequence:
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
 
     def free_kv(self, blocks) -> None:
-        """Give its blocks back to ``blocks`` (a ``BlockManager``): nothing of it is cached any
-        more, and it is recomputed from its tokens if it runs again."""
+        """Give its blocks (and a hybrid model's state slot) back to ``blocks`` (a
+        ``BlockManager``): nothing of it is cached any more, and it is recomputed from its tokens
+        if it runs again."""
         blocks.free(self.block_table)
+        if self.state_slot is not None:
+            blocks.states.release(self.state_slot)
+            self.state_slot = None
         self.num_computed, self.prefix_cursor = 0, PrefixCursor()
         self.kv_epoch += 1

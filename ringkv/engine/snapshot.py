@@ -2,7 +2,8 @@
 
 The request's tokens (prompt and generated), sampling parameters and sampler state (the
 generator's state, so a seeded request continues with the same random stream), log-probs so
-far, and the K/V of its computed tokens ``[start, end)``, token-major per layer:
+far, and the K/V of its computed tokens ``[start, end)``, token-major per K/V layer (a hybrid
+model's attention layers, with ``state``: its recurrent layers' state after token ``end``):
 ``k``/``v`` ``(layers, T, Hkv, D)`` in the cache's storage dtype, with ``k_scale``/``v_scale``
 ``(layers, T, Hkv)`` for a quantized cache. Token-major K/V do not depend on the block size,
 so the receiver may use another one. ``base_id`` names the snapshot this one extends: an
@@ -30,10 +31,10 @@ from typing import Dict, List, Optional
 import torch
 
 from ..cache.disk_tier import checksum
-from ..model.loader import model_tensors
+from ..model.loader import in_memory_names, model_tensors
 
 VERSION = 2  # 2: the checksum covers the metadata too
-_TENSORS = ("k", "v", "k_scale", "v_scale", "generator_state")
+_TENSORS = ("k", "v", "k_scale", "v_scale", "generator_state", "state")
 
 
 @dataclass
@@ -57,6 +58,9 @@ class KVSnapshot:
     generator_state: torch.Tensor
     k_scale: Optional[torch.Tensor] = None
     v_scale: Optional[torch.Tensor] = None
+    # a hybrid model: the recurrent state after token ``end`` (every layer, flat float32:
+    # ``cache.state_pool.flatten``); None when nothing new was computed (or a dense model)
+    state: Optional[torch.Tensor] = None
     logprobs: List = field(
         default_factory=list
     )  # [token_id, logprob, [[id, logprob], ...]] per token ...
@@ -149,7 +153,8 @@ class PrefixKV:
     ``cache_salt`` (the receiver hashes them itself, so the blocks land under the same salted
     chain) and their K/V token-major, ``k``/``v`` ``(layers, len(token_ids), Hkv, D)`` in the
     cache's storage dtype, ``k_scale``/``v_scale`` ``(layers, len(token_ids), Hkv)`` on a
-    quantized cache. ``model`` and ``kv_cache_dtype`` as in ``KVSnapshot``."""
+    quantized cache; a hybrid model's ``state`` after the last token (flat float32, as in
+    ``KVSnapshot``). ``model`` and ``kv_cache_dtype`` as in ``KVSnapshot``."""
 
     model: str
     kv_cache_dtype: str
@@ -159,14 +164,15 @@ class PrefixKV:
     v: torch.Tensor
     k_scale: Optional[torch.Tensor] = None
     v_scale: Optional[torch.Tensor] = None
+    state: Optional[torch.Tensor] = None  # a hybrid model: the state after the last token
 
-    TENSORS = ("k", "v", "k_scale", "v_scale")
+    TENSORS = ("k", "v", "k_scale", "v_scale", "state")
 
     @property
     def nbytes(self) -> int:
         return sum(
             t.numel() * t.element_size()
-            for t in (self.k, self.v, self.k_scale, self.v_scale)
+            for t in (self.k, self.v, self.k_scale, self.v_scale, self.state)
             if t is not None
         )
 
@@ -190,6 +196,8 @@ def model_digest(cfg, weights=None) -> str:
         if k not in ("extra", "eos_token_id", "bos_token_id", "torch_dtype")
     }
     h = hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode())
+    if weights is not None:  # the model's names, however its checkpoint saves them
+        weights = in_memory_names(cfg, weights)
     for name in sorted(model_tensors(cfg, weights)) if weights is not None else ():
         shape = tuple(weights.shape(name))
         h.update(json.dumps([name, shape]).encode())

@@ -47,11 +47,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from ..cache.kv_cache import KVCache
+from ..cache.state_pool import StatePool
 from ..kernels import attention
 from ..kernels.mask import NO_WINDOW
 from ..kernels.paged import LayerCache, PagedSeq, RowsOut, StepAttention, plan_step
@@ -72,6 +73,19 @@ class FreshSeq:
     @property
     def rows(self) -> slice:
         return slice(self.row, self.row + self.n)
+
+
+@dataclass(frozen=True)
+class RecurSeq:
+    """A hybrid model's sequence in the step: its ``n`` rows from ``row`` (every SP rank computes
+    them all), its first position ``start``, its state ``slot`` and the ``(position, snapshot
+    slot)`` checkpoints to save."""
+
+    row: int
+    n: int
+    start: int
+    slot: int
+    saves: tuple
 
 
 @dataclass(frozen=True)
@@ -120,10 +134,11 @@ class LocalStep:
         self.last_rows, self.target_rows, self.targets = [], [], []
         self.fresh: List[FreshSeq] = []
         self.rings: List[RingSeq] = []
+        self.recur: List[RecurSeq] = []  # a hybrid model's sequences (never ring mode)
         cached: List[PagedSeq] = []  # attended over the cache
         for s in plan.seqs:
             off, end = len(ids), s.start + s.n
-            ring = sp > 1 and s.n >= ring_min_tokens
+            ring = sp > 1 and s.n >= ring_min_tokens and s.slot < 0  # hybrids: replicated
             if ring:
                 m = -(-s.n // sp)
                 mine = range(s.start + (r - s.start) % sp, s.start + m * sp, sp)
@@ -148,6 +163,8 @@ class LocalStep:
             for j, t in enumerate(s.targets or ()):
                 self.target_rows.append(local_row(s.start + j))
                 self.targets.append(t)
+            if s.slot >= 0:
+                self.recur.append(RecurSeq(off, s.n, s.start, s.slot, tuple(s.saves)))
             if ring:
                 self.rings.append(_ring_seq(s, off, m, sp, r, bs, device))
             elif s.start == 0:  # every rank computes the whole prompt: it attends to it directly
@@ -185,19 +202,24 @@ def _ring_seq(s, off: int, m: int, sp: int, r: int, bs: int, device) -> RingSeq:
 
 class StepContext:
     """The model's ``ctx``: ``attend(layer, q, k, v)`` writes the step's K/V into this rank's
-    cache and returns the exact attention output of its query rows."""
+    cache and returns the exact attention output of its query rows; a hybrid model's
+    ``recur(layer, fn, u, shapes)`` runs a recurrent layer's sequential part from each sequence's
+    state slot (``states``) and keeps the state after it. ``kv_index``: a layer's global index
+    -> its index in ``kv`` (the stage's attention layers)."""
 
     def __init__(
         self,
         kv: KVCache,
         step: LocalStep,
-        first_layer: int,
+        kv_index: Dict[int, int],
         sp: int,
         comm: Optional[RingComm] = None,
         attn_backend: str = "auto",
         timeout: Optional[timedelta] = None,
+        states: Optional[StatePool] = None,
     ):
-        self.kv, self.step, self.first_layer, self.sp, self.comm = kv, step, first_layer, sp, comm
+        self.kv, self.step, self.kv_index, self.sp, self.comm = kv, step, kv_index, sp, comm
+        self.states = states
         self.attn_backend, self.timeout = attn_backend, timeout
         self._parts_whole: Optional[bool] = None  # see _whole
 
@@ -214,7 +236,7 @@ class StepContext:
     ):
         # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D); scale None: D ** -0.5; softcap None: none;
         # window -1: unbounded, else a query at position p sees keys p - window .. p
-        st, li, kv = self.step, layer - self.first_layer, self.kv
+        st, li, kv = self.step, self.kv_index[layer], self.kv
         if st.all_written:
             kv.write(li, k, v, st.write_slots)
         elif st.write_rows.numel():
@@ -329,3 +351,68 @@ class StepContext:
             **dense,
         )
         return out[0]
+
+    # -- a hybrid model's recurrent layers --------------------------------------------------
+    def recur(self, layer: int, fn, u: torch.Tensor, shapes) -> torch.Tensor:
+        """A recurrent layer's sequential part over the step's sequences: ``u (T, F)`` -> ``(T,
+        F')``. ``fn(u_b (B, L, F), states) -> (y_b (B, L, F'), states)`` with float32 states
+        ``(B, *shape)`` for each of ``shapes``: the single-token rows of every sequence in one
+        call (decode), each longer piece alone. A sequence starts from zeros at position 0, else
+        from its slot (a prefix hit's snapshot was copied there first); its final state goes
+        back to the slot, and each checkpoint it saves to its snapshot slot."""
+        pool = self.states.layers[layer]
+        parts = []  # (rows, y)
+        single = [r for r in self.step.recur if r.n == 1]
+        if single:
+            rows = torch.tensor([r.row for r in single], device=u.device)
+            slots = torch.tensor([r.slot for r in single], device=u.device)
+            fresh = torch.tensor([r.start == 0 for r in single], device=u.device)
+            init = [t.index_select(0, slots).masked_fill(_expand(fresh, t), 0) for t in pool]
+            y, final = fn(u.index_select(0, rows)[:, None], init)  # (S, 1, F')
+            for t, f in zip(pool, final):
+                t.index_copy_(0, slots, f.to(t.dtype))
+            parts.append((rows, y[:, 0]))
+            self._save(pool, [(slot, r.saves) for r, slot in zip(single, slots.tolist())])
+        for r in self.step.recur:
+            if r.n > 1:
+                parts.append((slice(r.row, r.row + r.n), self._pieces(pool, fn, u, r)))
+        out = u.new_empty(u.shape[0], parts[0][1].shape[-1]) if parts else u[:, :0]
+        for rows, y in parts:
+            out[rows] = y.to(out.dtype)
+        return out
+
+    @staticmethod
+    def _pieces(pool: List[torch.Tensor], fn, u: torch.Tensor, r: RecurSeq) -> torch.Tensor:
+        """One sequence's rows, cut at the checkpoints it saves before its end (each piece
+        carries the state to the next): ``(n, F')``."""
+        state = [
+            t.new_zeros(1, *t.shape[1:]) if r.start == 0 else t[r.slot : r.slot + 1].clone()
+            for t in pool
+        ]
+        ys, at = [], r.start
+        cuts = sorted(p for p, _ in r.saves if r.start < p < r.start + r.n) + [r.start + r.n]
+        for p in cuts:
+            piece = u[r.row + at - r.start : r.row + p - r.start][None]  # (1, L, F)
+            y, state = fn(piece, state)
+            ys.append(y[0])
+            for q, dst in r.saves:
+                if q == p:
+                    for t, x in zip(pool, state):
+                        t[dst] = x[0]
+            at = p
+        for t, x in zip(pool, state):
+            t[r.slot] = x[0]
+        return torch.cat(ys)
+
+    @staticmethod
+    def _save(pool: List[torch.Tensor], rows) -> None:
+        """Checkpoints reached at a single-token row's end: its slot copied to each snapshot."""
+        for slot, saves in rows:
+            for _, dst in saves:
+                for t in pool:
+                    t[dst] = t[slot]
+
+
+def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A ``(B,)`` mask shaped to broadcast over ``like`` ``(B, ...)``."""
+    return mask.view(-1, *([1] * (like.dim() - 1)))

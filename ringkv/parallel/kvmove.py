@@ -29,7 +29,7 @@ holds the snapshot once plus one box at a time (received, or sent and not yet ta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,7 +38,8 @@ from ..kernels.quant import SCALE_DTYPE, as_bytes
 from .control import EngineError
 
 KV_TAG = 15  # apart from the step results (RESULT_TAG) and snapshot transfers
-KINDS = ("kv_read", "kv_write")
+KINDS = ("kv_read", "kv_write", "state_read", "state_write")
+States = Dict[int, List[torch.Tensor]]  # a hybrid's recurrent state: layer -> its tensors
 
 KV = Tuple[
     torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]
@@ -47,9 +48,10 @@ KV = Tuple[
 
 @dataclass(frozen=True)
 class Box:
-    """What one model rank stores of a snapshot: ``layers`` and ``heads`` (global ids) and
-    tokens ``sp_rank, sp_rank + sp, ...``. ``owner``: the first replica of these heads (the one
-    that sends them on export)."""
+    """What one model rank stores of a snapshot: ``layers`` (indices among the model's K/V
+    layers: a hybrid model's attention layers) and ``heads`` (global ids) and tokens
+    ``sp_rank, sp_rank + sp, ...``. ``owner``: the first replica of these heads (the one that
+    sends them on export)."""
 
     rank: int
     layers: range
@@ -65,7 +67,7 @@ class Box:
         )  # tp <= Hkv: Hkv / tp heads each; tp > Hkv: one head per tp / Hkv ranks
         return Box(
             info["rank"],
-            range(*info["layers"]),
+            range(*info["kv_layers"]),
             range(first, first + info["kv_heads"]),
             info["sp_rank"],
             owner=t * num_kv_heads % tp < num_kv_heads,
@@ -137,9 +139,9 @@ def read(
     slots = _slots(table, first, start, end, kv.block_size, sp, sp_rank).to(kv.data.device)
     if expected is not None:
         _agree(expected, slots.numel(), kv, rank, start, end)
-    L, _, _, _, h, d = kv.data.shape
-    data = as_bytes(kv.data).view(L, 2, -1, h, d).index_select(2, slots).view(kv.data.dtype).cpu()
-    scale = None if kv.scale is None else kv.scale.view(L, 2, -1, h).index_select(2, slots).cpu()
+    # (L, 2, slots, H, D); L may be 0 (a hybrid's stage of recurrent layers only)
+    data = as_bytes(kv.data).flatten(2, 3).index_select(2, slots).view(kv.data.dtype).cpu()
+    scale = None if kv.scale is None else kv.scale.flatten(2, 3).index_select(2, slots).cpu()
     return data, scale
 
 
@@ -158,10 +160,9 @@ def write(
     """Store ``read``'s layout back: ``data`` ``(L, 2, n, H, D)``, ``scale`` ``(L, 2, n, H)``."""
     slots = _slots(table, first, start, end, kv.block_size, sp, sp_rank).to(kv.data.device)
     _agree(data.shape[2], slots.numel(), kv, rank, start, end)
-    L, _, _, _, h, d = kv.data.shape
-    as_bytes(kv.data).view(L, 2, -1, h, d).index_copy_(2, slots, as_bytes(data.to(kv.data.device)))
+    as_bytes(kv.data).flatten(2, 3).index_copy_(2, slots, as_bytes(data.to(kv.data.device)))
     if kv.scale is not None:
-        kv.scale.view(L, 2, -1, h).index_copy_(2, slots, scale.to(kv.scale.device))
+        kv.scale.flatten(2, 3).index_copy_(2, slots, scale.to(kv.scale.device))
 
 
 def _wire(x: torch.Tensor) -> torch.Tensor:
@@ -187,11 +188,12 @@ class Mover:
         self.boxes = [Box.of(i, cfg.num_kv_heads, sh.tp) for i in cluster.infos]
         self.dtype = sh.quant.dtype if sh.quant else cluster.dtype  # what the cache stores
         self.scale_dtype = SCALE_DTYPE if sh.quant else None
+        self.state_shapes = model_states(cfg)  # a hybrid's state: layer -> shapes (else empty)
         self.shape = (
-            cfg.num_layers,
+            len(cfg.kv_layers()),
             cfg.num_kv_heads,
             cfg.head_dim,
-        )  # a snapshot's K/V: (layers, T, Hkv, D)
+        )  # a snapshot's K/V: (K/V layers, T, Hkv, D)
 
     def _table(self, table: List[int], start: int, end: int):
         lb = self.block_size * self.sp
@@ -358,9 +360,108 @@ class Mover:
                         box.rank, start, end, got, counts[box.rank], self._token_bytes(box)
                     )
 
+    # -- a hybrid model's recurrent state: one slot, every layer --------------------------------
+    def _state_owner(self, box: Box) -> bool:
+        """The rank that sends its stage's state on export (every SP / TP rank holds it)."""
+        info = self.cluster.infos[box.rank]
+        return info["sp_rank"] == 0 and info["tp_rank"] == 0
+
+    def _stage_states(self, box: Box) -> List[int]:
+        """The recurrent layers of ``box``'s stage, in order."""
+        lo, hi = self.cluster.infos[box.rank]["layers"]
+        return [i for i in sorted(self.state_shapes) if lo <= i < hi]
+
+    def gather_state(self, slot: int) -> States:
+        """The state in ``slot`` of every recurrent layer (float32, on the CPU)."""
+        c, out = self.cluster, {}
+        if c.world > 1:
+            c.control.publish({"kind": "state_read", "slot": slot})
+        for box in self.boxes:
+            if not self._state_owner(box):
+                continue
+            for i in self._stage_states(box):
+                if self._local(box) or c.world == 1:
+                    out[i] = [t[slot].cpu().clone() for t in c.worker.states.layers[i]]
+                else:
+                    out[i] = [
+                        self._recv(box, shape, torch.float32) for shape in self.state_shapes[i]
+                    ]
+        return out
+
+    def scatter_state(self, slot: int, states: States) -> None:
+        """Write ``states`` (``gather_state``'s layout) into ``slot`` on every rank; returns once
+        every rank has written."""
+        c = self.cluster
+        if c.world == 1:
+            _write_state(c.worker, slot, states)
+            return
+        c.control.publish({"kind": "state_write", "slot": slot})
+        for box in self.boxes:
+            if self._local(box):
+                _write_state(c.worker, slot, states)
+                continue
+            for i in self._stage_states(box):
+                for t in states[i]:
+                    c.control.send(_wire(t.float()), box.rank + c.offset, KV_TAG)
+                    c.control.channel.reap(0)
+        for box in self.boxes:
+            if not self._local(box):
+                c.control.recv_from(
+                    box.rank + c.offset,
+                    torch.zeros(1, dtype=torch.int64),
+                    KV_TAG,
+                    f"model rank {box.rank} to store the imported state",
+                )
+
+
+def model_states(cfg) -> Dict[int, List[tuple]]:
+    """A model's recurrent layers and their state shapes (empty for a dense model)."""
+    from ..model import new_model, state_layers
+    from ..model.loader import on_meta
+
+    with on_meta():
+        return state_layers(new_model(cfg))
+
+
+def _write_state(worker, slot: int, states: States) -> None:
+    for i, ts in worker.states.layers.items():
+        for t, x in zip(ts, states[i]):
+            t[slot] = x.to(t.device)
+
+
+def serve_state(worker, control, msg: dict) -> None:
+    """A rank other than the driver: its stage's state of ``msg["slot"]`` to the driver (its
+    stage's first SP and TP rank) or from it (every rank; one word back once written)."""
+    m, slot, pool = worker.mesh, msg["slot"], worker.states
+    layers = sorted(pool.layers) if pool is not None else []
+    if msg["kind"] == "state_read":
+        if m.sp_rank == 0 and m.tp_rank == 0:
+            for i in layers:
+                for t in pool.layers[i]:
+                    control.send(_wire(t[slot].cpu().contiguous()), 0, KV_TAG)
+        return
+    got = {}
+    for i in layers:
+        got[i] = []
+        for t in pool.layers[i]:
+            shape = tuple(t.shape[1:])
+            buf = torch.empty(_nbytes(shape, torch.float32), dtype=torch.uint8)
+            got[i].append(
+                _unwire(
+                    control.recv_from(0, buf, KV_TAG, "the imported state from the driver"),
+                    torch.float32,
+                    shape,
+                )
+            )
+    _write_state(worker, slot, got)
+    control.send(torch.tensor([1]), 0, KV_TAG)
+
 
 def serve(worker, control, msg: dict) -> None:
-    """A rank other than the driver: its part of a ``kv_read`` or ``kv_write`` message."""
+    """A rank other than the driver: its part of a ``kv_read`` or ``kv_write`` message (or of a
+    ``state_read`` / ``state_write``: ``serve_state``)."""
+    if msg["kind"].startswith("state"):
+        return serve_state(worker, control, msg)
     m, kv = worker.mesh, worker.kv
     table, first, start, end = msg["table"], msg["first"], msg["start"], msg["end"]
     sp, expected = m.sp, msg["counts"][m.rank]

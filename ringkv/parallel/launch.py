@@ -29,6 +29,7 @@ overlap because the driver submits up to ``pp`` steps before it waits for the ol
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -48,7 +49,7 @@ from typing import Deque, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..model.config import ModelConfig
+from ..model.config import ModelConfig, RecurrentConfig
 from ..sp.comm import DEFAULT_TIMEOUT
 from .control import ControlPlane, EngineError, parent_alive
 from .mesh import MeshShape, build_mesh
@@ -72,15 +73,16 @@ class CacheBudget:
     gpu_memory_utilization: Optional[float] = None
     profile_tokens: int = 2048
 
-    def blocks(self, worker: Worker) -> int:
+    def blocks(self, worker: Worker) -> Optional[int]:
+        """The blocks ``worker`` may allocate (None: any number, a stage that holds neither K/V
+        nor snapshots)."""
         if self.num_blocks is not None:
             return self.num_blocks
-        per_block = worker.bytes_per_token * worker.shape.block_size
         if self.gpu_memory_utilization is not None:
-            return (
-                worker.free_kv_bytes(self.gpu_memory_utilization, self.profile_tokens) // per_block
-            )
-        return int(self.kv_cache_memory or DEFAULT_KV_MEMORY) // per_block
+            memory = worker.free_kv_bytes(self.gpu_memory_utilization, self.profile_tokens)
+        else:
+            memory = int(self.kv_cache_memory or DEFAULT_KV_MEMORY)
+        return worker.blocks_within(memory)
 
 
 def _backend(device: torch.device) -> str:
@@ -408,6 +410,15 @@ class Cluster:
         rank."""
         self._on_ranks(self.mover.scatter, table, start, kv)
 
+    def read_state(self, slot: int) -> kvmove.States:
+        """The driver: a hybrid model's recurrent state in ``slot``, every layer, from the ranks
+        that hold it (``kvmove.Mover.gather_state``)."""
+        return self._on_ranks(self.mover.gather_state, slot)
+
+    def write_state(self, slot: int, states: kvmove.States) -> None:
+        """The driver: store ``states`` (``read_state``'s layout) in ``slot`` on every rank."""
+        self._on_ranks(self.mover.scatter_state, slot, states)
+
     def _on_ranks(self, fn, *args):
         """``fn(*args)``, which the other ranks take part in: its failure breaks the engine (they
         may be half-way through it); on one rank it is an ordinary error."""
@@ -652,9 +663,8 @@ def setup_rank(
     if not worker.driver:
         worker.control = control
     mine = budget.blocks(worker)
-    num_blocks = (
-        min(b for b in control.exchange("num_blocks", mine) if b is not None) if control else mine
-    )
+    every = control.exchange("num_blocks", mine) if control else [mine]
+    num_blocks = min((b for b in every if b is not None), default=0)
     if num_blocks < 1:
         raise ValueError(
             f"the KV cache budget holds no block of {shape.block_size} tokens on some rank; "
@@ -666,7 +676,14 @@ def setup_rank(
 
 
 def _config_dict(cfg: ModelConfig) -> dict:
-    return json.loads(json.dumps(vars(cfg), default=str))
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def _config_from(d: dict) -> ModelConfig:
+    """``_config_dict`` read back (a hybrid's mixer sizes are a dataclass of their own)."""
+    if isinstance(d.get("recurrent"), dict):
+        d = dict(d, recurrent=RecurrentConfig(**d["recurrent"]))
+    return ModelConfig(**d)
 
 
 def _save_weights(cfg: ModelConfig, weights, path: str) -> None:
@@ -703,7 +720,7 @@ def _worker_main(rank: int, spec_json: str, parent_pid: int) -> None:
             store, "ringkv/engine", rank + 1, spec["world"] + 1, timeout
         )  # the driver is 0
         control.post("hello", os.getpid())
-        cfg = ModelConfig(**spec["config"])
+        cfg = _config_from(spec["config"])
         shape = EngineShape(
             **{k: tuple(v) if isinstance(v, list) else v for k, v in spec["shape"].items()}
         )

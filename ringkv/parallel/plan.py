@@ -16,7 +16,13 @@ since the step before, as int64 words (``control.Channel``)::
     [step, want, drops, entries, sequences, summed tokens, summed blocks,
      drop seq ids...,
      per scheduled sequence: seq id, flags (NEW, COMPLETES), start, n, targets, tokens, blocks,
-                             appended token ids..., appended block ids...]
+                             state slot, restore, saves,
+                             appended token ids..., appended block ids...,
+                             (position, snapshot slot) per save...]
+
+A hybrid model's state (``cache/state_pool.py``) rides along: the sequence's state slot (-1: a
+model without recurrent layers), the snapshot slot copied into it before the step (-1: none) and
+the checkpoints the step saves.
 
 A sequence new to the mirrors (first scheduled, or again after its blocks were dropped by a
 preemption or a reclaim) carries its block table once and its token ids from the step's first
@@ -31,14 +37,14 @@ the drops are a checksum: a rank whose mirror disagrees raises ``EngineError`` n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .control import EngineError
 
 HEADER = 7  # step, want, drops, entries, sequences, summed tokens, summed blocks
-ENTRY = 7  # seq id, flags, start, n, targets, tokens, blocks
+ENTRY = 10  # seq id, flags, start, n, targets, tokens, blocks, slot, restore, saves
 NEW, COMPLETES = 1, 2  # entry flags
 WANT = ("tokens", "logits")
 
@@ -51,6 +57,8 @@ class SeqStep:
     block_table: List[int]
     completes: bool
     targets: Optional[List[int]] = None
+    slot: int = -1  # a hybrid model's state slot (-1: none)
+    saves: List[Tuple[int, int]] = field(default_factory=list)  # (position, snapshot slot)
 
 
 @dataclass
@@ -59,6 +67,12 @@ class StepPlan:
     want: str = "logits"
     # prompt log-probs: the top alternatives each target row returns too (the step's largest ask)
     top: int = 0
+    copies: List[Tuple[int, int]] = field(default_factory=list)  # (snapshot, slot) restores
+
+    @staticmethod
+    def restores(batch) -> List[Tuple[int, int]]:
+        """The ``(snapshot slot, state slot)`` copies ``batch``'s prefix hits need first."""
+        return [(s.restore, s.seq.state_slot) for s in batch if s.restore is not None]
 
     @property
     def num_completing(self) -> int:
@@ -88,12 +102,20 @@ def local_plan(batch, want: str) -> StepPlan:
                 s.seq.block_table,
                 s.completes,
                 s.seq.token_ids[s.start + 1 : s.start + 1 + s.targets] if s.targets else None,
+                _slot(s.seq),
+                list(s.saves),
             )
             for s in batch
         ],
         want,
         prompt_top(batch),
+        StepPlan.restores(batch),
     )
+
+
+def _slot(seq) -> int:
+    slot = getattr(seq, "state_slot", None)
+    return -1 if slot is None else slot
 
 
 @dataclass
@@ -134,7 +156,9 @@ class Publisher:
                 flags |= NEW
             toks, blks = seq.token_ids, seq.block_table
             nt, nb = len(toks) - e.offset - e.tokens, len(blks) - e.blocks
-            words += (seq.seq_id, flags, s.start, s.n, s.targets, nt, nb)
+            restore = -1 if s.restore is None else s.restore
+            words += (seq.seq_id, flags, s.start, s.n, s.targets, nt, nb, _slot(seq), restore)
+            words.append(len(s.saves))
             if nt:
                 words += toks[e.offset + e.tokens :]
                 e.tokens += nt
@@ -143,6 +167,8 @@ class Publisher:
                 words += blks[e.blocks :]
                 e.blocks += nb
                 self.blocks += nb
+            for save in s.saves:
+                words += save
         want_word = WANT.index(want) + len(WANT) * prompt_top(batch)  # both in one word
         head = [
             self.steps,
@@ -184,12 +210,16 @@ class Mirror:
             if self.seqs.pop(sid, None) is None:
                 self._drift(step, f"dropping sequence {sid}, which it does not hold")
         i += ndrop
-        seqs = []
+        seqs, copies = [], []
         for _ in range(nentry):
-            sid, flags, start, n, targets, ntok, nblk = w[i : i + ENTRY]
+            sid, flags, start, n, targets, ntok, nblk, slot, restore, nsave = w[i : i + ENTRY]
             i += ENTRY
             toks, blks = w[i : i + ntok], w[i + ntok : i + ntok + nblk]
             i += ntok + nblk
+            saves = [(w[j], w[j + 1]) for j in range(i, i + 2 * nsave, 2)]
+            i += 2 * nsave
+            if restore >= 0:
+                copies.append((restore, slot))
             m = self.seqs.get(sid)
             if flags & NEW:
                 if m is not None:
@@ -215,6 +245,8 @@ class Mirror:
                     m.table,
                     bool(flags & COMPLETES),
                     m.tokens[lo + 1 : lo + 1 + targets] if targets else None,
+                    slot,
+                    saves,
                 )
             )
         if i != len(w):
@@ -231,7 +263,7 @@ class Mirror:
                 f"{(count, tokens, blocks)}",
             )
         self.steps += 1
-        return StepPlan(seqs, WANT[want % len(WANT)], want // len(WANT))
+        return StepPlan(seqs, WANT[want % len(WANT)], want // len(WANT), copies)
 
     def _drift(self, step: int, why: str):
         raise EngineError(

@@ -16,9 +16,11 @@ from typing import List, Optional
 import torch
 
 from ..cache.kv_cache import KVCache, bytes_per_block
+from ..cache.state_pool import StatePool, state_bytes
 from ..kernels import paged, quant
 from ..model.config import ModelConfig
-from ..model.llama import DenseContext, LlamaForCausalLM
+from ..model import new_model, state_layers
+from ..model.llama import DenseContext
 from ..model.loader import check_checkpoint, materialize, on_meta
 from ..sp.collectives import all_sum
 from ..sp.comm import RingComm, RingTimeoutError
@@ -63,6 +65,10 @@ class EngineShape:
     compile_buckets: Optional[tuple] = (
         None  # compile_decode: decode batch sizes (CUDA graphs; CPU: the largest)
     )
+    # a hybrid model's state slots (cache/state_pool.py): one per running sequence, and a
+    # snapshot per ``checkpoint_blocks`` KV blocks (0: no snapshots, prefix caching off)
+    state_slots: int = 0
+    checkpoint_blocks: int = 0
 
     @property
     def quant(self):
@@ -79,16 +85,22 @@ class EngineShape:
 
     def bytes_per_token(self, cfg: ModelConfig, stage: int, dtype: torch.dtype) -> int:
         """K and V of one token on a rank of ``stage`` (the seed's formula):
-        ``2 x layers_on_stage x kv_heads_on_rank x head_dim x bytes`` (a quantized cache: one
-        byte per value plus its scales' share)."""
+        ``2 x attention_layers_on_stage x kv_heads_on_rank x head_dim x bytes`` (a quantized
+        cache: one byte per value plus its scales' share)."""
         return bytes_per_block(
-            self.stage_sizes(cfg)[stage],
+            len(kv_layers(cfg, stage_range(self.stage_sizes(cfg), stage))),
             1,
             kv_heads_per_rank(cfg, self.tp),
             cfg.head_dim,
             dtype,
             self.quant,
         )
+
+
+def kv_layers(cfg: ModelConfig, layers: range) -> List[int]:
+    """The layers of ``layers`` that hold K/V (a hybrid model's attention layers)."""
+    held = set(cfg.kv_layers())
+    return [i for i in layers if i in held]
 
 
 def peak_rss() -> int:
@@ -146,12 +158,17 @@ class Worker:
         self.layers = stage_range(sizes, mesh.pp_rank)
         check_checkpoint(cfg, weights)
         with on_meta():  # the TP shards' new linears too: all replaced by materialize
-            model = LlamaForCausalLM(cfg)
+            model = new_model(cfg)
             apply_pp(model, self.layers, mesh.first_stage, mesh.last_stage)
             slices = apply_tp(model, cfg, mesh.tp_rank, mesh.tp, mesh.tp_group, timeout)
         self.model = materialize(model, weights, dtype, self.device, slices)
         self.kv_heads = kv_heads_per_rank(cfg, mesh.tp)
         self.kv: Optional[KVCache] = None
+        # the stage's attention layers (global index -> index in the KV cache) and a hybrid
+        # model's recurrent layers (global index -> their state shapes) with their pool
+        self.kv_index = {g: i for i, g in enumerate(kv_layers(cfg, self.layers))}
+        self.state_layers = state_layers(self.model)
+        self.states: Optional[StatePool] = None
         self.paged_backend = shape.paged_backend
         if (
             self.paged_backend == "auto"
@@ -176,12 +193,45 @@ class Worker:
     @property
     def bytes_per_token(self) -> int:
         return bytes_per_block(
-            len(self.layers), 1, self.kv_heads, self.cfg.head_dim, self.dtype, self.shape.quant
+            len(self.kv_index), 1, self.kv_heads, self.cfg.head_dim, self.dtype, self.shape.quant
         )
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one state slot here (0: no recurrent layer on this stage)."""
+        return state_bytes(self.state_layers)
+
+    def state_slots(self, num_blocks: int) -> int:
+        """State slots for a cache of ``num_blocks`` blocks: one per running sequence, and one
+        snapshot per ``checkpoint_blocks`` blocks (none for a dense model)."""
+        sh = self.shape
+        snapshots = num_blocks // sh.checkpoint_blocks if sh.checkpoint_blocks else 0
+        return sh.state_slots + snapshots if sh.state_slots else 0
+
+    def blocks_within(self, memory: int) -> Optional[int]:
+        """KV blocks that ``memory`` bytes hold here beside a hybrid model's state slots (one per
+        running sequence, then a snapshot per ``checkpoint_blocks`` blocks); None: any number
+        (a stage that holds neither)."""
+        sh = self.shape
+        per_block = self.bytes_per_token * sh.block_size
+        slot = self.state_bytes if sh.state_slots else 0
+        left = memory - sh.state_slots * slot
+        if left < 0:
+            raise ValueError(
+                f"{memory} bytes of cache on rank {self.mesh.rank} cannot hold the recurrent "
+                f"state of max_num_seqs={sh.state_slots} sequences ({slot} bytes each); give "
+                f"more kv_cache_memory or a smaller max_num_seqs"
+            )
+        every = sh.checkpoint_blocks if slot else 0
+        per = per_block * every + slot if every else per_block  # ``every`` blocks + a snapshot
+        return None if per == 0 else left * max(every, 1) // per
+
     def allocate(self, num_blocks: int) -> None:
+        slots = self.state_slots(num_blocks)
+        if slots:
+            self.states = StatePool(self.state_layers, slots, self.device)
         self.kv = KVCache(
-            len(self.layers),
+            len(self.kv_index),
             self.kv_heads,
             self.cfg.head_dim,
             block_size=self.shape.block_size,
@@ -217,15 +267,19 @@ class Worker:
 
     def info(self) -> dict:
         m = self.mesh
+        first_kv = len(kv_layers(self.cfg, range(self.layers.start)))
         return dict(
             rank=m.rank,
             pp_rank=m.pp_rank,
             sp_rank=m.sp_rank,
             tp_rank=m.tp_rank,
             layers=[self.layers.start, self.layers.stop],
+            kv_layers=[first_kv, first_kv + len(self.kv_index)],  # among the model's K/V layers
             kv_heads=self.kv_heads,
             bytes_per_token=self.bytes_per_token,
             kv_cache_bytes=self.kv.nbytes if self.kv else 0,
+            state_bytes_per_slot=self.state_bytes,
+            state_cache_bytes=self.states.nbytes if self.states else 0,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
         )
 
@@ -275,7 +329,11 @@ class Worker:
             self.device,
             self.paged_backend,
         )
-        ctx = StepContext(self.kv, step, self.layers.start, m.sp, self.ring, timeout=self.timeout)
+        if self.states is not None:
+            self.states.copy(plan.copies)  # prefix hits: their snapshots into their slots
+        ctx = StepContext(
+            self.kv, step, self.kv_index, m.sp, self.ring, timeout=self.timeout, states=self.states
+        )
         if m.first_stage:
             x = step.input_ids
         else:

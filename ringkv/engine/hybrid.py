@@ -1,0 +1,87 @@
+"""What the engine does differently for a hybrid model (attention layers beside recurrent ones:
+LFM2's short convolutions, Mamba2, gated DeltaNet), and what it refuses up front.
+
+Each running sequence holds one state slot (``cache/state_pool.py``) on every rank; prefix caching
+keeps snapshots of the states every ``state_checkpoint_blocks`` KV blocks. By default that is the
+fewest blocks whose K/V (all attention layers, this dtype) weigh at least one snapshot (all
+recurrent layers' states, float32): snapshots then take at most half of the cache. A prompt that
+shares a prefix resumes from the deepest checkpoint whose blocks are all cached.
+
+Mesh: pipeline stages hold their own layers' states; SP ranks each keep the whole state (the
+prefill is computed on every SP rank, its K/V still striped over them); tensor parallelism of the
+recurrent heads is not built yet and is refused, as are ``compile_decode`` and the host and disk
+tiers, each naming itself. Requests and prefixes migrate with their state (``engine/migrate.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..cache.kv_cache import bytes_per_block
+from ..cache.state_pool import state_bytes
+from ..model import new_model, state_layers
+from ..model.loader import on_meta
+
+
+def is_hybrid(cfg) -> bool:
+    """Whether the model has layers that keep a recurrent state."""
+    return cfg.layer_kinds is not None and any(
+        k not in ("attention", "mlp") for k in cfg.layer_kinds
+    )
+
+
+def slot_bytes(cfg) -> int:
+    """Bytes of one sequence's recurrent state over the whole model (float32)."""
+    with on_meta():
+        model = new_model(cfg)
+    return state_bytes(state_layers(model))
+
+
+def checkpoint_blocks(cfg, block_size: int, dtype: torch.dtype) -> int:
+    """The default ``state_checkpoint_blocks``: the fewest KV blocks (all attention layers) whose
+    bytes reach one snapshot's."""
+    block = bytes_per_block(len(cfg.kv_layers()), block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    return max(1, -(-slot_bytes(cfg) // max(block, 1)))
+
+
+def refusal(cfg, c) -> Optional[str]:
+    """Why the engine cannot run hybrid ``cfg`` under config ``c`` (None: it can)."""
+    name = f"the hybrid model {cfg.model_type!r}"
+    if c.tp > 1:
+        return (
+            f"tp={c.tp} is not supported for {name}: its recurrent layers are not split by heads "
+            f"yet; use tp=1 (pp and sp work)"
+        )
+    if c.compile_decode:
+        return f"compile_decode=True is not supported for {name} yet; use compile_decode=False"
+    if c.kv_host_memory or c.kv_disk is not None:
+        return (
+            f"kv_host_memory / kv_disk (the prefix cache's host and disk tiers) are not supported "
+            f"for {name} yet: its state snapshots stay on the device; leave them unset"
+        )
+    every = c.state_checkpoint_blocks
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        return f"state_checkpoint_blocks must be an int >= 1, got {every!r}"
+    return None
+
+
+def check_hybrid(cfg, c, dtype: torch.dtype) -> dict:
+    """``EngineShape``'s state fields for ``cfg`` under config ``c`` (empty for a dense model):
+    a slot per running sequence and the checkpoint interval (0: no snapshots); ``ValueError``
+    naming what the engine cannot run for a hybrid."""
+    if not is_hybrid(cfg):
+        if c.state_checkpoint_blocks is not None:
+            raise ValueError(
+                f"state_checkpoint_blocks applies to hybrid models; {cfg.model_type!r} has no "
+                f"recurrent layers"
+            )
+        return {}
+    problem = refusal(cfg, c)
+    if problem is not None:
+        raise ValueError(problem)
+    every = c.state_checkpoint_blocks or checkpoint_blocks(cfg, c.block_size, dtype)
+    return dict(
+        state_slots=c.max_num_seqs, checkpoint_blocks=every if c.enable_prefix_caching else 0
+    )

@@ -1,0 +1,276 @@
+"""The engine serves hybrid models (attention beside short convolutions, Mamba2 or gated DeltaNet
+layers): greedy tokens and prompt log-probs equal transformers' on every mesh it runs (one
+process, pp=2, sp=2, pp=2 x sp=2, real gloo ranks), with chunked prefill carrying the state from
+chunk to chunk, continuous batching of rows whose states live in different slots, preemption, and
+exact prefix caching from state snapshots: a hit gives an uncached run's tokens and log-probs, and
+reads the snapshot (spoiling it changes the output). What the engine cannot run for a hybrid is
+refused up front, naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ringkv.engine import LLM, SamplingParams  # noqa: E402
+from ringkv.engine.snapshot import KVSnapshot  # noqa: E402
+from tests.engine_cases import model_from  # noqa: E402
+from tests.models import hf_greedy  # noqa: E402
+
+# conv, GDN, GDN + MoE, Mamba2, Mamba2 + MLP blocks, Mamba2 + MoE with Granite's multipliers
+FAMILIES = ["lfm2", "qwen3_5", "qwen3_next", "bamba", "nemotron_h", "granitemoehybrid"]
+N_OUT = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=N_OUT)
+_refs = {}
+
+
+def spec(family, seed=0):
+    return ("hybrid", family, seed, {})
+
+
+def prompts_for(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 17, 40, 1, 29)]
+    return ps + [ps[2][:36] + [9, 11], ps[4][:24] + [5]]  # shared prefixes: snapshot hits
+
+
+def reference(s, prompts):
+    """transformers' greedy tokens and its first prompt's log-probs (cached per spec)."""
+    key = (repr(s), repr(prompts))
+    if key not in _refs:
+        model = model_from(s)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompts[2]])).logits[0].float(), -1)
+        lp = logp[:-1].gather(1, torch.tensor(prompts[2][1:])[:, None])[:, 0]
+        _refs[key] = hf_greedy(model, prompts, N_OUT), lp
+    return _refs[key]
+
+
+ENGINE = dict(block_size=4, num_blocks=96, max_num_batched_tokens=16, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("pp,sp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_greedy_and_prompt_logprobs_equal_transformers_on_a_mesh(worlds, family, pp, sp):
+    """Every family on every mesh: 16-token chunks (a 40-token prompt's state crosses three steps),
+    up to 4 sequences batched, a second round that resumes from snapshots; the prompt log-probs
+    against transformers' forward."""
+    s, prompts = spec(family), prompts_for(1)
+    want, want_lp = reference(s, prompts)
+    kw = dict(ENGINE, pp=pp, sp=sp, state_checkpoint_blocks=2)
+    res = worlds(pp * sp).check(
+        "tests.engine_cases:hybrid_rounds", pp * sp, s, kw, prompts, GREEDY, prompts[2], timeout=300
+    )
+    for r in res:
+        assert r["tokens"] == [want, want]
+    driver = res[0]
+    assert driver["cached"][1][2] == 32 and driver["cached"][1][5] == 32  # 40 tokens: 4 x 8 cached
+    assert driver["info"]["state"]["restored"] > 0
+    assert driver["free_slots"] == ENGINE["max_num_seqs"]  # every slot back
+    got = torch.tensor([x for x in driver["logprobs"] if x is not None])
+    torch.testing.assert_close(got, want_lp, atol=2e-4, rtol=1e-4)
+
+
+def _llm(family, **kw):
+    return LLM(model_from(spec(family)), **dict(ENGINE, **kw))
+
+
+def _run(llm, prompts, params):
+    """Tokens, their log-probs and the cached tokens of each prompt."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    lps = [[x.logprob for x in o.logprobs] if o.logprobs else None for o in outs]
+    return [o.token_ids for o in outs], lps, [o.num_cached_tokens for o in outs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefix_hit_is_exact_and_reads_the_snapshot(family):
+    """A prompt resuming from a snapshot gives the tokens and sampled log-probs of an uncached
+    engine; with the snapshot spoiled (noise written on the rank) the same hit gives other
+    log-probs: the
+    state really comes from it, not from a recomputation behind a reported hit."""
+    base = prompts_for(2)[2]  # 40 tokens
+    first, later = base[:30] + [7, 8], base + [3, 4, 5]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+    with _llm(family, enable_prefix_caching=False) as cold:
+        want = _run(cold, [later], params)
+    with _llm(family, state_checkpoint_blocks=2) as llm:
+        _run(llm, [first], params)  # snapshots at 8, 16, 24 tokens
+        got = _run(llm, [later], params)
+        assert got[2] == [24] and got[0] == want[0]
+        torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-5, rtol=0)
+        pool = llm.core.cluster.worker.states
+        snapshots = range(pool.slots - llm.core.blocks.states.snapshots, pool.slots)
+        for tensors in pool.layers.values():
+            for t in tensors:
+                t[snapshots.start :].normal_(0, 3)
+        spoiled = _run(llm, [later], params)
+        assert spoiled[2] == [40]  # from the snapshot the second run saved at 40, now noise
+        assert (torch.tensor(spoiled[1]) - torch.tensor(got[1])).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["lfm2", "bamba"])
+def test_preemption_and_aborts_give_every_slot_back(family):
+    """A cache too small for every sequence at once preempts (states dropped, recomputed or resumed
+    from snapshots) and still gives transformers' tokens; aborted requests give their slots back."""
+    prompts = prompts_for(3)
+    want, _ = reference(spec(family), prompts)
+    with _llm(family, num_blocks=16, state_checkpoint_blocks=1) as llm:
+        got = _run(llm, prompts, GREEDY)[0]
+        assert got == want and llm.num_preemptions > 0
+        for p in prompts[:3]:
+            llm.add_request(p, SamplingParams(max_tokens=50, temperature=0))
+        llm.step()
+        llm.step()
+        for rid in list(llm.core.pipeline.active):
+            llm.abort_request(rid)
+        states = llm.core.blocks.states
+        assert len(states.free_running) == states.running and not states.pending
+        llm.core.blocks.check()
+
+
+def test_cache_info_counts_attention_kv_and_the_state():
+    """``kv_cache_info``: K/V bytes per token of the attention layers only, the state of a sequence
+    (every recurrent layer, float32), one running slot per ``max_num_seqs`` and a snapshot per
+    ``state_checkpoint_blocks`` blocks, all within ``kv_cache_memory``."""
+    memory = 1 << 20
+    with LLM(model_from(spec("qwen3_5")), kv_cache_memory=memory, block_size=4) as llm:
+        info = llm.kv_cache_info()
+        cfg = llm.core.config
+        assert info["bytes_per_token"] == 2 * len(cfg.kv_layers()) * 2 * 16 * 4  # 2 KV heads of 16
+        st = info["state"]
+        # two GDN layers: conv (2 x 2 x 16 + 4 x 16 channels, 3 taps) + delta state (4, 16, 16)
+        assert st["bytes_per_sequence"] == 2 * (128 * 3 + 4 * 16 * 16) * 4
+        assert (
+            st["running"] == 64 and st["snapshots"] == info["num_blocks"] // st["checkpoint_blocks"]
+        )
+        assert st["checkpoint_blocks"] == -(
+            -st["bytes_per_sequence"] // (info["bytes_per_token"] * 4)
+        )
+        rank = info["per_rank"][0]
+        assert rank["kv_cache_bytes"] + rank["state_cache_bytes"] <= memory
+
+
+@pytest.mark.parametrize(
+    "kw,named",
+    [
+        (dict(tp=2), "tp=2"),
+        (dict(compile_decode=True), "compile_decode"),
+        (dict(kv_disk="/tmp/nowhere"), "kv_disk"),
+        (dict(state_checkpoint_blocks=0), "state_checkpoint_blocks"),
+    ],
+)
+def test_what_a_hybrid_cannot_run_is_refused_up_front(kw, named):
+    with pytest.raises(ValueError, match=named):
+        _llm("lfm2", **kw)
+
+
+def test_a_dense_model_takes_no_state_option():
+    from tests.models import tiny_model
+
+    with pytest.raises(ValueError, match="state_checkpoint_blocks"):
+        LLM(tiny_model("llama", 0), state_checkpoint_blocks=2, num_blocks=8)
+
+
+def _steps_until(llm, rid, tokens: int) -> None:
+    while len(llm.core.pipeline.get(rid)[0].output_token_ids) < tokens:
+        llm.step()
+
+
+def _finish(llm, rid) -> list:
+    """Step until the request finishes: its tokens."""
+    while True:
+        for out in llm.step():
+            if out.request_id == rid and out.finished:
+                return out.token_ids
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_requests_migrate_with_their_state_between_meshes(family, tmp_path):
+    """A request stopped mid-decode on one process continues on a pp=2 engine loading the saved
+    checkpoint (Nemotron-H saves its weights under other names: the model digest agrees), and a
+    pre-copied
+    one through two incremental snapshots, the second through bytes) with transformers' tokens:
+    its recurrent state travels with the K/V. A snapshot whose state is missing or of another size
+    is refused, naming the field, and nothing is imported."""
+    prompts = prompts_for(5)
+    want, _ = reference(spec(family), prompts)
+    params = SamplingParams(temperature=0, max_tokens=N_OUT)
+    model_from(spec(family)).save_pretrained(tmp_path)
+    with _llm(family) as src, LLM(str(tmp_path), **dict(ENGINE, pp=2)) as dst:
+        full = src.add_request(prompts[2], params)
+        _steps_until(src, full, 3)
+        snap = src.export_request(full)
+        assert snap.state is not None and snap.end == len(prompts[2]) + 2
+        for bad in (None, snap.state[:-1]):
+            with pytest.raises(ValueError, match="state"):
+                dst.import_request(dataclasses.replace(snap, state=bad))
+        assert dst.import_request(snap) == full and _finish(dst, full) == want[2]
+        src.abort_request(full)
+        pre = src.add_request(prompts[4], params)
+        _steps_until(src, pre, 2)
+        first = src.export_request(pre, stop=False)
+        dst.import_request(first)
+        _steps_until(src, pre, 5)
+        last = src.export_request(pre, since=first)
+        dst.import_request(KVSnapshot.from_bytes(last.to_bytes()))
+        assert _finish(dst, pre) == want[4]
+        states = dst.core.blocks.states
+        assert len(states.free_running) == states.running
+
+
+def test_a_prefix_moves_between_engines_with_its_snapshot():
+    """``export_prefix`` stops at the deepest snapshot and carries its state; ``import_prefix`` on
+    an engine of another block size and mesh whose blocks end where the prefix does makes it a hit
+    there with the uncached tokens (one whose blocks do not cannot resume from it: 0 imported)."""
+    base = prompts_for(6)[2]  # 40 tokens
+    params = SamplingParams(temperature=0, max_tokens=6)
+    with _llm("bamba", enable_prefix_caching=False) as cold:
+        want = _run(cold, [base + [9]], params)[0]
+    with _llm("bamba", state_checkpoint_blocks=2) as src:
+        _run(src, [base], params)
+        prefix = src.export_prefix(base)
+    assert len(prefix.token_ids) == 40 and prefix.state is not None
+    with _llm("bamba", block_size=8, sp=2) as other:  # blocks of 16 tokens: the state is at 40
+        assert other.import_prefix(prefix) == 0
+    with _llm("bamba", block_size=5, sp=2) as dst:  # blocks of 10 tokens
+        assert dst.import_prefix(prefix) == 40
+        got, _, cached = _run(dst, [base + [9]], params)
+    assert got == want and cached == [40]
+
+
+@pytest.mark.slow
+def test_serve_and_router_serve_a_hybrid_through_the_openai_client(tmp_path):
+    """``ringkv serve`` (with ``--state-checkpoint-blocks``) behind ``ringkv router``: the openai
+    client's completions equal ``LLM.generate``, and a prompt sharing a prefix reports the cached
+    tokens its snapshot served."""
+    from tests.test_cluster import Proc
+
+    model_from(spec("bamba")).save_pretrained(tmp_path)
+    key = "hybrid-test-key"
+    args = ("--served-model-name", "hy", "--block-size", "4", "--state-checkpoint-blocks", "2")
+    serve = Proc("serve", "--model", str(tmp_path), *args, "--admin-key", key, key=key, wait=False)
+    router = None
+    try:
+        base = prompts_for(4)[2]  # 40 tokens
+        prompts = [base[:30] + [7], base + [3]]
+        with LLM(str(tmp_path), block_size=4, num_blocks=64) as llm:
+            want = [_run(llm, [p], GREEDY)[0][0] for p in prompts]
+        serve.wait_up()
+        router = Proc(
+            "router", "--upstream", serve.url, "--admin-key", key, "--no-migration", key=key
+        )
+        got = []
+        for p in prompts:  # one at a time: the second resumes from the first's snapshot
+            r = router.client.completions.create(
+                model="hy", prompt=[p], max_tokens=N_OUT, temperature=0, logprobs=0
+            )
+            got.append([int(t) for t in r.choices[0].logprobs.tokens])
+        assert got == want
+        assert r.usage.prompt_tokens_details.cached_tokens == 24
+    finally:
+        for p in (router, serve):
+            if p is not None:
+                p.close()

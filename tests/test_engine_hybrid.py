@@ -98,6 +98,7 @@ def test_a_prefix_hit_is_exact_and_reads_the_snapshot(family):
         want = _run(cold, [later], params)
     with _llm(family, state_checkpoint_blocks=2) as llm:
         _run(llm, [first], params)  # snapshots at 8, 16, 24 tokens
+        assert llm.core.cached_tokens(later) == 24  # what a router asks: 28 tokens of blocks
         got = _run(llm, [later], params)
         assert got[2] == [24] and got[0] == want[0]
         torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-5, rtol=0)
@@ -131,6 +132,30 @@ def test_preemption_and_aborts_give_every_slot_back(family):
         llm.core.blocks.check()
 
 
+@pytest.mark.parametrize("tier", ["host", "disk", "spill"])
+def test_snapshots_leave_the_device_with_their_blocks_and_come_back(tier, tmp_path):
+    """A device pool too small to keep a prompt's blocks: they go to the host tier (or, with no
+    host tier, to checksummed disk files; or through a host tier of two blocks on to disk) with
+    the snapshots they end, and a later prompt sharing the prefix is promoted from there,
+    resuming from a snapshot with the uncached tokens."""
+    base = prompts_for(7)[2]  # 40 tokens
+    later = base + [3, 4]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with _llm("qwen3_5", enable_prefix_caching=False) as cold:
+        want = _run(cold, [later], params)[0]
+    host = {"host": 1 << 20, "disk": 0, "spill": 2 * 1024}[tier]  # a block's K/V: 1 KiB
+    kw = dict(kv_host_memory=host, kv_disk=None if tier == "host" else str(tmp_path))
+    with _llm("qwen3_5", num_blocks=16, state_checkpoint_blocks=2, **kw) as llm:
+        _run(llm, [base], params)
+        others = [[(7 * i + j) % 120 + 3 for j in range(40)] for i in range(1, 4)]
+        _run(llm, others, params)  # evicts base's blocks, snapshots with them
+        usage = llm.kv_cache_info()["tiers"]
+        assert usage["host"]["snapshots"] > 0 if tier == "host" else usage["disk"]["blocks"] > 0
+        got, _, cached = _run(llm, [later], params)
+        assert got == want and cached == [40] and llm.core.blocks.promotions > 0
+        llm.core.blocks.check()
+
+
 def test_cache_info_counts_attention_kv_and_the_state():
     """``kv_cache_info``: K/V bytes per token of the attention layers only, the state of a sequence
     (every recurrent layer, float32), one running slot per ``max_num_seqs`` and a snapshot per
@@ -158,7 +183,6 @@ def test_cache_info_counts_attention_kv_and_the_state():
     [
         (dict(tp=2), "tp=2"),
         (dict(compile_decode=True), "compile_decode"),
-        (dict(kv_disk="/tmp/nowhere"), "kv_disk"),
         (dict(state_checkpoint_blocks=0), "state_checkpoint_blocks"),
     ],
 )

@@ -266,7 +266,19 @@ class BlockManager:
             self.tiers.promote(fresh, kvs)
             self.promotions += len(kvs)
             self.register(blocks, token_ids, len(blocks) * self.block_size, salt)
+            self._promote_states(blocks, tiered[: len(kvs)], kvs)
         return blocks
+
+    def _promote_states(self, blocks: List[int], at: List[int], kvs: list) -> None:
+        """A hybrid's promoted blocks (``blocks[at[i]]`` from ``kvs[i]``) that carry their state
+        snapshot: back into a snapshot slot, indexed under the block again."""
+        for i, kv in zip(at, kvs):
+            if len(kv) == 5 and self.states is not None:
+                h, cid = self.checkpoint_key(blocks, i + 1)
+                slot = self.states.reserve() if h is not None else None
+                if slot is not None:
+                    self.tiers.write_state(slot, kv[4])
+                    self.states.put(h, cid, slot)
 
     def locate(
         self, token_ids: Sequence[int], salt: Optional[str] = None, take: bool = False
@@ -314,8 +326,6 @@ class BlockManager:
                 self.key_of[d] = key
         else:
             lost = (b, key, h)
-            if self.states is not None:
-                self.states.drop(h)
         self._unref(cid)
         self.evictions += 1
         return lost
@@ -355,10 +365,14 @@ class BlockManager:
             self.ref[b] = 1
             out.append(b)
         if lost and self.tiers is not None:  # their K/V to a tier before anyone writes the blocks
-            self.tiers.save(lost)  # (its events through _tier_changed)
+            snaps = {} if self.states is None else self.states.slots_of(lost)
+            self.tiers.save(lost, snaps)  # (its events through _tier_changed)
         elif self.events is not None:
             for _, _, h in lost:
                 self.events.add(REMOVED, h)
+        if self.states is not None:  # a snapshot leaves the device with its block
+            for _, _, h in lost:
+                self.states.drop(h)
         return out
 
     def grow(self, table: List[int], num_tokens: int) -> bool:

@@ -7,7 +7,9 @@ prefix (``tokens_per_block`` tokens) with its K/V over all layers and KV heads, 
 
 - ``k``, ``v``: ``(layers, tokens_per_block, Hkv, D)`` in the cache's storage dtype;
 - ``k_scale``, ``v_scale``: ``(layers, tokens_per_block, Hkv)`` float16 for a quantized (one byte
-  per element) cache, else None.
+  per element) cache, else None;
+- a hybrid model's block may carry a fifth element, ``state``: the state snapshot after the block
+  (``(state_elems,)`` float32, ``cache.state_pool.flatten``), stored in the same file.
 
 Its ``key`` is the block's 32-byte chained SHA-256 (parent key, token ids, salt): the key alone
 says what the block holds and for which tenant.
@@ -141,6 +143,7 @@ class DiskTier:
         tokens_per_block: int,
         shape: tuple,
         prefetch_blocks: int = 32,
+        state_elems: int = 0,
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"DiskTier path must be a directory name, got {path!r}")
@@ -171,6 +174,8 @@ class DiskTier:
             "tokens_per_block": tokens_per_block,
             "shape": [layers, hkv, d],
         }
+        if state_elems:  # a hybrid model's blocks may carry a state snapshot of this size
+            self._identity["state_elems"] = state_elems
         # the suffix of our temporary files: which model and format they are for
         ident = json.dumps(self._identity, sort_keys=True).encode()
         self._tmp_tag = "." + hashlib.sha256(ident).hexdigest()[:12] + ".tmp"
@@ -305,9 +310,17 @@ class DiskTier:
 
     # -- entries --------------------------------------------------------------------------------
     def _check_kv(self, kv) -> KVEntry:
-        if not isinstance(kv, (tuple, list)) or len(kv) != 4:
-            raise TypeError("a DiskTier entry is (k, v, k_scale, v_scale)")
-        k, v, ks, vs = kv
+        if not isinstance(kv, (tuple, list)) or len(kv) not in (4, 5):
+            raise TypeError("a DiskTier entry is (k, v, k_scale, v_scale[, state])")
+        k, v, ks, vs = kv[:4]
+        state = kv[4] if len(kv) == 5 else None
+        elems = self._identity.get("state_elems", 0)
+        if state is not None and (
+            not isinstance(state, torch.Tensor)
+            or state.dtype != torch.float32
+            or tuple(state.shape) != (elems,)
+        ):
+            raise ValueError(f"a block's state snapshot must be ({elems},) float32")
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -331,13 +344,13 @@ class DiskTier:
                     )
                 if s.dtype != quant.SCALE_DTYPE:
                     raise ValueError(f"{name} must be {quant.SCALE_DTYPE}, got {s.dtype}")
-        return k, v, ks, vs
+        return (k, v, ks, vs) if state is None else (k, v, ks, vs, state)
 
     def _encode(self, key: bytes, kv: KVEntry) -> bytes:
         from safetensors.torch import save
 
         tensors, dtypes = {}, {}
-        for name, t in zip(("k", "v", "k_scale", "v_scale"), kv):
+        for name, t in zip(("k", "v", "k_scale", "v_scale", "state"), kv):
             if t is None:
                 continue
             t = t.detach().to("cpu").contiguous()
@@ -367,7 +380,11 @@ class DiskTier:
             return None, True
         names = ["k", "v", "k_scale", "v_scale"] if self.quantized else ["k", "v"]
         dtypes = meta.get("dtypes")
-        if sorted(tensors) != sorted(names) or not isinstance(dtypes, dict):
+        if sorted(set(tensors) - {"state"}) != sorted(names) or not isinstance(dtypes, dict):
+            return None, True
+        state = tensors.get("state")
+        elems = self._identity.get("state_elems", 0)
+        if state is not None and (state.dtype != torch.float32 or list(state.shape) != [elems]):
             return None, True
         out = []
         for name in names:
@@ -385,7 +402,7 @@ class DiskTier:
             out.append(t)
         if not self.quantized:
             out += [None, None]
-        return tuple(out), True
+        return tuple(out) + ((state,) if state is not None else ()), True
 
     def _read(self, key: bytes) -> Tuple[Optional[KVEntry], bool]:
         try:

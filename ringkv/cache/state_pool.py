@@ -129,6 +129,11 @@ class StateSlots:
         self.index.move_to_end(h)
         return hit[0]
 
+    def slots_of(self, lost) -> Dict[bytes, int]:
+        """Evicted blocks ``(block, key, hash)``: tier key -> snapshot slot of those that hold
+        a snapshot (it goes to the tier with the block)."""
+        return {key: self.index[h][0] for _, key, h in lost if h in self.index}
+
     def has(self, h: Hashable) -> bool:
         return h in self.index
 

@@ -26,6 +26,12 @@ then hold twice the device pool's blocks; its next eviction copies it again). Th
 *inclusive*: a promoted block keeps its file (a disk holds much more, and a write costs more),
 so its next eviction costs no write.
 
+A hybrid model's block that ends at a state snapshot carries it (``state``: flat float32, read
+from the ranks by ``read_state(slot)``) as a fifth element of its entry: the host tier keeps it
+beside its slot (``states``), the disk tier in the same file, and a promotion hands it back for a
+snapshot slot (``BlockManager.match_prefix``): a snapshot leaves the device with its block and
+returns with it.
+
 ``on_change(hash, tier)`` reports where an entry is best held off the device (``HOST``, ``DISK``,
 or ``REMOVED`` once no tier holds it): the block manager turns it into the ``KVEvents`` a router
 indexes.
@@ -118,11 +124,15 @@ class TierStore:
         disk=None,
         pinned: bool = False,
         on_change: Callable[[Hashable, int], None] = lambda h, tier: None,
+        read_state: Optional[Callable[[int], torch.Tensor]] = None,
+        write_state: Optional[Callable[[int, torch.Tensor], None]] = None,
     ):
         if host_bytes < 0:
             raise ValueError(f"host_bytes must be >= 0, got {host_bytes}")
         self.host_blocks, self.layout, self.disk = host_bytes // layout.nbytes, layout, disk
         self.read_kv, self.write_kv, self.on_change = read_kv, write_kv, on_change
+        self.read_state, self.write_state = read_state, write_state  # a hybrid's snapshots
+        self.states: Dict[bytes, torch.Tensor] = {}  # host entries' state snapshots
         self.pinned = pinned
         self.pool: Optional[torch.Tensor] = None  # host_blocks * nbytes uint8, made when first used
         self.slot_of: "OrderedDict[bytes, int]" = OrderedDict()  # key -> host slot, LRU first
@@ -163,7 +173,9 @@ class TierStore:
         slot = self.slot_of.get(key)
         if slot is not None:
             self.slot_of.move_to_end(key)
-            return self.layout.unpack(self._slot(slot))
+            kv = self.layout.unpack(self._slot(slot))
+            state = self.states.get(key)
+            return kv if state is None else (*kv, state)
         if self.disk is None or key not in self.disk:
             return None
         kv = self.disk.get(key)
@@ -172,10 +184,16 @@ class TierStore:
         return kv
 
     # -- the device's evictions and promotions ---------------------------------------------
-    def save(self, evicted: Sequence[Tuple[int, bytes, Hashable]]) -> None:
+    def save(
+        self,
+        evicted: Sequence[Tuple[int, bytes, Hashable]],
+        snapshots: Optional[Dict[bytes, int]] = None,
+    ) -> None:
         """Device blocks ``(block, key, hash)`` about to be reused: copy the K/V of those no tier
-        holds yet into the host tier (one gather for all), and report each one's tier."""
+        holds yet into the host tier (one gather for all), with a hybrid's state snapshot where
+        ``snapshots`` names its slot (key -> slot), and report each one's tier."""
         new = [(b, k, h) for b, k, h in evicted if self.where(k) is None]
+        snapshots = snapshots or {}
         for _, k, h in evicted:
             self.hash_of[k] = h
         if new and (self.host_blocks or self.disk is not None):
@@ -183,7 +201,10 @@ class TierStore:
             kv = self.read_kv([b for b, _, _ in new], 0, len(new) * tpb)
             put = self._put_host if self.host_blocks else self._put_disk  # no host tier: to disk
             for i, (_, key, _) in enumerate(new):
-                put(key, tuple(None if t is None else t[:, i * tpb : (i + 1) * tpb] for t in kv))
+                entry = tuple(None if t is None else t[:, i * tpb : (i + 1) * tpb] for t in kv)
+                if key in snapshots:
+                    entry += (self.read_state(snapshots[key]),)
+                put(key, entry)
             self.saves += len(new)
         for _, k, h in evicted:
             tier = self.where(k)
@@ -207,6 +228,7 @@ class TierStore:
             slot = self.slot_of.pop(key, None)
             if slot is not None:
                 self.free_slots.append(slot)
+                self.states.pop(key, None)
                 if self.where(key) is None:
                     self.hash_of.pop(key, None)
         return out
@@ -240,8 +262,10 @@ class TierStore:
             self.fresh += 1
         if not self.free_slots:  # the least recently used entry goes to disk, or is dropped
             old, slot = self.slot_of.popitem(last=False)
+            state = self.states.pop(old, None)
             if self.disk is not None and old not in self.disk:
-                self._put_disk(old, self.layout.unpack(self._slot(slot)))
+                gone = self.layout.unpack(self._slot(slot))
+                self._put_disk(old, gone if state is None else (*gone, state))
             self.free_slots.append(slot)
             tier = self.where(old)
             if tier is None:
@@ -249,8 +273,10 @@ class TierStore:
             elif tier == DISK:
                 self.on_change(self.hash_of.get(old, old), DISK)
         slot = self.free_slots.pop()
-        self.layout.pack(self._slot(slot), kv)
+        self.layout.pack(self._slot(slot), kv[:4])
         self.slot_of[key] = slot
+        if len(kv) == 5:
+            self.states[key] = kv[4]
 
     def _put_disk(self, key: bytes, kv: KV) -> None:
         for gone in self.disk.put(key, kv):
@@ -272,6 +298,7 @@ class TierStore:
                 capacity_blocks=self.host_blocks,
                 capacity_bytes=self.host_blocks * n,
                 error=self.host_error,
+                snapshots=len(self.states),
             )
             if self.host_blocks or self.host_error
             else None

@@ -21,7 +21,7 @@ import torch
 
 from ..cache.block_manager import STORED, BlockManager, KVEvents, block_hash
 from ..cache.disk_tier import DiskTier
-from ..cache.state_pool import StateSlots
+from ..cache.state_pool import StateSlots, flatten, state_bytes, unflatten
 from ..cache.tiers import EntryLayout, TierStore, default_host_bytes
 from ..kernels import quant
 from ..model.loader import open_model
@@ -328,9 +328,10 @@ class EngineCore:
         whose block manager decides; every rank's K/V move through the cluster's
         ``read_kv``/``write_kv``."""
         host, disk = c.kv_host_memory, c.kv_disk
-        if not c.enable_prefix_caching or not self.cluster.is_driver or self.shape.state_slots:
-            return None  # (a hybrid's snapshots stay on the device: check_hybrid)
+        if not c.enable_prefix_caching or not self.cluster.is_driver:
+            return None
         mover, tpb = self.cluster.mover, self.shape.block_size * self.shape.sp
+        shapes, cluster = mover.state_shapes, self.cluster  # a hybrid's snapshots go along
         layout = EntryLayout(mover.shape, tpb, mover.dtype, mover.scale_dtype)
         if host is None:  # as large as the device pool, within the host's memory
             host = default_host_bytes(self.num_blocks * layout.nbytes)
@@ -350,8 +351,11 @@ class EngineCore:
                 kv_cache_dtype=self.kv_storage,
                 tokens_per_block=tpb,
                 shape=mover.shape,
+                state_elems=state_bytes(shapes) // 4,
             ),
             pinned=self.device.type == "cuda",
+            read_state=lambda slot: flatten(cluster.read_state(slot)),
+            write_state=lambda slot, x: cluster.write_state(slot, unflatten(x, shapes)),
         )
 
     @staticmethod
@@ -480,8 +484,12 @@ class EngineCore:
 
     def cached_tokens(self, token_ids: Seq[int], cache_salt: Optional[str] = None) -> int:
         """Tokens of a prompt's prefix this engine holds in any tier (whole blocks, never the
-        last token: what admitting it now would not compute)."""
-        return len(self.blocks.locate(token_ids[:-1], cache_salt)) * self.blocks.block_size
+        last token: what admitting it now would not compute; a hybrid model: up to its deepest
+        state snapshot)."""
+        held = self.blocks.locate(token_ids[:-1], cache_salt)
+        if self.blocks.states is not None:  # (the snapshots on the device)
+            return self.blocks.deepest_snapshot([b for b, _ in held])[0] * self.blocks.block_size
+        return len(held) * self.blocks.block_size
 
     # -- requests --------------------------------------------------------------------------
     def encode(self, prompt, apply_chat_template: bool = False) -> List[int]:

@@ -8,9 +8,11 @@ recurrent layers' states, float32): snapshots then take at most half of the cach
 shares a prefix resumes from the deepest checkpoint whose blocks are all cached.
 
 Mesh: pipeline stages hold their own layers' states; SP ranks each keep the whole state (the
-prefill is computed on every SP rank, its K/V still striped over them); tensor parallelism of the
-recurrent heads is not built yet and is refused, as are ``compile_decode`` and the host and disk
-tiers, each naming itself. Requests and prefixes migrate with their state (``engine/migrate.py``).
+prefill is computed on every SP rank, its K/V still striped over them); tensor parallelism splits
+the recurrent layers by heads (``parallel/tp.py``), each TP rank keeping its own heads' state.
+``compile_decode`` is refused, naming itself.
+Requests and prefixes migrate with their state (``engine/migrate.py``); snapshots move to the host
+and disk tiers with their blocks and come back with them (``cache/tiers.py``).
 """
 
 from __future__ import annotations
@@ -49,18 +51,8 @@ def checkpoint_blocks(cfg, block_size: int, dtype: torch.dtype) -> int:
 def refusal(cfg, c) -> Optional[str]:
     """Why the engine cannot run hybrid ``cfg`` under config ``c`` (None: it can)."""
     name = f"the hybrid model {cfg.model_type!r}"
-    if c.tp > 1:
-        return (
-            f"tp={c.tp} is not supported for {name}: its recurrent layers are not split by heads "
-            f"yet; use tp=1 (pp and sp work)"
-        )
     if c.compile_decode:
         return f"compile_decode=True is not supported for {name} yet; use compile_decode=False"
-    if c.kv_host_memory or c.kv_disk is not None:
-        return (
-            f"kv_host_memory / kv_disk (the prefix cache's host and disk tiers) are not supported "
-            f"for {name} yet: its state snapshots stay on the device; leave them unset"
-        )
     every = c.state_checkpoint_blocks
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         return f"state_checkpoint_blocks must be an int >= 1, got {every!r}"

@@ -555,7 +555,7 @@ class Migration:
         chain = blocks.locate(token_ids, cache_salt, take=True)  # device blocks pinned meanwhile
         parts, run, n, state = [], [], 0, None
         try:
-            if blocks.states is not None:  # a hybrid: up to its deepest snapshot (tiers are off)
+            if blocks.states is not None:  # a hybrid: up to its deepest snapshot on the device
                 k, slot = blocks.deepest_snapshot([b for b, _ in chain])
                 blocks.free([b for b, _ in chain[k:]])
                 chain = chain[:k]

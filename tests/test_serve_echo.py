@@ -161,17 +161,24 @@ def test_lm_evaluation_harness_scores_through_the_server(server, hf, tmp_path):
     """``local-completions`` (token-id prompts, echo, logprobs 1, max_tokens 1) on a local
     multiple-choice task: each choice's log-likelihood equals transformers' log-softmax of the
     same tokens, and is_greedy agrees with the argmax."""
+    results = lm_eval_scores(server, hf[0], "smol", smollm2_path())
+    assert results["results"]["ringkv_tiny_mc"]["acc,none"] >= 0.5
+
+
+def lm_eval_scores(server, model, name: str, tokenizer: str, tol: float = 2e-3) -> dict:
+    """lm-evaluation-harness's ``local-completions`` on the local task through ``server``
+    (serving ``model`` as ``name``, its tokenizer at ``tokenizer``): every choice's
+    log-likelihood equals transformers' (within ``tol``) and is_greedy its argmax; the results."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
-    model, _ = hf
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     results = lm_eval.simple_evaluate(
         model="local-completions",
         model_args=dict(
-            model="smol",
+            model=name,
             base_url=server.url + "/v1/completions",
-            tokenizer=smollm2_path(),
+            tokenizer=tokenizer,
             tokenizer_backend="huggingface",
             tokenized_requests=True,
             num_concurrent=2,
@@ -187,9 +194,9 @@ def test_lm_evaluation_harness_scores_through_the_server(server, hf, tmp_path):
     from lm_eval.api.registry import get_model
 
     lm = get_model("local-completions")(
-        model="smol",
+        model=name,
         base_url=server.url + "/v1/completions",
-        tokenizer=smollm2_path(),
+        tokenizer=tokenizer,
         tokenizer_backend="huggingface",
     )
     checked = 0
@@ -200,16 +207,22 @@ def test_lm_evaluation_harness_scores_through_the_server(server, hf, tmp_path):
             lsm = log_softmax_of(model, ctx + cont)
             rows = lsm[len(ctx) - 1 : len(ctx) + len(cont) - 1]
             want = rows.gather(1, torch.tensor(cont)[:, None]).sum().item()
-            assert ll == pytest.approx(want, abs=2e-3), (context, continuation)
+            assert ll == pytest.approx(want, abs=tol), (context, continuation)
             assert greedy == (rows.argmax(-1).tolist() == cont)
             checked += 1
     assert checked >= 19
-    assert results["results"]["ringkv_tiny_mc"]["acc,none"] >= 0.5
+    return results
 
 
-def test_guidellm_benchmarks_the_server(server, tmp_path, endpoint="/v1/completions"):
+def test_guidellm_benchmarks_the_server(server, tmp_path):
     """guidellm (an established OpenAI-API benchmark client, from the package index) runs a
     short synchronous benchmark: every request succeeds with its tokens."""
+    guidellm_run(server, tmp_path, "smol", smollm2_path())
+
+
+def guidellm_run(server, tmp_path, name: str, tokenizer: str, endpoint="/v1/completions"):
+    """guidellm's synchronous benchmark of 3 requests against ``server`` (serving ``name``,
+    its tokenizer at ``tokenizer``): every one succeeds with its 8 tokens."""
     import shutil
     import subprocess
     import sys
@@ -221,7 +234,7 @@ def test_guidellm_benchmarks_the_server(server, tmp_path, endpoint="/v1/completi
     backend = {
         "kind": "openai_http",
         "target": server.url,
-        "model": "smol",
+        "model": name,
         "request_format": endpoint,
         "extras": {"body": {"temperature": 0}},
     }
@@ -240,7 +253,7 @@ def test_guidellm_benchmarks_the_server(server, tmp_path, endpoint="/v1/completi
             "--backend",
             json.dumps(backend),
             "--tokenizer",
-            f"kind=huggingface_auto,model={smollm2_path()}",
+            f"kind=huggingface_auto,model={tokenizer}",
             "--data",
             "kind=synthetic_text,prompt_tokens=48,output_tokens=8",
             "--data-loader",

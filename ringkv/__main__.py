@@ -203,7 +203,10 @@ def _plan_json(args, opts, migration) -> None:
 
 def _plan(args) -> int:
     from . import planner
+    from .planner import hybrid
 
+    if hybrid.engine_memory(args.model) is not None:  # not in the engine planner's table yet
+        return _plan_hybrid(args, None)
     try:
         opts = planner.plan(
             args.model,
@@ -252,8 +255,9 @@ def _plan(args) -> int:
 
 
 def _plan_hybrid(args, refused: Exception) -> int:
-    """``ringkv plan`` of a model the engine refuses (``refused``): a hybrid model's recurrent
-    layers as ``patch_model`` splits them (``planner.hybrid``), or the engine's refusal."""
+    """``ringkv plan`` of a hybrid model (``refused``: the engine's refusal of a model it does
+    not run, None for one it serves): what the engine keeps per sequence, and the recurrent
+    layers as ``patch_model`` splits them (``planner.hybrid``); or the engine's refusal."""
     from . import planner
     from .planner import hybrid
 
@@ -274,7 +278,15 @@ def _plan_hybrid(args, refused: Exception) -> int:
     rates = dict(link_bytes_per_s=link, flops_per_s=r.matmul)
     itemsize = 4 if args.dtype == "float32" else 2
     rows = hybrid.hybrid_plan(layers, args.seq, args.gpus, itemsize, rates)
-    print(f"ringkv: {refused}: the engine does not serve hybrid models yet.")
+    memory = hybrid.engine_memory(args.model, itemsize)
+    if memory is not None:
+        print(
+            f"ringkv: the engine serves this {memory['model_type']} hybrid (docs/engine.md, Hybrid "
+            f"models); the TP/PP/SP table does not model its recurrent layers yet."
+        )
+        print(hybrid.format_engine_memory(memory) + "\n")
+    else:
+        print(f"ringkv: {refused}: the engine does not serve this hybrid model.")
     print(
         f"patch_model (training, prefill) splits its recurrent layers over an SP group as follows "
         f"({args.seq} tokens, zigzag, batch 1, bytes one rank sends per layer and forward; "
@@ -286,7 +298,8 @@ def _plan_hybrid(args, refused: Exception) -> int:
         import json
 
         with open(args.json, "w") as f:
-            json.dump(dict(model=str(args.model), seq=args.seq, hybrid=rows), f, indent=1)
+            out = dict(model=str(args.model), seq=args.seq, hybrid=rows, engine=memory)
+            json.dump(out, f, indent=1)
     return 0
 
 

@@ -390,8 +390,9 @@ def test_fit_engine_recovers_the_rates_of_its_own_model():
 
 
 def test_hybrid_plan_bytes_follow_the_shapes(tmp_path, capsys):
-    """A hybrid config (tiny Qwen3-Next: 2 gated DeltaNet layers of 4 value / 2 key heads of 16;
-    the engine refuses it): ``ringkv plan`` prints the recurrent layers' split instead. State
+    """A hybrid config (tiny Qwen3-Next: 2 gated DeltaNet layers of 4 value / 2 key heads of 16):
+    ``ringkv plan`` prints what the engine keeps per sequence and the recurrent layers' split
+    under patch_model (the engine table does not model them yet). State
     passing sends every piece's state and transition (4 * 16 * (16 + 16) float32 per piece, two
     zigzag pieces per rank, to the N - 1 others), constant in S; the head-parallel form grows
     with S/N; ``method="auto"`` picks one with the target's rates."""
@@ -418,7 +419,13 @@ def test_hybrid_plan_bytes_follow_the_shapes(tmp_path, capsys):
     argv = ["plan", "--model", str(path), "--seq", "8192", "--gpus", "4", "--json", str(out)]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "does not serve hybrid models yet" in text and "Qwen3NextGatedDeltaNet" in text
+    assert "the engine serves this qwen3_next hybrid" in text and "Qwen3NextGatedDeltaNet" in text
+    # what the engine keeps: the one attention layer's K/V (2 KV heads of 16, bf16) and two GDN
+    # layers' state (conv 128 x 3, delta 4 x 16 x 16; float32)
+    engine = json.loads(out.read_text())["engine"]
+    assert engine["kv_bytes_per_token"] == 2 * 1 * 2 * 16 * 2
+    assert engine["state_bytes"] == 2 * (128 * 3 + 4 * 16 * 16) * 4
+    assert engine["per_sequence"]["65536"] == 128 * 65536 + engine["state_bytes"]
     saved = json.loads(out.read_text())["hybrid"]
     assert [{k: v for k, v in r.items() if k != "auto"} for r in saved] == [
         {k: v for k, v in r.items() if k != "auto"} for r in long

@@ -1,10 +1,12 @@
 """``ringkv plan`` for hybrid models: how ``patch_model`` splits their recurrent layers over an SP
 group, per layer kind and SP size, from the shapes alone (no process group, no weights).
 
-The engine does not serve hybrid models yet (issue #57), so there is no TP/PP/SP table for them;
-what this gives is the choice ``method="auto"`` makes for each recurrent layer and what each form
-sends (``sp.recurrent_heads.layer_bytes`` and ``choose_form``, the functions the patched model
-runs):
+The engine serves the hybrid families of ``ringkv.model`` (docs/engine.md, "Hybrid models"), but
+the engine planner's TP/PP/SP table does not model recurrent layers yet; for a hybrid the plan
+gives what the engine keeps per sequence (``engine_memory``: K/V of the attention layers, the
+float32 state) and the choice ``method="auto"`` makes for each recurrent layer under
+``patch_model`` and what each form sends (``sp.recurrent_heads.layer_bytes`` and ``choose_form``,
+the functions the patched model runs):
 
 - state passing: every piece's final state and transition, float32, all-gathered:
   ``O(N * H * d_k * d_v)`` per layer, constant in the sequence length;
@@ -22,7 +24,9 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional
 
-__all__ = ["recurrent_layers", "hybrid_plan", "format_hybrid"]
+__all__ = ["recurrent_layers", "hybrid_plan", "format_hybrid", "engine_memory"]
+
+SEQS = (4096, 16384, 65536)  # the lengths ``engine_memory`` prices a sequence at
 
 
 def _meta_model(model):
@@ -130,3 +134,44 @@ def format_hybrid(rows: List[dict]) -> str:
             f"{_mib(r['state']):>10} {_mib(r['heads']):>10} {_mib(r['halo']):>9}  {form}"
         )
     return "\n".join(lines)
+
+
+def engine_memory(model, itemsize: int = 2, block_size: int = 16) -> Optional[dict]:
+    """What the engine keeps for one sequence of hybrid ``model`` (an HF directory or
+    config.json, or a config dict) at tp = 1: ``kv_bytes_per_token`` (K and V of the attention
+    layers, ``itemsize`` bytes each), ``state_bytes`` (every recurrent layer's state, float32),
+    the default ``checkpoint_blocks`` for ``block_size`` and ``per_sequence``: K/V + state at
+    ``SEQS`` tokens. None for a model the engine does not run as a hybrid."""
+    from ..engine.hybrid import is_hybrid, slot_bytes
+    from ..model.config import ModelConfig
+    from .catalogue import config_path, read_json
+
+    if isinstance(model, (str, os.PathLike)):
+        path = config_path(model)
+        model = read_json(path, "model config") if path is not None else None
+    try:
+        cfg = ModelConfig.from_hf(model)
+    except (ValueError, TypeError):
+        return None
+    if not is_hybrid(cfg):
+        return None
+    kv = 2 * len(cfg.kv_layers()) * cfg.num_kv_heads * cfg.head_dim * itemsize
+    state = slot_bytes(cfg)
+    return dict(
+        model_type=cfg.model_type,
+        kv_bytes_per_token=kv,
+        state_bytes=state,
+        checkpoint_blocks=max(1, -(-state // max(1, kv * block_size))),
+        per_sequence={n: kv * n + state for n in SEQS},
+    )
+
+
+def format_engine_memory(m: dict) -> str:
+    """``engine_memory`` as two lines."""
+    per = ", ".join(f"{n // 1024}K: {b / (1 << 20):.1f} MiB" for n, b in m["per_sequence"].items())
+    return (
+        f"the engine keeps per sequence {m['kv_bytes_per_token']} B of K/V per token (attention "
+        f"layers) + {m['state_bytes'] / (1 << 20):.2f} MiB of recurrent state (float32): {per};\n"
+        f"state snapshots every {m['checkpoint_blocks']} blocks of 16 tokens by default "
+        f"(state_checkpoint_blocks)"
+    )

@@ -432,12 +432,12 @@ class EngineCore:
     def _state_info(self) -> Optional[dict]:
         """A hybrid model's recurrent state (None for a dense model): slots for running
         sequences and snapshots (``StateSlots.usage``), the bytes of one sequence's state and of
-        the pools over the pipeline stages (on each stage's first SP and TP rank: every SP rank
-        holds the same), float32."""
+        the pools over the pipeline stages and TP ranks (each holds its heads' part; every SP rank
+        holds the same as SP rank 0), float32."""
         states = self.blocks.states
         if states is None:
             return None
-        stages = [i for i in self.cluster.infos if i["sp_rank"] == 0 and i["tp_rank"] == 0]
+        stages = [i for i in self.cluster.infos if i["sp_rank"] == 0]
         return dict(
             states.usage(),
             bytes_per_sequence=sum(i["state_bytes_per_slot"] for i in stages),

@@ -16,7 +16,7 @@ import contextlib
 import json
 import os
 import re
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -349,7 +349,9 @@ def _kinds_of(cfg: ModelConfig, names) -> str:
     return f" (config: {kinds})" if kinds else ""
 
 
-Slice = Tuple[int, int, int]  # (dim, start, stop) of the checkpoint tensor
+# (dim, start, stop) of the checkpoint tensor, or (dim, ((start, stop), ...)): several ranges
+# of that dim, concatenated in order (a tensor-parallel rank's part of a fused projection)
+Slice = Union[Tuple[int, int, int], Tuple[int, Tuple[Tuple[int, int], ...]]]
 
 
 def materialize(
@@ -361,8 +363,9 @@ def materialize(
 ) -> LlamaForCausalLM:
     """Give a model built on the meta device (possibly reshaped by ``ringkv.parallel``) its
     weights: each parameter reads ``checkpoint_name(param)`` or, when ``slices`` names it, only
-    that slice of it. Parameters that read the same tensor and slice share one tensor (a tied
-    LM head stays tied). ``check_checkpoint`` must have passed."""
+    that slice of it (``Slice``: one range of a dim, or several concatenated). Parameters that
+    read the same tensor and slice share one tensor (a tied LM head stays tied).
+    ``check_checkpoint`` must have passed."""
     cfg, slices = model.config, slices or {}
     weights = in_memory_names(cfg, weights)
     loaded: Dict[tuple, torch.nn.Parameter] = {}
@@ -371,9 +374,13 @@ def materialize(
             if p is None:
                 continue
             full = f"{mod_name}.{pname}" if mod_name else pname
-            key = source_key(cfg, full, slices.get(full))
+            sl = slices.get(full)
+            if sl is not None and len(sl) == 2:  # several ranges: a key per range
+                key = tuple(source_key(cfg, full, (sl[0], a, b)) for a, b in sl[1])
+            else:
+                key = source_key(cfg, full, sl)
             if key not in loaded:
-                t = weights.get(*key).to(device=device, dtype=dtype)
+                t = _read(weights, key).to(device=device, dtype=dtype)
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(
                         f"checkpoint slice {key} has shape {tuple(t.shape)}, {full} expects "
@@ -383,6 +390,13 @@ def materialize(
             module._parameters[pname] = loaded[key]
     model.model.rotary = type(model.model.rotary)(cfg).to(device)  # buffer out of the meta device
     return model.eval()
+
+
+def _read(weights, key: tuple) -> torch.Tensor:
+    """The tensor ``source_key`` names, or the ranges of a tuple of them concatenated."""
+    if isinstance(key[0], tuple):
+        return torch.cat([weights.get(*k) for k in key], key[0][1])
+    return weights.get(*key)
 
 
 def build(

@@ -362,9 +362,9 @@ class Mover:
 
     # -- a hybrid model's recurrent state: one slot, every layer --------------------------------
     def _state_owner(self, box: Box) -> bool:
-        """The rank that sends its stage's state on export (every SP / TP rank holds it)."""
-        info = self.cluster.infos[box.rank]
-        return info["sp_rank"] == 0 and info["tp_rank"] == 0
+        """The ranks that send their stage's state on export: its first SP rank's TP ranks, each
+        its own heads (every SP rank holds the same)."""
+        return self.cluster.infos[box.rank]["sp_rank"] == 0
 
     def _stage_states(self, box: Box) -> List[int]:
         """The recurrent layers of ``box``'s stage, in order."""
@@ -372,36 +372,59 @@ class Mover:
         return [i for i in sorted(self.state_shapes) if lo <= i < hi]
 
     def gather_state(self, slot: int) -> States:
-        """The state in ``slot`` of every recurrent layer (float32, on the CPU)."""
-        c, out = self.cluster, {}
+        """The state in ``slot`` of every recurrent layer (float32, on the CPU), each tensor whole
+        (the model's layout): under TP assembled from every TP rank's heads (``state_ranges``)."""
+        from .tp import place_state_part, state_ranges
+
+        c, out, tp = self.cluster, {}, self.cluster.shape.tp
         if c.world > 1:
             c.control.publish({"kind": "state_read", "slot": slot})
         for box in self.boxes:
             if not self._state_owner(box):
                 continue
+            ranges = state_ranges(c.cfg, tp, c.infos[box.rank]["tp_rank"])
             for i in self._stage_states(box):
                 if self._local(box) or c.world == 1:
-                    out[i] = [t[slot].cpu().clone() for t in c.worker.states.layers[i]]
+                    parts = [t[slot].cpu().clone() for t in c.worker.states.layers[i]]
                 else:
-                    out[i] = [
-                        self._recv(box, shape, torch.float32) for shape in self.state_shapes[i]
+                    parts = [
+                        self._recv(box, (sum(map(len, rs)), *shape[1:]), torch.float32)
+                        for shape, rs in zip(self.state_shapes[i], ranges[i])
                     ]
+                if tp == 1:
+                    out[i] = parts
+                    continue
+                whole = out.setdefault(i, [torch.empty(s) for s in self.state_shapes[i]])
+                for w, part, rs in zip(whole, parts, ranges[i]):
+                    place_state_part(w, part, rs)
         return out
 
     def scatter_state(self, slot: int, states: States) -> None:
-        """Write ``states`` (``gather_state``'s layout) into ``slot`` on every rank; returns once
-        every rank has written."""
-        c = self.cluster
+        """Write ``states`` (``gather_state``'s layout) into ``slot`` on every rank (under TP each
+        rank its heads' part); returns once every rank has written."""
+        from .tp import state_part, state_ranges
+
+        c, tp = self.cluster, self.cluster.shape.tp
+
+        def part(box: Box) -> States:
+            if tp == 1:
+                return states
+            ranges = state_ranges(c.cfg, tp, c.infos[box.rank]["tp_rank"])
+            return {
+                i: [state_part(t, rs) for t, rs in zip(ts, ranges[i])] for i, ts in states.items()
+            }
+
         if c.world == 1:
             _write_state(c.worker, slot, states)
             return
         c.control.publish({"kind": "state_write", "slot": slot})
         for box in self.boxes:
+            mine = part(box)
             if self._local(box):
-                _write_state(c.worker, slot, states)
+                _write_state(c.worker, slot, mine)
                 continue
             for i in self._stage_states(box):
-                for t in states[i]:
+                for t in mine[i]:
                     c.control.send(_wire(t.float()), box.rank + c.offset, KV_TAG)
                     c.control.channel.reap(0)
         for box in self.boxes:
@@ -431,11 +454,12 @@ def _write_state(worker, slot: int, states: States) -> None:
 
 def serve_state(worker, control, msg: dict) -> None:
     """A rank other than the driver: its stage's state of ``msg["slot"]`` to the driver (its
-    stage's first SP and TP rank) or from it (every rank; one word back once written)."""
+    stage's first SP rank's TP ranks, each its heads' part) or from it (every rank its part; one
+    word back once written)."""
     m, slot, pool = worker.mesh, msg["slot"], worker.states
     layers = sorted(pool.layers) if pool is not None else []
     if msg["kind"] == "state_read":
-        if m.sp_rank == 0 and m.tp_rank == 0:
+        if m.sp_rank == 0:
             for i in layers:
                 for t in pool.layers[i]:
                     control.send(_wire(t[slot].cpu().contiguous()), 0, KV_TAG)

@@ -1,5 +1,5 @@
 """What the engine does differently for a hybrid model (attention layers beside recurrent ones:
-LFM2's short convolutions, Mamba2, gated DeltaNet), and what it refuses up front.
+LFM2's short convolutions, Mamba2, gated DeltaNet).
 
 Each running sequence holds one state slot (``cache/state_pool.py``) on every rank; prefix caching
 keeps snapshots of the states every ``state_checkpoint_blocks`` KV blocks. By default that is the
@@ -10,14 +10,13 @@ shares a prefix resumes from the deepest checkpoint whose blocks are all cached.
 Mesh: pipeline stages hold their own layers' states; SP ranks each keep the whole state (the
 prefill is computed on every SP rank, its K/V still striped over them); tensor parallelism splits
 the recurrent layers by heads (``parallel/tp.py``), each TP rank keeping its own heads' state.
-``compile_decode`` is refused, naming itself.
 Requests and prefixes migrate with their state (``engine/migrate.py``); snapshots move to the host
-and disk tiers with their blocks and come back with them (``cache/tiers.py``).
+and disk tiers with their blocks and come back with them (``cache/tiers.py``); ``compile_decode``
+runs the recurrent layers as an opaque op in its graphs (``parallel/compiled.py``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -48,21 +47,13 @@ def checkpoint_blocks(cfg, block_size: int, dtype: torch.dtype) -> int:
     return max(1, -(-slot_bytes(cfg) // max(block, 1)))
 
 
-def refusal(cfg, c) -> Optional[str]:
-    """Why the engine cannot run hybrid ``cfg`` under config ``c`` (None: it can)."""
-    name = f"the hybrid model {cfg.model_type!r}"
-    if c.compile_decode:
-        return f"compile_decode=True is not supported for {name} yet; use compile_decode=False"
-    every = c.state_checkpoint_blocks
-    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-        return f"state_checkpoint_blocks must be an int >= 1, got {every!r}"
-    return None
-
-
 def check_hybrid(cfg, c, dtype: torch.dtype) -> dict:
     """``EngineShape``'s state fields for ``cfg`` under config ``c`` (empty for a dense model):
     a slot per running sequence and the checkpoint interval (0: no snapshots); ``ValueError``
-    naming what the engine cannot run for a hybrid."""
+    naming a bad ``state_checkpoint_blocks`` (or one given for a dense model)."""
+    every = c.state_checkpoint_blocks
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ValueError(f"state_checkpoint_blocks must be an int >= 1, got {every!r}")
     if not is_hybrid(cfg):
         if c.state_checkpoint_blocks is not None:
             raise ValueError(
@@ -70,9 +61,6 @@ def check_hybrid(cfg, c, dtype: torch.dtype) -> dict:
                 f"recurrent layers"
             )
         return {}
-    problem = refusal(cfg, c)
-    if problem is not None:
-        raise ValueError(problem)
     every = c.state_checkpoint_blocks or checkpoint_blocks(cfg, c.block_size, dtype)
     return dict(
         state_slots=c.max_num_seqs, checkpoint_blocks=every if c.enable_prefix_caching else 0

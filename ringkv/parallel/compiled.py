@@ -54,6 +54,11 @@ leaves the step, every bucket warmed up and recorded at start), never run.
 its output back with zeros; every dense op is row-wise, so a padding row never changes a real
 row.
 
+**Hybrid models.** A recurrent layer's sequential part (``ctx.recur``) is the second opaque op,
+``ringkv::decode_recur``: it runs the step's real ``StepContext.recur`` (its scans and the state
+slots) eagerly. Its output width is known before tracing from one eager pass at start-up
+(``_Recorder``), which also keeps each layer's ``scan`` for the op to call.
+
 Tensor parallelism is not supported (its all-reduces sit inside the dense parts, in
 ``RowParallelLinear`` and the vocab-parallel embedding): ``LLM`` refuses ``compile_decode``
 with ``tp > 1``. ``pp`` and ``sp`` work: each rank compiles its own stage. Compiled code lives
@@ -110,6 +115,24 @@ def _(q, k, v, layer, scale=None, softcap=None, window=-1):
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("ringkv::decode_recur", mutates_args=(), tags=_TAGS)
+def decode_recur(u: torch.Tensor, layer: int, features: int) -> torch.Tensor:
+    """A hybrid model's recurrent layer: the current step's ``ctx.recur(layer, scan, u, shapes)``
+    over its real rows (the layer's ``scan`` and state shapes as ``_Recorder`` found them) ->
+    ``(T, features)``; padding rows of the output are zeros. Opaque to the compiler (it reads and
+    writes the state slots)."""
+    ctx, t = _active.ctx, _active.rows
+    fn, shapes = _active.mixers[layer]
+    out = ctx.recur(layer, fn, u[:t], shapes)
+    pad = u.shape[0] - t
+    return F.pad(out, (0, 0, 0, pad)) if pad else out
+
+
+@decode_recur.register_fake
+def _(u, layer, features):
+    return u.new_empty(u.shape[0], features)
+
+
 class _OpContext:
     """The ``ctx`` the compiled stage is traced with: attention is the custom op."""
 
@@ -125,13 +148,41 @@ class _OpContext:
     ):
         return torch.ops.ringkv.decode_attend(q, k, v, layer, scale, softcap, window)
 
+    @staticmethod
+    def recur(layer: int, fn, u, shapes):
+        return torch.ops.ringkv.decode_recur(u, layer, fn.__self__._ringkv_features)
+
 
 class _Zeros:
-    """Warm-up: attention that returns zeros and touches no cache."""
+    """Warm-up: attention and recurrent layers that return zeros and touch no cache."""
 
     @staticmethod
     def attend(layer: int, q, k, v, **kw):
         return torch.zeros_like(q)
+
+    @staticmethod
+    def recur(layer: int, fn, u, shapes):
+        return u.new_zeros(u.shape[0], fn.__self__._ringkv_features)
+
+
+class _Recorder:
+    """An eager pass before compiling: each recurrent layer's ``scan`` and state shapes (what the
+    ``decode_recur`` op runs) and its output width (``_ringkv_features`` on the mixer: what the
+    op's fake answers while tracing); attention answers zeros."""
+
+    def __init__(self, mixers: dict):
+        self.mixers = mixers
+
+    @staticmethod
+    def attend(layer: int, q, k, v, **kw):
+        return torch.zeros_like(q)
+
+    def recur(self, layer: int, fn, u, shapes):
+        states = [u.new_zeros(u.shape[0], *s, dtype=torch.float32) for s in shapes]
+        y, _ = fn(u[:, None], states)  # (T, 1, F')
+        fn.__self__._ringkv_features = y.shape[-1]
+        self.mixers.setdefault(layer, (fn, shapes))
+        return y[:, 0]
 
 
 _OP_CONTEXT = _OpContext()
@@ -168,6 +219,7 @@ class CompiledDecode:
     def __init__(self, model, buckets: Sequence[int], device, *, first_stage: bool):
         self.model, self.first_stage = model, first_stage
         self.decode_model = model  # what the decode graph and its LM head run (CPU: packed linears)
+        self.mixers: dict = {}  # a hybrid's recurrent layers: layer -> (scan, state shapes)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.buckets = tuple(sorted({int(b) for b in buckets}))
@@ -226,7 +278,7 @@ class CompiledDecode:
             return fn(self.decode_model, *args)
 
     def _call(self, x, positions, ctx, rows: int, fn=None):
-        _active.ctx, _active.rows = ctx, rows
+        _active.ctx, _active.rows, _active.mixers = ctx, rows, self.mixers
         try:
             if fn is not None:  # the unfrozen graph
                 return fn(self.model, x, positions)
@@ -246,6 +298,7 @@ class CompiledDecode:
         """Compile (CUDA: also record) every graph on dummy inputs, attention answering zeros: no
         cache is touched. Returns the seconds it took."""
         t = time.perf_counter()
+        self._record(dtype, hidden)
 
         def dummy(b: int):  # token ids or hidden states of b rows, and their positions
             x = (
@@ -276,6 +329,18 @@ class CompiledDecode:
             b = max(self.min_rows, 2 * self.largest)
             self._call(*dummy(b), _Zeros(), b, self._any)
         return time.perf_counter() - t
+
+    def _record(self, dtype: torch.dtype, hidden: int) -> None:
+        """A hybrid model: its recurrent layers seen once eagerly (``_Recorder``), in both the
+        model and the decode graph's copy of it."""
+        x = (
+            torch.zeros(1, dtype=torch.long, device=self.device)
+            if self.first_stage
+            else torch.zeros(1, hidden, dtype=dtype, device=self.device)
+        )
+        positions = torch.zeros(1, dtype=torch.long, device=self.device)
+        for model in {id(m): m for m in (self.decode_model, self.model)}.values():
+            stage_forward(model, x, positions, _Recorder(self.mixers))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx, bucket: int) -> torch.Tensor:
         """Token ids ``(T,)`` (first stage) or hidden states ``(T, hidden)`` -> ``(T, hidden)``,

@@ -156,6 +156,25 @@ def test_snapshots_leave_the_device_with_their_blocks_and_come_back(tier, tmp_pa
         llm.core.blocks.check()
 
 
+def test_paused_requests_holding_every_slot_give_one_back_to_a_new_request():
+    """Every running slot held by requests stopped by an export: a new request takes one back
+    (the oldest paused request loses its blocks and slot, and is recomputed when resumed), so
+    nothing hangs and every request ends with transformers' tokens."""
+    prompts = prompts_for(8)
+    want, _ = reference(spec("lfm2"), prompts)
+    params = SamplingParams(temperature=0, max_tokens=N_OUT)
+    with _llm("lfm2", max_num_seqs=2) as llm:
+        held = [llm.add_request(p, params) for p in prompts[:2]]
+        llm.step()
+        for rid in held:
+            llm.export_request(rid)
+        fresh = llm.add_request(prompts[2], params)
+        assert _finish(llm, fresh) == want[2]
+        for rid, w in zip(held, want):
+            llm.resume_request(rid)
+            assert _finish(llm, rid) == w
+
+
 def test_cache_info_counts_attention_kv_and_the_state():
     """``kv_cache_info``: K/V bytes per token of the attention layers only, the state of a sequence
     (every recurrent layer, float32), one running slot per ``max_num_seqs`` and a snapshot per
@@ -245,6 +264,8 @@ def test_requests_migrate_with_their_state_between_meshes(family, tmp_path):
         last = src.export_request(pre, since=first)
         dst.import_request(KVSnapshot.from_bytes(last.to_bytes()))
         assert _finish(dst, pre) == want[4]
+        dst.import_request(dataclasses.replace(first, request_id="staged"))
+        assert dst.abort_request("staged")  # a staged import gives its slot back too
         states = dst.core.blocks.states
         assert len(states.free_running) == states.running
 

@@ -633,13 +633,14 @@ class Migration:
 
     # -- held blocks -----------------------------------------------------------------------
     def reclaim(self) -> bool:
-        """Free the K/V blocks of ONE held request, oldest first, so they can serve admission: a
+        """Free the K/V blocks (and a hybrid's state slot) of ONE held request, oldest first, so
+        they can serve admission: a
         request stopped by an export (``resume_request`` then recomputes it from its tokens)
         before a staged import (its later snapshots add their tokens and log-probs but not
         their K/V, and the final one starts it from scratch). Only compute is lost, never a
         token. True if it freed blocks, False if no held request holds any."""
         for seq, staged in self.pipeline.held():
-            if seq.block_table:
+            if seq.block_table or seq.state_slot is not None:
                 seq.free_kv(self.blocks)
                 if staged is not None:
                     staged.dropped = True

@@ -225,7 +225,7 @@ class StepPipeline:
         already finished."""
         staged = self.staged.pop(rid, None)
         if staged is not None:
-            self.blocks.free(staged.seq.block_table)
+            staged.seq.free_kv(self.blocks)  # (a hybrid's state slot too)
             return True
         seqs = self.active.pop(rid, None) or self.paused.pop(rid, None)
         self._unreported.pop(rid, None)

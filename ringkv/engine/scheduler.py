@@ -12,7 +12,8 @@ freed and it goes back to the front of the waiting queue, to be recomputed later
 blocks usually come back from the prefix cache). ``max_model_len`` never exceeds the cache's
 capacity, so a sequence alone always fits and nothing is ever dropped. Blocks held outside the
 scheduler (requests stopped by an export, staged imports) are taken back through ``reclaim``
-before a running sequence is preempted, and when nothing else could run.
+before a running sequence is preempted, and when nothing else could run; so are a hybrid model's
+state slots when such requests hold every one.
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ class Scheduler:
             states = self.blocks.states
             if states is not None and seq.state_slot is None:
                 seq.state_slot = states.take()
-                if seq.state_slot is None:  # every running slot is held (by paused requests)
+                while seq.state_slot is None and self.reclaim():  # held by paused requests
+                    seq.state_slot = states.take()
+                if seq.state_slot is None:
                     break
             restore = None
             if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None:

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytest.importorskip("transformers")
 
@@ -173,6 +174,59 @@ def test_paused_requests_holding_every_slot_give_one_back_to_a_new_request():
         for rid, w in zip(held, want):
             llm.resume_request(rid)
             assert _finish(llm, rid) == w
+
+
+_greedy_refs: dict = {}
+
+
+def _greedy(family: str, prompt: list) -> list:
+    key = (family, tuple(prompt))
+    if key not in _greedy_refs:
+        _greedy_refs[key] = hf_greedy(_models(family), [prompt], 6)[0]
+    return _greedy_refs[key]
+
+
+_built: dict = {}
+
+
+def _models(family: str):
+    if family not in _built:
+        _built[family] = model_from(spec(family))
+    return _built[family]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    family=st.sampled_from(["lfm2", "qwen3_5", "bamba"]),
+    block_size=st.integers(1, 4),
+    budget=st.sampled_from([3, 8, 16, 64]),
+    every=st.integers(1, 3),
+    seqs=st.sampled_from([1, 2, 4]),
+    tight=st.booleans(),
+    data=st.data(),
+)
+def test_any_schedule_gives_transformers_tokens(
+    family, block_size, budget, every, seqs, tight, data
+):
+    """Over drawn block sizes, chunk budgets, checkpoint intervals, batch sizes and cache sizes
+    (tight ones preempt), prompts sharing drawn prefixes of one base prompt, run twice (the second
+    time from snapshots): every output equals transformers' greedy tokens, the block manager's
+    invariants hold and every state slot is back."""
+    base = data.draw(st.lists(st.integers(3, 127), min_size=8, max_size=40))
+    cuts = data.draw(st.lists(st.integers(1, len(base)), min_size=1, max_size=3))
+    prompts = [base] + [base[:c] + [c % 120 + 3] for c in cuts]
+    longest = max(map(len, prompts)) + 6
+    blocks = -(-longest // block_size) * (1 if tight else 4) + 1
+    params = SamplingParams(temperature=0, max_tokens=6)
+    kw = dict(block_size=block_size, num_blocks=blocks, max_num_batched_tokens=budget)
+    kw.update(max_num_seqs=seqs, state_checkpoint_blocks=every, max_model_len=longest + 1)
+    with LLM(_models(family), **kw) as llm:
+        for _ in range(2):
+            got = _run(llm, prompts, params)[0]
+            assert got == [_greedy(family, p) for p in prompts]
+        llm.core.blocks.check()
+        states = llm.core.blocks.states
+        assert len(states.free_running) == states.running and not states.pending
 
 
 def test_cache_info_counts_attention_kv_and_the_state():

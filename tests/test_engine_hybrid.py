@@ -229,6 +229,31 @@ def test_any_schedule_gives_transformers_tokens(
         assert len(states.free_running) == states.running and not states.pending
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_a_quantized_cache_holds_the_attention_layers_and_the_state_stays_float32(name):
+    """``kv_cache_dtype`` applies to the attention layers' K/V (a byte per value and the scales);
+    the recurrent state stays float32, the same bytes as unquantized. Prompt log-probs stay
+    within the format's error of the float32 engine's, and snapshot hits repeat the first
+    round's tokens."""
+    prompts = prompts_for(9)
+    lp_params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    with _llm("qwen3_5") as plain:
+        want = torch.tensor(
+            plain.generate([prompts[2]], lp_params, use_tqdm=False)[0].prompt_logprobs[1:]
+        )
+        full = plain.kv_cache_info()
+    with _llm("qwen3_5", kv_cache_dtype=name, state_checkpoint_blocks=2) as llm:
+        info = llm.kv_cache_info()
+        assert info["bytes_per_token"] < full["bytes_per_token"] // 3
+        assert info["state"]["bytes_per_sequence"] == full["state"]["bytes_per_sequence"]
+        assert llm.core.cluster.worker.states.layers[0][1].dtype == torch.float32
+        got = llm.generate([prompts[2]], lp_params, use_tqdm=False)[0].prompt_logprobs[1:]
+        torch.testing.assert_close(torch.tensor(got), want, atol=0.1, rtol=0.05)
+        first = _run(llm, prompts, GREEDY)
+        again = _run(llm, prompts, GREEDY)
+        assert again[0] == first[0] and max(again[2]) > 0
+
+
 def test_cache_info_counts_attention_kv_and_the_state():
     """``kv_cache_info``: K/V bytes per token of the attention layers only, the state of a sequence
     (every recurrent layer, float32), one running slot per ``max_num_seqs`` and a snapshot per

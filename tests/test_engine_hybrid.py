@@ -22,7 +22,7 @@ from tests.engine_cases import model_from  # noqa: E402
 from tests.models import hf_greedy  # noqa: E402
 
 # conv, GDN, GDN + MoE, Mamba2, Mamba2 + MLP blocks, Mamba2 + MoE with Granite's multipliers
-FAMILIES = ["lfm2", "qwen3_5", "qwen3_next", "bamba", "nemotron_h", "granitemoehybrid"]
+FAMILIES = ["lfm2", "qwen3_5", "qwen3_next", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1"]
 N_OUT = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=N_OUT)
 _refs = {}

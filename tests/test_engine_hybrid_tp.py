@@ -19,7 +19,7 @@ from ringkv.parallel.tp import check_tp  # noqa: E402
 from tests.engine_cases import model_from  # noqa: E402
 from tests.test_engine_hybrid import ENGINE, GREEDY, prompts_for, reference  # noqa: E402
 
-FAMILIES = ["lfm2", "qwen3_5", "qwen3_next", "bamba", "nemotron_h", "granitemoehybrid"]
+FAMILIES = ["lfm2", "qwen3_5", "qwen3_next", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1"]
 
 
 def _cfg(family, **overrides) -> ModelConfig:

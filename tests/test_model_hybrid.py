@@ -1,9 +1,9 @@
 """ringkv's hybrid decoders (LFM2, Qwen3.5 text, Qwen3-Next, Bamba, Granite 4 hybrid,
-Nemotron-H) against transformers' fp32 models on tiny random configs (``tests.hybrid_cases``):
-prefill logits (in-memory and from a ``save_pretrained`` directory), the recurrent state contract
-(a sequence run in pieces with its states carried equals it run whole; B sequences' decode steps
-in one ``scan`` equal each alone), pipeline cuts, and the errors for corrupt checkpoints and
-refused config options."""
+Nemotron-H, Falcon-H1) against transformers' fp32 models on tiny random configs
+(``tests.hybrid_cases``): prefill logits (in-memory and from a ``save_pretrained`` directory), the
+recurrent state contract (a sequence run in pieces with its states carried equals it run whole; B
+sequences' decode steps in one ``scan`` equal each alone), pipeline cuts, and the errors for
+corrupt checkpoints and refused config options."""
 
 import copy
 import json
@@ -28,7 +28,7 @@ from ringkv.parallel.pp import apply_pp, stage_forward  # noqa: E402
 from tests.hybrid_cases import build as hf_build  # noqa: E402
 from tests.hybrid_cases import config as hf_config  # noqa: E402
 
-FAMILIES = ["lfm2", "qwen3_5", "qwen3_next", "bamba", "granitemoehybrid", "nemotron_h"]
+FAMILIES = ["lfm2", "qwen3_5", "qwen3_next", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1"]
 KINDS = {  # the tiny configs' layer kinds
     "lfm2": ["conv", "attention", "conv"],
     "qwen3_5": ["gdn", "gdn", "attention"],
@@ -36,7 +36,22 @@ KINDS = {  # the tiny configs' layer kinds
     "bamba": ["mamba2", "attention", "mamba2"],
     "granitemoehybrid": ["mamba2", "attention", "mamba2"],
     "nemotron_h": ["mamba2", "attention", "mlp", "mamba2"],
+    "falcon_h1": ["attention+mamba2", "attention+mamba2"],
 }
+HOLDS_KV = ("attention", "attention+mamba2")
+# Falcon-H1: every muP multiplier away from 1 (each part of the Mamba2's in_proj its own), so a
+# missing one fails
+FALCON_MUP = dict(
+    embedding_multiplier=1.7,
+    lm_head_multiplier=0.37,
+    attention_in_multiplier=0.6,
+    attention_out_multiplier=1.3,
+    key_multiplier=0.45,
+    ssm_in_multiplier=1.4,
+    ssm_out_multiplier=0.7,
+    ssm_multipliers=[0.8, 1.25, 0.6, 1.5, 0.9],
+    mlp_multipliers=[1.6, 0.55],
+)
 # Qwen3-Next: 2 of 4 experts per token, and a dense MLP at layer 1 (the others MoE); Granite: 2
 # of 4 experts, RoPE, and multipliers that are not 1
 OVERRIDES = {
@@ -50,6 +65,7 @@ OVERRIDES = {
         attention_multiplier=0.3,
         logits_scaling=3.0,
     ),
+    "falcon_h1": dict(FALCON_MUP, mamba_rms_norm=True),  # the gated norm (normed, then gated)
 }
 T = 27  # not a multiple of the scans' chunks (4; the delta rule's 64, and 4 in the piece test)
 SPLITS = (1, 7, 13)  # pieces of 1, 6, 6 and 14 tokens: L=1 and pieces across chunk boundaries
@@ -85,7 +101,7 @@ def test_logits_match_transformers(case, tmp_path):
     fam, hf, model, ids, ref = case
     assert isinstance(model, HybridForCausalLM)
     assert model.config.layer_kinds == KINDS[fam]
-    assert model.config.kv_layers() == [i for i, k in enumerate(KINDS[fam]) if k == "attention"]
+    assert model.config.kv_layers() == [i for i, k in enumerate(KINDS[fam]) if k in HOLDS_KV]
     scale = ref.abs().max().item()
     _close(_logits(model, ids), ref, scale)
     hf.save_pretrained(tmp_path)  # safetensors + config.json
@@ -172,6 +188,7 @@ def test_state_layers_and_pipeline_cut(case):
             (rc.heads, rc.k_head_dim, rc.head_dim),
         ],
     }
+    want["attention+mamba2"] = want["mamba2"]
     for i, s in shapes.items():
         assert s == want[cfg.layer_kind(i)]
     whole = _logits(model, ids)
@@ -185,6 +202,39 @@ def test_state_layers_and_pipeline_cut(case):
         x = stage_forward(stages[0], ids, pos, DenseContext(pos))
         x = stage_forward(stages[1], x, pos, DenseContext(pos))
         _close(stages[1].logits(x), whole, whole.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # no gated norm: y * silu(z) (transformers' default, and the engine tests')
+        dict(mamba_rms_norm=True, mamba_norm_before_gate=False),  # gated, then normed per group
+        dict(projectors_bias=True, mamba_proj_bias=True, attention_bias=True, mlp_bias=True),
+    ],
+    ids=["no_norm", "gate_before_norm", "biases"],
+)
+def test_falcon_h1_options_match_transformers(options):
+    """Falcon-H1's Mamba2 without its gated norm or gating before it, and every bias (each
+    Mamba2 projection its own option), all multipliers set, against transformers."""
+    hf = hf_build("falcon_h1", 0, initializer_range=0.1, **FALCON_MUP, **options)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    ids = torch.randint(3, 128, (T,), generator=gen)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    model, cfg, _ = load_model(hf)
+    assert cfg.layer_kinds == KINDS["falcon_h1"] and cfg.kv_layers() == [0, 1]
+    _close(_logits(model, ids), ref, ref.abs().max().item())
+    _small_chunks(model)  # pieces carrying the state (K/V and Mamba2 state in each layer)
+    ctx, outs = SequenceContext(), []
+    for a, b in zip((0,) + SPLITS, SPLITS + (T,)):
+        ctx.next(torch.arange(a, b))
+        with torch.no_grad():
+            outs.append(model.logits(model(ids[a:b], torch.arange(a, b), ctx)))
+    _close(torch.cat(outs), ref, ref.abs().max().item())
 
 
 def _state(fam):
@@ -227,6 +277,10 @@ def test_checkpoint_with_other_state_sizes_names_the_tensor(tmp_path):
         ("bamba", "hidden_act", "relu"),
         ("granitemoehybrid", "position_embedding_type", "alibi"),
         ("lfm2", "layer_types", ["conv", "sliding_attention", "conv"]),
+        ("falcon_h1", "mamba_use_mlp", False),
+        ("falcon_h1", "ssm_multipliers", [1.0, 2.0]),
+        ("falcon_h1", "mlp_multipliers", [1.0]),
+        ("falcon_h1", "hidden_act", "gelu"),
     ],
 )
 def test_refused_config_options_are_named(family, key, value):

@@ -1,29 +1,41 @@
 """``ModelConfig``: the few numbers a decoder of the supported families needs, read from an HF
 ``config.json`` (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3 text, Phi-3, and the hybrid
-families LFM2, Qwen3.5 text, Qwen3-Next, Bamba, Granite 4 hybrid and Nemotron-H, whose recurrent
-mixers ``RecurrentConfig`` describes and whose mixture-of-experts MLPs (Qwen3-Next, Granite)
-``MoEConfig`` does).
+families LFM2, Qwen3.5 text, Qwen3-Next, Bamba, Granite 4 hybrid, Nemotron-H and Falcon-H1, whose
+recurrent mixers ``RecurrentConfig`` describes, whose mixture-of-experts MLPs (Qwen3-Next, Granite)
+``MoEConfig`` does and whose muP multipliers (Falcon-H1) ``MupConfig`` does).
 
 A hybrid model's layers each have a kind (``ModelConfig.layer_kind``): ``"attention"`` (holds KV),
 ``"conv"`` (LFM2's gated short convolution), ``"mamba2"`` (Bamba, Granite 4 hybrid, Nemotron-H),
-``"gdn"`` (the gated DeltaNet of Qwen3.5 and Qwen3-Next) or ``"mlp"`` (a Nemotron-H block that is
-an MLP alone). A config option a family
-has that ringkv does not implement is refused here, with a ``ValueError`` naming it."""
+``"gdn"`` (the gated DeltaNet of Qwen3.5 and Qwen3-Next), ``"mlp"`` (a Nemotron-H block that is
+an MLP alone) or ``"attention+mamba2"`` (Falcon-H1: attention and a Mamba2 mixer side by side on
+the same input; the layer holds K/V and a state). A config option a family has that ringkv does
+not implement is refused here, with a ``ValueError`` naming it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-HYBRID = ("lfm2", "qwen3_5_text", "qwen3_next", "bamba", "granitemoehybrid", "nemotron_h")
+HYBRID = (
+    "lfm2",
+    "qwen3_5_text",
+    "qwen3_next",
+    "bamba",
+    "granitemoehybrid",
+    "nemotron_h",
+    "falcon_h1",
+)
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3") + HYBRID
-KINDS = ("attention", "conv", "mamba2", "gdn", "mlp")
+KINDS = ("attention", "conv", "mamba2", "gdn", "mlp", "attention+mamba2")
+KV_KINDS = ("attention", "attention+mamba2")  # the kinds that hold K/V
+RECURRENT_KINDS = ("conv", "mamba2", "gdn")  # a layer's recurrent mixer (its kind's last part)
 # our parameter-name prefix -> the checkpoint's, where a family names the engine-facing parts
 # (``model.embed_tokens``, ``model.norm``) otherwise
 CHECKPOINT_RENAMES = {
     "lfm2": {"model.norm.": "model.embedding_norm."},
     "bamba": {"model.norm.": "model.final_layernorm."},
     "nemotron_h": {"model.norm.": "model.norm_f.", "model.embed_tokens.": "model.embeddings."},
+    "falcon_h1": {"model.norm.": "model.final_layernorm."},
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}
@@ -47,6 +59,24 @@ class RecurrentConfig:
     state: int = 0  # Mamba2: N (d_state)
     chunk_size: int = 64  # the chunked scan's chunk (exact under any choice, up to rounding)
     dt_limit: Optional[Tuple[float, float]] = None  # Mamba2: dt clamped to it after softplus
+    out_bias: Optional[bool] = None  # Mamba2: bias on out_proj (None: proj_bias)
+    gated_norm: bool = True  # Mamba2: the gated RMSNorm (False: y * silu(gate), Falcon-H1)
+    norm_before_gate: bool = False  # Mamba2's gated norm: normed, weighted, then gated
+
+
+@dataclass
+class MupConfig:
+    """Falcon-H1's muP multipliers (besides its embedding and LM head ones, which are
+    ``ModelConfig.embed_scale`` and ``1 / logits_scaling``): each is 1 in a model without them.
+    The key multiplier is folded into the attention scale (``ModelConfig.attn_scale``)."""
+
+    attention_in: float = 1.0  # the attention's input (the normed hidden states)
+    attention_out: float = 1.0  # the attention's output
+    ssm_in: float = 1.0  # the Mamba2 mixer's input
+    ssm_out: float = 1.0  # its output
+    # its in_proj's output, per part: (z (the gate), x, B, C, dt)
+    ssm: Tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    mlp: Tuple[float, float] = (1.0, 1.0)  # the MLP's gate_proj output and down_proj output
 
 
 @dataclass
@@ -119,6 +149,7 @@ class ModelConfig:
     layer_kinds: Optional[List[str]] = None
     recurrent: Optional[RecurrentConfig] = None
     moe: Optional[MoEConfig] = None
+    mup: Optional[MupConfig] = None  # Falcon-H1
     attn_output_gate: bool = False  # Qwen3.5: q_proj also yields a gate, out * sigmoid(gate)
     use_rope: bool = True  # Nemotron-H's attention has no position embedding
     residual_multiplier: float = 1.0  # Granite: each residual branch's output scaled by it
@@ -229,9 +260,15 @@ class ModelConfig:
         """``layer``'s kind (global index): ``"attention"`` or a recurrent kind of ``KINDS``."""
         return "attention" if self.layer_kinds is None else self.layer_kinds[layer]
 
+    def recurrent_kind(self, layer: int) -> Optional[str]:
+        """The kind of ``layer``'s recurrent mixer (``"conv"``, ``"mamba2"``, ``"gdn"``; a
+        Falcon-H1 layer's is ``"mamba2"``), or None when it keeps no state."""
+        kind = self.layer_kind(layer).rpartition("+")[2]
+        return kind if kind in RECURRENT_KINDS else None
+
     def kv_layers(self) -> List[int]:
-        """Global indices of the layers that hold K/V (the attention layers)."""
-        return [i for i in range(self.num_layers) if self.layer_kind(i) == "attention"]
+        """Global indices of the layers that hold K/V (attention, alone or beside a mixer)."""
+        return [i for i in range(self.num_layers) if self.layer_kind(i) in KV_KINDS]
 
 
 def _scaling(s: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -590,6 +627,77 @@ def _nemotron_h(cfg: Dict[str, Any], layers: int) -> Dict[str, Any]:
     )
 
 
+def _falcon_h1(cfg: Dict[str, Any], layers: int) -> Dict[str, Any]:
+    """Falcon-H1: every layer attention and Mamba2 side by side (``"attention+mamba2"``), then a
+    gated MLP; its muP multipliers (``MupConfig``)."""
+    _refuse(cfg, "falcon_h1", {"mamba_use_mlp": True})
+    hidden, heads = cfg["hidden_size"], int(cfg.get("mamba_n_heads", 128))
+    inner = cfg.get("mamba_d_ssm", 1024)
+    if inner is None:
+        inner = int(cfg.get("mamba_expand", 2) * hidden)
+    d_head = cfg.get("mamba_d_head", "auto")
+    if d_head == "auto":
+        d_head = inner // heads
+    if int(d_head) * heads != inner:
+        raise ValueError(
+            f"falcon_h1: mamba_n_heads={heads} x mamba_d_head={d_head} must equal the mixer's "
+            f"width {inner} (mamba_d_ssm, or mamba_expand x hidden_size)"
+        )
+    rec = _mamba2(
+        "falcon_h1",
+        ("hidden_act", cfg.get("hidden_act", "silu")),
+        ("mamba_n_groups", cfg.get("mamba_n_groups", 1)),
+        cfg.get("time_step_limit"),
+        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        out_bias=bool(cfg.get("projectors_bias", False)),
+        gated_norm=bool(cfg.get("mamba_rms_norm", False)),
+        norm_before_gate=bool(cfg.get("mamba_norm_before_gate", True)),
+        norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        heads=heads,
+        head_dim=int(d_head),
+        state=int(cfg.get("mamba_d_state", 256)),
+        chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+    )
+
+    def multipliers(key: str, n: int) -> tuple:
+        m = cfg.get(key)
+        m = [1.0] * n if m is None else m
+        if not isinstance(m, (list, tuple)) or len(m) != n:
+            raise ValueError(f"falcon_h1: config option {key} must list {n} floats, got {m!r}")
+        return tuple(float(x) for x in m)
+
+    def one(key: str) -> float:
+        m = cfg.get(key)
+        return 1.0 if m is None else float(m)
+
+    bias, head_dim = bool(cfg.get("attention_bias", False)), cfg.get("head_dim")
+    head_dim = head_dim or hidden // cfg["num_attention_heads"]
+    embed, lm_head = one("embedding_multiplier"), one("lm_head_multiplier")
+    if lm_head == 0.0:
+        raise ValueError("falcon_h1: config option lm_head_multiplier=0.0 is not supported")
+    return dict(
+        layer_kinds=["attention+mamba2"] * layers,
+        qkv_bias=bias,
+        o_bias=bias,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        # q . (k * key_multiplier) * D^-0.5: the key multiplier folded into the scale
+        attn_scale=one("key_multiplier") * float(head_dim) ** -0.5,
+        embed_scale=None if embed == 1.0 else embed,
+        logits_scaling=1.0 / lm_head,
+        mup=MupConfig(
+            attention_in=one("attention_in_multiplier"),
+            attention_out=one("attention_out_multiplier"),
+            ssm_in=one("ssm_in_multiplier"),
+            ssm_out=one("ssm_out_multiplier"),
+            ssm=multipliers("ssm_multipliers", 5),
+            mlp=multipliers("mlp_multipliers", 2),
+        ),
+        recurrent=rec,
+    )
+
+
 _HYBRID_FIELDS = {
     "lfm2": _lfm2,
     "qwen3_5_text": _qwen3_5,
@@ -597,4 +705,5 @@ _HYBRID_FIELDS = {
     "bamba": _bamba,
     "granitemoehybrid": _granite,
     "nemotron_h": _nemotron_h,
+    "falcon_h1": _falcon_h1,
 }

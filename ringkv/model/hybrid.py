@@ -1,8 +1,8 @@
 """Hybrid decoders: layers that are attention or a recurrent mixer (``mixers.py``), for LFM2
 (short convolutions), Qwen3.5 text (gated DeltaNet, gated attention), Qwen3-Next (Qwen3.5's layers
 with mixture-of-experts MLPs), Bamba (Mamba2), Granite 4 hybrid (Mamba2, MoE and a shared MLP,
-Granite's multipliers) and Nemotron-H (separate Mamba2, attention and MLP blocks). No parallel
-code.
+Granite's multipliers), Nemotron-H (separate Mamba2, attention and MLP blocks) and Falcon-H1
+(attention and Mamba2 side by side in every layer, muP multipliers). No parallel code.
 
 ``HybridForCausalLM`` is a ``LlamaForCausalLM`` (the same attributes, ``forward`` and ``logits``;
 each layer is called ``layer(x, cos, sin, ctx)``) whose layers come from the family's table
@@ -28,7 +28,7 @@ from ..kernels import attention
 from ..kernels.mask import NO_WINDOW
 from .config import HYBRID, ModelConfig
 from .llama import MLP, Attention, DenseContext, LlamaForCausalLM, RMSNorm
-from .mixers import FusedGatedDeltaNet, GatedDeltaNet, Mamba2Mixer, ShortConv
+from .mixers import FalconMamba2Mixer, FusedGatedDeltaNet, GatedDeltaNet, Mamba2Mixer, ShortConv
 
 
 class Lfm2Attention(Attention):
@@ -60,6 +60,19 @@ class Relu2MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+
+
+class FalconMLP(MLP):
+    """Falcon-H1's gated MLP with its muP multipliers: ``down(up x * act(gate x * g)) * d``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.gate_multiplier, self.down_multiplier = cfg.mup.mlp
+
+    def forward(self, x):
+        g = self.gate_proj(x) * self.gate_multiplier
+        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
+        return self.down_proj(self.up_proj(x) * g) * self.down_multiplier
 
 
 class SparseMoE(nn.Module):
@@ -152,7 +165,8 @@ class Family:
     """A family's layer: the checkpoint names of its parts and their classes. ``norms``: the
     mixer's input norm, then the MLPs'. ``mlps(cfg, layer)``: the layer's MLPs by name (their
     outputs are summed; none: Nemotron-H's blocks are one mixer each, an MLP block's mixer being
-    ``mlp_mixer``)."""
+    ``mlp_mixer``). A layer of kind ``"attention+mamba2"`` (Falcon-H1) holds both mixers, under
+    their names ``attention`` and ``recurrent``."""
 
     attention: str
     recurrent: str
@@ -191,18 +205,28 @@ FAMILIES: Dict[str, Family] = {
     "nemotron_h": Family(
         "mixer", "mixer", ("norm",), Attention, Mamba2Mixer, lambda cfg, i: {}, Relu2MLP
     ),
+    "falcon_h1": Family(
+        "self_attn", "mamba", ("input_layernorm", "pre_ff_layernorm"), Attention,
+        FalconMamba2Mixer, lambda cfg, i: {"feed_forward": FalconMLP(cfg)},
+    ),
 }  # fmt: skip
+BOTH = "attention+mamba2"  # Falcon-H1's layers: attention and Mamba2 on the same input
 
 
 class HybridLayer(nn.Module):
     """A pre-norm residual layer: ``x + r * mixer(norm(x))``, then ``x + r * sum(mlps(norm(x)))``
     when the family has MLPs (``r``: Granite's ``residual_multiplier``, else 1). The mixer is
-    attention, a recurrent mixer or (Nemotron-H) an MLP."""
+    attention, a recurrent mixer or (Nemotron-H) an MLP. A Falcon-H1 layer (``BOTH``) runs
+    attention and its Mamba2 on the same normed input and sums their outputs, each with its
+    muP multipliers: ``mamba(h) * ssm_out + attn(h * attention_in) * attention_out``;
+    ``mixer_module`` is then the Mamba2 (the part holding a state), ``attention_module`` the
+    attention."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         fam = FAMILIES[cfg.model_type]
         self.kind = cfg.layer_kind(layer_idx)
+        self.attention_name = None
         if self.kind == "attention":
             self.mixer_name, mixer = fam.attention, fam.attention_cls(cfg, layer_idx)
         elif self.kind == "mlp":
@@ -210,6 +234,12 @@ class HybridLayer(nn.Module):
         else:
             self.mixer_name, mixer = fam.recurrent, fam.recurrent_cls(cfg, layer_idx)
         setattr(self, self.mixer_name, mixer)
+        if self.kind == BOTH:
+            self.attention_name = fam.attention
+            setattr(self, fam.attention, fam.attention_cls(cfg, layer_idx))
+            mup = cfg.mup
+            self.attention_in, self.attention_out = mup.attention_in, mup.attention_out
+            self.ssm_out = mup.ssm_out
         mlps = fam.mlps(cfg, layer_idx)
         for name, module in mlps.items():
             setattr(self, name, module)
@@ -224,6 +254,11 @@ class HybridLayer(nn.Module):
     def mixer_module(self) -> nn.Module:
         return getattr(self, self.mixer_name)
 
+    @property
+    def attention_module(self) -> Optional[nn.Module]:
+        """A Falcon-H1 layer's attention (beside ``mixer_module``); None for the other kinds."""
+        return None if self.attention_name is None else getattr(self, self.attention_name)
+
     def forward(self, x, cos, sin, ctx):
         # x (T, hidden) -> (T, hidden)
         if self.embed_scale is not None:
@@ -233,6 +268,8 @@ class HybridLayer(nn.Module):
             h = self.mixer_module(h, cos, sin, ctx)
         elif self.kind == "mlp":
             h = self.mixer_module(h)
+        elif self.kind == BOTH:
+            h = self._parallel(h, cos, sin, ctx)
         else:
             h = self.mixer_module(h, ctx)
         x = x + self._scaled(h)
@@ -242,8 +279,18 @@ class HybridLayer(nn.Module):
         outs = [getattr(self, name)(h) for name in self.mlp_names]
         return x + self._scaled(outs[0] if len(outs) == 1 else sum(outs[1:], outs[0]))
 
+    def _parallel(self, h, cos, sin, ctx):
+        # Falcon-H1: the Mamba2 and the attention on the same normed h, summed (as transformers)
+        m = _times(self.mixer_module(h, ctx), self.ssm_out)
+        a = self.attention_module(_times(h, self.attention_in), cos, sin, ctx)
+        return m + _times(a, self.attention_out)
+
     def _scaled(self, h):
         return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
+
+
+def _times(x, m: float):
+    return x if m == 1.0 else x * m
 
 
 class HybridForCausalLM(LlamaForCausalLM):

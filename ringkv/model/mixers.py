@@ -1,7 +1,7 @@
 """The recurrent mixers of hybrid decoders: LFM2's gated short convolution, Mamba2 (Bamba,
-Nemotron-H) and the gated DeltaNet (Qwen3.5; Qwen3-Next's with fused projections). No parallel
-code; the math is ``ringkv.kernels``' references (``causal_conv1d_ref``, ``ssd_scan_ref``,
-``gated_delta_ref``).
+Nemotron-H, Granite 4 hybrid; Falcon-H1's with its muP multipliers) and the gated DeltaNet
+(Qwen3.5; Qwen3-Next's with fused projections). No parallel code; the math is ``ringkv.kernels``'
+references (``causal_conv1d_ref``, ``ssd_scan_ref``, ``gated_delta_ref``).
 
 Each mixer splits its work in two. The per-token parts (projections, gates, norms) run on all
 ``T`` flattened tokens of a step at once; the sequential part, ``scan``, is handed to the context::
@@ -101,7 +101,8 @@ class ShortConv(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     """Mamba2 (SSD) as Bamba's and Nemotron-H's mixers: ``in_proj`` to the gate, the convolved
-    ``(x, B, C)`` and ``dt``; the scan with the ``D`` skip; the gated norm; ``out_proj``."""
+    ``(x, B, C)`` and ``dt``; the scan with the ``D`` skip; the gated norm (or, without one,
+    ``y * silu(gate)``: ``RecurrentConfig.gated_norm``); ``out_proj``."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -119,21 +120,32 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(rc.heads))
         self.A_log = nn.Parameter(torch.zeros(rc.heads))
         self.D = nn.Parameter(torch.ones(rc.heads))
-        self.norm = GatedRMSNorm(inter, rc.norm_eps, groups=rc.groups)
-        self.out_proj = nn.Linear(inter, cfg.hidden_size, bias=rc.proj_bias)
+        self.norm = (
+            GatedRMSNorm(inter, rc.norm_eps, groups=rc.groups, norm_before_gate=rc.norm_before_gate)
+            if rc.gated_norm
+            else None
+        )
+        out_bias = rc.proj_bias if rc.out_bias is None else rc.out_bias
+        self.out_proj = nn.Linear(inter, cfg.hidden_size, bias=out_bias)
 
     @property
     def state_shapes(self) -> List[tuple]:
         k = self.conv1d.weight.shape[-1]
         return [(self.conv_dim, k - 1), (self.num_heads, self.head_dim, self.ssm_state_size)]
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (T, hidden)`` -> ``in_proj``'s output ``(T, I + conv_dim + H)``: gate, x, B, C,
+        dt."""
+        return self.in_proj(x)
+
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         # x (T, hidden) -> (T, hidden)
-        gate, xbc_dt = self.in_proj(x).split(
+        gate, xbc_dt = self.project(x).split(
             [self.intermediate_size, self.conv_dim + self.num_heads], dim=-1
         )
         y = ctx.recur(self.layer_idx, self.scan, xbc_dt, self.state_shapes)  # (T, I)
-        return self.out_proj(self.norm(y, gate))
+        y = y * F.silu(gate) if self.norm is None else self.norm(y, gate)
+        return self.out_proj(y)
 
     def scan(self, u: torch.Tensor, states: States) -> Tuple[torch.Tensor, States]:
         """``u (B, L, conv_dim + H)``: the convolution's inputs and raw ``dt`` -> the scan's
@@ -152,6 +164,32 @@ class Mamba2Mixer(nn.Module):
         y, ssm = ssd_scan_ref(x, dt, A, B, C, chunk, initial_state=states[1])  # (B, L, H, P)
         y = y + self.D[:, None].float() * x.float()
         return y.reshape(b, n, h * p).to(u.dtype), [conv_state, ssm.float()]
+
+
+class FalconMamba2Mixer(Mamba2Mixer):
+    """Falcon-H1's Mamba2: the input times ``ssm_in``, ``in_proj``'s output times a multiplier per
+    part (``MupConfig.ssm``: z, x, B, C, dt; transformers' ``mup_vector``), built from the
+    module's own sizes so a tensor-parallel cut keeps each part's multiplier."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.ssm_in_multiplier, self.ssm_multipliers = cfg.mup.ssm_in, tuple(cfg.mup.ssm)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ssm_in_multiplier != 1.0:
+            x = x * self.ssm_in_multiplier
+        u = self.in_proj(x)
+        if all(m == 1.0 for m in self.ssm_multipliers):
+            return u
+        i, bc = self.intermediate_size, self.n_groups * self.ssm_state_size
+        sizes = (i, i, bc, bc, self.num_heads)
+        mup = torch.cat(
+            [
+                torch.full((n,), m, dtype=torch.float32, device=u.device)
+                for n, m in zip(sizes, self.ssm_multipliers)
+            ]
+        )  # float32, then u's dtype: as transformers' buffer in a model of that dtype
+        return u * mup.to(u.dtype)
 
 
 class GatedDeltaNet(nn.Module):

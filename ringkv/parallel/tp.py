@@ -21,6 +21,9 @@ rank keeps the state of its own heads (``state_shapes`` follow the cut module):
   of x); B and C by group when ``tp`` divides the groups, else each rank holds (and convolves) the
   one group its heads read. The gated norm is per group: local when the groups are split, else
   its statistics are summed over the ranks that share a group (``SharedGroupGatedNorm``).
+  Falcon-H1's Mamba2 the same (its per-part muP multipliers follow, read off the cut module's
+  sizes; without a gated norm, ``y * silu(gate)`` is per channel), its attention beside it as any
+  attention (the key multiplier is in the attention scale, the other multipliers are scalars).
 - Gated DeltaNet: by key heads with their value heads (q/k rows per key head, v/z/b/a per value
   head; Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are grouped per key head, so a
   rank's part is one range); the norm (per head dim) stays whole.
@@ -101,7 +104,7 @@ def _check_recurrent(cfg: ModelConfig, tp: int) -> None:
     """A hybrid's recurrent layers: ``ValueError`` naming the first layer ``tp`` cannot split."""
     rc = cfg.recurrent
     for i in range(cfg.num_layers):
-        kind = cfg.layer_kind(i)
+        kind = cfg.recurrent_kind(i)
         if kind == "mamba2":
             h, g = rc.heads, rc.groups
             ok = [d for d in _divisors(h) if g % d == 0 or d % g == 0]
@@ -163,25 +166,40 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class SharedGroupGatedNorm(nn.Module):
-    """Mamba2's gated norm (gated first, then normed per group) on a rank whose heads are part of
-    one norm group (``group`` of ``groups``, ``width`` channels) that other ranks share: each
-    rank's sum of squares goes in its group's column and the columns are summed over the TP
-    group."""
+    """Mamba2's gated norm (gated first, then normed per group; ``norm_before_gate``: normed,
+    weighted, then gated, as Falcon-H1's may be) on a rank whose heads are part of one norm group
+    (``group`` of ``groups``, ``width`` channels) that other ranks share: each rank's sum of
+    squares goes in its group's column and the columns are summed over the TP group."""
 
-    def __init__(self, dim: int, eps: float, group: int, groups: int, width: int, pg, timeout):
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        group: int,
+        groups: int,
+        width: int,
+        pg,
+        timeout,
+        norm_before_gate: bool = False,
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.group, self.groups, self.width = eps, group, groups, width
-        self.pg, self.timeout = pg, timeout
+        self.pg, self.timeout, self.norm_before_gate = pg, timeout, norm_before_gate
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # x, gate (..., dim) -> (..., dim) in x's dtype; statistics in float32
-        dtype, xf = x.dtype, x.float() * F.silu(gate.float())
+        dtype, xf = x.dtype, x.float()
+        if not self.norm_before_gate:
+            xf = xf * F.silu(gate.float())
         sums = xf.new_zeros(*xf.shape[:-1], self.groups)
         sums[..., self.group] = xf.pow(2).sum(-1)
         sums = all_reduce_(sums, self.pg, self.timeout, "tensor-parallel gated norm")
         var = sums[..., self.group, None] / self.width
-        return (self.weight * (xf * torch.rsqrt(var + self.eps)).to(dtype)).to(dtype)
+        out = self.weight * (xf * torch.rsqrt(var + self.eps)).to(dtype)
+        if self.norm_before_gate:
+            out = out * F.silu(gate.float())
+        return out.to(dtype)
 
 
 def _shift(r: range, by: int) -> range:
@@ -246,7 +264,7 @@ def state_ranges(cfg: ModelConfig, tp: int, rank: int) -> Dict[int, List[List[ra
     SSM / delta states: heads). A replicated Mamba2 group is held by each of its ranks."""
     out = {}
     for i in range(cfg.num_layers):
-        kind = cfg.layer_kind(i)
+        kind = cfg.recurrent_kind(i)
         if kind == "conv":
             out[i] = [_conv_parts(cfg, tp, rank)["conv"]]
         elif kind == "mamba2":
@@ -371,16 +389,18 @@ def apply_tp(
                 setattr(m, name, param(f"{p}.{name}", 0, [hs], (len(hs),)))
             m.num_heads, m.n_groups, m.intermediate_size = len(hs), len(gs), len(x)
             m.conv_dim = len(x) + 2 * len(gs) * rc.state
-            eps = m.norm.eps
-            if rc.groups % tp == 0:
-                m.norm = GatedRMSNorm(len(x), eps, groups=len(gs))
-            else:
-                width = rc.heads * rc.head_dim // rc.groups
-                m.norm = SharedGroupGatedNorm(
-                    len(x), eps, gs.start, rc.groups, width, group, timeout
-                )
-            m.norm.weight = param(f"{p}.norm.weight", 0, [x], (len(x),))
-            m.out_proj = row(f"{p}.out_proj", x, hidden, rc.proj_bias)
+            if m.norm is not None:  # (none: y * silu(gate), per channel)
+                eps, before = m.norm.eps, rc.norm_before_gate
+                if rc.groups % tp == 0:
+                    m.norm = GatedRMSNorm(len(x), eps, groups=len(gs), norm_before_gate=before)
+                else:
+                    width = rc.heads * rc.head_dim // rc.groups
+                    m.norm = SharedGroupGatedNorm(
+                        len(x), eps, gs.start, rc.groups, width, group, timeout, before
+                    )
+                m.norm.weight = param(f"{p}.norm.weight", 0, [x], (len(x),))
+            out_bias = rc.proj_bias if rc.out_bias is None else rc.out_bias
+            m.out_proj = row(f"{p}.out_proj", x, hidden, out_bias)
         elif isinstance(m, GatedDeltaNet):
             pr = _gdn_parts(cfg, tp, rank)
             kh, vh, v = pr["k_heads"], pr["v_heads"], pr["v"]
@@ -414,6 +434,8 @@ def apply_tp(
                 mlp(mp, mixer)
             else:
                 recurrent(mp, mixer)
+            if layer.attention_module is not None:  # Falcon-H1: attention beside the Mamba2
+                attention(f"{p}.{layer.attention_name}", layer.attention_module)
             for n in layer.mlp_names:
                 mlp(f"{p}.{n}", getattr(layer, n))
         else:

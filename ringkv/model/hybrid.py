@@ -24,8 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import attention
-from ..kernels.mask import NO_WINDOW
 from .config import HYBRID, ModelConfig
 from .llama import MLP, Attention, DenseContext, LlamaForCausalLM, RMSNorm
 from .mixers import FalconMamba2Mixer, FusedGatedDeltaNet, GatedDeltaNet, Mamba2Mixer, ShortConv
@@ -344,19 +342,7 @@ class SequenceContext(DenseContext):
         else:
             kpos = self.positions
         self.kv[layer] = (k, v, kpos)
-        out, _ = attention(
-            q[None],
-            k[None],
-            v[None],
-            scale=scale,
-            causal=True,
-            q_positions=self.positions,
-            k_positions=kpos,
-            window=(window, 0) if window >= 0 else NO_WINDOW,
-            backend=self.backend,
-            softcap=softcap,
-        )
-        return out[0]
+        return self.over(q, k, v, kpos, scale=scale, softcap=softcap, window=window)
 
     def recur(self, layer, fn, u, shapes):
         # u (T, F) -> y (T, F'), from the state the previous piece left

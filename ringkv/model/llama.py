@@ -52,6 +52,11 @@ class DenseContext:
         window: int = -1,
     ):
         # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D)
+        return self.over(q, k, v, self.positions, scale=scale, softcap=softcap, window=window)
+
+    def over(self, q, k, v, k_positions, *, scale=None, softcap=None, window: int = -1):
+        """``q (T, H, D)`` at ``self.positions`` over ``k``/``v`` ``(S, Hkv, D)`` at
+        ``k_positions (S,)``, causal on the positions -> ``(T, H, D)``."""
         out, _ = attention(
             q[None],
             k[None],
@@ -59,7 +64,7 @@ class DenseContext:
             scale=scale,
             causal=True,
             q_positions=self.positions,
-            k_positions=self.positions,
+            k_positions=k_positions,
             window=(window, 0) if window >= 0 else NO_WINDOW,
             backend=self.backend,
             softcap=softcap,

@@ -68,7 +68,8 @@ def test_greedy_and_prompt_logprobs_equal_transformers_on_a_mesh(worlds, family,
     for r in res:
         assert r["tokens"] == [want, want]
     driver = res[0]
-    assert driver["cached"][1][2] == 32 and driver["cached"][1][5] == 32  # 40 tokens: 4 x 8 cached
+    tpb = 4 * sp  # every prompt resumes from the snapshot at its own last whole block
+    assert driver["cached"][1] == [(len(p) - 1) // tpb * tpb for p in prompts]
     assert driver["info"]["state"]["restored"] > 0
     assert driver["free_slots"] == ENGINE["max_num_seqs"]  # every slot back
     got = torch.tensor([x for x in driver["logprobs"] if x is not None])
@@ -98,10 +99,10 @@ def test_a_prefix_hit_is_exact_and_reads_the_snapshot(family):
     with _llm(family, enable_prefix_caching=False) as cold:
         want = _run(cold, [later], params)
     with _llm(family, state_checkpoint_blocks=2) as llm:
-        _run(llm, [first], params)  # snapshots at 8, 16, 24 tokens
-        assert llm.core.cached_tokens(later) == 24  # what a router asks: 28 tokens of blocks
+        _run(llm, [first], params)  # snapshots at 8, 16, 24, 32 and its prompt's end, 28
+        assert llm.core.cached_tokens(later) == 28  # what a router asks
         got = _run(llm, [later], params)
-        assert got[2] == [24] and got[0] == want[0]
+        assert got[2] == [28] and got[0] == want[0]
         torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-5, rtol=0)
         pool = llm.core.cluster.worker.states
         snapshots = range(pool.slots - llm.core.blocks.states.snapshots, pool.slots)
@@ -397,7 +398,7 @@ def test_serve_and_router_serve_a_hybrid_through_the_openai_client(tmp_path):
             )
             got.append([int(t) for t in r.choices[0].logprobs.tokens])
         assert got == want
-        assert r.usage.prompt_tokens_details.cached_tokens == 24
+        assert r.usage.prompt_tokens_details.cached_tokens == 28  # the first prompt's end
     finally:
         for p in (router, serve):
             if p is not None:

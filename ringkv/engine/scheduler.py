@@ -137,11 +137,14 @@ class Scheduler:
                     seq.state_slot = states.take()
                 if seq.state_slot is None:
                     break
-            restore = None
+            restore, matched = None, 0
             if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None:
                 table = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
+                matched = len(table) * self.blocks.block_size
                 seq.block_table, restore = self.blocks.match_states(table)
                 seq.num_computed = len(seq.block_table) * self.blocks.block_size
+            if states is not None:
+                seq.snapshot_at = self._snapshot_points(seq, matched)
             n = min(seq.num_tokens - seq.num_computed, budget)
             idle = not (
                 out or busy or self.running
@@ -165,19 +168,31 @@ class Scheduler:
 
     def _entry(self, seq: Sequence, n: int, restore: Optional[int] = None) -> Scheduled:
         """The step's entry for ``seq``; a hybrid model's saves: a snapshot slot for each
-        checkpoint (the end of every ``checkpoint_blocks``-th block) the step reaches, unless its
-        block already has a snapshot or no slot is free (it is then not saved)."""
+        checkpoint the step reaches (the end of every ``checkpoint_blocks``-th block, and the
+        sequence's own ``snapshot_at``), while a slot is free."""
         entry = Scheduled(seq, seq.num_computed, n, restore)
         states = self.blocks.states
         if states is None or not self.blocks.prefix_caching:
             return entry
         every = states.checkpoint_blocks * self.blocks.block_size
-        for p in range(entry.start // every * every + every, entry.start + n + 1, every):
+        start, end = entry.start, entry.start + n
+        points = set(range(start // every * every + every, end + 1, every))
+        points.update(p for p in seq.snapshot_at if start < p <= end)
+        for p in sorted(points):
             slot = states.reserve()
             if slot is None:
                 break
             entry.saves.append((p, slot))
         return entry
+
+    def _snapshot_points(self, seq: Sequence, matched: int) -> tuple:
+        """Where a hybrid's sequence saves a snapshot besides the periodic checkpoints: where its
+        prefix match ended, past the snapshot it resumes from (another prompt's prefix branches
+        off there: the next prompt sharing it resumes there), and at its prompt's last whole
+        block (the same prompt, or a conversation continuing it, resumes there)."""
+        bs = self.blocks.block_size
+        prompt_end = (len(seq.prompt_token_ids) - 1) // bs * bs
+        return tuple(p for p in sorted({matched, prompt_end}) if p > seq.num_computed)
 
     def _grow(self, table: List[int], num_tokens: int) -> bool:
         """``blocks.grow``, reclaiming held blocks while it is short."""

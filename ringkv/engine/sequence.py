@@ -54,6 +54,7 @@ class Sequence:
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_table: List[int] = []
         self.state_slot: Optional[int] = None  # a hybrid model's recurrent-state slot (running)
+        self.snapshot_at: tuple = ()  # and where it saves snapshots besides every checkpoint
         self.kv_epoch = (
             0  # counts the times its blocks were dropped (the ranks' step mirrors re-learn it)
         )

@@ -87,8 +87,10 @@ class Deltas(RuleBasedStateMachine):
                 s.seq.block_table, s.seq.token_ids, s.start + s.n, None, s.seq.prefix_cursor
             )
             for p, slot in s.saves:  # as the pipeline indexes a hybrid's snapshots
-                key = self.blocks.checkpoint_key(s.seq.block_table, p // self.blocks.block_size)
+                k = p // self.blocks.block_size
+                key = self.blocks.checkpoint_key(s.seq.block_table, k, s.seq.token_ids)
                 self.blocks.states.put(*key, slot)
+                s.seq.saving.discard(p)
             if s.completes:
                 s.seq.token_ids.append(1000 + s.seq.num_tokens)
                 if s.seq.num_tokens >= len(s.seq.prompt_token_ids) + tokens:

@@ -114,6 +114,21 @@ def test_a_prefix_hit_is_exact_and_reads_the_snapshot(family):
         assert (torch.tensor(spoiled[1]) - torch.tensor(got[1])).abs().max() > 1e-3
 
 
+def test_requests_arriving_together_share_one_snapshot_of_their_common_prefix():
+    """A prompt computed once, then three arriving together that share its first 24 tokens and no
+    snapshot there (no periodic checkpoint within reach): the first of them computes the shared
+    part and snapshots it where the match ended; the other two wait a step and resume from it,
+    with transformers' tokens."""
+    base = prompts_for(10)[2][:24]
+    prompts = [base + [5, 6, 7, 8, 9, 10]] + [base + [11 + i] * 5 for i in range(3)]
+    want, _ = reference(spec("lfm2"), prompts)
+    with _llm("lfm2", state_checkpoint_blocks=50) as llm:
+        _run(llm, prompts[:1], GREEDY)
+        got, _, cached = _run(llm, prompts[1:], GREEDY)
+    assert got == [hf_greedy(model_from(spec("lfm2")), [p], N_OUT)[0] for p in prompts[1:]]
+    assert cached == [0, 24, 24]
+
+
 @pytest.mark.parametrize("family", ["lfm2", "bamba"])
 def test_preemption_and_aborts_give_every_slot_back(family):
     """A cache too small for every sequence at once preempts (states dropped, recomputed or resumed
@@ -257,9 +272,10 @@ def test_a_quantized_cache_holds_the_attention_layers_and_the_state_stays_float3
 
 def test_cache_info_counts_attention_kv_and_the_state():
     """``kv_cache_info``: K/V bytes per token of the attention layers only, the state of a sequence
-    (every recurrent layer, float32), one running slot per ``max_num_seqs`` and a snapshot per
-    ``state_checkpoint_blocks`` blocks, all within ``kv_cache_memory``."""
-    memory = 1 << 20
+    (every recurrent layer, float32), one running slot per ``max_num_seqs`` and snapshots (one
+    per running sequence and one per ``state_checkpoint_blocks`` blocks), all within
+    ``kv_cache_memory``."""
+    memory = 4 << 20
     with LLM(model_from(spec("qwen3_5")), kv_cache_memory=memory, block_size=4) as llm:
         info = llm.kv_cache_info()
         cfg = llm.core.config
@@ -268,7 +284,8 @@ def test_cache_info_counts_attention_kv_and_the_state():
         # two GDN layers: conv (2 x 2 x 16 + 4 x 16 channels, 3 taps) + delta state (4, 16, 16)
         assert st["bytes_per_sequence"] == 2 * (128 * 3 + 4 * 16 * 16) * 4
         assert (
-            st["running"] == 64 and st["snapshots"] == info["num_blocks"] // st["checkpoint_blocks"]
+            st["running"] == 64
+            and st["snapshots"] == 64 + info["num_blocks"] // st["checkpoint_blocks"]
         )
         assert st["checkpoint_blocks"] == -(
             -st["bytes_per_sequence"] // (info["bytes_per_token"] * 4)

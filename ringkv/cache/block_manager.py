@@ -157,8 +157,6 @@ class BlockManager:
             return blocks, None
         k, slot = self.deepest_snapshot(blocks)
         self.free(blocks[k:])
-        if slot is not None:
-            self.states.restored += 1
         return blocks[:k], slot
 
     def deepest_snapshot(self, blocks: List[int]) -> Tuple[int, Optional[int]]:
@@ -173,13 +171,22 @@ class BlockManager:
                 return k, slot
         return 0, None
 
-    def checkpoint_key(self, table: List[int], k: int) -> Tuple[Optional[Hashable], Optional[int]]:
-        """``(hash, content id)`` of block ``k - 1`` of ``table`` if it is registered and no
-        snapshot of it is held yet (what a completed save is indexed under), else ``(None,
-        None)``."""
+    def checkpoint_key(
+        self, table: List[int], k: int, token_ids: Sequence[int], salt: Optional[str] = None
+    ) -> Tuple[Optional[Hashable], Optional[int]]:
+        """``(hash, content id)`` of block ``k - 1`` of ``table`` (a sequence of ``token_ids``)
+        if it is registered, or a twin of a registered block (the same content computed beside
+        it: the hash is the chain's), and no snapshot of it is held yet: what a completed save
+        is indexed under; else ``(None, None)``."""
         b = table[k - 1] if k <= len(table) else None
+        if b not in self.cid_of:
+            return None, None
         h = self.hash_of.get(b)
-        if h is None or self.states.has(h):
+        if h is None:  # a twin: hash the chain up to it, and find the block it twins
+            *_, (_, h, _) = self._chain(token_ids, k, salt)
+            if self.cid_of.get(self.by_hash.get(h)) != self.cid_of[b]:
+                return None, None
+        if self.states.has(h):
             return None, None
         return h, self.cid_of[b]
 
@@ -266,15 +273,15 @@ class BlockManager:
             self.tiers.promote(fresh, kvs)
             self.promotions += len(kvs)
             self.register(blocks, token_ids, len(blocks) * self.block_size, salt)
-            self._promote_states(blocks, tiered[: len(kvs)], kvs)
+            self._promote_states(blocks, tiered[: len(kvs)], kvs, token_ids, salt)
         return blocks
 
-    def _promote_states(self, blocks: List[int], at: List[int], kvs: list) -> None:
+    def _promote_states(self, blocks: List[int], at: List[int], kvs: list, token_ids, salt) -> None:
         """A hybrid's promoted blocks (``blocks[at[i]]`` from ``kvs[i]``) that carry their state
         snapshot: back into a snapshot slot, indexed under the block again."""
         for i, kv in zip(at, kvs):
             if len(kv) == 5 and self.states is not None:
-                h, cid = self.checkpoint_key(blocks, i + 1)
+                h, cid = self.checkpoint_key(blocks, i + 1, token_ids, salt)
                 slot = self.states.reserve() if h is not None else None
                 if slot is not None:
                     self.tiers.write_state(slot, kv[4])

@@ -44,6 +44,13 @@ def state_bytes(layers: Dict[int, List[tuple]]) -> int:
     return total
 
 
+def snapshot_slots(num_blocks: int, running: int, every: int) -> int:
+    """Snapshot slots beside ``num_blocks`` KV blocks: one per ``every`` blocks (a cache full of
+    prefixes) plus one per running sequence (each may snapshot where its prefix branched off and
+    at its prompt's end); none when ``every`` is 0 (prefix caching off)."""
+    return running + num_blocks // every if every else 0
+
+
 def flatten(states: Dict[int, List[torch.Tensor]]) -> torch.Tensor:
     """One slot's state, every layer in order, as one flat float32 tensor (what snapshots carry)."""
     parts = [t.reshape(-1).float().cpu() for i in sorted(states) for t in states[i]]

@@ -21,7 +21,7 @@ import torch
 
 from ..cache.block_manager import STORED, BlockManager, KVEvents, block_hash
 from ..cache.disk_tier import DiskTier
-from ..cache.state_pool import StateSlots, flatten, state_bytes, unflatten
+from ..cache.state_pool import StateSlots, flatten, snapshot_slots, state_bytes, unflatten
 from ..cache.tiers import EntryLayout, TierStore, default_host_bytes
 from ..kernels import quant
 from ..model.loader import open_model
@@ -228,7 +228,7 @@ class EngineCore:
             self.blocks.attach_tiers(self.tiers)
         if self.shape.state_slots:  # a hybrid model: the recurrent states' slots and snapshots
             every = self.shape.checkpoint_blocks
-            snapshots = self.num_blocks // every if every else 0
+            snapshots = snapshot_slots(self.num_blocks, c.max_num_seqs, every)
             self.blocks.attach_states(StateSlots(c.max_num_seqs, snapshots, every or 1))
         self.scheduler = Scheduler(
             self.blocks,

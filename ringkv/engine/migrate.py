@@ -614,16 +614,16 @@ class Migration:
                 )
                 blocks.register(table, ids, end, salt)
             if blocks.states is not None:
-                return self._index_state(table, prefix.state, m) * tpb
+                return self._index_state(table, prefix.state, m, ids, salt) * tpb
             return len(table) * tpb
         finally:
             blocks.free(table)  # cached (evictable) now: the request that follows takes them
 
-    def _index_state(self, table, state: torch.Tensor, m: int) -> int:
+    def _index_state(self, table, state: torch.Tensor, m: int, ids, salt) -> int:
         """A hybrid's imported prefix of ``m`` blocks: its state as the snapshot of the last one
         (if all ``m`` are held and it has none yet); the blocks a prompt may now resume from."""
         blocks = self.blocks
-        key = blocks.checkpoint_key(table, m) if len(table) == m else (None, None)
+        key = blocks.checkpoint_key(table, m, ids, salt) if len(table) == m else (None, None)
         if key[0] is not None:
             slot = blocks.states.reserve()
             if slot is not None:

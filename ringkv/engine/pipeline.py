@@ -121,8 +121,10 @@ class StepPipeline:
                 s.seq.prefix_cursor,
             )
             for p, slot in s.saves:  # a hybrid's snapshots, indexed under their blocks
-                key = self.blocks.checkpoint_key(s.seq.block_table, p // self.blocks.block_size)
+                seq, k = s.seq, p // self.blocks.block_size
+                key = self.blocks.checkpoint_key(seq.block_table, k, seq.token_ids, seq.cache_salt)
                 self.blocks.states.put(*key, slot)
+                s.seq.saving.discard(p)
         advanced = []
         for seq, picked in self.executor.tokens(batch, result):
             if seq.finished:  # aborted while its step was in flight

@@ -130,21 +130,12 @@ class Scheduler:
             and not preempted
         ):
             seq = self.waiting[0]
-            states = self.blocks.states
-            if states is not None and seq.state_slot is None:
-                seq.state_slot = states.take()
-                while seq.state_slot is None and self.reclaim():  # held by paused requests
-                    seq.state_slot = states.take()
-                if seq.state_slot is None:
-                    break
-            restore, matched = None, 0
-            if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None:
-                table = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
-                matched = len(table) * self.blocks.block_size
-                seq.block_table, restore = self.blocks.match_states(table)
-                seq.num_computed = len(seq.block_table) * self.blocks.block_size
-            if states is not None:
-                seq.snapshot_at = self._snapshot_points(seq, matched)
+            if not self._take_slot(seq):
+                break
+            restore, matched = self._match(seq)
+            if self._awaits_snapshot(seq, matched):  # a running sequence is about to save it
+                seq.free_kv(self.blocks)
+                break
             n = min(seq.num_tokens - seq.num_computed, budget)
             idle = not (
                 out or busy or self.running
@@ -164,7 +155,50 @@ class Scheduler:
             self.running.append(seq)
             out.append(self._entry(seq, n, restore))
             budget -= n
+            if restore is not None:
+                self.blocks.states.restored += 1
         return out
+
+    def _take_slot(self, seq: Sequence) -> bool:
+        """A hybrid model: a state slot for ``seq`` (one held by a request stopped by an export is
+        reclaimed if none is free); False if none can be had. Always True for a dense model."""
+        states = self.blocks.states
+        if states is None or seq.state_slot is not None:
+            return True
+        seq.state_slot = states.take()
+        while seq.state_slot is None and self.reclaim():
+            seq.state_slot = states.take()
+        return seq.state_slot is not None
+
+    def _match(self, seq: Sequence) -> Tuple[Optional[int], int]:
+        """A new (or recomputed) sequence's cached prefix, taken: ``(snapshot slot to restore or
+        None, tokens the match reached)``; a hybrid keeps the blocks up to its deepest snapshot
+        and plans its own snapshots (``_snapshot_points``)."""
+        restore, matched = None, 0
+        if seq.num_computed == 0 and not seq.block_table and seq.params.prompt_logprobs is None:
+            table = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
+            matched = len(table) * self.blocks.block_size
+            seq.block_table, restore = self.blocks.match_states(table)
+            seq.num_computed = len(seq.block_table) * self.blocks.block_size
+        if self.blocks.states is not None:
+            seq.snapshot_at = self._snapshot_points(seq, matched)
+        return restore, matched
+
+    def _awaits_snapshot(self, seq: Sequence, matched: int) -> bool:
+        """Whether a running sequence of the same prefix will save a snapshot (one pending, or one
+        of its ``snapshot_at`` it has not reached) between where ``seq`` resumes and where its
+        match reached (requests arriving together with a shared prompt: the first computes the
+        shared part, the others wait for its snapshot rather than computing it too)."""
+        for r in self.running:
+            planned = r.saving.union(p for p in r.snapshot_at if p > r.num_computed)
+            for p in planned:
+                if (
+                    seq.num_computed < p <= matched
+                    and r.cache_salt == seq.cache_salt
+                    and r.token_ids[:p] == seq.token_ids[:p]
+                ):
+                    return True
+        return False
 
     def _entry(self, seq: Sequence, n: int, restore: Optional[int] = None) -> Scheduled:
         """The step's entry for ``seq``; a hybrid model's saves: a snapshot slot for each
@@ -183,6 +217,7 @@ class Scheduler:
             if slot is None:
                 break
             entry.saves.append((p, slot))
+            seq.saving.add(p)
         return entry
 
     def _snapshot_points(self, seq: Sequence, matched: int) -> tuple:

@@ -55,6 +55,7 @@ class Sequence:
         self.block_table: List[int] = []
         self.state_slot: Optional[int] = None  # a hybrid model's recurrent-state slot (running)
         self.snapshot_at: tuple = ()  # and where it saves snapshots besides every checkpoint
+        self.saving: set = set()  # positions of its snapshots whose step has not completed
         self.kv_epoch = (
             0  # counts the times its blocks were dropped (the ranks' step mirrors re-learn it)
         )

@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 
 from ..cache.kv_cache import KVCache, bytes_per_block
-from ..cache.state_pool import StatePool, state_bytes
+from ..cache.state_pool import StatePool, snapshot_slots, state_bytes
 from ..kernels import paged, quant
 from ..model.config import ModelConfig
 from ..model import new_model, state_layers
@@ -202,25 +202,26 @@ class Worker:
         return state_bytes(self.state_layers)
 
     def state_slots(self, num_blocks: int) -> int:
-        """State slots for a cache of ``num_blocks`` blocks: one per running sequence, and one
-        snapshot per ``checkpoint_blocks`` blocks (none for a dense model)."""
+        """State slots for a cache of ``num_blocks`` blocks: one per running sequence and the
+        snapshots (``state_pool.snapshot_slots``); none for a dense model."""
         sh = self.shape
-        snapshots = num_blocks // sh.checkpoint_blocks if sh.checkpoint_blocks else 0
+        snapshots = snapshot_slots(num_blocks, sh.state_slots, sh.checkpoint_blocks)
         return sh.state_slots + snapshots if sh.state_slots else 0
 
     def blocks_within(self, memory: int) -> Optional[int]:
         """KV blocks that ``memory`` bytes hold here beside a hybrid model's state slots (one per
-        running sequence, then a snapshot per ``checkpoint_blocks`` blocks); None: any number
-        (a stage that holds neither)."""
+        running sequence and a snapshot each, then a snapshot per ``checkpoint_blocks`` blocks);
+        None: any number (a stage that holds neither)."""
         sh = self.shape
         per_block = self.bytes_per_token * sh.block_size
         slot = self.state_bytes if sh.state_slots else 0
-        left = memory - sh.state_slots * slot
+        fixed = snapshot_slots(0, sh.state_slots, sh.checkpoint_blocks) + sh.state_slots
+        left = memory - fixed * slot
         if left < 0:
             raise ValueError(
                 f"{memory} bytes of cache on rank {self.mesh.rank} cannot hold the recurrent "
-                f"state of max_num_seqs={sh.state_slots} sequences ({slot} bytes each); give "
-                f"more kv_cache_memory or a smaller max_num_seqs"
+                f"state of max_num_seqs={sh.state_slots} sequences and their snapshots ({fixed} "
+                f"slots of {slot} bytes); give more kv_cache_memory or a smaller max_num_seqs"
             )
         every = sh.checkpoint_blocks if slot else 0
         per = per_block * every + slot if every else per_block  # ``every`` blocks + a snapshot

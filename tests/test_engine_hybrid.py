@@ -20,6 +20,7 @@ from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.engine.snapshot import KVSnapshot  # noqa: E402
 from tests.engine_cases import model_from  # noqa: E402
 from tests.models import hf_greedy  # noqa: E402
+from tests.test_tiers import over_link  # noqa: E402
 
 # conv, GDN, GDN + MoE, Mamba2, Mamba2 + MLP blocks, Mamba2 + MoE with Granite's multipliers
 FAMILIES = ["lfm2", "qwen3_5", "qwen3_next", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1"]
@@ -368,7 +369,8 @@ def test_requests_migrate_with_their_state_between_meshes(family, tmp_path):
 
 
 def test_a_prefix_moves_between_engines_with_its_snapshot():
-    """``export_prefix`` stops at the deepest snapshot and carries its state; ``import_prefix`` on
+    """``export_prefix`` stops at the deepest snapshot and carries its state (over a real link, as
+    a peer pull sends it); ``import_prefix`` on
     an engine of another block size and mesh whose blocks end where the prefix does makes it a hit
     there with the uncached tokens (one whose blocks do not cannot resume from it: 0 imported)."""
     base = prompts_for(6)[2]  # 40 tokens
@@ -382,7 +384,7 @@ def test_a_prefix_moves_between_engines_with_its_snapshot():
     with _llm("bamba", block_size=8, sp=2) as other:  # blocks of 16 tokens: the state is at 40
         assert other.import_prefix(prefix) == 0
     with _llm("bamba", block_size=5, sp=2) as dst:  # blocks of 10 tokens
-        assert dst.import_prefix(prefix) == 40
+        assert dst.import_prefix(over_link(prefix)) == 40  # as a peer pull sends it
         got, _, cached = _run(dst, [base + [9]], params)
     assert got == want and cached == [40]
 

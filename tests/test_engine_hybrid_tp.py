@@ -56,7 +56,7 @@ def test_tp2_equals_transformers_and_each_rank_holds_its_heads_state(worlds, fam
     assert [i["state_bytes_per_slot"] for i in driver["info"]["per_rank"]] == [whole // 2] * 2
 
 
-@pytest.mark.parametrize("family", ["lfm2", "qwen3_5", "bamba"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_sp2_equals_transformers(worlds, family):
     _check_mesh(worlds, ("hybrid", family, 0, {}), tp=2, sp=2)
 

@@ -132,10 +132,11 @@ def test_the_command_lines_list_the_same_flags():
         "--pp-layers", "--block-size", "--max-model-len", "--max-num-seqs",
         "--max-num-batched-tokens", "--kv-cache-dtype", "--sp-prefill-min-tokens",
         "--compile-decode", "--kv-host-memory", "--kv-disk", "--kv-disk-size",
+        "--state-checkpoint-blocks",
     }  # fmt: skip
     front = set(FRONT_ONLY) - {"--replicas", "--instance-id"}
     serve_flags = engine | set(FRONT_ONLY) | set(KEPT)
-    assert len(serve_flags) == 37  # 36 and --help
+    assert len(serve_flags) == 38  # 37 and --help
     assert flags("serve") == serve_flags
     shared = {"--help", "--host", "--port", "--log-level", "--max-request-bytes", "--upstream"}
     assert flags("router") == front | shared

@@ -285,169 +285,191 @@ def apply_tp(
     check_tp(cfg, tp)
     if tp == 1:
         return {}
-    d, hidden = cfg.head_dim, cfg.hidden_size
-    heads = split(cfg.num_heads, tp, rank)
-    if tp <= cfg.num_kv_heads:
-        kv = split(cfg.num_kv_heads, tp, rank)
-    else:
-        kv = range(
-            rank * cfg.num_kv_heads // tp, rank * cfg.num_kv_heads // tp + 1
-        )  # the head its queries read
-    vocab = split(cfg.vocab_size, tp, rank)
-    rows_q, rows_kv = _scale(heads, d), _scale(kv, d)
-    slices: Dict[str, tuple] = {}
-
-    def column(prefix: str, rows, bias: bool) -> nn.Linear:
-        rows = [rows] if isinstance(rows, range) else rows
-        slices[f"{prefix}.weight"] = _take(0, rows)
-        if bias:
-            slices[f"{prefix}.bias"] = _take(0, rows)
-        return nn.Linear(hidden, sum(map(len, rows)), bias=bias)
-
-    def row(prefix: str, cols: range, out: int, bias: bool) -> RowParallelLinear:
-        slices[f"{prefix}.weight"] = (1, cols.start, cols.stop)
-        return RowParallelLinear(len(cols), out, bias, group, timeout)
-
-    def partial(prefix: str, cols: range, out: int, bias: bool) -> nn.Linear:
-        # a row-parallel part whose sum is all-reduced by the block around it (rank 0's bias)
-        slices[f"{prefix}.weight"] = (1, cols.start, cols.stop)
-        return nn.Linear(len(cols), out, bias=bias and rank == 0)
-
-    def param(prefix: str, dim: int, ranges: Sequence[range], shape: tuple) -> nn.Parameter:
-        slices[prefix] = _take(dim, ranges)
-        return nn.Parameter(torch.empty(shape))
-
-    def conv(prefix: str, ranges: Sequence[range], kernel: int, bias: bool) -> nn.Conv1d:
-        n = sum(map(len, ranges))
-        slices[f"{prefix}.weight"] = _take(0, ranges)
-        if bias:
-            slices[f"{prefix}.bias"] = _take(0, ranges)
-        return nn.Conv1d(n, n, kernel, groups=n, bias=bias, padding=kernel - 1)
-
-    def reduced(m: nn.Module) -> None:  # the block's output: the sum of every rank's part
-        m.register_forward_hook(
-            lambda mod, args, out: all_reduce_(out, group, timeout, "tensor-parallel MoE")
-        )
-
-    def attention(p: str, a: nn.Module) -> None:
-        q_rows = _scale(heads, 2 * d) if a.gated else rows_q  # Qwen3.5: each head's q, gate
-        a.q_proj = column(f"{p}.q_proj", q_rows, cfg.qkv_bias)
-        a.k_proj = column(f"{p}.k_proj", rows_kv, cfg.qkv_bias)
-        a.v_proj = column(f"{p}.v_proj", rows_kv, cfg.qkv_bias)
-        setattr(a, a.OUT, row(f"{p}.{a.OUT}", rows_q, hidden, cfg.o_bias))
-        a.h, a.hkv = len(heads), len(kv)
-
-    def mlp(p: str, m: nn.Module, reduce: bool = True) -> None:
-        down = row if reduce else partial
-        if isinstance(m, SparseMoE):  # experts and the shared expert: one all-reduce
-            for e, expert in enumerate(m.experts):
-                mlp(f"{p}.experts.{e}", expert, reduce=False)
-            mlp(f"{p}.shared_expert", m.shared_expert, reduce=False)
-            reduced(m)
-        elif isinstance(m, GraniteMoE):
-            ex = m.experts
-            e, two, h = ex.gate_up_proj.shape
-            u = split(two // 2, tp, rank)
-            ex.gate_up_proj = param(
-                f"{p}.experts.gate_up_proj", 1, [u, _shift(u, two // 2)], (e, 2 * len(u), h)
-            )
-            ex.down_proj = param(f"{p}.experts.down_proj", 2, [u], (e, h, len(u)))
-            reduced(m)
-        elif isinstance(m, Lfm2MLP):
-            u = split(m.w1.out_features, tp, rank)
-            m.w1, m.w3 = column(f"{p}.w1", u, False), column(f"{p}.w3", u, False)
-            m.w2 = down(f"{p}.w2", u, hidden, False)
-        elif isinstance(m, GraniteSharedMLP):
-            i = m.output_linear.in_features
-            u = split(i, tp, rank)
-            m.input_linear = column(f"{p}.input_linear", [u, _shift(u, i)], False)
-            m.output_linear = down(f"{p}.output_linear", u, hidden, False)
-        elif isinstance(m, Relu2MLP):
-            u, b = split(m.up_proj.out_features, tp, rank), m.up_proj.bias is not None
-            m.up_proj = column(f"{p}.up_proj", u, b)
-            m.down_proj = down(f"{p}.down_proj", u, hidden, b)
-        else:  # Llama's gated MLP
-            u, b = split(m.up_proj.out_features, tp, rank), m.up_proj.bias is not None
-            m.gate_proj = column(f"{p}.gate_proj", u, b)
-            m.up_proj = column(f"{p}.up_proj", u, b)
-            m.down_proj = down(f"{p}.down_proj", u, hidden, b)
-
-    def recurrent(p: str, m: nn.Module) -> None:
-        rc = cfg.recurrent
-        k = m.conv1d.weight.shape[-1] if hasattr(m, "conv1d") else m.conv.weight.shape[-1]
-        if isinstance(m, ShortConv):
-            pr, b = _conv_parts(cfg, tp, rank), rc.conv_bias
-            m.in_proj = column(f"{p}.in_proj", pr["in_rows"], b)
-            m.conv = conv(f"{p}.conv", pr["conv"], k, b)
-            m.out_proj = row(f"{p}.out_proj", pr["channels"], hidden, b)
-        elif isinstance(m, Mamba2Mixer):
-            pr = _mamba2_parts(cfg, tp, rank)
-            hs, gs, x = pr["heads"], pr["groups"], pr["x"]
-            m.in_proj = column(f"{p}.in_proj", pr["in_rows"], rc.proj_bias)
-            m.conv1d = conv(f"{p}.conv1d", pr["conv"], k, rc.conv_bias)
-            for name in ("dt_bias", "A_log", "D"):
-                setattr(m, name, param(f"{p}.{name}", 0, [hs], (len(hs),)))
-            m.num_heads, m.n_groups, m.intermediate_size = len(hs), len(gs), len(x)
-            m.conv_dim = len(x) + 2 * len(gs) * rc.state
-            if m.norm is not None:  # (none: y * silu(gate), per channel)
-                eps, before = m.norm.eps, rc.norm_before_gate
-                if rc.groups % tp == 0:
-                    m.norm = GatedRMSNorm(len(x), eps, groups=len(gs), norm_before_gate=before)
-                else:
-                    width = rc.heads * rc.head_dim // rc.groups
-                    m.norm = SharedGroupGatedNorm(
-                        len(x), eps, gs.start, rc.groups, width, group, timeout, before
-                    )
-                m.norm.weight = param(f"{p}.norm.weight", 0, [x], (len(x),))
-            out_bias = rc.proj_bias if rc.out_bias is None else rc.out_bias
-            m.out_proj = row(f"{p}.out_proj", x, hidden, out_bias)
-        elif isinstance(m, GatedDeltaNet):
-            pr = _gdn_parts(cfg, tp, rank)
-            kh, vh, v = pr["k_heads"], pr["v_heads"], pr["v"]
-            if isinstance(m, FusedGatedDeltaNet):  # grouped per key head: one range each
-                per = rc.heads // rc.k_heads
-                width = 2 * rc.k_head_dim + 2 * per * rc.head_dim
-                m.in_proj_qkvz = column(f"{p}.in_proj_qkvz", _scale(kh, width), False)
-                m.in_proj_ba = column(f"{p}.in_proj_ba", _scale(kh, 2 * per), False)
-            else:
-                m.in_proj_qkv = column(f"{p}.in_proj_qkv", pr["conv"], False)
-                m.in_proj_z = column(f"{p}.in_proj_z", v, False)
-                m.in_proj_b = column(f"{p}.in_proj_b", vh, False)
-                m.in_proj_a = column(f"{p}.in_proj_a", vh, False)
-            m.conv1d = conv(f"{p}.conv1d", pr["conv"], k, False)
-            for name in ("dt_bias", "A_log"):
-                setattr(m, name, param(f"{p}.{name}", 0, [vh], (len(vh),)))
-            m.num_v_heads, m.num_k_heads = len(vh), len(kh)
-            m.key_dim, m.value_dim = len(kh) * rc.k_head_dim, len(v)
-            m.conv_dim = 2 * m.key_dim + m.value_dim
-            m.out_proj = row(f"{p}.out_proj", v, hidden, False)
-        else:
-            raise ValueError(f"{p}: tensor parallelism does not know {type(m).__name__}")
-
+    sh = _Sharder(cfg, rank, tp, group, timeout)
     for name, layer in _layers(model):
         p = f"model.layers.{name}"
         if isinstance(layer, HybridLayer):
             mixer, mp = layer.mixer_module, f"{p}.{layer.mixer_name}"
             if layer.kind == "attention":
-                attention(mp, mixer)
+                sh.attention(mp, mixer)
             elif layer.kind == "mlp":
-                mlp(mp, mixer)
+                sh.mlp(mp, mixer)
             else:
-                recurrent(mp, mixer)
+                sh.recurrent(mp, mixer)
             if layer.attention_module is not None:  # Falcon-H1: attention beside the Mamba2
-                attention(f"{p}.{layer.attention_name}", layer.attention_module)
+                sh.attention(f"{p}.{layer.attention_name}", layer.attention_module)
             for n in layer.mlp_names:
-                mlp(f"{p}.{n}", getattr(layer, n))
+                sh.mlp(f"{p}.{n}", getattr(layer, n))
         else:
-            attention(f"{p}.self_attn", layer.self_attn)
-            mlp(f"{p}.mlp", layer.mlp)
+            sh.attention(f"{p}.self_attn", layer.self_attn)
+            sh.mlp(f"{p}.mlp", layer.mlp)
+    vocab, hidden = split(cfg.vocab_size, tp, rank), cfg.hidden_size
     if model.model.embed_tokens is not None:
         model.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, group, timeout)
-        slices["model.embed_tokens.weight"] = (0, vocab.start, vocab.stop)
+        sh.slices["model.embed_tokens.weight"] = (0, vocab.start, vocab.stop)
     if model.lm_head is not None:
         model.lm_head = nn.Linear(hidden, len(vocab), bias=False)
-        slices["lm_head.weight"] = (0, vocab.start, vocab.stop)
-    return slices
+        sh.slices["lm_head.weight"] = (0, vocab.start, vocab.stop)
+    return sh.slices
+
+
+class _Sharder:
+    """``apply_tp``'s work on one rank: new modules holding this rank's part of each layer, and
+    the checkpoint slice each of their parameters reads (``slices``)."""
+
+    def __init__(self, cfg: ModelConfig, rank: int, tp: int, group, timeout):
+        self.cfg, self.rank, self.tp, self.group, self.timeout = cfg, rank, tp, group, timeout
+        self.hidden, d = cfg.hidden_size, cfg.head_dim
+        self.heads = split(cfg.num_heads, tp, rank)
+        if tp <= cfg.num_kv_heads:
+            kv = split(cfg.num_kv_heads, tp, rank)
+        else:  # the head its queries read
+            kv = range(rank * cfg.num_kv_heads // tp, rank * cfg.num_kv_heads // tp + 1)
+        self.kv, self.rows_q, self.rows_kv = kv, _scale(self.heads, d), _scale(kv, d)
+        self.slices: Dict[str, tuple] = {}
+
+    # -- the pieces ------------------------------------------------------------------------
+    def column(self, prefix: str, rows, bias: bool) -> nn.Linear:
+        rows = [rows] if isinstance(rows, range) else rows
+        self.slices[f"{prefix}.weight"] = _take(0, rows)
+        if bias:
+            self.slices[f"{prefix}.bias"] = _take(0, rows)
+        return nn.Linear(self.hidden, sum(map(len, rows)), bias=bias)
+
+    def row(self, prefix: str, cols: range, out: int, bias: bool) -> RowParallelLinear:
+        self.slices[f"{prefix}.weight"] = (1, cols.start, cols.stop)
+        return RowParallelLinear(len(cols), out, bias, self.group, self.timeout)
+
+    def partial(self, prefix: str, cols: range, out: int, bias: bool) -> nn.Linear:
+        """A row-parallel part whose sum the block around it all-reduces (rank 0's bias)."""
+        self.slices[f"{prefix}.weight"] = (1, cols.start, cols.stop)
+        return nn.Linear(len(cols), out, bias=bias and self.rank == 0)
+
+    def param(self, prefix: str, dim: int, ranges: Sequence[range], shape: tuple) -> nn.Parameter:
+        self.slices[prefix] = _take(dim, ranges)
+        return nn.Parameter(torch.empty(shape))
+
+    def conv(self, prefix: str, ranges: Sequence[range], kernel: int, bias: bool) -> nn.Conv1d:
+        n = sum(map(len, ranges))
+        self.slices[f"{prefix}.weight"] = _take(0, ranges)
+        if bias:
+            self.slices[f"{prefix}.bias"] = _take(0, ranges)
+        return nn.Conv1d(n, n, kernel, groups=n, bias=bias, padding=kernel - 1)
+
+    def reduced(self, m: nn.Module) -> None:
+        """The block's output is the sum of every rank's part: one all-reduce after it."""
+        group, timeout = self.group, self.timeout
+        m.register_forward_hook(
+            lambda mod, args, out: all_reduce_(out, group, timeout, "tensor-parallel MoE")
+        )
+
+    # -- the layers ------------------------------------------------------------------------
+    def attention(self, p: str, a: nn.Module) -> None:
+        cfg, d = self.cfg, self.cfg.head_dim
+        q_rows = _scale(self.heads, 2 * d) if a.gated else self.rows_q  # Qwen3.5: q, gate
+        a.q_proj = self.column(f"{p}.q_proj", q_rows, cfg.qkv_bias)
+        a.k_proj = self.column(f"{p}.k_proj", self.rows_kv, cfg.qkv_bias)
+        a.v_proj = self.column(f"{p}.v_proj", self.rows_kv, cfg.qkv_bias)
+        setattr(a, a.OUT, self.row(f"{p}.{a.OUT}", self.rows_q, self.hidden, cfg.o_bias))
+        a.h, a.hkv = len(self.heads), len(self.kv)
+
+    def mlp(self, p: str, m: nn.Module, reduce: bool = True) -> None:
+        tp, rank, hidden = self.tp, self.rank, self.hidden
+        down = self.row if reduce else self.partial
+        if isinstance(m, SparseMoE):  # experts and the shared expert: one all-reduce
+            for e, expert in enumerate(m.experts):
+                self.mlp(f"{p}.experts.{e}", expert, reduce=False)
+            self.mlp(f"{p}.shared_expert", m.shared_expert, reduce=False)
+            self.reduced(m)
+        elif isinstance(m, GraniteMoE):
+            ex = m.experts
+            e, two, h = ex.gate_up_proj.shape
+            u = split(two // 2, tp, rank)
+            ex.gate_up_proj = self.param(
+                f"{p}.experts.gate_up_proj", 1, [u, _shift(u, two // 2)], (e, 2 * len(u), h)
+            )
+            ex.down_proj = self.param(f"{p}.experts.down_proj", 2, [u], (e, h, len(u)))
+            self.reduced(m)
+        elif isinstance(m, Lfm2MLP):
+            u = split(m.w1.out_features, tp, rank)
+            m.w1, m.w3 = self.column(f"{p}.w1", u, False), self.column(f"{p}.w3", u, False)
+            m.w2 = down(f"{p}.w2", u, hidden, False)
+        elif isinstance(m, GraniteSharedMLP):
+            i = m.output_linear.in_features
+            u = split(i, tp, rank)
+            m.input_linear = self.column(f"{p}.input_linear", [u, _shift(u, i)], False)
+            m.output_linear = down(f"{p}.output_linear", u, hidden, False)
+        elif isinstance(m, Relu2MLP):
+            u, b = split(m.up_proj.out_features, tp, rank), m.up_proj.bias is not None
+            m.up_proj = self.column(f"{p}.up_proj", u, b)
+            m.down_proj = down(f"{p}.down_proj", u, hidden, b)
+        else:  # Llama's gated MLP
+            u, b = split(m.up_proj.out_features, tp, rank), m.up_proj.bias is not None
+            m.gate_proj = self.column(f"{p}.gate_proj", u, b)
+            m.up_proj = self.column(f"{p}.up_proj", u, b)
+            m.down_proj = down(f"{p}.down_proj", u, hidden, b)
+
+    def recurrent(self, p: str, m: nn.Module) -> None:
+        if isinstance(m, ShortConv):
+            self.short_conv(p, m)
+        elif isinstance(m, Mamba2Mixer):
+            self.mamba2(p, m)
+        elif isinstance(m, GatedDeltaNet):
+            self.gated_delta_net(p, m)
+        else:
+            raise ValueError(f"{p}: tensor parallelism does not know {type(m).__name__}")
+
+    def short_conv(self, p: str, m: ShortConv) -> None:
+        rc, k = self.cfg.recurrent, m.conv.weight.shape[-1]
+        pr, b = _conv_parts(self.cfg, self.tp, self.rank), rc.conv_bias
+        m.in_proj = self.column(f"{p}.in_proj", pr["in_rows"], b)
+        m.conv = self.conv(f"{p}.conv", pr["conv"], k, b)
+        m.out_proj = self.row(f"{p}.out_proj", pr["channels"], self.hidden, b)
+
+    def mamba2(self, p: str, m: Mamba2Mixer) -> None:
+        rc, k = self.cfg.recurrent, m.conv1d.weight.shape[-1]
+        pr = _mamba2_parts(self.cfg, self.tp, self.rank)
+        hs, gs, x = pr["heads"], pr["groups"], pr["x"]
+        m.in_proj = self.column(f"{p}.in_proj", pr["in_rows"], rc.proj_bias)
+        m.conv1d = self.conv(f"{p}.conv1d", pr["conv"], k, rc.conv_bias)
+        for name in ("dt_bias", "A_log", "D"):
+            setattr(m, name, self.param(f"{p}.{name}", 0, [hs], (len(hs),)))
+        m.num_heads, m.n_groups, m.intermediate_size = len(hs), len(gs), len(x)
+        m.conv_dim = len(x) + 2 * len(gs) * rc.state
+        if m.norm is not None:  # (none: y * silu(gate), per channel)
+            eps, before = m.norm.eps, rc.norm_before_gate
+            if rc.groups % self.tp == 0:
+                m.norm = GatedRMSNorm(len(x), eps, groups=len(gs), norm_before_gate=before)
+            else:
+                width = rc.heads * rc.head_dim // rc.groups
+                m.norm = SharedGroupGatedNorm(
+                    len(x), eps, gs.start, rc.groups, width, self.group, self.timeout, before
+                )
+            m.norm.weight = self.param(f"{p}.norm.weight", 0, [x], (len(x),))
+        out_bias = rc.proj_bias if rc.out_bias is None else rc.out_bias
+        m.out_proj = self.row(f"{p}.out_proj", x, self.hidden, out_bias)
+
+    def gated_delta_net(self, p: str, m: GatedDeltaNet) -> None:
+        rc, k = self.cfg.recurrent, m.conv1d.weight.shape[-1]
+        pr = _gdn_parts(self.cfg, self.tp, self.rank)
+        kh, vh, v = pr["k_heads"], pr["v_heads"], pr["v"]
+        if isinstance(m, FusedGatedDeltaNet):  # grouped per key head: one range each
+            per = rc.heads // rc.k_heads
+            width = 2 * rc.k_head_dim + 2 * per * rc.head_dim
+            m.in_proj_qkvz = self.column(f"{p}.in_proj_qkvz", _scale(kh, width), False)
+            m.in_proj_ba = self.column(f"{p}.in_proj_ba", _scale(kh, 2 * per), False)
+        else:
+            m.in_proj_qkv = self.column(f"{p}.in_proj_qkv", pr["conv"], False)
+            m.in_proj_z = self.column(f"{p}.in_proj_z", v, False)
+            m.in_proj_b = self.column(f"{p}.in_proj_b", vh, False)
+            m.in_proj_a = self.column(f"{p}.in_proj_a", vh, False)
+        m.conv1d = self.conv(f"{p}.conv1d", pr["conv"], k, False)
+        for name in ("dt_bias", "A_log"):
+            setattr(m, name, self.param(f"{p}.{name}", 0, [vh], (len(vh),)))
+        m.num_v_heads, m.num_k_heads = len(vh), len(kh)
+        m.key_dim, m.value_dim = len(kh) * rc.k_head_dim, len(v)
+        m.conv_dim = 2 * m.key_dim + m.value_dim
+        m.out_proj = self.row(f"{p}.out_proj", v, self.hidden, False)
 
 
 def _layers(model):

@@ -21,7 +21,7 @@ import torch
 
 from ..cache.block_manager import STORED, BlockManager, KVEvents, block_hash
 from ..cache.disk_tier import DiskTier
-from ..cache.state_pool import StateSlots, flatten, snapshot_slots, state_bytes, unflatten
+from ..cache.state_pool import StateSlots, snapshot_slots, state_bytes
 from ..cache.tiers import EntryLayout, TierStore, default_host_bytes
 from ..kernels import quant
 from ..model.loader import open_model
@@ -331,7 +331,6 @@ class EngineCore:
         if not c.enable_prefix_caching or not self.cluster.is_driver:
             return None
         mover, tpb = self.cluster.mover, self.shape.block_size * self.shape.sp
-        shapes, cluster = mover.state_shapes, self.cluster  # a hybrid's snapshots go along
         layout = EntryLayout(mover.shape, tpb, mover.dtype, mover.scale_dtype)
         if host is None:  # as large as the device pool, within the host's memory
             host = default_host_bytes(self.num_blocks * layout.nbytes)
@@ -351,11 +350,11 @@ class EngineCore:
                 kv_cache_dtype=self.kv_storage,
                 tokens_per_block=tpb,
                 shape=mover.shape,
-                state_elems=state_bytes(shapes) // 4,
+                state_elems=state_bytes(mover.state_shapes) // 4,
             ),
             pinned=self.device.type == "cuda",
-            read_state=lambda slot: flatten(cluster.read_state(slot)),
-            write_state=lambda slot, x: cluster.write_state(slot, unflatten(x, shapes)),
+            read_state=self.cluster.read_state,  # a hybrid's snapshots go along
+            write_state=self.cluster.write_state,
         )
 
     @staticmethod

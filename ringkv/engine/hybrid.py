@@ -17,13 +17,11 @@ runs the recurrent layers as an opaque op in its graphs (``parallel/compiled.py`
 
 from __future__ import annotations
 
-
 import torch
 
 from ..cache.kv_cache import bytes_per_block
 from ..cache.state_pool import state_bytes
-from ..model import new_model, state_layers
-from ..model.loader import on_meta
+from ..parallel.kvmove import model_states
 
 
 def is_hybrid(cfg) -> bool:
@@ -35,9 +33,7 @@ def is_hybrid(cfg) -> bool:
 
 def slot_bytes(cfg) -> int:
     """Bytes of one sequence's recurrent state over the whole model (float32)."""
-    with on_meta():
-        model = new_model(cfg)
-    return state_bytes(state_layers(model))
+    return state_bytes(model_states(cfg))
 
 
 def checkpoint_blocks(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -55,13 +51,13 @@ def check_hybrid(cfg, c, dtype: torch.dtype) -> dict:
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"state_checkpoint_blocks must be an int >= 1, got {every!r}")
     if not is_hybrid(cfg):
-        if c.state_checkpoint_blocks is not None:
+        if every is not None:
             raise ValueError(
                 f"state_checkpoint_blocks applies to hybrid models; {cfg.model_type!r} has no "
                 f"recurrent layers"
             )
         return {}
-    every = c.state_checkpoint_blocks or checkpoint_blocks(cfg, c.block_size, dtype)
+    every = every or checkpoint_blocks(cfg, c.block_size, dtype)
     return dict(
         state_slots=c.max_num_seqs, checkpoint_blocks=every if c.enable_prefix_caching else 0
     )

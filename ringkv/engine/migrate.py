@@ -32,7 +32,7 @@ import torch
 from .params import Logprob, SamplingParams, is_int
 from .pipeline import RequestState, Staged
 from .sequence import Sequence
-from ..cache.state_pool import flatten, unflatten
+from ..cache.state_pool import unflatten
 from .snapshot import VERSION, KVSnapshot, PrefixKV
 
 
@@ -317,7 +317,7 @@ class Migration:
         k, v, ks, vs = cluster.read_kv(seq.block_table, start, seq.num_computed)
         state = None  # a hybrid: the state after ``end``, when that is what its slot holds
         if seq.state_slot is not None and end == seq.num_computed > start:
-            state = flatten(cluster.read_state(seq.state_slot))
+            state = cluster.read_state(seq.state_slot)
         first = since is None
         snap = KVSnapshot(
             model=self.digest,
@@ -479,9 +479,7 @@ class Migration:
                     table, snap.start, (snap.k, snap.v, snap.k_scale, snap.v_scale)
                 )
                 if snap.state is not None:
-                    self.cluster.write_state(
-                        slot, unflatten(snap.state, self.cluster.mover.state_shapes)
-                    )
+                    self.cluster.write_state(slot, snap.state)
             except BaseException:
                 blocks.free(table[old:])
                 if slot is not None and (seq is None or seq.state_slot is None):
@@ -559,7 +557,7 @@ class Migration:
                 k, slot = blocks.deepest_snapshot([b for b, _ in chain])
                 blocks.free([b for b, _ in chain[k:]])
                 chain = chain[:k]
-                state = flatten(self.cluster.read_state(slot)) if k else None
+                state = self.cluster.read_state(slot) if k else None
             for b, key in chain:  # device runs in one gather each, tier entries one by one
                 if b is None:
                     if run:
@@ -627,7 +625,7 @@ class Migration:
         if key[0] is not None:
             slot = blocks.states.reserve()
             if slot is not None:
-                self.cluster.write_state(slot, unflatten(state, self.cluster.mover.state_shapes))
+                self.cluster.write_state(slot, state)
                 blocks.states.put(*key, slot)
         return blocks.deepest_snapshot(table)[0]
 

@@ -189,6 +189,8 @@ class Scheduler:
         of its ``snapshot_at`` it has not reached) between where ``seq`` resumes and where its
         match reached (requests arriving together with a shared prompt: the first computes the
         shared part, the others wait for its snapshot rather than computing it too)."""
+        if self.blocks.states is None or matched <= seq.num_computed:
+            return False
         for r in self.running:
             planned = r.saving.union(p for p in r.snapshot_at if p > r.num_computed)
             for p in planned:

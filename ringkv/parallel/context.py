@@ -176,11 +176,40 @@ class LocalStep:
         self.all_written = len(rows) == len(ids)
         self.write_rows = torch.tensor(rows, dtype=torch.long, device=device)  # (W,)
         self.write_slots = torch.tensor(slots, dtype=torch.long, device=device)  # (W,)
+        self.single = _single_rows(self.recur, device)
         self.cached: Optional[StepAttention] = (
             plan_step(cached, block_size=bs, sp=sp, sp_rank=r, device=device, backend=paged_backend)
             if cached
             else None
         )
+
+
+@dataclass(frozen=True)
+class SingleRows:
+    """A hybrid step's single-token rows, one call of each recurrent layer for all of them:
+    their ``rows`` of the step, state ``slots`` and which start at position 0 (``fresh``), each
+    ``(S,)``; ``saves``: ``(slot, saves)`` of those that reach a checkpoint."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    fresh: torch.Tensor
+    saves: tuple
+
+
+def _single_rows(recur: List[RecurSeq], device) -> Optional[SingleRows]:
+    single = [r for r in recur if r.n == 1]
+    if not single:
+        return None
+
+    def column(values, dtype=torch.long):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return SingleRows(
+        column([r.row for r in single]),
+        column([r.slot for r in single]),
+        column([r.start == 0 for r in single], torch.bool),
+        tuple((r.slot, r.saves) for r in single if r.saves),
+    )
 
 
 def _ring_seq(s, off: int, m: int, sp: int, r: int, bs: int, device) -> RingSeq:
@@ -362,17 +391,18 @@ class StepContext:
         back to the slot, and each checkpoint it saves to its snapshot slot."""
         pool = self.states.layers[layer]
         parts = []  # (rows, y)
-        single = [r for r in self.step.recur if r.n == 1]
-        if single:
-            rows = torch.tensor([r.row for r in single], device=u.device)
-            slots = torch.tensor([r.slot for r in single], device=u.device)
-            fresh = torch.tensor([r.start == 0 for r in single], device=u.device)
-            init = [t.index_select(0, slots).masked_fill(_expand(fresh, t), 0) for t in pool]
-            y, final = fn(u.index_select(0, rows)[:, None], init)  # (S, 1, F')
+        one = self.step.single
+        if one is not None:
+            init = [
+                t.index_select(0, one.slots).masked_fill(_expand(one.fresh, t), 0) for t in pool
+            ]
+            y, final = fn(u.index_select(0, one.rows)[:, None], init)  # (S, 1, F')
             for t, f in zip(pool, final):
-                t.index_copy_(0, slots, f.to(t.dtype))
-            parts.append((rows, y[:, 0]))
-            self._save(pool, [(slot, r.saves) for r, slot in zip(single, slots.tolist())])
+                t.index_copy_(0, one.slots, f.to(t.dtype))
+            parts.append((one.rows, y[:, 0]))
+            for slot, saves in one.saves:  # checkpoints reached at the row's end
+                for _, dst in saves:
+                    _copy_slot(pool, slot, dst)
         for r in self.step.recur:
             if r.n > 1:
                 parts.append((slice(r.row, r.row + r.n), self._pieces(pool, fn, u, r)))
@@ -404,13 +434,11 @@ class StepContext:
             t[r.slot] = x[0]
         return torch.cat(ys)
 
-    @staticmethod
-    def _save(pool: List[torch.Tensor], rows) -> None:
-        """Checkpoints reached at a single-token row's end: its slot copied to each snapshot."""
-        for slot, saves in rows:
-            for _, dst in saves:
-                for t in pool:
-                    t[dst] = t[slot]
+
+def _copy_slot(pool: List[torch.Tensor], src: int, dst: int) -> None:
+    """Every state tensor's slot ``src`` into slot ``dst`` (a checkpoint's snapshot)."""
+    for t in pool:
+        t[dst] = t[src]
 
 
 def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

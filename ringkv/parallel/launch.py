@@ -49,6 +49,7 @@ from typing import Deque, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..cache.state_pool import flatten, unflatten
 from ..model.config import ModelConfig, RecurrentConfig
 from ..sp.comm import DEFAULT_TIMEOUT
 from .control import ControlPlane, EngineError, parent_alive
@@ -410,13 +411,16 @@ class Cluster:
         rank."""
         self._on_ranks(self.mover.scatter, table, start, kv)
 
-    def read_state(self, slot: int) -> kvmove.States:
+    def read_state(self, slot: int) -> torch.Tensor:
         """The driver: a hybrid model's recurrent state in ``slot``, every layer, from the ranks
-        that hold it (``kvmove.Mover.gather_state``)."""
-        return self._on_ranks(self.mover.gather_state, slot)
+        that hold it (``kvmove.Mover.gather_state``), flat float32 (``state_pool.flatten``:
+        what snapshots and tiers carry)."""
+        return flatten(self._on_ranks(self.mover.gather_state, slot))
 
-    def write_state(self, slot: int, states: kvmove.States) -> None:
-        """The driver: store ``states`` (``read_state``'s layout) in ``slot`` on every rank."""
+    def write_state(self, slot: int, state: torch.Tensor) -> None:
+        """The driver: store ``state`` (``read_state``'s flat layout) in ``slot`` on every
+        rank."""
+        states = unflatten(state, self.mover.state_shapes)
         self._on_ranks(self.mover.scatter_state, slot, states)
 
     def _on_ranks(self, fn, *args):

@@ -215,7 +215,7 @@ class Worker:
         sh = self.shape
         per_block = self.bytes_per_token * sh.block_size
         slot = self.state_bytes if sh.state_slots else 0
-        fixed = snapshot_slots(0, sh.state_slots, sh.checkpoint_blocks) + sh.state_slots
+        fixed = self.state_slots(0)  # the running slots and a snapshot each
         left = memory - fixed * slot
         if left < 0:
             raise ValueError(

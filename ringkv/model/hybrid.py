@@ -73,6 +73,17 @@ class FalconMLP(MLP):
         return self.down_proj(self.up_proj(x) * g) * self.down_multiplier
 
 
+def routed(x, chosen, weights, expert: Callable) -> torch.Tensor:
+    """Each row's chosen experts, weighed: ``x (T, hidden)``, ``chosen``/``weights`` ``(T,
+    top_k)``, ``expert(e, rows (n, hidden)) -> (n, hidden)`` -> ``(T, hidden)``, every expert
+    run once on the rows that chose it."""
+    out = torch.zeros_like(x)
+    for e in chosen.unique().tolist():
+        rows, slot = (chosen == e).nonzero(as_tuple=True)
+        out.index_add_(0, rows, expert(e, x[rows]) * weights[rows, slot, None])
+    return out
+
+
 class SparseMoE(nn.Module):
     """Qwen3-Next's MoE MLP: the router's softmax top-k (renormalised if ``norm_topk_prob``)
     weighs its experts' gated MLPs; a shared expert, gated by ``sigmoid(shared_expert_gate x)``,
@@ -95,10 +106,7 @@ class SparseMoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(logits.dtype)  # (T, top_k)
-        out = torch.zeros_like(x)
-        for e in chosen.unique().tolist():
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
+        out = routed(x, chosen, weights, lambda e, rows: self.experts[e](rows))
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
@@ -131,11 +139,7 @@ class GraniteMoE(nn.Module):
         # x (T, hidden) -> (T, hidden)
         top, chosen = self.router(x).float().topk(self.top_k, dim=-1)  # (T, top_k)
         weights = torch.softmax(top, dim=-1).to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in chosen.unique().tolist():
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            out.index_add_(0, rows, self.experts(e, x[rows]) * weights[rows, slot, None])
-        return out
+        return routed(x, chosen, weights, self.experts)
 
 
 class GraniteSharedMLP(nn.Module):
@@ -270,21 +274,18 @@ class HybridLayer(nn.Module):
             h = self._parallel(h, cos, sin, ctx)
         else:
             h = self.mixer_module(h, ctx)
-        x = x + self._scaled(h)
+        x = x + _times(h, self.residual_multiplier)
         if not self.mlp_names:
             return x
         h = getattr(self, self.norm_names[1])(x)
         outs = [getattr(self, name)(h) for name in self.mlp_names]
-        return x + self._scaled(outs[0] if len(outs) == 1 else sum(outs[1:], outs[0]))
+        return x + _times(sum(outs[1:], outs[0]), self.residual_multiplier)
 
     def _parallel(self, h, cos, sin, ctx):
         # Falcon-H1: the Mamba2 and the attention on the same normed h, summed (as transformers)
         m = _times(self.mixer_module(h, ctx), self.ssm_out)
         a = self.attention_module(_times(h, self.attention_in), cos, sin, ctx)
         return m + _times(a, self.attention_out)
-
-    def _scaled(self, h):
-        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
 
 def _times(x, m: float):

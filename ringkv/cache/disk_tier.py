@@ -183,6 +183,7 @@ class DiskTier:
         self.error: Optional[str] = None
         self.nbytes = 0
         self._index: "OrderedDict[bytes, int]" = OrderedDict()  # key -> file size, LRU first
+        self._stateful: set = set()  # keys whose file carries a state snapshot
         self._lock = threading.Lock()
         self._clock = 0  # last mtime set, in ns (strictly increasing: a stable LRU order)
         # prefetch: queued (key, generation), entries read ahead {key: (kv, generation)}
@@ -207,6 +208,11 @@ class DiskTier:
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
             return key in self._index
+
+    def has_state(self, key: bytes) -> bool:
+        """Whether ``key``'s file carries a state snapshot (a hybrid's block)."""
+        with self._lock:
+            return key in self._stateful
 
     def keys(self) -> list:
         """The keys held, least recently used first."""
@@ -260,15 +266,18 @@ class DiskTier:
             if meta.get("key") != key.hex():  # ours, but under another key's name
                 self._unlink(entry.path)
                 continue
-            found.append((st.st_mtime_ns, entry.name, key, st.st_size))
+            state = isinstance(meta.get("dtypes"), dict) and "state" in meta["dtypes"]
+            found.append((st.st_mtime_ns, entry.name, key, st.st_size, state))
         found.sort()
-        for mtime, _, key, size in found:
+        for mtime, _, key, size, state in found:
             self._index[key] = size
+            if state:
+                self._stateful.add(key)
             self.nbytes += size
             self._clock = max(self._clock, mtime)
         while self.nbytes > self.capacity_bytes and self._index:
-            key, size = self._index.popitem(last=False)
-            self.nbytes -= size
+            key = next(iter(self._index))
+            self._forget(key)
             self._unlink(self._file(key))
 
     @staticmethod
@@ -294,6 +303,7 @@ class DiskTier:
     def _forget(self, key: bytes) -> Optional[int]:
         """Drop ``key`` from the index and the read-ahead entries (lock held); its size or None."""
         self._ready.pop(key, None)
+        self._stateful.discard(key)
         size = self._index.pop(key, None)
         if size is not None:
             self.nbytes -= size
@@ -459,6 +469,8 @@ class DiskTier:
         with self._lock:
             self._index[key] = len(data)
             self.nbytes += len(data)
+            if len(kv) == 5:
+                self._stateful.add(key)
         return evicted
 
     def get(self, key: bytes) -> Optional[KVEntry]:

@@ -20,12 +20,14 @@ Snapshots live as long as the block they end at stays registered on the device (
 manager drops them when it loses the hash), and are evicted least-recently-used first when a new
 one needs a slot. A slot taken for a save is *pending* until the step that writes it completes
 (``put``): only then is it indexed, and only if the block it ends at was registered.
+``on_change(hash)`` is told each snapshot indexed or evicted here (the block manager turns it into
+a ``KVEvents`` entry; a ``drop`` it makes itself, and reports where the snapshot went).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -89,6 +91,7 @@ class StateSlots:
         # hash -> (slot, content id), least recently used first
         self.index: "OrderedDict[Hashable, Tuple[int, int]]" = OrderedDict()
         self.pending: set = set()  # snapshot slots taken for a save not completed yet
+        self.on_change: Callable[[Hashable], None] = lambda h: None  # indexed or evicted
         self.saved = self.restored = self.evicted = 0  # counters
 
     # -- running slots ---------------------------------------------------------------------
@@ -107,9 +110,10 @@ class StateSlots:
         free), pending until ``put``; None when every snapshot slot is pending or there are
         none."""
         if not self.free_snapshots and self.index:
-            _, (slot, _) = self.index.popitem(last=False)
+            h, (slot, _) = self.index.popitem(last=False)
             self.free_snapshots.append(slot)
             self.evicted += 1
+            self.on_change(h)
         if not self.free_snapshots:
             return None
         slot = self.free_snapshots.popleft()
@@ -126,6 +130,7 @@ class StateSlots:
             return
         self.index[h] = (slot, cid)
         self.saved += 1
+        self.on_change(h)
 
     def get(self, h: Hashable, cid: int) -> Optional[int]:
         """The snapshot slot of the checkpoint block ``h`` holding content ``cid`` (marked
@@ -145,7 +150,8 @@ class StateSlots:
         return h in self.index
 
     def drop(self, h: Hashable) -> None:
-        """The device lost block ``h``: its snapshot goes with it."""
+        """The device lost block ``h``: its snapshot goes with it (to the block's tier, or
+        nowhere: the block manager reports which, not ``on_change``)."""
         hit = self.index.pop(h, None)
         if hit is not None:
             self.free_snapshots.append(hit[0])

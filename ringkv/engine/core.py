@@ -464,7 +464,7 @@ class EngineCore:
         """Start numbering the prefix cache's changes (``kv_events``; a router's index of which
         engine holds which blocks); idempotent. Returns the log."""
         if self.blocks.events is None:
-            self.blocks.events = KVEvents()
+            self.blocks.publish(KVEvents())
         return self.blocks.events
 
     @property
@@ -481,13 +481,25 @@ class EngineCore:
             out += [(h, t) for h, t in self.tiers.keys() if h not in self.blocks.by_hash]
         return out
 
+    def cached_snapshots(self) -> Optional[List[tuple]]:
+        """A hybrid model's state snapshots a prompt can resume from, ``(hash of the block each
+        ends, tier)`` (``STORED``: a slot on the device; ``HOST``, ``DISK``: the tier holding
+        that block), as its ``kv_events`` say when they are published (a reader of the whole
+        index then follows the events); None for a dense model. Read it on the engine's
+        thread."""
+        blocks = self.blocks
+        if blocks.states is None:
+            return None
+        published = blocks.events is not None
+        return list(blocks.snapshot_tiers.items()) if published else blocks.snapshots()
+
     def cached_tokens(self, token_ids: Seq[int], cache_salt: Optional[str] = None) -> int:
         """Tokens of a prompt's prefix this engine holds in any tier (whole blocks, never the
         last token: what admitting it now would not compute; a hybrid model: up to its deepest
-        state snapshot)."""
+        state snapshot, on the device or in a tier)."""
         held = self.blocks.locate(token_ids[:-1], cache_salt)
-        if self.blocks.states is not None:  # (the snapshots on the device)
-            return self.blocks.deepest_snapshot([b for b, _ in held])[0] * self.blocks.block_size
+        if self.blocks.states is not None:
+            return self.blocks.resumable(held) * self.blocks.block_size
         return len(held) * self.blocks.block_size
 
     # -- requests --------------------------------------------------------------------------

@@ -553,11 +553,12 @@ class Migration:
         chain = blocks.locate(token_ids, cache_salt, take=True)  # device blocks pinned meanwhile
         parts, run, n, state = [], [], 0, None
         try:
-            if blocks.states is not None:  # a hybrid: up to its deepest snapshot on the device
-                k, slot = blocks.deepest_snapshot([b for b, _ in chain])
-                blocks.free([b for b, _ in chain[k:]])
+            if blocks.states is not None:  # a hybrid: up to its deepest snapshot (in any tier)
+                k = blocks.resumable(chain)
+                blocks.free([b for b, _ in chain[k:] if b is not None])
                 chain = chain[:k]
-                state = self.cluster.read_state(slot) if k else None
+                on_device, slot = blocks.deepest_snapshot([b for b, _ in chain])
+                state = self.cluster.read_state(slot) if k and on_device == k else None
             for b, key in chain:  # device runs in one gather each, tier entries one by one
                 if b is None:
                     if run:
@@ -567,6 +568,8 @@ class Migration:
                     if kv is None:  # a disk file refused: the prefix ends before it
                         break
                     parts.append(kv)
+                    if n + 1 == len(chain) and len(kv) == 5:  # the snapshot came with its block
+                        state = kv[4]
                 else:
                     run.append(b)
                 n += 1
@@ -574,8 +577,8 @@ class Migration:
                 parts.append(self.cluster.read_kv(run, 0, len(run) * tpb))
         finally:
             blocks.free([b for b, _ in chain if b is not None])
-        if not n:
-            return None
+        if not n or (blocks.states is not None and (n < len(chain) or state is None)):
+            return None  # (a hybrid's prefix cut short no longer ends at its snapshot)
         k, v, ks, vs = (
             None if parts[0][i] is None else torch.cat([p[i] for p in parts], 1) for i in range(4)
         )

@@ -62,7 +62,8 @@ def test_greedy_and_prompt_logprobs_equal_transformers_on_a_mesh(worlds, family,
     against transformers' forward."""
     s, prompts = spec(family), prompts_for(1)
     want, want_lp = reference(s, prompts)
-    kw = dict(ENGINE, pp=pp, sp=sp, state_checkpoint_blocks=2)
+    # sp=2: chunks of 4+ tokens are spread (ring attention, state passing), shorter replicated
+    kw = dict(ENGINE, pp=pp, sp=sp, state_checkpoint_blocks=2, sp_prefill_min_tokens=4)
     res = worlds(pp * sp).check(
         "tests.engine_cases:hybrid_rounds", pp * sp, s, kw, prompts, GREEDY, prompts[2], timeout=300
     )
@@ -244,6 +245,39 @@ def test_any_schedule_gives_transformers_tokens(
         llm.core.blocks.check()
         states = llm.core.blocks.states
         assert len(states.free_running) == states.running and not states.pending
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    family=st.sampled_from(["lfm2", "qwen3_5", "bamba"]),
+    sp=st.sampled_from([2, 3]),
+    block_size=st.integers(1, 3),
+    budget=st.sampled_from([5, 8, 16, 64]),
+    spread=st.sampled_from([2, 3, 6]),
+    every=st.integers(1, 3),
+    data=st.data(),
+)
+def test_spread_prefill_gives_transformers_tokens_on_any_schedule(
+    worlds, family, sp, block_size, budget, spread, every, data
+):
+    """SP prefill of a hybrid over drawn SP sizes, chunk budgets, spread thresholds (chunks this
+    long split over the ranks: zigzag rows, ring attention, state passing; shorter ones
+    replicated), block sizes and checkpoint intervals (snapshots saved inside spread chunks),
+    prompts sharing prefixes, run twice (the second from snapshots): greedy tokens equal
+    transformers' on every rank and every state slot comes back."""
+    base = data.draw(st.lists(st.integers(3, 127), min_size=8, max_size=40))
+    cuts = data.draw(st.lists(st.integers(1, len(base)), min_size=1, max_size=2))
+    prompts = [base] + [base[:c] + [c % 120 + 3] for c in cuts]
+    kw = dict(block_size=block_size, num_blocks=160, max_num_batched_tokens=budget, sp=sp)
+    kw.update(max_num_seqs=3, state_checkpoint_blocks=every, sp_prefill_min_tokens=spread)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    res = worlds(sp).check(
+        "tests.engine_cases:hybrid_rounds", sp, spec(family), kw, prompts, params, base[:8]
+    )
+    want = [_greedy(family, p) for p in prompts]
+    for r in res:
+        assert r["tokens"] == [want, want]
+    assert res[0]["free_slots"] == 3
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])

@@ -7,8 +7,9 @@ fewest blocks whose K/V (all attention layers, this dtype) weigh at least one sn
 recurrent layers' states, float32): snapshots then take at most half of the cache. A prompt that
 shares a prefix resumes from the deepest checkpoint whose blocks are all cached.
 
-Mesh: pipeline stages hold their own layers' states; SP ranks each keep the whole state (the
-prefill is computed on every SP rank, its K/V still striped over them); tensor parallelism splits
+Mesh: pipeline stages hold their own layers' states; SP ranks each keep the whole state (a long
+chunk is spread over them, ``parallel/spread.py``: ring attention and state passing; shorter ones
+and decode are computed on every SP rank), the K/V striped over them; tensor parallelism splits
 the recurrent layers by heads (``parallel/tp.py``), each TP rank keeping its own heads' state.
 Requests and prefixes migrate with their state (``engine/migrate.py``); snapshots move to the host
 and disk tiers with their blocks and come back with them (``cache/tiers.py``); ``compile_decode``

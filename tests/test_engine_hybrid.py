@@ -329,9 +329,11 @@ def test_cache_info_counts_attention_kv_and_the_state():
         assert rank["kv_cache_bytes"] + rank["state_cache_bytes"] <= memory
 
 
-def test_a_bad_checkpoint_interval_is_refused_up_front():
+def test_a_bad_checkpoint_interval_or_state_dtype_is_refused_up_front():
     with pytest.raises(ValueError, match="state_checkpoint_blocks"):
         _llm("lfm2", state_checkpoint_blocks=0)
+    with pytest.raises(ValueError, match="state_dtype must be one of"):
+        _llm("lfm2", state_dtype="int8")
 
 
 def test_compiled_decode_serves_a_hybrid():
@@ -351,6 +353,32 @@ def test_a_dense_model_takes_no_state_option():
 
     with pytest.raises(ValueError, match="state_checkpoint_blocks"):
         LLM(tiny_model("llama", 0), state_checkpoint_blocks=2, num_blocks=8)
+    with pytest.raises(ValueError, match="state_dtype applies to hybrid models"):
+        LLM(tiny_model("llama", 0), state_dtype="bfloat16", num_blocks=8)
+
+
+def test_a_bfloat16_state_when_asked():
+    """``state_dtype="bfloat16"``: the pool and its snapshots hold half the float32 bytes (the
+    K/V unchanged), prompt log-probs stay within bfloat16's rounding of the float32 engine's,
+    snapshot hits resume; a prefix whose state was kept in float32 is refused (a hit would not
+    equal this engine's cold run)."""
+    prompt = prompts_for(9)[2]
+    lp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    with _llm("bamba", state_checkpoint_blocks=2) as plain:
+        want = torch.tensor(plain.generate([prompt], lp, use_tqdm=False)[0].prompt_logprobs[1:])
+        full = plain.kv_cache_info()
+        prefix = plain.export_prefix(prompt)
+    with _llm("bamba", state_checkpoint_blocks=2, state_dtype="bfloat16") as llm:
+        info = llm.kv_cache_info()
+        assert info["state"]["dtype"] == "bfloat16"
+        assert info["state"]["bytes_per_sequence"] * 2 == full["state"]["bytes_per_sequence"]
+        assert info["bytes_per_token"] == full["bytes_per_token"]
+        assert llm.core.cluster.worker.states.layers[0][1].dtype == torch.bfloat16
+        got = torch.tensor(llm.generate([prompt], lp, use_tqdm=False)[0].prompt_logprobs[1:])
+        torch.testing.assert_close(got, want, atol=0.01, rtol=0)  # measured: 1e-3
+        assert _run(llm, [prompt + [5, 6]], GREEDY)[2][0] > 0  # resumed from a snapshot
+        with pytest.raises(ValueError, match="state_dtype"):
+            llm.import_prefix(prefix)
 
 
 def _steps_until(llm, rid, tokens: int) -> None:

@@ -415,7 +415,8 @@ class StepContext:
         one = self.step.single
         if one is not None:
             init = [
-                t.index_select(0, one.slots).masked_fill(_expand(one.fresh, t), 0) for t in pool
+                t.index_select(0, one.slots).float().masked_fill(_expand(one.fresh, t), 0)
+                for t in pool
             ]
             y, final = fn(u.index_select(0, one.rows)[:, None], init)  # (S, 1, F')
             for t, f in zip(pool, final):
@@ -440,7 +441,9 @@ class StepContext:
         """One sequence's rows, cut at the checkpoints it saves before its end (each piece
         carries the state to the next): ``(n, F')``."""
         state = [
-            t.new_zeros(1, *t.shape[1:]) if r.start == 0 else t[r.slot : r.slot + 1].clone()
+            t.new_zeros(1, *t.shape[1:], dtype=torch.float32)
+            if r.start == 0
+            else t[r.slot : r.slot + 1].to(torch.float32, copy=True)
             for t in pool
         ]
         ys, at = [], r.start

@@ -192,7 +192,8 @@ class Spread:
         -> ``(T_s, F')``, from and into the state ``pool`` (a snapshot slot gets the state at its
         checkpoint, the sequence's slot the state after the chunk; every rank the same)."""
         init: List[Dict[int, torch.Tensor]] = [
-            {d: t[slot : slot + 1].clone() for d, slot in self.resume} for t in pool
+            {d: t[slot : slot + 1].to(torch.float32, copy=True) for d, slot in self.resume}
+            for t in pool
         ]
         ops = SpreadOps(self.pieces, group, timeout)
         y, after = fn(u.index_select(0, self.rows)[None], init, ops)  # (1, T_s, F')

@@ -187,19 +187,16 @@ def causal_conv1d(
 # the scans
 
 
-def _pass_states(
-    ys, finals, transitions, compose, correct, pieces, group, timeout, inputs, initial, ends
-):
+def _pass_states(ys, finals, transitions, compose, correct, inputs, **passing):
     """Each piece's output from zero ``ys``, corrected by the state entering it:
     ``correct(i, h_in)``; returns the corrected outputs and ``{doc: final state}`` (``ends``:
     ``{(doc, end): state}`` after every piece, ``carry``'s ``after``). ``inputs``: the layer's
-    tensors (whether any needs a gradient: the same on every rank); ``initial``: ``{doc: state}``
-    entering each document (None: zeros)."""
-    inputs = [*inputs, *(initial or {}).values()]
+    tensors (whether any needs a gradient: the same on every rank); ``passing``: ``carry``'s
+    ``pieces``, ``group``, ``timeout``, ``initial`` (``{doc: state}`` entering each document)
+    and ``ends``."""
+    inputs = [*inputs, *(passing.get("initial") or {}).values()]
     grad = any(t is not None and t.requires_grad for t in inputs) and torch.is_grad_enabled()
-    incoming, *states = carry(
-        finals, transitions, compose, pieces, group, timeout, grad, initial, ends
-    )
+    incoming, *states = carry(finals, transitions, compose, needs_grad=grad, **passing)
     ys = [y if h is None else y + correct(i, h) for i, (y, h) in enumerate(zip(ys, incoming))]
     return ys, states[-1]
 
@@ -293,20 +290,9 @@ def mamba2_scan(
     def compose(tr, state):  # tr (B, H), state (B, H, P, N)
         return tr[..., None, None] * state
 
+    passing = dict(pieces=pieces, group=group, timeout=timeout, initial=initial_state, ends=ends)
     inputs = (x, dt, A, B, C)
-    ys, doc_final = _pass_states(
-        ys,
-        finals,
-        transitions,
-        compose,
-        correct,
-        pieces,
-        group,
-        timeout,
-        inputs,
-        initial_state,
-        ends,
-    )
+    ys, doc_final = _pass_states(ys, finals, transitions, compose, correct, inputs, **passing)
     mine = pieces.mine(rank)
     if D is not None:  # the skip on real rows only (pad rows stay zeros, without gradient)
         ys = [
@@ -399,19 +385,8 @@ def selective_scan(
         return selective_scan_ref(None, dt[..., r], A, None, Cf[..., r], initial_state=h_in)[0]
 
     inputs = (x, dt, A, B, C)
-    ys, doc_final = _pass_states(
-        ys,
-        finals,
-        transitions,
-        torch.mul,
-        correct,
-        pieces,
-        group,
-        timeout,
-        inputs,
-        initial_state,
-        ends,
-    )
+    passing = dict(pieces=pieces, group=group, timeout=timeout, initial=initial_state, ends=ends)
+    ys, doc_final = _pass_states(ys, finals, transitions, torch.mul, correct, inputs, **passing)
     mine = pieces.mine(rank)
     ys = [y if p.doc < 0 else _skip_gate(y, x, D, z, p.rows) for p, y in zip(mine, ys)]
     y = torch.cat(ys, -1)  # (B, D, T_local)

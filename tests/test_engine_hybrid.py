@@ -62,7 +62,8 @@ def test_greedy_and_prompt_logprobs_equal_transformers_on_a_mesh(worlds, family,
     against transformers' forward."""
     s, prompts = spec(family), prompts_for(1)
     want, want_lp = reference(s, prompts)
-    kw = dict(ENGINE, pp=pp, sp=sp, state_checkpoint_blocks=2)
+    # sp=2: chunks of 4+ tokens are spread (ring attention, state passing), shorter replicated
+    kw = dict(ENGINE, pp=pp, sp=sp, state_checkpoint_blocks=2, sp_prefill_min_tokens=4)
     res = worlds(pp * sp).check(
         "tests.engine_cases:hybrid_rounds", pp * sp, s, kw, prompts, GREEDY, prompts[2], timeout=300
     )
@@ -283,6 +284,39 @@ def test_any_schedule_gives_transformers_tokens(
         assert len(states.free_running) == states.running and not states.pending
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    family=st.sampled_from(["lfm2", "qwen3_5", "bamba"]),
+    sp=st.sampled_from([2, 3]),
+    block_size=st.integers(1, 3),
+    budget=st.sampled_from([5, 8, 16, 64]),
+    spread=st.sampled_from([2, 3, 6]),
+    every=st.integers(1, 3),
+    data=st.data(),
+)
+def test_spread_prefill_gives_transformers_tokens_on_any_schedule(
+    worlds, family, sp, block_size, budget, spread, every, data
+):
+    """SP prefill of a hybrid over drawn SP sizes, chunk budgets, spread thresholds (chunks this
+    long split over the ranks: zigzag rows, ring attention, state passing; shorter ones
+    replicated), block sizes and checkpoint intervals (snapshots saved inside spread chunks),
+    prompts sharing prefixes, run twice (the second from snapshots): greedy tokens equal
+    transformers' on every rank and every state slot comes back."""
+    base = data.draw(st.lists(st.integers(3, 127), min_size=8, max_size=40))
+    cuts = data.draw(st.lists(st.integers(1, len(base)), min_size=1, max_size=2))
+    prompts = [base] + [base[:c] + [c % 120 + 3] for c in cuts]
+    kw = dict(block_size=block_size, num_blocks=160, max_num_batched_tokens=budget, sp=sp)
+    kw.update(max_num_seqs=3, state_checkpoint_blocks=every, sp_prefill_min_tokens=spread)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    res = worlds(sp).check(
+        "tests.engine_cases:hybrid_rounds", sp, spec(family), kw, prompts, params, base[:8]
+    )
+    want = [_greedy(family, p) for p in prompts]
+    for r in res:
+        assert r["tokens"] == [want, want]
+    assert res[0]["free_slots"] == 3
+
+
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 def test_a_quantized_cache_holds_the_attention_layers_and_the_state_stays_float32(name):
     """``kv_cache_dtype`` applies to the attention layers' K/V (a byte per value and the scales);
@@ -332,9 +366,11 @@ def test_cache_info_counts_attention_kv_and_the_state():
         assert rank["kv_cache_bytes"] + rank["state_cache_bytes"] <= memory
 
 
-def test_a_bad_checkpoint_interval_is_refused_up_front():
+def test_a_bad_checkpoint_interval_or_state_dtype_is_refused_up_front():
     with pytest.raises(ValueError, match="state_checkpoint_blocks"):
         _llm("lfm2", state_checkpoint_blocks=0)
+    with pytest.raises(ValueError, match="state_dtype must be one of"):
+        _llm("lfm2", state_dtype="int8")
 
 
 def test_compiled_decode_serves_a_hybrid():
@@ -354,6 +390,32 @@ def test_a_dense_model_takes_no_state_option():
 
     with pytest.raises(ValueError, match="state_checkpoint_blocks"):
         LLM(tiny_model("llama", 0), state_checkpoint_blocks=2, num_blocks=8)
+    with pytest.raises(ValueError, match="state_dtype applies to hybrid models"):
+        LLM(tiny_model("llama", 0), state_dtype="bfloat16", num_blocks=8)
+
+
+def test_a_bfloat16_state_when_asked():
+    """``state_dtype="bfloat16"``: the pool and its snapshots hold half the float32 bytes (the
+    K/V unchanged), prompt log-probs stay within bfloat16's rounding of the float32 engine's,
+    snapshot hits resume; a prefix whose state was kept in float32 is refused (a hit would not
+    equal this engine's cold run)."""
+    prompt = prompts_for(9)[2]
+    lp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    with _llm("bamba", state_checkpoint_blocks=2) as plain:
+        want = torch.tensor(plain.generate([prompt], lp, use_tqdm=False)[0].prompt_logprobs[1:])
+        full = plain.kv_cache_info()
+        prefix = plain.export_prefix(prompt)
+    with _llm("bamba", state_checkpoint_blocks=2, state_dtype="bfloat16") as llm:
+        info = llm.kv_cache_info()
+        assert info["state"]["dtype"] == "bfloat16"
+        assert info["state"]["bytes_per_sequence"] * 2 == full["state"]["bytes_per_sequence"]
+        assert info["bytes_per_token"] == full["bytes_per_token"]
+        assert llm.core.cluster.worker.states.layers[0][1].dtype == torch.bfloat16
+        got = torch.tensor(llm.generate([prompt], lp, use_tqdm=False)[0].prompt_logprobs[1:])
+        torch.testing.assert_close(got, want, atol=0.01, rtol=0)  # measured: 1e-3
+        assert _run(llm, [prompt + [5, 6]], GREEDY)[2][0] > 0  # resumed from a snapshot
+        with pytest.raises(ValueError, match="state_dtype"):
+            llm.import_prefix(prefix)
 
 
 def _steps_until(llm, rid, tokens: int) -> None:

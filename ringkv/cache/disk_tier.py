@@ -144,6 +144,7 @@ class DiskTier:
         shape: tuple,
         prefetch_blocks: int = 32,
         state_elems: int = 0,
+        state_dtype: str = "float32",
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"DiskTier path must be a directory name, got {path!r}")
@@ -176,6 +177,8 @@ class DiskTier:
         }
         if state_elems:  # a hybrid model's blocks may carry a state snapshot of this size
             self._identity["state_elems"] = state_elems
+        if state_dtype != "float32":  # ... whose values are of this dtype (float32 carries them)
+            self._identity["state_dtype"] = state_dtype
         # the suffix of our temporary files: which model and format they are for
         ident = json.dumps(self._identity, sort_keys=True).encode()
         self._tmp_tag = "." + hashlib.sha256(ident).hexdigest()[:12] + ".tmp"

@@ -31,18 +31,20 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-STATE_DTYPE = torch.float32
+STATE_DTYPE = torch.float32  # what snapshots, tiers and migration carry
+# the pool's own dtype (``EngineConfig.state_dtype``): float32 unless the user asks otherwise
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def state_bytes(layers: Dict[int, List[tuple]]) -> int:
-    """Bytes of one slot over ``layers`` (global layer index -> its state shapes)."""
+def state_bytes(layers: Dict[int, List[tuple]], dtype: torch.dtype = STATE_DTYPE) -> int:
+    """Bytes of one slot over ``layers`` (global layer index -> its state shapes) in ``dtype``."""
     total = 0
     for shapes in layers.values():
         for shape in shapes:
             n = 1
             for d in shape:
                 n *= int(d)
-            total += n * STATE_DTYPE.itemsize
+            total += n * dtype.itemsize
     return total
 
 
@@ -170,13 +172,14 @@ class StateSlots:
 
 
 class StatePool:
-    """One rank's state tensors: for each recurrent layer of its stage, one float32 tensor
-    ``(slots, *shape)`` per state shape (zeros at start)."""
+    """One rank's state tensors: for each recurrent layer of its stage, one tensor ``(slots,
+    *shape)`` per state shape (zeros at start), of ``dtype`` (float32 by default; the layers
+    compute in float32 from it and round into it)."""
 
-    def __init__(self, layers: Dict[int, List[tuple]], slots: int, device):
+    def __init__(self, layers: Dict[int, List[tuple]], slots: int, device, dtype=STATE_DTYPE):
         self.slots = slots
         self.layers: Dict[int, List[torch.Tensor]] = {
-            i: [torch.zeros(slots, *s, dtype=STATE_DTYPE, device=device) for s in shapes]
+            i: [torch.zeros(slots, *s, dtype=dtype, device=device) for s in shapes]
             for i, shapes in layers.items()
         }
 

@@ -22,6 +22,10 @@ torch.set_num_threads(1)  # small test matmuls run fastest on one thread, above 
 # wins.
 for _switch in ("RINGKV_NATIVE_LINEAR", "RINGKV_NATIVE_FLASH", "RINGKV_NATIVE_PAGED"):
     os.environ.setdefault(_switch, "1")
+# compile_decode="auto" (the engine's default) runs eager in the suite, here and in the processes
+# tests start: no engine test pays a compile or a timing check, none depends on a timing verdict.
+# Tests of "auto" itself unset it (tests/test_autocompile.py); compile_decode=True still compiles.
+os.environ.setdefault("RINGKV_COMPILE_DECODE", "0")
 
 
 # The modules that took longest, longest first (longest-processing-time-first: the short modules

@@ -15,7 +15,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence as Seq
+from typing import Callable, List, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -114,7 +114,10 @@ class EngineConfig:
     minimum over ranks. ``timeout``: seconds a rank waits for its peers before it fails.
     ``compile_decode``: decode steps (on CPU, every step of 4 rows or more but ring-mode
     prefills) run through ``torch.compile`` (compiled when the engine starts; tp=1;
-    ``parallel/compiled.py``, docs/engine.md).
+    ``parallel/compiled.py``, docs/engine.md). ``"auto"`` (the default) compiles where a
+    first-use check on this machine, model and thread count finds the compiled step faster, its
+    verdict and the compiled artifacts cached on disk (``parallel/autocompile.py``); where it
+    cannot compile (tp > 1, a GPU) it runs eager and ``kv_cache_info()["compile"]`` says why.
 
     Each field carries its default, its help and its ``ringkv generate`` / ``ringkv serve``
     flag (``flags.knob``; ``cli=False``: a Python-only setting); sizes are bytes here, GiB on
@@ -177,14 +180,28 @@ class EngineConfig:
         "hybrid models: the recurrent state's dtype in the pool and its snapshots (float32, "
         "bfloat16 or float16; each step computes in float32 from it)",
     )
-    compile_decode: bool = knob(
-        False,
-        "run decode steps' dense parts (on CPU, prefill steps' too) through torch.compile "
-        "(compiled at start-up; tp=1 only)",
+    compile_decode: Union[bool, str] = knob(
+        "auto",
+        "auto, true or false (the flag alone: true): run decode steps' dense parts (on CPU, "
+        "prefill steps' too) through torch.compile, compiled at start-up, tp=1 only; auto "
+        "compiles where a first-use check on this machine finds it faster (cached)",
+        choices=("auto", "true", "false"),
+        nargs="?",
+        const="true",
     )
     timeout: Optional[float] = knob(
         None, "seconds a rank waits for its peers before it fails", cli=False
     )
+
+
+def _compile_mode(value) -> str:
+    """``compile_decode`` as ``"on"``, ``"off"`` or ``"auto"`` (True, False, "auto", or the
+    command line's "true"/"false")."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, str) and value.lower() in ("auto", "true", "false"):
+        return {"auto": "auto", "true": "on", "false": "off"}[value.lower()]
+    raise ValueError(f"compile_decode must be True, False or 'auto', got {value!r}")
 
 
 class EngineCore:
@@ -255,13 +272,20 @@ class EngineCore:
         cfg, tp = self.config, c.tp
         check_tp(cfg, tp)
         quant.resolve(c.kv_cache_dtype)  # an unsupported kv_cache_dtype names the supported ones
-        if not isinstance(c.compile_decode, bool):
-            raise ValueError(f"compile_decode must be True or False, got {c.compile_decode!r}")
-        if c.compile_decode and tp > 1:
+        mode = _compile_mode(c.compile_decode)
+        if mode == "on" and tp > 1:
             raise ValueError(
                 f"compile_decode does not support tp={tp} (the tensor-parallel all-reduces sit "
                 f"inside the layers' dense parts it compiles); use tp=1 (any pp and sp) or "
                 f"compile_decode=False"
+            )
+        why = ""  # "auto" where compiling cannot run: eager, and kv_cache_info() says why
+        if mode == "auto" and tp > 1:
+            why = f"eager: tp={tp} (compile_decode supports tp=1 only)"
+        elif mode == "auto" and self.device.type != "cpu":
+            why = (
+                f"eager: the compiled path is untested on {self.device.type} "
+                f"(compile_decode=True forces it)"
             )
         hybrid = check_hybrid(cfg, c, self.dtype)
         shape = EngineShape(
@@ -273,8 +297,10 @@ class EngineCore:
             c.sp_prefill_min_tokens,
             c.paged_backend,
             c.kv_cache_dtype,
-            decode_buckets(c.max_num_seqs) if c.compile_decode else None,
+            decode_buckets(c.max_num_seqs) if mode == "on" or mode == "auto" and not why else None,
             **hybrid,
+            compile_mode=mode,
+            compile_why=why or ("" if mode != "off" else "compile_decode=False"),
         )
         shape.stage_sizes(cfg)  # validates pp and pp_layers
         Cluster.mode_for(tp * c.pp * c.sp)  # a torch.distributed world of the wrong size
@@ -434,7 +460,21 @@ class EngineCore:
             per_rank=self.cluster.infos,
             tiers=tiers,
             state=self._state_info(),
+            compile=self.compile_info(),
         )
+
+    def compile_info(self) -> dict:
+        """``compile_decode``'s outcome (the first model rank's; every rank took the same
+        decision, each rank's is in ``per_rank``): ``mode`` (``"auto"``, ``"on"``, ``"off"``),
+        ``on``, ``by`` (``"compile_decode=True"``, ``"auto (measured)"``, ``"auto (cached
+        verdict)"``, ``"RINGKV_COMPILE_DECODE=0"``/``=1``), ``why`` it runs eager, ``verdict``
+        (the check's ``rows``, ``compiled_ms``, ``eager_ms``, when and under what load), the
+        cache ``key``, ``dir`` and ``parts``, ``artifacts`` (``cold``, ``warm`` or
+        ``rebuilt (why)``) and ``compile_s`` (parallel/autocompile.py)."""
+        infos = self.cluster.infos
+        info = dict(infos[0].get("compile") or {}) if infos else {}
+        info.pop("vote", None)
+        return info
 
     def _state_info(self) -> Optional[dict]:
         """A hybrid model's recurrent state (None for a dense model): slots for running

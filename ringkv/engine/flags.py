@@ -90,6 +90,8 @@ def add_arguments(
                 kw["type"] = kind
             if f.metadata["nargs"]:
                 kw["nargs"] = f.metadata["nargs"]
+            if f.metadata.get("const") is not None:  # nargs="?": the flag without a value
+                kw["const"] = f.metadata["const"]
             if f.metadata["choices"]:
                 kw["choices"] = list(f.metadata["choices"])
                 del kw["metavar"]  # argparse shows the choices

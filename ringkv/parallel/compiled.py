@@ -69,6 +69,7 @@ as long as the process (torch's compile cache keeps it, with the packed weights)
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 import time
 from typing import Optional, Sequence
@@ -79,6 +80,7 @@ import torch.nn.functional as F
 from ..kernels import linear_cpu
 from .pp import stage_forward
 
+log = logging.getLogger(__name__)
 CPU_MIN_ROWS = 4  # CPU: fewer rows run eagerly (measured slower compiled; docstring)
 _active = (
     threading.local()
@@ -298,6 +300,13 @@ class CompiledDecode:
         """Compile (CUDA: also record) every graph on dummy inputs, attention answering zeros: no
         cache is touched. Returns the seconds it took."""
         t = time.perf_counter()
+        log.info(
+            "ringkv: compiling the decode step (%s) and the other steps' graph (CPU, %d rows up)",
+            f"buckets {list(self.buckets)}"
+            if self.cuda
+            else f"rows {self.min_rows}-{self.largest}, one dynamic graph",
+            self.min_rows,
+        )
         self._record(dtype, hidden)
 
         def dummy(b: int):  # token ids or hidden states of b rows, and their positions
@@ -328,7 +337,35 @@ class CompiledDecode:
         if not self.cuda:  # the unfrozen graph for every other step
             b = max(self.min_rows, 2 * self.largest)
             self._call(*dummy(b), _Zeros(), b, self._any)
+        log.info("ringkv: compiled in %.1f s", time.perf_counter() - t)
         return time.perf_counter() - t
+
+    def dummy_steps(self, dtype: torch.dtype, hidden: int):
+        """``(compiled(rows), eager(rows))``: a decode step of ``rows`` rows (the stage and, on the
+        last stage, its logits) on dummy inputs, compiled and eager, attention answering zeros
+        (the same eager op in both): what ``compile_decode="auto"`` times (``autocompile``)."""
+
+        def inputs(b: int):
+            x = (
+                torch.zeros(b, dtype=torch.long, device=self.device)
+                if self.first_stage
+                else torch.zeros(b, hidden, dtype=dtype, device=self.device)
+            )
+            return x, torch.arange(b, device=self.device)
+
+        head = self.model.lm_head is not None
+
+        @torch.inference_mode()
+        def compiled(b: int):
+            h = self.forward(*inputs(b), _Zeros(), self.bucket(b))
+            return self.logits(h) if head else h
+
+        @torch.inference_mode()
+        def eager(b: int):
+            h = stage_forward(self.model, *inputs(b), _Zeros())
+            return self.model.logits(h) if head else h
+
+        return compiled, eager
 
     def _record(self, dtype: torch.dtype, hidden: int) -> None:
         """A hybrid model: its recurrent layers seen once eagerly (``_Recorder``), in both the

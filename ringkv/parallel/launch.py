@@ -60,6 +60,8 @@ from .worker import RESULT_TAG, EngineShape, StepResult, Worker, WorkerStats
 
 DEFAULT_KV_MEMORY = 1 << 30  # bytes per rank when neither kv_cache_memory nor num_blocks is given
 START_TIMEOUT = timedelta(seconds=120)  # spawned workers start within max(timeout, this)
+# ranks wait for each other's compile_decode votes (a cold compile and its check) this long
+COMPILE_TIMEOUT = timedelta(minutes=15)
 _ENGINE_IDS = itertools.count()  # torchrun ranks create engines in the same order: same ids
 
 
@@ -290,6 +292,9 @@ class Cluster:
         self._while_alive(
             "connecting", lambda: self.control.open_channel(depth=_depth(self.shape), direct=True)
         )
+        self._while_alive(
+            "loading", lambda: self.control.exchange("compile", None, max(start, COMPILE_TIMEOUT))
+        )  # the workers' compile_decode votes (setup_rank)
         blocks = self._while_alive(
             "loading", lambda: self.control.exchange("num_blocks", None, start)
         )
@@ -666,6 +671,10 @@ def setup_rank(
     )
     if not worker.driver:
         worker.control = control
+    # compile_decode="auto": every rank's vote, one decision for all (parallel/autocompile.py)
+    vote = worker.compile_info["vote"]
+    wait = max(control.timeout, COMPILE_TIMEOUT) if control else None
+    worker.settle_compile(control.exchange("compile", vote, wait) if control else [vote])
     mine = budget.blocks(worker)
     every = control.exchange("num_blocks", mine) if control else [mine]
     num_blocks = min((b for b in every if b is not None), default=0)

@@ -25,6 +25,7 @@ from ..model.loader import check_checkpoint, materialize, on_meta
 from ..sp.collectives import all_sum
 from ..sp.comm import RingComm, RingTimeoutError
 from . import faults
+from . import autocompile
 from .compiled import CompiledDecode
 from .context import LocalStep, StepContext
 from .mesh import Mesh
@@ -70,6 +71,10 @@ class EngineShape:
     state_slots: int = 0
     checkpoint_blocks: int = 0
     state_dtype: str = "float32"  # the pool's (state_pool.STATE_DTYPES)
+    # compile_decode: "on" (True), "off" (False) or "auto" (each rank checks, all agree:
+    # parallel/autocompile.py); compile_why: why "auto" runs eager before any check (tp > 1, ...)
+    compile_mode: str = "off"
+    compile_why: str = ""
 
     @property
     def quant(self):
@@ -179,17 +184,97 @@ class Worker:
         self.link = StageLink(timeout, depth=shape.pp)
         self.stats = WorkerStats()
         self.compiled: Optional[CompiledDecode] = None
+        self.compile_info = dict(
+            mode=shape.compile_mode, on=False, by="", why=shape.compile_why, vote=False
+        )
         if (
             shape.compile_buckets
         ):  # compile_decode: compiled now, not in the first steps that need it
-            self.compiled = CompiledDecode(
-                self.model, shape.compile_buckets, self.device, first_stage=mesh.first_stage
-            )
-            self.stats.compile_s = self.compiled.warm_up(dtype, cfg.hidden_size)
+            self._compile(dtype)
         self.mirror = Mirror(
             mesh.rank
         )  # not the driver: the running sequences, kept by the driver's step deltas
         faults.install(self)  # tests only: RINGKV_FAULT
+
+    def _compile(self, dtype) -> None:
+        """``compile_decode`` True or "auto": this rank's ``CompiledDecode``, compiled through the
+        artifact cache, and (auto) its verdict: cached, or timed now (``autocompile``). The
+        rank's vote is ``compile_info["vote"]``; ``settle_compile`` applies the mesh's decision."""
+        mesh, auto = self.mesh, self.shape.compile_mode == "auto"
+        compiled = CompiledDecode(
+            self.model, self.shape.compile_buckets, self.device, first_stage=mesh.first_stage
+        )
+        key, parts = autocompile.cache_key(
+            self.cfg,
+            dtype,
+            self.device,
+            self.layers,
+            mesh.first_stage,
+            mesh.last_stage,
+            compiled.linear_kernel,
+        )
+        cache = autocompile.ArtifactCache(key, parts)
+        rows = autocompile.check_rows(compiled.largest, compiled.min_rows)
+        info = self.compile_info
+        info.update(key=key, dir=str(cache.dir), parts=parts, rows=list(rows))
+        verdict, switch = None, os.environ.get(autocompile.SWITCH)
+        if not auto:
+            info["by"] = "compile_decode=True"
+        elif switch in ("0", "1"):
+            info["by"] = f"{autocompile.SWITCH}={switch}"
+            if switch == "0":
+                info["why"] = f"eager: {autocompile.SWITCH}=0"
+                return
+        elif not compiled.enabled:
+            info.update(by="auto", why=f"eager: no decode step reaches {compiled.min_rows} rows")
+            return
+        else:
+            verdict = cache.verdict(rows)
+            info["by"] = "auto (cached verdict)" if verdict else "auto (measured)"
+            if verdict is not None and not verdict["compile"]:
+                info.update(verdict=verdict, why=self._why_eager(verdict))
+                return
+        try:
+            with cache.compiling():
+                self.stats.compile_s = compiled.warm_up(dtype, self.cfg.hidden_size)
+            info.update(artifacts=cache.state, compile_s=round(self.stats.compile_s, 2))
+            if auto and verdict is None and switch != "1":
+                compiled_step, eager_step = compiled.dummy_steps(dtype, self.cfg.hidden_size)
+                verdict = autocompile.verdict_of(
+                    autocompile.timings(compiled_step, eager_step, rows)
+                )
+                cache.store_verdict(verdict)
+        except Exception as e:  # auto: a compile that fails here runs eager, reported
+            if not auto:
+                raise
+            info["why"] = f"eager: compiling failed ({type(e).__name__}: {e})"[:500]
+            return
+        if verdict is not None:
+            info["verdict"] = verdict
+            if not verdict["compile"]:
+                info["why"] = self._why_eager(verdict)
+                return
+        self.compiled, info["vote"] = compiled, True
+        info["on"] = True
+
+    @staticmethod
+    def _why_eager(verdict: dict) -> str:
+        return (
+            f"eager: the compiled step was not faster here ({sum(verdict['compiled_ms']):.1f} ms "
+            f"against {sum(verdict['eager_ms']):.1f} ms eager over decode steps of "
+            f"{verdict['rows']} rows; compile_decode=True forces it)"
+        )
+
+    def settle_compile(self, votes: List[Optional[bool]]) -> None:
+        """The mesh's decision, from every rank's ``compile_info["vote"]`` (None: a spawn-mode
+        driver): "auto" compiles only where every rank voted to; True always does."""
+        if self.shape.compile_mode != "auto" or self.compiled is None:
+            return
+        if not all(v for v in votes if v is not None):
+            self.compiled = None
+            self.compile_info.update(
+                on=False, why="eager: another rank's check chose eager (all ranks agree)"
+            )
 
     @property
     def bytes_per_token(self) -> int:
@@ -284,6 +369,7 @@ class Worker:
             state_bytes_per_slot=self.state_bytes,
             state_cache_bytes=self.states.nbytes if self.states else 0,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            compile=self.compile_info,
         )
 
     def report(self) -> dict:

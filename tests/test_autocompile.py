@@ -90,7 +90,11 @@ def test_the_suite_and_the_switch_keep_auto_eager(model, want, monkeypatch):
     calls = inject(monkeypatch, 1.0, 2.0)
     with LLM(model, block_size=16, num_blocks=64, max_num_seqs=8) as llm:
         info = llm.kv_cache_info()["compile"]
-        assert (info["mode"], info["on"], info["by"]) == ("auto", False, "RINGKV_COMPILE_DECODE=0")
+        assert (info["mode"], info["on"], info["why"]) == (
+            "auto",
+            False,
+            "eager: RINGKV_COMPILE_DECODE=0",
+        )
         assert tokens(llm) == want
     assert calls == []  # no check, no compile
 

@@ -37,6 +37,9 @@ def sample(f: dataclasses.Field) -> tuple:
     if isinstance(f.default, bool):
         return [], not f.default
     hint = typing.get_type_hints(EngineConfig)[f.name]
+    if f.metadata["choices"]:  # (compile_decode: auto / true / false)
+        value = next(c for c in f.metadata["choices"] if c != f.default)
+        return [value], value
     if f.metadata["nargs"]:
         return ["3", "5"], [3, 5]
     if (typing.get_args(hint) or (hint,))[0] is int:  # int or Optional[int]

@@ -12,6 +12,7 @@ migration calls) are the facade's.
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
@@ -25,6 +26,7 @@ from ..cache.state_pool import StateSlots, snapshot_slots, state_bytes
 from ..cache.tiers import EntryLayout, TierStore, default_host_bytes
 from ..kernels import quant
 from ..model.loader import open_model
+from ..parallel.autocompile import SWITCH
 from ..parallel.compiled import decode_buckets
 from ..parallel.launch import DEFAULT_KV_MEMORY, CacheBudget, Cluster, deferred_interrupt
 from ..parallel.tp import check_tp
@@ -280,7 +282,9 @@ class EngineCore:
                 f"compile_decode=False"
             )
         why = ""  # "auto" where compiling cannot run: eager, and kv_cache_info() says why
-        if mode == "auto" and tp > 1:
+        if mode == "auto" and os.environ.get(SWITCH) == "0":  # (the test suite's setting)
+            why = f"eager: {SWITCH}=0"
+        elif mode == "auto" and tp > 1:
             why = f"eager: tp={tp} (compile_decode supports tp=1 only)"
         elif mode == "auto" and self.device.type != "cpu":
             why = (

@@ -185,7 +185,13 @@ class Worker:
         self.stats = WorkerStats()
         self.compiled: Optional[CompiledDecode] = None
         self.compile_info = dict(
-            mode=shape.compile_mode, on=False, by="", why=shape.compile_why, vote=False
+            mode=shape.compile_mode,
+            on=False,
+            by=dict(on="compile_decode=True", off="compile_decode=False").get(
+                shape.compile_mode, "auto"
+            ),
+            why=shape.compile_why,
+            vote=False,
         )
         if (
             shape.compile_buckets

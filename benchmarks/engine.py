@@ -211,6 +211,14 @@ def main(argv=None):
         help="parallel mode: GiB of KV cache per rank",
     )
     ap.add_argument(
+        "--ringkv-compile",
+        choices=["auto", "false"],
+        default="false",
+        help="single mode: compile_decode of the first ringkv engine (row 'ringkv'): false (the "
+        "eager engine, as before issue #60) or auto (the engine's default since #60: eager or "
+        "compiled by its cached check; the run prints which)",
+    )
+    ap.add_argument(
         "--compile-decode",
         action="store_true",
         help="single mode: also time a ringkv engine with compile_decode=True (row 'ringkv "
@@ -262,6 +270,13 @@ def main(argv=None):
         max_num_seqs=max(args.requests),
         dtype=dtype,
         device=args.device,
+        compile_decode="auto" if args.ringkv_compile == "auto" else False,
+    )
+    decision = llm.kv_cache_info()["compile"]
+    print(
+        f"ringkv (compile_decode={args.ringkv_compile}): compiled={decision['on']} "
+        f"({decision['by']}{'; ' + decision['why'] if decision['why'] else ''})",
+        file=sys.stderr,
     )
     # first-call overheads out of the timings: a prefill as large as the runs' (vLLM's engine
     # runs its own at start), so no side pays the process's first large GEMMs in its timed run

@@ -180,7 +180,7 @@ def test_bad_settings_fail_at_construction():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="compile_decode does not support tp=2"):
         LLM(model, tp=2, compile_decode=True, num_blocks=8)
-    with pytest.raises(ValueError, match="compile_decode must be True or False"):
+    with pytest.raises(ValueError, match="compile_decode must be True, False or 'auto'"):
         LLM(model, compile_decode="yes", num_blocks=8)
     with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1"):
         LLM(model, compile_decode=True, max_num_seqs=0, num_blocks=8)
@@ -190,8 +190,8 @@ def test_cli_flag():
     from ringkv.__main__ import _parser
 
     args = _parser().parse_args(["generate", "--model", "m", "--prompt", "p", "--compile-decode"])
-    assert args.compile_decode is True
-    assert _parser().parse_args(["serve", "--model", "m"]).compile_decode is False
+    assert args.compile_decode == "true"  # (EngineConfig reads "true" as True)
+    assert _parser().parse_args(["serve", "--model", "m"]).compile_decode == "auto"
 
 
 @pytest.mark.parametrize("mesh", [dict(pp=2), dict(sp=2)])

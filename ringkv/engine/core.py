@@ -434,7 +434,8 @@ class EngineCore:
         tier, ``device`` (``blocks`` in use, ``cached`` registered, ``capacity``, ``promotions``
         from the tiers below), ``host`` and ``disk`` (``blocks``, ``bytes``,
         ``capacity_bytes``; the disk's ``enabled`` and ``error``), None where a tier is off;
-        ``state``: a hybrid model's recurrent state (``_state_info``; None for a dense model).
+        ``state``: a hybrid model's recurrent state (``_state_info``; None for a dense model);
+        ``compile``: what ``compile_decode`` decided and why (``compile_info``).
         A hybrid's ``bytes_per_token`` counts its attention layers only."""
         b = self.blocks
         tiers = dict(

@@ -212,7 +212,7 @@ class ArtifactCache:
         _write(self.manifest, dict(parts=self.parts, files=files))
 
     @contextlib.contextmanager
-    def compiling(self):
+    def compiling(self, what: str = "this model's steps"):
         """Compile inside: inductor's caches in this key's directory (checked first: a damaged
         one is deleted), the manifest written when the body succeeds."""
         with self._lock():
@@ -227,8 +227,9 @@ class ArtifactCache:
             self.state = f"rebuilt ({why})" if damaged else "warm" if had else "cold"
             if not had:
                 log.warning(
-                    "ringkv: compiling this model's steps for this machine (the first start; "
+                    "ringkv: compiling %s for this machine (the first start, a minute or more; "
                     "cached in %s for the next)",
+                    what,
                     self.dir,
                 )
             old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")

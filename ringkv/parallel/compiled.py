@@ -254,6 +254,16 @@ class CompiledDecode:
         )
 
     @property
+    def what(self) -> str:
+        """What ``warm_up`` compiles, for the start-up log: the graphs and their row counts."""
+        if self.cuda:
+            return f"the decode step's CUDA graphs for batch sizes {list(self.buckets)}"
+        return (
+            f"the decode step (one graph for {self.min_rows}-{self.largest} rows) and the other "
+            f"steps' graph ({self.min_rows} rows up)"
+        )
+
+    @property
     def enabled(self) -> bool:
         """Whether any decode step can run compiled (CPU: ``max_num_seqs >= CPU_MIN_ROWS``)."""
         return self.largest >= self.min_rows
@@ -300,13 +310,7 @@ class CompiledDecode:
         """Compile (CUDA: also record) every graph on dummy inputs, attention answering zeros: no
         cache is touched. Returns the seconds it took."""
         t = time.perf_counter()
-        log.info(
-            "ringkv: compiling the decode step (%s) and the other steps' graph (CPU, %d rows up)",
-            f"buckets {list(self.buckets)}"
-            if self.cuda
-            else f"rows {self.min_rows}-{self.largest}, one dynamic graph",
-            self.min_rows,
-        )
+        log.info("ringkv: compiling %s", self.what)
         self._record(dtype, hidden)
 
         def dummy(b: int):  # token ids or hidden states of b rows, and their positions

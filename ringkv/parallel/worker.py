@@ -7,6 +7,7 @@ driver, else over the control plane (``control``).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from .pp import StageLink, apply_pp, stage_forward, stage_range, stage_sizes
 from .tp import apply_tp, gather_vocab, kv_heads_per_rank
 
 RESULT_TAG = 11
+log = logging.getLogger(__name__)
 
 
 def with_peer(what: str, fn, *args):
@@ -241,8 +243,10 @@ class Worker:
                 info.update(verdict=verdict, why=self._why_eager(verdict))
                 return
         try:
-            with cache.compiling():
+            with cache.compiling(compiled.what):
                 self.stats.compile_s = compiled.warm_up(dtype, self.cfg.hidden_size)
+            if cache.state != "warm":
+                log.warning("ringkv: compiled in %.1f s", self.stats.compile_s)
             info.update(artifacts=cache.state, compile_s=round(self.stats.compile_s, 2))
             if auto and verdict is None and switch != "1":
                 compiled_step, eager_step = compiled.dummy_steps(dtype, self.cfg.hidden_size)

@@ -208,3 +208,26 @@ def test_the_verdict_rule_and_the_key():
     finally:
         torch.set_num_threads(torch.get_num_threads() - 1)
     assert other != key
+
+
+@pytest.mark.parametrize(
+    "settings,why",
+    [
+        (dict(tp=2), "eager: tp=2 (compile_decode supports tp=1 only)"),
+        (dict(device="cuda"), "eager: the compiled path is untested on cuda"),
+    ],
+)
+def test_auto_where_compile_cannot_run_is_no_error(model, settings, why, monkeypatch):
+    """tp > 1 and a GPU: "auto" resolves to eager when the shape is made (before any rank or
+    device is touched), where True raises (tp) as before."""
+    from ringkv.engine.core import EngineCore
+
+    monkeypatch.delenv(autocompile.SWITCH, raising=False)
+    core = object.__new__(EngineCore)  # just the configuration checks
+    core.config = ModelConfig.from_hf(model.config.to_dict())
+    core.device = torch.device(settings.get("device", "cpu"))
+    core.dtype = torch.float32
+    c = EngineConfig(num_blocks=8, tp=settings.get("tp", 1))
+    shape = core._make_shape(c)
+    assert shape.compile_buckets is None and shape.compile_why.startswith(why)
+    assert shape.compile_mode == "auto"

@@ -18,7 +18,7 @@ import torch
 
 from ..cache.kv_cache import KVCache, bytes_per_block
 from ..cache.state_pool import STATE_DTYPES, StatePool, snapshot_slots, state_bytes
-from ..kernels import paged, quant
+from ..kernels import linear_cpu, paged, quant
 from ..model.config import ModelConfig
 from ..model import new_model, state_layers
 from ..model.llama import DenseContext
@@ -27,7 +27,7 @@ from ..sp.collectives import all_sum
 from ..sp.comm import RingComm, RingTimeoutError
 from . import faults
 from . import autocompile
-from .compiled import CompiledDecode
+from .compiled import CPU_MIN_ROWS, CompiledDecode
 from .context import LocalStep, StepContext
 from .mesh import Mesh
 from .plan import Mirror, StepPlan
@@ -209,20 +209,15 @@ class Worker:
         artifact cache, and (auto) its verdict: cached, or timed now (``autocompile``). The
         rank's vote is ``compile_info["vote"]``; ``settle_compile`` applies the mesh's decision."""
         mesh, auto = self.mesh, self.shape.compile_mode == "auto"
-        compiled = CompiledDecode(
-            self.model, self.shape.compile_buckets, self.device, first_stage=mesh.first_stage
-        )
+        # what CompiledDecode will be, before it packs any weight (a cached eager verdict: never)
+        cuda = self.device.type == "cuda"
+        min_rows, largest = (1 if cuda else CPU_MIN_ROWS), max(self.shape.compile_buckets)
+        linear = "cuda" if cuda else "packed" if linear_cpu.packs(self.model) else "onednn"
         key, parts = autocompile.cache_key(
-            self.cfg,
-            dtype,
-            self.device,
-            self.layers,
-            mesh.first_stage,
-            mesh.last_stage,
-            compiled.linear_kernel,
+            self.cfg, dtype, self.device, self.layers, mesh.first_stage, mesh.last_stage, linear
         )
         cache = autocompile.ArtifactCache(key, parts)
-        rows = autocompile.check_rows(compiled.largest, compiled.min_rows)
+        rows = autocompile.check_rows(largest, min_rows)
         info = self.compile_info
         info.update(key=key, dir=str(cache.dir), parts=parts, rows=list(rows))
         verdict, switch = None, os.environ.get(autocompile.SWITCH)
@@ -233,8 +228,8 @@ class Worker:
             if switch == "0":
                 info["why"] = f"eager: {autocompile.SWITCH}=0"
                 return
-        elif not compiled.enabled:
-            info.update(by="auto", why=f"eager: no decode step reaches {compiled.min_rows} rows")
+        elif largest < min_rows:
+            info.update(by="auto", why=f"eager: no decode step reaches {min_rows} rows")
             return
         else:
             verdict = cache.verdict(rows)
@@ -242,6 +237,9 @@ class Worker:
             if verdict is not None and not verdict["compile"]:
                 info.update(verdict=verdict, why=self._why_eager(verdict))
                 return
+        compiled = CompiledDecode(
+            self.model, self.shape.compile_buckets, self.device, first_stage=mesh.first_stage
+        )
         try:
             with cache.compiling(compiled.what):
                 self.stats.compile_s = compiled.warm_up(dtype, self.cfg.hidden_size)

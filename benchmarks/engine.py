@@ -5,7 +5,9 @@ against ``tp = pp = sp = 1`` in the same run.
 Same prompts (mixed lengths), same greedy settings, the same number of output tokens per
 request (EOS ignored on both sides), measured in the same process one after the other:
 
-- ringkv: ``LLM.generate`` (continuous batching, paged KV cache, chunked prefill);
+- ringkv: ``LLM.generate`` (continuous batching, paged KV cache, chunked prefill), eager
+  (``compile_decode=False``) unless ``--ringkv-compile auto``: the engine's default since issue
+  #60, compiled or eager as its cached first-use check decided (stderr says which);
 - HF batched: one ``generate`` call over all requests with left padding (the fair baseline);
 - HF one by one: a ``generate`` call per request (runs of <= ``--hf-single-max`` requests);
 - ``--compile-decode``: a second ringkv engine with ``compile_decode=True`` (decode steps' dense

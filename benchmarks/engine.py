@@ -6,7 +6,7 @@ Same prompts (mixed lengths), same greedy settings, the same number of output to
 request (EOS ignored on both sides), measured in the same process one after the other:
 
 - ringkv: ``LLM.generate`` (continuous batching, paged KV cache, chunked prefill), eager
-  (``compile_decode=False``) unless ``--ringkv-compile auto``: the engine's default since issue
+  (``compile_decode=False``) unless ``--ringkv-compile auto``: opt-in since issue
   #60, compiled or eager as its cached first-use check decided (stderr says which);
 - HF batched: one ``generate`` call over all requests with left padding (the fair baseline);
 - HF one by one: a ``generate`` call per request (runs of <= ``--hf-single-max`` requests);
@@ -217,7 +217,7 @@ def main(argv=None):
         choices=["auto", "false"],
         default="false",
         help="single mode: compile_decode of the first ringkv engine (row 'ringkv'): false (the "
-        "eager engine, as before issue #60) or auto (the engine's default since #60: eager or "
+        "eager engine, as before issue #60) or auto (opt-in since #60: eager or "
         "compiled by its cached check; the run prints which)",
     )
     ap.add_argument(

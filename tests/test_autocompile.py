@@ -69,7 +69,7 @@ def build(model, compile_decode="auto"):
 
 
 def test_modes_and_the_flag():
-    assert EngineConfig().compile_decode == "auto"
+    assert EngineConfig().compile_decode is False  # auto is opt-in (docs/engine.md: why)
     assert [_compile_mode(v) for v in (True, False, "auto", "true", "False")] == [
         "on",
         "off",
@@ -80,7 +80,8 @@ def test_modes_and_the_flag():
     with pytest.raises(ValueError, match="True, False or 'auto'"):
         _compile_mode("yes")
     parse = _parser().parse_args
-    assert parse(["serve", "--model", "m"]).compile_decode == "auto"
+    assert _compile_mode(parse(["serve", "--model", "m"]).compile_decode) == "off"
+    assert parse(["serve", "--model", "m", "--compile-decode", "auto"]).compile_decode == "auto"
     assert parse(["serve", "--model", "m", "--compile-decode"]).compile_decode == "true"
     assert parse(["serve", "--model", "m", "--compile-decode", "false"]).compile_decode == "false"
 
@@ -88,7 +89,7 @@ def test_modes_and_the_flag():
 def test_the_suite_and_the_switch_keep_auto_eager(model, want, monkeypatch):
     monkeypatch.setenv(autocompile.SWITCH, "0")
     calls = inject(monkeypatch, 1.0, 2.0)
-    with LLM(model, block_size=16, num_blocks=64, max_num_seqs=8) as llm:
+    with LLM(model, block_size=16, num_blocks=64, max_num_seqs=8, compile_decode="auto") as llm:
         info = llm.kv_cache_info()["compile"]
         assert (info["mode"], info["on"], info["why"]) == (
             "auto",
@@ -102,7 +103,7 @@ def test_the_suite_and_the_switch_keep_auto_eager(model, want, monkeypatch):
 def test_auto_where_compile_cannot_run_is_eager_and_says_why(model, monkeypatch):
     monkeypatch.delenv(autocompile.SWITCH, raising=False)
     calls = inject(monkeypatch, 1.0, 2.0)
-    with LLM(model, block_size=16, num_blocks=64, max_num_seqs=3) as llm:  # below CPU_MIN_ROWS
+    with LLM(model, block_size=16, num_blocks=64, max_num_seqs=3, compile_decode="auto") as llm:
         info = llm.kv_cache_info()["compile"]
         assert not info["on"] and "no decode step reaches 4 rows" in info["why"]
     assert calls == []
@@ -227,7 +228,7 @@ def test_auto_where_compile_cannot_run_is_no_error(model, settings, why, monkeyp
     core.config = ModelConfig.from_hf(model.config.to_dict())
     core.device = torch.device(settings.get("device", "cpu"))
     core.dtype = torch.float32
-    c = EngineConfig(num_blocks=8, tp=settings.get("tp", 1))
+    c = EngineConfig(num_blocks=8, tp=settings.get("tp", 1), compile_decode="auto")
     shape = core._make_shape(c)
     assert shape.compile_buckets is None and shape.compile_why.startswith(why)
     assert shape.compile_mode == "auto"

@@ -116,7 +116,8 @@ class EngineConfig:
     minimum over ranks. ``timeout``: seconds a rank waits for its peers before it fails.
     ``compile_decode``: decode steps (on CPU, every step of 4 rows or more but ring-mode
     prefills) run through ``torch.compile`` (compiled when the engine starts; tp=1;
-    ``parallel/compiled.py``, docs/engine.md). ``"auto"`` (the default) compiles where a
+    ``parallel/compiled.py``, docs/engine.md). ``"auto"`` (opt-in; the default stays False until a
+    warm compiled start costs no more than a few seconds over eager) compiles where a
     first-use check on this machine, model and thread count finds the compiled step faster, its
     verdict and the compiled artifacts cached on disk (``parallel/autocompile.py``); where it
     cannot compile (tp > 1, a GPU) it runs eager and ``kv_cache_info()["compile"]`` says why.
@@ -183,7 +184,7 @@ class EngineConfig:
         "bfloat16 or float16; each step computes in float32 from it)",
     )
     compile_decode: Union[bool, str] = knob(
-        "auto",
+        False,
         "auto, true or false (the flag alone: true): run decode steps' dense parts (on CPU, "
         "prefill steps' too) through torch.compile, compiled at start-up, tp=1 only; auto "
         "compiles where a first-use check on this machine finds it faster (cached)",

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ringkv
 from ringkv import hf
-from ringkv.kernels.linear_ce import default_chunk, linear_cross_entropy
+from ringkv.kernels.linear_ce import default_chunk, linear_cross_entropy, linear_log_probs
 from ringkv.memory import FileStore
 from tests.hf_cases import build
 from tests.train_cases import targets, unpatched_step
@@ -94,6 +94,65 @@ def test_linear_cross_entropy_equals_the_head_then_cross_entropy(
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     for a, w in zip(got_grads, want_grads):
         torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-4)
+
+
+@settings(max_examples=30, **_SETTINGS)
+@given(
+    n=st.integers(1, 70),
+    h=st.integers(1, 24),
+    v=st.integers(2, 90),
+    chunk=st.one_of(st.none(), st.integers(1, 80)),
+    density=st.floats(0, 1),
+    bias=st.booleans(),
+    softcap=st.sampled_from([None, 0.5, 30.0]),
+    scale=st.sampled_from([None, 0.25, 3.0]),
+    temperature=st.sampled_from([1.0, 0.7]),
+    fields=st.sampled_from(["log_probs", "entropy", "both"]),  # what the backward sees
+    seed=st.integers(0, 10**6),
+)
+def test_linear_log_probs_equals_log_softmax_gather_in_float64(
+    n, h, v, chunk, density, bias, softcap, scale, temperature, fields, seed
+):
+    """Log-probs, entropy and top-1 of every row, and the gradients of a random weighting of the
+    log-probs and/or entropies, equal ``log_softmax(z).gather(target)`` of the whole logits in
+    float64 (the head, scale, softcap and temperature applied; rows with target -100 give 0)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, requires_grad=True)
+    b = torch.randn(v, generator=g, requires_grad=True) if bias else None
+    y = torch.randint(0, v, (n,), generator=g)
+    y[torch.rand(n, generator=g) < density] = -100
+    leaves = [hidden, weight] + ([b] if bias else [])
+    d = [x.detach().double().requires_grad_() for x in leaves]
+    z = F.linear(d[0], d[1], d[2] if bias else None)
+    z = z if scale is None else z * scale
+    z = z if softcap is None else torch.tanh(z / softcap) * softcap
+    z = z / temperature
+    logp, valid = z.log_softmax(-1), y != -100
+    want = torch.where(valid, logp.gather(1, y.clamp(min=0)[:, None])[:, 0], 0.0)
+    want_ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+    got = linear_log_probs(
+        hidden, weight, y, b, chunk=chunk, softcap=softcap, scale=scale,
+        temperature=temperature, entropy=True, top1=True,
+    )  # fmt: skip
+    assert got.log_probs.dtype == got.entropy.dtype == torch.float32
+    torch.testing.assert_close(got.log_probs.double(), want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got.entropy.double(), want_ent, atol=2e-5, rtol=1e-5)
+    top2 = z.topk(min(2, v), -1).values
+    clear = (top2[:, 0] - top2[:, -1] > 1e-4) | (v == 1)  # no near-tie for the argmax
+    top1 = valid & (z.argmax(-1) == y)
+    assert torch.equal(got.is_top1[clear], top1[clear]) and not got.is_top1[~valid].any()
+    w_lp, w_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    use_lp, use_ent = fields in ("log_probs", "both"), fields in ("entropy", "both")
+
+    def weighted(lp, ent, w_lp, w_ent):
+        return (lp * w_lp).sum() * use_lp + (ent * w_ent).sum() * use_ent
+
+    got_grads = torch.autograd.grad(weighted(*got[:2], w_lp, w_ent), leaves)
+    want_grads = torch.autograd.grad(weighted(want, want_ent, w_lp.double(), w_ent.double()), d)
+    for a, w in zip(got_grads, want_grads):
+        atol = 2e-5 * max(1.0, w.abs().max().item())
+        torch.testing.assert_close(a.double(), w, atol=atol, rtol=1e-4)
 
 
 def test_linear_cross_entropy_bf16_accumulates_in_float32():

@@ -1,6 +1,6 @@
-"""Training at any length: the chunked loss (no logits), the tiled MLP and offloaded checkpoints of
-``ringkv.patch_model``, against the unpatched model (loss and gradients, summed over the SP
-group)."""
+"""Training at any length: the chunked loss (no logits), per-token log-probs (``per_token=``,
+``sequence_sums``), the tiled MLP and offloaded checkpoints of ``ringkv.patch_model``, against the
+unpatched model (loss and gradients, summed over the SP group)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ringkv import hf
 from ringkv.kernels.linear_ce import default_chunk, linear_cross_entropy, linear_log_probs
 from ringkv.memory import FileStore
 from tests.hf_cases import build
-from tests.train_cases import targets, unpatched_step
+from tests.train_cases import targets, unpatched_per_token, unpatched_step
 
 _SETTINGS = dict(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow], deadline=None
@@ -279,6 +279,42 @@ def test_chunked_loss_with_sharded_inputs(world, sp, layout, form):
     _close_grads(res, grads)
 
 
+@settings(max_examples=10, **_SETTINGS)
+@given(
+    sp=st.integers(1, 3),
+    layout=st.sampled_from(ringkv.LAYOUTS),
+    s=st.integers(3, 30),
+    b=st.integers(1, 2),
+    density=st.floats(0, 0.8),
+    packed=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_per_token_log_probs_equal_the_unpatched_model(
+    world, sp, layout, s, b, density, packed, seed
+):
+    """per_token=("entropy", "is_top1") on sp ranks: every token's log-prob, entropy, top-1 hit
+    and label mask (gathered from the shards) equal those of the unpatched model's logits, with the
+    shift across shard boundaries; sequence_sums gives every sequence's (packed document's) sum on
+    every rank, and the gradients of a weighting of those sums, summed over the SP group, are the
+    unpatched model's."""
+    ids = torch.randint(3, 128, (b, s), generator=torch.Generator().manual_seed(seed))
+    labels = _labels(ids, density, seed)
+    pos = _packed_positions(b, s, seed) if packed else None
+    docs = int((pos == 0).sum()) if packed else b
+    weights = torch.randn(docs, generator=torch.Generator().manual_seed(seed))
+    fields, sums, grads = unpatched_per_token("llama", seed, ids, labels, pos, weights)
+    opts = dict(position_ids=pos, weights=weights)
+    res = world.check(
+        "tests.train_cases:per_token_step", sp, "llama", seed, ids, labels, layout, opts
+    )
+    for r in res:
+        assert "logits" not in r["keys"] and "loss" in r["keys"], r["keys"]
+        for name, want in fields.items():
+            torch.testing.assert_close(r["fields"][name], want, atol=2e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(r["sums"], sums, atol=1e-4, rtol=1e-5)
+    _close_grads(res, grads)
+
+
 @settings(max_examples=6, **_SETTINGS)
 @given(
     tile=st.integers(1, 20),
@@ -360,7 +396,7 @@ FAMILIES = {  # transformers class prefix: config overrides (tiny)
         head_dim=16,
         attn_logit_softcapping=0.05,
         query_pre_attn_scalar=1,
-        final_logit_softcapping=30.0,
+        final_logit_softcapping=0.1,  # the head's logits too are past it at init
         sliding_window=8,
     ),  # scale 1: scores ~0.1 at init, past the cap
     "Cohere": dict(logit_scale=0.25),
@@ -374,7 +410,7 @@ FAMILIES = {  # transformers class prefix: config overrides (tiny)
 def test_other_families_train_like_unpatched(family):
     """Heads that transform their logits (Gemma 2's soft-cap, Cohere's and Granite's scales), fused
     MLPs (Phi-3), q/k norms (Qwen3), attention soft-capping (Gemma 2): the chunked loss and the
-    tiled MLP equal the unpatched model."""
+    tiled MLP equal the unpatched model, and so do per_token's entropy and log-probs."""
     import transformers
 
     torch.manual_seed(0)
@@ -403,6 +439,15 @@ def test_other_families_train_like_unpatched(family):
         torch.testing.assert_close(
             p.grad, q.grad, atol=2e-6, rtol=1e-4, msg=lambda m: f"{family} {name}: {m}"
         )
+    # per_token's entropy and log-probs through the same head transform (eval, no logits)
+    with torch.no_grad():
+        stats = model.eval()(ids, labels=ids, per_token=("entropy",))
+    logp = want.logits.detach().float().log_softmax(-1)[:, :-1]  # (B, S - 1, V)
+    entropy = -(logp.exp() * logp).sum(-1)
+    picked = logp.gather(-1, ids[:, 1:, None])[..., 0]
+    assert stats.logits is None
+    torch.testing.assert_close(stats.entropy[:, :-1], entropy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats.log_probs[:, :-1], picked, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_weights_train_like_unpatched():
@@ -478,6 +523,8 @@ def test_causal_lm_loss_from_hidden_states(world):
         (dict(num_items_in_batch=torch.tensor(-3)), "num_items_in_batch"),
         (dict(num_items_in_batch=float("nan")), "num_items_in_batch"),
         (dict(shift_labels="wrong"), "shift_labels"),
+        (dict(per_token="logits"), "per_token"),
+        (dict(per_token=("entropy", 3)), "per_token"),
     ],
 )
 def test_bad_loss_arguments_fail_before_any_collective(world, kwargs, name):
@@ -562,6 +609,16 @@ def test_bad_patch_options_are_clear_errors(world):
         and "offload_checkpoints" in res[0][1]
         and "checkpointing" in res[0][1]
     ), res
+    # per_token without targets, or with logits kept: refused by rank 0 alone, before any collective
+    for kw, patch, why in [
+        (dict(input_ids=ids, per_token=True), None, "labels or shift_labels"),
+        (dict(input_ids=ids, labels=ids, per_token=True), dict(keep_logits=True), "keep_logits"),
+    ]:
+        res = world.check(
+            "tests.train_cases:train_error", 2, "llama", "zigzag", "full", kw, patch, True
+        )
+        assert res[0][0] == "ValueError" and "per_token" in res[0][1] and why in res[0][1], res
+        assert res[1] == ("skipped", "")
     for bad in (0, -1, 2.5, "yes"):
         with pytest.raises(ValueError, match="tile_mlp"):
             hf.patch_model(build("llama", 0), tile_mlp=bad)

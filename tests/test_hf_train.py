@@ -181,9 +181,20 @@ def test_linear_cross_entropy_bf16_accumulates_in_float32():
     torch.testing.assert_close(dh.float(), dh_ref.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_linear_cross_entropy_keeps_at_most_one_chunk_of_logits():
+def _head_loss(kind, hidden, weight, y, chunk):
+    """The chunked head's scalar to backpropagate: ``linear_cross_entropy``'s, or
+    ``linear_log_probs``' log-probs plus entropies (both gradients)."""
+    if kind == "cross_entropy":
+        return linear_cross_entropy(hidden, weight, y, chunk=chunk)
+    out = linear_log_probs(hidden, weight, y, chunk=chunk, entropy=True, top1=True)
+    return out.log_probs.sum() + out.entropy.sum()
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "log_probs"])
+def test_linear_head_keeps_at_most_one_chunk_of_logits(kind):
     """The peak allocation of forward + backward grows with the chunk, not with the tokens: 4x the
-    tokens at the same chunk add only the (N, H) hidden-state gradient, never (N, V) logits."""
+    tokens at the same chunk add only the (N, H) hidden-state gradient (and (N,) rows), never
+    (N, V) logits; for the cross-entropy and for the per-token log-probs with their entropy."""
     from benchmarks.train_memory import (
         _profiled_peak,
     )  # the benchmark's own CPU allocator accounting
@@ -196,7 +207,7 @@ def test_linear_cross_entropy_keeps_at_most_one_chunk_of_logits():
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         ) as prof:
-            linear_cross_entropy(hidden, weight, y, chunk=chunk).backward()
+            _head_loss(kind, hidden, weight, y, chunk).backward()
         return _profiled_peak(prof)
 
     logits_bytes = 4096 * 4

@@ -113,9 +113,10 @@ def test_linear_cross_entropy_equals_the_head_then_cross_entropy(
 def test_linear_log_probs_equals_log_softmax_gather_in_float64(
     n, h, v, chunk, density, bias, softcap, scale, temperature, fields, seed
 ):
-    """Log-probs, entropy and top-1 of every row, and the gradients of a random weighting of the
-    log-probs and/or entropies, equal ``log_softmax(z).gather(target)`` of the whole logits in
-    float64 (the head, scale, softcap and temperature applied; rows with target -100 give 0)."""
+    """Log-probs, entropy, top-1 and mean logit of every row, and the gradients of a random
+    weighting of the log-probs and/or entropies, equal ``log_softmax(z).gather(target)`` (and
+    ``z.mean(-1)``) of the whole logits in float64 (the head, scale, softcap and temperature
+    applied; rows with target -100 give 0)."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g, requires_grad=True)
     weight = torch.randn(v, h, generator=g, requires_grad=True)
@@ -133,9 +134,12 @@ def test_linear_log_probs_equals_log_softmax_gather_in_float64(
     want_ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
     got = linear_log_probs(
         hidden, weight, y, b, chunk=chunk, softcap=softcap, scale=scale,
-        temperature=temperature, entropy=True, top1=True,
+        temperature=temperature, entropy=True, top1=True, mean_logits=True,
     )  # fmt: skip
-    assert got.log_probs.dtype == got.entropy.dtype == torch.float32
+    assert got.log_probs.dtype == got.entropy.dtype == got.mean_logits.dtype == torch.float32
+    want_mean = torch.where(valid, z.mean(-1), 0.0)  # TRL's logits/* metrics; no gradient
+    torch.testing.assert_close(got.mean_logits.double(), want_mean, atol=2e-5, rtol=1e-5)
+    assert not got.mean_logits.requires_grad
     torch.testing.assert_close(got.log_probs.double(), want, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(got.entropy.double(), want_ent, atol=2e-5, rtol=1e-5)
     top2 = z.topk(min(2, v), -1).values

@@ -23,7 +23,7 @@ from ..sp.layout import check_layout, varlen_index
 from .packing import helper_packing
 from .state import IGNORE_INDEX, Head
 
-PER_TOKEN = ("log_probs", "entropy", "is_top1")  # what per_token= may ask for
+PER_TOKEN = ("log_probs", "entropy", "is_top1", "mean_logits")  # what per_token= may ask for
 
 
 def read_per_token(value) -> tuple:
@@ -61,7 +61,8 @@ def token_stats(
     """``fields`` (``read_per_token``) of this rank's tokens from its hidden states ``hidden``
     ``(B, S_local, H)`` through ``head`` in chunks, against its ``targets`` ``(B, S_local)``:
     each ``(B, S_local)``, 0 (False) where the target is -100, and ``label_mask`` (target given).
-    ``log_probs`` and ``entropy`` are float32 and differentiable, ``is_top1`` bool."""
+    ``log_probs`` and ``entropy`` are float32 and differentiable, ``is_top1`` bool, ``mean_logits``
+    float32 without gradient."""
     plain_head(head, "per_token")
     y = targets.to(hidden.device)
     out = linear_log_probs(
@@ -75,6 +76,7 @@ def token_stats(
         scale=head.scale,
         entropy="entropy" in fields,
         top1="is_top1" in fields,
+        mean_logits="mean_logits" in fields,
     )
     stats = {name: getattr(out, name).view(y.shape) for name in fields}
     stats["label_mask"] = y != IGNORE_INDEX

@@ -164,22 +164,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 class TokenLogProbs(NamedTuple):
     """``linear_log_probs``'s rows ``(N,)``, 0 (False) where the target is ``ignore_index``:
-    ``log_probs`` (float32), ``entropy`` (float32, or None) and ``is_top1`` (bool, or None)."""
+    ``log_probs`` (float32), ``entropy`` (float32, or None), ``is_top1`` (bool, or None) and
+    ``mean_logits`` (float32, or None: the mean over the vocabulary of the row's transformed logits,
+    TRL's ``logits/chosen`` metric; no gradient)."""
 
     log_probs: torch.Tensor
     entropy: Optional[torch.Tensor]
     is_top1: Optional[torch.Tensor]
+    mean_logits: Optional[torch.Tensor] = None
 
 
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, ignore_index, chunk, spec, want_ent, want_top1):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        targets,
+        ignore_index,
+        chunk,
+        spec,
+        want_ent,
+        want_top1,
+        want_mean,
+    ):
         ctx.set_materialize_grads(False)  # an unused entropy (a metric) costs no backward work
         head = spec._replace(weight=weight, bias=bias)
         n, f32 = hidden.shape[0], dict(dtype=torch.float32, device=hidden.device)
         logp, lse = torch.zeros(n, **f32), torch.empty(n, **f32)  # (N,)
         ent = torch.zeros(n, **f32) if want_ent else None
         top1 = torch.zeros(n, dtype=torch.bool, device=hidden.device) if want_top1 else None
+        mean = torch.zeros(n, **f32) if want_mean else None
         for lo in range(0, n, chunk):
             rows = slice(lo, lo + chunk)
             z, _ = head.logits(hidden[rows])  # (c, V) float32
@@ -188,18 +204,19 @@ class _LinearLogProbs(torch.autograd.Function):
             logp[rows] = torch.where(valid, z.gather(1, safe[:, None]).squeeze(1) - lse[rows], 0.0)
             if want_top1:
                 top1[rows] = valid & (z.argmax(-1) == safe)
+            if want_mean:
+                mean[rows] = torch.where(valid, z.mean(-1), 0.0)
             if want_ent:
                 logp_v = z.sub_(lse[rows, None])  # (c, V) log-softmax, in place
                 ent[rows] = torch.where(valid, _entropy(logp_v.exp(), logp_v), 0.0)
             del z
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.args = (ignore_index, chunk, spec)
-        if top1 is not None:
-            ctx.mark_non_differentiable(top1)
-        return logp, ent, top1
+        ctx.mark_non_differentiable(*(x for x in (top1, mean) if x is not None))
+        return logp, ent, top1, mean
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent, _):
+    def backward(ctx, g_logp, g_ent, _top1, _mean):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         ignore_index, chunk, spec = ctx.args
         head = spec._replace(weight=weight, bias=bias)
@@ -211,7 +228,7 @@ class _LinearLogProbs(torch.autograd.Function):
             g = _rows_grad(z, targets[rows], ignore_index, lse[rows], gl, ge)
             grads.add(head.chain_(g, t), hidden[rows], lo)
             del g, z, t
-        return (*_cast(grads.buffers, _dtypes(weight, bias)), *(None,) * 6)
+        return (*_cast(grads.buffers, _dtypes(weight, bias)), *(None,) * 7)
 
 
 def _entropy(p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -305,6 +322,7 @@ def linear_log_probs(
     temperature: float = 1.0,
     entropy: bool = False,
     top1: bool = False,
+    mean_logits: bool = False,
 ) -> TokenLogProbs:
     """Per-row ``log_softmax(z)[target]`` of the logits ``z`` of ``hidden @ weight.T (+ bias)``
     (``scale``, ``softcap``, ``/ temperature`` applied), in chunks of ``chunk`` rows.
@@ -312,7 +330,8 @@ def linear_log_probs(
     ``hidden`` ``(N, H)``, ``weight`` ``(V, H)``, ``bias`` ``(V,)`` or None, ``targets`` ``(N,)``
     integer. Returns ``TokenLogProbs`` of ``(N,)`` rows, 0 where the target is ``ignore_index``:
     ``log_probs`` float32; with ``entropy=True`` the entropy ``-sum_v p_v log p_v`` of each row,
-    float32; with ``top1=True`` whether ``argmax(z) == target`` (bool, no gradient). Log-probs and
+    float32; with ``top1=True`` whether ``argmax(z) == target`` (bool, no gradient); with
+    ``mean_logits=True`` the mean of ``z`` over the vocabulary (float32, no gradient). Log-probs and
     entropy are differentiable in ``hidden``, ``weight`` and ``bias``.
     """
     chunk = _check("linear_log_probs", hidden, weight, targets, bias, chunk, softcap)
@@ -321,6 +340,15 @@ def linear_log_probs(
     spec = _Head(None, None, softcap, scale, float(temperature))  # the tensors come in forward
     targets = targets.to(hidden.device).long()
     out = _LinearLogProbs.apply(
-        hidden, weight, bias, targets, ignore_index, chunk, spec, bool(entropy), bool(top1)
+        hidden,
+        weight,
+        bias,
+        targets,
+        ignore_index,
+        chunk,
+        spec,
+        bool(entropy),
+        bool(top1),
+        bool(mean_logits),
     )
     return TokenLogProbs(*out)

@@ -123,9 +123,22 @@ class SPTrainerMixin:
     be patched over (checked; optional)."""
 
     def __init__(self, *args, sp_mesh=None, **kwargs):
+        from .trainer_dpo import check_dpo, install_dpo, is_dpo
+
+        trl = sys.modules.get("trl")
+        dpo_cls = getattr(trl, "DPOTrainer", None) if trl is not None else None
+        if dpo_cls is not None and issubclass(type(self), dpo_cls):
+            # before TRL builds anything: the options the patched path cannot honour
+            names = ("model", "ref_model", "args")
+            check_dpo(
+                kwargs.get("args", args[2] if len(args) > 2 else None),
+                {**dict(zip(names, args)), **kwargs},
+            )
         super().__init__(*args, **kwargs)
         self.sp_size, self.dp_size, self.dp_rank = sp_layout(self.model, sp_mesh)
         self._ringkv_backward = False
+        if is_dpo(self):
+            install_dpo(self)
         if self._is_sft():
             if (
                 self.compute_loss_func is not None
@@ -217,6 +230,16 @@ class SPTrainerMixin:
             )
             self._sft_metrics(outputs, inputs)
             out = (loss, outputs) if return_outputs else loss
+        elif self._is_dpo():  # TRL's own loss on whole-sequence values (ringkv/trainer_dpo.py)
+            before = self._total_train_tokens
+            out = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+            if self.model.training:  # TRL's gather over the world counts each replica sp times
+                self._total_train_tokens = (
+                    before + (self._total_train_tokens - before) // self.sp_size
+                )
+                self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         else:
             out = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
@@ -226,6 +249,16 @@ class SPTrainerMixin:
         if return_outputs:
             return out[0] * self.sp_size, out[1]
         return out * self.sp_size
+
+    def _is_dpo(self) -> bool:
+        from .trainer_dpo import is_dpo
+
+        return is_dpo(self)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if self._is_dpo():  # TRL's logits path recomputes logits without labels: a shard's, unused
+            prediction_loss_only = True  # compute_metrics (their only reader) is refused
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def _sft_metrics(self, outputs, inputs) -> None:
         """What TRL's ``SFTTrainer.compute_loss`` logs, from this rank's per-token ``outputs``

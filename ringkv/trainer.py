@@ -1,5 +1,5 @@
-"""transformers' ``Trainer`` (and TRL's ``SFTTrainer``) on a ``(dp, sp)`` layout of a ringkv-patched
-model.
+"""transformers' ``Trainer`` (and TRL's ``SFTTrainer`` and ``DPOTrainer``) on a ``(dp, sp)`` layout
+of a ringkv-patched model.
 
     from ringkv.hf import patch_model
     from ringkv.trainer import sp_trainer
@@ -42,6 +42,14 @@ mixin logs TRL's ``entropy`` and ``mean_token_accuracy`` from them as TRL does (
 the world: every token of every SP shard and replica once) and ``num_tokens`` counting each
 replica's batch once. ``loss_type`` other than ``"nll"``, a ``compute_loss_func``, label smoothing
 and the MoE load-balancing loss (``router_aux_loss_coef``) are refused with a ``ValueError``.
+
+TRL's ``DPOTrainer`` calls the policy and the reference with the same fused head;
+``ringkv/trainer_dpo.py`` patches the reference like the policy (when it is not) and answers both
+models' ``fused_lm_head=True`` calls with the patched ``per_token=`` forward, gathered into TRL's
+whole-sequence ``(B, S - 1)`` fields, so TRL's own ``_compute_loss`` (sequence sums, loss types,
+rewards, margins, accuracies) runs on every rank on exact values. The options that path cannot
+honour are refused at construction (``trainer_dpo.check_dpo``); ``num_tokens`` counts each
+replica once.
 """
 
 from __future__ import annotations

@@ -34,8 +34,21 @@ import sys
 
 import torch
 
-# loss types whose exactness under sp_trainer the tests check (tests/test_trainer.py)
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+# loss types whose exactness under sp_trainer the tests check (tests/test_trainer.py: sigmoid and
+# ipo alone, the others summed in one run); the rest are refused: "sft" (a token mean per replica),
+# "aot" and "aot_unpaired" (sorted within a batch), "bco_pair" (running statistics), "robust" and
+# "exo_pair" (not checked)
+DPO_LOSS_TYPES = (
+    "sigmoid",
+    "ipo",
+    "hinge",
+    "sigmoid_norm",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "nca_pair",
+    "sppo_hard",
+)
 
 POLICY_FIELDS = ("log_probs", "entropy", "is_top1", "mean_logits")
 REF_FIELDS = ("log_probs",)
@@ -60,7 +73,8 @@ def check_dpo(args, kwargs) -> None:
     if bad:
         refuse(
             f"loss_type={bad}",
-            f"the supported loss types are {list(DPO_LOSS_TYPES)} (checked against TRL's own run)",
+            f"the supported loss types are {list(DPO_LOSS_TYPES)} (those checked against TRL's "
+            "own run)",
         )
     if args.use_weighting:
         refuse(
@@ -206,6 +220,8 @@ def install_dpo(trainer) -> None:
             "PEFT or precompute_ref_log_probs); pass ref_model="
         )
     ref = trainer.accelerator.unwrap_model(trainer.ref_model)
-    _patch_ref(ref, state)
+    ref_state = patch_state(_patch_ref(ref, state))
+    if ref_state is None:  # never silently TRL's head on a full sequence beside a patched policy
+        raise ValueError("ringkv.trainer: the reference model could not be patched")
     _hooks(policy, state, POLICY_FIELDS)
-    _hooks(ref, patch_state(ref), REF_FIELDS)
+    _hooks(ref, ref_state, REF_FIELDS)

@@ -88,8 +88,9 @@ def _launch(tmp, dp, sp, kinds, *extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The dp=2 x sp=2 run (torchrun, 4 ranks) and the one-process reference, started together;
-    both run Trainer then (when trl is installed) SFTTrainer with packing and DPOTrainer."""
-    kinds = "trainer,sft,dpo" if _have("trl") and _have("datasets") else "trainer"
+    both run Trainer then (when trl is installed) SFTTrainer with packing and DPOTrainer (sigmoid,
+    then the other supported loss types summed)."""
+    kinds = "trainer,sft,dpo,dpo_more" if _have("trl") and _have("datasets") else "trainer"
     return _launch(tmp_path_factory.mktemp("trainer"), 2, 2, kinds)
 
 
@@ -161,7 +162,7 @@ def test_sft_trainer_packing_dp2_sp2_matches_one_unpatched_process(runs):
     assert any(s["mean_token_accuracy"] > 0 for s in ref["sft"]["steps"])  # some hits to compare
 
 
-def _check_dpo(ring, ref, out_dir, dp, sp):
+def _check_dpo(ring, ref, out_dir, dp, sp, kind="dpo"):
     """Every logged DPO metric, the grad norms and the final parameters (SGD) within TOL."""
     import torch
 
@@ -173,6 +174,8 @@ def _check_dpo(ring, ref, out_dir, dp, sp):
         if key.startswith("rewards/") and key != "rewards/accuracies":
             logps = max(abs(step["logps/chosen"]), abs(step["logps/rejected"]))
             return max(abs(step[key]), BETA * logps)
+        if key.startswith("logits/"):  # means over the vocabulary of logits of order 1: ~0.01
+            return max(abs(step[key]), 0.1)
         return abs(step[key])
 
     metrics = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", *DPO_KEYS)
@@ -180,8 +183,8 @@ def _check_dpo(ring, ref, out_dir, dp, sp):
     assert ring["ref_patched"] == sp and ref["ref_patched"] is None  # the reference patched too
     assert ref["steps"][0]["rewards/margins"] == 0  # step 1: policy == reference
     assert all(s["rewards/margins"] != 0 for s in ref["steps"][1:])  # then it moved
-    a = torch.load(out_dir / "dpo" / "params-ring.pt")
-    b = torch.load(out_dir / "dpo" / "params-ref.pt")
+    a = torch.load(out_dir / kind / "params-ring.pt")
+    b = torch.load(out_dir / kind / "params-ref.pt")
     assert a.keys() == b.keys()
     for name in b:
         diff = (a[name] - b[name]).abs().max().item()
@@ -198,6 +201,16 @@ def test_dpo_trainer_dp2_sp2_matches_one_unpatched_process(runs):
     if "dpo" not in ring:
         pytest.skip("needs trl and datasets")
     _check_dpo(ring["dpo"], ref["dpo"], ring["dir"], dp=2, sp=2)
+
+
+@pytest.mark.slow
+def test_dpo_trainer_other_loss_types_dp2_sp2_match_one_unpatched_process(runs):
+    """hinge, sigmoid_norm, apo_zero, apo_down, discopop, nca_pair and sppo_hard, summed (one
+    run; a wrong term shows in the loss, the grad norm and the parameters)."""
+    ring, ref = runs
+    if "dpo_more" not in ring:
+        pytest.skip("needs trl and datasets")
+    _check_dpo(ring["dpo_more"], ref["dpo_more"], ring["dir"], dp=2, sp=2, kind="dpo_more")
 
 
 @pytest.mark.slow
@@ -220,8 +233,9 @@ def test_dpo_refusals(tmp_path):
 
     data = datasets.Dataset.from_list(preference_rows(4))
     cases = [
-        (dict(loss_type=["hinge"]), "loss_type"),
+        (dict(loss_type=["sft"]), "loss_type"),
         (dict(loss_type=["sigmoid", "bco_pair"]), "bco_pair"),
+        (dict(loss_type=["aot"]), "aot"),
         (dict(use_weighting=True), "use_weighting"),
         (dict(precompute_ref_log_probs=True), "precompute_ref_log_probs"),
         (dict(use_liger_kernel=True), "use_liger_kernel"),

@@ -171,7 +171,7 @@ def run_sft(a, out_dir):
     return trainer
 
 
-def run_dpo(a, out_dir):
+def run_dpo(a, out_dir, kind="dpo"):
     """TRL's DPOTrainer (``--dpo-loss``), plain SGD (parameters compared: Adam would amplify float
     noise), beta 0.5 and a large step so that the policy moves away from the reference (rewards of
     order 1, not float noise). The reference model is passed unpatched: sp_trainer patches it."""
@@ -191,7 +191,7 @@ def run_dpo(a, out_dir):
     args = DPOConfig(
         max_steps=a.steps,
         beta=0.5,
-        loss_type=a.dpo_loss.split("+"),
+        loss_type=(a.dpo_loss if kind == "dpo" else a.dpo_more).split("+"),
         max_length=None,
         dataset_num_proc=None,
         **common,
@@ -274,6 +274,11 @@ def main():
     p.add_argument("--pairs", type=int, default=24)
     p.add_argument("--dpo-loss", default="sigmoid", help="DPOConfig.loss_type, '+'-joined")
     p.add_argument("--dpo-lr", type=float, default=2.0)
+    p.add_argument(
+        "--dpo-more",
+        default="hinge+sigmoid_norm+apo_zero+apo_down+discopop+nca_pair+sppo_hard",
+        help="kind dpo_more: the other loss types, summed in one run",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args()
     import transformers
@@ -287,9 +292,11 @@ def main():
     torch.manual_seed(0)
     results = {}
     for kind in a.kinds.split(","):
-        trainer = {"trainer": run_trainer, "sft": run_sft, "dpo": run_dpo}[kind](
-            a, os.path.join(os.path.dirname(a.out), kind)
-        )
+        out_dir = os.path.join(os.path.dirname(a.out), kind)
+        if kind.startswith("dpo"):
+            trainer = run_dpo(a, out_dir, kind)
+        else:
+            trainer = {"trainer": run_trainer, "sft": run_sft}[kind](a, out_dir)
         results[kind] = summary(trainer)
         del trainer
     if a.sp is None or int(os.environ.get("RANK", 0)) == 0:

@@ -30,7 +30,7 @@ take the MLP's and the checkpoints' share of a step down too.
 
 Per-token log-probs (``logprobs.py``; DPO, GRPO, SFT's metrics): a forward with labels (or
 ``shift_labels``) and ``per_token=True`` (or names among ``"log_probs"``, ``"entropy"``,
-``"is_top1"``), in training or eval mode, goes through the head in chunks
+``"is_top1"``, ``"mean_logits"``), in training or eval mode, goes through the head in chunks
 (``kernels.linear_ce.linear_log_probs``), builds no logits, and adds to the output this rank's
 ``log_probs``, ``label_mask`` and the fields asked for, each shaped like its targets
 ``(B, S_pad / N)`` (packed: ``(1, L_local)``), 0 where the target is -100; ``out.loss`` is the

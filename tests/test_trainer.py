@@ -323,3 +323,47 @@ def test_sft_moe_load_balancing_loss_is_refused(tmp_path):
             train_dataset=datasets.Dataset.from_list(sft_documents(4)),
             processing_class=tiny_tokenizer(),
         )
+
+
+def test_dpo_evaluate_matches_unpatched_single_process(tmp_path):
+    """evaluate() of sp_trainer(DPOTrainer) on one process (a group of 1: the same hooks, per_token
+    forward and gather) against TRL's own: eval-mode per_token forwards through the mixin's
+    loss-only prediction_step. fp32 (bf16=False, as the torchrun cases): DPOConfig's default bf16
+    autocast on CPU gives the patched attention mixed q/k/v dtypes."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import transformers
+    from trl import DPOConfig, DPOTrainer
+
+    import ringkv.hf
+    from ringkv.trainer import sp_trainer
+    from tests.models import tiny_model
+    from tests.trainer_cases import preference_rows, tiny_tokenizer
+
+    transformers.utils.logging.set_verbosity_error()
+    data = datasets.Dataset.from_list(preference_rows(6, seed=5))
+    results = []
+    for patched in (False, True):
+        model = tiny_model("llama", 0)
+        args = DPOConfig(
+            output_dir=str(tmp_path / str(patched)),
+            per_device_eval_batch_size=3,
+            bf16=False,
+            use_cpu=True,
+            report_to="none",
+            disable_tqdm=True,
+        )
+        cls = sp_trainer(DPOTrainer) if patched else DPOTrainer
+        trainer = cls(
+            model=ringkv.hf.patch_model(model) if patched else model,
+            ref_model=tiny_model("llama", 0),
+            args=args,
+            train_dataset=data,
+            eval_dataset=data,
+            processing_class=tiny_tokenizer(words=True),
+        )
+        results.append(trainer.evaluate())
+    ref, got = results
+    for key in ("eval_loss", "eval_logps/chosen", "eval_logps/rejected", "eval_entropy"):
+        assert abs(got[key] - ref[key]) <= TOL * abs(ref[key]), (key, got, ref)
+    assert got["eval_rewards/margins"] == 0 and got["eval_rewards/accuracies"] == 0

@@ -15,7 +15,7 @@ import torch
 from .. import memory
 from ..sp.collectives import agree, rank_world
 from ..sp.layout import check_layout
-from ..sp.ulysses import head_plan
+from ..sp.ulysses import head_split
 from ..sp.usp import sp_groups
 from . import recurrent
 from .attention import begin_cache, eager_attention, resolve_cache
@@ -387,7 +387,7 @@ def method_groups(config, method: str, ulysses: Optional[int], group, world: int
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if method != "usp":
-        head_plan(heads, kv_heads, world, "patch_model(method='ulysses')")
+        head_split(heads, kv_heads, world, "patch_model(method='ulysses')")
         return 1, ()
     if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world % ulysses:
         raise ValueError(
@@ -399,7 +399,7 @@ def method_groups(config, method: str, ulysses: Optional[int], group, world: int
             "method='usp' runs on sp_groups(ulysses=U, ring=N/U) of the whole default world; "
             "leave group=None"
         )
-    head_plan(heads, kv_heads, ulysses, "patch_model(method='usp')")
+    head_split(heads, kv_heads, ulysses, "patch_model(method='usp')")
     return ulysses, sp_groups(ulysses=ulysses, ring=world // ulysses)
 
 

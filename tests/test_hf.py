@@ -261,6 +261,7 @@ def test_smollm2_heads_train_and_generate_like_unpatched(
     args = ("llama", sp, layout)
     res = _check_train(w, *args, "full", 13, method=method, ulysses=ulysses, config=SMOLLM2_HEADS)
     assert res[0]["described"]["heads_per_rank"] == heads
+    assert res[0]["described"]["shard_ulysses"] == (ulysses or 1)
     _check_generate(w, *args, 11, 1, method, ulysses, SMOLLM2_HEADS)
 
 

@@ -43,6 +43,7 @@ def _heads(config):
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     h = c.num_attention_heads
     hkv = getattr(c, "num_key_value_heads", None) or h
+    hkv = hkv if h % hkv == 0 else h  # what the attention sees (MLA expands its latent per head)
     d = getattr(c, "head_dim", None) or c.hidden_size // h
     dv = getattr(c, "v_head_dim", None) or d
     return h, hkv, d, dv, getattr(c, "max_position_embeddings", None) or 8192
@@ -115,7 +116,9 @@ def choose(model, method: str, ulysses, group, world: int, seq_len, hybrid: bool
 
 def describe(state, config) -> dict:
     """What a patch runs: ``method`` (asked), ``attention`` (run), the Ulysses x ring degrees, the
-    query heads each Ulysses rank computes, and ``why``."""
+    query heads each Ulysses rank computes, ``why``, and ``shard_ulysses``: the ``ulysses=`` that
+    ``ringkv.shard``, ``gather_logits`` and ``causal_lm_loss`` take for its sharding (USP's
+    degree; 1 for the ring and Ulysses, which shard in ``layout`` over the group)."""
     u = state.world if state.attention == "ulysses" else state.ulysses
     heads = None
     if state.attention != "ring":
@@ -129,5 +132,6 @@ def describe(state, config) -> dict:
         ring=state.world // u,
         layout=state.layout,
         heads_per_rank=heads,
+        shard_ulysses=state.ulysses,
         why=state.why,
     )

@@ -77,10 +77,6 @@ class HeadSplit:
         return None if index == list(range(len(kv))) else index
 
 
-def _valid_worlds(h: int) -> str:
-    return f"1..{h}"
-
-
 def head_split(h: int, hkv: int, world: int, what: str = "ulysses_attention") -> HeadSplit:
     """The ``HeadSplit`` of ``h`` query heads and ``hkv`` KV heads over ``world`` ranks;
     ``ValueError`` naming the valid world sizes (and what to use instead) when a rank would get no
@@ -89,7 +85,7 @@ def head_split(h: int, hkv: int, world: int, what: str = "ulysses_attention") ->
         raise ValueError(
             f"{what} over {world} ranks splits the {h} query heads (kv heads {hkv}): every rank "
             f"needs at least one, so heads ({h}) must be >= {world}; valid world sizes for "
-            f"heads={h}: {_valid_worlds(h)}. For more ranks use USP with ulysses <= {h} "
+            f"heads={h}: 1..{h}. For more ranks use USP with ulysses <= {h} "
             f"(usp_attention, or patch_model(method='usp')) or the ring"
         )
     return HeadSplit(h, hkv, world)
@@ -110,11 +106,11 @@ def scatter_heads(q, k, v, split: HeadSplit, group, timeout, what):
     b, s, _, d = q.shape
     dv = v.shape[-1]
     rank, n = rank_world(group)
-    runs = []  # for rank j: its query heads, then its KV heads of k and of v, each flattened
+    runs = []  # for rank j: its query heads, then the KV heads they use, of k and of v
     for j in range(n):
         qj, kvj = split.q_heads(j), split.kv_heads_of(j)
-        runs += [q[:, :, qj.start : qj.stop], k[:, :, kvj.start : kvj.stop]]
-        runs.append(v[:, :, kvj.start : kvj.stop])
+        qj, kvj = slice(qj.start, qj.stop), slice(kvj.start, kvj.stop)
+        runs += [q[:, :, qj], k[:, :, kvj], v[:, :, kvj]]
     send = [sum(t.numel() for t in runs[3 * j : 3 * j + 3]) for j in range(n)]
     hq, hkv = len(split.q_heads(rank)), len(split.kv_heads_of(rank))
     sizes = [b * s * hq * d, b * s * hkv * d, b * s * hkv * dv]  # what each rank sends here

@@ -43,6 +43,13 @@ Memory per sequence at 4K / 16K / 64K tokens, from ``kv_cache_info()``: dense ``
 tokens``; hybrid ``bytes_per_token x tokens + state bytes_per_sequence`` (its attention layers'
 K/V plus one float32 recurrent state); ``ratio`` = hybrid / dense. Nothing is run at those sizes.
 
+``--sp-prefill N`` measures only the hybrid's SP prefill instead: the cold TTFT of a
+``--ttft-prompt`` token prompt (``max_tokens=4``, medians over ``--reps`` fresh prompts) on an
+``sp=N`` engine whose long chunks are spread over the SP ranks (``sp_prefill_min_tokens`` 64:
+zigzag rows, ring attention, state passing), on the same mesh computing every chunk on every SP
+rank (``sp_prefill_min_tokens`` above the prompt: the replicated prefill), and on one process
+(``sp=1``); the greedy tokens of the three must agree.
+
 Ratios compare hybrid and dense within this run. Load averages before and after are printed:
 other processes on the cores change every timing.
 """
@@ -50,6 +57,7 @@ other processes on the cores change every timing.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -270,6 +278,28 @@ def measure(model, a, hybrid: bool) -> dict:
     return out
 
 
+def sp_prefill(model, a) -> dict:
+    """Cold TTFT of the hybrid at ``sp=1``, and at ``sp=--sp-prefill`` replicated and spread."""
+    from ringkv import LLM
+
+    runs = dict(one=dict(sp=1), replicated=dict(sp=a.sp_prefill, sp_prefill_min_tokens=1 << 30))
+    runs["spread"] = dict(sp=a.sp_prefill, sp_prefill_min_tokens=64)
+    out, tokens_of = {}, {}
+    for name, mesh in runs.items():
+        with LLM(model, **engine_settings(a, True), **mesh) as llm:
+            timed_generate(llm, [tokens(random.Random(-1), 256, a.vocab)], 2)  # warm-up
+            rng, seconds, got = random.Random(1), [], []
+            for _ in range(a.reps):
+                t, (o,) = timed_generate(llm, [tokens(rng, a.ttft_prompt, a.vocab)], 4)
+                seconds.append(t)
+                got.append(o.token_ids)
+        out[name] = dict(mesh, cold_s=statistics.median(seconds))
+        tokens_of[name] = got
+    out["same_tokens"] = len({repr(t) for t in tokens_of.values()}) == 1
+    out["spread_over_replicated"] = out["spread"]["cold_s"] / out["replicated"]["cold_s"]
+    return out
+
+
 def summary(r: dict) -> dict:
     h, d = r["models"]["hybrid"], r["models"]["dense"]
     return dict(
@@ -374,6 +404,7 @@ def parse(argv):
     ap.add_argument("--checkpoint-blocks", type=int, default=None, help="default: auto")
     ap.add_argument("--kv-mib", type=float, default=1024, help="kv_cache_memory in MiB")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--sp-prefill", type=int, default=0, help="measure SP prefill only (see above)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.decode_tokens < 2:
@@ -388,6 +419,14 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     load_before, t = load_average(), time.perf_counter()
+    if a.sp_prefill:
+        r = dict(args=vars(a), title=describe(hybrid_config(a)), machine=machine())
+        r["sp_prefill"] = sp_prefill(build(hybrid_config(a)), a)
+        r.update(seconds=time.perf_counter() - t, load=[load_before, load_average()])
+        print(json.dumps(r["sp_prefill"], indent=1), "\nload", r["load"], r["machine"])
+        if a.json:
+            write_json(a.json, r)
+        return 0
     cfgs = dict(hybrid=hybrid_config(a), dense=dense_config(a))
     models = {k: measure(build(cfg), a, k == "hybrid") for k, cfg in cfgs.items()}
     r = dict(

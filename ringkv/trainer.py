@@ -35,16 +35,20 @@ changes four things, each by overriding a public ``Trainer`` method and calling 
 TRL's ``SFTTrainer`` computes its training loss with a fused LM head that runs the backbone and
 the head itself (``model(..., fused_lm_head=True)``), outside the patched model's sequence-parallel
 loss. Under ``sp_trainer`` the SFT loss is ``Trainer.compute_loss``'s, i.e. the patched model's
-own (the same negative log-likelihood over the same tokens, ``num_items_in_batch`` honoured);
-TRL's per-token metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``) are then not
-logged. ``loss_type`` other than ``"nll"``, a ``compute_loss_func`` and label smoothing are
-refused with a ``ValueError``.
+own (the same negative log-likelihood over the same tokens, ``num_items_in_batch`` honoured),
+from a forward with ``per_token=("entropy", "is_top1")``: the chunked kernel gives each rank its
+shard's per-token log-probs, entropies and top-1 hits in the same pass through the head, and the
+mixin logs TRL's ``entropy`` and ``mean_token_accuracy`` from them as TRL does (sums gathered over
+the world: every token of every SP shard and replica once) and ``num_tokens`` counting each
+replica's batch once. ``loss_type`` other than ``"nll"``, a ``compute_loss_func``, label smoothing
+and the MoE load-balancing loss (``router_aux_loss_coef``) are refused with a ``ValueError``.
 """
 
 from __future__ import annotations
 
 import sys
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["SPTrainerMixin", "sp_trainer", "sp_layout"]
@@ -133,6 +137,12 @@ class SPTrainerMixin:
                     "compute_loss_func or "
                     "label smoothing is supported (the loss is the patched model's own)"
                 )
+            if getattr(self, "aux_loss_enabled", False):
+                raise ValueError(
+                    "ringkv.trainer: SFTTrainer's MoE load-balancing loss would come from the "
+                    "router logits of one rank's shard; set the model config's "
+                    "router_aux_loss_coef=0 to train without it"
+                )
 
     def _is_sft(self) -> bool:
         trl = sys.modules.get("trl")
@@ -201,14 +211,12 @@ class SPTrainerMixin:
         ):  # TRL's fused LM head bypasses the patched model's loss: use the model's own
             from transformers import Trainer
 
-            inputs = {**inputs, "use_cache": False}
-            out = Trainer.compute_loss(
-                self,
-                model,
-                inputs,
-                return_outputs=return_outputs,
-                num_items_in_batch=num_items_in_batch,
+            inputs = {**inputs, "use_cache": False, "per_token": ("entropy", "is_top1")}
+            loss, outputs = Trainer.compute_loss(
+                self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
             )
+            self._sft_metrics(outputs, inputs)
+            out = (loss, outputs) if return_outputs else loss
         else:
             out = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
@@ -218,6 +226,28 @@ class SPTrainerMixin:
         if return_outputs:
             return out[0] * self.sp_size, out[1]
         return out * self.sp_size
+
+    def _sft_metrics(self, outputs, inputs) -> None:
+        """What TRL's ``SFTTrainer.compute_loss`` logs, from this rank's per-token ``outputs``
+        ``(B, S_local)``: the world's gather sums every shard of every replica once; ``num_tokens``
+        divides by ``sp`` the replica's batch that each of its ``sp`` ranks holds."""
+        mode = "train" if self.model.training else "eval"
+        gather, metrics = self.accelerator.gather_for_metrics, self._metrics[mode]
+        valid = gather(outputs.label_mask.sum()).sum()
+        entropy = gather(outputs.entropy.detach().sum()).sum()
+        correct = gather(outputs.is_top1.sum()).sum()
+        metrics["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
+        metrics["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
+        if mode == "train":
+            if "attention_mask" in inputs:
+                n = inputs["attention_mask"].sum()
+            else:  # padding-free: one packed row
+                n = torch.tensor(
+                    inputs["position_ids"].size(1), device=inputs["position_ids"].device
+                )
+            tp = getattr(self, "_tp_size", 1)
+            self._total_train_tokens += gather(n).sum().item() // (tp * self.sp_size)
+        metrics["num_tokens"] = [self._total_train_tokens]
 
 
 def sp_trainer(cls):

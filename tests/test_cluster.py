@@ -236,6 +236,7 @@ def test_router_poll_drops_the_blocks_an_instance_evicted():
             for inst in (a, b):
                 await router.poll(inst)  # the whole (empty) index; from now on, events
                 assert inst.state == "up" and inst.tokens_per_block == bs and inst.blocks == {}
+                assert inst.snapshots is None  # a dense model: its blocks are all there is
             a.inflight = 1  # a is the busier one: the load alone would pick b
             await complete(held)
             await router.poll(a)

@@ -62,7 +62,8 @@ def test_greedy_and_prompt_logprobs_equal_transformers_on_a_mesh(worlds, family,
     against transformers' forward."""
     s, prompts = spec(family), prompts_for(1)
     want, want_lp = reference(s, prompts)
-    kw = dict(ENGINE, pp=pp, sp=sp, state_checkpoint_blocks=2)
+    # sp=2: chunks of 4+ tokens are spread (ring attention, state passing), shorter replicated
+    kw = dict(ENGINE, pp=pp, sp=sp, state_checkpoint_blocks=2, sp_prefill_min_tokens=4)
     res = worlds(pp * sp).check(
         "tests.engine_cases:hybrid_rounds", pp * sp, s, kw, prompts, GREEDY, prompts[2], timeout=300
     )
@@ -150,12 +151,36 @@ def test_preemption_and_aborts_give_every_slot_back(family):
         llm.core.blocks.check()
 
 
+def router_index(llm):
+    """A router's ``Instance`` of ``llm`` fed its whole KV event log, the blocks' and the
+    snapshots' apart (as ``GET /internal/state`` carries them); checked equal to the whole index
+    a router re-reads (``cached_blocks``, ``cached_snapshots``) and to where the engine holds each
+    snapshot."""
+    from ringkv.cache.block_manager import SNAPSHOT
+    from ringkv.serve.policy import Instance, index
+
+    _, log = llm.kv_events.since(0)
+    assert all(e[3] == SNAPSHOT for e in log if len(e) == 4)
+    inst = Instance("x", "", tokens_per_block=llm.core.blocks.block_size, snapshots={})
+    index(inst.blocks, [[e[1], e[2].hex()] for e in log if len(e) == 3])
+    index(inst.snapshots, [[e[1], e[2].hex()] for e in log if len(e) == 4])
+    assert inst.blocks == {h.hex(): t for h, t in llm.cached_blocks()}
+    held = {h.hex(): t for h, t in llm.core.blocks.snapshots()}
+    assert inst.snapshots == {h.hex(): t for h, t in llm.cached_snapshots()} == held
+    return inst
+
+
 @pytest.mark.parametrize("tier", ["host", "disk", "spill"])
 def test_snapshots_leave_the_device_with_their_blocks_and_come_back(tier, tmp_path):
     """A device pool too small to keep a prompt's blocks: they go to the host tier (or, with no
     host tier, to checksummed disk files; or through a host tier of two blocks on to disk) with
     the snapshots they end, and a later prompt sharing the prefix is promoted from there,
-    resuming from a snapshot with the uncached tokens."""
+    resuming from a snapshot with the uncached tokens. The KV events follow each snapshot there
+    and back, and a router's index of them scores the prompt by the tokens it resumes from, as
+    ``cached_tokens`` counts them."""
+    from ringkv.cache.block_manager import DISK, HOST, STORED
+    from ringkv.serve.policy import RoutingPolicy
+
     base = prompts_for(7)[2]  # 40 tokens
     later = base + [3, 4]
     params = SamplingParams(temperature=0, max_tokens=4)
@@ -164,13 +189,26 @@ def test_snapshots_leave_the_device_with_their_blocks_and_come_back(tier, tmp_pa
     host = {"host": 1 << 20, "disk": 0, "spill": 2 * 1024}[tier]  # a block's K/V: 1 KiB
     kw = dict(kv_host_memory=host, kv_disk=None if tier == "host" else str(tmp_path))
     with _llm("qwen3_5", num_blocks=16, state_checkpoint_blocks=2, **kw) as llm:
+        llm.publish_kv_events()
         _run(llm, [base], params)
         others = [[(7 * i + j) % 120 + 3 for j in range(40)] for i in range(1, 4)]
         _run(llm, others, params)  # evicts base's blocks, snapshots with them
         usage = llm.kv_cache_info()["tiers"]
         assert usage["host"]["snapshots"] > 0 if tier == "host" else usage["disk"]["blocks"] > 0
+        inst, router = router_index(llm), RoutingPolicy()
+        last = router.chain(inst, later, None, {})[9]  # the block ending at token 40
+        assert inst.snapshots[last] == {"host": HOST, "disk": DISK}.get(tier, inst.blocks[last])
+        assert router.cached_tokens(inst, later, None, {}) == llm.cached_tokens(later) == 40
+        prefix = llm.export_prefix(base)  # what a peer pulls: its snapshot comes from the tier
+        with _llm("qwen3_5") as dst:
+            assert dst.import_prefix(prefix) == 40
+            got, _, cached = _run(dst, [later], params)
+        assert got == want and cached == [40]
         got, _, cached = _run(llm, [later], params)
         assert got == want and cached == [40] and llm.core.blocks.promotions > 0
+        inst = router_index(llm)
+        assert inst.snapshots[last] == STORED
+        assert router.cached_tokens(inst, later, None, {}) == llm.cached_tokens(later) == 40
         llm.core.blocks.check()
 
 
@@ -246,6 +284,39 @@ def test_any_schedule_gives_transformers_tokens(
         assert len(states.free_running) == states.running and not states.pending
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    family=st.sampled_from(["lfm2", "qwen3_5", "bamba"]),
+    sp=st.sampled_from([2, 3]),
+    block_size=st.integers(1, 3),
+    budget=st.sampled_from([5, 8, 16, 64]),
+    spread=st.sampled_from([2, 3, 6]),
+    every=st.integers(1, 3),
+    data=st.data(),
+)
+def test_spread_prefill_gives_transformers_tokens_on_any_schedule(
+    worlds, family, sp, block_size, budget, spread, every, data
+):
+    """SP prefill of a hybrid over drawn SP sizes, chunk budgets, spread thresholds (chunks this
+    long split over the ranks: zigzag rows, ring attention, state passing; shorter ones
+    replicated), block sizes and checkpoint intervals (snapshots saved inside spread chunks),
+    prompts sharing prefixes, run twice (the second from snapshots): greedy tokens equal
+    transformers' on every rank and every state slot comes back."""
+    base = data.draw(st.lists(st.integers(3, 127), min_size=8, max_size=40))
+    cuts = data.draw(st.lists(st.integers(1, len(base)), min_size=1, max_size=2))
+    prompts = [base] + [base[:c] + [c % 120 + 3] for c in cuts]
+    kw = dict(block_size=block_size, num_blocks=160, max_num_batched_tokens=budget, sp=sp)
+    kw.update(max_num_seqs=3, state_checkpoint_blocks=every, sp_prefill_min_tokens=spread)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    res = worlds(sp).check(
+        "tests.engine_cases:hybrid_rounds", sp, spec(family), kw, prompts, params, base[:8]
+    )
+    want = [_greedy(family, p) for p in prompts]
+    for r in res:
+        assert r["tokens"] == [want, want]
+    assert res[0]["free_slots"] == 3
+
+
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 def test_a_quantized_cache_holds_the_attention_layers_and_the_state_stays_float32(name):
     """``kv_cache_dtype`` applies to the attention layers' K/V (a byte per value and the scales);
@@ -295,9 +366,11 @@ def test_cache_info_counts_attention_kv_and_the_state():
         assert rank["kv_cache_bytes"] + rank["state_cache_bytes"] <= memory
 
 
-def test_a_bad_checkpoint_interval_is_refused_up_front():
+def test_a_bad_checkpoint_interval_or_state_dtype_is_refused_up_front():
     with pytest.raises(ValueError, match="state_checkpoint_blocks"):
         _llm("lfm2", state_checkpoint_blocks=0)
+    with pytest.raises(ValueError, match="state_dtype must be one of"):
+        _llm("lfm2", state_dtype="int8")
 
 
 def test_compiled_decode_serves_a_hybrid():
@@ -317,6 +390,32 @@ def test_a_dense_model_takes_no_state_option():
 
     with pytest.raises(ValueError, match="state_checkpoint_blocks"):
         LLM(tiny_model("llama", 0), state_checkpoint_blocks=2, num_blocks=8)
+    with pytest.raises(ValueError, match="state_dtype applies to hybrid models"):
+        LLM(tiny_model("llama", 0), state_dtype="bfloat16", num_blocks=8)
+
+
+def test_a_bfloat16_state_when_asked():
+    """``state_dtype="bfloat16"``: the pool and its snapshots hold half the float32 bytes (the
+    K/V unchanged), prompt log-probs stay within bfloat16's rounding of the float32 engine's,
+    snapshot hits resume; a prefix whose state was kept in float32 is refused (a hit would not
+    equal this engine's cold run)."""
+    prompt = prompts_for(9)[2]
+    lp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    with _llm("bamba", state_checkpoint_blocks=2) as plain:
+        want = torch.tensor(plain.generate([prompt], lp, use_tqdm=False)[0].prompt_logprobs[1:])
+        full = plain.kv_cache_info()
+        prefix = plain.export_prefix(prompt)
+    with _llm("bamba", state_checkpoint_blocks=2, state_dtype="bfloat16") as llm:
+        info = llm.kv_cache_info()
+        assert info["state"]["dtype"] == "bfloat16"
+        assert info["state"]["bytes_per_sequence"] * 2 == full["state"]["bytes_per_sequence"]
+        assert info["bytes_per_token"] == full["bytes_per_token"]
+        assert llm.core.cluster.worker.states.layers[0][1].dtype == torch.bfloat16
+        got = torch.tensor(llm.generate([prompt], lp, use_tqdm=False)[0].prompt_logprobs[1:])
+        torch.testing.assert_close(got, want, atol=0.01, rtol=0)  # measured: 1e-3
+        assert _run(llm, [prompt + [5, 6]], GREEDY)[2][0] > 0  # resumed from a snapshot
+        with pytest.raises(ValueError, match="state_dtype"):
+            llm.import_prefix(prefix)
 
 
 def _steps_until(llm, rid, tokens: int) -> None:
@@ -387,6 +486,63 @@ def test_a_prefix_moves_between_engines_with_its_snapshot():
         assert dst.import_prefix(over_link(prefix)) == 40  # as a peer pull sends it
         got, _, cached = _run(dst, [base + [9]], params)
     assert got == want and cached == [40]
+
+
+def test_the_router_scores_a_hybrid_instance_by_the_snapshot_it_resumes_from():
+    """A router polling two real instance apps of a hybrid (``GET /internal/state``): A holds more
+    of a prompt's blocks than B but no snapshot among them (its one is at its own prompt's end),
+    B fewer, ending at a snapshot; the prompt goes to B, each instance scored by the tokens it
+    resumes from, as its ``cached_tokens`` counts them (blocks alone chose A). Snapshots A's slots
+    evict later leave the index while their blocks stay, and a router reading A's whole index
+    afresh (a new epoch) finds what the events built."""
+    import asyncio
+
+    import httpx
+
+    from ringkv.serve.router import Router
+    from tests.test_cluster import instance_in_thread
+
+    base = prompts_for(8)[2]  # 40 tokens
+    prompt = base[:30] + [5, 6, 7, 9]  # 7 of A's blocks (28 tokens), 4 of B's (16)
+    others = [[(11 * i + j) % 120 + 3 for j in range(12)] for i in range(8)]
+    llms = [_llm("lfm2", state_checkpoint_blocks=cb) for cb in (50, 2)]  # A: 5 snapshot slots
+
+    async def scenario(url_a, url_b):
+        router = Router(migration=False)
+        router.client = httpx.AsyncClient()
+
+        async def complete(url, ids):
+            body = dict(model="tiny", prompt=ids, max_tokens=1, temperature=0)
+            r = await router.client.post(url + "/v1/completions", timeout=60, json=body)
+            assert r.status_code == 200, r.text
+
+        def both(ids, inst, llm):  # the index's tokens and the engine's
+            return router.cached_tokens(inst, ids, None, {}), llm.cached_tokens(ids)
+
+        a, b = router.add(url_a, "a"), router.add(url_b, "b")
+        try:
+            await complete(url_a, base)  # A snapshots at 36 only
+            await complete(url_b, base[:16] + [4] * 4)  # B at 8 and 16
+            for inst in (a, b):
+                await router.poll(inst)
+            assert both(prompt, a, llms[0]) == (0, 0) and both(prompt, b, llms[1]) == (16, 16)
+            assert router.pick(prompt).id == "b"
+            assert both(base + [3], a, llms[0]) == (36, 36)
+            for ids in others:  # each snapshots its prompt's end: base's is evicted
+                await complete(url_a, ids)
+            await router.poll(a)
+            assert set(router.chain(a, base, None, {})) <= a.blocks.keys()
+            assert both(base + [3], a, llms[0]) == (0, 0)
+            fresh = Router(migration=False)
+            fresh.client = router.client
+            f = fresh.add(url_a, "a")
+            await fresh.poll(f)
+            assert (f.blocks, f.snapshots) == (a.blocks, a.snapshots) and len(a.snapshots) == 5
+        finally:
+            await router.client.aclose()
+
+    with instance_in_thread(llms[0], "a") as url_a, instance_in_thread(llms[1], "b") as url_b:
+        asyncio.run(scenario(url_a, url_b))
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ def _check_mesh(worlds, s, tp, pp=1, sp=1):
     """The engine on a ``tp x pp x sp`` world against transformers; what each rank saw."""
     prompts = prompts_for(1)
     want, want_lp = reference(s, prompts)
-    kw = dict(ENGINE, tp=tp, pp=pp, sp=sp, state_checkpoint_blocks=2)
+    kw = dict(ENGINE, tp=tp, pp=pp, sp=sp, state_checkpoint_blocks=2, sp_prefill_min_tokens=4)
     n = tp * pp * sp
     res = worlds(n).check(
         "tests.engine_cases:hybrid_rounds", n, s, kw, prompts, GREEDY, prompts[2], timeout=300

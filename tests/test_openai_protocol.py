@@ -528,6 +528,7 @@ def test_a_serving_instance_streams_what_it_answers():
     assert first["logprobs"]["text_offset"] == [sum(lengths[:i]) for i in range(4)]
     assert tokens == {"tokens": [1, 2], "count": 2, "max_model_len": 64}
     assert state["id"] == "i0" and state["full"] is not None and state["events"] == []
+    assert "snapshots" not in state  # a dense model's: blocks only, as before the hybrids
     assert models["data"][0]["id"] == "tiny"
     e = refused(serving.parse, {"messages": [{"role": "user", "content": "x"}]}, True)
     assert (e.param, str(e)) == ("messages", "this model has no chat template; use /v1/completions")

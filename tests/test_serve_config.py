@@ -133,10 +133,11 @@ def test_the_command_lines_list_the_same_flags():
         "--max-num-batched-tokens", "--kv-cache-dtype", "--sp-prefill-min-tokens",
         "--compile-decode", "--kv-host-memory", "--kv-disk", "--kv-disk-size",
         "--state-checkpoint-blocks",
+        "--state-dtype",
     }  # fmt: skip
     front = set(FRONT_ONLY) - {"--replicas", "--instance-id"}
     serve_flags = engine | set(FRONT_ONLY) | set(KEPT)
-    assert len(serve_flags) == 38  # 37 and --help
+    assert len(serve_flags) == 39  # 38 and --help
     assert flags("serve") == serve_flags
     shared = {"--help", "--host", "--port", "--log-level", "--max-request-bytes", "--upstream"}
     assert flags("router") == front | shared

@@ -658,3 +658,65 @@ def test_rows_by_pieces_are_the_layouts_shard(case):
             want = shard(x, 1, case["layout"], rank=r, world=case["n"], cu_seqlens=case["cu"])
         got = torch.where(index < 0, 0, index + 1).float()[None, :, None]
         torch.testing.assert_close(got, want)
+
+
+def test_a_continued_document_and_the_state_after_every_piece():
+    """``initial_state`` continues a document (an engine's later chunk) and ``"pieces"`` gives
+    the state after every piece (its checkpoints): both equal the references run from that
+    state, for the convolution, the SSD scan and the gated delta rule (one rank: the fold is
+    the same code as across ranks). Doc 0 (11 tokens, continued) is cut at 4 and 5, then pad
+    rows, then doc 1 (6 tokens, fresh)."""
+    from ringkv.kernels.delta_ref import gated_delta_ref
+    from ringkv.kernels.scan_ref import process_dt
+    from ringkv.sp.delta import gated_delta_rule
+    from ringkv.sp.pieces import Piece, Pieces
+
+    spans = [(0, 0, 4), (0, 4, 5), (0, 5, 11), (-1, 0, 2), (1, 0, 6)]  # (doc, start, stop)
+    ps, row = [], 0
+    for doc, a, b in spans:
+        ps.append(Piece(0, range(row, row + b - a), doc, a))
+        row += b - a
+    pieces = Pieces(1, (tuple(ps),), (11, 6))
+    doc0, ends = slice(0, 11), (4, 5, 11)
+    g = torch.Generator().manual_seed(3)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def close(got, want):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+    x, w, halo = rnd(1, 3, row), rnd(3, 4), rnd(1, 3, 3)
+    out, tails = causal_conv1d(
+        x, w, None, "silu", pieces=pieces, initial_state={0: halo}, return_tail="pieces"
+    )
+    close(out[..., doc0], causal_conv1d_ref(x[..., doc0], w, None, "silu", halo))
+    seen = torch.cat([halo, x[..., doc0]], -1)
+    for e in ends:
+        close(tails[(0, e)], seen[..., e - 1 : e + 3])
+    close(tails[(1, 6)], x[..., row - 4 : row])
+
+    xs, dt, B, C = rnd(1, row, 2, 3), rnd(1, row, 2), rnd(1, row, 1, 4), rnd(1, row, 1, 4)
+    A, D, h0 = -rnd(2).abs(), rnd(2), rnd(1, 2, 3, 4)
+    y, after = mamba2_scan(
+        xs, dt, A, B, C, chunk_size=3, D=D, dt_softplus=True, pieces=pieces,
+        initial_state={0: h0}, return_final_state="pieces",
+    )  # fmt: skip
+    dtp = process_dt(dt, None, True)
+    for e in ends:
+        want, h = ssd_scan_ref(xs[:, :e], dtp[:, :e], A, B[:, :e].expand(-1, -1, 2, -1),
+                               C[:, :e].expand(-1, -1, 2, -1), 3, initial_state=h0)  # fmt: skip
+        close(after[(0, e)], h.float())
+    close(y[:, doc0], want + D[:, None] * xs[:, doc0])
+
+    q, k, v = rnd(1, row, 1, 4), rnd(1, row, 1, 4), rnd(1, row, 2, 3)
+    gd, beta, s0 = -rnd(1, row, 2).abs(), rnd(1, row, 2).sigmoid(), rnd(1, 2, 4, 3)
+    o, after = gated_delta_rule(
+        q, k, v, gd, beta, use_qk_l2norm=True, chunk_size=3, pieces=pieces,
+        initial_state={0: s0}, return_final_state="pieces",
+    )  # fmt: skip
+    for e in ends:
+        want, h = gated_delta_ref(q[:, :e], k[:, :e], v[:, :e], gd[:, :e], beta[:, :e], None,
+                                  s0, 3, use_qk_l2norm=True)  # fmt: skip
+        close(after[(0, e)], h.float())
+    close(o[:, doc0], want)

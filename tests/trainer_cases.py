@@ -10,7 +10,8 @@ Both build the same tiny random model and the same data. The distributed run giv
 rows per micro-batch (accelerate's BatchSamplerShard hands replica ``d`` the ``d``-th of every
 ``dp`` consecutive batches of the same sampler order, so the union of a micro-batch is the same
 rows), with the same ``gradient_accumulation_steps``. Rank 0 (or the reference) writes, per kind,
-the logged ``loss`` and ``grad_norm`` of every step and the step/epoch accounting.
+the logged ``loss`` and ``grad_norm`` of every step (SFTTrainer: also ``entropy``,
+``mean_token_accuracy`` and ``num_tokens``) and the step/epoch accounting.
 """
 
 from __future__ import annotations
@@ -145,12 +146,14 @@ def run_sft(a, out_dir):
     return trainer
 
 
+# what each logged step reports (SFTTrainer's metrics besides Trainer's loss and grad norm)
+STEP_KEYS = ("step", "loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+
+
 def summary(trainer):
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     return {
-        "steps": [
-            {"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in logs
-        ],
+        "steps": [{k: h[k] for k in STEP_KEYS if k in h} for h in logs],
         "global_step": trainer.state.global_step,
         "epoch": trainer.state.epoch,
         "tokens_seen": trainer.state.num_input_tokens_seen,

@@ -27,7 +27,11 @@ hit is exact even where ``hash_fn`` collides.
 ``KVEvents`` (``BlockManager.events``, off unless set): where each hash of the prefix cache is
 best held, numbered in order: ``STORED`` (on the device), ``HOST`` or ``DISK`` (evicted from the
 device, kept by that tier) and ``REMOVED`` (held nowhere), so a router can keep an index of which
-engine holds which prefix blocks where (``serve/router.py``).
+engine holds which prefix blocks where (``serve/router.py``). A hybrid model's state snapshots
+have events of their own (marked ``SNAPSHOT``, numbered with the blocks'), under the hash of the
+block they end: where a prompt can resume from it (``STORED``: its slot on the device; ``HOST`` or
+``DISK``: the tier holding its block, which the device lost; ``REMOVED``: nowhere). A tier's copy
+of a block the device holds again is not read, so it is ``REMOVED`` unless the device has its own.
 """
 
 from __future__ import annotations
@@ -52,12 +56,15 @@ def block_hash(key: tuple) -> bytes:
 
 
 REMOVED, STORED, HOST, DISK = 0, 1, 2, 3  # KVEvents kinds: held nowhere, device, host, disk
+SNAPSHOT = "snapshot"  # marks a KVEvents entry about a hybrid's state snapshot, not a block
 _UNKNOWN = -1  # a parent content id no registered block holds (never equal to a real one)
 
 
 class KVEvents:
-    """The prefix cache's changes, numbered from 1: ``(number, kind, hash)``, kind one of
-    ``STORED``, ``HOST``, ``DISK``, ``REMOVED``. Written
+    """The prefix cache's changes, numbered from 1: ``(number, kind, hash)`` for a block, kind one
+    of ``STORED``, ``HOST``, ``DISK``, ``REMOVED``; ``(number, kind, hash, SNAPSHOT)`` for a
+    hybrid's state snapshot of the block ``hash`` (a reader of blocks only that unpacks three
+    fields fails on it, rather than take it for a block). Written
     by the engine's thread, read by any (a lock). Only the last ``limit`` are kept; a reader that
     fell further behind (``since`` returns None) reads the whole index instead."""
 
@@ -66,10 +73,10 @@ class KVEvents:
         self.log: deque = deque()
         self.lock = threading.Lock()
 
-    def add(self, kind: int, h) -> None:
+    def add(self, kind: int, h, snapshot: bool = False) -> None:
         with self.lock:
             self.last += 1
-            self.log.append((self.last, kind, h))
+            self.log.append((self.last, kind, h, SNAPSHOT) if snapshot else (self.last, kind, h))
             if len(self.log) > self.limit:
                 self.log.popleft()
 
@@ -138,6 +145,8 @@ class BlockManager:
         self.tiers = None  # a TierStore (attach_tiers): evicted blocks kept off the device
         self.key_of: Dict[int, bytes] = {}  # registered block -> its tier key (with tiers)
         self.states = None  # a hybrid model's state slots (attach_states)
+        # with events: the snapshots they say are held, checkpoint block hash -> tier
+        self.snapshot_tiers: Dict[Hashable, int] = {}
 
     def attach_tiers(self, tiers) -> None:
         """Keep evicted blocks in ``tiers`` (a ``tiers.TierStore``) and promote them back."""
@@ -148,6 +157,22 @@ class BlockManager:
         """A hybrid model: its recurrent-state slots and prefix snapshots (a
         ``state_pool.StateSlots``), whose snapshots live and die with their blocks."""
         self.states = states
+        states.on_change = self._snapshot_changed
+
+    def publish(self, events: KVEvents) -> None:
+        """Number the prefix cache's changes in ``events`` from now on; a hybrid's snapshots held
+        now are where its snapshot events start from (``snapshot_tiers``)."""
+        self.events = events
+        if self.states is not None:
+            self.snapshot_tiers = dict(self.snapshots())
+
+    def snapshots(self) -> List[Tuple[Hashable, int]]:
+        """``(hash, tier)`` of each snapshot a prompt can resume from: on the device, or in the
+        tier that holds the block it ends (one the device lost; a promotion brings it back)."""
+        out = [(h, STORED) for h in self.states.index]
+        if self.tiers is not None:
+            out += [(h, t) for h, t in self.tiers.snapshots() if h not in self.by_hash]
+        return out
 
     def match_states(self, blocks: List[int]) -> Tuple[List[int], Optional[int]]:
         """A hybrid model's usable part of a prefix match: the blocks up to the deepest one
@@ -171,6 +196,15 @@ class BlockManager:
                 return k, slot
         return 0, None
 
+    def resumable(self, chain: List[Tuple[Optional[int], Optional[bytes]]]) -> int:
+        """Blocks of ``locate``'s ``chain`` a hybrid resumes from: up to the deepest snapshot on
+        the device, or carried by the tier entry of a block the device lost (its promotion puts
+        the snapshot back into a slot)."""
+        tiered = [
+            k + 1 for k, (b, key) in enumerate(chain) if b is None and self.tiers.has_state(key)
+        ]
+        return max(tiered + [self.deepest_snapshot([b for b, _ in chain])[0]])
+
     def checkpoint_key(
         self, table: List[int], k: int, token_ids: Sequence[int], salt: Optional[str] = None
     ) -> Tuple[Optional[Hashable], Optional[int]]:
@@ -190,10 +224,27 @@ class BlockManager:
             return None, None
         return h, self.cid_of[b]
 
-    def _tier_changed(self, h, tier: int) -> None:
-        """A tier took or lost ``h``: an event unless the device holds it (its best tier)."""
+    def _tier_changed(self, h, tier: int, state: bool = False) -> None:
+        """A tier took or lost ``h`` (``state``: its entry carries a snapshot): an event unless
+        the device holds it (its best tier)."""
         if self.events is not None and h not in self.by_hash:
             self.events.add(tier, h)
+        self._snapshot_changed(h, tier if state else REMOVED)
+
+    def _snapshot_changed(self, h, tier: int = REMOVED) -> None:
+        """``h``'s snapshot may have moved (``tier``: the tier holding it, if the device lost the
+        block): an event if where a prompt resumes from it is not what the events said last."""
+        if self.events is None or self.states is None:
+            return
+        if h in self.by_hash:  # a tier's copy is not read while the device holds the block
+            tier = STORED if self.states.has(h) else REMOVED
+        if self.snapshot_tiers.get(h, REMOVED) == tier:
+            return
+        if tier == REMOVED:
+            del self.snapshot_tiers[h]
+        else:
+            self.snapshot_tiers[h] = tier
+        self.events.add(tier, h, snapshot=True)
 
     def _key(self, parent: Optional[bytes], tokens: tuple, salt, h) -> Optional[bytes]:
         """A block's tier key: its chained SHA-256 (``h`` itself with the default hash)."""
@@ -377,6 +428,7 @@ class BlockManager:
         elif self.events is not None:
             for _, _, h in lost:
                 self.events.add(REMOVED, h)
+                self._snapshot_changed(h)
         if self.states is not None:  # a snapshot leaves the device with its block
             for _, _, h in lost:
                 self.states.drop(h)
@@ -441,6 +493,7 @@ class BlockManager:
                     self.key_of[b] = key
                 if self.events is not None:
                     self.events.add(STORED, h)
+                    self._snapshot_changed(h)  # a tier's copy of it is not read now
             else:
                 twin = self.by_hash[h]
                 if self.contents[self.cid_of[twin]] != content:

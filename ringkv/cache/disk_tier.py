@@ -144,6 +144,7 @@ class DiskTier:
         shape: tuple,
         prefetch_blocks: int = 32,
         state_elems: int = 0,
+        state_dtype: str = "float32",
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"DiskTier path must be a directory name, got {path!r}")
@@ -176,6 +177,8 @@ class DiskTier:
         }
         if state_elems:  # a hybrid model's blocks may carry a state snapshot of this size
             self._identity["state_elems"] = state_elems
+        if state_dtype != "float32":  # ... whose values are of this dtype (float32 carries them)
+            self._identity["state_dtype"] = state_dtype
         # the suffix of our temporary files: which model and format they are for
         ident = json.dumps(self._identity, sort_keys=True).encode()
         self._tmp_tag = "." + hashlib.sha256(ident).hexdigest()[:12] + ".tmp"
@@ -183,6 +186,7 @@ class DiskTier:
         self.error: Optional[str] = None
         self.nbytes = 0
         self._index: "OrderedDict[bytes, int]" = OrderedDict()  # key -> file size, LRU first
+        self._stateful: set = set()  # keys whose file carries a state snapshot
         self._lock = threading.Lock()
         self._clock = 0  # last mtime set, in ns (strictly increasing: a stable LRU order)
         # prefetch: queued (key, generation), entries read ahead {key: (kv, generation)}
@@ -207,6 +211,11 @@ class DiskTier:
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
             return key in self._index
+
+    def has_state(self, key: bytes) -> bool:
+        """Whether ``key``'s file carries a state snapshot (a hybrid's block)."""
+        with self._lock:
+            return key in self._stateful
 
     def keys(self) -> list:
         """The keys held, least recently used first."""
@@ -260,15 +269,18 @@ class DiskTier:
             if meta.get("key") != key.hex():  # ours, but under another key's name
                 self._unlink(entry.path)
                 continue
-            found.append((st.st_mtime_ns, entry.name, key, st.st_size))
+            state = isinstance(meta.get("dtypes"), dict) and "state" in meta["dtypes"]
+            found.append((st.st_mtime_ns, entry.name, key, st.st_size, state))
         found.sort()
-        for mtime, _, key, size in found:
+        for mtime, _, key, size, state in found:
             self._index[key] = size
+            if state:
+                self._stateful.add(key)
             self.nbytes += size
             self._clock = max(self._clock, mtime)
         while self.nbytes > self.capacity_bytes and self._index:
-            key, size = self._index.popitem(last=False)
-            self.nbytes -= size
+            key = next(iter(self._index))
+            self._forget(key)
             self._unlink(self._file(key))
 
     @staticmethod
@@ -294,6 +306,7 @@ class DiskTier:
     def _forget(self, key: bytes) -> Optional[int]:
         """Drop ``key`` from the index and the read-ahead entries (lock held); its size or None."""
         self._ready.pop(key, None)
+        self._stateful.discard(key)
         size = self._index.pop(key, None)
         if size is not None:
             self.nbytes -= size
@@ -459,6 +472,8 @@ class DiskTier:
         with self._lock:
             self._index[key] = len(data)
             self.nbytes += len(data)
+            if len(kv) == 5:
+                self._stateful.add(key)
         return evicted
 
     def get(self, key: bytes) -> Optional[KVEntry]:

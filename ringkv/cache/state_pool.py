@@ -20,27 +20,31 @@ Snapshots live as long as the block they end at stays registered on the device (
 manager drops them when it loses the hash), and are evicted least-recently-used first when a new
 one needs a slot. A slot taken for a save is *pending* until the step that writes it completes
 (``put``): only then is it indexed, and only if the block it ends at was registered.
+``on_change(hash)`` is told each snapshot indexed or evicted here (the block manager turns it into
+a ``KVEvents`` entry; a ``drop`` it makes itself, and reports where the snapshot went).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-STATE_DTYPE = torch.float32
+STATE_DTYPE = torch.float32  # what snapshots, tiers and migration carry
+# the pool's own dtype (``EngineConfig.state_dtype``): float32 unless the user asks otherwise
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def state_bytes(layers: Dict[int, List[tuple]]) -> int:
-    """Bytes of one slot over ``layers`` (global layer index -> its state shapes)."""
+def state_bytes(layers: Dict[int, List[tuple]], dtype: torch.dtype = STATE_DTYPE) -> int:
+    """Bytes of one slot over ``layers`` (global layer index -> its state shapes) in ``dtype``."""
     total = 0
     for shapes in layers.values():
         for shape in shapes:
             n = 1
             for d in shape:
                 n *= int(d)
-            total += n * STATE_DTYPE.itemsize
+            total += n * dtype.itemsize
     return total
 
 
@@ -89,6 +93,7 @@ class StateSlots:
         # hash -> (slot, content id), least recently used first
         self.index: "OrderedDict[Hashable, Tuple[int, int]]" = OrderedDict()
         self.pending: set = set()  # snapshot slots taken for a save not completed yet
+        self.on_change: Callable[[Hashable], None] = lambda h: None  # indexed or evicted
         self.saved = self.restored = self.evicted = 0  # counters
 
     # -- running slots ---------------------------------------------------------------------
@@ -107,9 +112,10 @@ class StateSlots:
         free), pending until ``put``; None when every snapshot slot is pending or there are
         none."""
         if not self.free_snapshots and self.index:
-            _, (slot, _) = self.index.popitem(last=False)
+            h, (slot, _) = self.index.popitem(last=False)
             self.free_snapshots.append(slot)
             self.evicted += 1
+            self.on_change(h)
         if not self.free_snapshots:
             return None
         slot = self.free_snapshots.popleft()
@@ -126,6 +132,7 @@ class StateSlots:
             return
         self.index[h] = (slot, cid)
         self.saved += 1
+        self.on_change(h)
 
     def get(self, h: Hashable, cid: int) -> Optional[int]:
         """The snapshot slot of the checkpoint block ``h`` holding content ``cid`` (marked
@@ -145,7 +152,8 @@ class StateSlots:
         return h in self.index
 
     def drop(self, h: Hashable) -> None:
-        """The device lost block ``h``: its snapshot goes with it."""
+        """The device lost block ``h``: its snapshot goes with it (to the block's tier, or
+        nowhere: the block manager reports which, not ``on_change``)."""
         hit = self.index.pop(h, None)
         if hit is not None:
             self.free_snapshots.append(hit[0])
@@ -164,13 +172,14 @@ class StateSlots:
 
 
 class StatePool:
-    """One rank's state tensors: for each recurrent layer of its stage, one float32 tensor
-    ``(slots, *shape)`` per state shape (zeros at start)."""
+    """One rank's state tensors: for each recurrent layer of its stage, one tensor ``(slots,
+    *shape)`` per state shape (zeros at start), of ``dtype`` (float32 by default; the layers
+    compute in float32 from it and round into it)."""
 
-    def __init__(self, layers: Dict[int, List[tuple]], slots: int, device):
+    def __init__(self, layers: Dict[int, List[tuple]], slots: int, device, dtype=STATE_DTYPE):
         self.slots = slots
         self.layers: Dict[int, List[torch.Tensor]] = {
-            i: [torch.zeros(slots, *s, dtype=STATE_DTYPE, device=device) for s in shapes]
+            i: [torch.zeros(slots, *s, dtype=dtype, device=device) for s in shapes]
             for i, shapes in layers.items()
         }
 

@@ -32,9 +32,10 @@ beside its slot (``states``), the disk tier in the same file, and a promotion ha
 snapshot slot (``BlockManager.match_prefix``): a snapshot leaves the device with its block and
 returns with it.
 
-``on_change(hash, tier)`` reports where an entry is best held off the device (``HOST``, ``DISK``,
-or ``REMOVED`` once no tier holds it): the block manager turns it into the ``KVEvents`` a router
-indexes.
+``on_change(hash, tier, state)`` reports where an entry is best held off the device (``HOST``,
+``DISK``, or ``REMOVED`` once no tier holds it) and whether the entry there carries a state
+snapshot: the block manager turns it into the ``KVEvents`` (of the block and of its snapshot) a
+router indexes.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class TierStore:
         write_kv: Callable[[List[int], int, KV], None],
         disk=None,
         pinned: bool = False,
-        on_change: Callable[[Hashable, int], None] = lambda h, tier: None,
+        on_change: Callable[[Hashable, int, bool], None] = lambda h, tier, state: None,
         read_state: Optional[Callable[[int], torch.Tensor]] = None,
         write_state: Optional[Callable[[int, torch.Tensor], None]] = None,
     ):
@@ -151,11 +152,24 @@ class TierStore:
             return DISK
         return None
 
+    def has_state(self, key: bytes) -> bool:
+        """Whether the entry's best tier (``where``) holds it with a state snapshot."""
+        if key in self.slot_of:
+            return key in self.states
+        return self.disk is not None and self.disk.has_state(key)
+
+    def snapshots(self) -> List[Tuple[Hashable, int]]:
+        """``(hash, tier)`` of every entry whose best tier holds a state snapshot with it."""
+        return self._entries(self.has_state)
+
     def keys(self) -> List[Tuple[Hashable, int]]:
         """``(hash, tier)`` of every entry, each once (its best tier)."""
-        out = [(self.hash_of.get(k, k), HOST) for k in self.slot_of]
+        return self._entries(lambda key: True)
+
+    def _entries(self, which: Callable[[bytes], bool]) -> List[Tuple[Hashable, int]]:
+        out = [(self.hash_of.get(k, k), HOST) for k in self.slot_of if which(k)]
         if self.disk is not None:
-            on_disk = [k for k in self.disk.keys() if k not in self.slot_of]
+            on_disk = [k for k in self.disk.keys() if k not in self.slot_of and which(k)]
             out += [(self.hash_of.get(k, k), DISK) for k in on_disk]
         return out
 
@@ -210,7 +224,7 @@ class TierStore:
             tier = self.where(k)
             if tier is None:
                 self.hash_of.pop(k, None)
-            self.on_change(h, tier or REMOVED)
+            self.on_change(h, tier or REMOVED, self.has_state(k))
 
     def take(self, keys: Sequence[bytes]) -> List[KV]:
         """Copies of the entries ``keys`` (a prompt's chain, in order) for a promotion, read
@@ -271,7 +285,7 @@ class TierStore:
             if tier is None:
                 self._forget(old)
             elif tier == DISK:
-                self.on_change(self.hash_of.get(old, old), DISK)
+                self.on_change(self.hash_of.get(old, old), DISK, self.disk.has_state(old))
         slot = self.free_slots.pop()
         self.layout.pack(self._slot(slot), kv[:4])
         self.slot_of[key] = slot
@@ -285,7 +299,7 @@ class TierStore:
 
     def _forget(self, key: bytes) -> None:
         """No tier holds ``key`` any more."""
-        self.on_change(self.hash_of.pop(key, key), REMOVED)
+        self.on_change(self.hash_of.pop(key, key), REMOVED, False)
 
     # -- what it holds ---------------------------------------------------------------------
     def usage(self) -> dict:

@@ -172,6 +172,11 @@ class EngineConfig:
         "(default: the fewest blocks whose K/V weigh as much as one snapshot)",
         metavar="N",
     )
+    state_dtype: str = knob(
+        "float32",
+        "hybrid models: the recurrent state's dtype in the pool and its snapshots (float32, "
+        "bfloat16 or float16; each step computes in float32 from it)",
+    )
     compile_decode: bool = knob(
         False,
         "run decode steps' dense parts (on CPU, prefill steps' too) through torch.compile "
@@ -217,6 +222,7 @@ class EngineCore:
         self.kv_storage = (
             self.shape.kv_cache_dtype if self.shape.quant else str(self.dtype).replace("torch.", "")
         )
+        self.state_dtype = self.shape.state_dtype  # a hybrid's recurrent state (else unused)
         self.blocks = BlockManager(
             self.num_blocks,
             c.block_size * c.sp,
@@ -321,6 +327,7 @@ class EngineCore:
             kv_storage=self.kv_storage,
             vocab_size=self.config.vocab_size,
             max_model_len=self.max_model_len,
+            state_dtype=self.state_dtype,
         )
 
     def _make_tiers(self, c: EngineConfig) -> Optional[TierStore]:
@@ -351,6 +358,7 @@ class EngineCore:
                 tokens_per_block=tpb,
                 shape=mover.shape,
                 state_elems=state_bytes(mover.state_shapes) // 4,
+                state_dtype=self.state_dtype,
             ),
             pinned=self.device.type == "cuda",
             read_state=self.cluster.read_state,  # a hybrid's snapshots go along
@@ -432,7 +440,7 @@ class EngineCore:
         """A hybrid model's recurrent state (None for a dense model): slots for running
         sequences and snapshots (``StateSlots.usage``), the bytes of one sequence's state and of
         the pools over the pipeline stages and TP ranks (each holds its heads' part; every SP rank
-        holds the same as SP rank 0), float32."""
+        holds the same as SP rank 0), and their ``dtype``."""
         states = self.blocks.states
         if states is None:
             return None
@@ -441,7 +449,7 @@ class EngineCore:
             states.usage(),
             bytes_per_sequence=sum(i["state_bytes_per_slot"] for i in stages),
             bytes=sum(i["state_cache_bytes"] for i in stages),
-            dtype="float32",
+            dtype=self.shape.state_dtype,
         )
 
     def rank_stats(self) -> List[dict]:
@@ -464,7 +472,7 @@ class EngineCore:
         """Start numbering the prefix cache's changes (``kv_events``; a router's index of which
         engine holds which blocks); idempotent. Returns the log."""
         if self.blocks.events is None:
-            self.blocks.events = KVEvents()
+            self.blocks.publish(KVEvents())
         return self.blocks.events
 
     @property
@@ -481,13 +489,25 @@ class EngineCore:
             out += [(h, t) for h, t in self.tiers.keys() if h not in self.blocks.by_hash]
         return out
 
+    def cached_snapshots(self) -> Optional[List[tuple]]:
+        """A hybrid model's state snapshots a prompt can resume from, ``(hash of the block each
+        ends, tier)`` (``STORED``: a slot on the device; ``HOST``, ``DISK``: the tier holding
+        that block), as its ``kv_events`` say when they are published (a reader of the whole
+        index then follows the events); None for a dense model. Read it on the engine's
+        thread."""
+        blocks = self.blocks
+        if blocks.states is None:
+            return None
+        published = blocks.events is not None
+        return list(blocks.snapshot_tiers.items()) if published else blocks.snapshots()
+
     def cached_tokens(self, token_ids: Seq[int], cache_salt: Optional[str] = None) -> int:
         """Tokens of a prompt's prefix this engine holds in any tier (whole blocks, never the
         last token: what admitting it now would not compute; a hybrid model: up to its deepest
-        state snapshot)."""
+        state snapshot, on the device or in a tier)."""
         held = self.blocks.locate(token_ids[:-1], cache_salt)
-        if self.blocks.states is not None:  # (the snapshots on the device)
-            return self.blocks.deepest_snapshot([b for b, _ in held])[0] * self.blocks.block_size
+        if self.blocks.states is not None:
+            return self.blocks.resumable(held) * self.blocks.block_size
         return len(held) * self.blocks.block_size
 
     # -- requests --------------------------------------------------------------------------

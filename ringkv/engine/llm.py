@@ -78,6 +78,7 @@ class LLM:
     publish_kv_events = _core("publish_kv_events")
     kv_events = _core("kv_events")
     cached_blocks = _core("cached_blocks")
+    cached_snapshots = _core("cached_snapshots")
     cached_tokens = _core("cached_tokens")
     encode = _core("encode")
     add_request = _core("add_request")

@@ -262,7 +262,8 @@ class Migration:
     (the book of requests; its scheduler's block manager), the ``cluster`` whose ranks hold the
     K/V, the ``output`` processor, the prefix cache's ``tiers`` (or None), ``drain()`` (finish
     the steps in flight, before an export), and what an import must match: the model
-    ``digest``, the ``kv_storage`` format, ``vocab_size`` and ``max_model_len``."""
+    ``digest``, the ``kv_storage`` format, ``vocab_size``, ``max_model_len`` and a hybrid's
+    ``state_dtype``."""
 
     def __init__(
         self,
@@ -276,11 +277,13 @@ class Migration:
         kv_storage: str,
         vocab_size: int,
         max_model_len: int,
+        state_dtype: str = "float32",
     ):
         self.pipeline, self.blocks, self.cluster = pipeline, pipeline.blocks, cluster
         self.output, self.tiers, self.drain = output, tiers, drain
         self.digest, self.kv_storage = digest, kv_storage
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.state_dtype = state_dtype
 
     # -- export ----------------------------------------------------------------------------
     def export_request(
@@ -553,11 +556,12 @@ class Migration:
         chain = blocks.locate(token_ids, cache_salt, take=True)  # device blocks pinned meanwhile
         parts, run, n, state = [], [], 0, None
         try:
-            if blocks.states is not None:  # a hybrid: up to its deepest snapshot on the device
-                k, slot = blocks.deepest_snapshot([b for b, _ in chain])
-                blocks.free([b for b, _ in chain[k:]])
+            if blocks.states is not None:  # a hybrid: up to its deepest snapshot (in any tier)
+                k = blocks.resumable(chain)
+                blocks.free([b for b, _ in chain[k:] if b is not None])
                 chain = chain[:k]
-                state = self.cluster.read_state(slot) if k else None
+                on_device, slot = blocks.deepest_snapshot([b for b, _ in chain])
+                state = self.cluster.read_state(slot) if k and on_device == k else None
             for b, key in chain:  # device runs in one gather each, tier entries one by one
                 if b is None:
                     if run:
@@ -567,6 +571,8 @@ class Migration:
                     if kv is None:  # a disk file refused: the prefix ends before it
                         break
                     parts.append(kv)
+                    if n + 1 == len(chain) and len(kv) == 5:  # the snapshot came with its block
+                        state = kv[4]
                 else:
                     run.append(b)
                 n += 1
@@ -574,13 +580,15 @@ class Migration:
                 parts.append(self.cluster.read_kv(run, 0, len(run) * tpb))
         finally:
             blocks.free([b for b, _ in chain if b is not None])
-        if not n:
-            return None
+        if not n or (blocks.states is not None and (n < len(chain) or state is None)):
+            return None  # (a hybrid's prefix cut short no longer ends at its snapshot)
         k, v, ks, vs = (
             None if parts[0][i] is None else torch.cat([p[i] for p in parts], 1) for i in range(4)
         )
         ids = [int(t) for t in token_ids[: n * tpb]]
-        return PrefixKV(self.digest, self.kv_storage, ids, cache_salt, k, v, ks, vs, state)
+        return PrefixKV(
+            self.digest, self.kv_storage, ids, cache_salt, k, v, ks, vs, state, self.state_dtype
+        )
 
     def import_prefix(self, prefix: PrefixKV) -> int:
         """See ``LLM.import_prefix``."""
@@ -588,6 +596,11 @@ class Migration:
         if not isinstance(prefix, PrefixKV):
             raise TypeError(f"import_prefix takes a PrefixKV, got {type(prefix).__name__}")
         _check_origin(self, "prefix", prefix.model, prefix.kv_cache_dtype)
+        if blocks.states is not None and prefix.state_dtype != self.state_dtype:
+            raise ValueError(
+                f"the prefix's recurrent state was kept in {prefix.state_dtype!r}, this engine "
+                f"keeps {self.state_dtype!r} (state_dtype): a hit would not equal its cold run"
+            )
         if prefix.cache_salt is not None and not isinstance(prefix.cache_salt, str):
             raise _prefix_bad("cache_salt", f"must be None or a str, got {prefix.cache_salt!r}")
         _check_ids("token_ids", prefix.token_ids, self.vocab_size, _prefix_bad)

@@ -154,7 +154,9 @@ class PrefixKV:
     chain) and their K/V token-major, ``k``/``v`` ``(layers, len(token_ids), Hkv, D)`` in the
     cache's storage dtype, ``k_scale``/``v_scale`` ``(layers, len(token_ids), Hkv)`` on a
     quantized cache; a hybrid model's ``state`` after the last token (flat float32, as in
-    ``KVSnapshot``). ``model`` and ``kv_cache_dtype`` as in ``KVSnapshot``."""
+    ``KVSnapshot``) and the ``state_dtype`` the exporter kept it in (its values are that
+    dtype's: an engine keeping another refuses it, as a cold run there would differ). ``model``
+    and ``kv_cache_dtype`` as in ``KVSnapshot``."""
 
     model: str
     kv_cache_dtype: str
@@ -165,6 +167,7 @@ class PrefixKV:
     k_scale: Optional[torch.Tensor] = None
     v_scale: Optional[torch.Tensor] = None
     state: Optional[torch.Tensor] = None  # a hybrid model: the state after the last token
+    state_dtype: str = "float32"
 
     TENSORS = ("k", "v", "k_scale", "v_scale", "state")
 

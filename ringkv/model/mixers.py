@@ -8,13 +8,18 @@ Each mixer splits its work in two. The per-token parts (projections, gates, norm
 
     y = ctx.recur(self.layer_idx, self.scan, u, self.state_shapes)   # u (T, F) -> y (T, F')
 
-``scan(u_b, states) -> (y_b, new_states)`` runs ``B`` sequences' pieces of equal length ``L``
-(``u_b (B, L, F)``) from their states (float32 ``(B, *shape)`` for each of ``state_shapes``; zeros
-at a sequence's start) and returns the output ``(B, L, F')`` (in ``u``'s dtype) and the states
-after each piece's last token. Running a sequence in pieces with the state carried equals running
-it whole, up to rounding. The convolution's state is its last ``K - 1`` inputs; the scans' is
-their recurrent state. ``state_shapes`` is read from the module's own sizes, so a module whose
-heads are cut (tensor parallelism) reports its own.
+``scan(u_b, states, ops) -> (y_b, new_states)`` runs ``B`` sequences' pieces of equal length
+``L`` (``u_b (B, L, F)``) from their states (float32 ``(B, *shape)`` for each of
+``state_shapes``; zeros at a sequence's start) and returns the output ``(B, L, F')`` (in ``u``'s
+dtype) and the states after each piece's last token. Running a sequence in pieces with the state
+carried equals running it whole, up to rounding. The convolution's state is its last ``K - 1``
+inputs; the scans' is their recurrent state. ``state_shapes`` is read from the module's own
+sizes, so a module whose heads are cut (tensor parallelism) reports its own.
+
+A ``scan`` only names its model's structure; its sequential cores (``ops.conv``, ``ops.ssd``,
+``ops.delta``) come from ``ops``: ``Reference`` (one device, the default) or the context's
+sequence-parallel ops (``parallel.spread``), whose states are its own; a ``scan`` passes them
+through untouched.
 """
 
 from __future__ import annotations
@@ -42,6 +47,37 @@ def conv_scan(
     y = causal_conv1d_ref(x, conv.weight.squeeze(1), conv.bias, activation, halo=state)
     seen = torch.cat([state.to(x.dtype), x], -1)  # (B, C, K-1+L)
     return y.transpose(1, 2), seen[..., seen.shape[-1] - state.shape[-1] :].float()
+
+
+class Reference:
+    """The sequential cores on one device (``ringkv.kernels``' references): a ``scan``'s default
+    ``ops``. States are float32 ``(B, *shape)``."""
+
+    @staticmethod
+    def conv(conv: nn.Conv1d, u, state, activation):
+        """``u (B, L, C)`` after the inputs ``state (B, C, K-1)`` -> ``(B, L, C)``, new state."""
+        return conv_scan(conv, u, state, activation)
+
+    @staticmethod
+    def ssd(x, dt, A, B, C, *, D, dt_bias, dt_limit, chunk_size, state):
+        """Mamba2's scan with the ``D`` skip: ``x (B, L, H, P)``, raw ``dt (B, L, H)``, ``A
+        (H,)``, ``B``/``C (B, L, G, N)`` -> ``y (B, L, H, P)`` float32, state ``(B, H, P, N)``."""
+        h = x.shape[2]
+        B, C = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (B, C))
+        dt = process_dt(dt, dt_bias, softplus=True, limit=dt_limit)  # (B, L, H)
+        # any chunk gives the same result (up to rounding): L=1 (decode) is one recurrence step
+        chunk = min(chunk_size, x.shape[1])
+        y, ssm = ssd_scan_ref(x, dt, A, B, C, chunk, initial_state=state)  # (B, L, H, P)
+        return y + D[:, None].float() * x.float(), ssm.float()
+
+    @staticmethod
+    def delta(q, k, v, g, beta, *, chunk_size, state):
+        """The gated delta rule, q and k l2-normed: ``q``/``k (B, L, Hk, Dk)``, ``v (B, L, Hv,
+        Dv)``, ``g``/``beta (B, L, Hv)`` -> ``o (B, L, Hv, Dv)``, state ``(B, Hv, Dk, Dv)``."""
+        return gated_delta_ref(q, k, v, g, beta, None, state, chunk_size, use_qk_l2norm=True)
+
+
+REFERENCE = Reference()
 
 
 def _conv1d(channels: int, kernel: int, bias: bool) -> nn.Conv1d:
@@ -93,9 +129,9 @@ class ShortConv(nn.Module):
         y = ctx.recur(self.layer_idx, self.scan, b * xx, self.state_shapes)  # (T, hidden)
         return self.out_proj(c * y)
 
-    def scan(self, u: torch.Tensor, states: States) -> Tuple[torch.Tensor, States]:
+    def scan(self, u: torch.Tensor, states: States, ops=REFERENCE) -> Tuple[torch.Tensor, States]:
         """``u (B, L, hidden)`` -> the convolution ``(B, L, hidden)``, ``[conv state]``."""
-        y, conv_state = conv_scan(self.conv, u, states[0], self.activation)
+        y, conv_state = ops.conv(self.conv, u, states[0], self.activation)
         return y, [conv_state]
 
 
@@ -147,23 +183,30 @@ class Mamba2Mixer(nn.Module):
         y = y * F.silu(gate) if self.norm is None else self.norm(y, gate)
         return self.out_proj(y)
 
-    def scan(self, u: torch.Tensor, states: States) -> Tuple[torch.Tensor, States]:
+    def scan(self, u: torch.Tensor, states: States, ops=REFERENCE) -> Tuple[torch.Tensor, States]:
         """``u (B, L, conv_dim + H)``: the convolution's inputs and raw ``dt`` -> the scan's
         output with the ``D`` skip ``(B, L, I)``, ``[conv state, SSM state (B, H, P, N)]``."""
         b, n = u.shape[0], u.shape[1]
         h, p, g, s = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
         xbc, dt = u.split([self.conv_dim, h], dim=-1)
-        xbc, conv_state = conv_scan(self.conv1d, xbc, states[0], self.activation)
+        xbc, conv_state = ops.conv(self.conv1d, xbc, states[0], self.activation)
         x, B, C = xbc.split([self.intermediate_size, g * s, g * s], dim=-1)
         x = x.reshape(b, n, h, p)
-        B, C = (t.reshape(b, n, g, s).repeat_interleave(h // g, dim=2) for t in (B, C))
-        dt = process_dt(dt, self.dt_bias, softplus=True, limit=self.dt_limit)  # (B, L, H)
+        B, C = (t.reshape(b, n, g, s) for t in (B, C))
         A = -torch.exp(self.A_log.float())
-        # any chunk gives the same result (up to rounding): L=1 (decode) is one recurrence step
-        chunk = min(self.chunk_size, n)
-        y, ssm = ssd_scan_ref(x, dt, A, B, C, chunk, initial_state=states[1])  # (B, L, H, P)
-        y = y + self.D[:, None].float() * x.float()
-        return y.reshape(b, n, h * p).to(u.dtype), [conv_state, ssm.float()]
+        y, ssm = ops.ssd(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D=self.D,
+            dt_bias=self.dt_bias,
+            dt_limit=self.dt_limit,
+            chunk_size=self.chunk_size,
+            state=states[1],
+        )  # (B, L, H, P)
+        return y.reshape(b, n, h * p).to(u.dtype), [conv_state, ssm]
 
 
 class FalconMamba2Mixer(Mamba2Mixer):
@@ -238,21 +281,19 @@ class GatedDeltaNet(nn.Module):
         y = self.norm(y.view(t, self.num_v_heads, self.head_v_dim), z)
         return self.out_proj(y.reshape(t, self.value_dim))
 
-    def scan(self, u: torch.Tensor, states: States) -> Tuple[torch.Tensor, States]:
+    def scan(self, u: torch.Tensor, states: States, ops=REFERENCE) -> Tuple[torch.Tensor, States]:
         """``u (B, L, conv_dim + 2 Hv)``: the convolution's inputs, raw ``b`` and ``a`` -> the
         delta rule's output ``(B, L, Hv * Dv)``, ``[conv state, state (B, Hv, Dk, Dv)]``."""
         bsz, n = u.shape[0], u.shape[1]
         hv = self.num_v_heads
         qkv, b, a = u.split([self.conv_dim, hv, hv], dim=-1)
-        qkv, conv_state = conv_scan(self.conv1d, qkv, states[0], self.activation)
+        qkv, conv_state = ops.conv(self.conv1d, qkv, states[0], self.activation)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = (t.reshape(bsz, n, self.num_k_heads, self.head_k_dim) for t in (q, k))
         v = v.reshape(bsz, n, hv, self.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (B, L, Hv)
-        o, state = gated_delta_ref(
-            q, k, v, g, beta, None, states[1], self.chunk_size, use_qk_l2norm=True
-        )  # (B, L, Hv, Dv)
+        o, state = ops.delta(q, k, v, g, beta, chunk_size=self.chunk_size, state=states[1])
         return o.reshape(bsz, n, self.value_dim).to(u.dtype), [conv_state, state]
 
 

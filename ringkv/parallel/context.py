@@ -17,6 +17,9 @@ every sequence. With ``sp = 1`` this is the usual paged layout.
   tokens it stores. Attention is ``ring_attention_shards``: each rank's keys are all the
   tokens of the sequence it stores: a prompt from position 0 rings its own new K/V; a later
   chunk rings what its rank stores, cached prefix included.
+- *spread* (a hybrid model's sequence where ring mode would be: ``parallel.spread``): the tokens
+  are split in zigzag runs, whose K/V each attention layer sends to the ranks storing them before
+  the ring; recurrent layers pass their state across the ranks.
 - *replicated* (decode, short chunks, and everything when ``sp = 1``): every SP rank
   computes all ``n`` tokens; the owner of each token writes its K/V. A sequence starting at
   position 0 attends to its own new K/V with ``kernels.attention`` (every rank has all of
@@ -60,6 +63,8 @@ from ..sp.comm import RingComm
 from ..sp.decode import merge_across
 from ..sp.ring import Shards, ring_attention_shards
 from .plan import StepPlan
+from .spread import SpreadSeq, offsets, query_shards, spread_of, write_kv
+from .spread import local_row as spread_row
 
 
 @dataclass(frozen=True)
@@ -134,26 +139,31 @@ class LocalStep:
         self.last_rows, self.target_rows, self.targets = [], [], []
         self.fresh: List[FreshSeq] = []
         self.rings: List[RingSeq] = []
-        self.recur: List[RecurSeq] = []  # a hybrid model's sequences (never ring mode)
+        self.recur: List[RecurSeq] = []  # a hybrid model's replicated sequences
         cached: List[PagedSeq] = []  # attended over the cache
+        spread: List[SpreadSeq] = []  # a hybrid's long chunks (parallel.spread)
         for s in plan.seqs:
             off, end = len(ids), s.start + s.n
-            ring = sp > 1 and s.n >= ring_min_tokens and s.slot < 0  # hybrids: replicated
-            if ring:
+            long = sp > 1 and s.n >= max(ring_min_tokens, 2)
+            ring, sq = long and s.slot < 0, None
+            if long and s.slot >= 0:
+                sq = SpreadSeq(off, s.start, s.n, s.slot, tuple(s.saves), tuple(s.block_table))
+                mine = [s.start + o for o_range in offsets(s.n, sp, r) for o in o_range]
+            elif ring:
                 m = -(-s.n // sp)
                 mine = range(s.start + (r - s.start) % sp, s.start + m * sp, sp)
             else:
                 mine = range(s.start, end)
             ids.extend(s.tokens[p - s.start] if p < end else 0 for p in mine)
             pos.extend(mine)
-            for j, p in enumerate(mine):
+            for j, p in enumerate(mine if sq is None else ()):  # spread: stored by write_kv
                 if p < end and p % sp == r:
                     rows.append(off + j)
                     slots.append(s.block_table[p // lb] * bs + p % lb // sp)
 
-            def local_row(
-                p: int,
-            ) -> int:  # the row of position p here, -1 if another SP rank has it
+            def local_row(p: int) -> int:  # the row of position p here, -1 if another has it
+                if sq is not None:
+                    return spread_row(sq, sp, r, p)
                 if ring:
                     return off + (p - mine.start) // sp if p % sp == r else -1
                 return off + p - s.start if r == 0 else -1
@@ -163,6 +173,12 @@ class LocalStep:
             for j, t in enumerate(s.targets or ()):
                 self.target_rows.append(local_row(s.start + j))
                 self.targets.append(t)
+            if sq is not None:
+                spread.append(sq)
+                self.rings.append(
+                    _ring_seq(s, off, len(mine), sp, r, bs, device, query_shards(sq, sp))
+                )
+                continue
             if s.slot >= 0:
                 self.recur.append(RecurSeq(off, s.n, s.start, s.slot, tuple(s.saves)))
             if ring:
@@ -177,6 +193,7 @@ class LocalStep:
         self.write_rows = torch.tensor(rows, dtype=torch.long, device=device)  # (W,)
         self.write_slots = torch.tensor(slots, dtype=torch.long, device=device)  # (W,)
         self.single = _single_rows(self.recur, device)
+        self.spread = spread_of(spread, sp, r, bs, device)
         self.cached: Optional[StepAttention] = (
             plan_step(cached, block_size=bs, sp=sp, sp_rank=r, device=device, backend=paged_backend)
             if cached
@@ -212,18 +229,20 @@ def _single_rows(recur: List[RecurSeq], device) -> Optional[SingleRows]:
     )
 
 
-def _ring_seq(s, off: int, m: int, sp: int, r: int, bs: int, device) -> RingSeq:
+def _ring_seq(s, off: int, m: int, sp: int, r: int, bs: int, device, queries=None) -> RingSeq:
     """The ring of sequence ``s`` whose ``m`` query rows per rank start at row ``off``: its shards
-    (queries and keys striped over the ``sp`` ranks) and, past position 0, the cache slots of the
-    keys this rank stores (cached prefix included)."""
+    (``queries``: every rank's query positions, by default striped like the keys; keys striped
+    over the ``sp`` ranks, or a chunk from position 0's own where its queries are) and, past
+    position 0, the cache slots of the keys this rank stores (cached prefix included)."""
     end = s.start + s.n
-    keys = len(range(0, end, sp))  # keys per rank (rank 0 holds the most)
-    shards = Shards(
-        tuple((range(s.start + (j - s.start) % sp, s.start + m * sp, sp),) for j in range(sp)),
-        tuple((range(j, j + keys * sp, sp),) for j in range(sp)),
-    )
+    if queries is None:
+        queries = tuple(
+            (range(s.start + (j - s.start) % sp, s.start + m * sp, sp),) for j in range(sp)
+        )
     if s.start == 0:  # a prompt from position 0: the keys are this step's own (rows off..off+m)
-        return RingSeq(off, m, shards, None, keys)
+        return RingSeq(off, m, Shards(queries, queries), None, m)
+    keys = len(range(0, end, sp))  # keys per rank (rank 0 holds the most)
+    shards = Shards(queries, tuple((range(j, j + keys * sp, sp),) for j in range(sp)))
     local = torch.arange(len(range(r, end, sp)), device=device)
     table = torch.tensor(s.block_table, dtype=torch.long, device=device)
     return RingSeq(off, m, shards, table[local // bs] * bs + local % bs, keys)
@@ -266,6 +285,8 @@ class StepContext:
         # q (T, H, D), k/v (T, Hkv, D) -> out (T, H, D); scale None: D ** -0.5; softcap None: none;
         # window -1: unbounded, else a query at position p sees keys p - window .. p
         st, li, kv = self.step, self.kv_index[layer], self.kv
+        if st.spread is not None:  # each spread row's K/V to the rank storing it
+            write_kv(kv, li, k, v, st.spread.exchange, self.comm.group, self.timeout)
         if st.all_written:
             kv.write(li, k, v, st.write_slots)
         elif st.write_rows.numel():
@@ -394,7 +415,8 @@ class StepContext:
         one = self.step.single
         if one is not None:
             init = [
-                t.index_select(0, one.slots).masked_fill(_expand(one.fresh, t), 0) for t in pool
+                t.index_select(0, one.slots).float().masked_fill(_expand(one.fresh, t), 0)
+                for t in pool
             ]
             y, final = fn(u.index_select(0, one.rows)[:, None], init)  # (S, 1, F')
             for t, f in zip(pool, final):
@@ -406,6 +428,9 @@ class StepContext:
         for r in self.step.recur:
             if r.n > 1:
                 parts.append((slice(r.row, r.row + r.n), self._pieces(pool, fn, u, r)))
+        spread = self.step.spread
+        if spread is not None:
+            parts.append((spread.rows, spread.recur(pool, fn, u, self.comm.group, self.timeout)))
         out = u.new_empty(u.shape[0], parts[0][1].shape[-1]) if parts else u[:, :0]
         for rows, y in parts:
             out[rows] = y.to(out.dtype)
@@ -416,7 +441,9 @@ class StepContext:
         """One sequence's rows, cut at the checkpoints it saves before its end (each piece
         carries the state to the next): ``(n, F')``."""
         state = [
-            t.new_zeros(1, *t.shape[1:]) if r.start == 0 else t[r.slot : r.slot + 1].clone()
+            t.new_zeros(1, *t.shape[1:], dtype=torch.float32)
+            if r.start == 0
+            else t[r.slot : r.slot + 1].to(torch.float32, copy=True)
             for t in pool
         ]
         ys, at = [], r.start

@@ -385,7 +385,10 @@ class Mover:
             ranges = state_ranges(c.cfg, tp, c.infos[box.rank]["tp_rank"])
             for i in self._stage_states(box):
                 if self._local(box) or c.world == 1:
-                    parts = [t[slot].cpu().clone() for t in c.worker.states.layers[i]]
+                    parts = [
+                        t[slot].to("cpu", torch.float32, copy=True)
+                        for t in c.worker.states.layers[i]
+                    ]
                 else:
                     parts = [
                         self._recv(box, (sum(map(len, rs)), *shape[1:]), torch.float32)
@@ -462,7 +465,7 @@ def serve_state(worker, control, msg: dict) -> None:
         if m.sp_rank == 0:
             for i in layers:
                 for t in pool.layers[i]:
-                    control.send(_wire(t[slot].cpu().contiguous()), 0, KV_TAG)
+                    control.send(_wire(t[slot].to("cpu", torch.float32).contiguous()), 0, KV_TAG)
         return
     got = {}
     for i in layers:

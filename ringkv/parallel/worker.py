@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 
 from ..cache.kv_cache import KVCache, bytes_per_block
-from ..cache.state_pool import StatePool, snapshot_slots, state_bytes
+from ..cache.state_pool import STATE_DTYPES, StatePool, snapshot_slots, state_bytes
 from ..kernels import paged, quant
 from ..model.config import ModelConfig
 from ..model import new_model, state_layers
@@ -69,6 +69,7 @@ class EngineShape:
     # snapshot per ``checkpoint_blocks`` KV blocks (0: no snapshots, prefix caching off)
     state_slots: int = 0
     checkpoint_blocks: int = 0
+    state_dtype: str = "float32"  # the pool's (state_pool.STATE_DTYPES)
 
     @property
     def quant(self):
@@ -199,7 +200,7 @@ class Worker:
     @property
     def state_bytes(self) -> int:
         """Bytes of one state slot here (0: no recurrent layer on this stage)."""
-        return state_bytes(self.state_layers)
+        return state_bytes(self.state_layers, STATE_DTYPES[self.shape.state_dtype])
 
     def state_slots(self, num_blocks: int) -> int:
         """State slots for a cache of ``num_blocks`` blocks: one per running sequence and the
@@ -230,7 +231,8 @@ class Worker:
     def allocate(self, num_blocks: int) -> None:
         slots = self.state_slots(num_blocks)
         if slots:
-            self.states = StatePool(self.state_layers, slots, self.device)
+            dtype = STATE_DTYPES[self.shape.state_dtype]
+            self.states = StatePool(self.state_layers, slots, self.device, dtype)
         self.kv = KVCache(
             len(self.kv_index),
             self.kv_heads,

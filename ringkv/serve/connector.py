@@ -302,19 +302,37 @@ class KVConnector:
         ...] after event ``after``, "full": None}`` (kind: ``STORED`` on the device, ``HOST`` or
         ``DISK``: best held in that tier now, ``REMOVED``: held nowhere), or, when those events
         are gone or ``epoch`` is not this engine's (it restarted), ``"events": []`` and
-        ``"full"``: the whole index, ``[[hex hash, tier], ...]``. Blocking (the index is read on
-        the engine's thread): call it off the event loop."""
+        ``"full"``: the whole index, ``[[hex hash, tier], ...]``. A hybrid model's adds
+        ``"snapshots": {"events": [[kind, hex hash], ...], "full": None or [[hex hash, tier],
+        ...]}``, its state snapshots under the hash of the block each ends, in the same shapes
+        (numbered with the blocks' events: ``last`` counts both; ``full`` when the blocks' is);
+        a dense model's has no ``"snapshots"``. Blocking (the index is read on the engine's
+        thread): call it off the event loop."""
         events = self.llm.kv_events
         if events is None:
             return None
-        full = None
+        full = snaps = None
         last, new = events.since(after) if epoch == self.epoch else (events.last, None)
         if new is None:  # the whole index, read on the engine's thread (where it changes)
-            last, full = self.call(
-                lambda: (events.last, [[h.hex(), t] for h, t in self.llm.cached_blocks()])
+            last, full, snaps = self.call(
+                lambda: (events.last, self.llm.cached_blocks(), self.llm.cached_snapshots())
             )
             new = []
-        return {"last": last, "events": [[kind, h.hex()] for _, kind, h in new], "full": full}
+        out = {"last": last, "events": _events(new, snapshots=False), "full": _index(full)}
+        if self.info.get("state") is not None:  # a hybrid model
+            out["snapshots"] = {"events": _events(new, snapshots=True), "full": _index(snaps)}
+        return out
+
+
+def _events(log: List[tuple], snapshots: bool) -> List[list]:
+    """``KVEvents`` entries (a block's ``(number, kind, hash)``, a snapshot's ``(number, kind,
+    hash, SNAPSHOT)``) of blocks or of snapshots, as ``[[kind, hex hash], ...]``."""
+    return [[kind, h.hex()] for _, kind, h, *snap in log if bool(snap) == snapshots]
+
+
+def _index(held: Optional[List[tuple]]) -> Optional[List[list]]:
+    """A whole index, ``(hash, tier)`` pairs, as ``[[hex hash, tier], ...]`` (None stays)."""
+    return None if held is None else [[h.hex(), tier] for h, tier in held]
 
 
 class _Source:

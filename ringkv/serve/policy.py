@@ -4,6 +4,8 @@ picks where a prompt goes.
 - **Index.** Each ``Instance`` holds what its prefix cache holds, as its block events told
   (``GET /internal/state``: blocks stored and evicted, keyed by the portable block hash, salted
   per request's ``cache_salt``), and the blocks of prompts routed there that it will hold soon.
+  A hybrid model's instance also tells its state snapshots (by the hash of the block each ends):
+  a prompt resumes there only from the deepest block of its held prefix that has one.
 - **Score** (``kv``). A prompt's chain of block hashes is computed for each instance's logical
   block (``block_size * sp`` tokens); it goes to the instance where its cached prefix is worth
   most, unless that instance holds ``balance`` more requests in flight than the least busy one:
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Dict, Iterator, List, Optional
 
-from ..cache.block_manager import DISK, HOST, STORED, block_hash
+from ..cache.block_manager import DISK, HOST, REMOVED, STORED, block_hash
 
 ROUTINGS = ("kv", "round-robin", "least-loaded")
 POLL_S = 0.5  # how often each instance is asked for its state
@@ -33,6 +35,17 @@ PENDING_S = 30.0
 TIER_WEIGHT = {STORED: 1.0, HOST: 0.75, DISK: 0.5}
 PEER_WEIGHT = 0.25
 TIERS = {STORED: "device", HOST: "host", DISK: "disk"}  # their names in metrics and views
+
+
+def index(held: Dict[str, int], events: List[list]) -> None:
+    """Events ``[[kind, hex hash], ...]`` (``GET /internal/state``'s, of blocks or of snapshots)
+    into an index, hex hash -> tier: ``REMOVED`` drops the hash, ``STORED``, ``HOST`` or ``DISK``
+    say where it is best held now."""
+    for kind, h in events:
+        if kind == REMOVED:
+            held.pop(h, None)
+        else:
+            held[h] = kind
 
 
 class InstanceState(StrEnum):
@@ -57,6 +70,8 @@ class Instance:
     last: int = 0  # the last block event read
     # the blocks its prefix cache holds: hash (hex) -> tier (STORED: device, HOST, DISK)
     blocks: Dict[str, int] = field(default_factory=dict)
+    # a hybrid model's state snapshots: hash (hex) of the block each ends -> tier; None: dense
+    snapshots: Optional[Dict[str, int]] = None
     # hashes of the blocks of prompts routed there: until when they count as cached
     pending: Dict[str, float] = field(default_factory=dict)
     tokens_per_block: int = 0
@@ -99,6 +114,7 @@ class Instance:
             error=self.error,
             load=load,
             cached_blocks=len(self.blocks),
+            cached_snapshots=None if self.snapshots is None else len(self.snapshots),
             tier_blocks=self.tier_blocks(),
             tokens_per_block=self.tokens_per_block,
             counters=dict(self.counters),
@@ -138,10 +154,13 @@ class RoutingPolicy:
         self, inst: Instance, ids: List[int], salt, chains: dict, pending: bool = True
     ) -> List[int]:
         """The tier of each block of the longest prefix of the prompt ``inst`` holds (a block
-        claimed by a prompt routed there counts as on its device while ``pending``)."""
+        claimed by a prompt routed there counts as on its device while ``pending``), cut for a
+        hybrid model after the deepest block with a state snapshot (or claimed): a prompt
+        resumes from there and computes the rest."""
         if inst.tokens_per_block <= 0:
             return []
-        out, now = [], time.monotonic()
+        out, now, usable = [], time.monotonic(), 0
+        snapshots = inst.snapshots
         for h in self.chain(inst, ids, salt, chains):
             tier = inst.blocks.get(h)
             if tier is None:
@@ -149,7 +168,9 @@ class RoutingPolicy:
                     break
                 tier = STORED
             out.append(tier)
-        return out
+            if snapshots is None or h in snapshots or h not in inst.blocks:
+                usable = len(out)
+        return out[:usable]
 
     def cached_tokens(self, inst: Instance, ids: List[int], salt, chains: dict) -> int:
         """Prompt tokens of the longest prefix ``inst`` holds, in any tier."""
@@ -159,7 +180,8 @@ class RoutingPolicy:
         self, inst: Instance, ids: List[int], salt, chains: dict
     ) -> tuple[Optional[Instance], int]:
         """The up instance ``inst`` could pull the longest prefix of the prompt from (same model
-        and KV cache dtype; blocks its events reported, not claims), and that prefix's tokens."""
+        and KV cache dtype; blocks its events reported, not claims; a hybrid's up to a snapshot),
+        and that prefix's tokens."""
         best, most = None, 0
         for h in self.up():
             if h is inst or (h.model, h.kv_cache_dtype) != (inst.model, inst.kv_cache_dtype):

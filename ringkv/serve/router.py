@@ -5,9 +5,10 @@
 or the same ``--admin-key``). Clients see the OpenAI API of one ``ringkv serve``.
 
 - **Index and routing** (``serve/policy.py``). Each instance publishes its prefix cache's block
-  events (``GET /internal/state``); the front polls them into one index (a new ``epoch``, the
-  instance restarted, or a gap re-reads the instance's whole index) and sends each prompt
-  (tokenized once, by an instance's ``/tokenize``) where its cached prefix is worth most.
+  events (``GET /internal/state``; a hybrid model's, its state snapshots' too); the front polls
+  them into one index (a new ``epoch``, the instance restarted, or a gap re-reads the instance's
+  whole index) and sends each prompt (tokenized once, by an instance's ``/tokenize``) where its
+  cached prefix is worth most (a hybrid's: up to the deepest snapshot it resumes from).
 - **Pull hint.** When the chosen instance holds fewer prefix tokens (any tier) than the best
   holder by at least one of its logical blocks, the sub-request carries
   ``x-ringkv-pull: <holder URL> <tokens>``; the instance (which honours it from an admin only)
@@ -43,14 +44,14 @@ from urllib.parse import urlparse
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..cache.block_manager import REMOVED, STORED
+from ..cache.block_manager import STORED
 from .app import MIGRATION_TIMEOUT, admin_posts, check_admin, migration_timeout, openai_app
 from .metrics import RouterCollector, exposition, registry
 from .openai import ADMIN_HEADER, INSTANCE_HEADER, MAX_REQUEST_BYTES, PULL_HEADER, BadRequest
 from .openai import Encoder, RoutedRequest, completion_id, error_event, fold, merge, parse_json
 from .openai import read_body, response, stream_frame, unless_disconnected, usage
 from .policy import DOWN_AFTER, POLL_S, ROUTINGS, Instance, InstanceState, NoInstance
-from .policy import RoutingPolicy
+from .policy import RoutingPolicy, index
 from .replicas import Terminated, free_port, new_key, on_sigterm, start_replicas, stop_replicas
 from .replicas import supervise
 from .upstream import Attempt, Delta, Failure, Sub, httpx_module
@@ -158,6 +159,7 @@ class Router(RoutingPolicy):
         if inst.state != InstanceState.DRAINING:
             inst.state = InstanceState.DOWN
         inst.error, inst.blocks, inst.epoch, inst.last = why, {}, "", 0
+        inst.snapshots = None
 
     def headers(self) -> dict:
         h = {} if self.upstream_key is None else {ADMIN_HEADER: self.upstream_key}
@@ -203,16 +205,16 @@ class Router(RoutingPolicy):
             inst.error = why
             return
         inst.failed_polls = 0
+        snaps = state.get("snapshots")  # a hybrid model's: {"events": [...], "full": [...]}
         if state["epoch"] != inst.epoch or state["full"] is not None:
             # [[hex, tier], ...] (an instance before the tiers: hex strings, on its device)
             inst.blocks = dict(
                 (e, STORED) if isinstance(e, str) else e for e in state["full"] or []
             )
-        for kind, h in state["events"]:
-            if kind == REMOVED:
-                inst.blocks.pop(h, None)
-            else:  # STORED, HOST or DISK: where it is now best held
-                inst.blocks[h] = kind
+            inst.snapshots = None if snaps is None else dict(snaps["full"] or [])
+        index(inst.blocks, state["events"])
+        if snaps is not None and inst.snapshots is not None:
+            index(inst.snapshots, snaps["events"])
         now = time.monotonic()
         inst.pending = {h: t for h, t in inst.pending.items() if t > now and h not in inst.blocks}
         inst.epoch, inst.last, inst.load = state["epoch"], state["last"], state["load"]

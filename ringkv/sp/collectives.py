@@ -22,6 +22,7 @@ __all__ = [
     "rank_world",
     "all_gather",
     "all_sum",
+    "shared_sum",
     "all_reduce_",
     "wait",
     "agree",
@@ -78,6 +79,15 @@ def all_sum(
     rank, world = rank_world(group)
     x = x.detach().clone().contiguous()
     return x if world == 1 else all_reduce_(x, group, timeout, what)
+
+
+def shared_sum(
+    x: torch.Tensor, group=None, timeout: Optional[timedelta] = None, what: str = "all_reduce"
+) -> torch.Tensor:
+    """The sum of ``x`` over the group as the value, on every rank; as the gradient, ``x``'s own
+    (this rank's share: the gradients summed over the group, as data parallelism's all-reduce
+    does, are those of the sum). One bounded all-reduce."""
+    return x + (all_sum(x, group, timeout, what) - x.detach())
 
 
 def all_reduce_(

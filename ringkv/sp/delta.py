@@ -18,14 +18,14 @@ padded at its end to its batch's longest (zero k, g and beta leave the state unc
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels.delta_ref import chunk_delta_rule, prepare_gdn, prepare_kda
 from .collectives import rank_world
-from .pieces import Pieces, carry, check_pieces, tie
+from .pieces import Pieces, carry, check_pieces, ends_wanted, tie
 
 __all__ = ["gated_delta_rule", "kda"]
 
@@ -43,7 +43,8 @@ def gated_delta_rule(
     pieces: Pieces,
     group=None,
     timeout: Optional[timedelta] = None,
-    return_final_state: bool = False,
+    initial_state: Optional[Dict[int, torch.Tensor]] = None,
+    return_final_state: Union[bool, str] = False,
 ):
     """Same math and argument meaning as transformers' torch_chunk_gated_delta_rule
     (qwen3_next) over the whole sequence: q/k (B, T_local, H_k, D_k), v (B, T_local, H_v, D_v),
@@ -52,10 +53,14 @@ def gated_delta_rule(
     rank.
 
     The local rows are this rank's rows in ``pieces.mine(rank)`` order (pad rows included);
-    ``scale`` defaults to ``D_k ** -0.5`` (applied after the optional l2-normalisation)."""
+    ``scale`` defaults to ``D_k ** -0.5`` (applied after the optional l2-normalisation).
+    ``initial_state``: ``{doc: (B, H_v, D_k, D_v)}`` entering a (continued) document;
+    ``return_final_state="pieces"``: ``{(doc, end): state}`` after every piece
+    (``pieces.carry``)."""
     _check(q, k, v, g, beta, chunk_size, pieces, group, per_channel=False)
     prepared = prepare_gdn(q, k, v, g, beta, scale, use_qk_l2norm)  # (B, H_v, T, ...) f32
-    return _sp(prepared, q.dtype, chunk_size, pieces, group, timeout, return_final_state)
+    states = (initial_state, return_final_state)
+    return _sp(prepared, q.dtype, chunk_size, pieces, group, timeout, states)
 
 
 def kda(
@@ -71,15 +76,17 @@ def kda(
     pieces: Pieces,
     group=None,
     timeout: Optional[timedelta] = None,
-    return_final_state: bool = False,
+    initial_state: Optional[Dict[int, torch.Tensor]] = None,
+    return_final_state: Union[bool, str] = False,
 ):
     """The same for transformers' chunk_kimi_delta_attention: q/k (B, T_local, H, D_k),
     v (B, T_local, H, D_v), g (B, T_local, H, D_k) (per-channel log-decay), beta
     (B, T_local, H) -> o (B, T_local, H, D_v) in q's dtype; with return_final_state:
-    (o, {doc: (B, H, D_k, D_v) float32})."""
+    (o, {doc: (B, H, D_k, D_v) float32}); ``initial_state`` and ``"pieces"`` likewise."""
     _check(q, k, v, g, beta, chunk_size, pieces, group, per_channel=True)
     prepared = prepare_kda(q, k, v, g, beta, scale, use_qk_l2norm)  # (B, H, T, ...) f32
-    return _sp(prepared, q.dtype, chunk_size, pieces, group, timeout, return_final_state)
+    states = (initial_state, return_final_state)
+    return _sp(prepared, q.dtype, chunk_size, pieces, group, timeout, states)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,7 +176,9 @@ def _local_pass(prepared, ps, chunk_size: int):
     return zip(o.unflatten(0, (len(ps), b)), final.unflatten(0, (len(ps), b)))
 
 
-def _sp(prepared, dtype, chunk_size, pieces, group, timeout, return_final_state):
+def _sp(prepared, dtype, chunk_size, pieces, group, timeout, states):
+    initial, return_final_state = states
+    ends = ends_wanted(return_final_state)
     q, v = prepared[0], prepared[2]
     b, h, _, dk = q.shape
     dv = v.shape[-1]
@@ -181,8 +190,12 @@ def _sp(prepared, dtype, chunk_size, pieces, group, timeout, return_final_state)
     zero = q.new_zeros(b, h, dk, dv + dk)  # pad pieces: never read by carry
     finals = [local[p][1][..., :dv] if p in local else zero[..., :dv] for p in mine]
     trans = [local[p][1][..., dv:] if p in local else zero[..., dv:] for p in mine]
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in prepared)
-    incoming, doc_final = carry(finals, trans, _compose, pieces, group, timeout, needs_grad)
+    inputs = [*prepared, *(initial or {}).values()]
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    incoming, *finals_out = carry(
+        finals, trans, _compose, pieces, group, timeout, needs_grad, initial, ends
+    )
+    doc_final = finals_out[-1]
     outs = []
     for p, h_in in zip(mine, incoming):
         if p.doc < 0:

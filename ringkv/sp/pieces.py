@@ -228,14 +228,23 @@ def carry(
     group=None,
     timeout: Optional[timedelta] = None,
     needs_grad: Optional[bool] = None,
-) -> Tuple[List[Optional[torch.Tensor]], Dict[int, torch.Tensor]]:
+    initial: Optional[Dict[int, torch.Tensor]] = None,
+    ends: bool = False,
+):
     """The state entering each of this rank's pieces, and each document's final state.
 
     ``finals[i]`` / ``transitions[i]``: piece ``i`` of ``pieces.mine(rank)`` from a zero state
     (pad pieces: anything of the right shape, never read); shapes are the same for every piece
     and rank. Returns ``(incoming, doc_final)``: ``incoming[i]`` is None for a piece that starts
-    its document (nothing to add) and pad pieces; ``doc_final[d]`` is the state after document
-    ``d``'s last token, the same on every rank (float32).
+    its document without an ``initial`` state (nothing to add) and for pad pieces;
+    ``doc_final[d]`` is the state after document ``d``'s last token, the same on every rank
+    (float32).
+
+    ``initial``: ``{doc: state}`` entering a document's first piece (a document that continues
+    an earlier one, as an engine's later prompt chunk does); a document not in it starts from
+    zeros. ``ends``: return ``(incoming, doc_final, after)`` with ``after[(doc, e)]`` the state
+    after position ``e`` of the document for every piece's end ``e`` (the same on every rank:
+    what a cache keeps at a checkpoint the pieces were cut at).
 
     ``needs_grad``: whether the layer's inputs need a gradient, the same on every rank (None:
     whenever grad mode is on). Then every rank records the gather, whose backward is a
@@ -264,15 +273,26 @@ def carry(
         own = g_f[p.rank, i]
         return own if h is None else compose(g_t[p.rank, i], h) + own
 
-    def fold(ps: List[Piece]) -> Optional[torch.Tensor]:
-        h = None
+    initial = initial or {}
+    after, entering = {}, {}  # (doc, end) -> the state after it; piece -> the state entering it
+    for d, ps in pieces.order.items():  # in sequence order: h <- compose(T_q, h) + F_q
+        h = None if initial.get(d) is None else initial[d].float()
         for p in ps:
-            h = state_after(p, h)
-        return h
+            entering[p] = h
+            h = after[(d, p.start + len(p.rows))] = state_after(p, h)
+    incoming = [entering.get(p) for p in mine]  # pad pieces: None
+    doc_final = {d: after[(d, ps[-1].start + len(ps[-1].rows))] for d, ps in pieces.order.items()}
+    return (incoming, doc_final, after) if ends else (incoming, doc_final)
 
-    incoming = [fold(pieces.before(p)) for p in mine]
-    doc_final = {d: fold(ps) for d, ps in pieces.order.items()}
-    return incoming, doc_final
+
+def ends_wanted(return_final_state) -> bool:
+    """Whether a layer's ``return_final_state`` (a bool, or ``"pieces"``: the state after every
+    piece, ``carry``'s ``ends``) asks for every piece's end."""
+    if return_final_state not in (True, False, "pieces"):
+        raise ValueError(
+            f"return_final_state must be a bool or 'pieces', got {return_final_state!r}"
+        )
+    return return_final_state == "pieces"
 
 
 class _Tie(torch.autograd.Function):

@@ -26,14 +26,24 @@ pieces (doc -1) output zeros and carry nothing.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels.scan_ref import ACTIVATIONS, process_dt, selective_scan_ref, ssd_scan_ref
 from .collectives import start_all_gather
-from .pieces import Piece, Pieces, agree_call, arrived, carry, check_pieces, check_shape, tie
+from .pieces import (
+    Piece,
+    Pieces,
+    agree_call,
+    arrived,
+    carry,
+    check_pieces,
+    check_shape,
+    ends_wanted,
+    tie,
+)
 
 __all__ = ["causal_conv1d", "mamba2_scan", "selective_scan"]
 
@@ -69,9 +79,12 @@ def _last(x: torch.Tensor, k: int) -> torch.Tensor:
     return F.pad(tail, (k - tail.shape[-1], 0))
 
 
-def _before(tails: torch.Tensor, pieces: Pieces, earlier: List[Piece], m: int) -> torch.Tensor:
+def _before(
+    tails: torch.Tensor, pieces: Pieces, earlier: List[Piece], m: int, front=None
+) -> torch.Tensor:
     """The last ``m`` inputs of the pieces ``earlier`` (one document, in sequence order) from the
-    gathered tails ``(world, slots, B, C, K)`` -> ``(B, C, m)``, zeros in front of the start."""
+    gathered tails ``(world, slots, B, C, K)`` -> ``(B, C, m)``; before the document's start the
+    inputs ``front`` ``(B, C, K-1)`` (a continued document's), else zeros."""
     parts, got = [], 0
     for q in reversed(earlier):
         if got >= m:
@@ -79,6 +92,8 @@ def _before(tails: torch.Tensor, pieces: Pieces, earlier: List[Piece], m: int) -
         n = min(len(q.rows), tails.shape[-1])
         parts.insert(0, tails[q.rank, pieces.index(q), ..., tails.shape[-1] - n :])
         got += n
+    if got < m and front is not None:
+        parts.insert(0, front.to(tails.dtype))
     ctx = torch.cat(parts, -1) if parts else tails[0, 0, ..., :0]
     return _last(ctx, m)
 
@@ -105,15 +120,19 @@ def causal_conv1d(
     pieces: Pieces,
     group=None,
     timeout: Optional[timedelta] = None,
-    return_tail: bool = False,
+    initial_state: Optional[Dict[int, torch.Tensor]] = None,
+    return_tail: Union[bool, str] = False,
 ):
     """Depthwise causal convolution of a sharded sequence (transformers' ``causal_conv1d_fn``
     per document): ``x`` ``(B, C, T_local)``, ``weight`` ``(C, K)``, ``bias`` ``(C,)`` or None,
     ``activation`` None, ``"silu"`` or ``"swish"`` -> ``out`` ``(B, C, T_local)`` in
     ``x.dtype``; with ``return_tail``: ``(out, {doc: tail (B, C, K)})``, the last ``K`` inputs
     of each document (zeros before its start), the same on every rank (the conv state a cache
-    keeps)."""
+    keeps). ``initial_state``: ``{doc: (B, C, K-1)}``, the inputs before a (continued) document's
+    start; ``return_tail="pieces"``: ``{(doc, end): tail}`` at every piece's end."""
     what = "causal_conv1d"
+    ends = ends_wanted(return_tail)
+    initial_state = initial_state or {}
     check_shape(what, "x", x, (None, None, None))
     b, c, _ = x.shape
     check_shape(what, "weight", weight, (c, None))
@@ -142,7 +161,8 @@ def causal_conv1d(
         if p.doc < 0:
             outs.append(torch.zeros_like(xp, dtype=weight.dtype))
             continue
-        halo = _before(gathered, pieces, pieces.before(p), k - 1).to(x.dtype)  # (B, C, K-1)
+        front = initial_state.get(p.doc)
+        halo = _before(gathered, pieces, pieces.before(p), k - 1, front).to(x.dtype)  # (B, C, K-1)
         head = _conv(torch.cat([halo, xp[..., : k - 1]], -1), weight, bias)  # first min(K-1, L)
         outs.append(torch.cat([head, inner], -1))
     out = torch.cat(outs, -1)  # (B, C, T_local)
@@ -151,7 +171,15 @@ def causal_conv1d(
     out = _tie(out.to(x.dtype), [gathered], world, mine, [x, weight, bias])
     if not return_tail:
         return out
-    tails_out = {d: _before(gathered, pieces, ps, k).to(x.dtype) for d, ps in pieces.order.items()}
+    ps = pieces.order
+    if ends:  # the tail at every piece's end
+        cuts = {(d, p.start + len(p.rows)): ps[d][: i + 1] for d in ps for i, p in enumerate(ps[d])}
+    else:
+        cuts = {d: ps[d] for d in ps}
+    tails_out = {
+        key: _before(gathered, pieces, upto, k, initial_state.get(upto[0].doc)).to(x.dtype)
+        for key, upto in cuts.items()
+    }
     return out, tails_out
 
 
@@ -159,14 +187,18 @@ def causal_conv1d(
 # the scans
 
 
-def _pass_states(ys, finals, transitions, compose, correct, pieces, group, timeout, inputs):
+def _pass_states(ys, finals, transitions, compose, correct, inputs, **passing):
     """Each piece's output from zero ``ys``, corrected by the state entering it:
-    ``correct(i, h_in)``; returns the corrected outputs and ``{doc: final state}``. ``inputs``:
-    the layer's tensors (whether any needs a gradient: the same on every rank)."""
+    ``correct(i, h_in)``; returns the corrected outputs and ``{doc: final state}`` (``ends``:
+    ``{(doc, end): state}`` after every piece, ``carry``'s ``after``). ``inputs``: the layer's
+    tensors (whether any needs a gradient: the same on every rank); ``passing``: ``carry``'s
+    ``pieces``, ``group``, ``timeout``, ``initial`` (``{doc: state}`` entering each document)
+    and ``ends``."""
+    inputs = [*inputs, *(passing.get("initial") or {}).values()]
     grad = any(t is not None and t.requires_grad for t in inputs) and torch.is_grad_enabled()
-    incoming, doc_final = carry(finals, transitions, compose, pieces, group, timeout, grad)
+    incoming, *states = carry(finals, transitions, compose, needs_grad=grad, **passing)
     ys = [y if h is None else y + correct(i, h) for i, (y, h) in enumerate(zip(ys, incoming))]
-    return ys, doc_final
+    return ys, states[-1]
 
 
 def ssd_shapes(what: str, x, dt, A, B, C, chunk_size, D, dt_bias) -> Tuple[int, int, int, int]:
@@ -232,14 +264,17 @@ def mamba2_scan(
     pieces: Pieces,
     group=None,
     timeout: Optional[timedelta] = None,
-    return_final_state: bool = False,
+    initial_state: Optional[Dict[int, torch.Tensor]] = None,
+    return_final_state: Union[bool, str] = False,
 ):
     """Mamba2's SSD scan of a sharded sequence, the math of transformers' ``mamba2_chunk_scan``
     (bamba) per document: ``x`` ``(B, T_local, H, P)``, ``dt`` ``(B, T_local, H)`` raw (then
     ``+ dt_bias``, softplus, clamped to ``dt_limit``), ``A`` ``(H,)``, ``B``/``C`` ``(B,
     T_local, G, N)``, ``D`` ``(H,)`` -> ``y`` ``(B, T_local, H, P)`` float32 (as transformers);
     with ``return_final_state``: ``(y, {doc: (B, H, P, N) float32})``, the same on every
-    rank."""
+    rank. ``initial_state``: ``{doc: (B, H, P, N)}`` entering a document (a continued one);
+    ``return_final_state="pieces"``: ``{(doc, end): state}`` after every piece (``carry``)."""
+    ends = ends_wanted(return_final_state)
     rank, world = _ssd_check(x, dt, A, B, C, chunk_size, D, dt_bias, pieces, group, timeout)
     h = x.shape[2]
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit).float()  # (B, T, H)
@@ -255,10 +290,9 @@ def mamba2_scan(
     def compose(tr, state):  # tr (B, H), state (B, H, P, N)
         return tr[..., None, None] * state
 
+    passing = dict(pieces=pieces, group=group, timeout=timeout, initial=initial_state, ends=ends)
     inputs = (x, dt, A, B, C)
-    ys, doc_final = _pass_states(
-        ys, finals, transitions, compose, correct, pieces, group, timeout, inputs
-    )
+    ys, doc_final = _pass_states(ys, finals, transitions, compose, correct, inputs, **passing)
     mine = pieces.mine(rank)
     if D is not None:  # the skip on real rows only (pad rows stay zeros, without gradient)
         ys = [
@@ -316,14 +350,17 @@ def selective_scan(
     pieces: Pieces,
     group=None,
     timeout: Optional[timedelta] = None,
-    return_final_state: bool = False,
+    initial_state: Optional[Dict[int, torch.Tensor]] = None,
+    return_final_state: Union[bool, str] = False,
 ):
     """Mamba's selective scan of a sharded sequence, the math of transformers' jamba
     ``mamba_selective_scan`` per document: ``x`` ``(B, D, T_local)``, ``dt`` ``(B, D, T_local)``
     raw (then ``+ delta_bias``, softplus), ``A`` ``(D, N)``, ``B``/``C`` ``(B, N, T_local)``,
     ``D`` ``(D,)``, ``z`` ``(B, D, T_local)`` (gate ``* silu(z)``) -> ``y`` ``(B, D, T_local)``
     (dtype as transformers: ``x``'s promoted with ``D``'s and ``z``'s); with
-    ``return_final_state``: ``(y, {doc: (B, D, N) float32})``, the same on every rank."""
+    ``return_final_state``: ``(y, {doc: (B, D, N) float32})``, the same on every rank;
+    ``initial_state`` and ``"pieces"`` as in ``mamba2_scan``."""
+    ends = ends_wanted(return_final_state)
     rank, world = _sel_check(x, dt, A, B, C, D, z, delta_bias, pieces, group, timeout)
     out_dtype = x.dtype
     for t in (D, z):
@@ -347,9 +384,9 @@ def selective_scan(
         r = slice(rows.start, rows.stop)
         return selective_scan_ref(None, dt[..., r], A, None, Cf[..., r], initial_state=h_in)[0]
 
-    ys, doc_final = _pass_states(
-        ys, finals, transitions, torch.mul, correct, pieces, group, timeout, (x, dt, A, B, C)
-    )
+    inputs = (x, dt, A, B, C)
+    passing = dict(pieces=pieces, group=group, timeout=timeout, initial=initial_state, ends=ends)
+    ys, doc_final = _pass_states(ys, finals, transitions, torch.mul, correct, inputs, **passing)
     mine = pieces.mine(rank)
     ys = [y if p.doc < 0 else _skip_gate(y, x, D, z, p.rows) for p, y in zip(mine, ys)]
     y = torch.cat(ys, -1)  # (B, D, T_local)

@@ -39,13 +39,20 @@ class Choice:
 
 
 def _heads(config):
-    """``(heads, kv_heads, head_dim, v_head_dim, default length)`` of a model's text config."""
+    """``(heads, kv_heads, head_dim, v_head_dim, default length)`` of a model's text config; a
+    ``ValueError`` for a config whose layers differ in them (transformers' per-layer configs)."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    h = c.num_attention_heads
-    hkv = getattr(c, "num_key_value_heads", None) or h
+    try:
+        h = c.num_attention_heads
+        hkv = getattr(c, "num_key_value_heads", None) or h
+        d = getattr(c, "head_dim", None) or c.hidden_size // h
+        dv = getattr(c, "v_head_dim", None) or d
+    except RuntimeError as e:  # AmbiguousGlobalPerLayerAttributeError: heads vary per layer
+        raise ValueError(
+            f"{type(config).__name__} sets its attention heads per layer ({e}); "
+            f"ringkv splits heads only for one head count and size: use method='ring'"
+        ) from None
     hkv = hkv if h % hkv == 0 else h  # what the attention sees (MLA expands its latent per head)
-    d = getattr(c, "head_dim", None) or c.hidden_size // h
-    dv = getattr(c, "v_head_dim", None) or d
     return h, hkv, d, dv, getattr(c, "max_position_embeddings", None) or 8192
 
 
@@ -82,13 +89,13 @@ def choose(model, method: str, ulysses, group, world: int, seq_len, hybrid: bool
         isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1
     ):
         raise ValueError(f"seq_len must be a positive int or None, got {seq_len!r}")
-    h, hkv = _heads(model.config)[:2]
     whole = group is None or rank_world(group)[1] == rank_world()[1]
     if method == "ring" or (method == "auto" and (world == 1 or hybrid)):
         why = "method='ring'" if method == "ring" else "method='auto' on one rank: the ring"
         if method == "auto" and hybrid:
             why = "method='auto' on a hybrid model: attention on the ring (recurrent layers: form)"
         return Choice("ring", 1, (), why)
+    h, hkv = _heads(model.config)[:2]  # the ring needs no head count
     if method == "ulysses":
         split = head_split(h, hkv, world, "patch_model(method='ulysses')")
         counts = [len(split.q_heads(r)) for r in range(world)]

@@ -93,7 +93,8 @@ run in every SP method and in decode, exactly.
 The package, bottom to top: ``state.py`` (the records), ``packing.py`` (packed documents and
 padded rows, checked whole; labels into a rank's targets), ``logprobs.py`` (``per_token``'s
 fields, ``sequence_sums``), ``plan.py`` (one forward's inputs, planned), ``loss.py`` (the loss,
-``causal_lm_loss``, ``gather_logits``), ``attention.py`` (the attention function and
+``causal_lm_loss``, ``gather_logits``), ``method.py`` (which SP attention runs:
+``method="auto"``'s choice, ``describe``), ``attention.py`` (the attention function and
 ``ShardedKVCache``), ``recurrent.py`` (hybrid models' recurrent layers: short convolutions, Mamba2
 and Mamba scans, gated DeltaNet and KDA, run by their SP forms from ``ringkv.sp``), ``patch.py``
 (``patch_model`` and its hooks).
@@ -110,13 +111,14 @@ from .attention import ShardedKVCache, ringkv_attention  # noqa: F401
 from .logprobs import PER_TOKEN, sequence_sums  # noqa: F401
 from .loss import causal_lm_loss, gather_logits
 from .packing import LEFT_PAD_HELP, packed_cu_seqlens  # noqa: F401
-from .patch import patch_model, unpatch_model
+from .patch import describe, patch_model, unpatch_model
 from .plan import AGREE_NAMES, PACKING_KEYS, PADDING_HELP  # noqa: F401
 from .state import ATTN_NAME, IGNORE_INDEX, METHODS  # noqa: F401
 
 __all__ = [
     "patch_model",
     "unpatch_model",
+    "describe",
     "gather_logits",
     "causal_lm_loss",
     "sequence_sums",

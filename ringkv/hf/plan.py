@@ -392,10 +392,10 @@ def _plan_prefill(state, model, call: Call, kw: dict) -> Plan:
         cache = None
     if pk is None:
         return _plan_rows(state, model, call, kw, cache)
-    if state.attention != "ring":
+    if not state.runs_varlen:
         raise ValueError(
             f"ringkv: packed documents need method='ring' (the varlen ring attention); "
-            f"method={state.method!r} cannot keep documents apart. Patch with method='ring'"
+            f"{state.method_name} cannot keep documents apart. Patch with method='ring'"
         )
     if call.keep:
         raise ValueError(
@@ -518,10 +518,10 @@ def _check_left_padded_prefill(state, call: Call, m: torch.Tensor) -> None:
             "ringkv: labels with a left-padded batch and a KV cache are not supported; pass "
             "use_cache=False (training and scoring)"
         )
-    if state.attention != "ring":
+    if not state.runs_varlen:
         raise ValueError(
             "ringkv: a left-padded batch with a KV cache (batched generate) needs method='ring' "
-            f"(the varlen ring keeps the rows apart); method={state.method!r}. Patch with "
+            f"(the varlen ring keeps the rows apart); {state.method_name}. Patch with "
             "method='ring'"
         )
     want = m.long().cumsum(1) - 1

@@ -49,6 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 import ringkv  # noqa: E402
 from ringkv.sp import CommStats, LocalComm, RingStats  # noqa: E402
+from ringkv.sp.ulysses import HeadSplit  # noqa: E402
 
 from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402  (benchmarks/: this folder)
 from benchmarks import torch_ring_peer  # noqa: E402
@@ -288,14 +289,15 @@ def compute_only(method, args, env, layout, causal):
         return run_ring(q, k, v, args, env, layout, causal, comm=LocalComm(env.rank, env.world))
     u = env.world if method == "ulysses" else args.ulysses
     r = env.world // u
-    shape = (args.batch, args.seq // r, args.heads // u, args.head_dim)  # what one rank computes on
+    split = HeadSplit(args.heads, args.kv_heads, u)  # this rank's heads, uneven ones too
+    hq = len(split.q_heads(env.rank % u))
+    hkv = hq // split.group(env.rank % u)  # the KV heads its kernel runs with
     g = torch.Generator(device=env.device).manual_seed(env.rank)
-    hkv = max(1, args.kv_heads // u)
-    q, k, v = (
-        torch.randn(*shape[:2], h, shape[3], generator=g, device=env.device)
+    q, k, v = (  # what one rank computes on: (B, S/R, heads, D)
+        torch.randn(args.batch, args.seq // r, h, args.head_dim, generator=g, device=env.device)
         .to(DTYPES[args.dtype])
         .requires_grad_(args.backward)
-        for h in (shape[2], hkv, hkv)
+        for h in (hq, hkv, hkv)
     )
     if method == "ulysses":
         return run(

@@ -1,5 +1,5 @@
-"""transformers' ``Trainer`` (and TRL's ``SFTTrainer``) on a ``(dp, sp)`` layout of a ringkv-patched
-model.
+"""transformers' ``Trainer`` (and TRL's ``SFTTrainer`` and ``DPOTrainer``) on a ``(dp, sp)`` layout
+of a ringkv-patched model.
 
     from ringkv.hf import patch_model
     from ringkv.trainer import sp_trainer
@@ -35,16 +35,28 @@ changes four things, each by overriding a public ``Trainer`` method and calling 
 TRL's ``SFTTrainer`` computes its training loss with a fused LM head that runs the backbone and
 the head itself (``model(..., fused_lm_head=True)``), outside the patched model's sequence-parallel
 loss. Under ``sp_trainer`` the SFT loss is ``Trainer.compute_loss``'s, i.e. the patched model's
-own (the same negative log-likelihood over the same tokens, ``num_items_in_batch`` honoured);
-TRL's per-token metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``) are then not
-logged. ``loss_type`` other than ``"nll"``, a ``compute_loss_func`` and label smoothing are
-refused with a ``ValueError``.
+own (the same negative log-likelihood over the same tokens, ``num_items_in_batch`` honoured),
+from a forward with ``per_token=("entropy", "is_top1")``: the chunked kernel gives each rank its
+shard's per-token log-probs, entropies and top-1 hits in the same pass through the head, and the
+mixin logs TRL's ``entropy`` and ``mean_token_accuracy`` from them as TRL does (sums gathered over
+the world: every token of every SP shard and replica once) and ``num_tokens`` counting each
+replica's batch once. ``loss_type`` other than ``"nll"``, a ``compute_loss_func``, label smoothing
+and the MoE load-balancing loss (``router_aux_loss_coef``) are refused with a ``ValueError``.
+
+TRL's ``DPOTrainer`` calls the policy and the reference with the same fused head;
+``ringkv/trainer_dpo.py`` patches the reference like the policy (when it is not) and answers both
+models' ``fused_lm_head=True`` calls with the patched ``per_token=`` forward, gathered into TRL's
+whole-sequence ``(B, S - 1)`` fields, so TRL's own ``_compute_loss`` (sequence sums, loss types,
+rewards, margins, accuracies) runs on every rank on exact values. The options that path cannot
+honour are refused at construction (``trainer_dpo.check_dpo``); ``num_tokens`` counts each
+replica once.
 """
 
 from __future__ import annotations
 
 import sys
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["SPTrainerMixin", "sp_trainer", "sp_layout"]
@@ -119,9 +131,22 @@ class SPTrainerMixin:
     be patched over (checked; optional)."""
 
     def __init__(self, *args, sp_mesh=None, **kwargs):
+        from .trainer_dpo import check_dpo, install_dpo, is_dpo
+
+        trl = sys.modules.get("trl")
+        dpo_cls = getattr(trl, "DPOTrainer", None) if trl is not None else None
+        if dpo_cls is not None and issubclass(type(self), dpo_cls):
+            # before TRL builds anything: the options the patched path cannot honour
+            names = ("model", "ref_model", "args")
+            check_dpo(
+                kwargs.get("args", args[2] if len(args) > 2 else None),
+                {**dict(zip(names, args)), **kwargs},
+            )
         super().__init__(*args, **kwargs)
         self.sp_size, self.dp_size, self.dp_rank = sp_layout(self.model, sp_mesh)
         self._ringkv_backward = False
+        if is_dpo(self):
+            install_dpo(self)
         if self._is_sft():
             if (
                 self.compute_loss_func is not None
@@ -132,6 +157,12 @@ class SPTrainerMixin:
                     "ringkv.trainer: with SFTTrainer only loss_type='nll' without "
                     "compute_loss_func or "
                     "label smoothing is supported (the loss is the patched model's own)"
+                )
+            if getattr(self, "aux_loss_enabled", False):
+                raise ValueError(
+                    "ringkv.trainer: SFTTrainer's MoE load-balancing loss would come from the "
+                    "router logits of one rank's shard; set the model config's "
+                    "router_aux_loss_coef=0 to train without it"
                 )
 
     def _is_sft(self) -> bool:
@@ -201,14 +232,22 @@ class SPTrainerMixin:
         ):  # TRL's fused LM head bypasses the patched model's loss: use the model's own
             from transformers import Trainer
 
-            inputs = {**inputs, "use_cache": False}
-            out = Trainer.compute_loss(
-                self,
-                model,
-                inputs,
-                return_outputs=return_outputs,
-                num_items_in_batch=num_items_in_batch,
+            inputs = {**inputs, "use_cache": False, "per_token": ("entropy", "is_top1")}
+            loss, outputs = Trainer.compute_loss(
+                self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
             )
+            self._sft_metrics(outputs, inputs)
+            out = (loss, outputs) if return_outputs else loss
+        elif self._is_dpo():  # TRL's own loss on whole-sequence values (ringkv/trainer_dpo.py)
+            before = self._total_train_tokens
+            out = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+            if self.model.training:  # TRL's gather over the world counts each replica sp times
+                self._total_train_tokens = (
+                    before + (self._total_train_tokens - before) // self.sp_size
+                )
+                self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         else:
             out = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
@@ -218,6 +257,38 @@ class SPTrainerMixin:
         if return_outputs:
             return out[0] * self.sp_size, out[1]
         return out * self.sp_size
+
+    def _is_dpo(self) -> bool:
+        from .trainer_dpo import is_dpo
+
+        return is_dpo(self)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if self._is_dpo():  # TRL's logits path recomputes logits without labels: a shard's, unused
+            prediction_loss_only = True  # compute_metrics (their only reader) is refused
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    def _sft_metrics(self, outputs, inputs) -> None:
+        """What TRL's ``SFTTrainer.compute_loss`` logs, from this rank's per-token ``outputs``
+        ``(B, S_local)``: the world's gather sums every shard of every replica once; ``num_tokens``
+        divides by ``sp`` the replica's batch that each of its ``sp`` ranks holds."""
+        mode = "train" if self.model.training else "eval"
+        gather, metrics = self.accelerator.gather_for_metrics, self._metrics[mode]
+        valid = gather(outputs.label_mask.sum()).sum()
+        entropy = gather(outputs.entropy.detach().sum()).sum()
+        correct = gather(outputs.is_top1.sum()).sum()
+        metrics["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
+        metrics["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
+        if mode == "train":
+            if "attention_mask" in inputs:
+                n = inputs["attention_mask"].sum()
+            else:  # padding-free: one packed row
+                n = torch.tensor(
+                    inputs["position_ids"].size(1), device=inputs["position_ids"].device
+                )
+            tp = getattr(self, "_tp_size", 1)
+            self._total_train_tokens += gather(n).sum().item() // (tp * self.sp_size)
+        metrics["num_tokens"] = [self._total_train_tokens]
 
 
 def sp_trainer(cls):

@@ -43,8 +43,10 @@ def train_step(
     method="ring",
     ulysses=None,
     config=None,
+    extra=None,
 ):
-    """Patched forward with labels + backward; returns gathered logits, loss, this rank's grads."""
+    """Patched forward with labels + backward; returns gathered logits, loss, this rank's grads and
+    what the patch runs (``hf.describe``). ``extra``: more ``patch_model`` arguments."""
     # keep_logits: a training-mode forward (checkpointing) returns its logits too, compared below
     model = hf.patch_model(
         build(arch, seed, **(config or {})),
@@ -55,8 +57,9 @@ def train_step(
         method=method,
         ulysses=ulysses,
         keep_logits=True,
+        **(extra or {}),
     )
-    u = ulysses or 1
+    u = hf.patch.patch_state(model).ulysses
     if checkpointing:
         model.train().activation_checkpointing_enable()
     if inputs == "full":
@@ -78,17 +81,27 @@ def train_step(
         out.logits.detach(), layout, ctx.group, seq_len=ids.shape[1], ulysses=u
     )
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return dict(logits=logits, loss=out.loss.item(), helper=helper.item(), grads=grads)
+    return dict(
+        logits=logits,
+        loss=out.loss.item(),
+        helper=helper.item(),
+        grads=grads,
+        described=hf.describe(model),
+    )
 
 
-def generate(ctx, arch, seed, ids, layout, new_tokens, method="ring", ulysses=None, config=None):
-    """Greedy generate on the patched model; returns tokens, per-step scores and the cache shard."""
+def generate(
+    ctx, arch, seed, ids, layout, new_tokens, method="ring", ulysses=None, config=None, extra=None
+):
+    """Greedy generate on the patched model; returns tokens, per-step scores and the cache shard.
+    ``extra``: more ``patch_model`` arguments."""
     model = hf.patch_model(
         build(arch, seed, **(config or {})),
         group=ctx.group,
         layout=layout,
         method=method,
         ulysses=ulysses,
+        **(extra or {}),
     )
     with torch.no_grad():
         out = model.generate(
@@ -107,6 +120,7 @@ def generate(ctx, arch, seed, ids, layout, new_tokens, method="ring", ulysses=No
         positions=cache.positions.tolist(),
         local_keys=cache.layers[0].keys.shape[2],
         seen=cache.get_seq_length(),
+        described=hf.describe(model),
     )
 
 
@@ -221,10 +235,11 @@ def packed_kwargs(ctx, batch, form, layout, inputs):
 
 
 def packed_train_step(
-    ctx, arch, seed, batch, layout, inputs, form, config=None, checkpointing=False
+    ctx, arch, seed, batch, layout, inputs, form, config=None, checkpointing=False, extra=None
 ):
     """Patched forward + backward of a packed batch (documents in ``form``); returns the gathered
-    logits ``(B, S, V)``, the model's loss, causal_lm_loss's, and this rank's gradients."""
+    logits ``(B, S, V)``, the model's loss, causal_lm_loss's, and this rank's gradients.
+    ``extra``: more ``patch_model`` arguments."""
     model = hf.patch_model(
         build(arch, seed, **(config or {})),
         sp=ctx.world,
@@ -232,6 +247,7 @@ def packed_train_step(
         layout=layout,
         inputs=inputs,
         keep_logits=True,
+        **(extra or {}),
     )
     if checkpointing:
         model.train().activation_checkpointing_enable()
@@ -274,6 +290,7 @@ def packed_train_step(
         grads=grads,
         local_rows=out.logits.shape[1],
         cached=out.get("cache") is not None,
+        attention=hf.describe(model)["attention"],
     )
 
 

@@ -22,7 +22,7 @@ LAYERS = (
     ("parallel",),
     ("engine",),
     ("planner", "hf"),
-    ("serve", "trainer"),
+    ("serve", "trainer", "trainer_dpo"),
     ("__init__", "__main__"),
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -336,10 +336,12 @@ def _fixed(method, n, dims=None, layout="zigzag", window=(-1, -1)):
         _fixed("ring", 3, layout="striped", window=(5, 0)),
         dict(_fixed("ring", 2, layout="contiguous"), dv=48),
         _fixed("ulysses", 2),
+        _fixed("ulysses", 3),  # uneven: heads 2 + 1 + 1, KV head 1 on two ranks
         _fixed("allgather", 3),
         _fixed("usp", 4, dims=(2, 2)),
+        dict(_fixed("usp", 4, dims=(2, 2)), h=3, hkv=1, sinks=[-3.0, 0.0, 30.0]),  # 2 + 1 heads
     ],
-    ids=lambda c: f"{c['method']}-{c['n']}-{c['layout']}-dv{c['dv']}",
+    ids=lambda c: f"{c['method']}-{c['n']}-{c['layout']}-dv{c['dv']}-h{c['h']}",
 )
 def test_sp_methods_fixed(world, c):
     _run(world, c)

@@ -431,19 +431,24 @@ def _finish(llm, rid) -> list:
                 return out.token_ids
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
-def test_requests_migrate_with_their_state_between_meshes(family, tmp_path):
-    """A request stopped mid-decode on one process continues on a pp=2 engine loading the saved
+# every family; two of them onto a pp=2 engine (the others' receivers are one process: cheaper)
+MIGRATIONS = [("qwen3_5", 2), ("nemotron_h", 2)] + [
+    (f, 1) for f in FAMILIES if f not in ("qwen3_5", "nemotron_h")
+]
+
+
+@pytest.mark.parametrize("family,pp", MIGRATIONS)
+def test_requests_migrate_with_their_state_between_meshes(family, pp, tmp_path):
+    """A request stopped mid-decode on one process continues on an engine loading the saved
     checkpoint (Nemotron-H saves its weights under other names: the model digest agrees), and a
-    pre-copied
-    one through two incremental snapshots, the second through bytes) with transformers' tokens:
-    its recurrent state travels with the K/V. A snapshot whose state is missing or of another size
-    is refused, naming the field, and nothing is imported."""
+    pre-copied one (through two incremental snapshots, the second through bytes) with
+    transformers' tokens: its recurrent state travels with the K/V. A snapshot whose state is
+    missing or of another size is refused, naming the field, and nothing is imported."""
     prompts = prompts_for(5)
     want, _ = reference(spec(family), prompts)
     params = SamplingParams(temperature=0, max_tokens=N_OUT)
     model_from(spec(family)).save_pretrained(tmp_path)
-    with _llm(family) as src, LLM(str(tmp_path), **dict(ENGINE, pp=2)) as dst:
+    with _llm(family) as src, LLM(str(tmp_path), **dict(ENGINE, pp=pp)) as dst:
         full = src.add_request(prompts[2], params)
         _steps_until(src, full, 3)
         snap = src.export_request(full)

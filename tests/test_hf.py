@@ -44,6 +44,7 @@ def _check_train(
     method="ring",
     ulysses=None,
     config=None,
+    extra=None,
 ):
     ids = _ids(b, s, seed + s)
     logits, loss, grads = _reference(arch, seed, ids, config)
@@ -60,6 +61,7 @@ def _check_train(
         method,
         ulysses,
         config,
+        extra,
     )
     for r, got in enumerate(res):
         torch.testing.assert_close(
@@ -74,6 +76,7 @@ def _check_train(
         torch.testing.assert_close(
             total, want, atol=2e-5 * scale, rtol=1e-4, msg=lambda m: f"grad {name}: {m}"
         )
+    return res
 
 
 @pytest.mark.parametrize(
@@ -119,8 +122,12 @@ def test_train_any_length_full_inputs(world, arch, sp, layout, s, seed):
         ("llama", 4, "zigzag", 5, 2),  # some ranks cache no prompt token at all
     ],
 )
-def test_generate_matches_unpatched(
-    world, arch, sp, layout, s, b, method="ring", ulysses=None, config=None
+def test_generate_matches_unpatched(world, arch, sp, layout, s, b):
+    _check_generate(world, arch, sp, layout, s, b)
+
+
+def _check_generate(
+    world, arch, sp, layout, s, b, method="ring", ulysses=None, config=None, extra=None
 ):
     new = 8
     ids = _ids(b, s, 7 + s)
@@ -135,7 +142,7 @@ def test_generate_matches_unpatched(
             pad_token_id=0,
         )
     res = world.check(
-        "tests.hf_cases:generate", sp, arch, 0, ids, layout, new, method, ulysses, config
+        "tests.hf_cases:generate", sp, arch, 0, ids, layout, new, method, ulysses, config, extra
     )
     ref_scores = torch.stack(ref.scores, 1)
     for r, got in enumerate(res):
@@ -147,6 +154,7 @@ def test_generate_matches_unpatched(
     assert cached == list(range(s + new - 1))
     assert sum(got["local_keys"] for got in res) == s + new - 1
     assert all(got["local_keys"] == len(got["positions"]) for got in res)
+    return res
 
 
 # ---- other SP methods and sliding windows: the same checks ----
@@ -225,7 +233,58 @@ def test_methods_and_windows_train_like_unpatched(
 def test_methods_and_windows_generate_like_unpatched(
     world, arch, sp, layout, s, method, ulysses, config
 ):
-    test_generate_matches_unpatched(world, arch, sp, layout, s, 1, method, ulysses, config)
+    _check_generate(world, arch, sp, layout, s, 1, method, ulysses, config)
+
+
+# ---- SmolLM2's heads (9 query, 3 KV): Ulysses and USP split them unevenly ----
+
+SMOLLM2_HEADS = dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72)
+
+
+@pytest.mark.parametrize(
+    "method,sp,ulysses,layout,heads",
+    [
+        ("ulysses", 2, None, "zigzag", [5, 4]),
+        ("ulysses", 3, None, "striped", [3, 3, 3]),
+        ("ulysses", 4, None, "zigzag", [3, 2, 2, 2]),
+        ("usp", 2, 2, "contiguous", [5, 4]),
+        ("usp", 3, 3, "zigzag", [3, 3, 3]),
+        ("usp", 4, 2, "zigzag", [5, 4]),  # 2 (Ulysses) x 2 (ring)
+    ],
+)
+def test_smollm2_heads_train_and_generate_like_unpatched(
+    world, worlds, method, sp, ulysses, layout, heads
+):
+    """Loss, every gradient, logits and greedy tokens of a model with SmolLM2's heads; USP on a
+    world of its own size (its mesh spans the default world)."""
+    w = world if method == "ulysses" else worlds(sp)
+    args = ("llama", sp, layout)
+    res = _check_train(w, *args, "full", 13, method=method, ulysses=ulysses, config=SMOLLM2_HEADS)
+    assert res[0]["described"]["heads_per_rank"] == heads
+    assert res[0]["described"]["shard_ulysses"] == (ulysses or 1)
+    _check_generate(w, *args, 11, 1, method, ulysses, SMOLLM2_HEADS)
+
+
+def test_auto_picks_from_the_time_model_and_runs_exactly(world):
+    """``method="auto"`` on 4 CPU ranks with SmolLM2's heads picks what the planner's time model
+    gives (Ulysses where the ring's per-hop latency dominates, at 64 tokens; the ring at 4096,
+    where compute does and Ulysses' busiest rank has 3 heads of 9); exact either way, and
+    ``describe`` says why."""
+    from ringkv.planner.sp_method import choose_sp, local_rates
+
+    r, link, _ = local_rates(torch.device("cpu"), "float32")  # the ranks' rates: 1 thread each
+    want = {n: choose_sp(9, 3, 8, 4, n, r, link, act=4) for n in (64, 4096)}
+    assert (want[64].method, want[4096].method) == ("ulysses", "ring")
+    kw = dict(method="auto", config=SMOLLM2_HEADS)
+    short = _check_train(world, "llama", 4, "zigzag", "full", 13, **kw, extra=dict(seq_len=64))
+    got = short[0]["described"]
+    assert (got["attention"], got["ulysses"], got["heads_per_rank"]) == ("ulysses", 4, [3, 2, 2, 2])
+    assert got["why"].startswith("method='auto' chose ulysses") and "seq_len=64" in got["why"]
+    res = _check_generate(
+        world, "llama", 4, "zigzag", 9, 1, "auto", None, SMOLLM2_HEADS, dict(seq_len=4096)
+    )
+    got = res[0]["described"]
+    assert got["attention"] == "ring" and got["why"].startswith("method='auto' chose ring")
 
 
 @settings(
@@ -383,12 +442,13 @@ def test_errors_name_the_fix(tiny):
 
 
 def test_model_level_limits():
-    with pytest.raises(
-        ValueError, match="valid world sizes"
-    ):  # 4 heads, 2 KV heads cannot split over 3 ranks
-        hf.patch.method_groups(build("llama", 0).config, "ulysses", None, None, 3)
+    # 4 heads cannot split over 5 ranks: a rank would get none (before any collective)
+    with pytest.raises(ValueError, match=r"heads \(4\) must be >= 5; valid world sizes .* 1..4"):
+        hf.method.choose(build("llama", 0), "ulysses", None, None, 5, None, False)
     with pytest.raises(ValueError, match="ulysses=U"):
-        hf.patch_model(build("llama", 0), method="usp")
+        hf.patch_model(build("llama", 0), method="usp", ulysses=2)  # one rank
+    with pytest.raises(ValueError, match="seq_len"):
+        hf.patch_model(build("llama", 0), method="auto", seq_len=0)
     with pytest.raises(ValueError, match="method must be"):
         hf.patch_model(build("llama", 0), method="ring2")
     dropped = hf.patch_model(build("llama", 0, attention_dropout=0.1)).train()

@@ -103,7 +103,17 @@ def _assert_matches(res, logits, loss, grads, real=None):
 
 
 def _check_packed(
-    world, arch, sp, layout, inputs, form, rows, seed=0, config=None, checkpointing=False
+    world,
+    arch,
+    sp,
+    layout,
+    inputs,
+    form,
+    rows,
+    seed=0,
+    config=None,
+    checkpointing=False,
+    extra=None,
 ):
     batch = _batch(rows, seed)
     want = _per_document_reference(arch, seed, batch, config)
@@ -118,6 +128,7 @@ def _check_packed(
         form,
         config,
         checkpointing,
+        extra,
     )
     _assert_matches(res, *want)
     return res
@@ -423,6 +434,17 @@ def test_a_document_may_not_cross_batch_rows(world):
     assert kinds == ["ValueError"] * 2 and all(
         "across batch rows 0 and 1" in m for m in messages
     ), messages
+
+
+def test_auto_runs_packed_documents_on_the_ring(world):
+    """``method="auto"`` that chose Ulysses (SmolLM2's heads, 4 ranks, 64 tokens: see test_hf's
+    auto test) shards like the ring, so packed documents run the varlen ring, exactly."""
+    config = dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72)
+    extra = dict(method="auto", seq_len=64)
+    res = _check_packed(
+        world, "llama", 4, "zigzag", "full", "flash", [[5, 3], [8]], config=config, extra=extra
+    )
+    assert [r["attention"] for r in res] == ["ulysses"] * 4
 
 
 def test_packing_needs_the_ring(world):

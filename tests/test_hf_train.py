@@ -1,6 +1,6 @@
-"""Training at any length: the chunked loss (no logits), the tiled MLP and offloaded checkpoints of
-``ringkv.patch_model``, against the unpatched model (loss and gradients, summed over the SP
-group)."""
+"""Training at any length: the chunked loss (no logits), per-token log-probs (``per_token=``,
+``sequence_sums``), the tiled MLP and offloaded checkpoints of ``ringkv.patch_model``, against the
+unpatched model (loss and gradients, summed over the SP group)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import ringkv
 from ringkv import hf
-from ringkv.kernels.linear_ce import default_chunk, linear_cross_entropy
+from ringkv.kernels.linear_ce import default_chunk, linear_cross_entropy, linear_log_probs
 from ringkv.memory import FileStore
 from tests.hf_cases import build
-from tests.train_cases import targets, unpatched_step
+from tests.train_cases import targets, unpatched_per_token, unpatched_step
 
 _SETTINGS = dict(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow], deadline=None
@@ -96,6 +96,69 @@ def test_linear_cross_entropy_equals_the_head_then_cross_entropy(
         torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-4)
 
 
+@settings(max_examples=30, **_SETTINGS)
+@given(
+    n=st.integers(1, 70),
+    h=st.integers(1, 24),
+    v=st.integers(2, 90),
+    chunk=st.one_of(st.none(), st.integers(1, 80)),
+    density=st.floats(0, 1),
+    bias=st.booleans(),
+    softcap=st.sampled_from([None, 0.5, 30.0]),
+    scale=st.sampled_from([None, 0.25, 3.0]),
+    temperature=st.sampled_from([1.0, 0.7]),
+    fields=st.sampled_from(["log_probs", "entropy", "both"]),  # what the backward sees
+    seed=st.integers(0, 10**6),
+)
+def test_linear_log_probs_equals_log_softmax_gather_in_float64(
+    n, h, v, chunk, density, bias, softcap, scale, temperature, fields, seed
+):
+    """Log-probs, entropy, top-1 and mean logit of every row, and the gradients of a random
+    weighting of the log-probs and/or entropies, equal ``log_softmax(z).gather(target)`` (and
+    ``z.mean(-1)``) of the whole logits in float64 (the head, scale, softcap and temperature
+    applied; rows with target -100 give 0)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, requires_grad=True)
+    b = torch.randn(v, generator=g, requires_grad=True) if bias else None
+    y = torch.randint(0, v, (n,), generator=g)
+    y[torch.rand(n, generator=g) < density] = -100
+    leaves = [hidden, weight] + ([b] if bias else [])
+    d = [x.detach().double().requires_grad_() for x in leaves]
+    z = F.linear(d[0], d[1], d[2] if bias else None)
+    z = z if scale is None else z * scale
+    z = z if softcap is None else torch.tanh(z / softcap) * softcap
+    z = z / temperature
+    logp, valid = z.log_softmax(-1), y != -100
+    want = torch.where(valid, logp.gather(1, y.clamp(min=0)[:, None])[:, 0], 0.0)
+    want_ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+    got = linear_log_probs(
+        hidden, weight, y, b, chunk=chunk, softcap=softcap, scale=scale,
+        temperature=temperature, entropy=True, top1=True, mean_logits=True,
+    )  # fmt: skip
+    assert got.log_probs.dtype == got.entropy.dtype == got.mean_logits.dtype == torch.float32
+    want_mean = torch.where(valid, z.mean(-1), 0.0)  # TRL's logits/* metrics; no gradient
+    torch.testing.assert_close(got.mean_logits.double(), want_mean, atol=2e-5, rtol=1e-5)
+    assert not got.mean_logits.requires_grad
+    torch.testing.assert_close(got.log_probs.double(), want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got.entropy.double(), want_ent, atol=2e-5, rtol=1e-5)
+    top2 = z.topk(min(2, v), -1).values
+    clear = (top2[:, 0] - top2[:, -1] > 1e-4) | (v == 1)  # no near-tie for the argmax
+    top1 = valid & (z.argmax(-1) == y)
+    assert torch.equal(got.is_top1[clear], top1[clear]) and not got.is_top1[~valid].any()
+    w_lp, w_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    use_lp, use_ent = fields in ("log_probs", "both"), fields in ("entropy", "both")
+
+    def weighted(lp, ent, w_lp, w_ent):
+        return (lp * w_lp).sum() * use_lp + (ent * w_ent).sum() * use_ent
+
+    got_grads = torch.autograd.grad(weighted(*got[:2], w_lp, w_ent), leaves)
+    want_grads = torch.autograd.grad(weighted(want, want_ent, w_lp.double(), w_ent.double()), d)
+    for a, w in zip(got_grads, want_grads):
+        atol = 2e-5 * max(1.0, w.abs().max().item())
+        torch.testing.assert_close(a.double(), w, atol=atol, rtol=1e-4)
+
+
 def test_linear_cross_entropy_bf16_accumulates_in_float32():
     """bf16 head and hidden states: the sum equals the float32 loss of the bf16 logits (what HF
     computes: the head in bf16, then .float()), and d weight is accumulated in float32 over 64
@@ -122,9 +185,20 @@ def test_linear_cross_entropy_bf16_accumulates_in_float32():
     torch.testing.assert_close(dh.float(), dh_ref.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_linear_cross_entropy_keeps_at_most_one_chunk_of_logits():
+def _head_loss(kind, hidden, weight, y, chunk):
+    """The chunked head's scalar to backpropagate: ``linear_cross_entropy``'s, or
+    ``linear_log_probs``' log-probs plus entropies (both gradients)."""
+    if kind == "cross_entropy":
+        return linear_cross_entropy(hidden, weight, y, chunk=chunk)
+    out = linear_log_probs(hidden, weight, y, chunk=chunk, entropy=True, top1=True)
+    return out.log_probs.sum() + out.entropy.sum()
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "log_probs"])
+def test_linear_head_keeps_at_most_one_chunk_of_logits(kind):
     """The peak allocation of forward + backward grows with the chunk, not with the tokens: 4x the
-    tokens at the same chunk add only the (N, H) hidden-state gradient, never (N, V) logits."""
+    tokens at the same chunk add only the (N, H) hidden-state gradient (and (N,) rows), never
+    (N, V) logits; for the cross-entropy and for the per-token log-probs with their entropy."""
     from benchmarks.train_memory import (
         _profiled_peak,
     )  # the benchmark's own CPU allocator accounting
@@ -137,7 +211,7 @@ def test_linear_cross_entropy_keeps_at_most_one_chunk_of_logits():
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         ) as prof:
-            linear_cross_entropy(hidden, weight, y, chunk=chunk).backward()
+            _head_loss(kind, hidden, weight, y, chunk).backward()
         return _profiled_peak(prof)
 
     logits_bytes = 4096 * 4
@@ -217,6 +291,42 @@ def test_chunked_loss_with_sharded_inputs(world, sp, layout, form):
     )
     for r in res:
         assert not r["logits"] and r["loss"] == pytest.approx(loss, rel=1e-5)
+    _close_grads(res, grads)
+
+
+@settings(max_examples=10, **_SETTINGS)
+@given(
+    sp=st.integers(1, 3),
+    layout=st.sampled_from(ringkv.LAYOUTS),
+    s=st.integers(3, 30),
+    b=st.integers(1, 2),
+    density=st.floats(0, 0.8),
+    packed=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_per_token_log_probs_equal_the_unpatched_model(
+    world, sp, layout, s, b, density, packed, seed
+):
+    """per_token=("entropy", "is_top1") on sp ranks: every token's log-prob, entropy, top-1 hit
+    and label mask (gathered from the shards) equal those of the unpatched model's logits, with the
+    shift across shard boundaries; sequence_sums gives every sequence's (packed document's) sum on
+    every rank, and the gradients of a weighting of those sums, summed over the SP group, are the
+    unpatched model's."""
+    ids = torch.randint(3, 128, (b, s), generator=torch.Generator().manual_seed(seed))
+    labels = _labels(ids, density, seed)
+    pos = _packed_positions(b, s, seed) if packed else None
+    docs = int((pos == 0).sum()) if packed else b
+    weights = torch.randn(docs, generator=torch.Generator().manual_seed(seed))
+    fields, sums, grads = unpatched_per_token("llama", seed, ids, labels, pos, weights)
+    opts = dict(position_ids=pos, weights=weights)
+    res = world.check(
+        "tests.train_cases:per_token_step", sp, "llama", seed, ids, labels, layout, opts
+    )
+    for r in res:
+        assert "logits" not in r["keys"] and "loss" in r["keys"], r["keys"]
+        for name, want in fields.items():
+            torch.testing.assert_close(r["fields"][name], want, atol=2e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(r["sums"], sums, atol=1e-4, rtol=1e-5)
     _close_grads(res, grads)
 
 
@@ -301,7 +411,7 @@ FAMILIES = {  # transformers class prefix: config overrides (tiny)
         head_dim=16,
         attn_logit_softcapping=0.05,
         query_pre_attn_scalar=1,
-        final_logit_softcapping=30.0,
+        final_logit_softcapping=0.1,  # the head's logits too are past it at init
         sliding_window=8,
     ),  # scale 1: scores ~0.1 at init, past the cap
     "Cohere": dict(logit_scale=0.25),
@@ -315,7 +425,7 @@ FAMILIES = {  # transformers class prefix: config overrides (tiny)
 def test_other_families_train_like_unpatched(family):
     """Heads that transform their logits (Gemma 2's soft-cap, Cohere's and Granite's scales), fused
     MLPs (Phi-3), q/k norms (Qwen3), attention soft-capping (Gemma 2): the chunked loss and the
-    tiled MLP equal the unpatched model."""
+    tiled MLP equal the unpatched model, and so do per_token's entropy and log-probs."""
     import transformers
 
     torch.manual_seed(0)
@@ -344,6 +454,15 @@ def test_other_families_train_like_unpatched(family):
         torch.testing.assert_close(
             p.grad, q.grad, atol=2e-6, rtol=1e-4, msg=lambda m: f"{family} {name}: {m}"
         )
+    # per_token's entropy and log-probs through the same head transform (eval, no logits)
+    with torch.no_grad():
+        stats = model.eval()(ids, labels=ids, per_token=("entropy",))
+    logp = want.logits.detach().float().log_softmax(-1)[:, :-1]  # (B, S - 1, V)
+    entropy = -(logp.exp() * logp).sum(-1)
+    picked = logp.gather(-1, ids[:, 1:, None])[..., 0]
+    assert stats.logits is None
+    torch.testing.assert_close(stats.entropy[:, :-1], entropy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats.log_probs[:, :-1], picked, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_weights_train_like_unpatched():
@@ -419,6 +538,8 @@ def test_causal_lm_loss_from_hidden_states(world):
         (dict(num_items_in_batch=torch.tensor(-3)), "num_items_in_batch"),
         (dict(num_items_in_batch=float("nan")), "num_items_in_batch"),
         (dict(shift_labels="wrong"), "shift_labels"),
+        (dict(per_token="logits"), "per_token"),
+        (dict(per_token=("entropy", 3)), "per_token"),
     ],
 )
 def test_bad_loss_arguments_fail_before_any_collective(world, kwargs, name):
@@ -503,6 +624,16 @@ def test_bad_patch_options_are_clear_errors(world):
         and "offload_checkpoints" in res[0][1]
         and "checkpointing" in res[0][1]
     ), res
+    # per_token without targets, or with logits kept: refused by rank 0 alone, before any collective
+    for kw, patch, why in [
+        (dict(input_ids=ids, per_token=True), None, "labels or shift_labels"),
+        (dict(input_ids=ids, labels=ids, per_token=True), dict(keep_logits=True), "keep_logits"),
+    ]:
+        res = world.check(
+            "tests.train_cases:train_error", 2, "llama", "zigzag", "full", kw, patch, True
+        )
+        assert res[0][0] == "ValueError" and "per_token" in res[0][1] and why in res[0][1], res
+        assert res[1] == ("skipped", "")
     for bad in (0, -1, 2.5, "yes"):
         with pytest.raises(ValueError, match="tile_mlp"):
             hf.patch_model(build("llama", 0), tile_mlp=bad)

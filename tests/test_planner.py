@@ -450,3 +450,41 @@ def test_hybrid_plan_refuses_what_patch_model_refuses(tmp_path, capsys):
         path.write_text(json.dumps(cfg.to_dict()))
         assert main(["plan", "--model", str(path), "--seq", "4096", "--gpus", "2"]) == 2
         assert words in capsys.readouterr().err
+
+
+# ---- the ring, Ulysses or USP for a model's heads (patch_model(method="auto")) ----
+
+
+def test_choose_sp_picks_each_method_where_its_time_is_shortest():
+    """SmolLM2's heads (9 / 3, head_dim 64) on 8 H100s over NVLink: Ulysses at 2K tokens (the
+    ring's per-hop latency dominates), USP 4 x 2 at 8K (9 heads split 3/2/2/2 beat 2/1/.../1 and
+    the ring's hops), the ring at 128K (compute: Ulysses' busiest rank has more than H/N heads).
+    Each choice is the shortest modelled time, a split by more than 2% over the ring."""
+    r = planner.rates(planner.load_hardware(), "h100", "bfloat16")
+    got = {s: planner.choose_sp(9, 3, 64, 8, s, r, "nvlink") for s in (2048, 8192, 131072)}
+    assert [(c.method, c.ulysses, c.ring) for c in got.values()] == [
+        ("ulysses", 8, 1),
+        ("usp", 4, 2),
+        ("ring", 1, 8),
+    ]
+    for c in got.values():
+        assert sorted(c.seconds) == [1, 2, 4, 8]
+        best = min(c.seconds.values())
+        assert c.seconds[c.ulysses] <= best * 1.02
+        assert c.ulysses == 1 or c.seconds[c.ulysses] * 1.02 < c.seconds[1]
+    assert got[8192].why.startswith("usp 4x2: query heads per Ulysses rank 3/2 (heads 9")
+    # only degrees that give every rank a head; the one given
+    assert sorted(planner.choose_sp(3, 1, 64, 8, 4096, r, "nvlink").seconds) == [1, 2]
+    only = planner.choose_sp(9, 3, 64, 8, 4096, r, "nvlink", degrees=[2])
+    assert (only.method, only.ulysses, only.ring) == ("usp", 2, 4)
+
+
+def test_ulysses_bytes_of_uneven_splits():
+    """The busiest rank's bytes: 9 heads (3 KV) over 2 ranks, 10 tokens each, D = Dv = 4, fp32:
+    rank 0 (heads 0-4, KV 0-1) sends rank 1 its 4 heads and KV heads 1-2, and gets back its 5
+    heads' output of rank 1's tokens."""
+    from ringkv.sp.ulysses import HeadSplit
+
+    to_rank1 = 10 * (4 * 4 + 2 * 8)  # q of 4 heads, K and V of 2 KV heads
+    back = 10 * 5 * 4
+    assert planner.ulysses_bytes(HeadSplit(9, 3, 2), 10, 4, 4, 4) == (to_rank1 + back) * 4

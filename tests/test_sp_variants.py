@@ -7,9 +7,10 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, example, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, event, example, given, settings, strategies as st
 
 import ringkv
+from ringkv.sp.ulysses import head_split
 from tests.dist import RankError, World
 from tests.test_ring import _assert_close, _inputs, _reference
 
@@ -20,9 +21,12 @@ SETTINGS = dict(
 
 @st.composite
 def heads(draw, n):
-    """Query / KV heads a head split over ``n`` ranks accepts: KV heads split or replicated."""
-    hkv = draw(st.sampled_from([h for h in (1, 2, 3, 4) if h % n == 0 or n % h == 0]))
-    g = draw(st.integers(1, 2)) * (n // hkv if n % hkv == 0 else 1)  # H = hkv * g must divide by n
+    """Query / KV heads for a head split over ``n`` ranks: any ``H >= n`` whose KV heads divide it,
+    so splits that are uneven (``n`` does not divide ``H``), with fewer KV heads than ranks and
+    with KV heads that neither divide ``n`` nor are divided by it."""
+    hkv = draw(st.integers(1, 3))
+    least = -(-n // hkv)  # the smallest group that gives every rank a head
+    g = draw(st.integers(least, least + 2))
     return hkv * g, hkv
 
 
@@ -91,9 +95,10 @@ def _fixed(n, layout, h, hkv, dtype, dims=None, chunks=2, s=None):
 
 def _run_case(world, method, c):
     split = c["dims"][0] if c["dims"] else (c["n"] if method == "ulysses" else 1)
+    kv = "split" if c["hkv"] % split == 0 else "fewer than ranks" if c["hkv"] < split else "uneven"
     event(
-        f"world {c['dims'] or c['n']}, heads {c['h']}/{c['hkv']}, kv heads "
-        f"{'split' if c['hkv'] % split == 0 else 'replicated'}"
+        f"world {c['dims'] or c['n']}, heads {c['h']}/{c['hkv']} "
+        f"{'even' if c['h'] % split == 0 else 'uneven'}, kv heads {kv}"
     )
     event(
         f"{c['dtype']}, causal={c['causal']}, lse grad={c['lse_grad']}, "
@@ -143,6 +148,8 @@ def _run_case(world, method, c):
 @given(c=case("ulysses"))
 @example(c=_fixed(4, "zigzag", 4, 2, torch.bfloat16))  # KV heads replicated
 @example(c=_fixed(4, "striped", 8, 4, torch.float32))  # KV heads split
+@example(c=_fixed(2, "zigzag", 9, 3, torch.float32))  # SmolLM2: 5 + 4 heads, KV head 1 on both
+@example(c=_fixed(3, "contiguous", 8, 2, torch.float32))  # 3 + 3 + 2, KV groups straddled
 @example(
     c=dict(_fixed(4, "zigzag", 4, 2, torch.float32), window=(3, 1), causal=False)
 )  # global order needed
@@ -163,9 +170,28 @@ def test_allgather_matches_single_device(world, c):
 @given(c=case("usp"))
 @example(c=_fixed(4, "zigzag", 4, 1, torch.bfloat16, dims=(2, 2)))  # KV heads replicated
 @example(c=_fixed(4, "striped", 4, 2, torch.float32, dims=(2, 2)))  # KV heads split
+@example(c=_fixed(4, "zigzag", 9, 3, torch.float32, dims=(2, 2)))  # uneven heads, ring of 2
 @example(c=dict(_fixed(4, "zigzag", 4, 2, torch.float32, dims=(2, 2)), window=(2, -1)))
 def test_usp_matches_single_device(world, c):
     _run_case(world, "usp", c)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 8), hkv=st.integers(1, 6), g=st.integers(1, 6))
+def test_head_split_gives_every_head_once_with_its_kv_head(n, hkv, g):
+    """Every query head on exactly one rank (ceil or floor of H/N each), and on every rank the
+    kernel's GQA rule (local head i uses local KV head i // group) finds the head's own KV head."""
+    h = hkv * g
+    assume(h >= n)
+    split = head_split(h, hkv, n)
+    runs = [split.q_heads(r) for r in range(n)]
+    assert [x for run in runs for x in run] == list(range(h))
+    assert {len(run) for run in runs} <= {h // n, -(-h // n)}
+    for r, run in enumerate(runs):
+        kv, group = split.kv_heads_of(r), split.group(r)
+        local = split.local_kv(r) or list(range(len(kv)))
+        assert len(local) * group == len(run) and set(local) == set(range(len(kv)))
+        assert [kv.start + local[i // group] for i in range(len(run))] == [x // g for x in run]
 
 
 @pytest.mark.parametrize("dims", [(2, 2), (1, 4), (4, 1)])
@@ -220,16 +246,15 @@ def _all_raise(results, n, match, types=("ValueError",)):
     [
         (
             "ulysses",
-            2,
+            4,
             dict(q=(1, 4, 3, 16), k=(1, 4, 1, 16), v=(1, 4, 1, 16)),
-            "valid world sizes for heads=3, kv_heads=1: [1, 3]",
+            "heads (3) must be >= 4; valid world sizes for heads=3: 1..3",
         ),
-        ("ulysses", 4, dict(q=(1, 4, 12, 16), k=(1, 4, 3, 16), v=(1, 4, 3, 16)), "[1, 3, 6, 12]"),
         (
             "usp",
             4,
-            dict(q=(1, 4, 6, 16), k=(1, 4, 3, 16), v=(1, 4, 3, 16), dims=(2, 2)),
-            "usp_attention over 2 ranks",
+            dict(q=(1, 4, 2, 16), k=(1, 4, 1, 16), v=(1, 4, 1, 16), dims=(4, 1)),
+            "usp_attention over 4 ranks splits the 2 query heads",
         ),
         (
             "allgather",

@@ -19,14 +19,12 @@ pytest.importorskip("accelerate")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = os.path.join(ROOT, "tests", "trainer_cases.py")
 TOL = 1e-5
+BETA = 0.5  # DPOConfig.beta of tests/trainer_cases.py's run_dpo
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The dp=2 x sp=2 run (torchrun, 4 ranks) and the one-process reference, started together;
-    both run Trainer then (when trl is installed) SFTTrainer with packing."""
-    kinds = "trainer,sft" if _have("trl") and _have("datasets") else "trainer"
-    tmp = tmp_path_factory.mktemp("trainer")
+def _launch(tmp, dp, sp, kinds, *extra):
+    """``trainer_cases.py`` under torchrun on dp * sp ranks and in one unpatched process, started
+    together; their JSON summaries."""
     env = dict(
         os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", RINGKV_TIMEOUT_S="120"
     )
@@ -37,16 +35,17 @@ def runs(tmp_path_factory):
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
-            "4",
+            str(dp * sp),
             CASES,
             "--dp",
-            "2",
+            str(dp),
             "--sp",
-            "2",
+            str(sp),
             "--kinds",
             kinds,
             "--out",
             str(tmp / "ring.json"),
+            *extra,
         ],
         cwd=tmp,
         env=env,
@@ -55,7 +54,17 @@ def runs(tmp_path_factory):
         text=True,
     )
     ref = subprocess.run(
-        [sys.executable, CASES, "--dp", "2", "--kinds", kinds, "--out", str(tmp / "ref.json")],
+        [
+            sys.executable,
+            CASES,
+            "--dp",
+            str(dp),
+            "--kinds",
+            kinds,
+            "--out",
+            str(tmp / "ref.json"),
+            *extra,
+        ],
         cwd=tmp,
         env=env,
         capture_output=True,
@@ -71,7 +80,26 @@ def runs(tmp_path_factory):
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-6000:]
     assert ring.returncode == 0, ring_out[-6000:]
     with open(tmp / "ring.json") as f, open(tmp / "ref.json") as g:
-        return json.load(f), json.load(g)
+        ring, ref = json.load(f), json.load(g)
+    ring["dir"] = tmp  # where DPO's final parameters are
+    return ring, ref
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The dp=2 x sp=2 run (torchrun, 4 ranks) and the one-process reference, started together;
+    both run Trainer then (when trl is installed) SFTTrainer with packing and DPOTrainer (sigmoid,
+    then the other supported loss types summed)."""
+    kinds = "trainer,sft,dpo,dpo_more" if _have("trl") and _have("datasets") else "trainer"
+    return _launch(tmp_path_factory.mktemp("trainer"), 2, 2, kinds)
+
+
+@pytest.fixture(scope="module")
+def runs_sp3(tmp_path_factory):
+    """DPOTrainer with loss_type='ipo' on dp=1 x sp=3 (an odd group) against one process."""
+    if not (_have("trl") and _have("datasets")):
+        pytest.skip("needs trl and datasets")
+    return _launch(tmp_path_factory.mktemp("trainer_sp3"), 1, 3, "dpo", "--dpo-loss", "ipo")
 
 
 def _have(name):
@@ -80,13 +108,15 @@ def _have(name):
     return importlib.util.find_spec(name) is not None
 
 
-def _check(ring, ref):
+def _check(ring, ref, metrics=("loss", "grad_norm"), total=8, scale=None):
+    """``scale(key, step)``: what a difference is relative to (default: the metric itself)."""
     assert len(ref["steps"]) == 3 and [s["step"] for s in ring["steps"]] == [
         s["step"] for s in ref["steps"]
     ]
     for a, b in zip(ring["steps"], ref["steps"]):
-        assert abs(a["loss"] - b["loss"]) <= TOL * abs(b["loss"]), (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= TOL * b["grad_norm"], (a, b)
+        for key in metrics:
+            mag = abs(b[key]) if scale is None else scale(key, b)
+            assert abs(a[key] - b[key]) <= TOL * mag, (key, a, b)
     assert ring["tokens_seen"] > 0
     for key in (
         "global_step",
@@ -102,7 +132,7 @@ def _check(ring, ref):
             ring[key],
             ref[key],
         )  # dp replicas' batches, not the world's
-    assert ring["total_batch"] == 2 * 2 * 2  # per device 2 x accumulation 2 x dp 2
+    assert ring["total_batch"] == total  # per device 2 x accumulation 2 x dp
     assert (
         ring["wrapped"] == "DistributedDataParallel" and ref["wrapped"] != ring["wrapped"]
     )  # DDP over the world
@@ -122,11 +152,116 @@ def test_trainer_dp2_sp2_matches_one_unpatched_process(runs):
 @pytest.mark.slow
 def test_sft_trainer_packing_dp2_sp2_matches_one_unpatched_process(runs):
     """SFTTrainer, packing=True (best-fit packing, padding-free: position_ids, cu_seq_lens,
-    seq_idx), max_steps 3."""
+    seq_idx), max_steps 3: loss and grad norm, and TRL's entropy, mean_token_accuracy and
+    num_tokens (from the chunked kernel's per-token values of every rank's shard)."""
     ring, ref = runs
     if "sft" not in ring:
         pytest.skip("needs trl and datasets")
-    _check(ring["sft"], ref["sft"])
+    metrics = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+    _check(ring["sft"], ref["sft"], metrics)
+    assert any(s["mean_token_accuracy"] > 0 for s in ref["sft"]["steps"])  # some hits to compare
+
+
+def _check_dpo(ring, ref, out_dir, dp, sp, kind="dpo"):
+    """Every logged DPO metric, the grad norms and the final parameters (SGD) within TOL."""
+    import torch
+
+    from tests.trainer_cases import DPO_KEYS
+
+    def scale(key, step):
+        # rewards are beta * (logp - logp_ref), differences of two float32 sums over the tokens:
+        # relative to the terms (float32 rounding of a sum of ~30 is ~2e-6), not to the difference
+        if key.startswith("rewards/") and key != "rewards/accuracies":
+            logps = max(abs(step["logps/chosen"]), abs(step["logps/rejected"]))
+            return max(abs(step[key]), BETA * logps)
+        if key.startswith("logits/"):  # means over the vocabulary of logits of order 1: ~0.01
+            return max(abs(step[key]), 0.1)
+        return abs(step[key])
+
+    metrics = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", *DPO_KEYS)
+    _check(ring, ref, metrics, total=2 * 2 * dp, scale=scale)
+    assert ring["ref_patched"] == sp and ref["ref_patched"] is None  # the reference patched too
+    assert ref["steps"][0]["rewards/margins"] == 0  # step 1: policy == reference
+    assert all(s["rewards/margins"] != 0 for s in ref["steps"][1:])  # then it moved
+    a = torch.load(out_dir / kind / "params-ring.pt")
+    b = torch.load(out_dir / kind / "params-ref.pt")
+    assert a.keys() == b.keys()
+    for name in b:
+        diff = (a[name] - b[name]).abs().max().item()
+        assert diff <= TOL * b[name].abs().max().item(), (name, diff)
+
+
+@pytest.mark.slow
+def test_dpo_trainer_dp2_sp2_matches_one_unpatched_process(runs):
+    """DPOTrainer (loss_type='sigmoid', beta 0.5, SGD), 3 steps of 2 accumulated micro-batches of
+    right-padded preference pairs of unequal lengths; the reference model passed unpatched
+    (sp_trainer patches it). Loss, grad norm, TRL's rewards/*, logps/*, logits/*, entropy,
+    mean_token_accuracy and num_tokens, and the final parameters."""
+    ring, ref = runs
+    if "dpo" not in ring:
+        pytest.skip("needs trl and datasets")
+    _check_dpo(ring["dpo"], ref["dpo"], ring["dir"], dp=2, sp=2)
+
+
+@pytest.mark.slow
+def test_dpo_trainer_other_loss_types_dp2_sp2_match_one_unpatched_process(runs):
+    """hinge, sigmoid_norm, apo_zero, apo_down, discopop, nca_pair and sppo_hard, summed (one
+    run; a wrong term shows in the loss, the grad norm and the parameters)."""
+    ring, ref = runs
+    if "dpo_more" not in ring:
+        pytest.skip("needs trl and datasets")
+    _check_dpo(ring["dpo_more"], ref["dpo_more"], ring["dir"], dp=2, sp=2, kind="dpo_more")
+
+
+@pytest.mark.slow
+def test_dpo_trainer_ipo_dp1_sp3_matches_one_unpatched_process(runs_sp3):
+    """loss_type='ipo' (per-token length normalisation) on an SP group of 3 ranks."""
+    ring, ref = runs_sp3
+    _check_dpo(ring["dpo"], ref["dpo"], ring["dir"], dp=1, sp=3)
+
+
+def test_dpo_refusals(tmp_path):
+    """Options the patched DPO path cannot honour: ValueError at construction naming them."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from trl import DPOConfig, DPOTrainer
+
+    import ringkv.hf
+    from ringkv.trainer import sp_trainer
+    from tests.models import tiny_model
+    from tests.trainer_cases import preference_rows, tiny_tokenizer
+
+    data = datasets.Dataset.from_list(preference_rows(4))
+    cases = [
+        (dict(loss_type=["sft"]), "loss_type"),
+        (dict(loss_type=["sigmoid", "bco_pair"]), "bco_pair"),
+        (dict(loss_type=["aot"]), "aot"),
+        (dict(use_weighting=True), "use_weighting"),
+        (dict(precompute_ref_log_probs=True), "precompute_ref_log_probs"),
+        (dict(use_liger_kernel=True), "use_liger_kernel"),
+    ]
+    for options, match in cases:
+        args = DPOConfig(
+            output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to="none", **options
+        )
+        with pytest.raises(ValueError, match=match):
+            sp_trainer(DPOTrainer)(
+                model=ringkv.hf.patch_model(tiny_model("llama", 0)),
+                ref_model=tiny_model("llama", 0),
+                args=args,
+                train_dataset=data,
+                processing_class=tiny_tokenizer(words=True),
+            )
+    args = DPOConfig(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="compute_metrics"):
+        sp_trainer(DPOTrainer)(
+            model=ringkv.hf.patch_model(tiny_model("llama", 0)),
+            ref_model=tiny_model("llama", 0),
+            args=args,
+            train_dataset=data,
+            processing_class=tiny_tokenizer(words=True),
+            compute_metrics=lambda p: {},
+        )
 
 
 def test_layout_errors(world):
@@ -156,3 +291,79 @@ def test_single_process_errors():
     with pytest.raises(ValueError, match="inputs='full'"):
         sp_layout(ringkv.hf.patch_model(tiny_model("llama", 0), inputs="shard"))
     assert sp_layout(ringkv.hf.patch_model(tiny_model("llama", 0))) == (1, 1, 0)
+
+
+def test_sft_moe_load_balancing_loss_is_refused(tmp_path):
+    """SFTTrainer adds an MoE model's load-balancing loss from the router logits, which a patched
+    forward has for its shard only: refused at construction, naming router_aux_loss_coef."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import transformers
+    from trl import SFTConfig, SFTTrainer
+
+    import ringkv.hf
+    from ringkv.trainer import sp_trainer
+    from tests.trainer_cases import sft_documents, tiny_tokenizer
+
+    config = transformers.MixtralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+    )
+    model = ringkv.hf.patch_model(transformers.MixtralForCausalLM(config))
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        sp_trainer(SFTTrainer)(
+            model=model,
+            args=args,
+            train_dataset=datasets.Dataset.from_list(sft_documents(4)),
+            processing_class=tiny_tokenizer(),
+        )
+
+
+def test_dpo_evaluate_matches_unpatched_single_process(tmp_path):
+    """evaluate() of sp_trainer(DPOTrainer) on one process (a group of 1: the same hooks, per_token
+    forward and gather) against TRL's own: eval-mode per_token forwards through the mixin's
+    loss-only prediction_step. fp32 (bf16=False, as the torchrun cases): DPOConfig's default bf16
+    autocast on CPU gives the patched attention mixed q/k/v dtypes."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import transformers
+    from trl import DPOConfig, DPOTrainer
+
+    import ringkv.hf
+    from ringkv.trainer import sp_trainer
+    from tests.models import tiny_model
+    from tests.trainer_cases import preference_rows, tiny_tokenizer
+
+    transformers.utils.logging.set_verbosity_error()
+    data = datasets.Dataset.from_list(preference_rows(6, seed=5))
+    results = []
+    for patched in (False, True):
+        model = tiny_model("llama", 0)
+        args = DPOConfig(
+            output_dir=str(tmp_path / str(patched)),
+            per_device_eval_batch_size=3,
+            bf16=False,
+            use_cpu=True,
+            report_to="none",
+            disable_tqdm=True,
+        )
+        cls = sp_trainer(DPOTrainer) if patched else DPOTrainer
+        trainer = cls(
+            model=ringkv.hf.patch_model(model) if patched else model,
+            ref_model=tiny_model("llama", 0),
+            args=args,
+            train_dataset=data,
+            eval_dataset=data,
+            processing_class=tiny_tokenizer(words=True),
+        )
+        results.append(trainer.evaluate())
+    ref, got = results
+    for key in ("eval_loss", "eval_logps/chosen", "eval_logps/rejected", "eval_entropy"):
+        assert abs(got[key] - ref[key]) <= TOL * abs(ref[key]), (key, got, ref)
+    assert got["eval_rewards/margins"] == 0 and got["eval_rewards/accuracies"] == 0

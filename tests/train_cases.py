@@ -169,3 +169,56 @@ def helper_from_hidden(ctx):
         g_logits=g_logits,
         g_hidden=g_hidden,
     )
+
+
+def per_token_step(ctx, arch, seed, ids, labels, layout, opts):
+    """A patched training forward with ``per_token=("entropy", "is_top1")`` (``opts``:
+    ``position_ids`` of packed rows, ``weights`` of each sequence's (document's) summed log-prob
+    in the loss that is backpropagated). Returns the per-token fields gathered into the batch's
+    order, the sums ``sequence_sums`` gives and this rank's gradients of ``sum(weights * sums)``."""
+    model = build(arch, seed).train()
+    hf.patch_model(model, sp=ctx.world, group=ctx.group, layout=layout, loss_chunk=5)
+    pos = opts.get("position_ids")
+    kw = step_kwargs(ids, labels, "labels", pos)
+    out = model(**kw, per_token=("entropy", "is_top1"))
+    where = dict(layout=layout, group=ctx.group, position_ids=pos)
+    full = {
+        name: hf.gather_logits(out[name][..., None].float(), seq_len=ids.shape[1], **where)[..., 0]
+        for name in ("log_probs", "entropy", "is_top1", "label_mask")
+    }
+    sums = hf.sequence_sums(out.log_probs, ctx.group, layout=layout, position_ids=pos)
+    (sums * opts["weights"]).sum().backward()
+    return dict(
+        fields=full,
+        keys=list(out.keys()),
+        loss=out.loss.item(),
+        sums=sums.detach(),
+        grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+    )
+
+
+def unpatched_per_token(arch, seed, ids, labels, position_ids, weights):
+    """The reference of ``per_token_step`` from the unpatched model's float32 logits: per-token
+    log-probs, entropy and top-1 of the shifted labels (0 where -100), each sequence's (or packed
+    document's) sum, and the gradients of ``sum(weights * sums)``."""
+    model = build(arch, seed).train()
+    logits = model(**step_kwargs(ids, labels, "labels", position_ids)).logits.float()
+    logp = logits.log_softmax(-1)  # (B, S, V)
+    y = targets(labels)  # (B, S)
+    mask = y != -100
+    picked = logp.gather(-1, y.clamp(min=0)[..., None])[..., 0]
+    fields = dict(
+        log_probs=torch.where(mask, picked, 0.0),
+        entropy=torch.where(mask, -(logp.exp() * logp).sum(-1), 0.0),
+        is_top1=(mask & (logits.argmax(-1) == y)).float(),
+        label_mask=mask.float(),
+    )
+    if position_ids is None:
+        sums = fields["log_probs"].sum(1)
+    else:
+        starts = (position_ids.reshape(-1) == 0).cumsum(0) - 1  # the document of each token
+        sums = torch.zeros(int(starts[-1]) + 1).index_add(
+            0, starts, fields["log_probs"].reshape(-1)
+        )
+    (sums * weights).sum().backward()
+    return fields, sums.detach(), {n: p.grad for n, p in model.named_parameters()}

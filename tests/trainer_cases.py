@@ -10,7 +10,8 @@ Both build the same tiny random model and the same data. The distributed run giv
 rows per micro-batch (accelerate's BatchSamplerShard hands replica ``d`` the ``d``-th of every
 ``dp`` consecutive batches of the same sampler order, so the union of a micro-batch is the same
 rows), with the same ``gradient_accumulation_steps``. Rank 0 (or the reference) writes, per kind,
-the logged ``loss`` and ``grad_norm`` of every step and the step/epoch accounting.
+the logged ``loss`` and ``grad_norm`` of every step (SFTTrainer: also ``entropy``,
+``mean_token_accuracy`` and ``num_tokens``) and the step/epoch accounting.
 """
 
 from __future__ import annotations
@@ -47,13 +48,38 @@ def sft_documents(n: int, seed: int = 2):
     ]
 
 
-def tiny_tokenizer():
+def preference_rows(n: int, seed: int = 3):
+    """``n`` text preference pairs over the word-level vocabulary of ``tiny_tokenizer(words=True)``:
+    prompts of 2..9 words, chosen and rejected completions of 1..8 words ending in ``</s>`` (TRL
+    adds no other EOS), so the rows of a batch differ in length (right padding, unequal completion
+    counts: IPO's length normalisation and the pad handling matter)."""
+    rng = random.Random(seed)
+
+    def words(lo, hi):
+        return " ".join(f"t{rng.randrange(3, 128)}" for _ in range(rng.randrange(lo, hi + 1)))
+
+    return [
+        {
+            "prompt": words(2, 9),
+            "chosen": " " + words(1, 8) + " </s>",
+            "rejected": " " + words(1, 8) + " </s>",
+        }
+        for _ in range(n)
+    ]
+
+
+def tiny_tokenizer(words: bool = False):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, 128)}}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")))
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    if words:  # text split on whitespace (DPOTrainer tokenizes text)
+        from tokenizers.pre_tokenizers import WhitespaceSplit
+
+        tokenizer.pre_tokenizer = WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
     tok.pad_token, tok.bos_token, tok.eos_token = "<pad>", "<s>", "</s>"
     return tok
 
@@ -145,12 +171,67 @@ def run_sft(a, out_dir):
     return trainer
 
 
+def run_dpo(a, out_dir, kind="dpo"):
+    """TRL's DPOTrainer (``--dpo-loss``), plain SGD (parameters compared: Adam would amplify float
+    noise), beta 0.5 and a large step so that the policy moves away from the reference (rewards of
+    order 1, not float noise). The reference model is passed unpatched: sp_trainer patches it."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from ringkv.trainer import sp_trainer
+    from tests.models import tiny_model
+
+    patched = a.sp is not None
+    model, mesh = build_model(a.arch, patched, a.sp or 1, a.layout)
+    ref = tiny_model(a.arch, 0)
+    batch = a.batch if patched else a.batch * a.dp
+    common = common_args(a, out_dir, batch)
+    # non-padding tokens: the replicas pad their own batches, the reference pads their union
+    common.update(learning_rate=a.dpo_lr, optim="sgd", include_num_input_tokens_seen="non_padding")
+    args = DPOConfig(
+        max_steps=a.steps,
+        beta=0.5,
+        loss_type=(a.dpo_loss if kind == "dpo" else a.dpo_more).split("+"),
+        max_length=None,
+        dataset_num_proc=None,
+        **common,
+    )
+    cls = sp_trainer(DPOTrainer) if patched else DPOTrainer
+    kw = {"sp_mesh": mesh} if patched else {}
+    trainer = cls(
+        model=model,
+        ref_model=ref,
+        args=args,
+        train_dataset=Dataset.from_list(preference_rows(a.pairs)),
+        processing_class=tiny_tokenizer(words=True),
+        **kw,
+    )
+    trainer.train()
+    if not patched or int(os.environ.get("RANK", 0)) == 0:
+        params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+        os.makedirs(out_dir, exist_ok=True)
+        torch.save(params, os.path.join(out_dir, "params-ring.pt" if patched else "params-ref.pt"))
+    return trainer
+
+
+# what each logged step reports (SFTTrainer's metrics besides Trainer's loss and grad norm)
+DPO_KEYS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+)
+STEP_KEYS = ("step", "loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", *DPO_KEYS)
+
+
 def summary(trainer):
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     return {
-        "steps": [
-            {"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]} for h in logs
-        ],
+        "steps": [{k: h[k] for k in STEP_KEYS if k in h} for h in logs],
         "global_step": trainer.state.global_step,
         "epoch": trainer.state.epoch,
         "tokens_seen": trainer.state.num_input_tokens_seen,
@@ -159,7 +240,19 @@ def summary(trainer):
         "total_batch": trainer.get_total_train_batch_size(trainer.args),
         "wrapped": type(trainer.model_wrapped).__name__,
         "fsdp": trainer.is_fsdp_enabled,
+        "ref_patched": _ref_patched(trainer),
     }
+
+
+def _ref_patched(trainer):
+    """DPO: the reference model's patch (its SP group's size), None when unpatched or not DPO."""
+    ref = getattr(trainer, "ref_model", None)
+    if ref is None:
+        return None
+    from ringkv.hf.patch import patch_state
+
+    state = patch_state(trainer.accelerator.unwrap_model(ref))
+    return None if state is None else state.world
 
 
 def main():
@@ -178,6 +271,14 @@ def main():
     p.add_argument("--ga", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--pairs", type=int, default=24)
+    p.add_argument("--dpo-loss", default="sigmoid", help="DPOConfig.loss_type, '+'-joined")
+    p.add_argument("--dpo-lr", type=float, default=2.0)
+    p.add_argument(
+        "--dpo-more",
+        default="hinge+sigmoid_norm+apo_zero+apo_down+discopop+nca_pair+sppo_hard",
+        help="kind dpo_more: the other loss types, summed in one run",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args()
     import transformers
@@ -191,9 +292,11 @@ def main():
     torch.manual_seed(0)
     results = {}
     for kind in a.kinds.split(","):
-        trainer = {"trainer": run_trainer, "sft": run_sft}[kind](
-            a, os.path.join(os.path.dirname(a.out), kind)
-        )
+        out_dir = os.path.join(os.path.dirname(a.out), kind)
+        if kind.startswith("dpo"):
+            trainer = run_dpo(a, out_dir, kind)
+        else:
+            trainer = {"trainer": run_trainer, "sft": run_sft}[kind](a, out_dir)
         results[kind] = summary(trainer)
         del trainer
     if a.sp is None or int(os.environ.get("RANK", 0)) == 0:

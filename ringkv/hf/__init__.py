@@ -8,6 +8,9 @@
     loss = ringkv.causal_lm_loss(logits, labels, layout="zigzag", group=sp_group)  # global mean
     # no logits built (keep_logits)
     loss = model.train()(input_ids=ids, labels=ids, use_cache=False).loss
+    # per-token log-probs of the labels, no logits built: (B, S_pad / N) shards; per-sequence sums
+    out = model(input_ids=ids, labels=labels, per_token=("entropy", "is_top1"))
+    logp = ringkv.sequence_sums(out.log_probs, sp_group)                   # (B,) on every rank
     tokens = model.generate(ids, max_new_tokens=32, do_sample=False)   # sharded KV cache
 
 How it works: ``patch_model`` registers the attention function ``"ringkv"`` with transformers'
@@ -24,6 +27,16 @@ last hidden states through the head in chunks (``kernels/linear_ce.py``) and ``o
 ``None``: the ``(B, S/N, V)`` logits are never built (``keep_logits=True`` keeps them). HF's
 ``num_items_in_batch`` divides it. ``tile_mlp`` and ``offload_checkpoints`` (``ringkv/memory.py``)
 take the MLP's and the checkpoints' share of a step down too.
+
+Per-token log-probs (``logprobs.py``; DPO, GRPO, SFT's metrics): a forward with labels (or
+``shift_labels``) and ``per_token=True`` (or names among ``"log_probs"``, ``"entropy"``,
+``"is_top1"``, ``"mean_logits"``), in training or eval mode, goes through the head in chunks
+(``kernels.linear_ce.linear_log_probs``), builds no logits, and adds to the output this rank's
+``log_probs``, ``label_mask`` and the fields asked for, each shaped like its targets
+``(B, S_pad / N)`` (packed: ``(1, L_local)``), 0 where the target is -100; ``out.loss`` is the
+usual global mean, from the same log-probs. ``sequence_sums`` sums such values per sequence (per
+packed document) over the SP group. ``per_token`` without targets, or on a model patched with
+``keep_logits=True``, is a ``ValueError``.
 
 Inputs (``inputs=`` of ``patch_model``):
 
@@ -78,11 +91,13 @@ attention sinks (gpt-oss's ``s_aux``) and a V head size of its own (MLA: DeepSee
 run in every SP method and in decode, exactly.
 
 The package, bottom to top: ``state.py`` (the records), ``packing.py`` (packed documents and
-padded rows, checked whole; labels into a rank's targets), ``plan.py`` (one forward's inputs,
-planned), ``loss.py`` (the loss, ``causal_lm_loss``, ``gather_logits``),
-``attention.py`` (the attention function and ``ShardedKVCache``), ``recurrent.py`` (hybrid
-models' recurrent layers: short convolutions, Mamba2 and Mamba scans, gated DeltaNet and KDA, run
-by their SP forms from ``ringkv.sp``), ``patch.py`` (``patch_model`` and its hooks).
+padded rows, checked whole; labels into a rank's targets), ``logprobs.py`` (``per_token``'s
+fields, ``sequence_sums``), ``plan.py`` (one forward's inputs, planned), ``loss.py`` (the loss,
+``causal_lm_loss``, ``gather_logits``), ``method.py`` (which SP attention runs:
+``method="auto"``'s choice, ``describe``), ``attention.py`` (the attention function and
+``ShardedKVCache``), ``recurrent.py`` (hybrid models' recurrent layers: short convolutions, Mamba2
+and Mamba scans, gated DeltaNet and KDA, run by their SP forms from ``ringkv.sp``), ``patch.py``
+(``patch_model`` and its hooks).
 
 Hybrid models (Qwen3-Next, Qwen3.5, Falcon-H1, Bamba, Nemotron-H, Granite 4 hybrid, LFM2, Jamba,
 Zamba2, Kimi Linear; layouts contiguous and zigzag): the recurrent layers pass their state across
@@ -93,17 +108,20 @@ state-space layer ringkv does not know are refused at patch time, naming the lay
 
 # ringkv_attention and the constants: the other public names of the single-module ringkv.hf
 from .attention import ShardedKVCache, ringkv_attention  # noqa: F401
+from .logprobs import PER_TOKEN, sequence_sums  # noqa: F401
 from .loss import causal_lm_loss, gather_logits
 from .packing import LEFT_PAD_HELP, packed_cu_seqlens  # noqa: F401
-from .patch import patch_model, unpatch_model
+from .patch import describe, patch_model, unpatch_model
 from .plan import AGREE_NAMES, PACKING_KEYS, PADDING_HELP  # noqa: F401
 from .state import ATTN_NAME, IGNORE_INDEX, METHODS  # noqa: F401
 
 __all__ = [
     "patch_model",
     "unpatch_model",
+    "describe",
     "gather_logits",
     "causal_lm_loss",
+    "sequence_sums",
     "packed_cu_seqlens",
     "ShardedKVCache",
     "ATTN_NAME",

@@ -222,10 +222,10 @@ def _decode(state, step: Step, q, k, v, kw: dict) -> torch.Tensor:
 
 
 def _prefill(state, step: Step, q, k, v, kw: dict) -> torch.Tensor:
-    """This rank's shard of the sequence, in ``state.attention`` (the pre-hook already checked that
-    every rank makes the same call)."""
+    """This rank's shard of the sequence, in ``state.attention`` (packed documents and left-padded
+    rows: the varlen ring; the pre-hook already checked that every rank makes the same call)."""
     kw.update(causal=True, layout=state.layout, check=False)
-    if state.attention == "ulysses":
+    if step.cu is None and state.attention == "ulysses":
         return ulysses_attention(q, k, v, group=state.group, **kw)
     if state.attention == "usp":
         ulysses_group, ring_group = state.groups

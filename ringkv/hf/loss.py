@@ -1,7 +1,7 @@
 """The outputs of a patched model: the next-token loss (``lm_loss``, from this rank's targets,
 through the head in chunks when no logits are built), the user-facing ``causal_lm_loss`` and
 ``gather_logits``, and what the post-hook does with a forward's output (``kept_logits``,
-``step_loss``)."""
+``step_loss``, with ``per_token=``'s fields from ``logprobs.py``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.linear_ce import linear_cross_entropy
-from ..sp.collectives import all_sum, rank_world
+from ..sp.collectives import all_sum, rank_world, shared_sum
 from ..sp.layout import check_layout, check_seq_len, granule, varlen_local_len
+from .logprobs import plain_head, token_stats
 from .packing import cu_tuple, gather_packed, gather_seq, helper_packing, local_targets, num_items
 from .state import IGNORE_INDEX, Head, Packing, Step, model_head
 
@@ -38,12 +39,7 @@ def head_loss_sum(
 ):
     """Summed cross-entropy (float32) of ``hidden`` ``(N, H)`` through ``head`` against ``targets``
     ``(N,)``, in chunks: the ``(N, V)`` logits are never built."""
-    if type(head.weight).__name__ == "DTensor":
-        raise ValueError(
-            "ringkv: the chunked loss needs the output head's weight as a plain tensor, got "
-            f"{type(head.weight).__name__} (e.g. FSDP2 sharding the head in its own unit: keep "
-            "it in the root unit), or patch with keep_logits=True"
-        )
+    plain_head(head, "the chunked loss")
     if hidden.is_cuda and head.scale is None and chunk is None:
         fused = _liger_loss_sum(hidden, head, targets, ignore_index)
         if fused is not None:
@@ -87,14 +83,17 @@ def lm_loss(
         loss_sum = head_loss_sum(
             head, x.reshape(-1, x.shape[-1]), local.reshape(-1), ignore_index, chunk
         )
-    count = (local != ignore_index).sum()
-    totals = all_sum(
-        torch.stack([loss_sum.detach().double(), count.double()]), group, timeout, "causal_lm_loss"
-    )
-    # value: the global sum on every rank, over the global count (or num_items); gradient: this
-    # rank's tokens only
-    total = loss_sum + (totals[0] - loss_sum.detach()).float()
-    return total / (totals[1].float() if num_items is None else num_items)
+    return group_mean(loss_sum, local, group, timeout, num_items, ignore_index)
+
+
+def group_mean(loss_sum, targets, group, timeout, num_items=None, ignore_index=IGNORE_INDEX):
+    """This rank's summed loss over its ``targets`` ``(B, S_local)`` -> the group's sum over the
+    group's count of targets (or ``num_items``), the same on every rank (float32); its gradient
+    is this rank's tokens' only."""
+    count = (targets != ignore_index).sum()
+    both = torch.stack([loss_sum.double(), count.double()])
+    totals = shared_sum(both, group, timeout, "causal_lm_loss")  # one all-reduce
+    return totals[0].float() / (totals[1].float() if num_items is None else num_items)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,7 +122,8 @@ def kept_logits(local: torch.Tensor, step: Step, group, timeout) -> torch.Tensor
 def step_loss(state, step: Step, model, output, hidden: Optional[torch.Tensor]):
     """The loss of a forward with labels: from its logits, or (``step.chunked``) from the base
     model's output ``hidden`` ``(B, S_local, H)`` through the head in chunks (the logits are
-    dropped from ``output`` unless kept)."""
+    dropped from ``output`` unless kept). With ``step.per_token`` the fields go into ``output``
+    (``token_stats``) and the loss is their log-probs' (one pass through the head)."""
     x, head = output.logits, None
     if step.chunked:
         x, head = hidden, model_head(model)
@@ -134,6 +134,12 @@ def step_loss(state, step: Step, model, output, hidden: Optional[torch.Tensor]):
             )
         if not step.keep:
             drop_logits(output)
+    if step.per_token:
+        stats = token_stats(head, x, step.targets, step.per_token, state.loss_chunk)
+        for name, value in stats.items():
+            output[name] = value  # a key and an attribute of the ModelOutput
+        loss_sum = -stats["log_probs"].sum()
+        return group_mean(loss_sum, step.targets, state.group, state.timeout, step.num_items)
     return lm_loss(
         x,
         step.targets,

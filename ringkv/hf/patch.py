@@ -15,11 +15,10 @@ import torch
 from .. import memory
 from ..sp.collectives import agree, rank_world
 from ..sp.layout import check_layout
-from ..sp.ulysses import head_plan
-from ..sp.usp import sp_groups
 from . import recurrent
 from .attention import begin_cache, eager_attention, resolve_cache
 from .loss import kept_logits, step_loss
+from .method import choose, describe as _describe
 from .plan import AGREE_NAMES, as_kwargs, check_shards, prepare
 from .state import ATTN_NAME, METHODS, State, Step, Undo, checkpointing
 
@@ -155,6 +154,7 @@ def patch_model(
     *,
     method: str = "ring",
     ulysses: Optional[int] = None,
+    seq_len: Optional[int] = None,
     inputs: str = "full",
     timeout: Optional[float] = None,
     mesh_dim=None,
@@ -173,10 +173,14 @@ def patch_model(
     ``("dp", "sp")`` mesh, the same as ``group=mesh["sp"]``). ``sp`` (optional) must equal the
     group size. ``layout`` is how the sequence is split (``"zigzag"`` balances causal work;
     ``"contiguous"``, ``"striped"``).
-    ``method``: ``"ring"`` (``ring_attention``), ``"ulysses"`` (``ulysses_attention``: the
-    attention heads must split over the group), ``"usp"`` (``usp_attention`` on
-    ``sp_groups(ulysses=U, ring=N/U)`` of the default world: pass ``ulysses=U``) or ``"auto"``
-    (the ring; a hybrid model's recurrent layers in the form ``hf.recurrent.form`` gives).
+    ``method``: ``"ring"`` (``ring_attention``), ``"ulysses"`` (``ulysses_attention``: any
+    number of heads ``>= N``, split unevenly where ``N`` does not divide them), ``"usp"``
+    (``usp_attention`` on ``sp_groups(ulysses=U, ring=N/U)`` of the default world: ``ulysses=U``,
+    or None to let the planner's time model choose ``U``) or ``"auto"`` (the ring, Ulysses or USP,
+    whichever the planner's time model gives the shortest attention at ``seq_len`` tokens,
+    default the config's ``max_position_embeddings``, on the model's device: ``hf.method``; a
+    hybrid model keeps the ring and its recurrent layers take the form ``hf.recurrent.form``
+    gives). ``ringkv.hf.describe(model)`` says what runs and why.
     Layers with a sliding window (Mistral, Qwen2) attend within it, at any length.
     ``inputs`` is ``"full"`` (every rank passes the whole sequence) or ``"shard"`` (every rank
     passes its own shard); see the module docstring. ``timeout`` (seconds) bounds every wait
@@ -203,9 +207,10 @@ def patch_model(
     group = _sp_group(group, mesh_dim)
     rank, world = rank_world(group)
     _check_sp(sp, world)
-    u, groups = method_groups(model.config, method, ulysses, group, world)
     _check_loss_options(keep_logits, loss_chunk)
     store = _checkpoint_store(model, offload_checkpoints)
+    # the last check; building USP's groups is the first collective
+    choice = choose(model, method, ulysses, group, world, seq_len, hybrid=bool(mixers))
     tile = None if tile_mlp is True else tile_mlp  # True: memory.tile_mlp's default tile
     restore = [] if tile_mlp is False or tile_mlp is None else [memory.tile_mlp(model, tile)]
     state = State(
@@ -214,14 +219,16 @@ def patch_model(
         rank=rank,
         world=world,
         method=method,
-        ulysses=u,
-        groups=groups,
+        ulysses=choice.ulysses,
+        groups=choice.groups,
         inputs=inputs,
         timeout=None if timeout is None else timedelta(seconds=timeout),
         keep_logits=keep_logits,
         loss_chunk=loss_chunk,
         store=store,
         hybrid=type(model).__name__ if mixers else None,
+        attention=choice.attention,
+        why=choice.why,
     )
     if mixers:
         _agree_layers(model, state, mixers)
@@ -377,30 +384,14 @@ def unpatch_model(model):
     return model
 
 
-def method_groups(config, method: str, ulysses: Optional[int], group, world: int):
-    """``(U, (ulysses_group, ring_group))`` for ``method``, after checking that the model's heads
-    split (before any collective; building the USP groups is the first one)."""
-    if method != "usp" and ulysses is not None:
-        raise ValueError(f"ulysses={ulysses} is for method='usp' (method={method!r})")
-    if method in ("ring", "auto"):  # the attention heads never split
-        return 1, ()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if method != "usp":
-        head_plan(heads, kv_heads, world, "patch_model(method='ulysses')")
-        return 1, ()
-    if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or world % ulysses:
-        raise ValueError(
-            f"method='usp' needs ulysses=U, a positive divisor of the SP world size {world} "
-            f"(ring = {world} / U), got {ulysses!r}"
-        )
-    if group is not None and rank_world(group)[1] != rank_world()[1]:
-        raise ValueError(
-            "method='usp' runs on sp_groups(ulysses=U, ring=N/U) of the whole default world; "
-            "leave group=None"
-        )
-    head_plan(heads, kv_heads, ulysses, "patch_model(method='usp')")
-    return ulysses, sp_groups(ulysses=ulysses, ring=world // ulysses)
+def describe(model) -> dict:
+    """What ``model``'s patch runs (``hf.method.describe``): the method asked and the attention it
+    runs (``"auto"``'s choice), the Ulysses x ring degrees, the query heads per Ulysses rank and
+    why."""
+    state = patch_state(model)
+    if state is None:
+        raise ValueError("this model is not patched by ringkv")
+    return _describe(state, model.config)
 
 
 def _checkpoint_store(model, offload):

@@ -25,6 +25,7 @@ from ..sp.layout import (
     shard,
     varlen_index,
 )
+from .logprobs import PER_TOKEN, read_per_token
 from .packing import (
     as_rows,
     check_left_padding,
@@ -55,7 +56,7 @@ AGREE_NAMES = [
     "sequence length",
     "cache length",
     "logits_to_keep",
-    "labels",
+    "labels (and per_token)",
     "input tokens",
     "packed documents",
     "attention mask",
@@ -133,16 +134,18 @@ class Call:
     unshifted: Optional[torch.Tensor]  # labels given with shift_labels, checked against them
     num_items: Optional[float]
     keep: int  # logits_to_keep
+    per_token: tuple  # the fields per_token= asks for (logprobs.read_per_token)
     pk_kw: dict  # the packing arguments given (PACKING_KEYS)
     cache: Optional[object]  # the ShardedKVCache, or None
     explicit_cache: bool  # a cache or use_cache=True was passed
 
     @property
     def label_bits(self) -> int:
-        """1: labels given, + 2: shift_labels given."""
+        """1: labels given, + 2: shift_labels given, + 8 per per_token field (as bits)."""
+        fields = sum(8 << PER_TOKEN.index(n) for n in self.per_token)
         if self.shifted:
-            return 2 + (self.unshifted is not None)
-        return int(self.targets is not None)
+            return 2 + (self.unshifted is not None) + fields
+        return int(self.targets is not None) + fields
 
     @property
     def name(self) -> str:
@@ -206,6 +209,23 @@ def _read_labels(kw, b: int, t: int, shard_mode: bool):
     return labels, shift_labels
 
 
+def _read_per_token(state, model, value, targets) -> tuple:
+    """``per_token=``'s fields, refused where they cannot come from the hidden states."""
+    fields = read_per_token(value)
+    if not fields:
+        return ()
+    why = None
+    if targets is None:
+        why = "needs labels or shift_labels (the targets it scores)"
+    elif state.keep_logits is True:
+        why = "computes without logits, but the model was patched with keep_logits=True"
+    elif model_head(model) is None:
+        why = f"needs a linear output head and a base model, which {type(model).__name__} lacks"
+    if why:
+        raise ValueError(f"ringkv: per_token={value!r} {why}")
+    return fields
+
+
 def read_call(state, model, kw: dict, cache, explicit_cache: bool) -> Call:
     """The arguments ringkv handles, out of ``kw``, with the checks each needs alone."""
     ids, emb = kw.get("input_ids"), kw.get("inputs_embeds")
@@ -225,6 +245,7 @@ def read_call(state, model, kw: dict, cache, explicit_cache: bool) -> Call:
     n = num_items(kw.pop("num_items_in_batch", None))
     keep = _read_keep(state, model, kw)
     targets = labels if shift_labels is None else shift_labels
+    per_token = _read_per_token(state, model, kw.pop("per_token", None), targets)
     if (keep or targets is not None) and kw.get("return_dict") is False:
         raise ValueError("ringkv: use return_dict=True with labels or logits_to_keep")
     return Call(
@@ -237,6 +258,7 @@ def read_call(state, model, kw: dict, cache, explicit_cache: bool) -> Call:
         unshifted=labels if shift_labels is not None else None,
         num_items=n,
         keep=keep,
+        per_token=per_token,
         pk_kw=pk_kw,
         cache=cache,
         explicit_cache=explicit_cache,
@@ -267,7 +289,7 @@ def _finish(state, model, call: Call, kw: dict, step: Step, x_local, rows, s_pad
     """The plan of ``step``: whether the loss is chunked, and what the ranks must agree on."""
     # the loss from the hidden states, never the logits (training forwards with labels, unless
     # keep_logits)
-    chunked = (
+    chunked = bool(call.per_token) or (
         call.targets is not None
         and not step.decode
         and state.keep_logits is not True
@@ -303,7 +325,7 @@ def _finish(state, model, call: Call, kw: dict, step: Step, x_local, rows, s_pad
         and (mask is not None or call.targets is not None)
     ):
         shards = Shards(mask, call.targets, call.shifted, call.unshifted)
-    step = replace(step, chunked=chunked)
+    step = replace(step, chunked=chunked, per_token=call.per_token)
     if state.hybrid is not None and not step.decode:  # the recurrent layers' pieces, once
         step = replace(step, pieces=seq_pieces(step.total, state.layout, state.world, step.cu))
     return Plan(values, call.name, x_local, rows, step, shards, call.explicit_cache)
@@ -370,10 +392,10 @@ def _plan_prefill(state, model, call: Call, kw: dict) -> Plan:
         cache = None
     if pk is None:
         return _plan_rows(state, model, call, kw, cache)
-    if state.attention != "ring":
+    if not state.runs_varlen:
         raise ValueError(
             f"ringkv: packed documents need method='ring' (the varlen ring attention); "
-            f"method={state.method!r} cannot keep documents apart. Patch with method='ring'"
+            f"{state.method_name} cannot keep documents apart. Patch with method='ring'"
         )
     if call.keep:
         raise ValueError(
@@ -496,10 +518,10 @@ def _check_left_padded_prefill(state, call: Call, m: torch.Tensor) -> None:
             "ringkv: labels with a left-padded batch and a KV cache are not supported; pass "
             "use_cache=False (training and scoring)"
         )
-    if state.attention != "ring":
+    if not state.runs_varlen:
         raise ValueError(
             "ringkv: a left-padded batch with a KV cache (batched generate) needs method='ring' "
-            f"(the varlen ring keeps the rows apart); method={state.method!r}. Patch with "
+            f"(the varlen ring keeps the rows apart); {state.method_name}. Patch with "
             "method='ring'"
         )
     want = m.long().cumsum(1) - 1

@@ -62,6 +62,7 @@ class Step:
     # then sharded like the inputs; -100 where nothing is predicted), for the loss
     num_items: Optional[float] = None  # HF's num_items_in_batch: the loss's divisor
     chunked: bool = False  # the loss from the hidden states in chunks: no logits are built
+    per_token: tuple = ()  # per_token='s fields (hf/logprobs.py), from the hidden states
     packing: Optional[Packing] = None  # packed documents: the varlen ring over packing.cu
     pad: Optional[PadStep] = None  # a left-padded batch with a KV cache (generate)
     pieces: Optional[object] = None  # hybrid models' prefill: ringkv.sp.pieces.Pieces, which rows
@@ -95,12 +96,21 @@ class State:
     offload: Optional[object] = None  # the offload context of the forward under way
     recompute: Optional[Step] = None  # the last training prefill, for checkpointing's replay
     hybrid: Optional[str] = None  # the model's class name when it has recurrent layers
+    attention: str = "ring"  # what the attention layers run: ring, ulysses or usp (hf.method)
+    why: str = ""  # why (describe)
 
     @property
-    def attention(self) -> str:
-        """The attention layers' method: ``"auto"`` runs them as the ring (it chooses the
-        recurrent layers' form, see ``hf.recurrent.form``)."""
-        return "ring" if self.method == "auto" else self.method
+    def runs_varlen(self) -> bool:
+        """Whether packed documents and left-padded batches can run: they need the varlen ring,
+        which ``method="ring"`` runs, and ``"auto"`` too where it shards like the ring (it chose
+        the ring or Ulysses: those forwards then run the ring)."""
+        return self.attention == "ring" or (self.method == "auto" and self.ulysses == 1)
+
+    @property
+    def method_name(self) -> str:
+        """``method='...'`` for messages (with what ``"auto"`` chose)."""
+        chose = f" (it chose {self.attention})" if self.method == "auto" else ""
+        return f"method={self.method!r}{chose}"
 
 
 def active_step(state: State) -> Optional[Step]:

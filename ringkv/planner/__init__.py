@@ -39,6 +39,8 @@ The modules, each importing only those above it in this list:
   ``StepTerms``, ``RingTerms``, ``_step_terms``, ``_step_cost``, ``engine_run_seconds``,
   ``_run_terms``,
   ``_simulate``, ``EngineRun``;
+- ``sp_method``: ``choose_sp``, ``SPChoice``, ``sp_seconds``, ``ulysses_bytes``, ``local_rates``:
+  the ring, Ulysses or USP for a model's heads on a world (``patch_model(method="auto")``);
 - ``calibration``: ``FIT_KEYS``, ``fit_engine``, ``_nelder_mead``, ``RATE_KEYS``,
   ``apply_calibration``,
   ``_with``, ``fit_rates``, ``fit_keys``, ``_single_process_runs``, ``one_process_seconds``,
@@ -88,6 +90,7 @@ from .simulation import (
     ring_attention_seconds,
     ring_backward_seconds,
 )
+from .sp_method import SPChoice, choose_sp, local_rates, sp_seconds, ulysses_bytes
 from .calibration import (
     FIT_KEYS,
     RATE_KEYS,
@@ -135,6 +138,11 @@ __all__ = [
     "migration_seconds",
     "ring_attention_seconds",
     "ring_backward_seconds",
+    "SPChoice",
+    "choose_sp",
+    "local_rates",
+    "sp_seconds",
+    "ulysses_bytes",
     "FIT_KEYS",
     "RATE_KEYS",
     "apply_calibration",

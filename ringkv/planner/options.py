@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 from ..kernels import quant
 from ..parallel.tp import check_tp, kv_heads_per_rank
+from ..sp.ulysses import HeadSplit
 from .calibration import apply_calibration
 from .catalogue import load_model
 from .hardware import Rates, merge_hardware, load_hardware, parse_link, parse_links, rates
@@ -24,6 +25,7 @@ from .memory import (
     stage_weight_bytes,
 )
 from .simulation import shared_link, message_seconds, migration_seconds, ring_attention_seconds
+from .sp_method import ulysses_bytes
 
 SEED_SP_TOKENS = 32768  # seed rule 4: consider SP beyond 32K tokens
 SEED_MAX_PP = 4  # seed rule 2: PP depth usually <= 4
@@ -308,7 +310,7 @@ def _option(
     t_attn, step, xfer, ring_bytes = ring_attention_seconds(
         seq, heads_att, kv_att, d, ring, act, on("ring"), links["ring"]
     )
-    u_bytes = int((u - 1) / u * tok * d * act * (2 * hq + 2 * max(hkv, u))) if u > 1 else 0
+    u_bytes = ulysses_bytes(HeadSplit(hq, hkv, u), tok, d, d, act) if u > 1 else 0
     t_u = message_seconds(u_bytes, links["ulysses"], on("ulysses"), 4) if u > 1 else 0.0
     tp_bytes = int(2 * 2 * (tp - 1) / tp * tok * h * act) if tp > 1 else 0
     t_tp = message_seconds(tp_bytes, links["tp"], r, 2 * 2 * (tp - 1)) if tp > 1 else 0.0

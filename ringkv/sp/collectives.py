@@ -22,6 +22,7 @@ __all__ = [
     "rank_world",
     "all_gather",
     "all_sum",
+    "shared_sum",
     "all_reduce_",
     "wait",
     "agree",
@@ -31,6 +32,7 @@ __all__ = [
     "GroupMemory",
     "Memo",
     "all_to_all",
+    "all_to_all_sizes",
     "Pending",
     "start_all_gather",
     "start_reduce_scatter",
@@ -77,6 +79,15 @@ def all_sum(
     rank, world = rank_world(group)
     x = x.detach().clone().contiguous()
     return x if world == 1 else all_reduce_(x, group, timeout, what)
+
+
+def shared_sum(
+    x: torch.Tensor, group=None, timeout: Optional[timedelta] = None, what: str = "all_reduce"
+) -> torch.Tensor:
+    """The sum of ``x`` over the group as the value, on every rank; as the gradient, ``x``'s own
+    (this rank's share: the gradients summed over the group, as data parallelism's all-reduce
+    does, are those of the sum). One bounded all-reduce."""
+    return x + (all_sum(x, group, timeout, what) - x.detach())
 
 
 def all_reduce_(
@@ -324,3 +335,44 @@ def all_to_all(
     if world == 1:
         return xs
     return _AllToAll.apply(group, timeout, what, *xs)
+
+
+def _start_all_to_all_sizes(x, send: Sequence[int], recv: Sequence[int], group, timeout, what):
+    # x (sum(send),): the j-th run of send[j] elements goes to rank j; the result (sum(recv),)
+    # holds recv[i] elements from rank i, in rank order
+    rank = rank_world(group)[0]
+    out = x.new_empty(sum(recv))
+    work = dist.all_to_all_single(
+        out, x.contiguous(), list(recv), list(send), group=group, async_op=True
+    )
+    return Pending(work, out, timeout, what, sent=(sum(send) - send[rank]) * x.element_size())
+
+
+class _AllToAllSizes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, timeout, what, send, recv, x):
+        ctx.args = (group, timeout, what, send, recv)
+        return _start_all_to_all_sizes(x, send, recv, group, timeout, what).wait()
+
+    @staticmethod
+    def backward(ctx, grad):  # the adjoint: the same exchange with the sizes swapped
+        group, timeout, what, send, recv = ctx.args
+        back = _start_all_to_all_sizes(grad, recv, send, group, timeout, what).wait()
+        return None, None, None, None, None, back
+
+
+def all_to_all_sizes(
+    x: torch.Tensor,
+    send: Sequence[int],
+    recv: Sequence[int],
+    group=None,
+    timeout: Optional[timedelta] = None,
+    what: str = "all_to_all",
+) -> torch.Tensor:
+    """An all-to-all of runs of different sizes: ``x`` ``(sum(send),)`` is cut into runs of
+    ``send[j]`` elements, run ``j`` going to rank ``j``; returns ``(sum(recv),)`` holding
+    ``recv[i]`` elements from rank ``i``, in rank order (``recv[i]`` must be what rank ``i`` sends
+    here). Differentiable (the backward swaps the sizes; every rank communicates alike)."""
+    if rank_world(group)[1] == 1:
+        return x
+    return _AllToAllSizes.apply(group, timeout, what, tuple(send), tuple(recv), x)

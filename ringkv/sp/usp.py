@@ -7,6 +7,12 @@ each ring shard is cut contiguously into U parts, one per Ulysses rank (``layout
 all-to-all in the Ulysses group hands every rank its ring shard's tokens (in local order) for
 ``H/U`` heads; ``ring_attention`` runs on them over the ring group; the all-to-all back returns
 ``out`` (and ``lse``) to sequence parts. Bytes per rank: the two all-to-alls plus the ring's.
+
+Any head count: the Ulysses group splits the heads as ``ulysses_attention`` does (``HeadSplit``:
+``ceil(H/U)`` or ``floor(H/U)`` query heads per Ulysses rank, ``U <= H``); the ranks of one ring
+group have the same Ulysses rank, so the same heads, and the ring carries the KV heads their
+kernel runs with (``HeadSplit.local_kv``: where a rank's query heads are not aligned on their KV
+groups, the repeated ones). Which ``U x R`` to run: ``ringkv.planner.choose_sp``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from ..kernels.mask import NO_WINDOW, check_window
 from .collectives import CommStats, Memo, agree_once, rank_world
 from .comm import RingComm
 from .ring import RingStats, Shards, call_values, check_inputs, ring_attention_shards
-from .ulysses import gather_heads, head_plan, scatter_heads
+from .ulysses import gather_heads, head_split, scatter_heads
 
 __all__ = ["sp_groups", "usp_attention"]
 
@@ -98,8 +104,8 @@ def usp_attention(
     Args:
         q: ``(B, S_local, H, D)``, this rank's part
             (``ringkv.shard(..., ulysses_group=, ring_group=)``);
-            ``S = S_local * U * R``; ``H % U == 0``.
-        k, v: ``(B, S_local, Hkv, D)``; ``Hkv % U == 0`` (split) or ``U % Hkv == 0`` (replicated).
+            ``S = S_local * U * R``; any ``H >= U``.
+        k, v: ``(B, S_local, Hkv, D)``, ``(B, S_local, Hkv, Dv)``; any ``Hkv`` dividing ``H``.
         ulysses_group, ring_group: from ``ringkv.sp_groups(ulysses=U, ring=R)``.
         causal, layout, softmax_scale, return_lse, backend, timeout, check, window, softcap: as in
             ``ring_attention`` (``layout`` is the ring's; ``check`` compares arguments over both
@@ -132,17 +138,18 @@ def usp_attention(
         softcap=softcap,
         sinks=sinks,
     )
-    head_plan(q.shape[2], k.shape[2], n_u, "usp_attention")
+    split = head_split(q.shape[2], k.shape[2], n_u, "usp_attention")
     window = check_window(window)
     if check and n_u * n_r > 1:
         names, values = call_values(
             q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks
         )
         _agree(names, values, (n_u, n_r), (ulysses_group, ring_group), timeout, q.device)
-    # (B, S/R, H/U, D): this ring rank's shard, in local order, for H/U heads
-    qh, kh, vh, sent = scatter_heads(q, k, v, ulysses_group, timeout, "usp_attention")
+    # (B, S/R, H_r, D): this ring rank's shard, in local order, for this Ulysses rank's heads
+    qh, kh, vh, sent = scatter_heads(q, k, v, split, ulysses_group, timeout, "usp_attention")
     shards = Shards.of_layout(q.shape[1] * n_u * n_r, layout, n_r)
-    local_sinks = None if sinks is None else sinks.view(n_u, -1)[u_rank]  # (H/U,): its heads
+    mine = split.q_heads(u_rank)
+    local_sinks = None if sinks is None else sinks[mine.start : mine.stop]  # (H_r,): its heads
     ring_stats = RingStats()
     out, lse = ring_attention_shards(
         qh,
@@ -160,7 +167,7 @@ def usp_attention(
     )
     sent += ring_stats.bytes_sent
     out, lse, sent_back = gather_heads(
-        out, lse if return_lse else None, ulysses_group, timeout, "usp_attention"
+        out, lse if return_lse else None, split, ulysses_group, timeout, "usp_attention"
     )
     if stats is not None:
         stats.method, stats.bytes_sent = "usp", sent + sent_back

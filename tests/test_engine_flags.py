@@ -34,12 +34,12 @@ def sample(f: dataclasses.Field) -> tuple:
     """``(argv values, the field value they give)`` for field ``f``'s flag."""
     if f.metadata["unit"] is not None:
         return ["0.5"], f.metadata["unit"] // 2
+    if f.metadata["choices"]:  # (compile_decode: auto / true / false; its default False)
+        value = next(c for c in f.metadata["choices"] if c not in (f.default, str(f.default)))
+        return [value], value
     if isinstance(f.default, bool):
         return [], not f.default
     hint = typing.get_type_hints(EngineConfig)[f.name]
-    if f.metadata["choices"]:  # (compile_decode: auto / true / false)
-        value = next(c for c in f.metadata["choices"] if c != f.default)
-        return [value], value
     if f.metadata["nargs"]:
         return ["3", "5"], [3, 5]
     if (typing.get_args(hint) or (hint,))[0] is int:  # int or Optional[int]

@@ -7,9 +7,10 @@ A field's flag is ``--`` and its name with dashes unless ``flag`` names another;
 a Python-only setting (no flag). The flag's value type comes from the field's annotation
 (``Optional[X]``: ``X``; ``int`` and ``float`` are parsed, anything else is a string; with
 ``nargs``, the element type of a sequence); a bool field is a switch (``store_true``, or
-``store_false`` for one that defaults to True). ``unit``: the flag is a float count of this many
-of the field's units (``GIB``: a flag in GiB for a field in bytes), converted once, in
-``from_args``.
+``store_false`` for one that defaults to True), unless it has ``choices`` (``compile_decode``:
+``auto``, ``true``, ``false``; its default stays the bool). ``unit``: the flag is a float count
+of this many of the field's units (``GIB``: a flag in GiB for a field in bytes), converted once,
+in ``from_args``.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def add_arguments(
         if not has_flag(f) or not keep(f):
             continue
         kw = dict(dest=f.name, default=f.default, help=f.metadata["help"])
-        if isinstance(f.default, bool):
+        if isinstance(f.default, bool) and not f.metadata["choices"]:  # a switch
             kw["action"] = "store_false" if f.default else "store_true"
         else:
             kw["metavar"] = f.metadata["metavar"] or flag(f)[2:].upper().replace("-", "_")

@@ -63,8 +63,14 @@ def root() -> Path:
 def cache_key(cfg, dtype, device, stage: Sequence[int], first: bool, last: bool, linear: str):
     """``(key, parts)``: the directory name of this stage's artifacts and verdicts, and what it
     hashes (plain data, shown by ``kv_cache_info()``)."""
-    import ringkv
+    from importlib.metadata import PackageNotFoundError, version
+
     from ..kernels import native
+
+    try:
+        ours = version("ringkv")
+    except PackageNotFoundError:  # a checkout on sys.path, not installed
+        ours = "unknown"
 
     arch = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
     parts = dict(
@@ -78,7 +84,7 @@ def cache_key(cfg, dtype, device, stage: Sequence[int], first: bool, last: bool,
         isa=native.default_isa(),
         cpu=hashlib.sha256(native._cpu_id().encode()).hexdigest()[:12],
         threads=torch.get_num_threads(),
-        ringkv=ringkv.__version__,
+        ringkv=ours,
     )
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return key, parts

@@ -19,6 +19,10 @@ import sys
 import tempfile
 import time
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+
 CHILD = r"""
 import json, os, sys, time, torch
 torch.set_num_threads(int(sys.argv[2]))

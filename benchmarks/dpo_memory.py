@@ -29,7 +29,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the checkout first, benchmarks/ never: its modules would shadow installed packages (HF `kernels`)
+sys.path[:] = [os.path.dirname(HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 from benchmarks.models import load_average, machine, model_path, write_json  # noqa: E402
 from benchmarks.train_memory import (  # noqa: E402

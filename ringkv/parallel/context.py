@@ -63,7 +63,7 @@ from ..sp.comm import RingComm
 from ..sp.decode import merge_across
 from ..sp.ring import Shards, ring_attention_shards
 from .plan import StepPlan
-from .spread import SpreadSeq, offsets, query_shards, spread_of, write_kv
+from .spread import Spread, SpreadSeq, offsets, query_shards, write_kv
 from .spread import local_row as spread_row
 
 
@@ -193,7 +193,7 @@ class LocalStep:
         self.write_rows = torch.tensor(rows, dtype=torch.long, device=device)  # (W,)
         self.write_slots = torch.tensor(slots, dtype=torch.long, device=device)  # (W,)
         self.single = _single_rows(self.recur, device)
-        self.spread = spread_of(spread, sp, r, bs, device)
+        self.spread = Spread(spread, sp, r, bs, device) if spread else None
         self.cached: Optional[StepAttention] = (
             plan_step(cached, block_size=bs, sp=sp, sp_rank=r, device=device, backend=paged_backend)
             if cached

@@ -9,8 +9,8 @@ much causal attention work). A recurrent layer needs runs of consecutive tokens:
 is saved (the state after a piece is known on every rank) and where the padding starts.
 
 **Where its K/V are stored.** The cache stripes tokens (``p % sp``, ``parallel.context``), so each
-attention layer sends each computed row's K/V to the rank that stores it: one all-to-all, every
-pair's rows padded to the most any pair sends. Attention is then ``ring_attention_shards`` with
+attention layer sends each computed row's K/V to the rank that stores it: one all-to-all of the
+sizes each pair of ranks exchanges (``sp.collectives.all_to_all_sizes``). Attention is then ``ring_attention_shards`` with
 zigzag queries over the chunk's own K/V (a chunk from position 0) or over every key the ranks
 store (a later chunk: the cached prefix included).
 
@@ -22,16 +22,15 @@ carry gathers every piece's), so each writes its own replica, as decode needs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
-from ..sp.collectives import all_to_all
+from ..sp.collectives import all_to_all_sizes
 from ..sp.delta import gated_delta_rule
 from ..sp.layout import chunks
 from ..sp.pieces import Piece, Pieces
 from ..sp.recurrent import causal_conv1d, mamba2_scan
-from ..sp.ring import Shards
 
 
 @dataclass(frozen=True)
@@ -73,12 +72,6 @@ def query_shards(s: SpreadSeq, sp: int) -> Tuple[Tuple[range, ...], ...]:
     )
 
 
-def shards(s: SpreadSeq, sp: int) -> Shards:
-    """The ring of a chunk from position 0 over its own K/V: keys where the queries are."""
-    q = query_shards(s, sp)
-    return Shards(q, q)
-
-
 def _pieces(seqs: List[SpreadSeq], sp: int) -> Pieces:
     """Each rank's pieces: every chunk (one document each) cut at its checkpoints and its pad."""
     by_rank = []
@@ -98,14 +91,14 @@ def _pieces(seqs: List[SpreadSeq], sp: int) -> Pieces:
 
 @dataclass(frozen=True)
 class Exchange:
-    """Where each computed row's K/V is stored: this rank's rows for each rank in turn, ``send``
-    ``(sp * width,)`` (padded with row 0); of the ``sp * width`` rows received, ``keep`` ``(R,)``
-    are real, and go to the cache ``slots`` ``(R,)``."""
+    """Where each computed row's K/V is stored: this rank's rows ``send`` ``(S,)`` in destination
+    order, ``send_rows[j]`` of them to rank ``j``; ``recv_rows[i]`` rows come from rank ``i`` (in
+    rank order) and go to the cache ``slots`` ``(R,)``."""
 
     send: torch.Tensor
-    keep: torch.Tensor
+    send_rows: Tuple[int, ...]
+    recv_rows: Tuple[int, ...]
     slots: torch.Tensor
-    width: int
 
 
 def _exchange(seqs: List[SpreadSeq], sp: int, rank: int, bs: int, device) -> Exchange:
@@ -125,19 +118,23 @@ def _exchange(seqs: List[SpreadSeq], sp: int, rank: int, bs: int, device) -> Exc
                 if j == rank:
                     p = pos[sel]
                     recv[i].append(table[p // lb] * bs + p % lb // sp)
-    width = int(counts.max())
-    rows = [torch.cat(x) for x in send]
-    rows = torch.cat([torch.nn.functional.pad(x, (0, width - len(x))) for x in rows])
-    got = [torch.cat(x) for x in recv]
-    keep = torch.cat([i * width + torch.arange(len(x)) for i, x in enumerate(got)])
-    return Exchange(rows.to(device), keep.to(device), torch.cat(got).to(device), width)
+    rows = torch.cat([torch.cat(x) for x in send])
+    slots = torch.cat([torch.cat(x) for x in recv])
+    sizes = tuple(counts[rank].tolist()), tuple(counts[:, rank].tolist())
+    return Exchange(rows.to(device), *sizes, slots.to(device))
 
 
 def write_kv(kv, layer: int, k, v, ex: Exchange, group, timeout) -> None:
-    """Each computed row's K/V ``k``/``v`` ``(T, Hkv, D)`` into the cache of the rank storing it."""
-    ks, vs = (x.index_select(0, ex.send).unflatten(0, (-1, ex.width)) for x in (k, v))
-    kr, vr = all_to_all(ks, vs, group=group, timeout=timeout, what="spread prefill K/V")
-    kv.write(layer, *(x.flatten(0, 1).index_select(0, ex.keep) for x in (kr, vr)), ex.slots)
+    """Each computed row's K/V ``k``/``v`` ``(T, Hkv, D)`` into the cache of the rank storing it:
+    one all-to-all of each row's K and V side by side, of the sizes each pair of ranks sends."""
+    rows = torch.cat([k.flatten(1), v.flatten(1)], 1).index_select(0, ex.send)  # (S, W)
+    w, kw = rows.shape[1], k[0].numel()
+    got = all_to_all_sizes(
+        rows.reshape(-1), [n * w for n in ex.send_rows], [n * w for n in ex.recv_rows],
+        group, timeout, "spread prefill K/V",
+    ).view(-1, w)  # (R, W)  # fmt: skip
+    k_got, v_got = got[:, :kw].reshape(-1, *k.shape[1:]), got[:, kw:].reshape(-1, *v.shape[1:])
+    kv.write(layer, k_got, v_got, ex.slots)
 
 
 class SpreadOps:
@@ -201,7 +198,3 @@ class Spread:
             for key, slot in self.stores:
                 t[slot] = states[key][0]
         return y[0]
-
-
-def spread_of(seqs: List[SpreadSeq], sp: int, rank: int, bs: int, device) -> Optional[Spread]:
-    return Spread(seqs, sp, rank, bs, device) if seqs else None

@@ -282,8 +282,11 @@ def sp_prefill(model, a) -> dict:
     """Cold TTFT of the hybrid at ``sp=1``, and at ``sp=--sp-prefill`` replicated and spread."""
     from ringkv import LLM
 
-    runs = dict(one=dict(sp=1), replicated=dict(sp=a.sp_prefill, sp_prefill_min_tokens=1 << 30))
-    runs["spread"] = dict(sp=a.sp_prefill, sp_prefill_min_tokens=64)
+    runs = dict(
+        one=dict(sp=1),
+        replicated=dict(sp=a.sp_prefill, sp_prefill_min_tokens=1 << 30),
+        spread=dict(sp=a.sp_prefill, sp_prefill_min_tokens=64),
+    )
     out, tokens_of = {}, {}
     for name, mesh in runs.items():
         with LLM(model, **engine_settings(a, True), **mesh) as llm:

@@ -10,9 +10,9 @@ is saved (the state after a piece is known on every rank) and where the padding 
 
 **Where its K/V are stored.** The cache stripes tokens (``p % sp``, ``parallel.context``), so each
 attention layer sends each computed row's K/V to the rank that stores it: one all-to-all of the
-sizes each pair of ranks exchanges (``sp.collectives.all_to_all_sizes``). Attention is then ``ring_attention_shards`` with
-zigzag queries over the chunk's own K/V (a chunk from position 0) or over every key the ranks
-store (a later chunk: the cached prefix included).
+sizes each pair of ranks exchanges (``sp.collectives.all_to_all_sizes``). Attention is then
+``ring_attention_shards`` with zigzag queries over the chunk's own K/V (a chunk from position 0)
+or over every key the ranks store (a later chunk: the cached prefix included).
 
 **Its state.** A recurrent layer starts each chunk from the sequence's state slot (zeros at
 position 0); every rank ends with the same state after the chunk and at each checkpoint (the

@@ -149,14 +149,22 @@ def reference(arch: str, seed: int, kw: dict, new_tokens: int = 0) -> dict:
     with torch.no_grad():
         res["eval_logits"] = model(**kw).logits
         if new_tokens:
-            res["tokens"] = _generate(model, kw, new_tokens)
+            res["tokens"], res["scores"] = _generate(model, kw, new_tokens)
     return res
 
 
 def _generate(model, kw, new_tokens):
-    return model.generate(
-        **kw, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    """Greedy ``generate``: ``(tokens (B, S + new), scores (B, new, V))``."""
+    out = model.generate(
+        **kw,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
     )
+    return out.sequences, torch.stack(out.scores, 1)
 
 
 def patched_run(ctx, arch, seed, kw, layout, new_tokens=0, method="ring") -> dict:
@@ -177,8 +185,23 @@ def patched_run(ctx, arch, seed, kw, layout, new_tokens=0, method="ring") -> dic
     with torch.no_grad():
         res["eval_logits"] = hf.gather_logits(model(**kw).logits, layout, ctx.group, seq_len=s)
         if new_tokens:
-            res["tokens"] = _generate(model, kw, new_tokens)
+            res["tokens"], res["scores"] = _generate(model, kw, new_tokens)
     return res
+
+
+def text_inputs(ctx, arch, seed, kw, layout) -> dict:
+    """What the patched model's text decoder runs on this rank in a forward of ``kw``: the
+    ``position_ids`` and ``inputs_embeds`` its layers get (after ringkv's pre-hook)."""
+    model = hf.patch_model(build(arch, seed), group=ctx.group, layout=layout)
+    seen = {}
+
+    def grab(mod, args, kwargs):
+        seen.update(position_ids=kwargs["position_ids"], inputs_embeds=kwargs["inputs_embeds"])
+
+    model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)  # after ringkv's
+    with torch.no_grad():
+        model(**kw, use_cache=False)
+    return seen
 
 
 def forward_error(ctx, arch, seed, kw, layout="zigzag"):
@@ -190,3 +213,12 @@ def forward_error(ctx, arch, seed, kw, layout="zigzag"):
     except (ValueError, TypeError, RuntimeError) as e:
         return (type(e).__name__, str(e))
     return ("ok", "")
+
+
+def other_pixels(ctx, arch, seed):
+    """Every rank calls the same forward but rank 1 with other pixels: ``(error type, message)``
+    of each rank."""
+    kw = inputs(arch, 1)
+    if ctx.rank == 1:
+        kw["pixel_values"] = kw["pixel_values"] + 1
+    return forward_error(ctx, arch, seed, kw)

@@ -93,6 +93,19 @@ def test_ulysses(world3):
     _check(world3, "qwen2_5_vl", 2, 2, "zigzag", method="ulysses")
 
 
+@pytest.mark.parametrize(
+    "arch,sp,layout", [("qwen2_5_vl", 3, "zigzag"), ("qwen3_vl", 2, "striped")]
+)
+def test_decode_forwards_without_positions_match_unpatched(world3, arch, sp, layout):
+    """A prefill with a cache, then decode forwards that pass no positions: the model takes them
+    from the cache's (global) length and the prefill's ``rope_deltas``, as unpatched."""
+    kw = vc.inputs(arch, 2)
+    want = vc.decode_steps(vc.build(arch, 0), kw, 3)
+    res = world3.check("tests.vlm_cases:patched_decode", sp, arch, 0, kw, layout, 3)
+    for got in res:
+        torch.testing.assert_close(got, want, **_TOL)
+
+
 def test_the_3d_positions_matter():
     """Qwen's 3-D positions move the logits (against plain 1-D positions): a split that lost them,
     or cut them in another layout than the tokens, could not match."""

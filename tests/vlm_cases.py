@@ -222,3 +222,33 @@ def other_pixels(ctx, arch, seed):
     if ctx.rank == 1:
         kw["pixel_values"] = kw["pixel_values"] + 1
     return forward_error(ctx, arch, seed, kw)
+
+
+def decode_steps(model, kw, steps: int):
+    """A prefill forward with a cache, then ``steps`` greedy decode forwards of one token each, no
+    positions given (the model derives them from the cache length and its ``rope_deltas``): each
+    step's last logits ``(B, steps + 1, V)``."""
+    with torch.no_grad():
+        out = model(**kw, use_cache=True)
+        last = [out.logits[:, -1]]
+        for _ in range(steps):
+            nxt = last[-1].argmax(-1, keepdim=True)
+            out = model(input_ids=nxt, cache=out.cache, use_cache=True)
+            last.append(out.logits[:, -1])
+    return torch.stack(last, 1)
+
+
+def patched_decode(ctx, arch, seed, kw, layout, steps):
+    """``decode_steps`` on the patched model (the prefill's last logits: ``logits_to_keep=1``)."""
+    model = hf.patch_model(build(arch, seed), group=ctx.group, layout=layout)
+    return decode_steps(_KeepLast(model), kw, steps)
+
+
+class _KeepLast:
+    """Calls ``model`` with ``logits_to_keep=1`` (every rank then gets the last token's logits)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kw):
+        return self.model(**kw, logits_to_keep=1)

@@ -32,7 +32,6 @@ def differences(res: list, ref: dict) -> dict:
     whether every rank generated the same tokens."""
     out = dict(
         loss=max(abs(r["loss"] - ref["loss"]) for r in res),
-        logits=max((r["logits"] - ref["logits"]).abs().max().item() for r in res),
         eval=max((r["eval_logits"] - ref["eval_logits"]).abs().max().item() for r in res),
         scores=max((r["scores"] - ref["scores"]).abs().max().item() for r in res),
         tokens=all(torch.equal(r["tokens"], ref["tokens"]) for r in res),
@@ -46,13 +45,18 @@ def differences(res: list, ref: dict) -> dict:
     return out
 
 
-def _check(world, arch, images, sp, layout, method="ring"):
-    kw = vc.inputs(arch, images)
+def _check(world, arch, images, sp, layout, method="ring", keep_logits=None, rows=1):
+    """The patched model (``keep_logits=None``: the chunked loss; True: the loss from the logits,
+    which are compared too) against the unpatched one."""
+    kw = vc.inputs(arch, images, rows=rows)
     ref = vc.reference(arch, 0, kw, new_tokens=3)
-    res = world.check("tests.vlm_cases:patched_run", sp, arch, 0, kw, layout, 3, method)
+    res = world.check(
+        "tests.vlm_cases:patched_run", sp, arch, 0, kw, layout, 3, method, keep_logits
+    )
     for r, got in enumerate(res):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6), (r, got["loss"])
-        for key in ("logits", "eval_logits", "scores"):
+        assert (got["logits"] is None) == (keep_logits is None)
+        for key in ("logits", "eval_logits", "scores")[keep_logits is None :]:
             torch.testing.assert_close(got[key], ref[key], **_TOL, msg=lambda m: f"{key} {r}: {m}")
         assert torch.equal(got["tokens"], ref["tokens"]), (r, got["tokens"], ref["tokens"])
     assert set(res[0]["grads"]) == set(ref["grads"])
@@ -88,9 +92,18 @@ def test_matches_unpatched(world3, arch, images, sp, layout):
         )
 
 
-def test_ulysses(world3):
-    """Ulysses (4 heads over 2 ranks) shards the merged sequence the same way."""
-    _check(world3, "qwen2_5_vl", 2, 2, "zigzag", method="ulysses")
+@pytest.mark.parametrize(
+    "arch,sp,layout,method",
+    [
+        ("qwen2_5_vl", 2, "zigzag", "ulysses"),  # 4 heads over 2 ranks
+        ("qwen3_vl", 3, "contiguous", "ring"),
+        ("llava_onevision", 2, "striped", "ring"),
+    ],
+)
+def test_batches_of_two_and_the_loss_from_logits(world3, arch, sp, layout, method):
+    """Two samples per batch (each its own images), the loss from the logits (``keep_logits=True``,
+    the logits compared too); Ulysses shards the merged sequence the same way."""
+    _check(world3, arch, 2, sp, layout, method=method, keep_logits=True, rows=2)
 
 
 @pytest.mark.parametrize(

@@ -100,9 +100,18 @@ def _tokens(n_text, n_images, seed):
     return [torch.randint(3, 140, (n,), generator=g).tolist() for n in n_text[: n_images + 1]]
 
 
-def inputs(arch: str, images: int, seed: int = 0, text=(3, 4, 2, 3)) -> dict:
-    """One sample (B = 1) of ``images`` images, each between two text runs (lengths ``text``):
-    the model's keyword arguments (``input_ids``, pixels, grids or sizes, token types)."""
+def inputs(arch: str, images: int, seed: int = 0, rows: int = 1) -> dict:
+    """``rows`` samples (B = rows; each its own tokens and pixels) of ``images`` images: the
+    model's keyword arguments (``input_ids``, pixels, grids or sizes, token types)."""
+    parts = [_sample(arch, images, seed + r) for r in range(rows)]
+    kw = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    if arch != "llava_onevision":
+        kw["mm_token_type_ids"] = (kw["input_ids"] == IMAGE).int()  # the 3-D positions need them
+    return kw
+
+
+def _sample(arch: str, images: int, seed: int, text=(3, 4, 2, 3)) -> dict:
+    """One sample of ``images`` images, each between two text runs (lengths ``text``)."""
     g = torch.Generator().manual_seed(seed)
     runs = _tokens(list(text), images, seed)
     if arch == "llava_onevision":  # one image: anyres tiles (14 tokens); several: 5 tokens each
@@ -123,10 +132,7 @@ def inputs(arch: str, images: int, seed: int = 0, text=(3, 4, 2, 3)) -> dict:
     ids = list(runs[0])
     for i in range(images):
         ids += [START] + [IMAGE] * counts[i] + [END] + runs[i + 1]
-    ids = torch.tensor([ids])
-    if arch != "llava_onevision":
-        media["mm_token_type_ids"] = (ids == IMAGE).int()  # the 3-D positions need them
-    return dict(input_ids=ids, **media)
+    return dict(input_ids=torch.tensor([ids]), **media)
 
 
 def labels_of(kw: dict) -> torch.Tensor:
@@ -167,18 +173,21 @@ def _generate(model, kw, new_tokens):
     return out.sequences, torch.stack(out.scores, 1)
 
 
-def patched_run(ctx, arch, seed, kw, layout, new_tokens=0, method="ring") -> dict:
-    """The patched model: training loss, gathered logits and this rank's gradients; eval logits
-    gathered; greedy tokens of ``generate``."""
+def patched_run(ctx, arch, seed, kw, layout, new_tokens=0, method="ring", keep_logits=None):
+    """The patched model: training loss (``keep_logits=None``: the chunked loss from the hidden
+    states, no logits; True: from the logits, gathered too) and this rank's gradients; eval
+    logits gathered; greedy tokens and scores of ``generate``."""
     model = hf.patch_model(
-        build(arch, seed), group=ctx.group, layout=layout, method=method, keep_logits=True
+        build(arch, seed), group=ctx.group, layout=layout, method=method, keep_logits=keep_logits
     )
     s = kw["input_ids"].shape[1]
     out = model.train()(**kw, labels=labels_of(kw), use_cache=False)
     out.loss.backward()
     res = dict(
         loss=out.loss.item(),
-        logits=hf.gather_logits(out.logits, layout, ctx.group, seq_len=s),
+        logits=None
+        if out.logits is None
+        else hf.gather_logits(out.logits, layout, ctx.group, seq_len=s),
         grads=grads_of(model),
     )
     model.eval()

@@ -45,13 +45,13 @@ def differences(res: list, ref: dict) -> dict:
     return out
 
 
-def _check(world, arch, images, sp, layout, method="ring", keep_logits=None, rows=1):
+def _check(world, arch, images, sp, layout, method="ring", keep_logits=None, rows=1, ckpt=False):
     """The patched model (``keep_logits=None``: the chunked loss; True: the loss from the logits,
-    which are compared too) against the unpatched one."""
+    which are compared too; ``ckpt``: activation checkpointing) against the unpatched one."""
     kw = vc.inputs(arch, images, rows=rows)
     ref = vc.reference(arch, 0, kw, new_tokens=3)
     res = world.check(
-        "tests.vlm_cases:patched_run", sp, arch, 0, kw, layout, 3, method, keep_logits
+        "tests.vlm_cases:patched_run", sp, arch, 0, kw, layout, 3, method, keep_logits, ckpt
     )
     for r, got in enumerate(res):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6), (r, got["loss"])
@@ -83,6 +83,7 @@ def _check(world, arch, images, sp, layout, method="ring", keep_logits=None, row
     ],
 )
 def test_matches_unpatched(world3, arch, images, sp, layout):
+    """Loss (the chunked loss), every gradient, eval logits and generate as unpatched."""
     ref = _check(world3, arch, images, sp, layout)
     visual = [n for n in ref["grads"] if n.startswith(("model.visual.", "model.vision_tower."))]
     assert visual and all(ref["grads"][n].abs().max() > 0 for n in visual[:3])  # it learns
@@ -93,17 +94,25 @@ def test_matches_unpatched(world3, arch, images, sp, layout):
 
 
 @pytest.mark.parametrize(
-    "arch,sp,layout,method",
+    "arch,sp,layout,method,ckpt",
     [
-        ("qwen2_5_vl", 2, "zigzag", "ulysses"),  # 4 heads over 2 ranks
-        ("qwen3_vl", 3, "contiguous", "ring"),
-        ("llava_onevision", 2, "striped", "ring"),
+        ("qwen2_5_vl", 2, "zigzag", "ulysses", False),  # 4 heads over 2 ranks
+        ("qwen3_vl", 3, "contiguous", "ring", True),
+        ("llava_onevision", 2, "striped", "ring", False),
     ],
 )
-def test_batches_of_two_and_the_loss_from_logits(world3, arch, sp, layout, method):
+def test_batches_of_two_and_the_loss_from_logits(world3, arch, sp, layout, method, ckpt):
     """Two samples per batch (each its own images), the loss from the logits (``keep_logits=True``,
-    the logits compared too); Ulysses shards the merged sequence the same way."""
-    _check(world3, arch, 2, sp, layout, method=method, keep_logits=True, rows=2)
+    the logits compared too); Ulysses shards the merged sequence the same way; activation
+    checkpointing replays the layers in backward."""
+    _check(world3, arch, 2, sp, layout, method, keep_logits=True, rows=2, ckpt=ckpt)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_text_only_batches(world3, arch):
+    """No images: the model gives its text decoder no positions, ringkv supplies the global ones
+    (the decoder makes its RoPE rows from them)."""
+    _check(world3, arch, 0, 3, "striped")
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,7 @@ def inputs(arch: str, images: int, seed: int = 0, rows: int = 1) -> dict:
     model's keyword arguments (``input_ids``, pixels, grids or sizes, token types)."""
     parts = [_sample(arch, images, seed + r) for r in range(rows)]
     kw = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    if arch != "llava_onevision":
+    if arch != "llava_onevision" and images:
         kw["mm_token_type_ids"] = (kw["input_ids"] == IMAGE).int()  # the 3-D positions need them
     return kw
 
@@ -114,6 +114,8 @@ def _sample(arch: str, images: int, seed: int, text=(3, 4, 2, 3)) -> dict:
     """One sample of ``images`` images, each between two text runs (lengths ``text``)."""
     g = torch.Generator().manual_seed(seed)
     runs = _tokens(list(text), images, seed)
+    if images == 0:  # text only: no media arguments
+        return dict(input_ids=torch.tensor([runs[0] * 4]))
     if arch == "llava_onevision":  # one image: anyres tiles (14 tokens); several: 5 tokens each
         tiles, per = (3, 14) if images == 1 else (1, 5)
         pixels = torch.randn(images, tiles, 3, 8, 8, generator=g)
@@ -173,13 +175,18 @@ def _generate(model, kw, new_tokens):
     return out.sequences, torch.stack(out.scores, 1)
 
 
-def patched_run(ctx, arch, seed, kw, layout, new_tokens=0, method="ring", keep_logits=None):
+def patched_run(
+    ctx, arch, seed, kw, layout, new_tokens=0, method="ring", keep_logits=None, checkpointing=False
+):
     """The patched model: training loss (``keep_logits=None``: the chunked loss from the hidden
-    states, no logits; True: from the logits, gathered too) and this rank's gradients; eval
-    logits gathered; greedy tokens and scores of ``generate``."""
+    states, no logits; True: from the logits, gathered too) and this rank's gradients (with
+    activation ``checkpointing``: the text and vision layers replayed in backward); eval logits
+    gathered; greedy tokens and scores of ``generate``."""
     model = hf.patch_model(
         build(arch, seed), group=ctx.group, layout=layout, method=method, keep_logits=keep_logits
     )
+    if checkpointing:
+        model.activation_checkpointing_enable()
     s = kw["input_ids"].shape[1]
     out = model.train()(**kw, labels=labels_of(kw), use_cache=False)
     out.loss.backward()

@@ -254,3 +254,53 @@ def test_vlms_whose_masks_are_not_split_are_refused_at_patch_time():
     with pytest.raises(TypeError, match="Gemma3ForConditionalGeneration") as e:
         hf.patch_model(model)
     assert "pixel_values" in str(e.value) and "both ways" in str(e.value)
+
+
+# families of the image-text-to-text auto mapping whose default config cannot build a model here
+# (incomplete defaults, or packages this environment lacks); every other one must build
+_NO_DEFAULT_VLM = 12
+
+
+def _meta_vlm(key: str, cls_name: str):
+    """``key``'s model from its default config (2 text layers and 1 vision layer where the config
+    takes that), on the meta device: all that patch-time checks read; None if it cannot build."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    small = dict(text_config=dict(num_hidden_layers=2))
+    for kw in (dict(small, vision_config=dict(num_hidden_layers=1, depth=1)), small, {}):
+        try:
+            with torch.device("meta"):
+                return getattr(transformers, cls_name)(CONFIG_MAPPING[key](**kw))
+        except Exception:  # noqa: BLE001 - a config that cannot build this way
+            continue
+    return None
+
+
+def test_every_image_text_model_is_accepted_or_refused_at_patch_time():
+    """Each class of ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``: ``patch_model`` (one rank)
+    accepts it, or raises TypeError/ValueError naming a class of the model; never another error.
+    A model that takes media is accepted only in a family whose split is verified
+    (``hf.vlm.SPLIT``); Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision are."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    transformers.logging.set_verbosity_error()
+    verdict, unbuilt = {}, []
+    for key, cls_name in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items():
+        model = _meta_vlm(key, cls_name)
+        if model is None:
+            unbuilt.append(key)
+            continue
+        try:
+            hf.patch_model(model)
+        except (TypeError, ValueError) as e:
+            assert any(type(m).__name__ in str(e) for m in model.modules()), (key, str(e))
+            verdict[key] = "refused"
+            continue
+        verdict[key] = "accepted"
+        assert key in hf.vlm.SPLIT or not hf.vlm.media_inputs(model), key
+        hf.unpatch_model(model)
+    assert len(unbuilt) <= _NO_DEFAULT_VLM, unbuilt
+    assert all(verdict[key] == "accepted" for key in vc.VLMS)
+    assert verdict["gemma3"] == "refused" and verdict["idefics3"] == "refused"

@@ -1,6 +1,7 @@
 """ringkv.patch_model on vision-language models (issue #58 part 2): tiny random Qwen2.5-VL (3-D
 multimodal RoPE), Qwen3-VL (interleaved 3-D RoPE, deepstack image features added inside the
-decoder) and LLaVA-OneVision (anyres image tiles, 1-D positions), one and several images per sample,
+decoder) and LLaVA-OneVision (anyres image tiles, 1-D positions), Qwen2-VL and Qwen3-VL-MoE on
+fewer cases, one and several images per sample,
 against the unpatched model on the same weights: the training loss, every gradient (vision tower
 included: each rank's share summed over the group), eval logits (``gather_logits``) and greedy
 ``generate`` (tokens and scores: Qwen's decode positions come from the prefill's ``rope_deltas``)
@@ -106,6 +107,15 @@ def test_batches_of_two_and_the_loss_from_logits(world3, arch, sp, layout, metho
     the logits compared too); Ulysses shards the merged sequence the same way; activation
     checkpointing replays the layers in backward."""
     _check(world3, arch, 2, sp, layout, method, keep_logits=True, rows=2, ckpt=ckpt)
+
+
+@pytest.mark.parametrize(
+    "arch,sp,layout", [("qwen2_vl", 3, "contiguous"), ("qwen3_vl_moe", 2, "zigzag")]
+)
+def test_more_families_match_unpatched(world3, arch, sp, layout):
+    """Qwen2-VL (its own vision tower, Qwen2.5-VL's 3-D RoPE) and Qwen3-VL-MoE (experts in the
+    decoder, 4 each token's): two images, as the cases above."""
+    _check(world3, arch, 2, sp, layout)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
@@ -281,7 +291,7 @@ def test_every_image_text_model_is_accepted_or_refused_at_patch_time():
     """Each class of ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``: ``patch_model`` (one rank)
     accepts it, or raises TypeError/ValueError naming a class of the model; never another error.
     A model that takes media is accepted only in a family whose split is verified
-    (``hf.vlm.SPLIT``); Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision are."""
+    (``hf.vlm.SPLIT``); the families tested above are."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
@@ -302,5 +312,5 @@ def test_every_image_text_model_is_accepted_or_refused_at_patch_time():
         assert key in hf.vlm.SPLIT or not hf.vlm.media_inputs(model), key
         hf.unpatch_model(model)
     assert len(unbuilt) <= _NO_DEFAULT_VLM, unbuilt
-    assert all(verdict[key] == "accepted" for key in vc.VLMS)
+    assert all(verdict[key] == "accepted" for key in vc.VLMS + vc.MORE)
     assert verdict["gemma3"] == "refused" and verdict["idefics3"] == "refused"

@@ -100,13 +100,14 @@ and Mamba scans, gated DeltaNet and KDA, run by their SP forms from ``ringkv.sp`
 (vision-language models: their text decoder's inputs cut to this rank's shard), ``patch.py``
 (``patch_model`` and its hooks).
 
-Vision-language models (Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision; ``vlm.py``): every rank passes the
-whole inputs, pixels too; the vision tower runs whole on every rank and the model merges the image
-features and computes its positions (3-D multimodal RoPE) as unpatched; a pre-hook on its text
-decoder (``language_model``) keeps this rank's rows of the merged ``inputs_embeds``, of the
-positions and of the token masks and features that follow them. Loss, gradients (the vision
-tower's: each rank's share), ``gather_logits`` and ``generate`` are as for text LMs. Other VLMs,
-``inputs="shard"``, padding masks and packed documents are refused, naming why.
+Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and MoE), LLaVA-OneVision; ``vlm.py``):
+every rank passes the whole inputs, pixels too; the vision tower runs whole on every rank and the
+model merges the image features and computes its positions (3-D multimodal RoPE) as unpatched; a
+pre-hook on its text decoder (``language_model``) keeps this rank's rows of the merged
+``inputs_embeds``, of the positions and of the token masks and features that follow them. Loss,
+gradients (the vision tower's: each rank's share), ``gather_logits`` and ``generate`` are as for
+text LMs. Other VLMs, ``inputs="shard"``, padding masks and packed documents are refused, naming
+why.
 
 Hybrid models (Qwen3-Next, Qwen3.5, Falcon-H1, Bamba, Nemotron-H, Granite 4 hybrid, LFM2, Jamba,
 Zamba2, Kimi Linear; layouts contiguous and zigzag): the recurrent layers pass their state across

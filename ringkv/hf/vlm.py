@@ -1,4 +1,5 @@
-"""Vision-language models (``*ForConditionalGeneration``: Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision):
+"""Vision-language models (``*ForConditionalGeneration``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and MoE),
+LLaVA-OneVision):
 the language model's sequence, text and image tokens together, split across the SP group.
 
 The patched model's pre-hook plans the forward from the whole ``input_ids`` as for a text LM (the
@@ -45,7 +46,7 @@ MEDIA_INPUTS = {
 # with the extra step its text decoder's pre-hook needs (None: none; see ``Vlm.extra``). These
 # decoders mask causally whatever the tokens are; others (Gemma 3: image tokens attend to each other
 # both ways) are refused until an extra step splits their masks too
-SPLIT = {"qwen2_5_vl": None, "qwen3_vl": None, "llava_onevision": None}
+SPLIT = dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_onevision"))
 # list-of-features arguments of a text decoder -> the (B, S) token mask whose True rows they follow
 # (in row-major order): each rank keeps the features of its own masked tokens
 TOKEN_FEATURES = {"deepstack_visual_embeds": "visual_pos_masks"}

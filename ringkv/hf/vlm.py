@@ -101,10 +101,27 @@ def text_decoder(model, media: list):
     return text
 
 
+def read_call(kw: dict, model):
+    """``(position_ids, media checksum)`` of a VLM forward, before it is planned: the positions
+    taken out of ``kw`` (the model's own, handed back to it by ``whole_inputs``) and
+    ``media_checksum``; ``check_call``'s errors."""
+    pos = check_call(kw, model)
+    return pos, media_checksum(kw)
+
+
+def whole_inputs(state, kw: dict, step, rows, pos):
+    """The end of the model's pre-hook for a VLM: the model gets its whole inputs and its own
+    ``pos``; the planned ``step`` and the ``rows`` to cache wait for the text decoder's hook."""
+    kw["position_ids"], kw["cache"] = pos, step.cache
+    if step.cache is None:
+        kw["use_cache"] = False
+    state.step, state.vlm.rows = step, rows
+    return (), kw
+
+
 def check_call(kw: dict, model) -> Optional[torch.Tensor]:
     """A VLM forward's arguments that ringkv does not split (a ``ValueError``, the same on every
-    rank: the inputs are whole); returns the ``position_ids`` taken out of ``kw`` (the model's
-    own, handed back to it after planning)."""
+    rank: the inputs are whole); returns the ``position_ids`` taken out of ``kw``."""
     name = type(model).__name__
     mask = kw.get("attention_mask")
     if mask is not None and not isinstance(mask, dict) and not bool(mask.bool().all()):

@@ -85,7 +85,7 @@ def text_decoder(model, media: list):
             f"ringkv.patch_model splits vision-language models whose text decoder is causal over "
             f"text and image tokens alike ({', '.join(sorted(SPLIT))}); {name} ({kind!r}) also "
             f"takes {', '.join(media)}, and how it masks the merged sequence is not verified "
-            f"(e.g. Gemma 3's image tokens see each other both ways). Patch its text model's "
+            f"(e.g. PaliGemma's prefix tokens see each other both ways). Patch its text model's "
             f"causal LM class instead"
         )
     base = getattr(model, "base_model", model)

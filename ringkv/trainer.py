@@ -301,4 +301,7 @@ def sp_trainer(cls):
         raise TypeError(f"sp_trainer needs a transformers.Trainer subclass, got {cls!r}")
     if issubclass(cls, SPTrainerMixin):
         return cls
-    return type(f"SP{cls.__name__}", (SPTrainerMixin, cls), {"__module__": cls.__module__})
+    from .trainer_grpo import GRPOMixin, is_grpo_class
+
+    mixins = (GRPOMixin, SPTrainerMixin) if is_grpo_class(cls) else (SPTrainerMixin,)
+    return type(f"SP{cls.__name__}", (*mixins, cls), {"__module__": cls.__module__})

@@ -30,11 +30,11 @@ or a colocated vLLM that would hold the whole model and KV cache per process, so
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
-import torch
-
-GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "bnpo")  # checked against TRL's own run (tests)
+# checked against TRL's own run (tests/test_trainer.py); "dapo" is GRPOConfig's default
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo")
 
 POLICY_FIELDS = ("log_probs", "entropy")
 REF_FIELDS = ("log_probs",)
@@ -170,12 +170,21 @@ class GRPOMixin:
         super().__init__(*args, **kwargs)
         install_grpo(self)
 
-    def _generate_and_score_completions(self, inputs):
+    @contextlib.contextmanager
+    def _as_replicas(self):
         accelerator, self.accelerator = self.accelerator, self._ringkv_replicas
         try:
-            return super()._generate_and_score_completions(inputs)
+            yield
         finally:
             self.accelerator = accelerator
+
+    def _generate_and_score_completions(self, inputs):
+        with self._as_replicas():  # rewards, advantages, lengths and token counts per replica
+            return super()._generate_and_score_completions(inputs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with self._as_replicas():  # dapo's normaliser (num_processes) and the metrics' gathers
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL gathers the rewards with accelerate's gather over every process; keep one per replica

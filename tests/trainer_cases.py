@@ -288,7 +288,7 @@ def run_grpo(a, out_dir, kind="grpo"):
     args = GRPOConfig(
         max_steps=2,
         beta=0.2,
-        loss_type="dr_grpo" if kind == "grpo_dr" else a.grpo_loss,
+        loss_type={"grpo_dr": "dr_grpo", "grpo_dapo": "dapo"}.get(kind, a.grpo_loss),
         num_generations=2,
         max_completion_length=6,
         gradient_checkpointing=False,

@@ -124,7 +124,7 @@ class _Unshard(torch.autograd.Function):
         return shard(g, 1, ctx.layout, ctx.group).contiguous(), None, None
 
 
-def _patch_ref(ref, state):
+def patch_reference(ref, state):
     """The reference model, patched like the policy (``state``) if it is not yet."""
     import torch.distributed as dist
 
@@ -174,7 +174,7 @@ def _roll(x, shift, back=False):
     return x.gather(1, index)
 
 
-def _hooks(model, state, fields):
+def fused_head_hooks(model, state, fields):
     """The two forward hooks that answer TRL's ``fused_lm_head=True`` call on ``model``. Rows with
     left padding (GRPO's prompts) are rolled so that it ends them, as the patched forward takes it,
     and the fields rolled back: rotary attention sees the same position differences, pads no key."""
@@ -249,8 +249,8 @@ def install_dpo(trainer) -> None:
             "PEFT or precompute_ref_log_probs); pass ref_model="
         )
     ref = trainer.accelerator.unwrap_model(trainer.ref_model)
-    ref_state = patch_state(_patch_ref(ref, state))
+    ref_state = patch_state(patch_reference(ref, state))
     if ref_state is None:  # never silently TRL's head on a full sequence beside a patched policy
         raise ValueError("ringkv.trainer: the reference model could not be patched")
-    _hooks(policy, state, POLICY_FIELDS)
-    _hooks(ref, ref_state, REF_FIELDS)
+    fused_head_hooks(policy, state, POLICY_FIELDS)
+    fused_head_hooks(ref, ref_state, REF_FIELDS)

@@ -4,8 +4,8 @@
 
 TRL 1.16's ``GRPOTrainer`` scores completions as DPO does, through a fused LM head
 (``model(..., labels=labels, fused_lm_head=True)`` in ``_get_per_token_logps_and_entropies``, for
-the policy, the old policy and the reference). ``install_grpo`` answers those calls with the hooks of
-``trainer_dpo`` (``log_probs`` and ``entropy`` for the policy, ``log_probs`` for the reference):
+the policy, the old policy and the reference). ``install_grpo`` answers those calls with the hooks
+of ``trainer_dpo`` (``log_probs`` and ``entropy`` for the policy, ``log_probs`` for the reference):
 each rank computes its shard through the chunked kernel and the values are all-gathered,
 differentiably, into TRL's whole-sequence ``(B, S - 1)`` fields. GRPO's rows are left-padded
 prompts followed by right-padded completions; the hooks roll each row's left padding to its end
@@ -22,10 +22,15 @@ and scores a batch it sees the replicas as its processes (``_Replicas``: ``proce
 replica, ``num_processes`` is ``dp``, ``gather`` keeps one copy per replica), so the rewards are
 grouped and normalised over the replicas' completions and each replica takes its own advantages.
 
-Generation: TRL's own ``generate`` call on the unwrapped patched model: the prompts are left-padded,
-which the patch's batched ``generate`` takes (``method="ring"``), every rank of a group gets the same
-tokens, and each keeps ``1/sp`` of the KV cache. TRL's vLLM paths (``use_vllm``) need a vLLM server
-or a colocated vLLM that would hold the whole model and KV cache per process, so they are refused.
+Generation: TRL's own ``generate`` call on the unwrapped patched model. The prompts are
+left-padded, which the patch's batched ``generate`` takes (``method="ring"``); every rank of a group
+gets the same tokens (sampling: the same seed, above) and keeps ``1/sp`` of the KV cache. TRL's
+vLLM paths (``use_vllm``) need a vLLM server, or a colocated vLLM holding the whole model and KV
+cache in every process, outside the SP group: refused. A ``rollout_func`` runs on every rank of a
+group and must return the same completions on each (e.g. from the patched ``generate``).
+TRL accepts ``temperature=0`` in its config but then fails in generate (transformers' temperature
+warper) and scores with logits divided by 0: greedy is ``generation_kwargs={"do_sample": False}``
+at temperature 1 (other temperatures are refused: the patched forward scores at 1).
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ def check_grpo(args, kwargs) -> None:
     cannot honour; called before ``GRPOTrainer.__init__`` runs. Then sets ``generation_batch_size``
     from the dp replicas (``args`` is changed in place)."""
     if args is None:
-        _refuse("args=None", "pass a GRPOConfig (TRL's default one counts every process as a replica)")
+        _refuse(
+            "args=None", "pass a GRPOConfig (TRL's default one counts every process as a replica)"
+        )
     if args.loss_type not in GRPO_LOSS_TYPES:
         _refuse(
             f"loss_type={args.loss_type!r}",
@@ -69,7 +76,11 @@ def check_grpo(args, kwargs) -> None:
             "use_transformers_continuous_batching=True",
             "transformers' paged generate_batch bypasses the sharded KV cache",
         ),
-        (args.use_liger_kernel, "use_liger_kernel=True", "Liger's kernels would replace the layers"),
+        (
+            args.use_liger_kernel,
+            "use_liger_kernel=True",
+            "Liger's kernels would replace the layers",
+        ),
         (
             args.cast_lm_head_to_fp32,
             "cast_lm_head_to_fp32=True",
@@ -202,7 +213,7 @@ def install_grpo(trainer) -> None:
     from transformers import set_seed
 
     from .hf.patch import patch_state
-    from .trainer_dpo import _hooks, _patch_ref
+    from .trainer_dpo import fused_head_hooks, patch_reference
 
     policy = trainer.accelerator.unwrap_model(trainer.model)
     state = patch_state(policy)
@@ -215,20 +226,21 @@ def install_grpo(trainer) -> None:
         )
     if trainer.ref_model is not None:
         ref = trainer.accelerator.unwrap_model(trainer.ref_model)
-        ref_state = patch_state(_patch_ref(ref, state))
+        ref_state = patch_state(patch_reference(ref, state))
         if ref_state is None:  # never TRL's head on a full sequence beside a patched policy
             raise ValueError("ringkv.trainer: the reference model could not be patched")
-        _hooks(ref, ref_state, REF_FIELDS)
-    _hooks(policy, state, POLICY_FIELDS)
+        fused_head_hooks(ref, ref_state, REF_FIELDS)
+    fused_head_hooks(policy, state, POLICY_FIELDS)
     world, leads = 1, [0]
     if dist.is_initialized():
         world = dist.get_world_size()
         groups = [None] * world
-        mine = dist.get_process_group_ranks(state.group) if state.group is not None else range(world)
+        mine = (
+            dist.get_process_group_ranks(state.group) if state.group is not None else range(world)
+        )
         dist.all_gather_object(groups, min(mine))
         leads = sorted(set(groups))
     trainer._ringkv_replicas = _Replicas(
         trainer.accelerator, trainer.dp_size, trainer.dp_rank, leads, world
     )
     set_seed(trainer.args.seed + trainer.dp_rank)  # TRL's was seed + process index
-

@@ -230,7 +230,8 @@ def _check_grpo(ring, ref, out_dir, dp, sp, kind="grpo"):
 
     from tests.trainer_cases import GRPO_KEYS
 
-    def scale(key, step):  # the loss is a sum of terms of order 1 (unit-std advantages), ~0 at step 1
+    # the loss is a sum of terms of order 1 (unit-std advantages) and about 0 at step 1
+    def scale(key, step):
         return max(abs(step[key]), 0.1) if key in ("loss", "kl") else abs(step[key])
 
     metrics = ("loss", "grad_norm", "entropy", "num_tokens", *GRPO_KEYS)
@@ -238,8 +239,9 @@ def _check_grpo(ring, ref, out_dir, dp, sp, kind="grpo"):
     for a, b in zip(ring["steps"], ref["steps"]):
         for key in metrics:
             assert abs(a[key] - b[key]) <= TOL * scale(key, b), (key, a, b)
-    for key in ("global_step", "epoch", "max_steps", "batches_per_epoch", "total_batch", "tokens_seen"):
+    for key in ("global_step", "epoch", "max_steps", "batches_per_epoch", "total_batch"):
         assert ring[key] == ref[key], (key, ring[key], ref[key])
+    assert ring["tokens_seen"] == ref["tokens_seen"] > 0  # TRL counts prompt + completion tokens
     assert ring["total_batch"] == 2 * 2 * dp and ring["wrapped"] == "DistributedDataParallel"
     assert ring["ref_patched"] == sp and ref["ref_patched"] is None  # TRL's reference, patched
     first, second = ref["steps"]

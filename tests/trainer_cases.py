@@ -273,7 +273,8 @@ def run_grpo(a, out_dir, kind="grpo"):
 
     patched = a.sp is not None
     init = os.path.join(out_dir, "init-ring" if patched else "init-ref")
-    if not patched or int(os.environ["RANK"]) == 0:  # TRL loads the reference from the policy's path
+    # TRL loads the reference from the policy's path (config._name_or_path)
+    if not patched or int(os.environ["RANK"]) == 0:
         tiny_model(a.arch, 0).save_pretrained(init)
     if patched:
         import torch.distributed as dist

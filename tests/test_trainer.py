@@ -452,8 +452,8 @@ def test_sft_moe_load_balancing_loss_is_refused(tmp_path):
 def test_dpo_evaluate_matches_unpatched_single_process(tmp_path):
     """evaluate() of sp_trainer(DPOTrainer) on one process (a group of 1: the same hooks, per_token
     forward and gather) against TRL's own: eval-mode per_token forwards through the mixin's
-    loss-only prediction_step. fp32 (bf16=False, as the torchrun cases): DPOConfig's default bf16
-    autocast on CPU gives the patched attention mixed q/k/v dtypes."""
+    loss-only prediction_step. fp32 (bf16=False, as the torchrun cases: 1e-5 needs float32; bf16
+    autocast runs too, tests/test_hf_train.py's autocast test)."""
     pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     import transformers

@@ -174,10 +174,11 @@ def _roll(x, shift, back=False):
     return x.gather(1, index)
 
 
-def fused_head_hooks(model, state, fields):
+def fused_head_hooks(model, state, fields, temperature: float = 1.0):
     """The two forward hooks that answer TRL's ``fused_lm_head=True`` call on ``model``. Rows with
     left padding (GRPO's prompts) are rolled so that it ends them, as the patched forward takes it,
-    and the fields rolled back: rotary attention sees the same position differences, pads no key."""
+    and the fields rolled back: rotary attention sees the same position differences, pads no key.
+    ``temperature``: TRL's head divides the logits by it (GRPO)."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     pending = []  # (sequence length, left pads) of the fused call under way (one at a time)
@@ -202,6 +203,8 @@ def fused_head_hooks(model, state, fields):
                 kwargs[name] = _roll(kwargs[name], pads)
         pending.append((ids.shape[1], pads))
         kwargs["per_token"] = fields
+        if temperature != 1.0:
+            kwargs["per_token_temperature"] = temperature
         kwargs["use_cache"] = False
         return args, kwargs
 

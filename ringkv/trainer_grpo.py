@@ -28,9 +28,10 @@ gets the same tokens (sampling: the same seed, above) and keeps ``1/sp`` of the 
 vLLM paths (``use_vllm``) need a vLLM server, or a colocated vLLM holding the whole model and KV
 cache in every process, outside the SP group: refused. A ``rollout_func`` runs on every rank of a
 group and must return the same completions on each (e.g. from the patched ``generate``).
-TRL accepts ``temperature=0`` in its config but then fails in generate (transformers' temperature
-warper) and scores with logits divided by 0: greedy is ``generation_kwargs={"do_sample": False}``
-at temperature 1 (other temperatures are refused: the patched forward scores at 1).
+TRL's ``temperature`` divides the logits of its head; the hooks pass it on as the patched forward's
+``per_token_temperature``. TRL accepts ``temperature=0`` in its config but then fails in generate
+(transformers' temperature warper) and would score with logits divided by 0; it is refused here:
+greedy generation is ``generation_kwargs={"do_sample": False}`` at temperature 1.
 """
 
 from __future__ import annotations
@@ -87,10 +88,10 @@ def check_grpo(args, kwargs) -> None:
             "the chunked kernel reads the head's weight as it is",
         ),
         (
-            args.temperature != 1.0,
+            not args.temperature > 0,
             f"temperature={args.temperature}",
-            "the patched per_token forward scores at temperature 1.0; keep it and pass sampling "
-            "options in generation_kwargs",
+            "TRL divides the logits by it; for greedy generation pass "
+            "generation_kwargs={'do_sample': False} at temperature 1.0",
         ),
         (
             args.top_entropy_quantile < 1.0,
@@ -229,8 +230,8 @@ def install_grpo(trainer) -> None:
         ref_state = patch_state(patch_reference(ref, state))
         if ref_state is None:  # never TRL's head on a full sequence beside a patched policy
             raise ValueError("ringkv.trainer: the reference model could not be patched")
-        fused_head_hooks(ref, ref_state, REF_FIELDS)
-    fused_head_hooks(policy, state, POLICY_FIELDS)
+        fused_head_hooks(ref, ref_state, REF_FIELDS, trainer.temperature)
+    fused_head_hooks(policy, state, POLICY_FIELDS, trainer.temperature)
     world, leads = 1, [0]
     if dist.is_initialized():
         world = dist.get_world_size()

@@ -101,7 +101,15 @@ def runs_sp3(tmp_path_factory):
     generate on dp=1 x sp=3 (an odd group) against one process."""
     if not (_have("trl") and _have("datasets")):
         pytest.skip("needs trl and datasets")
-    extra = ("--dpo-loss", "ipo", "--grpo-loss", "bnpo", "--grpo-sample")
+    extra = (
+        "--dpo-loss",
+        "ipo",
+        "--grpo-loss",
+        "bnpo",
+        "--grpo-sample",
+        "--grpo-temperature",
+        "0.8",
+    )
     return _launch(tmp_path_factory.mktemp("trainer_sp3"), 1, 3, "dpo,grpo", *extra)
 
 
@@ -291,8 +299,9 @@ def test_grpo_trainer_dapo_dp2_sp2_matches_one_unpatched_process(runs):
 @pytest.mark.slow
 def test_grpo_trainer_bnpo_sampling_dp1_sp3_matches_one_unpatched_process(runs_sp3):
     """loss_type='bnpo' (a token mean per micro-batch) on an SP group of 3 ranks, completions from
-    TRL's own generate call with do_sample=True (the group's ranks draw alike: seed per replica),
-    one generation for both micro-batches of a step (steps_per_generation = 2: TRL's shuffle)."""
+    TRL's own generate call with do_sample=True at temperature 0.8 (the group's ranks draw alike:
+    seed per replica; TRL's head and the patched per_token forward divide the logits by 0.8), one
+    generation for both micro-batches of a step (steps_per_generation = 2: TRL's shuffle)."""
     ring, ref = runs_sp3
     _check_grpo(ring["grpo"], ref["grpo"], ring["dir"], dp=1, sp=3)
 
@@ -320,8 +329,7 @@ def test_grpo_refusals(tmp_path):
         (dict(use_transformers_continuous_batching=True), {}, "continuous_batching"),
         (dict(use_liger_kernel=True), {}, "use_liger_kernel"),
         (dict(cast_lm_head_to_fp32=True), {}, "cast_lm_head_to_fp32"),
-        (dict(temperature=0.0), {}, "temperature"),
-        (dict(temperature=0.7), {}, "temperature"),
+        (dict(temperature=0.0), {}, "temperature=0.0"),
         (dict(top_entropy_quantile=0.5), {}, "top_entropy_quantile"),
         (dict(log_completions=True), {}, "log_completions"),
         ({}, dict(tools=[grpo_reward]), "tools"),

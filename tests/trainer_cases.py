@@ -292,6 +292,7 @@ def run_grpo(a, out_dir, kind="grpo"):
         loss_type={"grpo_dr": "dr_grpo", "grpo_dapo": "dapo"}.get(kind, a.grpo_loss),
         num_generations=2,
         max_completion_length=6,
+        temperature=a.grpo_temperature,
         gradient_checkpointing=False,
         generation_kwargs={"do_sample": True} if sample else None,
         steps_per_generation=None if sample else 1,
@@ -405,6 +406,7 @@ def main():
     p.add_argument("--grpo-loss", default="grpo", help="GRPOConfig.loss_type of kind grpo")
     p.add_argument("--grpo-lr", type=float, default=0.5)
     p.add_argument("--grpo-sample", action="store_true", help="TRL's sampling generate (dp=1)")
+    p.add_argument("--grpo-temperature", type=float, default=1.0, help="GRPOConfig.temperature")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     import transformers

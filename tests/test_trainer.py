@@ -1,4 +1,5 @@
-"""ringkv.trainer: a stock transformers.Trainer and TRL's SFTTrainer on a dp=2 x sp=2 gloo world
+"""ringkv.trainer: a stock transformers.Trainer and TRL's SFTTrainer, DPOTrainer and GRPOTrainer on
+a dp=2 x sp=2 gloo world
 (real torchrun processes: Trainer and accelerate read RANK/WORLD_SIZE and wrap the model in DDP over
 the world themselves) against one unpatched process on the same data with the same
 gradient_accumulation_steps=2: every step's logged loss and grad norm within 1e-5 relative, and the
@@ -88,8 +89,8 @@ def _launch(tmp, dp, sp, kinds, *extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The dp=2 x sp=2 run (torchrun, 4 ranks) and the one-process reference, started together;
-    both run Trainer then (when trl is installed) SFTTrainer with packing and DPOTrainer (sigmoid,
-    then the other supported loss types summed)."""
+    both run Trainer then (when trl is installed) SFTTrainer with packing, DPOTrainer (sigmoid,
+    then the other supported loss types summed) and GRPOTrainer (grpo, dr_grpo, dapo)."""
     grpo = "grpo,grpo_dr,grpo_dapo"
     kinds = f"trainer,sft,dpo,dpo_more,{grpo}" if _have("trl") and _have("datasets") else "trainer"
     return _launch(tmp_path_factory.mktemp("trainer"), 2, 2, kinds)
@@ -98,7 +99,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs_sp3(tmp_path_factory):
     """DPOTrainer with loss_type='ipo' and GRPOTrainer with loss_type='bnpo' and TRL's sampling
-    generate on dp=1 x sp=3 (an odd group) against one process."""
+    generate at temperature 0.8 on dp=1 x sp=3 (an odd group) against one process."""
     if not (_have("trl") and _have("datasets")):
         pytest.skip("needs trl and datasets")
     extra = (

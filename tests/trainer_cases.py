@@ -1,4 +1,5 @@
-"""Trainer / SFTTrainer runs for tests/test_trainer.py, one script for both sides of the comparison.
+"""Trainer / SFTTrainer / DPOTrainer / GRPOTrainer runs for tests/test_trainer.py, one script for
+both sides of the comparison.
 
     # sp_trainer, patched model
     torchrun --nproc-per-node 4 tests/trainer_cases.py --dp 2 --sp 2 --out ring.json
@@ -11,7 +12,8 @@ rows per micro-batch (accelerate's BatchSamplerShard hands replica ``d`` the ``d
 ``dp`` consecutive batches of the same sampler order, so the union of a micro-batch is the same
 rows), with the same ``gradient_accumulation_steps``. Rank 0 (or the reference) writes, per kind,
 the logged ``loss`` and ``grad_norm`` of every step (SFTTrainer: also ``entropy``,
-``mean_token_accuracy`` and ``num_tokens``) and the step/epoch accounting.
+``mean_token_accuracy`` and ``num_tokens``; DPO's and GRPO's metrics, ``DPO_KEYS`` and
+``GRPO_KEYS``) and the step/epoch accounting; DPO and GRPO also save the final parameters.
 """
 
 from __future__ import annotations

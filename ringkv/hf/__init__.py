@@ -108,6 +108,7 @@ state-space layer ringkv does not know are refused at patch time, naming the lay
 
 # ringkv_attention and the constants: the other public names of the single-module ringkv.hf
 from .attention import ShardedKVCache, ringkv_attention  # noqa: F401
+from .encoder import POOLINGS, encoder_cu_seqlens  # noqa: F401
 from .logprobs import PER_TOKEN, sequence_sums  # noqa: F401
 from .loss import causal_lm_loss, gather_logits
 from .packing import LEFT_PAD_HELP, packed_cu_seqlens  # noqa: F401
@@ -123,6 +124,7 @@ __all__ = [
     "causal_lm_loss",
     "sequence_sums",
     "packed_cu_seqlens",
+    "encoder_cu_seqlens",
     "ShardedKVCache",
     "ATTN_NAME",
 ]

@@ -42,24 +42,26 @@ def _assert_matches(res, want, mask):
 
 
 @pytest.mark.parametrize(
-    "family,sp,layout,lengths",
+    "family,sp,layout,lengths,method",
     [
-        ("modernbert", 2, "zigzag", [21, 13]),
-        ("modernbert", 3, "contiguous", [24, 9]),
-        ("bert", 2, "contiguous", [21, 8]),
-        ("bert", 3, "zigzag", [24, 24]),  # no padding: plain rows
-        ("roberta", 2, "zigzag", [17, 21]),
-        ("roberta", 3, "contiguous", [21, 11]),
-        ("xlm_roberta", 2, "contiguous", [21, 21]),
-        ("xlm_roberta", 3, "zigzag", [5, 19]),
-        ("llama", 2, "zigzag", [21, 12]),
-        ("llama", 3, "contiguous", [20, 7]),
+        ("modernbert", 2, "zigzag", [21, 13], "ring"),
+        ("modernbert", 3, "contiguous", [24, 9], "ring"),
+        ("bert", 2, "contiguous", [21, 8], "ring"),
+        ("bert", 3, "zigzag", [24, 24], "ring"),  # no padding: plain rows
+        ("roberta", 2, "zigzag", [17, 21], "ring"),
+        ("roberta", 3, "contiguous", [21, 11], "ring"),
+        ("xlm_roberta", 2, "contiguous", [21, 21], "ring"),
+        ("xlm_roberta", 3, "zigzag", [5, 19], "ring"),
+        ("llama", 2, "zigzag", [21, 12], "ring"),
+        ("llama", 3, "contiguous", [20, 7], "ring"),
+        ("modernbert", 2, "striped", [24, 24], "ulysses"),  # unpadded rows: any method
+        ("llama", 2, "zigzag", [20, 20], "ulysses"),
     ],
 )
-def test_encoder_matches_unpatched(world, family, sp, layout, lengths):
+def test_encoder_matches_unpatched(world, family, sp, layout, lengths, method):
     data = batch(family, len(lengths), max(lengths), lengths, seed=sp)
     want = reference(family, 0, data)
-    res = world.check("tests.encoder_cases:encoder_step", sp, family, 0, data, layout)
+    res = world.check("tests.encoder_cases:encoder_step", sp, family, 0, data, layout, method)
     _assert_matches(res, want, data["mask"])
 
 
@@ -142,3 +144,36 @@ def _mixed_llama():
     model = build("llama", "base:mean", 0)
     model.layers[0].self_attn.is_causal = True
     return model
+
+
+# ---- every masked LM of transformers' auto mapping --------------------------------------------
+
+
+def test_every_masked_lm_is_accepted_or_refused_at_patch_time():
+    """Each config class of ``MODEL_FOR_MASKED_LM_MAPPING_NAMES``, built on the meta device:
+    ``patch_model`` (one rank) accepts it (the encoders above: bidirectional) or raises
+    TypeError/ValueError naming a class of the model; never another error."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    from tests.test_hf_hybrid import _meta_model
+
+    transformers.logging.set_verbosity_error()
+    verdict = {}
+    for key, cls_name in MODEL_FOR_MASKED_LM_MAPPING_NAMES.items():
+        model = _meta_model(key, cls_name)
+        if model is None:
+            continue
+        classes = {type(m).__name__ for m in model.modules()}
+        try:
+            hf.patch_model(model)
+        except (TypeError, ValueError) as e:
+            assert [c for c in classes if c in str(e)], (key, str(e))
+            verdict[key] = "refused: " + str(e)
+            continue
+        state = hf.patch.patch_state(model)
+        verdict[key] = "bidirectional" if state.encoder is not None else "causal"
+        hf.unpatch_model(model)
+    for key in ("modernbert", "bert", "roberta", "xlm-roberta"):
+        assert verdict[key] == "bidirectional", (key, verdict[key])
+    assert len(verdict) >= 30, sorted(verdict)

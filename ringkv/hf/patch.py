@@ -186,8 +186,8 @@ def patch_model(
     tile_mlp=False,
     offload_checkpoints=False,
 ):
-    """Make ``model`` (a transformers causal LM) run exact sequence-parallel attention over the SP
-    ``group``.
+    """Make ``model`` (a transformers causal LM, or an encoder / bidirectional model: the module
+    docstring's "Encoders") run exact sequence-parallel attention over the SP ``group``.
 
     Call it on every rank of ``group`` (default: the world; no process group = one rank) with
     identical weights. ``group`` may also be a ``torch.distributed.device_mesh.DeviceMesh``: a
@@ -319,8 +319,9 @@ def _check_loss_options(keep_logits, loss_chunk) -> None:
 
 
 def _patched_layers(model):
-    """``(layers, mixers)``: the causal self-attention layers the patch reaches (modules with
-    ``layer_idx`` and ``is_causal``; each gets the patch's state) of a model whose attention goes
+    """``(layers, mixers)``: the self-attention layers the patch reaches (modules with
+    ``layer_idx`` and ``is_causal``; each gets the patch's state; ``encoder.classify`` reads
+    whether they are causal) of a model whose attention goes
     through ``AttentionInterface``, and its recurrent mixers (``recurrent.classify``); ``TypeError``
     for any other model, naming the layer ringkv cannot split."""
     from transformers import PreTrainedModel

@@ -9,8 +9,8 @@ pairs at long length, data x sequence parallel (ringkv.patch_model on a bidirect
 
 Model. By default a tiny random ModernBERT (hidden 64, 2 layers, a local window of 16 tokens on
 every other layer, vocab 1000), the same on every rank (seeded); --model DIR loads a local
-checkpoint's base model (AutoModel: ModernBERT, BERT, RoBERTa, XLM-R, or a decoder whose config and
-attention layers have is_causal=False). fp32.
+checkpoint's base model (AutoModel: ModernBERT, BERT, RoBERTa, XLM-R, or a decoder run
+bidirectionally with --bidirectional: is_causal=False in its config and attention layers). fp32.
 
 Data. Synthetic pairs, the same on every run for a seed: a query of random tokens and its
 passage (the query's tokens in another order, three quarters of them replaced), each right-padded
@@ -56,6 +56,12 @@ def parse(argv=None):
     p.add_argument("--pooling", default="mean", choices=("mean", "cls", "last"))
     p.add_argument("--layout", default="zigzag")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--bidirectional",
+        action="store_true",
+        help="--model is a decoder: run it bidirectionally (is_causal=False in its config and "
+        "attention layers, as sentence-embedding decoders do)",
+    )
     p.add_argument("--reference", action="store_true")
     p.add_argument("--tol", type=float, default=1e-4)
     return p.parse_args(argv)
@@ -66,7 +72,13 @@ def build(args):
 
     torch.manual_seed(args.seed)
     if args.model:
-        return transformers.AutoModel.from_pretrained(args.model, dtype=torch.float32)
+        model = transformers.AutoModel.from_pretrained(args.model, dtype=torch.float32)
+        if args.bidirectional:
+            model.config.is_causal = False
+            for m in model.modules():
+                if hasattr(m, "is_causal"):
+                    m.is_causal = False
+        return model
     config = transformers.ModernBertConfig(
         vocab_size=1000,
         hidden_size=64,

@@ -184,9 +184,10 @@ def reference(family: str, seed: int, data: dict) -> dict:
     return res
 
 
-def encoder_step(ctx, family, seed, data, layout, method="ring"):
-    """Every head of ``family`` patched over the case's group: loss, logits (MLM: gathered into
-    ``(B, S, V)``), pooled outputs and this rank's gradients, ``{head: result}``."""
+def encoder_step(ctx, family, seed, data, layout, method="ring", checkpointing=False):
+    """Every head of ``family`` patched over the case's group (``checkpointing``: with HF
+    activation checkpointing): loss, logits (MLM: gathered into ``(B, S, V)``), pooled outputs and
+    this rank's gradients, ``{head: result}``."""
     cu = hf.encoder_cu_seqlens(data["mask"], layout=layout, group=ctx.group)
 
     def gathered(local):
@@ -199,6 +200,8 @@ def encoder_step(ctx, family, seed, data, layout, method="ring"):
     for head in HEADS[family]:
         model = build(family, head, seed)
         hf.patch_model(model, group=ctx.group, layout=layout, method=method).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
         out, loss = _forward(model, head, data)
         loss.backward()
         res[head] = _result(out, loss, model, head, data, gathered)

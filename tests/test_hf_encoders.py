@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ringkv import hf
 from tests.encoder_cases import batch, build, reference
@@ -62,6 +63,29 @@ def test_encoder_matches_unpatched(world, family, sp, layout, lengths, method):
     data = batch(family, len(lengths), max(lengths), lengths, seed=sp)
     want = reference(family, 0, data)
     res = world.check("tests.encoder_cases:encoder_step", sp, family, 0, data, layout, method)
+    _assert_matches(res, want, data["mask"])
+
+
+@settings(
+    max_examples=6,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    deadline=None,
+)
+@given(
+    family=st.sampled_from(["modernbert", "bert", "roberta", "llama"]),
+    sp=st.sampled_from([1, 2, 3]),
+    layout=st.sampled_from(["zigzag", "contiguous", "striped"]),
+    lengths=st.lists(st.integers(1, 23), min_size=1, max_size=3),
+    checkpointing=st.booleans(),
+)
+def test_encoder_any_shape(world, family, sp, layout, lengths, checkpointing):
+    """Any right padding (a row of one token too), world of 1-3, layout, with or without
+    activation checkpointing."""
+    data = batch(family, len(lengths), max(lengths), lengths, seed=len(lengths))
+    want = reference(family, 0, data)
+    res = world.check(
+        "tests.encoder_cases:encoder_step", sp, family, 0, data, layout, "ring", checkpointing
+    )
     _assert_matches(res, want, data["mask"])
 
 

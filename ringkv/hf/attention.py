@@ -171,9 +171,9 @@ def ringkv_attention(
     state, step = _current(module)
     if dropout:
         raise ValueError(
-            f"ringkv: attention dropout ({dropout}) is not supported; set "
-            "config.attention_dropout=0 "
-            f"or call model.eval()"
+            f"ringkv: attention dropout ({dropout}) is not supported; set the config's attention "
+            "dropout to 0 (attention_dropout; BERT, RoBERTa: attention_probs_dropout_prob) or call "
+            "model.eval()"
         )
     # transformers' sliding window of W tokens: a query sees itself and the W - 1 keys before it;
     # bidirectional (ModernBERT's local layers): the W - 1 keys on either side

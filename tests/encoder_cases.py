@@ -3,9 +3,9 @@
 bidirectionally (``is_causal=False``), on every rank of the case's group.
 
 Models are built from ``(family, head, seed)`` in every process (the same weights everywhere);
-the test process builds the same model unpatched as the reference (``run``, ``patched=False``).
-Every head of a family runs in one case: masked-LM loss and logits, sequence classification loss
-and logits, pooled embeddings (``pooling=``) and every gradient.
+the test process builds the same model unpatched as the reference (``reference``). Every head of a
+family runs in one case: masked-LM and token classification loss and logits, sequence
+classification loss and logits, pooled embeddings (``pooling=``) and every gradient.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch  # noqa: E402
 from ringkv import hf  # noqa: E402
 
 VOCAB = 100
-# (head, pooling): "mlm" *ForMaskedLM, "cls:<pooling>" *ForSequenceClassification, "base:<pooling>"
-# the base model with pooling=
+# (head, pooling): "mlm" *ForMaskedLM, "tok" *ForTokenClassification, "cls:<pooling>"
+# *ForSequenceClassification, "base:<pooling>" the base model with pooling=
 HEADS = {
-    "modernbert": ("mlm", "cls:cls", "cls:mean", "base:mean"),
-    "bert": ("mlm", "cls:cls", "base:cls"),
+    "modernbert": ("mlm", "tok", "cls:cls", "cls:mean", "base:mean"),
+    "bert": ("mlm", "tok", "cls:cls", "base:cls"),
     "roberta": ("mlm", "cls:cls"),
     "xlm_roberta": ("mlm", "cls:cls"),
     "llama": ("base:mean", "base:last"),
@@ -80,7 +80,7 @@ def config(family: str, pooling: str = "cls"):
 
 
 def build(family: str, head: str, seed: int):
-    """The tiny fp32 model of ``family`` with ``head`` (``"mlm"``, ``"cls:<pooling>"``,
+    """The tiny fp32 model of ``family`` with ``head`` (``"mlm"``, ``"tok"``, ``"cls:<pooling>"``,
     ``"base:<pooling>"``), eval mode, the same for a seed in every process."""
     import transformers
 
@@ -89,6 +89,7 @@ def build(family: str, head: str, seed: int):
     c = config(family, pooling if kind == "cls" else "cls")
     auto = dict(
         mlm=transformers.AutoModelForMaskedLM,
+        tok=transformers.AutoModelForTokenClassification,
         cls=transformers.AutoModelForSequenceClassification,
         base=transformers.AutoModel,
     )[kind]
@@ -129,8 +130,13 @@ def _forward(model, head: str, data: dict):
     kw = dict(attention_mask=data["mask"])
     if data["types"] is not None:
         kw["token_type_ids"] = data["types"]
-    if kind == "mlm":
-        out = model(data["ids"], labels=data["labels"], **kw)
+    if kind in ("mlm", "tok"):  # per-token labels: MLM targets, or token classes
+        labels = (
+            data["labels"]
+            if kind == "mlm"
+            else torch.where(data["labels"] >= 0, data["labels"] % 3, -100)
+        )
+        out = model(data["ids"], labels=labels, **kw)
         return out, out.loss
     if kind == "cls":
         out = model(data["ids"], labels=data["classes"], **kw)
@@ -165,7 +171,7 @@ def _grads(model) -> dict:
 def _result(out, loss, model, head, data, gathered=None) -> dict:
     kind = head.partition(":")[0]
     logits = None
-    if kind == "mlm":
+    if kind in ("mlm", "tok"):
         logits = out.logits.detach() if gathered is None else gathered(out.logits.detach())
     elif kind == "cls":
         logits = out.logits.detach()

@@ -26,7 +26,7 @@ def _assert_matches(res, want, mask):
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6), (head, r)
             if ref["logits"] is not None:
                 g, w = got["logits"], ref["logits"]
-                if g.dim() == 3:  # MLM: the real tokens (the pads' outputs are not used)
+                if g.dim() == 3:  # per token: the real tokens (the pads' outputs are not used)
                     g, w = g[real], w[real]
                 torch.testing.assert_close(g, w, **_TOL, msg=lambda m: f"{head} logits {r}: {m}")
             if ref["pooled"] is not None:

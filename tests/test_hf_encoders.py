@@ -124,6 +124,7 @@ def _bert_decoder(cross: bool):
         (lambda: _auto("ForMultipleChoice", "modernbert"), "ModernBertForMultipleChoice"),
         (lambda: _auto("ForCausalLM", "llama"), "LlamaForCausalLM"),
         (lambda: _mixed_llama(), "mixes causal and bidirectional"),
+        (lambda: _unknown_encoder(), "CamembertModel is a bidirectional model ringkv does not"),
     ],
 )
 def test_unsupported_models_are_refused_at_patch_time(make, match):
@@ -162,6 +163,22 @@ def _auto(suffix, family):
             if hasattr(m, "is_causal"):
                 m.is_causal = False
     return model
+
+
+def _unknown_encoder():  # RoBERTa's architecture under another name: refused, not guessed
+    import transformers
+
+    return transformers.CamembertModel(transformers.CamembertConfig(**_small()))
+
+
+def _small():
+    return dict(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+    )
 
 
 def _mixed_llama():

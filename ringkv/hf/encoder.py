@@ -101,14 +101,15 @@ def _decoder(model, name: str) -> Encoder:
     from transformers import PreTrainedModel
 
     base = getattr(model, "base_model", model)
-    if base is not model or not isinstance(model, PreTrainedModel):
+    decoder = getattr(model.config, "is_causal", True) is False  # transformers' bidirectional mask
+    if base is not model or not isinstance(model, PreTrainedModel) or not decoder:
         raise _refuse(
             name,
             "is a bidirectional model ringkv does not know (is_causal=False); it runs encoders "
             "(ModernBert, Bert, Roberta, XLMRoberta: *Model, *ForMaskedLM, "
             "*ForTokenClassification, *ForSequenceClassification) and the base models of "
-            "decoders run bidirectionally (e.g. LlamaModel: pool with pooling=); generate needs "
-            "causal attention",
+            "decoders run bidirectionally (config.is_causal=False and every attention layer's, "
+            "e.g. LlamaModel: pool with pooling=); generate needs causal attention",
         )
     text = model.config.get_text_config()
     if "sliding_attention" in (getattr(text, "layer_types", None) or ()):

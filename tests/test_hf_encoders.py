@@ -142,6 +142,9 @@ def test_unsupported_options_are_refused():
         model(ids, use_cache=True)
     with pytest.raises(ValueError, match="pooling must be"):
         model(ids, pooling="max")
+    uly = hf.patch_model(build("bert", "mlm", 0), method="ulysses")  # one rank: 2 heads split
+    with pytest.raises(ValueError, match="method='ring'"):
+        uly(torch.randint(3, 100, (1, 7)), attention_mask=torch.ones(1, 7, dtype=torch.long))
     mlm = hf.patch_model(build("bert", "mlm", 0))
     labels = ids.clone()
     mask = torch.ones_like(ids)

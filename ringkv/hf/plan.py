@@ -410,6 +410,13 @@ def _plan_prefill(state, model, call: Call, kw: dict) -> Plan:
     cache = call.cache if state.encoder is None else None
     if state.encoder is not None:  # pads (the mask's, the layout's) are documents of their own
         pk = enc.packing(pk, mask, b, t, state.layout, state.world)
+        if pk is not None and not call.pk_kw and not state.runs_varlen:
+            raise ValueError(
+                f"ringkv: a bidirectional model runs padded rows (or rows of {t} tokens, not a "
+                f"multiple of the layout's granule {granule(state.layout, state.world)}) as "
+                f"documents of the varlen ring, which {state.method_name} does not run; patch "
+                "with method='ring', or pass unpadded rows of a multiple of the granule"
+            )
     if pk is not None or (padded and not shard_mode):  # a KV cache of such rows is no use
         if call.explicit_cache:
             raise ValueError(

@@ -195,17 +195,20 @@ def encoder_step(ctx, family, seed, data, layout, method="ring", checkpointing=F
     activation checkpointing): loss, logits (MLM: gathered into ``(B, S, V)``), pooled outputs and
     this rank's gradients, ``{head: result}``."""
     cu = hf.encoder_cu_seqlens(data["mask"], layout=layout, group=ctx.group)
+    group = None if method == "usp" else ctx.group  # USP: sp_groups of the whole world
+    u = 1
 
     def gathered(local):
         b, s = data["ids"].shape
         if cu is None:
-            return hf.gather_logits(local, layout, ctx.group, seq_len=s)
-        return hf.gather_logits(local, layout, ctx.group, cu_seqlens=cu).view(b, s, -1)
+            return hf.gather_logits(local, layout, group, seq_len=s, ulysses=u)
+        return hf.gather_logits(local, layout, group, cu_seqlens=cu).view(b, s, -1)
 
     res = {}
     for head in HEADS[family]:
         model = build(family, head, seed)
-        hf.patch_model(model, group=ctx.group, layout=layout, method=method).train()
+        hf.patch_model(model, group=group, layout=layout, method=method).train()
+        u = hf.describe(model)["shard_ulysses"]
         if checkpointing:
             model.gradient_checkpointing_enable()
         out, loss = _forward(model, head, data)

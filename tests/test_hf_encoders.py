@@ -57,6 +57,7 @@ def _assert_matches(res, want, mask):
         ("llama", 3, "contiguous", [20, 7], "ring"),
         ("modernbert", 2, "striped", [24, 24], "ulysses"),  # unpadded rows: any method
         ("llama", 2, "zigzag", [20, 20], "ulysses"),
+        ("bert", 4, "zigzag", [24, 24], "usp"),  # Ulysses 2 x ring 2 over the whole world
     ],
 )
 def test_encoder_matches_unpatched(world, family, sp, layout, lengths, method):

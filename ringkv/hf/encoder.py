@@ -209,13 +209,13 @@ def split_pads(pk: Optional[Packing], mask: torch.Tensor) -> Packing:
     return Packing(tuple(cu), b, t)
 
 
-def packing(pk: Optional[Packing], mask, b: int, t: int, layout: str, world: int):
+def packing(pk: Optional[Packing], mask, b: int, t: int, layout: str, world: int, ulysses=1):
     """The packed documents a bidirectional forward of ``(b, t)`` tokens runs: ``pk`` (the
     given documents, or None) split at the pads of ``mask`` when the batch is padded, or its rows
     as documents when ``t`` does not fill the layout's granule (the layout's end padding would be
     seen too); else ``pk``."""
     padded = mask is not None and not bool(mask.bool().all())
-    if not padded and t % granule(layout, world) == 0:
+    if not padded and t % granule(layout, world, ulysses) == 0:
         return pk
     return split_pads(pk, mask if mask is not None else torch.ones(b, t, dtype=torch.long))
 
@@ -262,15 +262,17 @@ def pool(x: torch.Tensor, tok: Tokens, how: str, group, timeout) -> torch.Tensor
     return shared_pool(flat, tok.row, w, tok.lengths.numel(), group, timeout)
 
 
-def shard_tokens(values: torch.Tensor, step, layout: str, rank: int, world: int) -> torch.Tensor:
+def shard_tokens(
+    values: torch.Tensor, step, layout: str, rank: int, world: int, ulysses: int = 1
+) -> torch.Tensor:
     """A per-token input ``(B, S)`` sharded like the tokens of ``step``: ``(B, S_pad / N)``
-    (pads 0), or the packed row's ``(1, L_local)``."""
+    (pads 0; ``ulysses``: USP's degree), or the packed row's ``(1, L_local)``."""
     if step.packing is not None:
         flat = values.reshape(1, -1)
         return shard(flat, 1, layout, rank=rank, world=world, cu_seqlens=step.packing.cu)
     s_pad = step.q_positions.numel() * world
     padded = torch.nn.functional.pad(values, (0, s_pad - values.shape[1]))
-    return shard(padded, 1, layout, rank=rank, world=world)
+    return shard(padded, 1, layout, rank=rank, world=world, ulysses=ulysses)
 
 
 def roberta_positions(ids, x, padding_idx: int) -> torch.Tensor:

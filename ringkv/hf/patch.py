@@ -111,7 +111,7 @@ def _encoder_inputs(state: State, model, kw: dict, step: Step, p, whole) -> None
     kw.pop("cache", None)
     if "use_cache" in names:
         kw["use_cache"] = False
-    where = (state.layout, state.rank, state.world)
+    where = (state.layout, state.rank, state.world, state.ulysses)
     for name in enc.TOKEN_INPUTS:
         if kw.get(name) is not None:
             kw[name] = enc.shard_tokens(kw[name], step, *where).to(p.x_local.device)

@@ -409,11 +409,12 @@ def _plan_prefill(state, model, call: Call, kw: dict) -> Plan:
     pk, q_pos = _prefill_packing(state, call)
     cache = call.cache if state.encoder is None else None
     if state.encoder is not None:  # pads (the mask's, the layout's) are documents of their own
-        pk = enc.packing(pk, mask, b, t, state.layout, state.world)
+        pk = enc.packing(pk, mask, b, t, state.layout, state.world, state.ulysses)
         if pk is not None and not call.pk_kw and not state.runs_varlen:
+            g = granule(state.layout, state.world, state.ulysses)
             raise ValueError(
                 f"ringkv: a bidirectional model runs padded rows (or rows of {t} tokens, not a "
-                f"multiple of the layout's granule {granule(state.layout, state.world)}) as "
+                f"multiple of the layout's granule {g}) as "
                 f"documents of the varlen ring, which {state.method_name} does not run; patch "
                 "with method='ring', or pass unpadded rows of a multiple of the granule"
             )

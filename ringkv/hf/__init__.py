@@ -35,8 +35,9 @@ Per-token log-probs (``logprobs.py``; DPO, GRPO, SFT's metrics): a forward with 
 ``log_probs``, ``label_mask`` and the fields asked for, each shaped like its targets
 ``(B, S_pad / N)`` (packed: ``(1, L_local)``), 0 where the target is -100; ``out.loss`` is the
 usual global mean, from the same log-probs. ``sequence_sums`` sums such values per sequence (per
-packed document) over the SP group. ``per_token`` without targets, or on a model patched with
-``keep_logits=True``, is a ``ValueError``.
+packed document) over the SP group; ``per_token_temperature=T`` divides their logits by ``T``
+(TRL's GRPO). ``per_token`` without targets, or on a model patched with ``keep_logits=True``, is a
+``ValueError``.
 
 Inputs (``inputs=`` of ``patch_model``):
 

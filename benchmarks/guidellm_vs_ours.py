@@ -123,6 +123,7 @@ def guidellm_cmd(
     profile = {
         "sync": "kind=synchronous",
         "poisson": f"kind=poisson,rate={value:g}",
+        "constant": f"kind=constant,rate={value:g}",
         "burst": f"kind=concurrent,streams={int(value)}",
     }[kind]
     return [

@@ -1,4 +1,4 @@
-"""Sequence-parallel (ring) attention for HuggingFace causal LMs in one call.
+"""Sequence-parallel (ring) attention for HuggingFace causal LMs and encoders in one call.
 
     model = ringkv.patch_model(model, group=sp_group, layout="zigzag")   # every rank of the group
     # ids: the FULL sequence on every rank (inputs="full")
@@ -84,18 +84,31 @@ Generation: ``model.generate`` (``inputs="full"``) works as usual on every rank 
 an empty ``DynamicCache`` (generate's default) is replaced by a :class:`ShardedKVCache` that
 keeps only this rank's tokens. Sampling must use the same seed on every rank.
 
+Encoders and bidirectional attention (``encoder.py``; ModernBERT, BERT, RoBERTa, XLM-R: base models,
+``*ForMaskedLM``, ``*ForTokenClassification``, ``*ForSequenceClassification``; decoders whose config
+and attention layers have ``is_causal=False``: base models): the ring runs non-causal, ModernBERT's
+local layers with a two-sided window; right padding (and the layout's end padding) become documents
+of their own that no real token sees (the varlen ring; outputs ``(1, L_local, .)``,
+``encoder_cu_seqlens`` gives their ``cu_seqlens``); RoBERTa's positions and ``token_type_ids`` are
+computed on whole rows and sharded. ``labels`` are each token's target (no shift): the masked-LM
+loss is the global mean. ``pooling="mean" | "cls" | "last"`` adds ``out.pooled`` ``(B, H)`` over the
+whole rows on every rank (``sp.collectives.shared_pool``); classification heads pool the same way (a
+pre-hook gives the pooling module the pooled token) and their parameters' gradients are scaled by
+``1 / N`` (they run replicated). ``inputs="full"`` only; no KV cache (no ``generate``).
+
 Not supported (clear errors): padding in ``attention_mask`` other than at the end of rows or
 documents (training, scoring) or at the start of rows (with a KV cache: batched generate), a pad
-pattern that changes between decode steps, attention dropout, non-causal attention, models that
-do not call attention through ``AttentionInterface``. Soft-capping (Gemma 2's ``softcap``),
-attention sinks (gpt-oss's ``s_aux``) and a V head size of its own (MLA: DeepSeek-V3, Kimi-K2)
-run in every SP method and in decode, exactly.
+pattern that changes between decode steps, attention dropout, bidirectional models other than the
+above, models that do not call attention through ``AttentionInterface``. Soft-capping (Gemma 2's
+``softcap``), attention sinks (gpt-oss's ``s_aux``) and a V head size of its own (MLA: DeepSeek-V3,
+Kimi-K2) run in every SP method and in decode, exactly.
 
 The package, bottom to top: ``state.py`` (the records), ``packing.py`` (packed documents and
 padded rows, checked whole; labels into a rank's targets), ``logprobs.py`` (``per_token``'s
 fields, ``sequence_sums``), ``plan.py`` (one forward's inputs, planned), ``loss.py`` (the loss,
 ``causal_lm_loss``, ``gather_logits``), ``method.py`` (which SP attention runs:
-``method="auto"``'s choice, ``describe``), ``attention.py`` (the attention function and
+``method="auto"``'s choice, ``describe``), ``encoder.py`` (bidirectional models: refusals,
+padding as documents, pooling), ``attention.py`` (the attention function and
 ``ShardedKVCache``), ``recurrent.py`` (hybrid models' recurrent layers: short convolutions, Mamba2
 and Mamba scans, gated DeltaNet and KDA, run by their SP forms from ``ringkv.sp``), ``vlm.py``
 (vision-language models: their text decoder's inputs cut to this rank's shard), ``patch.py``
@@ -119,6 +132,7 @@ state-space layer ringkv does not know are refused at patch time, naming the lay
 
 # ringkv_attention and the constants: the other public names of the single-module ringkv.hf
 from .attention import ShardedKVCache, ringkv_attention  # noqa: F401
+from .encoder import POOLINGS, encoder_cu_seqlens  # noqa: F401
 from .logprobs import PER_TOKEN, sequence_sums  # noqa: F401
 from .loss import causal_lm_loss, gather_logits
 from .packing import LEFT_PAD_HELP, packed_cu_seqlens  # noqa: F401
@@ -134,6 +148,7 @@ __all__ = [
     "causal_lm_loss",
     "sequence_sums",
     "packed_cu_seqlens",
+    "encoder_cu_seqlens",
     "ShardedKVCache",
     "ATTN_NAME",
 ]

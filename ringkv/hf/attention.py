@@ -171,16 +171,18 @@ def ringkv_attention(
     state, step = _current(module)
     if dropout:
         raise ValueError(
-            f"ringkv: attention dropout ({dropout}) is not supported; set "
-            "config.attention_dropout=0 "
-            f"or call model.eval()"
+            f"ringkv: attention dropout ({dropout}) is not supported; set the config's attention "
+            "dropout to 0 (attention_dropout; BERT, RoBERTa: attention_probs_dropout_prob) or call "
+            "model.eval()"
         )
-    # transformers' sliding window of W tokens: a query sees itself and the W - 1 keys before it
-    window = NO_WINDOW if sliding_window is None else (sliding_window - 1, 0)
-    if not getattr(module, "is_causal", True):
-        raise ValueError("ringkv: only causal (decoder) self-attention is supported")
+    # transformers' sliding window of W tokens: a query sees itself and the W - 1 keys before it;
+    # bidirectional (ModernBERT's local layers): the W - 1 keys on either side
+    causal = bool(getattr(module, "is_causal", True))
+    w = None if sliding_window is None else sliding_window - 1
+    window = NO_WINDOW if w is None else ((w, 0) if causal else (w, w))
     q, k, v = (t.transpose(1, 2) for t in _autocast(query, key, value))  # (B, S, H, D) ringkv
     kw = dict(
+        causal=causal,
         softmax_scale=scaling,
         timeout=state.timeout,
         window=window,
@@ -188,6 +190,7 @@ def ringkv_attention(
         sinks=kwargs.get("s_aux"),  # gpt-oss: one sink logit per query head
     )
     if step.decode:
+        kw.pop("causal")
         return _decode(state, step, q, k, v, kw), None  # (B, T, H, D)
     return _prefill(state, step, q, k, v, kw), None  # (B, S_local, H, D)
 
@@ -236,7 +239,7 @@ def _decode(state, step: Step, q, k, v, kw: dict) -> torch.Tensor:
 def _prefill(state, step: Step, q, k, v, kw: dict) -> torch.Tensor:
     """This rank's shard of the sequence, in ``state.attention`` (packed documents and left-padded
     rows: the varlen ring; the pre-hook already checked that every rank makes the same call)."""
-    kw.update(causal=True, layout=state.layout, check=False)
+    kw.update(layout=state.layout, check=False)
     if step.cu is None and state.attention == "ulysses":
         return ulysses_attention(q, k, v, group=state.group, **kw)
     if state.attention == "usp":

@@ -5,6 +5,7 @@ model's patch."""
 
 from __future__ import annotations
 
+import inspect
 import zlib
 from datetime import timedelta
 from typing import Optional
@@ -14,7 +15,7 @@ import torch
 from .. import memory
 from ..sp.collectives import agree, rank_world
 from ..sp.layout import check_layout
-from . import recurrent, vlm
+from . import encoder as enc, recurrent, vlm
 from .attention import begin_cache, eager_attention, resolve_cache
 from .loss import kept_logits, step_loss
 from .method import choose, describe as _describe
@@ -81,16 +82,36 @@ def _pre_hook(state: State, model, args, kwargs):
         state.offload.__enter__()
     if state.vlm is not None:  # the whole inputs: the text decoder's pre-hook cuts them
         return vlm.whole_inputs(state, kw, step, p.rows, media_pos)
-    kw[p.name] = p.x_local
+    whole, kw[p.name] = kw[p.name], p.x_local
     q_pos = step.q_positions.to(device)
     kw["position_ids"] = (
         q_pos if q_pos.dim() == 2 else q_pos.unsqueeze(0).expand(p.x_local.shape[0], -1)
     )  # global positions
-    kw["cache"] = step.cache
-    if step.cache is None:
-        kw["use_cache"] = False
+    if state.encoder is not None:
+        _encoder_inputs(state, model, kw, step, p, whole)
+    else:
+        kw["cache"] = step.cache
+        if step.cache is None:
+            kw["use_cache"] = False
     state.step = begin_cache(step, p.rows, device)
     return (), kw
+
+
+def _encoder_inputs(state: State, model, kw: dict, step: Step, p, whole) -> None:
+    """A bidirectional model's other per-token inputs sharded like its tokens, and RoBERTa's
+    position ids (counted from the pad id on whole rows)."""
+    names = inspect.signature(model.forward).parameters
+    kw.pop("cache", None)
+    if "use_cache" in names:
+        kw["use_cache"] = False
+    where = (state.layout, state.rank, state.world, state.ulysses)
+    for name in enc.TOKEN_INPUTS:
+        if kw.get(name) is not None:
+            kw[name] = enc.shard_tokens(kw[name], step, *where).to(p.x_local.device)
+    pad = state.encoder.roberta_pad
+    if pad is not None:  # whole: (B, S) ids or (B, S, E) embeddings
+        full = enc.roberta_positions(whole if p.name == "input_ids" else None, whole, pad)
+        kw["position_ids"] = enc.shard_tokens(full.cpu(), step, *where).to(p.x_local.device)
 
 
 def _post_hook(state: State, model, args, kwargs, output):
@@ -118,12 +139,15 @@ def _post_hook(state: State, model, args, kwargs, output):
         output.logits = kept_logits(output.logits, step, state.group, state.timeout)
     if step.targets is not None:
         output.loss = step_loss(state, step, model, output, hidden)
+    if step.pooling is not None:  # (B, H) on every rank, from the base model's last hidden states
+        x = hidden if hidden is not None else output.last_hidden_state
+        output["pooled"] = enc.pool(x, step.tokens, step.pooling, state.group, state.timeout)
     return output
 
 
 def _capture_hidden(state: State, output) -> None:
     """Forward hook of the base model: keep its last hidden states for the chunked loss."""
-    if state.step is not None and state.step.chunked:
+    if state.step is not None and (state.step.chunked or state.encoder is not None):
         state.hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
 
 
@@ -155,8 +179,8 @@ def patch_model(
     tile_mlp=False,
     offload_checkpoints=False,
 ):
-    """Make ``model`` (a transformers causal LM) run exact sequence-parallel attention over the SP
-    ``group``.
+    """Make ``model`` (a transformers causal LM, or an encoder / bidirectional model: the module
+    docstring's "Encoders") run exact sequence-parallel attention over the SP ``group``.
 
     Call it on every rank of ``group`` (default: the world; no process group = one rank) with
     identical weights. ``group`` may also be a ``torch.distributed.device_mesh.DeviceMesh``: a
@@ -197,6 +221,13 @@ def patch_model(
     media = _vlm(model, inputs, mixers)
     if mixers:
         recurrent.check_hybrid_options(model, layout, method)
+    encoder = enc.classify(model, layers)
+    if encoder is not None and (inputs != "full" or mixers):
+        raise ValueError(
+            f"ringkv.patch_model: a bidirectional model ({encoder.name}) takes inputs='full' "
+            f"(every rank passes the whole rows, which its padding and positions need)"
+            + (" and no recurrent layers" if mixers else f", not inputs={inputs!r}")
+        )
     group = _sp_group(group, mesh_dim)
     rank, world = rank_world(group)
     _check_sp(sp, world)
@@ -223,6 +254,7 @@ def patch_model(
         attention=choice.attention,
         why=choice.why,
         vlm=media,
+        encoder=encoder,
     )
     if mixers:
         _agree_layers(model, state, mixers)
@@ -302,8 +334,9 @@ def _check_loss_options(keep_logits, loss_chunk) -> None:
 
 
 def _patched_layers(model):
-    """``(layers, mixers)``: the causal self-attention layers the patch reaches (modules with
-    ``layer_idx`` and ``is_causal``; each gets the patch's state) of a model whose attention goes
+    """``(layers, mixers)``: the self-attention layers the patch reaches (modules with
+    ``layer_idx`` and ``is_causal``; each gets the patch's state; ``encoder.classify`` reads
+    whether they are causal) of a model whose attention goes
     through ``AttentionInterface``, and its recurrent mixers (``recurrent.classify``); ``TypeError``
     for any other model, naming the layer ringkv cannot split."""
     from transformers import PreTrainedModel
@@ -334,10 +367,6 @@ def _patched_layers(model):
             "ringkv.patch_model found no attention layers (modules with layer_idx and is_causal) "
             f"in {name}"
         )
-    if not all(m.is_causal for m in layers):
-        raise TypeError(
-            f"ringkv.patch_model supports causal self-attention only; {name} has non-causal layers"
-        )
     return layers, mixers
 
 
@@ -351,6 +380,8 @@ def _install(model, state: State, layers: list, restore: list, mixers=()) -> Non
     if mixers:
         handles, held, undo_recurrent = recurrent.install(model, state, mixers)
         layers, restore = list(layers) + list(held), list(restore) + [undo_recurrent]
+    if state.encoder is not None:
+        handles += enc.install(model, state, state.encoder)
     AttentionInterface.register(ATTN_NAME, eager_attention)
     text = model if state.vlm is None else state.vlm.text  # a VLM's vision tower keeps its own
     prev_impl = text.config._attn_implementation

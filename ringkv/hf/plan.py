@@ -26,6 +26,7 @@ from ..sp.layout import (
     shard,
     varlen_index,
 )
+from . import encoder as enc
 from .logprobs import PER_TOKEN, read_per_token
 from .packing import (
     as_rows,
@@ -140,6 +141,7 @@ class Call:
     pk_kw: dict  # the packing arguments given (PACKING_KEYS)
     cache: Optional[object]  # the ShardedKVCache, or None
     explicit_cache: bool  # a cache or use_cache=True was passed
+    pooling: Optional[str] = None  # bidirectional models: pooling= (out.pooled)
 
     @property
     def label_bits(self) -> int:
@@ -217,7 +219,9 @@ def _read_per_token(state, model, value, targets) -> tuple:
     if not fields:
         return ()
     why = None
-    if targets is None:
+    if state.encoder is not None:
+        why = "scores next tokens; a bidirectional model predicts none"
+    elif targets is None:
         why = "needs labels or shift_labels (the targets it scores)"
     elif state.keep_logits is True:
         why = "computes without logits, but the model was patched with keep_logits=True"
@@ -254,7 +258,20 @@ def read_call(state, model, kw: dict, cache, explicit_cache: bool) -> Call:
             "ringkv: only 2-D attention masks (B, S) are supported (no 4-D masks), got "
             f"{mask.dim()}-D"
         )
-    labels, shift_labels = _read_labels(kw, b, t, shard_mode)
+    encoder, pooling = state.encoder, None
+    if encoder is not None:
+        pooling = enc.check_pooling(kw.pop("pooling", None))
+        if "shift_labels" in kw:
+            raise ValueError(
+                "ringkv: shift_labels are next-token targets; a bidirectional model "
+                "takes labels (the target of each token)"
+            )
+    if encoder is not None and not encoder.per_token_labels:
+        labels, shift_labels = None, None  # the model's own labels (B,): its loss on pooled logits
+    else:
+        labels, shift_labels = _read_labels(kw, b, t, shard_mode)
+    if encoder is not None and labels is not None:  # per token, not shifted
+        labels, shift_labels = None, labels
     n = num_items(kw.pop("num_items_in_batch", None))
     keep = _read_keep(state, model, kw)
     targets = labels if shift_labels is None else shift_labels
@@ -277,6 +294,7 @@ def read_call(state, model, kw: dict, cache, explicit_cache: bool) -> Call:
         pk_kw=pk_kw,
         cache=cache,
         explicit_cache=explicit_cache,
+        pooling=pooling,
     )
 
 
@@ -304,8 +322,9 @@ def _finish(state, model, call: Call, kw: dict, step: Step, x_local, rows, s_pad
     """The plan of ``step``: whether the loss is chunked, and what the ranks must agree on."""
     # the loss from the hidden states, never the logits (training forwards with labels, unless
     # keep_logits)
-    chunked = bool(call.per_token) or (
-        call.targets is not None
+    chunked = state.encoder is None and (  # a bidirectional model's heads are not plain linear
+        bool(call.per_token)
+        or call.targets is not None
         and not step.decode
         and state.keep_logits is not True
         and (state.keep_logits is False or model.training)
@@ -341,6 +360,12 @@ def _finish(state, model, call: Call, kw: dict, step: Step, x_local, rows, s_pad
     ):
         shards = Shards(mask, call.targets, call.shifted, call.unshifted)
     step = replace(step, chunked=chunked, per_token=call.per_token, temperature=call.temperature)
+    if state.encoder is not None:  # whose each local token is, for pooling
+        b, t = call.x.shape[:2]
+        tok = enc.tokens(
+            call.mask, b, t, step.packing, step.q_positions, state.layout, state.rank, state.world
+        )
+        step = replace(step, tokens=tok, pooling=call.pooling)
     if state.hybrid is not None and not step.decode:  # the recurrent layers' pieces, once
         step = replace(step, pieces=seq_pieces(step.total, state.layout, state.world, step.cu))
     return Plan(values, call.name, x_local, rows, step, shards, call.explicit_cache)
@@ -392,10 +417,22 @@ def _plan_prefill(state, model, call: Call, kw: dict) -> Plan:
             f"{tuple(mask.shape)}"
         )
     padded = mask is not None and not bool(mask.bool().all())
-    if not shard_mode and call.explicit_cache and padded and not call.pk_kw:
+    if state.encoder is not None:
+        _check_bidirectional(call, padded)
+    elif not shard_mode and call.explicit_cache and padded and not call.pk_kw:
         return _plan_left_padded(state, model, call, kw)  # generate's padded batch
     pk, q_pos = _prefill_packing(state, call)
-    cache = call.cache
+    cache = call.cache if state.encoder is None else None
+    if state.encoder is not None:  # pads (the mask's, the layout's) are documents of their own
+        pk = enc.packing(pk, mask, b, t, state.layout, state.world, state.ulysses)
+        if pk is not None and not call.pk_kw and not state.runs_varlen:
+            g = granule(state.layout, state.world, state.ulysses)
+            raise ValueError(
+                f"ringkv: a bidirectional model runs padded rows (or rows of {t} tokens, not a "
+                f"multiple of the layout's granule {g}) as "
+                f"documents of the varlen ring, which {state.method_name} does not run; patch "
+                "with method='ring', or pass unpadded rows of a multiple of the granule"
+            )
     if pk is not None or (padded and not shard_mode):  # a KV cache of such rows is no use
         if call.explicit_cache:
             raise ValueError(
@@ -418,6 +455,23 @@ def _plan_prefill(state, model, call: Call, kw: dict) -> Plan:
             "logits with gather_logits(..., cu_seqlens=...) instead"
         )
     return _plan_packed(state, model, call, kw, pk, q_pos)
+
+
+def _check_bidirectional(call: Call, padded: bool) -> None:
+    """A bidirectional model's forward: no KV cache (no generate), and no target at a pad."""
+    if call.explicit_cache:
+        raise ValueError(
+            "ringkv: a bidirectional model (is_causal=False) has no KV cache: every token sees "
+            "the later ones, so there is no next-token decoding (generate); pass use_cache=False"
+        )
+    if padded and call.targets is not None:
+        bad = ~call.mask.detach().bool().cpu() & (call.targets.detach().cpu() != -100)
+        if bool(bad.any()):
+            r, i = bad.nonzero()[0].tolist()
+            raise ValueError(
+                f"ringkv: labels[{r}, {i}] is {int(call.targets[r, i])} at a pad "
+                f"(attention_mask[{r}, {i}] is 0); set the labels of padded tokens to -100"
+            )
 
 
 def _prefill_packing(state, call: Call):

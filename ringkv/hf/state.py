@@ -68,6 +68,8 @@ class Step:
     pad: Optional[PadStep] = None  # a left-padded batch with a KV cache (generate)
     pieces: Optional[object] = None  # hybrid models' prefill: ringkv.sp.pieces.Pieces, which rows
     # of each rank belong to which document (the recurrent layers' state passing)
+    tokens: Optional[object] = None  # bidirectional models: hf.encoder.Tokens, for pooling
+    pooling: Optional[str] = None  # pooling= of the forward: out.pooled (hf/encoder.py)
 
     @property
     def cu(self) -> Optional[Tuple[int, ...]]:
@@ -100,6 +102,7 @@ class State:
     attention: str = "ring"  # what the attention layers run: ring, ulysses or usp (hf.method)
     why: str = ""  # why (describe)
     vlm: Optional[object] = None  # a vision-language model's hf.vlm.Vlm (its text decoder)
+    encoder: Optional[object] = None  # hf.encoder.Encoder of a bidirectional model; None: causal
 
     @property
     def runs_varlen(self) -> bool:

@@ -23,6 +23,7 @@ __all__ = [
     "all_gather",
     "all_sum",
     "shared_sum",
+    "shared_pool",
     "all_reduce_",
     "wait",
     "agree",
@@ -88,6 +89,24 @@ def shared_sum(
     (this rank's share: the gradients summed over the group, as data parallelism's all-reduce
     does, are those of the sum). One bounded all-reduce."""
     return x + (all_sum(x, group, timeout, what) - x.detach())
+
+
+def shared_pool(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    batch: int,
+    group=None,
+    timeout: Optional[timedelta] = None,
+) -> torch.Tensor:
+    """A weighted sum per batch row of tokens sharded over the group: ``x`` ``(n, H)`` this rank's
+    tokens, ``rows`` ``(n,)`` the batch row of each (any value where ``weights`` is 0),
+    ``weights`` ``(n,)`` -> ``(batch, H)``, the same on every rank (mean pooling: weights
+    ``1 / count`` of the row's real tokens; CLS or last token: 1 at that token). The gradient is
+    this rank's tokens' share (``shared_sum``). One all-reduce."""
+    w = weights.to(device=x.device, dtype=x.dtype)
+    local = x.new_zeros(batch, x.shape[-1]).index_add(0, rows.to(x.device), x * w[:, None])
+    return shared_sum(local, group, timeout, "ringkv pooling")  # (batch, H)
 
 
 def all_reduce_(

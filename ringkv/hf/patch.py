@@ -15,7 +15,7 @@ import torch
 from .. import memory
 from ..sp.collectives import agree, rank_world
 from ..sp.layout import check_layout
-from . import recurrent
+from . import image_mask, recurrent
 from .attention import begin_cache, eager_attention, resolve_cache
 from .loss import kept_logits, step_loss
 from .method import choose, describe as _describe
@@ -83,6 +83,7 @@ def _pre_hook(state: State, model, args, kwargs):
         p.values + [0], AGREE_NAMES, state.group, state.timeout, "ringkv.patch_model", device=device
     )
     step = p.step if p.shards is None else check_shards(state, p)
+    step = image_mask.with_spans(state.span_type, kw, step, type(model).__name__)
     # commit
     if state.store is not None and not step.decode and model.training and torch.is_grad_enabled():
         state.offload = memory.offload_checkpoints(
@@ -118,6 +119,7 @@ def _post_hook(state: State, model, args, kwargs, output):
             total=step.total,
             packing=step.packing,
             pieces=step.pieces,
+            spans=step.spans,
         )
         if replay
         else None
@@ -201,6 +203,7 @@ def patch_model(
       to pinned host memory (CUDA) and back for backward; or a ``ringkv.memory.CheckpointStore``.
     """
     _check_options(model, layout, method, inputs)
+    span_type = image_mask.check_model(model)  # before the layers' check: it names the option
     layers, mixers = _patched_layers(model)
     if mixers:
         recurrent.check_hybrid_options(model, layout, method)
@@ -229,6 +232,7 @@ def patch_model(
         hybrid=type(model).__name__ if mixers else None,
         attention=choice.attention,
         why=choice.why,
+        span_type=span_type,
     )
     if mixers:
         _agree_layers(model, state, mixers)

@@ -67,6 +67,7 @@ class Step:
     pad: Optional[PadStep] = None  # a left-padded batch with a KV cache (generate)
     pieces: Optional[object] = None  # hybrid models' prefill: ringkv.sp.pieces.Pieces, which rows
     # of each rank belong to which document (the recurrent layers' state passing)
+    spans: Optional[tuple] = None  # prefill: bidirectional spans per row (Gemma 3's images)
 
     @property
     def cu(self) -> Optional[Tuple[int, ...]]:
@@ -98,6 +99,7 @@ class State:
     hybrid: Optional[str] = None  # the model's class name when it has recurrent layers
     attention: str = "ring"  # what the attention layers run: ring, ulysses or usp (hf.method)
     why: str = ""  # why (describe)
+    span_type: Optional[int] = None  # Gemma 3: the token type whose runs attend both ways
 
     @property
     def runs_varlen(self) -> bool:

@@ -9,13 +9,11 @@ block))``. The pre-hook reads the runs from the whole ``token_type_ids`` every r
 ``spans=`` (``ringkv.sp.spans``): exact in every method and layout, forward and backward.
 
 Other vision-language models whose masks let image or prefix tokens see later ones (PaliGemma's
-prefix, Gemma 4, Molmo 2, ...) are refused at patch time: ringkv would run them causally.
+prefix, Gemma 4, Molmo 2, ...) are not in ``vlm.SPLIT``: refused at patch time.
 """
 
 from __future__ import annotations
 
-import inspect
-import sys
 from dataclasses import replace
 from typing import Optional
 
@@ -24,37 +22,21 @@ from .state import Step
 
 # model_type -> the token type whose runs attend both ways
 SPAN_MODELS = {"gemma3": 1}
-# what transformers' modeling code of a model with such a mask names (masking_utils' overlays)
-BLOCK_MASKS = ("block_sequence_ids", "blockwise_overlay", "token_type_ids_mask_function")
 
 
 def check_model(model) -> Optional[int]:
     """At patch time: the token type whose runs are ``model``'s bidirectional spans (Gemma 3: 1), or
-    None for a model without. A model taking ``pixel_values`` with another such mask is a
-    ``TypeError``; a Gemma 3 option ringkv cannot honour a ``ValueError``, each naming it."""
+    None for a model without; a Gemma 3 option ringkv cannot honour is a ``ValueError`` naming it.
+    (Other VLMs with such masks are not in ``vlm.SPLIT``: refused there.)"""
     name, kind = type(model).__name__, getattr(getattr(model, "config", None), "model_type", None)
-    if kind in SPAN_MODELS:
-        text = model.config.get_text_config()
-        if getattr(text, "use_bidirectional_attention", False):
-            raise ValueError(
-                f"ringkv: {name} with use_bidirectional_attention=True (every token sees every "
-                "other) is not supported: ringkv splits its causal attention with image blocks"
-            )
-        return SPAN_MODELS[kind]
-    module = sys.modules.get(type(model).__module__)
-    media = "pixel_values" in inspect.signature(model.forward).parameters
-    try:
-        source = inspect.getsource(module) if media and module is not None else ""
-    except (OSError, TypeError):
-        source = ""
-    found = [n for n in BLOCK_MASKS if n in source]
-    if found:
-        raise TypeError(
-            f"ringkv.patch_model: {name} lets some tokens (images, a prefix) see later ones "
-            f"({found[0]} in {module.__name__}); ringkv splits that mask for Gemma 3 only "
-            f"({', '.join(SPAN_MODELS)}) and would run {name} causally"
+    if kind not in SPAN_MODELS:
+        return None
+    if getattr(model.config.get_text_config(), "use_bidirectional_attention", False):
+        raise ValueError(
+            f"ringkv: {name} with use_bidirectional_attention=True (every token sees every "
+            "other) is not supported: ringkv splits its causal attention with image blocks"
         )
-    return None
+    return SPAN_MODELS[kind]
 
 
 def with_spans(token_type: Optional[int], kw: dict, step: Step, name: str) -> Step:

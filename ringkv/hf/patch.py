@@ -5,7 +5,6 @@ model's patch."""
 
 from __future__ import annotations
 
-import inspect
 import zlib
 from datetime import timedelta
 from typing import Optional
@@ -15,26 +14,15 @@ import torch
 from .. import memory
 from ..sp.collectives import agree, rank_world
 from ..sp.layout import check_layout
-from . import image_mask, recurrent
+from . import image_mask, recurrent, vlm
 from .attention import begin_cache, eager_attention, resolve_cache
 from .loss import kept_logits, step_loss
 from .method import choose, describe as _describe
 from .plan import AGREE_NAMES, as_kwargs, check_shards, prepare
 from .state import ATTN_NAME, METHODS, State, Step, Undo, checkpointing
+from .vlm import MEDIA_INPUTS  # noqa: F401 - its old home
 
 STATE_ATTR = "_ringkv_state"  # the patch, on the model and on each of its patched layers
-# forward arguments of multimodal models (images, video, audio merged into the token sequence)
-MEDIA_INPUTS = {
-    "pixel_values",
-    "pixel_values_videos",
-    "image_patches",
-    "input_features",
-    "input_values",
-    "audio_values",
-    "input_audio_embeds",
-    "input_image_embeds",
-    "image_embeds",
-}
 
 
 def patch_state(model) -> Optional[State]:
@@ -76,12 +64,15 @@ def _plan(state: State, model, kw: dict):
 def _pre_hook(state: State, model, args, kwargs):
     kw = as_kwargs(model, args, kwargs)
     state.step, state.hidden = None, None
+    media_pos = vlm.check_call(kw, model) if state.vlm is not None else None
+    media = vlm.media_checksum(kw) if state.vlm is not None else 0  # before the plan edits kw
     p = _plan(state, model, kw)
     device = p.x_local.device
+    values = p.values + [0]
+    if state.vlm is not None:  # the media too: "input tokens" is theirs and the tokens' checksum
+        values[6] = zlib.crc32(repr((values[6], media)).encode())
     # every rank must make the same call: one tiny all-gather
-    agree(
-        p.values + [0], AGREE_NAMES, state.group, state.timeout, "ringkv.patch_model", device=device
-    )
+    agree(values, AGREE_NAMES, state.group, state.timeout, "ringkv.patch_model", device=device)
     step = p.step if p.shards is None else check_shards(state, p)
     step = image_mask.with_spans(state.span_type, kw, step, type(model).__name__)
     # commit
@@ -90,6 +81,16 @@ def _pre_hook(state: State, model, args, kwargs):
             state.store, model.config.get_text_config().hidden_size
         )
         state.offload.__enter__()
+    if state.vlm is not None:  # the whole inputs: the text decoder's pre-hook cuts them
+        kw["position_ids"], kw["cache"], state.step, state.vlm.rows = (
+            media_pos,
+            step.cache,
+            step,
+            p.rows,
+        )
+        if step.cache is None:
+            kw["use_cache"] = False
+        return (), kw
     kw[p.name] = p.x_local
     q_pos = step.q_positions.to(device)
     kw["position_ids"] = (
@@ -205,6 +206,7 @@ def patch_model(
     _check_options(model, layout, method, inputs)
     span_type = image_mask.check_model(model)  # before the layers' check: it names the option
     layers, mixers = _patched_layers(model)
+    media = _vlm(model, inputs, mixers)
     if mixers:
         recurrent.check_hybrid_options(model, layout, method)
     group = _sp_group(group, mesh_dim)
@@ -232,12 +234,33 @@ def patch_model(
         hybrid=type(model).__name__ if mixers else None,
         attention=choice.attention,
         why=choice.why,
+        vlm=media,
         span_type=span_type,
     )
     if mixers:
         _agree_layers(model, state, mixers)
     _install(model, state, layers, restore, mixers)
     return model
+
+
+def _vlm(model, inputs: str, mixers) -> Optional[vlm.Vlm]:
+    """A vision-language model's record (its text decoder: ``hf/vlm.py``), or None for a text LM;
+    ``ValueError`` for what a VLM's patch does not support."""
+    media = vlm.media_inputs(model)
+    if not media:
+        return None
+    name = type(model).__name__
+    if inputs != "full":
+        raise ValueError(
+            f"ringkv: {name} merges its media ({', '.join(media)}) into the whole sequence before "
+            f"ringkv shards it: patch it with inputs='full' (every rank passes the whole inputs)"
+        )
+    if mixers:
+        raise TypeError(
+            f"ringkv.patch_model does not split vision-language models with recurrent layers "
+            f"({name})"
+        )
+    return vlm.Vlm(vlm.text_decoder(model, media))
 
 
 def _agree_layers(model, state: State, mixers) -> None:
@@ -310,15 +333,10 @@ def _patched_layers(model):
         raise TypeError(
             f"ringkv.patch_model supports decoder-only causal LMs, not the encoder-decoder {name}"
         )
-    media = sorted(set(inspect.signature(model.forward).parameters) & MEDIA_INPUTS)
-    if media:
-        raise TypeError(
-            f"ringkv.patch_model splits the token sequence of text causal LMs; {name} also takes "
-            f"{', '.join(media)}, whose embeddings it merges into the sequence it would get "
-            f"sharded. Patch its text model's causal LM class instead"
-        )
+    media = vlm.media_inputs(model)
+    text = vlm.text_decoder(model, media) if media else model  # a VLM: its language model's layers
     mixers = recurrent.classify(model)
-    layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+    layers = [m for m in text.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
     if not getattr(model, "_supports_attention_backend", False):
         # transformers marks hybrids False (their recurrent layers are no attention backend), their
         # attention layers still call ALL_ATTENTION_FUNCTIONS, and ringkv splits the rest itself
@@ -347,8 +365,9 @@ def _install(model, state: State, layers: list, restore: list, mixers=()) -> Non
         handles, held, undo_recurrent = recurrent.install(model, state, mixers)
         layers, restore = list(layers) + list(held), list(restore) + [undo_recurrent]
     AttentionInterface.register(ATTN_NAME, eager_attention)
-    prev_impl = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
+    text = model if state.vlm is None else state.vlm.text  # a VLM's vision tower keeps its own
+    prev_impl = text.config._attn_implementation
+    text.set_attn_implementation(ATTN_NAME)
     for m in layers:
         setattr(m, STATE_ATTR, state)
     handles += [
@@ -361,6 +380,13 @@ def _install(model, state: State, layers: list, restore: list, mixers=()) -> Non
             always_call=True,
         ),
     ]
+    if state.vlm is not None:  # cuts the merged sequence to this rank's shard
+        handles.append(
+            text.register_forward_pre_hook(
+                lambda mod, a, k: _run_eager(vlm.text_pre_hook, state, mod, a, k),
+                with_kwargs=True,
+            )
+        )
     if getattr(model, "base_model", model) is not model:  # its output feeds the chunked loss
         handles.append(
             model.base_model.register_forward_hook(
@@ -384,7 +410,7 @@ def unpatch_model(model):
     for m in undo.layers:
         delattr(m, STATE_ATTR)
     delattr(model, STATE_ATTR)
-    model.set_attn_implementation(undo.prev_impl)
+    (model if state.vlm is None else state.vlm.text).set_attn_implementation(undo.prev_impl)
     return model
 
 

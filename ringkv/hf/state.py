@@ -99,6 +99,7 @@ class State:
     hybrid: Optional[str] = None  # the model's class name when it has recurrent layers
     attention: str = "ring"  # what the attention layers run: ring, ulysses or usp (hf.method)
     why: str = ""  # why (describe)
+    vlm: Optional[object] = None  # a vision-language model's hf.vlm.Vlm (its text decoder)
     span_type: Optional[int] = None  # Gemma 3: the token type whose runs attend both ways
 
     @property

@@ -46,6 +46,13 @@ def test_gemma3_options_ringkv_cannot_honour_are_refused_at_patch_time():
     model = cases.build(0, use_bidirectional_attention=True)
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         hf.patch_model(model)
+    model = hf.patch_model(cases.build(0))  # one rank: image tokens in a decode step are refused
+    kw = cases.inputs([[2, 1]])
+    with torch.no_grad():
+        cache = model(**kw, use_cache=True).cache
+        step = dict(input_ids=torch.tensor([[cases.IMAGE]]), token_type_ids=torch.ones(1, 1).long())
+        with pytest.raises(ValueError, match="token_type_ids mark image tokens in a decode step"):
+            model(**step, cache=cache)
     text = dict(
         vocab_size=160,
         hidden_size=64,

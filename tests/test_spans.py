@@ -77,7 +77,7 @@ def case(draw):
         b=b,
         s=s,
         hkv=(hkv := draw(st.sampled_from([1, 2]))),
-        h=hkv * draw(st.sampled_from([1, 2])) * (2 if method != "ring" else 1),
+        h=hkv * draw(st.sampled_from([1, 2])) * (4 if method != "ring" else 1),  # ulysses: h >= n
         window=draw(st.sampled_from([(-1, -1), (2, 0), (5, 0)])),
         spans=[draw(spans_row(s, kind)) for kind in kinds],
         lse_grad=draw(st.booleans()),

@@ -96,8 +96,9 @@ fields, ``sequence_sums``), ``plan.py`` (one forward's inputs, planned), ``loss.
 ``causal_lm_loss``, ``gather_logits``), ``method.py`` (which SP attention runs:
 ``method="auto"``'s choice, ``describe``), ``attention.py`` (the attention function and
 ``ShardedKVCache``), ``recurrent.py`` (hybrid models' recurrent layers: short convolutions, Mamba2
-and Mamba scans, gated DeltaNet and KDA, run by their SP forms from ``ringkv.sp``), ``patch.py``
-(``patch_model`` and its hooks).
+and Mamba scans, gated DeltaNet and KDA, run by their SP forms from ``ringkv.sp``),
+``image_mask.py`` (Gemma 3's images, which see all of themselves: ``spans=`` of the SP attention),
+``patch.py`` (``patch_model`` and its hooks).
 
 Hybrid models (Qwen3-Next, Qwen3.5, Falcon-H1, Bamba, Nemotron-H, Granite 4 hybrid, LFM2, Jamba,
 Zamba2, Kimi Linear; layouts contiguous and zigzag): the recurrent layers pass their state across

@@ -136,7 +136,7 @@ def test_span_calls_cover_each_span_once_in_every_layout():
     spans = (((1, 7), (9, 16)),)
     for layout in ringkv.LAYOUTS:
         n, s = 4, 16
-        shards = [list(chunks(s, layout, r, n)) for r in range(n)]
+        shards = [tuple(chunks(s, layout, r, n)) for r in range(n)]
         seen = torch.zeros(s, s, dtype=torch.int)
         for r in range(n):
             for src in range(n):

@@ -14,6 +14,7 @@ Both parts go through the same kernels, forward and backward, so the gradients a
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -93,12 +94,14 @@ def _runs(spans: Spans) -> List[Tuple[slice, Tuple[Tuple[int, int], ...]]]:
     return [(rows, row) for rows, row in out if row]
 
 
+@functools.lru_cache(maxsize=256)
 def span_calls(
-    q_ranges: Sequence[range], k_ranges: Sequence[range], spans: Spans
+    q_ranges: Tuple[range, ...], k_ranges: Tuple[range, ...], spans: Spans
 ) -> List[Tuple[slice, slice, slice, Mask]]:
     """Extra kernel calls of one ring step: ``(batch rows, q rows, k rows, mask)`` for each span,
     the keys of the span after each query (``q_pos < k_pos``), empty ones dropped. ``q_ranges`` /
-    ``k_ranges``: the shards' increasing position ranges in local order (``Shards``)."""
+    ``k_ranges``: the shards' increasing position ranges in local order (``Shards``). Cached: the
+    ring asks at every step of every layer (do not modify the list returned)."""
     calls = []
     for rows, row in _runs(spans):
         for start, stop in row:

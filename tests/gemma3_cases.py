@@ -123,7 +123,10 @@ def reference(seed: int, kw: dict, new_tokens: int) -> dict:
 def patched_run(ctx, seed, kw, layout, new_tokens, method="ring", checkpointing=False) -> dict:
     """The patched model: training loss and every gradient summed over the group (each rank holds
     its share); eval logits gathered; greedy tokens of ``generate``."""
-    model = hf.patch_model(build(seed), group=ctx.group, layout=layout, method=method)
+    ulysses = 2 if method == "usp" else None  # usp: a 2 x 2 mesh of the 4-rank world
+    model = hf.patch_model(
+        build(seed), group=ctx.group, layout=layout, method=method, ulysses=ulysses
+    )
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable()
@@ -136,6 +139,8 @@ def patched_run(ctx, seed, kw, layout, new_tokens, method="ring", checkpointing=
     model.eval()
     s = kw["input_ids"].shape[1]
     with torch.no_grad():
-        res["eval_logits"] = hf.gather_logits(model(**kw).logits, layout, ctx.group, seq_len=s)
+        logits = model(**kw).logits
+        u = hf.patch.patch_state(model).ulysses  # usp: the logits are in its 2-D layout
+        res["eval_logits"] = hf.gather_logits(logits, layout, ctx.group, seq_len=s, ulysses=u)
         res["tokens"] = _generate(model, kw, new_tokens)
     return res

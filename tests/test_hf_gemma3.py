@@ -20,6 +20,7 @@ CASES = [
     (2, "zigzag", [[4, 6]], "ring", False),  # one image
     (3, "contiguous", [[3, 5, 2]], "ring", True),  # two images, each across a rank boundary
     (3, "striped", [[2, 4, 3], [11, 9]], "ulysses", False),  # rows with their own images
+    (4, "zigzag", [[3, 5, 2]], "usp", False),  # 2 (Ulysses) x 2 (ring)
 ]
 
 

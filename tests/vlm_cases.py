@@ -100,11 +100,22 @@ def _tokens(n_text, n_images, seed):
     return [torch.randint(3, 140, (n,), generator=g).tolist() for n in n_text[: n_images + 1]]
 
 
-def inputs(arch: str, images: int, seed: int = 0, text=(3, 4, 2, 3)) -> dict:
-    """One sample (B = 1) of ``images`` images, each between two text runs (lengths ``text``):
-    the model's keyword arguments (``input_ids``, pixels, grids or sizes, token types)."""
+def inputs(arch: str, images: int, seed: int = 0, rows: int = 1) -> dict:
+    """``rows`` samples (B = rows; each its own tokens and pixels) of ``images`` images: the
+    model's keyword arguments (``input_ids``, pixels, grids or sizes, token types)."""
+    parts = [_sample(arch, images, seed + r) for r in range(rows)]
+    kw = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    if arch != "llava_onevision" and images:
+        kw["mm_token_type_ids"] = (kw["input_ids"] == IMAGE).int()  # the 3-D positions need them
+    return kw
+
+
+def _sample(arch: str, images: int, seed: int, text=(3, 4, 2, 3)) -> dict:
+    """One sample of ``images`` images, each between two text runs (lengths ``text``)."""
     g = torch.Generator().manual_seed(seed)
     runs = _tokens(list(text), images, seed)
+    if images == 0:  # text only: no media arguments
+        return dict(input_ids=torch.tensor([runs[0] * 4]))
     if arch == "llava_onevision":  # one image: anyres tiles (14 tokens); several: 5 tokens each
         tiles, per = (3, 14) if images == 1 else (1, 5)
         pixels = torch.randn(images, tiles, 3, 8, 8, generator=g)
@@ -123,10 +134,7 @@ def inputs(arch: str, images: int, seed: int = 0, text=(3, 4, 2, 3)) -> dict:
     ids = list(runs[0])
     for i in range(images):
         ids += [START] + [IMAGE] * counts[i] + [END] + runs[i + 1]
-    ids = torch.tensor([ids])
-    if arch != "llava_onevision":
-        media["mm_token_type_ids"] = (ids == IMAGE).int()  # the 3-D positions need them
-    return dict(input_ids=ids, **media)
+    return dict(input_ids=torch.tensor([ids]), **media)
 
 
 def labels_of(kw: dict) -> torch.Tensor:
@@ -149,36 +157,67 @@ def reference(arch: str, seed: int, kw: dict, new_tokens: int = 0) -> dict:
     with torch.no_grad():
         res["eval_logits"] = model(**kw).logits
         if new_tokens:
-            res["tokens"] = _generate(model, kw, new_tokens)
+            res["tokens"], res["scores"] = _generate(model, kw, new_tokens)
     return res
 
 
 def _generate(model, kw, new_tokens):
-    return model.generate(
-        **kw, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    """Greedy ``generate``: ``(tokens (B, S + new), scores (B, new, V))``."""
+    out = model.generate(
+        **kw,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_scores=True,
     )
+    return out.sequences, torch.stack(out.scores, 1)
 
 
-def patched_run(ctx, arch, seed, kw, layout, new_tokens=0, method="ring") -> dict:
-    """The patched model: training loss, gathered logits and this rank's gradients; eval logits
-    gathered; greedy tokens of ``generate``."""
+def patched_run(
+    ctx, arch, seed, kw, layout, new_tokens=0, method="ring", keep_logits=None, checkpointing=False
+):
+    """The patched model: training loss (``keep_logits=None``: the chunked loss from the hidden
+    states, no logits; True: from the logits, gathered too) and this rank's gradients (with
+    activation ``checkpointing``: the text and vision layers replayed in backward); eval logits
+    gathered; greedy tokens and scores of ``generate``."""
     model = hf.patch_model(
-        build(arch, seed), group=ctx.group, layout=layout, method=method, keep_logits=True
+        build(arch, seed), group=ctx.group, layout=layout, method=method, keep_logits=keep_logits
     )
+    if checkpointing:
+        model.activation_checkpointing_enable()
     s = kw["input_ids"].shape[1]
     out = model.train()(**kw, labels=labels_of(kw), use_cache=False)
     out.loss.backward()
     res = dict(
         loss=out.loss.item(),
-        logits=hf.gather_logits(out.logits, layout, ctx.group, seq_len=s),
+        logits=None
+        if out.logits is None
+        else hf.gather_logits(out.logits, layout, ctx.group, seq_len=s),
         grads=grads_of(model),
     )
     model.eval()
     with torch.no_grad():
         res["eval_logits"] = hf.gather_logits(model(**kw).logits, layout, ctx.group, seq_len=s)
         if new_tokens:
-            res["tokens"] = _generate(model, kw, new_tokens)
+            res["tokens"], res["scores"] = _generate(model, kw, new_tokens)
     return res
+
+
+def text_inputs(ctx, arch, seed, kw, layout) -> dict:
+    """What the patched model's text decoder runs on this rank in a forward of ``kw``: the
+    ``position_ids`` and ``inputs_embeds`` its layers get (after ringkv's pre-hook)."""
+    model = hf.patch_model(build(arch, seed), group=ctx.group, layout=layout)
+    seen = {}
+
+    def grab(mod, args, kwargs):
+        seen.update(position_ids=kwargs["position_ids"], inputs_embeds=kwargs["inputs_embeds"])
+
+    model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)  # after ringkv's
+    with torch.no_grad():
+        model(**kw, use_cache=False)
+    return seen
 
 
 def forward_error(ctx, arch, seed, kw, layout="zigzag"):
@@ -190,3 +229,42 @@ def forward_error(ctx, arch, seed, kw, layout="zigzag"):
     except (ValueError, TypeError, RuntimeError) as e:
         return (type(e).__name__, str(e))
     return ("ok", "")
+
+
+def other_pixels(ctx, arch, seed):
+    """Every rank calls the same forward but rank 1 with other pixels: ``(error type, message)``
+    of each rank."""
+    kw = inputs(arch, 1)
+    if ctx.rank == 1:
+        kw["pixel_values"] = kw["pixel_values"] + 1
+    return forward_error(ctx, arch, seed, kw)
+
+
+def decode_steps(model, kw, steps: int):
+    """A prefill forward with a cache, then ``steps`` greedy decode forwards of one token each, no
+    positions given (the model derives them from the cache length and its ``rope_deltas``): each
+    step's last logits ``(B, steps + 1, V)``."""
+    with torch.no_grad():
+        out = model(**kw, use_cache=True)
+        last = [out.logits[:, -1]]
+        for _ in range(steps):
+            nxt = last[-1].argmax(-1, keepdim=True)
+            out = model(input_ids=nxt, cache=out.cache, use_cache=True)
+            last.append(out.logits[:, -1])
+    return torch.stack(last, 1)
+
+
+def patched_decode(ctx, arch, seed, kw, layout, steps):
+    """``decode_steps`` on the patched model (the prefill's last logits: ``logits_to_keep=1``)."""
+    model = hf.patch_model(build(arch, seed), group=ctx.group, layout=layout)
+    return decode_steps(_KeepLast(model), kw, steps)
+
+
+class _KeepLast:
+    """Calls ``model`` with ``logits_to_keep=1`` (every rank then gets the last token's logits)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kw):
+        return self.model(**kw, logits_to_keep=1)

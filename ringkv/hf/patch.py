@@ -260,7 +260,7 @@ def _vlm(model, inputs: str, mixers) -> Optional[vlm.Vlm]:
             f"ringkv.patch_model does not split vision-language models with recurrent layers "
             f"({name})"
         )
-    return vlm.Vlm(vlm.text_decoder(model, media))
+    return vlm.record(model, media)
 
 
 def _agree_layers(model, state: State, mixers) -> None:

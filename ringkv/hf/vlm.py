@@ -14,9 +14,10 @@ head and the loss see this rank's shard, as for text LMs; gradients reach the vi
 the shard's image rows only, so each rank's vision gradient is its share and their sum over the
 group is the unpatched model's. A decode step (new tokens, the same on every rank) is not cut.
 
-Other models build on this hook (``install``; Gemma 3's image-token mask): ``state.vlm.extra`` is a
-list of functions ``fn(state, kw, index, decode)`` the text pre-hook calls last, ``index``: this
-rank's ``(S_pad / N,)`` global token indices (None in a decode step).
+Other models build on this hook (Gemma 3's image-token mask): ``SPLIT[model_type] = fn`` admits a
+family and gives its text decoder's pre-hook an extra step ``fn(state, kw, index, decode)``, called
+last (``kw``: the decoder's keyword arguments, already cut; ``index``: this rank's ``(S_pad / N,)``
+global token indices, None in a decode step).
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ MEDIA_INPUTS = {
     "input_image_embeds",
     "image_embeds",
 }
-# the VLM families whose split is verified exact (tests/test_hf_vlm.py, test_hf_gemma3.py): their
-# text decoders mask causally whatever the tokens are, or as ringkv splits it (Gemma 3: each image
-# attends to all of itself, hf/image_mask.py). Others are refused until their masks are split too
-SPLIT = {"qwen2_5_vl", "qwen3_vl", "llava_onevision", "gemma3"}
+# the VLM families whose split is verified exact (tests/test_hf_vlm.py, test_hf_gemma3.py), by
+# config.model_type, each with the extra step its text decoder's pre-hook needs (None: none; see
+# ``Vlm.extra``). These decoders mask causally whatever the tokens are, or as ringkv splits it
+# (Gemma 3: each image attends to all of itself; its token_type_ids never reach the decoder, so the
+# model's pre-hook reads them: hf/image_mask.py). Others are refused until their masks are split too
+SPLIT = {"qwen2_5_vl": None, "qwen3_vl": None, "llava_onevision": None, "gemma3": None}
 # list-of-features arguments of a text decoder -> the (B, S) token mask whose True rows they follow
 # (in row-major order): each rank keeps the features of its own masked tokens
 TOKEN_FEATURES = {"deepstack_visual_embeds": "visual_pos_masks"}
@@ -51,12 +54,20 @@ TOKEN_FEATURES = {"deepstack_visual_embeds": "visual_pos_masks"}
 
 @dataclass
 class Vlm:
-    """A patched vision-language model: its text decoder and the forward under way's rows to cache
-    (set by the model's pre-hook, used by the text decoder's)."""
+    """A patched vision-language model: its text decoder, the extra steps of the decoder's pre-hook
+    (``SPLIT``'s) and the forward under way's rows to cache (set by the model's pre-hook, used by
+    the text decoder's)."""
 
     text: torch.nn.Module
-    rows: Optional[torch.Tensor] = None
     extra: list = field(default_factory=list)
+    rows: Optional[torch.Tensor] = None
+
+
+def record(model, media: list) -> Vlm:
+    """The ``Vlm`` of a vision-language ``model`` taking ``media`` (``text_decoder``'s checks)."""
+    text = text_decoder(model, media)
+    step = SPLIT[model.config.model_type]
+    return Vlm(text, [] if step is None else [step])
 
 
 def media_inputs(model) -> list:
@@ -124,14 +135,24 @@ def _restarts(pos: torch.Tensor) -> bool:
 
 def media_checksum(kw: dict) -> int:
     """One number for the forward's tensors besides the tokens (pixels, grids, sizes), so that the
-    ranks can agree they were all given the same media."""
+    ranks can agree they were all given the same media: their names, shapes and the sums of their
+    bits as integers (exact, whatever the order of the sum)."""
     crc = 0
     for name in sorted(kw):
         t = kw[name]
         if isinstance(t, torch.Tensor) and name not in ("input_ids", "attention_mask"):
-            flat = t.detach().reshape(-1)[:4096].float().cpu()  # a sample: the shape and values
-            crc = zlib.crc32(repr((name, tuple(t.shape), flat.sum().item())).encode(), crc)
+            crc = zlib.crc32(repr((name, tuple(t.shape), _bit_sum(t))).encode(), crc)
     return crc
+
+
+def _bit_sum(t: torch.Tensor, chunk: int = 1 << 20) -> int:
+    """The sum of ``t``'s elements read as integers of their width (in chunks of ``chunk``)."""
+    flat = t.detach().reshape(-1).contiguous()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    flat = flat.view(ints)
+    return sum(int(flat[i : i + chunk].long().sum()) for i in range(0, flat.numel(), chunk))
 
 
 # ---------------------------------------------------------------------------------------------

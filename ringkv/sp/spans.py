@@ -15,13 +15,14 @@ Both parts go through the same kernels, forward and backward, so the gradients a
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from ..kernels.mask import EMPTY, Mask, make_mask
 
-__all__ = ["Spans", "check_spans", "spans_of_mask", "span_calls", "visible"]
+__all__ = ["Spans", "check_spans", "spans_of_mask", "span_calls"]
 
 # per batch row: its spans ``((start, stop), ...)``, increasing and disjoint
 Spans = Tuple[Tuple[Tuple[int, int], ...], ...]
@@ -94,6 +95,20 @@ def _runs(spans: Spans) -> List[Tuple[slice, Tuple[Tuple[int, int], ...]]]:
     return [(rows, row) for rows, row in out if row]
 
 
+def _after(qr: range, kr: range, start: int, stop: int):
+    """``(q rows, k rows, mask)`` within ``qr`` / ``kr`` of the span ``[start, stop)``'s keys after
+    each of its queries, or None when there are none."""
+    i0, qp = _cut(qr, start, stop)
+    j0, kp = _cut(kr, start, stop)
+    if not (len(qp) and len(kp) and kp[-1] > qp[0]):
+        return None
+    after = range(qp.start + 1, qp.stop + 1, qp.step)  # k_pos >= q_pos + 1: window (0, -1)
+    mask = make_mask(False, after, kp, len(qp), len(kp), window=(0, -1))
+    if mask.kind == EMPTY:
+        return None
+    return slice(i0, i0 + len(qp)), slice(j0, j0 + len(kp)), mask
+
+
 @functools.lru_cache(maxsize=256)
 def span_calls(
     q_ranges: Tuple[range, ...], k_ranges: Tuple[range, ...], spans: Spans
@@ -102,38 +117,17 @@ def span_calls(
     the keys of the span after each query (``q_pos < k_pos``), empty ones dropped. ``q_ranges`` /
     ``k_ranges``: the shards' increasing position ranges in local order (``Shards``). Cached: the
     ring asks at every step of every layer (do not modify the list returned)."""
+    q_off = [0, *itertools.accumulate(len(r) for r in q_ranges)]  # each range's first local row
+    k_off = [0, *itertools.accumulate(len(r) for r in k_ranges)]
     calls = []
     for rows, row in _runs(spans):
-        for start, stop in row:
-            q_off = 0
-            for qr in q_ranges:
-                i0, qp = _cut(qr, start, stop)
-                k_off = 0
-                for kr in k_ranges:
-                    j0, kp = _cut(kr, start, stop)
-                    if len(qp) and len(kp) and kp[-1] > qp[0]:
-                        # k_pos >= q_pos + 1: the window (0, -1) over queries moved one on
-                        after = range(qp.start + 1, qp.stop + 1, qp.step)
-                        mask = make_mask(False, after, kp, len(qp), len(kp), window=(0, -1))
-                        if mask.kind != EMPTY:
-                            qs = slice(q_off + i0, q_off + i0 + len(qp))
-                            ks = slice(k_off + j0, k_off + j0 + len(kp))
-                            calls.append((rows, qs, ks, mask))
-                    k_off += len(kr)
-                q_off += len(qr)
+        for (start, stop), (i, qr), (j, kr) in itertools.product(
+            row, enumerate(q_ranges), enumerate(k_ranges)
+        ):
+            found = _after(qr, kr, start, stop)
+            if found is not None:
+                qs, ks, mask = found
+                qs = slice(q_off[i] + qs.start, q_off[i] + qs.stop)
+                ks = slice(k_off[j] + ks.start, k_off[j] + ks.stop)
+                calls.append((rows, qs, ks, mask))
     return calls
-
-
-def visible(spans, batch: int, seq_len: int, window_left: int = -1) -> torch.Tensor:
-    """The ``(B, S, S)`` bool mask of causal attention with ``spans`` (and a left window:
-    ``k_pos >= q_pos - window_left``) spelled out, for references and tests."""
-    i = torch.arange(seq_len)[:, None]
-    j = torch.arange(seq_len)[None, :]
-    reach = torch.arange(seq_len).repeat(batch, 1)  # (B, S): the last key each query sees
-    for b, row in enumerate(spans or [[]] * batch):
-        for start, stop in row:
-            reach[b, start:stop] = stop - 1
-    seen = j <= reach[:, :, None]  # (B, S, S)
-    if window_left >= 0:
-        seen &= j >= i - window_left
-    return seen

@@ -403,13 +403,13 @@ def main(argv=None) -> int:
             print(f"ringkv: {problem}", file=sys.stderr)
             return 2
     try:
-        llm = _build(args, config.instance_id if args.command == "serve" else None)
+        if args.command == "serve":
+            return _serve(args, config)
+        llm = _build(args)
     except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"ringkv: {e}", file=sys.stderr)
         return 2
     with llm:
-        if args.command == "serve":
-            return _serve(llm, config, args.model)
         try:
             return _run(llm, args, params)
         except KeyboardInterrupt:  # Ctrl-C: the step in flight finished on every rank; stop quietly
@@ -417,17 +417,23 @@ def main(argv=None) -> int:
             return 130
 
 
-def _serve(llm, config: ServeConfig, model: str) -> int:
+def _serve(args, config: ServeConfig) -> int:
+    """``ringkv serve``: rank 0 (the only process, or torchrun's rank 0) opens the port, then
+    builds the engine while ``/health`` says "starting" (``serve.serve``); torchrun's other ranks
+    build it and run rank 0's steps."""
+    import os
     from dataclasses import replace
 
     from .serve import follow_forever, serve
 
-    if llm.rank != 0:  # under torchrun: rank 0 serves, the others run its steps
-        follow_forever(llm)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 serves, the others follow
+        with _build(args, config.instance_id) as llm:
+            follow_forever(llm)
         return 0
-    c = replace(config, model_name=config.model_name or model)
+    c = replace(config, model_name=config.model_name or args.model)
     print(
-        f"ringkv: serving {c.model_name!r} on http://{c.host}:{c.port}/v1",
+        f"ringkv: serving {c.model_name!r} on http://{c.host}:{c.port}/v1 "
+        f'(/health says "starting" until the engine is built)',
         file=sys.stderr,
         flush=True,
     )
@@ -438,7 +444,7 @@ def _serve(llm, config: ServeConfig, model: str) -> int:
             file=sys.stderr,
             flush=True,
         )
-    serve(llm, c)
+    serve(lambda: _build(args, c.instance_id), c)
     return 0
 
 

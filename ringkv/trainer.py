@@ -1,5 +1,5 @@
-"""transformers' ``Trainer`` (and TRL's ``SFTTrainer`` and ``DPOTrainer``) on a ``(dp, sp)`` layout
-of a ringkv-patched model.
+"""transformers' ``Trainer`` (and TRL's ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer``) on a
+``(dp, sp)`` layout of a ringkv-patched model.
 
     from ringkv.hf import patch_model
     from ringkv.trainer import sp_trainer
@@ -50,6 +50,11 @@ whole-sequence ``(B, S - 1)`` fields, so TRL's own ``_compute_loss`` (sequence s
 rewards, margins, accuracies) runs on every rank on exact values. The options that path cannot
 honour are refused at construction (``trainer_dpo.check_dpo``); ``num_tokens`` counts each
 replica once.
+
+``sp_trainer(GRPOTrainer)`` puts ``trainer_grpo.GRPOMixin`` in front as well: the same hooks answer
+GRPO's fused-head calls (left-padded prompts rolled to the row's end), the generation batch, the
+seed, the rewards, the advantages and TRL's gathers are per dp replica, and the completions come
+from the patched model's ``generate`` (``ringkv/trainer_grpo.py``).
 """
 
 from __future__ import annotations
@@ -301,4 +306,7 @@ def sp_trainer(cls):
         raise TypeError(f"sp_trainer needs a transformers.Trainer subclass, got {cls!r}")
     if issubclass(cls, SPTrainerMixin):
         return cls
-    return type(f"SP{cls.__name__}", (SPTrainerMixin, cls), {"__module__": cls.__module__})
+    from .trainer_grpo import GRPOMixin, is_grpo_class
+
+    mixins = (GRPOMixin, SPTrainerMixin) if is_grpo_class(cls) else (SPTrainerMixin,)
+    return type(f"SP{cls.__name__}", (*mixins, cls), {"__module__": cls.__module__})

@@ -124,7 +124,7 @@ class _Unshard(torch.autograd.Function):
         return shard(g, 1, ctx.layout, ctx.group).contiguous(), None, None
 
 
-def _patch_ref(ref, state):
+def patch_reference(ref, state):
     """The reference model, patched like the policy (``state``) if it is not yet."""
     import torch.distributed as dist
 
@@ -159,11 +159,29 @@ def _patch_ref(ref, state):
     return ref
 
 
-def _hooks(model, state, fields):
-    """The two forward hooks that answer TRL's ``fused_lm_head=True`` call on ``model``."""
+def _left_pads(mask):
+    """``(B,)`` the leading zeros of each row of ``mask`` ``(B, S)``, or None without any."""
+    if mask is None or bool(mask[:, 0].all()):
+        return None
+    return (mask.cumsum(1) == 0).sum(1)
+
+
+def _roll(x, shift, back=False):
+    """Each row of ``x`` ``(B, S)`` rotated left by its ``shift`` (``back``: right): left padding
+    moved to the end of the row, and back."""
+    cols = torch.arange(x.shape[1], device=x.device)
+    index = (cols + (-shift if back else shift)[:, None].to(x.device)) % x.shape[1]  # (B, S)
+    return x.gather(1, index)
+
+
+def fused_head_hooks(model, state, fields, temperature: float = 1.0):
+    """The two forward hooks that answer TRL's ``fused_lm_head=True`` call on ``model``. Rows with
+    left padding (GRPO's prompts) are rolled so that it ends them, as the patched forward takes it,
+    and the fields rolled back: rotary attention sees the same position differences, pads no key.
+    ``temperature``: TRL's head divides the logits by it (GRPO)."""
     from trl.trainer.utils import FusedCausalLMOutput
 
-    pending = []  # the sequence length of the fused call under way (one at a time per model)
+    pending = []  # (sequence length, left pads) of the fused call under way (one at a time)
 
     def pre(module, args, kwargs):
         if not kwargs.pop("fused_lm_head", False):
@@ -171,25 +189,39 @@ def _hooks(model, state, fields):
         if kwargs.get("labels") is None or kwargs.get("shift_labels") is not None:
             raise ValueError(
                 "ringkv.trainer: a fused_lm_head call needs labels (and no shift_labels) under "
-                "sp_trainer(DPOTrainer)"
+                "sp_trainer(DPOTrainer) or sp_trainer(GRPOTrainer)"
             )
         ids = kwargs.get("input_ids", args[0] if args else None)
-        pending.append(ids.shape[1])
+        pads = _left_pads(kwargs.get("attention_mask"))
+        if pads is not None:
+            if args or kwargs.get("position_ids") is not None:
+                raise ValueError(
+                    "ringkv.trainer: a left-padded fused_lm_head call must pass input_ids by "
+                    "keyword and no position_ids"
+                )
+            for name in ("input_ids", "attention_mask", "labels"):
+                kwargs[name] = _roll(kwargs[name], pads)
+        pending.append((ids.shape[1], pads))
         kwargs["per_token"] = fields
+        if temperature != 1.0:
+            kwargs["per_token_temperature"] = temperature
         kwargs["use_cache"] = False
         return args, kwargs
 
     def post(module, args, output):
         if not pending:
             return None
-        seq = pending.pop()
+        seq, pads = pending.pop()
         out = {}
         for name in (*fields, "label_mask"):
             x = output[name]
             kind = x.dtype
             if kind == torch.bool:
                 x = x.to(torch.uint8)
-            full = _Unshard.apply(x, state.layout, state.group)[:, : seq - 1]
+            full = _Unshard.apply(x, state.layout, state.group)[:, :seq]  # (B, S)
+            if pads is not None:  # the fields of pads are 0: rolled back, the end pads lead again
+                full = _roll(full, pads, back=True)
+            full = full[:, : seq - 1]  # position i scores token i + 1, as TRL's head
             out[name] = full.bool() if kind == torch.bool else full
         return FusedCausalLMOutput(loss=output.loss, **out)
 
@@ -220,8 +252,8 @@ def install_dpo(trainer) -> None:
             "PEFT or precompute_ref_log_probs); pass ref_model="
         )
     ref = trainer.accelerator.unwrap_model(trainer.ref_model)
-    ref_state = patch_state(_patch_ref(ref, state))
+    ref_state = patch_state(patch_reference(ref, state))
     if ref_state is None:  # never silently TRL's head on a full sequence beside a patched policy
         raise ValueError("ringkv.trainer: the reference model could not be patched")
-    _hooks(policy, state, POLICY_FIELDS)
-    _hooks(ref, ref_state, REF_FIELDS)
+    fused_head_hooks(policy, state, POLICY_FIELDS)
+    fused_head_hooks(ref, ref_state, REF_FIELDS)

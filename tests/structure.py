@@ -22,7 +22,7 @@ LAYERS = (
     ("parallel",),
     ("engine",),
     ("planner", "hf"),
-    ("serve", "trainer", "trainer_dpo"),
+    ("serve", "trainer", "trainer_dpo", "trainer_grpo"),
     ("__init__", "__main__"),
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -52,6 +52,7 @@ class Proc:
         env.pop("RINGKV_ADMIN_KEY", None)
         self.headers = {} if key is None else {"x-ringkv-admin-key": key}
         self.name, self.up, self.deadline = args[0], up, time.time() + 300
+        self.seen = []  # the /health statuses wait_up saw, in order
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ringkv", *args, "--port", str(self.port)],
             stdout=subprocess.PIPE,
@@ -69,6 +70,7 @@ class Proc:
                 raise RuntimeError(f"{self.name} exited: {self.proc.stdout.read()[-3000:]}")
             try:
                 r = httpx.get(self.url + "/health", timeout=2)
+                self.seen.append(r.json().get("status") if r.content[:1] == b"{" else r.text)
                 if (
                     self.up == 0 or r.status_code == 200 and r.json().get("up", self.up) >= self.up
                 ):  # 0: it answers

@@ -491,6 +491,60 @@ def test_bf16_weights_train_like_unpatched():
         )
 
 
+def test_per_token_temperature_divides_the_logits():
+    """per_token_temperature=T (TRL's GRPO at a sampling temperature): log-probs and entropies of
+    the logits divided by T, and their gradients, as the unpatched model's; refused without
+    per_token or when not a positive float."""
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(7))
+    ref = build("llama", 0).train()
+    logp = (ref(ids).logits.float()[:, :-1] / 0.7).log_softmax(-1)  # (B, S - 1, V)
+    want = logp.gather(-1, ids[:, 1:, None])[..., 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    (want.sum() + entropy.sum()).backward()
+    model = hf.patch_model(build("llama", 0).train())
+    out = model(ids, labels=ids, per_token="entropy", per_token_temperature=0.7, use_cache=False)
+    torch.testing.assert_close(out.log_probs[:, :-1], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy[:, :-1], entropy, atol=1e-5, rtol=1e-5)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=lambda m: name + m)
+    for kw, match in (
+        (dict(per_token_temperature=0.7), "needs per_token"),
+        (dict(per_token=True, per_token_temperature=0.0), "positive float"),
+        (dict(per_token=True, per_token_temperature=True), "positive float"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            model(ids, labels=ids, use_cache=False, **kw)
+
+
+def test_cpu_bf16_autocast_trains_and_generates_like_unpatched():
+    """fp32 weights under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (Trainer's and TRL's
+    bf16=True on CPU): the rotary embedding gives q and k back in float32 while v stays bf16; the
+    patched attention runs them in the autocast dtype, as transformers' SDPA does. Loss and
+    gradients within bf16 rounding of the unpatched model under the same autocast, greedy tokens
+    equal."""
+    ids = torch.randint(3, 128, (2, 32), generator=torch.Generator().manual_seed(6))
+    results = []
+    for patched in (False, True):
+        model = build("llama", 0).train()
+        if patched:
+            hf.patch_model(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, labels=ids, use_cache=False)
+            out.loss.backward()
+            tokens = model.eval().generate(ids[:, :8], max_new_tokens=4, do_sample=False)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((out.loss.item(), grads, tokens))
+    (loss0, grads0, tokens0), (loss1, grads1, tokens1) = results
+    assert loss1 == pytest.approx(loss0, rel=1e-2)
+    assert torch.equal(tokens1, tokens0)
+    for name, want in grads0.items():
+        scale = want.abs().max().item()
+        torch.testing.assert_close(
+            grads1[name], want, atol=0.05 * scale + 1e-3, rtol=0.05, msg=lambda m: f"{name}: {m}"
+        )
+
+
 def test_keep_logits_modes():
     """None: logits in eval, none in training with labels; True: always; False: never with
     labels."""

@@ -41,6 +41,8 @@ def llm():
 def test_models_and_health(server):
     assert [m.id for m in server.client.models.list().data] == ["smol"]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    # the port opened before the engine was built (serve/starting.py), and said so
+    assert server.seen[0] == "starting" and server.seen[-1] == "ok", server.seen
 
 
 def test_completions_streamed_and_not_equal_generate(server, llm):

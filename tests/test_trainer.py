@@ -1,4 +1,5 @@
-"""ringkv.trainer: a stock transformers.Trainer and TRL's SFTTrainer on a dp=2 x sp=2 gloo world
+"""ringkv.trainer: a stock transformers.Trainer and TRL's SFTTrainer, DPOTrainer and GRPOTrainer on
+a dp=2 x sp=2 gloo world
 (real torchrun processes: Trainer and accelerate read RANK/WORLD_SIZE and wrap the model in DDP over
 the world themselves) against one unpatched process on the same data with the same
 gradient_accumulation_steps=2: every step's logged loss and grad norm within 1e-5 relative, and the
@@ -88,18 +89,29 @@ def _launch(tmp, dp, sp, kinds, *extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The dp=2 x sp=2 run (torchrun, 4 ranks) and the one-process reference, started together;
-    both run Trainer then (when trl is installed) SFTTrainer with packing and DPOTrainer (sigmoid,
-    then the other supported loss types summed)."""
-    kinds = "trainer,sft,dpo,dpo_more" if _have("trl") and _have("datasets") else "trainer"
+    both run Trainer then (when trl is installed) SFTTrainer with packing, DPOTrainer (sigmoid,
+    then the other supported loss types summed) and GRPOTrainer (grpo, dr_grpo, dapo)."""
+    grpo = "grpo,grpo_dr,grpo_dapo"
+    kinds = f"trainer,sft,dpo,dpo_more,{grpo}" if _have("trl") and _have("datasets") else "trainer"
     return _launch(tmp_path_factory.mktemp("trainer"), 2, 2, kinds)
 
 
 @pytest.fixture(scope="module")
 def runs_sp3(tmp_path_factory):
-    """DPOTrainer with loss_type='ipo' on dp=1 x sp=3 (an odd group) against one process."""
+    """DPOTrainer with loss_type='ipo' and GRPOTrainer with loss_type='bnpo' and TRL's sampling
+    generate at temperature 0.8 on dp=1 x sp=3 (an odd group) against one process."""
     if not (_have("trl") and _have("datasets")):
         pytest.skip("needs trl and datasets")
-    return _launch(tmp_path_factory.mktemp("trainer_sp3"), 1, 3, "dpo", "--dpo-loss", "ipo")
+    extra = (
+        "--dpo-loss",
+        "ipo",
+        "--grpo-loss",
+        "bnpo",
+        "--grpo-sample",
+        "--grpo-temperature",
+        "0.8",
+    )
+    return _launch(tmp_path_factory.mktemp("trainer_sp3"), 1, 3, "dpo,grpo", *extra)
 
 
 def _have(name):
@@ -220,6 +232,135 @@ def test_dpo_trainer_ipo_dp1_sp3_matches_one_unpatched_process(runs_sp3):
     _check_dpo(ring["dpo"], ref["dpo"], ring["dir"], dp=1, sp=3)
 
 
+def _check_grpo(ring, ref, out_dir, dp, sp, kind="grpo"):
+    """Every logged GRPO metric, the grad norms, the step accounting and the final parameters (SGD)
+    within TOL; the completions, rewards and advantages must have been worth comparing."""
+    import torch
+
+    from tests.trainer_cases import GRPO_KEYS
+
+    # the loss is a sum of terms of order 1 (unit-std advantages) and about 0 at step 1
+    def scale(key, step):
+        return max(abs(step[key]), 0.1) if key in ("loss", "kl") else abs(step[key])
+
+    metrics = ("loss", "grad_norm", "entropy", "num_tokens", *GRPO_KEYS)
+    assert [s["step"] for s in ring["steps"]] == [s["step"] for s in ref["steps"]] == [1, 2]
+    for a, b in zip(ring["steps"], ref["steps"]):
+        for key in metrics:
+            assert abs(a[key] - b[key]) <= TOL * scale(key, b), (key, a, b)
+    for key in ("global_step", "epoch", "max_steps", "batches_per_epoch", "total_batch"):
+        assert ring[key] == ref[key], (key, ring[key], ref[key])
+    assert ring["tokens_seen"] == ref["tokens_seen"] > 0  # TRL counts prompt + completion tokens
+    assert ring["total_batch"] == 2 * 2 * dp and ring["wrapped"] == "DistributedDataParallel"
+    assert ring["ref_patched"] == sp and ref["ref_patched"] is None  # TRL's reference, patched
+    first, second = ref["steps"]
+    assert first["reward_std"] > 0.1 and first["frac_reward_zero_std"] < 1  # advantages not 0
+    assert first["kl"] == 0 and second["kl"] > 1e-3  # the policy moved away from the reference
+    assert any(s["completions/clipped_ratio"] < 1 for s in ref["steps"])  # some ended with EOS
+    a = torch.load(out_dir / kind / "params-ring.pt")
+    b = torch.load(out_dir / kind / "params-ref.pt")
+    assert a.keys() == b.keys()
+    for name in b:
+        diff = (a[name] - b[name]).abs().max().item()
+        assert diff <= TOL * b[name].abs().max().item(), (name, diff)
+
+
+@pytest.mark.slow
+def test_grpo_trainer_dp2_sp2_matches_one_unpatched_process(runs):
+    """GRPOTrainer (loss_type='grpo', beta 0.2, SGD), 2 steps of 2 accumulated micro-batches, 2
+    generations per prompt: completions from tests/trainer_cases.py's forced_rollout (a first token
+    fixed per generation, then the patched model's greedy generate over left-padded prompts),
+    rewards grouped over the replicas, TRL's reference patched; loss, grad norm, kl, entropy,
+    rewards, completion lengths, num_tokens and the final parameters."""
+    ring, ref = runs
+    if "grpo" not in ring:
+        pytest.skip("needs trl and datasets")
+    _check_grpo(ring["grpo"], ref["grpo"], ring["dir"], dp=2, sp=2)
+
+
+@pytest.mark.slow
+def test_grpo_trainer_dr_grpo_dp2_sp2_matches_one_unpatched_process(runs):
+    """loss_type='dr_grpo' (a sum over the batch's tokens over B x max_completion_length)."""
+    ring, ref = runs
+    if "grpo_dr" not in ring:
+        pytest.skip("needs trl and datasets")
+    _check_grpo(ring["grpo_dr"], ref["grpo_dr"], ring["dir"], dp=2, sp=2, kind="grpo_dr")
+
+
+@pytest.mark.slow
+def test_grpo_trainer_dapo_dp2_sp2_matches_one_unpatched_process(runs):
+    """loss_type='dapo' (GRPOConfig's default: the generation batch's tokens over the processes,
+    here the replicas, normalise)."""
+    ring, ref = runs
+    if "grpo_dapo" not in ring:
+        pytest.skip("needs trl and datasets")
+    _check_grpo(ring["grpo_dapo"], ref["grpo_dapo"], ring["dir"], dp=2, sp=2, kind="grpo_dapo")
+
+
+@pytest.mark.slow
+def test_grpo_trainer_bnpo_sampling_dp1_sp3_matches_one_unpatched_process(runs_sp3):
+    """loss_type='bnpo' (a token mean per micro-batch) on an SP group of 3 ranks, completions from
+    TRL's own generate call with do_sample=True at temperature 0.8 (the group's ranks draw alike:
+    seed per replica; TRL's head and the patched per_token forward divide the logits by 0.8), one
+    generation for both micro-batches of a step (steps_per_generation = 2: TRL's shuffle)."""
+    ring, ref = runs_sp3
+    _check_grpo(ring["grpo"], ref["grpo"], ring["dir"], dp=1, sp=3)
+
+
+def test_grpo_refusals(tmp_path):
+    """Options the patched GRPO path cannot honour: ValueError at construction naming them."""
+    import copy
+
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from trl import GRPOConfig, GRPOTrainer
+
+    import ringkv.hf
+    from ringkv.trainer import sp_trainer
+    from tests.models import tiny_model
+    from tests.trainer_cases import grpo_prompts, grpo_reward, tiny_tokenizer
+
+    data = datasets.Dataset.from_list(grpo_prompts(4))
+    model = ringkv.hf.patch_model(tiny_model("llama", 0))  # refused before TRL touches it
+    cases = [  # (GRPOConfig options, trainer arguments, what the error names)
+        (dict(loss_type="luspo"), {}, "loss_type='luspo'"),
+        (dict(loss_type="cispo"), {}, "cispo"),
+        (dict(loss_type="sapo"), {}, "sapo"),
+        (dict(use_vllm=True), {}, "use_vllm"),
+        (dict(use_transformers_continuous_batching=True), {}, "continuous_batching"),
+        (dict(use_liger_kernel=True), {}, "use_liger_kernel"),
+        (dict(cast_lm_head_to_fp32=True), {}, "cast_lm_head_to_fp32"),
+        (dict(temperature=0.0), {}, "temperature=0.0"),
+        (dict(top_entropy_quantile=0.5), {}, "top_entropy_quantile"),
+        (dict(log_completions=True), {}, "log_completions"),
+        ({}, dict(tools=[grpo_reward]), "tools"),
+        ({}, dict(model="some/model"), "model name"),
+    ]
+    base = GRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        use_cpu=True,
+        report_to="none",
+        bf16=False,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        loss_type="grpo",
+    )
+    for options, extra, match in cases:
+        args = copy.copy(base)  # one GRPOConfig (about 1 s each): the options set on copies
+        for name, value in options.items():
+            setattr(args, name, value)
+        kw = dict(
+            model=model,
+            reward_funcs=grpo_reward,
+            args=args,
+            train_dataset=data,
+            processing_class=tiny_tokenizer(words=True),
+        )
+        with pytest.raises(ValueError, match=match):
+            sp_trainer(GRPOTrainer)(**{**kw, **extra})
+
+
 def test_dpo_refusals(tmp_path):
     """Options the patched DPO path cannot honour: ValueError at construction naming them."""
     pytest.importorskip("trl")
@@ -320,8 +461,8 @@ def test_sft_moe_load_balancing_loss_is_refused(tmp_path):
 def test_dpo_evaluate_matches_unpatched_single_process(tmp_path):
     """evaluate() of sp_trainer(DPOTrainer) on one process (a group of 1: the same hooks, per_token
     forward and gather) against TRL's own: eval-mode per_token forwards through the mixin's
-    loss-only prediction_step. fp32 (bf16=False, as the torchrun cases): DPOConfig's default bf16
-    autocast on CPU gives the patched attention mixed q/k/v dtypes."""
+    loss-only prediction_step. fp32 (bf16=False, as the torchrun cases: 1e-5 needs float32; bf16
+    autocast runs too, tests/test_hf_train.py's autocast test)."""
     pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     import transformers

@@ -1,4 +1,5 @@
-"""Trainer / SFTTrainer runs for tests/test_trainer.py, one script for both sides of the comparison.
+"""Trainer / SFTTrainer / DPOTrainer / GRPOTrainer runs for tests/test_trainer.py, one script for
+both sides of the comparison.
 
     # sp_trainer, patched model
     torchrun --nproc-per-node 4 tests/trainer_cases.py --dp 2 --sp 2 --out ring.json
@@ -11,7 +12,8 @@ rows per micro-batch (accelerate's BatchSamplerShard hands replica ``d`` the ``d
 ``dp`` consecutive batches of the same sampler order, so the union of a micro-batch is the same
 rows), with the same ``gradient_accumulation_steps``. Rank 0 (or the reference) writes, per kind,
 the logged ``loss`` and ``grad_norm`` of every step (SFTTrainer: also ``entropy``,
-``mean_token_accuracy`` and ``num_tokens``) and the step/epoch accounting.
+``mean_token_accuracy`` and ``num_tokens``; DPO's and GRPO's metrics, ``DPO_KEYS`` and
+``GRPO_KEYS``) and the step/epoch accounting; DPO and GRPO also save the final parameters.
 """
 
 from __future__ import annotations
@@ -214,6 +216,108 @@ def run_dpo(a, out_dir, kind="dpo"):
     return trainer
 
 
+def grpo_prompts(n: int, seed: int = 4):
+    """``n`` text prompts of 2..9 words of ``tiny_tokenizer(words=True)``: unequal lengths, so that
+    generation and scoring see left-padded rows."""
+    rng = random.Random(seed)
+    return [
+        {"prompt": " ".join(f"t{rng.randrange(3, 128)}" for _ in range(rng.randrange(2, 10)))}
+        for _ in range(n)
+    ]
+
+
+def grpo_reward(completion_ids, **kwargs):
+    """A deterministic reward of the completion's tokens."""
+    return [sum(t % 3 == 0 for t in ids) + 0.25 * len(set(ids)) for ids in completion_ids]
+
+
+def forced_rollout(prompts, trainer):
+    """TRL's ``rollout_func``: completion ``j`` of a prompt's group (rows ``i``, ``j = i % G``;
+    batches hold whole groups) starts with a token fixed by ``j``, then the policy's greedy
+    ``generate`` (patched: the sharded KV cache) continues it. Deterministic and different within
+    a group, whatever the batch's split over replicas (what sampling cannot be: its random stream
+    is per process)."""
+    tok, g = trainer.processing_class, trainer.num_generations
+    prompt_ids = tok(text=prompts)["input_ids"]
+    rows = [ids + [5 + 7 * (i % g)] for i, ids in enumerate(prompt_ids)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=trainer.max_completion_length - 1,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=0,
+        )[:, width:].tolist()
+    completions = []
+    for r, new in zip(rows, out):  # some end early with EOS (right-padded completions)
+        cut = 1 + sum(r) % 5
+        new = new[:cut] + [2] if cut < len(new) - 1 else new
+        completions.append([r[-1], *new])
+    return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
+
+
+def run_grpo(a, out_dir, kind="grpo"):
+    """TRL's GRPOTrainer over ``--steps`` steps, plain SGD, beta 0.2 (the reference is built by TRL
+    from the policy's saved copy and patched by sp_trainer). ``kind`` ``grpo_dr``: loss dr_grpo.
+    ``--grpo-sample``: TRL's own generate with sampling (one replica only: the reference process
+    draws the replicas' rows from one random stream); else ``forced_rollout`` with one generation
+    per micro-batch (steps_per_generation=1: each micro-batch is the union of the replicas')."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ringkv.trainer import sp_trainer
+    from tests.models import tiny_model
+
+    patched = a.sp is not None
+    init = os.path.join(out_dir, "init-ring" if patched else "init-ref")
+    # TRL loads the reference from the policy's path (config._name_or_path)
+    if not patched or int(os.environ["RANK"]) == 0:
+        tiny_model(a.arch, 0).save_pretrained(init)
+    if patched:
+        import torch.distributed as dist
+
+        dist.barrier()
+    model, mesh = build_model(a.arch, patched, a.sp or 1, a.layout)
+    model.config._name_or_path = init
+    batch = a.batch if patched else a.batch * a.dp
+    common = common_args(a, out_dir, batch)
+    common.update(learning_rate=a.grpo_lr, optim="sgd", include_num_input_tokens_seen="no")
+    sample = a.grpo_sample
+    args = GRPOConfig(
+        max_steps=2,
+        beta=0.2,
+        loss_type={"grpo_dr": "dr_grpo", "grpo_dapo": "dapo"}.get(kind, a.grpo_loss),
+        num_generations=2,
+        max_completion_length=6,
+        temperature=a.grpo_temperature,
+        gradient_checkpointing=False,
+        generation_kwargs={"do_sample": True} if sample else None,
+        steps_per_generation=None if sample else 1,
+        **common,
+    )
+    cls = sp_trainer(GRPOTrainer) if patched else GRPOTrainer
+    kw = {"sp_mesh": mesh} if patched else {}
+    trainer = cls(
+        model=model,
+        reward_funcs=grpo_reward,
+        args=args,
+        train_dataset=Dataset.from_list(grpo_prompts(a.pairs)),
+        processing_class=tiny_tokenizer(words=True),
+        rollout_func=None if sample else forced_rollout,
+        **kw,
+    )
+    trainer.train()
+    if not patched or int(os.environ.get("RANK", 0)) == 0:
+        params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+        torch.save(params, os.path.join(out_dir, "params-ring.pt" if patched else "params-ref.pt"))
+    return trainer
+
+
 # what each logged step reports (SFTTrainer's metrics besides Trainer's loss and grad norm)
 DPO_KEYS = (
     "rewards/chosen",
@@ -225,7 +329,29 @@ DPO_KEYS = (
     "logits/chosen",
     "logits/rejected",
 )
-STEP_KEYS = ("step", "loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", *DPO_KEYS)
+GRPO_KEYS = (
+    "kl",
+    "reward",
+    "reward_std",
+    "rewards/grpo_reward/mean",
+    "rewards/grpo_reward/std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "clip_ratio/region_mean",
+)
+STEP_KEYS = (
+    "step",
+    "loss",
+    "grad_norm",
+    "entropy",
+    "mean_token_accuracy",
+    "num_tokens",
+    *DPO_KEYS,
+    *GRPO_KEYS,
+)
 
 
 def summary(trainer):
@@ -279,6 +405,10 @@ def main():
         default="hinge+sigmoid_norm+apo_zero+apo_down+discopop+nca_pair+sppo_hard",
         help="kind dpo_more: the other loss types, summed in one run",
     )
+    p.add_argument("--grpo-loss", default="grpo", help="GRPOConfig.loss_type of kind grpo")
+    p.add_argument("--grpo-lr", type=float, default=0.5)
+    p.add_argument("--grpo-sample", action="store_true", help="TRL's sampling generate (dp=1)")
+    p.add_argument("--grpo-temperature", type=float, default=1.0, help="GRPOConfig.temperature")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     import transformers
@@ -295,6 +425,8 @@ def main():
         out_dir = os.path.join(os.path.dirname(a.out), kind)
         if kind.startswith("dpo"):
             trainer = run_dpo(a, out_dir, kind)
+        elif kind.startswith("grpo"):
+            trainer = run_grpo(a, out_dir, kind)
         else:
             trainer = {"trainer": run_trainer, "sft": run_sft}[kind](a, out_dir)
         results[kind] = summary(trainer)

@@ -1,8 +1,9 @@
 """Cases for tests/test_hf_vlm.py (vision-language models), run on every rank of a gloo world.
 
-Tiny random Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision, built from configs (no downloads), and their
-inputs built without a processor: random ``pixel_values`` with the grids / image sizes that say how
-many image tokens each image becomes, and the ``input_ids`` with that many image tokens.
+Tiny random Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision (and Qwen2-VL, Qwen3-VL-MoE), built from
+configs (no downloads), and their inputs built without a processor: random ``pixel_values`` with
+the grids / image sizes that say how many image tokens each image becomes, and the ``input_ids``
+with that many image tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch  # noqa: E402
 from ringkv import hf  # noqa: E402
 
 VLMS = ("qwen2_5_vl", "qwen3_vl", "llava_onevision")
+MORE = ("qwen2_vl", "qwen3_vl_moe")  # the same code paths as Qwen2.5-VL / Qwen3-VL: fewer cases
 IMAGE, VIDEO, START, END = 150, 151, 152, 153  # special tokens of the tiny configs
 _TEXT = dict(
     vocab_size=160,
@@ -62,6 +64,22 @@ def config(arch: str):
         rope = dict(_MROPE, mrope_interleaved=True)
         return transformers.Qwen3VLConfig(
             text_config=dict(_TEXT, head_dim=16, rope_parameters=rope),
+            vision_config=vision,
+            **_SPECIAL,
+        )
+    if arch == "qwen2_vl":
+        vision = dict(depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=2)
+        return transformers.Qwen2VLConfig(
+            text_config=dict(_TEXT, rope_parameters=_MROPE), vision_config=vision, **_SPECIAL
+        )
+    if arch == "qwen3_vl_moe":  # 4 experts, each token routed to all (smooth routing)
+        vision = dict(
+            _QWEN_VISION, depth=1, num_position_embeddings=16, deepstack_visual_indexes=[0]
+        )
+        rope = dict(_MROPE, mrope_interleaved=True)
+        moe = dict(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32)
+        return transformers.Qwen3VLMoeConfig(
+            text_config=dict(_TEXT, head_dim=16, rope_parameters=rope, **moe),
             vision_config=vision,
             **_SPECIAL,
         )

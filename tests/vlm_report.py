@@ -1,7 +1,7 @@
 """The vision-language models against the unpatched model, as numbers (``test_hf_vlm.py`` asserts
 the same comparisons within tolerances):
 
-    python -m tests.vlm_report            # every model of tests.vlm_cases.VLMS at sp = 2 and 3
+    python -m tests.vlm_report            # every model of tests.vlm_cases (VLMS, MORE), sp 2 and 3
     python -m tests.vlm_report share      # the vision tower's share of a training step
 
 For each tiny random model (float32), number of images and SP size it prints the largest absolute
@@ -31,7 +31,7 @@ def main() -> int:
     world = World(3)
     try:
         print(HEADER)
-        for arch in vc.VLMS:
+        for arch in vc.VLMS + vc.MORE:
             for images in (1, 2):
                 kw = vc.inputs(arch, images)
                 ref = vc.reference(arch, 0, kw, new_tokens=3)

@@ -35,8 +35,9 @@ Per-token log-probs (``logprobs.py``; DPO, GRPO, SFT's metrics): a forward with 
 ``log_probs``, ``label_mask`` and the fields asked for, each shaped like its targets
 ``(B, S_pad / N)`` (packed: ``(1, L_local)``), 0 where the target is -100; ``out.loss`` is the
 usual global mean, from the same log-probs. ``sequence_sums`` sums such values per sequence (per
-packed document) over the SP group. ``per_token`` without targets, or on a model patched with
-``keep_logits=True``, is a ``ValueError``.
+packed document) over the SP group; ``per_token_temperature=T`` divides their logits by ``T``
+(TRL's GRPO). ``per_token`` without targets, or on a model patched with ``keep_logits=True``, is a
+``ValueError``.
 
 Inputs (``inputs=`` of ``patch_model``):
 
@@ -101,15 +102,15 @@ and Mamba scans, gated DeltaNet and KDA, run by their SP forms from ``ringkv.sp`
 (Gemma 3's images, which see all of themselves: ``spans=`` of the SP attention), ``patch.py``
 (``patch_model`` and its hooks).
 
-Vision-language models (Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision, Gemma 3; ``vlm.py``): every rank
-passes the whole inputs, pixels too; the vision tower runs whole on every rank and the model merges
-the image features and computes its positions (3-D multimodal RoPE) as unpatched; a pre-hook on its
-text decoder (``language_model``) keeps this rank's rows of the merged ``inputs_embeds``, of the
-positions and of the token masks and features that follow them. Loss, gradients (the vision
-tower's: each rank's share), ``gather_logits`` and ``generate`` are as for text LMs. Gemma 3's
-images see all of themselves (``image_mask.py``: the runs of ``token_type_ids == 1`` become the
-attention's ``spans=``). Other VLMs, ``inputs="shard"``, padding masks and packed documents are
-refused, naming why.
+Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and MoE), LLaVA-OneVision, Gemma 3;
+``vlm.py``): every rank passes the whole inputs, pixels too; the vision tower runs whole on every
+rank and the model merges the image features and computes its positions (3-D multimodal RoPE) as
+unpatched; a pre-hook on its text decoder (``language_model``) keeps this rank's rows of the merged
+``inputs_embeds``, of the positions and of the token masks and features that follow them. Loss,
+gradients (the vision tower's: each rank's share), ``gather_logits`` and ``generate`` are as for
+text LMs. Gemma 3's images see all of themselves (``image_mask.py``: the runs of
+``token_type_ids == 1`` become the attention's ``spans=``). Other VLMs, ``inputs="shard"``, padding
+masks and packed documents are refused, naming why.
 
 Hybrid models (Qwen3-Next, Qwen3.5, Falcon-H1, Bamba, Nemotron-H, Granite 4 hybrid, LFM2, Jamba,
 Zamba2, Kimi Linear; layouts contiguous and zigzag): the recurrent layers pass their state across

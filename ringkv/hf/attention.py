@@ -179,7 +179,7 @@ def ringkv_attention(
     window = NO_WINDOW if sliding_window is None else (sliding_window - 1, 0)
     if not getattr(module, "is_causal", True):
         raise ValueError("ringkv: only causal (decoder) self-attention is supported")
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D) ringkv layout
+    q, k, v = (t.transpose(1, 2) for t in _autocast(query, key, value))  # (B, S, H, D) ringkv
     kw = dict(
         softmax_scale=scaling,
         timeout=state.timeout,
@@ -190,6 +190,18 @@ def ringkv_attention(
     if step.decode:
         return _decode(state, step, q, k, v, kw), None  # (B, T, H, D)
     return _prefill(state, step, q, k, v, kw), None  # (B, S_local, H, D)
+
+
+def _autocast(*tensors) -> tuple:
+    """``tensors`` in the autocast dtype when autocast is on for their device (CPU/CUDA bf16
+    training): the rotary embedding's float32 cos/sin promote q and k back to float32 while v
+    stays in the projection's autocast dtype; transformers' SDPA and eager attention run in the
+    autocast dtype. Without autocast the tensors are returned as they are."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def _decode(state, step: Step, q, k, v, kw: dict) -> torch.Tensor:

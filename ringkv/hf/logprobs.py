@@ -56,10 +56,16 @@ def plain_head(head: Head, what: str) -> Head:
 
 
 def token_stats(
-    head: Head, hidden: torch.Tensor, targets: torch.Tensor, fields: tuple, chunk: Optional[int]
+    head: Head,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    fields: tuple,
+    chunk: Optional[int],
+    temperature: float = 1.0,
 ) -> dict:
     """``fields`` (``read_per_token``) of this rank's tokens from its hidden states ``hidden``
-    ``(B, S_local, H)`` through ``head`` in chunks, against its ``targets`` ``(B, S_local)``:
+    ``(B, S_local, H)`` through ``head`` in chunks (its logits divided by ``temperature``, after
+    the head's own transform), against its ``targets`` ``(B, S_local)``:
     each ``(B, S_local)``, 0 (False) where the target is -100, and ``label_mask`` (target given).
     ``log_probs`` and ``entropy`` are float32 and differentiable, ``is_top1`` bool, ``mean_logits``
     float32 without gradient."""
@@ -74,6 +80,7 @@ def token_stats(
         chunk=chunk,
         softcap=head.softcap,
         scale=head.scale,
+        temperature=temperature,
         entropy="entropy" in fields,
         top1="is_top1" in fields,
         mean_logits="mean_logits" in fields,

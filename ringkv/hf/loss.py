@@ -135,7 +135,9 @@ def step_loss(state, step: Step, model, output, hidden: Optional[torch.Tensor]):
         if not step.keep:
             drop_logits(output)
     if step.per_token:
-        stats = token_stats(head, x, step.targets, step.per_token, state.loss_chunk)
+        stats = token_stats(
+            head, x, step.targets, step.per_token, state.loss_chunk, step.temperature
+        )
         for name, value in stats.items():
             output[name] = value  # a key and an attribute of the ModelOutput
         loss_sum = -stats["log_probs"].sum()

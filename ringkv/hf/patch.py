@@ -64,8 +64,7 @@ def _plan(state: State, model, kw: dict):
 def _pre_hook(state: State, model, args, kwargs):
     kw = as_kwargs(model, args, kwargs)
     state.step, state.hidden = None, None
-    media_pos = vlm.check_call(kw, model) if state.vlm is not None else None
-    media = vlm.media_checksum(kw) if state.vlm is not None else 0  # before the plan edits kw
+    media_pos, media = vlm.read_call(kw, model) if state.vlm is not None else (None, 0)
     p = _plan(state, model, kw)
     device = p.x_local.device
     values = p.values + [0]
@@ -82,15 +81,7 @@ def _pre_hook(state: State, model, args, kwargs):
         )
         state.offload.__enter__()
     if state.vlm is not None:  # the whole inputs: the text decoder's pre-hook cuts them
-        kw["position_ids"], kw["cache"], state.step, state.vlm.rows = (
-            media_pos,
-            step.cache,
-            step,
-            p.rows,
-        )
-        if step.cache is None:
-            kw["use_cache"] = False
-        return (), kw
+        return vlm.whole_inputs(state, kw, step, p.rows, media_pos)
     kw[p.name] = p.x_local
     q_pos = step.q_positions.to(device)
     kw["position_ids"] = (

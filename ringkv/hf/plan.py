@@ -11,6 +11,7 @@ Each input is handled once: packing is found (``packing.py``), left padding read
 from __future__ import annotations
 
 import inspect
+import math
 import zlib
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -135,6 +136,7 @@ class Call:
     num_items: Optional[float]
     keep: int  # logits_to_keep
     per_token: tuple  # the fields per_token= asks for (logprobs.read_per_token)
+    temperature: float  # per_token_temperature= (the logits divided by it before the softmax)
     pk_kw: dict  # the packing arguments given (PACKING_KEYS)
     cache: Optional[object]  # the ShardedKVCache, or None
     explicit_cache: bool  # a cache or use_cache=True was passed
@@ -226,6 +228,17 @@ def _read_per_token(state, model, value, targets) -> tuple:
     return fields
 
 
+def _read_temperature(value, per_token: tuple) -> float:
+    """``per_token_temperature=``: a positive float, with ``per_token`` only (default 1)."""
+    if value is None:
+        return 1.0
+    if not per_token:
+        raise ValueError("ringkv: per_token_temperature needs per_token= (the fields it scales)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"ringkv: per_token_temperature must be a positive float, got {value!r}")
+    return float(value)
+
+
 def read_call(state, model, kw: dict, cache, explicit_cache: bool) -> Call:
     """The arguments ringkv handles, out of ``kw``, with the checks each needs alone."""
     ids, emb = kw.get("input_ids"), kw.get("inputs_embeds")
@@ -246,6 +259,7 @@ def read_call(state, model, kw: dict, cache, explicit_cache: bool) -> Call:
     keep = _read_keep(state, model, kw)
     targets = labels if shift_labels is None else shift_labels
     per_token = _read_per_token(state, model, kw.pop("per_token", None), targets)
+    temperature = _read_temperature(kw.pop("per_token_temperature", None), per_token)
     if (keep or targets is not None) and kw.get("return_dict") is False:
         raise ValueError("ringkv: use return_dict=True with labels or logits_to_keep")
     return Call(
@@ -259,6 +273,7 @@ def read_call(state, model, kw: dict, cache, explicit_cache: bool) -> Call:
         num_items=n,
         keep=keep,
         per_token=per_token,
+        temperature=temperature,
         pk_kw=pk_kw,
         cache=cache,
         explicit_cache=explicit_cache,
@@ -325,7 +340,7 @@ def _finish(state, model, call: Call, kw: dict, step: Step, x_local, rows, s_pad
         and (mask is not None or call.targets is not None)
     ):
         shards = Shards(mask, call.targets, call.shifted, call.unshifted)
-    step = replace(step, chunked=chunked, per_token=call.per_token)
+    step = replace(step, chunked=chunked, per_token=call.per_token, temperature=call.temperature)
     if state.hybrid is not None and not step.decode:  # the recurrent layers' pieces, once
         step = replace(step, pieces=seq_pieces(step.total, state.layout, state.world, step.cu))
     return Plan(values, call.name, x_local, rows, step, shards, call.explicit_cache)

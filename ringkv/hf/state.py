@@ -63,6 +63,7 @@ class Step:
     num_items: Optional[float] = None  # HF's num_items_in_batch: the loss's divisor
     chunked: bool = False  # the loss from the hidden states in chunks: no logits are built
     per_token: tuple = ()  # per_token='s fields (hf/logprobs.py), from the hidden states
+    temperature: float = 1.0  # per_token_temperature=: per_token's logits divided by it
     packing: Optional[Packing] = None  # packed documents: the varlen ring over packing.cu
     pad: Optional[PadStep] = None  # a left-padded batch with a KV cache (generate)
     pieces: Optional[object] = None  # hybrid models' prefill: ringkv.sp.pieces.Pieces, which rows

@@ -1,4 +1,5 @@
-"""Vision-language models (``*ForConditionalGeneration``: Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision):
+"""Vision-language models (``*ForConditionalGeneration``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and MoE),
+LLaVA-OneVision):
 the language model's sequence, text and image tokens together, split across the SP group.
 
 The patched model's pre-hook plans the forward from the whole ``input_ids`` as for a text LM (the
@@ -46,7 +47,9 @@ MEDIA_INPUTS = {
 # ``Vlm.extra``). These decoders mask causally whatever the tokens are, or as ringkv splits it
 # (Gemma 3: each image attends to all of itself; its token_type_ids never reach the decoder, so the
 # model's pre-hook reads them: hf/image_mask.py). Others are refused until their masks are split too
-SPLIT = {"qwen2_5_vl": None, "qwen3_vl": None, "llava_onevision": None, "gemma3": None}
+SPLIT = dict.fromkeys(
+    ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_onevision", "gemma3")
+)
 # list-of-features arguments of a text decoder -> the (B, S) token mask whose True rows they follow
 # (in row-major order): each rank keeps the features of its own masked tokens
 TOKEN_FEATURES = {"deepstack_visual_embeds": "visual_pos_masks"}
@@ -101,10 +104,27 @@ def text_decoder(model, media: list):
     return text
 
 
+def read_call(kw: dict, model):
+    """``(position_ids, media checksum)`` of a VLM forward, before it is planned: the positions
+    taken out of ``kw`` (the model's own, handed back to it by ``whole_inputs``) and
+    ``media_checksum``; ``check_call``'s errors."""
+    pos = check_call(kw, model)
+    return pos, media_checksum(kw)
+
+
+def whole_inputs(state, kw: dict, step, rows, pos):
+    """The end of the model's pre-hook for a VLM: the model gets its whole inputs and its own
+    ``pos``; the planned ``step`` and the ``rows`` to cache wait for the text decoder's hook."""
+    kw["position_ids"], kw["cache"] = pos, step.cache
+    if step.cache is None:
+        kw["use_cache"] = False
+    state.step, state.vlm.rows = step, rows
+    return (), kw
+
+
 def check_call(kw: dict, model) -> Optional[torch.Tensor]:
     """A VLM forward's arguments that ringkv does not split (a ``ValueError``, the same on every
-    rank: the inputs are whole); returns the ``position_ids`` taken out of ``kw`` (the model's
-    own, handed back to it after planning)."""
+    rank: the inputs are whole); returns the ``position_ids`` taken out of ``kw``."""
     name = type(model).__name__
     mask = kw.get("attention_mask")
     if mask is not None and not isinstance(mask, dict) and not bool(mask.bool().all()):

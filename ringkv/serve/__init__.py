@@ -20,6 +20,9 @@ def build_app(engine: AsyncEngine, model_name: str, max_request_bytes: Optional[
 def serve(llm, config: Optional[ServeConfig] = None, **settings) -> None:
     """Serve ``llm`` until interrupted, as ``config`` says (``ServeConfig``), or with its fields
     as keywords (``serve(llm, port=8001, api_key=KEY)``; keywords override a given config).
+    ``llm``: an ``LLM``, or a function of no arguments that builds one: the port then opens
+    first and ``/health`` answers 503 ``{"status": "starting", "detail": ...}`` while it runs
+    (``serve/starting.py``); a build that raises stops the server and ``serve`` raises it.
     Request bodies over ``max_request_bytes`` (default 16 MiB) get a 413. ``instance_id``
     names it in the ``x-ringkv-instance`` header (default ``host:port``); ``admin`` (or an
     ``admin_key``) turns on the endpoints a router drives; ``api_key``: ``/v1/*`` needs
@@ -31,30 +34,51 @@ def serve(llm, config: Optional[ServeConfig] = None, **settings) -> None:
     both)."""
     import uvicorn
 
+    from .starting import Starting, build_behind
+
     c = with_settings(ServeConfig, config, settings, "serve")
-    admin = c.admin or c.admin_key is not None
-    engine = AsyncEngine(
+    gate, engines = Starting(), []
+    server = uvicorn.Server(uvicorn.Config(gate, host=c.host, port=c.port, log_level=c.log_level))
+
+    def ready(built):
+        engines.append(_engine(built, c))
+        return _app(engines[0], c)
+
+    built = build_behind(gate, server, llm if callable(llm) else lambda: llm, ready)
+    try:
+        server.run()
+    finally:
+        for engine in engines:
+            engine.shutdown()
+        if "llm" in built:
+            built["llm"].shutdown_followers()
+            if callable(llm):  # built here: closed here
+                built["llm"].close()
+    if "error" in built:
+        raise built["error"]
+
+
+def _engine(llm, c: ServeConfig) -> AsyncEngine:
+    return AsyncEngine(
         llm,
-        kv_events=admin,
+        kv_events=c.admin or c.admin_key is not None,
         max_waiting=c.max_waiting,
         request_timeout=c.request_timeout,
         pull_policy=c.kv_pull_policy,
     )
-    app = build_app(
+
+
+def _app(engine: AsyncEngine, c: ServeConfig):
+    return build_app(
         engine,
         "ringkv" if c.model_name is None else c.model_name,
         c.max_request_bytes,
         instance_id=c.instance_id or f"{c.host}:{c.port}",
-        admin=admin,
+        admin=c.admin or c.admin_key is not None,
         admin_key=c.admin_key,
         api_key=c.api_key,
         protect_metrics=c.protect_metrics,
     )
-    try:
-        uvicorn.run(app, host=c.host, port=c.port, log_level=c.log_level)
-    finally:
-        engine.shutdown()
-        llm.shutdown_followers()
 
 
 def follow_forever(llm) -> None:

@@ -185,6 +185,11 @@ class Router(RoutingPolicy):
                 timeout=2.0,
             )
             state = r.json()
+            if r.status_code == 503 and state.get("status") == "starting":  # serve/starting.py
+                if inst.state == InstanceState.UP:  # restarted behind our back: its index is gone
+                    self.down(inst, "restarted")
+                inst.failed_polls, inst.error = 0, state["error"]["message"][:300]
+                return  # neither up nor dead: its engine is being built
             if r.status_code == 503 or state.get("dead"):  # its engine failed: it stays so
                 self.down(
                     inst, f"its engine failed: {state.get('dead') or state.get('error')}"[:300]

@@ -111,17 +111,19 @@ fields, ``sequence_sums``), ``plan.py`` (one forward's inputs, planned), ``loss.
 padding as documents, pooling), ``attention.py`` (the attention function and
 ``ShardedKVCache``), ``recurrent.py`` (hybrid models' recurrent layers: short convolutions, Mamba2
 and Mamba scans, gated DeltaNet and KDA, run by their SP forms from ``ringkv.sp``), ``vlm.py``
-(vision-language models: their text decoder's inputs cut to this rank's shard), ``patch.py``
+(vision-language models: their text decoder's inputs cut to this rank's shard), ``image_mask.py``
+(Gemma 3's images, which see all of themselves: ``spans=`` of the SP attention), ``patch.py``
 (``patch_model`` and its hooks).
 
-Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and MoE), LLaVA-OneVision; ``vlm.py``):
-every rank passes the whole inputs, pixels too; the vision tower runs whole on every rank and the
-model merges the image features and computes its positions (3-D multimodal RoPE) as unpatched; a
-pre-hook on its text decoder (``language_model``) keeps this rank's rows of the merged
+Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and MoE), LLaVA-OneVision, Gemma 3;
+``vlm.py``): every rank passes the whole inputs, pixels too; the vision tower runs whole on every
+rank and the model merges the image features and computes its positions (3-D multimodal RoPE) as
+unpatched; a pre-hook on its text decoder (``language_model``) keeps this rank's rows of the merged
 ``inputs_embeds``, of the positions and of the token masks and features that follow them. Loss,
 gradients (the vision tower's: each rank's share), ``gather_logits`` and ``generate`` are as for
-text LMs. Other VLMs, ``inputs="shard"``, padding masks and packed documents are refused, naming
-why.
+text LMs. Gemma 3's images see all of themselves (``image_mask.py``: the runs of
+``token_type_ids == 1`` become the attention's ``spans=``). Other VLMs, ``inputs="shard"``, padding
+masks and packed documents are refused, naming why.
 
 Hybrid models (Qwen3-Next, Qwen3.5, Falcon-H1, Bamba, Nemotron-H, Granite 4 hybrid, LFM2, Jamba,
 Zamba2, Kimi Linear; layouts contiguous and zigzag): the recurrent layers pass their state across

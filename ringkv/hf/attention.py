@@ -240,6 +240,8 @@ def _prefill(state, step: Step, q, k, v, kw: dict) -> torch.Tensor:
     """This rank's shard of the sequence, in ``state.attention`` (packed documents and left-padded
     rows: the varlen ring; the pre-hook already checked that every rank makes the same call)."""
     kw.update(layout=state.layout, check=False)
+    if step.spans is not None:  # Gemma 3's images (hf/image_mask.py)
+        kw["spans"] = step.spans
     if step.cu is None and state.attention == "ulysses":
         return ulysses_attention(q, k, v, group=state.group, **kw)
     if state.attention == "usp":

@@ -15,7 +15,7 @@ import torch
 from .. import memory
 from ..sp.collectives import agree, rank_world
 from ..sp.layout import check_layout
-from . import encoder as enc, recurrent, vlm
+from . import encoder as enc, image_mask, recurrent, vlm
 from .attention import begin_cache, eager_attention, resolve_cache
 from .loss import kept_logits, step_loss
 from .method import choose, describe as _describe
@@ -74,6 +74,7 @@ def _pre_hook(state: State, model, args, kwargs):
     # every rank must make the same call: one tiny all-gather
     agree(values, AGREE_NAMES, state.group, state.timeout, "ringkv.patch_model", device=device)
     step = p.step if p.shards is None else check_shards(state, p)
+    step = image_mask.with_spans(state.span_type, kw, step, type(model).__name__)
     # commit
     if state.store is not None and not step.decode and model.training and torch.is_grad_enabled():
         state.offload = memory.offload_checkpoints(
@@ -131,6 +132,7 @@ def _post_hook(state: State, model, args, kwargs, output):
             total=step.total,
             packing=step.packing,
             pieces=step.pieces,
+            spans=step.spans,
         )
         if replay
         else None
@@ -217,6 +219,7 @@ def patch_model(
       to pinned host memory (CUDA) and back for backward; or a ``ringkv.memory.CheckpointStore``.
     """
     _check_options(model, layout, method, inputs)
+    span_type = image_mask.check_model(model)  # before the layers' check: it names the option
     layers, mixers = _patched_layers(model)
     media = _vlm(model, inputs, mixers)
     if mixers:
@@ -255,6 +258,7 @@ def patch_model(
         why=choice.why,
         vlm=media,
         encoder=encoder,
+        span_type=span_type,
     )
     if mixers:
         _agree_layers(model, state, mixers)

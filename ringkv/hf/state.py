@@ -70,6 +70,7 @@ class Step:
     # of each rank belong to which document (the recurrent layers' state passing)
     tokens: Optional[object] = None  # bidirectional models: hf.encoder.Tokens, for pooling
     pooling: Optional[str] = None  # pooling= of the forward: out.pooled (hf/encoder.py)
+    spans: Optional[tuple] = None  # prefill: bidirectional spans per row (Gemma 3's images)
 
     @property
     def cu(self) -> Optional[Tuple[int, ...]]:
@@ -103,6 +104,7 @@ class State:
     why: str = ""  # why (describe)
     vlm: Optional[object] = None  # a vision-language model's hf.vlm.Vlm (its text decoder)
     encoder: Optional[object] = None  # hf.encoder.Encoder of a bidirectional model; None: causal
+    span_type: Optional[int] = None  # Gemma 3: the token type whose runs attend both ways
 
     @property
     def runs_varlen(self) -> bool:

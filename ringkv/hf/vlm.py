@@ -42,11 +42,14 @@ MEDIA_INPUTS = {
     "input_image_embeds",
     "image_embeds",
 }
-# the VLM families whose split is verified exact (tests/test_hf_vlm.py), by config.model_type, each
-# with the extra step its text decoder's pre-hook needs (None: none; see ``Vlm.extra``). These
-# decoders mask causally whatever the tokens are; others (Gemma 3: image tokens attend to each other
-# both ways) are refused until an extra step splits their masks too
-SPLIT = dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_onevision"))
+# the VLM families whose split is verified exact (tests/test_hf_vlm.py, test_hf_gemma3.py), by
+# config.model_type, each with the extra step its text decoder's pre-hook needs (None: none; see
+# ``Vlm.extra``). These decoders mask causally whatever the tokens are, or as ringkv splits it
+# (Gemma 3: each image attends to all of itself; its token_type_ids never reach the decoder, so the
+# model's pre-hook reads them: hf/image_mask.py). Others are refused until their masks are split too
+SPLIT = dict.fromkeys(
+    ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_onevision", "gemma3")
+)
 # list-of-features arguments of a text decoder -> the (B, S) token mask whose True rows they follow
 # (in row-major order): each rank keeps the features of its own masked tokens
 TOKEN_FEATURES = {"deepstack_visual_embeds": "visual_pos_masks"}

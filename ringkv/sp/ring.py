@@ -25,7 +25,7 @@ import struct
 import time
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import List, Optional, Tuple
 
@@ -48,6 +48,7 @@ from .layout import (
     varlen_local_len,
 )
 from ..kernels.merge import empty_partial
+from .spans import Spans, check_spans, span_calls
 
 __all__ = [
     "ring_attention",
@@ -166,6 +167,7 @@ def call_values(
     v=None,
     softcap=None,
     sinks=None,
+    spans=None,
 ) -> Tuple[List[str], List[int]]:
     """Names and integer values of the shapes and settings every rank must agree on (for
     ``agree``)."""
@@ -186,6 +188,7 @@ def call_values(
         "v_head_dim",
         "softcap",
         "sinks",
+        "spans",
     ]
     values = [
         *q.shape,
@@ -200,6 +203,7 @@ def call_values(
         (k if v is None else v).shape[-1],
         _bits(softcap),
         int(sinks is not None),
+        -1 if spans is None else zlib.crc32(repr(spans).encode()),
     ]
     return names, values
 
@@ -218,10 +222,13 @@ def _check_across_ranks(
     v=None,
     softcap=None,
     sinks=None,
+    spans=None,
 ) -> None:
     """All ranks must call with the same shapes and settings: one tiny bounded all-gather the first
     time a configuration is seen on this group, nothing on later calls (``agree_once``)."""
-    names, values = call_values(q, k, causal, layout, scale, backend, window, cu, v, softcap, sinks)
+    names, values = call_values(
+        q, k, causal, layout, scale, backend, window, cu, v, softcap, sinks, spans
+    )
     values.append(zlib.crc32(str(grad_comm_dtype).encode()))
     agree_once(
         values, names + ["grad_comm_dtype"], comm.group, comm.timeout, "ring_attention", q.device
@@ -338,12 +345,14 @@ class Shards:
     increasing ``range``s in local order (``layout.chunks`` for the standard layouts).
 
     Packed documents: ``q_docs[r][i]`` is the document of range ``q[r][i]`` (whose positions
-    are then within that document), ``-1`` for pad rows (never computed); likewise ``k_docs``."""
+    are then within that document), ``-1`` for pad rows (never computed); likewise ``k_docs``.
+    ``spans``: bidirectional spans of each batch row in causal attention (``ringkv.sp.spans``)."""
 
     q: Tuple[Tuple[range, ...], ...]
     k: Tuple[Tuple[range, ...], ...]
     q_docs: Optional[Tuple[Tuple[int, ...], ...]] = None
     k_docs: Optional[Tuple[Tuple[int, ...], ...]] = None
+    spans: Optional[Spans] = None
 
     @classmethod
     @functools.lru_cache(maxsize=64)
@@ -367,6 +376,14 @@ class Shards:
         """``plan`` of rank ``rank``'s queries against rank ``src``'s keys."""
         docs = (self.q_docs[rank], self.k_docs[src]) if self.q_docs is not None else (None, None)
         return plan(list(self.q[rank]), list(self.k[src]), causal, window, *docs)
+
+    def calls(self, rank: int, src: int, causal: bool, window: Tuple[int, int]):
+        """``plan`` as ``(batch rows, q rows, k rows, mask)`` (every row: ``slice(None)``), then
+        the ``spans``' extra calls (``span_calls``: a span's keys after each of its queries)."""
+        calls = [(slice(None), *c) for c in self.plan(rank, src, causal, window)]
+        if self.spans is not None:
+            calls += span_calls(self.q[rank], self.k[src], self.spans)
+        return calls
 
 
 def _heads_first(device: torch.device) -> bool:
@@ -407,7 +424,7 @@ def _last_step(shards: Shards, causal: bool, window: Tuple[int, int]) -> int:
         (
             t
             for t in range(n - 1, 0, -1)
-            if any(shards.plan(r, (r - t) % n, causal, window) for r in range(n))
+            if any(shards.calls(r, (r - t) % n, causal, window) for r in range(n))
         ),
         0,
     )
@@ -456,14 +473,12 @@ def _forward(
                 auto.transfer_s = time.perf_counter() - t0
         cur = _unpack(bufs[step % 2], k.shape, v.shape, hf)  # K (B, S, Hkv, D), V (B, S, Hkv, Dv)
         src = (r - step) % n
-        calls = shards.plan(r, src, causal, window)
+        calls = shards.calls(r, src, causal, window)  # (batch rows, q rows, k rows, mask)
         work = 0
-        for qs, ks, mask in calls:
-            args = (q[:, qs], cur[0][:, ks], cur[1][:, ks])
-            if out is None and (qs.start, qs.stop) == (
-                0,
-                s,
-            ):  # nothing to merge with yet: take it as it is
+        for bs, qs, ks, mask in calls:
+            args = (q[bs, qs], cur[0][bs, ks], cur[1][bs, ks])
+            if out is None and bs == slice(None) and (qs.start, qs.stop) == (0, s):
+                # nothing to merge with yet: take it as it is
                 o, lse = kernels.block_forward(
                     *args, scale=scale, mask=mask, backend=backend, softcap=softcap
                 )
@@ -472,8 +487,8 @@ def _forward(
                 if out is None:
                     out, lse = empty_partial(b, s, h, v.shape[-1], q.device)
                 kernels.block_forward_into(
-                    out[:, qs],
-                    lse[:, :, qs],
+                    out[bs, qs],
+                    lse[bs, :, qs],
                     *args,
                     scale=scale,
                     mask=mask,
@@ -482,7 +497,8 @@ def _forward(
                 )
             work += mask.pairs(qs.stop - qs.start, ks.stop - ks.start)
         stats.calls += len(calls)
-        stats.skipped += len(shards.q[r]) * len(shards.k[src]) - len(calls)
+        base = sum(bs == slice(None) for bs, *_ in calls)  # the causal calls (not the spans')
+        stats.skipped += len(shards.q[r]) * len(shards.k[src]) - base
         stats.pairs += work
         stats.per_step.append(work)
         if step < last and not (probe and step == 0):
@@ -539,24 +555,24 @@ def _backward(
         if step > 0:
             acc.zero_()  # a sum of the calls' shares (mine is zeros already)
         dk_acc, dv_acc = _unpack(acc, k.shape, v.shape)
-        calls = shards.plan(r, src, causal, window)
+        calls = shards.calls(r, src, causal, window)  # (batch rows, q rows, k rows, mask)
         if measure and step >= 1:
             _sync(q.device)
             t0 = time.perf_counter()
-        for qs, ks, mask in calls:
+        for bs, qs, ks, mask in calls:
             kernels.block_backward_into(
-                dq[:, qs],
-                dk_acc[:, ks],
-                dv_acc[:, ks],
-                dout[:, qs],
-                q[:, qs],
-                cur[0][:, ks],
-                cur[1][:, ks],
-                out[:, qs],
-                lse[:, :, qs],
+                dq[bs, qs],
+                dk_acc[bs, ks],
+                dv_acc[bs, ks],
+                dout[bs, qs],
+                q[bs, qs],
+                cur[0][bs, ks],
+                cur[1][bs, ks],
+                out[bs, qs],
+                lse[bs, :, qs],
                 scale=scale,
                 mask=mask,
-                dlse=None if dlse is None else dlse[:, :, qs],
+                dlse=None if dlse is None else dlse[bs, :, qs],
                 backend=backend,
                 softcap=softcap,
             )
@@ -643,6 +659,7 @@ def ring_attention(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     stats: Optional[RingStats] = None,
+    spans=None,
 ):
     """Exact attention of this rank's query shard over the whole sharded sequence.
 
@@ -685,6 +702,9 @@ def ring_attention(
             group like any replicated weight's.
         stats: a ``RingStats`` this call fills with what this rank computed and sent (forward,
             and ``stats.backward`` once the backward ran); for tests and benchmarks.
+        spans: with ``causal``, bidirectional spans (Gemma 3's images): one sequence of
+            ``(start, stop)`` global positions per batch row, the same on every rank; a query in
+            a span also sees the span's later keys (``ringkv.sp.spans``). Not with ``cu_seqlens``.
 
     Returns:
         ``out`` ``(B, S_local, H, Dv)`` in ``q.dtype`` (and ``lse``). Differentiable w.r.t. q, k, v
@@ -707,6 +727,7 @@ def ring_attention(
         softcap,
         sinks,
         stats,
+        spans,
     )
     return (out, lse) if return_lse else out
 
@@ -727,6 +748,7 @@ def _attend(
     softcap,
     sinks,
     stats,
+    spans=None,
 ):
     """``ring_attention`` on ``comm``: the checks, the shards and the ``"auto"`` wire, then the
     ring; ``(out, lse)``."""
@@ -745,6 +767,7 @@ def _attend(
         softcap=softcap,
         sinks=sinks,
     )
+    spans = with_spans(spans, causal, q.shape[0], q.shape[1] * comm.world, cu)
     grad_comm_dtype = check_grad_comm_dtype(grad_comm_dtype)
     if grad_comm_dtype == "auto" and (comm.world == 1 or isinstance(comm, LocalComm)):
         grad_comm_dtype = None  # no link to measure: float32
@@ -763,12 +786,14 @@ def _attend(
             v,
             softcap,
             sinks,
+            spans,
         )
     shards = (
         Shards.of_layout(q.shape[1] * comm.world, layout, comm.world)
         if cu is None
         else Shards.of_varlen(cu, layout, comm.world)
     )
+    shards = shards if spans is None else replace(shards, spans=spans)
     if grad_comm_dtype == "auto" and not (
         torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     ):
@@ -794,6 +819,17 @@ def _attend(
         stats,
     )
     return out, lse
+
+
+def with_spans(spans, causal: bool, batch: int, seq_len: int, docs=None) -> Optional[Spans]:
+    """``spans`` checked (``check_spans``) for a causal, unpacked call (``docs``: documents)."""
+    if spans is not None and (not causal or docs is not None):
+        raise ValueError(
+            "spans (bidirectional spans in causal attention) need causal=True and no packed "
+            f"documents (cu_seqlens); got causal={causal}"
+            + ("" if docs is None else " with packed documents")
+        )
+    return check_spans(spans, batch, seq_len)
 
 
 def check_inputs(
@@ -900,6 +936,7 @@ def ring_attention_shards(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     stats: Optional[RingStats] = None,
+    spans=None,
 ):
     """Ring attention over shards of any positions (``Shards``: e.g. the engine's
     prompt chunks, where queries and keys differ in length). No cross-rank argument check: the
@@ -908,10 +945,13 @@ def ring_attention_shards(
 
     ``q`` ``(B, Sq, H, D)`` with ``Sq = sum(len(r) for r in shards.q[rank])``; ``k``/``v``
     ``(B, Sk, Hkv, D)`` likewise for ``shards.k``; ``Sk`` is the same on every rank.
-    ``window``: as in ``ring_attention``, on the shards' positions.
+    ``window``, ``spans``: as in ``ring_attention``, on the shards' positions.
     """
     scale = kernels.validate(q, k, v, softmax_scale)
     softcap, sinks = kernels.check_softcap(softcap), kernels.check_sinks(sinks, q)
+    total = max((r.stop for rs in shards.k for r in rs), default=0)
+    spans = with_spans(spans, causal, q.shape[0], total, shards.q_docs)
+    shards = shards if spans is None else replace(shards, spans=spans)
     return _run(
         q,
         k,

@@ -32,7 +32,8 @@ from .. import kernels
 from ..kernels.mask import NO_WINDOW, check_window
 from .collectives import CommStats, agree_once, all_to_all_sizes, rank_world
 from .layout import gather_order
-from .ring import call_values, check_inputs
+from .comm import LocalComm
+from .ring import Shards, call_values, check_inputs, ring_attention_shards, with_spans
 
 __all__ = ["ulysses_attention", "HeadSplit", "head_split"]
 
@@ -176,6 +177,7 @@ def ulysses_attention(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     stats: Optional[CommStats] = None,
+    spans=None,
 ):
     """Exact attention of this rank's query shard over the whole sharded sequence, by head shards.
 
@@ -191,6 +193,7 @@ def ulysses_attention(
             heads for every row: the sum over the group is the whole gradient).
         return_lse: also return the float32 LSE ``(B, H, S_local)``.
         stats: a ``CommStats`` this call fills with the bytes this rank sent (both all-to-alls).
+        spans: bidirectional spans in causal attention, as in ``ring_attention``.
 
     Returns:
         ``out`` ``(B, S_local, H, Dv)`` in ``q.dtype`` (and ``lse``). Differentiable w.r.t. q, k, v
@@ -202,12 +205,13 @@ def ulysses_attention(
     )
     split = head_split(q.shape[2], k.shape[2], n)
     window = check_window(window)
+    seq_len = q.shape[1] * n
+    spans = with_spans(spans, causal, q.shape[0], seq_len)
     if check and n > 1:
         names, values = call_values(
-            q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks
+            q, k, causal, layout, scale, backend, window, None, v, softcap, sinks, spans
         )
         agree_once(values, names, group, timeout, "ulysses_attention", q.device)
-    seq_len = q.shape[1] * n
     # (B, S, H_r, D), (B, S, Hkv_r, D or Dv): this rank's heads, rows in rank order
     qh, kh, vh, sent = scatter_heads(q, k, v, split, group, timeout, "ulysses_attention")
     # only a causal or windowed mask needs the tokens in global order
@@ -218,17 +222,33 @@ def ulysses_attention(
         qh, kh, vh = (t.index_select(1, order) for t in (qh, kh, vh))
     mine = split.q_heads(rank)
     local_sinks = None if sinks is None else sinks[mine.start : mine.stop]  # (H_r,)
-    out, lse = kernels.attention(
-        qh,
-        kh,
-        vh,
-        scale=scale,
-        causal=causal,
-        window=window,
-        backend=backend,
-        softcap=softcap,
-        sinks=local_sinks,
-    )
+    if spans is None:
+        out, lse = kernels.attention(
+            qh,
+            kh,
+            vh,
+            scale=scale,
+            causal=causal,
+            window=window,
+            backend=backend,
+            softcap=softcap,
+            sinks=local_sinks,
+        )
+    else:  # the ring's plan on one rank: the causal call and the spans' extra calls
+        whole = Shards(((range(seq_len),),), ((range(seq_len),),), spans=spans)
+        out, lse = ring_attention_shards(
+            qh,
+            kh,
+            vh,
+            whole,
+            causal=True,
+            comm=LocalComm(0, 1),
+            softmax_scale=scale,
+            backend=backend,
+            window=window,
+            softcap=softcap,
+            sinks=local_sinks,
+        )
     if not in_order:  # back to rank order
         out, lse = out.index_select(1, index), lse.index_select(2, index)
     out, lse, sent_back = gather_heads(

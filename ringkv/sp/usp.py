@@ -26,7 +26,14 @@ import torch.distributed as dist
 from ..kernels.mask import NO_WINDOW, check_window
 from .collectives import CommStats, Memo, agree_once, rank_world
 from .comm import RingComm
-from .ring import RingStats, Shards, call_values, check_inputs, ring_attention_shards
+from .ring import (
+    RingStats,
+    Shards,
+    call_values,
+    check_inputs,
+    ring_attention_shards,
+    with_spans,
+)
 from .ulysses import gather_heads, head_split, scatter_heads
 
 __all__ = ["sp_groups", "usp_attention"]
@@ -98,6 +105,7 @@ def usp_attention(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     stats: Optional[CommStats] = None,
+    spans=None,
 ):
     """Exact attention over a sequence sharded on a ``(ring, ulysses)`` mesh (``sp_groups``).
 
@@ -114,6 +122,7 @@ def usp_attention(
             ``ulysses_attention``).
         stats: a ``CommStats`` this call fills with the bytes this rank sent in the forward (both
             all-to-alls and the ring's K/V).
+        spans: bidirectional spans in causal attention, as in ``ring_attention``.
 
     Returns:
         ``out`` ``(B, S_local, H, D)`` in ``q.dtype`` (and float32 ``lse`` ``(B, H, S_local)``).
@@ -140,9 +149,10 @@ def usp_attention(
     )
     split = head_split(q.shape[2], k.shape[2], n_u, "usp_attention")
     window = check_window(window)
+    spans = with_spans(spans, causal, q.shape[0], q.shape[1] * n_u * n_r)
     if check and n_u * n_r > 1:
         names, values = call_values(
-            q, k, causal, layout, scale, backend, window, v=v, softcap=softcap, sinks=sinks
+            q, k, causal, layout, scale, backend, window, None, v, softcap, sinks, spans
         )
         _agree(names, values, (n_u, n_r), (ulysses_group, ring_group), timeout, q.device)
     # (B, S/R, H_r, D): this ring rank's shard, in local order, for this Ulysses rank's heads
@@ -164,6 +174,7 @@ def usp_attention(
         softcap=softcap,
         sinks=local_sinks,
         stats=ring_stats,
+        spans=spans,
     )
     sent += ring_stats.bytes_sent
     out, lse, sent_back = gather_heads(

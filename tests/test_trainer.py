@@ -174,9 +174,19 @@ def test_sft_trainer_packing_dp2_sp2_matches_one_unpatched_process(runs):
     assert any(s["mean_token_accuracy"] > 0 for s in ref["sft"]["steps"])  # some hits to compare
 
 
+def _check_params(run_dir):
+    """The final parameters of the patched run and of the unpatched one, within TOL."""
+    import torch
+
+    a, b = torch.load(run_dir / "params-ring.pt"), torch.load(run_dir / "params-ref.pt")
+    assert a.keys() == b.keys()
+    for name in b:
+        diff = (a[name] - b[name]).abs().max().item()
+        assert diff <= TOL * b[name].abs().max().item(), (name, diff)
+
+
 def _check_dpo(ring, ref, out_dir, dp, sp, kind="dpo"):
     """Every logged DPO metric, the grad norms and the final parameters (SGD) within TOL."""
-    import torch
 
     from tests.trainer_cases import DPO_KEYS
 
@@ -195,12 +205,7 @@ def _check_dpo(ring, ref, out_dir, dp, sp, kind="dpo"):
     assert ring["ref_patched"] == sp and ref["ref_patched"] is None  # the reference patched too
     assert ref["steps"][0]["rewards/margins"] == 0  # step 1: policy == reference
     assert all(s["rewards/margins"] != 0 for s in ref["steps"][1:])  # then it moved
-    a = torch.load(out_dir / kind / "params-ring.pt")
-    b = torch.load(out_dir / kind / "params-ref.pt")
-    assert a.keys() == b.keys()
-    for name in b:
-        diff = (a[name] - b[name]).abs().max().item()
-        assert diff <= TOL * b[name].abs().max().item(), (name, diff)
+    _check_params(out_dir / kind)
 
 
 @pytest.mark.slow
@@ -235,7 +240,6 @@ def test_dpo_trainer_ipo_dp1_sp3_matches_one_unpatched_process(runs_sp3):
 def _check_grpo(ring, ref, out_dir, dp, sp, kind="grpo"):
     """Every logged GRPO metric, the grad norms, the step accounting and the final parameters (SGD)
     within TOL; the completions, rewards and advantages must have been worth comparing."""
-    import torch
 
     from tests.trainer_cases import GRPO_KEYS
 
@@ -257,12 +261,7 @@ def _check_grpo(ring, ref, out_dir, dp, sp, kind="grpo"):
     assert first["reward_std"] > 0.1 and first["frac_reward_zero_std"] < 1  # advantages not 0
     assert first["kl"] == 0 and second["kl"] > 1e-3  # the policy moved away from the reference
     assert any(s["completions/clipped_ratio"] < 1 for s in ref["steps"])  # some ended with EOS
-    a = torch.load(out_dir / kind / "params-ring.pt")
-    b = torch.load(out_dir / kind / "params-ref.pt")
-    assert a.keys() == b.keys()
-    for name in b:
-        diff = (a[name] - b[name]).abs().max().item()
-        assert diff <= TOL * b[name].abs().max().item(), (name, diff)
+    _check_params(out_dir / kind)
 
 
 @pytest.mark.slow

@@ -69,7 +69,13 @@ def build(seed: int, **text):
     import transformers
 
     torch.manual_seed(seed)
-    return transformers.Gemma3ForConditionalGeneration(config(**text)).eval()
+    model = transformers.Gemma3ForConditionalGeneration(config(**text)).eval()
+    # transformers starts the image projector at zero: the pixels would reach nothing (no logit,
+    # no vision-tower gradient to compare); random, the images change the logits
+    w = model.model.multi_modal_projector.mm_input_projection_weight
+    with torch.no_grad():
+        w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(seed + 1)) * 0.2)
+    return model
 
 
 def inputs(rows, seed: int = 0) -> dict:

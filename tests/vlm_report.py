@@ -16,9 +16,9 @@ logits, pooled embeddings and every gradient (relative: over the tensor's larges
 1; ``test_hf_encoders.py`` asserts these). ``gemma3``:
 loss, every gradient (relative: each tensor's difference over 1 + its largest entry, as
 ``test_hf_gemma3.py`` asserts; the vision tower's apart, with its largest gradient), eval logits and
-greedy tokens, with 1 and 2 images. (transformers initialises Gemma 3's multimodal projector to
-zeros, so the tiny model's images reach neither the text nor a gradient: its vision tower's
-gradients are all zero, compared exactly.)"""
+greedy tokens, with 1 and 2 images (``gemma3_cases.build`` makes the multimodal projector, which
+transformers initialises to zeros, random: the images reach the text and the vision tower's
+gradients)."""
 
 from __future__ import annotations
 

@@ -163,6 +163,7 @@ class ArtifactCache:
         self.key, self.parts = key, parts
         self.dir = (base or root()) / key
         self.inductor = self.dir / "inductor"
+        self.packages = self.inductor / "aoti"  # CPU: AOTInductor packages (compiled.py)
         self.manifest = self.dir / "manifest.json"
         self.verdicts = self.dir / "verdict.json"
         self.state = ""  # how the last compile found the cache: cold, warm, rebuilt (<why>)

@@ -1,5 +1,5 @@
-"""Opt-in compiled steps (``EngineConfig(compile_decode=True)``): a step's dense parts through
-``torch.compile``, attention eager.
+"""Opt-in compiled steps (``EngineConfig(compile_decode=True)``): a step's dense parts compiled
+(CPU: AOTInductor packages; CUDA: ``torch.compile``), attention eager.
 
 A step in which every scheduled sequence computes one token (a decode step: no prefill chunk)
 and whose row count ``T`` is in range (below) runs this rank's stage (``stage_forward``:
@@ -14,33 +14,36 @@ never traced; the compiler only knows its output has ``q``'s shape. On CUDA ever
 (below). Ring-mode steps (``sp > 1`` prefill split over the SP group) always run eagerly. The
 model file is unchanged.
 
-**CPU, decode steps** (tested): one graph with a dynamic row count, compiled with inductor's
-``freezing``, the elementwise ops fused; the LM head of those steps is a second frozen graph.
-The linears (float32) run on ``kernels/linear_cpu.py``'s packed C kernel: the graph is traced
-over a copy of the stage (``decode_model``, sharing every other tensor) whose ``nn.Linear`` s
-are ``PackedLinear`` s, weights packed once here (decode steps of 16 rows 59 -> 47 ms, of 64
-rows 118-121 -> 105-108 ms against oneDNN's packed GEMM, docs/performance.md). Without the
-kernel (no compiler, ``RINGKV_NATIVE_LINEAR=0``, other dtypes) freezing packs the weights for
-oneDNN instead (unpacked, the compiled graph measured no faster than eager for decode, its
-GEMMs being the same MKL calls); ``linear_kernel`` says which runs. Both compile once, when
-the worker starts (``warm_up``; ``compile_s`` in ``Worker.report()``). Measured there
-(docs/engine.md, one thread): decode steps of 4 to 64 rows 1.1-1.5x faster, of 1 to 3 rows
-0.84-0.97x (MKL's small-``M`` GEMM beats the packed oneDNN one), so steps of fewer than
-``CPU_MIN_ROWS = 4`` rows
-stay eager. Why no buckets on CPU: a frozen graph per static bucket gets MKL's packing
-instead, which holds its own copy of every weight per bucket (4x the weights' bytes each)
-and costs another half minute of compiling per bucket; the one dynamic graph compiles once.
-Its packed weights (either kind) are a second copy of the stage's linear weights (the other
-graphs and the eager path keep the originals).
+**CPU: AOTInductor packages.** Every CPU graph is a ``.pt2`` package (``packages``):
+``torch.export`` of the stage (``_Stage``) or the LM head (``_Head``) with a dynamic row count
+(``torch.export.Dim``), compiled by ``torch._inductor.aoti_compile_and_package`` once per
+machine into the artifact cache (``autocompile.ArtifactCache.packages``) and only loaded at
+later starts (``warm_up``; no tracing, no AOTAutograd: that is what made a warm
+``torch.compile`` start cost 23-40 s, docs/performance.md). A package holds no weights
+(``package_constants_in_so=False``): ``load_package`` hands its runner the live model's own
+tensors (no copy), so a package built with one checkpoint runs another of the same architecture
+with that one's weights. So no graph is frozen: freezing folds constants computed from the
+model's tensors into new ones (seen: RoPE's ``inv_freq``), which would carry the build's values
+along; ``load_package`` refuses a package that needs a constant the model does not hold.
+
+**CPU, decode steps** (tested): one graph for ``CPU_MIN_ROWS``..``max_num_seqs`` rows, the
+elementwise ops fused; the LM head of those steps is a second graph. The linears (float32) run
+on ``kernels/linear_cpu.py``'s packed C kernel: the graph is exported over a copy of the stage
+(``decode_model``, sharing every other tensor) whose ``nn.Linear`` s are ``PackedLinear`` s,
+weights packed once here (decode steps of 16 rows 59 -> 47 ms, of 64 rows 118-121 -> 105-108
+ms against oneDNN's packed GEMM, docs/performance.md). Without the kernel (no compiler,
+``RINGKV_NATIVE_LINEAR=0``, other dtypes) the GEMMs are MKL's on the model's weights, as
+eager (unfrozen: no oneDNN packing; ``"auto"`` measures whether that still wins);
+``linear_kernel`` says which runs. Steps of fewer than ``CPU_MIN_ROWS = 4`` rows stay eager
+(measured 0.84-0.97x compiled: MKL's small-``M`` GEMM beats the packed ones). No buckets on
+CPU: the one dynamic graph is built once. The packed weights are a second copy of the stage's
+linear weights (the other graph and the eager path keep the originals).
 
 **CPU, every other step** (prefill, chunks, steps mixing them with decode rows;
-``CPU_MIN_ROWS`` rows or more): a second dynamic graph, NOT frozen: its
-GEMMs are the eager path's MKL calls on the model's own weights, its elementwise work (norms,
-RoPE, SiLU, residuals) fused. Frozen, each new row count would build oneDNN primitives for
-every linear (a prefill's row count changes every step: its first steps measured slower than
-eager); unfrozen, a 2048-row stage of SmolLM2-135M took 1.21 s against 1.83 s eager (2
-threads). It compiles at start too, with the decode graph: about a minute together for
-SmolLM2-135M on the 2-core development VM.
+``CPU_MIN_ROWS`` rows or more): a third graph, over the model's own weights: its GEMMs are the
+eager path's MKL calls, its elementwise work (norms, RoPE, SiLU, residuals) fused (with
+``torch.compile``, a 2048-row stage of SmolLM2-135M took 1.21 s against 1.83 s eager, 2
+threads).
 
 **CUDA**: static buckets (``decode_buckets``: 1, 2, 4, ..., ``max_num_seqs``; ``T`` padded up
 to the next) with ``mode="reduce-overhead"``: CUDA graphs over the dense pieces, the attention
@@ -61,9 +64,9 @@ slots) eagerly. Its output width is known before tracing from one eager pass at 
 
 Tensor parallelism is not supported (its all-reduces sit inside the dense parts, in
 ``RowParallelLinear`` and the vocab-parallel embedding): ``LLM`` refuses ``compile_decode``
-with ``tp > 1``. ``pp`` and ``sp`` work: each rank compiles its own stage. Compiled code lives
-as long as the process (torch's compile cache keeps it, with the packed weights), also after
-``LLM.close()``.
+with ``tp > 1``. ``pp`` and ``sp`` work: each rank compiles its own stage. CUDA: compiled code
+lives as long as the process (torch's compile cache keeps it), also after ``LLM.close()``; CPU:
+the runners live as long as this object.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.export.pt2_archive._package import AOTICompiledModel
 
 from ..kernels import linear_cpu
 from .pp import stage_forward
@@ -258,7 +262,12 @@ def load_package(path: Path, module):
     constants (no copy: the runner holds pointers, ``module`` keeps them alive), so it computes
     with the live weights, whatever checkpoint the package was built with. A package that needs a
     constant ``module`` does not hold (one folded from the weights at build time) is refused."""
-    runner = torch._inductor.aoti_load_package(str(path))
+    # the loader torch._inductor.aoti_load_package ends in, without its device check: that check
+    # (only a warning) compiles and dlopens inductor's ISA probes, 2-30 s at a start (measured);
+    # the artifact cache's key already holds the ISA and the CPU's flags
+    runner = AOTICompiledModel(
+        torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    )
     live = dict(module.named_parameters(remove_duplicate=False))
     live.update(module.named_buffers(remove_duplicate=False))
     want = runner.get_constant_fqns()

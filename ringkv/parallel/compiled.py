@@ -321,7 +321,7 @@ class CompiledDecode:
     @property
     def linear_kernel(self) -> str:
         """What runs the decode graph's linears: ``"packed"`` (CPU, ``kernels/linear_cpu.py``),
-        ``"onednn"`` (CPU, the frozen graph's packed oneDNN GEMMs) or ``"cuda"``."""
+        ``"onednn"`` (CPU, MKL's GEMMs on the model's weights) or ``"cuda"``."""
         return (
             "cuda" if self.cuda else "packed" if self.decode_model is not self.model else "onednn"
         )
@@ -351,7 +351,7 @@ class CompiledDecode:
 
     def other(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` rows that ``bucket`` does not take (not a decode step) runs
-        through the unfrozen graph (``forward_any``): CPU, ``CPU_MIN_ROWS`` rows up."""
+        through the other steps' graph (``forward_any``): CPU, ``CPU_MIN_ROWS`` rows up."""
         return not self.cuda and tokens >= self.min_rows
 
     def _call(self, x, positions, ctx, rows: int, fn=None):
@@ -502,5 +502,5 @@ class CompiledDecode:
         )  # a CUDA graph's output is overwritten by its next replay
 
     def forward_any(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        """``stage_forward`` of a step ``other`` takes (CPU), through the unfrozen graph."""
+        """``stage_forward`` of a step ``other`` takes (CPU), through the other steps' graph."""
         return self._call(x, positions, ctx, positions.numel(), self._any)

@@ -456,7 +456,7 @@ class Worker:
         ):
             x = self.compiled.forward_any(
                 x, step.positions, ctx
-            )  # CPU: any other step, unfrozen graph
+            )  # CPU: any other step, the other steps' graph
             self.stats.compiled_steps += 1
         else:
             x = stage_forward(self.model, x, step.positions, ctx)  # (T, hidden)

@@ -44,12 +44,10 @@ os._exit(0)
 
 def run(mode: str, threads: int, env: dict) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(threads)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
+        [sys.executable, "-c", CHILD, mode, str(threads)], env=env, capture_output=True, text=True
     )
+    if out.returncode:
+        raise SystemExit(f"the {mode} start failed:\n{out.stderr[-3000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
     print(json.dumps(row), flush=True)
     return row

@@ -6,8 +6,9 @@ per machine, and the compiled artifacts kept for the next start.
 model's architecture (``ModelConfig``, the digest of its fields), the dtype and device, the rank's
 stage (its layers, first/last), which kernel runs the decode graph's linears, the torch version,
 the CPU (``native.default_isa()`` and ``/proc/cpuinfo``'s model and flags), torch's thread count
-and ringkv's version. Another checkpoint of the same architecture shares the directory: inductor
-keys a frozen weight by its metadata only and takes its values from the live model.
+and ringkv's version. Another checkpoint of the same architecture shares the directory: the CPU
+packages hold no weights (the live model's tensors are loaded into them, ``compiled.py``), and on
+CUDA inductor keys a weight by its metadata only and takes its values from the live model.
 
 **The verdict** (``decide``). ``"auto"`` compiles the stage (into the artifact cache), then times a
 decode step of each row count in ``check_rows`` compiled and eager on dummy inputs (attention
@@ -20,9 +21,11 @@ later starts (an eager verdict: no compile at all). ``RINGKV_COMPILE_DECODE``: `
 the same decision (compile only when every rank's verdict is to compile: ``launch.py``), so ranks
 never disagree on it.
 
-**The artifacts** (``ArtifactCache``). While a stage compiles, ``TORCHINDUCTOR_CACHE_DIR`` points
-at the key's ``inductor/``: inductor's FX-graph cache (generated code, compiled ``.so`` s) and
-AOTAutograd's cache land there, and a later start finds them (``fxgraph_cache_hit``). After a
+**The artifacts** (``ArtifactCache``). On the CPU, the stage's AOTInductor packages
+(``inductor/aoti/*.pt2``, ``compiled.py``): a later start loads them, nothing is traced or
+compiled. On CUDA (``torch.compile``), ``TORCHINDUCTOR_CACHE_DIR`` points at the key's
+``inductor/`` while a stage compiles: inductor's FX-graph cache (generated code, compiled ``.so``
+s) and AOTAutograd's cache land there, and a later start finds them (``fxgraph_cache_hit``). After a
 successful compile a ``manifest.json`` records every file's size and SHA-256; a start first checks
 them: a file that does not match (changed, or not listed) is deleted before inductor looks, so
 inductor builds that entry again and never loads it; with no manifest (a compile that did not
@@ -163,6 +166,7 @@ class ArtifactCache:
         self.key, self.parts = key, parts
         self.dir = (base or root()) / key
         self.inductor = self.dir / "inductor"
+        self.packages = self.inductor / "aoti"  # CPU: AOTInductor packages (compiled.py)
         self.manifest = self.dir / "manifest.json"
         self.verdicts = self.dir / "verdict.json"
         self.state = ""  # how the last compile found the cache: cold, warm, rebuilt (<why>)

@@ -1,5 +1,5 @@
-"""Opt-in compiled steps (``EngineConfig(compile_decode=True)``): a step's dense parts through
-``torch.compile``, attention eager.
+"""Opt-in compiled steps (``EngineConfig(compile_decode=True)``): a step's dense parts compiled
+(CPU: AOTInductor packages; CUDA: ``torch.compile``), attention eager.
 
 A step in which every scheduled sequence computes one token (a decode step: no prefill chunk)
 and whose row count ``T`` is in range (below) runs this rank's stage (``stage_forward``:
@@ -14,33 +14,36 @@ never traced; the compiler only knows its output has ``q``'s shape. On CUDA ever
 (below). Ring-mode steps (``sp > 1`` prefill split over the SP group) always run eagerly. The
 model file is unchanged.
 
-**CPU, decode steps** (tested): one graph with a dynamic row count, compiled with inductor's
-``freezing``, the elementwise ops fused; the LM head of those steps is a second frozen graph.
-The linears (float32) run on ``kernels/linear_cpu.py``'s packed C kernel: the graph is traced
-over a copy of the stage (``decode_model``, sharing every other tensor) whose ``nn.Linear`` s
-are ``PackedLinear`` s, weights packed once here (decode steps of 16 rows 59 -> 47 ms, of 64
-rows 118-121 -> 105-108 ms against oneDNN's packed GEMM, docs/performance.md). Without the
-kernel (no compiler, ``RINGKV_NATIVE_LINEAR=0``, other dtypes) freezing packs the weights for
-oneDNN instead (unpacked, the compiled graph measured no faster than eager for decode, its
-GEMMs being the same MKL calls); ``linear_kernel`` says which runs. Both compile once, when
-the worker starts (``warm_up``; ``compile_s`` in ``Worker.report()``). Measured there
-(docs/engine.md, one thread): decode steps of 4 to 64 rows 1.1-1.5x faster, of 1 to 3 rows
-0.84-0.97x (MKL's small-``M`` GEMM beats the packed oneDNN one), so steps of fewer than
-``CPU_MIN_ROWS = 4`` rows
-stay eager. Why no buckets on CPU: a frozen graph per static bucket gets MKL's packing
-instead, which holds its own copy of every weight per bucket (4x the weights' bytes each)
-and costs another half minute of compiling per bucket; the one dynamic graph compiles once.
-Its packed weights (either kind) are a second copy of the stage's linear weights (the other
-graphs and the eager path keep the originals).
+**CPU: AOTInductor packages.** Every CPU graph is a ``.pt2`` package (``packages``):
+``torch.export`` of the stage (``_Stage``) or the LM head (``_Head``) with a dynamic row count
+(``torch.export.Dim``), compiled by ``torch._inductor.aoti_compile_and_package`` once per
+machine into the artifact cache (``autocompile.ArtifactCache.packages``) and only loaded at
+later starts (``warm_up``; no tracing, no AOTAutograd: that is what made a warm
+``torch.compile`` start cost 23-40 s, docs/performance.md). A package holds no weights
+(``package_constants_in_so=False``): ``load_package`` hands its runner the live model's own
+tensors (no copy), so a package built with one checkpoint runs another of the same architecture
+with that one's weights. So no graph is frozen: freezing folds constants computed from the
+model's tensors into new ones (seen: RoPE's ``inv_freq``), which would carry the build's values
+along; ``load_package`` refuses a package that needs a constant the model does not hold.
+
+**CPU, decode steps** (tested): one graph for ``CPU_MIN_ROWS``..``max_num_seqs`` rows, the
+elementwise ops fused; the LM head of those steps is a second graph. The linears (float32) run
+on ``kernels/linear_cpu.py``'s packed C kernel: the graph is exported over a copy of the stage
+(``decode_model``, sharing every other tensor) whose ``nn.Linear`` s are ``PackedLinear`` s,
+weights packed once here (decode steps of 16 rows 59 -> 47 ms, of 64 rows 118-121 -> 105-108
+ms against oneDNN's packed GEMM, docs/performance.md). Without the kernel (no compiler,
+``RINGKV_NATIVE_LINEAR=0``, other dtypes) the GEMMs are MKL's on the model's weights, as
+eager (unfrozen: no oneDNN packing; ``"auto"`` measures whether that still wins);
+``linear_kernel`` says which runs. Steps of fewer than ``CPU_MIN_ROWS = 4`` rows stay eager
+(measured 0.84-0.97x compiled: MKL's small-``M`` GEMM beats the packed ones). No buckets on
+CPU: the one dynamic graph is built once. The packed weights are a second copy of the stage's
+linear weights (the other graph and the eager path keep the originals).
 
 **CPU, every other step** (prefill, chunks, steps mixing them with decode rows;
-``CPU_MIN_ROWS`` rows or more): a second dynamic graph, NOT frozen: its
-GEMMs are the eager path's MKL calls on the model's own weights, its elementwise work (norms,
-RoPE, SiLU, residuals) fused. Frozen, each new row count would build oneDNN primitives for
-every linear (a prefill's row count changes every step: its first steps measured slower than
-eager); unfrozen, a 2048-row stage of SmolLM2-135M took 1.21 s against 1.83 s eager (2
-threads). It compiles at start too, with the decode graph: about a minute together for
-SmolLM2-135M on the 2-core development VM.
+``CPU_MIN_ROWS`` rows or more): a third graph, over the model's own weights: its GEMMs are the
+eager path's MKL calls, its elementwise work (norms, RoPE, SiLU, residuals) fused (with
+``torch.compile``, a 2048-row stage of SmolLM2-135M took 1.21 s against 1.83 s eager, 2
+threads).
 
 **CUDA**: static buckets (``decode_buckets``: 1, 2, 4, ..., ``max_num_seqs``; ``T`` padded up
 to the next) with ``mode="reduce-overhead"``: CUDA graphs over the dense pieces, the attention
@@ -61,21 +64,26 @@ slots) eagerly. Its output width is known before tracing from one eager pass at 
 
 Tensor parallelism is not supported (its all-reduces sit inside the dense parts, in
 ``RowParallelLinear`` and the vocab-parallel embedding): ``LLM`` refuses ``compile_decode``
-with ``tp > 1``. ``pp`` and ``sp`` work: each rank compiles its own stage. Compiled code lives
-as long as the process (torch's compile cache keeps it, with the packed weights), also after
-``LLM.close()``.
+with ``tp > 1``. ``pp`` and ``sp`` work: each rank compiles its own stage. CUDA: compiled code
+lives as long as the process (torch's compile cache keeps it), also after ``LLM.close()``; CPU:
+the runners live as long as this object.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
+import os
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.export.pt2_archive._package import AOTICompiledModel
 
 from ..kernels import linear_cpu
 from .pp import stage_forward
@@ -194,12 +202,83 @@ def _stage(model, x, positions):
     return stage_forward(model, x, positions, _OP_CONTEXT)
 
 
-def _any_stage(model, x, positions):  # its own code object: its own compile cache (not frozen)
-    return stage_forward(model, x, positions, _OP_CONTEXT)
+class _Stage(torch.nn.Module):
+    """``stage_forward`` over ``model`` as a module (what a CPU stage graph is exported from): its
+    constants are ``model``'s tensors, named ``model.<name>``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, positions):
+        return stage_forward(self.model, x, positions, _OP_CONTEXT)
 
 
-def _logits(model, hidden):
-    return model.logits(hidden)
+class _Head(torch.nn.Module):
+    """``model.logits`` as a module (the CPU LM head graph's export)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden):
+        return self.model.logits(hidden)
+
+
+@contextlib.contextmanager
+def _inductor_dir(path: str):
+    """Inductor's scratch (generated code, C++ builds) in ``path`` while a package builds: the
+    artifact cache keeps the packages only."""
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def build_package(module, inputs: tuple, dims: dict, path: Path) -> None:
+    """Export ``module`` on ``inputs`` (``dims``: its dynamic dimensions, ``torch.export`` style)
+    and compile it with AOTInductor into the package ``path`` (``.pt2``), constants NOT in it
+    (the live model's tensors are loaded into the runner, ``load_package``). Not frozen: freezing
+    folds constants computed from the weights into new ones (measured: RoPE's ``inv_freq``), which
+    would carry the build's values to another checkpoint."""
+    ep = torch.export.export(module, inputs, dynamic_shapes=dims)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".new.pt2")
+    configs = {"freezing": False, "aot_inductor.package_constants_in_so": False}
+    with tempfile.TemporaryDirectory(prefix="ringkv-aoti-") as scratch, _inductor_dir(scratch):
+        torch._inductor.aoti_compile_and_package(
+            ep, package_path=str(tmp), inductor_configs=configs
+        )
+    os.replace(tmp, path)  # a package is there whole or not at all
+
+
+def load_package(path: Path, module):
+    """The AOTInductor runner of the package ``path`` with ``module``'s own tensors as its
+    constants (no copy: the runner holds pointers, ``module`` keeps them alive), so it computes
+    with the live weights, whatever checkpoint the package was built with. A package that needs a
+    constant ``module`` does not hold (one folded from the weights at build time) is refused."""
+    # the loader torch._inductor.aoti_load_package ends in, without its device check: that check
+    # (only a warning) compiles and dlopens inductor's ISA probes, 2-30 s at a start (measured);
+    # the artifact cache's key already holds the ISA and the CPU's flags
+    runner = AOTICompiledModel(
+        torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    )
+    live = dict(module.named_parameters(remove_duplicate=False))
+    live.update(module.named_buffers(remove_duplicate=False))
+    want = runner.get_constant_fqns()
+    foreign = [n for n in want if n not in live]
+    if foreign:
+        raise RuntimeError(
+            f"{path}: constants {foreign[:3]} are not the model's tensors (computed from the "
+            "weights it was built with); it cannot run another checkpoint"
+        )
+    runner.load_constants({n: live[n] for n in want}, check_full_update=True, user_managed=True)
+    return runner
 
 
 def decode_buckets(max_num_seqs: int) -> tuple:
@@ -230,17 +309,11 @@ class CompiledDecode:
             self.min_rows = 1
             self._fn = torch.compile(_stage, dynamic=False, fullgraph=True, mode="reduce-overhead")
             self._head = None  # one GEMM: nothing for a CUDA graph to save
-        else:  # one frozen graph, any T >= CPU_MIN_ROWS (its dim 0 marked dynamic in warm_up)
+        else:  # AOTInductor runners, one graph for any T in range: built or loaded by warm_up
             self.min_rows = CPU_MIN_ROWS
-            if linear_cpu.packs(
-                model
-            ):  # its linears on the packed kernel (a copy sharing all else)
+            if linear_cpu.packs(model):  # linears on the packed kernel (a copy sharing all else)
                 self.decode_model = linear_cpu.with_packed_linears(model)
-            self._fn = torch.compile(_stage, fullgraph=True)
-            self._head = (
-                torch.compile(_logits, fullgraph=True) if model.lm_head is not None else None
-            )
-            self._any = torch.compile(_any_stage, fullgraph=True)
+            self._fn = self._head = self._any = None
         limit = len(self.buckets) + 8  # an entry per bucket (and per engine made in this process)
         if torch._dynamo.config.recompile_limit < limit:
             torch._dynamo.config.recompile_limit = limit
@@ -248,7 +321,7 @@ class CompiledDecode:
     @property
     def linear_kernel(self) -> str:
         """What runs the decode graph's linears: ``"packed"`` (CPU, ``kernels/linear_cpu.py``),
-        ``"onednn"`` (CPU, the frozen graph's packed oneDNN GEMMs) or ``"cuda"``."""
+        ``"onednn"`` (CPU, MKL's GEMMs on the model's weights) or ``"cuda"``."""
         return (
             "cuda" if self.cuda else "packed" if self.decode_model is not self.model else "onednn"
         )
@@ -278,95 +351,126 @@ class CompiledDecode:
 
     def other(self, tokens: int) -> bool:
         """Whether a step of ``tokens`` rows that ``bucket`` does not take (not a decode step) runs
-        through the unfrozen graph (``forward_any``): CPU, ``CPU_MIN_ROWS`` rows up."""
+        through the other steps' graph (``forward_any``): CPU, ``CPU_MIN_ROWS`` rows up."""
         return not self.cuda and tokens >= self.min_rows
-
-    def _run(self, fn, *args):
-        if self.cuda:
-            return fn(self.decode_model, *args)
-        with torch._inductor.config.patch(
-            freezing=True
-        ):  # read while tracing, not only by inductor
-            return fn(self.decode_model, *args)
 
     def _call(self, x, positions, ctx, rows: int, fn=None):
         _active.ctx, _active.rows, _active.mixers = ctx, rows, self.mixers
         try:
-            if fn is not None:  # the unfrozen graph
-                return fn(self.model, x, positions)
-            return self._run(self._fn, x, positions)
+            if fn is not None:  # the other steps' graph (CPU)
+                return fn(x, positions)
+            if self.cuda:
+                return self._fn(self.decode_model, x, positions)
+            return self._fn(x, positions)  # (the runner holds decode_model's tensors)
         finally:
             _active.ctx = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``model.logits`` (``(N, hidden)`` -> fp32 ``(N, vocab)``) of a compiled decode step."""
-        n = hidden.shape[0]
-        if self._head is None or n < 2:  # (size 1 would be specialized into another graph)
+        if self._head is None or not 2 <= hidden.shape[0] <= self.largest:
             return self.model.logits(hidden)
-        return self._run(self._head, hidden)
+        return self._head(hidden)
+
+    def _inputs(self, b: int, dtype: torch.dtype, hidden: int):
+        """Dummy step inputs of ``b`` rows: token ids ``(b,)`` (first stage) or hidden states
+        ``(b, hidden)``, and positions ``(b,)``."""
+        x = (
+            torch.zeros(b, dtype=torch.long, device=self.device)
+            if self.first_stage
+            else torch.zeros(b, hidden, dtype=dtype, device=self.device)
+        )
+        return x, torch.arange(b, device=self.device)
 
     @torch.inference_mode()
-    def warm_up(self, dtype: torch.dtype, hidden: int) -> float:
-        """Compile (CUDA: also record) every graph on dummy inputs, attention answering zeros: no
-        cache is touched. Returns the seconds it took."""
+    def warm_up(self, dtype: torch.dtype, hidden: int, where: Optional[Path] = None) -> float:
+        """Make every graph ready, attention answering zeros (no cache is touched). CUDA: compile
+        and record each bucket's graph on dummy inputs. CPU: load the AOTInductor packages kept in
+        ``where`` (the artifact cache's directory), building those that are not there first, and
+        run each once. Returns the seconds it took."""
         t = time.perf_counter()
-        log.info("ringkv: compiling %s", self.what)
+        log.info("ringkv: compiling or loading %s", self.what)
         self._record(dtype, hidden)
-
-        def dummy(b: int):  # token ids or hidden states of b rows, and their positions
-            x = (
-                torch.zeros(b, dtype=torch.long, device=self.device)
-                if self.first_stage
-                else torch.zeros(b, hidden, dtype=dtype, device=self.device)
-            )
-            positions = torch.arange(b, device=self.device)
-            if not self.cuda:  # one graph for every row count (only that size is dynamic)
-                torch._dynamo.mark_dynamic(x, 0)
-                torch._dynamo.mark_dynamic(positions, 0)
-            return x, positions
-
-        if self.enabled:
-            for b in self.buckets if self.cuda else (self.min_rows,):
-                for _ in range(
-                    3 if self.cuda else 1
-                ):  # cudagraph trees: warm-up runs, then the recording
-                    if self.cuda:
-                        torch.compiler.cudagraph_mark_step_begin()
-                    h = self._call(*dummy(b), _Zeros(), b)
-                    if self._head is not None:
-                        torch._dynamo.mark_dynamic(h, 0)
-                        self.logits(h)
-            if self.cuda:
-                torch.cuda.synchronize(self.device)
-        if not self.cuda:  # the unfrozen graph for every other step
-            b = max(self.min_rows, 2 * self.largest)
-            self._call(*dummy(b), _Zeros(), b, self._any)
+        if self.cuda:
+            self._warm_cuda(dtype, hidden)
+        else:
+            if where is None:
+                raise ValueError("CompiledDecode on the CPU keeps its packages in a directory")
+            self._load(Path(where), dtype, hidden)
         log.info("ringkv: compiled in %.1f s", time.perf_counter() - t)
         return time.perf_counter() - t
+
+    def _warm_cuda(self, dtype: torch.dtype, hidden: int) -> None:
+        if not self.enabled:
+            return
+        for b in self.buckets:
+            for _ in range(3):  # cudagraph trees: warm-up runs, then the recording
+                torch.compiler.cudagraph_mark_step_begin()
+                self._call(*self._inputs(b, dtype, hidden), _Zeros(), b)
+        torch.cuda.synchronize(self.device)
+
+    def packages(self, dtype: torch.dtype, hidden: int) -> dict:
+        """The CPU graphs, ``{file name: (module, example inputs, dynamic shapes)}``: the decode
+        step (``min_rows``..``largest`` rows, over ``decode_model``), its LM head (2..``largest``
+        rows; the last stage) and every other step (``min_rows`` rows up, over ``model``). A file
+        name says its row range: engines of another ``max_num_seqs`` build their own."""
+        dim = torch.export.Dim
+        lo, hi = self.min_rows, max(self.largest, self.min_rows + 1)  # (a range, not one size)
+        step, other = dim("rows", min=lo, max=hi), dim("rows", min=lo)
+        out = {}
+        if self.enabled:
+            out[f"decode-{lo}-{hi}.pt2"] = (
+                _Stage(self.decode_model),
+                self._inputs(lo, dtype, hidden),
+                {"x": {0: step}, "positions": {0: step}},
+            )
+            if self.model.lm_head is not None:
+                h = torch.zeros(lo, hidden, dtype=dtype, device=self.device)
+                head = {"hidden": {0: dim("rows", min=2, max=hi)}}
+                out[f"head-2-{hi}.pt2"] = (_Head(self.decode_model), (h,), head)
+        out[f"other-{lo}.pt2"] = (
+            _Stage(self.model),
+            self._inputs(max(lo, 2 * self.largest), dtype, hidden),
+            {"x": {0: other}, "positions": {0: other}},
+        )
+        return out
+
+    def _load(self, where: Path, dtype: torch.dtype, hidden: int) -> None:
+        """CPU: each package of ``packages`` loaded from ``where`` (built there first if it is not
+        there), with the live model's tensors as its constants, then run once on dummy inputs."""
+        runners = []
+        for name, (module, inputs, dims) in self.packages(dtype, hidden).items():
+            path = where / name
+            if not path.is_file():
+                log.info("ringkv: building %s", path)
+                build_package(module, inputs, dims, path)
+            runners.append(load_package(path, module))
+        if self.enabled:
+            self._fn = runners.pop(0)
+            if self.model.lm_head is not None:
+                self._head = runners.pop(0)
+        (self._any,) = runners
+        b = self.min_rows
+        if self.enabled:
+            h = self._call(*self._inputs(b, dtype, hidden), _Zeros(), b)
+            if self._head is not None:
+                self.logits(h)
+        b = max(b, 2 * self.largest)
+        self._call(*self._inputs(b, dtype, hidden), _Zeros(), b, self._any)
 
     def dummy_steps(self, dtype: torch.dtype, hidden: int):
         """``(compiled(rows), eager(rows))``: a decode step of ``rows`` rows (the stage and, on the
         last stage, its logits) on dummy inputs, compiled and eager, attention answering zeros
         (the same eager op in both): what ``compile_decode="auto"`` times (``autocompile``)."""
-
-        def inputs(b: int):
-            x = (
-                torch.zeros(b, dtype=torch.long, device=self.device)
-                if self.first_stage
-                else torch.zeros(b, hidden, dtype=dtype, device=self.device)
-            )
-            return x, torch.arange(b, device=self.device)
-
         head = self.model.lm_head is not None
 
         @torch.inference_mode()
         def compiled(b: int):
-            h = self.forward(*inputs(b), _Zeros(), self.bucket(b))
+            h = self.forward(*self._inputs(b, dtype, hidden), _Zeros(), self.bucket(b))
             return self.logits(h) if head else h
 
         @torch.inference_mode()
         def eager(b: int):
-            h = stage_forward(self.model, *inputs(b), _Zeros())
+            h = stage_forward(self.model, *self._inputs(b, dtype, hidden), _Zeros())
             return self.model.logits(h) if head else h
 
         return compiled, eager
@@ -374,11 +478,7 @@ class CompiledDecode:
     def _record(self, dtype: torch.dtype, hidden: int) -> None:
         """A hybrid model: its recurrent layers seen once eagerly (``_Recorder``), in both the
         model and the decode graph's copy of it."""
-        x = (
-            torch.zeros(1, dtype=torch.long, device=self.device)
-            if self.first_stage
-            else torch.zeros(1, hidden, dtype=dtype, device=self.device)
-        )
+        x, _ = self._inputs(1, dtype, hidden)
         positions = torch.zeros(1, dtype=torch.long, device=self.device)
         for model in {id(m): m for m in (self.decode_model, self.model)}.values():
             stage_forward(model, x, positions, _Recorder(self.mixers))
@@ -402,5 +502,5 @@ class CompiledDecode:
         )  # a CUDA graph's output is overwritten by its next replay
 
     def forward_any(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        """``stage_forward`` of a step ``other`` takes (CPU), through the unfrozen graph."""
+        """``stage_forward`` of a step ``other`` takes (CPU), through the other steps' graph."""
         return self._call(x, positions, ctx, positions.numel(), self._any)

@@ -242,7 +242,7 @@ class Worker:
         )
         try:
             with cache.compiling(compiled.what):
-                self.stats.compile_s = compiled.warm_up(dtype, self.cfg.hidden_size)
+                self.stats.compile_s = compiled.warm_up(dtype, self.cfg.hidden_size, cache.packages)
             if cache.state != "warm":
                 log.warning("ringkv: compiled in %.1f s", self.stats.compile_s)
             info.update(artifacts=cache.state, compile_s=round(self.stats.compile_s, 2))
@@ -456,7 +456,7 @@ class Worker:
         ):
             x = self.compiled.forward_any(
                 x, step.positions, ctx
-            )  # CPU: any other step, unfrozen graph
+            )  # CPU: any other step, the other steps' graph
             self.stats.compiled_steps += 1
         else:
             x = stage_forward(self.model, x, step.positions, ctx)  # (T, hidden)

@@ -83,7 +83,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.export.pt2_archive._package import AOTICompiledModel
 
 from ..kernels import linear_cpu
 from .pp import stage_forward
@@ -265,6 +264,8 @@ def load_package(path: Path, module):
     # the loader torch._inductor.aoti_load_package ends in, without its device check: that check
     # (only a warning) compiles and dlopens inductor's ISA probes, 2-30 s at a start (measured);
     # the artifact cache's key already holds the ISA and the CPU's flags
+    from torch.export.pt2_archive._package import AOTICompiledModel  # imports torch._dynamo
+
     runner = AOTICompiledModel(
         torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
     )

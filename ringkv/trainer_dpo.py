@@ -54,9 +54,13 @@ POLICY_FIELDS = ("log_probs", "entropy", "is_top1", "mean_logits")
 REF_FIELDS = ("log_probs",)
 
 
+def trl_class(name: str):
+    """TRL's class ``name`` if TRL is imported already (never imported here), else None."""
+    return getattr(sys.modules.get("trl"), name, None)
+
+
 def is_dpo(trainer) -> bool:
-    trl = sys.modules.get("trl")
-    dpo = getattr(trl, "DPOTrainer", None) if trl is not None else None
+    dpo = trl_class("DPOTrainer")
     return dpo is not None and isinstance(trainer, dpo)
 
 

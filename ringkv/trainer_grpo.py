@@ -37,7 +37,8 @@ greedy generation is ``generation_kwargs={"do_sample": False}`` at temperature 1
 from __future__ import annotations
 
 import contextlib
-import sys
+
+from .trainer_dpo import trl_class
 
 # checked against TRL's own run (tests/test_trainer.py); "dapo" is GRPOConfig's default
 GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo")
@@ -47,8 +48,7 @@ REF_FIELDS = ("log_probs",)
 
 
 def is_grpo_class(cls) -> bool:
-    trl = sys.modules.get("trl")
-    grpo = getattr(trl, "GRPOTrainer", None) if trl is not None else None
+    grpo = trl_class("GRPOTrainer")
     return grpo is not None and isinstance(cls, type) and issubclass(cls, grpo)
 
 

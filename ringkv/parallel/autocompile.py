@@ -63,6 +63,21 @@ def root() -> Path:
     return Path(os.environ.get("RINGKV_CACHE") or Path.home() / ".cache" / "ringkv") / "compile"
 
 
+@contextlib.contextmanager
+def inductor_dir(path):
+    """``TORCHINDUCTOR_CACHE_DIR`` at ``path`` inside the block (inductor's generated code and C++
+    builds land there), as it was after."""
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
 def cache_key(cfg, dtype, device, stage: Sequence[int], first: bool, last: bool, linear: str):
     """``(key, parts)``: the directory name of this stage's artifacts and verdicts, and what it
     hashes (plain data, shown by ``kv_cache_info()``)."""
@@ -242,15 +257,8 @@ class ArtifactCache:
                     what,
                     self.dir,
                 )
-            old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.inductor)
-            try:
+            with inductor_dir(self.inductor):
                 yield self
-            finally:
-                if old is None:
-                    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-                else:
-                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
             self._record()
 
     def verdict(self, rows: Sequence[int]) -> Optional[dict]:

@@ -72,7 +72,6 @@ the runners live as long as this object.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 import os
 import tempfile
@@ -85,6 +84,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import linear_cpu
+from .autocompile import inductor_dir
 from .pp import stage_forward
 
 log = logging.getLogger(__name__)
@@ -224,21 +224,6 @@ class _Head(torch.nn.Module):
         return self.model.logits(hidden)
 
 
-@contextlib.contextmanager
-def _inductor_dir(path: str):
-    """Inductor's scratch (generated code, C++ builds) in ``path`` while a package builds: the
-    artifact cache keeps the packages only."""
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
-
-
 def build_package(module, inputs: tuple, dims: dict, path: Path) -> None:
     """Export ``module`` on ``inputs`` (``dims``: its dynamic dimensions, ``torch.export`` style)
     and compile it with AOTInductor into the package ``path`` (``.pt2``), constants NOT in it
@@ -249,7 +234,7 @@ def build_package(module, inputs: tuple, dims: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".new.pt2")
     configs = {"freezing": False, "aot_inductor.package_constants_in_so": False}
-    with tempfile.TemporaryDirectory(prefix="ringkv-aoti-") as scratch, _inductor_dir(scratch):
+    with tempfile.TemporaryDirectory(prefix="ringkv-aoti-") as scratch, inductor_dir(scratch):
         torch._inductor.aoti_compile_and_package(
             ep, package_path=str(tmp), inductor_configs=configs
         )

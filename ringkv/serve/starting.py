@@ -44,15 +44,14 @@ class Starting:
         self.error = why
 
     async def __call__(self, scope, receive, send):
-        if self.app is not None and scope["type"] != "lifespan":
-            return await self.app(scope, receive, send)
         if scope["type"] == "lifespan":  # the real app has no start-up or shut-down of its own
             while True:
-                message = await receive()
-                kind = message["type"].rsplit(".", 1)[-1]
+                kind = (await receive())["type"].rsplit(".", 1)[-1]
                 await send({"type": f"lifespan.{kind}.complete"})
                 if kind == "shutdown":
                     return
+        if self.app is not None:
+            return await self.app(scope, receive, send)
         if scope["type"] != "http":
             return
         status = "error" if self.error else "starting"

@@ -70,7 +70,8 @@ def _pre_hook(state: State, model, args, kwargs):
     device = p.x_local.device
     values = p.values + [0]
     if state.vlm is not None:  # the media too: "input tokens" is theirs and the tokens' checksum
-        values[6] = zlib.crc32(repr((values[6], media)).encode())
+        tokens = AGREE_NAMES.index("input tokens")
+        values[tokens] = zlib.crc32(repr((values[tokens], media)).encode())
     # every rank must make the same call: one tiny all-gather
     agree(values, AGREE_NAMES, state.group, state.timeout, "ringkv.patch_model", device=device)
     step = p.step if p.shards is None else check_shards(state, p)

@@ -202,7 +202,7 @@ def test_no_manifest_means_nothing_is_loaded(tmp_path):
         assert c.state == "warm"
 
 
-def test_the_verdict_rule_and_the_key():
+def test_the_verdict_rule_and_the_key(monkeypatch):
     v = autocompile.verdict_of([(4, 0.0010, 0.0010), (16, 0.0020, 0.0030)])
     assert v["compile"] and v["rows"] == [4, 16]  # 3.0 ms <= 0.95 x 4.0 ms
     assert not autocompile.verdict_of([(4, 0.0039, 0.0040)])["compile"]  # within WIN: eager
@@ -212,6 +212,7 @@ def test_the_verdict_rule_and_the_key():
     key, parts = autocompile.cache_key(mc, torch.float32, "cpu", range(0, 2), True, True, "packed")
     assert set(parts) == {
         "model", "dtype", "device", "stage", "linear", "torch", "isa", "cpu", "threads", "ringkv",
+        "source",
     }  # fmt: skip
     assert parts["threads"] == torch.get_num_threads() and parts["torch"] == torch.__version__
     torch.set_num_threads(torch.get_num_threads() + 1)
@@ -220,6 +221,9 @@ def test_the_verdict_rule_and_the_key():
     finally:
         torch.set_num_threads(torch.get_num_threads() - 1)
     assert other != key
+    autocompile.source_digest.cache_clear()  # changed code (here: as if) is another key
+    monkeypatch.setattr(autocompile, "source_digest", lambda: "changed")
+    assert autocompile.cache_key(mc, torch.float32, "cpu", range(2), True, True, "packed")[0] != key
 
 
 @pytest.mark.parametrize(

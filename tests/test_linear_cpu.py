@@ -71,7 +71,7 @@ def test_bitwise_the_same_for_any_thread_count_and_row_count():
     assert torch.equal(torch.ops.ringkv.packed_linear(more, packed, 1000)[:21], outs[0])
 
 
-def test_module_copy_packs_float32_linears_and_shares_the_rest():
+def test_pack_linears_replaces_float32_linears_in_place():
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Embedding(50, 24),
@@ -80,31 +80,23 @@ def test_module_copy_packs_float32_linears_and_shares_the_rest():
         nn.Linear(40, 24, bias=False),
         nn.Linear(24, 8).double(),
     )
-    copy = linear_cpu.with_packed_linears(model)
-    assert linear_cpu.packs(model)
-    assert [type(m).__name__ for m in copy] == [
-        "Embedding",
-        "PackedLinear",
-        "ReLU",
-        "PackedLinear",
-        "Linear",
-    ]
+    x = torch.randint(0, 50, (7,))
+    before = model[:4](x)
+    embedding, bias, other = model[0].weight, model[1].bias, model[4]
+    assert linear_cpu.pack_linears(model) is model and linear_cpu.is_packed(model)
     assert [type(m).__name__ for m in model] == [
         "Embedding",
-        "Linear",
+        "PackedLinear",
         "ReLU",
-        "Linear",
-        "Linear",
-    ]  # untouched
-    assert (
-        copy[0].weight is model[0].weight
-        and copy[1].bias is model[1].bias
-        and copy[4].weight is model[4].weight
+        "PackedLinear",
+        "Linear",  # float64: left to torch
+    ]
+    assert model[0].weight is embedding and model[1].bias is bias and model[4] is other
+    assert not hasattr(model[1], "weight")  # the packed copy replaced the weight
+    torch.testing.assert_close(model[:4](x), before, rtol=1e-5, atol=1e-5)
+    assert not linear_cpu.is_packed(
+        linear_cpu.pack_linears(nn.Sequential(nn.Linear(3, 3).double()))
     )
-    x = torch.randint(0, 50, (7,))
-    a, b = model[:4](x), copy[:4](x)
-    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    assert not linear_cpu.packs(nn.Sequential(nn.Linear(3, 3).double()))
 
 
 def test_bad_packed_weights_are_rejected():

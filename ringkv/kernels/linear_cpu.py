@@ -1,30 +1,32 @@
-"""``nn.Linear`` for the few rows of a CPU decode step: weights packed once, a C kernel
-(``csrc/linear.c``) that streams them while it computes.
+"""``nn.Linear`` on the CPU with its weight packed once: a C kernel (``csrc/linear.c``) that
+streams the weight while it computes.
 
 A decode step of ``T`` rows (one per running sequence) reads every weight once for ``2 T``
 FLOPs per weight: for ``T`` up to a few dozen its time is the weights' bytes, and neither MKL
 nor oneDNN's packed GEMM keeps memory busy there (float32, 2 threads, SmolLM2's shapes:
 oneDNN moves 15-20 GB/s at 16 rows where a plain read moves 35). The kernel packs each weight
 into column panels read as one contiguous run and prefetches the next panel while it computes
-the current one (docs/kernels.md, the measurements). ``parallel/compiled.py`` puts it into the
-compiled CPU decode graph where ``available()``: the kernel builds and its self-check (``status()``:
-16 rows through SmolLM2-sized 576 -> 1536 weights, against oneDNN's packed GEMM, cached beside the
-build) found it faster on this machine. ``RINGKV_NATIVE_LINEAR=1`` turns it on without the
-self-check, ``=0`` off.
+the current one; a prefill's many rows split into row groups over the threads, each a register
+tile over a panel (docs/kernels.md, the measurements: ahead of MKL's ``F.linear`` from 1 to 2048
+rows on SmolLM2's and Llama-8B's shapes, AVX-512 and AVX2). The engine's CPU model runs its float32
+linears on it (``pack_linears``, ``parallel/worker.py``: eager steps and the compiled graphs alike)
+where ``available()``: the kernel builds and its self-check (``status()``: 16 and 256 rows through
+SmolLM2-sized 576 -> 1536 weights, against ``F.linear``, cached beside the build) found it faster
+on this machine. ``RINGKV_NATIVE_LINEAR=1`` turns it on without the self-check, ``=0`` off.
 
 The panel width ``NR`` and the register tile are the build's (32 columns with AVX-512, 16 with
 AVX2, 8 on a generic target: ``csrc/linear.c``), so a packed weight belongs to the build that packed
 it. ``library(isa)``, and the ``isa=`` keyword of ``pack``/``packed_floats``/``packed_linear``, run
 the build for another target in this process (tests).
 
-The packed copy is a second copy of the weight (as oneDNN's packing was). Sums run in ``k``
-order on one thread per output: the result does not depend on the thread count; it differs from
-MKL's in the last bits, as MKL's and oneDNN's differ from each other.
+The packed copy replaces the weight (``pack_linears`` drops the linear's reference); an embedding
+tied to an LM head reads its rows from the head's packed copy (``PackedEmbedding``). Sums run in
+``k`` order on one thread per output: the result depends neither on the thread count nor on the
+other rows; it differs from MKL's in the last bits.
 """
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import os
 from functools import lru_cache
@@ -49,6 +51,8 @@ def _lib(isa: str) -> Optional[ctypes.CDLL]:
     lib.ringkv_linear_packed_floats.argtypes = [ctypes.c_int64] * 2
     lib.ringkv_linear_pack_f32.restype = None
     lib.ringkv_linear_pack_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.ringkv_linear_rows_f32.restype = None
+    lib.ringkv_linear_rows_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
     lib.ringkv_linear_f32.restype = None
     lib.ringkv_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.nr = lib.ringkv_linear_nr()  # the build's panel width, read once
@@ -89,38 +93,34 @@ def packed_floats(n: int, k: int, isa: Optional[str] = None) -> int:
 
 
 def _timed_call(isa: str):
-    """The self-check's call: 16 rows (a decode step) through four SmolLM2-sized 576 -> 1536
-    weights in turn (14 MiB: more than a core's L2), ours against oneDNN's packed GEMM (what the
-    frozen decode graph runs without the kernel; MKL's ``F.linear`` where torch has no oneDNN)."""
+    """The self-check's call: a decode step's 16 rows, then a prefill chunk's 256, through four
+    SmolLM2-sized 576 -> 1536 weights in turn (14 MiB: more than a core's L2), ours against
+    ``F.linear`` (MKL: what the engine's linears run without the kernel). The prefill's FLOPs
+    weigh most in the sum: a CPU where MKL wins the compute-bound rows keeps MKL."""
     lib = _lib(isa)
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(1536, 576, generator=g) for _ in range(4)]
-    x = torch.randn(16, 576, generator=g)
+    xs = [torch.randn(rows, 576, generator=g) for rows in (16, 256)]
     ours = [_pack(lib, w) for w in ws]
-    if torch.backends.mkldnn.is_available():
-        theirs = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
 
-        def torch_path():
-            for w in theirs:
-                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    else:
-
-        def torch_path():
+    def torch_path():
+        for x in xs:
             for w in ws:
                 torch.nn.functional.linear(x, w)
 
     def kernel():
-        for p in ours:
-            _linear(lib, x, p, 1536)
+        for x in xs:
+            for p in ours:
+                _linear(lib, x, p, 1536)
 
-    return kernel, torch_path, "16 rows x four 576 -> 1536 weights"
+    return kernel, torch_path, "16 rows, then 256, x four 576 -> 1536 weights"
 
 
 @lru_cache(maxsize=None)
 def status() -> dict:
-    """The self-check's verdict (``native.self_check``): whether compiled decode runs this kernel
-    here, why, and both timings."""
-    return native.self_check("linear", SWITCH, _timed_call, "oneDNN's packed GEMM")
+    """The self-check's verdict (``native.self_check``): whether the engine's CPU linears run this
+    kernel here, why, and both timings."""
+    return native.self_check("linear", SWITCH, _timed_call, "F.linear (MKL)")
 
 
 def available() -> bool:
@@ -190,13 +190,36 @@ def _(x, packed, n):
     return x.new_empty(*x.shape[:-1], n)
 
 
+def _packed_rows(ids: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Rows ``ids`` of the ``(n, k)`` weight ``packed`` holds: ``(..., k)``."""
+    lib = _need(None)
+    flat = ids.reshape(-1).contiguous()  # (T,)
+    if packed.numel() != _floats(lib, n, k) or flat.dtype != torch.long:
+        raise ValueError(f"packed_rows: {packed.numel()} packed floats, {flat.dtype} ids")
+    if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < n):
+        raise IndexError(f"token ids must be in [0, {n}), got {flat.tolist()[:8]}...")
+    out = torch.empty(flat.numel(), k, dtype=torch.float32)  # (T, k)
+    lib.ringkv_linear_rows_f32(packed.data_ptr(), flat.data_ptr(), out.data_ptr(), flat.numel(), k)
+    return out.view(*ids.shape, k)
+
+
+# ringkv::packed_rows(ids (...), packed, n, k) -> (..., k): a tied embedding's lookup
+_OPS.define("packed_rows(Tensor ids, Tensor packed, int n, int k) -> Tensor")
+_OPS.impl("packed_rows", _packed_rows, "CPU")
+
+
+@torch.library.register_fake("ringkv::packed_rows")
+def _(ids, packed, n, k):
+    return packed.new_empty(*ids.shape, k)
+
+
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` (float32, CPU) whose product runs on the packed kernel: the weight is
     packed once, here; the bias (if any) is the original's."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.out_features = linear.out_features
+        self.out_features, self.in_features = linear.out_features, linear.in_features
         self.register_buffer("packed", pack(linear.weight), persistent=False)
         self.bias = linear.bias
 
@@ -207,26 +230,54 @@ class PackedLinear(nn.Module):
 
 def _packable(m: nn.Module) -> bool:
     return (
-        isinstance(m, nn.Linear)
-        and m.weight.dtype == torch.float32
-        and m.weight.device.type == "cpu"
+        type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
     )
 
 
-def packs(module: nn.Module) -> bool:
-    """Whether ``with_packed_linears`` would pack anything in ``module``: the kernel is on here
-    (``available()``) and its linears are float32 on the CPU."""
-    return available() and any(_packable(m) for m in module.modules())
+class PackedEmbedding(nn.Module):
+    """An ``nn.Embedding`` tied to a ``PackedLinear`` (an LM head sharing the embedding's weight):
+    its rows are read from the head's packed copy, so the weight is held once. Row ``r`` is column
+    ``r % NR`` of panel ``r // NR``: the same floats."""
+
+    def __init__(self, head: PackedLinear, dim: int):
+        super().__init__()
+        self.packed, self.rows, self.dim = head.packed, head.out_features, dim  # (no copy)
+
+    def forward(self, ids):
+        return torch.ops.ringkv.packed_rows(ids, self.packed, self.rows, self.dim)  # (..., dim)
 
 
-def with_packed_linears(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose float32 CPU ``nn.Linear`` s are ``PackedLinear`` s; its
-    parameters and buffers are ``module``'s own tensors, not copies (a plain tensor attribute,
-    which is neither, is copied)."""
-    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
-    out = copy.deepcopy(module, memo)
-    for m in list(out.modules()):
+def pack_linears(module: nn.Module) -> nn.Module:
+    """``module`` with its float32 CPU ``nn.Linear`` s replaced, in place, by ``PackedLinear`` s
+    when the kernel is on here (``available()``; else untouched): each weight is packed once and
+    the linear's reference to it dropped, so the packed copy replaces it in memory. An
+    ``nn.Embedding`` tied to such a linear (the same weight tensor: a tied LM head) becomes a
+    ``PackedEmbedding`` reading the packed copy. Returns ``module``."""
+    if not available():
+        return module
+    heads = {}  # id(weight) -> its PackedLinear
+    for m in list(module.modules()):
         for child_name, child in list(m.named_children()):
             if _packable(child):
-                setattr(m, child_name, PackedLinear(child))
-    return out
+                heads[id(child.weight)] = PackedLinear(child)
+                setattr(m, child_name, heads[id(child.weight)])
+    for m in list(module.modules()):
+        for child_name, child in list(m.named_children()):
+            if type(child) is nn.Embedding and id(child.weight) in heads:
+                tied = heads[id(child.weight)]
+                setattr(m, child_name, PackedEmbedding(tied, child.embedding_dim))
+    return module
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s weights as the checkpoint has them: its parameters and its packed
+    linears' weights (each once; not the packed copies' panel padding)."""
+    packed = sum(
+        4 * m.out_features * m.in_features for m in module.modules() if isinstance(m, PackedLinear)
+    )
+    return packed + sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def is_packed(module: nn.Module) -> bool:
+    """Whether any of ``module``'s linears runs on the packed kernel."""
+    return any(isinstance(m, PackedLinear) for m in module.modules())

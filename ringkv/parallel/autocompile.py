@@ -4,11 +4,12 @@ per machine, and the compiled artifacts kept for the next start.
 **The key** (``cache_key``). One directory per key under ``$RINGKV_CACHE`` (default
 ``~/.cache/ringkv``, as ``kernels/native.py``'s builds) ``/compile/<key>``; the key hashes the
 model's architecture (``ModelConfig``, the digest of its fields), the dtype and device, the rank's
-stage (its layers, first/last), which kernel runs the decode graph's linears, the torch version,
-the CPU (``native.default_isa()`` and ``/proc/cpuinfo``'s model and flags), torch's thread count
-and ringkv's version. Another checkpoint of the same architecture shares the directory: the CPU
-packages hold no weights (the live model's tensors are loaded into them, ``compiled.py``), and on
-CUDA inductor keys a weight by its metadata only and takes its values from the live model.
+stage (its layers, first/last), which kernel runs the graphs' linears, the torch version, the CPU
+(``native.default_isa()`` and ``/proc/cpuinfo``'s model and flags), torch's thread count, ringkv's
+version and a hash of its source files (``source_digest``). Another checkpoint of the same
+architecture shares the directory: the CPU packages hold no weights (the live model's tensors are
+loaded into them, ``compiled.py``), and on CUDA inductor keys a weight by its metadata only and
+takes its values from the live model.
 
 **The verdict** (``decide``). ``"auto"`` compiles the stage (into the artifact cache), then times a
 decode step of each row count in ``check_rows`` compiled and eager on dummy inputs (attention
@@ -39,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -103,9 +105,23 @@ def cache_key(cfg, dtype, device, stage: Sequence[int], first: bool, last: bool,
         cpu=hashlib.sha256(native._cpu_id().encode()).hexdigest()[:12],
         threads=torch.get_num_threads(),
         ringkv=ours,
+        source=source_digest(),
     )
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return key, parts
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest() -> str:
+    """A hash of ringkv's own source files (Python and C): a checkout or an editable install whose
+    code changed (the model's layers, the graphs, the kernels) starts cold rather than load
+    packages traced from other code under the same version number."""
+    pkg = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for f in sorted(pkg.rglob("*")):
+        if f.suffix in (".py", ".c", ".h"):
+            h.update(str(f.relative_to(pkg)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def check_rows(largest: int, min_rows: int) -> Tuple[int, ...]:

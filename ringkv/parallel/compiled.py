@@ -27,23 +27,17 @@ model's tensors into new ones (seen: RoPE's ``inv_freq``), which would carry the
 along; ``load_package`` refuses a package that needs a constant the model does not hold.
 
 **CPU, decode steps** (tested): one graph for ``CPU_MIN_ROWS``..``max_num_seqs`` rows, the
-elementwise ops fused; the LM head of those steps is a second graph. The linears (float32) run
-on ``kernels/linear_cpu.py``'s packed C kernel: the graph is exported over a copy of the stage
-(``decode_model``, sharing every other tensor) whose ``nn.Linear`` s are ``PackedLinear`` s,
-weights packed once here (decode steps of 16 rows 59 -> 47 ms, of 64 rows 118-121 -> 105-108
-ms against oneDNN's packed GEMM, docs/performance.md). Without the kernel (no compiler,
-``RINGKV_NATIVE_LINEAR=0``, other dtypes) the GEMMs are MKL's on the model's weights, as
-eager (unfrozen: no oneDNN packing; ``"auto"`` measures whether that still wins);
-``linear_kernel`` says which runs. Steps of fewer than ``CPU_MIN_ROWS = 4`` rows stay eager
-(measured 0.84-0.97x compiled: MKL's small-``M`` GEMM beats the packed ones). No buckets on
-CPU: the one dynamic graph is built once. The packed weights are a second copy of the stage's
-linear weights (the other graph and the eager path keep the originals).
+elementwise ops fused; the LM head of those steps is a second graph. The linears run what the
+model holds: float32 linears on ``kernels/linear_cpu.py``'s packed C kernel where it is on (the
+worker packs the model once, for its eager steps too), else MKL's GEMMs on the weights (unfrozen:
+no oneDNN packing; ``"auto"`` measures whether that still wins); ``linear_kind`` says which.
+Steps of fewer than ``CPU_MIN_ROWS = 4`` rows stay eager (measured 0.84-0.97x compiled). No
+buckets on CPU: the one dynamic graph is built once.
 
 **CPU, every other step** (prefill, chunks, steps mixing them with decode rows;
-``CPU_MIN_ROWS`` rows or more): a third graph, over the model's own weights: its GEMMs are the
-eager path's MKL calls, its elementwise work (norms, RoPE, SiLU, residuals) fused (with
-``torch.compile``, a 2048-row stage of SmolLM2-135M took 1.21 s against 1.83 s eager, 2
-threads).
+``CPU_MIN_ROWS`` rows or more): a third graph, its GEMMs the eager path's, its elementwise work
+(norms, RoPE, SiLU, residuals) fused (with ``torch.compile``, a 2048-row stage of SmolLM2-135M
+took 1.21 s against 1.83 s eager, 2 threads).
 
 **CUDA**: static buckets (``decode_buckets``: 1, 2, 4, ..., ``max_num_seqs``; ``T`` padded up
 to the next) with ``mode="reduce-overhead"``: CUDA graphs over the dense pieces, the attention
@@ -241,6 +235,10 @@ def build_package(module, inputs: tuple, dims: dict, path: Path) -> None:
     os.replace(tmp, path)  # a package is there whole or not at all
 
 
+class ForeignConstants(RuntimeError):
+    """A package needs constants its module does not hold."""
+
+
 def load_package(path: Path, module):
     """The AOTInductor runner of the package ``path`` with ``module``'s own tensors as its
     constants (no copy: the runner holds pointers, ``module`` keeps them alive), so it computes
@@ -259,12 +257,20 @@ def load_package(path: Path, module):
     want = runner.get_constant_fqns()
     foreign = [n for n in want if n not in live]
     if foreign:
-        raise RuntimeError(
+        raise ForeignConstants(
             f"{path}: constants {foreign[:3]} are not the model's tensors (computed from the "
             "weights it was built with); it cannot run another checkpoint"
         )
     runner.load_constants({n: live[n] for n in want}, check_full_update=True, user_managed=True)
     return runner
+
+
+def linear_kind(model, device) -> str:
+    """What runs ``model``'s linears: ``"packed"`` (CPU, ``kernels/linear_cpu.py``'s kernel),
+    ``"mkl"`` (CPU, ``F.linear``) or ``"cuda"``."""
+    if torch.device(device).type == "cuda":
+        return "cuda"
+    return "packed" if linear_cpu.is_packed(model) else "mkl"
 
 
 def decode_buckets(max_num_seqs: int) -> tuple:
@@ -285,7 +291,6 @@ class CompiledDecode:
 
     def __init__(self, model, buckets: Sequence[int], device, *, first_stage: bool):
         self.model, self.first_stage = model, first_stage
-        self.decode_model = model  # what the decode graph and its LM head run (CPU: packed linears)
         self.mixers: dict = {}  # a hybrid's recurrent layers: layer -> (scan, state shapes)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -297,20 +302,10 @@ class CompiledDecode:
             self._head = None  # one GEMM: nothing for a CUDA graph to save
         else:  # AOTInductor runners, one graph for any T in range: built or loaded by warm_up
             self.min_rows = CPU_MIN_ROWS
-            if linear_cpu.packs(model):  # linears on the packed kernel (a copy sharing all else)
-                self.decode_model = linear_cpu.with_packed_linears(model)
             self._fn = self._head = self._any = None
         limit = len(self.buckets) + 8  # an entry per bucket (and per engine made in this process)
         if torch._dynamo.config.recompile_limit < limit:
             torch._dynamo.config.recompile_limit = limit
-
-    @property
-    def linear_kernel(self) -> str:
-        """What runs the decode graph's linears: ``"packed"`` (CPU, ``kernels/linear_cpu.py``),
-        ``"onednn"`` (CPU, MKL's GEMMs on the model's weights) or ``"cuda"``."""
-        return (
-            "cuda" if self.cuda else "packed" if self.decode_model is not self.model else "onednn"
-        )
 
     @property
     def what(self) -> str:
@@ -346,8 +341,8 @@ class CompiledDecode:
             if fn is not None:  # the other steps' graph (CPU)
                 return fn(x, positions)
             if self.cuda:
-                return self._fn(self.decode_model, x, positions)
-            return self._fn(x, positions)  # (the runner holds decode_model's tensors)
+                return self._fn(self.model, x, positions)
+            return self._fn(x, positions)  # (the runner holds the model's tensors)
         finally:
             _active.ctx = None
 
@@ -396,7 +391,7 @@ class CompiledDecode:
 
     def packages(self, dtype: torch.dtype, hidden: int) -> dict:
         """The CPU graphs, ``{file name: (module, example inputs, dynamic shapes)}``: the decode
-        step (``min_rows``..``largest`` rows, over ``decode_model``), its LM head (2..``largest``
+        step (``min_rows``..``largest`` rows), its LM head (2..``largest``
         rows; the last stage) and every other step (``min_rows`` rows up, over ``model``). A file
         name says its row range: engines of another ``max_num_seqs`` build their own."""
         dim = torch.export.Dim
@@ -405,14 +400,14 @@ class CompiledDecode:
         out = {}
         if self.enabled:
             out[f"decode-{lo}-{hi}.pt2"] = (
-                _Stage(self.decode_model),
+                _Stage(self.model),
                 self._inputs(lo, dtype, hidden),
                 {"x": {0: step}, "positions": {0: step}},
             )
             if self.model.lm_head is not None:
                 h = torch.zeros(lo, hidden, dtype=dtype, device=self.device)
                 head = {"hidden": {0: dim("rows", min=2, max=hi)}}
-                out[f"head-2-{hi}.pt2"] = (_Head(self.decode_model), (h,), head)
+                out[f"head-2-{hi}.pt2"] = (_Head(self.model), (h,), head)
         out[f"other-{lo}.pt2"] = (
             _Stage(self.model),
             self._inputs(max(lo, 2 * self.largest), dtype, hidden),
@@ -426,9 +421,14 @@ class CompiledDecode:
         runners = []
         for name, (module, inputs, dims) in self.packages(dtype, hidden).items():
             path = where / name
-            if not path.is_file():
-                log.info("ringkv: building %s", path)
-                build_package(module, inputs, dims, path)
+            if path.is_file():
+                try:
+                    runners.append(load_package(path, module))
+                    continue
+                except ForeignConstants as e:  # built from another layout of the model: rebuilt
+                    log.warning("ringkv: %s; building it again", e)
+            log.info("ringkv: building %s", path)
+            build_package(module, inputs, dims, path)
             runners.append(load_package(path, module))
         if self.enabled:
             self._fn = runners.pop(0)
@@ -462,12 +462,10 @@ class CompiledDecode:
         return compiled, eager
 
     def _record(self, dtype: torch.dtype, hidden: int) -> None:
-        """A hybrid model: its recurrent layers seen once eagerly (``_Recorder``), in both the
-        model and the decode graph's copy of it."""
+        """A hybrid model: its recurrent layers seen once eagerly (``_Recorder``)."""
         x, _ = self._inputs(1, dtype, hidden)
         positions = torch.zeros(1, dtype=torch.long, device=self.device)
-        for model in {id(m): m for m in (self.decode_model, self.model)}.values():
-            stage_forward(model, x, positions, _Recorder(self.mixers))
+        stage_forward(self.model, x, positions, _Recorder(self.mixers))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx, bucket: int) -> torch.Tensor:
         """Token ids ``(T,)`` (first stage) or hidden states ``(T, hidden)`` -> ``(T, hidden)``,

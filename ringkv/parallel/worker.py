@@ -27,7 +27,7 @@ from ..sp.collectives import all_sum
 from ..sp.comm import RingComm, RingTimeoutError
 from . import faults
 from . import autocompile
-from .compiled import CPU_MIN_ROWS, CompiledDecode
+from .compiled import CPU_MIN_ROWS, CompiledDecode, linear_kind
 from .context import LocalStep, StepContext
 from .mesh import Mesh
 from .plan import Mirror, StepPlan
@@ -170,6 +170,8 @@ class Worker:
             apply_pp(model, self.layers, mesh.first_stage, mesh.last_stage)
             slices = apply_tp(model, cfg, mesh.tp_rank, mesh.tp, mesh.tp_group, timeout)
         self.model = materialize(model, weights, dtype, self.device, slices)
+        if self.device.type == "cpu":  # float32 linears on the packed kernel, where it wins here
+            linear_cpu.pack_linears(self.model)
         self.kv_heads = kv_heads_per_rank(cfg, mesh.tp)
         self.kv: Optional[KVCache] = None
         # the stage's attention layers (global index -> index in the KV cache) and a hybrid
@@ -209,10 +211,10 @@ class Worker:
         artifact cache, and (auto) its verdict: cached, or timed now (``autocompile``). The
         rank's vote is ``compile_info["vote"]``; ``settle_compile`` applies the mesh's decision."""
         mesh, auto = self.mesh, self.shape.compile_mode == "auto"
-        # what CompiledDecode will be, before it packs any weight (a cached eager verdict: never)
+        # the artifacts' key, before anything compiles (a cached eager verdict: nothing does)
         cuda = self.device.type == "cuda"
         min_rows, largest = (1 if cuda else CPU_MIN_ROWS), max(self.shape.compile_buckets)
-        linear = "cuda" if cuda else "packed" if linear_cpu.packs(self.model) else "onednn"
+        linear = linear_kind(self.model, self.device)
         key, parts = autocompile.cache_key(
             self.cfg, dtype, self.device, self.layers, mesh.first_stage, mesh.last_stage, linear
         )
@@ -376,14 +378,15 @@ class Worker:
             kv_cache_bytes=self.kv.nbytes if self.kv else 0,
             state_bytes_per_slot=self.state_bytes,
             state_cache_bytes=self.states.nbytes if self.states else 0,
-            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            weight_bytes=linear_cpu.weight_bytes(self.model),
             compile=self.compile_info,
         )
 
     def report(self) -> dict:
         """``info()`` plus counters: steps, seconds computing / waiting for the previous stage,
         this process's resident memory (peak and now) and the sends not yet complete; with
-        ``compile_decode``, which kernel runs the decode graph's linears (``decode_linear``)."""
+        which kernel runs the model's linears, eager and compiled (``linear``: ``"packed"``,
+        ``"mkl"`` or ``"cuda"``)."""
         st, steps = self.stats, max(1, self.stats.steps)
         return dict(
             self.info(),
@@ -396,7 +399,7 @@ class Worker:
             control_s_total=st.control_s,
             compile_s=st.compile_s,
             compiled_steps=st.compiled_steps,
-            decode_linear=None if self.compiled is None else self.compiled.linear_kernel,
+            linear=linear_kind(self.model, self.device),
             peak_rss_bytes=peak_rss(),
             rss_bytes=rss(),
             pending_sends=len(self.link.pending),

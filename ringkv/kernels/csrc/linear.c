@@ -1,12 +1,12 @@
-/* y = x W^T on the CPU for the few rows of a decode step (ringkv/kernels/linear_cpu.py builds
- * and loads this file; it needs no torch headers).
+/* y = x W^T on the CPU, weights packed once: a decode step's few rows and a prefill's many
+ * (ringkv/kernels/linear_cpu.py builds and loads this file; it needs no torch headers).
  *
  * w   (N, K)  float32, contiguous: an nn.Linear weight
  * wp  (P, K, NR) float32: w packed once, P = ceil(N / NR) panels of NR output columns, each
  *             stored k-major so a panel streams as one contiguous run (columns past N are 0)
  * x   (M, K)  float32, contiguous;  y (M, N) float32, contiguous
  *
- * Panels are split over the threads; a panel's MR-row tiles keep their MR x NR sums in
+ * Panels (and a prefill's groups of rows) are split over the threads; a panel's MR-row tiles keep their MR x NR sums in
  * registers (2 MR vectors) over a chunk of KC k steps, and every tile runs a chunk before the next one starts,
  * so a chunk of the panel is read from memory once and then from L1 (measured 3-5% faster at
  * 16-32 rows than each tile over all of K). While a panel computes, the next one is prefetched,
@@ -54,6 +54,15 @@ void ringkv_linear_pack_f32(const float *w, float *wp, int64_t n, int64_t k) {
             }
 }
 
+/* rows ids[0..t) of w, read back from its packed copy (a tied embedding's lookup): out (t, k) */
+void ringkv_linear_rows_f32(const float *wp, const int64_t *ids, float *out, int64_t t, int64_t k) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < t; i++) {
+        const float *col = wp + ids[i] / NR * k * NR + ids[i] % NR;
+        for (int64_t kk = 0; kk < k; kk++) out[i * k + kk] = col[kk * NR];
+    }
+}
+
 /* rows m0..m0+mr of one panel, k steps k0..k1; sums start from sav (or 0 when first) and go back
  * to sav (or to y when last); prefetches pfstep bytes of pf per k */
 static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, int64_t k,
@@ -99,36 +108,40 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
     }
 }
 
-#define KC 128       /* k steps per chunk: every tile of a panel runs a chunk (then in L1) before the next */
-#define MAX_TILES ((128 + MR - 1) / MR) /* sums kept between chunks for up to 128 rows; more rows run each tile
-                                          over all of K */
+#define KC 128 /* k steps per chunk: every tile of a group runs a chunk (then in L1) before the next */
+#define MAX_TILES ((128 + MR - 1) / MR) /* tiles per row group: their sums are kept between chunks */
 
 #define TILE(R) \
     case R: \
         if (R <= MR) tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, R, pf, pfstep); \
         break;
 
+/* The work is (panel, row group) pairs, panel-major: a decode step's few rows are one group, so
+ * the threads split the panels; a prefill's many rows are many groups, so the threads have work
+ * however few panels a weight has. The last group of a panel prefetches the next panel. */
 void ringkv_linear_f32(const float *x, const float *wp, float *y, int64_t m, int64_t n, int64_t k) {
     const int64_t panels = (n + NR - 1) / NR, tiles = (m + MR - 1) / MR, bytes = k * NR * (int64_t)sizeof(float);
-    const int64_t kc = tiles <= MAX_TILES ? KC : k, chunks = (k + kc - 1) / kc;
-    /* bytes of the next panel to prefetch per k step: its lines spread over this panel's tiles */
-    const int64_t pfstep = ((bytes + tiles * k - 1) / (tiles * k) + 63) / 64 * 64;
+    const int64_t groups = (tiles + MAX_TILES - 1) / MAX_TILES, chunks = (k + KC - 1) / KC;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
+    for (int64_t job = 0; job < panels * groups; job++) {
+        const int64_t p = job / groups, g = job % groups;
+        const int64_t t0 = g * MAX_TILES, t1 = t0 + MAX_TILES < tiles ? t0 + MAX_TILES : tiles;
         const float *w = wp + p * k * NR;
         const int64_t ncols = n - p * NR < NR ? n - p * NR : NR;
-        const char *next = p + 1 < panels ? (const char *)(w + k * NR) : 0;
+        const char *next = p + 1 < panels && g == groups - 1 ? (const char *)(w + k * NR) : 0;
+        /* bytes of the next panel to prefetch per k step: its lines spread over this group's tiles */
+        const int64_t pfstep = ((bytes + (t1 - t0) * k - 1) / ((t1 - t0) * k) + 63) / 64 * 64;
         vec sav[2 * MR * MAX_TILES]; /* each tile's sums between chunks */
         int64_t done = 0;            /* bytes of the next panel prefetched so far */
         for (int64_t c = 0; c < chunks; c++) {
-            const int64_t k0 = c * kc, k1 = k0 + kc < k ? k0 + kc : k;
+            const int64_t k0 = c * KC, k1 = k0 + KC < k ? k0 + KC : k;
             const int first = c == 0, last = c == chunks - 1;
-            for (int64_t t = 0; t < tiles; t++, done += (k1 - k0) * pfstep) {
+            for (int64_t t = t0; t < t1; t++, done += (k1 - k0) * pfstep) {
                 const int64_t m0 = t * MR, mr = m - m0 < MR ? m - m0 : MR;
                 const char *pf = next && done < bytes ? next + done : 0;
                 const float *xm = x + m0 * k;
                 float *ym = y + m0 * n + p * NR;
-                vec *sv = sav + 2 * MR * (t < MAX_TILES ? t : 0); /* (one chunk when tiles > MAX_TILES) */
+                vec *sv = sav + 2 * MR * (t - t0);
                 switch (mr) { /* a register tile per row count (up to the build's MR) */
                     TILE(8) TILE(7) TILE(6) TILE(5) TILE(4) TILE(3) TILE(2) default: TILE(1)
                 }

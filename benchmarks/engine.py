@@ -5,13 +5,13 @@ against ``tp = pp = sp = 1`` in the same run.
 Same prompts (mixed lengths), same greedy settings, the same number of output tokens per
 request (EOS ignored on both sides), measured in the same process one after the other:
 
-- ringkv: ``LLM.generate`` (continuous batching, paged KV cache, chunked prefill), eager
-  (``compile_decode=False``) unless ``--ringkv-compile auto``: opt-in since issue
-  #60, compiled or eager as its cached first-use check decided (stderr says which);
+- ringkv: ``LLM.generate`` (continuous batching, paged KV cache, chunked prefill) as ``LLM(path)``
+  builds it: ``compile_decode="auto"`` (the default since issue #60: compiled or eager as its
+  cached first-use check decided; stderr says which), or eager with ``--ringkv-compile false``;
 - HF batched: one ``generate`` call over all requests with left padding (the fair baseline);
 - HF one by one: a ``generate`` call per request (runs of <= ``--hf-single-max`` requests);
 - ``--compile-decode``: a second ringkv engine with ``compile_decode=True`` (decode steps' dense
-  parts through ``torch.compile``), timed interleaved with the others; its compile time (at engine
+  parts compiled), timed interleaved with the others; its compile time (at engine
   start) is reported apart (``compile_s``) and is not in its tok/s;
 - ``--peer vllm``: vLLM's ``LLM.generate`` on the same token ids, in its own virtual environment
   (``--peer-python``; its setup: benchmarks/vllm_peer.py), with as many cores as ringkv's torch
@@ -215,10 +215,10 @@ def main(argv=None):
     ap.add_argument(
         "--ringkv-compile",
         choices=["auto", "false"],
-        default="false",
-        help="single mode: compile_decode of the first ringkv engine (row 'ringkv'): false (the "
-        "eager engine, as before issue #60) or auto (opt-in since #60: eager or "
-        "compiled by its cached check; the run prints which)",
+        default="auto",
+        help="single mode: compile_decode of the first ringkv engine (row 'ringkv'): auto (the "
+        "default engine since issue #60: eager or compiled by its cached check; the run prints "
+        "which) or false (the eager engine)",
     )
     ap.add_argument(
         "--compile-decode",

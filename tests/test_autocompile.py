@@ -70,7 +70,7 @@ def build(model, compile_decode="auto"):
 
 
 def test_modes_and_the_flag():
-    assert EngineConfig().compile_decode is False  # auto is opt-in (docs/engine.md: why)
+    assert EngineConfig().compile_decode == "auto"  # the default since issue #60
     assert [_compile_mode(v) for v in (True, False, "auto", "true", "False")] == [
         "on",
         "off",
@@ -81,7 +81,7 @@ def test_modes_and_the_flag():
     with pytest.raises(ValueError, match="True, False or 'auto'"):
         _compile_mode("yes")
     parse = _parser().parse_args
-    assert _compile_mode(parse(["serve", "--model", "m"]).compile_decode) == "off"
+    assert _compile_mode(parse(["serve", "--model", "m"]).compile_decode) == "auto"
     assert parse(["serve", "--model", "m", "--compile-decode", "auto"]).compile_decode == "auto"
     assert parse(["serve", "--model", "m", "--compile-decode"]).compile_decode == "true"
     assert parse(["serve", "--model", "m", "--compile-decode", "false"]).compile_decode == "false"

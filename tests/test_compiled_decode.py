@@ -191,7 +191,7 @@ def test_cli_flag():
 
     args = _parser().parse_args(["generate", "--model", "m", "--prompt", "p", "--compile-decode"])
     assert args.compile_decode == "true"  # (EngineConfig reads "true" as True)
-    assert _parser().parse_args(["serve", "--model", "m"]).compile_decode is False  # the default
+    assert _parser().parse_args(["serve", "--model", "m"]).compile_decode == "auto"  # the default
 
 
 @pytest.mark.parametrize("mesh", [dict(pp=2), dict(sp=2)])

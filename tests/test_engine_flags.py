@@ -34,7 +34,7 @@ def sample(f: dataclasses.Field) -> tuple:
     """``(argv values, the field value they give)`` for field ``f``'s flag."""
     if f.metadata["unit"] is not None:
         return ["0.5"], f.metadata["unit"] // 2
-    if f.metadata["choices"]:  # (compile_decode: auto / true / false; its default False)
+    if f.metadata["choices"]:  # (compile_decode: auto / true / false; its default auto)
         value = next(c for c in f.metadata["choices"] if c not in (f.default, str(f.default)))
         return [value], value
     if isinstance(f.default, bool):

@@ -115,12 +115,13 @@ class EngineConfig:
     instead, ``num_blocks`` sets it (give at most one of the three); the block count is the
     minimum over ranks. ``timeout``: seconds a rank waits for its peers before it fails.
     ``compile_decode``: decode steps (on CPU, every step of 4 rows or more but ring-mode
-    prefills) run through ``torch.compile`` (compiled when the engine starts; tp=1;
-    ``parallel/compiled.py``, docs/engine.md). ``"auto"`` (opt-in; the default stays False until a
-    warm compiled start costs no more than a few seconds over eager) compiles where a
-    first-use check on this machine, model and thread count finds the compiled step faster, its
-    verdict and the compiled artifacts cached on disk (``parallel/autocompile.py``); where it
-    cannot compile (tp > 1, a GPU) it runs eager and ``kv_cache_info()["compile"]`` says why.
+    prefills) run compiled (CPU: AOTInductor packages, CUDA: ``torch.compile``; built or loaded
+    when the engine starts; tp=1; ``parallel/compiled.py``, docs/engine.md). ``"auto"``, the
+    default since issue #60 (before: False), compiles where a first-use check on this machine,
+    model and thread count finds the compiled step faster, its verdict and the compiled artifacts
+    cached on disk (``parallel/autocompile.py``): the first start on a machine pays the build and
+    the check, later ones load both; where it cannot compile (tp > 1, a GPU) it runs eager and
+    ``kv_cache_info()["compile"]`` says why. True forces compiling, False never compiles.
 
     Each field carries its default, its help and its ``ringkv generate`` / ``ringkv serve``
     flag (``flags.knob``; ``cli=False``: a Python-only setting); sizes are bytes here, GiB on
@@ -184,10 +185,11 @@ class EngineConfig:
         "bfloat16 or float16; each step computes in float32 from it)",
     )
     compile_decode: Union[bool, str] = knob(
-        False,
-        "auto, true or false (the flag alone: true): run decode steps' dense parts (on CPU, "
-        "prefill steps' too) through torch.compile, compiled at start-up, tp=1 only; auto "
-        "compiles where a first-use check on this machine finds it faster (cached)",
+        "auto",
+        "auto (the default), true or false (the flag alone: true): run decode steps' dense "
+        "parts (on CPU, prefill steps' too) compiled, built at start-up, tp=1 only; auto compiles "
+        "where a first-use check on this machine finds it faster (the build and the verdict are "
+        "cached: a first start on a machine takes longer)",
         choices=("auto", "true", "false"),
         nargs="?",
         const="true",

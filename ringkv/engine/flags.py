@@ -8,7 +8,7 @@ a Python-only setting (no flag). The flag's value type comes from the field's an
 (``Optional[X]``: ``X``; ``int`` and ``float`` are parsed, anything else is a string; with
 ``nargs``, the element type of a sequence); a bool field is a switch (``store_true``, or
 ``store_false`` for one that defaults to True), unless it has ``choices`` (``compile_decode``:
-``auto``, ``true``, ``false``; its default stays the bool). ``unit``: the flag is a float count
+``auto``, ``true``, ``false``; the flag alone is ``true``). ``unit``: the flag is a float count
 of this many of the field's units (``GIB``: a flag in GiB for a field in bytes), converted once,
 in ``from_args``.
 """

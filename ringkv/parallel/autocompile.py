@@ -1,4 +1,4 @@
-"""``compile_decode="auto"`` (opt-in): whether this rank's stage runs compiled, decided once
+"""``compile_decode="auto"`` (the default): whether this rank's stage runs compiled, decided once
 per machine, and the compiled artifacts kept for the next start.
 
 **The key** (``cache_key``). One directory per key under ``$RINGKV_CACHE`` (default

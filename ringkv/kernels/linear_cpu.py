@@ -241,7 +241,8 @@ class PackedEmbedding(nn.Module):
 
     def __init__(self, head: PackedLinear, dim: int):
         super().__init__()
-        self.packed, self.rows, self.dim = head.packed, head.out_features, dim  # (no copy)
+        self.rows, self.dim = head.out_features, dim
+        self.register_buffer("packed", head.packed, persistent=False)  # the head's: no copy
 
     def forward(self, ids):
         return torch.ops.ringkv.packed_rows(ids, self.packed, self.rows, self.dim)  # (..., dim)

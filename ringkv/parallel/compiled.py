@@ -235,10 +235,6 @@ def build_package(module, inputs: tuple, dims: dict, path: Path) -> None:
     os.replace(tmp, path)  # a package is there whole or not at all
 
 
-class ForeignConstants(RuntimeError):
-    """A package needs constants its module does not hold."""
-
-
 def load_package(path: Path, module):
     """The AOTInductor runner of the package ``path`` with ``module``'s own tensors as its
     constants (no copy: the runner holds pointers, ``module`` keeps them alive), so it computes
@@ -257,7 +253,7 @@ def load_package(path: Path, module):
     want = runner.get_constant_fqns()
     foreign = [n for n in want if n not in live]
     if foreign:
-        raise ForeignConstants(
+        raise RuntimeError(
             f"{path}: constants {foreign[:3]} are not the model's tensors (computed from the "
             "weights it was built with); it cannot run another checkpoint"
         )
@@ -421,14 +417,9 @@ class CompiledDecode:
         runners = []
         for name, (module, inputs, dims) in self.packages(dtype, hidden).items():
             path = where / name
-            if path.is_file():
-                try:
-                    runners.append(load_package(path, module))
-                    continue
-                except ForeignConstants as e:  # built from another layout of the model: rebuilt
-                    log.warning("ringkv: %s; building it again", e)
-            log.info("ringkv: building %s", path)
-            build_package(module, inputs, dims, path)
+            if not path.is_file():
+                log.info("ringkv: building %s", path)
+                build_package(module, inputs, dims, path)
             runners.append(load_package(path, module))
         if self.enabled:
             self._fn = runners.pop(0)

@@ -108,3 +108,27 @@ def test_bad_packed_weights_are_rejected():
         torch.ops.ringkv.packed_linear(torch.randn(3, 16).double(), packed, 40)
     with pytest.raises(ValueError, match="2-D float32 CPU weight"):
         linear_cpu.pack(w.double())
+
+
+def test_packing_lets_the_checkpoints_file_mapping_go(tmp_path):
+    """Weights read from a safetensors file live in its mapping, which any one of them keeps
+    whole: after packing, the parameters left (a norm's, a bias) must not hold it, or the packed
+    copies come on top of the checkpoint's pages."""
+    import gc
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.randn(256, 128), "norm": torch.ones(128)}, path)
+    with safe_open(path, framework="pt", device="cpu") as f:
+        w, norm = f.get_slice("w")[:], f.get_slice("norm")[:]
+    model = nn.ModuleDict(dict(proj=nn.Linear(128, 256, bias=False), norm=nn.LayerNorm(128)))
+    model["proj"].weight, model["norm"].weight = nn.Parameter(w), nn.Parameter(norm)
+    del w, norm
+    mapped = lambda: any(path in line for line in open("/proc/self/maps"))  # noqa: E731
+    assert mapped()  # (what the test relies on: the tensors are views of the mapping)
+    linear_cpu.pack_linears(model)
+    gc.collect()
+    assert not mapped()
+    assert torch.equal(model["norm"].weight, torch.ones(128))

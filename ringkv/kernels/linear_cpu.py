@@ -251,7 +251,8 @@ class PackedEmbedding(nn.Module):
 def pack_linears(module: nn.Module) -> nn.Module:
     """``module`` with its float32 CPU ``nn.Linear`` s replaced, in place, by ``PackedLinear`` s
     when the kernel is on here (``available()``; else untouched): each weight is packed once and
-    the linear's reference to it dropped, so the packed copy replaces it in memory. An
+    the linear's reference to it dropped, so the packed copy replaces it in memory (the other
+    parameters are copied, so that a checkpoint's file mapping they were read from is let go). An
     ``nn.Embedding`` tied to such a linear (the same weight tensor: a tied LM head) becomes a
     ``PackedEmbedding`` reading the packed copy. Returns ``module``."""
     if not available():
@@ -267,6 +268,9 @@ def pack_linears(module: nn.Module) -> nn.Module:
             if type(child) is nn.Embedding and id(child.weight) in heads:
                 tied = heads[id(child.weight)]
                 setattr(m, child_name, PackedEmbedding(tied, child.embedding_dim))
+    if heads:  # what was not packed gets memory of its own: a tensor read from a checkpoint's
+        for p in module.parameters():  # file mapping holds the whole mapping, packed weights too
+            p.data = p.data.clone()
     return module
 
 

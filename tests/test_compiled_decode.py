@@ -9,6 +9,7 @@ mesh give transformers' tokens; unsupported settings fail at construction."""
 from __future__ import annotations
 
 import os
+import platform
 
 import pytest
 
@@ -90,6 +91,7 @@ def test_greedy_equals_eager_as_requests_finish(engines):
     assert after["compile_s"] > 0
     assert after["linear"] == ("packed" if linear_cpu.available() else "mkl")
     assert eager.rank_stats()[0]["linear"] == after["linear"]  # eager steps: the same linears
+    assert after["heap_kept"] == (platform.libc_ver()[0] == "glibc")  # worker.keep_heap
 
 
 @needs_smollm2

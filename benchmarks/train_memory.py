@@ -73,6 +73,7 @@ configuration).
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import gc
 import inspect
@@ -462,9 +463,11 @@ def main(argv=None) -> int:
     # torch, transformers and ringkv's imports leave ~400k long-lived objects that every full
     # collection of _trim (before each step and configuration) walked again: 0.2-0.4 s each,
     # ~13 of a rank's 28 s in the test's tiny run. Frozen, a collection walks only what the
-    # runs create; unfrozen after the runs (frozen objects at exit: nanobind reports leaks).
+    # runs create; unfrozen after the runs, or at exit after an error (objects still frozen at
+    # exit: nanobind reports leaks).
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
     targets = args.seq if args.throughput else args.per_rank
     for cfg in configs:
         why = missing(cfg)

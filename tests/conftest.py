@@ -48,14 +48,14 @@ LONG_MODULES = (
     "test_faults.py",  # 84
     "test_hosts_serve.py",  # 83
     "test_bench_cluster.py",  # 76
-    "test_train_memory_bench.py",  # 75
+    "test_train_memory_bench.py",  # 75 (before its benchmark's gc.freeze: -19 s cold alone)
     "test_bench_engine.py",  # 72
     "test_triton.py",  # 72
     "test_hf.py",  # 68
     "test_hf_families.py",  # 62
     "test_cluster.py",  # 208, not at the start: its `serve --replicas 2` beside the heaviest
     # starts (compiled decode, SmolLM2) did not come up within 300 s in one warm run
-    "test_loader.py",  # 50
+    "test_loader.py",  # 50 (before its duplicate SmolLM2 CLI run was dropped: -9 s cold alone)
     "test_train_example.py",  # 46
     "test_sp_recurrent_heads.py",  # 17-45
     "test_sp_delta.py",  # 31-37

@@ -132,3 +132,21 @@ def test_packing_lets_the_checkpoints_file_mapping_go(tmp_path):
     gc.collect()
     assert not mapped()
     assert torch.equal(model["norm"].weight, torch.ones(128))
+
+
+def test_tied_embedding_refuses_out_of_range_ids():
+    """A ``PackedEmbedding`` reads the LM head's packed copy: an id outside the vocabulary is an
+    ``IndexError`` naming the range (checked in the kernel, before it reads), like
+    ``nn.Embedding``'s."""
+    if not linear_cpu.available():
+        pytest.skip("the packed kernel is off here")
+    emb = nn.Embedding(50, 16)
+    model = nn.ModuleDict(dict(embed=emb, head=nn.Linear(16, 50, bias=False)))
+    model["head"].weight = emb.weight
+    linear_cpu.pack_linears(model)
+    assert isinstance(model["embed"], linear_cpu.PackedEmbedding)
+    ids = torch.tensor([[0, 7, 49]])
+    assert torch.equal(model["embed"](ids), emb.weight.detach()[ids])
+    for bad in (50, -1):
+        with pytest.raises(IndexError, match=r"\[0, 50\)"):
+            model["embed"](torch.tensor([3, bad]))

@@ -51,8 +51,8 @@ def _lib(isa: str) -> Optional[ctypes.CDLL]:
     lib.ringkv_linear_packed_floats.argtypes = [ctypes.c_int64] * 2
     lib.ringkv_linear_pack_f32.restype = None
     lib.ringkv_linear_pack_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    lib.ringkv_linear_rows_f32.restype = None
-    lib.ringkv_linear_rows_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    lib.ringkv_linear_rows_f32.restype = ctypes.c_int
+    lib.ringkv_linear_rows_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.ringkv_linear_f32.restype = None
     lib.ringkv_linear_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.nr = lib.ringkv_linear_nr()  # the build's panel width, read once
@@ -196,10 +196,10 @@ def _packed_rows(ids: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> tor
     flat = ids.reshape(-1).contiguous()  # (T,)
     if packed.numel() != _floats(lib, n, k) or flat.dtype != torch.long:
         raise ValueError(f"packed_rows: {packed.numel()} packed floats, {flat.dtype} ids")
-    if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < n):
-        raise IndexError(f"token ids must be in [0, {n}), got {flat.tolist()[:8]}...")
     out = torch.empty(flat.numel(), k, dtype=torch.float32)  # (T, k)
-    lib.ringkv_linear_rows_f32(packed.data_ptr(), flat.data_ptr(), out.data_ptr(), flat.numel(), k)
+    t = flat.numel()
+    if lib.ringkv_linear_rows_f32(packed.data_ptr(), flat.data_ptr(), out.data_ptr(), t, n, k):
+        raise IndexError(f"token ids must be in [0, {n}), got {flat.tolist()[:8]}...")
     return out.view(*ids.shape, k)
 
 

@@ -54,13 +54,17 @@ void ringkv_linear_pack_f32(const float *w, float *wp, int64_t n, int64_t k) {
             }
 }
 
-/* rows ids[0..t) of w, read back from its packed copy (a tied embedding's lookup): out (t, k) */
-void ringkv_linear_rows_f32(const float *wp, const int64_t *ids, float *out, int64_t t, int64_t k) {
+/* rows ids[0..t) of the (n, k) w, read back from its packed copy (a tied embedding's lookup):
+ * out (t, k). Returns 0, or 1 (nothing written) when an id is outside [0, n). */
+int ringkv_linear_rows_f32(const float *wp, const int64_t *ids, float *out, int64_t t, int64_t n, int64_t k) {
+    for (int64_t i = 0; i < t; i++)
+        if (ids[i] < 0 || ids[i] >= n) return 1;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < t; i++) {
         const float *col = wp + ids[i] / NR * k * NR + ids[i] % NR;
         for (int64_t kk = 0; kk < k; kk++) out[i * k + kk] = col[kk * NR];
     }
+    return 0;
 }
 
 /* rows m0..m0+mr of one panel, k steps k0..k1; sums start from sav (or 0 when first) and go back

@@ -10,6 +10,8 @@ that this process acts on the hosts between its steps). One set-up for the modul
   takes migrations again;
 - the link of a stream's host taken down (the host silent, not dead): the stream completes on
   the other host;
+- a request routed to a host whose link has just gone down (the polls have not seen it yet):
+  it completes on the other host once they do, not when the link comes back;
 - a host whose processes are all killed mid-stream: every stream completes on the survivor.
 
 Every stream's tokens equal the single-process engine's greedy tokens (the router's
@@ -42,6 +44,7 @@ KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 16 * 4  # K and V x 4 layers x 2 KV heads x hea
 # prompts (token ids): two long shared prefixes, and the streams' prompts
 P1 = [(7 * i + 3) % 90 + 5 for i in range(64)]
 P2 = [(11 * i + 5) % 90 + 5 for i in range(64)]
+P3 = [(17 * i + 7) % 90 + 5 for i in range(64)]  # cached on one host only, by its own test
 
 
 def own(start: int, n: int) -> list[int]:
@@ -59,11 +62,12 @@ PROMPTS = {
     "unreach": own(4, 100) + [9],
     "back": own(6, 150) + [7],
     "cut": P2 + [120, 121],
+    "silent": P3 + [122],
 }
 SHORT, MANY = 4, 1500  # tokens of a routed completion, of a stream
 # a stream outlives (on a loaded machine too) the steps taken while it runs: 1500 tokens take
 # the tiny model about 3 s, each step here well under a second
-LENGTH = {k: SHORT if k[0] == "p" else MANY for k in PROMPTS}
+LENGTH = {k: SHORT if k[0] == "p" or k == "silent" else MANY for k in PROMPTS}
 
 
 class Client:
@@ -104,11 +108,18 @@ class Client:
         assert r["status"] == 200, r
         return {i["id"]: i for i in r["json"]["instances"]}
 
-    def wait_state(self, ids, state: str, timeout: float = 120) -> dict:
+    def wait_state(self, ids, state: str, timeout: float = 120, since=None) -> dict:
+        """Wait until every instance of ``ids`` is in ``state``; ``since`` (a ``time.time()``,
+        e.g. when a link came back): and answered a poll sent after it, so that no poll sent
+        before it (which may still fail, and mark the instance down in the next test) is in
+        flight."""
         deadline = time.monotonic() + timeout
         while True:
             inst = self.instances()
-            if all(inst[i]["state"] == state for i in ids):
+            if all(
+                inst[i]["state"] == state and (since is None or (inst[i]["last_ok"] or 0) > since)
+                for i in ids
+            ):
                 return inst
             assert time.monotonic() < deadline, f"not all of {ids} {state}: {inst}"
             time.sleep(0.3)
@@ -168,7 +179,7 @@ def reference(model) -> dict:
     from ringkv.engine import LLM, SamplingParams
 
     routed = [f"p{j}-{k}" for k in range(4) for j in (1, 2)]
-    solo = ["move", "down", "unreach", "back", "cut"]
+    solo = ["move", "down", "unreach", "back", "cut", "silent"]
     batches = [[k] for k in routed] + [[f"kill-{k}" for k in range(3)]] + [[k] for k in solo]
     want = {}
     with LLM(model, block_size=4, num_blocks=2048) as llm:
@@ -265,13 +276,14 @@ def test_a_migration_to_an_unreachable_host_fails_in_time_naming_it(cluster):
         done = client("join", name="unreach")
     finally:
         h.link(t, True)
+        back = time.time()
     assert m["status"] == 409, (m, logs_of(logs))
     error = m["json"]["error"]
     assert error["code"] == "not_migrated" and dst in error["message"], error
     assert m["seconds"] < timeout + 10, m
     assert done["error"] is None and done["tokens"] == want["unreach"], done
     assert done["instance"] == s["instance"]
-    client.wait_state([dst], "up", timeout=60)
+    client.wait_state([dst], "up", timeout=60, since=back)
 
 
 def test_a_link_down_mid_migration_loses_nothing_and_comes_back(cluster):
@@ -304,6 +316,7 @@ def test_a_link_down_mid_migration_loses_nothing_and_comes_back(cluster):
     finally:
         h.link(t, True)
         h.shape("1gbit", hosts=[t])
+        back = time.time()
     assert m["status"] == 409, (m, logs_of(logs))
     error = m["json"]["error"]
     assert error["code"] == "not_migrated" and "did not move" in error["message"], error
@@ -311,7 +324,7 @@ def test_a_link_down_mid_migration_loses_nothing_and_comes_back(cluster):
     assert took < timeout + 15, took
     assert done["error"] is None and done["tokens"] == want["down"], done
     assert done["instance"] == src
-    client.wait_state([dst], "up", timeout=60)  # its polls answer again
+    client.wait_state([dst], "up", timeout=60, since=back)  # its polls answer again
     # (not P1: host 0 alone holds it, for the next test)
     r = client("complete", prompt=PROMPTS["p2-0"], max_tokens=SHORT, base=urls[t])
     assert r.get("tokens") == want["p2-0"], r
@@ -336,9 +349,33 @@ def test_a_source_whose_link_goes_down_mid_stream_loses_no_request(cluster):
         done = client("join", name="cut", timeout=90, wait=100)
     finally:
         h.link(t, True)
+        back = time.time()
     assert done["error"] is None and done["tokens"] == want["cut"], (done, logs_of(logs))
     assert done["seconds"] < 60, done
-    client.wait_state([src], "up", timeout=60)
+    client.wait_state([src], "up", timeout=60, since=back)
+
+
+def test_a_request_routed_to_a_silent_host_completes_elsewhere(cluster):
+    """P3 is cached on host 1 alone; its link goes down and at once a prompt sharing P3 comes:
+    the router sends it there (it has not seen the link go down), gets no answer, not even its
+    headers, and sends it to host 0 once the polls find host 1 down: seconds, not a wait
+    until the link comes back (before the fix, the wait for the headers had no bound)."""
+    h, client, urls, want, logs = cluster
+    r = client("complete", prompt=P3 + [123], max_tokens=SHORT, base=urls[1])
+    assert r.get("error") is None and len(r["tokens"]) == SHORT, r
+    time.sleep(1.5)  # the router reads the instances' cache events every 0.5 s
+    h.link(1, False)
+    try:
+        t0 = time.monotonic()
+        r = client("complete", prompt=PROMPTS["silent"], max_tokens=SHORT, wait=150)
+        took = time.monotonic() - t0
+    finally:
+        h.link(1, True)
+        back = time.time()
+    assert r.get("tokens") == want["silent"] and r["instance"] == "u0", (r, logs_of(logs))
+    assert took < 30, took  # the polls' time to find it down (3 x 2 s), and the prompt's
+    assert client.metric('ringkv_router_failovers_total{instance="u1"}') >= 1
+    client.wait_state(["u1"], "up", timeout=60, since=back)
 
 
 def test_a_host_killed_mid_stream_loses_no_request(cluster):

@@ -80,7 +80,8 @@ class Instance:
     max_num_seqs: int = 64
     load: dict = field(default_factory=dict)  # its own gauges: running, waiting, kv_usage, ...
     inflight: int = 0  # sub-requests this front streams from it now
-    failed_polls: int = 0
+    failed_polls: int = 0  # polls in a row it did not answer
+    last_ok: Optional[float] = None  # time.time() the last poll it answered was sent
     crashes: int = 0  # times in a row its process exited before it answered
     counters: Dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
@@ -118,6 +119,8 @@ class Instance:
             tier_blocks=self.tier_blocks(),
             tokens_per_block=self.tokens_per_block,
             counters=dict(self.counters),
+            failed_polls=self.failed_polls,
+            last_ok=self.last_ok,
         )
 
 

@@ -177,6 +177,7 @@ class Router(RoutingPolicy):
     async def poll(self, inst: Instance) -> None:
         if supervise(self, inst):  # a replica whose process exited
             return
+        sent = time.time()
         try:
             r = await self.client.get(
                 f"{inst.url}/internal/state",
@@ -209,7 +210,7 @@ class Router(RoutingPolicy):
                 self.down(inst, why)
             inst.error = why
             return
-        inst.failed_polls = 0
+        inst.failed_polls, inst.last_ok = 0, sent
         snaps = state.get("snapshots")  # a hybrid model's: {"events": [...], "full": [...]}
         if state["epoch"] != inst.epoch or state["full"] is not None:
             # [[hex, tier], ...] (an instance before the tiers: hex strings, on its device)

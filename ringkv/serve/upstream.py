@@ -217,19 +217,7 @@ class Sub:
                 extra[PULL_HEADER] = "%s %d" % attempt.pull
                 inst.counters["pull_hints"] += 1
             while True:
-                async with r.open(method, url, payload, extra) as resp:
-                    if resp.status_code >= 400:
-                        text = (await resp.aread()).decode(errors="replace")
-                        if resp.status_code == 429:
-                            raise Full(BadRequest.relayed(429, text))
-                        if resp.status_code < 500:
-                            raise BadRequest.relayed(resp.status_code, text)
-                        raise Failed(
-                            f"instance {inst.id} answered {resp.status_code}: {text[:200]}"
-                        )
-                    if not self.accepted.done():
-                        self.accepted.set_result(inst.id)
-                    await self.read_while_up(attempt, resp)
+                await self.while_up(attempt, self.stream(attempt, method, url, payload, extra))
                 if attempt.moved_to is None:
                     return
                 target = r.by_id.get(attempt.moved_to)
@@ -249,12 +237,28 @@ class Sub:
             inst.inflight -= 1
             attempt.live = False
 
-    async def read_while_up(self, attempt: Attempt, resp) -> None:
-        """``read``, given up (``Failed``) once the polls find its instance down: a host whose
-        link went down sends nothing, not even a reset, and a read without a timeout (a stream
-        may rightly be silent for long) would wait for it forever."""
+    async def stream(self, attempt: Attempt, method: str, url: str, payload, extra: dict) -> None:
+        """Open the attempt's stream at its instance and ``read`` it to its end."""
         inst = attempt.instance
-        reading = asyncio.ensure_future(self.read(attempt, resp))
+        async with self.router.open(method, url, payload, extra) as resp:
+            if resp.status_code >= 400:
+                text = (await resp.aread()).decode(errors="replace")
+                if resp.status_code == 429:
+                    raise Full(BadRequest.relayed(429, text))
+                if resp.status_code < 500:
+                    raise BadRequest.relayed(resp.status_code, text)
+                raise Failed(f"instance {inst.id} answered {resp.status_code}: {text[:200]}")
+            if not self.accepted.done():
+                self.accepted.set_result(inst.id)
+            await self.read(attempt, resp)
+
+    async def while_up(self, attempt: Attempt, work) -> None:
+        """Await ``work`` (the attempt's ``stream``), given up (``Failed``) once the polls find
+        its instance down: a host whose link went down sends nothing, not even a reset, and
+        neither the wait for its answer's headers nor a read has a timeout (a stream may
+        rightly be silent for long): either would wait for it until its link came back."""
+        inst = attempt.instance
+        reading = asyncio.ensure_future(work)
         try:
             while True:
                 done, _ = await asyncio.wait({reading}, timeout=POLL_S)

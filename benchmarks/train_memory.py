@@ -107,8 +107,9 @@ def _libc():
 def _fix_malloc() -> bool:
     """Large frees go back to the OS at once (a fixed mmap threshold stops glibc from raising
     it)."""
-    libc = _libc()
-    return bool(libc and libc.mallopt(-3, 128 * 1024))  # M_MMAP_THRESHOLD
+    from ringkv.parallel.worker import M_MMAP_THRESHOLD, mallopt
+
+    return mallopt(M_MMAP_THRESHOLD, 128 * 1024)
 
 
 def _trim() -> None:

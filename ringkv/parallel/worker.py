@@ -149,15 +149,20 @@ def keep_heap() -> bool:
     glibc and with ``RINGKV_KEEP_HEAP=0``. Returns whether it is on."""
     if os.environ.get(HEAP_SWITCH) == "0":
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # glibc's (this process's C library)
-    except (OSError, AttributeError):  # no mallopt: not glibc
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # the threshold first: setting the trim alone would stop glibc's adjustment of the threshold
     # where it stands (128 KiB in a fresh process: every large block mmapped)
     threshold = mallopt(M_MMAP_THRESHOLD, 256 << 20) or mallopt(M_MMAP_THRESHOLD, 32 << 20)
-    return bool(threshold and mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    return threshold and mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+def mallopt(param: int, value: int) -> bool:
+    """glibc's ``mallopt(param, value)`` in this process: whether it took it (False off glibc)."""
+    try:
+        fn = ctypes.CDLL(None).mallopt  # this process's C library
+    except (OSError, AttributeError):  # no mallopt: not glibc
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(fn(param, value))
 
 
 @dataclass

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringkv import kernels as K
-from ringkv.kernels import cpu_flash, linear_cpu, native, paged, paged_cpu, reference
+from ringkv.kernels import cpu_flash, linear_cpu, native, paged, paged_cpu, pointwise, reference
 from ringkv.kernels.mask import BAND, FULL, OFFSET, Mask
 from ringkv.kernels.paged_base import LayerCache, paged_attention_reference, query_limits
 from tests.checks import assert_close
@@ -39,8 +39,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 NAMED = ("x86-64-v4", "x86-64-v3", "generic")
-KERNELS = ("flash_attention", "linear", "paged_attention")
-SWITCHES = ("RINGKV_NATIVE_FLASH", "RINGKV_NATIVE_LINEAR", "RINGKV_NATIVE_PAGED")
+KERNELS = ("flash_attention", "linear", "paged_attention", "pointwise")
+SWITCHES = (
+    "RINGKV_NATIVE_FLASH",
+    "RINGKV_NATIVE_LINEAR",
+    "RINGKV_NATIVE_PAGED",
+    "RINGKV_NATIVE_POINTWISE",
+)
+MODULES = (cpu_flash, linear_cpu, paged_cpu, pointwise)  # each kernel's module, as KERNELS
 TILES = {
     "x86-64-v4": "avx512",
     "x86-64-v3": "avx2",
@@ -124,7 +130,7 @@ def test_each_target_builds_its_own_tiles(isa):
         assert b.tiles.startswith(TILES[isa] + ":"), (name, b.tiles)
         paths.add(b.path)
         assert native.build(name, "native").path != b.path  # the flags are in the key
-    assert len(paths) == 3
+    assert len(paths) == len(KERNELS)
     assert linear_cpu.nr(isa) == NR[isa]
     assert linear_cpu.packed_floats(NR[isa] + 1, 10, isa=isa) == 2 * NR[isa] * 10
     assert linear_cpu.pack(torch.randn(NR[isa] + 1, 10), isa=isa).numel() == 2 * NR[isa] * 10
@@ -284,7 +290,7 @@ def test_paged_matches_float64_on_every_target(isa, d, nq, g, spread, lens, caus
 def _forget():
     """This process's builds, libraries and verdicts forgotten (as in a new process)."""
     native._build.cache_clear()
-    for m in (cpu_flash, linear_cpu, paged_cpu):
+    for m in MODULES:
         for f in (m._lib, m._default, m.status):
             f.cache_clear()
 
@@ -324,7 +330,7 @@ class Timings:
 def test_self_check_runs_once_is_cached_beside_the_build_and_read_back(fresh, monkeypatch):
     timings = Timings(0.001, 0.002)
     monkeypatch.setattr(native, "measure", timings)
-    for m in (cpu_flash, linear_cpu, paged_cpu):
+    for m in MODULES:
         s = m.status()
         assert (s["on"], s["by"], s["why"], s["kernel_us"], s["torch_us"]) == (
             True,
@@ -334,7 +340,7 @@ def test_self_check_runs_once_is_cached_beside_the_build_and_read_back(fresh, mo
             2000.0,
         )
         assert s["isa"] == native.default_isa() and s["tiles"] and s["call"]
-    assert timings.calls == 3
+    assert timings.calls == len(MODULES)
     files = sorted(fresh.glob("*.json"))
     assert [f.name.rsplit("-", 1)[0] for f in files] == sorted(KERNELS)
     for f in files:
@@ -342,10 +348,8 @@ def test_self_check_runs_once_is_cached_beside_the_build_and_read_back(fresh, mo
         (entry,) = json.loads(f.read_text()).values()  # one per torch version and thread count
         assert (entry["on"], entry["kernel_us"], entry["torch_us"]) == (True, 1000.0, 2000.0)
     _forget()  # a new process: reads the verdicts, times nothing
-    assert [m.status()["by"] for m in (cpu_flash, linear_cpu, paged_cpu)] == [
-        "self-check (cached)"
-    ] * 3
-    assert timings.calls == 3
+    assert [m.status()["by"] for m in MODULES] == ["self-check (cached)"] * len(MODULES)
+    assert timings.calls == len(MODULES)
     d = K.describe("cpu", torch.float32)
     json.dumps(d)
     assert set(d["native"]) == {
@@ -434,7 +438,7 @@ def test_the_switches_bypass_the_self_check(fresh, monkeypatch):
     monkeypatch.setattr(native, "measure", never)
     for switch in SWITCHES:
         monkeypatch.setenv(switch, "1")
-    for m, switch in zip((cpu_flash, linear_cpu, paged_cpu), SWITCHES):
+    for m, switch in zip(MODULES, SWITCHES):
         s = m.status()
         assert (s["on"], s["by"], s["kernel_us"], s["torch_us"]) == (
             True,
@@ -446,7 +450,7 @@ def test_the_switches_bypass_the_self_check(fresh, monkeypatch):
     _forget()
     for switch in SWITCHES:
         monkeypatch.setenv(switch, "0")
-    for m, switch in zip((cpu_flash, linear_cpu, paged_cpu), SWITCHES):
+    for m, switch in zip(MODULES, SWITCHES):
         s = m.status()
         assert (s["on"], s["by"], s["why"]) == (False, f"{switch}=0", f"off: {switch}=0")
         assert m.library() is None

@@ -417,7 +417,7 @@ def _auto_table(q: torch.Tensor, order) -> tuple:
 
 def _native() -> dict:
     """Each C kernel's verdict (``native.self_check``), by kernel name."""
-    from . import linear_cpu, paged_cpu
+    from . import linear_cpu, paged_cpu, pointwise
 
     return {
         s["kernel"]: s
@@ -426,6 +426,7 @@ def _native() -> dict:
             cpu_flash.status("full"),
             linear_cpu.status(),
             paged_cpu.status(),
+            pointwise.status(),
         )
     }
 

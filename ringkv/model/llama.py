@@ -30,8 +30,9 @@ from torch import nn
 
 from ..kernels import attention
 from ..kernels.mask import NO_WINDOW
+from ..kernels.pointwise import rms_norm, rope, silu_mul
 from .config import ModelConfig
-from .rope import Rotary, apply_rotary, rope_index
+from .rope import Rotary, rope_index
 
 
 class DenseContext:
@@ -88,11 +89,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # fp32 statistics like HF, result cast back to the input dtype before the weight; Gemma
         # (plus_one): scaled by (1 + weight) in fp32, then cast
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.plus_one:
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.plus_one)
 
 
 class Attention(nn.Module):
@@ -132,7 +129,7 @@ class Attention(nn.Module):
             q, k = (getattr(self, n)(y) for n, y in zip(self.QK_NORMS, (q, k)))
         if self.rope is not None:
             cos, sin = cos[self.rope], sin[self.rope]
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = rope(q, k, cos, sin)
         out = ctx.attend(
             self.layer_idx, q, k, v, **self.attn_kw
         )  # (T, H, D): the one attention call site
@@ -153,8 +150,9 @@ class MLP(nn.Module):
 
     def forward(self, x):
         g = self.gate_proj(x)
-        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return self.down_proj(g * self.up_proj(x))
+        if self.gelu:
+            return self.down_proj(F.gelu(g, approximate="tanh") * self.up_proj(x))
+        return self.down_proj(silu_mul(g, self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

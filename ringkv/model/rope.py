@@ -80,13 +80,3 @@ class Rotary(torch.nn.Module):
         )
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (T, heads, D); cos/sin (T, 1, rd) with rd <= D: the first rd channels rotate, the rest pass
-    rd = cos.shape[-1]
-    if rd < x.shape[-1]:
-        return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
-    half = rd // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin

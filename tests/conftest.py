@@ -20,7 +20,12 @@ torch.set_num_threads(1)  # small test matmuls run fastest on one thread, above 
 # (ringkv/kernels/native.py), and no test may depend on such a timing verdict. Tests of the
 # self-check itself unset these (tests/test_kernel_isa.py); RINGKV_NATIVE_*=0 from outside still
 # wins.
-for _switch in ("RINGKV_NATIVE_LINEAR", "RINGKV_NATIVE_FLASH", "RINGKV_NATIVE_PAGED"):
+for _switch in (
+    "RINGKV_NATIVE_LINEAR",
+    "RINGKV_NATIVE_FLASH",
+    "RINGKV_NATIVE_PAGED",
+    "RINGKV_NATIVE_POINTWISE",
+):
     os.environ.setdefault(_switch, "1")
 # compile_decode="auto" (the engine's default) runs eager in the suite, here and in the processes
 # tests start: no engine test pays a compile or a timing check, none depends on a timing verdict.

@@ -105,8 +105,6 @@ def test_the_public_calls_run_the_kernels_without_autograd(monkeypatch):
     assert xg.grad is not None and calls == []
     with torch.no_grad():
         # layouts and shapes the kernels do not take: torch's ops (and torch's errors)
-        want = pw._torch_rms_norm(x.t(), w[:3], 1e-5, False)
-        assert torch.equal(pw.rms_norm(x.t(), w[:3], 1e-5), want)
         pw.rope(q.transpose(0, 1).contiguous().transpose(0, 1), k, cs, cs)
         pw.silu_mul(x, x[:, :1])  # broadcast
         pw.rms_norm(x.double(), w.double(), 1e-5)
@@ -118,6 +116,11 @@ def test_the_public_calls_run_the_kernels_without_autograd(monkeypatch):
         with pytest.raises(RuntimeError):
             pw.silu_mul(x, torch.randn(2, 8))
     assert calls == []
+    with torch.no_grad():  # a non-contiguous x: the norm runs on a contiguous copy
+        want = pw._torch_rms_norm(x.t(), w[:3], 1e-5, False)
+        torch.testing.assert_close(pw.rms_norm(x.t(), w[:3], 1e-5), want)
+    assert calls == ["_rms_norm"]
+    assert pw.rms_norm(torch.randn(3, 0), torch.randn(0), 1e-5).shape == (3, 0)  # torch's
 
 
 def test_a_traced_graph_gets_the_torch_ops():

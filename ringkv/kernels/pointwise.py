@@ -119,13 +119,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool =
     """``x (..., D)``, ``weight (D,)`` -> ``(..., D)``: ``weight * x / sqrt(mean(x^2) + eps)``,
     the statistics in float32 like HF's, cast back to ``x``'s dtype before the weight; Gemma
     (``plus_one``): scaled by ``1 + weight`` in float32, then cast."""
-    if (
-        x.is_contiguous()
-        and weight.shape == x.shape[-1:]
-        and weight.dtype == torch.float32
-        and runs(x)
-    ):
-        return _rms_norm(_default(), x, weight, eps, plus_one)
+    if x.numel() and weight.shape == x.shape[-1:] and weight.dtype == torch.float32 and runs(x):
+        return _rms_norm(_default(), x.contiguous(), weight, eps, plus_one)
     return _torch_rms_norm(x, weight, eps, plus_one)
 
 

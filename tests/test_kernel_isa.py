@@ -114,6 +114,23 @@ def test_flags_per_target_and_the_default_from_the_environment(monkeypatch):
         native.default_isa()
 
 
+def test_a_header_the_kernels_include_is_in_their_build_key(monkeypatch, tmp_path):
+    """Editing csrc/vexp.h builds the kernels that include it again, never loads a stale .so."""
+    src = tmp_path / "csrc"
+    shutil.copytree(native.CSRC, src)
+    monkeypatch.setattr(native, "CSRC", src)
+    monkeypatch.setenv("RINGKV_CACHE", str(tmp_path))
+    native._build.cache_clear()
+    try:
+        before = native.build("pointwise", "generic").path
+        (src / "vexp.h").write_text((src / "vexp.h").read_text() + "\n/* edited */\n")
+        native._build.cache_clear()
+        after = native.build("pointwise", "generic").path
+        assert before != after and before.exists() and after.exists()
+    finally:
+        native._build.cache_clear()
+
+
 def test_a_target_this_cpu_cannot_run_is_never_loaded(monkeypatch):
     monkeypatch.setattr(native, "supported_isas", lambda: ("generic",))
     with pytest.warns(UserWarning, match="cannot run x86-64-v4 code"):

@@ -161,7 +161,14 @@ def _build(name: str, isa: str) -> Optional[Build]:
         )
         return None
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), " ".join([cc, *fl]).encode(), _cpu_id().encode()])
+        b"\0".join(
+            [
+                source.read_bytes(),
+                *(h.read_bytes() for h in sorted(CSRC.glob("*.h"))),  # what the sources include
+                " ".join([cc, *fl]).encode(),
+                _cpu_id().encode(),
+            ]
+        )
     ).hexdigest()[:16]
     root = cache_dir()
     path = root / f"{name}-{key}.so"

@@ -15,7 +15,7 @@
  * Query head h reads K/V head h / (H / HKV). A work item is a whole sequence when there are at
  * least 2 per thread (a block is then read as one contiguous run), else one (sequence, K/V head);
  * the G * Q query rows of a K/V head share each K/V row read. Scores are kept (rows x keys), so K
- * and V are each read once and the softmax needs no rescaling; it runs 8 scores at a time (exp8),
+ * and V are each read once and the softmax needs no rescaling; it runs 8 scores at a time (vexp.h's exp),
  * and the V sums keep their row in registers (weighted_sum). A row that sees no key gets out 0,
  * lse -inf. Each row is computed by one thread in the same order whatever the items, so the
  * result does not depend on the number of threads.
@@ -76,31 +76,12 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 typedef int32_t i8 __attribute__((vector_size(32)));
 
-static inline v8 pick(i8 mask, v8 a, v8 b) { return (v8)(((i8)a & mask) | ((i8)b & ~mask)); } /* mask ? a : b */
-
-/* exp(x) for x <= 0 (a score minus its row's maximum), 8 at a time: x = n ln2 + f, |f| <= ln2 / 2,
- * exp(f) by Cephes' degree-7 polynomial (relative error ~1e-7, as expf), times 2^n built in the
- * exponent bits. Below -87.3 (where 2^n would leave the normal range) it gives exp(-87.3),
- * ~1e-38, which adds nothing next to the row maximum's 1. */
-static inline v8 exp8(v8 x) {
-    const v8 lo = (v8){0} - 87.33654f;
-    x = pick(x < lo, lo, x);
-    const v8 t = x * 1.44269504088896341f + 0.5f;
-    i8 n = __builtin_convertvector(t, i8);         /* truncates toward 0 */
-    n += (i8)(__builtin_convertvector(n, v8) > t);  /* to floor(t): -1 where it rounded up */
-    const v8 fn = __builtin_convertvector(n, v8);
-    const v8 f = x - fn * 0.693359375f - fn * -2.12194440e-4f;
-    v8 y = f * 1.9875691500e-4f + 1.3981999507e-3f;
-    y = y * f + 8.3334519073e-3f;
-    y = y * f + 4.1665795894e-2f;
-    y = y * f + 1.6666665459e-1f;
-    y = y * f + 5.0000001201e-1f;
-    y = y * f * f + f + 1.f;
-    return y * (v8)((n + 127) << 23);
-}
+#define VEXP_T v8
+#define VEXP_I i8
+#include "vexp.h"
 
 /* tanh, 8 at a time (Cephes' tanhf, relative error ~1e-7): x + x^3 P(x^2) for |x| < 0.625, else
- * sign(x) (1 - 2e / (1 + e)) with e = exp(-2|x|) (exp8: >= ~1e-38, so it saturates to +-1). */
+ * sign(x) (1 - 2e / (1 + e)) with e = exp(-2|x|) (vexp.h: >= ~1e-38, so it saturates to +-1). */
 static inline v8 tanh8(v8 x) {
     const i8 sign = (i8)x & (int32_t)0x80000000;
     const v8 ax = (v8)((i8)x & (int32_t)0x7fffffff), z = x * x;
@@ -108,9 +89,9 @@ static inline v8 tanh8(v8 x) {
     p = p * z - 5.37397155531e-2f;
     p = p * z + 1.33314422036e-1f;
     p = p * z - 3.33332819422e-1f;
-    const v8 e = exp8(ax * -2.f);
+    const v8 e = vexp(ax * -2.f);
     const v8 big = (v8)((i8)(1.f - 2.f * e / (1.f + e)) | sign);
-    return pick(ax < 0.625f, p * z * x + x, big);
+    return vpick(ax < 0.625f, p * z * x + x, big);
 }
 
 /* In place over one row of n scores x: cap * tanh(x) (soft-capping; the last partial group of 8
@@ -134,14 +115,14 @@ static inline float softmax_row(float *p, int64_t n, float *total) {
         v8 mv = *(const v8u *)p;
         for (j = 8; j + 8 <= n; j += 8) {
             const v8 t = *(const v8u *)(p + j);
-            mv = pick(t > mv, t, mv);
+            mv = vpick(t > mv, t, mv);
         }
         for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
     }
     for (; j < n; j++) m = p[j] > m ? p[j] : m;
     v8 sv = {0};
     for (j = 0; j + 8 <= n; j += 8) {
-        const v8 e = exp8(*(const v8u *)(p + j) - m);
+        const v8 e = vexp(*(const v8u *)(p + j) - m);
         *(v8u *)(p + j) = e;
         sv += e;
     }
@@ -149,7 +130,7 @@ static inline float softmax_row(float *p, int64_t n, float *total) {
     if (j < n) {  /* the last partial group, through a padded copy */
         v8 t = (v8){0} + m;
         for (int64_t l = j; l < n; l++) t[l - j] = p[l];
-        t = exp8(t - m);
+        t = vexp(t - m);
         for (int64_t l = j; l < n; l++) {
             p[l] = t[l - j];
             s += t[l - j];

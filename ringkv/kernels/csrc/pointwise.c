@@ -77,35 +77,16 @@ void ringkv_rope_f32(const float *q, const float *k, const float *cos, const flo
     }
 }
 
-static inline vec pick(ivec mask, vec a, vec b) { return (vec)(((ivec)a & mask) | ((ivec)b & ~mask)); } /* mask ? a : b */
-
-/* exp(x), VL at a time: x clamped to [-87.3, 88] (the normal range of the result), x = n ln2 + f
- * with |f| <= ln2 / 2, exp(f) by Cephes' degree-7 polynomial (relative error ~1e-7, as expf), times
- * 2^n built in the exponent bits. */
-static inline vec expv(vec x) {
-    const vec lo = (vec){0} - 87.33654f, hi = (vec){0} + 88.f;
-    x = pick(x < lo, lo, x);
-    x = pick(x > hi, hi, x);
-    const vec t = x * 1.44269504088896341f + 0.5f;
-    ivec n = __builtin_convertvector(t, ivec);        /* truncates toward 0 */
-    n += (ivec)(__builtin_convertvector(n, vec) > t); /* to floor(t): -1 where it rounded up */
-    const vec fn = __builtin_convertvector(n, vec);
-    const vec f = x - fn * 0.693359375f - fn * -2.12194440e-4f;
-    vec y = f * 1.9875691500e-4f + 1.3981999507e-3f;
-    y = y * f + 8.3334519073e-3f;
-    y = y * f + 4.1665795894e-2f;
-    y = y * f + 1.6666665459e-1f;
-    y = y * f + 5.0000001201e-1f;
-    y = y * f * f + f + 1.f;
-    return y * (vec)((n + 127) << 23);
-}
+#define VEXP_T vec
+#define VEXP_I ivec
+#include "vexp.h"
 
 void ringkv_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) {
     const int64_t nv = n / VL;
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
     for (int64_t b = 0; b < nv; b++) {
         const vec x = *(const vecu *)(g + b * VL);
-        *(vecu *)(out + b * VL) = x / (1.f + expv(-x)) * *(const vecu *)(u + b * VL);
+        *(vecu *)(out + b * VL) = x / (1.f + vexp(-x)) * *(const vecu *)(u + b * VL);
     }
     if (nv * VL < n) { /* the tail through a padded vector */
         vec x = {0}, y = {0};
@@ -113,7 +94,7 @@ void ringkv_silu_mul_f32(const float *g, const float *u, float *out, int64_t n) 
             x[j - nv * VL] = g[j];
             y[j - nv * VL] = u[j];
         }
-        const vec r = x / (1.f + expv(-x)) * y;
+        const vec r = x / (1.f + vexp(-x)) * y;
         for (int64_t j = nv * VL; j < n; j++) out[j] = r[j - nv * VL];
     }
 }

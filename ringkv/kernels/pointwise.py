@@ -80,7 +80,7 @@ def _timed_call(isa: str):
         ),
         lambda: run(
             _torch_rms_norm,
-            lambda q, k, c, s: (rotate_half(q, c, s), rotate_half(k, c, s)),
+            _torch_rope,
             _torch_silu_mul,
         ),
         "one layer's norms, RoPE and SiLU x up at 16 rows (SmolLM2's shapes)",
@@ -173,6 +173,10 @@ def rope(q, k, cos, sin) -> Tuple[torch.Tensor, torch.Tensor]:
         and runs(q)
     ):
         return _rope(_default(), q, k, cos, sin)
+    return _torch_rope(q, k, cos, sin)
+
+
+def _torch_rope(q, k, cos, sin):
     return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
 
 

@@ -149,10 +149,8 @@ class MLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x):
-        g = self.gate_proj(x)
-        if self.gelu:
-            return self.down_proj(F.gelu(g, approximate="tanh") * self.up_proj(x))
-        return self.down_proj(silu_mul(g, self.up_proj(x)))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.gelu(g, approximate="tanh") * u if self.gelu else silu_mul(g, u))
 
 
 class DecoderLayer(nn.Module):

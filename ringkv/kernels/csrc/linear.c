@@ -67,13 +67,30 @@ int ringkv_linear_rows_f32(const float *wp, const int64_t *ids, float *out, int6
     return 0;
 }
 
+/* The next panel's prefetch while a panel computes. A decode step's single row group, when a line
+ * per k step would be too fast (`spread`: AVX2's 6-row tiles, or more than two tiles), asks for the
+ * lines evenly over the panel's k steps: a line each time `credit` reaches `line`, each k step of a
+ * tile adding `rate` (measured at 16 rows of SmolLM2's shapes on an Intel Xeon, 2 threads, AVX2:
+ * 29-31 -> 24.5-27 ms; a line every k step asked for the panel in its first third, and the FMAs
+ * then waited on memory). Otherwise a line (two when a step reads 128 bytes) every k step from the
+ * start: a prefill's groups are compute-bound, and the per-step count cost them 4-10%. */
+struct pf {
+    const char *at, *end; /* the next line to ask for, the next panel's end (at == end: done) */
+    int64_t credit, rate, line;
+    int spread, two;
+};
+
 /* rows m0..m0+mr of one panel, k steps k0..k1; sums start from sav (or 0 when first) and go back
- * to sav (or to y when last); prefetches pfstep bytes of pf per k */
+ * to sav (or to y when last), prefetching the next panel on the way (pf) */
 static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, int64_t k,
                                                        int64_t k0, int64_t k1, vec *sav, int first, int last,
-                                                       int64_t n, int64_t ncols, const int mr, const char *pf,
-                                                       int64_t pfstep) {
+                                                       int64_t n, int64_t ncols, const int mr, struct pf *pf,
+                                                       const int spread) {
     vec a0[MR], a1[MR];
+    const char *at = pf->at, *const end = pf->end; /* kept in registers over the k loop */
+    int64_t credit = pf->credit;
+    const int64_t rate = pf->rate, line = pf->line;
+    const int two = pf->two, ask = at < end; /* a prefill's tile asks from its first step while lines remain */
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
         if (first) a0[i] = a1[i] = (vec){0};
@@ -81,9 +98,17 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
     }
     for (int64_t kk = k0; kk < k1; kk++) {
         const vec w0 = *(const vec *)(w + kk * NR), w1 = *(const vec *)(w + kk * NR + VL);
-        if (pf) {
-            __builtin_prefetch(pf + (kk - k0) * pfstep, 0, 2);
-            if (pfstep > 64) __builtin_prefetch(pf + (kk - k0) * pfstep + 64, 0, 2);
+        if (spread) {
+            credit += rate;
+            while (credit >= line && at < end) {
+                __builtin_prefetch(at, 0, 2);
+                at += 64;
+                credit -= line;
+            }
+        } else if (ask) {
+            __builtin_prefetch(at, 0, 2);
+            if (two) __builtin_prefetch(at + 64, 0, 2);
+            at += two ? 128 : 64;
         }
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++)
@@ -93,6 +118,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
                 a1[i] += xv * w1;
             }
     }
+    pf->at = at;
+    pf->credit = credit;
     if (!last) {
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++)
@@ -117,7 +144,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
 
 #define TILE(R) \
     case R: \
-        if (R <= MR) tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, R, pf, pfstep); \
+        if (R <= MR && pf.spread) tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, R, &pf, 1); \
+        else if (R <= MR) tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, R, &pf, 0); \
         break;
 
 /* The work is (panel, row group) pairs. A decode step's few rows are one group, so the threads
@@ -135,16 +163,15 @@ void ringkv_linear_f32(const float *x, const float *wp, float *y, int64_t m, int
         const float *w = wp + p * k * NR;
         const int64_t ncols = n - p * NR < NR ? n - p * NR : NR;
         const char *next = p + 1 < panels ? (const char *)(w + k * NR) : 0;
-        /* bytes of the next panel to prefetch per k step: its lines spread over this group's tiles */
-        const int64_t pfstep = ((bytes + (t1 - t0) * k - 1) / ((t1 - t0) * k) + 63) / 64 * 64;
+        const int64_t steps = (t1 - t0) * k; /* this job's k steps, all tiles */
+        struct pf pf = {next, next ? next + bytes : 0, 0, bytes, 64 * steps, /* spread, two: */
+                        groups == 1 && bytes < 64 * steps, bytes > 64 * steps};
         vec sav[2 * MR * MAX_TILES]; /* each tile's sums between chunks */
-        int64_t done = 0;            /* bytes of the next panel prefetched so far */
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t k0 = c * KC, k1 = k0 + KC < k ? k0 + KC : k;
             const int first = c == 0, last = c == chunks - 1;
-            for (int64_t t = t0; t < t1; t++, done += (k1 - k0) * pfstep) {
+            for (int64_t t = t0; t < t1; t++) {
                 const int64_t m0 = t * MR, mr = m - m0 < MR ? m - m0 : MR;
-                const char *pf = next && done < bytes ? next + done : 0;
                 const float *xm = x + m0 * k;
                 float *ym = y + m0 * n + p * NR;
                 vec *sv = sav + 2 * MR * (t - t0);

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringkv.cache.kv_cache import KVCache
 from ringkv.kernels import attention, native, paged, paged_cpu, quant
 from ringkv.kernels.paged import paged_attention, paged_attention_reference
 from tests.checks import assert_close
@@ -374,6 +375,41 @@ def test_cpu_kernel_checks_blocks_and_ignores_the_thread_count():
             paged_attention(q, kc, vc, forged, lens, backend="cpu")
     with pytest.raises(ValueError, match="capacity"):
         paged_attention(q, kc, vc, table, lens + 1, backend="cpu")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    hkv=st.integers(1, 4),
+    d=st.sampled_from([8, 24, 64]),
+    t=st.integers(0, 20),
+    seed=st.integers(0, 2**16),
+)
+def test_cache_write_in_c_is_index_copy(hkv, d, t, seed):
+    """``KVCache.write`` of a float32 CPU cache (one C call, ``paged_cpu.write``) stores what
+    torch's ``index_copy_`` stores; a slot outside the cache is an IndexError before anything is
+    written; what the kernel does not take (float64 rows) goes through torch, the same."""
+    if paged_cpu.library() is None:
+        pytest.skip("the kernel did not build here")
+    g = torch.Generator().manual_seed(seed)
+    kv = KVCache(2, hkv, d, block_size=4, num_blocks=8)
+    kv.data.copy_(torch.randn(kv.data.shape, generator=g))
+    ref = kv.data.clone()
+    slots = torch.randperm(32, generator=g)[:t]
+    k, v = (torch.randn(t, hkv, d, generator=g) for _ in range(2))
+    assert paged_cpu.write(kv.k(1).view(-1, hkv, d), kv.v(1).view(-1, hkv, d), k, v, slots)
+    for i, x in enumerate((k, v)):
+        ref[1, i].view(-1, hkv, d).index_copy_(0, slots, x)
+    assert torch.equal(kv.data, ref)
+    kv.write(0, k.double(), v.double(), slots)  # not the kernel's: torch's path
+    for i, x in enumerate((k, v)):
+        ref[0, i].view(-1, hkv, d).index_copy_(0, slots, x)
+    assert torch.equal(kv.data, ref)
+    if t:
+        forged = slots.clone()
+        forged[-1] = 32
+        with pytest.raises(IndexError, match="outside"):
+            kv.write(1, k + 1, v + 1, forged)
+        assert torch.equal(kv.data, ref)
 
 
 def spread_problem(d, nq, g, spread, lens, seed):

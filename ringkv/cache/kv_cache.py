@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from ..kernels import paged_cpu
+from ..kernels.paged_base import LayerCache
 from ..kernels.quant import SCALE_DTYPE, QuantFormat, as_bytes, bytes_per_head, quantize, rotation
 
 
@@ -60,6 +62,17 @@ class KVCache:
         )
         self.scale = torch.zeros(shape, dtype=SCALE_DTYPE, device=device) if quant else None
         self.rot = rotation(head_dim, device) if quant is not None and quant.rotate else None
+        # views made once (every layer of every step asks for them): each layer as the kernels
+        # read it, and its K and V as rows (num_blocks * block_size, Hkv, D), where writes go
+        sc = self.scale if quant else [(None, None)] * num_layers
+        self._layers = [
+            LayerCache(self.data[i, 0], self.data[i, 1], sc[i][0], sc[i][1])
+            for i in range(num_layers)
+        ]
+        self._rows = [
+            tuple(as_bytes(self.data[i]).view(2, -1, num_kv_heads, head_dim))
+            for i in range(num_layers)
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -67,26 +80,30 @@ class KVCache:
             self.scale.numel() * self.scale.element_size() if self.scale is not None else 0
         )
 
+    def layer(self, layer: int) -> LayerCache:
+        """``layer``'s K/V (and scales) as the kernels take them."""
+        return self._layers[layer]
+
     def k(self, layer: int) -> torch.Tensor:
-        return self.data[layer, 0]
+        return self._layers[layer].k
 
     def v(self, layer: int) -> torch.Tensor:
-        return self.data[layer, 1]
+        return self._layers[layer].v
 
     def k_scale(self, layer: int) -> Optional[torch.Tensor]:
-        return None if self.scale is None else self.scale[layer, 0]
+        return self._layers[layer].k_scale
 
     def v_scale(self, layer: int) -> Optional[torch.Tensor]:
-        return None if self.scale is None else self.scale[layer, 1]
+        return self._layers[layer].v_scale
 
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """k/v (T, Hkv, D) into their slots (T,) of ``layer`` (quantized on the way in)."""
-        kv = as_bytes(self.data[layer]).view(
-            2, -1, *k.shape[1:]
-        )  # (2, num_blocks * block_size, Hkv, D)
+        kv = self._rows[layer]  # K, V: (num_blocks * block_size, Hkv, D) each
         if self.quant is None:
+            if paged_cpu.write(kv[0], kv[1], k, v, slot_mapping):  # float32 on the CPU: one C call
+                return
             kv[0].index_copy_(0, slot_mapping, k.to(self.data.dtype))
             kv[1].index_copy_(0, slot_mapping, v.to(self.data.dtype))
             return

@@ -111,11 +111,6 @@ class RingSeq:
         return slice(self.row, self.row + self.m)
 
 
-def layer_cache(kv: KVCache, layer: int) -> LayerCache:
-    """``layer`` (index on this stage) of this rank's cache as the kernels take it."""
-    return LayerCache(kv.k(layer), kv.v(layer), kv.k_scale(layer), kv.v_scale(layer))
-
-
 class LocalStep:
     """Rank ``sp_rank``'s share of ``plan``: ``input_ids``/``positions`` ``(T,)`` of the tokens it
     computes, ``write_rows``/``write_slots`` of those it stores, the attention work (``fresh``,
@@ -314,7 +309,7 @@ class StepContext:
                 **dense,
             )
             out[f.rows] = o[0]
-        cache = layer_cache(kv, li)
+        cache = kv.layer(li)
         qc = self._rotate(q, kv.rot)  # cached keys live in the quantized format's rotated space
         if st.cached is not None:
             if self.sp == 1:  # this rank holds every key: no lse, no merge

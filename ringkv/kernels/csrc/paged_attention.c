@@ -295,3 +295,18 @@ int ringkv_paged_attention_f32(const float *q, const float *k, const float *v, c
     }
     return failed;
 }
+
+/* A step's new K/V rows into the paged cache: row i of k (t, width) and of v (t, vwidth) into slot
+ * slots[i] of kc (nslots, width) and vc (nslots, vwidth), where width and vwidth are HKV * D and
+ * HKV * DV floats. One call where torch makes two index_copy_s and their views. Returns 0, or 2
+ * (nothing written) when a slot lies outside [0, nslots). */
+int ringkv_paged_write_f32(const float *k, const float *v, const int64_t *slots, float *kc, float *vc, int64_t t,
+                           int64_t width, int64_t vwidth, int64_t nslots) {
+    for (int64_t i = 0; i < t; i++)
+        if (slots[i] < 0 || slots[i] >= nslots) return 2;
+    for (int64_t i = 0; i < t; i++) {
+        memcpy(kc + slots[i] * width, k + i * width, sizeof(float) * (size_t)width);
+        memcpy(vc + slots[i] * vwidth, v + i * vwidth, sizeof(float) * (size_t)vwidth);
+    }
+    return 0;
+}

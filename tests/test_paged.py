@@ -389,7 +389,9 @@ def test_cache_write_in_c_is_index_copy(hkv, d, t, seed):
     torch's ``index_copy_`` stores; a slot outside the cache is an IndexError before anything is
     written; what the kernel does not take (float64 rows) goes through torch, the same."""
     if paged_cpu.library() is None:
-        pytest.skip("the kernel did not build here")
+        pytest.skip(
+            "the kernel did not build here (test_cpu_kernel_builds_and_is_the_cpu_default says why)"
+        )
     g = torch.Generator().manual_seed(seed)
     kv = KVCache(2, hkv, d, block_size=4, num_blocks=8)
     kv.data.copy_(torch.randn(kv.data.shape, generator=g))

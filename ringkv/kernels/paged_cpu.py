@@ -171,8 +171,8 @@ def attend(
 
 
 def _run(lib, q, cache: LayerCache, table, limits, starts, scale, softcap, lse: bool):
-    """``attend`` on arguments already in the kernel's types and layouts (``CpuStep`` converts a
-    step's tables once for all its layers)."""
+    """``attend`` on arguments already in the kernel's types and layouts (``CpuStep``'s tables are
+    built so: int32 block tables, int64 limits and starts)."""
     n, nq, h, d = q.shape
     nb, bs, hkv, _ = cache.k.shape
     dv = cache.v.shape[-1]
@@ -246,8 +246,8 @@ def write(k_cache, v_cache, k, v, slots) -> bool:
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         t,
-        k[0].numel() if t else 0,
-        v[0].numel() if t else 0,
+        k_cache.stride(0),  # Hkv * D floats a row (contiguous)
+        v_cache.stride(0),
         nslots,
     )
     if err:
@@ -357,12 +357,10 @@ class CpuStep:
             positions = torch.tensor([s.start for s in members])[:, None] + torch.arange(
                 n
             )  # (N, n) global
-            group = SeqGroup.build(n, members, sp, sp_rank, device)
-            self.groups.append(  # the table and limits in the kernel's types, for every layer
+            self.groups.append(  # int32 block tables, int64 limits: the kernel's types (_run)
                 (
-                    group,
-                    group.block_table.to(torch.int32).contiguous(),  # (N, width)
-                    striped_limits(members, n, sp, sp_rank).to(torch.int64).contiguous(),
+                    SeqGroup.build(n, members, sp, sp_rank, device),
+                    striped_limits(members, n, sp, sp_rank),
                     positions,
                 )
             )  # (N, n) each
@@ -399,18 +397,15 @@ class CpuStep:
             return self._fallback.attend(q, cache, lse=lse, **self._kw(scale, softcap, window))
         if window not in self._starts:
             self._starts[window] = [
-                None if st is None else st.to(torch.int64).contiguous()
-                for st in (
-                    window_starts(pos, window, self.sp, self.sp_rank) for *_, pos in self.groups
-                )
-            ]
+                window_starts(pos, window, self.sp, self.sp_rank) for _, _, pos in self.groups
+            ]  # int64
         parts = [
             g.result(
                 *_run(
                     lib,
                     g.queries(q).contiguous(),
                     cache,
-                    table,
+                    g.block_table,
                     limits,
                     starts,
                     scale,
@@ -418,7 +413,7 @@ class CpuStep:
                     lse,
                 )
             )
-            for (g, table, limits, _), starts in zip(self.groups, self._starts[window])
+            for (g, limits, _), starts in zip(self.groups, self._starts[window])
         ]
         if self._long is None:
             return parts

@@ -77,7 +77,7 @@ int ringkv_linear_rows_f32(const float *wp, const int64_t *ids, float *out, int6
 struct pf {
     const char *at, *end; /* the next line to ask for, the next panel's end (at == end: done) */
     int64_t credit, rate, line;
-    int spread, two;
+    int two;
 };
 
 /* rows m0..m0+mr of one panel, k steps k0..k1; sums start from sav (or 0 when first) and go back
@@ -144,7 +144,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
 
 #define TILE(R) \
     case R: \
-        if (R <= MR && pf.spread) tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, R, &pf, 1); \
+        if (R <= MR && spread) tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, R, &pf, 1); \
         else if (R <= MR) tile(xm, w, ym, k, k0, k1, sv, first, last, n, ncols, R, &pf, 0); \
         break;
 
@@ -164,8 +164,8 @@ void ringkv_linear_f32(const float *x, const float *wp, float *y, int64_t m, int
         const int64_t ncols = n - p * NR < NR ? n - p * NR : NR;
         const char *next = p + 1 < panels ? (const char *)(w + k * NR) : 0;
         const int64_t steps = (t1 - t0) * k; /* this job's k steps, all tiles */
-        struct pf pf = {next, next ? next + bytes : 0, 0, bytes, 64 * steps, /* spread, two: */
-                        groups == 1 && bytes < 64 * steps, bytes > 64 * steps};
+        const int spread = groups == 1 && bytes < 64 * steps;
+        struct pf pf = {next, next ? next + bytes : 0, 0, bytes, 64 * steps, bytes > 64 * steps};
         vec sav[2 * MR * MAX_TILES]; /* each tile's sums between chunks */
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t k0 = c * KC, k1 = k0 + KC < k ? k0 + KC : k;

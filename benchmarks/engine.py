@@ -15,7 +15,10 @@ request (EOS ignored on both sides), measured in the same process one after the 
   start) is reported apart (``compile_s``) and is not in its tok/s;
 - ``--peer vllm``: vLLM's ``LLM.generate`` on the same token ids, in its own virtual environment
   (``--peer-python``; its setup: benchmarks/vllm_peer.py), with as many cores as ringkv's torch
-  threads. When it cannot run, the table says why and the other rows stand.
+  threads: built once at the start, then timed right beside ringkv's default engine on every
+  repeat (before it on every other one), so both see the machine of the same minute; the output
+  gives the speedup fastest over fastest and per repeat. When it cannot run, the table says why
+  and the other rows stand.
 
     python benchmarks/engine.py --requests 16 64 --max-tokens 64 --json results/engine.json
     python benchmarks/engine.py --device cuda --dtype bf16 --requests 16 64 \\
@@ -36,6 +39,7 @@ many); each of N ranks gets cores / N threads.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
@@ -52,7 +56,7 @@ import torch  # noqa: E402
 from benchmarks.models import load_average, machine, machine_line, write_json  # noqa: E402
 from ringkv.engine import LLM, SamplingParams  # noqa: E402
 from ringkv.model.smollm2 import smollm2_path  # noqa: E402
-from benchmarks.vllm_peer import run_in_venv  # noqa: E402
+from benchmarks.vllm_peer import Peer  # noqa: E402
 
 TEXT = (
     "The history of the river valley begins with small farming villages that grew along its banks. "
@@ -133,26 +137,37 @@ def prefix_agreement(a, b) -> float:
     return sum(common(x, y) / max(1, len(x)) for x, y in zip(a, b)) / len(a)
 
 
-def peer_row(args, path, prompts, lengths, r_out, r_dt, dtype) -> dict:
-    """vLLM on the same prompts (``--peer-python``): its tok/s, ringkv's speedup over it and the
-    greedy agreement with ringkv, or ``vllm_error``: why it did not run."""
-    job = dict(
-        model=path,
-        prompts=prompts,
-        max_tokens=lengths,
-        dtype=dtype,
-        repeats=args.repeats,
-        threads=torch.get_num_threads(),
+def start_peer(args, path, dtype) -> Peer:
+    """vLLM (``--peer-python``) built once for every run of this benchmark: the largest run's
+    requests at once, its longest prompt and output."""
+    return Peer(
+        args.peer_python,
+        dict(
+            model=path,
+            max_model_len=args.max_prompt + args.max_tokens + 16,
+            max_num_seqs=max(args.requests),
+            dtype=dtype,
+            threads=torch.get_num_threads(),
+        ),
+        args.peer_timeout,
     )
-    res = run_in_venv(args.peer_python, job, args.peer_timeout)
-    if "error" in res:
-        return dict(vllm_error=res["error"])
-    v_out, v_dt = res["tokens"], res["seconds"]
+
+
+def peer_row(peer: Peer, runs: list, r_out, r_dts: list, lengths) -> dict:
+    """vLLM's ``runs`` (one per repeat, each timed right beside ringkv's, ``r_dts``): its
+    fastest tok/s, ringkv's speedup fastest over fastest and per repeat, and the greedy
+    agreement with ringkv, or ``vllm_error``: why it did not run."""
+    errors = [r["error"] for r in runs if "error" in r]
+    if errors:
+        return dict(vllm_error=errors[0])
+    v_dt = min(r["seconds"] for r in runs)
+    v_out = runs[0]["tokens"]
     return dict(
-        vllm_version=res["version"],
+        vllm_version=peer.version,
         vllm_s=v_dt,
         vllm_tok_s=sum(lengths) / v_dt,
-        speedup_vs_vllm=v_dt / r_dt,
+        speedup_vs_vllm=v_dt / min(r_dts),
+        speedup_vs_vllm_each=[round(r["seconds"] / dt, 3) for r, dt in zip(runs, r_dts)],
         greedy_agreement_vs_vllm=agreement(r_out, v_out),
         prefix_agreement_vs_vllm=prefix_agreement(r_out, v_out),
     )
@@ -262,6 +277,10 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(path)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     dtype_name = str(dtype).replace("torch.", "")
+    # vLLM first (its engine's start would disturb ringkv's "auto" check), idle until timed
+    peer = start_peer(args, path, dtype_name) if args.peer else None
+    if peer is not None:
+        atexit.register(peer.close)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     hf.generation_config.eos_token_id = None  # the same number of tokens on both sides
     need = max(args.requests) * (args.max_prompt + args.max_tokens + 16)
@@ -317,13 +336,18 @@ def main(argv=None):
             rng.randint(max(1, args.max_tokens // 4), args.max_tokens) if mixed else args.max_tokens
             for _ in prompts
         ]
-        r_dt = h_dt = c_dt = float("inf")
-        for _ in range(args.repeats):
+        r_dts, v_runs, h_dt, c_dt = [], [], float("inf"), float("inf")
+        for i in range(args.repeats):
+            # vLLM right beside ringkv's default engine, first on every other repeat
+            if peer is not None and i % 2:
+                v_runs.append(peer.generate(prompts, lengths))
             llm.core.blocks.__init__(
                 llm.core.blocks.num_blocks, llm.core.blocks.block_size
             )  # no prefix hits from earlier runs
             r_out, dt = bench_ringkv(llm, prompts, lengths)
-            r_dt = min(r_dt, dt)
+            r_dts.append(dt)
+            if peer is not None and not i % 2:
+                v_runs.append(peer.generate(prompts, lengths))
             if compiled is not None:
                 compiled.core.blocks.__init__(
                     compiled.core.blocks.num_blocks, compiled.core.blocks.block_size
@@ -334,7 +358,7 @@ def main(argv=None):
                 c_dt = min(c_dt, dt)
             h_out, dt = bench_hf_batched(hf, tok, prompts, lengths)
             h_dt = min(h_dt, dt)
-        tokens = sum(lengths)
+        tokens, r_dt = sum(lengths), min(r_dts)
         row = dict(
             requests=n,
             output_lengths="mixed" if mixed else "fixed",
@@ -368,8 +392,8 @@ def main(argv=None):
                 steps=after["steps"] - before["steps"],
                 load=load_average(),
             )
-        if args.peer:
-            row.update(peer_row(args, path, prompts, lengths, r_out, r_dt, dtype_name))
+        if peer is not None:
+            row.update(peer_row(peer, v_runs, r_out, r_dts, lengths))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
 
@@ -417,6 +441,9 @@ def main(argv=None):
         )
     for error in dict.fromkeys(r["vllm_error"] for r in rows if "vllm_error" in r):
         print(f"vllm: not run: {error}")
+    for r in rows:
+        if "speedup_vs_vllm_each" in r:
+            print(f"{r['requests']} requests: ringkv / vLLM per repeat {r['speedup_vs_vllm_each']}")
     if compiled is not None:
         print(
             "ringkv compiled: compile (at engine start, not in tok/s) "

@@ -130,8 +130,12 @@ def test_tp3_and_pp2_equal_transformers(setup, worlds):
         assert [r["layers"] for r in llm.kv_cache_info()["per_rank"]] == [[0, 19], [19, 30]]
 
 
-# 77 rounds of notes: ~4130 tokens with the question, just past 4096 (80 rounds, ~4300 tokens,
-# crossed no boundary more and cost the quadratic prefills, here and in transformers, ~8% more)
+# The ring prefills the long prompt in chunks of CHUNK tokens: two whole chunks and a short tail,
+# the later ones over the cached prefix striped across both ranks. 40 rounds of notes: ~2100
+# tokens with the question, just past 2 * 1024. (Until this test took 1024-token chunks it had
+# the engine's default 2048 and 77 rounds, ~4130 tokens: the same three chunks, and prefills,
+# here and in transformers, of twice the tokens and four times the attention.)
+CHUNK = 1024
 LONG = " ".join(
     f"Note {i}: the {w} is {c}."
     for i, (w, c) in enumerate(
@@ -142,19 +146,19 @@ LONG = " ".join(
             ("sea", "deep"),
             ("forest", "green"),
         ]
-        * 77
+        * 40
     )
 )
 
 
 def test_sp2_long_prompt_equals_transformers(setup, worlds):
-    """A prompt of more than 4096 tokens prefilled by the ring (2048-token chunks, the later ones
+    """A prompt of more than two chunks prefilled by the ring (1024-token chunks, the later ones
     over a cached prefix striped across both ranks) and decoded with merged partials."""
     from transformers import AutoModelForCausalLM
 
     llm, _, _ = setup
     prompt = llm.tokenizer.encode(LONG + " Question: which is deep? Answer: the")
-    assert len(prompt) >= 4096
+    assert 2 * CHUNK < len(prompt) < 2 * CHUNK + 256  # three chunks, the last one short
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -174,7 +178,7 @@ def test_sp2_long_prompt_equals_transformers(setup, worlds):
         "tests.engine_cases:generate",
         2,
         smollm2_path(),
-        dict(sp=2, block_size=16, num_blocks=300),
+        dict(sp=2, block_size=16, num_blocks=300, max_num_batched_tokens=CHUNK),
         [prompt],
         GREEDY,
         1,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 
 import pytest
 import torch
@@ -120,6 +121,13 @@ def test_auto_runs_eager_when_slower_then_a_warm_start_compiles_when_faster(
         assert "not faster" in info["why"] and info["verdict"]["eager_ms"] == [2.0, 2.0]
         packages = cache / "compile" / info["key"] / "inductor" / "aoti"
         assert sorted(p.name for p in packages.iterdir()) == PACKAGES  # built, to be timed
+        layers = model.config.num_hidden_layers
+        for p in packages.iterdir():  # the packed linears run in C (csrc/linear.c's shim): only
+            src = wrapper_source(p)  # attention, one op a layer, goes back through Python
+            assert src.count(b"aoti_torch_cpu_packed_linear(") > 1
+            assert src.count(b"proxy_executor_call_function(") == (
+                0 if p.name.startswith("head") else layers
+            )
         assert tokens(llm) == want
         assert llm.rank_stats()[0]["compiled_steps"] == 0
     assert calls == [[4, 8]]
@@ -145,6 +153,12 @@ def test_auto_runs_eager_when_slower_then_a_warm_start_compiles_when_faster(
         assert llm.rank_stats()[0]["compiled_steps"] > 0
     assert calls == [[4, 8]]
     assert json.loads((key / "verdict.json").read_text())["4,8"]["compile"]
+
+
+def wrapper_source(package) -> bytes:
+    """The C++ an AOTInductor package was compiled from (its ``*wrapper.cpp``)."""
+    with zipfile.ZipFile(package) as z:
+        return b"".join(z.read(n) for n in z.namelist() if n.endswith("wrapper.cpp"))
 
 
 def replace(path, data: bytes) -> None:

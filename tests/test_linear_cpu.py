@@ -148,3 +148,63 @@ def test_tied_embedding_refuses_out_of_range_ids():
     for bad in (50, -1):
         with pytest.raises(IndexError, match=r"\[0, 50\)"):
             model["embed"](torch.tensor([3, bad]))
+
+
+def _shim_call(x, packed, n):
+    """``aoti_torch_cpu_packed_linear`` called as an AOTInductor graph calls it: on torch's C tensor
+    handles. The result tensor, or the function's error code."""
+    import ctypes
+
+    api = ctypes.pythonapi
+    api.PyCapsule_GetPointer.restype, api.PyCapsule_GetPointer.argtypes = (
+        ctypes.c_void_p,
+        [ctypes.py_object, ctypes.c_char_p],
+    )
+    api.PyCapsule_New.restype = ctypes.py_object
+    api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    assert linear_cpu.aoti_shim() is not None  # made ready: global, handed torch's C functions
+    fn = linear_cpu.library().aoti_torch_cpu_packed_linear
+    fn.restype, fn.argtypes = (
+        ctypes.c_int32,
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p],
+    )
+    handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors([x, packed])  # new references
+    out = ctypes.c_void_p()
+    err = fn(*(api.PyCapsule_GetPointer(h, None) for h in handles), n, ctypes.byref(out))
+    torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(handles)  # (released with these)
+    if err:
+        return err
+    return torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(api.PyCapsule_New(out, None, None))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=0, max_size=2),  # leading dimensions
+    m=st.integers(1, 20),
+    n=st.integers(1, 70),
+    k=st.integers(1, 80),
+    layout=st.sampled_from(["contiguous", "transposed", "sliced", "expanded"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_c_shim_of_compiled_graphs_is_the_op(shape, m, n, k, layout, seed):
+    """The op as compiled graphs call it (csrc/linear.c, ``linear_cpu.aoti_shim``): bitwise the
+    Python op's result for any input layout a graph may hand over (views gathered first)."""
+    g = torch.Generator().manual_seed(seed)
+    packed = linear_cpu.pack(torch.randn(n, k, generator=g))
+    x = {
+        "contiguous": lambda: torch.randn(*shape, m, k, generator=g),
+        "transposed": lambda: torch.randn(*shape, k, m, generator=g).transpose(-1, -2),
+        "sliced": lambda: torch.randn(*shape, m, k + 3, generator=g)[..., 1 : k + 1],
+        "expanded": lambda: torch.randn(1, k, generator=g).expand(*shape, m, k),
+    }[layout]()
+    got = _shim_call(x, packed, n)
+    want = torch.ops.ringkv.packed_linear(x, packed, n)
+    assert got.shape == (*shape, m, n) and got.is_contiguous() and torch.equal(got, want)
+
+
+def test_the_c_shim_refuses_what_it_cannot_compute():
+    packed = linear_cpu.pack(torch.randn(8, 4))
+    assert _shim_call(torch.randn(3, 4, dtype=torch.float64), packed, 8) == 1  # not float32
+    assert _shim_call(torch.randn(*[1] * 8, 4), packed, 8) == 1  # 9 dimensions
+    empty = _shim_call(torch.randn(0, 4), packed, 8)
+    assert empty.shape == (0, 8)

@@ -78,6 +78,55 @@ def _default() -> Optional[ctypes.CDLL]:
     return None if os.environ.get(SWITCH) == "0" else _lib(native.default_isa())
 
 
+# the C-ABI declaration AOTInductor calls ringkv::packed_linear by (csrc/linear.c)
+SHIM = (
+    "AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle packed, "
+    "int64_t n, AtenTensorHandle* out)"
+)
+_TORCH_C = [  # torch's C functions the shim calls, in ringkv_linear_aoti_init's order
+    "aoti_torch_get_data_ptr",
+    "aoti_torch_get_dim",
+    "aoti_torch_get_sizes",
+    "aoti_torch_get_strides",
+    "aoti_torch_get_dtype",
+    "aoti_torch_empty_strided",
+]
+
+
+_shim_build: list = []  # the build whose aoti_torch_cpu_packed_linear this process's graphs call
+
+
+def aoti_shim() -> Optional[dict]:
+    """AOTInductor's ``custom_ops_to_c_shims`` entry for ``ringkv::packed_linear``, or None where
+    the kernel is off (or torch's C functions are not found): a graph compiled with it calls this
+    process's build of the kernel directly (``aoti_torch_cpu_packed_linear``), not through Python.
+    Made ready on the first call: the build is made global (a package's reference to that symbol
+    resolves to it when the package is loaded) and handed torch's C functions. The first build
+    made global keeps the symbol, so None also where the process's build has changed since."""
+    lib = _default()
+    if lib is None:
+        return None
+    if not _shim_build:
+        try:
+            api = ctypes.CDLL(
+                os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+            )
+            fns = [ctypes.cast(getattr(api, name), ctypes.c_void_p).value for name in _TORCH_C]
+            codes = api.aoti_torch_dtype_float32, api.aoti_torch_device_type_cpu
+            glob = ctypes.CDLL(lib._name, mode=os.RTLD_GLOBAL | os.RTLD_NOW)  # the same library
+        except (OSError, AttributeError):
+            return None
+        for f in codes:
+            f.restype, f.argtypes = ctypes.c_int32, []
+        glob.ringkv_linear_aoti_init.restype = None
+        glob.ringkv_linear_aoti_init.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int32] * 2
+        glob.ringkv_linear_aoti_init(*fns, *(f() for f in codes))
+        _shim_build.append(lib._name)
+    if _shim_build[0] != lib._name:
+        return None
+    return {torch.ops.ringkv.packed_linear.default: [SHIM]}
+
+
 def _need(isa: Optional[str]) -> ctypes.CDLL:
     return native.require(library(isa), "linear_cpu", SWITCH, isa)
 

@@ -19,6 +19,7 @@
  * it). A panel's row is two vectors of VL floats; a tile keeps 2 MR accumulators, plus the
  * panel row's two vectors and one broadcast x. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -181,4 +182,76 @@ void ringkv_linear_f32(const float *x, const float *wp, float *y, int64_t m, int
             }
         }
     }
+}
+
+/* AOTInductor's direct call: the op ringkv::packed_linear(x, packed, n) as a function of torch's C
+ * ABI (torch/csrc/inductor/aoti_torch/c/shim.h), so a compiled graph (ringkv/parallel/compiled.py)
+ * calls this kernel without going through Python: measured, a 16-row SmolLM2 decode step spent
+ * ~20 ms of ~60 on the host, most of it the 211 linears' trips into Python and back. torch's C
+ * functions are handed in once by linear_cpu.aoti_shim (this file needs no torch headers). */
+typedef struct AtenTensorOpaque *AtenTensorHandle;
+typedef int32_t AOTITorchError;
+static struct {
+    AOTITorchError (*data_ptr)(AtenTensorHandle, void **);
+    AOTITorchError (*dim)(AtenTensorHandle, int64_t *);
+    AOTITorchError (*sizes)(AtenTensorHandle, int64_t **);
+    AOTITorchError (*strides)(AtenTensorHandle, int64_t **);
+    AOTITorchError (*dtype)(AtenTensorHandle, int32_t *);
+    AOTITorchError (*empty)(int64_t, const int64_t *, const int64_t *, int32_t, int32_t, int32_t, AtenTensorHandle *);
+    int32_t f32, cpu;
+} aoti;
+
+void ringkv_linear_aoti_init(void *data_ptr, void *dim, void *sizes, void *strides, void *dtype, void *empty,
+                             int32_t f32, int32_t cpu) {
+    aoti.data_ptr = data_ptr;
+    aoti.dim = dim;
+    aoti.sizes = sizes;
+    aoti.strides = strides;
+    aoti.dtype = dtype;
+    aoti.empty = empty;
+    aoti.f32 = f32;
+    aoti.cpu = cpu;
+}
+
+#define MAX_DIMS 8
+/* x (..., K) float32, any strides (a view the graph hands over is gathered into a contiguous copy
+ * first), packed by this build for an (n, K) weight -> *out (..., n) float32, new. 0, or 1 with
+ * nothing allocated: not initialised, not float32, more than MAX_DIMS dimensions, or no memory. */
+AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle packed, int64_t n,
+                                            AtenTensorHandle *out) {
+    int64_t d, *size, *stride, m = 1, shape[MAX_DIMS], contiguous[MAX_DIMS];
+    int32_t xt, wt;
+    void *xp, *wp, *yp;
+    if (!aoti.empty || aoti.dim(x, &d) || d < 1 || d > MAX_DIMS || aoti.sizes(x, &size) ||
+        aoti.strides(x, &stride) || aoti.dtype(x, &xt) || aoti.dtype(packed, &wt) || xt != aoti.f32 ||
+        wt != aoti.f32 || aoti.data_ptr(x, &xp) || aoti.data_ptr(packed, &wp))
+        return 1;
+    const int64_t k = size[d - 1];
+    int dense = 1; /* x's strides are those of a contiguous tensor (size-1 dimensions aside) */
+    for (int64_t i = d - 1, want = 1; i >= 0; want *= size[i--]) {
+        dense &= size[i] == 1 || stride[i] == want;
+        shape[i] = i == d - 1 ? n : size[i];
+        if (i < d - 1) m *= size[i];
+    }
+    for (int64_t i = d - 1, s = 1; i >= 0; s *= shape[i--]) contiguous[i] = s;
+    float *xc = 0;
+    if (!dense && m && k) { /* gather x's elements in row-major order */
+        if (!(xc = malloc(m * k * sizeof(float)))) return 1;
+        for (int64_t e = 0; e < m * k; e++) {
+            int64_t off = 0, r = e;
+            for (int64_t i = d - 1; i >= 0; i--) {
+                off += r % size[i] * stride[i];
+                r /= size[i];
+            }
+            xc[e] = ((const float *)xp)[off];
+        }
+    }
+    if (aoti.empty(d, shape, contiguous, aoti.f32, aoti.cpu, 0, out) || aoti.data_ptr(*out, &yp)) {
+        free(xc);
+        return 1;
+    }
+    if (m && n && !k) memset(yp, 0, m * n * sizeof(float)); /* a sum over nothing */
+    else if (m && n) ringkv_linear_f32(xc ? xc : xp, wp, yp, m, n, k);
+    free(xc);
+    return 0;
 }

@@ -66,6 +66,23 @@ def test_spawned_ranks_equal_transformers_and_stop_on_close(model):
         assert [o.token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want
 
 
+def test_closed_with_steps_in_flight_every_rank_exits_by_itself(model):
+    """Closed while requests run (a pp=2 pipeline keeps steps in flight): the driver takes those
+    steps' results first, so the sampler rank's result sends complete and every worker exits on
+    its own. Before, the close waited out its 10 s join and then killed them (exit code -9)."""
+    llm = LLM(model, pp=2, block_size=4, num_blocks=64)
+    for i in range(4):
+        llm.add_request(
+            [1, 2, 3 + i], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        )
+    for _ in range(6):
+        llm.step()
+    assert llm.core.peak_in_flight == 2 and llm.core.has_unfinished_requests()
+    procs = list(llm.core.cluster.procs)
+    llm.close()
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
 def test_killed_worker_is_an_error_within_the_timeout(model):
     llm = LLM(model, pp=2, block_size=4, num_blocks=64, timeout=5)
     try:

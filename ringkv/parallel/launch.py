@@ -556,6 +556,12 @@ class Cluster:
         if self.mode is ClusterMode.SPAWN and self.procs:
             try:
                 if self.control is not None and not self.broken:
+                    # the results of steps still in flight taken first: the sampler rank waits
+                    # for its result sends to complete before it exits (else close waited out the
+                    # join's 10 s, measured: a pp=2 engine closed with requests running); no
+                    # longer than that join for a rank that hangs
+                    self.control.timeout = min(self.control.timeout, timedelta(seconds=10))
+                    self._receive_pending()
                     self.control.publish({"kind": "shutdown"})
                     self.control.channel.reap(0)
             except Exception:

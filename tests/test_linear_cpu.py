@@ -206,5 +206,7 @@ def test_the_c_shim_refuses_what_it_cannot_compute():
     packed = linear_cpu.pack(torch.randn(8, 4))
     assert _shim_call(torch.randn(3, 4, dtype=torch.float64), packed, 8) == 1  # not float32
     assert _shim_call(torch.randn(*[1] * 8, 4), packed, 8) == 1  # 9 dimensions
+    assert _shim_call(torch.randn(3, 4), packed, 40) == 1  # not a (40, 4) weight's packing
+    assert _shim_call(torch.randn(3, 5), packed, 8) == 1  # nor an (8, 5) one's
     empty = _shim_call(torch.randn(0, 4), packed, 8)
     assert empty.shape == (0, 8)

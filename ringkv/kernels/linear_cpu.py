@@ -89,6 +89,7 @@ _TORCH_C = [  # torch's C functions the shim calls, in ringkv_linear_aoti_init's
     "aoti_torch_get_sizes",
     "aoti_torch_get_strides",
     "aoti_torch_get_dtype",
+    "aoti_torch_get_numel",
     "aoti_torch_empty_strided",
 ]
 
@@ -119,7 +120,7 @@ def aoti_shim() -> Optional[dict]:
         for f in codes:
             f.restype, f.argtypes = ctypes.c_int32, []
         glob.ringkv_linear_aoti_init.restype = None
-        glob.ringkv_linear_aoti_init.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int32] * 2
+        glob.ringkv_linear_aoti_init.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int32] * 2
         glob.ringkv_linear_aoti_init(*fns, *(f() for f in codes))
         _shim_build.append(lib._name)
     if _shim_build[0] != lib._name:

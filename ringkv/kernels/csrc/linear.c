@@ -197,17 +197,19 @@ static struct {
     AOTITorchError (*sizes)(AtenTensorHandle, int64_t **);
     AOTITorchError (*strides)(AtenTensorHandle, int64_t **);
     AOTITorchError (*dtype)(AtenTensorHandle, int32_t *);
+    AOTITorchError (*numel)(AtenTensorHandle, int64_t *);
     AOTITorchError (*empty)(int64_t, const int64_t *, const int64_t *, int32_t, int32_t, int32_t, AtenTensorHandle *);
     int32_t f32, cpu;
 } aoti;
 
-void ringkv_linear_aoti_init(void *data_ptr, void *dim, void *sizes, void *strides, void *dtype, void *empty,
-                             int32_t f32, int32_t cpu) {
+void ringkv_linear_aoti_init(void *data_ptr, void *dim, void *sizes, void *strides, void *dtype, void *numel,
+                             void *empty, int32_t f32, int32_t cpu) {
     aoti.data_ptr = data_ptr;
     aoti.dim = dim;
     aoti.sizes = sizes;
     aoti.strides = strides;
     aoti.dtype = dtype;
+    aoti.numel = numel;
     aoti.empty = empty;
     aoti.f32 = f32;
     aoti.cpu = cpu;
@@ -216,7 +218,8 @@ void ringkv_linear_aoti_init(void *data_ptr, void *dim, void *sizes, void *strid
 #define MAX_DIMS 8
 /* x (..., K) float32, any strides (a view the graph hands over is gathered into a contiguous copy
  * first), packed by this build for an (n, K) weight -> *out (..., n) float32, new. 0, or 1 with
- * nothing allocated: not initialised, not float32, more than MAX_DIMS dimensions, or no memory. */
+ * nothing allocated: not initialised, not float32, more than MAX_DIMS dimensions, a packed size
+ * that is not an (n, K) weight's, or no memory. */
 AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle packed, int64_t n,
                                             AtenTensorHandle *out) {
     int64_t d, *size, *stride, m = 1, shape[MAX_DIMS], contiguous[MAX_DIMS];
@@ -227,6 +230,8 @@ AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle
         wt != aoti.f32 || aoti.data_ptr(x, &xp) || aoti.data_ptr(packed, &wp))
         return 1;
     const int64_t k = size[d - 1];
+    int64_t floats;
+    if (aoti.numel(packed, &floats) || floats != ringkv_linear_packed_floats(n, k)) return 1;
     int dense = 1; /* x's strides are those of a contiguous tensor (size-1 dimensions aside) */
     for (int64_t i = d - 1, want = 1; i >= 0; want *= size[i--]) {
         dense &= size[i] == 1 || stride[i] == want;

@@ -209,14 +209,13 @@ def check_backends(p, dlse_too=False, only=None):
 # ---------------------------------------------------------------------------- tests
 
 
-def compiled_backends():
-    return set(BACKENDS) - INTERPRETED
+COMPILED = set(BACKENDS) - INTERPRETED
 
 
 @settings(max_examples=60)
 @given(problems())
 def test_backends_match_naive(p):
-    check_backends(p, only=compiled_backends())
+    check_backends(p, only=COMPILED)
 
 
 NOTHING_INTERPRETED = pytest.mark.skipif(
@@ -236,7 +235,7 @@ def test_interpreted_backends_match_naive(p):
 @settings(max_examples=25)
 @given(problems(max_s=24))
 def test_gradient_through_lse(p):
-    check_backends(p, dlse_too=True, only=compiled_backends())
+    check_backends(p, dlse_too=True, only=COMPILED)
 
 
 @NOTHING_INTERPRETED
